@@ -1,0 +1,157 @@
+"""The `memplan` command line: parse options -> specs -> library call -> report. No arithmetic."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Optional
+
+import click
+
+from memplan.errors import MemplanError
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    from memplan.units import parse_size
+
+    return None if value is None else parse_size(value)
+
+
+def plan_options(func: Callable) -> Callable:
+    """Options shared by every command that builds a plan for a model."""
+    options = [
+        click.option("--model", "model_name", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
+        click.option("--tp", type=int, help="Tensor-parallel size t."),
+        click.option("--pp", type=int, help="Pipeline-parallel size p."),
+        click.option("--dp", type=int, help="Data-parallel size d."),
+        click.option("--vpp", type=int, help="Interleaved (virtual) stages m per pipeline rank."),
+        click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
+        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
+        click.option("--recompute-num-layers", type=int,
+                     help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
+        click.option("--micro-batch", type=int, help="Micro-batch size b."),
+        click.option("--global-batch", type=int, help="Global batch (sequences per step)."),
+        click.option("--seq-len", type=int, help="Sequence length s."),
+        click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p))."),
+        click.option("--zero", type=click.IntRange(0, 3),
+                     help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
+                          "2 also gradients; 3 also weights."),
+        click.option("--distributed-optimizer", is_flag=True, default=None,
+                     help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
+        click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
+        click.option("--mem", "budget", callback=_size, metavar="SIZE",
+                     help="Memory budget per GPU, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
+
+
+def _config_from_options(opts: dict[str, Any]):
+    from memplan.presets import load_model, make_config
+
+    if not opts.get("model_name"):
+        raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`)")
+    preset = load_model(opts["model_name"])
+    zero = opts.get("zero")
+    if opts.get("distributed_optimizer"):
+        if zero not in (None, 1):
+            raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
+        zero = 1
+    config = make_config(
+        preset,
+        parallel=dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"),
+                      sp=opts.get("sp"), zero=zero),
+        training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
+                      recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers")),
+        model=dict(seq_length=opts.get("seq_len")),
+        gpus=opts.get("gpus"),
+    )
+    return preset, config
+
+
+def _gpu(opts: dict[str, Any], preset: Any):
+    from memplan.presets import load_gpu
+
+    name = opts.get("gpu_name") or (preset.gpu if preset is not None else None)
+    return load_gpu(name) if name else None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memplan")
+def cli() -> None:
+    """memplan: will this transformer training run fit in GPU memory, and where do the bytes go?"""
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def models(as_json: bool) -> None:
+    """List the model presets."""
+    from memplan.presets import load_model, model_names
+    from memplan.report import print_json, render_models
+    from memplan.states import total_params
+
+    rows = []
+    for name in model_names():
+        p = load_model(name)
+        m = p.model
+        plan = " ".join(f"{k}={v}" for k, v in {**p.parallel, **p.training}.items())
+        rows.append(dict(name=name, L=m.num_layers, h=m.hidden_size, a=m.num_attention_heads, g=m.g,
+                         s=m.seq_length, v=m.vocab_size, params=total_params(m), plan=plan))
+    if as_json:
+        print_json(rows)
+    else:
+        render_models(rows, _console())
+
+
+@cli.command()
+def gpus() -> None:
+    """List the GPU presets."""
+    from memplan.presets import gpu_names, load_gpu
+    from memplan.units import format_bytes, format_flops
+
+    for name in gpu_names():
+        g = load_gpu(name)
+        click.echo(f"{name:12s} {format_bytes(g.memory_bytes, 'GB')} ({format_bytes(g.memory_bytes, 'GiB')}), "
+                   f"{format_flops(g.peak_bf16_flops)} bf16, {g.gpus_per_node} per node")
+
+
+@cli.command()
+@plan_options
+@click.option("--paper-only", is_flag=True, help="Only the terms K22 counts (no layer-norm statistics, token ids).")
+def estimate(**opts: Any) -> None:
+    """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term."""
+    from memplan.estimate import estimate as run
+    from memplan.report import estimate_dict, print_json, render_estimate
+
+    preset, config = _config_from_options(opts)
+    result = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), paper_only=opts["paper_only"])
+    if opts["as_json"]:
+        print_json(estimate_dict(result))
+    else:
+        render_estimate(result, _console())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: bad input gives one line on stderr and exit code 2, never a traceback."""
+    try:
+        code = cli.main(args=argv, prog_name="memplan", standalone_mode=False)
+    except MemplanError as err:
+        click.echo(f"memplan: error: {err}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("memplan: aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as err:
+        click.echo(f"memplan: error: {err.format_message()}", err=True)
+        sys.exit(err.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

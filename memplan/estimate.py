@@ -1,0 +1,122 @@
+"""`estimate`: the memory of every pipeline stage of one plan, and why.
+
+specs -> inventory -> stage_memory (activations + states) -> this breakdown -> report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memplan.activations import layer_bytes, layer_poly
+from memplan.memory import PlanValues, StageMemory, stage_memory, symbol_values
+from memplan.pipeline import chunks_in_flight, interleaving_factor
+from memplan.specs import Config, GpuSpec, Recompute
+from memplan.states import total_params
+from memplan.terms import Inventory, Term, display_poly, inventory_for
+
+
+@dataclass(frozen=True)
+class TermRow:
+    """One saved tensor as the report shows it, for the most loaded stage."""
+
+    term: Term
+    symbolic: str  # bytes per layer (or per micro-batch outside the layers) on one GPU
+    bytes: int  # the same, evaluated
+    copies: int  # how many the stage holds at its peak (layers x micro-batches in flight)
+    stage_bytes: int  # bytes x copies
+    share: float  # of the stage's activation bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    config: Config
+    inventory: Inventory
+    paper_only: bool
+    stages: list[StageMemory]
+    most_loaded: int
+    per_layer_bytes: int
+    per_layer_symbolic: str
+    rows: list[TermRow]
+    total_params: int
+    budget_bytes: Optional[int] = None
+    gpu: Optional[GpuSpec] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return self.stages[self.most_loaded]
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.budget_bytes is None else bool(self.peak.total <= self.budget_bytes)
+
+    @property
+    def headroom_bytes(self) -> Optional[int]:
+        return None if self.budget_bytes is None else self.budget_bytes - self.peak.total
+
+
+def estimate(
+    config: Config,
+    budget_bytes: Optional[int] = None,
+    gpu: Optional[GpuSpec] = None,
+    paper_only: bool = False,
+) -> Estimate:
+    """Memory per GPU for every pipeline stage of `config`; the most loaded stage is the answer."""
+    inventory = inventory_for(config.model)
+    terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
+    plan = PlanValues.from_config(config)
+    stages = [stage_memory(config.model, terms, config.training, plan, i) for i in range(config.parallel.pp)]
+    most_loaded = max(range(len(stages)), key=lambda i: (stages[i].total, -i))
+    peak = stages[most_loaded]
+
+    values = symbol_values(config.model, plan)
+    act = config.training.activation_bytes
+    layer_terms = tuple(t for t in terms if t.scope == "layer")
+    per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
+    poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute), config.model)
+    if config.parallel.tp == 1:
+        poly = poly.assign("t", 1)
+
+    rows = []
+    for term in terms:
+        n = term.bytes(values, act, plan.sp)
+        stage_n = peak.term_bytes[term.id]
+        if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute)):
+            continue
+        sym = display_poly(term.split_size(act, config.parallel.sp), config.model)
+        if config.parallel.tp == 1:
+            sym = sym.assign("t", 1)
+        rows.append(TermRow(term, sym.text(), n, stage_n // n if n else 0, stage_n,
+                            stage_n / peak.activations if peak.activations else 0.0))
+
+    if budget_bytes is None and gpu is not None:
+        budget_bytes = gpu.memory_bytes
+    return Estimate(
+        config=config, inventory=inventory, paper_only=paper_only, stages=stages, most_loaded=most_loaded,
+        per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
+        rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu,
+        notes=_notes(config, peak),
+    )
+
+
+def _notes(config: Config, peak: StageMemory) -> list[str]:
+    par, tr = config.parallel, config.training
+    notes = []
+    chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
+    notes.append(
+        f"stage {peak.stage} holds {chunks} model chunk(s) of {config.layers_per_chunk} layer(s) in flight"
+        + (f" (interleaving factor 1 + (p-1)/(pm) = {interleaving_factor(par.pp, par.vpp):.4f} on stage 0)"
+           if par.vpp > 1 else "")
+    )
+    if config.num_microbatches < par.pp:
+        notes.append(
+            f"only {config.num_microbatches} micro-batch(es) per step for p={par.pp} stages: "
+            "the pipeline never fills, so fewer activations are stored (and the bubble is large)"
+        )
+    if tr.recompute == Recompute.FULL and tr.recompute_num_layers is not None:
+        notes.append(
+            f"full recompute of {tr.recompute_num_layers} of {config.layers_per_chunk} layers per model chunk "
+            "(Megatron-LM --recompute-method block)"
+        )
+    return notes

@@ -1,0 +1,111 @@
+"""Memory of one GPU of a pipeline stage: activations (from the inventory), weights,
+gradients and optimizer states.
+
+`PlanValues` holds the plan as numbers, scalars for `estimate` or numpy arrays (one element
+per candidate) for the planner; `stage_memory` is the one function both call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memplan.pipeline import chunks_in_flight, microbatches_in_flight
+from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
+from memplan.states import StateBytes, layer_params, stage_params, state_bytes
+from memplan.terms import Term
+
+
+@dataclass(frozen=True)
+class PlanValues:
+    """A parallel plan as numbers (each field a scalar or an equally shaped numpy array)."""
+
+    t: Any
+    p: Any
+    d: Any
+    m: Any
+    sp: Any  # 0 / 1
+    zero: Any  # 0..3
+    b: Any
+    recompute: Any  # Recompute codes 0 / 1 / 2
+    recomputed_layers: Any  # layers per model chunk that the recompute mode applies to
+    microbatches: Any  # M, micro-batches per step per data-parallel rank
+
+    @staticmethod
+    def from_config(config: Config) -> "PlanValues":
+        par, tr = config.parallel, config.training
+        chunk = config.layers_per_chunk
+        recomputed = tr.recompute_num_layers if tr.recompute_num_layers is not None else chunk
+        return PlanValues(
+            t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, b=tr.micro_batch,
+            recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
+        )
+
+    def take(self, index: Any) -> "PlanValues":
+        """One candidate (or a subset) of an array-valued plan."""
+        return PlanValues(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
+    """Bind the K22 symbols once: s, b, h, a, f, g, v and t."""
+    return dict(s=model.seq_length, b=plan.b, h=model.hidden_size, a=model.num_attention_heads,
+                f=model.f, g=model.g, v=model.vocab_size, t=plan.t)
+
+
+def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any) -> Any:
+    """How many copies of a saved tensor stage `stage` holds at its peak."""
+    if term.scope == "layer":
+        chunks = chunks_in_flight(stage, plan.p, plan.m, plan.microbatches)
+        recomputed = plan.recomputed_layers
+        per_chunk = recomputed * term.kept(plan.recompute) + (layers_per_chunk - recomputed) * term.kept(
+            Recompute.NONE
+        )
+        return chunks * per_chunk
+    on_stage = (stage == 0) if term.scope == "first" else (stage == plan.p - 1)
+    return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One GPU of pipeline stage `stage` (values are scalars or arrays)."""
+
+    stage: Any
+    layers: Any
+    params: Any
+    term_bytes: dict[str, Any]  # term id -> bytes on this GPU at the stage's peak
+    activations: Any
+    states: StateBytes
+
+    @property
+    def weights(self) -> Any:
+        return self.states.weights
+
+    @property
+    def gradients(self) -> Any:
+        return self.states.gradients
+
+    @property
+    def optimizer(self) -> Any:
+        return self.states.optimizer
+
+    @property
+    def total(self) -> Any:
+        return self.activations + self.states.total
+
+
+def stage_memory(
+    model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any
+) -> StageMemory:
+    values = symbol_values(model, plan)
+    layers_per_chunk = model.num_layers // (plan.p * plan.m)
+    term_bytes = {}
+    activations: Any = 0
+    for term in terms:
+        n = term.bytes(values, training.activation_bytes, plan.sp) * term_count(term, plan, layers_per_chunk, stage)
+        term_bytes[term.id] = n
+        activations = activations + n
+    layers = model.num_layers // plan.p
+    is_first, is_last = stage == 0, stage == plan.p - 1
+    params = stage_params(model, values, layers, is_first, is_last, plan.p)
+    states = state_bytes(params, training, plan.d, plan.zero, gathered_params=layer_params(model, values))
+    return StageMemory(stage, layers, params, term_bytes, activations, states)

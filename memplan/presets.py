@@ -1,0 +1,136 @@
+"""Model and GPU presets: YAML files in configs/, read as data.
+
+A model file holds `model:` (the architecture, a ModelSpec) and optionally the plan it was
+trained with (`parallel:`, `training:`) and the GPU it ran on (`gpu:`). A user's own file has the
+same shape. Unknown or mistyped keys are refused with the key and the file named.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from memplan.errors import MemplanError
+from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build
+
+
+def configs_dir() -> Path:
+    """configs/ of the checkout (or $MEMPLAN_CONFIGS)."""
+    env = os.environ.get("MEMPLAN_CONFIGS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model and the plan it comes with (dicts, merged with overrides before building)."""
+
+    model: ModelSpec
+    parallel: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+    gpu: Optional[str] = None
+    source: str = ""
+
+
+_PRESET_KEYS = {"model", "parallel", "training", "gpu"}
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise MemplanError(f"{path}:{where} is not valid YAML") from None
+    if not isinstance(data, dict):
+        raise MemplanError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def read_model_file(path: Path) -> ModelPreset:
+    data = _read_yaml(path)
+    unknown = sorted(set(data) - _PRESET_KEYS)
+    if unknown:
+        raise MemplanError(f"{path}: unknown field '{unknown[0]}' (expected {', '.join(sorted(_PRESET_KEYS))})")
+    if "model" not in data:
+        raise MemplanError(f"{path}: missing the 'model:' section")
+    model = build(ModelSpec, data["model"], where=f"{path}: model")
+    parallel = data.get("parallel") or {}
+    training = data.get("training") or {}
+    # Check the sections' keys now, so a typo names this file rather than surfacing later.
+    build(ParallelSpec, parallel, where=f"{path}: parallel")
+    build(TrainingSpec, training, where=f"{path}: training")
+    return ModelPreset(model, dict(parallel), dict(training), data.get("gpu"), str(path))
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "models").glob("*.yaml"))
+
+
+def gpu_names() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "gpus").glob("*.yaml"))
+
+
+def load_model(name_or_path: str) -> ModelPreset:
+    """A preset by name, or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise MemplanError(f"no such model file: {name_or_path}")
+        return read_model_file(path)
+    preset = configs_dir() / "models" / f"{name_or_path}.yaml"
+    if not preset.is_file():
+        raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
+    return read_model_file(preset)
+
+
+def load_gpu(name_or_path: str) -> GpuSpec:
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = configs_dir() / "gpus" / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise MemplanError(f"unknown GPU preset '{name_or_path}'; known: {', '.join(gpu_names())}")
+    return build(GpuSpec, _read_yaml(path), where=str(path))
+
+
+def make_config(
+    preset: ModelPreset,
+    parallel: Optional[dict[str, Any]] = None,
+    training: Optional[dict[str, Any]] = None,
+    model: Optional[dict[str, Any]] = None,
+    gpus: Optional[int] = None,
+) -> Config:
+    """Merge a preset's plan with overrides (None values are ignored) and check it all.
+
+    Overriding t or p resets what the preset chose only for the old shape: SP stays on only if
+    t > 1, and interleaving falls back to m = 1 when p changes and m was not given.
+    """
+    over_p = {k: v for k, v in (parallel or {}).items() if v is not None}
+    over_t = {k: v for k, v in (training or {}).items() if v is not None}
+    over_m = {k: v for k, v in (model or {}).items() if v is not None}
+    par = {**preset.parallel, **over_p}
+    if "pp" in over_p and "vpp" not in over_p:
+        par["vpp"] = 1
+    if "sp" not in over_p and par.get("tp", 1) == 1:
+        par["sp"] = False
+    if gpus is not None:
+        if gpus <= 0:
+            raise MemplanError(f"GPU count must be positive (got {gpus})")
+        tp, pp = par.get("tp", 1), par.get("pp", 1)
+        if gpus % (tp * pp):
+            raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {tp}*{pp} = {tp * pp}")
+        if "dp" in over_p and over_p["dp"] * tp * pp != gpus:
+            raise MemplanError(f"t*p*d = {tp}*{pp}*{over_p['dp']} does not equal the GPU count {gpus}")
+        par["dp"] = gpus // (tp * pp)
+    tr = {**preset.training, **over_t}
+    if "recompute" in over_t and "recompute_num_layers" not in over_t:
+        tr.pop("recompute_num_layers", None)
+    model_spec = preset.model
+    if over_m:
+        model_spec = build(ModelSpec, {**preset.model.model_dump(exclude_defaults=True), **over_m})
+    return build(Config, {"model": model_spec, "parallel": par, "training": tr})

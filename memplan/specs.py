@@ -1,0 +1,242 @@
+"""The four specs a memory estimate is made of: model, parallel plan, training, GPU.
+
+All are frozen pydantic models that reject unknown keys. Checks that involve a
+single spec live on it; checks across specs (a % t, L % (p m), ...) live on
+`Config`, the only place where the four meet. Symbols follow K22 Table 1.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from memplan.errors import MemplanError
+from memplan.units import parse_size
+
+
+class Recompute(enum.IntEnum):
+    """Activation recomputation, ordered from most memory to least (K22 section 4.1, 5)."""
+
+    NONE = 0
+    """Store every activation of every layer (K22 Eq. 1 / 2 / 4)."""
+
+    SELECTIVE = 1
+    """Recompute the attention core (QK^T, softmax, softmax dropout, attention over V) in the
+    backward pass: drops the 5as^2b term for about 2-3% more FLOPs (K22 section 5)."""
+
+    FULL = 2
+    """Store only each layer's input (2sbh) and re-run the layer's forward in the backward pass
+    (K22 section 4.1 'full activation recomputation'). With `recompute_num_layers` only that many
+    layers per model chunk are recomputed (Megatron-LM `--recompute-method block`), the rest store
+    everything."""
+
+    @classmethod
+    def parse(cls, value: "str | int | Recompute") -> "Recompute":
+        if isinstance(value, Recompute):
+            return value
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            raise ValueError(f"recompute must be one of none, selective, full (got {value!r})") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Spec):
+    """A decoder-only transformer's architecture (no weights)."""
+
+    name: str = "custom"
+    num_layers: int = Field(gt=0, description="L, transformer layers")
+    hidden_size: int = Field(gt=0, description="h")
+    num_attention_heads: int = Field(gt=0, description="a")
+    seq_length: int = Field(gt=0, description="s")
+    vocab_size: int = Field(gt=0, description="v")
+    ffn_hidden_size: Optional[int] = Field(default=None, gt=0, description="f, MLP width (default 4h)")
+    num_kv_heads: Optional[int] = Field(default=None, gt=0, description="g, key/value heads (default a)")
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    dropout: bool = True
+    tied_embeddings: bool = True
+    position_embedding: Literal["learned", "rope"] = "learned"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True
+
+    @property
+    def f(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def g(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelSpec":
+        h, a, g = self.hidden_size, self.num_attention_heads, self.g
+        if h % a:
+            raise ValueError(f"hidden size h={h} is not divisible by the attention heads a={a}")
+        if a % g:
+            raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
+        return self
+
+
+class ParallelSpec(_Spec):
+    """How the model is split over GPUs (K22 Table 1: t, p, d, m)."""
+
+    tp: int = Field(default=1, gt=0, description="t, tensor-parallel size")
+    pp: int = Field(default=1, gt=0, description="p, pipeline-parallel size")
+    dp: int = Field(default=1, gt=0, description="d, data-parallel size")
+    vpp: int = Field(default=1, gt=0, description="m, interleaved (virtual) stages per pipeline rank")
+    sp: bool = Field(default=False, description="sequence parallelism (needs t > 1)")
+    zero: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="0: none; 1: optimizer states sharded over d (Megatron-LM distributed optimizer, "
+        "ZeRO-1); 2: also gradients; 3: also weights",
+    )
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @model_validator(mode="after")
+    def _own(self) -> "ParallelSpec":
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism needs tensor parallelism (t > 1)")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("interleaved stages (vpp > 1) need pipeline parallelism (p > 1)")
+        return self
+
+
+class TrainingSpec(_Spec):
+    """Batch, recompute and the byte size of every stored number."""
+
+    micro_batch: int = Field(default=1, gt=0, description="b")
+    global_batch: Optional[int] = Field(default=None, gt=0, description="sequences per step (default b*d)")
+    recompute: Recompute = Recompute.NONE
+    recompute_num_layers: Optional[int] = Field(
+        default=None, gt=0, description="with full recompute: layers per model chunk recomputed (default all)"
+    )
+    activation_bytes: int = Field(default=2, gt=0, description="16-bit activations (K22 section 4)")
+    weight_bytes: int = Field(default=2, gt=0, description="bf16 model weights")
+    grad_bytes: int = Field(default=4, gt=0, description="fp32 main gradients (Megatron-LM bf16 training)")
+    master_weight_bytes: int = Field(default=4, ge=0, description="fp32 master copy of the weights; 0 if none")
+    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer_state_bytes: int = Field(default=4, ge=0, description="bytes of each optimizer moment")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute(cls, value: Any) -> Recompute:
+        return Recompute.parse(value)
+
+    @property
+    def optimizer_moments(self) -> int:
+        """Adam keeps two moments (m, v) per parameter; SGD with momentum keeps one."""
+        return {"adam": 2, "sgd": 1}[self.optimizer]
+
+
+class GpuSpec(_Spec):
+    """An accelerator's data-sheet figures (per GPU)."""
+
+    name: str
+    memory_bytes: int = Field(gt=0)
+    peak_bf16_flops: float = Field(gt=0, description="dense bf16 FLOP/s")
+    matmul_efficiency: float = Field(gt=0, le=1, description="achieved fraction of peak in large GEMMs")
+    gpus_per_node: int = Field(default=8, gt=0)
+    intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")
+    inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (network)")
+    source: str = ""
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("intra_node_bandwidth", "inter_node_bandwidth", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().endswith("/s"):
+            return parse_size(value.strip()[:-2])
+        return value
+
+
+class Config(_Spec):
+    """A model, a parallel plan and training settings: everything an estimate needs."""
+
+    model: ModelSpec
+    parallel: ParallelSpec = ParallelSpec()
+    training: TrainingSpec = TrainingSpec()
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers in one model chunk: L / (p m)."""
+        return self.model.num_layers // (self.parallel.pp * self.parallel.vpp)
+
+    @property
+    def global_batch(self) -> int:
+        t = self.training
+        return t.global_batch if t.global_batch is not None else t.micro_batch * self.parallel.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return self.global_batch // (self.training.micro_batch * self.parallel.dp)
+
+    @model_validator(mode="after")
+    def _across(self) -> "Config":
+        m, par, tr = self.model, self.parallel, self.training
+        a, g, t, L = m.num_attention_heads, m.g, par.tp, m.num_layers
+        if a % t:
+            raise ValueError(f"tensor-parallel size t={t} does not divide the attention heads a={a}")
+        if g % t:
+            raise ValueError(f"tensor-parallel size t={t} does not divide the key/value heads {g}")
+        if L % (par.pp * par.vpp):
+            raise ValueError(
+                f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
+            )
+        if par.sp and m.seq_length % t:
+            raise ValueError(f"sequence parallelism needs t={t} to divide the sequence length s={m.seq_length}")
+        gb, b, d = self.global_batch, tr.micro_batch, par.dp
+        if gb % (b * d):
+            raise ValueError(f"global batch {gb} is not divisible by micro-batch * data-parallel = {b}*{d}")
+        if tr.recompute_num_layers is not None:
+            if tr.recompute != Recompute.FULL:
+                raise ValueError("recompute_num_layers only applies to full recompute")
+            if tr.recompute_num_layers > self.layers_per_chunk:
+                raise ValueError(
+                    f"recompute_num_layers={tr.recompute_num_layers} exceeds the {self.layers_per_chunk} "
+                    "layers of a model chunk"
+                )
+        return self
+
+
+def describe_validation_error(err: ValidationError, where: str = "") -> str:
+    """One line from a pydantic error: the first problem, naming its field (and file)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    prefix = f"{where}: " if where else ""
+    if first["type"] == "extra_forbidden":
+        return f"{prefix}unknown field '{loc}'"
+    msg = first["msg"].removeprefix("Value error, ")
+    if loc:
+        given = first.get("input")
+        shown = f" (got {given!r})" if not isinstance(given, dict) and given is not None else ""
+        return f"{prefix}{loc}: {msg}{shown}"
+    return f"{prefix}{msg}"
+
+
+def build(cls: type[_Spec], data: dict, where: str = "") -> Any:
+    """Build a spec, turning validation errors into one-line MemplanErrors."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise MemplanError(describe_validation_error(err, where)) from None

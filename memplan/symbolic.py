@@ -1,0 +1,184 @@
+"""Polynomials in the K22 symbols (a, s, b, h, f, g, v, t, ...), exact and printable.
+
+A size such as 5as^2b or sbh(10 + 24/t) is a sum of monomials with rational
+coefficients. The same object gives the number (for Python ints or numpy int64
+arrays alike, by exact integer arithmetic) and the text K22 would print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Mapping
+
+# Display order of the symbols, as K22 writes them: "5as^2b", "34sbh", "sbhL/t".
+ORDER = ("a", "s", "b", "h", "f", "g", "v", "L", "p", "t")
+
+Monomial = tuple[tuple[str, int], ...]  # sorted (symbol, power) pairs, power != 0
+
+
+def _canon(powers: Mapping[str, int]) -> Monomial:
+    return tuple(sorted(((k, v) for k, v in powers.items() if v), key=lambda kv: _rank(kv[0])))
+
+
+def _rank(sym: str) -> tuple[int, str]:
+    return (ORDER.index(sym) if sym in ORDER else len(ORDER), sym)
+
+
+@dataclass(frozen=True)
+class Poly:
+    """A sum of monomials: {monomial: coefficient}."""
+
+    terms: tuple[tuple[Monomial, Fraction], ...]
+
+    # -- construction ---------------------------------------------------------------------
+    @staticmethod
+    def parse(text: str) -> "Poly":
+        """Parse a product such as '2 s b h', 'a s^2 b', 's b h g /a', '1/2 s b'."""
+        coef = Fraction(1)
+        powers: dict[str, int] = {}
+        for token in text.split():
+            divide = token.startswith("/")
+            token = token.lstrip("/")
+            if token[0].isdigit():
+                value = Fraction(token)
+                coef = coef / value if divide else coef * value
+                continue
+            sym, _, power = token.partition("^")
+            p = int(power) if power else 1
+            powers[sym] = powers.get(sym, 0) + (-p if divide else p)
+        return Poly(((_canon(powers), coef),)).simplified()
+
+    @staticmethod
+    def parse_sum(text: str) -> "Poly":
+        """Parse a sum of products: 's b h + s b h g /a'."""
+        total = Poly(())
+        for part in text.split("+"):
+            total = total + Poly.parse(part)
+        return total
+
+    @staticmethod
+    def const(value: int | Fraction) -> "Poly":
+        return Poly((((), Fraction(value)),)).simplified()
+
+    def simplified(self) -> "Poly":
+        acc: dict[Monomial, Fraction] = {}
+        for mono, coef in self.terms:
+            acc[mono] = acc.get(mono, Fraction(0)) + coef
+        return Poly(tuple((m, c) for m, c in acc.items() if c != 0))
+
+    # -- algebra ----------------------------------------------------------------------------
+    def __add__(self, other: "Poly") -> "Poly":
+        return Poly(self.terms + other.terms).simplified()
+
+    def __mul__(self, other: "Poly | int | Fraction") -> "Poly":
+        if not isinstance(other, Poly):
+            return Poly(tuple((m, c * Fraction(other)) for m, c in self.terms)).simplified()
+        out = []
+        for m1, c1 in self.terms:
+            for m2, c2 in other.terms:
+                powers = dict(m1)
+                for sym, p in m2:
+                    powers[sym] = powers.get(sym, 0) + p
+                out.append((_canon(powers), c1 * c2))
+        return Poly(tuple(out)).simplified()
+
+    __rmul__ = __mul__
+
+    def divide_by(self, symbol: str) -> "Poly":
+        return self * Poly.parse(f"/{symbol}")
+
+    def substitute(self, symbol: str, value: "Poly") -> "Poly":
+        """Replace a symbol that appears with non-negative powers by a polynomial."""
+        total = Poly(())
+        for mono, coef in self.terms:
+            rest = {k: v for k, v in mono if k != symbol}
+            power = dict(mono).get(symbol, 0)
+            if power < 0:
+                raise ValueError(f"cannot substitute {symbol} with a negative power")
+            piece = Poly(((_canon(rest), coef),))
+            for _ in range(power):
+                piece = piece * value
+            total = total + piece
+        return total
+
+    def assign(self, symbol: str, value: int) -> "Poly":
+        """Give one symbol a number (e.g. t = 1 when there is no tensor parallelism)."""
+        out = []
+        for mono, coef in self.terms:
+            power = dict(mono).get(symbol, 0)
+            rest = tuple((k, v) for k, v in mono if k != symbol)
+            out.append((rest, coef * Fraction(value) ** power))
+        return Poly(tuple(out)).simplified()
+
+    def rename(self, symbol: str, other: str) -> "Poly":
+        """Replace one symbol by another (e.g. g by a when a model has as many K/V heads as heads)."""
+        out = []
+        for mono, coef in self.terms:
+            powers: dict[str, int] = {}
+            for sym, p in mono:
+                key = other if sym == symbol else sym
+                powers[key] = powers.get(key, 0) + p
+            out.append((_canon(powers), coef))
+        return Poly(tuple(out)).simplified()
+
+    @property
+    def is_zero(self) -> bool:
+        return not self.terms
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, values: Mapping[str, Any]) -> Any:
+        """Exact value for ints or int64 numpy arrays (each monomial divides exactly when the
+        spec's divisibility checks hold; otherwise it is floored)."""
+        total: Any = 0
+        for mono, coef in self.terms:
+            num: Any = coef.numerator
+            den: Any = coef.denominator
+            for sym, p in mono:
+                if p > 0:
+                    num = num * values[sym] ** p
+                else:
+                    den = den * values[sym] ** (-p)
+            total = total + num // den
+        return total
+
+    # -- text -------------------------------------------------------------------------------
+    def text(self) -> str:
+        """'34sbh + 5as^2b' style text."""
+        if not self.terms:
+            return "0"
+        parts = [_mono_text(m, c) for m, c in sorted(self.terms, key=_sort_key)]
+        return " + ".join(parts).replace("+ -", "- ")
+
+    def factored(self, common: str = "s b h") -> str:
+        """'sbh(34 + 5as/h)' style text: the sum with a common monomial factored out."""
+        factor = Poly.parse(common)
+        if len(self.terms) < 2:
+            return self.text()
+        inner = self * Poly.parse(" ".join(f"/{tok}" for tok in common.split()))
+        return f"{_mono_text(factor.terms[0][0], Fraction(1))}({inner.text()})"
+
+
+def _sort_key(item: tuple[Monomial, Fraction]) -> tuple:
+    mono, coef = item
+    neg = sum(-p for _, p in mono if p < 0)
+    pos = sum(p for _, p in mono if p > 0)
+    return (pos + neg, pos, tuple(_rank(s) for s, _ in mono))
+
+
+def _sym_text(sym: str, p: int) -> str:
+    return sym if p == 1 else f"{sym}^{p}"
+
+
+def _mono_text(mono: Monomial, coef: Fraction) -> str:
+    num = "".join(_sym_text(s, p) for s, p in mono if p > 0)
+    den = "".join(_sym_text(s, -p) for s, p in mono if p < 0)
+    n, d = coef.numerator, coef.denominator
+    lead = "" if (n == 1 and num) else ("-" if (n == -1 and num) else str(n))
+    top = f"{lead}{num}" or "1"
+    if d != 1:
+        den = f"{d}{den}"
+    if not den:
+        return top
+    bottom = den if len(den) == 1 else f"({den})"
+    return f"{top}/{bottom}"
