@@ -7,6 +7,7 @@ single spec live on it; checks across specs (a % t, L % (p m), ...) live on
 
 from __future__ import annotations
 
+import difflib
 import enum
 from typing import Any, Literal, Optional
 
@@ -151,6 +152,7 @@ class GpuSpec(_Spec):
     memory_bytes: int = Field(gt=0)
     peak_bf16_flops: float = Field(gt=0, description="dense bf16 FLOP/s")
     matmul_efficiency: float = Field(gt=0, le=1, description="achieved fraction of peak in large GEMMs")
+    memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (network)")
@@ -161,7 +163,7 @@ class GpuSpec(_Spec):
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
 
-    @field_validator("intra_node_bandwidth", "inter_node_bandwidth", mode="before")
+    @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().endswith("/s"):
@@ -219,13 +221,17 @@ class Config(_Spec):
         return self
 
 
-def describe_validation_error(err: ValidationError, where: str = "") -> str:
-    """One line from a pydantic error: the first problem, naming its field (and file)."""
-    first = err.errors()[0]
+def describe_validation_error(err: ValidationError, where: str = "", known: tuple[str, ...] = ()) -> str:
+    """One line from a pydantic error: the first problem (unknown keys first), naming its field
+    (and file), with the closest known field name for a typo."""
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
     loc = ".".join(str(p) for p in first["loc"])
     prefix = f"{where}: " if where else ""
     if first["type"] == "extra_forbidden":
-        return f"{prefix}unknown field '{loc}'"
+        close = difflib.get_close_matches(str(first["loc"][-1]), known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close and len(first["loc"]) == 1 else ""
+        return f"{prefix}unknown field '{loc}'{hint}"
     msg = first["msg"].removeprefix("Value error, ")
     if loc:
         given = first.get("input")
@@ -239,4 +245,4 @@ def build(cls: type[_Spec], data: dict, where: str = "") -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise MemplanError(describe_validation_error(err, where)) from None
+        raise MemplanError(describe_validation_error(err, where, tuple(cls.model_fields))) from None
