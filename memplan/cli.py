@@ -14,7 +14,9 @@ from memplan.errors import MemplanError
 def _console():
     from rich.console import Console
 
-    return Console()
+    console = Console()
+    # Piped output (files, CI logs) gets a wide table instead of rich's 80-column default.
+    return console if console.is_terminal else Console(width=150)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
@@ -38,7 +40,7 @@ def plan_options(func: Callable) -> Callable:
         click.option("--micro-batch", type=int, help="Micro-batch size b."),
         click.option("--global-batch", type=int, help="Global batch (sequences per step)."),
         click.option("--seq-len", type=int, help="Sequence length s."),
-        click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p))."),
+        click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
         click.option("--zero", type=click.IntRange(0, 3),
                      help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
                           "2 also gradients; 3 also weights."),
@@ -135,6 +137,67 @@ def estimate(**opts: Any) -> None:
         print_json(estimate_dict(result))
     else:
         render_estimate(result, _console())
+
+
+@cli.command()
+@plan_options
+@click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans to show.")
+@click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
+@click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
+@click.option("--emit", type=click.Choice(["megatron"]), help="Print the best plan as launch arguments.")
+def search(**opts: Any) -> None:
+    """Every plan for GPUS GPUs that fits the budget, fastest first. Without --model: every preset."""
+    from memplan.planner import fixed_from, search as run, search_presets
+    from memplan.presets import load_model, model_names, search_inputs
+    from memplan.report import DelayedProgress, print_json, render_search, render_search_all, search_dict
+
+    gpus = opts.get("gpus")
+    if gpus is None:
+        raise MemplanError("--gpus is required for search")
+    if gpus <= 0:
+        raise MemplanError(f"GPU count must be positive (got {gpus})")
+    zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
+    fixed = fixed_from(
+        dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
+             zero=zero),
+        dict(micro_batch=opts.get("micro_batch"), recompute=opts.get("recompute"),
+             recompute_num_layers=opts.get("recompute_num_layers")),
+    )
+    names = [opts["model_name"]] if opts.get("model_name") else model_names()
+    presets = [load_model(name) for name in names]
+    gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
+    if gpu is None:
+        gpu = _gpu({"gpu_name": "a100-80gb"}, None)
+    budget = opts.get("budget") or gpu.memory_bytes
+    console = _console()
+    progress = DelayedProgress(console) if not opts["as_json"] else None
+    requests = [(p.model, *search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"))[1:]) for p in presets]
+    try:
+        if len(presets) == 1:
+            model, training, gb = requests[0]
+            results = [run(model, training, gpus, gb, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
+                           top=opts["top"], progress=progress)]
+        else:
+            results = search_presets(requests, gpus, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
+                                     top=opts["top"], progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if opts["as_json"]:
+        print_json(search_dict(results[0]) if len(results) == 1 else [search_dict(r) for r in results])
+    elif len(results) == 1:
+        render_search(results[0], console)
+    else:
+        render_search_all(results, console)
+    if opts.get("emit") == "megatron":
+        from memplan.launch import megatron_args
+
+        for r in results:
+            if r.top:
+                click.echo(f"# {r.model.name}: best plan as Megatron-LM arguments")
+                click.echo(" \\\n  ".join(megatron_args(r.config(r.top[0]))))
+    if opts["require_fit"] and not any(r.top for r in results):
+        sys.exit(1)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -66,7 +66,8 @@ def estimate(
     inventory = inventory_for(config.model)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
-    stages = [stage_memory(config.model, terms, config.training, plan, i) for i in range(config.parallel.pp)]
+    stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
+              for i in range(config.parallel.pp)]
     most_loaded = max(range(len(stages)), key=lambda i: (stages[i].total, -i))
     peak = stages[most_loaded]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from memplan.activations import layer_bytes
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
 from memplan.states import StateBytes, layer_params, stage_params, state_bytes
@@ -73,7 +74,8 @@ class StageMemory:
     layers: Any
     params: Any
     term_bytes: dict[str, Any]  # term id -> bytes on this GPU at the stage's peak
-    activations: Any
+    recompute_working_bytes: Any  # one layer's recomputed activations, alive during its backward
+    activations: Any  # saved terms + the recompute working set
     states: StateBytes
 
     @property
@@ -93,9 +95,23 @@ class StageMemory:
         return self.activations + self.states.total
 
 
+def recompute_working_bytes(terms: tuple[Term, ...], values: dict[str, Any], activation_bytes: int,
+                            plan: PlanValues) -> Any:
+    """What recompute re-creates for one layer during that layer's backward: the tensors the mode
+    dropped, alive on top of everything stored (K22 leaves this transient out)."""
+    layer_terms = tuple(t for t in terms if t.scope == "layer")
+    dropped = layer_bytes(layer_terms, values, activation_bytes, plan.sp, Recompute.NONE) - layer_bytes(
+        layer_terms, values, activation_bytes, plan.sp, plan.recompute
+    )
+    return dropped * (plan.recomputed_layers > 0)
+
+
 def stage_memory(
-    model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any
+    model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any,
+    working_set: bool = True,
 ) -> StageMemory:
+    """Memory of one GPU of pipeline stage `stage` at its peak (the first backward of the steady
+    state: every in-flight micro-batch stored, plus one layer being recomputed)."""
     values = symbol_values(model, plan)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     term_bytes = {}
@@ -104,8 +120,10 @@ def stage_memory(
         n = term.bytes(values, training.activation_bytes, plan.sp) * term_count(term, plan, layers_per_chunk, stage)
         term_bytes[term.id] = n
         activations = activations + n
+    working = recompute_working_bytes(terms, values, training.activation_bytes, plan) if working_set else 0
+    activations = activations + working
     layers = model.num_layers // plan.p
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, values, layers, is_first, is_last, plan.p)
     states = state_bytes(params, training, plan.d, plan.zero, gathered_params=layer_params(model, values))
-    return StageMemory(stage, layers, params, term_bytes, activations, states)
+    return StageMemory(stage, layers, params, term_bytes, working, activations, states)

@@ -98,6 +98,14 @@ def load_gpu(name_or_path: str) -> GpuSpec:
     return build(GpuSpec, _read_yaml(path), where=str(path))
 
 
+def scaled_global_batch(preset: ModelPreset, gpus: int) -> int:
+    """The preset's global batch scaled with the GPU count (same batch per model replica, as K22
+    did for 530B on 280 and 2240 GPUs); unchanged when it does not scale to a whole number."""
+    base = preset.training["global_batch"]
+    preset_gpus = preset.parallel.get("tp", 1) * preset.parallel.get("pp", 1) * preset.parallel.get("dp", 1)
+    return base * gpus // preset_gpus if (base * gpus) % preset_gpus == 0 else base
+
+
 def make_config(
     preset: ModelPreset,
     parallel: Optional[dict[str, Any]] = None,
@@ -108,7 +116,8 @@ def make_config(
     """Merge a preset's plan with overrides (None values are ignored) and check it all.
 
     Overriding t or p resets what the preset chose only for the old shape: SP stays on only if
-    t > 1, and interleaving falls back to m = 1 when p changes and m was not given.
+    t > 1, and interleaving falls back to m = 1 when p changes and m was not given. A GPU count
+    sets d = GPUs / (t p) and scales the preset's global batch with it.
     """
     over_p = {k: v for k, v in (parallel or {}).items() if v is not None}
     over_t = {k: v for k, v in (training or {}).items() if v is not None}
@@ -128,9 +137,30 @@ def make_config(
             raise MemplanError(f"t*p*d = {tp}*{pp}*{over_p['dp']} does not equal the GPU count {gpus}")
         par["dp"] = gpus // (tp * pp)
     tr = {**preset.training, **over_t}
+    if gpus is not None and "global_batch" not in over_t and "global_batch" in preset.training:
+        tr["global_batch"] = scaled_global_batch(preset, gpus)
     if "recompute" in over_t and "recompute_num_layers" not in over_t:
         tr.pop("recompute_num_layers", None)
     model_spec = preset.model
     if over_m:
         model_spec = build(ModelSpec, {**preset.model.model_dump(exclude_defaults=True), **over_m})
     return build(Config, {"model": model_spec, "parallel": par, "training": tr})
+
+
+_PLAN_KEYS = ("micro_batch", "global_batch", "recompute", "recompute_num_layers")
+
+
+def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = None,
+                  seq_length: Optional[int] = None) -> tuple[ModelSpec, TrainingSpec, int]:
+    """What `search` needs from a preset: the model, the training settings that are not searched
+    (byte sizes, optimizer) and the global batch (given, or the preset's scaled to the GPU count,
+    or one sequence per GPU)."""
+    model = preset.model
+    if seq_length is not None:
+        model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), "seq_length": seq_length})
+    training = build(TrainingSpec, {k: v for k, v in preset.training.items() if k not in _PLAN_KEYS})
+    if global_batch is None:
+        global_batch = scaled_global_batch(preset, gpus) if "global_batch" in preset.training else gpus
+    if global_batch <= 0:
+        raise MemplanError(f"global batch must be positive (got {global_batch})")
+    return model, training, global_batch

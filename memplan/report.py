@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.estimate import Estimate
+from memplan.planner import SearchResult
 from memplan.specs import Config
 from memplan.units import format_bytes, format_bytes_auto
 
@@ -46,6 +47,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         "activations": {
             "per_layer_bytes": int(est.per_layer_bytes),
             "per_layer_symbolic": est.per_layer_symbolic,
+            "recompute_working_bytes": int(peak.recompute_working_bytes),
             "terms": [
                 {
                     "id": r.term.id,
@@ -129,6 +131,9 @@ def render_estimate(est: Estimate, console: Console) -> None:
         mark = "" if r.term.in_k22 else " *"
         table.add_row(f"  {r.term.name}{mark}", r.symbolic, str(r.copies), _gb(r.stage_bytes),
                       f"{r.stage_bytes / total:.1%}", _cite(r.term.source))
+    if peak.recompute_working_bytes:
+        table.add_row("  recompute working set (one layer, transient) *", "", "1", _gb(peak.recompute_working_bytes),
+                      f"{peak.recompute_working_bytes / total:.1%}", "memplan")
     table.add_row("[bold]total[/]", "", "", f"[bold]{_gb(total)}[/]", "100.0%", "")
     console.print(table)
     if any(not r.term.in_k22 for r in est.rows):
@@ -154,3 +159,130 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
         table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
                       str(r["v"]), f"{r['params'] / 1e9:,.1f} B", r["plan"])
     console.print(table)
+
+
+def plan_text(row: dict[str, Any]) -> str:
+    """'t=8 p=35 d=8 b=1 m=3 SP sel ZeRO-1' style summary of a search row."""
+    rec = row["recompute"]
+    rec_text = {"none": "no-recompute", "selective": "selective"}.get(rec, f"full x{row['recompute_num_layers']}")
+    sp = " SP" if row["sp"] else ""
+    return (f"t={row['tp']} p={row['pp']} d={row['dp']} b={row['micro_batch']} m={row['vpp']}{sp} "
+            f"{rec_text} ZeRO-{row['zero']}")
+
+
+def _rec_cell(row: dict[str, Any], layers_per_chunk: int) -> str:
+    if row["recompute"] != "full":
+        return row["recompute"]
+    n = row["recompute_num_layers"]
+    return "full" if n == layers_per_chunk else f"full {n}/{layers_per_chunk}"
+
+
+def search_dict(result: SearchResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": result.model.name,
+        "gpus": result.gpus,
+        "global_batch": result.global_batch,
+        "budget_bytes": result.budget_bytes,
+        "gpu": result.gpu.name if result.gpu else None,
+        "candidates_evaluated": result.candidates,
+        "feasible": result.feasible,
+        "seconds": result.seconds,
+        "plans": [result.row(i) for i in result.top],
+    }
+    if result.nearest_miss is not None:
+        out["nearest_miss"] = result.row(result.nearest_miss)
+    if result.fastest_miss is not None:
+        out["fastest_over_budget"] = result.row(result.fastest_miss)
+    return out
+
+
+def render_search(result: SearchResult, console: Console) -> None:
+    m = result.model
+    where = f" {result.gpu.name}" if result.gpu else ""
+    console.print(
+        f"[bold]{m.name}[/] on {result.gpus}{where} GPUs, {_gb(result.budget_bytes)} per GPU, "
+        f"global batch {result.global_batch}: {result.candidates:,} plans evaluated in "
+        f"{result.seconds:.2f} s, {result.feasible:,} fit"
+    )
+    has_time = result.evaluated.step_time_s is not None
+    if result.top:
+        table = Table(title=f"fastest {len(result.top)} plans that fit" if has_time else "plans that fit (least memory first)")
+        for col in ("#", "t", "p", "d", "b", "m", "SP", "recompute", "ZeRO", "memory", "step time", "MFU"):
+            table.add_column(col, justify="right")
+        for rank, i in enumerate(result.top, 1):
+            row = result.row(i)
+            chunk = m.num_layers // (row["pp"] * row["vpp"])
+            table.add_row(
+                str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
+                "on" if row["sp"] else "off", _rec_cell(row, chunk), str(row["zero"]),
+                _gb(row["memory"]["total_bytes"]),
+                f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
+            )
+        console.print(table)
+    else:
+        console.print(f"[red]no plan fits in {_gb(result.budget_bytes)}[/]")
+    if result.nearest_miss is not None:
+        row = result.row(result.nearest_miss)
+        need = row["memory"]["total_bytes"]
+        console.print(f"nearest miss: {plan_text(row)} needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}")
+    if result.fastest_miss is not None and has_time:
+        row = result.row(result.fastest_miss)
+        need = row["memory"]["total_bytes"]
+        console.print(
+            f"did not fit: {result.candidates - result.feasible:,} plans; the fastest of them, {plan_text(row)} "
+            f"({row['step_time_s']:.2f} s), needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}"
+        )
+    elif result.candidates > result.feasible:
+        console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
+    for note in result.notes:
+        console.print(f"note: {note}")
+
+
+def render_search_all(results: list[SearchResult], console: Console) -> None:
+    if not results:
+        return
+    first = results[0]
+    console.print(f"every preset on {first.gpus} GPUs with {_gb(first.budget_bytes)} each:")
+    table = Table()
+    for col in ("model", "plans", "fit", "best plan", "memory", "step time", "MFU"):
+        table.add_column(col, justify="left" if col in ("model", "best plan") else "right")
+    for r in results:
+        if r.top:
+            row = r.row(r.top[0])
+            has_time = "step_time_s" in row
+            table.add_row(r.model.name, f"{r.candidates:,}", f"{r.feasible:,}", plan_text(row),
+                          _gb(row["memory"]["total_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
+                          f"{row['mfu']:.1%}" if has_time else "-")
+        else:
+            row = r.row(r.nearest_miss)
+            table.add_row(r.model.name, f"{r.candidates:,}", "[red]0[/]", f"nearest miss: {plan_text(row)}",
+                          _gb(row["memory"]["total_bytes"]), "-", "-")
+    console.print(table)
+
+
+class DelayedProgress:
+    """A progress bar that appears only once a search has run for more than `delay` seconds."""
+
+    def __init__(self, console: Console, delay: float = 1.0):
+        import time
+
+        self._time = time
+        self.console, self.delay = console, delay
+        self.start = time.perf_counter()
+        self.bar = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if self._time.perf_counter() - self.start < self.delay:
+                return
+            from rich.progress import Progress
+
+            self.bar = Progress(console=self.console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("evaluating plans", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

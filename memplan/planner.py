@@ -1,0 +1,248 @@
+"""`search`: every plan a user could launch for a model on N GPUs, evaluated as numpy arrays
+by the same functions `estimate` uses, filtered by a memory budget and ranked by step time.
+
+The space (each plan distinct and launchable with Megatron-LM):
+  t  divides a and the key/value heads, at most the GPUs of a node (or `max_tp`);
+  p  divides L; d = N / (t p) must be whole and divide the global batch;
+  b  divides the global batch / d (M = global batch / (b d) micro-batches per step);
+  m  interleaved chunks per rank, dividing L / p (m > 1 needs p > 1 and M divisible by p,
+     Megatron-LM's interleaved-schedule requirement);
+  SP on / off when t > 1;
+  recompute none, selective, or full on N = 1 .. L/(pm) layers per chunk (block method);
+  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from memplan.errors import MemplanError
+from memplan.memory import PlanValues, stage_memory
+from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec
+from memplan.terms import inventory_for
+
+FIELDS = ("t", "p", "d", "m", "sp", "zero", "b", "recompute", "recomputed_layers", "microbatches")
+
+
+def divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Dimensions the user pinned (None = search it)."""
+
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    vpp: Optional[int] = None
+    sp: Optional[bool] = None
+    recompute: Optional[Recompute] = None
+    recompute_num_layers: Optional[int] = None
+    micro_batch: Optional[int] = None
+    zero: Optional[int] = None
+
+
+def _pick(values: list[int], fixed: Optional[int]) -> list[int]:
+    return [v for v in values if fixed is None or v == fixed]
+
+
+def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fixed(),
+                    max_tp: int = 8) -> PlanValues:
+    """All valid plans as int64 arrays (one element per plan)."""
+    if gpus <= 0:
+        raise MemplanError(f"GPU count must be positive (got {gpus})")
+    a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
+    blocks: list[np.ndarray] = []
+    for t in _pick([t for t in divisors(a) if g % t == 0 and t <= max_tp], fixed.tp):
+        for p in _pick(divisors(L), fixed.pp):
+            if gpus % (t * p):
+                continue
+            d = gpus // (t * p)
+            if (fixed.dp is not None and d != fixed.dp) or global_batch % d:
+                continue
+            sps = [0] if t == 1 else [x for x in (0, 1) if x == 0 or s % t == 0]
+            if fixed.sp is not None:
+                sps = [x for x in sps if x == int(fixed.sp)]
+            zeros = _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
+            for b in _pick(divisors(global_batch // d), fixed.micro_batch):
+                M = global_batch // (d * b)
+                for m in _pick(divisors(L // p) if p > 1 else [1], fixed.vpp):
+                    if m > 1 and M % p:
+                        continue
+                    n = L // (p * m)
+                    recompute = [(Recompute.NONE, n), (Recompute.SELECTIVE, n)] + [
+                        (Recompute.FULL, k) for k in range(1, n + 1)
+                    ]
+                    if fixed.recompute is not None:
+                        recompute = [r for r in recompute if r[0] == fixed.recompute]
+                    if fixed.recompute_num_layers is not None:
+                        recompute = [r for r in recompute if r[0] == Recompute.FULL and r[1] == fixed.recompute_num_layers]
+                    if not (sps and zeros and recompute):
+                        continue
+                    inner = np.array(
+                        [(sp, z, int(r), k) for sp in sps for z in zeros for r, k in recompute], dtype=np.int64
+                    )
+                    head = np.array([t, p, d, m, b, M], dtype=np.int64)
+                    blocks.append(np.hstack([np.broadcast_to(head, (len(inner), 6)), inner]))
+    if not blocks:
+        raise MemplanError(
+            f"no plan of {model.name} divides {gpus} GPUs with global batch {global_batch}"
+            + (" and the pinned dimensions" if any(v is not None for v in fixed.__dict__.values()) else "")
+            + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p) must divide the batch)"
+        )
+    cols = np.vstack(blocks).T
+    t, p, d, m, b, M, sp, zero, rec, k = cols
+    return PlanValues(t=t, p=p, d=d, m=m, sp=sp, zero=zero, b=b, recompute=rec, recomputed_layers=k,
+                      microbatches=M)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    plans: PlanValues
+    peak_bytes: np.ndarray  # the most loaded GPU (max of the first and the last stage)
+    first_stage_bytes: np.ndarray
+    last_stage_bytes: np.ndarray
+    step_time_s: Optional[np.ndarray]
+    mfu: Optional[np.ndarray]
+    tokens_per_s: Optional[np.ndarray]
+
+
+def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: Optional[GpuSpec],
+             global_batch: int) -> Evaluated:
+    """Memory (and step time, when a GPU is known) of every plan, vectorised.
+
+    Only the first and the last stage can be the most loaded: every middle stage holds no more
+    activations than the first (fewer micro-batches in flight) and the same layers' states
+    without the embedding; a test checks this against `estimate`'s all-stage maximum.
+    """
+    terms = inventory_for(model).terms
+    first = stage_memory(model, terms, training, plans, 0).total
+    last = stage_memory(model, terms, training, plans, plans.p - 1).total
+    step = mfu = tps = None
+    if gpu is not None:
+        from memplan.perf import step_time
+
+        perf = step_time(model, training, gpu, plans, global_batch)
+        step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
+    return Evaluated(plans, np.maximum(first, last), first, last, step, mfu, tps)
+
+
+def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:
+    """One candidate as a Config, for `estimate`, reports and launch flags."""
+    x = plans.take(i)
+    n = int(model.num_layers // (x.p * x.m))
+    rec = Recompute(int(x.recompute))
+    return Config(
+        model=model,
+        parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero)),
+        training=training.model_copy(update=dict(
+            micro_batch=int(x.b), global_batch=global_batch, recompute=rec,
+            recompute_num_layers=(int(x.recomputed_layers) if rec == Recompute.FULL and x.recomputed_layers < n else None),
+        )),
+    )
+
+
+@dataclass
+class SearchResult:
+    model: ModelSpec
+    gpus: int
+    global_batch: int
+    budget_bytes: int
+    gpu: Optional[GpuSpec]
+    candidates: int
+    feasible: int
+    seconds: float
+    top: list[int]  # indices of the best feasible plans, fastest first
+    nearest_miss: Optional[int]  # the least memory of all plans, when none fits
+    fastest_miss: Optional[int]  # the fastest plan over the budget (if faster than the best fit)
+    evaluated: Evaluated
+    training: TrainingSpec
+    notes: list[str] = field(default_factory=list)
+
+    def config(self, i: int) -> Config:
+        return plan_config(self.model, self.training, self.evaluated.plans, i, self.global_batch)
+
+    def row(self, i: int) -> dict[str, Any]:
+        e = self.evaluated
+        x = e.plans.take(i)
+        out = {
+            "tp": int(x.t), "pp": int(x.p), "dp": int(x.d), "micro_batch": int(x.b), "vpp": int(x.m),
+            "sp": bool(x.sp), "recompute": Recompute(int(x.recompute)).label,
+            "recompute_num_layers": int(x.recomputed_layers), "zero": int(x.zero),
+            "num_microbatches": int(x.microbatches),
+            "memory": {"total_bytes": int(e.peak_bytes[i]), "first_stage_bytes": int(e.first_stage_bytes[i]),
+                       "last_stage_bytes": int(e.last_stage_bytes[i])},
+        }
+        if e.step_time_s is not None:
+            out.update(step_time_s=float(e.step_time_s[i]), mfu=float(e.mfu[i]),
+                       tokens_per_s=float(e.tokens_per_s[i]))
+        return out
+
+
+def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+           gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
+           chunk: int = 1 << 20, progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+    """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
+    (by memory when no GPU is known)."""
+    start = time.perf_counter()
+    limit = max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
+    plans = enumerate_plans(model, gpus, global_batch, fixed, limit)
+    n = len(plans.t)
+    parts = []
+    for lo in range(0, n, chunk):
+        parts.append(evaluate(model, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch))
+        if progress is not None:
+            progress(min(lo + chunk, n), n)
+    evaluated = parts[0] if len(parts) == 1 else _concat(plans, parts)
+    fits = evaluated.peak_bytes <= budget_bytes
+    key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.peak_bytes
+    order = np.lexsort((evaluated.peak_bytes, key))
+    ranked = order[fits[order]]
+    best = [int(i) for i in ranked[:top]]
+    nearest = None if best else int(np.argmin(evaluated.peak_bytes))
+    fastest_miss = None
+    over = order[~fits[order]]
+    if len(over) and (not best or key[over[0]] < key[best[0]]):
+        fastest_miss = int(over[0])
+    return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
+                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training)
+
+
+def _concat(plans: PlanValues, parts: list[Evaluated]) -> Evaluated:
+    def cat(name: str) -> Any:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else np.concatenate(values)
+
+    return Evaluated(plans, cat("peak_bytes"), cat("first_stage_bytes"), cat("last_stage_bytes"),
+                     cat("step_time_s"), cat("mfu"), cat("tokens_per_s"))
+
+
+def fixed_from(parallel: dict[str, Any], training: dict[str, Any]) -> Fixed:
+    """The pinned dimensions from option values (None = search it)."""
+    rec = training.get("recompute")
+    return Fixed(
+        tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"), vpp=parallel.get("vpp"),
+        sp=parallel.get("sp"), zero=parallel.get("zero"), micro_batch=training.get("micro_batch"),
+        recompute=Recompute.parse(rec) if rec is not None else None,
+        recompute_num_layers=training.get("recompute_num_layers"),
+    )
+
+
+def search_presets(requests: list[tuple[ModelSpec, TrainingSpec, int]], gpus: int, budget_bytes: int,
+                   **kwargs: Any) -> list[SearchResult]:
+    """`search` for several models (the "what can I train on this machine?" question); a model
+    that no plan can divide is skipped with no result."""
+    results = []
+    for model, training, global_batch in requests:
+        try:
+            results.append(search(model, training, gpus, global_batch, budget_bytes, **kwargs))
+        except MemplanError:
+            continue
+    if not results:
+        raise MemplanError(f"no preset has a plan that divides {gpus} GPUs")
+    return results
