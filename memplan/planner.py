@@ -57,6 +57,8 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
     if gpus <= 0:
         raise MemplanError(f"GPU count must be positive (got {gpus})")
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
+    if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp):
+        raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {fixed.tp}*{fixed.pp} = {fixed.tp * fixed.pp}")
     blocks: list[np.ndarray] = []
     for t in _pick([t for t in divisors(a) if g % t == 0 and t <= max_tp], fixed.tp):
         for p in _pick(divisors(L), fixed.pp):

@@ -1,0 +1,151 @@
+"""The planner: its vectorised memory equals `estimate`'s, byte for byte; the budget filter;
+the K22 530B plan family; bad input."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.estimate import estimate
+from memplan.memory import PlanValues
+from memplan.planner import Fixed, enumerate_plans, search
+from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.specs import Recompute
+
+A100 = load_gpu("a100-80gb")
+
+
+def space(name, gpus, **fixed):
+    model, training, gb = search_inputs(load_model(name), gpus)
+    return model, training, gb
+
+
+@pytest.fixture(scope="module")
+def result_530b():
+    model, training, gb = space("gpt3-530b", 2240)
+    return search(model, training, 2240, gb, 80 * 10**9, gpu=A100, top=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([("gpt3-530b", 2240), ("gpt3-175b", 64), ("gpt-22b", 16)]), st.integers(0, 10**9))
+def test_vectorised_equals_estimate(case, seed):
+    name, gpus = case
+    model, training, gb = space(name, gpus)
+    result = search(model, training, gpus, gb, 10**15, gpu=A100, top=1)
+    i = seed % result.candidates
+    config = result.config(i)
+    est = estimate(config)
+    assert int(result.evaluated.peak_bytes[i]) == int(est.peak.total)
+    assert int(result.evaluated.first_stage_bytes[i]) == int(est.stages[0].total)
+    assert int(result.evaluated.last_stage_bytes[i]) == int(est.stages[-1].total)
+    # the same step-time model on one plan gives the same number
+    from memplan.perf import step_time
+
+    one = step_time(config.model, config.training, A100, PlanValues.from_config(config), config.global_batch)
+    assert float(one.step_time_s) == pytest.approx(float(result.evaluated.step_time_s[i]), rel=1e-12)
+
+
+def test_candidates_are_distinct_and_valid():
+    model, training, gb = space("gpt3-530b", 2240)
+    plans = enumerate_plans(model, 2240, gb)
+    rows = np.stack([plans.t, plans.p, plans.d, plans.m, plans.sp, plans.zero, plans.b, plans.recompute,
+                     plans.recomputed_layers])
+    assert len(np.unique(rows, axis=1).T) == len(plans.t)
+    assert np.all(plans.t * plans.p * plans.d == 2240)
+    assert np.all(model.num_layers % (plans.p * plans.m) == 0)
+    assert np.all(gb % (plans.b * plans.d) == 0)
+    assert np.all((plans.sp == 0) | (plans.t > 1))
+    assert np.all((plans.zero == 0) | (plans.d > 1))
+
+
+def test_k22_family_fits_530b_on_2240(result_530b):
+    e = result_530b.evaluated
+    x = e.plans
+    k22 = (x.t == 8) & (x.sp == 1) & (x.recompute == Recompute.SELECTIVE)
+    fits = e.peak_bytes <= 80 * 10**9
+    assert np.any(k22 & fits)
+    # K22's own plan: t=8, p=35, d=8, b=1, m=3, SP + selective, no optimizer sharding.
+    own = k22 & (x.p == 35) & (x.d == 8) & (x.b == 1) & (x.m == 3) & (x.zero == 0)
+    assert np.any(own & fits)
+
+
+def test_full_recompute_slower_than_selective_same_tpd(result_530b):
+    e = result_530b.evaluated
+    x = e.plans
+    base = (x.t == 8) & (x.p == 35) & (x.d == 8) & (x.b == 1) & (x.m == 3) & (x.zero == 0) & (x.sp == 1)
+    sel = np.flatnonzero(base & (x.recompute == Recompute.SELECTIVE))
+    full = np.flatnonzero(base & (x.recompute == Recompute.FULL) & (x.recomputed_layers == 1))
+    assert len(sel) == 1 and len(full) == 1
+    assert e.step_time_s[full[0]] > e.step_time_s[sel[0]]
+
+
+def test_ranked_by_step_time_and_all_fit(result_530b):
+    times = [result_530b.evaluated.step_time_s[i] for i in result_530b.top]
+    assert times == sorted(times)
+    assert all(result_530b.evaluated.peak_bytes[i] <= 80 * 10**9 for i in result_530b.top)
+
+
+def test_impossible_budget_gives_nearest_miss():
+    model, training, gb = space("gpt3-530b", 2240)
+    result = search(model, training, 2240, gb, 10**9, gpu=A100)
+    assert result.top == [] and result.feasible == 0
+    assert result.nearest_miss == int(np.argmin(result.evaluated.peak_bytes))
+
+
+def test_fixed_dimensions_pin_the_space():
+    model, training, gb = space("gpt3-530b", 2240)
+    plans = enumerate_plans(model, 2240, gb, Fixed(tp=8, pp=35, recompute=Recompute.SELECTIVE))
+    assert set(plans.t) == {8} and set(plans.p) == {35} and set(plans.recompute) == {Recompute.SELECTIVE}
+
+
+def test_search_cli_json(run_cli):
+    code, out, _ = run_cli("search", "--model", "gpt3-530b", "--gpus", "2240", "--mem", "80GB", "--json", "--top", "3")
+    data = json.loads(out)
+    assert code == 0
+    assert data["candidates_evaluated"] >= data["feasible"] > 0
+    assert len(data["plans"]) == 3
+    for plan in data["plans"]:
+        assert {"tp", "pp", "dp", "micro_batch", "vpp", "sp", "recompute", "zero", "memory", "step_time_s",
+                "mfu"} <= set(plan)
+        assert plan["memory"]["total_bytes"] <= 80 * 10**9
+        assert 0 < plan["mfu"] < 1
+
+
+def test_search_cli_without_model_answers_every_preset(run_cli):
+    code, out, _ = run_cli("search", "--gpus", "2240", "--mem", "80GB", "--json")
+    names = {r["model"] for r in json.loads(out)}
+    assert {"gpt-22b", "gpt3-175b", "gpt3-530b", "gpt-1t"} <= names
+
+
+def test_emit_megatron(run_cli):
+    code, out, _ = run_cli("search", "--model", "gpt3-530b", "--gpus", "2240", "--mem", "80GB", "--tp", "8",
+                           "--pp", "35", "--vpp", "3", "--sp", "--recompute", "selective", "--zero", "0",
+                           "--micro-batch", "1", "--emit", "megatron")
+    for flag in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 35", "--sequence-parallel",
+                 "--recompute-granularity selective", "--num-layers-per-virtual-pipeline-stage 1",
+                 "--micro-batch-size 1", "--global-batch-size 2240"):
+        assert flag in out
+
+
+def test_require_fit_exit_1(run_cli):
+    code, out, _ = run_cli("search", "--model", "gpt3-530b", "--gpus", "8", "--mem", "80GB", "--require-fit")
+    assert code == 1 and "nearest miss" in out
+    code, _, _ = run_cli("search", "--model", "gpt3-530b", "--gpus", "8", "--mem", "80GB")
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--gpus", "0", "--mem", "80GB"], "GPU count must be positive"),
+        (["--gpus", "2240", "--mem", "80"], "unit"),
+        (["--gpus", "11", "--global-batch", "280", "--mem", "80GB"], "no plan of gpt3-530b divides 11 GPUs"),
+        (["--gpus", "100", "--tp", "8", "--pp", "35", "--mem", "80GB"], "not divisible by t*p"),
+        (["--mem", "80GB"], "--gpus is required"),
+    ],
+)
+def test_search_bad_input(run_cli, args, fragment):
+    code, _, err = run_cli("search", "--model", "gpt3-530b", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
