@@ -46,6 +46,8 @@ def plan_options(func: Callable) -> Callable:
                           "2 also gradients; 3 also weights."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
+        click.option("--impl", type=click.Choice(["megatron", "torch"]), default="megatron", show_default=True,
+                     help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
         click.option("--mem", "budget", callback=_size, metavar="SIZE",
                      help="Memory budget per GPU, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)."),
@@ -112,6 +114,15 @@ def models(as_json: bool) -> None:
 
 
 @cli.command()
+def impls() -> None:
+    """List the implementations whose saved tensors memplan models."""
+    from memplan.terms import IMPLEMENTATIONS
+
+    for name, text in IMPLEMENTATIONS.items():
+        click.echo(f"{name:10s} {text}")
+
+
+@cli.command()
 def gpus() -> None:
     """List the GPU presets."""
     from memplan.presets import gpu_names, load_gpu
@@ -132,7 +143,8 @@ def estimate(**opts: Any) -> None:
     from memplan.report import estimate_dict, print_json, render_estimate
 
     preset, config = _config_from_options(opts)
-    result = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), paper_only=opts["paper_only"])
+    result = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), paper_only=opts["paper_only"],
+                 impl=opts["impl"])
     if opts["as_json"]:
         print_json(estimate_dict(result))
     else:
@@ -176,10 +188,10 @@ def search(**opts: Any) -> None:
         if len(presets) == 1:
             model, training, gb = requests[0]
             results = [run(model, training, gpus, gb, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
-                           top=opts["top"], progress=progress)]
+                           top=opts["top"], progress=progress, impl=opts["impl"])]
         else:
             results = search_presets(requests, gpus, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
-                                     top=opts["top"], progress=progress)
+                                     top=opts["top"], progress=progress, impl=opts["impl"])
     finally:
         if progress is not None:
             progress.close()

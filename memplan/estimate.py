@@ -61,9 +61,12 @@ def estimate(
     budget_bytes: Optional[int] = None,
     gpu: Optional[GpuSpec] = None,
     paper_only: bool = False,
+    impl: str = "megatron",
+    device: str = "cuda",
 ) -> Estimate:
-    """Memory per GPU for every pipeline stage of `config`; the most loaded stage is the answer."""
-    inventory = inventory_for(config.model)
+    """Memory per GPU for every pipeline stage of `config` run by implementation `impl`; the most
+    loaded stage is the answer. `paper_only` keeps only the tensors K22 counts."""
+    inventory = inventory_for(config.model, impl, device)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
@@ -73,7 +76,8 @@ def estimate(
 
     values = symbol_values(config.model, plan)
     act = config.training.activation_bytes
-    layer_terms = tuple(t for t in terms if t.scope == "layer")
+    layer_terms = tuple(t for t in terms if t.scope == "layer" and t.in_k22) if paper_only else tuple(
+        t for t in terms if t.scope == "layer")
     per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
     poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute), config.model)
     if config.parallel.tp == 1:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from memplan.activations import layer_bytes
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
 from memplan.states import StateBytes, layer_params, stage_params, state_bytes
@@ -62,6 +61,8 @@ def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any) 
             Recompute.NONE
         )
         return chunks * per_chunk
+    if term.scope == "chunk":
+        return chunks_in_flight(stage, plan.p, plan.m, plan.microbatches)
     on_stage = (stage == 0) if term.scope == "first" else (stage == plan.p - 1)
     return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches)
 
@@ -95,32 +96,30 @@ class StageMemory:
         return self.activations + self.states.total
 
 
-def recompute_working_bytes(terms: tuple[Term, ...], values: dict[str, Any], activation_bytes: int,
-                            plan: PlanValues) -> Any:
-    """What recompute re-creates for one layer during that layer's backward: the tensors the mode
-    dropped, alive on top of everything stored (K22 leaves this transient out)."""
-    layer_terms = tuple(t for t in terms if t.scope == "layer")
-    dropped = layer_bytes(layer_terms, values, activation_bytes, plan.sp, Recompute.NONE) - layer_bytes(
-        layer_terms, values, activation_bytes, plan.sp, plan.recompute
-    )
-    return dropped * (plan.recomputed_layers > 0)
-
-
 def stage_memory(
     model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any,
     working_set: bool = True,
 ) -> StageMemory:
-    """Memory of one GPU of pipeline stage `stage` at its peak (the first backward of the steady
-    state: every in-flight micro-batch stored, plus one layer being recomputed)."""
+    """Memory of one GPU of pipeline stage `stage` at its peak: the first backward of the steady
+    state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
+    tensors alive on top (the recompute working set, which K22 leaves out)."""
     values = symbol_values(model, plan)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
+    counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     term_bytes = {}
     activations: Any = 0
+    working: Any = 0
     for term in terms:
-        n = term.bytes(values, training.activation_bytes, plan.sp) * term_count(term, plan, layers_per_chunk, stage)
+        per = term.bytes(values, training.activation_bytes, plan.sp)
+        key = (term.scope, term.dropped_by_selective, term.kept_by_full)
+        if key not in counts:
+            counts[key] = term_count(term, plan, layers_per_chunk, stage)
+        n = per * counts[key]
         term_bytes[term.id] = n
         activations = activations + n
-    working = recompute_working_bytes(terms, values, training.activation_bytes, plan) if working_set else 0
+        if working_set and term.scope == "layer":
+            working = working + per * (1 - term.kept(plan.recompute))
+    working = working * (plan.recomputed_layers > 0)
     activations = activations + working
     layers = model.num_layers // plan.p
     is_first, is_last = stage == 0, stage == plan.p - 1

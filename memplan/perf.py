@@ -1,141 +1,169 @@
 """Step time, FLOPs and MFU of a training plan: a roofline-style model calibrated on K22 Table 4.
 
 Every function takes the plan as `PlanValues` whose fields are Python scalars or equally shaped
-numpy arrays (one element per candidate plan); no function loops over candidates.
+numpy arrays (one element per candidate plan); nothing loops over candidates. Arrays are
+times are computed in float32 for both (TIME_DTYPE), so that one plan evaluated alone and the
+same plan inside an array of millions give the same numbers, bit for bit.
 
 The model (one GPU of the bottleneck pipeline stage)
 ----------------------------------------------------
-One layer, one micro-batch of b sequences, per GPU of a tensor-parallel group of t:
+One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel group of t:
 
-- matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2*2bshf (3 matrices, 2*3bshf, for
-  SwiGLU), all split by t, at `matmul_efficiency` x peak; the attention core's batched matmuls
-  QK^T and attention over V, 4bs^2h/t (K22 appendix A), at the lower ATTENTION efficiency.
-  Backward = 2 x forward (K22 appendix A).
-- memory-bound (elementwise) kernels: bytes moved / (HBM bandwidth x MEMORY_BOUND efficiency).
-  In the replicated regions (layer norms, bias-dropout-residual adds) per token per hidden unit:
-  forward 2*2A (norms) + 2*3A (residual adds) + 2*1 (masks) = 22 bytes for A = 2 (K22 layer),
-  backward 2*3A (norms) + 2*(2A+1) (dropout) + 2*3A (residual-gradient sums) = 34 bytes; split
-  by t under sequence parallelism (that is K22 Table 4's 3% SP gain). Inside the TP regions,
-  split by t: softmax 2A (fwd) / 3A (bwd) and attention dropout 2A+1 / 2A+1 bytes per score
-  element (a s^2 b), GeLU 2A / 3A (SwiGLU 3A / 5A) per MLP element (s b f).
-- tensor-parallel communication, ring collectives over t ranks of V = A*sbh bytes:
-  all-gather / reduce-scatter (t-1)/t * V / bw, all-reduce twice that, bw = link x
-  NCCL_BUS_EFFICIENCY, NVLink when t <= gpus_per_node else the network.
-  Forward: 2 all-reduces (with SP 2 all-gathers + 2 reduce-scatters, the same volume), exposed.
-  Backward: Megatron-LM overlaps the input-gradient all-reduce of each column-parallel linear with
-  its weight-gradient GEMM (async TP all-reduce); with SP that slot holds a reduce-scatter plus the
-  re-all-gather of the sequence-split input (K22 section 4.2.2), and the all-gather that is the
-  backward of each row-parallel output (the g-bar of K22 Fig. 5) is on the critical path.
-  Overlapped collectives are exposed by TP_ASYNC_EXPOSED_FRACTION; the rest fully.
-- recompute (per recomputed layer, in the backward pass): selective re-runs the attention core
-  (its matmuls, softmax and dropout); full re-runs the whole forward, communication included.
+- matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2 x 2bshf (SwiGLU: 3 x 2bshf), split
+  by t, at `matmul_efficiency` x peak; the attention core's batched matmuls QK^T and attention
+  over V, 4bs^2h/t (K22 appendix A), at the lower attention efficiency. Backward = 2 x forward.
+- memory-bound kernels: bytes moved / (HBM bandwidth x memory-bound efficiency). Replicated
+  regions (2 layer norms, 2 bias-dropout-residual adds), per token and hidden unit with A = 2:
+  forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
+  by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
+  and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
+  3A / 5A) per MLP element (sbf), forward / backward. See layer_bytes.
+- tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
+  reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
+  or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
+  reduce-scatters (the same 4 ag), all exposed. Backward: Megatron-LM runs each column-parallel
+  linear's input-gradient all-reduce (with SP: its reduce-scatter and the re-all-gather of the
+  sequence-split input, K22 section 4.2.2) next to the weight-gradient GEMM: 4 ag exposed by
+  TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
+  output's reduce-scatter, 2 ag, are on the critical path.
+- recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
+  matmuls, softmax and dropout); full re-runs the whole forward, its communication included.
 
-A micro-batch on the bottleneck stage (the last: it holds the LM head, and also the embedding
-when p = 1) costs L/p layers' forward + backward, recomputed_layers*m layers' recompute, the LM
-head (logits 2bshv/t, fp32 cross-entropy) and, when p = 1, the embedding. Then
+A micro-batch on the bottleneck stage (the last one: it has the LM head, and also the embedding
+when p = 1) costs L/p layers' forward + backward, m x recomputed_layers layers' recompute, the LM
+head (logits 2bshv/t, fp32 cross-entropy) and, when p = 1, the embedding. A step is
 
-    step = M * t_mb * (1 + (p - 1)/(m M))     1F1B / interleaved pipeline bubble (Narayanan 2021)
-         + pipeline point-to-point + exposed data-parallel communication + exposed ZeRO-3 gathers
-         + optimizer step (memory-bound Adam update of this GPU's shard)
+    M micro-batches x (1 + (p - 1)/(m M))        1F1B / interleaved bubble (Narayanan et al. 2021)
+    + pipeline point-to-point + exposed data-parallel communication + exposed ZeRO-3 gathers
+    + the optimizer update (memory-bound)
 
-MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A).
+and MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A).
 
-Calibration (A100 80GB, K22 Table 4: 22B layer a=64, h=6144, s=2048, b=4, t=8, A = 2 bytes)
--------------------------------------------------------------------------------------------
-Per GPU: big matmuls 24bsh^2/t = 9.277e11 FLOPs, attention matmuls 4bs^2h/t = 5.154e10 FLOPs;
-sbh = 5.033e7; score elements as^2b/t = 1.342e8; ag = (7/8) 2sbh / (300 GB/s x 0.8) = 0.367 ms.
-Four unknowns, four equations, each solved in closed form from one published figure:
+Calibration: A100 80GB, K22 Table 4 (22B layer: a=64, h=6144, s=2048, b=4, t=8, A = 2)
+-------------------------------------------------------------------------------------
+Per GPU: weight matmuls 24bsh^2/t = 9.277e11 FLOP, attention matmuls 4bs^2h/t = 5.154e10 FLOP,
+sbh = 5.033e7, score elements as^2b/t = 1.342e8; one ag = (7/8) x 2sbh / (300 GB/s x 0.8) =
+0.367 ms (data sheet NVLink rate x NCCL_BUS_EFFICIENCY). Peak 312 TFLOP/s, HBM 2039 GB/s.
+Four unknowns, each solved from one published figure, in this order:
 
-1. MEMORY_BOUND efficiency, from SP's forward gain 7.7 - 7.2 = 0.5 ms, which is the replicated
-   22sbh bytes shrinking by (1 - 1/t): 22 x 5.033e7 x 7/8 / (2039e9 x 0.5e-3) = 0.95.
-   (The 0.1 ms print rounding allows 0.79..1.19.)
-2. ATTENTION matmul efficiency, from selective recompute's backward cost 13.2 - 11.9 = 1.3 ms
-   = attention matmuls + softmax and dropout (9 bytes x 1.342e8 / (2039e9 x 0.95) = 0.624 ms):
-   5.154e10 / ((1.3 - 0.624)e-3 x 312e12) = 0.24 (head dim 96 batched matmuls, plus the
-   transposes of Megatron-LM's unfused attention, which this efficiency absorbs).
-3. matmul_efficiency, from the baseline forward 7.7 ms = matmuls + 0.676 (attention matmuls)
-   + 1.247 (memory-bound, 47 bytes-equivalents...: 22sbh + 9as^2b/t + 4sbf/t bytes at 0.95)
-   + 1.468 (2 exposed all-reduces): 9.277e11 / (4.309e-3 x 312e12) = 0.69.
-4. TP_ASYNC_EXPOSED_FRACTION, from the baseline backward 11.9 ms = 2 x 4.309 + 2 x 0.676
-   + 1.723 (34sbh + 11as^2b/t + 6sbf/t bytes at 0.95) + x * 4ag: x = 0.207 / 1.468 = 0.14.
+1. memory-bound efficiency, from SP's forward gain 7.7 - 7.2 = 0.5 ms, which is the 22sbh
+   replicated bytes shrinking by 1 - 1/t: 22 x 5.033e7 x 7/8 / (2039e9 x 0.5e-3) = 0.950 -> 0.95
+   (the 0.1 ms print rounding allows 0.79..1.19).
+2. attention matmul efficiency, from selective recompute's backward cost 13.2 - 11.9 = 1.3 ms,
+   minus its softmax + dropout bytes 9 x 1.342e8 / (2039e9 x 0.95) = 0.624 ms:
+   5.154e10 / (0.676e-3 x 312e12) = 0.244 -> 0.24 (head-dim-96 batched matmuls; the efficiency
+   also absorbs the transposes of Megatron-LM's unfused attention).
+3. matmul_efficiency, from the baseline forward 7.7 ms = matmuls + 0.688 (attention matmuls at
+   0.24) + 1.247 (2.416e9 memory-bound bytes: 22sbh + 9as^2b/t + 4sbf/t) + 1.468 (4 ag):
+   9.277e11 / (4.296e-3 x 312e12) = 0.692 -> 0.69.
+4. TP_ASYNC_EXPOSED_FRACTION, from the baseline backward 11.9 ms = 2 x 4.309 (matmuls at 0.69)
+   + 2 x 0.688 + 1.724 (3.339e9 bytes: 34sbh + 11as^2b/t + 6sbf/t) + x 4 ag:
+   x = 0.181 / 1.468 = 0.12.
 
-Predicted with the rounded constants (paper in brackets), forward / backward ms:
-baseline 7.70 / 11.90 (7.7 / 11.9); SP 7.17 / 11.86 (7.2 / 11.8); full recompute 7.70 / 19.60
-(7.7 / 19.5); selective 7.70 / 13.22 (7.7 / 13.2); selective + SP 7.17 / 13.18 (7.2 / 13.1).
-Overheads: SP -2.8% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
-Full recompute necessarily costs one forward, 7.7 / 19.6 = 39.3%: Table 4's own recompute is
-19.5 - 11.9 = 7.6 ms, 0.1 ms (print rounding) below its 7.7 ms forward.
+With these constants the model gives, forward / backward ms (K22 Table 4 in brackets):
+baseline 7.71 / 11.90 (7.7 / 11.9), SP 7.21 / 11.86 (7.2 / 11.8), full recompute 7.71 / 19.61
+(7.7 / 19.5), selective 7.71 / 13.21 (7.7 / 13.2), selective + SP 7.21 / 13.17 (7.2 / 13.1);
+overheads SP -2.7% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
+Full recompute costs exactly one more forward here, 7.7 / 19.6 = 39.3%; Table 4's own
+recompute is 19.5 - 11.9 = 7.6 ms, 0.1 ms (print rounding) under its 7.7 ms forward.
+The H100 and H200 presets have no such table: they reuse the A100 fractions of peak.
 
-H100 / H200 have no Table 4: their YAMLs reuse the A100 fractions of peak (an assumption).
+Not modelled: flash attention (no s^2 traffic), context / expert parallelism, matmul efficiency
+growing with h (the 175B-1T models of K22 run at higher MFU than this predicts), and Megatron's
+TP communication overlap (--tp-comm-overlap), which would hide part of the forward collectives.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from memplan.memory import PlanValues, symbol_values
+from memplan.memory import PlanValues
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import stage_params
+from memplan.states import output_layer_group, param_groups
 
 # --- calibrated constants (see the module docstring) -------------------------------------------
-# Effective bus bandwidth of NCCL ring collectives and point-to-point sends as a fraction of the
-# link rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
+# Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
+# rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
 # NVLink bandwidth of 370GB/s" (S. Jeaugey, NVIDIA/nccl-tests issue 212); 8 x A100 all_reduce
 # busbw 232.5 of 300 GB/s and two DGX nodes 86 of 100 GB/s (NVIDIA/nccl-tests issue 175).
 NCCL_BUS_EFFICIENCY = 0.80
 # Fallbacks while GpuSpec lacks these fields (A100 values from K22 Table 4, module docstring).
 DEFAULT_MEMORY_BOUND_EFFICIENCY = 0.95  # achieved fraction of HBM bandwidth in elementwise kernels
 DEFAULT_ATTENTION_MATMUL_EFFICIENCY = 0.24  # achieved fraction of peak in QK^T and attention over V
-# Exposed fraction of the backward TP collectives that Megatron-LM launches asynchronously next to
-# an independent GEMM (input-gradient all-reduce / SP reduce-scatter and re-all-gather), from
-# K22 Table 4's baseline backward (module docstring, step 4).
-TP_ASYNC_EXPOSED_FRACTION = 0.14
+# Exposed fraction of the backward TP collectives that Megatron-LM runs asynchronously next to an
+# independent GEMM (the input-gradient all-reduce; with SP its reduce-scatter and the re-all-gather
+# of the saved input), from K22 Table 4's baseline backward (module docstring, step 4).
+TP_ASYNC_EXPOSED_FRACTION = 0.12
 
-# --- memory-bound kernels: bytes moved per element (A = activation bytes, 1-byte dropout masks) --
+# --- bytes moved per element by the memory-bound kernels (A = activation bytes) ----------------
 MASK_BYTES = 1  # K22 section 4.1: dropout masks are 1 byte
-FP32_BYTES = 4
-# Vocabulary-parallel cross-entropy on the logits (Megatron-LM): forward casts to fp32 (read A,
-# write 4), max / exp-sum pass (read 4, write 4), normalise (read 4); backward reads the fp32
-# softmax and writes the bf16 gradient (4 + A).
-CROSS_ENTROPY_FWD_FP32_PASSES = 3  # fp32 bytes moved per logit beyond the cast: 3 x 4
-CROSS_ENTROPY_BWD_FP32_PASSES = 1
+FP32_BYTES = 4  # fp32 logits (cross-entropy) and fp32 main gradients (embedding accumulation)
+# Vocabulary-parallel cross-entropy (Megatron-LM), per logit: forward casts to fp32 (read A,
+# write 4), a max / exp-sum pass (read 4, write 4) and the normalisation (read 4); backward reads
+# the fp32 softmax and writes the gradient (4 + A).
+CROSS_ENTROPY_FWD_FP32_ACCESSES = 4
+CROSS_ENTROPY_BWD_FP32_ACCESSES = 1
+
+# Times are computed in float32, for scalars and arrays alike (so that a plan's numbers in the
+# vectorised search equal its numbers in `estimate` exactly): at 5 million plans a float64
+# temporary is 40 MB and costs about twice a float32 one; the relative error, about 1e-6, is far
+# below the model's. FLOP counts (model_flops, hardware_flops) stay in float64. Scalar results
+# are returned as Python floats.
+TIME_DTYPE = np.float32
 
 
 # --- scalar / array helpers -----------------------------------------------------------------
+def _f(x: Any) -> Any:
+    """A plan value as a TIME_DTYPE scalar or array."""
+    return x.astype(TIME_DTYPE) if isinstance(x, np.ndarray) else TIME_DTYPE(x)
+
+
+def _f64(x: Any) -> Any:
+    """A plan value as a float64 scalar or array (FLOP counts overflow int64 at 1T parameters)."""
+    return x.astype(np.float64) if isinstance(x, np.ndarray) else float(x)
+
+
+def _as_python(values: dict[str, Any]) -> dict[str, Any]:
+    """Numpy scalars as Python floats (exact), arrays and None unchanged."""
+    return {k: float(v) if isinstance(v, np.generic) else v for k, v in values.items()}
+
+
 def _is_array(*xs: Any) -> bool:
     return any(isinstance(x, np.ndarray) for x in xs)
 
 
 def _where(cond: Any, x: Any, y: Any) -> Any:
-    if _is_array(cond, x, y):
-        return np.where(cond, x, y)
-    return x if cond else y
+    if not _is_array(cond, x, y):
+        return x if cond else y
+    # Python floats would make np.where return float64.
+    x, y = (v if isinstance(v, np.ndarray) else TIME_DTYPE(v) for v in (x, y))
+    return np.where(cond, x, y)
 
 
 def _maximum(x: Any, y: Any) -> Any:
     return np.maximum(x, y) if _is_array(x, y) else max(x, y)
 
 
-def _f(x: Any) -> Any:
-    """As float64 (FLOP counts overflow int64 for trillion-parameter models)."""
-    return x.astype(np.float64) if isinstance(x, np.ndarray) else float(x)
+def _minimum(x: Any, y: Any) -> Any:
+    return np.minimum(x, y) if _is_array(x, y) else min(x, y)
 
 
-def _gpu_memory_efficiency(gpu: GpuSpec) -> float:
-    return getattr(gpu, "memory_bound_efficiency", DEFAULT_MEMORY_BOUND_EFFICIENCY)
+def memory_bound_efficiency(gpu: GpuSpec) -> float:
+    return float(getattr(gpu, "memory_bound_efficiency", DEFAULT_MEMORY_BOUND_EFFICIENCY))
 
 
-def _gpu_attention_efficiency(gpu: GpuSpec) -> float:
-    return getattr(gpu, "attention_matmul_efficiency", DEFAULT_ATTENTION_MATMUL_EFFICIENCY)
+def attention_matmul_efficiency(gpu: GpuSpec) -> float:
+    return float(getattr(gpu, "attention_matmul_efficiency", DEFAULT_ATTENTION_MATMUL_EFFICIENCY))
 
 
 # --- FLOPs (K22 appendix A, generalised) ------------------------------------------------------
 def layer_matmul_flops(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight matmuls for one sequence (no t split):
-    QKV 2sh(h + 2hg/a) + projection 2sh^2 + MLP 4shf (GeLU) or 6shf (SwiGLU); K22: 24sh^2."""
+    QKV 2sh(h + 2hg/a) + projection 2sh^2 + MLP 2*2shf (GeLU) or 3*2shf (SwiGLU). K22: 24sh^2."""
     s, h, a, g, f = (float(x) for x in (model.seq_length, model.hidden_size, model.num_attention_heads,
                                          model.g, model.f))
     mlp_matrices = 3 if model.mlp == "swiglu" else 2
@@ -154,50 +182,124 @@ def logits_flops(model: ModelSpec) -> float:
 
 
 def model_flops(model: ModelSpec, global_batch: Any) -> Any:
-    """Model FLOPs of one step: 3 x forward (backward = 2 x forward). For a K22 GPT (f = 4h,
+    """Model FLOPs of one step, 3 x forward (backward = 2 x forward). For a K22 GPT (f = 4h,
     g = a) this is 72 B L s h^2 (1 + s/(6h) + v/(12hL)), K22 Eq. 7."""
-    per_sequence = model.num_layers * (layer_matmul_flops(model) + layer_attention_flops(model)) + logits_flops(model)
-    return 3 * _f(global_batch) * per_sequence
+    return _model_flops_per_sequence(model) * _f64(global_batch)
 
 
-def recomputed_layers_total(model: ModelSpec, plan: PlanValues) -> Any:
-    """Layers of the whole model that the recompute mode applies to: recomputed_layers per chunk
-    times p m chunks (0 when recompute is none)."""
-    chunks = plan.p * plan.m
-    return (plan.recompute != Recompute.NONE) * _minimum_layers(plan.recomputed_layers * chunks, model.num_layers)
+def _model_flops_per_sequence(model: ModelSpec) -> float:
+    forward = model.num_layers * (layer_matmul_flops(model) + layer_attention_flops(model)) + logits_flops(model)
+    return 3.0 * forward
 
 
-def _minimum_layers(x: Any, layers: int) -> Any:
-    return np.minimum(x, layers) if isinstance(x, np.ndarray) else min(x, layers)
+@dataclass(frozen=True)
+class _Floats:
+    """The plan's fields as TIME_DTYPE scalars or arrays, converted once."""
+
+    t: Any
+    inv_t: Any
+    sp: Any  # 1.0 where sequence parallelism is on
+    p: Any
+    m: Any
+    d: Any
+    b: Any
+    M: Any
+    selective: Any  # layers per chunk recomputed selectively (0 unless recompute = selective)
+    full: Any  # layers per chunk recomputed fully (0 unless recompute = full)
+    first: Any  # 1.0 where p = 1: the last stage is also the first
+    sharded: Any  # 1.0 where ZeRO >= 1 (distributed optimizer)
+    zero3: Any  # 1.0 where ZeRO = 3
+
+
+def _floats(plan: PlanValues) -> _Floats:
+    t = _f(plan.t)
+    layers = _f(plan.recomputed_layers)
+    return _Floats(
+        t=t, inv_t=1.0 / t, sp=_f(plan.sp), p=_f(plan.p), m=_f(plan.m), d=_f(plan.d), b=_f(plan.b),
+        M=_f(plan.microbatches),
+        selective=_f(plan.recompute == Recompute.SELECTIVE) * layers,
+        full=_f(plan.recompute == Recompute.FULL) * layers,
+        first=_f(plan.p == 1), sharded=_f(plan.zero >= 1), zero3=_f(plan.zero >= 3),
+    )
 
 
 def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any) -> Any:
-    """Model FLOPs plus recomputation: selective re-runs the attention matmuls (4Bs^2h per layer),
-    full re-runs the layer's forward. K22 Eq. 8 prints 1 + s/(3h) for selective; the count here
-    is 1 + s/(6h) + s/(18h) (the 4Bs^2h of K22 section 5), which is what the text describes."""
-    per_layer = _where(plan.recompute == Recompute.FULL,
-                       layer_matmul_flops(model) + layer_attention_flops(model), layer_attention_flops(model))
-    return model_flops(model, global_batch) + _f(global_batch) * recomputed_layers_total(model, plan) * per_layer
+    """Model FLOPs plus recomputation: selective re-runs the attention matmuls (4Bs^2h per layer,
+    K22 section 5), full re-runs the layer's forward. (K22 Eq. 8 prints 1 + s/(3h) for selective;
+    the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.)"""
+    # Recomputed layers per chunk x p m chunks, per sequence.
+    layers = _f64(plan.recomputed_layers)
+    selective = _f64(plan.recompute == Recompute.SELECTIVE) * layers
+    full = _f64(plan.recompute == Recompute.FULL) * layers
+    attention = layer_attention_flops(model)
+    extra = _f64(plan.p * plan.m) * (selective * attention + full * (layer_matmul_flops(model) + attention))
+    return model_flops(model, global_batch) + extra * _f64(global_batch)
 
 
-# --- one layer --------------------------------------------------------------------------------
+# --- linear forms: seconds per sequence as c_t/t + c_r*rep + c_a*ag + c_s*ag*sp ----------------
 @dataclass(frozen=True)
-class _Tp:
-    """Plan-dependent factors shared by every formula (scalars or arrays)."""
+class _Basis:
+    """The plan-dependent factors every per-sequence time is a linear combination of."""
 
     inv_t: Any  # 1/t: the tensor-parallel split
-    rep: Any  # split of the replicated regions: 1/t with SP, else 1
-    ag_per_byte: Any  # seconds per byte of an all-gather / reduce-scatter over t: (t-1)/t / bw
-    sp: Any  # 0 / 1
+    rep: Any  # split of the replicated regions: 1/t with SP, 1 without
+    ag: Any  # seconds per byte of an all-gather or reduce-scatter over t: (t-1)/t / bandwidth
+    ag_sp: Any  # ag where SP is on, else 0
 
 
-def _tp_factors(gpu: GpuSpec, plan: PlanValues) -> _Tp:
-    t = _f(plan.t)
-    inv_t = 1.0 / t
-    rep = _where(plan.sp != 0, inv_t, 1.0)
-    link = _where(plan.t <= gpu.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
-    ag_per_byte = (1.0 - inv_t) / (link * NCCL_BUS_EFFICIENCY)
-    return _Tp(inv_t, rep, ag_per_byte, plan.sp)
+def _link_per_byte(gpu: GpuSpec, span: Any) -> Any:
+    """Seconds per byte on one GPU's link for a group spanning `span` consecutive ranks: NVLink
+    within a node, the network beyond (one NIC per GPU, as on DGX A100 / H100)."""
+    intra = 1.0 / (gpu.intra_node_bandwidth * NCCL_BUS_EFFICIENCY)
+    inter = 1.0 / (gpu.inter_node_bandwidth * NCCL_BUS_EFFICIENCY)
+    return inter + (intra - inter) * _f(span <= gpu.gpus_per_node)
+
+
+def _basis(gpu: GpuSpec, pf: _Floats) -> _Basis:
+    rep = 1.0 + pf.sp * (pf.inv_t - 1.0)
+    ag = (1.0 - pf.inv_t) * _link_per_byte(gpu, pf.t)
+    return _Basis(pf.inv_t, rep, ag, ag * pf.sp)
+
+
+@dataclass(frozen=True)
+class _Form:
+    """Seconds per sequence: t/t + r*rep + a*ag + s*ag_sp (scalar coefficients)."""
+
+    t: float = 0.0
+    r: float = 0.0
+    a: float = 0.0
+    s: float = 0.0
+
+    def __add__(self, other: "_Form") -> "_Form":
+        return _Form(self.t + other.t, self.r + other.r, self.a + other.a, self.s + other.s)
+
+    def __mul__(self, k: float) -> "_Form":
+        return _Form(self.t * k, self.r * k, self.a * k, self.s * k)
+
+    __rmul__ = __mul__
+
+    def __call__(self, x: _Basis) -> Any:
+        return _evaluate(x, (1.0, self))
+
+
+_FORM_BASIS = (("t", "inv_t"), ("r", "rep"), ("a", "ag"), ("s", "ag_sp"))
+
+
+def _evaluate(x: _Basis, *weighted: tuple[Any, _Form]) -> Any:
+    """Sum of weight x form (weights scalars or arrays), gathered per basis factor so that an array
+    costs one multiply per (array weight, non-zero coefficient) and one per basis factor."""
+    total: Any = None
+    for coef_name, basis_name in _FORM_BASIS:
+        coef: Any = None
+        for weight, form in weighted:
+            c = getattr(form, coef_name)
+            if c:
+                term = c if (isinstance(weight, float) and weight == 1.0) else weight * c
+                coef = term if coef is None else coef + term
+        if coef is not None:
+            term = coef * getattr(x, basis_name)
+            total = term if total is None else total + term
+    return 0.0 if total is None else total
 
 
 @dataclass(frozen=True)
@@ -206,7 +308,7 @@ class LayerBytes:
 
     replicated_fwd: float  # norms, bias-dropout-residual adds (split by t only under SP)
     replicated_bwd: float
-    tp_fwd: float  # softmax, attention dropout, activation function (split by t)
+    tp_fwd: float  # softmax, attention dropout, activation function, rotary (split by t)
     tp_bwd: float
     attention_core_fwd: float  # softmax + attention dropout: what selective recompute re-runs
 
@@ -216,42 +318,139 @@ def layer_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerBytes:
     s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
     sh, scores, sf = s * h, a * s * s, s * f
     drop = 1 if model.dropout else 0
-    # Two norms (read + write), two residual adds (read 2, write 1), two dropout masks.
+    # Two norms (read + write), two residual adds (read 2, write 1), two dropout masks written.
     rep_fwd = (2 * 2 * A + 2 * 3 * A + 2 * drop * MASK_BYTES) * sh
-    # Norm backward (read x, dy, write dx), dropout backward (read dy, mask, write dx), and the
-    # sum of the residual and branch gradients at each sub-layer input (read 2, write 1).
+    # Norm backward (read x and dy, write dx), dropout backward (read dy and the mask, write dx),
+    # and the sum of residual and branch gradients at each sub-layer's input (read 2, write 1).
     rep_bwd = (2 * 3 * A + 2 * drop * (2 * A + MASK_BYTES) + 2 * 3 * A) * sh
-    softmax_fwd, softmax_bwd = 2 * A * scores, 3 * A * scores
-    dropout_fwd = dropout_bwd = drop * (2 * A + MASK_BYTES) * scores
+    softmax_fwd, softmax_bwd = 2 * A * scores, 3 * A * scores  # fused scale-mask-softmax
+    dropout = drop * (2 * A + MASK_BYTES) * scores  # forward writes the mask, backward reads it
     if model.mlp == "swiglu":  # read gate and up, write the product; backward reads 3, writes 2
         act_fwd, act_bwd = 3 * A * sf, 5 * A * sf
-    else:  # bias-GeLU: read, write; backward reads input and dy, writes dx
+    else:  # fused bias-GeLU: read, write; backward reads input and dy, writes dx
         act_fwd, act_bwd = 2 * A * sf, 3 * A * sf
     rope = 0.0
-    if model.position_embedding == "rope":  # rotate Q and K (read + write), both passes
+    if model.position_embedding == "rope":  # rotate Q and K (read + write), in both passes
         rope = 2 * A * sh * (1 + model.g / model.num_attention_heads)
     return LayerBytes(
         replicated_fwd=rep_fwd,
         replicated_bwd=rep_bwd,
-        tp_fwd=softmax_fwd + dropout_fwd + act_fwd + rope,
-        tp_bwd=softmax_bwd + dropout_bwd + act_bwd + rope,
-        attention_core_fwd=softmax_fwd + dropout_fwd,
+        tp_fwd=softmax_fwd + dropout + act_fwd + rope,
+        tp_bwd=softmax_bwd + dropout + act_bwd + rope,
+        attention_core_fwd=softmax_fwd + dropout,
     )
 
 
 @dataclass(frozen=True)
+class _LayerForms:
+    fwd_compute: _Form
+    fwd_memory: _Form
+    fwd_comm: _Form
+    bwd_compute: _Form
+    bwd_memory: _Form
+    bwd_comm: _Form
+    bwd_comm_exposed: _Form
+    selective: _Form  # what selective recompute adds to a layer's backward
+    full: _Form  # what full recompute adds: the whole forward
+
+    @property
+    def forward(self) -> _Form:
+        return self.fwd_compute + self.fwd_memory + self.fwd_comm
+
+    @property
+    def backward(self) -> _Form:
+        return self.bwd_compute + self.bwd_memory + self.bwd_comm_exposed
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _LayerForms:
+    peak = gpu.peak_bf16_flops
+    hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
+    matmul = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)
+    attention = layer_attention_flops(model) / (peak * attention_matmul_efficiency(gpu))
+    by = layer_bytes(model, activation_bytes)
+    v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
+    fwd_compute = _Form(t=matmul + attention)
+    fwd_memory = _Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm)
+    # Forward: 2 all-reduces (2 ag each), or with SP 2 all-gathers + 2 reduce-scatters: exposed.
+    fwd_comm = _Form(a=4 * v)
+    # Backward: in the async slot 2 all-reduces, or with SP 2 reduce-scatters + 2 re-all-gathers of
+    # the saved sequence-split input (4 ag either way); with SP also 2 synchronous all-gathers (the
+    # backward of each row-parallel output's reduce-scatter).
+    bwd_comm = _Form(a=4 * v, s=2 * v)
+    bwd_exposed = _Form(a=4 * v * TP_ASYNC_EXPOSED_FRACTION, s=2 * v)
+    forms = _LayerForms(
+        fwd_compute=fwd_compute,
+        fwd_memory=fwd_memory,
+        fwd_comm=fwd_comm,
+        bwd_compute=2 * fwd_compute,  # K22 appendix A: backward = 2 x forward
+        bwd_memory=_Form(t=by.tp_bwd / hbm, r=by.replicated_bwd / hbm),
+        bwd_comm=bwd_comm,
+        bwd_comm_exposed=bwd_exposed,
+        selective=_Form(t=attention + by.attention_core_fwd / hbm),
+        full=_Form(),
+    )
+    return _LayerForms(**{**forms.__dict__, "full": forms.forward})
+
+
+@dataclass(frozen=True)
+class _HeadForms:
+    """LM head (last stage) and embedding (first stage), forward + backward, one sequence."""
+
+    head_compute: _Form
+    head_memory: _Form
+    head_comm: _Form
+    head_comm_exposed: _Form
+    embedding_memory: _Form
+    embedding_comm: _Form  # all exposed
+
+
+@functools.lru_cache(maxsize=64)
+def _head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _HeadForms:
+    A = activation_bytes
+    hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
+    s, h, v = float(model.seq_length), float(model.hidden_size), float(model.vocab_size)
+    sh, sv, vol = s * h, s * v, A * s * h
+    # Final norm (2A forward, 3A backward per element, replicated) and the fp32 cross-entropy over
+    # the vocabulary-parallel logits (split by t); logits 2shv forward, twice that backward.
+    head_memory = _Form(r=5 * A * sh / hbm,
+                        t=sv * (A + FP32_BYTES * CROSS_ENTROPY_FWD_FP32_ACCESSES
+                                + A + FP32_BYTES * CROSS_ENTROPY_BWD_FP32_ACCESSES) / hbm)
+    # The head's input passes Megatron's f: an all-reduce in the backward (async, 2 ag), or with SP
+    # an all-gather in the forward (synchronous) and a reduce-scatter in the backward (async).
+    head_comm = _Form(a=2 * vol)
+    head_exposed = _Form(a=2 * vol * TP_ASYNC_EXPOSED_FRACTION, s=vol * (1 - TP_ASYNC_EXPOSED_FRACTION))
+    # Embedding: lookup (read + write), learned-position add (read 2, write 1), dropout; backward:
+    # dropout and the accumulation into the fp32 main gradient (read A, read + write 4).
+    drop = 1 if model.dropout else 0
+    pos = 3 * A if model.position_embedding == "learned" else 0
+    emb_bytes = 2 * A + pos + 2 * drop * (2 * A + MASK_BYTES) + A + 2 * FP32_BYTES
+    # Vocabulary-parallel output: all-reduce (2 ag) forward, or with SP a reduce-scatter forward
+    # and an all-gather backward: 2 ag, synchronous either way.
+    return _HeadForms(
+        head_compute=_Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency)),
+        head_memory=head_memory,
+        head_comm=head_comm,
+        head_comm_exposed=head_exposed,
+        embedding_memory=_Form(r=emb_bytes * sh / hbm),
+        embedding_comm=_Form(a=2 * vol),
+    )
+
+
+# --- one layer --------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class LayerTime:
-    """One layer, one micro-batch, one GPU, in seconds (scalars or arrays).
+    """One layer, one micro-batch of b sequences, one GPU, in seconds (scalars or arrays).
 
     `backward_s` excludes recomputation; `recompute_s` is what the plan's recompute mode adds to
     the backward of a layer it applies to (K22 Table 4's backward column is their sum)."""
 
     forward_compute_s: Any
     forward_memory_s: Any
-    forward_comm_s: Any  # exposed (all of it)
+    forward_comm_s: Any  # all exposed
     backward_compute_s: Any
     backward_memory_s: Any
-    backward_comm_s: Any  # all backward TP collectives
+    backward_comm_s: Any  # every backward TP collective
     backward_comm_exposed_s: Any
     recompute_s: Any
 
@@ -270,55 +469,42 @@ class LayerTime:
 
 def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int = 2) -> LayerTime:
     """Forward and backward seconds of one layer for one micro-batch of plan.b sequences."""
-    return _layer_time(model, gpu, plan, activation_bytes, _tp_factors(gpu, plan))
-
-
-def _layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int, tp: _Tp) -> LayerTime:
-    b = _f(plan.b)
-    peak = gpu.peak_bf16_flops
-    bw_mem = gpu.memory_bandwidth * _gpu_memory_efficiency(gpu)
-    matmul_s = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)  # per sequence, t = 1
-    attention_s = layer_attention_flops(model) / (peak * _gpu_attention_efficiency(gpu))
-    by = layer_bytes(model, activation_bytes)
-    v_bytes = activation_bytes * float(model.seq_length * model.hidden_size)  # A*sh per sequence
-    b_inv_t = b * tp.inv_t
-    b_ag = b * v_bytes * tp.ag_per_byte  # one all-gather (or reduce-scatter) of the layer's A*sbh
-
-    fwd_compute = b_inv_t * (matmul_s + attention_s)
-    fwd_memory = b * (by.replicated_fwd * tp.rep + by.tp_fwd * tp.inv_t) / bw_mem
-    fwd_comm = 4 * b_ag  # 2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters
-    bwd_compute = 2 * fwd_compute
-    bwd_memory = b * (by.replicated_bwd * tp.rep + by.tp_bwd * tp.inv_t) / bw_mem
-    # Async slot: 2 all-reduces (= 4 ag), or with SP 2 reduce-scatters + 2 re-all-gathers (= 4 ag);
-    # with SP also 2 synchronous all-gathers (backward of the row-parallel outputs' reduce-scatter).
-    bwd_comm = b_ag * (4 + 2 * tp.sp)
-    bwd_exposed = b_ag * (4 * TP_ASYNC_EXPOSED_FRACTION + 2 * tp.sp)
-
-    selective = b_inv_t * (attention_s + by.attention_core_fwd / bw_mem)
-    full = fwd_compute + fwd_memory + fwd_comm
-    recompute = (plan.recompute == Recompute.SELECTIVE) * selective + (plan.recompute == Recompute.FULL) * full
-    return LayerTime(fwd_compute, fwd_memory, fwd_comm, bwd_compute, bwd_memory, bwd_comm, bwd_exposed, recompute)
+    pf = _floats(plan)
+    x = _basis(gpu, pf)
+    lf = _layer_forms(model, gpu, activation_bytes)
+    selective = _f(plan.recompute == Recompute.SELECTIVE)
+    full = _f(plan.recompute == Recompute.FULL)
+    return LayerTime(**_as_python(dict(
+        forward_compute_s=pf.b * lf.fwd_compute(x),
+        forward_memory_s=pf.b * lf.fwd_memory(x),
+        forward_comm_s=pf.b * lf.fwd_comm(x),
+        backward_compute_s=pf.b * lf.bwd_compute(x),
+        backward_memory_s=pf.b * lf.bwd_memory(x),
+        backward_comm_s=pf.b * lf.bwd_comm(x),
+        backward_comm_exposed_s=pf.b * lf.bwd_comm_exposed(x),
+        recompute_s=pf.b * _evaluate(x, (selective, lf.selective), (full, lf.full)),
+    )))
 
 
 # --- the whole step ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepTime:
-    """One training step (scalars or arrays). The exposed parts add up to step_time_s:
-    compute + memory + tp_comm_exposed + recompute + bubble + pp_comm + dp_comm_exposed
-    + zero3_gather_exposed + optimizer."""
+    """One training step (scalars or arrays), seconds on the bottleneck GPU unless named FLOPs.
+    The exposed parts add up to step_time_s: compute + memory + tp_comm_exposed + recompute
+    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer."""
 
     model_flops: Any  # per step, whole job (K22 Eq. 7 generalised)
     hardware_flops: Any  # model FLOPs + recomputation
-    compute_s: Any  # matmuls of forward + backward, all micro-batches, bottleneck stage
+    compute_s: Any  # matmuls of forward + backward, all micro-batches
     memory_s: Any  # memory-bound kernels of forward + backward
     recompute_s: Any  # the recomputed forwards (selective: attention core; full: whole layer)
-    tp_comm_s: Any  # all tensor-parallel collectives (forward + backward)
+    tp_comm_s: Any  # every tensor-parallel collective (forward + backward)
     tp_comm_exposed_s: Any  # the part not hidden behind GEMMs
     bubble_fraction: Any  # (p - 1)/(m M) of the ideal pipeline time
     bubble_s: Any
     pp_comm_s: Any  # pipeline point-to-point sends (counted as exposed)
-    dp_comm_s: Any  # gradient reduction (+ parameter all-gather with ZeRO >= 1)
-    dp_comm_exposed_s: Any  # after --overlap-grad-reduce / --overlap-param-gather
+    dp_comm_s: Any  # gradient reduction (+ parameter all-gather with ZeRO 1 and 2)
+    dp_comm_exposed_s: Any  # left after --overlap-grad-reduce / --overlap-param-gather
     zero3_gather_s: Any  # ZeRO-3 weight all-gathers, forward and backward of every micro-batch
     zero3_gather_exposed_s: Any
     optimizer_s: Any  # memory-bound optimizer update of this GPU's shard
@@ -328,129 +514,179 @@ class StepTime:
     hfu: Any  # hardware FLOPs / (step x GPUs x peak)
 
 
-def _link(gpu: GpuSpec, span: Any) -> Any:
-    """Per-GPU bandwidth of a group spanning `span` consecutive ranks: NVLink within a node."""
-    return _where(span <= gpu.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth) * NCCL_BUS_EFFICIENCY
+def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
+    """Exposed part of a collective issued in per-layer buckets behind `window` seconds of
+    compute: all but the last bucket hide (Megatron Bridge docs, Communication Overlap: "This
+    overlap method exposes only one DP communication chunk")."""
+    return _maximum(comm - window, comm * inv_buckets)
 
 
-def _overlapped(comm: Any, window: Any, buckets: Any) -> Any:
-    """Exposed time of a collective split into `buckets` per-layer chunks, overlapped with `window`
-    seconds of compute: all but the last chunk hide behind the compute (Megatron Bridge docs,
-    communication overlap: "This overlap method exposes only one DP communication chunk")."""
-    return _maximum(comm - window, comm / buckets)
+@functools.lru_cache(maxsize=64)
+def _param_counts(model: ModelSpec) -> tuple[dict[str, int], dict[str, int], int]:
+    """Parameters (t = 1) per scope, split by t or not, and the output layer's v x h."""
+    values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f,
+                  g=model.g, v=model.vocab_size, t=1, b=1)
+    split = {"layer": 0, "first": 0, "last": 0}
+    whole = {"layer": 0, "first": 0, "last": 0}
+    for group in param_groups(model):
+        (split if group.tp_split else whole)[group.scope] += group.count.evaluate(values)
+    return split, whole, output_layer_group().count.evaluate(values)
+
+
+def _stage_params(model: ModelSpec, pf: _Floats) -> Any:
+    """Parameters on one GPU of the last pipeline stage (also the first when p = 1), from the
+    states.py inventory: tensor-parallel groups split by t (as floats: the rounding that
+    states.stage_params applies does not matter for time)."""
+    split, whole, head = _param_counts(model)
+    layers = model.num_layers / pf.p
+    # With tied embeddings the last stage keeps its own copy of the output weight only when p > 1.
+    if model.tied_embeddings:
+        split_extra = split["last"] + head + pf.first * (split["first"] - head)
+    else:
+        split_extra = split["last"] + head + pf.first * split["first"]
+    return (pf.inv_t * (layers * split["layer"] + split_extra)
+            + layers * whole["layer"] + whole["last"] + pf.first * whole["first"])
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
-              global_batch: Any) -> StepTime:
-    """Estimated time of one training step of `global_batch` sequences, its FLOPs and MFU."""
+              global_batch: Any, breakdown: bool = True) -> StepTime:
+    """Estimated time of one training step of `global_batch` sequences, its FLOPs and MFU.
+
+    With breakdown=False (for ranking millions of plans) only model_flops, bubble_fraction,
+    step_time_s, tokens_per_s and mfu are computed, the same numbers; the other fields are None.
+    Long 1-D arrays are evaluated in blocks of CHUNK_SIZE plans (each block vectorised)."""
+    values = [getattr(plan, f.name) for f in fields(PlanValues)] + [global_batch]
+    arrays = [v for v in values if isinstance(v, np.ndarray)]
+    n = arrays[0].shape[0] if arrays and arrays[0].ndim == 1 else 0
+    if n <= CHUNK_SIZE or any(v.shape != (n,) for v in arrays):
+        return _step_time(model, training, gpu, plan, global_batch, breakdown)
+    out: dict[str, Any] = {}
+    for start in range(0, n, CHUNK_SIZE):
+        block = slice(start, start + CHUNK_SIZE)
+        part = _step_time(model, training, gpu, _slice_plan(plan, block),
+                          global_batch[block] if isinstance(global_batch, np.ndarray) else global_batch, breakdown)
+        for name, value in part.__dict__.items():
+            if start == 0:
+                out[name] = np.empty(n, value.dtype) if isinstance(value, np.ndarray) else value
+            if isinstance(value, np.ndarray):
+                out[name][block] = value
+    return StepTime(**out)
+
+
+# Plans per block in step_time: 64K float32 temporaries (256 KB) stay in cache and below the
+# allocator's mmap threshold; measured on this 2-core machine, 5M plans run about twice as fast
+# in such blocks as in one piece (tests/test_perf.py prints the timing).
+CHUNK_SIZE = 1 << 16
+
+
+def _slice_plan(plan: PlanValues, block: slice) -> PlanValues:
+    return PlanValues(**{f.name: (v[block] if isinstance(v := getattr(plan, f.name), np.ndarray) else v)
+                         for f in fields(PlanValues)})
+
+
+def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
+               global_batch: Any, breakdown: bool) -> StepTime:
     A = training.activation_bytes
-    tp = _tp_factors(gpu, plan)
-    lt = _layer_time(model, gpu, plan, A, tp)
-    b = _f(plan.b)
-    M = _f(plan.microbatches)
-    p, m, d = _f(plan.p), _f(plan.m), _f(plan.d)
-    s, h, v = float(model.seq_length), float(model.hidden_size), float(model.vocab_size)
-    peak, matmul = gpu.peak_bf16_flops, gpu.matmul_efficiency
-    bw_mem = gpu.memory_bandwidth * _gpu_memory_efficiency(gpu)
-    first = _f(plan.p == 1)  # the bottleneck (last) stage also holds the embedding when p = 1
+    pf = _floats(plan)
+    x = _basis(gpu, pf)
+    lf = _layer_forms(model, gpu, A)
+    hf = _head_forms(model, gpu, A)
+    hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
+    s, h = float(model.seq_length), float(model.hidden_size)
+    b, M, p, m, d, first = pf.b, pf.M, pf.p, pf.m, pf.d, pf.first
     layers = model.num_layers / p
-    recomputed = (plan.recompute != Recompute.NONE) * _f(plan.recomputed_layers) * m
-    b_ag = b * A * s * h * tp.ag_per_byte
+    bm = b * M  # sequences per step through this stage
 
-    # LM head (last stage): final norm, logits 2bshv/t, vocabulary-parallel fp32 cross-entropy.
-    # Its input goes through Megatron's f (backward all-reduce, async) or with SP an all-gather
-    # (forward, synchronous) whose backward is a reduce-scatter (async).
-    head_compute = 3 * b * logits_flops(model) * tp.inv_t / (peak * matmul)
-    logits_elements = b * s * v * tp.inv_t
-    head_memory = (b * s * h * tp.rep * (2 * A + 3 * A)
-                   + logits_elements * (A + FP32_BYTES * (1 + CROSS_ENTROPY_FWD_FP32_PASSES))
-                   + logits_elements * (A + FP32_BYTES * CROSS_ENTROPY_BWD_FP32_PASSES)) / bw_mem
-    head_comm = b_ag * (tp.sp + (2 - tp.sp))
-    head_exposed = b_ag * (tp.sp + (2 - tp.sp) * TP_ASYNC_EXPOSED_FRACTION)
-    # Embedding (first stage): lookup (read + write), learned-position add (read 2, write 1) and
-    # dropout; backward: dropout and the gradient's accumulation (read A, read + write fp32).
-    # Vocabulary-parallel output: all-reduce, or with SP reduce-scatter (backward: all-gather).
-    drop = 1 if model.dropout else 0
-    pos = 3 * A if model.position_embedding == "learned" else 0
-    emb_memory = b * s * h * tp.rep * (2 * A + pos + drop * (2 * A + MASK_BYTES)
-                                       + drop * (2 * A + MASK_BYTES) + A + 2 * FP32_BYTES) / bw_mem
-    emb_comm = b_ag * (2 - tp.sp + tp.sp)
+    # Per sequence on the bottleneck stage: L/p layers, the LM head and (p = 1) the embedding.
+    layer_compute, head_compute = lf.fwd_compute + lf.bwd_compute, hf.head_compute
+    layer_memory, head_memory, emb_memory = lf.fwd_memory + lf.bwd_memory, hf.head_memory, hf.embedding_memory
+    layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
+    forward = lf.forward(x)  # one layer's forward, also what full recompute adds
+    recompute = m * (pf.selective * lf.selective(x) + pf.full * forward)
+    if breakdown:
+        compute = _evaluate(x, (layers, layer_compute), (1.0, head_compute))
+        memory = _evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
+        tp_comm = _evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
+        tp_exposed = _evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
+        busy = compute + memory + tp_exposed
+    else:  # the same sum, gathered into one evaluation
+        busy = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed),
+                         (1.0, head_compute + head_memory + head_exposed), (first, emb_memory + emb_comm))
+    per_sequence = busy + recompute
+    ideal = bm * per_sequence
 
-    compute_mb = layers * (lt.forward_compute_s + lt.backward_compute_s) + head_compute
-    memory_mb = layers * (lt.forward_memory_s + lt.backward_memory_s) + head_memory + first * emb_memory
-    tp_mb = layers * (lt.forward_comm_s + lt.backward_comm_s) + head_comm + first * emb_comm
-    tp_exposed_mb = layers * (lt.forward_comm_s + lt.backward_comm_exposed_s) + head_exposed + first * emb_comm
-    recompute_mb = recomputed * lt.recompute_s
-    microbatch = compute_mb + memory_mb + tp_exposed_mb + recompute_mb
-
-    bubble_fraction = (p - 1) / (m * M)
-    ideal = M * microbatch
+    # 1F1B / interleaved pipeline bubble: (p - 1)/(m M) of the ideal time (Narayanan et al. 2021).
+    chunk_steps = m * M
+    bubble_fraction = (p - 1.0) / chunk_steps
     bubble = bubble_fraction * ideal
 
-    # Pipeline point-to-point: each (micro-batch, chunk) receives its activation in the forward and
-    # its gradient in the backward, A*sbh/t bytes per GPU with SP (each TP rank sends its sequence
-    # shard), A*sbh without (Megatron-core sends the full tensor from every TP rank; the old
-    # scatter/gather optimisation of Narayanan et al. 2021 section 4.1 is not modelled). Each GPU
-    # uses its own link (DGX: one NIC per GPU). Stages are t*d ranks apart (Megatron rank order
-    # tp-dp-pp): the network as soon as the pipeline spans more than one node. Counted as exposed
-    # along the critical path of M m + p - 1 forward and as many backward slots.
-    p2p_bytes = b * A * s * h * tp.rep
-    pp_bw = _link(gpu, plan.t * plan.d * plan.p)
-    pp_comm = (p > 1) * 2 * (M * m + p - 1) * p2p_bytes / pp_bw
+    # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
+    # and its gradient in the backward: A*sbh/t bytes per GPU with SP (each TP rank sends its
+    # sequence shard), A*sbh without (Megatron-core sends the whole tensor from every TP rank; the
+    # scatter/gather trick of Narayanan et al. 2021 section 4.1 is not modelled). Stages are t*d
+    # ranks apart (Megatron rank order tp-dp-pp), so the network is used once the pipeline spans
+    # more than one node. Counted as exposed on the critical path: M m + p - 1 forward slots and
+    # as many backward ones.
+    td = pf.t * d
+    tdp = td * p  # GPUs
+    p2p_per_sequence = (A * s * h) * x.rep * _link_per_byte(gpu, tdp)
+    pp_comm = (1.0 - first) * (2.0 * b) * (chunk_steps + p - 1.0) * p2p_per_sequence
 
-    # Data parallelism over d ranks t apart: NVLink while t*d fits a node. Gradients of this stage
-    # (training.grad_bytes each, fp32 main grads); without ZeRO a ring all-reduce, with ZeRO >= 1
-    # (Megatron-LM distributed optimizer) a reduce-scatter, then an all-gather of the updated bf16
-    # weights (ZeRO-3 gathers on demand instead, below). Overlap: --overlap-grad-reduce hides the
-    # reduction behind the last micro-batch's backward, --overlap-param-gather the all-gather
-    # behind the next step's first forward; one per-layer bucket stays exposed (_overlapped).
-    values = symbol_values(model, plan)
-    params = _f(stage_params(model, values, model.num_layers // plan.p, plan.p == 1, 1, plan.p))
-    dp_per_byte = (d - 1) / d / _link(gpu, plan.t * plan.d)
-    sharded = plan.zero >= 1
-    grad_reduce = params * training.grad_bytes * dp_per_byte * _where(sharded, 1.0, 2.0)
-    param_gather = (plan.zero >= 1) * (plan.zero < 3) * params * training.weight_bytes * dp_per_byte
-    backward_mb = layers * lt.backward_s + recompute_mb + head_compute * 2 / 3
-    forward_mb = layers * lt.forward_s
-    dp_comm = grad_reduce + param_gather
-    dp_exposed = _overlapped(grad_reduce, backward_mb, layers) + _overlapped(param_gather, forward_mb, layers)
+    # Data parallelism over d ranks t apart (NVLink while t*d fits a node). The stage's gradients
+    # (training.grad_bytes each: fp32 main grads) are all-reduced without ZeRO, reduce-scattered
+    # with ZeRO >= 1 (Megatron-LM distributed optimizer), followed for ZeRO 1-2 by an all-gather of
+    # the updated weights. --overlap-grad-reduce hides the reduction behind the last micro-batch's
+    # backward and --overlap-param-gather the all-gather behind the next step's first forward,
+    # each but one per-layer bucket (_overlapped).
+    params = _stage_params(model, pf)
+    inv_d = 1.0 / d
+    dp_per_byte = (1.0 - inv_d) * _link_per_byte(gpu, td)
+    weights_gather = params * (training.weight_bytes * dp_per_byte)
+    grad_reduce = (params * (training.grad_bytes * dp_per_byte)) * (2.0 - pf.sharded)
+    param_gather = (pf.sharded - pf.zero3) * weights_gather
+    forward_window = (b * layers) * forward
+    backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
+    inv_layers = p * (1.0 / model.num_layers)  # one bucket per layer
+    dp_exposed = (_overlapped(grad_reduce, backward_window, inv_layers)
+                  + _overlapped(param_gather, forward_window, inv_layers))
 
-    # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in the
-    # forward and again in the backward, prefetched one layer ahead.
-    gather_pass = (plan.zero >= 3) * params * training.weight_bytes * dp_per_byte
-    zero3 = 2 * M * gather_pass
-    zero3_exposed = M * (_overlapped(gather_pass, forward_mb, layers) + _overlapped(gather_pass, backward_mb, layers))
+    # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in its
+    # forward and again in its backward, one layer ahead (DeepSpeed prefetch), so each pass
+    # exposes what its compute cannot hide, and at least one layer's gather.
+    gather_pass = pf.zero3 * weights_gather
+    zero3_exposed = M * (_overlapped(gather_pass, forward_window, inv_layers)
+                         + _overlapped(gather_pass, backward_window, inv_layers))
 
-    # Optimizer step, memory-bound over this GPU's shard (ZeRO >= 1: 1/d of the stage): read the
-    # master weights, gradients and moments, write master, moments and the bf16 weights, plus one
-    # read of the gradients for the norm used in clipping (Megatron-LM clip_grad_norm).
-    state = training.optimizer_moments * training.optimizer_state_bytes
-    update_bytes = (2 * training.master_weight_bytes + 2 * training.grad_bytes + 2 * state
-                    + training.weight_bytes)
-    optimizer = params * _where(sharded, 1.0 / d, 1.0) * update_bytes / bw_mem
+    # Optimizer step, memory-bound over this GPU's shard (1/d of it with ZeRO >= 1): read master
+    # weights, gradients and moments, write master, moments and the 16-bit weights, plus one read
+    # of the gradients for the global norm used to clip them (Megatron-LM clip_grad_norm).
+    moments = training.optimizer_moments * training.optimizer_state_bytes
+    update_bytes = 2 * training.master_weight_bytes + 2 * training.grad_bytes + 2 * moments + training.weight_bytes
+    optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_d - 1.0))
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer
-    flops = model_flops(model, global_batch)
+    sequences = _f(global_batch)
+    gpus_peak_step = tdp * (gpu.peak_bf16_flops * step)
+    essentials = dict(model_flops=model_flops(model, global_batch), bubble_fraction=bubble_fraction,
+                      step_time_s=step, tokens_per_s=sequences * s / step,
+                      mfu=(_model_flops_per_sequence(model) * sequences) / gpus_peak_step)
+    if not breakdown:
+        return StepTime(**_as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
     hw_flops = hardware_flops(model, plan, global_batch)
-    gpus = _f(plan.t * plan.p * plan.d)
-    return StepTime(
-        model_flops=flops,
+    return StepTime(**_as_python(dict(
         hardware_flops=hw_flops,
-        compute_s=M * compute_mb,
-        memory_s=M * memory_mb,
-        recompute_s=M * recompute_mb,
-        tp_comm_s=M * tp_mb,
-        tp_comm_exposed_s=M * tp_exposed_mb,
-        bubble_fraction=bubble_fraction,
+        compute_s=bm * compute,
+        memory_s=bm * memory,
+        recompute_s=bm * recompute,
+        tp_comm_s=bm * tp_comm,
+        tp_comm_exposed_s=bm * tp_exposed,
         bubble_s=bubble,
         pp_comm_s=pp_comm,
-        dp_comm_s=dp_comm,
+        dp_comm_s=grad_reduce + param_gather,
         dp_comm_exposed_s=dp_exposed,
-        zero3_gather_s=zero3,
+        zero3_gather_s=(2.0 * M) * gather_pass,
         zero3_gather_exposed_s=zero3_exposed,
         optimizer_s=optimizer,
-        step_time_s=step,
-        tokens_per_s=_f(global_batch) * s / step,
-        mfu=flops / (step * gpus * peak),
-        hfu=hw_flops / (step * gpus * peak),
-    )
+        hfu=_f(hw_flops) / gpus_peak_step,
+        **essentials,
+    )))

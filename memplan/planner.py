@@ -115,14 +115,14 @@ class Evaluated:
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: Optional[GpuSpec],
-             global_batch: int) -> Evaluated:
+             global_batch: int, impl: str = "megatron") -> Evaluated:
     """Memory (and step time, when a GPU is known) of every plan, vectorised.
 
     Only the first and the last stage can be the most loaded: every middle stage holds no more
     activations than the first (fewer micro-batches in flight) and the same layers' states
     without the embedding; a test checks this against `estimate`'s all-stage maximum.
     """
-    terms = inventory_for(model).terms
+    terms = inventory_for(model, impl).terms
     first = stage_memory(model, terms, training, plans, 0).total
     last = stage_memory(model, terms, training, plans, plans.p - 1).total
     step = mfu = tps = None
@@ -164,6 +164,7 @@ class SearchResult:
     fastest_miss: Optional[int]  # the fastest plan over the budget (if faster than the best fit)
     evaluated: Evaluated
     training: TrainingSpec
+    impl: str = "megatron"
     notes: list[str] = field(default_factory=list)
 
     def config(self, i: int) -> Config:
@@ -188,7 +189,8 @@ class SearchResult:
 
 def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
            gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
-           chunk: int = 1 << 20, progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+           chunk: int = 1 << 20, progress: Optional[Callable[[int, int], None]] = None,
+           impl: str = "megatron") -> SearchResult:
     """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
     (by memory when no GPU is known)."""
     start = time.perf_counter()
@@ -197,7 +199,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     n = len(plans.t)
     parts = []
     for lo in range(0, n, chunk):
-        parts.append(evaluate(model, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch))
+        parts.append(evaluate(model, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch, impl))
         if progress is not None:
             progress(min(lo + chunk, n), n)
     evaluated = parts[0] if len(parts) == 1 else _concat(plans, parts)
@@ -212,7 +214,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     if len(over) and (not best or key[over[0]] < key[best[0]]):
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
-                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training)
+                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl)
 
 
 def _concat(plans: PlanValues, parts: list[Evaluated]) -> Evaluated:

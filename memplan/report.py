@@ -34,6 +34,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
     out: dict[str, Any] = {
         "config": config_dict(est.config),
         "inventory": est.inventory.name,
+        "impl": est.inventory.name.split("/")[1],
         "paper_only": est.paper_only,
         "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},
         "most_loaded_stage": est.most_loaded,
@@ -129,10 +130,11 @@ def render_estimate(est: Estimate, console: Console) -> None:
                   f"{peak.activations / total:.1%}", "")
     for r in est.rows:
         mark = "" if r.term.in_k22 else " *"
-        table.add_row(f"  {r.term.name}{mark}", r.symbolic, str(r.copies), _gb(r.stage_bytes),
+        table.add_row(f"  {r.term.name}{mark}", r.symbolic, str(r.copies), format_bytes_auto(r.stage_bytes),
                       f"{r.stage_bytes / total:.1%}", _cite(r.term.source))
     if peak.recompute_working_bytes:
-        table.add_row("  recompute working set (one layer, transient) *", "", "1", _gb(peak.recompute_working_bytes),
+        table.add_row("  recompute working set (one layer, transient) *", "", "1",
+                      format_bytes_auto(peak.recompute_working_bytes),
                       f"{peak.recompute_working_bytes / total:.1%}", "memplan")
     table.add_row("[bold]total[/]", "", "", f"[bold]{_gb(total)}[/]", "100.0%", "")
     console.print(table)

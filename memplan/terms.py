@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from memplan.specs import Config, ModelSpec, Recompute
+from memplan.errors import MemplanError
+from memplan.specs import ModelSpec, Recompute
 from memplan.symbolic import Poly
 
-Scope = Literal["layer", "first", "last"]
+Scope = Literal["layer", "chunk", "first", "last"]
 Dtype = Literal["act", "mask", "fp32", "int64"]
 
 # Bytes per element of each storage kind that is not the configurable activation dtype.
@@ -44,9 +45,10 @@ class Term:
     sp_split: bool  # replicated under TP, split over t along s when sequence parallelism is on
     dropped_by_selective: bool = False  # recomputed by selective recompute (the attention core)
     kept_by_full: bool = False  # the layer input: the only tensor full recompute keeps
-    scope: Scope = "layer"
+    scope: Scope = "layer"  # every layer; once per model chunk; the first / last stage only
     in_k22: bool = True
     source: str = ""
+    needs_tp: bool = False  # exists only with tensor parallelism (t > 1)
 
     def element_bytes(self, activation_bytes: int) -> int:
         return {"act": activation_bytes, "mask": MASK_BYTES, "fp32": FP32_BYTES, "int64": INT64_BYTES}[
@@ -65,6 +67,8 @@ class Term:
     def bytes(self, values: Mapping[str, Any], activation_bytes: int, sp: Any) -> Any:
         """Bytes on one GPU; `values` and `sp` may be scalars or numpy arrays (one per plan)."""
         full = self.size(activation_bytes).evaluate(values)
+        if self.needs_tp:
+            full = full * (values["t"] > 1)
         if self.tp_split:
             return full // values["t"]
         if self.sp_split:
@@ -85,13 +89,14 @@ class Term:
         )
 
 
-def _t(id, name, block, elements, dtype="act", *, tp, sp, sel=False, full=False, scope="layer", k22=True, src):
-    return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src)
+def _t(id, name, block, elements, dtype="act", *, tp, sp, sel=False, full=False, scope="layer", k22=True, src,
+       needs_tp=False):
+    return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp)
 
 
 # A K22 GPT layer (pre-LN, learned positions, GeLU MLP of width f, dropout), section 4.1.
 # K and V have g heads of h/a each (g = a in K22), so their elements are s b h g/a.
-def k22_layer(model: ModelSpec) -> list[Term]:
+def k22_layer(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
     s41 = "K22 section 4.1"
     terms = [
         _t("ln1_input", "input of layer norm 1 (the layer input)", "layer norms", "s b h",
@@ -130,6 +135,8 @@ def k22_layer(model: ModelSpec) -> list[Term]:
     terms += [
         _t("ln2_input", "input of layer norm 2", "layer norms", "s b h",
            tp=False, sp=True, src=f"{s41}: layer norms 4sbh"),
+        *_norm_stats("ln1_stats", "layer norm 1", "layer", stats),
+        *_norm_stats("ln2_stats", "layer norm 2", "layer", stats),
         _t("fc1_input", "input of the first MLP linear", "MLP", "s b h",
            tp=False, sp=True, src=f"{s41}: MLP 2sbh"),
         _t("gelu_input", "GeLU input", "MLP", "s b f",
@@ -143,25 +150,55 @@ def k22_layer(model: ModelSpec) -> list[Term]:
     return terms
 
 
-def k22_outside_layers(model: ModelSpec) -> list[Term]:
-    """Embedding on the first stage; final norm, output layer and loss on the last (K22 4.3)."""
+def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype) -> list[Term]:
+    """A layer norm's saved mean and rstd (2 values per token): fp32 from CUDA kernels (apex, TE,
+    torch), the activation dtype from torch's CPU kernel. K22 section 4.1 ignores them."""
+    return [_t(id, f"{which} mean and rstd", "layer norms", "2 s b", stats, tp=False, sp=True, scope=scope,
+               k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)")]
+
+
+def k22_outside_layers(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
+    """Embedding on the first stage; final norm, output layer and loss on the last (K22 4.3),
+    and the index tensors the real code keeps (Megatron-LM embedding and vocab-parallel loss)."""
     terms = [
         _t("token_ids", "token ids (int64 embedding input)", "embedding", "s b", "int64",
            tp=False, sp=False, scope="first", k22=False,
            src="Megatron-LM theoretical_memory_usage.py: 8sbp"),
+        _t("embedding_input_mask", "out-of-shard token mask of the vocab-parallel embedding", "embedding", "s b",
+           "mask", tp=False, sp=False, scope="first", k22=False, needs_tp=True,
+           src="measured: VocabParallelEmbedding zeroes rows of other shards (index_put)"),
     ]
+    if model.position_embedding == "learned":
+        terms.append(_t("position_ids", "position ids (int64, one row broadcast over b)", "embedding", "s", "int64",
+                        tp=False, sp=False, scope="first", k22=False,
+                        src="measured: position embedding lookup saves its indices"))
     if model.dropout:
         terms.append(_t("embedding_dropout_mask", "embedding dropout mask", "embedding", "s b h", "mask",
                         tp=False, sp=True, scope="first", src="K22 section 4.3: sbhp/t"))
     terms += [
         _t("final_ln_input", "input of the final layer norm", "output layer", "s b h",
            tp=False, sp=True, scope="last", src="K22 section 4.3: 2sbh/t"),
+        *_norm_stats("final_ln_stats", "final layer norm", "last", stats),
         _t("head_input", "input of the output projection (LM head)", "output layer", "s b h",
            tp=False, sp=True, scope="last", src="K22 section 4.3: 2sbh/t"),
         _t("logits_fp32", "fp32 logits for the cross-entropy", "output layer", "s b v", "fp32",
            tp=True, sp=False, scope="last", src="K22 section 4.3: 4sbv/t"),
+        _t("target_ids", "target ids (int64) kept by the vocab-parallel cross-entropy", "output layer", "s b",
+           "int64", tp=False, sp=False, scope="last", k22=False,
+           src="measured: Megatron-style VocabParallelCrossEntropy saves the masked targets"),
+        _t("target_mask", "out-of-shard target mask of the vocab-parallel cross-entropy", "output layer", "s b",
+           "mask", tp=False, sp=False, scope="last", k22=False,
+           src="measured: Megatron-style VocabParallelCrossEntropy saves the target mask"),
     ]
     return terms
+
+
+def causal_mask_term() -> Term:
+    """Eager attention with an explicit [s, s] bool mask: built once per forward of a model chunk
+    and saved by every layer's masked_fill (one storage). Megatron-LM's fused upper-triangular
+    softmax builds no mask."""
+    return _t("causal_mask", "causal mask (bool, shared by the chunk's layers)", "attention", "s^2", "mask",
+              tp=False, sp=False, scope="chunk", k22=False, src="measured: masked_fill saves the mask (validation/)")
 
 
 @dataclass(frozen=True)
@@ -175,26 +212,26 @@ class Inventory:
         return tuple(t for t in self.terms if t.scope == scope and (t.in_k22 or not paper_only))
 
 
-def inventory_for(model: ModelSpec) -> Inventory:
-    """The inventory of a model spec (today: the K22 GPT layer family)."""
-    return Inventory("k22-gpt", tuple(k22_layer(model) + k22_outside_layers(model)))
+IMPLEMENTATIONS: dict[str, str] = {
+    "megatron": "Megatron-LM on GPU: fused scaled upper-triangular masked softmax (no mask tensor), "
+                "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy",
+    "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
+             "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU)",
+}
+DEVICES = ("cuda", "cpu")
 
 
-def symbol_values(config: Config, **override: Any) -> dict[str, Any]:
-    """Bind the symbols once: s, b, h, a, f, g, v, t (values may be numpy arrays in the planner)."""
-    m = config.model
-    values = dict(
-        s=m.seq_length,
-        b=config.training.micro_batch,
-        h=m.hidden_size,
-        a=m.num_attention_heads,
-        f=m.f,
-        g=m.g,
-        v=m.vocab_size,
-        t=config.parallel.tp,
-    )
-    values.update(override)
-    return values
+def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda") -> Inventory:
+    """The saved tensors of `model` as implementation `impl` runs it on `device`."""
+    if impl not in IMPLEMENTATIONS:
+        raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
+    if device not in DEVICES:
+        raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
+    stats: Dtype = "fp32" if device == "cuda" else "act"
+    terms = k22_layer(model, stats) + k22_outside_layers(model, stats)
+    if impl == "torch":
+        terms.append(causal_mask_term())
+    return Inventory(f"k22-gpt/{impl}/{device}", tuple(terms))
 
 
 def display_poly(poly: Poly, model: ModelSpec) -> Poly:

@@ -34,7 +34,7 @@ def test_models_lists_presets(run_cli):
 def test_estimate_table(run_cli):
     code, out, _ = run_cli("estimate", "--model", "gpt3-530b")
     assert code == 0
-    for text in ("GeLU input", "34sbh/t", "stage 0", "fits", "GB"):
+    for text in ("GeLU input", "8sbh/t", "2sbh/t", "stage 0", "fits", "GB"):
         assert text in out
 
 
@@ -44,13 +44,22 @@ def test_estimate_json_fields(run_cli):
     mem = data["memory"]
     assert mem["total_bytes"] == sum(mem[k] for k in ("weights_bytes", "gradients_bytes", "optimizer_bytes",
                                                        "activations_bytes"))
-    # K22 Eq. 6 per layer: 34sbh/t = 34 * 2048 * 20480 / 8
-    assert data["activations"]["per_layer_bytes"] == 34 * 2048 * 20480 // 8
+    # K22 Eq. 6 per layer, 34sbh/t = 34 * 2048 * 20480 / 8, plus what K22 ignores: two layer norms
+    # each keep an fp32 mean and rstd per token (2 * 4 bytes * sb), split by t under SP: 16sb/t.
+    assert data["activations"]["per_layer_bytes"] == 34 * 2048 * 20480 // 8 + 16 * 2048 // 8
     terms = data["activations"]["terms"]
     assert all({"name", "symbolic", "bytes"} <= set(t) for t in terms)
     assert len(data["stages"]) == 35
     assert data["budget_bytes"] == 80 * 10**9
     assert data["fits"] is (mem["total_bytes"] <= 80 * 10**9)
+
+
+def test_paper_only_view(run_cli):
+    _, out, _ = run_cli("estimate", "--model", "gpt3-530b", "--paper-only", "--json")
+    data = json.loads(out)
+    assert data["activations"]["per_layer_bytes"] == 34 * 2048 * 20480 // 8  # K22 Eq. 6
+    assert data["activations"]["per_layer_symbolic"] == "34sbh/t"
+    assert all(t["in_k22"] for t in data["activations"]["terms"])
 
 
 def test_mem_units_gb_and_gib(run_cli):
