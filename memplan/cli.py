@@ -212,6 +212,53 @@ def search(**opts: Any) -> None:
         sys.exit(1)
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in value.split(","))
+    for item in items:
+        if item not in ("none", "selective", "full"):
+            raise click.BadParameter(f"recompute must be none, selective or full (got {item!r})")
+    return items
+
+
+@cli.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--tp", "tps", default="1,2,4", show_default=True, callback=_int_list,
+              help="Tensor-parallel sizes (t > 1 spawns t processes).")
+@click.option("--recompute", "recomputes", default="none,selective,full", show_default=True,
+              callback=_recompute_list)
+@click.option("--fake/--no-fake", default=True, show_default=True,
+              help="Also the 175B and 530B layers at t = 8 under FakeTensorMode.")
+@click.option("--terms", is_flag=True, help="Show every case term by term (failures always are).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, terms: bool,
+             as_json: bool) -> None:
+    """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
+    from memplan.report import print_json, render_validation, validation_dict
+    from memplan.validate import grid, run, summary
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MemplanError("validate needs torch: pip install torch==2.13.0 && pip install -e '.[validate]'") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MemplanError("--device cuda: no CUDA device is available")
+    results = run(grid(device, tps, recomputes, fake and device == "cpu"), device)
+    totals = summary(results)
+    if as_json:
+        print_json(validation_dict(results, totals))
+    else:
+        render_validation(results, totals, _console(), terms)
+    if totals["failed"]:
+        sys.exit(1)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: bad input gives one line on stderr and exit code 2, never a traceback."""
     try:

@@ -288,3 +288,51 @@ class DelayedProgress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **summary,
+        "results": [
+            {
+                "case": r.case.__dict__,
+                "predicted_bytes": r.predicted_total,
+                "measured_bytes": r.measured_total,
+                "retained_after_forward_bytes": r.retained_after_forward,
+                "peak_bytes": r.peak,
+                "paper_only_bytes": r.paper_total,
+                "error": r.error,
+                "passed": r.passed,
+                "terms": [{"label": k, "predicted_bytes": p, "measured_bytes": m} for k, p, m in r.term_rows()],
+                "notes": r.notes,
+            }
+            for r in results
+        ],
+    }
+
+
+def render_validation(results: list[Any], summary: dict[str, Any], console: Console, terms: bool = False) -> None:
+    table = Table(title="memplan vs measured saved tensors (bytes per rank)")
+    for col in ("case", "scope", "t", "SP", "recompute", "backend", "memplan", "measured", "error", "K22 only",
+                "result"):
+        table.add_column(col, justify="left" if col in ("case", "scope", "recompute", "backend") else "right")
+    for r in results:
+        c = r.case
+        table.add_row(c.name, c.scope, str(c.t), "on" if c.sp else "off", c.recompute, c.backend,
+                      f"{r.predicted_total:,} B", f"{r.measured_total:,} B", f"{r.error:.4%}",
+                      f"{r.paper_total:,} B", "[green]PASS[/]" if r.passed else "[red]FAIL[/]")
+    console.print(table)
+    for r in results:
+        if terms or not r.passed:
+            detail = Table(title=f"{r.case.name} {r.case.scope} t={r.case.t} SP={'on' if r.case.sp else 'off'} "
+                                 f"{r.case.recompute} ({r.case.backend})")
+            for col in ("term", "memplan", "measured", "difference"):
+                detail.add_column(col, justify="left" if col == "term" else "right")
+            for label, pred, meas in r.term_rows():
+                style = "" if pred == meas else "[red]"
+                detail.add_row(f"{style}{label}", f"{pred:,} B", f"{meas:,} B", f"{pred - meas:+,} B")
+            console.print(detail)
+    console.print(
+        f"{summary['passed']} passed, {summary['failed']} failed; largest error {summary['largest_error']:.4%} "
+        f"(tolerance {summary['tolerance']:.1%} of a case's activation bytes)"
+    )
