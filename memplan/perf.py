@@ -63,7 +63,7 @@ Four unknowns, each solved from one published figure, in this order:
 With these constants the model gives, forward / backward ms (K22 Table 4 in brackets):
 baseline 7.71 / 11.90 (7.7 / 11.9), SP 7.21 / 11.86 (7.2 / 11.8), full recompute 7.71 / 19.61
 (7.7 / 19.5), selective 7.71 / 13.21 (7.7 / 13.2), selective + SP 7.21 / 13.17 (7.2 / 13.1);
-overheads SP -2.7% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
+overheads SP -2.75% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
 Full recompute costs exactly one more forward here, 7.7 / 19.6 = 39.3%; Table 4's own
 recompute is 19.5 - 11.9 = 7.6 ms, 0.1 ms (print rounding) under its 7.7 ms forward.
 The H100 and H200 presets have no such table: they reuse the A100 fractions of peak.
@@ -91,9 +91,6 @@ from memplan.states import output_layer_group, param_groups
 # NVLink bandwidth of 370GB/s" (S. Jeaugey, NVIDIA/nccl-tests issue 212); 8 x A100 all_reduce
 # busbw 232.5 of 300 GB/s and two DGX nodes 86 of 100 GB/s (NVIDIA/nccl-tests issue 175).
 NCCL_BUS_EFFICIENCY = 0.80
-# Fallbacks while GpuSpec lacks these fields (A100 values from K22 Table 4, module docstring).
-DEFAULT_MEMORY_BOUND_EFFICIENCY = 0.95  # achieved fraction of HBM bandwidth in elementwise kernels
-DEFAULT_ATTENTION_MATMUL_EFFICIENCY = 0.24  # achieved fraction of peak in QK^T and attention over V
 # Exposed fraction of the backward TP collectives that Megatron-LM runs asynchronously next to an
 # independent GEMM (the input-gradient all-reduce; with SP its reduce-scatter and the re-all-gather
 # of the saved input), from K22 Table 4's baseline backward (module docstring, step 4).
@@ -136,28 +133,19 @@ def _is_array(*xs: Any) -> bool:
     return any(isinstance(x, np.ndarray) for x in xs)
 
 
-def _where(cond: Any, x: Any, y: Any) -> Any:
-    if not _is_array(cond, x, y):
-        return x if cond else y
-    # Python floats would make np.where return float64.
-    x, y = (v if isinstance(v, np.ndarray) else TIME_DTYPE(v) for v in (x, y))
-    return np.where(cond, x, y)
-
-
 def _maximum(x: Any, y: Any) -> Any:
     return np.maximum(x, y) if _is_array(x, y) else max(x, y)
 
 
-def _minimum(x: Any, y: Any) -> Any:
-    return np.minimum(x, y) if _is_array(x, y) else min(x, y)
-
-
 def memory_bound_efficiency(gpu: GpuSpec) -> float:
-    return float(getattr(gpu, "memory_bound_efficiency", DEFAULT_MEMORY_BOUND_EFFICIENCY))
+    return gpu.memory_bound_efficiency
 
 
-def attention_matmul_efficiency(gpu: GpuSpec) -> float:
-    return float(getattr(gpu, "attention_matmul_efficiency", DEFAULT_ATTENTION_MATMUL_EFFICIENCY))
+def attention_matmul_efficiency(gpu: GpuSpec, model: ModelSpec) -> float:
+    """Unfused attention matmuls run at the calibrated (low) efficiency; a flash kernel fuses them
+    and is assumed to reach the GEMM efficiency (FlashAttention-2 reports 50-73% of A100 peak
+    forward, Dao 2023, close to the calibrated 0.69)."""
+    return gpu.matmul_efficiency if model.attention == "flash" else gpu.attention_matmul_efficiency
 
 
 # --- FLOPs (K22 appendix A, generalised) ------------------------------------------------------
@@ -325,6 +313,8 @@ def layer_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerBytes:
     rep_bwd = (2 * 3 * A + 2 * drop * (2 * A + MASK_BYTES) + 2 * 3 * A) * sh
     softmax_fwd, softmax_bwd = 2 * A * scores, 3 * A * scores  # fused scale-mask-softmax
     dropout = drop * (2 * A + MASK_BYTES) * scores  # forward writes the mask, backward reads it
+    if model.attention == "flash":  # the scores never leave the chip (FlashAttention, Dao 2022)
+        softmax_fwd = softmax_bwd = dropout = 0.0
     if model.mlp == "swiglu":  # read gate and up, write the product; backward reads 3, writes 2
         act_fwd, act_bwd = 3 * A * sf, 5 * A * sf
     else:  # fused bias-GeLU: read, write; backward reads input and dy, writes dx
@@ -367,7 +357,7 @@ def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _Laye
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     matmul = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)
-    attention = layer_attention_flops(model) / (peak * attention_matmul_efficiency(gpu))
+    attention = layer_attention_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
     by = layer_bytes(model, activation_bytes)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
     fwd_compute = _Form(t=matmul + attention)
@@ -553,7 +543,8 @@ def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Plan
     """Estimated time of one training step of `global_batch` sequences, its FLOPs and MFU.
 
     With breakdown=False (for ranking millions of plans) only model_flops, bubble_fraction,
-    step_time_s, tokens_per_s and mfu are computed, the same numbers; the other fields are None.
+    step_time_s, tokens_per_s and mfu are returned, the same numbers bit for bit; the other
+    fields are None.
     Long 1-D arrays are evaluated in blocks of CHUNK_SIZE plans (each block vectorised)."""
     values = [getattr(plan, f.name) for f in fields(PlanValues)] + [global_batch]
     arrays = [v for v in values if isinstance(v, np.ndarray)]
@@ -603,16 +594,10 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
     forward = lf.forward(x)  # one layer's forward, also what full recompute adds
     recompute = m * (pf.selective * lf.selective(x) + pf.full * forward)
-    if breakdown:
-        compute = _evaluate(x, (layers, layer_compute), (1.0, head_compute))
-        memory = _evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
-        tp_comm = _evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
-        tp_exposed = _evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
-        busy = compute + memory + tp_exposed
-    else:  # the same sum, gathered into one evaluation
-        busy = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed),
-                         (1.0, head_compute + head_memory + head_exposed), (first, emb_memory + emb_comm))
-    per_sequence = busy + recompute
+    compute = _evaluate(x, (layers, layer_compute), (1.0, head_compute))
+    memory = _evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
+    tp_exposed = _evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
+    per_sequence = compute + memory + tp_exposed + recompute
     ideal = bm * per_sequence
 
     # 1F1B / interleaved pipeline bubble: (p - 1)/(m M) of the ideal time (Narayanan et al. 2021).
@@ -673,6 +658,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     if not breakdown:
         return StepTime(**_as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
     hw_flops = hardware_flops(model, plan, global_batch)
+    tp_comm = _evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
     return StepTime(**_as_python(dict(
         hardware_flops=hw_flops,
         compute_s=bm * compute,

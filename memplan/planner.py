@@ -129,7 +129,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     if gpu is not None:
         from memplan.perf import step_time
 
-        perf = step_time(model, training, gpu, plans, global_batch)
+        perf = step_time(model, training, gpu, plans, global_batch, breakdown=False)
         step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
     return Evaluated(plans, np.maximum(first, last), first, last, step, mfu, tps)
 

@@ -70,6 +70,11 @@ class ModelSpec(_Spec):
     position_embedding: Literal["learned", "rope"] = "learned"
     mlp: Literal["gelu", "swiglu"] = "gelu"
     bias: bool = True
+    attention: Literal["eager", "flash"] = Field(
+        default="eager",
+        description="attention kernel: eager stores the s x s scores (K22); flash (FlashAttention, "
+        "cuDNN fused, SDPA flash) stores only its output and an fp32 log-sum-exp",
+    )
 
     @property
     def f(self) -> int:
@@ -152,6 +157,10 @@ class GpuSpec(_Spec):
     memory_bytes: int = Field(gt=0)
     peak_bf16_flops: float = Field(gt=0, description="dense bf16 FLOP/s")
     matmul_efficiency: float = Field(gt=0, le=1, description="achieved fraction of peak in large GEMMs")
+    memory_bound_efficiency: float = Field(gt=0, le=1, description="achieved fraction of HBM bandwidth in "
+                                           "elementwise kernels")
+    attention_matmul_efficiency: float = Field(gt=0, le=1, description="achieved fraction of peak in the "
+                                               "unfused QK^T and attention-over-V batched matmuls")
     memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")

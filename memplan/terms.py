@@ -94,15 +94,56 @@ def _t(id, name, block, elements, dtype="act", *, tp, sp, sel=False, full=False,
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp)
 
 
-# A K22 GPT layer (pre-LN, learned positions, GeLU MLP of width f, dropout), section 4.1.
+# One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
+# width f = 4h and dropout this is exactly K22's GPT layer (section 4.1); the other features
+# (flash attention, GQA, SwiGLU, RMSNorm, no dropout) swap the tensors they change.
 # K and V have g heads of h/a each (g = a in K22), so their elements are s b h g/a.
-def k22_layer(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
+def megatron_layer(model: ModelSpec, attention: str, stats: Dtype = "fp32") -> list[Term]:
     s41 = "K22 section 4.1"
+    norm = "layer norm" if model.norm == "layernorm" else "RMSNorm"
     terms = [
-        _t("ln1_input", "input of layer norm 1 (the layer input)", "layer norms", "s b h",
+        _t("ln1_input", f"input of {norm} 1 (the layer input)", "layer norms", "s b h",
            tp=False, sp=True, full=True, src=f"{s41}: layer norms 4sbh"),
+        *_norm_stats("ln1_stats", f"{norm} 1", "layer", stats, model.norm),
         _t("qkv_input", "input of the QKV projection", "attention", "s b h",
            tp=False, sp=True, src=f"{s41}: QKV input 2sbh"),
+    ]
+    terms += _eager_core(model) if attention == "eager" else _flash_core(model)
+    if model.dropout:
+        terms.append(_t("attn_dropout_mask", "dropout mask after attention", "attention", "s b h", "mask",
+                        tp=False, sp=True, src=f"{s41}: attention dropout sbh"))
+    terms += [
+        _t("ln2_input", f"input of {norm} 2", "layer norms", "s b h",
+           tp=False, sp=True, src=f"{s41}: layer norms 4sbh"),
+        *_norm_stats("ln2_stats", f"{norm} 2", "layer", stats, model.norm),
+        _t("fc1_input", "input of the first MLP linear", "MLP", "s b h",
+           tp=False, sp=True, src=f"{s41}: MLP 2sbh"),
+    ]
+    if model.mlp == "gelu":
+        terms += [
+            _t("gelu_input", "GeLU input", "MLP", "s b f",
+               tp=True, sp=False, src=f"{s41}: GeLU 8sbh (f = 4h)"),
+            _t("fc2_input", "input of the second MLP linear (GeLU output)", "MLP", "s b f",
+               tp=True, sp=False, src=f"{s41}: second linear 8sbh (f = 4h)"),
+        ]
+    else:
+        swiglu = "Megatron-LM bias_swiglu_impl saves its input; linear_fc2 its input"
+        terms += [
+            _t("swiglu_input", "gate and up projections (the SwiGLU input, 2f wide)", "MLP", "2 s b f",
+               tp=True, sp=False, src=swiglu),
+            _t("fc2_input", "input of the down projection (SiLU(gate) * up)", "MLP", "s b f",
+               tp=True, sp=False, src=swiglu),
+        ]
+    if model.dropout:
+        terms.append(_t("mlp_dropout_mask", "dropout mask after the MLP", "MLP", "s b h", "mask",
+                        tp=False, sp=True, src=f"{s41}: MLP dropout sbh"))
+    return terms
+
+
+def _eager_core(model: ModelSpec) -> list[Term]:
+    """QK^T -> softmax -> dropout -> attention over V with the s x s tensors stored (K22 4.1)."""
+    s41 = "K22 section 4.1"
+    terms = [
         # Q (s b h) and K (s b h g/a) are saved together by QK^T.
         _t("qk", "Q and K (saved by QK^T)", "attention", "s b h + s b h g /a",
            tp=True, sp=False, src=f"{s41}: QK^T 4sbh"),
@@ -119,42 +160,48 @@ def k22_layer(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
     else:
         # Without dropout, attention over V saves the softmax output, which softmax's own
         # backward also needs: one tensor, stored once.
-        terms += [
-            _t("softmax_out", "softmax output (saved by softmax and by attention over V)", "attention",
-               "a s^2 b", tp=True, sp=False, sel=True, src=f"{s41} without the dropout terms"),
-        ]
+        terms.append(_t("softmax_out", "softmax output (saved by softmax and by attention over V)", "attention",
+                        "a s^2 b", tp=True, sp=False, sel=True, src=f"{s41} without the dropout terms"))
     terms += [
         _t("v", "V (saved by attention over V)", "attention", "s b h g /a",
            tp=True, sp=False, src=f"{s41}: attention over V 2sbh"),
         _t("proj_input", "input of the output projection", "attention", "s b h",
            tp=True, sp=False, src=f"{s41}: output projection 2sbh"),
     ]
-    if model.dropout:
-        terms.append(_t("attn_dropout_mask", "dropout mask after attention", "attention", "s b h", "mask",
-                        tp=False, sp=True, src=f"{s41}: attention dropout sbh"))
-    terms += [
-        _t("ln2_input", "input of layer norm 2", "layer norms", "s b h",
-           tp=False, sp=True, src=f"{s41}: layer norms 4sbh"),
-        *_norm_stats("ln1_stats", "layer norm 1", "layer", stats),
-        *_norm_stats("ln2_stats", "layer norm 2", "layer", stats),
-        _t("fc1_input", "input of the first MLP linear", "MLP", "s b h",
-           tp=False, sp=True, src=f"{s41}: MLP 2sbh"),
-        _t("gelu_input", "GeLU input", "MLP", "s b f",
-           tp=True, sp=False, src=f"{s41}: GeLU 8sbh (f = 4h)"),
-        _t("fc2_input", "input of the second MLP linear (GeLU output)", "MLP", "s b f",
-           tp=True, sp=False, src=f"{s41}: second linear 8sbh (f = 4h)"),
-    ]
-    if model.dropout:
-        terms.append(_t("mlp_dropout_mask", "dropout mask after the MLP", "MLP", "s b h", "mask",
-                        tp=False, sp=True, src=f"{s41}: MLP dropout sbh"))
     return terms
 
 
-def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype) -> list[Term]:
-    """A layer norm's saved mean and rstd (2 values per token): fp32 from CUDA kernels (apex, TE,
-    torch), the activation dtype from torch's CPU kernel. K22 section 4.1 ignores them."""
-    return [_t(id, f"{which} mean and rstd", "layer norms", "2 s b", stats, tp=False, sp=True, scope=scope,
-               k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)")]
+def _flash_core(model: ModelSpec) -> list[Term]:
+    """Fused / flash attention (FlashAttention-2, cuDNN via Transformer Engine): no s x s tensor;
+    the kernel saves Q, K, V, its output and a fp32 log-sum-exp per query row and head; dropout
+    inside the kernel keeps an RNG state, not a mask. The output is also the output projection's
+    input: one tensor."""
+    fa = "FlashAttention-2 (Dao 2023) forward saves q, k, v, out, softmax_lse"
+    return [
+        _t("qk", "Q and K (saved by flash attention)", "attention", "s b h + s b h g /a",
+           tp=True, sp=False, src=fa),
+        _t("v", "V (saved by flash attention)", "attention", "s b h g /a", tp=True, sp=False, src=fa),
+        _t("proj_input", "attention output = input of the output projection", "attention", "s b h",
+           tp=True, sp=False, src=fa),
+        _t("softmax_lse", "log-sum-exp per row and head (fp32)", "attention", "a s b", "fp32",
+           tp=True, sp=False, sel=True, k22=False, src=fa),
+    ]
+
+
+def k22_layer(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
+    """K22's GPT layer: Megatron-LM with eager attention."""
+    return megatron_layer(model, "eager", stats)
+
+
+def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype, kind: str = "layernorm") -> list[Term]:
+    """A norm's saved statistics: LayerNorm keeps mean and rstd (2 values per token), RMSNorm only
+    rstd; fp32 from CUDA kernels (apex, Transformer Engine, torch), the activation dtype from
+    torch's CPU kernel. K22 section 4.1 ignores them."""
+    if kind == "layernorm":
+        return [_t(id, f"{which} mean and rstd", "layer norms", "2 s b", stats, tp=False, sp=True, scope=scope,
+                   k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)")]
+    return [_t(id, f"{which} rstd", "layer norms", "s b", stats, tp=False, sp=True, scope=scope,
+               k22=False, src="Transformer Engine / apex RMSNorm saves rstd (fp32)")]
 
 
 def k22_outside_layers(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
@@ -178,7 +225,7 @@ def k22_outside_layers(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
     terms += [
         _t("final_ln_input", "input of the final layer norm", "output layer", "s b h",
            tp=False, sp=True, scope="last", src="K22 section 4.3: 2sbh/t"),
-        *_norm_stats("final_ln_stats", "final layer norm", "last", stats),
+        *_norm_stats("final_ln_stats", "final norm", "last", stats, model.norm),
         _t("head_input", "input of the output projection (LM head)", "output layer", "s b h",
            tp=False, sp=True, scope="last", src="K22 section 4.3: 2sbh/t"),
         _t("logits_fp32", "fp32 logits for the cross-entropy", "output layer", "s b v", "fp32",
@@ -228,10 +275,14 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
     stats: Dtype = "fp32" if device == "cuda" else "act"
-    terms = k22_layer(model, stats) + k22_outside_layers(model, stats)
     if impl == "torch":
-        terms.append(causal_mask_term())
-    return Inventory(f"k22-gpt/{impl}/{device}", tuple(terms))
+        if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
+            raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "
+                               "GeLU MLP, LayerNorm")
+        terms = megatron_layer(model, "eager", stats) + k22_outside_layers(model, stats) + [causal_mask_term()]
+    else:
+        terms = megatron_layer(model, model.attention, stats) + k22_outside_layers(model, stats)
+    return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms))
 
 
 def display_poly(poly: Poly, model: ModelSpec) -> Poly:
