@@ -41,6 +41,7 @@ class Estimate:
     total_params: int
     budget_bytes: Optional[int] = None
     gpu: Optional[GpuSpec] = None
+    perf: Optional[Any] = None  # perf.StepTime when a GPU is known
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -97,15 +98,20 @@ def estimate(
 
     if budget_bytes is None and gpu is not None:
         budget_bytes = gpu.memory_bytes
+    perf = None
+    if gpu is not None:
+        from memplan.perf import step_time
+
+        perf = step_time(config.model, config.training, gpu, plan, config.global_batch)
     return Estimate(
         config=config, inventory=inventory, paper_only=paper_only, stages=stages, most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
-        rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu,
-        notes=_notes(config, peak),
+        rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
+        notes=_notes(config, peak, terms, values),
     )
 
 
-def _notes(config: Config, peak: StageMemory) -> list[str]:
+def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any]) -> list[str]:
     par, tr = config.parallel, config.training
     notes = []
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
@@ -124,4 +130,13 @@ def _notes(config: Config, peak: StageMemory) -> list[str]:
             f"full recompute of {tr.recompute_num_layers} of {config.layers_per_chunk} layers per model chunk "
             "(Megatron-LM --recompute-method block)"
         )
+    if tr.recompute == Recompute.SELECTIVE:
+        dropped = sum(t.bytes(values, tr.activation_bytes, int(par.sp)) for t in terms
+                      if t.scope == "layer" and t.dropped_by_selective)
+        kept = sum(t.bytes(values, tr.activation_bytes, int(par.sp)) for t in terms if t.scope == "layer")
+        if config.model.attention == "flash":
+            notes.append(
+                f"flash attention stores no s x s tensor: selective recompute drops only the log-sum-exp, "
+                f"{dropped:,} of {kept:,} bytes per layer ({dropped / kept:.2%}); it saves almost nothing"
+            )
     return notes

@@ -86,7 +86,14 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         out["fits"] = est.fits
     if est.gpu is not None:
         out["gpu"] = est.gpu.name
+    if est.perf is not None:
+        out["perf"] = perf_dict(est.perf)
     return out
+
+
+def perf_dict(perf: Any) -> dict[str, Any]:
+    """Every field of a scalar StepTime (seconds, FLOPs, fractions)."""
+    return {k: (None if v is None else float(v)) for k, v in perf.__dict__.items()}
 
 
 def _cite(source: str) -> str:
@@ -142,6 +149,14 @@ def render_estimate(est: Estimate, console: Console) -> None:
         console.print("[dim]* not in K22: stored by real implementations; --paper-only leaves them out[/]")
     for note in est.notes:
         console.print(f"note: {note}")
+    if est.perf is not None:
+        p = est.perf
+        console.print(
+            f"step time {p.step_time_s:.2f} s on {est.gpu.name} ({p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}): "
+            f"compute {p.compute_s:.2f} s, memory-bound {p.memory_s:.2f} s, recompute {p.recompute_s:.2f} s, "
+            f"pipeline bubble {p.bubble_s:.2f} s ({p.bubble_fraction:.1%}), TP comm exposed "
+            f"{p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
+        )
     if est.budget_bytes is not None:
         where = f" ({est.gpu.name})" if est.gpu is not None else ""
         head = est.headroom_bytes

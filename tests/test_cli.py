@@ -52,6 +52,8 @@ def test_estimate_json_fields(run_cli):
     assert len(data["stages"]) == 35
     assert data["budget_bytes"] == 80 * 10**9
     assert data["fits"] is (mem["total_bytes"] <= 80 * 10**9)
+    # a GPU (the preset's A100) and a global batch are known, so the step time is estimated
+    assert data["perf"]["step_time_s"] > 0 and 0 < data["perf"]["mfu"] < 1
 
 
 def test_paper_only_view(run_cli):
