@@ -29,6 +29,10 @@ def plan_options(func: Callable) -> Callable:
     """Options shared by every command that builds a plan for a model."""
     options = [
         click.option("--model", "model_name", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
+        click.option("--hf-config", "hf_config", metavar="config.json",
+                     help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
+        click.option("--attention", type=click.Choice(["eager", "flash"]),
+                     help="Attention kernel: eager stores the s x s scores; flash does not."),
         click.option("--tp", type=int, help="Tensor-parallel size t."),
         click.option("--pp", type=int, help="Pipeline-parallel size p."),
         click.option("--dp", type=int, help="Data-parallel size d."),
@@ -56,12 +60,24 @@ def plan_options(func: Callable) -> Callable:
     return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
 
 
-def _config_from_options(opts: dict[str, Any]):
-    from memplan.presets import load_model, make_config
+def _preset(opts: dict[str, Any]):
+    """The model the options name: --model (preset or YAML) or --hf-config; None if neither."""
+    from memplan.presets import load_model, read_hf_config
 
-    if not opts.get("model_name"):
-        raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`)")
-    preset = load_model(opts["model_name"])
+    if opts.get("model_name") and opts.get("hf_config"):
+        raise MemplanError("give --model or --hf-config, not both")
+    if opts.get("hf_config"):
+        return read_hf_config(opts["hf_config"])
+    return load_model(opts["model_name"]) if opts.get("model_name") else None
+
+
+def _config_from_options(opts: dict[str, Any]):
+    from memplan.presets import make_config
+
+    preset = _preset(opts)
+    if preset is None:
+        raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
+                           "or --hf-config config.json")
     zero = opts.get("zero")
     if opts.get("distributed_optimizer"):
         if zero not in (None, 1):
@@ -73,7 +89,7 @@ def _config_from_options(opts: dict[str, Any]):
                       sp=opts.get("sp"), zero=zero),
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers")),
-        model=dict(seq_length=opts.get("seq_len")),
+        model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
         gpus=opts.get("gpus"),
     )
     return preset, config
@@ -175,15 +191,16 @@ def search(**opts: Any) -> None:
         dict(micro_batch=opts.get("micro_batch"), recompute=opts.get("recompute"),
              recompute_num_layers=opts.get("recompute_num_layers")),
     )
-    names = [opts["model_name"]] if opts.get("model_name") else model_names()
-    presets = [load_model(name) for name in names]
+    one = _preset(opts)
+    presets = [one] if one is not None else [load_model(name) for name in model_names()]
     gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
     if gpu is None:
         gpu = _gpu({"gpu_name": "a100-80gb"}, None)
     budget = opts.get("budget") or gpu.memory_bytes
     console = _console()
     progress = DelayedProgress(console) if not opts["as_json"] else None
-    requests = [(p.model, *search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"))[1:]) for p in presets]
+    requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"))
+                for p in presets]
     try:
         if len(presets) == 1:
             model, training, gb = requests[0]

@@ -7,6 +7,7 @@ same shape. Unknown or mistyped keys are refused with the key and the file named
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,16 +152,70 @@ _PLAN_KEYS = ("micro_batch", "global_batch", "recompute", "recompute_num_layers"
 
 
 def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = None,
-                  seq_length: Optional[int] = None) -> tuple[ModelSpec, TrainingSpec, int]:
+                  seq_length: Optional[int] = None, attention: Optional[str] = None
+                  ) -> tuple[ModelSpec, TrainingSpec, int]:
     """What `search` needs from a preset: the model, the training settings that are not searched
     (byte sizes, optimizer) and the global batch (given, or the preset's scaled to the GPU count,
     or one sequence per GPU)."""
+    over = {k: v for k, v in dict(seq_length=seq_length, attention=attention).items() if v is not None}
     model = preset.model
-    if seq_length is not None:
-        model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), "seq_length": seq_length})
+    if over:
+        model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **over})
     training = build(TrainingSpec, {k: v for k, v in preset.training.items() if k not in _PLAN_KEYS})
     if global_batch is None:
         global_batch = scaled_global_batch(preset, gpus) if "global_batch" in preset.training else gpus
     if global_batch <= 0:
         raise MemplanError(f"global batch must be positive (got {global_batch})")
     return model, training, global_batch
+
+
+# transformers architectures whose layer layout memplan models, and how to read their config.json.
+HF_ARCHITECTURES = {
+    "GPT2LMHeadModel": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # the Llama layout (its sliding window does not change what is stored)
+}
+
+
+def read_hf_config(path_text: str) -> ModelPreset:
+    """A transformers config.json read as data (no code runs, nothing is downloaded)."""
+    path = Path(path_text)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise MemplanError(f"{path}: not valid JSON (line {err.lineno})") from None
+    if not isinstance(data, dict):
+        raise MemplanError(f"{path}: expected a JSON object")
+    archs = data.get("architectures") or []
+    known = [a for a in archs if a in HF_ARCHITECTURES]
+    if not known:
+        name = ", ".join(archs) if archs else f"model_type {data.get('model_type')!r}"
+        raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
+                           f"{', '.join(HF_ARCHITECTURES)}")
+    layout = HF_ARCHITECTURES[known[0]]
+    name = str(data.get("_name_or_path") or path.parent.name or path.stem) or "hf-model"
+    try:
+        if layout == "gpt2":
+            dropout = any(float(data.get(k, 0.1)) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
+            spec = dict(name=name, num_layers=data["n_layer"], hidden_size=data["n_embd"],
+                        num_attention_heads=data["n_head"], seq_length=data.get("n_positions", 1024),
+                        vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
+                        tied_embeddings=data.get("tie_word_embeddings", True), attention="eager")
+        else:
+            if data.get("hidden_act", "silu") != "silu":
+                raise MemplanError(f"{path}: hidden_act {data['hidden_act']!r}: memplan models the SiLU-gated MLP")
+            spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
+                        num_attention_heads=data["num_attention_heads"],
+                        num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
+                        seq_length=data.get("max_position_embeddings", 4096), vocab_size=data["vocab_size"],
+                        norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                        tied_embeddings=data.get("tie_word_embeddings", False),
+                        dropout=float(data.get("attention_dropout", 0.0)) > 0,
+                        bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
+                        attention="flash")
+    except KeyError as err:
+        raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
+    model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))
+    return ModelPreset(model, {}, {}, None, str(path))

@@ -91,11 +91,10 @@ def layer_params(model: ModelSpec, values: Mapping[str, Any]) -> Any:
 
 
 def total_params(model: ModelSpec) -> int:
-    """Parameters of the whole model (t = 1, each tied weight once)."""
+    """Parameters of the whole model (t = 1, each tied weight once): one stage holding everything."""
     values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f,
                   g=model.g, v=model.vocab_size, t=1)
-    head = 0 if model.tied_embeddings else output_layer_group().per_gpu(values)
-    return model.num_layers * layer_params(model, values) + stage_params(model, values, 0, 1, 1, 1) + head
+    return stage_params(model, values, model.num_layers, 1, 1, 1)
 
 
 def _shard(n: Any, d: Any, on: Any) -> Any:
