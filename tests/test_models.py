@@ -1,0 +1,133 @@
+"""Today's dense models in the Megatron-LM inventory: flash attention, GQA, SwiGLU, RMSNorm,
+no dropout, RoPE, untied embeddings; the Llama presets; --hf-config."""
+
+import json
+
+import pytest
+
+from memplan.estimate import estimate
+from memplan.presets import load_model, make_config, read_hf_config
+from memplan.specs import ModelSpec
+
+S, H, A, G, F, V = 4096, 4096, 32, 8, 14336, 128256  # llama3-8b at s = 4096 (Llama 3 paper, Table 3)
+
+
+def llama3_8b(**training):
+    return make_config(load_model("llama3-8b"), parallel=dict(tp=1, pp=1, dp=1, sp=False, zero=0),
+                       training={"micro_batch": 1, "global_batch": 1, "recompute": "none", **training},
+                       model=dict(seq_length=S))
+
+
+def test_llama3_8b_parameters():
+    # embedding and untied head 2vh; per layer q, o h^2 each, k, v h(hg/a) each, SwiGLU 3hf, two RMSNorms
+    # h each; final norm h: 2 * 128256 * 4096 + 32 * (2h^2 + 2h^2/4 + 3hf + 2h) + h
+    per_layer = 2 * H * H + 2 * H * (H * G // A) + 3 * H * F + 2 * H
+    assert estimate(llama3_8b()).total_params == 2 * V * H + 32 * per_layer + H == 8_030_261_248
+
+
+def test_llama3_8b_layer_bytes_megatron_flash():
+    # Megatron-LM with Transformer Engine, flash attention, bf16, t = 1, b = 1 (hand derivation):
+    #   RMSNorm 1 and 2 inputs 2sbh each, their fp32 rstd 4sb each;
+    #   QKV input 2sbh; Q 2sbh, K and V 2sbh g/a each (g/a = 1/4); attention output 2sbh (also the
+    #   output projection's input); fp32 log-sum-exp 4asb;
+    #   first MLP linear input 2sbh; gate and up (SwiGLU input) 2 * 2sbf; down-projection input 2sbf.
+    sbh, sbf, sb = S * H, S * F, S
+    expected = (2 + 2 + 2 + 2 + 2 * G / A * 2 + 2 + 2) * sbh + 6 * sbf + (4 + 4 + 4 * A) * sb
+    est = estimate(llama3_8b())
+    assert est.per_layer_bytes == expected == 570_982_400
+    ids = [r.term.id for r in est.rows]
+    names = " ".join(r.term.name for r in est.rows)
+    assert "swiglu_input" in ids and "softmax_out" not in ids and "softmax_lse" in ids
+    assert "gate and up" in names and "SiLU" in names and "RMSNorm" in names
+    assert not any("dropout" in r.term.name for r in est.rows)
+
+
+def test_flash_selective_recompute_drops_only_the_lse():
+    none = estimate(llama3_8b()).per_layer_bytes
+    sel = estimate(llama3_8b(recompute="selective"))
+    assert none - sel.per_layer_bytes == 4 * A * S  # the fp32 log-sum-exp, 4asb
+    assert any("saves almost nothing" in n for n in sel.notes)
+
+
+def test_eager_attention_stores_the_scores():
+    flash = estimate(llama3_8b()).per_layer_bytes
+    eager = estimate(make_config(load_model("llama3-8b"), parallel=dict(tp=1, pp=1, dp=1, sp=False, zero=0),
+                                 training=dict(micro_batch=1, global_batch=1, recompute="none"),
+                                 model=dict(seq_length=S, attention="eager"))).per_layer_bytes
+    # eager without dropout: + softmax output 2as^2b, - the log-sum-exp 4asb (all else equal)
+    assert eager - flash == 2 * A * S * S - 4 * A * S
+
+
+def test_gqa_shrinks_k_and_v():
+    def kv_bytes(g):
+        model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=8, num_kv_heads=g, seq_length=64,
+                          vocab_size=100, attention="flash", dropout=False)
+        from memplan.specs import Config
+
+        est = estimate(Config(model=model))
+        rows = {r.term.id: r.bytes for r in est.rows}
+        return rows["qk"], rows["v"]
+
+    qk8, v8 = kv_bytes(8)
+    qk2, v2 = kv_bytes(2)
+    assert v8 == 2 * 64 * 256 and v2 == v8 // 4  # V: 2sbh g/a
+    assert qk8 - qk2 == v8 - v2  # K shrinks like V; Q does not
+
+
+@pytest.mark.parametrize("name, params_b", [("llama2-7b", 6.74), ("llama2-70b", 68.98), ("llama3-8b", 8.03),
+                                             ("llama3-70b", 70.55), ("llama3.1-405b", 405.85)])
+def test_llama_presets_parameter_counts(name, params_b):
+    # published sizes: Llama 2 7B 6.74B and 70B 68.98B (HF model cards); Llama 3 8B 8.03B, 70B 70.55B,
+    # 405B 405.85B (Llama 3 paper / HF model cards)
+    assert round(estimate(make_config(load_model(name))).total_params / 1e9, 2) == params_b
+
+
+def write(tmp_path, data):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+LLAMA3_8B_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 8192,
+                "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def test_hf_config_llama_equals_preset(tmp_path):
+    hf = read_hf_config(write(tmp_path, LLAMA3_8B_HF)).model
+    preset = load_model("llama3-8b").model
+    assert hf.model_dump(exclude={"name"}) == preset.model_dump(exclude={"name"})
+
+
+def test_hf_config_gpt2(tmp_path):
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_head": 12, "n_layer": 12,
+            "n_positions": 1024, "vocab_size": 50257, "resid_pdrop": 0.1}
+    m = read_hf_config(write(tmp_path, gpt2)).model
+    assert (m.hidden_size, m.num_attention_heads, m.num_layers, m.f, m.dropout, m.tied_embeddings) == (
+        768, 12, 12, 3072, True, True)
+
+
+def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
+    code, out, _ = run_cli("estimate", "--hf-config", write(tmp_path, LLAMA3_8B_HF), "--seq-len", "4096", "--json")
+    data = json.loads(out)
+    assert data["activations"]["per_layer_bytes"] == 570_982_400  # as derived above
+    assert "swiglu_input" in {t["id"] for t in data["activations"]["terms"]}
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"architectures": ["Qwen2ForCausalLM"]}, "architecture Qwen2ForCausalLM"),
+    ({"model_type": "bert"}, "model_type 'bert'"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "missing field"),
+    ({**LLAMA3_8B_HF, "hidden_act": "gelu"}, "hidden_act"),
+])
+def test_hf_config_errors(run_cli, tmp_path, data, fragment):
+    code, _, err = run_cli("estimate", "--hf-config", write(tmp_path, data))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_hf_config_not_json(run_cli, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    code, _, err = run_cli("estimate", "--hf-config", str(path))
+    assert code == 2 and "not valid JSON" in err
