@@ -156,6 +156,13 @@ class Poly:
         if len(self.terms) < 2:
             return self.text()
         inner = self * Poly.parse(" ".join(f"/{tok}" for tok in common.split()))
+        # Factor only when every term keeps the factor whole or reads as a ratio (K22's 5as/h, 4f/h);
+        # small per-token terms (16sb) read better outside: '34sbh + 16sb', not 'sbh(34 + 16/h)'.
+        for mono, _ in inner.terms:
+            powers = dict(mono)
+            if any(p < 0 for k, p in powers.items() if k in ("s", "b")) or (
+                    powers.get("h", 0) < 0 and not any(p > 0 for p in powers.values())):
+                return self.text()
         return f"{_mono_text(factor.terms[0][0], Fraction(1))}({inner.text()})"
 
 
@@ -163,7 +170,9 @@ def _sort_key(item: tuple[Monomial, Fraction]) -> tuple:
     mono, coef = item
     neg = sum(-p for _, p in mono if p < 0)
     pos = sum(p for _, p in mono if p > 0)
-    return (pos + neg, pos, tuple(_rank(s) for s, _ in mono))
+    syms = {s for s, p in mono if p > 0}
+    per_token = bool(syms & {"s", "b"}) and not (syms & {"h", "f", "a", "v"})  # sb terms go last
+    return (per_token, pos + neg, pos, tuple(_rank(s) for s, _ in mono))
 
 
 def _sym_text(sym: str, p: int) -> str:
