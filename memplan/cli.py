@@ -48,6 +48,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--zero", type=click.IntRange(0, 3),
                      help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
                           "2 also gradients; 3 also weights."),
+        click.option("--zero-shard", type=int,
+                     help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
         click.option("--impl", type=click.Choice(["megatron", "torch"]), default="megatron", show_default=True,
@@ -86,7 +88,7 @@ def _config_from_options(opts: dict[str, Any]):
     config = make_config(
         preset,
         parallel=dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"),
-                      sp=opts.get("sp"), zero=zero),
+                      sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard")),
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers")),
         model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
@@ -187,7 +189,7 @@ def search(**opts: Any) -> None:
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
-             zero=zero),
+             zero=zero, zero_shard=opts.get("zero_shard")),
         dict(micro_batch=opts.get("micro_batch"), recompute=opts.get("recompute"),
              recompute_num_layers=opts.get("recompute_num_layers")),
     )

@@ -52,6 +52,8 @@ def megatron_args(config: Config) -> list[str]:
     args += [f"--micro-batch-size {tr.micro_batch}", f"--global-batch-size {config.global_batch}"]
     if par.zero >= 1:
         args.append("--use-distributed-optimizer")
+        if par.shard < par.dp:
+            args.append(f"--num-distributed-optimizer-instances {par.dp // par.shard}")
     if par.zero >= 2:
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
                  "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]

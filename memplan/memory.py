@@ -26,6 +26,7 @@ class PlanValues:
     m: Any
     sp: Any  # 0 / 1
     zero: Any  # 0..3
+    shard: Any  # ranks the ZeRO states are split over (d, or fewer with HSDP)
     b: Any
     recompute: Any  # Recompute codes 0 / 1 / 2
     recomputed_layers: Any  # layers per model chunk that the recompute mode applies to
@@ -37,7 +38,8 @@ class PlanValues:
         chunk = config.layers_per_chunk
         recomputed = tr.recompute_num_layers if tr.recompute_num_layers is not None else chunk
         return PlanValues(
-            t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, b=tr.micro_batch,
+            t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, shard=par.shard,
+            b=tr.micro_batch,
             recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
         )
 
@@ -106,6 +108,7 @@ def stage_memory(
     values = symbol_values(model, plan)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
+    dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags
     term_bytes = {}
     activations: Any = 0
     working: Any = 0
@@ -118,11 +121,13 @@ def stage_memory(
         term_bytes[term.id] = n
         activations = activations + n
         if working_set and term.scope == "layer":
-            working = working + per * (1 - term.kept(plan.recompute))
+            if key not in dropped:
+                dropped[key] = 1 - term.kept(plan.recompute)
+            working = working + per * dropped[key]
     working = working * (plan.recomputed_layers > 0)
     activations = activations + working
     layers = model.num_layers // plan.p
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, values, layers, is_first, is_last, plan.p)
-    states = state_bytes(params, training, plan.d, plan.zero, gathered_params=layer_params(model, values))
+    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, values))
     return StageMemory(stage, layers, params, term_bytes, working, activations, states)

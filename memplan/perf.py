@@ -196,6 +196,7 @@ class _Floats:
     full: Any  # layers per chunk recomputed fully (0 unless recompute = full)
     first: Any  # 1.0 where p = 1: the last stage is also the first
     sharded: Any  # 1.0 where ZeRO >= 1 (distributed optimizer)
+    k: Any  # ranks the sharded states are split over (d, or the HSDP shard group)
     zero3: Any  # 1.0 where ZeRO = 3
 
 
@@ -207,7 +208,7 @@ def _floats(plan: PlanValues) -> _Floats:
         M=_f(plan.microbatches),
         selective=_f(plan.recompute == Recompute.SELECTIVE) * layers,
         full=_f(plan.recompute == Recompute.FULL) * layers,
-        first=_f(plan.p == 1), sharded=_f(plan.zero >= 1), zero3=_f(plan.zero >= 3),
+        first=_f(plan.p == 1), sharded=_f(plan.zero >= 1), zero3=_f(plan.zero >= 3), k=_f(plan.shard),
     )
 
 
@@ -619,15 +620,20 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
 
     # Data parallelism over d ranks t apart (NVLink while t*d fits a node). The stage's gradients
     # (training.grad_bytes each: fp32 main grads) are all-reduced without ZeRO, reduce-scattered
-    # with ZeRO >= 1 (Megatron-LM distributed optimizer), followed for ZeRO 1-2 by an all-gather of
-    # the updated weights. --overlap-grad-reduce hides the reduction behind the last micro-batch's
-    # backward and --overlap-param-gather the all-gather behind the next step's first forward,
-    # each but one per-layer bucket (_overlapped).
+    # over the k ranks of a shard group with ZeRO >= 1 (Megatron-LM distributed optimizer; k = d
+    # unless HSDP), then all-reduced (1/k of them) across the d/k replicas, followed for ZeRO 1-2
+    # by an all-gather of the updated weights within the shard group. --overlap-grad-reduce hides
+    # the reduction behind the last micro-batch's backward and --overlap-param-gather the
+    # all-gather behind the next step's first forward, each but one per-layer bucket (_overlapped).
     params = _stage_params(model, pf)
-    inv_d = 1.0 / d
+    inv_d, inv_k = 1.0 / d, 1.0 / pf.k
     dp_per_byte = (1.0 - inv_d) * _link_per_byte(gpu, td)
-    weights_gather = params * (training.weight_bytes * dp_per_byte)
-    grad_reduce = (params * (training.grad_bytes * dp_per_byte)) * (2.0 - pf.sharded)
+    shard_per_byte = (1.0 - inv_k) * _link_per_byte(gpu, pf.t * pf.k)
+    replica_per_byte = 2.0 * inv_k * (1.0 - pf.k * inv_d) * _link_per_byte(gpu, td)
+    weights_gather = params * (training.weight_bytes * shard_per_byte)
+    grad_bytes = params * training.grad_bytes
+    grad_reduce = (1.0 - pf.sharded) * (2.0 * grad_bytes * dp_per_byte) + pf.sharded * (
+        grad_bytes * (shard_per_byte + replica_per_byte))
     param_gather = (pf.sharded - pf.zero3) * weights_gather
     forward_window = (b * layers) * forward
     backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
@@ -642,12 +648,12 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     zero3_exposed = M * (_overlapped(gather_pass, forward_window, inv_layers)
                          + _overlapped(gather_pass, backward_window, inv_layers))
 
-    # Optimizer step, memory-bound over this GPU's shard (1/d of it with ZeRO >= 1): read master
+    # Optimizer step, memory-bound over this GPU's shard (1/k of it with ZeRO >= 1): read master
     # weights, gradients and moments, write master, moments and the 16-bit weights, plus one read
     # of the gradients for the global norm used to clip them (Megatron-LM clip_grad_norm).
     moments = training.optimizer_moments * training.optimizer_state_bytes
     update_bytes = 2 * training.master_weight_bytes + 2 * training.grad_bytes + 2 * moments + training.weight_bytes
-    optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_d - 1.0))
+    optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_k - 1.0))
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer
     sequences = _f(global_batch)

@@ -9,7 +9,8 @@ The space (each plan distinct and launchable with Megatron-LM):
      Megatron-LM's interleaved-schedule requirement);
   SP on / off when t > 1;
   recompute none, selective, or full on N = 1 .. L/(pm) layers per chunk (block method);
-  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0).
+  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0), each
+     sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from memplan.memory import PlanValues, stage_memory
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec
 from memplan.terms import inventory_for
 
-FIELDS = ("t", "p", "d", "m", "sp", "zero", "b", "recompute", "recomputed_layers", "microbatches")
+FIELDS = ("t", "p", "d", "m", "sp", "zero", "shard", "b", "recompute", "recomputed_layers", "microbatches")
 
 
 def divisors(n: int) -> list[int]:
@@ -45,6 +46,7 @@ class Fixed:
     recompute_num_layers: Optional[int] = None
     micro_batch: Optional[int] = None
     zero: Optional[int] = None
+    zero_shard: Optional[int] = None
 
 
 def _pick(values: list[int], fixed: Optional[int]) -> list[int]:
@@ -70,7 +72,9 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
             sps = [0] if t == 1 else [x for x in (0, 1) if x == 0 or s % t == 0]
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
-            zeros = _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
+            zeros = [(z, k) for z in _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
+                     for k in ([d] if z == 0 else [k for k in divisors(d) if k > 1])
+                     if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
             for b in _pick(divisors(global_batch // d), fixed.micro_batch):
                 M = global_batch // (d * b)
                 for m in _pick(divisors(L // p) if p > 1 else [1], fixed.vpp):
@@ -87,7 +91,8 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
                     if not (sps and zeros and recompute):
                         continue
                     inner = np.array(
-                        [(sp, z, int(r), k) for sp in sps for z in zeros for r, k in recompute], dtype=np.int64
+                        [(sp, z, k, int(r), n_rec) for sp in sps for z, k in zeros for r, n_rec in recompute],
+                        dtype=np.int64
                     )
                     head = np.array([t, p, d, m, b, M], dtype=np.int64)
                     blocks.append(np.hstack([np.broadcast_to(head, (len(inner), 6)), inner]))
@@ -98,9 +103,9 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
             + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p) must divide the batch)"
         )
     cols = np.vstack(blocks).T
-    t, p, d, m, b, M, sp, zero, rec, k = cols
-    return PlanValues(t=t, p=p, d=d, m=m, sp=sp, zero=zero, b=b, recompute=rec, recomputed_layers=k,
-                      microbatches=M)
+    t, p, d, m, b, M, sp, zero, shard, rec, k = cols
+    return PlanValues(t=t, p=p, d=d, m=m, sp=sp, zero=zero, shard=shard, b=b, recompute=rec,
+                      recomputed_layers=k, microbatches=M)
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,8 @@ def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: 
     rec = Recompute(int(x.recompute))
     return Config(
         model=model,
-        parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero)),
+        parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero),
+                              zero_shard=int(x.shard) if x.shard < x.d else None),
         training=training.model_copy(update=dict(
             micro_batch=int(x.b), global_batch=global_batch, recompute=rec,
             recompute_num_layers=(int(x.recomputed_layers) if rec == Recompute.FULL and x.recomputed_layers < n else None),
@@ -176,7 +182,7 @@ class SearchResult:
         out = {
             "tp": int(x.t), "pp": int(x.p), "dp": int(x.d), "micro_batch": int(x.b), "vpp": int(x.m),
             "sp": bool(x.sp), "recompute": Recompute(int(x.recompute)).label,
-            "recompute_num_layers": int(x.recomputed_layers), "zero": int(x.zero),
+            "recompute_num_layers": int(x.recomputed_layers), "zero": int(x.zero), "zero_shard": int(x.shard),
             "num_microbatches": int(x.microbatches),
             "memory": {"total_bytes": int(e.peak_bytes[i]), "first_stage_bytes": int(e.first_stage_bytes[i]),
                        "last_stage_bytes": int(e.last_stage_bytes[i])},
@@ -231,7 +237,8 @@ def fixed_from(parallel: dict[str, Any], training: dict[str, Any]) -> Fixed:
     rec = training.get("recompute")
     return Fixed(
         tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"), vpp=parallel.get("vpp"),
-        sp=parallel.get("sp"), zero=parallel.get("zero"), micro_batch=training.get("micro_batch"),
+        sp=parallel.get("sp"), zero=parallel.get("zero"), zero_shard=parallel.get("zero_shard"),
+        micro_batch=training.get("micro_batch"),
         recompute=Recompute.parse(rec) if rec is not None else None,
         recompute_num_layers=training.get("recompute_num_layers"),
     )

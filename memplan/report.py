@@ -114,7 +114,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     )
     console.print(
         f"plan: t={par.tp} p={par.pp} d={par.dp} m={par.vpp} SP={'on' if par.sp else 'off'} "
-        f"recompute={tr.recompute.label} ZeRO={par.zero} b={tr.micro_batch} "
+        f"recompute={tr.recompute.label} ZeRO={par.zero}"
+        f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
         f"global batch={c.global_batch} ({c.num_microbatches} micro-batches per step) on {par.gpus} GPUs"
     )
     console.print(
@@ -184,7 +185,13 @@ def plan_text(row: dict[str, Any]) -> str:
     rec_text = {"none": "no-recompute", "selective": "selective"}.get(rec, f"full x{row['recompute_num_layers']}")
     sp = " SP" if row["sp"] else ""
     return (f"t={row['tp']} p={row['pp']} d={row['dp']} b={row['micro_batch']} m={row['vpp']}{sp} "
-            f"{rec_text} ZeRO-{row['zero']}")
+            f"{rec_text} ZeRO-{_zero_cell(row)}")
+
+
+def _zero_cell(row: dict[str, Any]) -> str:
+    """'2' when sharded over all d ranks, '2/8' when over a group of 8 (HSDP)."""
+    z = row["zero"]
+    return f"{z}/{row['zero_shard']}" if z and row["zero_shard"] < row["dp"] else str(z)
 
 
 def _rec_cell(row: dict[str, Any], layers_per_chunk: int) -> str:
@@ -231,7 +238,7 @@ def render_search(result: SearchResult, console: Console) -> None:
             chunk = m.num_layers // (row["pp"] * row["vpp"])
             table.add_row(
                 str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
-                "on" if row["sp"] else "off", _rec_cell(row, chunk), str(row["zero"]),
+                "on" if row["sp"] else "off", _rec_cell(row, chunk), _zero_cell(row),
                 _gb(row["memory"]["total_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
             )

@@ -109,10 +109,22 @@ class ParallelSpec(_Spec):
         description="0: none; 1: optimizer states sharded over d (Megatron-LM distributed optimizer, "
         "ZeRO-1); 2: also gradients; 3: also weights",
     )
+    zero_shard: Optional[int] = Field(
+        default=None,
+        gt=1,
+        description="data-parallel ranks the ZeRO states are split over (default d); d / zero_shard "
+        "replicas of each shard (HSDP: torchtitan dp_shard, Megatron-LM "
+        "--num-distributed-optimizer-instances d/zero_shard)",
+    )
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def shard(self) -> int:
+        """Ranks the sharded states are split over (d unless zero_shard says fewer)."""
+        return self.zero_shard if self.zero_shard is not None else self.dp
 
     @model_validator(mode="after")
     def _own(self) -> "ParallelSpec":
@@ -120,6 +132,11 @@ class ParallelSpec(_Spec):
             raise ValueError("sequence parallelism needs tensor parallelism (t > 1)")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("interleaved stages (vpp > 1) need pipeline parallelism (p > 1)")
+        if self.zero_shard is not None:
+            if self.zero == 0:
+                raise ValueError("zero_shard needs ZeRO stage 1-3 (sharded states)")
+            if self.dp % self.zero_shard:
+                raise ValueError(f"zero_shard={self.zero_shard} does not divide the data-parallel size d={self.dp}")
         return self
 
 

@@ -114,7 +114,8 @@ class StateBytes:
 
 
 def state_bytes(params: Any, training: TrainingSpec, d: Any, zero: Any, gathered_params: Any = 0) -> StateBytes:
-    """Weights, gradients and optimizer bytes for `params` parameters on one GPU.
+    """Weights, gradients and optimizer bytes for `params` parameters on one GPU, the ZeRO-sharded
+    parts split over `d` ranks (the data-parallel size, or the shard group with HSDP).
 
     `gathered_params` is the transient full copy ZeRO-3 gathers (one layer) during compute.
     """

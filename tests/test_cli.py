@@ -95,6 +95,8 @@ def test_overflow_is_reported(run_cli):
         (["--model", "gpt3-530b", "--tp", "abc"], ["--tp"]),
         (["--model", "gpt3-530b", "--zero", "1", "--distributed-optimizer", "--zero", "2"], ["conflicts"]),
         ([], ["--model is required"]),
+        (["--model", "gpt3-530b", "--gpus", "2240", "--zero", "1", "--zero-shard", "3"], ["zero_shard=3", "d=8"]),
+        (["--model", "gpt3-530b", "--gpus", "2240", "--zero-shard", "2"], ["needs ZeRO"]),
     ],
 )
 def test_bad_input_one_line_exit_2(run_cli, args, fragments):

@@ -6,7 +6,6 @@ derived by hand in the comments; none is copied from the code's output.
 
 from __future__ import annotations
 
-import time
 from dataclasses import fields
 from fractions import Fraction
 
@@ -27,6 +26,7 @@ def plan(**over) -> PlanValues:
     """K22 Table 4's setting by default: the 22B layer, t = 8, b = 4, one GPU node."""
     values = dict(t=8, p=1, d=1, m=1, sp=0, zero=0, b=4, recompute=0, recomputed_layers=48, microbatches=1)
     values.update(over)
+    values.setdefault("shard", values["d"])
     return PlanValues(**values)
 
 
@@ -261,22 +261,18 @@ def test_layer_time_arrays_and_scalars_agree():
             assert float(getattr(arrays, f.name)[i]) == getattr(one, f.name)
 
 
-@pytest.mark.slow
-def test_five_million_plans_speed():
-    n = 5_000_000
+def test_many_plans_as_arrays():
+    # Speed is measured by benchmarks/bench_search.py, not by a timed test; this checks a large
+    # random batch of plans evaluates to sane numbers in one vectorised call.
+    n = 200_000
     rng = np.random.default_rng(0)
     t = rng.choice([1, 2, 4, 8, 16], n)
     p = rng.choice([1, 2, 4, 8, 16], n)
-    pv = PlanValues(t=t, p=p, d=rng.choice([1, 2, 4, 8, 64], n), m=np.where(p > 1, rng.choice([1, 2, 3], n), 1),
+    d = rng.choice([1, 2, 4, 8, 64], n)
+    pv = PlanValues(t=t, p=p, d=d, shard=d, m=np.where(p > 1, rng.choice([1, 2, 3], n), 1),
                     sp=((rng.random(n) < 0.5) & (t > 1)).astype(np.int64), zero=rng.integers(0, 4, n),
                     b=rng.choice([1, 2, 4], n), recompute=rng.integers(0, 3, n), recomputed_layers=np.ones(n, np.int64),
                     microbatches=rng.choice([8, 16, 64], n))
     gb = pv.b * pv.d * pv.microbatches
-    model = load_model("gpt3-175b").model
-    perf.step_time(model, TRAINING, A100, pv, gb, breakdown=False)  # warm the allocator
-    start = time.perf_counter()
-    st = perf.step_time(model, TRAINING, A100, pv, gb, breakdown=False)
-    elapsed = time.perf_counter() - start
-    print(f"step_time, 5M plans, breakdown=False: {elapsed:.3f} s")
+    st = perf.step_time(load_model("gpt3-175b").model, TRAINING, A100, pv, gb, breakdown=False)
     assert np.all((st.mfu > 0) & (st.mfu < 1))
-    assert elapsed < 1.0  # budget 0.3 s; generous here because the test machine may be busy

@@ -50,14 +50,17 @@ def test_vectorised_equals_estimate(case, seed):
 def test_candidates_are_distinct_and_valid():
     model, training, gb = space("gpt3-530b", 2240)
     plans = enumerate_plans(model, 2240, gb)
-    rows = np.stack([plans.t, plans.p, plans.d, plans.m, plans.sp, plans.zero, plans.b, plans.recompute,
-                     plans.recomputed_layers])
+    rows = np.stack([plans.t, plans.p, plans.d, plans.m, plans.sp, plans.zero, plans.shard, plans.b,
+                     plans.recompute, plans.recomputed_layers])
     assert len(np.unique(rows, axis=1).T) == len(plans.t)
     assert np.all(plans.t * plans.p * plans.d == 2240)
     assert np.all(model.num_layers % (plans.p * plans.m) == 0)
     assert np.all(gb % (plans.b * plans.d) == 0)
     assert np.all((plans.sp == 0) | (plans.t > 1))
     assert np.all((plans.zero == 0) | (plans.d > 1))
+    assert np.all(plans.d % plans.shard == 0)
+    assert np.all((plans.zero > 0) | (plans.shard == plans.d))  # no shard group without sharding
+    assert np.all((plans.zero == 0) | (plans.shard > 1))  # a shard of one rank is no sharding
 
 
 def test_k22_family_fits_530b_on_2240(result_530b):
@@ -94,6 +97,19 @@ def test_impossible_budget_gives_nearest_miss():
     assert result.nearest_miss == int(np.argmin(result.evaluated.peak_bytes))
 
 
+def test_hsdp_shard_group_memory():
+    # ZeRO-1 over a shard group of k ranks keeps 12/k optimizer bytes per parameter instead of 12/d.
+    model, training, gb = space("gpt3-530b", 2240)
+    result = search(model, training, 2240, gb, 10**15, gpu=A100, top=1,
+                    fixed=Fixed(tp=8, pp=35, vpp=1, micro_batch=1, sp=True, recompute=Recompute.SELECTIVE, zero=1))
+    x = result.evaluated.plans
+    assert set(x.d) == {8} and sorted(set(x.shard)) == [2, 4, 8]
+    for i in range(result.candidates):
+        est = estimate(result.config(i))
+        params = est.stages[0].params
+        assert est.stages[0].optimizer == -(-12 * params // int(x.shard[i]))
+
+
 def test_fixed_dimensions_pin_the_space():
     model, training, gb = space("gpt3-530b", 2240)
     plans = enumerate_plans(model, 2240, gb, Fixed(tp=8, pp=35, recompute=Recompute.SELECTIVE))
@@ -127,6 +143,13 @@ def test_emit_megatron(run_cli):
                  "--recompute-granularity selective", "--num-layers-per-virtual-pipeline-stage 1",
                  "--micro-batch-size 1", "--global-batch-size 2240"):
         assert flag in out
+
+
+def test_emit_megatron_hsdp(run_cli):
+    code, out, _ = run_cli("search", "--model", "gpt3-530b", "--gpus", "2240", "--tp", "8", "--pp", "35",
+                           "--zero", "1", "--zero-shard", "4", "--emit", "megatron", "--top", "1")
+    # d = 2240 / (8 * 35) = 8 ranks, sharded in groups of 4: two distributed-optimizer instances
+    assert "--use-distributed-optimizer" in out and "--num-distributed-optimizer-instances 2" in out
 
 
 def test_require_fit_exit_1(run_cli):
