@@ -52,7 +52,8 @@ def plan_options(func: Callable) -> Callable:
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
-        click.option("--impl", type=click.Choice(["megatron", "torch"]), default="megatron", show_default=True,
+        click.option("--impl", type=click.Choice(["megatron", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
+                     show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
         click.option("--mem", "budget", callback=_size, metavar="SIZE",
@@ -93,6 +94,7 @@ def _config_from_options(opts: dict[str, Any]):
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers")),
         model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
         gpus=opts.get("gpus"),
+        whole_model_per_rank=opts.get("impl", "megatron").startswith("hf-"),
     )
     return preset, config
 
@@ -254,13 +256,17 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
               callback=_recompute_list)
 @click.option("--fake/--no-fake", default=True, show_default=True,
               help="Also the 175B and 530B layers at t = 8 under FakeTensorMode.")
+@click.option("--hf/--no-hf", "hf", default=None,
+              help="Also transformers GPT-2 and Llama, eager and sdpa (default: when transformers is installed).")
 @click.option("--terms", is_flag=True, help="Show every case term by term (failures always are).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, terms: bool,
-             as_json: bool) -> None:
+def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],
+             terms: bool, as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     from memplan.report import print_json, render_validation, validation_dict
-    from memplan.validate import grid, run, summary
+    import importlib.util
+
+    from memplan.validate import grid, hf_grid, run, summary
 
     try:
         import torch  # noqa: F401
@@ -268,7 +274,13 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         raise MemplanError("validate needs torch: pip install torch==2.13.0 && pip install -e '.[validate]'") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise MemplanError("--device cuda: no CUDA device is available")
-    results = run(grid(device, tps, recomputes, fake and device == "cpu"), device)
+    have_hf = importlib.util.find_spec("transformers") is not None
+    if hf and not have_hf:
+        raise MemplanError("--hf needs transformers: pip install -e '.[test]'")
+    cases = grid(device, tps, recomputes, fake and device == "cpu")
+    if (have_hf if hf is None else hf) and device == "cpu":
+        cases += hf_grid(fake)
+    results = run(cases, device)
     totals = summary(results)
     if as_json:
         print_json(validation_dict(results, totals))

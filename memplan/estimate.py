@@ -13,7 +13,8 @@ from memplan.memory import PlanValues, StageMemory, stage_memory, symbol_values
 from memplan.pipeline import chunks_in_flight, interleaving_factor
 from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import total_params
-from memplan.terms import Inventory, Term, display_poly, inventory_for
+from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
+from memplan.terms_hf import check_hf_plan
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def estimate(
 ) -> Estimate:
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`; the most
     loaded stage is the answer. `paper_only` keeps only the tensors K22 counts."""
+    if impl in HF_IMPLS:
+        check_hf_plan(config, impl)
     inventory = inventory_for(config.model, impl, device)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)

@@ -114,7 +114,7 @@ def stage_memory(
     working: Any = 0
     for term in terms:
         per = term.bytes(values, training.activation_bytes, plan.sp)
-        key = (term.scope, term.dropped_by_selective, term.kept_by_full)
+        key = term.recompute_flags
         if key not in counts:
             counts[key] = term_count(term, plan, layers_per_chunk, stage)
         n = per * counts[key]
@@ -122,7 +122,7 @@ def stage_memory(
         activations = activations + n
         if working_set and term.scope == "layer":
             if key not in dropped:
-                dropped[key] = 1 - term.kept(plan.recompute)
+                dropped[key] = term.kept(Recompute.NONE) * (1 - term.kept(plan.recompute))
             working = working + per * dropped[key]
     working = working * (plan.recomputed_layers > 0)
     activations = activations + working

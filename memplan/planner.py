@@ -24,7 +24,7 @@ import numpy as np
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec
-from memplan.terms import inventory_for
+from memplan.terms import HF_IMPLS, inventory_for
 
 FIELDS = ("t", "p", "d", "m", "sp", "zero", "shard", "b", "recompute", "recomputed_layers", "microbatches")
 
@@ -54,16 +54,18 @@ def _pick(values: list[int], fixed: Optional[int]) -> list[int]:
 
 
 def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fixed(),
-                    max_tp: int = 8) -> PlanValues:
-    """All valid plans as int64 arrays (one element per plan)."""
+                    max_tp: int = 8, impl: str = "megatron") -> PlanValues:
+    """All valid plans as int64 arrays (one element per plan). transformers (`hf-*`) runs a model
+    whole on each data-parallel rank: t = p = 1 and no selective recompute."""
     if gpus <= 0:
         raise MemplanError(f"GPU count must be positive (got {gpus})")
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
     if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp):
         raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {fixed.tp}*{fixed.pp} = {fixed.tp * fixed.pp}")
     blocks: list[np.ndarray] = []
-    for t in _pick([t for t in divisors(a) if g % t == 0 and t <= max_tp], fixed.tp):
-        for p in _pick(divisors(L), fixed.pp):
+    hf = impl in HF_IMPLS
+    for t in _pick([t for t in divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
+        for p in _pick([p for p in divisors(L) if p == 1 or not hf], fixed.pp):
             if gpus % (t * p):
                 continue
             d = gpus // (t * p)
@@ -81,7 +83,7 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
                     if m > 1 and M % p:
                         continue
                     n = L // (p * m)
-                    recompute = [(Recompute.NONE, n), (Recompute.SELECTIVE, n)] + [
+                    recompute = [(Recompute.NONE, n)] + ([] if hf else [(Recompute.SELECTIVE, n)]) + [
                         (Recompute.FULL, k) for k in range(1, n + 1)
                     ]
                     if fixed.recompute is not None:
@@ -201,7 +203,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     (by memory when no GPU is known)."""
     start = time.perf_counter()
     limit = max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
-    plans = enumerate_plans(model, gpus, global_batch, fixed, limit)
+    plans = enumerate_plans(model, gpus, global_batch, fixed, limit, impl)
     n = len(plans.t)
     parts = []
     for lo in range(0, n, chunk):

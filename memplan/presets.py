@@ -113,6 +113,7 @@ def make_config(
     training: Optional[dict[str, Any]] = None,
     model: Optional[dict[str, Any]] = None,
     gpus: Optional[int] = None,
+    whole_model_per_rank: bool = False,
 ) -> Config:
     """Merge a preset's plan with overrides (None values are ignored) and check it all.
 
@@ -124,6 +125,16 @@ def make_config(
     over_t = {k: v for k, v in (training or {}).items() if v is not None}
     over_m = {k: v for k, v in (model or {}).items() if v is not None}
     par = {**preset.parallel, **over_p}
+    if whole_model_per_rank:
+        # An implementation without tensor / pipeline parallelism (transformers): the preset's GPUs
+        # become data-parallel ranks unless the user set the plan.
+        preset_gpus = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
+        par.update({k: 1 for k in ("tp", "pp", "vpp") if k not in over_p})
+        par.setdefault("dp", 1)
+        if "dp" not in over_p:
+            par["dp"] = preset_gpus // (par["tp"] * par["pp"]) or 1
+        if "sp" not in over_p:
+            par["sp"] = False
     if "pp" in over_p and "vpp" not in over_p:
         par["vpp"] = 1
     if "sp" not in over_p and par.get("tp", 1) == 1:

@@ -49,6 +49,12 @@ class Term:
     in_k22: bool = True
     source: str = ""
     needs_tp: bool = False  # exists only with tensor parallelism (t > 1)
+    only_full: bool = False  # exists only under full recompute (a checkpoint's own copy of the input)
+
+    @property
+    def recompute_flags(self) -> tuple:
+        """What decides `kept` and the copy count: terms with equal flags share them."""
+        return (self.scope, self.dropped_by_selective, self.kept_by_full, self.only_full)
 
     def element_bytes(self, activation_bytes: int) -> int:
         return {"act": activation_bytes, "mask": MASK_BYTES, "fp32": FP32_BYTES, "int64": INT64_BYTES}[
@@ -80,18 +86,20 @@ class Term:
         """1 where the tensor is stored under this recompute mode, else 0 (scalar or array)."""
         if self.scope != "layer":
             return 1
-        keep_selective = 0 if self.dropped_by_selective else 1
-        keep_full = 1 if self.kept_by_full else 0
+        keep_none = 0 if self.only_full else 1
+        keep_selective = 0 if (self.dropped_by_selective or self.only_full) else 1
+        keep_full = 1 if (self.kept_by_full or self.only_full) else 0
         return (
-            (recompute == Recompute.NONE) * 1
+            (recompute == Recompute.NONE) * keep_none
             + (recompute == Recompute.SELECTIVE) * keep_selective
             + (recompute == Recompute.FULL) * keep_full
         )
 
 
-def _t(id, name, block, elements, dtype="act", *, tp, sp, sel=False, full=False, scope="layer", k22=True, src,
-       needs_tp=False):
-    return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp)
+def _t(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
+       k22=True, src, needs_tp=False, only_full=False):
+    return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
+                only_full)
 
 
 # One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
@@ -264,7 +272,12 @@ IMPLEMENTATIONS: dict[str, str] = {
                 "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
              "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU)",
+    "hf-eager": "HF transformers 5.x, attn_implementation='eager' (GPT-2, Llama layout): Python attention "
+                "and norms, as measured in validation/hf.py",
+    "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
+               "as measured in validation/hf.py",
 }
+HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
 
 
@@ -275,6 +288,10 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
     stats: Dtype = "fp32" if device == "cuda" else "act"
+    if impl in HF_IMPLS:
+        from memplan.terms_hf import hf_inventory
+
+        return Inventory(f"{impl}/{device}", tuple(hf_inventory(model, impl, device)))
     if impl == "torch":
         if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
             raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "

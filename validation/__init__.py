@@ -7,8 +7,16 @@ from .equivalence import check_tensor_parallel_equivalence
 from .measure import Case, Measurement, SavedEntry, measure_layer, measure_many, measure_model, probe_dropout
 from .tags import LABELS, LAYER_LABELS, MODEL_LABELS, PARAMETER, UNLABELED, tag
 
+
+def measure_hf(*args, **kwargs):
+    """``validation.hf.measure_hf`` (imported on first use: it needs HF transformers)."""
+    from .hf import measure_hf as _measure_hf
+
+    return _measure_hf(*args, **kwargs)
+
+
 __all__ = [
     "Case", "Measurement", "SavedEntry", "measure_layer", "measure_many", "measure_model",
-    "probe_dropout", "check_tensor_parallel_equivalence",
+    "probe_dropout", "check_tensor_parallel_equivalence", "measure_hf",
     "LABELS", "LAYER_LABELS", "MODEL_LABELS", "PARAMETER", "UNLABELED", "tag",
 ]

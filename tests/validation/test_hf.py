@@ -231,7 +231,10 @@ def test_live_tracker_agrees_with_ledger(measured, job):
     assert m.peak_bytes >= m.retained_after_forward_bytes
 
 
-@pytest.mark.parametrize("job", [j for j in JOBS if j[4] == "model"], ids=[i for i, j in zip(IDS, JOBS) if j[4] == "model"])
+MODEL_JOBS = [j for j in JOBS if j[4] == "model"]
+
+
+@pytest.mark.parametrize("job", MODEL_JOBS, ids=[i for i, j in zip(IDS, JOBS) if j[4] == "model"])
 def test_model_run_per_layer_equals_the_layer_alone(measured, job):
     arch, attn, p, g, _ = job
     m = measured[job]
