@@ -17,7 +17,7 @@ One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel grou
   forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
   by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
   and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
-  3A / 5A) per MLP element (sbf), forward / backward. See layer_bytes.
+  3A / 5A) per MLP element (sbf), forward / backward. See layer_traffic_bytes.
 - tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
   reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
   or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
@@ -83,7 +83,7 @@ import numpy as np
 
 from memplan.memory import PlanValues
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import output_layer_group, param_groups
+from memplan.states import stage_params
 
 # --- calibrated constants (see the module docstring) -------------------------------------------
 # Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
@@ -302,7 +302,7 @@ class LayerBytes:
     attention_core_fwd: float  # softmax + attention dropout: what selective recompute re-runs
 
 
-def layer_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerBytes:
+def layer_traffic_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerBytes:
     A = activation_bytes
     s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
     sh, scores, sf = s * h, a * s * s, s * f
@@ -359,7 +359,7 @@ def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _Laye
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     matmul = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)
     attention = layer_attention_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
-    by = layer_bytes(model, activation_bytes)
+    by = layer_traffic_bytes(model, activation_bytes)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
     fwd_compute = _Form(t=matmul + attention)
     fwd_memory = _Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm)
@@ -512,31 +512,12 @@ def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
     return _maximum(comm - window, comm * inv_buckets)
 
 
-@functools.lru_cache(maxsize=64)
-def _param_counts(model: ModelSpec) -> tuple[dict[str, int], dict[str, int], int]:
-    """Parameters (t = 1) per scope, split by t or not, and the output layer's v x h."""
-    values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f,
-                  g=model.g, v=model.vocab_size, t=1, b=1)
-    split = {"layer": 0, "first": 0, "last": 0}
-    whole = {"layer": 0, "first": 0, "last": 0}
-    for group in param_groups(model):
-        (split if group.tp_split else whole)[group.scope] += group.count.evaluate(values)
-    return split, whole, output_layer_group().count.evaluate(values)
-
-
-def _stage_params(model: ModelSpec, pf: _Floats) -> Any:
-    """Parameters on one GPU of the last pipeline stage (also the first when p = 1), from the
-    states.py inventory: tensor-parallel groups split by t (as floats: the rounding that
-    states.stage_params applies does not matter for time)."""
-    split, whole, head = _param_counts(model)
-    layers = model.num_layers / pf.p
-    # With tied embeddings the last stage keeps its own copy of the output weight only when p > 1.
-    if model.tied_embeddings:
-        split_extra = split["last"] + head + pf.first * (split["first"] - head)
-    else:
-        split_extra = split["last"] + head + pf.first * split["first"]
-    return (pf.inv_t * (layers * split["layer"] + split_extra)
-            + layers * whole["layer"] + whole["last"] + pf.first * whole["first"])
+def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
+    """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
+    states.py inventory, as floats."""
+    values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f, g=model.g,
+                  v=model.vocab_size, t=plan.t)
+    return _f(stage_params(model, values, model.num_layers // plan.p, plan.p == 1, 1, plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
@@ -625,7 +606,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # by an all-gather of the updated weights within the shard group. --overlap-grad-reduce hides
     # the reduction behind the last micro-batch's backward and --overlap-param-gather the
     # all-gather behind the next step's first forward, each but one per-layer bucket (_overlapped).
-    params = _stage_params(model, pf)
+    params = _stage_params(model, plan)
     inv_d, inv_k = 1.0 / d, 1.0 / pf.k
     dp_per_byte = (1.0 - inv_d) * _link_per_byte(gpu, td)
     shard_per_byte = (1.0 - inv_k) * _link_per_byte(gpu, pf.t * pf.k)

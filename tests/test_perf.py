@@ -125,7 +125,7 @@ def test_table4_overheads():
 def test_sequence_parallel_splits_the_replicated_memory_bound_work():
     base = perf.layer_time(GPT22B, A100, plan(sp=0))
     sp = perf.layer_time(GPT22B, A100, plan(sp=1))
-    by = perf.layer_bytes(GPT22B)
+    by = perf.layer_traffic_bytes(GPT22B)
     # 22 bytes per element forward (2*2*2 norms + 2*3*2 residual adds + 2 masks) per sequence
     # (sh = 2048*6144), for b = 4 sequences, shrinking by 1 - 1/8 with SP.
     assert by.replicated_fwd == 22 * 2048 * 6144
@@ -135,11 +135,11 @@ def test_sequence_parallel_splits_the_replicated_memory_bound_work():
     assert sp.backward_comm_exposed_s > base.backward_comm_exposed_s  # g-bar's all-gathers
 
 
-def test_k22_layer_bytes_by_hand():
+def test_k22_layer_traffic_bytes_by_hand():
     # Per sequence (b = 1), 22B layer: sh = 2048*6144 = 12,582,912; as^2 = 64*2048^2 = 268,435,456;
     # sf = 2048*24576 = 50,331,648. Forward TP-split bytes: softmax 4 + dropout 5 per score,
     # GeLU 4 per MLP element; backward: 6 + 5 and 6.
-    by = perf.layer_bytes(GPT22B)
+    by = perf.layer_traffic_bytes(GPT22B)
     assert by.tp_fwd == 9 * 268_435_456 + 4 * 50_331_648
     assert by.tp_bwd == 11 * 268_435_456 + 6 * 50_331_648
     assert by.replicated_bwd == 34 * 12_582_912
