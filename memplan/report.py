@@ -110,7 +110,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     m, par, tr = c.model, c.parallel, c.training
     console.print(
         f"[bold]{m.name}[/]: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} "
-        f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} B parameters"
+        f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
     )
     console.print(
         f"plan: t={par.tp} p={par.pp} d={par.dp} m={par.vpp} SP={'on' if par.sp else 'off'} "
@@ -175,7 +175,7 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
         table.add_column(col, justify="left" if col in ("name", "default plan") else "right")
     for r in rows:
         table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
-                      str(r["v"]), f"{r['params'] / 1e9:,.1f} B", r["plan"])
+                      str(r["v"]), f"{r['params'] / 1e9:,.1f} billion", r["plan"])
     console.print(table)
 
 
@@ -204,6 +204,7 @@ def _rec_cell(row: dict[str, Any], layers_per_chunk: int) -> str:
 def search_dict(result: SearchResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": result.model.name,
+        "impl": result.impl,
         "gpus": result.gpus,
         "global_batch": result.global_batch,
         "budget_bytes": result.budget_bytes,
@@ -224,7 +225,7 @@ def render_search(result: SearchResult, console: Console) -> None:
     m = result.model
     where = f" {result.gpu.name}" if result.gpu else ""
     console.print(
-        f"[bold]{m.name}[/] on {result.gpus}{where} GPUs, {_gb(result.budget_bytes)} per GPU, "
+        f"[bold]{m.name}[/] ({result.impl}) on {result.gpus}{where} GPUs, {_gb(result.budget_bytes)} per GPU, "
         f"global batch {result.global_batch}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
     )

@@ -95,6 +95,7 @@ def test_overflow_is_reported(run_cli):
         (["--model", "gpt3-530b", "--tp", "abc"], ["--tp"]),
         (["--model", "gpt3-530b", "--zero", "1", "--distributed-optimizer", "--zero", "2"], ["conflicts"]),
         ([], ["--model is required"]),
+        (["--model", "llama3-8b", "--tp", "16", "--pp", "1", "--dp", "1"], ["t=16", "key/value heads 8"]),
         (["--model", "gpt3-530b", "--gpus", "2240", "--zero", "1", "--zero-shard", "3"], ["zero_shard=3", "d=8"]),
         (["--model", "gpt3-530b", "--gpus", "2240", "--zero-shard", "2"], ["needs ZeRO"]),
     ],
