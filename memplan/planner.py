@@ -197,7 +197,7 @@ class SearchResult:
 
 def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
            gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
-           chunk: int = 1 << 20, progress: Optional[Callable[[int, int], None]] = None,
+           chunk: int = 1 << 18, progress: Optional[Callable[[int, int], None]] = None,
            impl: str = "megatron") -> SearchResult:
     """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
     (by memory when no GPU is known)."""

@@ -172,3 +172,23 @@ def test_require_fit_exit_1(run_cli):
 def test_search_bad_input(run_cli, args, fragment):
     code, _, err = run_cli("search", "--model", "gpt3-530b", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_progress_bar_only_after_the_delay():
+    import io
+
+    from rich.console import Console
+
+    from memplan.report import DelayedProgress
+
+    out = io.StringIO()
+    quiet = DelayedProgress(Console(file=out), delay=3600)
+    quiet(1, 2)
+    assert quiet.bar is None  # a fast search shows no bar
+    shown = DelayedProgress(Console(file=out), delay=0)
+    calls = []
+    model, training, gb = space("gpt3-530b", 2240)
+    search(model, training, 2240, gb, 80 * 10**9, gpu=A100, chunk=50_000,
+           progress=lambda done, total: (calls.append((done, total)), shown(done, total)))
+    shown.close()
+    assert shown.bar is not None and calls[-1][0] == calls[-1][1] and len(calls) > 1
