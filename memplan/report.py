@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from memplan.estimate import Estimate
-from memplan.planner import SearchResult
+if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
+    from memplan.estimate import Estimate
+    from memplan.planner import SearchResult
 from memplan.specs import Config
 from memplan.units import format_bytes, format_bytes_auto
 
