@@ -6,17 +6,11 @@ memory of some other computation.
 
 from __future__ import annotations
 
-import os
-import pickle
-import tempfile
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .layers import GPTLayer, LayerConfig, causal_mask
 from .parallel import DistComm, SimulatedComm
+from .ranks import run_ranks
 
 VARIANTS = tuple((sp, rc) for sp in (False, True) for rc in ("none", "selective", "full"))
 
@@ -63,26 +57,12 @@ def _check(rank: int, t: int, sp: bool, rc: str, s=32, b=2, h=64, a=4, f=128) ->
     return bool(ok)
 
 
-def _worker(rank: int, t: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=t,
-                            timeout=timedelta(seconds=120))
-    try:
-        res = {v: _check(rank, t, *v) for v in VARIANTS}
-        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as fh:
-            pickle.dump(res, fh)
-    finally:
-        dist.destroy_process_group()
+def _check_rank(rank: int, t: int) -> dict[tuple[bool, str], bool]:
+    """Run by ``ranks.run_ranks`` in rank ``rank``'s process, inside the gloo process group."""
+    return {v: _check(rank, t, *v) for v in VARIANTS}
 
 
 def check_tensor_parallel_equivalence(t: int = 2) -> dict[tuple[bool, str], bool]:
     """{(sp, recompute): all ranks match the single-rank layer}."""
-    from .measure import _free_port
-
-    with tempfile.TemporaryDirectory(prefix="memplan-equivalence-") as outdir:
-        mp.spawn(_worker, args=(t, _free_port(), outdir), nprocs=t, join=True)
-        per_rank = []
-        for r in range(t):
-            with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as fh:
-                per_rank.append(pickle.load(fh))
+    per_rank = run_ranks(_check_rank, t)
     return {v: all(res[v] for res in per_rank) for v in VARIANTS}

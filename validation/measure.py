@@ -30,21 +30,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import pickle
-import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from functools import partial
 from typing import Literal
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -52,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .layers import RECOMPUTE, GPTLayer, GPTModel, LayerConfig, causal_mask
 from .parallel import Comm, DistComm, SimulatedComm
+from .ranks import run_ranks
 from .tags import PARAMETER, UNLABELED, TagRegistry
 
 Backend = Literal["ledger", "live", "fake", "cuda"]
@@ -433,30 +428,11 @@ def _measure_step(module, case, scope, comm, dtype, device) -> Measurement:
 # processes for t > 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, jobs: list[tuple[Case, str]], outdir: str) -> None:
-    torch.set_num_threads(1)
-    cuda = any(c.backend == "cuda" for c, _ in jobs)
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=world, timeout=timedelta(seconds=120),
-    )
-    try:
-        comm = DistComm()
-        device = f"cuda:{rank}" if cuda else "cpu"
-        results = [_measure_here(case, scope, comm, device) for case, scope in jobs]
-        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as fh:
-            pickle.dump(results, fh)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _measure_rank(rank: int, world: int, jobs: list[tuple[Case, str]], cuda: bool) -> list[Measurement]:
+    """Run by ``ranks.run_ranks`` in rank ``rank``'s process, inside the process group."""
+    comm = DistComm()
+    device = f"cuda:{rank}" if cuda else "cpu"
+    return [_measure_here(case, scope, comm, device) for case, scope in jobs]
 
 
 def _signature(m: Measurement):
@@ -468,12 +444,8 @@ def _signature(m: Measurement):
 
 
 def _spawn(t: int, jobs: list[tuple[Case, str]]) -> list[Measurement]:
-    with tempfile.TemporaryDirectory(prefix="memplan-validation-") as outdir:
-        mp.spawn(_worker, args=(t, _free_port(), jobs, outdir), nprocs=t, join=True)
-        per_rank = []
-        for r in range(t):
-            with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as fh:
-                per_rank.append(pickle.load(fh))
+    cuda = any(c.backend == "cuda" for c, _ in jobs)
+    per_rank = run_ranks(_measure_rank, t, (jobs, cuda), backend="nccl" if cuda else "gloo")
     out = []
     for i in range(len(jobs)):
         ms = [per_rank[r][i] for r in range(t)]
