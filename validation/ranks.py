@@ -59,7 +59,7 @@ def _result_path(outdir: str, rank: int) -> str:
 
 
 def _teardown() -> None:
-    """Barrier-free part of the rank's exit: destroy the default group and free it now."""
+    """Destroy the default group and free it now, joining its worker threads (see above)."""
     pg = dist.group.WORLD
     dist.destroy_process_group()
     if pg is None:
