@@ -186,8 +186,6 @@ def search(**opts: Any) -> None:
     gpus = opts.get("gpus")
     if gpus is None:
         raise MemplanError("--gpus is required for search")
-    if gpus <= 0:
-        raise MemplanError(f"GPU count must be positive (got {gpus})")
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),

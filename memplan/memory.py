@@ -50,8 +50,7 @@ class PlanValues:
 
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
     """Bind the K22 symbols once: s, b, h, a, f, g, v and t."""
-    return dict(s=model.seq_length, b=plan.b, h=model.hidden_size, a=model.num_attention_heads,
-                f=model.f, g=model.g, v=model.vocab_size, t=plan.t)
+    return model.symbols(b=plan.b, t=plan.t)
 
 
 def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any) -> Any:

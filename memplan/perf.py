@@ -515,9 +515,7 @@ def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
 def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
     """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
     states.py inventory, as floats."""
-    values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f, g=model.g,
-                  v=model.vocab_size, t=plan.t)
-    return _f(stage_params(model, values, model.num_layers // plan.p, plan.p == 1, 1, plan.p))
+    return _f(stage_params(model, model.symbols(t=plan.t), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,

@@ -23,11 +23,8 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
-from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec
+from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
 from memplan.terms import HF_IMPLS, inventory_for
-
-FIELDS = ("t", "p", "d", "m", "sp", "zero", "shard", "b", "recompute", "recomputed_layers", "microbatches")
-
 
 def divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
@@ -57,8 +54,7 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
                     max_tp: int = 8, impl: str = "megatron") -> PlanValues:
     """All valid plans as int64 arrays (one element per plan). transformers (`hf-*`) runs a model
     whole on each data-parallel rank: t = p = 1 and no selective recompute."""
-    if gpus <= 0:
-        raise MemplanError(f"GPU count must be positive (got {gpus})")
+    check_gpus(gpus)
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
     if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp):
         raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {fixed.tp}*{fixed.pp} = {fixed.tp * fixed.pp}")

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from memplan.errors import MemplanError
-from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build
+from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus
 
 
 def configs_dir() -> Path:
@@ -140,8 +140,7 @@ def make_config(
     if "sp" not in over_p and par.get("tp", 1) == 1:
         par["sp"] = False
     if gpus is not None:
-        if gpus <= 0:
-            raise MemplanError(f"GPU count must be positive (got {gpus})")
+        check_gpus(gpus)
         tp, pp = par.get("tp", 1), par.get("pp", 1)
         if gpus % (tp * pp):
             raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {tp}*{pp} = {tp * pp}")
@@ -169,6 +168,7 @@ def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = 
     (byte sizes, optimizer) and the global batch (given, or the preset's scaled to the GPU count,
     or one sequence per GPU)."""
     over = {k: v for k, v in dict(seq_length=seq_length, attention=attention).items() if v is not None}
+    check_gpus(gpus)
     model = preset.model
     if over:
         model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **over})

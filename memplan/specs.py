@@ -84,6 +84,12 @@ class ModelSpec(_Spec):
     def g(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
 
+    def symbols(self, **plan: Any) -> dict[str, Any]:
+        """The K22 symbols of the architecture (s, h, a, f, g, v), plus plan symbols such as t and b
+        (scalars or numpy arrays): the one place a formula's symbols are bound."""
+        return dict(s=self.seq_length, h=self.hidden_size, a=self.num_attention_heads, f=self.f, g=self.g,
+                    v=self.vocab_size, **plan)
+
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
         h, a, g = self.hidden_size, self.num_attention_heads, self.g
@@ -245,6 +251,12 @@ class Config(_Spec):
                     "layers of a model chunk"
                 )
         return self
+
+
+def check_gpus(gpus: int) -> None:
+    """A GPU count must be positive (the divisibility checks live with the plan)."""
+    if gpus <= 0:
+        raise MemplanError(f"GPU count must be positive (got {gpus})")
 
 
 def describe_validation_error(err: ValidationError, where: str = "", known: tuple[str, ...] = ()) -> str:

@@ -92,9 +92,7 @@ def layer_params(model: ModelSpec, values: Mapping[str, Any]) -> Any:
 
 def total_params(model: ModelSpec) -> int:
     """Parameters of the whole model (t = 1, each tied weight once): one stage holding everything."""
-    values = dict(s=model.seq_length, h=model.hidden_size, a=model.num_attention_heads, f=model.f,
-                  g=model.g, v=model.vocab_size, t=1)
-    return stage_params(model, values, model.num_layers, 1, 1, 1)
+    return stage_params(model, model.symbols(t=1), model.num_layers, 1, 1, 1)
 
 
 def _shard(n: Any, d: Any, on: Any) -> Any:

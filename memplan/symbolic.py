@@ -57,10 +57,6 @@ class Poly:
             total = total + Poly.parse(part)
         return total
 
-    @staticmethod
-    def const(value: int | Fraction) -> "Poly":
-        return Poly((((), Fraction(value)),)).simplified()
-
     def simplified(self) -> "Poly":
         acc: dict[Monomial, Fraction] = {}
         for mono, coef in self.terms:

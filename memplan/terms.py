@@ -196,11 +196,6 @@ def _flash_core(model: ModelSpec) -> list[Term]:
     ]
 
 
-def k22_layer(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
-    """K22's GPT layer: Megatron-LM with eager attention."""
-    return megatron_layer(model, "eager", stats)
-
-
 def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype, kind: str = "layernorm") -> list[Term]:
     """A norm's saved statistics: LayerNorm keeps mean and rstd (2 values per token), RMSNorm only
     rstd; fp32 from CUDA kernels (apex, Transformer Engine, torch), the activation dtype from
@@ -262,9 +257,6 @@ class Inventory:
 
     name: str
     terms: tuple[Term, ...]
-
-    def scoped(self, scope: Scope, paper_only: bool = False) -> tuple[Term, ...]:
-        return tuple(t for t in self.terms if t.scope == scope and (t.in_k22 or not paper_only))
 
 
 IMPLEMENTATIONS: dict[str, str] = {
