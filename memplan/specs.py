@@ -146,6 +146,25 @@ class ParallelSpec(_Spec):
         return self
 
 
+# Byte sizes of each precision, with PyTorch Lightning's names. "mixed" follows Megatron-LM
+# (docs/user-guide/features/dist_optimizer.md): 16-bit weights and activations, fp32 master
+# weights and Adam moments; bf16 keeps fp32 main gradients (2 + 4 + 4 + 8 = 18 B per parameter),
+# fp16 keeps fp16 model gradients and fp32 copies of them (2 + 2 + 4 + 4 + 8 = 20). "true" runs
+# everything in that dtype with no master copy (a bf16 model with torch AdamW, as most
+# transformers fine-tuning does: 2 + 2 + 4 = 8 B per parameter).
+PRECISIONS: dict[str, dict[str, int]] = {
+    "bf16-mixed": dict(activation_bytes=2, weight_bytes=2, grad_bytes=4, master_weight_bytes=4,
+                       optimizer_state_bytes=4),
+    "16-mixed": dict(activation_bytes=2, weight_bytes=2, grad_bytes=6, master_weight_bytes=4,
+                     optimizer_state_bytes=4),
+    "bf16-true": dict(activation_bytes=2, weight_bytes=2, grad_bytes=2, master_weight_bytes=0,
+                      optimizer_state_bytes=2),
+    "32-true": dict(activation_bytes=4, weight_bytes=4, grad_bytes=4, master_weight_bytes=0,
+                    optimizer_state_bytes=4),
+}
+OPTIMIZER_IMPLS = ("foreach", "fused")
+
+
 class TrainingSpec(_Spec):
     """Batch, recompute and the byte size of every stored number."""
 
@@ -161,6 +180,21 @@ class TrainingSpec(_Spec):
     master_weight_bytes: int = Field(default=4, ge=0, description="fp32 master copy of the weights; 0 if none")
     optimizer: Literal["adam", "sgd"] = "adam"
     optimizer_state_bytes: int = Field(default=4, ge=0, description="bytes of each optimizer moment")
+    precision: Literal["bf16-mixed", "16-mixed", "bf16-true", "32-true"] = Field(
+        default="bf16-mixed", description="sets the byte sizes above that are not given explicitly")
+    optimizer_impl: Optional[Literal["foreach", "fused"]] = Field(
+        default=None, description="torch AdamW's implementation: foreach keeps one parameter-sized temporary "
+        "during the step, fused none (default: the implementation's own, see `memplan impls`)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _precision(cls, data: Any) -> Any:
+        """Byte sizes not given explicitly come from the precision (explicit ones win)."""
+        if isinstance(data, dict):
+            name = data.get("precision", "bf16-mixed")
+            if name in PRECISIONS:
+                data = {**PRECISIONS[name], **data}
+        return data
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -171,6 +205,22 @@ class TrainingSpec(_Spec):
     def optimizer_moments(self) -> int:
         """Adam keeps two moments (m, v) per parameter; SGD with momentum keeps one."""
         return {"adam": 2, "sgd": 1}[self.optimizer]
+
+
+class RuntimeBytes(_Spec):
+    """Device memory outside PyTorch's caching allocator for one training process (CUDA context,
+    kernel images; for megatron-core also the communicator of one NCCL group)."""
+
+    torch: int = Field(default=0, ge=0, description="a plain PyTorch process (transformers, the reference loop)")
+    megatron: int = Field(default=0, ge=0, description="a megatron-core process with one NCCL group")
+
+    @field_validator("torch", "megatron", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    def get(self, framework: str) -> int:
+        return getattr(self, framework)
 
 
 class GpuSpec(_Spec):
@@ -188,12 +238,19 @@ class GpuSpec(_Spec):
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (network)")
+    runtime_bytes: RuntimeBytes = Field(
+        default_factory=lambda: RuntimeBytes(),
+        description="device memory a training process uses outside PyTorch's caching allocator, by framework")
+    nccl_communicator_bytes: int = Field(default=0, ge=0, description="each further NCCL communicator")
+    fragmentation_margin: float = Field(
+        default=0.0, ge=0, le=1, description="caching-allocator reserve above the allocated peak, as a fraction")
     source: str = ""
 
-    @field_validator("memory_bytes", mode="before")
+    @field_validator("memory_bytes", "nccl_communicator_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
+
 
     @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", mode="before")
     @classmethod

@@ -17,7 +17,7 @@ leaves them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 from memplan.errors import MemplanError
 from memplan.specs import ModelSpec, Recompute
@@ -85,7 +85,9 @@ class Term:
     def kept(self, recompute: Any) -> Any:
         """1 where the tensor is stored under this recompute mode, else 0 (scalar or array)."""
         if self.scope != "layer":
-            return 1
+            # outside the layers only a checkpoint's inputs depend on recompute (the mask every
+            # checkpointed layer is given)
+            return 1 * (recompute == Recompute.FULL) if self.only_full else 1
         keep_none = 0 if self.only_full else 1
         keep_selective = 0 if (self.dropped_by_selective or self.only_full) else 1
         keep_full = 1 if (self.kept_by_full or self.only_full) else 0
@@ -252,22 +254,134 @@ def causal_mask_term() -> Term:
 
 
 @dataclass(frozen=True)
+class Moment:
+    """A moment of the step when tensors beyond the saved ones are alive: inside a layer's backward
+    (scope "layer") or around the loss (scope "last"). Its bytes are what the step holds anyway
+    (states, saved tensors of the layers not yet back-propagated) plus, for the layer or head in
+    question, its saved terms not in `freed`, its `transients` and the gradients of the parameter
+    groups in `grads` (the step timeline, memplan/timeline.py, adds them up)."""
+
+    id: str
+    name: str
+    phase: Literal["loss", "backward"]
+    scope: Literal["layer", "last"]
+    transients: tuple[Term, ...]
+    freed: tuple[str, ...] = ()  # saved term ids of this layer / the head no longer alive
+    grads: tuple[str, ...] = ()  # parameter groups (states.param_groups names) whose gradients exist by now
+    recomputed: bool = True  # selective recompute: the attention core has been re-run by now
+    source: str = ""
+
+
+def _x(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src=""):
+    """A transient tensor (a Term that no backward keeps)."""
+    return _t(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src)
+
+
+# Parameter groups (memplan/states.py) by role.
+QKV_W, PROJ_W = "QKV projection weight", "attention output projection weight"
+FC1_W, FC2_W = "MLP input projection weight", "MLP output projection weight"
+
+
+def layer_backward_moments(model: ModelSpec, attention: str, device: str, src: str,
+                           recompute_outputs: Optional[tuple[str, str, str]] = None) -> list[Moment]:
+    """The two moments a Megatron-style layer's backward peaks at (read off torch's autograd on the
+    reference layer, validation/; Megatron-LM's fused kernels free and allocate in the same order):
+
+    - MLP: the second linear has produced its input gradient (f wide) while its saved input is still
+      alive, on top of the residual gradient and, with dropout or SP, the gradient of the MLP output
+      (dropout backward / the all-gather of the row-parallel output's gradient). For SwiGLU the
+      activation's backward then makes a 2f-wide gradient once the down projection's input is freed.
+    - attention: attention over V has produced the gradients of V and of the (dropout) probabilities,
+      a s^2 b for eager attention; flash attention's backward makes dQ, dK, dV (and on CUDA the FA2
+      kernel's fp32 dQ accumulator and row sums).
+    """
+    dy = _x("grad_residual", "gradient of the layer output (residual stream)", "s b h", sp=True, src=src)
+    d_out = ([_x("grad_mlp_output", "gradient of the MLP output (after dropout backward / all-gather)", "s b h",
+                 src=src)] if model.dropout else [])
+    d_fc2_in = _x("grad_fc2_input", "gradient of the second MLP linear's input", "s b f", tp=True, src=src)
+    mlp_masks = ("mlp_dropout_mask",) if model.dropout else ()
+    # A recomputed layer's forward runs again up to its last saved tensor; what that leaves alive
+    # (only_full: counted for recomputed layers) stays until the layer's backward ends.
+    rerun = [_t("recompute_outputs", recompute_outputs[1], "transient", recompute_outputs[0], sp=True,
+                k22=False, only_full=True, src=recompute_outputs[2])] if recompute_outputs else []
+    moments = [Moment("mlp_backward", "MLP backward: input gradient of the second linear", "backward", "layer",
+                      (dy, *d_out, d_fc2_in, *rerun), mlp_masks, (FC2_W,), recomputed=False, source=src)]
+    act_in = "2 s b f" if model.mlp == "swiglu" else "s b f"
+    moments.append(Moment(
+        "mlp_activation_backward", "MLP backward: gradient of the activation's input", "backward", "layer",
+        (dy, d_fc2_in, _x("grad_activation_input", "gradient of the activation's input", act_in, tp=True, src=src),
+         *rerun),
+        mlp_masks + ("fc2_input",), (FC2_W,), recomputed=False, source=src))
+    mlp_terms = ("ln2_input", "ln2_stats", "fc1_input", "gelu_input", "swiglu_input", "fc2_input",
+                 "mlp_dropout_mask", "attn_dropout_mask")
+    d_ctx = _x("grad_attention_output", "gradient of the attention output (output projection input)", "s b h",
+               tp=True, src=src)
+    if attention == "eager":
+        extra = (_x("grad_v", "gradient of V", "s b h g /a", tp=True, src=src),
+                 _x("grad_probs", "gradient of the attention probabilities", "a s^2 b", tp=True, src=src))
+        freed = mlp_terms + ("proj_input",)
+    else:
+        extra = (_x("grad_qkv", "dQ, dK, dV of flash attention", "s b h + 2 s b h g /a", tp=True, src=src),)
+        if device == "cuda":
+            fa2 = "FlashAttention-2 backward (Dao 2023): fp32 dq_accum and softmax_d, freed when the kernel returns"
+            extra += (_x("flash_dq_accum", "fp32 dQ accumulator inside the flash backward", "s b h", "fp32", tp=True,
+                         src=fa2),
+                      _x("flash_softmax_d", "fp32 row sums inside the flash backward", "a s b", "fp32", tp=True, src=fa2))
+        freed = mlp_terms
+    moments.append(Moment("attention_backward", "attention backward: gradients inside the attention core",
+                          "backward", "layer", (dy, d_ctx, *extra, *rerun), freed, (FC2_W, FC1_W, PROJ_W),
+                          source=src))
+    return moments
+
+
+def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:
+    """Megatron-LM's output layer and vocab-parallel cross-entropy (cross_entropy.py): the bf16
+    logits and their fp32 copy are alive while the cross-entropy computes the softmax (the saved
+    term) in a third buffer; the backward turns the saved softmax into the gradient in place and
+    casts it to bf16 for the output layer's backward."""
+    logits = _x("logits", "logits (output layer, activation dtype)", "s b v", tp=True, scope="last", src=src)
+    logits32 = _x("logits_fp32_copy", "fp32 copy of the logits (input of the cross-entropy)", "s b v", "fp32",
+                  tp=True, scope="last", src=src)
+    d_logits = _x("grad_logits", "gradient of the logits (activation dtype)", "s b v", tp=True, scope="last", src=src)
+    d_head_in = _x("grad_head_input", "gradient of the output layer's input", "s b h", scope="last", src=src)
+    return [
+        Moment("loss_forward", "cross-entropy forward: logits, fp32 copy and softmax", "loss", "last",
+               (logits, logits32, *forward_extra), source=src),
+        Moment("loss_backward", "output-layer backward: the logits' gradient and the input gradient", "loss",
+               "last", (d_logits, d_head_in), ("head_input",), ("output layer (LM head)",), source=src),
+    ]
+
+
+GradLifetime = Literal["buffer", "backward"]
+
+
+@dataclass(frozen=True)
 class Inventory:
-    """The saved tensors of one architecture as one implementation runs it."""
+    """The saved tensors of one architecture as one implementation runs it, the moments its step
+    peaks at, and how its training loop holds gradients and steps the optimizer."""
 
     name: str
     terms: tuple[Term, ...]
+    moments: tuple[Moment, ...] = ()
+    grad_lifetime: GradLifetime = "buffer"  # a main-gradient buffer for the whole step, or torch .grad
+    grad_hook_transient: bool = False  # each bf16 .grad lives until a hook adds it to the fp32 buffer
+    optimizer_impl: str = "fused"  # the implementation's default AdamW
+    runtime: Literal["torch", "megatron"] = "torch"  # which process figure of the GPU preset applies
+    held: tuple[Term, ...] = ()  # inputs the training loop holds for the micro-batch (not saved by autograd)
 
 
 IMPLEMENTATIONS: dict[str, str] = {
     "megatron": "Megatron-LM on GPU: fused scaled upper-triangular masked softmax (no mask tensor), "
-                "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy",
+                "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
+                "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
-             "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU)",
+             "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
+             "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",
     "hf-eager": "HF transformers 5.x, attn_implementation='eager' (GPT-2, Llama layout): Python attention "
-                "and norms, as measured in validation/hf.py",
+                "and norms, as measured in validation/hf.py; torch .grad tensors, AdamW fused (the "
+                "Trainer's default with torch >= 2.8; a plain torch.optim.AdamW is foreach on CUDA)",
     "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
-               "as measured in validation/hf.py",
+               "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager)",
 }
 HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
@@ -283,15 +397,40 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if impl in HF_IMPLS:
         from memplan.terms_hf import hf_inventory
 
-        return Inventory(f"{impl}/{device}", tuple(hf_inventory(model, impl, device)))
+        return hf_inventory(model, impl, device)
     if impl == "torch":
         if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
             raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "
                                "GeLU MLP, LayerNorm")
         terms = megatron_layer(model, "eager", stats) + k22_outside_layers(model, stats) + [causal_mask_term()]
-    else:
-        terms = megatron_layer(model, model.attention, stats) + k22_outside_layers(model, stats)
-    return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms))
+        src = "measured: reference layer in a Megatron-like loop (validation/step.py)"
+        rerun = ("2 s b h", "recomputed bias-add and dropout outputs (checkpoint stops after the last saved "
+                 "tensor, the MLP dropout mask)", src)
+        emb = _x("embedding_sum", "word + position embedding sum (a local of the reference forward)", "s b h",
+                 scope="last", src=src)
+        moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src, (emb,))
+        # The reference loop (validation/step.py) accumulates each bf16 .grad into the fp32 buffer
+        # with a hook (Megatron-LM without gradient-accumulation fusion); torch AdamW defaults to
+        # foreach on CUDA tensors.
+        return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", True,
+                         "foreach", "torch", (labels_term(),))
+    terms = megatron_layer(model, model.attention, stats) + k22_outside_layers(model, stats)
+    src = "derived from Megatron-LM code (autograd order of the reference layer), not measured"
+    # Megatron-LM's CheckpointFunction re-runs a layer's whole forward and back-propagates from its output.
+    rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
+    moments = layer_backward_moments(model, model.attention, device, src, rerun) + vocab_parallel_loss_moments(src)
+    # Megatron-LM: gradient-accumulation fusion writes weight gradients straight into the fp32
+    # main-gradient buffer; Transformer Engine / apex FusedAdam (no temporaries).
+    held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
+                               src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
+    return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", False,
+                     "fused", "megatron", held)
+
+
+def labels_term() -> Term:
+    """The batch's target ids, held by the training loop from the forward to the loss."""
+    return _x("labels", "target ids of the batch (int64, held by the training loop)", "s b", "int64", scope="last",
+              src="measured: the step's labels tensor (validation/step.py)")
 
 
 def display_poly(poly: Poly, model: ModelSpec) -> Poly:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from memplan.errors import MemplanError
 from memplan.specs import Config, ModelSpec, Recompute
-from memplan.terms import Dtype, Term, _t
+from memplan.terms import FC1_W, FC2_W, PROJ_W, Dtype, Inventory, Moment, Term, _t, _x
 
 SRC = "transformers 5.23.0, measured (validation/hf.py)"
 
@@ -32,7 +32,70 @@ def check_hf_plan(config: Config, impl: str) -> None:
                            "recomputes whole layers: --recompute full)")
 
 
-def hf_inventory(model: ModelSpec, impl: str, device: str) -> list[Term]:
+def hf_inventory(model: ModelSpec, impl: str, device: str) -> Inventory:
+    """transformers' saved tensors, its step's moments, torch .grad tensors (allocated on their
+    first write in the backward, freed by zero_grad) and the Trainer's fused AdamW."""
+    terms = hf_terms(model, impl, device)
+    moments = _layer_moments(model, impl == "hf-sdpa") + _loss_moments(model)
+    return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
+
+
+STEP = "measured: transformers 5.23.0 training step (validation/step.py)"
+
+
+def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
+    """Where a transformers layer's backward peaks (op-level live bytes of validation/step.py):
+    the MLP once the gated / tanh-GeLU product's backward has made two f-wide gradients beside the
+    down projection's input gradient, and attention inside the sdpa kernel's backward (dQ, dK, dV)
+    or, eager, at the softmax backward (s x s gradients; fp32 for Llama, which upcasts the scores)."""
+    dy = _x("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=STEP)
+    d_fc2_in = _x("grad_fc2_input", "gradient of the down projection's input", "s b f", src=STEP)
+    two_f = _x("grad_activation_products", "gradients of the two factors of the activation product", "2 s b f",
+               src=STEP)
+    gpt2 = model.mlp == "gelu"
+    mlp = ("ln2_input", "ln2_stats", "mlp_input", "gelu_input", "gelu_tanh_out", "gelu_one_plus_tanh",
+           "gelu_half_x", "fc2_input", "mlp_dropout_mask", "attn_dropout_mask") if gpt2 else (
+        "ln2_fp32_input", "ln2_rstd", "ln2_normed", "mlp_input", "silu_input", "up_out", "silu_out", "fc2_input")
+    moments = [Moment("mlp_backward", "MLP backward: gradients of the activation product", "backward", "layer",
+                      (dy, d_fc2_in, two_f), ("fc2_input", "mlp_dropout_mask"), (FC2_W,), source=STEP)]
+    d_ctx = _x("grad_attention_output", "gradient of the attention output", "s b h", src=STEP)
+    if sdpa:
+        extra = (_x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b h + 2 s b h g /a", src=STEP),)
+        freed = mlp + ("attn_out",)
+    else:
+        score: Dtype = "act" if gpt2 else "fp32"
+        extra = (_x("grad_v", "gradient of V", "s b h", src=STEP),
+                 _x("grad_probs", "gradient of the attention probabilities", "a s^2 b", score, src=STEP),
+                 _x("grad_scores", "gradient of the attention scores (softmax backward)", "a s^2 b", score,
+                    src=STEP))
+        freed = mlp + ("attn_out", "v", "attn_probs", "softmax_dropout_mask")
+    moments.append(Moment("attention_backward", "attention backward: gradients inside attention", "backward",
+                          "layer", (dy, d_ctx, *extra), freed, (FC2_W, FC1_W, PROJ_W), source=STEP))
+    return moments
+
+
+def _loss_moments(model: ModelSpec) -> list[Moment]:
+    """ForCausalLMLoss: the bf16 logits and their fp32 copy while log_softmax makes the saved fp32
+    log-probabilities; in the backward nll_loss's and log_softmax's fp32 gradients (the model's
+    output, and with it the bf16 logits, is gone by then, as in the Trainer's training_step); then
+    the bf16 gradient of the logits while lm_head's backward runs."""
+    head = "output layer (LM head)" if not model.tied_embeddings else "word embedding"
+    return [
+        Moment("loss_forward", "loss forward: bf16 logits, fp32 copy, log-softmax", "loss", "last",
+               (_x("logits", "logits (lm_head output, bf16)", "s b v", scope="last", src=STEP),
+                _x("logits_fp32_copy", "logits.float()", "s b v", "fp32", scope="last", src=STEP)), source=STEP),
+        Moment("loss_backward", "loss backward: fp32 gradients of nll_loss and log_softmax", "loss", "last",
+               (_x("grad_nll", "nll_loss gradient (fp32)", "s b v", "fp32", scope="last", src=STEP),
+                _x("grad_log_softmax", "log_softmax gradient (fp32)", "s b v", "fp32", scope="last", src=STEP)),
+               source=STEP),
+        Moment("head_backward", "lm_head backward: bf16 gradient of the logits", "loss", "last",
+               (_x("grad_logits", "gradient of the logits (bf16)", "s b v", scope="last", src=STEP),
+                _x("grad_head_input", "gradient of lm_head's input", "s b h", scope="last", src=STEP)),
+               ("logits_fp32",), (head,), source=STEP),
+    ]
+
+
+def hf_terms(model: ModelSpec, impl: str, device: str) -> list[Term]:
     layout = "gpt2" if (model.norm == "layernorm" and model.mlp == "gelu") else "llama"
     if layout == "llama" and not (model.norm == "rmsnorm" and model.mlp == "swiglu"):
         raise MemplanError("--impl hf-*: memplan knows the GPT-2 layout (LayerNorm, GeLU) and the Llama "
@@ -42,9 +105,19 @@ def hf_inventory(model: ModelSpec, impl: str, device: str) -> list[Term]:
     if sdpa and model.dropout and device == "cpu":
         raise MemplanError("hf-sdpa with dropout on CPU runs torch's fp32 math kernel, which memplan does not "
                            "model; use dropout 0 or --impl hf-eager")
+    extra = [] if sdpa else [_checkpoint_mask(layout)]
     if layout == "gpt2":
-        return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device)
-    return _llama_layer(model, sdpa, mask) + _llama_outside()
+        return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device) + extra
+    return _llama_layer(model, sdpa, mask) + _llama_outside() + extra
+
+
+def _checkpoint_mask(layout: str) -> Term:
+    """Eager attention gets an explicit s x s causal mask (GPT-2: an additive mask in the activation
+    dtype, Llama: bool). Without recompute it dies with the forward; gradient checkpointing keeps
+    it as an input of every checkpointed layer (one storage), so it lives through the backward."""
+    return _t("checkpoint_mask", "causal mask, an input of every checkpointed layer", "attention", "s^2",
+              "act" if layout == "gpt2" else "mask", scope="chunk", k22=False, only_full=True,
+              src=f"{STEP}: create_causal_mask, kept by torch.utils.checkpoint")
 
 
 def _gpt2_layer(model: ModelSpec, sdpa: bool, mask: Dtype, device: str) -> list[Term]:
