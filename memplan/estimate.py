@@ -15,6 +15,7 @@ from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
+from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Estimate:
     inventory: Inventory
     paper_only: bool
     stages: list[StageMemory]
+    steps: list[StepPeak]  # the step timeline of one GPU of every stage
+    device: DeviceMemory  # what the most loaded GPU needs: allocated peak + margin + runtime
     most_loaded: int
     per_layer_bytes: int
     per_layer_symbolic: str
@@ -47,15 +50,21 @@ class Estimate:
 
     @property
     def peak(self) -> StageMemory:
+        """The most loaded stage's states and saved activations (retained at its first backward)."""
         return self.stages[self.most_loaded]
 
     @property
+    def step(self) -> StepPeak:
+        """The most loaded stage's step timeline and allocated peak."""
+        return self.steps[self.most_loaded]
+
+    @property
     def fits(self) -> Optional[bool]:
-        return None if self.budget_bytes is None else bool(self.peak.total <= self.budget_bytes)
+        return None if self.budget_bytes is None else bool(self.device.total <= self.budget_bytes)
 
     @property
     def headroom_bytes(self) -> Optional[int]:
-        return None if self.budget_bytes is None else self.budget_bytes - self.peak.total
+        return None if self.budget_bytes is None else self.budget_bytes - self.device.total
 
 
 def estimate(
@@ -65,9 +74,12 @@ def estimate(
     paper_only: bool = False,
     impl: str = "megatron",
     device: str = "cuda",
+    fragmentation_margin: Optional[float] = None,
 ) -> Estimate:
-    """Memory per GPU for every pipeline stage of `config` run by implementation `impl`; the most
-    loaded stage is the answer. `paper_only` keeps only the tensors K22 counts."""
+    """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
+    activations and states (with `paper_only`, only the tensors K22 counts) and the step's
+    allocated peak (always the real-code view). The stage with the highest peak is the answer; it
+    fits when peak + fragmentation margin + the runtime's own memory is within the budget."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     inventory = inventory_for(config.model, impl, device)
@@ -75,7 +87,9 @@ def estimate(
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
               for i in range(config.parallel.pp)]
-    most_loaded = max(range(len(stages)), key=lambda i: (stages[i].total, -i))
+    steps = [step_events(config.model, inventory, config.training, plan, stage_memory(
+        config.model, inventory.terms, config.training, plan, i), i) for i in range(config.parallel.pp)]
+    most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
     peak = stages[most_loaded]
 
     values = symbol_values(config.model, plan)
@@ -101,22 +115,27 @@ def estimate(
 
     if budget_bytes is None and gpu is not None:
         budget_bytes = gpu.memory_bytes
+    device = device_memory(steps[most_loaded].peak_bytes, plan, inventory, gpu, fragmentation_margin)
     perf = None
     if gpu is not None:
         from memplan.perf import step_time
 
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch)
     return Estimate(
-        config=config, inventory=inventory, paper_only=paper_only, stages=stages, most_loaded=most_loaded,
+        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=device,
+        most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
         rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
-        notes=_notes(config, peak, terms, values),
+        notes=_notes(config, peak, terms, values, inventory),
     )
 
 
-def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any]) -> list[str]:
+def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],
+           inventory: Inventory) -> list[str]:
     par, tr = config.parallel, config.training
     notes = []
+    if inventory.moments and not inventory.moments[0].source.startswith("measured"):
+        notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
     notes.append(
         f"stage {peak.stage} holds {chunks} model chunk(s) of {config.layers_per_chunk} layer(s) in flight"

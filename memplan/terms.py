@@ -269,6 +269,7 @@ class Moment:
     freed: tuple[str, ...] = ()  # saved term ids of this layer / the head no longer alive
     grads: tuple[str, ...] = ()  # parameter groups (states.param_groups names) whose gradients exist by now
     recomputed: bool = True  # selective recompute: the attention core has been re-run by now
+    fresh: bool = False  # the last group's new gradient is still its own tensor (not yet accumulated)
     source: str = ""
 
 
@@ -305,7 +306,8 @@ def layer_backward_moments(model: ModelSpec, attention: str, device: str, src: s
     rerun = [_t("recompute_outputs", recompute_outputs[1], "transient", recompute_outputs[0], sp=True,
                 k22=False, only_full=True, src=recompute_outputs[2])] if recompute_outputs else []
     moments = [Moment("mlp_backward", "MLP backward: input gradient of the second linear", "backward", "layer",
-                      (dy, *d_out, d_fc2_in, *rerun), mlp_masks, (FC2_W,), recomputed=False, source=src)]
+                      (dy, *d_out, d_fc2_in, *rerun), mlp_masks, (FC2_W,), recomputed=False, fresh=True,
+                      source=src)]
     act_in = "2 s b f" if model.mlp == "swiglu" else "s b f"
     moments.append(Moment(
         "mlp_activation_backward", "MLP backward: gradient of the activation's input", "backward", "layer",
@@ -368,6 +370,9 @@ class Inventory:
     optimizer_impl: str = "fused"  # the implementation's default AdamW
     runtime: Literal["torch", "megatron"] = "torch"  # which process figure of the GPU preset applies
     held: tuple[Term, ...] = ()  # inputs the training loop holds for the micro-batch (not saved by autograd)
+    # torch autograd keeps a tied output layer's weight gradient in its input buffer until the
+    # embedding's backward adds its own (out of place); Megatron-LM's fused wgrad writes it to the buffer
+    tied_grad_waits: bool = True
 
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -404,11 +409,11 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                                "GeLU MLP, LayerNorm")
         terms = megatron_layer(model, "eager", stats) + k22_outside_layers(model, stats) + [causal_mask_term()]
         src = "measured: reference layer in a Megatron-like loop (validation/step.py)"
-        rerun = ("2 s b h", "recomputed bias-add and dropout outputs (checkpoint stops after the last saved "
-                 "tensor, the MLP dropout mask)", src)
         emb = _x("embedding_sum", "word + position embedding sum (a local of the reference forward)", "s b h",
                  scope="last", src=src)
-        moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src, (emb,))
+        # torch.utils.checkpoint (non-reentrant) stops re-running the layer after its last saved tensor and
+        # keeps none of the re-run's outputs.
+        moments = layer_backward_moments(model, "eager", device, src) + vocab_parallel_loss_moments(src, (emb,))
         # The reference loop (validation/step.py) accumulates each bf16 .grad into the fp32 buffer
         # with a hook (Megatron-LM without gradient-accumulation fusion); torch AdamW defaults to
         # foreach on CUDA tensors.
@@ -424,7 +429,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
     return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", False,
-                     "fused", "megatron", held)
+                     "fused", "megatron", held, tied_grad_waits=False)
 
 
 def labels_term() -> Term:

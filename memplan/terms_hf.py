@@ -56,8 +56,11 @@ def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
     mlp = ("ln2_input", "ln2_stats", "mlp_input", "gelu_input", "gelu_tanh_out", "gelu_one_plus_tanh",
            "gelu_half_x", "fc2_input", "mlp_dropout_mask", "attn_dropout_mask") if gpt2 else (
         "ln2_fp32_input", "ln2_rstd", "ln2_normed", "mlp_input", "silu_input", "up_out", "silu_out", "fc2_input")
-    moments = [Moment("mlp_backward", "MLP backward: gradients of the activation product", "backward", "layer",
-                      (dy, d_fc2_in, two_f), ("fc2_input", "mlp_dropout_mask"), (FC2_W,), source=STEP)]
+    moments = [
+        Moment("fc2_backward", "MLP backward: the down projection's weight and input gradients", "backward",
+               "layer", (dy, d_fc2_in), ("mlp_dropout_mask",), (FC2_W,), fresh=True, source=STEP),
+        Moment("mlp_backward", "MLP backward: gradients of the activation product", "backward", "layer",
+               (dy, d_fc2_in, two_f), ("fc2_input", "mlp_dropout_mask"), (FC2_W,), source=STEP)]
     d_ctx = _x("grad_attention_output", "gradient of the attention output", "s b h", src=STEP)
     if sdpa:
         extra = (_x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b h + 2 s b h g /a", src=STEP),)

@@ -51,12 +51,22 @@ def _minimum(x: Any, y: Any) -> Any:
     return x - (x - y) * (x > y)
 
 
+PARTS = ("weights", "optimizer", "gradients", "saved", "transient")
+
+
 @dataclass(frozen=True)
 class Event:
     phase: str  # forward | loss | backward | optimizer
     layer: Optional[int]  # position of the layer in the chunk (1..n), None outside the layers
     moment: str  # what is happening
-    bytes: Any  # allocated bytes alive (scalar or array)
+    parts: dict[str, Any]  # allocated bytes alive by kind (PARTS; scalars or arrays)
+
+    @property
+    def bytes(self) -> Any:
+        total: Any = 0
+        for k in PARTS:
+            total = total + self.parts[k]
+        return total
 
 
 @dataclass(frozen=True)
@@ -127,17 +137,17 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # zero_grad, so in the forward only when earlier micro-batches of this step made them.
     grads_fwd = all_grads if buffer else all_grads * (plan.microbatches > 1)
     persistent = states.weights + states.optimizer + (all_grads if buffer else 0)
-    base_fwd = states.weights + states.optimizer + grads_fwd
 
-    def grads_of(names: tuple[str, ...], scope_weight: Any) -> Any:
-        """Gradients a moment adds: torch .grad tensors made by now (none beyond grads_fwd when they
-        already exist); with a buffer fed by hooks, the last group's bf16 .grad before its hook."""
+    def grads_of(m: Moment) -> Any:
+        """Gradients a moment adds: with one micro-batch the torch .grad tensors made by now; the
+        last group's new gradient while it is still its own tensor (`fresh`): before a hook adds it
+        to the buffer, or before AccumulateGrad adds it to an existing .grad."""
+        fresh = group_grads.get(m.grads[-1], 0) * training.weight_bytes // training.grad_bytes if (
+            m.fresh and m.grads) else 0
         if buffer:
-            if inventory.grad_hook_transient and names:
-                return group_grads.get(names[-1], 0) * training.weight_bytes // training.grad_bytes * scope_weight
-            return 0
-        made = sum((group_grads.get(g, 0) for g in names), 0)
-        return made * scope_weight * (plan.microbatches == 1)
+            return fresh if inventory.grad_hook_transient else 0
+        made = sum((group_grads.get(g, 0) for g in m.grads), 0)
+        return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
     head_names = {g.name for g in param_groups(model) if g.scope == "last"} | {
@@ -161,36 +171,50 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
 
     held = sum((t.bytes(values, act, plan.sp) for t in inventory.held), 0) * is_last
 
+    # a tied output layer's gradient waiting for the embedding's (same stage, torch autograd)
+    tied_waits = 1 * (model.tied_embeddings and inventory.tied_grad_waits) * (plan.p == 1)
+    waiting = group_grads["word embedding"] * training.weight_bytes // training.grad_bytes * tied_waits * buffer
+
     events: list[Event] = []
     layers = _critical_layers(n, N) if critical else [j + 1 for j in range(int(n))]
+    buffer_grads = all_grads if buffer else 0
+    accumulated = 0 if buffer else all_grads * (plan.microbatches > 1)  # .grad of earlier micro-batches
+
+    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = 1) -> None:
+        parts = dict(weights=states.weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
+                     transient=transient)
+        events.append(Event(phase, layer, name, {k: v * on for k, v in parts.items()}))
 
     # forward of the chunk whose backward comes first
     for j in layers:
-        events.append(Event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
-                            base_fwd + held + others + stored_upto(j)))
+        event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
+              grads_fwd, others + stored_upto(j), held)
     # loss (last stage)
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
-        grads = grads_of(m.grads, 1) + (0 if buffer else all_grads * (plan.microbatches > 1))
-        b = persistent + held + grads + others + stored_upto(n) + last_cur - freed + transient_bytes(m)
-        events.append(Event("loss", None, m.name, b * is_last))
+        event("loss", None, m.name, buffer_grads + accumulated + grads_of(m),
+              others + stored_upto(n) + last_cur - freed, held + transient_bytes(m), is_last)
     # backward, layer by layer
     layer_moments = [m for m in inventory.moments if m.scope == "layer"]
     for j in sorted(layers, reverse=True) if not critical else layers:
         recomputed = (j <= N) if not critical else _le(j, N)
         for m in layer_moments:
             alive = layer_sum(lambda t, m=m: _alive(t, m, rec, recomputed))
-            before = stored_upto(j - 1)
-            b = (persistent + held + others + before + alive + transient_bytes(m, recomputed)
-                 + grads_after(n - j) + grads_of(m.grads, 1))
-            events.append(Event("backward", j, m.name, b))
-    # embedding backward: every gradient made, this chunk's tensors gone
-    events.append(Event("backward", None, "embedding backward (all gradients made)",
-                        persistent + (0 if buffer else all_grads) + others - chunk_cur - first_cur))
+            event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
+                  others + stored_upto(j - 1) + alive, held + transient_bytes(m, recomputed))
+    # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
+    # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
+    # tied and waiting: plus the head's gradient and their out-of-place sum)
+    sym = model.symbols(b=plan.b, t=1)
+    d_emb = sym["s"] * sym["b"] * sym["h"] * act
+    dense = group_grads["word embedding"] * training.weight_bytes // training.grad_bytes
+    tied_extra = 2 * dense * tied_waits
+    emb_extra = (dense + tied_extra if buffer else tied_extra) + d_emb
+    event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
+          emb_extra * is_first)
     # optimizer step: no activations (the step's micro-batches are done)
     temp = _optimizer_temporaries(training, inventory, stage_mem)
-    events.append(Event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} AdamW)",
-                        persistent + (0 if buffer else all_grads) + temp))
+    event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} AdamW)", all_grads, 0, temp)
     peak = events[0].bytes
     index: Any = 0
     for i, e in enumerate(events[1:], start=1):
