@@ -8,7 +8,7 @@ per candidate) for the planner; `stage_memory` is the one function both call.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
@@ -48,6 +48,32 @@ class PlanValues:
         return PlanValues(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
+class TermBytes:
+    """Bytes of one copy of a term on one GPU (Term.bytes) for a plan of scalars or arrays. A term's
+    size depends on the plan only through b, t and SP, so with arrays each distinct (b, t, sp) is
+    evaluated once and the results are gathered back (the planner's hot path)."""
+
+    def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int) -> None:
+        self.act, self.index = activation_bytes, None
+        b, t, sp = plan.b, plan.t, plan.sp
+        if getattr(b, "size", 1) > 1:
+            import numpy as np
+
+            b, t, sp = np.broadcast_arrays(b, t, sp)
+            key = (b * (2 * int(t.max()) + 2) + 2 * t + sp).ravel()
+            uniq, first, self.index = np.unique(key, return_index=True, return_inverse=True)
+            b, t, sp = b.ravel()[first], t.ravel()[first], sp.ravel()[first]
+        self.values, self.sp = model.symbols(b=b, t=t), sp
+        self._cache: dict[int, Any] = {}
+
+    def __call__(self, term: Term) -> Any:
+        key = id(term)
+        if key not in self._cache:
+            n = term.bytes(self.values, self.act, self.sp)
+            self._cache[key] = n[self.index] if self.index is not None and getattr(n, "ndim", 0) else n
+        return self._cache[key]
+
+
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
     """Bind the K22 symbols once: s, b, h, a, f, g, v and t."""
     return model.symbols(b=plan.b, t=plan.t)
@@ -76,9 +102,11 @@ class StageMemory:
     layers: Any
     params: Any
     term_bytes: dict[str, Any]  # term id -> bytes on this GPU at the stage's peak
+    unit_bytes: dict[str, Any]  # term id -> bytes of one copy (one layer / micro-batch) on this GPU
     recompute_working_bytes: Any  # one layer's recomputed activations, alive during its backward
     activations: Any  # saved terms + the recompute working set
     states: StateBytes
+    sizes: Optional[TermBytes] = None  # evaluates further terms (transients) for the same plan
 
     @property
     def weights(self) -> Any:
@@ -105,14 +133,15 @@ def stage_memory(
     state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
     tensors alive on top (the recompute working set, which K22 leaves out)."""
     values = symbol_values(model, plan)
+    sizes = TermBytes(model, plan, training.activation_bytes)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags
-    term_bytes = {}
+    term_bytes, unit_bytes = {}, {}
     activations: Any = 0
     working: Any = 0
     for term in terms:
-        per = term.bytes(values, training.activation_bytes, plan.sp)
+        per = unit_bytes[term.id] = sizes(term)
         key = term.recompute_flags
         if key not in counts:
             counts[key] = term_count(term, plan, layers_per_chunk, stage)
@@ -129,4 +158,4 @@ def stage_memory(
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, values, layers, is_first, is_last, plan.p)
     states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, values))
-    return StageMemory(stage, layers, params, term_bytes, working, activations, states)
+    return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes)

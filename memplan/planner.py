@@ -16,7 +16,7 @@ The space (each plan distinct and launchable with Megatron-LM):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -25,6 +25,7 @@ from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
 from memplan.terms import HF_IMPLS, inventory_for
+from memplan.timeline import device_memory, step_events
 
 def divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
@@ -109,32 +110,41 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
 @dataclass(frozen=True)
 class Evaluated:
     plans: PlanValues
-    peak_bytes: np.ndarray  # the most loaded GPU (max of the first and the last stage)
-    first_stage_bytes: np.ndarray
-    last_stage_bytes: np.ndarray
+    device_bytes: np.ndarray  # what the most loaded GPU needs: peak + fragmentation margin + runtime
+    peak_bytes: np.ndarray  # allocated peak of a step on the most loaded GPU (max of first and last stage)
+    first_stage_peak_bytes: np.ndarray
+    last_stage_peak_bytes: np.ndarray
+    retained_bytes: np.ndarray  # states + saved activations at the first backward (most loaded stage)
     step_time_s: Optional[np.ndarray]
     mfu: Optional[np.ndarray]
     tokens_per_s: Optional[np.ndarray]
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: Optional[GpuSpec],
-             global_batch: int, impl: str = "megatron") -> Evaluated:
-    """Memory (and step time, when a GPU is known) of every plan, vectorised.
+             global_batch: int, impl: str = "megatron", margin: Optional[float] = None) -> Evaluated:
+    """Memory (and step time, when a GPU is known) of every plan, vectorised, with the functions
+    `estimate` uses: the step peak at the timeline's critical moments (memplan/timeline.py; a test
+    checks them against the walk over every layer) and what the device adds.
 
     Only the first and the last stage can be the most loaded: every middle stage holds no more
     activations than the first (fewer micro-batches in flight) and the same layers' states
     without the embedding; a test checks this against `estimate`'s all-stage maximum.
     """
-    terms = inventory_for(model, impl).terms
-    first = stage_memory(model, terms, training, plans, 0).total
-    last = stage_memory(model, terms, training, plans, plans.p - 1).total
+    inventory = inventory_for(model, impl)
+    peaks, retained = [], []
+    for stage in (0, plans.p - 1):
+        mem = stage_memory(model, inventory.terms, training, plans, stage)
+        peaks.append(step_events(model, inventory, training, plans, mem, stage, critical=True).peak_bytes)
+        retained.append(mem.total)
+    peak = np.maximum(*peaks)
+    device = device_memory(peak, plans, inventory, gpu, margin).total
     step = mfu = tps = None
     if gpu is not None:
         from memplan.perf import step_time
 
         perf = step_time(model, training, gpu, plans, global_batch, breakdown=False)
         step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
-    return Evaluated(plans, np.maximum(first, last), first, last, step, mfu, tps)
+    return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps)
 
 
 def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:
@@ -182,8 +192,10 @@ class SearchResult:
             "sp": bool(x.sp), "recompute": Recompute(int(x.recompute)).label,
             "recompute_num_layers": int(x.recomputed_layers), "zero": int(x.zero), "zero_shard": int(x.shard),
             "num_microbatches": int(x.microbatches),
-            "memory": {"total_bytes": int(e.peak_bytes[i]), "first_stage_bytes": int(e.first_stage_bytes[i]),
-                       "last_stage_bytes": int(e.last_stage_bytes[i])},
+            "memory": {"device_bytes": int(e.device_bytes[i]), "peak_bytes": int(e.peak_bytes[i]),
+                       "first_stage_peak_bytes": int(e.first_stage_peak_bytes[i]),
+                       "last_stage_peak_bytes": int(e.last_stage_peak_bytes[i]),
+                       "retained_bytes": int(e.retained_bytes[i])},
         }
         if e.step_time_s is not None:
             out.update(step_time_s=float(e.step_time_s[i]), mfu=float(e.mfu[i]),
@@ -194,7 +206,7 @@ class SearchResult:
 def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
            gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
            chunk: int = 1 << 18, progress: Optional[Callable[[int, int], None]] = None,
-           impl: str = "megatron") -> SearchResult:
+           impl: str = "megatron", margin: Optional[float] = None) -> SearchResult:
     """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
     (by memory when no GPU is known)."""
     start = time.perf_counter()
@@ -203,16 +215,16 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     n = len(plans.t)
     parts = []
     for lo in range(0, n, chunk):
-        parts.append(evaluate(model, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch, impl))
+        parts.append(evaluate(model, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch, impl, margin))
         if progress is not None:
             progress(min(lo + chunk, n), n)
     evaluated = parts[0] if len(parts) == 1 else _concat(plans, parts)
-    fits = evaluated.peak_bytes <= budget_bytes
-    key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.peak_bytes
-    order = np.lexsort((evaluated.peak_bytes, key))
+    fits = (evaluated.device_bytes <= budget_bytes) & (evaluated.device_bytes > 0)
+    key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.device_bytes
+    order = np.lexsort((evaluated.device_bytes, key))
     ranked = order[fits[order]]
     best = [int(i) for i in ranked[:top]]
-    nearest = None if best else int(np.argmin(evaluated.peak_bytes))
+    nearest = None if best else int(np.argmin(evaluated.device_bytes))
     fastest_miss = None
     over = order[~fits[order]]
     if len(over) and (not best or key[over[0]] < key[best[0]]):
@@ -226,8 +238,7 @@ def _concat(plans: PlanValues, parts: list[Evaluated]) -> Evaluated:
         values = [getattr(p, name) for p in parts]
         return None if values[0] is None else np.concatenate(values)
 
-    return Evaluated(plans, cat("peak_bytes"), cat("first_stage_bytes"), cat("last_stage_bytes"),
-                     cat("step_time_s"), cat("mfu"), cat("tokens_per_s"))
+    return Evaluated(plans, *(cat(f.name) for f in fields(Evaluated) if f.name != "plans"))
 
 
 def fixed_from(parallel: dict[str, Any], training: dict[str, Any]) -> Fixed:

@@ -81,6 +81,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         ],
         "notes": est.notes,
     }
+    out["memory"].update(peak_dict(est))
     if est.budget_bytes is not None:
         out["budget_bytes"] = int(est.budget_bytes)
         out["headroom_bytes"] = int(est.headroom_bytes)
@@ -90,6 +91,29 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
     if est.perf is not None:
         out["perf"] = perf_dict(est.perf)
     return out
+
+
+def peak_dict(est: Estimate) -> dict[str, Any]:
+    """The step peak of the most loaded GPU (`peak_bytes` is what torch.cuda.max_memory_allocated
+    reports), when it happens, the timeline, and what the device needs (`device_bytes`)."""
+    step, dev = est.step, est.device
+    e = step.peak_event
+    return {
+        "peak_bytes": int(step.peak_bytes),
+        "peak_phase": e.phase,
+        "peak_layer": e.layer,
+        "peak_moment": e.moment,
+        "peak_parts": {k: int(v) for k, v in e.parts.items()},
+        "persistent_bytes": int(step.persistent_bytes),
+        "optimizer_temporary_bytes": int(step.optimizer_temp_bytes),
+        "fragmentation_margin": dev.margin,
+        "fragmentation_bytes": int(dev.fragmentation_bytes),
+        "runtime_bytes": int(dev.runtime_bytes),
+        "device_bytes": int(dev.total),
+        "stage_peak_bytes": [int(s.peak_bytes) for s in est.steps],
+        "timeline": [{"phase": ev.phase, "layer": ev.layer, "moment": ev.moment, "bytes": int(ev.bytes)}
+                     for ev in step.events if ev.bytes],
+    }
 
 
 def perf_dict(perf: Any) -> dict[str, Any]:
@@ -145,7 +169,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         table.add_row("  recompute working set (one layer, transient) *", "", "1",
                       format_bytes_auto(peak.recompute_working_bytes),
                       f"{peak.recompute_working_bytes / total:.1%}", "memplan")
-    table.add_row("[bold]total[/]", "", "", f"[bold]{_gb(total)}[/]", "100.0%", "")
+    table.add_row("[bold]retained at the first backward[/]", "", "", f"[bold]{_gb(total)}[/]", "100.0%", "")
     console.print(table)
     if any(not r.term.in_k22 for r in est.rows):
         console.print("[dim]* not in K22: stored by real implementations; --paper-only leaves them out[/]")
@@ -159,15 +183,52 @@ def render_estimate(est: Estimate, console: Console) -> None:
             f"pipeline bubble {p.bubble_s:.2f} s ({p.bubble_fraction:.1%}), TP comm exposed "
             f"{p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
         )
+    render_peak(est, console)
     if est.budget_bytes is not None:
         where = f" ({est.gpu.name})" if est.gpu is not None else ""
         head = est.headroom_bytes
+        margin = f"peak + {est.device.margin:.0%} fragmentation margin + runtime = {_gb(est.device.total)}"
         if head >= 0:
-            console.print(f"[green]fits[/] in {_gb(est.budget_bytes)}{where}: {_gb(head)} headroom "
+            console.print(f"[green]fits[/] in {_gb(est.budget_bytes)}{where}: {margin}, {_gb(head)} headroom "
                           f"on stage {est.most_loaded}")
         else:
-            console.print(f"[red]does not fit[/] in {_gb(est.budget_bytes)}{where}: over by {_gb(-head)} "
-                          f"on stage {est.most_loaded}")
+            console.print(f"[red]does not fit[/] in {_gb(est.budget_bytes)}{where}: {margin}, over by "
+                          f"{_gb(-head)} on stage {est.most_loaded}")
+    else:
+        console.print("no fit verdict: give --mem SIZE or --gpu NAME")
+
+
+def _where(e: Any) -> str:
+    return f"{e.phase}{f' of layer {e.layer}' if e.layer is not None else ''}: {e.moment}"
+
+
+def render_peak(est: Estimate, console: Console) -> None:
+    """The step's peak on the most loaded GPU: persistent and transient memory apart, what the
+    device adds, and the largest moment of each phase."""
+    step, dev = est.step, est.device
+    e = step.peak_event
+    table = Table(title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    table.add_column("kind")
+    labels = {"weights": ("weights", "persistent"), "optimizer": ("optimizer states (master + moments)", "persistent"),
+              "gradients": ("gradients alive", "persistent" if est.inventory.grad_lifetime == "buffer" else "step"),
+              "saved": ("saved activations alive", "step"), "transient": ("transient tensors", "transient")}
+    for k, (label, kind) in labels.items():
+        table.add_row(label, _gb(e.parts[k]), kind)
+    table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{_gb(step.peak_bytes)}[/]", "")
+    table.add_row(f"fragmentation margin ({dev.margin:.0%} of the peak)", _gb(dev.fragmentation_bytes), "allocator")
+    table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", _gb(dev.runtime_bytes), "runtime")
+    table.add_row("[bold]device memory needed[/]", f"[bold]{_gb(dev.total)}[/]", "")
+    console.print(table)
+    phases: dict[str, Any] = {}
+    for ev in step.events:
+        if ev.bytes and (ev.phase not in phases or ev.bytes > phases[ev.phase].bytes):
+            phases[ev.phase] = ev
+    console.print("largest moment of each phase: " + "; ".join(
+        f"{p} {_gb(ev.bytes)}{f' (layer {ev.layer})' if ev.layer is not None else ''}" for p, ev in phases.items()))
+    if est.config.parallel.pp > 1:
+        console.print("peak of every stage: " + ", ".join(_gb(s.peak_bytes) for s in est.steps))
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:
@@ -241,7 +302,7 @@ def render_search(result: SearchResult, console: Console) -> None:
             table.add_row(
                 str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
                 "on" if row["sp"] else "off", _rec_cell(row, chunk), _zero_cell(row),
-                _gb(row["memory"]["total_bytes"]),
+                _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
             )
         console.print(table)
@@ -249,11 +310,11 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"[red]no plan fits in {_gb(result.budget_bytes)}[/]")
     if result.nearest_miss is not None:
         row = result.row(result.nearest_miss)
-        need = row["memory"]["total_bytes"]
+        need = row["memory"]["device_bytes"]
         console.print(f"nearest miss: {plan_text(row)} needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}")
     if result.fastest_miss is not None and has_time:
         row = result.row(result.fastest_miss)
-        need = row["memory"]["total_bytes"]
+        need = row["memory"]["device_bytes"]
         console.print(
             f"did not fit: {result.candidates - result.feasible:,} plans; the fastest of them, {plan_text(row)} "
             f"({row['step_time_s']:.2f} s), needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}"
@@ -277,12 +338,12 @@ def render_search_all(results: list[SearchResult], console: Console) -> None:
             row = r.row(r.top[0])
             has_time = "step_time_s" in row
             table.add_row(r.model.name, f"{r.candidates:,}", f"{r.feasible:,}", plan_text(row),
-                          _gb(row["memory"]["total_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
+                          _gb(row["memory"]["device_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
                           f"{row['mfu']:.1%}" if has_time else "-")
         else:
             row = r.row(r.nearest_miss)
             table.add_row(r.model.name, f"{r.candidates:,}", "[red]0[/]", f"nearest miss: {plan_text(row)}",
-                          _gb(row["memory"]["total_bytes"]), "-", "-")
+                          _gb(row["memory"]["device_bytes"]), "-", "-")
     console.print(table)
 
 

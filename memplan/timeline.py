@@ -23,8 +23,9 @@ are freed by zero_grad after the optimizer step, so with one micro-batch the for
 with gradient accumulation the later micro-batches' forwards have all of them.
 
 Every quantity is a scalar or a numpy array (one element per plan). Backward bytes are linear in
-j between the recomputed layers (the first N of a chunk, Megatron-LM's block method) and the
-others, so the peak over all layers is at j in {1, N, N + 1, n}: the planner evaluates only those
+j within the recomputed layers (the first N of a chunk, Megatron-LM's block method) and within the
+others, so the peak over all layers is at j in {1, N, N + 1, n} (with a gradient buffer, where
+they grow with j, in {N, n}), and the forward's at j = n: the planner evaluates only those
 (`critical=True`); a test checks that against the walk over every layer.
 """
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memplan.memory import PlanValues, StageMemory, symbol_values
+from memplan.memory import PlanValues, StageMemory, TermBytes, symbol_values
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import output_layer_group, param_groups
@@ -60,13 +61,7 @@ class Event:
     layer: Optional[int]  # position of the layer in the chunk (1..n), None outside the layers
     moment: str  # what is happening
     parts: dict[str, Any]  # allocated bytes alive by kind (PARTS; scalars or arrays)
-
-    @property
-    def bytes(self) -> Any:
-        total: Any = 0
-        for k in PARTS:
-            total = total + self.parts[k]
-        return total
+    bytes: Any  # their sum
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     """Every event of one step on one GPU of `stage` (or only the critical ones)."""
     values = symbol_values(model, plan)
     act = training.activation_bytes
-    term_bytes = {t.id: t.bytes(values, act, plan.sp) for t in inventory.terms}
+    term_bytes = stage_mem.unit_bytes
+    sizes = stage_mem.sizes or TermBytes(model, plan, act)
     layer_terms = [t for t in inventory.terms if t.scope == "layer"]
     last_terms = [t for t in inventory.terms if t.scope == "last"]
     first_terms = [t for t in inventory.terms if t.scope == "first"]
@@ -103,14 +99,14 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     N = plan.recomputed_layers * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
     is_first, is_last = stage == 0, stage == plan.p - 1
 
-    def layer_sum(keep) -> Any:
-        total: Any = 0
-        for t in layer_terms:
-            total = total + term_bytes[t.id] * keep(t)
-        return total
-
-    stored_plain = layer_sum(lambda t: t.kept(Recompute.NONE))  # a layer that is not recomputed
-    stored_rec = layer_sum(lambda t: t.kept(rec))  # a recomputed layer
+    is_full, is_sel, is_none = (rec == Recompute.FULL), (rec == Recompute.SELECTIVE), (rec == Recompute.NONE)
+    stored_plain = stored_full = stored_sel = 0  # one layer's saved bytes: not recomputed, full, selective
+    for t in layer_terms:
+        n_t = term_bytes[t.id]
+        stored_plain = stored_plain + n_t * t.kept(Recompute.NONE)
+        stored_full = stored_full + n_t * t.kept(Recompute.FULL)
+        stored_sel = stored_sel + n_t * t.kept(Recompute.SELECTIVE)
+    stored_rec = is_full * stored_full + is_sel * stored_sel + is_none * stored_plain  # a recomputed layer
 
     def stored_upto(j: Any) -> Any:
         """Saved bytes of layers 1..j of a chunk."""
@@ -150,6 +146,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
+    layer_moments = [m for m in inventory.moments if m.scope == "layer"]
     head_names = {g.name for g in param_groups(model) if g.scope == "last"} | {
         g for m in loss_moments for g in m.grads}
 
@@ -161,32 +158,47 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         made = head * is_last + layers_done * layer_grad
         return _minimum(made, all_grads) * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
+    transients: dict[str, tuple[Any, Any]] = {}
+    for m in inventory.moments:  # each moment's transients, and those of a recomputed layer only
+        always: Any = 0
+        rerun: Any = 0
+        for t in m.transients:
+            if t.only_full:
+                rerun = rerun + sizes(t)
+            else:
+                always = always + sizes(t)
+        transients[m.id] = (always, rerun)
+
     def transient_bytes(m: Moment, recomputed: Any = 0) -> Any:
         """A moment's transients; those marked only_full exist in a recomputed layer's backward."""
-        total: Any = 0
-        for t in m.transients:
-            n_t = t.bytes(values, act, plan.sp)
-            total = total + (n_t * recomputed * (rec == Recompute.FULL) if t.only_full else n_t)
-        return total
+        always, rerun = transients[m.id]
+        return always + rerun * recomputed * is_full
 
-    held = sum((t.bytes(values, act, plan.sp) for t in inventory.held), 0) * is_last
+    held = sum((sizes(t) for t in inventory.held), 0) * is_last
 
     # a tied output layer's gradient waiting for the embedding's (same stage, torch autograd)
     tied_waits = 1 * (model.tied_embeddings and inventory.tied_grad_waits) * (plan.p == 1)
     waiting = group_grads["word embedding"] * training.weight_bytes // training.grad_bytes * tied_waits * buffer
 
     events: list[Event] = []
-    layers = _critical_layers(n, N) if critical else [j + 1 for j in range(int(n))]
+    layers = _critical_layers(n, N, buffer) if critical else [j + 1 for j in range(int(n))]
     buffer_grads = all_grads if buffer else 0
     accumulated = 0 if buffer else all_grads * (plan.microbatches > 1)  # .grad of earlier micro-batches
 
-    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = 1) -> None:
+    fixed = states.weights + states.optimizer
+
+    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = True) -> None:
         parts = dict(weights=states.weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
                      transient=transient)
-        events.append(Event(phase, layer, name, {k: v * on for k, v in parts.items()}))
+        total = fixed + gradients + saved + transient
+        if isinstance(on, bool):  # the stage-dependent moments (loss: last stage only)
+            parts, total = (parts, total) if on else ({k: 0 for k in parts}, 0)
+        else:
+            parts, total = {k: v * on for k, v in parts.items()}, total * on
+        events.append(Event(phase, layer, name, parts, total))
 
-    # forward of the chunk whose backward comes first
-    for j in layers:
+    # forward of the chunk whose backward comes first (its bytes grow with j: the last layer is critical)
+    for j in (layers if not critical else [n]):
         event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
               grads_fwd, others + stored_upto(j), held)
     # loss (last stage)
@@ -195,11 +207,13 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         event("loss", None, m.name, buffer_grads + accumulated + grads_of(m),
               others + stored_upto(n) + last_cur - freed, held + transient_bytes(m), is_last)
     # backward, layer by layer
-    layer_moments = [m for m in inventory.moments if m.scope == "layer"]
+    # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
+    alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
     for j in sorted(layers, reverse=True) if not critical else layers:
         recomputed = (j <= N) if not critical else _le(j, N)
         for m in layer_moments:
-            alive = layer_sum(lambda t, m=m: _alive(t, m, rec, recomputed))
+            plain, full, selective = alive_sums[m.id]
+            alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
             event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
                   others + stored_upto(j - 1) + alive, held + transient_bytes(m, recomputed))
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
@@ -218,33 +232,43 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     peak = events[0].bytes
     index: Any = 0
     for i, e in enumerate(events[1:], start=1):
-        index = index + (i - index) * (e.bytes > peak)
-        peak = _maximum(peak, e.bytes)
+        b = e.bytes
+        index = index + (i - index) * (b > peak)
+        peak = _maximum(peak, b)
     return StepPeak(events, peak, index, persistent, temp)
 
 
-def _alive(term, moment: Moment, rec: Any, recomputed: Any) -> Any:
-    """1 where a layer term is alive at a backward moment (scalar or array)."""
-    if term.id in moment.freed:
-        return 0
-    plain = term.kept(Recompute.NONE)
-    # Recomputed: full recompute re-creates every tensor (the checkpoint's own input copy stays);
-    # selective re-creates the dropped attention core only once its backward is reached.
-    full = _maximum(plain, term.kept(Recompute.FULL))
-    selective = term.kept(Recompute.SELECTIVE) + (plain - term.kept(Recompute.SELECTIVE)) * int(moment.recomputed)
-    as_recomputed = (rec == Recompute.FULL) * full + (rec == Recompute.SELECTIVE) * selective + (
-        rec == Recompute.NONE) * plain
-    return recomputed * as_recomputed + (1 - recomputed) * plain
+def _alive_sums(layer_terms, term_bytes: dict[str, Any], moment: Moment) -> tuple[Any, Any, Any]:
+    """Bytes of a layer's saved terms alive at a backward moment when the layer is not recomputed,
+    fully recomputed (every tensor re-created; the checkpoint's own input copy stays) and
+    selectively recomputed (the attention core re-created once its backward is reached)."""
+    plain: Any = 0
+    full: Any = 0
+    selective: Any = 0
+    for t in layer_terms:
+        if t.id in moment.freed:
+            continue
+        keep_none, keep_sel = t.kept(Recompute.NONE), t.kept(Recompute.SELECTIVE)
+        n = term_bytes[t.id]
+        if keep_none:
+            plain = plain + n
+        if keep_none or t.kept(Recompute.FULL):
+            full = full + n
+        if keep_sel or (keep_none and moment.recomputed):
+            selective = selective + n
+    return plain, full, selective
 
 
 def _le(x: Any, y: Any) -> Any:
     return 1 * (x <= y)
 
 
-def _critical_layers(n: Any, N: Any) -> list[Any]:
-    """Layer positions where the backward's bytes can peak: the ends of the recomputed block and
-    of the rest (arrays in the planner; duplicates are harmless)."""
-    return [n, _maximum(_minimum(N + 1, n), 1), _maximum(N, 1), 1 + 0 * n]
+def _critical_layers(n: Any, N: Any, buffer: bool) -> list[Any]:
+    """Layer positions where the backward's bytes can peak: the ends of the recomputed block
+    (1..N) and of the rest (N+1..n), between which the bytes are linear in j. With a gradient
+    buffer no gradient is made per layer, so the bytes grow with j: the upper ends suffice."""
+    upper = [n, _maximum(N, 1)]
+    return upper if buffer else upper + [_maximum(_minimum(N + 1, n), 1), 1 + 0 * n]
 
 
 def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_mem: StageMemory) -> Any:

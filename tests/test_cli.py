@@ -51,7 +51,7 @@ def test_estimate_json_fields(run_cli):
     assert all({"name", "symbolic", "bytes"} <= set(t) for t in terms)
     assert len(data["stages"]) == 35
     assert data["budget_bytes"] == 80 * 10**9
-    assert data["fits"] is (mem["total_bytes"] <= 80 * 10**9)
+    assert data["fits"] is (mem["device_bytes"] <= 80 * 10**9)
     # a GPU (the preset's A100) and a global batch are known, so the step time is estimated
     assert data["perf"]["step_time_s"] > 0 and 0 < data["perf"]["mfu"] < 1
 

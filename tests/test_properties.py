@@ -28,7 +28,8 @@ def configs(draw):
 
 
 def peak(config):
-    return estimate(config).peak.total
+    """The allocated peak of a training step on the most loaded GPU."""
+    return estimate(config).step.peak_bytes
 
 
 def activations(config):
@@ -80,7 +81,12 @@ def test_none_ge_selective_ge_full(config):
     plans = [with_(config, "training", recompute=r) for r in ("none", "selective", "full")]
     none, sel, full = (activations(c) for c in plans)
     assert not_above(none, sel) and not_above(sel, full)
-    assert peak(plans[0]) >= peak(plans[1]) >= peak(plans[2])
+    assert peak(plans[0]) >= peak(plans[1])
+    # Full recompute re-creates a layer's tensors in its backward, with the re-run layer's output
+    # beside them (Megatron-LM's CheckpointFunction): with one layer per model chunk it saves
+    # nothing and its peak is one output above selective's; from two layers on it is not above.
+    if config.layers_per_chunk >= 2:
+        assert peak(plans[1]) >= peak(plans[2])
 
 
 @settings(max_examples=150, deadline=None)
@@ -103,7 +109,7 @@ def test_interleaving_factor_at_least_one(p, m):
 @given(configs())
 def test_most_loaded_is_max_over_stages(config):
     est = estimate(config)
-    assert est.peak.total == max(s.total for s in est.stages)
+    assert est.step.peak_bytes == max(s.peak_bytes for s in est.steps)
     # the first stage never holds fewer activations than any later stage's layers (1F1B / interleaved)
     layer_ids = {t.id for t in est.inventory.terms if t.scope == "layer"}
     per_stage = [sum(v for k, v in s.term_bytes.items() if k in layer_ids) for s in est.stages]
