@@ -55,6 +55,14 @@ def plan_options(func: Callable) -> Callable:
         click.option("--impl", type=click.Choice(["megatron", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
+        click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
+                     help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
+                          "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),
+        click.option("--optimizer-impl", type=click.Choice(["foreach", "fused"]),
+                     help="torch AdamW implementation: foreach keeps one parameter-sized temporary in its step "
+                          "(default: the implementation's, see `memplan impls`)."),
+        click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
+                     help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
         click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
         click.option("--mem", "budget", callback=_size, metavar="SIZE",
                      help="Memory budget per GPU, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)."),
@@ -91,12 +99,18 @@ def _config_from_options(opts: dict[str, Any]):
         parallel=dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"),
                       sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard")),
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
-                      recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers")),
+                      recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers"),
+                      **_training_settings(opts)),
         model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
         gpus=opts.get("gpus"),
         whole_model_per_rank=opts.get("impl", "megatron").startswith("hf-"),
     )
     return preset, config
+
+
+def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
+    """Training settings that are not searched: precision and the optimizer's implementation."""
+    return dict(precision=opts.get("precision"), optimizer_impl=opts.get("optimizer_impl"))
 
 
 def _gpu(opts: dict[str, Any], preset: Any):
@@ -157,18 +171,34 @@ def gpus() -> None:
 @cli.command()
 @plan_options
 @click.option("--paper-only", is_flag=True, help="Only the terms K22 counts (no layer-norm statistics, token ids).")
+@click.option("--max-seq", is_flag=True, help="Also the longest sequence length this plan fits with.")
+@click.option("--max-micro-batch", is_flag=True, help="Also the largest micro-batch this plan fits with.")
 def estimate(**opts: Any) -> None:
-    """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term."""
+    """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
+    peak of a training step."""
     from memplan.estimate import estimate as run
-    from memplan.report import estimate_dict, print_json, render_estimate
+    from memplan.report import estimate_dict, print_json, render_estimate, render_limits
 
     preset, config = _config_from_options(opts)
-    result = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), paper_only=opts["paper_only"],
-                 impl=opts["impl"])
+    gpu = _gpu(opts, preset)
+    result = run(config, budget_bytes=opts.get("budget"), gpu=gpu, paper_only=opts["paper_only"],
+                 impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"))
+    limits: dict[str, Any] = {}
+    if opts["max_seq"] or opts["max_micro_batch"]:
+        from memplan.limits import max_micro_batch, max_seq_len, need_budget
+
+        budget = need_budget(result.budget_bytes, "--max-seq / --max-micro-batch")
+        kw = dict(impl=opts["impl"], gpu=gpu, fragmentation_margin=opts.get("frag_margin"))
+        if opts["max_seq"]:
+            limits["max_seq_len"] = max_seq_len(config, budget, **kw)
+        if opts["max_micro_batch"]:
+            limits["max_micro_batch"] = max_micro_batch(config, budget, **kw)
     if opts["as_json"]:
-        print_json(estimate_dict(result))
+        print_json({**estimate_dict(result), **limits})
     else:
-        render_estimate(result, _console())
+        console = _console()
+        render_estimate(result, console)
+        render_limits(limits, result, console)
 
 
 @cli.command()
@@ -177,6 +207,9 @@ def estimate(**opts: Any) -> None:
 @click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
 @click.option("--emit", type=click.Choice(["megatron"]), help="Print the best plan as launch arguments.")
+@click.option("--max-seq", is_flag=True,
+              help="Find the longest sequence length (a multiple of 128) some plan fits with, and rank the plans "
+                   "that fit at that length.")
 def search(**opts: Any) -> None:
     """Every plan for GPUS GPUs that fits the budget, fastest first. Without --model: every preset."""
     from memplan.planner import fixed_from, search as run, search_presets
@@ -201,16 +234,20 @@ def search(**opts: Any) -> None:
     budget = opts.get("budget") or gpu.memory_bytes
     console = _console()
     progress = DelayedProgress(console) if not opts["as_json"] else None
-    requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"))
-                for p in presets]
+    requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
+                              _training_settings(opts)) for p in presets]
+    kw = dict(gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], progress=progress, impl=opts["impl"],
+              margin=opts.get("frag_margin"))
     try:
-        if len(presets) == 1:
+        if opts["max_seq"]:
+            from memplan.planner import search_max_seq
+
+            results = [search_max_seq(model, training, gpus, gb, budget, **kw) for model, training, gb in requests]
+        elif len(presets) == 1:
             model, training, gb = requests[0]
-            results = [run(model, training, gpus, gb, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
-                           top=opts["top"], progress=progress, impl=opts["impl"])]
+            results = [run(model, training, gpus, gb, budget, **kw)]
         else:
-            results = search_presets(requests, gpus, budget, gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"),
-                                     top=opts["top"], progress=progress, impl=opts["impl"])
+            results = search_presets(requests, gpus, budget, **kw)
     finally:
         if progress is not None:
             progress.close()

@@ -87,8 +87,7 @@ def estimate(
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
               for i in range(config.parallel.pp)]
-    steps = [step_events(config.model, inventory, config.training, plan, stage_memory(
-        config.model, inventory.terms, config.training, plan, i), i) for i in range(config.parallel.pp)]
+    steps = step_peaks(config, inventory, plan)
     most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
     peak = stages[most_loaded]
 
@@ -128,6 +127,26 @@ def estimate(
         rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
         notes=_notes(config, peak, terms, values, inventory),
     )
+
+
+def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] = None) -> list[StepPeak]:
+    """The step timeline of one GPU of every pipeline stage."""
+    plan = plan if plan is not None else PlanValues.from_config(config)
+    return [step_events(config.model, inventory, config.training, plan,
+                        stage_memory(config.model, inventory.terms, config.training, plan, i), i)
+            for i in range(config.parallel.pp)]
+
+
+def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,
+                 fragmentation_margin: Optional[float] = None) -> int:
+    """What the most loaded GPU of `config` needs: the highest stage peak + margin + runtime
+    (what `estimate` decides a fit on, without its report)."""
+    if impl in HF_IMPLS:
+        check_hf_plan(config, impl)
+    inventory = inventory_for(config.model, impl, device)
+    plan = PlanValues.from_config(config)
+    peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
+    return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)
 
 
 def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],

@@ -121,7 +121,8 @@ class Evaluated:
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: Optional[GpuSpec],
-             global_batch: int, impl: str = "megatron", margin: Optional[float] = None) -> Evaluated:
+             global_batch: int, impl: str = "megatron", margin: Optional[float] = None,
+             with_time: bool = True) -> Evaluated:
     """Memory (and step time, when a GPU is known) of every plan, vectorised, with the functions
     `estimate` uses: the step peak at the timeline's critical moments (memplan/timeline.py; a test
     checks them against the walk over every layer) and what the device adds.
@@ -139,7 +140,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     peak = np.maximum(*peaks)
     device = device_memory(peak, plans, inventory, gpu, margin).total
     step = mfu = tps = None
-    if gpu is not None:
+    if gpu is not None and with_time:
         from memplan.perf import step_time
 
         perf = step_time(model, training, gpu, plans, global_batch, breakdown=False)
@@ -180,6 +181,7 @@ class SearchResult:
     training: TrainingSpec
     impl: str = "megatron"
     notes: list[str] = field(default_factory=list)
+    max_seq_len: Optional[int] = None  # search --max-seq: the longest s some plan fits with
 
     def config(self, i: int) -> Config:
         return plan_config(self.model, self.training, self.evaluated.plans, i, self.global_batch)
@@ -231,6 +233,42 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
                         time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl)
+
+
+def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                   step: int = 128, **kwargs: Any) -> SearchResult:
+    """The longest sequence (a multiple of `step`) that some plan fits with, and `search` at that
+    length: the plans that fit there, fastest first. Memory grows with s for every plan, so the
+    question "does any plan fit?" is monotone in s and a bisection answers it."""
+    from memplan.limits import SEQ_LIMIT, largest
+
+    gpu, fixed, impl, margin = (kwargs.get("gpu"), kwargs.get("fixed", Fixed()), kwargs.get("impl", "megatron"),
+                                kwargs.get("margin"))
+    limit = kwargs.get("max_tp") or (gpu.gpus_per_node if gpu is not None else 8)
+
+    def any_fits(s: int) -> bool:
+        at_s = model.model_copy(update={"seq_length": s})
+        try:
+            plans = enumerate_plans(at_s, gpus, global_batch, fixed, limit, impl)
+        except MemplanError:
+            return False
+        n = len(plans.t)
+        for lo in range(0, n, 1 << 18):
+            e = evaluate(at_s, training, plans.take(slice(lo, lo + (1 << 18))), gpu, global_batch, impl, margin,
+                         with_time=False)
+            if np.any(e.device_bytes <= budget_bytes):
+                return True
+        return False
+
+    longest = largest(any_fits, step, SEQ_LIMIT)
+    if longest is None:
+        raise MemplanError(f"no plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at s = {step}")
+    result = search(model.model_copy(update={"seq_length": longest}), training, gpus, global_batch, budget_bytes,
+                    **kwargs)
+    result.notes.append(f"the longest sequence any plan fits with: s = {longest:,} tokens (searched in multiples "
+                        f"of {step}, global batch {global_batch} sequences); the plans below fit at that length")
+    result.max_seq_len = longest
+    return result
 
 
 def _concat(plans: PlanValues, parts: list[Evaluated]) -> Evaluated:

@@ -162,8 +162,8 @@ _PLAN_KEYS = ("micro_batch", "global_batch", "recompute", "recompute_num_layers"
 
 
 def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = None,
-                  seq_length: Optional[int] = None, attention: Optional[str] = None
-                  ) -> tuple[ModelSpec, TrainingSpec, int]:
+                  seq_length: Optional[int] = None, attention: Optional[str] = None,
+                  training: Optional[dict[str, Any]] = None) -> tuple[ModelSpec, TrainingSpec, int]:
     """What `search` needs from a preset: the model, the training settings that are not searched
     (byte sizes, optimizer) and the global batch (given, or the preset's scaled to the GPU count,
     or one sequence per GPU)."""
@@ -172,7 +172,8 @@ def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = 
     model = preset.model
     if over:
         model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **over})
-    training = build(TrainingSpec, {k: v for k, v in preset.training.items() if k not in _PLAN_KEYS})
+    settings = {**preset.training, **{k: v for k, v in (training or {}).items() if v is not None}}
+    training = build(TrainingSpec, {k: v for k, v in settings.items() if k not in _PLAN_KEYS})
     if global_batch is None:
         global_batch = scaled_global_batch(preset, gpus) if "global_batch" in preset.training else gpus
     if global_batch <= 0:

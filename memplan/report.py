@@ -198,6 +198,17 @@ def render_estimate(est: Estimate, console: Console) -> None:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
 
 
+def render_limits(limits: dict[str, Any], est: Estimate, console: Console) -> None:
+    """`--max-seq` / `--max-micro-batch` answers."""
+    words = {"max_seq_len": ("longest sequence length", "tokens"), "max_micro_batch": ("largest micro-batch", "sequences")}
+    for key, value in limits.items():
+        what, unit = words[key]
+        if value is None:
+            console.print(f"[red]{what}: none fits[/] in {_gb(est.budget_bytes)} with this plan")
+        else:
+            console.print(f"{what} that fits in {_gb(est.budget_bytes)} with this plan: [bold]{value:,}[/] {unit}")
+
+
 def _where(e: Any) -> str:
     return f"{e.phase}{f' of layer {e.layer}' if e.layer is not None else ''}: {e.moment}"
 
@@ -275,7 +286,10 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "feasible": result.feasible,
         "seconds": result.seconds,
         "plans": [result.row(i) for i in result.top],
+        "notes": result.notes,
     }
+    if result.max_seq_len is not None:
+        out["max_seq_len"] = result.max_seq_len
     if result.nearest_miss is not None:
         out["nearest_miss"] = result.row(result.nearest_miss)
     if result.fastest_miss is not None:
