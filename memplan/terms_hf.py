@@ -61,19 +61,25 @@ def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
                "layer", (dy, d_fc2_in), ("mlp_dropout_mask",), (FC2_W,), fresh=True, source=STEP),
         Moment("mlp_backward", "MLP backward: gradients of the activation product", "backward", "layer",
                (dy, d_fc2_in, two_f), ("fc2_input", "mlp_dropout_mask"), (FC2_W,), source=STEP)]
-    d_ctx = _x("grad_attention_output", "gradient of the attention output", "s b h", src=STEP)
     if sdpa:
-        extra = (_x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b h + 2 s b h g /a", src=STEP),)
+        # sdpa's backward holds the gradient of its output beside dQ, dK, dV
+        extra = (_x("grad_attention_output", "gradient of the attention output", "s b h", src=STEP),
+                 _x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b h + 2 s b h g /a", src=STEP))
         freed = mlp + ("attn_out",)
     else:
+        # at the softmax backward, attention over V's backward has consumed the output's gradient
         score: Dtype = "act" if gpt2 else "fp32"
         extra = (_x("grad_v", "gradient of V", "s b h", src=STEP),
                  _x("grad_probs", "gradient of the attention probabilities", "a s^2 b", score, src=STEP),
                  _x("grad_scores", "gradient of the attention scores (softmax backward)", "a s^2 b", score,
                     src=STEP))
-        freed = mlp + ("attn_out", "v", "attn_probs", "softmax_dropout_mask")
+        # Llama's V (repeated to a heads) is its own tensor, freed with attention over V's backward.
+        # GPT-2's Q, K, V are views of one c_attn output: with b = 1 QK^T keeps Q and K as views, so
+        # the whole output (V too) lives until QK^T's backward; with b > 1 torch.matmul copies Q and K
+        # and V's storage is freed here, so this moment is sbh high for b > 1 (on the safe side).
+        freed = mlp + ("attn_out", "attn_probs", "softmax_dropout_mask") + (() if gpt2 else ("v",))
     moments.append(Moment("attention_backward", "attention backward: gradients inside attention", "backward",
-                          "layer", (dy, d_ctx, *extra), freed, (FC2_W, FC1_W, PROJ_W), source=STEP))
+                          "layer", (dy, *extra), freed, (FC2_W, FC1_W, PROJ_W), source=STEP))
     return moments
 
 
@@ -108,18 +114,19 @@ def hf_terms(model: ModelSpec, impl: str, device: str) -> list[Term]:
     if sdpa and model.dropout and device == "cpu":
         raise MemplanError("hf-sdpa with dropout on CPU runs torch's fp32 math kernel, which memplan does not "
                            "model; use dropout 0 or --impl hf-eager")
-    extra = [] if sdpa else [_checkpoint_mask(layout)]
+    extra = [] if sdpa else [_checkpoint_mask()]
     if layout == "gpt2":
         return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device) + extra
     return _llama_layer(model, sdpa, mask) + _llama_outside() + extra
 
 
-def _checkpoint_mask(layout: str) -> Term:
-    """Eager attention gets an explicit s x s causal mask (GPT-2: an additive mask in the activation
-    dtype, Llama: bool). Without recompute it dies with the forward; gradient checkpointing keeps
-    it as an input of every checkpointed layer (one storage), so it lives through the backward."""
-    return _t("checkpoint_mask", "causal mask, an input of every checkpointed layer", "attention", "s^2",
-              "act" if layout == "gpt2" else "mask", scope="chunk", k22=False, only_full=True,
+def _checkpoint_mask() -> Term:
+    """Eager attention gets an explicit causal mask: create_causal_mask builds a bool s x s and
+    turns it into an additive [b, 1, s, s] mask in the activation dtype (torch.where). Without
+    recompute it dies with the forward; gradient checkpointing keeps it as an input of every
+    checkpointed layer (one storage), so it lives through the backward."""
+    return _t("checkpoint_mask", "additive causal mask, an input of every checkpointed layer", "attention",
+              "b s^2", "act", scope="chunk", k22=False, only_full=True,
               src=f"{STEP}: create_causal_mask, kept by torch.utils.checkpoint")
 
 

@@ -207,3 +207,158 @@ def summary(results: list[CaseResult]) -> dict[str, Any]:
         "largest_error": worst.error if worst else 0.0,
         "tolerance": results[0].tolerance if results else TOLERANCE,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# the peak of a whole training step (validation/step.py)
+
+PEAK_TOLERANCE = 1e-2  # 1 % of the measured allocated peak
+
+
+@dataclass(frozen=True)
+class PeakCase:
+    """One whole training step to measure: a model (the K22 reference model in a Megatron-like
+    loop, bf16-mixed; transformers GPT-2 / Llama with torch AdamW on bf16 weights, bf16-true), its
+    recompute, optimizer implementation, micro-batches and measurement backend."""
+
+    name: str
+    model: str  # k22 | gpt2 | llama
+    s: int
+    b: int
+    h: int
+    a: int
+    L: int = 2
+    v: int = 256
+    f: Optional[int] = None
+    g: Optional[int] = None
+    attn: str = "eager"  # transformers: eager | sdpa
+    p_drop: float = 0.0
+    recompute: str = "none"
+    optimizer: str = "fused"
+    microbatches: int = 1
+    backend: str = "live"  # live | fake
+
+    @property
+    def loop(self) -> str:
+        return "megatron" if self.model == "k22" else "torch"
+
+    @property
+    def impl(self) -> str:
+        return "torch" if self.model == "k22" else f"hf-{self.attn}"
+
+
+def peak_config(case: PeakCase) -> Config:
+    """The plan a peak case runs, as memplan's Config."""
+    shape = dict(name=case.name, num_layers=case.L, hidden_size=case.h, num_attention_heads=case.a,
+                 seq_length=case.s, vocab_size=case.v, ffn_hidden_size=case.f, dropout=case.p_drop > 0)
+    if case.model == "llama":
+        model = ModelSpec(**shape, num_kv_heads=case.g, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                          tied_embeddings=False, bias=False, attention="flash" if case.attn == "sdpa" else "eager")
+    elif case.model == "gpt2":
+        model = ModelSpec(**shape, attention="flash" if case.attn == "sdpa" else "eager")
+    else:
+        model = ModelSpec(**shape)
+    precision = "bf16-mixed" if case.loop == "megatron" else "bf16-true"
+    return Config(model=model, training=TrainingSpec(
+        micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
+        optimizer_impl=case.optimizer))
+
+
+def predict_peak(case: PeakCase) -> Any:
+    """memplan's step timeline of the case (CPU kernels), through the same function as estimate."""
+    from memplan.estimate import step_peaks
+
+    config = peak_config(case)
+    return step_peaks(config, inventory.inventory_for(config.model, case.impl, "cpu"))[0]
+
+
+def peak_grid(fake: bool = True) -> list[PeakCase]:
+    """The CI grid of whole steps: transformers Llama (GQA) and GPT-2, eager and sdpa, with and
+    without gradient checkpointing, foreach and fused AdamW; b = 2 and two micro-batches; the K22
+    reference model in the Megatron-like loop with no / selective / full recompute; short
+    sequences where the optimizer step is the peak; and, under FakeTensorMode, a Llama 3 8B-shaped
+    2-layer model at s = 4096 and a GPT-3 175B-shaped one at s = 2048."""
+    cases = []
+    llama = dict(model="llama", h=64, a=4, g=2, f=192)
+    gpt2 = dict(model="gpt2", h=64, a=4)
+    for shape in (llama, gpt2):
+        for attn in ("sdpa", "eager"):
+            for rec in ("none", "full"):
+                for opt in ("foreach", "fused"):
+                    cases.append(PeakCase(f"{shape['model']} {attn} s128", s=128, b=1, attn=attn, recompute=rec,
+                                          optimizer=opt, **shape))
+    cases += [
+        PeakCase("llama sdpa s128 b2", s=128, b=2, attn="sdpa", **llama),
+        PeakCase("llama sdpa s128 M2", s=128, b=1, attn="sdpa", microbatches=2, **llama),
+        PeakCase("gpt2 eager s64 b2", s=64, b=2, attn="eager", recompute="full", **gpt2),
+    ]
+    for opt in ("foreach", "fused"):
+        cases += [
+            PeakCase("llama sdpa s16 h128", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, attn="sdpa",
+                     optimizer=opt),
+            PeakCase("llama sdpa s16 h128 M2", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, attn="sdpa",
+                     optimizer=opt, microbatches=2),
+            PeakCase("gpt2 eager s16 h128", model="gpt2", s=16, b=1, h=128, a=4, attn="eager", optimizer=opt),
+            PeakCase("k22 s16 h128", model="k22", s=16, b=1, h=128, a=4, p_drop=0.1, optimizer=opt),
+        ]
+        for rec in ("none", "selective", "full"):
+            cases.append(PeakCase("k22 s128", model="k22", s=128, b=1, h=64, a=4, p_drop=0.1, recompute=rec,
+                                  optimizer=opt))
+    cases.append(PeakCase("k22 s64 b2", model="k22", s=64, b=2, h=64, a=4, v=512, p_drop=0.1, recompute="full"))
+    if fake:
+        cases += [
+            PeakCase("llama3-8b shape s4096", model="llama", s=4096, b=1, h=4096, a=32, g=8, f=14336, v=128256,
+                     attn="sdpa", backend="fake"),
+            PeakCase("llama3-8b shape s4096", model="llama", s=4096, b=1, h=4096, a=32, g=8, f=14336, v=128256,
+                     attn="sdpa", recompute="full", optimizer="foreach", backend="fake"),
+            PeakCase("gpt3-175b shape s2048", model="k22", s=2048, b=1, h=12288, a=96, v=51200, p_drop=0.1,
+                     backend="fake"),
+        ]
+    return cases
+
+
+@dataclass
+class PeakResult:
+    case: PeakCase
+    predicted: int
+    measured: int
+    predicted_at: str  # phase, layer and moment of memplan's peak
+    measured_at: str  # phase and layer of the measured peak
+    tolerance: float = PEAK_TOLERANCE
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / max(self.measured, 1)
+
+    @property
+    def passed(self) -> bool:
+        return abs(self.error) <= self.tolerance
+
+
+def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[PeakResult]:
+    """Measure each case's second training step (validation/step.py) and compare its allocated
+    peak with memplan's."""
+    from validation.step import StepCase, measure_step  # torch is imported here, and only here
+
+    results = []
+    for c in cases:
+        m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
+                                  g=c.g, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
+                                  optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
+        step = predict_peak(c)
+        e = step.peak_event
+        at = f"{e.phase}" + (f" layer {e.layer}" if e.layer is not None else "") + f": {e.moment}"
+        measured_at = f"{m.peak_phase}" + (f" layer {m.peak_layer + 1}" if m.peak_layer is not None else "")
+        results.append(PeakResult(c, int(step.peak_bytes), int(m.peak_bytes), at, measured_at, tolerance))
+    return results
+
+
+def peak_summary(results: list[PeakResult]) -> dict[str, Any]:
+    worst = max(results, key=lambda r: abs(r.error)) if results else None
+    return {
+        "cases": len(results),
+        "passed": sum(r.passed for r in results),
+        "failed": sum(not r.passed for r in results),
+        "largest_error": abs(worst.error) if worst else 0.0,
+        "tolerance": PEAK_TOLERANCE,
+    }
