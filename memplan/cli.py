@@ -294,9 +294,12 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--hf/--no-hf", "hf", default=None,
               help="Also transformers GPT-2 and Llama, eager and sdpa (default: when transformers is installed).")
 @click.option("--terms", is_flag=True, help="Show every case term by term (failures always are).")
+@click.option("--peak", is_flag=True,
+              help="Instead: whole training steps (forward, loss, backward, AdamW step), the measured allocated "
+                   "peak against memplan's (1% tolerance).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],
-             terms: bool, as_json: bool) -> None:
+             terms: bool, peak: bool, as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     from memplan.report import print_json, render_validation, validation_dict
     import importlib.util
@@ -310,6 +313,24 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     if device == "cuda" and not torch.cuda.is_available():
         raise MemplanError("--device cuda: no CUDA device is available")
     have_hf = importlib.util.find_spec("transformers") is not None
+    if peak:
+        from memplan.report import peak_validation_dict, render_peak_validation
+        from memplan.validate import peak_grid, peak_summary, run_peak
+
+        if device == "cuda":
+            raise MemplanError("--peak measures on CPU (the live-storage tracker); the CUDA peaks are checked by "
+                               "tests/validation/test_step_cuda.py")
+        if not have_hf:
+            raise MemplanError("--peak needs transformers: pip install -e '.[test]'")
+        results = run_peak(peak_grid(fake))
+        totals = peak_summary(results)
+        if as_json:
+            print_json(peak_validation_dict(results, totals))
+        else:
+            render_peak_validation(results, totals, _console())
+        if totals["failed"]:
+            sys.exit(1)
+        return
     if hf and not have_hf:
         raise MemplanError("--hf needs transformers: pip install -e '.[test]'")
     cases = grid(device, tps, recomputes, fake and device == "cpu")

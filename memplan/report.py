@@ -435,3 +435,28 @@ def render_validation(results: list[Any], summary: dict[str, Any], console: Cons
         f"{summary['passed']} passed, {summary['failed']} failed; largest error {summary['largest_error']:.4%} "
         f"(tolerance of a case's activation bytes: 0.1% for the reference layer, 1% for transformers)"
     )
+
+
+def peak_validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
+    return {**summary, "results": [
+        {"case": r.case.__dict__, "predicted_peak_bytes": r.predicted, "measured_peak_bytes": r.measured,
+         "predicted_at": r.predicted_at, "predicted_moment": r.predicted_moment, "measured_at": r.measured_at,
+         "error": r.error, "passed": r.passed}
+        for r in results]}
+
+
+def render_peak_validation(results: list[Any], summary: dict[str, Any], console: Console) -> None:
+    table = Table(title="memplan vs measured allocated peak of a training step (second step, CPU live-storage "
+                        "tracker; fake = FakeTensorMode)")
+    for col in ("case", "loop", "recompute", "AdamW", "b", "M", "backend", "memplan", "measured", "error",
+                "peak at (memplan / measured)", "result"):
+        table.add_column(col, justify="right" if col in ("b", "M", "memplan", "measured", "error") else "left")
+    for r in results:
+        c = r.case
+        table.add_row(c.name, f"{c.loop} ({c.impl})", c.recompute, c.optimizer, str(c.b), str(c.microbatches),
+                      c.backend, f"{r.predicted:,} B", f"{r.measured:,} B", f"{r.error:+.3%}",
+                      f"{r.predicted_at} / {r.measured_at}", "[green]PASS[/]" if r.passed else "[red]FAIL[/]")
+    console.print(table)
+    console.print("peak at: phase and layer (1 = the first of the chunk) where the step peaks")
+    console.print(f"{summary['passed']} passed, {summary['failed']} failed; largest error "
+                  f"{summary['largest_error']:.3%} (tolerance {summary['tolerance']:.0%} of the measured peak)")

@@ -349,7 +349,7 @@ def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = ()) 
     return [
         Moment("loss_forward", "cross-entropy forward: logits, fp32 copy and softmax", "loss", "last",
                (logits, logits32, *forward_extra), source=src),
-        Moment("loss_backward", "output-layer backward: the logits' gradient and the input gradient", "loss",
+        Moment("loss_backward", "output-layer backward: the logits' gradient and the input gradient", "backward",
                "last", (d_logits, d_head_in), ("head_input",), ("output layer (LM head)",), source=src),
     ]
 

@@ -7,8 +7,9 @@ One step on a stage, walked for the micro-batch whose backward comes first in th
 
 - forward, after layer j: states + gradients that exist + the saved tensors of the other in-flight
   chunks + this chunk's first j layers;
-- loss (last stage): the inventory's loss moments (logits, their fp32 copy, the cross-entropy's
-  gradients) on top of everything saved;
+- loss (last stage): the inventory's moments around the loss (logits and their fp32 copy in the
+  forward; the cross-entropy's and the output layer's gradients, phase "backward", layer None) on
+  top of everything saved;
 - backward of layer j (n down to 1): the layers below j still saved, layer j's saved terms that
   its moments have not freed (all of them re-created when the layer is recomputed), the moments'
   transient tensors, and the gradients made so far;
@@ -204,7 +205,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # loss (last stage)
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
-        event("loss", None, m.name, buffer_grads + accumulated + grads_of(m),
+        event(m.phase, None, m.name, buffer_grads + accumulated + grads_of(m),
               others + stored_upto(n) + last_cur - freed, held + transient_bytes(m), is_last)
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively

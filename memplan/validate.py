@@ -322,8 +322,9 @@ class PeakResult:
     case: PeakCase
     predicted: int
     measured: int
-    predicted_at: str  # phase, layer and moment of memplan's peak
+    predicted_at: str  # phase and layer of memplan's peak
     measured_at: str  # phase and layer of the measured peak
+    predicted_moment: str = ""  # what happens at memplan's peak
     tolerance: float = PEAK_TOLERANCE
 
     @property
@@ -347,9 +348,9 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
                                   optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
         step = predict_peak(c)
         e = step.peak_event
-        at = f"{e.phase}" + (f" layer {e.layer}" if e.layer is not None else "") + f": {e.moment}"
-        measured_at = f"{m.peak_phase}" + (f" layer {m.peak_layer + 1}" if m.peak_layer is not None else "")
-        results.append(PeakResult(c, int(step.peak_bytes), int(m.peak_bytes), at, measured_at, tolerance))
+        at = e.phase + (f" {e.layer}" if e.layer is not None else "")
+        measured_at = m.peak_phase + (f" {m.peak_layer + 1}" if m.peak_layer is not None else "")  # layers from 1
+        results.append(PeakResult(c, int(step.peak_bytes), int(m.peak_bytes), at, measured_at, e.moment, tolerance))
     return results
 
 
