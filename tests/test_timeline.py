@@ -1,0 +1,140 @@
+"""The step timeline (memplan/timeline.py): the planner's critical moments equal the walk over
+every layer for every implementation; hand-derived bytes of the moments the issue names; what the
+device adds; the fit and --max-seq answers through the CLI."""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.estimate import estimate, step_peaks
+from memplan.memory import PlanValues, stage_memory
+from memplan.presets import load_gpu
+from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.states import total_params
+from memplan.terms import inventory_for
+from memplan.timeline import step_events
+
+H100 = load_gpu("h100-80gb")
+
+
+@st.composite
+def plans(draw):
+    impl = draw(st.sampled_from(["megatron", "torch", "hf-eager", "hf-sdpa"]))
+    hf = impl.startswith("hf-")
+    llama = hf and draw(st.booleans()) or (impl == "megatron" and draw(st.booleans()))
+    a = draw(st.sampled_from([4, 8]))
+    h = a * draw(st.sampled_from([16, 32]))
+    L = draw(st.sampled_from([2, 4, 6, 8]))
+    t = 1 if hf else draw(st.sampled_from([t for t in (1, 2, 4) if not llama or (a // 2) % t == 0]))
+    p = 1 if hf else draw(st.sampled_from([d for d in (1, 2) if L % d == 0]))
+    m = draw(st.sampled_from([m for m in (1, 2) if L % (p * m) == 0 and (m == 1 or p > 1)]))
+    s = 64 * draw(st.integers(1, 8))
+    arch = dict(norm="rmsnorm", mlp="swiglu", position_embedding="rope", tied_embeddings=False, bias=False,
+                num_kv_heads=a // 2, ffn_hidden_size=3 * h) if llama else {}
+    attention = "flash" if impl == "hf-sdpa" else ("eager" if impl in ("torch", "hf-eager") else
+                                                   draw(st.sampled_from(["eager", "flash"])))
+    model = ModelSpec(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
+                      vocab_size=draw(st.sampled_from([256, 1000])), attention=attention,
+                      dropout=False if hf and attention == "flash" else draw(st.booleans()), **arch)
+    n = L // (p * m)
+    recompute = draw(st.sampled_from(["none", "full"] + ([] if hf else ["selective"])))
+    k = draw(st.integers(1, n)) if recompute == "full" else None
+    b, d, M = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.integers(1, 4))
+    training = TrainingSpec(micro_batch=b, global_batch=b * d * M, recompute=recompute, recompute_num_layers=k,
+                            precision=draw(st.sampled_from(["bf16-mixed", "bf16-true", "32-true"])),
+                            optimizer_impl=draw(st.sampled_from(["foreach", "fused"])))
+    par = ParallelSpec(tp=t, pp=p, vpp=m, dp=d, sp=t > 1 and draw(st.booleans()),
+                       zero=draw(st.integers(0, 3)) if d > 1 else 0)
+    return Config(model=model, parallel=par, training=training), impl
+
+
+@settings(max_examples=120, deadline=None)
+@given(plans())
+def test_critical_moments_equal_the_walk(case):
+    config, impl = case
+    inv = inventory_for(config.model, impl)
+    plan = PlanValues.from_config(config)
+    for stage in range(config.parallel.pp):
+        mem = stage_memory(config.model, inv.terms, config.training, plan, stage)
+        walk = step_events(config.model, inv, config.training, plan, mem, stage)
+        critical = step_events(config.model, inv, config.training, plan, mem, stage, critical=True)
+        assert critical.peak_bytes == walk.peak_bytes
+        assert walk.peak_bytes == max(e.bytes for e in walk.events)
+
+
+def llama_like(**over):
+    model = ModelSpec(num_layers=4, hidden_size=512, num_attention_heads=8, num_kv_heads=2, ffn_hidden_size=1536,
+                      seq_length=1024, vocab_size=32000, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                      tied_embeddings=False, bias=False, dropout=False, attention="flash")
+    return Config(model=model, training=TrainingSpec(**{"precision": "bf16-true", **over}))
+
+
+def test_hf_loss_backward_holds_two_fp32_logit_gradients():
+    # transformers' ForCausalLMLoss backward (validation/step.py op log): nll_loss's and log_softmax's
+    # gradients, fp32 [b, s, v] each, beside the saved fp32 log-probabilities: 2 x 4 x s b v bytes
+    config = llama_like()
+    step = step_peaks(config, inventory_for(config.model, "hf-sdpa"))[0]
+    loss = next(e for e in step.events if e.moment.startswith("loss backward"))
+    assert loss.parts["transient"] == 2 * 4 * 1024 * 1 * 32000
+
+
+def test_foreach_adamw_temporary_is_one_copy_of_the_stepped_parameters():
+    # torch/optim/adam.py _multi_tensor_adam: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs), one tensor
+    # per parameter in the states' dtype. bf16-true: 2 bytes per parameter; fused: none.
+    n = total_params(llama_like().model)
+    for impl, temp in (("foreach", 2 * n), ("fused", 0)):
+        config = llama_like(optimizer_impl=impl)
+        step = step_peaks(config, inventory_for(config.model, "hf-sdpa"))[0]
+        assert step.optimizer_temp_bytes == temp
+        opt = step.events[-1]
+        # weights 2 + moments 2 x 2 + .grad 2 bytes per parameter, plus the temporary
+        assert opt.phase == "optimizer" and opt.bytes == 8 * n + temp
+    # bf16-mixed steps the fp32 master copy: 4 bytes per parameter
+    config = Config(model=llama_like().model, training=TrainingSpec(optimizer_impl="foreach"))
+    assert step_peaks(config, inventory_for(config.model, "hf-sdpa"))[0].optimizer_temp_bytes == 4 * n
+
+
+def test_device_memory_adds_margin_and_runtime():
+    config = llama_like(optimizer_impl="fused")
+    est = estimate(config, gpu=H100, impl="hf-sdpa")
+    peak = est.step.peak_bytes
+    # 10 % margin (rounded up) + 0.80 GB for a plain PyTorch process with no NCCL group (d = 1)
+    assert est.device.total == peak + -(-peak // 10) + 800_000_000
+    # K22's 530B plan (megatron-core): 2.6 GB with one communicator, + 0.6 GB for each further
+    # group of more than one rank (t = 8, p = 35; d = 1: two groups)
+    from memplan.presets import load_model, make_config
+
+    big = estimate(make_config(load_model("gpt3-530b")), gpu=load_gpu("a100-80gb"))
+    assert big.device.runtime_bytes == 2_600_000_000 + 600_000_000
+
+
+def test_cli_peak_fields_and_max_seq(run_cli):
+    args = ("estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--tp", "1", "--pp", "1", "--no-sp", "--dp", "1",
+            "--global-batch", "1", "--precision", "bf16-true", "--optimizer-impl", "fused", "--recompute", "full")
+    code, out, _ = run_cli(*args, "--seq-len", "4096", "--max-seq", "--json")
+    data = json.loads(out)
+    mem = data["memory"]
+    assert mem["peak_phase"] in ("forward", "loss", "backward", "optimizer")
+    assert max(e["bytes"] for e in mem["timeline"]) == mem["peak_bytes"]
+    assert mem["device_bytes"] == mem["peak_bytes"] + mem["fragmentation_bytes"] + mem["runtime_bytes"]
+    s = data["max_seq_len"]
+    # the answer is the boundary of the fit verdict: s fits, s + 1 does not
+    fits = json.loads(run_cli(*args, "--seq-len", str(s), "--json")[1])
+    over = json.loads(run_cli(*args, "--seq-len", str(s + 1), "--json")[1])
+    assert fits["fits"] is True and over["fits"] is False
+    # no plan fits llama3-8b with foreach AdamW on one H100: 2 + 2 + 4 + 2 bytes per parameter
+    # (weights, .grad, moments, the foreach temporary) x 8.03e9 parameters = 80.3 GB before activations
+    code, out, _ = run_cli(*args, "--seq-len", "4096", "--optimizer-impl", "foreach", "--max-seq", "--json")
+    assert json.loads(out)["max_seq_len"] is None
+
+
+def test_search_max_seq(run_cli):
+    code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", "--max-seq", "--json",
+                           "--top", "1")
+    data = json.loads(out)
+    s = data["max_seq_len"]
+    assert s % 128 == 0 and data["plans"] and data["plans"][0]["memory"]["device_bytes"] <= 80 * 10**9
+    code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", "--seq-len", str(s + 128),
+                           "--json")
+    assert json.loads(out)["feasible"] == 0
