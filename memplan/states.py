@@ -95,7 +95,7 @@ def total_params(model: ModelSpec) -> int:
     return stage_params(model, model.symbols(t=1), model.num_layers, 1, 1, 1)
 
 
-def _shard(n: Any, d: Any, on: Any) -> Any:
+def shard_bytes(n: Any, d: Any, on: Any) -> Any:
     """n bytes, split over d ranks (rounded up) where `on` is true."""
     return on * (-(-n // d)) + (1 - on) * n
 
@@ -119,7 +119,7 @@ def state_bytes(params: Any, training: TrainingSpec, d: Any, zero: Any, gathered
     """
     optimizer_per_param = training.master_weight_bytes + training.optimizer_moments * training.optimizer_state_bytes
     z = zero
-    weights = _shard(params * training.weight_bytes, d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
-    gradients = _shard(params * training.grad_bytes, d, z >= 2)
-    optimizer = _shard(params * optimizer_per_param, d, z >= 1)
+    weights = shard_bytes(params * training.weight_bytes, d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
+    gradients = shard_bytes(params * training.grad_bytes, d, z >= 2)
+    optimizer = shard_bytes(params * optimizer_per_param, d, z >= 1)
     return StateBytes(weights, gradients, optimizer)

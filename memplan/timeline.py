@@ -38,7 +38,7 @@ from typing import Any, Optional
 from memplan.memory import PlanValues, StageMemory, TermBytes, symbol_values
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import output_layer_group, param_groups
+from memplan.states import output_layer_group, param_groups, shard_bytes
 from memplan.terms import Inventory, Moment
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -127,7 +127,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     head_group = output_layer_group().name
     untied_head = (not model.tied_embeddings) or (plan.p > 1)
     group_grads[head_group] = output_layer_group().per_gpu(values) * training.grad_bytes * untied_head
-    layer_grad = sum((group_grads[g.name] for g in param_groups(model) if g.scope == "layer"), 0)
+    # .grad tensors a ZeRO-2/3 run keeps are its shard (reduce-scattered as they are made)
+    kept_grads = {k: shard_bytes(v, plan.shard, plan.zero >= 2) for k, v in group_grads.items()}
+    layer_grad = sum((kept_grads[g.name] for g in param_groups(model) if g.scope == "layer"), 0)
     buffer = inventory.grad_lifetime == "buffer"
     all_grads = states.gradients
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
@@ -143,7 +145,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             m.fresh and m.grads) else 0
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
-        made = sum((group_grads.get(g, 0) for g in m.grads), 0)
+        made = sum((kept_grads.get(g, 0) for g in m.grads), 0)
         return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
@@ -155,9 +157,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         """torch .grad bytes once the head and `layers_done` layers of this chunk are back-propagated."""
         if buffer:
             return 0
-        head = sum((group_grads.get(g, 0) for g in head_names), 0)
+        head = sum((kept_grads.get(g, 0) for g in head_names), 0)
         made = head * is_last + layers_done * layer_grad
-        return _minimum(made, all_grads) * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
+        return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
     transients: dict[str, tuple[Any, Any]] = {}
     for m in inventory.moments:  # each moment's transients, and those of a recomputed layer only

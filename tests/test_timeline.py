@@ -49,7 +49,7 @@ def plans(draw):
     return Config(model=model, parallel=par, training=training), impl
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(plans())
 def test_critical_moments_equal_the_walk(case):
     config, impl = case
