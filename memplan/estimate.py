@@ -36,7 +36,7 @@ class Estimate:
     inventory: Inventory
     paper_only: bool
     stages: list[StageMemory]
-    steps: list[StepPeak]  # the step timeline of one GPU of every stage
+    steps: list[StepPeak]  # the step peak of one GPU of every stage (the most loaded one: its whole timeline)
     device: DeviceMemory  # what the most loaded GPU needs: allocated peak + margin + runtime
     most_loaded: int
     per_layer_bytes: int
@@ -87,8 +87,9 @@ def estimate(
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
               for i in range(config.parallel.pp)]
-    steps = step_peaks(config, inventory, plan)
+    steps = step_peaks(config, inventory, plan, None if paper_only else stages)
     most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
+    steps[most_loaded] = step_peaks(config, inventory, plan, None if paper_only else stages, walk=most_loaded)[0]
     peak = stages[most_loaded]
 
     values = symbol_values(config.model, plan)
@@ -129,12 +130,17 @@ def estimate(
     )
 
 
-def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] = None) -> list[StepPeak]:
-    """The step timeline of one GPU of every pipeline stage."""
+def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] = None,
+               stages: Optional[list[StageMemory]] = None, walk: Optional[int] = None) -> list[StepPeak]:
+    """The step peak of one GPU of every pipeline stage, from its critical moments; with `walk`, the
+    whole timeline (every layer's events) of that one stage only."""
     plan = plan if plan is not None else PlanValues.from_config(config)
+    which = range(config.parallel.pp) if walk is None else [walk]
     return [step_events(config.model, inventory, config.training, plan,
-                        stage_memory(config.model, inventory.terms, config.training, plan, i), i)
-            for i in range(config.parallel.pp)]
+                        stages[i] if stages is not None else
+                        stage_memory(config.model, inventory.terms, config.training, plan, i), i,
+                        critical=walk is None)
+            for i in which]
 
 
 def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,

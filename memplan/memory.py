@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
-from memplan.states import StateBytes, layer_params, stage_params, state_bytes
+from memplan.states import ParamGroup, StateBytes, layer_params, stage_params, state_bytes
 from memplan.terms import Term
 
 
@@ -49,9 +49,10 @@ class PlanValues:
 
 
 class TermBytes:
-    """Bytes of one copy of a term on one GPU (Term.bytes) for a plan of scalars or arrays. A term's
-    size depends on the plan only through b, t and SP, so with arrays each distinct (b, t, sp) is
-    evaluated once and the results are gathered back (the planner's hot path)."""
+    """Bytes of one copy of a term on one GPU (Term.bytes), and parameters of a group on one GPU, for
+    a plan of scalars or arrays. They depend on the plan only through b, t and SP, so with arrays
+    each distinct (b, t, sp) is evaluated once and the results are gathered back (the planner's hot
+    path). Terms and groups are frozen dataclasses: the cache is keyed by their value."""
 
     def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int) -> None:
         self.act, self.index = activation_bytes, None
@@ -64,12 +65,18 @@ class TermBytes:
             uniq, first, self.index = np.unique(key, return_index=True, return_inverse=True)
             b, t, sp = b.ravel()[first], t.ravel()[first], sp.ravel()[first]
         self.values, self.sp = model.symbols(b=b, t=t), sp
-        self._cache: dict[int, Any] = {}
+        self._cache: dict[Any, Any] = {}
 
     def __call__(self, term: Term) -> Any:
-        key = id(term)
+        return self._cached(term, lambda: term.bytes(self.values, self.act, self.sp))
+
+    def group(self, group: ParamGroup) -> Any:
+        """A parameter group's parameters on one GPU (it depends on t only)."""
+        return self._cached(group, lambda: group.per_gpu(self.values))
+
+    def _cached(self, key: Any, compute: Any) -> Any:
         if key not in self._cache:
-            n = term.bytes(self.values, self.act, self.sp)
+            n = compute()
             self._cache[key] = n[self.index] if self.index is not None and getattr(n, "ndim", 0) else n
         return self._cache[key]
 
@@ -156,6 +163,6 @@ def stage_memory(
     activations = activations + working
     layers = model.num_layers // plan.p
     is_first, is_last = stage == 0, stage == plan.p - 1
-    params = stage_params(model, values, layers, is_first, is_last, plan.p)
-    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, values))
+    params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
+    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group))
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes)

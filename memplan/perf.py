@@ -83,7 +83,7 @@ import numpy as np
 
 from memplan.memory import PlanValues
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import stage_params
+from memplan.states import counter, stage_params
 
 # --- calibrated constants (see the module docstring) -------------------------------------------
 # Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
@@ -515,7 +515,7 @@ def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
 def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
     """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
     states.py inventory, as floats."""
-    return _f(stage_params(model, model.symbols(t=plan.t), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
+    return _f(stage_params(model, counter(model.symbols(t=plan.t)), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,

@@ -16,7 +16,7 @@ weights, which are then gathered one layer at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from memplan.specs import ModelSpec, TrainingSpec
 from memplan.symbolic import Poly
@@ -68,31 +68,36 @@ def output_layer_group() -> ParamGroup:
     return ParamGroup("output layer (LM head)", Poly.parse("v h"), True, "last")
 
 
-def stage_params(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any,
-                 p: Any) -> Any:
+Count = Callable[[ParamGroup], Any]  # a group's parameters on one GPU for the plan at hand
+
+
+def counter(values: Mapping[str, Any]) -> Count:
+    """Count each group's parameters with the symbols `values` (scalars or arrays)."""
+    return lambda group: group.per_gpu(values)
+
+
+def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any) -> Any:
     """Parameters held by one GPU of a stage with `layers` layers (scalars or arrays)."""
     total: Any = 0
     for group in param_groups(model):
-        n = group.per_gpu(values)
         weight = {"layer": layers, "first": is_first, "last": is_last}[group.scope]
-        total = total + n * weight
-    head = output_layer_group().per_gpu(values)
+        total = total + count(group) * weight
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    return total + head * is_last * head_copy
+    return total + count(output_layer_group()) * is_last * head_copy
 
 
-def layer_params(model: ModelSpec, values: Mapping[str, Any]) -> Any:
+def layer_params(model: ModelSpec, count: Count) -> Any:
     """Parameters of one layer on one GPU."""
     total: Any = 0
     for group in param_groups(model):
         if group.scope == "layer":
-            total = total + group.per_gpu(values)
+            total = total + count(group)
     return total
 
 
 def total_params(model: ModelSpec) -> int:
     """Parameters of the whole model (t = 1, each tied weight once): one stage holding everything."""
-    return stage_params(model, model.symbols(t=1), model.num_layers, 1, 1, 1)
+    return stage_params(model, counter(model.symbols(t=1)), model.num_layers, 1, 1, 1)
 
 
 def shard_bytes(n: Any, d: Any, on: Any) -> Any:

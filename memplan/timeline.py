@@ -123,13 +123,22 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
 
     # Gradients by parameter group (bytes of one GPU), and when they exist.
     states = stage_mem.states
-    group_grads = {g.name: g.per_gpu(values) * training.grad_bytes for g in param_groups(model)}
-    head_group = output_layer_group().name
+    groups = {g.name: g for g in param_groups(model)}
+    head = output_layer_group()
     untied_head = (not model.tied_embeddings) or (plan.p > 1)
-    group_grads[head_group] = output_layer_group().per_gpu(values) * training.grad_bytes * untied_head
-    # .grad tensors a ZeRO-2/3 run keeps are its shard (reduce-scattered as they are made)
-    kept_grads = {k: shard_bytes(v, plan.shard, plan.zero >= 2) for k, v in group_grads.items()}
-    layer_grad = sum((kept_grads[g.name] for g in param_groups(model) if g.scope == "layer"), 0)
+    grad_cache: dict[tuple[str, bool], Any] = {}
+
+    def group_grad(name: str, kept: bool = False) -> Any:
+        """Gradient bytes of a parameter group on one GPU; `kept`: what a ZeRO-2/3 run keeps of the
+        .grad tensors (its shard: they are reduce-scattered as they are made)."""
+        if (name, kept) not in grad_cache:
+            if name == head.name:
+                n = sizes.group(head) * training.grad_bytes * untied_head
+            else:
+                n = sizes.group(groups[name]) * training.grad_bytes if name in groups else 0
+            grad_cache[name, kept] = shard_bytes(n, plan.shard, plan.zero >= 2) if kept else n
+        return grad_cache[name, kept]
+
     buffer = inventory.grad_lifetime == "buffer"
     all_grads = states.gradients
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
@@ -141,11 +150,10 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         """Gradients a moment adds: with one micro-batch the torch .grad tensors made by now; the
         last group's new gradient while it is still its own tensor (`fresh`): before a hook adds it
         to the buffer, or before AccumulateGrad adds it to an existing .grad."""
-        fresh = group_grads.get(m.grads[-1], 0) * training.weight_bytes // training.grad_bytes if (
-            m.fresh and m.grads) else 0
+        fresh = group_grad(m.grads[-1]) * training.weight_bytes // training.grad_bytes if (m.fresh and m.grads) else 0
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
-        made = sum((kept_grads.get(g, 0) for g in m.grads), 0)
+        made = sum((group_grad(g, kept=True) for g in m.grads), 0)
         return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
@@ -157,8 +165,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         """torch .grad bytes once the head and `layers_done` layers of this chunk are back-propagated."""
         if buffer:
             return 0
-        head = sum((kept_grads.get(g, 0) for g in head_names), 0)
-        made = head * is_last + layers_done * layer_grad
+        head_grads = sum((group_grad(g, kept=True) for g in head_names), 0)
+        layer_grad = sum((group_grad(g, kept=True) for g, group in groups.items() if group.scope == "layer"), 0)
+        made = head_grads * is_last + layers_done * layer_grad
         return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
     transients: dict[str, tuple[Any, Any]] = {}
@@ -181,7 +190,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
 
     # a tied output layer's gradient waiting for the embedding's (same stage, torch autograd)
     tied_waits = 1 * (model.tied_embeddings and inventory.tied_grad_waits) * (plan.p == 1)
-    waiting = group_grads["word embedding"] * training.weight_bytes // training.grad_bytes * tied_waits * buffer
+    waiting = group_grad("word embedding") * training.weight_bytes // training.grad_bytes * tied_waits * buffer
 
     events: list[Event] = []
     layers = _critical_layers(n, N, buffer) if critical else [j + 1 for j in range(int(n))]
@@ -224,7 +233,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # tied and waiting: plus the head's gradient and their out-of-place sum)
     sym = model.symbols(b=plan.b, t=1)
     d_emb = sym["s"] * sym["b"] * sym["h"] * act
-    dense = group_grads["word embedding"] * training.weight_bytes // training.grad_bytes
+    dense = group_grad("word embedding") * training.weight_bytes // training.grad_bytes
     tied_extra = 2 * dense * tied_waits
     emb_extra = (dense + tied_extra if buffer else tied_extra) + d_emb
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,

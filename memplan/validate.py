@@ -269,7 +269,7 @@ def predict_peak(case: PeakCase) -> Any:
     from memplan.estimate import step_peaks
 
     config = peak_config(case)
-    return step_peaks(config, inventory.inventory_for(config.model, case.impl, "cpu"))[0]
+    return step_peaks(config, inventory.inventory_for(config.model, case.impl, "cpu"), walk=0)[0]
 
 
 def peak_grid(fake: bool = True) -> list[PeakCase]:

@@ -74,7 +74,7 @@ def test_hf_loss_backward_holds_two_fp32_logit_gradients():
     # transformers' ForCausalLMLoss backward (validation/step.py op log): nll_loss's and log_softmax's
     # gradients, fp32 [b, s, v] each, beside the saved fp32 log-probabilities: 2 x 4 x s b v bytes
     config = llama_like()
-    step = step_peaks(config, inventory_for(config.model, "hf-sdpa"))[0]
+    step = step_peaks(config, inventory_for(config.model, "hf-sdpa"), walk=0)[0]
     loss = next(e for e in step.events if e.moment.startswith("loss backward"))
     assert loss.parts["transient"] == 2 * 4 * 1024 * 1 * 32000
 
@@ -85,7 +85,7 @@ def test_foreach_adamw_temporary_is_one_copy_of_the_stepped_parameters():
     n = total_params(llama_like().model)
     for impl, temp in (("foreach", 2 * n), ("fused", 0)):
         config = llama_like(optimizer_impl=impl)
-        step = step_peaks(config, inventory_for(config.model, "hf-sdpa"))[0]
+        step = step_peaks(config, inventory_for(config.model, "hf-sdpa"), walk=0)[0]
         assert step.optimizer_temp_bytes == temp
         opt = step.events[-1]
         # weights 2 + moments 2 x 2 + .grad 2 bytes per parameter, plus the temporary
