@@ -148,7 +148,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{format_bytes_auto(est.per_layer_bytes)}" + ("  [dim](paper-only view)[/]" if est.paper_only else "")
     )
 
-    table = Table(title=f"Memory of one GPU of stage {est.most_loaded} (the most loaded of {par.pp})")
+    table = Table(title=f"Memory retained at the first backward, one GPU of stage {est.most_loaded} (the most "
+                        f"loaded of {par.pp})")
     table.add_column("component")
     table.add_column("per layer", justify="right")
     table.add_column("copies", justify="right")
@@ -239,7 +240,10 @@ def render_peak(est: Estimate, console: Console) -> None:
     console.print("largest moment of each phase: " + "; ".join(
         f"{p} {_gb(ev.bytes)}{f' (layer {ev.layer})' if ev.layer is not None else ''}" for p, ev in phases.items()))
     if est.config.parallel.pp > 1:
-        console.print("peak of every stage: " + ", ".join(_gb(s.peak_bytes) for s in est.steps))
+        low = min(range(len(est.steps)), key=lambda i: est.steps[i].peak_bytes)
+        console.print(f"stage peaks from {_gb(est.steps[low].peak_bytes)} (stage {low}) to "
+                      f"{_gb(est.step.peak_bytes)} (stage {est.most_loaded}); the last stage "
+                      f"{_gb(est.steps[-1].peak_bytes)} (--json: memory.stage_peak_bytes)")
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:
@@ -308,7 +312,7 @@ def render_search(result: SearchResult, console: Console) -> None:
     has_time = result.evaluated.step_time_s is not None
     if result.top:
         table = Table(title=f"fastest {len(result.top)} plans that fit" if has_time else "plans that fit (least memory first)")
-        for col in ("#", "t", "p", "d", "b", "m", "SP", "recompute", "ZeRO", "memory", "step time", "MFU"):
+        for col in ("#", "t", "p", "d", "b", "m", "SP", "recompute", "ZeRO", "device memory", "step time", "MFU"):
             table.add_column(col, justify="right")
         for rank, i in enumerate(result.top, 1):
             row = result.row(i)
