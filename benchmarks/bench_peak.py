@@ -53,7 +53,7 @@ def main() -> None:
         inventory = inventory_for(config.model, impl)
         whole = median_s(lambda: estimate(config, gpu=gpu, impl=impl), args.runs)
         plan = PlanValues.from_config(config)
-        stages = [stage_memory(config.model, inventory.terms, config.training, plan, i)
+        stages = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity)
                   for i in range(config.parallel.pp)]
         part = median_s(lambda: (step_peaks(config, inventory, plan, stages),
                                  step_peaks(config, inventory, plan, stages, walk=0)), args.runs)
@@ -64,7 +64,8 @@ def main() -> None:
         gpu = load_gpu("a100-80gb")
         plans = enumerate_plans(model, gpus, gb, max_tp=8)
         inventory = inventory_for(model, "megatron")
-        mems = [stage_memory(model, inventory.terms, training, plans, s) for s in (0, plans.p - 1)]
+        mems = [stage_memory(model, inventory.terms, training, plans, s, granularity=inventory.granularity)
+                for s in (0, plans.p - 1)]
 
         def peaks() -> None:
             for stage, mem in zip((0, plans.p - 1), mems):

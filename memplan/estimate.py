@@ -85,7 +85,8 @@ def estimate(
     inventory = inventory_for(config.model, impl, device)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
-    stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only)
+    stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
+                           granularity=inventory.granularity)
               for i in range(config.parallel.pp)]
     steps = step_peaks(config, inventory, plan, None if paper_only else stages)
     most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
@@ -103,7 +104,7 @@ def estimate(
 
     rows = []
     for term in terms:
-        n = term.bytes(values, act, plan.sp)
+        n = peak.unit_bytes[term.id]  # one copy as allocated (storages rounded to the allocator block)
         stage_n = peak.term_bytes[term.id]
         if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute)):
             continue
@@ -138,7 +139,8 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
     which = range(config.parallel.pp) if walk is None else [walk]
     return [step_events(config.model, inventory, config.training, plan,
                         stages[i] if stages is not None else
-                        stage_memory(config.model, inventory.terms, config.training, plan, i), i,
+                        stage_memory(config.model, inventory.terms, config.training, plan, i,
+                                     granularity=inventory.granularity), i,
                         critical=walk is None)
             for i in which]
 

@@ -54,8 +54,8 @@ class TermBytes:
     each distinct (b, t, sp) is evaluated once and the results are gathered back (the planner's hot
     path). Terms and groups are frozen dataclasses: the cache is keyed by their value."""
 
-    def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int) -> None:
-        self.act, self.index = activation_bytes, None
+    def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> None:
+        self.act, self.index, self.granularity = activation_bytes, None, granularity
         b, t, sp = plan.b, plan.t, plan.sp
         if getattr(b, "size", 1) > 1:
             import numpy as np
@@ -68,7 +68,15 @@ class TermBytes:
         self._cache: dict[Any, Any] = {}
 
     def __call__(self, term: Term) -> Any:
-        return self._cached(term, lambda: term.bytes(self.values, self.act, self.sp))
+        """Bytes of one copy, each of its storages rounded up to the allocator's granularity."""
+        def allocated() -> Any:
+            n = term.bytes(self.values, self.act, self.sp)
+            if self.granularity == 1:
+                return n
+            each = -(-n // term.storages)
+            return -(-each // self.granularity) * self.granularity * term.storages * (n > 0)
+
+        return self._cached(term, allocated)
 
     def group(self, group: ParamGroup) -> Any:
         """A parameter group's parameters on one GPU (it depends on t only)."""
@@ -134,13 +142,14 @@ class StageMemory:
 
 def stage_memory(
     model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any,
-    working_set: bool = True,
+    working_set: bool = True, granularity: int = 1,
 ) -> StageMemory:
     """Memory of one GPU of pipeline stage `stage` at its peak: the first backward of the steady
     state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
-    tensors alive on top (the recompute working set, which K22 leaves out)."""
+    tensors alive on top (the recompute working set, which K22 leaves out). Each storage is rounded
+    up to `granularity` bytes (the allocator's block size; 1 = exact)."""
     values = symbol_values(model, plan)
-    sizes = TermBytes(model, plan, training.activation_bytes)
+    sizes = TermBytes(model, plan, training.activation_bytes, granularity)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags

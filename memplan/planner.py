@@ -134,7 +134,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     inventory = inventory_for(model, impl)
     peaks, retained = [], []
     for stage in (0, plans.p - 1):
-        mem = stage_memory(model, inventory.terms, training, plans, stage)
+        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
         peaks.append(step_events(model, inventory, training, plans, mem, stage, critical=True).peak_bytes)
         retained.append(mem.total)
     peak = np.maximum(*peaks)

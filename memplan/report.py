@@ -100,6 +100,8 @@ def peak_dict(est: Estimate) -> dict[str, Any]:
     e = step.peak_event
     return {
         "peak_bytes": int(step.peak_bytes),
+        "workspace_bytes": int(dev.workspace_bytes),
+        "allocated_peak_bytes": int(dev.allocated_peak),
         "peak_phase": e.phase,
         "peak_layer": e.layer,
         "peak_moment": e.moment,
@@ -188,7 +190,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if est.budget_bytes is not None:
         where = f" ({est.gpu.name})" if est.gpu is not None else ""
         head = est.headroom_bytes
-        margin = f"peak + {est.device.margin:.0%} fragmentation margin + runtime = {_gb(est.device.total)}"
+        margin = (f"allocated peak + {est.device.margin:.0%} fragmentation margin + runtime = "
+                  f"{_gb(est.device.total)}")
         if head >= 0:
             console.print(f"[green]fits[/] in {_gb(est.budget_bytes)}{where}: {margin}, {_gb(head)} headroom "
                           f"on stage {est.most_loaded}")
@@ -228,8 +231,12 @@ def render_peak(est: Estimate, console: Console) -> None:
               "saved": ("saved activations alive", "step"), "transient": ("transient tensors", "transient")}
     for k, (label, kind) in labels.items():
         table.add_row(label, _gb(e.parts[k]), kind)
-    table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{_gb(step.peak_bytes)}[/]", "")
-    table.add_row(f"fragmentation margin ({dev.margin:.0%} of the peak)", _gb(dev.fragmentation_bytes), "allocator")
+    table.add_row("[bold]peak of the step's tensors[/]", f"[bold]{_gb(step.peak_bytes)}[/]", "")
+    table.add_row("cuBLAS workspace (inside PyTorch's pool)", _gb(dev.workspace_bytes), "runtime")
+    table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{_gb(dev.allocated_peak)}[/]",
+                  "")
+    table.add_row(f"fragmentation margin ({dev.margin:.0%} of the allocated peak)", _gb(dev.fragmentation_bytes),
+                  "allocator")
     table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", _gb(dev.runtime_bytes), "runtime")
     table.add_row("[bold]device memory needed[/]", f"[bold]{_gb(dev.total)}[/]", "")
     console.print(table)

@@ -242,11 +242,13 @@ class GpuSpec(_Spec):
         default_factory=lambda: RuntimeBytes(),
         description="device memory a training process uses outside PyTorch's caching allocator, by framework")
     nccl_communicator_bytes: int = Field(default=0, ge=0, description="each further NCCL communicator")
+    workspace_bytes: int = Field(default=0, ge=0, description="cuBLAS workspace, allocated inside PyTorch's pool "
+                                 "(part of torch.cuda.max_memory_allocated)")
     fragmentation_margin: float = Field(
         default=0.0, ge=0, le=1, description="caching-allocator reserve above the allocated peak, as a fraction")
     source: str = ""
 
-    @field_validator("memory_bytes", "nccl_communicator_bytes", mode="before")
+    @field_validator("memory_bytes", "nccl_communicator_bytes", "workspace_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value

@@ -16,6 +16,7 @@ leaves them out.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
@@ -50,6 +51,7 @@ class Term:
     source: str = ""
     needs_tp: bool = False  # exists only with tensor parallelism (t > 1)
     only_full: bool = False  # exists only under full recompute (a checkpoint's own copy of the input)
+    storages: int = 1  # separate allocations of equal size it is made of (LayerNorm's mean and rstd: 2)
 
     @property
     def recompute_flags(self) -> tuple:
@@ -99,9 +101,9 @@ class Term:
 
 
 def _t(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
-       k22=True, src, needs_tp=False, only_full=False):
+       k22=True, src, needs_tp=False, only_full=False, storages=1):
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
-                only_full)
+                only_full, storages)
 
 
 # One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
@@ -156,7 +158,7 @@ def _eager_core(model: ModelSpec) -> list[Term]:
     terms = [
         # Q (s b h) and K (s b h g/a) are saved together by QK^T.
         _t("qk", "Q and K (saved by QK^T)", "attention", "s b h + s b h g /a",
-           tp=True, sp=False, src=f"{s41}: QK^T 4sbh"),
+           tp=True, sp=False, src=f"{s41}: QK^T 4sbh", storages=2),
     ]
     if model.dropout:
         terms += [
@@ -189,7 +191,7 @@ def _flash_core(model: ModelSpec) -> list[Term]:
     fa = "FlashAttention-2 (Dao 2023) forward saves q, k, v, out, softmax_lse"
     return [
         _t("qk", "Q and K (saved by flash attention)", "attention", "s b h + s b h g /a",
-           tp=True, sp=False, src=fa),
+           tp=True, sp=False, src=fa, storages=2),
         _t("v", "V (saved by flash attention)", "attention", "s b h g /a", tp=True, sp=False, src=fa),
         _t("proj_input", "attention output = input of the output projection", "attention", "s b h",
            tp=True, sp=False, src=fa),
@@ -204,7 +206,7 @@ def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype, kind: str = "la
     torch's CPU kernel. K22 section 4.1 ignores them."""
     if kind == "layernorm":
         return [_t(id, f"{which} mean and rstd", "layer norms", "2 s b", stats, tp=False, sp=True, scope=scope,
-                   k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)")]
+                   k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)", storages=2)]
     return [_t(id, f"{which} rstd", "layer norms", "s b", stats, tp=False, sp=True, scope=scope,
                k22=False, src="Transformer Engine / apex RMSNorm saves rstd (fp32)")]
 
@@ -373,6 +375,9 @@ class Inventory:
     # torch autograd keeps a tied output layer's weight gradient in its input buffer until the
     # embedding's backward adds its own (out of place); Megatron-LM's fused wgrad writes it to the buffer
     tied_grad_waits: bool = True
+    # every allocation is rounded up to this many bytes: 512 for PyTorch's CUDA caching allocator
+    # (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize), 1 on CPU
+    granularity: int = 1
 
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -398,6 +403,13 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
+    return dataclasses.replace(_inventory(model, impl, device), granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1)
+
+
+CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this
+
+
+def _inventory(model: ModelSpec, impl: str, device: str) -> Inventory:
     stats: Dtype = "fp32" if device == "cuda" else "act"
     if impl in HF_IMPLS:
         from memplan.terms_hf import hf_inventory

@@ -90,7 +90,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     values = symbol_values(model, plan)
     act = training.activation_bytes
     term_bytes = stage_mem.unit_bytes
-    sizes = stage_mem.sizes or TermBytes(model, plan, act)
+    sizes = stage_mem.sizes or TermBytes(model, plan, act, inventory.granularity)
     layer_terms = [t for t in inventory.terms if t.scope == "layer"]
     last_terms = [t for t in inventory.terms if t.scope == "last"]
     first_terms = [t for t in inventory.terms if t.scope == "first"]
@@ -297,17 +297,23 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """What the GPU needs for the step: the allocated peak, the caching allocator's margin above
-    it and the memory outside PyTorch's pool."""
+    """What the GPU needs for the step: the tensors' peak, the cuBLAS workspace beside them in
+    PyTorch's pool (together: torch.cuda.max_memory_allocated), the caching allocator's margin
+    above that and the memory outside PyTorch's pool."""
 
-    peak_bytes: Any
+    peak_bytes: Any  # the step timeline's peak (tensors)
+    workspace_bytes: Any
     fragmentation_bytes: Any
     runtime_bytes: Any
     margin: float
 
     @property
+    def allocated_peak(self) -> Any:
+        return self.peak_bytes + self.workspace_bytes
+
+    @property
     def total(self) -> Any:
-        return self.peak_bytes + self.fragmentation_bytes + self.runtime_bytes
+        return self.allocated_peak + self.fragmentation_bytes + self.runtime_bytes
 
 
 def communicators(plan: PlanValues) -> Any:
@@ -318,17 +324,19 @@ def communicators(plan: PlanValues) -> Any:
 
 def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec],
                   margin: Optional[float] = None) -> DeviceMemory:
-    """The allocated peak plus the fragmentation margin and the runtime's own memory (both from the
-    GPU preset; none without a GPU)."""
+    """The tensors' peak plus the cuBLAS workspace, the fragmentation margin on both and the
+    runtime's own memory (all from the GPU preset; none without a GPU)."""
     if gpu is None:
         m = margin or 0.0
-        return DeviceMemory(peak_bytes, _frac(peak_bytes, m), 0 * peak_bytes, m)
+        return DeviceMemory(peak_bytes, 0, _frac(peak_bytes, m), 0 * peak_bytes, m)
     m = gpu.fragmentation_margin if margin is None else margin
     base = gpu.runtime_bytes.get(inventory.runtime)
     groups = communicators(plan)
     # the megatron figure was measured with one communicator already in it
     extra = _maximum(groups - 1, 0) if inventory.runtime == "megatron" else groups
-    return DeviceMemory(peak_bytes, _frac(peak_bytes, m), base + extra * gpu.nccl_communicator_bytes, m)
+    allocated = peak_bytes + gpu.workspace_bytes
+    return DeviceMemory(peak_bytes, gpu.workspace_bytes, _frac(allocated, m),
+                        base + extra * gpu.nccl_communicator_bytes, m)
 
 
 def _frac(n: Any, margin: float) -> Any:

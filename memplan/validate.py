@@ -10,6 +10,7 @@ torch is imported only when a validation actually runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -60,6 +61,7 @@ class CaseResult:
     peak: Optional[int]
     tolerance: float = TOLERANCE
     notes: list[str] = field(default_factory=list)
+    predicted_allocated: Optional[int] = None  # cuda: the prediction with the allocator's 512-byte blocks
 
     @property
     def predicted_total(self) -> int:
@@ -74,7 +76,9 @@ class CaseResult:
         """Relative error of the total (and of the retained bytes, where measured)."""
         errors = [abs(self.predicted_total - self.measured_total) / max(self.measured_total, 1)]
         if self.retained_after_forward is not None:
-            errors.append(abs(self.predicted_total - self.retained_after_forward) / max(self.retained_after_forward, 1))
+            # the allocator (cuda backend) counts whole blocks, the ledger and the live tracker storage bytes
+            predicted = self.predicted_allocated if self.predicted_allocated is not None else self.predicted_total
+            errors.append(abs(predicted - self.retained_after_forward) / max(self.retained_after_forward, 1))
         return max(errors)
 
     def term_rows(self) -> list[tuple[str, int, int]]:
@@ -105,15 +109,18 @@ def case_model(case: ValidationCase) -> ModelSpec:
                      attention="eager" if case.impl == "hf-eager" else "flash")
 
 
-def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False) -> dict[str, int]:
-    """memplan's bytes per label for one rank of the case, from the case's implementation inventory."""
+def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False, allocated: bool = False
+            ) -> dict[str, int]:
+    """memplan's bytes per label for one rank of the case, from the case's implementation inventory;
+    `allocated`: each storage rounded up as the device's allocator does (what it reports)."""
     model = case_model(case)
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
     inv = inventory.inventory_for(model, case.impl, device)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
     terms = tuple(t for t in inv.terms if t.scope in scopes and (t.in_k22 or not paper_only))
-    stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False)
+    stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False,
+                         granularity=inv.granularity if allocated else 1)
     return {k: int(v) for k, v in stage.term_bytes.items() if int(v)}
 
 
@@ -185,16 +192,20 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
     for c, m in zip(cases, _measure(cases)):
         measured = {k: v for k, v in m.saved_bytes_by_label.items() if v}
         retained = None
+        cuda = c.backend == "cuda"
         if m.retained_after_forward_bytes is not None:
-            retained = m.retained_after_forward_bytes - m.loss_bytes
+            # the loss scalar is alive but not saved; on CUDA it occupies one whole allocator block
+            loss = -(-m.loss_bytes // inventory.CUDA_BLOCK_BYTES) * inventory.CUDA_BLOCK_BYTES if cuda else m.loss_bytes
+            retained = m.retained_after_forward_bytes - loss
         notes = list(m.notes)
         if m.ranks_agree is False:
             notes.append("ranks disagree")
         tol = tolerance if tolerance is not None else (TOLERANCE if c.impl == "torch" else HF_TOLERANCE)
         if c.impl != "torch" and c.scope == "layer" and retained is not None:
             retained = None  # a standalone HF layer's input is a live leaf that is not saved (validation/hf.py)
+        allocated = sum(predict(c, device, allocated=True).values()) if cuda else None
         results.append(CaseResult(c, predict(c, device), measured, sum(predict(c, device, paper_only=True).values()),
-                                  retained, m.peak_bytes, tol, notes))
+                                  retained, m.peak_bytes, tol, notes, allocated))
     return results
 
 
@@ -236,7 +247,7 @@ class PeakCase:
     recompute: str = "none"
     optimizer: str = "fused"
     microbatches: int = 1
-    backend: str = "live"  # live | fake
+    backend: str = "live"  # live | fake | cuda
 
     @property
     def loop(self) -> str:
@@ -269,15 +280,19 @@ def predict_peak(case: PeakCase) -> Any:
     from memplan.estimate import step_peaks
 
     config = peak_config(case)
-    return step_peaks(config, inventory.inventory_for(config.model, case.impl, "cpu"), walk=0)[0]
+    device = "cuda" if case.backend == "cuda" else "cpu"  # CPU kernels for the live and fake backends
+    return step_peaks(config, inventory.inventory_for(config.model, case.impl, device), walk=0)[0]
 
 
-def peak_grid(fake: bool = True) -> list[PeakCase]:
+def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
     """The CI grid of whole steps: transformers Llama (GQA) and GPT-2, eager and sdpa, with and
     without gradient checkpointing, foreach and fused AdamW; b = 2 and two micro-batches; the K22
     reference model in the Megatron-like loop with no / selective / full recompute; short
     sequences where the optimizer step is the peak; and, under FakeTensorMode, a Llama 3 8B-shaped
-    2-layer model at s = 4096 and a GPT-3 175B-shaped one at s = 2048."""
+    2-layer model at s = 4096 and a GPT-3 175B-shaped one at s = 2048. With device "cuda" the same
+    cases run on the GPU against torch.cuda.max_memory_allocated (the fake ones for real)."""
+    if device == "cuda":
+        return [dataclasses.replace(c, backend="cuda") for c in peak_grid(fake, "cpu")]
     cases = []
     llama = dict(model="llama", h=64, a=4, g=2, f=192)
     gpt2 = dict(model="gpt2", h=64, a=4)
@@ -347,11 +362,24 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
                                   g=c.g, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
         step = predict_peak(c)
+        predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event
         at = e.phase + (f" {e.layer}" if e.layer is not None else "")
         measured_at = m.peak_phase + (f" {m.peak_layer + 1}" if m.peak_layer is not None else "")  # layers from 1
-        results.append(PeakResult(c, int(step.peak_bytes), int(m.peak_bytes), at, measured_at, e.moment, tolerance))
+        results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance))
     return results
+
+
+def _cuda_workspace() -> int:
+    """The cuBLAS workspace in PyTorch's pool on this machine's GPU, from its preset (the H100's
+    figure for a GPU without one): max_memory_allocated counts it beside the tensors."""
+    import torch
+
+    from memplan.presets import gpu_names, load_gpu
+
+    name = torch.cuda.get_device_name().lower()
+    match = [g for g in gpu_names() if g.split("-")[0] in name]
+    return load_gpu(match[0] if match else "h100-80gb").workspace_bytes
 
 
 def peak_summary(results: list[PeakResult]) -> dict[str, Any]:

@@ -46,8 +46,12 @@ Training loops (``StepCase.loop``)
   copies whose ``.grad`` are the main-grad views; AdamW on the masters; ``_foreach_copy_``
   master -> bf16 parameters.  No gradient clipping, no loss scaling.
 
-Backends: ``"live"`` (real CPU tensors) and ``"fake"`` (everything, optimizer included, under
-``FakeTensorMode``; HF through ``hf._fake_mode``), so paper-scale shapes run without allocating.
+Backends: ``"live"`` (real CPU tensors), ``"fake"`` (everything, optimizer included, under
+``FakeTensorMode``; HF through ``hf._fake_mode``), so paper-scale shapes run without allocating,
+and ``"cuda"`` (models and inputs on the GPU through a ``torch.device("cuda")`` context; the peak is
+``torch.cuda.max_memory_allocated()`` over the measured step, after ``reset_peak_memory_stats``:
+allocator blocks, 512-byte rounding and kernels' internal workspaces included; the labelled
+timeline still comes from the tracker). The cuda backend has not run on a GPU in this repository yet.
 
 Limits
 ------
@@ -101,7 +105,7 @@ class StepCase:
     loop: Literal["torch", "megatron"] = "torch"
     optimizer: Literal["foreach", "fused"] = "foreach"
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
-    backend: Literal["live", "fake"] = "live"
+    backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
 
@@ -120,8 +124,8 @@ class StepCase:
             raise ValueError("the k22 model has no grouped-query attention")
         if self.loop not in ("torch", "megatron") or self.optimizer not in ("foreach", "fused"):
             raise ValueError("loop must be torch/megatron and optimizer foreach/fused")
-        if self.backend not in ("live", "fake") or self.microbatches < 1:
-            raise ValueError("backend must be live/fake and microbatches >= 1")
+        if self.backend not in ("live", "fake", "cuda") or self.microbatches < 1:
+            raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ class StepMeasurement:
     case: StepCase
     persistent: dict[str, int]  # category -> bytes alive before the measured step
     persistent_total: int
-    peak_bytes: int  # persistent_total + max live bytes in the window
+    peak_bytes: int  # persistent_total + max live bytes in the window; cuda: torch.cuda.max_memory_allocated()
     peak_phase: str
     peak_layer: int | None
     peak_microbatch: int | None
@@ -166,6 +170,7 @@ class StepMeasurement:
     live_at_end: int  # live bytes in the window after the optimizer phase (0 in a steady state)
     ops: list[OpSample] | None = None
     notes: list[str] = field(default_factory=list)
+    tracked_peak_bytes: int = 0  # persistent_total + the live tracker's max (equals peak_bytes off CUDA)
 
     def segments(self, phase: str | None = None, layer: int | None | str = "any",
                  microbatch: int | None | str = "any") -> list[Segment]:
@@ -314,8 +319,9 @@ def _build(case: StepCase):
     if case.model == "k22":
         cfg = LayerConfig(h=case.h, a=case.a, f=case.ffn, recompute=case.recompute, p_drop=case.p_drop)
         comm = SimulatedComm(0, 1)
-        model = GPTModel(cfg, case.L, case.v, case.s, comm, dtype=dtype, device="cpu").train()
-        return model, list(model.layers), partial(_forward_fresh, model, case, "model", comm, dtype, "cpu")
+        device = "cuda" if case.backend == "cuda" else "cpu"
+        model = GPTModel(cfg, case.L, case.v, case.s, comm, dtype=dtype, device=device).train()
+        return model, list(model.layers), partial(_forward_fresh, model, case, "model", comm, dtype, device)
     hf, hcase = _hf(), _hf_case(case)
     model = hf.build_model(hcase)
     if case.recompute == "full":  # transformers 5.x renamed gradient_checkpointing_enable (deprecated alias)
@@ -428,6 +434,8 @@ def _persistent(loop: _Loop) -> dict[str, int]:
 
 
 def _mode(case: StepCase):
+    if case.backend == "cuda":  # models, inputs and buffers made by factory calls go to the GPU
+        return torch.device("cuda")
     if case.backend != "fake":
         return contextlib.nullcontext()
     if case.model != "k22":
@@ -453,17 +461,26 @@ def measure_step(case: StepCase, ops: bool = False) -> StepMeasurement:
         total = sum(persistent.values())
         tracker = StepTracker(total, keep_ops=ops)
         hooks = _LayerHooks(tracker, layers)
+        cuda = case.backend == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         try:
             with tracker:
                 loop.step(tracker)
         finally:
             hooks.close()
+        allocator_peak = None
+        if cuda:
+            torch.cuda.synchronize()
+            allocator_peak = torch.cuda.max_memory_allocated()
     phase, layer, mb, op = tracker.peak_label
     notes = [f"torch {torch.__version__}"]
     if case.model != "k22":
         notes.append(f"transformers {_hf()._transformers().__version__}")
     return StepMeasurement(
-        case=case, persistent=persistent, persistent_total=total, peak_bytes=total + tracker.max_live,
+        case=case, persistent=persistent, persistent_total=total,
+        peak_bytes=allocator_peak if cuda else total + tracker.max_live, tracked_peak_bytes=total + tracker.max_live,
         peak_phase=phase, peak_layer=layer, peak_microbatch=mb, peak_op=op, timeline=tracker.timeline(),
         retained_after_forward=loop.retained_after_forward,
         grad_bytes_at_end_of_backward=loop.grad_bytes_at_end_of_backward, live_at_end=tracker.live,
@@ -515,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
     p.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach")
-    p.add_argument("--backend", choices=("live", "fake"), default="live")
+    p.add_argument("--backend", choices=("live", "fake", "cuda"), default="live")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--ops", action="store_true", help="print the op-level log")
     p.add_argument("--phase", choices=PHASES, default=None, help="with --ops: only this phase")

@@ -327,7 +327,8 @@ def test_cuda_allocator_matches_ledger(rc):
     expected = expected_layer(c)
     if rc != "full":  # CUDA layer norm keeps mean / rstd in fp32: 4 bytes, not 2
         expected["ln1_stats"] = expected["ln2_stats"] = 2 * c.s * c.b * 4
-    assert m.saved_bytes_by_label == expected
+    # a zero-byte saved storage (a CUDA kernel's empty tensor) is listed with 0 bytes: it is no term
+    assert {k: v for k, v in m.saved_bytes_by_label.items() if v} == expected
     # the caching allocator rounds every block up to 512 bytes
     n_blocks = len([e for e in m.entries if e.label != PARAMETER]) + 1
     assert 0 <= m.retained_after_forward_bytes - m.saved_bytes_total - m.loss_bytes < 512 * n_blocks
