@@ -280,6 +280,11 @@ def _x(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", sr
     return _t(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src)
 
 
+# The gradient arriving at the embedding's output (the first layer's input gradient), alive while
+# the embedding's backward makes its weight gradient.
+EMBEDDING_OUTPUT_GRAD = _x("grad_embedding_output", "gradient of the embedding's output", "s b h", sp=True,
+                           scope="first", src="measured: embedding backward (validation/step.py)")
+
 # Parameter groups (memplan/states.py) by role.
 QKV_W, PROJ_W = "QKV projection weight", "attention output projection weight"
 FC1_W, FC2_W = "MLP input projection weight", "MLP output projection weight"

@@ -35,11 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memplan.memory import PlanValues, StageMemory, TermBytes, symbol_values
+from memplan.memory import PlanValues, StageMemory, TermBytes
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import output_layer_group, param_groups, shard_bytes
-from memplan.terms import Inventory, Moment
+from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -87,13 +87,11 @@ def optimizer_impl(training: TrainingSpec, inventory: Inventory) -> str:
 def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues,
                 stage_mem: StageMemory, stage: Any, critical: bool = False) -> StepPeak:
     """Every event of one step on one GPU of `stage` (or only the critical ones)."""
-    values = symbol_values(model, plan)
     act = training.activation_bytes
     term_bytes = stage_mem.unit_bytes
     sizes = stage_mem.sizes or TermBytes(model, plan, act, inventory.granularity)
     layer_terms = [t for t in inventory.terms if t.scope == "layer"]
     last_terms = [t for t in inventory.terms if t.scope == "last"]
-    first_terms = [t for t in inventory.terms if t.scope == "first"]
     chunk_terms = [t for t in inventory.terms if t.scope == "chunk"]
     rec = plan.recompute
     n = model.num_layers // (plan.p * plan.m)
@@ -115,7 +113,6 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         return k * stored_rec + (j - k) * stored_plain
 
     last_cur = sum((term_bytes[t.id] for t in last_terms), 0) * is_last  # this micro-batch's head terms
-    first_cur = sum((term_bytes[t.id] for t in first_terms), 0) * is_first
     chunk_cur = sum((term_bytes[t.id] for t in chunk_terms), 0)
     # Everything saved at the stage's peak (the in-flight chunks), minus this chunk's layers and head.
     retained = stage_mem.activations - stage_mem.recompute_working_bytes
@@ -195,7 +192,6 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     events: list[Event] = []
     layers = _critical_layers(n, N, buffer) if critical else [j + 1 for j in range(int(n))]
     buffer_grads = all_grads if buffer else 0
-    accumulated = 0 if buffer else all_grads * (plan.microbatches > 1)  # .grad of earlier micro-batches
 
     fixed = states.weights + states.optimizer
 
@@ -216,7 +212,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # loss (last stage)
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
-        event(m.phase, None, m.name, buffer_grads + accumulated + grads_of(m),
+        event(m.phase, None, m.name, grads_fwd + grads_of(m),
               others + stored_upto(n) + last_cur - freed, held + transient_bytes(m), is_last)
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
@@ -231,8 +227,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
-    sym = model.symbols(b=plan.b, t=1)
-    d_emb = sym["s"] * sym["b"] * sym["h"] * act
+    d_emb = sizes(EMBEDDING_OUTPUT_GRAD)
     dense = group_grad("word embedding") * training.weight_bytes // training.grad_bytes
     tied_extra = 2 * dense * tied_waits
     emb_extra = (dense + tied_extra if buffer else tied_extra) + d_emb
