@@ -15,7 +15,7 @@ from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
-from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
+from memplan.timeline import DeviceMemory, StepPeak, device_memory, step_events
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,6 @@ def stage_memory(
     state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
     tensors alive on top (the recompute working set, which K22 leaves out). Each storage is rounded
     up to `granularity` bytes (the allocator's block size; 1 = exact)."""
-    values = symbol_values(model, plan)
     sizes = TermBytes(model, plan, training.activation_bytes, granularity)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags

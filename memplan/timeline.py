@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from memplan.memory import PlanValues, StageMemory, TermBytes
-from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import output_layer_group, param_groups, shard_bytes
 from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment

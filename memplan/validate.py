@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 from memplan import terms as inventory
 from memplan.memory import PlanValues, stage_memory
-from memplan.specs import Config, ModelSpec, ParallelSpec, Recompute, TrainingSpec
+from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 
 TOLERANCE = 1e-3  # 0.1 % of a case's activation bytes (issue: CPU tolerance)
 HF_TOLERANCE = 1e-2  # 1 % per layer against transformers' own code
