@@ -113,6 +113,37 @@ def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
     return dict(precision=opts.get("precision"), optimizer_impl=opts.get("optimizer_impl"))
 
 
+def output_options(func: Callable) -> Callable:
+    """--format and --plot, shared by estimate and search."""
+    options = [
+        click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "csv"]),
+                     help="Output: a terminal table (default), JSON (= --json), a Markdown table (docs, issue "
+                          "threads) or CSV (spreadsheets); all from the one JSON schema."),
+        click.option("--plot", "plot", metavar="FILE.png|FILE.svg",
+                     help="Also draw a picture into FILE (PNG or SVG by the extension; needs memplan[plot])."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
+
+
+def _output_format(opts: dict[str, Any]) -> str:
+    """The output format: --format, with --json as an alias of --format json."""
+    fmt = opts.get("fmt")
+    if opts.get("as_json"):
+        if fmt not in (None, "json"):
+            raise MemplanError(f"--json conflicts with --format {fmt}")
+        return "json"
+    return fmt or "table"
+
+
+def _check_plots(*paths: Optional[str]) -> None:
+    """Refuse a bad --plot file name before any work is done."""
+    from memplan.plots import check_plot_path
+
+    for path in paths:
+        if path:
+            check_plot_path(path)
+
+
 def _gpu(opts: dict[str, Any], preset: Any):
     from memplan.presets import load_gpu
 
@@ -170,6 +201,10 @@ def gpus() -> None:
 
 @cli.command()
 @plan_options
+@output_options
+@click.option("--plot-techniques", "plot_techniques", metavar="FILE.png|FILE.svg",
+              help="Also draw K22 Figure 7-style bars: one layer's activation memory under each technique (no "
+                   "parallelism, TP, TP+SP, selective and full recompute) at this plan's s, b and t.")
 @click.option("--paper-only", is_flag=True, help="Only the terms K22 counts (no layer-norm statistics, token ids).")
 @click.option("--max-seq", is_flag=True, help="Also the longest sequence length this plan fits with.")
 @click.option("--max-micro-batch", is_flag=True, help="Also the largest micro-batch this plan fits with.")
@@ -177,8 +212,10 @@ def estimate(**opts: Any) -> None:
     """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
     peak of a training step."""
     from memplan.estimate import estimate as run
-    from memplan.report import estimate_dict, print_json, render_estimate, render_limits
+    from memplan.report import estimate_dict, render_estimate, render_limits, render_output
 
+    fmt = _output_format(opts)
+    _check_plots(opts["plot"], opts["plot_techniques"])
     preset, config = _config_from_options(opts)
     gpu = _gpu(opts, preset)
     result = run(config, budget_bytes=opts.get("budget"), gpu=gpu, paper_only=opts["paper_only"],
@@ -193,16 +230,25 @@ def estimate(**opts: Any) -> None:
             limits["max_seq_len"] = max_seq_len(config, budget, **kw)
         if opts["max_micro_batch"]:
             limits["max_micro_batch"] = max_micro_batch(config, budget, **kw)
-    if opts["as_json"]:
-        print_json({**estimate_dict(result), **limits})
-    else:
+    if fmt == "table":
         console = _console()
         render_estimate(result, console)
         render_limits(limits, result, console)
+    else:
+        render_output(fmt, "estimate", {**estimate_dict(result), **limits})
+    if opts["plot"]:
+        from memplan.plots import plot_estimate
+
+        plot_estimate(result, opts["plot"])
+    if opts["plot_techniques"]:
+        from memplan.plots import plot_techniques
+
+        plot_techniques(config, opts["plot_techniques"])
 
 
 @cli.command()
 @plan_options
+@output_options
 @click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans to show.")
 @click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
@@ -214,8 +260,10 @@ def search(**opts: Any) -> None:
     """Every plan for GPUS GPUs that fits the budget, fastest first. Without --model: every preset."""
     from memplan.planner import fixed_from, search as run, search_presets
     from memplan.presets import load_model, model_names, search_inputs
-    from memplan.report import DelayedProgress, print_json, render_search, render_search_all, search_dict
+    from memplan.report import DelayedProgress, render_output, render_search, render_search_all, search_dict
 
+    fmt = _output_format(opts)
+    _check_plots(opts["plot"])
     gpus = opts.get("gpus")
     if gpus is None:
         raise MemplanError("--gpus is required for search")
@@ -228,12 +276,14 @@ def search(**opts: Any) -> None:
     )
     one = _preset(opts)
     presets = [one] if one is not None else [load_model(name) for name in model_names()]
+    if opts["plot"] and len(presets) > 1:
+        raise MemplanError("search --plot draws one model's plans: give --model")
     gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
     if gpu is None:
         gpu = _gpu({"gpu_name": "a100-80gb"}, None)
     budget = opts.get("budget") or gpu.memory_bytes
     console = _console()
-    progress = DelayedProgress(console) if not opts["as_json"] else None
+    progress = DelayedProgress(console) if fmt == "table" else None
     requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
                               _training_settings(opts)) for p in presets]
     kw = dict(gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], progress=progress, impl=opts["impl"],
@@ -251,12 +301,16 @@ def search(**opts: Any) -> None:
     finally:
         if progress is not None:
             progress.close()
-    if opts["as_json"]:
-        print_json(search_dict(results[0]) if len(results) == 1 else [search_dict(r) for r in results])
+    if fmt != "table":
+        render_output(fmt, "search", search_dict(results[0]) if len(results) == 1 else [search_dict(r) for r in results])
     elif len(results) == 1:
         render_search(results[0], console)
     else:
         render_search_all(results, console)
+    if opts["plot"]:
+        from memplan.plots import plot_search
+
+        plot_search(results[0], opts["plot"])
     if opts.get("emit") == "megatron":
         from memplan.launch import megatron_args
 

@@ -35,7 +35,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
     out: dict[str, Any] = {
         "config": config_dict(est.config),
         "inventory": est.inventory.name,
-        "impl": est.inventory.name.split("/")[1],
+        "impl": est.inventory.name.split("/")[0],  # names are impl/attention/device or impl/device
         "paper_only": est.paper_only,
         "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},
         "most_loaded_stage": est.most_loaded,
@@ -130,6 +130,134 @@ def _cite(source: str) -> str:
 
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2))
+
+
+# -- Markdown and CSV: renderings of the JSON dicts (estimate_dict, search_dict) ---------------------
+
+ESTIMATE_COLUMNS = ("section", "item", "symbolic", "bytes_per_copy", "copies", "value", "unit", "share", "in_k22",
+                    "source")
+# memory.* fields of estimate_dict in report order, with what they are
+MEMORY_ROWS = (
+    ("weights_bytes", "weights"),
+    ("gradients_bytes", "gradients"),
+    ("optimizer_bytes", "optimizer (master + moments)"),
+    ("activations_bytes", "saved activations at the first backward"),
+    ("total_bytes", "retained at the first backward"),
+    ("peak_bytes", "peak of the step's tensors"),
+    ("workspace_bytes", "cuBLAS workspace (inside PyTorch's pool)"),
+    ("allocated_peak_bytes", "allocated peak (torch.cuda.max_memory_allocated)"),
+    ("fragmentation_bytes", "fragmentation margin"),
+    ("runtime_bytes", "CUDA context, kernels, NCCL (outside PyTorch)"),
+    ("device_bytes", "device memory needed"),
+)
+# other scalar fields: (key, item, unit)
+OTHER_ROWS = (
+    ("budget_bytes", "budget per GPU", "B"),
+    ("headroom_bytes", "headroom (budget - device memory needed)", "B"),
+    ("fits", "fits in the budget", ""),
+    ("max_seq_len", "longest sequence length that fits", "tokens"),
+    ("max_micro_batch", "largest micro-batch that fits", "sequences"),
+)
+PERF_ROWS = (("step_time_s", "step time", "s"), ("tokens_per_s", "throughput", "tokens/s"),
+             ("mfu", "model FLOPs utilisation", "fraction"))
+
+
+def estimate_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per activation term, then the summary rows, from `estimate_dict`'s dict."""
+    act, mem = data["activations"], data["memory"]
+    rows = [dict(section="activations", item=t["name"], symbolic=t["symbolic"], bytes_per_copy=t["bytes"],
+                 copies=t["copies"], value=t["stage_bytes"], unit="B", share=t["share"], in_k22=t["in_k22"],
+                 source=t["source"]) for t in act["terms"]]
+    if act["recompute_working_bytes"]:
+        rows.append(dict(section="activations", item="recompute working set (one layer, transient)",
+                         copies=1, value=act["recompute_working_bytes"], unit="B", in_k22=False, source="memplan"))
+    rows.append(dict(section="summary", item="activations per layer per micro-batch",
+                     symbolic=act["per_layer_symbolic"], value=act["per_layer_bytes"], unit="B"))
+    where = f"{mem['peak_phase']}" + (f" of layer {mem['peak_layer']}" if mem["peak_layer"] is not None else "")
+    for key, item in MEMORY_ROWS:
+        if key == "peak_bytes":
+            item = f"{item} (at {where}: {mem['peak_moment']})"
+        rows.append(dict(section="memory", item=item, value=mem[key], unit="B"))
+    rows += [dict(section="summary", item=item, value=data[key], unit=unit) for key, item, unit in OTHER_ROWS
+             if key in data]
+    perf = data.get("perf") or {}
+    rows += [dict(section="perf", item=item, value=perf[key], unit=unit) for key, item, unit in PERF_ROWS
+             if perf.get(key) is not None]
+    return rows
+
+
+def search_rows(data: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per plan (the ranked plans that fit, then the fastest one over the budget or the
+    nearest miss) from `search_dict`'s dict (or a list of them: every preset)."""
+    rows = []
+    for result in data if isinstance(data, list) else [data]:
+        ranked = [("fits", str(rank), plan) for rank, plan in enumerate(result["plans"], 1)]
+        others = [(status, "", result[key]) for key, status in (("fastest_over_budget", "fastest over budget"),
+                                                                 ("nearest_miss", "nearest miss")) if key in result]
+        for status, rank, plan in ranked + others:
+            flat = {k: v for k, v in plan.items() if k != "memory"}
+            rows.append({"model": result["model"], "rank": rank, "status": status, **flat, **plan["memory"]})
+    return rows
+
+
+def _cell(value: Any) -> str:
+    """A Markdown cell: integers and large numbers with thousands separators, others to 4 digits."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Every key of the rows, in first-seen order."""
+    return tuple(dict.fromkeys(k for r in rows for k in r))
+
+
+def _estimate_heading(data: dict[str, Any]) -> str:
+    c = data["config"]
+    par, tr = c["parallel"], c["training"]
+    return (f"**{c['model']['name']}** ({data['impl']}): t={par['tp']} p={par['pp']} d={par['dp']} m={par['vpp']} "
+            f"SP={'on' if par['sp'] else 'off'} recompute={tr['recompute']} ZeRO={par['zero']} b={tr['micro_batch']}, "
+            f"global batch {c['global_batch']} sequences, on {c['gpus']} GPUs; stage {data['most_loaded_stage']} "
+            "is the most loaded (bytes: B)")
+
+
+def _search_heading(result: dict[str, Any]) -> str:
+    return (f"**{result['model']}** ({result['impl']}) on {result['gpus']:,} {result['gpu'] or ''} GPUs, budget "
+            f"{_gb(result['budget_bytes'])} per GPU, global batch {result['global_batch']:,} sequences: "
+            f"{result['candidates_evaluated']:,} plans evaluated, {result['feasible']:,} fit (bytes: B, times: s)")
+
+
+def render_output(fmt: str, kind: str, data: Any) -> None:
+    """Print `data` (estimate_dict / search_dict) as json, markdown or csv."""
+    if fmt == "json":
+        print_json(data)
+        return
+    rows = estimate_rows(data) if kind == "estimate" else search_rows(data)
+    columns = ESTIMATE_COLUMNS if kind == "estimate" else _columns(rows)
+    if fmt == "csv":
+        import csv
+        import sys
+
+        writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return
+    results = [data] if kind == "estimate" or not isinstance(data, list) else data
+    heading = "\n".join(_estimate_heading(r) if kind == "estimate" else _search_heading(r) for r in results)
+    notes = [f"- note: {n}" for r in results for n in r.get("notes", [])]
+    print("\n\n".join([heading, markdown_table(rows, columns)] + (["\n".join(notes)] if notes else [])))
 
 
 def render_estimate(est: Estimate, console: Console) -> None:
