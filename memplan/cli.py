@@ -322,6 +322,23 @@ def search(**opts: Any) -> None:
         sys.exit(1)
 
 
+@cli.command()
+@plan_options
+def explain(**opts: Any) -> None:
+    """Every number of `estimate` derived step by step: the formulas with the values substituted and the
+    source of each term (per-layer activations, pipeline copies, states, the step peak, device memory)."""
+    from memplan.explain import SECTIONS, explain as run
+    from memplan.report import explain_lines, print_json
+
+    preset, config = _config_from_options(opts)
+    _, steps = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), impl=opts["impl"],
+                   fragmentation_margin=opts.get("frag_margin"))
+    if opts["as_json"]:
+        print_json([s.as_dict() for s in steps])
+    else:
+        click.echo("\n".join(explain_lines(steps, SECTIONS)))
+
+
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in value.split(","))

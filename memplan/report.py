@@ -330,6 +330,23 @@ def render_estimate(est: Estimate, console: Console) -> None:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
 
 
+def explain_lines(steps: list[Any], sections: dict[str, str]) -> list[str]:
+    """`memplan explain`: each step as 'label: formula = values = result unit  [source]', by section."""
+    lines: list[str] = []
+    section = None
+    for s in steps:
+        if s.section != section:
+            section = s.section
+            lines += ["" if lines else None, f"== {sections[section]} =="]
+        chain = [s.formula] + ([s.substituted] if s.substituted and s.substituted != s.formula else [])
+        if s.value is not None:
+            chain.append(f"{s.value:,} {s.unit}".rstrip())
+        lines.append(f"{s.label}: " + " = ".join(chain) + (f"  [{s.source}]" if s.source else ""))
+        if s.note:
+            lines.append(f"    ({s.note})")
+    return [line for line in lines if line is not None]
+
+
 def render_limits(limits: dict[str, Any], est: Estimate, console: Console) -> None:
     """`--max-seq` / `--max-micro-batch` answers."""
     words = {"max_seq_len": ("longest sequence length", "tokens"), "max_micro_batch": ("largest micro-batch", "sequences")}

@@ -100,7 +100,8 @@ def test_bad_plot_requests(run_cli, args):
 
 def test_core_commands_never_import_matplotlib():
     script = ("import sys\nfrom memplan.cli import main\n"
-              "for args in (['estimate', '--model', 'gpt3-530b'], ['estimate', '--model', 'gpt3-530b', '--format', 'csv']):\n"
+              "for args in (['estimate', '--model', 'gpt3-530b'], ['estimate', '--model', 'gpt3-530b', '--format', 'csv'],"
+              " ['explain', '--model', 'gpt3-530b']):\n"
               "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
               "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch')))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
