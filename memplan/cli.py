@@ -22,7 +22,12 @@ def _console():
 def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
     from memplan.units import parse_size
 
-    return None if value is None else parse_size(value)
+    if value is None:
+        return None
+    size = parse_size(value)
+    if size <= 0:
+        raise MemplanError(f"{param.opts[0]}: a memory budget must be positive (got {value!r})")
+    return size
 
 
 def plan_options(func: Callable) -> Callable:
@@ -281,7 +286,7 @@ def search(**opts: Any) -> None:
     gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
     if gpu is None:
         gpu = _gpu({"gpu_name": "a100-80gb"}, None)
-    budget = opts.get("budget") or gpu.memory_bytes
+    budget = opts["budget"] if opts.get("budget") is not None else gpu.memory_bytes
     console = _console()
     progress = DelayedProgress(console) if fmt == "table" else None
     requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),

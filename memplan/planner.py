@@ -214,6 +214,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     start = time.perf_counter()
     limit = max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
     plans = enumerate_plans(model, gpus, global_batch, fixed, limit, impl)
+    check_int64(model, training, int(plans.b.max()), impl)
     n = len(plans.t)
     parts = []
     for lo in range(0, n, chunk):
@@ -233,6 +234,26 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
                         time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl)
+
+
+INT64_SAFE = 1 << 53  # bytes per GPU the vectorised int64 arithmetic holds with room for its products
+
+
+def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, impl: str) -> None:
+    """Refuse a space whose memory the planner's int64 arrays cannot hold (they would wrap around
+    to negative bytes that "fit"). Every candidate needs at most twice what one GPU holding the
+    whole model with the largest micro-batch needs (pipelines keep at most L layers' worth in
+    flight, 1 + (p - 1)/(pm) < 2 with interleaving): that bound is computed in Python integers."""
+    from memplan.estimate import device_bytes
+
+    one_gpu = Config(model=model, training=training.model_copy(update=dict(
+        micro_batch=max_micro_batch, global_batch=max_micro_batch, recompute=Recompute.NONE,
+        recompute_num_layers=None)))
+    need = 2 * device_bytes(one_gpu, impl)
+    if need > INT64_SAFE:
+        raise MemplanError(f"{model.name} at s={model.seq_length:,}, v={model.vocab_size:,}: up to {need:.2e} bytes per "
+                           f"GPU, beyond what the search's 64-bit arithmetic holds ({INT64_SAFE:.1e}); use estimate "
+                           "for one plan, or smaller sizes")
 
 
 def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,

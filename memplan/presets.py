@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from memplan.errors import MemplanError
-from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus
+from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus, echo
 
 
 def configs_dir() -> Path:
@@ -39,11 +39,40 @@ class ModelPreset:
 _PRESET_KEYS = {"model", "parallel", "training", "gpu"}
 
 
-def _read_yaml(path: Path) -> dict:
+MAX_FILE_BYTES = 1 << 20  # a model, GPU or config.json file is a few KB; /dev/zero is not one
+
+
+def read_text(path: Path, what: str) -> str:
+    """A small UTF-8 text file, or a one-line error (missing, a directory, too large, not UTF-8)."""
+    if path.is_dir():
+        raise MemplanError(f"{path} is a directory, not a {what}")
     try:
-        data = yaml.safe_load(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as err:
         raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise MemplanError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB: not a {what}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise MemplanError(f"{path}: not UTF-8 text (byte {err.start})") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    text = read_text(path, "YAML file")
+    try:
+        # plain data only: anchors and aliases (a "billion laughs" file expands exponentially) and
+        # language tags (!!python/...) are refused before anything is built
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise MemplanError(f"{path}: line {event.start_mark.line + 1}: YAML aliases (*name) are not "
+                                   "supported; write the values out")
+        data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as err:
+        mark = err.problem_mark
+        raise MemplanError(f"{path}: line {mark.line + 1 if mark else '?'}: {err.problem} (plain YAML data only)"
+                           ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -64,9 +93,16 @@ def read_model_file(path: Path) -> ModelPreset:
     parallel = data.get("parallel") or {}
     training = data.get("training") or {}
     # Check the sections' keys now, so a typo names this file rather than surfacing later.
+    for name, section in (("parallel", parallel), ("training", training)):
+        if not isinstance(section, dict):
+            raise MemplanError(f"{path}: '{name}' must be a mapping of settings")
     build(ParallelSpec, parallel, where=f"{path}: parallel")
     build(TrainingSpec, training, where=f"{path}: training")
-    return ModelPreset(model, dict(parallel), dict(training), data.get("gpu"), str(path))
+    gpu = data.get("gpu")
+    if gpu is not None and not isinstance(gpu, str):
+        raise MemplanError(f"{path}: gpu: expected a GPU preset name or a YAML file (got {echo(gpu)}); "
+                           f"known: {', '.join(gpu_names())}")
+    return ModelPreset(model, dict(parallel), dict(training), gpu, str(path))
 
 
 def model_names() -> list[str]:
@@ -80,8 +116,11 @@ def gpu_names() -> list[str]:
 def load_model(name_or_path: str) -> ModelPreset:
     """A preset by name, or a YAML file by path."""
     path = Path(name_or_path)
+    if path.suffix == ".json":
+        raise MemplanError(f"{name_or_path} is JSON: a transformers config.json goes with --hf-config; "
+                           "--model takes a preset name or a YAML file")
     if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
+        if not path.exists():
             raise MemplanError(f"no such model file: {name_or_path}")
         return read_model_file(path)
     preset = configs_dir() / "models" / f"{name_or_path}.yaml"
@@ -189,15 +228,24 @@ HF_ARCHITECTURES = {
 }
 
 
+def _probability(data: dict, key: str, default: float, path: Path) -> float:
+    """A dropout probability of a config.json: a number in [0, 1]."""
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise MemplanError(f"{path}: {key}: expected a dropout probability between 0 and 1 (got {echo(value)})")
+    return float(value)
+
+
 def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded)."""
     path = Path(path_text)
+    text = read_text(path, "config.json")
     try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise MemplanError(f"{path}: not valid JSON (line {err.lineno})") from None
+    except RecursionError:
+        raise MemplanError(f"{path}: JSON nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise MemplanError(f"{path}: expected a JSON object")
     archs = data.get("architectures") or []
@@ -210,7 +258,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
     name = str(data.get("_name_or_path") or path.parent.name or path.stem) or "hf-model"
     try:
         if layout == "gpt2":
-            dropout = any(float(data.get(k, 0.1)) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
+            dropout = any(_probability(data, k, 0.1, path) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
             spec = dict(name=name, num_layers=data["n_layer"], hidden_size=data["n_embd"],
                         num_attention_heads=data["n_head"], seq_length=data.get("n_positions", 1024),
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
@@ -224,7 +272,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         seq_length=data.get("max_position_embeddings", 4096), vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                         tied_embeddings=data.get("tie_word_embeddings", False),
-                        dropout=float(data.get("attention_dropout", 0.0)) > 0,
+                        dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
                         bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
                         attention="flash")
     except KeyError as err:

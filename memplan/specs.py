@@ -37,20 +37,27 @@ class Recompute(enum.IntEnum):
     def parse(cls, value: "str | int | Recompute") -> "Recompute":
         if isinstance(value, Recompute):
             return value
-        if isinstance(value, int):
-            return cls(value)
         try:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return cls(value)
             return cls[str(value).strip().upper()]
-        except KeyError:
-            raise ValueError(f"recompute must be one of none, selective, full (got {value!r})") from None
+        except (KeyError, ValueError):
+            raise ValueError(f"recompute must be one of none, selective, full (got {echo(value)})") from None
 
     @property
     def label(self) -> str:
         return self.name.lower()
 
 
+def echo(value: Any, limit: int = 60) -> str:
+    """A user's value for an error message, bounded (a YAML alias bomb must not print gigabytes)."""
+    text = repr(value) if not isinstance(value, (dict, list, tuple)) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # strict: `hidden_size: true` or `num_layers: 2.5` is refused rather than coerced (to 1, to 2)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class ModelSpec(_Spec):
@@ -207,6 +214,19 @@ class TrainingSpec(_Spec):
         return {"adam": 2, "sgd": 1}[self.optimizer]
 
 
+def _sized(value: Any) -> Any:
+    """A byte size in a YAML file: a number with its unit ('80GB', '81559MiB'); a bare number is
+    refused, as on the command line, because 80 could mean bytes, GB or GiB."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except MemplanError as err:
+            raise ValueError(str(err)) from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ValueError(f"give a size with its unit, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes) (got {echo(value)})")
+    return value
+
+
 class RuntimeBytes(_Spec):
     """Device memory outside PyTorch's caching allocator for one training process (CUDA context,
     kernel images; for megatron-core also the communicator of one NCCL group)."""
@@ -217,7 +237,7 @@ class RuntimeBytes(_Spec):
     @field_validator("torch", "megatron", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        return parse_size(value) if isinstance(value, str) else value
+        return _sized(value)
 
     def get(self, framework: str) -> int:
         return getattr(self, framework)
@@ -225,6 +245,9 @@ class RuntimeBytes(_Spec):
 
 class GpuSpec(_Spec):
     """An accelerator's data-sheet figures (per GPU)."""
+
+    # lax: YAML 1.1 reads 312.0e12 as a string; sizes and rates are parsed with their units above
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
     name: str
     memory_bytes: int = Field(gt=0)
@@ -251,14 +274,14 @@ class GpuSpec(_Spec):
     @field_validator("memory_bytes", "nccl_communicator_bytes", "workspace_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        return parse_size(value) if isinstance(value, str) else value
+        return _sized(value)
 
 
     @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().endswith("/s"):
-            return parse_size(value.strip()[:-2])
+            return float(_sized(value.strip()[:-2]))
         return value
 
 
@@ -332,7 +355,8 @@ def describe_validation_error(err: ValidationError, where: str = "", known: tupl
     msg = first["msg"].removeprefix("Value error, ")
     if loc:
         given = first.get("input")
-        shown = f" (got {given!r})" if not isinstance(given, dict) and given is not None else ""
+        shown = f" (got {echo(given)})" if not isinstance(given, dict) and given is not None and "(got " not in msg \
+            else ""
         return f"{prefix}{loc}: {msg}{shown}"
     return f"{prefix}{msg}"
 

@@ -34,6 +34,9 @@ def parse_size(text: str) -> int:
             f"cannot read size {text!r}: give a number and a unit, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)"
         )
     number, unit = match.groups()
+    if unit.endswith("b") and unit != "b":
+        raise MemplanError(f"{text!r} reads as {unit[:-1]}bits; memory is in bytes: write {number}{unit[:-1].upper()}B "
+                           f"(10^n bytes) or {number}{unit[:-1].upper()}iB (2^n bytes)")
     factor = UNITS.get(unit.upper())
     if factor is None:
         raise MemplanError(f"unknown unit {unit!r} in {text!r}: use one of {', '.join(_display_units())}")
