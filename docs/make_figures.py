@@ -20,6 +20,7 @@ FIGURES = {
     "k22-figure7-gpt3-530b.png": ["estimate", "--model", "gpt3-530b"],
     "step-llama3-8b.png": ["estimate", *LLAMA_8B],
     "search-gpt3-530b.png": ["search", "--model", "gpt3-530b", "--gpus", "2240", "--mem", "80GB"],
+    "search-llama3-8b.png": ["search", "--model", "llama3-8b", "--gpus", "64", "--mem", "80GB"],
 }
 
 

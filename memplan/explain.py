@@ -17,7 +17,7 @@ from memplan.estimate import Estimate, estimate
 from memplan.pipeline import chunks_in_flight
 from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import counter, layer_params, param_groups
-from memplan.symbolic import Poly, _sort_key  # the order Poly.text() writes monomials in
+from memplan.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.terms import Term, display_poly
 
 
@@ -48,7 +48,7 @@ SECTIONS = {
 def substituted(poly: Poly, values: dict[str, Any]) -> str:
     """Each monomial of `poly` with its symbols replaced by their values: '34 x 2048 x 1 x 20480 / 8'."""
     parts = []
-    for mono, coef in sorted(poly.terms, key=_sort_key):
+    for mono, coef in sorted(poly.terms, key=sort_key):
         num = [str(values[s]) + (f"^{p}" if p > 1 else "") for s, p in mono if p > 0]
         den = [str(values[s]) + (f"^{-p}" if p < -1 else "") for s, p in mono if p < 0]
         n, d = abs(coef.numerator), coef.denominator

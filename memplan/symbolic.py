@@ -143,7 +143,7 @@ class Poly:
         """'34sbh + 5as^2b' style text."""
         if not self.terms:
             return "0"
-        parts = [_mono_text(m, c) for m, c in sorted(self.terms, key=_sort_key)]
+        parts = [_mono_text(m, c) for m, c in sorted(self.terms, key=sort_key)]
         return " + ".join(parts).replace("+ -", "- ")
 
     def factored(self, common: str = "s b h") -> str:
@@ -162,7 +162,7 @@ class Poly:
         return f"{_mono_text(factor.terms[0][0], Fraction(1))}({inner.text()})"
 
 
-def _sort_key(item: tuple[Monomial, Fraction]) -> tuple:
+def sort_key(item: tuple[Monomial, Fraction]) -> tuple:
     mono, coef = item
     neg = sum(-p for _, p in mono if p < 0)
     pos = sum(p for _, p in mono if p > 0)
