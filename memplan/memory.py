@@ -52,7 +52,7 @@ class TermBytes:
     """Bytes of one copy of a term on one GPU (Term.bytes), and parameters of a group on one GPU, for
     a plan of scalars or arrays. They depend on the plan only through b, t and SP, so with arrays
     each distinct (b, t, sp) is evaluated once and the results are gathered back (the planner's hot
-    path). Terms and groups are frozen dataclasses: the cache is keyed by their value."""
+    path)."""
 
     def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> None:
         self.act, self.index, self.granularity = activation_bytes, None, granularity
@@ -83,10 +83,13 @@ class TermBytes:
         return self._cached(group, lambda: group.per_gpu(self.values))
 
     def _cached(self, key: Any, compute: Any) -> Any:
-        if key not in self._cache:
+        # keyed by identity (hashing a term's polynomial on every call is slow); the entry keeps the
+        # object alive, so its id cannot be reused by another object while the cache exists
+        hit = self._cache.get(id(key))
+        if hit is None:
             n = compute()
-            self._cache[key] = n[self.index] if self.index is not None and getattr(n, "ndim", 0) else n
-        return self._cache[key]
+            hit = self._cache[id(key)] = (key, n[self.index] if self.index is not None and getattr(n, "ndim", 0) else n)
+        return hit[1]
 
 
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
