@@ -213,6 +213,8 @@ def gpus() -> None:
 @click.option("--paper-only", is_flag=True, help="Only the terms K22 counts (no layer-norm statistics, token ids).")
 @click.option("--max-seq", is_flag=True, help="Also the longest sequence length this plan fits with.")
 @click.option("--max-micro-batch", is_flag=True, help="Also the largest micro-batch this plan fits with.")
+@click.option("--require-fit", is_flag=True,
+              help="Exit 1 when the plan does not fit its budget (for scripts; needs --mem or a GPU).")
 def estimate(**opts: Any) -> None:
     """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
     peak of a training step."""
@@ -225,6 +227,8 @@ def estimate(**opts: Any) -> None:
     gpu = _gpu(opts, preset)
     result = run(config, budget_bytes=opts.get("budget"), gpu=gpu, paper_only=opts["paper_only"],
                  impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"))
+    if opts["require_fit"] and result.budget_bytes is None:
+        raise MemplanError("--require-fit needs a budget: give --mem SIZE or --gpu NAME")
     limits: dict[str, Any] = {}
     if opts["max_seq"] or opts["max_micro_batch"]:
         from memplan.limits import max_micro_batch, max_seq_len, need_budget
@@ -249,6 +253,8 @@ def estimate(**opts: Any) -> None:
         from memplan.plots import plot_techniques
 
         plot_techniques(config, opts["plot_techniques"])
+    if opts["require_fit"] and not result.fits:
+        sys.exit(1)
 
 
 @cli.command()

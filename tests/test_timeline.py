@@ -156,3 +156,11 @@ def test_cuda_allocator_blocks_are_modelled():
         # on CPU torch's layer norm keeps its statistics in the activation dtype (2 bytes)
         assert mem.unit_bytes["ln1_stats"] == stats
         assert mem.unit_bytes["ln1_input"] == layer_input
+
+
+def test_estimate_require_fit_exit_code(run_cli):
+    # exit 0 exactly when the device memory the plan needs is within the budget, 1 one byte below it
+    need = json.loads(run_cli("estimate", "--model", "gpt-22b", "--json")[1])["memory"]["device_bytes"]
+    assert run_cli("estimate", "--model", "gpt-22b", "--mem", f"{need}B", "--require-fit")[0] == 0
+    assert run_cli("estimate", "--model", "gpt-22b", "--mem", f"{need - 1}B", "--require-fit")[0] == 1
+    assert run_cli("estimate", "--model", "gpt-22b", "--mem", f"{need - 1}B")[0] == 0  # without it: a report
