@@ -20,9 +20,14 @@ from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec
 
 
 def configs_dir() -> Path:
-    """configs/ of the checkout (or $MEMPLAN_CONFIGS)."""
+    """The presets: $MEMPLAN_CONFIGS, else configs/ of the checkout (editable installs, tests), else
+    the copy a wheel installs beside the package (memplan/_configs, see pyproject.toml)."""
     env = os.environ.get("MEMPLAN_CONFIGS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "configs"
+    return checkout if (checkout / "models").is_dir() else here / "_configs"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ torch is imported only when a validation actually runs.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -168,10 +169,19 @@ def hf_grid(fake: bool = True) -> list[ValidationCase]:
     return cases
 
 
+def _harness() -> Any:
+    """The torch measurement package: validation/ of a checkout, memplan_validation in a wheel."""
+    try:
+        return importlib.import_module("validation")
+    except ModuleNotFoundError:
+        return importlib.import_module("memplan_validation")
+
+
 def _measure(cases: list[ValidationCase]) -> list[Any]:
     """Measurements in the cases' order: the reference layer through one batch (one process
     spawn per t), transformers models one by one."""
-    from validation import Case, measure_hf, measure_many  # torch is imported here, and only here
+    harness = _harness()  # torch is imported here, and only here
+    Case, measure_hf, measure_many = harness.Case, harness.measure_hf, harness.measure_many
 
     ref = [i for i, c in enumerate(cases) if c.impl == "torch"]
     jobs = [(Case(s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, v=c.v, L=c.layers, t=c.t, sp=c.sp, recompute=c.recompute,
@@ -354,7 +364,8 @@ class PeakResult:
 def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[PeakResult]:
     """Measure each case's second training step (validation/step.py) and compare its allocated
     peak with memplan's."""
-    from validation.step import StepCase, measure_step  # torch is imported here, and only here
+    step = importlib.import_module(_harness().__name__ + ".step")  # torch is imported here, and only here
+    StepCase, measure_step = step.StepCase, step.measure_step
 
     results = []
     for c in cases:

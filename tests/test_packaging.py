@@ -1,0 +1,39 @@
+"""A wheel works on its own: built from this checkout, installed into a fresh virtual environment
+(no torch, no checkout on the path), it ships the presets and no generic top-level package."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)], check=True,
+                   capture_output=True, timeout=600)
+    wheel = next(dist.glob("memplan-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True,
+                   timeout=600)
+    memplan = venv / "bin" / "memplan"
+    # run away from the checkout, so nothing can come from it
+    out = subprocess.run([str(memplan), "models", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    names = {row["name"] for row in json.loads(out.stdout)}
+    assert names == {p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")}
+    out = subprocess.run([str(memplan), "estimate", "--model", "gpt3-530b"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "fits in" in out.stdout, out.stderr
+    site = Path(subprocess.run([str(python), "-c", "import memplan, pathlib; print(pathlib.Path(memplan.__file__)"
+                                ".parent.parent)"], cwd=tmp_path, capture_output=True, text=True,
+                               check=True).stdout.strip())
+    assert site.is_relative_to(venv)
+    assert not (site / "validation").exists() and (site / "memplan_validation").is_dir()
+    assert (site / "memplan" / "_configs" / "gpus" / "h100-80gb.yaml").is_file()
