@@ -274,6 +274,9 @@ def search(**opts: Any) -> None:
     from memplan.report import DelayedProgress, render_output, render_search, render_search_all, search_dict
 
     fmt = _output_format(opts)
+    if opts.get("emit") and fmt == "csv":
+        raise MemplanError("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
+                           "document) or table / markdown")
     _check_plots(opts["plot"])
     gpus = opts.get("gpus")
     if gpus is None:
@@ -312,8 +315,18 @@ def search(**opts: Any) -> None:
     finally:
         if progress is not None:
             progress.close()
+    launch = {}
+    if opts.get("emit") == "megatron":
+        from memplan.launch import megatron_args
+
+        launch = {r.model.name: megatron_args(r.config(r.top[0])) for r in results if r.top}
     if fmt != "table":
-        render_output(fmt, "search", search_dict(results[0]) if len(results) == 1 else [search_dict(r) for r in results])
+        dicts = [search_dict(r) for r in results]
+        if fmt == "json":  # the launch arguments go inside the one JSON document
+            for d in dicts:
+                if d["model"] in launch:
+                    d["launch"] = {"megatron": launch[d["model"]]}
+        render_output(fmt, "search", dicts[0] if len(dicts) == 1 else dicts)
     elif len(results) == 1:
         render_search(results[0], console)
     else:
@@ -322,13 +335,10 @@ def search(**opts: Any) -> None:
         from memplan.plots import plot_search
 
         plot_search(results[0], opts["plot"])
-    if opts.get("emit") == "megatron":
-        from memplan.launch import megatron_args
-
-        for r in results:
-            if r.top:
-                click.echo(f"# {r.model.name}: best plan as Megatron-LM arguments")
-                click.echo(" \\\n  ".join(megatron_args(r.config(r.top[0]))))
+    if launch and fmt in ("table", "markdown"):
+        for name, args in launch.items():
+            click.echo(f"# {name}: best plan as Megatron-LM arguments")
+            click.echo(" \\\n  ".join(args))
     if opts["require_fit"] and not any(r.top for r in results):
         sys.exit(1)
 

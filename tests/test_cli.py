@@ -156,3 +156,16 @@ def test_estimate_never_imports_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "no torch" in result.stdout
+
+
+def test_emit_megatron_inside_json(run_cli):
+    # --emit with --json: one valid JSON document whose best plan carries its launch arguments
+    code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", "--emit", "megatron",
+                           "--json")
+    data = json.loads(out)
+    best = data["plans"][0]
+    args = data["launch"]["megatron"]
+    assert f"--tensor-model-parallel-size {best['tp']}" in args and "--num-layers 48" in args
+    code, out, err = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", "--emit", "megatron",
+                             "--format", "csv")
+    assert_one_line_error(code, err, "--emit megatron cannot follow CSV")
