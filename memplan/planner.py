@@ -188,12 +188,8 @@ class SearchResult:
 
     def row(self, i: int) -> dict[str, Any]:
         e = self.evaluated
-        x = e.plans.take(i)
         out = {
-            "tp": int(x.t), "pp": int(x.p), "dp": int(x.d), "micro_batch": int(x.b), "vpp": int(x.m),
-            "sp": bool(x.sp), "recompute": Recompute(int(x.recompute)).label,
-            "recompute_num_layers": int(x.recomputed_layers), "zero": int(x.zero), "zero_shard": int(x.shard),
-            "num_microbatches": int(x.microbatches),
+            **self.config(i).plan_summary(),
             "memory": {"device_bytes": int(e.device_bytes[i]), "peak_bytes": int(e.peak_bytes[i]),
                        "first_stage_peak_bytes": int(e.first_stage_peak_bytes[i]),
                        "last_stage_peak_bytes": int(e.last_stage_peak_bytes[i]),

@@ -33,6 +33,7 @@ def config_dict(config: Config) -> dict[str, Any]:
 def estimate_dict(est: Estimate) -> dict[str, Any]:
     peak = est.peak
     out: dict[str, Any] = {
+        "plan": est.config.plan_summary(),
         "config": config_dict(est.config),
         "inventory": est.inventory.name,
         "impl": est.inventory.name.split("/")[0],  # names are impl/attention/device or impl/device

@@ -307,6 +307,16 @@ class Config(_Spec):
         """Micro-batches per step on each data-parallel rank."""
         return self.global_batch // (self.training.micro_batch * self.parallel.dp)
 
+    def plan_summary(self) -> dict[str, Any]:
+        """The plan in one flat schema, shared by search rows and estimate's JSON (`plan`), with
+        effective values: the ZeRO shard group (d unless HSDP) and the layers per model chunk the
+        recompute mode applies to (all of them unless --recompute-num-layers says fewer)."""
+        par, tr = self.parallel, self.training
+        layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
+        return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, zero=par.zero, zero_shard=par.shard,
+                    micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
+                    num_microbatches=self.num_microbatches, global_batch=self.global_batch, gpus=par.gpus)
+
     @model_validator(mode="after")
     def _across(self) -> "Config":
         m, par, tr = self.model, self.parallel, self.training

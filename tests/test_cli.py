@@ -169,3 +169,19 @@ def test_emit_megatron_inside_json(run_cli):
     code, out, err = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", "--emit", "megatron",
                              "--format", "csv")
     assert_one_line_error(code, err, "--emit megatron cannot follow CSV")
+
+
+def test_one_plan_schema_in_search_and_estimate(run_cli):
+    # the best plan of a search, estimated on its own, has the same plan fields (effective values:
+    # the ZeRO shard group and the recomputed layers per chunk are numbers in both)
+    code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "16", "--mem", "80GB", "--json", "--top", "1")
+    row = json.loads(out)["plans"][0]
+    args = ["estimate", "--model", "gpt-22b", "--gpus", "16", "--tp", str(row["tp"]), "--pp", str(row["pp"]),
+            "--vpp", str(row["vpp"]), "--micro-batch", str(row["micro_batch"]), "--recompute", row["recompute"],
+            "--zero", str(row["zero"]), "--sp" if row["sp"] else "--no-sp", "--json"]
+    if row["recompute"] == "full":
+        args += ["--recompute-num-layers", str(row["recompute_num_layers"])]
+    if row["zero"] and row["zero_shard"] < row["dp"]:
+        args += ["--zero-shard", str(row["zero_shard"])]
+    plan = json.loads(run_cli(*args)[1])["plan"]
+    assert plan == {k: row[k] for k in plan}
