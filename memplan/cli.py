@@ -227,6 +227,8 @@ def estimate(**opts: Any) -> None:
     gpu = _gpu(opts, preset)
     result = run(config, budget_bytes=opts.get("budget"), gpu=gpu, paper_only=opts["paper_only"],
                  impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"))
+    if opts.get("seq_len") is None:
+        result.notes.extend(preset.notes)
     if opts["require_fit"] and result.budget_bytes is None:
         raise MemplanError("--require-fit needs a budget: give --mem SIZE or --gpu NAME")
     limits: dict[str, Any] = {}
@@ -320,6 +322,9 @@ def search(**opts: Any) -> None:
         from memplan.launch import megatron_args
 
         launch = {r.model.name: megatron_args(r.config(r.top[0])) for r in results if r.top}
+    if opts.get("seq_len") is None and len(presets) == 1:
+        for r in results:
+            r.notes.extend(presets[0].notes)
     if fmt != "table":
         dicts = [search_dict(r) for r in results]
         if fmt == "json":  # the launch arguments go inside the one JSON document

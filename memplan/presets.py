@@ -39,6 +39,7 @@ class ModelPreset:
     training: dict[str, Any] = field(default_factory=dict)
     gpu: Optional[str] = None
     source: str = ""
+    notes: tuple[str, ...] = ()  # what the reader chose for the user (e.g. where s came from)
 
 
 _PRESET_KEYS = {"model", "parallel", "training", "gpu"}
@@ -233,6 +234,12 @@ HF_ARCHITECTURES = {
 }
 
 
+# The sequence length a config.json gets when --seq-len is not given: its position limit, capped at
+# 8192 (Llama 3's pre-training context; Llama 3.1 allows 131072 positions, reached by a late
+# context-extension phase, not the length most runs train with).
+HF_DEFAULT_SEQ = 8192
+
+
 def _probability(data: dict, key: str, default: float, path: Path) -> float:
     """A dropout probability of a config.json: a number in [0, 1]."""
     value = data.get(key, default)
@@ -260,12 +267,20 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
                            f"{', '.join(HF_ARCHITECTURES)}")
     layout = HF_ARCHITECTURES[known[0]]
-    name = str(data.get("_name_or_path") or path.parent.name or path.stem) or "hf-model"
+    name = str(data.get("_name_or_path") or path)
+    positions_key = "n_positions" if layout == "gpt2" else "max_position_embeddings"
+    positions = data.get(positions_key, 1024 if layout == "gpt2" else 4096)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
+        raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")
+    seq = min(positions, HF_DEFAULT_SEQ)
+    note = (f"s = {seq:,} from the config's {positions_key}" if seq == positions else
+            f"s = {seq:,}: the config allows {positions:,} positions ({positions_key}), a context few train "
+            f"with from the start; --seq-len sets s")
     try:
         if layout == "gpt2":
             dropout = any(_probability(data, k, 0.1, path) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
             spec = dict(name=name, num_layers=data["n_layer"], hidden_size=data["n_embd"],
-                        num_attention_heads=data["n_head"], seq_length=data.get("n_positions", 1024),
+                        num_attention_heads=data["n_head"], seq_length=seq,
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
                         tied_embeddings=data.get("tie_word_embeddings", True), attention="eager")
         else:
@@ -274,7 +289,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
-                        seq_length=data.get("max_position_embeddings", 4096), vocab_size=data["vocab_size"],
+                        seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                         tied_embeddings=data.get("tie_word_embeddings", False),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
@@ -283,4 +298,4 @@ def read_hf_config(path_text: str) -> ModelPreset:
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
     model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))
-    return ModelPreset(model, {}, {}, None, str(path))
+    return ModelPreset(model, {}, {}, None, str(path), (note,))

@@ -131,3 +131,19 @@ def test_hf_config_not_json(run_cli, tmp_path):
     path.write_text("{not json")
     code, _, err = run_cli("estimate", "--hf-config", str(path))
     assert code == 2 and "not valid JSON" in err
+
+
+def test_hf_config_says_where_s_came_from(run_cli, tmp_path):
+    # Llama 3.1's config allows 131,072 positions; memplan takes 8,192 (HF_DEFAULT_SEQ) and says so
+    long = {**LLAMA3_8B_HF, "max_position_embeddings": 131072}
+    code, out, _ = run_cli("estimate", "--hf-config", write(tmp_path, long), "--json")
+    data = json.loads(out)
+    assert data["config"]["model"]["seq_length"] == 8192
+    assert any("131,072 positions" in n and "--seq-len" in n for n in data["notes"])
+    # the model is named by the config's path, not by its parent directory alone
+    assert data["config"]["model"]["name"] == str(tmp_path / "config.json")
+    # with --seq-len nothing needs saying
+    code, out, _ = run_cli("estimate", "--hf-config", write(tmp_path, long), "--seq-len", "4096", "--json")
+    assert not any("positions" in n for n in json.loads(out)["notes"])
+    code, out, _ = run_cli("search", "--hf-config", write(tmp_path, long), "--gpus", "8", "--mem", "80GB", "--json")
+    assert any("131,072 positions" in n for n in json.loads(out)["notes"])
