@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -125,8 +126,12 @@ def perf_dict(perf: Any) -> dict[str, Any]:
 
 
 def _cite(source: str) -> str:
-    """The short citation of a term's source: 'K22 section 4.1: QKV input 2sbh' -> 'K22 4.1'."""
-    return source.split(":")[0].split(",")[0].replace(" section ", " ").replace("theoretical_memory_usage.py", "")
+    """The short citation of a term's source: 'K22 section 4.1: QKV input 2sbh' -> 'K22 4.1',
+    'FlashAttention-2 (Dao 2023) forward saves q, k, v, ...' -> 'FlashAttention-2 (Dao 2023)'."""
+    head = source.split(":")[0]
+    cited = re.match(r"[^,(]*\([^)]*\)", head)  # a work and its (author year), before any list
+    head = cited.group(0) if cited else head.split(",")[0]
+    return head.replace(" section ", " ").replace("theoretical_memory_usage.py", "").strip()
 
 
 def print_json(data: Any) -> None:

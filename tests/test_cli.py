@@ -185,3 +185,12 @@ def test_one_plan_schema_in_search_and_estimate(run_cli):
         args += ["--zero-shard", str(row["zero_shard"])]
     plan = json.loads(run_cli(*args)[1])["plan"]
     assert plan == {k: row[k] for k in plan}
+
+
+def test_source_citations_are_not_cut_at_a_comma():
+    from memplan.report import _cite
+
+    # the flash terms' source lists what the kernel saves after the work it cites
+    assert _cite("FlashAttention-2 (Dao 2023) forward saves q, k, v, out, softmax_lse") == "FlashAttention-2 (Dao 2023)"
+    assert _cite("K22 section 4.1: QKV input 2sbh") == "K22 4.1"
+    assert _cite("transformers 5.23.0, measured (validation/hf.py): x") == "transformers 5.23.0"
