@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import MemplanError
+from memplan.timeline import PART_LABELS, PARTS
 
 if TYPE_CHECKING:
     from memplan.estimate import Estimate
@@ -24,13 +25,9 @@ GB = 1e9
 FORMATS = (".png", ".svg")
 
 # (Event.parts key, legend label, colour), bottom to top
-PART_STYLE = (
-    ("weights", "weights", "#4c72b0"),
-    ("optimizer", "optimizer states (master + moments)", "#8172b3"),
-    ("gradients", "gradients", "#dd8452"),
-    ("saved", "saved activations", "#55a868"),
-    ("transient", "transient tensors", "#c44e52"),
-)
+PART_COLOURS = {"weights": "#4c72b0", "optimizer": "#8172b3", "gradients": "#dd8452", "saved": "#55a868",
+                "transient": "#c44e52"}
+PART_STYLE = tuple((key, PART_LABELS[key], PART_COLOURS[key]) for key in PARTS)
 
 
 def _pyplot() -> Any:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.estimate import Estimate
     from memplan.planner import SearchResult
 from memplan.specs import Config
+from memplan.timeline import PART_LABELS
 from memplan.units import format_bytes, format_bytes_auto
 
 
@@ -377,10 +378,11 @@ def render_peak(est: Estimate, console: Console) -> None:
     table.add_column("component")
     table.add_column("bytes", justify="right")
     table.add_column("kind")
-    labels = {"weights": ("weights", "persistent"), "optimizer": ("optimizer states (master + moments)", "persistent"),
-              "gradients": ("gradients alive", "persistent" if est.inventory.grad_lifetime == "buffer" else "step"),
-              "saved": ("saved activations alive", "step"), "transient": ("transient tensors", "transient")}
-    for k, (label, kind) in labels.items():
+    kinds = {"weights": "persistent", "optimizer": "persistent",
+             "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
+             "saved": "step", "transient": "transient"}
+    for k, kind in kinds.items():
+        label = PART_LABELS[k] + (" alive" if kind == "step" else "")
         table.add_row(label, _gb(e.parts[k]), kind)
     table.add_row("[bold]peak of the step's tensors[/]", f"[bold]{_gb(step.peak_bytes)}[/]", "")
     table.add_row("cuBLAS workspace (inside PyTorch's pool)", _gb(dev.workspace_bytes), "runtime")

@@ -53,6 +53,8 @@ def _minimum(x: Any, y: Any) -> Any:
 
 
 PARTS = ("weights", "optimizer", "gradients", "saved", "transient")
+PART_LABELS = {"weights": "weights", "optimizer": "optimizer states (master + moments)", "gradients": "gradients",
+               "saved": "saved activations", "transient": "transient tensors"}  # how reports name them
 
 
 @dataclass(frozen=True)
