@@ -208,8 +208,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
     (by memory when no GPU is known)."""
     start = time.perf_counter()
-    limit = max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
-    plans = enumerate_plans(model, gpus, global_batch, fixed, limit, impl)
+    plans = enumerate_plans(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, int(plans.b.max()), impl)
     n = len(plans.t)
     parts = []
@@ -218,7 +217,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         if progress is not None:
             progress(min(lo + chunk, n), n)
     evaluated = parts[0] if len(parts) == 1 else _concat(plans, parts)
-    fits = (evaluated.device_bytes <= budget_bytes) & (evaluated.device_bytes > 0)
+    fits = _fits(evaluated, budget_bytes)
     key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.device_bytes
     order = np.lexsort((evaluated.device_bytes, key))
     ranked = order[fits[order]]
@@ -230,6 +229,16 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
                         time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl)
+
+
+def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
+    """The largest t searched: --max-tp, else the GPUs of a node."""
+    return max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
+
+
+def _fits(evaluated: Evaluated, budget_bytes: int) -> np.ndarray:
+    """The plans whose device memory is within the budget (never a non-positive figure)."""
+    return (evaluated.device_bytes <= budget_bytes) & (evaluated.device_bytes > 0)
 
 
 INT64_SAFE = 1 << 53  # bytes per GPU the vectorised int64 arithmetic holds with room for its products
@@ -261,19 +270,20 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
 
     gpu, fixed, impl, margin = (kwargs.get("gpu"), kwargs.get("fixed", Fixed()), kwargs.get("impl", "megatron"),
                                 kwargs.get("margin"))
-    limit = kwargs.get("max_tp") or (gpu.gpus_per_node if gpu is not None else 8)
+    chunk = kwargs.get("chunk", 1 << 18)
 
     def any_fits(s: int) -> bool:
         at_s = model.model_copy(update={"seq_length": s})
         try:
-            plans = enumerate_plans(at_s, gpus, global_batch, fixed, limit, impl)
+            plans = enumerate_plans(at_s, gpus, global_batch, fixed, _tp_limit(kwargs.get("max_tp"), gpu), impl)
+            # sizes beyond the int64 arithmetic fit no budget (and must not wrap around into one)
+            check_int64(at_s, training, int(plans.b.max()), impl)
         except MemplanError:
             return False
-        n = len(plans.t)
-        for lo in range(0, n, 1 << 18):
-            e = evaluate(at_s, training, plans.take(slice(lo, lo + (1 << 18))), gpu, global_batch, impl, margin,
+        for lo in range(0, len(plans.t), chunk):
+            e = evaluate(at_s, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch, impl, margin,
                          with_time=False)
-            if np.any(e.device_bytes <= budget_bytes):
+            if np.any(_fits(e, budget_bytes)):
                 return True
         return False
 
