@@ -116,14 +116,14 @@ def estimate(
 
     if budget_bytes is None and gpu is not None:
         budget_bytes = gpu.memory_bytes
-    device = device_memory(steps[most_loaded].peak_bytes, plan, inventory, gpu, fragmentation_margin)
+    needs = device_memory(steps[most_loaded].peak_bytes, plan, inventory, gpu, fragmentation_margin)
     perf = None
     if gpu is not None:
         from memplan.perf import step_time
 
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch)
     return Estimate(
-        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=device,
+        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
         most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
         rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,

@@ -137,6 +137,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             grad_cache[name, kept] = shard_bytes(n, plan.shard, plan.zero >= 2) if kept else n
         return grad_cache[name, kept]
 
+    def new_grad(name: str) -> Any:
+        """A group's gradient as autograd makes it, in the weights' dtype (before a hook or
+        AccumulateGrad puts it into the buffer or the .grad)."""
+        return group_grad(name) * training.weight_bytes // training.grad_bytes
+
     buffer = inventory.grad_lifetime == "buffer"
     all_grads = states.gradients
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
@@ -148,7 +153,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         """Gradients a moment adds: with one micro-batch the torch .grad tensors made by now; the
         last group's new gradient while it is still its own tensor (`fresh`): before a hook adds it
         to the buffer, or before AccumulateGrad adds it to an existing .grad."""
-        fresh = group_grad(m.grads[-1]) * training.weight_bytes // training.grad_bytes if (m.fresh and m.grads) else 0
+        fresh = new_grad(m.grads[-1]) if (m.fresh and m.grads) else 0
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
         made = sum((group_grad(g, kept=True) for g in m.grads), 0)
@@ -188,7 +193,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
 
     # a tied output layer's gradient waiting for the embedding's (same stage, torch autograd)
     tied_waits = 1 * (model.tied_embeddings and inventory.tied_grad_waits) * (plan.p == 1)
-    waiting = group_grad("word embedding") * training.weight_bytes // training.grad_bytes * tied_waits * buffer
+    waiting = new_grad("word embedding") * tied_waits * buffer
 
     events: list[Event] = []
     layers = _critical_layers(n, N, buffer) if critical else [j + 1 for j in range(int(n))]
@@ -229,7 +234,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
     d_emb = sizes(EMBEDDING_OUTPUT_GRAD)
-    dense = group_grad("word embedding") * training.weight_bytes // training.grad_bytes
+    dense = new_grad("word embedding")
     tied_extra = 2 * dense * tied_waits
     emb_extra = (dense + tied_extra if buffer else tied_extra) + d_emb
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
