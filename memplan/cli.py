@@ -141,11 +141,11 @@ def _output_format(opts: dict[str, Any]) -> str:
 
 
 def _check_plots(*paths: Optional[str]) -> None:
-    """Refuse a bad --plot file name before any work is done."""
-    from memplan.plots import check_plot_path
-
+    """Refuse a bad --plot file name before any work is done (memplan.plots loads only then)."""
     for path in paths:
         if path:
+            from memplan.plots import check_plot_path
+
             check_plot_path(path)
 
 
