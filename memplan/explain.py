@@ -71,7 +71,7 @@ def table2_row(config: Config) -> Optional[str]:
     """The K22 Table 2 row a plan is, when the model is K22's GPT layer."""
     m, par, rec = config.model, config.parallel, config.training.recompute
     if not (m.attention == "eager" and m.mlp == "gelu" and m.norm == "layernorm" and m.dropout
-            and m.f == 4 * m.hidden_size and m.g == m.num_attention_heads):
+            and m.f == 4 * m.hidden_size and m.g == m.num_attention_heads and m.q == m.hidden_size):
         return None
     if rec == Recompute.FULL:
         return "full recompute" if config.training.recompute_num_layers is None else None
@@ -99,8 +99,9 @@ def _symbols(est: Estimate, values: dict[str, Any]) -> list[Step]:
     par, m = c.parallel, c.model
     plan = dict(L=m.num_layers, p=par.pp, m=par.vpp, d=par.dp, M=c.num_microbatches)
     text = ", ".join(f"{k}={v:,}" for k, v in {**values, **plan}.items())
-    return [Step("symbols", "symbols", "s b h a f g v t L p m d M", text, None, "",
-                 note="s sequence, b micro-batch, h hidden, a heads, f MLP width, g key/value heads, v vocabulary, "
+    return [Step("symbols", "symbols", "s b h q a f g v t L p m d M", text, None, "",
+                 note="s sequence, b micro-batch, h hidden, q attention width (a x head_dim), a heads, f MLP width, "
+                      "g key/value heads, v vocabulary, "
                       "t tensor-, p pipeline-, d data-parallel size, m chunks per rank, M micro-batches per step")]
 
 

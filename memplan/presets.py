@@ -248,6 +248,15 @@ def _probability(data: dict, key: str, default: float, path: Path) -> float:
     return float(value)
 
 
+def _head_dim(data: dict) -> Any:
+    """A config's head_dim when it differs from h/a (Mistral-Nemo: 128 with h/a = 160); None when it
+    is h/a (many configs state it), so such a model equals its preset."""
+    head_dim, h, a = data.get("head_dim"), data.get("hidden_size"), data.get("num_attention_heads")
+    if isinstance(h, int) and isinstance(a, int) and a > 0 and not h % a and head_dim == h // a:
+        return None
+    return head_dim
+
+
 def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded)."""
     path = Path(path_text)
@@ -289,6 +298,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
+                        head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                         tied_embeddings=data.get("tie_word_embeddings", False),

@@ -71,6 +71,11 @@ class ModelSpec(_Spec):
     vocab_size: int = Field(gt=0, description="v")
     ffn_hidden_size: Optional[int] = Field(default=None, gt=0, description="f, MLP width (default 4h)")
     num_kv_heads: Optional[int] = Field(default=None, gt=0, description="g, key/value heads (default a)")
+    head_dim: Optional[int] = Field(
+        default=None, gt=0,
+        description="width of one attention head (default h/a; transformers head_dim, Megatron-LM "
+        "--kv-channels); the attention width is q = a x head_dim",
+    )
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     dropout: bool = True
     tied_embeddings: bool = True
@@ -91,17 +96,27 @@ class ModelSpec(_Spec):
     def g(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
 
+    @property
+    def q(self) -> int:
+        """The attention width a x head_dim: Q and the attention output are q wide, K and V qg/a.
+        It is h unless the config sets a head_dim other than h/a (Mistral-Nemo: 32 x 128 = 4096,
+        h = 5120)."""
+        if self.head_dim is None:
+            return self.hidden_size
+        return self.num_attention_heads * self.head_dim
+
     def symbols(self, **plan: Any) -> dict[str, Any]:
-        """The K22 symbols of the architecture (s, h, a, f, g, v), plus plan symbols such as t and b
-        (scalars or numpy arrays): the one place a formula's symbols are bound."""
+        """The K22 symbols of the architecture (s, h, a, f, g, v, and the attention width q), plus
+        plan symbols such as t and b (scalars or numpy arrays): the one place a formula's symbols are bound."""
         return dict(s=self.seq_length, h=self.hidden_size, a=self.num_attention_heads, f=self.f, g=self.g,
-                    v=self.vocab_size, **plan)
+                    q=self.q, v=self.vocab_size, **plan)
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
         h, a, g = self.hidden_size, self.num_attention_heads, self.g
-        if h % a:
-            raise ValueError(f"hidden size h={h} is not divisible by the attention heads a={a}")
+        if h % a and self.head_dim is None:
+            raise ValueError(f"hidden size h={h} is not divisible by the attention heads a={a} "
+                             f"(a model whose heads are not h/a wide sets head_dim)")
         if a % g:
             raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
         return self

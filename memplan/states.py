@@ -3,7 +3,8 @@
 Parameter counts are an inventory like the activations: named groups with a polynomial
 count, whether tensor parallelism splits them, and where they live. The K22 GPT count is
 12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)) (K22 section 6 / appendix A; Megatron-LM's general
-count adds g/a for grouped K/V and 3hf for a gated MLP); the tests check it.
+count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output projection are
+q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
 
 Bytes per parameter are the named sizes of `TrainingSpec` (Megatron-LM
 docs/user-guide/features/dist_optimizer.md): bf16 weights (2) + fp32 main gradients (4) +
@@ -42,8 +43,8 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     norm = "2 h" if model.norm == "layernorm" else "h"  # LayerNorm: weight + bias; RMSNorm: weight
     mlp_in = "2 h f" if model.mlp == "swiglu" else "h f"  # gated MLP: gate and up projections
     groups = [
-        ParamGroup("QKV projection weight", Poly.parse_sum("h h + 2 h h g /a"), True, "layer"),
-        ParamGroup("attention output projection weight", Poly.parse("h h"), True, "layer"),
+        ParamGroup("QKV projection weight", Poly.parse_sum("h q + 2 h q g /a"), True, "layer"),
+        ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
         ParamGroup("MLP input projection weight", Poly.parse(mlp_in), True, "layer"),
         ParamGroup("MLP output projection weight", Poly.parse("h f"), True, "layer"),
         ParamGroup("layer norms", Poly.parse(norm) * 2, False, "layer"),
@@ -52,7 +53,7 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
             ParamGroup("column-parallel biases (QKV, MLP input)",
-                       Poly.parse_sum(f"h + 2 h g /a + {mlp_bias}"), True, "layer"),
+                       Poly.parse_sum(f"q + 2 q g /a + {mlp_bias}"), True, "layer"),
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     groups.append(ParamGroup("word embedding", Poly.parse("v h"), True, "first"))

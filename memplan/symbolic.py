@@ -1,4 +1,4 @@
-"""Polynomials in the K22 symbols (a, s, b, h, f, g, v, t, ...), exact and printable.
+"""Polynomials in the K22 symbols (a, s, b, h, f, g, v, t, ...; q the attention width), exact and printable.
 
 A size such as 5as^2b or sbh(10 + 24/t) is a sum of monomials with rational
 coefficients. The same object gives the number (for Python ints or numpy int64
@@ -12,7 +12,7 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 # Display order of the symbols, as K22 writes them: "5as^2b", "34sbh", "sbhL/t".
-ORDER = ("a", "s", "b", "h", "f", "g", "v", "L", "p", "t")
+ORDER = ("a", "s", "b", "h", "q", "f", "g", "v", "L", "p", "t")
 
 Monomial = tuple[tuple[str, int], ...]  # sorted (symbol, power) pairs, power != 0
 
@@ -167,7 +167,7 @@ def sort_key(item: tuple[Monomial, Fraction]) -> tuple:
     neg = sum(-p for _, p in mono if p < 0)
     pos = sum(p for _, p in mono if p > 0)
     syms = {s for s, p in mono if p > 0}
-    per_token = bool(syms & {"s", "b"}) and not (syms & {"h", "f", "a", "v"})  # sb terms go last
+    per_token = bool(syms & {"s", "b"}) and not (syms & {"h", "q", "f", "a", "v"})  # sb terms go last
     return (per_token, pos + neg, pos, tuple(_rank(s) for s, _ in mono))
 
 

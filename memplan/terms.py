@@ -109,7 +109,8 @@ def _t(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False,
 # One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
 # width f = 4h and dropout this is exactly K22's GPT layer (section 4.1); the other features
 # (flash attention, GQA, SwiGLU, RMSNorm, no dropout) swap the tensors they change.
-# K and V have g heads of h/a each (g = a in K22), so their elements are s b h g/a.
+# Q and the attention output are q = a x head_dim wide (q = h unless a config sets head_dim); K and V
+# have g heads (g = a in K22), so their elements are s b q g/a.
 def megatron_layer(model: ModelSpec, attention: str, stats: Dtype = "fp32") -> list[Term]:
     s41 = "K22 section 4.1"
     norm = "layer norm" if model.norm == "layernorm" else "RMSNorm"
@@ -139,7 +140,7 @@ def megatron_layer(model: ModelSpec, attention: str, stats: Dtype = "fp32") -> l
                tp=True, sp=False, src=f"{s41}: second linear 8sbh (f = 4h)"),
         ]
     else:
-        swiglu = "Megatron-LM bias_swiglu_impl saves its input; linear_fc2 its input"
+        swiglu = "Megatron-LM: bias_swiglu_impl saves its input; linear_fc2 its input"
         terms += [
             _t("swiglu_input", "gate and up projections (the SwiGLU input, 2f wide)", "MLP", "2 s b f",
                tp=True, sp=False, src=swiglu),
@@ -156,8 +157,8 @@ def _eager_core(model: ModelSpec) -> list[Term]:
     """QK^T -> softmax -> dropout -> attention over V with the s x s tensors stored (K22 4.1)."""
     s41 = "K22 section 4.1"
     terms = [
-        # Q (s b h) and K (s b h g/a) are saved together by QK^T.
-        _t("qk", "Q and K (saved by QK^T)", "attention", "s b h + s b h g /a",
+        # Q (s b q) and K (s b q g/a) are saved together by QK^T.
+        _t("qk", "Q and K (saved by QK^T)", "attention", "s b q + s b q g /a",
            tp=True, sp=False, src=f"{s41}: QK^T 4sbh", storages=2),
     ]
     if model.dropout:
@@ -175,9 +176,9 @@ def _eager_core(model: ModelSpec) -> list[Term]:
         terms.append(_t("softmax_out", "softmax output (saved by softmax and by attention over V)", "attention",
                         "a s^2 b", tp=True, sp=False, sel=True, src=f"{s41} without the dropout terms"))
     terms += [
-        _t("v", "V (saved by attention over V)", "attention", "s b h g /a",
+        _t("v", "V (saved by attention over V)", "attention", "s b q g /a",
            tp=True, sp=False, src=f"{s41}: attention over V 2sbh"),
-        _t("proj_input", "input of the output projection", "attention", "s b h",
+        _t("proj_input", "input of the output projection", "attention", "s b q",
            tp=True, sp=False, src=f"{s41}: output projection 2sbh"),
     ]
     return terms
@@ -190,10 +191,10 @@ def _flash_core(model: ModelSpec) -> list[Term]:
     input: one tensor."""
     fa = "FlashAttention-2 (Dao 2023) forward saves q, k, v, out, softmax_lse"
     return [
-        _t("qk", "Q and K (saved by flash attention)", "attention", "s b h + s b h g /a",
+        _t("qk", "Q and K (saved by flash attention)", "attention", "s b q + s b q g /a",
            tp=True, sp=False, src=fa, storages=2),
-        _t("v", "V (saved by flash attention)", "attention", "s b h g /a", tp=True, sp=False, src=fa),
-        _t("proj_input", "attention output = input of the output projection", "attention", "s b h",
+        _t("v", "V (saved by flash attention)", "attention", "s b q g /a", tp=True, sp=False, src=fa),
+        _t("proj_input", "attention output = input of the output projection", "attention", "s b q",
            tp=True, sp=False, src=fa),
         _t("softmax_lse", "log-sum-exp per row and head (fp32)", "attention", "a s b", "fp32",
            tp=True, sp=False, sel=True, k22=False, src=fa),
@@ -208,7 +209,7 @@ def _norm_stats(id: str, which: str, scope: Scope, stats: Dtype, kind: str = "la
         return [_t(id, f"{which} mean and rstd", "layer norms", "2 s b", stats, tp=False, sp=True, scope=scope,
                    k22=False, src="measured: native_layer_norm saves mean and rstd (validation/)", storages=2)]
     return [_t(id, f"{which} rstd", "layer norms", "s b", stats, tp=False, sp=True, scope=scope,
-               k22=False, src="Transformer Engine / apex RMSNorm saves rstd (fp32)")]
+               k22=False, src="Transformer Engine / apex: RMSNorm saves rstd (fp32)")]
 
 
 def k22_outside_layers(model: ModelSpec, stats: Dtype = "fp32") -> list[Term]:
@@ -323,17 +324,17 @@ def layer_backward_moments(model: ModelSpec, attention: str, device: str, src: s
         mlp_masks + ("fc2_input",), (FC2_W,), recomputed=False, source=src))
     mlp_terms = ("ln2_input", "ln2_stats", "fc1_input", "gelu_input", "swiglu_input", "fc2_input",
                  "mlp_dropout_mask", "attn_dropout_mask")
-    d_ctx = _x("grad_attention_output", "gradient of the attention output (output projection input)", "s b h",
+    d_ctx = _x("grad_attention_output", "gradient of the attention output (output projection input)", "s b q",
                tp=True, src=src)
     if attention == "eager":
-        extra = (_x("grad_v", "gradient of V", "s b h g /a", tp=True, src=src),
+        extra = (_x("grad_v", "gradient of V", "s b q g /a", tp=True, src=src),
                  _x("grad_probs", "gradient of the attention probabilities", "a s^2 b", tp=True, src=src))
         freed = mlp_terms + ("proj_input",)
     else:
-        extra = (_x("grad_qkv", "dQ, dK, dV of flash attention", "s b h + 2 s b h g /a", tp=True, src=src),)
+        extra = (_x("grad_qkv", "dQ, dK, dV of flash attention", "s b q + 2 s b q g /a", tp=True, src=src),)
         if device == "cuda":
             fa2 = "FlashAttention-2 backward (Dao 2023): fp32 dq_accum and softmax_d, freed when the kernel returns"
-            extra += (_x("flash_dq_accum", "fp32 dQ accumulator inside the flash backward", "s b h", "fp32", tp=True,
+            extra += (_x("flash_dq_accum", "fp32 dQ accumulator inside the flash backward", "s b q", "fp32", tp=True,
                          src=fa2),
                       _x("flash_softmax_d", "fp32 row sums inside the flash backward", "a s b", "fp32", tp=True, src=fa2))
         freed = mlp_terms
@@ -456,7 +457,9 @@ def labels_term() -> Term:
 
 
 def display_poly(poly: Poly, model: ModelSpec) -> Poly:
-    """Write a size in the model's own terms: f = 4h and g = a are substituted when they hold."""
+    """Write a size in the model's own terms: f = 4h, g = a and q = h are substituted when they hold."""
+    if model.q == model.hidden_size:
+        poly = poly.rename("q", "h")
     if model.f == 4 * model.hidden_size:
         poly = poly.substitute("f", Poly.parse("4 h"))
     if model.g == model.num_attention_heads:

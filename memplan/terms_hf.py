@@ -63,13 +63,13 @@ def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
                (dy, d_fc2_in, two_f), ("fc2_input", "mlp_dropout_mask"), (FC2_W,), source=STEP)]
     if sdpa:
         # sdpa's backward holds the gradient of its output beside dQ, dK, dV
-        extra = (_x("grad_attention_output", "gradient of the attention output", "s b h", src=STEP),
-                 _x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b h + 2 s b h g /a", src=STEP))
+        extra = (_x("grad_attention_output", "gradient of the attention output", "s b q", src=STEP),
+                 _x("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b q + 2 s b q g /a", src=STEP))
         freed = mlp + ("attn_out",)
     else:
         # at the softmax backward, attention over V's backward has consumed the output's gradient
         score: Dtype = "act" if gpt2 else "fp32"
-        extra = (_x("grad_v", "gradient of V", "s b h", src=STEP),
+        extra = (_x("grad_v", "gradient of V", "s b q", src=STEP),
                  _x("grad_probs", "gradient of the attention probabilities", "a s^2 b", score, src=STEP),
                  _x("grad_scores", "gradient of the attention scores (softmax backward)", "a s^2 b", score,
                     src=STEP))
@@ -216,24 +216,24 @@ def _llama_layer(model: ModelSpec, sdpa: bool, mask: Dtype) -> list[Term]:
            src=f"{SRC}: checkpoint saves the decoder layer's input"),
         *_rmsnorm("ln1", "input_layernorm", "layer"),
         _t("qkv_input", "input of q_proj, k_proj, v_proj (one tensor)", "attention", "s b h", src=f"{SRC}: q_proj"),
-        _t("rope_cos", "rotary cos table (shared by the layers)", "attention", "s h /a", scope="chunk", k22=False,
+        _t("rope_cos", "rotary cos table (shared by the layers)", "attention", "s q /a", scope="chunk", k22=False,
            src=f"{SRC}: apply_rotary_pos_emb"),
-        _t("rope_sin", "rotary sin table (shared by the layers)", "attention", "s h /a", scope="chunk", k22=False,
+        _t("rope_sin", "rotary sin table (shared by the layers)", "attention", "s q /a", scope="chunk", k22=False,
            src=f"{SRC}: apply_rotary_pos_emb"),
     ]
     if sdpa:
         sd = f"{SRC}: scaled_dot_product_attention (enable_gqa: K and V keep g heads)"
         terms += [
-            _t("q", "Q after rotary (saved by sdpa)", "attention", "s b h", src=sd),
-            _t("k", "K after rotary, g heads (saved by sdpa)", "attention", "s b h g /a", src=sd),
-            _t("v", "V, g heads (saved by sdpa)", "attention", "s b h g /a", src=sd),
+            _t("q", "Q after rotary (saved by sdpa)", "attention", "s b q", src=sd),
+            _t("k", "K after rotary, g heads (saved by sdpa)", "attention", "s b q g /a", src=sd),
+            _t("v", "V, g heads (saved by sdpa)", "attention", "s b q g /a", src=sd),
             _t("sdpa_logsumexp", "sdpa log-sum-exp per row and head (fp32)", "attention", "a s b", "fp32",
                k22=False, src=sd),
         ]
     else:
         terms += [
-            _t("k", "K after rotary, repeated to a heads (QK^T)", "attention", "s b h", src=attn),
-            _t("q", "Q after rotary (QK^T)", "attention", "s b h", src=attn),
+            _t("k", "K after rotary, repeated to a heads (QK^T)", "attention", "s b q", src=attn),
+            _t("q", "Q after rotary (QK^T)", "attention", "s b q", src=attn),
             _t("softmax_out", "softmax output (fp32)", "attention", "a s^2 b", "fp32", src=attn),
         ]
         if model.dropout:
@@ -242,10 +242,10 @@ def _llama_layer(model: ModelSpec, sdpa: bool, mask: Dtype) -> list[Term]:
         terms += [
             _t("attn_probs", "attention weights in bf16 (saved by attention over V)", "attention", "a s^2 b",
                src=attn),
-            _t("v", "V repeated to a heads (attention over V)", "attention", "s b h", src=attn),
+            _t("v", "V repeated to a heads (attention over V)", "attention", "s b q", src=attn),
         ]
     terms += [
-        _t("attn_out", "attention output = input of o_proj", "attention", "s b h", src=f"{SRC}: o_proj"),
+        _t("attn_out", "attention output = input of o_proj", "attention", "s b q", src=f"{SRC}: o_proj"),
         *_rmsnorm("ln2", "post_attention_layernorm", "layer"),
         _t("mlp_input", "input of gate_proj and up_proj (one tensor)", "MLP", "s b h", src=f"{SRC}: LlamaMLP"),
         _t("silu_input", "gate projection (SiLU input)", "MLP", "s b f", src=f"{SRC}: LlamaMLP"),

@@ -45,6 +45,7 @@ class ValidationCase:
     impl: str = "torch"  # torch (validation/layers.py) | hf-eager | hf-sdpa (transformers)
     arch: str = "gpt2"  # hf-*: gpt2 | llama
     g: Optional[int] = None  # llama: key/value heads
+    head_dim: Optional[int] = None  # llama: width of one head (None = h/a)
     dropout: float = 0.1
 
     @property
@@ -105,8 +106,8 @@ def case_model(case: ValidationCase) -> ModelSpec:
         return ModelSpec(**shape)
     if case.arch == "gpt2":
         return ModelSpec(**shape, dropout=case.dropout > 0, attention="eager" if case.impl == "hf-eager" else "flash")
-    return ModelSpec(**shape, num_kv_heads=case.g, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
-                     tied_embeddings=False, bias=False, dropout=case.dropout > 0,
+    return ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
+                     position_embedding="rope", tied_embeddings=False, bias=False, dropout=case.dropout > 0,
                      attention="eager" if case.impl == "hf-eager" else "flash")
 
 
@@ -163,6 +164,10 @@ def hf_grid(fake: bool = True) -> list[ValidationCase]:
                     name = f"{arch} s32 b2 h64 a4" + (f" g{g}" if g else "") + (f" p{dropout}" if dropout else "")
                     cases.append(ValidationCase(name, scope, 32, 2, 64, 4, f, 1, False, "none", "ledger",
                                                 impl=impl, arch=arch, g=g, dropout=dropout))
+        # heads wider in total than h, as Mistral-Nemo (32 x 128 > 5120) and Gemma: q = 4 x 24 = 96, h = 64
+        for scope in ("layer", "model"):
+            cases.append(ValidationCase("llama s32 b2 h64 a4 g2 head_dim24", scope, 32, 2, 64, 4, 160, 1, False,
+                                        "none", "ledger", impl=impl, arch="llama", g=2, head_dim=24, dropout=0.0))
         if fake:
             cases.append(ValidationCase("llama3-8b layer s4096", "layer", 4096, 1, 4096, 32, 14336, 1, False, "none",
                                         "fake", v=128256, impl=impl, arch="llama", g=8, dropout=0.0))
@@ -191,8 +196,8 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
         out[i] = m
     for i, c in enumerate(cases):
         if c.impl != "torch":
-            out[i] = measure_hf(c.arch, c.impl.removeprefix("hf-"), c.s, c.b, c.h, c.a, f=c.f, g=c.g, v=c.v,
-                                L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend)
+            out[i] = measure_hf(c.arch, c.impl.removeprefix("hf-"), c.s, c.b, c.h, c.a, f=c.f, g=c.g,
+                                head_dim=c.head_dim, v=c.v, L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend)
     return out
 
 
@@ -252,6 +257,7 @@ class PeakCase:
     v: int = 256
     f: Optional[int] = None
     g: Optional[int] = None
+    head_dim: Optional[int] = None
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
     recompute: str = "none"
@@ -273,7 +279,8 @@ def peak_config(case: PeakCase) -> Config:
     shape = dict(name=case.name, num_layers=case.L, hidden_size=case.h, num_attention_heads=case.a,
                  seq_length=case.s, vocab_size=case.v, ffn_hidden_size=case.f, dropout=case.p_drop > 0)
     if case.model == "llama":
-        model = ModelSpec(**shape, num_kv_heads=case.g, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+        model = ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
+                          position_embedding="rope",
                           tied_embeddings=False, bias=False, attention="flash" if case.attn == "sdpa" else "eager")
     elif case.model == "gpt2":
         model = ModelSpec(**shape, attention="flash" if case.attn == "sdpa" else "eager")
@@ -316,6 +323,9 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
         PeakCase("llama sdpa s128 b2", s=128, b=2, attn="sdpa", **llama),
         PeakCase("llama sdpa s128 M2", s=128, b=1, attn="sdpa", microbatches=2, **llama),
         PeakCase("gpt2 eager s64 b2", s=64, b=2, attn="eager", recompute="full", **gpt2),
+        # heads wider in total than h (Mistral-Nemo, Gemma): q = 4 x 24 = 96 > h = 64
+        *(PeakCase(f"llama {attn} s128 head_dim24", s=128, b=1, attn=attn, head_dim=24, **llama)
+          for attn in ("sdpa", "eager")),
     ]
     for opt in ("foreach", "fused"):
         cases += [
@@ -370,7 +380,7 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
     results = []
     for c in cases:
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
-                                  g=c.g, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
+                                  g=c.g, head_dim=c.head_dim, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)

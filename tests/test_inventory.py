@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from memplan.activations import layer_bytes, layer_poly
 from memplan.specs import ModelSpec, Recompute
 from memplan.symbolic import Poly
-from memplan.terms import inventory_for
+from memplan.terms import display_poly, inventory_for
 
 
 def k22_table2(s, b, h, a, t, sp, recompute):
@@ -47,7 +47,7 @@ def test_inventory_equals_table2(shape, sp, recompute):
     sp = sp and t > 1
     model = ModelSpec(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=1000)
     terms = [term for term in inventory_for(model).terms if term.scope == "layer" and term.in_k22]
-    values = dict(s=s, b=b, h=h, a=a, f=4 * h, g=a, v=1000, t=t)
+    values = dict(s=s, b=b, h=h, a=a, f=4 * h, g=a, q=h, v=1000, t=t)
     got = layer_bytes(terms, values, 2, int(sp), recompute)
     assert got == k22_table2(s, b, h, a, t, sp, recompute)
     # the symbolic sum evaluates to the same number
@@ -60,7 +60,7 @@ def test_blocks_match_k22_section_41():
     by_block = {}
     for term in inventory_for(model).terms:
         if term.scope == "layer" and term.in_k22:
-            size = term.size(2).substitute("f", Poly.parse("4 h")).rename("g", "a")
+            size = display_poly(term.size(2), model)  # f = 4h, g = a, q = h
             by_block[term.block] = by_block.get(term.block, Poly(())) + size
     assert by_block["attention"].text() == "11sbh + 5as^2b"
     assert by_block["MLP"].text() == "19sbh"
@@ -74,7 +74,7 @@ def test_mlp_width_f_megatron_form():
     total = Poly(())
     for term in inventory_for(model).terms:
         if term.scope == "layer" and term.in_k22:
-            total = total + term.size(2).rename("g", "a")
+            total = total + display_poly(term.size(2), model)  # g = a, q = h
     assert total.factored() == "sbh(18 + 4f/h + 5as/h)"
 
 

@@ -8,6 +8,8 @@ import pytest
 from memplan.estimate import estimate
 from memplan.presets import load_model, make_config, read_hf_config
 from memplan.specs import ModelSpec
+from memplan.states import total_params
+from memplan.terms import inventory_for
 
 S, H, A, G, F, V = 4096, 4096, 32, 8, 14336, 128256  # llama3-8b at s = 4096 (Llama 3 paper, Table 3)
 
@@ -147,3 +149,47 @@ def test_hf_config_says_where_s_came_from(run_cli, tmp_path):
     assert not any("positions" in n for n in json.loads(out)["notes"])
     code, out, _ = run_cli("search", "--hf-config", write(tmp_path, long), "--gpus", "8", "--mem", "80GB", "--json")
     assert any("131,072 positions" in n for n in json.loads(out)["notes"])
+
+
+# Mistral-Nemo 12B (mistralai/Mistral-Nemo-Base-2407 config.json): its 32 heads are 128 wide, not h/a = 160.
+MISTRAL_NEMO_HF = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 5120,
+                   "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "head_dim": 128, "num_hidden_layers": 40, "vocab_size": 131072,
+                   "max_position_embeddings": 1024000, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def test_hf_config_head_dim_mistral_nemo(tmp_path):
+    # By hand, q = a x head_dim = 4096, K/V 8 x 128 = 1024 wide:
+    #   attention 5120*4096 (q) + 2*5120*1024 (k, v) + 4096*5120 (o)  =  52,428,800
+    #   MLP 3*5120*14336                                             = 220,200,960
+    #   2 RMSNorms 2*5120                                            =      10,240
+    #   per layer 272,640,000; x 40 layers                           = 10,905,600,000
+    #   embedding + untied lm_head 2*131072*5120                     =  1,342,177,280
+    #   final norm                                                   =          5,120
+    #   total 12,247,782,400 (the 12.2 B published for Mistral-Nemo; with h/a-wide heads it would be 12.77 B)
+    model = read_hf_config(write(tmp_path, MISTRAL_NEMO_HF)).model
+    assert (model.head_dim, model.q) == (128, 4096)
+    assert total_params(model) == 12_247_782_400
+    # Q and K saved by flash attention: 2sbq + 2sbqg/a = 2*4096 + 2*1024 = 10,240 bytes per token
+    qk = next(t for t in inventory_for(model).terms if t.id == "qk")
+    assert qk.bytes({**model.symbols(b=1, t=1), "s": 1}, 2, 0) == 10_240
+
+
+def test_hf_config_head_dim_equal_to_h_over_a_is_the_default(tmp_path):
+    stated = read_hf_config(write(tmp_path, {**LLAMA3_8B_HF, "head_dim": 128})).model
+    assert stated.head_dim is None and stated.q == 4096
+
+
+def test_head_dim_lets_heads_not_divide_h():
+    # a = 3 heads of 32 on h = 64: allowed only with head_dim; q = 96
+    assert ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=3, head_dim=32, seq_length=8,
+                     vocab_size=16).q == 96
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=3, seq_length=8, vocab_size=16)
+
+
+def test_head_dim_shown_as_q_in_the_sizes(run_cli, tmp_path):
+    code, out, _ = run_cli("estimate", "--hf-config", write(tmp_path, MISTRAL_NEMO_HF), "--json")
+    data = json.loads(out)
+    sizes = {t["id"]: t["symbolic"] for t in data["activations"]["terms"]}
+    assert sizes["proj_input"] == "2sbq" and sizes["v"] == "2sbqg/a"

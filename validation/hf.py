@@ -228,6 +228,7 @@ class HFCase(Case):
     arch: str = "llama"
     attn: str = "sdpa"
     g: int | None = None
+    head_dim: int | None = None  # Llama: width of one head (None = h/a)
 
     @property
     def kv_heads(self) -> int:
@@ -245,8 +246,10 @@ class HFCase(Case):
             raise ValueError("HF measurements are single-rank, no recompute")
         if self.arch == "gpt2" and self.g is not None and self.g != self.a:
             raise ValueError("GPT-2 has no grouped-query attention")
-        if self.h % self.a or self.a % self.kv_heads:
-            raise ValueError("need a | h and g | a")
+        if self.arch == "gpt2" and self.head_dim is not None:
+            raise ValueError("GPT-2 heads are h/a wide")
+        if (self.h % self.a and self.head_dim is None) or self.a % self.kv_heads:
+            raise ValueError("need a | h (or a head_dim) and g | a")
 
 
 @dataclass
@@ -385,7 +388,7 @@ def build_config(case: HFCase):
             hidden_size=case.h, intermediate_size=f, num_attention_heads=case.a,
             num_key_value_heads=case.kv_heads, num_hidden_layers=case.L, vocab_size=case.v,
             max_position_embeddings=case.s, tie_word_embeddings=False, attention_dropout=case.p_drop,
-            bos_token_id=0, eos_token_id=0,
+            bos_token_id=0, eos_token_id=0, **({"head_dim": case.head_dim} if case.head_dim else {}),
         )
     cfg.loss_type = "ForCausalLM"
     return cfg
@@ -566,6 +569,7 @@ def measure_hf(
     a: int,
     f: int | None = None,
     g: int | None = None,
+    head_dim: int | None = None,
     v: int = 512,
     L: int = 1,
     dropout: float = 0.0,
@@ -577,7 +581,7 @@ def measure_hf(
     (``scope="model"``, loss included) of HF ``arch`` with ``attn_implementation=attn``, bf16,
     training mode, CPU (``backend="fake"``: FakeTensorMode, nothing allocated)."""
     case = HFCase(s=s, b=b, h=h, a=a, f=f, v=v, L=L, p_drop=dropout, backend=backend, seed=seed,
-                  arch=arch, attn=attn, g=g)
+                  arch=arch, attn=attn, g=g, head_dim=head_dim)
     return _measure(case, scope)
 
 

@@ -100,6 +100,7 @@ class StepCase:
     v: int = 512
     f: int | None = None
     g: int | None = None  # Llama KV heads (None: a)
+    head_dim: int | None = None  # Llama width of one head (None: h/a)
     p_drop: float = 0.0  # every dropout of the model (HF sdpa on CPU needs 0 for the flash kernel)
     recompute: Literal["none", "selective", "full"] = "none"  # HF: "none" or "full"
     loop: Literal["torch", "megatron"] = "torch"
@@ -309,7 +310,7 @@ def _hf():
 def _hf_case(case: StepCase):
     return _hf().HFCase(s=case.s, b=case.b, h=case.h, a=case.a, f=case.ffn, v=case.v, L=case.L,
                         p_drop=case.p_drop, dtype=case.dtype, seed=case.seed, arch=case.model,
-                        attn=case.attn, g=case.g, backend="live")
+                        attn=case.attn, g=case.g, head_dim=case.head_dim, backend="live")
 
 
 def _build(case: StepCase):
