@@ -30,6 +30,12 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
     return size
 
 
+def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    from memplan.units import parse_tokens
+
+    return None if value is None else parse_tokens(value)
+
+
 def plan_options(func: Callable) -> Callable:
     """Options shared by every command that builds a plan for a model."""
     options = [
@@ -47,8 +53,11 @@ def plan_options(func: Callable) -> Callable:
         click.option("--recompute-num-layers", type=int,
                      help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
         click.option("--micro-batch", type=int, help="Micro-batch size b."),
-        click.option("--global-batch", type=int, help="Global batch (sequences per step)."),
-        click.option("--seq-len", type=int, help="Sequence length s."),
+        click.option("--global-batch", type=int, help="Global batch in sequences per step."),
+        click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",
+                     help="Global batch in tokens per step (4M = 4x10^6, 4Mi = 4x2^20), rounded to whole sequences."),
+        click.option("--seq-len", type=int,
+                     help="Sequence length s (the preset's tokens per step are kept unless the batch is given)."),
         click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
         click.option("--zero", type=click.IntRange(0, 3),
                      help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
@@ -109,8 +118,17 @@ def _config_from_options(opts: dict[str, Any]):
         model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
         gpus=opts.get("gpus"),
         whole_model_per_rank=opts.get("impl", "megatron").startswith("hf-"),
+        global_batch_tokens=opts.get("global_batch_tokens"),
     )
     return preset, config
+
+
+def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str, Any]) -> list[str]:
+    from memplan.presets import batch_note
+
+    note = batch_note(preset, seq_length, global_batch, opts.get("global_batch"), opts.get("global_batch_tokens"),
+                      opts.get("gpus"))
+    return [note] if note else []
 
 
 def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
@@ -229,6 +247,7 @@ def estimate(**opts: Any) -> None:
                  impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"))
     if opts.get("seq_len") is None:
         result.notes.extend(preset.notes)
+    result.notes.extend(_batch_note(preset, config.model.seq_length, config.global_batch, opts))
     if opts["require_fit"] and result.budget_bytes is None:
         raise MemplanError("--require-fit needs a budget: give --mem SIZE or --gpu NAME")
     limits: dict[str, Any] = {}
@@ -301,7 +320,7 @@ def search(**opts: Any) -> None:
     console = _console()
     progress = DelayedProgress(console) if fmt == "table" else None
     requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
-                              _training_settings(opts)) for p in presets]
+                              _training_settings(opts), opts.get("global_batch_tokens")) for p in presets]
     kw = dict(gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], progress=progress, impl=opts["impl"],
               margin=opts.get("frag_margin"))
     try:
@@ -325,6 +344,8 @@ def search(**opts: Any) -> None:
     if opts.get("seq_len") is None and len(presets) == 1:
         for r in results:
             r.notes.extend(presets[0].notes)
+    for p, r in zip(presets, results):
+        r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts))
     if fmt != "table":
         dicts = [search_dict(r) for r in results]
         if fmt == "json":  # the launch arguments go inside the one JSON document

@@ -152,6 +152,52 @@ def scaled_global_batch(preset: ModelPreset, gpus: int) -> int:
     return base * gpus // preset_gpus if (base * gpus) % preset_gpus == 0 else base
 
 
+def _sequences(tokens: int, seq_length: int, multiple: int = 1) -> int:
+    """The whole number of sequences of length s nearest to `tokens`, a multiple of `multiple` (b x d)."""
+    return max(multiple, round(tokens / seq_length / multiple) * multiple)
+
+
+def _batch(preset: ModelPreset, gpus: Optional[int], seq_length: int, sequences: Optional[int],
+           tokens: Optional[int], multiple: int = 1) -> Optional[int]:
+    """The global batch in sequences: as given; from a token count; else the preset's, scaled with the
+    GPU count and, when s differs from the preset's, keeping the preset's tokens per step."""
+    if sequences is not None and tokens is not None:
+        raise MemplanError("give --global-batch (sequences) or --global-batch-tokens, not both")
+    if sequences is not None:
+        return sequences
+    if tokens is not None:
+        return _sequences(tokens, seq_length, multiple)
+    if "global_batch" not in preset.training:
+        return None
+    base = scaled_global_batch(preset, gpus) if gpus is not None else preset.training["global_batch"]
+    if seq_length == preset.model.seq_length:
+        return base
+    return _sequences(base * preset.model.seq_length, seq_length, multiple)
+
+
+def batch_note(preset: ModelPreset, seq_length: int, global_batch: int, sequences: Optional[int] = None,
+               tokens: Optional[int] = None, gpus: Optional[int] = None) -> Optional[str]:
+    """Where a global batch in sequences came from, when it was derived: from tokens, or from the
+    preset's batch scaled to another GPU count or kept in tokens at another s."""
+    per_step = f"global batch {global_batch:,} sequences x s = {seq_length:,} = {global_batch * seq_length:,} tokens"
+    if sequences is not None or "global_batch" not in preset.training and tokens is None:
+        return None
+    if tokens is not None:
+        asked = "" if global_batch * seq_length == tokens else f" (the nearest to the {tokens:,} tokens asked for)"
+        return per_step + asked
+    base, s0 = preset.training["global_batch"], preset.model.seq_length
+    preset_gpus = preset.parallel.get("tp", 1) * preset.parallel.get("pp", 1) * preset.parallel.get("dp", 1)
+    scaled = gpus is not None and scaled_global_batch(preset, gpus) != base
+    if not scaled and seq_length == s0:
+        return None
+    how = [f"the preset's {base:,} x {s0:,}"]
+    if scaled:
+        how.append(f"scaled from its {preset_gpus:,} GPUs to {gpus:,}")
+    if seq_length != s0:
+        how.append("kept in tokens at the new s")
+    return f"{per_step}: {', '.join(how)}; --global-batch or --global-batch-tokens sets it"
+
+
 def make_config(
     preset: ModelPreset,
     parallel: Optional[dict[str, Any]] = None,
@@ -159,12 +205,15 @@ def make_config(
     model: Optional[dict[str, Any]] = None,
     gpus: Optional[int] = None,
     whole_model_per_rank: bool = False,
+    global_batch_tokens: Optional[int] = None,
 ) -> Config:
     """Merge a preset's plan with overrides (None values are ignored) and check it all.
 
     Overriding t or p resets what the preset chose only for the old shape: SP stays on only if
     t > 1, and interleaving falls back to m = 1 when p changes and m was not given. A GPU count
-    sets d = GPUs / (t p) and scales the preset's global batch with it.
+    sets d = GPUs / (t p) and scales the preset's global batch with it. The global batch is kept
+    in tokens when s changes, or set in tokens (`global_batch_tokens`), rounded to whole sequences
+    that b x d divides.
     """
     over_p = {k: v for k, v in (parallel or {}).items() if v is not None}
     over_t = {k: v for k, v in (training or {}).items() if v is not None}
@@ -193,13 +242,15 @@ def make_config(
             raise MemplanError(f"t*p*d = {tp}*{pp}*{over_p['dp']} does not equal the GPU count {gpus}")
         par["dp"] = gpus // (tp * pp)
     tr = {**preset.training, **over_t}
-    if gpus is not None and "global_batch" not in over_t and "global_batch" in preset.training:
-        tr["global_batch"] = scaled_global_batch(preset, gpus)
     if "recompute" in over_t and "recompute_num_layers" not in over_t:
         tr.pop("recompute_num_layers", None)
     model_spec = preset.model
     if over_m:
         model_spec = build(ModelSpec, {**preset.model.model_dump(exclude_defaults=True), **over_m})
+    multiple = tr.get("micro_batch", 1) * par.get("dp", 1)
+    batch = _batch(preset, gpus, model_spec.seq_length, over_t.get("global_batch"), global_batch_tokens, multiple)
+    if batch is not None:
+        tr["global_batch"] = batch
     return build(Config, {"model": model_spec, "parallel": par, "training": tr})
 
 
@@ -208,10 +259,11 @@ _PLAN_KEYS = ("micro_batch", "global_batch", "recompute", "recompute_num_layers"
 
 def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = None,
                   seq_length: Optional[int] = None, attention: Optional[str] = None,
-                  training: Optional[dict[str, Any]] = None) -> tuple[ModelSpec, TrainingSpec, int]:
+                  training: Optional[dict[str, Any]] = None,
+                  global_batch_tokens: Optional[int] = None) -> tuple[ModelSpec, TrainingSpec, int]:
     """What `search` needs from a preset: the model, the training settings that are not searched
-    (byte sizes, optimizer) and the global batch (given, or the preset's scaled to the GPU count,
-    or one sequence per GPU)."""
+    (byte sizes, optimizer) and the global batch in sequences (given, or from a token count, or the
+    preset's scaled to the GPU count with its tokens per step kept at a new s, or one sequence per GPU)."""
     over = {k: v for k, v in dict(seq_length=seq_length, attention=attention).items() if v is not None}
     check_gpus(gpus)
     model = preset.model
@@ -219,8 +271,9 @@ def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = 
         model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **over})
     settings = {**preset.training, **{k: v for k, v in (training or {}).items() if v is not None}}
     training = build(TrainingSpec, {k: v for k, v in settings.items() if k not in _PLAN_KEYS})
+    global_batch = _batch(preset, gpus, model.seq_length, global_batch, global_batch_tokens)
     if global_batch is None:
-        global_batch = scaled_global_batch(preset, gpus) if "global_batch" in preset.training else gpus
+        global_batch = gpus
     if global_batch <= 0:
         raise MemplanError(f"global batch must be positive (got {global_batch})")
     return model, training, global_batch

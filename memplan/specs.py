@@ -330,7 +330,8 @@ class Config(_Spec):
         layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
         return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, zero=par.zero, zero_shard=par.shard,
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
-                    num_microbatches=self.num_microbatches, global_batch=self.global_batch, gpus=par.gpus)
+                    num_microbatches=self.num_microbatches, global_batch=self.global_batch,
+                    global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus)
 
     @model_validator(mode="after")
     def _across(self) -> "Config":

@@ -1,4 +1,4 @@
-"""The only place where byte counts are parsed from and formatted to text.
+"""The only place where byte and token counts are parsed from and formatted to text.
 
 Bytes are Python ints (or int64 numpy arrays) everywhere else. GB means 10^9
 bytes, GiB means 2^30 bytes; a size without a unit is refused, because
@@ -41,6 +41,31 @@ def parse_size(text: str) -> int:
     if factor is None:
         raise MemplanError(f"unknown unit {unit!r} in {text!r}: use one of {', '.join(_display_units())}")
     return round(float(number) * factor)
+
+
+TOKEN_UNITS: dict[str, int] = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9,
+                               "KI": 2**10, "MI": 2**20, "GI": 2**30}
+_COUNT = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_tokens(text: str) -> int:
+    """Parse a token count: '4194304', '4,194,304', '4M' (10^6), '4Mi' (2^20), '0.5B'; an optional
+    trailing 'tokens' is allowed ('4M tokens')."""
+    cleaned = re.sub(r"\s*tokens?\s*$", "", str(text), flags=re.IGNORECASE)
+    match = _COUNT.match(cleaned)
+    factor = TOKEN_UNITS.get(match.group(2).upper()) if match else None
+    if match is None or factor is None:
+        raise MemplanError(f"cannot read token count {text!r}: give a number, optionally with K, M, B (10^3, 10^6, "
+                           f"10^9) or Ki, Mi, Gi (2^10, 2^20, 2^30), e.g. 4M or 4Mi")
+    count = round(float(match.group(1).replace(",", "").replace("_", "")) * factor)
+    if count <= 0:
+        raise MemplanError(f"a token count must be positive (got {text!r})")
+    return count
+
+
+def format_tokens(n: int) -> str:
+    """'4,194,304 tokens (4.19 M)'."""
+    return f"{n:,} tokens" + (f" ({n / 1e6:,.2f} M)" if n >= 10**6 else "")
 
 
 def _display_units() -> list[str]:

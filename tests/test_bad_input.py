@@ -44,7 +44,8 @@ CASES = [
     (["estimate", "--model", "gpt-22b", "--mem", "80"], "give a number and a unit"),
     (["search", "--model", "gpt-22b", "--gpus", "8", "--mem", "0GB"], "must be positive"),
     (["search", "--model", "gpt3-175b", "--gpus", "64", "--seq-len", "300000000", "--mem", "80GB"], "64-bit"),
-    (["search", "--model", "gpt3-175b", "--gpus", "12288", "--seq-len", "16000000", "--mem", "80GB"], "64-bit"),
+    (["search", "--model", "gpt3-175b", "--gpus", "12288", "--seq-len", "16000000", "--global-batch", "12288",
+      "--mem", "80GB"], "64-bit"),
     (["estimate", "--model", "no-such-model"], "known: gpt-1t"),
 ]
 
