@@ -12,16 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_runs(tmp_path):
+def test_wheel_installs_and_runs(tmp_path, announce):
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)], check=True,
-                   capture_output=True, timeout=600)
-    wheel = next(dist.glob("memplan-*.whl"))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True,
-                   timeout=600)
+    with announce("building a wheel and installing it with its dependencies in a fresh venv"):
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)],
+                       check=True, capture_output=True, timeout=600)
+        wheel = next(dist.glob("memplan-*.whl"))
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True,
+                       timeout=600)
     memplan = venv / "bin" / "memplan"
     # run away from the checkout, so nothing can come from it
     out = subprocess.run([str(memplan), "models", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)

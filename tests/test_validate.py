@@ -18,8 +18,10 @@ from memplan.validate import grid, run, summary  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cpu_results():
-    return run(grid("cpu"), "cpu")
+def cpu_results(announce):
+    cases = grid("cpu")
+    with announce(f"measuring {len(cases)} reference-layer cases (t > 1 spawns gloo processes)"):
+        return run(cases, "cpu")
 
 
 def test_cpu_grid_matches_measurement(cpu_results):

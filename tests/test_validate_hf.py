@@ -14,8 +14,10 @@ from memplan.validate import hf_grid, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def hf_results():
-    return run(hf_grid(fake=True), "cpu")
+def hf_results(announce):
+    cases = hf_grid(fake=True)
+    with announce(f"measuring {len(cases)} transformers layers and models"):
+        return run(cases, "cpu")
 
 
 def test_hf_models_match_memplan(hf_results):

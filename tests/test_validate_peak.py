@@ -20,8 +20,10 @@ from memplan.validate import PEAK_TOLERANCE, peak_grid, peak_summary, run_peak  
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_peak(peak_grid(fake=True))
+def results(announce):
+    cases = peak_grid(fake=True)
+    with announce(f"measuring {len(cases)} whole training steps"):
+        return run_peak(cases)
 
 
 def test_peak_grid_matches_measurement(results):

@@ -194,8 +194,9 @@ def _run(job, backend="live", **over):
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return {job: _run(job) for job in JOBS}
+def measured(announce):
+    with announce(f"measuring {len(JOBS)} transformers cases"):
+        return {job: _run(job) for job in JOBS}
 
 
 @pytest.mark.parametrize("job", JOBS, ids=IDS)

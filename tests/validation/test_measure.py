@@ -56,10 +56,9 @@ IDS = [f"{sc}-s{c.s}b{c.b}h{c.h}a{c.a}f{c.ffn}-t{c.t}-{'sp' if c.sp else 'tp'}-{
 
 
 @pytest.fixture(scope="module")
-def measured():
-    t0 = time.time()
-    results = measure_many(JOBS)
-    print(f"\nmeasured {len(JOBS)} cases in {time.time() - t0:.1f} s")
+def measured(announce):
+    with announce(f"measuring {len(JOBS)} reference-layer cases (t > 1 spawns gloo processes)"):
+        results = measure_many(JOBS)
     return {(c, sc): m for (c, sc), m in zip(JOBS, results)}
 
 

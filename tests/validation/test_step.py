@@ -45,7 +45,7 @@ def k22_params(s, h, v, L, f=None, **_) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def m():
+def m(announce):
     """Every measurement the tests use, once (module scope keeps the file fast)."""
     cases = {
         "ll": StepCase(**LL),
@@ -58,8 +58,9 @@ def m():
         "k22_meg_fake": StepCase(**K22, loop="megatron", backend="fake"),
         "k22_full": StepCase(**K22, recompute="full"),
     }
-    out = {k: measure_step(c) for k, c in cases.items()}
-    out["ll_ops"] = measure_step(StepCase(**LL), ops=True)
+    with announce(f"measuring {len(cases) + 1} training steps"):
+        out = {k: measure_step(c) for k, c in cases.items()}
+        out["ll_ops"] = measure_step(StepCase(**LL), ops=True)
     return out
 
 
