@@ -75,6 +75,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--optimizer-impl", type=click.Choice(["foreach", "fused"]),
                      help="torch AdamW implementation: foreach keeps one parameter-sized temporary in its step "
                           "(default: the implementation's, see `memplan impls`)."),
+        click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
+                     help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
+                          "cross-entropy): the full fp32 logits never exist. Measured for --impl hf-*."),
         click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
                      help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
         click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
@@ -132,8 +135,9 @@ def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str,
 
 
 def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
-    """Training settings that are not searched: precision and the optimizer's implementation."""
-    return dict(precision=opts.get("precision"), optimizer_impl=opts.get("optimizer_impl"))
+    """Training settings that are not searched: precision, the optimizer's implementation, loss chunks."""
+    return dict(precision=opts.get("precision"), optimizer_impl=opts.get("optimizer_impl"),
+                loss_chunks=opts.get("loss_chunks"))
 
 
 def output_options(func: Callable) -> Callable:
@@ -299,6 +303,8 @@ def search(**opts: Any) -> None:
         raise MemplanError("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
                            "document) or table / markdown")
     _check_plots(opts["plot"])
+    if (opts.get("loss_chunks") or 1) > 1:
+        raise MemplanError("search --loss-chunks is not searched yet: use estimate --loss-chunks on a plan")
     gpus = opts.get("gpus")
     if gpus is None:
         raise MemplanError("--gpus is required for search")

@@ -82,7 +82,7 @@ def estimate(
     fits when peak + fragmentation margin + the runtime's own memory is within the budget."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
-    inventory = inventory_for(config.model, impl, device)
+    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
@@ -151,7 +151,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     (what `estimate` decides a fit on, without its report)."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
-    inventory = inventory_for(config.model, impl, device)
+    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks)
     plan = PlanValues.from_config(config)
     peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
     return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)

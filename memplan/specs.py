@@ -207,6 +207,9 @@ class TrainingSpec(_Spec):
     optimizer_impl: Optional[Literal["foreach", "fused"]] = Field(
         default=None, description="torch AdamW's implementation: foreach keeps one parameter-sized temporary "
         "during the step, fused none (default: the implementation's own, see `memplan impls`)")
+    loss_chunks: int = Field(
+        default=1, gt=0, description="LM head and cross-entropy computed in this many sequence chunks, each "
+        "checkpointed, so the full fp32 logits never exist (chunked / fused linear cross-entropy)")
 
     @model_validator(mode="before")
     @classmethod
@@ -345,6 +348,8 @@ class Config(_Spec):
             raise ValueError(
                 f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
             )
+        if m.seq_length % tr.loss_chunks:
+            raise ValueError(f"loss chunks {tr.loss_chunks} do not divide the sequence length s={m.seq_length}")
         if par.sp and m.seq_length % t:
             raise ValueError(f"sequence parallelism needs t={t} to divide the sequence length s={m.seq_length}")
         gb, b, d = self.global_batch, tr.micro_batch, par.dp

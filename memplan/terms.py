@@ -403,13 +403,23 @@ HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
 
 
-def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda") -> Inventory:
-    """The saved tensors of `model` as implementation `impl` runs it on `device`."""
+def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda", loss_chunks: int = 1) -> Inventory:
+    """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
+    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss)."""
     if impl not in IMPLEMENTATIONS:
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
-    return dataclasses.replace(_inventory(model, impl, device), granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1)
+    if loss_chunks > 1 and impl not in HF_IMPLS:
+        raise MemplanError(f"--loss-chunks is modelled for the hf-* implementations (measured on transformers "
+                           f"models with a checkpointed chunked cross-entropy); not yet for --impl {impl}")
+    if loss_chunks > 1:
+        from memplan.terms_hf import hf_inventory
+
+        inv = hf_inventory(model, impl, device, loss_chunks)
+    else:
+        inv = _inventory(model, impl, device)
+    return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1)
 
 
 CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this

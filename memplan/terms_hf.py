@@ -32,11 +32,12 @@ def check_hf_plan(config: Config, impl: str) -> None:
                            "recomputes whole layers: --recompute full)")
 
 
-def hf_inventory(model: ModelSpec, impl: str, device: str) -> Inventory:
+def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
     """transformers' saved tensors, its step's moments, torch .grad tensors (allocated on their
     first write in the backward, freed by zero_grad) and the Trainer's fused AdamW."""
-    terms = hf_terms(model, impl, device)
-    moments = _layer_moments(model, impl == "hf-sdpa") + _loss_moments(model)
+    terms = hf_terms(model, impl, device, loss_chunks)
+    loss = _loss_moments(model) if loss_chunks == 1 else _chunked_loss_moments(model, loss_chunks)
+    moments = _layer_moments(model, impl == "hf-sdpa") + loss
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
 
 
@@ -83,6 +84,44 @@ def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
     return moments
 
 
+def _chunked_loss_moments(model: ModelSpec, chunks: int) -> list[Moment]:
+    """The LM head + cross-entropy in `chunks` checkpointed sequence chunks (validation/losses.py;
+    the pattern of Liger-Kernel's fused linear cross-entropy and the chunked losses of torchtitan /
+    Megatron-LM), c = sb/N tokens a chunk. Forward, per chunk: the fp32 copy of the chunk's logits and
+    its log-softmax (the bf16 logits die at the copy); nothing survives the chunk. Backward, per
+    chunk: the recomputed log-softmax with nll_loss's and log_softmax's fp32 gradients, beside the
+    running sum of the earlier chunks' LM-head weight gradients and their input gradients; then the
+    chunk's weight gradient and the new sum (out of place)."""
+    src = f"{STEP} with validation/losses.py chunked_cross_entropy"
+    c = f"s b v /{chunks}"
+
+    def fp32(id: str, name: str) -> Term:
+        return _x(id, name, c, "fp32", scope="last", src=src)
+
+    earlier = _x("grad_head_input_chunks", "input gradients of the earlier chunks", f"{chunks - 1} s b h /{chunks}",
+                 scope="last", src=src)
+    # autograd sums the chunks' LM-head weight gradients in the node's input buffer and hands the sum
+    # to .grad once, after the last chunk (stolen when there is no .grad yet, added to it otherwise)
+    running = _x("grad_head_weight_sum", "running sum of the chunks' LM head weight gradients (autograd buffer)",
+                 "v h", scope="last", src=src)
+    weight = _x("grad_head_weight_chunk", "the chunk's LM head weight gradient", "v h", scope="last", src=src)
+    return [
+        Moment("loss_forward", "loss forward of one chunk: fp32 logits and log-softmax", "loss", "last",
+               (fp32("logits_fp32_copy", "fp32 logits of one chunk"),
+                fp32("log_softmax", "log-softmax of one chunk (fp32)")), source=src),
+        Moment("loss_backward", "loss backward of the last chunk: recomputed log-softmax and its fp32 gradients",
+               "backward", "last",
+               (fp32("log_softmax", "recomputed log-softmax of the chunk (fp32)"),
+                fp32("grad_nll", "nll_loss gradient of the chunk (fp32)"),
+                fp32("grad_log_softmax", "log_softmax gradient of the chunk (fp32)"), running, earlier),
+               source=src),
+        Moment("head_backward", "LM head backward of the last chunk: its weight gradient added to the running sum",
+               "backward", "last",
+               (running, weight, _x("grad_head_weight_new_sum", "the new running sum (out of place)", "v h",
+                                    scope="last", src=src), earlier), source=src),
+    ]
+
+
 def _loss_moments(model: ModelSpec) -> list[Moment]:
     """ForCausalLMLoss: the bf16 logits and their fp32 copy while log_softmax makes the saved fp32
     log-probabilities; in the backward nll_loss's and log_softmax's fp32 gradients (the model's
@@ -104,7 +143,7 @@ def _loss_moments(model: ModelSpec) -> list[Moment]:
     ]
 
 
-def hf_terms(model: ModelSpec, impl: str, device: str) -> list[Term]:
+def hf_terms(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> list[Term]:
     layout = "gpt2" if (model.norm == "layernorm" and model.mlp == "gelu") else "llama"
     if layout == "llama" and not (model.norm == "rmsnorm" and model.mlp == "swiglu"):
         raise MemplanError("--impl hf-*: memplan knows the GPT-2 layout (LayerNorm, GeLU) and the Llama "
@@ -116,8 +155,8 @@ def hf_terms(model: ModelSpec, impl: str, device: str) -> list[Term]:
                            "model; use dropout 0 or --impl hf-eager")
     extra = [] if sdpa else [_checkpoint_mask()]
     if layout == "gpt2":
-        return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device) + extra
-    return _llama_layer(model, sdpa, mask) + _llama_outside() + extra
+        return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device, loss_chunks) + extra
+    return _llama_layer(model, sdpa, mask) + _llama_outside(loss_chunks) + extra
 
 
 def _checkpoint_mask() -> Term:
@@ -181,7 +220,7 @@ def _gpt2_layer(model: ModelSpec, sdpa: bool, mask: Dtype, device: str) -> list[
     return terms
 
 
-def _gpt2_outside(model: ModelSpec, mask: Dtype, device: str) -> list[Term]:
+def _gpt2_outside(model: ModelSpec, mask: Dtype, device: str, loss_chunks: int) -> list[Term]:
     stats: Dtype = "fp32" if device == "cuda" else "act"
     terms = [
         _t("token_ids", "token ids (int64, wte)", "embedding", "s b", "int64", scope="first", k22=False, src=SRC),
@@ -194,7 +233,7 @@ def _gpt2_outside(model: ModelSpec, mask: Dtype, device: str) -> list[Term]:
     return terms + [
         _t("final_ln_input", "input of ln_f", "output layer", "s b h", scope="last", src=SRC),
         _t("final_ln_stats", "ln_f mean and rstd", "output layer", "2 s b", stats, scope="last", k22=False, src=SRC),
-        *_loss_terms(),
+        *_loss_terms(loss_chunks),
     ]
 
 
@@ -256,19 +295,27 @@ def _llama_layer(model: ModelSpec, sdpa: bool, mask: Dtype) -> list[Term]:
     return terms
 
 
-def _llama_outside() -> list[Term]:
+def _llama_outside(loss_chunks: int) -> list[Term]:
     return [
         _t("token_ids", "token ids (int64, embed_tokens)", "embedding", "s b", "int64", scope="first", k22=False,
            src=SRC),
         *_rmsnorm("final_norm", "final norm", "last"),
-        *_loss_terms(),
+        *_loss_terms(loss_chunks),
     ]
 
 
-def _loss_terms() -> list[Term]:
+def _loss_terms(chunks: int = 1) -> list[Term]:
+    """What the loss keeps for the backward: lm_head's input and the targets; ForCausalLMLoss also
+    the fp32 log-softmax of all the logits, a chunked loss (validation/losses.py) nothing more: its
+    checkpoint keeps the chunks' inputs, views of the same two tensors."""
     loss = f"{SRC}: ForCausalLMLoss (F.cross_entropy on fp32 logits)"
+    head = _t("head_input", "input of lm_head", "output layer", "s b h", scope="last", src=SRC)
+    if chunks > 1:
+        chunked = f"{STEP} with validation/losses.py chunked_cross_entropy"
+        return [head, _t("target_ids", "target ids (int64)", "output layer", "s b", "int64", scope="last",
+                         k22=False, src=chunked)]
     return [
-        _t("head_input", "input of lm_head", "output layer", "s b h", scope="last", src=SRC),
+        head,
         _t("logits_fp32", "fp32 log-softmax of the logits", "output layer", "s b v", "fp32", scope="last", src=loss),
         _t("target_ids", "shifted target ids (int64)", "output layer", "s b", "int64", scope="last", k22=False,
            src=loss),

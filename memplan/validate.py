@@ -258,6 +258,7 @@ class PeakCase:
     f: Optional[int] = None
     g: Optional[int] = None
     head_dim: Optional[int] = None
+    loss_chunks: int = 1  # transformers: LM head + loss in checkpointed chunks (validation/losses.py)
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
     recompute: str = "none"
@@ -289,7 +290,7 @@ def peak_config(case: PeakCase) -> Config:
     precision = "bf16-mixed" if case.loop == "megatron" else "bf16-true"
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
-        optimizer_impl=case.optimizer))
+        optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks))
 
 
 def predict_peak(case: PeakCase) -> Any:
@@ -298,7 +299,8 @@ def predict_peak(case: PeakCase) -> Any:
 
     config = peak_config(case)
     device = "cuda" if case.backend == "cuda" else "cpu"  # CPU kernels for the live and fake backends
-    return step_peaks(config, inventory.inventory_for(config.model, case.impl, device), walk=0)[0]
+    inv = inventory.inventory_for(config.model, case.impl, device, case.loss_chunks)
+    return step_peaks(config, inv, walk=0)[0]
 
 
 def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
@@ -323,6 +325,16 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
         PeakCase("llama sdpa s128 b2", s=128, b=2, attn="sdpa", **llama),
         PeakCase("llama sdpa s128 M2", s=128, b=1, attn="sdpa", microbatches=2, **llama),
         PeakCase("gpt2 eager s64 b2", s=64, b=2, attn="eager", recompute="full", **gpt2),
+        # the LM head and loss in checkpointed chunks (validation/losses.py), v = 8192 so the loss is the peak:
+        # chunks of 64 tokens; chunks of 8 tokens where the head's weight gradients (v x h) dominate; with
+        # gradient checkpointing; with gradient accumulation (the chunks' gradient sum beside .grad)
+        PeakCase("llama sdpa s256 v8192 N4", s=256, b=1, v=8192, attn="sdpa", loss_chunks=4, **llama),
+        PeakCase("llama sdpa s256 v8192 N4 M2", s=256, b=1, v=8192, attn="sdpa", loss_chunks=4, microbatches=2,
+                 **llama),
+        PeakCase("gpt2 eager s256 v8192 N4 full", s=256, b=1, v=8192, attn="eager", loss_chunks=4, recompute="full",
+                 optimizer="fused", **gpt2),
+        PeakCase("llama sdpa s64 h128 v8192 N8", model="llama", s=64, b=1, h=128, a=4, g=2, f=384, v=8192,
+                 attn="sdpa", loss_chunks=8),
         # heads wider in total than h (Mistral-Nemo, Gemma): q = 4 x 24 = 96 > h = 64
         *(PeakCase(f"llama {attn} s128 head_dim24", s=128, b=1, attn=attn, head_dim=24, **llama)
           for attn in ("sdpa", "eager")),
@@ -380,7 +392,7 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
     results = []
     for c in cases:
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
-                                  g=c.g, head_dim=c.head_dim, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
+                                  g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)

@@ -70,3 +70,24 @@ def test_removing_the_foreach_temporary_fails(results, monkeypatch):
     monkeypatch.setattr(timeline, "_optimizer_temporaries", lambda *args: 0)
     cases = _cases(results, s=16, optimizer="foreach", microbatches=1)
     assert cases and not any(r.passed for r in run_peak(cases))
+
+
+def test_chunked_loss_cases_in_grid_and_their_terms_matter(results, monkeypatch):
+    chunked = [r for r in results if r.case.loss_chunks > 1]
+    assert len(chunked) >= 4 and all(r.passed for r in chunked)
+    # the loss is where these steps peak; without the chunks' running weight-gradient sum they miss
+    original = terms_hf._chunked_loss_moments
+
+    def without(model, chunks):
+        return [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id != "grad_head_weight_sum"))
+                for m in original(model, chunks)]
+
+    monkeypatch.setattr(terms_hf, "_chunked_loss_moments", without)
+    assert not any(r.passed for r in run_peak([r.case for r in chunked]))
+
+
+def test_chunked_loss_lowers_the_measured_peak(results):
+    # the same step with the whole fp32 logits (N = 1) and in 4 chunks: measured, not predicted
+    chunked = next(r for r in results if r.case.name == "llama sdpa s256 v8192 N4")
+    whole = run_peak([dataclasses.replace(chunked.case, loss_chunks=1)])[0]
+    assert whole.passed and chunked.measured < 0.6 * whole.measured

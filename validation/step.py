@@ -106,6 +106,7 @@ class StepCase:
     loop: Literal["torch", "megatron"] = "torch"
     optimizer: Literal["foreach", "fused"] = "foreach"
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
+    loss_chunks: int = 1  # HF: > 1 computes LM head + loss in that many checkpointed chunks (losses.py)
     backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
@@ -127,6 +128,8 @@ class StepCase:
             raise ValueError("loop must be torch/megatron and optimizer foreach/fused")
         if self.backend not in ("live", "fake", "cuda") or self.microbatches < 1:
             raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
+        if self.loss_chunks < 1 or (self.loss_chunks > 1 and self.model == "k22"):
+            raise ValueError("loss_chunks >= 1, and > 1 only for the HF models")
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,24 @@ def _build(case: StepCase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     base = hf._base(model)
     layers = list(base.layers if hasattr(base, "layers") else base.h)
+    if case.loss_chunks > 1:
+        return model, layers, partial(_forward_chunked_loss, model, case)
     return model, layers, partial(hf._forward_fresh, model, hcase, "model")
+
+
+def _forward_chunked_loss(model, case: StepCase) -> torch.Tensor:
+    """A transformers model's forward up to the final norm, then the LM head and cross-entropy in
+    ``case.loss_chunks`` checkpointed chunks (validation/losses.py) instead of ForCausalLMLoss."""
+    from .losses import chunked_cross_entropy
+
+    ids = torch.randint(0, case.v, (case.b, case.s))
+    targets = torch.randint(0, case.v, (case.b, case.s))
+    hidden = hf_base_forward(model, ids)
+    return chunked_cross_entropy(hidden, model.lm_head.weight, targets, case.loss_chunks)
+
+
+def hf_base_forward(model, ids: torch.Tensor) -> torch.Tensor:
+    return _hf()._base(model)(input_ids=ids, use_cache=False).last_hidden_state
 
 
 def _unique_params(model) -> list[torch.nn.Parameter]:
@@ -529,6 +549,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--f", type=int, default=None)
     p.add_argument("--g", type=int, default=None)
+    p.add_argument("--head_dim", type=int, default=None)
+    p.add_argument("--loss_chunks", type=int, default=1, help="HF: LM head + loss in this many checkpointed chunks")
     p.add_argument("--p_drop", type=float, default=0.0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
@@ -540,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layer", default="any", help="with --ops: only this layer ('none' for no layer)")
     a = p.parse_args(argv)
     case = StepCase(model=a.model, attn=a.attn, s=a.s, b=a.b, h=a.h, a=a.a, L=a.L, v=a.v, f=a.f, g=a.g,
-                    p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
+                    head_dim=a.head_dim, loss_chunks=a.loss_chunks, p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
                     microbatches=a.M, backend=a.backend, dtype=a.dtype, seed=a.seed)
     layer = a.layer if a.layer == "any" else (None if a.layer == "none" else int(a.layer))
     print(format_report(measure_step(case, ops=a.ops), ops=a.ops, phase=a.phase, layer=layer))
