@@ -288,7 +288,12 @@ def estimate(**opts: Any) -> None:
 @click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans to show.")
 @click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
-@click.option("--emit", type=click.Choice(["megatron"]), help="Print the best plan as launch arguments.")
+@click.option("--emit", type=click.Choice(["megatron"]),
+              help="Also print the best plan as Megatron-LM arguments and the environment they need (with --json: "
+                   "inside the document, as launch).")
+@click.option("--emit-only", is_flag=True,
+              help="With --emit: print only the launch block (export/unset lines, then the arguments one per line "
+                   "with \\ continuations, to paste after `torchrun ... pretrain_gpt.py`); notes go to stderr.")
 @click.option("--max-seq", is_flag=True,
               help="Find the longest sequence length (a multiple of 128) some plan fits with, and rank the plans "
                    "that fit at that length.")
@@ -299,9 +304,7 @@ def search(**opts: Any) -> None:
     from memplan.report import DelayedProgress, render_output, render_search, render_search_all, search_dict
 
     fmt = _output_format(opts)
-    if opts.get("emit") and fmt == "csv":
-        raise MemplanError("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
-                           "document) or table / markdown")
+    _check_emit(opts, fmt)
     _check_plots(opts["plot"])
     if (opts.get("loss_chunks") or 1) > 1:
         raise MemplanError("search --loss-chunks is not searched yet: use estimate --loss-chunks on a plan")
@@ -319,12 +322,14 @@ def search(**opts: Any) -> None:
     presets = [one] if one is not None else [load_model(name) for name in model_names()]
     if opts["plot"] and len(presets) > 1:
         raise MemplanError("search --plot draws one model's plans: give --model")
+    if opts["emit_only"] and len(presets) > 1:
+        raise MemplanError("--emit-only prints one launch block: give --model")
     gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
     if gpu is None:
         gpu = _gpu({"gpu_name": "a100-80gb"}, None)
     budget = opts["budget"] if opts.get("budget") is not None else gpu.memory_bytes
     console = _console()
-    progress = DelayedProgress(console) if fmt == "table" else None
+    progress = DelayedProgress(console) if fmt == "table" and not opts["emit_only"] else None
     requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
                               _training_settings(opts), opts.get("global_batch_tokens")) for p in presets]
     kw = dict(gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], progress=progress, impl=opts["impl"],
@@ -344,20 +349,22 @@ def search(**opts: Any) -> None:
             progress.close()
     launch = {}
     if opts.get("emit") == "megatron":
-        from memplan.launch import megatron_args
+        from memplan.launch import megatron_launch
 
-        launch = {r.model.name: megatron_args(r.config(r.top[0])) for r in results if r.top}
+        launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
     if opts.get("seq_len") is None and len(presets) == 1:
         for r in results:
             r.notes.extend(presets[0].notes)
     for p, r in zip(presets, results):
         r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts))
-    if fmt != "table":
+    if opts["emit_only"]:
+        _emit_only(launch)
+    elif fmt != "table":
         dicts = [search_dict(r) for r in results]
         if fmt == "json":  # the launch arguments go inside the one JSON document
             for d in dicts:
                 if d["model"] in launch:
-                    d["launch"] = {"megatron": launch[d["model"]]}
+                    d["launch"] = launch[d["model"]].as_dict()
         render_output(fmt, "search", dicts[0] if len(dicts) == 1 else dicts)
     elif len(results) == 1:
         render_search(results[0], console)
@@ -367,12 +374,38 @@ def search(**opts: Any) -> None:
         from memplan.plots import plot_search
 
         plot_search(results[0], opts["plot"])
-    if launch and fmt in ("table", "markdown"):
-        for name, args in launch.items():
-            click.echo(f"# {name}: best plan as Megatron-LM arguments")
-            click.echo(" \\\n  ".join(args))
+    if launch and fmt in ("table", "markdown") and not opts["emit_only"]:
+        for name, plan in launch.items():
+            script = plan.script(f"{name}: best plan as Megatron-LM arguments")
+            click.echo(f"```bash\n{script}\n```" if fmt == "markdown" else script)
     if opts["require_fit"] and not any(r.top for r in results):
         sys.exit(1)
+
+
+def _check_emit(opts: dict[str, Any], fmt: str) -> None:
+    """Refuse --emit / --emit-only combinations that cannot give a launch block, before any work."""
+    if opts.get("emit") and fmt == "csv":
+        raise MemplanError("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
+                           "document) or table / markdown")
+    if opts["emit_only"] and not opts.get("emit"):
+        raise MemplanError("--emit-only needs --emit megatron")
+    if opts["emit_only"] and fmt != "table":
+        raise MemplanError(f"--emit-only prints the launch block alone; it conflicts with --format {fmt} "
+                           "(with --json the arguments go in the document)")
+    if opts.get("emit") and opts["impl"] != "megatron":
+        raise MemplanError(f"--emit megatron launches Megatron-LM: plan it with --impl megatron (got --impl "
+                           f"{opts['impl']}, whose memory differs)")
+
+
+def _emit_only(launch: dict[str, Any]) -> None:
+    """search --emit-only: the launch block alone on stdout, its notes on stderr; exit 1 if no plan fits."""
+    if not launch:
+        click.echo("memplan: no plan fits: nothing to launch", err=True)
+        sys.exit(1)
+    (plan,) = launch.values()
+    for note in plan.notes:
+        click.echo(f"memplan: note: {note}", err=True)
+    click.echo(plan.block())
 
 
 @cli.command()

@@ -1,16 +1,68 @@
-"""From plan to launch: a Config as Megatron-LM command-line arguments (real flag names,
-megatron/training/arguments.py). ZeRO 2 / 3 map to Megatron-FSDP's sharding strategies."""
+"""From plan to launch: a Config as Megatron-LM command-line arguments and the environment they need.
+
+The flag names, their values and the environment rules are Megatron-LM's own
+(megatron/training/arguments.py, megatron/core/transformer/enums.py; read at tag core_v0.16.1,
+the release of the newest megatron-core wheel for Python 3.11, and still the same on main in
+2026-08); tests/test_launch.py checks every flag emitted here against a list transcribed from there.
+ZeRO 2 / 3 map to Megatron-FSDP's sharding strategies, HSDP to distributed-optimizer instances."""
 
 from __future__ import annotations
 
-from memplan.specs import Config, Recompute
+from dataclasses import dataclass, field
+from typing import Optional
 
-# ZeRO stage -> Megatron-LM data-parallel sharding (stage 1 is the distributed optimizer).
+from memplan.specs import PRECISIONS, Config, Recompute
+
+# ZeRO stage -> Megatron-FSDP data-parallel sharding strategy (stage 1 is the distributed optimizer).
 _FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 
+# memplan's precision (PyTorch Lightning's names) -> Megatron-LM's flags. bf16 mixed keeps fp32 main
+# gradients and fp32 master weights and Adam moments (18 B per parameter); fp16 mixed uses dynamic loss
+# scaling unless --loss-scale is given. fp32 is Megatron-LM's default (no flag). bf16-true has no entry:
+# Megatron-LM always keeps fp32 (at best fp16) master weights, so no flag gives a pure bf16 run.
+_PRECISION_FLAGS = {"bf16-mixed": ["--bf16"], "16-mixed": ["--fp16"], "32-true": []}
 
-def megatron_args(config: Config) -> list[str]:
+# memplan's attention kernel -> Megatron-LM --attention-backend (AttnBackend in
+# megatron/core/transformer/enums.py). eager: Transformer Engine's unfused attention, which
+# materialises the s x s scores K22 counts; flash: FlashAttention (stores no s x s tensor).
+_ATTENTION_BACKEND = {"eager": "unfused", "flash": "flash"}
+
+CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What launching one plan takes: the arguments of pretrain_gpt.py, the environment (a value of
+    None: the variable must be unset) and what the arguments cannot say."""
+
+    args: list[str]
+    env: dict[str, Optional[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """The JSON form: `megatron` (the arguments, as before), `env` and `notes` beside them."""
+        return {"megatron": list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+
+    def env_lines(self) -> list[str]:
+        return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
+
+    def args_block(self) -> str:
+        """The arguments one per line with ` \\` continuations: paste after `torchrun ... pretrain_gpt.py`."""
+        return " \\\n".join(self.args)
+
+    def block(self) -> str:
+        """The environment lines, then the arguments: what `search --emit megatron --emit-only` prints."""
+        return "\n".join(self.env_lines() + [self.args_block()])
+
+    def script(self, title: str) -> str:
+        """The block under a `# title` comment and `# note:` comments: a shell snippet for the report."""
+        return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
+
+
+def megatron_launch(config: Config) -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes."""
     m, par, tr = config.model, config.parallel, config.training
+    notes: list[str] = []
     args = [
         f"--num-layers {m.num_layers}",
         f"--hidden-size {m.hidden_size}",
@@ -19,6 +71,8 @@ def megatron_args(config: Config) -> list[str]:
         f"--seq-length {m.seq_length}",
         f"--max-position-embeddings {m.seq_length}",
     ]
+    if m.q != m.hidden_size:  # heads not h/a wide (Mistral-Nemo): Megatron-LM's --kv-channels (default h/a)
+        args.append(f"--kv-channels {m.head_dim}")
     if m.g != m.num_attention_heads:
         args += ["--group-query-attention", f"--num-query-groups {m.g}"]
     if m.mlp == "swiglu":
@@ -33,6 +87,7 @@ def megatron_args(config: Config) -> list[str]:
         args.append("--disable-bias-linear")
     if not m.dropout:
         args += ["--attention-dropout 0.0", "--hidden-dropout 0.0"]
+    args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
     args += [
         f"--tensor-model-parallel-size {par.tp}",
         f"--pipeline-model-parallel-size {par.pp}",
@@ -42,7 +97,7 @@ def megatron_args(config: Config) -> list[str]:
     if par.sp:
         args.append("--sequence-parallel")
     if tr.recompute == Recompute.SELECTIVE:
-        args.append("--recompute-granularity selective")
+        args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
     elif tr.recompute == Recompute.FULL:
         n = tr.recompute_num_layers
         if n is None or n == config.layers_per_chunk:
@@ -52,13 +107,48 @@ def megatron_args(config: Config) -> list[str]:
     args += [f"--micro-batch-size {tr.micro_batch}", f"--global-batch-size {config.global_batch}"]
     if par.zero >= 1:
         args.append("--use-distributed-optimizer")
-        if par.shard < par.dp:
+        if par.shard < par.dp:  # HSDP: d / shard replicas (also Megatron-FSDP's outer data-parallel group)
             args.append(f"--num-distributed-optimizer-instances {par.dp // par.shard}")
     if par.zero >= 2:
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
                  "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
     if par.dp > 1:
         args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
-    if tr.weight_bytes == 2:
-        args.append("--bf16")
-    return args
+    if tr.optimizer == "sgd":
+        args.append("--optimizer sgd")
+    args += _precision(tr.precision, notes)
+    if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
+        notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
+                     f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")
+    return Launch(args, _environment(config, notes), notes)
+
+
+def megatron_args(config: Config) -> list[str]:
+    """The plan as Megatron-LM command-line arguments ("--flag value" strings)."""
+    return megatron_launch(config).args
+
+
+def _precision(precision: str, notes: list[str]) -> list[str]:
+    if precision in _PRECISION_FLAGS:
+        return list(_PRECISION_FLAGS[precision])
+    notes.append(f"{precision} (bf16 weights, gradients and moments, no master copy) has no Megatron-LM "
+                 "equivalent, which always keeps higher-precision master weights: no precision flag is given; "
+                 "the nearest is --bf16 (bf16-mixed, 18 B per parameter): plan with --precision bf16-mixed to "
+                 "launch with it")
+    return []
+
+
+def _environment(config: Config, notes: list[str]) -> dict[str, Optional[str]]:
+    """CUDA_DEVICE_MAX_CONNECTIONS as megatron/training/arguments.py validates it: tensor parallelism
+    asserts it is 1 (on GPUs before Blackwell, which all of memplan's presets are), so that its
+    communication kernels are scheduled before the GEMMs they overlap with; Megatron-FSDP asserts it
+    is not 1 (and wins when both are on: arguments.py only warns for TP + FSDP)."""
+    par = config.parallel
+    if par.zero >= 2:
+        if par.tp > 1:
+            notes.append(f"Megatron-FSDP requires {CONNECTIONS} unset (or > 1), which slows the overlap of "
+                         "tensor-parallel communication")
+        return {CONNECTIONS: None}
+    if par.tp > 1:
+        return {CONNECTIONS: "1"}
+    return {}
