@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, JustifyMethod
+from rich.padding import Padding
 from rich.table import Table
 
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
@@ -19,6 +21,16 @@ from memplan.units import format_bytes, format_bytes_auto
 
 def _gb(n: int) -> str:
     return format_bytes(n, "GB")
+
+
+def _bytes3(n: int) -> str:
+    """Bytes to 3 significant digits in the largest decimal unit that keeps them >= 1 (the compact
+    layout): '524 KB', '1.07 GB', '16.1 GB', '512 B'."""
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= factor * 0.9995:  # what rounds up to 1.00 takes the larger unit
+            x = n / factor
+            return f"{x:.2f} {unit}" if abs(x) < 9.995 else f"{x:.1f} {unit}" if abs(x) < 99.95 else f"{x:.0f} {unit}"
+    return f"{int(n)} B"
 
 
 def config_dict(config: Config) -> dict[str, Any]:
@@ -127,12 +139,80 @@ def perf_dict(perf: Any) -> dict[str, Any]:
 
 
 def _cite(source: str) -> str:
-    """The short citation of a term's source: 'K22 section 4.1: QKV input 2sbh' -> 'K22 4.1',
-    'FlashAttention-2 (Dao 2023) forward saves q, k, v, ...' -> 'FlashAttention-2 (Dao 2023)'."""
+    """The short citation of a term's source (at most 28 characters): the work before a ':',
+    'K22 section 4.1: QKV input 2sbh' -> 'K22 4.1', 'K22 section 4.1 without the dropout terms' ->
+    'K22 4.1', 'FlashAttention-2 (Dao 2023) forward saves q, k, v, ...' -> 'FlashAttention-2 (Dao 2023)'."""
+    section = re.match(r"K22 section [0-9.]*[0-9]", source)  # K22 and its section, whatever follows
+    if section:
+        return section.group(0).replace(" section ", " ")
     head = source.split(":")[0]
     cited = re.match(r"[^,(]*\([^)]*\)", head)  # a work and its (author year), before any list
     head = cited.group(0) if cited else head.split(",")[0]
     return head.replace(" section ", " ").replace("theoretical_memory_usage.py", "").strip()
+
+
+# The compact layout's source column: the long names of works shortened (every citation then takes
+# at most 11 characters), each explained in a line under the table when it appears.
+SHORT_WORKS = (("FlashAttention-2 (Dao 2023)", "FlashAttn-2"), ("Transformer Engine / apex", "TE / apex"),
+               ("transformers ", "HF "))
+SHORT_WORK_NAMES = {"FlashAttn-2": "FlashAttention-2 (Dao 2023)", "TE": "Transformer Engine",
+                    "HF": "Hugging Face transformers"}
+
+
+def _short_cite(cite: str) -> str:
+    """`_cite`'s citation with a long work name shortened: 'transformers 5.23.0' -> 'HF 5.23.0'."""
+    for work, short in SHORT_WORKS:
+        if cite.startswith(work):
+            return short + cite[len(work):]
+    return cite
+
+
+# -- terminal tables: the wide layout, or the compact one on a narrow console ----------------------------
+
+WIDE_MIN_WIDTH = 120
+"""The narrowest console that gets the wide tables. Unwrapped they take 89 columns (a search of one
+model) to 182 (validate --peak): estimate 126 for gpt3-530b (component names of up to 61
+characters) and 177 for llama3-8b with flash attention, the search over every preset 124, models
+170, validate 161. Piped output gets 150 (cli._console), where only the widest wrap a few rows;
+below 120 (a terminal of 80 columns) rich would wrap nearly every row of most of them over 2 to 8
+lines, so the tables take the compact layout instead: no vertical rules, one-space gaps, shorter
+headers and condensed cells, every column but the main ones (a name, a plan, a formula) on one line."""
+
+
+def compact(console: Console) -> bool:
+    """Whether `console` is too narrow for the wide tables (see WIDE_MIN_WIDTH)."""
+    return console.width < WIDE_MIN_WIDTH
+
+
+class Col(NamedTuple):
+    """A table column: its header and justification in both layouts, and in the compact one its
+    shorter header, whether it may fold over lines (only a main column: a name, a plan or a
+    formula) and its widest width (folding past it)."""
+
+    header: str
+    justify: JustifyMethod = "left"
+    short: Optional[str] = None
+    fold: bool = False
+    max_width: Optional[int] = None
+    style: Optional[str] = None
+
+
+def make_table(console: Console, columns: Iterable[Col], title: Optional[str] = None,
+               short_title: Optional[str] = None) -> Table:
+    """The one place a table's box and column options are chosen, by the console's width: the wide
+    layout (rich's default heavy box) at WIDE_MIN_WIDTH columns or more, otherwise the compact one
+    (SIMPLE_HEAD, no edge, no padding: the 1-space column dividers are the gaps; columns other than
+    the `fold` ones on one line, cut with an ellipsis if they must be)."""
+    if not compact(console):
+        table = Table(title=title)
+        for c in columns:
+            table.add_column(c.header, justify=c.justify, style=c.style)
+        return table
+    table = Table(title=short_title or title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=0)
+    for c in columns:
+        table.add_column(c.header if c.short is None else c.short, justify=c.justify, style=c.style,
+                         no_wrap=not c.fold, overflow="fold" if c.fold else "ellipsis", max_width=c.max_width)
+    return table
 
 
 def print_json(data: Any) -> None:
@@ -267,6 +347,11 @@ def render_output(fmt: str, kind: str, data: Any) -> None:
     print("\n\n".join([heading, markdown_table(rows, columns)] + (["\n".join(notes)] if notes else [])))
 
 
+def _term_cell(name: str, narrow: bool) -> Any:
+    """A term's name indented under 'activations'; in the compact layout a folded name keeps the indent."""
+    return Padding(name, (0, 0, 0, 2)) if narrow else f"  {name}"
+
+
 def render_estimate(est: Estimate, console: Console) -> None:
     c, peak = est.config, est.peak
     m, par, tr = c.model, c.parallel, c.training
@@ -285,32 +370,43 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{format_bytes_auto(est.per_layer_bytes)}" + ("  [dim](paper-only view)[/]" if est.paper_only else "")
     )
 
-    table = Table(title=f"Memory retained at the first backward, one GPU of stage {est.most_loaded} (the most "
-                        f"loaded of {par.pp})")
-    table.add_column("component")
-    table.add_column("per layer", justify="right")
-    table.add_column("copies", justify="right")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("source", style="dim")
+    # Compact: the per-layer formula folds at its '+' past 10 columns and the activations row leaves
+    # its formula to the line above; copies are headed 'x' (per layer x copies = bytes), bytes have 3
+    # digits, long work names in the source column are shortened (SHORT_WORKS).
+    narrow = compact(console)
+    gb, auto = (_bytes3, _bytes3) if narrow else (_gb, format_bytes_auto)
+    table = make_table(console, (Col("component", fold=True), Col("per layer", "right", fold=True, max_width=10),
+                                 Col("copies", "right", short="x"), Col("bytes", "right"), Col("share", "right"),
+                                 Col("source", style="dim")),
+                       title=f"Memory retained at the first backward, one GPU of stage {est.most_loaded} (the most "
+                             f"loaded of {par.pp})",
+                       short_title=f"Retained at the first backward, one GPU of stage {est.most_loaded} (most "
+                                   f"loaded of {par.pp})")
     total = peak.total
     for label, value in (("weights", peak.weights), ("gradients", peak.gradients),
                          ("optimizer (master + moments)", peak.optimizer)):
-        table.add_row(label, "", "", _gb(value), f"{value / total:.1%}", "")
-    table.add_row("[bold]activations[/]", est.per_layer_symbolic, "", _gb(peak.activations),
+        table.add_row(label, "", "", gb(value), f"{value / total:.1%}", "")
+    table.add_row("[bold]activations[/]", "" if narrow else est.per_layer_symbolic, "", gb(peak.activations),
                   f"{peak.activations / total:.1%}", "")
-    for r in est.rows:
+    cites = [_cite(r.term.source) for r in est.rows]
+    if narrow:
+        cites = [_short_cite(c) for c in cites]
+    for r, cite in zip(est.rows, cites):
         mark = "" if r.term.in_k22 else " *"
-        table.add_row(f"  {r.term.name}{mark}", r.symbolic, str(r.copies), format_bytes_auto(r.stage_bytes),
-                      f"{r.stage_bytes / total:.1%}", _cite(r.term.source))
+        table.add_row(_term_cell(f"{r.term.name}{mark}", narrow), r.symbolic, str(r.copies), auto(r.stage_bytes),
+                      f"{r.stage_bytes / total:.1%}", cite)
     if peak.recompute_working_bytes:
-        table.add_row("  recompute working set (one layer, transient) *", "", "1",
-                      format_bytes_auto(peak.recompute_working_bytes),
-                      f"{peak.recompute_working_bytes / total:.1%}", "memplan")
-    table.add_row("[bold]retained at the first backward[/]", "", "", f"[bold]{_gb(total)}[/]", "100.0%", "")
+        table.add_row(_term_cell("recompute working set (one layer, transient) *", narrow), "", "1",
+                      auto(peak.recompute_working_bytes), f"{peak.recompute_working_bytes / total:.1%}", "memplan")
+    table.add_row("[bold]retained at the first backward[/]", "", "", f"[bold]{gb(total)}[/]",
+                  "100%" if narrow else "100.0%", "")
     console.print(table)
     if any(not r.term.in_k22 for r in est.rows):
         console.print("[dim]* not in K22: stored by real implementations; --paper-only leaves them out[/]")
+    used = [f"{short} = {name}" for short, name in SHORT_WORK_NAMES.items()
+            if any(re.match(rf"{re.escape(short)}\b", c) for c in cites)]
+    if narrow and used:
+        console.print("[dim]sources: " + "; ".join(used) + "[/]")
     for note in est.notes:
         console.print(f"note: {note}")
     if est.perf is not None:
@@ -374,10 +470,9 @@ def render_peak(est: Estimate, console: Console) -> None:
     device adds, and the largest moment of each phase."""
     step, dev = est.step, est.device
     e = step.peak_event
-    table = Table(title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}")
-    table.add_column("component")
-    table.add_column("bytes", justify="right")
-    table.add_column("kind")
+    table = make_table(console, (Col("component", fold=True), Col("bytes", "right"), Col("kind")),
+                       title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}",
+                       short_title=f"Step peak, one GPU of stage {est.most_loaded}, at {_where(e)}")
     kinds = {"weights": "persistent", "optimizer": "persistent",
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
              "saved": "step", "transient": "transient"}
@@ -407,18 +502,61 @@ def render_peak(est: Estimate, console: Console) -> None:
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:
-    table = Table(title="model presets")
-    for col in ("name", "L", "h", "a", "kv heads", "s", "v", "params", "default plan"):
-        table.add_column(col, justify="left" if col in ("name", "default plan") else "right")
+    narrow = compact(console)
+    table = make_table(console, [Col("name", fold=True)] + [Col(c, "right") for c in ("L", "h", "a")]
+                       + [Col("kv heads", "right", short="kv")] + [Col(c, "right") for c in ("s", "v")]
+                       + [Col("params", "right"), Col("default plan", fold=True)],
+                       title="model presets", short_title="model presets (params in billions)")
     for r in rows:
         table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
-                      str(r["v"]), f"{r['params'] / 1e9:,.1f} billion", r["plan"])
+                      str(r["v"]), f"{r['params'] / 1e9:,.1f}" + ("" if narrow else " billion"),
+                      compact_plan(_plan_fields(r["plan"])) if narrow else r["plan"])
     console.print(table)
+    if narrow:
+        console.print(f"[dim]default plan: {PLAN_LEGEND}[/]")
 
 
-def plan_text(row: dict[str, Any]) -> str:
-    """'t=8 p=35 d=8 b=1 m=3 SP sel ZeRO-1' style summary of a search row."""
+# The compact layout's plans: K22's letters t, p, d, m, b, Z for the ZeRO stage, B for the global batch
+PLAN_LETTERS = {"tp": "t", "pp": "p", "dp": "d", "micro_batch": "b", "vpp": "m", "zero": "Z", "global_batch": "B"}
+RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
+PLAN_LEGEND = ("t, p, d tensor, pipeline, data parallel; b micro-batch; m chunks; Z ZeRO; B global batch; "
+               "m1, Z0, SP off and recompute none left out")
+
+
+def compact_plan(fields: dict[str, Any]) -> str:
+    """A plan {tp: 8, pp: 64, dp: 1, vpp: 1, sp: True, micro_batch: 1, global_batch: 512, recompute:
+    'selective'} as 't8 p64 d1 b1 SP B512 sel', in the order given: the defaults (m1, Z0, SP off,
+    recompute none) left out; 'zero' may be a '2/8' string (HSDP), 'recompute' a '_rec_cell' text
+    ('full 2/32'); a field it does not know stays 'key=value'."""
+    words = []
+    for key, value in fields.items():
+        text = str(value)
+        if key == "sp":
+            words += ["SP"] if text == "True" else []
+        elif (key, text) in (("vpp", "1"), ("zero", "0"), ("recompute", "none")):
+            continue
+        elif key in PLAN_LETTERS:
+            words.append(f"{PLAN_LETTERS[key]}{text}")
+        elif key == "recompute":
+            words.append(RECOMPUTE_SHORT.get(text, text))
+        else:
+            words.append(f"{key}={text}")
+    return " ".join(words)
+
+
+def _plan_fields(text: str) -> dict[str, str]:
+    """'tp=8 pp=64 sp=True' -> {'tp': '8', 'pp': '64', 'sp': 'True'} (`memplan models`' plan)."""
+    return dict(item.partition("=")[::2] for item in text.split())
+
+
+def plan_text(row: dict[str, Any], num_layers: Optional[int] = None) -> str:
+    """'t=8 p=35 d=8 b=1 m=3 SP selective ZeRO-1' style summary of a search row; given the model's
+    `num_layers`, the compact layout's 't8 p35 d8 b1 m3 SP sel Z1' (compact_plan)."""
     rec = row["recompute"]
+    if num_layers is not None:
+        rec_cell = _rec_cell(row, num_layers // (row["pp"] * row["vpp"]), short=True)
+        return compact_plan({**{k: row[k] for k in ("tp", "pp", "dp", "micro_batch", "vpp", "sp")},
+                             "recompute": rec_cell, "zero": _zero_cell(row)})
     rec_text = {"none": "no-recompute", "selective": "selective"}.get(rec, f"full x{row['recompute_num_layers']}")
     sp = " SP" if row["sp"] else ""
     return (f"t={row['tp']} p={row['pp']} d={row['dp']} b={row['micro_batch']} m={row['vpp']}{sp} "
@@ -431,9 +569,10 @@ def _zero_cell(row: dict[str, Any]) -> str:
     return f"{z}/{row['zero_shard']}" if z and row["zero_shard"] < row["dp"] else str(z)
 
 
-def _rec_cell(row: dict[str, Any], layers_per_chunk: int) -> str:
+def _rec_cell(row: dict[str, Any], layers_per_chunk: int, short: bool = False) -> str:
+    """'selective', 'full', 'full 2/32' (2 of the chunk's 32 layers); `short`: 'sel' for selective."""
     if row["recompute"] != "full":
-        return row["recompute"]
+        return RECOMPUTE_SHORT.get(row["recompute"], row["recompute"]) if short else row["recompute"]
     n = row["recompute_num_layers"]
     return "full" if n == layers_per_chunk else f"full {n}/{layers_per_chunk}"
 
@@ -471,15 +610,19 @@ def render_search(result: SearchResult, console: Console) -> None:
     )
     has_time = result.evaluated.step_time_s is not None
     if result.top:
-        table = Table(title=f"fastest {len(result.top)} plans that fit" if has_time else "plans that fit (least memory first)")
-        for col in ("#", "t", "p", "d", "b", "m", "SP", "recompute", "ZeRO", "device memory", "step time", "MFU"):
-            table.add_column(col, justify="right")
+        narrow = compact(console)
+        table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", "b", "m", "SP")]
+                           + [Col("recompute", "right", short="rec"), Col("ZeRO", "right"),
+                              Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
+                              Col("MFU", "right")],
+                           title=f"fastest {len(result.top)} plans that fit" if has_time
+                           else "plans that fit (least memory first)")
         for rank, i in enumerate(result.top, 1):
             row = result.row(i)
             chunk = m.num_layers // (row["pp"] * row["vpp"])
             table.add_row(
                 str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
-                "on" if row["sp"] else "off", _rec_cell(row, chunk), _zero_cell(row),
+                "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
                 _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
             )
@@ -508,21 +651,28 @@ def render_search_all(results: list[SearchResult], console: Console) -> None:
         return
     first = results[0]
     console.print(f"every preset on {first.gpus} GPUs with {_gb(first.budget_bytes)} each:")
-    table = Table()
-    for col in ("model", "plans", "fit", "best plan", "memory", "step time", "MFU"):
-        table.add_column(col, justify="left" if col in ("model", "best plan") else "right")
+    narrow = compact(console)
+    table = make_table(console, (Col("model", fold=True), Col("plans", "right"), Col("fit", "right"),
+                                 Col("best plan", fold=True), Col("memory", "right"),
+                                 Col("step time", "right", short="time"), Col("MFU", "right")))
     for r in results:
         if r.top:
             row = r.row(r.top[0])
             has_time = "step_time_s" in row
-            table.add_row(r.model.name, f"{r.candidates:,}", f"{r.feasible:,}", plan_text(row),
+            table.add_row(r.model.name, f"{r.candidates:,}", f"{r.feasible:,}",
+                          plan_text(row, r.model.num_layers if narrow else None),
                           _gb(row["memory"]["device_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
                           f"{row['mfu']:.1%}" if has_time else "-")
         else:
             row = r.row(r.nearest_miss)
-            table.add_row(r.model.name, f"{r.candidates:,}", "[red]0[/]", f"nearest miss: {plan_text(row)}",
+            table.add_row(r.model.name, f"{r.candidates:,}", "[red]0[/]",
+                          plan_text(row, r.model.num_layers) if narrow else f"nearest miss: {plan_text(row)}",
                           _gb(row["memory"]["device_bytes"]), "-", "-")
     console.print(table)
+    if narrow:
+        misses = " fit 0: the plan shown is the nearest miss (the least memory)." if any(
+            not r.top for r in results) else ""
+        console.print(f"[dim]best plan: {PLAN_LEGEND}.{misses}[/]")
 
 
 class DelayedProgress:
@@ -575,22 +725,37 @@ def validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[str, An
 
 
 def render_validation(results: list[Any], summary: dict[str, Any], console: Console, terms: bool = False) -> None:
-    table = Table(title="memplan vs measured saved tensors (bytes per rank)")
-    for col in ("impl", "case", "scope", "t", "SP", "recompute", "backend", "memplan", "measured", "error",
-                "K22 only", "result"):
-        table.add_column(col, justify="left" if col in ("impl", "case", "scope", "recompute", "backend") else "right")
+    # Compact: one row of a bold implementation name above its cases instead of an impl column, the
+    # measured bytes to 3 digits and memplan's error against them (the exact bytes of both: --json).
+    narrow = compact(console)
+    text = ("impl", "case", "scope", "recompute", "backend")
+    short = {"recompute": "rec", "result": ""}  # PASS / FAIL speak for themselves
+    columns = [Col(c, "left" if c in text else "right", short=short.get(c), fold=c == "case")
+               for c in ("impl", "case", "scope", "t", "SP", "recompute", "backend", "memplan", "measured", "error",
+                         "K22 only", "result") if not (narrow and c in ("impl", "memplan"))]
+    table = make_table(console, columns, title="memplan vs measured saved tensors (bytes per rank)",
+                       short_title="memplan's error against the measured saved tensors (bytes per rank)")
+    impl = None
     for r in results:
         c = r.case
-        table.add_row(c.impl, c.name, c.scope, str(c.t), "on" if c.sp else "off", c.recompute, c.backend,
-                      f"{r.predicted_total:,} B", f"{r.measured_total:,} B", f"{r.error:.4%}",
-                      f"{r.paper_total:,} B", "[green]PASS[/]" if r.passed else "[red]FAIL[/]")
+        verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+        if not narrow:
+            table.add_row(c.impl, c.name, c.scope, str(c.t), "on" if c.sp else "off", c.recompute, c.backend,
+                          f"{r.predicted_total:,} B", f"{r.measured_total:,} B", f"{r.error:.4%}",
+                          f"{r.paper_total:,} B", verdict)
+            continue
+        if c.impl != impl:
+            impl = c.impl
+            table.add_row(f"[bold]{impl}[/]")
+        table.add_row(c.name, c.scope, str(c.t), "on" if c.sp else "off", RECOMPUTE_SHORT.get(c.recompute, c.recompute),
+                      c.backend, _bytes3(r.measured_total), f"{r.error:.4%}", _bytes3(r.paper_total), verdict)
     console.print(table)
     for r in results:
         if terms or not r.passed:
-            detail = Table(title=f"{r.case.name} {r.case.scope} t={r.case.t} SP={'on' if r.case.sp else 'off'} "
-                                 f"{r.case.recompute} ({r.case.backend})")
-            for col in ("term", "memplan", "measured", "difference"):
-                detail.add_column(col, justify="left" if col == "term" else "right")
+            detail = make_table(console, (Col("term", fold=True), Col("memplan", "right"), Col("measured", "right"),
+                                          Col("difference", "right")),
+                                title=f"{r.case.name} {r.case.scope} t={r.case.t} SP={'on' if r.case.sp else 'off'} "
+                                      f"{r.case.recompute} ({r.case.backend})")
             for label, pred, meas in r.term_rows():
                 style = "" if pred == meas else "[red]"
                 detail.add_row(f"{style}{label}", f"{pred:,} B", f"{meas:,} B", f"{pred - meas:+,} B")
@@ -609,18 +774,52 @@ def peak_validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[st
         for r in results]}
 
 
+PHASE_SHORT = (("forward", "fwd"), ("backward", "bwd"), ("optimizer", "opt"))
+
+
+def _peak_at(predicted_at: str, measured_at: str) -> str:
+    """The compact layout's 'peak at': 'bwd 2' where memplan and the measurement agree, else
+    'loss / bwd 2' (memplan / measured)."""
+    def short(at: str) -> str:
+        for word, abbr in PHASE_SHORT:
+            at = at.replace(word, abbr)
+        return at
+
+    return short(predicted_at) if predicted_at == measured_at else f"{short(predicted_at)} / {short(measured_at)}"
+
+
 def render_peak_validation(results: list[Any], summary: dict[str, Any], console: Console) -> None:
-    table = Table(title="memplan vs measured allocated peak of a training step (second step, CPU live-storage "
-                        "tracker; fake = FakeTensorMode)")
-    for col in ("case", "loop", "recompute", "AdamW", "b", "M", "backend", "memplan", "measured", "error",
-                "peak at (memplan / measured)", "result"):
-        table.add_column(col, justify="right" if col in ("b", "M", "memplan", "measured", "error") else "left")
+    # Compact: impl alone (it decides the loop: torch runs the Megatron-like one, hf-* torch's), the
+    # measured peak to 3 digits with memplan's error against it, and 'peak at' once where both agree.
+    narrow = compact(console)
+    short = {"loop": "impl", "recompute": "rec", "backend": "via", "peak at (memplan / measured)": "peak at",
+             "result": ""}
+    columns = [Col(c, "right" if c in ("b", "M", "memplan", "measured", "error") else "left", short=short.get(c),
+                   fold=c in ("case", "peak at (memplan / measured)"),
+                   max_width=7 if c.startswith("peak at") else None)  # 'bwd 12'; 'loss / bwd 2' folds
+               for c in ("case", "loop", "recompute", "AdamW", "b", "M", "backend", "memplan", "measured", "error",
+                         "peak at (memplan / measured)", "result") if not (narrow and c == "memplan")]
+    table = make_table(console, columns,
+                       title="memplan vs measured allocated peak of a training step (second step, CPU live-storage "
+                             "tracker; fake = FakeTensorMode)",
+                       short_title="memplan's error against the measured allocated peak of a training step")
     for r in results:
         c = r.case
-        table.add_row(c.name, f"{c.loop} ({c.impl})", c.recompute, c.optimizer, str(c.b), str(c.microbatches),
-                      c.backend, f"{r.predicted:,} B", f"{r.measured:,} B", f"{r.error:+.3%}",
-                      f"{r.predicted_at} / {r.measured_at}", "[green]PASS[/]" if r.passed else "[red]FAIL[/]")
+        verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+        if narrow:
+            table.add_row(c.name, c.impl, RECOMPUTE_SHORT.get(c.recompute, c.recompute), c.optimizer, str(c.b),
+                          str(c.microbatches), c.backend, _bytes3(r.measured), f"{r.error:+.3%}",
+                          _peak_at(r.predicted_at, r.measured_at), verdict)
+        else:
+            table.add_row(c.name, f"{c.loop} ({c.impl})", c.recompute, c.optimizer, str(c.b), str(c.microbatches),
+                          c.backend, f"{r.predicted:,} B", f"{r.measured:,} B", f"{r.error:+.3%}",
+                          f"{r.predicted_at} / {r.measured_at}", verdict)
     console.print(table)
-    console.print("peak at: phase and layer (1 = the first of the chunk) where the step peaks")
+    if narrow:
+        console.print("peak at: phase and layer (1 = the first of the chunk) where the step peaks, memplan / measured "
+                      "where they differ (fwd, bwd, opt: forward, backward, optimizer); M: micro-batches; via: live "
+                      "storages, FakeTensorMode (fake) or CUDA")
+    else:
+        console.print("peak at: phase and layer (1 = the first of the chunk) where the step peaks")
     console.print(f"{summary['passed']} passed, {summary['failed']} failed; largest error "
                   f"{summary['largest_error']:.3%} (tolerance {summary['tolerance']:.0%} of the measured peak)")
