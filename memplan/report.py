@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.planner import SearchResult
 from memplan.specs import Config
 from memplan.timeline import PART_LABELS
-from memplan.units import format_bytes, format_bytes_auto
+from memplan.units import format_batch, format_bytes, format_bytes_auto
 
 
 def _gb(n: int) -> str:
@@ -357,13 +357,15 @@ def render_estimate(est: Estimate, console: Console) -> None:
     m, par, tr = c.model, c.parallel, c.training
     console.print(
         f"[bold]{m.name}[/]: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} "
-        f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
+        + (f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
+        + f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
     )
     console.print(
         f"plan: t={par.tp} p={par.pp} d={par.dp} m={par.vpp} SP={'on' if par.sp else 'off'} "
         f"recompute={tr.recompute.label} ZeRO={par.zero}"
         f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
-        f"global batch={c.global_batch} ({c.num_microbatches} micro-batches per step) on {par.gpus} GPUs"
+        f"global batch={format_batch(c.global_batch, m.seq_length)} ({c.num_microbatches} micro-batches per step) "
+        f"on {par.gpus} GPUs"
     )
     console.print(
         f"activations per layer per micro-batch on one GPU: {est.per_layer_symbolic} = "
@@ -605,7 +607,7 @@ def render_search(result: SearchResult, console: Console) -> None:
     where = f" {result.gpu.name}" if result.gpu else ""
     console.print(
         f"[bold]{m.name}[/] ({result.impl}) on {result.gpus}{where} GPUs, {_gb(result.budget_bytes)} per GPU, "
-        f"global batch {result.global_batch}: {result.candidates:,} plans evaluated in "
+        f"global batch {format_batch(result.global_batch, m.seq_length)}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
     )
     has_time = result.evaluated.step_time_s is not None

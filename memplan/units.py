@@ -63,9 +63,10 @@ def parse_tokens(text: str) -> int:
     return count
 
 
-def format_tokens(n: int) -> str:
-    """'4,194,304 tokens (4.19 M)'."""
-    return f"{n:,} tokens" + (f" ({n / 1e6:,.2f} M)" if n >= 10**6 else "")
+def format_batch(sequences: int, seq_length: int) -> str:
+    """A global batch with both units: '512 sequences = 4.19 M tokens'."""
+    tokens = sequences * seq_length
+    return f"{sequences:,} sequence{'s' if sequences != 1 else ''} = " + (f"{tokens / 1e6:,.2f} M tokens" if tokens >= 10**6 else f"{tokens:,} tokens")
 
 
 def _display_units() -> list[str]:
