@@ -7,6 +7,7 @@ arrays alike, by exact integer arithmetic) and the text K22 would print.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping
@@ -27,12 +28,23 @@ def _rank(sym: str) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class Poly:
-    """A sum of monomials: {monomial: coefficient}."""
+    """A sum of monomials: {monomial: coefficient}.
+
+    A Poly is immutable, so what is derived from it (its product with a number, the integer form
+    `evaluate` runs) is computed once and kept in the instance (`_derived`, outside the dataclass
+    fields: equality, hashing and printing see only `terms`)."""
 
     terms: tuple[tuple[Monomial, Fraction], ...]
 
+    def _memo(self) -> dict:
+        memo = self.__dict__.get("_derived")
+        if memo is None:
+            memo = self.__dict__["_derived"] = {}
+        return memo
+
     # -- construction ---------------------------------------------------------------------
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def parse(text: str) -> "Poly":
         """Parse a product such as '2 s b h', 'a s^2 b', 's b h g /a', '1/2 s b'."""
         coef = Fraction(1)
@@ -50,6 +62,7 @@ class Poly:
         return Poly(((_canon(powers), coef),)).simplified()
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def parse_sum(text: str) -> "Poly":
         """Parse a sum of products: 's b h + s b h g /a'."""
         total = Poly(())
@@ -69,7 +82,11 @@ class Poly:
 
     def __mul__(self, other: "Poly | int | Fraction") -> "Poly":
         if not isinstance(other, Poly):
-            return Poly(tuple((m, c * Fraction(other)) for m, c in self.terms)).simplified()
+            key = ("scaled", other)
+            memo = self._memo()
+            if key not in memo:
+                memo[key] = Poly(tuple((m, c * Fraction(other)) for m, c in self.terms)).simplified()
+            return memo[key]
         out = []
         for m1, c1 in self.terms:
             for m2, c2 in other.terms:
@@ -125,18 +142,32 @@ class Poly:
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, values: Mapping[str, Any]) -> Any:
         """Exact value for ints or int64 numpy arrays (each monomial divides exactly when the
-        spec's divisibility checks hold; otherwise it is floored)."""
+        spec's divisibility checks hold; otherwise it is floored): the sum over monomials of
+        coefficient numerator x positive powers // (denominator x negative powers)."""
         total: Any = 0
-        for mono, coef in self.terms:
-            num: Any = coef.numerator
-            den: Any = coef.denominator
-            for sym, p in mono:
-                if p > 0:
-                    num = num * values[sym] ** p
-                else:
-                    den = den * values[sym] ** (-p)
+        for num_coef, num_syms, den_coef, den_syms in self._compiled():
+            num: Any = num_coef
+            for sym in num_syms:  # a power p is its symbol p times: no `** 1` on arrays
+                num = num * values[sym]
+            if den_coef == 1 and not den_syms:  # nothing to divide by
+                total = total + num
+                continue
+            den: Any = den_coef
+            for sym in den_syms:
+                den = den * values[sym]
             total = total + num // den
         return total
+
+    def _compiled(self) -> tuple[tuple[int, tuple[str, ...], int, tuple[str, ...]], ...]:
+        """Each monomial as (numerator, symbols to multiply it by, denominator, symbols to multiply
+        that by), Python ints and names, built once."""
+        memo = self._memo()
+        if "compiled" not in memo:
+            memo["compiled"] = tuple(
+                (coef.numerator, tuple(sym for sym, p in mono if p > 0 for _ in range(p)),
+                 coef.denominator, tuple(sym for sym, p in mono if p < 0 for _ in range(-p)))
+                for mono, coef in self.terms)
+        return memo["compiled"]
 
     # -- text -------------------------------------------------------------------------------
     def text(self) -> str:
