@@ -1,4 +1,5 @@
-"""Step time, FLOPs and MFU of a training plan: a roofline-style model calibrated on K22 Table 4.
+"""Step time, FLOPs and MFU of a training plan: a roofline-style model calibrated on K22 Tables 4
+and 5 (A100) and on a K22 layer measured on an H100.
 
 Every function takes the plan as `PlanValues` whose fields are Python scalars or equally shaped
 numpy arrays (one element per candidate plan); nothing loops over candidates. Arrays are
@@ -10,14 +11,20 @@ The model (one GPU of the bottleneck pipeline stage)
 One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel group of t:
 
 - matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2 x 2bshf (SwiGLU: 3 x 2bshf), split
-  by t, at `matmul_efficiency` x peak; the attention core's batched matmuls QK^T and attention
-  over V, 4bs^2h/t (K22 appendix A), at the lower attention efficiency. Backward = 2 x forward.
+  by t, at `matmul_efficiency` x peak, plus `matmul_overhead_s` per GEMM kernel (4 per layer
+  forward in Megatron-LM, gemms_per_layer; 8 in the backward): large GEMMs run near
+  matmul_efficiency, small ones lose a fixed time (the last partial wave of tiles, prologue and
+  epilogue). The attention core's batched matmuls QK^T and attention over V, 4bs^2h/t (K22
+  appendix A), run at the lower attention efficiency; a causal flash kernel executes half of
+  those FLOPs (CAUSAL_FLASH_FRACTION) at the GEMM efficiency (assumed: not measured).
+  Backward = 2 x forward.
 - memory-bound kernels: bytes moved / (HBM bandwidth x memory-bound efficiency). Replicated
   regions (2 layer norms, 2 bias-dropout-residual adds), per token and hidden unit with A = 2:
   forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
   by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
   and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
-  3A / 5A) per MLP element (sbf), forward / backward. See layer_traffic_bytes.
+  3A / 5A) per MLP element (sbf), forward / backward. Those are Megatron-LM's fused kernels; an
+  implementation that runs PyTorch's eager ops (torch, hf-*) moves more: see layer_traffic_bytes.
 - tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
   reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
   or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
@@ -27,14 +34,18 @@ One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel grou
   TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
   output's reduce-scatter, 2 ag, are on the critical path.
 - recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
-  matmuls, softmax and dropout); full re-runs the whole forward, its communication included.
+  matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
+  re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
+  forward, its communication included (K22 section 5: one more forward, about 33% more FLOPs).
 
 A micro-batch on the bottleneck stage (the last one: it has the LM head, and also the embedding
 when p = 1) costs L/p layers' forward + backward, m x recomputed_layers layers' recompute, the LM
 head (logits 2bshv/t, fp32 cross-entropy) and, when p = 1, the embedding. A step is
 
-    M micro-batches x (1 + (p - 1)/(m M))        1F1B / interleaved bubble (Narayanan et al. 2021)
-    + pipeline point-to-point + exposed data-parallel communication + exposed ZeRO-3 gathers
+    M micro-batches on the bottleneck stage
+    + (p - 1)/m slots of a stage's micro-batch  1F1B / interleaved bubble (Narayanan et al. 2021)
+    + pipeline point-to-point (1/t of the tensor per GPU: SP or Megatron-LM's scatter/gather)
+    + exposed data-parallel communication + exposed ZeRO-3 gathers
     + the optimizer update (memory-bound)
 
 and MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A).
@@ -53,10 +64,10 @@ Four unknowns, each solved from one published figure, in this order:
    minus its softmax + dropout bytes 9 x 1.342e8 / (2039e9 x 0.95) = 0.624 ms:
    5.154e10 / (0.676e-3 x 312e12) = 0.244 -> 0.24 (head-dim-96 batched matmuls; the efficiency
    also absorbs the transposes of Megatron-LM's unfused attention).
-3. matmul_efficiency, from the baseline forward 7.7 ms = matmuls + 0.688 (attention matmuls at
+3. the forward GEMM time, from the baseline forward 7.7 ms = GEMMs + 0.688 (attention matmuls at
    0.24) + 1.247 (2.416e9 memory-bound bytes: 22sbh + 9as^2b/t + 4sbf/t) + 1.468 (4 ag):
-   9.277e11 / (4.296e-3 x 312e12) = 0.692 -> 0.69.
-4. TP_ASYNC_EXPOSED_FRACTION, from the baseline backward 11.9 ms = 2 x 4.309 (matmuls at 0.69)
+   4.30 ms for the layer's 4 GEMMs (77-309 GFLOP each), 0.69 of peak.
+4. TP_ASYNC_EXPOSED_FRACTION, from the baseline backward 11.9 ms = 2 x 4.309 (GEMMs)
    + 2 x 0.688 + 1.724 (3.339e9 bytes: 34sbh + 11as^2b/t + 6sbf/t) + x 4 ag:
    x = 0.181 / 1.468 = 0.12.
 
@@ -66,11 +77,31 @@ baseline 7.71 / 11.90 (7.7 / 11.9), SP 7.21 / 11.86 (7.2 / 11.8), full recompute
 overheads SP -2.75% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
 Full recompute costs exactly one more forward here, 7.7 / 19.6 = 39.3%; Table 4's own
 recompute is 19.5 - 11.9 = 7.6 ms, 0.1 ms (print rounding) under its 7.7 ms forward.
-The H100 and H200 presets have no such table: they reuse the A100 fractions of peak.
 
-Not modelled: flash attention (no s^2 traffic), context / expert parallelism, matmul efficiency
-growing with h (the 175B-1T models of K22 run at higher MFU than this predicts), and Megatron's
-TP communication overlap (--tp-comm-overlap), which would hide part of the forward collectives.
+Calibration: A100 80GB, GEMM size, K22 Table 5 (GPT 22B, 175B, 530B, 1T end to end)
+-----------------------------------------------------------------------------------
+One GEMM efficiency cannot fit Table 5: 0.69 (step 3) leaves 530B 4% and 1T 10% too slow, the
+larger models' GEMMs (215-1342 GFLOP) running faster than the 22B's. A GEMM is therefore charged
+FLOPs / (peak x matmul_efficiency) + matmul_overhead_s. Step 3 ties the pair (4 x overhead +
+9.277e11 / (312e12 x efficiency) = 4.30 ms); the overhead 0.12 ms, efficiency 0.776, is the
+least-squares fit to Table 5's four "present work" (SP + selective) rows. The four full-recompute
+rows are then predictions: 22B -2.6%, 175B -0.1%, 530B +0.5%, 1T +1.5% (tests/test_paper_golden.py,
+docs/step_time.md). The same law, fitted independently to the H100 measurements below, gives
+0.72 and 87 us: on both GPUs the overhead is worth 40-60 GFLOP, about one wave of GEMM tiles.
+
+Calibration: H100 80GB, a K22 layer in eager PyTorch (h=6144, a=64, s=2048, t=1)
+---------------------------------------------------------------------------------
+Measured forward + backward ms, no / selective / full recompute: b = 1: 15.2, 17.6, 20.7;
+b = 4: 58.0, 66.6, 78.9. With the eager op-by-op bytes (layer_traffic_bytes(fused=False)) the
+model is linear in 1/matmul_efficiency, matmul_overhead_s, 1/attention_matmul_efficiency and
+1/memory_bound_efficiency; least squares over the six numbers: 0.718, 87 us, 0.144, 0.882, all
+six within 0.5% (tests/test_perf.py). Megatron-LM's fused kernels on an H100 and the H200 are not
+measured: their step times carry calibrated = False (calibration()).
+
+Not modelled: context / expert parallelism, per-iteration costs outside the layers beyond the
+head and the optimizer (K22's 22B iteration is about 50 ms longer than its 48 layers and head,
+which leaves the 22B rows of Table 5 4.6% and 2.6% fast), and Megatron's TP communication overlap
+(--tp-comm-overlap), which would hide part of the forward collectives.
 """
 
 from __future__ import annotations
@@ -96,14 +127,25 @@ NCCL_BUS_EFFICIENCY = 0.80
 # of the saved input), from K22 Table 4's baseline backward (module docstring, step 4).
 TP_ASYNC_EXPOSED_FRACTION = 0.12
 
+# Implementations (memplan impls) whose elementwise work runs in fused kernels (Megatron-LM: fused
+# scale-mask-softmax, bias-GeLU / SwiGLU, bias-dropout-add, apex / TE norms); every other one runs
+# PyTorch's eager ops, one kernel (one pass over memory) per op (layer_traffic_bytes(fused=False)).
+FUSED_IMPLS = ("megatron",)
+# A causal flash kernel skips the score blocks above the diagonal: it executes about half of the
+# full-square 4bs^2h attention FLOPs (FlashAttention-2, Dao 2023, section 3.1.1 "causal masking").
+# Model FLOPs (MFU) still count the full square, as K22 Eq. 7 does.
+CAUSAL_FLASH_FRACTION = 0.5
+
 # --- bytes moved per element by the memory-bound kernels (A = activation bytes) ----------------
 MASK_BYTES = 1  # K22 section 4.1: dropout masks are 1 byte
 FP32_BYTES = 4  # fp32 logits (cross-entropy) and fp32 main gradients (embedding accumulation)
-# Vocabulary-parallel cross-entropy (Megatron-LM), per logit: forward casts to fp32 (read A,
-# write 4), a max / exp-sum pass (read 4, write 4) and the normalisation (read 4); backward reads
-# the fp32 softmax and writes the gradient (4 + A).
-CROSS_ENTROPY_FWD_FP32_ACCESSES = 4
-CROSS_ENTROPY_BWD_FP32_ACCESSES = 1
+# Vocabulary-parallel cross-entropy (Megatron-LM _VocabParallelCrossEntropy, one PyTorch op per
+# pass), per logit: forward casts to fp32 (read A, write 4), then max (read 4), subtract the max
+# (read 4, write 4), exp (read 4, write 4), sum (read 4) and divide (read 4, write 4): 9 fp32
+# accesses; backward scales the saved softmax by the incoming gradient (read 4, write 4) and casts
+# it back (read 4, write A): 3.
+CROSS_ENTROPY_FWD_FP32_ACCESSES = 9
+CROSS_ENTROPY_BWD_FP32_ACCESSES = 3
 
 # Times are computed in float32, for scalars and arrays alike (so that a plan's numbers in the
 # vectorised search equal its numbers in `estimate` exactly): at 5 million plans a float64
@@ -143,25 +185,67 @@ def memory_bound_efficiency(gpu: GpuSpec) -> float:
 
 def attention_matmul_efficiency(gpu: GpuSpec, model: ModelSpec) -> float:
     """Unfused attention matmuls run at the calibrated (low) efficiency; a flash kernel fuses them
-    and is assumed to reach the GEMM efficiency (FlashAttention-2 reports 50-73% of A100 peak
-    forward, Dao 2023, close to the calibrated 0.69)."""
+    and is assumed (not measured: `calibration` says so) to reach the GEMM efficiency
+    (FlashAttention-2 reports 50-73% of A100 peak forward, Dao 2023)."""
     return gpu.matmul_efficiency if model.attention == "flash" else gpu.attention_matmul_efficiency
+
+
+def attention_time_flops(model: ModelSpec) -> float:
+    """The attention-core FLOPs one sequence's forward executes: the full square 4s^2h for the
+    unfused kernels (the causal mask is applied after QK^T), about half of it for a causal flash
+    kernel (CAUSAL_FLASH_FRACTION)."""
+    full = layer_attention_flops(model)
+    return full * CAUSAL_FLASH_FRACTION if model.attention == "flash" else full
+
+
+def gemms_per_layer(model: ModelSpec, impl: str = "megatron") -> int:
+    """Weight-GEMM kernels in one layer's forward (the backward runs two per forward GEMM, dgrad and
+    wgrad): Megatron-LM and the reference torch layer fuse Q, K, V into one GEMM (and SwiGLU's gate
+    and up into linear_fc1): QKV, projection, fc1, fc2. transformers' Llama layer runs q, k, v, o,
+    gate, up and down separately (GPT-2's c_attn is fused)."""
+    if impl in ("megatron", "torch") or model.mlp != "swiglu":
+        return 4
+    return 7
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Whether the efficiencies a step time uses were measured for this GPU, implementation and
+    attention kernel; `uncertainty` is the relative spread of calibrated step times against
+    published measurements (None when uncalibrated: no measurement bounds the error)."""
+
+    calibrated: bool
+    uncertainty: Any  # float or None
+    note: str  # empty when calibrated, else what was not measured
+
+
+def calibration(model: ModelSpec, gpu: GpuSpec, impl: str = "megatron") -> Calibration:
+    """The calibration status of a step time (the GPU preset's `calibration` and `calibrated_impls`)."""
+    if not gpu.calibration:
+        return Calibration(False, None, f"uncalibrated: no measurement on {gpu.name}, its efficiencies are assumed")
+    if impl not in gpu.calibrated_impls:
+        measured = ", ".join(gpu.calibrated_impls)
+        return Calibration(False, None, f"uncalibrated: {impl} kernels not measured on {gpu.name} (measured: {measured})")
+    if model.attention == "flash":
+        return Calibration(False, None, "uncalibrated: flash attention kernel assumed at the GEMM efficiency")
+    return Calibration(True, gpu.step_time_uncertainty, "")
 
 
 # --- FLOPs (K22 appendix A, generalised) ------------------------------------------------------
 def layer_matmul_flops(model: ModelSpec) -> float:
-    """Forward FLOPs of one layer's weight matmuls for one sequence (no t split):
-    QKV 2sh(h + 2hg/a) + projection 2sh^2 + MLP 2*2shf (GeLU) or 3*2shf (SwiGLU). K22: 24sh^2."""
-    s, h, a, g, f = (float(x) for x in (model.seq_length, model.hidden_size, model.num_attention_heads,
-                                         model.g, model.f))
+    """Forward FLOPs of one layer's weight matmuls for one sequence (no t split), with the attention
+    width q = a x head_dim (h unless head_dim says otherwise): QKV 2sh(q + 2qg/a) + projection
+    2sqh + MLP 2*2shf (GeLU) or 3*2shf (SwiGLU). K22 (q = h, g = a, f = 4h): 24sh^2."""
+    s, h, q, a, g, f = (float(x) for x in (model.seq_length, model.hidden_size, model.q, model.num_attention_heads,
+                                            model.g, model.f))
     mlp_matrices = 3 if model.mlp == "swiglu" else 2
-    return 2 * s * h * (h + 2 * h * g / a) + 2 * s * h * h + mlp_matrices * 2 * s * h * f
+    return 2 * s * h * (q + 2 * q * g / a) + 2 * s * q * h + mlp_matrices * 2 * s * h * f
 
 
 def layer_attention_flops(model: ModelSpec) -> float:
-    """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2h (K22 appendix A)."""
-    s, h = float(model.seq_length), float(model.hidden_size)
-    return 4 * s * s * h
+    """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2q, 4s^2h in K22 (appendix A)."""
+    s, q = float(model.seq_length), float(model.q)
+    return 4 * s * s * q
 
 
 def logits_flops(model: ModelSpec) -> float:
@@ -225,7 +309,7 @@ def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any) -> Any
     return model_flops(model, global_batch) + extra * _f64(global_batch)
 
 
-# --- linear forms: seconds per sequence as c_t/t + c_r*rep + c_a*ag + c_s*ag*sp ----------------
+# --- linear forms: seconds per sequence as c_t/t + c_r*rep + c_a*ag + c_s*ag*sp + c_u/b --------
 @dataclass(frozen=True)
 class _Basis:
     """The plan-dependent factors every per-sequence time is a linear combination of."""
@@ -234,6 +318,7 @@ class _Basis:
     rep: Any  # split of the replicated regions: 1/t with SP, 1 without
     ag: Any  # seconds per byte of an all-gather or reduce-scatter over t: (t-1)/t / bandwidth
     ag_sp: Any  # ag where SP is on, else 0
+    inv_b: Any  # 1/b: a fixed cost per micro-batch (per kernel), shared by its b sequences
 
 
 def _link_per_byte(gpu: GpuSpec, span: Any) -> Any:
@@ -247,23 +332,24 @@ def _link_per_byte(gpu: GpuSpec, span: Any) -> Any:
 def _basis(gpu: GpuSpec, pf: _Floats) -> _Basis:
     rep = 1.0 + pf.sp * (pf.inv_t - 1.0)
     ag = (1.0 - pf.inv_t) * _link_per_byte(gpu, pf.t)
-    return _Basis(pf.inv_t, rep, ag, ag * pf.sp)
+    return _Basis(pf.inv_t, rep, ag, ag * pf.sp, 1.0 / pf.b)
 
 
 @dataclass(frozen=True)
 class _Form:
-    """Seconds per sequence: t/t + r*rep + a*ag + s*ag_sp (scalar coefficients)."""
+    """Seconds per sequence: t/t + r*rep + a*ag + s*ag_sp + u/b (scalar coefficients)."""
 
     t: float = 0.0
     r: float = 0.0
     a: float = 0.0
     s: float = 0.0
+    u: float = 0.0
 
     def __add__(self, other: "_Form") -> "_Form":
-        return _Form(self.t + other.t, self.r + other.r, self.a + other.a, self.s + other.s)
+        return _Form(self.t + other.t, self.r + other.r, self.a + other.a, self.s + other.s, self.u + other.u)
 
     def __mul__(self, k: float) -> "_Form":
-        return _Form(self.t * k, self.r * k, self.a * k, self.s * k)
+        return _Form(self.t * k, self.r * k, self.a * k, self.s * k, self.u * k)
 
     __rmul__ = __mul__
 
@@ -271,7 +357,7 @@ class _Form:
         return _evaluate(x, (1.0, self))
 
 
-_FORM_BASIS = (("t", "inv_t"), ("r", "rep"), ("a", "ag"), ("s", "ag_sp"))
+_FORM_BASIS = (("t", "inv_t"), ("r", "rep"), ("a", "ag"), ("s", "ag_sp"), ("u", "inv_b"))
 
 
 def _evaluate(x: _Basis, *weighted: tuple[Any, _Form]) -> Any:
@@ -302,7 +388,13 @@ class LayerBytes:
     attention_core_fwd: float  # softmax + attention dropout: what selective recompute re-runs
 
 
-def layer_traffic_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerBytes:
+def layer_traffic_bytes(model: ModelSpec, activation_bytes: int = 2, fused: bool = True) -> LayerBytes:
+    """Bytes the memory-bound kernels of one layer move for one sequence. `fused`: Megatron-LM's
+    kernels (fused scale-mask-softmax, bias-GeLU, bias-dropout-add); otherwise PyTorch's eager ops,
+    one pass over memory per op, as the reference torch layer (validation/layers.py) and
+    transformers run them (bias adds ride in the GEMM epilogue either way)."""
+    if not fused:
+        return _eager_traffic_bytes(model, activation_bytes)
     A = activation_bytes
     s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
     sh, scores, sf = s * h, a * s * s, s * f
@@ -322,13 +414,67 @@ def layer_traffic_bytes(model: ModelSpec, activation_bytes: int = 2) -> LayerByt
         act_fwd, act_bwd = 2 * A * sf, 3 * A * sf
     rope = 0.0
     if model.position_embedding == "rope":  # rotate Q and K (read + write), in both passes
-        rope = 2 * A * sh * (1 + model.g / model.num_attention_heads)
+        rope = 2 * A * s * model.q * (1 + model.g / model.num_attention_heads)
     return LayerBytes(
         replicated_fwd=rep_fwd,
         replicated_bwd=rep_bwd,
         tp_fwd=softmax_fwd + dropout + act_fwd + rope,
         tp_bwd=softmax_bwd + dropout + act_bwd + rope,
         attention_core_fwd=softmax_fwd + dropout,
+    )
+
+
+def _eager_traffic_bytes(model: ModelSpec, A: int) -> LayerBytes:
+    """PyTorch eager ops, per element of the tensor each op streams (read + write bytes), counted op
+    by op on the reference layer (validation/layers.py: attention_core, ParallelAttention, GPTLayer)
+    and autograd's backward of each op. Per token and hidden unit (sh) unless named:
+
+    forward: LayerNorm read + write 2A, each; Q, K, V made contiguous from the fused QKV output
+    2A(1 + 2g/a); the context transposed back 2A; dropout read + write + mask 2A + 1 and the
+    residual add (read 2, write 1) 3A after each sub-layer; per score (as^2): scale 2A, causal
+    masked_fill 2A, softmax 2A, dropout 2A + 1 (the QK^T output and attention-over-V input belong
+    to the batched matmuls' time); per MLP element (sf): GeLU 2A (SwiGLU: SiLU 2A, product 3A).
+    backward: the gradient sum at each residual 3A, dropout 2A + 1, LayerNorm dx (read x, dy,
+    write) and its weight gradients (read x, dy) 5A, bias gradients (read dy) A per output element,
+    the transposed context 2A, and the QKV split: each of Q, K, V's select-backward zero-fills a
+    QKV-sized gradient and copies its slice, and autograd sums the three, 11A(1 + 2g/a); per score
+    dropout 2A + 1, softmax 3A, masked_fill 2A, scale 2A; GeLU 3A per sf (SwiGLU 9A).
+    RMSNorm (transformers' LlamaRMSNorm): fp32 upcast, square, mean, scale, downcast, weight:
+    4A + 28 forward, twice that backward. RoPE (transformers' apply_rotary_pos_emb: two products,
+    rotate_half, a sum) 9A per element of Q and K, in both passes.
+
+    The K22 layer, A = 2: forward 46sh + 17as^2 + 4sf, backward 122sh + 19as^2 + 8sf bytes."""
+    s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
+    sh, scores, sf = s * h, a * s * s, s * f
+    drop = 1 if model.dropout else 0
+    wq = model.q / h  # the attention width in units of h
+    qkv = wq * (1 + 2 * model.g / model.num_attention_heads)  # the QKV output in units of h
+    if model.norm == "layernorm":
+        norm_fwd, norm_bwd = 2 * A, 5 * A
+    else:
+        norm_fwd = 4 * A + 7 * FP32_BYTES
+        norm_bwd = 2 * norm_fwd
+    bias = 1 if model.bias else 0
+    mlp_in = 2 if model.mlp == "swiglu" else 1  # fc1 output width in units of f
+    rep_fwd = (2 * norm_fwd + 2 * drop * (2 * A + MASK_BYTES) + 2 * 3 * A) * sh
+    rep_bwd = (2 * 3 * A + 2 * drop * (2 * A + MASK_BYTES) + 2 * norm_bwd + bias * 2 * A) * sh
+    core_fwd = (3 * 2 * A + drop * (2 * A + MASK_BYTES)) * scores
+    core_bwd = (3 * A + 2 * 2 * A + drop * (2 * A + MASK_BYTES)) * scores
+    if model.attention == "flash":
+        core_fwd = core_bwd = 0.0
+    if model.mlp == "swiglu":
+        act_fwd, act_bwd = 5 * A * sf, 9 * A * sf
+    else:
+        act_fwd, act_bwd = 2 * A * sf, 3 * A * sf
+    rope = 9 * A * sh * wq * (1 + model.g / model.num_attention_heads) if model.position_embedding == "rope" else 0.0
+    split_fwd, split_bwd = 2 * A * qkv * sh, 11 * A * qkv * sh
+    context = 2 * A * wq * sh
+    return LayerBytes(
+        replicated_fwd=rep_fwd,
+        replicated_bwd=rep_bwd,
+        tp_fwd=split_fwd + context + core_fwd + act_fwd + rope,
+        tp_bwd=split_bwd + context + core_bwd + act_bwd + rope + bias * A * (qkv * sh + mlp_in * sf),
+        attention_core_fwd=core_fwd,
     )
 
 
@@ -354,14 +500,16 @@ class _LayerForms:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _LayerForms:
+def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron") -> _LayerForms:
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     matmul = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)
-    attention = layer_attention_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
-    by = layer_traffic_bytes(model, activation_bytes)
+    attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
+    by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
-    fwd_compute = _Form(t=matmul + attention)
+    # Each GEMM kernel: its FLOPs at matmul_efficiency plus a fixed matmul_overhead_s, paid once per
+    # micro-batch (the u/b coefficient), so large GEMMs run closer to matmul_efficiency than small.
+    fwd_compute = _Form(t=matmul + attention, u=gemms_per_layer(model, impl) * gpu.matmul_overhead_s)
     fwd_memory = _Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm)
     # Forward: 2 all-reduces (2 ag each), or with SP 2 all-gathers + 2 reduce-scatters: exposed.
     fwd_comm = _Form(a=4 * v)
@@ -419,7 +567,9 @@ def _head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> _HeadF
     # Vocabulary-parallel output: all-reduce (2 ag) forward, or with SP a reduce-scatter forward
     # and an all-gather backward: 2 ag, synchronous either way.
     return _HeadForms(
-        head_compute=_Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency)),
+        # The logits GEMM forward, its dgrad and wgrad: 3 kernels.
+        head_compute=_Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
+                           u=3 * gpu.matmul_overhead_s),
         head_memory=head_memory,
         head_comm=head_comm,
         head_comm_exposed=head_exposed,
@@ -458,11 +608,13 @@ class LayerTime:
         return self.backward_s + self.recompute_s
 
 
-def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int = 2) -> LayerTime:
-    """Forward and backward seconds of one layer for one micro-batch of plan.b sequences."""
+def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int = 2,
+               impl: str = "megatron") -> LayerTime:
+    """Forward and backward seconds of one layer for one micro-batch of plan.b sequences, run by
+    implementation `impl` (fused kernels for megatron, PyTorch eager ops otherwise)."""
     pf = _floats(plan)
     x = _basis(gpu, pf)
-    lf = _layer_forms(model, gpu, activation_bytes)
+    lf = _layer_forms(model, gpu, activation_bytes, impl)
     selective = _f(plan.recompute == Recompute.SELECTIVE)
     full = _f(plan.recompute == Recompute.FULL)
     return LayerTime(**_as_python(dict(
@@ -482,7 +634,12 @@ def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_byte
 class StepTime:
     """One training step (scalars or arrays), seconds on the bottleneck GPU unless named FLOPs.
     The exposed parts add up to step_time_s: compute + memory + tp_comm_exposed + recompute
-    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer."""
+    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer.
+
+    The pipeline bubble is reported two ways: `bubble_share` = bubble_s / step_time_s (what share
+    of the step the GPU idles in the bubble) and `bubble_over_ideal` = (p - 1)/(m M), the
+    schedule's bubble over the busy time of one stage (Narayanan et al. 2021). The latter was
+    called `bubble_fraction` before; it exceeds 100% when M < p - 1."""
 
     model_flops: Any  # per step, whole job (K22 Eq. 7 generalised)
     hardware_flops: Any  # model FLOPs + recomputation
@@ -491,8 +648,9 @@ class StepTime:
     recompute_s: Any  # the recomputed forwards (selective: attention core; full: whole layer)
     tp_comm_s: Any  # every tensor-parallel collective (forward + backward)
     tp_comm_exposed_s: Any  # the part not hidden behind GEMMs
-    bubble_fraction: Any  # (p - 1)/(m M) of the ideal pipeline time
+    bubble_over_ideal: Any  # (p - 1)/(m M): the bubble over one stage's busy time
     bubble_s: Any
+    bubble_share: Any  # bubble_s / step_time_s
     pp_comm_s: Any  # pipeline point-to-point sends (counted as exposed)
     dp_comm_s: Any  # gradient reduction (+ parameter all-gather with ZeRO 1 and 2)
     dp_comm_exposed_s: Any  # left after --overlap-grad-reduce / --overlap-param-gather
@@ -503,6 +661,8 @@ class StepTime:
     tokens_per_s: Any
     mfu: Any  # model FLOPs / (step x GPUs x peak)
     hfu: Any  # hardware FLOPs / (step x GPUs x peak)
+    calibrated: Any  # bool: the GPU, implementation and attention kernel were measured (calibration())
+    uncertainty: Any  # relative spread of step_time_s when calibrated, else None
 
 
 def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
@@ -519,23 +679,25 @@ def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
-              global_batch: Any, breakdown: bool = True) -> StepTime:
-    """Estimated time of one training step of `global_batch` sequences, its FLOPs and MFU.
+              global_batch: Any, breakdown: bool = True, impl: str = "megatron") -> StepTime:
+    """Estimated time of one training step of `global_batch` sequences, its FLOPs and MFU, with
+    the kernels of implementation `impl` (memplan impls; fused for megatron, eager otherwise).
 
-    With breakdown=False (for ranking millions of plans) only model_flops, bubble_fraction,
-    step_time_s, tokens_per_s and mfu are returned, the same numbers bit for bit; the other
-    fields are None.
+    With breakdown=False (for ranking millions of plans) only model_flops, bubble_over_ideal,
+    step_time_s, tokens_per_s, mfu, calibrated and uncertainty are returned, the same numbers bit
+    for bit; the other fields are None.
     Long 1-D arrays are evaluated in blocks of CHUNK_SIZE plans (each block vectorised)."""
     values = [getattr(plan, f.name) for f in fields(PlanValues)] + [global_batch]
     arrays = [v for v in values if isinstance(v, np.ndarray)]
     n = arrays[0].shape[0] if arrays and arrays[0].ndim == 1 else 0
     if n <= CHUNK_SIZE or any(v.shape != (n,) for v in arrays):
-        return _step_time(model, training, gpu, plan, global_batch, breakdown)
+        return _step_time(model, training, gpu, plan, global_batch, breakdown, impl)
     out: dict[str, Any] = {}
     for start in range(0, n, CHUNK_SIZE):
         block = slice(start, start + CHUNK_SIZE)
         part = _step_time(model, training, gpu, _slice_plan(plan, block),
-                          global_batch[block] if isinstance(global_batch, np.ndarray) else global_batch, breakdown)
+                          global_batch[block] if isinstance(global_batch, np.ndarray) else global_batch, breakdown,
+                          impl)
         for name, value in part.__dict__.items():
             if start == 0:
                 out[name] = np.empty(n, value.dtype) if isinstance(value, np.ndarray) else value
@@ -556,11 +718,11 @@ def _slice_plan(plan: PlanValues, block: slice) -> PlanValues:
 
 
 def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
-               global_batch: Any, breakdown: bool) -> StepTime:
+               global_batch: Any, breakdown: bool, impl: str = "megatron") -> StepTime:
     A = training.activation_bytes
     pf = _floats(plan)
     x = _basis(gpu, pf)
-    lf = _layer_forms(model, gpu, A)
+    lf = _layer_forms(model, gpu, A, impl)
     hf = _head_forms(model, gpu, A)
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
@@ -580,21 +742,28 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     per_sequence = compute + memory + tp_exposed + recompute
     ideal = bm * per_sequence
 
-    # 1F1B / interleaved pipeline bubble: (p - 1)/(m M) of the ideal time (Narayanan et al. 2021).
+    # 1F1B / interleaved pipeline bubble: (p - 1)/m slots of one stage's forward + backward of a
+    # micro-batch (Narayanan et al. 2021), i.e. (p - 1)/(m M) of a stage's busy time. The slots
+    # are the other stages' warm-up forwards and cool-down backwards, so they are priced at a
+    # stage of L/p layers without the LM head (the bottleneck stage's own time is `ideal`).
     chunk_steps = m * M
-    bubble_fraction = (p - 1.0) / chunk_steps
-    bubble = bubble_fraction * ideal
+    bubble_over_ideal = (p - 1.0) / chunk_steps
+    stage_layers = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute
+    bubble = bubble_over_ideal * (bm * stage_layers)
 
     # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
-    # and its gradient in the backward: A*sbh/t bytes per GPU with SP (each TP rank sends its
-    # sequence shard), A*sbh without (Megatron-core sends the whole tensor from every TP rank; the
-    # scatter/gather trick of Narayanan et al. 2021 section 4.1 is not modelled). Stages are t*d
+    # and its gradient in the backward. Each TP rank sends 1/t of the A*sbh tensor to its peer of
+    # the next stage: with SP its sequence shard; without SP the scatter/gather optimisation of
+    # Narayanan et al. 2021 section 4.1 (Megatron-LM's --scatter-gather-tensors-in-pipeline, on by
+    # default in the code K22 measured) splits the replicated tensor, and the receiving stage
+    # re-assembles it with an all-gather over NVLink (x.ag per byte; none with SP). Stages are t*d
     # ranks apart (Megatron rank order tp-dp-pp), so the network is used once the pipeline spans
     # more than one node. Counted as exposed on the critical path: M m + p - 1 forward slots and
-    # as many backward ones.
+    # as many backward ones. (Charging the whole A*sbh per TP rank over the network, as before,
+    # made K22 Table 5's full-recompute rows, which run without SP, 6.4 s too slow for 530B.)
     td = pf.t * d
     tdp = td * p  # GPUs
-    p2p_per_sequence = (A * s * h) * x.rep * _link_per_byte(gpu, tdp)
+    p2p_per_sequence = (A * s * h) * (pf.inv_t * _link_per_byte(gpu, tdp) + (1.0 - pf.sp) * x.ag)
     pp_comm = (1.0 - first) * (2.0 * b) * (chunk_steps + p - 1.0) * p2p_per_sequence
 
     # Data parallelism over d ranks t apart (NVLink while t*d fits a node). The stage's gradients
@@ -631,15 +800,21 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # weights, gradients and moments, write master, moments and the 16-bit weights, plus one read
     # of the gradients for the global norm used to clip them (Megatron-LM clip_grad_norm).
     moments = training.optimizer_moments * training.optimizer_state_bytes
-    update_bytes = 2 * training.master_weight_bytes + 2 * training.grad_bytes + 2 * moments + training.weight_bytes
+    # Then the 16-bit weights are copied from the master copy (read master, write weights) and the
+    # gradient buffer is zeroed for the next step (Megatron-LM Float16OptimizerWithFloat16Params:
+    # _copy_main_params_to_model_params, zero_grad_buffer): 42 bytes per parameter for bf16-mixed.
+    update_bytes = (3 * training.master_weight_bytes + 3 * training.grad_bytes + 2 * moments
+                    + training.weight_bytes)
     optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_k - 1.0))
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer
     sequences = _f(global_batch)
     gpus_peak_step = tdp * (gpu.peak_bf16_flops * step)
-    essentials = dict(model_flops=model_flops(model, global_batch), bubble_fraction=bubble_fraction,
+    cal = calibration(model, gpu, impl)
+    essentials = dict(model_flops=model_flops(model, global_batch), bubble_over_ideal=bubble_over_ideal,
                       step_time_s=step, tokens_per_s=sequences * s / step,
-                      mfu=(_model_flops_per_sequence(model) * sequences) / gpus_peak_step)
+                      mfu=(_model_flops_per_sequence(model) * sequences) / gpus_peak_step,
+                      calibrated=cal.calibrated, uncertainty=cal.uncertainty)
     if not breakdown:
         return StepTime(**_as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
     hw_flops = hardware_flops(model, plan, global_batch)
@@ -652,6 +827,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         tp_comm_s=bm * tp_comm,
         tp_comm_exposed_s=bm * tp_exposed,
         bubble_s=bubble,
+        bubble_share=bubble / step,
         pp_comm_s=pp_comm,
         dp_comm_s=grad_reduce + param_gather,
         dp_comm_exposed_s=dp_exposed,

@@ -412,12 +412,18 @@ def render_estimate(est: Estimate, console: Console) -> None:
     for note in est.notes:
         console.print(f"note: {note}")
     if est.perf is not None:
+        from memplan.perf import calibration
+
         p = est.perf
+        cal = calibration(est.config.model, est.gpu, est.inventory.name.split("/")[0])
+        calibrated = p.calibrated and cal.calibrated  # p: the kernels step_time modelled
+        spread = f" ± {p.uncertainty:.0%}" if calibrated else ""
+        label = "" if calibrated else f"[yellow]{cal.note or 'uncalibrated'}[/]; "
         console.print(
-            f"step time {p.step_time_s:.2f} s on {est.gpu.name} ({p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}): "
-            f"compute {p.compute_s:.2f} s, memory-bound {p.memory_s:.2f} s, recompute {p.recompute_s:.2f} s, "
-            f"pipeline bubble {p.bubble_s:.2f} s ({p.bubble_fraction:.1%}), TP comm exposed "
-            f"{p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
+            f"step time {p.step_time_s:.2f} s{spread} on {est.gpu.name} ({label}{p.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {p.mfu:.1%}): compute {p.compute_s:.2f} s, memory-bound {p.memory_s:.2f} s, recompute "
+            f"{p.recompute_s:.2f} s, pipeline bubble {p.bubble_s:.2f} s ({p.bubble_share:.1%} of the step), TP comm "
+            f"exposed {p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
         )
     render_peak(est, console)
     if est.budget_bytes is not None:

@@ -275,6 +275,14 @@ class GpuSpec(_Spec):
                                            "elementwise kernels")
     attention_matmul_efficiency: float = Field(gt=0, le=1, description="achieved fraction of peak in the "
                                                "unfused QK^T and attention-over-V batched matmuls")
+    matmul_overhead_s: float = Field(default=0.0, ge=0, description="fixed seconds per GEMM kernel on top of "
+                                     "its FLOPs at matmul_efficiency (last partial wave of tiles, prologue)")
+    calibration: str = Field(default="", description="the measurements the efficiencies above were fitted to; "
+                             "empty: assumed, not measured on this GPU")
+    calibrated_impls: tuple[str, ...] = Field(default=(), description="implementations (memplan impls) whose "
+                                              "kernels those measurements ran")
+    step_time_uncertainty: float = Field(default=0.0, ge=0, description="relative spread of a calibrated step "
+                                         "time against published measurements")
     memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")

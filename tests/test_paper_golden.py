@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from memplan.estimate import estimate
-from memplan.presets import load_model, make_config
+from memplan.presets import load_gpu, load_model, make_config
 from memplan.specs import Recompute
 
 SBH = 2048 * 1 * 20480
@@ -136,3 +136,46 @@ def test_selective_and_full_savings_match_k22_claims():
     sel = estimate(config("selective", 1, False), paper_only=True).per_layer_bytes
     assert round(1 - sel / none, 3) == round(1 - 34 / 98, 3)
     assert Recompute.SELECTIVE > Recompute.NONE
+
+
+# K22 Table 5: end-to-end iteration time (seconds) of the Table 3 configurations on A100 80GB
+# (22B: t=8, p=1, b=4, B=4; 175B: t=8, p=8, m=3, B=64; 530B: t=8, p=35, m=3, B=280; 1T: t=8, p=64,
+# B=512; b=1 unless named): the full-recompute baseline (tensor parallel, no SP) and the paper's
+# "present work" (SP + selective recompute). The MFU of each row follows from its time and Eq. 7,
+# 72 B L s h^2 (1 + s/(6h) + v/(12hL)) / (time x GPUs x 312e12):
+#   22B 32.3% / 41.7%, 175B 39.0% / 51.4%, 530B 43.2% / 56.0%, 1T 42.6% / 56.3% (full / present).
+# (K22's abstract quotes 42.1% / 54.2% for the 530B model on 2240 GPUs, d = 8: another run.)
+# memplan's A100 efficiencies come from Table 4 and one GEMM-overhead constant fitted to the four
+# "present work" rows (configs/gpus/a100-80gb.yaml); the four full-recompute rows are predictions.
+TABLE5 = {
+    ("gpt-22b", "full"): 1.42, ("gpt-22b", "selective"): 1.10,
+    ("gpt3-175b", "full"): 18.13, ("gpt3-175b", "selective"): 13.75,
+    ("gpt3-530b", "full"): 49.05, ("gpt3-530b", "selective"): 37.83,
+    ("gpt-1t", "full"): 94.42, ("gpt-1t", "selective"): 71.49,
+}
+
+
+def table5_estimate(name: str, recompute: str):
+    preset = load_model(name)
+    cfg = make_config(preset, parallel=dict(sp=recompute == "selective"), training=dict(recompute=recompute))
+    assert cfg.parallel.tp == 8 and cfg.training.micro_batch == (4 if name == "gpt-22b" else 1)
+    return estimate(cfg, gpu=load_gpu("a100-80gb"))
+
+
+@pytest.mark.parametrize("key", list(TABLE5))
+def test_table5_iteration_time_within_5_percent(key):
+    est = table5_estimate(*key)
+    assert est.perf.step_time_s == pytest.approx(TABLE5[key], rel=0.05)
+    # the same statement as MFU: model FLOPs (Eq. 7) over the paper's time
+    paper_mfu = est.perf.model_flops / (TABLE5[key] * est.config.parallel.gpus * 312e12)
+    assert est.perf.mfu == pytest.approx(paper_mfu, rel=0.05)
+    assert est.perf.calibrated
+
+
+@pytest.mark.parametrize("name", ["gpt-22b", "gpt3-175b", "gpt3-530b", "gpt-1t"])
+def test_table5_full_over_selective(name):
+    # Table 5's throughput increase of the present work: 22B 1.42/1.10 = 1.29, 175B 1.32,
+    # 530B 1.30, 1T 1.32 (K22 section 5: full recompute re-runs the forward, about 33% more FLOPs).
+    ratio = table5_estimate(name, "full").perf.step_time_s / table5_estimate(name, "selective").perf.step_time_s
+    paper = TABLE5[(name, "full")] / TABLE5[(name, "selective")]
+    assert ratio == pytest.approx(paper, rel=0.03)

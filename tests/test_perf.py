@@ -14,7 +14,7 @@ import pytest
 
 from memplan import perf
 from memplan.memory import PlanValues
-from memplan.presets import load_gpu, load_model
+from memplan.presets import load_gpu, load_model, make_config
 from memplan.specs import ModelSpec, TrainingSpec
 
 A100 = load_gpu("a100-80gb")
@@ -54,6 +54,12 @@ def test_model_flops_general_shapes_by_hand():
     m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
                   seq_length=16, vocab_size=100, mlp="swiglu")
     assert perf.model_flops(m, 3) == 24_256_512
+    # Heads 8 wide instead of h/a = 16 (head_dim, attention width q = 32): QKV 2*16*64*(32 + 2*32*2/4)
+    # = 131,072; projection 2*16*32*64 = 65,536; MLP 786,432; attention 4*16^2*32 = 32,768
+    # -> 1,015,808 per layer, 2,031,616 for two; + logits 204,800 = 2,236,416; x 3 = 6,709,248.
+    narrow = m.model_copy(update=dict(head_dim=8))
+    assert narrow.q == 32
+    assert perf.model_flops(narrow, 1) == 6_709_248
 
 
 def test_hardware_flops_add_the_recomputed_forward():
@@ -168,10 +174,10 @@ def test_partial_full_recompute_is_in_between():
 
 def test_bubble_shrinks_with_interleaving_and_microbatches():
     # (p - 1)/(m M): p = 4, m = 1, M = 8 -> 3/8; m = 2 -> 3/16; M = 32 -> 3/32.
-    assert step(p=4, microbatches=8).bubble_fraction == pytest.approx(3 / 8)
-    assert step(p=4, m=2, microbatches=8, recomputed_layers=6).bubble_fraction == pytest.approx(3 / 16)
-    assert step(p=4, microbatches=32).bubble_fraction == pytest.approx(3 / 32)
-    assert step(p=1, microbatches=8).bubble_fraction == 0
+    assert step(p=4, microbatches=8).bubble_over_ideal == pytest.approx(3 / 8)
+    assert step(p=4, m=2, microbatches=8, recomputed_layers=6).bubble_over_ideal == pytest.approx(3 / 16)
+    assert step(p=4, microbatches=32).bubble_over_ideal == pytest.approx(3 / 32)
+    assert step(p=1, microbatches=8).bubble_over_ideal == 0
     per_sequence = [step(p=4, microbatches=M).step_time_s / M for M in (4, 8, 16, 64)]
     assert per_sequence == sorted(per_sequence, reverse=True)
 
@@ -248,7 +254,7 @@ def test_arrays_and_scalars_agree(repeat):
             assert float(got) == getattr(one, f.name), f.name  # bit for bit (perf.TIME_DTYPE)
     lean = perf.step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat), breakdown=False)
     assert lean.compute_s is None
-    for name in ("model_flops", "bubble_fraction", "step_time_s", "tokens_per_s", "mfu"):
+    for name in ("model_flops", "bubble_over_ideal", "step_time_s", "tokens_per_s", "mfu", "calibrated", "uncertainty"):
         np.testing.assert_array_equal(getattr(lean, name), getattr(st, name))
 
 
@@ -276,3 +282,133 @@ def test_many_plans_as_arrays():
     gb = pv.b * pv.d * pv.microbatches
     st = perf.step_time(load_model("gpt3-175b").model, TRAINING, A100, pv, gb, breakdown=False)
     assert np.all((st.mfu > 0) & (st.mfu < 1))
+
+
+# --- GEMM overhead, pipeline sends, optimizer ----------------------------------------------------
+def test_gemm_overhead_is_paid_per_kernel_not_per_sequence():
+    # A GEMM costs FLOPs / (peak x matmul_efficiency) + matmul_overhead_s; Megatron-LM's layer runs
+    # 4 GEMMs forward (QKV, projection, fc1, fc2). The forward compute of b sequences is therefore
+    # b x (per-sequence FLOP time) + 4 x overhead: by hand for the 22B layer at t = 8, per sequence
+    # 24sh^2/t = 24 x 2048 x 6144^2 / 8 = 2.319e11 FLOP and attention 4s^2h/t = 1.288e10 FLOP.
+    gemm = 24 * 2048 * 6144**2 / 8 / (312e12 * A100.matmul_efficiency)
+    attention = 4 * 2048**2 * 6144 / 8 / (312e12 * A100.attention_matmul_efficiency)
+    for b in (1, 4):
+        lt = perf.layer_time(GPT22B, A100, plan(b=b))
+        expected = b * (gemm + attention) + 4 * A100.matmul_overhead_s
+        assert lt.forward_compute_s == pytest.approx(expected, rel=1e-5)
+        assert lt.backward_compute_s == pytest.approx(2 * expected, rel=1e-5)  # dgrad + wgrad: 8 GEMMs
+    # K22 Table 4's 22B forward GEMMs (b = 4) stay at step 3's 4.30 ms (module docstring).
+    assert 4 * gemm + 4 * A100.matmul_overhead_s == pytest.approx(4.30e-3, abs=0.02e-3)
+
+
+def test_pipeline_sends_split_over_the_tensor_parallel_ranks():
+    # 530B plan (t = 8, p = 35, d = 1, m = 3, M = 280): each of the M m + p - 1 = 874 forward and
+    # as many backward slots moves A*sbh = 2 x 2048 x 20480 = 83,886,080 bytes per stage boundary.
+    # Every TP rank sends 1/t of it over its own 25 GB/s HDR link (stages are 8 GPUs = one node
+    # apart) at NCCL_BUS_EFFICIENCY; without SP the receiver re-assembles the tensor with an
+    # all-gather over NVLink, (t-1)/t x A*sbh at 300 GB/s x 0.8 (Megatron-LM's scatter/gather,
+    # Narayanan et al. 2021 section 4.1).
+    m530 = load_model("gpt3-530b").model
+    vol, slots = 2 * 2048 * 20480, 2 * (280 * 3 + 35 - 1)
+    ib = vol / 8 / (25e9 * perf.NCCL_BUS_EFFICIENCY)
+    nvlink_ag = vol * 7 / 8 / (300e9 * perf.NCCL_BUS_EFFICIENCY)
+    over = dict(t=8, p=35, m=3, b=1, microbatches=280, recomputed_layers=1)
+    with_sp = perf.step_time(m530, TRAINING, A100, plan(sp=1, recompute=1, **over), 280)
+    without = perf.step_time(m530, TRAINING, A100, plan(sp=0, recompute=2, **over), 280)
+    assert with_sp.pp_comm_s == pytest.approx(slots * ib, rel=1e-5)
+    assert without.pp_comm_s == pytest.approx(slots * (ib + nvlink_ag), rel=1e-5)
+
+
+def test_optimizer_moves_42_bytes_per_parameter():
+    # Megatron-LM bf16 with fp32 main grads: grad-norm read 4; Adam reads master, grad, m, v (16)
+    # and writes master, m, v (12); the bf16 copy reads master 4 and writes 2; zeroing the grad
+    # buffer writes 4: 42 bytes per parameter of this GPU's stage, at memory-bound speed.
+    st = step(p=1)
+    params = perf._stage_params(GPT22B, plan(p=1))
+    assert st.optimizer_s == pytest.approx(params * 42 / (A100.memory_bandwidth * A100.memory_bound_efficiency),
+                                           rel=1e-5)
+
+
+# --- the pipeline bubble: a share of the step ---------------------------------------------------
+def test_bubble_share_is_a_share_of_the_step():
+    # llama3.1-405b's preset plan: p = 14, M = 2048 / 128 = 16 micro-batches, m = 1: the schedule's
+    # bubble is (p - 1)/(m M) = 13/16 = 81.25% of a stage's busy time, which is 81.25/181.25 = 45%
+    # of the stage's time at most (less: the step also has sends, DP communication, the optimizer).
+    cfg = make_config(load_model("llama3.1-405b"))
+    assert (cfg.parallel.pp, cfg.num_microbatches, cfg.parallel.vpp) == (14, 16, 1)
+    st = perf.step_time(cfg.model, cfg.training, load_gpu("h100-80gb"), PlanValues.from_config(cfg), cfg.global_batch)
+    assert st.bubble_over_ideal == pytest.approx(13 / 16)
+    assert st.bubble_share == pytest.approx(st.bubble_s / st.step_time_s)
+    assert 0.30 < st.bubble_share < 13 / 29
+
+
+# --- flash attention ------------------------------------------------------------------------------
+def test_flash_selective_recompute_charges_one_causal_flash_forward():
+    # With a flash kernel nothing K22's selective recompute drops exists (no s x s tensors); what
+    # megatron-core re-runs is the checkpointed core attention, i.e. the flash forward, to re-create
+    # its log-sum-exp. A causal flash kernel executes half of 4bs^2h/t: llama3-8b, s = 8192,
+    # h = 4096, t = 2, b = 1: 4 x 8192^2 x 4096 / 2 / 2 = 2.749e11 FLOP per layer, at the (assumed)
+    # GEMM efficiency, and no memory-bound bytes.
+    m8 = load_model("llama3-8b").model
+    assert m8.attention == "flash"
+    h100 = load_gpu("h100-80gb")
+    lt = perf.layer_time(m8, h100, plan(t=2, sp=1, b=1, recompute=1))
+    expected = 4 * 8192**2 * 4096 / 2 / 2 / (989e12 * h100.matmul_efficiency)
+    assert lt.recompute_s == pytest.approx(expected, rel=1e-5)
+    # The eager kernel of the same model re-runs the full square, softmax and masks too.
+    eager = perf.layer_time(m8.model_copy(update=dict(attention="eager")), h100, plan(t=2, sp=1, b=1, recompute=1))
+    assert eager.recompute_s > 4 * lt.recompute_s
+
+
+# --- calibration ----------------------------------------------------------------------------------
+H100_LAYER = ModelSpec(num_layers=1, hidden_size=6144, num_attention_heads=64, seq_length=2048, vocab_size=51200)
+# A K22 layer measured on an H100 in eager PyTorch (unfused attention, native dropout), forward +
+# backward in ms, no / selective / full recompute (the facts of issue 13).
+H100_MEASURED = {1: (15.2, 17.6, 20.7), 4: (58.0, 66.6, 78.9)}
+
+
+@pytest.mark.parametrize("b", sorted(H100_MEASURED))
+def test_h100_preset_reproduces_the_measured_eager_layer(b):
+    h100 = load_gpu("h100-80gb")
+    for recompute, measured in zip((0, 1, 2), H100_MEASURED[b]):
+        lt = perf.layer_time(H100_LAYER, h100, plan(t=1, b=b, recompute=recompute, recomputed_layers=1), impl="torch")
+        assert (lt.forward_s + lt.backward_with_recompute_s) * 1e3 == pytest.approx(measured, rel=0.01)
+
+
+def test_eager_layer_traffic_bytes_by_hand():
+    # validation/layers.py op by op, A = 2 (perf._eager_traffic_bytes docstring): forward 46sh +
+    # 17as^2 + 4sf, backward 122sh + 19as^2 + 8sf, against the fused kernels' 22sh + 9as^2 + 4sf and
+    # 34sh + 11as^2 + 6sf. 22B layer: sh = 12,582,912, as^2 = 268,435,456, sf = 50,331,648.
+    eager = perf.layer_traffic_bytes(GPT22B, fused=False)
+    assert eager.replicated_fwd + eager.tp_fwd == 46 * 12_582_912 + 17 * 268_435_456 + 4 * 50_331_648
+    assert eager.replicated_bwd + eager.tp_bwd == 122 * 12_582_912 + 19 * 268_435_456 + 8 * 50_331_648
+    assert eager.attention_core_fwd == 17 * 268_435_456
+
+
+def test_calibration_labels():
+    h100, h200 = load_gpu("h100-80gb"), load_gpu("h200")
+    flash = GPT22B.model_copy(update=dict(attention="flash"))
+    ok = perf.calibration(GPT22B, A100)  # K22's Megatron-LM on A100: Tables 4 and 5
+    assert ok.calibrated and ok.uncertainty == 0.05 and ok.note == ""
+    assert perf.calibration(GPT22B, h100, impl="torch").calibrated  # the measured eager layer
+    for cal in (perf.calibration(flash, A100), perf.calibration(GPT22B, h100), perf.calibration(GPT22B, A100, "hf-eager"),
+                perf.calibration(GPT22B, h200, "torch")):
+        assert not cal.calibrated and cal.uncertainty is None and cal.note.startswith("uncalibrated")
+    st = step()
+    assert st.calibrated is True and st.uncertainty == 0.05
+    st = perf.step_time(GPT22B, TRAINING, h200, plan(), 4)
+    assert st.calibrated is False and st.uncertainty is None
+
+
+# --- tensor versus pipeline parallelism -----------------------------------------------------------
+def test_tensor_parallel_peaks_at_one_node_as_measured():
+    # Narayanan et al. 2021 section 5.4.1, Figure 13: a 161B GPT (32 layers, h = 20480, 128 heads)
+    # on 64 A100s, t x p = 64, batch 32 and 128: throughput peaks at t = 8 (one DGX node), p = 8,
+    # above t = 4, p = 16 and t = 2, p = 32 (and far above t = 16 or 32 across nodes).
+    m161 = ModelSpec(num_layers=32, hidden_size=20480, num_attention_heads=128, seq_length=2048, vocab_size=51200)
+    for batch in (32, 128):
+        times = {t: perf.step_time(m161, TRAINING, A100, plan(t=t, p=64 // t, b=1, recompute=2,
+                                                             recomputed_layers=32 // (64 // t), microbatches=batch),
+                                   batch).step_time_s
+                 for t in (2, 4, 8, 16, 32)}
+        assert min(times, key=times.get) == 8
