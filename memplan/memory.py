@@ -62,7 +62,8 @@ class TermBytes:
 
             b, t, sp = np.broadcast_arrays(b, t, sp)
             key = (b * (2 * int(t.max()) + 2) + 2 * t + sp).ravel()
-            uniq, first, self.index = np.unique(key, return_index=True, return_inverse=True)
+            uniq, first, index = np.unique(key, return_index=True, return_inverse=True)
+            self.index = index.reshape(b.shape)  # gathered values keep the plan's (broadcast) shape
             b, t, sp = b.ravel()[first], t.ravel()[first], sp.ravel()[first]
         self.values, self.sp = model.symbols(b=b, t=t), sp
         self._cache: dict[Any, Any] = {}

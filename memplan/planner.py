@@ -11,24 +11,62 @@ The space (each plan distinct and launchable with Megatron-LM):
   recompute none, selective, or full on N = 1 .. L/(pm) layers per chunk (block method);
   ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0), each
      sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
+
+How every plan is evaluated, exactly and fast (`PlanSpace`, `search`)
+---------------------------------------------------------------------
+The space is a table: a row is a plan without its ZeRO variant (t, p, d, m, b, M, SP, recompute,
+recomputed layers) and the columns are the ZeRO variants of the row's d. Memory and step time are
+the functions `estimate` uses (`stage_memory`, `step_events`, `device_memory`, `perf.step_time`),
+called on row arrays of shape (rows, 1) broadcast against column arrays of shape (rows, columns):
+what depends on the row only (the activations, most of the step time) is computed once per row,
+what depends on the ZeRO variant once per element. Integers stay integers and every float32 step
+time is computed element by element as in a flat array, so each plan's numbers are the same, bit
+for bit, as when it is evaluated alone (`evaluate`; tests/test_planner_exhaustive.py checks every
+plan of several spaces).
+
+Full recompute of k = 1 .. n layers per chunk makes most of the rows. Every moment of the step
+timeline and the retained bytes are affine in k for 1 <= k <= n - 1 (memplan/timeline.py: the
+saved layers are min(j, k) recomputed + the rest, at the critical layers n, k, k + 1 and 1, and
+the copies in flight are k x kept + (n - k) x kept-if-not-recomputed), so those rows are
+evaluated at k = 1 and k = 2 and the other k follow as value(1) + (k - 1) x slope, exactly in
+integers; k = n - 1 is still evaluated directly and checked against the line (a mismatch turns the
+shortcut off for that part of the space), and k = n directly. The device memory grows with the
+step peak (`device_memory` is monotone in it), so a plan fits exactly when its peak lies between
+two thresholds found once per (t, p, d) by bisection on `device_memory` itself; with the peak
+affine per moment, the k that fit are an interval computed from the moments, not per k.
+
+Every plan's fit is thus decided and counted, and every plan's step time computed (for the
+fastest plan over the budget); the top plans and the misses are then re-evaluated one by one with
+`evaluate` for their rows. `SearchResult.evaluated` (all plans' numbers, for plots) is filled on
+first use. `search(..., reference=True)` runs the plain evaluation of every plan in chunks, the
+oracle the tests compare with.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
-from memplan.terms import HF_IMPLS, inventory_for
+from memplan.terms import HF_IMPLS, Inventory, inventory_for
 from memplan.timeline import device_memory, step_events
 
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0] if n > 0 else []
+    return tuple(small + [n // i for i in reversed(small) if i * i != n])
+
+
 def divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+    return list(_divisors(n))
 
 
 @dataclass(frozen=True)
@@ -47,22 +85,121 @@ class Fixed:
     zero_shard: Optional[int] = None
 
 
-def _pick(values: list[int], fixed: Optional[int]) -> list[int]:
+def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
     return [v for v in values if fixed is None or v == fixed]
 
 
-def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fixed(),
-                    max_tp: int = 8, impl: str = "megatron") -> PlanValues:
-    """All valid plans as int64 arrays (one element per plan). transformers (`hf-*`) runs a model
-    whole on each data-parallel rank: t = p = 1 and no selective recompute."""
+# --- the space as rows x ZeRO columns ----------------------------------------------------------
+ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k")
+
+
+@dataclass(frozen=True)
+class PlanSpace:
+    """Every valid plan, as a table: rows (t, p, d, m, b, M, SP, recompute, recomputed layers: 1-D
+    int64 arrays) x the ZeRO variants (stage, shard group) of the row's d. Plan numbers (indices)
+    follow `enumerate_plans`' order: for t, p, b, m (a "group"), then SP, ZeRO variant, recompute
+    variant, so the plan in row r, column c is number base[r] + c * stride[r]."""
+
+    rows: dict[str, np.ndarray]  # ROW_FIELDS, one element per row
+    dix: np.ndarray  # per row: index of its d in the ZeRO tables
+    zero_table: np.ndarray  # (distinct d, most variants): ZeRO stage of each column (padded with column 0)
+    shard_table: np.ndarray  # the same for the shard group
+    zcount: np.ndarray  # (distinct d,): variants of each d
+    base: np.ndarray  # per row: plan number of column 0
+    stride: np.ndarray  # per row: plan numbers from one column to the next (the group's recompute variants)
+    block: np.ndarray  # per row: its (t, p) block
+    block_row: np.ndarray  # per block: its first row
+    group_offset: np.ndarray  # per group: plan number of its first plan
+    group_row: np.ndarray  # per group: its first row
+    group_z: np.ndarray  # per group: ZeRO variants
+    group_r: np.ndarray  # per group: recompute variants
+    k1_row: np.ndarray  # per row: the row of full recompute of 1 layer in its (group, SP) set, -1 if none
+    derivable: np.ndarray  # per row: full recompute of 3 <= k <= n - 1 layers in a set with k = 1 .. n
+    chunk_layers: np.ndarray  # per row: n = L/(pm), layers per model chunk
+    count: int  # plans
+
+    @property
+    def row_count(self) -> int:
+        return len(self.base)
+
+    @property
+    def max_micro_batch(self) -> int:
+        return int(self.rows["b"].max())
+
+    def columns(self, rows: np.ndarray) -> np.ndarray:
+        """Number of ZeRO variants of each row."""
+        return self.zcount[self.dix[rows]]
+
+    def plans2d(self, rows: np.ndarray, width: int) -> PlanValues:
+        """The plans of `rows` (first `width` columns) as arrays of shape (rows, 1) for what the
+        row decides and (rows, width) for the ZeRO stage and shard group."""
+        r = {name: self.rows[name][rows][:, None] for name in ROW_FIELDS}
+        zero = self.zero_table[self.dix[rows], :width]
+        shard = self.shard_table[self.dix[rows], :width]
+        return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=zero, shard=shard, b=r["b"],
+                          recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"])
+
+    def row_plans(self, rows: np.ndarray) -> PlanValues:
+        """The rows as 1-D plans (ZeRO stage 0 over d: for what depends on t, p and d only)."""
+        r = {name: self.rows[name][rows] for name in ROW_FIELDS}
+        return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=0 * r["d"], shard=r["d"],
+                          b=r["b"], recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"])
+
+    def locate(self, index: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(row, column) of plan numbers."""
+        index = np.asarray(index, dtype=np.int64)
+        g = np.searchsorted(self.group_offset, index, side="right") - 1
+        q = index - self.group_offset[g]
+        R, Z = self.group_r[g], self.group_z[g]
+        r_i = q % R
+        rest = q // R
+        col = rest % Z
+        return self.group_row[g] + (rest // Z) * R + r_i, col
+
+    def take(self, index: Any) -> PlanValues:
+        """Plans by number, as 1-D arrays (the flat form `evaluate` takes)."""
+        row, col = self.locate(index)
+        r = {name: self.rows[name][row] for name in ROW_FIELDS}
+        d = self.dix[row]
+        return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=self.zero_table[d, col],
+                          shard=self.shard_table[d, col], b=r["b"], recompute=r["rec"], recomputed_layers=r["k"],
+                          microbatches=r["M"])
+
+    def flat(self) -> PlanValues:
+        """Every plan as 1-D arrays, in plan-number order."""
+        return self.take(np.arange(self.count, dtype=np.int64))
+
+    def numbers(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """Plan numbers of the first `width` columns of `rows` (columns past a row's variants: -1)."""
+        cols = np.arange(width, dtype=np.int64)
+        out = self.base[rows][:, None] + cols * self.stride[rows][:, None]
+        return np.where(cols < self.columns(rows)[:, None], out, -1)
+
+
+def _recompute_variants(n: int, hf: bool, fixed: Fixed) -> list[tuple[int, int]]:
+    recompute = [(int(Recompute.NONE), n)] + ([] if hf else [(int(Recompute.SELECTIVE), n)]) + [
+        (int(Recompute.FULL), k) for k in range(1, n + 1)]
+    if fixed.recompute is not None:
+        recompute = [r for r in recompute if r[0] == fixed.recompute]
+    if fixed.recompute_num_layers is not None:
+        recompute = [r for r in recompute if r[0] == Recompute.FULL and r[1] == fixed.recompute_num_layers]
+    return recompute
+
+
+def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fixed(), max_tp: int = 8,
+               impl: str = "megatron") -> PlanSpace:
+    """All valid plans (see the module docstring) as a `PlanSpace`. transformers (`hf-*`) runs a
+    model whole on each data-parallel rank: t = p = 1 and no selective recompute."""
     check_gpus(gpus)
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
     if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp):
         raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {fixed.tp}*{fixed.pp} = {fixed.tp * fixed.pp}")
-    blocks: list[np.ndarray] = []
     hf = impl in HF_IMPLS
-    for t in _pick([t for t in divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
-        for p in _pick([p for p in divisors(L) if p == 1 or not hf], fixed.pp):
+    groups: list[tuple[int, ...]] = []  # t, p, d, b, M, m, n, first SP value, SP variants
+    zero_lists: dict[int, list[tuple[int, int]]] = {}
+    rec_lists: dict[int, list[tuple[int, int]]] = {}
+    for t in _pick([t for t in _divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
+        for p in _pick([p for p in _divisors(L) if p == 1 or not hf], fixed.pp):
             if gpus % (t * p):
                 continue
             d = gpus // (t * p)
@@ -71,40 +208,102 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
             sps = [0] if t == 1 else [x for x in (0, 1) if x == 0 or s % t == 0]
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
-            zeros = [(z, k) for z in _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
-                     for k in ([d] if z == 0 else [k for k in divisors(d) if k > 1])
-                     if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
-            for b in _pick(divisors(global_batch // d), fixed.micro_batch):
+            if d not in zero_lists:
+                zero_lists[d] = [(z, k) for z in _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
+                                 for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1])
+                                 if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
+            if not (sps and zero_lists[d]):
+                continue
+            for b in _pick(_divisors(global_batch // d), fixed.micro_batch):
                 M = global_batch // (d * b)
-                for m in _pick(divisors(L // p) if p > 1 else [1], fixed.vpp):
+                for m in _pick(_divisors(L // p) if p > 1 else (1,), fixed.vpp):
                     if m > 1 and M % p:
                         continue
                     n = L // (p * m)
-                    recompute = [(Recompute.NONE, n)] + ([] if hf else [(Recompute.SELECTIVE, n)]) + [
-                        (Recompute.FULL, k) for k in range(1, n + 1)
-                    ]
-                    if fixed.recompute is not None:
-                        recompute = [r for r in recompute if r[0] == fixed.recompute]
-                    if fixed.recompute_num_layers is not None:
-                        recompute = [r for r in recompute if r[0] == Recompute.FULL and r[1] == fixed.recompute_num_layers]
-                    if not (sps and zeros and recompute):
-                        continue
-                    inner = np.array(
-                        [(sp, z, k, int(r), n_rec) for sp in sps for z, k in zeros for r, n_rec in recompute],
-                        dtype=np.int64
-                    )
-                    head = np.array([t, p, d, m, b, M], dtype=np.int64)
-                    blocks.append(np.hstack([np.broadcast_to(head, (len(inner), 6)), inner]))
-    if not blocks:
+                    if n not in rec_lists:
+                        rec_lists[n] = _recompute_variants(n, hf, fixed)
+                    if rec_lists[n]:
+                        groups.append((t, p, d, b, M, m, n, sps[0], len(sps)))
+    if not groups:
         raise MemplanError(
             f"no plan of {model.name} divides {gpus} GPUs with global batch {global_batch}"
             + (" and the pinned dimensions" if any(v is not None for v in fixed.__dict__.values()) else "")
             + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p) must divide the batch)"
         )
-    cols = np.vstack(blocks).T
-    t, p, d, m, b, M, sp, zero, shard, rec, k = cols
-    return PlanValues(t=t, p=p, d=d, m=m, sp=sp, zero=zero, shard=shard, b=b, recompute=rec,
-                      recomputed_layers=k, microbatches=M)
+    gt, gp, gd, gb, gM, gm, gn, gsp0, gS = (np.array(col, dtype=np.int64) for col in zip(*groups))
+
+    # ZeRO variants of each d that has plans, padded with the first variant
+    ds = list(dict.fromkeys(gd.tolist()))
+    width = max(len(zero_lists[d]) for d in ds)
+    zero_table = np.array([[z for z, _ in zero_lists[d]] + [zero_lists[d][0][0]] * (width - len(zero_lists[d]))
+                           for d in ds], dtype=np.int64)
+    shard_table = np.array([[k for _, k in zero_lists[d]] + [zero_lists[d][0][1]] * (width - len(zero_lists[d]))
+                            for d in ds], dtype=np.int64)
+    zcount = np.array([len(zero_lists[d]) for d in ds], dtype=np.int64)
+    d_index = {d: i for i, d in enumerate(ds)}
+    gdix = np.array([d_index[d] for d in gd.tolist()], dtype=np.int64)
+    gZ = zcount[gdix]
+
+    # recompute variants per n, concatenated; where full recompute covers k = 1 .. n in order
+    rec_offset: dict[int, int] = {}
+    codes: list[int] = []
+    ks: list[int] = []
+    for n, variants in rec_lists.items():
+        rec_offset[n] = len(codes)
+        codes += [c for c, _ in variants]
+        ks += [k for _, k in variants]
+    rec_codes, rec_ks = np.array(codes, dtype=np.int64), np.array(ks, dtype=np.int64)
+    full_first = {n: _full_first(v, n) for n, v in rec_lists.items()}
+    gR = np.array([len(rec_lists[n]) for n in gn.tolist()], dtype=np.int64)
+    groff = np.array([rec_offset[n] for n in gn.tolist()], dtype=np.int64)
+    gfull = np.array([full_first[n] for n in gn.tolist()], dtype=np.int64)
+
+    gblock = np.concatenate(([0], np.cumsum((gt[1:] != gt[:-1]) | (gp[1:] != gp[:-1])))).astype(np.int64)
+    per_group_rows = gS * gR
+    group_row = np.concatenate(([0], np.cumsum(per_group_rows)[:-1])).astype(np.int64)
+    per_group_plans = per_group_rows * gZ
+    group_offset = np.concatenate(([0], np.cumsum(per_group_plans)[:-1])).astype(np.int64)
+    nrows = int(per_group_rows.sum())
+
+    gi = np.repeat(np.arange(len(groups), dtype=np.int64), per_group_rows)
+    q = np.arange(nrows, dtype=np.int64) - group_row[gi]
+    R = gR[gi]
+    sp_i = q // R
+    r_i = q - sp_i * R
+    rec = rec_codes[groff[gi] + r_i]
+    k = rec_ks[groff[gi] + r_i]
+    n_row = gn[gi]
+    # rows of full recompute whose value follows from the rows of k = 1 and 2 (module docstring)
+    in_set = gfull[gi] >= 0
+    k1_row = np.where(in_set, np.arange(nrows, dtype=np.int64) - r_i + gfull[gi], -1)
+    derivable = in_set & (rec == Recompute.FULL) & (k >= 3) & (k <= n_row - 1)
+    rows = dict(t=gt[gi], p=gp[gi], d=gd[gi], m=gm[gi], b=gb[gi], M=gM[gi], sp=gsp0[gi] + sp_i, rec=rec, k=k)
+    return PlanSpace(
+        rows=rows, dix=gdix[gi], zero_table=zero_table, shard_table=shard_table, zcount=zcount,
+        base=group_offset[gi] + sp_i * gZ[gi] * R + r_i, stride=R, block=gblock[gi],
+        block_row=group_row[np.searchsorted(gblock, np.arange(gblock[-1] + 1))], group_offset=group_offset,
+        group_row=group_row, group_z=gZ, group_r=gR, k1_row=k1_row, derivable=derivable,
+        chunk_layers=n_row, count=int(per_group_plans.sum()),
+    )
+
+
+def _full_first(variants: list[tuple[int, int]], n: int) -> int:
+    """Position of full recompute of 1 layer when the variants hold full recompute of k = 1 .. n
+    in order and n >= 4 (so that some k lie strictly between 2 and n); else -1."""
+    if n < 4:
+        return -1
+    for i, (code, k) in enumerate(variants):
+        if code == Recompute.FULL and k == 1:
+            run = variants[i:i + n]
+            return i if run == [(int(Recompute.FULL), j) for j in range(1, n + 1)] else -1
+    return -1
+
+
+def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fixed(),
+                    max_tp: int = 8, impl: str = "megatron") -> PlanValues:
+    """All valid plans as int64 arrays (one element per plan). transformers (`hf-*`) runs a model
+    whole on each data-parallel rank: t = p = 1 and no selective recompute."""
+    return plan_space(model, gpus, global_batch, fixed, max_tp, impl).flat()
 
 
 @dataclass(frozen=True)
@@ -148,6 +347,381 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps)
 
 
+# --- memory of the whole space ------------------------------------------------------------------
+MEMORY_FIELDS = ("device_bytes", "peak_bytes", "first_stage_peak_bytes", "last_stage_peak_bytes", "retained_bytes")
+TIME_FIELDS = ("step_time_s", "mfu", "tokens_per_s")
+
+
+@dataclass
+class _Part:
+    """Rows of the space evaluated together, `width` columns wide (the most ZeRO variants of their
+    d's). Its direct rows are evaluated by `stage_memory` and `step_events`; a derived row (full
+    recompute of 3 <= k <= n - 1 layers) takes the moments of its set's rows of k = 1 ("line") and
+    k = 2 as value(1) + (k - 1) x slope."""
+
+    rows: np.ndarray  # row numbers of the space, ascending
+    width: int
+    direct: np.ndarray  # row numbers evaluated directly
+    src: np.ndarray  # per row: position in `direct` of itself, or of its k = 1 row when derived
+    delta: np.ndarray  # per row: k - 1 when derived, else 0
+    derived: np.ndarray  # per row
+    line_of: np.ndarray  # per direct row: its line number when it is the k = 1 row of a set with derived rows, else -1
+    lines: np.ndarray  # per line: position in `direct` of the rows of k = 1
+    seconds: np.ndarray  # per line: position in `direct` of the rows of k = 2
+    check: np.ndarray  # positions in `direct` of rows of k = n - 1 evaluated to check the shortcut (one per block)
+    # filled by _part_memory (per stage: first, last)
+    peaks: list[np.ndarray] = field(default_factory=list)  # direct rows x columns: the stage's step peak
+    retained: list[np.ndarray] = field(default_factory=list)  # direct rows x columns: the stage's retained bytes
+    moments: list[list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=list)  # per stage, per moment:
+    # (value at k = 1, slope) of each line x columns
+    retained_lines: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    limits: tuple[np.ndarray, ...] = ()  # per direct row x column: the range of delta that fits (lo, hi[, lo0, hi0])
+
+
+# Relative costs of evaluating a part (measured on a 2-core machine): the calls themselves, and each
+# element of the direct rows' memory (table: every moment on every element; separable: a few
+# additions) and of every row's step time. The units (one d, p = 1 or not) are merged into one
+# part, their rows padded to the widest, while that costs less than calling again.
+PART_CALL_NS = 2_000_000
+MEMORY_ELEMENT_NS = {"table": 250, "separable": 15}
+TIME_ELEMENT_NS = 25
+PART_ELEMENTS = 1 << 21  # rows x columns of a part: bounds the memory a part's arrays take
+
+
+def _parts(space: PlanSpace, separable: bool) -> list[_Part]:
+    """The rows in parts: those of one d always together, widest first (see PART_CALL_NS); rows of
+    p = 1 apart from the others (their first stage is the last: one stage to evaluate)."""
+    memory_ns = MEMORY_ELEMENT_NS["separable" if separable else "table"]
+    alone = space.rows["p"] == 1
+    unit_of = 2 * space.dix + alone
+    units, unit_rows = np.unique(unit_of, return_counts=True)
+    unit_width = space.zcount[units // 2]
+    unit_direct = unit_rows - np.bincount(unit_of, weights=space.derivable, minlength=2 * len(space.zcount))[units]
+    groups: list[list[int]] = []
+    for kind in (1, 0):
+        width = rows = 0
+        start = len(groups)
+        for u in np.argsort(-unit_width, kind="stable"):
+            if units[u] % 2 != kind:
+                continue
+            w, r, dr = int(unit_width[u]), int(unit_rows[u]), float(unit_direct[u])
+            padding_ns = (width - w) * (memory_ns * dr + TIME_ELEMENT_NS * r)
+            if len(groups) > start and padding_ns < PART_CALL_NS and (rows + r) * width <= PART_ELEMENTS:
+                groups[-1].append(int(units[u]))
+                rows += r
+            else:
+                groups.append([int(units[u])])
+                width, rows = w, r
+    return [_make_part(space, np.flatnonzero(np.isin(unit_of, us)), int(space.zcount[np.array(us) // 2].max()),
+                       collapse=True) for us in groups]
+
+
+def _make_part(space: PlanSpace, rows: np.ndarray, width: int, collapse: bool) -> _Part:
+    derived = space.derivable[rows].copy() if collapse else np.zeros(len(rows), dtype=bool)
+    k, n = space.rows["k"][rows], space.chunk_layers[rows]
+    # in each (t, p) block, one row of k = n - 1 (of the largest n) is evaluated directly as well, to
+    # check the shortcut against
+    last = np.flatnonzero(derived & (k == n - 1))
+    last = last[np.lexsort((-n[last], space.block[rows[last]]))]
+    pick = last[np.unique(space.block[rows[last]], return_index=True)[1]]
+    derived[pick] = False
+    check_rows = rows[pick]
+    direct = rows[~derived]
+    pos = np.full(space.row_count, -1, dtype=np.int64)
+    pos[direct] = np.arange(len(direct), dtype=np.int64)
+    k1 = space.k1_row[rows]
+    src = np.where(derived, pos[np.maximum(k1, 0)], pos[rows])
+    line_rows = np.unique(k1[derived])
+    line_of = np.full(len(direct), -1, dtype=np.int64)
+    line_of[pos[line_rows]] = np.arange(len(line_rows), dtype=np.int64)
+    return _Part(rows, width, direct, src, np.where(derived, k - 1, 0), derived, line_of, pos[line_rows],
+                 pos[line_rows + 1], pos[check_rows])
+
+
+def _part_memory(part: _Part, space: PlanSpace, model: ModelSpec, training: TrainingSpec,
+                 inventory: Inventory) -> bool:
+    """Evaluate the part's direct rows: the step peak and the retained bytes of both stages (one
+    when every row has p = 1: the first stage is the last), and every moment of the lines. False
+    when the check of the affine shortcut fails."""
+    single = bool(np.all(space.rows["p"][part.direct] == 1))
+    moments = None
+    if inventory.grad_lifetime == "buffer":
+        moments = _separable_moments(part, space, model, training, inventory, single)
+    if moments is None:
+        moments = _cross_moments(part, space, model, training, inventory, single)
+    part.peaks, part.retained, part.moments, part.retained_lines = [], [], [], []
+    holds = True
+    check = part.check
+    if len(check):
+        k1 = space.k1_row[part.direct[check]]
+        one = np.searchsorted(part.direct, k1)
+        two = np.searchsorted(part.direct, k1 + 1)
+        steps = (space.rows["k"][part.direct[check]] - 1)[:, None]
+    for events, retained in moments:
+        lines = []
+        for v in events + [retained]:
+            if len(check) and holds:
+                first = v.at(one)
+                holds = np.array_equal(v.at(check), first + (v.at(two) - first) * steps)
+            lines.append(v.line(part))
+        part.moments.append(lines[:-1])
+        part.retained_lines.append(lines[-1])
+        part.peaks.append(_Values.peak(events))
+        part.retained.append(retained.full())
+    if single:
+        part.peaks, part.retained = part.peaks * 2, part.retained * 2
+        part.moments, part.retained_lines = part.moments * 2, part.retained_lines * 2
+    return holds
+
+
+class _Values:
+    """A moment's bytes for a part's direct rows x columns: `full` (rows x columns) or, when
+    separable, row values (rows x 1) + per-block column values gathered by the rows' blocks."""
+
+    def __init__(self, full: Optional[np.ndarray] = None, rows: Optional[np.ndarray] = None,
+                 blocks: Optional[np.ndarray] = None, block_of: Optional[np.ndarray] = None,
+                 peak: Optional[np.ndarray] = None) -> None:
+        self._full, self.rows, self.blocks, self.block_of, self._peak = full, rows, blocks, block_of, peak
+
+    def at(self, index: np.ndarray) -> np.ndarray:
+        if self._full is not None:
+            return self._full[index]
+        return self.rows[index] + self.blocks[self.block_of[index]]
+
+    def full(self) -> np.ndarray:
+        return self._full if self._full is not None else self.at(np.arange(len(self.rows)))
+
+    def line(self, part: _Part) -> tuple[np.ndarray, np.ndarray]:
+        """(value at k = 1, slope per layer) of each line (per block, the row values' difference)."""
+        first = self.at(part.lines)
+        if self._full is not None:
+            return first, self._full[part.seconds] - first
+        return first, self.rows[part.seconds] - self.rows[part.lines]
+
+    @staticmethod
+    def peak(events: list["_Values"]) -> np.ndarray:
+        """The largest moment of each row and column. Separable moments with equal block values are
+        combined first: max(a + d, b + d) = max(a, b) + d."""
+        if events[0]._peak is not None:
+            return events[0]._peak
+        if events[0]._full is not None:
+            out = events[0]._full
+            for v in events[1:]:
+                out = np.maximum(out, v._full)
+            return out
+        groups: list[tuple[np.ndarray, np.ndarray]] = []  # (block values, largest row values)
+        for v in events:
+            for i, (blocks, rows) in enumerate(groups):
+                if np.array_equal(blocks, v.blocks):
+                    groups[i] = (blocks, np.maximum(rows, v.rows))
+                    break
+            else:
+                groups.append((v.blocks, v.rows))
+        block_of = events[0].block_of
+        out = None
+        for blocks, rows in groups:
+            x = rows + blocks[block_of]
+            out = x if out is None else np.maximum(out, x)
+        return out
+
+
+def _stages(plans: PlanValues, single: bool) -> tuple[Any, int]:
+    """The stages evaluated, as one argument: the first (= the last when every row has p = 1), or
+    the first and the last stacked on a leading axis, so that one call evaluates both."""
+    if single:
+        return 0, 1
+    last = plans.p - 1
+    return np.stack((0 * last, last)), 2
+
+
+def _by_stage(value: Any, count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """A result of a call with `_stages`, one array of `shape` per stage."""
+    return list(np.broadcast_to(value, (count,) + shape))
+
+
+def _cross_moments(part: _Part, space: PlanSpace, model: ModelSpec, training: TrainingSpec,
+                   inventory: Inventory, single: bool) -> list[tuple[list[_Values], _Values]]:
+    """Every moment for every direct row x column (`step_events` on the whole table)."""
+    plans = space.plans2d(part.direct, part.width)
+    shape = (len(part.direct), part.width)
+    stage, count = _stages(plans, single)
+    mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
+    steps = step_events(model, inventory, training, plans, mem, stage, critical=True)
+    events = list(zip(*(_by_stage(e.bytes, count, shape) for e in steps.events)))
+    out = []
+    for s, (peak, total) in enumerate(zip(_by_stage(steps.peak_bytes, count, shape),
+                                         _by_stage(mem.total, count, shape))):
+        values = [_Values(v) for v in events[s]]
+        values[0]._peak = peak
+        out.append((values, _Values(total)))
+    return out
+
+
+def _separable_moments(part: _Part, space: PlanSpace, model: ModelSpec, training: TrainingSpec,
+                       inventory: Inventory, single: bool) -> Optional[list[tuple[list[_Values], _Values]]]:
+    """With a gradient buffer, the ZeRO variant changes a moment's bytes only through the states
+    (weights, gradients, optimizer and its temporaries), which depend on t, p and the variant, not
+    on the rest of the row: bytes(row, variant) = bytes(row, column 0) + [bytes(r, variant) -
+    bytes(r, column 0)] for any row r of the same (t, p) block. So `step_events` runs on the rows
+    with column 0, and on one row per block with every column; three more rows per block (spread
+    over its micro-batches, chunks and recompute modes), evaluated with every column too, check the
+    split (None when it does not hold: evaluate the whole table)."""
+    blocks, block_of = np.unique(space.block[part.direct], return_inverse=True)
+    # rows are numbered block by block, so each block's direct rows are consecutive
+    r0 = np.searchsorted(block_of, np.arange(len(blocks)), side="left")
+    r1 = np.searchsorted(block_of, np.arange(len(blocks)), side="right") - 1
+    checks = np.concatenate([r0 + (r1 - r0) * i // 3 for i in (1, 2, 3)])
+    nb = len(blocks)
+    rows = space.plans2d(part.direct, 1)
+    probe = space.plans2d(part.direct[np.concatenate((r0, checks))], part.width)
+    results = []
+    for plans in (rows, probe):
+        stage, count = _stages(plans, single)
+        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
+        steps = step_events(model, inventory, training, plans, mem, stage, critical=True)
+        results.append([e.bytes for e in steps.events] + [mem.total])
+    if len(results[0]) != len(results[1]):
+        return None
+    out: list[list[_Values]] = [[] for _ in range(count)]
+    for x, y in zip(*results):
+        xs = _by_stage(x, count, (len(part.direct), 1))
+        ys = _by_stage(y, count, (4 * nb, part.width))
+        for s in range(count):
+            step = ys[s][:nb] - ys[s][:nb, :1]
+            if not (np.array_equal(ys[s][:nb, :1], xs[s][r0])
+                    and np.array_equal(ys[s][nb:], xs[s][checks] + np.tile(step, (3, 1)))):
+                return None
+            out[s].append(_Values(rows=xs[s], blocks=step, block_of=block_of))
+    return [(values[:-1], values[-1]) for values in out]
+
+
+def _memory_ready(part: _Part, space: PlanSpace, model: ModelSpec, training: TrainingSpec,
+                  inventory: Inventory) -> _Part:
+    """The part with its memory evaluated (every row directly where the check of the shortcut fails)."""
+    if not _part_memory(part, space, model, training, inventory):
+        part = _make_part(space, part.rows, part.width, collapse=False)
+        _part_memory(part, space, model, training, inventory)
+    return part
+
+
+def _peak_limits(rows: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec], margin: Optional[float],
+                 budget_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (its t, p and d): the lowest step peak whose device memory is positive and the highest
+    whose device memory is within the budget (-1 if none): the two ends of `_fits`, found by
+    bisection on `device_memory`, which grows with the peak."""
+
+    def device(peak: np.ndarray) -> np.ndarray:
+        return np.asarray(device_memory(peak, rows, inventory, gpu, margin).total, dtype=np.int64) + 0 * peak
+
+    shape = np.shape(rows.t)
+    limit = np.int64(1 << 62)
+    lo = np.full(shape, -1, dtype=np.int64)  # device(lo) <= budget, or -1
+    hi = np.full(shape, max(int(budget_bytes), 1), dtype=np.int64)  # device(hi) > budget, once widened
+    while True:
+        low = device(hi) <= budget_bytes
+        if not low.any():
+            break
+        if np.any(low & (hi >= limit)):
+            raise MemplanError("the budget is beyond the search's 64-bit arithmetic")
+        lo, hi = np.where(low, hi, lo), np.where(low, np.minimum(hi * 2, limit), hi)
+    highest, _ = _bisect(lambda x: device(x) <= budget_bytes, lo, hi)
+    positive_at_zero = device(np.zeros(shape, dtype=np.int64)) > 0
+    _, lowest = _bisect(lambda x: device(x) <= 0, np.full(shape, -1, dtype=np.int64),
+                        np.where(positive_at_zero, 0, limit))
+    return lowest, highest
+
+
+def _bisect(low: Callable[[np.ndarray], np.ndarray], lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Narrow lo < hi (low(lo) true or lo = -1; low(hi) false) to hi = lo + 1."""
+    while np.any(hi - lo > 1):
+        mid = lo + (hi - lo) // 2
+        ok = low(mid)
+        wide = hi - lo > 1
+        lo, hi = np.where(wide & ok, mid, lo), np.where(wide & ~ok, mid, hi)
+    return lo, hi
+
+
+def _delta_range(lines: list[tuple[np.ndarray, np.ndarray]], limit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each line and column, the delta >= 0 for which every moment, value + slope x delta, is at
+    most `limit` (per line): [lo, hi], empty when lo > hi."""
+    shape = np.broadcast_shapes(lines[0][0].shape, limit.shape)
+    lo = np.zeros(shape, dtype=np.int64)
+    hi = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+    for value, slope in lines:
+        room = limit - value
+        up, down = slope > 0, slope < 0
+        safe = np.where(up | down, slope, 1)
+        hi = np.where(up, np.minimum(hi, room // safe), hi)
+        lo = np.where(down, np.maximum(lo, -((-room) // safe)), lo)
+        hi = np.where((room < 0) & ~up & ~down, -1, hi)
+    return lo, hi
+
+
+def _block_limits(space: PlanSpace, inventory: Inventory, gpu: Optional[GpuSpec], margin: Optional[float],
+                  budget_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_peak_limits` of every (t, p) block of the space."""
+    return _peak_limits(space.row_plans(space.block_row), inventory, gpu, margin, budget_bytes)
+
+
+def _part_limits(part: _Part, space: PlanSpace, limits: tuple[np.ndarray, np.ndarray]) -> None:
+    """Per direct row and column, the range of delta that fits: [0, max] or empty for a row on its
+    own, the interval of its derived rows for a line."""
+    block = space.block[part.direct]
+    lowest, highest = limits[0][block], limits[1][block]
+    peak = np.maximum(*part.peaks)
+    fits = (peak <= highest[:, None]) & (peak >= lowest[:, None])
+    lo = np.zeros(peak.shape, dtype=np.int64)
+    hi = np.where(fits, np.iinfo(np.int64).max, -1)
+    lines = part.moments[0] + (part.moments[1] if part.moments[1] is not part.moments[0] else [])
+    if len(part.lines):
+        lo[part.lines], hi[part.lines] = _delta_range(lines, highest[part.lines][:, None])
+    part.limits = (lo, hi)
+    if len(part.lines) and np.any(lowest[part.lines] > 0):  # peaks too small for a positive device figure
+        lo0 = np.ones(peak.shape, dtype=np.int64)
+        hi0 = np.zeros(peak.shape, dtype=np.int64)
+        lo0[part.lines], hi0[part.lines] = _delta_range(lines, (lowest[part.lines] - 1)[:, None])
+        part.limits += (lo0, hi0)
+
+
+def _fit_mask(part: _Part, at: Any, valid: np.ndarray) -> np.ndarray:
+    """Which plans of the part's rows `at` fit."""
+    src, delta = part.src[at], part.delta[at][:, None]
+    lo, hi = part.limits[0][src], part.limits[1][src]
+    fits = valid & (delta >= lo) & (delta <= hi)
+    if len(part.limits) > 2:
+        fits &= ~((delta >= part.limits[2][src]) & (delta <= part.limits[3][src]))
+    return fits
+
+
+def _expand(part: _Part, at: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step peak of the first and of the last stage, and the retained bytes, of the part's rows `at`."""
+    src = part.src[at]
+    first, last = (p[src] for p in part.peaks)
+    retained = np.maximum(*(r[src] for r in part.retained))
+    which = np.flatnonzero(part.derived[at])
+    if len(which):
+        line = part.line_of[src[which]]
+        delta = part.delta[at][which][:, None]
+        first, last = first.copy(), last.copy()
+        for out, moments in zip((first, last), part.moments):
+            peak = None
+            for value, slope in moments:
+                x = value[line] + slope[line] * delta
+                peak = x if peak is None else np.maximum(peak, x)
+            out[which] = peak
+        retained = retained.copy()
+        retained[which] = np.maximum(*(value[line] + slope[line] * delta for value, slope in part.retained_lines))
+    return first, last, retained
+
+
+def _row_slices(part: _Part, chunk: int) -> Iterator[slice]:
+    """Consecutive rows of the part with at most `chunk` elements (at least one row)."""
+    step = max(1, chunk // max(part.width, 1))
+    for lo in range(0, len(part.rows), step):
+        yield slice(lo, min(lo + step, len(part.rows)))
+
+
+# --- search -----------------------------------------------------------------------------------
 def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:
     """One candidate as a Config, for `estimate`, reports and launch flags."""
     x = plans.take(i)
@@ -177,36 +751,264 @@ class SearchResult:
     top: list[int]  # indices of the best feasible plans, fastest first
     nearest_miss: Optional[int]  # the least memory of all plans, when none fits
     fastest_miss: Optional[int]  # the fastest plan over the budget (if faster than the best fit)
-    evaluated: Evaluated
+    evaluated: Any  # Evaluated or LazyEvaluated: every plan's numbers
     training: TrainingSpec
     impl: str = "megatron"
     notes: list[str] = field(default_factory=list)
     max_seq_len: Optional[int] = None  # search --max-seq: the longest s some plan fits with
+    space: Optional[PlanSpace] = None
+    margin: Optional[float] = None
+    exact: dict[int, dict[str, Any]] = field(default_factory=dict)  # plan number -> its `evaluate` numbers
 
     def config(self, i: int) -> Config:
-        return plan_config(self.model, self.training, self.evaluated.plans, i, self.global_batch)
+        plans = self.space.take([i]) if self.space is not None else self.evaluated.plans.take([i])
+        return plan_config(self.model, self.training, plans, 0, self.global_batch)
+
+    def numbers(self, i: int) -> dict[str, Any]:
+        """Plan i's memory and time fields, from `evaluate` on that plan (kept for the plans shown)."""
+        if i not in self.exact:
+            self.exact.update(self._evaluate_plans([i]))
+        return self.exact[i]
+
+    def _evaluate_plans(self, index: list[int]) -> dict[int, dict[str, Any]]:
+        if self.space is None:
+            e = self.evaluated
+            return {i: {name: getattr(e, name)[i] if getattr(e, name) is not None else None
+                        for name in MEMORY_FIELDS + TIME_FIELDS} for i in index}
+        e = evaluate(self.model, self.training, self.space.take(index), self.gpu, self.global_batch, self.impl,
+                     self.margin)
+        return {i: {name: getattr(e, name)[j] if getattr(e, name) is not None else None
+                    for name in MEMORY_FIELDS + TIME_FIELDS} for j, i in enumerate(index)}
 
     def row(self, i: int) -> dict[str, Any]:
-        e = self.evaluated
+        e = self.numbers(i)
         out = {
             **self.config(i).plan_summary(),
-            "memory": {"device_bytes": int(e.device_bytes[i]), "peak_bytes": int(e.peak_bytes[i]),
-                       "first_stage_peak_bytes": int(e.first_stage_peak_bytes[i]),
-                       "last_stage_peak_bytes": int(e.last_stage_peak_bytes[i]),
-                       "retained_bytes": int(e.retained_bytes[i])},
+            "memory": {"device_bytes": int(e["device_bytes"]), "peak_bytes": int(e["peak_bytes"]),
+                       "first_stage_peak_bytes": int(e["first_stage_peak_bytes"]),
+                       "last_stage_peak_bytes": int(e["last_stage_peak_bytes"]),
+                       "retained_bytes": int(e["retained_bytes"])},
         }
-        if e.step_time_s is not None:
-            out.update(step_time_s=float(e.step_time_s[i]), mfu=float(e.mfu[i]),
-                       tokens_per_s=float(e.tokens_per_s[i]))
+        if e["step_time_s"] is not None:
+            out.update(step_time_s=float(e["step_time_s"]), mfu=float(e["mfu"]),
+                       tokens_per_s=float(e["tokens_per_s"]))
         return out
 
 
 def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
            gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
            chunk: int = 1 << 18, progress: Optional[Callable[[int, int], None]] = None,
-           impl: str = "megatron", margin: Optional[float] = None) -> SearchResult:
-    """Enumerate, evaluate (in chunks, reporting progress), filter by the budget, rank by step time
-    (by memory when no GPU is known)."""
+           impl: str = "megatron", margin: Optional[float] = None, reference: bool = False) -> SearchResult:
+    """Evaluate every plan (reporting progress), filter by the budget, rank by step time (by memory
+    when no GPU is known): the `top` fastest plans that fit, fastest first (ties: less memory, then
+    the lower plan number), the fastest plan over the budget when it is faster than the best, and
+    the plan that needs the least memory when none fits. See the module docstring for how; with
+    `reference`, every plan is evaluated as flat arrays in chunks (slower, the same result)."""
+    if reference:
+        return _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
+                                 progress, impl, margin)
+    start = time.perf_counter()
+    space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
+    check_int64(model, training, space.max_micro_batch, impl)
+    inventory = inventory_for(model, impl)
+    limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
+    best, miss = _Best(top), _Best(1)
+    feasible = done = 0
+    parts: list[_Part] = []
+    times: list[tuple[np.ndarray, np.ndarray]] = []  # (plan numbers, step times) of each block of rows
+    for part in _parts(space, inventory.grad_lifetime == "buffer"):
+        part = _memory_ready(part, space, model, training, inventory)
+        _part_limits(part, space, limits)
+        for sel in _row_slices(part, chunk):
+            rows = part.rows[sel]
+            numbers = space.numbers(rows, part.width)
+            valid = numbers >= 0
+            fits = _fit_mask(part, sel, valid)
+            plans = space.plans2d(rows, part.width)
+            if gpu is not None:
+                from memplan.perf import step_time
+
+                key = step_time(model, training, gpu, plans, global_batch, breakdown=False).step_time_s
+                times.append((numbers, key))
+            else:
+                first, last, _ = _expand(part, sel)
+                key = device_memory(np.maximum(first, last), plans, inventory, gpu, margin).total
+            feasible += int(np.count_nonzero(fits))
+            best.offer(key, numbers, fits)
+            miss.offer(key, numbers, valid & ~fits)
+            done += int(np.count_nonzero(valid))
+            if progress is not None:
+                progress(done, space.count)
+        part.limits = ()
+        parts.append(part)
+    result = SearchResult(model, gpus, global_batch, budget_bytes, gpu, space.count, feasible, 0.0, [], None, None,
+                          None, training, impl, space=space, margin=margin)
+    found = _Found(space, parts, model, training, inventory, gpu, global_batch, margin)
+    # ties of the key go to the plan that needs less memory, then to the lower plan number
+    result.exact.update(found.numbers(best.numbers() + miss.numbers()))
+    device = {i: int(v["device_bytes"]) for i, v in result.exact.items()}
+    result.top = best.ranked(device)[:max(top, 0)]
+    over = miss.ranked(device)
+    if over and (not result.top or miss.key_of(over[0]) < best.key_of(result.top[0])):
+        result.fastest_miss = over[0]
+    if not result.top:
+        result.nearest_miss = found.least_memory(chunk)
+        result.exact.update(found.numbers([result.nearest_miss]))
+    result.evaluated = LazyEvaluated(functools.partial(found.evaluated, times, chunk))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class _Best:
+    """The `size` smallest keys offered (with every plan tied with the last of them), by plan number."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.keys = np.zeros(0)
+        self.index = np.zeros(0, dtype=np.int64)
+
+    def offer(self, key: np.ndarray, numbers: np.ndarray, mask: np.ndarray) -> None:
+        if self.size <= 0:
+            return
+        k = key[mask]
+        if not k.size:
+            return
+        if k.size > self.size:
+            pick = mask & (key <= np.partition(k, self.size - 1)[self.size - 1])
+            k, i = key[pick], numbers[pick]
+        else:
+            i = numbers[mask]
+        keys = np.concatenate((self.keys, k)) if self.keys.size else k
+        index = np.concatenate((self.index, i)) if self.index.size else i
+        if keys.size > self.size:
+            keep = keys <= np.partition(keys, self.size - 1)[self.size - 1]
+            keys, index = keys[keep], index[keep]
+        self.keys, self.index = keys, index
+
+    def numbers(self) -> list[int]:
+        return [int(i) for i in self.index]
+
+    def key_of(self, i: int) -> Any:
+        return self.keys[int(np.flatnonzero(self.index == i)[0])]
+
+    def ranked(self, device: dict[int, int]) -> list[int]:
+        """The plans in the order of (key, device memory, plan number)."""
+        if not self.index.size:
+            return []
+        dev = np.array([device[int(i)] for i in self.index], dtype=np.int64)
+        return [int(self.index[j]) for j in np.lexsort((self.index, dev, self.keys))]
+
+
+@dataclass
+class _Found:
+    """What a search evaluated, for the numbers of single plans and of all of them afterwards."""
+
+    space: PlanSpace
+    parts: list[_Part]
+    model: ModelSpec
+    training: TrainingSpec
+    inventory: Inventory
+    gpu: Optional[GpuSpec]
+    global_batch: int
+    margin: Optional[float]
+
+    def memory(self, part: _Part, at: Any, plans: PlanValues) -> dict[str, np.ndarray]:
+        first, last, retained = _expand(part, at)
+        peak = np.maximum(first, last)
+        device = device_memory(peak, plans, self.inventory, self.gpu, self.margin).total
+        return dict(zip(MEMORY_FIELDS, (device, peak, first, last, retained)))
+
+    def numbers(self, index: list[int]) -> dict[int, dict[str, Any]]:
+        """Memory and time fields of the plans `index` (as `evaluate` gives them)."""
+        index = sorted(set(int(i) for i in index))
+        if not index:
+            return {}
+        row, col = self.space.locate(index)
+        plans = self.space.take(index)
+        out: dict[str, np.ndarray] = {f: np.zeros(len(index), dtype=np.int64) for f in MEMORY_FIELDS}
+        for part in self.parts:
+            which = np.flatnonzero(np.isin(row, part.rows))
+            if not len(which):
+                continue
+            at = np.searchsorted(part.rows, row[which])
+            values = self.memory(part, at, self.space.plans2d(row[which], part.width))
+            for f, v in values.items():
+                out[f][which] = np.broadcast_to(v, (len(which), part.width))[np.arange(len(which)), col[which]]
+        times: dict[str, Any] = dict.fromkeys(TIME_FIELDS)
+        if self.gpu is not None:
+            from memplan.perf import step_time
+
+            perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False)
+            times = {f: getattr(perf, f) for f in TIME_FIELDS}
+        return {i: {**{f: out[f][j] for f in MEMORY_FIELDS},
+                    **{f: (None if v is None else v[j]) for f, v in times.items()}} for j, i in enumerate(index)}
+
+    def least_memory(self, chunk: int) -> int:
+        """The plan whose device memory is the least (the lowest plan number among equals)."""
+        least = _Best(1)
+        for part in self.parts:
+            for sel in _row_slices(part, chunk):
+                rows = part.rows[sel]
+                numbers = self.space.numbers(rows, part.width)
+                device = self.memory(part, sel, self.space.plans2d(rows, part.width))["device_bytes"]
+                least.offer(device, numbers, numbers >= 0)
+        return int(least.index[least.keys == least.keys.min()].min())
+
+    def evaluated(self, times: list[tuple[np.ndarray, np.ndarray]], chunk: int, name: str) -> Any:
+        """A field of `SearchResult.evaluated`, for every plan in plan-number order."""
+        n = self.space.count
+        if name == "plans":
+            return self.space.flat()
+        if name in TIME_FIELDS and self.gpu is None:
+            return None
+        if name == "step_time_s":
+            out = np.empty(n, dtype=times[0][1].dtype)
+            for numbers, key in times:
+                valid = numbers >= 0
+                out[numbers[valid]] = key[valid]
+            return out
+        arrays: dict[str, np.ndarray] = {}
+        for part in self.parts:
+            for sel in _row_slices(part, chunk):
+                rows = part.rows[sel]
+                numbers = self.space.numbers(rows, part.width)
+                valid = numbers >= 0
+                plans = self.space.plans2d(rows, part.width)
+                if name in TIME_FIELDS:
+                    from memplan.perf import step_time
+
+                    perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False)
+                    values = {f: getattr(perf, f) for f in TIME_FIELDS if f != "step_time_s"}
+                else:
+                    values = self.memory(part, sel, plans)
+                for f, v in values.items():
+                    if f not in arrays:
+                        arrays[f] = np.empty(n, dtype=v.dtype)
+                    arrays[f][numbers[valid]] = np.broadcast_to(v, numbers.shape)[valid]
+        return arrays[name]
+
+
+class LazyEvaluated:
+    """`Evaluated` for every plan of a search, each field computed on first use from what the
+    search kept (step times: a scatter into plan order; memory: the kept moments expanded), for
+    plots and tests: the search itself does not need them."""
+
+    def __init__(self, fill: Callable[[str], Any]) -> None:
+        self._fill = fill
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in {f.name for f in fields(Evaluated)}:
+            raise AttributeError(name)
+        value = self._fill(name)
+        setattr(self, name, value)
+        return value
+
+
+def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                      gpu: Optional[GpuSpec], fixed: Fixed, max_tp: Optional[int], top: int, chunk: int,
+                      progress: Optional[Callable[[int, int], None]], impl: str,
+                      margin: Optional[float]) -> SearchResult:
+    """Every plan as flat arrays, evaluated in chunks, sorted: the oracle of `search`."""
     start = time.perf_counter()
     plans = enumerate_plans(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, int(plans.b.max()), impl)
@@ -228,7 +1030,8 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     if len(over) and (not best or key[over[0]] < key[best[0]]):
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
-                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl)
+                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl,
+                        margin=margin)
 
 
 def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
@@ -261,6 +1064,27 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
                            "for one plan, or smaller sizes")
 
 
+def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+             gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None,
+             impl: str = "megatron", margin: Optional[float] = None, chunk: int = 1 << 18) -> bool:
+    """Whether some plan fits (memory only; False when no plan divides the GPUs or the sizes are
+    beyond the int64 arithmetic, which fits no budget)."""
+    try:
+        space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
+        check_int64(model, training, space.max_micro_batch, impl)
+    except MemplanError:
+        return False
+    inventory = inventory_for(model, impl)
+    limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
+    for part in _parts(space, inventory.grad_lifetime == "buffer"):
+        part = _memory_ready(part, space, model, training, inventory)
+        _part_limits(part, space, limits)
+        for sel in _row_slices(part, chunk):
+            if np.any(_fit_mask(part, sel, space.numbers(part.rows[sel], part.width) >= 0)):
+                return True
+    return False
+
+
 def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
                    step: int = 128, **kwargs: Any) -> SearchResult:
     """The longest sequence (a multiple of `step`) that some plan fits with, and `search` at that
@@ -268,26 +1092,13 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
     question "does any plan fit?" is monotone in s and a bisection answers it."""
     from memplan.limits import SEQ_LIMIT, largest
 
-    gpu, fixed, impl, margin = (kwargs.get("gpu"), kwargs.get("fixed", Fixed()), kwargs.get("impl", "megatron"),
-                                kwargs.get("margin"))
-    chunk = kwargs.get("chunk", 1 << 18)
+    options = {k: kwargs[k] for k in ("gpu", "fixed", "max_tp", "impl", "margin", "chunk") if k in kwargs}
 
-    def any_fits(s: int) -> bool:
-        at_s = model.model_copy(update={"seq_length": s})
-        try:
-            plans = enumerate_plans(at_s, gpus, global_batch, fixed, _tp_limit(kwargs.get("max_tp"), gpu), impl)
-            # sizes beyond the int64 arithmetic fit no budget (and must not wrap around into one)
-            check_int64(at_s, training, int(plans.b.max()), impl)
-        except MemplanError:
-            return False
-        for lo in range(0, len(plans.t), chunk):
-            e = evaluate(at_s, training, plans.take(slice(lo, lo + chunk)), gpu, global_batch, impl, margin,
-                         with_time=False)
-            if np.any(_fits(e, budget_bytes)):
-                return True
-        return False
+    def fits_at(s: int) -> bool:
+        return any_fits(model.model_copy(update={"seq_length": s}), training, gpus, global_batch, budget_bytes,
+                        **options)
 
-    longest = largest(any_fits, step, SEQ_LIMIT)
+    longest = largest(fits_at, step, SEQ_LIMIT)
     if longest is None:
         raise MemplanError(f"no plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at s = {step}")
     result = search(model.model_copy(update={"seq_length": longest}), training, gpus, global_batch, budget_bytes,
