@@ -7,6 +7,7 @@ per candidate) for the planner; `stage_memory` is the one function both call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -80,17 +81,43 @@ class TermBytes:
         return self._cached(term, allocated)
 
     def group(self, group: ParamGroup) -> Any:
-        """A parameter group's parameters on one GPU (it depends on t only)."""
-        return self._cached(group, lambda: group.per_gpu(self.values))
+        """A parameter group's parameters on one GPU (it depends on t only). Keyed by its count
+        polynomial and split (states.param_groups makes new groups on every call; their parsed
+        polynomials are shared)."""
+        return self._cached(group.count, lambda: group.per_gpu(self.values), ("group", group.tp_split))
 
-    def _cached(self, key: Any, compute: Any) -> Any:
+    def _cached(self, obj: Any, compute: Any, kind: Any = None) -> Any:
         # keyed by identity (hashing a term's polynomial on every call is slow); the entry keeps the
-        # object alive, so its id cannot be reused by another object while the cache exists
-        hit = self._cache.get(id(key))
+        # object alive, so its id cannot be reused by another object while the entry exists
+        hit = self._cache.get((kind, id(obj)))
         if hit is None:
+            if len(self._cache) >= CACHE_ENTRIES:  # a shared instance sees the terms of many inventories
+                self._cache.clear()
             n = compute()
-            hit = self._cache[id(key)] = (key, n[self.index] if self.index is not None and getattr(n, "ndim", 0) else n)
+            hit = self._cache[kind, id(obj)] = (obj, n[self.index] if self.index is not None and getattr(n, "ndim", 0)
+                                                else n)
         return hit[1]
+
+
+CACHE_ENTRIES = 4096
+_SHARED: "OrderedDict[tuple, TermBytes]" = OrderedDict()
+
+
+def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> TermBytes:
+    """`TermBytes` for the plan. A plan of scalars (`estimate`: every stage of one plan, and
+    `--max-seq`'s probes) shares one instance per (model, b, t, SP, bytes, granularity), so each
+    term is evaluated once, not once per stage."""
+    if any(hasattr(x, "shape") for x in (plan.b, plan.t, plan.sp)):
+        return TermBytes(model, plan, activation_bytes, granularity)
+    key = (model, int(plan.b), int(plan.t), int(plan.sp), activation_bytes, granularity)
+    sizes = _SHARED.get(key)
+    if sizes is None:
+        sizes = _SHARED[key] = TermBytes(model, plan, activation_bytes, granularity)
+        if len(_SHARED) > 16:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return sizes
 
 
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
@@ -152,7 +179,7 @@ def stage_memory(
     state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
     tensors alive on top (the recompute working set, which K22 leaves out). Each storage is rounded
     up to `granularity` bytes (the allocator's block size; 1 = exact)."""
-    sizes = TermBytes(model, plan, training.activation_bytes, granularity)
+    sizes = term_bytes_for(model, plan, training.activation_bytes, granularity)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags
