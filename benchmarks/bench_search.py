@@ -1,58 +1,135 @@
-"""Speed of `memplan search`: candidates evaluated, wall time, candidates per second.
+"""Speed of `memplan search` (and of a new `memplan estimate` process) against the targets of
+issue 13, as medians of N runs, optionally side by side with another checkout ("before").
 
-    python benchmarks/bench_search.py [--runs 7]
+    python benchmarks/bench_search.py [--runs 7] [--baseline DIR]
 
-1. The issue's query, gpt3-530b on 2240 A100 80GB with an 80 GB budget, in process (median of
-   N runs) and as a new `memplan search` process (what a user waits for).
-2. Larger real spaces (more GPUs, t beyond a node), to show how the rate holds as the space grows.
+DIR is a checkout of another commit, for example the one before the speed work:
+
+    mkdir -p /tmp/memplan-base && git archive d86129d | tar -x -C /tmp/memplan-base
+
+Each in-process figure is measured in a child process (the checkout on its PYTHONPATH) after one
+warm-up search; a new process is the `memplan` command (as its installed script starts it) from
+start to exit, what a user waits for, with Python's bytecode cache written by a warm-up run as an
+installation has it (PYTHONDONTWRITEBYTECODE is dropped for the children: with it every module is
+compiled again in every process). The machine is shared: compare figures of one run only, and read
+medians, not single runs.
+
+Targets: the 530B / 2240 GPU search < 50 ms in process and < 0.4 s as a new process; `estimate`
+< 0.25 s as a new process; the ~1.5 M-plan 175B / 12288 GPU search (--max-tp 96) < 0.5 s, every
+plan evaluated (tests/test_planner_exhaustive.py: the same result as evaluating each plan).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent.parent
+
+TIMER = r"""
+import json, sys, time
 from memplan.planner import search
 from memplan.presets import load_gpu, load_model, search_inputs
+name, gpus, max_tp, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
+model, training, gb = search_inputs(load_model(name), gpus)
+gpu = load_gpu("a100-80gb")
+search(model, training, gpus, gb, 80 * 10**9, gpu=gpu, max_tp=max_tp)  # warm-up
+seconds = []
+for _ in range(runs):
+    start = time.perf_counter()
+    result = search(model, training, gpus, gb, 80 * 10**9, gpu=gpu, max_tp=max_tp)
+    seconds.append(time.perf_counter() - start)
+print(json.dumps({"candidates": result.candidates, "feasible": result.feasible, "seconds": seconds}))
+"""
+
+# (label, model, GPUs, --max-tp, target seconds in process or None)
+SEARCHES = [
+    ("search gpt3-530b --gpus 2240", "gpt3-530b", 2240, None, 0.050),
+    ("search gpt3-530b --gpus 2240 --max-tp 128", "gpt3-530b", 2240, 128, None),
+    ("search gpt3-175b --gpus 12288 --max-tp 96", "gpt3-175b", 12288, 96, 0.5),
+    ("search gpt-1t --gpus 16384 --max-tp 160", "gpt-1t", 16384, 160, None),
+]
+PROCESSES = [
+    ("new process: search gpt3-530b --gpus 2240 --mem 80GB",
+     ["search", "--model", "gpt3-530b", "--gpus", "2240", "--mem", "80GB"], 0.4),
+    ("new process: estimate --model gpt3-530b", ["estimate", "--model", "gpt3-530b"], 0.25),
+]
 
 
-def timed_search(name: str, gpus: int, max_tp: int | None, runs: int) -> tuple[int, float]:
-    model, training, gb = search_inputs(load_model(name), gpus)
-    gpu = load_gpu("a100-80gb")
-    times, n = [], 0
+# the installed `memplan` script: argv[0] names the command, then memplan.cli.main runs
+COMMAND = "import sys; sys.argv[0] = 'memplan'; from memplan.cli import main; sys.exit(main())"
+
+
+def env_for(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree)
+    env.pop("MEMPLAN_CONFIGS", None)  # each checkout reads its own presets
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def in_process(tree: Path, name: str, gpus: int, max_tp: int | None, runs: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", TIMER, name, str(gpus), str(max_tp or 0), str(runs)],
+                         env=env_for(tree), cwd=tree, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def new_process(trees: list[Path], args: list[str], runs: int) -> list[list[float]]:
+    """Wall time of `memplan ARGS` per tree, runs interleaved (they share the noise)."""
+    walls: list[list[float]] = [[] for _ in trees]
+    for tree in trees:  # warm the file cache and write the bytecode cache
+        subprocess.run([sys.executable, "-c", COMMAND, *args], env=env_for(tree), cwd=tree, check=True,
+                       capture_output=True)
     for _ in range(runs):
-        start = time.perf_counter()
-        result = search(model, training, gpus, gb, 80 * 10**9, gpu=gpu, max_tp=max_tp)
-        times.append(time.perf_counter() - start)
-        n = result.candidates
-    return n, statistics.median(times)
+        for i, tree in enumerate(trees):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", COMMAND, *args], env=env_for(tree), cwd=tree, check=True,
+                           capture_output=True)
+            walls[i].append(time.perf_counter() - start)
+    return walls
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit to compare with")
     args = parser.parse_args()
+    trees = [HERE] + ([args.baseline.resolve()] if args.baseline else [])
 
-    cases = [("gpt3-530b", 2240, None), ("gpt3-530b", 2240, 128), ("gpt3-175b", 12288, 96), ("gpt-1t", 16384, 160)]
-    print(f"{'query':45s} {'candidates':>11s} {'median s':>9s} {'candidates/s':>13s}")
-    for name, gpus, max_tp in cases:
-        n, seconds = timed_search(name, gpus, max_tp, args.runs)
-        label = f"{name} --gpus {gpus}" + (f" --max-tp {max_tp}" if max_tp else "")
-        print(f"{label:45s} {n:>11,d} {seconds:>9.3f} {n / seconds:>13,.0f}")
-
-    exe = shutil.which("memplan")
-    cmd = ([exe] if exe else [sys.executable, "-m", "memplan.cli"]) + [
-        "search", "--model", "gpt3-530b", "--gpus", "2240", "--mem", "80GB"]
-    walls = []
-    for _ in range(args.runs):
-        start = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True)
-        walls.append(time.perf_counter() - start)
-    print(f"new process `{' '.join(cmd[1:])}`: median {statistics.median(walls):.2f} s wall ({args.runs} runs)")
+    cols = f"{'':48s} {'plans':>10s} {'fit':>8s}"
+    cols += f" {'before':>9s} {'after':>9s} {'speed-up':>9s}" if args.baseline else f" {'median':>9s}"
+    print(cols + f" {'target':>8s} {'/target':>8s}")
+    for label, name, gpus, max_tp, target in SEARCHES:
+        after = in_process(HERE, name, gpus, max_tp, args.runs)
+        line = f"{label:48s} {after['candidates']:>10,d} {after['feasible']:>8,d}"
+        now = statistics.median(after["seconds"])
+        if args.baseline:
+            before = in_process(args.baseline, name, gpus, max_tp, args.runs)
+            assert (before["candidates"], before["feasible"]) == (after["candidates"], after["feasible"])
+            then = statistics.median(before["seconds"])
+            line += f" {then:>8.3f}s {now:>8.3f}s {then / now:>8.1f}x"
+        else:
+            line += f" {now:>8.3f}s"
+        if target:
+            line += f" {'< ' + format(target, 'g') + 's':>8s} {now / target:>8.2f}"
+        print(line, flush=True)
+    for label, cli_args, target in PROCESSES:
+        walls = new_process(trees, cli_args, args.runs)
+        now = statistics.median(walls[0])
+        line = f"{label:48s} {'':>10s} {'':>8s}"
+        if args.baseline:
+            then = statistics.median(walls[1])
+            line += f" {then:>8.3f}s {now:>8.3f}s {then / now:>8.1f}x"
+        else:
+            line += f" {now:>8.3f}s"
+        print(line + f" {'< ' + format(target, 'g') + 's':>8s} {now / target:>8.2f}", flush=True)
+    print(f"medians of {args.runs} runs; in process: after one warm-up search; /target below 1 meets the target")
 
 
 if __name__ == "__main__":
