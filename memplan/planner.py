@@ -431,7 +431,7 @@ def _make_part(space: PlanSpace, rows: np.ndarray, width: int, collapse: bool) -
     pos[direct] = np.arange(len(direct), dtype=np.int64)
     k1 = space.k1_row[rows]
     src = np.where(derived, pos[np.maximum(k1, 0)], pos[rows])
-    line_rows = np.unique(k1[derived])
+    line_rows = np.unique(k1[derived], return_index=True)[0]  # (a plain np.unique imports numpy.ma)
     line_of = np.full(len(direct), -1, dtype=np.int64)
     line_of[pos[line_rows]] = np.arange(len(line_rows), dtype=np.int64)
     return _Part(rows, width, direct, src, np.where(derived, k - 1, 0), derived, line_of, pos[line_rows],
