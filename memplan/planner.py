@@ -17,28 +17,32 @@ How every plan is evaluated, exactly and fast (`PlanSpace`, `search`)
 The space is a table: a row is a plan without its ZeRO variant (t, p, d, m, b, M, SP, recompute,
 recomputed layers) and the columns are the ZeRO variants of the row's d. Memory and step time are
 the functions `estimate` uses (`stage_memory`, `step_events`, `device_memory`, `perf.step_time`),
-called on row arrays of shape (rows, 1) broadcast against column arrays of shape (rows, columns):
-what depends on the row only (the activations, most of the step time) is computed once per row,
-what depends on the ZeRO variant once per element. Integers stay integers and every float32 step
-time is computed element by element as in a flat array, so each plan's numbers are the same, bit
-for bit, as when it is evaluated alone (`evaluate`; tests/test_planner_exhaustive.py checks every
-plan of several spaces).
+called on row arrays of shape (rows, 1) broadcast against column arrays of shape (rows, columns).
+Integers stay integers and every float32 step time is computed element by element as in a flat
+array, so each plan's numbers are the same, bit for bit, as when it is evaluated alone
+(`evaluate`; tests/test_planner_exhaustive.py checks every plan of 20 spaces). Three facts make
+the memory cheap, each checked while the search runs (a failed check evaluates that part of the
+space directly, row by row and column by column):
 
-Full recompute of k = 1 .. n layers per chunk makes most of the rows. Every moment of the step
-timeline and the retained bytes are affine in k for 1 <= k <= n - 1 (memplan/timeline.py: the
-saved layers are min(j, k) recomputed + the rest, at the critical layers n, k, k + 1 and 1, and
-the copies in flight are k x kept + (n - k) x kept-if-not-recomputed), so those rows are
-evaluated at k = 1 and k = 2 and the other k follow as value(1) + (k - 1) x slope, exactly in
-integers; k = n - 1 is still evaluated directly and checked against the line (a mismatch turns the
-shortcut off for that part of the space), and k = n directly. The device memory grows with the
-step peak (`device_memory` is monotone in it), so a plan fits exactly when its peak lies between
-two thresholds found once per (t, p, d) by bisection on `device_memory` itself; with the peak
-affine per moment, the k that fit are an interval computed from the moments, not per k.
+- Full recompute of k = 1 .. n layers per chunk makes most rows. Every moment of the step timeline
+  and the retained bytes are affine in k for 1 <= k <= n - 1 (memplan/timeline.py: the saved
+  layers are min(j, k) recomputed + the rest, at the critical layers n, k, k + 1 and 1; the copies
+  in flight k x kept + (n - k) x kept-if-not-recomputed), so the rows of 3 <= k <= n - 1 follow
+  from k = 1 and 2 as value(1) + (k - 1) x slope, exactly in integers. Per (t, p), one row of
+  k = n - 1 is evaluated too and must lie on its line.
+- With a gradient buffer (Megatron-LM, the torch loop) the ZeRO variant changes a moment only
+  through the states, which depend on t, p and the variant: bytes(row, variant) = bytes(row, first
+  variant) + bytes(r, variant) - bytes(r, first variant) for a row r of the same (t, p). Three more
+  rows per (t, p), evaluated with every variant, must agree. (transformers' .grad tensors mix the
+  two: their spaces, t = p = 1, are evaluated whole.)
+- The device memory grows with the step peak, so a plan fits exactly when its peak lies between two
+  thresholds per (t, p), found by bisection on `device_memory` itself; for the derived rows, the k
+  that fit are an interval computed from the moments' lines.
 
-Every plan's fit is thus decided and counted, and every plan's step time computed (for the
-fastest plan over the budget); the top plans and the misses are then re-evaluated one by one with
-`evaluate` for their rows. `SearchResult.evaluated` (all plans' numbers, for plots) is filled on
-first use. `search(..., reference=True)` runs the plain evaluation of every plan in chunks, the
+With p = 1 the first stage is the last: one stage is evaluated. Every plan's fit is decided and
+counted, and every plan's step time computed (the ranking and the fastest plan over the budget).
+`SearchResult.evaluated` (every plan's numbers, for plots) is filled on first use. With
+`search(..., reference=True)` every plan is evaluated as flat arrays in chunks and sorted: the
 oracle the tests compare with.
 """
 
