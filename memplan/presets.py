@@ -180,7 +180,7 @@ def batch_note(preset: ModelPreset, seq_length: int, global_batch: int, sequence
     """Where a global batch in sequences came from, when it was derived: from tokens, or from the
     preset's batch scaled to another GPU count or kept in tokens at another s."""
     per_step = f"global batch {global_batch:,} sequences x s = {seq_length:,} = {global_batch * seq_length:,} tokens"
-    if sequences is not None or "global_batch" not in preset.training and tokens is None:
+    if sequences is not None or ("global_batch" not in preset.training and tokens is None):
         return None
     if tokens is not None:
         asked = "" if global_batch * seq_length == tokens else f" (the nearest to the {tokens:,} tokens asked for)"

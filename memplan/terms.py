@@ -413,24 +413,19 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if loss_chunks > 1 and impl not in HF_IMPLS:
         raise MemplanError(f"--loss-chunks is modelled for the hf-* implementations (measured on transformers "
                            f"models with a checkpointed chunked cross-entropy); not yet for --impl {impl}")
-    if loss_chunks > 1:
-        from memplan.terms_hf import hf_inventory
-
-        inv = hf_inventory(model, impl, device, loss_chunks)
-    else:
-        inv = _inventory(model, impl, device)
+    inv = _inventory(model, impl, device, loss_chunks)
     return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1)
 
 
 CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this
 
 
-def _inventory(model: ModelSpec, impl: str, device: str) -> Inventory:
+def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> Inventory:
     stats: Dtype = "fp32" if device == "cuda" else "act"
     if impl in HF_IMPLS:
         from memplan.terms_hf import hf_inventory
 
-        return hf_inventory(model, impl, device)
+        return hf_inventory(model, impl, device, loss_chunks)
     if impl == "torch":
         if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
             raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "
