@@ -121,7 +121,7 @@ def estimate(
     if gpu is not None:
         from memplan.perf import step_time
 
-        perf = step_time(config.model, config.training, gpu, plan, config.global_batch)
+        perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
     return Estimate(
         config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
         most_loaded=most_loaded,

@@ -346,7 +346,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     if gpu is not None and with_time:
         from memplan.perf import step_time
 
-        perf = step_time(model, training, gpu, plans, global_batch, breakdown=False)
+        perf = step_time(model, training, gpu, plans, global_batch, breakdown=False, impl=impl)
         step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
     return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps)
 
@@ -832,7 +832,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
             if gpu is not None:
                 from memplan.perf import step_time
 
-                key = step_time(model, training, gpu, plans, global_batch, breakdown=False).step_time_s
+                key = step_time(model, training, gpu, plans, global_batch, breakdown=False, impl=impl).step_time_s
                 times.append((numbers, key))
             else:
                 first, last, _ = _expand(part, sel)
@@ -847,7 +847,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         parts.append(part)
     result = SearchResult(model, gpus, global_batch, budget_bytes, gpu, space.count, feasible, 0.0, [], None, None,
                           None, training, impl, space=space, margin=margin)
-    found = _Found(space, parts, model, training, inventory, gpu, global_batch, margin)
+    found = _Found(space, parts, model, training, inventory, gpu, global_batch, margin, impl)
     # ties of the key go to the plan that needs less memory, then to the lower plan number
     result.exact.update(found.numbers(best.numbers() + miss.numbers()))
     device = {i: int(v["device_bytes"]) for i, v in result.exact.items()}
@@ -915,6 +915,7 @@ class _Found:
     gpu: Optional[GpuSpec]
     global_batch: int
     margin: Optional[float]
+    impl: str
 
     def memory(self, part: _Part, at: Any, plans: PlanValues) -> dict[str, np.ndarray]:
         first, last, retained = _expand(part, at)
@@ -942,7 +943,8 @@ class _Found:
         if self.gpu is not None:
             from memplan.perf import step_time
 
-            perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False)
+            perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False,
+                             impl=self.impl)
             times = {f: getattr(perf, f) for f in TIME_FIELDS}
         return {i: {**{f: out[f][j] for f in MEMORY_FIELDS},
                     **{f: (None if v is None else v[j]) for f, v in times.items()}} for j, i in enumerate(index)}
@@ -981,7 +983,8 @@ class _Found:
                 if name in TIME_FIELDS:
                     from memplan.perf import step_time
 
-                    perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False)
+                    perf = step_time(self.model, self.training, self.gpu, plans, self.global_batch, breakdown=False,
+                                     impl=self.impl)
                     values = {f: getattr(perf, f) for f in TIME_FIELDS if f != "step_time_s"}
                 else:
                     values = self.memory(part, sel, plans)

@@ -197,3 +197,23 @@ def test_progress_bar_only_after_the_delay():
            progress=lambda done, total: (calls.append((done, total)), shown(done, total)))
     shown.close()
     assert shown.bar is not None and calls[-1][0] == calls[-1][1] and len(calls) > 1
+
+
+@pytest.mark.parametrize("impl", ["hf-sdpa", "torch"])
+def test_search_times_the_plans_with_their_implementation(impl):
+    """search, its plans' numbers and estimate time a plan with the kernels of the implementation
+    that runs it (eager PyTorch ops move more bytes than Megatron-LM's fused kernels), not with
+    Megatron-LM's: the same plan differs in step time between the two implementations."""
+    from memplan.perf import step_time
+
+    name = "llama3-8b" if impl == "hf-sdpa" else "gpt-22b"
+    model, training, gb = space(name, 8)
+    result = search(model, training, 8, gb, 10**15, gpu=A100, top=3, impl=impl)
+    i = result.top[0]
+    config = result.config(i)
+    plan = PlanValues.from_config(config)
+    own = float(step_time(config.model, config.training, A100, plan, config.global_batch, impl=impl).step_time_s)
+    megatron = float(step_time(config.model, config.training, A100, plan, config.global_batch).step_time_s)
+    assert own != pytest.approx(megatron, rel=1e-3)
+    assert float(result.evaluated.step_time_s[i]) == pytest.approx(own, rel=1e-12)
+    assert float(estimate(config, gpu=A100, impl=impl).perf.step_time_s) == pytest.approx(own, rel=1e-12)
