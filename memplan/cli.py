@@ -500,6 +500,28 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         sys.exit(1)
 
 
+@cli.command()
+@click.option("--hf-config", "hf_config", required=True, metavar="config.json",
+              help="A transformers config.json (read as data; no weights are downloaded).")
+@click.option("--impl", type=click.Choice(["hf-sdpa", "hf-eager"]), default="hf-sdpa", show_default=True,
+              help="transformers' attention implementation to trace.")
+@click.option("--kernels", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="Whose kernels' saved tensors: CUDA's (emulated on this machine) or CPU's.")
+@click.option("--out", metavar="FILE.yaml", help="Write the inventory here (default: print it).")
+def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
+    """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
+    no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
+    from memplan.traced import trace_to_yaml
+
+    text = trace_to_yaml(hf_config, impl, kernels)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+        click.echo(f"wrote {out}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: bad input gives one line on stderr and exit code 2, never a traceback."""
     try:

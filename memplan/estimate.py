@@ -161,6 +161,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
            inventory: Inventory) -> list[str]:
     par, tr = config.parallel, config.training
     notes = []
+    if inventory.origin:
+        notes.append(f"saved tensors {inventory.origin}; the backward's transient tensors are derived from the "
+                     "measured Llama layout, not traced")
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)

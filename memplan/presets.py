@@ -279,12 +279,25 @@ def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = 
     return model, training, global_batch
 
 
-# transformers architectures whose layer layout memplan models, and how to read their config.json.
+# transformers architectures whose layer layout memplan models, and how to read their config.json:
+# "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
+# like Llama (RMSNorm, gated MLP, RoPE; Gemma's gate is GeLU-tanh, the same shapes) and their --impl
+# hf-* inventories are traced from transformers' code (memplan trace, memplan/traced.py).
 HF_ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",  # the Llama layout (its sliding window does not change what is stored)
+    "Qwen2ForCausalLM": "traced",
+    "Qwen3ForCausalLM": "traced",
+    "GemmaForCausalLM": "traced",
+    "Gemma2ForCausalLM": "traced",
+    "Gemma3ForCausalLM": "traced",
+    "Phi3ForCausalLM": "traced",
 }
+# Gated activations of the Llama-layout MLP (gate and up projections f wide, the product into down_proj).
+_GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+# mixture-of-experts architectures: issue 11 (experts, router, expert parallelism) is not built yet
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 # The sequence length a config.json gets when --seq-len is not given: its position limit, capped at
@@ -324,6 +337,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: expected a JSON object")
     archs = data.get("architectures") or []
     known = [a for a in archs if a in HF_ARCHITECTURES]
+    moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
+    if moe:
+        raise MemplanError(f"{path}: a mixture-of-experts model ({moe[0]} = {data[moe[0]]}): memplan does not "
+                           "model experts yet")
     if not known:
         name = ", ".join(archs) if archs else f"model_type {data.get('model_type')!r}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
@@ -346,19 +363,29 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
                         tied_embeddings=data.get("tie_word_embeddings", True), attention="eager")
         else:
-            if data.get("hidden_act", "silu") != "silu":
-                raise MemplanError(f"{path}: hidden_act {data['hidden_act']!r}: memplan models the SiLU-gated MLP")
+            act_key = "hidden_activation" if data.get("hidden_activation") else "hidden_act"
+            acts = ("silu",) if layout == "llama" else _GATED_ACTS
+            if data.get(act_key, "silu") not in acts:
+                raise MemplanError(f"{path}: {act_key} {data[act_key]!r}: memplan models the gated MLP with "
+                                   f"{' / '.join(acts)}")
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
-                        tied_embeddings=data.get("tie_word_embeddings", False),
+                        tied_embeddings=data.get("tie_word_embeddings", layout == "traced" and
+                                                 data.get("model_type", "").startswith("gemma")),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
                         bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
                         attention="flash")
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
+    notes = (note,)
+    if layout == "traced":
+        from memplan.traced import inventory_dir
+
+        spec["inventory"], how = inventory_dir(data, text, configs_dir() / "traced")
+        notes += (how,)
     model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))
-    return ModelPreset(model, {}, {}, None, str(path), (note,))
+    return ModelPreset(model, {}, {}, None, str(path), notes)

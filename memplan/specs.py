@@ -87,6 +87,11 @@ class ModelSpec(_Spec):
         description="attention kernel: eager stores the s x s scores (K22); flash (FlashAttention, "
         "cuDNN fused, SDPA flash) stores only its output and an fp32 log-sum-exp",
     )
+    inventory: Optional[str] = Field(
+        default=None,
+        description="directory of the model's traced inventories (memplan trace): what transformers' own "
+        "code saves, used by --impl hf-sdpa / hf-eager instead of a hand-written inventory",
+    )
 
     @property
     def f(self) -> int:

@@ -384,6 +384,7 @@ class Inventory:
     # every allocation is rounded up to this many bytes: 512 for PyTorch's CUDA caching allocator
     # (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize), 1 on CPU
     granularity: int = 1
+    origin: str = ""  # a traced inventory's origin (memplan/traced.py); empty for hand-written ones
 
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -423,6 +424,10 @@ CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up
 def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> Inventory:
     stats: Dtype = "fp32" if device == "cuda" else "act"
     if impl in HF_IMPLS:
+        if model.inventory is not None:
+            from memplan.traced import traced_inventory
+
+            return traced_inventory(model, impl, device, loss_chunks)
         from memplan.terms_hf import hf_inventory
 
         return hf_inventory(model, impl, device, loss_chunks)

@@ -14,6 +14,9 @@ selective recompute (gradient checkpointing is per layer), so those plans are re
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from memplan.errors import MemplanError
 from memplan.specs import Config, ModelSpec, Recompute
 from memplan.terms import FC1_W, FC2_W, PROJ_W, Dtype, Inventory, Moment, Term, _t, _x
@@ -44,11 +47,14 @@ def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1)
 STEP = "measured: transformers 5.23.0 training step (validation/step.py)"
 
 
-def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
+def _layer_moments(model: ModelSpec, sdpa: bool,
+                   traced: Optional[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = None) -> list[Moment]:
     """Where a transformers layer's backward peaks (op-level live bytes of validation/step.py):
     the MLP once the gated / tanh-GeLU product's backward has made two f-wide gradients beside the
     down projection's input gradient, and attention inside the sdpa kernel's backward (dQ, dK, dV)
-    or, eager, at the softmax backward (s x s gradients; fp32 for Llama, which upcasts the scores)."""
+    or, eager, at the softmax backward (s x s gradients; fp32 for Llama, which upcasts the scores).
+    `traced` overrides the saved tensors each of the three moments no longer holds (a traced inventory's
+    ids, memplan/traced.py)."""
     dy = _x("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=STEP)
     d_fc2_in = _x("grad_fc2_input", "gradient of the down projection's input", "s b f", src=STEP)
     two_f = _x("grad_activation_products", "gradients of the two factors of the activation product", "2 s b f",
@@ -81,6 +87,9 @@ def _layer_moments(model: ModelSpec, sdpa: bool) -> list[Moment]:
         freed = mlp + ("attn_out", "attn_probs", "softmax_dropout_mask") + (() if gpt2 else ("v",))
     moments.append(Moment("attention_backward", "attention backward: gradients inside attention", "backward",
                           "layer", (dy, *extra), freed, (FC2_W, FC1_W, PROJ_W), source=STEP))
+    if traced is not None:
+        moments = [dataclasses.replace(m, freed=f, source=f"{m.source}; derived for a traced inventory")
+                   for m, f in zip(moments, traced)]
     return moments
 
 

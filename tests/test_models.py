@@ -118,7 +118,9 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("data, fragment", [
-    ({"architectures": ["Qwen2ForCausalLM"]}, "architecture Qwen2ForCausalLM"),
+    ({"architectures": ["FalconForCausalLM"]}, "architecture FalconForCausalLM"),
+    ({"architectures": ["Qwen2ForCausalLM"]}, "missing field"),
+    ({**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "mixture-of-experts"),
     ({"model_type": "bert"}, "model_type 'bert'"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "missing field"),
     ({**LLAMA3_8B_HF, "hidden_act": "gelu"}, "hidden_act"),

@@ -1,0 +1,313 @@
+"""Traced inventories: what transformers' real code saves for the backward, read as data.
+
+`memplan trace` (validation/trace.py) runs a model's own transformers code once under
+FakeTensorMode with the sequence length s and the micro-batch b as symbols, and records every
+storage autograd saves: its size is an exact polynomial in s and b. The result is a file (format
+`memplan-traced-inventory/1`, YAML) with its origin (transformers and torch versions, the config's
+hash, the kernels it was traced with). This module reads such a file, with no torch, and turns it
+into an `Inventory` like the hand-written ones, so estimate, the timeline and the planner use it
+unchanged:
+
+- each saved storage of a decoder layer is a layer term (a storage several layers share, such as
+  the rotary cos / sin tables, is counted once per model chunk); a model whose layers differ (groups
+  of layers) gets each group's terms weighted by its share of the layers, so the model's total is
+  exact and a per-layer figure is the layers' mean;
+- storages outside the layers belong to the first stage (embedding) or the last (final norm, LM
+  head, loss);
+- dtypes: the trace's activation dtype follows the precision (act), float32 is fp32, bool / 8-bit
+  are 1-byte masks, int64 ids are 8 bytes;
+- gradient checkpointing (full recompute) keeps each layer's input (torch.utils.checkpoint), and
+  with eager attention the additive causal mask, as terms_hf's measured inventories do;
+- the backward's transient moments are terms_hf's (gradients of the residual stream, of the MLP's
+  and attention's inputs), whose freed tensors are found by the order of the saves: a save made at
+  or after the attention output projection is gone when attention's backward runs. They are
+  derived, not traced, and the report says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from memplan.errors import MemplanError
+from memplan.specs import ModelSpec, describe_validation_error
+from memplan.symbolic import Poly
+from memplan.terms import Dtype, Inventory, Term, _t
+
+FORMAT = "memplan-traced-inventory/1"
+SYMBOLS = {"s", "b"}
+
+# torch dtypes as the inventory stores them: the activation dtype of the trace follows the
+# precision of the plan; the others keep their own size.
+_DTYPES: dict[str, Dtype] = {"float32": "fp32", "bool": "mask", "uint8": "mask", "int8": "mask", "int64": "int64"}
+_ACT_DTYPES = ("bfloat16", "float16")
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TracedTerm(_Row):
+    id: str
+    module: str
+    op: str
+    dtype: str
+    elements: str
+    bytes: str
+    shared: bool = False
+
+
+class LayerGroup(_Row):
+    layers: list[int]
+    terms: list[TracedTerm]
+
+
+class Origin(_Row):
+    transformers: str
+    torch: str
+    config_sha256: str
+    architecture: str
+    model_type: str
+    impl: Literal["hf-sdpa", "hf-eager"]
+    kernels: Literal["cpu", "cuda"]
+    dtype: str
+
+
+class TracedFile(_Row):
+    format: Literal["memplan-traced-inventory/1"]
+    origin: Origin
+    num_layers: int
+    layer_groups: list[LayerGroup]
+    outside: list[TracedTerm]
+
+
+def config_sha256(data: dict) -> str:
+    """The hash a traced inventory records of the config.json it was traced from: sha256 of the
+    config as canonical JSON (keys sorted, no spaces)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where inventories traced on first use are kept: $MEMPLAN_CACHE, else ~/.cache/memplan."""
+    return Path(os.environ.get("MEMPLAN_CACHE") or Path.home() / ".cache" / "memplan") / "traced"
+
+
+def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
+    """The directory of a config's traced inventories, and a note saying which: a shipped one
+    (configs/traced/<name>/, whose config.json hashes the same), else one in the cache, where
+    `load` traces on first use (the config.json is kept there for it)."""
+    sha = config_sha256(data)
+    for candidate in sorted(shipped.glob("*/config.json")) if shipped.is_dir() else []:
+        try:
+            if config_sha256(json.loads(candidate.read_text(encoding="utf-8"))) == sha:
+                return str(candidate.parent), f"--impl hf-* uses the traced inventory shipped in {candidate.parent.name}"
+        except (OSError, ValueError):
+            continue
+    directory = cache_dir() / sha[:16]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / "config.json").is_file():
+            (directory / "config.json").write_text(text, encoding="utf-8")
+    except OSError:
+        pass  # read-only home: load() says how to trace by hand
+    return str(directory), ("no traced inventory ships for this config: --impl hf-* traces transformers' code on "
+                            f"first use (needs torch and transformers) into {directory}")
+
+
+def file_name(impl: str, kernels: str) -> str:
+    """The file of one implementation and kernel set in a traced inventory's directory."""
+    return f"{impl}-{kernels}.yaml"
+
+
+def read_traced(path: Path) -> TracedFile:
+    """A traced inventory file, checked: unknown or mistyped fields name the field and the file."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise MemplanError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise MemplanError(f"{path}: not a traced inventory (expected format: {FORMAT})")
+    try:
+        traced = TracedFile.model_validate(data)
+    except ValidationError as err:
+        raise MemplanError(describe_validation_error(err, str(path), tuple(TracedFile.model_fields))) from None
+    covered = sorted(i for g in traced.layer_groups for i in g.layers)
+    if covered != list(range(traced.num_layers)):
+        raise MemplanError(f"{path}: layer_groups must cover layers 0..{traced.num_layers - 1} once each")
+    for term in [t for g in traced.layer_groups for t in g.terms] + traced.outside:
+        _size(term, path)
+    return traced
+
+
+def _size(term: TracedTerm, path: Path) -> Poly:
+    try:
+        poly = Poly.parse_sum(term.elements)
+    except (ValueError, ZeroDivisionError, IndexError):
+        raise MemplanError(f"{path}: term {term.id}: elements {term.elements!r} is not a polynomial in s and b") \
+            from None
+    extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
+    if extra:
+        raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
+    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
+        raise MemplanError(f"{path}: term {term.id}: dtype {term.dtype!r} is not one memplan sizes "
+                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+    return poly
+
+
+@functools.lru_cache(maxsize=64)
+def _load(path: str, mtime: float) -> TracedFile:
+    return read_traced(Path(path))
+
+
+def load(directory: str, impl: str, kernels: str) -> TracedFile:
+    """The traced file of `impl` in a traced inventory's directory, or a one-line error naming how
+    to make it."""
+    path = Path(directory) / file_name(impl, kernels)
+    if not path.is_file() and (Path(directory) / "config.json").is_file():
+        _trace_into(path, impl, kernels)
+    if not path.is_file():
+        have = sorted(p.name for p in Path(directory).glob("*.yaml")) if Path(directory).is_dir() else []
+        raise MemplanError(f"no traced inventory for --impl {impl} with {kernels} kernels in {directory} "
+                           f"(have: {', '.join(have) or 'none'}); make it with: memplan trace --hf-config "
+                           f"config.json --impl {impl} --kernels {kernels} --out {path}")
+    return _load(str(path), path.stat().st_mtime)
+
+
+def _tracer():
+    """The torch harness's tracer (validation/trace.py); None without torch or transformers."""
+    from memplan.validate import _harness
+
+    try:
+        return importlib.import_module(_harness().__name__ + ".trace")
+    except ImportError:
+        return None
+
+
+def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
+    """Trace a config.json with transformers' own code: the inventory file's text."""
+    tracer = _tracer()
+    if tracer is None:
+        raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
+                           "pip install 'memplan[trace]'")
+    config = Path(config_path)
+    if not config.is_file():
+        raise MemplanError(f"no such config.json: {config_path}")
+    data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+    return yaml.safe_dump(data, sort_keys=False, width=120)
+
+
+def _trace_into(path: Path, impl: str, kernels: str) -> None:
+    """Trace the config.json beside `path` and write the inventory there; nothing when torch or
+    transformers is missing (load's error then says how)."""
+    if _tracer() is not None:
+        path.write_text(trace_to_yaml(str(path.parent / "config.json"), impl, kernels), encoding="utf-8")
+
+
+def _block(module: str) -> str:
+    if "attn" in module or "attention" in module:
+        return "attention"
+    if "mlp" in module or "moe" in module or "feed_forward" in module:
+        return "MLP"
+    if "norm" in module or module.startswith("ln"):
+        return "layer norms"
+    return "other"
+
+
+def _term(row: TracedTerm, scope: str, weight: Fraction, origin: str) -> Term:
+    dtype: Dtype = "act" if row.dtype in _ACT_DTYPES else _DTYPES[row.dtype]
+    elements = Poly.parse_sum(row.elements) * weight
+    share = "" if weight == 1 else f" (in {weight} of the layers)"
+    return Term(row.id, f"{row.module or 'model'}: {row.op}{share}", _block(row.module), elements, dtype, False,
+                False, scope=scope, in_k22=False, source=origin)
+
+
+def _outside_scope(module: str) -> str:
+    return "first" if any(k in module for k in ("embed", "wte", "wpe")) else "last"
+
+
+def origin_text(traced: TracedFile) -> str:
+    o = traced.origin
+    return (f"traced from transformers {o.transformers} ({o.architecture}, {o.impl}, {o.kernels} kernels, "
+            f"torch {o.torch})")
+
+
+def traced_terms(traced: TracedFile) -> list[Term]:
+    """The saved tensors of the trace as inventory terms (layer terms weighted by their group's
+    share of the layers; shared storages once per model chunk)."""
+    origin = origin_text(traced)
+    terms: list[Term] = []
+    seen_shared: set[str] = set()
+    for group in traced.layer_groups:
+        weight = Fraction(len(group.layers), traced.num_layers)
+        for row in group.terms:
+            if row.shared:
+                if row.id not in seen_shared:
+                    seen_shared.add(row.id)
+                    terms.append(_term(row, "chunk", Fraction(1), origin))
+            else:
+                terms.append(_term(row, "layer", weight, origin))
+    terms += [_term(row, _outside_scope(row.module), Fraction(1), origin) for row in traced.outside]
+    return terms
+
+
+def _from(rows: list[TracedTerm], ends: tuple[str, ...]) -> tuple[str, ...]:
+    """Ids of the saves made at or after the first save of a module whose name ends with one of
+    `ends` (forward order): what that module's backward has released. None found: nothing (the
+    moment then counts every save of the layer, the safe side)."""
+    for i, row in enumerate(rows):
+        if row.module.rsplit(".", 1)[-1] in ends:
+            return tuple(r.id for r in rows[i:] if not r.shared)
+    return ()
+
+
+# The attention output projection and the MLP's down projection, by their transformers names.
+OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense")
+DOWN_PROJ = ("down_proj", "fc2", "c_proj", "w2")
+
+
+def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
+    """The inventory of a model whose saved tensors were traced (ModelSpec.inventory)."""
+    from memplan.terms_hf import _checkpoint_mask, _layer_moments, _loss_moments
+
+    assert model.inventory is not None
+    if loss_chunks > 1:
+        raise MemplanError("--loss-chunks is measured for the hand-written transformers inventories (GPT-2, "
+                           "Llama layout); traced inventories have transformers' own loss only")
+    traced = _cuda_or_cpu(model.inventory, impl) if device == "cuda" else load(model.inventory, impl, "cpu")
+    terms = traced_terms(traced)
+    sdpa = impl == "hf-sdpa"
+    # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
+    # without recompute, added as terms_hf's measured inventories add them
+    terms.append(_t("layer_input", "layer input, kept by gradient checkpointing", "layer norms", "s b h",
+                    only_full=True, k22=False, src="torch.utils.checkpoint keeps the decoder layer's input "
+                    "(measured for Llama, validation/hf.py)"))
+    if not sdpa:
+        terms.append(_checkpoint_mask())
+    # the first group's forward order decides what each backward moment has released
+    rows = traced.layer_groups[0].terms
+    attention = [r for r in rows if _block(r.module) != "MLP"]
+    mlp = [r for r in rows if _block(r.module) == "MLP"]
+    after_down = _from(mlp, DOWN_PROJ)
+    freed = (after_down[1:], after_down, _from(attention, OUT_PROJ) + tuple(r.id for r in mlp))
+    moments = _layer_moments(model, sdpa, freed) + _loss_moments(model)
+    return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
+                     origin=origin_text(traced))
+
+
+def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:
+    """CUDA kernels' trace when there is one, else the CPU kernels' (the report says which)."""
+    if (Path(directory) / file_name(impl, "cuda")).is_file():
+        return load(directory, impl, "cuda")
+    return load(directory, impl, "cpu")
