@@ -19,9 +19,10 @@ unchanged:
 - gradient checkpointing (full recompute) keeps each layer's input (torch.utils.checkpoint), and
   with eager attention the additive causal mask, as terms_hf's measured inventories do;
 - the backward's transient moments are terms_hf's (gradients of the residual stream, of the MLP's
-  and attention's inputs), whose freed tensors are found by the order of the saves: a save made at
-  or after the attention output projection is gone when attention's backward runs. They are
-  derived, not traced, and the report says so.
+  and attention's inputs), whose freed tensors are found by the order of the saves: the saves made
+  at or after the attention output projection (eager attention: after the softmax's, as that moment
+  is the softmax backward) are gone when attention's backward runs. They are derived, not traced, and the report says so; for
+  Llama they give the measured inventory's step peak exactly (tests/test_traced.py).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Origin(_Row):
 class TracedFile(_Row):
     format: Literal["memplan-traced-inventory/1"]
     origin: Origin
+    conditions: list[str] = []  # what the trace assumed about s and b (e.g. "b >= 2"), shown with its origin
     num_layers: int
     layer_groups: list[LayerGroup]
     outside: list[TracedTerm]
@@ -93,7 +95,7 @@ class TracedFile(_Row):
 def config_sha256(data: dict) -> str:
     """The hash a traced inventory records of the config.json it was traced from: sha256 of the
     config as canonical JSON (keys sorted, no spaces)."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -239,8 +241,9 @@ def _outside_scope(module: str) -> str:
 
 def origin_text(traced: TracedFile) -> str:
     o = traced.origin
+    when = f"; valid for {', '.join(traced.conditions)}" if traced.conditions else ""
     return (f"traced from transformers {o.transformers} ({o.architecture}, {o.impl}, {o.kernels} kernels, "
-            f"torch {o.torch})")
+            f"torch {o.torch}{when})")
 
 
 def traced_terms(traced: TracedFile) -> list[Term]:
@@ -272,6 +275,13 @@ def _from(rows: list[TracedTerm], ends: tuple[str, ...]) -> tuple[str, ...]:
     return ()
 
 
+def _after_softmax(rows: list[TracedTerm]) -> tuple[str, ...]:
+    """Eager attention's backward peaks at the softmax backward: the saves made after the (last)
+    softmax's (dropout mask, attention over V, the output projection, ...) are released by then."""
+    last = max((i for i, r in enumerate(rows) if "softmax" in r.op), default=None)
+    return () if last is None else tuple(r.id for r in rows[last + 1:] if not r.shared)
+
+
 # The attention output projection and the MLP's down projection, by their transformers names.
 OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense")
 DOWN_PROJ = ("down_proj", "fc2", "c_proj", "w2")
@@ -300,7 +310,8 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     attention = [r for r in rows if _block(r.module) != "MLP"]
     mlp = [r for r in rows if _block(r.module) == "MLP"]
     after_down = _from(mlp, DOWN_PROJ)
-    freed = (after_down[1:], after_down, _from(attention, OUT_PROJ) + tuple(r.id for r in mlp))
+    in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
+    freed = (after_down[1:], after_down, in_attention + tuple(r.id for r in mlp))
     moments = _layer_moments(model, sdpa, freed) + _loss_moments(model)
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
                      origin=origin_text(traced))
