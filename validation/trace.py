@@ -1,0 +1,614 @@
+"""Trace what transformers' real model code saves for backward, as exact polynomials in s and b.
+
+``trace_hf_config(config)`` builds the ``*ForCausalLM`` of a transformers ``config.json`` (from the
+config alone: no weights, no network) under ``FakeTensorMode`` with a ``ShapeEnv``, gives it token
+ids of shape ``[b, s]`` where s (sequence length) and b (micro-batch) are *symbols*, runs forward +
+loss once in training mode, and records every storage autograd saves for backward
+(``saved_tensors_hooks``; one entry per storage, views of one storage count once; parameters and
+buffers excluded).  Under fake tensors nothing is allocated, so the real config's sizes are used
+(h, a, g, f, v as the config says; a 70B config traces in seconds), and each storage's size comes
+out as a symbolic expression: an exact polynomial in s and b with integer coefficients, which is
+written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
+
+Every decoder layer of the config is traced (no reduced model, so no mapping of a small variant
+back onto the real layer indices is needed: layers of different kinds, e.g. Gemma 2's alternating
+sliding / global attention or dense-then-MoE stacks, simply come out as different groups).  Layers
+whose saved tensors are identical (same ids, ops, dtypes and polynomials) form one group.
+
+How a saved storage is named: from the context of its *first* save (``validation.hf``'s
+machinery): the module path (relative to the decoder layer, ``self_attn.q_proj``, or to the model,
+``model.norm``, ``""`` for the loss computed in the ``*ForCausalLM`` itself), the outermost torch call
+in progress (``torch.nn.functional.linear``; ``scaled_dot_product_attention`` refined with the aten
+kernel it reached, ``[flash_cpu]`` / ``[math]``), ``k`` the how-many-th saving call of that op in
+that module and ``j`` the position of the tensor among what that call saved.  The id is
+``<module>.<op>[#k].<j>``, e.g. ``self_attn.q_proj.linear.0``, ``mlp.mul.1``,
+``input_layernorm.mul#1.0``: stable for a given code path and unique within a layer.  A storage
+saved by several layers (the rotary cos / sin tables) is listed in every layer that saves it with
+``shared: true``; it exists once per forward, so a consumer counts it once (memplan's ``chunk``
+scope).  A storage saved both outside and inside the layers would be listed in both, shared.
+
+The trace is refused (``TraceRefused``) when it is not valid for every s and b:
+
+* guards or replacements in the ShapeEnv that pin s or b (``Eq(s, 4096)``, ``s -> 4096``): some code
+  turned a size into a Python int or compared it with a constant.  Wrapping the forward in
+  ``torch._dispatch.python.enable_python_dispatcher()`` is what keeps torch's own C++ composite
+  ops (matmul's folding of batch dimensions, ...) from doing that: without it eager attention
+  specialises both s and b (``python_dispatcher=False`` shows it; tests check the refusal);
+* a size that is not a polynomial in s and b (a floor division that does not divide, a
+  data-dependent size: MoE routing, ``nonzero``).
+
+Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
+the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges
+(s, b >= 2 always: torch specialises sizes 0 and 1, so a trace never covers b = 1, where a few
+kernels save differently, e.g. matmul keeps views instead of copies).  Which side of such a guard
+is traced is chosen by the hints ``s_hint`` / ``b_hint`` (the values the ShapeEnv evaluates guards
+at).
+
+transformers treats fake tensors as tracing (``is_tracing(t)`` is true for a ``FakeTensor``) and
+then takes branches an eager run never takes.  The one that changes saved tensors is
+``masking_utils.find_packed_sequence_indices``: it cannot read fake position ids, answers
+"packed" and makes ``create_causal_mask`` build an explicit mask (an ``s^2 b`` tensor saved by
+sdpa, where a real run passes ``is_causal=True``).  The model builds its own position ids
+(``arange(s)``: not packed), so the real answer, None, is given while tracing (``_eager_decisions``).
+Tests compare traces with real CPU runs at several (s, b) to catch any other such branch.
+
+Kernels: ``kernels="cpu"`` is what torch's CPU kernels save (the trace runs them as fake CPU
+tensors): dropout through ``F.dropout`` keeps a bf16 ``bernoulli_`` mask, sdpa reaches
+``_scaled_dot_product_flash_attention_for_cpu`` without dropout and the fp32 math path (s^2
+tensors) with dropout.  ``kernels="cuda"`` (CUDA kernels emulated at dispatch level) is not built
+yet and is refused.
+
+CLI: ``python -m validation.trace --hf-config config.json [--impl hf-sdpa|hf-eager]
+[--kernels cpu|cuda] [--out FILE.yaml]`` (YAML on stdout without ``--out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+from . import hf as _hf  # sets HF_HUB_OFFLINE before transformers is imported
+
+import sympy  # noqa: E402
+import torch  # noqa: E402
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+
+from .measure import Ledger, _ModuleStack, _OpRecorder  # noqa: E402
+
+FORMAT = "memplan-traced-inventory/1"
+IMPLS = ("hf-sdpa", "hf-eager")
+KERNELS = ("cpu", "cuda")
+SDPA = _hf.SDPA
+
+
+class TraceRefused(RuntimeError):
+    """The trace does not describe every (s, b): a size was specialised or is not a polynomial."""
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+
+
+def load_config(config: dict | str | Path) -> dict:
+    """A config.json as a dict (a dict is copied; a str or Path is a path to the JSON file)."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    return json.loads(Path(config).read_text())
+
+
+def config_sha256(config: dict) -> str:
+    """sha256 of the canonical JSON of a config dict (sorted keys, no whitespace)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def hf_config(config: dict):
+    """The transformers config object of a config dict (its ``model_type`` picks the class)."""
+    tf = _hf._transformers()
+    if "model_type" not in config:
+        raise ValueError("the config has no model_type")
+    cls = tf.CONFIG_MAPPING[config["model_type"]]
+    cfg = cls.from_dict(dict(config))
+    cfg.loss_type = "ForCausalLM"  # what the Trainer uses for a causal LM; set to silence the guess
+    return cfg
+
+
+def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16"):
+    """``AutoModelForCausalLM.from_config`` in training mode (under a fake mode when one is active)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}")
+    tf = _hf._transformers()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
+                                                attn_implementation=impl.removeprefix("hf-"))
+    return model.train()
+
+
+def decoder_layers_path(model, num_layers: int) -> str:
+    """Module path of the decoder layers' ModuleList (``model.layers``, ``transformer.h``)."""
+    found = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers and name]
+    if not found:
+        raise ValueError(f"no ModuleList of {num_layers} decoder layers in {type(model).__name__}")
+    return min(found, key=lambda n: n.count("."))
+
+
+def num_hidden_layers(model) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# recording saved storages (fake or real tensors alike)
+
+
+class _Saves:
+    """Every non-parameter storage autograd saves, with the context of its first save
+    (module, op, k, j: ``validation.hf``'s labelling), every module that saved it, dtype, nbytes."""
+
+    def __init__(self, model: torch.nn.Module, extra_excluded=()) -> None:
+        self.modules = _ModuleStack(model, "")
+        self.rec = _hf._CallRecorder(self.modules)
+        excluded = list(model.parameters()) + list(model.buffers()) + list(extra_excluded)
+        self.ledger = _hf._HFLedger(excluded, self.rec, self.modules)
+        self.aten = _hf._AtenLog(self.rec)
+        self.dtypes: dict[StorageWeakRef, torch.dtype] = {}
+        self.first_save: dict[StorageWeakRef, dict[str, int]] = {}  # saver module -> sequence number
+        self.saves = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage())
+        self.dtypes.setdefault(key, t.dtype)
+        self.first_save.setdefault(key, {}).setdefault(self.modules.current.lstrip("."), self.saves)
+        self.saves += 1
+        return self.ledger.pack(t)
+
+    @contextlib.contextmanager
+    def recording(self):
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.ledger.unpack), self.rec, self.aten:
+                yield
+        finally:
+            self.modules.close()
+
+    def storages(self) -> list[dict]:
+        """One dict per saved non-parameter storage, in the order of first save."""
+        out = []
+        for key, r in self.ledger.records.items():
+            if r.is_param:
+                continue
+            module, op, k, j, call = self.ledger.ctx[key]
+            if op == SDPA:
+                op = f"{SDPA}[{self.aten.kernel_tag(call)}]"
+            out.append(dict(module=module.lstrip("."), op=op, k=k, j=j, dtype=self.dtypes[key], nbytes=r.nbytes,
+                            savers=self.first_save[key]))
+        return out
+
+
+def _forward_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=targets, use_cache=False).loss
+
+
+@contextlib.contextmanager
+def _eager_decisions():
+    """Give transformers the answers an eager run gets where it treats fake tensors as tracing.
+
+    ``find_packed_sequence_indices(position_ids)`` reads the position ids' values to detect packed
+    sequences and, for a fake tensor, answers "packed" (a tensor), which builds an explicit mask
+    that an eager run never makes.  The position ids are the model's own ``arange(s)`` (we pass
+    none), for which an eager run returns None.
+    """
+    import transformers.masking_utils as mu
+
+    orig = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = orig
+
+
+# ---------------------------------------------------------------------------------------------
+# the symbolic trace
+
+# Ops for which the python dispatcher would run a Python decomposition that saves differently from
+# the C++ kernel an eager run executes: torch/_decomp's dropout is native_dropout (a bool mask; the
+# C++ CPU kernel keeps a bernoulli_ mask in the input's dtype) and clone() at p = 0 (C++ returns
+# the input itself, so nothing new is saved).
+_EAGER_ONLY = ("dropout.default",)
+
+
+@contextlib.contextmanager
+def _python_dispatcher(enabled: bool = True):
+    """``enable_python_dispatcher()``: torch's C++ composite ops then run their Python ports
+    (``aten.matmul``'s among them), which keep sizes symbolic where the C++ code reads them as
+    ints (and so would pin s and b); except the ops of ``_EAGER_ONLY``, which keep their C++
+    kernels."""
+    if not enabled:
+        yield
+        return
+    from torch._C import DispatchKey
+    from torch._dispatch.python import enable_python_dispatcher
+
+    removed = []
+    for name in _EAGER_ONLY:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+        for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
+            if key in op.py_kernels:
+                removed.append((op, key, op.py_kernels.pop(key)))
+        op._dispatch_cache.clear()
+    try:
+        with enable_python_dispatcher():
+            yield
+    finally:
+        for op, key, fn in removed:
+            op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+
+
+def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
+                   make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
+                   python_dispatcher: bool = True) -> tuple[torch.nn.Module, list[dict], list[str]]:
+    """Run ``forward(model, *make_inputs(s, b))`` once under FakeTensorMode with s and b symbolic.
+
+    ``build()`` makes the module inside the fake mode (its parameters fake, concrete shapes);
+    ``make_inputs(s, b)`` gets SymInts.  Returns the model, the saved storages (``_Saves.storages``
+    with ``nbytes`` a sympy polynomial in the symbols ``s`` and ``b``) and the conditions the trace
+    holds under (ranges of s and b, range guards).  Raises ``TraceRefused`` when the ShapeEnv
+    specialised s or b or a size is not a polynomial in them.
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    if s_hint < 2 or b_hint < 2 or s_hint == b_hint:
+        raise ValueError("need distinct hints s_hint, b_hint >= 2 (torch specialises sizes 0 and 1)")
+    env = ShapeEnv(duck_shape=False)
+    symbols = {}
+    sizes = {}
+    for name, hint in (("s", s_hint), ("b", b_hint)):
+        sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+        symbols[sym] = name
+        sizes[name] = env.create_symintnode(sym, hint=hint)
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
+        model = build()
+        saves = _Saves(model)
+        with _eager_decisions(), saves.recording():
+            inputs = make_inputs(sizes["s"], sizes["b"])
+            with _python_dispatcher(python_dispatcher):
+                forward(model, *inputs)
+    conditions = _check_guards(env, symbols)
+    named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
+    out = []
+    for st in saves.storages():
+        st["nbytes"] = _as_poly_expr(st["nbytes"], named, st)
+        out.append(st)
+    return model, out, conditions
+
+
+def _expr(x) -> sympy.Expr:
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def _as_poly_expr(nbytes, named: dict, st: dict) -> sympy.Expr:
+    expr = sympy.expand(_expr(nbytes).xreplace(named))
+    allowed = set(named.values())
+    where = f"{st['module'] or '<model>'}: {st['op']} ({st['dtype']})"
+    if not expr.free_symbols <= allowed:
+        extra = sorted(map(str, expr.free_symbols - allowed))
+        raise TraceRefused(f"the size of a saved tensor depends on data ({where}: {expr}; symbols {extra}, "
+                           "e.g. MoE routing or nonzero): not a polynomial in s and b")
+    try:
+        poly = sympy.Poly(expr, *sorted(allowed, key=str))
+    except sympy.PolynomialError:
+        raise TraceRefused(f"the size of a saved tensor is not a polynomial in s and b ({where}: {expr})") from None
+    if not all(c.is_Rational for c in poly.coeffs()):
+        raise TraceRefused(f"non-rational coefficient in the size of a saved tensor ({where}: {expr})")
+    return expr
+
+
+def _check_guards(env, symbols: dict) -> list[str]:
+    """Refuse a trace that pinned s or b; return the conditions (ranges, range guards) it holds under."""
+    names = {sym: sympy.Symbol(n) for sym, n in symbols.items()}
+    pinned = []
+    for sym, value in env.replacements.items():
+        if sym in symbols:
+            pinned.append(f"replacement {symbols[sym]} -> {value.xreplace(names)}")
+    conditions = []
+    for g in env.guards:
+        if not (g.expr.free_symbols & set(symbols)):
+            continue
+        text = str(g.expr.xreplace(names))
+        if isinstance(g.expr, (sympy.Eq,)) or g.expr.func.__name__ in ("Eq",):
+            pinned.append(f"guard {text} at {g.sloc}")
+        else:
+            conditions.append(text)
+    for sym, name in symbols.items():
+        vr = env.var_to_range.get(sym)
+        if vr is not None and vr.lower == vr.upper:
+            pinned.append(f"range of {name} is [{vr.lower}, {vr.upper}]")
+    if pinned:
+        raise TraceRefused("the trace specialised the sequence length or the micro-batch, so its sizes hold "
+                           "only for the traced values: " + "; ".join(pinned))
+    ranges = []
+    for sym, name in symbols.items():
+        vr = env.var_to_range.get(sym)
+        lo, hi = (vr.lower, vr.upper) if vr is not None else (2, None)
+        ranges.append(f"{name} >= {lo}" + ("" if hi is None or str(hi) in ("oo", "int_oo") else f", {name} <= {hi}"))
+    return ranges + [c for c in dict.fromkeys(conditions)]
+
+
+# ---------------------------------------------------------------------------------------------
+# polynomials in memplan's Poly syntax
+
+
+def poly_text(expr: sympy.Expr) -> str:
+    """'12 s^2 b + 64 s b' for 12*s**2*b + 64*s*b (memplan's ``Poly.parse_sum`` syntax)."""
+    expr = sympy.expand(expr)
+    if expr == 0:
+        return "0"
+    s, b = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer=True, positive=True)
+    expr = expr.xreplace({x: (s if str(x) == "s" else b) for x in expr.free_symbols})
+    poly = sympy.Poly(expr, s, b)
+    parts = []
+    for (ps, pb), coef in sorted(poly.terms(), key=lambda t: (-(t[0][0] + t[0][1]), -t[0][0])):
+        c = Fraction(int(coef.p), int(coef.q))
+        tokens = []
+        if c.numerator != 1 or (ps == 0 and pb == 0):
+            tokens.append(str(c.numerator))
+        tokens += [f"s^{ps}" if ps > 1 else "s"] if ps else []
+        tokens += [f"b^{pb}" if pb > 1 else "b"] if pb else []
+        if c.denominator != 1:
+            tokens.append(f"/{c.denominator}")
+        parts.append(" ".join(tokens))
+    return " + ".join(parts)
+
+
+def evaluate(text: str, s: int, b: int) -> int:
+    """A polynomial of an inventory file at (s, b), exactly (through memplan's Poly)."""
+    from memplan.symbolic import Poly
+
+    value = Poly.parse_sum(text).evaluate({"s": s, "b": b})
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the inventory
+
+
+_SHORT = re.compile(r"[^A-Za-z0-9_]+")
+
+
+def _short_op(op: str) -> str:
+    base = op.split("[")[0].rsplit(".", 1)[-1]
+    return _SHORT.sub("_", base)
+
+
+def _term_id(module: str, op: str, k: int, j: int) -> str:
+    head = ".".join(p for p in (module, _short_op(op)) if p)
+    return f"{head}{f'#{k}' if k else ''}.{j}"
+
+
+def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int) -> dict:
+    """Group saved storages into decoder-layer groups and the outside (the file's body)."""
+    layer_re = re.compile(rf"^{re.escape(layers_path)}\.(\d+)(?:\.(.*))?$")
+
+    def place(module: str) -> tuple[int | None, str]:
+        m = layer_re.match(module)
+        return (int(m.group(1)), m.group(2) or "") if m else (None, module)
+
+    # (sequence number of the place's first save of the storage, term) per place: a storage
+    # shared by the layers sits where each layer saved it
+    per_layer: list[list[tuple[int, dict]]] = [[] for _ in range(num_layers)]
+    outside: list[tuple[int, dict]] = []
+    for st in storages:
+        layer, rel = place(st["module"])
+        places: dict[int | None, int] = {}
+        for module, seq in st["savers"].items():
+            p = place(module)[0]
+            places[p] = min(places.get(p, seq), seq)
+        itemsize = torch.empty((), dtype=st["dtype"]).element_size()
+        elements = sympy.expand(st["nbytes"] / itemsize)
+        term = {
+            "id": _term_id(rel, st["op"], st["k"], st["j"]),
+            "module": rel,
+            "op": st["op"],
+            "dtype": str(st["dtype"]).replace("torch.", ""),
+            "elements": poly_text(elements),
+            "bytes": poly_text(st["nbytes"]),
+            "shared": len(places) > 1,
+        }
+        for p, seq in places.items():
+            (outside if p is None else per_layer[p]).append((seq, dict(term)))
+    groups: list[dict] = []
+    index: dict[str, int] = {}
+    for i, seq_terms in enumerate(per_layer):
+        terms = [t for _, t in sorted(seq_terms, key=lambda x: x[0])]
+        ids = [t["id"] for t in terms]
+        dup = [x for x, n in Counter(ids).items() if n > 1]
+        if dup:
+            raise AssertionError(f"layer {i}: term ids not unique: {dup}")
+        key = json.dumps(terms, sort_keys=True)
+        if key not in index:
+            index[key] = len(groups)
+            groups.append({"layers": [], "terms": terms})
+        groups[index[key]]["layers"].append(i)
+    return {"num_layers": num_layers, "layer_groups": groups,
+            "outside": [t for _, t in sorted(outside, key=lambda x: x[0])]}
+
+
+def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: str = "cpu",
+                    dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
+                    python_dispatcher: bool = True) -> dict:
+    """The traced inventory of a transformers config: what one training forward + loss saves for
+    backward, per decoder-layer group and outside the layers, as polynomials in s and b.
+
+    Returns the inventory file's data (plain, YAML-serialisable): ``format``, ``origin`` (library
+    versions, the config's sha256, architecture, impl, kernels, dtype), ``conditions`` (what the
+    polynomials assume about s and b), ``num_layers``, ``layer_groups`` and ``outside``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}")
+    if kernels == "cuda":
+        raise NotImplementedError("--kernels cuda (CUDA kernels' saved tensors emulated at dispatch level: "
+                                  "native_dropout's bool mask, the flash / efficient sdpa kernels, fp32 norm "
+                                  "statistics) is not built yet; use --kernels cpu")
+    cfg = load_config(config)
+    tf = _hf._transformers()
+    vocab = int(hf_config(cfg).vocab_size)
+    holder: dict = {}
+
+    def build():
+        model = build_model(cfg, impl, dtype)
+        holder["layers"] = num_hidden_layers(model)
+        return model
+
+    def make_inputs(s, b):
+        return torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
+
+    model, storages, conditions = symbolic_saves(build, _forward_loss, make_inputs, s_hint, b_hint,
+                                                 python_dispatcher)
+    num_layers = holder["layers"]
+    body = inventory_from_saves(storages, decoder_layers_path(model, num_layers), num_layers)
+    origin = {
+        "transformers": tf.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "config_sha256": config_sha256(cfg),
+        "architecture": type(model).__name__,
+        "model_type": cfg["model_type"],
+        "impl": impl,
+        "kernels": kernels,
+        "dtype": dtype,
+    }
+    return {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement with real tensors (the check of a trace)
+
+
+def measure_hf_config(config: dict | str | Path, s: int, b: int, impl: str = "hf-sdpa", dtype: str = "bfloat16",
+                      seed: int = 0) -> dict:
+    """What the real model (real CPU tensors, random weights) saves for backward at (s, b), in bytes:
+    ``layers[i]`` every storage layer i's modules saved (shared ones included), ``outside`` the
+    storages saved outside the layers only, ``shared`` the storages saved by more than one layer
+    (once), ``total`` every saved non-parameter storage once.  Read off tensors with
+    ``validation.measure.Ledger``; nothing here knows the trace."""
+    cfg = load_config(config)
+    torch.manual_seed(seed)
+    model = build_model(cfg, impl, dtype)
+    num_layers = num_hidden_layers(model)
+    layer_re = re.compile(rf"^{re.escape(decoder_layers_path(model, num_layers))}\.(\d+)(?:\.|$)")
+    modules = _ModuleStack(model, "")
+    ops = _OpRecorder()
+    ledger = Ledger(list(model.parameters()) + list(model.buffers()), ops, modules)
+    savers: dict[StorageWeakRef, set] = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        m = layer_re.match(modules.current.lstrip("."))
+        savers.setdefault(key, set()).add(int(m.group(1)) if m else None)
+        return ledger.pack(t)
+
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(0, vocab, (b, s))
+    targets = torch.randint(0, vocab, (b, s))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, ledger.unpack), ops:
+            loss = _forward_loss(model, ids, targets)
+    finally:
+        modules.close()
+    out = {"layers": [0] * num_layers, "outside": 0, "shared": 0, "total": 0}
+    for key, r in ledger.records.items():
+        if r.is_param:
+            continue
+        where = savers[key]
+        out["total"] += r.nbytes
+        for i in where - {None}:
+            out["layers"][i] += r.nbytes
+        if where == {None}:
+            out["outside"] += r.nbytes
+        if len(where) > 1:
+            out["shared"] += r.nbytes
+    del loss
+    return out
+
+
+def predicted_bytes(inventory: dict, s: int, b: int) -> dict:
+    """The same figures as ``measure_hf_config`` from an inventory file's polynomials."""
+    layers = [0] * inventory["num_layers"]
+    shared: dict[str, int] = {}
+    total = 0
+    for g in inventory["layer_groups"]:
+        per = sum(evaluate(t["bytes"], s, b) for t in g["terms"])
+        own = sum(evaluate(t["bytes"], s, b) for t in g["terms"] if not t["shared"])
+        for i in g["layers"]:
+            layers[i] = per
+        total += own * len(g["layers"])
+        for t in g["terms"]:
+            if t["shared"]:
+                shared[t["id"]] = evaluate(t["bytes"], s, b)
+    outside = sum(evaluate(t["bytes"], s, b) for t in inventory["outside"] if not t["shared"])
+    for t in inventory["outside"]:
+        if t["shared"]:
+            shared[t["id"]] = evaluate(t["bytes"], s, b)
+    total += outside + sum(shared.values())
+    return {"layers": layers, "outside": outside, "shared": sum(shared.values()), "total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def to_yaml(data: dict) -> str:
+    """The inventory as YAML: keys in the file's order, layer index lists on one line."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def represent_list(dumper, items):
+        flow = all(isinstance(x, int) for x in items)
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow)
+
+    Dumper.add_representer(list, represent_list)
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m validation.trace", description=__doc__.split("\n")[0])
+    p.add_argument("--hf-config", required=True, help="a transformers config.json")
+    p.add_argument("--impl", choices=IMPLS, default="hf-sdpa")
+    p.add_argument("--kernels", choices=KERNELS, default="cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--s-hint", type=int, default=4096, help="the sequence length range guards are decided at")
+    p.add_argument("--out", help="write the YAML here (default: stdout)")
+    a = p.parse_args(argv)
+    try:
+        data = trace_hf_config(a.hf_config, a.impl, a.kernels, a.dtype, s_hint=a.s_hint)
+    except (NotImplementedError, TraceRefused, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = to_yaml(data)
+    if a.out:
+        Path(a.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
