@@ -164,6 +164,11 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.origin:
         notes.append(f"saved tensors {inventory.origin}; the backward's transient tensors are derived from the "
                      "measured Llama layout, not traced")
+        plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
+        for sym, least in inventory.traced_from:
+            if plan_values[sym] < least:
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}): sizes not traced "
+                             "there may differ")
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)

@@ -112,7 +112,10 @@ def read_model_file(path: Path) -> ModelPreset:
 
 
 def model_names() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "models").glob("*.yaml"))
+    """The presets: configs/models/*.yaml, and the transformers configs shipped with traced inventories
+    (configs/traced/<name>/config.json)."""
+    return sorted([p.stem for p in (configs_dir() / "models").glob("*.yaml")] +
+                  [p.parent.name for p in (configs_dir() / "traced").glob("*/config.json")])
 
 
 def gpu_names() -> list[str]:
@@ -130,6 +133,9 @@ def load_model(name_or_path: str) -> ModelPreset:
             raise MemplanError(f"no such model file: {name_or_path}")
         return read_model_file(path)
     preset = configs_dir() / "models" / f"{name_or_path}.yaml"
+    hf = configs_dir() / "traced" / name_or_path / "config.json"
+    if not preset.is_file() and hf.is_file() and "/" not in name_or_path:
+        return read_hf_config(str(hf))
     if not preset.is_file():
         raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
     return read_model_file(preset)

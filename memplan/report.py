@@ -50,6 +50,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         "plan": est.config.plan_summary(),
         "config": config_dict(est.config),
         "inventory": est.inventory.name,
+        "inventory_origin": est.inventory.origin or None,
         "impl": est.inventory.name.split("/")[0],  # names are impl/attention/device or impl/device
         "paper_only": est.paper_only,
         "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},

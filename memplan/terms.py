@@ -385,6 +385,7 @@ class Inventory:
     # (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize), 1 on CPU
     granularity: int = 1
     origin: str = ""  # a traced inventory's origin (memplan/traced.py); empty for hand-written ones
+    traced_from: tuple[tuple[str, int], ...] = ()  # (symbol, least value) a trace's sizes hold from: (("b", 2),)
 
 
 IMPLEMENTATIONS: dict[str, str] = {

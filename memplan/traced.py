@@ -207,7 +207,7 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
     data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
-    return yaml.safe_dump(data, sort_keys=False, width=120)
+    return tracer.to_yaml(data)
 
 
 def _trace_into(path: Path, impl: str, kernels: str) -> None:
@@ -227,12 +227,13 @@ def _block(module: str) -> str:
     return "other"
 
 
-def _term(row: TracedTerm, scope: str, weight: Fraction, origin: str) -> Term:
+def _term(row: TracedTerm, scope: str, weight: Fraction, source: str) -> Term:
     dtype: Dtype = "act" if row.dtype in _ACT_DTYPES else _DTYPES[row.dtype]
     elements = Poly.parse_sum(row.elements) * weight
-    share = "" if weight == 1 else f" (in {weight} of the layers)"
-    return Term(row.id, f"{row.module or 'model'}: {row.op}{share}", _block(row.module), elements, dtype, False,
-                False, scope=scope, in_k22=False, source=origin)
+    share = "" if weight == 1 else f", in {weight} of the layers"
+    op = row.op.rsplit(".", 1)[-1]
+    return Term(row.id, f"{row.module or 'model'}: saved by {op} ({row.dtype}{share})", _block(row.module),
+                elements, dtype, False, False, scope=scope, in_k22=False, source=source)
 
 
 def _outside_scope(module: str) -> str:
@@ -249,7 +250,7 @@ def origin_text(traced: TracedFile) -> str:
 def traced_terms(traced: TracedFile) -> list[Term]:
     """The saved tensors of the trace as inventory terms (layer terms weighted by their group's
     share of the layers; shared storages once per model chunk)."""
-    origin = origin_text(traced)
+    origin = f"traced: transformers {traced.origin.transformers}"
     terms: list[Term] = []
     seen_shared: set[str] = set()
     for group in traced.layer_groups:
@@ -314,7 +315,17 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     freed = (after_down[1:], after_down, in_attention + tuple(r.id for r in mlp))
     moments = _layer_moments(model, sdpa, freed) + _loss_moments(model)
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
-                     origin=origin_text(traced))
+                     origin=origin_text(traced), traced_from=_least_values(traced.conditions))
+
+
+def _least_values(conditions: list[str]) -> tuple[tuple[str, int], ...]:
+    """The conditions "s >= N" / "b >= N" of a trace (a symbolic trace treats sizes 0 and 1 apart)."""
+    out = []
+    for text in conditions:
+        sym, op, value = (text.split() + ["", ""])[:3]
+        if sym in SYMBOLS and op == ">=" and value.isdigit():
+            out.append((sym, int(value)))
+    return tuple(out)
 
 
 def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:

@@ -46,7 +46,7 @@ CASES = [
     (["search", "--model", "gpt3-175b", "--gpus", "64", "--seq-len", "300000000", "--mem", "80GB"], "64-bit"),
     (["search", "--model", "gpt3-175b", "--gpus", "12288", "--seq-len", "16000000", "--global-batch", "12288",
       "--mem", "80GB"], "64-bit"),
-    (["estimate", "--model", "no-such-model"], "known: gpt-1t"),
+    (["estimate", "--model", "no-such-model"], "known: gemma-7b, gemma2-9b, gpt-1t"),
 ]
 
 

@@ -28,7 +28,12 @@ def test_wheel_installs_and_runs(tmp_path, announce):
     out = subprocess.run([str(memplan), "models", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     names = {row["name"] for row in json.loads(out.stdout)}
-    assert names == {p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")}
+    assert names == ({p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")} |
+                     {p.parent.name for p in (ROOT / "configs" / "traced").glob("*/config.json")})
+    # a shipped traced inventory is read from the wheel, with no torch and no transformers
+    out = subprocess.run([str(memplan), "estimate", "--model", "qwen2.5-7b", "--impl", "hf-sdpa"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "traced from transformers" in out.stdout, out.stderr
     out = subprocess.run([str(memplan), "estimate", "--model", "gpt3-530b"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "fits in" in out.stdout, out.stderr
