@@ -1,6 +1,12 @@
+import os
+import tempfile
+
 import pytest
 
-from memplan.cli import main
+# Inventories traced on first use (memplan/traced.py) go to a scratch cache, never the user's home.
+os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-cache-"))
+
+from memplan.cli import main  # noqa: E402
 
 
 @pytest.fixture
