@@ -7,6 +7,7 @@ same shape. Unknown or mistyped keys are refused with the key and the file named
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -135,7 +136,8 @@ def load_model(name_or_path: str) -> ModelPreset:
     preset = configs_dir() / "models" / f"{name_or_path}.yaml"
     hf = configs_dir() / "traced" / name_or_path / "config.json"
     if not preset.is_file() and hf.is_file() and "/" not in name_or_path:
-        return read_hf_config(str(hf))
+        read = read_hf_config(str(hf))
+        return dataclasses.replace(read, model=read.model.model_copy(update={"name": name_or_path}))
     if not preset.is_file():
         raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
     return read_model_file(preset)

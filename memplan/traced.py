@@ -174,16 +174,24 @@ def _load(path: str, mtime: float) -> TracedFile:
 
 
 def load(directory: str, impl: str, kernels: str) -> TracedFile:
-    """The traced file of `impl` in a traced inventory's directory, or a one-line error naming how
-    to make it."""
+    """The traced file of `impl` in a traced inventory's directory; else one traced on first use
+    into the cache (never into a shipped directory) from the directory's config.json when torch and
+    transformers are installed; else a one-line error naming how to make it."""
     path = Path(directory) / file_name(impl, kernels)
-    if not path.is_file() and (Path(directory) / "config.json").is_file():
-        _trace_into(path, impl, kernels)
+    config = Path(directory) / "config.json"
+    if not path.is_file() and config.is_file():
+        try:
+            cached = cache_dir() / config_sha256(json.loads(config.read_text(encoding="utf-8")))[:16] / path.name
+        except (OSError, ValueError):
+            cached = path
+        if not cached.is_file():
+            _trace_into(config, cached, impl, kernels)
+        path = cached if cached.is_file() else path
     if not path.is_file():
-        have = sorted(p.name for p in Path(directory).glob("*.yaml")) if Path(directory).is_dir() else []
-        raise MemplanError(f"no traced inventory for --impl {impl} with {kernels} kernels in {directory} "
-                           f"(have: {', '.join(have) or 'none'}); make it with: memplan trace --hf-config "
-                           f"config.json --impl {impl} --kernels {kernels} --out {path}")
+        raise MemplanError(f"no traced inventory for --impl {impl} with {kernels} kernels for {config} and no torch "
+                           f"+ transformers to trace it (pip install torch==2.13.0 'memplan[trace]'); or trace it "
+                           f"elsewhere: memplan trace --hf-config config.json --impl {impl} --kernels {kernels} "
+                           f"--out {path}")
     return _load(str(path), path.stat().st_mtime)
 
 
@@ -206,15 +214,26 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     config = Path(config_path)
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
-    data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+    try:
+        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+    except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise MemplanError(f"tracing {config} ({impl}, {kernels} kernels) failed: {type(err).__name__}: "
+                           f"{first[:300]}") from None
     return tracer.to_yaml(data)
 
 
-def _trace_into(path: Path, impl: str, kernels: str) -> None:
-    """Trace the config.json beside `path` and write the inventory there; nothing when torch or
-    transformers is missing (load's error then says how)."""
-    if _tracer() is not None:
-        path.write_text(trace_to_yaml(str(path.parent / "config.json"), impl, kernels), encoding="utf-8")
+def _trace_into(config: Path, path: Path, impl: str, kernels: str) -> None:
+    """Trace `config` and write the inventory to `path`; nothing when torch or transformers is
+    missing or the cache cannot be written (load's error then says how)."""
+    if _tracer() is None:
+        return
+    text = trace_to_yaml(str(config), impl, kernels)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError:
+        pass
 
 
 def _block(module: str) -> str:
