@@ -316,34 +316,39 @@ def _as_poly_expr(nbytes, named: dict, st: dict) -> sympy.Expr:
 
 
 def _check_guards(env, symbols: dict) -> list[str]:
-    """Refuse a trace that pinned s or b; return the conditions (ranges, range guards) it holds under."""
+    """Refuse a trace that pinned s or b; return the conditions it holds under: the ranges of s and
+    b the guards left (``s >= 2``; ``s >= 4096`` after a sliding window's ``kv_length >= window``)
+    and any other guard on them, as text in s and b."""
     names = {sym: sympy.Symbol(n) for sym, n in symbols.items()}
     pinned = []
     for sym, value in env.replacements.items():
         if sym in symbols:
             pinned.append(f"replacement {symbols[sym]} -> {value.xreplace(names)}")
-    conditions = []
+    others = []
     for g in env.guards:
-        if not (g.expr.free_symbols & set(symbols)):
+        free = g.expr.free_symbols & set(symbols)
+        if not free:
             continue
         text = str(g.expr.xreplace(names))
-        if isinstance(g.expr, (sympy.Eq,)) or g.expr.func.__name__ in ("Eq",):
+        if isinstance(g.expr, sympy.Eq):
             pinned.append(f"guard {text} at {g.sloc}")
+        elif len(g.expr.free_symbols) == 1 and isinstance(g.expr, (sympy.Ge, sympy.Gt, sympy.Le, sympy.Lt)):
+            continue  # a bound of one symbol: in its range below
         else:
-            conditions.append(text)
-    for sym, name in symbols.items():
-        vr = env.var_to_range.get(sym)
-        if vr is not None and vr.lower == vr.upper:
-            pinned.append(f"range of {name} is [{vr.lower}, {vr.upper}]")
-    if pinned:
-        raise TraceRefused("the trace specialised the sequence length or the micro-batch, so its sizes hold "
-                           "only for the traced values: " + "; ".join(pinned))
+            others.append(text)
     ranges = []
     for sym, name in symbols.items():
         vr = env.var_to_range.get(sym)
         lo, hi = (vr.lower, vr.upper) if vr is not None else (2, None)
-        ranges.append(f"{name} >= {lo}" + ("" if hi is None or str(hi) in ("oo", "int_oo") else f", {name} <= {hi}"))
-    return ranges + [c for c in dict.fromkeys(conditions)]
+        if vr is not None and vr.lower == vr.upper:
+            pinned.append(f"the range of {name} is [{vr.lower}, {vr.upper}]")
+        ranges.append(f"{name} >= {lo}")
+        if isinstance(hi, sympy.Integer):  # not int_oo
+            ranges.append(f"{name} <= {hi}")
+    if pinned:
+        raise TraceRefused("the trace specialised the sequence length s or the micro-batch b, so its sizes hold "
+                           "only for the traced values: " + "; ".join(pinned))
+    return ranges + list(dict.fromkeys(others))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,11 +378,24 @@ def poly_text(expr: sympy.Expr) -> str:
 
 
 def evaluate(text: str, s: int, b: int) -> int:
-    """A polynomial of an inventory file at (s, b), exactly (through memplan's Poly)."""
-    from memplan.symbolic import Poly
-
-    value = Poly.parse_sum(text).evaluate({"s": s, "b": b})
-    return int(value)
+    """A polynomial of an inventory file (memplan's ``Poly`` syntax) at (s, b), exactly.  Parsed
+    here: validation/ never imports memplan."""
+    total = Fraction(0)
+    for product in text.split("+"):
+        value = Fraction(1)
+        for token in product.split():
+            divide = token.startswith("/")
+            token = token.lstrip("/")
+            if token[0].isdigit():
+                factor = Fraction(token)
+            else:
+                sym, _, power = token.partition("^")
+                factor = Fraction({"s": s, "b": b}[sym]) ** int(power or 1)
+            value = value / factor if divide else value * factor
+        total += value
+    if total.denominator != 1:
+        raise ValueError(f"{text} is not an integer at s={s}, b={b}")
+    return int(total)
 
 
 # ---------------------------------------------------------------------------------------------
