@@ -282,10 +282,28 @@ def estimate(**opts: Any) -> None:
         sys.exit(1)
 
 
-@cli.command()
+class _SearchCommand(click.Command):
+    """`search`, whose --help ends with the folding rule, read from the planner only when help is shown
+    (the planner loads numpy, which no other command's start-up needs)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from memplan.planner import FOLDING_RULE
+
+        super().format_help_text(ctx, formatter)
+        with formatter.indentation():
+            formatter.write_paragraph()
+            for line in (FOLDING_RULE + "\n--all-variants lists every plan that fits, unfolded.").splitlines():
+                formatter.write(" " * formatter.current_indent + line + "\n")
+
+
+@cli.command(cls=_SearchCommand)
 @plan_options
 @output_options
-@click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans to show.")
+@click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans (rows) to show.")
+@click.option("--sort", "sort", type=click.Choice(["time", "memory"]), default="time", show_default=True,
+              help="Order of the plans that fit: estimated step time (then memory), or device memory (then time).")
+@click.option("--all-variants", is_flag=True,
+              help="List every plan that fits: no folding of ZeRO and recompute variants into rows.")
 @click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
 @click.option("--emit", type=click.Choice(["megatron"]),
@@ -298,10 +316,14 @@ def estimate(**opts: Any) -> None:
               help="Find the longest sequence length (a multiple of 128) some plan fits with, and rank the plans "
                    "that fit at that length.")
 def search(**opts: Any) -> None:
-    """Every plan for GPUS GPUs that fits the budget, fastest first. Without --model: every preset."""
-    from memplan.planner import fixed_from, search as run, search_presets
+    """Every plan for GPUS GPUs that fits the budget, fastest first (--sort memory: least device memory
+    first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
+    every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
+    one), and the presets that could not be searched listed with the reason."""
+    from memplan.planner import arrange, fixed_from, search as run, search_presets
     from memplan.presets import load_model, model_names, search_inputs
-    from memplan.report import DelayedProgress, render_output, render_search, render_search_all, search_dict
+    from memplan.report import (DelayedProgress, render_output, render_search, render_search_all, search_dict,
+                                skipped_dict)
 
     fmt = _output_format(opts)
     _check_emit(opts, fmt)
@@ -324,52 +346,55 @@ def search(**opts: Any) -> None:
         raise MemplanError("search --plot draws one model's plans: give --model")
     if opts["emit_only"] and len(presets) > 1:
         raise MemplanError("--emit-only prints one launch block: give --model")
-    gpu = _gpu(opts, presets[0] if len(presets) == 1 else None)
-    if gpu is None:
-        gpu = _gpu({"gpu_name": "a100-80gb"}, None)
-    budget = opts["budget"] if opts.get("budget") is not None else gpu.memory_bytes
+    gpu_of = [_search_gpu(opts, p) for p in presets]
     console = _console()
     progress = DelayedProgress(console) if fmt == "table" and not opts["emit_only"] else None
-    requests = [search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
-                              _training_settings(opts), opts.get("global_batch_tokens")) for p in presets]
-    kw = dict(gpu=gpu, fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], progress=progress, impl=opts["impl"],
+    requests = [(*search_inputs(p, gpus, opts.get("global_batch"), opts.get("seq_len"), opts.get("attention"),
+                                _training_settings(opts), opts.get("global_batch_tokens")),
+                 gpu, opts["budget"] if opts.get("budget") is not None else gpu.memory_bytes)
+                for p, (gpu, _) in zip(presets, gpu_of)]
+    kw = dict(fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], impl=opts["impl"],
               margin=opts.get("frag_margin"))
+    skipped = []
     try:
-        if opts["max_seq"]:
+        if len(presets) == 1:
             from memplan.planner import search_max_seq
 
-            results = [search_max_seq(model, training, gpus, gb, budget, **kw) for model, training, gb in requests]
-        elif len(presets) == 1:
-            model, training, gb = requests[0]
-            results = [run(model, training, gpus, gb, budget, **kw)]
+            model, training, gb, gpu, budget = requests[0]
+            report = functools.partial(progress, label=model.name) if progress is not None else None
+            results = [(search_max_seq if opts["max_seq"] else run)(model, training, gpus, gb, budget, gpu=gpu,
+                                                                    progress=report, **kw)]
         else:
-            results = search_presets(requests, gpus, budget, **kw)
+            results, skipped = search_presets(requests, gpus, max_seq=opts["max_seq"], progress=progress, **kw)
     finally:
         if progress is not None:
             progress.close()
+    results = [arrange(r, opts["sort"], not opts["all_variants"], opts["top"]) for r in results]
     launch = {}
     if opts.get("emit") == "megatron":
         from memplan.launch import megatron_launch
 
         launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
-    if opts.get("seq_len") is None and len(presets) == 1:
-        for r in results:
-            r.notes.extend(presets[0].notes)
-    for p, r in zip(presets, results):
-        r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts))
+    by_name = {p.model.name: (p, note) for p, (_, note) in zip(presets, gpu_of)}
+    for r in results:
+        p, gpu_note = by_name[r.model.name]
+        if opts.get("seq_len") is None and len(presets) == 1:
+            r.notes.extend(p.notes)
+        r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts) + gpu_note)
     if opts["emit_only"]:
         _emit_only(launch)
     elif fmt != "table":
-        dicts = [search_dict(r) for r in results]
+        dicts = [search_dict(r) for r in results] + [skipped_dict(s, gpus) for s in skipped]
         if fmt == "json":  # the launch arguments go inside the one JSON document
             for d in dicts:
                 if d["model"] in launch:
                     d["launch"] = launch[d["model"]].as_dict()
-        render_output(fmt, "search", dicts[0] if len(dicts) == 1 else dicts)
-    elif len(results) == 1:
+        render_output(fmt, "search", dicts[0] if len(presets) == 1 else dicts)
+    elif len(presets) == 1:
         render_search(results[0], console)
     else:
-        render_search_all(results, console)
+        render_search_all(results, skipped, console, gpu_given=bool(opts.get("gpu_name")),
+                          assumed=[p.model.name for p, (_, note) in zip(presets, gpu_of) if note])
     if opts["plot"]:
         from memplan.plots import plot_search
 
@@ -380,6 +405,15 @@ def search(**opts: Any) -> None:
             click.echo(f"```bash\n{script}\n```" if fmt == "markdown" else script)
     if opts["require_fit"] and not any(r.top for r in results):
         sys.exit(1)
+
+
+def _search_gpu(opts: dict[str, Any], preset: Any) -> tuple[Any, list[str]]:
+    """The GPU a search times a model on: --gpu, else the preset's own, else the A100 (with a note)."""
+    gpu = _gpu(opts, preset)
+    if gpu is not None:
+        return gpu, []
+    gpu = _gpu({"gpu_name": "a100-80gb"}, None)
+    return gpu, [f"{preset.model.name} names no GPU: timed on {gpu.name} (--gpu NAME sets one)"]
 
 
 def _check_emit(opts: dict[str, Any], fmt: str) -> None:

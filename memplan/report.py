@@ -279,6 +279,10 @@ def search_rows(data: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, A
     nearest miss) from `search_dict`'s dict (or a list of them: every preset)."""
     rows = []
     for result in data if isinstance(data, list) else [data]:
+        if "skipped" in result:  # a preset that could not be searched (skipped_dict)
+            rows.append({"model": result["model"], "rank": "", "status": "skipped", "gpu": result["gpu"],
+                         "reason": result["skipped"]})
+            continue
         ranked = [("fits", str(rank), plan) for rank, plan in enumerate(result["plans"], 1)]
         others = [(status, "", result[key]) for key, status in (("fastest_over_budget", "fastest over budget"),
                                                                  ("nearest_miss", "nearest miss")) if key in result]
@@ -322,6 +326,8 @@ def _estimate_heading(data: dict[str, Any]) -> str:
 
 
 def _search_heading(result: dict[str, Any]) -> str:
+    if "skipped" in result:
+        return f"**{result['model']}** on {result['gpus']:,} {result['gpu'] or ''} GPUs: skipped, {result['skipped']}"
     return (f"**{result['model']}** ({result['impl']}) on {result['gpus']:,} {result['gpu'] or ''} GPUs, budget "
             f"{_gb(result['budget_bytes'])} per GPU, global batch {result['global_batch']:,} sequences: "
             f"{result['candidates_evaluated']:,} plans evaluated, {result['feasible']:,} fit (bytes: B, times: s)")
@@ -597,9 +603,14 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "candidates_evaluated": result.candidates,
         "feasible": result.feasible,
         "seconds": result.seconds,
-        "plans": [result.row(i) for i in result.top],
+        "sort": result.sort,
+        "variants_folded": result.folded,
+        "plans": [{**result.row(x.plan), "folded_zero_variants": len(x.zero_variants),
+                   "folded_recompute_variants": len(x.recompute_variants)} for x in result.listed()],
         "notes": result.notes,
     }
+    if result.distinct_fit is not None:
+        out["distinct_fit"] = result.distinct_fit
     if result.max_seq_len is not None:
         out["max_seq_len"] = result.max_seq_len
     if result.nearest_miss is not None:
@@ -607,6 +618,28 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
     if result.fastest_miss is not None:
         out["fastest_over_budget"] = result.row(result.fastest_miss)
     return out
+
+
+def skipped_dict(skipped: Any, gpus: int) -> dict[str, Any]:
+    """A preset `search` over every preset could not search (planner.Skipped), in the search list's
+    JSON: no plans, the reason."""
+    return {"model": skipped.model, "gpus": gpus, "gpu": skipped.gpu, "skipped": skipped.reason, "plans": []}
+
+
+def _folded_cell(listed: Any) -> str:
+    """'+5 ZeRO', '+9 ZeRO +5 rec', '' (planner.FOLDING_RULE)."""
+    parts = [f"+{n} {what}" for n, what in ((len(listed.zero_variants), "ZeRO"),
+                                            (len(listed.recompute_variants), "rec")) if n]
+    return " ".join(parts)
+
+
+def _listing_heading(result: SearchResult, has_time: bool) -> str:
+    count = len(result.listed())
+    if not has_time:
+        return f"{count} plans that fit (least memory first)"
+    if result.sort == "memory":
+        return f"{count} plans that fit, least device memory first"
+    return f"fastest {count} plans that fit"
 
 
 def render_search(result: SearchResult, console: Console) -> None:
@@ -618,22 +651,27 @@ def render_search(result: SearchResult, console: Console) -> None:
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
     )
     has_time = result.evaluated.step_time_s is not None
-    if result.top:
+    listing = result.listed()
+    folded = any(x.zero_variants or x.recompute_variants for x in listing)
+    if result.distinct_fit is not None and result.feasible:
+        console.print(f"variants folded into {result.distinct_fit:,} rows: +n ZeRO other ZeRO stages / shard groups, "
+                      "+n rec recompute choices no faster, no smaller (--all-variants lists them)")
+    if listing:
         narrow = compact(console)
         table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", "b", "m", "SP")]
                            + [Col("recompute", "right", short="rec"), Col("ZeRO", "right"),
                               Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
-                              Col("MFU", "right")],
-                           title=f"fastest {len(result.top)} plans that fit" if has_time
-                           else "plans that fit (least memory first)")
-        for rank, i in enumerate(result.top, 1):
-            row = result.row(i)
+                              Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
+                           title=_listing_heading(result, has_time))
+        for rank, x in enumerate(listing, 1):
+            row = result.row(x.plan)
             chunk = m.num_layers // (row["pp"] * row["vpp"])
             table.add_row(
                 str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
                 "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
                 _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
+                *([_folded_cell(x)] if folded else []),
             )
         console.print(table)
     else:
@@ -655,26 +693,51 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"note: {note}")
 
 
-def render_search_all(results: list[SearchResult], console: Console) -> None:
+def render_search_all(results: list[SearchResult], skipped: list[Any], console: Console,
+                      gpu_given: bool = False, assumed: Iterable[str] = ()) -> None:
+    """Every preset's best plan (the first of its listing), the GPU it was timed on (`assumed`: the
+    models whose preset names no GPU), and the presets that could not be searched with the reason
+    (planner.Skipped)."""
+    assumed = set(assumed)
     if not results:
         return
     first = results[0]
-    console.print(f"every preset on {first.gpus} GPUs with {_gb(first.budget_bytes)} each:")
     narrow = compact(console)
-    table = make_table(console, (Col("model", fold=True), Col("plans", "right"), Col("fit", "right"),
+    gpus = list(dict.fromkeys(r.gpu.name if r.gpu else "-" for r in results))
+    budgets = {r.budget_bytes for r in results}
+    budget = f"{_gb(first.budget_bytes)} per GPU" if len(budgets) == 1 else "each GPU's memory as the budget"
+    if gpu_given:
+        console.print(f"every preset on {first.gpus} {gpus[0]} GPUs (--gpu), {budget}:")
+    else:
+        console.print(f"every preset on {first.gpus} GPUs, each timed on its own preset's GPU (--gpu NAME sets one "
+                      f"for all), {budget}:")
+    best = "the least device memory" if first.sort == "memory" else "the fastest"
+    console.print(f"best plan: {best} that fits" + (", variants folded" if first.folded else ""))
+
+    def gpu_cell(r: SearchResult) -> str:
+        name = r.gpu.name if r.gpu else "-"
+        name = name if len(budgets) == 1 else f"{name} {_gb(r.budget_bytes)}"
+        return f"{name} (assumed)" if r.model.name in assumed else name
+
+    if narrow and not gpu_given:  # the GPU column would not fit 80 columns: one line per GPU
+        for cell in dict.fromkeys(gpu_cell(r) for r in results):
+            console.print(f"on {cell}: {', '.join(r.model.name for r in results if gpu_cell(r) == cell)}")
+    gpu_col = [] if narrow or gpu_given else [Col("GPU")]
+    table = make_table(console, (Col("model", fold=True), *gpu_col, Col("plans", "right"), Col("fit", "right"),
                                  Col("best plan", fold=True), Col("memory", "right"),
                                  Col("step time", "right", short="time"), Col("MFU", "right")))
     for r in results:
+        gpu = [gpu_cell(r)] if gpu_col else []
         if r.top:
             row = r.row(r.top[0])
             has_time = "step_time_s" in row
-            table.add_row(r.model.name, f"{r.candidates:,}", f"{r.feasible:,}",
+            table.add_row(r.model.name, *gpu, f"{r.candidates:,}", f"{r.feasible:,}",
                           plan_text(row, r.model.num_layers if narrow else None),
                           _gb(row["memory"]["device_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
                           f"{row['mfu']:.1%}" if has_time else "-")
         else:
             row = r.row(r.nearest_miss)
-            table.add_row(r.model.name, f"{r.candidates:,}", "[red]0[/]",
+            table.add_row(r.model.name, *gpu, f"{r.candidates:,}", "[red]0[/]",
                           plan_text(row, r.model.num_layers) if narrow else f"nearest miss: {plan_text(row)}",
                           _gb(row["memory"]["device_bytes"]), "-", "-")
     console.print(table)
@@ -682,6 +745,12 @@ def render_search_all(results: list[SearchResult], console: Console) -> None:
         misses = " fit 0: the plan shown is the nearest miss (the least memory)." if any(
             not r.top for r in results) else ""
         console.print(f"[dim]best plan: {PLAN_LEGEND}.{misses}[/]")
+    defaulted = sorted({r.gpu.name for r in results if r.model.name in assumed and r.gpu})
+    if defaulted and not gpu_given:
+        console.print(f"(assumed): the preset names no GPU; timed on {', '.join(defaulted)}, memplan's default "
+                      "(--gpu NAME sets one)")
+    for s in skipped:
+        console.print(f"skipped {s.model}" + (f" ({s.gpu})" if s.gpu else "") + f": {s.reason}")
 
 
 class DelayedProgress:
@@ -696,7 +765,10 @@ class DelayedProgress:
         self.bar = None
         self.task = None
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, label: Optional[str] = None) -> None:
+        """`done` of `total` plans evaluated; `label` names what is searched (a preset and its GPU):
+        a new label restarts the bar under that name."""
+        description = f"evaluating plans of {label}" if label else "evaluating plans"
         if self.bar is None:
             if self._time.perf_counter() - self.start < self.delay:
                 return
@@ -704,8 +776,8 @@ class DelayedProgress:
 
             self.bar = Progress(console=self.console, transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("evaluating plans", total=total)
-        self.bar.update(self.task, completed=done)
+            self.task = self.bar.add_task(description, total=total)
+        self.bar.update(self.task, completed=done, total=total, description=description)
 
     def close(self) -> None:
         if self.bar is not None:
