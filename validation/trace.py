@@ -562,6 +562,26 @@ def measure_hf_config(config: dict | str | Path, s: int, b: int, impl: str = "hf
     return out
 
 
+def saves_at(config: dict | str | Path, s: int, b: int, impl: str = "hf-sdpa", dtype: str = "bfloat16",
+             seed: int = 0) -> dict:
+    """The inventory of one real CPU run at (s, b), labelled as a trace is (same ids; every size a
+    number): to compare a trace with reality term by term."""
+    cfg = load_config(config)
+    torch.manual_seed(seed)
+    model = build_model(cfg, impl, dtype)
+    num_layers = num_hidden_layers(model)
+    saves = _Saves(model)
+    vocab = int(model.config.vocab_size)
+    ids, targets = torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
+    with saves.recording():
+        loss = _forward_loss(model, ids, targets)
+    storages = saves.storages()
+    del loss
+    for st in storages:
+        st["nbytes"] = sympy.Integer(int(st["nbytes"]))
+    return inventory_from_saves(storages, decoder_layers_path(model, num_layers), num_layers)
+
+
 def predicted_bytes(inventory: dict, s: int, b: int) -> dict:
     """The same figures as ``measure_hf_config`` from an inventory file's polynomials."""
     layers = [0] * inventory["num_layers"]

@@ -1,0 +1,290 @@
+"""validation/trace.py: transformers models traced under FakeTensorMode with symbolic s and b.
+
+Each traced polynomial is checked against what real code saves: memplan's hand-written, measured
+GPT-2 / Llama inventories (memplan/terms_hf.py), and real CPU runs of families memplan has no
+hand inventory for (Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, Mistral's sliding window,
+Mixtral's MoE), exactly, per decoder layer, outside the layers and in total, at several (s, b).
+"""
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from validation import trace as tr  # noqa: E402
+
+SHAPES = ((16, 2), (40, 3), (23, 5))  # (s, b) of the real runs: s >= every tiny sliding window, b >= 2
+
+
+def tiny(model_type: str, **kw) -> dict:
+    """A small config.json of a family (h = 64, a = 4, g = 2, f = 160, v = 512, 2 layers)."""
+    cfg = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+           "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    cfg.update(kw)
+    return cfg
+
+
+FAMILIES = {
+    "qwen2": (tiny("qwen2", tie_word_embeddings=False), "hf-sdpa"),
+    "qwen2-eager": (tiny("qwen2", tie_word_embeddings=False), "hf-eager"),
+    "qwen3": (tiny("qwen3", head_dim=24, tie_word_embeddings=True), "hf-sdpa"),
+    "gemma": (tiny("gemma", head_dim=24), "hf-sdpa"),
+    "gemma-eager": (tiny("gemma", head_dim=24), "hf-eager"),
+    # Gemma 2 has no sdpa in transformers (logit soft-capping): eager, alternating sliding / global layers
+    "gemma2": (tiny("gemma2", head_dim=24, num_hidden_layers=3, sliding_window=16), "hf-eager"),
+    # Gemma 3: sliding layers (an explicit mask once s >= the window) beside global ones: two layer groups
+    "gemma3": (tiny("gemma3_text", head_dim=24, num_hidden_layers=3, sliding_window=16, sliding_window_pattern=2),
+               "hf-sdpa"),
+    "phi3": (tiny("phi3", sliding_window=None), "hf-sdpa"),
+    "mistral-window": (tiny("mistral", sliding_window=16), "hf-sdpa"),
+    # top-2 of 4 experts, transformers' grouped_mm experts: dropless, k s b tokens through the experts
+    "mixtral": (tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "hf-sdpa"),
+}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    cache = {}
+
+    def get(name: str, **kw) -> dict:
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            cfg, impl = FAMILIES[name]
+            cache[key] = tr.trace_hf_config(cfg, impl, **kw)
+        return cache[key]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. against memplan's hand-written inventories (measured in tests/test_validate_hf.py)
+
+HAND = [
+    ("llama", "hf-sdpa", 2, None, 0.0),
+    ("llama", "hf-eager", 2, None, 0.0),
+    ("llama", "hf-sdpa", 2, 24, 0.0),  # heads wider in total than h (head_dim 24, q = 96 > h = 64)
+    ("gpt2", "hf-sdpa", None, None, 0.0),
+    ("gpt2", "hf-eager", None, None, 0.0),
+    ("gpt2", "hf-eager", None, None, 0.1),  # dropout: bf16 bernoulli masks on CPU
+]
+
+
+@pytest.mark.parametrize("arch,impl,g,head_dim,dropout", HAND)
+def test_trace_equals_hand_inventory(arch, impl, g, head_dim, dropout):
+    from memplan.validate import ValidationCase, predict
+    from validation.hf import HFCase, build_config
+
+    f = 256 if arch == "gpt2" else 160
+    case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"),
+                  g=g, head_dim=head_dim)
+    config = build_config(case).to_dict()  # the config validation/hf.py measures
+    inv = tr.trace_hf_config(config, impl)
+    assert inv["conditions"] == ["s >= 2", "b >= 2"]
+    assert [g_["layers"] for g_ in inv["layer_groups"]] == [[0, 1]]
+    shared = [t["id"] for t in inv["layer_groups"][0]["terms"] if t["shared"]]
+    # the rotary cos / sin tables: one storage each for all layers (the hand inventory's "chunk" terms)
+    assert shared == (["self_attn.mul.0", "self_attn.mul#1.0"] if arch == "llama" else [])
+    for s, b in ((32, 2), (48, 3), (7, 5)):
+        def hand(scope):
+            vc = ValidationCase("trace", scope, s, b, 64, 4, f, 1, False, "none", "ledger", impl=impl, arch=arch,
+                                g=g, head_dim=head_dim, dropout=dropout, L=2)
+            return sum(predict(vc, "cpu").values())
+
+        got = tr.predicted_bytes(inv, s, b)
+        # one layer: its own terms + the shared rope tables (terms_hf counts them in a layer's figure)
+        assert got["layers"] == [hand("layer")] * 2, (s, b)
+        # the model: 2 layers, rope once, embedding, final norm, LM head and loss
+        assert got["total"] == hand("model"), (s, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. against real CPU runs of families with no hand inventory
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_trace_equals_real_run(name, traced):
+    cfg, impl = FAMILIES[name]
+    inv = traced(name)
+    for s, b in SHAPES:
+        measured = tr.measure_hf_config(cfg, s, b, impl)
+        assert tr.predicted_bytes(inv, s, b) == measured, (name, s, b)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "mixtral"])
+def test_trace_equals_real_run_term_by_term(name, traced):
+    """The same labels on a real run: every traced polynomial equals its storage's bytes."""
+    cfg, impl = FAMILIES[name]
+    inv = traced(name)
+    s, b = 24, 3
+    real = tr.saves_at(cfg, s, b, impl)
+    assert [g["layers"] for g in real["layer_groups"]] == [g["layers"] for g in inv["layer_groups"]]
+    for tg, rg in zip(inv["layer_groups"] + [{"terms": inv["outside"]}], real["layer_groups"] + [{"terms": real["outside"]}]):
+        assert [t["id"] for t in tg["terms"]] == [t["id"] for t in rg["terms"]]
+        for t, r in zip(tg["terms"], rg["terms"]):
+            assert (t["dtype"], t["op"], t["shared"]) == (r["dtype"], r["op"], r["shared"]), t["id"]
+            assert tr.evaluate(t["bytes"], s, b) == int(r["bytes"]), t["id"]
+            assert tr.evaluate(t["elements"], s, b) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size() \
+                == tr.evaluate(t["bytes"], s, b)
+
+
+def test_layer_groups_follow_the_layer_kinds(traced):
+    gemma3 = traced("gemma3")
+    assert [g["layers"] for g in gemma3["layer_groups"]] == [[0, 2], [1]]  # sliding, global, sliding
+    sliding, full = (sum(tr.evaluate(t["bytes"], 32, 2) for t in g["terms"]) for g in gemma3["layer_groups"])
+    assert sliding > full  # the sliding layers' sdpa keeps the s x s mask (as bf16)
+    assert [g["layers"] for g in traced("mixtral")["layer_groups"]] == [[0, 1]]
+
+
+def test_qwen2_polynomials(traced):
+    """Qwen2 sdpa, h = 64, g/a = 1/2, f = 160 (bf16 activations, fp32 RMSNorm statistics)."""
+    inv = traced("qwen2")
+    (group,) = inv["layer_groups"]
+    own = [t["bytes"] for t in group["terms"] if not t["shared"]]
+    assert sum(tr.evaluate(x, 1, 1) for x in own) == 2712  # 2712 s b per layer
+    assert all(x.endswith("s b") for x in own)
+    assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["32 s", "32 s"]  # rope cos, sin: s x head_dim
+    assert [t["bytes"] for t in inv["outside"]] == ["8 s b", "256 s b", "4 s b", "128 s b", "128 s b", "2048 s b",
+                                                     "8 s b", "4"]
+
+
+def test_sliding_window_conditions(traced):
+    """A sliding window masks only when s >= window: the trace says which side it took, and each
+    side's polynomial is exact there (and only there)."""
+    cfg, impl = FAMILIES["mistral-window"]
+    long_, short = traced("mistral-window"), traced("mistral-window", s_hint=8)
+    assert long_["conditions"] == ["s >= 16", "b >= 2"]
+    assert short["conditions"] == ["s >= 2", "s <= 15", "b >= 2"]
+    for s, b in ((9, 2), (15, 3), (16, 2), (30, 2)):
+        measured = tr.measure_hf_config(cfg, s, b, impl)
+        inside = long_ if s >= 16 else short
+        outside = short if s >= 16 else long_
+        assert tr.predicted_bytes(inside, s, b) == measured
+        assert tr.predicted_bytes(outside, s, b) != measured
+
+
+def test_b1_is_outside_the_trace(traced):
+    """torch specialises sizes 1: a trace holds for b >= 2. At b = 1 the loss keeps the padded
+    labels (s + 1 ids) instead of a copy of the shifted ones (s ids): 8 bytes more."""
+    cfg, impl = FAMILIES["qwen2"]
+    inv = traced("qwen2")
+    measured = tr.measure_hf_config(cfg, 9, 1, impl)
+    predicted = tr.predicted_bytes(inv, 9, 1)
+    assert measured["layers"] == predicted["layers"]
+    assert measured["outside"] - predicted["outside"] == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. refusals: a trace that specialised s or b is not trusted
+
+
+class _Reads(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "int":
+            n = int(x.shape[1])  # a Python int: s becomes the traced value
+            x = x[:, : n - 1]
+        elif self.how == "compare":
+            if x.shape[1] == 4096:  # branches on s == 4096 (the hint): a guard that pins s
+                x = x * 2
+        elif self.how == "range":
+            if x.shape[1] >= 1024:  # a range guard: allowed, kept as a condition
+                x = x * 2
+        return (x * self.w).sum()
+
+
+def _toy(how: str):
+    return tr.symbolic_saves(lambda: _Reads(how), lambda m, x: m(x), lambda s, b: (torch.randn(b, s, 8),))
+
+
+@pytest.mark.parametrize("how,needle", [("int", "replacement s -> 4096"), ("compare", "guard Eq(s, 4096)")])
+def test_specialising_trace_is_refused(how, needle):
+    with pytest.raises(tr.TraceRefused, match="specialised") as err:
+        _toy(how)
+    assert needle in str(err.value)
+
+
+def test_range_guard_is_a_condition():
+    _, storages, conditions = _toy("range")
+    assert conditions == ["s >= 1024", "b >= 2"]
+    assert [tr.poly_text(st["nbytes"]) for st in storages] == ["32 s b"]  # fp32 x * 2, saved by the mul
+
+
+def test_real_model_without_the_python_dispatcher_is_refused():
+    """Without the python dispatcher torch's C++ matmul reads s and b as ints (eager attention's
+    QK^T): the ShapeEnv pins both, and the trace is refused."""
+    cfg, _ = FAMILIES["qwen2"]
+    with pytest.raises(tr.TraceRefused, match=r"replacement (s|b) -> "):
+        tr.trace_hf_config(cfg, "hf-eager", python_dispatcher=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the file, the CLI
+
+
+def test_file_format(traced, tmp_path):
+    from memplan.traced import TracedFile, config_sha256
+
+    cfg, _ = FAMILIES["gemma3"]
+    inv = traced("gemma3")
+    TracedFile.model_validate(inv)  # memplan's reader accepts it
+    assert inv["origin"] == {"transformers": __import__("transformers").__version__,
+                             "torch": torch.__version__.split("+")[0], "config_sha256": config_sha256(cfg),
+                             "architecture": "Gemma3ForCausalLM", "model_type": "gemma3_text", "impl": "hf-sdpa",
+                             "kernels": "cpu", "dtype": "bfloat16"}
+    import yaml
+
+    text = tr.to_yaml(inv)
+    assert "layers: [0, 2]" in text and "&id" not in text
+    assert yaml.safe_load(text) == inv
+    for group in inv["layer_groups"]:
+        ids = [t["id"] for t in group["terms"]]
+        assert len(ids) == len(set(ids))
+
+
+def test_cli(tmp_path, capsys):
+    cfg, _ = FAMILIES["qwen2"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "inv.yaml"
+    assert tr.main(["--hf-config", str(path), "--impl", "hf-eager", "--out", str(out)]) == 0
+    import yaml
+
+    data = yaml.safe_load(out.read_text())
+    assert data["origin"]["impl"] == "hf-eager" and data["num_layers"] == 2
+    assert tr.main(["--hf-config", str(path)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["origin"]["impl"] == "hf-sdpa"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. a real-size config: seconds under FakeTensorMode
+
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+             "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.slow
+def test_llama3_8b_traces_in_seconds(capsys):
+    start = time.perf_counter()
+    inv = tr.trace_hf_config(LLAMA3_8B)
+    seconds = time.perf_counter() - start
+    with capsys.disabled():
+        print(f"\n[trace] Llama-3-8B config (32 layers, v = 128256) traced in {seconds:.1f} s")
+    (group,) = inv["layer_groups"]
+    assert group["layers"] == list(range(32))
+    # per layer: 200840 s b (sdpa, GQA 32/8, f = 14336) + the rope tables 2 x 256 s, as terms_hf has it
+    assert sum(tr.evaluate(t["bytes"], 1, 1) for t in group["terms"] if not t["shared"]) == 200840
+    assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["256 s", "256 s"]
+    assert next(t for t in inv["outside"] if t["op"].endswith("cross_entropy"))["bytes"] == "513024 s b"
