@@ -786,13 +786,16 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     forward_window = (b * layers) * forward
     backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
     inv_layers = p * (1.0 / model.num_layers)  # one bucket per layer
-    dp_exposed = (_overlapped(grad_reduce, backward_window, inv_layers)
-                  + _overlapped(param_gather, forward_window, inv_layers))
-
     # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in its
     # forward and again in its backward, one layer ahead (DeepSpeed prefetch), so each pass
     # exposes what its compute cannot hide, and at least one layer's gather.
     gather_pass = pf.zero3 * weights_gather
+    # The last micro-batch's backward hides its ZeRO-3 gathers and the gradient reduction on the
+    # same links: the reduction hides only behind the compute the gathers leave (else a longer
+    # backward, e.g. more recompute, would hide both at once and shorten the step).
+    reduce_window = _maximum(backward_window - gather_pass, 0.0 * backward_window)
+    dp_exposed = (_overlapped(grad_reduce, reduce_window, inv_layers)
+                  + _overlapped(param_gather, forward_window, inv_layers))
     zero3_exposed = M * (_overlapped(gather_pass, forward_window, inv_layers)
                          + _overlapped(gather_pass, backward_window, inv_layers))
 
