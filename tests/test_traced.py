@@ -1,0 +1,70 @@
+"""Traced inventories (memplan/traced.py) against the hand-written, measured ones.
+
+validation/trace.py traces transformers' real Llama code under FakeTensorMode; memplan reads the
+file like any inventory. For Llama the hand-written inventory of terms_hf.py is measured exactly
+(tests/test_validate_hf.py, step peaks in tests/test_validate_peak.py), so a traced Llama must give
+the same retained bytes and the same step peak through estimate, with and without gradient
+checkpointing: that checks the loader, the layer groups and the moments' freed tensors (found
+by forward order) against measured data. Needs torch and transformers (the test extra)."""
+
+import json
+
+import pytest
+import yaml
+
+pytest.importorskip("transformers")
+
+from memplan.errors import MemplanError  # noqa: E402
+from memplan.estimate import estimate  # noqa: E402
+from memplan.presets import ModelPreset, make_config, read_hf_config  # noqa: E402
+from memplan.traced import file_name, read_traced  # noqa: E402
+from validation.trace import trace_hf_config  # noqa: E402
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+         "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "vocab_size": 1000, "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def traced_llama(tmp_path_factory):
+    """A directory with the config and its traced sdpa and eager inventories (CPU kernels)."""
+    d = tmp_path_factory.mktemp("traced-llama")
+    (d / "config.json").write_text(json.dumps(LLAMA))
+    for impl in ("hf-sdpa", "hf-eager"):
+        data = trace_hf_config(LLAMA, impl=impl, kernels="cpu")
+        (d / file_name(impl, "cpu")).write_text(yaml.safe_dump(data, sort_keys=False))
+    return d
+
+
+def _config(model, s, b, recompute):
+    return make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute),
+                       model=dict(seq_length=s))
+
+
+@pytest.mark.parametrize("impl", ["hf-sdpa", "hf-eager"])
+@pytest.mark.parametrize("s, b, recompute", [(64, 2, "none"), (128, 3, "none"), (128, 2, "full")])
+def test_traced_llama_equals_the_measured_inventory(traced_llama, impl, s, b, recompute):
+    hand = read_hf_config(str(traced_llama / "config.json")).model
+    assert hand.inventory is None  # Llama keeps its hand-written inventory
+    traced = hand.model_copy(update={"inventory": str(traced_llama)})
+    want = estimate(_config(hand, s, b, recompute), impl=impl, device="cpu")
+    got = estimate(_config(traced, s, b, recompute), impl=impl, device="cpu")
+    assert got.inventory.origin.startswith("traced from transformers")
+    assert got.stages[0].activations == want.stages[0].activations
+    assert got.step.peak_bytes == want.step.peak_bytes
+    assert (got.step.peak_event.phase, got.step.peak_event.moment) == (want.step.peak_event.phase, want.step.peak_event.moment)
+
+
+def test_traced_file_errors_name_the_file_and_field(traced_llama, tmp_path):
+    data = yaml.safe_load((traced_llama / file_name("hf-sdpa", "cpu")).read_text())
+    data["layer_groups"][0]["terms"][0]["bytess"] = "1 s b"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(MemplanError, match=r"bad\.yaml.*bytess"):
+        read_traced(bad)
+    data = yaml.safe_load((traced_llama / file_name("hf-sdpa", "cpu")).read_text())
+    data["outside"][0]["elements"] = "3 s h"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(MemplanError, match="only s and b"):
+        read_traced(bad)

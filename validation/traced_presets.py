@@ -1,0 +1,69 @@
+"""Regenerate the traced inventories shipped in configs/traced/ (one directory per model, holding
+the transformers config.json it was traced from and one file per implementation and kernel set).
+
+    python -m validation.traced_presets            # trace every config.json, write the files
+    python -m validation.traced_presets --check    # exit 1 when a shipped file differs from a new trace
+
+An implementation transformers does not offer for an architecture (Gemma 2 has no sdpa path in
+transformers 5.x: its attention soft-caps the scores) is skipped and said so. tests/test_traced.py
+re-traces some of the files and fails when they drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from .trace import to_yaml, trace_hf_config
+
+ROOT = Path(__file__).resolve().parent.parent / "configs" / "traced"
+IMPLS = ("hf-sdpa", "hf-eager")
+KERNELS = ("cpu",)  # CUDA kernels' emulation is not built yet (validation/trace.py)
+
+
+def file_name(impl: str, kernels: str) -> str:
+    """As memplan.traced.file_name (validation/ does not import memplan)."""
+    return f"{impl}-{kernels}.yaml"
+
+
+def trace_one(directory: Path, impl: str, kernels: str) -> str | None:
+    """The file text of one trace, or None when transformers has no such implementation for it."""
+    try:
+        data = trace_hf_config(directory / "config.json", impl=impl, kernels=kernels)
+    except ValueError as err:
+        if "does not support an attention implementation" in str(err):
+            return None
+        raise
+    return to_yaml(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the shipped files, write nothing")
+    parser.add_argument("names", nargs="*", help="model directories (default: all)")
+    args = parser.parse_args(argv)
+    dirs = [ROOT / n for n in args.names] if args.names else sorted(p.parent for p in ROOT.glob("*/config.json"))
+    drift = 0
+    for directory in dirs:
+        for impl in IMPLS:
+            for kernels in KERNELS:
+                path = directory / file_name(impl, kernels)
+                text = trace_one(directory, impl, kernels)
+                if text is None:
+                    print(f"{directory.name}: {impl}: not offered by transformers for this architecture, skipped")
+                    continue
+                if args.check:
+                    same = path.is_file() and yaml.safe_load(path.read_text()) == yaml.safe_load(text)
+                    drift += not same
+                    print(f"{directory.name}: {path.name}: {'same' if same else 'DRIFTED'}")
+                else:
+                    path.write_text(text)
+                    print(f"{directory.name}: wrote {path.name}")
+    return 1 if drift else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
