@@ -261,8 +261,73 @@ def test_cli(tmp_path, capsys):
 
     data = yaml.safe_load(out.read_text())
     assert data["origin"]["impl"] == "hf-eager" and data["num_layers"] == 2
-    assert tr.main(["--hf-config", str(path)]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["origin"]["impl"] == "hf-sdpa"
+    assert tr.main(["--hf-config", str(path), "--kernels", "cuda"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["origin"]["kernels"] == "cuda"
+    path.write_text(json.dumps({"hidden_size": 64}))
+    assert tr.main(["--hf-config", str(path)]) == 2
+    assert "no model_type" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# --kernels cuda: the CUDA kernels' saves, emulated on fake CPU tensors
+
+
+@pytest.mark.parametrize("arch,impl,dropout", [("llama", "hf-sdpa", 0.0), ("llama", "hf-eager", 0.0),
+                                               ("gpt2", "hf-sdpa", 0.1), ("gpt2", "hf-eager", 0.1)])
+def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
+    """terms_hf's CUDA inventories (derived from torch's kernels: bool dropout masks, fp32
+    layer-norm statistics, FlashAttention even with dropout) plus, per sdpa call, the Philox RNG
+    state the flash kernel keeps (uint64 [2] and [], 24 bytes), which terms_hf leaves out."""
+    from memplan.validate import ValidationCase, predict
+    from validation.hf import HFCase, build_config
+
+    f, g = (256, None) if arch == "gpt2" else (160, 2)
+    case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"), g=g)
+    inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda")
+    assert inv["origin"]["kernels"] == "cuda" and inv["conditions"] == ["s >= 2", "b >= 2"]
+    (group,) = inv["layer_groups"]
+    rng = 24 if impl == "hf-sdpa" else 0
+    assert sum(tr.evaluate(t["bytes"], 0, 0) for t in group["terms"]) == rng
+    for s, b in ((32, 2), (64, 3)):
+        vc = ValidationCase("trace", "layer", s, b, 64, 4, f, 1, False, "none", "ledger", impl=impl, arch=arch, g=g,
+                            dropout=dropout)
+        assert tr.predicted_bytes(inv, s, b)["layers"] == [sum(predict(vc, "cuda").values()) + rng] * 2
+    ops = {t["op"] for t in group["terms"]}
+    if impl == "hf-sdpa":
+        assert "torch.nn.functional.scaled_dot_product_attention[flash]" in ops
+    masks = [t for t in group["terms"] if t["op"].endswith("dropout")]
+    assert all(t["dtype"] == "bool" for t in masks) and len(masks) == (3 if impl == "hf-eager" and dropout else
+                                                                        2 if dropout else 0)
+    stats = [t for t in group["terms"] if t["op"].endswith("layer_norm") and t["bytes"].endswith(" s b")
+             and not t["bytes"].startswith("128")]
+    assert all(t["dtype"] == "float32" for t in stats) and len(stats) == (4 if arch == "gpt2" else 0)
+
+
+def test_cuda_kernels_with_a_mask_use_efficient_attention():
+    """Mistral's sliding window (s >= window): a mask, so no FlashAttention; the memory-efficient
+    kernel keeps the additive bf16 mask and a logsumexp padded to a multiple of 32 along s."""
+    cfg, impl = FAMILIES["mistral-window"]
+    inv = tr.trace_hf_config(cfg, impl, kernels="cuda")
+    assert inv["conditions"] == ["s >= 16", "b >= 2", "s % 32 == 0"]
+    sdpa = [t for t in inv["layer_groups"][0]["terms"] if "scaled_dot_product" in t["op"]]
+    assert {t["op"] for t in sdpa} == {"torch.nn.functional.scaled_dot_product_attention[efficient]"}
+    assert [t["bytes"] for t in sdpa] == ["2 s^2 b", "128 s b", "128 s b", "128 s b", "16 s b", "128 s b", "8", "8"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["qwen2", "gemma", "mistral-window"])
+def test_cuda_kernels_equal_a_real_gpu_run(name):
+    """On a GPU: the emulated CUDA trace against the real kernels' saved storages (up to the
+    Philox RNG state, which a real run may keep as host tensors)."""
+    cfg, impl = FAMILIES[name]
+    inv = tr.trace_hf_config(cfg, impl, kernels="cuda")
+    for s, b in ((32, 2), (64, 3)):
+        measured = tr.measure_hf_config(cfg, s, b, impl, device="cuda")
+        predicted = tr.predicted_bytes(inv, s, b)
+        assert predicted["outside"] == measured["outside"]
+        for p, m in zip(predicted["layers"], measured["layers"]):
+            assert abs(p - m) <= 64, (name, s, b, p, m)
 
 
 # ---------------------------------------------------------------------------------------------

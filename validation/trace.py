@@ -55,8 +55,15 @@ Tests compare traces with real CPU runs at several (s, b) to catch any other suc
 Kernels: ``kernels="cpu"`` is what torch's CPU kernels save (the trace runs them as fake CPU
 tensors): dropout through ``F.dropout`` keeps a bf16 ``bernoulli_`` mask, sdpa reaches
 ``_scaled_dot_product_flash_attention_for_cpu`` without dropout and the fp32 math path (s^2
-tensors) with dropout.  ``kernels="cuda"`` (CUDA kernels emulated at dispatch level) is not built
-yet and is refused.
+tensors) with dropout, layer norm keeps its mean and rstd in the activation dtype.
+``kernels="cuda"`` emulates what the CUDA kernels save, still on fake CPU tensors (a CPU-only
+torch cannot make fake CUDA tensors for a whole model), by swapping the ops whose CUDA kernels
+save differently at dispatch level (``_CudaKernels``): native_dropout's bool mask, torch's choice
+of FlashAttention-2 / memory-efficient / math sdpa kernel with their saved tensors (q, k, v, out,
+fp32 logsumexp, Philox RNG state, the additive mask), fp32 layer-norm statistics.  It is derived
+from torch's dispatch code and checked against memplan's CUDA inventories (terms_hf), not
+measured on a GPU here; ``measure_hf_config(device="cuda")`` is the measurement where one exists
+(tests/test_trace.py, skipped without CUDA).
 
 CLI: ``python -m validation.trace --hf-config config.json [--impl hf-sdpa|hf-eager]
 [--kernels cpu|cuda] [--out FILE.yaml]`` (YAML on stdout without ``--out``).
@@ -67,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import re
 from collections import Counter
 from fractions import Fraction
@@ -222,46 +230,152 @@ def _eager_decisions():
 _EAGER_ONLY = ("dropout.default",)
 
 
+def _aten(name: str):
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
 @contextlib.contextmanager
-def _python_dispatcher(enabled: bool = True):
+def _python_dispatcher(enabled: bool = True, overrides: dict[str, Callable] | None = None):
     """``enable_python_dispatcher()``: torch's C++ composite ops then run their Python ports
     (``aten.matmul``'s among them), which keep sizes symbolic where the C++ code reads them as
     ints (and so would pin s and b); except the ops of ``_EAGER_ONLY``, which keep their C++
-    kernels."""
+    kernels, and the ``overrides`` (aten op name -> Python kernel for its composite / autograd
+    keys: the CUDA kernels' emulation)."""
     if not enabled:
         yield
         return
     from torch._C import DispatchKey
     from torch._dispatch.python import enable_python_dispatcher
 
-    removed = []
-    for name in _EAGER_ONLY:
-        packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet), overload)
-        for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
-            if key in op.py_kernels:
-                removed.append((op, key, op.py_kernels.pop(key)))
+    keys = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+    saved = []
+    for name in dict.fromkeys(_EAGER_ONLY + tuple(overrides or ())):
+        op = _aten(name)
+        saved.append((op, {k: op.py_kernels[k] for k in keys if k in op.py_kernels}))
+        for k in keys:
+            op.py_kernels.pop(k, None)
+        if overrides and name in overrides:
+            for k in keys:
+                op.py_kernels[k] = overrides[name]
         op._dispatch_cache.clear()
     try:
         with enable_python_dispatcher():
             yield
     finally:
-        for op, key, fn in removed:
-            op.py_kernels[key] = fn
+        for op, kernels in saved:
+            for k in keys:
+                op.py_kernels.pop(k, None)
+            op.py_kernels.update(kernels)
             op._dispatch_cache.clear()
 
+
+class _CudaKernels:
+    """What torch's CUDA kernels save, emulated on fake CPU tensors (``kernels="cuda"``).
+
+    Read off torch's C++ dispatch (aten/src/ATen/native/Dropout.cpp, transformers/attention.cpp,
+    transformers/cuda/sdp_utils.cpp) for an sm80 / sm90 GPU, fp16 / bf16:
+
+    * ``dropout``: on CUDA ``at::dropout`` is ``native_dropout`` (a 1-byte bool mask) for
+      0 < p < 1, the input itself at p = 0;
+    * ``scaled_dot_product_attention``: torch's choice, in its priority order: FlashAttention-2
+      (``_scaled_dot_product_flash_attention``: no mask, equal head dims <= 256, fp16 / bf16; head
+      dim padded to a multiple of 8; GQA native) saves q, k, v, the output, an fp32 logsumexp
+      [b, a, s] and the Philox RNG state; else memory-efficient attention (any mask, turned into an
+      additive one in the activation dtype; head dims multiples of 8) saves the same plus the mask,
+      its logsumexp padded to a multiple of 32 along s; else the math kernel, as on CPU (fp32).
+      cuDNN attention, which torch prefers on sm90 / sm100 with cuDNN > 9.15, saves the same q, k,
+      v, output and fp32 logsumexp;
+    * ``native_layer_norm``: fp32 mean and rstd for fp16 / bf16 inputs (CPU: the input's dtype).
+
+    Conditions that make a size exact (a mask's rows aligned to 8 elements: s % 8 == 0) are
+    assumed, not guarded, and listed in ``assumed``.
+    """
+
+    def __init__(self, names: dict) -> None:
+        self.names = names  # torch symbol -> sympy Symbol("s" / "b")
+        self.assumed: list[str] = []
+
+    def overrides(self) -> dict[str, Callable]:
+        return {"dropout.default": self.dropout, "scaled_dot_product_attention.default": self.sdpa}
+
+    @staticmethod
+    def dropout(input, p, train):
+        if not train or p == 0:
+            return input
+        if p == 1:
+            return input * torch.zeros((), dtype=input.dtype, device=input.device)
+        return torch.ops.aten.native_dropout.default(input, p, train)[0]
+
+    def _assume_divisible(self, size, n: int) -> None:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        if statically_known_true(size % n == 0):
+            return
+        expr = _expr(size).xreplace(self.names)
+        self.assumed.append(f"{expr} % {n} == 0")
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        aten = torch.ops.aten
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        d_qk, d_v = int(query.shape[-1]), int(value.shape[-1])
+        if attn_mask is None and low and d_qk == d_v and d_qk <= 256:
+            pad = -d_qk % 8
+            scale_ = scale if scale is not None else 1.0 / math.sqrt(d_qk)
+            if pad:
+                query, key, value = (torch.nn.functional.pad(x, (0, pad)) for x in (query, key, value))
+            out = aten._scaled_dot_product_flash_attention.default(query, key, value, dropout_p, is_causal, False,
+                                                                    scale=scale_)[0]
+            return out[..., :d_qk] if pad else out
+        align = 8 if low else 4
+        if d_qk % align == 0 and d_v % align == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if attn_mask is not None:
+                if attn_mask.dtype == torch.bool:
+                    attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype),
+                                            torch.full((), float("-inf"), dtype=query.dtype))
+                # rows aligned to 8 elements: no padded copy (pad_bias); the outer strides are
+                # multiples of the row stride (contiguous) or 0 (broadcast)
+                self._assume_divisible(attn_mask.stride(-2), 8)
+                attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            return aten._scaled_dot_product_efficient_attention.default(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype),
+                                    torch.full((), float("-inf"), dtype=query.dtype))
+        return aten._scaled_dot_product_attention_math.default(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               None, scale=scale, enable_gqa=enable_gqa)[0]
+
+    def norm_stats(self):
+        """A dispatch mode that gives native_layer_norm CUDA's fp32 mean and rstd."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class NormStats(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func is torch.ops.aten.native_layer_norm.default and out[1].dtype in (torch.float16,
+                                                                                         torch.bfloat16):
+                    out = (out[0], out[1].to(torch.float32), out[2].to(torch.float32))
+                return out
+
+        return NormStats()
+
+
+# ---------------------------------------------------------------------------------------------
+# the symbolic trace
 
 
 def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
                    make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
-                   python_dispatcher: bool = True) -> tuple[torch.nn.Module, list[dict], list[str]]:
+                   python_dispatcher: bool = True, kernels: str = "cpu"
+                   ) -> tuple[torch.nn.Module, list[dict], list[str]]:
     """Run ``forward(model, *make_inputs(s, b))`` once under FakeTensorMode with s and b symbolic.
 
     ``build()`` makes the module inside the fake mode (its parameters fake, concrete shapes);
     ``make_inputs(s, b)`` gets SymInts.  Returns the model, the saved storages (``_Saves.storages``
     with ``nbytes`` a sympy polynomial in the symbols ``s`` and ``b``) and the conditions the trace
-    holds under (ranges of s and b, range guards).  Raises ``TraceRefused`` when the ShapeEnv
-    specialised s or b or a size is not a polynomial in them.
+    holds under (ranges of s and b, range guards, divisibility assumed).  Raises ``TraceRefused``
+    when the ShapeEnv specialised s or b or a size is not a polynomial in them.
     """
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -269,6 +383,10 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
 
     if s_hint < 2 or b_hint < 2 or s_hint == b_hint:
         raise ValueError("need distinct hints s_hint, b_hint >= 2 (torch specialises sizes 0 and 1)")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}")
+    if kernels == "cuda" and not python_dispatcher:
+        raise ValueError("the CUDA kernels are emulated through the python dispatcher")
     env = ShapeEnv(duck_shape=False)
     symbols = {}
     sizes = {}
@@ -276,20 +394,37 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
         sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
         symbols[sym] = name
         sizes[name] = env.create_symintnode(sym, hint=hint)
+    named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
+    cuda = _CudaKernels(named) if kernels == "cuda" else None
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
         model = build()
         saves = _Saves(model)
         with _eager_decisions(), saves.recording():
             inputs = make_inputs(sizes["s"], sizes["b"])
-            with _python_dispatcher(python_dispatcher):
+            with _python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
+                    (cuda.norm_stats() if cuda else contextlib.nullcontext()):
                 forward(model, *inputs)
-    conditions = _check_guards(env, symbols)
-    named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
+    conditions = _check_guards(env, symbols) + (cuda.assumed if cuda else [])
     out = []
     for st in saves.storages():
-        st["nbytes"] = _as_poly_expr(st["nbytes"], named, st)
+        st["nbytes"] = _as_poly_expr(st["nbytes"], named, st, conditions)
         out.append(st)
-    return model, out, conditions
+    return model, out, _merge_divisibility(conditions)
+
+
+def _merge_divisibility(conditions: list[str]) -> list[str]:
+    """Conditions once each; ``s % 8 == 0`` and ``s % 32 == 0`` as ``s % 32 == 0``."""
+    out: list[str] = []
+    moduli: dict[str, int] = {}
+    for c in conditions:
+        m = re.fullmatch(r"(\w+) % (\d+) == 0", c)
+        if m:
+            sym, n = m.group(1), int(m.group(2))
+            moduli[sym] = math.lcm(moduli.get(sym, 1), n)
+            c = f"{sym} % == 0"  # placeholder at the first position of this symbol's condition
+        if c not in out:
+            out.append(c)
+    return [f"{c.split()[0]} % {moduli[c.split()[0]]} == 0" if c.endswith(" % == 0") else c for c in out]
 
 
 def _expr(x) -> sympy.Expr:
@@ -298,8 +433,28 @@ def _expr(x) -> sympy.Expr:
     return sympy.Integer(int(x))
 
 
-def _as_poly_expr(nbytes, named: dict, st: dict) -> sympy.Expr:
-    expr = sympy.expand(_expr(nbytes).xreplace(named))
+def _exact_divisions(expr: sympy.Expr, conditions: list[str]) -> sympy.Expr:
+    """``CeilToInt(IntTrueDiv(s, 32))``, ``FloorDiv(s, 32)`` -> ``s/32`` with the condition
+    ``s % 32 == 0`` (a kernel that pads s to a multiple of 32: exact for such s, an under-estimate
+    of at most one block otherwise)."""
+    if not expr.args:
+        return expr
+    name = type(expr).__name__
+    inner = None
+    if name in ("CeilToInt", "FloorToInt") and type(expr.args[0]).__name__ == "IntTrueDiv":
+        inner = expr.args[0].args
+    elif name in ("FloorDiv", "CleanDiv", "IntTrueDiv"):
+        inner = expr.args
+    if inner is not None:
+        x, n = (_exact_divisions(a, conditions) for a in inner)
+        if n.is_Integer and x.is_Symbol:
+            conditions.append(f"{x} % {n} == 0")
+            return x / n
+    return expr.func(*(_exact_divisions(a, conditions) for a in expr.args))
+
+
+def _as_poly_expr(nbytes, named: dict, st: dict, conditions: list[str]) -> sympy.Expr:
+    expr = sympy.expand(_exact_divisions(_expr(nbytes).xreplace(named), conditions))
     allowed = set(named.values())
     where = f"{st['module'] or '<model>'}: {st['op']} ({st['dtype']})"
     if not expr.free_symbols <= allowed:
@@ -477,10 +632,6 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         raise ValueError(f"impl must be one of {IMPLS}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}")
-    if kernels == "cuda":
-        raise NotImplementedError("--kernels cuda (CUDA kernels' saved tensors emulated at dispatch level: "
-                                  "native_dropout's bool mask, the flash / efficient sdpa kernels, fp32 norm "
-                                  "statistics) is not built yet; use --kernels cpu")
     cfg = load_config(config)
     tf = _hf._transformers()
     vocab = int(hf_config(cfg).vocab_size)
@@ -495,7 +646,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         return torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
 
     model, storages, conditions = symbolic_saves(build, _forward_loss, make_inputs, s_hint, b_hint,
-                                                 python_dispatcher)
+                                                 python_dispatcher, kernels)
     num_layers = holder["layers"]
     body = inventory_from_saves(storages, decoder_layers_path(model, num_layers), num_layers)
     origin = {
@@ -516,15 +667,15 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
 
 
 def measure_hf_config(config: dict | str | Path, s: int, b: int, impl: str = "hf-sdpa", dtype: str = "bfloat16",
-                      seed: int = 0) -> dict:
-    """What the real model (real CPU tensors, random weights) saves for backward at (s, b), in bytes:
+                      seed: int = 0, device: str = "cpu") -> dict:
+    """What the real model (real tensors on ``device``, random weights) saves for backward at (s, b), in bytes:
     ``layers[i]`` every storage layer i's modules saved (shared ones included), ``outside`` the
     storages saved outside the layers only, ``shared`` the storages saved by more than one layer
     (once), ``total`` every saved non-parameter storage once.  Read off tensors with
     ``validation.measure.Ledger``; nothing here knows the trace."""
     cfg = load_config(config)
     torch.manual_seed(seed)
-    model = build_model(cfg, impl, dtype)
+    model = build_model(cfg, impl, dtype).to(device)
     num_layers = num_hidden_layers(model)
     layer_re = re.compile(rf"^{re.escape(decoder_layers_path(model, num_layers))}\.(\d+)(?:\.|$)")
     modules = _ModuleStack(model, "")
@@ -539,8 +690,8 @@ def measure_hf_config(config: dict | str | Path, s: int, b: int, impl: str = "hf
         return ledger.pack(t)
 
     vocab = int(model.config.vocab_size)
-    ids = torch.randint(0, vocab, (b, s))
-    targets = torch.randint(0, vocab, (b, s))
+    ids = torch.randint(0, vocab, (b, s), device=device)
+    targets = torch.randint(0, vocab, (b, s), device=device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, ledger.unpack), ops:
             loss = _forward_loss(model, ids, targets)
