@@ -3,7 +3,7 @@
 Each traced polynomial is checked against what real code saves: memplan's hand-written, measured
 GPT-2 / Llama inventories (memplan/terms_hf.py), and real CPU runs of families memplan has no
 hand inventory for (Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, Mistral's sliding window,
-Mixtral's MoE), exactly, per decoder layer, outside the layers and in total, at several (s, b).
+Mixtral's MoE, DeepSeek-V3's latent attention and dense-then-MoE layers), exactly, per decoder layer, outside the layers and in total, at several (s, b).
 """
 
 import json
@@ -45,6 +45,12 @@ FAMILIES = {
     "mistral-window": (tiny("mistral", sliding_window=16), "hf-sdpa"),
     # top-2 of 4 experts, transformers' grouped_mm experts: dropless, k s b tokens through the experts
     "mixtral": (tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "hf-sdpa"),
+    # DeepSeek-V3: multi-head latent attention (q / k 24 wide, v 16: CPU sdpa falls back to fp32 math),
+    # a dense first layer, then routed (top-2 of 8, grouped) + shared experts
+    "deepseek-v3": (tiny("deepseek_v3", num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
+                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16, rope_scaling=None), "hf-sdpa"),
 }
 
 
@@ -116,7 +122,7 @@ def test_trace_equals_real_run(name, traced):
         assert tr.predicted_bytes(inv, s, b) == measured, (name, s, b)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "deepseek-v3"])
 def test_trace_equals_real_run_term_by_term(name, traced):
     """The same labels on a real run: every traced polynomial equals its storage's bytes."""
     cfg, impl = FAMILIES[name]
@@ -139,6 +145,7 @@ def test_layer_groups_follow_the_layer_kinds(traced):
     sliding, full = (sum(tr.evaluate(t["bytes"], 32, 2) for t in g["terms"]) for g in gemma3["layer_groups"])
     assert sliding > full  # the sliding layers' sdpa keeps the s x s mask (as bf16)
     assert [g["layers"] for g in traced("mixtral")["layer_groups"]] == [[0, 1]]
+    assert [g["layers"] for g in traced("deepseek-v3")["layer_groups"]] == [[0], [1, 2]]  # dense, then MoE
 
 
 def test_qwen2_polynomials(traced):

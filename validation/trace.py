@@ -155,8 +155,10 @@ def num_hidden_layers(model) -> int:
 
 
 class _Saves:
-    """Every non-parameter storage autograd saves, with the context of its first save
-    (module, op, k, j: ``validation.hf``'s labelling), every module that saved it, dtype, nbytes."""
+    """Every non-parameter storage autograd saves, with the context of its first save (module,
+    op, k, j: ``validation.hf``'s labelling, except that k counts the saving calls of one op name
+    whether called as a function or a method: ``torch.topk`` and ``Tensor.topk`` share ids), every
+    module that saved it, dtype, nbytes."""
 
     def __init__(self, model: torch.nn.Module, extra_excluded=()) -> None:
         self.modules = _ModuleStack(model, "")
@@ -167,11 +169,25 @@ class _Saves:
         self.dtypes: dict[StorageWeakRef, torch.dtype] = {}
         self.first_save: dict[StorageWeakRef, dict[str, int]] = {}  # saver module -> sequence number
         self.saves = 0
+        self.ctx: dict[StorageWeakRef, tuple[str, str, int, int, int]] = {}  # module, op, k, j, call
+        self._calls: Counter = Counter()
+        self._last_call: int | None = None
+        self._k = self._j = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
+        module, op, call = self.modules.current.lstrip("."), self.rec.current, self.rec.call
+        if call != self._last_call:
+            self._last_call, self._j = call, 0
+            self._k = self._calls[(module, _short_op(op))]
+            self._calls[(module, _short_op(op))] += 1
+        is_param = key in self.ledger.param_keys
+        if key not in self.ctx:
+            self.ctx[key] = (module, op, self._k, -1 if is_param else self._j, call)
+        if not is_param:
+            self._j += 1
         self.dtypes.setdefault(key, t.dtype)
-        self.first_save.setdefault(key, {}).setdefault(self.modules.current.lstrip("."), self.saves)
+        self.first_save.setdefault(key, {}).setdefault(module, self.saves)
         self.saves += 1
         return self.ledger.pack(t)
 
@@ -189,10 +205,10 @@ class _Saves:
         for key, r in self.ledger.records.items():
             if r.is_param:
                 continue
-            module, op, k, j, call = self.ledger.ctx[key]
+            module, op, k, j, call = self.ctx[key]
             if op == SDPA:
                 op = f"{SDPA}[{self.aten.kernel_tag(call)}]"
-            out.append(dict(module=module.lstrip("."), op=op, k=k, j=j, dtype=self.dtypes[key], nbytes=r.nbytes,
+            out.append(dict(module=module, op=op, k=k, j=j, dtype=self.dtypes[key], nbytes=r.nbytes,
                             savers=self.first_save[key]))
         return out
 
@@ -608,7 +624,7 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
         ids = [t["id"] for t in terms]
         dup = [x for x, n in Counter(ids).items() if n > 1]
         if dup:
-            raise AssertionError(f"layer {i}: term ids not unique: {dup}")
+            raise RuntimeError(f"layer {i}: term ids not unique: {dup}")
         key = json.dumps(terms, sort_keys=True)
         if key not in index:
             index[key] = len(groups)
