@@ -38,8 +38,9 @@ FAMILIES = {
     "gemma-eager": (tiny("gemma", head_dim=24), "hf-eager"),
     # Gemma 2 has no sdpa in transformers (logit soft-capping): eager, alternating sliding / global layers
     "gemma2": (tiny("gemma2", head_dim=24, num_hidden_layers=3, sliding_window=16), "hf-eager"),
-    # Gemma 3: sliding layers (an explicit mask once s >= the window) beside global ones: two layer groups
-    "gemma3": (tiny("gemma3_text", head_dim=24, num_hidden_layers=3, sliding_window=16, sliding_window_pattern=2),
+    # Gemma 3: sliding layers (an explicit mask once s >= the window) beside global ones: two layer groups,
+    # each with its own rotary tables (local and global rope bases)
+    "gemma3": (tiny("gemma3_text", head_dim=24, num_hidden_layers=4, sliding_window=16, sliding_window_pattern=2),
                "hf-sdpa"),
     "phi3": (tiny("phi3", sliding_window=None), "hf-sdpa"),
     "mistral-window": (tiny("mistral", sliding_window=16), "hf-sdpa"),
@@ -141,7 +142,10 @@ def test_trace_equals_real_run_term_by_term(name, traced):
 
 def test_layer_groups_follow_the_layer_kinds(traced):
     gemma3 = traced("gemma3")
-    assert [g["layers"] for g in gemma3["layer_groups"]] == [[0, 2], [1]]  # sliding, global, sliding
+    assert [g["layers"] for g in gemma3["layer_groups"]] == [[0, 2], [1, 3]]  # sliding, global, sliding, global
+    local, global_ = ([t["id"] for t in g["terms"] if t["shared"]] for g in gemma3["layer_groups"])
+    assert local == ["self_attn.mul.0", "self_attn.mul#1.0"]  # one storage per file and id
+    assert global_ == ["self_attn.mul.0@1", "self_attn.mul#1.0@1"]
     sliding, full = (sum(tr.evaluate(t["bytes"], 32, 2) for t in g["terms"]) for g in gemma3["layer_groups"])
     assert sliding > full  # the sliding layers' sdpa keeps the s x s mask (as bf16)
     assert [g["layers"] for g in traced("mixtral")["layer_groups"]] == [[0, 1]]
@@ -232,6 +236,14 @@ def test_real_model_without_the_python_dispatcher_is_refused():
     cfg, _ = FAMILIES["qwen2"]
     with pytest.raises(tr.TraceRefused, match=r"replacement (s|b) -> "):
         tr.trace_hf_config(cfg, "hf-eager", python_dispatcher=False)
+
+
+def test_data_dependent_forward_is_refused():
+    """Mixtral with transformers' expert loop (experts_implementation="eager") iterates over the
+    experts that received tokens: data-dependent, refused (its grouped_mm default traces)."""
+    cfg, _ = FAMILIES["mixtral"]
+    with pytest.raises(tr.TraceRefused, match="depends on tensor values"):
+        tr.trace_hf_config(cfg, experts="eager")
 
 
 # ---------------------------------------------------------------------------------------------

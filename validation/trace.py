@@ -11,9 +11,13 @@ out as a symbolic expression: an exact polynomial in s and b with integer coeffi
 written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
 
 Every decoder layer of the config is traced (no reduced model, so no mapping of a small variant
-back onto the real layer indices is needed: layers of different kinds, e.g. Gemma 2's alternating
-sliding / global attention or dense-then-MoE stacks, simply come out as different groups).  Layers
-whose saved tensors are identical (same ids, ops, dtypes and polynomials) form one group.
+back onto the real layer indices is needed: layers of different kinds, e.g. Gemma 3's sliding
+layers, whose sdpa keeps an s x s mask, beside its global ones, or DeepSeek-V3's dense first
+layers before the MoE ones, simply come out as different groups).  Layers whose saved tensors are
+identical (same ids, ops, dtypes and polynomials) form one group.  MoE layers trace with
+transformers' default ``grouped_mm`` experts: dropless top-k routing sends all k s b token copies
+through grouped GEMMs, so every size is a polynomial; an expert loop over the experts that
+received tokens (``experts_implementation="eager"``) is data-dependent and refused.
 
 How a saved storage is named: from the context of its *first* save (``validation.hf``'s
 machinery): the module path (relative to the decoder layer, ``self_attn.q_proj``, or to the model,
@@ -24,18 +28,24 @@ that module and ``j`` the position of the tensor among what that call saved.  Th
 ``<module>.<op>[#k].<j>``, e.g. ``self_attn.q_proj.linear.0``, ``mlp.mul.1``,
 ``input_layernorm.mul#1.0``: stable for a given code path and unique within a layer.  A storage
 saved by several layers (the rotary cos / sin tables) is listed in every layer that saves it with
-``shared: true``; it exists once per forward, so a consumer counts it once (memplan's ``chunk``
-scope).  A storage saved both outside and inside the layers would be listed in both, shared.
+``shared: true``; it exists once per forward, so a consumer counts it once per id (memplan's
+``chunk`` scope): shared ids are unique in the whole file (a second shared storage whose id is
+taken, as Gemma 3's global rope tables beside its local ones, gets ``@<its first layer>``).  A
+storage saved both outside and inside the layers would be listed in both, shared.
 
 The trace is refused (``TraceRefused``) when it is not valid for every s and b:
 
 * guards or replacements in the ShapeEnv that pin s or b (``Eq(s, 4096)``, ``s -> 4096``): some code
   turned a size into a Python int or compared it with a constant.  Wrapping the forward in
   ``torch._dispatch.python.enable_python_dispatcher()`` is what keeps torch's own C++ composite
-  ops (matmul's folding of batch dimensions, ...) from doing that: without it eager attention
-  specialises both s and b (``python_dispatcher=False`` shows it; tests check the refusal);
-* a size that is not a polynomial in s and b (a floor division that does not divide, a
-  data-dependent size: MoE routing, ``nonzero``).
+  ops from doing that (``aten.matmul``'s C++ folding of batch dimensions reads sizes as ints; its
+  Python port keeps them symbolic): without it eager attention specialises both s and b
+  (``python_dispatcher=False`` shows it; tests check the refusal).  The python dispatcher also
+  swaps in ``torch/_decomp``'s ``dropout``, which is not what an eager run executes (a bool
+  ``native_dropout`` mask instead of the CPU kernel's bf16 ``bernoulli_`` one, a copy at p = 0),
+  so dropout keeps its C++ kernel (``_EAGER_ONLY``);
+* a size that is not a polynomial in s and b, or a forward that depends on tensor values
+  (data-dependent control flow or sizes).
 
 Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
 the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges
@@ -127,13 +137,15 @@ def hf_config(config: dict):
     return cfg
 
 
-def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16"):
-    """``AutoModelForCausalLM.from_config`` in training mode (under a fake mode when one is active)."""
+def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16", experts: str | None = None):
+    """``AutoModelForCausalLM.from_config`` in training mode (under a fake mode when one is active);
+    ``experts``: transformers' ``experts_implementation`` of MoE models (None: its default)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
     tf = _hf._transformers()
+    kwargs = {"experts_implementation": experts} if experts else {}
     model = tf.AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
-                                                attn_implementation=impl.removeprefix("hf-"))
+                                                attn_implementation=impl.removeprefix("hf-"), **kwargs)
     return model.train()
 
 
@@ -418,7 +430,7 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
         with _eager_decisions(), saves.recording():
             inputs = make_inputs(sizes["s"], sizes["b"])
             with _python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
-                    (cuda.norm_stats() if cuda else contextlib.nullcontext()):
+                    (cuda.norm_stats() if cuda else contextlib.nullcontext()), _data_dependence_refused():
                 forward(model, *inputs)
     conditions = _check_guards(env, symbols) + (cuda.assumed if cuda else [])
     out = []
@@ -426,6 +438,22 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
         st["nbytes"] = _as_poly_expr(st["nbytes"], named, st, conditions)
         out.append(st)
     return model, out, _merge_divisibility(conditions)
+
+
+@contextlib.contextmanager
+def _data_dependence_refused():
+    """Control flow or sizes that depend on tensor values cannot be traced symbolically: refuse."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        yield
+    except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise TraceRefused(
+            "the forward depends on tensor values (data-dependent control flow or sizes, e.g. a loop over the "
+            "experts that received tokens; transformers' grouped_mm experts, its default, route all k s b token "
+            f"copies and trace): {type(err).__name__}: {first[:200]}") from None
 
 
 def _merge_divisibility(conditions: list[str]) -> list[str]:
@@ -598,6 +626,7 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
     # shared by the layers sits where each layer saved it
     per_layer: list[list[tuple[int, dict]]] = [[] for _ in range(num_layers)]
     outside: list[tuple[int, dict]] = []
+    shared_ids: set[str] = set()
     for st in storages:
         layer, rel = place(st["module"])
         places: dict[int | None, int] = {}
@@ -606,8 +635,15 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
             places[p] = min(places.get(p, seq), seq)
         itemsize = torch.empty((), dtype=st["dtype"]).element_size()
         elements = sympy.expand(st["nbytes"] / itemsize)
+        term_id = _term_id(rel, st["op"], st["k"], st["j"])
+        if len(places) > 1:
+            # a shared storage is one storage for the whole file: its id is unique in the file (Gemma 3's
+            # local and global rope tables are saved by the same op of different layers)
+            if term_id in shared_ids:
+                term_id = f"{term_id}@{layer if layer is not None else 'model'}"
+            shared_ids.add(term_id)
         term = {
-            "id": _term_id(rel, st["op"], st["k"], st["j"]),
+            "id": term_id,
             "module": rel,
             "op": st["op"],
             "dtype": str(st["dtype"]).replace("torch.", ""),
@@ -636,7 +672,7 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
 
 def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: str = "cpu",
                     dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
-                    python_dispatcher: bool = True) -> dict:
+                    python_dispatcher: bool = True, experts: str | None = None) -> dict:
     """The traced inventory of a transformers config: what one training forward + loss saves for
     backward, per decoder-layer group and outside the layers, as polynomials in s and b.
 
@@ -654,7 +690,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     holder: dict = {}
 
     def build():
-        model = build_model(cfg, impl, dtype)
+        model = build_model(cfg, impl, dtype, experts)
         holder["layers"] = num_hidden_layers(model)
         return model
 
