@@ -10,6 +10,9 @@ import click
 
 from memplan.errors import MemplanError
 
+# memplan/specs.py OPTIMIZERS (a test checks they agree; specs loads pydantic, which --help does not need)
+OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
+
 
 def _console():
     from rich.console import Console
@@ -72,9 +75,14 @@ def plan_options(func: Callable) -> Callable:
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
                      help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
                           "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),
-        click.option("--optimizer-impl", type=click.Choice(["foreach", "fused"]),
-                     help="torch AdamW implementation: foreach keeps one parameter-sized temporary in its step "
-                          "(default: the implementation's, see `memplan impls`)."),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS),
+                     help="Optimizer (pinned: search keeps it): adamw (default; 'adam' in YAML), sgd (momentum), "
+                          "sgd-nomomentum, adafactor (factored second moment), adam8bit (bitsandbytes), muon (hidden "
+                          "matrices; AdamW on the rest), lion. States and step temporaries: `memplan impls`."),
+        click.option("--optimizer-impl", type=click.Choice(["foreach", "fused", "for-loop"]),
+                     help="The optimizer's implementation: torch's foreach keeps parameter-sized temporaries in its "
+                          "step, fused none, for-loop one tensor's (default: the implementation's where the optimizer "
+                          "has it, else the optimizer's own; see `memplan impls`)."),
         click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist. Measured for --impl hf-*."),
@@ -135,8 +143,8 @@ def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str,
 
 
 def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
-    """Training settings that are not searched: precision, the optimizer's implementation, loss chunks."""
-    return dict(precision=opts.get("precision"), optimizer_impl=opts.get("optimizer_impl"),
+    """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks."""
+    return dict(precision=opts.get("precision"), optimizer=opts.get("optimizer"), optimizer_impl=opts.get("optimizer_impl"),
                 loss_chunks=opts.get("loss_chunks"))
 
 
@@ -207,11 +215,15 @@ def models(as_json: bool) -> None:
 
 @cli.command()
 def impls() -> None:
-    """List the implementations whose saved tensors memplan models."""
+    """List the implementations whose saved tensors memplan models, and the optimizers."""
+    from memplan.optimizers import OPTIMIZER_INFO
     from memplan.terms import IMPLEMENTATIONS
 
     for name, text in IMPLEMENTATIONS.items():
         click.echo(f"{name:10s} {text}")
+    click.echo("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
+    for name, info in OPTIMIZER_INFO.items():
+        click.echo(f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}")
 
 
 @cli.command()

@@ -15,7 +15,8 @@ from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
-from memplan.timeline import DeviceMemory, StepPeak, device_memory, step_events
+from memplan.optimizers import notes as optimizer_notes
+from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def estimate(
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
-                           granularity=inventory.granularity)
+                           granularity=inventory.granularity, layout=inventory.weight_layout)
               for i in range(config.parallel.pp)]
     steps = step_peaks(config, inventory, plan, None if paper_only else stages)
     most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
@@ -140,7 +141,7 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
     return [step_events(config.model, inventory, config.training, plan,
                         stages[i] if stages is not None else
                         stage_memory(config.model, inventory.terms, config.training, plan, i,
-                                     granularity=inventory.granularity), i,
+                                     granularity=inventory.granularity, layout=inventory.weight_layout), i,
                         critical=walk is None)
             for i in which]
 
@@ -171,6 +172,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                              "there may differ")
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
+    notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
     notes.append(
         f"stage {peak.stage} holds {chunks} model chunk(s) of {config.layers_per_chunk} layer(s) in flight"

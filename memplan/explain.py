@@ -16,7 +16,8 @@ from typing import Any, Optional
 from memplan.estimate import Estimate, estimate
 from memplan.pipeline import chunks_in_flight
 from memplan.specs import Config, GpuSpec, Recompute
-from memplan.states import counter, layer_params, param_groups
+from memplan.optimizers import states_label
+from memplan.states import counter, layer_params, optimizer_bytes, param_groups
 from memplan.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.terms import Term, display_poly
 
@@ -209,15 +210,22 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     optimizer_per_param = tr.master_weight_bytes + tr.optimizer_moments * tr.optimizer_state_bytes
     gathered = " + one gathered layer (ZeRO-3)" if par.zero >= 3 else ""
     prec = f"--precision {tr.precision} (byte sizes of the training settings)"
+    label = f"optimizer states ({states_label(tr).removeprefix('optimizer (')}"
+    if peak.tensors is None:  # full-size states: AdamW, SGD (with or without momentum), Lion
+        optimizer = Step("states", label, "parameters x (master + moments x state bytes)",
+                         f"{params:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes})"
+                         f" B = {params:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec)
+    else:  # states by tensor shape (memplan/optimizers.py)
+        states = int(optimizer_bytes(tr, params, peak.tensors)) - params * tr.master_weight_bytes
+        optimizer = Step("states", label, "parameters x master bytes + the optimizer's states by tensor shape",
+                         f"{params:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
+                         "B", f"memplan/optimizers.py ({tr.optimizer}); {prec}")
     steps += [
         Step("states", "weights", "parameters x weight bytes",
              f"{params:,} x {tr.weight_bytes} B{sharded(3)}{gathered}", int(peak.weights), "B", prec),
         Step("states", "gradients", "parameters x gradient bytes",
              f"{params:,} x {tr.grad_bytes} B{sharded(2)}", int(peak.gradients), "B", prec),
-        Step("states", "optimizer states (master weights + moments)",
-             "parameters x (master + moments x state bytes)",
-             f"{params:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes}) B = "
-             f"{params:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec),
+        optimizer,
     ]
     return steps
 

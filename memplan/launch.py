@@ -112,10 +112,10 @@ def megatron_launch(config: Config) -> Launch:
     if par.zero >= 2:
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
                  "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
-    if par.dp > 1:
+    muon = tr.optimizer == "muon" and par.zero == 0
+    if par.dp > 1 and not muon:  # Megatron-LM's Muon refuses to overlap them (arguments.py, below)
         args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
-    if tr.optimizer == "sgd":
-        args.append("--optimizer sgd")
+    args += _optimizer(tr.optimizer, par.zero, notes)
     args += _precision(tr.precision, notes)
     if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
@@ -126,6 +126,28 @@ def megatron_launch(config: Config) -> Launch:
 def megatron_args(config: Config) -> list[str]:
     """The plan as Megatron-LM command-line arguments ("--flag value" strings)."""
     return megatron_launch(config).args
+
+
+def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
+    """Megatron-LM's --optimizer (arguments.py at core_v0.16.1: adam, the default, which is AdamW's
+    decoupled weight decay; sgd with --sgd-momentum, default 0.9; muon: Muon on the 2-D hidden weights,
+    Adam on the rest, megatron/core/optimizer/muon.py, which refuses the distributed optimizer, FSDP and
+    overlapped gradient reduction or parameter gathering). No Adafactor, 8-bit Adam or Lion there."""
+    if optimizer == "adamw":
+        return []
+    if optimizer == "sgd":
+        return ["--optimizer sgd"]
+    if optimizer == "sgd-nomomentum":
+        return ["--optimizer sgd", "--sgd-momentum 0.0"]
+    if optimizer == "muon":
+        if zero == 0:
+            return ["--optimizer muon"]
+        notes.append(f"Megatron-LM's Muon (core_v0.16.1) refuses the distributed optimizer and FSDP that ZeRO-{zero} "
+                     "needs: no --optimizer is given (Adam runs); plan with --zero 0 to launch with --optimizer muon")
+        return []
+    notes.append(f"Megatron-LM (core_v0.16.1) has no {optimizer} optimizer: no --optimizer is given (Adam runs, whose "
+                 "states differ from the plan's)")
+    return []
 
 
 def _precision(precision: str, notes: list[str]) -> list[str]:

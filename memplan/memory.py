@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
-from memplan.states import ParamGroup, StateBytes, layer_params, stage_params, state_bytes
+from memplan.optimizers import StageTensors
+from memplan.states import (Layout, ParamGroup, StateBytes, layer_params, optimizer_bytes, stage_params, stage_tensors,
+                            state_bytes)
 from memplan.terms import Term
 
 
@@ -153,6 +155,7 @@ class StageMemory:
     activations: Any  # saved terms + the recompute working set
     states: StateBytes
     sizes: Optional[TermBytes] = None  # evaluates further terms (transients) for the same plan
+    tensors: Optional[StageTensors] = None  # the GPU's parameter tensors, for optimizers that need their shapes
 
     @property
     def weights(self) -> Any:
@@ -173,12 +176,14 @@ class StageMemory:
 
 def stage_memory(
     model: ModelSpec, terms: tuple[Term, ...], training: TrainingSpec, plan: PlanValues, stage: Any,
-    working_set: bool = True, granularity: int = 1,
+    working_set: bool = True, granularity: int = 1, layout: Layout = "fused",
 ) -> StageMemory:
     """Memory of one GPU of pipeline stage `stage` at its peak: the first backward of the steady
     state, with every in-flight micro-batch stored and, under recompute, one layer's recomputed
     tensors alive on top (the recompute working set, which K22 leaves out). Each storage is rounded
-    up to `granularity` bytes (the allocator's block size; 1 = exact)."""
+    up to `granularity` bytes (the allocator's block size; 1 = exact); `layout`: how the
+    implementation stores its weight matrices (Inventory.weight_layout), for the optimizers whose
+    states depend on their shapes."""
     sizes = term_bytes_for(model, plan, training.activation_bytes, granularity)
     layers_per_chunk = model.num_layers // (plan.p * plan.m)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
@@ -203,5 +208,9 @@ def stage_memory(
     layers = model.num_layers // plan.p
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
-    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group))
-    return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes)
+    tensors = None
+    if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):  # states or temporaries by tensor shape
+        tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
+    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group),
+                         optimizer_unsharded=optimizer_bytes(training, params, tensors))
+    return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors)

@@ -802,7 +802,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # Optimizer step, memory-bound over this GPU's shard (1/k of it with ZeRO >= 1): read master
     # weights, gradients and moments, write master, moments and the 16-bit weights, plus one read
     # of the gradients for the global norm used to clip them (Megatron-LM clip_grad_norm).
-    moments = training.optimizer_moments * training.optimizer_state_bytes
+    moments = training.optimizer_dense_bytes  # AdamW: 2 moments x state bytes (TrainingSpec)
     # Then the 16-bit weights are copied from the master copy (read master, write weights) and the
     # gradient buffer is zeroed for the next step (Megatron-LM Float16OptimizerWithFloat16Params:
     # _copy_main_params_to_model_params, zero_grad_buffer): 42 bytes per parameter for bf16-mixed.

@@ -342,7 +342,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     inventory = inventory_for(model, impl)
     peaks, retained = [], []
     for stage in (0, plans.p - 1):
-        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
+        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
+                           layout=inventory.weight_layout)
         peaks.append(step_events(model, inventory, training, plans, mem, stage, critical=True).peak_bytes)
         retained.append(mem.total)
     peak = np.maximum(*peaks)
@@ -554,7 +555,8 @@ def _cross_moments(part: _Part, space: PlanSpace, model: ModelSpec, training: Tr
     plans = space.plans2d(part.direct, part.width)
     shape = (len(part.direct), part.width)
     stage, count = _stages(plans, single)
-    mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
+    mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
+                       layout=inventory.weight_layout)
     steps = step_events(model, inventory, training, plans, mem, stage, critical=True)
     events = list(zip(*(_by_stage(e.bytes, count, shape) for e in steps.events)))
     out = []
@@ -586,7 +588,8 @@ def _separable_moments(part: _Part, space: PlanSpace, model: ModelSpec, training
     results = []
     for plans in (rows, probe):
         stage, count = _stages(plans, single)
-        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity)
+        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
+                           layout=inventory.weight_layout)
         steps = step_events(model, inventory, training, plans, mem, stage, critical=True)
         results.append([e.bytes for e in steps.events] + [mem.total])
     if len(results[0]) != len(results[1]):

@@ -14,8 +14,9 @@ from rich.table import Table
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.estimate import Estimate
     from memplan.planner import SearchResult
+from memplan.optimizers import states_label
 from memplan.specs import Config
-from memplan.timeline import PART_LABELS
+from memplan.timeline import PART_LABELS, optimizer_impl
 from memplan.units import format_batch, format_bytes, format_bytes_auto
 
 
@@ -52,6 +53,9 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         "inventory": est.inventory.name,
         "inventory_origin": est.inventory.origin or None,
         "impl": est.inventory.name.split("/")[0],  # names are impl/attention/device or impl/device
+        "optimizer": {"name": est.config.training.optimizer,
+                      "impl": optimizer_impl(est.config.training, est.inventory),
+                      "label": states_label(est.config.training)},
         "paper_only": est.paper_only,
         "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},
         "most_loaded_stage": est.most_loaded,
@@ -265,6 +269,8 @@ def estimate_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     for key, item in MEMORY_ROWS:
         if key == "peak_bytes":
             item = f"{item} (at {where}: {mem['peak_moment']})"
+        elif key == "optimizer_bytes" and "optimizer" in data:
+            item = data["optimizer"]["label"]
         rows.append(dict(section="memory", item=item, value=mem[key], unit="B"))
     rows += [dict(section="summary", item=item, value=data[key], unit=unit) for key, item, unit in OTHER_ROWS
              if key in data]
@@ -393,7 +399,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                    f"loaded of {par.pp})")
     total = peak.total
     for label, value in (("weights", peak.weights), ("gradients", peak.gradients),
-                         ("optimizer (master + moments)", peak.optimizer)):
+                         (states_label(tr), peak.optimizer)):
         table.add_row(label, "", "", gb(value), f"{value / total:.1%}", "")
     table.add_row("[bold]activations[/]", "" if narrow else est.per_layer_symbolic, "", gb(peak.activations),
                   f"{peak.activations / total:.1%}", "")
@@ -492,7 +498,8 @@ def render_peak(est: Estimate, console: Console) -> None:
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
              "saved": "step", "transient": "transient"}
     for k, kind in kinds.items():
-        label = PART_LABELS[k] + (" alive" if kind == "step" else "")
+        label = (states_label(est.config.training) if k == "optimizer" else PART_LABELS[k]) + (
+            " alive" if kind == "step" else "")
         table.add_row(label, _gb(e.parts[k]), kind)
     table.add_row("[bold]peak of the step's tensors[/]", f"[bold]{_gb(step.peak_bytes)}[/]", "")
     table.add_row("cuBLAS workspace (inside PyTorch's pool)", _gb(dev.workspace_bytes), "runtime")
@@ -869,6 +876,12 @@ def _peak_at(predicted_at: str, measured_at: str) -> str:
     return short(predicted_at) if predicted_at == measured_at else f"{short(predicted_at)} / {short(measured_at)}"
 
 
+def _optimizer_cell(case: Any) -> str:
+    """A peak case's optimizer: its implementation alone for AdamW ('foreach'), else both ('adafactor for-loop')."""
+    algorithm = getattr(case, "algorithm", "adamw")
+    return case.optimizer if algorithm == "adamw" else f"{algorithm} {case.optimizer}"
+
+
 def render_peak_validation(results: list[Any], summary: dict[str, Any], console: Console) -> None:
     # Compact: impl alone (it decides the loop: torch runs the Megatron-like one, hf-* torch's), the
     # measured peak to 3 digits with memplan's error against it, and 'peak at' once where both agree.
@@ -878,7 +891,7 @@ def render_peak_validation(results: list[Any], summary: dict[str, Any], console:
     columns = [Col(c, "right" if c in ("b", "M", "memplan", "measured", "error") else "left", short=short.get(c),
                    fold=c in ("case", "peak at (memplan / measured)"),
                    max_width=7 if c.startswith("peak at") else None)  # 'bwd 12'; 'loss / bwd 2' folds
-               for c in ("case", "loop", "recompute", "AdamW", "b", "M", "backend", "memplan", "measured", "error",
+               for c in ("case", "loop", "recompute", "optimizer", "b", "M", "backend", "memplan", "measured", "error",
                          "peak at (memplan / measured)", "result") if not (narrow and c == "memplan")]
     table = make_table(console, columns,
                        title="memplan vs measured allocated peak of a training step (second step, CPU live-storage "
@@ -888,11 +901,11 @@ def render_peak_validation(results: list[Any], summary: dict[str, Any], console:
         c = r.case
         verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
         if narrow:
-            table.add_row(c.name, c.impl, RECOMPUTE_SHORT.get(c.recompute, c.recompute), c.optimizer, str(c.b),
+            table.add_row(c.name, c.impl, RECOMPUTE_SHORT.get(c.recompute, c.recompute), _optimizer_cell(c), str(c.b),
                           str(c.microbatches), c.backend, _bytes3(r.measured), f"{r.error:+.3%}",
                           _peak_at(r.predicted_at, r.measured_at), verdict)
         else:
-            table.add_row(c.name, f"{c.loop} ({c.impl})", c.recompute, c.optimizer, str(c.b), str(c.microbatches),
+            table.add_row(c.name, f"{c.loop} ({c.impl})", c.recompute, _optimizer_cell(c), str(c.b), str(c.microbatches),
                           c.backend, f"{r.predicted:,} B", f"{r.measured:,} B", f"{r.error:+.3%}",
                           f"{r.predicted_at} / {r.measured_at}", verdict)
     console.print(table)

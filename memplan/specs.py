@@ -189,7 +189,26 @@ PRECISIONS: dict[str, dict[str, int]] = {
     "32-true": dict(activation_bytes=4, weight_bytes=4, grad_bytes=4, master_weight_bytes=0,
                     optimizer_state_bytes=4),
 }
-OPTIMIZER_IMPLS = ("foreach", "fused")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
+# The optimizers memplan models (memplan/optimizers.py: states, step temporaries, sources); `adam` is
+# the old name of `adamw`, still read from YAML files.
+OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
+OPTIMIZER_ALIASES = {"adam": "adamw"}
+# The implementations each has, its own default first (torch 2.13 torch/optim/: AdamW and SGD have
+# foreach and fused; Adafactor a for-loop, its default, and foreach; Muon a for-loop beside an AdamW
+# for the other parameters, whose implementation is the one named; bitsandbytes' 8-bit Adam one fused
+# kernel; lion-pytorch's Lion a for-loop).
+OPTIMIZER_IMPLS_OF = {"adamw": ("foreach", "fused"), "sgd": ("foreach", "fused"), "sgd-nomomentum": ("foreach", "fused"),
+                      "adafactor": ("for-loop", "foreach"), "adam8bit": ("fused",), "muon": ("fused", "foreach"),
+                      "lion": ("for-loop",)}
+
+
+def parse_optimizer(value: Any) -> str:
+    """An optimizer's name (the old `adam` read as `adamw`); an unknown one is refused with the list."""
+    name = OPTIMIZER_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {echo(value)}; known: {', '.join(OPTIMIZERS)} (adam = adamw)")
+    return name
 
 
 class TrainingSpec(_Spec):
@@ -205,13 +224,16 @@ class TrainingSpec(_Spec):
     weight_bytes: int = Field(default=2, gt=0, description="bf16 model weights")
     grad_bytes: int = Field(default=4, gt=0, description="fp32 main gradients (Megatron-LM bf16 training)")
     master_weight_bytes: int = Field(default=4, ge=0, description="fp32 master copy of the weights; 0 if none")
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: str = Field(
+        default="adamw", description="adamw (adam), sgd (momentum), sgd-nomomentum, adafactor, adam8bit, muon, lion "
+        "(memplan/optimizers.py)")
     optimizer_state_bytes: int = Field(default=4, ge=0, description="bytes of each optimizer moment")
     precision: Literal["bf16-mixed", "16-mixed", "bf16-true", "32-true"] = Field(
         default="bf16-mixed", description="sets the byte sizes above that are not given explicitly")
-    optimizer_impl: Optional[Literal["foreach", "fused"]] = Field(
-        default=None, description="torch AdamW's implementation: foreach keeps one parameter-sized temporary "
-        "during the step, fused none (default: the implementation's own, see `memplan impls`)")
+    optimizer_impl: Optional[Literal["foreach", "fused", "for-loop"]] = Field(
+        default=None, description="the optimizer's implementation: torch's foreach (parameter-sized temporaries "
+        "in the step), fused (none) or for-loop (one tensor at a time); default: the implementation's own "
+        "where the optimizer has it, else the optimizer's (see `memplan impls`)")
     loss_chunks: int = Field(
         default=1, gt=0, description="LM head and cross-entropy computed in this many sequence chunks, each "
         "checkpointed, so the full fp32 logits never exist (chunked / fused linear cross-entropy)")
@@ -231,10 +253,33 @@ class TrainingSpec(_Spec):
     def _recompute(cls, value: Any) -> Recompute:
         return Recompute.parse(value)
 
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer(cls, value: Any) -> str:
+        return parse_optimizer(value)
+
+    @model_validator(mode="after")
+    def _optimizer_impl(self) -> "TrainingSpec":
+        impls = OPTIMIZER_IMPLS_OF[self.optimizer]
+        if self.optimizer_impl is not None and self.optimizer_impl not in impls:
+            raise ValueError(f"optimizer {self.optimizer} has no {self.optimizer_impl} implementation (it has: "
+                             f"{', '.join(impls)})")
+        return self
+
     @property
     def optimizer_moments(self) -> int:
-        """Adam keeps two moments (m, v) per parameter; SGD with momentum keeps one."""
-        return {"adam": 2, "sgd": 1}[self.optimizer]
+        """Full-size state tensors per parameter, in optimizer_state_bytes each: AdamW two (m, v), SGD
+        with momentum, Lion and Muon one (Muon's AdamW share keeps two: memplan/optimizers.py), SGD
+        without momentum none, Adafactor none (its factored second moment is r + c values per r x c
+        matrix) and 8-bit Adam none at that size (two 1-byte states: `optimizer_dense_bytes`)."""
+        return {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0, "adafactor": 0, "adam8bit": 0, "muon": 1,
+                "lion": 1}[self.optimizer]
+
+    @property
+    def optimizer_dense_bytes(self) -> int:
+        """Bytes of optimizer state per parameter in its full-size tensors (the step's memory traffic):
+        the moments above, or 8-bit Adam's two uint8 states."""
+        return 2 if self.optimizer == "adam8bit" else self.optimizer_moments * self.optimizer_state_bytes
 
 
 def _sized(value: Any) -> Any:

@@ -386,6 +386,10 @@ class Inventory:
     granularity: int = 1
     origin: str = ""  # a traced inventory's origin (memplan/traced.py); empty for hand-written ones
     traced_from: tuple[tuple[str, int], ...] = ()  # (symbol, least value) a trace's sizes hold from: (("b", 2),)
+    # how the weight matrices are stored (states.weight_shapes): transformers keeps a gated model's
+    # q/k/v_proj and gate/up_proj apart ("separate"; Phi-3's fused qkv_proj is not modelled), Megatron-LM,
+    # the reference layer and transformers' GPT-2 (Conv1D c_attn, c_fc) fuse them
+    weight_layout: Literal["fused", "separate"] = "fused"
 
 
 IMPLEMENTATIONS: dict[str, str] = {
@@ -416,7 +420,8 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError(f"--loss-chunks is modelled for the hf-* implementations (measured on transformers "
                            f"models with a checkpointed chunked cross-entropy); not yet for --impl {impl}")
     inv = _inventory(model, impl, device, loss_chunks)
-    return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1)
+    layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"
+    return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1, weight_layout=layout)
 
 
 CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this

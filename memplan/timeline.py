@@ -16,7 +16,8 @@ One step on a stage, walked for the micro-batch whose backward comes first in th
 - embedding backward (first stage): every gradient, nothing of this chunk saved;
 - optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one
   tensor the size of the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in
-  torch/optim/adam.py `_multi_tensor_adam`; fused: none).
+  torch/optim/adam.py `_multi_tensor_adam`; fused: none; the other optimizers' in
+  memplan/optimizers.py).
 
 Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the
 whole step; torch `.grad` tensors (transformers) appear on their first write in the backward and
@@ -35,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memplan import optimizers
 from memplan.memory import PlanValues, StageMemory, TermBytes
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import output_layer_group, param_groups, shard_bytes
@@ -82,7 +84,12 @@ class StepPeak:
 
 
 def optimizer_impl(training: TrainingSpec, inventory: Inventory) -> str:
-    return training.optimizer_impl or inventory.optimizer_impl
+    """The optimizer's implementation: asked for, else the training code's where the optimizer has it."""
+    return optimizers.resolve_impl(training, inventory.optimizer_impl)
+
+
+OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-nomomentum": "SGD without momentum",
+                   "adafactor": "Adafactor", "adam8bit": "8-bit Adam", "muon": "Muon + AdamW", "lion": "Lion"}
 
 
 def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues,
@@ -240,8 +247,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
           emb_extra * is_first)
     # optimizer step: no activations (the step's micro-batches are done)
-    temp = _optimizer_temporaries(training, inventory, stage_mem)
-    event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} AdamW)", all_grads, 0, temp)
+    temp = _optimizer_temporaries(training, inventory, stage_mem, plan)
+    event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} "
+          f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp)
     peak = events[0].bytes
     index: Any = 0
     for i, e in enumerate(events[1:], start=1):
@@ -284,16 +292,15 @@ def _critical_layers(n: Any, N: Any, buffer: bool) -> list[Any]:
     return upper if buffer else upper + [_maximum(_minimum(N + 1, n), 1), 1 + 0 * n]
 
 
-def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_mem: StageMemory) -> Any:
-    """torch AdamW foreach: one temporary per parameter it steps (exp_avg_sq_sqrt), in that
-    parameter's dtype: the fp32 master copy when there is one, else the weights' dtype; the
-    ZeRO-sharded shard only. Fused AdamW (Megatron-LM's TE / apex FusedAdam, torch fused) keeps none."""
-    if optimizer_impl(training, inventory) != "foreach":
-        return 0
-    per_param = training.master_weight_bytes or training.weight_bytes
-    moments_per_param = training.master_weight_bytes + training.optimizer_moments * training.optimizer_state_bytes
-    # stage_mem.states.optimizer = stepped parameters x moments_per_param (sharded as ZeRO says)
-    return stage_mem.states.optimizer * per_param // moments_per_param if moments_per_param else 0
+def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_mem: StageMemory,
+                           plan: PlanValues) -> Any:
+    """What the optimizer step allocates on one GPU (memplan/optimizers.py `temporaries`): torch
+    AdamW foreach one temporary per parameter it steps (exp_avg_sq_sqrt), in that parameter's dtype
+    (the fp32 master copy when there is one, else the weights' dtype), the ZeRO shard only; fused
+    AdamW (Megatron-LM's TE / apex FusedAdam, torch fused) none; the other optimizers their own."""
+    shard = 1 + (plan.shard - 1) * (plan.zero >= 1)
+    return optimizers.temporaries(training, optimizer_impl(training, inventory), stage_mem.params, stage_mem.tensors,
+                                  shard)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 
 from memplan import terms as inventory
 from memplan.memory import PlanValues, stage_memory
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.specs import OPTIMIZER_IMPLS_OF, Config, ModelSpec, ParallelSpec, TrainingSpec
 
 TOLERANCE = 1e-3  # 0.1 % of a case's activation bytes (issue: CPU tolerance)
 HF_TOLERANCE = 1e-2  # 1 % per layer against transformers' own code
@@ -239,6 +239,9 @@ def summary(results: list[CaseResult]) -> dict[str, Any]:
 # the peak of a whole training step (validation/step.py)
 
 PEAK_TOLERANCE = 1e-2  # 1 % of the measured allocated peak
+# optimizers validation/step.py runs besides AdamW (torch 2.13 on CPU); adam8bit (bitsandbytes, CUDA only)
+# and lion (not in torch) are derived from their code, not measured
+MEASURED_OPTIMIZERS = ("sgd", "sgd-nomomentum", "adafactor", "muon")
 
 
 @dataclass(frozen=True)
@@ -262,9 +265,10 @@ class PeakCase:
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
     recompute: str = "none"
-    optimizer: str = "fused"
+    optimizer: str = "fused"  # the optimizer's implementation: foreach | fused | for-loop
     microbatches: int = 1
     backend: str = "live"  # live | fake | cuda
+    algorithm: str = "adamw"  # the optimizer (TrainingSpec.optimizer): adamw | sgd | sgd-nomomentum | adafactor | muon
 
     @property
     def loop(self) -> str:
@@ -290,7 +294,7 @@ def peak_config(case: PeakCase) -> Config:
     precision = "bf16-mixed" if case.loop == "megatron" else "bf16-true"
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
-        optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks))
+        optimizer=case.algorithm, optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks))
 
 
 def predict_peak(case: PeakCase) -> Any:
@@ -307,7 +311,8 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
     """The CI grid of whole steps: transformers Llama (GQA) and GPT-2, eager and sdpa, with and
     without gradient checkpointing, foreach and fused AdamW; b = 2 and two micro-batches; the K22
     reference model in the Megatron-like loop with no / selective / full recompute; short
-    sequences where the optimizer step is the peak; and, under FakeTensorMode, a Llama 3 8B-shaped
+    sequences where the optimizer step is the peak; SGD with and without momentum, Adafactor and Muon
+    in every implementation torch has; and, under FakeTensorMode, a Llama 3 8B-shaped
     2-layer model at s = 4096 and a GPT-3 175B-shaped one at s = 2048. With device "cuda" the same
     cases run on the GPU against torch.cuda.max_memory_allocated (the fake ones for real)."""
     if device == "cuda":
@@ -352,6 +357,26 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
             cases.append(PeakCase("k22 s128", model="k22", s=128, b=1, h=64, a=4, p_drop=0.1, recompute=rec,
                                   optimizer=opt))
     cases.append(PeakCase("k22 s64 b2", model="k22", s=64, b=2, h=64, a=4, v=512, p_drop=0.1, recompute="full"))
+    # the other optimizers torch runs on CPU, each in every implementation it has (specs.OPTIMIZER_IMPLS_OF):
+    # short steps where the optimizer is the peak, in transformers' Llama (q/k/v and gate/up apart, bf16
+    # states), GPT-2 (fused c_attn / c_fc, biases) and the reference model in the Megatron-like loop (fp32
+    # master weights and states); and a longer Llama step where the backward is the peak, beside the states
+    for algo in MEASURED_OPTIMIZERS:
+        for opt in OPTIMIZER_IMPLS_OF[algo]:
+            cases += [
+                PeakCase(f"llama sdpa s16 h128 {algo}", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, attn="sdpa",
+                         optimizer=opt, algorithm=algo),
+                PeakCase(f"gpt2 eager s16 h256 {algo}", model="gpt2", s=16, b=1, h=256, a=4, attn="eager",
+                         optimizer=opt, algorithm=algo),
+                PeakCase(f"k22 s16 h128 {algo}", model="k22", s=16, b=1, h=128, a=4, p_drop=0.1, optimizer=opt,
+                         algorithm=algo),
+            ]
+        cases.append(PeakCase(f"llama sdpa s128 {algo}", s=128, b=1, attn="sdpa", optimizer=OPTIMIZER_IMPLS_OF[algo][0],
+                              algorithm=algo, **llama))
+    # Muon beside an AdamW whose share (embedding and LM head, v = 4096) outweighs the hidden matrices:
+    # the foreach AdamW's temporary is the step's, the fused one leaves Muon's Newton-Schulz
+    cases += [PeakCase("llama sdpa s16 h128 v4096 muon", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, v=4096,
+                       attn="sdpa", optimizer=opt, algorithm="muon") for opt in ("foreach", "fused")]
     if fake:
         cases += [
             PeakCase("llama3-8b shape s4096", model="llama", s=4096, b=1, h=4096, a=32, g=8, f=14336, v=128256,
@@ -393,7 +418,8 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
     for c in cases:
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
                                   g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
-                                  optimizer=c.optimizer, microbatches=c.microbatches, backend=c.backend))
+                                  optimizer=c.optimizer, algorithm=c.algorithm, microbatches=c.microbatches,
+                                  backend=c.backend))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event

@@ -55,6 +55,7 @@ MEGATRON_FLAGS = {
     "--overlap-grad-reduce": None,
     "--overlap-param-gather": None,
     "--optimizer": ("adam", "sgd", "muon", "dist_muon"),
+    "--sgd-momentum": float,
     "--bf16": None,
     "--fp16": None,
 }
@@ -78,6 +79,8 @@ GRID = [
     config(tp=2, pp=4, dp=2, vpp=3, sp=True, recompute="full", global_batch=64),
     config(tp=2, pp=4, dp=2, vpp=3, recompute="full", recompute_num_layers=1, precision="16-mixed"),
     config(tp=2, dp=8, zero=2, precision="32-true", optimizer="sgd"),
+    config(dp=8, optimizer="sgd-nomomentum"),
+    config(dp=8, optimizer="muon"),
     config(LLAMA, dp=16, zero=3, zero_shard=4, precision="bf16-true", attention="eager"),
     config(dict(GPT, hidden_size=2560), head_dim=128, tp=2),  # heads not h/a wide: --kv-channels
 ]

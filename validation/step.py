@@ -104,7 +104,8 @@ class StepCase:
     p_drop: float = 0.0  # every dropout of the model (HF sdpa on CPU needs 0 for the flash kernel)
     recompute: Literal["none", "selective", "full"] = "none"  # HF: "none" or "full"
     loop: Literal["torch", "megatron"] = "torch"
-    optimizer: Literal["foreach", "fused"] = "foreach"
+    optimizer: Literal["foreach", "fused", "for-loop"] = "foreach"  # the implementation (torch's foreach= / fused=)
+    algorithm: Literal["adamw", "sgd", "sgd-nomomentum", "adafactor", "muon"] = "adamw"  # ALGORITHMS
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
     loss_chunks: int = 1  # HF: > 1 computes LM head + loss in that many checkpointed chunks (losses.py)
     backend: Literal["live", "fake", "cuda"] = "live"
@@ -124,8 +125,12 @@ class StepCase:
             raise ValueError("HF models support recompute 'none' or 'full' (gradient checkpointing)")
         if self.model == "k22" and self.g not in (None, self.a):
             raise ValueError("the k22 model has no grouped-query attention")
-        if self.loop not in ("torch", "megatron") or self.optimizer not in ("foreach", "fused"):
-            raise ValueError("loop must be torch/megatron and optimizer foreach/fused")
+        if self.loop not in ("torch", "megatron") or self.optimizer not in ("foreach", "fused", "for-loop"):
+            raise ValueError("loop must be torch/megatron and optimizer foreach/fused/for-loop")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}")
+        if self.optimizer not in ALGORITHMS[self.algorithm]:
+            raise ValueError(f"{self.algorithm} runs {' or '.join(ALGORITHMS[self.algorithm])}, not {self.optimizer}")
         if self.backend not in ("live", "fake", "cuda") or self.microbatches < 1:
             raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
         if self.loss_chunks < 1 or (self.loss_chunks > 1 and self.model == "k22"):
@@ -360,9 +365,37 @@ def _unique_params(model) -> list[torch.nn.Parameter]:
     return list(model.parameters())  # nn.Module.parameters() already yields a tied weight once
 
 
+# The optimizers a step can use and the implementations each has in torch 2.13 (torch/optim/):
+# adamw.py / adam.py (foreach, fused), sgd.py (foreach, fused), _adafactor.py (for-loop, its default,
+# or foreach; no fused), _muon.py (for-loop only: foreach raises; 2-D parameters only, so the
+# embeddings, the LM head and the 1-D gains and biases go to an AdamW beside it, as Keller Jordan's
+# MuonWithAuxAdam: the implementation named here is that AdamW's).
+ALGORITHMS = {"adamw": ("foreach", "fused"), "sgd": ("foreach", "fused"), "sgd-nomomentum": ("foreach", "fused"),
+              "adafactor": ("for-loop", "foreach"), "muon": ("foreach", "fused")}
+
+
 def _adamw(params, case: StepCase) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=case.optimizer == "foreach",
                              fused=case.optimizer == "fused")
+
+
+def _optimizers(params: list[torch.Tensor], hidden: set[int], case: StepCase) -> list[torch.optim.Optimizer]:
+    """The case's optimizer(s) over ``params``; ``hidden``: ids of the 2-D weights inside the decoder
+    layers (Muon's share). Settings: weight decay 0.01 everywhere (SGD's is coupled: it adds
+    weight_decay x param to the gradient; the others decay the parameter in place), SGD momentum 0.9
+    (0 for sgd-nomomentum: torch keeps no momentum_buffer then), Adafactor and Muon torch's defaults."""
+    algo, impl = case.algorithm, case.optimizer
+    if algo == "adamw":
+        return [_adamw(params, case)]
+    if algo in ("sgd", "sgd-nomomentum"):
+        momentum = 0.9 if algo == "sgd" else 0.0
+        return [torch.optim.SGD(params, lr=1e-4, momentum=momentum, weight_decay=0.01, foreach=impl == "foreach",
+                                fused=impl == "fused")]
+    if algo == "adafactor":
+        return [torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01, foreach=impl == "foreach")]
+    muon = [p for p in params if id(p) in hidden]
+    rest = [p for p in params if id(p) not in hidden]
+    return [torch.optim.Muon(muon, lr=0.02, weight_decay=0.01), _adamw(rest, case)]
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -374,9 +407,10 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
 class _Loop:
     """The training loop: ``step(tracker)`` runs one full step (``tracker`` None: warm-up)."""
 
-    def __init__(self, case: StepCase, model, forward: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, case: StepCase, model, forward: Callable[[], torch.Tensor], layers=()) -> None:
         self.case, self.model, self.forward = case, model, forward
         self.params = _unique_params(model)
+        hidden = {id(p) for layer in layers for p in layer.parameters() if p.ndim == 2}
         self.main_grad: torch.Tensor | None = None
         self.masters: list[torch.Tensor] = []
         if case.loop == "megatron":
@@ -390,9 +424,10 @@ class _Loop:
                 master = p.detach().float()  # a new fp32 tensor (not a view)
                 master.grad = p.main_grad
                 self.masters.append(master)
-            self.opt = _adamw(self.masters, case)
+            hidden = {id(m) for p, m in zip(self.params, self.masters) if id(p) in hidden}
+            self.opts = _optimizers(self.masters, hidden, case)
         else:
-            self.opt = _adamw(self.params, case)
+            self.opts = _optimizers(self.params, hidden, case)
         self.retained_after_forward = 0
         self.grad_bytes_at_end_of_backward = 0
 
@@ -416,9 +451,11 @@ class _Loop:
         label(phase="backward", layer=None)  # records the end of the last backward
         self.grad_bytes_at_end_of_backward = _storage_bytes(p.grad for p in self.params)
         label(phase="optimizer", layer=None, microbatch=None)
-        self.opt.step()
+        for opt in self.opts:
+            opt.step()
         if self.main_grad is None:
-            self.opt.zero_grad(set_to_none=True)
+            for opt in self.opts:
+                opt.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
@@ -441,7 +478,7 @@ def _storage_bytes(tensors, seen: set | None = None) -> int:
 
 def _persistent(loop: _Loop) -> dict[str, int]:
     seen: set = set()
-    states = [loop.opt.state[p] for g in loop.opt.param_groups for p in g["params"] if p in loop.opt.state]
+    states = [opt.state[p] for opt in loop.opts for g in opt.param_groups for p in g["params"] if p in opt.state]
     grads = [p.grad for p in loop.params] + [m.grad for m in loop.masters]
     return {
         "weights": _storage_bytes(loop.params, seen),
@@ -475,7 +512,7 @@ def measure_step(case: StepCase, ops: bool = False) -> StepMeasurement:
     case.check()
     with _mode(case):
         model, layers, forward = _build(case)
-        loop = _Loop(case, model, forward)
+        loop = _Loop(case, model, forward, layers)
         loop.step(None)  # warm-up: optimizer states, lazy initialisation
         gc.collect()
         persistent = _persistent(loop)
@@ -554,7 +591,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--p_drop", type=float, default=0.0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
-    p.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach")
+    p.add_argument("--optimizer", choices=("foreach", "fused", "for-loop"), default="foreach",
+                   help="the implementation")
+    p.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="adamw")
     p.add_argument("--backend", choices=("live", "fake", "cuda"), default="live")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--ops", action="store_true", help="print the op-level log")
@@ -563,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     case = StepCase(model=a.model, attn=a.attn, s=a.s, b=a.b, h=a.h, a=a.a, L=a.L, v=a.v, f=a.f, g=a.g,
                     head_dim=a.head_dim, loss_chunks=a.loss_chunks, p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
-                    microbatches=a.M, backend=a.backend, dtype=a.dtype, seed=a.seed)
+                    algorithm=a.algorithm, microbatches=a.M, backend=a.backend, dtype=a.dtype, seed=a.seed)
     layer = a.layer if a.layer == "any" else (None if a.layer == "none" else int(a.layer))
     print(format_report(measure_step(case, ops=a.ops), ops=a.ops, phase=a.phase, layer=layer))
 
