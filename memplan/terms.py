@@ -403,7 +403,10 @@ IMPLEMENTATIONS: dict[str, str] = {
                 "and norms, as measured in validation/hf.py; torch .grad tensors, AdamW fused (the "
                 "Trainer's default with torch >= 2.8; a plain torch.optim.AdamW is foreach on CUDA)",
     "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
-               "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager)",
+               "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager). "
+               "For both hf-*: GPT-2 and the Llama layout use the hand-written inventories; other "
+               "architectures (Qwen2/3, Gemma 1-3, Phi-3, ...) a traced one (memplan trace: saved tensors "
+               "traced from transformers' code, checked against CPU runs; the backward's transients derived)",
 }
 HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
