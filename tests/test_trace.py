@@ -179,6 +179,20 @@ def test_sliding_window_conditions(traced):
         assert tr.predicted_bytes(outside, s, b) != measured
 
 
+def test_without_the_eager_decisions_a_mask_appears(monkeypatch, traced):
+    """transformers treats fake tensors as tracing: left alone, find_packed_sequence_indices says
+    "packed" and every layer's sdpa gets (and keeps) an s x s mask that a real run never builds."""
+    import contextlib
+
+    cfg, impl = FAMILIES["qwen2"]
+    monkeypatch.setattr(tr, "_eager_decisions", contextlib.nullcontext)
+    raw = tr.trace_hf_config(cfg, impl)
+    extra = [t["bytes"] for t in raw["layer_groups"][0]["terms"] if "s^2" in t["bytes"]]
+    assert extra == ["2 s^2 b"]
+    assert not any("s^2" in t["bytes"] for t in traced("qwen2")["layer_groups"][0]["terms"])
+    assert tr.predicted_bytes(traced("qwen2"), 16, 2) == tr.measure_hf_config(cfg, 16, 2, impl)
+
+
 def test_b1_is_outside_the_trace(traced):
     """torch specialises sizes 1: a trace holds for b >= 2. At b = 1 the loss keeps the padded
     labels (s + 1 ids) instead of a copy of the shifted ones (s ids): 8 bytes more."""
