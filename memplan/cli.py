@@ -392,7 +392,7 @@ def search(**opts: Any) -> None:
         p, gpu_note = by_name[r.model.name]
         if opts.get("seq_len") is None and len(presets) == 1:
             r.notes.extend(p.notes)
-        r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts) + gpu_note)
+        r.notes.extend(_batch_note(p, r.model.seq_length, r.global_batch, opts) + gpu_note + _optimizer_notes(r))
     if opts["emit_only"]:
         _emit_only(launch)
     elif fmt != "table":
@@ -417,6 +417,18 @@ def search(**opts: Any) -> None:
             click.echo(f"```bash\n{script}\n```" if fmt == "markdown" else script)
     if opts["require_fit"] and not any(r.top for r in results):
         sys.exit(1)
+
+
+def _optimizer_notes(result: Any) -> list[str]:
+    """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
+    from memplan.optimizers import notes
+    from memplan.terms import inventory_for
+    from memplan.timeline import optimizer_impl
+
+    if result.training.optimizer == "adamw":
+        return []
+    impl = optimizer_impl(result.training, inventory_for(result.model, result.impl))
+    return notes(result.training, impl, pinned=True)
 
 
 def _search_gpu(opts: dict[str, Any], preset: Any) -> tuple[Any, list[str]]:
@@ -498,7 +510,8 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
               help="Also transformers GPT-2 and Llama, eager and sdpa (default: when transformers is installed).")
 @click.option("--terms", is_flag=True, help="Show every case term by term (failures always are).")
 @click.option("--peak", is_flag=True,
-              help="Instead: whole training steps (forward, loss, backward, AdamW step), the measured allocated "
+              help="Instead: whole training steps (forward, loss, backward, optimizer step: AdamW, SGD, Adafactor, "
+                   "Muon), the measured allocated "
                    "peak against memplan's (1% tolerance; --device cuda: torch.cuda.max_memory_allocated).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],

@@ -91,14 +91,15 @@ def states_label(training: TrainingSpec) -> str:
     return f"optimizer ({name}: {states})"
 
 
-def notes(training: TrainingSpec, impl: str) -> list[str]:
-    """What a report says about the optimizer: its implementation and temporaries, and where its
-    figures come from when they were not measured."""
+def notes(training: TrainingSpec, impl: str, pinned: bool = False) -> list[str]:
+    """What a report says about the optimizer: its implementation, where its states and temporaries
+    come from (measured or derived from code); `pinned`: a search, which keeps it for every plan."""
     info = OPTIMIZER_INFO[training.optimizer]
     out = []
     if training.optimizer != "adamw":
         how = f"{impl} AdamW for the rest" if training.optimizer == "muon" else impl
-        out.append(f"optimizer {info.title} ({how}): states and step temporaries {info.source}")
+        out.append(f"optimizer {info.title} ({how}): states and step temporaries {info.source}"
+                   + ("; every plan uses it (search does not vary the optimizer)" if pinned else ""))
     if training.optimizer == "muon":
         out.append("Muon's Newton-Schulz iterations run on whole hidden matrices (a ZeRO-sharded Muon gathers "
                    "them): its step temporaries are not divided by the shard group")

@@ -3,16 +3,20 @@
 Method
 ------
 A model (the K22 reference ``layers.GPTModel``, or HF transformers GPT-2 / Llama built from a
-config by ``hf.build_model``) and an AdamW optimizer run TWO full training steps; only the second
-is measured, so the optimizer states exist and everything lazy was initialised in step one.
+config by ``hf.build_model``) and an optimizer (torch AdamW; or SGD with / without momentum,
+Adafactor, Muon beside an AdamW: ``StepCase.algorithm``, ``ALGORITHMS``) run TWO full training steps;
+only the second is measured, so the optimizer states exist and everything lazy was initialised in
+step one.
 
 * Before the measured step: ``gc.collect()``, then ``persistent`` is read off the tensors that are
   alive, by category, each storage once (``untyped_storage().nbytes()``): ``weights`` (model
   parameters), ``buffers`` (module buffers, e.g. Llama's rotary ``inv_freq``), ``gradients``
   (Megatron loop: the fp32 main-grad buffer; torch loop: 0, grads are None after zero_grad),
-  ``master_weights`` (Megatron loop: fp32 copies), ``optimizer_states`` (AdamW's exp_avg and
-  exp_avg_sq) and ``optimizer_steps`` (AdamW's ``step`` counters: one fp32 scalar tensor per
-  parameter, kept separate from ``optimizer_states``).
+  ``master_weights`` (Megatron loop: fp32 copies), ``optimizer_states`` (every tensor of the
+  optimizers' state but the step counters: AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer,
+  Adafactor's row_var / col_var / variance, Muon's momentum_buffer) and ``optimizer_steps`` (AdamW's
+  and Adafactor's ``step`` counters: one fp32 scalar tensor per parameter, kept separate from
+  ``optimizer_states``).
 * The step runs inside ``StepTracker``, a ``measure.LiveTracker`` (a ``TorchDispatchMode`` that
   follows every storage first created as an op output inside the window until it is freed).
   After every aten op it samples the live bytes and labels the sample with the current
@@ -35,7 +39,8 @@ is measured, so the optimizer states exist and everything lazy was initialised i
 Training loops (``StepCase.loop``)
 ----------------------------------
 * ``"torch"`` ("bf16-true", HF fine-tuning with bf16 weights): bf16 parameters,
-  ``torch.optim.AdamW(lr=1e-4, weight_decay=0.01, foreach= / fused=)`` on them (bf16 states);
+  ``torch.optim.AdamW(lr=1e-4, weight_decay=0.01, foreach= / fused=)`` on them (bf16 states; the
+  other optimizers as ``_optimizers`` sets them up);
   per micro-batch forward + ``(loss / M).backward()``; then ``step()`` and
   ``zero_grad(set_to_none=True)``.
 * ``"megatron"`` ("bf16-mixed", Megatron-LM's DDP + mixed-precision optimizer): bf16
