@@ -49,7 +49,9 @@ SYMBOLS = {"s", "b"}
 
 # torch dtypes as the inventory stores them: the activation dtype of the trace follows the
 # precision of the plan; the others keep their own size.
-_DTYPES: dict[str, Dtype] = {"float32": "fp32", "bool": "mask", "uint8": "mask", "int8": "mask", "int64": "int64"}
+# (Term's storage kinds go by element size: 4-byte and 8-byte integers share fp32's and int64's.)
+_DTYPES: dict[str, Dtype] = {"float32": "fp32", "int32": "fp32", "uint32": "fp32", "bool": "mask", "uint8": "mask",
+                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64"}
 _ACT_DTYPES = ("bfloat16", "float16")
 
 

@@ -68,3 +68,49 @@ def test_traced_file_errors_name_the_file_and_field(traced_llama, tmp_path):
     bad.write_text(yaml.safe_dump(data))
     with pytest.raises(MemplanError, match="only s and b"):
         read_traced(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, impl", [("qwen2.5-7b", "hf-sdpa"), ("gemma2-9b", "hf-eager")])
+def test_shipped_traces_match_the_code(name, impl):
+    """A shipped traced inventory is what transformers' code saves today: re-traced, it is the same
+    file (python -m validation.traced_presets regenerates them all when the code changes)."""
+    from validation.traced_presets import ROOT, trace_one
+
+    shipped = ROOT / name / file_name(impl, "cpu")
+    assert shipped.is_file(), f"{shipped} is not shipped"
+    assert yaml.safe_load(trace_one(ROOT / name, impl, "cpu")) == yaml.safe_load(shipped.read_text())
+
+
+def test_every_shipped_config_has_its_traces():
+    """Each configs/traced/<name>/ holds the traces of every implementation transformers offers for
+    it (Gemma 2 has no sdpa attention in transformers 5.x: eager only), and the estimate of each
+    shipped preset reads them (no torch needed)."""
+    from memplan.presets import configs_dir, load_model
+
+    root = configs_dir() / "traced"
+    for d in sorted(p.parent for p in root.glob("*/config.json")):
+        files = {p.name for p in d.glob("*.yaml")}
+        assert file_name("hf-eager", "cpu") in files, d
+        assert file_name("hf-sdpa", "cpu") in files or d.name.startswith("gemma2"), d
+        for f in files:
+            read_traced(d / f)
+        preset = load_model(d.name)
+        assert preset.model.inventory == str(d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+def test_a_trace_holds_at_micro_batch_one(family):
+    """Traces hold for b >= 2 (torch's symbolic shapes treat size 1 apart), and estimate uses them at
+    b = 1, the commonest micro-batch, saying so. Real CPU runs at b = 1 keep exactly 8 bytes more
+    than the polynomials give (cross_entropy keeps one more int64 label id), whatever s is."""
+    from test_trace import FAMILIES  # the small configs of the trace engine's tests (tests/ is on the path)
+    from validation.trace import measure_hf_config, predicted_bytes
+
+    config, _ = FAMILIES[family]
+    inventory = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
+    assert "b >= 2" in inventory["conditions"]
+    for s in (16, 40):
+        measured = measure_hf_config(config, s, 1, impl="hf-sdpa")["total"]
+        assert measured - predicted_bytes(inventory, s, 1)["total"] == 8

@@ -21,7 +21,7 @@ from .trace import to_yaml, trace_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent / "configs" / "traced"
 IMPLS = ("hf-sdpa", "hf-eager")
-KERNELS = ("cpu",)  # CUDA kernels' emulation is not built yet (validation/trace.py)
+KERNELS = ("cuda", "cpu")  # CUDA's kernels emulated on fake CPU tensors (validation/trace.py), and CPU's
 
 
 def file_name(impl: str, kernels: str) -> str:
