@@ -603,6 +603,7 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": result.model.name,
         "impl": result.impl,
+        "optimizer": result.training.optimizer,  # pinned: every plan steps it
         "gpus": result.gpus,
         "global_batch": result.global_batch,
         "budget_bytes": result.budget_bytes,

@@ -414,6 +414,7 @@ def test_search_keeps_the_optimizer_and_equals_estimate(run_cli):
             assert training.optimizer == optimizer
             result = search(model, training, 16, gb, 10**15, gpu=gpu, top=1, impl=impl)
             for i in range(0, result.candidates, max(1, result.candidates // 7)):
+                assert result.config(i).training.optimizer == optimizer  # pinned, not searched
                 est = estimate(result.config(i), gpu=gpu, impl=impl)
                 assert int(result.evaluated.peak_bytes[i]) == int(est.step.peak_bytes)
                 assert int(result.evaluated.device_bytes[i]) == int(est.device.total)
@@ -473,3 +474,6 @@ def test_emit_megatron_optimizer(run_cli):
     code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--optimizer", "sgd", "--emit", "megatron",
                            "--emit-only")
     assert code == 0 and "--optimizer sgd" in out
+    code, out, _ = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--optimizer", "adafactor", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["optimizer"] == "adafactor" and any("Adafactor" in n for n in data["notes"])
