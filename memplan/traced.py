@@ -274,9 +274,9 @@ def traced_terms(traced: TracedFile) -> list[Term]:
     origin = f"traced: transformers {traced.origin.transformers}"
     terms: list[Term] = []
     seen_shared: set[str] = set()
-    for group in traced.layer_groups:
+    for k, group in enumerate(traced.layer_groups):
         weight = Fraction(len(group.layers), traced.num_layers)
-        for row in group.terms:
+        for row in _group_rows(group, k):
             if row.shared:
                 if row.id not in seen_shared:
                     seen_shared.add(row.id)
@@ -285,6 +285,24 @@ def traced_terms(traced: TracedFile) -> list[Term]:
                 terms.append(_term(row, "layer", weight, origin))
     terms += [_term(row, _outside_scope(row.module), Fraction(1), origin) for row in traced.outside]
     return terms
+
+
+def _group_rows(group: LayerGroup, k: int) -> list[TracedTerm]:
+    """A group's terms, their ids made unique across groups (group k > 0: "<id>#g<k>"); shared
+    storages keep theirs (they are one storage whichever layers save it)."""
+    if k == 0:
+        return group.terms
+    return [r if r.shared else r.model_copy(update={"id": f"{r.id}#g{k}"}) for r in group.terms]
+
+
+def _freed(rows: list[TracedTerm], sdpa: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """What each backward moment of a layer has released (terms_hf._layer_moments' three moments),
+    from the forward order of one group's saves."""
+    attention = [r for r in rows if _block(r.module) != "MLP"]
+    mlp = [r for r in rows if _block(r.module) == "MLP"]
+    after_down = _from(mlp, DOWN_PROJ)
+    in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
+    return after_down[1:], after_down, in_attention + tuple(r.id for r in mlp if not r.shared)
 
 
 def _from(rows: list[TracedTerm], ends: tuple[str, ...]) -> tuple[str, ...]:
@@ -327,13 +345,10 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
                     "(measured for Llama, validation/hf.py)"))
     if not sdpa:
         terms.append(_checkpoint_mask())
-    # the first group's forward order decides what each backward moment has released
-    rows = traced.layer_groups[0].terms
-    attention = [r for r in rows if _block(r.module) != "MLP"]
-    mlp = [r for r in rows if _block(r.module) == "MLP"]
-    after_down = _from(mlp, DOWN_PROJ)
-    in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
-    freed = (after_down[1:], after_down, in_attention + tuple(r.id for r in mlp))
+    # each group's forward order decides what its layers' backward moments have released (a layer
+    # term is weighted by its group's share, so every group's releases count at each moment)
+    by_group = [_freed(_group_rows(g, k), sdpa) for k, g in enumerate(traced.layer_groups)]
+    freed = tuple(tuple(i for f in by_group for i in f[j]) for j in range(3))
     moments = _layer_moments(model, sdpa, freed) + _loss_moments(model)
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
                      origin=origin_text(traced), traced_from=_least_values(traced.conditions))

@@ -114,3 +114,29 @@ def test_a_trace_holds_at_micro_batch_one(family):
     for s in (16, 40):
         measured = measure_hf_config(config, s, 1, impl="hf-sdpa")["total"]
         assert measured - predicted_bytes(inventory, s, 1)["total"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_traced_estimate_equals_a_real_run(family, tmp_path):
+    """estimate's retained activations for a traced model are what the real model saves on CPU
+    (every saved storage once, measured with saved_tensors_hooks). Gemma 3 has two kinds of layer
+    (sliding-window and global attention, each with its own rope tables): two layer groups, each
+    weighted by its share of the layers, must still add up exactly."""
+    from test_trace import FAMILIES
+    from validation.trace import measure_hf_config
+
+    config, _ = FAMILIES[family]
+    arch = {"gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    config = {**config, "architectures": [arch]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
+    assert (len(data["layer_groups"]) > 1) == (family == "gemma3")
+    (tmp_path / file_name("hf-sdpa", "cpu")).write_text(yaml.safe_dump(data, sort_keys=False))
+    model = read_hf_config(str(tmp_path / "config.json")).model.model_copy(update={"inventory": str(tmp_path)})
+    for s, b in ((32, 2), (48, 3)):
+        est = estimate(_config(model, s, b, "none"), impl="hf-sdpa", device="cpu")
+        assert est.stages[0].activations == measure_hf_config(config, s, b, impl="hf-sdpa")["total"], (s, b)
+    # the timeline and the report key terms by id: the groups' terms must not collide
+    ids = [t.id for t in est.inventory.terms]
+    assert len(set(ids)) == len(ids)
