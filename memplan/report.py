@@ -889,9 +889,11 @@ def render_peak_validation(results: list[Any], summary: dict[str, Any], console:
     narrow = compact(console)
     short = {"loop": "impl", "recompute": "rec", "backend": "via", "peak at (memplan / measured)": "peak at",
              "result": ""}
+    # 'adafactor for-loop' folds at 80 columns rather than squeezing the case names
+    widths = {"peak at (memplan / measured)": 7, "optimizer": 9 if narrow else None}
     columns = [Col(c, "right" if c in ("b", "M", "memplan", "measured", "error") else "left", short=short.get(c),
-                   fold=c in ("case", "peak at (memplan / measured)"),
-                   max_width=7 if c.startswith("peak at") else None)  # 'bwd 12'; 'loss / bwd 2' folds
+                   fold=c in ("case", "optimizer", "peak at (memplan / measured)"),
+                   max_width=widths.get(c))  # 'bwd 12'; 'loss / bwd 2' folds
                for c in ("case", "loop", "recompute", "optimizer", "b", "M", "backend", "memplan", "measured", "error",
                          "peak at (memplan / measured)", "result") if not (narrow and c == "memplan")]
     table = make_table(console, columns,
