@@ -550,6 +550,10 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     if (have_hf if hf is None else hf) and device == "cpu":
         cases += hf_grid(fake)
     results = run(cases, device)
+    if (have_hf if hf is None else hf) and device == "cpu":
+        from memplan.validate import run_traced, traced_grid
+
+        results += run_traced(traced_grid())  # the traced families against real runs
     totals = summary(results)
     if as_json:
         print_json(validation_dict(results, totals))

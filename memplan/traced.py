@@ -369,3 +369,17 @@ def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:
     if (Path(directory) / file_name(impl, "cuda")).is_file():
         return load(directory, impl, "cuda")
     return load(directory, impl, "cpu")
+
+
+def bucket_bytes(traced: TracedFile, s: int, b: int) -> dict[str, int]:
+    """What the trace says each decoder layer saves at (s, b) (storages it shares with other layers
+    included, as a measurement of that layer sees them) and what is saved outside the layers only:
+    the figures `memplan validate --hf` compares with a real run."""
+    values = {"s": s, "b": b}
+    out = {}
+    for group in traced.layer_groups:
+        per_layer = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in group.terms)
+        out.update({f"layer {i}": per_layer for i in group.layers})
+    out["outside the layers"] = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in traced.outside
+                                    if not t.shared)
+    return out

@@ -224,6 +224,46 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
     return results
 
 
+def traced_grid() -> list[ValidationCase]:
+    """Every family the tracer is checked on (validation/trace.py FAMILIES: Qwen2, Qwen3, Gemma 1-3,
+    Phi-3, Mistral's sliding window, Mixtral, DeepSeek-V3), each a small model at two (s, b) on CPU:
+    a traced inventory, as memplan reads it, against a real run. Imports torch (the family configs
+    live with the tracer)."""
+    families = importlib.import_module(_harness().__name__ + ".trace").FAMILIES
+    cases = []
+    for family, (cfg, impl) in families.items():
+        for s, b in ((16, 2), (40, 3)):
+            cases.append(ValidationCase(f"{family} s{s} b{b} (traced)", "model", s, b, cfg["hidden_size"],
+                                        cfg["num_attention_heads"], cfg.get("intermediate_size"), 1, False, "none",
+                                        "ledger", v=cfg["vocab_size"], L=cfg["num_hidden_layers"], impl=impl,
+                                        arch=family, g=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+                                        dropout=0.0))
+    return cases
+
+
+def compare_traced(case: ValidationCase, inventory_data: dict, measured: dict) -> CaseResult:
+    """A traced inventory file's data (as the tracer writes it), read by memplan, against what a real
+    run saved (validation/trace.py measure_hf_config): per decoder layer and outside the layers."""
+    from memplan.traced import TracedFile, bucket_bytes
+
+    predicted = bucket_bytes(TracedFile.model_validate(inventory_data), case.s, case.b)
+    real = {f"layer {i}": n for i, n in enumerate(measured["layers"])}
+    real["outside the layers"] = measured["outside"]
+    return CaseResult(case, predicted, real, 0, None, None, HF_TOLERANCE)
+
+
+def run_traced(cases: list[ValidationCase]) -> list[CaseResult]:
+    """Trace each case's family config and run the real model (torch is imported here)."""
+    trace = importlib.import_module(_harness().__name__ + ".trace")
+    results, traces = [], {}
+    for c in cases:
+        cfg, impl = trace.FAMILIES[c.arch]
+        if c.arch not in traces:
+            traces[c.arch] = trace.trace_hf_config(cfg, impl=impl, kernels="cpu")
+        results.append(compare_traced(c, traces[c.arch], trace.measure_hf_config(cfg, c.s, c.b, impl=impl)))
+    return results
+
+
 def summary(results: list[CaseResult]) -> dict[str, Any]:
     worst = max(results, key=lambda r: r.error) if results else None
     return {

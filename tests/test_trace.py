@@ -17,42 +17,9 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from validation import trace as tr  # noqa: E402
+from validation.trace import FAMILIES  # noqa: E402
 
 SHAPES = ((16, 2), (40, 3), (23, 5))  # (s, b) of the real runs: s >= every tiny sliding window, b >= 2
-
-
-def tiny(model_type: str, **kw) -> dict:
-    """A small config.json of a family (h = 64, a = 4, g = 2, f = 160, v = 512, 2 layers)."""
-    cfg = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-           "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
-    cfg.update(kw)
-    return cfg
-
-
-FAMILIES = {
-    "qwen2": (tiny("qwen2", tie_word_embeddings=False), "hf-sdpa"),
-    "qwen2-eager": (tiny("qwen2", tie_word_embeddings=False), "hf-eager"),
-    "qwen3": (tiny("qwen3", head_dim=24, tie_word_embeddings=True), "hf-sdpa"),
-    "gemma": (tiny("gemma", head_dim=24), "hf-sdpa"),
-    "gemma-eager": (tiny("gemma", head_dim=24), "hf-eager"),
-    # Gemma 2 has no sdpa in transformers (logit soft-capping): eager, alternating sliding / global layers
-    "gemma2": (tiny("gemma2", head_dim=24, num_hidden_layers=3, sliding_window=16), "hf-eager"),
-    # Gemma 3: sliding layers (an explicit mask once s >= the window) beside global ones: two layer groups,
-    # each with its own rotary tables (local and global rope bases)
-    "gemma3": (tiny("gemma3_text", head_dim=24, num_hidden_layers=4, sliding_window=16, sliding_window_pattern=2),
-               "hf-sdpa"),
-    "phi3": (tiny("phi3", sliding_window=None), "hf-sdpa"),
-    "mistral-window": (tiny("mistral", sliding_window=16), "hf-sdpa"),
-    # top-2 of 4 experts, transformers' grouped_mm experts: dropless, k s b tokens through the experts
-    "mixtral": (tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "hf-sdpa"),
-    # DeepSeek-V3: multi-head latent attention (q / k 24 wide, v 16: CPU sdpa falls back to fp32 math),
-    # a dense first layer, then routed (top-2 of 8, grouped) + shared experts
-    "deepseek-v3": (tiny("deepseek_v3", num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
-                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                         n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                         qk_nope_head_dim=16, v_head_dim=16, rope_scaling=None), "hf-sdpa"),
-}
 
 
 @pytest.fixture(scope="module")

