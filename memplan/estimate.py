@@ -15,6 +15,7 @@ from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
+from memplan.offload import HostBytes, host_bytes, notes as offload_notes, per_node
 from memplan.optimizers import notes as optimizer_notes
 from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
 
@@ -48,6 +49,8 @@ class Estimate:
     gpu: Optional[GpuSpec] = None
     perf: Optional[Any] = None  # perf.StepTime when a GPU is known
     notes: list[str] = field(default_factory=list)
+    hosts: list[HostBytes] = field(default_factory=list)  # host memory of one GPU of every stage (offload)
+    host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
 
     @property
     def peak(self) -> StageMemory:
@@ -60,8 +63,25 @@ class Estimate:
         return self.steps[self.most_loaded]
 
     @property
+    def host(self) -> HostBytes:
+        """Host memory of the GPU that offloads the most (memplan/offload.py)."""
+        return max(self.hosts, key=lambda h: h.total) if self.hosts else HostBytes()
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory a node's GPUs take for their offload: GPUs on a node x the most any GPU takes."""
+        gpn = self.gpu.gpus_per_node if self.gpu is not None else None
+        return int(per_node(self.host.total, self.config.parallel.gpus, gpn))
+
+    @property
+    def fits_host(self) -> Optional[bool]:
+        return None if self.host_budget_bytes is None else bool(self.host_bytes_per_node <= self.host_budget_bytes)
+
+    @property
     def fits(self) -> Optional[bool]:
-        return None if self.budget_bytes is None else bool(self.device.total <= self.budget_bytes)
+        if self.budget_bytes is None:
+            return None
+        return bool(self.device.total <= self.budget_bytes) and self.fits_host is not False
 
     @property
     def headroom_bytes(self) -> Optional[int]:
@@ -76,11 +96,13 @@ def estimate(
     impl: str = "megatron",
     device: str = "cuda",
     fragmentation_margin: Optional[float] = None,
+    host_budget_bytes: Optional[int] = None,
 ) -> Estimate:
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
     activations and states (with `paper_only`, only the tensors K22 counts) and the step's
     allocated peak (always the real-code view). The stage with the highest peak is the answer; it
-    fits when peak + fragmentation margin + the runtime's own memory is within the budget."""
+    fits when peak + fragmentation margin + the runtime's own memory is within the budget (and, with
+    `host_budget_bytes`, when the host memory its offload takes per node is within that)."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     inventory = inventory_for(config.model, impl, device, config.training.loss_chunks)
@@ -129,7 +151,16 @@ def estimate(
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
         rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
         notes=_notes(config, peak, terms, values, inventory),
+        hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
+               for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
+        host_budget_bytes=host_budget_bytes,
     )
+
+
+def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
+    """Every stage with all the inventory's terms (the paper-only view leaves some out; the host holds them)."""
+    return [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
+                         layout=inventory.weight_layout) for i in range(config.parallel.pp)]
 
 
 def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] = None,
@@ -174,6 +205,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
+    notes += offload_notes(tr, inventory.name.split("/")[0])
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
     notes.append(
         f"stage {peak.stage} holds {chunks} model chunk(s) of {config.layers_per_chunk} layer(s) in flight"

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
+from memplan.offload import split_optimizer
 from memplan.optimizers import StageTensors
 from memplan.states import (Layout, ParamGroup, StateBytes, layer_params, optimizer_bytes, stage_params, stage_tensors,
                             state_bytes)
@@ -156,6 +157,7 @@ class StageMemory:
     states: StateBytes
     sizes: Optional[TermBytes] = None  # evaluates further terms (transients) for the same plan
     tensors: Optional[StageTensors] = None  # the GPU's parameter tensors, for optimizers that need their shapes
+    host_optimizer: Any = 0  # master weights + optimizer states stepped in host memory (optimizer offload)
 
     @property
     def weights(self) -> Any:
@@ -209,8 +211,14 @@ def stage_memory(
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
     tensors = None
-    if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):  # states or temporaries by tensor shape
+    offload = training.offload_optimizer_fraction > 0
+    if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or offload:  # by tensor shape
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
     states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group),
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
-    return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors)
+    host: Any = 0
+    if offload:  # the offloaded share of the master weights and moments lives in host memory (memplan/offload.py)
+        on_gpu, host = split_optimizer(training, states.optimizer)
+        states = StateBytes(states.weights, states.gradients, on_gpu)
+    return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
+                       host)

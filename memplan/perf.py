@@ -116,6 +116,20 @@ from memplan.memory import PlanValues
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import counter, stage_params
 
+
+def _host_bandwidth(gpu: GpuSpec, training: TrainingSpec) -> float:
+    """The GPU preset's host <-> GPU bytes/s, which offload's copies need (1.0, unused, without offload)."""
+    from memplan.offload import offloads
+
+    if not offloads(training):
+        return 1.0
+    if gpu.host_bandwidth is None:
+        from memplan.errors import MemplanError
+
+        raise MemplanError(f"GPU {gpu.name} has no host_bandwidth (bytes/s between host memory and the GPU): offload's "
+                           "copies cannot be timed; add it to the GPU's YAML, e.g. host_bandwidth: 25GB/s")
+    return gpu.host_bandwidth
+
 # --- calibrated constants (see the module docstring) -------------------------------------------
 # Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
 # rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
@@ -634,7 +648,7 @@ def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_byte
 class StepTime:
     """One training step (scalars or arrays), seconds on the bottleneck GPU unless named FLOPs.
     The exposed parts add up to step_time_s: compute + memory + tp_comm_exposed + recompute
-    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer.
+    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer + host_copy.
 
     The pipeline bubble is reported two ways: `bubble_share` = bubble_s / step_time_s (what share
     of the step the GPU idles in the bubble) and `bubble_over_ideal` = (p - 1)/(m M), the
@@ -656,7 +670,8 @@ class StepTime:
     dp_comm_exposed_s: Any  # left after --overlap-grad-reduce / --overlap-param-gather
     zero3_gather_s: Any  # ZeRO-3 weight all-gathers, forward and backward of every micro-batch
     zero3_gather_exposed_s: Any
-    optimizer_s: Any  # memory-bound optimizer update of this GPU's shard
+    optimizer_s: Any  # memory-bound optimizer update of this GPU's shard (the part the GPU steps)
+    host_copy_s: Any  # offload's copies between host and GPU over PCIe (memplan/offload.py), all exposed
     step_time_s: Any
     tokens_per_s: Any
     mfu: Any  # model FLOPs / (step x GPUs x peak)
@@ -739,7 +754,15 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     compute = _evaluate(x, (layers, layer_compute), (1.0, head_compute))
     memory = _evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
     tp_exposed = _evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
-    per_sequence = compute + memory + tp_exposed + recompute
+    # Activation offload (memplan/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
+    # forward and back in the backward, on the compute stream (exposed): 2 x its bytes per layer and micro-batch.
+    host_bw = _host_bandwidth(gpu, training)
+    act_copy = 0.0 * b
+    if training.offload_activations:
+        from memplan.offload import layer_copy_bytes
+
+        act_copy = layers * ((2.0 / host_bw) * _f(layer_copy_bytes(model, training, plan, impl))) / b
+    per_sequence = compute + memory + tp_exposed + recompute + act_copy
     ideal = bm * per_sequence
 
     # 1F1B / interleaved pipeline bubble: (p - 1)/m slots of one stage's forward + backward of a
@@ -748,7 +771,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # stage of L/p layers without the LM head (the bottleneck stage's own time is `ideal`).
     chunk_steps = m * M
     bubble_over_ideal = (p - 1.0) / chunk_steps
-    stage_layers = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute
+    stage_layers = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy
     bubble = bubble_over_ideal * (bm * stage_layers)
 
     # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
@@ -809,8 +832,19 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     update_bytes = (3 * training.master_weight_bytes + 3 * training.grad_bytes + 2 * moments
                     + training.weight_bytes)
     optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_k - 1.0))
+    # Optimizer offload (memplan/offload.py): the GPU updates 1 - F of its shard; the offloaded F's gradients go to
+    # the host and its parameters come back each step (stepped dtype, each way), exposed (Megatron-LM's default,
+    # no --overlap-cpu-optimizer-d2h-h2d). The host's own optimizer step is not timed.
+    fraction = training.offload_optimizer_fraction
+    opt_copy = 0.0 * optimizer
+    if fraction > 0:
+        from memplan.offload import stepped_bytes
 
-    step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer
+        offloaded = (params * fraction) * (1.0 + pf.sharded * (inv_k - 1.0))
+        opt_copy = offloaded * (2.0 * stepped_bytes(training) / host_bw)
+        optimizer = optimizer * (1.0 - fraction)
+
+    step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer + opt_copy
     sequences = _f(global_batch)
     gpus_peak_step = tdp * (gpu.peak_bf16_flops * step)
     cal = calibration(model, gpu, impl)
@@ -837,6 +871,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         zero3_gather_s=(2.0 * M) * gather_pass,
         zero3_gather_exposed_s=zero3_exposed,
         optimizer_s=optimizer,
+        host_copy_s=bm * act_copy + opt_copy,
         hfu=_f(hw_flops) / gpus_peak_step,
         **essentials,
     )))

@@ -237,6 +237,14 @@ class TrainingSpec(_Spec):
     loss_chunks: int = Field(
         default=1, gt=0, description="LM head and cross-entropy computed in this many sequence chunks, each "
         "checkpointed, so the full fp32 logits never exist (chunked / fused linear cross-entropy)")
+    offload_optimizer_fraction: float = Field(
+        default=0.0, ge=0, le=1, description="fraction of each GPU's optimizer states (master weights and moments) "
+        "kept and stepped in host memory, its gradients copied there and its weights back every step (Megatron-LM "
+        "--optimizer-cpu-offload --optimizer-offload-fraction; memplan/offload.py); 0: none")
+    offload_activations: bool = Field(
+        default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
+        "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
+        "memplan/offload.py)")
 
     @model_validator(mode="before")
     @classmethod
@@ -257,6 +265,20 @@ class TrainingSpec(_Spec):
     @classmethod
     def _optimizer(cls, value: Any) -> str:
         return parse_optimizer(value)
+
+    @model_validator(mode="after")
+    def _offload(self) -> "TrainingSpec":
+        """Offload as modelled: optimizer offload steps AdamW or SGD on the host (Megatron-LM's HybridDeviceOptimizer
+        has a CPU Adam and SGD only); activation offload without recompute (torch's checkpoint keeps its inputs
+        outside save_on_cpu's hooks, and Megatron-LM refuses the two together)."""
+        if self.offload_optimizer_fraction > 0 and self.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):
+            raise ValueError(f"optimizer offload is modelled for adamw and sgd (Megatron-LM's HybridDeviceOptimizer "
+                             f"steps a CPU AdamW or SGD), not {self.optimizer}")
+        if self.offload_activations and self.recompute != Recompute.NONE:
+            raise ValueError(f"activation offload is modelled without recompute (got recompute "
+                             f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "
+                             "keeps its inputs outside save_on_cpu's hooks")
+        return self
 
     @model_validator(mode="after")
     def _optimizer_impl(self) -> "TrainingSpec":
@@ -337,6 +359,9 @@ class GpuSpec(_Spec):
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (network)")
+    host_bandwidth: Optional[float] = Field(
+        default=None, gt=0, description="bytes/s per GPU per direction between pinned host memory and the GPU "
+        "(PCIe copies: offload); None: not known, offloaded copies cannot be timed")
     runtime_bytes: RuntimeBytes = Field(
         default_factory=lambda: RuntimeBytes(),
         description="device memory a training process uses outside PyTorch's caching allocator, by framework")
@@ -353,7 +378,8 @@ class GpuSpec(_Spec):
         return _sized(value)
 
 
-    @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", mode="before")
+    @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth",
+                     mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().endswith("/s"):

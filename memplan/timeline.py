@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from memplan import optimizers
 from memplan.memory import PlanValues, StageMemory, TermBytes
+from memplan.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import output_layer_group, param_groups, shard_bytes
 from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment
@@ -125,6 +126,16 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # Everything saved at the stage's peak (the in-flight chunks), minus this chunk's layers and head.
     retained = stage_mem.activations - stage_mem.recompute_working_bytes
     others = retained - stored_upto(n) - last_cur
+    # Activation offload (memplan/offload.py: torch's save_on_cpu): the decoder layers' saved tensors of the other
+    # layers and micro-batches are in host memory. The GPU keeps what is saved outside the layers, the current
+    # layer's tensors (in the forward until packed, in its backward once brought back), one copy of the tensors the
+    # layers share (chunk terms) and, in a layer's backward, the largest of its weights brought back.
+    off = training.offload_activations
+    unpacked_weight: Any = 0
+    if off:
+        outside = sum((stage_mem.term_bytes.get(t.id, 0) for t in inventory.terms if t.scope in ("first", "last")), 0)
+        others = outside - last_cur + chunk_cur
+        unpacked_weight = layer_weight_bytes(model, training, model.symbols(t=plan.t), inventory.weight_layout)[1]
 
     # Gradients by parameter group (bytes of one GPU), and when they exist.
     states = stage_mem.states
@@ -221,12 +232,12 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # forward of the chunk whose backward comes first (its bytes grow with j: the last layer is critical)
     for j in (layers if not critical else [n]):
         event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
-              grads_fwd, others + stored_upto(j), held)
+              grads_fwd, others + (stored_plain if off else stored_upto(j)), held)
     # loss (last stage)
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
         event(m.phase, None, m.name, grads_fwd + grads_of(m),
-              others + stored_upto(n) + last_cur - freed, held + transient_bytes(m), is_last)
+              others + (0 if off else stored_upto(n)) + last_cur - freed, held + transient_bytes(m), is_last)
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
@@ -236,7 +247,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             plain, full, selective = alive_sums[m.id]
             alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
             event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
-                  others + stored_upto(j - 1) + alive, held + transient_bytes(m, recomputed))
+                  others + (0 if off else stored_upto(j - 1)) + alive,
+                  held + transient_bytes(m, recomputed) + unpacked_weight)
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
@@ -299,8 +311,15 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     (the fp32 master copy when there is one, else the weights' dtype), the ZeRO shard only; fused
     AdamW (Megatron-LM's TE / apex FusedAdam, torch fused) none; the other optimizers their own."""
     shard = 1 + (plan.shard - 1) * (plan.zero >= 1)
-    return optimizers.temporaries(training, optimizer_impl(training, inventory), stage_mem.params, stage_mem.tensors,
+    temp = optimizers.temporaries(training, optimizer_impl(training, inventory), stage_mem.params, stage_mem.tensors,
                                   shard)
+    fraction = training.offload_optimizer_fraction
+    if fraction == 0:
+        return temp
+    # optimizer offload (memplan/offload.py): the GPU steps 1 - F of its shard (its temporaries shrink with it), and
+    # the host's parameters are copied back through a GPU temporary of the host dtype, one tensor at a time
+    offloaded = offloaded_params(training, stage_mem.params, plan.shard, plan.zero)
+    return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)
 
 
 @dataclass(frozen=True)
