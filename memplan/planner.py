@@ -53,6 +53,7 @@ plans shown are evaluated on their own, as the search's top list is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -63,6 +64,7 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
+from memplan.offload import host_bytes, offloads, per_node
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
 from memplan.terms import HF_IMPLS, Inventory, inventory_for
 from memplan.timeline import device_memory, step_events
@@ -326,6 +328,7 @@ class Evaluated:
     step_time_s: Optional[np.ndarray]
     mfu: Optional[np.ndarray]
     tokens_per_s: Optional[np.ndarray]
+    host_bytes_per_node: Optional[np.ndarray] = None  # host memory of a node's GPUs for their offload (0: none)
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: Optional[GpuSpec],
@@ -348,17 +351,47 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
         retained.append(mem.total)
     peak = np.maximum(*peaks)
     device = device_memory(peak, plans, inventory, gpu, margin).total
+    host = host_per_node(model, training, inventory, gpu, plans, device)
     step = mfu = tps = None
     if gpu is not None and with_time:
         from memplan.perf import step_time
 
         perf = step_time(model, training, gpu, plans, global_batch, breakdown=False, impl=impl)
         step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
-    return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps)
+    return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps, host)
+
+
+def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory, gpu: Optional[GpuSpec],
+                  plans: PlanValues, like: Any) -> np.ndarray:
+    """Host memory a node's GPUs take for their offload (memplan/offload.py), for every plan, shaped as `like`:
+    the GPUs of a node x the most one GPU of the first or the last stage takes (a middle stage takes no more than
+    the first: fewer micro-batches in flight, no embedding), as `estimate` gives it."""
+    if not offloads(training):
+        return np.zeros(np.shape(like), dtype=np.int64)
+    most: Any = 0
+    for stage in (0, plans.p - 1):
+        mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
+                           layout=inventory.weight_layout)
+        h = host_bytes(model, inventory.terms, training, plans, mem, inventory.weight_layout).total
+        most = np.maximum(most, h)
+    gpus = plans.t * plans.p * plans.d
+    node = per_node(most, gpus, gpu.gpus_per_node if gpu is not None else None)
+    return np.broadcast_to(np.asarray(node, dtype=np.int64), np.broadcast_shapes(np.shape(node), np.shape(like)))
+
+
+def _offload_fixed(training: TrainingSpec, fixed: Fixed) -> Fixed:
+    """Activation offload is modelled without recompute (TrainingSpec): the search keeps recompute none."""
+    if not training.offload_activations:
+        return fixed
+    if fixed.recompute not in (None, Recompute.NONE) or fixed.recompute_num_layers is not None:
+        raise MemplanError("activation offload is modelled without recompute: search it with --recompute none "
+                           "(or leave --recompute out)")
+    return dataclasses.replace(fixed, recompute=Recompute.NONE)
 
 
 # --- memory of the whole space ------------------------------------------------------------------
-MEMORY_FIELDS = ("device_bytes", "peak_bytes", "first_stage_peak_bytes", "last_stage_peak_bytes", "retained_bytes")
+MEMORY_FIELDS = ("device_bytes", "peak_bytes", "first_stage_peak_bytes", "last_stage_peak_bytes", "retained_bytes",
+                 "host_bytes_per_node")
 TIME_FIELDS = ("step_time_s", "mfu", "tokens_per_s")
 
 
@@ -775,6 +808,7 @@ class SearchResult:
     folded: bool = False  # whether `arrange` folded the listing's variants
     listing: Optional[list["Listed"]] = None  # set by `arrange`; else the plans of `top`, nothing folded
     distinct_fit: Optional[int] = None  # with `folded`: the rows that fit once variants are folded
+    host_budget_bytes: Optional[int] = None  # host memory per node the plans' offload must fit in (--host-mem)
 
     def listed(self) -> list["Listed"]:
         """The plans to show, best first, each with the plans folded into it."""
@@ -807,7 +841,8 @@ class SearchResult:
             "memory": {"device_bytes": int(e["device_bytes"]), "peak_bytes": int(e["peak_bytes"]),
                        "first_stage_peak_bytes": int(e["first_stage_peak_bytes"]),
                        "last_stage_peak_bytes": int(e["last_stage_peak_bytes"]),
-                       "retained_bytes": int(e["retained_bytes"])},
+                       "retained_bytes": int(e["retained_bytes"]),
+                       "host_bytes_per_node": int(e["host_bytes_per_node"])},
         }
         if e["step_time_s"] is not None:
             out.update(step_time_s=float(e["step_time_s"]), mfu=float(e["mfu"]),
@@ -818,15 +853,18 @@ class SearchResult:
 def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
            gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None, top: int = 10,
            chunk: int = 1 << 18, progress: Optional[Callable[[int, int], None]] = None,
-           impl: str = "megatron", margin: Optional[float] = None, reference: bool = False) -> SearchResult:
+           impl: str = "megatron", margin: Optional[float] = None, reference: bool = False,
+           host_budget_bytes: Optional[int] = None) -> SearchResult:
     """Evaluate every plan (reporting progress), filter by the budget, rank by step time (by memory
     when no GPU is known): the `top` fastest plans that fit, fastest first (ties: less memory, then
     the lower plan number), the fastest plan over the budget when it is faster than the best, and
     the plan that needs the least memory when none fits. See the module docstring for how; with
-    `reference`, every plan is evaluated as flat arrays in chunks (slower, the same result)."""
+    `reference`, every plan is evaluated as flat arrays in chunks (slower, the same result). With
+    `host_budget_bytes`, a plan fits only when its offload's host memory per node is within it too."""
+    fixed = _offload_fixed(training, fixed)
     if reference:
         return _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
-                                 progress, impl, margin)
+                                 progress, impl, margin, host_budget_bytes)
     start = time.perf_counter()
     space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, space.max_micro_batch, impl)
@@ -845,6 +883,8 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
             valid = numbers >= 0
             fits = _fit_mask(part, sel, valid)
             plans = space.plans2d(rows, part.width)
+            if host_budget_bytes is not None:
+                fits &= host_per_node(model, training, inventory, gpu, plans, fits) <= host_budget_bytes
             if gpu is not None:
                 from memplan.perf import step_time
 
@@ -862,7 +902,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         part.limits = ()
         parts.append(part)
     result = SearchResult(model, gpus, global_batch, budget_bytes, gpu, space.count, feasible, 0.0, [], None, None,
-                          None, training, impl, space=space, margin=margin)
+                          None, training, impl, space=space, margin=margin, host_budget_bytes=host_budget_bytes)
     found = _Found(space, parts, model, training, inventory, gpu, global_batch, margin, impl)
     # ties of the key go to the plan that needs less memory, then to the lower plan number
     result.exact.update(found.numbers(best.numbers() + miss.numbers()))
@@ -937,7 +977,8 @@ class _Found:
         first, last, retained = _expand(part, at)
         peak = np.maximum(first, last)
         device = device_memory(peak, plans, self.inventory, self.gpu, self.margin).total
-        return dict(zip(MEMORY_FIELDS, (device, peak, first, last, retained)))
+        host = host_per_node(self.model, self.training, self.inventory, self.gpu, plans, device)
+        return dict(zip(MEMORY_FIELDS, (device, peak, first, last, retained, host)))
 
     def numbers(self, index: list[int]) -> dict[int, dict[str, Any]]:
         """Memory and time fields of the plans `index` (as `evaluate` gives them)."""
@@ -1030,7 +1071,7 @@ class LazyEvaluated:
 def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
                       gpu: Optional[GpuSpec], fixed: Fixed, max_tp: Optional[int], top: int, chunk: int,
                       progress: Optional[Callable[[int, int], None]], impl: str,
-                      margin: Optional[float]) -> SearchResult:
+                      margin: Optional[float], host_budget_bytes: Optional[int] = None) -> SearchResult:
     """Every plan as flat arrays, evaluated in chunks, sorted: the oracle of `search`."""
     start = time.perf_counter()
     plans = enumerate_plans(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
@@ -1042,7 +1083,7 @@ def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, globa
         if progress is not None:
             progress(min(lo + chunk, n), n)
     evaluated = parts[0] if len(parts) == 1 else _concat(plans, parts)
-    fits = _fits(evaluated, budget_bytes)
+    fits = _fits(evaluated, budget_bytes, host_budget_bytes)
     key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.device_bytes
     order = np.lexsort((evaluated.device_bytes, key))
     ranked = order[fits[order]]
@@ -1054,7 +1095,7 @@ def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, globa
         fastest_miss = int(over[0])
     return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
                         time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl,
-                        margin=margin)
+                        margin=margin, host_budget_bytes=host_budget_bytes)
 
 
 def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
@@ -1062,9 +1103,14 @@ def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
     return max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
 
 
-def _fits(evaluated: Evaluated, budget_bytes: int) -> np.ndarray:
-    """The plans whose device memory is within the budget (never a non-positive figure)."""
-    return (evaluated.device_bytes <= budget_bytes) & (evaluated.device_bytes > 0)
+def _fits(evaluated: Any, budget_bytes: int, host_budget_bytes: Optional[int] = None) -> np.ndarray:
+    """The plans whose device memory is within the budget (never a non-positive figure) and, with a host
+    budget, whose offload's host memory per node is within that."""
+    device = np.asarray(evaluated.device_bytes)
+    fits = (device <= budget_bytes) & (device > 0)
+    if host_budget_bytes is not None:
+        fits &= np.asarray(evaluated.host_bytes_per_node) <= host_budget_bytes
+    return fits
 
 
 INT64_SAFE = 1 << 53  # bytes per GPU the vectorised int64 arithmetic holds with room for its products
@@ -1089,10 +1135,12 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
 
 def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
              gpu: Optional[GpuSpec] = None, fixed: Fixed = Fixed(), max_tp: Optional[int] = None,
-             impl: str = "megatron", margin: Optional[float] = None, chunk: int = 1 << 18) -> bool:
+             impl: str = "megatron", margin: Optional[float] = None, chunk: int = 1 << 18,
+             host_budget_bytes: Optional[int] = None) -> bool:
     """Whether some plan fits (memory only; False when no plan divides the GPUs or the sizes are
     beyond the int64 arithmetic, which fits no budget)."""
     try:
+        fixed = _offload_fixed(training, fixed)
         space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
         check_int64(model, training, space.max_micro_batch, impl)
     except MemplanError:
@@ -1103,7 +1151,11 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
         part = _memory_ready(part, space, model, training, inventory)
         _part_limits(part, space, limits)
         for sel in _row_slices(part, chunk):
-            if np.any(_fit_mask(part, sel, space.numbers(part.rows[sel], part.width) >= 0)):
+            fits = _fit_mask(part, sel, space.numbers(part.rows[sel], part.width) >= 0)
+            if host_budget_bytes is not None and np.any(fits):
+                plans = space.plans2d(part.rows[sel], part.width)
+                fits &= host_per_node(model, training, inventory, gpu, plans, fits) <= host_budget_bytes
+            if np.any(fits):
                 return True
     return False
 
@@ -1115,7 +1167,8 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
     question "does any plan fit?" is monotone in s and a bisection answers it."""
     from memplan.limits import SEQ_LIMIT, largest
 
-    options = {k: kwargs[k] for k in ("gpu", "fixed", "max_tp", "impl", "margin", "chunk") if k in kwargs}
+    options = {k: kwargs[k] for k in ("gpu", "fixed", "max_tp", "impl", "margin", "chunk", "host_budget_bytes")
+               if k in kwargs}
 
     def fits_at(s: int) -> bool:
         return any_fits(model.model_copy(update={"seq_length": s}), training, gpus, global_batch, budget_bytes,
@@ -1226,7 +1279,7 @@ def arrange(result: SearchResult, sort: str = "time", fold: bool = True, top: in
         return result
     e = result.evaluated
     device = np.asarray(e.device_bytes)
-    idx = np.flatnonzero((device <= result.budget_bytes) & (device > 0))
+    idx = np.flatnonzero(_fits(e, result.budget_bytes, result.host_budget_bytes))
     dev = device[idx]
     step = None if e.step_time_s is None else np.asarray(e.step_time_s)[idx]
     by_time = None if step is None else np.lexsort((idx, dev, step))
