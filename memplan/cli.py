@@ -86,6 +86,16 @@ def plan_options(func: Callable) -> Callable:
         click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist. Measured for --impl hf-*."),
+        click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
+                     help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
+                          "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
+                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/offload.py."),
+        click.option("--offload-fraction", type=click.FloatRange(0, 1, min_open=True), metavar="F",
+                     help="With --offload optimizer: the fraction of the optimizer states offloaded (default 1.0; "
+                          "Megatron-LM --optimizer-offload-fraction)."),
+        click.option("--host-mem", "host_budget", callback=_size, metavar="SIZE",
+                     help="Host memory per node for the offload, e.g. 2TB or 2TiB: a plan fits only within it too "
+                          "(estimate's verdict, search's filter)."),
         click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
                      help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
         click.option("--gpu", "gpu_name", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
@@ -143,9 +153,16 @@ def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str,
 
 
 def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
-    """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks."""
+    """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,
+    offload."""
+    offload = opts.get("offload") or ()
+    fraction = opts.get("offload_fraction")
+    if fraction is not None and "optimizer" not in offload:
+        raise MemplanError("--offload-fraction needs --offload optimizer")
     return dict(precision=opts.get("precision"), optimizer=opts.get("optimizer"), optimizer_impl=opts.get("optimizer_impl"),
-                loss_chunks=opts.get("loss_chunks"))
+                loss_chunks=opts.get("loss_chunks"),
+                offload_optimizer_fraction=(1.0 if fraction is None else fraction) if "optimizer" in offload else None,
+                offload_activations=True if "activations" in offload else None)
 
 
 def output_options(func: Callable) -> Callable:
@@ -260,7 +277,7 @@ def estimate(**opts: Any) -> None:
     preset, config = _config_from_options(opts)
     gpu = _gpu(opts, preset)
     result = run(config, budget_bytes=opts.get("budget"), gpu=gpu, paper_only=opts["paper_only"],
-                 impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"))
+                 impl=opts["impl"], fragmentation_margin=opts.get("frag_margin"), host_budget_bytes=opts.get("host_budget"))
     if opts.get("seq_len") is None:
         result.notes.extend(preset.notes)
     result.notes.extend(_batch_note(preset, config.model.seq_length, config.global_batch, opts))
@@ -346,6 +363,11 @@ def search(**opts: Any) -> None:
     if gpus is None:
         raise MemplanError("--gpus is required for search")
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
+    if "activations" in (opts.get("offload") or ()):  # modelled without recompute (TrainingSpec)
+        if opts.get("recompute") not in (None, "none") or opts.get("recompute_num_layers") is not None:
+            raise MemplanError("--offload activations is modelled without recompute: give --recompute none or leave "
+                               "it out")
+        opts["recompute"] = "none"
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
              zero=zero, zero_shard=opts.get("zero_shard")),
@@ -366,7 +388,7 @@ def search(**opts: Any) -> None:
                  gpu, opts["budget"] if opts.get("budget") is not None else gpu.memory_bytes)
                 for p, (gpu, _) in zip(presets, gpu_of)]
     kw = dict(fixed=fixed, max_tp=opts.get("max_tp"), top=opts["top"], impl=opts["impl"],
-              margin=opts.get("frag_margin"))
+              margin=opts.get("frag_margin"), host_budget_bytes=opts.get("host_budget"))
     skipped = []
     try:
         if len(presets) == 1:

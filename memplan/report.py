@@ -14,6 +14,7 @@ from rich.table import Table
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.estimate import Estimate
     from memplan.planner import SearchResult
+from memplan.offload import gpus_on_node, offloads
 from memplan.optimizers import states_label
 from memplan.specs import Config
 from memplan.timeline import PART_LABELS, optimizer_impl
@@ -102,6 +103,15 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         "notes": est.notes,
     }
     out["memory"].update(peak_dict(est))
+    h = est.host
+    out["host"] = {"optimizer_bytes": int(h.optimizer), "staging_bytes": int(h.staging),
+                   "activations_bytes": int(h.activations), "weights_bytes": int(h.weights),
+                   "per_gpu_bytes": int(h.total), "gpus_per_node": int(gpus_on_node(
+                       est.config.parallel.gpus, est.gpu.gpus_per_node if est.gpu is not None else 8))}
+    out["host_bytes_per_node"] = est.host_bytes_per_node
+    if est.host_budget_bytes is not None:
+        out["host_budget_bytes"] = int(est.host_budget_bytes)
+        out["fits_host"] = est.fits_host
     if est.budget_bytes is not None:
         out["budget_bytes"] = int(est.budget_bytes)
         out["headroom_bytes"] = int(est.headroom_bytes)
@@ -247,6 +257,9 @@ OTHER_ROWS = (
     ("budget_bytes", "budget per GPU", "B"),
     ("headroom_bytes", "headroom (budget - device memory needed)", "B"),
     ("fits", "fits in the budget", ""),
+    ("host_bytes_per_node", "host memory per node (offload)", "B"),
+    ("host_budget_bytes", "host memory budget per node", "B"),
+    ("fits_host", "fits in the host memory budget", ""),
     ("max_seq_len", "longest sequence length that fits", "tokens"),
     ("max_micro_batch", "largest micro-batch that fits", "sequences"),
 )
@@ -360,6 +373,13 @@ def render_output(fmt: str, kind: str, data: Any) -> None:
     print("\n\n".join([heading, markdown_table(rows, columns)] + (["\n".join(notes)] if notes else [])))
 
 
+def _gpu_states_label(training: Any) -> str:
+    """The optimizer row's label; with optimizer offload, what share stays on the GPU."""
+    fraction = training.offload_optimizer_fraction
+    label = states_label(training)
+    return label if not fraction else f"{label}, the {1 - fraction:.0%} not offloaded"
+
+
 def _term_cell(name: str, narrow: bool) -> Any:
     """A term's name indented under 'activations'; in the compact layout a folded name keeps the indent."""
     return Padding(name, (0, 0, 0, 2)) if narrow else f"  {name}"
@@ -399,7 +419,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                    f"loaded of {par.pp})")
     total = peak.total
     for label, value in (("weights", peak.weights), ("gradients", peak.gradients),
-                         (states_label(tr), peak.optimizer)):
+                         (_gpu_states_label(tr), peak.optimizer)):
         table.add_row(label, "", "", gb(value), f"{value / total:.1%}", "")
     table.add_row("[bold]activations[/]", "" if narrow else est.per_layer_symbolic, "", gb(peak.activations),
                   f"{peak.activations / total:.1%}", "")
@@ -437,6 +457,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
             f"MFU {p.mfu:.1%}): compute {p.compute_s:.2f} s, memory-bound {p.memory_s:.2f} s, recompute "
             f"{p.recompute_s:.2f} s, pipeline bubble {p.bubble_s:.2f} s ({p.bubble_share:.1%} of the step), TP comm "
             f"exposed {p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
+            + (f", host copies {p.host_copy_s:.2f} s (offload, exposed)" if p.host_copy_s else "")
         )
     render_peak(est, console)
     if est.budget_bytes is not None:
@@ -452,6 +473,28 @@ def render_estimate(est: Estimate, console: Console) -> None:
                           f"{_gb(-head)} on stage {est.most_loaded}")
     else:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
+    render_host(est, console)
+
+
+def render_host(est: Estimate, console: Console) -> None:
+    """Host memory the offload takes (per GPU, per node) and its verdict against --host-mem."""
+    h = est.host
+    if h.total:
+        parts = [(h.optimizer, "optimizer states"), (h.staging, "pinned staging"), (h.activations, "saved activations"),
+                 (h.weights, "weights the layers save")]
+        n = gpus_on_node(est.config.parallel.gpus, est.gpu.gpus_per_node if est.gpu is not None else 8)
+        console.print(f"host memory (offload): {_gb(est.host_bytes_per_node)} per node = {n} GPU{'s' if n != 1 else ''} "
+                      f"x {_gb(h.total)} ("
+                      + " + ".join(f"{label} {_gb(v)}" for v, label in parts if v) + ")")
+    if est.host_budget_bytes is None:
+        return
+    per_node = est.host_bytes_per_node
+    if est.fits_host:
+        console.print(f"[green]fits host memory[/]: {_gb(per_node)} per node of {_gb(est.host_budget_bytes)} "
+                      "(--host-mem)")
+    else:
+        console.print(f"[red]does not fit host memory[/]: {_gb(per_node)} per node, over the "
+                      f"{_gb(est.host_budget_bytes)} of --host-mem by {_gb(per_node - est.host_budget_bytes)}")
 
 
 def explain_lines(steps: list[Any], sections: dict[str, str]) -> list[str]:
@@ -498,7 +541,7 @@ def render_peak(est: Estimate, console: Console) -> None:
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
              "saved": "step", "transient": "transient"}
     for k, kind in kinds.items():
-        label = (states_label(est.config.training) if k == "optimizer" else PART_LABELS[k]) + (
+        label = (_gpu_states_label(est.config.training) if k == "optimizer" else PART_LABELS[k]) + (
             " alive" if kind == "step" else "")
         table.add_row(label, _gb(e.parts[k]), kind)
     table.add_row("[bold]peak of the step's tensors[/]", f"[bold]{_gb(step.peak_bytes)}[/]", "")
@@ -607,6 +650,9 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "gpus": result.gpus,
         "global_batch": result.global_batch,
         "budget_bytes": result.budget_bytes,
+        "host_budget_bytes": result.host_budget_bytes,
+        "offload": {"optimizer_fraction": result.training.offload_optimizer_fraction,
+                    "activations": result.training.offload_activations},  # pinned: every plan offloads the same
         "gpu": result.gpu.name if result.gpu else None,
         "candidates_evaluated": result.candidates,
         "feasible": result.feasible,
@@ -657,9 +703,12 @@ def render_search(result: SearchResult, console: Console) -> None:
         f"[bold]{m.name}[/] ({result.impl}) on {result.gpus}{where} GPUs, {_gb(result.budget_bytes)} per GPU, "
         f"global batch {format_batch(result.global_batch, m.seq_length)}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
+        + (f" (and in {_gb(result.host_budget_bytes)} of host memory per node)" if result.host_budget_bytes is not None
+           else "")
     )
     has_time = result.evaluated.step_time_s is not None
     listing = result.listed()
+    host = offloads(result.training)
     folded = any(x.zero_variants or x.recompute_variants for x in listing)
     if result.distinct_fit is not None and result.feasible:
         console.print(f"variants folded into {result.distinct_fit:,} rows: +n ZeRO other ZeRO stages / shard groups, "
@@ -669,7 +718,9 @@ def render_search(result: SearchResult, console: Console) -> None:
         table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", "b", "m", "SP")]
                            + [Col("recompute", "right", short="rec"), Col("ZeRO", "right"),
                               Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
-                              Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
+                              Col("MFU", "right")]
+                           + ([Col("host memory per node", "right", short="host")] if host else [])
+                           + ([Col("folded", "left")] if folded else []),
                            title=_listing_heading(result, has_time))
         for rank, x in enumerate(listing, 1):
             row = result.row(x.plan)
@@ -679,6 +730,7 @@ def render_search(result: SearchResult, console: Console) -> None:
                 "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
                 _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
+                *([_gb(row["memory"]["host_bytes_per_node"])] if host else []),
                 *([_folded_cell(x)] if folded else []),
             )
         console.print(table)
