@@ -116,6 +116,7 @@ def megatron_launch(config: Config) -> Launch:
     if par.dp > 1 and not muon:  # Megatron-LM's Muon refuses to overlap them (arguments.py, below)
         args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
     args += _optimizer(tr.optimizer, par.zero, notes)
+    args += _offload(config, notes)
     args += _precision(tr.precision, notes)
     if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
@@ -148,6 +149,50 @@ def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
     notes.append(f"Megatron-LM (core_v0.16.1) has no {optimizer} optimizer: no --optimizer is given (Adam runs, whose "
                  "states differ from the plan's)")
     return []
+
+
+def _offload(config: Config, notes: list[str]) -> list[str]:
+    """Offload as Megatron-LM launches it (core_v0.16.1). Optimizer: --optimizer-cpu-offload and
+    --optimizer-offload-fraction (megatron/training/arguments.py:2059-2062), which arguments.py:1189-1194 allows only
+    with --use-precision-aware-optimizer (2840), which is Adam-only and needs the distributed optimizer
+    (megatron/core/optimizer/optimizer_config.py:375-381). Activations: Megatron-LM has layer offloading,
+    --cpu-offloading-num-layers N (a TransformerConfig field, ModelParallelConfig.cpu_offloading_num_layers, turned
+    into a flag by ArgumentGroupFactory: arguments.py:1574-1577 exclude only cpu_offloading and its sub-switches,
+    1621; N > 0 turns cpu_offloading on, 1236-1237), N < L, no pipeline parallelism, no recompute
+    (transformer_config.py:1137-1152); torch's save_on_cpu, which memplan models, has no flag."""
+    m, par, tr = config.model, config.parallel, config.training
+    args: list[str] = []
+    fraction = tr.offload_optimizer_fraction
+    if fraction > 0:
+        if tr.optimizer != "adamw":
+            notes.append(f"Megatron-LM's optimizer CPU offload needs --use-precision-aware-optimizer, which is Adam-only "
+                         f"(megatron/core/optimizer/optimizer_config.py:375-378): no offload flag is given for "
+                         f"{tr.optimizer}")
+        elif par.zero >= 2:
+            notes.append("Megatron-LM's optimizer CPU offload with Megatron-FSDP (ZeRO 2 / 3) is not checked: no offload "
+                         "flag is given; plan with --zero 1 to launch with --optimizer-cpu-offload")
+        elif par.zero == 0 and par.dp > 1:
+            notes.append("Megatron-LM's optimizer CPU offload needs the distributed optimizer (--use-precision-aware-"
+                         "optimizer requires it, optimizer_config.py:379-381): no offload flag is given; plan with "
+                         "--zero 1 to launch with --optimizer-cpu-offload")
+        else:
+            if par.zero == 0:  # d = 1: the distributed optimizer shards nothing, the same memory
+                args.append("--use-distributed-optimizer")
+            args += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                     f"--optimizer-offload-fraction {fraction:g}"]
+    if tr.offload_activations:
+        if par.pp > 1:
+            notes.append("Megatron-LM's activation offloading (--cpu-offloading-num-layers) refuses pipeline parallelism "
+                         "(megatron/core/transformer/transformer_config.py:1144-1147): no flag is given; torch's "
+                         "save_on_cpu, which memplan models, has no Megatron-LM flag")
+        else:
+            args.append(f"--cpu-offloading-num-layers {m.num_layers - 1}")
+            notes.append(f"--cpu-offloading-num-layers offloads at most L - 1 = {m.num_layers - 1} layers "
+                         "(transformer_config.py:1137-1142): the last layer's saved tensors stay on the GPU, where "
+                         "memplan's first backward has them too; Megatron-LM's offloader (Transformer Engine) copies on "
+                         "a side stream a layer ahead and skips weights and tensors under 1 MB, unlike torch's "
+                         "save_on_cpu that memplan models: its memory and time differ")
+    return args
 
 
 def _precision(precision: str, notes: list[str]) -> list[str]:

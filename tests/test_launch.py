@@ -56,6 +56,13 @@ MEGATRON_FLAGS = {
     "--overlap-param-gather": None,
     "--optimizer": ("adam", "sgd", "muon", "dist_muon"),
     "--sgd-momentum": float,
+    # optimizer and activation offload (memplan/launch.py _offload): arguments.py:2059-2062 and 2840 at core_v0.16.1;
+    # --cpu-offloading-num-layers is TransformerConfig's cpu_offloading_num_layers (ModelParallelConfig, an int),
+    # made a flag by ArgumentGroupFactory (arguments.py:1621; megatron/training/argument_utils.py:71-82)
+    "--use-precision-aware-optimizer": None,
+    "--optimizer-cpu-offload": None,
+    "--optimizer-offload-fraction": float,
+    "--cpu-offloading-num-layers": int,
     "--bf16": None,
     "--fp16": None,
 }
@@ -83,6 +90,8 @@ GRID = [
     config(dp=8, optimizer="muon"),
     config(LLAMA, dp=16, zero=3, zero_shard=4, precision="bf16-true", attention="eager"),
     config(dict(GPT, hidden_size=2560), head_dim=128, tp=2),  # heads not h/a wide: --kv-channels
+    config(dp=8, zero=1, offload_optimizer_fraction=0.5),  # optimizer offload
+    config(tp=2, sp=True, offload_activations=True),  # activation offload: layer offloading, p = 1
 ]
 
 
