@@ -738,19 +738,27 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"[red]no plan fits in {_gb(result.budget_bytes)}[/]")
     if result.nearest_miss is not None:
         row = result.row(result.nearest_miss)
-        need = row["memory"]["device_bytes"]
-        console.print(f"nearest miss: {plan_text(row)} needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}")
+        console.print(f"nearest miss: {plan_text(row)} {_miss(result, row)}")
     if result.fastest_miss is not None and has_time:
         row = result.row(result.fastest_miss)
-        need = row["memory"]["device_bytes"]
         console.print(
             f"did not fit: {result.candidates - result.feasible:,} plans; the fastest of them, {plan_text(row)} "
-            f"({row['step_time_s']:.2f} s), needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}"
+            f"({row['step_time_s']:.2f} s), {_miss(result, row)}"
         )
     elif result.candidates > result.feasible:
         console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
     for note in result.notes:
         console.print(f"note: {note}")
+
+
+def _miss(result: SearchResult, row: dict[str, Any]) -> str:
+    """Why a plan does not fit: its device memory over the budget, else its host memory per node over --host-mem."""
+    need = row["memory"]["device_bytes"]
+    if need > result.budget_bytes or need <= 0 or result.host_budget_bytes is None:
+        return f"needs {_gb(need)}, over by {_gb(need - result.budget_bytes)}"
+    host = row["memory"]["host_bytes_per_node"]
+    return (f"needs {_gb(need)} and {_gb(host)} of host memory per node, over the {_gb(result.host_budget_bytes)} of "
+            f"--host-mem by {_gb(host - result.host_budget_bytes)}")
 
 
 def render_search_all(results: list[SearchResult], skipped: list[Any], console: Console,
