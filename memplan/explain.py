@@ -17,7 +17,7 @@ from memplan.estimate import Estimate, estimate
 from memplan.pipeline import chunks_in_flight
 from memplan.specs import Config, GpuSpec, Recompute
 from memplan.optimizers import states_label
-from memplan.states import counter, layer_params, optimizer_bytes, param_groups
+from memplan.states import optimizer_bytes, param_groups
 from memplan.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.terms import Term, display_poly
 
@@ -100,10 +100,12 @@ def _symbols(est: Estimate, values: dict[str, Any]) -> list[Step]:
     par, m = c.parallel, c.model
     plan = dict(L=m.num_layers, p=par.pp, m=par.vpp, d=par.dp, M=c.num_microbatches)
     text = ", ".join(f"{k}={v:,}" for k, v in {**values, **plan}.items())
-    return [Step("symbols", "symbols", "s b h q a f g v t L p m d M", text, None, "",
-                 note="s sequence, b micro-batch, h hidden, q attention width (a x head_dim), a heads, f MLP width, "
+    moe = m.is_moe
+    return [Step("symbols", "symbols", "s b h q a f g v" + (" E fe fs" if moe else "") + " t L p m d M", text, None,
+                 "", note="s sequence, b micro-batch, h hidden, q attention width (a x head_dim), a heads, f MLP width, "
                       "g key/value heads, v vocabulary, "
-                      "t tensor-, p pipeline-, d data-parallel size, m chunks per rank, M micro-batches per step")]
+                      + ("E experts, fe one expert's MLP width, fs the shared experts' width, " if moe else "")
+                      + "t tensor-, p pipeline-, d data-parallel size, m chunks per rank, M micro-batches per step")]
 
 
 def _layer(est: Estimate, values: dict[str, Any]) -> list[Step]:
@@ -186,21 +188,34 @@ def _pipeline(est: Estimate) -> list[Step]:
 
 def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     c, peak, tr, par = est.config, est.peak, est.config.training, est.config.parallel
-    layer_poly = Poly(())
-    for g in param_groups(c.model):
-        if g.scope == "layer":
-            layer_poly = layer_poly + (g.count.divide_by("t") if g.tp_split else g.count)
-    layer_poly = _display(layer_poly, c)
-    per_layer = int(layer_params(c.model, counter(values)))
-    layers = c.model.num_layers // par.pp
-    other = int(peak.params) - per_layer * layers
-    steps = [
-        Step("states", "parameters of one layer on one GPU", layer_poly.text(), substituted(layer_poly, values),
-             per_layer, "parameters", "memplan/states.py param_groups (Megatron-LM's layout)"),
-        Step("states", f"parameters on one GPU of stage {est.most_loaded}",
-             "L/p x per layer + embedding / output layer / final norm on this stage",
-             f"{c.model.num_layers} / {par.pp} x {per_layer:,} + {other:,}", int(peak.params), "parameters"),
-    ]
+
+    def layer_of(scopes: tuple[str, ...]) -> tuple[Poly, int]:
+        poly, n = Poly(()), 0
+        for g in param_groups(c.model):
+            if g.scope in scopes:
+                poly = poly + (g.count.divide_by("t") if g.tp_split else g.count)
+                n += int(g.per_gpu(values))
+        return _display(poly, c), n
+
+    # an MoE model: "one layer" is an MoE layer; its dense first layers (first stage) are counted apart
+    layer_poly, per_layer = layer_of(("layer", "moe"))
+    dense_poly, per_dense = layer_of(("layer", "dense"))
+    dense = c.model.moe_first_dense_layers if est.most_loaded == 0 else 0
+    layers = c.model.num_layers // par.pp - dense
+    other = int(peak.params) - per_layer * layers - per_dense * dense
+    what = "one MoE layer" if c.model.is_moe else "one layer"
+    steps = [Step("states", f"parameters of {what} on one GPU", layer_poly.text(), substituted(layer_poly, values),
+                  per_layer, "parameters", "memplan/states.py param_groups (Megatron-LM's layout)")]
+    if dense:
+        steps.append(Step("states", "parameters of one dense layer (before the MoE layers) on one GPU",
+                          dense_poly.text(), substituted(dense_poly, values), per_dense, "parameters",
+                          "memplan/states.py param_groups"))
+    count = f"{c.model.num_layers} / {par.pp}" + (f" - {dense}" if dense else "")
+    steps.append(Step("states", f"parameters on one GPU of stage {est.most_loaded}",
+                      ("(L/p - k) x per MoE layer + k x per dense layer" if dense else "L/p x per layer")
+                      + " + embedding / output layer / final norm on this stage",
+                      f"{count} x {per_layer:,}" + (f" + {dense} x {per_dense:,}" if dense else "") + f" + {other:,}",
+                      int(peak.params), "parameters"))
     params = int(peak.params)
     shard = par.shard
 

@@ -118,16 +118,18 @@ def resolve_impl(training: TrainingSpec, default: str) -> str:
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter tensor on one GPU: `rows` x `cols` (cols None: a vector of `rows`), `hidden`: a
-    2-D weight inside the decoder layers. Sizes are scalars or numpy arrays (one per plan)."""
+    """One parameter tensor on one GPU: `rows` x `cols` (cols None: a vector of `rows`), or `batch` such
+    matrices stacked in one 3-D tensor (transformers' experts), `hidden`: a weight matrix inside the
+    decoder layers. Sizes are scalars or numpy arrays (one per plan)."""
 
     rows: Any
     cols: Any
     hidden: bool
+    batch: Any = 1
 
     @property
     def numel(self) -> Any:
-        return self.rows if self.cols is None else self.rows * self.cols
+        return self.rows if self.cols is None else self.batch * self.rows * self.cols
 
 
 def _ceil(n: Any, d: Any) -> Any:
@@ -147,8 +149,8 @@ def state_bytes(training: TrainingSpec, tensors: Sequence[tuple[Tensor, Any]]) -
             b = s * n
         elif opt == "sgd-nomomentum":
             b = 0 * n
-        elif opt == "adafactor":
-            b = s * (n if t.cols is None else t.rows + t.cols)
+        elif opt == "adafactor":  # a 3-D tensor: row_var and col_var of each of its matrices (the last two dims)
+            b = s * (n if t.cols is None else t.batch * (t.rows + t.cols))
         elif opt == "adam8bit":
             big = 1 * (n >= ADAM8BIT_MIN_SIZE)
             b = big * 2 * (n + ABSMAX_BYTES * _ceil(n, ADAM8BIT_BLOCK)) + (1 - big) * 2 * FP32 * n
@@ -185,7 +187,8 @@ def muon_newton_schulz_bytes(t: Tensor, p: int) -> Any:
 class StageTensors:
     """The parameter tensors of one GPU of a stage in the order an optimizer's loop visits them:
     `first` (embeddings, present where `is_first`), one layer's `layer` (repeated `layers` times),
-    `last` (final norm, present where `is_last`), the LM head where `has_head`."""
+    `last` (final norm, present where `is_last`), the LM head where `has_head`; an MoE model's dense
+    layers (`dense`, repeated `dense_layers` times) come before its MoE layers (`layer`)."""
 
     first: tuple[Tensor, ...]
     layer: tuple[Tensor, ...]
@@ -195,11 +198,13 @@ class StageTensors:
     is_first: Any
     is_last: Any
     has_head: Any
+    dense: tuple[Tensor, ...] = ()
+    dense_layers: Any = 0
 
     def largest(self, fn=lambda t: t.numel, only=lambda t: True) -> Any:
         best: Any = 0
-        for ts, on in ((self.first, self.is_first), (self.layer, 1), (self.last, self.is_last),
-                       (self.head, self.has_head)):
+        for ts, on in ((self.first, self.is_first), (self.dense, 1 * (self.dense_layers > 0)), (self.layer, 1),
+                       (self.last, self.is_last), (self.head, self.has_head)):
             for t in ts:
                 if only(t):
                     best = _maximum(best, fn(t) * on)
@@ -213,13 +218,20 @@ class StageTensors:
             nonlocal best
             best = _maximum(best, (kept(a) + own(b)) * on)
 
-        for seq, on in ((self.first, self.is_first), (self.layer, 1), (self.last, self.is_last)):
+        has_dense = 1 * (self.dense_layers > 0)
+        for seq, on in ((self.first, self.is_first), (self.dense, has_dense), (self.layer, 1),
+                        (self.last, self.is_last)):
             for a, b in zip(seq, seq[1:]):
                 pair(a, b, on)
+        if self.dense:  # dense layers, then the first MoE layer (all on the first stage)
+            pair(self.dense[-1], self.dense[0], 1 * (self.dense_layers > 1))
+            pair(self.dense[-1], self.layer[0], has_dense)
+            if self.first:
+                pair(self.first[-1], self.dense[0], self.is_first * has_dense)
         if self.layer:
             pair(self.layer[-1], self.layer[0], 1 * (self.layers > 1))
             if self.first:
-                pair(self.first[-1], self.layer[0], self.is_first)
+                pair(self.first[-1], self.layer[0], self.is_first * (1 - has_dense))
             if self.last:
                 pair(self.layer[-1], self.last[0], self.is_last)
         if self.head:
@@ -246,21 +258,24 @@ def temporaries(training: TrainingSpec, impl: str, params: Any, tensors: StageTe
     ns = tensors.largest(lambda t: muon_newton_schulz_bytes(t, p), only=_is_hidden_matrix)
     if impl == "fused":
         return ns
-    hidden = tensors.layers * sum((t.numel for t in tensors.layer if _is_hidden_matrix(t)), 0)
+    hidden = tensors.layers * sum((t.numel for t in tensors.layer if _is_hidden_matrix(t)), 0) + \
+        tensors.dense_layers * sum((t.numel for t in tensors.dense if _is_hidden_matrix(t)), 0)
     return _maximum(ns, p * _ceil(params - hidden, shard))
 
 
 def _is_hidden_matrix(t: Tensor) -> bool:
-    return t.hidden and t.cols is not None
+    """A 2-D weight inside the layers (what Muon steps); 3-D expert tensors go to its AdamW, as
+    torch.optim.Muon refuses parameters that are not 2-D (torch/optim/_muon.py:130)."""
+    return t.hidden and t.cols is not None and isinstance(t.batch, int) and t.batch == 1
 
 
 def _adafactor_own(t: Tensor) -> Any:
     """What torch's for-loop Adafactor makes for one tensor (_adafactor.py:387-410): a matrix's row and
     column means and its r x c var_estimate; a vector's squared gradient and var_estimate (a clone)."""
-    return 2 * t.rows if t.cols is None else t.rows * t.cols + t.rows + t.cols
+    return 2 * t.rows if t.cols is None else t.batch * (t.rows * t.cols + t.rows + t.cols)
 
 
 def _adafactor_kept(t: Tensor) -> Any:
     """What of one tensor's step is still alive while the next tensor's var_estimate is made (the
     loop's locals `update` and, for a vector, `grad_squared` are replaced only then)."""
-    return 2 * t.rows if t.cols is None else t.rows * t.cols
+    return 2 * t.rows if t.cols is None else t.batch * t.rows * t.cols

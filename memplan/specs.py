@@ -87,11 +87,51 @@ class ModelSpec(_Spec):
         description="attention kernel: eager stores the s x s scores (K22); flash (FlashAttention, "
         "cuDNN fused, SDPA flash) stores only its output and an fp32 log-sum-exp",
     )
+    qk_norm: bool = Field(
+        default=False,
+        description="an RMSNorm on each head's queries and keys (two head_dim-wide weights per layer: Qwen3, "
+        "Qwen3-MoE)",
+    )
+    # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
+    # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
+    # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
+    # No expert parallelism yet: every GPU holds every expert.
+    num_experts: Optional[int] = Field(
+        default=None, gt=0, description="E, routed experts per MoE layer (transformers num_local_experts / "
+        "num_experts / n_routed_experts; Megatron-LM --num-experts)")
+    moe_top_k: Optional[int] = Field(
+        default=None, gt=0, description="k, routed experts each token goes through (transformers "
+        "num_experts_per_tok; Megatron-LM --moe-router-topk)")
+    moe_ffn_hidden_size: Optional[int] = Field(
+        default=None, gt=0, description="f_e, one routed expert's MLP width (default f; transformers "
+        "moe_intermediate_size, Mixtral's intermediate_size; Megatron-LM --moe-ffn-hidden-size)")
+    moe_shared_ffn_hidden_size: int = Field(
+        default=0, ge=0, description="f_s, the shared experts' MLP width, all of them together (0: none; "
+        "DeepSeek-V3 n_shared_experts x moe_intermediate_size; Megatron-LM "
+        "--moe-shared-expert-intermediate-size)")
+    moe_first_dense_layers: int = Field(
+        default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
+        "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")
     inventory: Optional[str] = Field(
         default=None,
         description="directory of the model's traced inventories (memplan trace): what transformers' own "
         "code saves, used by --impl hf-sdpa / hf-eager instead of a hand-written inventory",
     )
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model (num_experts set)."""
+        return self.num_experts is not None
+
+    @property
+    def fe(self) -> int:
+        """f_e, one routed expert's MLP width (f unless moe_ffn_hidden_size says otherwise)."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.f
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a mixture-of-experts MLP (0 for a dense model)."""
+        return self.num_layers - self.moe_first_dense_layers if self.is_moe else 0
 
     @property
     def f(self) -> int:
@@ -113,8 +153,9 @@ class ModelSpec(_Spec):
     def symbols(self, **plan: Any) -> dict[str, Any]:
         """The K22 symbols of the architecture (s, h, a, f, g, v, and the attention width q), plus
         plan symbols such as t and b (scalars or numpy arrays): the one place a formula's symbols are bound."""
+        moe = dict(E=self.num_experts, fe=self.fe, fs=self.moe_shared_ffn_hidden_size) if self.is_moe else {}
         return dict(s=self.seq_length, h=self.hidden_size, a=self.num_attention_heads, f=self.f, g=self.g,
-                    q=self.q, v=self.vocab_size, **plan)
+                    q=self.q, v=self.vocab_size, **moe, **plan)
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
@@ -124,6 +165,29 @@ class ModelSpec(_Spec):
                              f"(a model whose heads are not h/a wide sets head_dim)")
         if a % g:
             raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
+        return self._experts()
+
+    def _experts(self) -> "ModelSpec":
+        """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
+        MoE layer; its experts have no biases."""
+        E, k = self.num_experts, self.moe_top_k
+        if E is None:
+            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size") if getattr(self, name) is not None]
+            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers") if getattr(self, name)]
+            if given:
+                raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
+            return self
+        if k is None:
+            raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
+        if k > E:
+            raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
+                             "there are")
+        if self.moe_first_dense_layers >= self.num_layers:
+            raise ValueError(f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer among the "
+                             f"num_layers={self.num_layers}")
+        if self.bias:
+            raise ValueError("bias: memplan models mixture-of-experts layers without biases (Mixtral, Qwen3-MoE); "
+                             "set bias: false")
         return self
 
 
@@ -432,6 +496,10 @@ class Config(_Spec):
             raise ValueError(
                 f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
             )
+        if m.moe_first_dense_layers > self.layers_per_chunk:
+            raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {self.layers_per_chunk} "
+                             f"layers of the first model chunk (L/(p m)): memplan places the dense layers on the first "
+                             "pipeline stage")
         if m.seq_length % tr.loss_chunks:
             raise ValueError(f"loss chunks {tr.loss_chunks} do not divide the sequence length s={m.seq_length}")
         if par.sp and m.seq_length % t:

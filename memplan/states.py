@@ -31,7 +31,10 @@ from memplan import optimizers
 from memplan.specs import ModelSpec, TrainingSpec
 from memplan.symbolic import Poly
 
-Scope = Literal["layer", "first", "last"]
+# Where a group lives: in every layer, in each mixture-of-experts layer ("moe"), in each dense layer of an
+# MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
+Scope = Literal["layer", "moe", "dense", "first", "last"]
+LAYER_SCOPES = ("layer", "moe", "dense")
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,43 @@ class ParamGroup:
 
 
 def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
-    """Parameter groups of a decoder-only transformer (column/row-parallel split as Megatron-LM)."""
+    """Parameter groups of a decoder-only transformer (column/row-parallel split as Megatron-LM).
+
+    A mixture-of-experts layer's MLP (scope "moe") is its E routed experts, each a gated (3 h f_e) or
+    plain (2 h f_e) MLP, the router's E x h weight and the shared experts' MLP (f_s wide, all of them
+    together); the dense layers before the first MoE layer (scope "dense") keep an f-wide MLP. The experts
+    keep the names of the dense MLP's groups (the backward's moments name them). transformers stores each
+    MoE layer's experts as two 3-D tensors (weight_shapes); Megatron-LM's count is the same
+    (megatron/training/theoretical_memory_usage.py: E x 2 h f_e x 3/2 + h E per MoE layer)."""
     norm = "2 h" if model.norm == "layernorm" else "h"  # LayerNorm: weight + bias; RMSNorm: weight
-    mlp_in = "2 h f" if model.mlp == "swiglu" else "h f"  # gated MLP: gate and up projections
+    gated = model.mlp == "swiglu"
+    mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
+    mlp = "dense" if model.moe_first_dense_layers else "layer"
     groups = [
         ParamGroup("QKV projection weight", Poly.parse_sum("h q + 2 h q g /a"), True, "layer"),
         ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
-        ParamGroup("MLP input projection weight", Poly.parse(mlp_in), True, "layer"),
-        ParamGroup("MLP output projection weight", Poly.parse("h f"), True, "layer"),
-        ParamGroup("layer norms", Poly.parse(norm) * 2, False, "layer"),
     ]
+    if model.qk_norm:
+        groups.append(ParamGroup("query / key norms", Poly.parse("2 q /a"), False, "layer"))
+    if model.is_moe:
+        groups += [
+            ParamGroup("MLP input projection weight", Poly.parse(("2 " if gated else "") + "E h fe"), True, "moe"),
+            ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe"),
+            ParamGroup("router weight", Poly.parse("E h"), False, "moe"),
+        ]
+        if model.moe_shared_ffn_hidden_size:
+            groups += [
+                ParamGroup("shared experts' input projection weight", Poly.parse(("2 " if gated else "") + "h fs"),
+                           True, "moe"),
+                ParamGroup("shared experts' output projection weight", Poly.parse("h fs"), True, "moe"),
+            ]
+    if not model.is_moe or model.moe_first_dense_layers:
+        prefix = "dense " if model.is_moe else ""
+        groups += [
+            ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
+            ParamGroup(prefix + "MLP output projection weight", Poly.parse("h f"), True, mlp),
+        ]
+    groups.append(ParamGroup("layer norms", Poly.parse(norm) * 2, False, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
@@ -86,23 +116,36 @@ def counter(values: Mapping[str, Any]) -> Count:
     return lambda group: group.per_gpu(values)
 
 
+def layer_kinds(model: ModelSpec, layers: Any, is_first: Any) -> dict[str, Any]:
+    """How many of a stage's `layers` layers each layer scope's groups are in: every layer ("layer"), the
+    dense layers of an MoE model ("dense": the first moe_first_dense_layers, all on the first stage, as
+    Config checks) and its MoE layers ("moe": the others)."""
+    dense = model.moe_first_dense_layers * is_first
+    return {"layer": layers, "moe": layers - dense, "dense": dense}
+
+
 def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any) -> Any:
     """Parameters held by one GPU of a stage with `layers` layers (scalars or arrays)."""
     total: Any = 0
+    weights = {**layer_kinds(model, layers, is_first), "first": is_first, "last": is_last}
     for group in param_groups(model):
-        weight = {"layer": layers, "first": is_first, "last": is_last}[group.scope]
-        total = total + count(group) * weight
+        total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)
     return total + count(output_layer_group()) * is_last * head_copy
 
 
 def layer_params(model: ModelSpec, count: Count) -> Any:
-    """Parameters of one layer on one GPU."""
+    """Parameters of the largest layer on one GPU (an MoE model: an MoE layer or a dense one, whichever
+    holds more; ZeRO-3 gathers one layer at a time)."""
     total: Any = 0
+    kinds: dict[str, Any] = {"moe": 0, "dense": 0}
     for group in param_groups(model):
         if group.scope == "layer":
             total = total + count(group)
-    return total
+        elif group.scope in kinds:
+            kinds[group.scope] = kinds[group.scope] + count(group)
+    moe, dense = kinds["moe"], kinds["dense"]
+    return total + moe + (dense - moe) * (dense > moe)
 
 
 def total_params(model: ModelSpec) -> int:
@@ -110,13 +153,23 @@ def total_params(model: ModelSpec) -> int:
     return stage_params(model, counter(model.symbols(t=1)), model.num_layers, 1, 1, 1)
 
 
+def active_params(model: ModelSpec) -> int:
+    """Parameters one token goes through: all of a dense model's; of an MoE model, its k routed experts
+    of E (and the shared ones, the router) in each MoE layer (what model FLOPs count, perf.py)."""
+    if not model.is_moe:
+        return total_params(model)
+    per_expert = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.fe
+    return total_params(model) - model.moe_layers * (model.num_experts - model.moe_top_k) * per_expert
+
+
 Layout = Literal["fused", "separate"]
 
 
 @dataclass(frozen=True)
 class WeightShape:
-    """`count` parameter tensors of group `group`, each `rows` x `cols` (cols None: a vector of rows),
-    `split`: the dimension tensor parallelism divides (rows: column- / vocab-parallel, cols: row-parallel)."""
+    """`count` parameter tensors of group `group`, each `rows` x `cols` (cols None: a vector of rows), or
+    with `batch` a 3-D tensor of `batch` such matrices (transformers' experts: E x rows x cols), `split`:
+    the dimension tensor parallelism divides (rows: column- / vocab-parallel, cols: row-parallel)."""
 
     group: str
     name: str
@@ -124,10 +177,12 @@ class WeightShape:
     cols: Optional[Poly]
     count: int = 1
     split: Optional[Literal["rows", "cols"]] = None
+    batch: Optional[Poly] = None
 
     @property
     def numel(self) -> Poly:
-        return self.rows if self.cols is None else self.rows * self.cols
+        n = self.rows if self.cols is None else self.rows * self.cols
+        return n if self.batch is None else self.batch * n
 
     def on_gpu(self, values: Mapping[str, Any], hidden: bool) -> optimizers.Tensor:
         """The tensor on one GPU with the symbols `values` (scalars or arrays; t splits `split`)."""
@@ -137,24 +192,35 @@ class WeightShape:
             r = -(-r // values["t"])
         elif self.split == "cols":
             c = -(-c // values["t"])
-        return optimizers.Tensor(r, c, hidden and c is not None)
+        batch = 1 if self.batch is None else int(self.batch.evaluate(values))  # E: a model constant
+        return optimizers.Tensor(r, c, hidden and c is not None, batch)
 
 
 def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple[WeightShape, ...]]:
-    """Every parameter tensor by shape, scope by scope ("first", "layer", "last", "head": the output
-    layer where it exists, see `output_layer_group`), each in the order the implementation registers
-    them (the order a for-loop optimizer visits them). Shapes are (out, in) as nn.Linear's weight; the
-    counts of a group add up to its `param_groups` count (a test checks both layouts, and the shapes
-    against transformers' GPT-2 and Llama modules)."""
+    """Every parameter tensor by shape, scope by scope ("first", "layer", "dense_layer", "last", "head":
+    the output layer where it exists, see `output_layer_group`), each in the order the implementation
+    registers them (the order a for-loop optimizer visits them). Shapes are (out, in) as nn.Linear's
+    weight; the counts of a group add up to its `param_groups` count (a test checks both layouts, and the
+    shapes against transformers' GPT-2, Llama, Mixtral and Qwen3-MoE modules).
+
+    "layer" is a layer of a dense model, or an MoE layer; "dense_layer" a dense layer of an MoE model
+    (the first moe_first_dense_layers layers; empty for other models). transformers keeps each MoE layer's
+    experts as two 3-D tensors, gate_up_proj E x 2f_e x h and down_proj E x h x f_e (Mixtral, Qwen3-MoE,
+    DeepSeek-V3 in transformers 5.x), its router as an E x h matrix; Megatron-LM's grouped experts
+    (TEGroupedMLP) one matrix per expert and projection. Within the MoE block, the experts come before the
+    router here (Qwen3-MoE, DeepSeek-V3; Mixtral registers its router first)."""
     P = Poly.parse
     q_kv = P("q g /a")  # K and V rows
     qkv_rows = Poly.parse_sum("q + 2 q g /a")
-    f_in = P("2 f") if model.mlp == "swiglu" else P("f")
+    gated = model.mlp == "swiglu"
+    f_in = P("2 f") if gated else P("f")
     norm = [WeightShape("layer norms", "norm weight", P("h"), None)]
     final = [WeightShape("final norm", "final norm weight", P("h"), None)]
     if model.norm == "layernorm":
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
+    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None, 2)] \
+        if model.qk_norm else []
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
 
     def linear(group: str, name: str, rows: Poly, cols: Poly, split: str, count: int = 1) -> list[WeightShape]:
@@ -166,31 +232,67 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
 
     qkv_w, proj_w = "QKV projection weight", "attention output projection weight"
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
+    prefix = "dense " if model.is_moe else ""
     if layout == "fused":
-        layer = (norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(proj_w, "output projection", P("h"),
-                 P("q"), "cols") + norm + linear(fc1_w, "MLP input", f_in, P("h"), "rows")
-                 + linear(fc2_w, "MLP output", P("h"), P("f"), "cols"))
+        attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
+            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + norm
+        dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
+                     + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
+        layer = attention + dense_mlp
     else:
-        mlp_in = (linear(fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if model.mlp == "swiglu"
-                  else linear(fc1_w, "MLP input", P("f"), P("h"), "rows"))
-        layer = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
-                 + linear(proj_w, "output projection", P("h"), P("q"), "cols") + mlp_in
-                 + linear(fc2_w, "MLP output", P("h"), P("f"), "cols") + norm + norm)
+        mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
+                  else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
+        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
+                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+        dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
+        layer = attention + dense_mlp + norm + norm
+    dense_layer: list[WeightShape] = []
+    if model.is_moe:
+        moe = _moe_shapes(model, layout)
+        dense_layer = layer if model.moe_first_dense_layers else []
+        layer = (attention + moe) if layout == "fused" else (attention + moe + norm + norm)
     first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")]
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", P("s"), P("h")))
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
-    return {"first": tuple(first), "layer": tuple(layer), "last": tuple(final), "head": head}
+    return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
+            "head": head}
+
+
+def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
+    """An MoE layer's MLP tensors: the routed experts, the router, the shared experts (weight_shapes)."""
+    P = Poly.parse
+    fe_in = P("2 fe") if model.mlp == "swiglu" else P("fe")
+    router = [WeightShape("router weight", "router", P("E"), P("h"))]
+    E = model.num_experts or 0
+    fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
+    if layout == "fused":  # Megatron-LM TEGroupedMLP: linear_fc1.weight0..E-1, then linear_fc2's
+        experts = [WeightShape(fc1_w, "expert MLP input", fe_in, P("h"), E, "rows"),
+                   WeightShape(fc2_w, "expert MLP output", P("h"), P("fe"), E, "cols")]
+    else:  # transformers: gate_up_proj (E, 2 f_e, h), down_proj (E, h, f_e)
+        experts = [WeightShape(fc1_w, "experts' gate_up_proj", fe_in, P("h"), 1, "rows", P("E")),
+                   WeightShape(fc2_w, "experts' down_proj", P("h"), P("fe"), 1, "cols", P("E"))]
+    shared: list[WeightShape] = []
+    if model.moe_shared_ffn_hidden_size:
+        s_in, s_out = "shared experts' input projection weight", "shared experts' output projection weight"
+        if layout == "fused" or model.mlp != "swiglu":
+            shared = [WeightShape(s_in, "shared experts' MLP input", P("2 fs") if model.mlp == "swiglu" else P("fs"),
+                                  P("h"), 1, "rows")]
+        else:
+            shared = [WeightShape(s_in, "shared experts' gate / up", P("fs"), P("h"), 2, "rows")]
+        shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
+    return (router + experts + shared) if layout == "fused" else (experts + router + shared)
 
 
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
                   layout: Layout = "fused") -> optimizers.StageTensors:
     """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays)."""
     shapes = weight_shapes(model, layout)
-    on = {scope: tuple(w.on_gpu(values, scope == "layer") for w in ws) for scope, ws in shapes.items()}
+    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers, is_first, is_last,
-                                   is_last * head_copy)
+    dense = layer_kinds(model, layers, is_first)["dense"]
+    return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers - dense, is_first, is_last,
+                                   is_last * head_copy, on["dense_layer"], dense)
 
 
 def optimizer_bytes(training: TrainingSpec, params: Any, tensors: Optional[optimizers.StageTensors] = None) -> Any:
@@ -200,6 +302,7 @@ def optimizer_bytes(training: TrainingSpec, params: Any, tensors: Optional[optim
     if training.optimizer in ("adamw", "sgd", "sgd-nomomentum", "lion") or tensors is None:
         return params * (training.master_weight_bytes + training.optimizer_moments * training.optimizer_state_bytes)
     held = [(t, 1 * tensors.is_first) for t in tensors.first] + [(t, tensors.layers) for t in tensors.layer]
+    held += [(t, tensors.dense_layers) for t in tensors.dense]
     held += [(t, 1 * tensors.is_last) for t in tensors.last] + [(t, 1 * tensors.has_head) for t in tensors.head]
     return params * training.master_weight_bytes + optimizers.state_bytes(training, held)
 

@@ -40,7 +40,7 @@ from memplan import optimizers
 from memplan.memory import PlanValues, StageMemory, TermBytes
 from memplan.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import output_layer_group, param_groups, shard_bytes
+from memplan.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
 from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -182,13 +182,19 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     head_names = {g.name for g in param_groups(model) if g.scope == "last"} | {
         g for m in loss_moments for g in m.grads}
 
+    # an MoE model's dense layers come first (on the first stage): the backward reaches them last
+    dense_here = model.moe_first_dense_layers * is_first
+
     def grads_after(layers_done: Any) -> Any:
         """torch .grad bytes once the head and `layers_done` layers of this chunk are back-propagated."""
         if buffer:
             return 0
         head_grads = sum((group_grad(g, kept=True) for g in head_names), 0)
-        layer_grad = sum((group_grad(g, kept=True) for g, group in groups.items() if group.scope == "layer"), 0)
-        made = head_grads * is_last + layers_done * layer_grad
+        kind = {scope: sum((group_grad(g, kept=True) for g, group in groups.items() if group.scope == scope), 0)
+                for scope in LAYER_SCOPES}
+        moe_done = _minimum(layers_done, n - dense_here)  # the chunk's last layers are its MoE ones
+        made = (head_grads * is_last + layers_done * kind["layer"] + moe_done * kind["moe"]
+                + (layers_done - moe_done) * kind["dense"])
         return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
     transients: dict[str, tuple[Any, Any]] = {}
@@ -214,7 +220,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     waiting = new_grad("word embedding") * tied_waits * buffer
 
     events: list[Event] = []
-    layers = _critical_layers(n, N, buffer) if critical else [j + 1 for j in range(int(n))]
+    layers = (_critical_layers(n, N, buffer, dense_here if model.moe_first_dense_layers else 0) if critical
+              else [j + 1 for j in range(int(n))])
     buffer_grads = all_grads if buffer else 0
 
     fixed = states.weights + states.optimizer
@@ -296,12 +303,18 @@ def _le(x: Any, y: Any) -> Any:
     return 1 * (x <= y)
 
 
-def _critical_layers(n: Any, N: Any, buffer: bool) -> list[Any]:
+def _critical_layers(n: Any, N: Any, buffer: bool, dense: Any = 0) -> list[Any]:
     """Layer positions where the backward's bytes can peak: the ends of the recomputed block
-    (1..N) and of the rest (N+1..n), between which the bytes are linear in j. With a gradient
-    buffer no gradient is made per layer, so the bytes grow with j: the upper ends suffice."""
+    (1..N) and of the rest (N+1..n), between which the bytes are linear in j, and with an MoE model's
+    dense layers first also the ends of those (1..k: their gradients grow at another rate). With a
+    gradient buffer no gradient is made per layer, so the bytes grow with j: the upper ends suffice."""
     upper = [n, _maximum(N, 1)]
-    return upper if buffer else upper + [_maximum(_minimum(N + 1, n), 1), 1 + 0 * n]
+    if buffer:
+        return upper
+    ends = upper + [_maximum(_minimum(N + 1, n), 1), 1 + 0 * n]
+    if isinstance(dense, int) and dense == 0:
+        return ends
+    return ends + [_maximum(_minimum(dense, n), 1), _maximum(_minimum(dense + 1, n), 1)]
 
 
 def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_mem: StageMemory,
