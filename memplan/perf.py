@@ -98,6 +98,11 @@ model is linear in 1/matmul_efficiency, matmul_overhead_s, 1/attention_matmul_ef
 six within 0.5% (tests/test_perf.py). Megatron-LM's fused kernels on an H100 and the H200 are not
 measured: their step times carry calibrated = False (calibration()).
 
+Mixture of experts: a layer's FLOPs are its active parameters' (the k routed experts, the shared ones and
+the router: layer_matmul_flops), its elementwise bytes those of the k f_e + f_s wide MLP a token goes
+through; the experts' grouped GEMMs are charged as dense GEMMs at matmul_efficiency (routing, token
+permutation and load imbalance are not modelled, nor measured).
+
 Not modelled: context / expert parallelism, per-iteration costs outside the layers beyond the
 head and the optimizer (K22's 22B iteration is about 50 ms longer than its 48 layers and head,
 which leaves the 22B rows of Table 5 4.6% and 2.6% fast), and Megatron's TP communication overlap
@@ -219,6 +224,8 @@ def gemms_per_layer(model: ModelSpec, impl: str = "megatron") -> int:
     gate, up and down separately (GPT-2's c_attn is fused)."""
     if impl in ("megatron", "torch") or model.mlp != "swiglu":
         return 4
+    if model.is_moe:  # q, k, v, o; the router and the experts' two grouped GEMMs; the shared experts' three
+        return 7 + 3 * (model.moe_shared_ffn_hidden_size > 0)
     return 7
 
 
@@ -246,14 +253,32 @@ def calibration(model: ModelSpec, gpu: GpuSpec, impl: str = "megatron") -> Calib
 
 
 # --- FLOPs (K22 appendix A, generalised) ------------------------------------------------------
+def active_ffn_width(model: ModelSpec) -> float:
+    """The MLP width one token goes through, averaged over the layers: f in a dense layer; k f_e + f_s in a
+    mixture-of-experts layer (its k routed experts and the shared ones, not the E - k others)."""
+    if not model.is_moe:
+        return float(model.f)
+    moe = model.moe_top_k * model.fe + model.moe_shared_ffn_hidden_size
+    return (model.moe_layers * moe + model.moe_first_dense_layers * model.f) / model.num_layers
+
+
 def layer_matmul_flops(model: ModelSpec) -> float:
     """Forward FLOPs of one layer's weight matmuls for one sequence (no t split), with the attention
     width q = a x head_dim (h unless head_dim says otherwise): QKV 2sh(q + 2qg/a) + projection
-    2sqh + MLP 2*2shf (GeLU) or 3*2shf (SwiGLU). K22 (q = h, g = a, f = 4h): 24sh^2."""
-    s, h, q, a, g, f = (float(x) for x in (model.seq_length, model.hidden_size, model.q, model.num_attention_heads,
-                                            model.g, model.f))
+    2sqh + MLP 2*2shf (GeLU) or 3*2shf (SwiGLU). K22 (q = h, g = a, f = 4h): 24sh^2.
+
+    A mixture-of-experts layer counts its ACTIVE parameters: the k routed experts a token goes through and
+    the shared experts, 3*2sh(k f_e + f_s) (SwiGLU), and the router 2shE, not the E - k other experts
+    (Megatron-LM megatron/training/training.py `num_floating_point_operations`: the routed-experts term
+    is moe_ffn_hidden_size x moe_router_topk x the gated factor, the shared experts' term
+    moe_shared_expert_intermediate_size, per MoE layer; it leaves out the router's 2shE, which memplan
+    keeps). With dense layers first the figure is the mean over the layers (L times it is the model's)."""
+    s, h, q, a, g = (float(x) for x in (model.seq_length, model.hidden_size, model.q, model.num_attention_heads,
+                                         model.g))
     mlp_matrices = 3 if model.mlp == "swiglu" else 2
-    return 2 * s * h * (q + 2 * q * g / a) + 2 * s * q * h + mlp_matrices * 2 * s * h * f
+    router = 2 * s * h * model.num_experts * model.moe_layers / model.num_layers if model.is_moe else 0.0
+    return (2 * s * h * (q + 2 * q * g / a) + 2 * s * q * h + mlp_matrices * 2 * s * h * active_ffn_width(model)
+            + router)
 
 
 def layer_attention_flops(model: ModelSpec) -> float:
@@ -410,7 +435,8 @@ def layer_traffic_bytes(model: ModelSpec, activation_bytes: int = 2, fused: bool
     if not fused:
         return _eager_traffic_bytes(model, activation_bytes)
     A = activation_bytes
-    s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
+    s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, active_ffn_width(model),
+                                     model.num_attention_heads))
     sh, scores, sf = s * h, a * s * s, s * f
     drop = 1 if model.dropout else 0
     # Two norms (read + write), two residual adds (read 2, write 1), two dropout masks written.
@@ -458,7 +484,8 @@ def _eager_traffic_bytes(model: ModelSpec, A: int) -> LayerBytes:
     rotate_half, a sum) 9A per element of Q and K, in both passes.
 
     The K22 layer, A = 2: forward 46sh + 17as^2 + 4sf, backward 122sh + 19as^2 + 8sf bytes."""
-    s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, model.f, model.num_attention_heads))
+    s, h, f, a = (float(x) for x in (model.seq_length, model.hidden_size, active_ffn_width(model),
+                                     model.num_attention_heads))
     sh, scores, sf = s * h, a * s * s, s * f
     drop = 1 if model.dropout else 0
     wq = model.q / h  # the attention width in units of h
