@@ -12,7 +12,7 @@ from memplan.activations import layer_bytes, layer_poly
 from memplan.memory import PlanValues, StageMemory, stage_memory, symbol_values
 from memplan.pipeline import chunks_in_flight, interleaving_factor
 from memplan.specs import Config, GpuSpec, Recompute
-from memplan.states import total_params
+from memplan.states import active_params, total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
 from memplan.offload import HostBytes, host_bytes, notes as offload_notes, per_node
@@ -202,6 +202,12 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
                              "loss's padded label id; tests/test_traced.py)")
+    m = config.model
+    if m.is_moe:
+        notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
+                     f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "
+                     f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those); no "
+                     "expert parallelism yet: every GPU holds every expert (ZeRO shards them as dense weights)")
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))

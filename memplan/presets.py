@@ -301,11 +301,17 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "traced",
     "Gemma3ForCausalLM": "traced",
     "Phi3ForCausalLM": "traced",
+    "MixtralForCausalLM": "traced",  # mixture of experts (issue 11): see _read_moe
+    "Qwen3MoeForCausalLM": "traced",
 }
 # Gated activations of the Llama-layout MLP (gate and up projections f wide, the product into down_proj).
 _GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
-# mixture-of-experts architectures: issue 11 (experts, router, expert parallelism) is not built yet
+# The config keys that make a model a mixture of experts; the MoE architectures memplan reads (_read_moe)
+# and the key of their routed-expert count. Other MoE architectures are refused.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
+# model types whose attention normalises each head's queries and keys (q_norm, k_norm)
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 # The sequence length a config.json gets when --seq-len is not given: its position limit, capped at
@@ -331,6 +337,30 @@ def _head_dim(data: dict) -> Any:
     return head_dim
 
 
+def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
+    """The ModelSpec fields of a mixture-of-experts config.json (transformers' defaults for missing keys).
+    Mixtral: num_local_experts experts of intermediate_size each, top num_experts_per_tok, every layer MoE.
+    Qwen3-MoE: num_experts experts of moe_intermediate_size, top num_experts_per_tok; a layer is dense
+    (intermediate_size wide) when in mlp_only_layers or when (i + 1) % decoder_sparse_step != 0
+    (Qwen3MoeDecoderLayer): memplan models dense layers first only, and refuses other patterns."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=data.get("num_local_experts", 8), moe_top_k=data.get("num_experts_per_tok", 2))
+    experts = data.get("num_experts", 128)
+    step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
+    if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
+        return {}
+    if step != 1:
+        raise MemplanError(f"{path}: decoder_sparse_step = {echo(step)}: memplan models an MoE layer in every "
+                           "layer after the dense ones (decoder_sparse_step 1, mlp_only_layers [0, ..., k-1])")
+    if not isinstance(dense, list) or dense != list(range(len(dense))):
+        shown = json.dumps(dense)
+        shown = shown if len(shown) <= 60 else shown[:60] + "..."
+        raise MemplanError(f"{path}: mlp_only_layers = {shown}: memplan models dense layers first only "
+                           "(mlp_only_layers [0, 1, ..., k-1])")
+    return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", 8),
+                moe_ffn_hidden_size=data.get("moe_intermediate_size", 768), moe_first_dense_layers=len(dense))
+
+
 def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded)."""
     path = Path(path_text)
@@ -346,9 +376,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
     archs = data.get("architectures") or []
     known = [a for a in archs if a in HF_ARCHITECTURES]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
-    if moe:
-        raise MemplanError(f"{path}: a mixture-of-experts model ({moe[0]} = {data[moe[0]]}): memplan does not "
-                           "model experts yet")
+    if moe and not (known and known[0] in _MOE_ARCHITECTURES):
+        arch = known[0] if known else ", ".join(archs) or f"model_type {data.get('model_type')!r}"
+        raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan models the experts of "
+                           "Mixtral and Qwen3-MoE only (issue 11)")
     if not known:
         name = ", ".join(archs) if archs else f"model_type {data.get('model_type')!r}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
@@ -386,7 +417,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
                                                  data.get("model_type", "").startswith("gemma")),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
                         bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
-                        attention="flash")
+                        attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES)
+            if known[0] in _MOE_ARCHITECTURES:
+                spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
     notes = (note,)

@@ -405,8 +405,9 @@ IMPLEMENTATIONS: dict[str, str] = {
     "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
                "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager). "
                "For both hf-*: GPT-2 and the Llama layout use the hand-written inventories; other "
-               "architectures (Qwen2/3, Gemma 1-3, Phi-3, ...) a traced one (memplan trace: saved tensors "
-               "traced from transformers' code, checked against CPU runs; the backward's transients derived)",
+               "architectures (Qwen2/3, Gemma 1-3, Phi-3, the mixture-of-experts Mixtral and Qwen3-MoE, ...) a traced "
+               "one (memplan trace: saved tensors traced from transformers' code, checked against CPU runs; the "
+               "backward's transients derived)",
 }
 HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
@@ -422,6 +423,12 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if loss_chunks > 1 and impl not in HF_IMPLS:
         raise MemplanError(f"--loss-chunks is modelled for the hf-* implementations (measured on transformers "
                            f"models with a checkpointed chunked cross-entropy); not yet for --impl {impl}")
+    if model.is_moe and impl not in HF_IMPLS:  # issue 11: experts, routing, expert parallelism in Megatron-LM
+        which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
+        raise MemplanError(f"no {which} MoE inventory yet: use --impl hf-sdpa / hf-eager")
+    if model.is_moe and model.inventory is None:
+        raise MemplanError("a mixture-of-experts model's --impl hf-* activations come from a traced inventory: "
+                           "give its transformers config.json (--hf-config), or the model's inventory directory")
     inv = _inventory(model, impl, device, loss_chunks)
     layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"
     return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1, weight_layout=layout)

@@ -11,7 +11,9 @@ unchanged:
 - each saved storage of a decoder layer is a layer term (a storage several layers share, such as
   the rotary cos / sin tables, is counted once per model chunk); a model whose layers differ (groups
   of layers) gets each group's terms weighted by its share of the layers, so the model's total is
-  exact and a per-layer figure is the layers' mean;
+  the groups' sum and a per-layer figure is the layers' mean (each term's mean bytes per layer are
+  floored to whole bytes: exact when a group's share of a term's bytes is whole, else within a byte per
+  term and layer);
 - storages outside the layers belong to the first stage (embedding) or the last (final norm, LM
   head, loss);
 - dtypes: the trace's activation dtype follows the precision (act), float32 is fp32, bool / 8-bit
@@ -27,6 +29,7 @@ unchanged:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -300,17 +303,18 @@ def _freed(rows: list[TracedTerm], sdpa: bool) -> tuple[tuple[str, ...], tuple[s
     from the forward order of one group's saves."""
     attention = [r for r in rows if _block(r.module) != "MLP"]
     mlp = [r for r in rows if _block(r.module) == "MLP"]
-    after_down = _from(mlp, DOWN_PROJ)
+    after_down = _from(mlp, DOWN_PROJ, DOWN_PROJ_OPS)
     in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
     return after_down[1:], after_down, in_attention + tuple(r.id for r in mlp if not r.shared)
 
 
-def _from(rows: list[TracedTerm], ends: tuple[str, ...]) -> tuple[str, ...]:
+def _from(rows: list[TracedTerm], ends: tuple[str, ...], ops: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Ids of the saves made at or after the first save of a module whose name ends with one of
-    `ends` (forward order): what that module's backward has released. None found: nothing (the
-    moment then counts every save of the layer, the safe side)."""
+    `ends`, or of one of the calls `ops` (forward order): what that module's backward has released.
+    None found: nothing (the moment then counts every save of the layer, the safe side)."""
     for i, row in enumerate(rows):
-        if row.module.rsplit(".", 1)[-1] in ends:
+        call = row.id[len(row.module) + 1:].rsplit(".", 1)[0] if row.module else ""
+        if row.module.rsplit(".", 1)[-1] in ends or (row.module.endswith("experts") and call in ops):
             return tuple(r.id for r in rows[i:] if not r.shared)
     return ()
 
@@ -325,6 +329,9 @@ def _after_softmax(rows: list[TracedTerm]) -> tuple[str, ...]:
 # The attention output projection and the MLP's down projection, by their transformers names.
 OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense")
 DOWN_PROJ = ("down_proj", "fc2", "c_proj", "w2")
+# transformers' grouped_mm experts (Mixtral, Qwen3-MoE, DeepSeek-V3) run gate_up_proj, then down_proj: the
+# second grouped GEMM of an `experts` module is its down projection
+DOWN_PROJ_OPS = ("_grouped_mm#1",)
 
 
 def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
@@ -349,9 +356,23 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     # term is weighted by its group's share, so every group's releases count at each moment)
     by_group = [_freed(_group_rows(g, k), sdpa) for k, g in enumerate(traced.layer_groups)]
     freed = tuple(tuple(i for f in by_group for i in f[j]) for j in range(3))
-    moments = _layer_moments(model, sdpa, freed) + _loss_moments(model)
+    moments = _moe_moments(model, _layer_moments(model, sdpa, freed)) + _loss_moments(model)
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
                      origin=origin_text(traced), traced_from=_least_values(traced.conditions))
+
+
+def _moe_moments(model: ModelSpec, moments: list) -> list:
+    """An MoE layer's backward transients: the MLP's f-wide gradients become those of the k s b routed
+    token copies through f_e-wide experts, sized as a dense MLP k f_e wide (derived, not measured)."""
+    if not model.is_moe:
+        return moments
+    width = Poly.parse(f"{model.moe_top_k} fe")
+    out = []
+    for m in moments:
+        transients = tuple(dataclasses.replace(t, elements=t.elements.substitute("f", width)) for t in m.transients)
+        out.append(dataclasses.replace(m, transients=transients, source=f"{m.source}; the MLP's gradients sized for "
+                                       "the k routed copies of each token through f_e-wide experts"))
+    return out
 
 
 def _least_values(conditions: list[str]) -> tuple[tuple[str, int], ...]:
