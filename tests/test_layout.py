@@ -115,8 +115,11 @@ def test_search_tables_at_80():
     assert " sel " in body[0] and "rec" in out and "memory" in out
     out = render(80, *SEARCH_ALL)
     body = table_body(out, model_names()[0])
-    # a preset per line; a nearest miss of full recompute over part of a chunk ('full 2/32') may fold
-    assert len(model_names()) <= len(body) <= len(model_names()) + 2, "\n".join(body)
+    # a preset per line (the mixture-of-experts presets are skipped: no Megatron-LM MoE inventory yet, and
+    # the default --impl is megatron); a nearest miss of full recompute over part of a chunk ('full 2/32') may fold
+    searched = [n for n in model_names() if not load_model(n).model.is_moe]
+    assert len(searched) <= len(body) <= len(searched) + 2, "\n".join(body)
+    assert "skipped mixtral-8x7b (a100-80gb): no Megatron-LM MoE inventory yet" in out
     assert "best plan: t, p, d tensor, pipeline, data parallel" in out
 
 

@@ -110,6 +110,15 @@ def test_hf_config_gpt2(tmp_path):
         768, 12, 12, 3072, True, True)
 
 
+def test_hf_config_mixtral_is_a_mixture_of_experts(tmp_path):
+    """A Mixtral config.json is the Llama layout with 8 experts of intermediate_size, top-2 (tests/test_moe.py
+    checks its parameters against transformers' model); its hf-* inventory is traced."""
+    m = read_hf_config(write(tmp_path, {**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"],
+                                        "model_type": "mixtral", "num_local_experts": 8})).model
+    assert (m.num_experts, m.moe_top_k, m.fe, m.moe_first_dense_layers) == (8, 2, 14336, 0)
+    assert m.inventory is not None
+
+
 def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
     code, out, _ = run_cli("estimate", "--hf-config", write(tmp_path, LLAMA3_8B_HF), "--seq-len", "4096", "--json")
     data = json.loads(out)
@@ -120,7 +129,10 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
 @pytest.mark.parametrize("data, fragment", [
     ({"architectures": ["FalconForCausalLM"]}, "architecture FalconForCausalLM"),
     ({"architectures": ["Qwen2ForCausalLM"]}, "missing field"),
-    ({**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "mixture-of-experts"),
+    # a Mixtral config is read (tests/test_moe.py); Megatron-LM's MoE layers are not modelled yet
+    ({**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
+     "no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"),
+    ({**LLAMA3_8B_HF, "num_local_experts": 8}, "memplan models the experts of Mixtral and Qwen3-MoE only"),
     ({"model_type": "bert"}, "model_type 'bert'"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "missing field"),
     ({**LLAMA3_8B_HF, "hidden_act": "gelu"}, "hidden_act"),
