@@ -348,3 +348,12 @@ def test_bad_input_one_line_exit_2(args, fragment, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("memplan: error:") and fragment in lines[0], lines
+
+
+def test_search_says_when_only_host_memory_is_missing():
+    """Optimizer offload puts 18 B per parameter of the whole model on a node of 8 GPUs whatever the plan (144.5 GB
+    for llama3-8b): within 100 GB of host memory no plan fits, and the fastest miss says it is the host's."""
+    out = run("search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--global-batch", "8",
+              "--offload", "optimizer", "--host-mem", "100GB")
+    text = " ".join(out.stdout.split())
+    assert "0 fit" in text and "144.54 GB of host memory per node, over the 100.00 GB of --host-mem by 44.54 GB" in text
