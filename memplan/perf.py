@@ -119,7 +119,7 @@ import numpy as np
 
 from memplan.memory import PlanValues
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
-from memplan.states import counter, stage_params
+from memplan.states import counter, mla_qkv_count, stage_params
 
 
 def _host_bandwidth(gpu: GpuSpec, training: TrainingSpec) -> float:
@@ -277,13 +277,20 @@ def layer_matmul_flops(model: ModelSpec) -> float:
                                          model.g))
     mlp_matrices = 3 if model.mlp == "swiglu" else 2
     router = 2 * s * h * model.num_experts * model.moe_layers / model.num_layers if model.is_moe else 0.0
-    return (2 * s * h * (q + 2 * q * g / a) + 2 * s * q * h + mlp_matrices * 2 * s * h * active_ffn_width(model)
-            + router)
+    qkv = 2 * s * h * (q + 2 * q * g / a)
+    if model.is_mla:  # its latent projections: 2 FLOPs per weight and token (states.mla_qkv_count)
+        qkv = 2 * s * float(mla_qkv_count(model).evaluate(model.symbols()))
+    return qkv + 2 * s * q * h + mlp_matrices * 2 * s * h * active_ffn_width(model) + router
 
 
 def layer_attention_flops(model: ModelSpec) -> float:
-    """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2q, 4s^2h in K22 (appendix A)."""
+    """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2q, 4s^2h in K22 (appendix A);
+    multi-head latent attention 2s^2 a (d_n + d_r) + 2s^2 a d_v (its queries and keys are d_n + d_r wide, its
+    values d_v; Megatron-LM's num_floating_point_operations counts the same, halved for the causal mask)."""
     s, q = float(model.seq_length), float(model.q)
+    if model.is_mla:
+        a = float(model.num_attention_heads)
+        return 2 * s * s * a * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
     return 4 * s * s * q
 
 

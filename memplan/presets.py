@@ -303,13 +303,15 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "traced",
     "MixtralForCausalLM": "traced",  # mixture of experts (issue 11): see _read_moe
     "Qwen3MoeForCausalLM": "traced",
+    "DeepseekV3ForCausalLM": "traced",  # mixture of experts and multi-head latent attention
 }
 # Gated activations of the Llama-layout MLP (gate and up projections f wide, the product into down_proj).
 _GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 # The config keys that make a model a mixture of experts; the MoE architectures memplan reads (_read_moe)
 # and the key of their routed-expert count. Other MoE architectures are refused.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
+_MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts",
+                      "DeepseekV3ForCausalLM": "n_routed_experts"}
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
@@ -345,6 +347,8 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
     (Qwen3MoeDecoderLayer): memplan models dense layers first only, and refuses other patterns."""
     if arch == "MixtralForCausalLM":
         return dict(num_experts=data.get("num_local_experts", 8), moe_top_k=data.get("num_experts_per_tok", 2))
+    if arch == "DeepseekV3ForCausalLM":
+        return _read_deepseek_v3(data)
     experts = data.get("num_experts", 128)
     step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
     if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
@@ -359,6 +363,22 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
                            "(mlp_only_layers [0, 1, ..., k-1])")
     return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", 8),
                 moe_ffn_hidden_size=data.get("moe_intermediate_size", 768), moe_first_dense_layers=len(dense))
+
+
+def _read_deepseek_v3(data: dict) -> dict[str, Any]:
+    """DeepSeek-V3 (DeepseekV3ForCausalLM, transformers' defaults for missing keys): first_k_dense_replace
+    dense layers intermediate_size wide, then MoE layers of n_routed_experts experts of moe_intermediate_size,
+    top num_experts_per_tok, and n_shared_experts shared ones (one MLP n_shared_experts x moe_intermediate_size
+    wide, DeepseekV3MoE); multi-head latent attention. Its multi-token-prediction layer
+    (num_nextn_predict_layers) is not built by transformers, nor counted here."""
+    fe, shared = data.get("moe_intermediate_size", 2048), data.get("n_shared_experts", 1)
+    both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
+    return dict(num_experts=data.get("n_routed_experts", 256), moe_top_k=data.get("num_experts_per_tok", 8),
+                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
+                moe_first_dense_layers=data.get("first_k_dense_replace", 3),
+                kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
+                qk_nope_head_dim=data.get("qk_nope_head_dim", 128), qk_rope_head_dim=data.get("qk_rope_head_dim", 64),
+                v_head_dim=data.get("v_head_dim", 128))
 
 
 def read_hf_config(path_text: str) -> ModelPreset:
@@ -379,7 +399,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
     if moe and not (known and known[0] in _MOE_ARCHITECTURES):
         arch = known[0] if known else ", ".join(archs) or f"model_type {data.get('model_type')!r}"
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan models the experts of "
-                           "Mixtral and Qwen3-MoE only (issue 11)")
+                           "Mixtral, Qwen3-MoE and DeepSeek-V3 only (issue 11)")
     if not known:
         name = ", ".join(archs) if archs else f"model_type {data.get('model_type')!r}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
@@ -423,6 +443,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
     notes = (note,)
+    if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
+        notes += ("the multi-token-prediction layers (num_nextn_predict_layers) are not built by transformers' "
+                  "DeepseekV3ForCausalLM: not counted",)
     if layout == "traced":
         from memplan.traced import inventory_dir
 

@@ -390,7 +390,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
     m, par, tr = c.model, c.parallel, c.training
     console.print(
         f"[bold]{m.name}[/]: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} "
-        + (f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
+        + (f"latent attention r_kv={m.kv_lora_rank} r_q={m.q_lora_rank} d_qk={m.qk_nope_head_dim}+"
+           f"{m.qk_rope_head_dim} d_v={m.v_head_dim} " if m.is_mla else
+           f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
+        + (f"E={m.num_experts} top-{m.moe_top_k} f_e={m.fe} " if m.is_moe else "")
         + f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
     )
     console.print(

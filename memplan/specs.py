@@ -112,11 +112,31 @@ class ModelSpec(_Spec):
     moe_first_dense_layers: int = Field(
         default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
         "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")
+    # Multi-head latent attention (DeepSeek-V2 / V3; all None: standard attention). K and V come from a
+    # kv_lora_rank-wide latent (kv_a_proj_with_mqa h -> r_kv + d_r, then kv_b_proj r_kv -> a (d_n + d_v)), Q
+    # from a q_lora_rank-wide one (q_a_proj, q_b_proj) or directly; each head's query and key are d_n + d_r
+    # wide (d_r of them rotated), its value d_v.
+    kv_lora_rank: Optional[int] = Field(
+        default=None, gt=0, description="r_kv, the K / V latent's width: multi-head latent attention (DeepSeek-V3 "
+        "kv_lora_rank; Megatron-LM --kv-lora-rank)")
+    q_lora_rank: Optional[int] = Field(
+        default=None, gt=0, description="r_q, the query latent's width (None: queries projected from h directly; "
+        "DeepSeek-V3 q_lora_rank)")
+    qk_nope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_n, a head's query / key width "
+                                            "without rotary embedding (DeepSeek-V3 qk_nope_head_dim)")
+    qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_r, a head's rotated query / key "
+                                            "width, its key part shared by the heads (qk_rope_head_dim)")
+    v_head_dim: Optional[int] = Field(default=None, gt=0, description="d_v, a head's value width (v_head_dim)")
     inventory: Optional[str] = Field(
         default=None,
         description="directory of the model's traced inventories (memplan trace): what transformers' own "
         "code saves, used by --impl hf-sdpa / hf-eager instead of a hand-written inventory",
     )
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank set)."""
+        return self.kv_lora_rank is not None
 
     @property
     def is_moe(self) -> bool:
@@ -146,6 +166,8 @@ class ModelSpec(_Spec):
         """The attention width a x head_dim: Q and the attention output are q wide, K and V qg/a.
         It is h unless the config sets a head_dim other than h/a (Mistral-Nemo: 32 x 128 = 4096,
         h = 5120)."""
+        if self.is_mla:  # the attention output: a heads of d_v
+            return self.num_attention_heads * (self.v_head_dim or 0)
         if self.head_dim is None:
             return self.hidden_size
         return self.num_attention_heads * self.head_dim
@@ -154,18 +176,37 @@ class ModelSpec(_Spec):
         """The K22 symbols of the architecture (s, h, a, f, g, v, and the attention width q), plus
         plan symbols such as t and b (scalars or numpy arrays): the one place a formula's symbols are bound."""
         moe = dict(E=self.num_experts, fe=self.fe, fs=self.moe_shared_ffn_hidden_size) if self.is_moe else {}
+        mla = dict(rq=self.q_lora_rank or 0, rkv=self.kv_lora_rank, dn=self.qk_nope_head_dim, dr=self.qk_rope_head_dim,
+                   dv=self.v_head_dim) if self.is_mla else {}
         return dict(s=self.seq_length, h=self.hidden_size, a=self.num_attention_heads, f=self.f, g=self.g,
-                    q=self.q, v=self.vocab_size, **moe, **plan)
+                    q=self.q, v=self.vocab_size, **moe, **mla, **plan)
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelSpec":
         h, a, g = self.hidden_size, self.num_attention_heads, self.g
-        if h % a and self.head_dim is None:
+        if h % a and self.head_dim is None and not self.is_mla:
             raise ValueError(f"hidden size h={h} is not divisible by the attention heads a={a} "
                              f"(a model whose heads are not h/a wide sets head_dim)")
         if a % g:
             raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
-        return self._experts()
+        return self._latent()._experts()
+
+    def _latent(self) -> "ModelSpec":
+        """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
+        optional), without biases."""
+        fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.is_mla:
+            given = [name for name in ("q_lora_rank",) + fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
+            return self
+        missing = [name for name in fields if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (multi-head latent attention) needs {missing[0]}")
+        if self.bias:
+            raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
+                             "bias: false")
+        return self
 
     def _experts(self) -> "ModelSpec":
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one

@@ -64,9 +64,13 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers else "layer"
     groups = [
-        ParamGroup("QKV projection weight", Poly.parse_sum("h q + 2 h q g /a"), True, "layer"),
+        ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
+                   True, "layer"),
         ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
     ]
+    if model.is_mla:
+        groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
+                                 "layer"))
     if model.qk_norm:
         groups.append(ParamGroup("query / key norms", Poly.parse("2 q /a"), False, "layer"))
     if model.is_moe:
@@ -114,6 +118,15 @@ Count = Callable[[ParamGroup], Any]  # a group's parameters on one GPU for the p
 def counter(values: Mapping[str, Any]) -> Count:
     """Count each group's parameters with the symbols `values` (scalars or arrays)."""
     return lambda group: group.per_gpu(values)
+
+
+def mla_qkv_count(model: ModelSpec) -> Poly:
+    """Multi-head latent attention's Q, K and V projections (transformers DeepseekV3Attention, Megatron-LM
+    MLASelfAttention): Q through the r_q latent, q_a_proj h r_q + q_b_proj r_q a (d_n + d_r), or directly
+    h a (d_n + d_r); kv_a_proj_with_mqa h (r_kv + d_r); kv_b_proj r_kv a (d_n + d_v). The output projection
+    is q h with q = a d_v."""
+    q = "h rq + a dn rq + a dr rq" if model.q_lora_rank else "a dn h + a dr h"
+    return Poly.parse_sum(q + " + h rkv + h dr + a dn rkv + a dv rkv")
 
 
 def layer_kinds(model: ModelSpec, layers: Any, is_first: Any) -> dict[str, Any]:
@@ -233,17 +246,23 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     qkv_w, proj_w = "QKV projection weight", "attention output projection weight"
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     prefix = "dense " if model.is_moe else ""
-    if layout == "fused":
+    if model.is_mla:  # the same tensors in both layouts (Megatron-LM: linear_q_down_proj, ..., linear_proj)
+        attention = _mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+        if layout == "fused":
+            attention = norm + attention + norm
+    elif layout == "fused":
         attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
             proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + norm
+    else:
+        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
+                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+    if layout == "fused":
         dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
                      + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
         layer = attention + dense_mlp
     else:
         mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
                   else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
-        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
-                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
         dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
         layer = attention + dense_mlp + norm + norm
     dense_layer: list[WeightShape] = []
@@ -257,6 +276,22 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}
+
+
+def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
+    """Multi-head latent attention's tensors before the output projection, in transformers' order
+    (DeepseekV3Attention: q_proj or q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj)."""
+    P, S = Poly.parse, Poly.parse_sum
+    qkv_w, norms = "QKV projection weight", "latent norms"
+    if model.q_lora_rank:
+        q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
+             WeightShape(qkv_w, "q_b_proj", S("a dn + a dr"), P("rq"), 1, "rows")]
+    else:
+        q = [WeightShape(qkv_w, "q_proj", S("a dn + a dr"), P("h"), 1, "rows")]
+    return q + [WeightShape(qkv_w, "kv_a_proj_with_mqa", S("rkv + dr"), P("h")),
+                WeightShape(norms, "kv_a_layernorm", P("rkv"), None),
+                WeightShape(qkv_w, "kv_b_proj", S("a dn + a dv"), P("rkv"), 1, "rows")]
 
 
 def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:

@@ -405,9 +405,9 @@ IMPLEMENTATIONS: dict[str, str] = {
     "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
                "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager). "
                "For both hf-*: GPT-2 and the Llama layout use the hand-written inventories; other "
-               "architectures (Qwen2/3, Gemma 1-3, Phi-3, the mixture-of-experts Mixtral and Qwen3-MoE, ...) a traced "
-               "one (memplan trace: saved tensors traced from transformers' code, checked against CPU runs; the "
-               "backward's transients derived)",
+               "architectures (Qwen2/3, Gemma 1-3, Phi-3, the mixture-of-experts Mixtral, Qwen3-MoE and "
+               "DeepSeek-V3, ...) a traced one (memplan trace: saved tensors traced from transformers' code, checked "
+               "against CPU runs; the backward's transients derived)",
 }
 HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
@@ -426,8 +426,12 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if model.is_moe and impl not in HF_IMPLS:  # issue 11: experts, routing, expert parallelism in Megatron-LM
         which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
         raise MemplanError(f"no {which} MoE inventory yet: use --impl hf-sdpa / hf-eager")
-    if model.is_moe and model.inventory is None:
-        raise MemplanError("a mixture-of-experts model's --impl hf-* activations come from a traced inventory: "
+    if model.is_mla and impl not in HF_IMPLS:
+        which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
+        raise MemplanError(f"no {which} inventory for multi-head latent attention yet: use --impl hf-sdpa / hf-eager")
+    if (model.is_moe or model.is_mla) and model.inventory is None:
+        what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
+        raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "
                            "give its transformers config.json (--hf-config), or the model's inventory directory")
     inv = _inventory(model, impl, device, loss_chunks)
     layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"

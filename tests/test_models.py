@@ -132,7 +132,8 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
     # a Mixtral config is read (tests/test_moe.py); Megatron-LM's MoE layers are not modelled yet
     ({**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
      "no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"),
-    ({**LLAMA3_8B_HF, "num_local_experts": 8}, "memplan models the experts of Mixtral and Qwen3-MoE only"),
+    ({**LLAMA3_8B_HF, "num_local_experts": 8},
+     "memplan models the experts of Mixtral, Qwen3-MoE and DeepSeek-V3 only"),
     ({"model_type": "bert"}, "model_type 'bert'"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "missing field"),
     ({**LLAMA3_8B_HF, "hidden_act": "gelu"}, "hidden_act"),

@@ -53,6 +53,27 @@ QWEN3_MOE_DENSE_FIRST = {**QWEN3_MOE, "num_hidden_layers": 3, "mlp_only_layers":
 QWEN3_MOE_DENSE_FIRST_PARAMS = 300_624
 
 
+# DeepSeek-V3: a dense first layer, then MoE layers of top-2 of 8 experts (f_e = 32) + one shared expert (f_s = 32),
+# multi-head latent attention (a = 4, r_q = 32, r_kv = 16, d_r = 8, d_n = 16, d_v = 16), L = 3:
+#   attention  q_a_proj 32x64 + q_a_layernorm 32 + q_b_proj 4(16 + 8)x32 + kv_a_proj_with_mqa (16 + 8)x64
+#              + kv_a_layernorm 16 + kv_b_proj 4(16 + 16)x16 + o_proj 64x(4 x 16)
+#              = 2048 + 32 + 3072 + 1536 + 16 + 2048 + 4096                           = 12,848
+#   dense MLP  3 x 64 x 160                                                            = 30,720
+#   MoE MLP    8 x (gate_up 64x64 + down 64x32) + router 8x64 + shared 3 x 64 x 32
+#              = 49,152 + 512 + 6144                                                   = 55,808
+#   layers     dense 12,848 + 30,720 + 128 = 43,696; MoE 12,848 + 55,808 + 128 = 68,784
+#   model      43,696 + 2 x 68,784 + 2 x 512x64 + 64                                   = 246,864
+DEEPSEEK_V3 = {**BASE, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+               "num_key_value_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+               "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "n_group": 2, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+               "qk_nope_head_dim": 16, "v_head_dim": 16, "rope_scaling": None}
+DEEPSEEK_V3_PARAMS = 246_864
+# without the query latent (q_lora_rank null): q_proj 4(16 + 8)x64 = 6144 replaces 2048 + 32 + 3072 = 5152, in
+# each of the 3 layers: 246,864 + 3 x 992 = 249,840
+DEEPSEEK_V3_NO_Q_LORA = {**DEEPSEEK_V3, "q_lora_rank": None}
+DEEPSEEK_V3_NO_Q_LORA_PARAMS = 249_840
+
 # Qwen3 (dense) has the same q / k norms (qk_norm): its attention as above, MLP gate, up 160x64, down 64x160:
 #   layer 18,480 + 30,720 + 128 = 49,328; model 2 x 49,328 + 65,536 + 64 = 164,256
 QWEN3 = {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 24}
@@ -75,14 +96,16 @@ def _hf_model(config: dict):
 
 @pytest.mark.parametrize("config, params", [(MIXTRAL, MIXTRAL_PARAMS), (QWEN3_MOE, QWEN3_MOE_PARAMS),
                                             (QWEN3_MOE_DENSE_FIRST, QWEN3_MOE_DENSE_FIRST_PARAMS),
-                                            (QWEN3, QWEN3_PARAMS)])
+                                            (QWEN3, QWEN3_PARAMS), (DEEPSEEK_V3, DEEPSEEK_V3_PARAMS),
+                                            (DEEPSEEK_V3_NO_Q_LORA, DEEPSEEK_V3_NO_Q_LORA_PARAMS)])
 def test_parameter_count_is_the_hand_derivation(config, params, tmp_path):
     assert total_params(_spec(config, tmp_path)) == params
 
 
 @pytest.mark.parametrize("config, params", [(MIXTRAL, MIXTRAL_PARAMS), (QWEN3_MOE, QWEN3_MOE_PARAMS),
                                             (QWEN3_MOE_DENSE_FIRST, QWEN3_MOE_DENSE_FIRST_PARAMS),
-                                            (QWEN3, QWEN3_PARAMS)])
+                                            (QWEN3, QWEN3_PARAMS), (DEEPSEEK_V3, DEEPSEEK_V3_PARAMS),
+                                            (DEEPSEEK_V3_NO_Q_LORA, DEEPSEEK_V3_NO_Q_LORA_PARAMS)])
 def test_parameter_count_is_the_transformers_model(config, params, tmp_path):
     model = _hf_model(config)
     assert sum(p.numel() for p in model.parameters()) == params == total_params(_spec(config, tmp_path))
@@ -102,11 +125,11 @@ def _expanded(model: ModelSpec, layout: str = "separate") -> list[tuple[int, ...
     return out
 
 
-@pytest.mark.parametrize("config", [QWEN3_MOE, QWEN3_MOE_DENSE_FIRST, MIXTRAL])
+@pytest.mark.parametrize("config", [QWEN3_MOE, QWEN3_MOE_DENSE_FIRST, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V3_NO_Q_LORA])
 def test_weight_shapes_are_the_transformers_tensors(config, tmp_path):
-    """Every parameter tensor by shape (the experts as transformers' 3-D gate_up_proj / down_proj), in the
-    order the model registers them (Qwen3-MoE); Mixtral registers its router before its experts, so for
-    it the same tensors in another order."""
+    """Every parameter tensor by shape (the experts as transformers' 3-D gate_up_proj / down_proj; DeepSeek-V3's
+    latent attention projections and norms), in the order the model registers them (Qwen3-MoE, DeepSeek-V3);
+    Mixtral registers its router before its experts, so for it the same tensors in another order."""
     real = [tuple(p.shape) for p in _hf_model(config).parameters()]
     got = _expanded(_spec(config, tmp_path))
     if config is MIXTRAL:
@@ -202,7 +225,7 @@ def test_qwen3_moe_layer_patterns_other_than_dense_first_are_refused(change, mes
 def test_other_moe_architectures_are_refused(tmp_path):
     config = {**QWEN3_MOE, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
     with pytest.raises(MemplanError, match="Qwen2MoeForCausalLM with num_experts = 8: memplan models the experts "
-                       "of Mixtral and Qwen3-MoE only"):
+                       "of Mixtral, Qwen3-MoE and DeepSeek-V3 only"):
         _spec(config, tmp_path)
     config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_local_experts": 8}
     with pytest.raises(MemplanError, match="LlamaForCausalLM with num_local_experts = 8"):
@@ -291,8 +314,9 @@ def test_adafactor_factors_each_expert_matrix(tmp_path):
 # --- activations: a traced MoE model against a real CPU run --------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [MIXTRAL, {**QWEN3_MOE_DENSE_FIRST, "num_hidden_layers": 2}],
-                         ids=["mixtral", "qwen3-moe-dense-first"])
+@pytest.mark.parametrize("config", [MIXTRAL, {**QWEN3_MOE_DENSE_FIRST, "num_hidden_layers": 2},
+                                    {**DEEPSEEK_V3, "num_hidden_layers": 2}],
+                         ids=["mixtral", "qwen3-moe-dense-first", "deepseek-v3"])
 def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     """estimate's retained activations for a traced MoE model are what the real model saves on CPU
     (transformers' grouped_mm experts; every saved storage once). With a dense first layer the model
@@ -359,3 +383,57 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
         critical = step_peaks(cfg, est.inventory)[0]
         assert critical.peak_bytes == est.step.peak_bytes
         assert est.total_params == total_params(model) == sum(p.numel() for p in _hf_model(config).parameters())
+
+
+# --- DeepSeek-V3: multi-head latent attention ---------------------------------------------------------
+
+def test_deepseek_v3_published_size(tmp_path):
+    """DeepSeek-V3's published config.json (values as published by deepseek-ai): 671 B parameters, 37 B active
+    (DeepSeek-V3 technical report), without the multi-token-prediction module transformers does not build."""
+    from memplan.states import active_params
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+              "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+              "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+              "num_experts_per_tok": 8, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280,
+              "tie_word_embeddings": False, "max_position_embeddings": 163840, "hidden_act": "silu",
+              "num_nextn_predict_layers": 1}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    preset = read_hf_config(str(path))
+    assert total_params(preset.model) == 671_026_404_352
+    assert active_params(preset.model) == 37_552_282_624
+    assert any("multi-token-prediction" in n for n in preset.notes)
+
+
+def test_latent_attention_flops_by_hand(tmp_path):
+    """Per token, forward: the latent projections 2 x their weights (states.mla_qkv_count), the output
+    projection 2 a d_v h; the attention core 2 s a (d_n + d_r) for QK^T and 2 s a d_v over V, per token."""
+    model = _spec(DEEPSEEK_V3, tmp_path)
+    s, h, a, v, L = model.seq_length, 64, 4, 512, 3
+    projections = 32 * 64 + 4 * 24 * 32 + 24 * 64 + 4 * 32 * 16 + 64 * 64  # q_a, q_b, kv_a, kv_b, o (no norms)
+    moe_mlp = 3 * h * (2 * 32 + 32) + h * 8  # top-2 experts and the shared one (f_e = f_s = 32), the router
+    dense_mlp = 3 * h * 160
+    core = 2 * s * a * (16 + 8) + 2 * s * a * 16
+    forward_per_token = L * (2 * projections + core) + 2 * (2 * moe_mlp + dense_mlp) + 2 * h * v
+    assert perf.model_flops(model, 1) == pytest.approx(3 * forward_per_token * s, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(qk_nope_head_dim=None), "kv_lora_rank=16 \\(multi-head latent attention\\) needs qk_nope_head_dim"),
+    (dict(kv_lora_rank=None), "q_lora_rank is a multi-head latent attention field: it needs kv_lora_rank"),
+])
+def test_bad_latent_attention_fields_are_refused(change, message):
+    spec = {**MOE_SPEC, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16}
+    with pytest.raises(MemplanError, match=message):
+        build(ModelSpec, {**spec, **change})
+
+
+def test_latent_attention_refused_for_megatron(tmp_path):
+    model = _spec(DEEPSEEK_V3, tmp_path)
+    dense = model.model_copy(update=dict(num_experts=None, moe_top_k=None, moe_ffn_hidden_size=None,
+                                         moe_shared_ffn_hidden_size=0, moe_first_dense_layers=0))
+    with pytest.raises(MemplanError, match="no Megatron-LM inventory for multi-head latent attention yet"):
+        estimate(make_config(ModelPreset(dense)), impl="megatron")

@@ -71,7 +71,7 @@ def test_traced_file_errors_name_the_file_and_field(traced_llama, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, impl", [("qwen2.5-7b", "hf-sdpa"), ("gemma2-9b", "hf-eager")])
+@pytest.mark.parametrize("name, impl", [("qwen2.5-7b", "hf-sdpa"), ("gemma2-9b", "hf-eager"), ("mixtral-8x7b", "hf-sdpa")])
 def test_shipped_traces_match_the_code(name, impl):
     """A shipped traced inventory is what transformers' code saves today: re-traced, it is the same
     file (python -m validation.traced_presets regenerates them all when the code changes)."""
