@@ -289,12 +289,17 @@ def divides(name, gpus):
     return False
 
 
+def is_moe(name):
+    """A mixture-of-experts preset: the default --impl megatron has no inventory for it (skipped)."""
+    return load_model(name).model.num_experts is not None
+
+
 def test_every_preset_on_its_own_gpu_and_the_skipped_ones_named():
     gpus = 7
     code, out = invoke(150, "search", "--gpus", str(gpus))
     assert code == 0, out
-    skipped = {name for name in model_names() if not divides(name, gpus)}
-    assert skipped  # 7 GPUs: some preset cannot be split
+    skipped = {name for name in model_names() if not divides(name, gpus) or is_moe(name)}
+    assert skipped - {name for name in model_names() if is_moe(name)}  # 7 GPUs: some preset cannot be split
     assert "each timed on its own preset's GPU" in out
     assert any(preset_gpu(name) for name in model_names())
     for name in model_names():
@@ -305,7 +310,8 @@ def test_every_preset_on_its_own_gpu_and_the_skipped_ones_named():
         if name in skipped:
             assert not rows
             line = next(line for line in out.splitlines() if line.startswith(f"skipped {model} "))
-            assert line.startswith(f"skipped {model} ({gpu}): no plan of {model} divides {gpus} GPUs")
+            reason = "no Megatron-LM MoE inventory yet" if is_moe(name) else f"no plan of {model} divides {gpus} GPUs"
+            assert line.startswith(f"skipped {model} ({gpu}): {reason}"), line
         else:
             assert len(rows) == 1 and re.search(rf"│ {gpu} {budget}{assumed} +│", rows[0]), rows
     if not all(preset_gpu(name) for name in model_names()):
@@ -337,7 +343,7 @@ def test_every_preset_at_80_columns_names_the_gpus():
     assert code == 0 and not [line for line in out.splitlines() if len(line) > 80]
     text = " ".join(out.split())  # the GPU lines may wrap
     for gpu in {preset_gpu(name) for name in model_names()}:
-        names = [shown_name(name) for name in model_names() if preset_gpu(name) == gpu]
+        names = [shown_name(name) for name in model_names() if preset_gpu(name) == gpu and not is_moe(name)]
         cell = gpu if gpu is not None else f"{DEFAULT_GPU} (assumed)"
         assert f"on {cell}: {', '.join(names)}" in text
 
@@ -345,6 +351,8 @@ def test_every_preset_at_80_columns_names_the_gpus():
 def test_every_preset_sorted_by_memory():
     data = cli_json("search", "--gpus", "64", "--mem", "80GB", "--sort", "memory", "--top", "3")
     for d in data:
+        if "skipped" in d:
+            continue  # the MoE presets under --impl megatron
         keys = [(device(p), p["step_time_s"]) for p in d["plans"]]
         assert d["sort"] == "memory" and keys == sorted(keys)
 
