@@ -313,7 +313,9 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts",
                       "DeepseekV3ForCausalLM": "n_routed_experts"}
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")
+_QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias=True, o_proj without
+_SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / pre- and post_feedforward norms
 
 
 # The sequence length a config.json gets when --seq-len is not given: its position limit, capped at
@@ -437,7 +439,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
                                                  data.get("model_type", "").startswith("gemma")),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
                         bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
-                        attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES)
+                        attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
+                        qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
+                        sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES)
             if known[0] in _MOE_ARCHITECTURES:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:

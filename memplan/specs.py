@@ -87,6 +87,15 @@ class ModelSpec(_Spec):
         description="attention kernel: eager stores the s x s scores (K22); flash (FlashAttention, "
         "cuDNN fused, SDPA flash) stores only its output and an fp32 log-sum-exp",
     )
+    qkv_bias: bool = Field(
+        default=False,
+        description="biases on the Q, K and V projections only (Qwen2; `bias` puts one on every linear)",
+    )
+    sandwich_norms: bool = Field(
+        default=False,
+        description="two more norms per layer, on the attention's and the MLP's outputs (Gemma 2, Gemma 3): "
+        "four per layer",
+    )
     qk_norm: bool = Field(
         default=False,
         description="an RMSNorm on each head's queries and keys (two head_dim-wide weights per layer: Qwen3, "

@@ -91,7 +91,9 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
             ParamGroup(prefix + "MLP output projection weight", Poly.parse("h f"), True, mlp),
         ]
-    groups.append(ParamGroup("layer norms", Poly.parse(norm) * 2, False, "layer"))
+    groups.append(ParamGroup("layer norms", Poly.parse(norm) * (4 if model.sandwich_norms else 2), False, "layer"))
+    if model.qkv_bias and not model.bias:
+        groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
@@ -234,6 +236,11 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None, 2)] \
         if model.qk_norm else []
+    if model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
+        qk_norms = (([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
+                     [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                      WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")]) + qk_norms)
+    sandwich = norm + norm if model.sandwich_norms else []  # Gemma 2 / 3: norms on the sub-layers' outputs
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
 
     def linear(group: str, name: str, rows: Poly, cols: Poly, split: str, count: int = 1) -> list[WeightShape]:
@@ -256,6 +263,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     else:
         attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
                      + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+    attention = attention + sandwich
     if layout == "fused":
         dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
                      + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))

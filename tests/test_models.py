@@ -208,3 +208,56 @@ def test_head_dim_shown_as_q_in_the_sizes(run_cli, tmp_path):
     data = json.loads(out)
     sizes = {t["id"]: t["symbolic"] for t in data["activations"]["terms"]}
     assert sizes["proj_input"] == "2sbq" and sizes["v"] == "2sbqg/a"
+
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def _meta_count(config: dict) -> int:
+    """Parameters of transformers' own model for a config.json, built on the meta device (no memory,
+    no weights): each tensor once, so tied embeddings count once."""
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_shipped_transformers_presets_count_what_transformers_builds():
+    """Every preset shipped as a config.json (configs/traced/) has exactly the parameters transformers
+    builds from it: Qwen2's Q/K/V biases, Qwen3's per-head q/k norms, Gemma 2's four norms per layer,
+    Gemma's tied embeddings, Mixtral's and Qwen3-MoE's experts and routers included."""
+    pytest.importorskip("transformers")
+    from memplan.presets import configs_dir, model_names
+
+    from memplan.states import total_params
+
+    shipped = sorted(p.parent.name for p in (configs_dir() / "traced").glob("*/config.json"))
+    assert set(shipped) <= set(model_names()) and len(shipped) >= 7
+    for name in shipped:
+        config = json.loads((configs_dir() / "traced" / name / "config.json").read_text())
+        assert total_params(load_model(name).model) == _meta_count(config), name
+
+
+@pytest.mark.slow
+def test_every_traced_family_counts_what_transformers_builds(tmp_path):
+    """The small configs of every family the tracer is checked on (validation/trace.py FAMILIES), read
+    as --hf-config reads a config.json: the same parameter count as transformers' model (Gemma 3: q/k
+    norms and four norms per layer; DeepSeek-V3: latent attention, dense first layer, shared expert)."""
+    pytest.importorskip("transformers")
+    from validation.trace import FAMILIES
+
+    from memplan.states import total_params
+
+    for name, (config, _) in FAMILIES.items():
+        config = {**config, "architectures": [ARCHITECTURES[config["model_type"]]]}
+        assert total_params(read_hf_config(write(tmp_path, config)).model) == _meta_count(config), name
