@@ -2,11 +2,12 @@
 
 Method
 ------
-A model (the K22 reference ``layers.GPTModel``, or HF transformers GPT-2 / Llama built from a
-config by ``hf.build_model``) and an optimizer (torch AdamW; or SGD with / without momentum,
-Adafactor, Muon beside an AdamW: ``StepCase.algorithm``, ``ALGORITHMS``) run TWO full training steps;
-only the second is measured, so the optimizer states exist and everything lazy was initialised in
-step one.
+A model (the K22 reference ``layers.GPTModel``, HF transformers GPT-2 / Llama built from a
+config by ``hf.build_model``, or another transformers family built by ``trace.build_model`` from its
+small config in ``trace.FAMILIES``: ``StepCase.family``) and an optimizer (torch AdamW; or SGD with /
+without momentum, Adafactor, Muon beside an AdamW: ``StepCase.algorithm``, ``ALGORITHMS``) run TWO
+full training steps; only the second is measured, so the optimizer states exist and everything lazy
+was initialised in step one.
 
 * Before the measured step: ``gc.collect()``, then ``persistent`` is read off the tensors that are
   alive, by category, each storage once (``untyped_storage().nbytes()``): ``weights`` (model
@@ -93,9 +94,9 @@ PHASES = ("forward", "loss", "backward", "optimizer")
 
 @dataclass(frozen=True, kw_only=True)
 class StepCase:
-    """One training step to measure.  ``f`` None means 4h (all models; pass Llama's explicitly)."""
+    """One training step to measure.  ``f`` None means 4h (pass Llama's explicitly; a family: its config's)."""
 
-    model: Literal["k22", "gpt2", "llama"]
+    model: Literal["k22", "gpt2", "llama", "family"]
     attn: Literal["eager", "sdpa"] = "eager"  # HF only; k22 always runs its own eager attention
     s: int
     b: int
@@ -116,14 +117,27 @@ class StepCase:
     backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
+    # model "family": a transformers family of validation/trace.py FAMILIES (qwen2, gemma2, ...), its small
+    # config with this case's h, a, L, v (and f, g, head_dim where given); attn picks its implementation, and
+    # gradient checkpointing is enabled as for Llama
+    family: str | None = None
 
     @property
     def ffn(self) -> int:
         return 4 * self.h if self.f is None else self.f
 
     def check(self) -> None:
-        if self.model not in ("k22", "gpt2", "llama"):
-            raise ValueError("model must be 'k22', 'gpt2' or 'llama'")
+        if self.model not in ("k22", "gpt2", "llama", "family"):
+            raise ValueError("model must be 'k22', 'gpt2', 'llama' or 'family'")
+        if (self.model == "family") != (self.family is not None):
+            raise ValueError("model 'family' needs a family (validation/trace.py FAMILIES), and only it takes one")
+        if self.family is not None:
+            from .trace import FAMILIES
+
+            if self.family not in FAMILIES:
+                raise ValueError(f"family must be one of {', '.join(FAMILIES)}")
+            if self.loss_chunks > 1 or self.p_drop:
+                raise ValueError("a family runs its own config's loss and dropout (loss_chunks 1, p_drop 0)")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError("recompute must be 'none', 'selective' or 'full'")
         if self.model != "k22" and self.recompute == "selective":
@@ -336,8 +350,15 @@ def _build(case: StepCase):
         device = "cuda" if case.backend == "cuda" else "cpu"
         model = GPTModel(cfg, case.L, case.v, case.s, comm, dtype=dtype, device=device).train()
         return model, list(model.layers), partial(_forward_fresh, model, case, "model", comm, dtype, device)
-    hf, hcase = _hf(), _hf_case(case)
-    model = hf.build_model(hcase)
+    hf = _hf()
+    if case.family is not None:
+        from . import trace
+
+        config = family_config(case.family, case.h, case.a, case.L, case.v, case.f, case.g, case.head_dim)
+        model = trace.build_model(config, f"hf-{case.attn}", case.dtype)
+    else:
+        hcase = _hf_case(case)
+        model = hf.build_model(hcase)
     if case.recompute == "full":  # transformers 5.x renamed gradient_checkpointing_enable (deprecated alias)
         kw = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):
@@ -346,9 +367,32 @@ def _build(case: StepCase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     base = hf._base(model)
     layers = list(base.layers if hasattr(base, "layers") else base.h)
+    if case.family is not None:
+        return model, layers, partial(_forward_family, model, case)
     if case.loss_chunks > 1:
         return model, layers, partial(_forward_chunked_loss, model, case)
     return model, layers, partial(hf._forward_fresh, model, hcase, "model")
+
+
+def family_config(family: str, h: int, a: int, L: int, v: int, f: int | None = None, g: int | None = None,
+                  head_dim: int | None = None) -> dict:
+    """The config.json (a dict) of a family case: validation/trace.py FAMILIES' small config of
+    ``family`` with h, a, L, v and, where given (not None), f, g and head_dim."""
+    from .trace import FAMILIES
+
+    cfg = dict(FAMILIES[family][0])
+    cfg.update(hidden_size=h, num_attention_heads=a, num_hidden_layers=L, vocab_size=v)
+    for key, value in (("intermediate_size", f), ("num_key_value_heads", g), ("head_dim", head_dim)):
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def _forward_family(model, case: StepCase) -> torch.Tensor:
+    """A family model's loss on fresh random ids and labels (transformers' own ForCausalLM loss)."""
+    ids = torch.randint(0, case.v, (case.b, case.s))
+    targets = torch.randint(0, case.v, (case.b, case.s))
+    return model(input_ids=ids, labels=targets, use_cache=False).loss
 
 
 def _forward_chunked_loss(model, case: StepCase) -> torch.Tensor:
@@ -586,9 +630,13 @@ def format_report(m: StepMeasurement, ops: bool = False, phase: str | None = Non
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m validation.step", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("k22", "gpt2", "llama"), default="llama")
+    p.add_argument("--family", default=None, help="a transformers family of validation/trace.py FAMILIES (qwen2, "
+                   "gemma2, ...) instead of --model: its small config, with h, a, L, v, f, g, head_dim where given")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
-    for name, default in (("s", 64), ("b", 1), ("h", 64), ("a", 4), ("L", 2), ("v", 512), ("M", 1), ("seed", 0)):
+    for name, default in (("s", 64), ("b", 1), ("M", 1), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
+    for name, default in (("h", 64), ("a", 4), ("L", 2), ("v", 512)):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"default {default} (--family: its config's)")
     p.add_argument("--f", type=int, default=None)
     p.add_argument("--g", type=int, default=None)
     p.add_argument("--head_dim", type=int, default=None)
@@ -605,7 +653,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase", choices=PHASES, default=None, help="with --ops: only this phase")
     p.add_argument("--layer", default="any", help="with --ops: only this layer ('none' for no layer)")
     a = p.parse_args(argv)
-    case = StepCase(model=a.model, attn=a.attn, s=a.s, b=a.b, h=a.h, a=a.a, L=a.L, v=a.v, f=a.f, g=a.g,
+    shape = {"h": 64, "a": 4, "L": 2, "v": 512}
+    if a.family is not None:
+        from .trace import FAMILIES
+
+        cfg = FAMILIES[a.family][0]
+        shape = {"h": cfg["hidden_size"], "a": cfg["num_attention_heads"], "L": cfg["num_hidden_layers"],
+                 "v": cfg["vocab_size"]}
+    for name in shape:
+        if getattr(a, name) is None:
+            setattr(a, name, shape[name])
+    case = StepCase(model="family" if a.family else a.model, family=a.family, attn=a.attn, s=a.s, b=a.b, h=a.h,
+                    a=a.a, L=a.L, v=a.v, f=a.f, g=a.g,
                     head_dim=a.head_dim, loss_chunks=a.loss_chunks, p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
                     algorithm=a.algorithm, microbatches=a.M, backend=a.backend, dtype=a.dtype, seed=a.seed)
     layer = a.layer if a.layer == "any" else (None if a.layer == "none" else int(a.layer))

@@ -188,3 +188,22 @@ def test_hf_loss_path_upcasts_logits_and_grads_order(m):
     assert len(emb) == 1 and bwd[emb[0]].allocated == BF16 * v * h
     assert all(o.layer is None for o in bwd[emb[0]:])
     assert max(i for i, o in enumerate(bwd) if o.layer == 0) < emb[0]
+
+
+def test_a_traced_family_runs_its_config_with_the_case_shape():
+    """model "family": validation/trace.py FAMILIES' small Qwen3 config (head_dim 24, q / k norms, tied
+    embeddings) with the case's h, a, L, v, f, g; the torch loop as for Llama. By hand, Qwen3ForCausalLM:
+    per layer q_proj h x a d, k_proj / v_proj h x g d, o_proj a d x h, q_norm / k_norm d, two norms h,
+    gate / up / down 3 h f; embed_tokens v x h (the LM head tied to it), final norm h."""
+    h, a, g, d, f, v, L = 64, 4, 2, 24, 96, 256, 3
+    m = measure_step(StepCase(model="family", family="qwen3", attn="sdpa", s=16, b=2, h=h, a=a, g=g, f=f, v=v, L=L))
+    N = L * (h * a * d + 2 * h * g * d + a * d * h + 2 * d + 2 * h + 3 * h * f) + v * h + h
+    assert m.persistent["weights"] == BF16 * N
+    assert m.persistent["optimizer_states"] == 2 * BF16 * N  # AdamW's two bf16 moments
+    assert len(m.segments("backward", layer=L - 1)) == 1  # L decoder layers, each labelled
+    with pytest.raises(ValueError, match="needs a family"):
+        StepCase(model="family", s=16, b=2, h=h, a=a).check()
+    with pytest.raises(ValueError, match="only it takes one"):
+        StepCase(model="llama", family="qwen3", s=16, b=2, h=h, a=a).check()
+    with pytest.raises(ValueError, match="family must be one of"):
+        StepCase(model="family", family="falcon", s=16, b=2, h=h, a=a).check()
