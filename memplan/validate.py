@@ -11,13 +11,18 @@ torch is imported only when a validation actually runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memplan import terms as inventory
 from memplan.memory import PlanValues, stage_memory
 from memplan.specs import OPTIMIZER_IMPLS_OF, Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.states import total_params
 
 TOLERANCE = 1e-3  # 0.1 % of a case's activation bytes (issue: CPU tolerance)
 HF_TOLERANCE = 1e-2  # 1 % per layer against transformers' own code
@@ -284,14 +289,23 @@ PEAK_TOLERANCE = 1e-2  # 1 % of the measured allocated peak
 MEASURED_OPTIMIZERS = ("sgd", "sgd-nomomentum", "adafactor", "muon")
 
 
+# The transformers families of validation/trace.py FAMILIES that a peak case can run (model "family"), by
+# the architecture their config.json names: memplan reads the config as `estimate --hf-config` does
+FAMILY_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                        "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                        "mistral-window": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                        "deepseek-v3": "DeepseekV3ForCausalLM"}
+
+
 @dataclass(frozen=True)
 class PeakCase:
     """One whole training step to measure: a model (the K22 reference model in a Megatron-like
-    loop, bf16-mixed; transformers GPT-2 / Llama with torch AdamW on bf16 weights, bf16-true), its
-    recompute, optimizer implementation, micro-batches and measurement backend."""
+    loop, bf16-mixed; transformers GPT-2 / Llama, or a traced family's small config, with torch AdamW
+    on bf16 weights, bf16-true), its recompute, optimizer implementation, micro-batches and measurement
+    backend."""
 
     name: str
-    model: str  # k22 | gpt2 | llama
+    model: str  # k22 | gpt2 | llama | family (a traced transformers family: `family`)
     s: int
     b: int
     h: int
@@ -309,6 +323,7 @@ class PeakCase:
     microbatches: int = 1
     backend: str = "live"  # live | fake | cuda
     algorithm: str = "adamw"  # the optimizer (TrainingSpec.optimizer): adamw | sgd | sgd-nomomentum | adafactor | muon
+    family: Optional[str] = None  # model "family": FAMILY_ARCHITECTURES' name (its config: validation/trace.py)
 
     @property
     def loop(self) -> str:
@@ -323,7 +338,9 @@ def peak_config(case: PeakCase) -> Config:
     """The plan a peak case runs, as memplan's Config."""
     shape = dict(name=case.name, num_layers=case.L, hidden_size=case.h, num_attention_heads=case.a,
                  seq_length=case.s, vocab_size=case.v, ffn_hidden_size=case.f, dropout=case.p_drop > 0)
-    if case.model == "llama":
+    if case.model == "family":
+        model = family_model(case)
+    elif case.model == "llama":
         model = ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
                           position_embedding="rope",
                           tied_embeddings=False, bias=False, attention="flash" if case.attn == "sdpa" else "eager")
@@ -335,6 +352,41 @@ def peak_config(case: PeakCase) -> Config:
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
         optimizer=case.algorithm, optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks))
+
+
+def family_model(case: PeakCase) -> ModelSpec:
+    """The ModelSpec of a family case as `memplan estimate --hf-config` builds it: the family's small
+    config (validation/step.py family_config, the config the measurement runs) with its architecture,
+    read by presets.read_hf_config, its `inventory` a directory holding that config's trace (the CPU
+    kernels'; the CUDA kernels' for the cuda backend: validation/trace.py), s the case's. Imports torch
+    (the trace)."""
+    from memplan.presets import read_hf_config
+
+    kernels = "cuda" if case.backend == "cuda" else "cpu"
+    directory = _family_trace(case.family, case.impl, kernels, case.h, case.a, case.L, case.v, case.f, case.g,
+                              case.head_dim)
+    model = read_hf_config(str(Path(directory) / "config.json")).model
+    return ModelSpec.model_validate({**model.model_dump(), "name": case.name, "seq_length": case.s,
+                                     "inventory": directory})
+
+
+_TRACES: list = []  # the temporary directories of the family traces, removed at exit
+
+
+@functools.lru_cache(maxsize=None)
+def _family_trace(family: str, impl: str, kernels: str, *shape: Optional[int]) -> str:
+    """A directory with a family config.json and its trace for `impl` and `kernels` (traced once per config)."""
+    from memplan.traced import file_name
+
+    step = importlib.import_module(_harness().__name__ + ".step")
+    trace = importlib.import_module(_harness().__name__ + ".trace")
+    config = {**step.family_config(family, *shape), "architectures": [FAMILY_ARCHITECTURES[family]]}
+    _TRACES.append(tempfile.TemporaryDirectory(prefix=f"memplan-peak-{family}-"))
+    directory = Path(_TRACES[-1].name)
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    data = trace.trace_hf_config(config, impl=impl, kernels=kernels)
+    (directory / file_name(impl, kernels)).write_text(trace.to_yaml(data), encoding="utf-8")
+    return str(directory)
 
 
 def predict_peak(case: PeakCase) -> Any:
@@ -417,6 +469,7 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
     # the foreach AdamW's temporary is the step's, the fused one leaves Muon's Newton-Schulz
     cases += [PeakCase("llama sdpa s16 h128 v4096 muon", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, v=4096,
                        attn="sdpa", optimizer=opt, algorithm="muon") for opt in ("foreach", "fused")]
+    cases += family_peak_cases()
     if fake:
         cases += [
             PeakCase("llama3-8b shape s4096", model="llama", s=4096, b=1, h=4096, a=32, g=8, f=14336, v=128256,
@@ -429,6 +482,23 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
     return cases
 
 
+def family_peak_cases() -> list[PeakCase]:
+    """The traced families' whole steps (validation/trace.py FAMILIES' small configs: h = 64, a = 4, f = 160,
+    2-4 layers), s = 64, b = 2, with v = 128 so that with gradient checkpointing a decoder layer's backward
+    is the step's peak (the traced inventory's derived moments) and without it the loss's; hf-sdpa, Gemma 2
+    eager (transformers has no sdpa for it). Left out, as they miss by more than the tolerance (README,
+    "Predicted vs measured peaks"): with gradient checkpointing, Gemma 2 and Gemma 3 (their layers' backward
+    peaks in the fp32 backward of post_feedforward_layernorm, a moment the Llama layout does not have) and
+    DeepSeek-V3 (its experts' combine and its dense first layer)."""
+    both, none = ("none", "full"), ("none",)
+    families = [("qwen2", "sdpa", 2, both), ("qwen3", "sdpa", 2, both), ("gemma", "sdpa", 2, both),
+                ("gemma2", "eager", 3, none), ("gemma3", "sdpa", 4, none), ("phi3", "sdpa", 2, both),
+                ("mistral-window", "sdpa", 2, both), ("mixtral", "sdpa", 2, both), ("deepseek-v3", "sdpa", 3, none)]
+    return [PeakCase(f"{family} {attn} s64 v128", model="family", family=family, s=64, b=2, h=64, a=4, f=160, L=L,
+                     v=128, attn=attn, recompute=rec)
+            for family, attn, L, recomputes in families for rec in recomputes]
+
+
 @dataclass
 class PeakResult:
     case: PeakCase
@@ -438,6 +508,8 @@ class PeakResult:
     measured_at: str  # phase and layer of the measured peak
     predicted_moment: str = ""  # what happens at memplan's peak
     tolerance: float = PEAK_TOLERANCE
+    predicted_params: Optional[int] = None  # memplan's parameter count of the model (states.total_params)
+    measured_params: Optional[int] = None  # the real model's (its bf16 weights' bytes / 2)
 
     @property
     def error(self) -> float:
@@ -459,13 +531,14 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
                                   g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer=c.optimizer, algorithm=c.algorithm, microbatches=c.microbatches,
-                                  backend=c.backend))
+                                  backend=c.backend, family=c.family))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event
         at = e.phase + (f" {e.layer}" if e.layer is not None else "")
         measured_at = m.peak_phase + (f" {m.peak_layer + 1}" if m.peak_layer is not None else "")  # layers from 1
-        results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance))
+        results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance,
+                                  total_params(peak_config(c).model), m.persistent["weights"] // 2))
     return results
 
 
