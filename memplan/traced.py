@@ -300,12 +300,49 @@ def _group_rows(group: LayerGroup, k: int) -> list[TracedTerm]:
 
 def _freed(rows: list[TracedTerm], sdpa: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """What each backward moment of a layer has released (terms_hf._layer_moments' three moments),
-    from the forward order of one group's saves."""
+    from the forward order of one group's saves; a norm on the MLP's output (Gemma 2 / 3) is
+    back-propagated before the MLP, so its saves are gone at all three."""
     attention = [r for r in rows if _block(r.module) != "MLP"]
     mlp = [r for r in rows if _block(r.module) == "MLP"]
     after_down = _from(mlp, DOWN_PROJ, DOWN_PROJ_OPS)
     in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
-    return after_down[1:], after_down, in_attention + tuple(r.id for r in mlp if not r.shared)
+    post = _post_mlp_norm(rows)
+    return after_down[1:] + post, after_down + post, in_attention + tuple(r.id for r in mlp if not r.shared)
+
+
+def _post_mlp_norm(rows: list[TracedTerm]) -> tuple[str, ...]:
+    """Ids of a norm's saves made after the MLP's last save (Gemma 2 / 3 post_feedforward_layernorm)."""
+    last_mlp = max((i for i, r in enumerate(rows) if _block(r.module) == "MLP"), default=None)
+    if last_mlp is None:
+        return ()
+    return tuple(r.id for r in rows[last_mlp + 1:] if _block(r.module) == "layer norms" and not r.shared)
+
+
+def _first_moments(model: ModelSpec, traced: TracedFile) -> list:
+    """Moments at the start of a layer's backward that the Llama layout does not have (derived from op
+    logs of real CPU steps, validation/step.py; memplan validate --peak checks them):
+    - a norm on the MLP's output (Gemma 2 / 3): its fp32 backward holds four s x b x h fp32 tensors
+      beside the residual stream's gradient, every save of the layer still alive;
+    - an MoE layer (transformers' grouped_mm experts): the combine's backward makes fp32 copies of the
+      gradient for the k routed copies of each token (s b h, s b k h, k s b h twice) and a bf16 one."""
+    from memplan.terms import Moment, _x
+
+    src = "derived from op logs of real CPU steps (validation/step.py), checked by memplan validate --peak"
+    dy = _x("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=src)
+    moments = []
+    if any(_post_mlp_norm(g.terms) for g in traced.layer_groups):
+        moments.append(Moment("post_mlp_norm_backward", "backward of the norm on the MLP's output (fp32)", "backward",
+                              "layer", (dy, _x("grad_norm_fp32", "the norm's fp32 backward", "4 s b h", "fp32",
+                                                src=src)), source=src))
+    if model.is_moe:
+        k = model.moe_top_k
+        moments.append(Moment("moe_combine_backward", "backward of the experts' combine (fp32 copies per routed token)",
+                              "backward", "layer",
+                              (dy, _x("grad_combine_fp32", "fp32 gradients of the k routed copies", f"{3 * k} s b h",
+                                      "fp32", src=src),
+                               _x("grad_combine", "bf16 gradient of the k routed copies", f"{k} s b h", src=src)),
+                              source=src))
+    return moments
 
 
 def _from(rows: list[TracedTerm], ends: tuple[str, ...], ops: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -356,7 +393,8 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     # term is weighted by its group's share, so every group's releases count at each moment)
     by_group = [_freed(_group_rows(g, k), sdpa) for k, g in enumerate(traced.layer_groups)]
     freed = tuple(tuple(i for f in by_group for i in f[j]) for j in range(3))
-    moments = _moe_moments(model, _layer_moments(model, sdpa, freed)) + _loss_moments(model)
+    moments = (_first_moments(model, traced) + _moe_moments(model, _layer_moments(model, sdpa, freed))
+               + _loss_moments(model))
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
                      origin=origin_text(traced), traced_from=_least_values(traced.conditions))
 
