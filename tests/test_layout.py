@@ -174,7 +174,7 @@ def test_validate_tables(width):
         body = table_body(out, peaks[0].case.name, indented=False)
         long_names = sum(len(r.case.name) > 19 for r in peaks)
         assert len(body) <= len(peaks) + long_names + 1, "\n".join(body)
-        assert long_names < len(peaks) / 2
+        assert long_names <= len(peaks) / 2  # never most rows
         assert re.search(r" bwd 1   PASS\n", out) and re.search(r" bwd 1 / PASS\n +loss", out)
 
 
