@@ -66,16 +66,20 @@ def read_text(path: Path, what: str) -> str:
         raise MemplanError(f"{path}: not UTF-8 text (byte {err.start})") from None
 
 
+# libyaml's safe loader where PyYAML was built with it (the same plain data, about 10x faster to parse)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _read_yaml(path: Path) -> dict:
     text = read_text(path, "YAML file")
     try:
         # plain data only: anchors and aliases (a "billion laughs" file expands exponentially) and
         # language tags (!!python/...) are refused before anything is built
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        for event in yaml.parse(text, Loader=SAFE_LOADER):
             if isinstance(event, yaml.AliasEvent):
                 raise MemplanError(f"{path}: line {event.start_mark.line + 1}: YAML aliases (*name) are not "
                                    "supported; write the values out")
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SAFE_LOADER)
     except yaml.constructor.ConstructorError as err:
         mark = err.problem_mark
         raise MemplanError(f"{path}: line {mark.line + 1 if mark else '?'}: {err.problem} (plain YAML data only)"

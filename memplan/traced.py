@@ -139,7 +139,7 @@ def file_name(impl: str, kernels: str) -> str:
 def read_traced(path: Path) -> TracedFile:
     """A traced inventory file, checked: unknown or mistyped fields name the field and the file."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as err:
         raise MemplanError(f"cannot read {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
