@@ -46,7 +46,7 @@ CASES = [
     (["search", "--model", "gpt3-175b", "--gpus", "64", "--seq-len", "300000000", "--mem", "80GB"], "64-bit"),
     (["search", "--model", "gpt3-175b", "--gpus", "12288", "--seq-len", "16000000", "--global-batch", "12288",
       "--mem", "80GB"], "64-bit"),
-    (["estimate", "--model", "no-such-model"], "known: gemma-7b, gemma2-9b, gpt-1t"),
+    (["estimate", "--model", "no-such-model"], "known: deepseek-v3, gemma-7b, gemma2-9b, gemma3-1b, gpt-1t"),
     (["estimate", "--model", "mixtral-8x7b"], "no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"),
     (["estimate", "--hf-config", CORPUS / "moe-topk.json", "--impl", "hf-sdpa"], "moe_top_k=9 exceeds num_experts=8"),
 ]
