@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from memplan.errors import MemplanError
 from memplan.specs import ModelSpec, describe_validation_error
 from memplan.symbolic import Poly
-from memplan.terms import Dtype, Inventory, Term, _t
+from memplan.terms import Dtype, Inventory, Moment, Term, _t, _x
 
 FORMAT = "memplan-traced-inventory/1"
 SYMBOLS = {"s", "b"}
@@ -325,8 +325,6 @@ def _first_moments(model: ModelSpec, traced: TracedFile) -> list:
       beside the residual stream's gradient, every save of the layer still alive;
     - an MoE layer (transformers' grouped_mm experts): the combine's backward makes fp32 copies of the
       gradient for the k routed copies of each token (s b h, s b k h, k s b h twice) and a bf16 one."""
-    from memplan.terms import Moment, _x
-
     src = "derived from op logs of real CPU steps (validation/step.py), checked by memplan validate --peak"
     dy = _x("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=src)
     moments = []

@@ -105,8 +105,7 @@ def test_a_trace_holds_at_micro_batch_one(family):
     """Traces hold for b >= 2 (torch's symbolic shapes treat size 1 apart), and estimate uses them at
     b = 1, the commonest micro-batch, saying so. Real CPU runs at b = 1 keep exactly 8 bytes more
     than the polynomials give (cross_entropy keeps one more int64 label id), whatever s is."""
-    from test_trace import FAMILIES  # the small configs of the trace engine's tests (tests/ is on the path)
-    from validation.trace import measure_hf_config, predicted_bytes
+    from validation.trace import FAMILIES, measure_hf_config, predicted_bytes
 
     config, _ = FAMILIES[family]
     inventory = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
@@ -123,8 +122,7 @@ def test_traced_estimate_equals_a_real_run(family, tmp_path):
     (every saved storage once, measured with saved_tensors_hooks). Gemma 3 has two kinds of layer
     (sliding-window and global attention, each with its own rope tables): two layer groups, each
     weighted by its share of the layers, must still add up exactly."""
-    from test_trace import FAMILIES
-    from validation.trace import measure_hf_config
+    from validation.trace import FAMILIES, measure_hf_config
 
     config, _ = FAMILIES[family]
     arch = {"gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
