@@ -85,7 +85,19 @@ def plan_options(func: Callable) -> Callable:
                           "has it, else the optimizer's own; see `memplan impls`)."),
         click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
-                          "cross-entropy): the full fp32 logits never exist. Measured for --impl hf-*."),
+                          "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
+                          "hf-* and torch; derived for megatron, which has no such flag (memplan/chunked_loss.py)."),
+        click.option("--fp8", "fp8", type=click.Choice(["delayed", "tensorwise", "blockwise", "mxfp8", "custom"]),
+                     metavar="RECIPE",
+                     help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
+                          "tensorwise or blockwise; pinned in search): FP8 linear inputs, weight caches, scaling "
+                          "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/fp8.py)."),
+        click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
+                     help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
+        click.option("--fp8-amax-history-len", type=click.IntRange(1), metavar="N",
+                     help="With --fp8 delayed: amax values kept per FP8 tensor (default 1, Megatron-LM's)."),
+        click.option("--fp8-param-gather", is_flag=True, default=None,
+                     help="With --fp8: the linear weights kept only in FP8 (Megatron-LM --fp8-param-gather)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
@@ -159,8 +171,16 @@ def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
     fraction = opts.get("offload_fraction")
     if fraction is not None and "optimizer" not in offload:
         raise MemplanError("--offload-fraction needs --offload optimizer")
+    fp8 = opts.get("fp8")
+    if fp8 is None and any(opts.get(k) for k in ("fp8_format", "fp8_amax_history_len", "fp8_param_gather")):
+        raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
+    if fp8 is not None:
+        from memplan.fp8 import check_fp8
+
+        check_fp8(fp8, opts.get("impl", "megatron"))
     return dict(precision=opts.get("precision"), optimizer=opts.get("optimizer"), optimizer_impl=opts.get("optimizer_impl"),
-                loss_chunks=opts.get("loss_chunks"),
+                loss_chunks=opts.get("loss_chunks"), fp8=fp8, fp8_format=opts.get("fp8_format"),
+                fp8_amax_history_len=opts.get("fp8_amax_history_len"), fp8_param_gather=opts.get("fp8_param_gather"),
                 offload_optimizer_fraction=(1.0 if fraction is None else fraction) if "optimizer" in offload else None,
                 offload_activations=True if "activations" in offload else None)
 
@@ -241,6 +261,12 @@ def impls() -> None:
     click.echo("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
     for name, info in OPTIMIZER_INFO.items():
         click.echo(f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}")
+    from memplan.chunked_loss import INFO as CHUNKS_INFO
+    from memplan.fp8 import INFO as FP8_INFO
+
+    click.echo("\ntechniques:")
+    for text in (FP8_INFO, CHUNKS_INFO):
+        click.echo(text)
 
 
 @cli.command()
@@ -357,8 +383,6 @@ def search(**opts: Any) -> None:
     fmt = _output_format(opts)
     _check_emit(opts, fmt)
     _check_plots(opts["plot"])
-    if (opts.get("loss_chunks") or 1) > 1:
-        raise MemplanError("search --loss-chunks is not searched yet: use estimate --loss-chunks on a plan")
     gpus = opts.get("gpus")
     if gpus is None:
         raise MemplanError("--gpus is required for search")
@@ -449,7 +473,8 @@ def _optimizer_notes(result: Any) -> list[str]:
 
     if result.training.optimizer == "adamw":
         return []
-    impl = optimizer_impl(result.training, inventory_for(result.model, result.impl))
+    impl = optimizer_impl(result.training, inventory_for(result.model, result.impl, loss_chunks=result.training.loss_chunks,
+                                                        fp8=result.training.fp8))
     return notes(result.training, impl, pinned=True)
 
 

@@ -15,6 +15,7 @@ from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import active_params, total_params
 from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
 from memplan.terms_hf import check_hf_plan
+from memplan.fp8 import check_fp8, notes as fp8_notes
 from memplan.offload import HostBytes, host_bytes, notes as offload_notes, per_node
 from memplan.optimizers import notes as optimizer_notes
 from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
@@ -105,7 +106,8 @@ def estimate(
     `host_budget_bytes`, when the host memory its offload takes per node is within that)."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
-    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks)
+    check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
+    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks, config.training.fp8)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
@@ -183,7 +185,8 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     (what `estimate` decides a fit on, without its report)."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
-    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks)
+    check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
+    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks, config.training.fp8)
     plan = PlanValues.from_config(config)
     peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
     return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)
@@ -211,6 +214,11 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
+    notes += fp8_notes(tr)
+    if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
+        from memplan.chunked_loss import note as chunk_note
+
+        notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
     notes.append(

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from memplan.chunked_loss import launch_note as loss_chunks_note
+from memplan.fp8 import launch_args as fp8_launch_args
 from memplan.specs import PRECISIONS, Config, Recompute
 
 # ZeRO stage -> Megatron-FSDP data-parallel sharding strategy (stage 1 is the distributed optimizer).
@@ -118,6 +120,9 @@ def megatron_launch(config: Config) -> Launch:
     args += _optimizer(tr.optimizer, par.zero, notes)
     args += _offload(config, notes)
     args += _precision(tr.precision, notes)
+    args += fp8_launch_args(tr, par.zero, notes)
+    if tr.loss_chunks > 1:
+        notes.append(loss_chunks_note(tr.loss_chunks))
     if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
                      f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")

@@ -15,8 +15,8 @@ from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
 from memplan.offload import split_optimizer
 from memplan.optimizers import StageTensors
-from memplan.states import (Layout, ParamGroup, StateBytes, layer_params, optimizer_bytes, stage_params, stage_tensors,
-                            state_bytes)
+from memplan.states import (Layout, ParamGroup, StateBytes, layer_params, optimizer_bytes, param_groups, stage_params,
+                            stage_tensors, state_bytes)
 from memplan.terms import Term
 
 
@@ -216,6 +216,12 @@ def stage_memory(
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
     states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group),
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
+    if training.fp8 is not None:  # Transformer Engine's FP8 weight caches and scaling state (memplan/fp8.py)
+        from memplan.fp8 import weight_extra_bytes
+
+        linear = {g.name: sizes.group(g) for g in param_groups(model) if g.scope == "layer"}
+        states = StateBytes(states.weights + weight_extra_bytes(linear, layers, training, granularity),
+                            states.gradients, states.optimizer)
     host: Any = 0
     if offload:  # the offloaded share of the master weights and moments lives in host memory (memplan/offload.py)
         on_gpu, host = split_optimizer(training, states.optimizer)

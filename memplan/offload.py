@@ -229,7 +229,7 @@ def layer_copy_bytes(model: ModelSpec, training: TrainingSpec, plan: Any, impl: 
     from memplan.memory import term_bytes_for
     from memplan.terms import inventory_for
 
-    inventory = inventory_for(model, impl, device, training.loss_chunks)
+    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8)
     sizes = term_bytes_for(model, plan, training.activation_bytes)
     total: Any = 0
     for t in inventory.terms:

@@ -240,8 +240,11 @@ class Calibration:
     note: str  # empty when calibrated, else what was not measured
 
 
-def calibration(model: ModelSpec, gpu: GpuSpec, impl: str = "megatron") -> Calibration:
-    """The calibration status of a step time (the GPU preset's `calibration` and `calibrated_impls`)."""
+def calibration(model: ModelSpec, gpu: GpuSpec, impl: str = "megatron", fp8: Any = None) -> Calibration:
+    """The calibration status of a step time (the GPU preset's `calibration` and `calibrated_impls`; FP8
+    GEMMs were measured on no GPU: memplan/fp8.py)."""
+    if fp8 is not None:
+        return Calibration(False, None, "uncalibrated: FP8 GEMMs assumed at the bf16 GEMM efficiency of the FP8 peak")
     if not gpu.calibration:
         return Calibration(False, None, f"uncalibrated: no measurement on {gpu.name}, its efficiencies are assumed")
     if impl not in gpu.calibrated_impls:
@@ -548,12 +551,19 @@ class _LayerForms:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron") -> _LayerForms:
+def _layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron",
+                 fp8: bool = False) -> _LayerForms:
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
-    matmul = layer_matmul_flops(model) / (peak * gpu.matmul_efficiency)
+    # FP8 (memplan/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
+    gemm_peak = gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else peak
+    matmul = layer_matmul_flops(model) / (gemm_peak * gpu.matmul_efficiency)
     attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
     by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS)
+    if fp8:
+        from memplan.fp8 import cast_traffic
+
+        by = cast_traffic(model, activation_bytes, by)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
     # Each GEMM kernel: its FLOPs at matmul_efficiency plus a fixed matmul_overhead_s, paid once per
     # micro-batch (the u/b coefficient), so large GEMMs run closer to matmul_efficiency than small.
@@ -771,7 +781,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     A = training.activation_bytes
     pf = _floats(plan)
     x = _basis(gpu, pf)
-    lf = _layer_forms(model, gpu, A, impl)
+    lf = _layer_forms(model, gpu, A, impl, training.fp8 is not None)
     hf = _head_forms(model, gpu, A)
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
@@ -782,6 +792,15 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # Per sequence on the bottleneck stage: L/p layers, the LM head and (p = 1) the embedding.
     layer_compute, head_compute = lf.fwd_compute + lf.bwd_compute, hf.head_compute
     layer_memory, head_memory, emb_memory = lf.fwd_memory + lf.bwd_memory, hf.head_memory, hf.embedding_memory
+    if training.loss_chunks > 1:
+        # a chunked loss (memplan/chunked_loss.py) re-runs each chunk's forward in the backward: one more logits
+        # GEMM and the forward cross-entropy's bytes, and 4 GEMM kernels per chunk (forward, recompute, input and
+        # weight gradients) instead of 3 for the whole head (derived, not measured)
+        chunks = training.loss_chunks
+        head_compute = head_compute + _Form(t=hf.head_compute.t / 3.0,
+                                            u=(4.0 * chunks - 3.0) * gpu.matmul_overhead_s)
+        head_memory = head_memory + _Form(t=s * float(model.vocab_size) * (
+            A + FP32_BYTES * CROSS_ENTROPY_FWD_FP32_ACCESSES) / hbm)
     layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
     forward = lf.forward(x)  # one layer's forward, also what full recompute adds
     recompute = m * (pf.selective * lf.selective(x) + pf.full * forward)
@@ -880,8 +899,10 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer + opt_copy
     sequences = _f(global_batch)
-    gpus_peak_step = tdp * (gpu.peak_bf16_flops * step)
-    cal = calibration(model, gpu, impl)
+    # MFU against the peak of the GEMMs' precision: the FP8 one with FP8 (memplan/fp8.py), else bf16
+    peak_flops = gpu.peak_fp8_flops if training.fp8 is not None and gpu.peak_fp8_flops else gpu.peak_bf16_flops
+    gpus_peak_step = tdp * (peak_flops * step)
+    cal = calibration(model, gpu, impl, training.fp8)
     essentials = dict(model_flops=model_flops(model, global_batch), bubble_over_ideal=bubble_over_ideal,
                       step_time_s=step, tokens_per_s=sequences * s / step,
                       mfu=(_model_flops_per_sequence(model) * sequences) / gpus_peak_step,

@@ -64,6 +64,7 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
+from memplan.fp8 import MAX_ZERO as FP8_MAX_ZERO, check_fp8
 from memplan.offload import host_bytes, offloads, per_node
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
 from memplan.terms import HF_IMPLS, Inventory, inventory_for
@@ -94,6 +95,7 @@ class Fixed:
     micro_batch: Optional[int] = None
     zero: Optional[int] = None
     zero_shard: Optional[int] = None
+    max_zero: int = 3  # the highest ZeRO stage the training settings allow (FP8: 1, memplan/fp8.py)
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -220,7 +222,8 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
             if d not in zero_lists:
-                zero_lists[d] = [(z, k) for z in _pick([0, 1, 2, 3] if d > 1 else [0], fixed.zero)
+                zero_lists[d] = [(z, k) for z in _pick([z for z in (0, 1, 2, 3) if z <= fixed.max_zero] if d > 1
+                                                       else [0], fixed.zero)
                                  for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1])
                                  if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
             if not (sps and zero_lists[d]):
@@ -342,7 +345,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     activations than the first (fewer micro-batches in flight) and the same layers' states
     without the embedding; a test checks this against `estimate`'s all-stage maximum.
     """
-    inventory = inventory_for(model, impl)
+    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
     peaks, retained = [], []
     for stage in (0, plans.p - 1):
         mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
@@ -380,7 +383,13 @@ def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory
 
 
 def _offload_fixed(training: TrainingSpec, fixed: Fixed) -> Fixed:
-    """Activation offload is modelled without recompute (TrainingSpec): the search keeps recompute none."""
+    """Activation offload is modelled without recompute (TrainingSpec): the search keeps recompute none.
+    FP8 is modelled up to the distributed optimizer (memplan/fp8.py): the search leaves ZeRO 2 / 3 out."""
+    if training.fp8 is not None:
+        if fixed.zero is not None and fixed.zero > FP8_MAX_ZERO:
+            raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
+                               "0 or 1 (or leave --zero out)")
+        fixed = dataclasses.replace(fixed, max_zero=FP8_MAX_ZERO)
     if not training.offload_activations:
         return fixed
     if fixed.recompute not in (None, Recompute.NONE) or fixed.recompute_num_layers is not None:
@@ -862,13 +871,14 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     `reference`, every plan is evaluated as flat arrays in chunks (slower, the same result). With
     `host_budget_bytes`, a plan fits only when its offload's host memory per node is within it too."""
     fixed = _offload_fixed(training, fixed)
+    check_fp8(training.fp8, impl, 0, gpu)
     if reference:
         return _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
                                  progress, impl, margin, host_budget_bytes)
     start = time.perf_counter()
     space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, space.max_micro_batch, impl)
-    inventory = inventory_for(model, impl)
+    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
     limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
     best, miss = _Best(top), _Best(1)
     feasible = done = 0
@@ -1145,7 +1155,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
         check_int64(model, training, space.max_micro_batch, impl)
     except MemplanError:
         return False
-    inventory = inventory_for(model, impl)
+    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
     limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
     for part in _parts(space, inventory.grad_lifetime == "buffer"):
         part = _memory_ready(part, space, model, training, inventory)

@@ -401,7 +401,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"recompute={tr.recompute.label} ZeRO={par.zero}"
         f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
         f"global batch={format_batch(c.global_batch, m.seq_length)} ({c.num_microbatches} micro-batches per step) "
-        f"on {par.gpus} GPUs"
+        f"on {par.gpus} GPUs{pinned_techniques(tr)}"
     )
     console.print(
         f"activations per layer per micro-batch on one GPU: {est.per_layer_symbolic} = "
@@ -451,7 +451,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         from memplan.perf import calibration
 
         p = est.perf
-        cal = calibration(est.config.model, est.gpu, est.inventory.name.split("/")[0])
+        cal = calibration(est.config.model, est.gpu, est.inventory.name.split("/")[0], est.config.training.fp8)
         calibrated = p.calibrated and cal.calibrated  # p: the kernels step_time modelled
         spread = f" ± {p.uncertainty:.0%}" if calibrated else ""
         label = "" if calibrated else f"[yellow]{cal.note or 'uncalibrated'}[/]; "
@@ -645,6 +645,17 @@ def _rec_cell(row: dict[str, Any], layers_per_chunk: int, short: bool = False) -
     return "full" if n == layers_per_chunk else f"full {n}/{layers_per_chunk}"
 
 
+def pinned_techniques(training: Any, lead: str = ",") -> str:
+    """The FP8 recipe and loss chunks of a plan (or of every plan of a search), as text; empty without them."""
+    parts = []
+    if training.fp8 is not None:
+        parts.append(f"FP8 {training.fp8} ({training.fp8_format}"
+                     + (", FP8 weights" if training.fp8_param_gather else "") + ", derived)")
+    if training.loss_chunks > 1:
+        parts.append(f"LM head + loss in {training.loss_chunks} chunks")
+    return f"{lead} {', '.join(parts)}" if parts else ""
+
+
 def search_dict(result: SearchResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": result.model.name,
@@ -656,6 +667,11 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "host_budget_bytes": result.host_budget_bytes,
         "offload": {"optimizer_fraction": result.training.offload_optimizer_fraction,
                     "activations": result.training.offload_activations},  # pinned: every plan offloads the same
+        # pinned: every plan runs the same FP8 recipe (None: bf16) and loss chunks
+        "fp8": ({"recipe": result.training.fp8, "format": result.training.fp8_format,
+                 "amax_history_len": result.training.fp8_amax_history_len,
+                 "param_gather": result.training.fp8_param_gather} if result.training.fp8 else None),
+        "loss_chunks": result.training.loss_chunks,
         "gpu": result.gpu.name if result.gpu else None,
         "candidates_evaluated": result.candidates,
         "feasible": result.feasible,
@@ -707,7 +723,7 @@ def render_search(result: SearchResult, console: Console) -> None:
         f"global batch {format_batch(result.global_batch, m.seq_length)}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
         + (f" (and in {_gb(result.host_budget_bytes)} of host memory per node)" if result.host_budget_bytes is not None
-           else "")
+           else "") + pinned_techniques(result.training, "; every plan with")
     )
     has_time = result.evaluated.step_time_s is not None
     listing = result.listed()

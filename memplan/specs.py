@@ -351,6 +351,18 @@ class TrainingSpec(_Spec):
     loss_chunks: int = Field(
         default=1, gt=0, description="LM head and cross-entropy computed in this many sequence chunks, each "
         "checkpointed, so the full fp32 logits never exist (chunked / fused linear cross-entropy)")
+    fp8: Optional[Literal["delayed", "tensorwise", "blockwise"]] = Field(
+        default=None, description="FP8 training with Transformer Engine as Megatron-LM launches it (--fp8-recipe): "
+        "the linear layers' GEMMs in FP8, their saved inputs and weight copies in 1-byte FP8 (memplan/fp8.py; "
+        "derived from Transformer Engine's code, not measured); None: no FP8")
+    fp8_format: Literal["hybrid", "e4m3"] = Field(
+        default="hybrid", description="FP8 format (Megatron-LM --fp8-format): hybrid = E4M3 forward, E5M2 gradients")
+    fp8_amax_history_len: int = Field(
+        default=1, gt=0, description="delayed scaling: amax values kept per FP8 tensor (Megatron-LM "
+        "--fp8-amax-history-len, default 1; Transformer Engine's own default is 1024)")
+    fp8_param_gather: bool = Field(
+        default=False, description="the linear layers' weights kept only in FP8 (Megatron-LM --fp8-param-gather: "
+        "Transformer Engine fp8_model_init, no bf16 copy; the fp32 master weights stay)")
     offload_optimizer_fraction: float = Field(
         default=0.0, ge=0, le=1, description="fraction of each GPU's optimizer states (master weights and moments) "
         "kept and stepped in host memory, its gradients copied there and its weights back every step (Megatron-LM "
@@ -392,6 +404,18 @@ class TrainingSpec(_Spec):
             raise ValueError(f"activation offload is modelled without recompute (got recompute "
                              f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "
                              "keeps its inputs outside save_on_cpu's hooks")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8(self) -> "TrainingSpec":
+        """FP8 options need FP8, and Megatron-LM's FP8 runs bf16 or fp16 mixed precision."""
+        if self.fp8 is None:
+            if self.fp8_param_gather:
+                raise ValueError("fp8_param_gather needs fp8 (a recipe: delayed, tensorwise or blockwise)")
+            return self
+        if self.precision not in ("bf16-mixed", "16-mixed"):
+            raise ValueError(f"fp8 runs inside bf16-mixed or 16-mixed training (Megatron-LM --bf16 / --fp16 with "
+                             f"--fp8-format), not {self.precision}")
         return self
 
     @model_validator(mode="after")
@@ -473,6 +497,9 @@ class GpuSpec(_Spec):
     gpus_per_node: int = Field(default=8, gt=0)
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (NVLink)")
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU per direction (network)")
+    peak_fp8_flops: Optional[float] = Field(
+        default=None, gt=0, description="dense FP8 FLOP/s (tensor cores, no sparsity); None: the GPU has no FP8 "
+        "tensor cores (FP8 training is refused)")
     host_bandwidth: Optional[float] = Field(
         default=None, gt=0, description="bytes/s per GPU per direction between pinned host memory and the GPU "
         "(PCIe copies: offload); None: not known, offloaded copies cannot be timed")

@@ -25,12 +25,13 @@ from memplan.specs import ModelSpec, Recompute
 from memplan.symbolic import Poly
 
 Scope = Literal["layer", "chunk", "first", "last"]
-Dtype = Literal["act", "mask", "fp32", "int64"]
+Dtype = Literal["act", "mask", "fp32", "int64", "fp8"]
 
 # Bytes per element of each storage kind that is not the configurable activation dtype.
 MASK_BYTES = 1  # dropout keeps a bool mask (K22 section 4.1: "masks are 1 byte")
 FP32_BYTES = 4  # fp32 logits for the cross-entropy (K22 section 4.3: 4sbv)
 INT64_BYTES = 8  # token ids (Megatron-LM theoretical_memory_usage: 8sbp)
+FP8_BYTES = 1  # Transformer Engine's FP8 copies of the linear layers' inputs (memplan/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,8 @@ class Term:
         return (self.scope, self.dropped_by_selective, self.kept_by_full, self.only_full)
 
     def element_bytes(self, activation_bytes: int) -> int:
-        return {"act": activation_bytes, "mask": MASK_BYTES, "fp32": FP32_BYTES, "int64": INT64_BYTES}[
-            self.dtype
-        ]
+        return {"act": activation_bytes, "mask": MASK_BYTES, "fp32": FP32_BYTES, "int64": INT64_BYTES,
+                "fp8": FP8_BYTES}[self.dtype]
 
     def size(self, activation_bytes: int) -> Poly:
         """Bytes on one GPU without parallelism, as a polynomial (e.g. 2as^2b)."""
@@ -413,16 +413,19 @@ HF_IMPLS = ("hf-eager", "hf-sdpa")
 DEVICES = ("cuda", "cpu")
 
 
-def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda", loss_chunks: int = 1) -> Inventory:
+def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda", loss_chunks: int = 1,
+                  fp8: Optional[str] = None) -> Inventory:
     """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
-    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss)."""
+    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss) and, with
+    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py)."""
     if impl not in IMPLEMENTATIONS:
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
-    if loss_chunks > 1 and impl not in HF_IMPLS:
-        raise MemplanError(f"--loss-chunks is modelled for the hf-* implementations (measured on transformers "
-                           f"models with a checkpointed chunked cross-entropy); not yet for --impl {impl}")
+    if fp8 is not None:
+        from memplan.fp8 import check_fp8
+
+        check_fp8(fp8, impl)
     if model.is_moe and impl not in HF_IMPLS:  # issue 11: experts, routing, expert parallelism in Megatron-LM
         which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
         raise MemplanError(f"no {which} MoE inventory yet: use --impl hf-sdpa / hf-eager")
@@ -434,6 +437,12 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "
                            "give its transformers config.json (--hf-config), or the model's inventory directory")
     inv = _inventory(model, impl, device, loss_chunks)
+    if fp8 is not None:
+        from memplan.fp8 import fp8_moments, fp8_terms
+
+        inv = dataclasses.replace(inv, name=f"{inv.name}/fp8-{fp8}", terms=tuple(fp8_terms(list(inv.terms), fp8,
+                                                                                          model.attention)),
+                                  moments=tuple(fp8_moments(list(inv.moments), model.attention)))
     layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"
     return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1, weight_layout=layout)
 
@@ -461,7 +470,8 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
                  scope="last", src=src)
         # torch.utils.checkpoint (non-reentrant) stops re-running the layer after its last saved tensor and
         # keeps none of the re-run's outputs.
-        moments = layer_backward_moments(model, "eager", device, src) + vocab_parallel_loss_moments(src, (emb,))
+        moments = layer_backward_moments(model, "eager", device, src) + _loss_moments(impl, loss_chunks, src, (emb,))
+        terms = _loss_terms(terms, impl, loss_chunks)
         # The reference loop (validation/step.py) accumulates each bf16 .grad into the fp32 buffer
         # with a hook (Megatron-LM without gradient-accumulation fusion); torch AdamW defaults to
         # foreach on CUDA tensors.
@@ -471,13 +481,32 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     src = "derived from Megatron-LM code (autograd order of the reference layer), not measured"
     # Megatron-LM's CheckpointFunction re-runs a layer's whole forward and back-propagates from its output.
     rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
-    moments = layer_backward_moments(model, model.attention, device, src, rerun) + vocab_parallel_loss_moments(src)
+    moments = layer_backward_moments(model, model.attention, device, src, rerun) + _loss_moments(impl, loss_chunks, src)
+    terms = _loss_terms(terms, impl, loss_chunks)
     # Megatron-LM: gradient-accumulation fusion writes weight gradients straight into the fp32
     # main-gradient buffer; Transformer Engine / apex FusedAdam (no temporaries).
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
     return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", False,
                      "fused", "megatron", held, tied_grad_waits=False)
+
+
+def _loss_moments(impl: str, chunks: int, src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:
+    """The vocab-parallel loss's moments, or with chunks > 1 those of the chunked head + loss
+    (memplan/chunked_loss.py)."""
+    if chunks == 1:
+        return vocab_parallel_loss_moments(src, forward_extra)
+    from memplan.chunked_loss import chunked_loss_moments
+
+    return chunked_loss_moments(chunks, impl, forward_extra)
+
+
+def _loss_terms(terms: list[Term], impl: str, chunks: int) -> list[Term]:
+    if chunks == 1:
+        return terms
+    from memplan.chunked_loss import chunked_head_terms
+
+    return chunked_head_terms(terms, impl)
 
 
 def labels_term() -> Term:

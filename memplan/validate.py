@@ -315,7 +315,7 @@ class PeakCase:
     f: Optional[int] = None
     g: Optional[int] = None
     head_dim: Optional[int] = None
-    loss_chunks: int = 1  # transformers: LM head + loss in checkpointed chunks (validation/losses.py)
+    loss_chunks: int = 1  # LM head + loss in checkpointed chunks (validation/losses.py)
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
     recompute: str = "none"
@@ -432,6 +432,13 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
                  optimizer="fused", **gpt2),
         PeakCase("llama sdpa s64 h128 v8192 N8", model="llama", s=64, b=1, h=128, a=4, g=2, f=384, v=8192,
                  attn="sdpa", loss_chunks=8),
+        # the reference model (--impl torch) with its tied head and vocab-parallel cross-entropy in checkpointed chunks
+        # (validation/losses.py chunked_vocab_parallel_cross_entropy, memplan/chunked_loss.py): chunks of 64 tokens
+        # (the recompute of a chunk's fp32 logits is the peak), with full recompute, and chunks of 8 tokens at
+        # h = 128 (the head's weight-gradient sum is the peak)
+        *(PeakCase("k22 s256 v8192 N4" if rec == "none" else "k22 s256 N4 full", model="k22", s=256, b=1, h=64, a=4,
+                   v=8192, p_drop=0.1, loss_chunks=4, recompute=rec) for rec in ("none", "full")),
+        PeakCase("k22 s64 h128 N8", model="k22", s=64, b=1, h=128, a=4, v=8192, p_drop=0.1, loss_chunks=8),
         # heads wider in total than h (Mistral-Nemo, Gemma): q = 4 x 24 = 96 > h = 64
         *(PeakCase(f"llama {attn} s128 head_dim24", s=128, b=1, attn=attn, head_dim=24, **llama)
           for attn in ("sdpa", "eager")),

@@ -65,6 +65,13 @@ MEGATRON_FLAGS = {
     "--cpu-offloading-num-layers": int,
     "--bf16": None,
     "--fp16": None,
+    # FP8 (memplan/fp8.py launch_args), read on main at d98e8a6 only: TransformerConfig's fp8 (arg_names
+    # --fp8-format), fp8_recipe, fp8_amax_history_len (megatron/core/transformer/transformer_config.py), made flags by
+    # ArgumentGroupFactory; --fp8-param-gather is arguments.py's own (store_true)
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+    "--fp8-amax-history-len": int,
+    "--fp8-param-gather": None,
 }
 
 GPT = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=51200)
@@ -92,6 +99,8 @@ GRID = [
     config(dict(GPT, hidden_size=2560), head_dim=128, tp=2),  # heads not h/a wide: --kv-channels
     config(dp=8, zero=1, offload_optimizer_fraction=0.5),  # optimizer offload
     config(tp=2, sp=True, offload_activations=True),  # activation offload: layer offloading, p = 1
+    config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
+    config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]
 
 
@@ -117,7 +126,21 @@ def test_every_flag_is_megatron_lm_s_own(cfg):
             assert value in kind, f"{flag} {value}: not one of {kind}"
         else:
             kind(value)  # int / float parse
-    assert not any(a.startswith("--fp8") for a in megatron_args(cfg)), "memplan plans no FP8 training"
+    assert any(a.startswith("--fp8") for a in megatron_args(cfg)) == (cfg.training.fp8 is not None)
+
+
+def test_fp8_flags_and_chunked_loss_note():
+    plan = megatron_launch(GRID[-2])
+    assert {"--fp8-format hybrid", "--fp8-recipe delayed", "--fp8-amax-history-len 16", "--fp8-param-gather"} <= set(
+        plan.args)
+    assert any("derived from Transformer Engine" in n for n in plan.notes)
+    plan = megatron_launch(GRID[-1])
+    assert "--fp8-recipe blockwise" in plan.args and not any("amax" in a for a in plan.args)
+    assert not any("chunk" in a for a in plan.args)  # Megatron-LM has no chunked loss: no flag, a note
+    assert any("--loss-chunks 8" in n and "no flag is given" in n for n in plan.notes)
+    # --fp8-param-gather needs the distributed optimizer: not emitted with ZeRO 0, and said so
+    plan = megatron_launch(config(LLAMA, dp=1, fp8="delayed", fp8_param_gather=True))
+    assert "--fp8-param-gather" not in plan.args and any("--fp8-param-gather needs" in n for n in plan.notes)
 
 
 def test_grid_covers_every_flag_memplan_emits():

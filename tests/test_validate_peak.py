@@ -78,7 +78,7 @@ def test_removing_the_foreach_temporary_fails(results, monkeypatch):
 
 
 def test_chunked_loss_cases_in_grid_and_their_terms_matter(results, monkeypatch):
-    chunked = [r for r in results if r.case.loss_chunks > 1]
+    chunked = [r for r in results if r.case.loss_chunks > 1 and r.case.model != "k22"]  # k22: tests/test_chunked_loss.py
     assert len(chunked) >= 4 and all(r.passed for r in chunked)
     # the loss is where these steps peak; without the chunks' running weight-gradient sum they miss
     original = terms_hf._chunked_loss_moments

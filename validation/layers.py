@@ -176,6 +176,7 @@ class GPTModel(nn.Module):
         self.pos = nn.Embedding(s, cfg.h, **kw)
         self.layers = nn.ModuleList(GPTLayer(cfg, comm, **kw) for _ in range(L))
         self.final_ln = LayerNorm(cfg.h, "final_ln_stats", cfg.eps, **kw)
+        self.loss_chunks = 1  # > 1: LM head + loss in that many checkpointed sequence chunks (validation/losses.py)
 
     def forward(self, token_ids, position_ids, targets, mask):
         """token_ids, position_ids, targets: [b, s] int64; mask: [s, s] bool.  Returns mean loss."""
@@ -190,6 +191,13 @@ class GPTModel(nn.Module):
         x = self.final_ln(tag(x, "final_ln_input"))
         tag(x, "head_input")
         w = self.word.weight  # tied: the LM head is the (vocab-parallel) word embedding
+        if self.loss_chunks > 1:  # the head and loss in checkpointed sequence chunks (validation/losses.py)
+            from .losses import chunked_vocab_parallel_cross_entropy
+
+            if comm.world > 1:
+                raise ValueError("the chunked loss of the reference model runs with t = 1")
+            targets_sb = targets.transpose(0, 1).contiguous()
+            return chunked_vocab_parallel_cross_entropy(x, w, targets_sb, comm, self.word.start, self.loss_chunks)
         if sp:
             logits = LinearWithSequenceParallel.apply(x, w, None, comm)
         else:

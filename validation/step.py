@@ -113,7 +113,7 @@ class StepCase:
     optimizer: Literal["foreach", "fused", "for-loop"] = "foreach"  # the implementation (torch's foreach= / fused=)
     algorithm: Literal["adamw", "sgd", "sgd-nomomentum", "adafactor", "muon"] = "adamw"  # ALGORITHMS
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
-    loss_chunks: int = 1  # HF: > 1 computes LM head + loss in that many checkpointed chunks (losses.py)
+    loss_chunks: int = 1  # > 1 computes LM head + loss in that many checkpointed chunks (losses.py)
     backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
@@ -152,8 +152,8 @@ class StepCase:
             raise ValueError(f"{self.algorithm} runs {' or '.join(ALGORITHMS[self.algorithm])}, not {self.optimizer}")
         if self.backend not in ("live", "fake", "cuda") or self.microbatches < 1:
             raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
-        if self.loss_chunks < 1 or (self.loss_chunks > 1 and self.model == "k22"):
-            raise ValueError("loss_chunks >= 1, and > 1 only for the HF models")
+        if self.loss_chunks < 1 or self.s % self.loss_chunks:
+            raise ValueError("loss_chunks >= 1, dividing s")
 
 
 @dataclass(frozen=True)
@@ -349,6 +349,7 @@ def _build(case: StepCase):
         comm = SimulatedComm(0, 1)
         device = "cuda" if case.backend == "cuda" else "cpu"
         model = GPTModel(cfg, case.L, case.v, case.s, comm, dtype=dtype, device=device).train()
+        model.loss_chunks = case.loss_chunks
         return model, list(model.layers), partial(_forward_fresh, model, case, "model", comm, dtype, device)
     hf = _hf()
     if case.family is not None:
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--f", type=int, default=None)
     p.add_argument("--g", type=int, default=None)
     p.add_argument("--head_dim", type=int, default=None)
-    p.add_argument("--loss_chunks", type=int, default=1, help="HF: LM head + loss in this many checkpointed chunks")
+    p.add_argument("--loss_chunks", type=int, default=1, help="LM head + loss in this many checkpointed chunks")
     p.add_argument("--p_drop", type=float, default=0.0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
