@@ -52,6 +52,14 @@ def plan_options(func: Callable) -> Callable:
         click.option("--dp", type=int, help="Data-parallel size d."),
         click.option("--vpp", type=int, help="Interleaved (virtual) stages m per pipeline rank."),
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
+        click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
+                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/parallel.py). search: tried "
+                     "from s >= 8192 on."),
+        click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
+                     help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
+        click.option("--ep", type=click.IntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
+                     "per GPU; ep x etp must divide t x cp x d."),
+        click.option("--etp", type=click.IntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=int,
                      help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
@@ -118,6 +126,11 @@ def plan_options(func: Callable) -> Callable:
     return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
 
 
+def _cp_ep(opts: dict[str, Any]) -> dict[str, Any]:
+    """The context- and expert-parallel options as ParallelSpec fields."""
+    return dict(cp=opts.get("cp"), cp_comm_type=opts.get("cp_comm_type"), ep=opts.get("ep"), etp=opts.get("etp"))
+
+
 def _preset(opts: dict[str, Any]):
     """The model the options name: --model (preset or YAML) or --hf-config; None if neither."""
     from memplan.presets import load_model, read_hf_config
@@ -144,7 +157,7 @@ def _config_from_options(opts: dict[str, Any]):
     config = make_config(
         preset,
         parallel=dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"),
-                      sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard")),
+                      sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers"),
                       **_training_settings(opts)),
@@ -394,7 +407,7 @@ def search(**opts: Any) -> None:
         opts["recompute"] = "none"
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
-             zero=zero, zero_shard=opts.get("zero_shard")),
+             zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),
         dict(micro_batch=opts.get("micro_batch"), recompute=opts.get("recompute"),
              recompute_num_layers=opts.get("recompute_num_layers")),
     )

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from memplan.pipeline import chunks_in_flight, microbatches_in_flight
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
 from memplan.offload import split_optimizer
+from memplan.parallel import expert_states, state_shard
 from memplan.optimizers import StageTensors
 from memplan.states import (Layout, ParamGroup, StateBytes, layer_params, optimizer_bytes, param_groups, stage_params,
                             stage_tensors, state_bytes)
@@ -35,6 +36,18 @@ class PlanValues:
     recompute: Any  # Recompute codes 0 / 1 / 2
     recomputed_layers: Any  # layers per model chunk that the recompute mode applies to
     microbatches: Any  # M, micro-batches per step per data-parallel rank
+    cp: Any = 1  # context-parallel size (memplan/parallel.py)
+    ep: Any = 1  # expert-parallel size
+    etp: Any = None  # expert tensor-parallel size (None: t)
+    cp_comm: str = "p2p"  # context-parallel attention's communication (ParallelSpec.cp_comm_type)
+
+    @property
+    def expert_tp(self) -> Any:
+        return self.t if self.etp is None else self.etp
+
+    @property
+    def gpus(self) -> Any:
+        return self.t * self.p * self.d * self.cp
 
     @staticmethod
     def from_config(config: Config) -> "PlanValues":
@@ -45,11 +58,17 @@ class PlanValues:
             t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, shard=par.shard,
             b=tr.micro_batch,
             recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
+            cp=par.cp, ep=par.ep, etp=par.expert_tp, cp_comm=par.cp_comm_type,
         )
 
     def take(self, index: Any) -> "PlanValues":
-        """One candidate (or a subset) of an array-valued plan."""
-        return PlanValues(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        """One candidate (or a subset) of an array-valued plan (scalar fields stay as they are)."""
+        return PlanValues(**{f.name: (v[index] if getattr(v := getattr(self, f.name), "ndim", 0) else v)
+                             for f in fields(self)})
+
+    def symbols(self, model: ModelSpec, **more: Any) -> dict[str, Any]:
+        """The model's symbols with this plan's b, t, cp, ep, etp (the one place they are bound)."""
+        return model.symbols(b=self.b, t=self.t, cp=self.cp, ep=self.ep, etp=self.expert_tp, **more)
 
 
 class TermBytes:
@@ -60,16 +79,19 @@ class TermBytes:
 
     def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> None:
         self.act, self.index, self.granularity = activation_bytes, None, granularity
-        b, t, sp = plan.b, plan.t, plan.sp
-        if getattr(b, "size", 1) > 1:
+        b, t, sp, cp, ep, etp = plan.b, plan.t, plan.sp, plan.cp, plan.ep, plan.expert_tp
+        if any(getattr(x, "size", 1) > 1 for x in (b, t, sp, cp, ep, etp)):
             import numpy as np
 
-            b, t, sp = np.broadcast_arrays(b, t, sp)
-            key = (b * (2 * int(t.max()) + 2) + 2 * t + sp).ravel()
-            uniq, first, index = np.unique(key, return_index=True, return_inverse=True)
+            b, t, sp, cp, ep, etp = np.broadcast_arrays(b, t, sp, cp, ep, etp)
+            key = b * (2 * int(t.max()) + 2) + 2 * t + sp  # one integer per distinct (b, t, sp, cp, ep, etp)
+            for x in (cp, ep, etp):
+                if int(x.max()) > 1:
+                    key = key * (int(x.max()) + 1) + x
+            uniq, first, index = np.unique(key.ravel(), return_index=True, return_inverse=True)
             self.index = index.reshape(b.shape)  # gathered values keep the plan's (broadcast) shape
-            b, t, sp = b.ravel()[first], t.ravel()[first], sp.ravel()[first]
-        self.values, self.sp = model.symbols(b=b, t=t), sp
+            b, t, sp, cp, ep, etp = (x.ravel()[first] for x in (b, t, sp, cp, ep, etp))
+        self.values, self.sp = model.symbols(b=b, t=t, cp=cp, ep=ep, etp=etp), sp
         self._cache: dict[Any, Any] = {}
 
     def __call__(self, term: Term) -> Any:
@@ -87,7 +109,7 @@ class TermBytes:
         """A parameter group's parameters on one GPU (it depends on t only). Keyed by its count
         polynomial and split (states.param_groups makes new groups on every call; their parsed
         polynomials are shared)."""
-        return self._cached(group.count, lambda: group.per_gpu(self.values), ("group", group.tp_split))
+        return self._cached(group.count, lambda: group.per_gpu(self.values), ("group", group.tp_split, group.expert))
 
     def _cached(self, obj: Any, compute: Any, kind: Any = None) -> Any:
         # keyed by identity (hashing a term's polynomial on every call is slow); the entry keeps the
@@ -110,9 +132,10 @@ def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, gr
     """`TermBytes` for the plan. A plan of scalars (`estimate`: every stage of one plan, and
     `--max-seq`'s probes) shares one instance per (model, b, t, SP, bytes, granularity), so each
     term is evaluated once, not once per stage."""
-    if any(hasattr(x, "shape") for x in (plan.b, plan.t, plan.sp)):
+    plan_key = (plan.b, plan.t, plan.sp, plan.cp, plan.ep, plan.expert_tp)
+    if any(hasattr(x, "shape") for x in plan_key):
         return TermBytes(model, plan, activation_bytes, granularity)
-    key = (model, int(plan.b), int(plan.t), int(plan.sp), activation_bytes, granularity)
+    key = (model, *(int(x) for x in plan_key), activation_bytes, granularity)
     sizes = _SHARED.get(key)
     if sizes is None:
         sizes = _SHARED[key] = TermBytes(model, plan, activation_bytes, granularity)
@@ -124,8 +147,8 @@ def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, gr
 
 
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
-    """Bind the K22 symbols once: s, b, h, a, f, g, v and t."""
-    return model.symbols(b=plan.b, t=plan.t)
+    """Bind the K22 symbols once: s, b, h, a, f, g, v, t (and cp, ep, etp)."""
+    return plan.symbols(model)
 
 
 def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any) -> Any:
@@ -158,6 +181,7 @@ class StageMemory:
     sizes: Optional[TermBytes] = None  # evaluates further terms (transients) for the same plan
     tensors: Optional[StageTensors] = None  # the GPU's parameter tensors, for optimizers that need their shapes
     host_optimizer: Any = 0  # master weights + optimizer states stepped in host memory (optimizer offload)
+    expert_params: Any = 0  # of `params`, the routed experts' (sharded over the expert-data-parallel group)
 
     @property
     def weights(self) -> Any:
@@ -214,8 +238,13 @@ def stage_memory(
     offload = training.offload_optimizer_fraction > 0
     if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or offload:  # by tensor shape
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
-    states = state_bytes(params, training, plan.shard, plan.zero, gathered_params=layer_params(model, sizes.group),
+    states = state_bytes(params, training, state_shard(plan), plan.zero,
+                         gathered_params=layer_params(model, sizes.group),
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
+    experts: Any = 0
+    if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
+        experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
+        states = expert_states(states, experts, training, plan)
     if training.fp8 is not None:  # Transformer Engine's FP8 weight caches and scaling state (memplan/fp8.py)
         from memplan.fp8 import weight_extra_bytes
 
@@ -227,4 +256,4 @@ def stage_memory(
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
-                       host)
+                       host, experts)

@@ -331,6 +331,9 @@ class _Floats:
     sharded: Any  # 1.0 where ZeRO >= 1 (distributed optimizer)
     k: Any  # ranks the sharded states are split over (d, or the HSDP shard group)
     zero3: Any  # 1.0 where ZeRO = 3
+    cp: Any = 1.0  # context-parallel size
+    ep: Any = 1.0  # expert-parallel size
+    etp: Any = 1.0  # expert tensor-parallel size
 
 
 def _floats(plan: PlanValues) -> _Floats:
@@ -342,6 +345,7 @@ def _floats(plan: PlanValues) -> _Floats:
         selective=_f(plan.recompute == Recompute.SELECTIVE) * layers,
         full=_f(plan.recompute == Recompute.FULL) * layers,
         first=_f(plan.p == 1), sharded=_f(plan.zero >= 1), zero3=_f(plan.zero >= 3), k=_f(plan.shard),
+        cp=_f(plan.cp), ep=_f(plan.ep), etp=_f(plan.expert_tp),
     )
 
 
@@ -692,7 +696,7 @@ def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_byte
 class StepTime:
     """One training step (scalars or arrays), seconds on the bottleneck GPU unless named FLOPs.
     The exposed parts add up to step_time_s: compute + memory + tp_comm_exposed + recompute
-    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer + host_copy.
+    + bubble + pp_comm + dp_comm_exposed + zero3_gather_exposed + optimizer + host_copy + cp_ep_comm_exposed.
 
     The pipeline bubble is reported two ways: `bubble_share` = bubble_s / step_time_s (what share
     of the step the GPU idles in the bubble) and `bubble_over_ideal` = (p - 1)/(m M), the
@@ -716,6 +720,8 @@ class StepTime:
     zero3_gather_exposed_s: Any
     optimizer_s: Any  # memory-bound optimizer update of this GPU's shard (the part the GPU steps)
     host_copy_s: Any  # offload's copies between host and GPU over PCIe (memplan/offload.py), all exposed
+    cp_ep_comm_exposed_s: Any  # context parallelism's K/V exchange and expert parallelism's token all-to-alls left
+    # exposed (memplan/parallel.py)
     step_time_s: Any
     tokens_per_s: Any
     mfu: Any  # model FLOPs / (step x GPUs x peak)
@@ -734,7 +740,7 @@ def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
 def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
     """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
     states.py inventory, as floats."""
-    return _f(stage_params(model, counter(model.symbols(t=plan.t)), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
+    return _f(stage_params(model, counter(plan.symbols(model)), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
@@ -776,6 +782,41 @@ def _slice_plan(plan: PlanValues, block: slice) -> PlanValues:
                          for f in fields(PlanValues)})
 
 
+def _cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: _Floats, A: int, layers: float, attention_s: float,
+                  comm: str = "p2p") -> Any:
+    """Seconds per sequence on one GPU of a stage's `layers` layers that context and expert parallelism add
+    (memplan/parallel.py), `attention_s` one layer's attention core forward for a whole sequence at t = 1.
+
+    - cp, p2p: each ring step sends the rank's K/V chunk ((cp - 1) of them per layer in the forward; K/V and their
+      gradients, twice that, in the backward) while the step's attention runs (Transformer Engine overlaps them on
+      two streams): exposed is what the rank's attention compute, 1/cp of it (backward 2x), cannot hide.
+    - cp, a2a: Q, K, V and the output (forward), their gradients (backward) are all-to-all'ed over cp, (cp - 1)/cp
+      of each rank's share leaving it; not overlapped.
+    - ep: the alltoall dispatcher's dispatch and combine, each k s b h / (t cp) routed tokens per GPU, in the forward
+      and the backward, (ep - 1)/ep of them leaving the GPU, plus the all-gather / reduce-scatter over etp of
+      (etp - 1) times them; per MoE layer, not overlapped.
+    The CP group spans t cp consecutive ranks, the expert group etp ep (Megatron-LM rank order tp-cp-ep-dp-pp)."""
+    s, h, q = float(model.seq_length), float(model.hidden_size), float(model.q)
+    kv = 2.0 * s * q * model.g / model.num_attention_heads  # K and V of one sequence, elements
+    inv_cp = 1.0 / pf.cp
+    per_cp_byte = _link_per_byte(gpu, pf.t * pf.cp)
+    if model.attention == "flash":
+        ring_fwd = (A * kv * pf.inv_t) * (1.0 - inv_cp) * per_cp_byte
+        att = attention_s * pf.inv_t * inv_cp
+        ring = _maximum(ring_fwd - att, 0.0 * ring_fwd) + _maximum(2.0 * ring_fwd - 2.0 * att, 0.0 * ring_fwd)
+        a2a = 2.0 * (A * (2.0 * s * q + kv) * pf.inv_t * inv_cp) * (1.0 - inv_cp) * per_cp_byte
+        cp = layers * (ring if comm == "p2p" else a2a)
+    else:
+        cp = 0.0 * pf.cp
+    moe = 0.0 * pf.ep
+    if model.is_moe:
+        tokens = (model.moe_top_k or 1) * s * pf.inv_t * inv_cp * (A * h)  # bytes of a GPU's routed tokens
+        a2a_ep = 4.0 * tokens * (1.0 - 1.0 / pf.ep) * _link_per_byte(gpu, pf.etp * pf.ep)
+        gather = 4.0 * tokens * (pf.etp - 1.0) * _link_per_byte(gpu, pf.etp)
+        moe = (layers * model.moe_layers / model.num_layers) * (a2a_ep + gather)
+    return cp + moe
+
+
 def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
                global_batch: Any, breakdown: bool, impl: str = "megatron") -> StepTime:
     A = training.activation_bytes
@@ -815,7 +856,12 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         from memplan.offload import layer_copy_bytes
 
         act_copy = layers * ((2.0 / host_bw) * _f(layer_copy_bytes(model, training, plan, impl))) / b
-    per_sequence = compute + memory + tp_exposed + recompute + act_copy
+    # Context parallelism: each GPU computes 1/cp of every sequence (the causal load balance makes the shares equal),
+    # and exchanges K/V (cp) and routed tokens (ep) on top (memplan/parallel.py).
+    inv_cp = 1.0 / pf.cp
+    cp_ep = _cp_ep_comm_s(model, gpu, pf, A, layers, attention_time_flops(model) / (
+        gpu.peak_bf16_flops * attention_matmul_efficiency(gpu, model)), plan.cp_comm)
+    per_sequence = (compute + memory + tp_exposed + recompute + act_copy) * inv_cp + cp_ep
     ideal = bm * per_sequence
 
     # 1F1B / interleaved pipeline bubble: (p - 1)/m slots of one stage's forward + backward of a
@@ -824,7 +870,8 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # stage of L/p layers without the LM head (the bottleneck stage's own time is `ideal`).
     chunk_steps = m * M
     bubble_over_ideal = (p - 1.0) / chunk_steps
-    stage_layers = _evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy
+    stage_layers = (_evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy) * inv_cp \
+        + cp_ep
     bubble = bubble_over_ideal * (bm * stage_layers)
 
     # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
@@ -837,9 +884,9 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # more than one node. Counted as exposed on the critical path: M m + p - 1 forward slots and
     # as many backward ones. (Charging the whole A*sbh per TP rank over the network, as before,
     # made K22 Table 5's full-recompute rows, which run without SP, 6.4 s too slow for 530B.)
-    td = pf.t * d
+    td = pf.t * d * pf.cp  # a stage's GPUs (Megatron-LM rank order tp-cp-dp-pp)
     tdp = td * p  # GPUs
-    p2p_per_sequence = (A * s * h) * (pf.inv_t * _link_per_byte(gpu, tdp) + (1.0 - pf.sp) * x.ag)
+    p2p_per_sequence = (A * s * h * inv_cp) * (pf.inv_t * _link_per_byte(gpu, tdp) + (1.0 - pf.sp) * x.ag)
     pp_comm = (1.0 - first) * (2.0 * b) * (chunk_steps + p - 1.0) * p2p_per_sequence
 
     # Data parallelism over d ranks t apart (NVLink while t*d fits a node). The stage's gradients
@@ -849,17 +896,19 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # by an all-gather of the updated weights within the shard group. --overlap-grad-reduce hides
     # the reduction behind the last micro-batch's backward and --overlap-param-gather the
     # all-gather behind the next step's first forward, each but one per-layer bucket (_overlapped).
+    # With context parallelism the gradients are reduced, and the states sharded, over d x cp ranks (the routed
+    # experts' over their expert-data-parallel group: counted here as the others'; memplan/parallel.py).
     params = _stage_params(model, plan)
-    inv_d, inv_k = 1.0 / d, 1.0 / pf.k
+    inv_d, inv_k = 1.0 / (d * pf.cp), 1.0 / (pf.k * pf.cp)
     dp_per_byte = (1.0 - inv_d) * _link_per_byte(gpu, td)
-    shard_per_byte = (1.0 - inv_k) * _link_per_byte(gpu, pf.t * pf.k)
-    replica_per_byte = 2.0 * inv_k * (1.0 - pf.k * inv_d) * _link_per_byte(gpu, td)
+    shard_per_byte = (1.0 - inv_k) * _link_per_byte(gpu, pf.t * pf.k * pf.cp)
+    replica_per_byte = 2.0 * inv_k * (1.0 - pf.k * pf.cp * inv_d) * _link_per_byte(gpu, td)
     weights_gather = params * (training.weight_bytes * shard_per_byte)
     grad_bytes = params * training.grad_bytes
     grad_reduce = (1.0 - pf.sharded) * (2.0 * grad_bytes * dp_per_byte) + pf.sharded * (
         grad_bytes * (shard_per_byte + replica_per_byte))
     param_gather = (pf.sharded - pf.zero3) * weights_gather
-    forward_window = (b * layers) * forward
+    forward_window = (b * layers) * forward * inv_cp
     backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
     inv_layers = p * (1.0 / model.num_layers)  # one bucket per layer
     # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in its
@@ -913,11 +962,12 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     tp_comm = _evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
     return StepTime(**_as_python(dict(
         hardware_flops=hw_flops,
-        compute_s=bm * compute,
-        memory_s=bm * memory,
-        recompute_s=bm * recompute,
-        tp_comm_s=bm * tp_comm,
-        tp_comm_exposed_s=bm * tp_exposed,
+        compute_s=bm * compute * inv_cp,
+        memory_s=bm * memory * inv_cp,
+        recompute_s=bm * recompute * inv_cp,
+        tp_comm_s=bm * tp_comm * inv_cp,
+        tp_comm_exposed_s=bm * tp_exposed * inv_cp,
+        cp_ep_comm_exposed_s=bm * cp_ep,
         bubble_s=bubble,
         bubble_share=bubble / step,
         pp_comm_s=pp_comm,
@@ -926,7 +976,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         zero3_gather_s=(2.0 * M) * gather_pass,
         zero3_gather_exposed_s=zero3_exposed,
         optimizer_s=optimizer,
-        host_copy_s=bm * act_copy + opt_copy,
+        host_copy_s=bm * act_copy * inv_cp + opt_copy,
         hfu=_f(hw_flops) / gpus_peak_step,
         **essentials,
     )))

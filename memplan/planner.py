@@ -96,6 +96,10 @@ class Fixed:
     zero: Optional[int] = None
     zero_shard: Optional[int] = None
     max_zero: int = 3  # the highest ZeRO stage the training settings allow (FP8: 1, memplan/fp8.py)
+    cp: Optional[int] = None
+    ep: Optional[int] = None
+    etp: Optional[int] = None
+    cp_comm_type: str = "p2p"  # not searched: how every plan's context-parallel attention communicates
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -103,7 +107,7 @@ def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int
 
 
 # --- the space as rows x ZeRO columns ----------------------------------------------------------
-ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k")
+ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k", "cp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class PlanSpace:
     derivable: np.ndarray  # per row: full recompute of 3 <= k <= n - 1 layers in a set with k = 1 .. n
     chunk_layers: np.ndarray  # per row: n = L/(pm), layers per model chunk
     count: int  # plans
+    cp_comm: str = "p2p"  # context-parallel attention's communication (not searched)
 
     @property
     def row_count(self) -> int:
@@ -150,13 +155,16 @@ class PlanSpace:
         zero = self.zero_table[self.dix[rows], :width]
         shard = self.shard_table[self.dix[rows], :width]
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=zero, shard=shard, b=r["b"],
-                          recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"])
+                          recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r))
+
+    def _cp_ep(self, r: dict[str, np.ndarray]) -> dict[str, Any]:
+        return dict(cp=r["cp"], ep=r["ep"], etp=r["etp"], cp_comm=self.cp_comm)
 
     def row_plans(self, rows: np.ndarray) -> PlanValues:
         """The rows as 1-D plans (ZeRO stage 0 over d: for what depends on t, p and d only)."""
         r = {name: self.rows[name][rows] for name in ROW_FIELDS}
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=0 * r["d"], shard=r["d"],
-                          b=r["b"], recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"])
+                          b=r["b"], recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r))
 
     def locate(self, index: Any) -> tuple[np.ndarray, np.ndarray]:
         """(row, column) of plan numbers."""
@@ -176,7 +184,7 @@ class PlanSpace:
         d = self.dix[row]
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=self.zero_table[d, col],
                           shard=self.shard_table[d, col], b=r["b"], recompute=r["rec"], recomputed_layers=r["k"],
-                          microbatches=r["M"])
+                          microbatches=r["M"], **self._cp_ep(r))
 
     def flat(self) -> PlanValues:
         """Every plan as 1-D arrays, in plan-number order."""
@@ -204,21 +212,20 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     """All valid plans (see the module docstring) as a `PlanSpace`. transformers (`hf-*`) runs a
     model whole on each data-parallel rank: t = p = 1 and no selective recompute."""
     check_gpus(gpus)
-    a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
-    if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp):
-        raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {fixed.tp}*{fixed.pp} = {fixed.tp * fixed.pp}")
+    a, L, s = model.num_attention_heads, model.num_layers, model.seq_length
+    fixed_cp = fixed.cp or 1
+    if fixed.tp is not None and fixed.pp is not None and gpus % (fixed.tp * fixed.pp * fixed_cp):
+        raise MemplanError(f"GPU count {gpus} is not divisible by t*p*cp = {fixed.tp}*{fixed.pp}*{fixed_cp} = "
+                           f"{fixed.tp * fixed.pp * fixed_cp}")
     hf = impl in HF_IMPLS
-    groups: list[tuple[int, ...]] = []  # t, p, d, b, M, m, n, first SP value, SP variants
+    groups: list[tuple[int, ...]] = []  # t, p, d, b, M, m, n, first SP value, SP variants, cp, ep, etp
     zero_lists: dict[int, list[tuple[int, int]]] = {}
     rec_lists: dict[int, list[tuple[int, int]]] = {}
-    for t in _pick([t for t in _divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
-        for p in _pick([p for p in _divisors(L) if p == 1 or not hf], fixed.pp):
-            if gpus % (t * p):
+    for t, cp, ep, etp, p in _model_parallel(model, gpus, fixed, max_tp, hf):
+            d = gpus // (t * p * cp)
+            if (fixed.dp is not None and d != fixed.dp) or global_batch % d or (t * cp * d) % (ep * etp):
                 continue
-            d = gpus // (t * p)
-            if (fixed.dp is not None and d != fixed.dp) or global_batch % d:
-                continue
-            sps = [0] if t == 1 else [x for x in (0, 1) if x == 0 or s % t == 0]
+            sps = [0] if t == 1 else [x for x in (0, 1) if (x == 0 and not model.is_moe) or (x == 1 and s % (t * cp) == 0)]
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
             if d not in zero_lists:
@@ -237,14 +244,14 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
                     if n not in rec_lists:
                         rec_lists[n] = _recompute_variants(n, hf, fixed)
                     if rec_lists[n]:
-                        groups.append((t, p, d, b, M, m, n, sps[0], len(sps)))
+                        groups.append((t, p, d, b, M, m, n, sps[0], len(sps), cp, ep, etp))
     if not groups:
         raise MemplanError(
             f"no plan of {model.name} divides {gpus} GPUs with global batch {global_batch}"
             + (" and the pinned dimensions" if any(v is not None for v in fixed.__dict__.values()) else "")
-            + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p) must divide the batch)"
+            + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p cp) must divide the batch)"
         )
-    gt, gp, gd, gb, gM, gm, gn, gsp0, gS = (np.array(col, dtype=np.int64) for col in zip(*groups))
+    gt, gp, gd, gb, gM, gm, gn, gsp0, gS, gcp, gep, getp = (np.array(col, dtype=np.int64) for col in zip(*groups))
 
     # ZeRO variants of each d that has plans, padded with the first variant
     ds = list(dict.fromkeys(gd.tolist()))
@@ -272,7 +279,8 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     groff = np.array([rec_offset[n] for n in gn.tolist()], dtype=np.int64)
     gfull = np.array([full_first[n] for n in gn.tolist()], dtype=np.int64)
 
-    gblock = np.concatenate(([0], np.cumsum((gt[1:] != gt[:-1]) | (gp[1:] != gp[:-1])))).astype(np.int64)
+    gblock = np.concatenate(([0], np.cumsum((gt[1:] != gt[:-1]) | (gp[1:] != gp[:-1]) | (gcp[1:] != gcp[:-1])
+                                            | (gep[1:] != gep[:-1]) | (getp[1:] != getp[:-1])))).astype(np.int64)
     per_group_rows = gS * gR
     group_row = np.concatenate(([0], np.cumsum(per_group_rows)[:-1])).astype(np.int64)
     per_group_plans = per_group_rows * gZ
@@ -291,14 +299,44 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     in_set = gfull[gi] >= 0
     k1_row = np.where(in_set, np.arange(nrows, dtype=np.int64) - r_i + gfull[gi], -1)
     derivable = in_set & (rec == Recompute.FULL) & (k >= 3) & (k <= n_row - 1)
-    rows = dict(t=gt[gi], p=gp[gi], d=gd[gi], m=gm[gi], b=gb[gi], M=gM[gi], sp=gsp0[gi] + sp_i, rec=rec, k=k)
+    rows = dict(t=gt[gi], p=gp[gi], d=gd[gi], m=gm[gi], b=gb[gi], M=gM[gi], sp=gsp0[gi] + sp_i, rec=rec, k=k,
+                cp=gcp[gi], ep=gep[gi], etp=getp[gi])
     return PlanSpace(
         rows=rows, dix=gdix[gi], zero_table=zero_table, shard_table=shard_table, zcount=zcount,
         base=group_offset[gi] + sp_i * gZ[gi] * R + r_i, stride=R, block=gblock[gi],
         block_row=group_row[np.searchsorted(gblock, np.arange(gblock[-1] + 1))], group_offset=group_offset,
         group_row=group_row, group_z=gZ, group_r=gR, k1_row=k1_row, derivable=derivable,
-        chunk_layers=n_row, count=int(per_group_plans.sum()),
+        chunk_layers=n_row, count=int(per_group_plans.sum()), cp_comm=fixed.cp_comm_type,
     )
+
+
+# context parallelism is searched from this sequence length on (shorter ones: cp = 1 unless --cp pins it): below
+# it a sequence's activations are small beside the states, and t, d and recompute already cover the plans
+CP_MIN_SEQ = 8192
+MAX_CP = 32  # the largest cp searched (powers of 2; Llama 3 405B's 128K-token stage used 16)
+
+
+def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: bool) -> Iterator[tuple[int, ...]]:
+    """(t, cp, ep, etp, p) of every plan whose t p cp divides the GPU count: t dividing a and g (at most max_tp);
+    cp a power of 2 up to MAX_CP with 2 cp | s, flash attention only and s >= CP_MIN_SEQ (memplan/parallel.py);
+    for an MoE model ep dividing E and etp in {1, t} dividing f_e (memplan/parallel.py; ep etp | t cp d is checked
+    with d); p dividing L. transformers (hf-*): t = p = cp = ep = 1."""
+    a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
+    for t in _pick([t for t in _divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
+        cps = [1]
+        if not hf and model.attention == "flash" and (s >= CP_MIN_SEQ or fixed.cp is not None):
+            cps = [c for c in _divisors(s) if c & (c - 1) == 0 and c <= MAX_CP and s % (2 * c) == 0
+                   and (fixed.cp_comm_type != "a2a" or ((a // t) % c == 0 and (g // t) % c == 0))]
+        for cp in _pick(cps, fixed.cp):
+            eps = [1]
+            if model.is_moe and not hf:
+                eps = [e for e in _divisors(model.num_experts)]
+            for ep in _pick(eps, fixed.ep):
+                etps = sorted({1, t}) if model.is_moe and not hf else [t]
+                for etp in _pick([e for e in etps if model.fe % e == 0], fixed.etp):
+                    for p in _pick([p for p in _divisors(L) if p == 1 or not hf], fixed.pp):
+                        if gpus % (t * p * cp) == 0:
+                            yield t, cp, ep, etp, p
 
 
 def _full_first(variants: list[tuple[int, int]], n: int) -> int:
@@ -377,7 +415,7 @@ def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory
                            layout=inventory.weight_layout)
         h = host_bytes(model, inventory.terms, training, plans, mem, inventory.weight_layout).total
         most = np.maximum(most, h)
-    gpus = plans.t * plans.p * plans.d
+    gpus = plans.gpus
     node = per_node(most, gpus, gpu.gpus_per_node if gpu is not None else None)
     return np.broadcast_to(np.asarray(node, dtype=np.int64), np.broadcast_shapes(np.shape(node), np.shape(like)))
 
@@ -784,7 +822,9 @@ def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: 
     return Config(
         model=model,
         parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero),
-                              zero_shard=int(x.shard) if x.shard < x.d else None),
+                              zero_shard=int(x.shard) if x.shard < x.d else None, cp=int(x.cp),
+                              cp_comm_type=x.cp_comm, ep=int(x.ep),
+                              etp=int(x.expert_tp) if model.is_moe and int(x.expert_tp) != int(x.t) else None),
         training=training.model_copy(update=dict(
             micro_batch=int(x.b), global_batch=global_batch, recompute=rec,
             recompute_num_layers=(int(x.recomputed_layers) if rec == Recompute.FULL and x.recomputed_layers < n else None),
@@ -1209,6 +1249,8 @@ def fixed_from(parallel: dict[str, Any], training: dict[str, Any]) -> Fixed:
     return Fixed(
         tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"), vpp=parallel.get("vpp"),
         sp=parallel.get("sp"), zero=parallel.get("zero"), zero_shard=parallel.get("zero_shard"),
+        cp=parallel.get("cp"), ep=parallel.get("ep"), etp=parallel.get("etp"),
+        cp_comm_type=parallel.get("cp_comm_type") or "p2p",
         micro_batch=training.get("micro_batch"),
         recompute=Recompute.parse(rec) if rec is not None else None,
         recompute_num_layers=training.get("recompute_num_layers"),
@@ -1362,7 +1404,7 @@ def _variant_keys(result: SearchResult, idx: np.ndarray) -> tuple[np.ndarray, np
         g = np.searchsorted(space.group_offset, idx, side="right") - 1
         return row, idx - (idx - space.group_offset[g]) % space.group_r[g]
     x = result.evaluated.plans.take(idx)
-    shape = [np.asarray(v) for v in (x.t, x.p, x.d, x.m, x.b, x.sp)]
+    shape = [np.asarray(v) for v in (x.t, x.p, x.d, x.m, x.b, x.sp, x.cp, x.ep, x.expert_tp)]
     return (_group_ids(shape + [np.asarray(x.recompute), np.asarray(x.recomputed_layers)]),
             _group_ids(shape + [np.asarray(x.zero), np.asarray(x.shard)]))
 

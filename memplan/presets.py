@@ -247,12 +247,15 @@ def make_config(
         par["sp"] = False
     if gpus is not None:
         check_gpus(gpus)
-        tp, pp = par.get("tp", 1), par.get("pp", 1)
-        if gpus % (tp * pp):
-            raise MemplanError(f"GPU count {gpus} is not divisible by t*p = {tp}*{pp} = {tp * pp}")
-        if "dp" in over_p and over_p["dp"] * tp * pp != gpus:
-            raise MemplanError(f"t*p*d = {tp}*{pp}*{over_p['dp']} does not equal the GPU count {gpus}")
-        par["dp"] = gpus // (tp * pp)
+        tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)
+        if gpus % (tp * pp * cp):
+            what, value = ("t*p*cp", f"{tp}*{pp}*{cp}") if cp > 1 else ("t*p", f"{tp}*{pp}")
+            raise MemplanError(f"GPU count {gpus} is not divisible by {what} = {value} = {tp * pp * cp}")
+        if "dp" in over_p and over_p["dp"] * tp * pp * cp != gpus:
+            what = "t*p*d*cp" if cp > 1 else "t*p*d"
+            raise MemplanError(f"{what} = {tp}*{pp}*{over_p['dp']}{f'*{cp}' if cp > 1 else ''} does not equal the GPU "
+                               f"count {gpus}")
+        par["dp"] = gpus // (tp * pp * cp)
     tr = {**preset.training, **over_t}
     if "recompute" in over_t and "recompute_num_layers" not in over_t:
         tr.pop("recompute_num_layers", None)

@@ -461,6 +461,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
             f"{p.recompute_s:.2f} s, pipeline bubble {p.bubble_s:.2f} s ({p.bubble_share:.1%} of the step), TP comm "
             f"exposed {p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
             + (f", host copies {p.host_copy_s:.2f} s (offload, exposed)" if p.host_copy_s else "")
+            + (f", CP / EP comm exposed {p.cp_ep_comm_exposed_s:.2f} s" if p.cp_ep_comm_exposed_s else "")
         )
     render_peak(est, console)
     if est.budget_bytes is not None:
@@ -627,7 +628,8 @@ def plan_text(row: dict[str, Any], num_layers: Optional[int] = None) -> str:
                              "recompute": rec_cell, "zero": _zero_cell(row)})
     rec_text = {"none": "no-recompute", "selective": "selective"}.get(rec, f"full x{row['recompute_num_layers']}")
     sp = " SP" if row["sp"] else ""
-    return (f"t={row['tp']} p={row['pp']} d={row['dp']} b={row['micro_batch']} m={row['vpp']}{sp} "
+    cp_ep = "".join(f" {k}={row[k]}" for k in ("cp", "ep") if row.get(k, 1) > 1)
+    return (f"t={row['tp']} p={row['pp']} d={row['dp']}{cp_ep} b={row['micro_batch']} m={row['vpp']}{sp} "
             f"{rec_text} ZeRO-{_zero_cell(row)}")
 
 
@@ -734,7 +736,8 @@ def render_search(result: SearchResult, console: Console) -> None:
                       "+n rec recompute choices no faster, no smaller (--all-variants lists them)")
     if listing:
         narrow = compact(console)
-        table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", "b", "m", "SP")]
+        extra = _cp_ep_columns(result)
+        table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", *extra, "b", "m", "SP")]
                            + [Col("recompute", "right", short="rec"), Col("ZeRO", "right"),
                               Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
                               Col("MFU", "right")]
@@ -745,8 +748,8 @@ def render_search(result: SearchResult, console: Console) -> None:
             row = result.row(x.plan)
             chunk = m.num_layers // (row["pp"] * row["vpp"])
             table.add_row(
-                str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), str(row["micro_batch"]), str(row["vpp"]),
-                "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
+                str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), *(str(row[c]) for c in extra),
+                str(row["micro_batch"]), str(row["vpp"]), "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
                 _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
                 *([_gb(row["memory"]["host_bytes_per_node"])] if host else []),
@@ -768,6 +771,15 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
     for note in result.notes:
         console.print(f"note: {note}")
+
+
+def _cp_ep_columns(result: SearchResult) -> tuple[str, ...]:
+    """The context- and expert-parallel columns a listing shows: cp when the search tried cp > 1, ep and etp for an
+    MoE model (their row keys are the columns' names)."""
+    plans = result.space.rows if result.space is not None else vars(result.evaluated.plans)
+    cp = plans.get("cp", 1)
+    tried_cp = bool(getattr(cp, "max", lambda: cp)() > 1)
+    return ("cp",) * tried_cp + (("ep", "etp") if result.model.is_moe else ())
 
 
 def _miss(result: SearchResult, row: dict[str, Any]) -> str:

@@ -264,9 +264,32 @@ class ParallelSpec(_Spec):
         "--num-distributed-optimizer-instances d/zero_shard)",
     )
 
+    cp: int = Field(default=1, gt=0, description="context-parallel size: each sequence split over cp ranks "
+                    "(Megatron-LM --context-parallel-size; memplan/parallel.py)")
+    cp_comm_type: Literal["p2p", "a2a"] = Field(
+        default="p2p", description="how context-parallel attention exchanges keys / values: p2p (ring attention, "
+        "Transformer Engine AttnFuncWithCPAndKVP2P) or a2a (Ulysses: heads all-to-all, AttnFuncWithCPAndQKVOA2A); "
+        "Megatron-LM --cp-comm-type")
+    ep: int = Field(default=1, gt=0, description="expert-parallel size: each MoE layer's routed experts split over "
+                    "ep ranks (Megatron-LM --expert-model-parallel-size)")
+    etp: Optional[int] = Field(default=None, gt=0, description="expert tensor-parallel size: each routed expert's "
+                               "MLP split over etp ranks (default t; Megatron-LM --expert-tensor-parallel-size)")
+
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """etp, the routed experts' tensor-parallel size (t unless set, as Megatron-LM's arguments.py defaults it)."""
+        return self.etp if self.etp is not None else self.tp
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel size: Megatron-LM folds the t x cp x d ranks of a pipeline stage into
+        etp x ep x edp for the experts (megatron/core/parallel_state.py initialize_model_parallel:
+        expert_data_parallel_size = world_size // (etp * ep * pp))."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def shard(self) -> int:
@@ -284,6 +307,14 @@ class ParallelSpec(_Spec):
                 raise ValueError("zero_shard needs ZeRO stage 1-3 (sharded states)")
             if self.dp % self.zero_shard:
                 raise ValueError(f"zero_shard={self.zero_shard} does not divide the data-parallel size d={self.dp}")
+        folded = self.tp * self.cp * self.dp
+        if folded % (self.expert_tp * self.ep):
+            raise ValueError(f"ep*etp = {self.ep}*{self.expert_tp} does not divide t*cp*d = {self.tp}*{self.cp}*{self.dp}"
+                             f" = {folded}: Megatron-LM folds a stage's t x cp x d ranks into etp x ep x expert-data-"
+                             "parallel ranks (megatron/core/parallel_state.py)")
+        if self.zero_shard is not None and self.ep * self.expert_tp > 1 and self.edp % (self.dp // self.zero_shard):
+            raise ValueError(f"the {self.dp // self.zero_shard} distributed-optimizer instances (d/zero_shard) do not "
+                             f"divide the expert-data-parallel size {self.edp} (megatron/core/parallel_state.py)")
         return self
 
 
@@ -556,7 +587,8 @@ class Config(_Spec):
         recompute mode applies to (all of them unless --recompute-num-layers says fewer)."""
         par, tr = self.parallel, self.training
         layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
-        return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, zero=par.zero, zero_shard=par.shard,
+        return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, cp=par.cp, cp_comm_type=par.cp_comm_type,
+                    ep=par.ep, etp=par.expert_tp, zero=par.zero, zero_shard=par.shard,
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
                     num_microbatches=self.num_microbatches, global_batch=self.global_batch,
                     global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus)
@@ -581,6 +613,12 @@ class Config(_Spec):
             raise ValueError(f"loss chunks {tr.loss_chunks} do not divide the sequence length s={m.seq_length}")
         if par.sp and m.seq_length % t:
             raise ValueError(f"sequence parallelism needs t={t} to divide the sequence length s={m.seq_length}")
+        _check_cp_ep(m, par)
+        if (par.ep > 1 or par.expert_tp != t) and (tr.optimizer not in ("adamw", "sgd", "sgd-nomomentum", "lion")
+                                                   or tr.offload_optimizer_fraction > 0):
+            raise ValueError("expert parallelism is modelled with the optimizers whose states are per-parameter "
+                             f"copies (adamw, sgd, lion) and without optimizer offload (got {tr.optimizer}"
+                             f"{', offload' if tr.offload_optimizer_fraction else ''})")
         gb, b, d = self.global_batch, tr.micro_batch, par.dp
         if gb % (b * d):
             raise ValueError(f"global batch {gb} is not divisible by micro-batch * data-parallel = {b}*{d}")
@@ -593,6 +631,38 @@ class Config(_Spec):
                     "layers of a model chunk"
                 )
         return self
+
+
+def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
+    """Context and expert parallelism as Megatron-LM / Transformer Engine accept them (memplan/parallel.py)."""
+    s, t, cp = m.seq_length, par.tp, par.cp
+    if cp > 1:
+        if s % (2 * cp):
+            raise ValueError(f"context parallelism needs 2*cp = {2 * cp} to divide the sequence length s={s} (the causal "
+                             "load-balanced layout: 2 cp chunks; Megatron-LM arguments.py)")
+        if par.sp and (s // cp) % t:
+            raise ValueError(f"sequence parallelism needs t={t} to divide a context-parallel rank's s/cp = {s // cp} "
+                             "tokens")
+        if m.attention == "eager":
+            raise ValueError("context parallelism needs flash attention (--attention flash): Transformer Engine's "
+                             "unfused attention does not support it (dot_product_attention/utils.py "
+                             "get_attention_backend)")
+        if par.cp_comm_type == "a2a" and ((m.num_attention_heads // t) % cp or (m.g // t) % cp):
+            raise ValueError(f"--cp-comm-type a2a needs cp={cp} to divide each tensor-parallel rank's query heads "
+                             f"a/t = {m.num_attention_heads // t} and key/value heads g/t = {m.g // t} "
+                             "(Transformer Engine AttnFuncWithCPAndQKVOA2A)")
+    if (par.ep > 1 or par.etp is not None) and not m.is_moe:
+        raise ValueError("expert parallelism (--ep / --etp) needs a mixture-of-experts model (num_experts)")
+    if m.is_moe:
+        if m.num_experts % par.ep:
+            raise ValueError(f"expert-parallel size ep={par.ep} does not divide the experts E={m.num_experts} "
+                             "(Megatron-LM arguments.py)")
+        if m.fe % par.expert_tp:
+            raise ValueError(f"expert tensor-parallel size etp={par.expert_tp} does not divide the expert MLP width "
+                             f"f_e={m.fe}")
+        if t > 1 and not par.sp:
+            raise ValueError("a mixture-of-experts model with tensor parallelism needs sequence parallelism (--sp): "
+                             "Megatron-LM's MoELayer refuses to train without it (moe_layer.py)")
 
 
 def check_gpus(gpus: int) -> None:

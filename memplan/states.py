@@ -43,9 +43,12 @@ class ParamGroup:
     count: Poly
     tp_split: bool
     scope: Scope
+    expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/parallel.py)
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
+        if self.expert:  # E/ep experts on a GPU, each f_e/etp wide (ep | E and etp | f_e: specs.py)
+            return n // (values.get("ep", 1) * values.get("etp", values["t"]))
         # Vocabulary-parallel embeddings are padded to a multiple of t (Megatron-LM pads v).
         return -(-n // values["t"]) if self.tp_split else n
 
@@ -75,8 +78,9 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("query / key norms", Poly.parse("2 q /a"), False, "layer"))
     if model.is_moe:
         groups += [
-            ParamGroup("MLP input projection weight", Poly.parse(("2 " if gated else "") + "E h fe"), True, "moe"),
-            ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe"),
+            ParamGroup("MLP input projection weight", Poly.parse(("2 " if gated else "") + "E h fe"), True, "moe",
+                       expert=True),
+            ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe", expert=True),
             ParamGroup("router weight", Poly.parse("E h"), False, "moe"),
         ]
         if model.moe_shared_ffn_hidden_size:

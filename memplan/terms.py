@@ -53,6 +53,10 @@ class Term:
     needs_tp: bool = False  # exists only with tensor parallelism (t > 1)
     only_full: bool = False  # exists only under full recompute (a checkpoint's own copy of the input)
     storages: int = 1  # separate allocations of equal size it is made of (LayerNorm's mean and rstd: 2)
+    # an MoE layer's routed tokens after the dispatcher's all-gather over the expert-tensor-parallel group (h wide:
+    # k s b h etp / t on one GPU); the routed experts' other terms are tp_split (/t: memplan/parallel.py)
+    etp_gathered: bool = False
+    needs_cp: bool = False  # exists only with context parallelism (cp > 1): its buffers
 
     @property
     def recompute_flags(self) -> tuple:
@@ -77,6 +81,14 @@ class Term:
         full = self.size(activation_bytes).evaluate(values)
         if self.needs_tp:
             full = full * (values["t"] > 1)
+        # context parallelism: every tensor holds the rank's s/cp tokens (memplan/parallel.py); a term's own cp
+        # factor (a buffer of all cp chunks) is in its polynomial
+        cp = values.get("cp", 1)
+        full = full // cp
+        if self.needs_cp:
+            full = full * (cp > 1)
+        if self.etp_gathered:
+            full = full * values.get("etp", values["t"])
         if self.tp_split:
             return full // values["t"]
         if self.sp_split:
@@ -101,9 +113,9 @@ class Term:
 
 
 def _t(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
-       k22=True, src, needs_tp=False, only_full=False, storages=1):
+       k22=True, src, needs_tp=False, only_full=False, storages=1, etp_gathered=False, needs_cp=False):
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
-                only_full, storages)
+                only_full, storages, etp_gathered, needs_cp)
 
 
 # One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
@@ -266,7 +278,7 @@ class Moment:
 
     id: str
     name: str
-    phase: Literal["loss", "backward"]
+    phase: Literal["forward", "loss", "backward"]  # forward: inside a layer's forward (its later terms in `freed`)
     scope: Literal["layer", "last"]
     transients: tuple[Term, ...]
     freed: tuple[str, ...] = ()  # saved term ids of this layer / the head no longer alive
@@ -276,9 +288,10 @@ class Moment:
     source: str = ""
 
 
-def _x(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src=""):
+def _x(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False):
     """A transient tensor (a Term that no backward keeps)."""
-    return _t(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src)
+    return _t(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src,
+              needs_cp=needs_cp)
 
 
 # The gradient arriving at the embedding's output (the first layer's input gradient), alive while

@@ -30,6 +30,9 @@ def check_hf_plan(config: Config, impl: str) -> None:
     if par.tp > 1 or par.pp > 1:
         raise MemplanError(f"--impl {impl}: transformers models have no tensor or pipeline parallelism "
                            "(use t = p = 1 with data parallelism / ZeRO, or --impl megatron)")
+    if par.cp > 1 or par.ep > 1:
+        raise MemplanError(f"--impl {impl}: context and expert parallelism are modelled for Megatron-LM "
+                           "(--impl megatron), not for transformers models")
     if tr.recompute == Recompute.SELECTIVE:
         raise MemplanError(f"--impl {impl}: transformers has no selective recompute (gradient checkpointing "
                            "recomputes whole layers: --recompute full)")

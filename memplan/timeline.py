@@ -41,6 +41,7 @@ from memplan.memory import PlanValues, StageMemory, TermBytes
 from memplan.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
+from memplan.parallel import cp_moments, expert_shard, state_shard
 from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -152,7 +153,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
                 n = sizes.group(head) * training.grad_bytes * untied_head
             else:
                 n = sizes.group(groups[name]) * training.grad_bytes if name in groups else 0
-            grad_cache[name, kept] = shard_bytes(n, plan.shard, plan.zero >= 2) if kept else n
+            shard = expert_shard(plan) if name in groups and groups[name].expert else state_shard(plan)
+            grad_cache[name, kept] = shard_bytes(n, shard, plan.zero >= 2) if kept else n
         return grad_cache[name, kept]
 
     def new_grad(name: str) -> Any:
@@ -197,11 +199,14 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
                 + (layers_done - moe_done) * kind["dense"])
         return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
+    # context parallelism's buffers (memplan/parallel.py): inside the attention forward, and added to its backward
+    cp_forward, cp_backward = cp_moments(model, inventory, plan)
+    moments_all = inventory.moments + cp_forward
     transients: dict[str, tuple[Any, Any]] = {}
-    for m in inventory.moments:  # each moment's transients, and those of a recomputed layer only
+    for m in moments_all:  # each moment's transients, and those of a recomputed layer only
         always: Any = 0
         rerun: Any = 0
-        for t in m.transients:
+        for t in m.transients + (cp_backward if m.id == "attention_backward" else ()):
             if t.only_full:
                 rerun = rerun + sizes(t)
             else:
@@ -237,7 +242,14 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         events.append(Event(phase, layer, name, parts, total))
 
     # forward of the chunk whose backward comes first (its bytes grow with j: the last layer is critical)
+    fwd_alive = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in cp_forward}
     for j in (layers if not critical else [n]):
+        for m in cp_forward:  # inside layer j's forward: the layers before it, its own saves so far, the buffers
+            plain, full, selective = fwd_alive[m.id]
+            recomputed = (j <= N) if not critical else _le(j, N)
+            alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
+            event("forward", j, m.name, grads_fwd, others + (0 if off else stored_upto(j - 1)) + alive,
+                  held + transient_bytes(m, recomputed))
         event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
               grads_fwd, others + (stored_plain if off else stored_upto(j)), held)
     # loss (last stage)
@@ -323,9 +335,15 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     AdamW foreach one temporary per parameter it steps (exp_avg_sq_sqrt), in that parameter's dtype
     (the fp32 master copy when there is one, else the weights' dtype), the ZeRO shard only; fused
     AdamW (Megatron-LM's TE / apex FusedAdam, torch fused) none; the other optimizers their own."""
-    shard = 1 + (plan.shard - 1) * (plan.zero >= 1)
-    temp = optimizers.temporaries(training, optimizer_impl(training, inventory), stage_mem.params, stage_mem.tensors,
-                                  shard)
+    shard = 1 + (state_shard(plan) - 1) * (plan.zero >= 1)
+    impl = optimizer_impl(training, inventory)
+    experts = stage_mem.expert_params
+    temp = optimizers.temporaries(training, impl, stage_mem.params, stage_mem.tensors, shard)
+    if training.optimizer in ("adamw", "sgd", "sgd-nomomentum"):  # one temporary per stepped parameter: the routed
+        # experts step their expert-data-parallel shard (the same as the others' when ep = 1 and etp = t)
+        e_shard = 1 + (expert_shard(plan) - 1) * (plan.zero >= 1)
+        temp = temp + (optimizers.temporaries(training, impl, experts, stage_mem.tensors, e_shard)
+                       - optimizers.temporaries(training, impl, experts, stage_mem.tensors, shard))
     fraction = training.offload_optimizer_fraction
     if fraction == 0:
         return temp
@@ -359,7 +377,7 @@ class DeviceMemory:
 def communicators(plan: PlanValues) -> Any:
     """NCCL communicators a rank of the plan creates: its tensor-, pipeline- and data-parallel
     groups of more than one rank."""
-    return 1 * (plan.t > 1) + 1 * (plan.p > 1) + 1 * (plan.d > 1)
+    return 1 * (plan.t > 1) + 1 * (plan.p > 1) + 1 * (plan.d > 1) + 1 * (plan.cp > 1) + 1 * (plan.ep > 1)
 
 
 def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec],
