@@ -98,6 +98,14 @@ def megatron_launch(config: Config) -> Launch:
         args.append(f"--num-layers-per-virtual-pipeline-stage {config.layers_per_chunk}")
     if par.sp:
         args.append("--sequence-parallel")
+    # context / expert parallelism (memplan/parallel.py): names as Megatron-LM's ModelParallelConfig fields and
+    # arguments.py define them (docs/user-guide/parallelism-guide.md)
+    if par.cp > 1:
+        args += [f"--context-parallel-size {par.cp}", f"--cp-comm-type {par.cp_comm_type}"]
+    if par.ep > 1:
+        args.append(f"--expert-model-parallel-size {par.ep}")
+    if m.is_moe and par.expert_tp != par.tp:
+        args.append(f"--expert-tensor-parallel-size {par.expert_tp}")
     if tr.recompute == Recompute.SELECTIVE:
         args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
     elif tr.recompute == Recompute.FULL:
@@ -216,11 +224,12 @@ def _environment(config: Config, notes: list[str]) -> dict[str, Optional[str]]:
     communication kernels are scheduled before the GEMMs they overlap with; Megatron-FSDP asserts it
     is not 1 (and wins when both are on: arguments.py only warns for TP + FSDP)."""
     par = config.parallel
+    model_parallel = par.tp > 1 or par.cp > 1  # arguments.py asks for it with context parallelism too
     if par.zero >= 2:
-        if par.tp > 1:
+        if model_parallel:
             notes.append(f"Megatron-FSDP requires {CONNECTIONS} unset (or > 1), which slows the overlap of "
-                         "tensor-parallel communication")
+                         "tensor- / context-parallel communication")
         return {CONNECTIONS: None}
-    if par.tp > 1:
+    if model_parallel:
         return {CONNECTIONS: "1"}
     return {}
