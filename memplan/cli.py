@@ -269,8 +269,11 @@ def impls() -> None:
     from memplan.optimizers import OPTIMIZER_INFO
     from memplan.terms import IMPLEMENTATIONS
 
+    from memplan.parallel import IMPLS_TEXT
+
     for name, text in IMPLEMENTATIONS.items():
         click.echo(f"{name:10s} {text}")
+    click.echo(f"\n{IMPLS_TEXT}")
     click.echo("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
     for name, info in OPTIMIZER_INFO.items():
         click.echo(f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}")

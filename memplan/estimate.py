@@ -18,6 +18,7 @@ from memplan.terms_hf import check_hf_plan
 from memplan.fp8 import check_fp8, notes as fp8_notes
 from memplan.offload import HostBytes, host_bytes, notes as offload_notes, per_node
 from memplan.optimizers import notes as optimizer_notes
+from memplan.parallel import notes as parallel_notes
 from memplan.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
 
 
@@ -209,8 +210,11 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if m.is_moe:
         notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
                      f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "
-                     f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those); no "
-                     "expert parallelism yet: every GPU holds every expert (ZeRO shards them as dense weights)")
+                     f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
+                     + (f"; ep = {par.ep}, etp = {par.expert_tp}: {m.num_experts // par.ep} experts per GPU, their "
+                        f"states sharded over the {par.edp} expert-data-parallel ranks" if par.ep * par.expert_tp > 1
+                        else "; ep = 1: every GPU holds every expert"))
+    notes += parallel_notes(config)
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))

@@ -228,7 +228,7 @@ def _environment(config: Config, notes: list[str]) -> dict[str, Optional[str]]:
     if par.zero >= 2:
         if model_parallel:
             notes.append(f"Megatron-FSDP requires {CONNECTIONS} unset (or > 1), which slows the overlap of "
-                         "tensor- / context-parallel communication")
+                         f"{'tensor' if par.tp > 1 else 'context'}-parallel communication")
         return {CONNECTIONS: None}
     if model_parallel:
         return {CONNECTIONS: "1"}
