@@ -24,10 +24,10 @@ def layer_bytes(
     return total
 
 
-def layer_poly(terms: Iterable[Term], activation_bytes: int, sp: bool, recompute: Recompute) -> Poly:
-    """The same sum as `layer_bytes`, as a polynomial in the K22 symbols and t."""
+def layer_poly(terms: Iterable[Term], activation_bytes: int, sp: bool, recompute: Recompute, cp: int = 1) -> Poly:
+    """The same sum as `layer_bytes`, as a polynomial in the K22 symbols and t (and cp)."""
     total = Poly(())
     for term in terms:
         if term.kept(recompute):
-            total = total + term.split_size(activation_bytes, sp)
+            total = total + term.split_size(activation_bytes, sp, cp)
     return total

@@ -124,7 +124,8 @@ def estimate(
     layer_terms = tuple(t for t in terms if t.scope == "layer" and t.in_k22) if paper_only else tuple(
         t for t in terms if t.scope == "layer")
     per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
-    poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute), config.model)
+    poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute,
+                                   config.parallel.cp), config.model)
     if config.parallel.tp == 1:
         poly = poly.assign("t", 1)
 
@@ -134,7 +135,7 @@ def estimate(
         stage_n = peak.term_bytes[term.id]
         if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute)):
             continue
-        sym = display_poly(term.split_size(act, config.parallel.sp), config.model)
+        sym = display_poly(term.split_size(act, config.parallel.sp, config.parallel.cp), config.model)
         if config.parallel.tp == 1:
             sym = sym.assign("t", 1)
         rows.append(TermRow(term, sym.text(), n, stage_n // n if n else 0, stage_n,

@@ -111,38 +111,40 @@ def _symbols(est: Estimate, values: dict[str, Any]) -> list[Step]:
 def _layer(est: Estimate, values: dict[str, Any]) -> list[Step]:
     c = est.config
     act, sp, rec = c.training.activation_bytes, c.parallel.sp, c.training.recompute
+    split = (sp, c.parallel.cp)  # how a term's polynomial is split on one GPU (Term.split_size)
     layer_terms = [t for t in est.inventory.terms if t.scope == "layer"]
     kept = [t for t in layer_terms if t.kept(rec) and t.bytes(values, act, int(sp))]
     unit = est.peak.unit_bytes
     steps = []
     for t in kept:
-        poly = _display(t.split_size(act, sp), c)
+        poly = _display(t.split_size(act, *split), c)
         exact = t.bytes(values, act, int(sp))
         note = "" if unit[t.id] == exact else f"allocated in {est.inventory.granularity}-byte blocks: {unit[t.id]:,} B"
         steps.append(Step("layer", t.name + ("" if t.in_k22 else " (not in K22)"), poly.text(),
                           substituted(poly, values), exact, "B", t.source, note))
     dropped = [t for t in layer_terms if t.kept(Recompute.NONE) and not t.kept(rec)]
     if dropped:
-        poly = _display(_sum(dropped, act, sp), c)
+        poly = _display(_sum(dropped, act, split), c)
         steps.append(Step("layer", f"not kept: {rec.label} recompute re-creates " + ", ".join(t.name for t in dropped),
                           poly.text(), substituted(poly, values), poly.evaluate(values), "B",
                           "K22 section 5" if rec == Recompute.SELECTIVE else "K22 section 4.1, full recompute"))
     k22 = [t for t in kept if t.in_k22]
     row = table2_row(c)
-    poly = _display(_sum(k22, act, sp), c)
+    poly = _display(_sum(k22, act, split), c)
     steps.append(Step("layer", "sum of the K22 terms" + (f" (K22 Table 2 row: {row})" if row else ""),
                       poly.factored(), substituted(poly, values), poly.evaluate(values), "B", "K22 Table 2"))
     if len(k22) < len(kept):
-        poly = _display(_sum(kept, act, sp), c)
+        poly = _display(_sum(kept, act, split), c)
         steps.append(Step("layer", "per layer, with what real code keeps beyond K22", est.per_layer_symbolic,
                           substituted(poly, values), est.per_layer_bytes, "B", est.inventory.name))
     return steps
 
 
-def _sum(terms: list[Term], act: int, sp: bool) -> Poly:
+def _sum(terms: list[Term], act: int, sp: tuple[bool, int]) -> Poly:
+    """(sp: SP on, and cp)"""
     total = Poly(())
     for t in terms:
-        total = total + t.split_size(act, sp)
+        total = total + t.split_size(act, *sp)
     return total
 
 

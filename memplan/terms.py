@@ -71,9 +71,14 @@ class Term:
         """Bytes on one GPU without parallelism, as a polynomial (e.g. 2as^2b)."""
         return self.elements * self.element_bytes(activation_bytes)
 
-    def split_size(self, activation_bytes: int, sp: bool) -> Poly:
-        """Bytes on one GPU of a tensor-parallel group, as a polynomial in t."""
+    def split_size(self, activation_bytes: int, sp: bool, cp: int = 1) -> Poly:
+        """Bytes on one GPU of a tensor-parallel group, as a polynomial in t (and cp: the rank's s/cp tokens, as
+        `bytes` divides them)."""
         size = self.size(activation_bytes)
+        if cp > 1:
+            size = size.divide_by("cp")
+        if self.etp_gathered:
+            size = size * Poly.parse("etp")
         return size.divide_by("t") if (self.tp_split or (sp and self.sp_split)) else size
 
     def bytes(self, values: Mapping[str, Any], activation_bytes: int, sp: Any) -> Any:
