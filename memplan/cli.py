@@ -54,7 +54,7 @@ def plan_options(func: Callable) -> Callable:
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
         click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
                      "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/parallel.py). search: tried "
-                     "from s >= 8192 on."),
+                     "from s >= 16384 on."),
         click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
                      help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
         click.option("--ep", type=click.IntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "

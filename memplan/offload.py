@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memplan.parallel import state_shard
 from memplan.specs import ModelSpec, Recompute, TrainingSpec
 
 MICRO = 1_000_000
@@ -206,8 +207,8 @@ def host_bytes(model: ModelSpec, terms: Any, training: TrainingSpec, plan: Any, 
         act, weights = activation_host_bytes(model, terms, training, plan, stage_mem, layout)
     staging: Any = 0
     if training.offload_optimizer_fraction > 0:
-        staging = optimizer_staging_bytes(training, offloaded_params(training, stage_mem.params, plan.shard,
-                                                                     plan.zero))
+        staging = optimizer_staging_bytes(training, offloaded_params(training, stage_mem.params,
+                                                                     state_shard(plan), plan.zero))
     return HostBytes(stage_mem.host_optimizer, staging, act, weights)
 
 

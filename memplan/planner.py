@@ -310,9 +310,9 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     )
 
 
-# context parallelism is searched from this sequence length on (shorter ones: cp = 1 unless --cp pins it): below
-# it a sequence's activations are small beside the states, and t, d and recompute already cover the plans
-CP_MIN_SEQ = 8192
+# context parallelism is searched from this sequence length on (shorter ones, the 8K of today's pre-training
+# presets included: cp = 1 unless --cp pins it): below it t, d and recompute already cover the plans
+CP_MIN_SEQ = 16384
 MAX_CP = 32  # the largest cp searched (powers of 2; Llama 3 405B's 128K-token stage used 16)
 
 

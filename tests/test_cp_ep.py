@@ -230,3 +230,19 @@ def test_moe_spec_errors():
         ParallelSpec(dp=2, ep=4, etp=1)
     with pytest.raises(Exception, match="needs sequence parallelism"):
         config(MOE, tp=2, dp=2)
+
+
+def test_optimizer_offload_host_bytes_follow_the_d_times_cp_shard():
+    # ZeRO 1 with optimizer offload: a GPU's offloaded states are its 1/(d cp) shard, so d = 8 and d = 2, cp = 4 (both
+    # 8 GPUs) keep the same host memory per GPU: 119,104 parameters / 8 = 14,888 x (4 + 8) B = 178,656 B of states
+    from memplan.offload import host_bytes
+
+    out = []
+    for par in (dict(dp=8, zero=1), dict(dp=2, cp=4, zero=1)):
+        cfg = build(Config, {"model": ModelSpec(**DENSE), "parallel": par,
+                             "training": {"micro_batch": 1, "offload_optimizer_fraction": 1.0}})
+        inv = inventory_for(cfg.model, "megatron", "cuda")
+        mem = stage_memory(cfg.model, inv.terms, cfg.training, plan_of(cfg), 0)
+        out.append(host_bytes(cfg.model, inv.terms, cfg.training, plan_of(cfg), mem))
+    assert out[0].optimizer == out[1].optimizer == 178_656
+    assert out[0].staging == out[1].staging
