@@ -77,7 +77,7 @@ def plan_options(func: Callable) -> Callable:
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
-        click.option("--impl", type=click.Choice(["megatron", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
+        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
@@ -571,6 +571,9 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
               help="Also the 175B and 530B layers at t = 8 under FakeTensorMode.")
 @click.option("--hf/--no-hf", "hf", default=None,
               help="Also transformers GPT-2 and Llama, eager and sdpa (default: when transformers is installed).")
+@click.option("--mcore/--no-mcore", "mcore", default=None,
+              help="Also megatron-core's local spec (GPT and Llama-like layers and GPTModels, t = 1, 2; --impl "
+                   "megatron-local) on CPU (default: when megatron-core is installed).")
 @click.option("--terms", is_flag=True, help="Show every case term by term (failures always are).")
 @click.option("--peak", is_flag=True,
               help="Instead: whole training steps (forward, loss, backward, optimizer step: AdamW, SGD, Adafactor, "
@@ -578,7 +581,7 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
                    "peak against memplan's (1% tolerance; --device cuda: torch.cuda.max_memory_allocated).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],
-             terms: bool, peak: bool, as_json: bool) -> None:
+             mcore: Optional[bool], terms: bool, peak: bool, as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     from memplan.report import print_json, render_validation, validation_dict
     import importlib.util
@@ -612,6 +615,12 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     cases = grid(device, tps, recomputes, fake and device == "cpu")
     if (have_hf if hf is None else hf) and device == "cpu":
         cases += hf_grid(fake)
+    from memplan.validate import mcore_available, mcore_grid
+
+    if mcore and not mcore_available():
+        raise MemplanError("--mcore needs megatron-core: pip install -e '.[test]'")
+    if (mcore_available() if mcore is None else mcore) and device == "cpu":
+        cases += mcore_grid(tuple(t for t in tps if t <= 2), recomputes)
     results = run(cases, device)
     if (have_hf if hf is None else hf) and device == "cpu":
         from memplan.validate import run_traced, traced_grid

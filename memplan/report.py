@@ -171,6 +171,7 @@ def _cite(source: str) -> str:
 SHORT_WORKS = (("FlashAttention-2 (Dao 2023)", "FlashAttn-2"), ("Transformer Engine / apex", "TE / apex"),
                ("transformers ", "HF "))
 SHORT_WORK_NAMES = {"FlashAttn-2": "FlashAttention-2 (Dao 2023)", "TE": "Transformer Engine",
+                    "mcore": "megatron-core 0.16.1 (its local spec)",
                     "HF": "Hugging Face transformers"}
 
 

@@ -57,11 +57,12 @@ class Term:
     # k s b h etp / t on one GPU); the routed experts' other terms are tp_split (/t: memplan/parallel.py)
     etp_gathered: bool = False
     needs_cp: bool = False  # exists only with context parallelism (cp > 1): its buffers
+    only_selective: bool = False  # exists only under selective recompute (the attention checkpoint's own inputs)
 
     @property
     def recompute_flags(self) -> tuple:
         """What decides `kept` and the copy count: terms with equal flags share them."""
-        return (self.scope, self.dropped_by_selective, self.kept_by_full, self.only_full)
+        return (self.scope, self.dropped_by_selective, self.kept_by_full, self.only_full, self.only_selective)
 
     def element_bytes(self, activation_bytes: int) -> int:
         return {"act": activation_bytes, "mask": MASK_BYTES, "fp32": FP32_BYTES, "int64": INT64_BYTES,
@@ -107,7 +108,7 @@ class Term:
             # outside the layers only a checkpoint's inputs depend on recompute (the mask every
             # checkpointed layer is given)
             return 1 * (recompute == Recompute.FULL) if self.only_full else 1
-        keep_none = 0 if self.only_full else 1
+        keep_none = 0 if (self.only_full or self.only_selective) else 1
         keep_selective = 0 if (self.dropped_by_selective or self.only_full) else 1
         keep_full = 1 if (self.kept_by_full or self.only_full) else 0
         return (
@@ -118,9 +119,10 @@ class Term:
 
 
 def _t(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
-       k22=True, src, needs_tp=False, only_full=False, storages=1, etp_gathered=False, needs_cp=False):
+       k22=True, src, needs_tp=False, only_full=False, storages=1, etp_gathered=False, needs_cp=False,
+       only_selective=False):
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
-                only_full, storages, etp_gathered, needs_cp)
+                only_full, storages, etp_gathered, needs_cp, only_selective)
 
 
 # One transformer layer as Megatron-LM runs it. With eager attention, LayerNorm, a GeLU MLP of
@@ -414,6 +416,13 @@ IMPLEMENTATIONS: dict[str, str] = {
     "megatron": "Megatron-LM on GPU: fused scaled upper-triangular masked softmax (no mask tensor), "
                 "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
                 "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured",
+    "megatron-local": "megatron-core 0.16.1's local spec (get_gpt_layer_local_spec, Megatron-LM "
+                      "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
+                      "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
+                      "(validation/mcore.py: t = 1, 2, SP, recompute none / selective / full, layer and GPTModel); "
+                      "--device cuda applies Megatron-LM's fusion defaults, derived from its code, not measured. "
+                      "`megatron` (the Transformer Engine spec) differs from it by: no mask tensor (fused softmax), "
+                      "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
              "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
              "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",
@@ -445,10 +454,10 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
 
         check_fp8(fp8, impl)
     if model.is_moe and impl not in HF_IMPLS:  # issue 11: experts, routing, expert parallelism in Megatron-LM
-        which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
+        which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
         raise MemplanError(f"no {which} MoE inventory yet: use --impl hf-sdpa / hf-eager")
     if model.is_mla and impl not in HF_IMPLS:
-        which = "Megatron-LM" if impl == "megatron" else "reference torch layer (--impl torch)"
+        which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
         raise MemplanError(f"no {which} inventory for multi-head latent attention yet: use --impl hf-sdpa / hf-eager")
     if (model.is_moe or model.is_mla) and model.inventory is None:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
@@ -478,6 +487,10 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
         from memplan.terms_hf import hf_inventory
 
         return hf_inventory(model, impl, device, loss_chunks)
+    if impl == "megatron-local":
+        from memplan.terms_mcore import mcore_local_inventory
+
+        return mcore_local_inventory(model, device)
     if impl == "torch":
         if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
             raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -23,9 +24,13 @@ from memplan import terms as inventory
 from memplan.memory import PlanValues, stage_memory
 from memplan.specs import OPTIMIZER_IMPLS_OF, Config, ModelSpec, ParallelSpec, TrainingSpec
 from memplan.states import total_params
+from memplan.terms_mcore import QKV_TERMS
 
 TOLERANCE = 1e-3  # 0.1 % of a case's activation bytes (issue: CPU tolerance)
 HF_TOLERANCE = 1e-2  # 1 % per layer against transformers' own code
+# megatron-core's local spec is measured exactly; 0.01 % leaves room only for the 4-byte int32 attn_mask_type
+# tensor of selective recompute, which the live tracker does not see created (a factory, no op output)
+MCORE_TOLERANCE = 1e-4
 
 # Small shapes for real runs (s, b, h, a, f) and the paper's layers for fake runs.
 SHAPES = [(64, 2, 64, 4, None), (32, 3, 96, 8, 160)]
@@ -47,8 +52,8 @@ class ValidationCase:
     backend: str  # ledger | live | fake | cuda
     v: int = 512
     L: int = 2
-    impl: str = "torch"  # torch (validation/layers.py) | hf-eager | hf-sdpa (transformers)
-    arch: str = "gpt2"  # hf-*: gpt2 | llama
+    impl: str = "torch"  # torch (validation/layers.py) | hf-eager | hf-sdpa (transformers) | megatron-local
+    arch: str = "gpt2"  # hf-*: gpt2 | llama; megatron-local: gpt | llama
     g: Optional[int] = None  # llama: key/value heads
     head_dim: Optional[int] = None  # llama: width of one head (None = h/a)
     dropout: float = 0.1
@@ -107,7 +112,7 @@ def case_model(case: ValidationCase) -> ModelSpec:
     """The ModelSpec of the layer or model a case measures."""
     shape = dict(name=case.name, num_layers=case.layers, hidden_size=case.h, num_attention_heads=case.a,
                  seq_length=case.s, vocab_size=case.v, ffn_hidden_size=case.f)
-    if case.impl == "torch":
+    if case.impl == "torch" or (case.impl == "megatron-local" and case.arch == "gpt"):
         return ModelSpec(**shape)
     if case.arch == "gpt2":
         return ModelSpec(**shape, dropout=case.dropout > 0, attention="eager" if case.impl == "hf-eager" else "flash")
@@ -128,7 +133,13 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     terms = tuple(t for t in inv.terms if t.scope in scopes and (t.in_k22 or not paper_only))
     stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False,
                          granularity=inv.granularity if allocated else 1)
-    return {k: int(v) for k, v in stage.term_bytes.items() if int(v)}
+    out: dict[str, int] = {}
+    for k, v in stage.term_bytes.items():
+        if int(v):
+            # megatron-core's Q, K, V are views of shared storages: measured (and compared) as one
+            key = "qkv" if case.impl == "megatron-local" and k in QKV_TERMS else k
+            out[key] = out.get(key, 0) + int(v)
+    return out
 
 
 def grid(device: str = "cpu", tps: Iterable[int] = (1, 2, 4), recomputes: Iterable[str] = ("none", "selective", "full"),
@@ -179,6 +190,42 @@ def hf_grid(fake: bool = True) -> list[ValidationCase]:
     return cases
 
 
+MCORE_SHAPE = dict(s=32, b=2, h=64, a=4)  # every megatron-core case; llama: g = 2, f = 160, no dropout
+
+
+def mcore_case(arch: str, t: int = 1, sp: bool = False, recompute: str = "none", scope: str = "layer",
+               backend: str = "ledger") -> ValidationCase:
+    """One megatron-core local-spec case (validation/mcore.py): GPT (LayerNorm, GeLU, learned positions,
+    dropout 0.1) or Llama-like (RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups, f = 160, no dropout);
+    scope "model" is a 2-layer GPTModel with its loss."""
+    llama = arch == "llama"
+    return ValidationCase(f"mcore {arch}", scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
+                          MCORE_SHAPE["a"], 160 if llama else None, t, sp, recompute, backend, v=256, L=2,
+                          impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1)
+
+
+def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none", "selective", "full"),
+               archs: Iterable[str] = ("gpt", "llama"), scopes: Iterable[str] = ("layer", "model")
+               ) -> list[ValidationCase]:
+    """megatron-core's local spec on CPU: GPT and Llama-like, one layer and a GPTModel, t = 1 and 2 (gloo
+    processes), SP on and off, recompute none / selective / full; the GPT cases at t = 1 also through the
+    live-storage tracker (retained after forward = the saved bytes)."""
+    cases = []
+    for arch in archs:
+        for t in tps:
+            for sp in ([False, True] if t > 1 else [False]):
+                for rec in recomputes:
+                    for scope in scopes:
+                        cases.append(mcore_case(arch, t, sp, rec, scope))
+                        if arch == "gpt" and t == 1:
+                            cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
+    return cases
+
+
+def mcore_available() -> bool:
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
 def _harness() -> Any:
     """The torch measurement package: validation/ of a checkout, memplan_validation in a wheel."""
     try:
@@ -199,8 +246,16 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
     out: list[Any] = [None] * len(cases)
     for i, m in zip(ref, measure_many(jobs) if jobs else []):
         out[i] = m
+    mc = [i for i, c in enumerate(cases) if c.impl == "megatron-local"]
+    if mc:
+        mcore = importlib.import_module(harness.__name__ + ".mcore")
+        measured = mcore.measure_mcore([mcore.McoreCase(
+            arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
+            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend) for c in (cases[i] for i in mc)])
+        for i, m in zip(mc, measured):
+            out[i] = m
     for i, c in enumerate(cases):
-        if c.impl != "torch":
+        if c.impl.startswith("hf-"):
             out[i] = measure_hf(c.arch, c.impl.removeprefix("hf-"), c.s, c.b, c.h, c.a, f=c.f, g=c.g,
                                 head_dim=c.head_dim, v=c.v, L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend)
     return out
@@ -220,8 +275,9 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
         notes = list(m.notes)
         if m.ranks_agree is False:
             notes.append("ranks disagree")
-        tol = tolerance if tolerance is not None else (TOLERANCE if c.impl == "torch" else HF_TOLERANCE)
-        if c.impl != "torch" and c.scope == "layer" and retained is not None:
+        tol = tolerance if tolerance is not None else (
+            HF_TOLERANCE if c.impl.startswith("hf-") else MCORE_TOLERANCE if c.impl == "megatron-local" else TOLERANCE)
+        if c.impl.startswith("hf-") and c.scope == "layer" and retained is not None:
             retained = None  # a standalone HF layer's input is a live leaf that is not saved (validation/hf.py)
         allocated = sum(predict(c, device, allocated=True).values()) if cuda else None
         results.append(CaseResult(c, predict(c, device), measured, sum(predict(c, device, paper_only=True).values()),

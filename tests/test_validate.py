@@ -83,7 +83,7 @@ def test_a_wrong_term_fails(monkeypatch, term_id, elements):
 
 def test_validate_cli_exit_1_on_a_wrong_term(monkeypatch, run_cli):
     monkeypatch.setattr(inventory, "inventory_for", _perturbed("qk", "s b h"))
-    code, out, _ = run_cli("validate", "--tp", "1", "--recompute", "none", "--no-fake")
+    code, out, _ = run_cli("validate", "--tp", "1", "--recompute", "none", "--no-fake", "--no-mcore")
     assert code == 1 and "FAIL" in out and "qk" in out
 
 

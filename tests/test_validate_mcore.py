@@ -1,0 +1,100 @@
+"""CI: the megatron-local inventory against megatron-core 0.16.1's own local-spec code, run on CPU.
+
+validation/mcore.py builds megatron-core's TransformerBlock / GPTModel from get_gpt_layer_local_spec (GPT:
+LayerNorm, GeLU, learned positions, dropout 0.1; Llama-like: RMSNorm, SwiGLU, RoPE, 4 heads in 2 KV groups,
+no dropout), labels every tensor autograd saves and compares with memplan per term (0.01 %: the measurement is exact). A small subset
+runs here (one spawned process for t = 1, two gloo processes for t = 2); `memplan validate --mcore` runs
+the whole grid (t = 1, 2, SP on / off, recompute none / selective / full, layer and model: 42 cases).
+"""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memplan import terms as inventory  # noqa: E402
+from memplan.validate import CaseResult, mcore_case, predict, run  # noqa: E402
+
+T1 = [mcore_case("gpt", recompute=r) for r in ("none", "selective", "full")] + [
+    mcore_case("gpt", scope="model", backend="live"),
+    *(mcore_case("llama", recompute=r) for r in ("none", "selective", "full")),
+    mcore_case("llama", scope="model", recompute="full"),
+]
+T2 = [mcore_case("gpt", 2, True, "selective", "model"), mcore_case("gpt", 2, False, "none"),
+      mcore_case("llama", 2, True, "none"), mcore_case("llama", 2, True, "full", "model")]
+
+
+@pytest.fixture(scope="module")
+def t1_results(announce):
+    with announce(f"measuring {len(T1)} megatron-core cases (one process)"):
+        return run(T1, "cpu")
+
+
+@pytest.fixture(scope="module")
+def t2_results(announce):
+    with announce(f"measuring {len(T2)} megatron-core cases (two gloo processes)"):
+        return run(T2, "cpu")
+
+
+def _check(results):
+    assert [(r.case, r.mismatched, r.error) for r in results if not r.passed] == []
+    for r in results:
+        assert "unlabeled" not in r.measured, r.case
+        assert r.measured_total > 0
+
+
+def test_t1_matches_megatron_core(t1_results):
+    _check(t1_results)
+    live = [r for r in t1_results if r.case.backend == "live"]
+    assert live and all(r.retained_after_forward == r.predicted_total for r in live)
+
+
+@pytest.mark.slow
+def test_t2_matches_megatron_core(t2_results):
+    _check(t2_results)
+
+
+def test_gpt_layer_by_hand(t1_results):
+    # s = 32, b = 2, h = 64, a = 4, f = 4h, bf16 on CPU, no recompute; hand derivation of what megatron-core keeps:
+    # K22's 34sbh + 5as^2b = 34 * 4096 + 5 * 4 * 32^2 * 2 = 180,224 with 1-byte masks; on CPU F.dropout's masks are
+    # bf16: + 2sbh (two hidden-dropout masks, +1 byte per element each) + as^2b (softmax-dropout mask) = 8,192 + 8,192;
+    # LayerNorm mean / rstd bf16: 2 norms * 2 * sb * 2 B = 512; the causal mask s^2 bool = 1,024
+    r = next(r for r in t1_results if r.case.arch == "gpt" and r.case.scope == "layer" and r.case.recompute == "none")
+    assert r.measured_total == 180_224 + 8_192 + 8_192 + 512 + 1_024
+
+
+def _without(term_id):
+    original = inventory.inventory_for
+
+    def inventory_for(model, impl="megatron", device="cuda", loss_chunks=1):
+        inv = original(model, impl, device, loss_chunks)
+        return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
+
+    return inventory_for
+
+
+@pytest.mark.slow
+def test_every_term_is_checked(monkeypatch, t1_results, t2_results):
+    """Each term of the megatron-local inventory (CPU) that the measured cases hold, removed, makes a case fail."""
+    results = t1_results + t2_results
+    ids = set()
+    for r in results:
+        ids |= {t.id for t in inventory.inventory_for(_model(r), "megatron-local", "cpu").terms}
+    unchecked = []
+    for term_id in sorted(ids):
+        monkeypatch.setattr(inventory, "inventory_for", _without(term_id))
+        failed = [r for r in results
+                  if not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed]
+        monkeypatch.undo()
+        if not failed:
+            unchecked.append(term_id)
+    # attn_mask_type is 4 bytes per layer: within 0.01 % of any case
+    assert set(unchecked) <= {"attn_mask_type"}, unchecked
+
+
+def _model(r):
+    from memplan.validate import case_model
+
+    return case_model(r.case)

@@ -1,0 +1,455 @@
+"""What NVIDIA's megatron-core really saves for backward, on CPU, labelled per term.
+
+megatron-core 0.16.1 (the newest release pip installs on Python 3.11, which CI runs; later releases,
+0.19.x, need Python >= 3.12) built from its *local* spec (``get_gpt_layer_local_spec``: megatron-core's own
+ColumnParallelLinear / RowParallelLinear, DotProductAttention, torch LayerNorm / RMSNorm, no
+Transformer Engine), bf16, training mode, over a gloo process group of t spawned processes
+(``validation.ranks.run_ranks``; t = 1 is spawned too, so megatron-core's global parallel state
+never lives in the caller's process).
+
+megatron-core assumes CUDA in places that have nothing to do with what a layer saves; they
+are patched at run time in the rank processes (``apply_cpu_patches``), never in site-packages:
+
+* ``tensor_parallel/random.py``: the CUDA RNG tracker (``model_parallel_cuda_manual_seed``,
+  ``CudaRNGStatesTracker.add`` / ``fork``, ``CheckpointFunction``) reads and sets the CUDA generator:
+  routed to the CPU generator (``torch.get_rng_state`` / ``set_rng_state`` / ``manual_seed``);
+* ``utils.py``: ``GlobalMemoryBuffer.get_tensor`` (the ``baddbmm`` input buffer of
+  ``DotProductAttention``) allocates on ``torch.cuda.current_device()``: answered "cpu"; in 0.16.1 also
+  RoPE's ``get_emb`` and SP's all-gather buffers (``tensor_parallel/mappings.py``, ``layers.py``):
+  ``CURRENT_DEVICE_MODULES``;
+* ``transformer/torch_norm.py``: ``WrappedTorchNorm`` refuses sequence parallelism (it cannot mark
+  the norm weights for the SP gradient all-reduce, which a memory measurement does not need):
+  built with ``config.sequence_parallel`` seen as False.
+
+And three configuration choices: ``masked_softmax_fusion=False`` (the fused softmax kernels are
+CUDA-only), an explicit causal attention mask (the unfused softmax masks with ``masked_fill``) and
+``.bfloat16()`` on the built modules (``use_cpu_initialization`` makes fp32 weights).
+``attention_softmax_in_fp32`` is Megatron-LM's argument default (False: ``--attention-softmax-in-fp32``
+is a store_true flag) unless a case asks for megatron-core's TransformerConfig default (True).
+
+Labels: every saved storage is labelled from the context of its first save, as validation/hf.py does
+for transformers: (module path relative to the decoder layer / model, torch call, k-th saving call of
+that op in that module, j-th saved tensor of the call), mapped by the rule tables below to memplan's
+term ids. A storage no rule matches is "unlabeled" (tests demand none).
+
+Nothing here computes a byte count from a formula; every number is read off a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import logging
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
+
+import torch
+
+from .hf import _CallRecorder, _HFLedger
+from .measure import LiveTracker, _ModuleStack
+from .ranks import run_ranks
+from .tags import UNLABELED
+
+MCORE_VERSION = "0.16.1"
+Arch = Literal["gpt", "llama"]
+
+# ---------------------------------------------------------------------------------------------
+# the CPU patches
+
+
+class _Proxy:
+    """A stand-in for a module's global ``torch``: everything from torch, except ``torch.cuda``'s
+    attributes named in ``cuda``."""
+
+    def __init__(self, **cuda) -> None:
+        class _Cuda:
+            def __getattr__(self, name):
+                return getattr(torch.cuda, name)
+
+        self.cuda = _Cuda()
+        for name, fn in cuda.items():
+            setattr(self.cuda, name, fn)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# modules of megatron-core 0.16.1 beside utils.py that allocate on torch.cuda.current_device() in a path the
+# cases run: RoPE's inv_freq (rotary_pos_embedding.get_emb), SP's all-gather buffers (tensor_parallel mappings /
+# layers)
+CURRENT_DEVICE_MODULES = ("models.common.embeddings.rotary_pos_embedding", "tensor_parallel.mappings",
+                          "tensor_parallel.layers")
+
+
+def apply_cpu_patches() -> None:
+    """Make megatron-core run on CPU (see the module docstring); idempotent, rank processes only."""
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import torch_norm
+
+    if getattr(random, "_memplan_cpu", False):
+        return
+    random.torch = _Proxy(get_rng_state=lambda *a, **k: torch.get_rng_state(),
+                          set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+                          manual_seed=lambda seed: torch.manual_seed(seed))
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    for module in (utils, *(importlib.import_module(f"megatron.core.{m}") for m in CURRENT_DEVICE_MODULES)):
+        module.torch = _Proxy(current_device=lambda: "cpu")
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, *args, **kwargs):
+        return original_new(cls, replace(config, sequence_parallel=False) if config.sequence_parallel else config,
+                            *args, **kwargs)
+
+    torch_norm.WrappedTorchNorm.__new__ = norm_new
+    random._memplan_cpu = True
+
+
+# ---------------------------------------------------------------------------------------------
+# label rules: (module relative to the layer / model, op, k, j) -> memplan term id
+
+FN = "Function"  # a torch.autograd.Function's save_for_backward (megatron-core's linears, checkpoint, loss)
+LN, RMS = "torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm"
+DROPOUT, MUL = "torch.nn.functional.dropout", "torch.Tensor.mul"
+ATTN, CORE = "<layer>.self_attention", "<layer>.self_attention.core_attention"
+
+
+def _norm_rules(module: str, prefix: str) -> dict:
+    """torch.nn.LayerNorm saves input, mean, rstd (bf16 statistics on CPU); torch.nn.RMSNorm on CPU runs
+    F.rms_norm's composite path: an fp32 copy of the input, rstd (fp32) and the fp32 normalised input."""
+    return {(module, LN, 0, 0): f"{prefix}_input", (module, LN, 0, 1): f"{prefix}_stats",
+            (module, LN, 0, 2): f"{prefix}_stats",
+            (module, RMS, 0, 0): f"{prefix}_fp32_input", (module, RMS, 0, 1): f"{prefix}_stats",
+            (module, RMS, 0, 4): f"{prefix}_normed"}
+
+
+LAYER_RULES: dict[tuple[str, str, int, int], str] = {
+    **_norm_rules("<layer>.input_layernorm", "ln1"),
+    ("<layer>.self_attention.linear_qkv", FN, 0, 0): "qkv_input",
+    # apply_rotary_pos_emb (unfused): t * cos and rotate_half(t) * sin save cos and sin, made per call from
+    # the freqs, for Q and for K
+    **{(ATTN, MUL, k, 0): "rope_cos_sin" for k in range(4)},
+    # DotProductAttention: baddbmm(buffer, Q, K^T) saves Q and K, bmm(probs, V) saves V: views of the QKV
+    # projection's output (one storage) for GPT; Q and K after RoPE and K, V repeated to the a heads for GQA
+    (CORE, "torch.baddbmm", 0, 0): "qkv",
+    (CORE, "torch.baddbmm", 0, 1): "qkv",
+    (CORE, "torch.bmm", 0, 0): "qkv",
+    (f"{CORE}.scale_mask_softmax", "torch.Tensor.masked_fill_", 0, 0): "causal_mask",
+    (f"{CORE}.scale_mask_softmax", "torch.nn.functional.softmax", 0, 0): "softmax_out",
+    (f"{CORE}.attention_dropout", DROPOUT, 0, 0): "softmax_mask",
+    (CORE, "torch.bmm", 0, 1): "attn_dropout_out",  # dropout output, or the bf16 probabilities of an fp32 softmax
+    # selective recompute: CheckpointFunction around the attention core saves Q, K, V, the mask and
+    # attn_mask_type as an int tensor
+    **{(ATTN, FN, 0, j): "qkv" for j in range(3)},
+    (ATTN, FN, 0, 3): "causal_mask",
+    (ATTN, FN, 0, 4): "attn_mask_type",
+    ("<layer>.self_attention.linear_proj", FN, 0, 0): "proj_input",
+    ("<layer>", DROPOUT, 0, 0): "attn_dropout_mask",  # self_attn_bda (bias_dropout_fusion off: F.dropout)
+    **_norm_rules("<layer>.pre_mlp_layernorm", "ln2"),
+    ("<layer>.mlp.linear_fc1", FN, 0, 0): "fc1_input",
+    ("<layer>.mlp", "torch.nn.functional.gelu", 0, 0): "gelu_input",
+    ("<layer>.mlp", "torch.nn.functional.silu", 0, 0): "swiglu_input",  # a view of fc1's 2f-wide output
+    ("<layer>.mlp", MUL, 0, 0): "swiglu_up",  # x_linear + glu_linear_offset (a new tensor)
+    ("<layer>.mlp", MUL, 0, 1): "swiglu_silu_out",
+    ("<layer>.mlp.linear_fc2", FN, 0, 0): "fc2_input",
+    ("<layer>", DROPOUT, 1, 0): "mlp_dropout_mask",
+}
+
+MODEL_RULES: dict[tuple[str, str, int, int], str] = {
+    ("embedding.word_embeddings", "torch.nn.functional.embedding", 0, 0): "token_ids",
+    ("embedding.word_embeddings", "torch.Tensor.__setitem__", 0, 0): "embedding_input_mask",  # t > 1
+    ("embedding.position_embeddings", "torch.nn.functional.embedding", 0, 0): "position_ids",
+    ("embedding.embedding_dropout", DROPOUT, 0, 0): "embedding_dropout_mask",
+    **_norm_rules("decoder.final_layernorm", "final_ln"),
+    ("output_layer", FN, 0, 0): "head_input",
+    # VocabParallelCrossEntropy saves exp_logits (the fp32 softmax), target_mask, masked_target_1d
+    ("", FN, 0, 0): "logits_fp32",
+    ("", FN, 0, 1): "target_mask",
+    ("", FN, 0, 2): "target_ids",
+    # full recompute: CheckpointFunction around the layers saves the hidden states and the mask
+    **{("decoder", FN, k, 0): "ln1_input" for k in range(8)},
+    **{("decoder", FN, k, 1): "causal_mask" for k in range(8)},
+    **{("decoder", FN, k, 2): "rope_freqs" for k in range(8)},  # RoPE's fp32 freqs, an input of every checkpoint
+}
+
+
+class _Ledger(_HFLedger):
+    """validation/hf.py's ledger, with each torch.autograd.Function call (megatron-core's linears, its
+    CheckpointFunction, its vocab-parallel cross-entropy: invisible to a TorchFunctionMode) its own call,
+    op "Function"."""
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        frame = sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == "apply"
+                                         and frame.f_code.co_filename.endswith(os.path.join("autograd", "function.py"))):
+            frame = frame.f_back if frame.f_code.co_filename.endswith(("hooks.py", "graph.py")) else None
+        if frame is None:
+            return super().pack(t)
+        # the packing itself calls Tensor methods, which the recorder counts: put its counter back, so that the
+        # tensors one Function saves share a call (a later Function runs torch calls first: a new call)
+        current, call, counter = self.rec.current, self.rec.call, self.rec._next
+        self.rec.current, self.rec.call = FN, ("fn", id(frame), counter)
+        try:
+            return super().pack(t)
+        finally:
+            self.rec.current, self.rec.call, self.rec._next = current, call, counter
+
+
+LAYER_RE = re.compile(r"^(?:decoder\.)?layers\.(\d+)(?:\.(.*))?$")
+
+
+def split_module(path: str) -> tuple[Optional[int], str]:
+    m = LAYER_RE.match(path)
+    if m:
+        return int(m.group(1)), m.group(2) or ""
+    return None, path
+
+
+# ---------------------------------------------------------------------------------------------
+# the case
+
+
+@dataclass(frozen=True)
+class McoreCase:
+    """One megatron-core configuration: ``arch`` "gpt" (LayerNorm, GeLU, learned positions, dropout)
+    or "llama" (RMSNorm, SwiGLU, RoPE, GQA with g groups, no dropout, no biases)."""
+
+    arch: Arch = "gpt"
+    s: int = 32
+    b: int = 2
+    h: int = 64
+    a: int = 4
+    f: Optional[int] = None
+    g: Optional[int] = None
+    v: int = 256
+    L: int = 1
+    t: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    scope: Literal["layer", "model"] = "layer"
+    p_drop: float = 0.1
+    softmax_fp32: bool = False
+    backend: Literal["ledger", "live"] = "ledger"
+    seed: int = 0
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.h if self.f is None else self.f
+
+
+@dataclass
+class McoreMeasurement:
+    case: McoreCase
+    saved_bytes_by_label: dict[str, int]
+    entries: list[tuple[str, tuple, str, int, tuple]]  # (label, shape, dtype, bytes, (module, op, k, j))
+    retained_after_forward_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    loss_bytes: int
+    rank: int = 0
+    ranks_agree: Optional[bool] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def saved_bytes_total(self) -> int:
+        return sum(self.saved_bytes_by_label.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+
+
+def _config(case: McoreCase):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    llama = case.arch == "llama"
+    kw = dict(
+        num_layers=case.L, hidden_size=case.h, num_attention_heads=case.a, ffn_hidden_size=case.ffn,
+        tensor_model_parallel_size=case.t, sequence_parallel=case.sp and case.t > 1,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True, masked_softmax_fusion=False,
+        attention_softmax_in_fp32=case.softmax_fp32, bias_dropout_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        hidden_dropout=case.p_drop, attention_dropout=case.p_drop,
+    )
+    if llama:
+        kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                  num_query_groups=case.g or case.a)
+    if case.recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    elif case.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kw)
+
+
+def _spec(case: McoreCase):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm" if case.arch == "llama" else None)
+
+
+def build(case: McoreCase):
+    """The measured module: a TransformerBlock of L layers without the final norm (scope "layer":
+    the block applies full recompute, as Megatron-LM does) or a whole GPTModel (scope "model")."""
+    config = _config(case)
+    if case.scope == "layer":
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        module = TransformerBlock(config, _spec(case), post_layer_norm=False)
+    else:
+        from megatron.core.models.gpt import GPTModel
+
+        module = GPTModel(config, _spec(case), case.v, case.s,
+                          position_embedding_type="rope" if case.arch == "llama" else "learned_absolute",
+                          share_embeddings_and_output_weights=case.arch != "llama")
+    return module.bfloat16().train()
+
+
+def _forward_fresh(module, case: McoreCase) -> torch.Tensor:
+    """This step's inputs are created here and die on return unless autograd saved them."""
+    from megatron.core import parallel_state as ps
+
+    t = ps.get_tensor_model_parallel_world_size()
+    mask = torch.triu(torch.ones(case.s, case.s, dtype=torch.bool), diagonal=1).view(1, 1, case.s, case.s)
+    if case.scope == "layer":
+        s_local = case.s // t if (case.sp and t > 1) else case.s
+        x = torch.randn(s_local, case.b, case.h, dtype=torch.bfloat16).requires_grad_()
+        rope = None
+        if case.arch == "llama":
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            rope = RotaryEmbedding(case.h // case.a, rotary_percent=1.0, use_cpu_initialization=True)(case.s)
+        out = module(x, attention_mask=mask, rotary_pos_emb=rope)
+        return out.sum()
+    ids = torch.randint(0, case.v, (case.b, case.s))
+    labels = torch.randint(0, case.v, (case.b, case.s))
+    pos = torch.arange(case.s).unsqueeze(0).expand(case.b, case.s)
+    return module(ids, pos, mask, labels=labels).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring (in a rank process)
+
+
+def _measure_here(case: McoreCase) -> McoreMeasurement:
+    warnings.filterwarnings("ignore")
+    # the tracker warns when the CPU generator moves inside a fork: here it is the generator the fork uses
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.t)
+    try:
+        random.model_parallel_cuda_manual_seed(case.seed + 1)
+        torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
+        module = build(case)
+        if case.backend == "live":  # warm-up: lazy initialisation outside the window
+            _forward_fresh(module, case).backward()
+            module.zero_grad(set_to_none=True)
+            gc.collect()
+        modules = _ModuleStack(module, "decoder" if case.scope == "layer" else "")
+        rec = _CallRecorder(modules)
+        ledger = _Ledger(list(module.parameters()), rec, modules)
+        tracker = LiveTracker() if case.backend == "live" else None
+        try:
+            with (tracker or contextlib.nullcontext()):
+                with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack), rec:
+                    loss = _forward_fresh(module, case)
+                # packed but not kept: on CPU F.dropout under no_grad (a checkpoint's forward) still calls the
+                # pack hook, and nothing holds what it packed
+                alive = {key for key in ledger.records if not key.expired()}
+                retained = tracker.settle() if tracker else None
+                loss_bytes = loss.untyped_storage().nbytes()
+                loss.backward()
+                del loss
+                peak = tracker.peak if tracker else None
+        finally:
+            modules.close()
+        return _collect(case, ledger, alive, retained, peak, loss_bytes, ps.get_tensor_model_parallel_rank())
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeasurement:
+    rules = {**LAYER_RULES, **MODEL_RULES}
+    by_label: dict[str, int] = {}
+    entries = []
+    for key, r in ledger.records.items():
+        if r.is_param or key not in alive:
+            continue
+        module, op, k, j, _ = ledger.ctx[key]
+        layer, rel = split_module(module.lstrip("."))
+        where = rel if layer is None else f"<layer>.{rel}".rstrip(".")
+        label = rules.get((where, op, k, j), UNLABELED)
+        entries.append((label, r.shape, r.dtype, r.nbytes, (where, op, k, j)))
+        by_label[label] = by_label.get(label, 0) + r.nbytes
+    return McoreMeasurement(case, by_label, entries, retained, peak, loss_bytes, rank,
+                            notes=[f"megatron-core {_version()}"])
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def _measure_rank(rank: int, world: int, cases: list[McoreCase]) -> list[McoreMeasurement]:
+    return [_measure_here(c) for c in cases]
+
+
+def measure_mcore(cases: list[McoreCase]) -> list[McoreMeasurement]:
+    """Measure each case on rank 0 of its own t-process gloo group (one spawn per t); the ranks'
+    ledgers are compared (``ranks_agree``)."""
+    out: list[Optional[McoreMeasurement]] = [None] * len(cases)
+    by_t: dict[int, list[int]] = {}
+    for i, c in enumerate(cases):
+        by_t.setdefault(c.t, []).append(i)
+    for t, idx in by_t.items():
+        per_rank = run_ranks(_measure_rank, t, ([cases[i] for i in idx],))
+        for n, i in enumerate(idx):
+            ms = [per_rank[r][n] for r in range(t)]
+            sig = [(m.saved_bytes_by_label, m.retained_after_forward_bytes) for m in ms]
+            ms[0].ranks_agree = all(s == sig[0] for s in sig[1:])
+            out[i] = ms[0]
+    return out  # type: ignore[return-value]
+
+
+def format_table(m: McoreMeasurement) -> str:
+    lines = [f"{m.notes[0]}  {m.case}"]
+    for label, shape, dtype, nbytes, ctx in m.entries:
+        lines.append(f"{label:24} {'x'.join(map(str, shape)):16} {dtype:9} {nbytes:>10,}  {ctx}")
+    lines.append(f"saved {m.saved_bytes_total:,} B  retained {m.retained_after_forward_bytes}  peak {m.peak_bytes}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m validation.mcore", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--scope", choices=("layer", "model"), default="layer")
+    p.add_argument("--backend", choices=("ledger", "live"), default="ledger")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--softmax-fp32", action="store_true")
+    for name, default in (("s", 32), ("b", 2), ("h", 64), ("a", 4), ("v", 256), ("L", 1), ("t", 1)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--f", type=int, default=None)
+    p.add_argument("--g", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=None)
+    a = p.parse_args(argv)
+    drop = a.dropout if a.dropout is not None else (0.1 if a.arch == "gpt" else 0.0)
+    case = McoreCase(a.arch, a.s, a.b, a.h, a.a, a.f, a.g, a.v, a.L, a.t, a.sp, a.recompute, a.scope, drop,
+                     a.softmax_fp32, a.backend)
+    print(format_table(measure_mcore([case])[0]))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
