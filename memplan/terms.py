@@ -415,7 +415,9 @@ class Inventory:
 IMPLEMENTATIONS: dict[str, str] = {
     "megatron": "Megatron-LM on GPU: fused scaled upper-triangular masked softmax (no mask tensor), "
                 "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
-                "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured",
+                "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured. "
+                "Beside megatron-local (measured): K / V kept with g heads and rotary fused into the attention "
+                "(Transformer Engine), derived from TE / megatron-core code",
     "megatron-local": "megatron-core 0.16.1's local spec (get_gpt_layer_local_spec, Megatron-LM "
                       "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
                       "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
