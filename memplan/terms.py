@@ -492,7 +492,7 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     if impl == "megatron-local":
         from memplan.terms_mcore import mcore_local_inventory
 
-        return mcore_local_inventory(model, device)
+        return mcore_local_inventory(model, device, loss_chunks)
     if impl == "torch":
         if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
             raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from memplan.errors import MemplanError
 from memplan.specs import ModelSpec
 from memplan.terms import (
     Dtype, Inventory, Term, _t, _x, causal_mask_term, k22_outside_layers, labels_term, layer_backward_moments,
@@ -48,7 +49,10 @@ DROPOUT_MASKS = ("attn_dropout_mask", "mlp_dropout_mask", "softmax_mask", "embed
 QKV_TERMS = ("qk", "v", "q", "k", "qkv_output", "kv_repeated")
 
 
-def mcore_local_inventory(model: ModelSpec, device: str) -> Inventory:
+def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -> Inventory:
+    if loss_chunks > 1:
+        raise MemplanError("--loss-chunks is not modelled for --impl megatron-local (megatron-core's local spec has "
+                           "no chunked loss measured here); use --impl megatron")
     terms = mcore_local_terms(model, device)
     src = DERIVED if device == "cuda" else MEASURED
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
