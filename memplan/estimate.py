@@ -13,7 +13,7 @@ from memplan.memory import PlanValues, StageMemory, stage_memory, symbol_values
 from memplan.pipeline import chunks_in_flight, interleaving_factor
 from memplan.specs import Config, GpuSpec, Recompute
 from memplan.states import active_params, total_params
-from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, inventory_for
+from memplan.terms import HF_IMPLS, Inventory, Term, display_poly, training_inventory
 from memplan.terms_hf import check_hf_plan
 from memplan.fp8 import check_fp8, notes as fp8_notes
 from memplan.offload import HostBytes, host_bytes, notes as offload_notes, per_node
@@ -108,7 +108,7 @@ def estimate(
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
-    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks, config.training.fp8)
+    inventory = training_inventory(config.model, impl, device, config.training)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
@@ -188,7 +188,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
-    inventory = inventory_for(config.model, impl, device, config.training.loss_chunks, config.training.fp8)
+    inventory = training_inventory(config.model, impl, device, config.training)
     plan = PlanValues.from_config(config)
     peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
     return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)

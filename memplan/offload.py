@@ -228,9 +228,9 @@ def layer_copy_bytes(model: ModelSpec, training: TrainingSpec, plan: Any, impl: 
     """Bytes save_on_cpu packs for one decoder layer and one micro-batch on one GPU (its saved tensors, the shared
     ones once more, its saved weights; no rounding: what the copies move), each way over PCIe."""
     from memplan.memory import term_bytes_for
-    from memplan.terms import inventory_for
+    from memplan.terms import training_inventory
 
-    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8)
+    inventory = training_inventory(model, impl, device, training)
     sizes = term_bytes_for(model, plan, training.activation_bytes)
     total: Any = 0
     for t in inventory.terms:

@@ -67,7 +67,7 @@ from memplan.memory import PlanValues, stage_memory
 from memplan.fp8 import MAX_ZERO as FP8_MAX_ZERO, check_fp8
 from memplan.offload import host_bytes, offloads, per_node
 from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
-from memplan.terms import HF_IMPLS, Inventory, inventory_for
+from memplan.terms import HF_IMPLS, Inventory, training_inventory
 from memplan.timeline import device_memory, step_events
 
 
@@ -383,7 +383,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     activations than the first (fewer micro-batches in flight) and the same layers' states
     without the embedding; a test checks this against `estimate`'s all-stage maximum.
     """
-    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
+    inventory = training_inventory(model, impl, "cuda", training)
     peaks, retained = [], []
     for stage in (0, plans.p - 1):
         mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
@@ -918,7 +918,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     start = time.perf_counter()
     space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, space.max_micro_batch, impl)
-    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
+    inventory = training_inventory(model, impl, "cuda", training)
     limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
     best, miss = _Best(top), _Best(1)
     feasible = done = 0
@@ -1195,7 +1195,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
         check_int64(model, training, space.max_micro_batch, impl)
     except MemplanError:
         return False
-    inventory = inventory_for(model, impl, loss_chunks=training.loss_chunks, fp8=training.fp8)
+    inventory = training_inventory(model, impl, "cuda", training)
     limits = _block_limits(space, inventory, gpu, margin, budget_bytes)
     for part in _parts(space, inventory.grad_lifetime == "buffer"):
         part = _memory_ready(part, space, model, training, inventory)

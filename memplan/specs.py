@@ -394,6 +394,10 @@ class TrainingSpec(_Spec):
     fp8_param_gather: bool = Field(
         default=False, description="the linear layers' weights kept only in FP8 (Megatron-LM --fp8-param-gather: "
         "Transformer Engine fp8_model_init, no bf16 copy; the fp32 master weights stay)")
+    mst: int | Literal["auto"] = Field(
+        default=1, description="Mini-Sequence Transformer (MsT, arXiv 2407.15892): the MLP and the LM head + loss "
+        "run on this many pieces of the sequence, one after another, under layer-level gradient checkpointing; "
+        "'auto' chooses the pieces as MsT's code does (memplan/mst.py); 1: off")
     offload_optimizer_fraction: float = Field(
         default=0.0, ge=0, le=1, description="fraction of each GPU's optimizer states (master weights and moments) "
         "kept and stepped in host memory, its gradients copied there and its weights back every step (Megatron-LM "
@@ -417,6 +421,32 @@ class TrainingSpec(_Spec):
     @classmethod
     def _recompute(cls, value: Any) -> Recompute:
         return Recompute.parse(value)
+
+    @field_validator("mst", mode="before")
+    @classmethod
+    def _mst(cls, value: Any) -> Any:
+        """'auto' or a whole number >= 1 of mini-sequences (1: MsT off)."""
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "auto":
+                return "auto"
+            if not text.isdigit():
+                raise ValueError(f"mst takes a number of mini-sequences or 'auto', not {echo(value)}")
+            value = int(text)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mst takes a number of mini-sequences >= 1 or 'auto', not {echo(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _mst_needs(self) -> "TrainingSpec":
+        """MsT as its code runs it: with layer-level gradient checkpointing (class minisequence turns it on), and
+        with its own LM head + loss in place of a chunked loss."""
+        if self.mst != 1 and self.recompute != Recompute.FULL:
+            raise ValueError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): add "
+                             "--recompute full")
+        if self.mst != 1 and self.loss_chunks > 1:
+            raise ValueError("MsT computes the LM head and loss in its own pieces: drop --loss-chunks")
+        return self
 
     @field_validator("optimizer", mode="before")
     @classmethod

@@ -443,10 +443,11 @@ DEVICES = ("cuda", "cpu")
 
 
 def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda", loss_chunks: int = 1,
-                  fp8: Optional[str] = None) -> Inventory:
+                  fp8: Optional[str] = None, mst: tuple[int, int] = (1, 1)) -> Inventory:
     """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
-    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss) and, with
-    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py)."""
+    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss), with
+    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py), and MsT's
+    mini-sequences `mst` = (MLP pieces, LM-head pieces) (memplan/mst.py; (1, 1): none)."""
     if impl not in IMPLEMENTATIONS:
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
     if device not in DEVICES:
@@ -472,8 +473,22 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         inv = dataclasses.replace(inv, name=f"{inv.name}/fp8-{fp8}", terms=tuple(fp8_terms(list(inv.terms), fp8,
                                                                                           model.attention)),
                                   moments=tuple(fp8_moments(list(inv.moments), model.attention)))
+    if mst != (1, 1):
+        from memplan import mst as minis
+
+        if loss_chunks > 1:
+            raise MemplanError("--mst computes the LM head and loss in its own pieces: drop --loss-chunks")
+        inv = minis.apply(inv, model, *mst)
     layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"
     return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1, weight_layout=layout)
+
+
+def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
+    """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
+    (memplan/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
+    from memplan import mst
+
+    return inventory_for(model, impl, device, training.loss_chunks, training.fp8, mst.pieces_for(model, training, impl))
 
 
 CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this

@@ -372,6 +372,7 @@ class PeakCase:
     g: Optional[int] = None
     head_dim: Optional[int] = None
     loss_chunks: int = 1  # LM head + loss in checkpointed chunks (validation/losses.py)
+    mst: int = 1  # transformers Llama: MsT mini-sequences for the MLP and the LM head (validation/mst.py); 1: off
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
     recompute: str = "none"
@@ -407,7 +408,7 @@ def peak_config(case: PeakCase) -> Config:
     precision = "bf16-mixed" if case.loop == "megatron" else "bf16-true"
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
-        optimizer=case.algorithm, optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks))
+        optimizer=case.algorithm, optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks, mst=case.mst))
 
 
 def family_model(case: PeakCase) -> ModelSpec:
@@ -451,7 +452,7 @@ def predict_peak(case: PeakCase) -> Any:
 
     config = peak_config(case)
     device = "cuda" if case.backend == "cuda" else "cpu"  # CPU kernels for the live and fake backends
-    inv = inventory.inventory_for(config.model, case.impl, device, case.loss_chunks)
+    inv = inventory.training_inventory(config.model, case.impl, device, config.training)
     return step_peaks(config, inv, walk=0)[0]
 
 
@@ -533,6 +534,7 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
     cases += [PeakCase("llama sdpa s16 h128 v4096 muon", model="llama", s=16, b=1, h=128, a=4, g=2, f=384, v=4096,
                        attn="sdpa", optimizer=opt, algorithm="muon") for opt in ("foreach", "fused")]
     cases += family_peak_cases()
+    cases += mst_peak_cases()
     if fake:
         cases += [
             PeakCase("llama3-8b shape s4096", model="llama", s=4096, b=1, h=4096, a=32, g=8, f=14336, v=128256,
@@ -593,7 +595,7 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
                                   g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer=c.optimizer, algorithm=c.algorithm, microbatches=c.microbatches,
-                                  backend=c.backend, family=c.family))
+                                  backend=c.backend, family=c.family, **_mst_pieces(c)))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event
@@ -602,6 +604,32 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
         results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance,
                                   total_params(peak_config(c).model), m.persistent["weights"] // 2))
     return results
+
+
+def _mst_pieces(case: PeakCase) -> dict[str, int]:
+    """The harness's MsT pieces (validation/step.py mst_mlp, mst_head) for a case, as memplan derives them."""
+    if case.mst == 1:
+        return {}
+    from memplan.mst import pieces
+
+    mlp, head = pieces(case.mst, case.s, case.b)
+    return {"mst_mlp": mlp, "mst_head": head}
+
+
+def mst_peak_cases() -> list[PeakCase]:
+    """MsT (validation/mst.py) on transformers' Llama with gradient checkpointing, b = 1: the LM head the peak
+    (v = 4096, 4 and 8 pieces), a decoder layer's MLP the peak (v = 256, f = 768: 4 pieces, and 8 pieces where
+    the second piece's running weight-gradient sums decide), eager attention and a foreach AdamW."""
+    llama = dict(model="llama", b=1, h=64, a=4, g=2, recompute="full")
+    return [
+        PeakCase("llama sdpa s256 v4096 mst4", s=256, v=4096, f=192, attn="sdpa", mst=4, **llama),
+        PeakCase("llama sdpa s256 v4096 mst8", s=256, v=4096, f=192, attn="sdpa", mst=8, **llama),
+        PeakCase("llama sdpa s512 f768 v256 mst4", s=512, v=256, f=768, attn="sdpa", mst=4, **llama),
+        PeakCase("llama sdpa s64 h256 f768 v256 mst8", model="llama", b=1, h=256, a=4, g=2, s=64, v=256, f=768,
+                 attn="sdpa", mst=8, recompute="full"),
+        PeakCase("llama eager s256 f768 v256 mst4", s=256, v=256, f=768, attn="eager", mst=4, optimizer="foreach",
+                 **llama),
+    ]
 
 
 def _cuda_workspace() -> int:

@@ -114,6 +114,10 @@ class StepCase:
     algorithm: Literal["adamw", "sgd", "sgd-nomomentum", "adafactor", "muon"] = "adamw"  # ALGORITHMS
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
     loss_chunks: int = 1  # > 1 computes LM head + loss in that many checkpointed chunks (losses.py)
+    # HF Llama: MsT mini-sequences (validation/mst.py): the MLP of every layer in mst_mlp pieces, the LM head +
+    # loss in mst_head pieces (0: that block as transformers runs it)
+    mst_mlp: int = 0
+    mst_head: int = 0
     backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
@@ -154,6 +158,9 @@ class StepCase:
             raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
         if self.loss_chunks < 1 or self.s % self.loss_chunks:
             raise ValueError("loss_chunks >= 1, dividing s")
+        if (self.mst_mlp or self.mst_head) and (self.model != "llama" or self.loss_chunks > 1
+                                                 or min(self.mst_mlp, self.mst_head) < 0):
+            raise ValueError("MsT (mst_mlp, mst_head >= 0) runs on the HF Llama model, without loss_chunks")
 
 
 @dataclass(frozen=True)
@@ -370,6 +377,12 @@ def _build(case: StepCase):
     layers = list(base.layers if hasattr(base, "layers") else base.h)
     if case.family is not None:
         return model, layers, partial(_forward_family, model, case)
+    if case.mst_mlp:
+        from .mst import wrap_mlps
+
+        wrap_mlps(layers, case.mst_mlp)
+    if case.mst_head:
+        return model, layers, partial(_forward_mst_loss, model, case)
     if case.loss_chunks > 1:
         return model, layers, partial(_forward_chunked_loss, model, case)
     return model, layers, partial(hf._forward_fresh, model, hcase, "model")
@@ -405,6 +418,17 @@ def _forward_chunked_loss(model, case: StepCase) -> torch.Tensor:
     targets = torch.randint(0, case.v, (case.b, case.s))
     hidden = hf_base_forward(model, ids)
     return chunked_cross_entropy(hidden, model.lm_head.weight, targets, case.loss_chunks)
+
+
+def _forward_mst_loss(model, case: StepCase) -> torch.Tensor:
+    """A transformers model's forward up to the final norm, then MsT's LM head + loss in ``case.mst_head``
+    pieces (validation/mst.py) instead of ForCausalLMLoss."""
+    from .mst import mini_sequence_loss
+
+    ids = torch.randint(0, case.v, (case.b, case.s))
+    targets = torch.randint(0, case.v, (case.b, case.s))
+    hidden = hf_base_forward(model, ids)
+    return mini_sequence_loss(hidden, model.lm_head.weight, targets, case.mst_head)
 
 
 def hf_base_forward(model, ids: torch.Tensor) -> torch.Tensor:
@@ -642,6 +666,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--g", type=int, default=None)
     p.add_argument("--head_dim", type=int, default=None)
     p.add_argument("--loss_chunks", type=int, default=1, help="LM head + loss in this many checkpointed chunks")
+    p.add_argument("--mst_mlp", type=int, default=0, help="HF Llama: MsT, the MLP in this many pieces")
+    p.add_argument("--mst_head", type=int, default=0, help="HF Llama: MsT, the LM head + loss in this many pieces")
     p.add_argument("--p_drop", type=float, default=0.0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
@@ -666,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
             setattr(a, name, shape[name])
     case = StepCase(model="family" if a.family else a.model, family=a.family, attn=a.attn, s=a.s, b=a.b, h=a.h,
                     a=a.a, L=a.L, v=a.v, f=a.f, g=a.g,
-                    head_dim=a.head_dim, loss_chunks=a.loss_chunks, p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
+                    head_dim=a.head_dim, loss_chunks=a.loss_chunks, mst_mlp=a.mst_mlp, mst_head=a.mst_head, p_drop=a.p_drop, recompute=a.recompute, loop=a.loop, optimizer=a.optimizer,
                     algorithm=a.algorithm, microbatches=a.M, backend=a.backend, dtype=a.dtype, seed=a.seed)
     layer = a.layer if a.layer == "any" else (None if a.layer == "none" else int(a.layer))
     print(format_report(measure_step(case, ops=a.ops), ops=a.ops, phase=a.phase, layer=layer))
