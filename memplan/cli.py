@@ -39,6 +39,15 @@ def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) ->
     return None if value is None else parse_tokens(value)
 
 
+def _mst(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise MemplanError(f"--mst takes a number of mini-sequences >= 1 or 'auto', not {value!r}")
+    return text if text == "auto" else int(text)
+
+
 def plan_options(func: Callable) -> Callable:
     """Options shared by every command that builds a plan for a model."""
     options = [
@@ -106,6 +115,16 @@ def plan_options(func: Callable) -> Callable:
                      help="With --fp8 delayed: amax values kept per FP8 tensor (default 1, Megatron-LM's)."),
         click.option("--fp8-param-gather", is_flag=True, default=None,
                      help="With --fp8: the linear weights kept only in FP8 (Megatron-LM --fp8-param-gather)."),
+        click.option("--mst", callback=_mst, metavar="M|auto",
+                     help="Mini-Sequence Transformer (MsT, arXiv 2407.15892; --impl hf-*, Llama layout, with "
+                          "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
+                          "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
+                          "search keeps it for every plan (and b = 1). memplan/mst.py."),
+        click.option("--optimizer-in-backward", is_flag=True, default=None,
+                     help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
+                          "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
+                          "AdamW per parameter, the LM head's step after the embedding's); --impl hf-*, adamw, one "
+                          "micro-batch. Measured (validation/step.py loop in-backward)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
@@ -194,6 +213,7 @@ def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
     return dict(precision=opts.get("precision"), optimizer=opts.get("optimizer"), optimizer_impl=opts.get("optimizer_impl"),
                 loss_chunks=opts.get("loss_chunks"), fp8=fp8, fp8_format=opts.get("fp8_format"),
                 fp8_amax_history_len=opts.get("fp8_amax_history_len"), fp8_param_gather=opts.get("fp8_param_gather"),
+                mst=opts.get("mst"), optimizer_in_backward=opts.get("optimizer_in_backward"),
                 offload_optimizer_fraction=(1.0 if fraction is None else fraction) if "optimizer" in offload else None,
                 offload_activations=True if "activations" in offload else None)
 
@@ -408,6 +428,10 @@ def search(**opts: Any) -> None:
             raise MemplanError("--offload activations is modelled without recompute: give --recompute none or leave "
                                "it out")
         opts["recompute"] = "none"
+    if opts.get("mst") not in (None, 1):  # MsT is modelled for b = 1 (memplan/mst.py): the micro-batch is pinned
+        if opts.get("micro_batch") not in (None, 1):
+            raise MemplanError("--mst is modelled for micro-batch 1 (MsT's setting): drop --micro-batch or give 1")
+        opts["micro_batch"] = 1
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
              zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),

@@ -141,8 +141,12 @@ def _mlp(terms: list[Term], moments: list[Moment], M: int) -> tuple[list[Term], 
     mst = [
         Moment("mst_fc2_backward", "MsT MLP backward, first piece: the down projection's gradients", "backward",
                "layer", (dy, d_fc2), (), (FC2_W,), fresh=True, source=SRC),
+        # the first piece's down-projection weight gradient waits in autograd's buffer for the other pieces' (it
+        # is neither .grad yet nor stepped by an optimizer in the backward)
         Moment("mst_mlp_backward", "MsT MLP backward, first piece: gradients of the activation product",
-               "backward", "layer", (dy, d_fc2, two_f), (f"fc2_input_{FIRST}",), (FC2_W,), source=SRC),
+               "backward", "layer", (dy, d_fc2, two_f, _x("grad_fc2_weight_first_piece", "the first piece's "
+                                                          "down-projection weight gradient (autograd buffer)", "h f",
+                                                          src=SRC)), (f"fc2_input_{FIRST}",), (), source=SRC),
         Moment("mst_fc2_backward_2", "MsT MLP backward, second piece: its down-projection weight gradient beside "
                "the running sums", "backward", "layer", (dy, d_fc2, sums, d_fc2_w, d_in), first, (), source=SRC),
         Moment("mst_mlp_backward_2", "MsT MLP backward, second piece: gradients of the activation product",

@@ -398,6 +398,11 @@ class TrainingSpec(_Spec):
         default=1, description="Mini-Sequence Transformer (MsT, arXiv 2407.15892): the MLP and the LM head + loss "
         "run on this many pieces of the sequence, one after another, under layer-level gradient checkpointing; "
         "'auto' chooses the pieces as MsT's code does (memplan/mst.py); 1: off")
+    optimizer_in_backward: bool = Field(
+        default=False, description="each parameter's optimizer step runs in a post-accumulate-grad hook inside the "
+        "backward and frees its gradient (PyTorch's 'optimizer step in backward' recipe; MsT's "
+        "scripts/benchmark_minis.py, a for-loop Adam per parameter, the LM head's step after the embedding's): "
+        "no step holds every gradient (memplan/timeline.py)")
     offload_optimizer_fraction: float = Field(
         default=0.0, ge=0, le=1, description="fraction of each GPU's optimizer states (master weights and moments) "
         "kept and stepped in host memory, its gradients copied there and its weights back every step (Megatron-LM "
@@ -444,6 +449,9 @@ class TrainingSpec(_Spec):
         if self.mst != 1 and self.recompute != Recompute.FULL:
             raise ValueError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): add "
                              "--recompute full")
+        if self.optimizer_in_backward and (self.optimizer != "adamw" or self.offload_optimizer_fraction > 0):
+            raise ValueError("the optimizer step in the backward is modelled for AdamW on the GPU (a for-loop AdamW "
+                             "per parameter, as MsT's benchmark runs it)")
         if self.mst != 1 and self.loss_chunks > 1:
             raise ValueError("MsT computes the LM head and loss in its own pieces: drop --loss-chunks")
         return self
@@ -639,6 +647,9 @@ class Config(_Spec):
             raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {self.layers_per_chunk} "
                              f"layers of the first model chunk (L/(p m)): memplan places the dense layers on the first "
                              "pipeline stage")
+        if tr.optimizer_in_backward and self.num_microbatches > 1:
+            raise ValueError("the optimizer step in the backward steps every micro-batch: it needs one micro-batch "
+                             "per step (global batch = micro-batch x data-parallel)")
         if m.seq_length % tr.loss_chunks:
             raise ValueError(f"loss chunks {tr.loss_chunks} do not divide the sequence length s={m.seq_length}")
         if par.sp and m.seq_length % t:

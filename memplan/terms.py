@@ -488,7 +488,12 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     (memplan/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
     from memplan import mst
 
-    return inventory_for(model, impl, device, training.loss_chunks, training.fp8, mst.pieces_for(model, training, impl))
+    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
+                              mst.pieces_for(model, training, impl))
+    if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
+        raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
+                           f"(--impl hf-*), not --impl {impl}")
+    return inventory
 
 
 CUDA_BLOCK_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this

@@ -164,6 +164,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
 
     buffer = inventory.grad_lifetime == "buffer"
     all_grads = states.gradients
+    # the optimizer step in the backward (TrainingSpec.optimizer_in_backward; torch .grad, one micro-batch): a
+    # gradient lives from its AccumulateGrad to its hook's step, except the LM head's, stepped after the embedding's
+    in_backward = training.optimizer_in_backward
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
     # zero_grad, so in the forward only when earlier micro-batches of this step made them.
     grads_fwd = all_grads if buffer else all_grads * (plan.microbatches > 1)
@@ -174,6 +177,12 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         last group's new gradient while it is still its own tensor (`fresh`): before a hook adds it
         to the buffer, or before AccumulateGrad adds it to an existing .grad."""
         fresh = new_grad(m.grads[-1]) if (m.fresh and m.grads) else 0
+        if in_backward:
+            # the fresh gradient (its step follows once the node that made it has freed its saved input, which
+            # outweighs the step's two temporaries of the gradient's size but for the shortest sequences: not
+            # counted); the LM head's gradient once made (its step waits for the embedding's)
+            waits = sum((group_grad(g) for g in m.grads if g in head_names), 0)
+            return fresh + waits
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
         made = sum((group_grad(g, kept=True) for g in m.grads), 0)
@@ -192,6 +201,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         if buffer:
             return 0
         head_grads = sum((group_grad(g, kept=True) for g in head_names), 0)
+        if in_backward:  # the LM head's gradient waits for the embedding's step; the others are stepped at once
+            return head_grads * is_last * untied_head
         kind = {scope: sum((group_grad(g, kept=True) for g, group in groups.items() if group.scope == scope), 0)
                 for scope in LAYER_SCOPES}
         moe_done = _minimum(layers_done, n - dense_here)  # the chunk's last layers are its MoE ones
@@ -275,12 +286,26 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     dense = new_grad("word embedding")
     tied_extra = 2 * dense * tied_waits
     emb_extra = (dense + tied_extra if buffer else tied_extra) + d_emb
+    if in_backward:
+        # the embedding's gradient and the waiting LM head's; then their steps, one tensor at a time, each with
+        # a for-loop AdamW's two temporaries of its size (torch/optim/adamw.py _single_tensor_adamw: sqrt, division)
+        kept = group_grad("word embedding") + group_grad(head.name) * untied_head * is_last
+        event("backward", None, "embedding backward (its gradient and the LM head's)", kept, others - chunk_cur,
+              d_emb * is_first)
+        largest = _maximum(new_grad("word embedding"), new_grad(head.name) * untied_head * is_last)
+        event("backward", None, "optimizer steps of the embedding and the LM head (in the backward, for-loop "
+              "AdamW)", kept, 0, 2 * largest)
+        return _peak_of(events, persistent, 2 * largest)
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
           emb_extra * is_first)
     # optimizer step: no activations (the step's micro-batches are done)
     temp = _optimizer_temporaries(training, inventory, stage_mem, plan)
     event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} "
           f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp)
+    return _peak_of(events, persistent, temp)
+
+
+def _peak_of(events: list[Event], persistent: Any, temp: Any) -> StepPeak:
     peak = events[0].bytes
     index: Any = 0
     for i, e in enumerate(events[1:], start=1):

@@ -372,6 +372,7 @@ class PeakCase:
     g: Optional[int] = None
     head_dim: Optional[int] = None
     loss_chunks: int = 1  # LM head + loss in checkpointed chunks (validation/losses.py)
+    in_backward: bool = False  # transformers Llama: a for-loop AdamW per parameter stepped in the backward
     mst: int = 1  # transformers Llama: MsT mini-sequences for the MLP and the LM head (validation/mst.py); 1: off
     attn: str = "eager"  # transformers: eager | sdpa
     p_drop: float = 0.0
@@ -384,7 +385,7 @@ class PeakCase:
 
     @property
     def loop(self) -> str:
-        return "megatron" if self.model == "k22" else "torch"
+        return "megatron" if self.model == "k22" else ("in-backward" if self.in_backward else "torch")
 
     @property
     def impl(self) -> str:
@@ -408,7 +409,8 @@ def peak_config(case: PeakCase) -> Config:
     precision = "bf16-mixed" if case.loop == "megatron" else "bf16-true"
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
-        optimizer=case.algorithm, optimizer_impl=case.optimizer, loss_chunks=case.loss_chunks, mst=case.mst))
+        optimizer=case.algorithm, optimizer_impl=None if case.in_backward else case.optimizer, loss_chunks=case.loss_chunks,
+        mst=case.mst, optimizer_in_backward=case.in_backward))
 
 
 def family_model(case: PeakCase) -> ModelSpec:
@@ -594,7 +596,8 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
     for c in cases:
         m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
                                   g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
-                                  optimizer=c.optimizer, algorithm=c.algorithm, microbatches=c.microbatches,
+                                  optimizer="for-loop" if c.in_backward else c.optimizer, algorithm=c.algorithm,
+                                  microbatches=c.microbatches,
                                   backend=c.backend, family=c.family, **_mst_pieces(c)))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
@@ -629,6 +632,17 @@ def mst_peak_cases() -> list[PeakCase]:
                  attn="sdpa", mst=8, recompute="full"),
         PeakCase("llama eager s256 f768 v256 mst4", s=256, v=256, f=768, attn="eager", mst=4, optimizer="foreach",
                  **llama),
+        # the optimizer step in the backward (MsT's benchmark loop): with MsT, with gradient checkpointing alone, and
+        # short steps where the embedding's and the LM head's steps at the end are the peak
+        PeakCase("llama sdpa s256 v4096 mst4 in-backward", s=256, v=4096, f=192, attn="sdpa", mst=4, in_backward=True,
+                 **llama),
+        PeakCase("llama sdpa s512 f768 v256 mst4 in-backward", s=512, v=256, f=768, attn="sdpa", mst=4,
+                 in_backward=True, **llama),
+        PeakCase("llama sdpa s256 v4096 full in-backward", s=256, v=4096, f=192, attn="sdpa", in_backward=True, **llama),
+        PeakCase("llama sdpa s16 v4096 in-backward", model="llama", b=1, h=64, a=4, g=2, s=16, v=4096, f=192,
+                 attn="sdpa", in_backward=True),
+        PeakCase("llama sdpa s128 f768 v256 in-backward", model="llama", b=1, h=64, a=4, g=2, s=128, v=256, f=768,
+                 attn="sdpa", in_backward=True),
     ]
 
 

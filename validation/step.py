@@ -109,7 +109,7 @@ class StepCase:
     head_dim: int | None = None  # Llama width of one head (None: h/a)
     p_drop: float = 0.0  # every dropout of the model (HF sdpa on CPU needs 0 for the flash kernel)
     recompute: Literal["none", "selective", "full"] = "none"  # HF: "none" or "full"
-    loop: Literal["torch", "megatron"] = "torch"
+    loop: Literal["torch", "megatron", "in-backward"] = "torch"
     optimizer: Literal["foreach", "fused", "for-loop"] = "foreach"  # the implementation (torch's foreach= / fused=)
     algorithm: Literal["adamw", "sgd", "sgd-nomomentum", "adafactor", "muon"] = "adamw"  # ALGORITHMS
     microbatches: int = 1  # gradient accumulation: M forward/backward passes, one optimizer step
@@ -148,11 +148,16 @@ class StepCase:
             raise ValueError("HF models support recompute 'none' or 'full' (gradient checkpointing)")
         if self.model == "k22" and self.g not in (None, self.a):
             raise ValueError("the k22 model has no grouped-query attention")
-        if self.loop not in ("torch", "megatron") or self.optimizer not in ("foreach", "fused", "for-loop"):
-            raise ValueError("loop must be torch/megatron and optimizer foreach/fused/for-loop")
+        if self.loop not in ("torch", "megatron", "in-backward") or self.optimizer not in ("foreach", "fused",
+                                                                                          "for-loop"):
+            raise ValueError("loop must be torch/megatron/in-backward and optimizer foreach/fused/for-loop")
+        if self.loop == "in-backward" and (self.model != "llama" or self.algorithm != "adamw"
+                                           or self.optimizer != "for-loop" or self.microbatches != 1):
+            raise ValueError("the in-backward loop steps a for-loop AdamW per parameter of the HF Llama model, "
+                             "one micro-batch")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}")
-        if self.optimizer not in ALGORITHMS[self.algorithm]:
+        if self.optimizer not in ALGORITHMS[self.algorithm] and self.loop != "in-backward":
             raise ValueError(f"{self.algorithm} runs {' or '.join(ALGORITHMS[self.algorithm])}, not {self.optimizer}")
         if self.backend not in ("live", "fake", "cuda") or self.microbatches < 1:
             raise ValueError("backend must be live/fake/cuda and microbatches >= 1")
@@ -472,6 +477,27 @@ def _optimizers(params: list[torch.Tensor], hidden: set[int], case: StepCase) ->
     return [torch.optim.Muon(muon, lr=0.02, weight_decay=0.01), _adamw(rest, case)]
 
 
+def _in_backward(model, params: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
+    """The optimizer step inside the backward (PyTorch's "optimizer step in backward" recipe, as MsT's
+    scripts/benchmark_minis.py runs it): one for-loop AdamW per parameter, stepped by a post-accumulate-grad
+    hook that then frees the parameter's .grad; the LM head's step waits for the embedding's (MsT: "Delay
+    optimizer.step() in lm_head to reduce peak memory"), which the embedding's hook runs after its own."""
+    opts = {id(p): torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, foreach=False, fused=False) for p in params}
+    head, embedding = model.lm_head.weight, model.get_input_embeddings().weight
+
+    def step(p: torch.Tensor) -> None:
+        if p is head:
+            return
+        for q in (p, head) if p is embedding else (p,):
+            if q.grad is not None:
+                opts[id(q)].step()
+                q.grad = None
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(step)
+    return list(opts.values())
+
+
 def _accumulate_main_grad(p: torch.Tensor) -> None:
     """Megatron DDP's grad hook: fold the (transient) bf16 grad into the fp32 main grad."""
     p.main_grad.add_(p.grad)
@@ -487,7 +513,9 @@ class _Loop:
         hidden = {id(p) for layer in layers for p in layer.parameters() if p.ndim == 2}
         self.main_grad: torch.Tensor | None = None
         self.masters: list[torch.Tensor] = []
-        if case.loop == "megatron":
+        if case.loop == "in-backward":
+            self.opts = _in_backward(model, self.params)
+        elif case.loop == "megatron":
             n = sum(p.numel() for p in self.params)
             self.main_grad = torch.zeros(n, dtype=torch.float32)
             off = 0
@@ -525,6 +553,9 @@ class _Loop:
         label(phase="backward", layer=None)  # records the end of the last backward
         self.grad_bytes_at_end_of_backward = _storage_bytes(p.grad for p in self.params)
         label(phase="optimizer", layer=None, microbatch=None)
+        if self.case.loop == "in-backward":  # every parameter was stepped (and its .grad freed) in the backward
+            label(phase="optimizer", layer=None, microbatch=None)
+            return
         for opt in self.opts:
             opt.step()
         if self.main_grad is None:
@@ -670,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mst_head", type=int, default=0, help="HF Llama: MsT, the LM head + loss in this many pieces")
     p.add_argument("--p_drop", type=float, default=0.0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    p.add_argument("--loop", choices=("torch", "megatron"), default="torch")
+    p.add_argument("--loop", choices=("torch", "megatron", "in-backward"), default="torch")
     p.add_argument("--optimizer", choices=("foreach", "fused", "for-loop"), default="foreach",
                    help="the implementation")
     p.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="adamw")
