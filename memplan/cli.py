@@ -289,19 +289,18 @@ def impls() -> None:
     from memplan.optimizers import OPTIMIZER_INFO
     from memplan.terms import IMPLEMENTATIONS
 
-    from memplan.parallel import IMPLS_TEXT
-
     for name, text in IMPLEMENTATIONS.items():
         click.echo(f"{name:10s} {text}")
-    click.echo(f"\n{IMPLS_TEXT}")
     click.echo("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
     for name, info in OPTIMIZER_INFO.items():
         click.echo(f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}")
     from memplan.chunked_loss import INFO as CHUNKS_INFO
     from memplan.fp8 import INFO as FP8_INFO
+    from memplan.mst import TECHNIQUES
+    from memplan.parallel import IMPLS_TEXT
 
-    click.echo("\ntechniques:")
-    for text in (FP8_INFO, CHUNKS_INFO):
+    click.echo("\ntechniques (how each is known):")
+    for text in (IMPLS_TEXT, FP8_INFO, CHUNKS_INFO, *(f"{name}: {text}" for name, text in TECHNIQUES.items())):
         click.echo(text)
 
 
@@ -537,6 +536,9 @@ def _check_emit(opts: dict[str, Any], fmt: str) -> None:
     if opts["emit_only"] and fmt != "table":
         raise MemplanError(f"--emit-only prints the launch block alone; it conflicts with --format {fmt} "
                            "(with --json the arguments go in the document)")
+    if opts.get("emit") and opts.get("mst") not in (None, 1):
+        raise MemplanError("--emit megatron cannot express --mst: Megatron-LM has no mini-sequence MLP / LM head "
+                           "(MsT is modelled for transformers models, --impl hf-*)")
     if opts.get("emit") and opts["impl"] != "megatron":
         raise MemplanError(f"--emit megatron launches Megatron-LM: plan it with --impl megatron (got --impl "
                            f"{opts['impl']}, whose memory differs)")

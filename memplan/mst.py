@@ -51,6 +51,19 @@ AUTO_HEAD_CHUNKS = 64
 SRC = "measured: MsT (validation/mst.py) in a transformers 5.23.0 training step (validation/step.py)"
 CODE = "github.com/wdlctc/mini-s minis/mini_sequence.py"
 
+# what `memplan impls` lists for these techniques: how each is known
+TECHNIQUES = {
+    "--mst M|auto": "MsT mini-sequences (arXiv 2407.15892) for --impl hf-* on the Llama layout, b = 1, with "
+                    "--recompute full: measured on CPU (validation/mst.py, a reference MsT MLP and LM head written from "
+                    "the paper, in validation/step.py; `memplan validate --peak`); the 'auto' pieces are read from "
+                    f"{CODE} (derived from its code, not measured); not expressible with --emit megatron (Megatron-LM "
+                    "has no MsT)",
+    "--optimizer-in-backward": "each parameter stepped in the backward by a post-accumulate-grad hook (for-loop "
+                               "AdamW; MsT's scripts/benchmark_minis.py): measured on CPU (validation/step.py loop "
+                               "in-backward); the steps' temporaries inside the layers are not counted (memplan/"
+                               "timeline.py)",
+}
+
 MstSetting = Union[int, str]  # a number of pieces (1: off) or "auto"
 
 
