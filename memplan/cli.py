@@ -431,6 +431,17 @@ def search(**opts: Any) -> None:
         if opts.get("micro_batch") not in (None, 1):
             raise MemplanError("--mst is modelled for micro-batch 1 (MsT's setting): drop --micro-batch or give 1")
         opts["micro_batch"] = 1
+        if opts.get("recompute") not in (None, "full"):
+            raise MemplanError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): give "
+                               "--recompute full or leave it out")
+        opts["recompute"] = "full"
+        one = _preset(opts)
+        if one is None:
+            raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
+        # mini-s' minisequence checkpoints every decoder layer (transformers' gradient checkpointing)
+        if opts.get("recompute_num_layers") not in (None, one.model.num_layers):
+            raise MemplanError("MsT checkpoints every layer: drop --recompute-num-layers")
+        opts["recompute_num_layers"] = one.model.num_layers
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
              zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),

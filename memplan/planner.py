@@ -1175,7 +1175,7 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
 
     one_gpu = Config(model=model, training=training.model_copy(update=dict(
         micro_batch=max_micro_batch, global_batch=max_micro_batch, recompute=Recompute.NONE,
-        recompute_num_layers=None)))
+        recompute_num_layers=None, mst=1)))  # MsT off: it needs recompute, and only lowers the bound
     need = 2 * device_bytes(one_gpu, impl)
     if need > INT64_SAFE:
         raise MemplanError(f"{model.name} at s={model.seq_length:,}, v={model.vocab_size:,}: up to {need:.2e} bytes per "

@@ -444,11 +444,8 @@ class TrainingSpec(_Spec):
 
     @model_validator(mode="after")
     def _mst_needs(self) -> "TrainingSpec":
-        """MsT as its code runs it: with layer-level gradient checkpointing (class minisequence turns it on), and
-        with its own LM head + loss in place of a chunked loss."""
-        if self.mst != 1 and self.recompute != Recompute.FULL:
-            raise ValueError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): add "
-                             "--recompute full")
+        """MsT with its own LM head + loss in place of a chunked loss (its gradient checkpointing: Config, as the
+        recompute mode is a plan's), and the optimizer step in the backward as modelled."""
         if self.optimizer_in_backward and (self.optimizer != "adamw" or self.offload_optimizer_fraction > 0):
             raise ValueError("the optimizer step in the backward is modelled for AdamW on the GPU (a for-loop AdamW "
                              "per parameter, as MsT's benchmark runs it)")
@@ -647,6 +644,9 @@ class Config(_Spec):
             raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {self.layers_per_chunk} "
                              f"layers of the first model chunk (L/(p m)): memplan places the dense layers on the first "
                              "pipeline stage")
+        if tr.mst != 1 and (tr.recompute != Recompute.FULL or tr.recompute_num_layers not in (None, L)):
+            raise ValueError("MsT runs with gradient checkpointing of every layer (mini-s' minisequence turns it "
+                             "on): add --recompute full (without --recompute-num-layers)")
         if tr.optimizer_in_backward and self.num_microbatches > 1:
             raise ValueError("the optimizer step in the backward steps every micro-batch: it needs one micro-batch "
                              "per step (global batch = micro-batch x data-parallel)")
