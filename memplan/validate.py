@@ -625,23 +625,23 @@ def mst_peak_cases() -> list[PeakCase]:
     the second piece's running weight-gradient sums decide), eager attention and a foreach AdamW."""
     llama = dict(model="llama", b=1, h=64, a=4, g=2, recompute="full")
     return [
-        PeakCase("llama sdpa s256 v4096 mst4", s=256, v=4096, f=192, attn="sdpa", mst=4, **llama),
-        PeakCase("llama sdpa s256 v4096 mst8", s=256, v=4096, f=192, attn="sdpa", mst=8, **llama),
-        PeakCase("llama sdpa s512 f768 v256 mst4", s=512, v=256, f=768, attn="sdpa", mst=4, **llama),
-        PeakCase("llama sdpa s64 h256 f768 v256 mst8", model="llama", b=1, h=256, a=4, g=2, s=64, v=256, f=768,
+        PeakCase("llama s256 mst4", s=256, v=4096, f=192, attn="sdpa", mst=4, **llama),
+        PeakCase("llama s256 mst8", s=256, v=4096, f=192, attn="sdpa", mst=8, **llama),
+        PeakCase("llama f768 mst4", s=512, v=256, f=768, attn="sdpa", mst=4, **llama),
+        PeakCase("llama h256 mst8", model="llama", b=1, h=256, a=4, g=2, s=64, v=256, f=768,
                  attn="sdpa", mst=8, recompute="full"),
-        PeakCase("llama eager s256 f768 v256 mst4", s=256, v=256, f=768, attn="eager", mst=4, optimizer="foreach",
+        PeakCase("llama eager mst4", s=256, v=256, f=768, attn="eager", mst=4, optimizer="foreach",
                  **llama),
         # the optimizer step in the backward (MsT's benchmark loop): with MsT, with gradient checkpointing alone, and
         # short steps where the embedding's and the LM head's steps at the end are the peak
-        PeakCase("llama sdpa s256 v4096 mst4 in-backward", s=256, v=4096, f=192, attn="sdpa", mst=4, in_backward=True,
+        PeakCase("llama mst4 ib", s=256, v=4096, f=192, attn="sdpa", mst=4, in_backward=True,
                  **llama),
-        PeakCase("llama sdpa s512 f768 v256 mst4 in-backward", s=512, v=256, f=768, attn="sdpa", mst=4,
+        PeakCase("llama f768 mst4 ib", s=512, v=256, f=768, attn="sdpa", mst=4,
                  in_backward=True, **llama),
-        PeakCase("llama sdpa s256 v4096 full in-backward", s=256, v=4096, f=192, attn="sdpa", in_backward=True, **llama),
-        PeakCase("llama sdpa s16 v4096 in-backward", model="llama", b=1, h=64, a=4, g=2, s=16, v=4096, f=192,
+        PeakCase("llama full ib", s=256, v=4096, f=192, attn="sdpa", in_backward=True, **llama),
+        PeakCase("llama s16 ib", model="llama", b=1, h=64, a=4, g=2, s=16, v=4096, f=192,
                  attn="sdpa", in_backward=True),
-        PeakCase("llama sdpa s128 f768 v256 in-backward", model="llama", b=1, h=64, a=4, g=2, s=128, v=256, f=768,
+        PeakCase("llama f768 ib", model="llama", b=1, h=64, a=4, g=2, s=128, v=256, f=768,
                  attn="sdpa", in_backward=True),
     ]
 

@@ -94,8 +94,8 @@ def test_search_keeps_mst_and_b1(run_cli):
 
 
 # --- measured: whole steps of the reference MsT (validation/mst.py) against memplan's peak (1 %)
-MEASURED = ("llama sdpa s256 v4096 mst4", "llama sdpa s512 f768 v256 mst4", "llama sdpa s64 h256 f768 v256 mst8",
-            "llama sdpa s512 f768 v256 mst4 in-backward", "llama sdpa s16 v4096 in-backward")
+MEASURED = ("llama s256 mst4", "llama f768 mst4", "llama h256 mst8",
+            "llama f768 mst4 ib", "llama s16 ib")
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +116,16 @@ def test_mst_steps_peak_as_measured(measured):
     # the peaks are where the MsT terms decide them: the head's last piece, a layer's first and second pieces,
     # the in-backward steps of the embedding and the LM head
     moments = {name: r.predicted_moment for name, r in measured.items()}
-    assert moments["llama sdpa s256 v4096 mst4"].startswith("MsT loss backward")
-    assert moments["llama sdpa s512 f768 v256 mst4"].startswith("MsT MLP backward, first piece")
-    assert moments["llama sdpa s64 h256 f768 v256 mst8"].startswith("MsT MLP backward, second piece")
-    assert moments["llama sdpa s16 v4096 in-backward"].startswith("optimizer steps of the embedding")
+    assert moments["llama s256 mst4"].startswith("MsT loss backward")
+    assert moments["llama f768 mst4"].startswith("MsT MLP backward, first piece")
+    assert moments["llama h256 mst8"].startswith("MsT MLP backward, second piece")
+    assert moments["llama s16 ib"].startswith("optimizer steps of the embedding")
 
 
 def test_mst_lowers_the_measured_peak(measured):
     from memplan.validate import run_peak
 
-    r = measured["llama sdpa s256 v4096 mst4"]
+    r = measured["llama s256 mst4"]
     plain = run_peak([dataclasses.replace(r.case, mst=1)])[0]  # the same step, transformers' MLP and loss
     assert plain.passed and r.measured < 0.5 * plain.measured
 
@@ -146,10 +146,10 @@ def test_without_mst_terms_the_prediction_misses(measured, monkeypatch):
 
 
 @pytest.mark.parametrize("term, case", [
-    ("softmax", "llama sdpa s256 v4096 mst4"),  # the last piece's fp32 softmax in the loss backward
-    ("grad_activation_products_piece", "llama sdpa s512 f768 v256 mst4"),  # one piece's f-wide gradients
-    ("grad_mlp_weight_sums", "llama sdpa s64 h256 f768 v256 mst8"),  # the running weight-gradient sums
-    ("grad_fc2_weight_first_piece", "llama sdpa s512 f768 v256 mst4 in-backward"),  # waits in autograd's buffer
+    ("softmax", "llama s256 mst4"),  # the last piece's fp32 softmax in the loss backward
+    ("grad_activation_products_piece", "llama f768 mst4"),  # one piece's f-wide gradients
+    ("grad_mlp_weight_sums", "llama h256 mst8"),  # the running weight-gradient sums
+    ("grad_fc2_weight_first_piece", "llama f768 mst4 ib"),  # waits in autograd's buffer
 ])
 def test_removing_an_mst_transient_misses(measured, monkeypatch, term, case):
     original = mst.apply
@@ -164,7 +164,7 @@ def test_removing_an_mst_transient_misses(measured, monkeypatch, term, case):
 
 
 def test_removing_the_in_backward_steps_misses(measured, monkeypatch):
-    r = measured["llama sdpa s16 v4096 in-backward"]
+    r = measured["llama s16 ib"]
     original = timeline._peak_of
     # the optimizer steps' two temporaries of the embedding's size at the end of the backward
     monkeypatch.setattr(timeline, "_peak_of", lambda events, persistent, temp: original(
