@@ -5,6 +5,7 @@ and b (a property test checks it), so the answer is exact to one step of the sea
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from memplan.errors import MemplanError
@@ -44,8 +45,9 @@ def _with(config: Config, model: Optional[dict] = None, training: Optional[dict]
 def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
                 gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None) -> Optional[int]:
     """The longest sequence this plan fits in `budget_bytes` with (a multiple of t under sequence
-    parallelism), all else equal; None when none does."""
+    parallelism, and of the loss chunks), all else equal; None when none does."""
     step = config.parallel.tp if config.parallel.sp else 1
+    step = step * config.training.loss_chunks // math.gcd(step, config.training.loss_chunks)  # the chunks divide s
 
     def fits(s: int) -> bool:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu,
