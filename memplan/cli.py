@@ -518,13 +518,12 @@ def search(**opts: Any) -> None:
 def _optimizer_notes(result: Any) -> list[str]:
     """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
     from memplan.optimizers import notes
-    from memplan.terms import inventory_for
+    from memplan.terms import training_inventory
     from memplan.timeline import optimizer_impl
 
     if result.training.optimizer == "adamw":
         return []
-    impl = optimizer_impl(result.training, inventory_for(result.model, result.impl, loss_chunks=result.training.loss_chunks,
-                                                        fp8=result.training.fp8))
+    impl = optimizer_impl(result.training, training_inventory(result.model, result.impl, "cuda", result.training))
     return notes(result.training, impl, pinned=True)
 
 
