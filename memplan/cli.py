@@ -60,6 +60,12 @@ def plan_options(func: Callable) -> Callable:
         click.option("--pp", type=int, help="Pipeline-parallel size p."),
         click.option("--dp", type=int, help="Data-parallel size d."),
         click.option("--vpp", type=int, help="Interleaved (virtual) stages m per pipeline rank."),
+        click.option("--first-stage-layers", type=click.IntRange(1), metavar="N",
+                     help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
+                          "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),
+        click.option("--last-stage-layers", type=click.IntRange(1), metavar="N",
+                     help="Transformer layers on the last pipeline stage (Megatron-LM "
+                          "--decoder-last-pipeline-num-layers)."),
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
         click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
                      "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/parallel.py). search: tried "
@@ -176,7 +182,8 @@ def _config_from_options(opts: dict[str, Any]):
     config = make_config(
         preset,
         parallel=dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"),
-                      sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),
+                      sp=opts.get("sp"), zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts),
+                      first_stage_layers=opts.get("first_stage_layers"), last_stage_layers=opts.get("last_stage_layers")),
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers"),
                       **_training_settings(opts)),

@@ -35,6 +35,53 @@ class TermRow:
 
 
 @dataclass(frozen=True)
+class StageRow:
+    """One pipeline stage as the per-stage table shows it (one GPU of it)."""
+
+    stage: int
+    layers: int  # transformer layers on the stage
+    chunks: int  # (micro-batch, model chunk) activation sets in flight at its first backward
+    layer_copies: int  # layers' activation sets saved then: chunks x layers per chunk
+    states_bytes: int  # weights + gradients + optimizer states
+    activations_bytes: int  # saved at its first backward
+    peak_bytes: int  # the step's peak
+    peak_at: str  # when
+
+
+def stage_rows(est: "Estimate") -> list[StageRow]:
+    """Every stage of the estimate's plan: what it holds and its step peak (the table `estimate` prints)."""
+    par, c = est.config.parallel, est.config
+    rows = []
+    for mem, step in zip(est.stages, est.steps):
+        chunks = int(chunks_in_flight(mem.stage, par.pp, par.vpp, c.num_microbatches))
+        e = step.peak_event
+        rows.append(StageRow(mem.stage, int(mem.layers), chunks, chunks * int(mem.layers) // par.vpp,
+                             int(mem.states.total), int(mem.activations), int(step.peak_bytes),
+                             f"{e.phase}{f' of layer {e.layer}' if e.layer is not None else ''}"))
+    return rows
+
+
+def peak_reason(est: "Estimate") -> str:
+    """Why the most loaded stage is the peak: its activation sets in flight against the other candidates' (1F1B:
+    stage i holds p - i micro-batches; uneven stages change the layers of each), and what only it holds."""
+    rows = stage_rows(est)
+    top = rows[est.most_loaded]
+    p = len(rows)
+    if p == 1:
+        return "one stage: it holds every layer, the embedding and the LM head"
+    why = [f"{top.layer_copies} layer activation sets in flight ({top.chunks} chunk(s) x {top.layers // est.config.parallel.vpp} "
+           f"layer(s))"]
+    if top.stage == 0:
+        why.append("the embedding and the most micro-batches in flight (1F1B warm-up)")
+    if top.stage == p - 1:
+        why.append("the LM head and the loss (logits)")
+    others = [r for r in (rows[0], rows[min(1, p - 1)], rows[-1]) if r.stage != top.stage]
+    versus = "; ".join(f"stage {r.stage}: {r.layer_copies} sets ({r.chunks} x {r.layers // est.config.parallel.vpp}), "
+                       f"peak {r.peak_bytes / 1e9:.2f} GB" for r in dict((r.stage, r) for r in others).values())
+    return f"stage {top.stage} peaks: " + ", ".join(why) + (f"; against {versus}" if versus else "")
+
+
+@dataclass(frozen=True)
 class Estimate:
     config: Config
     inventory: Inventory
@@ -226,8 +273,14 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])
     chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
+    if config.uneven:
+        first, middle, last = config.split
+        notes.append(f"uneven pipeline stages: {first} layer(s) on the first stage, {middle} on each of the {par.pp - 2} "
+                     f"middle one(s), {last} on the last (Megatron-LM --decoder-first-pipeline-num-layers / "
+                     "--decoder-last-pipeline-num-layers)" if par.pp > 2 else
+                     f"uneven pipeline stages: {first} layer(s) on the first stage, {last} on the last")
     notes.append(
-        f"stage {peak.stage} holds {chunks} model chunk(s) of {config.layers_per_chunk} layer(s) in flight"
+        f"stage {peak.stage} holds {chunks} model chunk(s) of {peak.layers // par.vpp} layer(s) in flight"
         + (f" (interleaving factor 1 + (p-1)/(pm) = {interleaving_factor(par.pp, par.vpp):.4f} on stage 0)"
            if par.vpp > 1 else "")
     )

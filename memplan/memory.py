@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from memplan.pipeline import chunks_in_flight, microbatches_in_flight
+from memplan.pipeline import _minimum, chunks_in_flight, microbatches_in_flight, stage_layers
 from memplan.specs import Config, ModelSpec, Recompute, TrainingSpec
 from memplan.offload import split_optimizer
 from memplan.parallel import expert_states, state_shard
@@ -48,27 +48,43 @@ class PlanValues:
     @property
     def gpus(self) -> Any:
         return self.t * self.p * self.d * self.cp
+    # transformer layers on the first and on the last pipeline stage (memplan/pipeline.py stage_layers; the
+    # middle stages split the rest); None: the even split L/p
+    first_layers: Any = None
+    last_layers: Any = None
 
     @staticmethod
     def from_config(config: Config) -> "PlanValues":
         par, tr = config.parallel, config.training
         chunk = config.layers_per_chunk
         recomputed = tr.recompute_num_layers if tr.recompute_num_layers is not None else chunk
+        first, _, last = config.split
         return PlanValues(
             t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, shard=par.shard,
             b=tr.micro_batch,
             recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
             cp=par.cp, ep=par.ep, etp=par.expert_tp, cp_comm=par.cp_comm_type,
+            first_layers=first if config.uneven else None, last_layers=last if config.uneven else None,
         )
 
     def take(self, index: Any) -> "PlanValues":
-        """One candidate (or a subset) of an array-valued plan (scalar fields stay as they are)."""
+        """One candidate (or a subset) of an array-valued plan (scalar and None fields stay as they are)."""
         return PlanValues(**{f.name: (v[index] if getattr(v := getattr(self, f.name), "ndim", 0) else v)
                              for f in fields(self)})
 
     def symbols(self, model: ModelSpec, **more: Any) -> dict[str, Any]:
         """The model's symbols with this plan's b, t, cp, ep, etp (the one place they are bound)."""
         return model.symbols(b=self.b, t=self.t, cp=self.cp, ep=self.ep, etp=self.expert_tp, **more)
+
+    def layers(self, model: ModelSpec, stage: Any) -> Any:
+        """Transformer layers on pipeline stage `stage` (memplan/pipeline.py stage_layers)."""
+        return stage_layers(stage, self.p, model.num_layers, self.first_layers, self.last_layers)
+
+    def chunk_layers(self, model: ModelSpec, stage: Any) -> tuple[Any, Any]:
+        """(layers per model chunk of stage `stage`, those of them the recompute mode applies to): Megatron-LM
+        recomputes the first N layers of each chunk (block method), all of a chunk that has fewer."""
+        n = self.layers(model, stage) // self.m
+        return n, _minimum(self.recomputed_layers, n)
 
 
 class TermBytes:
@@ -151,11 +167,12 @@ def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
     return plan.symbols(model)
 
 
-def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any) -> Any:
-    """How many copies of a saved tensor stage `stage` holds at its peak."""
+def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, recomputed: Any = None) -> Any:
+    """How many copies of a saved tensor stage `stage` holds at its peak (`recomputed`: layers of each of its
+    chunks the recompute mode applies to, default the plan's)."""
     if term.scope == "layer":
         chunks = chunks_in_flight(stage, plan.p, plan.m, plan.microbatches)
-        recomputed = plan.recomputed_layers
+        recomputed = plan.recomputed_layers if recomputed is None else recomputed
         per_chunk = recomputed * term.kept(plan.recompute) + (layers_per_chunk - recomputed) * term.kept(
             Recompute.NONE
         )
@@ -211,7 +228,7 @@ def stage_memory(
     implementation stores its weight matrices (Inventory.weight_layout), for the optimizers whose
     states depend on their shapes."""
     sizes = term_bytes_for(model, plan, training.activation_bytes, granularity)
-    layers_per_chunk = model.num_layers // (plan.p * plan.m)
+    layers_per_chunk, recomputed = plan.chunk_layers(model, stage)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags
     term_bytes, unit_bytes = {}, {}
@@ -221,7 +238,7 @@ def stage_memory(
         per = unit_bytes[term.id] = sizes(term)
         key = term.recompute_flags
         if key not in counts:
-            counts[key] = term_count(term, plan, layers_per_chunk, stage)
+            counts[key] = term_count(term, plan, layers_per_chunk, stage, recomputed)
         n = per * counts[key]
         term_bytes[term.id] = n
         activations = activations + n
@@ -229,9 +246,9 @@ def stage_memory(
             if key not in dropped:
                 dropped[key] = term.kept(Recompute.NONE) * (1 - term.kept(plan.recompute))
             working = working + per * dropped[key]
-    working = working * (plan.recomputed_layers > 0)
+    working = working * (recomputed > 0)
     activations = activations + working
-    layers = model.num_layers // plan.p
+    layers = layers_per_chunk * plan.m
     is_first, is_last = stage == 0, stage == plan.p - 1
     params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
     tensors = None

@@ -178,7 +178,7 @@ def activation_host_bytes(model: ModelSpec, terms: Any, training: TrainingSpec, 
     from memplan.memory import term_bytes_for
 
     sizes = term_bytes_for(model, plan, training.activation_bytes)  # the tensors' own sizes (no GPU blocks)
-    n = model.num_layers // (plan.p * plan.m)
+    n = stage_mem.layers // plan.m  # layers of one of the stage's chunks
     act: Any = 0
     layer_copies: Any = 0
     for t in terms:

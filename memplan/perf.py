@@ -198,6 +198,10 @@ def _maximum(x: Any, y: Any) -> Any:
     return np.maximum(x, y) if _is_array(x, y) else max(x, y)
 
 
+def _minimum(x: Any, y: Any) -> Any:
+    return x - (x - y) * (x > y)
+
+
 def memory_bound_efficiency(gpu: GpuSpec) -> float:
     return gpu.memory_bound_efficiency
 
@@ -740,7 +744,8 @@ def _overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
 def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
     """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
     states.py inventory, as floats."""
-    return _f(stage_params(model, counter(plan.symbols(model)), model.num_layers // plan.p, plan.p == 1, 1, plan.p))
+    return _f(stage_params(model, counter(plan.symbols(model)), plan.layers(model, plan.p - 1), plan.p == 1, 1,
+                           plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,
@@ -827,7 +832,8 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
     b, M, p, m, d, first = pf.b, pf.M, pf.p, pf.m, pf.d, pf.first
-    layers = model.num_layers / p
+    uneven = plan.first_layers is not None  # uneven pipeline stages (memplan/pipeline.py stage_layers)
+    layers = model.num_layers / p if not uneven else _f(plan.last_layers)  # the last stage's layers
     bm = b * M  # sequences per step through this stage
 
     # Per sequence on the bottleneck stage: L/p layers, the LM head and (p = 1) the embedding.
@@ -873,6 +879,25 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     stage_layers = (_evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy) * inv_cp \
         + cp_ep
     bubble = bubble_over_ideal * (bm * stage_layers)
+    if uneven:
+        # Uneven stages: a micro-batch's forward + backward takes T_i on stage i (its layers, their recompute: the
+        # first N of each of its m chunks, all of a shorter chunk; the last stage's also the LM head). The steady
+        # state runs at the slowest stage, T* = max T_i, and the warm-up and cool-down slots are the other stages'
+        # time, (sum T_i - T*)/m per sequence (with equal stages: (p - 1)/m stage times, as above).
+        one_layer = _evaluate(x, (1.0, layer_compute + layer_memory + layer_exposed)) + act_copy / layers
+
+        def stage_time(n: Any) -> Any:  # with cp: 1/cp of the work, and the layers' share of the K/V and token sends
+            cap = n / m
+            work = n * one_layer + m * (_minimum(pf.selective, cap) * lf.selective(x) + _minimum(pf.full, cap) * forward)
+            return work * inv_cp + cp_ep * (n / layers)
+
+        first_n = _f(plan.first_layers)
+        middle_n = (model.num_layers - first_n - layers) / _maximum(p - 2.0, 1.0)
+        t_first, t_middle = stage_time(first_n), stage_time(middle_n)
+        slowest = _maximum(_maximum(per_sequence, t_first), t_middle * _f(p > 2))
+        total = per_sequence + t_first + (p - 2.0) * t_middle
+        ideal = bm * slowest
+        bubble = (b / m) * (total - slowest)
 
     # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
     # and its gradient in the backward. Each TP rank sends 1/t of the A*sbh tensor to its peer of
@@ -910,7 +935,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     param_gather = (pf.sharded - pf.zero3) * weights_gather
     forward_window = (b * layers) * forward * inv_cp
     backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
-    inv_layers = p * (1.0 / model.num_layers)  # one bucket per layer
+    inv_layers = p * (1.0 / model.num_layers) if not uneven else 1.0 / layers  # one bucket per layer
     # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in its
     # forward and again in its backward, one layer ahead (DeepSpeed prefetch), so each pass
     # exposes what its compute cannot hide, and at least one layer's gather.

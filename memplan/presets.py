@@ -243,6 +243,9 @@ def make_config(
             par["sp"] = False
     if "pp" in over_p and "vpp" not in over_p:
         par["vpp"] = 1
+    if ("pp" in over_p or whole_model_per_rank) and not {"first_stage_layers", "last_stage_layers"} & set(over_p):
+        par.pop("first_stage_layers", None)  # the preset's uneven split belongs to its own p
+        par.pop("last_stage_layers", None)
     if "sp" not in over_p and par.get("tp", 1) == 1:
         par["sp"] = False
     if gpus is not None:

@@ -90,7 +90,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         "stages": [
             {
                 "stage": s.stage,
-                "layers": s.layers,
+                "layers": int(s.layers),
                 "params": int(s.params),
                 "weights_bytes": int(s.weights),
                 "gradients_bytes": int(s.gradients),
@@ -565,10 +565,43 @@ def render_peak(est: Estimate, console: Console) -> None:
     console.print("largest moment of each phase: " + "; ".join(
         f"{p} {_gb(ev.bytes)}{f' (layer {ev.layer})' if ev.layer is not None else ''}" for p, ev in phases.items()))
     if est.config.parallel.pp > 1:
+        render_stages(est, console)
         low = min(range(len(est.steps)), key=lambda i: est.steps[i].peak_bytes)
         console.print(f"stage peaks from {_gb(est.steps[low].peak_bytes)} (stage {low}) to "
                       f"{_gb(est.step.peak_bytes)} (stage {est.most_loaded}); the last stage "
                       f"{_gb(est.steps[-1].peak_bytes)} (--json: memory.stage_peak_bytes)")
+
+
+STAGE_TABLE_ROWS = 12  # more stages: the first three, the peak and the last two (--json lists every one)
+
+
+def render_stages(est: Estimate, console: Console) -> None:
+    """Every pipeline stage, one GPU each: layers, activation sets in flight, states, saved activations, step peak;
+    then why the peak stage is the peak."""
+    from memplan.estimate import peak_reason, stage_rows
+
+    rows = stage_rows(est)
+    shown = list(range(len(rows)))
+    if len(rows) > STAGE_TABLE_ROWS:
+        shown = sorted({0, 1, 2, est.most_loaded, len(rows) - 2, len(rows) - 1})
+    table = make_table(console, (Col("stage", "right"), Col("layers", "right"), Col("in flight", "right", short="fl"),
+                                 Col("layer sets", "right", short="sets"), Col("states", "right"),
+                                 Col("activations", "right", short="acts"), Col("step peak", "right", short="peak"),
+                                 Col("peak at", fold=True)),
+                       title="Every pipeline stage, one GPU each (in flight: model chunks at the first backward)",
+                       short_title="Pipeline stages, one GPU each")
+    previous = -1
+    for i in shown:
+        r = rows[i]
+        if i > previous + 1:
+            table.add_row("...", "", "", "", "", "", "", "")
+        mark = "[bold]" if i == est.most_loaded else ""
+        end = "[/]" if mark else ""
+        table.add_row(f"{mark}{r.stage}{end}", str(r.layers), str(r.chunks), str(r.layer_copies), _gb(r.states_bytes),
+                      _gb(r.activations_bytes), f"{mark}{_gb(r.peak_bytes)}{end}", r.peak_at)
+        previous = i
+    console.print(table)
+    console.print(peak_reason(est))
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:

@@ -256,6 +256,13 @@ class ParallelSpec(_Spec):
         description="0: none; 1: optimizer states sharded over d (Megatron-LM distributed optimizer, "
         "ZeRO-1); 2: also gradients; 3: also weights",
     )
+    first_stage_layers: Optional[int] = Field(
+        default=None, gt=0, description="transformer layers on the first pipeline stage (Megatron-LM "
+        "--decoder-first-pipeline-num-layers); default: the even split L/p, or with last_stage_layers alone the "
+        "rest split evenly")
+    last_stage_layers: Optional[int] = Field(
+        default=None, gt=0, description="transformer layers on the last pipeline stage (Megatron-LM "
+        "--decoder-last-pipeline-num-layers)")
     zero_shard: Optional[int] = Field(
         default=None,
         gt=1,
@@ -302,6 +309,8 @@ class ParallelSpec(_Spec):
             raise ValueError("sequence parallelism needs tensor parallelism (t > 1)")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("interleaved stages (vpp > 1) need pipeline parallelism (p > 1)")
+        if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
+            raise ValueError("first / last stage layers (an uneven pipeline split) need pipeline parallelism (p > 1)")
         if self.zero_shard is not None:
             if self.zero == 0:
                 raise ValueError("zero_shard needs ZeRO stage 1-3 (sharded states)")
@@ -602,9 +611,38 @@ class Config(_Spec):
     training: TrainingSpec = TrainingSpec()
 
     @property
+    def uneven(self) -> bool:
+        """An uneven pipeline split (first / last stage layers given)."""
+        par = self.parallel
+        return par.first_stage_layers is not None or par.last_stage_layers is not None
+
+    @property
+    def split(self) -> tuple[int, int, int]:
+        """Transformer layers on the first, on each middle and on the last pipeline stage (Megatron-LM
+        get_num_layers_to_build): L/p each when even; a stage whose count is not given shares the rest evenly
+        with the middle ones. Only meaningful once `_across` has checked it."""
+        par, L = self.parallel, self.model.num_layers
+        p = par.pp
+        if not self.uneven:
+            return (L // p,) * 3
+        first, last = par.first_stage_layers, par.last_stage_layers
+        rest, left = L - (first or 0) - (last or 0), p - (first is not None) - (last is not None)
+        even = rest // left if left > 0 else 0
+        first = first if first is not None else even
+        last = last if last is not None else even
+        return first, (L - first - last) // (p - 2) if p > 2 else 0, last
+
+    def stage_layers(self, stage: int) -> int:
+        """Transformer layers on pipeline stage `stage`."""
+        first, middle, last = self.split
+        return first if stage == 0 else last if stage == self.parallel.pp - 1 else middle
+
+    @property
     def layers_per_chunk(self) -> int:
-        """Layers in one model chunk: L / (p m)."""
-        return self.model.num_layers // (self.parallel.pp * self.parallel.vpp)
+        """Layers in one model chunk: L / (p m); with uneven stages the largest chunk (a stage's layers / m)."""
+        if not self.uneven:
+            return self.model.num_layers // (self.parallel.pp * self.parallel.vpp)
+        return max(n for n in self.split if n) // self.parallel.vpp
 
     @property
     def global_batch(self) -> int:
@@ -626,7 +664,29 @@ class Config(_Spec):
                     ep=par.ep, etp=par.expert_tp, zero=par.zero, zero_shard=par.shard,
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
                     num_microbatches=self.num_microbatches, global_batch=self.global_batch,
-                    global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus)
+                    global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus,
+                    first_stage_layers=self.split[0], last_stage_layers=self.split[2])
+
+    def _check_split(self) -> None:
+        """Megatron-LM's rules for uneven stages (megatron/core/transformer/transformer_config.py, the
+        "Uneven PP" checks of TransformerConfig.__post_init__): the layers left for the middle stages
+        split evenly over them (none left when there are none), and with interleaving every stage's layers
+        divide by m."""
+        par, L = self.parallel, self.model.num_layers
+        given = (par.first_stage_layers or 0) + (par.last_stage_layers or 0)
+        left = par.pp - (par.first_stage_layers is not None) - (par.last_stage_layers is not None)
+        rest = L - given
+        if rest < 0 or bool(rest) != bool(left):
+            raise ValueError(f"first / last stage layers ({par.first_stage_layers}, {par.last_stage_layers}) leave "
+                             f"{rest} of L={L} layers for the {left} other stage(s) of p={par.pp}: each stage needs "
+                             "layers, and every layer a stage")
+        if left and rest % left:
+            raise ValueError(f"the {rest} layers left by the first / last stage layers do not split evenly over the "
+                             f"{left} other stage(s) of p={par.pp}")
+        for name, n in zip(("first", "middle", "last"), self.split):
+            if n and n % par.vpp:
+                raise ValueError(f"the {n} layers of the {name} stage(s) are not divisible by m={par.vpp} "
+                                 "interleaved chunks")
 
     @model_validator(mode="after")
     def _across(self) -> "Config":
@@ -636,12 +696,16 @@ class Config(_Spec):
             raise ValueError(f"tensor-parallel size t={t} does not divide the attention heads a={a}")
         if g % t:
             raise ValueError(f"tensor-parallel size t={t} does not divide the key/value heads {g}")
-        if L % (par.pp * par.vpp):
+        if self.uneven:
+            self._check_split()
+        elif L % (par.pp * par.vpp):
             raise ValueError(
                 f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
-            )
-        if m.moe_first_dense_layers > self.layers_per_chunk:
-            raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {self.layers_per_chunk} "
+                + (" (an uneven split, --first-stage-layers / --last-stage-layers, may fit them)"
+                   if par.vpp == 1 else ""))
+        first_chunk = self.split[0] // par.vpp
+        if m.moe_first_dense_layers > first_chunk:
+            raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {first_chunk} "
                              f"layers of the first model chunk (L/(p m)): memplan places the dense layers on the first "
                              "pipeline stage")
         if tr.mst != 1 and (tr.recompute != Recompute.FULL or tr.recompute_num_layers not in (None, L)):

@@ -104,8 +104,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     last_terms = [t for t in inventory.terms if t.scope == "last"]
     chunk_terms = [t for t in inventory.terms if t.scope == "chunk"]
     rec = plan.recompute
-    n = model.num_layers // (plan.p * plan.m)
-    N = plan.recomputed_layers * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
+    n, recomputed = plan.chunk_layers(model, stage)  # this stage's chunks (uneven stages: memplan/pipeline.py)
+    N = recomputed * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
     is_first, is_last = stage == 0, stage == plan.p - 1
 
     is_full, is_sel, is_none = (rec == Recompute.FULL), (rec == Recompute.SELECTIVE), (rec == Recompute.NONE)
