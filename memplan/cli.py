@@ -402,6 +402,10 @@ class _SearchCommand(click.Command):
 @click.option("--all-variants", is_flag=True,
               help="List every plan that fits: no folding of ZeRO and recompute variants into rows.")
 @click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
+@click.option("--uneven-stages", is_flag=True,
+              help="Also search uneven pipeline stages: one or two layers fewer on the first and / or the last stage, "
+                   "the middle stages splitting the rest (p need not divide L); --first-stage-layers / "
+                   "--last-stage-layers pin a split.")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
 @click.option("--emit", type=click.Choice(["megatron"]),
               help="Also print the best plan as Megatron-LM arguments and the environment they need (with --json: "
@@ -451,7 +455,8 @@ def search(**opts: Any) -> None:
         opts["recompute_num_layers"] = one.model.num_layers
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
-             zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts)),
+             zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts), first_stage_layers=opts.get("first_stage_layers"),
+             last_stage_layers=opts.get("last_stage_layers"), uneven=opts.get("uneven_stages")),
         dict(micro_batch=opts.get("micro_batch"), recompute=opts.get("recompute"),
              recompute_num_layers=opts.get("recompute_num_layers")),
     )

@@ -202,6 +202,11 @@ def _minimum(x: Any, y: Any) -> Any:
     return x - (x - y) * (x > y)
 
 
+def _select(mask: Any, a: Any, b: Any) -> Any:
+    """a where mask, else b, each value exactly as it is (scalars or arrays)."""
+    return np.where(mask, a, b) if _is_array(mask, a, b) else (a if mask else b)
+
+
 def memory_bound_efficiency(gpu: GpuSpec) -> float:
     return gpu.memory_bound_efficiency
 
@@ -832,8 +837,13 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
     b, M, p, m, d, first = pf.b, pf.M, pf.p, pf.m, pf.d, pf.first
-    uneven = plan.first_layers is not None  # uneven pipeline stages (memplan/pipeline.py stage_layers)
-    layers = model.num_layers / p if not uneven else _f(plan.last_layers)  # the last stage's layers
+    # uneven pipeline stages (memplan/pipeline.py stage_layers): `split` marks the plans whose split is uneven (the
+    # others keep the even split's numbers exactly)
+    uneven = plan.first_layers is not None
+    split = uneven and (plan.first_layers * plan.p != model.num_layers) | (plan.last_layers * plan.p != model.num_layers)
+    layers = model.num_layers / p  # the last stage's layers
+    if uneven:
+        layers = _select(split, _f(plan.last_layers), layers)
     bm = b * M  # sequences per step through this stage
 
     # Per sequence on the bottleneck stage: L/p layers, the LM head and (p = 1) the embedding.
@@ -896,8 +906,8 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         t_first, t_middle = stage_time(first_n), stage_time(middle_n)
         slowest = _maximum(_maximum(per_sequence, t_first), t_middle * _f(p > 2))
         total = per_sequence + t_first + (p - 2.0) * t_middle
-        ideal = bm * slowest
-        bubble = (b / m) * (total - slowest)
+        ideal = _select(split, bm * slowest, ideal)
+        bubble = _select(split, (b / m) * (total - slowest), bubble)
 
     # Pipeline point-to-point: every (micro-batch, chunk) receives its activation in the forward
     # and its gradient in the backward. Each TP rank sends 1/t of the A*sbh tensor to its peer of
@@ -935,7 +945,9 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     param_gather = (pf.sharded - pf.zero3) * weights_gather
     forward_window = (b * layers) * forward * inv_cp
     backward_window = b * per_sequence - forward_window  # the rest of the last micro-batch
-    inv_layers = p * (1.0 / model.num_layers) if not uneven else 1.0 / layers  # one bucket per layer
+    inv_layers = p * (1.0 / model.num_layers)  # one bucket per layer
+    if uneven:
+        inv_layers = _select(split, 1.0 / layers, inv_layers)
     # ZeRO-3 (Rajbhandari et al. 2020): every micro-batch gathers the stage's weights in its
     # forward and again in its backward, one layer ahead (DeepSpeed prefetch), so each pass
     # exposes what its compute cannot hide, and at least one layer's gather.

@@ -55,7 +55,7 @@ def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: A
         raise ValueError("stage_layers: give both the first and the last stage's layers, or neither")
     is_first, is_last = 1 * (stage == 0), 1 * (stage == p - 1)
     gaps = p - 2
-    middle = (num_layers - first - last) // (gaps + (gaps < 1))  # no middle stage when p <= 2
+    middle = (num_layers - first - last) // (gaps + (1 - gaps) * (gaps < 1))  # no middle stage when p <= 2
     return is_first * first + (1 - is_first) * (is_last * last + (1 - is_last) * middle)
 
 

@@ -100,6 +100,9 @@ class Fixed:
     ep: Optional[int] = None
     etp: Optional[int] = None
     cp_comm_type: str = "p2p"  # not searched: how every plan's context-parallel attention communicates
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    uneven: bool = False  # also search uneven stages: one or two layers fewer on the first / last stage (_splits)
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -107,7 +110,37 @@ def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int
 
 
 # --- the space as rows x ZeRO columns ----------------------------------------------------------
-ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k", "cp", "ep", "etp")
+ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k", "cp", "ep", "etp", "lf", "ll")
+
+
+def _splits(L: int, p: int, fixed: Fixed) -> list[tuple[int, int]]:
+    """The layer splits searched for p stages, as (first stage's layers, last stage's layers), the middle stages
+    splitting the rest evenly (memplan/pipeline.py stage_layers): the even split when p divides L; with
+    `fixed.uneven` also those with one or two layers fewer on the first and / or the last stage (the first holds
+    the most micro-batches in flight, the last the LM head: Llama 3, arXiv 2407.21783 section 3.3.2), with p = 2
+    the first or the last one or two layers short; the pinned split only, when pinned (Config's rules)."""
+    if p == 1:
+        return [(L, L)] if fixed.first_stage_layers is None and fixed.last_stage_layers is None else []
+    if fixed.first_stage_layers is not None or fixed.last_stage_layers is not None:
+        f, l = fixed.first_stage_layers, fixed.last_stage_layers
+        left = p - (f is not None) - (l is not None)
+        rest = L - (f or 0) - (l or 0)
+        if rest < 0 or bool(rest) != bool(left) or (left and rest % left):
+            return []
+        even = rest // left if left else 0
+        return [(f if f is not None else even, l if l is not None else even)]
+    out = [(L // p, L // p)] if L % p == 0 else []
+    if fixed.uneven:
+        if p == 2:
+            out += [(f, L - f) for f in range(max(1, (L - 2 + 1) // 2), (L + 2) // 2 + 1)
+                    if f != L - f and 1 <= L - f and abs(2 * f - L) <= 2]
+        else:
+            for df in (0, 1, 2):
+                for dl in (0, 1, 2):
+                    if (df or dl) and (L + df + dl) % p == 0 and (L + df + dl) // p - max(df, dl) >= 1:
+                        mid = (L + df + dl) // p
+                        out.append((mid - df, mid - dl))
+    return list(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
@@ -132,9 +165,10 @@ class PlanSpace:
     group_r: np.ndarray  # per group: recompute variants
     k1_row: np.ndarray  # per row: the row of full recompute of 1 layer in its (group, SP) set, -1 if none
     derivable: np.ndarray  # per row: full recompute of 3 <= k <= n - 1 layers in a set with k = 1 .. n
-    chunk_layers: np.ndarray  # per row: n = L/(pm), layers per model chunk
+    chunk_layers: np.ndarray  # per row: n = L/(pm), layers per model chunk (uneven stages: the largest chunk)
     count: int  # plans
     cp_comm: str = "p2p"  # context-parallel attention's communication (not searched)
+    uneven: bool = False  # some row splits the layers unevenly over the stages (rows lf, ll)
 
     @property
     def row_count(self) -> int:
@@ -155,7 +189,7 @@ class PlanSpace:
         zero = self.zero_table[self.dix[rows], :width]
         shard = self.shard_table[self.dix[rows], :width]
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=zero, shard=shard, b=r["b"],
-                          recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r))
+                          recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r), **self._split(r))
 
     def _cp_ep(self, r: dict[str, np.ndarray]) -> dict[str, Any]:
         return dict(cp=r["cp"], ep=r["ep"], etp=r["etp"], cp_comm=self.cp_comm)
@@ -164,7 +198,13 @@ class PlanSpace:
         """The rows as 1-D plans (ZeRO stage 0 over d: for what depends on t, p and d only)."""
         r = {name: self.rows[name][rows] for name in ROW_FIELDS}
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=0 * r["d"], shard=r["d"],
-                          b=r["b"], recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r))
+                          b=r["b"], recompute=r["rec"], recomputed_layers=r["k"], microbatches=r["M"], **self._cp_ep(r),
+                          **self._split(r))
+
+    def _split(self, r: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The rows' first / last stage layers when the space has uneven splits; None (the even split, evaluated as
+        before) when it has none."""
+        return dict(first_layers=r["lf"], last_layers=r["ll"]) if self.uneven else {}
 
     def locate(self, index: Any) -> tuple[np.ndarray, np.ndarray]:
         """(row, column) of plan numbers."""
@@ -184,7 +224,7 @@ class PlanSpace:
         d = self.dix[row]
         return PlanValues(t=r["t"], p=r["p"], d=r["d"], m=r["m"], sp=r["sp"], zero=self.zero_table[d, col],
                           shard=self.shard_table[d, col], b=r["b"], recompute=r["rec"], recomputed_layers=r["k"],
-                          microbatches=r["M"], **self._cp_ep(r))
+                          microbatches=r["M"], **self._cp_ep(r), **self._split(r))
 
     def flat(self) -> PlanValues:
         """Every plan as 1-D arrays, in plan-number order."""
@@ -222,6 +262,9 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     zero_lists: dict[int, list[tuple[int, int]]] = {}
     rec_lists: dict[int, list[tuple[int, int]]] = {}
     for t, cp, ep, etp, p in _model_parallel(model, gpus, fixed, max_tp, hf):
+            splits = _splits(L, p, fixed)
+            if not splits:
+                continue
             d = gpus // (t * p * cp)
             if (fixed.dp is not None and d != fixed.dp) or global_batch % d or (t * cp * d) % (ep * etp):
                 continue
@@ -235,23 +278,28 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
                                  if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
             if not (sps and zero_lists[d]):
                 continue
-            for b in _pick(_divisors(global_batch // d), fixed.micro_batch):
-                M = global_batch // (d * b)
-                for m in _pick(_divisors(L // p) if p > 1 else (1,), fixed.vpp):
-                    if m > 1 and M % p:
-                        continue
-                    n = L // (p * m)
-                    if n not in rec_lists:
-                        rec_lists[n] = _recompute_variants(n, hf, fixed)
-                    if rec_lists[n]:
-                        groups.append((t, p, d, b, M, m, n, sps[0], len(sps), cp, ep, etp))
+            for lf, ll in splits:
+                stage_counts = [x for x in (lf, ll, (L - lf - ll) // (p - 2) if p > 2 else 0) if x]
+                chunk_counts = functools.reduce(math.gcd, stage_counts)
+                for b in _pick(_divisors(global_batch // d), fixed.micro_batch):
+                    M = global_batch // (d * b)
+                    for m in _pick(_divisors(chunk_counts) if p > 1 else (1,), fixed.vpp):
+                        if m > 1 and M % p:
+                            continue
+                        n = max(stage_counts) // m
+                        if n not in rec_lists:
+                            rec_lists[n] = _recompute_variants(n, hf, fixed)
+                        if rec_lists[n]:
+                            groups.append((t, p, d, b, M, m, n, sps[0], len(sps), cp, ep, etp, lf, ll))
     if not groups:
         raise MemplanError(
             f"no plan of {model.name} divides {gpus} GPUs with global batch {global_batch}"
             + (" and the pinned dimensions" if any(v is not None for v in fixed.__dict__.values()) else "")
-            + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}; d = GPUs/(t p cp) must divide the batch)"
+            + f" (t must divide a={a}, at most {max_tp}; p must divide L={L}"
+            + (" or split it unevenly" if fixed.uneven else "") + "; d = GPUs/(t p cp) must divide the batch)"
         )
-    gt, gp, gd, gb, gM, gm, gn, gsp0, gS, gcp, gep, getp = (np.array(col, dtype=np.int64) for col in zip(*groups))
+    gt, gp, gd, gb, gM, gm, gn, gsp0, gS, gcp, gep, getp, glf, gll = (np.array(col, dtype=np.int64) for col in zip(*groups))
+    gsplit = (glf * gp != L) | (gll * gp != L)  # an uneven split (even: L/p on every stage)
 
     # ZeRO variants of each d that has plans, padded with the first variant
     ds = list(dict.fromkeys(gd.tolist()))
@@ -279,8 +327,10 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     groff = np.array([rec_offset[n] for n in gn.tolist()], dtype=np.int64)
     gfull = np.array([full_first[n] for n in gn.tolist()], dtype=np.int64)
 
+    # a block: rows of one (t, p, cp, ep, etp, split), whose states are the same (the separable moments' and limits' unit)
     gblock = np.concatenate(([0], np.cumsum((gt[1:] != gt[:-1]) | (gp[1:] != gp[:-1]) | (gcp[1:] != gcp[:-1])
-                                            | (gep[1:] != gep[:-1]) | (getp[1:] != getp[:-1])))).astype(np.int64)
+                                            | (gep[1:] != gep[:-1]) | (getp[1:] != getp[:-1]) | (glf[1:] != glf[:-1])
+                                            | (gll[1:] != gll[:-1])))).astype(np.int64)
     per_group_rows = gS * gR
     group_row = np.concatenate(([0], np.cumsum(per_group_rows)[:-1])).astype(np.int64)
     per_group_plans = per_group_rows * gZ
@@ -296,17 +346,17 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     k = rec_ks[groff[gi] + r_i]
     n_row = gn[gi]
     # rows of full recompute whose value follows from the rows of k = 1 and 2 (module docstring)
-    in_set = gfull[gi] >= 0
+    in_set = (gfull[gi] >= 0) & ~gsplit[gi]  # uneven stages' chunks differ: their k are evaluated directly
     k1_row = np.where(in_set, np.arange(nrows, dtype=np.int64) - r_i + gfull[gi], -1)
     derivable = in_set & (rec == Recompute.FULL) & (k >= 3) & (k <= n_row - 1)
     rows = dict(t=gt[gi], p=gp[gi], d=gd[gi], m=gm[gi], b=gb[gi], M=gM[gi], sp=gsp0[gi] + sp_i, rec=rec, k=k,
-                cp=gcp[gi], ep=gep[gi], etp=getp[gi])
+                cp=gcp[gi], ep=gep[gi], etp=getp[gi], lf=glf[gi], ll=gll[gi])
     return PlanSpace(
         rows=rows, dix=gdix[gi], zero_table=zero_table, shard_table=shard_table, zcount=zcount,
         base=group_offset[gi] + sp_i * gZ[gi] * R + r_i, stride=R, block=gblock[gi],
         block_row=group_row[np.searchsorted(gblock, np.arange(gblock[-1] + 1))], group_offset=group_offset,
         group_row=group_row, group_z=gZ, group_r=gR, k1_row=k1_row, derivable=derivable,
-        chunk_layers=n_row, count=int(per_group_plans.sum()), cp_comm=fixed.cp_comm_type,
+        chunk_layers=n_row, count=int(per_group_plans.sum()), cp_comm=fixed.cp_comm_type, uneven=bool(gsplit.any()),
     )
 
 
@@ -320,8 +370,11 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
     """(t, cp, ep, etp, p) of every plan whose t p cp divides the GPU count: t dividing a and g (at most max_tp);
     cp a power of 2 up to MAX_CP with 2 cp | s, flash attention only and s >= CP_MIN_SEQ (memplan/parallel.py);
     for an MoE model ep dividing E and etp in {1, t} dividing f_e (memplan/parallel.py; ep etp | t cp d is checked
-    with d); p dividing L. transformers (hf-*): t = p = cp = ep = 1."""
+    with d); p dividing L (any p with uneven splits: _splits). transformers (hf-*): t = p = cp = ep = 1."""
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
+    # p dividing L, or any p when uneven splits are searched or pinned (_splits then decides)
+    pipelines = (range(1, L + 1) if fixed.uneven or fixed.first_stage_layers is not None
+                 or fixed.last_stage_layers is not None else _divisors(L))
     for t in _pick([t for t in _divisors(a) if g % t == 0 and t <= max_tp and (t == 1 or not hf)], fixed.tp):
         cps = [1]
         if not hf and model.attention == "flash" and (s >= CP_MIN_SEQ or fixed.cp is not None):
@@ -334,7 +387,7 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
             for ep in _pick(eps, fixed.ep):
                 etps = sorted({1, t}) if model.is_moe and not hf else [t]
                 for etp in _pick([e for e in etps if model.fe % e == 0], fixed.etp):
-                    for p in _pick([p for p in _divisors(L) if p == 1 or not hf], fixed.pp):
+                    for p in _pick([p for p in pipelines if p == 1 or not hf], fixed.pp):
                         if gpus % (t * p * cp) == 0:
                             yield t, cp, ep, etp, p
 
@@ -379,18 +432,20 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     `estimate` uses: the step peak at the timeline's critical moments (memplan/timeline.py; a test
     checks them against the walk over every layer) and what the device adds.
 
-    Only the first and the last stage can be the most loaded: every middle stage holds no more
-    activations than the first (fewer micro-batches in flight) and the same layers' states
-    without the embedding; a test checks this against `estimate`'s all-stage maximum.
+    Only the first and the last stage can be the most loaded when the layers are split evenly: every
+    middle stage holds no more activations than the first (fewer micro-batches in flight) and the same
+    layers' states without the embedding; with uneven stages the second stage too (the most loaded middle
+    stage: the most micro-batches in flight of those with the middle stages' layers). A test checks this
+    against `estimate`'s all-stage maximum.
     """
     inventory = training_inventory(model, impl, "cuda", training)
     peaks, retained = [], []
-    for stage in (0, plans.p - 1):
+    for stage in candidate_stages(plans):
         mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
                            layout=inventory.weight_layout)
         peaks.append(step_events(model, inventory, training, plans, mem, stage, critical=True).peak_bytes)
         retained.append(mem.total)
-    peak = np.maximum(*peaks)
+    peak = functools.reduce(np.maximum, peaks)
     device = device_memory(peak, plans, inventory, gpu, margin).total
     host = host_per_node(model, training, inventory, gpu, plans, device)
     step = mfu = tps = None
@@ -399,7 +454,17 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
 
         perf = step_time(model, training, gpu, plans, global_batch, breakdown=False, impl=impl)
         step, mfu, tps = perf.step_time_s, perf.mfu, perf.tokens_per_s
-    return Evaluated(plans, device, peak, peaks[0], peaks[1], np.maximum(*retained), step, mfu, tps, host)
+    return Evaluated(plans, device, peak, peaks[0], peaks[1], functools.reduce(np.maximum, retained), step, mfu, tps,
+                     host)
+
+
+def candidate_stages(plans: PlanValues) -> tuple[Any, ...]:
+    """The stages that can be the most loaded (`evaluate`): the first and the last, and with uneven stages the
+    second (the most loaded middle one; the last when p = 2, the first when p = 1)."""
+    last = plans.p - 1
+    if plans.first_layers is None:
+        return (0 * last, last)
+    return (0 * last, last, last - (last > 1) * (last - 1))
 
 
 def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory, gpu: Optional[GpuSpec],
@@ -410,7 +475,7 @@ def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory
     if not offloads(training):
         return np.zeros(np.shape(like), dtype=np.int64)
     most: Any = 0
-    for stage in (0, plans.p - 1):
+    for stage in candidate_stages(plans):
         mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,
                            layout=inventory.weight_layout)
         h = host_bytes(model, inventory.terms, training, plans, mem, inventory.weight_layout).total
@@ -558,7 +623,7 @@ def _part_memory(part: _Part, space: PlanSpace, model: ModelSpec, training: Trai
         part.retained_lines.append(lines[-1])
         part.peaks.append(_Values.peak(events))
         part.retained.append(retained.full())
-    if single:
+    if single:  # the one stage is the first and the last
         part.peaks, part.retained = part.peaks * 2, part.retained * 2
         part.moments, part.retained_lines = part.moments * 2, part.retained_lines * 2
     return holds
@@ -617,11 +682,12 @@ class _Values:
 
 def _stages(plans: PlanValues, single: bool) -> tuple[Any, int]:
     """The stages evaluated, as one argument: the first (= the last when every row has p = 1), or
-    the first and the last stacked on a leading axis, so that one call evaluates both."""
+    the first and the last (and with uneven stages the second: `candidate_stages`) stacked on a leading
+    axis, so that one call evaluates them all."""
     if single:
         return 0, 1
-    last = plans.p - 1
-    return np.stack((0 * last, last)), 2
+    stages = candidate_stages(plans)
+    return np.stack(np.broadcast_arrays(*stages)), len(stages)
 
 
 def _by_stage(value: Any, count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -760,11 +826,12 @@ def _part_limits(part: _Part, space: PlanSpace, limits: tuple[np.ndarray, np.nda
     own, the interval of its derived rows for a line."""
     block = space.block[part.direct]
     lowest, highest = limits[0][block], limits[1][block]
-    peak = np.maximum(*part.peaks)
+    peak = functools.reduce(np.maximum, part.peaks)
     fits = (peak <= highest[:, None]) & (peak >= lowest[:, None])
     lo = np.zeros(peak.shape, dtype=np.int64)
     hi = np.where(fits, np.iinfo(np.int64).max, -1)
-    lines = part.moments[0] + (part.moments[1] if part.moments[1] is not part.moments[0] else [])
+    lines = [line for i, moments in enumerate(part.moments) if all(moments is not m for m in part.moments[:i])
+             for line in moments]
     if len(part.lines):
         lo[part.lines], hi[part.lines] = _delta_range(lines, highest[part.lines][:, None])
     part.limits = (lo, hi)
@@ -785,25 +852,27 @@ def _fit_mask(part: _Part, at: Any, valid: np.ndarray) -> np.ndarray:
     return fits
 
 
-def _expand(part: _Part, at: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Step peak of the first and of the last stage, and the retained bytes, of the part's rows `at`."""
+def _expand(part: _Part, at: Any) -> tuple[list[np.ndarray], np.ndarray]:
+    """Step peak of each stage evaluated (the first, the last[, the second]: `_stages`), and the retained bytes,
+    of the part's rows `at`."""
     src = part.src[at]
-    first, last = (p[src] for p in part.peaks)
-    retained = np.maximum(*(r[src] for r in part.retained))
+    peaks = [p[src] for p in part.peaks]
+    retained = functools.reduce(np.maximum, (r[src] for r in part.retained))
     which = np.flatnonzero(part.derived[at])
     if len(which):
         line = part.line_of[src[which]]
         delta = part.delta[at][which][:, None]
-        first, last = first.copy(), last.copy()
-        for out, moments in zip((first, last), part.moments):
+        peaks = [p.copy() for p in peaks]
+        for out, moments in zip(peaks, part.moments):
             peak = None
             for value, slope in moments:
                 x = value[line] + slope[line] * delta
                 peak = x if peak is None else np.maximum(peak, x)
             out[which] = peak
         retained = retained.copy()
-        retained[which] = np.maximum(*(value[line] + slope[line] * delta for value, slope in part.retained_lines))
-    return first, last, retained
+        retained[which] = functools.reduce(np.maximum, (value[line] + slope[line] * delta
+                                                         for value, slope in part.retained_lines))
+    return peaks, retained
 
 
 def _row_slices(part: _Part, chunk: int) -> Iterator[slice]:
@@ -817,14 +886,19 @@ def _row_slices(part: _Part, chunk: int) -> Iterator[slice]:
 def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:
     """One candidate as a Config, for `estimate`, reports and launch flags."""
     x = plans.take(i)
-    n = int(model.num_layers // (x.p * x.m))
+    L, p = model.num_layers, int(x.p)
+    uneven = x.first_layers is not None and (int(x.first_layers) * p != L or int(x.last_layers) * p != L)
+    stages = (int(x.first_layers), int(x.last_layers), (L - int(x.first_layers) - int(x.last_layers)) // max(p - 2, 1)
+              ) if uneven else (L // p,)
+    n = max(stages) // int(x.m)
     rec = Recompute(int(x.recompute))
+    split = dict(first_stage_layers=int(x.first_layers), last_stage_layers=int(x.last_layers)) if uneven else {}
     return Config(
         model=model,
         parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero),
                               zero_shard=int(x.shard) if x.shard < x.d else None, cp=int(x.cp),
                               cp_comm_type=x.cp_comm, ep=int(x.ep),
-                              etp=int(x.expert_tp) if model.is_moe and int(x.expert_tp) != int(x.t) else None),
+                              etp=int(x.expert_tp) if model.is_moe and int(x.expert_tp) != int(x.t) else None, **split),
         training=training.model_copy(update=dict(
             micro_batch=int(x.b), global_batch=global_batch, recompute=rec,
             recompute_num_layers=(int(x.recomputed_layers) if rec == Recompute.FULL and x.recomputed_layers < n else None),
@@ -941,8 +1015,8 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
                 key = step_time(model, training, gpu, plans, global_batch, breakdown=False, impl=impl).step_time_s
                 times.append((numbers, key))
             else:
-                first, last, _ = _expand(part, sel)
-                key = device_memory(np.maximum(first, last), plans, inventory, gpu, margin).total
+                peaks, _ = _expand(part, sel)
+                key = device_memory(functools.reduce(np.maximum, peaks), plans, inventory, gpu, margin).total
             feasible += int(np.count_nonzero(fits))
             best.offer(key, numbers, fits)
             miss.offer(key, numbers, valid & ~fits)
@@ -1024,8 +1098,8 @@ class _Found:
     impl: str
 
     def memory(self, part: _Part, at: Any, plans: PlanValues) -> dict[str, np.ndarray]:
-        first, last, retained = _expand(part, at)
-        peak = np.maximum(first, last)
+        peaks, retained = _expand(part, at)
+        first, last, peak = peaks[0], peaks[1], functools.reduce(np.maximum, peaks)
         device = device_memory(peak, plans, self.inventory, self.gpu, self.margin).total
         host = host_per_node(self.model, self.training, self.inventory, self.gpu, plans, device)
         return dict(zip(MEMORY_FIELDS, (device, peak, first, last, retained, host)))
@@ -1254,6 +1328,8 @@ def fixed_from(parallel: dict[str, Any], training: dict[str, Any]) -> Fixed:
         micro_batch=training.get("micro_batch"),
         recompute=Recompute.parse(rec) if rec is not None else None,
         recompute_num_layers=training.get("recompute_num_layers"),
+        first_stage_layers=parallel.get("first_stage_layers"), last_stage_layers=parallel.get("last_stage_layers"),
+        uneven=bool(parallel.get("uneven")),
     )
 
 
@@ -1404,7 +1480,8 @@ def _variant_keys(result: SearchResult, idx: np.ndarray) -> tuple[np.ndarray, np
         g = np.searchsorted(space.group_offset, idx, side="right") - 1
         return row, idx - (idx - space.group_offset[g]) % space.group_r[g]
     x = result.evaluated.plans.take(idx)
-    shape = [np.asarray(v) for v in (x.t, x.p, x.d, x.m, x.b, x.sp, x.cp, x.ep, x.expert_tp)]
+    shape = [np.asarray(v) for v in (x.t, x.p, x.d, x.m, x.b, x.sp, x.cp, x.ep, x.expert_tp, x.first_layers,
+                                     x.last_layers) if v is not None]
     return (_group_ids(shape + [np.asarray(x.recompute), np.asarray(x.recomputed_layers)]),
             _group_ids(shape + [np.asarray(x.zero), np.asarray(x.shard)]))
 

@@ -652,18 +652,20 @@ def _plan_fields(text: str) -> dict[str, str]:
     return dict(item.partition("=")[::2] for item in text.split())
 
 
-def plan_text(row: dict[str, Any], num_layers: Optional[int] = None) -> str:
+def plan_text(row: dict[str, Any], num_layers: Optional[int] = None, layers: Optional[int] = None) -> str:
     """'t=8 p=35 d=8 b=1 m=3 SP selective ZeRO-1' style summary of a search row; given the model's
     `num_layers`, the compact layout's 't8 p35 d8 b1 m3 SP sel Z1' (compact_plan)."""
     rec = row["recompute"]
     if num_layers is not None:
-        rec_cell = _rec_cell(row, num_layers // (row["pp"] * row["vpp"]), short=True)
-        return compact_plan({**{k: row[k] for k in ("tp", "pp", "dp", "micro_batch", "vpp", "sp")},
+        rec_cell = _rec_cell(row, _row_chunk(row, num_layers), short=True)
+        return compact_plan({"tp": row["tp"], "pp": _p_cell(row, num_layers).replace(" ", ""),
+                             **{k: row[k] for k in ("dp", "micro_batch", "vpp", "sp")},
                              "recompute": rec_cell, "zero": _zero_cell(row)})
     rec_text = {"none": "no-recompute", "selective": "selective"}.get(rec, f"full x{row['recompute_num_layers']}")
     sp = " SP" if row["sp"] else ""
     cp_ep = "".join(f" {k}={row[k]}" for k in ("cp", "ep") if row.get(k, 1) > 1)
-    return (f"t={row['tp']} p={row['pp']} d={row['dp']}{cp_ep} b={row['micro_batch']} m={row['vpp']}{sp} "
+    pp = row["pp"] if layers is None else _p_cell(row, layers).replace(" ", "")  # layers: L, to show a split
+    return (f"t={row['tp']} p={pp} d={row['dp']}{cp_ep} b={row['micro_batch']} m={row['vpp']}{sp} "
             f"{rec_text} ZeRO-{_zero_cell(row)}")
 
 
@@ -671,6 +673,25 @@ def _zero_cell(row: dict[str, Any]) -> str:
     """'2' when sharded over all d ranks, '2/8' when over a group of 8 (HSDP)."""
     z = row["zero"]
     return f"{z}/{row['zero_shard']}" if z and row["zero_shard"] < row["dp"] else str(z)
+
+
+def _row_chunk(row: dict[str, Any], num_layers: int) -> int:
+    """Layers of a search row's largest model chunk (L/(p m), or with uneven stages the largest stage's / m)."""
+    first, last, p = row.get("first_stage_layers"), row.get("last_stage_layers"), row["pp"]
+    if first is None or first * p == num_layers == last * p:
+        return num_layers // (p * row["vpp"])
+    middle = (num_layers - first - last) // (p - 2) if p > 2 else 0
+    return max(first, middle, last) // row["vpp"]
+
+
+def _p_cell(row: dict[str, Any], num_layers: int) -> str:
+    """p, and with uneven stages the layers of the first / each middle / the last stage: '16 (7/8/7)'."""
+    first, last, p = row.get("first_stage_layers"), row.get("last_stage_layers"), row["pp"]
+    if first is None or first * p == num_layers == last * p:
+        return str(p)
+    if p == 2:
+        return f"2 ({first}/{last})"
+    return f"{p} ({first}/{(num_layers - first - last) // (p - 2)}/{last})"
 
 
 def _rec_cell(row: dict[str, Any], layers_per_chunk: int, short: bool = False) -> str:
@@ -780,9 +801,9 @@ def render_search(result: SearchResult, console: Console) -> None:
                            title=_listing_heading(result, has_time))
         for rank, x in enumerate(listing, 1):
             row = result.row(x.plan)
-            chunk = m.num_layers // (row["pp"] * row["vpp"])
+            chunk = _row_chunk(row, m.num_layers)
             table.add_row(
-                str(rank), str(row["tp"]), str(row["pp"]), str(row["dp"]), *(str(row[c]) for c in extra),
+                str(rank), str(row["tp"]), _p_cell(row, m.num_layers), str(row["dp"]), *(str(row[c]) for c in extra),
                 str(row["micro_batch"]), str(row["vpp"]), "on" if row["sp"] else "off", _rec_cell(row, chunk, narrow), _zero_cell(row),
                 _gb(row["memory"]["device_bytes"]),
                 f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
@@ -794,11 +815,12 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"[red]no plan fits in {_gb(result.budget_bytes)}[/]")
     if result.nearest_miss is not None:
         row = result.row(result.nearest_miss)
-        console.print(f"nearest miss: {plan_text(row)} {_miss(result, row)}")
+        console.print(f"nearest miss: {plan_text(row, layers=m.num_layers)} {_miss(result, row)}")
     if result.fastest_miss is not None and has_time:
         row = result.row(result.fastest_miss)
         console.print(
-            f"did not fit: {result.candidates - result.feasible:,} plans; the fastest of them, {plan_text(row)} "
+            f"did not fit: {result.candidates - result.feasible:,} plans; the fastest of them, "
+            f"{plan_text(row, layers=m.num_layers)} "
             f"({row['step_time_s']:.2f} s), {_miss(result, row)}"
         )
     elif result.candidates > result.feasible:
