@@ -73,7 +73,7 @@ def megatron_launch(config: Config) -> Launch:
         f"--seq-length {m.seq_length}",
         f"--max-position-embeddings {m.seq_length}",
     ]
-    if m.q != m.hidden_size:  # heads not h/a wide (Mistral-Nemo): Megatron-LM's --kv-channels (default h/a)
+    if m.q != m.hidden_size and not m.is_mla:  # heads not h/a wide (Mistral-Nemo): --kv-channels (default h/a)
         args.append(f"--kv-channels {m.head_dim}")
     if m.g != m.num_attention_heads:
         args += ["--group-query-attention", f"--num-query-groups {m.g}"]
@@ -89,13 +89,11 @@ def megatron_launch(config: Config) -> Launch:
         args.append("--disable-bias-linear")
     if not m.dropout:
         args += ["--attention-dropout 0.0", "--hidden-dropout 0.0"]
+    if m.qk_norm:
+        args.append("--qk-layernorm")
+    args += _latent_attention(config) + _experts(config)
     args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
-    args += [
-        f"--tensor-model-parallel-size {par.tp}",
-        f"--pipeline-model-parallel-size {par.pp}",
-    ]
-    if par.vpp > 1:
-        args.append(f"--num-layers-per-virtual-pipeline-stage {config.layers_per_chunk}")
+    args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
     if par.sp:
         args.append("--sequence-parallel")
     # context / expert parallelism (memplan/parallel.py): names as Megatron-LM's ModelParallelConfig fields and
@@ -135,6 +133,51 @@ def megatron_launch(config: Config) -> Launch:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
                      f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")
     return Launch(args, _environment(config, notes), notes)
+
+
+def _pipeline(config: Config) -> list[str]:
+    """Pipeline parallelism: p, interleaving and an uneven split. Megatron-LM (arguments.py validate_args at
+    core_v0.16.1 and main) refuses --num-layers-per-virtual-pipeline-stage with uneven stages and asks for
+    --num-virtual-stages-per-pipeline-rank; --decoder-first/last-pipeline-num-layers become TransformerConfig's
+    num_layers_in_first/last_pipeline_stage (megatron/training/argument_utils.py), which
+    get_num_layers_to_build (megatron/core/transformer/transformer_block.py) splits as memplan does."""
+    par = config.parallel
+    args = [f"--pipeline-model-parallel-size {par.pp}"]
+    if config.uneven:
+        first, _, last = config.split
+        args += [f"--decoder-first-pipeline-num-layers {first}", f"--decoder-last-pipeline-num-layers {last}"]
+        if par.vpp > 1:
+            args.append(f"--num-virtual-stages-per-pipeline-rank {par.vpp}")
+    elif par.vpp > 1:
+        args.append(f"--num-layers-per-virtual-pipeline-stage {config.layers_per_chunk}")
+    return args
+
+
+def _latent_attention(config: Config) -> list[str]:
+    """Multi-head latent attention (MLATransformerConfig in megatron/core/transformer/transformer_config.py: its
+    qk_head_dim is the part of a head without rotary embedding, d_n; qk_pos_emb_head_dim the rotated part, d_r;
+    --q-lora-rank left out: queries projected from h directly)."""
+    m = config.model
+    if not m.is_mla:
+        return []
+    return (["--multi-latent-attention"] + ([f"--q-lora-rank {m.q_lora_rank}"] if m.q_lora_rank else [])
+            + [f"--kv-lora-rank {m.kv_lora_rank}", f"--qk-head-dim {m.qk_nope_head_dim}",
+               f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}", f"--v-head-dim {m.v_head_dim}"])
+
+
+def _experts(config: Config) -> list[str]:
+    """Mixture of experts: the model's experts (the plan's expert parallelism is added beside, by the plan).
+    --moe-layer-freq takes a Python list expression of 0 (dense) and 1 (MoE) per layer (arguments.py
+    moe_freq_type / _eval_pattern), quoted for the shell."""
+    m = config.model
+    if not m.is_moe:
+        return []
+    args = [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_top_k}", f"--moe-ffn-hidden-size {m.fe}"]
+    if m.moe_shared_ffn_hidden_size:
+        args.append(f"--moe-shared-expert-intermediate-size {m.moe_shared_ffn_hidden_size}")
+    if m.moe_first_dense_layers:
+        args.append(f"--moe-layer-freq '[0]*{m.moe_first_dense_layers}+[1]*{m.moe_layers}'")
+    return args
 
 
 def megatron_args(config: Config) -> list[str]:

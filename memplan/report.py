@@ -623,6 +623,7 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
 PLAN_LETTERS = {"tp": "t", "pp": "p", "dp": "d", "micro_batch": "b", "vpp": "m", "zero": "Z", "global_batch": "B"}
 RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 PLAN_LEGEND = ("t, p, d tensor, pipeline, data parallel; b micro-batch; m chunks; Z ZeRO; B global batch; "
+               "p16* uneven stages (first / last stage layers); "
                "m1, Z0, SP off and recompute none left out")
 
 
@@ -632,8 +633,13 @@ def compact_plan(fields: dict[str, Any]) -> str:
     recompute none) left out; 'zero' may be a '2/8' string (HSDP), 'recompute' a '_rec_cell' text
     ('full 2/32'); a field it does not know stays 'key=value'."""
     words = []
+    split = {k: fields[k] for k in ("first_stage_layers", "last_stage_layers") if k in fields}
     for key, value in fields.items():
         text = str(value)
+        if key in split:
+            continue
+        if key == "pp" and split:  # an uneven split (the first and / or the last stage's layers given)
+            text += "*"
         if key == "sp":
             words += ["SP"] if text == "True" else []
         elif (key, text) in (("vpp", "1"), ("zero", "0"), ("recompute", "none")):

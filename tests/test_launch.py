@@ -2,6 +2,7 @@
 the paste-ready --emit-only block, the JSON document and the refused combinations."""
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -72,7 +73,40 @@ MEGATRON_FLAGS = {
     "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
     "--fp8-amax-history-len": int,
     "--fp8-param-gather": None,
+    # Uneven pipeline stages, mixture of experts and multi-head latent attention (memplan/launch.py _pipeline,
+    # _experts, _latent_attention), checked in the parser itself: NVIDIA/Megatron-LM's megatron/training/arguments.py
+    # add_megatron_arguments, built from the sources at core_v0.16.1 (commit 55ac7082517c3878ae653c07c09c534b8aed49f6)
+    # and at main commit d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22), its option strings listed with their
+    # actions and types; the same in both. --decoder-first/last-pipeline-num-layers are _add_distributed_args'
+    # (arguments.py); the others come from TransformerConfig / MLATransformerConfig fields through
+    # ArgumentGroupFactory (megatron/training/argument_utils.py), --num-experts from arguments.py itself (its
+    # TransformerConfig field is num_moe_experts). --moe-layer-freq's type is arguments.py moe_freq_type: an int, or
+    # a Python list expression of 0 / 1 per layer made of digits, brackets, parentheses, '+', '*' and commas.
+    "--decoder-first-pipeline-num-layers": int,
+    "--decoder-last-pipeline-num-layers": int,
+    "--num-virtual-stages-per-pipeline-rank": int,
+    "--qk-layernorm": None,
+    "--multi-latent-attention": None,
+    "--q-lora-rank": int,
+    "--kv-lora-rank": int,
+    "--qk-head-dim": int,
+    "--qk-pos-emb-head-dim": int,
+    "--v-head-dim": int,
+    "--num-experts": int,
+    "--moe-router-topk": int,
+    "--moe-ffn-hidden-size": int,
+    "--moe-shared-expert-intermediate-size": int,
+    "--moe-layer-freq": "moe_freq",
 }
+
+
+def moe_freq(value):
+    """A --moe-layer-freq value as Megatron-LM's moe_freq_type reads it (after the shell's quotes): a list of 0 / 1."""
+    (text,) = shlex.split(value)
+    assert re.fullmatch(r"[,\d\[\]\(\)\+\*]+", text), text  # arguments.py _eval_pattern's character check
+    layers = eval(text)  # only digits and list operators, as Megatron-LM itself evaluates it
+    assert isinstance(layers, list) and set(layers) <= {0, 1}
+    return layers
 
 GPT = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=51200)
 LLAMA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
@@ -80,8 +114,16 @@ LLAMA = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_hea
              tied_embeddings=False, dropout=False, bias=False, attention="flash")
 
 
+MIXTRAL = dict(LLAMA, num_layers=8, num_experts=8, moe_top_k=2, ffn_hidden_size=14336, seq_length=4096,
+               vocab_size=32000)
+DEEPSEEK = dict(LLAMA, num_layers=8, num_attention_heads=16, num_kv_heads=None, hidden_size=2048, num_experts=64,
+                moe_top_k=6, moe_ffn_hidden_size=1408, moe_shared_ffn_hidden_size=2816, moe_first_dense_layers=1,
+                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
 def config(model=GPT, **kw):
-    parallel = {k: kw.pop(k) for k in ("tp", "pp", "dp", "vpp", "sp", "zero", "zero_shard") if k in kw}
+    parallel = {k: kw.pop(k) for k in ("tp", "pp", "dp", "vpp", "sp", "zero", "zero_shard", "first_stage_layers",
+                                       "last_stage_layers") if k in kw}
     model = {**model, **{k: kw.pop(k) for k in ("attention", "head_dim") if k in kw}}
     return Config(model=ModelSpec(**model), parallel=ParallelSpec(**parallel), training=TrainingSpec(**kw))
 
@@ -99,6 +141,12 @@ GRID = [
     config(dict(GPT, hidden_size=2560), head_dim=128, tp=2),  # heads not h/a wide: --kv-channels
     config(dp=8, zero=1, offload_optimizer_fraction=0.5),  # optimizer offload
     config(tp=2, sp=True, offload_activations=True),  # activation offload: layer offloading, p = 1
+    # (the FP8 plans stay last: test_fp8_flags_and_chunked_loss_note takes them by position)
+    config(pp=4, dp=2, first_stage_layers=5, last_stage_layers=5, global_batch=16),  # uneven stages
+    config(pp=4, dp=2, vpp=2, first_stage_layers=4, last_stage_layers=4, global_batch=16),  # uneven + interleaving
+    config(MIXTRAL, tp=2, pp=2, dp=2),  # experts
+    config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
+    config(dict(DEEPSEEK, q_lora_rank=1536), pp=2),  # MLA with a query latent
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
     config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]
@@ -122,6 +170,8 @@ def test_every_flag_is_megatron_lm_s_own(cfg):
         kind = MEGATRON_FLAGS[flag]
         if kind is None:
             assert value is None, f"{flag} is a switch, given {value!r}"
+        elif kind == "moe_freq":
+            moe_freq(value)
         elif isinstance(kind, tuple):
             assert value in kind, f"{flag} {value}: not one of {kind}"
         else:
@@ -292,3 +342,35 @@ def test_bad_combinations(run_cli, extra, fragment):
 def test_emit_only_needs_one_model(run_cli):
     code, out, err = run_cli("search", "--gpus", "8", "--mem", "80GB", "--emit", "megatron", "--emit-only")
     assert_one_line_error(code, err, "--emit-only prints one launch block: give --model")
+
+
+def test_uneven_stages_flags():
+    """Llama 3.1 405B's published layout (7 / 8 x 14 / 7) as Megatron-LM's uneven-stage flags; with interleaving
+    Megatron-LM asks for --num-virtual-stages-per-pipeline-rank instead of layers per virtual stage."""
+    from memplan.presets import load_model, make_config
+
+    got = flags(megatron_args(make_config(load_model("llama3.1-405b"))))
+    assert (got["--pipeline-model-parallel-size"], got["--decoder-first-pipeline-num-layers"],
+            got["--decoder-last-pipeline-num-layers"]) == ("16", "7", "7")
+    assert "--num-layers-per-virtual-pipeline-stage" not in got
+    got = flags(megatron_args(config(pp=4, dp=2, vpp=2, first_stage_layers=4, last_stage_layers=4, global_batch=16)))
+    assert got["--num-virtual-stages-per-pipeline-rank"] == "2" and "--num-layers-per-virtual-pipeline-stage" not in got
+    assert "--decoder-first-pipeline-num-layers" not in flags(megatron_args(config(pp=4, dp=2, global_batch=16)))
+
+
+def test_experts_and_latent_attention_flags():
+    """DeepSeek-V3 (configs/traced/deepseek-v3/config.json): 256 experts of 2048, top 8, one shared expert of 2048,
+    3 dense layers then 58 MoE ones, MLA with r_q 1536, r_kv 512, heads of 128 + 64 (rotated) and values of 128."""
+    from memplan.presets import load_model
+
+    model = load_model("deepseek-v3").model
+    got = flags(megatron_args(Config(model=model, parallel=ParallelSpec(pp=1), training=TrainingSpec())))
+    assert {k: got[k] for k in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                                "--moe-shared-expert-intermediate-size", "--q-lora-rank", "--kv-lora-rank",
+                                "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")} == {
+        "--num-experts": "256", "--moe-router-topk": "8", "--moe-ffn-hidden-size": "2048",
+        "--moe-shared-expert-intermediate-size": "2048", "--q-lora-rank": "1536", "--kv-lora-rank": "512",
+        "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64", "--v-head-dim": "128"}
+    assert moe_freq(got["--moe-layer-freq"]) == [0] * 3 + [1] * 58
+    assert "--multi-latent-attention" in got and "--kv-channels" not in got
+    assert not {"--num-experts", "--multi-latent-attention", "--moe-layer-freq"} & set(flags(megatron_args(config())))
