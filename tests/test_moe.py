@@ -437,3 +437,28 @@ def test_latent_attention_refused_for_megatron(tmp_path):
                                          moe_shared_ffn_hidden_size=0, moe_first_dense_layers=0))
     with pytest.raises(MemplanError, match="no Megatron-LM inventory for multi-head latent attention yet"):
         estimate(make_config(ModelPreset(dense)), impl="megatron")
+
+
+@pytest.mark.parametrize("name, total, active, published", [
+    # Mixtral 8x22B (Mistral AI, "Cheaper, Better, Faster, Stronger", 2024-04-17: 141 B parameters, 39 B active; HF
+    # mistralai/Mixtral-8x22B-v0.1 config.json): h 6144, L 56, 48 heads of 128, 8 K/V heads, 8 experts of f 16384,
+    # top 2, v 32000 untied. Per layer: attention 6144 x (6144 + 2 x 1024) + 6144 x 6144 = 88,080,384; experts
+    # 8 x 3 x 6144 x 16384 = 2,415,919,104; router 8 x 6144 = 49,152; norms 2 x 6144: 2,504,060,928. x 56 =
+    # 140,227,411,968, + embedding and LM head 2 x 32000 x 6144 = 393,216,000, + final norm 6144 = 140,620,634,112.
+    # Active: minus 56 x 6 x 3 x 6144 x 16384 = 101,468,602,368 -> 39,152,031,744.
+    ("mixtral-8x22b", 140_620_634_112, 39_152_031_744, (141, 39)),
+    # Qwen3-235B-A22B (Qwen3 technical report, arXiv 2505.09388, Table 2: 235 B total, 22 B activated; HF
+    # Qwen/Qwen3-235B-A22B config.json): h 4096, L 94, 64 heads of 128, 4 K/V heads, 128 experts of 1536, top 8,
+    # q / k norms, v 151936 untied. Per layer: attention 4096 x (8192 + 2 x 512) + 8192 x 4096 = 71,303,168;
+    # q / k norms 2 x 128; experts 128 x 3 x 4096 x 1536 = 2,415,919,104; router 128 x 4096 = 524,288; norms
+    # 2 x 4096: 2,487,755,008. x 94 = 233,848,970,752, + 2 x 151936 x 4096 = 1,244,659,712, + 4096 =
+    # 235,093,634,560. Active: minus 94 x 120 x 3 x 4096 x 1536 = 212,902,871,040 -> 22,190,763,520.
+    ("qwen3-235b-a22b", 235_093_634_560, 22_190_763_520, (235, 22)),
+])
+def test_large_moe_presets_have_their_published_sizes(name, total, active, published):
+    from memplan.states import active_params
+
+    model = load_model(name).model
+    assert model.is_moe and model.inventory is not None  # traced inventories shipped (--impl hf-*)
+    assert (total_params(model), active_params(model)) == (total, active)
+    assert (round(total / 1e9), round(active / 1e9)) == published
