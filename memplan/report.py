@@ -612,11 +612,19 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
                        title="model presets", short_title="model presets (params in billions)")
     for r in rows:
         table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
-                      str(r["v"]), f"{r['params'] / 1e9:,.1f}" + ("" if narrow else " billion"),
+                      str(r["v"]), _billions(r["params"], narrow),
                       compact_plan(_plan_fields(r["plan"])) if narrow else r["plan"])
     console.print(table)
     if narrow:
         console.print(f"[dim]default plan: {PLAN_LEGEND}[/]")
+
+
+def _billions(params: int, narrow: bool) -> str:
+    """A parameter count in billions: '529.6 billion'; compact, without the unit (in the title) and, from 1,000
+    billion on, without the tenths (the header's width)."""
+    if not narrow:
+        return f"{params / 1e9:,.1f} billion"
+    return f"{params / 1e9:,.1f}" if params < 1e12 else f"{params / 1e9:,.0f}"
 
 
 # The compact layout's plans: K22's letters t, p, d, m, b, Z for the ZeRO stage, B for the global batch

@@ -144,7 +144,7 @@ GRID = [
     # (the FP8 plans stay last: test_fp8_flags_and_chunked_loss_note takes them by position)
     config(pp=4, dp=2, first_stage_layers=5, last_stage_layers=5, global_batch=16),  # uneven stages
     config(pp=4, dp=2, vpp=2, first_stage_layers=4, last_stage_layers=4, global_batch=16),  # uneven + interleaving
-    config(MIXTRAL, tp=2, pp=2, dp=2),  # experts
+    config(MIXTRAL, tp=2, pp=2, dp=2, sp=True),  # experts (MoE with t > 1 needs SP)
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536), pp=2),  # MLA with a query latent
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
