@@ -121,6 +121,19 @@ class ModelSpec(_Spec):
     moe_first_dense_layers: int = Field(
         default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
         "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")
+    # How Megatron-LM routes an MoE layer's tokens at run time (not architecture, but what the layer saves
+    # depends on it: memplan/terms_moe.py); --impl megatron / megatron-local only.
+    moe_imbalance: float = Field(
+        default=1.0, ge=1.0, le=1024.0, description="the busiest GPU's share of the routed tokens relative to the "
+        "average (1.0: perfectly balanced routing); scales the routed-token activations on the peak GPU")
+    moe_capacity_factor: Optional[float] = Field(
+        default=None, gt=0, le=1024.0, description="each expert takes at most C k s b / E tokens, the others are "
+        "dropped (Megatron-LM --moe-expert-capacity-factor; None: no dropping)")
+    moe_pad_to_capacity: bool = Field(
+        default=False, description="pad every expert's input to its capacity (Megatron-LM "
+        "--moe-pad-expert-input-to-capacity; needs moe_capacity_factor)")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type")
     # Multi-head latent attention (DeepSeek-V2 / V3; all None: standard attention). K and V come from a
     # kv_lora_rank-wide latent (kv_a_proj_with_mqa h -> r_kv + d_r, then kv_b_proj r_kv -> a (d_n + d_v)), Q
     # from a q_lora_rank-wide one (q_a_proj, q_b_proj) or directly; each head's query and key are d_n + d_r
@@ -221,8 +234,12 @@ class ModelSpec(_Spec):
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
         MoE layer; its experts have no biases."""
         E, k = self.num_experts, self.moe_top_k
+        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
         if E is None:
-            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size") if getattr(self, name) is not None]
+            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor")
+                     if getattr(self, name) is not None]
+            given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
             given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers") if getattr(self, name)]
             if given:
                 raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")

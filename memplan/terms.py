@@ -456,9 +456,12 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         from memplan.fp8 import check_fp8
 
         check_fp8(fp8, impl)
-    if model.is_moe and impl not in HF_IMPLS:  # issue 11: experts, routing, expert parallelism in Megatron-LM
-        which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
-        raise MemplanError(f"no {which} MoE inventory yet: use --impl hf-sdpa / hf-eager")
+    if model.is_moe and impl == "torch":
+        raise MemplanError("no reference torch layer (--impl torch) MoE inventory: use --impl megatron, "
+                           "megatron-local, hf-sdpa or hf-eager")
+    if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
+        raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
+                           "DeepSeek-V3): set mlp: swiglu and bias: false")
     if model.is_mla and impl not in HF_IMPLS:
         which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
         raise MemplanError(f"no {which} inventory for multi-head latent attention yet: use --impl hf-sdpa / hf-eager")
@@ -536,6 +539,11 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
     moments = layer_backward_moments(model, model.attention, device, src, rerun) + _loss_moments(impl, loss_chunks, src)
     terms = _loss_terms(terms, impl, loss_chunks)
+    if model.is_moe:
+        from memplan.terms_moe import moe_layer_terms, moe_moments
+
+        terms = moe_layer_terms(terms, model, unfused=False, measured=False)
+        moments = moe_moments(moments, model, terms)
     # Megatron-LM: gradient-accumulation fusion writes weight gradients straight into the fp32
     # main-gradient buffer; Transformer Engine / apex FusedAdam (no temporaries).
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",

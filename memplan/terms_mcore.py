@@ -58,6 +58,11 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
              f"{src}; step transients derived as for --impl megatron")
     moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src)
+    if model.is_moe:
+        from memplan.terms_moe import moe_layer_terms, moe_moments
+
+        terms = moe_layer_terms(terms, model, unfused=device == "cpu", measured=device == "cpu")
+        moments = moe_moments(moments, model, terms)
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
     return Inventory(f"megatron-local/eager/{device}", tuple(terms), tuple(moments), "buffer", False, "fused",

@@ -83,7 +83,8 @@ class _Proxy:
 # cases run: RoPE's inv_freq (rotary_pos_embedding.get_emb), SP's all-gather buffers (tensor_parallel mappings /
 # layers)
 CURRENT_DEVICE_MODULES = ("models.common.embeddings.rotary_pos_embedding", "tensor_parallel.mappings",
-                          "tensor_parallel.layers")
+                          "tensor_parallel.layers", "transformer.moe.router", "transformer.moe.token_dispatcher",
+                          "transformer.moe.moe_utils", "transformer.moe.experts")
 
 
 def apply_cpu_patches() -> None:
@@ -108,7 +109,53 @@ def apply_cpu_patches() -> None:
                             *args, **kwargs)
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+
+    # moe_utils imports te_general_gemm from Transformer Engine and leaves the name undefined without it
+    # (0.16.1); RouterGatingLinearFunction then takes its torch.mm path
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    router.apply_random_logits = _balanced_routing
+    # the alltoall dispatcher copies its split sizes to the host on a side CUDA stream: one stand-in stream
+    stream = _NoStream()
+    # ... and moves them there only from a CUDA tensor (maybe_move_tensor_to_cpu): on CPU the split sizes
+    # stay tensors, which gloo's all_to_all_single refuses; as on CUDA they become numpy arrays
+    token_dispatcher.maybe_move_tensor_to_cpu = (
+        lambda tensor, as_numpy=False, record_stream=False:
+        tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor)
+    token_dispatcher.torch = _Proxy(current_device=lambda: "cpu", Stream=lambda *a, **k: stream,
+                                    current_stream=lambda *a, **k: stream, stream=lambda s: contextlib.nullcontext())
     random._memplan_cpu = True
+
+
+class _NoStream:
+    """A CUDA stream / event stand-in on CPU: work is synchronous, so waiting is nothing."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self) -> "_NoStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
+    """Stands in for megatron-core's ``moe_router_force_load_balancing`` (random logits, balanced only on
+    average): token i of the rank's [s, b] tokens (flattened) gets a large bonus on experts (i k + j) mod E,
+    j < k, so every expert receives exactly k s b / E of them (when E divides k s b). A constant added to
+    the logits: autograd saves nothing more, and the router's own ops (softmax, top-k) run unchanged."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    frame = sys._getframe(1)
+    k = frame.f_locals["self"].topk if isinstance(frame.f_locals.get("self"), TopKRouter) else 1
+    E = logits.shape[-1]
+    n = logits.numel() // E
+    idx = (torch.arange(n).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % E
+    bonus = torch.zeros(n, E, dtype=logits.dtype).scatter_(1, idx, 64.0)
+    return logits + bonus.view(logits.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +284,21 @@ class McoreCase:
     softmax_fp32: bool = False
     backend: Literal["ledger", "live"] = "ledger"
     seed: int = 0
+    # mixture of experts (experts > 0: every layer's MLP is megatron-core's MoELayer with SequentialMLP experts)
+    experts: int = 0
+    topk: int = 2
+    fe: Optional[int] = None  # one expert's width (default f)
+    fs: int = 0  # shared experts' width (0: none)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    ep: int = 1
+    capacity: Optional[float] = None  # moe_expert_capacity_factor (token dropping)
+    pad: bool = False  # moe_pad_expert_input_to_capacity
+    aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
+    balanced: bool = True  # route token i to experts (i k + j) mod E (see _balanced_routing)
+
+    @property
+    def world(self) -> int:
+        return self.t * self.ep
 
     @property
     def ffn(self) -> int:
@@ -280,6 +342,12 @@ def _config(case: McoreCase):
     if llama:
         kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                   num_query_groups=case.g or case.a)
+    if case.experts:
+        kw.update(num_moe_experts=case.experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.fe or case.ffn,
+                  moe_token_dispatcher_type=case.dispatcher, expert_model_parallel_size=case.ep,
+                  moe_expert_capacity_factor=case.capacity, moe_pad_expert_input_to_capacity=case.pad,
+                  moe_aux_loss_coeff=case.aux_loss, moe_router_force_load_balancing=case.balanced,
+                  moe_shared_expert_intermediate_size=case.fs or None, moe_grouped_gemm=False)
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
@@ -290,7 +358,8 @@ def _config(case: McoreCase):
 def _spec(case: McoreCase):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm" if case.arch == "llama" else None)
+    return get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm" if case.arch == "llama" else None)
 
 
 def build(case: McoreCase):
@@ -344,7 +413,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=case.t)
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.t, expert_model_parallel_size=case.ep)
     try:
         random.model_parallel_cuda_manual_seed(case.seed + 1)
         torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
@@ -409,7 +478,7 @@ def measure_mcore(cases: list[McoreCase]) -> list[McoreMeasurement]:
     out: list[Optional[McoreMeasurement]] = [None] * len(cases)
     by_t: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
-        by_t.setdefault(c.t, []).append(i)
+        by_t.setdefault(c.world, []).append(i)
     for t, idx in by_t.items():
         per_rank = run_ranks(_measure_rank, t, ([cases[i] for i in idx],))
         for n, i in enumerate(idx):
