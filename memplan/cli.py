@@ -75,6 +75,17 @@ def plan_options(func: Callable) -> Callable:
         click.option("--ep", type=click.IntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
                      "per GPU; ep x etp must divide t x cp x d."),
         click.option("--etp", type=click.IntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
+        click.option("--moe-imbalance", type=click.FloatRange(1.0, 1024.0), metavar="F",
+                     help="MoE, --impl megatron*: the busiest GPU's routed tokens relative to the average (1.0 = "
+                          "balanced, default); scales the routed-token activations (pinned in search)."),
+        click.option("--moe-capacity-factor", type=click.FloatRange(0, 1024.0, min_open=True), metavar="C",
+                     help="MoE, --impl megatron*: each expert takes at most C k s b / E tokens, the rest dropped "
+                          "(Megatron-LM --moe-expert-capacity-factor): routed terms bounded by min(imbalance, C)."),
+        click.option("--moe-pad-to-capacity", is_flag=True, default=None,
+                     help="With --moe-capacity-factor: every expert's input padded to its capacity (Megatron-LM "
+                          "--moe-pad-expert-input-to-capacity): routed terms x C."),
+        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
+                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=int,
                      help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
@@ -187,12 +198,36 @@ def _config_from_options(opts: dict[str, Any]):
         training=dict(micro_batch=opts.get("micro_batch"), global_batch=opts.get("global_batch"),
                       recompute=opts.get("recompute"), recompute_num_layers=opts.get("recompute_num_layers"),
                       **_training_settings(opts)),
-        model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention")),
+        model=dict(seq_length=opts.get("seq_len"), attention=opts.get("attention"), **_moe_routing(opts)),
         gpus=opts.get("gpus"),
         whole_model_per_rank=opts.get("impl", "megatron").startswith("hf-"),
         global_batch_tokens=opts.get("global_batch_tokens"),
     )
     return preset, config
+
+
+def _moe_routing(opts: dict[str, Any]) -> dict[str, Any]:
+    """The MoE routing options as ModelSpec fields (memplan/terms_moe.py)."""
+    return dict(moe_imbalance=opts.get("moe_imbalance"), moe_capacity_factor=opts.get("moe_capacity_factor"),
+                moe_pad_to_capacity=opts.get("moe_pad_to_capacity"),
+                moe_token_dispatcher=opts.get("moe_token_dispatcher"))
+
+
+def _routed(preset: Any, opts: dict[str, Any], named: bool) -> Any:
+    """A preset with the MoE routing options (search: pinned for every plan; a named dense model refuses them,
+    the other presets of an all-presets search ignore them)."""
+    import dataclasses
+
+    from memplan.specs import ModelSpec, describe_validation_error
+    from pydantic import ValidationError
+
+    given = {k: v for k, v in _moe_routing(opts).items() if v is not None}
+    if not given or not (named or preset.model.is_moe):
+        return preset
+    try:
+        return dataclasses.replace(preset, model=ModelSpec(**{**preset.model.model_dump(exclude_unset=True), **given}))
+    except ValidationError as e:
+        raise MemplanError(describe_validation_error(e)) from None
 
 
 def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str, Any]) -> list[str]:
@@ -462,6 +497,7 @@ def search(**opts: Any) -> None:
     )
     one = _preset(opts)
     presets = [one] if one is not None else [load_model(name) for name in model_names()]
+    presets = [_routed(p, opts, one is not None) for p in presets]
     if opts["plot"] and len(presets) > 1:
         raise MemplanError("search --plot draws one model's plans: give --model")
     if opts["emit_only"] and len(presets) > 1:

@@ -104,6 +104,12 @@ def megatron_launch(config: Config) -> Launch:
         args.append(f"--expert-model-parallel-size {par.ep}")
     if m.is_moe and par.expert_tp != par.tp:
         args.append(f"--expert-tensor-parallel-size {par.expert_tp}")
+    if m.is_moe:  # the routing memplan's MoE inventory assumed (memplan/terms_moe.py; Megatron-LM arguments.py)
+        args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
+        if m.moe_capacity_factor is not None:
+            args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
+        if m.moe_pad_to_capacity:
+            args.append("--moe-pad-expert-input-to-capacity")
     if tr.recompute == Recompute.SELECTIVE:
         args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
     elif tr.recompute == Recompute.FULL:

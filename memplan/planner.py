@@ -271,12 +271,16 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
             sps = [0] if t == 1 else [x for x in (0, 1) if (x == 0 and not model.is_moe) or (x == 1 and s % (t * cp) == 0)]
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
-            if d not in zero_lists:
-                zero_lists[d] = [(z, k) for z in _pick([z for z in (0, 1, 2, 3) if z <= fixed.max_zero] if d > 1
-                                                       else [0], fixed.zero)
-                                 for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1])
-                                 if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
-            if not (sps and zero_lists[d]):
+            zkey = _zero_key(d, t, cp, ep, etp)
+            if zkey not in zero_lists:
+                # with expert parallelism the d/k distributed-optimizer instances must divide the expert-data-parallel
+                # size edp = t cp d / (etp ep) (ParallelSpec; megatron/core/parallel_state.py)
+                zero_lists[zkey] = [(z, k) for z in _pick([z for z in (0, 1, 2, 3) if z <= fixed.max_zero] if d > 1
+                                                          else [0], fixed.zero)
+                                    for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1
+                                                                  and (zkey[1] == 0 or zkey[1] % (d // k) == 0)])
+                                    if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
+            if not (sps and zero_lists[zkey]):
                 continue
             for lf, ll in splits:
                 stage_counts = [x for x in (lf, ll, (L - lf - ll) // (p - 2) if p > 2 else 0) if x]
@@ -301,8 +305,9 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
     gt, gp, gd, gb, gM, gm, gn, gsp0, gS, gcp, gep, getp, glf, gll = (np.array(col, dtype=np.int64) for col in zip(*groups))
     gsplit = (glf * gp != L) | (gll * gp != L)  # an uneven split (even: L/p on every stage)
 
-    # ZeRO variants of each d that has plans, padded with the first variant
-    ds = list(dict.fromkeys(gd.tolist()))
+    # ZeRO variants of each d (and expert-data-parallel size) that has plans, padded with the first variant
+    ds = list(dict.fromkeys(_zero_key(*x) for x in zip(gd.tolist(), gt.tolist(), gcp.tolist(), gep.tolist(),
+                                                        getp.tolist())))
     width = max(len(zero_lists[d]) for d in ds)
     zero_table = np.array([[z for z, _ in zero_lists[d]] + [zero_lists[d][0][0]] * (width - len(zero_lists[d]))
                            for d in ds], dtype=np.int64)
@@ -310,7 +315,8 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
                             for d in ds], dtype=np.int64)
     zcount = np.array([len(zero_lists[d]) for d in ds], dtype=np.int64)
     d_index = {d: i for i, d in enumerate(ds)}
-    gdix = np.array([d_index[d] for d in gd.tolist()], dtype=np.int64)
+    gdix = np.array([d_index[_zero_key(*x)] for x in zip(gd.tolist(), gt.tolist(), gcp.tolist(), gep.tolist(),
+                                                         getp.tolist())], dtype=np.int64)
     gZ = zcount[gdix]
 
     # recompute variants per n, concatenated; where full recompute covers k = 1 .. n in order
@@ -390,6 +396,12 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
                     for p in _pick([p for p in pipelines if p == 1 or not hf], fixed.pp):
                         if gpus % (t * p * cp) == 0:
                             yield t, cp, ep, etp, p
+
+
+def _zero_key(d: int, t: int, cp: int, ep: int, etp: int) -> tuple[int, int]:
+    """What a plan's ZeRO variants depend on: d, and with expert parallelism (ep etp > 1) the expert-data-parallel
+    size (0 without)."""
+    return d, (t * cp * d // (ep * etp) if ep * etp > 1 else 0)
 
 
 def _full_first(variants: list[tuple[int, int]], n: int) -> int:

@@ -459,13 +459,16 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if model.is_moe and impl == "torch":
         raise MemplanError("no reference torch layer (--impl torch) MoE inventory: use --impl megatron, "
                            "megatron-local, hf-sdpa or hf-eager")
+    if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None):
+        raise MemplanError("--moe-imbalance and --moe-capacity-factor are modelled for --impl megatron / "
+                           "megatron-local (memplan/terms_moe.py), not for the traced --impl hf-* inventories")
     if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
         raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
                            "DeepSeek-V3): set mlp: swiglu and bias: false")
     if model.is_mla and impl not in HF_IMPLS:
         which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
         raise MemplanError(f"no {which} inventory for multi-head latent attention yet: use --impl hf-sdpa / hf-eager")
-    if (model.is_moe or model.is_mla) and model.inventory is None:
+    if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
         raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "
                            "give its transformers config.json (--hf-config), or the model's inventory directory")

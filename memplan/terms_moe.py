@@ -15,7 +15,7 @@ the routing made exactly balanced (validation/mcore.py _balanced_routing). What 
 - the permutation (moe_utils.permute): without capacity the routing map (bool, s b E) and the probabilities
   scattered to E columns (s b E) that masked_select keeps, and the permutation index (int64, one per routed copy);
   with padding to capacity (drop_and_pad) the routing map (kept by the router's token dropping) and two indices
-  (tokens, probabilities) of C k s b entries;
+  (tokens, probabilities) of C k s b entries; with a capacity factor and no padding both routing maps;
 - the routed copies of the tokens (k s b h: the alltoall dispatcher's sorted output, or the permuted tokens)
   and their probabilities (k s b), the experts' input; each expert's MLP for its tokens: fc1's output (2 f_e
   for SwiGLU), and in the unfused CPU path x_linear + offset, SiLU(gate), the product (kept by the probabilities'
@@ -117,8 +117,13 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
            src=f"{src}; with --moe-aux-loss-coeff > 0"),
         _t("moe_aux_loss", "aux loss value (fp32 scalar, MoEAuxLossAutoScaler)", router, "1", "fp32", k22=False,
            src=f"{src}; with --moe-aux-loss-coeff > 0"),
-        _t("moe_routing_map", "routing map (bool, tokens x E)", router, "E s b", "mask", sp=True, k22=False, src=src),
     ]
+    # with a capacity factor the token dropping keeps its routing map, and (not padded) permute's masked_select
+    # another
+    two = model.moe_capacity_factor is not None and not model.moe_pad_to_capacity
+    out.append(_t("moe_routing_map", "routing map (bool, tokens x E)" + (", twice (token dropping, permute)" if two
+                                                                         else ""),
+                  router, "2 E s b" if two else "E s b", "mask", sp=True, k22=False, src=src, storages=2 if two else 1))
     if model.moe_pad_to_capacity:
         out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
                           "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))

@@ -57,6 +57,16 @@ class ValidationCase:
     g: Optional[int] = None  # llama: key/value heads
     head_dim: Optional[int] = None  # llama: width of one head (None = h/a)
     dropout: float = 0.1
+    # megatron-local mixture of experts (experts > 0): megatron-core's MoELayer in every layer, balanced routing,
+    # aux loss on (memplan/terms_moe.py)
+    experts: int = 0
+    topk: int = 2
+    fe: Optional[int] = None
+    fs: int = 0
+    ep: int = 1
+    dispatcher: str = "alltoall"
+    capacity: Optional[float] = None
+    pad: bool = False
 
     @property
     def layers(self) -> int:
@@ -116,6 +126,10 @@ def case_model(case: ValidationCase) -> ModelSpec:
         return ModelSpec(**shape)
     if case.arch == "gpt2":
         return ModelSpec(**shape, dropout=case.dropout > 0, attention="eager" if case.impl == "hf-eager" else "flash")
+    if case.experts:
+        shape.update(num_experts=case.experts, moe_top_k=case.topk, moe_ffn_hidden_size=case.fe,
+                     moe_shared_ffn_hidden_size=case.fs, moe_capacity_factor=case.capacity,
+                     moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher)
     return ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
                      position_embedding="rope", tied_embeddings=False, bias=False, dropout=case.dropout > 0,
                      attention="eager" if case.impl == "hf-eager" else "flash")
@@ -126,7 +140,7 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     """memplan's bytes per label for one rank of the case, from the case's implementation inventory;
     `allocated`: each storage rounded up as the device's allocator does (what it reports)."""
     model = case_model(case)
-    config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp),
+    config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, dp=case.ep),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
     inv = inventory.inventory_for(model, case.impl, device)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
@@ -222,6 +236,15 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
     return cases
 
 
+def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional[float] = None, pad: bool = False,
+                   fs: int = 0, scope: str = "layer") -> ValidationCase:
+    """One megatron-core MoE case: the Llama-like layer of mcore_case with megatron-core's MoELayer as its MLP
+    (4 SequentialMLP experts of f_e = 96, top-2, aux loss on, routing forced to be balanced)."""
+    base = mcore_case("llama", scope=scope)
+    return dataclasses.replace(base, name=f"mcore moe {dispatcher} ep{ep}", experts=4, topk=2, fe=96, fs=fs, ep=ep,
+                               dispatcher=dispatcher, capacity=capacity, pad=pad)
+
+
 def mcore_available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
@@ -251,7 +274,10 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
         mcore = importlib.import_module(harness.__name__ + ".mcore")
         measured = mcore.measure_mcore([mcore.McoreCase(
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
-            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend) for c in (cases[i] for i in mc)])
+            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
+            **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, dispatcher=c.dispatcher,
+                    capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}))
+            for c in (cases[i] for i in mc)])
         for i, m in zip(mc, measured):
             out[i] = m
     for i, c in enumerate(cases):

@@ -208,6 +208,38 @@ LAYER_RULES: dict[tuple[str, str, int, int], str] = {
     ("<layer>", DROPOUT, 1, 0): "mlp_dropout_mask",
 }
 
+MOE, ROUTER, SHARED = "<layer>.mlp", "<layer>.mlp.router", "<layer>.mlp.shared_experts"
+SILU = "torch.nn.functional.silu"
+
+
+def _expert_rules(expert: str) -> dict:
+    """One SequentialMLP expert (an MLP on its tokens, probabilities applied after the activation)."""
+    return {(f"{expert}.linear_fc1", FN, 0, 0): "moe_permuted_tokens",  # its slice of the routed tokens
+            (expert, SILU, 0, 0): "moe_fc1_output", (expert, MUL, 0, 0): "moe_swiglu_up",
+            (expert, MUL, 0, 1): "moe_silu_out", (expert, MUL, 1, 0): "moe_permuted_probs",
+            (expert, MUL, 1, 1): "moe_act_out", (f"{expert}.linear_fc2", FN, 0, 0): "moe_fc2_input"}
+
+
+# megatron-core's MoELayer (memplan/terms_moe.py): router, permutation, SequentialMLP experts, shared experts
+MOE_RULES: dict[tuple[str, str, int, int], str] = {
+    (ROUTER, FN, 0, 0): "fc1_input",  # RouterGatingLinearFunction keeps the MLP input
+    (f"{SHARED}.linear_fc1", FN, 0, 0): "fc1_input",  # the same storage, when the shared experts run first
+    (ROUTER, "torch.topk", 0, 0): "moe_topk_indices",
+    (ROUTER, "torch.softmax", 0, 0): "moe_topk_probs",
+    (ROUTER, "torch.softmax", 1, 0): "moe_aux_scores",
+    (ROUTER, FN, 1, 0): "moe_aux_loss",  # MoEAuxLossAutoScaler
+    (MOE, "torch.Tensor.masked_select", 0, 0): "moe_routing_map",
+    (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
+    (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
+    (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
+    (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",
+    (SHARED, MUL, 0, 1): "shared_silu_out", (f"{SHARED}.linear_fc2", FN, 0, 0): "shared_fc2_input",
+    **{k: v for i in range(16) for k, v in _expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
+}
+# the router's multiplies: the token dropping's routing map (bool) and the aux loss's tokens per expert (int64),
+# in either order
+ROUTER_MUL = {"bool": "moe_routing_map", "int64": "moe_aux_counts"}
+
 MODEL_RULES: dict[tuple[str, str, int, int], str] = {
     ("embedding.word_embeddings", "torch.nn.functional.embedding", 0, 0): "token_ids",
     ("embedding.word_embeddings", "torch.Tensor.__setitem__", 0, 0): "embedding_input_mask",  # t > 1
@@ -446,7 +478,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
 
 
 def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeasurement:
-    rules = {**LAYER_RULES, **MODEL_RULES}
+    rules = {**LAYER_RULES, **MOE_RULES, **MODEL_RULES}
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():
@@ -456,6 +488,8 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
         layer, rel = split_module(module.lstrip("."))
         where = rel if layer is None else f"<layer>.{rel}".rstrip(".")
         label = rules.get((where, op, k, j), UNLABELED)
+        if (where, op) == (ROUTER, MUL):
+            label = ROUTER_MUL.get(str(r.dtype).removeprefix("torch."), UNLABELED)
         entries.append((label, r.shape, r.dtype, r.nbytes, (where, op, k, j)))
         by_label[label] = by_label.get(label, 0) + r.nbytes
     return McoreMeasurement(case, by_label, entries, retained, peak, loss_bytes, rank,
