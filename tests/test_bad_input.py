@@ -47,7 +47,11 @@ CASES = [
     (["search", "--model", "gpt3-175b", "--gpus", "12288", "--seq-len", "16000000", "--global-batch", "12288",
       "--mem", "80GB"], "64-bit"),
     (["estimate", "--model", "no-such-model"], "known: deepseek-v3, gemma-7b, gemma2-9b, gemma3-1b, gpt-1t"),
-    (["estimate", "--model", "mixtral-8x7b"], "no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"),
+    (["estimate", "--model", "mixtral-8x7b", "--impl", "torch"], "no reference torch layer (--impl torch) MoE inventory"),
+    (["estimate", "--model", "llama3-8b", "--moe-imbalance", "1.5"], "moe_imbalance is a mixture-of-experts field"),
+    (["estimate", "--model", "mixtral-8x7b", "--moe-pad-to-capacity"], "moe_pad_to_capacity needs moe_capacity_factor"),
+    (["estimate", "--model", "mixtral-8x7b", "--impl", "hf-sdpa", "--moe-imbalance", "2"],
+     "modelled for --impl megatron / megatron-local"),
     (["estimate", "--hf-config", CORPUS / "moe-topk.json", "--impl", "hf-sdpa"], "moe_top_k=9 exceeds num_experts=8"),
 ]
 

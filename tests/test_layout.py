@@ -114,12 +114,12 @@ def test_search_tables_at_80():
     assert len(body) == 10  # --top 10, one line each
     assert " sel " in body[0] and "rec" in out and "memory" in out
     out = render(80, *SEARCH_ALL)
-    body = table_body(out, next(n for n in model_names() if not load_model(n).model.is_moe))
-    # a preset per line (the mixture-of-experts presets are skipped: no Megatron-LM MoE inventory yet, and
+    body = table_body(out, next(n for n in model_names() if not load_model(n).model.is_mla))
+    # a preset per line (the multi-head latent attention presets are skipped: no Megatron-LM MLA inventory yet, and
     # the default --impl is megatron); a nearest miss of full recompute over part of a chunk ('full 2/32') may fold
-    searched = [n for n in model_names() if not load_model(n).model.is_moe]
+    searched = [n for n in model_names() if not load_model(n).model.is_mla]
     assert len(searched) <= len(body) <= len(searched) + 2, "\n".join(body)
-    assert "skipped mixtral-8x7b (a100-80gb): no Megatron-LM MoE inventory yet" in out
+    assert "skipped deepseek-v3 (a100-80gb): no Megatron-LM inventory for multi-head latent" in out
     assert "best plan: t, p, d tensor, pipeline, data parallel" in out
 
 

@@ -129,9 +129,7 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
 @pytest.mark.parametrize("data, fragment", [
     ({"architectures": ["FalconForCausalLM"]}, "architecture FalconForCausalLM"),
     ({"architectures": ["Qwen2ForCausalLM"]}, "missing field"),
-    # a Mixtral config is read (tests/test_moe.py); Megatron-LM's MoE layers are not modelled yet
-    ({**LLAMA3_8B_HF, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
-     "no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"),
+    # a Mixtral config is read (tests/test_moe.py) and estimated (tests/test_megatron_moe.py)
     ({**LLAMA3_8B_HF, "num_local_experts": 8},
      "memplan models the experts of Mixtral, Qwen3-MoE and DeepSeek-V3 only"),
     ({"model_type": "bert"}, "model_type 'bert'"),

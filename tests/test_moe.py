@@ -190,11 +190,11 @@ def test_dense_layers_must_lie_on_the_first_stage():
 
 # --- refusals -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl, which", [("megatron", "Megatron-LM"), ("torch", "reference torch layer")])
-def test_megatron_and_torch_impls_refuse_moe(impl, which):
+def test_torch_impl_refuses_moe():
+    # (--impl megatron / megatron-local model MoE layers: tests/test_megatron_moe.py, tests/test_validate_mcore_moe.py)
     config = make_config(load_model("mixtral-8x7b"))
-    with pytest.raises(MemplanError, match=f"no {which}.* MoE inventory yet: use --impl hf-sdpa / hf-eager"):
-        estimate(config, impl=impl)
+    with pytest.raises(MemplanError, match=r"no reference torch layer \(--impl torch\) MoE inventory"):
+        estimate(config, impl="torch")
 
 
 def test_hf_impl_without_a_traced_inventory_is_refused():
@@ -203,14 +203,15 @@ def test_hf_impl_without_a_traced_inventory_is_refused():
         estimate(config, impl="hf-sdpa")
 
 
-def test_cli_refuses_megatron_for_moe_in_one_line():
+def test_cli_refuses_torch_for_moe_in_one_line():
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "mixtral-8x7b", "--impl", "megatron"],
+    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "mixtral-8x7b", "--impl", "torch"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert p.stderr.strip() == "memplan: error: no Megatron-LM MoE inventory yet: use --impl hf-sdpa / hf-eager"
+    assert p.stderr.strip() == ("memplan: error: no reference torch layer (--impl torch) MoE inventory: use --impl "
+                                "megatron, megatron-local, hf-sdpa or hf-eager")
 
 
 @pytest.mark.parametrize("change, message", [

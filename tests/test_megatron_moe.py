@@ -1,0 +1,108 @@
+"""The Megatron MoE inventory's arithmetic (memplan/terms_moe.py): load imbalance, capacity factor, padding, dense-first
+layers, the backward's expert gradients, search = estimate, the emitted flags. No torch: what each term is was
+measured against megatron-core (tests/test_validate_mcore_moe.py); here the expected values are derived by hand.
+
+Mixtral 8x7B at s = 8192, b = 1, t = 1, bf16: h = 4096, E = 8, k = 2, f_e = 14336."""
+
+import subprocess
+import sys
+
+import pytest
+
+from memplan.estimate import estimate
+from memplan.launch import megatron_args
+from memplan.presets import ModelPreset, load_gpu, load_model, make_config, search_inputs
+from memplan.specs import ModelSpec
+from memplan.terms import inventory_for
+
+MIXTRAL = load_model("mixtral-8x7b").model
+
+
+def layer_bytes(model: ModelSpec, impl: str = "megatron", device: str = "cuda") -> dict[str, int]:
+    values = model.symbols(b=1, t=1)
+    return {t.id: int(t.bytes(values, 2, 0)) for t in inventory_for(model, impl, device).terms if t.scope == "layer"}
+
+
+def routed(**routing) -> dict[str, int]:
+    return layer_bytes(MIXTRAL.model_copy(update=routing))
+
+
+def test_balanced_routed_terms_by_hand():
+    b = routed()
+    assert b["moe_permuted_tokens"] == 2 * 8192 * 4096 * 2  # k s b h x 2 B = 134,217,728
+    assert b["moe_fc1_output"] == 2 * 2 * 8192 * 14336 * 2  # 2 k s b f_e x 2 B (fused SwiGLU's input)
+    assert b["moe_fc2_input"] == 2 * 8192 * 14336 * 2
+    assert b["moe_topk_indices"] == 2 * 8192 * 8  # k s b int64, on the sender: not routed
+    assert "moe_act_out" not in b  # CUDA / TE: weighted_bias_swiglu_impl keeps only its input
+    assert "moe_act_out" in layer_bytes(MIXTRAL, "megatron-local", "cpu")  # measured unfused path
+
+
+def test_imbalance_scales_the_routed_terms_only():
+    base, busy = routed(), routed(moe_imbalance=1.5)
+    assert busy["moe_permuted_tokens"] == 201_326_592  # 1.5 x 134,217,728
+    assert busy["moe_fc1_output"] == 3 * base["moe_fc1_output"] // 2
+    assert busy["moe_topk_probs"] == base["moe_topk_probs"] and busy["qkv_input"] == base["qkv_input"]
+
+
+def test_capacity_factor_bounds_and_padding_fills():
+    # dropping: min(imbalance 2, C 1.25) = 1.25 x 134,217,728 = 167,772,160; padded: C x the balanced count
+    assert routed(moe_imbalance=2.0, moe_capacity_factor=1.25)["moe_permuted_tokens"] == 167_772_160
+    assert routed(moe_capacity_factor=0.5)["moe_permuted_tokens"] == 67_108_864
+    padded = routed(moe_capacity_factor=1.25, moe_pad_to_capacity=True)
+    assert padded["moe_permuted_tokens"] == 167_772_160
+    # padded: two permutation indices (tokens, probabilities) of C k s b int64 = 2 x 1.25 x 16,384 x 8 B; no
+    # masked_select probabilities
+    assert padded["moe_permute_index"] == 327_680 and "moe_probs_dense" not in padded
+
+
+def test_dense_first_layers_weigh_the_mlp_terms():
+    # 4 layers, the first dense: the layers' total = 1 dense layer + 3 MoE layers (each from its own inventory)
+    shape = dict(name="x", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=160, seq_length=128,
+                 vocab_size=256, norm="rmsnorm", mlp="swiglu", position_embedding="rope", bias=False, dropout=False,
+                 attention="flash", tied_embeddings=False)
+    experts = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=96)
+    dense = sum(layer_bytes(ModelSpec(**shape)).values())
+    moe = sum(layer_bytes(ModelSpec(**shape, **experts)).values())
+    mixed = sum(layer_bytes(ModelSpec(**shape, **experts, moe_first_dense_layers=1)).values())
+    assert 4 * mixed == dense + 3 * moe
+
+
+def test_expert_backward_gradient_is_sized_for_the_routed_copies():
+    # the MLP backward's gradient of fc2's input: k s b f_e x r x 2 B = 2 x 8192 x 14336 x 2 = 469,762,048 (r = 1)
+    for r in (1.0, 2.0):
+        inv = inventory_for(MIXTRAL.model_copy(update=dict(moe_imbalance=r)), "megatron", "cuda")
+        moment = next(m for m in inv.moments if m.id == "mlp_backward")
+        grad = next(t for t in moment.transients if t.id == "grad_fc2_input")
+        assert int(grad.bytes(MIXTRAL.symbols(b=1, t=1), 2, 0)) == int(469_762_048 * r)
+        assert "moe_fc1_output" not in moment.freed  # the experts' saves are alive in the MLP backward
+        assert "moe_fc1_output" in next(m for m in inv.moments if m.id == "attention_backward").freed
+
+
+def test_search_equals_estimate_and_uses_ep():
+    from memplan.planner import search
+
+    a100 = load_gpu("a100-80gb")
+    model, training, gb = search_inputs(ModelPreset(MIXTRAL.model_copy(update=dict(moe_imbalance=1.25))), 64,
+                                        seq_length=4096)
+    result = search(model, training, 64, gb, 80 * 10**9, gpu=a100, top=3, impl="megatron")
+    assert result.top and result.config(result.top[0]).parallel.ep > 1
+    for i in range(0, result.candidates, max(1, result.candidates // 8)):
+        est = estimate(result.config(i), gpu=a100, impl="megatron")
+        assert int(result.evaluated.peak_bytes[i]) == int(est.step.peak_bytes), i
+
+
+def test_emitted_routing_flags():
+    cfg = make_config(ModelPreset(MIXTRAL.model_copy(update=dict(moe_capacity_factor=1.25, moe_pad_to_capacity=True,
+                                                                 moe_token_dispatcher="allgather"))),
+                      parallel=dict(dp=8, ep=8))
+    args = megatron_args(cfg)
+    assert {"--moe-token-dispatcher-type allgather", "--moe-expert-capacity-factor 1.25",
+            "--moe-pad-expert-input-to-capacity", "--expert-model-parallel-size 8"} <= set(args)
+
+
+@pytest.mark.parametrize("impl", ["megatron", "megatron-local"])
+def test_cli_estimates_mixtral(impl):
+    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "mixtral-8x7b", "--impl", impl,
+                        "--moe-imbalance", "1.2", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert '"moe_permuted_tokens"' in p.stdout

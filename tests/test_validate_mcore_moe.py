@@ -1,0 +1,98 @@
+"""CI: the Megatron MoE inventory (memplan/terms_moe.py) against megatron-core 0.16.1's own MoELayer, on CPU.
+
+validation/mcore.py builds the Llama-like local-spec layer with megatron-core's MoELayer as its MLP (4
+SequentialMLP experts, f_e = 96, top-2, aux loss 0.01), routing forced to be exactly balanced (token i to experts
+(2i + j) mod 4: the routed-token counts are known, not data-dependent), labels every saved tensor and compares with
+memplan per term (0.01 %: the measurement is exact). t = 1: alltoall and allgather dispatchers, capacity factor with
+and without padding, shared experts (one process); ep = 2 with both dispatchers (two gloo processes, slow).
+"""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memplan import terms as inventory  # noqa: E402
+from memplan.validate import CaseResult, case_model, mcore_moe_case, predict, run  # noqa: E402
+
+T1 = [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
+      mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
+EP2 = [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2)]
+
+
+@pytest.fixture(scope="module")
+def t1_results(announce):
+    with announce(f"measuring {len(T1)} megatron-core MoE cases (one process)"):
+        return run(T1, "cpu")
+
+
+@pytest.fixture(scope="module")
+def ep2_results(announce):
+    with announce(f"measuring {len(EP2)} megatron-core MoE cases at ep = 2 (two gloo processes)"):
+        return run(EP2, "cpu")
+
+
+def _check(results):
+    assert [(r.case, r.mismatched, r.error) for r in results if not r.passed] == []
+    for r in results:
+        assert "unlabeled" not in r.measured, r.case
+        assert any(k.startswith("moe_") for k in r.measured), r.case
+
+
+def test_moe_layer_matches_megatron_core(t1_results):
+    _check(t1_results)
+
+
+@pytest.mark.slow
+def test_moe_layer_ep2_matches_megatron_core(ep2_results):
+    _check(ep2_results)
+
+
+def test_moe_terms_by_hand(t1_results):
+    # s = 32, b = 2 (64 tokens), h = 64, E = 4, k = 2, f_e = 96, bf16, balanced: 128 routed copies, 32 per expert.
+    # router: top-k indices 64 x 2 int64 = 1,024; softmax of the k logits 64 x 2 fp32 = 512; aux loss: scores
+    # 64 x 4 fp32 = 1,024, tokens per expert 4 int64 = 32, the loss 4; routing map 4 x 64 bool = 256; probabilities
+    # scattered 4 x 64 bf16 = 512; permutation index 128 int64 = 1,024; routed tokens 128 x 64 bf16 = 16,384, their
+    # probabilities 128 bf16 = 256; experts (unfused SwiGLU on CPU): fc1 output 128 x 192 bf16 = 49,152, then four
+    # 128 x 96 bf16 tensors (up, SiLU, product, fc2 input) = 4 x 24,576
+    r = next(r for r in t1_results if r.case.dispatcher == "alltoall" and r.case.capacity is None and not r.case.fs)
+    moe = {k: v for k, v in r.measured.items() if k.startswith("moe_")}
+    assert moe == {"moe_topk_indices": 1_024, "moe_topk_probs": 512, "moe_aux_scores": 1_024, "moe_aux_counts": 32,
+                   "moe_aux_loss": 4, "moe_routing_map": 256, "moe_probs_dense": 512, "moe_permute_index": 1_024,
+                   "moe_permuted_tokens": 16_384, "moe_permuted_probs": 256, "moe_fc1_output": 49_152,
+                   "moe_swiglu_up": 24_576, "moe_silu_out": 24_576, "moe_act_out": 24_576, "moe_fc2_input": 24_576}
+    # capacity factor 0.5, no padding: each expert keeps 16 of its 32 tokens (routed terms halved), and the token
+    # dropping keeps a second routing map
+    half = next(r for r in t1_results if r.case.capacity == 0.5)
+    assert half.measured["moe_permuted_tokens"] == 16_384 // 2 and half.measured["moe_routing_map"] == 2 * 256
+
+
+def _without(term_id):
+    original = inventory.inventory_for
+
+    def inventory_for(model, impl="megatron", device="cuda", loss_chunks=1):
+        inv = original(model, impl, device, loss_chunks)
+        return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
+
+    return inventory_for
+
+
+def test_every_moe_term_is_checked(monkeypatch, t1_results):
+    """Each MoE term of the megatron-local inventory (CPU) the cases hold, removed, makes a case fail."""
+    ids = set()
+    for r in t1_results:
+        ids |= {t.id for t in inventory.inventory_for(case_model(r.case), "megatron-local", "cpu").terms
+                if t.block.startswith("MoE")}
+    assert {"moe_permuted_tokens", "moe_fc1_output", "moe_fc2_input", "shared_fc1_output"} <= ids
+    unchecked = []
+    for term_id in sorted(ids):
+        monkeypatch.setattr(inventory, "inventory_for", _without(term_id))
+        failed = [r for r in t1_results
+                  if not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed]
+        monkeypatch.undo()
+        if not failed:
+            unchecked.append(term_id)
+    # the aux loss value is one fp32 scalar per layer: 4 bytes, within 0.01 % of any case
+    assert set(unchecked) <= {"moe_aux_loss"}, unchecked
