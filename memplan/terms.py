@@ -417,14 +417,19 @@ IMPLEMENTATIONS: dict[str, str] = {
                 "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
                 "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured. "
                 "Beside megatron-local (measured): K / V kept with g heads and rotary fused into the attention "
-                "(Transformer Engine), derived from TE / megatron-core code",
+                "(Transformer Engine), derived from TE / megatron-core code. Mixture of experts (memplan/terms_moe.py): "
+                "megatron-core's MoELayer with Transformer Engine's grouped experts and the fused weighted SwiGLU, "
+                "derived from code, not measured",
     "megatron-local": "megatron-core 0.16.1's local spec (get_gpt_layer_local_spec, Megatron-LM "
                       "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
                       "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
                       "(validation/mcore.py: t = 1, 2, SP, recompute none / selective / full, layer and GPTModel); "
                       "--device cuda applies Megatron-LM's fusion defaults, derived from its code, not measured. "
                       "`megatron` (the Transformer Engine spec) differs from it by: no mask tensor (fused softmax), "
-                      "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code",
+                      "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code. "
+                      "Mixture of experts: megatron-core's MoELayer (router, alltoall / allgather dispatcher, "
+                      "SequentialMLP experts, shared experts, aux loss, capacity factor) measured per term on CPU with "
+                      "balanced routing, ep = 1 and 2 (memplan/terms_moe.py, validation/mcore.py)",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
              "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
              "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",

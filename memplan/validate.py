@@ -233,6 +233,11 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                         cases.append(mcore_case(arch, t, sp, rec, scope))
                         if arch == "gpt" and t == 1:
                             cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
+    if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/terms_moe.py)
+        cases += [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
+                  mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
+        if 2 in tps:
+            cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2)]
     return cases
 
 
