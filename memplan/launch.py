@@ -104,12 +104,6 @@ def megatron_launch(config: Config) -> Launch:
         args.append(f"--expert-model-parallel-size {par.ep}")
     if m.is_moe and par.expert_tp != par.tp:
         args.append(f"--expert-tensor-parallel-size {par.expert_tp}")
-    if m.is_moe:  # the routing memplan's MoE inventory assumed (memplan/terms_moe.py; Megatron-LM arguments.py)
-        args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
-        if m.moe_capacity_factor is not None:
-            args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
-        if m.moe_pad_to_capacity:
-            args.append("--moe-pad-expert-input-to-capacity")
     if tr.recompute == Recompute.SELECTIVE:
         args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
     elif tr.recompute == Recompute.FULL:
@@ -183,6 +177,13 @@ def _experts(config: Config) -> list[str]:
         args.append(f"--moe-shared-expert-intermediate-size {m.moe_shared_ffn_hidden_size}")
     if m.moe_first_dense_layers:
         args.append(f"--moe-layer-freq '[0]*{m.moe_first_dense_layers}+[1]*{m.moe_layers}'")
+    # the routing memplan's MoE inventory assumed (memplan/terms_moe.py): TransformerConfig's
+    # moe_token_dispatcher_type, moe_expert_capacity_factor, moe_pad_expert_input_to_capacity
+    args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
+    if m.moe_capacity_factor is not None:
+        args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
+    if m.moe_pad_to_capacity:
+        args.append("--moe-pad-expert-input-to-capacity")
     return args
 
 

@@ -97,6 +97,14 @@ MEGATRON_FLAGS = {
     "--moe-ffn-hidden-size": int,
     "--moe-shared-expert-intermediate-size": int,
     "--moe-layer-freq": "moe_freq",
+    # MoE routing (memplan/launch.py _experts): TransformerConfig fields moe_token_dispatcher_type (Literal 'allgather',
+    # 'alltoall', 'flex'), moe_expert_capacity_factor (Optional[float]) and moe_pad_expert_input_to_capacity (bool) in
+    # megatron-core 0.16.1 (megatron/core/transformer/transformer_config.py, as installed by the test extra); Megatron-LM's
+    # arguments.py _add_moe_args: --moe-expert-capacity-factor type=float, --moe-pad-expert-input-to-capacity
+    # store_true, --moe-token-dispatcher-type with those choices
+    "--moe-token-dispatcher-type": ("allgather", "alltoall", "flex"),
+    "--moe-expert-capacity-factor": float,
+    "--moe-pad-expert-input-to-capacity": None,
 }
 
 
@@ -145,6 +153,8 @@ GRID = [
     config(pp=4, dp=2, first_stage_layers=5, last_stage_layers=5, global_batch=16),  # uneven stages
     config(pp=4, dp=2, vpp=2, first_stage_layers=4, last_stage_layers=4, global_batch=16),  # uneven + interleaving
     config(MIXTRAL, tp=2, pp=2, dp=2, sp=True),  # experts (MoE with t > 1 needs SP)
+    config(dict(MIXTRAL, moe_capacity_factor=1.25, moe_pad_to_capacity=True, moe_token_dispatcher="allgather"),
+           dp=2),  # MoE routing: token dropping, padding, the dispatcher
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536), pp=2),  # MLA with a query latent
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
