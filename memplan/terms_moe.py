@@ -168,8 +168,9 @@ def moe_moments(moments: Iterable[Moment], model: ModelSpec, terms: Iterable[Ter
     width = model.moe_top_k * model.fe * r
     if model.moe_first_dense_layers and model.f >= width:
         routed = Poly.parse("f")
+    terms = tuple(terms)
     moe_ids = tuple(t.id for t in terms if t.block.startswith("MoE"))
-    out = []
+    out = [_combine_moment(model, terms)]
     for m in moments:
         if m.scope != "layer":
             out.append(m)
@@ -180,3 +181,34 @@ def moe_moments(moments: Iterable[Moment], model: ModelSpec, terms: Iterable[Ter
                                        source=f"{m.source}; MoE: the MLP's gradients sized for the k routed copies "
                                               "of each token through f_e-wide experts"))
     return out
+
+
+COMBINE_SRC = ("derived from megatron-core 0.16.1 MoELayer.forward / token_dispatcher.py (token_combine, "
+               "combine_postprocess: all-to-all or reduce-scatter, then unpermute), not measured")
+
+
+def _combine_moment(model: ModelSpec, terms: tuple[Term, ...]) -> Moment:
+    """Where an MoE layer's forward peaks: at the combine, every save of the layer made (the MLP's output dropout's
+    mask not yet), with the experts' output for their routed copies (k s b h r, h wide: etp times the tokens before
+    the expert-TP reduce-scatter), the dispatcher's combine buffer (alltoall: the copies sent back to their GPU, k s b
+    h; allgather: the experts' outputs unpermuted to the ep s b h gathered tokens before the reduce-scatter) and the
+    unpermuted output (s b h)."""
+    r, sent = routed_factor(model), _sent_factor(model)
+    k = model.moe_top_k
+
+    def x(id, name, elements, scale=Fraction(1), **kw):
+        term = _t(id, name, "transient", elements, k22=False, src=COMBINE_SRC, **kw)
+        return dataclasses.replace(term, elements=term.elements * scale)
+
+    transients = [x("moe_expert_output", "experts' output for their routed copies", f"{k} s b h", r, tp=True,
+                    etp_gathered=True)]
+    if model.moe_token_dispatcher == "allgather":
+        transients.append(x("moe_combine_gathered", "experts' output unpermuted to the gathered tokens (before the "
+                            "reduce-scatter)", "ep s b h"))
+    else:
+        transients.append(x("moe_combine_received", "routed copies back from the all-to-all", f"{k} s b h", sent,
+                            sp=True))
+    transients.append(x("moe_unpermuted", "unpermuted MoE output", "s b h", sp=True))
+    later = tuple(t.id for t in terms if t.id == "mlp_dropout_mask")
+    return Moment("moe_combine_forward", "MoE forward: the experts' output and the dispatcher's combine buffers",
+                  "forward", "layer", tuple(transients), later, recomputed=False, source=COMBINE_SRC)

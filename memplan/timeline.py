@@ -189,7 +189,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
-    layer_moments = [m for m in inventory.moments if m.scope == "layer"]
+    layer_moments = [m for m in inventory.moments if m.scope == "layer" and m.phase == "backward"]
     head_names = {g.name for g in param_groups(model) if g.scope == "last"} | {
         g for m in loss_moments for g in m.grads}
 
@@ -213,6 +213,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # context parallelism's buffers (memplan/parallel.py): inside the attention forward, and added to its backward
     cp_forward, cp_backward = cp_moments(model, inventory, plan)
     moments_all = inventory.moments + cp_forward
+    # moments inside a layer's forward: the inventory's (an MoE layer's combine, memplan/terms_moe.py) and cp's
+    cp_forward = tuple(m for m in inventory.moments if m.phase == "forward" and m.scope == "layer") + cp_forward
     transients: dict[str, tuple[Any, Any]] = {}
     for m in moments_all:  # each moment's transients, and those of a recomputed layer only
         always: Any = 0

@@ -75,6 +75,10 @@ def test_expert_backward_gradient_is_sized_for_the_routed_copies():
         grad = next(t for t in moment.transients if t.id == "grad_fc2_input")
         assert int(grad.bytes(MIXTRAL.symbols(b=1, t=1), 2, 0)) == int(469_762_048 * r)
         assert "moe_fc1_output" not in moment.freed  # the experts' saves are alive in the MLP backward
+        # the largest: the gradient of the experts' fc1 output, 2 k s b f_e x r x 2 B
+        act = next(m for m in inv.moments if m.id == "mlp_activation_backward")
+        grad = next(t for t in act.transients if t.id == "grad_activation_input")
+        assert int(grad.bytes(MIXTRAL.symbols(b=1, t=1), 2, 0)) == int(2 * 469_762_048 * r)
         assert "moe_fc1_output" in next(m for m in inv.moments if m.id == "attention_backward").freed
 
 
@@ -106,3 +110,15 @@ def test_cli_estimates_mixtral(impl):
                         "--moe-imbalance", "1.2", "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert '"moe_permuted_tokens"' in p.stdout
+
+
+@pytest.mark.parametrize("dispatcher, buffer", [("alltoall", 2 * 8192 * 4096 * 2), ("allgather", 8 * 8192 * 4096 * 2)])
+def test_combine_forward_buffers_by_hand(dispatcher, buffer):
+    # inside the MoE forward, at the combine: the experts' output for the k s b routed copies (2 x 8192 x 4096 x 2 B =
+    # 134,217,728), the dispatcher's buffer (alltoall: the k s b copies back; allgather at ep = 8: the 8 s b gathered
+    # tokens, 536,870,912) and the unpermuted output s b h (67,108,864)
+    model = MIXTRAL.model_copy(update=dict(moe_token_dispatcher=dispatcher))
+    moment = next(m for m in inventory_for(model, "megatron", "cuda").moments if m.id == "moe_combine_forward")
+    assert moment.phase == "forward"
+    sizes = [int(t.bytes(model.symbols(b=1, t=1, ep=8), 2, 0)) for t in moment.transients]
+    assert sizes == [134_217_728, buffer, 67_108_864]
