@@ -86,7 +86,9 @@ def explain(config: Config, budget_bytes: Optional[int] = None, gpu: Optional[Gp
             impl: str = "megatron", fragmentation_margin: Optional[float] = None) -> tuple[Estimate, list[Step]]:
     """The estimate of `config` and its derivation, step by step."""
     est = estimate(config, budget_bytes=budget_bytes, gpu=gpu, impl=impl, fragmentation_margin=fragmentation_margin)
-    values = dict(config.model.symbols(b=config.training.micro_batch, t=config.parallel.tp))
+    # an MoE layer's routed tokens after the expert-TP all-gather are etp wide (Term.etp_gathered)
+    moe = dict(ep=config.parallel.ep, etp=config.parallel.expert_tp) if config.model.is_moe else {}
+    values = dict(config.model.symbols(b=config.training.micro_batch, t=config.parallel.tp, **moe))
     return est, (_symbols(est, values) + _layer(est, values) + _pipeline(est) + _states(est, values) + _peak(est))
 
 
