@@ -121,17 +121,22 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     # with a capacity factor the token dropping keeps its routing map, and (not padded) permute's masked_select
     # another
     two = model.moe_capacity_factor is not None and not model.moe_pad_to_capacity
+    # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
+    # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
+    # capacity its token-dropping map, are the GPU's s b / t tokens': equal at etp = t, counted as gathered)
+    split = dict(tp=True, etp_gathered=True) if allgather else dict(sp=True)
     out.append(_t("moe_routing_map", "routing map (bool, tokens x E)" + (", twice (token dropping, permute)" if two
                                                                          else ""),
-                  router, "2 E s b" if two else "E s b", "mask", sp=True, k22=False, src=src, storages=2 if two else 1))
+                  router, "2 E s b" if two else "E s b", "mask", k22=False, src=src, storages=2 if two else 1,
+                  **split))
     if model.moe_pad_to_capacity:
         out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
                           "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))
     else:
         out += [_t("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
-                   "E s b", sp=True, k22=False, src=src),
+                   "E s b", k22=False, src=src, **split),
                 routed("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64",
-                       scale=r if allgather else sent, sp=not allgather, tp=allgather)]
+                       scale=r if allgather else sent, **split)]
     out += [
         routed("moe_permuted_tokens", "routed token copies, the experts' input (k per token)", "k s b h",
                tp=True, etp_gathered=True),

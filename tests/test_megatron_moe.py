@@ -125,8 +125,8 @@ def test_combine_forward_buffers_by_hand(dispatcher, buffer):
 
 
 def test_cli_explains_mixtral_with_expert_tp():
-    # the routed tokens after the expert-TP all-gather: k s b h etp / t x 2 B = 2 x 8192 x 4096 x 2 / 2 x 2 B at t = 2,
-    # etp = t = 2: 134,217,728 B
+    # the routed tokens after the expert-TP all-gather, k s b h etp / t x 2 B at t = etp = 2: 4 x 8192 x 4096 x 2 / 2 =
+    # 134,217,728 B
     p = subprocess.run([sys.executable, "-m", "memplan.cli", "explain", "--model", "mixtral-8x7b", "--tp", "2", "--sp",
                         "--ep", "4", "--dp", "4"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
