@@ -64,6 +64,7 @@ class ValidationCase:
     fe: Optional[int] = None
     fs: int = 0
     ep: int = 1
+    etp: Optional[int] = None
     dispatcher: str = "alltoall"
     capacity: Optional[float] = None
     pad: bool = False
@@ -140,7 +141,7 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     """memplan's bytes per label for one rank of the case, from the case's implementation inventory;
     `allocated`: each storage rounded up as the device's allocator does (what it reports)."""
     model = case_model(case)
-    config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, dp=case.ep),
+    config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
     inv = inventory.inventory_for(model, case.impl, device)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
@@ -237,16 +238,19 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
         cases += [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
                   mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
         if 2 in tps:
-            cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2)]
+            cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
+                      mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
     return cases
 
 
 def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional[float] = None, pad: bool = False,
-                   fs: int = 0, scope: str = "layer") -> ValidationCase:
+                   fs: int = 0, scope: str = "layer", t: int = 1, etp: Optional[int] = None) -> ValidationCase:
     """One megatron-core MoE case: the Llama-like layer of mcore_case with megatron-core's MoELayer as its MLP
-    (4 SequentialMLP experts of f_e = 96, top-2, aux loss on, routing forced to be balanced)."""
-    base = mcore_case("llama", scope=scope)
-    return dataclasses.replace(base, name=f"mcore moe {dispatcher} ep{ep}", experts=4, topk=2, fe=96, fs=fs, ep=ep,
+    (4 SequentialMLP experts of f_e = 96, top-2, aux loss on, routing forced to be balanced); t > 1 with SP (MoE
+    needs it), etp = t unless given."""
+    base = mcore_case("llama", t, t > 1, scope=scope)
+    name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "")
+    return dataclasses.replace(base, name=name, experts=4, topk=2, fe=96, fs=fs, ep=ep, etp=etp,
                                dispatcher=dispatcher, capacity=capacity, pad=pad)
 
 
@@ -280,7 +284,7 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
         measured = mcore.measure_mcore([mcore.McoreCase(
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
             recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
-            **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, dispatcher=c.dispatcher,
+            **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
                     capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}))
             for c in (cases[i] for i in mc)])
         for i, m in zip(mc, measured):

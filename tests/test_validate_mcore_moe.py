@@ -4,7 +4,8 @@ validation/mcore.py builds the Llama-like local-spec layer with megatron-core's 
 SequentialMLP experts, f_e = 96, top-2, aux loss 0.01), routing forced to be exactly balanced (token i to experts
 (2i + j) mod 4: the routed-token counts are known, not data-dependent), labels every saved tensor and compares with
 memplan per term (0.01 %: the measurement is exact). t = 1: alltoall and allgather dispatchers, capacity factor with
-and without padding, shared experts (one process); ep = 2 with both dispatchers (two gloo processes, slow).
+and without padding, shared experts (one process); ep = 2, and t = 2 with SP and etp = 2 / 1, with both dispatchers
+(two gloo processes, slow).
 """
 
 import dataclasses
@@ -19,7 +20,9 @@ from memplan.validate import CaseResult, case_model, mcore_moe_case, predict, ru
 
 T1 = [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
       mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
-EP2 = [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2)]
+# two processes: ep = 2, or t = 2 with SP and expert tensor parallelism etp = 2 (the experts' MLPs split) or 1
+EP2 = [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
+       mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def t1_results(announce):
 
 @pytest.fixture(scope="module")
 def ep2_results(announce):
-    with announce(f"measuring {len(EP2)} megatron-core MoE cases at ep = 2 (two gloo processes)"):
+    with announce(f"measuring {len(EP2)} megatron-core MoE cases at ep = 2 or t = 2 (two gloo processes)"):
         return run(EP2, "cpu")
 
 
@@ -46,7 +49,7 @@ def test_moe_layer_matches_megatron_core(t1_results):
 
 
 @pytest.mark.slow
-def test_moe_layer_ep2_matches_megatron_core(ep2_results):
+def test_moe_layer_ep2_t2_matches_megatron_core(ep2_results):
     _check(ep2_results)
 
 

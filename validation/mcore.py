@@ -323,6 +323,7 @@ class McoreCase:
     fs: int = 0  # shared experts' width (0: none)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallelism (None: t)
     capacity: Optional[float] = None  # moe_expert_capacity_factor (token dropping)
     pad: bool = False  # moe_pad_expert_input_to_capacity
     aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
@@ -377,6 +378,7 @@ def _config(case: McoreCase):
     if case.experts:
         kw.update(num_moe_experts=case.experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.fe or case.ffn,
                   moe_token_dispatcher_type=case.dispatcher, expert_model_parallel_size=case.ep,
+                  expert_tensor_parallel_size=case.etp or case.t,
                   moe_expert_capacity_factor=case.capacity, moe_pad_expert_input_to_capacity=case.pad,
                   moe_aux_loss_coeff=case.aux_loss, moe_router_force_load_balancing=case.balanced,
                   moe_shared_expert_intermediate_size=case.fs or None, moe_grouped_gemm=False)
@@ -445,7 +447,8 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=case.t, expert_model_parallel_size=case.ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.t, expert_model_parallel_size=case.ep,
+                                 expert_tensor_parallel_size=case.etp or case.t)
     try:
         random.model_parallel_cuda_manual_seed(case.seed + 1)
         torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
