@@ -149,6 +149,10 @@ class ModelSpec(_Spec):
     qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_r, a head's rotated query / key "
                                             "width, its key part shared by the heads (qk_rope_head_dim)")
     v_head_dim: Optional[int] = Field(default=None, gt=0, description="d_v, a head's value width (v_head_dim)")
+    mtp_layers: int = Field(
+        default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
+        "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "
+        "projection, one transformer layer and the shared output head's loss for one more token")
     inventory: Optional[str] = Field(
         default=None,
         description="directory of the model's traced inventories (memplan trace): what transformers' own "

@@ -470,9 +470,9 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
         raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
                            "DeepSeek-V3): set mlp: swiglu and bias: false")
-    if model.is_mla and impl not in HF_IMPLS:
-        which = "reference torch layer (--impl torch)" if impl == "torch" else "Megatron-LM"
-        raise MemplanError(f"no {which} inventory for multi-head latent attention yet: use --impl hf-sdpa / hf-eager")
+    if model.is_mla and impl == "torch":
+        raise MemplanError("no reference torch layer (--impl torch) inventory for multi-head latent attention: use "
+                           "--impl megatron, megatron-local, hf-sdpa or hf-eager")
     if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
         raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "
@@ -542,6 +542,10 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
         return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", True,
                          "foreach", "torch", (labels_term(),))
     terms = megatron_layer(model, model.attention, stats) + k22_outside_layers(model, stats)
+    if model.is_mla:
+        from memplan.terms_mla import mla_terms
+
+        terms = mla_terms(terms, model, impl, device)
     src = "derived from Megatron-LM code (autograd order of the reference layer), not measured"
     # Megatron-LM's CheckpointFunction re-runs a layer's whole forward and back-propagates from its output.
     rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
@@ -552,12 +556,22 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
 
         terms = moe_layer_terms(terms, model, unfused=False, measured=False)
         moments = moe_moments(moments, model, terms)
+    terms = with_mtp(terms, model, stats)
     # Megatron-LM: gradient-accumulation fusion writes weight gradients straight into the fp32
     # main-gradient buffer; Transformer Engine / apex FusedAdam (no temporaries).
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
     return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", False,
                      "fused", "megatron", held, tied_grad_waits=False)
+
+
+def with_mtp(terms: list[Term], model: ModelSpec, stats: Dtype) -> list[Term]:
+    """A Megatron inventory with its multi-token-prediction modules on the last stage (memplan/terms_mla.py)."""
+    if not model.mtp_layers:
+        return terms
+    from memplan.terms_mla import mtp_terms
+
+    return terms + mtp_terms(terms, model, stats)
 
 
 def _loss_moments(impl: str, chunks: int, src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:

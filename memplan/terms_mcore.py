@@ -38,7 +38,7 @@ from memplan.errors import MemplanError
 from memplan.specs import ModelSpec
 from memplan.terms import (
     Dtype, Inventory, Term, _t, _x, causal_mask_term, k22_outside_layers, labels_term, layer_backward_moments,
-    megatron_layer, vocab_parallel_loss_moments,
+    megatron_layer, vocab_parallel_loss_moments, with_mtp,
 )
 
 MCORE = "megatron-core 0.16.1 local spec"
@@ -54,6 +54,10 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
         raise MemplanError("--loss-chunks is not modelled for --impl megatron-local (megatron-core's local spec has "
                            "no chunked loss measured here); use --impl megatron")
     terms = mcore_local_terms(model, device)
+    if model.is_mla:
+        from memplan.terms_mla import mla_terms
+
+        terms = mla_terms(terms, model, "megatron-local", device)
     src = DERIVED if device == "cuda" else MEASURED
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
              f"{src}; step transients derived as for --impl megatron")
@@ -63,6 +67,7 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
 
         terms = moe_layer_terms(terms, model, unfused=device == "cpu", measured=device == "cpu")
         moments = moe_moments(moments, model, terms)
+    terms = with_mtp(terms, model, "act" if device == "cpu" else "fp32")
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
     return Inventory(f"megatron-local/eager/{device}", tuple(terms), tuple(moments), "buffer", False, "fused",

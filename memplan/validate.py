@@ -68,6 +68,12 @@ class ValidationCase:
     dispatcher: str = "alltoall"
     capacity: Optional[float] = None
     pad: bool = False
+    # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/terms_mla.py)
+    kv_lora: int = 0
+    q_lora: Optional[int] = None
+    dn: int = 32
+    dr: int = 16
+    dv: int = 24
 
     @property
     def layers(self) -> int:
@@ -131,6 +137,9 @@ def case_model(case: ValidationCase) -> ModelSpec:
         shape.update(num_experts=case.experts, moe_top_k=case.topk, moe_ffn_hidden_size=case.fe,
                      moe_shared_ffn_hidden_size=case.fs, moe_capacity_factor=case.capacity,
                      moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher)
+    if case.kv_lora:
+        shape.update(kv_lora_rank=case.kv_lora, q_lora_rank=case.q_lora, qk_nope_head_dim=case.dn,
+                     qk_rope_head_dim=case.dr, v_head_dim=case.dv)
     return ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
                      position_embedding="rope", tied_embeddings=False, bias=False, dropout=case.dropout > 0,
                      attention="eager" if case.impl == "hf-eager" else "flash")
@@ -254,6 +263,19 @@ def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional
                                dispatcher=dispatcher, capacity=capacity, pad=pad)
 
 
+def mcore_mla_case(q_lora: Optional[int] = 40, t: int = 1, sp: bool = False, recompute: str = "none",
+                   experts: int = 0) -> ValidationCase:
+    """One megatron-core multi-head latent attention case: the Llama-like layer of mcore_case (no GQA) with
+    megatron-core's MLASelfAttention and its latent norms: a = 4 heads of d_n = 32 + d_r = 16 (Q / K) and
+    d_v = 24 (V), r_kv = 48, r_q = 40 (None: the direct q projection); `experts` > 0: the MoE layer of
+    mcore_moe_case as its MLP (DeepSeek-V3's layer)."""
+    base = dataclasses.replace(mcore_case("llama", t, sp, recompute), g=None)
+    name = f"mcore mla r_q{q_lora}" + (f" t{t}" + (" sp" if sp else "") if t > 1 else "") + (
+        f" {recompute}" if recompute != "none" else "") + (" moe" if experts else "")
+    moe = dict(experts=experts, topk=2, fe=96, fs=64) if experts else {}
+    return dataclasses.replace(base, name=name, kv_lora=48, q_lora=q_lora, dn=32, dr=16, dv=24, **moe)
+
+
 def mcore_available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
@@ -285,7 +307,8 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
             recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
             **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
-                    capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}))
+                    capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}),
+            **(dict(kv_lora=c.kv_lora, q_lora=c.q_lora, qk_nope=c.dn, qk_rope=c.dr, v_head=c.dv) if c.kv_lora else {}))
             for c in (cases[i] for i in mc)])
         for i, m in zip(mc, measured):
             out[i] = m

@@ -117,6 +117,11 @@ def apply_cpu_patches() -> None:
         moe_utils.te_general_gemm = None
 
     router.apply_random_logits = _balanced_routing
+    from megatron.core.transformer import multi_latent_attention
+
+    # without Transformer Engine megatron-core's extensions import stands MagicMocks in for TE's classes, and
+    # MLA's isinstance(self.linear_proj, TELinear) refuses one: TE is absent, as HAVE_TE should say
+    multi_latent_attention.HAVE_TE = False
     # the alltoall dispatcher copies its split sizes to the host on a side CUDA stream: one stand-in stream
     stream = _NoStream()
     # ... and moves them there only from a CUDA tensor (maybe_move_tensor_to_cpu): on CPU the split sizes
@@ -240,6 +245,17 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
 # in either order
 ROUTER_MUL = {"bool": "moe_routing_map", "int64": "moe_aux_counts"}
 
+# megatron-core's MLASelfAttention (memplan/terms_mla.py): down projections, latent norms, up projections; RoPE's
+# cos / sin and the core attention's Q, K, V are LAYER_RULES' (ATTN, CORE)
+MLA_RULES: dict[tuple[str, str, int, int], str] = {
+    **{(f"{ATTN}.{proj}", FN, 0, 0): "qkv_input" for proj in ("linear_q_down_proj", "linear_kv_down_proj",
+                                                               "linear_q_proj")},
+    **{(f"{ATTN}.{which}_layernorm", RMS, 0, j): f"mla_{which}_{part}" for which in ("q", "kv")
+       for j, part in ((0, "fp32_latent"), (1, "norm_stats"), (4, "normed"))},
+    (f"{ATTN}.linear_q_up_proj", FN, 0, 0): "mla_q_up_input",
+    (f"{ATTN}.linear_kv_up_proj", FN, 0, 0): "mla_kv_up_input",
+}
+
 MODEL_RULES: dict[tuple[str, str, int, int], str] = {
     ("embedding.word_embeddings", "torch.nn.functional.embedding", 0, 0): "token_ids",
     ("embedding.word_embeddings", "torch.Tensor.__setitem__", 0, 0): "embedding_input_mask",  # t > 1
@@ -328,6 +344,13 @@ class McoreCase:
     pad: bool = False  # moe_pad_expert_input_to_capacity
     aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
     balanced: bool = True  # route token i to experts (i k + j) mod E (see _balanced_routing)
+    # multi-latent attention (kv_lora > 0: megatron-core's MLASelfAttention with its latent norms,
+    # qk_layernorm=True as DeepSeek-V3's Megatron-LM recipe; RoPE on the qk_rope part, unfused)
+    kv_lora: int = 0
+    q_lora: Optional[int] = None  # None: the direct q projection (linear_q_proj)
+    qk_nope: int = 32
+    qk_rope: int = 16
+    v_head: int = 32
 
     @property
     def world(self) -> int:
@@ -382,18 +405,47 @@ def _config(case: McoreCase):
                   moe_expert_capacity_factor=case.capacity, moe_pad_expert_input_to_capacity=case.pad,
                   moe_aux_loss_coeff=case.aux_loss, moe_router_force_load_balancing=case.balanced,
                   moe_shared_expert_intermediate_size=case.fs or None, moe_grouped_gemm=False)
+    if case.kv_lora:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(q_lora_rank=case.q_lora, kv_lora_rank=case.kv_lora, qk_head_dim=case.qk_nope,
+                  qk_pos_emb_head_dim=case.qk_rope, v_head_dim=case.v_head, rope_type="rope")
+        kw.pop("num_query_groups", None)
     if case.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif case.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kw)
+    return MLATransformerConfig(**kw) if case.kv_lora else TransformerConfig(**kw)
 
 
 def _spec(case: McoreCase):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=False,
-                                    normalization="RMSNorm" if case.arch == "llama" else None)
+    spec = get_gpt_layer_local_spec(num_experts=case.experts or None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm" if case.arch == "llama" else None,
+                                    multi_latent_attention=bool(case.kv_lora), qk_layernorm=bool(case.kv_lora))
+    if case.kv_lora:
+        spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
+    return spec
+
+
+def _mla_dot_product_attention():
+    """megatron-core 0.16.1's MLA passes ``k_channels`` / ``v_channels`` to its core attention, which only
+    Transformer Engine's attention takes (Megatron-LM runs MLA with ``--transformer-impl transformer_engine``);
+    the local ``DotProductAttention`` refuses them. Its forward is width-agnostic (Q and K reshaped with
+    ``-1``; the output is ``hidden_size_per_partition`` wide): this subclass takes the two arguments and makes
+    that width a v_channels per head. The attention's own ops (baddbmm, the unfused softmax, bmm) run
+    unchanged."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # Attention.__init__ builds one without them, MLA its own
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+                self.hidden_size_per_attention_head = k_channels
+
+    return MLADotProductAttention
 
 
 def build(case: McoreCase):
@@ -423,7 +475,7 @@ def _forward_fresh(module, case: McoreCase) -> torch.Tensor:
         s_local = case.s // t if (case.sp and t > 1) else case.s
         x = torch.randn(s_local, case.b, case.h, dtype=torch.bfloat16).requires_grad_()
         rope = None
-        if case.arch == "llama":
+        if case.arch == "llama" and not case.kv_lora:  # MLA makes its own rotary embedding
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
             rope = RotaryEmbedding(case.h // case.a, rotary_percent=1.0, use_cpu_initialization=True)(case.s)
@@ -481,7 +533,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
 
 
 def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeasurement:
-    rules = {**LAYER_RULES, **MOE_RULES, **MODEL_RULES}
+    rules = {**LAYER_RULES, **MOE_RULES, **MLA_RULES, **MODEL_RULES}
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():
