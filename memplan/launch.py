@@ -156,13 +156,17 @@ def _pipeline(config: Config) -> list[str]:
 def _latent_attention(config: Config) -> list[str]:
     """Multi-head latent attention (MLATransformerConfig in megatron/core/transformer/transformer_config.py: its
     qk_head_dim is the part of a head without rotary embedding, d_n; qk_pos_emb_head_dim the rotated part, d_r;
-    --q-lora-rank left out: queries projected from h directly)."""
+    --q-lora-rank left out: queries projected from h directly; --qk-layernorm: MLA's q / kv latent norms, which
+    memplan/terms_mla.py and states.py count) and multi-token prediction (--mtp-num-layers, Megatron-LM
+    megatron/training/arguments.py _add_mtp_args)."""
     m = config.model
+    mtp = [f"--mtp-num-layers {m.mtp_layers}"] if m.mtp_layers else []
     if not m.is_mla:
-        return []
+        return mtp
     return (["--multi-latent-attention"] + ([f"--q-lora-rank {m.q_lora_rank}"] if m.q_lora_rank else [])
             + [f"--kv-lora-rank {m.kv_lora_rank}", f"--qk-head-dim {m.qk_nope_head_dim}",
-               f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}", f"--v-head-dim {m.v_head_dim}"])
+               f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}", f"--v-head-dim {m.v_head_dim}"]
+            + ([] if m.qk_norm else ["--qk-layernorm"]) + mtp)
 
 
 def _experts(config: Config) -> list[str]:

@@ -101,9 +101,14 @@ def read_model_file(path: Path) -> ModelPreset:
     if "model" not in data:
         raise MemplanError(f"{path}: missing the 'model:' section")
     model = build(ModelSpec, data["model"], where=f"{path}: model")
+    return ModelPreset(model, *_plan_sections(data, path), str(path))
+
+
+def _plan_sections(data: dict, path: Path) -> tuple[dict, dict, Optional[str]]:
+    """A model file's plan (`parallel:`, `training:`, `gpu:`), its keys checked now, so a typo names this file
+    rather than surfacing later."""
     parallel = data.get("parallel") or {}
     training = data.get("training") or {}
-    # Check the sections' keys now, so a typo names this file rather than surfacing later.
     for name, section in (("parallel", parallel), ("training", training)):
         if not isinstance(section, dict):
             raise MemplanError(f"{path}: '{name}' must be a mapping of settings")
@@ -113,7 +118,26 @@ def read_model_file(path: Path) -> ModelPreset:
     if gpu is not None and not isinstance(gpu, str):
         raise MemplanError(f"{path}: gpu: expected a GPU preset name or a YAML file (got {echo(gpu)}); "
                            f"known: {', '.join(gpu_names())}")
-    return ModelPreset(model, dict(parallel), dict(training), gpu, str(path))
+    return dict(parallel), dict(training), gpu
+
+
+def _with_plan(preset: ModelPreset, path: Path) -> ModelPreset:
+    """A traced preset (configs/traced/<name>/config.json) with the plan it was published with, when its
+    directory has one (plan.yaml: `parallel:`, `training:`, `gpu:` as a model file's, and `model:` overrides of
+    what the config.json does not say, such as the training sequence length)."""
+    data = _read_yaml(path)
+    unknown = sorted(set(data) - _PRESET_KEYS)
+    if unknown:
+        raise MemplanError(f"{path}: unknown field '{unknown[0]}' (expected {', '.join(sorted(_PRESET_KEYS))})")
+    model = preset.model
+    if data.get("model"):
+        if not isinstance(data["model"], dict):
+            raise MemplanError(f"{path}: 'model' must be a mapping of settings")
+        model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **data["model"]},
+                      where=f"{path}: model")
+    notes = tuple(n for n in preset.notes if not n.startswith("s = ")) if "seq_length" in (data.get("model") or {}) \
+        else preset.notes
+    return ModelPreset(model, *_plan_sections(data, path), f"{preset.source} + {path}", notes)
 
 
 def model_names() -> list[str]:
@@ -141,7 +165,9 @@ def load_model(name_or_path: str) -> ModelPreset:
     hf = configs_dir() / "traced" / name_or_path / "config.json"
     if not preset.is_file() and hf.is_file() and "/" not in name_or_path:
         read = read_hf_config(str(hf))
-        return dataclasses.replace(read, model=read.model.model_copy(update={"name": name_or_path}))
+        read = dataclasses.replace(read, model=read.model.model_copy(update={"name": name_or_path}))
+        plan = hf.parent / "plan.yaml"
+        return _with_plan(read, plan) if plan.is_file() else read
     if not preset.is_file():
         raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
     return read_model_file(preset)
@@ -236,6 +262,7 @@ def make_config(
         # become data-parallel ranks unless the user set the plan.
         preset_gpus = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
         par.update({k: 1 for k in ("tp", "pp", "vpp") if k not in over_p})
+        par.update({k: 1 for k in ("ep", "etp") if k in par and k not in over_p})  # transformers has no EP
         par.setdefault("dp", 1)
         if "dp" not in over_p:
             par["dp"] = preset_gpus // (par["tp"] * par["pp"]) or 1
@@ -263,6 +290,8 @@ def make_config(
     if "recompute" in over_t and "recompute_num_layers" not in over_t:
         tr.pop("recompute_num_layers", None)
     model_spec = preset.model
+    if whole_model_per_rank and model_spec.mtp_layers:
+        model_spec = model_spec.model_copy(update={"mtp_layers": 0})  # transformers builds no MTP module
     if over_m:
         model_spec = build(ModelSpec, {**preset.model.model_dump(exclude_defaults=True), **over_m})
     multiple = tr.get("micro_batch", 1) * par.get("dp", 1)
@@ -382,7 +411,8 @@ def _read_deepseek_v3(data: dict) -> dict[str, Any]:
     dense layers intermediate_size wide, then MoE layers of n_routed_experts experts of moe_intermediate_size,
     top num_experts_per_tok, and n_shared_experts shared ones (one MLP n_shared_experts x moe_intermediate_size
     wide, DeepseekV3MoE); multi-head latent attention. Its multi-token-prediction layer
-    (num_nextn_predict_layers) is not built by transformers, nor counted here."""
+    (num_nextn_predict_layers, ModelSpec.mtp_layers) is not built by transformers: memplan models it for --impl
+    megatron* (memplan/terms_mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
     fe, shared = data.get("moe_intermediate_size", 2048), data.get("n_shared_experts", 1)
     both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
     return dict(num_experts=data.get("n_routed_experts", 256), moe_top_k=data.get("num_experts_per_tok", 8),
@@ -390,7 +420,7 @@ def _read_deepseek_v3(data: dict) -> dict[str, Any]:
                 moe_first_dense_layers=data.get("first_k_dense_replace", 3),
                 kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
                 qk_nope_head_dim=data.get("qk_nope_head_dim", 128), qk_rope_head_dim=data.get("qk_rope_head_dim", 64),
-                v_head_dim=data.get("v_head_dim", 128))
+                v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
 
 
 def read_hf_config(path_text: str) -> ModelPreset:
@@ -458,8 +488,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
     notes = (note,)
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
-        notes += ("the multi-token-prediction layers (num_nextn_predict_layers) are not built by transformers' "
-                  "DeepseekV3ForCausalLM: not counted",)
+        notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
+                  "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
+                  "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
     if layout == "traced":
         from memplan.traced import inventory_dir
 

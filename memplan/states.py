@@ -150,7 +150,24 @@ def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_
     for group in param_groups(model):
         total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    return total + count(output_layer_group()) * is_last * head_copy
+    return total + (count(output_layer_group()) * head_copy + mtp_stage_params(model, count)) * is_last
+
+
+def mtp_stage_params(model: ModelSpec, count: Count) -> Any:
+    """The multi-token-prediction modules' own parameters on one GPU of the last stage (megatron-core
+    multi_token_prediction.py MultiTokenPredictionLayer: enorm, hnorm, the final norm (h each), eh_proj (2h x h,
+    column-parallel) and one transformer layer, an MoE one in an MoE model; the embedding and output head are the
+    main model's, shared). Not in total_params: DeepSeek-V3's published 671 B excludes its MTP module."""
+    if not model.mtp_layers:
+        return 0
+    layer = sum(count(g) for g in param_groups(model) if g.scope in ("layer", "moe" if model.is_moe else "layer"))
+    own = count(ParamGroup("MTP eh_proj", Poly.parse("2 h h"), True, "last")) + 3 * model.hidden_size
+    return model.mtp_layers * (layer + own)
+
+
+def mtp_params(model: ModelSpec) -> int:
+    """The multi-token-prediction modules' parameters (t = 1), beside total_params."""
+    return int(mtp_stage_params(model, counter(model.symbols(t=1))))
 
 
 def layer_params(model: ModelSpec, count: Count) -> Any:
@@ -168,8 +185,9 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
 
 
 def total_params(model: ModelSpec) -> int:
-    """Parameters of the whole model (t = 1, each tied weight once): one stage holding everything."""
-    return stage_params(model, counter(model.symbols(t=1)), model.num_layers, 1, 1, 1)
+    """Parameters of the whole model (t = 1, each tied weight once): one stage holding everything; without the
+    multi-token-prediction modules (mtp_params), as DeepSeek-V3's published count."""
+    return stage_params(model, counter(model.symbols(t=1)), model.num_layers, 1, 1, 1) - mtp_params(model)
 
 
 def active_params(model: ModelSpec) -> int:

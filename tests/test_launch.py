@@ -97,6 +97,9 @@ MEGATRON_FLAGS = {
     "--moe-ffn-hidden-size": int,
     "--moe-shared-expert-intermediate-size": int,
     "--moe-layer-freq": "moe_freq",
+    # multi-token prediction (memplan/launch.py _latent_attention): Megatron-LM megatron/training/arguments.py
+    # _add_mtp_args: group.add_argument('--mtp-num-layers', type=int, default=None)
+    "--mtp-num-layers": int,
     # MoE routing (memplan/launch.py _experts): TransformerConfig fields moe_token_dispatcher_type (Literal 'allgather',
     # 'alltoall', 'flex'), moe_expert_capacity_factor (Optional[float]) and moe_pad_expert_input_to_capacity (bool) in
     # megatron-core 0.16.1 (megatron/core/transformer/transformer_config.py, as installed by the test extra); Megatron-LM's
@@ -156,7 +159,7 @@ GRID = [
     config(dict(MIXTRAL, moe_capacity_factor=1.25, moe_pad_to_capacity=True, moe_token_dispatcher="allgather"),
            dp=2),  # MoE routing: token dropping, padding, the dispatcher
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
-    config(dict(DEEPSEEK, q_lora_rank=1536), pp=2),  # MLA with a query latent
+    config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
     config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]
@@ -383,4 +386,6 @@ def test_experts_and_latent_attention_flags():
         "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64", "--v-head-dim": "128"}
     assert moe_freq(got["--moe-layer-freq"]) == [0] * 3 + [1] * 58
     assert "--multi-latent-attention" in got and "--kv-channels" not in got
+    # the latent norms (memplan/terms_mla.py) and the config.json's num_nextn_predict_layers = 1
+    assert "--qk-layernorm" in got and got["--mtp-num-layers"] == "1"
     assert not {"--num-experts", "--multi-latent-attention", "--moe-layer-freq"} & set(flags(megatron_args(config())))
