@@ -628,16 +628,18 @@ def _billions(params: int, narrow: bool) -> str:
 
 
 # The compact layout's plans: K22's letters t, p, d, m, b, Z for the ZeRO stage, B for the global batch
-PLAN_LETTERS = {"tp": "t", "pp": "p", "dp": "d", "micro_batch": "b", "vpp": "m", "zero": "Z", "global_batch": "B"}
+PLAN_LETTERS = {"tp": "t", "pp": "p", "dp": "d", "micro_batch": "b", "vpp": "m", "zero": "Z", "global_batch": "B",
+                "ep": "ep", "cp": "cp", "etp": "etp"}
 RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
-PLAN_LEGEND = ("t, p, d tensor, pipeline, data parallel; b micro-batch; m chunks; Z ZeRO; B global batch; "
+PLAN_LEGEND = ("t, p, d tensor, pipeline, data parallel; ep, cp expert, context parallel; b micro-batch; m chunks; "
+               "Z ZeRO; B global batch; "
                "p16* uneven stages (first / last stage layers); "
-               "m1, Z0, SP off and recompute none left out")
+               "t1, m1, Z0, SP off and recompute none left out")
 
 
 def compact_plan(fields: dict[str, Any]) -> str:
     """A plan {tp: 8, pp: 64, dp: 1, vpp: 1, sp: True, micro_batch: 1, global_batch: 512, recompute:
-    'selective'} as 't8 p64 d1 b1 SP B512 sel', in the order given: the defaults (m1, Z0, SP off,
+    'selective'} as 't8 p64 d1 b1 SP B512 sel', in the order given: the defaults (t1, m1, Z0, SP off,
     recompute none) left out; 'zero' may be a '2/8' string (HSDP), 'recompute' a '_rec_cell' text
     ('full 2/32'); a field it does not know stays 'key=value'."""
     words = []
@@ -650,7 +652,7 @@ def compact_plan(fields: dict[str, Any]) -> str:
             text += "*"
         if key == "sp":
             words += ["SP"] if text == "True" else []
-        elif (key, text) in (("vpp", "1"), ("zero", "0"), ("recompute", "none")):
+        elif (key, text) in (("vpp", "1"), ("zero", "0"), ("recompute", "none"), ("tp", "1")):
             continue
         elif key in PLAN_LETTERS:
             words.append(f"{PLAN_LETTERS[key]}{text}")

@@ -419,7 +419,10 @@ IMPLEMENTATIONS: dict[str, str] = {
                 "Beside megatron-local (measured): K / V kept with g heads and rotary fused into the attention "
                 "(Transformer Engine), derived from TE / megatron-core code. Mixture of experts (memplan/terms_moe.py): "
                 "megatron-core's MoELayer with Transformer Engine's grouped experts and the fused weighted SwiGLU, "
-                "derived from code, not measured",
+                "derived from code, not measured. Multi-head latent attention (memplan/terms_mla.py): latent norms fused "
+                "into the up projections, cuDNN fused attention, fused MLA RoPE, derived from megatron-core / TE code, not "
+                "measured; multi-token prediction (--mtp-num-layers) on the last stage derived from megatron-core's "
+                "multi_token_prediction.py, not measured",
     "megatron-local": "megatron-core 0.16.1's local spec (get_gpt_layer_local_spec, Megatron-LM "
                       "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
                       "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
@@ -429,7 +432,9 @@ IMPLEMENTATIONS: dict[str, str] = {
                       "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code. "
                       "Mixture of experts: megatron-core's MoELayer (router, alltoall / allgather dispatcher, "
                       "SequentialMLP experts, shared experts, aux loss, capacity factor) measured per term on CPU with "
-                      "balanced routing, ep = 1 and 2 (memplan/terms_moe.py, validation/mcore.py)",
+                      "balanced routing, ep = 1 and 2 (memplan/terms_moe.py, validation/mcore.py). Multi-head latent "
+                      "attention: megatron-core's MLASelfAttention with its latent norms measured per term on CPU (t = 1, "
+                      "2, SP, recompute none / selective / full; memplan/terms_mla.py)",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
              "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
              "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",

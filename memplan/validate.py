@@ -249,6 +249,10 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
         if 2 in tps:
             cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
                       mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
+        # megatron-core's MLASelfAttention (memplan/terms_mla.py)
+        cases += [mcore_mla_case(None)] + [mcore_mla_case(recompute=r) for r in recomputes] + [mcore_mla_case(experts=4)]
+        if 2 in tps:
+            cases += [mcore_mla_case(t=2), mcore_mla_case(t=2, sp=True)]
     return cases
 
 

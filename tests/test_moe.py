@@ -432,12 +432,14 @@ def test_bad_latent_attention_fields_are_refused(change, message):
         build(ModelSpec, {**spec, **change})
 
 
-def test_latent_attention_refused_for_megatron(tmp_path):
+def test_latent_attention_refused_for_the_reference_layer(tmp_path):
+    # --impl megatron / megatron-local model it (memplan/terms_mla.py, tests/test_mla.py); the K22 reference layer not
     model = _spec(DEEPSEEK_V3, tmp_path)
     dense = model.model_copy(update=dict(num_experts=None, moe_top_k=None, moe_ffn_hidden_size=None,
                                          moe_shared_ffn_hidden_size=0, moe_first_dense_layers=0))
-    with pytest.raises(MemplanError, match="no Megatron-LM inventory for multi-head latent attention yet"):
-        estimate(make_config(ModelPreset(dense)), impl="megatron")
+    with pytest.raises(MemplanError, match="no reference torch layer \\(--impl torch\\) inventory for multi-head"):
+        estimate(make_config(ModelPreset(dense)), impl="torch")
+    assert estimate(make_config(ModelPreset(dense)), impl="megatron").total_params == total_params(dense)
 
 
 @pytest.mark.parametrize("name, total, active, published", [
