@@ -293,6 +293,9 @@ class Moment:
     recomputed: bool = True  # selective recompute: the attention core has been re-run by now
     fresh: bool = False  # the last group's new gradient is still its own tensor (not yet accumulated)
     source: str = ""
+    grad_elements: int = 0  # gradients made so far of the layer's own parameters, in elements (traced moments)
+    applies: Literal["any", "plain", "recomputed"] = "any"  # layers it happens in: all, not recomputed, recomputed
+    layers: tuple[int, ...] = ()  # the model's layers (from 0) it happens in, when not all (a traced layer group)
 
 
 def _x(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False):

@@ -186,6 +186,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
         made = sum((group_grad(g, kept=True) for g in m.grads), 0)
+        if m.grad_elements:  # a traced moment: the layer's own gradients made by then, counted in elements
+            made = made + shard_bytes(m.grad_elements * training.grad_bytes, plan.shard, plan.zero >= 2)
         return made * (plan.microbatches == 1) + fresh * (plan.microbatches > 1)
 
     loss_moments = [m for m in inventory.moments if m.scope == "last"]
@@ -273,14 +275,22 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
-    for j in sorted(layers, reverse=True) if not critical else layers:
+    # tensors of the chunk a moment has freed (a traced recomputed layer: inputs of the checkpointed layers
+    # whose last user is done)
+    chunk_freed = {m.id: sum((term_bytes[t.id] for t in chunk_terms if t.id in m.freed), 0) for m in layer_moments}
+    for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
-        for m in layer_moments:
-            plain, full, selective = alive_sums[m.id]
-            alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
-            event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
-                  others + (0 if off else stored_upto(j - 1)) + alive,
-                  held + transient_bytes(m, recomputed) + unpacked_weight)
+        # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
+        on = 1 if m.applies == "any" else (recomputed * is_full if m.applies == "recomputed"
+                                              else 1 - recomputed * is_full)
+        if isinstance(on, (bool, int)) and not on:
+            continue
+        on = True if (m.applies == "any" and at is True) else (on if at is True else on * at)
+        plain, full, selective = alive_sums[m.id]
+        alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
+        event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
+              others - chunk_freed[m.id] + (0 if off else stored_upto(j - 1)) + alive,
+              held + transient_bytes(m, recomputed) + unpacked_weight, on)
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
@@ -315,6 +325,32 @@ def _peak_of(events: list[Event], persistent: Any, temp: Any) -> StepPeak:
         index = index + (i - index) * (b > peak)
         peak = _maximum(peak, b)
     return StepPeak(events, peak, index, persistent, temp)
+
+
+def _layer_moment_positions(moments: list[Moment], layers: list[Any], n: Any, N: Any, critical: bool) -> list:
+    """(j, moment, on) for the backward events: every layer position for a moment of every layer; for a
+    moment of some layers (a traced layer group: `Moment.layers`, the model's layer indices, so position
+    j is layer j - 1 of a model on one stage in one chunk, as transformers runs), those positions, and in
+    the planner (`critical`) the first and last of them in the recomputed block 1..N and in the rest
+    (the bytes are linear in j between them), `on` saying where such a position exists."""
+    out = []
+    if not critical:
+        for j in sorted(layers, reverse=True):
+            out += [(j, m, True) for m in moments if not m.layers or j - 1 in m.layers]
+        return out
+    import numpy as np
+
+    for m in moments:
+        if not m.layers:
+            out += [(j, m, True) for j in layers]
+            continue
+        P = np.array(sorted({i + 1 for i in m.layers}))
+        below = np.searchsorted(P, N, side="right")  # positions <= N
+        last_in = P[np.maximum(below - 1, 0)]
+        first_out = P[np.minimum(below, len(P) - 1)]
+        out += [(P[0] + 0 * below, m, 1 * (below > 0)), (last_in, m, 1 * (below > 0)),
+                (first_out, m, 1 * (below < len(P))), (P[-1] + 0 * below, m, 1 * (below < len(P)))]
+    return out
 
 
 def _alive_sums(layer_terms, term_bytes: dict[str, Any], moment: Moment) -> tuple[Any, Any, Any]:

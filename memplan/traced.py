@@ -3,7 +3,7 @@
 `memplan trace` (validation/trace.py) runs a model's own transformers code once under
 FakeTensorMode with the sequence length s and the micro-batch b as symbols, and records every
 storage autograd saves: its size is an exact polynomial in s and b. The result is a file (format
-`memplan-traced-inventory/1`, YAML) with its origin (transformers and torch versions, the config's
+`memplan-traced-inventory/2`, YAML; /1 files, without the transients, still load) with its origin (transformers and torch versions, the config's
 hash, the kernels it was traced with). This module reads such a file, with no torch, and turns it
 into an `Inventory` like the hand-written ones, so estimate, the timeline and the planner use it
 unchanged:
@@ -18,13 +18,20 @@ unchanged:
   head, loss);
 - dtypes: the trace's activation dtype follows the precision (act), float32 is fp32, bool / 8-bit
   are 1-byte masks, int64 ids are 8 bytes;
-- gradient checkpointing (full recompute) keeps each layer's input (torch.utils.checkpoint), and
-  with eager attention the additive causal mask, as terms_hf's measured inventories do;
-- the backward's transient moments are terms_hf's (gradients of the residual stream, of the MLP's
-  and attention's inputs), whose freed tensors are found by the order of the saves: the saves made
-  at or after the attention output projection (eager attention: after the softmax's, as that moment
-  is the softmax backward) are gone when attention's backward runs. They are derived, not traced, and the report says so; for
-  Llama they give the measured inventory's step peak exactly (tests/test_traced.py).
+- gradient checkpointing (full recompute) keeps each layer's input (torch.utils.checkpoint) and what
+  the layers are given (traced, below; a /1 file: the input and, eager, the additive causal mask, as
+  terms_hf's measured inventories count them);
+- the step's transients (format /2): the tracer also runs the backward under the fake mode, as is and
+  with gradient checkpointing, and follows every live storage (validation/transients.py); each op of a
+  layer's backward (of the loss and the head) is a candidate moment: the layer's saves still alive, the
+  tensors nobody saves, its own gradients made so far; only the candidates that can be the peak for some
+  s, b are kept (`moments`), and what checkpointing keeps (`checkpoint`: each layer's input, and the tensors
+  every checkpointed layer is given that no save counts: masks, position ids). A moment belongs to the
+  layers it was traced in (a layer group's, the ends of a group apart), so no group is averaged at the peak;
+- a file of format /1 (no transients) gets the moments terms_hf derives for the Llama layout, with the
+  tensors each frees found by forward order (the saves made at or after the attention output projection,
+  eager attention: after the softmax's, are gone when attention's backward runs) and the two found in op
+  logs (`_first_moments`); the report says which.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import json
 import os
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,7 +54,8 @@ from memplan.specs import ModelSpec, describe_validation_error
 from memplan.symbolic import Poly
 from memplan.terms import Dtype, Inventory, Moment, Term, _t, _x
 
-FORMAT = "memplan-traced-inventory/1"
+FORMAT = "memplan-traced-inventory/2"
+FORMATS = ("memplan-traced-inventory/1", FORMAT)  # /1: no moments, no checkpoint (read as before)
 SYMBOLS = {"s", "b"}
 
 # torch dtypes as the inventory stores them: the activation dtype of the trace follows the
@@ -88,13 +96,56 @@ class Origin(_Row):
     dtype: str
 
 
+class Sized(_Row):
+    dtype: str
+    elements: str
+    bytes: str
+
+
+class Kept(Sized):
+    """A tensor every checkpointed layer is given (gradient checkpointing keeps it through the backward):
+    `saved_as` names the shared save that already counts it without checkpointing."""
+    arg: str
+    layer: int
+    saved_as: Optional[str] = None
+
+
+class Checkpoint(_Row):
+    layer_input: Optional[Sized] = None
+    kept: list[Kept] = []
+
+
+class Transient(Sized):
+    what: str
+
+
+class TracedMoment(_Row):
+    """One candidate peak of the step, traced (validation/transients.py): after the op `at` of a layer's
+    backward (group, recompute none / full) or of the loss / head (scope last), the saves of that layer
+    (head) still alive, the saves outside the layers still alive, its own gradients and the transients."""
+    scope: Literal["layer", "last"]
+    group: Optional[int] = None
+    layers: list[int] = []  # a layer moment: the layers (from 0) it happens in
+    recompute: Optional[Literal["none", "full"]] = None
+    phase: Optional[Literal["loss", "backward"]] = None
+    at: str
+    alive: list[str]
+    outside: list[str]
+    grads: list[str] = []
+    kept: list[int] = []  # recomputed layers: the checkpoint's kept tensors (indices) still alive
+    grad_elements: int
+    transients: list[Transient]
+
+
 class TracedFile(_Row):
-    format: Literal["memplan-traced-inventory/1"]
+    format: Literal["memplan-traced-inventory/1", "memplan-traced-inventory/2"]
     origin: Origin
     conditions: list[str] = []  # what the trace assumed about s and b (e.g. "b >= 2"), shown with its origin
     num_layers: int
     layer_groups: list[LayerGroup]
     outside: list[TracedTerm]
+    checkpoint: Optional[Checkpoint] = None
+    moments: list[TracedMoment] = []
 
 
 def config_sha256(data: dict) -> str:
@@ -144,8 +195,8 @@ def read_traced(path: Path) -> TracedFile:
         raise MemplanError(f"cannot read {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise MemplanError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise MemplanError(f"{path}: not a traced inventory (expected format: {FORMAT})")
+    if not isinstance(data, dict) or data.get("format") not in FORMATS:
+        raise MemplanError(f"{path}: not a traced inventory (expected format: {' or '.join(FORMATS)})")
     try:
         traced = TracedFile.model_validate(data)
     except ValidationError as err:
@@ -155,6 +206,21 @@ def read_traced(path: Path) -> TracedFile:
         raise MemplanError(f"{path}: layer_groups must cover layers 0..{traced.num_layers - 1} once each")
     for term in [t for g in traced.layer_groups for t in g.terms] + traced.outside:
         _size(term, path)
+    sized = [t for m in traced.moments for t in m.transients] + (traced.checkpoint.kept if traced.checkpoint else [])
+    if traced.checkpoint and traced.checkpoint.layer_input:
+        sized.append(traced.checkpoint.layer_input)
+    for i, row in enumerate(sized):
+        _size(TracedTerm(id=f"transient {i}", module="", op="", dtype=row.dtype, elements=row.elements,
+                         bytes=row.bytes), path)
+    groups = len(traced.layer_groups)
+    for m in traced.moments:
+        if m.scope == "layer" and (m.group is None or not 0 <= m.group < groups or m.recompute is None):
+            raise MemplanError(f"{path}: a layer moment needs its group (0..{groups - 1}) and recompute")
+        rows = ({t.id for t in traced.layer_groups[m.group].terms} | {"layer_input"} if m.scope == "layer"
+                else {t.id for t in traced.outside})
+        unknown = sorted((set(m.alive) - rows) | (set(m.outside) - {t.id for t in traced.outside}))
+        if unknown:
+            raise MemplanError(f"{path}: moment at {m.at} names saves the file does not have: {', '.join(unknown)}")
     return traced
 
 
@@ -380,6 +446,12 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     traced = _cuda_or_cpu(model.inventory, impl) if device == "cuda" else load(model.inventory, impl, "cpu")
     terms = traced_terms(traced)
     sdpa = impl == "hf-sdpa"
+    if traced.checkpoint is not None and traced.moments:
+        terms += _checkpoint_terms(traced)
+        terms_by_id = tuple(terms)
+        return Inventory(f"{impl}/{device}", terms_by_id, tuple(_traced_moments(model, traced, terms)), "backward",
+                         False, "fused", "torch", origin=origin_text(traced) + "; transients traced",
+                         traced_from=_least_values(traced.conditions))
     # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
     # without recompute, added as terms_hf's measured inventories add them
     terms.append(_t("layer_input", "layer input, kept by gradient checkpointing", "layer norms", "s b h",
@@ -392,9 +464,95 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     by_group = [_freed(_group_rows(g, k), sdpa) for k, g in enumerate(traced.layer_groups)]
     freed = tuple(tuple(i for f in by_group for i in f[j]) for j in range(3))
     moments = (_first_moments(model, traced) + _moe_moments(model, _layer_moments(model, sdpa, freed))
-               + _loss_moments(model))
+               + _loss_moments(model, final_norm=False))
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
                      origin=origin_text(traced), traced_from=_least_values(traced.conditions))
+
+
+def _dtype(name: str) -> Dtype:
+    return "act" if name in _ACT_DTYPES else _DTYPES[name]
+
+
+def _checkpoint_terms(traced: TracedFile) -> list[Term]:
+    """What gradient checkpointing keeps, traced (the file's `checkpoint`): each layer's input, and the
+    tensors every checkpointed layer is given that no save counts already (Mistral's sliding-window
+    bool mask, the int64 position ids; eager attention's additive mask): once per model chunk."""
+    src = f"traced: transformers {traced.origin.transformers}, gradient checkpointing (validation/transients.py)"
+    ck = traced.checkpoint
+    assert ck is not None
+    terms = []
+    if ck.layer_input is not None:
+        terms.append(_t("layer_input", "layer input, kept by gradient checkpointing", "layer norms",
+                        ck.layer_input.elements, _dtype(ck.layer_input.dtype), only_full=True, k22=False, src=src))
+    for k, row in enumerate(ck.kept):
+        if row.saved_as is not None:
+            continue
+        block = "attention" if "mask" in row.arg else "other"
+        terms.append(_t(f"checkpoint_kept.{k}", f"{row.arg} of the layers (from layer {row.layer}), kept by "
+                        f"gradient checkpointing ({row.dtype})", block, row.elements, _dtype(row.dtype),
+                        scope="chunk", only_full=True, k22=False, src=src))
+    return terms
+
+
+def _traced_moments(model: ModelSpec, traced: TracedFile, terms: list[Term]) -> list[Moment]:
+    """The file's moments as the timeline's: each is self-contained for its layer (or the head): every
+    saved term of the layers (of the head) is freed and what the trace found alive is listed as its
+    transients, the layer's own saves unweighted (a layer group's, not the mean of the groups), the saves
+    outside the layers that the timeline does not count at that point (the head's, in a layer's backward),
+    and the tensors nobody saves. The layer's own gradients are counted in elements (`grad_elements`),
+    the head's by parameter group."""
+    from memplan.states import output_layer_group
+
+    src = f"traced: transformers {traced.origin.transformers}, live storages of a fake step (validation/transients.py)"
+    layer_ids = tuple(t.id for t in terms if t.scope == "layer")
+    last_ids = tuple(t.id for t in terms if t.scope == "last")
+    outside = {r.id: r for r in traced.outside}
+    rows = [{r.id: r for r in g.terms} for g in traced.layer_groups]
+    ck = traced.checkpoint
+    head = "word embedding" if model.tied_embeddings else output_layer_group().name
+    moments = []
+    for n, m in enumerate(traced.moments):
+        scope = "layer" if m.scope == "layer" else "last"
+        ts = []
+
+        def add(id: str, name: str, row) -> None:
+            ts.append(_x(f"m{n}.{id}", name, row.elements, _dtype(row.dtype), scope=scope, src=src))
+
+        for id in m.alive:
+            if id == "layer_input" and ck is not None and ck.layer_input is not None:
+                add(id, "the layer's input, kept by gradient checkpointing", ck.layer_input)
+                continue
+            row = rows[m.group][id] if scope == "layer" else outside[id]
+            if scope == "last" and (row.shared or _outside_scope(row.module) == "first"):
+                continue  # counted with the stage's first-stage and chunk terms
+            add(id, f"{id}: saved by {row.op.rsplit('.', 1)[-1]}, still alive", row)
+        if scope == "layer":
+            for id in m.outside:
+                row = outside[id]
+                if not row.shared and _outside_scope(row.module) == "last":
+                    add(id, f"{id}: saved outside the layers, still alive", row)
+        for k, t in enumerate(m.transients):
+            add(f"t{k}", t.what, t)
+        if scope == "layer":
+            full = m.recompute == "full"
+            # a recomputed layer's moment says which tensors given to the checkpointed layers are still alive
+            # (one is freed once the last layer using it is done): the others are freed, not counted
+            kept_ids: tuple[str, ...] = ()
+            if full and ck is not None:
+                kept_ids = tuple(r.saved_as or f"checkpoint_kept.{k}" for k, r in enumerate(ck.kept))
+                for k in m.kept:
+                    add(f"kept{k}", f"{ck.kept[k].arg}, kept by gradient checkpointing", ck.kept[k])
+            moments.append(Moment(f"traced_{n}", f"layer backward{' (recomputed)' if full else ''}: after {m.at}",
+                                  "backward", "layer", tuple(ts), freed=layer_ids + ("layer_input",) + kept_ids,
+                                  grad_elements=m.grad_elements, applies="recomputed" if full else "plain",
+                                  layers=tuple(m.layers) if set(m.layers) != set(range(traced.num_layers)) else (),
+                                  source=src))
+        else:
+            grads = tuple(dict.fromkeys(head if ("lm_head" in g or "embed" in g) else "final norm" for g in m.grads))
+            what = "loss forward" if m.phase == "loss" else "loss / head backward"
+            moments.append(Moment(f"traced_{n}", f"{what}: after {m.at}", m.phase or "backward", "last", tuple(ts),
+                                  freed=last_ids, grads=grads, source=src))
+    return moments
 
 
 def _moe_moments(model: ModelSpec, moments: list) -> list:

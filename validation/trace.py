@@ -88,6 +88,7 @@ import math
 import re
 from collections import Counter
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,7 +100,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 from .measure import Ledger, _ModuleStack, _OpRecorder  # noqa: E402
 
-FORMAT = "memplan-traced-inventory/1"
+FORMAT = "memplan-traced-inventory/2"
 IMPLS = ("hf-sdpa", "hf-eager")
 KERNELS = ("cpu", "cuda")
 SDPA = _hf.SDPA
@@ -185,6 +186,7 @@ class _Saves:
         self._calls: Counter = Counter()
         self._last_call: int | None = None
         self._k = self._j = 0
+        self.live = None  # a transients.LiveStorages told of every save
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
@@ -201,6 +203,8 @@ class _Saves:
         self.dtypes.setdefault(key, t.dtype)
         self.first_save.setdefault(key, {}).setdefault(module, self.saves)
         self.saves += 1
+        if self.live is not None and not is_param:
+            self.live.saved(t, module, key)
         return self.ledger.pack(t)
 
     @contextlib.contextmanager
@@ -221,7 +225,7 @@ class _Saves:
             if op == SDPA:
                 op = f"{SDPA}[{self.aten.kernel_tag(call)}]"
             out.append(dict(module=module, op=op, k=k, j=j, dtype=self.dtypes[key], nbytes=r.nbytes,
-                            savers=self.first_save[key]))
+                            savers=self.first_save[key], key=key))
         return out
 
 
@@ -405,6 +409,20 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
     holds under (ranges of s and b, range guards, divisibility assumed).  Raises ``TraceRefused``
     when the ShapeEnv specialised s or b or a size is not a polynomial in them.
     """
+    run = symbolic_run(build, forward, make_inputs, s_hint, b_hint, python_dispatcher, kernels)
+    return run["model"], run["storages"], run["conditions"]
+
+
+def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
+                 make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
+                 python_dispatcher: bool = True, kernels: str = "cpu", step: dict | None = None) -> dict:
+    """``symbolic_saves``' run, as a dict (model, storages, conditions); with ``step`` (``layers``:
+    model -> (decoder layers' module path, their number), ``checkpoint``: gradient checkpointing on)
+    also the backward (``loss.backward()`` under the same fake mode, so the gradients are symbolic
+    too) with every live storage followed (validation/transients.py): ``sampler`` (the candidate
+    moments per layer and of the head), ``kept`` (checkpointing: the tensors every checkpointed
+    layer is given, alive when the backward starts, and a layer's input), ``args`` (decoder layers'
+    input tensors by (argument, first layer): the records, to match the two runs)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -424,20 +442,90 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
         sizes[name] = env.create_symintnode(sym, hint=hint)
     named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
     cuda = _CudaKernels(named) if kernels == "cuda" else None
+    run: dict = {}
+    polys_conditions: list[str] = []
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
         model = build()
         saves = _Saves(model)
-        with _eager_decisions(), saves.recording():
-            inputs = make_inputs(sizes["s"], sizes["b"])
+        tracking = _tracking(model, saves, named, step, polys_conditions, run) if step else contextlib.nullcontext()
+        with _eager_decisions(), saves.recording(), tracking as live:
             with _python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
                     (cuda.norm_stats() if cuda else contextlib.nullcontext()), _data_dependence_refused():
-                forward(model, *inputs)
+                # the inputs live as long as the model's code keeps them (a training loop's batch dies with its step)
+                loss = forward(model, *make_inputs(sizes["s"], sizes["b"]))
+                if step:
+                    run["sampled"] = step.get("sampled") or _representatives(live, saves)
+                    live.sampler.layers = set(run["sampled"])
+                    live.set(phase="backward", layer=None)
+                    run["kept"] = {"inputs": list(live.buckets.get(("input", 0), {}).values()),
+                                   "extras": list(live.buckets.get(("extra",), {}).values())}
+                    loss.backward()
+                del loss
     conditions = _check_guards(env, symbols) + (cuda.assumed if cuda else [])
     out = []
     for st in saves.storages():
         st["nbytes"] = _as_poly_expr(st["nbytes"], named, st, conditions)
         out.append(st)
-    return model, out, _merge_divisibility(conditions)
+    run.update(model=model, storages=out, conditions=_merge_divisibility(conditions + polys_conditions))
+    return run
+
+
+def _representatives(live, saves: _Saves) -> list[int]:
+    """The decoder layers whose backward is sampled: of each kind of layer (the same saves, by module,
+    op, k, j, dtype and size) the first two and the last two; the others repeat them."""
+    kinds: dict[tuple, list[int]] = {}
+    for i in range(live.num_layers):
+        recs = live.buckets.get(("saved", i), {}).values()
+        sig = tuple(sorted((*(str(x) for x in saves.ctx[r.key][:4]), str(r.dtype), str(r.nbytes)) for r in recs))
+        kinds.setdefault(sig, []).append(i)
+    return sorted({i for layers in kinds.values() for i in layers[:2] + layers[-2:]})
+
+
+@contextlib.contextmanager
+def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[str], run: dict):
+    """The live-storage tracker of a step's run (``symbolic_run``), with its hooks: forward and backward
+    labels per decoder layer (validation/step.py), the layers' inputs, every save, every gradient."""
+    from . import transients
+    from .step import _LayerHooks
+
+    path, n = step["layers"](model)
+    checkpoint = step["checkpoint"]
+    if checkpoint:  # transformers 5.x renamed gradient_checkpointing_enable (deprecated alias)
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    live = transients.LiveStorages(named, path, n)
+    live.module = lambda: saves.modules.current
+    polys = transients.Polys(named, conditions, _exact_divisions)
+    sampler = transients.Sampler(live, polys, checkpointed=checkpoint, head=not checkpoint)
+    run.update(sampler=sampler, polys=polys, args={})
+    saves.live = live
+    layers = list(model.get_submodule(path))
+    handles = []
+
+    def inputs(i, module, args, kwargs):
+        if live.phase == "backward":  # a checkpointed layer's recompute
+            return
+        for label, rec in live.layer_inputs(i, args, kwargs, checkpoint).items():
+            if rec is not None:
+                run["args"].setdefault(rec.cdata, (label, i, rec))
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(partial(inputs, i), with_kwargs=True))
+    for name, p in model.named_parameters():
+        handles.append(p.register_post_accumulate_grad_hook(partial(lambda name, p: live.grad_made(p, name), name)))
+    hooks = _LayerHooks(live, layers)
+    live.sampler = sampler
+    try:
+        with live:
+            yield live
+    finally:
+        live.sampler = None
+        hooks.close()
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -614,8 +702,9 @@ def _term_id(module: str, op: str, k: int, j: int) -> str:
     return f"{head}{f'#{k}' if k else ''}.{j}"
 
 
-def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int) -> dict:
-    """Group saved storages into decoder-layer groups and the outside (the file's body)."""
+def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int, ids: dict | None = None) -> dict:
+    """Group saved storages into decoder-layer groups and the outside (the file's body); ``ids``, when
+    given, receives each storage's term id by its ``key``."""
     layer_re = re.compile(rf"^{re.escape(layers_path)}\.(\d+)(?:\.(.*))?$")
 
     def place(module: str) -> tuple[int | None, str]:
@@ -642,6 +731,8 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
             if term_id in shared_ids:
                 term_id = f"{term_id}@{layer if layer is not None else 'model'}"
             shared_ids.add(term_id)
+        if ids is not None and "key" in st:
+            ids[st["key"]] = term_id
         term = {
             "id": term_id,
             "module": rel,
@@ -672,13 +763,16 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
 
 def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: str = "cpu",
                     dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
-                    python_dispatcher: bool = True, experts: str | None = None) -> dict:
+                    python_dispatcher: bool = True, experts: str | None = None, moments: bool = True) -> dict:
     """The traced inventory of a transformers config: what one training forward + loss saves for
-    backward, per decoder-layer group and outside the layers, as polynomials in s and b.
+    backward, per decoder-layer group and outside the layers, as polynomials in s and b; with
+    ``moments`` also the step's transient tensors (validation/transients.py): the backward run
+    under the fake mode, once as is and once with gradient checkpointing.
 
     Returns the inventory file's data (plain, YAML-serialisable): ``format``, ``origin`` (library
     versions, the config's sha256, architecture, impl, kernels, dtype), ``conditions`` (what the
-    polynomials assume about s and b), ``num_layers``, ``layer_groups`` and ``outside``.
+    polynomials assume about s and b), ``num_layers``, ``layer_groups``, ``outside`` and, with
+    ``moments``, ``checkpoint`` (what gradient checkpointing keeps) and ``moments``.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
@@ -697,10 +791,25 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     def make_inputs(s, b):
         return torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
 
-    model, storages, conditions = symbolic_saves(build, _forward_loss, make_inputs, s_hint, b_hint,
-                                                 python_dispatcher, kernels)
+    def layers(model):
+        n = num_hidden_layers(model)
+        return decoder_layers_path(model, n), n
+
+    sampled: list[int] = []  # the checkpointed run samples the layers the plain run chose
+
+    def run(checkpoint: bool) -> dict:
+        out = symbolic_run(build, _forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
+                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled} if moments else None)
+        sampled[:] = out.get("sampled", [])
+        return out
+
+    runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
+    model, storages = runs[0]["model"], runs[0]["storages"]
+    conditions = list(dict.fromkeys(c for r in runs for c in r["conditions"]))
     num_layers = holder["layers"]
-    body = inventory_from_saves(storages, decoder_layers_path(model, num_layers), num_layers)
+    path = decoder_layers_path(model, num_layers)
+    ids: dict = {}
+    body = inventory_from_saves(storages, path, num_layers, ids)
     origin = {
         "transformers": tf.__version__,
         "torch": torch.__version__.split("+")[0],
@@ -711,7 +820,65 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         "kernels": kernels,
         "dtype": dtype,
     }
-    return {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
+    data = {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
+    if moments:
+        data.update(_moments_sections(runs, body, ids, path, num_layers))
+    return data
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_layers: int) -> dict:
+    """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one."""
+    from . import transients
+
+    plain, ckpt = runs
+    ckpt_ids: dict = {}
+    inventory_from_saves(ckpt["storages"], path, num_layers, ckpt_ids)
+    polys = ckpt["polys"]
+
+    def sized(rec, **fields) -> dict:
+        e = polys.expr(rec.nbytes)
+        return {**fields, "dtype": str(rec.dtype).replace("torch.", ""),
+                "elements": poly_text(sympy.expand(e / _itemsize(rec.dtype))), "bytes": poly_text(e)}
+
+    # a tensor every checkpointed layer is given is counted already when the run without checkpointing saves it
+    # (a storage several layers save: the rotary tables), matched by argument and first layer
+    plain_args = {(label, i): rec for label, i, rec in plain["args"].values()}
+    kept = []
+    for rec in ckpt["kept"]["extras"]:
+        label, i, _ = ckpt["args"][rec.cdata]
+        twin = plain_args.get((label, i))
+        saved_as = ids.get(twin.key) if twin is not None and twin.bucket == ("shared",) else None
+        kept.append(sized(rec, arg=label, layer=i, saved_as=saved_as))
+    kept_index = {rec.cdata: k for k, rec in enumerate(ckpt["kept"]["extras"])}
+    checkpoint = {"layer_input": sized(ckpt["kept"]["inputs"][0]) if ckpt["kept"]["inputs"] else None, "kept": kept}
+    moments = []
+    for run, run_ids, recompute in ((plain, ids, "none"), (ckpt, ckpt_ids, "full")):
+        fronts = run["sampler"].fronts
+        if recompute == "none" and ("last",) in fronts:
+            moments += transients.entries(fronts[("last",)], run_ids, run["polys"], poly_text, _itemsize, scope="last")
+        for k, group in enumerate(body["layer_groups"]):
+            # each sampled layer's own candidates (the ends of a group differ: the top layer's gradient comes
+            # from the head, the bottom ones free the checkpoint's tensors they were the last to use); a layer
+            # not sampled repeats the second and the second-last sampled ones
+            sampled = [i for i in group["layers"] if ("layer", i) in fronts]
+            if not sampled:
+                continue
+            middle = {sampled[1], sampled[-2]} if len(sampled) >= 2 else {sampled[0]}
+            rows: dict[str, tuple[dict, set]] = {}
+            for i in sampled:
+                where = {i} | ({j for j in group["layers"] if j not in sampled} if i in middle else set())
+                for row in transients.entries(fronts[("layer", i)], run_ids, run["polys"], poly_text, _itemsize,
+                                              kept_index if recompute == "full" else None, scope="layer", group=k,
+                                              recompute=recompute):
+                    key = json.dumps(row, sort_keys=True)
+                    rows.setdefault(key, (row, set()))[1].update(where)
+            for row, where in rows.values():
+                moments.append({**row, "layers": sorted(where)})
+    return {"checkpoint": checkpoint, "moments": moments}
 
 
 # ---------------------------------------------------------------------------------------------
