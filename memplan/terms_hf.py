@@ -134,13 +134,25 @@ def _chunked_loss_moments(model: ModelSpec, chunks: int) -> list[Moment]:
     ]
 
 
-def _loss_moments(model: ModelSpec) -> list[Moment]:
+def _loss_moments(model: ModelSpec, final_norm: bool = True) -> list[Moment]:
     """ForCausalLMLoss: the bf16 logits and their fp32 copy while log_softmax makes the saved fp32
     log-probabilities; in the backward nll_loss's and log_softmax's fp32 gradients (the model's
     output, and with it the bf16 logits, is gone by then, as in the Trainer's training_step); then
     the bf16 gradient of the logits while lm_head's backward runs."""
     head = "output layer (LM head)" if not model.tied_embeddings else "word embedding"
-    return [
+    norm = []
+    if final_norm and model.norm == "rmsnorm":
+        # LlamaRMSNorm's backward runs in fp32: beside its saved fp32 input, the gradients of pow, mean,
+        # rsqrt and the product (five s x b x h fp32 tensors at once, after the mul of PowBackward0), with
+        # the head's and the norm's weight gradients made; the rest of the head is freed
+        src = ("traced: the live storages of a fake Llama step (validation/transients.py), checked by memplan "
+               "validate --peak (llama sdpa s128 v64)")
+        norm = [Moment("final_norm_backward", "final norm backward (RMSNorm in fp32)", "backward", "last",
+                       (_x("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
+                           scope="last", src=src),),
+                       ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "final_norm_rstd",
+                        "final_norm_normed"), (head, "final norm"), source=src)]
+    return norm + [
         Moment("loss_forward", "loss forward: bf16 logits, fp32 copy, log-softmax", "loss", "last",
                (_x("logits", "logits (lm_head output, bf16)", "s b v", scope="last", src=STEP),
                 _x("logits_fp32_copy", "logits.float()", "s b v", "fp32", scope="last", src=STEP)), source=STEP),
@@ -168,6 +180,12 @@ def hf_terms(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> 
     extra = [] if sdpa else [_checkpoint_mask()]
     if layout == "gpt2":
         return _gpt2_layer(model, sdpa, mask, device) + _gpt2_outside(model, mask, device, loss_chunks) + extra
+    # the decoder layers are also given the int64 position ids (one [1, s] row), which gradient checkpointing
+    # keeps as it keeps the mask (traced: validation/transients.py, the `checkpoint` of a traced inventory)
+    extra.append(_t("checkpoint_position_ids", "position ids (int64), an input of every checkpointed layer",
+                    "attention", "s", "int64", scope="chunk", k22=False, only_full=True,
+                    src="traced: transformers 5.23.0 LlamaModel passes position_ids to each decoder layer; "
+                    "torch.utils.checkpoint keeps it"))
     return _llama_layer(model, sdpa, mask) + _llama_outside(loss_chunks) + extra
 
 
