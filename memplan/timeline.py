@@ -123,7 +123,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         return k * stored_rec + (j - k) * stored_plain
 
     last_cur = sum((term_bytes[t.id] for t in last_terms), 0) * is_last  # this micro-batch's head terms
-    chunk_cur = sum((term_bytes[t.id] for t in chunk_terms), 0)
+    chunk_cur = sum((term_bytes[t.id] * t.kept(rec) for t in chunk_terms), 0)  # only_full ones: under full recompute
     # Everything saved at the stage's peak (the in-flight chunks), minus this chunk's layers and head.
     retained = stage_mem.activations - stage_mem.recompute_working_bytes
     others = retained - stored_upto(n) - last_cur
@@ -277,7 +277,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
     # tensors of the chunk a moment has freed (a traced recomputed layer: inputs of the checkpointed layers
     # whose last user is done)
-    chunk_freed = {m.id: sum((term_bytes[t.id] for t in chunk_terms if t.id in m.freed), 0) for m in layer_moments}
+    chunk_freed = {m.id: sum((term_bytes[t.id] * t.kept(rec) for t in chunk_terms if t.id in m.freed), 0)
+                   for m in layer_moments}
     for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
         # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
