@@ -330,7 +330,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     from validation.trace import measure_hf_config, trace_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
+    data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu", moments=False)
     (tmp_path / file_name("hf-sdpa", "cpu")).write_text(yaml.safe_dump(data, sort_keys=False))
     model = read_hf_config(str(tmp_path / "config.json")).model.model_copy(update={"inventory": str(tmp_path)})
     for s, b in ((32, 2), (48, 3)):
@@ -372,7 +372,7 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
 
     config = {**QWEN3_MOE, "num_hidden_layers": 8, "mlp_only_layers": [0, 1, 2]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
+    data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu", moments=False)
     assert [g["layers"] for g in data["layer_groups"]] == [[0, 1, 2], [3, 4, 5, 6, 7]]
     (tmp_path / file_name("hf-sdpa", "cpu")).write_text(yaml.safe_dump(data, sort_keys=False))
     model = read_hf_config(str(tmp_path / "config.json")).model.model_copy(update={"inventory": str(tmp_path)})

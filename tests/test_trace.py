@@ -30,7 +30,7 @@ def traced():
         key = (name, tuple(sorted(kw.items())))
         if key not in cache:
             cfg, impl = FAMILIES[name]
-            cache[key] = tr.trace_hf_config(cfg, impl, **kw)
+            cache[key] = tr.trace_hf_config(cfg, impl, **{"moments": False, **kw})  # saves only: fast
         return cache[key]
 
     return get
@@ -58,7 +58,7 @@ def test_trace_equals_hand_inventory(arch, impl, g, head_dim, dropout):
     case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"),
                   g=g, head_dim=head_dim)
     config = build_config(case).to_dict()  # the config validation/hf.py measures
-    inv = tr.trace_hf_config(config, impl)
+    inv = tr.trace_hf_config(config, impl, moments=False)
     assert inv["conditions"] == ["s >= 2", "b >= 2"]
     assert [g_["layers"] for g_ in inv["layer_groups"]] == [[0, 1]]
     shared = [t["id"] for t in inv["layer_groups"][0]["terms"] if t["shared"]]
@@ -153,7 +153,7 @@ def test_without_the_eager_decisions_a_mask_appears(monkeypatch, traced):
 
     cfg, impl = FAMILIES["qwen2"]
     monkeypatch.setattr(tr, "_eager_decisions", contextlib.nullcontext)
-    raw = tr.trace_hf_config(cfg, impl)
+    raw = tr.trace_hf_config(cfg, impl, moments=False)
     extra = [t["bytes"] for t in raw["layer_groups"][0]["terms"] if "s^2" in t["bytes"]]
     assert extra == ["2 s^2 b"]
     assert not any("s^2" in t["bytes"] for t in traced("qwen2")["layer_groups"][0]["terms"])
@@ -216,7 +216,7 @@ def test_real_model_without_the_python_dispatcher_is_refused():
     QK^T): the ShapeEnv pins both, and the trace is refused."""
     cfg, _ = FAMILIES["qwen2"]
     with pytest.raises(tr.TraceRefused, match=r"replacement (s|b) -> "):
-        tr.trace_hf_config(cfg, "hf-eager", python_dispatcher=False)
+        tr.trace_hf_config(cfg, "hf-eager", python_dispatcher=False, moments=False)
 
 
 def test_data_dependent_forward_is_refused():
@@ -224,7 +224,7 @@ def test_data_dependent_forward_is_refused():
     experts that received tokens: data-dependent, refused (its grouped_mm default traces)."""
     cfg, _ = FAMILIES["mixtral"]
     with pytest.raises(tr.TraceRefused, match="depends on tensor values"):
-        tr.trace_hf_config(cfg, experts="eager")
+        tr.trace_hf_config(cfg, experts="eager", moments=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
 
     f, g = (256, None) if arch == "gpt2" else (160, 2)
     case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"), g=g)
-    inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda")
+    inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda", moments=False)
     assert inv["origin"]["kernels"] == "cuda" and inv["conditions"] == ["s >= 2", "b >= 2"]
     (group,) = inv["layer_groups"]
     rng = 24 if impl == "hf-sdpa" else 0
@@ -307,7 +307,7 @@ def test_cuda_kernels_with_a_mask_use_efficient_attention():
     """Mistral's sliding window (s >= window): a mask, so no FlashAttention; the memory-efficient
     kernel keeps the additive bf16 mask and a logsumexp padded to a multiple of 32 along s."""
     cfg, impl = FAMILIES["mistral-window"]
-    inv = tr.trace_hf_config(cfg, impl, kernels="cuda")
+    inv = tr.trace_hf_config(cfg, impl, kernels="cuda", moments=False)
     assert inv["conditions"] == ["s >= 16", "b >= 2", "s % 32 == 0"]
     sdpa = [t for t in inv["layer_groups"][0]["terms"] if "scaled_dot_product" in t["op"]]
     assert {t["op"] for t in sdpa} == {"torch.nn.functional.scaled_dot_product_attention[efficient]"}
@@ -321,7 +321,7 @@ def test_cuda_kernels_equal_a_real_gpu_run(name):
     """On a GPU: the emulated CUDA trace against the real kernels' saved storages (up to the
     Philox RNG state, which a real run may keep as host tensors)."""
     cfg, impl = FAMILIES[name]
-    inv = tr.trace_hf_config(cfg, impl, kernels="cuda")
+    inv = tr.trace_hf_config(cfg, impl, kernels="cuda", moments=False)
     for s, b in ((32, 2), (64, 3)):
         measured = tr.measure_hf_config(cfg, s, b, impl, device="cuda")
         predicted = tr.predicted_bytes(inv, s, b)
@@ -343,7 +343,7 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 @pytest.mark.slow
 def test_llama3_8b_traces_in_seconds(capsys):
     start = time.perf_counter()
-    inv = tr.trace_hf_config(LLAMA3_8B)
+    inv = tr.trace_hf_config(LLAMA3_8B, moments=False)
     seconds = time.perf_counter() - start
     with capsys.disabled():
         print(f"\n[trace] Llama-3-8B config (32 layers, v = 128256) traced in {seconds:.1f} s")

@@ -3,9 +3,8 @@
 validation/trace.py traces transformers' real Llama code under FakeTensorMode; memplan reads the
 file like any inventory. For Llama the hand-written inventory of terms_hf.py is measured exactly
 (tests/test_validate_hf.py, step peaks in tests/test_validate_peak.py), so a traced Llama must give
-the same retained bytes and the same step peak through estimate, with and without gradient
-checkpointing: that checks the loader, the layer groups and the moments' freed tensors (found
-by forward order) against measured data. Needs torch and transformers (the test extra)."""
+the same retained bytes through estimate, and a step peak (from the traced transients) within 0.05 %
+of the hand inventory's, with and without gradient checkpointing. Needs torch and transformers (the test extra)."""
 
 import json
 
@@ -38,7 +37,8 @@ def traced_llama(tmp_path_factory):
 
 
 def _config(model, s, b, recompute):
-    return make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute),
+    # bf16 weights, gradients and AdamW states: the training loop validation/step.py measures transformers in
+    return make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute, precision="bf16-true"),
                        model=dict(seq_length=s))
 
 
@@ -52,8 +52,11 @@ def test_traced_llama_equals_the_measured_inventory(traced_llama, impl, s, b, re
     got = estimate(_config(traced, s, b, recompute), impl=impl, device="cpu")
     assert got.inventory.origin.startswith("traced from transformers")
     assert got.stages[0].activations == want.stages[0].activations
-    assert got.step.peak_bytes == want.step.peak_bytes
-    assert (got.step.peak_event.phase, got.step.peak_event.moment) == (want.step.peak_event.phase, want.step.peak_event.moment)
+    # the traced file's transients (validation/transients.py) against the hand inventory's measured moments
+    # (tests/test_validate_peak.py: within 0.1 % of real steps): the same phase, bytes within 0.05 %
+    assert "transients traced" in got.inventory.origin
+    assert abs(got.step.peak_bytes - want.step.peak_bytes) <= 5e-4 * want.step.peak_bytes
+    assert got.step.peak_event.phase == want.step.peak_event.phase
 
 
 def test_traced_file_errors_name_the_file_and_field(traced_llama, tmp_path):
@@ -71,15 +74,19 @@ def test_traced_file_errors_name_the_file_and_field(traced_llama, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, impl", [("qwen2.5-7b", "hf-sdpa"), ("gemma2-9b", "hf-eager"), ("mixtral-8x7b", "hf-sdpa")])
-def test_shipped_traces_match_the_code(name, impl):
+@pytest.mark.parametrize("name, impl, moments", [("qwen2.5-7b", "hf-sdpa", True), ("gemma2-9b", "hf-eager", False),
+                                                 ("mixtral-8x7b", "hf-sdpa", False)])
+def test_shipped_traces_match_the_code(name, impl, moments):
     """A shipped traced inventory is what transformers' code saves today: re-traced, it is the same
-    file (python -m validation.traced_presets regenerates them all when the code changes)."""
-    from validation.traced_presets import ROOT, trace_one
+    file (python -m validation.traced_presets regenerates them all when the code changes); the one with
+    the step's transients (format /2) re-traced with them (about a minute), the others without."""
+    from validation.traced_presets import ROOT, same_trace, trace_one
 
     shipped = ROOT / name / file_name(impl, "cpu")
     assert shipped.is_file(), f"{shipped} is not shipped"
-    assert yaml.safe_load(trace_one(ROOT / name, impl, "cpu")) == yaml.safe_load(shipped.read_text())
+    data = yaml.safe_load(shipped.read_text())
+    assert ("moments" in data) == moments
+    assert same_trace(data, yaml.safe_load(trace_one(ROOT / name, impl, "cpu", moments=moments)))
 
 
 def test_every_shipped_config_has_its_traces():
@@ -108,7 +115,7 @@ def test_a_trace_holds_at_micro_batch_one(family):
     from validation.trace import FAMILIES, measure_hf_config, predicted_bytes
 
     config, _ = FAMILIES[family]
-    inventory = trace_hf_config(config, impl="hf-sdpa", kernels="cpu")
+    inventory = trace_hf_config(config, impl="hf-sdpa", kernels="cpu", moments=False)
     assert "b >= 2" in inventory["conditions"]
     for s in (16, 40):
         measured = measure_hf_config(config, s, 1, impl="hf-sdpa")["total"]
@@ -155,7 +162,7 @@ def test_validate_covers_the_traced_families_and_fails_without_a_term():
     assert len(results) == 2 and all(r.passed and r.error == 0 for r in results)
     case = cases[1]
     cfg, impl = FAMILIES["gemma3"]
-    data = trace_hf_config(cfg, impl=impl, kernels="cpu")
+    data = trace_hf_config(cfg, impl=impl, kernels="cpu", moments=False)
     data["layer_groups"][0]["terms"].pop(3)
     broken = compare_traced(case, data, measure_hf_config(cfg, case.s, case.b, impl=impl))
     assert not broken.passed and broken.mismatched

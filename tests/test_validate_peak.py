@@ -100,10 +100,10 @@ def test_chunked_loss_lowers_the_measured_peak(results):
 
 
 def test_traced_families_peak_as_measured(results):
-    """Each traced family runs whole steps, with gradient checkpointing too (but Gemma 2 / 3 and DeepSeek-V3,
-    whose layers' backward memplan underestimates: README); memplan reads its config.json as estimate
-    --hf-config does and predicts from its trace: within the tolerance, at the same phase and layer; with
-    gradient checkpointing the peak is a decoder layer's backward (the traced inventory's derived moments)."""
+    """Each traced family runs whole steps, with and without gradient checkpointing; memplan reads its
+    config.json as estimate --hf-config does and predicts from its trace: within the tolerance, at the same
+    phase and layer; with gradient checkpointing the peak is a decoder layer's backward (the traced
+    inventory's traced transients)."""
     from validation.trace import FAMILIES
 
     family = [r for r in results if r.case.model == "family"]
@@ -111,53 +111,44 @@ def test_traced_families_peak_as_measured(results):
     assert all(r.passed and r.predicted_at == r.measured_at for r in family), \
         [(r.case.name, r.case.recompute, r.error) for r in family if not r.passed]
     full = [r for r in family if r.case.recompute == "full"]
-    assert len(full) >= 5 and all(r.measured_at.startswith("backward ") for r in full)
+    assert len(full) == 9 and all(r.measured_at.startswith("backward ") for r in full)
+    assert all(r.predicted_moment.startswith("layer backward (recomputed)") for r in full)
     # memplan counts the real model's parameters (Qwen2's biases, Gemma's extra norms, experts, latent attention)
     assert all(r.predicted_params == r.measured_params for r in results), \
         [(r.case.name, r.predicted_params, r.measured_params) for r in results if r.predicted_params != r.measured_params]
 
 
-def test_removing_a_derived_layer_moment_fails(results, monkeypatch):
-    """The families' checkpointed steps peak at the MLP backward moment memplan derives for a traced layer
-    (terms_hf's Llama layout, traced.py's freed tensors): without the activation product's gradients they
-    miss (predicted again, against the measurements above)."""
+def test_removing_a_traced_transient_fails(results, monkeypatch):
+    """The families' checkpointed steps peak inside a recomputed layer's backward, at a moment the trace
+    recorded (validation/transients.py: the tensors alive after one op): without the gradients the backward's
+    nodes make there (the transients whose maker is an autograd node, `...Backward0`), the prediction misses
+    every measured peak above."""
+    from memplan import traced
     from memplan.validate import predict_peak
 
-    original = terms_hf._layer_moments
+    original = traced._traced_moments
 
     def without(*args, **kwargs):
-        return [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id != "grad_activation_products"))
+        return [dataclasses.replace(m, transients=tuple(t for t in m.transients if "Backward" not in t.name))
                 for m in original(*args, **kwargs)]
 
-    monkeypatch.setattr(terms_hf, "_layer_moments", without)
-    full = [r for r in results if r.case.model == "family" and r.case.recompute == "full"
-            and r.case.family not in FIRST_MOMENT_FAMILIES]
-    assert full
+    monkeypatch.setattr(traced, "_traced_moments", without)
+    full = [r for r in results if r.case.model == "family" and r.case.recompute == "full"]
+    assert len(full) == 9
     for r in full:
         predicted = int(predict_peak(r.case).peak_bytes)
         assert abs(predicted - r.measured) > PEAK_TOLERANCE * r.measured, r.case.name
 
 
-# families whose checkpointed layers peak at a moment the Llama layout lacks (traced._first_moments):
-# Gemma 2 / 3's norm on the MLP's output, Mixtral's experts' combine
-FIRST_MOMENT_FAMILIES = ("gemma2", "gemma3", "mixtral")
-
-
-def test_removing_the_first_moments_fails(results, monkeypatch):
-    """Gemma 2, Gemma 3 and Mixtral with gradient checkpointing peak at the start of a layer's backward
-    (the fp32 backward of the norm on the MLP's output; the experts' combine): without those moments the
-    prediction drops, and misses Gemma 2's and Gemma 3's measured peaks (by 1.3 % and 1.9 %; Mixtral's
-    MLP moment alone happens to land within 0.06 % of its peak, the combine puts it 0.62 % above)."""
-    from memplan import traced
+def test_removing_the_final_norm_backward_fails(results, monkeypatch):
+    """transformers' Llama with a small vocabulary peaks in the final RMSNorm's fp32 backward (terms_hf
+    final_norm_backward, read off a traced step): without that moment the loss's is the peak, 2.5 % low."""
     from memplan.validate import predict_peak
 
-    monkeypatch.setattr(traced, "_first_moments", lambda model, data: [])
-    full = [r for r in results if r.case.model == "family" and r.case.recompute == "full"
-            and r.case.family in FIRST_MOMENT_FAMILIES]
-    assert {r.case.family for r in full} == set(FIRST_MOMENT_FAMILIES)
-    for r in full:
-        assert r.passed
-        predicted = int(predict_peak(r.case).peak_bytes)
-        assert predicted < int(r.predicted), r.case.name
-        if r.case.family != "mixtral":
-            assert abs(predicted - r.measured) > PEAK_TOLERANCE * r.measured, r.case.name
+    case = next(r for r in results if r.case.name == "llama sdpa s128 v64")
+    assert case.passed and case.predicted_moment.startswith("final norm backward")
+    original = terms_hf._loss_moments
+    monkeypatch.setattr(terms_hf, "_loss_moments",
+                        lambda model, final_norm=True: original(model, final_norm=False))
+    predicted = int(predict_peak(case.case).peak_bytes)
+    assert abs(predicted - case.measured) > PEAK_TOLERANCE * case.measured
