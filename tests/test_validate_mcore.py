@@ -7,15 +7,13 @@ runs here (one spawned process for t = 1, two gloo processes for t = 2); `mempla
 the whole grid (t = 1, 2, SP on / off, recompute none / selective / full, layer and model: 42 cases).
 """
 
-import dataclasses
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from memplan import terms as inventory  # noqa: E402
-from memplan.validate import CaseResult, mcore_case, predict, run  # noqa: E402
+from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
+from memplan.validate import mcore_case, run  # noqa: E402
 
 T1 = [mcore_case("gpt", recompute=r) for r in ("none", "selective", "full")] + [
     mcore_case("gpt", scope="model", backend="live"),
@@ -39,10 +37,8 @@ def t2_results(announce):
 
 
 def _check(results):
-    assert [(r.case, r.mismatched, r.error) for r in results if not r.passed] == []
-    for r in results:
-        assert "unlabeled" not in r.measured, r.case
-        assert r.measured_total > 0
+    assert_exact(results)
+    assert all(r.measured_total > 0 for r in results)
 
 
 def test_t1_matches_megatron_core(t1_results):
@@ -65,36 +61,11 @@ def test_gpt_layer_by_hand(t1_results):
     assert r.measured_total == 180_224 + 8_192 + 8_192 + 512 + 1_024
 
 
-def _without(term_id):
-    original = inventory.inventory_for
-
-    def inventory_for(model, impl="megatron", device="cuda", loss_chunks=1):
-        inv = original(model, impl, device, loss_chunks)
-        return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
-
-    return inventory_for
-
-
 @pytest.mark.slow
 def test_every_term_is_checked(monkeypatch, t1_results, t2_results):
     """Each term of the megatron-local inventory (CPU) that the measured cases hold, removed, makes a case fail."""
     results = t1_results + t2_results
-    ids = set()
-    for r in results:
-        ids |= {t.id for t in inventory.inventory_for(_model(r), "megatron-local", "cpu").terms}
-    unchecked = []
-    for term_id in sorted(ids):
-        monkeypatch.setattr(inventory, "inventory_for", _without(term_id))
-        failed = [r for r in results
-                  if not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed]
-        monkeypatch.undo()
-        if not failed:
-            unchecked.append(term_id)
+    unchecked = unchecked_terms(monkeypatch, results, term_ids(results))
     # attn_mask_type is 4 bytes per layer: within 0.01 % of any case
     assert set(unchecked) <= {"attn_mask_type"}, unchecked
 
-
-def _model(r):
-    from memplan.validate import case_model
-
-    return case_model(r.case)

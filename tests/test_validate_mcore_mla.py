@@ -7,15 +7,13 @@ q latent, recompute none / selective / full, and with megatron-core's MoELayer a
 t = 2 with and without SP (two gloo processes, slow).
 """
 
-import dataclasses
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from memplan import terms as inventory  # noqa: E402
-from memplan.validate import CaseResult, case_model, mcore_mla_case, predict, run  # noqa: E402
+from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
+from memplan.validate import mcore_mla_case, run  # noqa: E402
 
 T1 = [mcore_mla_case(), mcore_mla_case(None), mcore_mla_case(recompute="selective"),
       mcore_mla_case(recompute="full"), mcore_mla_case(experts=4)]
@@ -29,9 +27,8 @@ def t1_results(announce):
 
 
 def _check(results):
-    assert [(r.case.name, r.mismatched, r.error) for r in results if not r.passed] == []
+    assert_exact(results)
     for r in results:
-        assert "unlabeled" not in r.measured, r.case.name
         assert r.case.recompute == "full" or any(k.startswith("mla_") for k in r.measured), r.case.name
 
 
@@ -62,29 +59,9 @@ def test_mla_terms_by_hand(t1_results):
     assert not any(k.startswith("mla_q_") for k in t1_results[1].measured)
 
 
-def _without(term_id):
-    original = inventory.inventory_for
-
-    def inventory_for(model, impl="megatron", device="cuda", loss_chunks=1):
-        inv = original(model, impl, device, loss_chunks)
-        return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
-
-    return inventory_for
-
-
 def test_every_mla_term_is_checked(monkeypatch, t1_results):
     """Each latent-attention term of the megatron-local inventory (CPU), removed, makes a case fail."""
-    ids = set()
-    for r in t1_results:
-        ids |= {t.id for t in inventory.inventory_for(case_model(r.case), "megatron-local", "cpu").terms
-                if t.block == "latent attention"}
+    ids = term_ids(t1_results, lambda t: t.block == "latent attention")
     assert {"mla_q_up_input", "mla_kv_up_input", "qk", "v", "proj_input", "rope_cos_sin"} <= ids
-    unchecked = []
-    for term_id in sorted(ids):
-        monkeypatch.setattr(inventory, "inventory_for", _without(term_id))
-        failed = [r for r in t1_results
-                  if not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed]
-        monkeypatch.undo()
-        if not failed:
-            unchecked.append(term_id)
+    unchecked = unchecked_terms(monkeypatch, t1_results, ids)
     assert unchecked == []

@@ -8,15 +8,13 @@ and without padding, shared experts (one process); ep = 2, and t = 2 with SP and
 (two gloo processes, slow).
 """
 
-import dataclasses
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from memplan import terms as inventory  # noqa: E402
-from memplan.validate import CaseResult, case_model, mcore_moe_case, predict, run  # noqa: E402
+from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
+from memplan.validate import mcore_moe_case, run  # noqa: E402
 
 T1 = [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
       mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
@@ -38,9 +36,8 @@ def ep2_results(announce):
 
 
 def _check(results):
-    assert [(r.case, r.mismatched, r.error) for r in results if not r.passed] == []
+    assert_exact(results)
     for r in results:
-        assert "unlabeled" not in r.measured, r.case
         assert any(k.startswith("moe_") for k in r.measured), r.case
 
 
@@ -72,30 +69,10 @@ def test_moe_terms_by_hand(t1_results):
     assert half.measured["moe_permuted_tokens"] == 16_384 // 2 and half.measured["moe_routing_map"] == 2 * 256
 
 
-def _without(term_id):
-    original = inventory.inventory_for
-
-    def inventory_for(model, impl="megatron", device="cuda", loss_chunks=1):
-        inv = original(model, impl, device, loss_chunks)
-        return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
-
-    return inventory_for
-
-
 def test_every_moe_term_is_checked(monkeypatch, t1_results):
     """Each MoE term of the megatron-local inventory (CPU) the cases hold, removed, makes a case fail."""
-    ids = set()
-    for r in t1_results:
-        ids |= {t.id for t in inventory.inventory_for(case_model(r.case), "megatron-local", "cpu").terms
-                if t.block.startswith("MoE")}
+    ids = term_ids(t1_results, lambda t: t.block.startswith("MoE"))
     assert {"moe_permuted_tokens", "moe_fc1_output", "moe_fc2_input", "shared_fc1_output"} <= ids
-    unchecked = []
-    for term_id in sorted(ids):
-        monkeypatch.setattr(inventory, "inventory_for", _without(term_id))
-        failed = [r for r in t1_results
-                  if not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed]
-        monkeypatch.undo()
-        if not failed:
-            unchecked.append(term_id)
+    unchecked = unchecked_terms(monkeypatch, t1_results, ids)
     # the aux loss value is one fp32 scalar per layer: 4 bytes, within 0.01 % of any case
     assert set(unchecked) <= {"moe_aux_loss"}, unchecked
