@@ -6,7 +6,7 @@ the transformers config.json it was traced from and one file per implementation 
     python -m validation.traced_presets qwen2.5-7b # one model
 
 Tracing the transients runs the backward twice more (as is and with gradient checkpointing): a 7B model's
-four files take minutes, DeepSeek-V3's (61 layers, 256 experts) about an hour on two cores. Files of format
+four files take 2-3 minutes, DeepSeek-V3's (61 layers, 256 experts) about 7 on two cores. Files of format
 /1 (no transients: memplan derives them, memplan/traced.py) still load, and --check re-traces them as they
 were made.
 
