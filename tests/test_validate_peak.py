@@ -66,8 +66,9 @@ def test_removing_the_loss_gradients_fails(results, monkeypatch):
                 for m in moments]
 
     monkeypatch.setattr(terms_hf, "_loss_moments", without)
-    # steps that peak at the loss's gradient (the in-backward loop's wide-MLP case peaks in a layer's backward)
-    cases = _cases(results, model="llama", attn="sdpa", s=128, recompute="none", optimizer="fused", b=1,
+    # steps that peak at the loss's gradient (v = 256; the v = 64 case peaks at the final norm's backward, the
+    # in-backward loop's wide-MLP case in a layer's backward)
+    cases = _cases(results, model="llama", attn="sdpa", s=128, v=256, recompute="none", optimizer="fused", b=1,
                    microbatches=1, algorithm="adamw", in_backward=False, mst=1)
     assert cases and not any(r.passed for r in run_peak(cases))
 
