@@ -456,6 +456,7 @@ def search(**opts: Any) -> None:
     first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
     every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
     one), and the presets that could not be searched listed with the reason."""
+    from memplan import mst, offload
     from memplan.planner import arrange, fixed_from, search as run, search_presets
     from memplan.presets import load_model, model_names, search_inputs
     from memplan.report import (DelayedProgress, render_output, render_search, render_search_all, search_dict,
@@ -468,26 +469,14 @@ def search(**opts: Any) -> None:
     if gpus is None:
         raise MemplanError("--gpus is required for search")
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
-    if "activations" in (opts.get("offload") or ()):  # modelled without recompute (TrainingSpec)
-        if opts.get("recompute") not in (None, "none") or opts.get("recompute_num_layers") is not None:
-            raise MemplanError("--offload activations is modelled without recompute: give --recompute none or leave "
-                               "it out")
-        opts["recompute"] = "none"
-    if opts.get("mst") not in (None, 1):  # MsT is modelled for b = 1 (memplan/mst.py): the micro-batch is pinned
-        if opts.get("micro_batch") not in (None, 1):
-            raise MemplanError("--mst is modelled for micro-batch 1 (MsT's setting): drop --micro-batch or give 1")
-        opts["micro_batch"] = 1
-        if opts.get("recompute") not in (None, "full"):
-            raise MemplanError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): give "
-                               "--recompute full or leave it out")
-        opts["recompute"] = "full"
+    opts["recompute"] = offload.search_recompute(opts.get("offload"), opts.get("recompute"),
+                                                 opts.get("recompute_num_layers"))
+    if opts.get("mst") not in (None, 1):
         one = _preset(opts)
         if one is None:
             raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
-        # mini-s' minisequence checkpoints every decoder layer (transformers' gradient checkpointing)
-        if opts.get("recompute_num_layers") not in (None, one.model.num_layers):
-            raise MemplanError("MsT checkpoints every layer: drop --recompute-num-layers")
-        opts["recompute_num_layers"] = one.model.num_layers
+        opts["micro_batch"], opts["recompute"], opts["recompute_num_layers"] = mst.search_pins(
+            opts.get("micro_batch"), opts.get("recompute"), opts.get("recompute_num_layers"), one.model.num_layers)
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
              zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts), first_stage_layers=opts.get("first_stage_layers"),

@@ -104,6 +104,20 @@ MLP_WIDE = ("silu_input", "up_out", "silu_out", "fc2_input")
 FIRST, SECOND = "mst_first", "mst_second"  # suffixes of the pieces processed first / second in the backward
 
 
+def search_pins(micro_batch: Any, recompute: Any, recompute_num_layers: Any, num_layers: int) -> tuple[int, str, int]:
+    """What a search with MsT pins (micro-batch, recompute, recomputed layers): MsT's setting, micro-batch 1 with
+    every decoder layer checkpointed (mini-s' minisequence turns transformers' gradient checkpointing on); a
+    pinned value that contradicts it is refused."""
+    if micro_batch not in (None, 1):
+        raise MemplanError("--mst is modelled for micro-batch 1 (MsT's setting): drop --micro-batch or give 1")
+    if recompute not in (None, "full"):
+        raise MemplanError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): give "
+                           "--recompute full or leave it out")
+    if recompute_num_layers not in (None, num_layers):
+        raise MemplanError("MsT checkpoints every layer: drop --recompute-num-layers")
+    return 1, "full", num_layers
+
+
 def _share(term: Term, elements: Poly, suffix: str, which: str) -> Term:
     return dataclasses.replace(term, id=f"{term.id}_{suffix}", name=f"{term.name}, {which}", elements=elements,
                                source=f"{term.source}; split into MsT pieces ({CODE})")
