@@ -559,27 +559,30 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
     moments = layer_backward_moments(model, model.attention, device, src, rerun) + _loss_moments(impl, loss_chunks, src)
     terms = _loss_terms(terms, impl, loss_chunks)
+    return megatron_inventory(f"{impl}/{model.attention}/{device}", terms, moments, model, stats, moe_cpu=False)
+
+
+def megatron_inventory(name: str, terms: list[Term], moments: list[Moment], model: ModelSpec, stats: Dtype,
+                       moe_cpu: bool) -> Inventory:
+    """A Megatron-LM inventory (--impl megatron, megatron-local) from its dense layer's terms and moments: an MoE
+    model's expert layers (memplan/terms_moe.py; `moe_cpu`: the unfused SwiGLU measured on CPU) and the
+    multi-token-prediction modules on the last stage (memplan/terms_mla.py) added, with the batch tensors
+    Megatron-LM's get_batch holds."""
     if model.is_moe:
         from memplan.terms_moe import moe_layer_terms, moe_moments
 
-        terms = moe_layer_terms(terms, model, unfused=False, measured=False)
+        terms = moe_layer_terms(terms, model, unfused=moe_cpu, measured=moe_cpu)
         moments = moe_moments(moments, model, terms)
-    terms = with_mtp(terms, model, stats)
+    if model.mtp_layers:
+        from memplan.terms_mla import mtp_terms
+
+        terms = terms + mtp_terms(terms, model, stats)
     # Megatron-LM: gradient-accumulation fusion writes weight gradients straight into the fp32
     # main-gradient buffer; Transformer Engine / apex FusedAdam (no temporaries).
     held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
                                src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
-    return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", False,
-                     "fused", "megatron", held, tied_grad_waits=False)
-
-
-def with_mtp(terms: list[Term], model: ModelSpec, stats: Dtype) -> list[Term]:
-    """A Megatron inventory with its multi-token-prediction modules on the last stage (memplan/terms_mla.py)."""
-    if not model.mtp_layers:
-        return terms
-    from memplan.terms_mla import mtp_terms
-
-    return terms + mtp_terms(terms, model, stats)
+    return Inventory(name, tuple(terms), tuple(moments), "buffer", False, "fused", "megatron", held,
+                     tied_grad_waits=False)
 
 
 def _loss_moments(impl: str, chunks: int, src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:

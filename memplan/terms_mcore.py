@@ -37,8 +37,8 @@ import dataclasses
 from memplan.errors import MemplanError
 from memplan.specs import ModelSpec
 from memplan.terms import (
-    Dtype, Inventory, Term, _t, _x, causal_mask_term, k22_outside_layers, labels_term, layer_backward_moments,
-    megatron_layer, vocab_parallel_loss_moments, with_mtp,
+    Dtype, Inventory, Term, _t, causal_mask_term, k22_outside_layers, layer_backward_moments,
+    megatron_inventory, megatron_layer, vocab_parallel_loss_moments,
 )
 
 MCORE = "megatron-core 0.16.1 local spec"
@@ -62,16 +62,8 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
              f"{src}; step transients derived as for --impl megatron")
     moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src)
-    if model.is_moe:
-        from memplan.terms_moe import moe_layer_terms, moe_moments
-
-        terms = moe_layer_terms(terms, model, unfused=device == "cpu", measured=device == "cpu")
-        moments = moe_moments(moments, model, terms)
-    terms = with_mtp(terms, model, "act" if device == "cpu" else "fp32")
-    held = (labels_term(), _x("loss_mask", "loss mask (fp32) of the batch", "s b", "fp32", scope="last",
-                               src="Megatron-LM pretrain_gpt.get_batch: tokens, labels, loss_mask, position_ids"))
-    return Inventory(f"megatron-local/eager/{device}", tuple(terms), tuple(moments), "buffer", False, "fused",
-                     "megatron", held, tied_grad_waits=False)
+    return megatron_inventory(f"megatron-local/eager/{device}", terms, moments, model,
+                              "act" if device == "cpu" else "fp32", moe_cpu=device == "cpu")
 
 
 def mcore_local_terms(model: ModelSpec, device: str) -> list[Term]:
