@@ -104,7 +104,7 @@ class ModelSpec(_Spec):
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
-    # No expert parallelism yet: every GPU holds every expert.
+    # Expert parallelism (ParallelSpec ep, etp) splits the routed experts over GPUs (memplan/parallel.py).
     num_experts: Optional[int] = Field(
         default=None, gt=0, description="E, routed experts per MoE layer (transformers num_local_experts / "
         "num_experts / n_routed_experts; Megatron-LM --num-experts)")
@@ -613,7 +613,6 @@ class GpuSpec(_Spec):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return _sized(value)
-
 
     @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth",
                      mode="before")
