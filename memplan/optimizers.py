@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from memplan.pipeline import _maximum
 from memplan.specs import OPTIMIZER_IMPLS_OF, TrainingSpec
 
 
@@ -166,10 +167,6 @@ FP32 = 4
 ABSMAX_BYTES = 4  # bitsandbytes: one fp32 absmax per block of each 8-bit state
 ADAM8BIT_BLOCK = 256  # bitsandbytes/optim/optimizer.py:524 (`blocksize = 256`, 2048 before 0.44.0)
 ADAM8BIT_MIN_SIZE = 4096  # bitsandbytes Optimizer2State min_8bit_size default: smaller tensors keep fp32 states
-
-
-def _maximum(x: Any, y: Any) -> Any:
-    return x + (y - x) * (y > x)
 
 
 def muon_newton_schulz_bytes(t: Tensor, p: int) -> Any:

@@ -199,7 +199,7 @@ def _maximum(x: Any, y: Any) -> Any:
 
 
 def _minimum(x: Any, y: Any) -> Any:
-    return x - (x - y) * (x > y)
+    return np.minimum(x, y) if _is_array(x, y) else min(x, y)
 
 
 def _select(mask: Any, a: Any, b: Any) -> Any:

@@ -24,6 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 
+def _maximum(x: Any, y: Any) -> Any:
+    """max(x, y) by arithmetic, for ints and numpy arrays alike (no numpy import needed)."""
+    return x + (y - x) * (y > x)
+
 
 def _minimum(x: Any, y: Any) -> Any:
     """min(x, y) by arithmetic, for ints and numpy arrays alike (no numpy import needed)."""

@@ -42,18 +42,10 @@ from memplan.offload import conversion_temp_bytes, layer_weight_bytes, offloaded
 from memplan.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
 from memplan.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
 from memplan.parallel import cp_moments, expert_shard, state_shard
+from memplan.pipeline import _maximum, _minimum
 from memplan.terms import EMBEDDING_OUTPUT_GRAD, Inventory, Moment
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-
-
-def _maximum(x: Any, y: Any) -> Any:
-    """max(x, y) by arithmetic (ints and numpy arrays alike)."""
-    return x + (y - x) * (y > x)
-
-
-def _minimum(x: Any, y: Any) -> Any:
-    return x - (x - y) * (x > y)
 
 
 PARTS = ("weights", "optimizer", "gradients", "saved", "transient")
