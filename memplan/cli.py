@@ -456,7 +456,7 @@ def search(**opts: Any) -> None:
     first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
     every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
     one), and the presets that could not be searched listed with the reason."""
-    from memplan import mst, offload
+    from memplan import mst
     from memplan.planner import arrange, fixed_from, search as run, search_presets
     from memplan.presets import load_model, model_names, search_inputs
     from memplan.report import (DelayedProgress, render_output, render_search, render_search_all, search_dict,
@@ -469,8 +469,6 @@ def search(**opts: Any) -> None:
     if gpus is None:
         raise MemplanError("--gpus is required for search")
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
-    opts["recompute"] = offload.search_recompute(opts.get("offload"), opts.get("recompute"),
-                                                 opts.get("recompute_num_layers"))
     if opts.get("mst") not in (None, 1):
         one = _preset(opts)
         if one is None:

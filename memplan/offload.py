@@ -57,24 +57,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memplan.errors import MemplanError
 from memplan.parallel import state_shard
 from memplan.specs import ModelSpec, Recompute, TrainingSpec
 
 MICRO = 1_000_000
 # parameter groups no op saves (a bias add's backward needs no tensor): states.param_groups' names
 UNSAVED_GROUPS = ("column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)")
-
-
-def search_recompute(offload: Any, recompute: Any, recompute_num_layers: Any) -> Any:
-    """The recompute mode a search pins: activation offload is modelled without recompute (TrainingSpec), so
-    with it 'none' (a pinned recompute is refused); otherwise the pinned value, if any."""
-    if "activations" not in (offload or ()):
-        return recompute
-    if recompute not in (None, "none") or recompute_num_layers is not None:
-        raise MemplanError("--offload activations is modelled without recompute: give --recompute none or leave it "
-                           "out")
-    return "none"
 
 
 def share(n: Any, fraction: float) -> Any:
