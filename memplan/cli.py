@@ -456,7 +456,6 @@ def search(**opts: Any) -> None:
     first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
     every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
     one), and the presets that could not be searched listed with the reason."""
-    from memplan import mst
     from memplan.planner import arrange, fixed_from, search as run, search_presets
     from memplan.presets import load_model, model_names, search_inputs
     from memplan.report import (DelayedProgress, render_output, render_search, render_search_all, search_dict,
@@ -469,12 +468,8 @@ def search(**opts: Any) -> None:
     if gpus is None:
         raise MemplanError("--gpus is required for search")
     zero = 1 if opts.get("distributed_optimizer") else opts.get("zero")
-    if opts.get("mst") not in (None, 1):
-        one = _preset(opts)
-        if one is None:
-            raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
-        opts["micro_batch"], opts["recompute"], opts["recompute_num_layers"] = mst.search_pins(
-            opts.get("micro_batch"), opts.get("recompute"), opts.get("recompute_num_layers"), one.model.num_layers)
+    if opts.get("mst") not in (None, 1) and _preset(opts) is None:
+        raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
     fixed = fixed_from(
         dict(tp=opts.get("tp"), pp=opts.get("pp"), dp=opts.get("dp"), vpp=opts.get("vpp"), sp=opts.get("sp"),
              zero=zero, zero_shard=opts.get("zero_shard"), **_cp_ep(opts), first_stage_layers=opts.get("first_stage_layers"),

@@ -39,7 +39,7 @@ import math
 from typing import Any, Union
 
 from memplan.errors import MemplanError
-from memplan.specs import ModelSpec
+from memplan.specs import ModelSpec, Recompute
 from memplan.symbolic import Poly
 from memplan.terms import FC2_W, Inventory, Moment, Term, _t, _x
 
@@ -104,18 +104,18 @@ MLP_WIDE = ("silu_input", "up_out", "silu_out", "fc2_input")
 FIRST, SECOND = "mst_first", "mst_second"  # suffixes of the pieces processed first / second in the backward
 
 
-def search_pins(micro_batch: Any, recompute: Any, recompute_num_layers: Any, num_layers: int) -> tuple[int, str, int]:
-    """What a search with MsT pins (micro-batch, recompute, recomputed layers): MsT's setting, micro-batch 1 with
-    every decoder layer checkpointed (mini-s' minisequence turns transformers' gradient checkpointing on); a
-    pinned value that contradicts it is refused."""
+def search_pins(micro_batch: Any, recompute: Any, recompute_num_layers: Any, num_layers: int) -> tuple[int, int]:
+    """What a search with MsT pins (micro-batch, recomputed layers, with full recompute): MsT's setting,
+    micro-batch 1 with every decoder layer checkpointed (mini-s' minisequence turns transformers' gradient
+    checkpointing on); a pinned value that contradicts it is refused."""
     if micro_batch not in (None, 1):
         raise MemplanError("--mst is modelled for micro-batch 1 (MsT's setting): drop --micro-batch or give 1")
-    if recompute not in (None, "full"):
+    if recompute not in (None, Recompute.FULL):
         raise MemplanError("MsT runs with gradient checkpointing (mini-s' minisequence turns it on): give "
                            "--recompute full or leave it out")
     if recompute_num_layers not in (None, num_layers):
         raise MemplanError("MsT checkpoints every layer: drop --recompute-num-layers")
-    return 1, "full", num_layers
+    return 1, num_layers
 
 
 def _share(term: Term, elements: Poly, suffix: str, which: str) -> Term:

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from memplan import mst
 from memplan.errors import MemplanError
 from memplan.memory import PlanValues, stage_memory
 from memplan.fp8 import MAX_ZERO as FP8_MAX_ZERO, check_fp8
@@ -497,14 +498,19 @@ def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory
     return np.broadcast_to(np.asarray(node, dtype=np.int64), np.broadcast_shapes(np.shape(node), np.shape(like)))
 
 
-def _offload_fixed(training: TrainingSpec, fixed: Fixed) -> Fixed:
-    """Activation offload is modelled without recompute (TrainingSpec): the search keeps recompute none.
-    FP8 is modelled up to the distributed optimizer (memplan/fp8.py): the search leaves ZeRO 2 / 3 out."""
+def _training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fixed:
+    """What the training settings pin in a search. FP8 is modelled up to the distributed optimizer
+    (memplan/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
+    checkpointed (memplan/mst.py search_pins). Activation offload is modelled without recompute
+    (TrainingSpec): the search keeps recompute none."""
     if training.fp8 is not None:
         if fixed.zero is not None and fixed.zero > FP8_MAX_ZERO:
             raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
                                "0 or 1 (or leave --zero out)")
         fixed = dataclasses.replace(fixed, max_zero=FP8_MAX_ZERO)
+    if mst.is_on(training.mst):
+        b, k = mst.search_pins(fixed.micro_batch, fixed.recompute, fixed.recompute_num_layers, model.num_layers)
+        fixed = dataclasses.replace(fixed, micro_batch=b, recompute=Recompute.FULL, recompute_num_layers=k)
     if not training.offload_activations:
         return fixed
     if fixed.recompute not in (None, Recompute.NONE) or fixed.recompute_num_layers is not None:
@@ -996,7 +1002,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     the plan that needs the least memory when none fits. See the module docstring for how; with
     `reference`, every plan is evaluated as flat arrays in chunks (slower, the same result). With
     `host_budget_bytes`, a plan fits only when its offload's host memory per node is within it too."""
-    fixed = _offload_fixed(training, fixed)
+    fixed = _training_fixed(model, training, fixed)
     check_fp8(training.fp8, impl, 0, gpu)
     if reference:
         return _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
@@ -1276,7 +1282,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
     """Whether some plan fits (memory only; False when no plan divides the GPUs or the sizes are
     beyond the int64 arithmetic, which fits no budget)."""
     try:
-        fixed = _offload_fixed(training, fixed)
+        fixed = _training_fixed(model, training, fixed)
         space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
         check_int64(model, training, space.max_micro_batch, impl)
     except MemplanError:
