@@ -31,7 +31,7 @@ def main() -> None:
         subprocess.run(cmd, check=True, capture_output=True)
         walls.append(time.perf_counter() - start)
 
-    from memplan.estimate import estimate
+    from memplan.plan.estimate import estimate
     from memplan.presets import load_model, make_config
 
     inproc = []

@@ -17,12 +17,13 @@ import statistics
 import time
 from typing import Callable
 
-from memplan.estimate import estimate, step_peaks
-from memplan.memory import PlanValues, stage_memory
-from memplan.planner import enumerate_plans, evaluate
+from memplan.plan.estimate import estimate, step_peaks
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
+from memplan.plan.planner import enumerate_plans, evaluate
 from memplan.presets import load_gpu, load_model, make_config, search_inputs
-from memplan.terms import inventory_for
-from memplan.timeline import step_events
+from memplan.inventory.assemble import inventory_for
+from memplan.memory.timeline import step_events
 
 
 def median_s(fn: Callable[[], object], runs: int) -> float:

@@ -10,10 +10,10 @@ Every number comes from memplan (the same functions as `memplan estimate`); the 
 
 from __future__ import annotations
 
-from memplan.estimate import estimate
-from memplan.limits import max_seq_len
+from memplan.plan.estimate import estimate
+from memplan.plan.limits import max_seq_len
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.units import format_bytes
+from memplan.core.units import format_bytes
 
 GPU = load_gpu("a100-80gb")
 BASE = "--impl hf-sdpa --precision bf16-true --gpus 1 --global-batch 1 --gpu a100-80gb"

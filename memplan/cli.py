@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import click
 
-from memplan.errors import MemplanError
+from memplan.core.errors import MemplanError
 
 # memplan/specs.py OPTIMIZERS (a test checks they agree; specs loads pydantic, which --help does not need)
 OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
@@ -23,7 +23,7 @@ def _console():
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
-    from memplan.units import parse_size
+    from memplan.core.units import parse_size
 
     if value is None:
         return None
@@ -34,7 +34,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 
 
 def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
-    from memplan.units import parse_tokens
+    from memplan.core.units import parse_tokens
 
     return None if value is None else parse_tokens(value)
 
@@ -218,8 +218,9 @@ def _routed(preset: Any, opts: dict[str, Any], named: bool) -> Any:
     the other presets of an all-presets search ignore them)."""
     import dataclasses
 
-    from memplan.specs import ModelSpec, describe_validation_error
     from pydantic import ValidationError
+
+    from memplan.core.specs import ModelSpec, describe_validation_error
 
     given = {k: v for k, v in _moe_routing(opts).items() if v is not None}
     if not given or not (named or preset.model.is_moe):
@@ -249,7 +250,7 @@ def _training_settings(opts: dict[str, Any]) -> dict[str, Any]:
     if fp8 is None and any(opts.get(k) for k in ("fp8_format", "fp8_amax_history_len", "fp8_param_gather")):
         raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
     if fp8 is not None:
-        from memplan.fp8 import check_fp8
+        from memplan.inventory.fp8 import check_fp8
 
         check_fp8(fp8, opts.get("impl", "megatron"))
     return dict(precision=opts.get("precision"), optimizer=opts.get("optimizer"), optimizer_impl=opts.get("optimizer_impl"),
@@ -286,7 +287,7 @@ def _check_plots(*paths: Optional[str]) -> None:
     """Refuse a bad --plot file name before any work is done (memplan.plots loads only then)."""
     for path in paths:
         if path:
-            from memplan.plots import check_plot_path
+            from memplan.report.plots import check_plot_path
 
             check_plot_path(path)
 
@@ -308,9 +309,9 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def models(as_json: bool) -> None:
     """List the model presets."""
+    from memplan.memory.states import total_params
     from memplan.presets import load_model, model_names
-    from memplan.report import print_json, render_models
-    from memplan.states import total_params
+    from memplan.report.tables import print_json, render_models
 
     rows = []
     for name in model_names():
@@ -328,18 +329,18 @@ def models(as_json: bool) -> None:
 @cli.command()
 def impls() -> None:
     """List the implementations whose saved tensors memplan models, and the optimizers."""
-    from memplan.optimizers import OPTIMIZER_INFO
-    from memplan.terms import IMPLEMENTATIONS
+    from memplan.inventory.assemble import IMPLEMENTATIONS
+    from memplan.memory.optimizers import OPTIMIZER_INFO
 
     for name, text in IMPLEMENTATIONS.items():
         click.echo(f"{name:10s} {text}")
     click.echo("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
     for name, info in OPTIMIZER_INFO.items():
         click.echo(f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}")
-    from memplan.chunked_loss import INFO as CHUNKS_INFO
-    from memplan.fp8 import INFO as FP8_INFO
-    from memplan.mst import TECHNIQUES
-    from memplan.parallel import IMPLS_TEXT
+    from memplan.inventory.chunked_loss import INFO as CHUNKS_INFO
+    from memplan.inventory.fp8 import INFO as FP8_INFO
+    from memplan.inventory.mst import TECHNIQUES
+    from memplan.memory.parallel import IMPLS_TEXT
 
     click.echo("\ntechniques (how each is known):")
     for text in (IMPLS_TEXT, FP8_INFO, CHUNKS_INFO, *(f"{name}: {text}" for name, text in TECHNIQUES.items())):
@@ -349,8 +350,8 @@ def impls() -> None:
 @cli.command()
 def gpus() -> None:
     """List the GPU presets."""
+    from memplan.core.units import format_bytes, format_flops
     from memplan.presets import gpu_names, load_gpu
-    from memplan.units import format_bytes, format_flops
 
     for name in gpu_names():
         g = load_gpu(name)
@@ -372,8 +373,8 @@ def gpus() -> None:
 def estimate(**opts: Any) -> None:
     """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
     peak of a training step."""
-    from memplan.estimate import estimate as run
-    from memplan.report import estimate_dict, render_estimate, render_limits, render_output
+    from memplan.plan.estimate import estimate as run
+    from memplan.report.tables import estimate_dict, render_estimate, render_limits, render_output
 
     fmt = _output_format(opts)
     _check_plots(opts["plot"], opts["plot_techniques"])
@@ -388,7 +389,7 @@ def estimate(**opts: Any) -> None:
         raise MemplanError("--require-fit needs a budget: give --mem SIZE or --gpu NAME")
     limits: dict[str, Any] = {}
     if opts["max_seq"] or opts["max_micro_batch"]:
-        from memplan.limits import max_micro_batch, max_seq_len, need_budget
+        from memplan.plan.limits import max_micro_batch, max_seq_len, need_budget
 
         budget = need_budget(result.budget_bytes, "--max-seq / --max-micro-batch")
         kw = dict(impl=opts["impl"], gpu=gpu, fragmentation_margin=opts.get("frag_margin"))
@@ -403,11 +404,11 @@ def estimate(**opts: Any) -> None:
     else:
         render_output(fmt, "estimate", {**estimate_dict(result), **limits})
     if opts["plot"]:
-        from memplan.plots import plot_estimate
+        from memplan.report.plots import plot_estimate
 
         plot_estimate(result, opts["plot"])
     if opts["plot_techniques"]:
-        from memplan.plots import plot_techniques
+        from memplan.report.plots import plot_techniques
 
         plot_techniques(config, opts["plot_techniques"])
     if opts["require_fit"] and not result.fits:
@@ -419,7 +420,7 @@ class _SearchCommand(click.Command):
     (the planner loads numpy, which no other command's start-up needs)."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from memplan.planner import FOLDING_RULE
+        from memplan.plan.planner import FOLDING_RULE
 
         super().format_help_text(ctx, formatter)
         with formatter.indentation():
@@ -456,10 +457,17 @@ def search(**opts: Any) -> None:
     first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
     every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
     one), and the presets that could not be searched listed with the reason."""
-    from memplan.planner import arrange, fixed_from, search as run, search_presets
+    from memplan.plan.planner import arrange, fixed_from, search_presets
+    from memplan.plan.planner import search as run
     from memplan.presets import load_model, model_names, search_inputs
-    from memplan.report import (DelayedProgress, render_output, render_search, render_search_all, search_dict,
-                                skipped_dict)
+    from memplan.report.tables import (
+        DelayedProgress,
+        render_output,
+        render_search,
+        render_search_all,
+        search_dict,
+        skipped_dict,
+    )
 
     fmt = _output_format(opts)
     _check_emit(opts, fmt)
@@ -496,7 +504,7 @@ def search(**opts: Any) -> None:
     skipped = []
     try:
         if len(presets) == 1:
-            from memplan.planner import search_max_seq
+            from memplan.plan.planner import search_max_seq
 
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
@@ -510,7 +518,7 @@ def search(**opts: Any) -> None:
     results = [arrange(r, opts["sort"], not opts["all_variants"], opts["top"]) for r in results]
     launch = {}
     if opts.get("emit") == "megatron":
-        from memplan.launch import megatron_launch
+        from memplan.launch.megatron import megatron_launch
 
         launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
     by_name = {p.model.name: (p, note) for p, (_, note) in zip(presets, gpu_of)}
@@ -534,7 +542,7 @@ def search(**opts: Any) -> None:
         render_search_all(results, skipped, console, gpu_given=bool(opts.get("gpu_name")),
                           assumed=[p.model.name for p, (_, note) in zip(presets, gpu_of) if note])
     if opts["plot"]:
-        from memplan.plots import plot_search
+        from memplan.report.plots import plot_search
 
         plot_search(results[0], opts["plot"])
     if launch and fmt in ("table", "markdown") and not opts["emit_only"]:
@@ -547,9 +555,9 @@ def search(**opts: Any) -> None:
 
 def _optimizer_notes(result: Any) -> list[str]:
     """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
-    from memplan.optimizers import notes
-    from memplan.terms import training_inventory
-    from memplan.timeline import optimizer_impl
+    from memplan.inventory.assemble import training_inventory
+    from memplan.memory.optimizers import notes
+    from memplan.memory.timeline import optimizer_impl
 
     if result.training.optimizer == "adamw":
         return []
@@ -600,8 +608,9 @@ def _emit_only(launch: dict[str, Any]) -> None:
 def explain(**opts: Any) -> None:
     """Every number of `estimate` derived step by step: the formulas with the values substituted and the
     source of each term (per-layer activations, pipeline copies, states, the step peak, device memory)."""
-    from memplan.explain import SECTIONS, explain as run
-    from memplan.report import explain_lines, print_json
+    from memplan.report.explain import SECTIONS
+    from memplan.report.explain import explain as run
+    from memplan.report.tables import explain_lines, print_json
 
     preset, config = _config_from_options(opts)
     _, steps = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), impl=opts["impl"],
@@ -649,10 +658,10 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],
              mcore: Optional[bool], terms: bool, peak: bool, as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
-    from memplan.report import print_json, render_validation, validation_dict
     import importlib.util
 
-    from memplan.validate import grid, hf_grid, run, summary
+    from memplan.check.validate import grid, hf_grid, run, summary
+    from memplan.report.tables import print_json, render_validation, validation_dict
 
     try:
         import torch  # noqa: F401
@@ -662,8 +671,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         raise MemplanError("--device cuda: no CUDA device is available")
     have_hf = importlib.util.find_spec("transformers") is not None
     if peak:
-        from memplan.report import peak_validation_dict, render_peak_validation
-        from memplan.validate import peak_grid, peak_summary, run_peak
+        from memplan.check.validate import peak_grid, peak_summary, run_peak
+        from memplan.report.tables import peak_validation_dict, render_peak_validation
 
         if not have_hf:
             raise MemplanError("--peak needs transformers: pip install -e '.[test]'")
@@ -681,7 +690,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     cases = grid(device, tps, recomputes, fake and device == "cpu")
     if (have_hf if hf is None else hf) and device == "cpu":
         cases += hf_grid(fake)
-    from memplan.validate import mcore_available, mcore_grid
+    from memplan.check.validate import mcore_available, mcore_grid
 
     if mcore and not mcore_available():
         raise MemplanError("--mcore needs megatron-core: pip install -e '.[test]'")
@@ -689,7 +698,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         cases += mcore_grid(tuple(t for t in tps if t <= 2), recomputes)
     results = run(cases, device)
     if (have_hf if hf is None else hf) and device == "cpu":
-        from memplan.validate import run_traced, traced_grid
+        from memplan.check.validate import run_traced, traced_grid
 
         results += run_traced(traced_grid())  # the traced families against real runs
     totals = summary(results)
@@ -712,7 +721,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
 def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
     """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
     no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
-    from memplan.traced import trace_to_yaml
+    from memplan.inventory.traced import trace_to_yaml
 
     text = trace_to_yaml(hf_config, impl, kernels)
     if out:

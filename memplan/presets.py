@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 import yaml
 
-from memplan.errors import MemplanError
-from memplan.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus, echo
+from memplan.core.errors import MemplanError
+from memplan.core.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus, echo
+from memplan.inventory.traced import inventory_dir
 
 
 def configs_dir() -> Path:
@@ -492,8 +493,6 @@ def read_hf_config(path_text: str) -> ModelPreset:
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
     if layout == "traced":
-        from memplan.traced import inventory_dir
-
         spec["inventory"], how = inventory_dir(data, text, configs_dir() / "traced")
         notes += (how,)
     model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))

@@ -4,8 +4,8 @@ and the removal check (each term of the megatron-local CPU inventory the cases h
 import dataclasses
 from typing import Callable
 
-from memplan import terms as inventory
-from memplan.validate import CaseResult, case_model, predict
+from memplan.inventory import assemble as inventory
+from memplan.check.validate import CaseResult, case_model, predict
 
 
 def assert_exact(results) -> None:

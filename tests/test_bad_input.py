@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.errors import MemplanError
+from memplan.core.errors import MemplanError
 from memplan.presets import load_model, read_hf_config
-from memplan.units import parse_size
+from memplan.core.units import parse_size
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from memplan.errors import MemplanError
-from memplan.units import parse_tokens
+from memplan.core.errors import MemplanError
+from memplan.core.units import parse_tokens
 
 
 @pytest.mark.parametrize("text, tokens", [

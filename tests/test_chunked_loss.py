@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from memplan import chunked_loss
-from memplan.estimate import estimate
-from memplan.specs import Config, ModelSpec, TrainingSpec
+from memplan.inventory import chunked_loss
+from memplan.plan.estimate import estimate
+from memplan.core.specs import Config, ModelSpec, TrainingSpec
 
 LLAMA = ModelSpec(name="small-llama", num_layers=2, hidden_size=256, num_attention_heads=8, num_kv_heads=2,
                   ffn_hidden_size=512, seq_length=256, vocab_size=4096, norm="rmsnorm", mlp="swiglu",
@@ -59,7 +59,7 @@ def test_removing_the_chunk_softmax_fails_the_hand_derivation(monkeypatch):
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")  # memplan.validate's peak harness imports the HF side too
 
-from memplan.validate import PEAK_TOLERANCE, peak_grid, run_peak  # noqa: E402
+from memplan.check.validate import PEAK_TOLERANCE, peak_grid, run_peak  # noqa: E402
 
 CASES = [c for c in peak_grid(fake=False) if c.model == "k22" and c.loss_chunks > 1]
 
@@ -89,7 +89,7 @@ def test_removing_a_chunk_transient_fails(measured, monkeypatch, term, which):
                 for m in original(*args, **kwargs)]
 
     monkeypatch.setattr(chunked_loss, "chunked_loss_moments", without)
-    from memplan.validate import predict_peak
+    from memplan.check.validate import predict_peak
 
     cases = [r for r in measured if which in r.case.name]
     assert cases
@@ -107,8 +107,8 @@ def test_chunked_loss_step_time_by_hand():
     # each chunk's forward re-run in the backward (derived): one more logits GEMM, 2 s h v FLOPs at matmul_efficiency,
     # 4N - 3 more GEMM kernels (matmul_overhead_s each) and the forward cross-entropy's bytes once more, (A + 4 x 9)
     # per logit, per micro-batch (t = 1, b = 1, M micro-batches)
-    from memplan.memory import PlanValues
-    from memplan.perf import step_time
+    from memplan.memory.term_bytes import PlanValues
+    from memplan.timing.perf import step_time
     from memplan.presets import load_gpu
 
     gpu = load_gpu("h100-80gb")

@@ -188,7 +188,7 @@ def test_one_plan_schema_in_search_and_estimate(run_cli):
 
 
 def test_source_citations_are_not_cut_at_a_comma():
-    from memplan.report import _cite
+    from memplan.report.tables import _cite
 
     # the flash terms' source lists what the kernel saves after the work it cites
     assert _cite("FlashAttention-2 (Dao 2023) forward saves q, k, v, out, softmax_lse") == "FlashAttention-2 (Dao 2023)"

@@ -8,15 +8,16 @@ import sys
 
 import pytest
 
-from memplan.estimate import estimate
-from memplan.launch import megatron_args
-from memplan.memory import PlanValues, TermBytes, stage_memory
-from memplan.perf import step_time
-from memplan.planner import Fixed, plan_space, search
+from memplan.plan.estimate import estimate
+from memplan.launch.megatron import megatron_args
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues, TermBytes
+from memplan.timing.perf import step_time
+from memplan.plan.planner import Fixed, plan_space, search
 from memplan.presets import load_gpu, load_model
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
-from memplan.terms import inventory_for
-from memplan.timeline import step_events
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
+from memplan.inventory.assemble import inventory_for
+from memplan.memory.timeline import step_events
 
 # A small Llama-like dense model: h = q = 64, a = 4 heads of 16, g = 2 key/value heads, s = 1024, flash attention.
 DENSE = dict(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=160,
@@ -158,10 +159,10 @@ def test_experts_split_over_ep_and_sharded_over_the_expert_data_parallel_group()
 def test_expert_token_terms_scale_as_derived():
     # the dispatcher's gathered tokens k s b h etp / t (etp_gathered): k = 2, s = 128, h = 64, t = 2, etp = 2:
     # 2 x 128 x 64 x 2 / 2 x 2 B = 32,768; an f_e-wide expert term k s b f_e / t: 2 x 128 x 32 / 2 x 2 B = 8,192
-    from memplan.terms import _t
+    from memplan.inventory.types import saved
 
-    gathered = _t("x", "gathered tokens", "MLP", "k s b h", tp=True, src="test", etp_gathered=True)
-    wide = _t("y", "expert activation", "MLP", "k s b fe", tp=True, src="test")
+    gathered = saved("x", "gathered tokens", "MLP", "k s b h", tp=True, src="test", etp_gathered=True)
+    wide = saved("y", "expert activation", "MLP", "k s b fe", tp=True, src="test")
     cfg = config(MOE, tp=2, sp=True, dp=2, ep=2, etp=2)
     sizes = TermBytes(cfg.model, plan_of(cfg), 2)
     sizes.values["k"] = 2
@@ -235,7 +236,7 @@ def test_moe_spec_errors():
 def test_optimizer_offload_host_bytes_follow_the_d_times_cp_shard():
     # ZeRO 1 with optimizer offload: a GPU's offloaded states are its 1/(d cp) shard, so d = 8 and d = 2, cp = 4 (both
     # 8 GPUs) keep the same host memory per GPU: 119,104 parameters / 8 = 14,888 x (4 + 8) B = 178,656 B of states
-    from memplan.offload import host_bytes
+    from memplan.memory.offload import host_bytes
 
     out = []
     for par in (dict(dp=8, zero=1), dict(dp=2, cp=4, zero=1)):

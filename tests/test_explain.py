@@ -2,8 +2,8 @@
 
 import json
 
-from memplan.symbolic import Poly
-from memplan.explain import substituted
+from memplan.core.symbolic import Poly
+from memplan.report.explain import substituted
 
 LLAMA_8B = ("--model", "llama3-8b", "--impl", "hf-sdpa", "--tp", "1", "--pp", "1", "--no-sp", "--dp", "1",
             "--global-batch", "1", "--seq-len", "4096", "--recompute", "full", "--precision", "bf16-true",

@@ -3,13 +3,13 @@ every expected value here is a hand derivation from TE's saved-tensor list and s
 
 import pytest
 
-from memplan import fp8 as fp8_module
-from memplan.estimate import estimate
-from memplan.memory import PlanValues
-from memplan.perf import _layer_forms, layer_matmul_flops
+from memplan.inventory import fp8 as fp8_module
+from memplan.plan.estimate import estimate
+from memplan.memory.term_bytes import PlanValues
+from memplan.timing.perf import _layer_forms, layer_matmul_flops
 from memplan.presets import load_gpu
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
-from memplan.terms import inventory_for
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.inventory.assemble import inventory_for
 
 # A Llama-layout model (RMSNorm, SwiGLU, GQA, flash attention, no bias, no dropout): q = h = 256, g/a = 1/4, f = 512.
 LLAMA = ModelSpec(name="small-llama", num_layers=4, hidden_size=256, num_attention_heads=8, num_kv_heads=2,
@@ -59,7 +59,7 @@ def test_removing_the_fp8_copy_of_the_attention_output_fails(monkeypatch):
 def test_scale_inv_is_one_allocator_block_on_cuda():
     # on CUDA each 4-byte scale_inv is its own 512-byte block (PyTorch's caching allocator)
     inv = inventory_for(LLAMA, "megatron", "cuda", fp8="delayed")
-    from memplan.memory import TermBytes
+    from memplan.memory.term_bytes import TermBytes
 
     sizes = TermBytes(LLAMA, PlanValues(1, 1, 1, 1, 0, 0, 1, b, 0, L, 1), 2, inv.granularity)
     scales = [t for t in inv.terms if t.id.endswith("_scale_inv")]
@@ -125,8 +125,8 @@ def test_fp8_gemms_run_at_the_fp8_peak():
 
 
 def test_search_equals_estimate_with_fp8_and_loss_chunks():
-    from memplan.estimate import device_bytes
-    from memplan.planner import search
+    from memplan.plan.estimate import device_bytes
+    from memplan.plan.planner import search
 
     training = TrainingSpec(fp8="delayed", fp8_param_gather=True, loss_chunks=4, global_batch=16)
     gpu = load_gpu("h100-80gb")

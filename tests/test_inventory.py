@@ -9,10 +9,11 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.activations import layer_bytes, layer_poly
-from memplan.specs import ModelSpec, Recompute
-from memplan.symbolic import Poly
-from memplan.terms import display_poly, inventory_for
+from memplan.inventory.activations import layer_bytes, layer_poly
+from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.symbolic import Poly
+from memplan.inventory.assemble import inventory_for
+from memplan.inventory.types import display_poly
 
 
 def k22_table2(s, b, h, a, t, sp, recompute):

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from memplan.launch import CONNECTIONS, megatron_args, megatron_launch
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.launch.megatron import CONNECTIONS, megatron_args, megatron_launch
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 
 # Every flag memplan can emit, as Megatron-LM's own argument parser defines it: None for a switch
 # (store_true / store_false, no value), a type for a value, a tuple for its choices. Transcribed from

@@ -13,12 +13,10 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import memplan.cli
-from memplan.errors import MemplanError
+from memplan.core.errors import MemplanError
 from memplan.presets import load_model, model_names
-from memplan.report import (
-    WIDE_MIN_WIDTH, _cite, _short_cite, compact, make_table, render_peak_validation, render_validation,
-)
-from memplan.terms import IMPLEMENTATIONS, inventory_for
+from memplan.report.tables import (WIDE_MIN_WIDTH, _cite, _short_cite, compact, make_table, render_peak_validation, render_validation)
+from memplan.inventory.assemble import IMPLEMENTATIONS, inventory_for
 
 ESTIMATE_FLASH = ("estimate", "--model", "llama3-8b", "--attention", "flash")
 ESTIMATE_530B = ("estimate", "--model", "gpt3-530b")
@@ -136,7 +134,7 @@ def test_models_at_80():
 def validation_results():
     """Results of the validation grid without running torch: measured = memplan, but for one case
     whose first term is 5,000 bytes off (it fails and shows its term-by-term table)."""
-    from memplan import validate as v
+    from memplan.check import validate as v
 
     results = []
     for i, case in enumerate(v.grid() + v.hf_grid()):

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from memplan.estimate import estimate
-from memplan.launch import megatron_args
+from memplan.plan.estimate import estimate
+from memplan.launch.megatron import megatron_args
 from memplan.presets import ModelPreset, load_gpu, load_model, make_config, search_inputs
-from memplan.specs import ModelSpec
-from memplan.terms import inventory_for
+from memplan.core.specs import ModelSpec
+from memplan.inventory.assemble import inventory_for
 
 MIXTRAL = load_model("mixtral-8x7b").model
 
@@ -83,7 +83,7 @@ def test_expert_backward_gradient_is_sized_for_the_routed_copies():
 
 
 def test_search_equals_estimate_and_uses_ep():
-    from memplan.planner import search
+    from memplan.plan.planner import search
 
     a100 = load_gpu("a100-80gb")
     model, training, gb = search_inputs(ModelPreset(MIXTRAL.model_copy(update=dict(moe_imbalance=1.25))), 64,

@@ -9,10 +9,10 @@ import re
 from click.testing import CliRunner
 
 import memplan.cli
-from memplan import terms as inventory
+from memplan.inventory import assemble as inventory
 from memplan.presets import load_model, make_config
-from memplan.specs import ModelSpec
-from memplan.states import mtp_params, total_params
+from memplan.core.specs import ModelSpec
+from memplan.memory.states import mtp_params, total_params
 
 # a latent-attention layer: h = 64, a = 4 heads of d_n = 16 + d_r = 8 (Q, K) and d_v = 16, r_q = 32, r_kv = 16
 MLA = dict(name="mla", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512,

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from memplan.estimate import estimate
+from memplan.plan.estimate import estimate
 from memplan.presets import load_model, make_config, read_hf_config
-from memplan.specs import ModelSpec
-from memplan.states import total_params
-from memplan.terms import inventory_for
+from memplan.core.specs import ModelSpec
+from memplan.memory.states import total_params
+from memplan.inventory.assemble import inventory_for
 
 S, H, A, G, F, V = 4096, 4096, 32, 8, 14336, 128256  # llama3-8b at s = 4096 (Llama 3 paper, Table 3)
 
@@ -64,7 +64,7 @@ def test_gqa_shrinks_k_and_v():
     def kv_bytes(g):
         model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=8, num_kv_heads=g, seq_length=64,
                           vocab_size=100, attention="flash", dropout=False)
-        from memplan.specs import Config
+        from memplan.core.specs import Config
 
         est = estimate(Config(model=model))
         rows = {r.term.id: r.bytes for r in est.rows}
@@ -237,7 +237,7 @@ def test_shipped_transformers_presets_count_what_transformers_builds():
     pytest.importorskip("transformers")
     from memplan.presets import configs_dir, model_names
 
-    from memplan.states import total_params
+    from memplan.memory.states import total_params
 
     shipped = sorted(p.parent.name for p in (configs_dir() / "traced").glob("*/config.json"))
     assert set(shipped) <= set(model_names()) and len(shipped) >= 7
@@ -254,7 +254,7 @@ def test_every_traced_family_counts_what_transformers_builds(tmp_path):
     pytest.importorskip("transformers")
     from validation.trace import FAMILIES
 
-    from memplan.states import total_params
+    from memplan.memory.states import total_params
 
     for name, (config, _) in FAMILIES.items():
         config = {**config, "architectures": [ARCHITECTURES[config["model_type"]]]}

@@ -11,12 +11,12 @@ import os
 
 import pytest
 
-from memplan import perf
-from memplan.errors import MemplanError
-from memplan.estimate import estimate
+from memplan.timing import perf
+from memplan.core.errors import MemplanError
+from memplan.plan.estimate import estimate
 from memplan.presets import ModelPreset, load_model, make_config, read_hf_config
-from memplan.specs import ModelSpec, TrainingSpec, build
-from memplan.states import param_groups, total_params, weight_shapes
+from memplan.core.specs import ModelSpec, TrainingSpec, build
+from memplan.memory.states import param_groups, total_params, weight_shapes
 
 # --- small configs, the parameters derived by hand ---------------------------------------------------
 
@@ -301,7 +301,7 @@ def test_zero_shards_moe_states_over_data_parallel_ranks():
 def test_adafactor_factors_each_expert_matrix(tmp_path):
     """torch's Adafactor keeps row_var and col_var over the last two dimensions of a 3-D expert tensor:
     E (r + c) values for E x r x c."""
-    from memplan import optimizers
+    from memplan.memory import optimizers
 
     model = ModelSpec(**MOE_SPEC)
     training = TrainingSpec(optimizer="adafactor", precision="bf16-true")
@@ -326,7 +326,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     pytest.importorskip("transformers")
     import yaml
 
-    from memplan.traced import file_name
+    from memplan.inventory.traced import file_name
     from validation.trace import measure_hf_config, trace_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -344,7 +344,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
 def test_search_equals_estimate_for_moe(optimizer):
     """The planner's vectorised memory of an MoE model equals estimate's walk, plan for plan (the experts'
     3-D tensors in the optimizer's per-tensor states included)."""
-    from memplan.planner import search
+    from memplan.plan.planner import search
     from memplan.presets import load_gpu, search_inputs
 
     a100 = load_gpu("a100-80gb")
@@ -366,8 +366,8 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
     pytest.importorskip("transformers")
     import yaml
 
-    from memplan.estimate import step_peaks
-    from memplan.traced import file_name
+    from memplan.plan.estimate import step_peaks
+    from memplan.inventory.traced import file_name
     from validation.trace import trace_hf_config
 
     config = {**QWEN3_MOE, "num_hidden_layers": 8, "mlp_only_layers": [0, 1, 2]}
@@ -391,7 +391,7 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
 def test_deepseek_v3_published_size(tmp_path):
     """DeepSeek-V3's published config.json (values as published by deepseek-ai): 671 B parameters, 37 B active
     (DeepSeek-V3 technical report), without the multi-token-prediction module transformers does not build."""
-    from memplan.states import active_params
+    from memplan.memory.states import active_params
 
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
               "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
@@ -459,7 +459,7 @@ def test_latent_attention_refused_for_the_reference_layer(tmp_path):
     ("qwen3-235b-a22b", 235_093_634_560, 22_190_763_520, (235, 22)),
 ])
 def test_large_moe_presets_have_their_published_sizes(name, total, active, published):
-    from memplan.states import active_params
+    from memplan.memory.states import active_params
 
     model = load_model(name).model
     assert model.is_moe and model.inventory is not None  # traced inventories shipped (--impl hf-*)

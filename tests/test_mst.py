@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from memplan import mst, timeline
-from memplan.errors import MemplanError
-from memplan.limits import max_seq_len
-from memplan.memory import PlanValues, TermBytes
+from memplan.inventory import mst
+from memplan.memory import timeline
+from memplan.core.errors import MemplanError
+from memplan.plan.limits import max_seq_len
+from memplan.memory.term_bytes import PlanValues, TermBytes
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.terms import training_inventory
+from memplan.inventory.assemble import training_inventory
 
 A100 = load_gpu("a100-80gb")
 
@@ -37,7 +38,7 @@ def _small_config(s=256, v=4096, **training):
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=192,
                  seq_length=s, vocab_size=v, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                  tied_embeddings=False, bias=False, attention="flash", dropout=False, name="small llama")
-    from memplan.specs import Config, ModelSpec, TrainingSpec
+    from memplan.core.specs import Config, ModelSpec, TrainingSpec
 
     return Config(model=ModelSpec(**model), training=TrainingSpec(precision="bf16-true", recompute="full", **training))
 
@@ -102,7 +103,7 @@ MEASURED = ("llama s256 mst4", "llama f768 mst4", "llama h256 mst8",
 def measured(announce):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.validate import mst_peak_cases, run_peak
+    from memplan.check.validate import mst_peak_cases, run_peak
 
     cases = [c for c in mst_peak_cases() if c.name in MEASURED]
     assert len(cases) == len(MEASURED)
@@ -123,7 +124,7 @@ def test_mst_steps_peak_as_measured(measured):
 
 
 def test_mst_lowers_the_measured_peak(measured):
-    from memplan.validate import run_peak
+    from memplan.check.validate import run_peak
 
     r = measured["llama s256 mst4"]
     plain = run_peak([dataclasses.replace(r.case, mst=1)])[0]  # the same step, transformers' MLP and loss
@@ -131,7 +132,7 @@ def test_mst_lowers_the_measured_peak(measured):
 
 
 def _predicted(case):
-    from memplan.validate import predict_peak
+    from memplan.check.validate import predict_peak
 
     return int(predict_peak(case).peak_bytes)
 
@@ -206,7 +207,7 @@ def test_msts_notebook_peak():
     at s = 8192, b = 1, bf16 weights, a plain torch AdamW (foreach on CUDA) after the backward: "Peak allocated bytes
     on 74.807488GB" (torch.cuda.memory_stats()["allocated_bytes.all.peak"] / 2**30: GiB). Its peak is the optimizer
     step (weights, gradients, moments and the foreach temporary), so this checks the states beside MsT, within 1 %."""
-    from memplan.estimate import estimate
+    from memplan.plan.estimate import estimate
 
     config = paper_config("llama3-8b", mst="auto", optimizer_in_backward=False, optimizer_impl="foreach")
     config = config.model_copy(update={"model": config.model.model_copy(update={"seq_length": 8192})})

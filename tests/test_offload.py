@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memplan.estimate import estimate
-from memplan.memory import PlanValues
-from memplan.offload import layer_copy_bytes, pow2ceil
-from memplan.planner import arrange, search
+from memplan.plan.estimate import estimate
+from memplan.memory.term_bytes import PlanValues
+from memplan.memory.offload import layer_copy_bytes, pow2ceil
+from memplan.plan.planner import arrange, search
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
-from memplan.states import total_params
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.memory.states import total_params
 
 # A small K22 GPT: L = 2, h = 64, a = 4, s = 32, v = 128 (LayerNorm, biases, learned positions, tied embeddings).
 GPT = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
@@ -76,7 +76,7 @@ def test_offload_fraction_and_zero_shard():
 
 
 def _estimate_json(e):
-    from memplan.report import estimate_dict
+    from memplan.report.tables import estimate_dict
 
     return estimate_dict(e)
 
@@ -131,7 +131,7 @@ def test_activation_offload_gpu_keeps_one_layer():
     matrix, 4h x h x 2 B = 32,768 B. A walk of every layer (estimate keeps the most loaded stage's)."""
     base, off = (estimate(config(**kw), impl="torch").step.events for kw in ({}, dict(offload_activations=True)))
     layer = estimate(config(), impl="torch").peak.unit_bytes
-    from memplan.terms import inventory_for
+    from memplan.inventory.assemble import inventory_for
 
     per_layer = sum(layer[t.id] for t in inventory_for(GPT, "torch").terms if t.scope == "layer")
     backward = [(a, b) for a, b in zip(base, off) if a.phase == "backward" and a.layer is not None]
@@ -274,7 +274,7 @@ def test_search_with_activation_offload_keeps_recompute_none():
 # --- launch --------------------------------------------------------------------------------------
 
 def test_megatron_flags_for_offload():
-    from memplan.launch import megatron_launch
+    from memplan.launch.megatron import megatron_launch
 
     launch = megatron_launch(config(dp=8, zero=1, offload_optimizer_fraction=0.5))
     assert {"--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction 0.5",

@@ -18,13 +18,14 @@ import os
 
 import pytest
 
-from memplan import optimizers, timeline
-from memplan.estimate import estimate
-from memplan.memory import PlanValues, stage_memory
-from memplan.optimizers import Tensor, state_bytes
-from memplan.specs import OPTIMIZER_IMPLS_OF, OPTIMIZERS, Config, ModelSpec, ParallelSpec, TrainingSpec
-from memplan.states import param_groups, weight_shapes
-from memplan.terms import inventory_for
+from memplan.memory import optimizers, timeline
+from memplan.plan.estimate import estimate
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
+from memplan.memory.optimizers import Tensor, state_bytes
+from memplan.core.specs import Config, ModelSpec, OPTIMIZERS, OPTIMIZER_IMPLS_OF, ParallelSpec, TrainingSpec
+from memplan.memory.states import param_groups, weight_shapes
+from memplan.inventory.assemble import inventory_for
 
 FP32, BF16 = 4, 2
 LLAMA = dict(name="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, seq_length=16,
@@ -230,7 +231,7 @@ def measured(announce):
 
 
 def _predicted_stage(name: str, algo: str, impl: str):
-    from memplan.validate import PeakCase, peak_config
+    from memplan.check.validate import PeakCase, peak_config
 
     shape = {"llama": STEP, "k22": K22, "gpt2": GPT2_STEP}[name]
     case = PeakCase(name, **shape, optimizer=impl, algorithm=algo)
@@ -287,7 +288,7 @@ def test_measured_temporaries_by_hand(measured):
 
 @pytest.fixture(scope="module")
 def peaks(measured):
-    from memplan.validate import PeakCase
+    from memplan.check.validate import PeakCase
 
     out = {}
     for (name, algo, impl), m in measured.items():
@@ -305,7 +306,7 @@ def _errors(peaks, predict) -> dict:
 
 
 def test_measured_peaks_match(peaks):
-    from memplan.validate import PEAK_TOLERANCE, predict_peak
+    from memplan.check.validate import PEAK_TOLERANCE, predict_peak
 
     errors = _errors(peaks, predict_peak)
     assert all(abs(e) <= PEAK_TOLERANCE for e in errors.values()), errors
@@ -316,7 +317,7 @@ def test_measured_peaks_match(peaks):
 
 
 def _fails(peaks, keys, monkeypatch, **patches) -> bool:
-    from memplan.validate import PEAK_TOLERANCE, predict_peak
+    from memplan.check.validate import PEAK_TOLERANCE, predict_peak
 
     for target, value in patches.items():
         module, attr = target.split("__")
@@ -404,7 +405,7 @@ def test_adafactor_states_on_a_llama_7b_matrix_shape_in_estimate():
 
 
 def test_search_keeps_the_optimizer_and_equals_estimate(run_cli):
-    from memplan.planner import search
+    from memplan.plan.planner import search
     from memplan.presets import load_gpu, load_model, search_inputs
 
     gpu = load_gpu("h100-80gb")
@@ -452,7 +453,7 @@ def test_impls_says_what_is_measured(run_cli):
 
 
 def test_emit_megatron_optimizer(run_cli):
-    from memplan.launch import megatron_launch
+    from memplan.launch.megatron import megatron_launch
 
     model = ModelSpec(**{**GPT2, "num_layers": 4})
 

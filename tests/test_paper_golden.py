@@ -9,9 +9,9 @@ from fractions import Fraction
 
 import pytest
 
-from memplan.estimate import estimate
+from memplan.plan.estimate import estimate
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.specs import Recompute
+from memplan.core.specs import Recompute
 
 SBH = 2048 * 1 * 20480
 FIVE_AS_OVER_H = 64

@@ -12,10 +12,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from memplan import perf
-from memplan.memory import PlanValues
+from memplan.timing import perf
+from memplan.memory.term_bytes import PlanValues
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.specs import ModelSpec, TrainingSpec
+from memplan.core.specs import ModelSpec, TrainingSpec
 
 A100 = load_gpu("a100-80gb")
 GPT22B = load_model("gpt-22b").model
@@ -421,9 +421,9 @@ def test_recomputing_more_layers_never_shortens_the_step(name, gpus):
     layers of a chunk gives a step no shorter. (The ZeRO-3 gathers and the gradient reduction used
     to hide behind the same backward at once, so a longer, more recomputed backward shortened
     ZeRO-3 steps: 530B t8 p1 d280 went from 116.2 s at 1 layer to 114.8 s at 105.)"""
-    from memplan.planner import enumerate_plans
+    from memplan.plan.planner import enumerate_plans
     from memplan.presets import search_inputs
-    from memplan.specs import Recompute
+    from memplan.core.specs import Recompute
 
     model, training, gb = search_inputs(load_model(name), gpus)
     plans = enumerate_plans(model, gpus, gb)

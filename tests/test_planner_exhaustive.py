@@ -18,15 +18,15 @@ import functools
 import numpy as np
 import pytest
 
-import memplan.planner as planner
-from memplan.estimate import estimate
-from memplan.memory import PlanValues
-from memplan.perf import step_time
-from memplan.planner import Fixed, divisors, enumerate_plans, search
+import memplan.plan.planner as planner
+from memplan.plan.estimate import estimate
+from memplan.memory.term_bytes import PlanValues
+from memplan.timing.perf import step_time
+from memplan.plan.planner import Fixed, divisors, enumerate_plans, search
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.specs import ModelSpec, Recompute
-from memplan.terms import HF_IMPLS
-from memplan.timeline import StepPeak
+from memplan.core.specs import ModelSpec, Recompute
+from memplan.inventory.types import HF_IMPLS
+from memplan.memory.timeline import StepPeak
 
 A100 = load_gpu("a100-80gb")
 H100 = load_gpu("h100-80gb")

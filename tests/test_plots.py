@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from memplan.plots import pareto_front, technique_bytes  # noqa: E402
+from memplan.report.plots import pareto_front, technique_bytes  # noqa: E402
 from memplan.presets import load_model, make_config  # noqa: E402
 
 LLAMA_8B = ("--model", "llama3-8b", "--impl", "hf-sdpa", "--tp", "1", "--pp", "1", "--no-sp", "--dp", "1",

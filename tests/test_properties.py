@@ -3,9 +3,9 @@
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from memplan.estimate import estimate
-from memplan.pipeline import interleaving_factor
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.plan.estimate import estimate
+from memplan.memory.pipeline import interleaving_factor
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 
 
 @st.composite

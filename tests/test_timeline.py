@@ -7,13 +7,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.estimate import estimate, step_peaks
-from memplan.memory import PlanValues, stage_memory
+from memplan.plan.estimate import estimate, step_peaks
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
 from memplan.presets import load_gpu
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
-from memplan.states import total_params
-from memplan.terms import inventory_for
-from memplan.timeline import step_events
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.memory.states import total_params
+from memplan.inventory.assemble import inventory_for
+from memplan.memory.timeline import step_events
 
 H100 = load_gpu("h100-80gb")
 

@@ -9,12 +9,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.errors import MemplanError
-from memplan.memory import PlanValues, stage_memory
+from memplan.core.errors import MemplanError
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
 from memplan.presets import configs_dir, load_model, make_config
-from memplan.terms import inventory_for
-from memplan.timeline import step_events
-from memplan.traced import file_name, read_traced
+from memplan.inventory.assemble import inventory_for
+from memplan.memory.timeline import step_events
+from memplan.inventory.traced import file_name, read_traced
 
 TRACED = configs_dir() / "traced"
 # presets whose shipped files have the traced transients (format /2): Gemma 3's two kinds of layers

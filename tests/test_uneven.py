@@ -5,13 +5,14 @@ dimension, and the step time of the slowest stage."""
 import numpy as np
 import pytest
 
-from memplan.estimate import estimate, stage_rows
-from memplan.memory import PlanValues, stage_memory
-from memplan.perf import layer_time, step_time
-from memplan.planner import Fixed, _splits, search
+from memplan.plan.estimate import estimate, stage_rows
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
+from memplan.timing.perf import layer_time, step_time
+from memplan.plan.planner import Fixed, _splits, search
 from memplan.presets import load_gpu, load_model, make_config, search_inputs
-from memplan.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
-from memplan.terms import inventory_for
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.inventory.assemble import inventory_for
 
 H100 = load_gpu("h100-80gb")
 # L = 13: no p > 1 divides it, so every pipeline needs an uneven split

@@ -12,9 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memplan import terms as inventory  # noqa: E402
-from memplan.symbolic import Poly  # noqa: E402
-from memplan.validate import grid, run, summary  # noqa: E402
+from memplan.inventory import assemble as inventory  # noqa: E402
+from memplan.core.symbolic import Poly  # noqa: E402
+from memplan.inventory.types import Inventory  # noqa: E402
+from memplan.check.validate import grid, run, summary  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def _perturbed(term_id, elements):
         inv = original(model, impl, device)
         terms = tuple(dataclasses.replace(t, elements=Poly.parse(elements)) if t.id == term_id else t
                       for t in inv.terms)
-        return inventory.Inventory(inv.name, terms)
+        return Inventory(inv.name, terms)
 
     return wrong
 

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memplan import terms as inventory  # noqa: E402
-from memplan.validate import hf_grid, run  # noqa: E402
+from memplan.inventory import assemble as inventory  # noqa: E402
+from memplan.check.validate import hf_grid, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memplan import terms_hf, timeline  # noqa: E402
-from memplan.validate import PEAK_TOLERANCE, peak_grid, peak_summary, run_peak  # noqa: E402
+from memplan.inventory import hf as terms_hf  # noqa: E402
+from memplan.memory import timeline  # noqa: E402
+from memplan.check.validate import PEAK_TOLERANCE, peak_grid, peak_summary, run_peak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +125,8 @@ def test_removing_a_traced_transient_fails(results, monkeypatch):
     recorded (validation/transients.py: the tensors alive after one op): without the gradients the backward's
     nodes make there (the transients whose maker is an autograd node, `...Backward0`), the prediction misses
     every measured peak above."""
-    from memplan import traced
-    from memplan.validate import predict_peak
+    from memplan.inventory import traced
+    from memplan.check.validate import predict_peak
 
     original = traced._traced_moments
 
@@ -144,7 +145,7 @@ def test_removing_a_traced_transient_fails(results, monkeypatch):
 def test_removing_the_final_norm_backward_fails(results, monkeypatch):
     """transformers' Llama with a small vocabulary peaks in the final RMSNorm's fp32 backward (terms_hf
     final_norm_backward, read off a traced step): without that moment the loss's is the peak, 2.5 % low."""
-    from memplan.validate import predict_peak
+    from memplan.check.validate import predict_peak
 
     case = next(r for r in results if r.case.name == "llama sdpa s128 v64")
     assert case.passed and case.predicted_moment.startswith("final norm backward")

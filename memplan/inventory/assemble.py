@@ -1,0 +1,154 @@
+"""The inventory of a model as an implementation runs it: picks the implementation's own inventory (K22 /
+Megatron-LM, megatron-core local, transformers hand-written or traced, the reference torch layer) and applies
+what the training settings change in it (loss chunks, FP8, MsT). The top of the inventory layer: nothing in it
+imports this module."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.core.specs import ModelSpec
+from memplan.inventory import mst
+from memplan.inventory import mst as minis
+from memplan.inventory.chunked_loss import loss_moments, loss_terms
+from memplan.inventory.fp8 import check_fp8, fp8_moments, fp8_terms
+from memplan.inventory.hf import hf_inventory
+from memplan.inventory.k22 import (
+    causal_mask_term,
+    k22_outside_layers,
+    labels_term,
+    layer_backward_moments,
+    megatron_layer,
+)
+from memplan.inventory.mcore import mcore_local_inventory
+from memplan.inventory.megatron import megatron_inventory
+from memplan.inventory.mla import mla_terms
+from memplan.inventory.traced import traced_inventory
+from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
+
+IMPLEMENTATIONS: dict[str, str] = {
+    "megatron": "Megatron-LM on GPU: fused scaled upper-triangular masked softmax (no mask tensor), "
+                "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
+                "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured. "
+                "Beside megatron-local (measured): K / V kept with g heads and rotary fused into the attention "
+                "(Transformer Engine), derived from TE / megatron-core code. Mixture of experts (memplan/terms_moe.py): "
+                "megatron-core's MoELayer with Transformer Engine's grouped experts and the fused weighted SwiGLU, "
+                "derived from code, not measured. Multi-head latent attention (memplan/terms_mla.py): latent norms fused "
+                "into the up projections, cuDNN fused attention, fused MLA RoPE, derived from megatron-core / TE code, not "
+                "measured; multi-token prediction (--mtp-num-layers) on the last stage derived from megatron-core's "
+                "multi_token_prediction.py, not measured",
+    "megatron-local": "megatron-core 0.16.1's local spec (get_gpt_layer_local_spec, Megatron-LM "
+                      "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
+                      "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
+                      "(validation/mcore.py: t = 1, 2, SP, recompute none / selective / full, layer and GPTModel); "
+                      "--device cuda applies Megatron-LM's fusion defaults, derived from its code, not measured. "
+                      "`megatron` (the Transformer Engine spec) differs from it by: no mask tensor (fused softmax), "
+                      "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code. "
+                      "Mixture of experts: megatron-core's MoELayer (router, alltoall / allgather dispatcher, "
+                      "SequentialMLP experts, shared experts, aux loss, capacity factor) measured per term on CPU with "
+                      "balanced routing, ep = 1 and 2 (memplan/terms_moe.py, validation/mcore.py). Multi-head latent "
+                      "attention: megatron-core's MLASelfAttention with its latent norms measured per term on CPU (t = 1, "
+                      "2, SP, recompute none / selective / full; memplan/terms_mla.py)",
+    "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
+             "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
+             "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",
+    "hf-eager": "HF transformers 5.x, attn_implementation='eager' (GPT-2, Llama layout): Python attention "
+                "and norms, as measured in validation/hf.py; torch .grad tensors, AdamW fused (the "
+                "Trainer's default with torch >= 2.8; a plain torch.optim.AdamW is foreach on CUDA)",
+    "hf-sdpa": "HF transformers 5.x, attn_implementation='sdpa': torch's fused attention kernel, "
+               "as measured in validation/hf.py; torch .grad tensors, AdamW fused (as hf-eager). "
+               "For both hf-*: GPT-2 and the Llama layout use the hand-written inventories; other "
+               "architectures (Qwen2/3, Gemma 1-3, Phi-3, the mixture-of-experts Mixtral, Qwen3-MoE and "
+               "DeepSeek-V3, ...) a traced one (memplan trace: saved tensors traced from transformers' code, checked "
+               "against CPU runs; the backward's transients derived)",
+}
+
+
+def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda", loss_chunks: int = 1,
+                  fp8: Optional[str] = None, mst: tuple[int, int] = (1, 1)) -> Inventory:
+    """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
+    and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss), with
+    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py), and MsT's
+    mini-sequences `mst` = (MLP pieces, LM-head pieces) (memplan/mst.py; (1, 1): none)."""
+    if impl not in IMPLEMENTATIONS:
+        raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
+    if device not in DEVICES:
+        raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
+    if fp8 is not None:
+        check_fp8(fp8, impl)
+    if model.is_moe and impl == "torch":
+        raise MemplanError("no reference torch layer (--impl torch) MoE inventory: use --impl megatron, "
+                           "megatron-local, hf-sdpa or hf-eager")
+    if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None):
+        raise MemplanError("--moe-imbalance and --moe-capacity-factor are modelled for --impl megatron / "
+                           "megatron-local (memplan/terms_moe.py), not for the traced --impl hf-* inventories")
+    if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
+        raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
+                           "DeepSeek-V3): set mlp: swiglu and bias: false")
+    if model.is_mla and impl == "torch":
+        raise MemplanError("no reference torch layer (--impl torch) inventory for multi-head latent attention: use "
+                           "--impl megatron, megatron-local, hf-sdpa or hf-eager")
+    if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
+        what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
+        raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "
+                           "give its transformers config.json (--hf-config), or the model's inventory directory")
+    inv = _inventory(model, impl, device, loss_chunks)
+    if fp8 is not None:
+        inv = dataclasses.replace(inv, name=f"{inv.name}/fp8-{fp8}", terms=tuple(fp8_terms(list(inv.terms), fp8,
+                                                                                          model.attention)),
+                                  moments=tuple(fp8_moments(list(inv.moments), model.attention)))
+    if mst != (1, 1):
+        if loss_chunks > 1:
+            raise MemplanError("--mst computes the LM head and loss in its own pieces: drop --loss-chunks")
+        inv = minis.apply(inv, model, *mst)
+    layout = "separate" if impl in HF_IMPLS and model.mlp == "swiglu" else "fused"
+    return dataclasses.replace(inv, granularity=CUDA_BLOCK_BYTES if device == "cuda" else 1, weight_layout=layout)
+
+
+def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
+    """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
+    (memplan/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
+    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
+                              mst.pieces_for(model, training, impl))
+    if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
+        raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
+                           f"(--impl hf-*), not --impl {impl}")
+    return inventory
+
+
+def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> Inventory:
+    stats: Dtype = "fp32" if device == "cuda" else "act"
+    if impl in HF_IMPLS:
+        if model.inventory is not None:
+            return traced_inventory(model, impl, device, loss_chunks)
+        return hf_inventory(model, impl, device, loss_chunks)
+    if impl == "megatron-local":
+        return mcore_local_inventory(model, device, loss_chunks)
+    if impl == "torch":
+        if model.attention != "eager" or model.mlp != "gelu" or model.norm != "layernorm":
+            raise MemplanError("the reference torch layer (--impl torch) is the K22 GPT layer: eager attention, "
+                               "GeLU MLP, LayerNorm")
+        terms = megatron_layer(model, "eager", stats) + k22_outside_layers(model, stats) + [causal_mask_term()]
+        src = "measured: reference layer in a Megatron-like loop (validation/step.py)"
+        emb = transient("embedding_sum", "word + position embedding sum (a local of the reference forward)", "s b h",
+                 scope="last", src=src)
+        # torch.utils.checkpoint (non-reentrant) stops re-running the layer after its last saved tensor and
+        # keeps none of the re-run's outputs.
+        moments = layer_backward_moments(model, "eager", device, src) + loss_moments(impl, loss_chunks, src, (emb,))
+        terms = loss_terms(terms, impl, loss_chunks)
+        # The reference loop (validation/step.py) accumulates each bf16 .grad into the fp32 buffer
+        # with a hook (Megatron-LM without gradient-accumulation fusion); torch AdamW defaults to
+        # foreach on CUDA tensors.
+        return Inventory(f"{impl}/{model.attention}/{device}", tuple(terms), tuple(moments), "buffer", True,
+                         "foreach", "torch", (labels_term(),))
+    terms = megatron_layer(model, model.attention, stats) + k22_outside_layers(model, stats)
+    if model.is_mla:
+        terms = mla_terms(terms, model, impl, device)
+    src = "derived from Megatron-LM code (autograd order of the reference layer), not measured"
+    # Megatron-LM's CheckpointFunction re-runs a layer's whole forward and back-propagates from its output.
+    rerun = ("s b h", "the recomputed layer's output (Megatron-LM CheckpointFunction)", src)
+    moments = layer_backward_moments(model, model.attention, device, src, rerun) + loss_moments(impl, loss_chunks, src)
+    terms = loss_terms(terms, impl, loss_chunks)
+    return megatron_inventory(f"{impl}/{model.attention}/{device}", terms, moments, model, stats, moe_cpu=False)

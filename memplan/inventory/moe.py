@@ -1,0 +1,219 @@
+"""A Megatron-LM mixture-of-experts layer's saved tensors (`--impl megatron` / `megatron-local`), as data.
+
+megatron-core 0.16.1's MoELayer (megatron/core/transformer/moe/): the TopKRouter, the token dispatcher
+(MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher), the experts (SequentialMLP in the local spec,
+TEGroupedMLP with grouped GEMM in the Transformer Engine spec) and the shared experts. Measured on CPU per term
+against megatron-core's own MoELayer in the local spec (validation/mcore.py, tests/test_validate_mcore_moe.py:
+alltoall and allgather dispatchers, ep = 1 and 2, capacity factor with padding, shared experts, aux loss), with
+the routing made exactly balanced (validation/mcore.py _balanced_routing). What one MoE layer keeps, per GPU:
+
+- the MLP input (ln2's output): saved by the router's gating linear (RouterGatingLinearFunction) and by the shared
+  experts' fc1 (one storage: the dense MLP's fc1_input term);
+- the router (moe_utils.topk_routing_with_score_function, softmax after top-k): the top-k indices (int64, s b k) and
+  the softmax of the k chosen logits (fp32, s b k); with the aux loss (--moe-aux-loss-coeff > 0, every MoE recipe)
+  the fp32 softmax of all E logits (s b E) and the tokens per expert (E int64) and the loss (fp32 scalar);
+- the permutation (moe_utils.permute): without capacity the routing map (bool, s b E) and the probabilities
+  scattered to E columns (s b E) that masked_select keeps, and the permutation index (int64, one per routed copy);
+  with padding to capacity (drop_and_pad) the routing map (kept by the router's token dropping) and two indices
+  (tokens, probabilities) of C k s b entries; with a capacity factor and no padding both routing maps;
+- the routed copies of the tokens (k s b h: the alltoall dispatcher's sorted output, or the permuted tokens)
+  and their probabilities (k s b), the experts' input; each expert's MLP for its tokens: fc1's output (2 f_e
+  for SwiGLU), and in the unfused CPU path x_linear + offset, SiLU(gate), the product (kept by the probabilities'
+  multiply) and fc2's input (the product times the probabilities), each f_e wide. Summed over the experts that
+  is k s b tokens (balanced), whatever ep: a GPU's E/ep experts receive its share of every rank's tokens;
+- shared experts: the dense MLP of width f_s on every token (tensor-parallel as the dense MLP).
+
+What the dispatcher gathers or exchanges (the allgather dispatcher's ep s b h tokens, the all-to-all's output
+before sorting) is not saved: those are forward transients. With Megatron-LM's CUDA defaults
+(--bias-swiglu-fusion) the experts' activation is weighted_bias_swiglu_impl (fusions/fused_bias_swiglu.py), which
+keeps only its 2 f_e input and the probabilities; Transformer Engine's grouped experts (TEGroupedMLP, `--impl
+megatron`) keep the same tensors (GroupedLinear keeps its input, the permuted tokens): derived from code, not
+measured.
+
+Load imbalance: the routed-token terms are multiplied by `moe_imbalance` (the busiest GPU's share relative to the
+average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped) and by C when
+padded to capacity. Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
+its kind's share of the layers (as memplan/traced.py weighs layer groups), so a stage's total is exact for the
+model and its per-layer figure the layers' mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Iterable
+
+from memplan.core.specs import ModelSpec
+from memplan.core.symbolic import Poly
+from memplan.inventory.types import Moment, Term, saved
+
+MOE_SRC = "mcore MoE CPU: megatron-core 0.16.1 MoELayer (local spec, SequentialMLP), measured (validation/mcore.py)"
+MOE_DERIVED = ("mcore MoE code: megatron-core 0.16.1 MoELayer with Megatron-LM's CUDA fusions (weighted_bias_swiglu_impl) "
+               "/ Transformer Engine TEGroupedMLP, derived from code, not measured")
+# the dense MLP's terms that an MoE layer does not have (fc1_input, the MLP input, it keeps)
+DENSE_MLP = ("gelu_input", "swiglu_input", "swiglu_up", "swiglu_silu_out", "fc2_input")
+
+
+def routed_factor(model: ModelSpec) -> Fraction:
+    """The busiest GPU's routed tokens relative to balanced routing: the imbalance, bounded by the capacity
+    factor when tokens are dropped, the capacity factor itself when every expert is padded to it."""
+    r, cap = model.moe_imbalance, model.moe_capacity_factor
+    if cap is not None:
+        r = cap if model.moe_pad_to_capacity else min(r, cap)
+    return Fraction(r).limit_denominator(10_000)
+
+
+def _sent_factor(model: ModelSpec) -> Fraction:
+    """A GPU's own routed copies that leave it (the sender's permutation): all k s b of them, fewer when
+    dropped, C k s b padded."""
+    cap = model.moe_capacity_factor
+    if cap is None:
+        return Fraction(1)
+    return Fraction(cap if model.moe_pad_to_capacity else min(1.0, cap)).limit_denominator(10_000)
+
+
+def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
+    """`terms` (a Megatron layer's inventory) with the MLP of the MoE layers: the dense MLP's terms weighted by
+    the dense layers' share, the router / dispatcher / experts' terms by the MoE layers' share."""
+    L = model.num_layers
+    dense, moe = Fraction(model.moe_first_dense_layers, L), Fraction(model.moe_layers, L)
+    out: list[Term] = []
+    for t in terms:
+        if t.id in DENSE_MLP:
+            if dense:
+                out.append(_weighted(t, dense))
+            continue
+        out.append(t)
+        if t.id == "fc1_input":
+            out[-1] = dataclasses.replace(t, name="MLP input (router's / shared experts' input; dense MLP fc1's)")
+            out += [_weighted(x, moe) for x in _moe_terms(model, unfused, measured)]
+    return out
+
+
+def _weighted(t: Term, share: Fraction) -> Term:
+    if share == 1:
+        return t
+    return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)")
+
+
+def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
+    src = MOE_SRC if measured else MOE_DERIVED
+    r, sent = routed_factor(model), _sent_factor(model)
+    allgather = model.moe_token_dispatcher == "allgather"
+    gated = model.mlp == "swiglu"
+
+    def routed(id, name, elements, dtype="act", scale=r, **kw):
+        term = saved(id, name, "MoE experts", elements, dtype, k22=False, src=src, **kw)
+        return dataclasses.replace(term, elements=term.elements * scale)
+
+    router = "MoE router"
+    out = [
+        saved("moe_topk_indices", "router top-k indices (int64)", router, "k s b", "int64", sp=True, k22=False, src=src),
+        saved("moe_topk_probs", "router softmax of the k chosen logits (fp32)", router, "k s b", "fp32", sp=True,
+           k22=False, src=src),
+        saved("moe_aux_scores", "aux loss: softmax of all E logits (fp32)", router, "E s b", "fp32", sp=True, k22=False,
+           src=f"{src}; with --moe-aux-loss-coeff > 0"),
+        saved("moe_aux_counts", "aux loss: tokens per expert (int64)", router, "E", "int64", k22=False,
+           src=f"{src}; with --moe-aux-loss-coeff > 0"),
+        saved("moe_aux_loss", "aux loss value (fp32 scalar, MoEAuxLossAutoScaler)", router, "1", "fp32", k22=False,
+           src=f"{src}; with --moe-aux-loss-coeff > 0"),
+    ]
+    # with a capacity factor the token dropping keeps its routing map, and (not padded) permute's masked_select
+    # another
+    two = model.moe_capacity_factor is not None and not model.moe_pad_to_capacity
+    # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
+    # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
+    # capacity its token-dropping map, are the GPU's s b / t tokens': equal at etp = t, counted as gathered)
+    split = dict(tp=True, etp_gathered=True) if allgather else dict(sp=True)
+    out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (", twice (token dropping, permute)" if two
+                                                                         else ""),
+                  router, "2 E s b" if two else "E s b", "mask", k22=False, src=src, storages=2 if two else 1,
+                  **split))
+    if model.moe_pad_to_capacity:
+        out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
+                          "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))
+    else:
+        out += [saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
+                   "E s b", k22=False, src=src, **split),
+                routed("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64",
+                       scale=r if allgather else sent, **split)]
+    out += [
+        routed("moe_permuted_tokens", "routed token copies, the experts' input (k per token)", "k s b h",
+               tp=True, etp_gathered=True),
+        routed("moe_permuted_probs", "routing probabilities of the routed copies", "k s b", tp=True,
+               etp_gathered=True),
+        routed("moe_fc1_output", "experts' fc1 output (the activation's input)", "2 k s b fe" if gated else "k s b fe",
+               tp=True),
+    ]
+    if unfused:
+        if gated:
+            out += [routed("moe_swiglu_up", "experts' x_linear + glu_linear_offset", "k s b fe", tp=True),
+                    routed("moe_silu_out", "experts' SiLU(gate)", "k s b fe", tp=True)]
+        out.append(routed("moe_act_out", "experts' activation output (kept by the probabilities' multiply)",
+                          "k s b fe", tp=True))
+    out.append(routed("moe_fc2_input", "experts' fc2 input (activation times probability)", "k s b fe", tp=True))
+    if model.moe_shared_ffn_hidden_size:
+        shared = "MoE shared experts"
+        out.append(saved("shared_fc1_output", "shared experts' fc1 output", shared,
+                      "2 s b fs" if gated else "s b fs", tp=True, k22=False, src=src))
+        if unfused and gated:
+            out += [saved("shared_swiglu_up", "shared experts' x_linear + glu_linear_offset", shared, "s b fs", tp=True,
+                       k22=False, src=src),
+                    saved("shared_silu_out", "shared experts' SiLU(gate)", shared, "s b fs", tp=True, k22=False, src=src)]
+        out.append(saved("shared_fc2_input", "shared experts' fc2 input", shared, "s b fs", tp=True, k22=False, src=src))
+    return [dataclasses.replace(t, elements=t.elements.assign("k", model.moe_top_k)) for t in out]
+
+
+def moe_moments(moments: Iterable[Moment], model: ModelSpec, terms: Iterable[Term]) -> list[Moment]:
+    """The layer backward's moments of an MoE model: the MLP's f-wide gradients become those of the routed
+    copies through f_e-wide experts (k f_e r per token, r the routed factor), unless the dense layers' f is wider;
+    the MoE terms are gone where the dense MLP's are (derived from the backward order, not measured)."""
+    r = routed_factor(model)
+    routed = Poly.parse(f"{model.moe_top_k} fe") * r
+    width = model.moe_top_k * model.fe * r
+    if model.moe_first_dense_layers and model.f >= width:
+        routed = Poly.parse("f")
+    terms = tuple(terms)
+    moe_ids = tuple(t.id for t in terms if t.block.startswith("MoE"))
+    out = [_combine_moment(model, terms)]
+    for m in moments:
+        if m.scope != "layer":
+            out.append(m)
+            continue
+        transients = tuple(dataclasses.replace(t, elements=t.elements.substitute("f", routed)) for t in m.transients)
+        freed = m.freed + moe_ids if "fc2_input" in m.freed else m.freed
+        out.append(dataclasses.replace(m, transients=transients, freed=freed,
+                                       source=f"{m.source}; MoE: the MLP's gradients sized for the k routed copies "
+                                              "of each token through f_e-wide experts"))
+    return out
+
+
+COMBINE_SRC = ("derived from megatron-core 0.16.1 MoELayer.forward / token_dispatcher.py (token_combine, "
+               "combine_postprocess: all-to-all or reduce-scatter, then unpermute), not measured")
+
+
+def _combine_moment(model: ModelSpec, terms: tuple[Term, ...]) -> Moment:
+    """Where an MoE layer's forward peaks: at the combine, every save of the layer made (the MLP's output dropout's
+    mask not yet), with the experts' output for their routed copies (k s b h r, h wide: etp times the tokens before
+    the expert-TP reduce-scatter), the dispatcher's combine buffer (alltoall: the copies sent back to their GPU, k s b
+    h; allgather: the experts' outputs unpermuted to the ep s b h gathered tokens before the reduce-scatter) and the
+    unpermuted output (s b h)."""
+    r, sent = routed_factor(model), _sent_factor(model)
+    k = model.moe_top_k
+
+    def x(id, name, elements, scale=Fraction(1), **kw):
+        term = saved(id, name, "transient", elements, k22=False, src=COMBINE_SRC, **kw)
+        return dataclasses.replace(term, elements=term.elements * scale)
+
+    transients = [x("moe_expert_output", "experts' output for their routed copies", f"{k} s b h", r, tp=True,
+                    etp_gathered=True)]
+    if model.moe_token_dispatcher == "allgather":
+        transients.append(x("moe_combine_gathered", "experts' output unpermuted to the gathered tokens (before the "
+                            "reduce-scatter)", "ep s b h"))
+    else:
+        transients.append(x("moe_combine_received", "routed copies back from the all-to-all", f"{k} s b h", sent,
+                            sp=True))
+    transients.append(x("moe_unpermuted", "unpermuted MoE output", "s b h", sp=True))
+    later = tuple(t.id for t in terms if t.id == "mlp_dropout_mask")
+    return Moment("moe_combine_forward", "MoE forward: the experts' output and the dispatcher's combine buffers",
+                  "forward", "layer", tuple(transients), later, recomputed=False, source=COMBINE_SRC)

@@ -1,0 +1,596 @@
+"""Traced inventories: what transformers' real code saves for the backward, read as data.
+
+`memplan trace` (validation/trace.py) runs a model's own transformers code once under
+FakeTensorMode with the sequence length s and the micro-batch b as symbols, and records every
+storage autograd saves: its size is an exact polynomial in s and b. The result is a file (format
+`memplan-traced-inventory/2`, YAML; /1 files, without the transients, still load) with its origin (transformers and torch versions, the config's
+hash, the kernels it was traced with). This module reads such a file, with no torch, and turns it
+into an `Inventory` like the hand-written ones, so estimate, the timeline and the planner use it
+unchanged:
+
+- each saved storage of a decoder layer is a layer term (a storage several layers share, such as
+  the rotary cos / sin tables, is counted once per model chunk); a model whose layers differ (groups
+  of layers) gets each group's terms weighted by its share of the layers, so the model's total is
+  the groups' sum and a per-layer figure is the layers' mean (each term's mean bytes per layer are
+  floored to whole bytes: exact when a group's share of a term's bytes is whole, else within a byte per
+  term and layer);
+- storages outside the layers belong to the first stage (embedding) or the last (final norm, LM
+  head, loss);
+- dtypes: the trace's activation dtype follows the precision (act), float32 is fp32, bool / 8-bit
+  are 1-byte masks, int64 ids are 8 bytes;
+- gradient checkpointing (full recompute) keeps each layer's input (torch.utils.checkpoint) and what
+  the layers are given (traced, below; a /1 file: the input and, eager, the additive causal mask, as
+  terms_hf's measured inventories count them);
+- the step's transients (format /2): the tracer also runs the backward under the fake mode, as is and
+  with gradient checkpointing, and follows every live storage (validation/transients.py); each op of a
+  layer's backward (of the loss and the head) is a candidate moment: the layer's saves still alive, the
+  tensors nobody saves, its own gradients made so far; only the candidates that can be the peak for some
+  s, b are kept (`moments`), and what checkpointing keeps (`checkpoint`: each layer's input, and the tensors
+  every checkpointed layer is given that no save counts: masks, position ids). A moment belongs to the
+  layers it was traced in (a layer group's, the ends of a group apart), so no group is averaged at the peak;
+- a file of format /1 (no transients) gets the moments terms_hf derives for the Llama layout, with the
+  tensors each frees found by forward order (the saves made at or after the attention output projection,
+  eager attention: after the softmax's, are gone when attention's backward runs) and the two found in op
+  logs (`_first_moments`); the report says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from memplan.core.errors import MemplanError
+from memplan.core.harness import harness
+from memplan.core.specs import ModelSpec, describe_validation_error
+from memplan.core.symbolic import Poly
+from memplan.inventory.hf import checkpoint_mask, hf_layer_moments, hf_loss_moments
+from memplan.inventory.types import OUTPUT_LAYER_W, Dtype, Inventory, Moment, Term, saved, transient
+
+FORMAT = "memplan-traced-inventory/2"
+FORMATS = ("memplan-traced-inventory/1", FORMAT)  # /1: no moments, no checkpoint (read as before)
+SYMBOLS = {"s", "b"}
+
+# torch dtypes as the inventory stores them: the activation dtype of the trace follows the
+# precision of the plan; the others keep their own size.
+# (Term's storage kinds go by element size: 4-byte and 8-byte integers share fp32's and int64's.)
+_DTYPES: dict[str, Dtype] = {"float32": "fp32", "int32": "fp32", "uint32": "fp32", "bool": "mask", "uint8": "mask",
+                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64"}
+_ACT_DTYPES = ("bfloat16", "float16")
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TracedTerm(_Row):
+    id: str
+    module: str
+    op: str
+    dtype: str
+    elements: str
+    bytes: str
+    shared: bool = False
+
+
+class LayerGroup(_Row):
+    layers: list[int]
+    terms: list[TracedTerm]
+
+
+class Origin(_Row):
+    transformers: str
+    torch: str
+    config_sha256: str
+    architecture: str
+    model_type: str
+    impl: Literal["hf-sdpa", "hf-eager"]
+    kernels: Literal["cpu", "cuda"]
+    dtype: str
+
+
+class Sized(_Row):
+    dtype: str
+    elements: str
+    bytes: str
+
+
+class Kept(Sized):
+    """A tensor every checkpointed layer is given (gradient checkpointing keeps it through the backward):
+    `saved_as` names the shared save that already counts it without checkpointing."""
+    arg: str
+    layer: int
+    saved_as: Optional[str] = None
+
+
+class Checkpoint(_Row):
+    layer_input: Optional[Sized] = None
+    kept: list[Kept] = []
+
+
+class Transient(Sized):
+    what: str
+
+
+class TracedMoment(_Row):
+    """One candidate peak of the step, traced (validation/transients.py): after the op `at` of a layer's
+    backward (group, recompute none / full) or of the loss / head (scope last), the saves of that layer
+    (head) still alive, the saves outside the layers still alive, its own gradients and the transients."""
+    scope: Literal["layer", "last"]
+    group: Optional[int] = None
+    layers: list[int] = []  # a layer moment: the layers (from 0) it happens in
+    recompute: Optional[Literal["none", "full"]] = None
+    phase: Optional[Literal["loss", "backward"]] = None
+    at: str
+    alive: list[str]
+    outside: list[str]
+    grads: list[str] = []
+    kept: list[int] = []  # recomputed layers: the checkpoint's kept tensors (indices) still alive
+    grad_elements: int
+    transients: list[Transient]
+
+
+class TracedFile(_Row):
+    format: Literal["memplan-traced-inventory/1", "memplan-traced-inventory/2"]
+    origin: Origin
+    conditions: list[str] = []  # what the trace assumed about s and b (e.g. "b >= 2"), shown with its origin
+    num_layers: int
+    layer_groups: list[LayerGroup]
+    outside: list[TracedTerm]
+    checkpoint: Optional[Checkpoint] = None
+    moments: list[TracedMoment] = []
+
+
+def config_sha256(data: dict) -> str:
+    """The hash a traced inventory records of the config.json it was traced from: sha256 of the
+    config as canonical JSON (keys sorted, no spaces)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where inventories traced on first use are kept: $MEMPLAN_CACHE, else ~/.cache/memplan."""
+    return Path(os.environ.get("MEMPLAN_CACHE") or Path.home() / ".cache" / "memplan") / "traced"
+
+
+def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
+    """The directory of a config's traced inventories, and a note saying which: a shipped one
+    (configs/traced/<name>/, whose config.json hashes the same), else one in the cache, where
+    `load` traces on first use (the config.json is kept there for it)."""
+    sha = config_sha256(data)
+    for candidate in sorted(shipped.glob("*/config.json")) if shipped.is_dir() else []:
+        try:
+            if config_sha256(json.loads(candidate.read_text(encoding="utf-8"))) == sha:
+                return str(candidate.parent), f"--impl hf-* uses the traced inventory shipped in {candidate.parent.name}"
+        except (OSError, ValueError):
+            continue
+    directory = cache_dir() / sha[:16]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / "config.json").is_file():
+            (directory / "config.json").write_text(text, encoding="utf-8")
+    except OSError:
+        pass  # read-only home: load() says how to trace by hand
+    return str(directory), ("no traced inventory ships for this config: --impl hf-* traces transformers' code on "
+                            f"first use (needs torch and transformers) into {directory}")
+
+
+def file_name(impl: str, kernels: str) -> str:
+    """The file of one implementation and kernel set in a traced inventory's directory."""
+    return f"{impl}-{kernels}.yaml"
+
+
+def read_traced(path: Path) -> TracedFile:
+    """A traced inventory file, checked: unknown or mistyped fields name the field and the file."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except OSError as err:
+        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise MemplanError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or data.get("format") not in FORMATS:
+        raise MemplanError(f"{path}: not a traced inventory (expected format: {' or '.join(FORMATS)})")
+    try:
+        traced = TracedFile.model_validate(data)
+    except ValidationError as err:
+        raise MemplanError(describe_validation_error(err, str(path), tuple(TracedFile.model_fields))) from None
+    covered = sorted(i for g in traced.layer_groups for i in g.layers)
+    if covered != list(range(traced.num_layers)):
+        raise MemplanError(f"{path}: layer_groups must cover layers 0..{traced.num_layers - 1} once each")
+    for term in [t for g in traced.layer_groups for t in g.terms] + traced.outside:
+        _size(term, path)
+    sized = [t for m in traced.moments for t in m.transients] + (traced.checkpoint.kept if traced.checkpoint else [])
+    if traced.checkpoint and traced.checkpoint.layer_input:
+        sized.append(traced.checkpoint.layer_input)
+    for i, row in enumerate(sized):
+        _size(TracedTerm(id=f"transient {i}", module="", op="", dtype=row.dtype, elements=row.elements,
+                         bytes=row.bytes), path)
+    groups = len(traced.layer_groups)
+    for m in traced.moments:
+        if m.scope == "layer" and (m.group is None or not 0 <= m.group < groups or m.recompute is None):
+            raise MemplanError(f"{path}: a layer moment needs its group (0..{groups - 1}) and recompute")
+        rows = ({t.id for t in traced.layer_groups[m.group].terms} | {"layer_input"} if m.scope == "layer"
+                else {t.id for t in traced.outside})
+        unknown = sorted((set(m.alive) - rows) | (set(m.outside) - {t.id for t in traced.outside}))
+        if unknown:
+            raise MemplanError(f"{path}: moment at {m.at} names saves the file does not have: {', '.join(unknown)}")
+    return traced
+
+
+def _size(term: TracedTerm, path: Path) -> Poly:
+    try:
+        poly = Poly.parse_sum(term.elements)
+    except (ValueError, ZeroDivisionError, IndexError):
+        raise MemplanError(f"{path}: term {term.id}: elements {term.elements!r} is not a polynomial in s and b") \
+            from None
+    extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
+    if extra:
+        raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
+    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
+        raise MemplanError(f"{path}: term {term.id}: dtype {term.dtype!r} is not one memplan sizes "
+                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+    return poly
+
+
+@functools.lru_cache(maxsize=64)
+def _load(path: str, mtime: float) -> TracedFile:
+    return read_traced(Path(path))
+
+
+def load(directory: str, impl: str, kernels: str) -> TracedFile:
+    """The traced file of `impl` in a traced inventory's directory; else one traced on first use
+    into the cache (never into a shipped directory) from the directory's config.json when torch and
+    transformers are installed; else a one-line error naming how to make it."""
+    path = Path(directory) / file_name(impl, kernels)
+    config = Path(directory) / "config.json"
+    if not path.is_file() and config.is_file():
+        try:
+            cached = cache_dir() / config_sha256(json.loads(config.read_text(encoding="utf-8")))[:16] / path.name
+        except (OSError, ValueError):
+            cached = path
+        if not cached.is_file():
+            _trace_into(config, cached, impl, kernels)
+        path = cached if cached.is_file() else path
+    if not path.is_file():
+        raise MemplanError(f"no traced inventory for --impl {impl} with {kernels} kernels for {config} and no torch "
+                           f"+ transformers to trace it (pip install torch==2.13.0 'memplan[trace]'); or trace it "
+                           f"elsewhere: memplan trace --hf-config config.json --impl {impl} --kernels {kernels} "
+                           f"--out {path}")
+    return _load(str(path), path.stat().st_mtime)
+
+
+def _tracer():
+    """The torch harness's tracer (validation/trace.py); None without torch or transformers."""
+    try:
+        return importlib.import_module(harness().__name__ + ".trace")
+    except ImportError:
+        return None
+
+
+def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
+    """Trace a config.json with transformers' own code: the inventory file's text."""
+    tracer = _tracer()
+    if tracer is None:
+        raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
+                           "pip install 'memplan[trace]'")
+    config = Path(config_path)
+    if not config.is_file():
+        raise MemplanError(f"no such config.json: {config_path}")
+    try:
+        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+    except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise MemplanError(f"tracing {config} ({impl}, {kernels} kernels) failed: {type(err).__name__}: "
+                           f"{first[:300]}") from None
+    return tracer.to_yaml(data)
+
+
+def _trace_into(config: Path, path: Path, impl: str, kernels: str) -> None:
+    """Trace `config` and write the inventory to `path`; nothing when torch or transformers is
+    missing or the cache cannot be written (load's error then says how)."""
+    if _tracer() is None:
+        return
+    text = trace_to_yaml(str(config), impl, kernels)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError:
+        pass
+
+
+def _block(module: str) -> str:
+    if "attn" in module or "attention" in module:
+        return "attention"
+    if "mlp" in module or "moe" in module or "feed_forward" in module:
+        return "MLP"
+    if "norm" in module or module.startswith("ln"):
+        return "layer norms"
+    return "other"
+
+
+def _term(row: TracedTerm, scope: str, weight: Fraction, source: str) -> Term:
+    dtype: Dtype = "act" if row.dtype in _ACT_DTYPES else _DTYPES[row.dtype]
+    elements = Poly.parse_sum(row.elements) * weight
+    share = "" if weight == 1 else f", in {weight} of the layers"
+    op = row.op.rsplit(".", 1)[-1]
+    return Term(row.id, f"{row.module or 'model'}: saved by {op} ({row.dtype}{share})", _block(row.module),
+                elements, dtype, False, False, scope=scope, in_k22=False, source=source)
+
+
+def _outside_scope(module: str) -> str:
+    return "first" if any(k in module for k in ("embed", "wte", "wpe")) else "last"
+
+
+def origin_text(traced: TracedFile) -> str:
+    o = traced.origin
+    when = f"; valid for {', '.join(traced.conditions)}" if traced.conditions else ""
+    return (f"traced from transformers {o.transformers} ({o.architecture}, {o.impl}, {o.kernels} kernels, "
+            f"torch {o.torch}{when})")
+
+
+def traced_terms(traced: TracedFile) -> list[Term]:
+    """The saved tensors of the trace as inventory terms (layer terms weighted by their group's
+    share of the layers; shared storages once per model chunk)."""
+    origin = f"traced: transformers {traced.origin.transformers}"
+    terms: list[Term] = []
+    seen_shared: set[str] = set()
+    for k, group in enumerate(traced.layer_groups):
+        weight = Fraction(len(group.layers), traced.num_layers)
+        for row in _group_rows(group, k):
+            if row.shared:
+                if row.id not in seen_shared:
+                    seen_shared.add(row.id)
+                    terms.append(_term(row, "chunk", Fraction(1), origin))
+            else:
+                terms.append(_term(row, "layer", weight, origin))
+    terms += [_term(row, _outside_scope(row.module), Fraction(1), origin) for row in traced.outside]
+    return terms
+
+
+def _group_rows(group: LayerGroup, k: int) -> list[TracedTerm]:
+    """A group's terms, their ids made unique across groups (group k > 0: "<id>#g<k>"); shared
+    storages keep theirs (they are one storage whichever layers save it)."""
+    if k == 0:
+        return group.terms
+    return [r if r.shared else r.model_copy(update={"id": f"{r.id}#g{k}"}) for r in group.terms]
+
+
+def _freed(rows: list[TracedTerm], sdpa: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """What each backward moment of a layer has released (terms_hf._layer_moments' three moments),
+    from the forward order of one group's saves; a norm on the MLP's output (Gemma 2 / 3) is
+    back-propagated before the MLP, so its saves are gone at all three."""
+    attention = [r for r in rows if _block(r.module) != "MLP"]
+    mlp = [r for r in rows if _block(r.module) == "MLP"]
+    after_down = _from(mlp, DOWN_PROJ, DOWN_PROJ_OPS)
+    in_attention = (_from(attention, OUT_PROJ) if sdpa else _after_softmax(attention) or _from(attention, OUT_PROJ))
+    post = _post_mlp_norm(rows)
+    return after_down[1:] + post, after_down + post, in_attention + tuple(r.id for r in mlp if not r.shared)
+
+
+def _post_mlp_norm(rows: list[TracedTerm]) -> tuple[str, ...]:
+    """Ids of a norm's saves made after the MLP's last save (Gemma 2 / 3 post_feedforward_layernorm)."""
+    last_mlp = max((i for i, r in enumerate(rows) if _block(r.module) == "MLP"), default=None)
+    if last_mlp is None:
+        return ()
+    return tuple(r.id for r in rows[last_mlp + 1:] if _block(r.module) == "layer norms" and not r.shared)
+
+
+def _first_moments(model: ModelSpec, traced: TracedFile) -> list:
+    """Moments at the start of a layer's backward that the Llama layout does not have (derived from op
+    logs of real CPU steps, validation/step.py; memplan validate --peak checks them):
+    - a norm on the MLP's output (Gemma 2 / 3): its fp32 backward holds four s x b x h fp32 tensors
+      beside the residual stream's gradient, every save of the layer still alive;
+    - an MoE layer (transformers' grouped_mm experts): the combine's backward makes fp32 copies of the
+      gradient for the k routed copies of each token (s b h, s b k h, k s b h twice) and a bf16 one."""
+    src = "derived from op logs of real CPU steps (validation/step.py), checked by memplan validate --peak"
+    dy = transient("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=src)
+    moments = []
+    if any(_post_mlp_norm(g.terms) for g in traced.layer_groups):
+        moments.append(Moment("post_mlp_norm_backward", "backward of the norm on the MLP's output (fp32)", "backward",
+                              "layer", (dy, transient("grad_norm_fp32", "the norm's fp32 backward", "4 s b h", "fp32",
+                                                src=src)), source=src))
+    if model.is_moe:
+        k = model.moe_top_k
+        moments.append(Moment("moe_combine_backward", "backward of the experts' combine (fp32 copies per routed token)",
+                              "backward", "layer",
+                              (dy, transient("grad_combine_fp32", "fp32 gradients of the k routed copies", f"{3 * k} s b h",
+                                      "fp32", src=src),
+                               transient("grad_combine", "bf16 gradient of the k routed copies", f"{k} s b h", src=src)),
+                              source=src))
+    return moments
+
+
+def _from(rows: list[TracedTerm], ends: tuple[str, ...], ops: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Ids of the saves made at or after the first save of a module whose name ends with one of
+    `ends`, or of one of the calls `ops` (forward order): what that module's backward has released.
+    None found: nothing (the moment then counts every save of the layer, the safe side)."""
+    for i, row in enumerate(rows):
+        call = row.id[len(row.module) + 1:].rsplit(".", 1)[0] if row.module else ""
+        if row.module.rsplit(".", 1)[-1] in ends or (row.module.endswith("experts") and call in ops):
+            return tuple(r.id for r in rows[i:] if not r.shared)
+    return ()
+
+
+def _after_softmax(rows: list[TracedTerm]) -> tuple[str, ...]:
+    """Eager attention's backward peaks at the softmax backward: the saves made after the (last)
+    softmax's (dropout mask, attention over V, the output projection, ...) are released by then."""
+    last = max((i for i, r in enumerate(rows) if "softmax" in r.op), default=None)
+    return () if last is None else tuple(r.id for r in rows[last + 1:] if not r.shared)
+
+
+# The attention output projection and the MLP's down projection, by their transformers names.
+OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense")
+DOWN_PROJ = ("down_proj", "fc2", "c_proj", "w2")
+# transformers' grouped_mm experts (Mixtral, Qwen3-MoE, DeepSeek-V3) run gate_up_proj, then down_proj: the
+# second grouped GEMM of an `experts` module is its down projection
+DOWN_PROJ_OPS = ("_grouped_mm#1",)
+
+
+def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
+    """The inventory of a model whose saved tensors were traced (ModelSpec.inventory)."""
+    assert model.inventory is not None
+    if loss_chunks > 1:
+        raise MemplanError("--loss-chunks is measured for the hand-written transformers inventories (GPT-2, "
+                           "Llama layout); traced inventories have transformers' own loss only")
+    traced = _cuda_or_cpu(model.inventory, impl) if device == "cuda" else load(model.inventory, impl, "cpu")
+    terms = traced_terms(traced)
+    sdpa = impl == "hf-sdpa"
+    if traced.checkpoint is not None and traced.moments:
+        terms += _checkpoint_terms(traced)
+        terms_by_id = tuple(terms)
+        return Inventory(f"{impl}/{device}", terms_by_id, tuple(_traced_moments(model, traced, terms)), "backward",
+                         False, "fused", "torch", origin=origin_text(traced) + "; transients traced",
+                         traced_from=_least_values(traced.conditions))
+    # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
+    # without recompute, added as terms_hf's measured inventories add them
+    terms.append(saved("layer_input", "layer input, kept by gradient checkpointing", "layer norms", "s b h",
+                    only_full=True, k22=False, src="torch.utils.checkpoint keeps the decoder layer's input "
+                    "(measured for Llama, validation/hf.py)"))
+    if not sdpa:
+        terms.append(checkpoint_mask())
+    # each group's forward order decides what its layers' backward moments have released (a layer
+    # term is weighted by its group's share, so every group's releases count at each moment)
+    by_group = [_freed(_group_rows(g, k), sdpa) for k, g in enumerate(traced.layer_groups)]
+    freed = tuple(tuple(i for f in by_group for i in f[j]) for j in range(3))
+    moments = (_first_moments(model, traced) + _moe_moments(model, hf_layer_moments(model, sdpa, freed))
+               + hf_loss_moments(model, final_norm=False))
+    return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
+                     origin=origin_text(traced), traced_from=_least_values(traced.conditions))
+
+
+def _dtype(name: str) -> Dtype:
+    return "act" if name in _ACT_DTYPES else _DTYPES[name]
+
+
+def _checkpoint_terms(traced: TracedFile) -> list[Term]:
+    """What gradient checkpointing keeps, traced (the file's `checkpoint`): each layer's input, and the
+    tensors every checkpointed layer is given that no save counts already (Mistral's sliding-window
+    bool mask, the int64 position ids; eager attention's additive mask): once per model chunk."""
+    src = f"traced: transformers {traced.origin.transformers}, gradient checkpointing (validation/transients.py)"
+    ck = traced.checkpoint
+    assert ck is not None
+    terms = []
+    if ck.layer_input is not None:
+        terms.append(saved("layer_input", "layer input, kept by gradient checkpointing", "layer norms",
+                        ck.layer_input.elements, _dtype(ck.layer_input.dtype), only_full=True, k22=False, src=src))
+    for k, row in enumerate(ck.kept):
+        if row.saved_as is not None:
+            continue
+        block = "attention" if "mask" in row.arg else "other"
+        terms.append(saved(f"checkpoint_kept.{k}", f"{row.arg} of the layers (from layer {row.layer}), kept by "
+                        f"gradient checkpointing ({row.dtype})", block, row.elements, _dtype(row.dtype),
+                        scope="chunk", only_full=True, k22=False, src=src))
+    return terms
+
+
+def _traced_moments(model: ModelSpec, traced: TracedFile, terms: list[Term]) -> list[Moment]:
+    """The file's moments as the timeline's: each is self-contained for its layer (or the head): every
+    saved term of the layers (of the head) is freed and what the trace found alive is listed as its
+    transients, the layer's own saves unweighted (a layer group's, not the mean of the groups), the saves
+    outside the layers that the timeline does not count at that point (the head's, in a layer's backward),
+    and the tensors nobody saves. The layer's own gradients are counted in elements (`grad_elements`),
+    the head's by parameter group."""
+    src = f"traced: transformers {traced.origin.transformers}, live storages of a fake step (validation/transients.py)"
+    layer_ids = tuple(t.id for t in terms if t.scope == "layer")
+    last_ids = tuple(t.id for t in terms if t.scope == "last")
+    outside = {r.id: r for r in traced.outside}
+    rows = [{r.id: r for r in g.terms} for g in traced.layer_groups]
+    ck = traced.checkpoint
+    head = "word embedding" if model.tied_embeddings else OUTPUT_LAYER_W
+    moments = []
+    for n, m in enumerate(traced.moments):
+        scope = "layer" if m.scope == "layer" else "last"
+        ts = []
+
+        def add(id: str, name: str, row) -> None:
+            ts.append(transient(f"m{n}.{id}", name, row.elements, _dtype(row.dtype), scope=scope, src=src))
+
+        for id in m.alive:
+            if id == "layer_input" and ck is not None and ck.layer_input is not None:
+                add(id, "the layer's input, kept by gradient checkpointing", ck.layer_input)
+                continue
+            row = rows[m.group][id] if scope == "layer" else outside[id]
+            if scope == "last" and (row.shared or _outside_scope(row.module) == "first"):
+                continue  # counted with the stage's first-stage and chunk terms
+            add(id, f"{id}: saved by {row.op.rsplit('.', 1)[-1]}, still alive", row)
+        if scope == "layer":
+            for id in m.outside:
+                row = outside[id]
+                if not row.shared and _outside_scope(row.module) == "last":
+                    add(id, f"{id}: saved outside the layers, still alive", row)
+        for k, t in enumerate(m.transients):
+            add(f"t{k}", t.what, t)
+        if scope == "layer":
+            full = m.recompute == "full"
+            # a recomputed layer's moment says which tensors given to the checkpointed layers are still alive
+            # (one is freed once the last layer using it is done): the others are freed, not counted
+            kept_ids: tuple[str, ...] = ()
+            if full and ck is not None:
+                kept_ids = tuple(r.saved_as or f"checkpoint_kept.{k}" for k, r in enumerate(ck.kept))
+                for k in m.kept:
+                    add(f"kept{k}", f"{ck.kept[k].arg}, kept by gradient checkpointing", ck.kept[k])
+            moments.append(Moment(f"traced_{n}", f"layer backward{' (recomputed)' if full else ''}: after {m.at}",
+                                  "backward", "layer", tuple(ts), freed=layer_ids + ("layer_input",) + kept_ids,
+                                  grad_elements=m.grad_elements, applies="recomputed" if full else "plain",
+                                  layers=tuple(m.layers) if set(m.layers) != set(range(traced.num_layers)) else (),
+                                  source=src))
+        else:
+            grads = tuple(dict.fromkeys(head if ("lm_head" in g or "embed" in g) else "final norm" for g in m.grads))
+            what = "loss forward" if m.phase == "loss" else "loss / head backward"
+            moments.append(Moment(f"traced_{n}", f"{what}: after {m.at}", m.phase or "backward", "last", tuple(ts),
+                                  freed=last_ids, grads=grads, source=src))
+    return moments
+
+
+def _moe_moments(model: ModelSpec, moments: list) -> list:
+    """An MoE layer's backward transients: the MLP's f-wide gradients become those of the k s b routed
+    token copies through f_e-wide experts, sized as a dense MLP k f_e wide (derived, not measured)."""
+    if not model.is_moe:
+        return moments
+    width = Poly.parse(f"{model.moe_top_k} fe")
+    out = []
+    for m in moments:
+        transients = tuple(dataclasses.replace(t, elements=t.elements.substitute("f", width)) for t in m.transients)
+        out.append(dataclasses.replace(m, transients=transients, source=f"{m.source}; the MLP's gradients sized for "
+                                       "the k routed copies of each token through f_e-wide experts"))
+    return out
+
+
+def _least_values(conditions: list[str]) -> tuple[tuple[str, int], ...]:
+    """The conditions "s >= N" / "b >= N" of a trace (a symbolic trace treats sizes 0 and 1 apart)."""
+    out = []
+    for text in conditions:
+        sym, op, value = (text.split() + ["", ""])[:3]
+        if sym in SYMBOLS and op == ">=" and value.isdigit():
+            out.append((sym, int(value)))
+    return tuple(out)
+
+
+def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:
+    """CUDA kernels' trace when there is one, else the CPU kernels' (the report says which)."""
+    if (Path(directory) / file_name(impl, "cuda")).is_file():
+        return load(directory, impl, "cuda")
+    return load(directory, impl, "cpu")
+
+
+def bucket_bytes(traced: TracedFile, s: int, b: int) -> dict[str, int]:
+    """What the trace says each decoder layer saves at (s, b) (storages it shares with other layers
+    included, as a measurement of that layer sees them) and what is saved outside the layers only:
+    the figures `memplan validate --hf` compares with a real run."""
+    values = {"s": s, "b": b}
+    out = {}
+    for group in traced.layer_groups:
+        per_layer = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in group.terms)
+        out.update({f"layer {i}": per_layer for i in group.layers})
+    out["outside the layers"] = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in traced.outside
+                                    if not t.shared)
+    return out

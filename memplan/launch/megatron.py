@@ -1,0 +1,289 @@
+"""From plan to launch: a Config as Megatron-LM command-line arguments and the environment they need.
+
+The flag names, their values and the environment rules are Megatron-LM's own
+(megatron/training/arguments.py, megatron/core/transformer/enums.py; read at tag core_v0.16.1,
+the release of the newest megatron-core wheel for Python 3.11, and still the same on main in
+2026-08); tests/test_launch.py checks every flag emitted here against a list transcribed from there.
+ZeRO 2 / 3 map to Megatron-FSDP's sharding strategies, HSDP to distributed-optimizer instances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from memplan.core.specs import PRECISIONS, Config, Recompute
+from memplan.inventory.chunked_loss import launch_note as loss_chunks_note
+from memplan.inventory.fp8 import launch_args as fp8_launch_args
+
+# ZeRO stage -> Megatron-FSDP data-parallel sharding strategy (stage 1 is the distributed optimizer).
+_FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
+
+# memplan's precision (PyTorch Lightning's names) -> Megatron-LM's flags. bf16 mixed keeps fp32 main
+# gradients and fp32 master weights and Adam moments (18 B per parameter); fp16 mixed uses dynamic loss
+# scaling unless --loss-scale is given. fp32 is Megatron-LM's default (no flag). bf16-true has no entry:
+# Megatron-LM always keeps fp32 (at best fp16) master weights, so no flag gives a pure bf16 run.
+_PRECISION_FLAGS = {"bf16-mixed": ["--bf16"], "16-mixed": ["--fp16"], "32-true": []}
+
+# memplan's attention kernel -> Megatron-LM --attention-backend (AttnBackend in
+# megatron/core/transformer/enums.py). eager: Transformer Engine's unfused attention, which
+# materialises the s x s scores K22 counts; flash: FlashAttention (stores no s x s tensor).
+_ATTENTION_BACKEND = {"eager": "unfused", "flash": "flash"}
+
+CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What launching one plan takes: the arguments of pretrain_gpt.py, the environment (a value of
+    None: the variable must be unset) and what the arguments cannot say."""
+
+    args: list[str]
+    env: dict[str, Optional[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """The JSON form: `megatron` (the arguments, as before), `env` and `notes` beside them."""
+        return {"megatron": list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+
+    def env_lines(self) -> list[str]:
+        return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
+
+    def args_block(self) -> str:
+        """The arguments one per line with ` \\` continuations: paste after `torchrun ... pretrain_gpt.py`."""
+        return " \\\n".join(self.args)
+
+    def block(self) -> str:
+        """The environment lines, then the arguments: what `search --emit megatron --emit-only` prints."""
+        return "\n".join(self.env_lines() + [self.args_block()])
+
+    def script(self, title: str) -> str:
+        """The block under a `# title` comment and `# note:` comments: a shell snippet for the report."""
+        return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
+
+
+def megatron_launch(config: Config) -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes."""
+    m, par, tr = config.model, config.parallel, config.training
+    notes: list[str] = []
+    args = [
+        f"--num-layers {m.num_layers}",
+        f"--hidden-size {m.hidden_size}",
+        f"--num-attention-heads {m.num_attention_heads}",
+        f"--ffn-hidden-size {m.f}",
+        f"--seq-length {m.seq_length}",
+        f"--max-position-embeddings {m.seq_length}",
+    ]
+    if m.q != m.hidden_size and not m.is_mla:  # heads not h/a wide (Mistral-Nemo): --kv-channels (default h/a)
+        args.append(f"--kv-channels {m.head_dim}")
+    if m.g != m.num_attention_heads:
+        args += ["--group-query-attention", f"--num-query-groups {m.g}"]
+    if m.mlp == "swiglu":
+        args.append("--swiglu")
+    if m.norm == "rmsnorm":
+        args.append("--normalization RMSNorm")
+    if m.position_embedding == "rope":
+        args.append("--position-embedding-type rope")
+    if not m.tied_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not m.bias:
+        args.append("--disable-bias-linear")
+    if not m.dropout:
+        args += ["--attention-dropout 0.0", "--hidden-dropout 0.0"]
+    if m.qk_norm:
+        args.append("--qk-layernorm")
+    args += _latent_attention(config) + _experts(config)
+    args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
+    args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
+    if par.sp:
+        args.append("--sequence-parallel")
+    # context / expert parallelism (memplan/parallel.py): names as Megatron-LM's ModelParallelConfig fields and
+    # arguments.py define them (docs/user-guide/parallelism-guide.md)
+    if par.cp > 1:
+        args += [f"--context-parallel-size {par.cp}", f"--cp-comm-type {par.cp_comm_type}"]
+    if par.ep > 1:
+        args.append(f"--expert-model-parallel-size {par.ep}")
+    if m.is_moe and par.expert_tp != par.tp:
+        args.append(f"--expert-tensor-parallel-size {par.expert_tp}")
+    if tr.recompute == Recompute.SELECTIVE:
+        args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
+    elif tr.recompute == Recompute.FULL:
+        n = tr.recompute_num_layers
+        if n is None or n == config.layers_per_chunk:
+            args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+        else:
+            args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {n}"]
+    args += [f"--micro-batch-size {tr.micro_batch}", f"--global-batch-size {config.global_batch}"]
+    if par.zero >= 1:
+        args.append("--use-distributed-optimizer")
+        if par.shard < par.dp:  # HSDP: d / shard replicas (also Megatron-FSDP's outer data-parallel group)
+            args.append(f"--num-distributed-optimizer-instances {par.dp // par.shard}")
+    if par.zero >= 2:
+        args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
+                 "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
+    muon = tr.optimizer == "muon" and par.zero == 0
+    if par.dp > 1 and not muon:  # Megatron-LM's Muon refuses to overlap them (arguments.py, below)
+        args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
+    args += _optimizer(tr.optimizer, par.zero, notes)
+    args += _offload(config, notes)
+    args += _precision(tr.precision, notes)
+    args += fp8_launch_args(tr, par.zero, notes)
+    if tr.loss_chunks > 1:
+        notes.append(loss_chunks_note(tr.loss_chunks))
+    if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
+        notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
+                     f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")
+    return Launch(args, _environment(config, notes), notes)
+
+
+def _pipeline(config: Config) -> list[str]:
+    """Pipeline parallelism: p, interleaving and an uneven split. Megatron-LM (arguments.py validate_args at
+    core_v0.16.1 and main) refuses --num-layers-per-virtual-pipeline-stage with uneven stages and asks for
+    --num-virtual-stages-per-pipeline-rank; --decoder-first/last-pipeline-num-layers become TransformerConfig's
+    num_layers_in_first/last_pipeline_stage (megatron/training/argument_utils.py), which
+    get_num_layers_to_build (megatron/core/transformer/transformer_block.py) splits as memplan does."""
+    par = config.parallel
+    args = [f"--pipeline-model-parallel-size {par.pp}"]
+    if config.uneven:
+        first, _, last = config.split
+        args += [f"--decoder-first-pipeline-num-layers {first}", f"--decoder-last-pipeline-num-layers {last}"]
+        if par.vpp > 1:
+            args.append(f"--num-virtual-stages-per-pipeline-rank {par.vpp}")
+    elif par.vpp > 1:
+        args.append(f"--num-layers-per-virtual-pipeline-stage {config.layers_per_chunk}")
+    return args
+
+
+def _latent_attention(config: Config) -> list[str]:
+    """Multi-head latent attention (MLATransformerConfig in megatron/core/transformer/transformer_config.py: its
+    qk_head_dim is the part of a head without rotary embedding, d_n; qk_pos_emb_head_dim the rotated part, d_r;
+    --q-lora-rank left out: queries projected from h directly; --qk-layernorm: MLA's q / kv latent norms, which
+    memplan/terms_mla.py and states.py count) and multi-token prediction (--mtp-num-layers, Megatron-LM
+    megatron/training/arguments.py _add_mtp_args)."""
+    m = config.model
+    mtp = [f"--mtp-num-layers {m.mtp_layers}"] if m.mtp_layers else []
+    if not m.is_mla:
+        return mtp
+    return (["--multi-latent-attention"] + ([f"--q-lora-rank {m.q_lora_rank}"] if m.q_lora_rank else [])
+            + [f"--kv-lora-rank {m.kv_lora_rank}", f"--qk-head-dim {m.qk_nope_head_dim}",
+               f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}", f"--v-head-dim {m.v_head_dim}"]
+            + ([] if m.qk_norm else ["--qk-layernorm"]) + mtp)
+
+
+def _experts(config: Config) -> list[str]:
+    """Mixture of experts: the model's experts (the plan's expert parallelism is added beside, by the plan).
+    --moe-layer-freq takes a Python list expression of 0 (dense) and 1 (MoE) per layer (arguments.py
+    moe_freq_type / _eval_pattern), quoted for the shell."""
+    m = config.model
+    if not m.is_moe:
+        return []
+    args = [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_top_k}", f"--moe-ffn-hidden-size {m.fe}"]
+    if m.moe_shared_ffn_hidden_size:
+        args.append(f"--moe-shared-expert-intermediate-size {m.moe_shared_ffn_hidden_size}")
+    if m.moe_first_dense_layers:
+        args.append(f"--moe-layer-freq '[0]*{m.moe_first_dense_layers}+[1]*{m.moe_layers}'")
+    # the routing memplan's MoE inventory assumed (memplan/terms_moe.py): TransformerConfig's
+    # moe_token_dispatcher_type, moe_expert_capacity_factor, moe_pad_expert_input_to_capacity
+    args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
+    if m.moe_capacity_factor is not None:
+        args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
+    if m.moe_pad_to_capacity:
+        args.append("--moe-pad-expert-input-to-capacity")
+    return args
+
+
+def megatron_args(config: Config) -> list[str]:
+    """The plan as Megatron-LM command-line arguments ("--flag value" strings)."""
+    return megatron_launch(config).args
+
+
+def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
+    """Megatron-LM's --optimizer (arguments.py at core_v0.16.1: adam, the default, which is AdamW's
+    decoupled weight decay; sgd with --sgd-momentum, default 0.9; muon: Muon on the 2-D hidden weights,
+    Adam on the rest, megatron/core/optimizer/muon.py, which refuses the distributed optimizer, FSDP and
+    overlapped gradient reduction or parameter gathering). No Adafactor, 8-bit Adam or Lion there."""
+    if optimizer == "adamw":
+        return []
+    if optimizer == "sgd":
+        return ["--optimizer sgd"]
+    if optimizer == "sgd-nomomentum":
+        return ["--optimizer sgd", "--sgd-momentum 0.0"]
+    if optimizer == "muon":
+        if zero == 0:
+            return ["--optimizer muon"]
+        notes.append(f"Megatron-LM's Muon (core_v0.16.1) refuses the distributed optimizer and FSDP that ZeRO-{zero} "
+                     "needs: no --optimizer is given (Adam runs); plan with --zero 0 to launch with --optimizer muon")
+        return []
+    notes.append(f"Megatron-LM (core_v0.16.1) has no {optimizer} optimizer: no --optimizer is given (Adam runs, whose "
+                 "states differ from the plan's)")
+    return []
+
+
+def _offload(config: Config, notes: list[str]) -> list[str]:
+    """Offload as Megatron-LM launches it (core_v0.16.1). Optimizer: --optimizer-cpu-offload and
+    --optimizer-offload-fraction (megatron/training/arguments.py:2059-2062), which arguments.py:1189-1194 allows only
+    with --use-precision-aware-optimizer (2840), which is Adam-only and needs the distributed optimizer
+    (megatron/core/optimizer/optimizer_config.py:375-381). Activations: Megatron-LM has layer offloading,
+    --cpu-offloading-num-layers N (a TransformerConfig field, ModelParallelConfig.cpu_offloading_num_layers, turned
+    into a flag by ArgumentGroupFactory: arguments.py:1574-1577 exclude only cpu_offloading and its sub-switches,
+    1621; N > 0 turns cpu_offloading on, 1236-1237), N < L, no pipeline parallelism, no recompute
+    (transformer_config.py:1137-1152); torch's save_on_cpu, which memplan models, has no flag."""
+    m, par, tr = config.model, config.parallel, config.training
+    args: list[str] = []
+    fraction = tr.offload_optimizer_fraction
+    if fraction > 0:
+        if tr.optimizer != "adamw":
+            notes.append(f"Megatron-LM's optimizer CPU offload needs --use-precision-aware-optimizer, which is Adam-only "
+                         f"(megatron/core/optimizer/optimizer_config.py:375-378): no offload flag is given for "
+                         f"{tr.optimizer}")
+        elif par.zero >= 2:
+            notes.append("Megatron-LM's optimizer CPU offload with Megatron-FSDP (ZeRO 2 / 3) is not checked: no offload "
+                         "flag is given; plan with --zero 1 to launch with --optimizer-cpu-offload")
+        elif par.zero == 0 and par.dp > 1:
+            notes.append("Megatron-LM's optimizer CPU offload needs the distributed optimizer (--use-precision-aware-"
+                         "optimizer requires it, optimizer_config.py:379-381): no offload flag is given; plan with "
+                         "--zero 1 to launch with --optimizer-cpu-offload")
+        else:
+            if par.zero == 0:  # d = 1: the distributed optimizer shards nothing, the same memory
+                args.append("--use-distributed-optimizer")
+            args += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                     f"--optimizer-offload-fraction {fraction:g}"]
+    if tr.offload_activations:
+        if par.pp > 1:
+            notes.append("Megatron-LM's activation offloading (--cpu-offloading-num-layers) refuses pipeline parallelism "
+                         "(megatron/core/transformer/transformer_config.py:1144-1147): no flag is given; torch's "
+                         "save_on_cpu, which memplan models, has no Megatron-LM flag")
+        else:
+            args.append(f"--cpu-offloading-num-layers {m.num_layers - 1}")
+            notes.append(f"--cpu-offloading-num-layers offloads at most L - 1 = {m.num_layers - 1} layers "
+                         "(transformer_config.py:1137-1142): the last layer's saved tensors stay on the GPU, where "
+                         "memplan's first backward has them too; Megatron-LM's offloader (Transformer Engine) copies on "
+                         "a side stream a layer ahead and skips weights and tensors under 1 MB, unlike torch's "
+                         "save_on_cpu that memplan models: its memory and time differ")
+    return args
+
+
+def _precision(precision: str, notes: list[str]) -> list[str]:
+    if precision in _PRECISION_FLAGS:
+        return list(_PRECISION_FLAGS[precision])
+    notes.append(f"{precision} (bf16 weights, gradients and moments, no master copy) has no Megatron-LM "
+                 "equivalent, which always keeps higher-precision master weights: no precision flag is given; "
+                 "the nearest is --bf16 (bf16-mixed, 18 B per parameter): plan with --precision bf16-mixed to "
+                 "launch with it")
+    return []
+
+
+def _environment(config: Config, notes: list[str]) -> dict[str, Optional[str]]:
+    """CUDA_DEVICE_MAX_CONNECTIONS as megatron/training/arguments.py validates it: tensor parallelism
+    asserts it is 1 (on GPUs before Blackwell, which all of memplan's presets are), so that its
+    communication kernels are scheduled before the GEMMs they overlap with; Megatron-FSDP asserts it
+    is not 1 (and wins when both are on: arguments.py only warns for TP + FSDP)."""
+    par = config.parallel
+    model_parallel = par.tp > 1 or par.cp > 1  # arguments.py asks for it with context parallelism too
+    if par.zero >= 2:
+        if model_parallel:
+            notes.append(f"Megatron-FSDP requires {CONNECTIONS} unset (or > 1), which slows the overlap of "
+                         f"{'tensor' if par.tp > 1 else 'context'}-parallel communication")
+        return {CONNECTIONS: None}
+    if model_parallel:
+        return {CONNECTIONS: "1"}
+    return {}

@@ -1,0 +1,60 @@
+"""Pipeline schedules: how many micro-batches (and model chunks) a stage holds at its peak.
+
+1F1B (PipeDream-flush, Megatron-LM's default): stage i runs p - i - 1 warm-up forwards, so it
+holds min(p - i, M) micro-batches of its L/p layers; the first stage holds p, i.e. L layers'
+worth (K22 section 4.2.3, Eq. 5). Interleaved with m chunks per rank (Megatron-LM
+`get_forward_backward_func` warm-up count): rank i runs 2(p - i - 1) + (m - 1)p warm-up chunk
+forwards and holds one more, each of L/(pm) layers; on the first rank that is
+L(1 + (p - 1)/(pm)) layers (K22 section 4.2.3). With fewer micro-batches than warm-up steps,
+only those exist (Megatron-LM caps the warm-up at the total).
+
+Uneven stages (Megatron-LM --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers,
+megatron/core/transformer/transformer_block.py get_num_layers_to_build): the first and the last
+stage hold the layers given, the p - 2 middle stages split the rest evenly, and each stage's m
+chunks split its layers evenly. `--account-for-embedding-in-pipeline-split` and
+`--account-for-loss-in-pipeline-split` count the embedding / the loss as one layer of the first /
+last stage: without interleaving that is the same layout, first = (L + e + l)/p - e (e, l = 1
+when accounted), the others (L + e + l)/p (same function there).
+
+All functions take scalars or numpy arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.core.arith import minimum
+
+
+def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
+    """(micro-batch, model chunk) activation sets stage `stage` holds at its peak."""
+    one_f_one_b = p - stage
+    interleaved = 2 * (p - stage - 1) + (m - 1) * p + 1
+    warmup_plus_one = (m == 1) * one_f_one_b + (m != 1) * interleaved
+    return minimum(warmup_plus_one, microbatches * m)
+
+
+def microbatches_in_flight(stage: Any, p: Any, microbatches: Any) -> Any:
+    """Micro-batches whose embedding (first stage) or output layer (last stage) activations are
+    alive at the stage's peak: p - stage under 1F1B (K22 section 4.3: the sbhp of the first stage)."""
+    return minimum(p - stage, microbatches)
+
+
+def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: Any = None) -> Any:
+    """Transformer layers on pipeline stage `stage`: L/p when the split is even (`first` and `last`
+    None), else `first` on stage 0, `last` on stage p - 1 and (L - first - last)/(p - 2) on each
+    middle stage (Megatron-LM get_num_layers_to_build). With p = 1 the one stage is the first
+    (first = L)."""
+    if first is None and last is None:
+        return num_layers // p
+    if first is None or last is None:
+        raise ValueError("stage_layers: give both the first and the last stage's layers, or neither")
+    is_first, is_last = 1 * (stage == 0), 1 * (stage == p - 1)
+    gaps = p - 2
+    middle = (num_layers - first - last) // (gaps + (1 - gaps) * (gaps < 1))  # no middle stage when p <= 2
+    return is_first * first + (1 - is_first) * (is_last * last + (1 - is_last) * middle)
+
+
+def interleaving_factor(p: int, m: int) -> float:
+    """K22's first-stage factor 1 + (p - 1)/(p m) (1 when m = 1: no interleaving)."""
+    return 1.0 if m == 1 else 1 + (p - 1) / (p * m)

@@ -1,0 +1,178 @@
+"""A plan's values (scalars for one plan, arrays for the planner) and the bytes of every inventory term under it:
+`PlanValues`, `TermBytes` (cached per model and plan for scalars) and how many copies of a term a stage holds."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memplan.core.arith import minimum
+from memplan.core.specs import Config, ModelSpec, Recompute
+from memplan.inventory.types import Term
+from memplan.memory.pipeline import chunks_in_flight, microbatches_in_flight, stage_layers
+from memplan.memory.states import ParamGroup
+
+
+@dataclass(frozen=True)
+class PlanValues:
+    """A parallel plan as numbers (each field a scalar or an equally shaped numpy array)."""
+
+    t: Any
+    p: Any
+    d: Any
+    m: Any
+    sp: Any  # 0 / 1
+    zero: Any  # 0..3
+    shard: Any  # ranks the ZeRO states are split over (d, or fewer with HSDP)
+    b: Any
+    recompute: Any  # Recompute codes 0 / 1 / 2
+    recomputed_layers: Any  # layers per model chunk that the recompute mode applies to
+    microbatches: Any  # M, micro-batches per step per data-parallel rank
+    cp: Any = 1  # context-parallel size (memplan/parallel.py)
+    ep: Any = 1  # expert-parallel size
+    etp: Any = None  # expert tensor-parallel size (None: t)
+    cp_comm: str = "p2p"  # context-parallel attention's communication (ParallelSpec.cp_comm_type)
+
+    @property
+    def expert_tp(self) -> Any:
+        return self.t if self.etp is None else self.etp
+
+    @property
+    def gpus(self) -> Any:
+        return self.t * self.p * self.d * self.cp
+    # transformer layers on the first and on the last pipeline stage (memplan/pipeline.py stage_layers; the
+    # middle stages split the rest); None: the even split L/p
+    first_layers: Any = None
+    last_layers: Any = None
+
+    @staticmethod
+    def from_config(config: Config) -> "PlanValues":
+        par, tr = config.parallel, config.training
+        chunk = config.layers_per_chunk
+        recomputed = tr.recompute_num_layers if tr.recompute_num_layers is not None else chunk
+        first, _, last = config.split
+        return PlanValues(
+            t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, shard=par.shard,
+            b=tr.micro_batch,
+            recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
+            cp=par.cp, ep=par.ep, etp=par.expert_tp, cp_comm=par.cp_comm_type,
+            first_layers=first if config.uneven else None, last_layers=last if config.uneven else None,
+        )
+
+    def take(self, index: Any) -> "PlanValues":
+        """One candidate (or a subset) of an array-valued plan (scalar and None fields stay as they are)."""
+        return PlanValues(**{f.name: (v[index] if getattr(v := getattr(self, f.name), "ndim", 0) else v)
+                             for f in fields(self)})
+
+    def symbols(self, model: ModelSpec, **more: Any) -> dict[str, Any]:
+        """The model's symbols with this plan's b, t, cp, ep, etp (the one place they are bound)."""
+        return model.symbols(b=self.b, t=self.t, cp=self.cp, ep=self.ep, etp=self.expert_tp, **more)
+
+    def layers(self, model: ModelSpec, stage: Any) -> Any:
+        """Transformer layers on pipeline stage `stage` (memplan/pipeline.py stage_layers)."""
+        return stage_layers(stage, self.p, model.num_layers, self.first_layers, self.last_layers)
+
+    def chunk_layers(self, model: ModelSpec, stage: Any) -> tuple[Any, Any]:
+        """(layers per model chunk of stage `stage`, those of them the recompute mode applies to): Megatron-LM
+        recomputes the first N layers of each chunk (block method), all of a chunk that has fewer."""
+        n = self.layers(model, stage) // self.m
+        return n, minimum(self.recomputed_layers, n)
+
+
+class TermBytes:
+    """Bytes of one copy of a term on one GPU (Term.bytes), and parameters of a group on one GPU, for
+    a plan of scalars or arrays. They depend on the plan only through b, t and SP, so with arrays
+    each distinct (b, t, sp) is evaluated once and the results are gathered back (the planner's hot
+    path)."""
+
+    def __init__(self, model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> None:
+        self.act, self.index, self.granularity = activation_bytes, None, granularity
+        b, t, sp, cp, ep, etp = plan.b, plan.t, plan.sp, plan.cp, plan.ep, plan.expert_tp
+        if any(getattr(x, "size", 1) > 1 for x in (b, t, sp, cp, ep, etp)):
+            import numpy as np
+
+            b, t, sp, cp, ep, etp = np.broadcast_arrays(b, t, sp, cp, ep, etp)
+            key = b * (2 * int(t.max()) + 2) + 2 * t + sp  # one integer per distinct (b, t, sp, cp, ep, etp)
+            for x in (cp, ep, etp):
+                if int(x.max()) > 1:
+                    key = key * (int(x.max()) + 1) + x
+            uniq, first, index = np.unique(key.ravel(), return_index=True, return_inverse=True)
+            self.index = index.reshape(b.shape)  # gathered values keep the plan's (broadcast) shape
+            b, t, sp, cp, ep, etp = (x.ravel()[first] for x in (b, t, sp, cp, ep, etp))
+        self.values, self.sp = model.symbols(b=b, t=t, cp=cp, ep=ep, etp=etp), sp
+        self._cache: dict[Any, Any] = {}
+
+    def __call__(self, term: Term) -> Any:
+        """Bytes of one copy, each of its storages rounded up to the allocator's granularity."""
+        def allocated() -> Any:
+            n = term.bytes(self.values, self.act, self.sp)
+            if self.granularity == 1:
+                return n
+            each = -(-n // term.storages)
+            return -(-each // self.granularity) * self.granularity * term.storages * (n > 0)
+
+        return self._cached(term, allocated)
+
+    def group(self, group: ParamGroup) -> Any:
+        """A parameter group's parameters on one GPU (it depends on t only). Keyed by its count
+        polynomial and split (states.param_groups makes new groups on every call; their parsed
+        polynomials are shared)."""
+        return self._cached(group.count, lambda: group.per_gpu(self.values), ("group", group.tp_split, group.expert))
+
+    def _cached(self, obj: Any, compute: Any, kind: Any = None) -> Any:
+        # keyed by identity (hashing a term's polynomial on every call is slow); the entry keeps the
+        # object alive, so its id cannot be reused by another object while the entry exists
+        hit = self._cache.get((kind, id(obj)))
+        if hit is None:
+            if len(self._cache) >= CACHE_ENTRIES:  # a shared instance sees the terms of many inventories
+                self._cache.clear()
+            n = compute()
+            hit = self._cache[kind, id(obj)] = (obj, n[self.index] if self.index is not None and getattr(n, "ndim", 0)
+                                                else n)
+        return hit[1]
+
+
+CACHE_ENTRIES = 4096
+
+
+_SHARED: "OrderedDict[tuple, TermBytes]" = OrderedDict()
+
+
+def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int = 1) -> TermBytes:
+    """`TermBytes` for the plan. A plan of scalars (`estimate`: every stage of one plan, and
+    `--max-seq`'s probes) shares one instance per (model, b, t, SP, bytes, granularity), so each
+    term is evaluated once, not once per stage."""
+    plan_key = (plan.b, plan.t, plan.sp, plan.cp, plan.ep, plan.expert_tp)
+    if any(hasattr(x, "shape") for x in plan_key):
+        return TermBytes(model, plan, activation_bytes, granularity)
+    key = (model, *(int(x) for x in plan_key), activation_bytes, granularity)
+    sizes = _SHARED.get(key)
+    if sizes is None:
+        sizes = _SHARED[key] = TermBytes(model, plan, activation_bytes, granularity)
+        if len(_SHARED) > 16:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return sizes
+
+
+def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
+    """Bind the K22 symbols once: s, b, h, a, f, g, v, t (and cp, ep, etp)."""
+    return plan.symbols(model)
+
+
+def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, recomputed: Any = None) -> Any:
+    """How many copies of a saved tensor stage `stage` holds at its peak (`recomputed`: layers of each of its
+    chunks the recompute mode applies to, default the plan's)."""
+    if term.scope == "layer":
+        chunks = chunks_in_flight(stage, plan.p, plan.m, plan.microbatches)
+        recomputed = plan.recomputed_layers if recomputed is None else recomputed
+        per_chunk = recomputed * term.kept(plan.recompute) + (layers_per_chunk - recomputed) * term.kept(
+            Recompute.NONE
+        )
+        return chunks * per_chunk
+    if term.scope == "chunk":
+        return chunks_in_flight(stage, plan.p, plan.m, plan.microbatches) * term.kept(plan.recompute)
+    on_stage = (stage == 0) if term.scope == "first" else (stage == plan.p - 1)
+    return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches)

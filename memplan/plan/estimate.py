@@ -1,0 +1,308 @@
+"""`estimate`: the memory of every pipeline stage of one plan, and why.
+
+specs -> inventory -> stage_memory (activations + states) -> this breakdown -> report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memplan.core.specs import Config, GpuSpec, Recompute
+from memplan.inventory.activations import layer_bytes, layer_poly
+from memplan.inventory.assemble import training_inventory
+from memplan.inventory.chunked_loss import note as chunk_note
+from memplan.inventory.fp8 import check_fp8
+from memplan.inventory.fp8 import notes as fp8_notes
+from memplan.inventory.hf import check_hf_plan
+from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
+from memplan.memory.offload import HostBytes, host_bytes, per_node
+from memplan.memory.offload import notes as offload_notes
+from memplan.memory.optimizers import notes as optimizer_notes
+from memplan.memory.parallel import notes as parallel_notes
+from memplan.memory.pipeline import chunks_in_flight, interleaving_factor
+from memplan.memory.stage import StageMemory, stage_memory
+from memplan.memory.states import active_params, total_params
+from memplan.memory.term_bytes import PlanValues, symbol_values
+from memplan.memory.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
+from memplan.timing.perf import step_time
+
+
+@dataclass(frozen=True)
+class TermRow:
+    """One saved tensor as the report shows it, for the most loaded stage."""
+
+    term: Term
+    symbolic: str  # bytes per layer (or per micro-batch outside the layers) on one GPU
+    bytes: int  # the same, evaluated
+    copies: int  # how many the stage holds at its peak (layers x micro-batches in flight)
+    stage_bytes: int  # bytes x copies
+    share: float  # of the stage's activation bytes
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One pipeline stage as the per-stage table shows it (one GPU of it)."""
+
+    stage: int
+    layers: int  # transformer layers on the stage
+    chunks: int  # (micro-batch, model chunk) activation sets in flight at its first backward
+    layer_copies: int  # layers' activation sets saved then: chunks x layers per chunk
+    states_bytes: int  # weights + gradients + optimizer states
+    activations_bytes: int  # saved at its first backward
+    peak_bytes: int  # the step's peak
+    peak_at: str  # when
+
+
+def stage_rows(est: "Estimate") -> list[StageRow]:
+    """Every stage of the estimate's plan: what it holds and its step peak (the table `estimate` prints)."""
+    par, c = est.config.parallel, est.config
+    rows = []
+    for mem, step in zip(est.stages, est.steps):
+        chunks = int(chunks_in_flight(mem.stage, par.pp, par.vpp, c.num_microbatches))
+        e = step.peak_event
+        rows.append(StageRow(mem.stage, int(mem.layers), chunks, chunks * int(mem.layers) // par.vpp,
+                             int(mem.states.total), int(mem.activations), int(step.peak_bytes),
+                             f"{e.phase}{f' of layer {e.layer}' if e.layer is not None else ''}"))
+    return rows
+
+
+def peak_reason(est: "Estimate") -> str:
+    """Why the most loaded stage is the peak: its activation sets in flight against the other candidates' (1F1B:
+    stage i holds p - i micro-batches; uneven stages change the layers of each), and what only it holds."""
+    rows = stage_rows(est)
+    top = rows[est.most_loaded]
+    p = len(rows)
+    if p == 1:
+        return "one stage: it holds every layer, the embedding and the LM head"
+    why = [f"{top.layer_copies} layer activation sets in flight ({top.chunks} chunk(s) x {top.layers // est.config.parallel.vpp} "
+           f"layer(s))"]
+    if top.stage == 0:
+        why.append("the embedding and the most micro-batches in flight (1F1B warm-up)")
+    if top.stage == p - 1:
+        why.append("the LM head and the loss (logits)")
+    others = [r for r in (rows[0], rows[min(1, p - 1)], rows[-1]) if r.stage != top.stage]
+    versus = "; ".join(f"stage {r.stage}: {r.layer_copies} sets ({r.chunks} x {r.layers // est.config.parallel.vpp}), "
+                       f"peak {r.peak_bytes / 1e9:.2f} GB" for r in dict((r.stage, r) for r in others).values())
+    return f"stage {top.stage} peaks: " + ", ".join(why) + (f"; against {versus}" if versus else "")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    config: Config
+    inventory: Inventory
+    paper_only: bool
+    stages: list[StageMemory]
+    steps: list[StepPeak]  # the step peak of one GPU of every stage (the most loaded one: its whole timeline)
+    device: DeviceMemory  # what the most loaded GPU needs: allocated peak + margin + runtime
+    most_loaded: int
+    per_layer_bytes: int
+    per_layer_symbolic: str
+    rows: list[TermRow]
+    total_params: int
+    budget_bytes: Optional[int] = None
+    gpu: Optional[GpuSpec] = None
+    perf: Optional[Any] = None  # perf.StepTime when a GPU is known
+    notes: list[str] = field(default_factory=list)
+    hosts: list[HostBytes] = field(default_factory=list)  # host memory of one GPU of every stage (offload)
+    host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
+
+    @property
+    def peak(self) -> StageMemory:
+        """The most loaded stage's states and saved activations (retained at its first backward)."""
+        return self.stages[self.most_loaded]
+
+    @property
+    def step(self) -> StepPeak:
+        """The most loaded stage's step timeline and allocated peak."""
+        return self.steps[self.most_loaded]
+
+    @property
+    def host(self) -> HostBytes:
+        """Host memory of the GPU that offloads the most (memplan/offload.py)."""
+        return max(self.hosts, key=lambda h: h.total) if self.hosts else HostBytes()
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory a node's GPUs take for their offload: GPUs on a node x the most any GPU takes."""
+        gpn = self.gpu.gpus_per_node if self.gpu is not None else None
+        return int(per_node(self.host.total, self.config.parallel.gpus, gpn))
+
+    @property
+    def fits_host(self) -> Optional[bool]:
+        return None if self.host_budget_bytes is None else bool(self.host_bytes_per_node <= self.host_budget_bytes)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        if self.budget_bytes is None:
+            return None
+        return bool(self.device.total <= self.budget_bytes) and self.fits_host is not False
+
+    @property
+    def headroom_bytes(self) -> Optional[int]:
+        return None if self.budget_bytes is None else self.budget_bytes - self.device.total
+
+
+def estimate(
+    config: Config,
+    budget_bytes: Optional[int] = None,
+    gpu: Optional[GpuSpec] = None,
+    paper_only: bool = False,
+    impl: str = "megatron",
+    device: str = "cuda",
+    fragmentation_margin: Optional[float] = None,
+    host_budget_bytes: Optional[int] = None,
+) -> Estimate:
+    """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
+    activations and states (with `paper_only`, only the tensors K22 counts) and the step's
+    allocated peak (always the real-code view). The stage with the highest peak is the answer; it
+    fits when peak + fragmentation margin + the runtime's own memory is within the budget (and, with
+    `host_budget_bytes`, when the host memory its offload takes per node is within that)."""
+    if impl in HF_IMPLS:
+        check_hf_plan(config, impl)
+    check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
+    inventory = training_inventory(config.model, impl, device, config.training)
+    terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
+    plan = PlanValues.from_config(config)
+    stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
+                           granularity=inventory.granularity, layout=inventory.weight_layout)
+              for i in range(config.parallel.pp)]
+    steps = step_peaks(config, inventory, plan, None if paper_only else stages)
+    most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
+    steps[most_loaded] = step_peaks(config, inventory, plan, None if paper_only else stages, walk=most_loaded)[0]
+    peak = stages[most_loaded]
+
+    values = symbol_values(config.model, plan)
+    act = config.training.activation_bytes
+    layer_terms = tuple(t for t in terms if t.scope == "layer" and t.in_k22) if paper_only else tuple(
+        t for t in terms if t.scope == "layer")
+    per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
+    poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute,
+                                   config.parallel.cp), config.model)
+    if config.parallel.tp == 1:
+        poly = poly.assign("t", 1)
+
+    rows = []
+    for term in terms:
+        n = peak.unit_bytes[term.id]  # one copy as allocated (storages rounded to the allocator block)
+        stage_n = peak.term_bytes[term.id]
+        if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute)):
+            continue
+        sym = display_poly(term.split_size(act, config.parallel.sp, config.parallel.cp), config.model)
+        if config.parallel.tp == 1:
+            sym = sym.assign("t", 1)
+        rows.append(TermRow(term, sym.text(), n, stage_n // n if n else 0, stage_n,
+                            stage_n / peak.activations if peak.activations else 0.0))
+
+    if budget_bytes is None and gpu is not None:
+        budget_bytes = gpu.memory_bytes
+    needs = device_memory(steps[most_loaded].peak_bytes, plan, inventory, gpu, fragmentation_margin)
+    perf = None
+    if gpu is not None:
+        perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
+    return Estimate(
+        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
+        most_loaded=most_loaded,
+        per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
+        rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
+        notes=_notes(config, peak, terms, values, inventory),
+        hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
+               for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
+        host_budget_bytes=host_budget_bytes,
+    )
+
+
+def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
+    """Every stage with all the inventory's terms (the paper-only view leaves some out; the host holds them)."""
+    return [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
+                         layout=inventory.weight_layout) for i in range(config.parallel.pp)]
+
+
+def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] = None,
+               stages: Optional[list[StageMemory]] = None, walk: Optional[int] = None) -> list[StepPeak]:
+    """The step peak of one GPU of every pipeline stage, from its critical moments; with `walk`, the
+    whole timeline (every layer's events) of that one stage only."""
+    plan = plan if plan is not None else PlanValues.from_config(config)
+    which = range(config.parallel.pp) if walk is None else [walk]
+    return [step_events(config.model, inventory, config.training, plan,
+                        stages[i] if stages is not None else
+                        stage_memory(config.model, inventory.terms, config.training, plan, i,
+                                     granularity=inventory.granularity, layout=inventory.weight_layout), i,
+                        critical=walk is None)
+            for i in which]
+
+
+def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,
+                 fragmentation_margin: Optional[float] = None) -> int:
+    """What the most loaded GPU of `config` needs: the highest stage peak + margin + runtime
+    (what `estimate` decides a fit on, without its report)."""
+    if impl in HF_IMPLS:
+        check_hf_plan(config, impl)
+    check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
+    inventory = training_inventory(config.model, impl, device, config.training)
+    plan = PlanValues.from_config(config)
+    peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
+    return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)
+
+
+def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],
+           inventory: Inventory) -> list[str]:
+    par, tr = config.parallel, config.training
+    notes = []
+    if inventory.origin:
+        notes.append(f"saved tensors {inventory.origin}; the backward's transient tensors are derived from the "
+                     "measured Llama layout, not traced")
+        plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
+        for sym, least in inventory.traced_from:
+            if plan_values[sym] < least:
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
+                             "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
+                             "loss's padded label id; tests/test_traced.py)")
+    m = config.model
+    if m.is_moe:
+        notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
+                     f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "
+                     f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
+                     + (f"; ep = {par.ep}, etp = {par.expert_tp}: {m.num_experts // par.ep} experts per GPU, their "
+                        f"states sharded over the {par.edp} expert-data-parallel ranks" if par.ep * par.expert_tp > 1
+                        else "; ep = 1: every GPU holds every expert"))
+    notes += parallel_notes(config)
+    if inventory.moments and not inventory.moments[0].source.startswith("measured"):
+        notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
+    notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
+    notes += fp8_notes(tr)
+    if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
+        notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
+    notes += offload_notes(tr, inventory.name.split("/")[0])
+    chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
+    if config.uneven:
+        first, middle, last = config.split
+        notes.append(f"uneven pipeline stages: {first} layer(s) on the first stage, {middle} on each of the {par.pp - 2} "
+                     f"middle one(s), {last} on the last (Megatron-LM --decoder-first-pipeline-num-layers / "
+                     "--decoder-last-pipeline-num-layers)" if par.pp > 2 else
+                     f"uneven pipeline stages: {first} layer(s) on the first stage, {last} on the last")
+    notes.append(
+        f"stage {peak.stage} holds {chunks} model chunk(s) of {peak.layers // par.vpp} layer(s) in flight"
+        + (f" (interleaving factor 1 + (p-1)/(pm) = {interleaving_factor(par.pp, par.vpp):.4f} on stage 0)"
+           if par.vpp > 1 else "")
+    )
+    if config.num_microbatches < par.pp:
+        notes.append(
+            f"only {config.num_microbatches} micro-batch(es) per step for p={par.pp} stages: "
+            "the pipeline never fills, so fewer activations are stored (and the bubble is large)"
+        )
+    if tr.recompute == Recompute.FULL and tr.recompute_num_layers is not None:
+        notes.append(
+            f"full recompute of {tr.recompute_num_layers} of {config.layers_per_chunk} layers per model chunk "
+            "(Megatron-LM --recompute-method block)"
+        )
+    if tr.recompute == Recompute.SELECTIVE:
+        dropped = sum(t.bytes(values, tr.activation_bytes, int(par.sp)) for t in terms
+                      if t.scope == "layer" and t.dropped_by_selective)
+        kept = sum(t.bytes(values, tr.activation_bytes, int(par.sp)) for t in terms if t.scope == "layer")
+        if config.model.attention == "flash":
+            notes.append(
+                f"flash attention stores no s x s tensor: selective recompute drops only the log-sum-exp, "
+                f"{dropped:,} of {kept:,} bytes per layer ({dropped / kept:.2%}); it saves almost nothing"
+            )
+    return notes

@@ -1,0 +1,75 @@
+"""The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`,
+`--max-micro-batch`), by bisection on the fit verdict `estimate` gives: the step peak grows with s
+and b (a property test checks it), so the answer is exact to one step of the search.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.core.specs import Config, GpuSpec, build
+from memplan.plan.estimate import device_bytes
+
+SEQ_LIMIT = 1 << 24  # 16M tokens: beyond any context trained today (and far below int64 overflow)
+MICRO_BATCH_LIMIT = 1 << 16
+
+
+def largest(fits: Callable[[int], bool], step: int, limit: int) -> Optional[int]:
+    """The largest multiple of `step` up to `limit` for which `fits` holds (monotone: true up to some
+    point, false after), or None when even `step` does not fit."""
+    if not fits(step):
+        return None
+    lo = 1  # fits(lo * step)
+    hi = 2
+    while hi * step <= limit and fits(hi * step):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)  # fits(hi * step) is false or beyond the limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+def _with(config: Config, model: Optional[dict] = None, training: Optional[dict] = None) -> Config:
+    data = config.model_dump()
+    data["model"].update(model or {})
+    data["training"].update(training or {})
+    return build(Config, data)
+
+
+def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
+                gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None) -> Optional[int]:
+    """The longest sequence this plan fits in `budget_bytes` with (a multiple of t under sequence
+    parallelism, and of the loss chunks), all else equal; None when none does."""
+    step = config.parallel.tp if config.parallel.sp else 1
+    step = step * config.training.loss_chunks // math.gcd(step, config.training.loss_chunks)  # the chunks divide s
+
+    def fits(s: int) -> bool:
+        return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu,
+                            fragmentation_margin) <= budget_bytes
+
+    return largest(fits, step, SEQ_LIMIT)
+
+
+def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
+                    gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None) -> Optional[int]:
+    """The largest micro-batch this plan fits with, the micro-batches per step unchanged (so the
+    global batch grows with b); None when none does."""
+    M, d = config.num_microbatches, config.parallel.dp
+
+    def fits(b: int) -> bool:
+        c = _with(config, training=dict(micro_batch=b, global_batch=b * d * M))
+        return device_bytes(c, impl, device, gpu, fragmentation_margin) <= budget_bytes
+
+    return largest(fits, 1, MICRO_BATCH_LIMIT)
+
+
+def need_budget(budget_bytes: Optional[int], what: str) -> int:
+    if budget_bytes is None:
+        raise MemplanError(f"{what} needs a memory budget: give --mem SIZE or --gpu NAME")
+    return budget_bytes

@@ -1,0 +1,273 @@
+"""`explain`: every number of an estimate derived step by step, symbol by symbol, with the values
+substituted and the source of each term, e.g.
+
+    34sbh/t = 34 x 2048 x 1 x 20480 / 8 = 178,257,920 B
+
+The numbers are `estimate`'s own (memplan/estimate.py) and the symbolic text is the inventory's
+Poly (memplan/symbolic.py); this module only lays them out as a list of `Step`s (data: the report
+renders them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from memplan.core.specs import Config, GpuSpec, Recompute
+from memplan.core.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
+from memplan.inventory.types import Term, display_poly
+from memplan.memory.optimizers import states_label
+from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.states import optimizer_bytes, param_groups
+from memplan.plan.estimate import Estimate, estimate
+
+
+@dataclass(frozen=True)
+class Step:
+    section: str
+    label: str
+    formula: str  # symbolic, e.g. "34sbh/t"
+    substituted: str  # the same with the values, e.g. "34 x 2048 x 1 x 20480 / 8"
+    value: Any  # int bytes (or a count); None for a line of symbols
+    unit: str  # "B", "parameters", "copies", "layers", ...
+    source: str = ""
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SECTIONS = {
+    "symbols": "the symbols (K22 notation) and their values",
+    "layer": "saved activations of one layer, one micro-batch, one GPU",
+    "pipeline": "pipeline: copies in flight and the stage's activations",
+    "states": "weights, gradients and optimizer states",
+    "peak": "the step peak and what the device needs",
+}
+
+
+def substituted(poly: Poly, values: dict[str, Any]) -> str:
+    """Each monomial of `poly` with its symbols replaced by their values: '34 x 2048 x 1 x 20480 / 8'."""
+    parts = []
+    for mono, coef in sorted(poly.terms, key=sort_key):
+        num = [str(values[s]) + (f"^{p}" if p > 1 else "") for s, p in mono if p > 0]
+        den = [str(values[s]) + (f"^{-p}" if p < -1 else "") for s, p in mono if p < 0]
+        n, d = abs(coef.numerator), coef.denominator
+        if n != 1 or not num:
+            num.insert(0, str(n))
+        if d != 1:
+            den.insert(0, str(d))
+        text = " x ".join(num)
+        if den:
+            text += " / " + (den[0] if len(den) == 1 else "(" + " x ".join(den) + ")")
+        parts.append(("- " if coef < 0 else "+ ") + text)
+    return " ".join(parts).removeprefix("+ ") if parts else "0"
+
+
+def _plus(numbers: list[Any]) -> str:
+    return " + ".join(f"{int(n):,}" for n in numbers)
+
+
+def table2_row(config: Config) -> Optional[str]:
+    """The K22 Table 2 row a plan is, when the model is K22's GPT layer."""
+    m, par, rec = config.model, config.parallel, config.training.recompute
+    if not (m.attention == "eager" and m.mlp == "gelu" and m.norm == "layernorm" and m.dropout
+            and m.f == 4 * m.hidden_size and m.g == m.num_attention_heads and m.q == m.hidden_size):
+        return None
+    if rec == Recompute.FULL:
+        return "full recompute" if config.training.recompute_num_layers is None else None
+    what = ("no parallelism" if par.tp == 1 else "tensor + sequence parallel" if par.sp else "tensor parallel")
+    if rec == Recompute.SELECTIVE:
+        return "TP + SP + selective recompute" if par.sp else "TP + selective recompute"
+    return what
+
+
+def explain(config: Config, budget_bytes: Optional[int] = None, gpu: Optional[GpuSpec] = None,
+            impl: str = "megatron", fragmentation_margin: Optional[float] = None) -> tuple[Estimate, list[Step]]:
+    """The estimate of `config` and its derivation, step by step."""
+    est = estimate(config, budget_bytes=budget_bytes, gpu=gpu, impl=impl, fragmentation_margin=fragmentation_margin)
+    # an MoE layer's routed tokens after the expert-TP all-gather are etp wide (Term.etp_gathered)
+    moe = dict(ep=config.parallel.ep, etp=config.parallel.expert_tp) if config.model.is_moe else {}
+    values = dict(config.model.symbols(b=config.training.micro_batch, t=config.parallel.tp, **moe))
+    return est, (_symbols(est, values) + _layer(est, values) + _pipeline(est) + _states(est, values) + _peak(est))
+
+
+def _display(poly: Poly, config: Config) -> Poly:
+    poly = display_poly(poly, config.model)
+    return poly.assign("t", 1) if config.parallel.tp == 1 else poly
+
+
+def _symbols(est: Estimate, values: dict[str, Any]) -> list[Step]:
+    c = est.config
+    par, m = c.parallel, c.model
+    plan = dict(L=m.num_layers, p=par.pp, m=par.vpp, d=par.dp, M=c.num_microbatches)
+    text = ", ".join(f"{k}={v:,}" for k, v in {**values, **plan}.items())
+    moe = m.is_moe
+    return [Step("symbols", "symbols", "s b h q a f g v" + (" E fe fs" if moe else "") + " t L p m d M", text, None,
+                 "", note="s sequence, b micro-batch, h hidden, q attention width (a x head_dim), a heads, f MLP width, "
+                      "g key/value heads, v vocabulary, "
+                      + ("E experts, fe one expert's MLP width, fs the shared experts' width, " if moe else "")
+                      + "t tensor-, p pipeline-, d data-parallel size, m chunks per rank, M micro-batches per step")]
+
+
+def _layer(est: Estimate, values: dict[str, Any]) -> list[Step]:
+    c = est.config
+    act, sp, rec = c.training.activation_bytes, c.parallel.sp, c.training.recompute
+    split = (sp, c.parallel.cp)  # how a term's polynomial is split on one GPU (Term.split_size)
+    layer_terms = [t for t in est.inventory.terms if t.scope == "layer"]
+    kept = [t for t in layer_terms if t.kept(rec) and t.bytes(values, act, int(sp))]
+    unit = est.peak.unit_bytes
+    steps = []
+    for t in kept:
+        poly = _display(t.split_size(act, *split), c)
+        exact = t.bytes(values, act, int(sp))
+        note = "" if unit[t.id] == exact else f"allocated in {est.inventory.granularity}-byte blocks: {unit[t.id]:,} B"
+        steps.append(Step("layer", t.name + ("" if t.in_k22 else " (not in K22)"), poly.text(),
+                          substituted(poly, values), exact, "B", t.source, note))
+    dropped = [t for t in layer_terms if t.kept(Recompute.NONE) and not t.kept(rec)]
+    if dropped:
+        poly = _display(_sum(dropped, act, split), c)
+        steps.append(Step("layer", f"not kept: {rec.label} recompute re-creates " + ", ".join(t.name for t in dropped),
+                          poly.text(), substituted(poly, values), poly.evaluate(values), "B",
+                          "K22 section 5" if rec == Recompute.SELECTIVE else "K22 section 4.1, full recompute"))
+    k22 = [t for t in kept if t.in_k22]
+    row = table2_row(c)
+    poly = _display(_sum(k22, act, split), c)
+    steps.append(Step("layer", "sum of the K22 terms" + (f" (K22 Table 2 row: {row})" if row else ""),
+                      poly.factored(), substituted(poly, values), poly.evaluate(values), "B", "K22 Table 2"))
+    if len(k22) < len(kept):
+        poly = _display(_sum(kept, act, split), c)
+        steps.append(Step("layer", "per layer, with what real code keeps beyond K22", est.per_layer_symbolic,
+                          substituted(poly, values), est.per_layer_bytes, "B", est.inventory.name))
+    return steps
+
+
+def _sum(terms: list[Term], act: int, sp: tuple[bool, int]) -> Poly:
+    """(sp: SP on, and cp)"""
+    total = Poly(())
+    for t in terms:
+        total = total + t.split_size(act, *sp)
+    return total
+
+
+def _pipeline(est: Estimate) -> list[Step]:
+    c, peak = est.config, est.peak
+    par, i, M = c.parallel, est.most_loaded, c.num_microbatches
+    chunks = int(chunks_in_flight(i, par.pp, par.vpp, M))
+    if par.vpp == 1:
+        formula, text = "min(p - i, M)", f"min({par.pp} - {i}, {M})"
+        src = "1F1B: K22 section 4.2.3, Eq. 5"
+    else:
+        formula = "min(2(p - i - 1) + (m - 1)p + 1, Mm)"
+        text = f"min(2 x ({par.pp} - {i} - 1) + ({par.vpp} - 1) x {par.pp} + 1, {M} x {par.vpp})"
+        src = "interleaved 1F1B: Megatron-LM warm-up count; K22 section 4.2.3"
+    steps = [
+        Step("pipeline", f"model chunks in flight on stage i={i} (the most loaded)", formula, text, chunks, "chunks",
+             src),
+        Step("pipeline", "layers per model chunk", "L/(pm)", f"{c.model.num_layers} / ({par.pp} x {par.vpp})",
+             c.layers_per_chunk, "layer(s)"),
+    ]
+    groups: dict[tuple[str, int], list[Any]] = {}
+    for r in est.rows:
+        groups.setdefault((r.term.scope, r.copies), []).append(r)
+    parts = []
+    for (scope, copies), rows in groups.items():
+        per = sum(r.bytes for r in rows)
+        total = sum(r.stage_bytes for r in rows)
+        what = ("layer terms" if scope == "layer" else f"{scope}-stage terms ({', '.join(r.term.name for r in rows)})"
+                if scope in ("first", "last") else "per-chunk terms")
+        why = ("chunks x kept layers per chunk" if scope == "layer" else
+               "micro-batches in flight" if scope in ("first", "last") else "chunks in flight")
+        steps.append(Step("pipeline", f"{what}, stored {copies} times ({why})", "bytes per copy x copies",
+                          f"{per:,} x {copies}", total, "B"))
+        parts.append(total)
+    if peak.recompute_working_bytes:
+        steps.append(Step("pipeline", "recompute working set: one layer's re-created tensors during its backward",
+                          "dropped terms of one layer", "", int(peak.recompute_working_bytes), "B", "memplan"))
+        parts.append(peak.recompute_working_bytes)
+    steps.append(Step("pipeline", f"saved activations of stage {i} at its first backward", "sum of the above",
+                      _plus(parts), int(peak.activations), "B"))
+    return steps
+
+
+def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
+    c, peak, tr, par = est.config, est.peak, est.config.training, est.config.parallel
+
+    def layer_of(scopes: tuple[str, ...]) -> tuple[Poly, int]:
+        poly, n = Poly(()), 0
+        for g in param_groups(c.model):
+            if g.scope in scopes:
+                poly = poly + (g.count.divide_by("t") if g.tp_split else g.count)
+                n += int(g.per_gpu(values))
+        return _display(poly, c), n
+
+    # an MoE model: "one layer" is an MoE layer; its dense first layers (first stage) are counted apart
+    layer_poly, per_layer = layer_of(("layer", "moe"))
+    dense_poly, per_dense = layer_of(("layer", "dense"))
+    dense = c.model.moe_first_dense_layers if est.most_loaded == 0 else 0
+    layers = c.model.num_layers // par.pp - dense
+    other = int(peak.params) - per_layer * layers - per_dense * dense
+    what = "one MoE layer" if c.model.is_moe else "one layer"
+    steps = [Step("states", f"parameters of {what} on one GPU", layer_poly.text(), substituted(layer_poly, values),
+                  per_layer, "parameters", "memplan/states.py param_groups (Megatron-LM's layout)")]
+    if dense:
+        steps.append(Step("states", "parameters of one dense layer (before the MoE layers) on one GPU",
+                          dense_poly.text(), substituted(dense_poly, values), per_dense, "parameters",
+                          "memplan/states.py param_groups"))
+    count = f"{c.model.num_layers} / {par.pp}" + (f" - {dense}" if dense else "")
+    steps.append(Step("states", f"parameters on one GPU of stage {est.most_loaded}",
+                      ("(L/p - k) x per MoE layer + k x per dense layer" if dense else "L/p x per layer")
+                      + " + embedding / output layer / final norm on this stage",
+                      f"{count} x {per_layer:,}" + (f" + {dense} x {per_dense:,}" if dense else "") + f" + {other:,}",
+                      int(peak.params), "parameters"))
+    params = int(peak.params)
+    shard = par.shard
+
+    def sharded(stage: int) -> str:
+        return f" / {shard} (ZeRO-{par.zero}, rounded up)" if par.zero >= stage and shard > 1 else ""
+
+    optimizer_per_param = tr.master_weight_bytes + tr.optimizer_moments * tr.optimizer_state_bytes
+    gathered = " + one gathered layer (ZeRO-3)" if par.zero >= 3 else ""
+    prec = f"--precision {tr.precision} (byte sizes of the training settings)"
+    label = f"optimizer states ({states_label(tr).removeprefix('optimizer (')}"
+    if peak.tensors is None:  # full-size states: AdamW, SGD (with or without momentum), Lion
+        optimizer = Step("states", label, "parameters x (master + moments x state bytes)",
+                         f"{params:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes})"
+                         f" B = {params:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec)
+    else:  # states by tensor shape (memplan/optimizers.py)
+        states = int(optimizer_bytes(tr, params, peak.tensors)) - params * tr.master_weight_bytes
+        optimizer = Step("states", label, "parameters x master bytes + the optimizer's states by tensor shape",
+                         f"{params:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
+                         "B", f"memplan/optimizers.py ({tr.optimizer}); {prec}")
+    steps += [
+        Step("states", "weights", "parameters x weight bytes",
+             f"{params:,} x {tr.weight_bytes} B{sharded(3)}{gathered}", int(peak.weights), "B", prec),
+        Step("states", "gradients", "parameters x gradient bytes",
+             f"{params:,} x {tr.grad_bytes} B{sharded(2)}", int(peak.gradients), "B", prec),
+        optimizer,
+    ]
+    return steps
+
+
+def _peak(est: Estimate) -> list[Step]:
+    step, dev = est.step, est.device
+    e = step.peak_event
+    where = f"{e.phase}" + (f" of layer {e.layer}" if e.layer is not None else "") + f": {e.moment}"
+    names = ("weights", "optimizer", "gradients", "saved", "transient")
+    steps = [
+        Step("peak", f"step peak of the tensors, at {where}", " + ".join(names), _plus([e.parts[k] for k in names]),
+             int(step.peak_bytes), "B", "memplan/timeline.py"),
+        Step("peak", "allocated peak (torch.cuda.max_memory_allocated)", "step peak + cuBLAS workspace",
+             _plus([step.peak_bytes, dev.workspace_bytes]), int(dev.allocated_peak), "B"),
+        Step("peak", "fragmentation margin", "ceil(margin x allocated peak)",
+             f"ceil({dev.margin:g} x {int(dev.allocated_peak):,})", int(dev.fragmentation_bytes), "B",
+             "GPU preset" if est.gpu is not None else "--frag-margin"),
+        Step("peak", "CUDA context, kernels, NCCL (outside PyTorch)", "runtime", "",
+             int(dev.runtime_bytes), "B", f"GPU preset {est.gpu.name}" if est.gpu is not None else "no GPU given"),
+        Step("peak", "device memory needed", "allocated peak + margin + runtime",
+             _plus([dev.allocated_peak, dev.fragmentation_bytes, dev.runtime_bytes]), int(dev.total), "B"),
+    ]
+    if est.budget_bytes is not None:
+        steps.append(Step("peak", "headroom (negative: over the budget)", "budget - device memory needed",
+                          f"{int(est.budget_bytes):,} - {int(dev.total):,}", int(est.headroom_bytes), "B"))
+    return steps
