@@ -59,14 +59,14 @@ def _cases(results, **fields):
 
 
 def test_removing_the_loss_gradients_fails(results, monkeypatch):
-    original = terms_hf._loss_moments
+    original = terms_hf.hf_loss_moments
 
     def without(model):
         moments = original(model)
         return [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id != "grad_log_softmax"))
                 for m in moments]
 
-    monkeypatch.setattr(terms_hf, "_loss_moments", without)
+    monkeypatch.setattr(terms_hf, "hf_loss_moments", without)
     # steps that peak at the loss's gradient (v = 256; the v = 64 case peaks at the final norm's backward, the
     # in-backward loop's wide-MLP case in a layer's backward)
     cases = _cases(results, model="llama", attn="sdpa", s=128, v=256, recompute="none", optimizer="fused", b=1,
@@ -149,8 +149,8 @@ def test_removing_the_final_norm_backward_fails(results, monkeypatch):
 
     case = next(r for r in results if r.case.name == "llama sdpa s128 v64")
     assert case.passed and case.predicted_moment.startswith("final norm backward")
-    original = terms_hf._loss_moments
-    monkeypatch.setattr(terms_hf, "_loss_moments",
+    original = terms_hf.hf_loss_moments
+    monkeypatch.setattr(terms_hf, "hf_loss_moments",
                         lambda model, final_norm=True: original(model, final_norm=False))
     predicted = int(predict_peak(case.case).peak_bytes)
     assert abs(predicted - case.measured) > PEAK_TOLERANCE * case.measured

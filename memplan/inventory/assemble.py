@@ -10,10 +10,9 @@ from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.specs import ModelSpec
-from memplan.inventory import mst
+from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
-from memplan.inventory.fp8 import check_fp8, fp8_moments, fp8_terms
 from memplan.inventory.hf import hf_inventory
 from memplan.inventory.k22 import (
     causal_mask_term,
@@ -77,7 +76,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if device not in DEVICES:
         raise MemplanError(f"unknown device '{device}'; known: {', '.join(DEVICES)}")
     if fp8 is not None:
-        check_fp8(fp8, impl)
+        fp8_module.check_fp8(fp8, impl)
     if model.is_moe and impl == "torch":
         raise MemplanError("no reference torch layer (--impl torch) MoE inventory: use --impl megatron, "
                            "megatron-local, hf-sdpa or hf-eager")
@@ -96,9 +95,9 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "give its transformers config.json (--hf-config), or the model's inventory directory")
     inv = _inventory(model, impl, device, loss_chunks)
     if fp8 is not None:
-        inv = dataclasses.replace(inv, name=f"{inv.name}/fp8-{fp8}", terms=tuple(fp8_terms(list(inv.terms), fp8,
-                                                                                          model.attention)),
-                                  moments=tuple(fp8_moments(list(inv.moments), model.attention)))
+        inv = dataclasses.replace(inv, name=f"{inv.name}/fp8-{fp8}",
+                                  terms=tuple(fp8_module.fp8_terms(list(inv.terms), fp8, model.attention)),
+                                  moments=tuple(fp8_module.fp8_moments(list(inv.moments), model.attention)))
     if mst != (1, 1):
         if loss_chunks > 1:
             raise MemplanError("--mst computes the LM head and loss in its own pieces: drop --loss-chunks")
@@ -111,7 +110,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
     (memplan/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
-                              mst.pieces_for(model, training, impl))
+                              minis.pieces_for(model, training, impl))
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")
