@@ -217,3 +217,16 @@ def test_a_downward_import_passes():
     pkg = _package(plan__search="from memplan.core.a import x\nfrom memplan.memory import stage\n",
                    core__a="x = 1\n", memory__stage="from memplan.core.a import x\n")
     assert problems(pkg) == []
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_every_module_says_what_it_owns_in_at_most_500_lines():
+    too_long, undocumented = [], []
+    for name, text in module_sources().items():
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        if not ast.get_docstring(ast.parse(text)):
+            undocumented.append(name)
+    assert too_long == [] and undocumented == []
