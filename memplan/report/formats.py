@@ -16,9 +16,7 @@ from memplan.core.specs import Config
 from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import optimizer_impl
-from memplan.report.text import (
-    format_gb,
-)
+from memplan.report.text import format_gb
 
 
 def config_dict(config: Config) -> dict[str, Any]:
