@@ -311,7 +311,8 @@ def models(as_json: bool) -> None:
     """List the model presets."""
     from memplan.memory.states import total_params
     from memplan.presets import load_model, model_names
-    from memplan.report.tables import print_json, render_models
+    from memplan.report.formats import print_json
+    from memplan.report.tables import render_models
 
     rows = []
     for name in model_names():
@@ -374,7 +375,8 @@ def estimate(**opts: Any) -> None:
     """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
     peak of a training step."""
     from memplan.plan.estimate import estimate as run
-    from memplan.report.tables import estimate_dict, render_estimate, render_limits, render_output
+    from memplan.report.formats import estimate_dict, render_output
+    from memplan.report.tables import render_estimate, render_limits
 
     fmt = _output_format(opts)
     _check_plots(opts["plot"], opts["plot_techniques"])
@@ -460,14 +462,8 @@ def search(**opts: Any) -> None:
     from memplan.plan.planner import arrange, fixed_from, search_presets
     from memplan.plan.planner import search as run
     from memplan.presets import load_model, model_names, search_inputs
-    from memplan.report.tables import (
-        DelayedProgress,
-        render_output,
-        render_search,
-        render_search_all,
-        search_dict,
-        skipped_dict,
-    )
+    from memplan.report.formats import render_output, search_dict, skipped_dict
+    from memplan.report.search_tables import DelayedProgress, render_search, render_search_all
 
     fmt = _output_format(opts)
     _check_emit(opts, fmt)
@@ -610,7 +606,7 @@ def explain(**opts: Any) -> None:
     source of each term (per-layer activations, pipeline copies, states, the step peak, device memory)."""
     from memplan.report.explain import SECTIONS
     from memplan.report.explain import explain as run
-    from memplan.report.tables import explain_lines, print_json
+    from memplan.report.formats import explain_lines, print_json
 
     preset, config = _config_from_options(opts)
     _, steps = run(config, budget_bytes=opts.get("budget"), gpu=_gpu(opts, preset), impl=opts["impl"],
@@ -661,7 +657,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     import importlib.util
 
     from memplan.check.validate import grid, hf_grid, run, summary
-    from memplan.report.tables import print_json, render_validation, validation_dict
+    from memplan.report.formats import print_json, validation_dict
+    from memplan.report.validate_tables import render_validation
 
     try:
         import torch  # noqa: F401
@@ -672,7 +669,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     have_hf = importlib.util.find_spec("transformers") is not None
     if peak:
         from memplan.check.validate import peak_grid, peak_summary, run_peak
-        from memplan.report.tables import peak_validation_dict, render_peak_validation
+        from memplan.report.formats import peak_validation_dict
+        from memplan.report.validate_tables import render_peak_validation
 
         if not have_hf:
             raise MemplanError("--peak needs transformers: pip install -e '.[test]'")

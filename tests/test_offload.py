@@ -76,7 +76,7 @@ def test_offload_fraction_and_zero_shard():
 
 
 def _estimate_json(e):
-    from memplan.report.tables import estimate_dict
+    from memplan.report.formats import estimate_dict
 
     return estimate_dict(e)
 

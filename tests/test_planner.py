@@ -184,7 +184,7 @@ def test_progress_bar_only_after_the_delay():
 
     from rich.console import Console
 
-    from memplan.report.tables import DelayedProgress
+    from memplan.report.search_tables import DelayedProgress
 
     out = io.StringIO()
     quiet = DelayedProgress(Console(file=out), delay=3600)

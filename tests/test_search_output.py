@@ -19,7 +19,7 @@ from rich.console import Console
 import memplan.cli
 from memplan.plan.planner import arrange, search, search_presets
 from memplan.presets import load_gpu, load_model, model_names, search_inputs
-from memplan.report.tables import DelayedProgress
+from memplan.report.search_tables import DelayedProgress
 
 SHAPE = ("tp", "pp", "dp", "vpp", "micro_batch", "sp")
 EVERY = "1000000"  # --top larger than any space here: every plan (row) that fits

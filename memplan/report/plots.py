@@ -18,7 +18,7 @@ from memplan.core.specs import Recompute
 from memplan.inventory.activations import layer_bytes
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import PART_LABELS, PARTS
-from memplan.report.tables import plan_text
+from memplan.report.text import plan_text
 
 if TYPE_CHECKING:
     from memplan.core.specs import Config
