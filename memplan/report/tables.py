@@ -23,7 +23,7 @@ from memplan.memory.offload import gpus_on_node, offloads
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS, optimizer_impl
 from memplan.plan.estimate import peak_reason, stage_rows
-from memplan.timing.perf import calibration
+from memplan.timing.calibration import calibration
 
 
 def _gb(n: int) -> str:
