@@ -1,4 +1,4 @@
-"""Step-time model (memplan/perf.py) against K22 and hand derivations.
+"""Step-time model (memplan/timing/) against K22 and hand derivations.
 
 Expected values come from the paper (K22 = Korthikanti et al. 2022, arXiv 2205.05198) or are
 derived by hand in the comments; none is copied from the code's output.
@@ -256,7 +256,7 @@ def test_arrays_and_scalars_agree(repeat):
         for f in fields(StepTime):
             value = getattr(st, f.name)
             got = value[i + len(plans) * (repeat - 1)] if isinstance(value, np.ndarray) else value
-            assert float(got) == getattr(one, f.name), f.name  # bit for bit (perf.TIME_DTYPE)
+            assert float(got) == getattr(one, f.name), f.name  # bit for bit (arrays.TIME_DTYPE)
     lean = step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat), breakdown=False)
     assert lean.compute_s is None
     for name in ("model_flops", "bubble_over_ideal", "step_time_s", "tokens_per_s", "mfu", "calibrated", "uncertainty"):
@@ -382,7 +382,7 @@ def test_h100_preset_reproduces_the_measured_eager_layer(b):
 
 
 def test_eager_layer_traffic_bytes_by_hand():
-    # validation/layers.py op by op, A = 2 (perf._eager_traffic_bytes docstring): forward 46sh +
+    # validation/layers.py op by op, A = 2 (traffic._eager_traffic_bytes docstring): forward 46sh +
     # 17as^2 + 4sf, backward 122sh + 19as^2 + 8sf, against the fused kernels' 22sh + 9as^2 + 4sf and
     # 34sh + 11as^2 + 6sf. 22B layer: sh = 12,582,912, as^2 = 268,435,456, sf = 50,331,648.
     eager = layer_traffic_bytes(GPT22B, fused=False)

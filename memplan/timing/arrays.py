@@ -1,4 +1,16 @@
-"""ARRAYS"""
+"""Scalars and numpy arrays alike, in one float dtype: the helpers every timing module evaluates a plan with.
+
+Every function takes the plan as `PlanValues` whose fields are Python scalars or equally shaped
+numpy arrays (one element per candidate plan); nothing loops over candidates. Scalar and array
+times are computed in float32 alike (TIME_DTYPE), so that one plan evaluated alone and the
+same plan inside an array of millions give the same numbers, bit for bit.
+
+It owns TIME_DTYPE, the conversions (as_time, as_float64, as_python), the plan's fields converted once
+(PlanFloats, plan_floats) and the float max / min / where of scalars or arrays (maximum, minimum, select).
+maximum and minimum differ from memplan.core.arith's on purpose: those compute max(x, y) by arithmetic,
+x + (y - x) * (y > x), which is exact for the integers the memory model counts but rounds in floating point
+(and gives nan with an infinity); these return one of their operands exactly (Python's max / min, numpy's
+maximum / minimum), which the bit-for-bit equality of a plan alone and inside an array relies on."""
 
 from __future__ import annotations
 
@@ -78,10 +90,11 @@ def plan_floats(plan: PlanValues) -> PlanFloats:
     t = as_time(plan.t)
     layers = as_time(plan.recomputed_layers)
     return PlanFloats(
-        t=t, inv_t=1.0 / t, sp=as_time(plan.sp), p=as_time(plan.p), m=as_time(plan.m), d=as_time(plan.d), b=as_time(plan.b),
-        M=as_time(plan.microbatches),
+        t=t, inv_t=1.0 / t, sp=as_time(plan.sp), p=as_time(plan.p), m=as_time(plan.m), d=as_time(plan.d),
+        b=as_time(plan.b), M=as_time(plan.microbatches),
         selective=as_time(plan.recompute == Recompute.SELECTIVE) * layers,
         full=as_time(plan.recompute == Recompute.FULL) * layers,
-        first=as_time(plan.p == 1), sharded=as_time(plan.zero >= 1), zero3=as_time(plan.zero >= 3), k=as_time(plan.shard),
+        first=as_time(plan.p == 1), sharded=as_time(plan.zero >= 1), zero3=as_time(plan.zero >= 3),
+        k=as_time(plan.shard),
         cp=as_time(plan.cp), ep=as_time(plan.ep), etp=as_time(plan.expert_tp),
     )

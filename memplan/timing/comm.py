@@ -1,17 +1,17 @@
-"""COMM"""
+"""Communication time: the NCCL bus efficiency and the seconds per byte of a group's links (NVLink within a
+node, the network beyond: link_per_byte), what a collective issued in per-layer buckets leaves exposed
+(overlapped), the exposed fraction of the backward tensor-parallel collectives, and the context- and
+expert-parallel exchanges of a stage (cp_ep_comm_s). The tensor-parallel collectives of a layer are in layer.py,
+the pipeline and data-parallel traffic of a step in step.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from memplan.core.specs import GpuSpec, ModelSpec
-from memplan.timing.arrays import (
-    PlanFloats,
-    as_time,
-    maximum,
-)
+from memplan.timing.arrays import PlanFloats, as_time, maximum
 
-# --- calibrated constants (see the module docstring) -------------------------------------------
+# --- calibrated constants (derived in calibration.py's docstring) -----------------------------
 # Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
 # rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
 # NVLink bandwidth of 370GB/s" (S. Jeaugey, NVIDIA/nccl-tests issue 212); 8 x A100 all_reduce
@@ -21,7 +21,7 @@ NCCL_BUS_EFFICIENCY = 0.80
 
 # Exposed fraction of the backward TP collectives that Megatron-LM runs asynchronously next to an
 # independent GEMM (the input-gradient all-reduce; with SP its reduce-scatter and the re-all-gather
-# of the saved input), from K22 Table 4's baseline backward (module docstring, step 4).
+# of the saved input), from K22 Table 4's baseline backward (calibration.py docstring, step 4).
 TP_ASYNC_EXPOSED_FRACTION = 0.12
 
 

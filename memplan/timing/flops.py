@@ -1,4 +1,12 @@
-"""FLOPS"""
+"""FLOPs of a model and a plan (K22 appendix A, generalised): a layer's weight matmuls and attention
+core, the logits, model FLOPs (what MFU counts, K22 Eq. 7) and hardware FLOPs (with recomputation); also what a
+layer's kernels execute (attention_time_flops: a causal flash kernel skips half the square) and how many GEMM
+kernels it launches (gemms_per_layer).
+
+Mixture of experts: a layer's FLOPs are its active parameters' (the k routed experts, the shared ones and
+the router: layer_matmul_flops), its elementwise bytes those of the k f_e + f_s wide MLP a token goes
+through; the experts' grouped GEMMs are charged as dense GEMMs at matmul_efficiency (routing, token
+permutation and load imbalance are not modelled, nor measured)."""
 
 from __future__ import annotations
 
@@ -7,9 +15,7 @@ from typing import Any
 from memplan.core.specs import ModelSpec, Recompute
 from memplan.memory.states import mla_qkv_count
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.arrays import (
-    as_float64,
-)
+from memplan.timing.arrays import as_float64
 
 # A causal flash kernel skips the score blocks above the diagonal: it executes about half of the
 # full-square 4bs^2h attention FLOPs (FlashAttention-2, Dao 2023, section 3.1.1 "causal masking").

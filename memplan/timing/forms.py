@@ -1,4 +1,7 @@
-"""FORMS"""
+"""Linear forms: every per-sequence time is a combination of a few plan-dependent factors (Basis: 1/t, the
+replicated regions' split, seconds per byte of an all-gather over t, the same under SP, 1/b), so that a model's
+coefficients (Form) are computed once as scalars and evaluated on scalars or arrays of plans with few
+multiplies (evaluate)."""
 
 from __future__ import annotations
 
@@ -6,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.core.specs import GpuSpec
-from memplan.timing.arrays import (
-    PlanFloats,
-)
+from memplan.timing.arrays import PlanFloats
 from memplan.timing.comm import link_per_byte
 
 

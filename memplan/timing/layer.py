@@ -1,4 +1,38 @@
-"""LAYER"""
+"""One transformer layer and the LM head / embedding of one micro-batch, as linear forms (LayerForms,
+HeadForms, cached per model and GPU), and LayerTime / layer_time: a layer's forward, backward and recompute
+seconds.
+
+The model (one GPU of the bottleneck pipeline stage)
+----------------------------------------------------
+One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel group of t:
+
+- matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2 x 2bshf (SwiGLU: 3 x 2bshf), split
+  by t, at `matmul_efficiency` x peak, plus `matmul_overhead_s` per GEMM kernel (4 per layer
+  forward in Megatron-LM, gemms_per_layer; 8 in the backward): large GEMMs run near
+  matmul_efficiency, small ones lose a fixed time (the last partial wave of tiles, prologue and
+  epilogue). The attention core's batched matmuls QK^T and attention over V, 4bs^2h/t (K22
+  appendix A), run at the lower attention efficiency; a causal flash kernel executes half of
+  those FLOPs (CAUSAL_FLASH_FRACTION) at the GEMM efficiency (assumed: not measured).
+  Backward = 2 x forward.
+- memory-bound kernels: bytes moved / (HBM bandwidth x memory-bound efficiency). Replicated
+  regions (2 layer norms, 2 bias-dropout-residual adds), per token and hidden unit with A = 2:
+  forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
+  by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
+  and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
+  3A / 5A) per MLP element (sbf), forward / backward. Those are Megatron-LM's fused kernels; an
+  implementation that runs PyTorch's eager ops (torch, hf-*) moves more: see layer_traffic_bytes.
+- tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
+  reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
+  or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
+  reduce-scatters (the same 4 ag), all exposed. Backward: Megatron-LM runs each column-parallel
+  linear's input-gradient all-reduce (with SP: its reduce-scatter and the re-all-gather of the
+  sequence-split input, K22 section 4.2.2) next to the weight-gradient GEMM: 4 ag exposed by
+  TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
+  output's reduce-scatter, 2 ag, are on the critical path.
+- recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
+  matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
+  re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
+  forward, its communication included (K22 section 5: one more forward, about 33% more FLOPs)."""
 
 from __future__ import annotations
 
@@ -9,19 +43,10 @@ from typing import Any
 from memplan.core.specs import GpuSpec, ModelSpec, Recompute
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.arrays import (
-    as_python,
-    as_time,
-    plan_floats,
-)
+from memplan.timing.arrays import as_python, as_time, plan_floats
 from memplan.timing.calibration import attention_matmul_efficiency, memory_bound_efficiency
 from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
-from memplan.timing.flops import (
-    attention_time_flops,
-    gemms_per_layer,
-    layer_matmul_flops,
-    logits_flops,
-)
+from memplan.timing.flops import attention_time_flops, gemms_per_layer, layer_matmul_flops, logits_flops
 from memplan.timing.forms import Form, basis, evaluate
 from memplan.timing.traffic import (
     CROSS_ENTROPY_BWD_FP32_ACCESSES,

@@ -1,42 +1,13 @@
 """Step time, FLOPs and MFU of a training plan: a roofline-style model calibrated on K22 Tables 4
 and 5 (A100) and on a K22 layer measured on an H100.
 
-Every function takes the plan as `PlanValues` whose fields are Python scalars or equally shaped
-numpy arrays (one element per candidate plan); nothing loops over candidates. Arrays are
-times are computed in float32 for both (TIME_DTYPE), so that one plan evaluated alone and the
-same plan inside an array of millions give the same numbers, bit for bit.
-
-The model (one GPU of the bottleneck pipeline stage)
-----------------------------------------------------
-One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel group of t:
-
-- matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2 x 2bshf (SwiGLU: 3 x 2bshf), split
-  by t, at `matmul_efficiency` x peak, plus `matmul_overhead_s` per GEMM kernel (4 per layer
-  forward in Megatron-LM, gemms_per_layer; 8 in the backward): large GEMMs run near
-  matmul_efficiency, small ones lose a fixed time (the last partial wave of tiles, prologue and
-  epilogue). The attention core's batched matmuls QK^T and attention over V, 4bs^2h/t (K22
-  appendix A), run at the lower attention efficiency; a causal flash kernel executes half of
-  those FLOPs (CAUSAL_FLASH_FRACTION) at the GEMM efficiency (assumed: not measured).
-  Backward = 2 x forward.
-- memory-bound kernels: bytes moved / (HBM bandwidth x memory-bound efficiency). Replicated
-  regions (2 layer norms, 2 bias-dropout-residual adds), per token and hidden unit with A = 2:
-  forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
-  by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
-  and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
-  3A / 5A) per MLP element (sbf), forward / backward. Those are Megatron-LM's fused kernels; an
-  implementation that runs PyTorch's eager ops (torch, hf-*) moves more: see layer_traffic_bytes.
-- tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
-  reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
-  or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
-  reduce-scatters (the same 4 ag), all exposed. Backward: Megatron-LM runs each column-parallel
-  linear's input-gradient all-reduce (with SP: its reduce-scatter and the re-all-gather of the
-  sequence-split input, K22 section 4.2.2) next to the weight-gradient GEMM: 4 ag exposed by
-  TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
-  output's reduce-scatter, 2 ag, are on the critical path.
-- recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
-  matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
-  re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
-  forward, its communication included (K22 section 5: one more forward, about 33% more FLOPs).
+This module owns the step itself: the bottleneck stage's micro-batches, the pipeline
+bubble (even and uneven stages), the pipeline point-to-point sends, the exposed data-parallel and ZeRO-3 traffic,
+the optimizer update, offload's host copies, and from them StepTime (step time, MFU, HFU); step_time evaluates
+long arrays of plans in blocks. The pieces live beside it in memplan/timing/: FLOPs (flops.py), the calibrated
+efficiencies (calibration.py, which also holds the calibration's derivations), memory-bound bytes (traffic.py),
+one layer and the LM head (layer.py), collectives (comm.py), the linear forms (forms.py) and the scalar / array
+helpers (arrays.py).
 
 A micro-batch on the bottleneck stage (the last one: it has the LM head, and also the embedding
 when p = 1) costs L/p layers' forward + backward, m x recomputed_layers layers' recompute, the LM
@@ -50,64 +21,10 @@ head (logits 2bshv/t, fp32 cross-entropy) and, when p = 1, the embedding. A step
 
 and MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A).
 
-Calibration: A100 80GB, K22 Table 4 (22B layer: a=64, h=6144, s=2048, b=4, t=8, A = 2)
--------------------------------------------------------------------------------------
-Per GPU: weight matmuls 24bsh^2/t = 9.277e11 FLOP, attention matmuls 4bs^2h/t = 5.154e10 FLOP,
-sbh = 5.033e7, score elements as^2b/t = 1.342e8; one ag = (7/8) x 2sbh / (300 GB/s x 0.8) =
-0.367 ms (data sheet NVLink rate x NCCL_BUS_EFFICIENCY). Peak 312 TFLOP/s, HBM 2039 GB/s.
-Four unknowns, each solved from one published figure, in this order:
-
-1. memory-bound efficiency, from SP's forward gain 7.7 - 7.2 = 0.5 ms, which is the 22sbh
-   replicated bytes shrinking by 1 - 1/t: 22 x 5.033e7 x 7/8 / (2039e9 x 0.5e-3) = 0.950 -> 0.95
-   (the 0.1 ms print rounding allows 0.79..1.19).
-2. attention matmul efficiency, from selective recompute's backward cost 13.2 - 11.9 = 1.3 ms,
-   minus its softmax + dropout bytes 9 x 1.342e8 / (2039e9 x 0.95) = 0.624 ms:
-   5.154e10 / (0.676e-3 x 312e12) = 0.244 -> 0.24 (head-dim-96 batched matmuls; the efficiency
-   also absorbs the transposes of Megatron-LM's unfused attention).
-3. the forward GEMM time, from the baseline forward 7.7 ms = GEMMs + 0.688 (attention matmuls at
-   0.24) + 1.247 (2.416e9 memory-bound bytes: 22sbh + 9as^2b/t + 4sbf/t) + 1.468 (4 ag):
-   4.30 ms for the layer's 4 GEMMs (77-309 GFLOP each), 0.69 of peak.
-4. TP_ASYNC_EXPOSED_FRACTION, from the baseline backward 11.9 ms = 2 x 4.309 (GEMMs)
-   + 2 x 0.688 + 1.724 (3.339e9 bytes: 34sbh + 11as^2b/t + 6sbf/t) + x 4 ag:
-   x = 0.181 / 1.468 = 0.12.
-
-With these constants the model gives, forward / backward ms (K22 Table 4 in brackets):
-baseline 7.71 / 11.90 (7.7 / 11.9), SP 7.21 / 11.86 (7.2 / 11.8), full recompute 7.71 / 19.61
-(7.7 / 19.5), selective 7.71 / 13.21 (7.7 / 13.2), selective + SP 7.21 / 13.17 (7.2 / 13.1);
-overheads SP -2.75% (-3%), full +39.3% (39%), selective +6.7% (7%), selective + SP +3.9% (4%).
-Full recompute costs exactly one more forward here, 7.7 / 19.6 = 39.3%; Table 4's own
-recompute is 19.5 - 11.9 = 7.6 ms, 0.1 ms (print rounding) under its 7.7 ms forward.
-
-Calibration: A100 80GB, GEMM size, K22 Table 5 (GPT 22B, 175B, 530B, 1T end to end)
------------------------------------------------------------------------------------
-One GEMM efficiency cannot fit Table 5: 0.69 (step 3) leaves 530B 4% and 1T 10% too slow, the
-larger models' GEMMs (215-1342 GFLOP) running faster than the 22B's. A GEMM is therefore charged
-FLOPs / (peak x matmul_efficiency) + matmul_overhead_s. Step 3 ties the pair (4 x overhead +
-9.277e11 / (312e12 x efficiency) = 4.30 ms); the overhead 0.12 ms, efficiency 0.776, is the
-least-squares fit to Table 5's four "present work" (SP + selective) rows. The four full-recompute
-rows are then predictions: 22B -2.6%, 175B -0.1%, 530B +0.5%, 1T +1.5% (tests/test_paper_golden.py,
-docs/step_time.md). The same law, fitted independently to the H100 measurements below, gives
-0.72 and 87 us: on both GPUs the overhead is worth 40-60 GFLOP, about one wave of GEMM tiles.
-
-Calibration: H100 80GB, a K22 layer in eager PyTorch (h=6144, a=64, s=2048, t=1)
----------------------------------------------------------------------------------
-Measured forward + backward ms, no / selective / full recompute: b = 1: 15.2, 17.6, 20.7;
-b = 4: 58.0, 66.6, 78.9. With the eager op-by-op bytes (layer_traffic_bytes(fused=False)) the
-model is linear in 1/matmul_efficiency, matmul_overhead_s, 1/attention_matmul_efficiency and
-1/memory_bound_efficiency; least squares over the six numbers: 0.718, 87 us, 0.144, 0.882, all
-six within 0.5% (tests/test_perf.py). Megatron-LM's fused kernels on an H100 and the H200 are not
-measured: their step times carry calibrated = False (calibration()).
-
-Mixture of experts: a layer's FLOPs are its active parameters' (the k routed experts, the shared ones and
-the router: layer_matmul_flops), its elementwise bytes those of the k f_e + f_s wide MLP a token goes
-through; the experts' grouped GEMMs are charged as dense GEMMs at matmul_efficiency (routing, token
-permutation and load imbalance are not modelled, nor measured).
-
 Not modelled: context / expert parallelism, per-iteration costs outside the layers beyond the
 head and the optimizer (K22's 22B iteration is about 50 ms longer than its 48 layers and head,
 which leaves the 22B rows of Table 5 4.6% and 2.6% fast), and Megatron's TP communication overlap
-(--tp-comm-overlap), which would hide part of the forward collectives.
-"""
+(--tp-comm-overlap), which would hide part of the forward collectives."""
 
 from __future__ import annotations
 
@@ -121,28 +38,13 @@ from memplan.core.specs import GpuSpec, ModelSpec, TrainingSpec
 from memplan.memory.offload import layer_copy_bytes, offloads, stepped_bytes
 from memplan.memory.states import counter, stage_params
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.arrays import (
-    as_python,
-    as_time,
-    maximum,
-    minimum,
-    plan_floats,
-    select,
-)
+from memplan.timing.arrays import as_python, as_time, maximum, minimum, plan_floats, select
 from memplan.timing.calibration import attention_matmul_efficiency, calibration, memory_bound_efficiency
 from memplan.timing.comm import cp_ep_comm_s, link_per_byte, overlapped
-from memplan.timing.flops import (
-    attention_time_flops,
-    hardware_flops,
-    model_flops,
-    model_flops_per_sequence,
-)
+from memplan.timing.flops import attention_time_flops, hardware_flops, model_flops, model_flops_per_sequence
 from memplan.timing.forms import Form, basis, evaluate
 from memplan.timing.layer import head_forms, layer_forms
-from memplan.timing.traffic import (
-    CROSS_ENTROPY_FWD_FP32_ACCESSES,
-    FP32_BYTES,
-)
+from memplan.timing.traffic import CROSS_ENTROPY_FWD_FP32_ACCESSES, FP32_BYTES
 
 
 def _host_bandwidth(gpu: GpuSpec, training: TrainingSpec) -> float:
@@ -198,7 +100,7 @@ def _stage_params(model: ModelSpec, plan: PlanValues) -> Any:
     """Parameters on one GPU of the last pipeline stage (also the first when p = 1): the
     states.py inventory, as floats."""
     return as_time(stage_params(model, counter(plan.symbols(model)), plan.layers(model, plan.p - 1), plan.p == 1, 1,
-                           plan.p))
+                                plan.p))
 
 
 def step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: PlanValues,

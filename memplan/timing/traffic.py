@@ -1,13 +1,14 @@
-"""TRAFFIC"""
+"""Bytes the memory-bound kernels of one layer move (LayerBytes, layer_traffic_bytes): Megatron-LM's
+fused kernels or PyTorch's eager ops op by op (FUSED_IMPLS says which implementation runs which), and the
+per-element constants (dropout masks, fp32 logits and cross-entropy accesses) the layer and LM head use.
+layer.py's docstring says how the bytes become seconds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from memplan.core.specs import ModelSpec
-from memplan.timing.flops import (
-    active_ffn_width,
-)
+from memplan.timing.flops import active_ffn_width
 
 # Implementations (memplan impls) whose elementwise work runs in fused kernels (Megatron-LM: fused
 # scale-mask-softmax, bias-GeLU / SwiGLU, bias-dropout-add, apex / TE norms); every other one runs
