@@ -11,7 +11,7 @@ from typing import Any
 from memplan.core.specs import GpuSpec, ModelSpec
 from memplan.timing.arrays import PlanFloats, as_time, maximum
 
-# --- calibrated constants (derived in calibration.py's docstring) -----------------------------
+# --- calibrated constants (see calibration.py's docstring) ------------------------------------
 # Effective bus bandwidth of NCCL collectives and point-to-point sends as a fraction of the link
 # rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
 # NVLink bandwidth of 370GB/s" (S. Jeaugey, NVIDIA/nccl-tests issue 212); 8 x A100 all_reduce
