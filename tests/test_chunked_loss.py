@@ -108,7 +108,7 @@ def test_chunked_loss_step_time_by_hand():
     # 4N - 3 more GEMM kernels (matmul_overhead_s each) and the forward cross-entropy's bytes once more, (A + 4 x 9)
     # per logit, per micro-batch (t = 1, b = 1, M micro-batches)
     from memplan.memory.term_bytes import PlanValues
-    from memplan.timing.perf import step_time
+    from memplan.timing.step import step_time
     from memplan.presets import load_gpu
 
     gpu = load_gpu("h100-80gb")

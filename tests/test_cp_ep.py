@@ -12,7 +12,7 @@ from memplan.plan.estimate import estimate
 from memplan.launch.megatron import megatron_args
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues, TermBytes
-from memplan.timing.perf import step_time
+from memplan.timing.step import step_time
 from memplan.plan.planner import Fixed, plan_space, search
 from memplan.presets import load_gpu, load_model
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build

@@ -6,7 +6,8 @@ import pytest
 from memplan.inventory import fp8 as fp8_module
 from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.perf import _layer_forms, layer_matmul_flops
+from memplan.timing.flops import layer_matmul_flops
+from memplan.timing.layer import layer_forms
 from memplan.presets import load_gpu
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 from memplan.inventory.assemble import inventory_for
@@ -113,13 +114,13 @@ def test_fc2_output_gradient_copies_at_the_mlp_backward():
 def test_fp8_gemms_run_at_the_fp8_peak():
     # the layer's weight GEMMs: FLOPs / (peak_fp8 x efficiency); the attention core stays at the bf16 peak
     gpu = load_gpu("h100-80gb")
-    bf16 = _layer_forms(LLAMA, gpu, 2, "megatron", False).fwd_compute
-    fp8 = _layer_forms(LLAMA, gpu, 2, "megatron", True).fwd_compute
+    bf16 = layer_forms(LLAMA, gpu, 2, "megatron", False).fwd_compute
+    fp8 = layer_forms(LLAMA, gpu, 2, "megatron", True).fwd_compute
     gemms = layer_matmul_flops(LLAMA) / gpu.matmul_efficiency
     assert bf16.t - fp8.t == pytest.approx(gemms / 989e12 - gemms / 1979e12, rel=1e-9)
     # and the casts: (A + 2) bytes per element of the four GEMM inputs (forward) and output gradients (backward)
-    by = _layer_forms(LLAMA, gpu, 2, "megatron", True).fwd_memory
-    by0 = _layer_forms(LLAMA, gpu, 2, "megatron", False).fwd_memory
+    by = layer_forms(LLAMA, gpu, 2, "megatron", True).fwd_memory
+    by0 = layer_forms(LLAMA, gpu, 2, "megatron", False).fwd_memory
     hbm = gpu.memory_bandwidth * gpu.memory_bound_efficiency
     assert (by.r - by0.r) * hbm == pytest.approx(4 * s * 2 * h) and (by.t - by0.t) * hbm == pytest.approx(4 * s * (h + f))
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from memplan.timing import perf
+from memplan.timing.flops import layer_matmul_flops, logits_flops, model_flops
 from memplan.core.errors import MemplanError
 from memplan.plan.estimate import estimate
 from memplan.presets import ModelPreset, load_model, make_config, read_hf_config
@@ -247,11 +247,11 @@ def test_model_flops_count_the_active_experts():
     dense_mlp = 3 * 2 * s * h * 160
     core = 4 * s * s * q  # QK^T and attention over V (the full square, K22 appendix A)
     forward = L * (attention + core) + 3 * moe_mlp + dense_mlp + 2 * s * h * v
-    assert perf.model_flops(model, 5) == pytest.approx(3 * forward * 5, rel=1e-12)
+    assert model_flops(model, 5) == pytest.approx(3 * forward * 5, rel=1e-12)
     # not all experts: 8 x 48 = 384 wide per token would be 2.4x the routed work
     everything = ModelSpec(**{**MOE_SPEC, "moe_shared_ffn_hidden_size": 96, "moe_first_dense_layers": 1,
                               "moe_top_k": 8})
-    assert perf.model_flops(everything, 5) > perf.model_flops(model, 5)
+    assert model_flops(everything, 5) > model_flops(model, 5)
 
 
 def test_mixtral_active_parameters_are_about_13b():
@@ -259,7 +259,7 @@ def test_mixtral_active_parameters_are_about_13b():
     model FLOPs per token of the weight matmuls are 6 x that (3 x the forward's 2 per parameter)."""
     model = load_model("mixtral-8x7b").model
     s = model.seq_length
-    per_token_matmuls = (model.num_layers * perf.layer_matmul_flops(model) + perf.logits_flops(model)) / s
+    per_token_matmuls = (model.num_layers * layer_matmul_flops(model) + logits_flops(model)) / s
     active = per_token_matmuls / 2  # forward: 2 FLOPs per parameter
     embedding = model.vocab_size * model.hidden_size  # a lookup, no FLOPs
     norms = (2 * model.num_layers + 1) * model.hidden_size
@@ -418,7 +418,7 @@ def test_latent_attention_flops_by_hand(tmp_path):
     dense_mlp = 3 * h * 160
     core = 2 * s * a * (16 + 8) + 2 * s * a * 16
     forward_per_token = L * (2 * projections + core) + 2 * (2 * moe_mlp + dense_mlp) + 2 * h * v
-    assert perf.model_flops(model, 1) == pytest.approx(3 * forward_per_token * s, rel=1e-12)
+    assert model_flops(model, 1) == pytest.approx(3 * forward_per_token * s, rel=1e-12)
 
 
 @pytest.mark.parametrize("change, message", [

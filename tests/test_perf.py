@@ -1,4 +1,4 @@
-"""Step-time model (memplan/perf.py) against K22 and hand derivations.
+"""Step-time model (memplan/timing/) against K22 and hand derivations.
 
 Expected values come from the paper (K22 = Korthikanti et al. 2022, arXiv 2205.05198) or are
 derived by hand in the comments; none is copied from the code's output.
@@ -12,7 +12,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from memplan.timing import perf
+from memplan.timing.calibration import calibration
+from memplan.timing.comm import NCCL_BUS_EFFICIENCY
+from memplan.timing.flops import hardware_flops, model_flops
+from memplan.timing.layer import LayerTime, layer_time
+from memplan.timing.step import StepTime, _stage_params, step_time
+from memplan.timing.traffic import layer_traffic_bytes
 from memplan.memory.term_bytes import PlanValues
 from memplan.presets import load_gpu, load_model, make_config
 from memplan.core.specs import ModelSpec, TrainingSpec
@@ -42,7 +47,7 @@ def test_model_flops_equal_k22_eq7(name, batch):
     assert m.f == 4 * m.hidden_size and m.g == m.num_attention_heads  # a K22 GPT
     expected = k22_eq7(batch, m.num_layers, m.seq_length, m.hidden_size, m.vocab_size)
     # 175B, B = 1536: 72*1536*96*2048*12288^2 * (1 + 2048/73728 + 51200/14155776) ~ 3.38e18
-    assert perf.model_flops(m, batch) == pytest.approx(float(expected), rel=1e-12)
+    assert model_flops(m, batch) == pytest.approx(float(expected), rel=1e-12)
 
 
 def test_model_flops_general_shapes_by_hand():
@@ -53,27 +58,27 @@ def test_model_flops_general_shapes_by_hand():
     # with the backward (2x): 8,085,504 per sequence; B = 3 -> 24,256,512.
     m = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
                   seq_length=16, vocab_size=100, mlp="swiglu")
-    assert perf.model_flops(m, 3) == 24_256_512
+    assert model_flops(m, 3) == 24_256_512
     # Heads 8 wide instead of h/a = 16 (head_dim, attention width q = 32): QKV 2*16*64*(32 + 2*32*2/4)
     # = 131,072; projection 2*16*32*64 = 65,536; MLP 786,432; attention 4*16^2*32 = 32,768
     # -> 1,015,808 per layer, 2,031,616 for two; + logits 204,800 = 2,236,416; x 3 = 6,709,248.
     narrow = m.model_copy(update=dict(head_dim=8))
     assert narrow.q == 32
-    assert perf.model_flops(narrow, 1) == 6_709_248
+    assert model_flops(narrow, 1) == 6_709_248
 
 
 def test_hardware_flops_add_the_recomputed_forward():
     B, L, s, h, v = 4, 48, 2048, 6144, 51200
     eq7 = float(k22_eq7(B, L, s, h, v))
     # Selective: QK^T and attention over V re-run, 4Bs^2h per layer (K22 section 5).
-    selective = perf.hardware_flops(GPT22B, plan(recompute=1), B)
+    selective = hardware_flops(GPT22B, plan(recompute=1), B)
     assert selective == pytest.approx(eq7 + 4 * B * s * s * h * L, rel=1e-12)
     # Full: each layer's forward again, 24Bsh^2 + 4Bs^2h (K22 appendix A).
-    full = perf.hardware_flops(GPT22B, plan(recompute=2), B)
+    full = hardware_flops(GPT22B, plan(recompute=2), B)
     assert full == pytest.approx(eq7 + B * L * (24 * s * h * h + 4 * s * s * h), rel=1e-12)
-    assert perf.hardware_flops(GPT22B, plan(recompute=0), B) == pytest.approx(eq7, rel=1e-12)
+    assert hardware_flops(GPT22B, plan(recompute=0), B) == pytest.approx(eq7, rel=1e-12)
     # Full recompute of 2 layers per chunk, p = 4 chunks of 12: 8 layers re-run.
-    partial = perf.hardware_flops(GPT22B, plan(recompute=2, p=4, recomputed_layers=2), B)
+    partial = hardware_flops(GPT22B, plan(recompute=2, p=4, recomputed_layers=2), B)
     assert partial == pytest.approx(eq7 + B * 8 * (24 * s * h * h + 4 * s * s * h), rel=1e-12)
 
 
@@ -82,7 +87,7 @@ def test_selective_flop_overhead_for_gpt3():
     # = 0.0092593 / 1.0313947 = 0.898%. (K22 section 5 quotes 2.7%, which is its Eq. 8 as printed,
     # 1 + s/(3h): that counts 12Bs^2h per layer, three times the re-run forward attention.)
     m = load_model("gpt3-175b").model
-    ratio = perf.hardware_flops(m, plan(t=8, p=8, recompute=1, recomputed_layers=12), 1) / perf.model_flops(m, 1)
+    ratio = hardware_flops(m, plan(t=8, p=8, recompute=1, recomputed_layers=12), 1) / model_flops(m, 1)
     assert ratio - 1 == pytest.approx(0.00898, abs=2e-5)
 
 
@@ -99,7 +104,7 @@ TABLE4 = {
 
 
 def table4_ms(row: str) -> tuple[float, float]:
-    lt = perf.layer_time(GPT22B, A100, plan(**TABLE4[row][0]))
+    lt = layer_time(GPT22B, A100, plan(**TABLE4[row][0]))
     return lt.forward_s * 1e3, lt.backward_with_recompute_s * 1e3
 
 
@@ -129,9 +134,9 @@ def test_table4_overheads():
 
 
 def test_sequence_parallel_splits_the_replicated_memory_bound_work():
-    base = perf.layer_time(GPT22B, A100, plan(sp=0))
-    sp = perf.layer_time(GPT22B, A100, plan(sp=1))
-    by = perf.layer_traffic_bytes(GPT22B)
+    base = layer_time(GPT22B, A100, plan(sp=0))
+    sp = layer_time(GPT22B, A100, plan(sp=1))
+    by = layer_traffic_bytes(GPT22B)
     # 22 bytes per element forward (2*2*2 norms + 2*3*2 residual adds + 2 masks) per sequence
     # (sh = 2048*6144), for b = 4 sequences, shrinking by 1 - 1/8 with SP.
     assert by.replicated_fwd == 22 * 2048 * 6144
@@ -145,7 +150,7 @@ def test_k22_layer_traffic_bytes_by_hand():
     # Per sequence (b = 1), 22B layer: sh = 2048*6144 = 12,582,912; as^2 = 64*2048^2 = 268,435,456;
     # sf = 2048*24576 = 50,331,648. Forward TP-split bytes: softmax 4 + dropout 5 per score,
     # GeLU 4 per MLP element; backward: 6 + 5 and 6.
-    by = perf.layer_traffic_bytes(GPT22B)
+    by = layer_traffic_bytes(GPT22B)
     assert by.tp_fwd == 9 * 268_435_456 + 4 * 50_331_648
     assert by.tp_bwd == 11 * 268_435_456 + 6 * 50_331_648
     assert by.replicated_bwd == 34 * 12_582_912
@@ -157,7 +162,7 @@ def step(model=GPT22B, gb=None, **over):
     pv = plan(**over)
     if gb is None:
         gb = pv.b * pv.d * pv.microbatches
-    return perf.step_time(model, TRAINING, A100, pv, gb)
+    return step_time(model, TRAINING, A100, pv, gb)
 
 
 def test_recompute_order():
@@ -208,8 +213,8 @@ def test_k22_22b_step_is_compute_bound():
 
 def test_communication_terms_switch_on_and_off():
     assert step(t=1).tp_comm_s == 0
-    layer8 = perf.layer_time(GPT22B, A100, plan(t=8))
-    layer16 = perf.layer_time(GPT22B, A100, plan(t=16))
+    layer8 = layer_time(GPT22B, A100, plan(t=8))
+    layer16 = layer_time(GPT22B, A100, plan(t=16))
     # t = 16 spans two 8-GPU nodes: 25 GB/s instead of 300 GB/s per GPU, ring factor 15/16 vs 7/8.
     assert layer16.forward_comm_s / layer8.forward_comm_s == pytest.approx((15 / 16) / (7 / 8) * 300 / 25)
     plain, zero1, zero3 = (step(d=8, zero=z, microbatches=4) for z in (0, 1, 3))
@@ -245,14 +250,14 @@ def test_arrays_and_scalars_agree(repeat):
     plans = [plan(**over) for over in PLANS]
     batches = [pl.b * pl.d * pl.microbatches for pl in plans]
     arrays = as_arrays(plans, repeat)
-    st = perf.step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat))
+    st = step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat))
     for i, (pl, gb) in enumerate(zip(plans, batches)):
-        one = perf.step_time(GPT22B, TRAINING, A100, pl, gb)
-        for f in fields(perf.StepTime):
+        one = step_time(GPT22B, TRAINING, A100, pl, gb)
+        for f in fields(StepTime):
             value = getattr(st, f.name)
             got = value[i + len(plans) * (repeat - 1)] if isinstance(value, np.ndarray) else value
-            assert float(got) == getattr(one, f.name), f.name  # bit for bit (perf.TIME_DTYPE)
-    lean = perf.step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat), breakdown=False)
+            assert float(got) == getattr(one, f.name), f.name  # bit for bit (arrays.TIME_DTYPE)
+    lean = step_time(GPT22B, TRAINING, A100, arrays, np.tile(np.array(batches), repeat), breakdown=False)
     assert lean.compute_s is None
     for name in ("model_flops", "bubble_over_ideal", "step_time_s", "tokens_per_s", "mfu", "calibrated", "uncertainty"):
         np.testing.assert_array_equal(getattr(lean, name), getattr(st, name))
@@ -260,10 +265,10 @@ def test_arrays_and_scalars_agree(repeat):
 
 def test_layer_time_arrays_and_scalars_agree():
     plans = [plan(**over) for over in PLANS]
-    arrays = perf.layer_time(GPT22B, A100, as_arrays(plans))
+    arrays = layer_time(GPT22B, A100, as_arrays(plans))
     for i, pl in enumerate(plans):
-        one = perf.layer_time(GPT22B, A100, pl)
-        for f in fields(perf.LayerTime):
+        one = layer_time(GPT22B, A100, pl)
+        for f in fields(LayerTime):
             assert float(getattr(arrays, f.name)[i]) == getattr(one, f.name)
 
 
@@ -280,7 +285,7 @@ def test_many_plans_as_arrays():
                     b=rng.choice([1, 2, 4], n), recompute=rng.integers(0, 3, n), recomputed_layers=np.ones(n, np.int64),
                     microbatches=rng.choice([8, 16, 64], n))
     gb = pv.b * pv.d * pv.microbatches
-    st = perf.step_time(load_model("gpt3-175b").model, TRAINING, A100, pv, gb, breakdown=False)
+    st = step_time(load_model("gpt3-175b").model, TRAINING, A100, pv, gb, breakdown=False)
     assert np.all((st.mfu > 0) & (st.mfu < 1))
 
 
@@ -293,7 +298,7 @@ def test_gemm_overhead_is_paid_per_kernel_not_per_sequence():
     gemm = 24 * 2048 * 6144**2 / 8 / (312e12 * A100.matmul_efficiency)
     attention = 4 * 2048**2 * 6144 / 8 / (312e12 * A100.attention_matmul_efficiency)
     for b in (1, 4):
-        lt = perf.layer_time(GPT22B, A100, plan(b=b))
+        lt = layer_time(GPT22B, A100, plan(b=b))
         expected = b * (gemm + attention) + 4 * A100.matmul_overhead_s
         assert lt.forward_compute_s == pytest.approx(expected, rel=1e-5)
         assert lt.backward_compute_s == pytest.approx(2 * expected, rel=1e-5)  # dgrad + wgrad: 8 GEMMs
@@ -310,11 +315,11 @@ def test_pipeline_sends_split_over_the_tensor_parallel_ranks():
     # Narayanan et al. 2021 section 4.1).
     m530 = load_model("gpt3-530b").model
     vol, slots = 2 * 2048 * 20480, 2 * (280 * 3 + 35 - 1)
-    ib = vol / 8 / (25e9 * perf.NCCL_BUS_EFFICIENCY)
-    nvlink_ag = vol * 7 / 8 / (300e9 * perf.NCCL_BUS_EFFICIENCY)
+    ib = vol / 8 / (25e9 * NCCL_BUS_EFFICIENCY)
+    nvlink_ag = vol * 7 / 8 / (300e9 * NCCL_BUS_EFFICIENCY)
     over = dict(t=8, p=35, m=3, b=1, microbatches=280, recomputed_layers=1)
-    with_sp = perf.step_time(m530, TRAINING, A100, plan(sp=1, recompute=1, **over), 280)
-    without = perf.step_time(m530, TRAINING, A100, plan(sp=0, recompute=2, **over), 280)
+    with_sp = step_time(m530, TRAINING, A100, plan(sp=1, recompute=1, **over), 280)
+    without = step_time(m530, TRAINING, A100, plan(sp=0, recompute=2, **over), 280)
     assert with_sp.pp_comm_s == pytest.approx(slots * ib, rel=1e-5)
     assert without.pp_comm_s == pytest.approx(slots * (ib + nvlink_ag), rel=1e-5)
 
@@ -324,7 +329,7 @@ def test_optimizer_moves_42_bytes_per_parameter():
     # and writes master, m, v (12); the bf16 copy reads master 4 and writes 2; zeroing the grad
     # buffer writes 4: 42 bytes per parameter of this GPU's stage, at memory-bound speed.
     st = step(p=1)
-    params = perf._stage_params(GPT22B, plan(p=1))
+    params = _stage_params(GPT22B, plan(p=1))
     assert st.optimizer_s == pytest.approx(params * 42 / (A100.memory_bandwidth * A100.memory_bound_efficiency),
                                            rel=1e-5)
 
@@ -337,7 +342,7 @@ def test_bubble_share_is_a_share_of_the_step():
     # of the stage's time at most (less: the step also has sends, DP communication, the optimizer).
     cfg = make_config(load_model("llama3.1-405b"), parallel=dict(pp=14))
     assert (cfg.parallel.pp, cfg.num_microbatches, cfg.parallel.vpp) == (14, 16, 1)
-    st = perf.step_time(cfg.model, cfg.training, load_gpu("h100-80gb"), PlanValues.from_config(cfg), cfg.global_batch)
+    st = step_time(cfg.model, cfg.training, load_gpu("h100-80gb"), PlanValues.from_config(cfg), cfg.global_batch)
     assert st.bubble_over_ideal == pytest.approx(13 / 16)
     assert st.bubble_share == pytest.approx(st.bubble_s / st.step_time_s)
     assert 0.30 < st.bubble_share < 13 / 29
@@ -353,11 +358,11 @@ def test_flash_selective_recompute_charges_one_causal_flash_forward():
     m8 = load_model("llama3-8b").model
     assert m8.attention == "flash"
     h100 = load_gpu("h100-80gb")
-    lt = perf.layer_time(m8, h100, plan(t=2, sp=1, b=1, recompute=1))
+    lt = layer_time(m8, h100, plan(t=2, sp=1, b=1, recompute=1))
     expected = 4 * 8192**2 * 4096 / 2 / 2 / (989e12 * h100.matmul_efficiency)
     assert lt.recompute_s == pytest.approx(expected, rel=1e-5)
     # The eager kernel of the same model re-runs the full square, softmax and masks too.
-    eager = perf.layer_time(m8.model_copy(update=dict(attention="eager")), h100, plan(t=2, sp=1, b=1, recompute=1))
+    eager = layer_time(m8.model_copy(update=dict(attention="eager")), h100, plan(t=2, sp=1, b=1, recompute=1))
     assert eager.recompute_s > 4 * lt.recompute_s
 
 
@@ -372,15 +377,15 @@ H100_MEASURED = {1: (15.2, 17.6, 20.7), 4: (58.0, 66.6, 78.9)}
 def test_h100_preset_reproduces_the_measured_eager_layer(b):
     h100 = load_gpu("h100-80gb")
     for recompute, measured in zip((0, 1, 2), H100_MEASURED[b]):
-        lt = perf.layer_time(H100_LAYER, h100, plan(t=1, b=b, recompute=recompute, recomputed_layers=1), impl="torch")
+        lt = layer_time(H100_LAYER, h100, plan(t=1, b=b, recompute=recompute, recomputed_layers=1), impl="torch")
         assert (lt.forward_s + lt.backward_with_recompute_s) * 1e3 == pytest.approx(measured, rel=0.01)
 
 
 def test_eager_layer_traffic_bytes_by_hand():
-    # validation/layers.py op by op, A = 2 (perf._eager_traffic_bytes docstring): forward 46sh +
+    # validation/layers.py op by op, A = 2 (traffic._eager_traffic_bytes docstring): forward 46sh +
     # 17as^2 + 4sf, backward 122sh + 19as^2 + 8sf, against the fused kernels' 22sh + 9as^2 + 4sf and
     # 34sh + 11as^2 + 6sf. 22B layer: sh = 12,582,912, as^2 = 268,435,456, sf = 50,331,648.
-    eager = perf.layer_traffic_bytes(GPT22B, fused=False)
+    eager = layer_traffic_bytes(GPT22B, fused=False)
     assert eager.replicated_fwd + eager.tp_fwd == 46 * 12_582_912 + 17 * 268_435_456 + 4 * 50_331_648
     assert eager.replicated_bwd + eager.tp_bwd == 122 * 12_582_912 + 19 * 268_435_456 + 8 * 50_331_648
     assert eager.attention_core_fwd == 17 * 268_435_456
@@ -389,15 +394,15 @@ def test_eager_layer_traffic_bytes_by_hand():
 def test_calibration_labels():
     h100, h200 = load_gpu("h100-80gb"), load_gpu("h200")
     flash = GPT22B.model_copy(update=dict(attention="flash"))
-    ok = perf.calibration(GPT22B, A100)  # K22's Megatron-LM on A100: Tables 4 and 5
+    ok = calibration(GPT22B, A100)  # K22's Megatron-LM on A100: Tables 4 and 5
     assert ok.calibrated and ok.uncertainty == 0.05 and ok.note == ""
-    assert perf.calibration(GPT22B, h100, impl="torch").calibrated  # the measured eager layer
-    for cal in (perf.calibration(flash, A100), perf.calibration(GPT22B, h100), perf.calibration(GPT22B, A100, "hf-eager"),
-                perf.calibration(GPT22B, h200, "torch")):
+    assert calibration(GPT22B, h100, impl="torch").calibrated  # the measured eager layer
+    for cal in (calibration(flash, A100), calibration(GPT22B, h100), calibration(GPT22B, A100, "hf-eager"),
+                calibration(GPT22B, h200, "torch")):
         assert not cal.calibrated and cal.uncertainty is None and cal.note.startswith("uncalibrated")
     st = step()
     assert st.calibrated is True and st.uncertainty == 0.05
-    st = perf.step_time(GPT22B, TRAINING, h200, plan(), 4)
+    st = step_time(GPT22B, TRAINING, h200, plan(), 4)
     assert st.calibrated is False and st.uncertainty is None
 
 
@@ -408,7 +413,7 @@ def test_tensor_parallel_peaks_at_one_node_as_measured():
     # above t = 4, p = 16 and t = 2, p = 32 (and far above t = 16 or 32 across nodes).
     m161 = ModelSpec(num_layers=32, hidden_size=20480, num_attention_heads=128, seq_length=2048, vocab_size=51200)
     for batch in (32, 128):
-        times = {t: perf.step_time(m161, TRAINING, A100, plan(t=t, p=64 // t, b=1, recompute=2,
+        times = {t: step_time(m161, TRAINING, A100, plan(t=t, p=64 // t, b=1, recompute=2,
                                                              recomputed_layers=32 // (64 // t), microbatches=batch),
                                    batch).step_time_s
                  for t in (2, 4, 8, 16, 32)}
@@ -430,7 +435,7 @@ def test_recomputing_more_layers_never_shortens_the_step(name, gpus):
     full = np.flatnonzero(plans.recompute == Recompute.FULL)
     plans = plans.take(full)
     gpu = load_gpu("a100-80gb")
-    step = perf.step_time(model, training, gpu, plans, gb, breakdown=False).step_time_s
+    step = step_time(model, training, gpu, plans, gb, breakdown=False).step_time_s
     key = np.stack([plans.t, plans.p, plans.d, plans.m, plans.sp, plans.zero, plans.shard, plans.b])
     order = np.lexsort((plans.recomputed_layers, *key))
     same = np.all(key[:, order[1:]] == key[:, order[:-1]], axis=0)

@@ -46,7 +46,7 @@ def test_vectorised_equals_estimate(case, seed):
     assert int(e.device_bytes[i]) == int(est.device.total)
     assert int(e.retained_bytes[i]) == max(int(est.stages[0].total), int(est.stages[-1].total))
     # the same step-time model on one plan gives the same number
-    from memplan.timing.perf import step_time
+    from memplan.timing.step import step_time
 
     one = step_time(config.model, config.training, A100, PlanValues.from_config(config), config.global_batch)
     assert float(one.step_time_s) == pytest.approx(float(result.evaluated.step_time_s[i]), rel=1e-12)
@@ -204,7 +204,7 @@ def test_search_times_the_plans_with_their_implementation(impl):
     """search, its plans' numbers and estimate time a plan with the kernels of the implementation
     that runs it (eager PyTorch ops move more bytes than Megatron-LM's fused kernels), not with
     Megatron-LM's: the same plan differs in step time between the two implementations."""
-    from memplan.timing.perf import step_time
+    from memplan.timing.step import step_time
 
     name = "llama3-8b" if impl == "hf-sdpa" else "gpt-22b"
     model, training, gb = space(name, 8)

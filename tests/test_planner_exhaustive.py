@@ -21,7 +21,7 @@ import pytest
 import memplan.plan.planner as planner
 from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.perf import step_time
+from memplan.timing.step import step_time
 from memplan.plan.planner import Fixed, divisors, enumerate_plans, search
 from memplan.presets import load_gpu, load_model, search_inputs
 from memplan.core.specs import ModelSpec, Recompute

@@ -217,7 +217,7 @@ def launch_args(training: Any, zero: int, notes_out: list[str]) -> list[str]:
 
 
 def cast_traffic(model: Any, activation_bytes: int, by: Any) -> Any:
-    """perf.LayerBytes of one layer and sequence plus TE's casts: each GEMM input quantized in the forward
+    """timing.traffic.LayerBytes of one layer and sequence plus TE's casts: each GEMM input quantized in the forward
     and each GEMM output gradient in the backward, reading A and writing both usages (CAST_WRITE_BYTES) per
     element. QKV's and fc1's inputs (the norms' outputs, cast in the fused norm kernel) and the gradients of
     the projection's and fc2's outputs are sequence-wide under TP (split only by SP: "replicated"); the

@@ -193,7 +193,7 @@ def total_params(model: ModelSpec) -> int:
 
 def active_params(model: ModelSpec) -> int:
     """Parameters one token goes through: all of a dense model's; of an MoE model, its k routed experts
-    of E (and the shared ones, the router) in each MoE layer (what model FLOPs count, perf.py)."""
+    of E (and the shared ones, the router) in each MoE layer (what model FLOPs count, timing/flops.py)."""
     if not model.is_moe:
         return total_params(model)
     per_expert = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.fe

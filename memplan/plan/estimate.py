@@ -25,7 +25,7 @@ from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
 from memplan.memory.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
-from memplan.timing.perf import step_time
+from memplan.timing.step import step_time
 
 
 @dataclass(frozen=True)

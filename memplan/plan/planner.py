@@ -75,7 +75,7 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import device_memory, step_events
 from memplan.plan.estimate import device_bytes
 from memplan.plan.limits import SEQ_LIMIT, largest
-from memplan.timing.perf import step_time
+from memplan.timing.step import step_time
 
 
 @functools.lru_cache(maxsize=4096)

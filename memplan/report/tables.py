@@ -20,7 +20,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
-from memplan.timing.perf import calibration
+from memplan.timing.calibration import calibration
 
 
 def _cite(source: str) -> str:

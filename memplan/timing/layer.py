@@ -1,0 +1,214 @@
+"""One transformer layer and the LM head / embedding of one micro-batch, as linear forms (LayerForms,
+HeadForms, cached per model and GPU), and LayerTime / layer_time: a layer's forward, backward and recompute
+seconds.
+
+The model (one GPU of the bottleneck pipeline stage)
+----------------------------------------------------
+One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel group of t:
+
+- matmuls: QKV 2bsh(h + 2hg/a), output projection 2bsh^2, MLP 2 x 2bshf (SwiGLU: 3 x 2bshf), split
+  by t, at `matmul_efficiency` x peak, plus `matmul_overhead_s` per GEMM kernel (4 per layer
+  forward in Megatron-LM, gemms_per_layer; 8 in the backward): large GEMMs run near
+  matmul_efficiency, small ones lose a fixed time (the last partial wave of tiles, prologue and
+  epilogue). The attention core's batched matmuls QK^T and attention over V, 4bs^2h/t (K22
+  appendix A), run at the lower attention efficiency; a causal flash kernel executes half of
+  those FLOPs (CAUSAL_FLASH_FRACTION) at the GEMM efficiency (assumed: not measured).
+  Backward = 2 x forward.
+- memory-bound kernels: bytes moved / (HBM bandwidth x memory-bound efficiency). Replicated
+  regions (2 layer norms, 2 bias-dropout-residual adds), per token and hidden unit with A = 2:
+  forward 2*2A + 2*3A + 2 masks = 22 bytes, backward 2*3A + 2*(2A + 1) + 2*3A = 34 bytes, split
+  by t only under sequence parallelism (K22 Table 4's 3% SP gain). Split by t: softmax 2A / 3A
+  and attention dropout 2A+1 / 2A+1 bytes per score element (as^2b), GeLU 2A / 3A (SwiGLU
+  3A / 5A) per MLP element (sbf), forward / backward. Those are Megatron-LM's fused kernels; an
+  implementation that runs PyTorch's eager ops (torch, hf-*) moves more: see layer_traffic_bytes.
+- tensor-parallel collectives of V = A*sbh bytes over rings of t GPUs: all-gather or
+  reduce-scatter (t-1)/t x V / bw ("ag"), all-reduce twice that, bw = NVLink (t <= gpus_per_node)
+  or network x NCCL_BUS_EFFICIENCY. Forward: 2 all-reduces, or with SP 2 all-gathers + 2
+  reduce-scatters (the same 4 ag), all exposed. Backward: Megatron-LM runs each column-parallel
+  linear's input-gradient all-reduce (with SP: its reduce-scatter and the re-all-gather of the
+  sequence-split input, K22 section 4.2.2) next to the weight-gradient GEMM: 4 ag exposed by
+  TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
+  output's reduce-scatter, 2 ag, are on the critical path.
+- recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
+  matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
+  re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
+  forward, its communication included (K22 section 5: one more forward, about 33% more FLOPs)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.core.specs import GpuSpec, ModelSpec, Recompute
+from memplan.inventory.fp8 import cast_traffic
+from memplan.memory.term_bytes import PlanValues
+from memplan.timing.arrays import as_python, as_time, plan_floats
+from memplan.timing.calibration import attention_matmul_efficiency, memory_bound_efficiency
+from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
+from memplan.timing.flops import attention_time_flops, gemms_per_layer, layer_matmul_flops, logits_flops
+from memplan.timing.forms import Form, basis, evaluate
+from memplan.timing.traffic import (
+    CROSS_ENTROPY_BWD_FP32_ACCESSES,
+    CROSS_ENTROPY_FWD_FP32_ACCESSES,
+    FP32_BYTES,
+    FUSED_IMPLS,
+    MASK_BYTES,
+    layer_traffic_bytes,
+)
+
+
+@dataclass(frozen=True)
+class LayerForms:
+    fwd_compute: Form
+    fwd_memory: Form
+    fwd_comm: Form
+    bwd_compute: Form
+    bwd_memory: Form
+    bwd_comm: Form
+    bwd_comm_exposed: Form
+    selective: Form  # what selective recompute adds to a layer's backward
+    full: Form  # what full recompute adds: the whole forward
+
+    @property
+    def forward(self) -> Form:
+        return self.fwd_compute + self.fwd_memory + self.fwd_comm
+
+    @property
+    def backward(self) -> Form:
+        return self.bwd_compute + self.bwd_memory + self.bwd_comm_exposed
+
+
+@functools.lru_cache(maxsize=64)
+def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron",
+                 fp8: bool = False) -> LayerForms:
+    peak = gpu.peak_bf16_flops
+    hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
+    # FP8 (memplan/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
+    gemm_peak = gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else peak
+    matmul = layer_matmul_flops(model) / (gemm_peak * gpu.matmul_efficiency)
+    attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
+    by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS)
+    if fp8:
+        by = cast_traffic(model, activation_bytes, by)
+    v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
+    # Each GEMM kernel: its FLOPs at matmul_efficiency plus a fixed matmul_overhead_s, paid once per
+    # micro-batch (the u/b coefficient), so large GEMMs run closer to matmul_efficiency than small.
+    fwd_compute = Form(t=matmul + attention, u=gemms_per_layer(model, impl) * gpu.matmul_overhead_s)
+    fwd_memory = Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm)
+    # Forward: 2 all-reduces (2 ag each), or with SP 2 all-gathers + 2 reduce-scatters: exposed.
+    fwd_comm = Form(a=4 * v)
+    # Backward: in the async slot 2 all-reduces, or with SP 2 reduce-scatters + 2 re-all-gathers of
+    # the saved sequence-split input (4 ag either way); with SP also 2 synchronous all-gathers (the
+    # backward of each row-parallel output's reduce-scatter).
+    bwd_comm = Form(a=4 * v, s=2 * v)
+    bwd_exposed = Form(a=4 * v * TP_ASYNC_EXPOSED_FRACTION, s=2 * v)
+    forms = LayerForms(
+        fwd_compute=fwd_compute,
+        fwd_memory=fwd_memory,
+        fwd_comm=fwd_comm,
+        bwd_compute=2 * fwd_compute,  # K22 appendix A: backward = 2 x forward
+        bwd_memory=Form(t=by.tp_bwd / hbm, r=by.replicated_bwd / hbm),
+        bwd_comm=bwd_comm,
+        bwd_comm_exposed=bwd_exposed,
+        selective=Form(t=attention + by.attention_core_fwd / hbm),
+        full=Form(),
+    )
+    return LayerForms(**{**forms.__dict__, "full": forms.forward})
+
+
+@dataclass(frozen=True)
+class HeadForms:
+    """LM head (last stage) and embedding (first stage), forward + backward, one sequence."""
+
+    head_compute: Form
+    head_memory: Form
+    head_comm: Form
+    head_comm_exposed: Form
+    embedding_memory: Form
+    embedding_comm: Form  # all exposed
+
+
+@functools.lru_cache(maxsize=64)
+def head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> HeadForms:
+    A = activation_bytes
+    hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
+    s, h, v = float(model.seq_length), float(model.hidden_size), float(model.vocab_size)
+    sh, sv, vol = s * h, s * v, A * s * h
+    # Final norm (2A forward, 3A backward per element, replicated) and the fp32 cross-entropy over
+    # the vocabulary-parallel logits (split by t); logits 2shv forward, twice that backward.
+    head_memory = Form(r=5 * A * sh / hbm,
+                        t=sv * (A + FP32_BYTES * CROSS_ENTROPY_FWD_FP32_ACCESSES
+                                + A + FP32_BYTES * CROSS_ENTROPY_BWD_FP32_ACCESSES) / hbm)
+    # The head's input passes Megatron's f: an all-reduce in the backward (async, 2 ag), or with SP
+    # an all-gather in the forward (synchronous) and a reduce-scatter in the backward (async).
+    head_comm = Form(a=2 * vol)
+    head_exposed = Form(a=2 * vol * TP_ASYNC_EXPOSED_FRACTION, s=vol * (1 - TP_ASYNC_EXPOSED_FRACTION))
+    # Embedding: lookup (read + write), learned-position add (read 2, write 1), dropout; backward:
+    # dropout and the accumulation into the fp32 main gradient (read A, read + write 4).
+    drop = 1 if model.dropout else 0
+    pos = 3 * A if model.position_embedding == "learned" else 0
+    emb_bytes = 2 * A + pos + 2 * drop * (2 * A + MASK_BYTES) + A + 2 * FP32_BYTES
+    # Vocabulary-parallel output: all-reduce (2 ag) forward, or with SP a reduce-scatter forward
+    # and an all-gather backward: 2 ag, synchronous either way.
+    return HeadForms(
+        # The logits GEMM forward, its dgrad and wgrad: 3 kernels.
+        head_compute=Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
+                           u=3 * gpu.matmul_overhead_s),
+        head_memory=head_memory,
+        head_comm=head_comm,
+        head_comm_exposed=head_exposed,
+        embedding_memory=Form(r=emb_bytes * sh / hbm),
+        embedding_comm=Form(a=2 * vol),
+    )
+
+
+# --- one layer --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer, one micro-batch of b sequences, one GPU, in seconds (scalars or arrays).
+
+    `backward_s` excludes recomputation; `recompute_s` is what the plan's recompute mode adds to
+    the backward of a layer it applies to (K22 Table 4's backward column is their sum)."""
+
+    forward_compute_s: Any
+    forward_memory_s: Any
+    forward_comm_s: Any  # all exposed
+    backward_compute_s: Any
+    backward_memory_s: Any
+    backward_comm_s: Any  # every backward TP collective
+    backward_comm_exposed_s: Any
+    recompute_s: Any
+
+    @property
+    def forward_s(self) -> Any:
+        return self.forward_compute_s + self.forward_memory_s + self.forward_comm_s
+
+    @property
+    def backward_s(self) -> Any:
+        return self.backward_compute_s + self.backward_memory_s + self.backward_comm_exposed_s
+
+    @property
+    def backward_with_recompute_s(self) -> Any:
+        return self.backward_s + self.recompute_s
+
+
+def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int = 2,
+               impl: str = "megatron") -> LayerTime:
+    """Forward and backward seconds of one layer for one micro-batch of plan.b sequences, run by
+    implementation `impl` (fused kernels for megatron, PyTorch eager ops otherwise)."""
+    pf = plan_floats(plan)
+    x = basis(gpu, pf)
+    lf = layer_forms(model, gpu, activation_bytes, impl)
+    selective = as_time(plan.recompute == Recompute.SELECTIVE)
+    full = as_time(plan.recompute == Recompute.FULL)
+    return LayerTime(**as_python(dict(
+        forward_compute_s=pf.b * lf.fwd_compute(x),
+        forward_memory_s=pf.b * lf.fwd_memory(x),
+        forward_comm_s=pf.b * lf.fwd_comm(x),
+        backward_compute_s=pf.b * lf.bwd_compute(x),
+        backward_memory_s=pf.b * lf.bwd_memory(x),
+        backward_comm_s=pf.b * lf.bwd_comm(x),
+        backward_comm_exposed_s=pf.b * lf.bwd_comm_exposed(x),
+        recompute_s=pf.b * evaluate(x, (selective, lf.selective), (full, lf.full)),
+    )))
