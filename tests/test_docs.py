@@ -29,7 +29,7 @@ import pytest
 from click.testing import CliRunner
 
 from memplan.cli import cli
-from memplan.report.tables import DelayedProgress
+from memplan.report.search_tables import DelayedProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
