@@ -13,7 +13,8 @@ from memplan.launch.megatron import megatron_args
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues, TermBytes
 from memplan.timing.perf import step_time
-from memplan.plan.planner import Fixed, plan_space, search
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, plan_space
 from memplan.presets import load_gpu, load_model
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
 from memplan.inventory.assemble import inventory_for

@@ -9,7 +9,8 @@ from memplan.plan.estimate import estimate, stage_rows
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.perf import layer_time, step_time
-from memplan.plan.planner import Fixed, _splits, search
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, _splits
 from memplan.presets import load_gpu, load_model, make_config, search_inputs
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 from memplan.inventory.assemble import inventory_for

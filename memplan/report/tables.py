@@ -16,7 +16,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.plan.estimate import Estimate
-    from memplan.plan.planner import SearchResult
+    from memplan.plan.search import SearchResult
 from memplan.core.specs import Config
 from memplan.core.units import format_batch, format_bytes, format_bytes_auto
 from memplan.memory.offload import gpus_on_node, offloads
