@@ -15,7 +15,7 @@ Without CALCULON_PATH, or when Calculon cannot be imported, it says why and prin
 
 The matched space: gpt3-530b (configs/models/gpt3-530b.yaml) on 2240 A100 80GB, global batch
 2,240 sequences (the preset's 280 scaled to 2240 GPUs, as `memplan search` does). Each plan is
-one memplan enumerates (memplan.planner.plan_space: t <= 8 dividing a, p dividing L, d = 2240/(tp),
+one memplan enumerates (memplan.plan.space.plan_space: t <= 8 dividing a, p dividing L, d = 2240/(tp),
 b dividing 2240/d, m dividing L/p with M divisible by p when m > 1, SP on/off) restricted to what
 Calculon can express, and mapped to Calculon's Llm.Execution field by field:
 
@@ -79,7 +79,9 @@ if str(HERE) not in sys.path:  # run with any interpreter that has memplan's dep
     sys.path.insert(0, str(HERE))
 
 from memplan.memory.term_bytes import PlanValues  # noqa: E402
-from memplan.plan.planner import evaluate, plan_space, search  # noqa: E402
+from memplan.plan.evaluate import evaluate  # noqa: E402
+from memplan.plan.search import search  # noqa: E402
+from memplan.plan.space import plan_space  # noqa: E402
 from memplan.presets import load_gpu, load_model, search_inputs  # noqa: E402
 from memplan.core.specs import ModelSpec, Recompute  # noqa: E402
 

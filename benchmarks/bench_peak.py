@@ -20,7 +20,8 @@ from typing import Callable
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
-from memplan.plan.planner import enumerate_plans, evaluate
+from memplan.plan.evaluate import evaluate
+from memplan.plan.space import enumerate_plans
 from memplan.presets import load_gpu, load_model, make_config, search_inputs
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent.parent
 
 TIMER = r"""
 import json, sys, time
-from memplan.planner import search
+from memplan.plan.search import search
 from memplan.presets import load_gpu, load_model, search_inputs
 name, gpus, max_tp, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 model, training, gb = search_inputs(load_model(name), gpus)

@@ -422,7 +422,7 @@ class _SearchCommand(click.Command):
     (the planner loads numpy, which no other command's start-up needs)."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from memplan.plan.planner import FOLDING_RULE
+        from memplan.plan.arrange import FOLDING_RULE
 
         super().format_help_text(ctx, formatter)
         with formatter.indentation():
@@ -459,8 +459,10 @@ def search(**opts: Any) -> None:
     first, ties by step time), ZeRO and recompute variants folded into rows as below. Without --model:
     every preset, each timed on its own preset's GPU (its YAML's gpu:; --gpu NAME times them all on
     one), and the presets that could not be searched listed with the reason."""
-    from memplan.plan.planner import arrange, fixed_from, search_presets
-    from memplan.plan.planner import search as run
+    from memplan.plan.arrange import arrange
+    from memplan.plan.search import search_presets
+    from memplan.plan.space import fixed_from
+    from memplan.plan.search import search as run
     from memplan.presets import load_model, model_names, search_inputs
     from memplan.report.formats import render_output, search_dict, skipped_dict
     from memplan.report.search_tables import DelayedProgress, render_search, render_search_all
@@ -500,7 +502,7 @@ def search(**opts: Any) -> None:
     skipped = []
     try:
         if len(presets) == 1:
-            from memplan.plan.planner import search_max_seq
+            from memplan.plan.search import search_max_seq
 
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None

@@ -8,16 +8,17 @@ import sys
 
 import pytest
 
-from memplan.plan.estimate import estimate
+from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
+from memplan.inventory.assemble import inventory_for
 from memplan.launch.megatron import megatron_args
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues, TermBytes
-from memplan.timing.step import step_time
-from memplan.plan.planner import Fixed, plan_space, search
-from memplan.presets import load_gpu, load_model
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
-from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events
+from memplan.plan.estimate import estimate
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, plan_space
+from memplan.presets import load_gpu, load_model
+from memplan.timing.step import step_time
 
 # A small Llama-like dense model: h = q = 64, a = 4 heads of 16, g = 2 key/value heads, s = 1024, flash attention.
 DENSE = dict(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=160,

@@ -127,7 +127,7 @@ def test_fp8_gemms_run_at_the_fp8_peak():
 
 def test_search_equals_estimate_with_fp8_and_loss_chunks():
     from memplan.plan.estimate import device_bytes
-    from memplan.plan.planner import search
+    from memplan.plan.search import search
 
     training = TrainingSpec(fp8="delayed", fp8_param_gather=True, loss_chunks=4, global_batch=16)
     gpu = load_gpu("h100-80gb")

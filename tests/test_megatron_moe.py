@@ -83,7 +83,7 @@ def test_expert_backward_gradient_is_sized_for_the_routed_copies():
 
 
 def test_search_equals_estimate_and_uses_ep():
-    from memplan.plan.planner import search
+    from memplan.plan.search import search
 
     a100 = load_gpu("a100-80gb")
     model, training, gb = search_inputs(ModelPreset(MIXTRAL.model_copy(update=dict(moe_imbalance=1.25))), 64,

@@ -344,7 +344,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
 def test_search_equals_estimate_for_moe(optimizer):
     """The planner's vectorised memory of an MoE model equals estimate's walk, plan for plan (the experts'
     3-D tensors in the optimizer's per-tensor states included)."""
-    from memplan.plan.planner import search
+    from memplan.plan.search import search
     from memplan.presets import load_gpu, search_inputs
 
     a100 = load_gpu("a100-80gb")

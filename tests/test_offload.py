@@ -14,7 +14,8 @@ import pytest
 from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.offload import layer_copy_bytes, pow2ceil
-from memplan.plan.planner import arrange, search
+from memplan.plan.arrange import arrange
+from memplan.plan.search import search
 from memplan.presets import load_gpu, load_model, search_inputs
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 from memplan.memory.states import total_params

@@ -405,7 +405,7 @@ def test_adafactor_states_on_a_llama_7b_matrix_shape_in_estimate():
 
 
 def test_search_keeps_the_optimizer_and_equals_estimate(run_cli):
-    from memplan.plan.planner import search
+    from memplan.plan.search import search
     from memplan.presets import load_gpu, load_model, search_inputs
 
     gpu = load_gpu("h100-80gb")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
-from memplan.plan.planner import Fixed, enumerate_plans, search
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, enumerate_plans
 from memplan.presets import load_gpu, load_model, search_inputs
 from memplan.core.specs import Recompute
 

@@ -18,15 +18,17 @@ import functools
 import numpy as np
 import pytest
 
-import memplan.plan.planner as planner
-from memplan.plan.estimate import estimate
-from memplan.memory.term_bytes import PlanValues
-from memplan.timing.step import step_time
-from memplan.plan.planner import Fixed, divisors, enumerate_plans, search
-from memplan.presets import load_gpu, load_model, search_inputs
+import memplan.plan.evaluate as evaluation
+import memplan.plan.search as planner
 from memplan.core.specs import ModelSpec, Recompute
 from memplan.inventory.types import HF_IMPLS
+from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import StepPeak
+from memplan.plan.estimate import estimate
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, divisors, enumerate_plans
+from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.timing.step import step_time
 
 A100 = load_gpu("a100-80gb")
 H100 = load_gpu("h100-80gb")
@@ -134,7 +136,7 @@ def test_a_shortcut_that_fails_its_check_is_not_taken(monkeypatch):
     the ZeRO variant acting through the states only, with a gradient buffer): its checks see it and
     it evaluates every row directly, still equal to the reference (which sees the same change)."""
     model, training, gb = search_inputs(load_model("gpt-22b"), 64)
-    real = planner.step_events
+    real = evaluation.step_events
     for extra in (lambda plan: plan.recomputed_layers ** 2 * 1000,  # not affine in k
                   lambda plan: plan.zero * plan.b * 10**6):  # the ZeRO variant times the micro-batch
         def bent(model, inventory, training, plan, stage_mem, stage, critical=False, extra=extra):
@@ -144,9 +146,9 @@ def test_a_shortcut_that_fails_its_check_is_not_taken(monkeypatch):
             peak = functools.reduce(np.maximum, [e.bytes for e in steps.events])
             return StepPeak(steps.events, peak, 0, steps.persistent_bytes, steps.optimizer_temp_bytes)
 
-        monkeypatch.setattr(planner, "step_events", bent)
+        monkeypatch.setattr(evaluation, "step_events", bent)
         same_result(*both(model, training, 64, gb, 40 * 10**9, gpu=A100, top=25))
-    monkeypatch.setattr(planner, "step_events", real)
+    monkeypatch.setattr(evaluation, "step_events", real)
 
 
 def test_any_fits_is_the_fit_count():

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import memplan.cli
-from memplan.plan.planner import arrange, search, search_presets
+from memplan.plan.arrange import arrange
+from memplan.plan.search import search, search_presets
 from memplan.presets import load_gpu, load_model, model_names, search_inputs
 from memplan.report.search_tables import DelayedProgress
 

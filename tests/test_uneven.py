@@ -5,15 +5,16 @@ dimension, and the step time of the slowest stage."""
 import numpy as np
 import pytest
 
-from memplan.plan.estimate import estimate, stage_rows
-from memplan.memory.stage import stage_memory
-from memplan.memory.term_bytes import PlanValues
-from memplan.timing.layer import layer_time
-from memplan.timing.step import step_time
-from memplan.plan.planner import Fixed, _splits, search
-from memplan.presets import load_gpu, load_model, make_config, search_inputs
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
 from memplan.inventory.assemble import inventory_for
+from memplan.memory.stage import stage_memory
+from memplan.memory.term_bytes import PlanValues
+from memplan.plan.estimate import estimate, stage_rows
+from memplan.plan.search import search
+from memplan.plan.space import Fixed, _splits
+from memplan.presets import load_gpu, load_model, make_config, search_inputs
+from memplan.timing.layer import layer_time
+from memplan.timing.step import step_time
 
 H100 = load_gpu("h100-80gb")
 # L = 13: no p > 1 divides it, so every pipeline needs an uneven split

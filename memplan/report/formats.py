@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.plan.estimate import Estimate
-    from memplan.plan.planner import SearchResult
+    from memplan.plan.search import SearchResult
 from memplan.core.specs import Config
 from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label

@@ -23,7 +23,7 @@ from memplan.report.text import plan_text
 if TYPE_CHECKING:
     from memplan.core.specs import Config
     from memplan.plan.estimate import Estimate
-    from memplan.plan.planner import SearchResult
+    from memplan.plan.search import SearchResult
 
 GB = 1e9
 FORMATS = (".png", ".svg")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 from rich.console import Console
 
 if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
-    from memplan.plan.planner import SearchResult
+    from memplan.plan.search import SearchResult
 from memplan.core.units import format_batch
 from memplan.memory.offload import offloads
 from memplan.report.tables import Col, compact, make_table
