@@ -220,7 +220,8 @@ def _routed(preset: Any, opts: dict[str, Any], named: bool) -> Any:
 
     from pydantic import ValidationError
 
-    from memplan.core.specs import ModelSpec, describe_validation_error
+    from memplan.core.model import ModelSpec
+    from memplan.core.spec_base import describe_validation_error
 
     given = {k: v for k, v in _moe_routing(opts).items() if v is not None}
     if not given or not (named or preset.model.is_moe):

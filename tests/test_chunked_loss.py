@@ -8,7 +8,9 @@ import pytest
 
 from memplan.inventory import chunked_loss
 from memplan.plan.estimate import estimate
-from memplan.core.specs import Config, ModelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import TrainingSpec
 
 LLAMA = ModelSpec(name="small-llama", num_layers=2, hidden_size=256, num_attention_heads=8, num_kv_heads=2,
                   ffn_hidden_size=512, seq_length=256, vocab_size=4096, norm="rmsnorm", mlp="swiglu",

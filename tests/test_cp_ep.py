@@ -15,7 +15,10 @@ from memplan.memory.term_bytes import PlanValues, TermBytes
 from memplan.timing.perf import step_time
 from memplan.plan.planner import Fixed, plan_space, search
 from memplan.presets import load_gpu, load_model
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import build
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events
 

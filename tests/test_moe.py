@@ -15,7 +15,9 @@ from memplan.timing import perf
 from memplan.core.errors import MemplanError
 from memplan.plan.estimate import estimate
 from memplan.presets import ModelPreset, load_model, make_config, read_hf_config
-from memplan.core.specs import ModelSpec, TrainingSpec, build
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import build
+from memplan.core.training import TrainingSpec
 from memplan.memory.states import param_groups, total_params, weight_shapes
 
 # --- small configs, the parameters derived by hand ---------------------------------------------------

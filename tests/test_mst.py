@@ -38,7 +38,9 @@ def _small_config(s=256, v=4096, **training):
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=192,
                  seq_length=s, vocab_size=v, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                  tied_embeddings=False, bias=False, attention="flash", dropout=False, name="small llama")
-    from memplan.core.specs import Config, ModelSpec, TrainingSpec
+    from memplan.core.model import ModelSpec
+    from memplan.core.specs import Config
+    from memplan.core.training import TrainingSpec
 
     return Config(model=ModelSpec(**model), training=TrainingSpec(precision="bf16-true", recompute="full", **training))
 

@@ -23,7 +23,9 @@ from memplan.plan.estimate import estimate
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.optimizers import Tensor, state_bytes
-from memplan.core.specs import Config, ModelSpec, OPTIMIZERS, OPTIMIZER_IMPLS_OF, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import OPTIMIZERS, OPTIMIZER_IMPLS_OF, TrainingSpec
 from memplan.memory.states import param_groups, weight_shapes
 from memplan.inventory.assemble import inventory_for
 

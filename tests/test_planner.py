@@ -12,7 +12,7 @@ from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.planner import Fixed, enumerate_plans, search
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 
 A100 = load_gpu("a100-80gb")
 

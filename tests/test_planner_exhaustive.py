@@ -24,7 +24,8 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.timing.perf import step_time
 from memplan.plan.planner import Fixed, divisors, enumerate_plans, search
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.timeline import StepPeak
 

@@ -11,7 +11,9 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.timing.perf import layer_time, step_time
 from memplan.plan.planner import Fixed, _splits, search
 from memplan.presets import load_gpu, load_model, make_config, search_inputs
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import inventory_for
 
 H100 = load_gpu("h100-80gb")

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memplan.core.harness import harness
-from memplan.core.specs import OPTIMIZER_IMPLS_OF, Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import OPTIMIZER_IMPLS_OF, TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory.mcore import QKV_TERMS
 from memplan.inventory.mst import pieces

@@ -51,7 +51,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from memplan.core.errors import MemplanError
 from memplan.core.harness import harness
-from memplan.core.specs import ModelSpec, describe_validation_error
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import describe_validation_error
 from memplan.core.symbolic import Poly
 from memplan.inventory.hf import checkpoint_mask, hf_layer_moments, hf_loss_moments
 from memplan.inventory.types import OUTPUT_LAYER_W, Dtype, Inventory, Moment, Term, saved, transient

@@ -63,7 +63,9 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, GpuSpec, ParallelSpec, check_gpus
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import mst
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.fp8 import MAX_ZERO as FP8_MAX_ZERO

@@ -118,7 +118,9 @@ from typing import Any
 import numpy as np
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.offload import layer_copy_bytes, offloads, stepped_bytes
 from memplan.memory.states import counter, mla_qkv_count, stage_params
