@@ -661,7 +661,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     import importlib.util
 
-    from memplan.check.validate import grid, hf_grid, run, summary
+    from memplan.check.cases import grid, hf_grid
+    from memplan.check.validate import run, summary
     from memplan.report.tables import print_json, render_validation, validation_dict
 
     try:
@@ -672,7 +673,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         raise MemplanError("--device cuda: no CUDA device is available")
     have_hf = importlib.util.find_spec("transformers") is not None
     if peak:
-        from memplan.check.validate import peak_grid, peak_summary, run_peak
+        from memplan.check.peak import peak_grid, peak_summary, run_peak
         from memplan.report.tables import peak_validation_dict, render_peak_validation
 
         if not have_hf:
@@ -691,7 +692,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     cases = grid(device, tps, recomputes, fake and device == "cpu")
     if (have_hf if hf is None else hf) and device == "cpu":
         cases += hf_grid(fake)
-    from memplan.check.validate import mcore_available, mcore_grid
+    from memplan.check.cases import mcore_available, mcore_grid
 
     if mcore and not mcore_available():
         raise MemplanError("--mcore needs megatron-core: pip install -e '.[test]'")
@@ -699,7 +700,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         cases += mcore_grid(tuple(t for t in tps if t <= 2), recomputes)
     results = run(cases, device)
     if (have_hf if hf is None else hf) and device == "cpu":
-        from memplan.check.validate import run_traced, traced_grid
+        from memplan.check.cases import traced_grid
+        from memplan.check.validate import run_traced
 
         results += run_traced(traced_grid())  # the traced families against real runs
     totals = summary(results)
