@@ -724,7 +724,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
 def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
     """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
     no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
-    from memplan.inventory.traced import trace_to_yaml
+    from memplan.inventory.traced_file import trace_to_yaml
 
     text = trace_to_yaml(hf_config, impl, kernels)
     if out:

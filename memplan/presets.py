@@ -21,7 +21,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.core.specs import Config, GpuSpec, ParallelSpec, check_gpus
 from memplan.core.training import TrainingSpec
-from memplan.inventory.traced import inventory_dir
+from memplan.inventory.traced_file import inventory_dir
 
 
 def configs_dir() -> Path:

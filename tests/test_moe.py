@@ -328,7 +328,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     pytest.importorskip("transformers")
     import yaml
 
-    from memplan.inventory.traced import file_name
+    from memplan.inventory.traced_file import file_name
     from validation.trace import measure_hf_config, trace_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -369,7 +369,7 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
     import yaml
 
     from memplan.plan.estimate import step_peaks
-    from memplan.inventory.traced import file_name
+    from memplan.inventory.traced_file import file_name
     from validation.trace import trace_hf_config
 
     config = {**QWEN3_MOE, "num_hidden_layers": 8, "mlp_only_layers": [0, 1, 2]}

@@ -233,7 +233,7 @@ def test_data_dependent_forward_is_refused():
 
 
 def test_file_format(traced, tmp_path):
-    from memplan.inventory.traced import TracedFile, config_sha256
+    from memplan.inventory.traced_file import TracedFile, config_sha256
 
     cfg, _ = FAMILIES["gemma3"]
     inv = traced("gemma3")

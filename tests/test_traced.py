@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets import ModelPreset, make_config, read_hf_config  # noqa: E402
-from memplan.inventory.traced import file_name, read_traced  # noqa: E402
+from memplan.inventory.traced_file import file_name, read_traced  # noqa: E402
 from validation.trace import trace_hf_config  # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,

@@ -23,7 +23,7 @@ from memplan.core.specs import Config
 from memplan.core.training import OPTIMIZER_IMPLS_OF, TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory.mst import pieces
-from memplan.inventory.traced import file_name
+from memplan.inventory.traced_file import file_name
 from memplan.memory.states import total_params
 from memplan.plan.estimate import step_peaks
 from memplan.presets import gpu_names, load_gpu, read_hf_config

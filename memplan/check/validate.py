@@ -22,7 +22,7 @@ from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory.mcore import QKV_TERMS
-from memplan.inventory.traced import TracedFile, bucket_bytes
+from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.inventory.types import CUDA_BLOCK_BYTES
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
