@@ -83,7 +83,8 @@ from memplan.plan.evaluate import evaluate  # noqa: E402
 from memplan.plan.search import search  # noqa: E402
 from memplan.plan.space import plan_space  # noqa: E402
 from memplan.presets import load_gpu, load_model, search_inputs  # noqa: E402
-from memplan.core.specs import ModelSpec, Recompute  # noqa: E402
+from memplan.core.model import ModelSpec  # noqa: E402
+from memplan.core.training import Recompute  # noqa: E402
 
 MODEL, GPUS, GPU = "gpt3-530b", 2240, "a100-80gb"
 SHARDED_ZERO = 2  # the memplan ZeRO stage (over all d ranks) matched to Calculon's optimizer_sharding

@@ -220,7 +220,8 @@ def _routed(preset: Any, opts: dict[str, Any], named: bool) -> Any:
 
     from pydantic import ValidationError
 
-    from memplan.core.specs import ModelSpec, describe_validation_error
+    from memplan.core.model import ModelSpec
+    from memplan.core.spec_base import describe_validation_error
 
     given = {k: v for k, v in _moe_routing(opts).items() if v is not None}
     if not given or not (named or preset.model.is_moe):
@@ -658,7 +659,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     import importlib.util
 
-    from memplan.check.validate import grid, hf_grid, run, summary
+    from memplan.check.cases import grid, hf_grid
+    from memplan.check.validate import run, summary
     from memplan.report.formats import print_json, validation_dict
     from memplan.report.validate_tables import render_validation
 
@@ -670,7 +672,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         raise MemplanError("--device cuda: no CUDA device is available")
     have_hf = importlib.util.find_spec("transformers") is not None
     if peak:
-        from memplan.check.validate import peak_grid, peak_summary, run_peak
+        from memplan.check.peak import peak_grid, peak_summary, run_peak
         from memplan.report.formats import peak_validation_dict
         from memplan.report.validate_tables import render_peak_validation
 
@@ -690,7 +692,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
     cases = grid(device, tps, recomputes, fake and device == "cpu")
     if (have_hf if hf is None else hf) and device == "cpu":
         cases += hf_grid(fake)
-    from memplan.check.validate import mcore_available, mcore_grid
+    from memplan.check.cases import mcore_available, mcore_grid
 
     if mcore and not mcore_available():
         raise MemplanError("--mcore needs megatron-core: pip install -e '.[test]'")
@@ -698,7 +700,8 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
         cases += mcore_grid(tuple(t for t in tps if t <= 2), recomputes)
     results = run(cases, device)
     if (have_hf if hf is None else hf) and device == "cpu":
-        from memplan.check.validate import run_traced, traced_grid
+        from memplan.check.cases import traced_grid
+        from memplan.check.validate import run_traced
 
         results += run_traced(traced_grid())  # the traced families against real runs
     totals = summary(results)
@@ -721,7 +724,7 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
 def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
     """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
     no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
-    from memplan.inventory.traced import trace_to_yaml
+    from memplan.inventory.traced_file import trace_to_yaml
 
     text = trace_to_yaml(hf_config, impl, kernels)
     if out:

@@ -17,8 +17,11 @@ from typing import Any, Optional
 import yaml
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, GpuSpec, ModelSpec, ParallelSpec, TrainingSpec, build, check_gpus, echo
-from memplan.inventory.traced import inventory_dir
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import build, echo
+from memplan.core.specs import Config, GpuSpec, ParallelSpec, check_gpus
+from memplan.core.training import TrainingSpec
+from memplan.inventory.traced_file import inventory_dir
 
 
 def configs_dir() -> Path:

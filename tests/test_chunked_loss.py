@@ -8,7 +8,9 @@ import pytest
 
 from memplan.inventory import chunked_loss
 from memplan.plan.estimate import estimate
-from memplan.core.specs import Config, ModelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import TrainingSpec
 
 LLAMA = ModelSpec(name="small-llama", num_layers=2, hidden_size=256, num_attention_heads=8, num_kv_heads=2,
                   ffn_hidden_size=512, seq_length=256, vocab_size=4096, norm="rmsnorm", mlp="swiglu",
@@ -59,7 +61,7 @@ def test_removing_the_chunk_softmax_fails_the_hand_derivation(monkeypatch):
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")  # memplan.validate's peak harness imports the HF side too
 
-from memplan.check.validate import PEAK_TOLERANCE, peak_grid, run_peak  # noqa: E402
+from memplan.check.peak import PEAK_TOLERANCE, peak_grid, run_peak  # noqa: E402
 
 CASES = [c for c in peak_grid(fake=False) if c.model == "k22" and c.loss_chunks > 1]
 
@@ -89,7 +91,7 @@ def test_removing_a_chunk_transient_fails(measured, monkeypatch, term, which):
                 for m in original(*args, **kwargs)]
 
     monkeypatch.setattr(chunked_loss, "chunked_loss_moments", without)
-    from memplan.check.validate import predict_peak
+    from memplan.check.peak import predict_peak
 
     cases = [r for r in measured if which in r.case.name]
     assert cases

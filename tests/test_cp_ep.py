@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec, build
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import build
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import inventory_for
 from memplan.launch.megatron import megatron_args
 from memplan.memory.stage import stage_memory

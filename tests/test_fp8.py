@@ -9,7 +9,9 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.timing.flops import layer_matmul_flops
 from memplan.timing.layer import layer_forms
 from memplan.presets import load_gpu
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import inventory_for
 
 # A Llama-layout model (RMSNorm, SwiGLU, GQA, flash attention, no bias, no dropout): q = h = 256, g/a = 1/4, f = 512.

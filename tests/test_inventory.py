@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.inventory.activations import layer_bytes, layer_poly
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.core.symbolic import Poly
 from memplan.inventory.assemble import inventory_for
 from memplan.inventory.types import display_poly

@@ -10,7 +10,9 @@ import subprocess
 import pytest
 
 from memplan.launch.megatron import CONNECTIONS, megatron_args, megatron_launch
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 
 # Every flag memplan can emit, as Megatron-LM's own argument parser defines it: None for a switch
 # (store_true / store_false, no value), a type for a value, a tuple for its choices. Transcribed from

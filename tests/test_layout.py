@@ -135,19 +135,19 @@ def test_models_at_80():
 def validation_results():
     """Results of the validation grid without running torch: measured = memplan, but for one case
     whose first term is 5,000 bytes off (it fails and shows its term-by-term table)."""
-    from memplan.check import validate as v
+    from memplan.check import cases as c, peak as p, validate as v
 
     results = []
-    for i, case in enumerate(v.grid() + v.hf_grid()):
+    for i, case in enumerate(c.grid() + c.hf_grid()):
         predicted = v.predict(case)
         measured = dict(predicted)
         if i == 5:
             measured[next(iter(measured))] += 5000
         results.append(v.CaseResult(case, predicted, measured, sum(v.predict(case, paper_only=True).values()),
                                     None, None))
-    peaks = [v.PeakResult(case, 2_000_000 * (i + 1), 2_001_000 * (i + 1), "backward 1", "loss" if i == 3 else
-                          "backward 1") for i, case in enumerate(v.peak_grid())]
-    return results, v.summary(results), peaks, v.peak_summary(peaks)
+    peaks = [p.PeakResult(case, 2_000_000 * (i + 1), 2_001_000 * (i + 1), "backward 1", "loss" if i == 3 else
+                          "backward 1") for i, case in enumerate(p.peak_grid())]
+    return results, v.summary(results), peaks, p.peak_summary(peaks)
 
 
 @pytest.mark.parametrize("width", (80, 150))

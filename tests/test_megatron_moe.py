@@ -12,7 +12,7 @@ import pytest
 from memplan.plan.estimate import estimate
 from memplan.launch.megatron import megatron_args
 from memplan.presets import ModelPreset, load_gpu, load_model, make_config, search_inputs
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory.assemble import inventory_for
 
 MIXTRAL = load_model("mixtral-8x7b").model

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import memplan.cli
 from memplan.inventory import assemble as inventory
 from memplan.presets import load_model, make_config
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.memory.states import mtp_params, total_params
 
 # a latent-attention layer: h = 64, a = 4 heads of d_n = 16 + d_r = 8 (Q, K) and d_v = 16, r_q = 32, r_kv = 16

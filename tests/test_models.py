@@ -7,7 +7,7 @@ import pytest
 
 from memplan.plan.estimate import estimate
 from memplan.presets import load_model, make_config, read_hf_config
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.memory.states import total_params
 from memplan.inventory.assemble import inventory_for
 

@@ -15,7 +15,9 @@ from memplan.timing.flops import layer_matmul_flops, logits_flops, model_flops
 from memplan.core.errors import MemplanError
 from memplan.plan.estimate import estimate
 from memplan.presets import ModelPreset, load_model, make_config, read_hf_config
-from memplan.core.specs import ModelSpec, TrainingSpec, build
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import build
+from memplan.core.training import TrainingSpec
 from memplan.memory.states import param_groups, total_params, weight_shapes
 
 # --- small configs, the parameters derived by hand ---------------------------------------------------
@@ -326,7 +328,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     pytest.importorskip("transformers")
     import yaml
 
-    from memplan.inventory.traced import file_name
+    from memplan.inventory.traced_file import file_name
     from validation.trace import measure_hf_config, trace_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -367,7 +369,7 @@ def test_dense_first_layers_peak_at_the_critical_moments(recompute, tmp_path):
     import yaml
 
     from memplan.plan.estimate import step_peaks
-    from memplan.inventory.traced import file_name
+    from memplan.inventory.traced_file import file_name
     from validation.trace import trace_hf_config
 
     config = {**QWEN3_MOE, "num_hidden_layers": 8, "mlp_only_layers": [0, 1, 2]}

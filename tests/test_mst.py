@@ -38,7 +38,9 @@ def _small_config(s=256, v=4096, **training):
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=192,
                  seq_length=s, vocab_size=v, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
                  tied_embeddings=False, bias=False, attention="flash", dropout=False, name="small llama")
-    from memplan.core.specs import Config, ModelSpec, TrainingSpec
+    from memplan.core.model import ModelSpec
+    from memplan.core.specs import Config
+    from memplan.core.training import TrainingSpec
 
     return Config(model=ModelSpec(**model), training=TrainingSpec(precision="bf16-true", recompute="full", **training))
 
@@ -103,7 +105,7 @@ MEASURED = ("llama s256 mst4", "llama f768 mst4", "llama h256 mst8",
 def measured(announce):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.check.validate import mst_peak_cases, run_peak
+    from memplan.check.peak import mst_peak_cases, run_peak
 
     cases = [c for c in mst_peak_cases() if c.name in MEASURED]
     assert len(cases) == len(MEASURED)
@@ -124,7 +126,7 @@ def test_mst_steps_peak_as_measured(measured):
 
 
 def test_mst_lowers_the_measured_peak(measured):
-    from memplan.check.validate import run_peak
+    from memplan.check.peak import run_peak
 
     r = measured["llama s256 mst4"]
     plain = run_peak([dataclasses.replace(r.case, mst=1)])[0]  # the same step, transformers' MLP and loss
@@ -132,7 +134,7 @@ def test_mst_lowers_the_measured_peak(measured):
 
 
 def _predicted(case):
-    from memplan.check.validate import predict_peak
+    from memplan.check.peak import predict_peak
 
     return int(predict_peak(case).peak_bytes)
 

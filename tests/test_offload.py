@@ -17,7 +17,9 @@ from memplan.memory.offload import layer_copy_bytes, pow2ceil
 from memplan.plan.arrange import arrange
 from memplan.plan.search import search
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.memory.states import total_params
 
 # A small K22 GPT: L = 2, h = 64, a = 4, s = 32, v = 128 (LayerNorm, biases, learned positions, tied embeddings).

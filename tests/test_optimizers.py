@@ -23,7 +23,9 @@ from memplan.plan.estimate import estimate
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.optimizers import Tensor, state_bytes
-from memplan.core.specs import Config, ModelSpec, OPTIMIZERS, OPTIMIZER_IMPLS_OF, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import OPTIMIZERS, OPTIMIZER_IMPLS_OF, TrainingSpec
 from memplan.memory.states import param_groups, weight_shapes
 from memplan.inventory.assemble import inventory_for
 
@@ -231,7 +233,7 @@ def measured(announce):
 
 
 def _predicted_stage(name: str, algo: str, impl: str):
-    from memplan.check.validate import PeakCase, peak_config
+    from memplan.check.peak import PeakCase, peak_config
 
     shape = {"llama": STEP, "k22": K22, "gpt2": GPT2_STEP}[name]
     case = PeakCase(name, **shape, optimizer=impl, algorithm=algo)
@@ -288,7 +290,7 @@ def test_measured_temporaries_by_hand(measured):
 
 @pytest.fixture(scope="module")
 def peaks(measured):
-    from memplan.check.validate import PeakCase
+    from memplan.check.peak import PeakCase
 
     out = {}
     for (name, algo, impl), m in measured.items():
@@ -306,7 +308,7 @@ def _errors(peaks, predict) -> dict:
 
 
 def test_measured_peaks_match(peaks):
-    from memplan.check.validate import PEAK_TOLERANCE, predict_peak
+    from memplan.check.peak import PEAK_TOLERANCE, predict_peak
 
     errors = _errors(peaks, predict_peak)
     assert all(abs(e) <= PEAK_TOLERANCE for e in errors.values()), errors
@@ -317,7 +319,7 @@ def test_measured_peaks_match(peaks):
 
 
 def _fails(peaks, keys, monkeypatch, **patches) -> bool:
-    from memplan.check.validate import PEAK_TOLERANCE, predict_peak
+    from memplan.check.peak import PEAK_TOLERANCE, predict_peak
 
     for target, value in patches.items():
         module, attr = target.split("__")

@@ -11,7 +11,7 @@ import pytest
 
 from memplan.plan.estimate import estimate
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 
 SBH = 2048 * 1 * 20480
 FIVE_AS_OVER_H = 64

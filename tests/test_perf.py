@@ -20,7 +20,8 @@ from memplan.timing.step import StepTime, _stage_params, step_time
 from memplan.timing.traffic import layer_traffic_bytes
 from memplan.memory.term_bytes import PlanValues
 from memplan.presets import load_gpu, load_model, make_config
-from memplan.core.specs import ModelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.training import TrainingSpec
 
 A100 = load_gpu("a100-80gb")
 GPT22B = load_model("gpt-22b").model
@@ -428,7 +429,7 @@ def test_recomputing_more_layers_never_shortens_the_step(name, gpus):
     ZeRO-3 steps: 530B t8 p1 d280 went from 116.2 s at 1 layer to 114.8 s at 105.)"""
     from memplan.plan.space import enumerate_plans
     from memplan.presets import search_inputs
-    from memplan.core.specs import Recompute
+    from memplan.core.training import Recompute
 
     model, training, gb = search_inputs(load_model(name), gpus)
     plans = enumerate_plans(model, gpus, gb)

@@ -13,7 +13,7 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.plan.search import search
 from memplan.plan.space import Fixed, enumerate_plans
 from memplan.presets import load_gpu, load_model, search_inputs
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 
 A100 = load_gpu("a100-80gb")
 

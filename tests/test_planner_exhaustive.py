@@ -20,7 +20,8 @@ import pytest
 
 import memplan.plan.evaluate as evaluation
 import memplan.plan.search as planner
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import StepPeak

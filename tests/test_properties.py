@@ -5,7 +5,9 @@ from hypothesis import strategies as st
 
 from memplan.plan.estimate import estimate
 from memplan.memory.pipeline import interleaving_factor
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 
 
 @st.composite

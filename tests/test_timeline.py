@@ -11,7 +11,9 @@ from memplan.plan.estimate import estimate, step_peaks
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.presets import load_gpu
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.memory.states import total_params
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events

@@ -51,7 +51,8 @@ HAND = [
 
 @pytest.mark.parametrize("arch,impl,g,head_dim,dropout", HAND)
 def test_trace_equals_hand_inventory(arch, impl, g, head_dim, dropout):
-    from memplan.check.validate import ValidationCase, predict
+    from memplan.check.cases import ValidationCase
+    from memplan.check.validate import predict
     from validation.hf import HFCase, build_config
 
     f = 256 if arch == "gpt2" else 160
@@ -232,7 +233,7 @@ def test_data_dependent_forward_is_refused():
 
 
 def test_file_format(traced, tmp_path):
-    from memplan.inventory.traced import TracedFile, config_sha256
+    from memplan.inventory.traced_file import TracedFile, config_sha256
 
     cfg, _ = FAMILIES["gemma3"]
     inv = traced("gemma3")
@@ -278,7 +279,8 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
     """terms_hf's CUDA inventories (derived from torch's kernels: bool dropout masks, fp32
     layer-norm statistics, FlashAttention even with dropout) plus, per sdpa call, the Philox RNG
     state the flash kernel keeps (uint64 [2] and [], 24 bytes), which terms_hf leaves out."""
-    from memplan.check.validate import ValidationCase, predict
+    from memplan.check.cases import ValidationCase
+    from memplan.check.validate import predict
     from validation.hf import HFCase, build_config
 
     f, g = (256, None) if arch == "gpt2" else (160, 2)

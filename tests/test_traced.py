@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets import ModelPreset, make_config, read_hf_config  # noqa: E402
-from memplan.inventory.traced import file_name, read_traced  # noqa: E402
+from memplan.inventory.traced_file import file_name, read_traced  # noqa: E402
 from validation.trace import trace_hf_config  # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -155,7 +155,8 @@ def test_validate_covers_the_traced_families_and_fails_without_a_term():
     """memplan validate --hf checks every traced family's inventory, as memplan reads it, against a real
     run per decoder layer (all 22 cases pass exactly: `memplan validate --hf`); here Qwen2 and Gemma 3 at
     one shape, and the same Gemma 3 case with one saved tensor of its first layer group removed fails."""
-    from memplan.check.validate import compare_traced, run_traced, traced_grid
+    from memplan.check.cases import traced_grid
+    from memplan.check.validate import compare_traced, run_traced
     from validation.trace import FAMILIES, measure_hf_config
 
     grid = traced_grid()

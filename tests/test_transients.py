@@ -15,7 +15,7 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.presets import configs_dir, load_model, make_config
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events
-from memplan.inventory.traced import file_name, read_traced
+from memplan.inventory.traced_file import file_name, read_traced
 
 TRACED = configs_dir() / "traced"
 # presets whose shipped files have the traced transients (format /2): Gemma 3's two kinds of layers

@@ -5,7 +5,9 @@ dimension, and the step time of the slowest stage."""
 import numpy as np
 import pytest
 
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues

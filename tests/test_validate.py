@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from memplan.inventory import assemble as inventory  # noqa: E402
 from memplan.core.symbolic import Poly  # noqa: E402
 from memplan.inventory.types import Inventory  # noqa: E402
-from memplan.check.validate import grid, run, summary  # noqa: E402
+from memplan.check.cases import grid  # noqa: E402
+from memplan.check.validate import run, summary  # noqa: E402
 
 
 @pytest.fixture(scope="module")

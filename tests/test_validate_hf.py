@@ -10,7 +10,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memplan.inventory import assemble as inventory  # noqa: E402
-from memplan.check.validate import hf_grid, run  # noqa: E402
+from memplan.check.cases import hf_grid  # noqa: E402
+from memplan.check.validate import run  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
-from memplan.check.validate import mcore_case, run  # noqa: E402
+from memplan.check.cases import mcore_case  # noqa: E402
+from memplan.check.validate import run  # noqa: E402
 
 T1 = [mcore_case("gpt", recompute=r) for r in ("none", "selective", "full")] + [
     mcore_case("gpt", scope="model", backend="live"),

@@ -13,7 +13,8 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
-from memplan.check.validate import mcore_mla_case, run  # noqa: E402
+from memplan.check.cases import mcore_mla_case  # noqa: E402
+from memplan.check.validate import run  # noqa: E402
 
 T1 = [mcore_mla_case(), mcore_mla_case(None), mcore_mla_case(recompute="selective"),
       mcore_mla_case(recompute="full"), mcore_mla_case(experts=4)]

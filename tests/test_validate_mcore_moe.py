@@ -14,7 +14,8 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
-from memplan.check.validate import mcore_moe_case, run  # noqa: E402
+from memplan.check.cases import mcore_moe_case  # noqa: E402
+from memplan.check.validate import run  # noqa: E402
 
 T1 = [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
       mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from memplan.inventory import hf as terms_hf  # noqa: E402
 from memplan.memory import timeline  # noqa: E402
-from memplan.check.validate import PEAK_TOLERANCE, peak_grid, peak_summary, run_peak  # noqa: E402
+from memplan.check.peak import PEAK_TOLERANCE, peak_grid, peak_summary, run_peak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_removing_a_traced_transient_fails(results, monkeypatch):
     nodes make there (the transients whose maker is an autograd node, `...Backward0`), the prediction misses
     every measured peak above."""
     from memplan.inventory import traced
-    from memplan.check.validate import predict_peak
+    from memplan.check.peak import predict_peak
 
     original = traced._traced_moments
 
@@ -145,7 +145,7 @@ def test_removing_a_traced_transient_fails(results, monkeypatch):
 def test_removing_the_final_norm_backward_fails(results, monkeypatch):
     """transformers' Llama with a small vocabulary peaks in the final RMSNorm's fp32 backward (terms_hf
     final_norm_backward, read off a traced step): without that moment the loss's is the peak, 2.5 % low."""
-    from memplan.check.validate import predict_peak
+    from memplan.check.peak import predict_peak
 
     case = next(r for r in results if r.case.name == "llama sdpa s128 v64")
     assert case.passed and case.predicted_moment.startswith("final norm backward")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import Term
 

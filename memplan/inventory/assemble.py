@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms

@@ -18,7 +18,9 @@ import dataclasses
 from typing import Optional
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import Recompute
 from memplan.inventory.types import (
     FC1_W,
     FC2_W,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory.types import FC1_W, FC2_W, OUTPUT_LAYER_W, PROJ_W, Dtype, Moment, Scope, Term, saved, transient
 
 

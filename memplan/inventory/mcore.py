@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory.k22 import (
     causal_mask_term,
     k22_outside_layers,

@@ -3,7 +3,7 @@ mixture-of-experts layers, the multi-token-prediction modules and the batch tens
 
 from __future__ import annotations
 
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory.k22 import labels_term
 from memplan.inventory.mla import mtp_terms
 from memplan.inventory.moe import moe_layer_terms, moe_moments

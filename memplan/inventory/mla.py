@@ -44,7 +44,7 @@ import dataclasses
 from fractions import Fraction
 from typing import Iterable
 
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.inventory.moe import DENSE_MLP
 from memplan.inventory.types import Dtype, Term, saved
 

@@ -43,7 +43,7 @@ import dataclasses
 from fractions import Fraction
 from typing import Iterable
 
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import Moment, Term, saved
 

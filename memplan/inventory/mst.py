@@ -39,7 +39,8 @@ import math
 from typing import Any, Union
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import FC2_W, OUTPUT_LAYER_W, Inventory, Moment, Term, saved, transient
 

@@ -1,12 +1,8 @@
 """Traced inventories: what transformers' real code saves for the backward, read as data.
 
-`memplan trace` (validation/trace.py) runs a model's own transformers code once under
-FakeTensorMode with the sequence length s and the micro-batch b as symbols, and records every
-storage autograd saves: its size is an exact polynomial in s and b. The result is a file (format
-`memplan-traced-inventory/2`, YAML; /1 files, without the transients, still load) with its origin (transformers and torch versions, the config's
-hash, the kernels it was traced with). This module reads such a file, with no torch, and turns it
-into an `Inventory` like the hand-written ones, so estimate, the timeline and the planner use it
-unchanged:
+A traced inventory file (memplan/inventory/traced_file.py: what `memplan trace` recorded of transformers' own
+code, every saved storage an exact polynomial in s and b) becomes here an `Inventory` like the hand-written ones, so
+estimate, the timeline and the planner use it unchanged:
 
 - each saved storage of a decoder layer is a layer term (a storage several layers share, such as
   the rotary cos / sin tables, is counted once per model chunk); a model whose layers differ (groups
@@ -37,274 +33,15 @@ unchanged:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import importlib
-import json
-import os
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal, Optional
-
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from memplan.core.errors import MemplanError
-from memplan.core.harness import harness
-from memplan.core.specs import ModelSpec, describe_validation_error
+from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.hf import checkpoint_mask, hf_layer_moments, hf_loss_moments
+from memplan.inventory.traced_file import SYMBOLS, LayerGroup, TracedFile, TracedTerm, file_name, load, term_dtype
 from memplan.inventory.types import OUTPUT_LAYER_W, Dtype, Inventory, Moment, Term, saved, transient
-
-FORMAT = "memplan-traced-inventory/2"
-FORMATS = ("memplan-traced-inventory/1", FORMAT)  # /1: no moments, no checkpoint (read as before)
-SYMBOLS = {"s", "b"}
-
-# torch dtypes as the inventory stores them: the activation dtype of the trace follows the
-# precision of the plan; the others keep their own size.
-# (Term's storage kinds go by element size: 4-byte and 8-byte integers share fp32's and int64's.)
-_DTYPES: dict[str, Dtype] = {"float32": "fp32", "int32": "fp32", "uint32": "fp32", "bool": "mask", "uint8": "mask",
-                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64"}
-_ACT_DTYPES = ("bfloat16", "float16")
-
-
-class _Row(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TracedTerm(_Row):
-    id: str
-    module: str
-    op: str
-    dtype: str
-    elements: str
-    bytes: str
-    shared: bool = False
-
-
-class LayerGroup(_Row):
-    layers: list[int]
-    terms: list[TracedTerm]
-
-
-class Origin(_Row):
-    transformers: str
-    torch: str
-    config_sha256: str
-    architecture: str
-    model_type: str
-    impl: Literal["hf-sdpa", "hf-eager"]
-    kernels: Literal["cpu", "cuda"]
-    dtype: str
-
-
-class Sized(_Row):
-    dtype: str
-    elements: str
-    bytes: str
-
-
-class Kept(Sized):
-    """A tensor every checkpointed layer is given (gradient checkpointing keeps it through the backward):
-    `saved_as` names the shared save that already counts it without checkpointing."""
-    arg: str
-    layer: int
-    saved_as: Optional[str] = None
-
-
-class Checkpoint(_Row):
-    layer_input: Optional[Sized] = None
-    kept: list[Kept] = []
-
-
-class Transient(Sized):
-    what: str
-
-
-class TracedMoment(_Row):
-    """One candidate peak of the step, traced (validation/transients.py): after the op `at` of a layer's
-    backward (group, recompute none / full) or of the loss / head (scope last), the saves of that layer
-    (head) still alive, the saves outside the layers still alive, its own gradients and the transients."""
-    scope: Literal["layer", "last"]
-    group: Optional[int] = None
-    layers: list[int] = []  # a layer moment: the layers (from 0) it happens in
-    recompute: Optional[Literal["none", "full"]] = None
-    phase: Optional[Literal["loss", "backward"]] = None
-    at: str
-    alive: list[str]
-    outside: list[str]
-    grads: list[str] = []
-    kept: list[int] = []  # recomputed layers: the checkpoint's kept tensors (indices) still alive
-    grad_elements: int
-    transients: list[Transient]
-
-
-class TracedFile(_Row):
-    format: Literal["memplan-traced-inventory/1", "memplan-traced-inventory/2"]
-    origin: Origin
-    conditions: list[str] = []  # what the trace assumed about s and b (e.g. "b >= 2"), shown with its origin
-    num_layers: int
-    layer_groups: list[LayerGroup]
-    outside: list[TracedTerm]
-    checkpoint: Optional[Checkpoint] = None
-    moments: list[TracedMoment] = []
-
-
-def config_sha256(data: dict) -> str:
-    """The hash a traced inventory records of the config.json it was traced from: sha256 of the
-    config as canonical JSON (keys sorted, no spaces)."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def cache_dir() -> Path:
-    """Where inventories traced on first use are kept: $MEMPLAN_CACHE, else ~/.cache/memplan."""
-    return Path(os.environ.get("MEMPLAN_CACHE") or Path.home() / ".cache" / "memplan") / "traced"
-
-
-def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
-    """The directory of a config's traced inventories, and a note saying which: a shipped one
-    (configs/traced/<name>/, whose config.json hashes the same), else one in the cache, where
-    `load` traces on first use (the config.json is kept there for it)."""
-    sha = config_sha256(data)
-    for candidate in sorted(shipped.glob("*/config.json")) if shipped.is_dir() else []:
-        try:
-            if config_sha256(json.loads(candidate.read_text(encoding="utf-8"))) == sha:
-                return str(candidate.parent), f"--impl hf-* uses the traced inventory shipped in {candidate.parent.name}"
-        except (OSError, ValueError):
-            continue
-    directory = cache_dir() / sha[:16]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / "config.json").is_file():
-            (directory / "config.json").write_text(text, encoding="utf-8")
-    except OSError:
-        pass  # read-only home: load() says how to trace by hand
-    return str(directory), ("no traced inventory ships for this config: --impl hf-* traces transformers' code on "
-                            f"first use (needs torch and transformers) into {directory}")
-
-
-def file_name(impl: str, kernels: str) -> str:
-    """The file of one implementation and kernel set in a traced inventory's directory."""
-    return f"{impl}-{kernels}.yaml"
-
-
-def read_traced(path: Path) -> TracedFile:
-    """A traced inventory file, checked: unknown or mistyped fields name the field and the file."""
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except OSError as err:
-        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise MemplanError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict) or data.get("format") not in FORMATS:
-        raise MemplanError(f"{path}: not a traced inventory (expected format: {' or '.join(FORMATS)})")
-    try:
-        traced = TracedFile.model_validate(data)
-    except ValidationError as err:
-        raise MemplanError(describe_validation_error(err, str(path), tuple(TracedFile.model_fields))) from None
-    covered = sorted(i for g in traced.layer_groups for i in g.layers)
-    if covered != list(range(traced.num_layers)):
-        raise MemplanError(f"{path}: layer_groups must cover layers 0..{traced.num_layers - 1} once each")
-    for term in [t for g in traced.layer_groups for t in g.terms] + traced.outside:
-        _size(term, path)
-    sized = [t for m in traced.moments for t in m.transients] + (traced.checkpoint.kept if traced.checkpoint else [])
-    if traced.checkpoint and traced.checkpoint.layer_input:
-        sized.append(traced.checkpoint.layer_input)
-    for i, row in enumerate(sized):
-        _size(TracedTerm(id=f"transient {i}", module="", op="", dtype=row.dtype, elements=row.elements,
-                         bytes=row.bytes), path)
-    groups = len(traced.layer_groups)
-    for m in traced.moments:
-        if m.scope == "layer" and (m.group is None or not 0 <= m.group < groups or m.recompute is None):
-            raise MemplanError(f"{path}: a layer moment needs its group (0..{groups - 1}) and recompute")
-        rows = ({t.id for t in traced.layer_groups[m.group].terms} | {"layer_input"} if m.scope == "layer"
-                else {t.id for t in traced.outside})
-        unknown = sorted((set(m.alive) - rows) | (set(m.outside) - {t.id for t in traced.outside}))
-        if unknown:
-            raise MemplanError(f"{path}: moment at {m.at} names saves the file does not have: {', '.join(unknown)}")
-    return traced
-
-
-def _size(term: TracedTerm, path: Path) -> Poly:
-    try:
-        poly = Poly.parse_sum(term.elements)
-    except (ValueError, ZeroDivisionError, IndexError):
-        raise MemplanError(f"{path}: term {term.id}: elements {term.elements!r} is not a polynomial in s and b") \
-            from None
-    extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
-    if extra:
-        raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
-    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
-        raise MemplanError(f"{path}: term {term.id}: dtype {term.dtype!r} is not one memplan sizes "
-                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
-    return poly
-
-
-@functools.lru_cache(maxsize=64)
-def _load(path: str, mtime: float) -> TracedFile:
-    return read_traced(Path(path))
-
-
-def load(directory: str, impl: str, kernels: str) -> TracedFile:
-    """The traced file of `impl` in a traced inventory's directory; else one traced on first use
-    into the cache (never into a shipped directory) from the directory's config.json when torch and
-    transformers are installed; else a one-line error naming how to make it."""
-    path = Path(directory) / file_name(impl, kernels)
-    config = Path(directory) / "config.json"
-    if not path.is_file() and config.is_file():
-        try:
-            cached = cache_dir() / config_sha256(json.loads(config.read_text(encoding="utf-8")))[:16] / path.name
-        except (OSError, ValueError):
-            cached = path
-        if not cached.is_file():
-            _trace_into(config, cached, impl, kernels)
-        path = cached if cached.is_file() else path
-    if not path.is_file():
-        raise MemplanError(f"no traced inventory for --impl {impl} with {kernels} kernels for {config} and no torch "
-                           f"+ transformers to trace it (pip install torch==2.13.0 'memplan[trace]'); or trace it "
-                           f"elsewhere: memplan trace --hf-config config.json --impl {impl} --kernels {kernels} "
-                           f"--out {path}")
-    return _load(str(path), path.stat().st_mtime)
-
-
-def _tracer():
-    """The torch harness's tracer (validation/trace.py); None without torch or transformers."""
-    try:
-        return importlib.import_module(harness().__name__ + ".trace")
-    except ImportError:
-        return None
-
-
-def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
-    """Trace a config.json with transformers' own code: the inventory file's text."""
-    tracer = _tracer()
-    if tracer is None:
-        raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
-                           "pip install 'memplan[trace]'")
-    config = Path(config_path)
-    if not config.is_file():
-        raise MemplanError(f"no such config.json: {config_path}")
-    try:
-        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
-    except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise MemplanError(f"tracing {config} ({impl}, {kernels} kernels) failed: {type(err).__name__}: "
-                           f"{first[:300]}") from None
-    return tracer.to_yaml(data)
-
-
-def _trace_into(config: Path, path: Path, impl: str, kernels: str) -> None:
-    """Trace `config` and write the inventory to `path`; nothing when torch or transformers is
-    missing or the cache cannot be written (load's error then says how)."""
-    if _tracer() is None:
-        return
-    text = trace_to_yaml(str(config), impl, kernels)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    except OSError:
-        pass
 
 
 def _block(module: str) -> str:
@@ -318,7 +55,7 @@ def _block(module: str) -> str:
 
 
 def _term(row: TracedTerm, scope: str, weight: Fraction, source: str) -> Term:
-    dtype: Dtype = "act" if row.dtype in _ACT_DTYPES else _DTYPES[row.dtype]
+    dtype: Dtype = term_dtype(row.dtype)
     elements = Poly.parse_sum(row.elements) * weight
     share = "" if weight == 1 else f", in {weight} of the layers"
     op = row.op.rsplit(".", 1)[-1]
@@ -467,10 +204,6 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
                      origin=origin_text(traced), traced_from=_least_values(traced.conditions))
 
 
-def _dtype(name: str) -> Dtype:
-    return "act" if name in _ACT_DTYPES else _DTYPES[name]
-
-
 def _checkpoint_terms(traced: TracedFile) -> list[Term]:
     """What gradient checkpointing keeps, traced (the file's `checkpoint`): each layer's input, and the
     tensors every checkpointed layer is given that no save counts already (Mistral's sliding-window
@@ -481,13 +214,13 @@ def _checkpoint_terms(traced: TracedFile) -> list[Term]:
     terms = []
     if ck.layer_input is not None:
         terms.append(saved("layer_input", "layer input, kept by gradient checkpointing", "layer norms",
-                        ck.layer_input.elements, _dtype(ck.layer_input.dtype), only_full=True, k22=False, src=src))
+                        ck.layer_input.elements, term_dtype(ck.layer_input.dtype), only_full=True, k22=False, src=src))
     for k, row in enumerate(ck.kept):
         if row.saved_as is not None:
             continue
         block = "attention" if "mask" in row.arg else "other"
         terms.append(saved(f"checkpoint_kept.{k}", f"{row.arg} of the layers (from layer {row.layer}), kept by "
-                        f"gradient checkpointing ({row.dtype})", block, row.elements, _dtype(row.dtype),
+                        f"gradient checkpointing ({row.dtype})", block, row.elements, term_dtype(row.dtype),
                         scope="chunk", only_full=True, k22=False, src=src))
     return terms
 
@@ -512,7 +245,7 @@ def _traced_moments(model: ModelSpec, traced: TracedFile, terms: list[Term]) -> 
         ts = []
 
         def add(id: str, name: str, row) -> None:
-            ts.append(transient(f"m{n}.{id}", name, row.elements, _dtype(row.dtype), scope=scope, src=src))
+            ts.append(transient(f"m{n}.{id}", name, row.elements, term_dtype(row.dtype), scope=scope, src=src))
 
         for id in m.alive:
             if id == "layer_input" and ck is not None and ck.layer_input is not None:
@@ -580,17 +313,3 @@ def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:
     if (Path(directory) / file_name(impl, "cuda")).is_file():
         return load(directory, impl, "cuda")
     return load(directory, impl, "cpu")
-
-
-def bucket_bytes(traced: TracedFile, s: int, b: int) -> dict[str, int]:
-    """What the trace says each decoder layer saves at (s, b) (storages it shares with other layers
-    included, as a measurement of that layer sees them) and what is saved outside the layers only:
-    the figures `memplan validate --hf` compares with a real run."""
-    values = {"s": s, "b": b}
-    out = {}
-    for group in traced.layer_groups:
-        per_layer = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in group.terms)
-        out.update({f"layer {i}": per_layer for i in group.layers})
-    out["outside the layers"] = sum(int(Poly.parse_sum(t.bytes).evaluate(values)) for t in traced.outside
-                                    if not t.shared)
-    return out

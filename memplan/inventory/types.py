@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.core.symbolic import Poly
 
 Scope = Literal["layer", "chunk", "first", "last"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memplan.core.specs import PRECISIONS, Config, Recompute
+from memplan.core.specs import Config
+from memplan.core.training import PRECISIONS, Recompute
 from memplan.inventory.chunked_loss import launch_note as loss_chunks_note
 from memplan.inventory.fp8 import launch_args as fp8_launch_args
 

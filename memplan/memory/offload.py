@@ -57,7 +57,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memplan.core.specs import ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.parallel import state_shard
 from memplan.memory.states import weight_shapes

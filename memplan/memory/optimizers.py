@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from memplan.core.arith import maximum
-from memplan.core.specs import OPTIMIZER_IMPLS_OF, TrainingSpec
+from memplan.core.training import OPTIMIZER_IMPLS_OF, TrainingSpec
 
 
 @dataclass(frozen=True)

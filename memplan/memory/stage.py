@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memplan.core.specs import ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.fp8 import weight_extra_bytes
 from memplan.inventory.types import Term
 from memplan.memory.offload import split_optimizer

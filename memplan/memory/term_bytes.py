@@ -8,7 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from memplan.core.arith import minimum
-from memplan.core.specs import Config, ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import Recompute
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import chunks_in_flight, microbatches_in_flight, stage_layers
 from memplan.memory.states import ParamGroup

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from memplan.core.arith import maximum, minimum
-from memplan.core.specs import GpuSpec, ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memplan.core.specs import Config, GpuSpec, Recompute
+from memplan.core.specs import Config, GpuSpec
+from memplan.core.training import Recompute
 from memplan.inventory.activations import layer_bytes, layer_poly
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note

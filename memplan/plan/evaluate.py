@@ -34,7 +34,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from memplan.core.specs import GpuSpec, ModelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.types import Inventory
 from memplan.memory.offload import host_bytes, offloads, per_node

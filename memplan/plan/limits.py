@@ -9,7 +9,8 @@ import math
 from typing import Callable, Optional
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, GpuSpec, build
+from memplan.core.spec_base import build
+from memplan.core.specs import Config, GpuSpec
 from memplan.plan.estimate import device_bytes
 
 SEQ_LIMIT = 1 << 24  # 16M tokens: beyond any context trained today (and far below int64 overflow)

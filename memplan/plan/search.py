@@ -20,7 +20,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, GpuSpec, ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, GpuSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.types import Inventory

@@ -30,7 +30,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, Recompute, TrainingSpec, check_gpus
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec, check_gpus
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import mst
 from memplan.inventory.fp8 import MAX_ZERO as FP8_MAX_ZERO
 from memplan.inventory.types import HF_IMPLS

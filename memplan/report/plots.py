@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 from memplan.inventory.activations import layer_bytes
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import PART_LABELS, PARTS

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from memplan.core.specs import Recompute
+from memplan.core.training import Recompute
 from memplan.memory.term_bytes import PlanValues
 
 # Times are computed in float32, for scalars and arrays alike (so that a plan's numbers in the

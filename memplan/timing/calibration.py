@@ -56,7 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.core.specs import GpuSpec, ModelSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
 
 
 def memory_bound_efficiency(gpu: GpuSpec) -> float:

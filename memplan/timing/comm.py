@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.core.specs import GpuSpec, ModelSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
 from memplan.timing.arrays import PlanFloats, as_time, maximum
 
 # --- calibrated constants (see calibration.py's docstring) ------------------------------------

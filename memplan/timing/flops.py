@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.core.specs import ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.memory.states import mla_qkv_count
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_float64

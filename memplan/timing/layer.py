@@ -40,7 +40,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.core.specs import GpuSpec, ModelSpec, Recompute
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import Recompute
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_python, as_time, plan_floats

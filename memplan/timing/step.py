@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import GpuSpec, ModelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import TrainingSpec
 from memplan.memory.offload import layer_copy_bytes, offloads, stepped_bytes
 from memplan.memory.states import counter, stage_params
 from memplan.memory.term_bytes import PlanValues

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.core.specs import ModelSpec
+from memplan.core.model import ModelSpec
 from memplan.timing.flops import active_ffn_width
 
 # Implementations (memplan impls) whose elementwise work runs in fused kernels (Megatron-LM: fused

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memplan.check.validate import peak_grid, run_peak  # noqa: E402
+from memplan.check.peak import peak_grid, run_peak  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

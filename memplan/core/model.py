@@ -1,0 +1,212 @@
+"""The model spec: a decoder-only transformer's architecture (`ModelSpec`), with its dense, mixture-of-experts
+and multi-head latent attention fields and the checks that involve the architecture alone."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, model_validator
+
+from memplan.core.spec_base import Spec
+
+
+class ModelSpec(Spec):
+    """A decoder-only transformer's architecture (no weights)."""
+
+    name: str = "custom"
+    num_layers: int = Field(gt=0, description="L, transformer layers")
+    hidden_size: int = Field(gt=0, description="h")
+    num_attention_heads: int = Field(gt=0, description="a")
+    seq_length: int = Field(gt=0, description="s")
+    vocab_size: int = Field(gt=0, description="v")
+    ffn_hidden_size: Optional[int] = Field(default=None, gt=0, description="f, MLP width (default 4h)")
+    num_kv_heads: Optional[int] = Field(default=None, gt=0, description="g, key/value heads (default a)")
+    head_dim: Optional[int] = Field(
+        default=None, gt=0,
+        description="width of one attention head (default h/a; transformers head_dim, Megatron-LM "
+        "--kv-channels); the attention width is q = a x head_dim",
+    )
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    dropout: bool = True
+    tied_embeddings: bool = True
+    position_embedding: Literal["learned", "rope"] = "learned"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True
+    attention: Literal["eager", "flash"] = Field(
+        default="eager",
+        description="attention kernel: eager stores the s x s scores (K22); flash (FlashAttention, "
+        "cuDNN fused, SDPA flash) stores only its output and an fp32 log-sum-exp",
+    )
+    qkv_bias: bool = Field(
+        default=False,
+        description="biases on the Q, K and V projections only (Qwen2; `bias` puts one on every linear)",
+    )
+    sandwich_norms: bool = Field(
+        default=False,
+        description="two more norms per layer, on the attention's and the MLP's outputs (Gemma 2, Gemma 3): "
+        "four per layer",
+    )
+    qk_norm: bool = Field(
+        default=False,
+        description="an RMSNorm on each head's queries and keys (two head_dim-wide weights per layer: Qwen3, "
+        "Qwen3-MoE)",
+    )
+    # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
+    # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
+    # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
+    # Expert parallelism (ParallelSpec ep, etp) splits the routed experts over GPUs (memplan/parallel.py).
+    num_experts: Optional[int] = Field(
+        default=None, gt=0, description="E, routed experts per MoE layer (transformers num_local_experts / "
+        "num_experts / n_routed_experts; Megatron-LM --num-experts)")
+    moe_top_k: Optional[int] = Field(
+        default=None, gt=0, description="k, routed experts each token goes through (transformers "
+        "num_experts_per_tok; Megatron-LM --moe-router-topk)")
+    moe_ffn_hidden_size: Optional[int] = Field(
+        default=None, gt=0, description="f_e, one routed expert's MLP width (default f; transformers "
+        "moe_intermediate_size, Mixtral's intermediate_size; Megatron-LM --moe-ffn-hidden-size)")
+    moe_shared_ffn_hidden_size: int = Field(
+        default=0, ge=0, description="f_s, the shared experts' MLP width, all of them together (0: none; "
+        "DeepSeek-V3 n_shared_experts x moe_intermediate_size; Megatron-LM "
+        "--moe-shared-expert-intermediate-size)")
+    moe_first_dense_layers: int = Field(
+        default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
+        "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")
+    # How Megatron-LM routes an MoE layer's tokens at run time (not architecture, but what the layer saves
+    # depends on it: memplan/terms_moe.py); --impl megatron / megatron-local only.
+    moe_imbalance: float = Field(
+        default=1.0, ge=1.0, le=1024.0, description="the busiest GPU's share of the routed tokens relative to the "
+        "average (1.0: perfectly balanced routing); scales the routed-token activations on the peak GPU")
+    moe_capacity_factor: Optional[float] = Field(
+        default=None, gt=0, le=1024.0, description="each expert takes at most C k s b / E tokens, the others are "
+        "dropped (Megatron-LM --moe-expert-capacity-factor; None: no dropping)")
+    moe_pad_to_capacity: bool = Field(
+        default=False, description="pad every expert's input to its capacity (Megatron-LM "
+        "--moe-pad-expert-input-to-capacity; needs moe_capacity_factor)")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type")
+    # Multi-head latent attention (DeepSeek-V2 / V3; all None: standard attention). K and V come from a
+    # kv_lora_rank-wide latent (kv_a_proj_with_mqa h -> r_kv + d_r, then kv_b_proj r_kv -> a (d_n + d_v)), Q
+    # from a q_lora_rank-wide one (q_a_proj, q_b_proj) or directly; each head's query and key are d_n + d_r
+    # wide (d_r of them rotated), its value d_v.
+    kv_lora_rank: Optional[int] = Field(
+        default=None, gt=0, description="r_kv, the K / V latent's width: multi-head latent attention (DeepSeek-V3 "
+        "kv_lora_rank; Megatron-LM --kv-lora-rank)")
+    q_lora_rank: Optional[int] = Field(
+        default=None, gt=0, description="r_q, the query latent's width (None: queries projected from h directly; "
+        "DeepSeek-V3 q_lora_rank)")
+    qk_nope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_n, a head's query / key width "
+                                            "without rotary embedding (DeepSeek-V3 qk_nope_head_dim)")
+    qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_r, a head's rotated query / key "
+                                            "width, its key part shared by the heads (qk_rope_head_dim)")
+    v_head_dim: Optional[int] = Field(default=None, gt=0, description="d_v, a head's value width (v_head_dim)")
+    mtp_layers: int = Field(
+        default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
+        "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "
+        "projection, one transformer layer and the shared output head's loss for one more token")
+    inventory: Optional[str] = Field(
+        default=None,
+        description="directory of the model's traced inventories (memplan trace): what transformers' own "
+        "code saves, used by --impl hf-sdpa / hf-eager instead of a hand-written inventory",
+    )
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model (num_experts set)."""
+        return self.num_experts is not None
+
+    @property
+    def fe(self) -> int:
+        """f_e, one routed expert's MLP width (f unless moe_ffn_hidden_size says otherwise)."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.f
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a mixture-of-experts MLP (0 for a dense model)."""
+        return self.num_layers - self.moe_first_dense_layers if self.is_moe else 0
+
+    @property
+    def f(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def g(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @property
+    def q(self) -> int:
+        """The attention width a x head_dim: Q and the attention output are q wide, K and V qg/a.
+        It is h unless the config sets a head_dim other than h/a (Mistral-Nemo: 32 x 128 = 4096,
+        h = 5120)."""
+        if self.is_mla:  # the attention output: a heads of d_v
+            return self.num_attention_heads * (self.v_head_dim or 0)
+        if self.head_dim is None:
+            return self.hidden_size
+        return self.num_attention_heads * self.head_dim
+
+    def symbols(self, **plan: Any) -> dict[str, Any]:
+        """The K22 symbols of the architecture (s, h, a, f, g, v, and the attention width q), plus
+        plan symbols such as t and b (scalars or numpy arrays): the one place a formula's symbols are bound."""
+        moe = dict(E=self.num_experts, fe=self.fe, fs=self.moe_shared_ffn_hidden_size) if self.is_moe else {}
+        mla = dict(rq=self.q_lora_rank or 0, rkv=self.kv_lora_rank, dn=self.qk_nope_head_dim, dr=self.qk_rope_head_dim,
+                   dv=self.v_head_dim) if self.is_mla else {}
+        return dict(s=self.seq_length, h=self.hidden_size, a=self.num_attention_heads, f=self.f, g=self.g,
+                    q=self.q, v=self.vocab_size, **moe, **mla, **plan)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelSpec":
+        h, a, g = self.hidden_size, self.num_attention_heads, self.g
+        if h % a and self.head_dim is None and not self.is_mla:
+            raise ValueError(f"hidden size h={h} is not divisible by the attention heads a={a} "
+                             f"(a model whose heads are not h/a wide sets head_dim)")
+        if a % g:
+            raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
+        return self._latent()._experts()
+
+    def _latent(self) -> "ModelSpec":
+        """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
+        optional), without biases."""
+        fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.is_mla:
+            given = [name for name in ("q_lora_rank",) + fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
+            return self
+        missing = [name for name in fields if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (multi-head latent attention) needs {missing[0]}")
+        if self.bias:
+            raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
+                             "bias: false")
+        return self
+
+    def _experts(self) -> "ModelSpec":
+        """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
+        MoE layer; its experts have no biases."""
+        E, k = self.num_experts, self.moe_top_k
+        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
+        if E is None:
+            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor")
+                     if getattr(self, name) is not None]
+            given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
+            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers") if getattr(self, name)]
+            if given:
+                raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
+            return self
+        if k is None:
+            raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
+        if k > E:
+            raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
+                             "there are")
+        if self.moe_first_dense_layers >= self.num_layers:
+            raise ValueError(f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer among the "
+                             f"num_layers={self.num_layers}")
+        if self.bias:
+            raise ValueError("bias: memplan models mixture-of-experts layers without biases (Mixtral, Qwen3-MoE); "
+                             "set bias: false")
+        return self
