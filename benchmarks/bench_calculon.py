@@ -82,7 +82,8 @@ from memplan.memory.term_bytes import PlanValues  # noqa: E402
 from memplan.plan.evaluate import evaluate  # noqa: E402
 from memplan.plan.search import search  # noqa: E402
 from memplan.plan.space import plan_space  # noqa: E402
-from memplan.presets import load_gpu, load_model, search_inputs  # noqa: E402
+from memplan.presets.batch import search_inputs  # noqa: E402
+from memplan.presets.catalog import load_gpu, load_model  # noqa: E402
 from memplan.core.model import ModelSpec  # noqa: E402
 from memplan.core.training import Recompute  # noqa: E402
 

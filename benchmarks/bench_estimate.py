@@ -32,7 +32,8 @@ def main() -> None:
         walls.append(time.perf_counter() - start)
 
     from memplan.plan.estimate import estimate
-    from memplan.presets import load_model, make_config
+    from memplan.presets.batch import make_config
+    from memplan.presets.catalog import load_model
 
     inproc = []
     for _ in range(args.runs):

@@ -22,7 +22,8 @@ from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.evaluate import evaluate
 from memplan.plan.space import enumerate_plans
-from memplan.presets import load_gpu, load_model, make_config, search_inputs
+from memplan.presets.batch import make_config, search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events
 

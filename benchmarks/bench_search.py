@@ -35,7 +35,8 @@ HERE = Path(__file__).resolve().parent.parent
 TIMER = r"""
 import json, sys, time
 from memplan.plan.search import search
-from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 name, gpus, max_tp, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 model, training, gb = search_inputs(load_model(name), gpus)
 gpu = load_gpu("a100-80gb")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from memplan.plan.estimate import estimate
 from memplan.plan.limits import max_seq_len
-from memplan.presets import load_gpu, load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.core.units import format_bytes
 
 GPU = load_gpu("a100-80gb")

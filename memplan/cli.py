@@ -169,7 +169,8 @@ def _cp_ep(opts: dict[str, Any]) -> dict[str, Any]:
 
 def _preset(opts: dict[str, Any]):
     """The model the options name: --model (preset or YAML) or --hf-config; None if neither."""
-    from memplan.presets import load_model, read_hf_config
+    from memplan.presets.catalog import load_model
+    from memplan.presets.hf_config import read_hf_config
 
     if opts.get("model_name") and opts.get("hf_config"):
         raise MemplanError("give --model or --hf-config, not both")
@@ -179,7 +180,7 @@ def _preset(opts: dict[str, Any]):
 
 
 def _config_from_options(opts: dict[str, Any]):
-    from memplan.presets import make_config
+    from memplan.presets.batch import make_config
 
     preset = _preset(opts)
     if preset is None:
@@ -233,7 +234,7 @@ def _routed(preset: Any, opts: dict[str, Any], named: bool) -> Any:
 
 
 def _batch_note(preset: Any, seq_length: int, global_batch: int, opts: dict[str, Any]) -> list[str]:
-    from memplan.presets import batch_note
+    from memplan.presets.batch import batch_note
 
     note = batch_note(preset, seq_length, global_batch, opts.get("global_batch"), opts.get("global_batch_tokens"),
                       opts.get("gpus"))
@@ -294,7 +295,7 @@ def _check_plots(*paths: Optional[str]) -> None:
 
 
 def _gpu(opts: dict[str, Any], preset: Any):
-    from memplan.presets import load_gpu
+    from memplan.presets.catalog import load_gpu
 
     name = opts.get("gpu_name") or (preset.gpu if preset is not None else None)
     return load_gpu(name) if name else None
@@ -311,7 +312,7 @@ def cli() -> None:
 def models(as_json: bool) -> None:
     """List the model presets."""
     from memplan.memory.states import total_params
-    from memplan.presets import load_model, model_names
+    from memplan.presets.catalog import load_model, model_names
     from memplan.report.formats import print_json
     from memplan.report.tables import render_models
 
@@ -353,7 +354,7 @@ def impls() -> None:
 def gpus() -> None:
     """List the GPU presets."""
     from memplan.core.units import format_bytes, format_flops
-    from memplan.presets import gpu_names, load_gpu
+    from memplan.presets.catalog import gpu_names, load_gpu
 
     for name in gpu_names():
         g = load_gpu(name)
@@ -464,7 +465,8 @@ def search(**opts: Any) -> None:
     from memplan.plan.search import search_presets
     from memplan.plan.space import fixed_from
     from memplan.plan.search import search as run
-    from memplan.presets import load_model, model_names, search_inputs
+    from memplan.presets.batch import search_inputs
+    from memplan.presets.catalog import load_model, model_names
     from memplan.report.formats import render_output, search_dict, skipped_dict
     from memplan.report.search_tables import DelayedProgress, render_search, render_search_all
 

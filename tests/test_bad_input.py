@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memplan.core.errors import MemplanError
-from memplan.presets import load_model, read_hf_config
+from memplan.presets.catalog import load_model
+from memplan.presets.hf_config import read_hf_config
 from memplan.core.units import parse_size
 
 CORPUS = Path(__file__).parent / "corpus"

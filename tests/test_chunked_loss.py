@@ -111,7 +111,7 @@ def test_chunked_loss_step_time_by_hand():
     # per logit, per micro-batch (t = 1, b = 1, M micro-batches)
     from memplan.memory.term_bytes import PlanValues
     from memplan.timing.step import step_time
-    from memplan.presets import load_gpu
+    from memplan.presets.catalog import load_gpu
 
     gpu = load_gpu("h100-80gb")
     M, N = 4, 8

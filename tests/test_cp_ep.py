@@ -20,7 +20,7 @@ from memplan.memory.timeline import step_events
 from memplan.plan.estimate import estimate
 from memplan.plan.search import search
 from memplan.plan.space import Fixed, plan_space
-from memplan.presets import load_gpu, load_model
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.timing.step import step_time
 
 # A small Llama-like dense model: h = q = 64, a = 4 heads of 16, g = 2 key/value heads, s = 1024, flash attention.

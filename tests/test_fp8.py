@@ -8,7 +8,7 @@ from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.flops import layer_matmul_flops
 from memplan.timing.layer import layer_forms
-from memplan.presets import load_gpu
+from memplan.presets.catalog import load_gpu
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec

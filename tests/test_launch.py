@@ -362,7 +362,8 @@ def test_emit_only_needs_one_model(run_cli):
 def test_uneven_stages_flags():
     """Llama 3.1 405B's published layout (7 / 8 x 14 / 7) as Megatron-LM's uneven-stage flags; with interleaving
     Megatron-LM asks for --num-virtual-stages-per-pipeline-rank instead of layers per virtual stage."""
-    from memplan.presets import load_model, make_config
+    from memplan.presets.batch import make_config
+    from memplan.presets.catalog import load_model
 
     got = flags(megatron_args(make_config(load_model("llama3.1-405b"))))
     assert (got["--pipeline-model-parallel-size"], got["--decoder-first-pipeline-num-layers"],
@@ -376,7 +377,7 @@ def test_uneven_stages_flags():
 def test_experts_and_latent_attention_flags():
     """DeepSeek-V3 (configs/traced/deepseek-v3/config.json): 256 experts of 2048, top 8, one shared expert of 2048,
     3 dense layers then 58 MoE ones, MLA with r_q 1536, r_kv 512, heads of 128 + 64 (rotated) and values of 128."""
-    from memplan.presets import load_model
+    from memplan.presets.catalog import load_model
 
     model = load_model("deepseek-v3").model
     got = flags(megatron_args(Config(model=model, parallel=ParallelSpec(pp=1), training=TrainingSpec())))

@@ -14,7 +14,7 @@ from rich.console import Console
 
 import memplan.cli
 from memplan.core.errors import MemplanError
-from memplan.presets import load_model, model_names
+from memplan.presets.catalog import load_model, model_names
 from memplan.report.tables import WIDE_MIN_WIDTH, _cite, _short_cite, compact, make_table
 from memplan.report.validate_tables import render_peak_validation, render_validation
 from memplan.inventory.assemble import IMPLEMENTATIONS, inventory_for

@@ -11,7 +11,9 @@ import pytest
 
 from memplan.plan.estimate import estimate
 from memplan.launch.megatron import megatron_args
-from memplan.presets import ModelPreset, load_gpu, load_model, make_config, search_inputs
+from memplan.presets.batch import make_config, search_inputs
+from memplan.presets.catalog import load_gpu, load_model
+from memplan.presets.files import ModelPreset
 from memplan.core.model import ModelSpec
 from memplan.inventory.assemble import inventory_for
 

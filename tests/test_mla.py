@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 import memplan.cli
 from memplan.inventory import assemble as inventory
-from memplan.presets import load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
 from memplan.core.model import ModelSpec
 from memplan.memory.states import mtp_params, total_params
 

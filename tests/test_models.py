@@ -6,7 +6,9 @@ import json
 import pytest
 
 from memplan.plan.estimate import estimate
-from memplan.presets import load_model, make_config, read_hf_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
+from memplan.presets.hf_config import read_hf_config
 from memplan.core.model import ModelSpec
 from memplan.memory.states import total_params
 from memplan.inventory.assemble import inventory_for
@@ -235,7 +237,8 @@ def test_shipped_transformers_presets_count_what_transformers_builds():
     builds from it: Qwen2's Q/K/V biases, Qwen3's per-head q/k norms, Gemma 2's four norms per layer,
     Gemma's tied embeddings, Mixtral's and Qwen3-MoE's experts and routers included."""
     pytest.importorskip("transformers")
-    from memplan.presets import configs_dir, model_names
+    from memplan.presets.catalog import model_names
+    from memplan.presets.files import configs_dir
 
     from memplan.memory.states import total_params
 

@@ -14,7 +14,10 @@ import pytest
 from memplan.timing.flops import layer_matmul_flops, logits_flops, model_flops
 from memplan.core.errors import MemplanError
 from memplan.plan.estimate import estimate
-from memplan.presets import ModelPreset, load_model, make_config, read_hf_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
+from memplan.presets.files import ModelPreset
+from memplan.presets.hf_config import read_hf_config
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build
 from memplan.core.training import TrainingSpec
@@ -347,7 +350,8 @@ def test_search_equals_estimate_for_moe(optimizer):
     """The planner's vectorised memory of an MoE model equals estimate's walk, plan for plan (the experts'
     3-D tensors in the optimizer's per-tensor states included)."""
     from memplan.plan.search import search
-    from memplan.presets import load_gpu, search_inputs
+    from memplan.presets.batch import search_inputs
+    from memplan.presets.catalog import load_gpu
 
     a100 = load_gpu("a100-80gb")
     model, training, gb = search_inputs(load_model("qwen3-30b-a3b"), 16, seq_length=2048,

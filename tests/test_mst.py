@@ -13,7 +13,8 @@ from memplan.memory import timeline
 from memplan.core.errors import MemplanError
 from memplan.plan.limits import max_seq_len
 from memplan.memory.term_bytes import PlanValues, TermBytes
-from memplan.presets import load_gpu, load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.inventory.assemble import training_inventory
 
 A100 = load_gpu("a100-80gb")

@@ -16,7 +16,8 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.memory.offload import layer_copy_bytes, pow2ceil
 from memplan.plan.arrange import arrange
 from memplan.plan.search import search
-from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
@@ -196,7 +197,7 @@ def test_save_on_cpu_on_transformers_llama_packs_resaved_tensors_again():
     pytest.importorskip("transformers")
     import tempfile
 
-    from memplan.presets import read_hf_config
+    from memplan.presets.hf_config import read_hf_config
     from validation.hf import HFCase, _forward_fresh, build_config, build_model
 
     case = HFCase(s=32, b=2, h=64, a=4, f=160, v=512, L=2, p_drop=0.0, arch="llama", attn="sdpa", g=2)

@@ -408,7 +408,8 @@ def test_adafactor_states_on_a_llama_7b_matrix_shape_in_estimate():
 
 def test_search_keeps_the_optimizer_and_equals_estimate(run_cli):
     from memplan.plan.search import search
-    from memplan.presets import load_gpu, load_model, search_inputs
+    from memplan.presets.batch import search_inputs
+    from memplan.presets.catalog import load_gpu, load_model
 
     gpu = load_gpu("h100-80gb")
     for optimizer in ("adafactor", "adam8bit", "muon", "lion"):

@@ -10,7 +10,8 @@ from fractions import Fraction
 import pytest
 
 from memplan.plan.estimate import estimate
-from memplan.presets import load_gpu, load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.core.training import Recompute
 
 SBH = 2048 * 1 * 20480

@@ -19,7 +19,8 @@ from memplan.timing.layer import LayerTime, layer_time
 from memplan.timing.step import StepTime, _stage_params, step_time
 from memplan.timing.traffic import layer_traffic_bytes
 from memplan.memory.term_bytes import PlanValues
-from memplan.presets import load_gpu, load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.core.model import ModelSpec
 from memplan.core.training import TrainingSpec
 
@@ -428,7 +429,7 @@ def test_recomputing_more_layers_never_shortens_the_step(name, gpus):
     to hide behind the same backward at once, so a longer, more recomputed backward shortened
     ZeRO-3 steps: 530B t8 p1 d280 went from 116.2 s at 1 layer to 114.8 s at 105.)"""
     from memplan.plan.space import enumerate_plans
-    from memplan.presets import search_inputs
+    from memplan.presets.batch import search_inputs
     from memplan.core.training import Recompute
 
     model, training, gb = search_inputs(load_model(name), gpus)

@@ -12,7 +12,8 @@ from memplan.plan.estimate import estimate
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.search import search
 from memplan.plan.space import Fixed, enumerate_plans
-from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.core.training import Recompute
 
 A100 = load_gpu("a100-80gb")

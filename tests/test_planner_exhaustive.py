@@ -28,7 +28,8 @@ from memplan.memory.timeline import StepPeak
 from memplan.plan.estimate import estimate
 from memplan.plan.search import search
 from memplan.plan.space import Fixed, divisors, enumerate_plans
-from memplan.presets import load_gpu, load_model, search_inputs
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.timing.step import step_time
 
 A100 = load_gpu("a100-80gb")

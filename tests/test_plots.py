@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from memplan.report.plots import pareto_front, technique_bytes  # noqa: E402
-from memplan.presets import load_model, make_config  # noqa: E402
+from memplan.presets.batch import make_config  # noqa: E402
+from memplan.presets.catalog import load_model  # noqa: E402
 
 LLAMA_8B = ("--model", "llama3-8b", "--impl", "hf-sdpa", "--tp", "1", "--pp", "1", "--no-sp", "--dp", "1",
             "--global-batch", "1", "--seq-len", "4096", "--recompute", "full", "--precision", "bf16-true",

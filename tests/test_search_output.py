@@ -19,7 +19,8 @@ from rich.console import Console
 import memplan.cli
 from memplan.plan.arrange import arrange
 from memplan.plan.search import search, search_presets
-from memplan.presets import load_gpu, load_model, model_names, search_inputs
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_gpu, load_model, model_names
 from memplan.report.search_tables import DelayedProgress
 
 SHAPE = ("tp", "pp", "dp", "vpp", "micro_batch", "sp")

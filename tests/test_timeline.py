@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
-from memplan.presets import load_gpu
+from memplan.presets.catalog import load_gpu
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
@@ -108,7 +108,8 @@ def test_device_memory_adds_margin_and_runtime():
     assert est.device.total == allocated + -(-allocated // 10) + 800_000_000
     # K22's 530B plan (megatron-core): 2.6 GB with one communicator, + 0.6 GB for each further
     # group of more than one rank (t = 8, p = 35; d = 1: two groups)
-    from memplan.presets import load_model, make_config
+    from memplan.presets.batch import make_config
+    from memplan.presets.catalog import load_model
 
     big = estimate(make_config(load_model("gpt3-530b")), gpu=load_gpu("a100-80gb"))
     assert big.device.runtime_bytes == 2_600_000_000 + 600_000_000

@@ -15,7 +15,9 @@ pytest.importorskip("transformers")
 
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
-from memplan.presets import ModelPreset, make_config, read_hf_config  # noqa: E402
+from memplan.presets.batch import make_config  # noqa: E402
+from memplan.presets.files import ModelPreset  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from memplan.inventory.traced_file import file_name, read_traced  # noqa: E402
 from validation.trace import trace_hf_config  # noqa: E402
 
@@ -96,7 +98,8 @@ def test_every_shipped_config_has_its_traces():
     """Each configs/traced/<name>/ holds the traces of every implementation transformers offers for
     it (Gemma 2 has no sdpa attention in transformers 5.x: eager only), and the estimate of each
     shipped preset reads them (no torch needed)."""
-    from memplan.presets import configs_dir, load_model
+    from memplan.presets.catalog import load_model
+    from memplan.presets.files import configs_dir
 
     root = configs_dir() / "traced"
     for d in sorted(p.parent for p in root.glob("*/config.json")):

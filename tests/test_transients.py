@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from memplan.core.errors import MemplanError
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
-from memplan.presets import configs_dir, load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
+from memplan.presets.files import configs_dir
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import step_events
 from memplan.inventory.traced_file import file_name, read_traced

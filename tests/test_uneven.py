@@ -14,7 +14,8 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, stage_rows
 from memplan.plan.search import search
 from memplan.plan.space import Fixed, _splits
-from memplan.presets import load_gpu, load_model, make_config, search_inputs
+from memplan.presets.batch import make_config, search_inputs
+from memplan.presets.catalog import load_gpu, load_model
 from memplan.timing.layer import layer_time
 from memplan.timing.step import step_time
 

@@ -26,7 +26,8 @@ from memplan.inventory.mst import pieces
 from memplan.inventory.traced_file import file_name
 from memplan.memory.states import total_params
 from memplan.plan.estimate import step_peaks
-from memplan.presets import gpu_names, load_gpu, read_hf_config
+from memplan.presets.catalog import gpu_names, load_gpu
+from memplan.presets.hf_config import read_hf_config
 
 PEAK_TOLERANCE = 1e-2  # 1 % of the measured allocated peak
 # optimizers validation/step.py runs besides AdamW (torch 2.13 on CPU); adam8bit (bitsandbytes, CUDA only)

@@ -1,0 +1,51 @@
+"""The presets by name: the model YAMLs of configs/models, the transformers configs shipped with traced inventories
+(configs/traced/<name>/config.json, with their published plan) and the GPU YAMLs of configs/gpus."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import build
+from memplan.core.specs import GpuSpec
+from memplan.presets.files import ModelPreset, configs_dir, gpu_names, read_model_file, read_yaml, with_plan
+from memplan.presets.hf_config import read_hf_config
+
+
+def model_names() -> list[str]:
+    """The presets: configs/models/*.yaml, and the transformers configs shipped with traced inventories
+    (configs/traced/<name>/config.json)."""
+    return sorted([p.stem for p in (configs_dir() / "models").glob("*.yaml")] +
+                  [p.parent.name for p in (configs_dir() / "traced").glob("*/config.json")])
+
+
+def load_model(name_or_path: str) -> ModelPreset:
+    """A preset by name, or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json":
+        raise MemplanError(f"{name_or_path} is JSON: a transformers config.json goes with --hf-config; "
+                           "--model takes a preset name or a YAML file")
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise MemplanError(f"no such model file: {name_or_path}")
+        return read_model_file(path)
+    preset = configs_dir() / "models" / f"{name_or_path}.yaml"
+    hf = configs_dir() / "traced" / name_or_path / "config.json"
+    if not preset.is_file() and hf.is_file() and "/" not in name_or_path:
+        read = read_hf_config(str(hf))
+        read = dataclasses.replace(read, model=read.model.model_copy(update={"name": name_or_path}))
+        plan = hf.parent / "plan.yaml"
+        return with_plan(read, plan) if plan.is_file() else read
+    if not preset.is_file():
+        raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
+    return read_model_file(preset)
+
+
+def load_gpu(name_or_path: str) -> GpuSpec:
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = configs_dir() / "gpus" / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise MemplanError(f"unknown GPU preset '{name_or_path}'; known: {', '.join(gpu_names())}")
+    return build(GpuSpec, read_yaml(path), where=str(path))
