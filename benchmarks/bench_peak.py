@@ -1,4 +1,4 @@
-"""The cost of the step-peak model (memplan/timeline.py) inside `estimate` and `search`.
+"""The cost of the step-peak model (memplan/memory/timeline.py) inside `estimate` and `search`.
 
     python benchmarks/bench_peak.py [--runs 9]
 

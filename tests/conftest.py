@@ -3,7 +3,7 @@ import tempfile
 
 import pytest
 
-# Inventories traced on first use (memplan/traced.py) go to a scratch cache, never the user's home.
+# Inventories traced on first use (memplan/inventory/traced.py) go to a scratch cache, never the user's home.
 os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-cache-"))
 
 from memplan.cli import main  # noqa: E402

@@ -1,6 +1,6 @@
 """`--loss-chunks N` for --impl torch (MEASURED: the reference model's tied head and vocab-parallel cross-entropy
 in checkpointed chunks, validation/losses.py, against memplan's step peak) and --impl megatron (DERIVED from that
-measurement, checked here by hand). memplan/chunked_loss.py."""
+measurement, checked here by hand). memplan/inventory/chunked_loss.py."""
 
 import dataclasses
 

@@ -1,6 +1,6 @@
-"""Context parallelism (cp) and expert parallelism (ep, etp), issue 11 items 3 and 4 (memplan/parallel.py).
+"""Context parallelism (cp) and expert parallelism (ep, etp), issue 11 items 3 and 4 (memplan/memory/parallel.py).
 
-The expected values are derived by hand in the comments from the rules memplan/parallel.py derives from
+The expected values are derived by hand in the comments from the rules memplan/memory/parallel.py derives from
 Megatron-LM's and Transformer Engine's code (nothing here is measured: there is no GPU run of either)."""
 
 import subprocess

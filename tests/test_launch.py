@@ -59,7 +59,7 @@ MEGATRON_FLAGS = {
     "--overlap-param-gather": None,
     "--optimizer": ("adam", "sgd", "muon", "dist_muon"),
     "--sgd-momentum": float,
-    # optimizer and activation offload (memplan/launch.py _offload): arguments.py:2059-2062 and 2840 at core_v0.16.1;
+    # optimizer and activation offload (memplan/launch/megatron.py _offload): arguments.py:2059-2062 and 2840 at core_v0.16.1;
     # --cpu-offloading-num-layers is TransformerConfig's cpu_offloading_num_layers (ModelParallelConfig, an int),
     # made a flag by ArgumentGroupFactory (arguments.py:1621; megatron/training/argument_utils.py:71-82)
     "--use-precision-aware-optimizer": None,
@@ -75,7 +75,7 @@ MEGATRON_FLAGS = {
     "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
     "--fp8-amax-history-len": int,
     "--fp8-param-gather": None,
-    # Uneven pipeline stages, mixture of experts and multi-head latent attention (memplan/launch.py _pipeline,
+    # Uneven pipeline stages, mixture of experts and multi-head latent attention (memplan/launch/megatron.py _pipeline,
     # _experts, _latent_attention), checked in the parser itself: NVIDIA/Megatron-LM's megatron/training/arguments.py
     # add_megatron_arguments, built from the sources at core_v0.16.1 (commit 55ac7082517c3878ae653c07c09c534b8aed49f6)
     # and at main commit d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22), its option strings listed with their
@@ -99,10 +99,10 @@ MEGATRON_FLAGS = {
     "--moe-ffn-hidden-size": int,
     "--moe-shared-expert-intermediate-size": int,
     "--moe-layer-freq": "moe_freq",
-    # multi-token prediction (memplan/launch.py _latent_attention): Megatron-LM megatron/training/arguments.py
+    # multi-token prediction (memplan/launch/megatron.py _latent_attention): Megatron-LM megatron/training/arguments.py
     # _add_mtp_args: group.add_argument('--mtp-num-layers', type=int, default=None)
     "--mtp-num-layers": int,
-    # MoE routing (memplan/launch.py _experts): TransformerConfig fields moe_token_dispatcher_type (Literal 'allgather',
+    # MoE routing (memplan/launch/megatron.py _experts): TransformerConfig fields moe_token_dispatcher_type (Literal 'allgather',
     # 'alltoall', 'flex'), moe_expert_capacity_factor (Optional[float]) and moe_pad_expert_input_to_capacity (bool) in
     # megatron-core 0.16.1 (megatron/core/transformer/transformer_config.py, as installed by the test extra); Megatron-LM's
     # arguments.py _add_moe_args: --moe-expert-capacity-factor type=float, --moe-pad-expert-input-to-capacity
@@ -389,6 +389,6 @@ def test_experts_and_latent_attention_flags():
         "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64", "--v-head-dim": "128"}
     assert moe_freq(got["--moe-layer-freq"]) == [0] * 3 + [1] * 58
     assert "--multi-latent-attention" in got and "--kv-channels" not in got
-    # the latent norms (memplan/terms_mla.py) and the config.json's num_nextn_predict_layers = 1
+    # the latent norms (memplan/inventory/mla.py) and the config.json's num_nextn_predict_layers = 1
     assert "--qk-layernorm" in got and got["--mtp-num-layers"] == "1"
     assert not {"--num-experts", "--multi-latent-attention", "--moe-layer-freq"} & set(flags(megatron_args(config())))

@@ -1,4 +1,4 @@
-"""The Megatron MoE inventory's arithmetic (memplan/terms_moe.py): load imbalance, capacity factor, padding, dense-first
+"""The Megatron MoE inventory's arithmetic (memplan/inventory/moe.py): load imbalance, capacity factor, padding, dense-first
 layers, the backward's expert gradients, search = estimate, the emitted flags. No torch: what each term is was
 measured against megatron-core (tests/test_validate_mcore_moe.py); here the expected values are derived by hand.
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention and multi-token prediction for --impl megatron (memplan/terms_mla.py), the
+"""Multi-head latent attention and multi-token prediction for --impl megatron (memplan/inventory/mla.py), the
 DeepSeek-V3 preset's published plan (configs/traced/deepseek-v3/plan.yaml) and its MTP parameters, by hand.
 
 The local spec's latent attention is measured against megatron-core in tests/test_validate_mcore_mla.py; the

@@ -327,7 +327,7 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     """estimate's retained activations for a traced MoE model are what the real model saves on CPU
     (transformers' grouped_mm experts; every saved storage once). With a dense first layer the model
     has two layer groups, each weighted by its share of the layers (1/2 here: whole bytes at even s b;
-    memplan/traced.py floors each term's mean bytes per layer otherwise)."""
+    memplan/inventory/traced.py floors each term's mean bytes per layer otherwise)."""
     pytest.importorskip("transformers")
     import yaml
 
@@ -439,7 +439,7 @@ def test_bad_latent_attention_fields_are_refused(change, message):
 
 
 def test_latent_attention_refused_for_the_reference_layer(tmp_path):
-    # --impl megatron / megatron-local model it (memplan/terms_mla.py, tests/test_mla.py); the K22 reference layer not
+    # --impl megatron / megatron-local model it (memplan/inventory/mla.py, tests/test_mla.py); the K22 reference layer not
     model = _spec(DEEPSEEK_V3, tmp_path)
     dense = model.model_copy(update=dict(num_experts=None, moe_top_k=None, moe_ffn_hidden_size=None,
                                          moe_shared_ffn_hidden_size=0, moe_first_dense_layers=0))

@@ -1,5 +1,5 @@
-"""MsT (Mini-Sequence Transformer, Luo et al. 2024, arXiv 2407.15892; memplan/mst.py) and the optimizer step in
-the backward (--optimizer-in-backward, memplan/timeline.py): whole training steps measured on the reference MsT
+"""MsT (Mini-Sequence Transformer, Luo et al. 2024, arXiv 2407.15892; memplan/inventory/mst.py) and the optimizer step in
+the backward (--optimizer-in-backward, memplan/memory/timeline.py): whole training steps measured on the reference MsT
 (validation/mst.py) against memplan's peak, tests that fail when a term is removed, one moment by hand, the 'auto'
 rule of MsT's code, bad input, search, and the MsT paper's maximum sequence lengths on one 80 GB A100."""
 

@@ -1,4 +1,4 @@
-"""Offload (memplan/offload.py): optimizer states to the host (Megatron-LM's HybridDeviceOptimizer) and the decoder
+"""Offload (memplan/memory/offload.py): optimizer states to the host (Megatron-LM's HybridDeviceOptimizer) and the decoder
 layers' saved tensors (torch's save_on_cpu): hand-derived bytes, the GPU peak, host memory per node and its budget
 in estimate and search, the step time's PCIe copies, what torch's save_on_cpu really packs (measured on CPU), the
 Megatron-LM flags, bad input."""

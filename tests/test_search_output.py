@@ -293,7 +293,7 @@ def divides(name, gpus):
 
 def megatron_refuses(name):
     """A preset the default --impl megatron has no inventory for (skipped): none since multi-head latent
-    attention (memplan/terms_mla.py) and Megatron-LM's MoE layers (memplan/terms_moe.py) are modelled."""
+    attention (memplan/inventory/mla.py) and Megatron-LM's MoE layers (memplan/inventory/moe.py) are modelled."""
     return False
 
 

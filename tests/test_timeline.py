@@ -1,4 +1,4 @@
-"""The step timeline (memplan/timeline.py): the planner's critical moments equal the walk over
+"""The step timeline (memplan/memory/timeline.py): the planner's critical moments equal the walk over
 every layer for every implementation; hand-derived bytes of the moments the issue names; what the
 device adds; the fit and --max-seq answers through the CLI."""
 

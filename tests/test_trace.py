@@ -1,7 +1,7 @@
 """validation/trace.py: transformers models traced under FakeTensorMode with symbolic s and b.
 
 Each traced polynomial is checked against what real code saves: memplan's hand-written, measured
-GPT-2 / Llama inventories (memplan/terms_hf.py), and real CPU runs of families memplan has no
+GPT-2 / Llama inventories (memplan/inventory/hf.py), and real CPU runs of families memplan has no
 hand inventory for (Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, Mistral's sliding window,
 Mixtral's MoE, DeepSeek-V3's latent attention and dense-then-MoE layers), exactly, per decoder layer, outside the layers and in total, at several (s, b).
 """

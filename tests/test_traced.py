@@ -1,4 +1,4 @@
-"""Traced inventories (memplan/traced.py) against the hand-written, measured ones.
+"""Traced inventories (memplan/inventory/traced.py) against the hand-written, measured ones.
 
 validation/trace.py traces transformers' real Llama code under FakeTensorMode; memplan reads the
 file like any inventory. For Llama the hand-written inventory of terms_hf.py is measured exactly

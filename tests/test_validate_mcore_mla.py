@@ -1,4 +1,4 @@
-"""CI: multi-head latent attention (memplan/terms_mla.py) against megatron-core 0.16.1's own MLASelfAttention, on CPU.
+"""CI: multi-head latent attention (memplan/inventory/mla.py) against megatron-core 0.16.1's own MLASelfAttention, on CPU.
 
 validation/mcore.py builds the Llama-like local-spec layer with megatron-core's MLASelfAttention and its latent norms
 (a = 4 heads, d_n = 32, d_r = 16, d_v = 24, r_kv = 48, r_q = 40 or the direct q projection), labels every saved tensor

@@ -1,4 +1,4 @@
-"""CI: the Megatron MoE inventory (memplan/terms_moe.py) against megatron-core 0.16.1's own MoELayer, on CPU.
+"""CI: the Megatron MoE inventory (memplan/inventory/moe.py) against megatron-core 0.16.1's own MoELayer, on CPU.
 
 validation/mcore.py builds the Llama-like local-spec layer with megatron-core's MoELayer as its MLP (4
 SequentialMLP experts, f_e = 96, top-2, aux loss 0.01), routing forced to be exactly balanced (token i to experts

@@ -225,7 +225,7 @@ def _expert_rules(expert: str) -> dict:
             (expert, MUL, 1, 1): "moe_act_out", (f"{expert}.linear_fc2", FN, 0, 0): "moe_fc2_input"}
 
 
-# megatron-core's MoELayer (memplan/terms_moe.py): router, permutation, SequentialMLP experts, shared experts
+# megatron-core's MoELayer (memplan/inventory/moe.py): router, permutation, SequentialMLP experts, shared experts
 MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (ROUTER, FN, 0, 0): "fc1_input",  # RouterGatingLinearFunction keeps the MLP input
     (f"{SHARED}.linear_fc1", FN, 0, 0): "fc1_input",  # the same storage, when the shared experts run first
@@ -245,7 +245,7 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
 # in either order
 ROUTER_MUL = {"bool": "moe_routing_map", "int64": "moe_aux_counts"}
 
-# megatron-core's MLASelfAttention (memplan/terms_mla.py): down projections, latent norms, up projections; RoPE's
+# megatron-core's MLASelfAttention (memplan/inventory/mla.py): down projections, latent norms, up projections; RoPE's
 # cos / sin and the core attention's Q, K, V are LAYER_RULES' (ATTN, CORE)
 MLA_RULES: dict[tuple[str, str, int, int], str] = {
     **{(f"{ATTN}.{proj}", FN, 0, 0): "qkv_input" for proj in ("linear_q_down_proj", "linear_kv_down_proj",

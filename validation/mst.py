@@ -21,7 +21,7 @@ gradient checkpointing on. What this module does, in the paper's terms:
   the pieces share one v x h gradient, as MsT's LM-head wrapper does).
 
 Chunk counts: ``chunks`` pieces (``ceil(s / chunks)`` tokens each; MsT's ``--mst auto`` rule is
-memplan/mst.py's). Targets are not shifted (the last position is scored too), which changes no size.
+memplan/inventory/mst.py's). Targets are not shifted (the last position is scored too), which changes no size.
 """
 
 from __future__ import annotations

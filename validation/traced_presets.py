@@ -7,7 +7,7 @@ the transformers config.json it was traced from and one file per implementation 
 
 Tracing the transients runs the backward twice more (as is and with gradient checkpointing): a 7B model's
 four files take 2-3 minutes, DeepSeek-V3's (61 layers, 256 experts) about 7 on two cores. Files of format
-/1 (no transients: memplan derives them, memplan/traced.py) still load, and --check re-traces them as they
+/1 (no transients: memplan derives them, memplan/inventory/traced.py) still load, and --check re-traces them as they
 were made.
 
 An implementation transformers does not offer for an architecture (Gemma 2 has no sdpa path in

@@ -11,7 +11,7 @@ The trace runs forward, loss and ``loss.backward()`` under the fake mode and lab
 phase and decoder layer (``validation.step._LayerHooks``: forward hooks, and tensor hooks on every
 layer's output for the backward).  After each op of the loss phase, of the head's backward (loss,
 LM head, final norm) and of a decoder layer's backward it sorts the live storages as the step
-timeline (memplan/timeline.py) counts them:
+timeline (memplan/memory/timeline.py) counts them:
 
 * counted elsewhere: what the layers below still keep (their saves; with gradient checkpointing
   their inputs and the tensors every checkpointed layer is given: rotary tables, masks, position

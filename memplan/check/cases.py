@@ -41,7 +41,7 @@ class ValidationCase:
     head_dim: Optional[int] = None  # llama: width of one head (None = h/a)
     dropout: float = 0.1
     # megatron-local mixture of experts (experts > 0): megatron-core's MoELayer in every layer, balanced routing,
-    # aux loss on (memplan/terms_moe.py)
+    # aux loss on (memplan/inventory/moe.py)
     experts: int = 0
     topk: int = 2
     fe: Optional[int] = None
@@ -51,7 +51,7 @@ class ValidationCase:
     dispatcher: str = "alltoall"
     capacity: Optional[float] = None
     pad: bool = False
-    # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/terms_mla.py)
+    # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/inventory/mla.py)
     kv_lora: int = 0
     q_lora: Optional[int] = None
     dn: int = 32
@@ -140,13 +140,13 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                         cases.append(mcore_case(arch, t, sp, rec, scope))
                         if arch == "gpt" and t == 1:
                             cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
-    if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/terms_moe.py)
+    if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
         cases += [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
                   mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
         if 2 in tps:
             cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
                       mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
-        # megatron-core's MLASelfAttention (memplan/terms_mla.py)
+        # megatron-core's MLASelfAttention (memplan/inventory/mla.py)
         cases += [mcore_mla_case(None)] + [mcore_mla_case(recompute=r) for r in recomputes] + [mcore_mla_case(experts=4)]
         if 2 in tps:
             cases += [mcore_mla_case(t=2), mcore_mla_case(t=2, sp=True)]

@@ -176,7 +176,7 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
         PeakCase("llama sdpa s64 h128 v8192 N8", model="llama", s=64, b=1, h=128, a=4, g=2, f=384, v=8192,
                  attn="sdpa", loss_chunks=8),
         # the reference model (--impl torch) with its tied head and vocab-parallel cross-entropy in checkpointed chunks
-        # (validation/losses.py chunked_vocab_parallel_cross_entropy, memplan/chunked_loss.py): chunks of 64 tokens
+        # (validation/losses.py chunked_vocab_parallel_cross_entropy, memplan/inventory/chunked_loss.py): chunks of 64 tokens
         # (the recompute of a chunk's fp32 logits is the peak), with full recompute, and chunks of 8 tokens at
         # h = 128 (the head's weight-gradient sum is the peak)
         *(PeakCase("k22 s256 v8192 N4" if rec == "none" else "k22 s256 N4 full", model="k22", s=256, b=1, h=64, a=4,

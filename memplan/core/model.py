@@ -54,7 +54,7 @@ class ModelSpec(Spec):
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
-    # Expert parallelism (ParallelSpec ep, etp) splits the routed experts over GPUs (memplan/parallel.py).
+    # Expert parallelism (ParallelSpec ep, etp) splits the routed experts over GPUs (memplan/memory/parallel.py).
     num_experts: Optional[int] = Field(
         default=None, gt=0, description="E, routed experts per MoE layer (transformers num_local_experts / "
         "num_experts / n_routed_experts; Megatron-LM --num-experts)")
@@ -72,7 +72,7 @@ class ModelSpec(Spec):
         default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
         "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")
     # How Megatron-LM routes an MoE layer's tokens at run time (not architecture, but what the layer saves
-    # depends on it: memplan/terms_moe.py); --impl megatron / megatron-local only.
+    # depends on it: memplan/inventory/moe.py); --impl megatron / megatron-local only.
     moe_imbalance: float = Field(
         default=1.0, ge=1.0, le=1024.0, description="the busiest GPU's share of the routed tokens relative to the "
         "average (1.0: perfectly balanced routing); scales the routed-token activations on the peak GPU")

@@ -50,7 +50,7 @@ class ParallelSpec(Spec):
     )
 
     cp: int = Field(default=1, gt=0, description="context-parallel size: each sequence split over cp ranks "
-                    "(Megatron-LM --context-parallel-size; memplan/parallel.py)")
+                    "(Megatron-LM --context-parallel-size; memplan/memory/parallel.py)")
     cp_comm_type: Literal["p2p", "a2a"] = Field(
         default="p2p", description="how context-parallel attention exchanges keys / values: p2p (ring attention, "
         "Transformer Engine AttnFuncWithCPAndKVP2P) or a2a (Ulysses: heads all-to-all, AttnFuncWithCPAndQKVOA2A); "
@@ -326,7 +326,7 @@ class Config(Spec):
 
 
 def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
-    """Context and expert parallelism as Megatron-LM / Transformer Engine accept them (memplan/parallel.py)."""
+    """Context and expert parallelism as Megatron-LM / Transformer Engine accept them (memplan/memory/parallel.py)."""
     s, t, cp = m.seq_length, par.tp, par.cp
     if cp > 1:
         if s % (2 * cp):

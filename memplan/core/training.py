@@ -64,7 +64,7 @@ PRECISIONS: dict[str, dict[str, int]] = {
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 
 
-# The optimizers memplan models (memplan/optimizers.py: states, step temporaries, sources); `adam` is
+# The optimizers memplan models (memplan/memory/optimizers.py: states, step temporaries, sources); `adam` is
 # the old name of `adamw`, still read from YAML files.
 OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
 
@@ -104,7 +104,7 @@ class TrainingSpec(Spec):
     master_weight_bytes: int = Field(default=4, ge=0, description="fp32 master copy of the weights; 0 if none")
     optimizer: str = Field(
         default="adamw", description="adamw (adam), sgd (momentum), sgd-nomomentum, adafactor, adam8bit, muon, lion "
-        "(memplan/optimizers.py)")
+        "(memplan/memory/optimizers.py)")
     optimizer_state_bytes: int = Field(default=4, ge=0, description="bytes of each optimizer moment")
     precision: Literal["bf16-mixed", "16-mixed", "bf16-true", "32-true"] = Field(
         default="bf16-mixed", description="sets the byte sizes above that are not given explicitly")
@@ -130,20 +130,20 @@ class TrainingSpec(Spec):
     mst: int | Literal["auto"] = Field(
         default=1, description="Mini-Sequence Transformer (MsT, arXiv 2407.15892): the MLP and the LM head + loss "
         "run on this many pieces of the sequence, one after another, under layer-level gradient checkpointing; "
-        "'auto' chooses the pieces as MsT's code does (memplan/mst.py); 1: off")
+        "'auto' chooses the pieces as MsT's code does (memplan/inventory/mst.py); 1: off")
     optimizer_in_backward: bool = Field(
         default=False, description="each parameter's optimizer step runs in a post-accumulate-grad hook inside the "
         "backward and frees its gradient (PyTorch's 'optimizer step in backward' recipe; MsT's "
         "scripts/benchmark_minis.py, a for-loop Adam per parameter, the LM head's step after the embedding's): "
-        "no step holds every gradient (memplan/timeline.py)")
+        "no step holds every gradient (memplan/memory/timeline.py)")
     offload_optimizer_fraction: float = Field(
         default=0.0, ge=0, le=1, description="fraction of each GPU's optimizer states (master weights and moments) "
         "kept and stepped in host memory, its gradients copied there and its weights back every step (Megatron-LM "
-        "--optimizer-cpu-offload --optimizer-offload-fraction; memplan/offload.py); 0: none")
+        "--optimizer-cpu-offload --optimizer-offload-fraction; memplan/memory/offload.py); 0: none")
     offload_activations: bool = Field(
         default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
-        "memplan/offload.py)")
+        "memplan/memory/offload.py)")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,7 +228,7 @@ class TrainingSpec(Spec):
     @property
     def optimizer_moments(self) -> int:
         """Full-size state tensors per parameter, in optimizer_state_bytes each: AdamW two (m, v), SGD
-        with momentum, Lion and Muon one (Muon's AdamW share keeps two: memplan/optimizers.py), SGD
+        with momentum, Lion and Muon one (Muon's AdamW share keeps two: memplan/memory/optimizers.py), SGD
         without momentum none, Adafactor none (its factored second moment is r + c values per r x c
         matrix) and 8-bit Adam none at that size (two 1-byte states: `optimizer_dense_bytes`)."""
         return {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0, "adafactor": 0, "adam8bit": 0, "muon": 1,

@@ -32,9 +32,9 @@ IMPLEMENTATIONS: dict[str, str] = {
                 "fp32 layer-norm statistics, vocab-parallel embedding and cross-entropy; one fp32 "
                 "main-gradient buffer, fused AdamW (default). Step transients derived from its code, not measured. "
                 "Beside megatron-local (measured): K / V kept with g heads and rotary fused into the attention "
-                "(Transformer Engine), derived from TE / megatron-core code. Mixture of experts (memplan/terms_moe.py): "
+                "(Transformer Engine), derived from TE / megatron-core code. Mixture of experts (memplan/inventory/moe.py): "
                 "megatron-core's MoELayer with Transformer Engine's grouped experts and the fused weighted SwiGLU, "
-                "derived from code, not measured. Multi-head latent attention (memplan/terms_mla.py): latent norms fused "
+                "derived from code, not measured. Multi-head latent attention (memplan/inventory/mla.py): latent norms fused "
                 "into the up projections, cuDNN fused attention, fused MLA RoPE, derived from megatron-core / TE code, not "
                 "measured; multi-token prediction (--mtp-num-layers) on the last stage derived from megatron-core's "
                 "multi_token_prediction.py, not measured",
@@ -47,9 +47,9 @@ IMPLEMENTATIONS: dict[str, str] = {
                       "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code. "
                       "Mixture of experts: megatron-core's MoELayer (router, alltoall / allgather dispatcher, "
                       "SequentialMLP experts, shared experts, aux loss, capacity factor) measured per term on CPU with "
-                      "balanced routing, ep = 1 and 2 (memplan/terms_moe.py, validation/mcore.py). Multi-head latent "
+                      "balanced routing, ep = 1 and 2 (memplan/inventory/moe.py, validation/mcore.py). Multi-head latent "
                       "attention: megatron-core's MLASelfAttention with its latent norms measured per term on CPU (t = 1, "
-                      "2, SP, recompute none / selective / full; memplan/terms_mla.py)",
+                      "2, SP, recompute none / selective / full; memplan/inventory/mla.py)",
     "torch": "memplan's reference PyTorch layer (validation/): eager attention with an explicit causal "
              "mask, torch layer norm (fp32 statistics on CUDA, activation dtype on CPU), in a Megatron-like "
              "loop (fp32 main-gradient buffer fed by hooks); torch AdamW foreach (default) or fused",
@@ -70,7 +70,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
     and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss), with
     `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py), and MsT's
-    mini-sequences `mst` = (MLP pieces, LM-head pieces) (memplan/mst.py; (1, 1): none)."""
+    mini-sequences `mst` = (MLP pieces, LM-head pieces) (memplan/inventory/mst.py; (1, 1): none)."""
     if impl not in IMPLEMENTATIONS:
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")
     if device not in DEVICES:
@@ -82,7 +82,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "megatron-local, hf-sdpa or hf-eager")
     if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None):
         raise MemplanError("--moe-imbalance and --moe-capacity-factor are modelled for --impl megatron / "
-                           "megatron-local (memplan/terms_moe.py), not for the traced --impl hf-* inventories")
+                           "megatron-local (memplan/inventory/moe.py), not for the traced --impl hf-* inventories")
     if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
         raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
                            "DeepSeek-V3): set mlp: swiglu and bias: false")
@@ -108,7 +108,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
 
 def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
     """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
-    (memplan/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
+    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
                               minis.pieces_for(model, training, impl))
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":

@@ -37,7 +37,7 @@ INFO = ("--loss-chunks N: the LM head + cross-entropy in N checkpointed sequence
         "transformers models (validation/losses.py chunked_cross_entropy); torch: measured on the reference model "
         "(validation/losses.py chunked_vocab_parallel_cross_entropy, t = 1); megatron: DERIVED from the torch "
         "measurement with Megatron-LM's fused wgrad accumulation, NOT MEASURED, and Megatron-LM has no such flag "
-        "(a patched compute_language_model_loss; memplan/chunked_loss.py)")
+        "(a patched compute_language_model_loss; memplan/inventory/chunked_loss.py)")
 MEASURED = "measured: validation/losses.py chunked_vocab_parallel_cross_entropy (validation/step.py)"
 DERIVED = ("derived: the measured reference chunked loss (validation/losses.py) with Megatron-LM's fused wgrad "
            "accumulation (no weight-gradient transients), not measured")
@@ -106,20 +106,20 @@ def note(chunks: int, impl: str) -> str:
                 "(validation/losses.py chunked_vocab_parallel_cross_entropy, t = 1)")
     return (f"LM head + loss in {chunks} checkpointed sequence chunks: derived from the measured reference chunked "
             "loss, not measured; Megatron-LM has no such option (only --cross-entropy-loss-fusion), so a run needs a "
-            "patched compute_language_model_loss (memplan/chunked_loss.py)")
+            "patched compute_language_model_loss (memplan/inventory/chunked_loss.py)")
 
 
 def launch_note(chunks: int) -> str:
     """What `--emit megatron` says about a chunked loss it cannot express."""
     return (f"--loss-chunks {chunks}: Megatron-LM (main, d98e8a6) has no chunked LM head + loss, no flag is given; "
             "the plan's memory assumes a patched compute_language_model_loss that runs the output layer and the "
-            "vocab-parallel cross-entropy in checkpointed sequence chunks (memplan/chunked_loss.py); "
+            "vocab-parallel cross-entropy in checkpointed sequence chunks (memplan/inventory/chunked_loss.py); "
             "--cross-entropy-loss-fusion only fuses the loss over the whole logits")
 
 
 def loss_moments(impl: str, chunks: int, src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:
     """The vocab-parallel loss's moments, or with chunks > 1 those of the chunked head + loss
-    (memplan/chunked_loss.py)."""
+    (memplan/inventory/chunked_loss.py)."""
     if chunks == 1:
         return vocab_parallel_loss_moments(src, forward_extra)
     return chunked_loss_moments(chunks, impl, forward_extra)

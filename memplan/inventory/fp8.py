@@ -28,7 +28,7 @@ output itself, so the FP8 copy is one more term. Per FP8 tensor the recipe adds 
 Transients: TE quantizes each GEMM's output gradient to FP8 in both usages (row-wise for the input-gradient GEMM,
 column-wise for the weight-gradient one: linear.py, `grad_output_quantizer.set_usage(rowwise=True,
 columnwise=True)` in `_linear_backward`), alive for that linear's backward. Of the four, only fc2's is alive at a moment where the layer
-peaks (memplan/terms.py layer_backward_moments "mlp_backward": fc2's input gradient is being made): it is added
+peaks (memplan/inventory/k22.py layer_backward_moments "mlp_backward": fc2's input gradient is being made): it is added
 there, 2 x sbh bytes (gathered to the whole sequence under SP). The others are dominated: at fc1's backward the
 activation's saved input and the second linear's input gradient are freed (-sbf x 2 bytes or more) while the
 FP8 copies add as much as the activation's gradient in bf16, less than the "mlp_activation_backward" moment;
@@ -85,7 +85,7 @@ BLOCK = 128  # Float8BlockScaling: 1 x 128 blocks for activations and gradients,
 CAST_WRITE_BYTES = 2 * FP8_BYTES  # a cast writes both usages (row-wise and column-wise), 1 byte each
 WORKSPACE_BYTES = 2 * FP8_BYTES  # a cached FP8 weight: row-wise and column-wise (transposed) data
 DELAYED_TENSORS = (3, 2)  # FP8 tensors per GEMM with delayed-scaling state: forward (input, weight, output), backward
-LINEAR_GROUPS = (QKV_W, PROJ_W, FC1_W, FC2_W)  # memplan/states.py groups run by TE modules
+LINEAR_GROUPS = (QKV_W, PROJ_W, FC1_W, FC2_W)  # memplan/memory/states.py groups run by TE modules
 TE_MODULES = 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2 (one GEMM each)
 # The saved inputs of the four GEMMs (megatron_layer ids): TE keeps their FP8 copy instead.
 FP8_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input")

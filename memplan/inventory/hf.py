@@ -70,7 +70,7 @@ def hf_layer_moments(model: ModelSpec, sdpa: bool,
     down projection's input gradient, and attention inside the sdpa kernel's backward (dQ, dK, dV)
     or, eager, at the softmax backward (s x s gradients; fp32 for Llama, which upcasts the scores).
     `traced` overrides the saved tensors each of the three moments no longer holds (a traced inventory's
-    ids, memplan/traced.py)."""
+    ids, memplan/inventory/traced.py)."""
     dy = transient("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=STEP)
     d_fc2_in = transient("grad_fc2_input", "gradient of the down projection's input", "s b f", src=STEP)
     two_f = transient("grad_activation_products", "gradients of the two factors of the activation product", "2 s b f",

@@ -13,8 +13,8 @@ from memplan.inventory.types import Dtype, Inventory, Moment, Term, transient
 def megatron_inventory(name: str, terms: list[Term], moments: list[Moment], model: ModelSpec, stats: Dtype,
                        moe_cpu: bool) -> Inventory:
     """A Megatron-LM inventory (--impl megatron, megatron-local) from its dense layer's terms and moments: an MoE
-    model's expert layers (memplan/terms_moe.py; `moe_cpu`: the unfused SwiGLU measured on CPU) and the
-    multi-token-prediction modules on the last stage (memplan/terms_mla.py) added, with the batch tensors
+    model's expert layers (memplan/inventory/moe.py; `moe_cpu`: the unfused SwiGLU measured on CPU) and the
+    multi-token-prediction modules on the last stage (memplan/inventory/mla.py) added, with the batch tensors
     Megatron-LM's get_batch holds."""
     if model.is_moe:
         terms = moe_layer_terms(terms, model, unfused=moe_cpu, measured=moe_cpu)

@@ -55,7 +55,7 @@ DERIVED_TE = (f"mcore MLA code: {MCORE} in the Transformer Engine spec (TELayerN
               "cuDNN fused attention, fused MLA RoPE), derived from code, not measured")
 MTP_SRC = ("derived from megatron-core 0.16.1 multi_token_prediction.py (MultiTokenPredictionLayer: enorm, hnorm, "
            "eh_proj, one transformer layer, the shared output head and loss), not measured")
-# the attention terms a latent attention replaces (memplan/terms.py megatron_layer, memplan/terms_mcore.py)
+# the attention terms a latent attention replaces (memplan/inventory/k22.py megatron_layer, memplan/inventory/mcore.py)
 REPLACED = ("qk", "v", "q", "k", "qkv_output", "kv_repeated", "rope_cos_sin", "proj_input", "softmax_lse",
             "rope_freqs")
 
@@ -82,7 +82,7 @@ def _attention(model: ModelSpec, local: bool, cpu: bool, src: str) -> list[Term]
     latents = (("q", "rq"), ("kv", "rkv")) if model.q_lora_rank else (("kv", "rkv"),)
     for which, r in latents:
         norm = f"{which}_layernorm"
-        if cpu:  # torch.nn.RMSNorm on CPU: F.rms_norm's composite path (see memplan/terms_mcore.py)
+        if cpu:  # torch.nn.RMSNorm on CPU: F.rms_norm's composite path (see memplan/inventory/mcore.py)
             out += [saved(f"mla_{which}_fp32_latent", f"{norm}: fp32 copy of the {r}-wide latent", block, f"s b {r}",
                        "fp32", sp=True, k22=False, src=src),
                     saved(f"mla_{which}_norm_stats", f"{norm} rstd", block, "s b", "fp32", sp=True, k22=False, src=src),

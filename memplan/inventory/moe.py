@@ -33,7 +33,7 @@ measured.
 Load imbalance: the routed-token terms are multiplied by `moe_imbalance` (the busiest GPU's share relative to the
 average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped) and by C when
 padded to capacity. Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
-its kind's share of the layers (as memplan/traced.py weighs layer groups), so a stage's total is exact for the
+its kind's share of the layers (as memplan/inventory/traced.py weighs layer groups), so a stage's total is exact for the
 model and its per-layer figure the layers' mean.
 """
 

@@ -100,7 +100,7 @@ def check(model: ModelSpec, impl: str, setting: MstSetting, b: int) -> None:
                            "views the linear layers copy, which memplan does not model yet)")
 
 
-# the f-wide tensors a Llama MLP saves (memplan/terms_hf.py _llama_layer)
+# the f-wide tensors a Llama MLP saves (memplan/inventory/hf.py _llama_layer)
 MLP_WIDE = ("silu_input", "up_out", "silu_out", "fc2_input")
 FIRST, SECOND = "mst_first", "mst_second"  # suffixes of the pieces processed first / second in the backward
 

@@ -65,7 +65,7 @@ class Term:
     only_full: bool = False  # exists only under full recompute (a checkpoint's own copy of the input)
     storages: int = 1  # separate allocations of equal size it is made of (LayerNorm's mean and rstd: 2)
     # an MoE layer's routed tokens after the dispatcher's all-gather over the expert-tensor-parallel group (h wide:
-    # k s b h etp / t on one GPU); the routed experts' other terms are tp_split (/t: memplan/parallel.py)
+    # k s b h etp / t on one GPU); the routed experts' other terms are tp_split (/t: memplan/memory/parallel.py)
     etp_gathered: bool = False
     needs_cp: bool = False  # exists only with context parallelism (cp > 1): its buffers
     only_selective: bool = False  # exists only under selective recompute (the attention checkpoint's own inputs)
@@ -98,7 +98,7 @@ class Term:
         full = self.size(activation_bytes).evaluate(values)
         if self.needs_tp:
             full = full * (values["t"] > 1)
-        # context parallelism: every tensor holds the rank's s/cp tokens (memplan/parallel.py); a term's own cp
+        # context parallelism: every tensor holds the rank's s/cp tokens (memplan/memory/parallel.py); a term's own cp
         # factor (a buffer of all cp chunks) is in its polynomial
         cp = values.get("cp", 1)
         full = full // cp
@@ -142,7 +142,7 @@ class Moment:
     (scope "layer") or around the loss (scope "last"). Its bytes are what the step holds anyway
     (states, saved tensors of the layers not yet back-propagated) plus, for the layer or head in
     question, its saved terms not in `freed`, its `transients` and the gradients of the parameter
-    groups in `grads` (the step timeline, memplan/timeline.py, adds them up)."""
+    groups in `grads` (the step timeline, memplan/memory/timeline.py, adds them up)."""
 
     id: str
     name: str
@@ -165,7 +165,7 @@ def transient(id, name, elements, dtype="act", *, tp=False, sp=False, scope="lay
               needs_cp=needs_cp)
 
 
-# Parameter groups (memplan/states.py) by role.
+# Parameter groups (memplan/memory/states.py) by role.
 QKV_W, PROJ_W = "QKV projection weight", "attention output projection weight"
 
 
@@ -195,7 +195,7 @@ class Inventory:
     # every allocation is rounded up to this many bytes: 512 for PyTorch's CUDA caching allocator
     # (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize), 1 on CPU
     granularity: int = 1
-    origin: str = ""  # a traced inventory's origin (memplan/traced.py); empty for hand-written ones
+    origin: str = ""  # a traced inventory's origin (memplan/inventory/traced.py); empty for hand-written ones
     traced_from: tuple[tuple[str, int], ...] = ()  # (symbol, least value) a trace's sizes hold from: (("b", 2),)
     # how the weight matrices are stored (states.weight_shapes): transformers keeps a gated model's
     # q/k/v_proj and gate/up_proj apart ("separate"; Phi-3's fused qkv_proj is not modelled), Megatron-LM,

@@ -97,7 +97,7 @@ def megatron_launch(config: Config) -> Launch:
     args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
     if par.sp:
         args.append("--sequence-parallel")
-    # context / expert parallelism (memplan/parallel.py): names as Megatron-LM's ModelParallelConfig fields and
+    # context / expert parallelism (memplan/memory/parallel.py): names as Megatron-LM's ModelParallelConfig fields and
     # arguments.py define them (docs/user-guide/parallelism-guide.md)
     if par.cp > 1:
         args += [f"--context-parallel-size {par.cp}", f"--cp-comm-type {par.cp_comm_type}"]
@@ -158,7 +158,7 @@ def _latent_attention(config: Config) -> list[str]:
     """Multi-head latent attention (MLATransformerConfig in megatron/core/transformer/transformer_config.py: its
     qk_head_dim is the part of a head without rotary embedding, d_n; qk_pos_emb_head_dim the rotated part, d_r;
     --q-lora-rank left out: queries projected from h directly; --qk-layernorm: MLA's q / kv latent norms, which
-    memplan/terms_mla.py and states.py count) and multi-token prediction (--mtp-num-layers, Megatron-LM
+    memplan/inventory/mla.py and states.py count) and multi-token prediction (--mtp-num-layers, Megatron-LM
     megatron/training/arguments.py _add_mtp_args)."""
     m = config.model
     mtp = [f"--mtp-num-layers {m.mtp_layers}"] if m.mtp_layers else []
@@ -182,7 +182,7 @@ def _experts(config: Config) -> list[str]:
         args.append(f"--moe-shared-expert-intermediate-size {m.moe_shared_ffn_hidden_size}")
     if m.moe_first_dense_layers:
         args.append(f"--moe-layer-freq '[0]*{m.moe_first_dense_layers}+[1]*{m.moe_layers}'")
-    # the routing memplan's MoE inventory assumed (memplan/terms_moe.py): TransformerConfig's
+    # the routing memplan's MoE inventory assumed (memplan/inventory/moe.py): TransformerConfig's
     # moe_token_dispatcher_type, moe_expert_capacity_factor, moe_pad_expert_input_to_capacity
     args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
     if m.moe_capacity_factor is not None:

@@ -1,7 +1,7 @@
 """The optimizers memplan models: what each keeps per parameter between steps (its states) and what
 its step allocates on top (its temporaries), from the shapes of the parameter tensors.
 
-Sizes are per GPU, before ZeRO sharding (memplan/states.py shards the states, memplan/timeline.py
+Sizes are per GPU, before ZeRO sharding (memplan/memory/states.py shards the states, memplan/memory/timeline.py
 places the temporaries in the step's optimizer event). `s` is the bytes of one optimizer state value
 (`optimizer_state_bytes`: 4 with fp32 master weights, 2 for bf16-true, where torch keeps the states in
 the parameters' dtype), `p` the bytes of a stepped parameter (the master copy's, else the weights'),

@@ -126,7 +126,7 @@ def cp_moments(model: Any, inventory: Any, plan: Any) -> tuple[tuple[Any, ...], 
 IMPLS_TEXT = ("context parallelism (--cp, --cp-comm-type p2p | a2a) and expert parallelism (--ep, --etp) for --impl "
               "megatron: derived from Megatron-LM (parallel_state.py, distributed_data_parallel.py, the MoE alltoall "
               "dispatcher) and Transformer Engine (context_parallel.py AttnFuncWithCPAndKVP2P / QKVOA2A), not "
-              "measured; memplan/parallel.py cites each rule")
+              "measured; memplan/memory/parallel.py cites each rule")
 
 
 def notes(config: Any) -> list[str]:
@@ -136,9 +136,9 @@ def notes(config: Any) -> list[str]:
         out.append(f"context parallelism cp = {par.cp} ({par.cp_comm_type}): each GPU holds s/cp = "
                    f"{config.model.seq_length // par.cp:,} tokens of every sequence; the attention's "
                    f"{'ring' if par.cp_comm_type == 'p2p' else 'all-to-all'} buffers and the d x cp state sharding "
-                   "are derived from Transformer Engine / Megatron-LM code, not measured (memplan/parallel.py)")
+                   "are derived from Transformer Engine / Megatron-LM code, not measured (memplan/memory/parallel.py)")
     if par.ep * par.expert_tp > 1 and config.model.is_moe:
         out.append("expert parallelism: experts split over ep x etp, activations of the routed tokens as the "
                    "alltoall dispatcher keeps them with balanced routing (they do not shrink with ep); derived from "
-                   "Megatron-LM code, not measured (memplan/parallel.py)")
+                   "Megatron-LM code, not measured (memplan/memory/parallel.py)")
     return out

@@ -114,7 +114,7 @@ def stage_memory(
         states = StateBytes(states.weights + weight_extra_bytes(linear, layers, training, granularity),
                             states.gradients, states.optimizer)
     host: Any = 0
-    if offload:  # the offloaded share of the master weights and moments lives in host memory (memplan/offload.py)
+    if offload:  # the offloaded share of the master weights and moments lives in host memory (memplan/memory/offload.py)
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,

@@ -15,7 +15,7 @@ weights, which are then gathered one layer at a time.
 
 Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored
 second moment, 8-bit Adam's blocks, Muon's split between hidden matrices and the rest:
-memplan/optimizers.py): `weight_shapes` lists every parameter tensor of a group by shape, in the
+memplan/memory/optimizers.py): `weight_shapes` lists every parameter tensor of a group by shape, in the
 order the implementation registers them ("fused": Megatron-LM and the reference layer, one QKV and
 one MLP-input matrix, as transformers' GPT-2 Conv1D c_attn / c_fc; "separate": transformers' Llama
 layout, q/k/v_proj and gate/up_proj apart; `Inventory.weight_layout` says which an
@@ -45,7 +45,7 @@ class ParamGroup:
     count: Poly
     tp_split: bool
     scope: Scope
-    expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/parallel.py)
+    expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)

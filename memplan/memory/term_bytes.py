@@ -31,7 +31,7 @@ class PlanValues:
     recompute: Any  # Recompute codes 0 / 1 / 2
     recomputed_layers: Any  # layers per model chunk that the recompute mode applies to
     microbatches: Any  # M, micro-batches per step per data-parallel rank
-    cp: Any = 1  # context-parallel size (memplan/parallel.py)
+    cp: Any = 1  # context-parallel size (memplan/memory/parallel.py)
     ep: Any = 1  # expert-parallel size
     etp: Any = None  # expert tensor-parallel size (None: t)
     cp_comm: str = "p2p"  # context-parallel attention's communication (ParallelSpec.cp_comm_type)
@@ -43,7 +43,7 @@ class PlanValues:
     @property
     def gpus(self) -> Any:
         return self.t * self.p * self.d * self.cp
-    # transformer layers on the first and on the last pipeline stage (memplan/pipeline.py stage_layers; the
+    # transformer layers on the first and on the last pipeline stage (memplan/memory/pipeline.py stage_layers; the
     # middle stages split the rest); None: the even split L/p
     first_layers: Any = None
     last_layers: Any = None
@@ -72,7 +72,7 @@ class PlanValues:
         return model.symbols(b=self.b, t=self.t, cp=self.cp, ep=self.ep, etp=self.expert_tp, **more)
 
     def layers(self, model: ModelSpec, stage: Any) -> Any:
-        """Transformer layers on pipeline stage `stage` (memplan/pipeline.py stage_layers)."""
+        """Transformer layers on pipeline stage `stage` (memplan/memory/pipeline.py stage_layers)."""
         return stage_layers(stage, self.p, model.num_layers, self.first_layers, self.last_layers)
 
     def chunk_layers(self, model: ModelSpec, stage: Any) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ One step on a stage, walked for the micro-batch whose backward comes first in th
 - optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one
   tensor the size of the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in
   torch/optim/adam.py `_multi_tensor_adam`; fused: none; the other optimizers' in
-  memplan/optimizers.py).
+  memplan/memory/optimizers.py).
 
 Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the
 whole step; torch `.grad` tensors (transformers) appear on their first write in the backward and
@@ -100,7 +100,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     last_terms = [t for t in inventory.terms if t.scope == "last"]
     chunk_terms = [t for t in inventory.terms if t.scope == "chunk"]
     rec = plan.recompute
-    n, recomputed = plan.chunk_layers(model, stage)  # this stage's chunks (uneven stages: memplan/pipeline.py)
+    n, recomputed = plan.chunk_layers(model, stage)  # this stage's chunks (uneven stages: memplan/memory/pipeline.py)
     N = recomputed * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
     is_first, is_last = stage == 0, stage == plan.p - 1
 
@@ -123,7 +123,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # Everything saved at the stage's peak (the in-flight chunks), minus this chunk's layers and head.
     retained = stage_mem.activations - stage_mem.recompute_working_bytes
     others = retained - stored_upto(n) - last_cur
-    # Activation offload (memplan/offload.py: torch's save_on_cpu): the decoder layers' saved tensors of the other
+    # Activation offload (memplan/memory/offload.py: torch's save_on_cpu): the decoder layers' saved tensors of the other
     # layers and micro-batches are in host memory. The GPU keeps what is saved outside the layers, the current
     # layer's tensors (in the forward until packed, in its backward once brought back), one copy of the tensors the
     # layers share (chunk terms) and, in a layer's backward, the largest of its weights brought back.
@@ -208,10 +208,10 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
                 + (layers_done - moe_done) * kind["dense"])
         return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
-    # context parallelism's buffers (memplan/parallel.py): inside the attention forward, and added to its backward
+    # context parallelism's buffers (memplan/memory/parallel.py): inside the attention forward, and added to its backward
     cp_forward, cp_backward = cp_moments(model, inventory, plan)
     moments_all = inventory.moments + cp_forward
-    # moments inside a layer's forward: the inventory's (an MoE layer's combine, memplan/terms_moe.py) and cp's
+    # moments inside a layer's forward: the inventory's (an MoE layer's combine, memplan/inventory/moe.py) and cp's
     cp_forward = tuple(m for m in inventory.moments if m.phase == "forward" and m.scope == "layer") + cp_forward
     transients: dict[str, tuple[Any, Any]] = {}
     for m in moments_all:  # each moment's transients, and those of a recomputed layer only
@@ -391,7 +391,7 @@ def _critical_layers(n: Any, N: Any, buffer: bool, dense: Any = 0) -> list[Any]:
 
 def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_mem: StageMemory,
                            plan: PlanValues) -> Any:
-    """What the optimizer step allocates on one GPU (memplan/optimizers.py `temporaries`): torch
+    """What the optimizer step allocates on one GPU (memplan/memory/optimizers.py `temporaries`): torch
     AdamW foreach one temporary per parameter it steps (exp_avg_sq_sqrt), in that parameter's dtype
     (the fp32 master copy when there is one, else the weights' dtype), the ZeRO shard only; fused
     AdamW (Megatron-LM's TE / apex FusedAdam, torch fused) none; the other optimizers their own."""
@@ -407,7 +407,7 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     fraction = training.offload_optimizer_fraction
     if fraction == 0:
         return temp
-    # optimizer offload (memplan/offload.py): the GPU steps 1 - F of its shard (its temporaries shrink with it), and
+    # optimizer offload (memplan/memory/offload.py): the GPU steps 1 - F of its shard (its temporaries shrink with it), and
     # the host's parameters are copied back through a GPU temporary of the host dtype, one tensor at a time
     offloaded = offloaded_params(training, stage_mem.params, state_shard(plan), plan.zero)
     return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)

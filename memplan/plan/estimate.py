@@ -120,7 +120,7 @@ class Estimate:
 
     @property
     def host(self) -> HostBytes:
-        """Host memory of the GPU that offloads the most (memplan/offload.py)."""
+        """Host memory of the GPU that offloads the most (memplan/memory/offload.py)."""
         return max(self.hosts, key=lambda h: h.total) if self.hosts else HostBytes()
 
     @property

@@ -11,7 +11,7 @@ cheap, each checked while the search runs (a failed check evaluates that part of
 by row and column by column); a third decides the fit (memplan/plan/fit.py):
 
 - Full recompute of k = 1 .. n layers per chunk makes most rows. Every moment of the step timeline
-  and the retained bytes are affine in k for 1 <= k <= n - 1 (memplan/timeline.py: the saved
+  and the retained bytes are affine in k for 1 <= k <= n - 1 (memplan/memory/timeline.py: the saved
   layers are min(j, k) recomputed + the rest, at the critical layers n, k, k + 1 and 1; the copies
   in flight k x kept + (n - k) x kept-if-not-recomputed), so the rows of 3 <= k <= n - 1 follow
   from k = 1 and 2 as value(1) + (k - 1) x slope, exactly in integers. Per (t, p), one row of
@@ -65,7 +65,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
              global_batch: int, impl: str = "megatron", margin: Optional[float] = None,
              with_time: bool = True) -> Evaluated:
     """Memory (and step time, when a GPU is known) of every plan, vectorised, with the functions
-    `estimate` uses: the step peak at the timeline's critical moments (memplan/timeline.py; a test
+    `estimate` uses: the step peak at the timeline's critical moments (memplan/memory/timeline.py; a test
     checks them against the walk over every layer) and what the device adds.
 
     Only the first and the last stage can be the most loaded when the layers are split evenly: every
@@ -103,7 +103,7 @@ def candidate_stages(plans: PlanValues) -> tuple[Any, ...]:
 
 def host_per_node(model: ModelSpec, training: TrainingSpec, inventory: Inventory, gpu: Optional[GpuSpec],
                   plans: PlanValues, like: Any) -> np.ndarray:
-    """Host memory a node's GPUs take for their offload (memplan/offload.py), for every plan, shaped as `like`:
+    """Host memory a node's GPUs take for their offload (memplan/memory/offload.py), for every plan, shaped as `like`:
     the GPUs of a node x the most one GPU of the first or the last stage takes (a middle stage takes no more than
     the first: fewer micro-batches in flight, no embedding), as `estimate` gives it."""
     if not offloads(training):

@@ -83,7 +83,7 @@ ROW_FIELDS = ("t", "p", "d", "m", "b", "M", "sp", "rec", "k", "cp", "ep", "etp",
 
 def _splits(L: int, p: int, fixed: Fixed) -> list[tuple[int, int]]:
     """The layer splits searched for p stages, as (first stage's layers, last stage's layers), the middle stages
-    splitting the rest evenly (memplan/pipeline.py stage_layers): the even split when p divides L; with
+    splitting the rest evenly (memplan/memory/pipeline.py stage_layers): the even split when p divides L; with
     `fixed.uneven` also those with one or two layers fewer on the first and / or the last stage (the first holds
     the most micro-batches in flight, the last the LM head: Llama 3, arXiv 2407.21783 section 3.3.2), with p = 2
     the first or the last one or two layers short; the pinned split only, when pinned (Config's rules)."""
@@ -344,8 +344,8 @@ MAX_CP = 32  # the largest cp searched (powers of 2; Llama 3 405B's 128K-token s
 
 def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: bool) -> Iterator[tuple[int, ...]]:
     """(t, cp, ep, etp, p) of every plan whose t p cp divides the GPU count: t dividing a and g (at most max_tp);
-    cp a power of 2 up to MAX_CP with 2 cp | s, flash attention only and s >= CP_MIN_SEQ (memplan/parallel.py);
-    for an MoE model ep dividing E and etp in {1, t} dividing f_e (memplan/parallel.py; ep etp | t cp d is checked
+    cp a power of 2 up to MAX_CP with 2 cp | s, flash attention only and s >= CP_MIN_SEQ (memplan/memory/parallel.py);
+    for an MoE model ep dividing E and etp in {1, t} dividing f_e (memplan/memory/parallel.py; ep etp | t cp d is checked
     with d); p dividing L (any p with uneven splits: _splits). transformers (hf-*): t = p = cp = ep = 1."""
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
     # p dividing L, or any p when uneven splits are searched or pinned (_splits then decides)
@@ -396,7 +396,7 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
 def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fixed:
     """What the training settings pin in a search. FP8 is modelled up to the distributed optimizer
     (memplan/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
-    checkpointed (memplan/mst.py search_pins). Activation offload is modelled without recompute
+    checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
     (TrainingSpec): the search keeps recompute none."""
     if training.fp8 is not None:
         if fixed.zero is not None and fixed.zero > FP8_MAX_ZERO:

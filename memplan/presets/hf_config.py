@@ -16,7 +16,7 @@ from memplan.presets.files import ModelPreset, configs_dir, read_text
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
 # like Llama (RMSNorm, gated MLP, RoPE; Gemma's gate is GeLU-tanh, the same shapes) and their --impl
-# hf-* inventories are traced from transformers' code (memplan trace, memplan/traced.py).
+# hf-* inventories are traced from transformers' code (memplan trace, memplan/inventory/traced.py).
 HF_ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     "LlamaForCausalLM": "llama",
@@ -111,7 +111,7 @@ def _read_deepseek_v3(data: dict) -> dict[str, Any]:
     top num_experts_per_tok, and n_shared_experts shared ones (one MLP n_shared_experts x moe_intermediate_size
     wide, DeepseekV3MoE); multi-head latent attention. Its multi-token-prediction layer
     (num_nextn_predict_layers, ModelSpec.mtp_layers) is not built by transformers: memplan models it for --impl
-    megatron* (memplan/terms_mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
+    megatron* (memplan/inventory/mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
     fe, shared = data.get("moe_intermediate_size", 2048), data.get("n_shared_experts", 1)
     both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
     return dict(num_experts=data.get("n_routed_experts", 256), moe_top_k=data.get("num_experts_per_tok", 8),

@@ -3,8 +3,8 @@ substituted and the source of each term, e.g.
 
     34sbh/t = 34 x 2048 x 1 x 20480 / 8 = 178,257,920 B
 
-The numbers are `estimate`'s own (memplan/estimate.py) and the symbolic text is the inventory's
-Poly (memplan/symbolic.py); this module only lays them out as a list of `Step`s (data: the report
+The numbers are `estimate`'s own (memplan/plan/estimate.py) and the symbolic text is the inventory's
+Poly (memplan/core/symbolic.py); this module only lays them out as a list of `Step`s (data: the report
 renders them).
 """
 
@@ -210,11 +210,11 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     other = int(peak.params) - per_layer * layers - per_dense * dense
     what = "one MoE layer" if c.model.is_moe else "one layer"
     steps = [Step("states", f"parameters of {what} on one GPU", layer_poly.text(), substituted(layer_poly, values),
-                  per_layer, "parameters", "memplan/states.py param_groups (Megatron-LM's layout)")]
+                  per_layer, "parameters", "memplan/memory/states.py param_groups (Megatron-LM's layout)")]
     if dense:
         steps.append(Step("states", "parameters of one dense layer (before the MoE layers) on one GPU",
                           dense_poly.text(), substituted(dense_poly, values), per_dense, "parameters",
-                          "memplan/states.py param_groups"))
+                          "memplan/memory/states.py param_groups"))
     count = f"{c.model.num_layers} / {par.pp}" + (f" - {dense}" if dense else "")
     steps.append(Step("states", f"parameters on one GPU of stage {est.most_loaded}",
                       ("(L/p - k) x per MoE layer + k x per dense layer" if dense else "L/p x per layer")
@@ -235,11 +235,11 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
         optimizer = Step("states", label, "parameters x (master + moments x state bytes)",
                          f"{params:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes})"
                          f" B = {params:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec)
-    else:  # states by tensor shape (memplan/optimizers.py)
+    else:  # states by tensor shape (memplan/memory/optimizers.py)
         states = int(optimizer_bytes(tr, params, peak.tensors)) - params * tr.master_weight_bytes
         optimizer = Step("states", label, "parameters x master bytes + the optimizer's states by tensor shape",
                          f"{params:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
-                         "B", f"memplan/optimizers.py ({tr.optimizer}); {prec}")
+                         "B", f"memplan/memory/optimizers.py ({tr.optimizer}); {prec}")
     steps += [
         Step("states", "weights", "parameters x weight bytes",
              f"{params:,} x {tr.weight_bytes} B{sharded(3)}{gathered}", int(peak.weights), "B", prec),
@@ -257,7 +257,7 @@ def _peak(est: Estimate) -> list[Step]:
     names = ("weights", "optimizer", "gradients", "saved", "transient")
     steps = [
         Step("peak", f"step peak of the tensors, at {where}", " + ".join(names), _plus([e.parts[k] for k in names]),
-             int(step.peak_bytes), "B", "memplan/timeline.py"),
+             int(step.peak_bytes), "B", "memplan/memory/timeline.py"),
         Step("peak", "allocated peak (torch.cuda.max_memory_allocated)", "step peak + cuBLAS workspace",
              _plus([step.peak_bytes, dev.workspace_bytes]), int(dev.allocated_peak), "B"),
         Step("peak", "fragmentation margin", "ceil(margin x allocated peak)",

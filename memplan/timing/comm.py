@@ -44,7 +44,7 @@ def overlapped(comm: Any, window: Any, inv_buckets: Any) -> Any:
 def cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: PlanFloats, A: int, layers: float, attention_s: float,
                   comm: str = "p2p") -> Any:
     """Seconds per sequence on one GPU of a stage's `layers` layers that context and expert parallelism add
-    (memplan/parallel.py), `attention_s` one layer's attention core forward for a whole sequence at t = 1.
+    (memplan/memory/parallel.py), `attention_s` one layer's attention core forward for a whole sequence at t = 1.
 
     - cp, p2p: each ring step sends the rank's K/V chunk ((cp - 1) of them per layer in the forward; K/V and their
       gradients, twice that, in the backward) while the step's attention runs (Transformer Engine overlaps them on

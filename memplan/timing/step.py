@@ -87,9 +87,9 @@ class StepTime:
     zero3_gather_s: Any  # ZeRO-3 weight all-gathers, forward and backward of every micro-batch
     zero3_gather_exposed_s: Any
     optimizer_s: Any  # memory-bound optimizer update of this GPU's shard (the part the GPU steps)
-    host_copy_s: Any  # offload's copies between host and GPU over PCIe (memplan/offload.py), all exposed
+    host_copy_s: Any  # offload's copies between host and GPU over PCIe (memplan/memory/offload.py), all exposed
     cp_ep_comm_exposed_s: Any  # context parallelism's K/V exchange and expert parallelism's token all-to-alls left
-    # exposed (memplan/parallel.py)
+    # exposed (memplan/memory/parallel.py)
     step_time_s: Any
     tokens_per_s: Any
     mfu: Any  # model FLOPs / (step x GPUs x peak)
@@ -154,7 +154,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
     b, M, p, m, d, first = pf.b, pf.M, pf.p, pf.m, pf.d, pf.first
-    # uneven pipeline stages (memplan/pipeline.py stage_layers): `split` marks the plans whose split is uneven (the
+    # uneven pipeline stages (memplan/memory/pipeline.py stage_layers): `split` marks the plans whose split is uneven (the
     # others keep the even split's numbers exactly)
     uneven = plan.first_layers is not None
     split = uneven and (plan.first_layers * plan.p != model.num_layers) | (plan.last_layers * plan.p != model.num_layers)
@@ -167,7 +167,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     layer_compute, head_compute = lf.fwd_compute + lf.bwd_compute, hf.head_compute
     layer_memory, head_memory, emb_memory = lf.fwd_memory + lf.bwd_memory, hf.head_memory, hf.embedding_memory
     if training.loss_chunks > 1:
-        # a chunked loss (memplan/chunked_loss.py) re-runs each chunk's forward in the backward: one more logits
+        # a chunked loss (memplan/inventory/chunked_loss.py) re-runs each chunk's forward in the backward: one more logits
         # GEMM and the forward cross-entropy's bytes, and 4 GEMM kernels per chunk (forward, recompute, input and
         # weight gradients) instead of 3 for the whole head (derived, not measured)
         chunks = training.loss_chunks
@@ -181,14 +181,14 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     compute = evaluate(x, (layers, layer_compute), (1.0, head_compute))
     memory = evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
     tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
-    # Activation offload (memplan/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
+    # Activation offload (memplan/memory/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
     # forward and back in the backward, on the compute stream (exposed): 2 x its bytes per layer and micro-batch.
     host_bw = _host_bandwidth(gpu, training)
     act_copy = 0.0 * b
     if training.offload_activations:
         act_copy = layers * ((2.0 / host_bw) * as_time(layer_copy_bytes(model, training, plan, impl))) / b
     # Context parallelism: each GPU computes 1/cp of every sequence (the causal load balance makes the shares equal),
-    # and exchanges K/V (cp) and routed tokens (ep) on top (memplan/parallel.py).
+    # and exchanges K/V (cp) and routed tokens (ep) on top (memplan/memory/parallel.py).
     inv_cp = 1.0 / pf.cp
     cp_ep = cp_ep_comm_s(model, gpu, pf, A, layers, attention_time_flops(model) / (
         gpu.peak_bf16_flops * attention_matmul_efficiency(gpu, model)), plan.cp_comm)
@@ -247,7 +247,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # the reduction behind the last micro-batch's backward and --overlap-param-gather the
     # all-gather behind the next step's first forward, each but one per-layer bucket (overlapped).
     # With context parallelism the gradients are reduced, and the states sharded, over d x cp ranks (the routed
-    # experts' over their expert-data-parallel group: counted here as the others'; memplan/parallel.py).
+    # experts' over their expert-data-parallel group: counted here as the others'; memplan/memory/parallel.py).
     params = _stage_params(model, plan)
     inv_d, inv_k = 1.0 / (d * pf.cp), 1.0 / (pf.k * pf.cp)
     dp_per_byte = (1.0 - inv_d) * link_per_byte(gpu, td)
@@ -286,7 +286,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     update_bytes = (3 * training.master_weight_bytes + 3 * training.grad_bytes + 2 * moments
                     + training.weight_bytes)
     optimizer = (params * (update_bytes / hbm)) * (1.0 + pf.sharded * (inv_k - 1.0))
-    # Optimizer offload (memplan/offload.py): the GPU updates 1 - F of its shard; the offloaded F's gradients go to
+    # Optimizer offload (memplan/memory/offload.py): the GPU updates 1 - F of its shard; the offloaded F's gradients go to
     # the host and its parameters come back each step (stepped dtype, each way), exposed (Megatron-LM's default,
     # no --overlap-cpu-optimizer-d2h-h2d). The host's own optimizer step is not timed.
     fraction = training.offload_optimizer_fraction
