@@ -33,7 +33,7 @@ _API = {
     "estimate": "memplan.api.estimating",
     "max_seq": "memplan.api.estimating",
     "max_micro_batch": "memplan.api.estimating",
-    "explain": "memplan.api.estimating",
+    "explain": "memplan.api.explaining",
     "EstimateResult": "memplan.api.estimating",
     "search": "memplan.api.searching",
     "SearchResults": "memplan.api.searching",

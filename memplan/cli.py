@@ -384,7 +384,7 @@ def _emit_only(launch: dict[str, Any]) -> None:
 def explain(**opts: Any) -> None:
     """Every number of `estimate` derived step by step: the formulas with the values substituted and the
     source of each term (per-layer activations, pipeline copies, states, the step peak, device memory)."""
-    from memplan.api.estimating import explain as run
+    from memplan.api.explaining import explain as run
     from memplan.report.explain import SECTIONS
     from memplan.report.tables import explain_lines, print_json
 

@@ -1,5 +1,5 @@
-"""One plan: `estimate` (memory per GPU, the step peak, time; with the limits), `max_seq`, `max_micro_batch`
-and `explain`, from the plan options (memplan.api.options.PlanOptions) as keyword arguments."""
+"""One plan: `estimate` (memory per GPU, the step peak, time; with the limits), `max_seq` and `max_micro_batch`,
+from the plan options (memplan.api.options.PlanOptions) as keyword arguments."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from memplan.plan.estimate import estimate as estimate_plan
 from memplan.plan.limits import max_micro_batch as largest_micro_batch
 from memplan.plan.limits import max_seq_len, need_budget
 from memplan.presets import ModelPreset
-from memplan.report.explain import explain as explain_plan
 from memplan.report.tables import estimate_dict
 
 
@@ -94,12 +93,3 @@ def max_micro_batch(model: Optional[str] = None, **options: Any) -> Optional[int
     """The largest micro-batch this plan fits its budget with (`memplan estimate --max-micro-batch`)."""
     return estimate(model, max_micro_batch=True, **options).max_micro_batch
 
-
-def explain(model: Optional[str] = None, **options: Any) -> list[Any]:
-    """`memplan explain`: every number of `estimate` derived step by step (memplan.report.explain's steps; each
-    has .as_dict())."""
-    opts = PlanOptions(model=model, **options)
-    preset, config = opts.config()
-    _, steps = explain_plan(config, budget_bytes=opts.mem, gpu=opts.gpu_spec(preset), impl=opts.impl,
-                            fragmentation_margin=opts.frag_margin)
-    return steps
