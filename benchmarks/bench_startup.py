@@ -2,7 +2,7 @@
 virtual environment (bytecode compiled), each command timed end to end (process start to exit), medians of
 --runs runs, the commands interleaved round by round so that a busy machine slows them alike.
 
-    python benchmarks/bench_startup.py [--runs 15] [--deps link|install]
+    python benchmarks/bench_startup.py [--runs 15] [--deps link|install] [--checkout PATH]
 
 Prints each median and its excess over `python -c pass` (the interpreter's own start), against the targets:
 `memplan --help` 0.08 s, `memplan estimate --model gpt3-530b` 0.15 s, `memplan search --model gpt3-530b --gpus
@@ -33,10 +33,10 @@ COMMANDS = {  # name: (arguments after the venv's bin/, target excess over `pyth
 }
 
 
-def install(venv: Path, deps: str) -> Path:
+def install(venv: Path, deps: str, checkout: Path = ROOT) -> Path:
     """Build a wheel of the checkout, install it into a new venv, compile its bytecode; the venv's bin/."""
     dist, source = venv.parent / "dist", venv.parent / "source"  # built from a copy: the checkout gets no build/
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
+    shutil.copytree(checkout, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                     str(source)], check=True, capture_output=True, cwd=venv.parent)
     wheel = next(dist.glob("memplan-*.whl"))
@@ -64,10 +64,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=15, help="runs of each command (the median is reported)")
     parser.add_argument("--deps", choices=["link", "install"], default="link")
+    parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout to build (default: this one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="memplan-startup-") as tmp:
         work = Path(tmp)
-        bin_dir = install(work / "venv", args.deps)
+        bin_dir = install(work / "venv", args.deps, args.checkout)
         argvs = {name: [str(bin_dir / argv[0]), *argv[1:]] for name, (argv, _) in COMMANDS.items()}
         for argv in argvs.values():  # warm the file cache; check that each command runs
             time_once(argv, work)
