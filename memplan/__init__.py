@@ -2,8 +2,13 @@
 
 The core (specs, inventory, estimate, search) never imports torch; only the
 `validation` package does.
+
+`import memplan` gives the Python API (docs/api.md) and loads nothing else: memplan.estimate, search, max_seq,
+max_micro_batch, explain, models, gpus, load_hf_config and PlanOptions load their module of memplan.api on first
+use (PEP 562).
 """
 
+import importlib as _importlib
 import os as _os
 import sys as _sys
 
@@ -22,3 +27,33 @@ if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("memplan", "memplan.
 
     _os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     _atexit.register(_gc.freeze)
+
+# name -> the memplan.api module that defines it
+_API = {
+    "estimate": "memplan.api.estimating",
+    "max_seq": "memplan.api.estimating",
+    "max_micro_batch": "memplan.api.estimating",
+    "explain": "memplan.api.explaining",
+    "EstimateResult": "memplan.api.estimating",
+    "search": "memplan.api.searching",
+    "SearchResults": "memplan.api.searching",
+    "models": "memplan.api.catalog",
+    "gpus": "memplan.api.catalog",
+    "load_hf_config": "memplan.api.catalog",
+    "PlanOptions": "memplan.api.options",
+    "MemplanError": "memplan.core.errors",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    """The API's names, imported on first use (the `memplan` command imports only what its command needs)."""
+    if name in _API:
+        value = getattr(_importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_API))

@@ -1,0 +1,183 @@
+"""The options every plan call shares (the CLI's plan options, as keyword arguments with its defaults), and what
+they make: the model preset, the checked config, the GPU, the training settings a search keeps, the notes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from memplan.api.values import Size, budget_bytes, mst_pieces, token_count
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import describe_validation_error
+from memplan.core.specs import Config, GpuSpec
+from memplan.inventory.fp8 import check_fp8
+from memplan.presets.batch import batch_note, make_config
+from memplan.presets.catalog import load_gpu, load_model
+from memplan.presets.files import ModelPreset
+from memplan.presets.hf_config import read_hf_config
+
+
+@dataclass
+class PlanOptions:
+    """The plan options of `memplan estimate / search / explain` (--tp -> tp, --seq-len -> seq_len, --mem -> mem,
+    --gpu -> gpu, --host-mem -> host_mem, --offload optimizer -> offload=("optimizer",)); None = the preset's or
+    memplan's default. Sizes take ints in bytes or text ("80GB", "80GiB"); global_batch_tokens an int or "4M"."""
+
+    model: Optional[str] = None
+    hf_config: Optional[str] = None
+    attention: Optional[str] = None
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    vpp: Optional[int] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    sp: Optional[bool] = None
+    cp: Optional[int] = None
+    cp_comm_type: Optional[str] = None
+    ep: Optional[int] = None
+    etp: Optional[int] = None
+    moe_imbalance: Optional[float] = None
+    moe_capacity_factor: Optional[float] = None
+    moe_pad_to_capacity: Optional[bool] = None
+    moe_token_dispatcher: Optional[str] = None
+    recompute: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    micro_batch: Optional[int] = None
+    global_batch: Optional[int] = None
+    global_batch_tokens: Union[int, str, None] = None
+    seq_len: Optional[int] = None
+    gpus: Optional[int] = None
+    zero: Optional[int] = None
+    zero_shard: Optional[int] = None
+    distributed_optimizer: Optional[bool] = None
+    impl: str = "megatron"
+    precision: Optional[str] = None
+    optimizer: Optional[str] = None
+    optimizer_impl: Optional[str] = None
+    loss_chunks: Optional[int] = None
+    fp8: Optional[str] = None
+    fp8_format: Optional[str] = None
+    fp8_amax_history_len: Optional[int] = None
+    fp8_param_gather: Optional[bool] = None
+    mst: Union[int, str, None] = None
+    optimizer_in_backward: Optional[bool] = None
+    offload: tuple[str, ...] = ()
+    offload_fraction: Optional[float] = None
+    host_mem: Size = None
+    frag_margin: Optional[float] = None
+    gpu: Optional[str] = None
+    mem: Size = None
+
+    def __post_init__(self) -> None:
+        self.mem = budget_bytes(self.mem, "mem")
+        self.host_mem = budget_bytes(self.host_mem, "host_mem")
+        self.global_batch_tokens = token_count(self.global_batch_tokens)
+        self.mst = mst_pieces(self.mst)
+        self.offload = (self.offload,) if isinstance(self.offload, str) else tuple(self.offload or ())
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple["PlanOptions", dict[str, Any]]:
+        """The plan options among keyword arguments, and the rest (the call's own)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items()
+                                                                        if k not in names}
+
+    @property
+    def zero_stage(self) -> Optional[int]:
+        """--zero, with --distributed-optimizer as stage 1 (no conflict check: `config` makes it)."""
+        return 1 if self.distributed_optimizer else self.zero
+
+    def cp_ep(self) -> dict[str, Any]:
+        """The context- and expert-parallel options as ParallelSpec fields."""
+        return dict(cp=self.cp, cp_comm_type=self.cp_comm_type, ep=self.ep, etp=self.etp)
+
+    def moe_routing(self) -> dict[str, Any]:
+        """The MoE routing options as ModelSpec fields (memplan/inventory/moe.py)."""
+        return dict(moe_imbalance=self.moe_imbalance, moe_capacity_factor=self.moe_capacity_factor,
+                    moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher)
+
+    def preset(self) -> Optional[ModelPreset]:
+        """The model the options name: model (preset or YAML) or hf_config; None if neither."""
+        if self.model and self.hf_config:
+            raise MemplanError("give --model or --hf-config, not both")
+        if self.hf_config:
+            return read_hf_config(self.hf_config)
+        return load_model(self.model) if self.model else None
+
+    def training_settings(self) -> dict[str, Any]:
+        """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,
+        FP8, MsT, offload."""
+        fraction = self.offload_fraction
+        if fraction is not None and "optimizer" not in self.offload:
+            raise MemplanError("--offload-fraction needs --offload optimizer")
+        if self.fp8 is None and any((self.fp8_format, self.fp8_amax_history_len, self.fp8_param_gather)):
+            raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
+        if self.fp8 is not None:
+            check_fp8(self.fp8, self.impl)
+        return dict(precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
+                    loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
+                    fp8_amax_history_len=self.fp8_amax_history_len, fp8_param_gather=self.fp8_param_gather,
+                    mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
+                    offload_optimizer_fraction=(1.0 if fraction is None else fraction)
+                    if "optimizer" in self.offload else None,
+                    offload_activations=True if "activations" in self.offload else None)
+
+    def config(self) -> tuple[ModelPreset, Config]:
+        """The preset and the checked config of one plan."""
+        preset = self.preset()
+        if preset is None:
+            raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
+                               "or --hf-config config.json")
+        zero = self.zero
+        if self.distributed_optimizer:
+            if zero not in (None, 1):
+                raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
+            zero = 1
+        config = make_config(
+            preset,
+            parallel=dict(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
+                          zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
+                          last_stage_layers=self.last_stage_layers),
+            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=self.recompute,
+                          recompute_num_layers=self.recompute_num_layers, **self.training_settings()),
+            model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
+            gpus=self.gpus,
+            whole_model_per_rank=self.impl.startswith("hf-"),
+            global_batch_tokens=self.global_batch_tokens,
+        )
+        return preset, config
+
+    def gpu_spec(self, preset: Optional[ModelPreset]) -> Optional[GpuSpec]:
+        """The GPU: the gpu option, else the preset's own; None if neither names one."""
+        name = self.gpu or (preset.gpu if preset is not None else None)
+        return load_gpu(name) if name else None
+
+    def search_gpu(self, preset: ModelPreset) -> tuple[GpuSpec, list[str]]:
+        """The GPU a search times a model on: the gpu option, else the preset's own, else the A100 (with a note)."""
+        gpu = self.gpu_spec(preset)
+        if gpu is not None:
+            return gpu, []
+        gpu = load_gpu("a100-80gb")
+        return gpu, [f"{preset.model.name} names no GPU: timed on {gpu.name} (--gpu NAME sets one)"]
+
+    def routed(self, preset: ModelPreset, named: bool) -> ModelPreset:
+        """A preset with the MoE routing options (search: pinned for every plan; a named dense model refuses them,
+        the other presets of an all-presets search ignore them)."""
+        given = {k: v for k, v in self.moe_routing().items() if v is not None}
+        if not given or not (named or preset.model.is_moe):
+            return preset
+        try:
+            return dataclasses.replace(preset, model=ModelSpec(**{**preset.model.model_dump(exclude_unset=True),
+                                                                  **given}))
+        except ValidationError as e:
+            raise MemplanError(describe_validation_error(e)) from None
+
+    def batch_notes(self, preset: ModelPreset, seq_length: int, global_batch: int) -> list[str]:
+        """What the batch is and where it came from, when that is worth saying."""
+        note = batch_note(preset, seq_length, global_batch, self.global_batch, self.global_batch_tokens, self.gpus)
+        return [note] if note else []

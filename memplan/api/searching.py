@@ -1,0 +1,154 @@
+"""Many plans: `search` (every plan for a number of GPUs that fits the budget, fastest first; one model or every
+preset), in two steps the CLI uses apart (`prepare_search` refuses bad input before any work, `.run` searches),
+with the typed result whose `.to_dict()` is `memplan search ... --json`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from memplan.api.options import PlanOptions
+from memplan.api.values import check_emit
+from memplan.core.errors import MemplanError
+from memplan.inventory.assemble import training_inventory
+from memplan.launch.megatron import megatron_launch
+from memplan.memory.optimizers import notes as optimizer_notes
+from memplan.memory.timeline import optimizer_impl
+from memplan.plan.arrange import arrange
+from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
+from memplan.plan.space import Fixed, fixed_from
+from memplan.plan.search import search as search_plans
+from memplan.presets.batch import search_inputs
+from memplan.presets.catalog import load_model, model_names
+from memplan.presets.files import ModelPreset
+from memplan.report.formats import search_dict, skipped_dict
+
+
+@dataclass
+class SearchResults:
+    """What `search` finds: one planner SearchResult per model searched (its .top, .row(i), .config(i)), the
+    presets it could not search (an all-presets search), and the Megatron-LM launch of each model's best plan
+    (emit="megatron")."""
+
+    results: list[SearchResult]
+    skipped: list[Skipped]
+    gpus: int
+    one_model: bool
+    launch: dict[str, Any] = field(default_factory=dict)  # model name -> memplan.launch.megatron launch
+    assumed_gpu: list[str] = field(default_factory=list)  # the models timed on the A100 for want of a GPU
+
+    @property
+    def result(self) -> SearchResult:
+        """The one model's result (a search with model or hf_config)."""
+        return self.results[0]
+
+    def best(self) -> Optional[Any]:
+        """The config of the one model's best plan; None when no plan fits."""
+        r = self.result
+        return r.config(r.top[0]) if r.top else None
+
+    @property
+    def fits(self) -> bool:
+        """Whether any plan of any model fits."""
+        return any(r.top for r in self.results)
+
+    def to_dict(self, launch: bool = True) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        """The document `memplan search ... --json` prints: an object for one model, a list for every preset
+        (launch=False: without the launch arguments, as the Markdown and CSV formats have them)."""
+        dicts = [search_dict(r) for r in self.results] + [skipped_dict(s, self.gpus) for s in self.skipped]
+        for d in dicts:
+            if launch and d["model"] in self.launch:
+                d["launch"] = self.launch[d["model"]].as_dict()
+        return dicts[0] if self.one_model else dicts
+
+
+def _optimizer_notes(result: SearchResult) -> list[str]:
+    """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
+    if result.training.optimizer == "adamw":
+        return []
+    impl = optimizer_impl(result.training, training_inventory(result.model, result.impl, "cuda", result.training))
+    return optimizer_notes(result.training, impl, pinned=True)
+
+
+@dataclass
+class PreparedSearch:
+    """A search whose input is checked and whose presets are read: `run` does the work."""
+
+    opts: PlanOptions
+    fixed: Fixed
+    presets: list[ModelPreset]
+    one_model: bool
+    top: int = 10
+    sort: str = "time"
+    all_variants: bool = False
+    max_tp: Optional[int] = None
+    max_seq: bool = False
+    emit: Optional[str] = None
+
+    def run(self, progress: Optional[Callable[..., None]] = None) -> SearchResults:
+        """Search every preset; `progress(done, total, label=...)` hears how far it is."""
+        opts = self.opts
+        gpu_of = [opts.search_gpu(p) for p in self.presets]
+        requests = [(*search_inputs(p, opts.gpus, opts.global_batch, opts.seq_len, opts.attention,
+                                    opts.training_settings(), opts.global_batch_tokens),
+                     gpu, opts.mem if opts.mem is not None else gpu.memory_bytes)
+                    for p, (gpu, _) in zip(self.presets, gpu_of)]
+        kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
+                  host_budget_bytes=opts.host_mem)
+        skipped: list[Skipped] = []
+        if self.one_model:
+            model, training, gb, gpu, budget = requests[0]
+            report = functools.partial(progress, label=model.name) if progress is not None else None
+            results = [(search_max_seq if self.max_seq else search_plans)(model, training, opts.gpus, gb, budget,
+                                                                          gpu=gpu, progress=report, **kw)]
+        else:
+            results, skipped = search_presets(requests, opts.gpus, max_seq=self.max_seq, progress=progress, **kw)
+        results = [arrange(r, self.sort, not self.all_variants, self.top) for r in results]
+        launch = {}
+        if self.emit == "megatron":
+            launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
+        by_name = {p.model.name: (p, note) for p, (_, note) in zip(self.presets, gpu_of)}
+        for r in results:
+            p, gpu_note = by_name[r.model.name]
+            if opts.seq_len is None and self.one_model:
+                r.notes.extend(p.notes)
+            r.notes.extend(opts.batch_notes(p, r.model.seq_length, r.global_batch) + gpu_note + _optimizer_notes(r))
+        assumed = [p.model.name for p, (_, note) in zip(self.presets, gpu_of) if note]
+        return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
+
+
+def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,
+                   max_tp: Optional[int] = None, uneven_stages: bool = False, max_seq: bool = False,
+                   emit: Optional[str] = None, **options: Any) -> PreparedSearch:
+    """Check a search's input and read its presets (every preset without model / hf_config); see `search`."""
+    opts = PlanOptions(model=model, **options)
+    check_emit(emit, opts.mst, opts.impl)
+    if opts.gpus is None:
+        raise MemplanError("--gpus is required for search")
+    if opts.mst not in (None, 1) and opts.preset() is None:
+        raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
+    fixed = fixed_from(
+        dict(tp=opts.tp, pp=opts.pp, dp=opts.dp, vpp=opts.vpp, sp=opts.sp, zero=opts.zero_stage,
+             zero_shard=opts.zero_shard, **opts.cp_ep(), first_stage_layers=opts.first_stage_layers,
+             last_stage_layers=opts.last_stage_layers, uneven=uneven_stages),
+        dict(micro_batch=opts.micro_batch, recompute=opts.recompute, recompute_num_layers=opts.recompute_num_layers),
+    )
+    one = opts.preset()
+    presets = [one] if one is not None else [load_model(name) for name in model_names()]
+    presets = [opts.routed(p, one is not None) for p in presets]
+    return PreparedSearch(opts, fixed, presets, one is not None, top=top, sort=sort, all_variants=all_variants,
+                          max_tp=max_tp, max_seq=max_seq, emit=emit)
+
+
+def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int = 10, sort: str = "time",
+           all_variants: bool = False, max_tp: Optional[int] = None, uneven_stages: bool = False,
+           max_seq: bool = False, emit: Optional[str] = None, progress: Optional[Callable[..., None]] = None,
+           **options: Any) -> SearchResults:
+    """Every plan for `gpus` GPUs that fits the budget (`memplan search`), fastest first (sort="memory": least
+    device memory first), ZeRO and recompute variants folded (all_variants=True: not); the plan options
+    (memplan.api.options.PlanOptions) pin what they name. Without model / hf_config: every preset, each on its
+    own GPU. max_seq: the longest sequence some plan fits with, and the plans at that length; emit="megatron":
+    the best plan's Megatron-LM launch (SearchResults.launch)."""
+    return prepare_search(model, gpus=gpus, top=top, sort=sort, all_variants=all_variants, max_tp=max_tp,
+                          uneven_stages=uneven_stages, max_seq=max_seq, emit=emit, **options).run(progress)
