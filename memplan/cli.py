@@ -67,7 +67,7 @@ def plan_options(func: Callable) -> Callable:
                           "--decoder-last-pipeline-num-layers)."),
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
         click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
-                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/parallel.py). search: tried "
+                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/memory/parallel.py). search: tried "
                      "from s >= 16384 on."),
         click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
                      help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
@@ -119,12 +119,12 @@ def plan_options(func: Callable) -> Callable:
         click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
-                          "hf-* and torch; derived for megatron, which has no such flag (memplan/chunked_loss.py)."),
+                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py)."),
         click.option("--fp8", "fp8", type=click.Choice(["delayed", "tensorwise", "blockwise", "mxfp8", "custom"]),
                      metavar="RECIPE",
                      help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
                           "tensorwise or blockwise; pinned in search): FP8 linear inputs, weight caches, scaling "
-                          "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/fp8.py)."),
+                          "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/inventory/fp8.py)."),
         click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
                      help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
         click.option("--fp8-amax-history-len", type=click.IntRange(1), metavar="N",
@@ -135,7 +135,7 @@ def plan_options(func: Callable) -> Callable:
                      help="Mini-Sequence Transformer (MsT, arXiv 2407.15892; --impl hf-*, Llama layout, with "
                           "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
-                          "search keeps it for every plan (and b = 1). memplan/mst.py."),
+                          "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
@@ -144,7 +144,7 @@ def plan_options(func: Callable) -> Callable:
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
-                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/offload.py."),
+                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/memory/offload.py."),
         click.option("--offload-fraction", type=click.FloatRange(0, 1, min_open=True), metavar="F",
                      help="With --offload optimizer: the fraction of the optimizer states offloaded (default 1.0; "
                           "Megatron-LM --optimizer-offload-fraction)."),

@@ -1,4 +1,4 @@
-"""FP8 with Transformer Engine as Megatron-LM runs it (memplan/fp8.py): DERIVED from TE's code, not measured, so
+"""FP8 with Transformer Engine as Megatron-LM runs it (memplan/inventory/fp8.py): DERIVED from TE's code, not measured, so
 every expected value here is a hand derivation from TE's saved-tensor list and states, written in the comments."""
 
 import pytest

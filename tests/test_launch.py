@@ -68,7 +68,7 @@ MEGATRON_FLAGS = {
     "--cpu-offloading-num-layers": int,
     "--bf16": None,
     "--fp16": None,
-    # FP8 (memplan/fp8.py launch_args), read on main at d98e8a6 only: TransformerConfig's fp8 (arg_names
+    # FP8 (memplan/inventory/fp8.py launch_args), read on main at d98e8a6 only: TransformerConfig's fp8 (arg_names
     # --fp8-format), fp8_recipe, fp8_amax_history_len (megatron/core/transformer/transformer_config.py), made flags by
     # ArgumentGroupFactory; --fp8-param-gather is arguments.py's own (store_true)
     "--fp8-format": ("e4m3", "hybrid"),

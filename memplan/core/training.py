@@ -117,7 +117,7 @@ class TrainingSpec(Spec):
         "checkpointed, so the full fp32 logits never exist (chunked / fused linear cross-entropy)")
     fp8: Optional[Literal["delayed", "tensorwise", "blockwise"]] = Field(
         default=None, description="FP8 training with Transformer Engine as Megatron-LM launches it (--fp8-recipe): "
-        "the linear layers' GEMMs in FP8, their saved inputs and weight copies in 1-byte FP8 (memplan/fp8.py; "
+        "the linear layers' GEMMs in FP8, their saved inputs and weight copies in 1-byte FP8 (memplan/inventory/fp8.py; "
         "derived from Transformer Engine's code, not measured); None: no FP8")
     fp8_format: Literal["hybrid", "e4m3"] = Field(
         default="hybrid", description="FP8 format (Megatron-LM --fp8-format): hybrid = E4M3 forward, E5M2 gradients")

@@ -69,7 +69,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                   fp8: Optional[str] = None, mst: tuple[int, int] = (1, 1)) -> Inventory:
     """The saved tensors of `model` as implementation `impl` runs it on `device`, with the LM head
     and loss computed in `loss_chunks` sequence chunks (1: the implementation's own loss), with
-    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/fp8.py), and MsT's
+    `fp8` (a recipe), Transformer Engine's FP8 linear layers (memplan/inventory/fp8.py), and MsT's
     mini-sequences `mst` = (MLP pieces, LM-head pieces) (memplan/inventory/mst.py; (1, 1): none)."""
     if impl not in IMPLEMENTATIONS:
         raise MemplanError(f"unknown implementation '{impl}'; known: {', '.join(IMPLEMENTATIONS)}")

@@ -73,7 +73,7 @@ INFO = ("--fp8 delayed|tensorwise|blockwise (--impl megatron): Transformer Engin
         "--fp8-param-gather FP8 weights instead of bf16), delayed scaling's amax history, FP8 GEMMs at the GPU's FP8 "
         "peak. DERIVED from TE's code (transformer_engine/pytorch/module/linear.py _linear_forward_impl, "
         "module/layernorm_linear.py, quantization.py DelayedScalingRecipeState), NOT MEASURED: no GPU with TE here "
-        "(memplan/fp8.py)")
+        "(memplan/inventory/fp8.py)")
 MAX_ZERO = 1  # the distributed optimizer; Megatron-FSDP (ZeRO 2 / 3) keeps other FP8 caches (check_fp8)
 REFUSED = {"mxfp8": "--fp8 mxfp8 (MXFP8BlockScaling) runs on Blackwell GPUs only (compute capability 10.0) and "
                     "memplan has no Blackwell preset: use delayed, tensorwise or blockwise (Hopper)",
@@ -195,7 +195,7 @@ def notes(training: Any) -> list[str]:
     scale = (f"amax history {training.fp8_amax_history_len}" if training.fp8 == "delayed" else "no scaling state")
     return [f"FP8 ({training.fp8}, {training.fp8_format}): the linear layers' saved inputs in FP8 (1 byte), {weights}, "
             f"{scale}; GEMMs at the GPU's FP8 peak (and MFU against it). DERIVED from Transformer Engine's code (module/linear.py, "
-            "module/layernorm_linear.py, quantization.py), not measured (memplan/fp8.py)"]
+            "module/layernorm_linear.py, quantization.py), not measured (memplan/inventory/fp8.py)"]
 
 
 def launch_args(training: Any, zero: int, notes_out: list[str]) -> list[str]:

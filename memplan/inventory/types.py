@@ -42,7 +42,7 @@ FP32_BYTES = 4  # fp32 logits for the cross-entropy (K22 section 4.3: 4sbv)
 INT64_BYTES = 8  # token ids (Megatron-LM theoretical_memory_usage: 8sbp)
 
 
-FP8_BYTES = 1  # Transformer Engine's FP8 copies of the linear layers' inputs (memplan/fp8.py)
+FP8_BYTES = 1  # Transformer Engine's FP8 copies of the linear layers' inputs (memplan/inventory/fp8.py)
 
 
 @dataclass(frozen=True)

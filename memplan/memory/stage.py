@@ -109,7 +109,7 @@ def stage_memory(
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
         experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
         states = expert_states(states, experts, training, plan)
-    if training.fp8 is not None:  # Transformer Engine's FP8 weight caches and scaling state (memplan/fp8.py)
+    if training.fp8 is not None:  # Transformer Engine's FP8 weight caches and scaling state (memplan/inventory/fp8.py)
         linear = {g.name: sizes.group(g) for g in param_groups(model) if g.scope == "layer"}
         states = StateBytes(states.weights + weight_extra_bytes(linear, layers, training, granularity),
                             states.gradients, states.optimizer)

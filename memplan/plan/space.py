@@ -63,7 +63,7 @@ class Fixed:
     micro_batch: Optional[int] = None
     zero: Optional[int] = None
     zero_shard: Optional[int] = None
-    max_zero: int = 3  # the highest ZeRO stage the training settings allow (FP8: 1, memplan/fp8.py)
+    max_zero: int = 3  # the highest ZeRO stage the training settings allow (FP8: 1, memplan/inventory/fp8.py)
     cp: Optional[int] = None
     ep: Optional[int] = None
     etp: Optional[int] = None
@@ -395,7 +395,7 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
 
 def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fixed:
     """What the training settings pin in a search. FP8 is modelled up to the distributed optimizer
-    (memplan/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
+    (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
     checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
     (TrainingSpec): the search keeps recompute none."""
     if training.fp8 is not None:

@@ -84,7 +84,7 @@ class Calibration:
 
 def calibration(model: ModelSpec, gpu: GpuSpec, impl: str = "megatron", fp8: Any = None) -> Calibration:
     """The calibration status of a step time (the GPU preset's `calibration` and `calibrated_impls`; FP8
-    GEMMs were measured on no GPU: memplan/fp8.py)."""
+    GEMMs were measured on no GPU: memplan/inventory/fp8.py)."""
     if fp8 is not None:
         return Calibration(False, None, "uncalibrated: FP8 GEMMs assumed at the bf16 GEMM efficiency of the FP8 peak")
     if not gpu.calibration:

@@ -86,7 +86,7 @@ def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str
                  fp8: bool = False) -> LayerForms:
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
-    # FP8 (memplan/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
+    # FP8 (memplan/inventory/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
     gemm_peak = gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else peak
     matmul = layer_matmul_flops(model) / (gemm_peak * gpu.matmul_efficiency)
     attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))

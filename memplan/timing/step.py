@@ -298,7 +298,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer + opt_copy
     sequences = as_time(global_batch)
-    # MFU against the peak of the GEMMs' precision: the FP8 one with FP8 (memplan/fp8.py), else bf16
+    # MFU against the peak of the GEMMs' precision: the FP8 one with FP8 (memplan/inventory/fp8.py), else bf16
     peak_flops = gpu.peak_fp8_flops if training.fp8 is not None and gpu.peak_fp8_flops else gpu.peak_bf16_flops
     gpus_peak_step = tdp * (peak_flops * step)
     cal = calibration(model, gpu, impl, training.fp8)
