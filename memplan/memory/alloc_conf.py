@@ -188,6 +188,8 @@ def _roundup_divisions(reader: _Reader, key: str) -> tuple[int, ...]:
                 first = False
             buckets[index] = value
             last = index
+        if reader.peek() is None:
+            raise reader.fail(f"{key}'s list is not closed with ']'")
         if reader.peek() != "]":
             reader.expect(",", f"{key} entry {bound}:{value}")
 

@@ -318,6 +318,12 @@ def garbage_collect_cached_blocks(state: Any) -> None:
         candidates = kept
 
 
+def expandable_page_size(large: bool) -> int:
+    """The page an expandable segment maps at a time (its segment_size_, chosen in `find_expandable_block`):
+    2 MiB (kSmallBuffer) for the small pool, 20 MiB (kLargeBuffer) for the large one."""
+    return LARGE_BUFFER_BYTES if large else SMALL_BUFFER_BYTES
+
+
 def find_expandable_block(state: Any, pool: Pool, size: int) -> Block:
     """`find_expandable_block`: the lowest-address unmapped range of the pool's segment (with the free block
     just before it) that has `size` bytes of free or unmapped space; else a new segment reserving address
@@ -331,7 +337,7 @@ def find_expandable_block(state: Any, pool: Pool, size: int) -> Block:
             room, block = room + block.size, block.next
         if room >= size:
             return start
-    page = LARGE_BUFFER_BYTES if pool.large else SMALL_BUFFER_BYTES
+    page = expandable_page_size(pool.large)
     pages = -(-(state.capacity + state.capacity // 8) // page)
     seg = ExpandableSegment(state.new_address(pages * page), page, pages)
     block = Block(seg.base, pages * page, pool, seg, mapped=False)
