@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import itertools
 
+
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.core.errors import MemplanError
@@ -447,3 +448,200 @@ def test_parse_fuzz_raises_only_memplan_error(text):
         assert "\n" not in str(err)
     else:
         assert isinstance(config, AllocatorConfig)
+
+
+# ------------------------------------------------------------------------------------------------ properties
+
+
+class Reference:
+    """A slow, separate model of the default allocator (optionally with max_split_size): each segment a list
+    of [offset, size, live] pieces, best fit by scanning every free piece, written from allocator.md's rules."""
+
+    def __init__(self, capacity, max_split=SIZE_MAX):
+        self.capacity, self.max_split = capacity, max_split
+        self.segments = []  # [creation index, stream, large, pieces]
+        self.created = itertools.count()
+        self.reserved = self.allocated = self.requested = 0
+        self.peaks = [0, 0, 0, 0]  # reserved, allocated, requested, inactive split
+        self.retries = 0
+
+    def inactive_split(self):
+        return sum(p[1] for s in self.segments if len(s[3]) > 1 for p in s[3] if not p[2])
+
+    def note(self):
+        now = (self.reserved, self.allocated, self.requested, self.inactive_split())
+        self.peaks = [max(a, b) for a, b in zip(self.peaks, now)]
+
+    def new_segment(self, nbytes, stream, large):
+        if self.reserved + nbytes > self.capacity:
+            return None
+        segment = [next(self.created), stream, large, [[0, nbytes, False]]]
+        self.segments.append(segment)
+        self.reserved += nbytes
+        return segment, segment[3][0]
+
+    def release(self, segment):
+        self.segments.remove(segment)
+        self.reserved -= segment[3][0][1]
+
+    def release_oversize(self, stream, large, size):
+        if self.max_split == SIZE_MAX:
+            return False
+        target = max(size, self.max_split)
+        free = sorted((p[1], s[0], p[0], s) for s in self.segments if (s[1], s[2]) == (stream, large)
+                      for p in s[3] if not p[2])
+        above = [f for f in free if f[0] >= target]
+        if above:
+            if len(above[0][3][3]) > 1:
+                return False
+            self.release(above[0][3])
+            return True
+        released = 0
+        for nbytes, _, _, segment in reversed(free):
+            if released >= target or nbytes < self.max_split:
+                break
+            if len(segment[3]) == 1:
+                self.release(segment)
+                released += nbytes
+        return released >= target
+
+    def malloc(self, n, stream):
+        size = 512 if n < 512 else -(-n // 512) * 512
+        large = size > MIB
+        segment_bytes = 2 * MIB if not large else 20 * MIB if size < 10 * MIB else -(-size // (2 * MIB)) * 2 * MIB
+        free = sorted((p[1], s[0], p[0], s, p) for s in self.segments if (s[1], s[2]) == (stream, large)
+                      for p in s[3] if not p[2] and p[1] >= size)
+        found = None
+        if free:
+            nbytes = free[0][0]
+            if not (size < self.max_split <= nbytes) and not (size >= self.max_split and nbytes >= size + 20 * MIB):
+                found = free[0][3], free[0][4]
+        if found is None:
+            found = self.new_segment(segment_bytes, stream, large)
+            if found is None and self.release_oversize(stream, large, size):
+                found = self.new_segment(segment_bytes, stream, large)
+            if found is None:
+                for segment in [s for s in self.segments if len(s[3]) == 1 and not s[3][0][2]]:
+                    self.release(segment)
+                self.retries += 1
+                found = self.new_segment(segment_bytes, stream, large)
+            if found is None:
+                return None
+        segment, piece = found
+        rest = piece[1] - size
+        if (not large and rest >= 512) or (large and size < self.max_split and rest > MIB):
+            segment[3].insert(segment[3].index(piece) + 1, [piece[0] + size, rest, False])
+            piece[1] = size
+        piece[2] = True
+        self.allocated += piece[1]
+        self.requested += n
+        self.note()
+        return segment, piece, n
+
+    def free(self, handle):
+        segment, piece, n = handle
+        piece[2] = False
+        self.allocated -= piece[1]
+        self.requested -= n
+        pieces = segment[3]
+        merged = [pieces[0]]
+        for p in pieces[1:]:
+            if not p[2] and not merged[-1][2]:
+                merged[-1][1] += p[1]
+            else:
+                merged.append(p)
+        segment[3] = merged
+        self.note()
+
+
+SIZES = st.one_of(st.integers(1, 4 * KIB), st.integers(1, 2 * MIB), st.integers(1, 48 * MIB),
+                  st.integers(1, 30).map(lambda k: k * MIB), st.integers(1, 30).map(lambda k: k * MIB + 1))
+OPS = st.lists(st.tuples(st.sampled_from("aaaff"), SIZES, st.integers(0, 1), st.integers(0, 10 ** 6)),
+               min_size=1, max_size=60)
+
+
+def _events(ops):
+    live, events, ids = [], [], itertools.count()
+    for op, size, stream, pick in ops:
+        if op == "a":
+            tid = next(ids)
+            live.append(tid)
+            events.append(("alloc", tid, size, stream))
+        elif live:
+            events.append(("free", live.pop(pick % len(live)), 0, 0))
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(8, 200).map(lambda m: m * MIB), st.sampled_from([SIZE_MAX, 20 * MIB, 32 * MIB]))
+def test_replay_equals_the_slow_reference(ops, capacity, max_split):
+    events = _events(ops)
+    result = replay(events, capacity, AllocatorConfig(max_split_size_bytes=max_split))
+    ref, live, replayed = Reference(capacity, max_split), {}, len(events)
+    for index, (op, tid, size, stream) in enumerate(events):
+        if op == "alloc":
+            handle = ref.malloc(size, stream)
+            if handle is None:
+                replayed = index
+                break
+            live[tid] = handle
+        else:
+            ref.free(live.pop(tid))
+    assert (result.reserved_peak_bytes, result.allocated_peak_bytes, result.requested_peak_bytes,
+            result.inactive_split_peak_bytes, result.num_alloc_retries, result.events_replayed, result.fits) == (
+        *ref.peaks, ref.retries, replayed, replayed == len(events))
+
+
+CONFIGS = st.sampled_from(["", "max_split_size_mb:32", "expandable_segments:True", "roundup_power2_divisions:4",
+                           "roundup_power2_divisions:[1:2,4:8,>:4]", "garbage_collection_threshold:0.6",
+                           "expandable_segments:True,max_split_size_mb:20"])
+
+
+def _segments(state, live_blocks):
+    """Every segment's blocks, walked from the blocks the state knows (free, unmapped, live)."""
+    known = list(live_blocks)
+    for pool in state.pools.values():
+        known += list(pool.blocks.values()) + list(pool.unmapped.values())
+    heads = {}
+    for block in known:
+        while block.prev is not None:
+            block = block.prev
+        heads[id(block)] = block
+    out = []
+    for head in heads.values():
+        chain, block = [], head
+        while block is not None:
+            chain.append(block)
+            assert block.next is None or block.next.addr == block.addr + block.size
+            block = block.next
+        out.append(chain)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS, st.integers(8, 200).map(lambda m: m * MIB), CONFIGS, st.sampled_from([None, 0.7, 1.0]))
+def test_invariants_at_every_step(ops, capacity, conf, fraction):
+    state = CachingAllocatorModel(capacity, parse_alloc_conf(conf, memory_fraction=fraction))
+    live = {}
+    for op, tid, size, stream in _events(ops):
+        if op == "alloc":
+            block = state.malloc(size, stream)
+            if block is None:
+                break
+            live[tid] = block
+        else:
+            state.free(live.pop(tid))
+        segments = _segments(state, live.values())
+        mapped = sum(b.size for chain in segments for b in chain if b.mapped)
+        assert state.allocated == sum(b.size for b in live.values()) <= state.reserved == mapped <= capacity
+        assert state.inactive_split == sum(b.size for chain in segments if len(chain) > 1 for b in chain
+                                           if not b.allocated and b.seg is None)
+        assert all(b.allocated == (b in live.values()) for chain in segments for b in chain)
+    for block in live.values():
+        state.free(block)
+    state.empty_cache()
+    assert (state.reserved, state.allocated, state.inactive_split) == (0, 0, 0)
+    # what stays is address space: an expandable segment whose map failed before anything was mapped is never
+    # in the free list, so release_blocks leaves it (as PyTorch does); it holds no memory
+    assert state.segments == sum(1 for pool in state.pools.values() for b in pool.unmapped.values()
+                                 if b.prev is None and b.next is None)
