@@ -159,8 +159,10 @@ def _power_of_two(value: int) -> bool:
 def _roundup_divisions(reader: _Reader, key: str) -> tuple[int, ...]:
     """parseRoundUpPower2Divisions: a single power of two for every bucket, or `[MB:div, ..., >:div]` where MB
     (a power of two) names the bucket starting at MB MiB; the first entry also fills every bucket below it and
-    `>` every bucket above the last one named (PyTorch 2.9+: from last + 1; 2.8's AllocatorConfig filled from
-    the last one itself, overwriting it)."""
+    `>` every bucket above the last one named (PyTorch 2.9+ `AcceleratorAllocatorConfig`: from last + 1; up to 2.8
+    c10/cuda/CUDAAllocatorConfig.cpp filled from the last one itself, overwriting it, and refused 0 divisions in
+    the list). So "[256:1,512:2,1024:4,>:8]" gives 1 division to sizes below 512 MiB, 2 to [512 MiB, 1 GiB),
+    4 to [1, 2) GiB and 8 above: one bucket higher than PyTorch's documentation words it."""
     if reader.peek() != "[":
         value = reader.integer(key)
         if not _power_of_two(value):
