@@ -242,6 +242,7 @@ NAIVE = [  # (rule, naive replacement, the scenario whose outcome it must change
     ("expandable_page_size", lambda large: 2 * MIB, s_expandable_pages),
     ("find_expandable_block", None, s_expandable_pages),
     ("unmap_block", lambda state, block: None, s_expandable_unmap),
+    ("map_block", None, s_expandable_unmap),
     ("try_allocate_expandable_block", None, s_fragmentation_expandable),
 ]
 
@@ -268,7 +269,17 @@ def _cuda_malloc_like(state, pool, size):
 
 
 ORIGINAL = {name: getattr(alloc_rules, name) for name, _, _ in NAIVE}
-REPLACEMENTS = {"find_expandable_block": _new_segment_each_time, "try_allocate_expandable_block": _cuda_malloc_like}
+def _map_ignoring_the_device(state, block, size):
+    """map_block that never runs out of physical pages."""
+    capacity, state.capacity = state.capacity, 1 << 60
+    try:
+        return ORIGINAL["map_block"](state, block, size)
+    finally:
+        state.capacity = capacity
+
+
+REPLACEMENTS = {"find_expandable_block": _new_segment_each_time, "try_allocate_expandable_block": _cuda_malloc_like,
+                "map_block": _map_ignoring_the_device}
 
 
 def _outcome(result):
@@ -286,7 +297,7 @@ def test_a_naive_rule_changes_the_outcome(monkeypatch, rule, naive, scenario):
 def test_every_rule_has_a_mutation():
     rules = {"round_size", "roundup_power2_next_division", "get_pool", "get_allocation_size", "get_free_block",
              "should_split", "try_merge_blocks", "release_cached_blocks", "release_available_cached_blocks",
-             "garbage_collect_cached_blocks", "expandable_page_size", "find_expandable_block", "unmap_block",
+             "garbage_collect_cached_blocks", "expandable_page_size", "find_expandable_block", "unmap_block", "map_block",
              "try_allocate_expandable_block"}
     assert rules == {r for r, _, _ in NAIVE}
 
