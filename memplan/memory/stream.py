@@ -1,0 +1,568 @@
+"""The allocation stream of one GPU of a pipeline stage for the run a training script does: every
+allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and every free, in order,
+for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
+(memplan's verdict at the margin, /work/shared/reference/allocator.md "What a replay needs").
+
+The run: the model built on the GPU (one allocation per parameter tensor, `states.weight_shapes`, in
+registration order); Megatron-LM's (and the reference loop's) fp32 main-gradient buffer; the optimizer
+created (its fp32 master copy; with ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed
+optimizer); then `steps` steps, each the stage's 1F1B schedule of micro-batches (p - stage - 1 warm-up
+forwards, one forward / one backward pairs, the cool-down backwards; memplan/pipeline.py), the optimizer
+step and zero_grad. AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY inside the
+first step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first
+write in the backward and zero_grad frees them; the main-gradient buffer lives all run.
+
+Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream
+picks one per-tensor order that reproduces those counts at every timeline event: autograd's order (a
+layer's saved tensors in forward order, freed in reverse order in its backward, each moment's `freed`
+terms gone before the moment), each moment's transients allocated at the moment and freed after it (the
+moments say which transients coexist), a recomputed layer's tensors re-created when its backward starts,
+each .grad group allocated when a moment first lists it (the rest of a layer's at its end). Between two
+timeline events every free comes before every allocation, so no point of the stream exceeds its two
+neighbouring events: its maximum is the timeline's peak. A traced moment counts the layer's gradients made
+so far in elements: the stream holds them as one tensor replaced as it changes. A group's tensors are sized
+from their shapes and the group's last largest tensor absorbs what the timeline counts beyond them (a
+vocabulary padded to t, experts split over ep); weights or states beyond every group (MTP modules, FP8
+caches) are one allocation each. Every allocation is on stream 0: memplan's inventories hold no tensor
+that an implementation allocates on its communication stream (Megatron-LM's collectives write into
+tensors of the compute stream; its gradient-reduce overlap uses the buffer allocated at start).
+
+Sizes: `Alloc.size` is the bytes requested (one storage of a term: ceil(bytes / storages), before the
+allocator's 512 B rounding); `Alloc.bytes` what the timeline counts for it (a term's storage rounded up
+to Inventory.granularity once, states as requested), so `live_bytes` compares with the timeline.
+`marks` tie the timeline's events (walk of the last step) to stream positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, NamedTuple, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.core.specs import Config, ModelSpec, Recompute, TrainingSpec
+from memplan.core.symbolic import Poly
+from memplan.inventory.assemble import training_inventory
+from memplan.inventory.hf import check_hf_plan
+from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
+from memplan.inventory.types import HF_IMPLS, Inventory, Moment, Term
+from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.stage import StageMemory, stage_memory
+from memplan.memory.parallel import expert_shard, state_shard
+from memplan.memory.states import output_layer_group, param_groups, shard_bytes, weight_shapes
+from memplan.memory.term_bytes import PlanValues, TermBytes
+from memplan.memory.timeline import StepPeak, optimizer_impl, step_events
+
+KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
+STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
+               "sgd-nomomentum": ()}
+_COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
+
+
+class Alloc(NamedTuple):
+    id: int
+    size: int  # bytes requested (before the caching allocator's rounding)
+    stream: int  # 0: the default compute stream
+    kind: str  # one of KINDS
+    name: str
+    poly: Optional[Poly]  # the requested bytes as a polynomial in s and b (None: a state sized by shapes)
+    bytes: int  # as the step timeline counts it (a term's storage rounded to the inventory's granularity)
+
+
+class Free(NamedTuple):
+    id: int
+
+
+@dataclass(frozen=True)
+class AllocationStream:
+    """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
+    of stream events before that event's point) for the last step, and `phases`: (what starts, position)."""
+
+    events: list  # Alloc | Free
+    marks: list[tuple[int, int]]
+    phases: list[tuple[str, int]]
+    step: StepPeak  # the timeline walk of the stage (the steady-state step)
+    stage: int
+
+    def live_bytes(self) -> list[int]:
+        """Bytes alive (as the timeline counts them) after each event."""
+        size: dict[int, int] = {}
+        live, out = 0, []
+        for e in self.events:
+            if type(e) is Alloc:
+                size[e.id] = e.bytes
+                live += e.bytes
+            else:
+                live -= size.pop(e.id)
+            out.append(live)
+        return out
+
+    def at_marks(self) -> list[tuple[int, int]]:
+        """(timeline event index, the stream's live bytes at its point)."""
+        live = [0] + self.live_bytes()
+        return [(i, live[pos]) for i, pos in self.marks]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes(), default=0)
+
+
+def allocation_stream(config: Config, impl: str = "megatron", device: str = "cuda", stage: Optional[int] = None,
+                      steps: int = 2, first_step_seq_len: Optional[int] = None,
+                      workspace_bytes: int = 0) -> AllocationStream:
+    """The allocation stream of `config` run by `impl` (as `estimate` builds its inventory and plan) on one GPU
+    of `stage` (default: the most loaded, as `estimate` picks it). `first_step_seq_len`: step 1 runs at that
+    sequence length (the lazily created states then land among other activations); `workspace_bytes`: the
+    cuBLAS workspace, allocated at the first forward and kept."""
+    if impl in HF_IMPLS:
+        check_hf_plan(config, impl)
+    inventory = training_inventory(config.model, impl, device, config.training)
+    plan = PlanValues.from_config(config)
+    mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
+                         layout=inventory.weight_layout) for i in range(config.parallel.pp)]
+    if stage is None:
+        peaks = [step_events(config.model, inventory, config.training, plan, mems[i], i, critical=True).peak_bytes
+                 for i in range(len(mems))]
+        stage = max(range(len(mems)), key=lambda i: (peaks[i], mems[i].total, -i))
+    return stream_for(config.model, inventory, config.training, plan, stage, mems[stage], steps, first_step_seq_len,
+                      workspace_bytes)
+
+
+def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
+               stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
+               workspace_bytes: int = 0) -> AllocationStream:
+    """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
+    if training.offload_activations or training.offload_optimizer_fraction or training.optimizer_in_backward:
+        raise MemplanError("the allocation stream does not model offload or the optimizer step in the backward")
+    if plan.cp > 1 or plan.m > 1 or plan.zero >= 3:
+        raise MemplanError("the allocation stream models 1F1B without interleaving, cp = 1 and ZeRO 0-2")
+    if steps < 1:
+        raise MemplanError("the allocation stream needs at least one step")
+    if stage_mem is None:
+        stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
+                                 layout=inventory.weight_layout)
+    return _Run(model, inventory, training, plan, stage, stage_mem, workspace_bytes).run(steps, first_step_seq_len)
+
+
+class _Sizes:
+    """Requested and counted bytes of terms for one sequence length."""
+
+    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
+        self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
+        self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
+        self.cache: dict[int, tuple] = {}
+        self.polys: dict[int, tuple] = {}
+
+    def __call__(self, term: Term) -> tuple:
+        """(requested bytes of one storage, counted bytes of one storage, storages, poly of one storage)."""
+        hit = self.cache.get(id(term))
+        if hit is None:
+            n, st = term.bytes(self.values, self.act, self.sp), term.storages
+            counted = self.counted(term) // st
+            hit = self.cache[id(term)] = (term, -(-n // st), counted, st if n > 0 else 0)
+        return hit[1:]
+
+    def poly(self, term: Term) -> Poly:
+        hit = self.polys.get(id(term))
+        if hit is None:
+            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, term.storages)
+            for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
+                poly = poly.assign(sym, self.values[sym])
+            hit = self.polys[id(term)] = (term, poly)
+        return hit[1]
+
+
+def _fit(items: list, target: int) -> list:
+    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last largest absorbs the rest."""
+    if not items:
+        return [["(by count)", target]] if target > 0 else []
+    diff = target - sum(n for _, n in items)
+    if diff:
+        big = max(range(len(items)), key=lambda i: (items[i][1], i))
+        items[big][1] += diff
+    return items
+
+
+def _kind(term: Term, default: str) -> str:
+    name = term.name.lower()
+    return "communication" if any(w in name for w in _COMM_WORDS) else default
+
+
+class _Run:
+    """Builds the stream; one instance per call."""
+
+    def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
+                 mem: StageMemory, workspace: int) -> None:
+        self.model, self.inv, self.tr, self.plan, self.stage, self.mem = model, inv, training, plan, stage, mem
+        self.events: list = []
+        self.marks: list[tuple[int, int]] = []
+        self.nid, self.ev, self.walk, self.workspace = 0, 0, False, workspace
+        self.is_first, self.is_last = stage == 0, stage == plan.p - 1
+        n, recomputed = plan.chunk_layers(model, stage)
+        self.rec = plan.recompute
+        self.n, self.N = int(n), int(recomputed) * (self.rec != Recompute.NONE)
+        self.buffer = inv.grad_lifetime == "buffer"
+        self.M = int(plan.microbatches)
+        self.k = int(chunks_in_flight(stage, plan.p, 1, plan.microbatches))
+        self.dense_here = model.moe_first_dense_layers * self.is_first
+        self.step = step_events(model, inv, training, plan, mem, stage)
+        self.layer_terms = [t for t in inv.terms if t.scope == "layer"]
+        self.first_terms = [t for t in inv.terms if t.scope == "first"] if self.is_first else []
+        self.last_terms = [t for t in inv.terms if t.scope == "last"]
+        self.chunk_terms = [t for t in inv.terms if t.scope == "chunk" and t.kept(self.rec)]
+        self.held = list(inv.held) if self.is_last else []
+        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"]
+        # around the loss in the order they happen (the inventory lists them in any order: the timeline sums each
+        # on its own): the forward, then the backward's moments by the gradients they have made
+        self.loss_moments = sorted(enumerate(m for m in inv.moments if m.scope == "last"),
+                                   key=lambda im: (im[1].phase != "loss", len(im[1].grads)))
+        self.bwd_moments = [m for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
+        self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
+                                 if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
+        self.alive_sets: dict[tuple, tuple] = {}
+        self.is_full = self.rec == Recompute.FULL
+        self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
+        self.have_grads = False  # torch .grad tensors exist (made by an earlier micro-batch of this step)
+        self.grad_ids: dict[tuple, list] = {}
+        self.partial: list = []  # a traced moment's gradients made so far (one tensor)
+        self._params()
+
+    # -- primitives --------------------------------------------------------------------------------------------
+    def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
+        i = self.nid
+        self.nid += 1
+        self.events.append(Alloc(i, size, 0, kind, name, poly, counted))
+        return i
+
+    def _free(self, ids: list) -> None:
+        for i in reversed(ids):
+            self.events.append(Free(i))
+
+    def _term(self, t: Term, kind: str, label: str, sizes: Optional[_Sizes] = None) -> list:
+        sz = sizes or self.sizes
+        req, counted, storages = sz(t)
+        if not storages:
+            return []
+        poly, kind, name = sz.poly(t), _kind(t, kind), f"{t.name} ({label})"
+        return [self._alloc(req, counted, kind, name, poly) for _ in range(storages)]
+
+    def _drop(self, alive: dict, keep: Any) -> None:
+        for i in sorted(alive, reverse=True):
+            if i not in keep:
+                self._free(alive.pop(i))
+
+    def _fill(self, alive: dict, terms: list, target: tuple, label: str) -> None:
+        for i in target:
+            if i not in alive:
+                alive[i] = self._term(terms[i], "saved_activation", label)
+
+    def _mark(self, at: Optional[int] = None) -> None:
+        """A point of the timeline (the next event, or the one `at` events on): recorded in the walked pair."""
+        if self.walk:
+            self.marks.append((self.ev + (at or 0), len(self.events)))
+            self.ev += at is None
+
+    def _transients(self, m: Moment, recomputed: bool, label: str) -> list:
+        return [i for t in m.transients if not t.only_full or (recomputed and self.is_full)
+                for i in self._term(t, "transient", f"{m.name}, {label}")]
+
+    # -- parameters and states ---------------------------------------------------------------------------------
+    def _params(self) -> None:
+        model, tr, plan = self.model, self.tr, self.plan
+        values = plan.symbols(model)
+        count = TermBytes(model, plan, tr.activation_bytes).group
+        groups = {g.name: g for g in param_groups(model)}
+        head = output_layer_group()
+        self.untied_head = (not model.tied_embeddings) or plan.p > 1
+        shapes = weight_shapes(model, self.inv.weight_layout)
+        wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),
+                  "dense_layer": ("layer", "dense"), "last": ("last",)}
+        self.tables: dict[str, list] = {}  # scope -> [group, name, params] in registration order
+        for key, scopes in wanted.items():
+            rows = [[w.group, w.name, int(w.on_gpu(values, key in ("layer", "dense_layer")).numel)]
+                    for w in shapes[key] for _ in range(w.count)]
+            targets = {g.name: int(count(g)) for g in groups.values() if g.scope in scopes}
+            self.tables[key] = self._fit_groups(rows, targets)
+        self.tables["head"] = self._fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
+        self.site_of = {g.name: "last" for g in groups.values() if g.scope == "last"}
+        self.site_of.update({g.name: "first" for g in groups.values() if g.scope == "first"}, **{head.name: "head"})
+        self.sites = (["first"] if self.is_first else []) + [j for j in range(1, self.n + 1)] + (
+            (["last"] + (["head"] if self.untied_head else [])) if self.is_last else [])
+        self.head_names = [g.name for g in groups.values() if g.scope == "last"] + [
+            g for _, m in self.loss_moments for g in m.grads]
+        gb, shard = tr.grad_bytes, state_shard(plan)
+        self.grad_rows: dict[tuple, list] = {}
+        for key, rows in self.tables.items():
+            for name in dict.fromkeys(r[0] for r in rows):
+                g = groups.get(name, head)
+                n = sum(r[2] for r in rows if r[0] == name) * gb
+                kept = shard_bytes(n, expert_shard(plan) if g.expert else shard, plan.zero >= 2)
+                self.grad_rows[key, name] = [r for r in _fit([[r[1], r[2] * gb] for r in rows if r[0] == name], kept)
+                                             if r[1] > 0]
+
+    def _fit_groups(self, rows: list, targets: dict) -> list:
+        for name, target in targets.items():
+            mine = [r for r in rows if r[0] == name]
+            if not mine and target:
+                rows.append(mine := [name, name, 0])
+                mine = [mine]
+            fitted = _fit([[r[1], r[2]] for r in mine], target)
+            for r, (_, n) in zip(mine, fitted):
+                r[2] = n
+        return [r for r in rows if r[2] > 0]
+
+    def _table(self, site: Any) -> str:
+        return site if isinstance(site, str) else ("dense_layer" if site <= self.dense_here else "layer")
+
+    def _tensors(self) -> list:
+        """(site, group, name, params) of every parameter tensor of the GPU, in registration order."""
+        return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self._table(site)]]
+
+    def _build(self) -> None:
+        """The model's parameters, the main-gradient buffer, the optimizer's master copy."""
+        tr, states = self.tr, self.mem.states
+        wb = tr.weight_bytes
+        tensors = self._tensors()
+        for site, _, name, n in tensors:
+            where = f"layer {site}" if isinstance(site, int) else site
+            self._alloc(n * wb, n * wb, "parameter", f"{name} ({where})", None)
+        rest = states.weights - sum(n for *_, n in tensors) * wb
+        if rest > 0:  # MTP modules, FP8 weight caches
+            self._alloc(rest, rest, "parameter", "other parameters and weight caches", None)
+        self.phases.append(("optimizer created", len(self.events)))
+        if self.buffer and states.gradients:
+            self._alloc(states.gradients, states.gradients, "gradient", "main-gradient buffer (fp32)", None)
+        # optimizer states: per tensor (ZeRO 0, states of parameter size), else one flat shard per state
+        names = STATE_NAMES.get(tr.optimizer)
+        total, mb, sb = states.optimizer, tr.master_weight_bytes, tr.optimizer_state_bytes
+        if names is None:
+            parts = [("optimizer states", total)]
+        else:
+            weights = [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names]
+            unit = sum(w for _, w in weights)
+            parts = [(s, total * w // unit) for s, w in weights]
+            if parts:
+                parts[0] = (parts[0][0], total - sum(n for _, n in parts[1:]))
+        self.master: list = []
+        self.lazy: list = []
+        for label, n in parts:
+            if n <= 0:
+                continue
+            if self.plan.zero == 0 and names is not None:
+                w = dict(weights)[label]
+                rows = _fit([[f"{label} of {name}", p * w] for _, _, name, p in tensors], n)
+            else:
+                rows = [[f"{label} (flat shard)" if self.plan.zero else label, n]]
+            (self.master if label.startswith("master") else self.lazy).append(rows)
+        for rows in self.master:  # made with the optimizer; the moments at its first step
+            for name, n in rows:
+                self._alloc(n, n, "optimizer_state", name, None)
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def _ensure(self, site: Any, group: str) -> None:
+        """A group's .grad tensors at `site`, made at their first write."""
+        if (site, group) in self.grad_ids:
+            return
+        rows = self.grad_rows.get((self._table(site), group), [])
+        where = f"layer {site}" if isinstance(site, int) else site
+        self.grad_ids[site, group] = [self._alloc(n, n, "gradient", f"{name}.grad ({where})") for name, n in rows]
+
+    def _ensure_site(self, site: Any) -> None:
+        for group in dict.fromkeys(r[0] for r in self.tables[self._table(site)]):
+            self._ensure(site, group)
+
+    def _new_grad(self, group: str) -> int:
+        """A group's gradient as autograd makes it, in the weights' dtype (one layer's, or the head's)."""
+        site = self.site_of.get(group, self.n)
+        n = sum(r[2] for r in self.tables[self._table(site)] if r[0] == group)
+        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+
+    def _moment_grads(self, m: Moment, site: Any, creating: bool) -> list:
+        """The gradients a moment adds (after the point's frees): the listed groups' .grad where this
+        micro-batch makes them, a traced moment's gradients in elements, the last group's fresh gradient."""
+        fresh = m.fresh and m.grads and (self.inv.grad_hook_transient if self.buffer else not creating)
+        if creating:
+            for g in m.grads:
+                self._ensure(self.site_of.get(g, site), g)
+            if m.grad_elements:
+                n = shard_bytes(m.grad_elements * self.tr.grad_bytes, self.plan.shard, self.plan.zero >= 2)
+                self.partial = [self._alloc(n, n, "gradient", f"layer {site} gradients made so far (traced)")]
+        if fresh and (n := self._new_grad(m.grads[-1])):
+            return [self._alloc(n, n, "gradient", f"{m.grads[-1]} gradient before accumulation")]
+        return []
+
+    # -- one micro-batch ---------------------------------------------------------------------------------------
+    def _alive(self, m: Moment, rc: bool) -> tuple:
+        """Indices of the layer's saved terms alive at moment m (timeline's plain / full / selective sums)."""
+        key = (m.id, rc)
+        if key not in self.alive_sets:
+            out = []
+            for i, t in enumerate(self.layer_terms):
+                plain = t.kept(Recompute.NONE)
+                if t.id in m.freed:
+                    continue
+                if not rc or self.rec == Recompute.NONE:
+                    ok = plain
+                elif self.is_full:
+                    ok = plain or t.kept(Recompute.FULL)
+                else:
+                    ok = t.kept(Recompute.SELECTIVE) or (plain and m.recomputed)
+                if ok:
+                    out.append(i)
+            self.alive_sets[key] = tuple(out)
+        return self.alive_sets[key]
+
+    def _forward(self, mb: int, sizes: _Sizes) -> dict:
+        self.sizes = sizes
+        label = f"micro-batch {mb}"
+        st: dict = {"held": [i for t in self.held for i in self._term(t, "saved_activation", label)],
+                    "first": [i for t in self.first_terms for i in self._term(t, "saved_activation", label)],
+                    "chunk": {}, "layers": {}, "last": {}}
+        if self.workspace and not self.workspace_made:
+            self.workspace_made = True
+            self._alloc(self.workspace, 0, "workspace", "cuBLAS workspace")
+        self._fill(st["chunk"], self.chunk_terms, tuple(range(len(self.chunk_terms))), label)
+        for j in range(1, self.n + 1):
+            rc, layer = j <= self.N, st["layers"].setdefault(j, {})
+            where = f"layer {j}, {label}"
+            for m in self.fwd_moments:
+                target = self._alive(m, rc)
+                self._drop(layer, set(target))
+                self._fill(layer, self.layer_terms, target, where)
+                trans = self._transients(m, rc, where)
+                self._mark()
+                self._free(trans)
+            self._drop(layer, set(self.stored[rc]))
+            self._fill(layer, self.layer_terms, self.stored[rc], where)
+            self._mark()
+        if not self.is_last:
+            self.ev += len(self.loss_moments) * self.walk
+            return st
+        creating = not self.buffer and not self.have_grads
+        for at, m in self.loss_moments:
+            target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
+            self._drop(st["last"], set(target))
+            self._fill(st["last"], self.last_terms, target, label)
+            extra = self._moment_grads(m, "last", creating) + self._transients(m, False, label)
+            self._mark(at)
+            self._free(extra)
+        self.ev += len(self.loss_moments) * self.walk
+        self._drop(st["last"], ())
+        return st
+
+    def _backward(self, st: dict, mb: int) -> None:
+        label = f"micro-batch {mb}"
+        creating = not self.buffer and not self.have_grads
+        owed: list = [n for n in self.head_names] if creating and self.is_last else []
+        waiting: list = []
+        wait_bytes = self._new_grad("word embedding") if self.tied_waits and self.buffer else 0
+        for j in range(self.n, 0, -1):
+            rc, layer = j <= self.N, st["layers"].pop(j)
+            where = f"layer {j}, {label}"
+            for m in self.bwd_moments:
+                if m.layers and j - 1 not in m.layers:
+                    continue
+                if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
+                    continue
+                target = self._alive(m, rc)
+                chunk = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
+                self._drop(layer, set(target))
+                self._drop(st["chunk"], set(chunk))
+                self._free(self.partial)
+                self.partial = []
+                self._pay(owed)
+                if wait_bytes and not waiting:
+                    waiting = [self._alloc(wait_bytes, wait_bytes, "gradient", "tied LM head gradient (waiting)")]
+                self._fill(st["chunk"], self.chunk_terms, chunk, label)
+                self._fill(layer, self.layer_terms, target, where)
+                extra = self._moment_grads(m, j, creating) + self._transients(m, rc, where)
+                self._mark()
+                self._free(extra)
+            self._drop(layer, ())
+            self._free(self.partial)
+            self.partial = []
+            if creating:
+                owed.append(j)
+        # embedding backward: this chunk's tensors gone, every gradient made
+        self._drop(st["chunk"], ())
+        self._free(st["held"])
+        self._pay(owed)
+        if wait_bytes and not waiting:
+            waiting = [self._alloc(wait_bytes, wait_bytes, "gradient", "tied LM head gradient (waiting)")]
+        if creating and self.is_first:
+            self._ensure_site("first")
+        extra = []
+        if self.is_first:
+            extra = self._term(EMBEDDING_OUTPUT_GRAD, "transient", f"embedding backward, {label}")
+            dense = self._new_grad("word embedding")
+            for name, on in (("embedding weight gradient before the hook", self.buffer),
+                             ("tied weights' gradient sum", self.tied_waits),
+                             ("tied LM head gradient (waiting)", self.tied_waits and not self.buffer)):
+                if on and dense:
+                    extra.append(self._alloc(dense, dense, "gradient", f"{name}, {label}"))
+        self._mark()
+        self._free(extra + waiting)
+        self._free(st["first"])
+        self.have_grads = self.have_grads or not self.buffer
+
+    def _pay(self, owed: list) -> None:
+        """The gradients of the layers (and head groups) back-propagated by now."""
+        for x in owed:
+            if isinstance(x, int):
+                self._ensure_site(x)
+            else:
+                self._ensure(self.site_of.get(x, "last"), x)
+        owed.clear()
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def _optimizer(self, first: bool) -> None:
+        if first:  # AdamW's exp_avg / exp_avg_sq: made at the first step, after the backward
+            for rows in self.lazy:
+                for name, n in rows:
+                    self._alloc(n, n, "optimizer_state", name)
+        temp, tr = self.step.optimizer_temp_bytes, self.tr
+        impl = optimizer_impl(tr, self.inv)
+        temps = []
+        if temp > 0:
+            pb = tr.master_weight_bytes or tr.weight_bytes
+            rows = ([[f"optimizer temporary of {name}", n * pb] for _, _, name, n in self._tensors()]
+                    if impl == "foreach" and self.plan.zero == 0 else [["optimizer temporaries", temp]])
+            temps = [self._alloc(n, n, "transient", name) for name, n in _fit(rows, temp) if n > 0]
+        self._mark()
+        self._free(temps)
+        if not self.buffer:  # zero_grad(set_to_none=True)
+            for ids in self.grad_ids.values():
+                self._free(ids)
+            self.grad_ids.clear()
+            self.have_grads = False
+
+    def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
+        self.phases: list[tuple[str, int]] = [("model built", 0)]
+        self.workspace_made = False
+        self.sizes = main = _Sizes(self.model, self.inv, self.tr, self.plan)
+        first = main
+        if first_seq is not None and first_seq != self.model.seq_length:
+            first = _Sizes(self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
+        self._build()
+        k, M = self.k, self.M
+        order = [("F", i) for i in range(k - 1)]
+        for r in range(M - k + 1):
+            order += [("F", k - 1 + r), ("B", r)]
+        order += [("B", r) for r in range(M - k + 1, M)]
+        for step in range(1, steps + 1):
+            self.phases.append((f"step {step}", len(self.events)))
+            sizes = first if step == 1 else main
+            live: dict = {}
+            for what, mb in order:
+                self.walk = step == steps and ((what == "F" and mb == M - 1) or (what == "B" and mb == M - k))
+                if what == "F":
+                    live[mb] = self._forward(mb, sizes)
+                else:
+                    self.sizes = sizes
+                    self._backward(live.pop(mb), mb)
+            self.walk = step == steps
+            self.phases.append((f"optimizer step {step}", len(self.events)))
+            self._optimizer(step == 1)
+            self.ev = 0
+        self.phases.append(("end", len(self.events)))
+        return AllocationStream(self.events, self.marks, self.phases, self.step, self.stage)
