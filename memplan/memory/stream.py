@@ -150,42 +150,33 @@ class _Sizes:
     def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
         self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
         self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
-        self.cache: dict[int, tuple] = {}
-        self.polys: dict[int, tuple] = {}
+        self.cache: dict[tuple, tuple] = {}
 
-    def __call__(self, term: Term) -> tuple:
-        """(requested bytes of one storage, counted bytes of one storage, storages, poly of one storage)."""
-        hit = self.cache.get(id(term))
+    def __call__(self, term: Term, kind: str) -> tuple:
+        """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
+        storage in s and b, kind)."""
+        hit = self.cache.get((id(term), kind))
         if hit is None:
             n, st = term.bytes(self.values, self.act, self.sp), term.storages
-            counted = self.counted(term) // st
-            hit = self.cache[id(term)] = (term, -(-n // st), counted, st if n > 0 else 0)
-        return hit[1:]
-
-    def poly(self, term: Term) -> Poly:
-        hit = self.polys.get(id(term))
-        if hit is None:
-            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, term.storages)
+            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
             for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
                 poly = poly.assign(sym, self.values[sym])
-            hit = self.polys[id(term)] = (term, poly)
-        return hit[1]
+            comm = any(w in term.name.lower() for w in _COMM_WORDS)
+            hit = self.cache[id(term), kind] = (term, -(-n // st), self.counted(term) // st, st * (n > 0), poly,
+                                                "communication" if comm else kind)
+        return hit[1:]
 
 
 def _fit(items: list, target: int) -> list:
-    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last largest absorbs the rest."""
-    if not items:
-        return [["(by count)", target]] if target > 0 else []
-    diff = target - sum(n for _, n in items)
-    if diff:
+    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last ones dropped while the others
+    reach it (a GPU's E/ep experts), then the last largest absorbs the rest (a vocabulary padded to t)."""
+    total = sum(n for _, n in items)
+    while len(items) > 1 and total - items[-1][1] >= target:
+        total -= items.pop()[1]
+    if items and total != target:
         big = max(range(len(items)), key=lambda i: (items[i][1], i))
-        items[big][1] += diff
+        items[big][1] += target - total
     return items
-
-
-def _kind(term: Term, default: str) -> str:
-    name = term.name.lower()
-    return "communication" if any(w in name for w in _COMM_WORDS) else default
 
 
 class _Run:
@@ -238,13 +229,15 @@ class _Run:
         for i in reversed(ids):
             self.events.append(Free(i))
 
-    def _term(self, t: Term, kind: str, label: str, sizes: Optional[_Sizes] = None) -> list:
-        sz = sizes or self.sizes
-        req, counted, storages = sz(t)
+    def _term(self, t: Term, kind: str, label: str) -> list:
+        req, counted, storages, poly, kind = self.sizes(t, kind)
         if not storages:
             return []
-        poly, kind, name = sz.poly(t), _kind(t, kind), f"{t.name} ({label})"
-        return [self._alloc(req, counted, kind, name, poly) for _ in range(storages)]
+        i, name, events = self.nid, f"{t.name} ({label})", self.events
+        self.nid += storages
+        for j in range(i, i + storages):
+            events.append(Alloc(j, req, 0, kind, name, poly, counted))
+        return list(range(i, i + storages))
 
     def _drop(self, alive: dict, keep: Any) -> None:
         for i in sorted(alive, reverse=True):
@@ -302,13 +295,10 @@ class _Run:
 
     def _fit_groups(self, rows: list, targets: dict) -> list:
         for name, target in targets.items():
-            mine = [r for r in rows if r[0] == name]
-            if not mine and target:
-                rows.append(mine := [name, name, 0])
-                mine = [mine]
+            mine = [r for r in rows if r[0] == name] or ([rows.append([name, name, 0]) or rows[-1]] if target else [])
             fitted = _fit([[r[1], r[2]] for r in mine], target)
-            for r, (_, n) in zip(mine, fitted):
-                r[2] = n
+            for k, r in enumerate(mine):
+                r[2] = fitted[k][1] if k < len(fitted) else 0
         return [r for r in rows if r[2] > 0]
 
     def _table(self, site: Any) -> str:
