@@ -3,34 +3,30 @@ allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and
 for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
 (memplan's verdict at the margin, /work/shared/reference/allocator.md "What a replay needs").
 
-The run: the model built on the GPU (one allocation per parameter tensor, `states.weight_shapes`, in
-registration order); Megatron-LM's (and the reference loop's) fp32 main-gradient buffer; the optimizer
-created (its fp32 master copy; with ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed
-optimizer); then `steps` steps, each the stage's 1F1B schedule of micro-batches (p - stage - 1 warm-up
-forwards, one forward / one backward pairs, the cool-down backwards; memplan/pipeline.py), the optimizer
-step and zero_grad. AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY inside the
-first step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first
-write in the backward and zero_grad frees them; the main-gradient buffer lives all run.
+The run: the model built (one allocation per parameter tensor, `states.weight_shapes`, registration order);
+the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
+ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's
+1F1B schedule (p - stage - 1 warm-up forwards, forward / backward pairs, cool-down backwards), the optimizer
+step and zero_grad. AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
+step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first write in
+the backward, zero_grad frees them.
 
-Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream
-picks one per-tensor order that reproduces those counts at every timeline event: autograd's order (a
-layer's saved tensors in forward order, freed in reverse order in its backward, each moment's `freed`
-terms gone before the moment), each moment's transients allocated at the moment and freed after it (the
-moments say which transients coexist), a recomputed layer's tensors re-created when its backward starts,
-each .grad group allocated when a moment first lists it (the rest of a layer's at its end). Between two
-timeline events every free comes before every allocation, so no point of the stream exceeds its two
-neighbouring events: its maximum is the timeline's peak. A traced moment counts the layer's gradients made
-so far in elements: the stream holds them as one tensor replaced as it changes. A group's tensors are sized
-from their shapes and the group's last largest tensor absorbs what the timeline counts beyond them (a
-vocabulary padded to t, experts split over ep); weights or states beyond every group (MTP modules, FP8
-caches) are one allocation each. Every allocation is on stream 0: memplan's inventories hold no tensor
-that an implementation allocates on its communication stream (Megatron-LM's collectives write into
-tensors of the compute stream; its gradient-reduce overlap uses the buffer allocated at start).
+Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks
+the per-tensor order of the real code that reproduces them at every timeline event: autograd's (a layer's
+saved tensors in forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a
+moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
+tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
+layer's at its end; a traced moment's gradients in elements as one tensor). Between two timeline events every
+free precedes every allocation, so no point exceeds both neighbours: the maximum is the timeline's peak. A
+group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
+absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
+allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
+collectives write into compute-stream tensors, its gradient-reduce overlap into the buffer); tensors named for
+a gather / all-to-all / dispatch are of kind "communication".
 
-Sizes: `Alloc.size` is the bytes requested (one storage of a term: ceil(bytes / storages), before the
-allocator's 512 B rounding); `Alloc.bytes` what the timeline counts for it (a term's storage rounded up
-to Inventory.granularity once, states as requested), so `live_bytes` compares with the timeline.
-`marks` tie the timeline's events (walk of the last step) to stream positions.
+Sizes: `Alloc.size` is the bytes requested (a term's storage: ceil(bytes / storages), before the 512 B
+rounding); `Alloc.bytes` what the timeline counts (a term's storage rounded to Inventory.granularity once,
+states as requested). `marks` tie the timeline's events (its walk of the last step) to stream positions.
 """
 
 from __future__ import annotations
@@ -86,14 +82,10 @@ class AllocationStream:
 
     def live_bytes(self) -> list[int]:
         """Bytes alive (as the timeline counts them) after each event."""
-        size: dict[int, int] = {}
+        size = {e.id: e.bytes for e in self.events if type(e) is Alloc}
         live, out = 0, []
         for e in self.events:
-            if type(e) is Alloc:
-                size[e.id] = e.bytes
-                live += e.bytes
-            else:
-                live -= size.pop(e.id)
+            live += size[e.id] if type(e) is Alloc else -size[e.id]
             out.append(live)
         return out
 
@@ -132,12 +124,10 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
                stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
                workspace_bytes: int = 0) -> AllocationStream:
     """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
-    if training.offload_activations or training.offload_optimizer_fraction or training.optimizer_in_backward:
-        raise MemplanError("the allocation stream does not model offload or the optimizer step in the backward")
-    if plan.cp > 1 or plan.m > 1 or plan.zero >= 3:
-        raise MemplanError("the allocation stream models 1F1B without interleaving, cp = 1 and ZeRO 0-2")
-    if steps < 1:
-        raise MemplanError("the allocation stream needs at least one step")
+    if (training.offload_activations or training.offload_optimizer_fraction or training.optimizer_in_backward
+            or plan.cp > 1 or plan.m > 1 or plan.zero >= 3 or steps < 1):
+        raise MemplanError("the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
+                           "no optimizer step in the backward, at least one step")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)
@@ -197,10 +187,9 @@ class _Run:
         self.k = int(chunks_in_flight(stage, plan.p, 1, plan.microbatches))
         self.dense_here = model.moe_first_dense_layers * self.is_first
         self.step = step_events(model, inv, training, plan, mem, stage)
-        self.layer_terms = [t for t in inv.terms if t.scope == "layer"]
-        self.first_terms = [t for t in inv.terms if t.scope == "first"] if self.is_first else []
-        self.last_terms = [t for t in inv.terms if t.scope == "last"]
-        self.chunk_terms = [t for t in inv.terms if t.scope == "chunk" and t.kept(self.rec)]
+        self.layer_terms, self.first_terms, self.last_terms, self.chunk_terms = (
+            [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
+             and (scope != "first" or self.is_first)] for scope in ("layer", "first", "last", "chunk"))
         self.held = list(inv.held) if self.is_last else []
         self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"]
         # around the loss in the order they happen (the inventory lists them in any order: the timeline sums each
@@ -213,30 +202,24 @@ class _Run:
         self.alive_sets: dict[tuple, tuple] = {}
         self.is_full = self.rec == Recompute.FULL
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
-        self.have_grads = False  # torch .grad tensors exist (made by an earlier micro-batch of this step)
-        self.grad_ids: dict[tuple, list] = {}
+        self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self._params()
 
     # -- primitives --------------------------------------------------------------------------------------------
     def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
-        i = self.nid
         self.nid += 1
-        self.events.append(Alloc(i, size, 0, kind, name, poly, counted))
-        return i
+        self.events.append(Alloc(self.nid - 1, size, 0, kind, name, poly, counted))
+        return self.nid - 1
 
     def _free(self, ids: list) -> None:
-        for i in reversed(ids):
-            self.events.append(Free(i))
+        self.events.extend(Free(i) for i in reversed(ids))
 
     def _term(self, t: Term, kind: str, label: str) -> list:
         req, counted, storages, poly, kind = self.sizes(t, kind)
-        if not storages:
-            return []
-        i, name, events = self.nid, f"{t.name} ({label})", self.events
+        i, name = self.nid, f"{t.name} ({label})"
         self.nid += storages
-        for j in range(i, i + storages):
-            events.append(Alloc(j, req, 0, kind, name, poly, counted))
+        self.events.extend(Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages))
         return list(range(i, i + storages))
 
     def _drop(self, alive: dict, keep: Any) -> None:
@@ -254,6 +237,11 @@ class _Run:
         if self.walk:
             self.marks.append((self.ev + (at or 0), len(self.events)))
             self.ev += at is None
+
+    def _point(self, extra: list, at: Optional[int] = None) -> None:
+        """The point, then what exists only at it goes."""
+        self._mark(at)
+        self._free(extra)
 
     def _transients(self, m: Moment, recomputed: bool, label: str) -> list:
         return [i for t in m.transients if not t.only_full or (recomputed and self.is_full)
@@ -310,43 +298,31 @@ class _Run:
 
     def _build(self) -> None:
         """The model's parameters, the main-gradient buffer, the optimizer's master copy."""
-        tr, states = self.tr, self.mem.states
-        wb = tr.weight_bytes
-        tensors = self._tensors()
+        tr, states, wb, tensors = self.tr, self.mem.states, self.tr.weight_bytes, self._tensors()
         for site, _, name, n in tensors:
-            where = f"layer {site}" if isinstance(site, int) else site
-            self._alloc(n * wb, n * wb, "parameter", f"{name} ({where})", None)
-        rest = states.weights - sum(n for *_, n in tensors) * wb
-        if rest > 0:  # MTP modules, FP8 weight caches
-            self._alloc(rest, rest, "parameter", "other parameters and weight caches", None)
+            self._alloc(n * wb, n * wb, "parameter", f"{name} ({'layer ' * isinstance(site, int)}{site})")
+        if (rest := states.weights - sum(n for *_, n in tensors) * wb) > 0:  # MTP modules, FP8 weight caches
+            self._alloc(rest, rest, "parameter", "other parameters and weight caches")
         self.phases.append(("optimizer created", len(self.events)))
         if self.buffer and states.gradients:
             self._alloc(states.gradients, states.gradients, "gradient", "main-gradient buffer (fp32)", None)
         # optimizer states: per tensor (ZeRO 0, states of parameter size), else one flat shard per state
         names = STATE_NAMES.get(tr.optimizer)
         total, mb, sb = states.optimizer, tr.master_weight_bytes, tr.optimizer_state_bytes
-        if names is None:
-            parts = [("optimizer states", total)]
-        else:
-            weights = [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names]
-            unit = sum(w for _, w in weights)
-            parts = [(s, total * w // unit) for s, w in weights]
-            if parts:
-                parts[0] = (parts[0][0], total - sum(n for _, n in parts[1:]))
-        self.master: list = []
-        self.lazy: list = []
+        weights = [("optimizer states", 1)] if names is None else (
+            [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names])
+        parts = [[label, total * w // (sum(w for _, w in weights) or 1)] for label, w in weights]
+        if parts:
+            parts[0][1] += total - sum(n for _, n in parts)
+        self.master, self.lazy = [], []
         for label, n in parts:
             if n <= 0:
                 continue
-            if self.plan.zero == 0 and names is not None:
-                w = dict(weights)[label]
-                rows = _fit([[f"{label} of {name}", p * w] for _, _, name, p in tensors], n)
-            else:
-                rows = [[f"{label} (flat shard)" if self.plan.zero else label, n]]
+            rows = (_fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in tensors], n)
+                    if self.plan.zero == 0 and names is not None else [[label + " (flat shard)" * (self.plan.zero > 0), n]])
             (self.master if label.startswith("master") else self.lazy).append(rows)
-        for rows in self.master:  # made with the optimizer; the moments at its first step
-            for name, n in rows:
-                self._alloc(n, n, "optimizer_state", name, None)
+        for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
+            self._alloc(n, n, "optimizer_state", name)
 
     # -- gradients ---------------------------------------------------------------------------------------------
     def _ensure(self, site: Any, group: str) -> None:
@@ -371,12 +347,11 @@ class _Run:
         """The gradients a moment adds (after the point's frees): the listed groups' .grad where this
         micro-batch makes them, a traced moment's gradients in elements, the last group's fresh gradient."""
         fresh = m.fresh and m.grads and (self.inv.grad_hook_transient if self.buffer else not creating)
-        if creating:
-            for g in m.grads:
-                self._ensure(self.site_of.get(g, site), g)
-            if m.grad_elements:
-                n = shard_bytes(m.grad_elements * self.tr.grad_bytes, self.plan.shard, self.plan.zero >= 2)
-                self.partial = [self._alloc(n, n, "gradient", f"layer {site} gradients made so far (traced)")]
+        for g in m.grads if creating else ():
+            self._ensure(self.site_of.get(g, site), g)
+        if creating and m.grad_elements:
+            n = shard_bytes(m.grad_elements * self.tr.grad_bytes, self.plan.shard, self.plan.zero >= 2)
+            self.partial = [self._alloc(n, n, "gradient", f"layer {site} gradients made so far (traced)")]
         if fresh and (n := self._new_grad(m.grads[-1])):
             return [self._alloc(n, n, "gradient", f"{m.grads[-1]} gradient before accumulation")]
         return []
@@ -384,26 +359,14 @@ class _Run:
     # -- one micro-batch ---------------------------------------------------------------------------------------
     def _alive(self, m: Moment, rc: bool) -> tuple:
         """Indices of the layer's saved terms alive at moment m (timeline's plain / full / selective sums)."""
-        key = (m.id, rc)
-        if key not in self.alive_sets:
-            out = []
-            for i, t in enumerate(self.layer_terms):
-                plain = t.kept(Recompute.NONE)
-                if t.id in m.freed:
-                    continue
-                if not rc or self.rec == Recompute.NONE:
-                    ok = plain
-                elif self.is_full:
-                    ok = plain or t.kept(Recompute.FULL)
-                else:
-                    ok = t.kept(Recompute.SELECTIVE) or (plain and m.recomputed)
-                if ok:
-                    out.append(i)
-            self.alive_sets[key] = tuple(out)
-        return self.alive_sets[key]
+        if (m.id, rc) not in self.alive_sets:
+            kept = [(t.kept(Recompute.NONE), t) for t in self.layer_terms]
+            self.alive_sets[m.id, rc] = tuple(i for i, (plain, t) in enumerate(kept) if t.id not in m.freed and (
+                plain if not rc or self.rec == Recompute.NONE else (plain or t.kept(Recompute.FULL)) if self.is_full
+                else (t.kept(Recompute.SELECTIVE) or (plain and m.recomputed))))
+        return self.alive_sets[m.id, rc]
 
-    def _forward(self, mb: int, sizes: _Sizes) -> dict:
-        self.sizes = sizes
+    def _forward(self, mb: int) -> dict:
         label = f"micro-batch {mb}"
         st: dict = {"held": [i for t in self.held for i in self._term(t, "saved_activation", label)],
                     "first": [i for t in self.first_terms for i in self._term(t, "saved_activation", label)],
@@ -419,9 +382,7 @@ class _Run:
                 target = self._alive(m, rc)
                 self._drop(layer, set(target))
                 self._fill(layer, self.layer_terms, target, where)
-                trans = self._transients(m, rc, where)
-                self._mark()
-                self._free(trans)
+                self._point(self._transients(m, rc, where))
             self._drop(layer, set(self.stored[rc]))
             self._fill(layer, self.layer_terms, self.stored[rc], where)
             self._mark()
@@ -433,9 +394,7 @@ class _Run:
             target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
             self._drop(st["last"], set(target))
             self._fill(st["last"], self.last_terms, target, label)
-            extra = self._moment_grads(m, "last", creating) + self._transients(m, False, label)
-            self._mark(at)
-            self._free(extra)
+            self._point(self._moment_grads(m, "last", creating) + self._transients(m, False, label), at)
         self.ev += len(self.loss_moments) * self.walk
         self._drop(st["last"], ())
         return st
@@ -443,9 +402,9 @@ class _Run:
     def _backward(self, st: dict, mb: int) -> None:
         label = f"micro-batch {mb}"
         creating = not self.buffer and not self.have_grads
-        owed: list = [n for n in self.head_names] if creating and self.is_last else []
-        waiting: list = []
-        wait_bytes = self._new_grad("word embedding") if self.tied_waits and self.buffer else 0
+        owed: list = list(self.head_names) if creating and self.is_last else []
+        # a tied LM head's gradient waits in autograd's input buffer for the embedding's (with a main-grad buffer)
+        self.waiting, wait = [], self._new_grad("word embedding") if self.tied_waits and self.buffer else 0
         for j in range(self.n, 0, -1):
             rc, layer = j <= self.N, st["layers"].pop(j)
             where = f"layer {j}, {label}"
@@ -458,27 +417,16 @@ class _Run:
                 chunk = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
                 self._drop(layer, set(target))
                 self._drop(st["chunk"], set(chunk))
-                self._free(self.partial)
-                self.partial = []
-                self._pay(owed)
-                if wait_bytes and not waiting:
-                    waiting = [self._alloc(wait_bytes, wait_bytes, "gradient", "tied LM head gradient (waiting)")]
+                self._pay(owed, wait)
                 self._fill(st["chunk"], self.chunk_terms, chunk, label)
                 self._fill(layer, self.layer_terms, target, where)
-                extra = self._moment_grads(m, j, creating) + self._transients(m, rc, where)
-                self._mark()
-                self._free(extra)
+                self._point(self._moment_grads(m, j, creating) + self._transients(m, rc, where))
             self._drop(layer, ())
-            self._free(self.partial)
-            self.partial = []
-            if creating:
-                owed.append(j)
+            owed += [j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
         self._free(st["held"])
-        self._pay(owed)
-        if wait_bytes and not waiting:
-            waiting = [self._alloc(wait_bytes, wait_bytes, "gradient", "tied LM head gradient (waiting)")]
+        self._pay(owed, wait)
         if creating and self.is_first:
             self._ensure_site("first")
         extra = []
@@ -490,13 +438,17 @@ class _Run:
                              ("tied LM head gradient (waiting)", self.tied_waits and not self.buffer)):
                 if on and dense:
                     extra.append(self._alloc(dense, dense, "gradient", f"{name}, {label}"))
-        self._mark()
-        self._free(extra + waiting)
+        self._point(extra + self.waiting)
         self._free(st["first"])
         self.have_grads = self.have_grads or not self.buffer
 
-    def _pay(self, owed: list) -> None:
-        """The gradients of the layers (and head groups) back-propagated by now."""
+    def _pay(self, owed: list, wait: int) -> None:
+        """At a point of the backward, after its frees of saved terms: a traced moment's partial gradients go, the
+        .grad of the layers (and head groups) back-propagated by now come, the waiting tied gradient once."""
+        self._free(self.partial)
+        self.partial = []
+        if wait and not self.waiting:
+            self.waiting = [self._alloc(wait, wait, "gradient", "tied LM head gradient (waiting)")]
         for x in owed:
             if isinstance(x, int):
                 self._ensure_site(x)
@@ -506,49 +458,37 @@ class _Run:
 
     # -- the run -----------------------------------------------------------------------------------------------
     def _optimizer(self, first: bool) -> None:
-        if first:  # AdamW's exp_avg / exp_avg_sq: made at the first step, after the backward
-            for rows in self.lazy:
-                for name, n in rows:
-                    self._alloc(n, n, "optimizer_state", name)
-        temp, tr = self.step.optimizer_temp_bytes, self.tr
-        impl = optimizer_impl(tr, self.inv)
-        temps = []
-        if temp > 0:
-            pb = tr.master_weight_bytes or tr.weight_bytes
-            rows = ([[f"optimizer temporary of {name}", n * pb] for _, _, name, n in self._tensors()]
-                    if impl == "foreach" and self.plan.zero == 0 else [["optimizer temporaries", temp]])
-            temps = [self._alloc(n, n, "transient", name) for name, n in _fit(rows, temp) if n > 0]
-        self._mark()
-        self._free(temps)
+        for name, n in (r for rows in self.lazy for r in rows if first):  # AdamW's moments: in the first step
+            self._alloc(n, n, "optimizer_state", name)
+        temp, pb = self.step.optimizer_temp_bytes, self.tr.master_weight_bytes or self.tr.weight_bytes
+        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self._tensors()]  # torch foreach
+                if optimizer_impl(self.tr, self.inv) == "foreach" and self.plan.zero == 0 else [["temporaries", temp]])
+        temps = [self._alloc(n, n, "transient", name) for name, n in _fit(rows, temp) if n > 0]
+        self._point(temps)
         if not self.buffer:  # zero_grad(set_to_none=True)
-            for ids in self.grad_ids.values():
-                self._free(ids)
-            self.grad_ids.clear()
-            self.have_grads = False
+            self._free([i for ids in self.grad_ids.values() for i in ids])
+            self.grad_ids, self.have_grads = {}, False
 
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspace_made = False
         self.sizes = main = _Sizes(self.model, self.inv, self.tr, self.plan)
-        first = main
-        if first_seq is not None and first_seq != self.model.seq_length:
-            first = _Sizes(self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
+        first = main if first_seq in (None, self.model.seq_length) else _Sizes(
+            self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
-        k, M = self.k, self.M
-        order = [("F", i) for i in range(k - 1)]
-        for r in range(M - k + 1):
-            order += [("F", k - 1 + r), ("B", r)]
-        order += [("B", r) for r in range(M - k + 1, M)]
+        k, M = self.k, self.M  # 1F1B: warm-up forwards, (forward, backward) pairs, cool-down backwards
+        order = ([("F", i) for i in range(k - 1)] + [x for r in range(M - k + 1) for x in (("F", k - 1 + r), ("B", r))]
+                 + [("B", r) for r in range(M - k + 1, M)])
         for step in range(1, steps + 1):
             self.phases.append((f"step {step}", len(self.events)))
             sizes = first if step == 1 else main
             live: dict = {}
             for what, mb in order:
                 self.walk = step == steps and ((what == "F" and mb == M - 1) or (what == "B" and mb == M - k))
+                self.sizes = sizes
                 if what == "F":
-                    live[mb] = self._forward(mb, sizes)
+                    live[mb] = self._forward(mb)
                 else:
-                    self.sizes = sizes
                     self._backward(live.pop(mb), mb)
             self.walk = step == steps
             self.phases.append((f"optimizer step {step}", len(self.events)))
