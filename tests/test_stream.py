@@ -35,7 +35,8 @@ CASES = [
       for impl in ("hf-sdpa", "hf-eager") for rec in ("none", "full") for M, d, z, opt in
       ((1, 1, 0, "foreach"), (3, 1, 0, "fused"), (2, 2, 1, "foreach"))],
     ("qwen2.5-7b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1), None, (0,)),
-    ("qwen2.5-7b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=2, recompute="full"), None, (0,)),
+    ("qwen2.5-7b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=2, recompute="full"), None,
+     (0,)),
     ("mixtral-8x22b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, recompute="full"), None,
      (0,)),
     ("mixtral-8x22b", "megatron", dict(tp=2, pp=2, dp=2, ep=2, sp=True, zero=1),
