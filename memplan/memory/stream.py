@@ -315,11 +315,10 @@ class _Run:
         if parts:
             parts[0][1] += total - sum(n for _, n in parts)
         self.master, self.lazy = [], []
-        for label, n in parts:
-            if n <= 0:
-                continue
+        flat = " (flat shard)" * (self.plan.zero > 0)
+        for label, n in (part for part in parts if part[1] > 0):
             rows = (_fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in tensors], n)
-                    if self.plan.zero == 0 and names is not None else [[label + " (flat shard)" * (self.plan.zero > 0), n]])
+                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
             (self.master if label.startswith("master") else self.lazy).append(rows)
         for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
             self._alloc(n, n, "optimizer_state", name)
