@@ -3,6 +3,8 @@ step, the stream's live bytes equal the timeline's; its maximum over the whole r
 step peak; it is well formed; a 1-layer model's stream derived by hand; the history option."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.core.errors import MemplanError
 from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
@@ -45,6 +47,14 @@ CASES = [
      dict(num_layers=2, seq_length=1024), (0,)),
     ("deepseek-v3", "megatron", dict(tp=2, pp=2, dp=4, ep=4, sp=True, zero=1),
      dict(micro_batch=1, global_batch=8, recompute="full"), dict(num_layers=4, moe_first_dense_layers=1), (0, 1)),
+    ("deepseek-v3", "megatron", dict(tp=2, pp=2, dp=4, ep=4, sp=True, zero=1), dict(micro_batch=1, global_batch=8),
+     dict(num_layers=4, moe_first_dense_layers=1, mtp_layers=1), (1,)),  # MTP modules: one allocation
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, sp=True, first_stage_layers=1, last_stage_layers=3),
+     dict(micro_batch=1, global_batch=8), dict(num_layers=8), (0, 1, 3)),  # uneven stages
+    ("llama3-8b", "megatron", dict(tp=2, pp=1, dp=1, sp=True), dict(micro_batch=1, global_batch=2, fp8="delayed",
+                                                                  loss_chunks=4), dict(num_layers=2), (0,)),
+    ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, loss_chunks=4,
+                                                        optimizer="muon"), dict(num_layers=2), (0,)),
 ]
 
 
@@ -155,3 +165,46 @@ def test_workspace_and_refusals():
     assert len(ws) == 1 and ws[0].size == 1 << 20 and ws[0].bytes == 0
     with pytest.raises(MemplanError):
         allocation_stream(tiny(offload_activations=True), device="cpu")
+
+
+@st.composite
+def plans(draw):
+    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-2)."""
+    impl = draw(st.sampled_from(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]))
+    hf = impl.startswith("hf-")
+    llama = impl != "torch" and draw(st.booleans())
+    a = draw(st.sampled_from([4, 8]))
+    h = a * draw(st.sampled_from([16, 32]))
+    L = draw(st.sampled_from([2, 4, 6]))
+    t = 1 if hf else draw(st.sampled_from([t for t in (1, 2, 4) if not llama or (a // 2) % t == 0]))
+    p = 1 if hf else draw(st.sampled_from([d for d in (1, 2) if L % d == 0]))
+    arch = dict(norm="rmsnorm", mlp="swiglu", position_embedding="rope", tied_embeddings=False, bias=False,
+                num_kv_heads=a // 2, ffn_hidden_size=3 * h) if llama else {}
+    attention = "flash" if impl == "hf-sdpa" else ("eager" if impl in ("torch", "hf-eager") else
+                                                   draw(st.sampled_from(["eager", "flash"])))
+    model = ModelSpec(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=64 * draw(st.integers(1, 8)),
+                      vocab_size=draw(st.sampled_from([256, 1000])), attention=attention,
+                      dropout=False if hf and attention == "flash" else draw(st.booleans()), **arch)
+    recompute = draw(st.sampled_from(["none", "full"] + ([] if hf else ["selective"])))
+    k = draw(st.integers(1, L // p)) if recompute == "full" else None
+    b, d, M = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.integers(1, 4))
+    training = TrainingSpec(micro_batch=b, global_batch=b * d * M, recompute=recompute, recompute_num_layers=k,
+                            precision=draw(st.sampled_from(["bf16-mixed", "bf16-true", "32-true"])),
+                            optimizer_impl=draw(st.sampled_from(["foreach", "fused"])))
+    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 2)) if d > 1 else 0)
+    return Config(model=model, parallel=par, training=training), impl, draw(st.sampled_from(["cuda", "cpu"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_random_plans_equal_the_timeline(case):
+    config, impl, device = case
+    inventory = training_inventory(config.model, impl, device, config.training)
+    for stage in range(config.parallel.pp):
+        walk = step_peaks(config, inventory, walk=stage)[0]
+        stream = allocation_stream(config, impl=impl, device=device, stage=stage)
+        at = dict(stream.at_marks())
+        assert [(i, at.get(i)) for i, e in enumerate(walk.events) if e.bytes] == [
+            (i, e.bytes) for i, e in enumerate(walk.events) if e.bytes]
+        assert stream.peak_bytes == walk.peak_bytes
+        well_formed(stream)

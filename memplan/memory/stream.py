@@ -426,8 +426,8 @@ class _Run:
         self._drop(st["chunk"], ())
         self._free(st["held"])
         self._pay(owed, wait)
-        if creating and self.is_first:
-            self._ensure_site("first")
+        for site in self.sites if creating else ():  # the embedding's, and any no moment named (the timeline's)
+            self._ensure_site(site)
         extra = []
         if self.is_first:
             extra = self._term(EMBEDDING_OUTPUT_GRAD, "transient", f"embedding backward, {label}")
