@@ -1,5 +1,5 @@
 """Speed of the allocation stream (memplan/memory/stream.py): llama3-8b (32 layers), p = 1, Megatron-LM and
-transformers (hf-sdpa), the run of 2 steps; prints the events and the build time (best of 5)."""
+transformers (hf-sdpa), the run of 2 steps; prints the events and the build time (best of 10)."""
 
 import time
 
@@ -14,7 +14,7 @@ def main() -> None:
                              whole_model_per_rank=impl.startswith("hf-"))
         allocation_stream(config, impl=impl)  # warm: the inventory and its caches
         best = float("inf")
-        for _ in range(5):
+        for _ in range(10):
             start = time.perf_counter()
             stream = allocation_stream(config, impl=impl, steps=2)
             best = min(best, time.perf_counter() - start)

@@ -213,13 +213,13 @@ class _Run:
         return self.nid - 1
 
     def _free(self, ids: list) -> None:
-        self.events.extend(Free(i) for i in reversed(ids))
+        self.events += [Free(i) for i in reversed(ids)]
 
     def _term(self, t: Term, kind: str, label: str) -> list:
         req, counted, storages, poly, kind = self.sizes(t, kind)
         i, name = self.nid, f"{t.name} ({label})"
         self.nid += storages
-        self.events.extend(Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages))
+        self.events += [Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages)]
         return list(range(i, i + storages))
 
     def _drop(self, alive: dict, keep: Any) -> None:
