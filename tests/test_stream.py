@@ -7,11 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, ModelSpec, ParallelSpec, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.stream import KINDS, Alloc, Free, allocation_stream
 from memplan.plan.estimate import estimate, step_peaks
-from memplan.presets import load_model, make_config
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
 
 GPT = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=512)
 L4 = dict(num_layers=4)

@@ -36,7 +36,9 @@ from fractions import Fraction
 from typing import Any, NamedTuple, Optional
 
 from memplan.core.errors import MemplanError
-from memplan.core.specs import Config, ModelSpec, Recompute, TrainingSpec
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.hf import check_hf_plan
