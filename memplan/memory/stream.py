@@ -37,13 +37,10 @@ from typing import Any, NamedTuple, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.core.specs import Config
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
-from memplan.inventory.assemble import training_inventory
-from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
-from memplan.inventory.types import HF_IMPLS, Inventory, Moment, Term
+from memplan.inventory.types import Inventory, Moment, Term
 from memplan.memory.pipeline import chunks_in_flight
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.parallel import expert_shard, state_shard
@@ -101,35 +98,24 @@ class AllocationStream:
         return max(self.live_bytes(), default=0)
 
 
-def allocation_stream(config: Config, impl: str = "megatron", device: str = "cuda", stage: Optional[int] = None,
-                      steps: int = 2, first_step_seq_len: Optional[int] = None,
-                      workspace_bytes: int = 0) -> AllocationStream:
-    """The allocation stream of `config` run by `impl` (as `estimate` builds its inventory and plan) on one GPU
-    of `stage` (default: the most loaded, as `estimate` picks it). `first_step_seq_len`: step 1 runs at that
-    sequence length (the lazily created states then land among other activations); `workspace_bytes`: the
-    cuBLAS workspace, allocated at the first forward and kept."""
-    if impl in HF_IMPLS:
-        check_hf_plan(config, impl)
-    inventory = training_inventory(config.model, impl, device, config.training)
-    plan = PlanValues.from_config(config)
-    mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
-                         layout=inventory.weight_layout) for i in range(config.parallel.pp)]
-    if stage is None:
-        peaks = [step_events(config.model, inventory, config.training, plan, mems[i], i, critical=True).peak_bytes
-                 for i in range(len(mems))]
-        stage = max(range(len(mems)), key=lambda i: (peaks[i], mems[i].total, -i))
-    return stream_for(config.model, inventory, config.training, plan, stage, mems[stage], steps, first_step_seq_len,
-                      workspace_bytes)
+def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
+    """What of the plan the stream does not model ("" when it models all of it)."""
+    why = [what for what, on in (("activation offload", training.offload_activations),
+                                 ("optimizer offload", training.offload_optimizer_fraction),
+                                 ("the optimizer step in the backward", training.optimizer_in_backward),
+                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1),
+                                 ("ZeRO-3", plan.zero >= 3)) if on]
+    return ", ".join(why)
 
 
 def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
                stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
                workspace_bytes: int = 0) -> AllocationStream:
     """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
-    if (training.offload_activations or training.offload_optimizer_fraction or training.optimizer_in_backward
-            or plan.cp > 1 or plan.m > 1 or plan.zero >= 3 or steps < 1):
-        raise MemplanError("the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
-                           "no optimizer step in the backward, at least one step")
+    why = not_streamed(training, plan)
+    if why or steps < 1:
+        raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
+                           f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)
