@@ -3,7 +3,7 @@ transformers (hf-sdpa), the run of 2 steps; prints the events and the build time
 
 import time
 
-from memplan.memory.stream import allocation_stream
+from memplan.memory.reserved import allocation_stream
 from memplan.presets.batch import make_config
 from memplan.presets.catalog import load_model
 

@@ -11,7 +11,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
-from memplan.memory.stream import KINDS, Alloc, Free, allocation_stream
+from memplan.memory.reserved import allocation_stream
+from memplan.memory.stream import KINDS, Alloc, Free
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
 from memplan.presets.catalog import load_model

@@ -322,6 +322,3 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 
-
-if __name__ == "__main__":
-    main()
