@@ -204,7 +204,7 @@ def estimate(
                             stage_n / peak.activations if peak.activations else 0.0))
 
     if budget_bytes is None and gpu is not None:
-        budget_bytes = gpu.memory_bytes
+        budget_bytes = gpu.process_memory_bytes
     needs, reserved = device_needs(config, inventory, plan, stages[most_loaded], steps[most_loaded], gpu,
                                    None if paper_only else budget_bytes, fragmentation_margin, allocator, alloc_conf)
     perf = None
