@@ -70,7 +70,7 @@ def announce(pytestconfig):
 
 @pytest.fixture(scope="session")
 def peak_steps():
-    """`run_peak(cases)` (memplan.check.validate) measuring each whole training step once per test run:
+    """`run_peak(cases)` (memplan.check.peak) measuring each whole training step once per test run:
     the results of the cases measured before (by any test file) are reused, in the order asked. Only for
     the measurement fixtures: a test that changes memplan's prediction (monkeypatch) calls run_peak itself."""
     from memplan.check.peak import run_peak
