@@ -3,6 +3,7 @@ from the plan options (memplan.api.options.PlanOptions) as keyword arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,8 +67,12 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     opts = PlanOptions(model=model, **options)
     preset, config = opts.config()
     gpu = opts.gpu_spec(preset)
+    assumed = None
+    if gpu is None and opts.mem is not None:  # a verdict: the device model `search` uses (memplan/api/options.py)
+        gpu, assumed = opts.search_gpu(preset)[0], opts.assumed_gpu(preset)
     result = estimate_plan(config, budget_bytes=opts.mem, gpu=gpu, paper_only=paper_only, impl=opts.impl,
                            fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
+    result = dataclasses.replace(result, gpu_assumed=assumed)
     if opts.seq_len is None:
         result.notes.extend(preset.notes)
     result.notes.extend(opts.batch_notes(preset, config.model.seq_length, config.global_batch))

@@ -21,6 +21,9 @@ from memplan.presets.files import ModelPreset
 from memplan.presets.hf_config import read_hf_config
 
 
+ASSUMED_GPU = "a100-80gb"  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
+
+
 @dataclass
 class PlanOptions:
     """The plan options of `memplan estimate / search / explain` (--tp -> tp, --seq-len -> seq_len, --mem -> mem,
@@ -158,12 +161,20 @@ class PlanOptions:
         return load_gpu(name) if name else None
 
     def search_gpu(self, preset: ModelPreset) -> tuple[GpuSpec, list[str]]:
-        """The GPU a search times a model on: the gpu option, else the preset's own, else the A100 (with a note)."""
+        """The GPU a search times a model on (and whose device model, allocator margin and runtime, decides its
+        fit): the gpu option, else the preset's own, else the A100 (with a note). `estimate` with a budget and
+        no GPU assumes the same one."""
         gpu = self.gpu_spec(preset)
         if gpu is not None:
             return gpu, []
-        gpu = load_gpu("a100-80gb")
+        gpu = load_gpu(ASSUMED_GPU)
         return gpu, [f"{preset.model.name} names no GPU: timed on {gpu.name} (--gpu NAME sets one)"]
+
+    def assumed_gpu(self, preset: ModelPreset) -> Optional[str]:
+        """Why the GPU is assumed (`search_gpu` falls back on ASSUMED_GPU), or None when one is named."""
+        if self.gpu_spec(preset) is not None:
+            return None
+        return f"assumed: {preset.model.name} names no GPU, memplan's default; --gpu NAME sets one"
 
     def routed(self, preset: ModelPreset, named: bool) -> ModelPreset:
         """A preset with the MoE routing options (search: pinned for every plan; a named dense model refuses them,

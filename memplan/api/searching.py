@@ -114,6 +114,7 @@ class PreparedSearch:
             if opts.seq_len is None and self.one_model:
                 r.notes.extend(p.notes)
             r.notes.extend(opts.batch_notes(p, r.model.seq_length, r.global_batch) + gpu_note + _optimizer_notes(r))
+            r.gpu_assumed = opts.assumed_gpu(p)
         assumed = [p.model.name for p, (_, note) in zip(self.presets, gpu_of) if note]
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 

@@ -306,10 +306,8 @@ class Config(Spec):
         if par.sp and m.seq_length % t:
             raise ValueError(f"sequence parallelism needs t={t} to divide the sequence length s={m.seq_length}")
         _check_cp_ep(m, par)
-        if (par.ep > 1 or par.expert_tp != t) and (tr.optimizer not in ("adamw", "sgd", "sgd-nomomentum", "lion")
-                                                   or tr.offload_optimizer_fraction > 0):
-            raise ValueError("expert parallelism is modelled with the optimizers whose states are per-parameter "
-                             f"copies (adamw, sgd, lion) and without optimizer offload (got {tr.optimizer}"
+        if (par.ep > 1 or par.expert_tp != t) and not expert_parallel_modelled(tr):
+            raise ValueError(EXPERT_PARALLEL_RULE + f" (got {tr.optimizer}"
                              f"{', offload' if tr.offload_optimizer_fraction else ''})")
         gb, b, d = self.global_batch, tr.micro_batch, par.dp
         if gb % (b * d):
@@ -323,6 +321,16 @@ class Config(Spec):
                     "layers of a model chunk"
                 )
         return self
+
+
+EXPERT_PARALLEL_RULE = ("expert parallelism is modelled with the optimizers whose states are per-parameter copies "
+                        "(adamw, sgd, lion) and without optimizer offload")
+
+
+def expert_parallel_modelled(tr: TrainingSpec) -> bool:
+    """Whether expert parallelism (ep > 1, or an expert tensor-parallel size other than t) is modelled with these
+    training settings (EXPERT_PARALLEL_RULE): the plan check refuses it otherwise, and `search` leaves it out."""
+    return tr.optimizer in ("adamw", "sgd", "sgd-nomomentum", "lion") and not tr.offload_optimizer_fraction
 
 
 def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:

@@ -107,6 +107,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     hosts: list[HostBytes] = field(default_factory=list)  # host memory of one GPU of every stage (offload)
     host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
+    gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
 
     @property
     def peak(self) -> StageMemory:

@@ -31,7 +31,7 @@ import numpy as np
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.core.specs import Config, ParallelSpec, check_gpus
+from memplan.core.specs import EXPERT_PARALLEL_RULE, Config, ParallelSpec, check_gpus, expert_parallel_modelled
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import mst
 from memplan.inventory.fp8 import MAX_ZERO as FP8_MAX_ZERO
@@ -71,6 +71,7 @@ class Fixed:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     uneven: bool = False  # also search uneven stages: one or two layers fewer on the first / last stage (_splits)
+    expert_parallel: bool = True  # False: ep = 1 and etp = t only (the optimizer / offload has no EP model)
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -357,11 +358,10 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
             cps = [c for c in _divisors(s) if c & (c - 1) == 0 and c <= MAX_CP and s % (2 * c) == 0
                    and (fixed.cp_comm_type != "a2a" or ((a // t) % c == 0 and (g // t) % c == 0))]
         for cp in _pick(cps, fixed.cp):
-            eps = [1]
-            if model.is_moe and not hf:
-                eps = [e for e in _divisors(model.num_experts)]
+            expert = model.is_moe and not hf and fixed.expert_parallel
+            eps = list(_divisors(model.num_experts)) if expert else [1]
             for ep in _pick(eps, fixed.ep):
-                etps = sorted({1, t}) if model.is_moe and not hf else [t]
+                etps = sorted({1, t}) if expert else [t]
                 for etp in _pick([e for e in etps if model.fe % e == 0], fixed.etp):
                     for p in _pick([p for p in pipelines if p == 1 or not hf], fixed.pp):
                         if gpus % (t * p * cp) == 0:
@@ -395,7 +395,8 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
 
 def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fixed:
     """What the training settings pin in a search. FP8 is modelled up to the distributed optimizer
-    (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
+    (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. Expert parallelism is modelled with some optimizers
+    only (memplan/core/specs.py EXPERT_PARALLEL_RULE): with the others the search leaves it out (`space_notes`). MsT is modelled at micro-batch 1 with every layer
     checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
     (TrainingSpec): the search keeps recompute none."""
     if training.fp8 is not None:
@@ -403,6 +404,12 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
             raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
                                "0 or 1 (or leave --zero out)")
         fixed = dataclasses.replace(fixed, max_zero=FP8_MAX_ZERO)
+    if model.is_moe and not expert_parallel_modelled(training):
+        if (fixed.ep or 1) > 1 or fixed.etp is not None:
+            raise MemplanError(f"{EXPERT_PARALLEL_RULE}: search {training.optimizer}"
+                               f"{' with optimizer offload' if training.offload_optimizer_fraction else ''} without "
+                               "--ep / --etp")
+        fixed = dataclasses.replace(fixed, expert_parallel=False)
     if mst.is_on(training.mst):
         b, k = mst.search_pins(fixed.micro_batch, fixed.recompute, fixed.recompute_num_layers, model.num_layers)
         fixed = dataclasses.replace(fixed, micro_batch=b, recompute=Recompute.FULL, recompute_num_layers=k)
@@ -412,6 +419,14 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
         raise MemplanError("activation offload is modelled without recompute: search it with --recompute none "
                            "(or leave --recompute out)")
     return dataclasses.replace(fixed, recompute=Recompute.NONE)
+
+
+def space_notes(model: ModelSpec, fixed: Fixed) -> list[str]:
+    """What the search space leaves out that a user could ask for, as notes (after `training_fixed`)."""
+    if model.is_moe and not fixed.expert_parallel:
+        return [f"{EXPERT_PARALLEL_RULE}: the search keeps ep = 1 and the expert tensor-parallel size at t "
+                "(every GPU holds every expert)"]
+    return []
 
 
 def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:

@@ -102,6 +102,8 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         out["fits"] = est.fits
     if est.gpu is not None:
         out["gpu"] = est.gpu.name
+    if est.gpu_assumed is not None:
+        out["gpu_assumed"] = est.gpu_assumed
     if est.perf is not None:
         out["perf"] = perf_dict(est.perf)
     return out
@@ -317,6 +319,7 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
                  "param_gather": result.training.fp8_param_gather} if result.training.fp8 else None),
         "loss_chunks": result.training.loss_chunks,
         "gpu": result.gpu.name if result.gpu else None,
+        **({"gpu_assumed": result.gpu_assumed} if result.gpu_assumed is not None else {}),
         "candidates_evaluated": result.candidates,
         "feasible": result.feasible,
         "seconds": result.seconds,

@@ -130,6 +130,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
         f"global batch={format_batch(c.global_batch, m.seq_length)} ({c.num_microbatches} micro-batches per step) "
         f"on {par.gpus} GPUs{pinned_techniques(tr)}"
+        + (f"; GPU {est.gpu.name} ({est.gpu_assumed})" if est.gpu_assumed is not None else "")
     )
     console.print(
         f"activations per layer per micro-batch on one GPU: {est.per_layer_symbolic} = "
