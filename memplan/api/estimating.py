@@ -13,7 +13,7 @@ from memplan.core.specs import Config
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
 from memplan.plan.limits import max_micro_batch as largest_micro_batch
-from memplan.plan.limits import max_seq_len, need_budget
+from memplan.plan.limits import cap_of, max_seq_len, need_budget
 from memplan.presets.files import ModelPreset
 from memplan.report.formats import estimate_dict
 
@@ -52,7 +52,8 @@ class EstimateResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The document `memplan estimate ... --json` prints."""
-        return {**estimate_dict(self.estimate), **self.limits}
+        capped = [key for key, value in self.limits.items() if cap_of(key, value, self.config) is not None]
+        return {**estimate_dict(self.estimate), **self.limits, **({"limits_at_cap": capped} if capped else {})}
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:

@@ -137,6 +137,8 @@ class PlanOptions:
             raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
                                "or --hf-config config.json")
         zero = self.zero
+        # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
+        recompute = "full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
         if self.distributed_optimizer:
             if zero not in (None, 1):
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
@@ -146,7 +148,7 @@ class PlanOptions:
             parallel=dict(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
                           zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
                           last_stage_layers=self.last_stage_layers),
-            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=self.recompute,
+            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                           recompute_num_layers=self.recompute_num_layers, **self.training_settings()),
             model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
             gpus=self.gpus,

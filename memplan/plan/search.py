@@ -434,8 +434,11 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
         raise MemplanError(f"no plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at s = {step}")
     result = search(model.model_copy(update={"seq_length": longest}), training, gpus, global_batch, budget_bytes,
                     **kwargs)
+    capped = longest + step > SEQ_LIMIT
     result.notes.append(f"the longest sequence any plan fits with: s = {longest:,} tokens (searched in multiples "
-                        f"of {step}, global batch {global_batch} sequences); the plans below fit at that length")
+                        f"of {step}" + (f", up to memplan's cap of {SEQ_LIMIT:,}: no fit limit" if capped else "")
+                        + f"); the global batch is kept in sequences, {global_batch:,}, so a step takes "
+                        f"{global_batch * longest:,} tokens at that length; the plans below fit at that length")
     result.max_seq_len = longest
     return result
 

@@ -10,7 +10,7 @@ The space (each plan distinct and launchable with Megatron-LM):
      Megatron-LM's interleaved-schedule requirement);
   SP on / off when t > 1;
   recompute none, selective, or full on N = 1 .. L/(pm) layers per chunk (block method);
-  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0), each
+  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0: only a pinned one), each
      sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
 
 The space is a table (`PlanSpace`, `plan_space`): a row is a plan without its ZeRO variant (t, p, d, m,
@@ -244,9 +244,10 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
             if zkey not in zero_lists:
                 # with expert parallelism the d/k distributed-optimizer instances must divide the expert-data-parallel
                 # size edp = t cp d / (etp ep) (ParallelSpec; megatron/core/parallel_state.py)
-                zero_lists[zkey] = [(z, k) for z in _pick([z for z in (0, 1, 2, 3) if z <= fixed.max_zero] if d > 1
-                                                          else [0], fixed.zero)
-                                    for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1
+                # d = 1: ZeRO 1-3 shard over one rank, as ZeRO 0 (left out) unless pinned (`estimate` takes the pin)
+                stages = [z for z in (0, 1, 2, 3) if z <= fixed.max_zero and (d > 1 or z == 0 or z == fixed.zero)]
+                zero_lists[zkey] = [(z, k) for z in _pick(stages, fixed.zero)
+                                    for k in ([d] if z == 0 else [k for k in _divisors(d) if (k > 1 or d == 1)
                                                                   and (zkey[1] == 0 or zkey[1] % (d // k) == 0)])
                                     if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
             if not (sps and zero_lists[zkey]):

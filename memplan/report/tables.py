@@ -19,6 +19,7 @@ from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
+from memplan.plan.limits import cap_of
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
 from memplan.timing.calibration import calibration
 
@@ -236,7 +237,10 @@ def render_limits(limits: dict[str, Any], est: Estimate, console: Console) -> No
         if value is None:
             console.print(f"[red]{what}: none fits[/] in {format_gb(est.budget_bytes)} with this plan")
         else:
-            console.print(f"{what} that fits in {format_gb(est.budget_bytes)} with this plan: [bold]{value:,}[/] {unit}")
+            cap = cap_of(key, value, est.config)
+            console.print(f"{what} that fits in {format_gb(est.budget_bytes)} with this plan: [bold]{value:,}[/] {unit}"
+                          + (f" (memplan's cap of {cap:,}: the plan fits there, longer ones are not tried, so this "
+                             "is no fit limit)" if cap is not None else ""))
 
 
 def _where(e: Any) -> str:
