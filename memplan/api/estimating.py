@@ -12,8 +12,8 @@ from memplan.core.errors import MemplanError
 from memplan.core.specs import Config
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
-from memplan.plan.limits import max_micro_batch as largest_micro_batch
 from memplan.plan.limits import cap_of, max_seq_len, need_budget
+from memplan.plan.limits import max_micro_batch as largest_micro_batch
 from memplan.presets.files import ModelPreset
 from memplan.report.formats import estimate_dict
 

@@ -20,7 +20,6 @@ from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
 from memplan.presets.hf_config import read_hf_config
 
-
 ASSUMED_GPU = "a100-80gb"  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
 
 

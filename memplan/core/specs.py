@@ -244,9 +244,11 @@ class Config(Spec):
     def plan_summary(self) -> dict[str, Any]:
         """The plan in one flat schema, shared by search rows and estimate's JSON (`plan`), with
         effective values: the ZeRO shard group (d unless HSDP) and the layers per model chunk the
-        recompute mode applies to (all of them unless --recompute-num-layers says fewer)."""
+        recompute mode applies to (all of them unless --recompute-num-layers says fewer; None unless full recompute,
+        so that the summary given back to `estimate` is the same plan)."""
         par, tr = self.parallel, self.training
         layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
+        layers = layers if tr.recompute == Recompute.FULL else None
         return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, cp=par.cp, cp_comm_type=par.cp_comm_type,
                     ep=par.ep, etp=par.expert_tp, zero=par.zero, zero_shard=par.shard,
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,

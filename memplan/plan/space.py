@@ -207,8 +207,10 @@ class PlanSpace:
 
 
 def _recompute_variants(n: int, hf: bool, fixed: Fixed) -> list[tuple[int, int]]:
+    """Recompute none, selective and full of k = 1 .. n layers per chunk; transformers (`hf`) has no selective
+    recompute and checkpoints every layer or none (memplan/inventory/hf.py check_hf_plan)."""
     recompute = [(int(Recompute.NONE), n)] + ([] if hf else [(int(Recompute.SELECTIVE), n)]) + [
-        (int(Recompute.FULL), k) for k in range(1, n + 1)]
+        (int(Recompute.FULL), k) for k in (range(n, n + 1) if hf else range(1, n + 1))]
     if fixed.recompute is not None:
         recompute = [r for r in recompute if r[0] == fixed.recompute]
     if fixed.recompute_num_layers is not None:

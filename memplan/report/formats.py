@@ -42,7 +42,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
                       "impl": optimizer_impl(est.config.training, est.inventory),
                       "label": states_label(est.config.training)},
         "paper_only": est.paper_only,
-        "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},
+        "params": {"total": est.total_params, "active": est.active_params, "most_loaded_gpu": int(peak.params)},
         "most_loaded_stage": est.most_loaded,
         "memory": {
             "weights_bytes": int(peak.weights),
@@ -179,7 +179,7 @@ OTHER_ROWS = (
 
 
 PERF_ROWS = (("step_time_s", "step time", "s"), ("tokens_per_s", "throughput", "tokens/s"),
-             ("mfu", "model FLOPs utilisation", "fraction"))
+             ("mfu", "model FLOPs utilisation (attention counted causal: half the square)", "fraction"))
 
 
 def estimate_rows(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -124,6 +124,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
            f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
         + (f"E={m.num_experts} top-{m.moe_top_k} f_e={m.fe} " if m.is_moe else "")
         + f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
+        + (f" ({est.active_params / 1e9:,.1f} billion active per token)" if m.is_moe else "")
     )
     console.print(
         f"plan: t={par.tp} p={par.pp} d={par.dp} m={par.vpp} SP={'on' if par.sp else 'off'} "
