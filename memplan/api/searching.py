@@ -17,8 +17,8 @@ from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.arrange import arrange
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
-from memplan.plan.search import search as search_plans
 from memplan.plan.space import Fixed, fixed_from
+from memplan.plan.search import search as search_plans
 from memplan.presets.batch import search_inputs
 from memplan.presets.catalog import load_model, model_names
 from memplan.presets.files import ModelPreset

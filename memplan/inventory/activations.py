@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from memplan.core.symbolic import Poly
 from memplan.core.training import Recompute
+from memplan.core.symbolic import Poly
 from memplan.inventory.types import Term
 
 

@@ -40,8 +40,8 @@ from typing import Any, Union
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.core.symbolic import Poly
 from memplan.core.training import Recompute
+from memplan.core.symbolic import Poly
 from memplan.inventory.types import FC2_W, OUTPUT_LAYER_W, Inventory, Moment, Term, saved, transient
 
 # MsT's code (minis/mini_sequence.py, commit 797c54b): the MLP's piece length and its floor, the LM head's pieces

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 from memplan.core.model import ModelSpec
-from memplan.core.symbolic import Poly
 from memplan.core.training import Recompute
+from memplan.core.symbolic import Poly
 
 Scope = Literal["layer", "chunk", "first", "last"]
 

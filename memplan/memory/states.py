@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.model import ModelSpec
-from memplan.core.symbolic import Poly
 from memplan.core.training import TrainingSpec
+from memplan.core.symbolic import Poly
 from memplan.inventory.types import OUTPUT_LAYER_W
 from memplan.memory import optimizers
 

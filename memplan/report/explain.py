@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from memplan.core.specs import Config, GpuSpec
-from memplan.core.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.core.training import Recompute
+from memplan.core.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.inventory.types import Term, display_poly
 from memplan.memory.optimizers import states_label
 from memplan.memory.pipeline import chunks_in_flight
