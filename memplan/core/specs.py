@@ -245,7 +245,8 @@ class Config(Spec):
         """The plan in one flat schema, shared by search rows and estimate's JSON (`plan`), with
         effective values: the ZeRO shard group (d unless HSDP) and the layers per model chunk the
         recompute mode applies to (all of them unless --recompute-num-layers says fewer; None unless full recompute,
-        so that the summary given back to `estimate` is the same plan)."""
+        and the first / last stage layers None unless the split is uneven, so that the summary given back to
+        `estimate` is the same plan)."""
         par, tr = self.parallel, self.training
         layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
         layers = layers if tr.recompute == Recompute.FULL else None
@@ -254,7 +255,8 @@ class Config(Spec):
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
                     num_microbatches=self.num_microbatches, global_batch=self.global_batch,
                     global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus,
-                    first_stage_layers=self.split[0], last_stage_layers=self.split[2])
+                    first_stage_layers=self.split[0] if self.uneven else None,
+                    last_stage_layers=self.split[2] if self.uneven else None)
 
     def _check_split(self) -> None:
         """Megatron-LM's rules for uneven stages (megatron/core/transformer/transformer_config.py, the
