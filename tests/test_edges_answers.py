@@ -3,12 +3,15 @@ comment says how); expected values are derived by hand or from papers, never fro
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 import memplan
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec, RuntimeBytes
-from memplan.core.training import Recompute, TrainingSpec
+from memplan.core.training import OPTIMIZERS, Recompute, TrainingSpec
 from memplan.memory.timeline import fraction_bytes
 from memplan.plan.estimate import estimate
 from memplan.plan.limits import SEQ_LIMIT, cap_of, max_seq_len, seq_step
@@ -220,3 +223,63 @@ def test_search_json_round_trips_into_estimate():
         est = memplan.estimate("llama3-8b", **kw, mem="80GB")
         assert est.device_bytes == row["memory"]["device_bytes"]
 
+
+
+# --- the property: one verdict per plan ------------------------------------------------------------------------
+GPT = ModelSpec(name="tiny-gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                seq_length=256, vocab_size=512, attention="eager")  # the K22 GPT layer (--impl torch's)
+CASES = [(DENSE, "megatron"), (DENSE, "megatron-local"), (DENSE, "hf-sdpa"), (DENSE, "hf-eager"), (GPT, "torch"),
+         (GPT, "megatron"), (GPT, "hf-eager"), (MOE, "megatron"), (MOE, "megatron-local")]
+OFFLOADS = [{}, {"offload_optimizer_fraction": 1.0}, {"offload_optimizer_fraction": 0.5},
+            {"offload_activations": True}]
+
+
+def finite_nonnegative(numbers):
+    for key, value in numbers.items():
+        if value is not None:
+            assert np.isfinite(float(value)) and float(value) >= 0, (key, value)
+    assert int(numbers["device_bytes"]) > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES), optimizer=st.sampled_from(OPTIMIZERS), offload=st.sampled_from(OFFLOADS),
+       cp=st.sampled_from([None, 2]), gpus=st.sampled_from([1, 2, 4, 8]), per_gpu=st.sampled_from([1, 2]),
+       budget=st.integers(10**8, 3 * 10**10), gpu=st.sampled_from([H100, None]), pick=st.integers(0, 10**9))
+def test_random_plans_one_verdict(case, optimizer, offload, cp, gpus, per_gpu, budget, gpu, pick):
+    """Over random plans of every implementation, MoE, CP, offload and optimizer: the search's numbers of a plan are
+    estimate's and so is its verdict (the plans it lists fit, by estimate); no figure is NaN, negative or wrapped;
+    the plan's --max-seq fits and the next step does not."""
+    model, impl = case
+    try:
+        training = TrainingSpec(optimizer=optimizer, **offload)
+    except ValidationError:
+        event("refused: settings")
+        return  # the settings' own refusal (optimizer offload of adamw / sgd only)
+    try:
+        r = search(model, training, gpus, gpus * per_gpu, budget, gpu=gpu, fixed=Fixed(cp=cp), impl=impl, top=3)
+    except MemplanError as err:
+        event(f"refused: {str(err)[:40]}")
+        return  # a refused combination (no plan, not modelled): one line, no traceback
+    i = pick % r.candidates
+    numbers = r.numbers(i)
+    finite_nonnegative(numbers)
+    if gpu is not None:
+        assert 0 < float(numbers["mfu"]) < 1
+    config = r.config(i)
+    est = estimate(config, budget_bytes=budget, gpu=gpu, impl=impl)
+    assert int(numbers["device_bytes"]) == int(est.device.total)
+    assert (int(numbers["device_bytes"]) <= budget) == (est.device.total <= budget)
+    for j in r.top:
+        assert estimate(r.config(j), budget_bytes=budget, gpu=gpu, impl=impl).device.total <= budget
+    event(f"searched: {impl}, {r.feasible > 0 and 'some fit' or 'none fits'}")
+    if offload.get("offload_activations") or training.mst != 1:
+        return
+    s = max_seq_len(config, budget, impl=impl, gpu=gpu)
+    step = seq_step(config)
+    with_s = [Config(**{**config.model_dump(), "model": config.model.model_copy(update=dict(seq_length=x))})
+              for x in ((s, s + step) if s is not None else (step,))]
+    verdicts = [estimate(c, budget_bytes=budget, gpu=gpu, impl=impl).device.total <= budget for c in with_s]
+    if s is None:
+        assert not verdicts[0]
+    else:
+        assert verdicts[0] and (s + step > SEQ_LIMIT or not verdicts[1])
