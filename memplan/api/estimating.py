@@ -57,7 +57,8 @@ class EstimateResult:
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
-    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin)
+    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin, allocator=opts.allocator,
+                alloc_conf=opts.alloc_conf)
 
 
 def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: bool = False,
@@ -72,7 +73,8 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     if gpu is None and opts.mem is not None:  # a verdict: the device model `search` uses (memplan/api/options.py)
         gpu, assumed = opts.search_gpu(preset)[0], opts.assumed_gpu(preset)
     result = estimate_plan(config, budget_bytes=opts.mem, gpu=gpu, paper_only=paper_only, impl=opts.impl,
-                           fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
+                           fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem,
+                           allocator=opts.allocator, alloc_conf=opts.alloc_conf)
     result = dataclasses.replace(result, gpu_assumed=assumed)
     if opts.seq_len is None:
         result.notes.extend(preset.notes)
