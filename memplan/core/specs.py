@@ -90,7 +90,7 @@ class ParallelSpec(Spec):
         if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
             raise ValueError("first / last stage layers (an uneven pipeline split) need pipeline parallelism (p > 1)")
         if self.zero_shard is not None:
-            if self.zero == 0:
+            if self.zero == 0 and self.zero_shard != self.dp:  # d itself: the effective value plan summaries give
                 raise ValueError("zero_shard needs ZeRO stage 1-3 (sharded states)")
             if self.dp % self.zero_shard:
                 raise ValueError(f"zero_shard={self.zero_shard} does not divide the data-parallel size d={self.dp}")
@@ -364,7 +364,7 @@ def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
             raise ValueError(f"--cp-comm-type a2a needs cp={cp} to divide each tensor-parallel rank's query heads "
                              f"a/t = {m.num_attention_heads // t} and key/value heads g/t = {m.g // t} "
                              "(Transformer Engine AttnFuncWithCPAndQKVOA2A)")
-    if (par.ep > 1 or par.etp is not None) and not m.is_moe:
+    if (par.ep > 1 or par.etp not in (None, t)) and not m.is_moe:  # etp = t: the effective value summaries give
         raise ValueError("expert parallelism (--ep / --etp) needs a mixture-of-experts model (num_experts)")
     if m.is_moe:
         if m.num_experts % par.ep:
