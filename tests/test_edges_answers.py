@@ -249,7 +249,7 @@ def finite_nonnegative(numbers):
     assert int(numbers["device_bytes"]) > 0
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.sampled_from(CASES), optimizer=st.sampled_from(OPTIMIZERS), offload=st.sampled_from(OFFLOADS),
        cp=st.sampled_from([None, 2]), gpus=st.sampled_from([1, 2, 4, 8]), per_gpu=st.sampled_from([1, 2]),
        budget=st.integers(10**8, 3 * 10**10), gpu=st.sampled_from([H100, None]), pick=st.integers(0, 10**9))
