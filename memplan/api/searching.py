@@ -108,12 +108,15 @@ class PreparedSearch:
         launch = {}
         if self.emit == "megatron":
             launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
-        by_name = {p.model.name: (p, note) for p, (_, note) in zip(self.presets, gpu_of)}
+        by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
-            p, gpu_note = by_name[r.model.name]
+            p, gpu_note, asked_s = by_name[r.model.name]
             if opts.seq_len is None and self.one_model:
                 r.notes.extend(p.notes)
-            r.notes.extend(opts.batch_notes(p, r.model.seq_length, r.global_batch) + gpu_note + _optimizer_notes(r))
+            # --max-seq keeps the batch in sequences made at the s asked for (search_max_seq's note says so)
+            seq = asked_s if self.max_seq else r.model.seq_length
+            r.notes.extend(opts.batch_notes(p, seq, r.global_batch) + gpu_note + _optimizer_notes(r))
+            r.gpu_assumed = opts.assumed_gpu(p)
         assumed = [p.model.name for p, (_, note) in zip(self.presets, gpu_of) if note]
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 
