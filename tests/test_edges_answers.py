@@ -33,11 +33,9 @@ DENSE = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads
 
 
 def flat_device(device):
-    """An estimate's device memory under the flat margin search uses: allocated peak + workspace + margin on both +
-    runtime (estimate with a budget replaces the margin by the caching-allocator replay where that reserves more,
-    issue 20; search does not replay yet)."""
-    allocated = device.peak_bytes + device.workspace_bytes
-    return int(allocated + fraction_bytes(allocated, device.margin) + device.runtime_bytes)
+    """An estimate's device memory under the flat margin search uses for every plan (estimate with a budget replaces
+    the margin by the caching-allocator replay where that reserves more, issue 20; search replays its listed plans)."""
+    return int(device.flat_total)
 
 
 def same_as_estimate(result, i, impl="megatron"):

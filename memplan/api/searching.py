@@ -16,6 +16,7 @@ from memplan.launch.megatron import megatron_launch
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.arrange import arrange
+from memplan.plan.verdict import replay_listing
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.plan.search import search as search_plans
@@ -104,7 +105,8 @@ class PreparedSearch:
                                                                           gpu=gpu, progress=report, **kw)]
         else:
             results, skipped = search_presets(requests, opts.gpus, max_seq=self.max_seq, progress=progress, **kw)
-        results = [arrange(r, self.sort, not self.all_variants, self.top) for r in results]
+        results = [replay_listing(arrange(r, self.sort, not self.all_variants, self.top), opts.allocator,
+                                  opts.alloc_conf) for r in results]
         launch = {}
         if self.emit == "megatron":
             launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}

@@ -425,6 +425,7 @@ class DeviceMemory:
     runtime_bytes: Any
     margin: float
     replayed: bool = False  # the fragmentation is the caching allocator's replay (memory/reserved.py), above the margin
+    margin_bytes: Any = None  # with `replayed`: the margin's bytes it replaced (what search's vectorised bound counts)
 
     @property
     def allocated_peak(self) -> Any:
@@ -433,6 +434,12 @@ class DeviceMemory:
     @property
     def total(self) -> Any:
         return self.allocated_peak + self.fragmentation_bytes + self.runtime_bytes
+
+    @property
+    def flat_total(self) -> Any:
+        """The total with the flat margin, before any replay: the bound search evaluates for every plan."""
+        margin = self.fragmentation_bytes if self.margin_bytes is None else self.margin_bytes
+        return self.allocated_peak + margin + self.runtime_bytes
 
 
 MAX_COMMUNICATORS = 5  # `communicators`: the tensor-, pipeline-, data-, context- and expert-parallel groups

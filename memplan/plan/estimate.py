@@ -248,7 +248,8 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     replayed = needed - (step.peak_bytes + workspace)
     if replayed <= flat.fragmentation_bytes:
         return flat, reserved
-    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True), reserved
+    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True,
+                               margin_bytes=flat.fragmentation_bytes), reserved
 
 
 def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
