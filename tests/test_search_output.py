@@ -307,7 +307,7 @@ def test_every_preset_on_its_own_gpu_and_the_skipped_ones_named():
     assert any(preset_gpu(name) for name in model_names())
     for name in model_names():
         gpu, model = preset_gpu(name) or DEFAULT_GPU, shown_name(name)
-        budget = f"{load_gpu(gpu).memory_bytes / 1e9:,.2f} GB"  # no --mem: the GPU's memory
+        budget = f"{load_gpu(gpu).process_memory_bytes / 1e9:,.2f} GB"  # no --mem: what one process can have
         assumed = r" \(assumed\)" if preset_gpu(name) is None else ""
         rows = [line for line in out.splitlines() if line.startswith(f"│ {model} ")]
         if name in skipped:
