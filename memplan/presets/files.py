@@ -26,6 +26,9 @@ def configs_dir() -> Path:
     the copy a wheel installs beside the package (memplan/_configs, see pyproject.toml)."""
     env = os.environ.get("MEMPLAN_CONFIGS")
     if env:
+        if not (Path(env) / "models").is_dir() or not (Path(env) / "gpus").is_dir():
+            raise MemplanError(f"MEMPLAN_CONFIGS={env[:200]!r} is not a presets directory (it needs models/ and "
+                               "gpus/); unset it to use memplan's own")
         return Path(env)
     package = Path(__file__).resolve().parent.parent  # memplan/ (this file is memplan/presets/files.py)
     checkout = package.parent / "configs"
