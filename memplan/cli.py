@@ -35,16 +35,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
     return budget_bytes(value, param.opts[0])
 
 
-def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
-    from memplan.api.values import token_count
+def _via(name: str) -> Callable:
+    """An option callback reading its value with memplan.api.values.<name> (loaded only when a command runs)."""
+    def callback(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
+        from memplan.api import values
 
-    return token_count(value)
-
-
-def _mst(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
-    from memplan.api.values import mst_pieces
-
-    return mst_pieces(value)
+        return getattr(values, name)(value)
+    return callback
 
 
 def plan_options(func: Callable) -> Callable:
@@ -90,7 +87,7 @@ def plan_options(func: Callable) -> Callable:
                      help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
         click.option("--micro-batch", type=int, help="Micro-batch size b."),
         click.option("--global-batch", type=int, help="Global batch in sequences per step."),
-        click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",
+        click.option("--global-batch-tokens", callback=_via("token_count"), metavar="TOKENS",
                      help="Global batch in tokens per step (4M = 4x10^6, 4Mi = 4x2^20), rounded to whole sequences."),
         click.option("--seq-len", type=int,
                      help="Sequence length s (the preset's tokens per step are kept unless the batch is given)."),
@@ -131,7 +128,7 @@ def plan_options(func: Callable) -> Callable:
                      help="With --fp8 delayed: amax values kept per FP8 tensor (default 1, Megatron-LM's)."),
         click.option("--fp8-param-gather", is_flag=True, default=None,
                      help="With --fp8: the linear weights kept only in FP8 (Megatron-LM --fp8-param-gather)."),
-        click.option("--mst", callback=_mst, metavar="M|auto",
+        click.option("--mst", callback=_via("mst_pieces"), metavar="M|auto",
                      help="Mini-Sequence Transformer (MsT, arXiv 2407.15892; --impl hf-*, Llama layout, with "
                           "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
@@ -184,13 +181,12 @@ def _output_format(opts: dict[str, Any]) -> str:
     return fmt or "table"
 
 
-def _check_plots(*paths: Optional[str]) -> None:
-    """Refuse a bad --plot file name before any work is done (memplan.plots loads only then)."""
-    for path in paths:
-        if path:
-            from memplan.report.plots import check_plot_path
+def _check_plots(paths: dict[str, Optional[str]]) -> None:
+    """Refuse bad --plot files (name, folder, two options on one file) before any work (plots load only then)."""
+    if any(paths.values()):
+        from memplan.report.plots import check_plot_paths
 
-            check_plot_path(path)
+        check_plot_paths(paths)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -253,7 +249,7 @@ def estimate(**opts: Any) -> None:
 
     fmt = _output_format(opts)
     plot, plot_techniques = opts.pop("plot"), opts.pop("plot_techniques")
-    _check_plots(plot, plot_techniques)
+    _check_plots({"--plot": plot, "--plot-techniques": plot_techniques})
     result = run(**opts)
     if fmt == "table":
         console = _console()
@@ -324,7 +320,7 @@ def search(**opts: Any) -> None:
     plot, emit_only, require_fit = opts.pop("plot"), opts.pop("emit_only"), opts.pop("require_fit")
     _check_emit(opts.get("emit"), emit_only, fmt)
     check_emit(opts.get("emit"), opts.get("mst"), opts["impl"])
-    _check_plots(plot)
+    _check_plots({"--plot": plot})
     prepared = prepare_search(**opts)
     if plot and not prepared.one_model:
         _refuse("search --plot draws one model's plans: give --model")
@@ -463,15 +459,17 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
 @click.option("--kernels", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Whose kernels' saved tensors: CUDA's (emulated on this machine) or CPU's.")
 @click.option("--out", metavar="FILE.yaml", help="Write the inventory here (default: print it).")
-def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists (never the config.json it reads).")
+def trace(hf_config: str, impl: str, kernels: str, out: Optional[str], force: bool) -> None:
     """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
     no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
+    from memplan.core.outfile import check_output, write_bytes
     from memplan.inventory.traced_file import trace_to_yaml
 
+    path = check_output(out, "--out", overwrite=force, reads=hf_config) if out else None
     text = trace_to_yaml(hf_config, impl, kernels)
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
+    if path:
+        write_bytes(path, text.encode("utf-8"))
         click.echo(f"wrote {out}", err=True)
     else:
         click.echo(text, nl=False)
@@ -479,6 +477,8 @@ def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: bad input gives one line on stderr and exit code 2, never a traceback."""
+    for stream in (sys.stdout, sys.stderr):  # a non-ASCII name prints (escaped) under an ASCII locale too
+        getattr(stream, "reconfigure", lambda **_: None)(errors="backslashreplace")
     try:
         code = cli.main(args=argv, prog_name="memplan", standalone_mode=False)
     except click.exceptions.Abort:
