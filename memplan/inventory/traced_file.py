@@ -219,11 +219,11 @@ def read_traced(path: Path) -> TracedFile:
 def _size(term: TracedTerm, path: Path) -> Poly:
     try:
         poly = Poly.parse_sum(term.elements)
+    except MemplanError as err:  # a power or coefficient out of bounds (memplan/core/symbolic.py)
+        raise MemplanError(f"{path}: term {term.id[:60]}: {err}") from None
     except (ValueError, ZeroDivisionError, IndexError):
         raise MemplanError(f"{path}: term {term.id[:60]}: elements {term.elements[:60]!r} is not a polynomial in s "
                            "and b") from None
-    except MemplanError as err:
-        raise MemplanError(f"{path}: term {term.id[:60]}: {err}") from None
     extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
     if extra:
         raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
@@ -276,10 +276,6 @@ def _tracer():
 
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
-    tracer = _tracer()
-    if tracer is None:
-        raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
-                           "pip install 'memplan[trace]'")
     config = Path(config_path)
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
@@ -287,6 +283,10 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     layers = data.get("num_hidden_layers", data.get("n_layer")) if isinstance(data, dict) else None
     if isinstance(layers, int) and not 0 < layers <= MAX_LAYERS:
         raise MemplanError(f"{config}: {layers:,} layers: memplan traces models of 1 to {MAX_LAYERS:,} layers")
+    tracer = _tracer()
+    if tracer is None:
+        raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
+                           "pip install 'memplan[trace]'")
     try:
         data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
     except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)

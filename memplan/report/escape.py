@@ -11,6 +11,7 @@ import re
 from rich.markup import escape as _rich_escape
 
 NAME_LIMIT = 120  # characters of a name a terminal table shows
+NOTE_LIMIT = 2000  # characters of a note (which may quote a name) on the terminal: rich's highlighter is quadratic-ish
 
 
 def _escape_char(match: re.Match) -> str:

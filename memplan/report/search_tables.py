@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.plan.search import SearchResult
 from memplan.core.units import format_batch
 from memplan.memory.offload import offloads
-from memplan.report.escape import markup
+from memplan.report.escape import NOTE_LIMIT, markup
 from memplan.report.tables import Col, compact, make_table
 from memplan.report.text import (
     PLAN_LEGEND,
@@ -96,7 +96,7 @@ def render_search(result: SearchResult, console: Console) -> None:
     elif result.candidates > result.feasible:
         console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
     for note in result.notes:
-        console.print(f"note: {markup(note, None)}")
+        console.print(f"note: {markup(note, NOTE_LIMIT)}")
 
 
 def _cp_ep_columns(result: SearchResult) -> tuple[str, ...]:

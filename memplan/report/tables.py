@@ -19,7 +19,7 @@ from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
-from memplan.report.escape import markup, plain
+from memplan.report.escape import NOTE_LIMIT, markup, plain
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
 from memplan.timing.calibration import calibration
 
@@ -175,7 +175,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if narrow and used:
         console.print("[dim]sources: " + "; ".join(used) + "[/]")
     for note in est.notes:
-        console.print(f"note: {markup(note, None)}")
+        console.print(f"note: {markup(note, NOTE_LIMIT)}")
     if est.perf is not None:
         p = est.perf
         cal = calibration(est.config.model, est.gpu, est.inventory.name.split("/")[0], est.config.training.fp8)
