@@ -45,6 +45,7 @@ CASES = [
     (["estimate", "--hf-config", CORPUS / "model-type-list.json"], "model_type: expected a name"),
     (["estimate", "--hf-config", CORPUS / "surrogate.json"], "not valid Unicode"),
     (["estimate", "--hf-config", CORPUS / "nan.json"], "NaN is not JSON"),
+    (["estimate", "--model", "gpt-22b", "--gpu", CORPUS / "gpu-flops-inf.yaml"], "finite"),
     (["estimate", "--hf-config", CORPUS / "long-int.json"], "an integer of 5000 digits"),
     (["estimate", "--hf-config", CORPUS / "bool-str.json", "--impl", "megatron"], "attention_bias: expected true or"),
     # sizes and options

@@ -6,12 +6,13 @@ opened; YAML aliases and language tags refused; duplicate keys refused (YAML and
 refused; integers of more than MAX_INT_DIGITS digits refused (Python's int() of thousands of digits is slow or
 refused); YAML 1.1 sexagesimal (1:30) and octal (017, 0o17) numbers refused (YAML 1.2 and people read them
 differently); JSON's NaN / Infinity refused; strings that are not valid Unicode (lone surrogates) refused; nesting
-deeper than MAX_DEPTH refused. Every refusal is one MemplanError line naming the file.
+deeper than MAX_DEPTH refused; numbers that are not finite (.nan, .inf, 1e999) refused. Every refusal is one MemplanError line naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import stat
 from pathlib import Path
@@ -80,7 +81,10 @@ def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     text = loader.construct_scalar(node)
     if not _PLAIN_FLOAT.fullmatch(text):
         raise MemplanError(f"{_line(node)}: {text[:40]!r} is a YAML 1.1 sexagesimal number: write a plain decimal")
-    return yaml.SafeLoader.construct_yaml_float(loader, node)
+    value = yaml.SafeLoader.construct_yaml_float(loader, node)
+    if not math.isfinite(value):
+        raise MemplanError(f"{_line(node)}: {text[:40]!r} is not a finite number")
+    return value
 
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
@@ -158,6 +162,13 @@ def _json_int(text: str) -> int:
     return int(text)
 
 
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise MemplanError(f"{text[:40]} is not a finite number")
+    return value
+
+
 def _json_constant(name: str) -> float:
     raise MemplanError(f"{name} is not JSON (write a number)")
 
@@ -165,7 +176,8 @@ def _json_constant(name: str) -> float:
 def load_json_text(text: str, where: str) -> Any:
     """Strict JSON data from text (see the module docstring for what is refused)."""
     try:
-        data = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int, parse_constant=_json_constant)
+        data = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int, parse_float=_json_float,
+                          parse_constant=_json_constant)
     except MemplanError as err:
         raise MemplanError(f"{where}: {err}") from None
     except json.JSONDecodeError as err:
