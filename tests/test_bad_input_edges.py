@@ -23,7 +23,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.symbolic import Poly
 from memplan.core.units import parse_size, parse_tokens
 from memplan.inventory.traced_file import cache_dir, inventory_dir, read_traced
-from memplan.presets.catalog import load_gpu, load_model
+from memplan.presets.catalog import load_gpu
 from memplan.presets.hf_config import read_hf_config
 from memplan.report.escape import markup, md, plain
 
@@ -99,6 +99,30 @@ def test_traced_inventory_files_have_the_same_protections(name):
         read_traced(CORPUS / name)
     assert "\n" not in str(err.value) and time.perf_counter() - start < 2
     read_traced(CORPUS / "traced-ok.yaml")
+
+
+def test_yaml_1_1_surprises_are_refused():
+    for text, fragment in (("sp: yes", "boolean"), ("sp: off", "boolean"), ("a: 017", "octal"), ("a: 0x1f", "hex"), ("a: 1:30", "sexagesimal"),
+                           ("a: .inf", "finite"), ("a: 1\na: 2", "duplicate key")):
+        with pytest.raises(MemplanError, match=fragment):
+            load_yaml_text(text, "f.yaml")
+    assert load_yaml_text("a: true\nb: False\nc: 1_000\nd: 2.5\ne: 0", "f.yaml") == dict(a=True, b=False, c=1000,
+                                                                                             d=2.5, e=0)
+
+
+def test_non_ascii_names_print_under_an_ascii_locale(tmp_path):
+    import subprocess
+    import sys
+
+    model = tmp_path / "m.yaml"
+    model.write_text(json.dumps({"model": {"name": "Llama-\u00e9\u4e2d", "num_layers": 2, "hidden_size": 256,
+                                           "num_attention_heads": 4, "seq_length": 128, "vocab_size": 1000}}))
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "LC_ALL": "C", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    for fmt in ("table", "markdown"):
+        p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", str(model), "--format", fmt],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert "Llama-" in p.stdout
 
 
 def test_fifo_as_input_and_output(tmp_path, run_cli):
@@ -233,7 +257,7 @@ yaml_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=T
 documents = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
     st.text(max_size=6), inner, max_size=3), max_leaves=10)
 YAML_SNIPPETS = ["a: 1:30", "a: 010", "a: 0o17", "a: 0x1f", "a: &x 1\nb: *x", "a: 1\na: 2", "1: a", "a: " + "9" * 400,
-                 "a: " + "[" * 80 + "]" * 80, "a: !!python/name:os.system", "a: 190:20:30.15", "a: .5", "a: yes"]
+                 "a: " + "[" * 80 + "]" * 80, "a: !!python/name:os.system", "a: 190:20:30.15", "a: .5", "a: yes", "a: .nan", "a: True"]
 
 
 @settings(max_examples=200, deadline=None)

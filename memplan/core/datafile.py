@@ -4,7 +4,7 @@
 What every file gets: at most MAX_FILE_BYTES (or the caller's cap) read; a FIFO or a directory refused before it is
 opened; YAML aliases and language tags refused; duplicate keys refused (YAML and JSON); keys that are not strings
 refused; integers of more than MAX_INT_DIGITS digits refused (Python's int() of thousands of digits is slow or
-refused); YAML 1.1 sexagesimal (1:30) and octal (017, 0o17) numbers refused (YAML 1.2 and people read them
+refused); YAML 1.1 sexagesimal (1:30) and octal (017, 0o17) numbers and yes / no / on / off booleans refused (YAML 1.2 and people read them
 differently); JSON's NaN / Infinity refused; strings that are not valid Unicode (lone surrogates) refused; nesting
 deeper than MAX_DEPTH refused; numbers that are not finite (.nan, .inf, 1e999) refused. Every refusal is one MemplanError line naming the file.
 """
@@ -87,6 +87,14 @@ def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     return value
 
 
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    text = loader.construct_scalar(node)
+    if text.lower() not in ("true", "false"):
+        raise MemplanError(f"{_line(node)}: {text[:40]!r} is a YAML 1.1 boolean: write true or false (or quote it "
+                           "as text)")
+    return text.lower() == "true"
+
+
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
     out: dict = {}
     for key_node, value_node in node.value:
@@ -102,6 +110,7 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _StrictLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 _StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
+_StrictLoader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
 
 
 def load_yaml_text(text: str, where: str) -> Any:
