@@ -24,8 +24,7 @@ def _refuse(message: str) -> NoReturn:
 def _console():
     from rich.console import Console
 
-    console = Console()
-    # Piped output (files, CI logs) gets a wide table instead of rich's 80-column default.
+    console = Console()  # piped output (files, CI logs) gets a wide table instead of rich's 80-column default
     return console if console.is_terminal else Console(width=150)
 
 
@@ -485,7 +484,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         click.echo("memplan: aborted", err=True)
         sys.exit(1)
     except click.ClickException as err:
-        click.echo(f"memplan: error: {err.format_message()}", err=True)
+        message = err.format_message()  # click echoes the value: a 5000-digit --tp must not fill the screen
+        click.echo(f"memplan: error: {message if len(message) < 400 else message[:300] + ' ...'}", err=True)
         sys.exit(err.exit_code)
     except ValueError as err:  # MemplanError: memplan.core.errors is loaded by whatever raised it
         errors = sys.modules.get("memplan.core.errors")

@@ -35,7 +35,8 @@ def bounded_count(value: Optional[int], what: str) -> Optional[int]:
     if value is None or what not in MOST:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value > MOST[what]:
-        raise MemplanError(f"--{what.replace('_', '-')} {value:,}: at most {MOST[what]:,}")
+        shown = f"{value:,}" if value < 10**30 else f"of {len(str(value))} digits"
+        raise MemplanError(f"--{what.replace('_', '-')} {shown}: at most {MOST[what]:,}")
     return value
 
 
