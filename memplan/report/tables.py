@@ -318,7 +318,7 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
                        + [Col("params", "right"), Col("default plan", fold=True)],
                        title="model presets", short_title="model presets (params in billions)")
     for r in rows:
-        table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
+        table.add_row(markup(r["name"]), str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
                       str(r["v"]), _billions(r["params"], narrow),
                       compact_plan(_plan_fields(r["plan"])) if narrow else r["plan"])
     console.print(table)
