@@ -217,19 +217,27 @@ def read_traced(path: Path) -> TracedFile:
 
 
 def _size(term: TracedTerm, path: Path) -> Poly:
+    """A term's elements as a polynomial in s and b, checked (its bytes too: both are read when it is sized)."""
+    poly = _polynomial(term, "elements", path)
+    _polynomial(term, "bytes", path)
+    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
+        raise MemplanError(f"{path}: term {term.id[:60]}: dtype {term.dtype[:60]!r} is not one memplan sizes "
+                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+    return poly
+
+
+def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
+    text = getattr(term, field)
     try:
-        poly = Poly.parse_sum(term.elements)
+        poly = Poly.parse_sum(text)
     except MemplanError as err:  # a power or coefficient out of bounds (memplan/core/symbolic.py)
-        raise MemplanError(f"{path}: term {term.id[:60]}: {err}") from None
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field}: {err}") from None
     except (ValueError, ZeroDivisionError, IndexError):
-        raise MemplanError(f"{path}: term {term.id[:60]}: elements {term.elements[:60]!r} is not a polynomial in s "
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field} {text[:60]!r} is not a polynomial in s "
                            "and b") from None
     extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
     if extra:
-        raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
-    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
-        raise MemplanError(f"{path}: term {term.id}: dtype {term.dtype!r} is not one memplan sizes "
-                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field} use {', '.join(sorted(extra))[:60]} (only s and b)")
     return poly
 
 
