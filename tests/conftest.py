@@ -1,3 +1,19 @@
+"""Shared fixtures of the test suite, and how it runs in parallel (pytest-xdist, `python -m pytest -q -n 2`).
+
+The suite measures real torch code for minutes; each measurement is made once per test run:
+- a module-scoped fixture is computed once per worker that runs a test using it, so each test file runs on one
+  worker (pyproject's addopts: --dist loadfile): one worker measures a file's grid while the other goes on with
+  other files (a file lock and a cache shared by the workers would make the second worker wait for the first);
+- the whole training steps of `memplan validate --peak` (tests/test_validate_peak.py's grid, ~200 s; the subsets
+  tests/test_chunked_loss.py and tests/test_mst.py measure) are measured once through the session fixture
+  `peak_steps`: those three files are one unit of work (PEAK_FILES, pytest_xdist_make_scheduler below);
+- the workers are handed that unit first (the longest), then the files with a module-scoped fixture of their own
+  (the other measurements), then the rest, which fills both workers up to the end (pyproject's addopts:
+  --no-loadscope-reorder keeps this order, pytest_collection_modifyitems makes it).
+(xdist's --dist loadgroup / xdist_group marks would say the same, but pytest 9.2 ignores the node id suffix
+they work by: pytest-xdist issue 1386.) Run one file as usual: `python -m pytest tests/test_x.py`, one process.
+"""
+
 import os
 import tempfile
 
@@ -7,6 +23,9 @@ import pytest
 os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-cache-"))
 
 from memplan.cli import main  # noqa: E402
+
+PEAK_FILES = ("tests/test_chunked_loss.py", "tests/test_mst.py", "tests/test_validate_peak.py")
+PEAK_UNIT = "peak steps"
 
 
 @pytest.fixture
@@ -47,3 +66,59 @@ def announce(pytestconfig):
         write(f"[memplan] {what}: done in {time.perf_counter() - start:.0f} s")
 
     return say
+
+
+@pytest.fixture(scope="session")
+def peak_steps():
+    """`run_peak(cases)` (memplan.check.peak) measuring each whole training step once per test run:
+    the results of the cases measured before (by any test file) are reused, in the order asked. Only for
+    the measurement fixtures: a test that changes memplan's prediction (monkeypatch) calls run_peak itself."""
+    from memplan.check.peak import run_peak
+
+    done = {}
+
+    def measure(cases):
+        todo = [c for c in dict.fromkeys(cases) if c not in done]
+        done.update(zip(todo, run_peak(todo)))
+        return [done[c] for c in cases]
+
+    measure.done = done
+    return measure
+
+
+def _measures(item) -> bool:
+    """Whether a test uses a module-scoped fixture defined in its own test module (a measurement, mostly)."""
+    info, module = getattr(item, "_fixtureinfo", None), getattr(item, "module", None)
+    if info is None or module is None:
+        return False
+    return any(fixturedef.scope == "module" and fixturedef.func.__module__ == module.__name__
+               for name in info.names_closure for fixturedef in info.name2fixturedefs.get(name, ()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    # on an xdist worker: the order the work is handed out in (the same on every worker): the peak steps' files,
+    # the files with a measurement, the rest, each in collection order (a file's tests stay together)
+    measuring = {item.nodeid.split("::", 1)[0] for item in items if _measures(item)}
+
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return 0 if path in PEAK_FILES else 1 if path in measuring else 2
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # xdist's hook
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with PEAK_FILES one unit of work (they share the session's `peak_steps`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PeakUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return PEAK_UNIT if path in PEAK_FILES else path
+
+    return PeakUnitScheduling(config, log)

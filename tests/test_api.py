@@ -104,7 +104,7 @@ def _command(args: str) -> str:
 
 @pytest.mark.slow
 def test_each_command_imports_only_what_it_uses():
-    assert _loaded(_command("--help")) == {"memplan", "memplan.cli"}
+    assert _loaded(_command("--help")) == {"memplan", "memplan.cli", "memplan.cli.options"}
     estimate = _loaded(_command("estimate --model gpt3-530b --json"))
     assert "memplan.plan.search" not in estimate and "memplan.api.searching" not in estimate
     search = _loaded(_command("search --model gpt3-530b --gpus 2240 --mem 80GB --json"))

@@ -67,8 +67,8 @@ CASES = [c for c in peak_grid(fake=False) if c.model == "k22" and c.loss_chunks 
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return run_peak(CASES)
+def measured(peak_steps):
+    return peak_steps(CASES)  # measured once with tests/test_validate_peak.py's grid
 
 
 def test_reference_chunked_loss_peaks_as_measured(measured):

@@ -20,7 +20,7 @@ DEFERRED_DEPENDENCIES = ("torch", "transformers", "megatron", "matplotlib", "PIL
 
 # Modules allowed to defer their own imports of lower layers, for start-up time: the `memplan` command loads only
 # what the command it runs uses. Deferring a downward import cannot hide a cycle; the layer rule still applies.
-DEFERRING_MODULES = ("memplan.cli",)
+DEFERRING_MODULES = ("memplan.cli", "memplan.cli.options")
 
 PACKAGE = Path(__file__).resolve().parent.parent / "memplan"
 

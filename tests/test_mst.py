@@ -103,15 +103,15 @@ MEASURED = ("llama s256 mst4", "llama f768 mst4", "llama h256 mst8",
 
 
 @pytest.fixture(scope="module")
-def measured(announce):
+def measured(announce, peak_steps):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memplan.check.peak import mst_peak_cases, run_peak
+    from memplan.check.peak import mst_peak_cases
 
     cases = [c for c in mst_peak_cases() if c.name in MEASURED]
     assert len(cases) == len(MEASURED)
-    with announce(f"measuring {len(cases)} MsT / in-backward training steps"):
-        return {r.case.name: r for r in run_peak(cases)}
+    with announce(f"measuring {len(cases)} MsT / in-backward training steps"):  # once with test_validate_peak's grid
+        return {r.case.name: r for r in peak_steps(cases)}
 
 
 def test_mst_steps_peak_as_measured(measured):

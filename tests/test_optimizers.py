@@ -374,7 +374,7 @@ def test_without_each_state_the_peak_or_the_states_miss(peaks, measured, monkeyp
 
 
 def test_cli_choices_are_the_specs_optimizers():
-    from memplan import cli
+    from memplan.cli import options as cli
 
     assert cli.OPTIMIZERS == OPTIMIZERS
 

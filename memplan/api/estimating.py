@@ -55,7 +55,8 @@ class EstimateResult:
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
-    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin)
+    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin, allocator=opts.allocator,
+                alloc_conf=opts.alloc_conf)
 
 
 def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: bool = False,
@@ -67,7 +68,8 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     preset, config = opts.config()
     gpu = opts.gpu_spec(preset)
     result = estimate_plan(config, budget_bytes=opts.mem, gpu=gpu, paper_only=paper_only, impl=opts.impl,
-                           fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
+                           fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem,
+                           allocator=opts.allocator, alloc_conf=opts.alloc_conf)
     if opts.seq_len is None:
         result.notes.extend(preset.notes)
     result.notes.extend(opts.batch_notes(preset, config.model.seq_length, config.global_batch))

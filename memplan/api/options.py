@@ -70,6 +70,8 @@ class PlanOptions:
     offload_fraction: Optional[float] = None
     host_mem: Size = None
     frag_margin: Optional[float] = None
+    allocator: str = "default"
+    alloc_conf: Optional[str] = None
     gpu: Optional[str] = None
     mem: Size = None
 

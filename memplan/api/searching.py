@@ -92,7 +92,7 @@ class PreparedSearch:
         gpu_of = [opts.search_gpu(p) for p in self.presets]
         requests = [(*search_inputs(p, opts.gpus, opts.global_batch, opts.seq_len, opts.attention,
                                     opts.training_settings(), opts.global_batch_tokens),
-                     gpu, opts.mem if opts.mem is not None else gpu.memory_bytes)
+                     gpu, opts.mem if opts.mem is not None else gpu.process_memory_bytes)
                     for p, (gpu, _) in zip(self.presets, gpu_of)]
         kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
                   host_budget_bytes=opts.host_mem)

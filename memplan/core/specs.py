@@ -175,9 +175,13 @@ class GpuSpec(Spec):
                                  "(part of torch.cuda.max_memory_allocated)")
     fragmentation_margin: float = Field(
         default=0.0, ge=0, le=1, description="caching-allocator reserve above the allocated peak, as a fraction")
+    total_memory_bytes: Optional[int] = Field(
+        default=None, gt=0, description="torch.cuda.get_device_properties(0).total_memory: what one process can have "
+        "(less than nvidia-smi's total); None: not measured, memory_bytes is taken")
     source: str = ""
 
-    @field_validator("memory_bytes", "nccl_communicator_bytes", "workspace_bytes", mode="before")
+    @field_validator("memory_bytes", "nccl_communicator_bytes", "workspace_bytes", "total_memory_bytes",
+                     mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return _sized(value)
@@ -189,6 +193,11 @@ class GpuSpec(Spec):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"expected a finite number (got {value})")
         return value
+
+    @property
+    def process_memory_bytes(self) -> int:
+        """The memory one process can have: the default budget (CUDA's total_memory where measured)."""
+        return self.total_memory_bytes if self.total_memory_bytes is not None else self.memory_bytes
 
     @field_validator("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth",
                      mode="before")

@@ -424,6 +424,7 @@ class DeviceMemory:
     fragmentation_bytes: Any
     runtime_bytes: Any
     margin: float
+    replayed: bool = False  # the fragmentation is the caching allocator's replay (memory/reserved.py), above the margin
 
     @property
     def allocated_peak(self) -> Any:

@@ -5,6 +5,7 @@ specs -> inventory -> stage_memory (activations + states) -> this breakdown -> r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,6 +26,8 @@ from memplan.memory.pipeline import chunks_in_flight, interleaving_factor
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
+from memplan.memory.reserved import Reserved, replay_run
+from memplan.memory.stream import not_streamed, stream_for
 from memplan.memory.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
 from memplan.timing.step import step_time
 
@@ -107,6 +110,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     hosts: list[HostBytes] = field(default_factory=list)  # host memory of one GPU of every stage (offload)
     host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
+    reserved: Optional[Reserved] = None  # the run replayed through the caching allocator (None: flat margin)
 
     @property
     def peak(self) -> StageMemory:
@@ -153,12 +157,16 @@ def estimate(
     device: str = "cuda",
     fragmentation_margin: Optional[float] = None,
     host_budget_bytes: Optional[int] = None,
+    allocator: str = "default",
+    alloc_conf: Optional[str] = None,
 ) -> Estimate:
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
     activations and states (with `paper_only`, only the tensors K22 counts) and the step's
     allocated peak (always the real-code view). The stage with the highest peak is the answer; it
-    fits when peak + fragmentation margin + the runtime's own memory is within the budget (and, with
-    `host_budget_bytes`, when the host memory its offload takes per node is within that)."""
+    fits when the run of that GPU, replayed through PyTorch's caching allocator (`allocator`, `alloc_conf`:
+    memplan/memory/reserved.py), completes in the budget less the runtime's own memory (with an explicit
+    `fragmentation_margin`, or where the replay does not model the plan: when peak + margin + runtime is within
+    the budget); with `host_budget_bytes`, also when the host memory its offload takes per node is within that."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -196,8 +204,9 @@ def estimate(
                             stage_n / peak.activations if peak.activations else 0.0))
 
     if budget_bytes is None and gpu is not None:
-        budget_bytes = gpu.memory_bytes
-    needs = device_memory(steps[most_loaded].peak_bytes, plan, inventory, gpu, fragmentation_margin)
+        budget_bytes = gpu.process_memory_bytes
+    needs, reserved = device_needs(config, inventory, plan, stages[most_loaded], steps[most_loaded], gpu,
+                                   None if paper_only else budget_bytes, fragmentation_margin, allocator, alloc_conf)
     perf = None
     if gpu is not None:
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
@@ -209,8 +218,34 @@ def estimate(
         notes=_notes(config, peak, terms, values, inventory),
         hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
                for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
-        host_budget_bytes=host_budget_bytes,
+        host_budget_bytes=host_budget_bytes, reserved=reserved,
     )
+
+
+def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
+                 gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
+                 allocator: str = "default", alloc_conf: Optional[str] = None) -> tuple[DeviceMemory, Optional[Reserved]]:
+    """What one GPU of the stage needs: its allocated peak + the fragmentation margin (the GPU preset's, or the
+    one given) + the runtime outside PyTorch's pool. With a budget, and a plan the allocation stream models, the
+    run is also replayed through the caching allocator on the budget less the runtime (memory/reserved.py);
+    when the replay reserves more beyond the allocated peak than the margin (or dies: then what it held and
+    asked for, more than it may take), that is the fragmentation. The replay runs the stage's 1F1B schedule with
+    at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same)."""
+    flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
+    if budget_bytes is None or not_streamed(config.training, plan):
+        return flat, None
+    workspace = gpu.workspace_bytes if gpu is not None else 0
+    in_flight = chunks_in_flight(stage_mem.stage, plan.p, 1, plan.microbatches)
+    replayed_plan = dataclasses.replace(plan, microbatches=min(int(plan.microbatches), int(in_flight) + 2))
+    stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
+                        workspace_bytes=workspace)
+    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, allocator, alloc_conf)
+    # dies: at least over the budget (the OOM event says where; what it would need is not known)
+    needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
+    replayed = needed - (step.peak_bytes + workspace)
+    if replayed <= flat.fragmentation_bytes:
+        return flat, reserved
+    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True), reserved
 
 
 def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
@@ -234,16 +269,23 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
 
 
 def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,
-                 fragmentation_margin: Optional[float] = None) -> int:
-    """What the most loaded GPU of `config` needs: the highest stage peak + margin + runtime
-    (what `estimate` decides a fit on, without its report)."""
+                 fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
+                 allocator: str = "default", alloc_conf: Optional[str] = None) -> int:
+    """What the most loaded GPU of `config` needs (what `estimate` decides a fit on, without its report): with a
+    budget, the caching allocator's replay in it (more than the budget when the run dies), else the highest
+    stage peak + margin + runtime."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
     inventory = training_inventory(config.model, impl, device, config.training)
     plan = PlanValues.from_config(config)
-    peak = max(s.peak_bytes for s in step_peaks(config, inventory, plan))
-    return int(device_memory(peak, plan, inventory, gpu, fragmentation_margin).total)
+    mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
+                         layout=inventory.weight_layout) for i in range(config.parallel.pp)]
+    steps = step_peaks(config, inventory, plan, mems)
+    top = max(range(len(mems)), key=lambda i: (steps[i].peak_bytes, mems[i].total, -i))
+    needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
+                            allocator, alloc_conf)
+    return int(needs.total)
 
 
 def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],

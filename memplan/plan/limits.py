@@ -1,5 +1,6 @@
 """The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`,
-`--max-micro-batch`), by bisection on the fit verdict `estimate` gives: the step peak grows with s
+`--max-micro-batch`), by bisection on the fit verdict `estimate` gives (the flat margin and the caching
+allocator's replay): the step peak grows with s
 and b (a property test checks it), so the answer is exact to one step of the search.
 """
 
@@ -44,28 +45,31 @@ def _with(config: Config, model: Optional[dict] = None, training: Optional[dict]
 
 
 def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
-                gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None) -> Optional[int]:
+                gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None, allocator: str = "default",
+                alloc_conf: Optional[str] = None) -> Optional[int]:
     """The longest sequence this plan fits in `budget_bytes` with (a multiple of t under sequence
     parallelism, and of the loss chunks), all else equal; None when none does."""
     step = config.parallel.tp if config.parallel.sp else 1
     step = step * config.training.loss_chunks // math.gcd(step, config.training.loss_chunks)  # the chunks divide s
 
     def fits(s: int) -> bool:
-        return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu,
-                            fragmentation_margin) <= budget_bytes
+        return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
+                            budget_bytes, allocator, alloc_conf) <= budget_bytes
 
     return largest(fits, step, SEQ_LIMIT)
 
 
 def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
-                    gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None) -> Optional[int]:
+                    gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None,
+                    allocator: str = "default", alloc_conf: Optional[str] = None) -> Optional[int]:
     """The largest micro-batch this plan fits with, the micro-batches per step unchanged (so the
     global batch grows with b); None when none does."""
     M, d = config.num_microbatches, config.parallel.dp
 
     def fits(b: int) -> bool:
         c = _with(config, training=dict(micro_batch=b, global_batch=b * d * M))
-        return device_bytes(c, impl, device, gpu, fragmentation_margin) <= budget_bytes
+        return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes, allocator,
+                            alloc_conf) <= budget_bytes
 
     return largest(fits, 1, MICRO_BATCH_LIMIT)
 

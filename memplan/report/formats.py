@@ -127,10 +127,26 @@ def peak_dict(est: Estimate) -> dict[str, Any]:
         "fragmentation_bytes": int(dev.fragmentation_bytes),
         "runtime_bytes": int(dev.runtime_bytes),
         "device_bytes": int(dev.total),
+        **allocator_dict(est),
         "stage_peak_bytes": [int(s.peak_bytes) for s in est.steps],
         "timeline": [{"phase": ev.phase, "layer": ev.layer, "moment": ev.moment, "bytes": int(ev.bytes)}
                      for ev in step.events if ev.bytes],
     }
+
+
+def allocator_dict(est: Estimate) -> dict[str, Any]:
+    """The caching allocator's replay of the most loaded GPU's run (memory/reserved.py; None where not replayed:
+    no budget, or a plan the allocation stream does not model)."""
+    r = est.reserved
+    if r is None:
+        return {"allocator": None, "reserved_peak_bytes": None, "inactive_split_bytes": None, "oom_event": None}
+    res = r.result
+    return {"allocator": r.allocator, "alloc_conf": r.alloc_conf, "allocator_capacity_bytes": int(r.capacity_bytes),
+            "reserved_peak_bytes": int(res.reserved_peak_bytes), "replayed_allocated_peak_bytes":
+            int(res.allocated_peak_bytes), "inactive_split_bytes": int(res.inactive_split_bytes_at_reserved_peak),
+            "segments": int(res.segments_at_reserved_peak), "num_alloc_retries": int(res.num_alloc_retries),
+            "replayed_stage": r.stage, "replayed_events": r.events, "oom_event": r.oom_event,
+            "fragmentation_replayed": bool(est.device.replayed), "expandable_fits": r.expandable_fits}
 
 
 def perf_dict(perf: Any) -> dict[str, Any]:

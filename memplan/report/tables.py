@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional
 
 from rich import box
 from rich.console import Console, JustifyMethod
+from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
@@ -194,7 +195,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if est.budget_bytes is not None:
         where = f" ({markup(est.gpu.name)})" if est.gpu is not None else ""
         head = est.headroom_bytes
-        margin = (f"allocated peak + {est.device.margin:.0%} fragmentation margin + runtime = "
+        margin = (f"allocated peak + {'the replayed fragmentation' if est.device.replayed else f'{est.device.margin:.0%} fragmentation margin'} + runtime = "
                   f"{format_gb(est.device.total)}")
         if head >= 0:
             console.print(f"[green]fits[/] in {format_gb(est.budget_bytes)}{where}: {margin}, {format_gb(head)} headroom "
@@ -204,7 +205,29 @@ def render_estimate(est: Estimate, console: Console) -> None:
                           f"{format_gb(-head)} on stage {est.most_loaded}")
     else:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
+    render_replay(est, console)
     render_host(est, console)
+
+
+def render_replay(est: Estimate, console: Console) -> None:
+    """The caching allocator's replay of the most loaded GPU's run: what it reserved, or where the run dies."""
+    r = est.reserved
+    if r is None:
+        return
+    res = r.result
+    what = (f"caching allocator ({r.allocator}{', ' + r.alloc_conf if r.alloc_conf else ''}; the run of stage {r.stage} "
+            f"replayed, {r.events:,} allocations and frees; derived, not measured)")
+    if r.fits:
+        console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
+                      f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
+                      f"(inactive split), {res.segments_at_reserved_peak:,} segments")
+        return
+    e = r.oom_event
+    console.print(f"[red]{what}: the run dies[/] in {escape(e['phase'])} allocating {escape(e['name'])} "
+                  f"({format_gb(e['requested_bytes'])}): {format_gb(e['reserved_bytes'])} reserved, "
+                  f"{format_gb(e['allocated_bytes'])} allocated, of {format_gb(r.capacity_bytes)} it may take")
+    if r.expandable_fits:
+        console.print("with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
 def render_host(est: Estimate, console: Console) -> None:
@@ -262,7 +285,8 @@ def render_peak(est: Estimate, console: Console) -> None:
     table.add_row("cuBLAS workspace (inside PyTorch's pool)", format_gb(dev.workspace_bytes), "runtime")
     table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{format_gb(dev.allocated_peak)}[/]",
                   "")
-    table.add_row(f"fragmentation margin ({dev.margin:.0%} of the allocated peak)", format_gb(dev.fragmentation_bytes),
+    table.add_row("fragmentation (the caching allocator's replay, above the margin)" if dev.replayed else
+                  f"fragmentation margin ({dev.margin:.0%} of the allocated peak)", format_gb(dev.fragmentation_bytes),
                   "allocator")
     table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", format_gb(dev.runtime_bytes), "runtime")
     table.add_row("[bold]device memory needed[/]", f"[bold]{format_gb(dev.total)}[/]", "")

@@ -301,6 +301,7 @@ def test_target_ids_for_batch_one_keep_the_padded_labels():
     assert (e.shape, e.dtype, e.bytes) == ((16,), "int64", target_bytes(16, 1)) == ((16,), "int64", 8 * 17)
 
 
+@pytest.mark.slow  # test_bytes_by_label_match_the_hand_derivation's proof at Llama-3-8B's size, under FakeTensorMode
 def test_llama3_8b_layer_under_fake_mode():
     """Llama-3-8B shapes (h 4096, a 32, g 8, f 14336), s 4096, b 1, dropout 0: one layer, fake."""
     dims = dict(s=4096, b=1, h=4096, a=32, f=14336)

@@ -1,0 +1,5 @@
+"""`python -m memplan.cli`: the `memplan` command."""
+
+from memplan.cli import main
+
+main()

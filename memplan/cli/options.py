@@ -1,0 +1,185 @@
+"""The options the commands share (the plan, the output format) and their parsing callbacks: sizes, token counts,
+MsT pieces, the optimizers' names. Parsing only; what an option means is the API's (memplan/api/options.py)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NoReturn, Optional
+
+import click
+
+# memplan/core/training.py OPTIMIZERS (a test checks they agree; specs loads pydantic, which --help does not need)
+OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
+
+
+def refuse(message: str) -> NoReturn:
+    """Refuse the input with memplan's error (memplan.core.errors loads only when a command refuses)."""
+    from memplan.core.errors import MemplanError
+
+    raise MemplanError(message)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    from memplan.api.values import budget_bytes
+
+    return budget_bytes(value, param.opts[0])
+
+
+def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    from memplan.api.values import token_count
+
+    return token_count(value)
+
+
+def _mst(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
+    from memplan.api.values import mst_pieces
+
+    return mst_pieces(value)
+
+
+def plan_options(func: Callable) -> Callable:
+    """Options shared by every command that builds a plan for a model."""
+    options = [
+        click.option("--model", "model", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
+        click.option("--hf-config", "hf_config", metavar="config.json",
+                     help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
+        click.option("--attention", type=click.Choice(["eager", "flash"]),
+                     help="Attention kernel: eager stores the s x s scores; flash does not."),
+        click.option("--tp", type=int, help="Tensor-parallel size t."),
+        click.option("--pp", type=int, help="Pipeline-parallel size p."),
+        click.option("--dp", type=int, help="Data-parallel size d."),
+        click.option("--vpp", type=int, help="Interleaved (virtual) stages m per pipeline rank."),
+        click.option("--first-stage-layers", type=click.IntRange(1), metavar="N",
+                     help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
+                          "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),
+        click.option("--last-stage-layers", type=click.IntRange(1), metavar="N",
+                     help="Transformer layers on the last pipeline stage (Megatron-LM "
+                          "--decoder-last-pipeline-num-layers)."),
+        click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
+        click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
+                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/memory/parallel.py). search: tried "
+                     "from s >= 16384 on."),
+        click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
+                     help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
+        click.option("--ep", type=click.IntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
+                     "per GPU; ep x etp must divide t x cp x d."),
+        click.option("--etp", type=click.IntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
+        click.option("--moe-imbalance", type=click.FloatRange(1.0, 1024.0), metavar="F",
+                     help="MoE, --impl megatron*: the busiest GPU's routed tokens relative to the average (1.0 = "
+                          "balanced, default); scales the routed-token activations (pinned in search)."),
+        click.option("--moe-capacity-factor", type=click.FloatRange(0, 1024.0, min_open=True), metavar="C",
+                     help="MoE, --impl megatron*: each expert takes at most C k s b / E tokens, the rest dropped "
+                          "(Megatron-LM --moe-expert-capacity-factor): routed terms bounded by min(imbalance, C)."),
+        click.option("--moe-pad-to-capacity", is_flag=True, default=None,
+                     help="With --moe-capacity-factor: every expert's input padded to its capacity (Megatron-LM "
+                          "--moe-pad-expert-input-to-capacity): routed terms x C."),
+        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
+                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
+        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
+        click.option("--recompute-num-layers", type=int,
+                     help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
+        click.option("--micro-batch", type=int, help="Micro-batch size b."),
+        click.option("--global-batch", type=int, help="Global batch in sequences per step."),
+        click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",
+                     help="Global batch in tokens per step (4M = 4x10^6, 4Mi = 4x2^20), rounded to whole sequences."),
+        click.option("--seq-len", type=int,
+                     help="Sequence length s (the preset's tokens per step are kept unless the batch is given)."),
+        click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
+        click.option("--zero", type=click.IntRange(0, 3),
+                     help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
+                          "2 also gradients; 3 also weights."),
+        click.option("--zero-shard", type=int,
+                     help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
+        click.option("--distributed-optimizer", is_flag=True, default=None,
+                     help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
+        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
+                     show_default=True,
+                     help="Which code runs the model: what it saves differs (see `memplan impls`)."),
+        click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
+                     help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
+                          "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS),
+                     help="Optimizer (pinned: search keeps it): adamw (default; 'adam' in YAML), sgd (momentum), "
+                          "sgd-nomomentum, adafactor (factored second moment), adam8bit (bitsandbytes), muon (hidden "
+                          "matrices; AdamW on the rest), lion. States and step temporaries: `memplan impls`."),
+        click.option("--optimizer-impl", type=click.Choice(["foreach", "fused", "for-loop"]),
+                     help="The optimizer's implementation: torch's foreach keeps parameter-sized temporaries in its "
+                          "step, fused none, for-loop one tensor's (default: the implementation's where the optimizer "
+                          "has it, else the optimizer's own; see `memplan impls`)."),
+        click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
+                     help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
+                          "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
+                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py)."),
+        click.option("--fp8", "fp8", type=click.Choice(["delayed", "tensorwise", "blockwise", "mxfp8", "custom"]),
+                     metavar="RECIPE",
+                     help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
+                          "tensorwise or blockwise; pinned in search): FP8 linear inputs, weight caches, scaling "
+                          "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/inventory/fp8.py)."),
+        click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
+                     help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
+        click.option("--fp8-amax-history-len", type=click.IntRange(1), metavar="N",
+                     help="With --fp8 delayed: amax values kept per FP8 tensor (default 1, Megatron-LM's)."),
+        click.option("--fp8-param-gather", is_flag=True, default=None,
+                     help="With --fp8: the linear weights kept only in FP8 (Megatron-LM --fp8-param-gather)."),
+        click.option("--mst", callback=_mst, metavar="M|auto",
+                     help="Mini-Sequence Transformer (MsT, arXiv 2407.15892; --impl hf-*, Llama layout, with "
+                          "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
+                          "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
+                          "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
+        click.option("--optimizer-in-backward", is_flag=True, default=None,
+                     help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
+                          "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
+                          "AdamW per parameter, the LM head's step after the embedding's); --impl hf-*, adamw, one "
+                          "micro-batch. Measured (validation/step.py loop in-backward)."),
+        click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
+                     help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
+                          "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
+                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/memory/offload.py."),
+        click.option("--offload-fraction", type=click.FloatRange(0, 1, min_open=True), metavar="F",
+                     help="With --offload optimizer: the fraction of the optimizer states offloaded (default 1.0; "
+                          "Megatron-LM --optimizer-offload-fraction)."),
+        click.option("--host-mem", "host_mem", callback=_size, metavar="SIZE",
+                     help="Host memory per node for the offload, e.g. 2TB or 2TiB: a plan fits only within it too "
+                          "(estimate's verdict, search's filter)."),
+        click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
+                     help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
+        click.option("--allocator", type=click.Choice(["default", "expandable"]), default="default",
+                     help="The caching allocator the run is replayed through (memplan/memory/reserved.py)."),
+        click.option("--alloc-conf", "alloc_conf", metavar="TEXT", help="PYTORCH_CUDA_ALLOC_CONF for the replay."),
+        click.option("--gpu", "gpu", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
+        click.option("--mem", "mem", callback=_size, metavar="SIZE",
+                     help="Memory budget per GPU, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
+
+
+def output_options(func: Callable) -> Callable:
+    """--format and --plot, shared by estimate and search."""
+    options = [
+        click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown", "csv"]),
+                     help="Output: a terminal table (default), JSON (= --json), a Markdown table (docs, issue "
+                          "threads) or CSV (spreadsheets); all from the one JSON schema."),
+        click.option("--plot", "plot", metavar="FILE.png|FILE.svg",
+                     help="Also draw a picture into FILE (PNG or SVG by the extension; needs memplan[plot])."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), func)
+
+
+def output_format(opts: dict[str, Any]) -> str:
+    """The output format: --format, with --json as an alias of --format json (both taken out of `opts`, which
+    are then the API's keyword arguments)."""
+    fmt = opts.pop("fmt")
+    if opts.pop("as_json"):
+        if fmt not in (None, "json"):
+            refuse(f"--json conflicts with --format {fmt}")
+        return "json"
+    return fmt or "table"
+
+
+def check_plots(paths: dict[str, Optional[str]]) -> None:
+    """Refuse bad --plot files (name, folder, two options on one file) before any work (plots load only then)."""
+    if any(paths.values()):
+        from memplan.report.plots import check_plot_paths
+
+        check_plot_paths(paths)

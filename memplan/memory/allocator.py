@@ -1,0 +1,322 @@
+"""The replay of a run through a model of PyTorch's CUDA caching allocator on one device: `replay(events,
+capacity_bytes, config)` walks an ordered stream of allocations and frees and returns a `ReplayResult` (the
+reserved peak, the allocated peak as torch.cuda.max_memory_allocated, inactive split bytes, retries, the first
+out-of-memory and what its message would say). `CachingAllocatorModel` holds the allocator's state (segments,
+blocks, free lists, statistics) and runs `DeviceCachingAllocator::malloc` / `free` / `emptyCache` of
+c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.9-2.11) step by step, calling the rules of
+memplan.memory.alloc_rules through that module; the settings are memplan.memory.alloc_conf's.
+
+The device: `capacity_bytes` is the memory the allocator may hold (cudaMalloc, or mapping a page, fails when
+reserved + the new segment > capacity): the card's total memory less the CUDA context, NCCL and whatever else
+lives outside PyTorch's allocator.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.memory import alloc_rules as rules
+from memplan.memory.alloc_conf import AllocatorConfig
+from memplan.memory.alloc_rules import Block, Pool
+
+_ADDRESS_LIMIT = 1 << 56
+_ALIGN = 2 << 20
+_MISSING = object()
+
+
+class AllocEvent(NamedTuple):
+    """One event of the stream: op "alloc" (size_bytes as requested, unrounded), "free" (size ignored) or
+    "empty_cache" (torch.cuda.empty_cache(); id and size ignored), on CUDA stream `stream`. A plain 4-tuple
+    (op, tensor_id, size_bytes, stream) works as well and is what a long stream should use."""
+
+    op: str
+    tensor_id: Any
+    size_bytes: int = 0
+    stream: int = 0
+
+
+def format_size(size: int) -> str:
+    """A byte count as PyTorch's out-of-memory message writes it (`format_size`): bytes up to 1 KiB, then KiB,
+    MiB up to 1 GiB, then GiB, two decimals."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1 << 20:
+        return f"{size / 1024:.2f} KiB"
+    if size <= 1 << 30:
+        return f"{size / (1 << 20):.2f} MiB"
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The event the run dies at, and the state the allocator reports in its OutOfMemoryError (after it has
+    released every cached whole segment)."""
+
+    event_index: int
+    tensor_id: Any
+    stream: int
+    requested_bytes: int
+    rounded_bytes: int
+    tried_to_allocate_bytes: int  # the segment it asked for: PyTorch's "Tried to allocate" is get_allocation_size
+    allocated_bytes: int
+    reserved_bytes: int
+    capacity_bytes: int
+
+    @property
+    def reserved_unallocated_bytes(self) -> int:
+        return self.reserved_bytes - self.allocated_bytes
+
+    @property
+    def message(self) -> str:
+        """The lines of PyTorch's message the replay knows (the allocator's capacity stands for the GPU's)."""
+        return (f"CUDA out of memory. Tried to allocate {format_size(self.tried_to_allocate_bytes)}. The allocator "
+                f"may hold {format_size(self.capacity_bytes)} of which "
+                f"{format_size(self.capacity_bytes - self.reserved_bytes)} is free. Of the allocated memory "
+                f"{format_size(self.allocated_bytes)} is allocated by PyTorch, and "
+                f"{format_size(self.reserved_unallocated_bytes)} is reserved by PyTorch but unallocated.")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay measured, in the names of torch.cuda.memory_stats() where there is one.
+
+    reserved_peak_bytes: reserved_bytes.all.peak (max_memory_reserved).
+    allocated_peak_bytes: allocated_bytes.all.peak (max_memory_allocated): rounded block sizes, with the
+        unsplit remainder a block was handed out with.
+    requested_peak_bytes: requested_bytes.all.peak: the sizes as asked.
+    inactive_split_bytes_at_reserved_peak: inactive_split_bytes.all.current after the event that set the reserved
+        peak: free bytes inside segments that still hold a live block (expandable segments excluded, as PyTorch).
+    inactive_split_peak_bytes: inactive_split_bytes.all.peak.
+    segments_at_reserved_peak: cudaMalloc segments after that event (an expandable segment counts as one).
+    num_alloc_retries / num_ooms: as memory_stats (num_ooms is 0 or 1: the replay stops at the first).
+    events_replayed: events done before the out-of-memory (all of them when it fits).
+    reserved_end_bytes / allocated_end_bytes: after the last event replayed.
+    oom: the first out-of-memory, or None.
+    """
+
+    reserved_peak_bytes: int
+    allocated_peak_bytes: int
+    requested_peak_bytes: int
+    inactive_split_bytes_at_reserved_peak: int
+    inactive_split_peak_bytes: int
+    segments_at_reserved_peak: int
+    num_alloc_retries: int
+    num_ooms: int
+    events_replayed: int
+    reserved_end_bytes: int
+    allocated_end_bytes: int
+    oom: Optional[OutOfMemory]
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+
+class CachingAllocatorModel:
+    """The allocator of one device: `malloc(size, stream)` returns the Block a tensor gets (None: out of
+    memory), `free(block)` caches it again, `empty_cache()` returns the cached whole segments. Its fields
+    are the rules' view of it (memplan.memory.alloc_rules)."""
+
+    def __init__(self, capacity_bytes: int, config: Optional[AllocatorConfig] = None):
+        config = AllocatorConfig() if config is None else config
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
+            raise MemplanError(f"capacity_bytes must be a non-negative integer, got {capacity_bytes!r}")
+        if config.backend != "native":
+            raise MemplanError(f"backend:{config.backend} hands memory to the driver's pool, which memplan does "
+                               f"not model; replay the native allocator")
+        self.config = config
+        self.capacity = capacity_bytes
+        self.fraction_set = config.memory_fraction is not None
+        # allowed_memory_maximum = fraction * the device's total memory; here of the capacity replayed
+        self.allowed_bytes = int(config.memory_fraction * capacity_bytes) if self.fraction_set else capacity_bytes
+        self.gc_enabled = self.fraction_set and config.garbage_collection_threshold > 0
+        self.reserved = self.allocated = self.requested = 0
+        self.reserved_peak = self.allocated_peak = self.requested_peak = 0
+        self.inactive_split = self.inactive_split_peak = 0
+        self.segments = 0
+        self.num_alloc_retries = self.num_ooms = 0
+        self.gc_calls = [0, 0]  # BlockPool::get_free_blocks_call_count of the small and the large pool
+        self.pools: dict[tuple[int, bool], Pool] = {}
+        self.peak_moved = False
+        self.last_failure = (0, 0)  # (rounded size, segment size) of the last request that found no memory
+        self._next_address = _ALIGN
+        self._sizes: dict[tuple[int, int], tuple[int, Pool, int]] = {}
+
+    def grow(self, nbytes: int) -> None:
+        """reserved_bytes grows (a segment cudaMalloc'ed or pages mapped)."""
+        self.reserved += nbytes
+        if self.reserved > self.reserved_peak:
+            self.reserved_peak = self.reserved
+            self.peak_moved = True
+
+    def new_address(self, nbytes: int) -> int:
+        """A fresh virtual address range (never reused: addresses only order blocks of equal size)."""
+        address = self._next_address
+        self._next_address += -(-nbytes // _ALIGN) * _ALIGN
+        if self._next_address >= _ADDRESS_LIMIT:
+            raise MemplanError("the replay ran out of model addresses (2^56 bytes of segments); split the stream")
+        return address
+
+    def pool(self, key: tuple[int, bool]) -> Pool:
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = Pool(key[0], key[1], self)
+        return pool
+
+    def alloc_block(self, pool: Pool, size: int, alloc_size: int, is_retry: bool) -> Optional[Block]:
+        """`alloc_block`: a new segment of alloc_size (or, with expandable segments, pages mapped for size);
+        None when the memory fraction or the device refuses. A retry counts in num_alloc_retries."""
+        if is_retry:
+            self.num_alloc_retries += 1
+        if self.fraction_set and self.reserved + alloc_size > self.allowed_bytes:
+            return None
+        if self.config.expandable_segments:
+            return rules.try_allocate_expandable_block(self, pool, size)
+        if self.reserved + alloc_size > self.capacity:
+            return None
+        block = Block(self.new_address(alloc_size), alloc_size, pool)
+        self.segments += 1
+        self.grow(alloc_size)
+        return block
+
+    def malloc(self, orig_size: int, stream: int = 0) -> Optional[Block]:
+        """`DeviceCachingAllocator::malloc`: round, pick the pool, take the best cached block, else (after a
+        garbage collection when enabled) a new segment, else release the oversize cached blocks and retry,
+        else release every cached whole segment and retry once; then split the block when the rule says so."""
+        cached = self._sizes.get((orig_size, stream))
+        if cached is None:
+            size = rules.round_size(orig_size, self.config)
+            cached = (size, self.pool(rules.get_pool(size, stream)), rules.get_allocation_size(size))
+            self._sizes[(orig_size, stream)] = cached
+        size, pool, alloc_size = cached
+        config = self.config
+        if self.gc_enabled:
+            self.gc_calls[pool.large] += 1
+        block = rules.get_free_block(pool, size, config)
+        if block is None:
+            if self.gc_enabled:
+                rules.garbage_collect_cached_blocks(self)
+            block = self.alloc_block(pool, size, alloc_size, False)
+            if block is None and rules.release_available_cached_blocks(self, pool, size):
+                block = self.alloc_block(pool, size, alloc_size, False)
+            if block is None and rules.release_cached_blocks(self):
+                block = self.alloc_block(pool, size, alloc_size, True)
+            if block is None:
+                self.num_ooms += 1
+                self.last_failure = (size, alloc_size)
+                return None
+        # alloc_found_block
+        already_split = block.prev is not None or block.next is not None
+        if rules.should_split(block.size, size, pool.large, config):
+            rest = block
+            block = Block(rest.addr, size, pool, rest.seg)
+            block.prev = rest.prev
+            if rest.prev is not None:
+                rest.prev.next = block
+            block.next = rest
+            rest.prev = block
+            rest.addr += size
+            rest.size -= size
+            pool.add(rest)
+            if rest.seg is None:
+                self.inactive_split += -size if already_split else rest.size
+                if self.inactive_split > self.inactive_split_peak:
+                    self.inactive_split_peak = self.inactive_split
+        elif already_split and block.seg is None:
+            self.inactive_split -= block.size
+        block.allocated = True
+        block.requested = orig_size
+        self.allocated += block.size
+        self.requested += orig_size
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
+        if self.requested > self.requested_peak:
+            self.requested_peak = self.requested
+        return block
+
+    def free(self, block: Block) -> None:
+        """`DeviceCachingAllocator::free` / `free_block`: merge with free neighbours (try_merge_blocks) and cache."""
+        if not block.allocated:
+            raise MemplanError("a block was freed twice")
+        block.allocated = False
+        self.allocated -= block.size
+        self.requested -= block.requested
+        pool = block.pool
+        net = -rules.try_merge_blocks(block, block.prev, pool)
+        net -= rules.try_merge_blocks(block, block.next, pool)
+        pool.add(block)
+        if block.seg is None:
+            if block.prev is not None or block.next is not None:
+                net += block.size
+            self.inactive_split += net
+            if self.inactive_split > self.inactive_split_peak:
+                self.inactive_split_peak = self.inactive_split
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): `emptyCache` -> release_cached_blocks."""
+        rules.release_cached_blocks(self)
+
+
+def _event_error(index: int, event: Any, why: str) -> MemplanError:
+    return MemplanError(f"allocation event {index} {event!r}: {why}")
+
+
+def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConfig] = None) -> ReplayResult:
+    """Replay an ordered stream of AllocEvent / (op, tensor_id, size_bytes, stream) tuples through the caching
+    allocator of a device whose allocator may hold `capacity_bytes`; stop at the first out-of-memory, as the
+    training script would. A tensor id is live from its "alloc" to its "free"; a 0-byte tensor takes no
+    memory (PyTorch never calls malloc for it)."""
+    state = CachingAllocatorModel(capacity_bytes, config)
+    live: dict[Any, Optional[Block]] = {}
+    malloc, free = state.malloc, state.free
+    oom = None
+    at_peak = (0, 0)
+    replayed = 0
+    for index, event in enumerate(events):
+        try:
+            op, tensor_id, size, stream = event
+        except (TypeError, ValueError):
+            raise _event_error(index, event, "expected (op, tensor_id, size_bytes, stream)") from None
+        if op == "alloc":
+            if tensor_id in live:
+                raise _event_error(index, event, "this tensor id is already live (allocated and not freed)")
+            if type(size) is not int:
+                try:
+                    size = operator.index(size)
+                except TypeError:
+                    raise _event_error(index, event, "the size must be an integer number of bytes") from None
+            if size <= 0:
+                if size < 0:
+                    raise _event_error(index, event, "a negative size")
+                live[tensor_id] = None
+            else:
+                block = malloc(size, stream)
+                if block is None:
+                    rounded, segment = state.last_failure
+                    oom = OutOfMemory(index, tensor_id, stream, size, rounded, segment, state.allocated,
+                                      state.reserved, capacity_bytes)
+                    break
+                live[tensor_id] = block
+                if state.peak_moved:
+                    state.peak_moved = False
+                    at_peak = (state.inactive_split, state.segments)
+        elif op == "free":
+            block = live.pop(tensor_id, _MISSING)
+            if block is _MISSING:
+                raise _event_error(index, event, "frees a tensor id that is not live")
+            if block is not None:
+                free(block)
+        elif op == "empty_cache":
+            state.empty_cache()
+        else:
+            raise _event_error(index, event, f"unknown op {op!r} (alloc, free or empty_cache)")
+        replayed = index + 1
+    return ReplayResult(
+        reserved_peak_bytes=state.reserved_peak, allocated_peak_bytes=state.allocated_peak,
+        requested_peak_bytes=state.requested_peak, inactive_split_bytes_at_reserved_peak=at_peak[0],
+        inactive_split_peak_bytes=state.inactive_split_peak, segments_at_reserved_peak=at_peak[1],
+        num_alloc_retries=state.num_alloc_retries, num_ooms=state.num_ooms, events_replayed=replayed,
+        reserved_end_bytes=state.reserved, allocated_end_bytes=state.allocated, oom=oom)

@@ -1,0 +1,485 @@
+"""The allocation stream of one GPU of a pipeline stage for the run a training script does: every
+allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and every free, in order,
+for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
+(memplan's verdict at the margin, /work/shared/reference/allocator.md "What a replay needs").
+
+The run: the model built (one allocation per parameter tensor, `states.weight_shapes`, registration order);
+the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
+ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's
+1F1B schedule (p - stage - 1 warm-up forwards, forward / backward pairs, cool-down backwards), the optimizer
+step and zero_grad. AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
+step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first write in
+the backward, zero_grad frees them.
+
+Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks
+the per-tensor order of the real code that reproduces them at every timeline event: autograd's (a layer's
+saved tensors in forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a
+moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
+tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
+layer's at its end; a traced moment's gradients in elements as one tensor). Between two timeline events every
+free precedes every allocation, so no point exceeds both neighbours: the maximum is the timeline's peak. A
+group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
+absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
+allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
+collectives write into compute-stream tensors, its gradient-reduce overlap into the buffer); tensors named for
+a gather / all-to-all / dispatch are of kind "communication".
+
+Sizes: `Alloc.size` is the bytes requested (a term's storage: ceil(bytes / storages), before the 512 B
+rounding); `Alloc.bytes` what the timeline counts (a term's storage rounded to Inventory.granularity once,
+states as requested). `marks` tie the timeline's events (its walk of the last step) to stream positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, NamedTuple, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute, TrainingSpec
+from memplan.core.symbolic import Poly
+from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
+from memplan.inventory.types import Inventory, Moment, Term
+from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.stage import StageMemory, stage_memory
+from memplan.memory.parallel import expert_shard, state_shard
+from memplan.memory.states import output_layer_group, param_groups, shard_bytes, weight_shapes
+from memplan.memory.term_bytes import PlanValues, TermBytes
+from memplan.memory.timeline import StepPeak, optimizer_impl, step_events
+
+KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
+STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
+               "sgd-nomomentum": ()}
+_COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
+
+
+class Alloc(NamedTuple):
+    id: int
+    size: int  # bytes requested (before the caching allocator's rounding)
+    stream: int  # 0: the default compute stream
+    kind: str  # one of KINDS
+    name: str
+    poly: Optional[Poly]  # the requested bytes as a polynomial in s and b (None: a state sized by shapes)
+    bytes: int  # as the step timeline counts it (a term's storage rounded to the inventory's granularity)
+
+
+class Free(NamedTuple):
+    id: int
+
+
+@dataclass(frozen=True)
+class AllocationStream:
+    """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
+    of stream events before that event's point) for the last step, and `phases`: (what starts, position)."""
+
+    events: list  # Alloc | Free
+    marks: list[tuple[int, int]]
+    phases: list[tuple[str, int]]
+    step: StepPeak  # the timeline walk of the stage (the steady-state step)
+    stage: int
+
+    def live_bytes(self) -> list[int]:
+        """Bytes alive (as the timeline counts them) after each event."""
+        size = {e.id: e.bytes for e in self.events if type(e) is Alloc}
+        live, out = 0, []
+        for e in self.events:
+            live += size[e.id] if type(e) is Alloc else -size[e.id]
+            out.append(live)
+        return out
+
+    def at_marks(self) -> list[tuple[int, int]]:
+        """(timeline event index, the stream's live bytes at its point)."""
+        live = [0] + self.live_bytes()
+        return [(i, live[pos]) for i, pos in self.marks]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes(), default=0)
+
+
+def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
+    """What of the plan the stream does not model ("" when it models all of it)."""
+    why = [what for what, on in (("activation offload", training.offload_activations),
+                                 ("optimizer offload", training.offload_optimizer_fraction),
+                                 ("the optimizer step in the backward", training.optimizer_in_backward),
+                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1),
+                                 ("ZeRO-3", plan.zero >= 3)) if on]
+    return ", ".join(why)
+
+
+def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
+               stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
+               workspace_bytes: int = 0) -> AllocationStream:
+    """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
+    why = not_streamed(training, plan)
+    if why or steps < 1:
+        raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
+                           f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
+    if stage_mem is None:
+        stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
+                                 layout=inventory.weight_layout)
+    return _Run(model, inventory, training, plan, stage, stage_mem, workspace_bytes).run(steps, first_step_seq_len)
+
+
+class _Sizes:
+    """Requested and counted bytes of terms for one sequence length."""
+
+    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
+        self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
+        self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
+        self.cache: dict[tuple, tuple] = {}
+
+    def __call__(self, term: Term, kind: str) -> tuple:
+        """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
+        storage in s and b, kind)."""
+        hit = self.cache.get((id(term), kind))
+        if hit is None:
+            n, st = term.bytes(self.values, self.act, self.sp), term.storages
+            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
+            for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
+                poly = poly.assign(sym, self.values[sym])
+            comm = any(w in term.name.lower() for w in _COMM_WORDS)
+            hit = self.cache[id(term), kind] = (term, -(-n // st), self.counted(term) // st, st * (n > 0), poly,
+                                                "communication" if comm else kind)
+        return hit[1:]
+
+
+def _fit(items: list, target: int) -> list:
+    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last ones dropped while the others
+    reach it (a GPU's E/ep experts), then the last largest absorbs the rest (a vocabulary padded to t)."""
+    total = sum(n for _, n in items)
+    while len(items) > 1 and total - items[-1][1] >= target:
+        total -= items.pop()[1]
+    if items and total != target:
+        big = max(range(len(items)), key=lambda i: (items[i][1], i))
+        items[big][1] += target - total
+    return items
+
+
+class _Run:
+    """Builds the stream; one instance per call."""
+
+    def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
+                 mem: StageMemory, workspace: int) -> None:
+        self.model, self.inv, self.tr, self.plan, self.stage, self.mem = model, inv, training, plan, stage, mem
+        self.events: list = []
+        self.marks: list[tuple[int, int]] = []
+        self.nid, self.ev, self.walk, self.workspace = 0, 0, False, workspace
+        self.is_first, self.is_last = stage == 0, stage == plan.p - 1
+        n, recomputed = plan.chunk_layers(model, stage)
+        self.rec = plan.recompute
+        self.n, self.N = int(n), int(recomputed) * (self.rec != Recompute.NONE)
+        self.buffer = inv.grad_lifetime == "buffer"
+        self.M = int(plan.microbatches)
+        self.k = int(chunks_in_flight(stage, plan.p, 1, plan.microbatches))
+        self.dense_here = model.moe_first_dense_layers * self.is_first
+        self.step = step_events(model, inv, training, plan, mem, stage)
+        self.layer_terms, self.first_terms, self.last_terms, self.chunk_terms = (
+            [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
+             and (scope != "first" or self.is_first)] for scope in ("layer", "first", "last", "chunk"))
+        self.held = list(inv.held) if self.is_last else []
+        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"]
+        # around the loss in the order they happen (the inventory lists them in any order: the timeline sums each
+        # on its own): the forward, then the backward's moments by the gradients they have made
+        self.loss_moments = sorted(enumerate(m for m in inv.moments if m.scope == "last"),
+                                   key=lambda im: (im[1].phase != "loss", len(im[1].grads)))
+        self.bwd_moments = [m for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
+        self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
+                                 if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
+        self.alive_sets: dict[tuple, tuple] = {}
+        self.is_full = self.rec == Recompute.FULL
+        self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
+        self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
+        self.partial: list = []  # a traced moment's gradients made so far (one tensor)
+        self._params()
+
+    # -- primitives --------------------------------------------------------------------------------------------
+    def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
+        self.nid += 1
+        self.events.append(Alloc(self.nid - 1, size, 0, kind, name, poly, counted))
+        return self.nid - 1
+
+    def _free(self, ids: list) -> None:
+        self.events += [Free(i) for i in reversed(ids)]
+
+    def _term(self, t: Term, kind: str, label: str) -> list:
+        req, counted, storages, poly, kind = self.sizes(t, kind)
+        i, name = self.nid, f"{t.name} ({label})"
+        self.nid += storages
+        self.events += [Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages)]
+        return list(range(i, i + storages))
+
+    def _drop(self, alive: dict, keep: Any) -> None:
+        for i in sorted(alive, reverse=True):
+            if i not in keep:
+                self._free(alive.pop(i))
+
+    def _fill(self, alive: dict, terms: list, target: tuple, label: str) -> None:
+        for i in target:
+            if i not in alive:
+                alive[i] = self._term(terms[i], "saved_activation", label)
+
+    def _mark(self, at: Optional[int] = None) -> None:
+        """A point of the timeline (the next event, or the one `at` events on): recorded in the walked pair."""
+        if self.walk:
+            self.marks.append((self.ev + (at or 0), len(self.events)))
+            self.ev += at is None
+
+    def _point(self, extra: list, at: Optional[int] = None) -> None:
+        """The point, then what exists only at it goes."""
+        self._mark(at)
+        self._free(extra)
+
+    def _transients(self, m: Moment, recomputed: bool, label: str) -> list:
+        return [i for t in m.transients if not t.only_full or (recomputed and self.is_full)
+                for i in self._term(t, "transient", f"{m.name}, {label}")]
+
+    # -- parameters and states ---------------------------------------------------------------------------------
+    def _params(self) -> None:
+        model, tr, plan = self.model, self.tr, self.plan
+        values = plan.symbols(model)
+        count = TermBytes(model, plan, tr.activation_bytes).group
+        groups = {g.name: g for g in param_groups(model)}
+        head = output_layer_group()
+        self.untied_head = (not model.tied_embeddings) or plan.p > 1
+        shapes = weight_shapes(model, self.inv.weight_layout)
+        wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),
+                  "dense_layer": ("layer", "dense"), "last": ("last",)}
+        self.tables: dict[str, list] = {}  # scope -> [group, name, params] in registration order
+        for key, scopes in wanted.items():
+            rows = [[w.group, w.name, int(w.on_gpu(values, key in ("layer", "dense_layer")).numel)]
+                    for w in shapes[key] for _ in range(w.count)]
+            targets = {g.name: int(count(g)) for g in groups.values() if g.scope in scopes}
+            self.tables[key] = self._fit_groups(rows, targets)
+        self.tables["head"] = self._fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
+        self.site_of = {g.name: "last" for g in groups.values() if g.scope == "last"}
+        self.site_of.update({g.name: "first" for g in groups.values() if g.scope == "first"}, **{head.name: "head"})
+        self.sites = (["first"] if self.is_first else []) + [j for j in range(1, self.n + 1)] + (
+            (["last"] + (["head"] if self.untied_head else [])) if self.is_last else [])
+        self.head_names = [g.name for g in groups.values() if g.scope == "last"] + [
+            g for _, m in self.loss_moments for g in m.grads]
+        gb, shard = tr.grad_bytes, state_shard(plan)
+        self.grad_rows: dict[tuple, list] = {}
+        for key, rows in self.tables.items():
+            for name in dict.fromkeys(r[0] for r in rows):
+                g = groups.get(name, head)
+                n = sum(r[2] for r in rows if r[0] == name) * gb
+                kept = shard_bytes(n, expert_shard(plan) if g.expert else shard, plan.zero >= 2)
+                self.grad_rows[key, name] = [r for r in _fit([[r[1], r[2] * gb] for r in rows if r[0] == name], kept)
+                                             if r[1] > 0]
+
+    def _fit_groups(self, rows: list, targets: dict) -> list:
+        for name, target in targets.items():
+            mine = [r for r in rows if r[0] == name] or ([rows.append([name, name, 0]) or rows[-1]] if target else [])
+            fitted = _fit([[r[1], r[2]] for r in mine], target)
+            for k, r in enumerate(mine):
+                r[2] = fitted[k][1] if k < len(fitted) else 0
+        return [r for r in rows if r[2] > 0]
+
+    def _table(self, site: Any) -> str:
+        return site if isinstance(site, str) else ("dense_layer" if site <= self.dense_here else "layer")
+
+    def _tensors(self) -> list:
+        """(site, group, name, params) of every parameter tensor of the GPU, in registration order."""
+        return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self._table(site)]]
+
+    def _build(self) -> None:
+        """The model's parameters, the main-gradient buffer, the optimizer's master copy."""
+        tr, states, wb, tensors = self.tr, self.mem.states, self.tr.weight_bytes, self._tensors()
+        for site, _, name, n in tensors:
+            self._alloc(n * wb, n * wb, "parameter", f"{name} ({'layer ' * isinstance(site, int)}{site})")
+        if (rest := states.weights - sum(n for *_, n in tensors) * wb) > 0:  # MTP modules, FP8 weight caches
+            self._alloc(rest, rest, "parameter", "other parameters and weight caches")
+        self.phases.append(("optimizer created", len(self.events)))
+        if self.buffer and states.gradients:
+            self._alloc(states.gradients, states.gradients, "gradient", "main-gradient buffer (fp32)", None)
+        # optimizer states: per tensor (ZeRO 0, states of parameter size), else one flat shard per state
+        names = STATE_NAMES.get(tr.optimizer)
+        total, mb, sb = states.optimizer, tr.master_weight_bytes, tr.optimizer_state_bytes
+        weights = [("optimizer states", 1)] if names is None else (
+            [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names])
+        parts = [[label, total * w // (sum(w for _, w in weights) or 1)] for label, w in weights]
+        if parts:
+            parts[0][1] += total - sum(n for _, n in parts)
+        self.master, self.lazy = [], []
+        flat = " (flat shard)" * (self.plan.zero > 0)
+        for label, n in (part for part in parts if part[1] > 0):
+            rows = (_fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in tensors], n)
+                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
+            (self.master if label.startswith("master") else self.lazy).append(rows)
+        for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
+            self._alloc(n, n, "optimizer_state", name)
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def _ensure(self, site: Any, group: str) -> None:
+        """A group's .grad tensors at `site`, made at their first write."""
+        if (site, group) in self.grad_ids:
+            return
+        rows = self.grad_rows.get((self._table(site), group), [])
+        where = f"layer {site}" if isinstance(site, int) else site
+        self.grad_ids[site, group] = [self._alloc(n, n, "gradient", f"{name}.grad ({where})") for name, n in rows]
+
+    def _ensure_site(self, site: Any) -> None:
+        for group in dict.fromkeys(r[0] for r in self.tables[self._table(site)]):
+            self._ensure(site, group)
+
+    def _new_grad(self, group: str) -> int:
+        """A group's gradient as autograd makes it, in the weights' dtype (one layer's, or the head's)."""
+        site = self.site_of.get(group, self.n)
+        n = sum(r[2] for r in self.tables[self._table(site)] if r[0] == group)
+        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+
+    def _moment_grads(self, m: Moment, site: Any, creating: bool) -> list:
+        """The gradients a moment adds (after the point's frees): the listed groups' .grad where this
+        micro-batch makes them, a traced moment's gradients in elements, the last group's fresh gradient."""
+        fresh = m.fresh and m.grads and (self.inv.grad_hook_transient if self.buffer else not creating)
+        for g in m.grads if creating else ():
+            self._ensure(self.site_of.get(g, site), g)
+        if creating and m.grad_elements:
+            n = shard_bytes(m.grad_elements * self.tr.grad_bytes, self.plan.shard, self.plan.zero >= 2)
+            self.partial = [self._alloc(n, n, "gradient", f"layer {site} gradients made so far (traced)")]
+        if fresh and (n := self._new_grad(m.grads[-1])):
+            return [self._alloc(n, n, "gradient", f"{m.grads[-1]} gradient before accumulation")]
+        return []
+
+    # -- one micro-batch ---------------------------------------------------------------------------------------
+    def _alive(self, m: Moment, rc: bool) -> tuple:
+        """Indices of the layer's saved terms alive at moment m (timeline's plain / full / selective sums)."""
+        if (m.id, rc) not in self.alive_sets:
+            kept = [(t.kept(Recompute.NONE), t) for t in self.layer_terms]
+            self.alive_sets[m.id, rc] = tuple(i for i, (plain, t) in enumerate(kept) if t.id not in m.freed and (
+                plain if not rc or self.rec == Recompute.NONE else (plain or t.kept(Recompute.FULL)) if self.is_full
+                else (t.kept(Recompute.SELECTIVE) or (plain and m.recomputed))))
+        return self.alive_sets[m.id, rc]
+
+    def _forward(self, mb: int) -> dict:
+        label = f"micro-batch {mb}"
+        st: dict = {"held": [i for t in self.held for i in self._term(t, "saved_activation", label)],
+                    "first": [i for t in self.first_terms for i in self._term(t, "saved_activation", label)],
+                    "chunk": {}, "layers": {}, "last": {}}
+        if self.workspace and not self.workspace_made:
+            self.workspace_made = True
+            self._alloc(self.workspace, 0, "workspace", "cuBLAS workspace")
+        self._fill(st["chunk"], self.chunk_terms, tuple(range(len(self.chunk_terms))), label)
+        for j in range(1, self.n + 1):
+            rc, layer = j <= self.N, st["layers"].setdefault(j, {})
+            where = f"layer {j}, {label}"
+            for m in self.fwd_moments:
+                target = self._alive(m, rc)
+                self._drop(layer, set(target))
+                self._fill(layer, self.layer_terms, target, where)
+                self._point(self._transients(m, rc, where))
+            self._drop(layer, set(self.stored[rc]))
+            self._fill(layer, self.layer_terms, self.stored[rc], where)
+            self._mark()
+        if not self.is_last:
+            self.ev += len(self.loss_moments) * self.walk
+            return st
+        creating = not self.buffer and not self.have_grads
+        for at, m in self.loss_moments:
+            target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
+            self._drop(st["last"], set(target))
+            self._fill(st["last"], self.last_terms, target, label)
+            self._point(self._moment_grads(m, "last", creating) + self._transients(m, False, label), at)
+        self.ev += len(self.loss_moments) * self.walk
+        self._drop(st["last"], ())
+        return st
+
+    def _backward(self, st: dict, mb: int) -> None:
+        label = f"micro-batch {mb}"
+        creating = not self.buffer and not self.have_grads
+        owed: list = list(self.head_names) if creating and self.is_last else []
+        # a tied LM head's gradient waits in autograd's input buffer for the embedding's (with a main-grad buffer)
+        self.waiting, wait = [], self._new_grad("word embedding") if self.tied_waits and self.buffer else 0
+        for j in range(self.n, 0, -1):
+            rc, layer = j <= self.N, st["layers"].pop(j)
+            where = f"layer {j}, {label}"
+            for m in self.bwd_moments:
+                if m.layers and j - 1 not in m.layers:
+                    continue
+                if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
+                    continue
+                target = self._alive(m, rc)
+                chunk = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
+                self._drop(layer, set(target))
+                self._drop(st["chunk"], set(chunk))
+                self._pay(owed, wait)
+                self._fill(st["chunk"], self.chunk_terms, chunk, label)
+                self._fill(layer, self.layer_terms, target, where)
+                self._point(self._moment_grads(m, j, creating) + self._transients(m, rc, where))
+            self._drop(layer, ())
+            owed += [j] * creating
+        # embedding backward: this chunk's tensors gone, every gradient made
+        self._drop(st["chunk"], ())
+        self._free(st["held"])
+        self._pay(owed, wait)
+        for site in self.sites if creating else ():  # the embedding's, and any no moment named (the timeline's)
+            self._ensure_site(site)
+        extra = []
+        if self.is_first:
+            extra = self._term(EMBEDDING_OUTPUT_GRAD, "transient", f"embedding backward, {label}")
+            dense = self._new_grad("word embedding")
+            for name, on in (("embedding weight gradient before the hook", self.buffer),
+                             ("tied weights' gradient sum", self.tied_waits),
+                             ("tied LM head gradient (waiting)", self.tied_waits and not self.buffer)):
+                if on and dense:
+                    extra.append(self._alloc(dense, dense, "gradient", f"{name}, {label}"))
+        self._point(extra + self.waiting)
+        self._free(st["first"])
+        self.have_grads = self.have_grads or not self.buffer
+
+    def _pay(self, owed: list, wait: int) -> None:
+        """At a point of the backward, after its frees of saved terms: a traced moment's partial gradients go, the
+        .grad of the layers (and head groups) back-propagated by now come, the waiting tied gradient once."""
+        self._free(self.partial)
+        self.partial = []
+        if wait and not self.waiting:
+            self.waiting = [self._alloc(wait, wait, "gradient", "tied LM head gradient (waiting)")]
+        for x in owed:
+            if isinstance(x, int):
+                self._ensure_site(x)
+            else:
+                self._ensure(self.site_of.get(x, "last"), x)
+        owed.clear()
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def _optimizer(self, first: bool) -> None:
+        for name, n in (r for rows in self.lazy for r in rows if first):  # AdamW's moments: in the first step
+            self._alloc(n, n, "optimizer_state", name)
+        temp, pb = self.step.optimizer_temp_bytes, self.tr.master_weight_bytes or self.tr.weight_bytes
+        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self._tensors()]  # torch foreach
+                if optimizer_impl(self.tr, self.inv) == "foreach" and self.plan.zero == 0 else [["temporaries", temp]])
+        temps = [self._alloc(n, n, "transient", name) for name, n in _fit(rows, temp) if n > 0]
+        self._point(temps)
+        if not self.buffer:  # zero_grad(set_to_none=True)
+            self._free([i for ids in self.grad_ids.values() for i in ids])
+            self.grad_ids, self.have_grads = {}, False
+
+    def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
+        self.phases: list[tuple[str, int]] = [("model built", 0)]
+        self.workspace_made = False
+        self.sizes = main = _Sizes(self.model, self.inv, self.tr, self.plan)
+        first = main if first_seq in (None, self.model.seq_length) else _Sizes(
+            self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
+        self._build()
+        k, M = self.k, self.M  # 1F1B: warm-up forwards, (forward, backward) pairs, cool-down backwards
+        order = ([("F", i) for i in range(k - 1)] + [x for r in range(M - k + 1) for x in (("F", k - 1 + r), ("B", r))]
+                 + [("B", r) for r in range(M - k + 1, M)])
+        for step in range(1, steps + 1):
+            self.phases.append((f"step {step}", len(self.events)))
+            sizes = first if step == 1 else main
+            live: dict = {}
+            for what, mb in order:
+                self.walk = step == steps and ((what == "F" and mb == M - 1) or (what == "B" and mb == M - k))
+                self.sizes = sizes
+                if what == "F":
+                    live[mb] = self._forward(mb)
+                else:
+                    self._backward(live.pop(mb), mb)
+            self.walk = step == steps
+            self.phases.append((f"optimizer step {step}", len(self.events)))
+            self._optimizer(step == 1)
+            self.ev = 0
+        self.phases.append(("end", len(self.events)))
+        return AllocationStream(self.events, self.marks, self.phases, self.step, self.stage)

@@ -1,0 +1,214 @@
+"""The allocation stream (memplan/memory/stream.py): at every event of the step timeline's walk of the last
+step, the stream's live bytes equal the timeline's; its maximum over the whole run is estimate's allocated
+step peak; it is well formed; a 1-layer model's stream derived by hand; the history option."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config, ParallelSpec
+from memplan.core.training import TrainingSpec
+from memplan.inventory.assemble import training_inventory
+from memplan.memory.reserved import allocation_stream
+from memplan.memory.stream import KINDS, Alloc, Free
+from memplan.plan.estimate import estimate, step_peaks
+from memplan.presets.batch import make_config
+from memplan.presets.catalog import load_model
+
+GPT = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=512)
+L4 = dict(num_layers=4)
+HF_LLAMA = dict(num_layers=3, seq_length=1024)
+
+# (preset, impl, parallel, training, model overrides, stages to check)
+CASES = [
+    *[("llama3-8b", impl, dict(tp=2, pp=1, dp=2, sp=True, zero=1),
+       dict(micro_batch=1, global_batch=4, recompute=rec), L4, (0,))
+      for impl in ("megatron", "megatron-local") for rec in ("none", "selective", "full")],
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, sp=True), dict(micro_batch=1, global_batch=8), dict(num_layers=8),
+     (0, 1, 3)),
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, sp=True), dict(micro_batch=1, global_batch=2, optimizer="sgd"),
+     dict(num_layers=8), (0, 3)),  # fewer micro-batches than stages
+    ("gpt3-175b", "megatron", dict(tp=4, pp=2, dp=1, sp=True),
+     dict(micro_batch=1, global_batch=4, recompute="full", recompute_num_layers=2), dict(GPT, num_layers=8), (0, 1)),
+    ("gpt3-175b", "torch", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1), GPT, (0,)),
+    ("gpt3-175b", "torch", dict(tp=2, pp=2, dp=1), dict(micro_batch=1, global_batch=3, recompute="selective",
+                                                     optimizer_impl="fused"), GPT, (0, 1)),
+    ("gpt3-175b", "torch", dict(tp=1, pp=1, dp=2, zero=2), dict(micro_batch=2, global_batch=8), GPT, (0,)),
+    *[("llama3-8b", impl, dict(tp=1, pp=1, dp=d, zero=z), dict(micro_batch=1, global_batch=M * d, recompute=rec,
+                                                             optimizer_impl=opt), HF_LLAMA, (0,))
+      for impl in ("hf-sdpa", "hf-eager") for rec in ("none", "full") for M, d, z, opt in
+      ((1, 1, 0, "foreach"), (3, 1, 0, "fused"), (2, 2, 1, "foreach"))],
+    ("qwen2.5-7b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1), None, (0,)),
+    ("qwen2.5-7b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=2, recompute="full"), None,
+     (0,)),
+    ("mixtral-8x22b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, recompute="full"), None,
+     (0,)),
+    ("mixtral-8x22b", "megatron", dict(tp=2, pp=2, dp=2, ep=2, sp=True, zero=1),
+     dict(micro_batch=1, global_batch=8, recompute="selective"), L4, (0, 1)),
+    ("mixtral-8x22b", "megatron-local", dict(tp=1, pp=1, dp=2, ep=2), dict(micro_batch=1, global_batch=2),
+     dict(num_layers=2, seq_length=1024), (0,)),
+    ("deepseek-v3", "megatron", dict(tp=2, pp=2, dp=4, ep=4, sp=True, zero=1),
+     dict(micro_batch=1, global_batch=8, recompute="full"), dict(num_layers=4, moe_first_dense_layers=1), (0, 1)),
+    ("deepseek-v3", "megatron", dict(tp=2, pp=2, dp=4, ep=4, sp=True, zero=1), dict(micro_batch=1, global_batch=8),
+     dict(num_layers=4, moe_first_dense_layers=1, mtp_layers=1), (1,)),  # MTP modules: one allocation
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, sp=True, first_stage_layers=1, last_stage_layers=3),
+     dict(micro_batch=1, global_batch=8), dict(num_layers=8), (0, 1, 3)),  # uneven stages
+    ("llama3-8b", "megatron", dict(tp=2, pp=1, dp=1, sp=True), dict(micro_batch=1, global_batch=2, fp8="delayed",
+                                                                  loss_chunks=4), dict(num_layers=2), (0,)),
+    ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, loss_chunks=4,
+                                                        optimizer="muon"), dict(num_layers=2), (0,)),
+]
+
+
+def config_of(preset, impl, par, tr, model):
+    return make_config(load_model(preset), parallel=par, training=tr, model=model,
+                       whole_model_per_rank=impl.startswith("hf-"))
+
+
+def well_formed(stream):
+    alive, seen = {}, set()
+    for e in stream.events:
+        if type(e) is Alloc:
+            assert e.id not in seen, "tensor ids are unique"
+            assert isinstance(e.size, int) and e.size > 0 and isinstance(e.bytes, int) and e.bytes >= 0
+            assert e.kind in KINDS and e.stream == 0 and e.name
+            seen.add(e.id)
+            alive[e.id] = e
+        else:
+            assert type(e) is Free and e.id in alive, "every free matches an earlier allocation"
+            del alive[e.id]
+    return alive
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
+def test_stream_equals_the_timeline(case):
+    preset, impl, par, tr, model, stages = case
+    config = config_of(preset, impl, par, tr, model)
+    inventory = training_inventory(config.model, impl, "cuda", config.training)
+    for stage in stages:
+        walk = step_peaks(config, inventory, walk=stage)[0]
+        stream = allocation_stream(config, impl=impl, stage=stage)
+        at = dict(stream.at_marks())
+        for i, e in enumerate(walk.events):
+            if e.bytes:  # an event off on this stage (the loss on another than the last) has no point
+                assert at[i] == e.bytes, (stage, i, e.phase, e.layer, e.moment)
+        assert stream.peak_bytes == walk.peak_bytes
+        left = well_formed(stream)
+        assert {e.kind for e in left.values()} <= {"parameter", "gradient", "optimizer_state"}
+    stream = allocation_stream(config, impl=impl)  # the most loaded stage, as estimate picks it
+    assert stream.peak_bytes == estimate(config, impl=impl).step.peak_bytes
+
+
+def test_sizes_are_requested_bytes_and_their_polynomials():
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=1, dp=1, sp=True), dict(micro_batch=2, global_batch=2),
+                       dict(num_layers=2, seq_length=1000))
+    stream = allocation_stream(config)
+    polys = [e for e in stream.events if type(e) is Alloc and e.poly is not None]
+    assert polys
+    for e in polys:  # requested bytes, before the 512 B rounding the timeline counts once
+        assert e.poly.evaluate(dict(s=1000, b=2)) == e.size
+        assert e.bytes == -(-e.size // 512) * 512
+    assert any(e.bytes != e.size for e in polys)
+
+
+def tiny(**training):
+    model = ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16,
+                      attention="flash", dropout=False, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                      tied_embeddings=False, bias=False, ffn_hidden_size=16)
+    return Config(model=model, parallel=ParallelSpec(),
+                  training=TrainingSpec(**{"micro_batch": 1, "global_batch": 1, "precision": "bf16-mixed", **training}))
+
+
+def test_one_layer_stream_by_hand():
+    # Megatron-LM (Transformer Engine spec), CPU (no rounding), h = 8, a = g = 2, f = 16 (SwiGLU), v = 16, s = 4,
+    # b = 1, untied, bf16 weights, fp32 main grads, fp32 master + 2 fp32 moments, fused AdamW, one step pair.
+    # Model built (bf16, registration order): word embedding v h 2 = 256; layer 1: norm h 2 = 16, QKV 3h x h x 2 =
+    # 384, output projection h h 2 = 128, norm 16, MLP input 2f x h x 2 = 512, MLP output h f 2 = 256; final norm
+    # 16; output layer v h 2 = 256: 1,840 B of 920 parameters. Then the main-gradient buffer 920 x 4 = 3,680 and
+    # the master copy, per tensor x 4 (3,680). Step 1: labels (8sb = 32) and loss mask (4sb = 16) held by the
+    # loop, token ids (32); layer 1 saves (2 sbh = 64 unless said) ln1 input, its rstd (2sb = 8),
+    # QKV input, Q and K (two storages of 64), V, attention output, log-sum-exp (8sb = 32), ln2 input, rstd (8),
+    # fc1 input, gate/up (2f: 256), down-projection input (f: 128); the head's terms at the loss; the backward frees
+    # them in reverse with each moment's transients in between; AdamW's exp_avg and exp_avg_sq (920 x 4 each) are
+    # made after step 1's backward: persistent 1,840 + 3,680 + 3,680 + 7,360 = 16,560 B from then on.
+    stream = allocation_stream(tiny(), device="cpu")
+    allocs = [e for e in stream.events if type(e) is Alloc]
+    params = [(e.name, e.size) for e in allocs if e.kind == "parameter"]
+    assert [n for _, n in params] == [256, 16, 384, 128, 16, 512, 256, 16, 256]
+    assert allocs[9].name.startswith("main-gradient buffer") and allocs[9].size == 3680
+    assert sum(e.size for e in allocs[10:19]) == 3680 and all(e.name.startswith("master") for e in allocs[10:19])
+    step1 = dict(stream.phases)["step 1"]
+    first = [(e.name.split(" (")[0], e.size) for e in stream.events[step1:step1 + 16]]
+    assert [n for _, n in first] == [32, 16, 32, 64, 8, 64, 64, 64, 64, 64, 32, 64, 8, 64, 256, 128]
+    live = stream.live_bytes()
+    moments = [i for i, e in enumerate(stream.events) if type(e) is Alloc and e.name.startswith("exp_avg")]
+    assert len(moments) == 18 and moments[0] >= dict(stream.phases)["optimizer step 1"]
+    assert live[dict(stream.phases)["step 2"] - 1] == 16560
+    assert stream.peak_bytes == estimate(tiny(), impl="megatron", device="cpu").step.peak_bytes
+
+
+def test_first_step_at_another_length():
+    config = config_of("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1),
+                       HF_LLAMA)
+    plain = allocation_stream(config, impl="hf-sdpa")
+    short = allocation_stream(config, impl="hf-sdpa", first_step_seq_len=256)
+    assert short.at_marks() == [(i, b) for i, b in plain.at_marks()]  # step 2 is the same step
+    step2 = dict(short.phases)["step 2"]
+    sizes = {e.id: e.size for e in short.events if type(e) is Alloc}
+    saved = [e for e in short.events[:step2] if type(e) is Alloc and e.kind == "saved_activation"]
+    assert saved and all(e.poly.evaluate(dict(s=256, b=1)) == e.size for e in saved)
+    assert short.live_bytes()[step2 - 1] == plain.live_bytes()[dict(plain.phases)["step 2"] - 1]
+    assert len(sizes) == len({e.id for e in plain.events if type(e) is Alloc})
+
+
+def test_workspace_and_refusals():
+    stream = allocation_stream(tiny(), device="cpu", workspace_bytes=1 << 20)
+    ws = [e for e in stream.events if type(e) is Alloc and e.kind == "workspace"]
+    assert len(ws) == 1 and ws[0].size == 1 << 20 and ws[0].bytes == 0
+    with pytest.raises(MemplanError):
+        allocation_stream(tiny(offload_activations=True), device="cpu")
+
+
+@st.composite
+def plans(draw):
+    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-2)."""
+    impl = draw(st.sampled_from(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]))
+    hf = impl.startswith("hf-")
+    llama = impl != "torch" and draw(st.booleans())
+    a = draw(st.sampled_from([4, 8]))
+    h = a * draw(st.sampled_from([16, 32]))
+    L = draw(st.sampled_from([2, 4, 6]))
+    t = 1 if hf else draw(st.sampled_from([t for t in (1, 2, 4) if not llama or (a // 2) % t == 0]))
+    p = 1 if hf else draw(st.sampled_from([d for d in (1, 2) if L % d == 0]))
+    arch = dict(norm="rmsnorm", mlp="swiglu", position_embedding="rope", tied_embeddings=False, bias=False,
+                num_kv_heads=a // 2, ffn_hidden_size=3 * h) if llama else {}
+    attention = "flash" if impl == "hf-sdpa" else ("eager" if impl in ("torch", "hf-eager") else
+                                                   draw(st.sampled_from(["eager", "flash"])))
+    model = ModelSpec(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=64 * draw(st.integers(1, 8)),
+                      vocab_size=draw(st.sampled_from([256, 1000])), attention=attention,
+                      dropout=False if hf and attention == "flash" else draw(st.booleans()), **arch)
+    recompute = draw(st.sampled_from(["none", "full"] + ([] if hf else ["selective"])))
+    k = draw(st.integers(1, L // p)) if recompute == "full" else None
+    b, d, M = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.integers(1, 4))
+    training = TrainingSpec(micro_batch=b, global_batch=b * d * M, recompute=recompute, recompute_num_layers=k,
+                            precision=draw(st.sampled_from(["bf16-mixed", "bf16-true", "32-true"])),
+                            optimizer_impl=draw(st.sampled_from(["foreach", "fused"])))
+    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 2)) if d > 1 else 0)
+    return Config(model=model, parallel=par, training=training), impl, draw(st.sampled_from(["cuda", "cpu"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_random_plans_equal_the_timeline(case):
+    config, impl, device = case
+    inventory = training_inventory(config.model, impl, device, config.training)
+    for stage in range(config.parallel.pp):
+        walk = step_peaks(config, inventory, walk=stage)[0]
+        stream = allocation_stream(config, impl=impl, device=device, stage=stage)
+        at = dict(stream.at_marks())
+        assert [(i, at.get(i)) for i, e in enumerate(walk.events) if e.bytes] == [
+            (i, e.bytes) for i, e in enumerate(walk.events) if e.bytes]
+        assert stream.peak_bytes == walk.peak_bytes
+        well_formed(stream)
