@@ -90,7 +90,9 @@ def test_overflow_is_reported(run_cli):
         (["--model", "gpt3-530b", "--micro-batch", "3"], ["global batch 280", "3"]),
         (["--model", "gpt3-530b", "--gpus", "0"], ["GPU count"]),
         (["--model", "gpt3-530b", "--vpp", "2", "--pp", "1"], ["interleaved"]),
-        (["--model", "gpt3-530b", "--recompute-num-layers", "2"], ["full recompute"]),
+        # --recompute-num-layers alone is full recompute (as search pins it): 2 of the 1 layer of a 530B chunk
+        # (L / (p m) = 105 / (35 * 3))
+        (["--model", "gpt3-530b", "--recompute-num-layers", "2"], ["exceeds the 1 layers of a model chunk"]),
         (["--model", "gpt3-530b", "--gpu", "tpu9"], ["unknown GPU preset", "a100-80gb"]),
         (["--model", "gpt3-530b", "--tp", "abc"], ["--tp"]),
         (["--model", "gpt3-530b", "--zero", "1", "--distributed-optimizer", "--zero", "2"], ["conflicts"]),

@@ -3,6 +3,7 @@ from the plan options (memplan.api.options.PlanOptions) as keyword arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -11,8 +12,8 @@ from memplan.core.errors import MemplanError
 from memplan.core.specs import Config
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
+from memplan.plan.limits import cap_of, max_seq_len, need_budget
 from memplan.plan.limits import max_micro_batch as largest_micro_batch
-from memplan.plan.limits import max_seq_len, need_budget
 from memplan.presets.files import ModelPreset
 from memplan.report.formats import estimate_dict
 
@@ -51,7 +52,8 @@ class EstimateResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The document `memplan estimate ... --json` prints."""
-        return {**estimate_dict(self.estimate), **self.limits}
+        capped = [key for key, value in self.limits.items() if cap_of(key, value, self.config) is not None]
+        return {**estimate_dict(self.estimate), **self.limits, **({"limits_at_cap": capped} if capped else {})}
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
@@ -67,9 +69,13 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     opts = PlanOptions(model=model, **options)
     preset, config = opts.config()
     gpu = opts.gpu_spec(preset)
+    assumed = None
+    if gpu is None and opts.mem is not None:  # a verdict: the device model `search` uses (memplan/api/options.py)
+        gpu, assumed = opts.search_gpu(preset)[0], opts.assumed_gpu(preset)
     result = estimate_plan(config, budget_bytes=opts.mem, gpu=gpu, paper_only=paper_only, impl=opts.impl,
                            fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem,
                            allocator=opts.allocator, alloc_conf=opts.alloc_conf)
+    result = dataclasses.replace(result, gpu_assumed=assumed)
     if opts.seq_len is None:
         result.notes.extend(preset.notes)
     result.notes.extend(opts.batch_notes(preset, config.model.seq_length, config.global_batch))

@@ -20,6 +20,8 @@ from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
 from memplan.presets.hf_config import read_hf_config
 
+ASSUMED_GPU = "a100-80gb"  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
+
 
 @dataclass
 class PlanOptions:
@@ -139,6 +141,8 @@ class PlanOptions:
             raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
                                "or --hf-config config.json")
         zero = self.zero
+        # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
+        recompute = "full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
         if self.distributed_optimizer:
             if zero not in (None, 1):
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
@@ -148,7 +152,7 @@ class PlanOptions:
             parallel=dict(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
                           zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
                           last_stage_layers=self.last_stage_layers),
-            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=self.recompute,
+            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                           recompute_num_layers=self.recompute_num_layers, **self.training_settings()),
             model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
             gpus=self.gpus,
@@ -163,12 +167,20 @@ class PlanOptions:
         return load_gpu(name) if name else None
 
     def search_gpu(self, preset: ModelPreset) -> tuple[GpuSpec, list[str]]:
-        """The GPU a search times a model on: the gpu option, else the preset's own, else the A100 (with a note)."""
+        """The GPU a search times a model on (and whose device model, allocator margin and runtime, decides its
+        fit): the gpu option, else the preset's own, else the A100 (with a note). `estimate` with a budget and
+        no GPU assumes the same one."""
         gpu = self.gpu_spec(preset)
         if gpu is not None:
             return gpu, []
-        gpu = load_gpu("a100-80gb")
+        gpu = load_gpu(ASSUMED_GPU)
         return gpu, [f"{preset.model.name} names no GPU: timed on {gpu.name} (--gpu NAME sets one)"]
+
+    def assumed_gpu(self, preset: ModelPreset) -> Optional[str]:
+        """Why the GPU is assumed (`search_gpu` falls back on ASSUMED_GPU), or None when one is named."""
+        if self.gpu_spec(preset) is not None:
+            return None
+        return f"assumed: {preset.model.name} names no GPU, memplan's default; --gpu NAME sets one"
 
     def routed(self, preset: ModelPreset, named: bool) -> ModelPreset:
         """A preset with the MoE routing options (search: pinned for every plan; a named dense model refuses them,

@@ -16,6 +16,7 @@ from memplan.launch.megatron import megatron_launch
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.arrange import arrange
+from memplan.plan.verdict import replay_listing
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.plan.search import search as search_plans
@@ -104,16 +105,20 @@ class PreparedSearch:
                                                                           gpu=gpu, progress=report, **kw)]
         else:
             results, skipped = search_presets(requests, opts.gpus, max_seq=self.max_seq, progress=progress, **kw)
-        results = [arrange(r, self.sort, not self.all_variants, self.top) for r in results]
+        results = [replay_listing(arrange(r, self.sort, not self.all_variants, self.top), opts.allocator,
+                                  opts.alloc_conf) for r in results]
         launch = {}
         if self.emit == "megatron":
             launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
-        by_name = {p.model.name: (p, note) for p, (_, note) in zip(self.presets, gpu_of)}
+        by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
-            p, gpu_note = by_name[r.model.name]
+            p, gpu_note, asked_s = by_name[r.model.name]
             if opts.seq_len is None and self.one_model:
                 r.notes.extend(p.notes)
-            r.notes.extend(opts.batch_notes(p, r.model.seq_length, r.global_batch) + gpu_note + _optimizer_notes(r))
+            # --max-seq keeps the batch in sequences made at the s asked for (search_max_seq's note says so)
+            seq = asked_s if self.max_seq else r.model.seq_length
+            r.notes.extend(opts.batch_notes(p, seq, r.global_batch) + gpu_note + _optimizer_notes(r))
+            r.gpu_assumed = opts.assumed_gpu(p)
         assumed = [p.model.name for p, (_, note) in zip(self.presets, gpu_of) if note]
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 

@@ -77,7 +77,7 @@ def plan_options(func: Callable) -> Callable:
                      help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=int,
-                     help="With --recompute full: layers per model chunk to recompute (Megatron-LM block method)."),
+                     help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--micro-batch", type=int, help="Micro-batch size b."),
         click.option("--global-batch", type=int, help="Global batch in sequences per step."),
         click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",

@@ -91,7 +91,7 @@ class ParallelSpec(Spec):
         if (self.first_stage_layers is not None or self.last_stage_layers is not None) and self.pp == 1:
             raise ValueError("first / last stage layers (an uneven pipeline split) need pipeline parallelism (p > 1)")
         if self.zero_shard is not None:
-            if self.zero == 0:
+            if self.zero == 0 and self.zero_shard != self.dp:  # d itself: the effective value plan summaries give
                 raise ValueError("zero_shard needs ZeRO stage 1-3 (sharded states)")
             if self.dp % self.zero_shard:
                 raise ValueError(f"zero_shard={self.zero_shard} does not divide the data-parallel size d={self.dp}")
@@ -262,15 +262,19 @@ class Config(Spec):
     def plan_summary(self) -> dict[str, Any]:
         """The plan in one flat schema, shared by search rows and estimate's JSON (`plan`), with
         effective values: the ZeRO shard group (d unless HSDP) and the layers per model chunk the
-        recompute mode applies to (all of them unless --recompute-num-layers says fewer)."""
+        recompute mode applies to (all of them unless --recompute-num-layers says fewer; None unless full recompute,
+        and the first / last stage layers None unless the split is uneven, so that the summary given back to
+        `estimate` is the same plan)."""
         par, tr = self.parallel, self.training
         layers = tr.recompute_num_layers if tr.recompute_num_layers is not None else self.layers_per_chunk
+        layers = layers if tr.recompute == Recompute.FULL else None
         return dict(tp=par.tp, pp=par.pp, dp=par.dp, vpp=par.vpp, sp=par.sp, cp=par.cp, cp_comm_type=par.cp_comm_type,
                     ep=par.ep, etp=par.expert_tp, zero=par.zero, zero_shard=par.shard,
                     micro_batch=tr.micro_batch, recompute=tr.recompute.label, recompute_num_layers=layers,
                     num_microbatches=self.num_microbatches, global_batch=self.global_batch,
                     global_batch_tokens=self.global_batch * self.model.seq_length, gpus=par.gpus,
-                    first_stage_layers=self.split[0], last_stage_layers=self.split[2])
+                    first_stage_layers=self.split[0] if self.uneven else None,
+                    last_stage_layers=self.split[2] if self.uneven else None)
 
     def _check_split(self) -> None:
         """Megatron-LM's rules for uneven stages (megatron/core/transformer/transformer_config.py, the
@@ -324,10 +328,8 @@ class Config(Spec):
         if par.sp and m.seq_length % t:
             raise ValueError(f"sequence parallelism needs t={t} to divide the sequence length s={m.seq_length}")
         _check_cp_ep(m, par)
-        if (par.ep > 1 or par.expert_tp != t) and (tr.optimizer not in ("adamw", "sgd", "sgd-nomomentum", "lion")
-                                                   or tr.offload_optimizer_fraction > 0):
-            raise ValueError("expert parallelism is modelled with the optimizers whose states are per-parameter "
-                             f"copies (adamw, sgd, lion) and without optimizer offload (got {tr.optimizer}"
+        if (par.ep > 1 or par.expert_tp != t) and not expert_parallel_modelled(tr):
+            raise ValueError(EXPERT_PARALLEL_RULE + f" (got {tr.optimizer}"
                              f"{', offload' if tr.offload_optimizer_fraction else ''})")
         gb, b, d = self.global_batch, tr.micro_batch, par.dp
         if gb % (b * d):
@@ -341,6 +343,16 @@ class Config(Spec):
                     "layers of a model chunk"
                 )
         return self
+
+
+EXPERT_PARALLEL_RULE = ("expert parallelism is modelled with the optimizers whose states are per-parameter copies "
+                        "(adamw, sgd, lion) and without optimizer offload")
+
+
+def expert_parallel_modelled(tr: TrainingSpec) -> bool:
+    """Whether expert parallelism (ep > 1, or an expert tensor-parallel size other than t) is modelled with these
+    training settings (EXPERT_PARALLEL_RULE): the plan check refuses it otherwise, and `search` leaves it out."""
+    return tr.optimizer in ("adamw", "sgd", "sgd-nomomentum", "lion") and not tr.offload_optimizer_fraction
 
 
 def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
@@ -361,7 +373,7 @@ def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
             raise ValueError(f"--cp-comm-type a2a needs cp={cp} to divide each tensor-parallel rank's query heads "
                              f"a/t = {m.num_attention_heads // t} and key/value heads g/t = {m.g // t} "
                              "(Transformer Engine AttnFuncWithCPAndQKVOA2A)")
-    if (par.ep > 1 or par.etp is not None) and not m.is_moe:
+    if (par.ep > 1 or par.etp not in (None, t)) and not m.is_moe:  # etp = t: the effective value summaries give
         raise ValueError("expert parallelism (--ep / --etp) needs a mixture-of-experts model (num_experts)")
     if m.is_moe:
         if m.num_experts % par.ep:

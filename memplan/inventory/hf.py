@@ -49,6 +49,10 @@ def check_hf_plan(config: Config, impl: str) -> None:
     if tr.recompute == Recompute.SELECTIVE:
         raise MemplanError(f"--impl {impl}: transformers has no selective recompute (gradient checkpointing "
                            "recomputes whole layers: --recompute full)")
+    if tr.recompute == Recompute.FULL and tr.recompute_num_layers not in (None, config.layers_per_chunk):
+        raise MemplanError(f"--impl {impl}: transformers' gradient checkpointing covers every layer or none "
+                           f"(gradient_checkpointing_enable): --recompute full without --recompute-num-layers, not "
+                           f"{tr.recompute_num_layers} of {config.layers_per_chunk}")
 
 
 def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:

@@ -425,6 +425,7 @@ class DeviceMemory:
     runtime_bytes: Any
     margin: float
     replayed: bool = False  # the fragmentation is the caching allocator's replay (memory/reserved.py), above the margin
+    margin_bytes: Any = None  # with `replayed`: the margin's bytes it replaced (what search's vectorised bound counts)
 
     @property
     def allocated_peak(self) -> Any:
@@ -433,6 +434,15 @@ class DeviceMemory:
     @property
     def total(self) -> Any:
         return self.allocated_peak + self.fragmentation_bytes + self.runtime_bytes
+
+    @property
+    def flat_total(self) -> Any:
+        """The total with the flat margin, before any replay: the bound search evaluates for every plan."""
+        margin = self.fragmentation_bytes if self.margin_bytes is None else self.margin_bytes
+        return self.allocated_peak + margin + self.runtime_bytes
+
+
+MAX_COMMUNICATORS = 5  # `communicators`: the tensor-, pipeline-, data-, context- and expert-parallel groups
 
 
 def communicators(plan: PlanValues) -> Any:
@@ -447,18 +457,21 @@ def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: 
     runtime's own memory (all from the GPU preset; none without a GPU)."""
     if gpu is None:
         m = margin or 0.0
-        return DeviceMemory(peak_bytes, 0, _frac(peak_bytes, m), 0 * peak_bytes, m)
+        return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes, m)
     m = gpu.fragmentation_margin if margin is None else margin
     base = gpu.runtime_bytes.get(inventory.runtime)
     groups = communicators(plan)
     # the megatron figure was measured with one communicator already in it
     extra = maximum(groups - 1, 0) if inventory.runtime == "megatron" else groups
     allocated = peak_bytes + gpu.workspace_bytes
-    return DeviceMemory(peak_bytes, gpu.workspace_bytes, _frac(allocated, m),
+    return DeviceMemory(peak_bytes, gpu.workspace_bytes, fraction_bytes(allocated, m),
                         base + extra * gpu.nccl_communicator_bytes, m)
 
 
-def _frac(n: Any, margin: float) -> Any:
-    """ceil(n * margin) in integers (margin to 1e-6)."""
+def fraction_bytes(n: Any, margin: float) -> Any:
+    """ceil(n * margin) in integers (margin to 1e-6), exact in int64 arrays too: with n = q 10^6 + r (0 <= r < 10^6),
+    ceil(n micro / 10^6) = q micro + ceil(r micro / 10^6), whose products stay within |n| and 10^12 (n micro
+    itself wraps past 2^63 from n ~ 9.2e12 at margin 1)."""
     micro = round(margin * 1_000_000)
-    return -(-(n * micro) // 1_000_000)
+    q, r = n // 1_000_000, n % 1_000_000
+    return q * micro - (-(r * micro) // 1_000_000)

@@ -110,6 +110,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     hosts: list[HostBytes] = field(default_factory=list)  # host memory of one GPU of every stage (offload)
     host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
+    active_params: Optional[int] = None  # parameters one token goes through (MoE: its k experts; else total_params)
+    gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
     reserved: Optional[Reserved] = None  # the run replayed through the caching allocator (None: flat margin)
 
     @property
@@ -214,7 +216,8 @@ def estimate(
         config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
         most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
-        rows=rows, total_params=total_params(config.model), budget_bytes=budget_bytes, gpu=gpu, perf=perf,
+        rows=rows, total_params=total_params(config.model), active_params=active_params(config.model),
+        budget_bytes=budget_bytes, gpu=gpu, perf=perf,
         notes=_notes(config, peak, terms, values, inventory),
         hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
                for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
@@ -245,7 +248,8 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     replayed = needed - (step.peak_bytes + workspace)
     if replayed <= flat.fragmentation_bytes:
         return flat, reserved
-    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True), reserved
+    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True,
+                               margin_bytes=flat.fragmentation_bytes), reserved
 
 
 def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:

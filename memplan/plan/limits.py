@@ -44,13 +44,33 @@ def _with(config: Config, model: Optional[dict] = None, training: Optional[dict]
     return build(Config, data)
 
 
+def seq_step(config: Config) -> int:
+    """The sequence lengths the plan accepts are the multiples of this (the rules of memplan/core/specs.py): t under
+    sequence parallelism, 2 cp with context parallelism (its load-balanced layout), t cp with both (each
+    context-parallel rank's s/cp split over t), and the loss chunks."""
+    par = config.parallel
+    rules = [config.training.loss_chunks, par.tp if par.sp else 1]
+    if par.cp > 1:
+        rules += [2 * par.cp, par.tp * par.cp if par.sp else 1]
+    return math.lcm(*rules)
+
+
+def cap_of(key: str, value: Optional[int], config: Config) -> Optional[int]:
+    """memplan's cap on a limit (`max_seq_len`: SEQ_LIMIT, `max_micro_batch`: MICRO_BATCH_LIMIT) when `value` is the
+    largest step below it, so that it is the cap and not a fit limit (the plan fits there, longer is not tried);
+    else None."""
+    if value is None:
+        return None
+    cap, step = (SEQ_LIMIT, seq_step(config)) if key == "max_seq_len" else (MICRO_BATCH_LIMIT, 1)
+    return cap if value + step > cap else None
+
+
 def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
                 gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None, allocator: str = "default",
                 alloc_conf: Optional[str] = None) -> Optional[int]:
-    """The longest sequence this plan fits in `budget_bytes` with (a multiple of t under sequence
-    parallelism, and of the loss chunks), all else equal; None when none does."""
-    step = config.parallel.tp if config.parallel.sp else 1
-    step = step * config.training.loss_chunks // math.gcd(step, config.training.loss_chunks)  # the chunks divide s
+    """The longest sequence this plan fits in `budget_bytes` with (a multiple of `seq_step`), all else equal;
+    None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
+    step = seq_step(config)
 
     def fits(s: int) -> bool:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,

@@ -27,7 +27,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import device_memory
+from memplan.memory.timeline import MAX_COMMUNICATORS, device_memory, fraction_bytes
 from memplan.plan.estimate import device_bytes
 from memplan.plan.evaluate import (
     MEMORY_FIELDS,
@@ -44,7 +44,7 @@ from memplan.plan.evaluate import (
 )
 from memplan.plan.fit import block_limits, fit_mask, part_limits, within_budget
 from memplan.plan.limits import SEQ_LIMIT, largest
-from memplan.plan.space import Fixed, PlanSpace, enumerate_plans, plan_config, plan_space, training_fixed
+from memplan.plan.space import Fixed, PlanSpace, enumerate_plans, plan_config, plan_space, space_notes, training_fixed
 from memplan.timing.step import step_time
 
 
@@ -84,6 +84,7 @@ class SearchResult:
     listing: Optional[list["Listed"]] = None  # set by `arrange`; else the plans of `top`, nothing folded
     distinct_fit: Optional[int] = None  # with `folded`: the rows that fit once variants are folded
     host_budget_bytes: Optional[int] = None  # host memory per node the plans' offload must fit in (--host-mem)
+    gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
 
     def listed(self) -> list["Listed"]:
         """The plans to show, best first, each with the plans folded into it."""
@@ -139,11 +140,13 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     fixed = training_fixed(model, training, fixed)
     check_fp8(training.fp8, impl, 0, gpu)
     if reference:
-        return _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
-                                 progress, impl, margin, host_budget_bytes)
+        out = _search_reference(model, training, gpus, global_batch, budget_bytes, gpu, fixed, max_tp, top, chunk,
+                                progress, impl, margin, host_budget_bytes)
+        out.notes.extend(space_notes(model, fixed))
+        return out
     start = time.perf_counter()
     space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
-    check_int64(model, training, space.max_micro_batch, impl)
+    check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
     inventory = training_inventory(model, impl, "cuda", training)
     limits = block_limits(space, inventory, gpu, margin, budget_bytes)
     best, miss = _Best(top), _Best(1)
@@ -176,7 +179,8 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         part.limits = ()
         parts.append(part)
     result = SearchResult(model, gpus, global_batch, budget_bytes, gpu, space.count, feasible, 0.0, [], None, None,
-                          None, training, impl, space=space, margin=margin, host_budget_bytes=host_budget_bytes)
+                          None, training, impl, space=space, margin=margin, host_budget_bytes=host_budget_bytes,
+                          notes=space_notes(model, fixed))
     found = _Found(space, parts, model, training, inventory, gpu, global_batch, margin, impl)
     # ties of the key go to the plan that needs less memory, then to the lower plan number
     result.exact.update(found.numbers(best.numbers() + miss.numbers()))
@@ -329,7 +333,7 @@ def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, globa
     """Every plan as flat arrays, evaluated in chunks, sorted: the oracle of `search`."""
     start = time.perf_counter()
     plans = enumerate_plans(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
-    check_int64(model, training, int(plans.b.max()), impl)
+    check_int64(model, training, int(plans.b.max()), impl, gpu, margin)
     n = len(plans.t)
     parts = []
     for lo in range(0, n, chunk):
@@ -360,15 +364,26 @@ def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
 INT64_SAFE = 1 << 53  # bytes per GPU the vectorised int64 arithmetic holds with room for its products
 
 
-def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, impl: str) -> None:
+def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, impl: str,
+                gpu: Optional[GpuSpec] = None, margin: Optional[float] = None) -> None:
     """Refuse a space whose memory the planner's int64 arrays cannot hold (they would wrap around
-    to negative bytes that "fit"). Every candidate needs at most twice what one GPU holding the
-    whole model with the largest micro-batch needs (pipelines keep at most L layers' worth in
-    flight, 1 + (p - 1)/(pm) < 2 with interleaving): that bound is computed in Python integers."""
+    to negative bytes that "fit"). Every candidate's step peak is at most twice what one GPU holding the
+    whole model with the largest micro-batch allocates (pipelines keep at most L layers' worth in
+    flight, 1 + (p - 1)/(pm) < 2 with interleaving); the device total adds to it every term from the GPU
+    file (memplan/memory/timeline.py device_memory): the cuBLAS workspace, the margin on both, the runtime
+    of either framework and an NCCL communicator for each of the at most five groups (t, p, d, cp, ep).
+    That bound is computed in Python integers."""
     one_gpu = Config(model=model, training=training.model_copy(update=dict(
         micro_batch=max_micro_batch, global_batch=max_micro_batch, recompute=Recompute.NONE,
         recompute_num_layers=None, mst=1)))  # MsT off: it needs recompute, and only lowers the bound
-    need = 2 * device_bytes(one_gpu, impl)
+    need = 2 * device_bytes(one_gpu, impl)  # the allocated peak's bound (no GPU: no margin, no runtime)
+    if gpu is not None:
+        m = gpu.fragmentation_margin if margin is None else margin
+        allocated = need + gpu.workspace_bytes
+        need = (allocated + fraction_bytes(allocated, m) + max(gpu.runtime_bytes.torch, gpu.runtime_bytes.megatron)
+                + MAX_COMMUNICATORS * gpu.nccl_communicator_bytes)
+    elif margin:
+        need += fraction_bytes(need, margin)
     if need > INT64_SAFE:
         raise MemplanError(f"{model.name} at s={model.seq_length:,}, v={model.vocab_size:,}: up to {need:.2e} bytes per "
                            f"GPU, beyond what the search's 64-bit arithmetic holds ({INT64_SAFE:.1e}); use estimate "
@@ -384,7 +399,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
     try:
         fixed = training_fixed(model, training, fixed)
         space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
-        check_int64(model, training, space.max_micro_batch, impl)
+        check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
     except MemplanError:
         return False
     inventory = training_inventory(model, impl, "cuda", training)
@@ -419,8 +434,11 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
         raise MemplanError(f"no plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at s = {step}")
     result = search(model.model_copy(update={"seq_length": longest}), training, gpus, global_batch, budget_bytes,
                     **kwargs)
+    capped = longest + step > SEQ_LIMIT
     result.notes.append(f"the longest sequence any plan fits with: s = {longest:,} tokens (searched in multiples "
-                        f"of {step}, global batch {global_batch} sequences); the plans below fit at that length")
+                        f"of {step}" + (f", up to memplan's cap of {SEQ_LIMIT:,}: no fit limit" if capped else "")
+                        + f"); the global batch is kept in sequences, {global_batch:,}, so a step takes "
+                        f"{global_batch * longest:,} tokens at that length; the plans below fit at that length")
     result.max_seq_len = longest
     return result
 

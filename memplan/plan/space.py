@@ -10,7 +10,7 @@ The space (each plan distinct and launchable with Megatron-LM):
      Megatron-LM's interleaved-schedule requirement);
   SP on / off when t > 1;
   recompute none, selective, or full on N = 1 .. L/(pm) layers per chunk (block method);
-  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0), each
+  ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0: only a pinned one), each
      sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
 
 The space is a table (`PlanSpace`, `plan_space`): a row is a plan without its ZeRO variant (t, p, d, m,
@@ -31,7 +31,7 @@ import numpy as np
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.core.specs import Config, ParallelSpec, check_gpus
+from memplan.core.specs import EXPERT_PARALLEL_RULE, Config, ParallelSpec, check_gpus, expert_parallel_modelled
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import mst
 from memplan.inventory.fp8 import MAX_ZERO as FP8_MAX_ZERO
@@ -71,6 +71,7 @@ class Fixed:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     uneven: bool = False  # also search uneven stages: one or two layers fewer on the first / last stage (_splits)
+    expert_parallel: bool = True  # False: ep = 1 and etp = t only (the optimizer / offload has no EP model)
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -206,8 +207,10 @@ class PlanSpace:
 
 
 def _recompute_variants(n: int, hf: bool, fixed: Fixed) -> list[tuple[int, int]]:
+    """Recompute none, selective and full of k = 1 .. n layers per chunk; transformers (`hf`) has no selective
+    recompute and checkpoints every layer or none (memplan/inventory/hf.py check_hf_plan)."""
     recompute = [(int(Recompute.NONE), n)] + ([] if hf else [(int(Recompute.SELECTIVE), n)]) + [
-        (int(Recompute.FULL), k) for k in range(1, n + 1)]
+        (int(Recompute.FULL), k) for k in (range(n, n + 1) if hf else range(1, n + 1))]
     if fixed.recompute is not None:
         recompute = [r for r in recompute if r[0] == fixed.recompute]
     if fixed.recompute_num_layers is not None:
@@ -243,9 +246,10 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
             if zkey not in zero_lists:
                 # with expert parallelism the d/k distributed-optimizer instances must divide the expert-data-parallel
                 # size edp = t cp d / (etp ep) (ParallelSpec; megatron/core/parallel_state.py)
-                zero_lists[zkey] = [(z, k) for z in _pick([z for z in (0, 1, 2, 3) if z <= fixed.max_zero] if d > 1
-                                                          else [0], fixed.zero)
-                                    for k in ([d] if z == 0 else [k for k in _divisors(d) if k > 1
+                # d = 1: ZeRO 1-3 shard over one rank, as ZeRO 0 (left out) unless pinned (`estimate` takes the pin)
+                stages = [z for z in (0, 1, 2, 3) if z <= fixed.max_zero and (d > 1 or z == 0 or z == fixed.zero)]
+                zero_lists[zkey] = [(z, k) for z in _pick(stages, fixed.zero)
+                                    for k in ([d] if z == 0 else [k for k in _divisors(d) if (k > 1 or d == 1)
                                                                   and (zkey[1] == 0 or zkey[1] % (d // k) == 0)])
                                     if fixed.zero_shard is None or (z > 0 and k == fixed.zero_shard)]
             if not (sps and zero_lists[zkey]):
@@ -357,11 +361,10 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
             cps = [c for c in _divisors(s) if c & (c - 1) == 0 and c <= MAX_CP and s % (2 * c) == 0
                    and (fixed.cp_comm_type != "a2a" or ((a // t) % c == 0 and (g // t) % c == 0))]
         for cp in _pick(cps, fixed.cp):
-            eps = [1]
-            if model.is_moe and not hf:
-                eps = [e for e in _divisors(model.num_experts)]
+            expert = model.is_moe and not hf and fixed.expert_parallel
+            eps = list(_divisors(model.num_experts)) if expert else [1]
             for ep in _pick(eps, fixed.ep):
-                etps = sorted({1, t}) if model.is_moe and not hf else [t]
+                etps = sorted({1, t}) if expert else [t]
                 for etp in _pick([e for e in etps if model.fe % e == 0], fixed.etp):
                     for p in _pick([p for p in pipelines if p == 1 or not hf], fixed.pp):
                         if gpus % (t * p * cp) == 0:
@@ -395,7 +398,8 @@ def enumerate_plans(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed
 
 def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fixed:
     """What the training settings pin in a search. FP8 is modelled up to the distributed optimizer
-    (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. MsT is modelled at micro-batch 1 with every layer
+    (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. Expert parallelism is modelled with some optimizers
+    only (memplan/core/specs.py EXPERT_PARALLEL_RULE): with the others the search leaves it out (`space_notes`). MsT is modelled at micro-batch 1 with every layer
     checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
     (TrainingSpec): the search keeps recompute none."""
     if training.fp8 is not None:
@@ -403,6 +407,12 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
             raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
                                "0 or 1 (or leave --zero out)")
         fixed = dataclasses.replace(fixed, max_zero=FP8_MAX_ZERO)
+    if model.is_moe and not expert_parallel_modelled(training):
+        if (fixed.ep or 1) > 1 or fixed.etp is not None:
+            raise MemplanError(f"{EXPERT_PARALLEL_RULE}: search {training.optimizer}"
+                               f"{' with optimizer offload' if training.offload_optimizer_fraction else ''} without "
+                               "--ep / --etp")
+        fixed = dataclasses.replace(fixed, expert_parallel=False)
     if mst.is_on(training.mst):
         b, k = mst.search_pins(fixed.micro_batch, fixed.recompute, fixed.recompute_num_layers, model.num_layers)
         fixed = dataclasses.replace(fixed, micro_batch=b, recompute=Recompute.FULL, recompute_num_layers=k)
@@ -412,6 +422,14 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
         raise MemplanError("activation offload is modelled without recompute: search it with --recompute none "
                            "(or leave --recompute out)")
     return dataclasses.replace(fixed, recompute=Recompute.NONE)
+
+
+def space_notes(model: ModelSpec, fixed: Fixed) -> list[str]:
+    """What the search space leaves out that a user could ask for, as notes (after `training_fixed`)."""
+    if model.is_moe and not fixed.expert_parallel:
+        return [f"{EXPERT_PARALLEL_RULE}: the search keeps ep = 1 and the expert tensor-parallel size at t "
+                "(every GPU holds every expert)"]
+    return []
 
 
 def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: int, global_batch: int) -> Config:

@@ -43,7 +43,7 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
                       "impl": optimizer_impl(est.config.training, est.inventory),
                       "label": states_label(est.config.training)},
         "paper_only": est.paper_only,
-        "params": {"total": est.total_params, "most_loaded_gpu": int(peak.params)},
+        "params": {"total": est.total_params, "active": est.active_params, "most_loaded_gpu": int(peak.params)},
         "most_loaded_stage": est.most_loaded,
         "memory": {
             "weights_bytes": int(peak.weights),
@@ -103,6 +103,8 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
         out["fits"] = est.fits
     if est.gpu is not None:
         out["gpu"] = est.gpu.name
+    if est.gpu_assumed is not None:
+        out["gpu_assumed"] = est.gpu_assumed
     if est.perf is not None:
         out["perf"] = perf_dict(est.perf)
     return out
@@ -194,7 +196,7 @@ OTHER_ROWS = (
 
 
 PERF_ROWS = (("step_time_s", "step time", "s"), ("tokens_per_s", "throughput", "tokens/s"),
-             ("mfu", "model FLOPs utilisation", "fraction"))
+             ("mfu", "model FLOPs utilisation (attention counted causal: half the square)", "fraction"))
 
 
 def estimate_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -335,6 +337,7 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
                  "param_gather": result.training.fp8_param_gather} if result.training.fp8 else None),
         "loss_chunks": result.training.loss_chunks,
         "gpu": result.gpu.name if result.gpu else None,
+        **({"gpu_assumed": result.gpu_assumed} if result.gpu_assumed is not None else {}),
         "candidates_evaluated": result.candidates,
         "feasible": result.feasible,
         "seconds": result.seconds,

@@ -45,8 +45,9 @@ def _listing_heading(result: SearchResult, has_time: bool) -> str:
 def render_search(result: SearchResult, console: Console) -> None:
     m = result.model
     where = f" {markup(result.gpu.name)}" if result.gpu else ""
+    assumed = f" ({markup(result.gpu_assumed, NOTE_LIMIT)})" if result.gpu_assumed is not None else ""
     console.print(
-        f"[bold]{markup(m.name)}[/] ({result.impl}) on {result.gpus}{where} GPUs, {format_gb(result.budget_bytes)} per GPU, "
+        f"[bold]{markup(m.name)}[/] ({result.impl}) on {result.gpus}{where} GPUs{assumed}, {format_gb(result.budget_bytes)} per GPU, "
         f"global batch {format_batch(result.global_batch, m.seq_length)}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
         + (f" (and in {format_gb(result.host_budget_bytes)} of host memory per node)" if result.host_budget_bytes is not None

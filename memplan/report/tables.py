@@ -20,6 +20,7 @@ from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
+from memplan.plan.limits import cap_of
 from memplan.report.escape import NOTE_LIMIT, markup, plain
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
 from memplan.timing.calibration import calibration
@@ -125,6 +126,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
            f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
         + (f"E={m.num_experts} top-{m.moe_top_k} f_e={m.fe} " if m.is_moe else "")
         + f"s={m.seq_length} v={m.vocab_size}, {est.total_params / 1e9:,.1f} billion parameters"
+        + (f" ({est.active_params / 1e9:,.1f} billion active per token)" if m.is_moe else "")
     )
     console.print(
         f"plan: t={par.tp} p={par.pp} d={par.dp} m={par.vpp} SP={'on' if par.sp else 'off'} "
@@ -132,6 +134,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
         f"global batch={format_batch(c.global_batch, m.seq_length)} ({c.num_microbatches} micro-batches per step) "
         f"on {par.gpus} GPUs{pinned_techniques(tr)}"
+        + (f"; GPU {markup(est.gpu.name)} ({markup(est.gpu_assumed, NOTE_LIMIT)})" if est.gpu_assumed is not None else "")
     )
     console.print(
         f"activations per layer per micro-batch on one GPU: {est.per_layer_symbolic} = "
@@ -259,7 +262,10 @@ def render_limits(limits: dict[str, Any], est: Estimate, console: Console) -> No
         if value is None:
             console.print(f"[red]{what}: none fits[/] in {format_gb(est.budget_bytes)} with this plan")
         else:
-            console.print(f"{what} that fits in {format_gb(est.budget_bytes)} with this plan: [bold]{value:,}[/] {unit}")
+            cap = cap_of(key, value, est.config)
+            console.print(f"{what} that fits in {format_gb(est.budget_bytes)} with this plan: [bold]{value:,}[/] {unit}"
+                          + (f" (memplan's cap of {cap:,}: the plan fits there, longer ones are not tried, so this "
+                             "is no fit limit)" if cap is not None else ""))
 
 
 def _where(e: Any) -> str:

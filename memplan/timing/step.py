@@ -19,7 +19,9 @@ head (logits 2bshv/t, fp32 cross-entropy) and, when p = 1, the embedding. A step
     + exposed data-parallel communication + exposed ZeRO-3 gathers
     + the optimizer update (memory-bound)
 
-and MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A).
+and MFU = model_flops / (step x t p d x peak_bf16_flops) (K22 appendix A), its model FLOPs counting the
+attention square as the causal mask leaves it, half (memplan/timing/flops.py CAUSAL_ATTENTION_FRACTION; K22's
+full square gives MFU above 100 % at long s against a causal kernel's time).
 
 Not modelled: context / expert parallelism, per-iteration costs outside the layers beyond the
 head and the optimizer (K22's 22B iteration is about 50 ms longer than its 48 layers and head,
@@ -71,7 +73,7 @@ class StepTime:
     schedule's bubble over the busy time of one stage (Narayanan et al. 2021). The latter was
     called `bubble_fraction` before; it exceeds 100% when M < p - 1."""
 
-    model_flops: Any  # per step, whole job (K22 Eq. 7 generalised)
+    model_flops: Any  # per step, whole job (K22 Eq. 7 generalised; attention halved as the causal mask leaves it)
     hardware_flops: Any  # model FLOPs + recomputation
     compute_s: Any  # matmuls of forward + backward, all micro-batches
     memory_s: Any  # memory-bound kernels of forward + backward
@@ -302,9 +304,9 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     peak_flops = gpu.peak_fp8_flops if training.fp8 is not None and gpu.peak_fp8_flops else gpu.peak_bf16_flops
     gpus_peak_step = tdp * (peak_flops * step)
     cal = calibration(model, gpu, impl, training.fp8)
-    essentials = dict(model_flops=model_flops(model, global_batch), bubble_over_ideal=bubble_over_ideal,
+    essentials = dict(model_flops=model_flops(model, global_batch, causal=True), bubble_over_ideal=bubble_over_ideal,
                       step_time_s=step, tokens_per_s=sequences * s / step,
-                      mfu=(model_flops_per_sequence(model) * sequences) / gpus_peak_step,
+                      mfu=(model_flops_per_sequence(model, causal=True) * sequences) / gpus_peak_step,
                       calibrated=cal.calibrated, uncertainty=cal.uncertainty)
     if not breakdown:
         return StepTime(**as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
