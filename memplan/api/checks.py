@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Optional
 
-from memplan.check.cases import grid, hf_grid, mcore_available, mcore_grid, traced_grid
+from memplan.check.cases import SHAPES, grid, hf_grid, mcore_available, mcore_grid, traced_grid
 from memplan.check.peak import peak_grid, peak_summary, run_peak
 from memplan.check.validate import run, run_traced, summary
 from memplan.core.errors import MemplanError
@@ -23,11 +23,23 @@ def _need_torch(device: str) -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
+def check_tps(tps: tuple[int, ...]) -> None:
+    """Refuse a tensor-parallel size the validation shapes cannot split (t must divide every shape's heads and
+    width), before torch loads or any worker process starts."""
+    heads = [a for _, _, _, a, _ in SHAPES]
+    usable = [d for d in range(1, min(heads) + 1) if all(a % d == 0 for a in heads)]
+    for t in tps:
+        if t not in usable:
+            raise MemplanError(f"--tp {t}: the validation shapes have {' and '.join(map(str, heads))} heads; t must "
+                               f"divide them (one of {', '.join(map(str, usable))})")
+
+
 def validate(device: str = "cpu", tps: tuple[int, ...] = (1, 2, 4),
              recomputes: tuple[str, ...] = ("none", "selective", "full"), fake: bool = True,
              hf: Optional[bool] = None, mcore: Optional[bool] = None) -> tuple[list[Any], dict[str, Any]]:
     """Every case's saved activations measured against memplan: (results, totals); hf / mcore None = when
     transformers / megatron-core is installed (CPU only)."""
+    check_tps(tps)
     have_hf = _need_torch(device)
     if hf and not have_hf:
         raise MemplanError("--hf needs transformers: pip install -e '.[test]'")

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from memplan.api.values import Size, budget_bytes, mst_pieces, token_count
+from memplan.api.values import Size, bounded_count, budget_bytes, finite, mst_pieces, token_count
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import describe_validation_error
@@ -78,6 +78,9 @@ class PlanOptions:
     mem: Size = None
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            setattr(self, f.name, finite(bounded_count(value, f.name), f.name))
         self.mem = budget_bytes(self.mem, "mem")
         self.host_mem = budget_bytes(self.host_mem, "host_mem")
         self.global_batch_tokens = token_count(self.global_batch_tokens)

@@ -3,10 +3,11 @@ that need no model. Light (core.units and core.errors only): the CLI's option ca
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 from memplan.core.errors import MemplanError
-from memplan.core.units import parse_size, parse_tokens
+from memplan.core.units import check_bytes, parse_size, parse_tokens
 
 Size = Union[int, str, None]
 
@@ -17,8 +18,34 @@ def budget_bytes(value: Size, what: str) -> Optional[int]:
         return None
     size = value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value)
     if size <= 0:
-        raise MemplanError(f"{what}: a memory budget must be positive (got {value!r})")
-    return size
+        raise MemplanError(f"{what}: a memory budget must be positive (got {str(value)[:40]!r})")
+    return check_bytes(size, value)
+
+
+# The largest counts memplan plans for: the divisor enumeration of the plan space walks up to sqrt(n), and a
+# cluster of 2^24 GPUs or a batch of 2^32 sequences is far beyond any run.
+MOST = {"gpus": 2**24, "global_batch": 2**32, "dp": 2**24, "tp": 2**16, "pp": 2**16, "cp": 2**16, "ep": 2**16,
+        "etp": 2**16, "vpp": 2**16, "micro_batch": 2**32, "seq_len": 2**40, "zero_shard": 2**24,
+        "recompute_num_layers": 2**16, "loss_chunks": 2**20, "first_stage_layers": 2**16, "last_stage_layers": 2**16,
+        "fp8_amax_history_len": 2**20}
+
+
+def bounded_count(value: Optional[int], what: str) -> Optional[int]:
+    """A count option (--gpus, --global-batch, --tp, ...): None, or an int no larger than MOST[what]."""
+    if value is None or what not in MOST:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > MOST[what]:
+        shown = f"{value:,}" if value < 10**30 else f"of {len(str(value))} digits"
+        raise MemplanError(f"--{what.replace('_', '-')} {shown}: at most {MOST[what]:,}")
+    return value
+
+
+def finite(value: Optional[float], what: str) -> Optional[float]:
+    """A float option (--frag-margin, --offload-fraction, ...): None or a finite number (NaN and infinity pass
+    every range check, so they are refused first)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MemplanError(f"--{what.replace('_', '-')} {value}: expected a finite number")
+    return value
 
 
 def token_count(value: Union[int, str, None]) -> Optional[int]:
@@ -33,8 +60,9 @@ def mst_pieces(value: Union[int, str, None]) -> Union[int, str, None]:
     if value is None:
         return None
     text = str(value).strip().lower()
-    if text != "auto" and not (text.isdigit() and int(text) >= 1):
-        raise MemplanError(f"--mst takes a number of mini-sequences >= 1 or 'auto', not {value!r}")
+    if text != "auto" and not (text.isascii() and text.isdigit() and len(text) <= 9 and int(text) >= 1):
+        raise MemplanError(f"--mst takes a number of mini-sequences from 1 to 999,999,999 or 'auto', not "
+                           f"{str(value)[:40]!r}")
     return text if text == "auto" else int(text)
 
 

@@ -15,8 +15,7 @@ from memplan.cli.options import check_plots, output_format, output_options, plan
 def _console():
     from rich.console import Console
 
-    console = Console()
-    # Piped output (files, CI logs) gets a wide table instead of rich's 80-column default.
+    console = Console()  # piped output (files, CI logs) gets a wide table instead of rich's 80-column default
     return console if console.is_terminal else Console(width=150)
 
 
@@ -80,7 +79,7 @@ def estimate(**opts: Any) -> None:
 
     fmt = output_format(opts)
     plot, plot_techniques = opts.pop("plot"), opts.pop("plot_techniques")
-    check_plots(plot, plot_techniques)
+    check_plots({"--plot": plot, "--plot-techniques": plot_techniques})
     result = run(**opts)
     if fmt == "table":
         console = _console()
@@ -151,7 +150,7 @@ def search(**opts: Any) -> None:
     plot, emit_only, require_fit = opts.pop("plot"), opts.pop("emit_only"), opts.pop("require_fit")
     _check_emit(opts.get("emit"), emit_only, fmt)
     check_emit(opts.get("emit"), opts.get("mst"), opts["impl"])
-    check_plots(plot)
+    check_plots({"--plot": plot})
     prepared = prepare_search(**opts)
     if plot and not prepared.one_model:
         refuse("search --plot draws one model's plans: give --model")
@@ -290,15 +289,17 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
 @click.option("--kernels", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Whose kernels' saved tensors: CUDA's (emulated on this machine) or CPU's.")
 @click.option("--out", metavar="FILE.yaml", help="Write the inventory here (default: print it).")
-def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists (never the config.json it reads).")
+def trace(hf_config: str, impl: str, kernels: str, out: Optional[str], force: bool) -> None:
     """Trace what transformers' own code saves for the backward, symbolic in s and b (FakeTensorMode:
     no memory, no GPU): an inventory file estimate and search can use. Needs torch and transformers."""
+    from memplan.core.outfile import check_output, write_bytes
     from memplan.inventory.traced_file import trace_to_yaml
 
+    path = check_output(out, "--out", overwrite=force, reads=hf_config) if out else None
     text = trace_to_yaml(hf_config, impl, kernels)
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
+    if path:
+        write_bytes(path, text.encode("utf-8"))
         click.echo(f"wrote {out}", err=True)
     else:
         click.echo(text, nl=False)
@@ -306,13 +307,16 @@ def trace(hf_config: str, impl: str, kernels: str, out: Optional[str]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: bad input gives one line on stderr and exit code 2, never a traceback."""
+    for stream in (sys.stdout, sys.stderr):  # a non-ASCII name prints (escaped) under an ASCII locale too
+        getattr(stream, "reconfigure", lambda **_: None)(errors="backslashreplace")
     try:
         code = cli.main(args=argv, prog_name="memplan", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("memplan: aborted", err=True)
         sys.exit(1)
     except click.ClickException as err:
-        click.echo(f"memplan: error: {err.format_message()}", err=True)
+        message = err.format_message()  # click echoes the value: a 5000-digit --tp must not fill the screen
+        click.echo(f"memplan: error: {message if len(message) < 400 else message[:300] + ' ...'}", err=True)
         sys.exit(err.exit_code)
     except ValueError as err:  # MemplanError: memplan.core.errors is loaded by whatever raised it
         errors = sys.modules.get("memplan.core.errors")

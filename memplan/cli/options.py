@@ -177,10 +177,9 @@ def output_format(opts: dict[str, Any]) -> str:
     return fmt or "table"
 
 
-def check_plots(*paths: Optional[str]) -> None:
-    """Refuse a bad --plot file name before any work is done (memplan.plots loads only then)."""
-    for path in paths:
-        if path:
-            from memplan.report.plots import check_plot_path
+def check_plots(paths: dict[str, Optional[str]]) -> None:
+    """Refuse bad --plot files (name, folder, two options on one file) before any work (plots load only then)."""
+    if any(paths.values()):
+        from memplan.report.plots import check_plot_paths
 
-            check_plot_path(path)
+        check_plot_paths(paths)

@@ -9,12 +9,16 @@ from pydantic import Field, model_validator
 
 from memplan.core.spec_base import Spec
 
+# The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
+# the per-layer work (stages, events, a trace) must stay bounded.
+MAX_LAYERS = 16_384
+
 
 class ModelSpec(Spec):
     """A decoder-only transformer's architecture (no weights)."""
 
     name: str = "custom"
-    num_layers: int = Field(gt=0, description="L, transformer layers")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS, description="L, transformer layers")
     hidden_size: int = Field(gt=0, description="h")
     num_attention_heads: int = Field(gt=0, description="a")
     seq_length: int = Field(gt=0, description="s")

@@ -8,6 +8,7 @@ single spec live on it; checks across specs (a % t, L % (p m), ...) live on
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -184,6 +185,14 @@ class GpuSpec(Spec):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return _sized(value)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite(cls, value: Any) -> Any:
+        """Lax mode reads the text "nan" or "inf" as a float: refused, like every figure that is not finite."""
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"expected a finite number (got {value})")
+        return value
 
     @property
     def process_memory_bytes(self) -> int:

@@ -8,14 +8,23 @@ arrays alike, by exact integer arithmetic) and the text K22 would print.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping
+
+from memplan.core.errors import MemplanError
 
 # Display order of the symbols, as K22 writes them: "5as^2b", "34sbh", "sbhL/t".
 ORDER = ("a", "s", "b", "h", "q", "f", "g", "v", "L", "p", "t")
 
 Monomial = tuple[tuple[str, int], ...]  # sorted (symbol, power) pairs, power != 0
+
+# Bounds on what a parsed size may say (sizes come from files: an `s^100000000` or a coefficient of `1e99999999`
+# must be refused, not evaluated): real sizes have powers of at most 3 and coefficients of a few digits.
+MAX_POWER = 16
+MAX_COEF_CHARS = 40
+_COEF = re.compile(r"[0-9]+(\.[0-9]+)?(/[0-9]+)?")
 
 
 def _canon(powers: Mapping[str, int]) -> Monomial:
@@ -53,12 +62,19 @@ class Poly:
             divide = token.startswith("/")
             token = token.lstrip("/")
             if token[0].isdigit():
+                if len(token) > MAX_COEF_CHARS or not _COEF.fullmatch(token):
+                    raise MemplanError(f"coefficient {token[:40]!r}: a decimal or fraction of at most "
+                                       f"{MAX_COEF_CHARS} digits")
                 value = Fraction(token)
                 coef = coef / value if divide else coef * value
                 continue
             sym, _, power = token.partition("^")
+            if power and not (power.isascii() and power.isdigit() and int(power) <= MAX_POWER):
+                raise MemplanError(f"power {token[:40]!r}: a symbol's power is a whole number from 1 to {MAX_POWER}")
             p = int(power) if power else 1
             powers[sym] = powers.get(sym, 0) + (-p if divide else p)
+            if abs(powers[sym]) > MAX_POWER:
+                raise MemplanError(f"{sym}^{powers[sym]}: a symbol's power is at most {MAX_POWER}")
         return Poly(((_canon(powers), coef),)).simplified()
 
     @staticmethod

@@ -8,6 +8,7 @@ bytes, GiB means 2^30 bytes; a size without a unit is refused, because
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from memplan.core.errors import MemplanError
 
@@ -23,6 +24,33 @@ UNITS: dict[str, int] = {
     "TIB": 2**40,
 }
 
+# The largest size or count memplan reads (1 EiB; 2^60 tokens): far above any machine, and far enough below 2^63
+# that sums of a few such figures stay exact in int64 arithmetic. Numbers are parsed exactly (no float), and at most
+# MAX_DIGITS characters long, so "1" followed by 500 zeros is refused in microseconds.
+MAX_BYTES = 2**60
+MAX_DIGITS = 40
+
+
+def exact_number(text: str, what: str) -> Fraction:
+    """A decimal number's text ('80', '1.5', '.5'; ASCII digits only, at most MAX_DIGITS characters) read exactly."""
+    if len(text) > MAX_DIGITS:
+        raise MemplanError(f"cannot read {what} {text[:20]!r}...: more than {MAX_DIGITS} digits")
+    return Fraction(text)
+
+
+def _shown(text: object) -> str:
+    """A user's text in an error message: quoted, bounded."""
+    text = str(text)
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+
+
+def check_bytes(n: int, text: object) -> int:
+    """A byte count no larger than MAX_BYTES (budgets and GPU sizes above 2^63 B would wrap in int64 arithmetic)."""
+    if n > MAX_BYTES:
+        raise MemplanError(f"{_shown(text)}: more than {MAX_BYTES:,} B (1 EiB), the most memplan plans for")
+    return n
+
+
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
 
 
@@ -31,16 +59,19 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(str(text))
     if not match:
         raise MemplanError(
-            f"cannot read size {text!r}: give a number and a unit, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)"
+            f"cannot read size {_shown(text)}: give a number and a unit, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)"
         )
     number, unit = match.groups()
-    if unit.endswith("b") and unit != "b":
-        raise MemplanError(f"{text!r} reads as {unit[:-1]}bits; memory is in bytes: write {number}{unit[:-1].upper()}B "
+    exact = exact_number(number, "size")
+    if unit == "b":
+        raise MemplanError(f"{_shown(text)} is ambiguous (bits or bytes?): write {number}B for bytes")
+    if unit.endswith("b"):
+        raise MemplanError(f"{_shown(text)} reads as {unit[:-1]}bits; memory is in bytes: write {number}{unit[:-1].upper()}B "
                            f"(10^n bytes) or {number}{unit[:-1].upper()}iB (2^n bytes)")
     factor = UNITS.get(unit.upper())
     if factor is None:
-        raise MemplanError(f"unknown unit {unit!r} in {text!r}: use one of {', '.join(_display_units())}")
-    return round(float(number) * factor)
+        raise MemplanError(f"unknown unit {unit!r} in {_shown(text)}: use one of {', '.join(_display_units())}")
+    return check_bytes(round(exact * factor), text)
 
 
 TOKEN_UNITS: dict[str, int] = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9,
@@ -55,11 +86,13 @@ def parse_tokens(text: str) -> int:
     match = _COUNT.match(cleaned)
     factor = TOKEN_UNITS.get(match.group(2).upper()) if match else None
     if match is None or factor is None:
-        raise MemplanError(f"cannot read token count {text!r}: give a number, optionally with K, M, B (10^3, 10^6, "
+        raise MemplanError(f"cannot read token count {_shown(text)}: give a number, optionally with K, M, B (10^3, 10^6, "
                            f"10^9) or Ki, Mi, Gi (2^10, 2^20, 2^30), e.g. 4M or 4Mi")
-    count = round(float(match.group(1).replace(",", "").replace("_", "")) * factor)
+    count = round(exact_number(match.group(1).replace(",", "").replace("_", ""), "token count") * factor)
     if count <= 0:
-        raise MemplanError(f"a token count must be positive (got {text!r})")
+        raise MemplanError(f"a token count must be positive (got {_shown(text)})")
+    if count > MAX_BYTES:
+        raise MemplanError(f"a token count of more than 2^60 ({_shown(text)}) is not a training step")
     return count
 
 

@@ -17,14 +17,16 @@ import hashlib
 import importlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from memplan.core.datafile import read_json, read_yaml
 from memplan.core.errors import MemplanError
 from memplan.core.harness import harness
+from memplan.core.model import MAX_LAYERS
 from memplan.core.spec_base import describe_validation_error
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import Dtype
@@ -136,9 +138,25 @@ def config_sha256(data: dict) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+MAX_TRACED_BYTES = 16 << 20  # a traced inventory is ~200 KB (DeepSeek-V3); one per layer kind, not per layer
+
+
 def cache_dir() -> Path:
-    """Where inventories traced on first use are kept: $MEMPLAN_CACHE, else ~/.cache/memplan."""
-    return Path(os.environ.get("MEMPLAN_CACHE") or Path.home() / ".cache" / "memplan") / "traced"
+    """Where inventories traced on first use are kept: $MEMPLAN_CACHE, else ~/.cache/memplan; with HOME empty,
+    unset, relative or / (a service account), a directory of this user's in the temporary directory, never
+    /.cache or a .cache of the working directory."""
+    if os.environ.get("MEMPLAN_CACHE"):
+        return Path(os.environ["MEMPLAN_CACHE"]) / "traced"
+    home = os.environ.get("HOME", "")
+    if home and os.path.isabs(home) and Path(home).resolve() != Path("/"):
+        return Path(home) / ".cache" / "memplan" / "traced"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"memplan-cache-{uid}" / "traced"
+
+
+# the config.json text of each cache directory inventory_dir named in this process: written there only when an
+# inventory is traced into it (load), so reading a config.json (for --impl megatron, say) writes nothing
+_PENDING_CONFIGS: dict[str, str] = {}
 
 
 def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
@@ -148,17 +166,12 @@ def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
     sha = config_sha256(data)
     for candidate in sorted(shipped.glob("*/config.json")) if shipped.is_dir() else []:
         try:
-            if config_sha256(json.loads(candidate.read_text(encoding="utf-8"))) == sha:
+            if config_sha256(read_json(candidate)) == sha:
                 return str(candidate.parent), f"--impl hf-* uses the traced inventory shipped in {candidate.parent.name}"
-        except (OSError, ValueError):
+        except MemplanError:
             continue
     directory = cache_dir() / sha[:16]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / "config.json").is_file():
-            (directory / "config.json").write_text(text, encoding="utf-8")
-    except OSError:
-        pass  # read-only home: load() says how to trace by hand
+    _PENDING_CONFIGS[str(directory)] = text
     return str(directory), ("no traced inventory ships for this config: --impl hf-* traces transformers' code on "
                             f"first use (needs torch and transformers) into {directory}")
 
@@ -169,15 +182,13 @@ def file_name(impl: str, kernels: str) -> str:
 
 
 def read_traced(path: Path) -> TracedFile:
-    """A traced inventory file, checked: unknown or mistyped fields name the field and the file."""
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except OSError as err:
-        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise MemplanError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict) or data.get("format") not in FORMATS:
+    """A traced inventory file, checked: unknown or mistyped fields name the field and the file (read with the
+    protections of every memplan file: memplan/core/datafile.py)."""
+    data = read_yaml(path, "traced inventory", MAX_TRACED_BYTES)
+    if data.get("format") not in FORMATS:
         raise MemplanError(f"{path}: not a traced inventory (expected format: {' or '.join(FORMATS)})")
+    if isinstance(data.get("num_layers"), int) and not 0 < data["num_layers"] <= MAX_LAYERS:
+        raise MemplanError(f"{path}: num_layers must be between 1 and {MAX_LAYERS:,}")
     try:
         traced = TracedFile.model_validate(data)
     except ValidationError as err:
@@ -206,17 +217,27 @@ def read_traced(path: Path) -> TracedFile:
 
 
 def _size(term: TracedTerm, path: Path) -> Poly:
+    """A term's elements as a polynomial in s and b, checked (its bytes too: both are read when it is sized)."""
+    poly = _polynomial(term, "elements", path)
+    _polynomial(term, "bytes", path)
+    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
+        raise MemplanError(f"{path}: term {term.id[:60]}: dtype {term.dtype[:60]!r} is not one memplan sizes "
+                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+    return poly
+
+
+def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
+    text = getattr(term, field)
     try:
-        poly = Poly.parse_sum(term.elements)
+        poly = Poly.parse_sum(text)
+    except MemplanError as err:  # a power or coefficient out of bounds (memplan/core/symbolic.py)
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field}: {err}") from None
     except (ValueError, ZeroDivisionError, IndexError):
-        raise MemplanError(f"{path}: term {term.id}: elements {term.elements!r} is not a polynomial in s and b") \
-            from None
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field} {text[:60]!r} is not a polynomial in s "
+                           "and b") from None
     extra = {sym for mono, _ in poly.terms for sym, _ in mono} - SYMBOLS
     if extra:
-        raise MemplanError(f"{path}: term {term.id}: elements use {', '.join(sorted(extra))} (only s and b)")
-    if term.dtype not in _DTYPES and term.dtype not in _ACT_DTYPES:
-        raise MemplanError(f"{path}: term {term.id}: dtype {term.dtype!r} is not one memplan sizes "
-                           f"(known: {', '.join(_ACT_DTYPES + tuple(_DTYPES))})")
+        raise MemplanError(f"{path}: term {term.id[:60]}: {field} use {', '.join(sorted(extra))[:60]} (only s and b)")
     return poly
 
 
@@ -231,10 +252,16 @@ def load(directory: str, impl: str, kernels: str) -> TracedFile:
     transformers are installed; else a one-line error naming how to make it."""
     path = Path(directory) / file_name(impl, kernels)
     config = Path(directory) / "config.json"
+    if not config.is_file() and directory in _PENDING_CONFIGS and _tracer() is not None:
+        try:  # the config read in this process, kept in the cache only now that an inventory is traced from it
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text(_PENDING_CONFIGS[directory], encoding="utf-8")
+        except OSError:
+            pass  # a read-only cache: the error below says how to trace by hand
     if not path.is_file() and config.is_file():
         try:
-            cached = cache_dir() / config_sha256(json.loads(config.read_text(encoding="utf-8")))[:16] / path.name
-        except (OSError, ValueError):
+            cached = cache_dir() / config_sha256(read_json(config))[:16] / path.name
+        except MemplanError:
             cached = path
         if not cached.is_file():
             _trace_into(config, cached, impl, kernels)
@@ -257,13 +284,17 @@ def _tracer():
 
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
+    config = Path(config_path)
+    if not config.is_file():
+        raise MemplanError(f"no such config.json: {config_path}")
+    data = read_json(config)
+    layers = data.get("num_hidden_layers", data.get("n_layer")) if isinstance(data, dict) else None
+    if isinstance(layers, int) and not 0 < layers <= MAX_LAYERS:
+        raise MemplanError(f"{config}: {layers:,} layers: memplan traces models of 1 to {MAX_LAYERS:,} layers")
     tracer = _tracer()
     if tracer is None:
         raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
                            "pip install 'memplan[trace]'")
-    config = Path(config_path)
-    if not config.is_file():
-        raise MemplanError(f"no such config.json: {config_path}")
     try:
         data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
     except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from memplan.core.datafile import read_yaml
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import build
 from memplan.core.specs import GpuSpec
-from memplan.presets.files import ModelPreset, configs_dir, gpu_names, read_model_file, read_yaml, with_plan
+from memplan.presets.files import ModelPreset, configs_dir, gpu_names, read_model_file, with_plan
 from memplan.presets.hf_config import read_hf_config
 
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
+from memplan.core.datafile import read_yaml
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
@@ -27,6 +26,9 @@ def configs_dir() -> Path:
     the copy a wheel installs beside the package (memplan/_configs, see pyproject.toml)."""
     env = os.environ.get("MEMPLAN_CONFIGS")
     if env:
+        if not (Path(env) / "models").is_dir() or not (Path(env) / "gpus").is_dir():
+            raise MemplanError(f"MEMPLAN_CONFIGS={env[:200]!r} is not a presets directory (it needs models/ and "
+                               "gpus/); unset it to use memplan's own")
         return Path(env)
     package = Path(__file__).resolve().parent.parent  # memplan/ (this file is memplan/presets/files.py)
     checkout = package.parent / "configs"
@@ -46,53 +48,6 @@ class ModelPreset:
 
 
 _PRESET_KEYS = {"model", "parallel", "training", "gpu"}
-
-
-MAX_FILE_BYTES = 1 << 20  # a model, GPU or config.json file is a few KB; /dev/zero is not one
-
-
-def read_text(path: Path, what: str) -> str:
-    """A small UTF-8 text file, or a one-line error (missing, a directory, too large, not UTF-8)."""
-    if path.is_dir():
-        raise MemplanError(f"{path} is a directory, not a {what}")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as err:
-        raise MemplanError(f"cannot read {path}: {err.strerror}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise MemplanError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB: not a {what}")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise MemplanError(f"{path}: not UTF-8 text (byte {err.start})") from None
-
-
-# libyaml's safe loader where PyYAML was built with it (the same plain data, about 10x faster to parse)
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def read_yaml(path: Path) -> dict:
-    text = read_text(path, "YAML file")
-    try:
-        # plain data only: anchors and aliases (a "billion laughs" file expands exponentially) and
-        # language tags (!!python/...) are refused before anything is built
-        for event in yaml.parse(text, Loader=SAFE_LOADER):
-            if isinstance(event, yaml.AliasEvent):
-                raise MemplanError(f"{path}: line {event.start_mark.line + 1}: YAML aliases (*name) are not "
-                                   "supported; write the values out")
-        data = yaml.load(text, Loader=SAFE_LOADER)
-    except yaml.constructor.ConstructorError as err:
-        mark = err.problem_mark
-        raise MemplanError(f"{path}: line {mark.line + 1 if mark else '?'}: {err.problem} (plain YAML data only)"
-                           ) from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise MemplanError(f"{path}:{where} is not valid YAML") from None
-    if not isinstance(data, dict):
-        raise MemplanError(f"{path}: expected a mapping at the top level")
-    return data
 
 
 def read_model_file(path: Path) -> ModelPreset:

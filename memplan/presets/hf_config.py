@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memplan.core.datafile import load_json_text, read_text
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
-from memplan.presets.files import ModelPreset, configs_dir, read_text
+from memplan.presets.files import ModelPreset, configs_dir
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -70,6 +71,17 @@ def _probability(data: dict, key: str, default: float, path: Path) -> float:
     return float(value)
 
 
+def _flag(data: dict, key: str, default: bool, path: Path) -> bool:
+    """A true / false field of a config.json: JSON's true or false (a string "false" is refused, not read as true);
+    missing or null: transformers' default."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MemplanError(f"{path}: {key}: expected true or false (got {echo(value)})")
+    return value
+
+
 def _head_dim(data: dict) -> Any:
     """A config's head_dim when it differs from h/a (Mistral-Nemo: 128 with h/a = 160); None when it
     is h/a (many configs state it), so such a model equals its preset."""
@@ -126,15 +138,14 @@ def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded)."""
     path = Path(path_text)
     text = read_text(path, "config.json")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise MemplanError(f"{path}: not valid JSON (line {err.lineno})") from None
-    except RecursionError:
-        raise MemplanError(f"{path}: JSON nested too deeply to be a config") from None
+    data = load_json_text(text, str(path))
     if not isinstance(data, dict):
         raise MemplanError(f"{path}: expected a JSON object")
     archs = data.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise MemplanError(f"{path}: architectures: expected a list of class names (got {echo(archs)})")
+    if not isinstance(data.get("model_type", ""), str):
+        raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
     known = [a for a in archs if a in HF_ARCHITECTURES]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _MOE_ARCHITECTURES):
@@ -146,7 +157,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
                            f"{', '.join(HF_ARCHITECTURES)}")
     layout = HF_ARCHITECTURES[known[0]]
-    name = str(data.get("_name_or_path") or path)
+    name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
+    name = name or str(path)
     positions_key = "n_positions" if layout == "gpt2" else "max_position_embeddings"
     positions = data.get(positions_key, 1024 if layout == "gpt2" else 4096)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
@@ -161,7 +173,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, num_layers=data["n_layer"], hidden_size=data["n_embd"],
                         num_attention_heads=data["n_head"], seq_length=seq,
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
-                        tied_embeddings=data.get("tie_word_embeddings", True), attention="eager")
+                        tied_embeddings=_flag(data, "tie_word_embeddings", True, path), attention="eager")
         else:
             act_key = "hidden_activation" if data.get("hidden_activation") else "hidden_act"
             acts = ("silu",) if layout == "llama" else _GATED_ACTS
@@ -174,10 +186,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
-                        tied_embeddings=data.get("tie_word_embeddings", layout == "traced" and
-                                                 data.get("model_type", "").startswith("gemma")),
+                        tied_embeddings=_flag(data, "tie_word_embeddings", layout == "traced" and
+                                              data.get("model_type", "").startswith("gemma"), path),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
-                        bias=bool(data.get("attention_bias", False) or data.get("mlp_bias", False)),
+                        bias=_flag(data, "attention_bias", False, path) or _flag(data, "mlp_bias", False, path),
                         attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
                         qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
                         sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES)

@@ -16,6 +16,7 @@ from memplan.core.specs import Config
 from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import optimizer_impl
+from memplan.report.escape import md, plain
 from memplan.report.text import format_gb
 
 
@@ -252,7 +253,7 @@ def _cell(value: Any) -> str:
         return f"{value:,}"
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    return str(value).replace("|", "\\|")
+    return md(value)
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
@@ -269,7 +270,7 @@ def _columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
 def _estimate_heading(data: dict[str, Any]) -> str:
     c = data["config"]
     par, tr = c["parallel"], c["training"]
-    return (f"**{c['model']['name']}** ({data['impl']}): t={par['tp']} p={par['pp']} d={par['dp']} m={par['vpp']} "
+    return (f"**{md(c['model']['name'])}** ({data['impl']}): t={par['tp']} p={par['pp']} d={par['dp']} m={par['vpp']} "
             f"SP={'on' if par['sp'] else 'off'} recompute={tr['recompute']} ZeRO={par['zero']} b={tr['micro_batch']}, "
             f"global batch {c['global_batch']} sequences, on {c['gpus']} GPUs; stage {data['most_loaded_stage']} "
             "is the most loaded (bytes: B)")
@@ -277,8 +278,9 @@ def _estimate_heading(data: dict[str, Any]) -> str:
 
 def _search_heading(result: dict[str, Any]) -> str:
     if "skipped" in result:
-        return f"**{result['model']}** on {result['gpus']:,} {result['gpu'] or ''} GPUs: skipped, {result['skipped']}"
-    return (f"**{result['model']}** ({result['impl']}) on {result['gpus']:,} {result['gpu'] or ''} GPUs, budget "
+        return (f"**{md(result['model'])}** on {result['gpus']:,} {md(result['gpu'] or '')} GPUs: skipped, "
+                f"{md(result['skipped'])}")
+    return (f"**{md(result['model'])}** ({result['impl']}) on {result['gpus']:,} {md(result['gpu'] or '')} GPUs, budget "
             f"{format_gb(result['budget_bytes'])} per GPU, global batch {result['global_batch']:,} sequences: "
             f"{result['candidates_evaluated']:,} plans evaluated, {result['feasible']:,} fit (bytes: B, times: s)")
 
@@ -293,11 +295,11 @@ def render_output(fmt: str, kind: str, data: Any) -> None:
     if fmt == "csv":
         writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: plain(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows)
         return
     results = [data] if kind == "estimate" or not isinstance(data, list) else data
     heading = "\n".join(_estimate_heading(r) if kind == "estimate" else _search_heading(r) for r in results)
-    notes = [f"- note: {n}" for r in results for n in r.get("notes", [])]
+    notes = [f"- note: {plain(n)}" for r in results for n in r.get("notes", [])]
     print("\n\n".join([heading, markdown_table(rows, columns)] + (["\n".join(notes)] if notes else [])))
 
 
@@ -312,9 +314,9 @@ def explain_lines(steps: list[Any], sections: dict[str, str]) -> list[str]:
         chain = [s.formula] + ([s.substituted] if s.substituted and s.substituted != s.formula else [])
         if s.value is not None:
             chain.append(f"{s.value:,} {s.unit}".rstrip())
-        lines.append(f"{s.label}: " + " = ".join(chain) + (f"  [{s.source}]" if s.source else ""))
+        lines.append(plain(f"{s.label}: " + " = ".join(chain) + (f"  [{s.source}]" if s.source else "")))
         if s.note:
-            lines.append(f"    ({s.note})")
+            lines.append(plain(f"    ({s.note})"))
     return [line for line in lines if line is not None]
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from memplan.core.errors import MemplanError
+from memplan.core.outfile import check_output, same_outputs, write_bytes
 from memplan.core.training import Recompute
 from memplan.inventory.activations import layer_bytes
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import PART_LABELS, PARTS
+from memplan.report.escape import shortened
 from memplan.report.text import plan_text
 
 if TYPE_CHECKING:
@@ -40,20 +42,28 @@ def _pyplot() -> Any:
         import matplotlib
 
         matplotlib.use("Agg")
+        # names are data: a model name's $...$ is text, not mathtext (which can also fail to parse or hang)
+        matplotlib.rcParams["text.parse_math"] = False
         import matplotlib.pyplot as plt
     except ImportError:
         raise MemplanError("--plot needs matplotlib: pip install 'memplan[plot]'") from None
     return plt
 
 
-def check_plot_path(path: str) -> Path:
-    """The file to write: PNG or SVG by its extension, in a folder that exists."""
+def check_plot_path(path: str, option: str = "--plot") -> Path:
+    """The file to write: PNG or SVG by its extension, a path memplan may write (memplan/core/outfile.py)."""
     p = Path(path)
     if p.suffix.lower() not in FORMATS:
-        raise MemplanError(f"--plot {path}: give a .png or .svg file name")
-    if not p.parent.exists():
-        raise MemplanError(f"--plot {path}: folder {p.parent} does not exist")
-    return p
+        raise MemplanError(f"{option} {str(path)[:200]}: give a .png or .svg file name")
+    return check_output(path, option)
+
+
+def check_plot_paths(paths: dict[str, Optional[str]]) -> None:
+    """Every plot option's file ({option: path or None}), and no two the same file: before any work."""
+    same_outputs(*paths.items())
+    for option, path in paths.items():
+        if path:
+            check_plot_path(path, option)
 
 
 def _save(fig: Any, path: str, dpi: int = 110) -> None:
@@ -63,16 +73,18 @@ def _save(fig: Any, path: str, dpi: int = 110) -> None:
     import matplotlib.pyplot as plt
 
     p = check_plot_path(path)
+    out = io.BytesIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "memplan"}):
         if p.suffix.lower() == ".png":
             from PIL import Image  # a dependency of matplotlib
 
             buffer = io.BytesIO()
             fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
-            Image.open(buffer).convert("RGB").quantize(256).save(p, optimize=True)
+            Image.open(buffer).convert("RGB").quantize(256).save(out, format="png", optimize=True)
         else:
-            fig.savefig(p, bbox_inches="tight", metadata={"Date": None})
+            fig.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
+    write_bytes(p, out.getvalue())
 
 
 def _where(event: Any) -> str:
@@ -110,7 +122,7 @@ def plot_estimate(est: Estimate, path: str) -> None:
                      f"{dev.total / GB:.2f} GB")
     if est.budget_bytes is not None:
         ax.axhline(est.budget_bytes / GB, color="red", ls="--", lw=1.5,
-                   label=f"budget {est.budget_bytes / GB:.2f} GB" + (f" ({est.gpu.name})" if est.gpu else ""))
+                   label=f"budget {est.budget_bytes / GB:.2f} GB" + (f" ({shortened(est.gpu.name)})" if est.gpu else ""))
     starts = [i for i, e in enumerate(events) if i == 0 or e.phase != events[i - 1].phase]
     for i in starts:
         ax.axvline(i, color="white", lw=0.8)
@@ -119,7 +131,7 @@ def plot_estimate(est: Estimate, path: str) -> None:
     ax.set_xlim(0, len(events))
     ax.set_xlabel("events of one training step, in order (forward, loss, backward, optimizer)")
     ax.set_ylabel("memory (GB)")
-    ax.set_title(f"{est.config.model.name}: one training step on one GPU of stage {est.most_loaded} "
+    ax.set_title(f"{shortened(est.config.model.name)}: one training step on one GPU of stage {est.most_loaded} "
                  f"(the most loaded of {pp})", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     ax.set_ylim(0, max(dev.total, est.budget_bytes or 0) / GB * 1.3)
@@ -187,8 +199,8 @@ def plot_search(result: SearchResult, path: str) -> None:
     ax.set_ylim(0, ymax)
     ax.set_xlabel("estimated step time (s)")
     ax.set_ylabel("device memory needed per GPU (GB)")
-    gpu = f" {result.gpu.name}" if result.gpu else ""
-    ax.set_title(f"{result.model.name}: {result.candidates:,} plans on {result.gpus:,}{gpu} GPUs, global batch "
+    gpu = f" {shortened(result.gpu.name)}" if result.gpu else ""
+    ax.set_title(f"{shortened(result.model.name)}: {result.candidates:,} plans on {result.gpus:,}{gpu} GPUs, global batch "
                  f"{result.global_batch:,} (view: up to 3x the budget, fastest 99% of plans)", fontsize=10)
     ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
     fig.tight_layout()
@@ -233,7 +245,7 @@ def plot_techniques(config: Config, path: str) -> None:
     ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=15, ha="right", fontsize=8)
     ax.set_ylabel("activation memory per layer per micro-batch on one GPU (GB)")
     ax.set_ylim(0, max(values) * 1.2)
-    ax.set_title(f"{m.name} (s={m.seq_length}, b={config.training.micro_batch}, h={m.hidden_size}, "
+    ax.set_title(f"{shortened(m.name)} (s={m.seq_length}, b={config.training.micro_batch}, h={m.hidden_size}, "
                  f"a={m.num_attention_heads}): K22 Table 2 terms per technique (% of no parallelism)", fontsize=10)
     fig.tight_layout()
     _save(fig, path)

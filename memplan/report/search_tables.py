@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the planner (and numpy) load only when a search runs
     from memplan.plan.search import SearchResult
 from memplan.core.units import format_batch
 from memplan.memory.offload import offloads
+from memplan.report.escape import NOTE_LIMIT, markup
 from memplan.report.tables import Col, compact, make_table
 from memplan.report.text import (
     PLAN_LEGEND,
@@ -43,10 +44,10 @@ def _listing_heading(result: SearchResult, has_time: bool) -> str:
 
 def render_search(result: SearchResult, console: Console) -> None:
     m = result.model
-    where = f" {result.gpu.name}" if result.gpu else ""
-    assumed = f" ({result.gpu_assumed})" if result.gpu_assumed is not None else ""
+    where = f" {markup(result.gpu.name)}" if result.gpu else ""
+    assumed = f" ({markup(result.gpu_assumed, NOTE_LIMIT)})" if result.gpu_assumed is not None else ""
     console.print(
-        f"[bold]{m.name}[/] ({result.impl}) on {result.gpus}{where} GPUs{assumed}, {format_gb(result.budget_bytes)} per GPU, "
+        f"[bold]{markup(m.name)}[/] ({result.impl}) on {result.gpus}{where} GPUs{assumed}, {format_gb(result.budget_bytes)} per GPU, "
         f"global batch {format_batch(result.global_batch, m.seq_length)}: {result.candidates:,} plans evaluated in "
         f"{result.seconds:.2f} s, {result.feasible:,} fit"
         + (f" (and in {format_gb(result.host_budget_bytes)} of host memory per node)" if result.host_budget_bytes is not None
@@ -96,7 +97,7 @@ def render_search(result: SearchResult, console: Console) -> None:
     elif result.candidates > result.feasible:
         console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
     for note in result.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {markup(note, NOTE_LIMIT)}")
 
 
 def _cp_ep_columns(result: SearchResult) -> tuple[str, ...]:
@@ -140,13 +141,13 @@ def render_search_all(results: list[SearchResult], skipped: list[Any], console: 
     console.print(f"best plan: {best} that fits" + (", variants folded" if first.folded else ""))
 
     def gpu_cell(r: SearchResult) -> str:
-        name = r.gpu.name if r.gpu else "-"
+        name = markup(r.gpu.name) if r.gpu else "-"
         name = name if len(budgets) == 1 else f"{name} {format_gb(r.budget_bytes)}"
         return f"{name} (assumed)" if r.model.name in assumed else name
 
     if narrow and not gpu_given:  # the GPU column would not fit 80 columns: one line per GPU
         for cell in dict.fromkeys(gpu_cell(r) for r in results):
-            console.print(f"on {cell}: {', '.join(r.model.name for r in results if gpu_cell(r) == cell)}")
+            console.print(f"on {cell}: {', '.join(markup(r.model.name) for r in results if gpu_cell(r) == cell)}")
     gpu_col = [] if narrow or gpu_given else [Col("GPU")]
     table = make_table(console, (Col("model", fold=True), *gpu_col, Col("plans", "right"), Col("fit", "right"),
                                  Col("best plan", fold=True), Col("memory", "right"),
@@ -156,13 +157,13 @@ def render_search_all(results: list[SearchResult], skipped: list[Any], console: 
         if r.top:
             row = r.row(r.top[0])
             has_time = "step_time_s" in row
-            table.add_row(r.model.name, *gpu, f"{r.candidates:,}", f"{r.feasible:,}",
+            table.add_row(markup(r.model.name), *gpu, f"{r.candidates:,}", f"{r.feasible:,}",
                           plan_text(row, r.model.num_layers if narrow else None),
                           format_gb(row["memory"]["device_bytes"]), f"{row['step_time_s']:.2f} s" if has_time else "-",
                           f"{row['mfu']:.1%}" if has_time else "-")
         else:
             row = r.row(r.nearest_miss)
-            table.add_row(r.model.name, *gpu, f"{r.candidates:,}", "[red]0[/]",
+            table.add_row(markup(r.model.name), *gpu, f"{r.candidates:,}", "[red]0[/]",
                           plan_text(row, r.model.num_layers) if narrow else f"nearest miss: {plan_text(row)}",
                           format_gb(row["memory"]["device_bytes"]), "-", "-")
     console.print(table)
@@ -170,7 +171,7 @@ def render_search_all(results: list[SearchResult], skipped: list[Any], console: 
         misses = " fit 0: the plan shown is the nearest miss (the least memory)." if any(
             not r.top for r in results) else ""
         console.print(f"[dim]best plan: {PLAN_LEGEND}.{misses}[/]")
-    defaulted = sorted({r.gpu.name for r in results if r.model.name in assumed and r.gpu})
+    defaulted = sorted({markup(r.gpu.name) for r in results if r.model.name in assumed and r.gpu})
     if defaulted and not gpu_given:
         console.print(f"(assumed): the preset names no GPU; timed on {', '.join(defaulted)}, memplan's default "
                       "(--gpu NAME sets one)")

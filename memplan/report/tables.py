@@ -21,6 +21,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.plan.limits import cap_of
+from memplan.report.escape import NOTE_LIMIT, markup, plain
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
 from memplan.timing.calibration import calibration
 
@@ -119,7 +120,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     c, peak = est.config, est.peak
     m, par, tr = c.model, c.parallel, c.training
     console.print(
-        f"[bold]{m.name}[/]: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} "
+        f"[bold]{markup(m.name)}[/]: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} "
         + (f"latent attention r_kv={m.kv_lora_rank} r_q={m.q_lora_rank} d_qk={m.qk_nope_head_dim}+"
            f"{m.qk_rope_head_dim} d_v={m.v_head_dim} " if m.is_mla else
            f"q={m.q} (head_dim {m.head_dim}) " if m.q != m.hidden_size else "")
@@ -133,7 +134,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{f' over {par.shard} ranks' if par.zero and par.shard < par.dp else ''} b={tr.micro_batch} "
         f"global batch={format_batch(c.global_batch, m.seq_length)} ({c.num_microbatches} micro-batches per step) "
         f"on {par.gpus} GPUs{pinned_techniques(tr)}"
-        + (f"; GPU {est.gpu.name} ({est.gpu_assumed})" if est.gpu_assumed is not None else "")
+        + (f"; GPU {markup(est.gpu.name)} ({markup(est.gpu_assumed, NOTE_LIMIT)})" if est.gpu_assumed is not None else "")
     )
     console.print(
         f"activations per layer per micro-batch on one GPU: {est.per_layer_symbolic} = "
@@ -163,7 +164,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         cites = [_short_cite(c) for c in cites]
     for r, cite in zip(est.rows, cites):
         mark = "" if r.term.in_k22 else " *"
-        table.add_row(_term_cell(f"{r.term.name}{mark}", narrow), r.symbolic, str(r.copies), auto(r.stage_bytes),
+        table.add_row(_term_cell(f"{plain(r.term.name)}{mark}", narrow), r.symbolic, str(r.copies), auto(r.stage_bytes),
                       f"{r.stage_bytes / total:.1%}", cite)
     if peak.recompute_working_bytes:
         table.add_row(_term_cell("recompute working set (one layer, transient) *", narrow), "", "1",
@@ -178,7 +179,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if narrow and used:
         console.print("[dim]sources: " + "; ".join(used) + "[/]")
     for note in est.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {markup(note, NOTE_LIMIT)}")
     if est.perf is not None:
         p = est.perf
         cal = calibration(est.config.model, est.gpu, est.inventory.name.split("/")[0], est.config.training.fp8)
@@ -186,7 +187,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         spread = f" ± {p.uncertainty:.0%}" if calibrated else ""
         label = "" if calibrated else f"[yellow]{cal.note or 'uncalibrated'}[/]; "
         console.print(
-            f"step time {p.step_time_s:.2f} s{spread} on {est.gpu.name} ({label}{p.tokens_per_s:,.0f} tokens/s, "
+            f"step time {p.step_time_s:.2f} s{spread} on {markup(est.gpu.name)} ({label}{p.tokens_per_s:,.0f} tokens/s, "
             f"MFU {p.mfu:.1%}): compute {p.compute_s:.2f} s, memory-bound {p.memory_s:.2f} s, recompute "
             f"{p.recompute_s:.2f} s, pipeline bubble {p.bubble_s:.2f} s ({p.bubble_share:.1%} of the step), TP comm "
             f"exposed {p.tp_comm_exposed_s:.2f} s, DP comm exposed {p.dp_comm_exposed_s:.2f} s, PP sends {p.pp_comm_s:.2f} s"
@@ -195,7 +196,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         )
     render_peak(est, console)
     if est.budget_bytes is not None:
-        where = f" ({est.gpu.name})" if est.gpu is not None else ""
+        where = f" ({markup(est.gpu.name)})" if est.gpu is not None else ""
         head = est.headroom_bytes
         margin = (f"allocated peak + {'the replayed fragmentation' if est.device.replayed else f'{est.device.margin:.0%} fragmentation margin'} + runtime = "
                   f"{format_gb(est.device.total)}")
@@ -347,7 +348,7 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
                        + [Col("params", "right"), Col("default plan", fold=True)],
                        title="model presets", short_title="model presets (params in billions)")
     for r in rows:
-        table.add_row(r["name"], str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
+        table.add_row(markup(r["name"]), str(r["L"]), str(r["h"]), str(r["a"]), str(r["g"]), str(r["s"]),
                       str(r["v"]), _billions(r["params"], narrow),
                       compact_plan(_plan_fields(r["plan"])) if narrow else r["plan"])
     console.print(table)
