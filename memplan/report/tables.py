@@ -164,7 +164,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         cites = [_short_cite(c) for c in cites]
     for r, cite in zip(est.rows, cites):
         mark = "" if r.term.in_k22 else " *"
-        table.add_row(_term_cell(f"{plain(r.term.name)}{mark}", narrow), r.symbolic, str(r.copies), auto(r.stage_bytes),
+        table.add_row(_term_cell(f"{markup(r.term.name, None)}{mark}", narrow), r.symbolic, str(r.copies), auto(r.stage_bytes),
                       f"{r.stage_bytes / total:.1%}", cite)
     if peak.recompute_working_bytes:
         table.add_row(_term_cell("recompute working set (one layer, transient) *", narrow), "", "1",
