@@ -21,7 +21,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.plan.limits import cap_of
-from memplan.report.escape import NOTE_LIMIT, markup, plain
+from memplan.report.escape import NOTE_LIMIT, markup
 from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
 from memplan.timing.calibration import calibration
 
