@@ -57,6 +57,9 @@ CASES = [
     (["estimate", "--model", "gpt-22b", "--frag-margin", "nan"], "finite"),
     (["estimate", "--model", "gpt-22b", "--offload", "optimizer", "--offload-fraction", "nan"], "finite"),
     (["estimate", "--model", "gpt-22b", "--mst", "²"], "--mst takes"),
+    # int() reads Arabic-Indic eight as 8: a whole-number option takes ASCII digits only
+    (["estimate", "--model", "gpt-22b", "--tp", "\u0668"], "not a whole number in ASCII digits"),
+    (["search", "--model", "gpt-22b", "--gpus", "8", "--top", "\u0663"], "not a whole number in ASCII digits"),
     (["estimate", "--model", "gpt-22b", "--mst", "9" * 5000], "--mst takes"),
     (["search", "--model", "gpt-22b", "--gpus", str(10**18), "--mem", "80GB"], "--gpus"),
     (["search", "--model", "gpt-22b", "--gpus", "8", "--global-batch", str(10**18), "--mem", "80GB"],

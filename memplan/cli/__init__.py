@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import click
 
-from memplan.cli.options import check_plots, output_format, output_options, plan_options, refuse
+from memplan.cli.options import AsciiIntRange, check_plots, output_format, output_options, plan_options, refuse
 
 
 def _console():
@@ -53,9 +53,10 @@ def gpus() -> None:
     """List the GPU presets."""
     from memplan.api.catalog import gpus as gpu_presets
     from memplan.core.units import format_bytes, format_flops
+    from memplan.report.escape import plain
 
     for name, g in gpu_presets().items():
-        click.echo(f"{name:12s} {format_bytes(g.memory_bytes, 'GB')} ({format_bytes(g.memory_bytes, 'GiB')}), "
+        click.echo(f"{plain(name):12s} {format_bytes(g.memory_bytes, 'GB')} ({format_bytes(g.memory_bytes, 'GiB')}), "
                    f"{format_flops(g.peak_bf16_flops)} bf16, {g.gpus_per_node} per node")
 
 
@@ -116,12 +117,12 @@ class _SearchCommand(click.Command):
 @cli.command(cls=_SearchCommand)
 @plan_options
 @output_options
-@click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Plans (rows) to show.")
+@click.option("--top", type=AsciiIntRange(1), default=10, show_default=True, help="Plans (rows) to show.")
 @click.option("--sort", "sort", type=click.Choice(["time", "memory"]), default="time", show_default=True,
               help="Order of the plans that fit: estimated step time (then memory), or device memory (then time).")
 @click.option("--all-variants", is_flag=True,
               help="List every plan that fits: no folding of ZeRO and recompute variants into rows.")
-@click.option("--max-tp", type=click.IntRange(1), help="Largest t to consider (default: GPUs per node).")
+@click.option("--max-tp", type=AsciiIntRange(1), help="Largest t to consider (default: GPUs per node).")
 @click.option("--uneven-stages", is_flag=True,
               help="Also search uneven pipeline stages: one or two layers fewer on the first and / or the last stage, "
                    "the middle stages splitting the rest (p need not divide L); --first-stage-layers / "

@@ -37,6 +37,27 @@ def _mst(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> An
     return mst_pieces(value)
 
 
+class _AsciiDigits:
+    """Whole numbers in ASCII digits only: Python's int() also reads other scripts' digits ('٨' as 8), which a
+    user did not mean to give."""
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if isinstance(value, str) and not value.isascii():
+            self.fail(f"{value!r} is not a whole number in ASCII digits", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class AsciiInt(_AsciiDigits, click.types.IntParamType):
+    pass
+
+
+class AsciiIntRange(_AsciiDigits, click.IntRange):
+    pass
+
+
+INT = AsciiInt()
+
+
 def plan_options(func: Callable) -> Callable:
     """Options shared by every command that builds a plan for a model."""
     options = [
@@ -45,25 +66,25 @@ def plan_options(func: Callable) -> Callable:
                      help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
         click.option("--attention", type=click.Choice(["eager", "flash"]),
                      help="Attention kernel: eager stores the s x s scores; flash does not."),
-        click.option("--tp", type=int, help="Tensor-parallel size t."),
-        click.option("--pp", type=int, help="Pipeline-parallel size p."),
-        click.option("--dp", type=int, help="Data-parallel size d."),
-        click.option("--vpp", type=int, help="Interleaved (virtual) stages m per pipeline rank."),
-        click.option("--first-stage-layers", type=click.IntRange(1), metavar="N",
+        click.option("--tp", type=INT, help="Tensor-parallel size t."),
+        click.option("--pp", type=INT, help="Pipeline-parallel size p."),
+        click.option("--dp", type=INT, help="Data-parallel size d."),
+        click.option("--vpp", type=INT, help="Interleaved (virtual) stages m per pipeline rank."),
+        click.option("--first-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
                           "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),
-        click.option("--last-stage-layers", type=click.IntRange(1), metavar="N",
+        click.option("--last-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the last pipeline stage (Megatron-LM "
                           "--decoder-last-pipeline-num-layers)."),
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
-        click.option("--cp", type=click.IntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
+        click.option("--cp", type=AsciiIntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
                      "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/memory/parallel.py). search: tried "
                      "from s >= 16384 on."),
         click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
                      help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
-        click.option("--ep", type=click.IntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
+        click.option("--ep", type=AsciiIntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
                      "per GPU; ep x etp must divide t x cp x d."),
-        click.option("--etp", type=click.IntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
+        click.option("--etp", type=AsciiIntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
         click.option("--moe-imbalance", type=click.FloatRange(1.0, 1024.0), metavar="F",
                      help="MoE, --impl megatron*: the busiest GPU's routed tokens relative to the average (1.0 = "
                           "balanced, default); scales the routed-token activations (pinned in search)."),
@@ -76,19 +97,19 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
                      help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
-        click.option("--recompute-num-layers", type=int,
+        click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
-        click.option("--micro-batch", type=int, help="Micro-batch size b."),
-        click.option("--global-batch", type=int, help="Global batch in sequences per step."),
+        click.option("--micro-batch", type=INT, help="Micro-batch size b."),
+        click.option("--global-batch", type=INT, help="Global batch in sequences per step."),
         click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",
                      help="Global batch in tokens per step (4M = 4x10^6, 4Mi = 4x2^20), rounded to whole sequences."),
-        click.option("--seq-len", type=int,
+        click.option("--seq-len", type=INT,
                      help="Sequence length s (the preset's tokens per step are kept unless the batch is given)."),
-        click.option("--gpus", type=int, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
-        click.option("--zero", type=click.IntRange(0, 3),
+        click.option("--gpus", type=INT, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
+        click.option("--zero", type=AsciiIntRange(0, 3),
                      help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
                           "2 also gradients; 3 also weights."),
-        click.option("--zero-shard", type=int,
+        click.option("--zero-shard", type=INT,
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
@@ -106,7 +127,7 @@ def plan_options(func: Callable) -> Callable:
                      help="The optimizer's implementation: torch's foreach keeps parameter-sized temporaries in its "
                           "step, fused none, for-loop one tensor's (default: the implementation's where the optimizer "
                           "has it, else the optimizer's own; see `memplan impls`)."),
-        click.option("--loss-chunks", type=click.IntRange(1), metavar="N",
+        click.option("--loss-chunks", type=AsciiIntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
                           "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py)."),
@@ -117,7 +138,7 @@ def plan_options(func: Callable) -> Callable:
                           "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/inventory/fp8.py)."),
         click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
                      help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
-        click.option("--fp8-amax-history-len", type=click.IntRange(1), metavar="N",
+        click.option("--fp8-amax-history-len", type=AsciiIntRange(1), metavar="N",
                      help="With --fp8 delayed: amax values kept per FP8 tensor (default 1, Megatron-LM's)."),
         click.option("--fp8-param-gather", is_flag=True, default=None,
                      help="With --fp8: the linear weights kept only in FP8 (Megatron-LM --fp8-param-gather)."),
