@@ -85,7 +85,11 @@ def test_int64_bound_covers_gpu_file_terms():
         search(DENSE, TrainingSpec(), 8, 8, 80 * 10**9, gpu=gpu)
     config = Config(model=DENSE, parallel=ParallelSpec(tp=2, pp=2, dp=2))
     assert estimate(config, budget_bytes=80 * 10**9, gpu=gpu).fits is False
-    runtime = A100.model_copy(update=dict(runtime_bytes=RuntimeBytes(megatron="9000000TB")))
+    # a GPU file cannot say 9,000,000 TB any more (sizes are bounded at 1 EiB when read); an object made in Python
+    # without validation still meets the search's int64 guard
+    with pytest.raises(ValueError, match="1 EiB"):
+        RuntimeBytes(megatron="9000000TB")
+    runtime = A100.model_copy(update=dict(runtime_bytes=A100.runtime_bytes.model_copy(update=dict(megatron=9 * 10**18))))
     with pytest.raises(MemplanError, match="64-bit"):
         search(DENSE, TrainingSpec(), 8, 8, 80 * 10**9, gpu=runtime)
 

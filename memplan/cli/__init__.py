@@ -264,20 +264,21 @@ def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fak
              mcore: Optional[bool], terms: bool, peak: bool, as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     from memplan.api import checks
-    from memplan.report import tables
+    from memplan.report.formats import peak_validation_dict, print_json, validation_dict
+    from memplan.report.validate_tables import render_peak_validation, render_validation
 
     if peak:
         results, totals = checks.validate_peak(device, fake)
         if as_json:
-            tables.print_json(tables.peak_validation_dict(results, totals))
+            print_json(peak_validation_dict(results, totals))
         else:
-            tables.render_peak_validation(results, totals, _console())
+            render_peak_validation(results, totals, _console())
     else:
         results, totals = checks.validate(device, tps, recomputes, fake, hf, mcore)
         if as_json:
-            tables.print_json(tables.validation_dict(results, totals))
+            print_json(validation_dict(results, totals))
         else:
-            tables.render_validation(results, totals, _console(), terms)
+            render_validation(results, totals, _console(), terms)
     if totals["failed"]:
         sys.exit(1)
 
