@@ -1,7 +1,7 @@
 """The allocation stream of one GPU of a pipeline stage for the run a training script does: every
 allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and every free, in order,
 for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
-(memplan's verdict at the margin, /work/shared/reference/allocator.md "What a replay needs").
+(memplan's verdict at the margin, ../shared/reference/allocator.md "What a replay needs").
 
 The run: the model built (one allocation per parameter tensor, `states.weight_shapes`, registration order);
 the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
