@@ -18,11 +18,18 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import settings
 
 # Inventories traced on first use (memplan/inventory/traced.py) go to a scratch cache, never the user's home.
 os.environ.setdefault("MEMPLAN_CACHE", tempfile.mkdtemp(prefix="memplan-cache-"))
 
 from memplan.cli import main  # noqa: E402
+
+# The fuzz targets (hypothesis) draw the same examples on every run: a red CI is the change's bug, not a draw.
+# HYPOTHESIS_PROFILE=explore draws new ones (what to run when hunting; a failure found there becomes an @example).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 PEAK_FILES = ("tests/test_chunked_loss.py", "tests/test_mst.py", "tests/test_validate_peak.py")
 PEAK_UNIT = "peak steps"

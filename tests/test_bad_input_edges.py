@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
@@ -293,6 +293,8 @@ def test_gpu_reader_fuzz(tmp_path, data):
 @given(st.dictionaries(st.sampled_from(["architectures", "model_type", "attention_bias", "tie_word_embeddings",
                                         "num_hidden_layers", "hidden_size", "_name_or_path", "mlp_bias"]),
                        documents, max_size=6))
+@example({"architectures": ["\n"]})  # found by this fuzzer: a newline in a name broke the one error line
+@example({"architectures": ["X"] * 10_000})
 def test_config_json_types_fuzz(tmp_path, data):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,

@@ -134,6 +134,13 @@ def _read_deepseek_v3(data: dict) -> dict[str, Any]:
                 v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
 
 
+def _names(archs: list) -> str:
+    """Architecture names for an error line: as they are when they are Python names, else quoted with their escapes
+    (a newline in a name must not break the line), the first three only."""
+    shown = [a if a.isidentifier() else echo(a) for a in archs[:3]]
+    return ", ".join(shown) + (f" and {len(archs) - 3:,} more" if len(archs) > 3 else "")
+
+
 def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded)."""
     path = Path(path_text)
@@ -149,11 +156,11 @@ def read_hf_config(path_text: str) -> ModelPreset:
     known = [a for a in archs if a in HF_ARCHITECTURES]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _MOE_ARCHITECTURES):
-        arch = known[0] if known else ", ".join(archs) or f"model_type {data.get('model_type')!r}"
+        arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan models the experts of "
                            "Mixtral, Qwen3-MoE and DeepSeek-V3 only (issue 11)")
     if not known:
-        name = ", ".join(archs) if archs else f"model_type {data.get('model_type')!r}"
+        name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
                            f"{', '.join(HF_ARCHITECTURES)}")
     layout = HF_ARCHITECTURES[known[0]]
