@@ -379,6 +379,13 @@ def test_cli_choices_are_the_specs_optimizers():
     assert cli.OPTIMIZERS == OPTIMIZERS
 
 
+def test_cli_choices_are_the_allocator_models():
+    from memplan.cli import options as cli
+    from memplan.memory.reserved import ALLOCATORS
+
+    assert cli.ALLOCATORS == ALLOCATORS
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_estimate_names_the_optimizer(run_cli, optimizer):
     args = ("estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--gpu", "h100-80gb", "--optimizer", optimizer)

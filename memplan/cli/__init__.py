@@ -1,6 +1,6 @@
-"""The `memplan` command line (its shared options in cli/options.py): parse the options -> call the API (memplan.api) -> render the report. No arithmetic,
-no model logic. Each command imports only what it uses, when it runs (`memplan --help` loads no other memplan
-module; benchmarks/bench_startup.py)."""
+"""The `memplan` command line (its shared options in cli/options.py): parse the options -> call the API
+(memplan.api) -> render the report. No arithmetic, no model logic. Each command imports only what it uses,
+when it runs (`memplan --help` loads no other memplan module; benchmarks/bench_startup.py)."""
 
 from __future__ import annotations
 
@@ -190,12 +190,12 @@ def _check_emit(emit: Optional[str], emit_only: bool, fmt: str) -> None:
     """Refuse --emit / --emit-only with a format that cannot show the launch block, before any work."""
     if emit and fmt == "csv":
         refuse("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
-                           "document) or table / markdown")
+               "document) or table / markdown")
     if emit_only and not emit:
         refuse("--emit-only needs --emit megatron")
     if emit_only and fmt != "table":
         refuse(f"--emit-only prints the launch block alone; it conflicts with --format {fmt} "
-                           "(with --json the arguments go in the document)")
+               "(with --json the arguments go in the document)")
 
 
 def _emit_only(launch: dict[str, Any]) -> None:

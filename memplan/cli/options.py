@@ -10,6 +10,8 @@ import click
 
 # memplan/core/training.py OPTIMIZERS (a test checks they agree; specs loads pydantic, which --help does not need)
 OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
+# memplan/memory/reserved.py ALLOCATORS (a test checks they agree; the allocator model loads with estimate)
+ALLOCATORS = ("default", "expandable")
 
 
 def refuse(message: str) -> NoReturn:
@@ -164,7 +166,7 @@ def plan_options(func: Callable) -> Callable:
                           "(estimate's verdict, search's filter)."),
         click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
                      help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
-        click.option("--allocator", type=click.Choice(["default", "expandable"]), default="default",
+        click.option("--allocator", type=click.Choice(ALLOCATORS), default="default",
                      help="The caching allocator the run is replayed through (memplan/memory/reserved.py)."),
         click.option("--alloc-conf", "alloc_conf", metavar="TEXT", help="PYTORCH_CUDA_ALLOC_CONF for the replay."),
         click.option("--gpu", "gpu", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),

@@ -25,10 +25,10 @@ from memplan.memory.allocator import ReplayResult, replay
 from memplan.memory.stage import stage_memory
 from memplan.memory.stream import Alloc, AllocationStream, stream_for
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import step_events
+from memplan.memory.timeline import most_loaded_stage, step_events
 
 ALLOCATORS = ("default", "expandable")
-EXPANDABLE_CONF = "expandable_segments:True"  # what --emit prints when only expandable segments fit
+EXPANDABLE_CONF = "expandable_segments:True"  # what the report says to export when only expandable segments fit
 
 
 def allocator_config(allocator: str = "default", alloc_conf: Optional[str] = None) -> AllocatorConfig:
@@ -46,6 +46,11 @@ def allocator_config(allocator: str = "default", alloc_conf: Optional[str] = Non
 
 def allocator_name(config: AllocatorConfig) -> str:
     return "expandable" if config.expandable_segments else "default"
+
+
+def allocator_label(allocator: str, alloc_conf: Optional[str]) -> str:
+    """How reports name the allocator a replay ran: "default", or "expandable, max_split_size_mb:512"."""
+    return f"{allocator}, {alloc_conf}" if alloc_conf else allocator
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class Reserved:
     @property
     def fits(self) -> bool:
         return self.result.fits
+
+    @property
+    def label(self) -> str:
+        return allocator_label(self.allocator, self.alloc_conf)
+
 
 def replay_stream(stream: AllocationStream, capacity_bytes: int, config: AllocatorConfig) -> ReplayResult:
     """The stream's allocations (requested sizes; the model rounds them) and frees through the allocator."""
@@ -111,8 +121,7 @@ def allocation_stream(config: Config, impl: str = "megatron", device: str = "cud
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
     if stage is None:
-        peaks = [step_events(config.model, inventory, config.training, plan, mems[i], i, critical=True).peak_bytes
-                 for i in range(len(mems))]
-        stage = max(range(len(mems)), key=lambda i: (peaks[i], mems[i].total, -i))
+        stage = most_loaded_stage([step_events(config.model, inventory, config.training, plan, mem, i, critical=True)
+                                   for i, mem in enumerate(mems)], mems)
     return stream_for(config.model, inventory, config.training, plan, stage, mems[stage], steps, first_step_seq_len,
                       workspace_bytes)

@@ -413,6 +413,11 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)
 
 
+def most_loaded_stage(steps: list[StepPeak], stages: list[StageMemory]) -> int:
+    """The stage whose GPU peaks highest (ties: the most retained at the first backward, then the earlier stage)."""
+    return max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """What the GPU needs for the step: the tensors' peak, the cuBLAS workspace beside them in
@@ -424,8 +429,9 @@ class DeviceMemory:
     fragmentation_bytes: Any
     runtime_bytes: Any
     margin: float
-    replayed: bool = False  # the fragmentation is the caching allocator's replay (memory/reserved.py), above the margin
-    margin_bytes: Any = None  # with `replayed`: the margin's bytes it replaced (what search's vectorised bound counts)
+    # set when the caching allocator's replay (memory/reserved.py) reserved more than the margin: the margin's bytes
+    # the replayed fragmentation replaced (what search's vectorised bound counts)
+    margin_bytes: Any = None
 
     @property
     def allocated_peak(self) -> Any:
@@ -434,6 +440,11 @@ class DeviceMemory:
     @property
     def total(self) -> Any:
         return self.allocated_peak + self.fragmentation_bytes + self.runtime_bytes
+
+    @property
+    def replayed(self) -> bool:
+        """The fragmentation is the caching allocator's replay, above the margin."""
+        return self.margin_bytes is not None
 
     @property
     def flat_total(self) -> Any:

@@ -28,7 +28,8 @@ from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
 from memplan.memory.reserved import Reserved, replay_run
 from memplan.memory.stream import not_streamed, stream_for
-from memplan.memory.timeline import DeviceMemory, StepPeak, device_memory, optimizer_impl, step_events
+from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
+                                     step_events)
 from memplan.timing.step import step_time
 
 
@@ -165,10 +166,10 @@ def estimate(
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
     activations and states (with `paper_only`, only the tensors K22 counts) and the step's
     allocated peak (always the real-code view). The stage with the highest peak is the answer; it
-    fits when the run of that GPU, replayed through PyTorch's caching allocator (`allocator`, `alloc_conf`:
-    memplan/memory/reserved.py), completes in the budget less the runtime's own memory (with an explicit
-    `fragmentation_margin`, or where the replay does not model the plan: when peak + margin + runtime is within
-    the budget); with `host_budget_bytes`, also when the host memory its offload takes per node is within that."""
+    fits when peak + fragmentation + runtime is within the budget, the fragmentation being the larger of the
+    margin (the GPU preset's, or `fragmentation_margin`) and what the caching allocator reserves when that GPU's
+    run is replayed through it (`allocator`, `alloc_conf`; `device_needs`); with `host_budget_bytes`, also when
+    the host memory its offload takes per node is within that."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -179,7 +180,7 @@ def estimate(
                            granularity=inventory.granularity, layout=inventory.weight_layout)
               for i in range(config.parallel.pp)]
     steps = step_peaks(config, inventory, plan, None if paper_only else stages)
-    most_loaded = max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
+    most_loaded = most_loaded_stage(steps, stages)
     steps[most_loaded] = step_peaks(config, inventory, plan, None if paper_only else stages, walk=most_loaded)[0]
     peak = stages[most_loaded]
 
@@ -237,19 +238,17 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
     if budget_bytes is None or not_streamed(config.training, plan):
         return flat, None
-    workspace = gpu.workspace_bytes if gpu is not None else 0
     in_flight = chunks_in_flight(stage_mem.stage, plan.p, 1, plan.microbatches)
     replayed_plan = dataclasses.replace(plan, microbatches=min(int(plan.microbatches), int(in_flight) + 2))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
-                        workspace_bytes=workspace)
+                        workspace_bytes=flat.workspace_bytes)
     reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, allocator, alloc_conf)
     # dies: at least over the budget (the OOM event says where; what it would need is not known)
     needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
-    replayed = needed - (step.peak_bytes + workspace)
+    replayed = needed - flat.allocated_peak
     if replayed <= flat.fragmentation_bytes:
         return flat, reserved
-    return dataclasses.replace(flat, fragmentation_bytes=replayed, replayed=True,
-                               margin_bytes=flat.fragmentation_bytes), reserved
+    return dataclasses.replace(flat, fragmentation_bytes=replayed, margin_bytes=flat.fragmentation_bytes), reserved
 
 
 def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
@@ -286,7 +285,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
     steps = step_peaks(config, inventory, plan, mems)
-    top = max(range(len(mems)), key=lambda i: (steps[i].peak_bytes, mems[i].total, -i))
+    top = most_loaded_stage(steps, mems)
     needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
                             allocator, alloc_conf)
     return int(needs.total)

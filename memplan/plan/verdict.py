@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from memplan.memory.reserved import allocator_label
 from memplan.memory.stream import not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import device_bytes
@@ -30,7 +31,7 @@ def replay_listing(result: SearchResult, allocator: str = "default", alloc_conf:
             kept.append(row)
     dropped = len(listing) - len(kept)
     result.listing, result.top = kept, [row.plan for row in kept]
-    conf = f"{allocator}{', ' + alloc_conf if alloc_conf else ''}"
+    conf = allocator_label(allocator, alloc_conf)
     result.notes.append(
         f"{replayed} of the {len(listing)} listed plans replayed through PyTorch's caching allocator ({conf}; derived, "
         "not measured)" + (f": {dropped} died in the replay and are left out" if dropped else

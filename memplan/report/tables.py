@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional
 
 from rich import box
 from rich.console import Console, JustifyMethod
-from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
 from memplan.core.units import format_batch, format_bytes_auto
 from memplan.memory.offload import gpus_on_node
 from memplan.memory.optimizers import states_label
+from memplan.memory.reserved import EXPANDABLE_CONF
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.plan.limits import cap_of
@@ -198,8 +198,9 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if est.budget_bytes is not None:
         where = f" ({markup(est.gpu.name)})" if est.gpu is not None else ""
         head = est.headroom_bytes
-        margin = (f"allocated peak + {'the replayed fragmentation' if est.device.replayed else f'{est.device.margin:.0%} fragmentation margin'} + runtime = "
-                  f"{format_gb(est.device.total)}")
+        fragmentation = ("the replayed fragmentation" if est.device.replayed else
+                         f"{est.device.margin:.0%} fragmentation margin")
+        margin = f"allocated peak + {fragmentation} + runtime = {format_gb(est.device.total)}"
         if head >= 0:
             console.print(f"[green]fits[/] in {format_gb(est.budget_bytes)}{where}: {margin}, {format_gb(head)} headroom "
                           f"on stage {est.most_loaded}")
@@ -218,19 +219,19 @@ def render_replay(est: Estimate, console: Console) -> None:
     if r is None:
         return
     res = r.result
-    what = (f"caching allocator ({r.allocator}{', ' + r.alloc_conf if r.alloc_conf else ''}; the run of stage {r.stage} "
-            f"replayed, {r.events:,} allocations and frees; derived, not measured)")
+    what = (f"caching allocator ({markup(r.label)}; the run of stage {r.stage} replayed, {r.events:,} allocations and "
+            "frees; derived, not measured)")
     if r.fits:
         console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
                       f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
                       f"(inactive split), {res.segments_at_reserved_peak:,} segments")
         return
     e = r.oom_event
-    console.print(f"[red]{what}: the run dies[/] in {escape(e['phase'])} allocating {escape(e['name'])} "
+    console.print(f"[red]{what}: the run dies[/] in {markup(e['phase'])} allocating {markup(e['name'], None)} "
                   f"({format_gb(e['requested_bytes'])}): {format_gb(e['reserved_bytes'])} reserved, "
                   f"{format_gb(e['allocated_bytes'])} allocated, of {format_gb(r.capacity_bytes)} it may take")
     if r.expandable_fits:
-        console.print("with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        console.print(f"with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_CONF}")
 
 
 def render_host(est: Estimate, console: Console) -> None:
