@@ -15,8 +15,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.launch.megatron import megatron_launch
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
-from memplan.plan.arrange import arrange
-from memplan.plan.verdict import replay_listing
+from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.plan.search import search as search_plans
@@ -87,6 +86,25 @@ class PreparedSearch:
     max_seq: bool = False
     emit: Optional[str] = None
 
+    def _replayed(self, result: SearchResult, request: tuple, kw: dict[str, Any]) -> SearchResult:
+        """The search's listing replayed through the caching allocator (plan/verdict.py); with --max-seq, the longest
+        length at which a listed plan's replay completes."""
+        opts = self.opts
+
+        def listed(r: SearchResult) -> SearchResult:
+            return replay_listing(r, self.sort, not self.all_variants, self.top, opts.allocator, opts.alloc_conf)
+
+        result = listed(result)
+        if not self.max_seq:
+            return result
+        model, training, gb, gpu, budget = request
+
+        def search_at(s: int) -> SearchResult:
+            return listed(search_plans(model.model_copy(update={"seq_length": s}), training, opts.gpus, gb, budget,
+                                       gpu=gpu, **kw))
+
+        return replayed_max_seq(result, search_at)
+
     def run(self, progress: Optional[Callable[..., None]] = None) -> SearchResults:
         """Search every preset; `progress(done, total, label=...)` hears how far it is."""
         opts = self.opts
@@ -105,8 +123,17 @@ class PreparedSearch:
                                                                           gpu=gpu, progress=report, **kw)]
         else:
             results, skipped = search_presets(requests, opts.gpus, max_seq=self.max_seq, progress=progress, **kw)
-        results = [replay_listing(arrange(r, self.sort, not self.all_variants, self.top), opts.allocator,
-                                  opts.alloc_conf) for r in results]
+        by_model = {req[0].name: req for req in requests}
+        settled = []
+        for r in results:
+            try:
+                settled.append(self._replayed(r, by_model[r.model.name], kw))
+            except MemplanError as err:
+                if self.one_model:
+                    raise
+                gpu = by_model[r.model.name][3]
+                skipped.append(Skipped(r.model.name, gpu.name if gpu is not None else None, str(err)))
+        results = settled
         launch = {}
         if self.emit == "megatron":
             launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}

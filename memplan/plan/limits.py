@@ -1,7 +1,10 @@
-"""The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`,
-`--max-micro-batch`), by bisection on the fit verdict `estimate` gives (the flat margin and the caching
-allocator's replay): the step peak grows with s
-and b (a property test checks it), so the answer is exact to one step of the search.
+"""The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`, `--max-micro-batch`), on the
+fit verdict `estimate` gives (the flat margin and the caching allocator's replay), in two steps (`largest_replayed`):
+the allocated peak + margin + runtime grows with s and b (a property test checks it), so a bisection on it finds the
+longest length the bound allows exactly to one step; the replay needs at least that much, but its verdict is not
+monotone (a longer sequence can pack its blocks into the segments better, as in PyTorch's allocator), so from there
+the answer is the first length, going down in doubling strides and then bisecting, at which the replay completes and
+one step longer it does not: a length that fits, the next step not fitting (tests/test_verdict_agreement.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,38 @@ def largest(fits: Callable[[int], bool], step: int, limit: int) -> Optional[int]
     while hi * step <= limit and fits(hi * step):
         lo, hi = hi, hi * 2
     hi = min(hi, limit // step + 1)  # fits(hi * step) is false or beyond the limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+def largest_replayed(bound_fits: Callable[[int], bool], fits: Callable[[int], bool], step: int,
+                     limit: int) -> Optional[int]:
+    """A multiple of `step` up to `limit` for which `fits` holds and (below the limit) fits one step longer does not,
+    where `fits` implies `bound_fits` (monotone, as `largest` needs); None when `fits` holds at none below the bound's
+    answer (tried down to `step`). Exact when `fits` is monotone too."""
+    top = largest(bound_fits, step, limit)
+    if top is None or fits(top):
+        return top
+    return fits_below(fits, top, step)
+
+
+def fits_below(fits: Callable[[int], bool], top: int, step: int) -> Optional[int]:
+    """Below `top` (a multiple of `step` at which `fits` fails), the first multiple of `step` at which `fits` holds,
+    one step longer not, found in strides doubling down from `top` and then a bisection; None when it holds at none
+    down to `step`."""
+    hi, gap = top // step, 1  # hi: does not fit (in steps)
+    while True:
+        lo = max(hi - gap, 1)
+        if fits(lo * step):
+            break
+        if lo == 1:
+            return None
+        hi, gap = lo, gap * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid * step):
@@ -68,15 +103,14 @@ def cap_of(key: str, value: Optional[int], config: Config) -> Optional[int]:
 def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
                 gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None, allocator: str = "default",
                 alloc_conf: Optional[str] = None) -> Optional[int]:
-    """The longest sequence this plan fits in `budget_bytes` with (a multiple of `seq_step`), all else equal;
-    None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
-    step = seq_step(config)
-
-    def fits(s: int) -> bool:
+    """The longest sequence this plan fits in `budget_bytes` with (a multiple of `seq_step`: `largest_replayed`), all
+    else equal; None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
+    def needs(s: int, replay: bool) -> int:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
-                            budget_bytes, allocator, alloc_conf) <= budget_bytes
+                            budget_bytes if replay else None, allocator, alloc_conf)
 
-    return largest(fits, step, SEQ_LIMIT)
+    return largest_replayed(lambda s: needs(s, False) <= budget_bytes, lambda s: needs(s, True) <= budget_bytes,
+                            seq_step(config), SEQ_LIMIT)
 
 
 def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
@@ -86,12 +120,13 @@ def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", d
     global batch grows with b); None when none does."""
     M, d = config.num_microbatches, config.parallel.dp
 
-    def fits(b: int) -> bool:
+    def needs(b: int, replay: bool) -> int:
         c = _with(config, training=dict(micro_batch=b, global_batch=b * d * M))
-        return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes, allocator,
-                            alloc_conf) <= budget_bytes
+        return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes if replay else None, allocator,
+                            alloc_conf)
 
-    return largest(fits, 1, MICRO_BATCH_LIMIT)
+    return largest_replayed(lambda b: needs(b, False) <= budget_bytes, lambda b: needs(b, True) <= budget_bytes, 1,
+                            MICRO_BATCH_LIMIT)
 
 
 def need_budget(budget_bytes: Optional[int], what: str) -> int:

@@ -417,8 +417,12 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
     return False
 
 
+# search --max-seq answers a multiple of this many tokens
+SEQ_STEP = 128
+
+
 def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
-                   step: int = 128, **kwargs: Any) -> SearchResult:
+                   step: int = SEQ_STEP, **kwargs: Any) -> SearchResult:
     """The longest sequence (a multiple of `step`) that some plan fits with, and `search` at that
     length: the plans that fit there, fastest first. Memory grows with s for every plan, so the
     question "does any plan fit?" is monotone in s and a bisection answers it."""
@@ -434,11 +438,16 @@ def search_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_b
         raise MemplanError(f"no plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at s = {step}")
     result = search(model.model_copy(update={"seq_length": longest}), training, gpus, global_batch, budget_bytes,
                     **kwargs)
+    return mark_max_seq(result, longest, step)
+
+
+def mark_max_seq(result: SearchResult, longest: int, step: int) -> SearchResult:
+    """Record on a search at `longest` that it is the longest length (a multiple of `step`) some plan fits with."""
     capped = longest + step > SEQ_LIMIT
     result.notes.append(f"the longest sequence any plan fits with: s = {longest:,} tokens (searched in multiples "
                         f"of {step}" + (f", up to memplan's cap of {SEQ_LIMIT:,}: no fit limit" if capped else "")
-                        + f"); the global batch is kept in sequences, {global_batch:,}, so a step takes "
-                        f"{global_batch * longest:,} tokens at that length; the plans below fit at that length")
+                        + f"); the global batch is kept in sequences, {result.global_batch:,}, so a step takes "
+                        f"{result.global_batch * longest:,} tokens at that length; the plans below fit at that length")
     result.max_seq_len = longest
     return result
 

@@ -1,42 +1,100 @@
-"""The caching allocator's verdict on a search's listing: every listed plan is replayed (memory/reserved.py) as
-`estimate` replays it, and a plan whose run dies in the replay is taken out of the listing, so every plan listed
-is one `estimate` says fits. The count of plans that fit stays the vectorised bound's (allocated peak + the
-margin + runtime within the budget): plans not listed are not replayed, and the search says so."""
+"""The caching allocator's verdict on a search (`replay_listing`, `replayed_max_seq`): the listed plans are replayed
+(memory/reserved.py) as `estimate` replays them; a plan whose run dies in the replay is taken out of the listing and
+the next plans that fit the vectorised bound are replayed in its place, so every plan listed is one `estimate` says
+fits. `search --max-seq` answers the longest length at which a listed plan survives its replay. The count of plans
+that fit stays the vectorised bound's (allocated peak + the margin + runtime within the budget): plans not listed are
+not replayed, and the search says so."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+from memplan.core.errors import MemplanError
 from memplan.memory.reserved import allocator_label
 from memplan.memory.stream import not_streamed
 from memplan.memory.term_bytes import PlanValues
+from memplan.plan.arrange import arrange
 from memplan.plan.estimate import device_bytes
-from memplan.plan.search import SearchResult
+from memplan.plan.limits import fits_below
+from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
+
+# How many more rows than asked for a listing may replay to replace the rows whose run dies (a bound on the work:
+# each replay is a run of tens of thousands of allocator events).
+EXTRA_REPLAYS = 20
 
 
-def replay_listing(result: SearchResult, allocator: str = "default", alloc_conf: Optional[str] = None) -> SearchResult:
-    """Replay the listed plans of an arranged search; drop those whose run dies, and say what was replayed."""
-    listing = result.listed()
-    if not listing:
-        return result
-    kept, replayed = [], 0
-    for row in listing:
-        config = result.config(row.plan)
-        if not_streamed(config.training, PlanValues.from_config(config)):
-            kept.append(row)
-            continue
-        replayed += 1
-        if device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, allocator,
-                        alloc_conf) <= result.budget_bytes:
-            kept.append(row)
-    dropped = len(listing) - len(kept)
+def _survives(result: SearchResult, plan: int, allocator: str, alloc_conf: Optional[str]) -> Optional[bool]:
+    """Whether plan's run completes in the replay; None when the plan has no allocation stream (not replayed)."""
+    config = result.config(plan)
+    if not_streamed(config.training, PlanValues.from_config(config)):
+        return None
+    return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, allocator,
+                        alloc_conf) <= result.budget_bytes
+
+
+def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, top: int = 10,
+                   allocator: str = "default", alloc_conf: Optional[str] = None) -> SearchResult:
+    """Arrange the search's listing (`arrange`) and replay its plans; a plan whose run dies is left out and the next
+    rows of the listing's order are replayed in its place (at most `EXTRA_REPLAYS` more), so the listing keeps `top`
+    rows where that many survive. Says what was replayed."""
+    verdicts: dict[int, Optional[bool]] = {}
+    want = top
+    while True:
+        arrange(result, sort, fold, want)
+        rows = result.listed()
+        for row in rows:
+            if row.plan not in verdicts:
+                verdicts[row.plan] = _survives(result, row.plan, allocator, alloc_conf)
+        kept = [row for row in rows if verdicts[row.plan] is not False]
+        if len(kept) >= top or len(rows) < want or want >= top + EXTRA_REPLAYS:
+            break
+        want = min(top + EXTRA_REPLAYS, want + top - len(kept))
+    kept = kept[:max(top, 0)]
     result.listing, result.top = kept, [row.plan for row in kept]
-    conf = allocator_label(allocator, alloc_conf)
-    result.notes.append(
-        f"{replayed} of the {len(listing)} listed plans replayed through PyTorch's caching allocator ({conf}; derived, "
-        "not measured)" + (f": {dropped} died in the replay and are left out" if dropped else
-                           (": each completes" if replayed else ""))
-        + ("; the others (interleaved stages, cp, ZeRO-3, offload) have no allocation stream yet"
-           if replayed < len(listing) else "")
-        + "; the count of plans that fit is the bound allocated peak + margin + runtime, not replayed")
+    if verdicts:
+        result.notes.append(_note(verdicts, kept, allocator, alloc_conf))
     return result
+
+
+def _note(verdicts: dict[int, Optional[bool]], kept: list, allocator: str, alloc_conf: Optional[str]) -> str:
+    replayed = [v for v in verdicts.values() if v is not None]
+    died = replayed.count(False)
+    shown_unreplayed = sum(verdicts[row.plan] is None for row in kept)
+    what = (f"{len(replayed)} plan(s) replayed through PyTorch's caching allocator "
+            f"({allocator_label(allocator, alloc_conf)}; derived, not measured)")
+    if died:
+        what += f": {died} died in the replay and are left out, the next plans that fit taking their place"
+    elif replayed:
+        what += ": each completes"
+    if shown_unreplayed:
+        what += (f"; {shown_unreplayed} listed plan(s) (interleaved stages, cp, ZeRO-3, offload) have no allocation "
+                 "stream yet and are not replayed")
+    return what + "; the count of plans that fit is the bound allocated peak + margin + runtime, not replayed"
+
+
+def replayed_max_seq(result: SearchResult, search_at: Callable[[int], SearchResult],
+                     step: int = SEQ_STEP) -> SearchResult:
+    """`search --max-seq` under the replay: `result` is the replayed listing at the longest length the vectorised
+    bound fits (`search_max_seq`, a multiple of `step`); when no listed plan survives its replay there, the lengths
+    below it are searched (`fits_below`, on `search_at(s)`: a search at s, its listing replayed) for one with a
+    survivor, one step longer having none. The replay needs at least the bound's memory: no longer length has one."""
+    longest = result.max_seq_len
+    if result.top or longest is None:
+        return result
+    found: dict[int, SearchResult] = {}
+
+    def survives(s: int) -> bool:
+        probe = search_at(s)
+        if probe.top:
+            found[s] = probe
+        return bool(probe.top)
+
+    s = fits_below(survives, longest, step)
+    if s is None:
+        raise MemplanError(f"no plan of {result.model.name} survives the caching allocator's replay in "
+                           f"{result.budget_bytes:,} bytes per GPU even at s = {step}")
+    best = mark_max_seq(found[s], s, step)
+    best.notes.insert(0, f"the allocated-peak bound fits s = {longest:,} tokens, but every listed plan's run dies "
+                         f"there in the caching allocator's replay; at s = {s:,} one completes, at "
+                         f"{s + step:,} none does")
+    return best

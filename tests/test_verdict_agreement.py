@@ -1,0 +1,59 @@
+"""estimate, search and max-seq give one verdict per plan (issue 20, "Search, estimate and max-seq agree on every
+plan"): over random plans and budgets within a few % of the plan's own need, where the caching allocator's replay
+decides (an explicit --frag-margin 0 leaves the replay alone at the margin; the default takes the larger of the
+10 % margin and the replay):
+
+- a search pinned to the plan lists it exactly when `estimate` says it fits;
+- `estimate --max-seq` answers a length that fits, one step longer not fitting;
+- `search --max-seq` pinned to the plan answers a multiple of 128 that `estimate` says fits, 128 longer not fitting.
+
+The replay's verdict is not monotone in s (a longer sequence can pack its blocks into the segments better, as in
+PyTorch's allocator), so a longest length is a local one: it fits and the next step does not. Expected values are
+estimate's own verdicts: the property is that the three commands agree, not the verdict's size (tests/test_allocator.py
+and tests/test_stream.py check those)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan import estimate, max_seq, search
+from memplan.plan.search import SEQ_STEP
+
+
+@st.composite
+def plans(draw):
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.sampled_from([1, 2]))
+    plan = dict(model=draw(st.sampled_from(["llama3-8b", "llama2-7b"])), gpus=8, tp=tp, pp=pp, dp=8 // (tp * pp),
+                vpp=1, sp=tp > 1, zero=draw(st.sampled_from([0, 1])), micro_batch=draw(st.sampled_from([1, 2])),
+                recompute=draw(st.sampled_from(["none", "selective", "full"])),
+                seq_len=draw(st.sampled_from([2048, 4096])), gpu="h100-80gb",
+                impl=draw(st.sampled_from(["megatron", "megatron-local"])),
+                allocator=draw(st.sampled_from(["default", "expandable"])))
+    if plan["recompute"] == "full":  # every layer of the stage (the search would also try full on fewer layers)
+        plan["recompute_num_layers"] = 32 // pp
+    if draw(st.booleans()):
+        plan["frag_margin"] = 0.0
+    return plan, draw(st.floats(-0.03, 0.03))
+
+
+@settings(max_examples=12, deadline=None)
+@given(plans())
+def test_estimate_search_and_max_seq_agree(drawn):
+    plan, offset = drawn
+    model = plan.pop("model")
+    need = estimate(model, **plan).device_bytes
+    plan["mem"] = int(need * (1 + offset))
+    fits = estimate(model, **plan).fits
+    pinned = search(model, all_variants=True, **plan).result
+    assert len(pinned.top) == (1 if fits else 0)
+
+    def fits_at(s):
+        return estimate(model, **{**plan, "seq_len": s}).fits
+
+    longest = max_seq(model, **plan)
+    if longest is not None:
+        step = plan["tp"]  # sequence parallelism (sp when tp > 1): s a multiple of t (limits.seq_step)
+        assert fits_at(longest) and not fits_at(longest + step)
+    found = search(model, all_variants=True, max_seq=True, **plan).result
+    assert found.max_seq_len % SEQ_STEP == 0 and len(found.top) == 1
+    assert fits_at(found.max_seq_len) and not fits_at(found.max_seq_len + SEQ_STEP)
