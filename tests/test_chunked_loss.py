@@ -122,3 +122,26 @@ def test_chunked_loss_step_time_by_hand():
     traffic = s * v * (2 + 4 * 9) / (gpu.memory_bandwidth * gpu.memory_bound_efficiency)
     assert chunked.compute_s - one.compute_s == pytest.approx(M * gemm, rel=1e-4)
     assert chunked.memory_s - one.memory_s == pytest.approx(M * traffic, rel=1e-4)
+
+
+def test_hf_layers_backward_holds_the_lm_head_gradient_whatever_the_chunks():
+    # --impl hf-sdpa, one micro-batch (torch .grad tensors): the LM head's weight gradient (v x h bf16) is made in the
+    # loss's backward, chunked or not, and is alive in every layer's backward after it; the layers' own gradients
+    # made by then do not depend on the loss either. So each layer-backward event holds the same gradient bytes with
+    # N = 1 and N = 4, and the last layer's first backward event holds at least the head's v h 2 bytes (the chunked
+    # loss once counted it only from the embedding's backward). The final RMSNorm's backward (five fp32 s b h
+    # tensors) runs after the head's with either loss.
+    def events(chunks):
+        est = estimate(Config(model=LLAMA, training=TrainingSpec(loss_chunks=chunks, precision="bf16-true")),
+                       impl="hf-sdpa", device="cpu")
+        return est.step.events
+
+    def layer_grads(evs):
+        return [(e.layer, e.moment, e.parts["gradients"]) for e in evs if e.phase == "backward" and e.layer]
+
+    whole, chunked = events(1), events(4)
+    assert layer_grads(whole) == layer_grads(chunked)
+    first = next(e for e in chunked if e.phase == "backward" and e.layer == LLAMA.num_layers)
+    assert first.parts["gradients"] >= v * h * 2
+    norm = [e for e in chunked if e.moment.startswith("final norm backward")]
+    assert len(norm) == 1 and norm[0].parts["transient"] >= 5 * s * b * h * 4

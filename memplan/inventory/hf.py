@@ -59,7 +59,8 @@ def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1)
     """transformers' saved tensors, its step's moments, torch .grad tensors (allocated on their
     first write in the backward, freed by zero_grad) and the Trainer's fused AdamW."""
     terms = hf_terms(model, impl, device, loss_chunks)
-    loss = hf_loss_moments(model) if loss_chunks == 1 else _chunked_loss_moments(model, loss_chunks)
+    loss = (hf_loss_moments(model) if loss_chunks == 1
+            else final_norm_moments(model) + _chunked_loss_moments(model, loss_chunks))
     moments = hf_layer_moments(model, impl == "hf-sdpa") + loss
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
 
@@ -144,11 +145,32 @@ def _chunked_loss_moments(model: ModelSpec, chunks: int) -> list[Moment]:
                 fp32("grad_nll", "nll_loss gradient of the chunk (fp32)"),
                 fp32("grad_log_softmax", "log_softmax gradient of the chunk (fp32)"), running, earlier),
                source=src),
+        # the new running sum (out of place) is the LM head's gradient from here on: .grad (stolen with one
+        # micro-batch; with more, added to the .grad of the earlier ones: `fresh`)
         Moment("head_backward", "LM head backward of the last chunk: its weight gradient added to the running sum",
-               "backward", "last",
-               (running, weight, transient("grad_head_weight_new_sum", "the new running sum (out of place)", "v h",
-                                    scope="last", src=src), earlier), source=src),
+               "backward", "last", (running, weight, earlier), grads=(_head(model),), fresh=True, source=src),
     ]
+
+
+def _head(model: ModelSpec) -> str:
+    """The parameter group of the LM head's weight (the embedding's when tied)."""
+    return OUTPUT_LAYER_W if not model.tied_embeddings else "word embedding"
+
+
+def final_norm_moments(model: ModelSpec) -> list[Moment]:
+    """The final norm's backward after the head's (with the whole loss or the chunked one)."""
+    if model.norm != "rmsnorm":
+        return []
+    # LlamaRMSNorm's backward runs in fp32: beside its saved fp32 input, the gradients of pow, mean,
+    # rsqrt and the product (five s x b x h fp32 tensors at once, after the mul of PowBackward0), with
+    # the head's and the norm's weight gradients made; the rest of the head is freed
+    src = ("traced: the live storages of a fake Llama step (validation/transients.py), checked by memplan "
+           "validate --peak (llama sdpa s128 v64)")
+    return [Moment("final_norm_backward", "final norm backward (RMSNorm in fp32)", "backward", "last",
+                   (transient("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
+                              scope="last", src=src),),
+                   ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "final_norm_rstd",
+                    "final_norm_normed"), (_head(model), "final norm"), source=src)]
 
 
 def hf_loss_moments(model: ModelSpec, final_norm: bool = True) -> list[Moment]:
@@ -156,19 +178,8 @@ def hf_loss_moments(model: ModelSpec, final_norm: bool = True) -> list[Moment]:
     log-probabilities; in the backward nll_loss's and log_softmax's fp32 gradients (the model's
     output, and with it the bf16 logits, is gone by then, as in the Trainer's training_step); then
     the bf16 gradient of the logits while lm_head's backward runs."""
-    head = OUTPUT_LAYER_W if not model.tied_embeddings else "word embedding"
-    norm = []
-    if final_norm and model.norm == "rmsnorm":
-        # LlamaRMSNorm's backward runs in fp32: beside its saved fp32 input, the gradients of pow, mean,
-        # rsqrt and the product (five s x b x h fp32 tensors at once, after the mul of PowBackward0), with
-        # the head's and the norm's weight gradients made; the rest of the head is freed
-        src = ("traced: the live storages of a fake Llama step (validation/transients.py), checked by memplan "
-               "validate --peak (llama sdpa s128 v64)")
-        norm = [Moment("final_norm_backward", "final norm backward (RMSNorm in fp32)", "backward", "last",
-                       (transient("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
-                           scope="last", src=src),),
-                       ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "final_norm_rstd",
-                        "final_norm_normed"), (head, "final norm"), source=src)]
+    norm = final_norm_moments(model) if final_norm else []
+    head = _head(model)
     return norm + [
         Moment("loss_forward", "loss forward: bf16 logits, fp32 copy, log-softmax", "loss", "last",
                (transient("logits", "logits (lm_head output, bf16)", "s b v", scope="last", src=STEP),
