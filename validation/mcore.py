@@ -249,6 +249,7 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (ROUTER, FN, 1, 0): "moe_aux_loss",  # MoEAuxLossAutoScaler
     (MOE, "torch.Tensor.masked_select", 0, 0): "moe_routing_map",
     (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
+    (MOE, "torch.Tensor.__getitem__", 0, 0): "moe_sort_index",  # 0.19.2's argsort, indexing the probabilities
     (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
     (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
     (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",

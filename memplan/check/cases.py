@@ -56,6 +56,7 @@ class ValidationCase:
     router_dtype: Optional[str] = None  # --moe-router-dtype
     pre_softmax: bool = False  # --moe-router-pre-softmax
     gelu: bool = False  # GeLU experts (and dense MLP) instead of SwiGLU
+    mcore_version: str = "0.16"  # the megatron-core modelled (validate.run sets the one measured)
     # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/inventory/mla.py)
     kv_lora: int = 0
     q_lora: Optional[int] = None
@@ -164,7 +165,8 @@ def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional
     needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu."""
     base = mcore_case("llama", t, t > 1, scope=scope)
     name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "") + (
-        f" k{topk}" if topk != 2 else "") + "".join(f" {k}={v}" for k, v in router.items())
+        f" k{topk}" if topk != 2 else "") + (f" C{capacity:g}" + (" pad" if pad else "") if capacity else "") + (
+        f" fs{fs}" if fs else "") + "".join(f" {k}={v}" for k, v in router.items())
     return dataclasses.replace(base, name=name, experts=4, topk=topk, fe=96, fs=fs, ep=ep, etp=etp,
                                dispatcher=dispatcher, capacity=capacity, pad=pad, **router)
 

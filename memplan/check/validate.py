@@ -10,6 +10,7 @@ torch is imported only when a validation actually runs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -92,7 +93,8 @@ def case_model(case: ValidationCase) -> ModelSpec:
                      moe_shared_ffn_hidden_size=case.fs, moe_capacity_factor=case.capacity,
                      moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher,
                      moe_aux_loss_coeff=case.aux_loss, moe_z_loss_coeff=case.z_loss,
-                     moe_router_dtype=case.router_dtype, moe_router_pre_softmax=case.pre_softmax)
+                     moe_router_dtype=case.router_dtype, moe_router_pre_softmax=case.pre_softmax,
+                     megatron_core_version=case.mcore_version)
     if case.kv_lora:
         shape.update(kv_lora_rank=case.kv_lora, q_lora_rank=case.q_lora, qk_nope_head_dim=case.dn,
                      qk_rope_head_dim=case.dr, v_head_dim=case.dv)
@@ -155,6 +157,19 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
     return out
 
 
+def measured_saved_bytes(cases: list[ValidationCase]) -> list[tuple[str, dict[str, int]]]:
+    """Each case's measured saved bytes per label, with the first note of its measurement (megatron-core's:
+    its version)."""
+    return [(m.notes[0] if getattr(m, "notes", None) else "", {k: v for k, v in m.saved_bytes_by_label.items() if v})
+            for m in _measure(cases)]
+
+
+def mcore_version(note: str) -> str:
+    """The megatron-core version memplan models for the one a measurement names ("megatron-core 0.19.2")."""
+    major, minor = (int(x) for x in note.split()[-1].split(".")[:2])
+    return "0.19" if (major, minor) >= (0, 19) else "0.16"
+
+
 def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[float] = None) -> list[CaseResult]:
     """Measure every case with the torch harness and compare with memplan's inventory."""
     results = []
@@ -167,6 +182,8 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
             loss = -(-m.loss_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if cuda else m.loss_bytes
             retained = m.retained_after_forward_bytes - loss
         notes = list(m.notes)
+        if c.impl == "megatron-local":
+            c = dataclasses.replace(c, mcore_version=mcore_version(notes[0]))
         if m.ranks_agree is False:
             notes.append("ranks disagree")
         tol = tolerance if tolerance is not None else (

@@ -109,6 +109,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-router-pre-softmax", is_flag=True, default=None,
                      help="MoE, --impl megatron*: softmax over all E logits before the top-k (Megatron-LM; "
                           "required, so assumed, for k = 1)."),
+        click.option("--megatron-core-version", type=click.Choice(["0.16", "0.19"]),
+                     help="MoE, --impl megatron*: the megatron-core modelled (default 0.16: 0.16.1; 0.19: 0.19.2's "
+                          "alltoall permute keeps an int64 sort index over tokens x E)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),

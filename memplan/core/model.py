@@ -97,6 +97,10 @@ class ModelSpec(Spec):
     moe_router_dtype: Optional[Literal["fp32"]] = Field(
         default=None, description="the router's logits and probabilities in fp32 (Megatron-LM --moe-router-dtype "
         "fp32; None: the activations' dtype)")
+    megatron_core_version: Literal["0.16", "0.19"] = Field(
+        default="0.16", description="the megatron-core whose MoE permutation is modelled: 0.16 (0.16.1, measured: "
+        "the routing map and the probabilities scattered to E columns) or 0.19 (0.19.2, derived from its code: "
+        "an int64 sort index over tokens x experts)")
     moe_router_pre_softmax: bool = Field(
         default=False, description="softmax over all E logits before the top-k (Megatron-LM "
         "--moe-router-pre-softmax; megatron-core requires it for k = 1): keeps E fp32 scores per token, not k")

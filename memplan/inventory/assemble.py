@@ -82,7 +82,8 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "megatron-local, hf-sdpa or hf-eager")
     if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None
                                               or model.moe_aux_loss_coeff or model.moe_z_loss_coeff is not None
-                                              or model.moe_router_dtype or model.moe_router_pre_softmax):
+                                              or model.moe_router_dtype or model.moe_router_pre_softmax
+                                              or model.megatron_core_version != "0.16"):
         raise MemplanError("--moe-imbalance, --moe-capacity-factor and Megatron-LM's router options are modelled for "
                            "--impl megatron / megatron-local (memplan/inventory/moe.py), not for the traced --impl "
                            "hf-* inventories")

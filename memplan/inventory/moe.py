@@ -19,6 +19,9 @@ the routing made exactly balanced (validation/mcore.py _balanced_routing). What 
   scattered to E columns (s b E) that masked_select keeps, and the permutation index (int64, one per routed copy);
   with padding to capacity (drop_and_pad) the routing map (kept by the router's token dropping) and two indices
   (tokens, probabilities) of C k s b entries; with a capacity factor and no padding both routing maps;
+- megatron-core 0.19 (`megatron_core_version`, measured against 0.19.2 from recorded figures:
+  tests/test_mcore_019_moe.py): the alltoall dispatcher's permute keeps an int64 argsort over tokens x E (s b E)
+  in place of the routing map and the scattered probabilities (the allgather dispatcher's is 0.16.1's);
 - the routed copies of the tokens (k s b h: the alltoall dispatcher's sorted output, or the permuted tokens)
   and their probabilities (k s b), the experts' input; each expert's MLP for its tokens: fc1's output (2 f_e
   for SwiGLU), and in the unfused CPU path x_linear + offset, SiLU(gate), the product (kept by the probabilities'
@@ -53,6 +56,8 @@ from memplan.inventory.types import Moment, Term, saved
 MOE_SRC = "mcore MoE CPU: megatron-core 0.16.1 MoELayer (local spec, SequentialMLP), measured (validation/mcore.py)"
 MOE_DERIVED = ("mcore MoE code: megatron-core 0.16.1 MoELayer with Megatron-LM's CUDA fusions (weighted_bias_swiglu_impl) "
                "/ Transformer Engine TEGroupedMLP, derived from code, not measured")
+SRC_019 = ("mcore MoE CPU: megatron-core 0.19.2 moe_utils.permute (its E s b int64 argsort, sliced, indexes the "
+           "probabilities), measured on CPU, recorded (tests/data/mcore_0_19_2_moe.json)")
 # the dense MLP's terms that an MoE layer does not have (fc1_input, the MLP input, it keeps)
 DENSE_MLP = ("gelu_input", "swiglu_input", "swiglu_up", "swiglu_silu_out", "fc2_input")
 
@@ -114,23 +119,28 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     out = [saved("moe_topk_indices", "router top-k indices (int64)", router, "k s b", "int64", sp=True, k22=False,
                  src=src)]
     out += _router_terms(model, src)
-    # with a capacity factor the token dropping keeps its routing map, and (not padded) permute's masked_select
-    # another
-    two = model.moe_capacity_factor is not None and not model.moe_pad_to_capacity
+    # with a capacity factor the token dropping keeps its routing map, and (not padded) 0.16.1's permute
+    # (masked_select) another; 0.19.2's alltoall dispatcher keeps its permute's argsort over tokens x E instead (its
+    # allgather dispatcher still selects the probabilities with masked_select, as 0.16.1's)
+    v19 = model.megatron_core_version == "0.19" and not allgather
+    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity))
+    two = maps == 2
     # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
     # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
     # capacity its token-dropping map, are the GPU's s b / t tokens': equal at etp = t, counted as gathered)
     split = dict(tp=True, etp_gathered=True) if allgather else dict(sp=True)
-    out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (", twice (token dropping, permute)" if two
-                                                                         else ""),
-                  router, "2 E s b" if two else "E s b", "mask", k22=False, src=src, storages=2 if two else 1,
-                  **split))
+    if maps:
+        out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (
+            ", twice (token dropping, permute)" if two else ""), router, "2 E s b" if two else "E s b", "mask",
+            k22=False, src=src, storages=maps, **split))
     if model.moe_pad_to_capacity:
         out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
                           "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))
     else:
-        out += [saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
-                   "E s b", probs, k22=False, src=src, **split),
+        out += [saved("moe_sort_index", "argsort of the routing map over tokens x E (int64; the probabilities' "
+                      "index keeps a view of it)", router, "E s b", "int64", k22=False, src=SRC_019, **split) if v19
+                else saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
+                           "E s b", probs, k22=False, src=src, **split),
                 routed("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64",
                        scale=r if allgather else sent, **split)]
     out += [
