@@ -110,6 +110,15 @@ MEGATRON_FLAGS = {
     "--moe-token-dispatcher-type": ("allgather", "alltoall", "flex"),
     "--moe-expert-capacity-factor": float,
     "--moe-pad-expert-input-to-capacity": None,
+    # the router's options (memplan/launch/megatron.py _experts), in the mirror of NVIDIA/Megatron-LM main at commit
+    # d98e8a64ddf34856e74b24714e3bedb2f5a39553: arguments.py _add_moe_args --moe-aux-loss-coeff type=float nargs='+'
+    # (one value given); from TransformerConfig through ArgumentGroupFactory: moe_z_loss_coeff Optional[float],
+    # moe_router_dtype Optional[Literal['fp32', 'fp64']] (choices), moe_router_pre_softmax bool = False (store_true);
+    # the same fields in megatron-core 0.16.1's TransformerConfig
+    "--moe-aux-loss-coeff": float,
+    "--moe-z-loss-coeff": float,
+    "--moe-router-dtype": ("fp32", "fp64"),
+    "--moe-router-pre-softmax": None,
 }
 
 
@@ -160,6 +169,8 @@ GRID = [
     config(MIXTRAL, tp=2, pp=2, dp=2, sp=True),  # experts (MoE with t > 1 needs SP)
     config(dict(MIXTRAL, moe_capacity_factor=1.25, moe_pad_to_capacity=True, moe_token_dispatcher="allgather"),
            dp=2),  # MoE routing: token dropping, padding, the dispatcher
+    config(dict(MIXTRAL, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_router_dtype="fp32",
+                moe_router_pre_softmax=True), dp=2),  # the router's options
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8

@@ -133,3 +133,52 @@ def test_cli_explains_mixtral_with_expert_tp():
                         "--ep", "4", "--dp", "4"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "4sbhetp/t = 4 x 8192 x 1 x 4096 x 2 / 2 = 134,217,728 B" in p.stdout
+
+
+def test_router_options_by_hand():
+    # Mixtral at s = 8192, b = 1 (8,192 tokens), E = 8, k = 2, bf16; what each router option adds (the tensors
+    # measured in tests/test_validate_mcore_moe.py)
+    base = routed()
+    assert not {k for k in base if k.startswith(("moe_aux", "moe_z"))}  # --moe-aux-loss-coeff 0, no z-loss
+    aux = routed(moe_aux_loss_coeff=0.01)
+    # softmax of all 8 logits 8 x 8192 x 4 B = 262,144; tokens per expert 8 x 8 B; the loss 4 B
+    assert (aux["moe_aux_scores"], aux["moe_aux_counts"], aux["moe_aux_loss"]) == (262_144, 64, 4)
+    # z-loss: the logits 8 x 8192 and their logsumexp 8192, bf16 (2 B) or fp32 (4 B) with the router in fp32
+    assert (routed(moe_z_loss_coeff=1e-3)["moe_z_logits"], routed(moe_z_loss_coeff=1e-3)["moe_z_lse"]) == (131_072,
+                                                                                                            16_384)
+    fp32 = routed(moe_z_loss_coeff=1e-3, moe_router_dtype="fp32")
+    assert (fp32["moe_z_logits"], fp32["moe_z_lse"]) == (262_144, 32_768)
+    # the probabilities in the router's dtype: scattered E s b = 65,536 x 4 B, the routed copies' k s b x 4 B
+    assert (fp32["moe_probs_dense"], fp32["moe_permuted_probs"]) == (262_144, 65_536)
+    assert (base["moe_probs_dense"], base["moe_permuted_probs"]) == (131_072, 32_768)
+    # pre-softmax: the fp32 softmax of all E logits, 8 x 8192 x 4 B, instead of the k chosen (2 x 8192 x 4 B)
+    assert routed(moe_router_pre_softmax=True)["moe_topk_probs"] == 262_144 and base["moe_topk_probs"] == 65_536
+    # k = 1: megatron-core requires the pre-softmax, so it is assumed
+    assert routed(moe_top_k=1)["moe_topk_probs"] == 262_144
+
+
+def test_gelu_experts_by_hand():
+    # GeLU experts (no GLU): fc1's output k s b f_e = 2 x 8192 x 14336 x 2 B = 469,762,048, not 2 f_e wide
+    b = layer_bytes(MIXTRAL.model_copy(update=dict(mlp="gelu")), "megatron-local", "cpu")
+    assert b["moe_fc1_output"] == b["moe_act_out"] == b["moe_fc2_input"] == 469_762_048
+    assert "moe_swiglu_up" not in b
+
+
+def test_emitted_router_flags():
+    model = MIXTRAL.model_copy(update=dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_router_dtype="fp32"))
+    args = megatron_args(make_config(ModelPreset(model), parallel=dict(dp=8, ep=8)))
+    assert {"--moe-aux-loss-coeff 0.01", "--moe-z-loss-coeff 0.001", "--moe-router-dtype fp32"} <= set(args)
+    assert "--moe-router-pre-softmax" not in args
+    k1 = megatron_args(make_config(ModelPreset(MIXTRAL.model_copy(update=dict(moe_top_k=1))), parallel=dict(dp=8)))
+    assert "--moe-router-pre-softmax" in k1 and not any(a.startswith("--moe-aux-loss-coeff") for a in k1)
+
+
+def test_cli_router_options():
+    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "mixtral-8x7b", "--impl",
+                        "megatron", "--moe-aux-loss-coeff", "0.01", "--moe-router-dtype", "fp32", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert '"moe_aux_scores"' in p.stdout
+    bad = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "mixtral-8x7b",
+                          "--moe-router-dtype", "fp16"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

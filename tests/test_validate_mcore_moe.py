@@ -2,7 +2,8 @@
 
 validation/mcore.py builds the Llama-like local-spec layer with megatron-core's MoELayer as its MLP (4
 SequentialMLP experts, f_e = 96, top-2, aux loss 0.01), routing forced to be exactly balanced (token i to experts
-(2i + j) mod 4: the routed-token counts are known, not data-dependent), labels every saved tensor and compares with
+(2i + j) mod 4: the routed-token counts are known, not data-dependent; Megatron-LM's router options: no aux loss,
+z-loss, fp32 router, pre-softmax at k = 1, GeLU experts), labels every saved tensor and compares with
 memplan per term (0.01 %: the measurement is exact). t = 1: alltoall and allgather dispatchers, capacity factor with
 and without padding, shared experts (one process); ep = 2, and t = 2 with SP and etp = 2 / 1, with both dispatchers
 (two gloo processes, slow).
@@ -14,14 +15,12 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
-from memplan.check.cases import mcore_moe_case  # noqa: E402
+from memplan.check.cases import mcore_moe_cases  # noqa: E402
 from memplan.check.validate import run  # noqa: E402
 
-T1 = [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
-      mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
+# the cases of `validate --mcore`: dispatchers, capacity, shared experts, Megatron-LM's router options (one process);
 # two processes: ep = 2, or t = 2 with SP and expert tensor parallelism etp = 2 (the experts' MLPs split) or 1
-EP2 = [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
-       mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
+T1, EP2 = mcore_moe_cases(), mcore_moe_cases(two=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +69,38 @@ def test_moe_terms_by_hand(t1_results):
     assert half.measured["moe_permuted_tokens"] == 16_384 // 2 and half.measured["moe_routing_map"] == 2 * 256
 
 
+def test_router_options_by_hand(t1_results):
+    # the same layer (64 tokens, E = 4, k = 2, bf16); what Megatron-LM's router options change, from the code
+    # (megatron-core 0.16.1 router.py / moe_utils.py) and measured here
+    def moe(**kw):
+        r = next(r for r in t1_results if all(getattr(r.case, k) == v for k, v in kw.items()) and not r.case.fs)
+        return {k: v for k, v in r.measured.items() if k.startswith("moe_")}
+
+    # --moe-aux-loss-coeff 0 (Megatron-LM's default): none of the aux loss's tensors
+    assert not {k for k in moe(aux_loss=0.0, topk=2) if k.startswith("moe_aux")}
+    # --moe-z-loss-coeff: logsumexp keeps the logits 64 x 4 and its output 64, here in fp32 (--moe-router-dtype
+    # fp32): 1,024 + 256 B, and the loss 4 B; the probabilities in fp32: scattered 4 x 64 x 4 B = 1,024, the routed
+    # copies' 128 x 4 B = 512 (bf16: 512 and 256)
+    z = moe(z_loss=1e-3)
+    assert (z["moe_z_logits"], z["moe_z_lse"], z["moe_z_loss"]) == (1_024, 256, 4)
+    assert (z["moe_probs_dense"], z["moe_permuted_probs"]) == (1_024, 512)
+    # --moe-router-pre-softmax at k = 1: the fp32 softmax of all 4 logits, 64 x 4 x 4 B = 1,024 (not the k = 1
+    # chosen: 256); 64 routed copies: tokens 64 x 64 x 2 B = 8,192
+    pre = moe(pre_softmax=True)
+    assert (pre["moe_topk_probs"], pre["moe_topk_indices"], pre["moe_permuted_tokens"]) == (1_024, 512, 8_192)
+    # GeLU experts: fc1's output 128 x 96 bf16 = 24,576 (not 2 f_e wide), the GeLU output kept by the
+    # probabilities' multiply 24,576, fc2's input 24,576; no SwiGLU intermediates
+    r = next(r for r in t1_results if r.case.gelu)
+    g = {k: v for k, v in r.measured.items() if k.startswith(("moe_", "shared_"))}
+    assert (g["moe_fc1_output"], g["moe_act_out"], g["moe_fc2_input"]) == (24_576,) * 3
+    assert "moe_swiglu_up" not in g and "moe_silu_out" not in g and "shared_swiglu_up" not in g
+
+
 def test_every_moe_term_is_checked(monkeypatch, t1_results):
     """Each MoE term of the megatron-local inventory (CPU) the cases hold, removed, makes a case fail."""
     ids = term_ids(t1_results, lambda t: t.block.startswith("MoE"))
-    assert {"moe_permuted_tokens", "moe_fc1_output", "moe_fc2_input", "shared_fc1_output"} <= ids
+    assert {"moe_permuted_tokens", "moe_fc1_output", "moe_fc2_input", "shared_fc1_output", "moe_z_logits",
+            "moe_z_lse", "moe_aux_scores"} <= ids
     unchecked = unchecked_terms(monkeypatch, t1_results, ids)
-    # the aux loss value is one fp32 scalar per layer: 4 bytes, within 0.01 % of any case
-    assert set(unchecked) <= {"moe_aux_loss"}, unchecked
+    # the aux loss and z-loss values are one scalar per layer: 4 bytes, within 0.01 % of any case
+    assert set(unchecked) <= {"moe_aux_loss", "moe_z_loss"}, unchecked

@@ -225,6 +225,20 @@ def _expert_rules(expert: str) -> dict:
             (expert, MUL, 1, 1): "moe_act_out", (f"{expert}.linear_fc2", FN, 0, 0): "moe_fc2_input"}
 
 
+def _gelu_expert_rules(expert: str) -> dict:
+    """One SequentialMLP expert with a GeLU MLP (no GLU): the probabilities' multiply is its first."""
+    return {(expert, "torch.nn.functional.gelu", 0, 0): "moe_fc1_output", (expert, MUL, 0, 0): "moe_permuted_probs",
+            (expert, MUL, 0, 1): "moe_act_out"}
+
+
+GELU_SHARED_RULES = {(SHARED, "torch.nn.functional.gelu", 0, 0): "shared_fc1_output"}
+
+
+# the z-loss (--moe-z-loss-coeff) runs before the routing: logsumexp keeps the logits and its output, and its
+# MoEAuxLossAutoScaler is the router's second Function (the aux loss's then the third)
+Z_LOSS_RULES = {(ROUTER, "torch.logsumexp", 0, 0): "moe_z_logits", (ROUTER, "torch.logsumexp", 0, 1): "moe_z_lse",
+                (ROUTER, FN, 1, 0): "moe_z_loss", (ROUTER, FN, 2, 0): "moe_aux_loss"}
+
 # megatron-core's MoELayer (memplan/inventory/moe.py): router, permutation, SequentialMLP experts, shared experts
 MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (ROUTER, FN, 0, 0): "fc1_input",  # RouterGatingLinearFunction keeps the MLP input
@@ -235,6 +249,7 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (ROUTER, FN, 1, 0): "moe_aux_loss",  # MoEAuxLossAutoScaler
     (MOE, "torch.Tensor.masked_select", 0, 0): "moe_routing_map",
     (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
+    (MOE, "torch.Tensor.__getitem__", 0, 0): "moe_sort_index",  # 0.19.2's argsort, indexing the probabilities
     (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
     (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
     (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",
@@ -344,6 +359,10 @@ class McoreCase:
     pad: bool = False  # moe_pad_expert_input_to_capacity
     aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
     balanced: bool = True  # route token i to experts (i k + j) mod E (see _balanced_routing)
+    z_loss: Optional[float] = None  # moe_z_loss_coeff (None: no z-loss)
+    router_dtype: Optional[str] = None  # moe_router_dtype: None (the input's) | fp32 | fp64
+    pre_softmax: bool = False  # moe_router_pre_softmax (softmax over all E logits before top-k)
+    gelu: bool = False  # llama arch with a GeLU MLP (no GLU) instead of SwiGLU: GeLU experts without biases
     # multi-latent attention (kv_lora > 0: megatron-core's MLASelfAttention with its latent norms,
     # qk_layernorm=True as DeepSeek-V3's Megatron-LM recipe; RoPE on the qk_rope part, unfused)
     kv_lora: int = 0
@@ -398,13 +417,17 @@ def _config(case: McoreCase):
     if llama:
         kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                   num_query_groups=case.g or case.a)
+        if case.gelu:
+            kw.update(gated_linear_unit=False, activation_func=F.gelu)
     if case.experts:
         kw.update(num_moe_experts=case.experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.fe or case.ffn,
                   moe_token_dispatcher_type=case.dispatcher, expert_model_parallel_size=case.ep,
                   expert_tensor_parallel_size=case.etp or case.t,
                   moe_expert_capacity_factor=case.capacity, moe_pad_expert_input_to_capacity=case.pad,
                   moe_aux_loss_coeff=case.aux_loss, moe_router_force_load_balancing=case.balanced,
-                  moe_shared_expert_intermediate_size=case.fs or None, moe_grouped_gemm=False)
+                  moe_shared_expert_intermediate_size=case.fs or None, moe_grouped_gemm=False,
+                  moe_z_loss_coeff=case.z_loss, moe_router_dtype=case.router_dtype,
+                  moe_router_pre_softmax=case.pre_softmax)
     if case.kv_lora:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -533,7 +556,9 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
 
 
 def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeasurement:
-    rules = {**LAYER_RULES, **MOE_RULES, **MLA_RULES, **MODEL_RULES}
+    rules = {**LAYER_RULES, **MOE_RULES, **MLA_RULES, **MODEL_RULES, **(Z_LOSS_RULES if case.z_loss is not None else {}),
+             **{k: v for i in range(16) if case.gelu for k, v in _gelu_expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
+             **(GELU_SHARED_RULES if case.gelu else {})}
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():

@@ -47,6 +47,11 @@ class PlanOptions:
     moe_capacity_factor: Optional[float] = None
     moe_pad_to_capacity: Optional[bool] = None
     moe_token_dispatcher: Optional[str] = None
+    moe_aux_loss_coeff: Optional[float] = None
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_dtype: Optional[str] = None
+    moe_router_pre_softmax: Optional[bool] = None
+    megatron_core_version: Optional[str] = None
     recompute: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     micro_batch: Optional[int] = None
@@ -104,9 +109,12 @@ class PlanOptions:
         return dict(cp=self.cp, cp_comm_type=self.cp_comm_type, ep=self.ep, etp=self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
-        """The MoE routing options as ModelSpec fields (memplan/inventory/moe.py)."""
+        """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
         return dict(moe_imbalance=self.moe_imbalance, moe_capacity_factor=self.moe_capacity_factor,
-                    moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher)
+                    moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher,
+                    moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
+                    moe_router_dtype=self.moe_router_dtype, moe_router_pre_softmax=self.moe_router_pre_softmax,
+                    megatron_core_version=self.megatron_core_version)
 
     def preset(self) -> Optional[ModelPreset]:
         """The model the options name: model (preset or YAML) or hf_config; None if neither."""

@@ -51,6 +51,12 @@ class ValidationCase:
     dispatcher: str = "alltoall"
     capacity: Optional[float] = None
     pad: bool = False
+    aux_loss: float = 0.01  # --moe-aux-loss-coeff (Megatron-LM's default is 0)
+    z_loss: Optional[float] = None  # --moe-z-loss-coeff
+    router_dtype: Optional[str] = None  # --moe-router-dtype
+    pre_softmax: bool = False  # --moe-router-pre-softmax
+    gelu: bool = False  # GeLU experts (and dense MLP) instead of SwiGLU
+    mcore_version: str = "0.16"  # the megatron-core modelled (validate.run sets the one measured)
     # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/inventory/mla.py)
     kv_lora: int = 0
     q_lora: Optional[int] = None
@@ -141,11 +147,9 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                         if arch == "gpt" and t == 1:
                             cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
     if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
-        cases += [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
-                  mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
+        cases += mcore_moe_cases()
         if 2 in tps:
-            cases += [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
-                      mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
+            cases += mcore_moe_cases(two=True)
         # megatron-core's MLASelfAttention (memplan/inventory/mla.py)
         cases += [mcore_mla_case(None)] + [mcore_mla_case(recompute=r) for r in recomputes] + [mcore_mla_case(experts=4)]
         if 2 in tps:
@@ -154,14 +158,31 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
 
 
 def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional[float] = None, pad: bool = False,
-                   fs: int = 0, scope: str = "layer", t: int = 1, etp: Optional[int] = None) -> ValidationCase:
+                   fs: int = 0, scope: str = "layer", t: int = 1, etp: Optional[int] = None, topk: int = 2,
+                   **router) -> ValidationCase:
     """One megatron-core MoE case: the Llama-like layer of mcore_case with megatron-core's MoELayer as its MLP
-    (4 SequentialMLP experts of f_e = 96, top-2, aux loss on, routing forced to be balanced); t > 1 with SP (MoE
-    needs it), etp = t unless given."""
+    (4 SequentialMLP experts of f_e = 96, top-2, aux loss 0.01, routing forced to be balanced); t > 1 with SP (MoE
+    needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu."""
     base = mcore_case("llama", t, t > 1, scope=scope)
-    name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "")
-    return dataclasses.replace(base, name=name, experts=4, topk=2, fe=96, fs=fs, ep=ep, etp=etp,
-                               dispatcher=dispatcher, capacity=capacity, pad=pad)
+    name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "") + (
+        f" k{topk}" if topk != 2 else "") + (f" C{capacity:g}" + (" pad" if pad else "") if capacity else "") + (
+        f" fs{fs}" if fs else "") + "".join(f" {k}={v}" for k, v in router.items())
+    return dataclasses.replace(base, name=name, experts=4, topk=topk, fe=96, fs=fs, ep=ep, etp=etp,
+                               dispatcher=dispatcher, capacity=capacity, pad=pad, **router)
+
+
+def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
+    """The megatron-core MoE cases of `validate --mcore` (one process): dispatchers, capacity with and without
+    padding, shared experts, and Megatron-LM's router options (no aux loss, its default; the z-loss with the
+    router in fp32; the softmax before the top-k at k = 1, which megatron-core requires there; GeLU experts);
+    `two`: those of two gloo processes (ep = 2, or t = 2 with SP and etp = 2 / 1)."""
+    if two:
+        return [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
+                mcore_moe_case("allgather", t=2), mcore_moe_case(t=2, etp=1), mcore_moe_case("allgather", t=2, etp=1)]
+    return [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
+            mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64), mcore_moe_case(aux_loss=0.0),
+            mcore_moe_case(z_loss=1e-3, router_dtype="fp32"), mcore_moe_case(topk=1, pre_softmax=True, aux_loss=0.0),
+            mcore_moe_case(gelu=True, fs=64)]
 
 
 def mcore_mla_case(q_lora: Optional[int] = 40, t: int = 1, sp: bool = False, recompute: str = "none",

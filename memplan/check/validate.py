@@ -10,6 +10,7 @@ torch is imported only when a validation actually runs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -90,11 +91,15 @@ def case_model(case: ValidationCase) -> ModelSpec:
     if case.experts:
         shape.update(num_experts=case.experts, moe_top_k=case.topk, moe_ffn_hidden_size=case.fe,
                      moe_shared_ffn_hidden_size=case.fs, moe_capacity_factor=case.capacity,
-                     moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher)
+                     moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher,
+                     moe_aux_loss_coeff=case.aux_loss, moe_z_loss_coeff=case.z_loss,
+                     moe_router_dtype=case.router_dtype, moe_router_pre_softmax=case.pre_softmax,
+                     megatron_core_version=case.mcore_version)
     if case.kv_lora:
         shape.update(kv_lora_rank=case.kv_lora, q_lora_rank=case.q_lora, qk_nope_head_dim=case.dn,
                      qk_rope_head_dim=case.dr, v_head_dim=case.dv)
-    return ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm", mlp="swiglu",
+    return ModelSpec(**shape, num_kv_heads=case.g, head_dim=case.head_dim, norm="rmsnorm",
+                     mlp="gelu" if case.gelu else "swiglu",
                      position_embedding="rope", tied_embeddings=False, bias=False, dropout=case.dropout > 0,
                      attention="eager" if case.impl == "hf-eager" else "flash")
 
@@ -139,7 +144,8 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
             recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
             **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
-                    capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}),
+                    capacity=c.capacity, pad=c.pad, aux_loss=c.aux_loss, z_loss=c.z_loss, router_dtype=c.router_dtype,
+                    pre_softmax=c.pre_softmax, gelu=c.gelu) if c.experts else {}),
             **(dict(kv_lora=c.kv_lora, q_lora=c.q_lora, qk_nope=c.dn, qk_rope=c.dr, v_head=c.dv) if c.kv_lora else {}))
             for c in (cases[i] for i in mc)])
         for i, m in zip(mc, measured):
@@ -149,6 +155,19 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
             out[i] = measure_hf(c.arch, c.impl.removeprefix("hf-"), c.s, c.b, c.h, c.a, f=c.f, g=c.g,
                                 head_dim=c.head_dim, v=c.v, L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend)
     return out
+
+
+def measured_saved_bytes(cases: list[ValidationCase]) -> list[tuple[str, dict[str, int]]]:
+    """Each case's measured saved bytes per label, with the first note of its measurement (megatron-core's:
+    its version)."""
+    return [(m.notes[0] if getattr(m, "notes", None) else "", {k: v for k, v in m.saved_bytes_by_label.items() if v})
+            for m in _measure(cases)]
+
+
+def mcore_version(note: str) -> str:
+    """The megatron-core version memplan models for the one a measurement names ("megatron-core 0.19.2")."""
+    major, minor = (int(x) for x in note.split()[-1].split(".")[:2])
+    return "0.19" if (major, minor) >= (0, 19) else "0.16"
 
 
 def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[float] = None) -> list[CaseResult]:
@@ -163,6 +182,8 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
             loss = -(-m.loss_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if cuda else m.loss_bytes
             retained = m.retained_after_forward_bytes - loss
         notes = list(m.notes)
+        if c.impl == "megatron-local":
+            c = dataclasses.replace(c, mcore_version=mcore_version(notes[0]))
         if m.ranks_agree is False:
             notes.append("ranks disagree")
         tol = tolerance if tolerance is not None else (

@@ -98,6 +98,20 @@ def plan_options(func: Callable) -> Callable:
                           "--moe-pad-expert-input-to-capacity): routed terms x C."),
         click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
                      help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
+        click.option("--moe-aux-loss-coeff", type=click.FloatRange(0, 1e6), metavar="F",
+                     help="MoE, --impl megatron*: Megatron-LM's load-balancing loss coefficient (default 0): > 0 "
+                          "keeps the router's fp32 softmax over all E logits."),
+        click.option("--moe-z-loss-coeff", type=click.FloatRange(0, 1e6), metavar="F",
+                     help="MoE, --impl megatron*: Megatron-LM's router z-loss (default none): keeps the logits."),
+        click.option("--moe-router-dtype", type=click.Choice(["fp32"]),
+                     help="MoE, --impl megatron*: the router's logits and probabilities in fp32 (Megatron-LM; "
+                          "default: the activations' dtype)."),
+        click.option("--moe-router-pre-softmax", is_flag=True, default=None,
+                     help="MoE, --impl megatron*: softmax over all E logits before the top-k (Megatron-LM; "
+                          "required, so assumed, for k = 1)."),
+        click.option("--megatron-core-version", type=click.Choice(["0.16", "0.19"]),
+                     help="MoE, --impl megatron*: the megatron-core modelled (default 0.16: 0.16.1; 0.19: 0.19.2's "
+                          "alltoall permute keeps an int64 sort index over tokens x E)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),

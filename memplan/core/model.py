@@ -88,6 +88,22 @@ class ModelSpec(Spec):
         "--moe-pad-expert-input-to-capacity; needs moe_capacity_factor)")
     moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
         default="alltoall", description="Megatron-LM --moe-token-dispatcher-type")
+    moe_aux_loss_coeff: float = Field(
+        default=0.0, ge=0.0, description="the load-balancing loss's coefficient (Megatron-LM --moe-aux-loss-coeff, "
+        "default 0): > 0 keeps the router's softmax over all E logits, the tokens per expert and the loss")
+    moe_z_loss_coeff: Optional[float] = Field(
+        default=None, ge=0.0, description="the router's z-loss coefficient (Megatron-LM --moe-z-loss-coeff; None: "
+        "no z-loss): keeps the logits (E per token) and their logsumexp")
+    moe_router_dtype: Optional[Literal["fp32"]] = Field(
+        default=None, description="the router's logits and probabilities in fp32 (Megatron-LM --moe-router-dtype "
+        "fp32; None: the activations' dtype)")
+    megatron_core_version: Literal["0.16", "0.19"] = Field(
+        default="0.16", description="the megatron-core whose MoE permutation is modelled: 0.16 (0.16.1, measured: "
+        "the routing map and the probabilities scattered to E columns) or 0.19 (0.19.2, derived from its code: "
+        "an int64 sort index over tokens x experts)")
+    moe_router_pre_softmax: bool = Field(
+        default=False, description="softmax over all E logits before the top-k (Megatron-LM "
+        "--moe-router-pre-softmax; megatron-core requires it for k = 1): keeps E fp32 scores per token, not k")
     # Multi-head latent attention (DeepSeek-V2 / V3; all None: standard attention). K and V come from a
     # kv_lora_rank-wide latent (kv_a_proj_with_mqa h -> r_kv + d_r, then kv_b_proj r_kv -> a (d_n + d_v)), Q
     # from a q_lora_rank-wide one (q_a_proj, q_b_proj) or directly; each head's query and key are d_n + d_r
@@ -195,10 +211,12 @@ class ModelSpec(Spec):
         if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
             raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
         if E is None:
-            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor")
+            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor", "moe_z_loss_coeff",
+                                       "moe_router_dtype")
                      if getattr(self, name) is not None]
             given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
-            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers") if getattr(self, name)]
+            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
+                                        "moe_router_pre_softmax") if getattr(self, name)]
             if given:
                 raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
             return self

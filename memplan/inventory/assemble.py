@@ -80,12 +80,16 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if model.is_moe and impl == "torch":
         raise MemplanError("no reference torch layer (--impl torch) MoE inventory: use --impl megatron, "
                            "megatron-local, hf-sdpa or hf-eager")
-    if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None):
-        raise MemplanError("--moe-imbalance and --moe-capacity-factor are modelled for --impl megatron / "
-                           "megatron-local (memplan/inventory/moe.py), not for the traced --impl hf-* inventories")
-    if model.is_moe and impl not in HF_IMPLS and (model.bias or model.mlp != "swiglu"):
-        raise MemplanError("the Megatron-LM MoE inventory models SwiGLU experts without biases (Mixtral, Qwen3-MoE, "
-                           "DeepSeek-V3): set mlp: swiglu and bias: false")
+    if model.is_moe and impl in HF_IMPLS and (model.moe_imbalance != 1.0 or model.moe_capacity_factor is not None
+                                              or model.moe_aux_loss_coeff or model.moe_z_loss_coeff is not None
+                                              or model.moe_router_dtype or model.moe_router_pre_softmax
+                                              or model.megatron_core_version != "0.16"):
+        raise MemplanError("--moe-imbalance, --moe-capacity-factor and Megatron-LM's router options are modelled for "
+                           "--impl megatron / megatron-local (memplan/inventory/moe.py), not for the traced --impl "
+                           "hf-* inventories")
+    if model.is_moe and impl not in HF_IMPLS and model.bias:
+        raise MemplanError("the Megatron-LM MoE inventory models experts without biases (Mixtral, Qwen3-MoE, "
+                           "DeepSeek-V3): set bias: false")
     if model.is_mla and impl == "torch":
         raise MemplanError("no reference torch layer (--impl torch) inventory for multi-head latent attention: use "
                            "--impl megatron, megatron-local, hf-sdpa or hf-eager")

@@ -10,12 +10,18 @@ the routing made exactly balanced (validation/mcore.py _balanced_routing). What 
 - the MLP input (ln2's output): saved by the router's gating linear (RouterGatingLinearFunction) and by the shared
   experts' fc1 (one storage: the dense MLP's fc1_input term);
 - the router (moe_utils.topk_routing_with_score_function, softmax after top-k): the top-k indices (int64, s b k) and
-  the softmax of the k chosen logits (fp32, s b k); with the aux loss (--moe-aux-loss-coeff > 0, every MoE recipe)
-  the fp32 softmax of all E logits (s b E) and the tokens per expert (E int64) and the loss (fp32 scalar);
+  the softmax of the k chosen logits (fp32, s b k; with --moe-router-pre-softmax, required for k = 1, the softmax
+  of all E logits, s b E); with the aux loss (--moe-aux-loss-coeff > 0; Megatron-LM's default 0 has none) the fp32
+  softmax of all E logits (s b E) and the tokens per expert (E int64) and the loss (fp32 scalar); with the z-loss
+  (--moe-z-loss-coeff) logsumexp's input, the logits (s b E), its output (s b) and the loss, in the router's dtype;
+  the probabilities handed on (below) are in the router's dtype (--moe-router-dtype fp32: 4 bytes);
 - the permutation (moe_utils.permute): without capacity the routing map (bool, s b E) and the probabilities
   scattered to E columns (s b E) that masked_select keeps, and the permutation index (int64, one per routed copy);
   with padding to capacity (drop_and_pad) the routing map (kept by the router's token dropping) and two indices
   (tokens, probabilities) of C k s b entries; with a capacity factor and no padding both routing maps;
+- megatron-core 0.19 (`megatron_core_version`, measured against 0.19.2 from recorded figures:
+  tests/test_mcore_019_moe.py): the alltoall dispatcher's permute keeps an int64 argsort over tokens x E (s b E)
+  in place of the routing map and the scattered probabilities (the allgather dispatcher's is 0.16.1's);
 - the routed copies of the tokens (k s b h: the alltoall dispatcher's sorted output, or the permuted tokens)
   and their probabilities (k s b), the experts' input; each expert's MLP for its tokens: fc1's output (2 f_e
   for SwiGLU), and in the unfused CPU path x_linear + offset, SiLU(gate), the product (kept by the probabilities'
@@ -50,6 +56,8 @@ from memplan.inventory.types import Moment, Term, saved
 MOE_SRC = "mcore MoE CPU: megatron-core 0.16.1 MoELayer (local spec, SequentialMLP), measured (validation/mcore.py)"
 MOE_DERIVED = ("mcore MoE code: megatron-core 0.16.1 MoELayer with Megatron-LM's CUDA fusions (weighted_bias_swiglu_impl) "
                "/ Transformer Engine TEGroupedMLP, derived from code, not measured")
+SRC_019 = ("mcore MoE CPU: megatron-core 0.19.2 moe_utils.permute (its E s b int64 argsort, sliced, indexes the "
+           "probabilities), measured on CPU, recorded (tests/data/mcore_0_19_2_moe.json)")
 # the dense MLP's terms that an MoE layer does not have (fc1_input, the MLP input, it keeps)
 DENSE_MLP = ("gelu_input", "swiglu_input", "swiglu_up", "swiglu_silu_out", "fc2_input")
 
@@ -101,46 +109,44 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     r, sent = routed_factor(model), _sent_factor(model)
     allgather = model.moe_token_dispatcher == "allgather"
     gated = model.mlp == "swiglu"
+    probs = router_dtype(model)
 
     def routed(id, name, elements, dtype="act", scale=r, **kw):
         term = saved(id, name, "MoE experts", elements, dtype, k22=False, src=src, **kw)
         return dataclasses.replace(term, elements=term.elements * scale)
 
     router = "MoE router"
-    out = [
-        saved("moe_topk_indices", "router top-k indices (int64)", router, "k s b", "int64", sp=True, k22=False, src=src),
-        saved("moe_topk_probs", "router softmax of the k chosen logits (fp32)", router, "k s b", "fp32", sp=True,
-           k22=False, src=src),
-        saved("moe_aux_scores", "aux loss: softmax of all E logits (fp32)", router, "E s b", "fp32", sp=True, k22=False,
-           src=f"{src}; with --moe-aux-loss-coeff > 0"),
-        saved("moe_aux_counts", "aux loss: tokens per expert (int64)", router, "E", "int64", k22=False,
-           src=f"{src}; with --moe-aux-loss-coeff > 0"),
-        saved("moe_aux_loss", "aux loss value (fp32 scalar, MoEAuxLossAutoScaler)", router, "1", "fp32", k22=False,
-           src=f"{src}; with --moe-aux-loss-coeff > 0"),
-    ]
-    # with a capacity factor the token dropping keeps its routing map, and (not padded) permute's masked_select
-    # another
-    two = model.moe_capacity_factor is not None and not model.moe_pad_to_capacity
+    out = [saved("moe_topk_indices", "router top-k indices (int64)", router, "k s b", "int64", sp=True, k22=False,
+                 src=src)]
+    out += _router_terms(model, src)
+    # with a capacity factor the token dropping keeps its routing map, and (not padded) 0.16.1's permute
+    # (masked_select) another; 0.19.2's alltoall dispatcher keeps its permute's argsort over tokens x E instead (its
+    # allgather dispatcher still selects the probabilities with masked_select, as 0.16.1's)
+    v19 = model.megatron_core_version == "0.19" and not allgather
+    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity))
+    two = maps == 2
     # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
     # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
     # capacity its token-dropping map, are the GPU's s b / t tokens': equal at etp = t, counted as gathered)
     split = dict(tp=True, etp_gathered=True) if allgather else dict(sp=True)
-    out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (", twice (token dropping, permute)" if two
-                                                                         else ""),
-                  router, "2 E s b" if two else "E s b", "mask", k22=False, src=src, storages=2 if two else 1,
-                  **split))
+    if maps:
+        out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (
+            ", twice (token dropping, permute)" if two else ""), router, "2 E s b" if two else "E s b", "mask",
+            k22=False, src=src, storages=maps, **split))
     if model.moe_pad_to_capacity:
         out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
                           "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))
     else:
-        out += [saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
-                   "E s b", k22=False, src=src, **split),
+        out += [saved("moe_sort_index", "argsort of the routing map over tokens x E (int64; the probabilities' "
+                      "index keeps a view of it)", router, "E s b", "int64", k22=False, src=SRC_019, **split) if v19
+                else saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
+                           "E s b", probs, k22=False, src=src, **split),
                 routed("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64",
                        scale=r if allgather else sent, **split)]
     out += [
         routed("moe_permuted_tokens", "routed token copies, the experts' input (k per token)", "k s b h",
                tp=True, etp_gathered=True),
-        routed("moe_permuted_probs", "routing probabilities of the routed copies", "k s b", tp=True,
+        routed("moe_permuted_probs", "routing probabilities of the routed copies", "k s b", probs, tp=True,
                etp_gathered=True),
         routed("moe_fc1_output", "experts' fc1 output (the activation's input)", "2 k s b fe" if gated else "k s b fe",
                tp=True),
@@ -162,6 +168,47 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
                     saved("shared_silu_out", "shared experts' SiLU(gate)", shared, "s b fs", tp=True, k22=False, src=src)]
         out.append(saved("shared_fc2_input", "shared experts' fc2 input", shared, "s b fs", tp=True, k22=False, src=src))
     return [dataclasses.replace(t, elements=t.elements.assign("k", model.moe_top_k)) for t in out]
+
+
+def router_dtype(model: ModelSpec) -> str:
+    """The dtype of the router's logits and of the probabilities it hands the dispatcher: fp32 with
+    --moe-router-dtype fp32 (TopKRouter.gating casts the linear's output), else the activations'."""
+    return "fp32" if model.moe_router_dtype == "fp32" else "act"
+
+
+def pre_softmax(model: ModelSpec) -> bool:
+    """Softmax over all E logits before the top-k: --moe-router-pre-softmax, which megatron-core 0.16.1
+    requires for k = 1 (TransformerConfig.__post_init__ refuses k = 1 without it)."""
+    return model.moe_router_pre_softmax or model.moe_top_k == 1
+
+
+def _router_terms(model: ModelSpec, src: str) -> list[Term]:
+    """What TopKRouter.routing saves beside the top-k indices (moe_utils.topk_routing_with_score_function,
+    z_loss_func, the aux loss), per the GPU's s b tokens (measured: tests/test_validate_mcore_moe.py)."""
+    router, logits = "MoE router", router_dtype(model)
+    if pre_softmax(model):  # softmax(logits, dtype=fp32) over all E, then top-k of the scores
+        out = [saved("moe_topk_probs", "router softmax of all E logits before the top-k (fp32)", router, "E s b",
+                     "fp32", sp=True, k22=False, src=f"{src}; --moe-router-pre-softmax")]
+    else:  # top-k of the logits, then softmax(dtype=fp32) of the k chosen
+        out = [saved("moe_topk_probs", "router softmax of the k chosen logits (fp32)", router, "k s b", "fp32",
+                     sp=True, k22=False, src=src)]
+    if model.moe_z_loss_coeff is not None:  # z_loss_func: logsumexp(logits) keeps its input and output
+        z = f"{src}; with --moe-z-loss-coeff"
+        out += [saved("moe_z_logits", "z-loss: the router logits (logsumexp's input)", router, "E s b", logits,
+                      sp=True, k22=False, src=z),
+                saved("moe_z_lse", "z-loss: logsumexp of the logits", router, "s b", logits, sp=True, k22=False,
+                      src=z),
+                saved("moe_z_loss", "z-loss value (scalar, MoEAuxLossAutoScaler)", router, "1", logits, k22=False,
+                      src=z)]
+    if model.moe_aux_loss_coeff > 0:
+        aux = f"{src}; with --moe-aux-loss-coeff > 0"
+        out += [saved("moe_aux_scores", "aux loss: softmax of all E logits (fp32)", router, "E s b", "fp32", sp=True,
+                      k22=False, src=aux),
+                saved("moe_aux_counts", "aux loss: tokens per expert (int64)", router, "E", "int64", k22=False,
+                      src=aux),
+                saved("moe_aux_loss", "aux loss value (fp32 scalar, MoEAuxLossAutoScaler)", router, "1", "fp32",
+                      k22=False, src=aux)]
+    return out
 
 
 def moe_moments(moments: Iterable[Moment], model: ModelSpec, terms: Iterable[Term]) -> list[Moment]:

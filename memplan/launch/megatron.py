@@ -189,6 +189,16 @@ def _experts(config: Config) -> list[str]:
         args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
     if m.moe_pad_to_capacity:
         args.append("--moe-pad-expert-input-to-capacity")
+    # the router's options (TransformerConfig moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_dtype,
+    # moe_router_pre_softmax: megatron-core requires the last for k = 1)
+    if m.moe_aux_loss_coeff:
+        args.append(f"--moe-aux-loss-coeff {m.moe_aux_loss_coeff:g}")
+    if m.moe_z_loss_coeff is not None:
+        args.append(f"--moe-z-loss-coeff {m.moe_z_loss_coeff:g}")
+    if m.moe_router_dtype:
+        args.append(f"--moe-router-dtype {m.moe_router_dtype}")
+    if m.moe_router_pre_softmax or m.moe_top_k == 1:
+        args.append("--moe-router-pre-softmax")
     return args
 
 
