@@ -1,0 +1,107 @@
+"""peft LoRA / QLoRA (memplan/inventory/lora.py, memplan/memory/adapters.py): per layer, what transformers'
+Llama layer wrapped by peft 0.21.2 saves on CPU (validation/hf.py's ledger) against memplan's inventory; the
+adapters' states and bitsandbytes' NF4 bytes by hand."""
+
+import pytest
+
+from memplan.check.cases import ValidationCase
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.training import TrainingSpec
+from memplan.inventory import lora
+from memplan.memory import adapters
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def cases():
+    """A Llama layer (s 32, b 2, h 64, a 4, g 2, f 160), LoRA r 8: peft's default targets without dropout (sdpa),
+    every linear with dropout 0.1 (eager)."""
+    shape = dict(s=32, b=2, h=64, a=4, f=160, t=1, sp=False, recompute="none", backend="ledger", arch="llama", g=2,
+                 dropout=0.0, lora=8)
+    return [ValidationCase("llama lora8 default", "layer", impl="hf-sdpa", **shape),
+            ValidationCase("llama lora8 all p0.1", "layer", impl="hf-eager", lora_targets=ALL, lora_dropout=0.1,
+                           **shape)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from memplan.check.validate import run
+
+    return run(cases(), "cpu")
+
+
+def test_peft_layers_match_memplan(results):
+    for r in results:
+        assert r.passed, (r.case.name, r.mismatched, r.measured, r.predicted)
+        assert "unlabeled" not in r.measured
+    default, every = results
+    # by hand, the default targets (q_proj, v_proj; no dropout): each keeps its fp32 input (4 s b h) and the
+    # fp32 A output (4 s b r); the frozen q/k/v_proj no longer keep their bf16 input, nor the RMSNorm its normed
+    s, b, h, r = 32, 2, 64, 8
+    assert default.measured["lora_q_proj_input"] == 4 * s * b * h
+    assert default.measured["lora_v_proj_a_out"] == 4 * s * b * r
+    assert "qkv_input" not in default.measured and "ln1_normed" not in default.measured
+    # with dropout on CPU each target also keeps an fp32 mask the size of its input (down_proj: f = 160 wide)
+    assert every.measured["lora_down_proj_mask"] == 4 * s * b * 160
+    assert "fc2_input" not in every.measured and "attn_out" not in every.measured  # eager: o_proj frozen
+
+
+@pytest.mark.parametrize("term_id", ["lora_q_proj_input", "lora_v_proj_a_out"])
+def test_removing_a_lora_term_fails(monkeypatch, term_id):
+    pytest.importorskip("peft")
+    from memplan.check.validate import run
+
+    original = lora.lora_terms
+    monkeypatch.setattr(lora, "lora_terms", lambda *a: [t for t in original(*a) if t.id != term_id])
+    failed = [r for r in run(cases()[:1], "cpu") if not r.passed]
+    assert failed and any(label == term_id for label, _, _ in failed[0].mismatched)
+
+
+def test_keeping_the_frozen_inputs_fails(monkeypatch):
+    pytest.importorskip("peft")
+    from memplan.check.validate import run
+
+    monkeypatch.setattr(lora, "FROZEN_NOT_SAVED", ())
+    failed = [r for r in run(cases()[:1], "cpu") if not r.passed]
+    assert failed and any(label == "qkv_input" for label, _, _ in failed[0].mismatched)
+
+
+def test_nf4_bytes_by_hand():
+    # bitsandbytes quantize_4bit(compress_statistics=True, blocksize=64): 4096 x 4096 weights = 16,777,216:
+    # codes 8,388,608 B; 262,144 absmax blocks as uint8 = 262,144 B; 1,024 double-quant blocks x 4 B = 4,096 B
+    assert adapters.nf4_bytes(4096 * 4096) == 8_388_608 + 262_144 + 4_096
+    assert adapters.nf4_bytes(65) == 33 + 2 + 4  # odd count: a half byte rounds up; 2 blocks; 1 fp32 absmax
+
+
+def _model():
+    return ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, seq_length=32,
+                     vocab_size=512, ffn_hidden_size=160, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                     tied_embeddings=False, bias=False, dropout=False)
+
+
+def test_adapter_states_by_hand():
+    model = _model()
+    tr = TrainingSpec(lora_rank=8, micro_batch=2)
+    values = model.symbols(t=1)
+    # q_proj 8 (64 + 64) + v_proj 8 (64 + 32) = 1,792 adapter parameters a layer, 2 layers, fp32
+    states, trained = adapters.lora_states(model, tr, values, 1000, 2, 1, 0)
+    assert trained == 3584
+    assert states.weights == 1000 * 2 + 3584 * 4 and states.gradients == 3584 * 4
+    assert states.optimizer == 3584 * 2 * 4  # AdamW's two fp32 moments, no master copy
+    q = TrainingSpec(lora_rank=8, qlora=True, micro_batch=2)
+    nf4, _ = adapters.lora_states(model, q, values, 1000, 2, 1, 0)
+    linears = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 160 * 64, 160 * 64, 64 * 160]
+    assert nf4.weights - states.weights == 2 * sum(adapters.nf4_bytes(n) - 2 * n for n in linears)
+
+
+def test_lora_refused_where_not_modelled():
+    with pytest.raises(ValueError):
+        TrainingSpec(qlora=True)
+    with pytest.raises(MemplanError):
+        lora.targets_of(("c_attn",))
+    with pytest.raises(MemplanError):
+        lora.check_lora(_model(), "megatron")
