@@ -4,6 +4,8 @@ adapters' states and bitsandbytes' NF4 bytes by hand."""
 
 import pytest
 
+import memplan
+
 from memplan.check.cases import ValidationCase
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
@@ -105,3 +107,30 @@ def test_lora_refused_where_not_modelled():
         lora.targets_of(("c_attn",))
     with pytest.raises(MemplanError):
         lora.check_lora(_model(), "megatron")
+
+
+def _step(**options):
+    est = memplan.estimate("llama3-8b", impl="hf-sdpa", gpus=1, seq_len=2048, micro_batch=1, **options).estimate
+    return est.steps[est.most_loaded]
+
+
+def test_only_the_adapters_have_gradients_and_states():
+    # llama3-8b, r 16 on q_proj (16 (4096 + 4096)) and v_proj (16 (4096 + 1024)): 212,992 fp32 adapter parameters
+    # a layer, 32 layers; the optimizer step holds every gradient (4 B each), AdamW two fp32 moments
+    step = _step(lora=16)
+    adapters_n = 32 * 212_992
+    opt = [e for e in step.events if e.phase == "optimizer"][0]
+    assert opt.parts["gradients"] == adapters_n * 4
+    assert opt.parts["optimizer"] == adapters_n * 8
+    assert max(e.parts["gradients"] for e in step.events) == adapters_n * 4
+
+
+def test_qlora_dequantised_weight_in_the_backward():
+    # the MLP's backward moments hold one bf16 h x f weight more under QLoRA (bitsandbytes MatMul4Bit dequantises
+    # down_proj / gate_proj / up_proj for the input gradient): 2 x 4096 x 14336 bytes
+    plain, q = _step(lora=16), _step(lora=16, qlora=True)
+
+    def transient(step):
+        return [e.parts["transient"] for e in step.events if e.phase == "backward" and e.moment.startswith("MLP")]
+
+    assert transient(q) and all(b - a == 2 * 4096 * 14336 for a, b in zip(transient(plain), transient(q)))

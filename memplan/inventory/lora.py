@@ -29,6 +29,13 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.types import FC1_W, FC2_W, PROJ_W, QKV_W, Dtype, Inventory, Moment, Term, saved, transient
 
+LORA_INFO = ("--lora R [--lora-targets, --lora-dropout, --qlora] (--impl hf-*, Llama layout): peft LoRA, the base "
+             "frozen, fp32 adapters with their gradients and AdamW states; what peft's LoRA layers save and what the "
+             "frozen layers no longer save measured per layer on CPU with peft 0.21.2 (validation/hf.py, "
+             "tests/test_lora.py); --qlora's NF4 weights (bitsandbytes, double quantisation) and dequantised "
+             "weights derived from bitsandbytes' code, not measured")
+
+
 PEFT = "peft 0.21.2 lora.Linear.forward, measured (validation/hf.py, tests/test_lora.py)"
 
 

@@ -64,3 +64,17 @@ def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: 
     gradients = shard_bytes(adapters * ADAPTER_BYTES, d, zero >= 2)
     optimizer = shard_bytes(adapters * training.optimizer_moments * ADAPTER_BYTES, d, zero >= 1)
     return StateBytes(weights, gradients, optimizer), adapters
+
+
+def notes(training: TrainingSpec) -> list[str]:
+    """What a LoRA / QLoRA estimate measured and what it derived."""
+    if not training.lora_rank:
+        return []
+    targets = ", ".join(targets_of(training.lora_targets))
+    out = [f"LoRA r = {training.lora_rank} on {targets} (peft 0.21.2): the base frozen (weights only), fp32 adapters "
+           f"with fp32 gradients and optimizer states; the tensors peft's LoRA layers save and those the frozen layers "
+           f"no longer save measured per layer on CPU (validation/hf.py); the adapters' backward transients not counted"]
+    if training.qlora:
+        out.append("QLoRA: the layer linears in bitsandbytes NF4 with double quantisation (0.516 B per weight) and the "
+                   "dequantised weight in each layer's backward are derived from bitsandbytes' code, not measured")
+    return out
