@@ -52,6 +52,22 @@ def test_peft_layers_match_memplan(results):
     assert "fc2_input" not in every.measured and "attn_out" not in every.measured  # eager: o_proj frozen
 
 
+def test_peft_model_differs_by_the_first_layer_norm():
+    pytest.importorskip("peft")
+    from memplan.check.validate import run
+
+    shape = dict(s=32, b=2, h=64, a=4, f=160, t=1, sp=False, recompute="none", backend="ledger", arch="llama", g=2,
+                 dropout=0.0, lora=8)
+    (r,) = run([ValidationCase("llama lora8 model", "model", impl="hf-sdpa", **shape)], "cpu")
+    # the whole model (2 layers, loss): all as per layer, no token ids (the embedding is frozen), and, the one
+    # difference memplan keeps (on the safe side), layer 0's input_layernorm saves nothing (its input needs no
+    # gradient): its fp32 input 4 s b h and rstd 4 s b
+    s, b, h = 32, 2, 64
+    assert "token_ids" not in r.measured and "token_ids" not in r.predicted
+    assert r.predicted_total - r.measured_total == 4 * s * b * h + 4 * s * b
+    assert {k for k, _, _ in r.mismatched} <= {"ln1_fp32_input"}
+
+
 @pytest.mark.parametrize("term_id", ["lora_q_proj_input", "lora_v_proj_a_out"])
 def test_removing_a_lora_term_fails(monkeypatch, term_id):
     pytest.importorskip("peft")

@@ -13,7 +13,10 @@ Read from peft 0.21.2 (tuners/lora/layer.py Linear.forward) and measured on CPU 
 - a frozen linear needs no saved input (its weight gets no gradient): the inputs of q/k/v_proj, gate/up_proj,
   down_proj, o_proj (eager; sdpa keeps its output anyway) and lm_head are no longer saved, nor the bf16
   normalised tensors the RMSNorm weights' gradients need (weight * normed); what the input gradients need
-  (the fp32 norm input and rstd, K, Q, V, the softmax, the SwiGLU factors) stays.
+  (the fp32 norm input and rstd, K, Q, V, the softmax, the SwiGLU factors) stays;
+- one difference is left, on the safe side: with the embedding frozen, the first layer's input needs no gradient,
+  so its input_layernorm saves nothing (4 s b h + 4 s b bytes once, measured: tests/test_lora.py), unless gradient
+  checkpointing's enable_input_require_grads (peft, transformers) makes the embedding output require grad.
 
 QLoRA (bitsandbytes Linear4bit, MatMul4Bit): each frozen layer linear is dequantised to the compute dtype
 for its forward GEMM and again in the backward for the input gradient (bitsandbytes/autograd/_functions.py);
@@ -56,8 +59,9 @@ ALL_LINEAR = tuple(LINEARS)
 
 
 # saved tensors only a frozen weight's gradient needed (transformers' Llama layout; memplan/inventory/hf.py ids)
+# (the embedding's token ids too: a frozen embedding has no backward)
 FROZEN_NOT_SAVED = ("qkv_input", "mlp_input", "fc2_input", "ln1_normed", "ln2_normed", "final_norm_normed",
-                    "head_input")
+                    "head_input", "token_ids")
 
 
 def targets_of(names: Optional[tuple[str, ...]]) -> tuple[str, ...]:
