@@ -150,3 +150,18 @@ def test_qlora_dequantised_weight_in_the_backward():
         return [e.parts["transient"] for e in step.events if e.phase == "backward" and e.moment.startswith("MLP")]
 
     assert transient(q) and all(b - a == 2 * 4096 * 14336 for a, b in zip(transient(plain), transient(q)))
+
+
+def test_peft_step_peak():
+    # a whole training step (validation/step.py: a 2-layer Llama wrapped by peft, r 8 on every linear, fused AdamW,
+    # CPU) against memplan's step timeline. memplan keeps layer 0's input_layernorm tensors (4 s b h + 4 s b bytes),
+    # which a frozen embedding makes unnecessary (test_peft_model_differs_by_the_first_layer_norm): predicted minus
+    # measured is that, within 1 % of the measured peak (the adapters' backward transients are not modelled)
+    pytest.importorskip("peft")
+    from memplan.check.peak import PeakCase, run_peak
+
+    s, b, h = 64, 2, 64
+    (r,) = run_peak([PeakCase("llama lora8 all", "llama", s, b, h, 4, L=2, v=256, f=160, g=2, attn="sdpa",
+                              optimizer="fused", lora=8, lora_targets=ALL)])
+    first_norm = 4 * s * b * h + 4 * s * b
+    assert 0 <= r.predicted - r.measured - first_norm <= 0.01 * r.measured, (r.predicted, r.measured)
