@@ -90,9 +90,22 @@ def test_keeping_the_frozen_inputs_fails(monkeypatch):
 
 def test_nf4_bytes_by_hand():
     # bitsandbytes quantize_4bit(compress_statistics=True, blocksize=64): 4096 x 4096 weights = 16,777,216:
-    # codes 8,388,608 B; 262,144 absmax blocks as uint8 = 262,144 B; 1,024 double-quant blocks x 4 B = 4,096 B
-    assert adapters.nf4_bytes(4096 * 4096) == 8_388_608 + 262_144 + 4_096
-    assert adapters.nf4_bytes(65) == 33 + 2 + 4  # odd count: a half byte rounds up; 2 blocks; 1 fp32 absmax
+    # codes 8,388,608 B; 262,144 absmax blocks as uint8 = 262,144 B; 1,024 double-quant blocks x 4 B = 4,096 B;
+    # per tensor the NF4 code (16 fp32), the offset (fp32) and the dynamic map (256 fp32): 1,092 B
+    assert adapters.nf4_bytes(4096 * 4096) == 8_388_608 + 262_144 + 4_096 + 1_092
+    assert adapters.nf4_bytes(65) == 33 + 2 + 4 + 1_092  # odd count: a half byte rounds up; 2 blocks; 1 fp32 absmax
+
+
+@pytest.mark.parametrize("shape", [(64, 160), (160, 64), (96, 65), (4096, 1024)])
+def test_nf4_bytes_measured(shape):
+    # bitsandbytes 0.50.2 on CPU: every tensor quantize_4bit keeps (the packed weight and its QuantState, nested)
+    torch = pytest.importorskip("torch")
+    functional = pytest.importorskip("bitsandbytes.functional")
+    out, state = functional.quantize_4bit(torch.randn(*shape, dtype=torch.bfloat16), blocksize=64,
+                                          compress_statistics=True, quant_type="nf4")
+    kept = [out, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+    assert state.state2.state2 is None  # one level of nesting
+    assert sum(t.untyped_storage().nbytes() for t in kept) == adapters.nf4_bytes(shape[0] * shape[1])
 
 
 def _model():

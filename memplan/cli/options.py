@@ -165,7 +165,7 @@ def plan_options(func: Callable) -> Callable:
                      help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
         click.option("--qlora", is_flag=True, default=None,
                      help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
-                          "(0.516 B per weight), dequantised per GEMM (derived from bitsandbytes' code, not measured)."),
+                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "

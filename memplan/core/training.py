@@ -154,7 +154,8 @@ class TrainingSpec(Spec):
     lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="peft's lora_dropout (its mask is saved)")
     qlora: bool = Field(
         default=False, description="QLoRA: the frozen layer linears stored as bitsandbytes NF4 with double "
-        "quantisation, dequantised to the compute dtype per GEMM (derived from bitsandbytes' code, not measured)")
+        "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
+        "bitsandbytes' code, not measured)")
 
     @model_validator(mode="after")
     def _lora(self) -> "TrainingSpec":

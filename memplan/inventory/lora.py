@@ -18,10 +18,10 @@ Read from peft 0.21.2 (tuners/lora/layer.py Linear.forward) and measured on CPU 
   so its input_layernorm saves nothing (4 s b h + 4 s b bytes once, measured: tests/test_lora.py), unless gradient
   checkpointing's enable_input_require_grads (peft, transformers) makes the embedding output require grad.
 
-QLoRA (bitsandbytes Linear4bit, MatMul4Bit): each frozen layer linear is dequantised to the compute dtype
-for its forward GEMM and again in the backward for the input gradient (bitsandbytes/autograd/_functions.py);
-the transient copy of the layer's largest linear weight is added to the layer's backward moments.
-Derived from bitsandbytes' code, not measured (its 4-bit kernels are not run here)."""
+QLoRA (bitsandbytes 0.50.2 Linear4bit, autograd/_functions.py MatMul4Bit): the forward runs the gemm_4bit op on
+the packed weight; the backward dequantises the weight (dequantize_4bit, in the compute dtype) for the input
+gradient, so the transient copy of the layer's largest linear weight is added to the layer's backward moments.
+Derived from bitsandbytes' code, not measured (the NF4 storage itself is measured: memplan/memory/adapters.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from memplan.inventory.types import FC1_W, FC2_W, PROJ_W, QKV_W, Dtype, Inventor
 LORA_INFO = ("--lora R [--lora-targets, --lora-dropout, --qlora] (--impl hf-*, Llama layout): peft LoRA, the base "
              "frozen, fp32 adapters with their gradients and AdamW states; what peft's LoRA layers save and what the "
              "frozen layers no longer save measured per layer on CPU with peft 0.21.2 (validation/hf.py, "
-             "tests/test_lora.py); --qlora's NF4 weights (bitsandbytes, double quantisation) and dequantised "
-             "weights derived from bitsandbytes' code, not measured")
+             "tests/test_lora.py); --qlora's NF4 weights (bitsandbytes, double quantisation) measured with "
+             "bitsandbytes 0.50.2 on CPU, its dequantised weights in the backward derived from its code, not measured")
 
 
 PEFT = "peft 0.21.2 lora.Linear.forward, measured (validation/hf.py, tests/test_lora.py)"
@@ -104,7 +104,7 @@ def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: 
     return out
 
 
-QLORA = "derived from bitsandbytes 0.49 autograd/_functions.py MatMul4Bit (dequantize_4bit), not measured"
+QLORA = "derived from bitsandbytes 0.50.2 autograd/_functions.py MatMul4Bit.backward (dequantize_4bit), not measured"
 
 
 def qlora_moments(moments: list[Moment]) -> list[Moment]:

@@ -6,12 +6,13 @@ The adapters: r x n_in (lora_A) + n_out x r (lora_B) per target linear and layer
 get_peft_model, autocast_adapter_dtype=True, upcasts bf16 adapters), so fp32 gradients, no master copy and
 fp32 optimizer moments (torch AdamW keeps its states in the parameter's dtype).
 
-NF4 storage per frozen linear of n weights, derived from bitsandbytes' functional.quantize_4bit with
-bnb_4bit_use_double_quant (compress_statistics=True), blocksize 64, not measured: the packed codes
-ceil(n/2) uint8; the per-64 absmax quantised to uint8 (ceil(n/64) bytes) in blocks of 256 with one fp32
-absmax each (4 ceil(ceil(n/64)/256) bytes); the offset is a Python float and the 256-entry dynamic map one
-tensor shared by every weight (both left out). 0.5159 B per weight against bf16's 2. transformers keeps
-lm_head, the embedding and the norms unquantised (bf16)."""
+NF4 storage per frozen linear of n weights, read from bitsandbytes' functional.quantize_4bit with
+bnb_4bit_use_double_quant (compress_statistics=True), blocksize 64, and measured on CPU with bitsandbytes 0.50.2
+(tests/test_lora.py sums every tensor of the QuantState): the packed codes ceil(n/2) uint8; the per-64 absmax
+quantised to uint8 (ceil(n/64) bytes) in blocks of 256 with one fp32 absmax each (4 ceil(ceil(n/64)/256)
+bytes); per tensor the 16-value NF4 code (fp32, 64 B), the fp32 offset (4 B) and the 256-value dynamic map of
+the double quantisation (fp32, 1,024 B; copied to the weight's device for each tensor). 0.516 B per weight
+against bf16's 2. transformers keeps lm_head, the embedding and the norms unquantised (bf16)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ from memplan.memory.states import ParamGroup, StateBytes, shard_bytes
 ADAPTER_BYTES = 4  # fp32 adapters, gradients and optimizer moments
 
 NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256  # bitsandbytes blocksize (4-bit) and double-quant blocksize
+NF4_TENSOR_EXTRA = 16 * 4 + 4 + 256 * 4  # per tensor: the NF4 code, the offset, the double quantisation's map
 
 
 def nf4_bytes(n: Any) -> Any:
     """Bytes of one weight tensor of n elements in bitsandbytes NF4 with double quantisation (module docstring)."""
     blocks = -(-n // NF4_BLOCK)
-    return -(-n // 2) + blocks + 4 * (-(-blocks // NF4_ABSMAX_BLOCK))
+    return -(-n // 2) + blocks + 4 * (-(-blocks // NF4_ABSMAX_BLOCK)) + NF4_TENSOR_EXTRA
 
 
 def adapter_groups(model: ModelSpec, training: TrainingSpec) -> dict[str, ParamGroup]:
@@ -75,6 +77,7 @@ def notes(training: TrainingSpec) -> list[str]:
            f"with fp32 gradients and optimizer states; the tensors peft's LoRA layers save and those the frozen layers "
            f"no longer save measured per layer on CPU (validation/hf.py); the adapters' backward transients not counted"]
     if training.qlora:
-        out.append("QLoRA: the layer linears in bitsandbytes NF4 with double quantisation (0.516 B per weight) and the "
-                   "dequantised weight in each layer's backward are derived from bitsandbytes' code, not measured")
+        out.append("QLoRA: the layer linears in bitsandbytes NF4 with double quantisation (0.516 B per weight; measured "
+                   "with bitsandbytes 0.50.2 on CPU); the dequantised weight in each layer's backward derived from "
+                   "bitsandbytes' code, not measured")
     return out
