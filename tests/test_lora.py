@@ -178,3 +178,16 @@ def test_peft_step_peak():
                               optimizer="fused", lora=8, lora_targets=ALL)])
     first_norm = 4 * s * b * h + 4 * s * b
     assert 0 <= r.predicted - r.measured - first_norm <= 0.01 * r.measured, (r.predicted, r.measured)
+
+
+def test_cli_lora_options():
+    from click.testing import CliRunner
+
+    from memplan.cli import cli
+
+    run = CliRunner().invoke
+    base = ["--model", "llama3-8b", "--impl", "hf-sdpa", "--gpus", "1", "--seq-len", "2048"]
+    # llama3-8b, r 16 on q_proj, v_proj: 32 x 212,992 = 6,815,744 fp32 adapters (test_only_the_adapters_...)
+    out = run(cli, ["explain", *base, "--lora", "16"])
+    assert out.exit_code == 0 and "6,815,744 x 4 B = 27,262,976 B" in out.output
+    # bad LoRA options: tests/test_bad_input.py (one line, exit 2)
