@@ -54,6 +54,10 @@ CASES = [
     (["estimate", "--model", "mixtral-8x7b", "--impl", "hf-sdpa", "--moe-imbalance", "2"],
      "modelled for --impl megatron / megatron-local"),
     (["estimate", "--hf-config", CORPUS / "moe-topk.json", "--impl", "hf-sdpa"], "moe_top_k=9 exceeds num_experts=8"),
+    (["estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--qlora"], "need --lora R"),
+    (["estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--lora", "8", "--lora-targets", "c_attn"],
+     "unknown --lora-targets c_attn"),
+    (["estimate", "--model", "llama3-8b", "--lora", "8"], "modelled for --impl hf-sdpa / hf-eager"),
 ]
 
 

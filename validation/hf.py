@@ -196,6 +196,17 @@ GPT2_MODEL_RULES: dict[tuple[str, str, int, int], str] = {
     ("", CROSS_ENTROPY, 0, 3): "nll_total_weight",
 }
 
+# peft LoRA (peft 0.21.2, lora.Linear.forward): x cast to the adapters' dtype, dropout (nn.Identity at p = 0),
+# lora_A saves its input (the cast x, or the dropout output), lora_B saves A's output; the frozen base linear
+# saves nothing for its weight. Labels lora_<module>_{mask,input,a_out} (memplan/inventory/lora.py).
+LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+for _name, _parent in LORA_MODULES.items():
+    _path = f"{_parent}.{_name}"
+    LLAMA_LAYER_RULES[(f"{_path}.lora_dropout.default", DROPOUT, 0, 0)] = f"lora_{_name}_mask"
+    LLAMA_LAYER_RULES[(f"{_path}.lora_A.default", LINEAR, 0, 0)] = f"lora_{_name}_input"
+    LLAMA_LAYER_RULES[(f"{_path}.lora_B.default", LINEAR, 0, 0)] = f"lora_{_name}_a_out"
+
 RULES = {
     "llama": (LLAMA_LAYER_RULES, LLAMA_MODEL_RULES),
     "gpt2": (GPT2_LAYER_RULES, GPT2_MODEL_RULES),
@@ -229,6 +240,9 @@ class HFCase(Case):
     attn: str = "sdpa"
     g: int | None = None
     head_dim: int | None = None  # Llama: width of one head (None = h/a)
+    lora_r: int = 0  # peft LoRA rank (0: none); the base model frozen by peft
+    lora_p: float = 0.0  # LoRA dropout
+    lora_targets: tuple[str, ...] = ()  # target modules (empty: peft's default for the family)
 
     @property
     def kv_heads(self) -> int:
@@ -248,6 +262,8 @@ class HFCase(Case):
             raise ValueError("GPT-2 has no grouped-query attention")
         if self.arch == "gpt2" and self.head_dim is not None:
             raise ValueError("GPT-2 heads are h/a wide")
+        if self.lora_r and self.arch != "llama":
+            raise ValueError("LoRA measurements are for the Llama layout")
         if (self.h % self.a and self.head_dim is None) or self.a % self.kv_heads:
             raise ValueError("need a | h (or a head_dim) and g | a")
 
@@ -398,6 +414,13 @@ def build_model(case: HFCase):
     tf = _transformers()
     model = tf.AutoModelForCausalLM.from_config(
         build_config(case), dtype=getattr(torch, case.dtype), attn_implementation=case.attn)
+    if case.lora_r:
+        import peft
+
+        # get_peft_model injects the adapters into `model` in place and freezes its own parameters; the
+        # adapters are fp32 (autocast_adapter_dtype=True, peft's default, upcasts bf16 adapters)
+        peft.get_peft_model(model, peft.LoraConfig(r=case.lora_r, lora_alpha=2 * case.lora_r, lora_dropout=case.lora_p,
+                                                   target_modules=list(case.lora_targets) or None))
     return model.train()
 
 
@@ -576,12 +599,13 @@ def measure_hf(
     scope: Literal["layer", "model"] = "layer",
     backend: Literal["ledger", "live", "fake"] = "ledger",
     seed: int = 0,
+    lora: tuple[int, float, tuple[str, ...]] = (0, 0.0, ()),
 ) -> HFMeasurement:
     """Saved tensors of one decoder layer (``scope="layer"``) or of the whole ``*ForCausalLM``
     (``scope="model"``, loss included) of HF ``arch`` with ``attn_implementation=attn``, bf16,
     training mode, CPU (``backend="fake"``: FakeTensorMode, nothing allocated)."""
     case = HFCase(s=s, b=b, h=h, a=a, f=f, v=v, L=L, p_drop=dropout, backend=backend, seed=seed,
-                  arch=arch, attn=attn, g=g, head_dim=head_dim)
+                  arch=arch, attn=attn, g=g, head_dim=head_dim, lora_r=lora[0], lora_p=lora[1], lora_targets=lora[2])
     return _measure(case, scope)
 
 

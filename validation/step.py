@@ -125,6 +125,8 @@ class StepCase:
     # config with this case's h, a, L, v (and f, g, head_dim where given); attn picks its implementation, and
     # gradient checkpointing is enabled as for Llama
     family: str | None = None
+    lora: int = 0  # HF Llama: peft LoRA of this rank (validation/hf.py build_model), the base frozen; 0: none
+    lora_targets: tuple[str, ...] = ()  # empty: peft's default for the family
 
     @property
     def ffn(self) -> int:
@@ -349,7 +351,8 @@ def _hf():
 def _hf_case(case: StepCase):
     return _hf().HFCase(s=case.s, b=case.b, h=case.h, a=case.a, f=case.ffn, v=case.v, L=case.L,
                         p_drop=case.p_drop, dtype=case.dtype, seed=case.seed, arch=case.model,
-                        attn=case.attn, g=case.g, head_dim=case.head_dim, backend="live")
+                        attn=case.attn, g=case.g, head_dim=case.head_dim, backend="live", lora_r=case.lora,
+                        lora_targets=case.lora_targets)
 
 
 def _build(case: StepCase):

@@ -73,6 +73,10 @@ class PlanOptions:
     fp8_param_gather: Optional[bool] = None
     mst: Union[int, str, None] = None
     optimizer_in_backward: Optional[bool] = None
+    lora: Optional[int] = None
+    lora_targets: Optional[str] = None
+    lora_dropout: Optional[float] = None
+    qlora: Optional[bool] = None
     offload: tuple[str, ...] = ()
     offload_fraction: Optional[float] = None
     host_mem: Size = None
@@ -126,7 +130,7 @@ class PlanOptions:
 
     def training_settings(self) -> dict[str, Any]:
         """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,
-        FP8, MsT, offload."""
+        FP8, MsT, LoRA / QLoRA, offload."""
         fraction = self.offload_fraction
         if fraction is not None and "optimizer" not in self.offload:
             raise MemplanError("--offload-fraction needs --offload optimizer")
@@ -134,7 +138,11 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
-        return dict(precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
+        if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
+            raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
+        return dict(lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+                    precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
                     fp8_amax_history_len=self.fp8_amax_history_len, fp8_param_gather=self.fp8_param_gather,
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,

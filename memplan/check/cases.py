@@ -63,6 +63,10 @@ class ValidationCase:
     dn: int = 32
     dr: int = 16
     dv: int = 24
+    # hf-* Llama: peft LoRA of this rank (0: none) on `lora_targets` (empty: peft's default), with lora dropout
+    lora: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
 
     @property
     def layers(self) -> int:

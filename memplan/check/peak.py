@@ -72,6 +72,8 @@ class PeakCase:
     backend: str = "live"  # live | fake | cuda
     algorithm: str = "adamw"  # the optimizer (TrainingSpec.optimizer): adamw | sgd | sgd-nomomentum | adafactor | muon
     family: Optional[str] = None  # model "family": FAMILY_ARCHITECTURES' name (its config: validation/trace.py)
+    lora: int = 0  # transformers Llama: peft LoRA of this rank, the base frozen (memplan/inventory/lora.py); 0: none
+    lora_targets: tuple[str, ...] = ()  # empty: peft's default
 
     @property
     def loop(self) -> str:
@@ -100,7 +102,8 @@ def peak_config(case: PeakCase) -> Config:
     return Config(model=model, training=TrainingSpec(
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
         optimizer=case.algorithm, optimizer_impl=None if case.in_backward else case.optimizer, loss_chunks=case.loss_chunks,
-        mst=case.mst, optimizer_in_backward=case.in_backward))
+        mst=case.mst, optimizer_in_backward=case.in_backward, lora_rank=case.lora,
+        lora_targets=case.lora_targets or None))
 
 
 def family_model(case: PeakCase) -> ModelSpec:
@@ -282,7 +285,8 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
                                   g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
                                   optimizer="for-loop" if c.in_backward else c.optimizer, algorithm=c.algorithm,
                                   microbatches=c.microbatches,
-                                  backend=c.backend, family=c.family, **_mst_pieces(c)))
+                                  backend=c.backend, family=c.family, lora=c.lora, lora_targets=c.lora_targets,
+                                  **_mst_pieces(c)))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event

@@ -22,6 +22,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory import assemble
+from memplan.inventory import lora as lora_inventory
 from memplan.inventory.mcore import QKV_TERMS
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.inventory.types import CUDA_BLOCK_BYTES
@@ -112,6 +113,9 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
     inv = assemble.inventory_for(model, case.impl, device)
+    if case.lora:  # peft LoRA (memplan/inventory/lora.py)
+        lora = TrainingSpec(lora_rank=case.lora, lora_targets=case.lora_targets or None, lora_dropout=case.lora_dropout)
+        inv = lora_inventory.apply(inv, model, case.impl, device, lora)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
     terms = tuple(t for t in inv.terms if t.scope in scopes and (t.in_k22 or not paper_only))
     stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False,
@@ -153,7 +157,8 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
     for i, c in enumerate(cases):
         if c.impl.startswith("hf-"):
             out[i] = measure_hf(c.arch, c.impl.removeprefix("hf-"), c.s, c.b, c.h, c.a, f=c.f, g=c.g,
-                                head_dim=c.head_dim, v=c.v, L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend)
+                                head_dim=c.head_dim, v=c.v, L=c.layers, dropout=c.dropout, scope=c.scope, backend=c.backend,
+                                lora=(c.lora, c.lora_dropout, c.lora_targets))
     return out
 
 

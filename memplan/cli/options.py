@@ -168,6 +168,18 @@ def plan_options(func: Callable) -> Callable:
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
                           "AdamW per parameter, the LM head's step after the embedding's); --impl hf-*, adamw, one "
                           "micro-batch. Measured (validation/step.py loop in-backward)."),
+        click.option("--lora", "lora", type=AsciiIntRange(1), metavar="R",
+                     help="peft LoRA adapters of rank R, the base model frozen (--impl hf-*, Llama layout): fp32 "
+                          "adapters with their gradients and AdamW states, what peft's LoRA layers save (measured on "
+                          "CPU, memplan/inventory/lora.py)."),
+        click.option("--lora-targets", metavar="NAMES",
+                     help="With --lora: comma-separated linears (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                          "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj)."),
+        click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), metavar="P",
+                     help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
+        click.option("--qlora", is_flag=True, default=None,
+                     help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
+                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "

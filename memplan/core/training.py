@@ -145,6 +145,26 @@ class TrainingSpec(Spec):
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
         "memplan/memory/offload.py)")
 
+    lora_rank: int = Field(
+        default=0, ge=0, description="peft LoRA adapters of this rank on the target linears, the base weights frozen "
+        "(no gradients or optimizer states; memplan/inventory/lora.py, memplan/memory/adapters.py); 0: full training")
+    lora_targets: Optional[tuple[str, ...]] = Field(
+        default=None, description="the linears LoRA adapts (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
+        "or all-linear); None: peft's default for the family (q_proj, v_proj)")
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="peft's lora_dropout (its mask is saved)")
+    qlora: bool = Field(
+        default=False, description="QLoRA: the frozen layer linears stored as bitsandbytes NF4 with double "
+        "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
+        "bitsandbytes' code, not measured)")
+
+    @model_validator(mode="after")
+    def _lora(self) -> "TrainingSpec":
+        if self.qlora and not self.lora_rank:
+            raise ValueError("qlora trains LoRA adapters on a 4-bit base: give lora_rank (--lora R)")
+        if (self.lora_targets or self.lora_dropout) and not self.lora_rank:
+            raise ValueError("lora_targets / lora_dropout need lora_rank (--lora R)")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _precision(cls, data: Any) -> Any:

@@ -1,6 +1,6 @@
 """The inventory of a model as an implementation runs it: picks the implementation's own inventory (K22 /
 Megatron-LM, megatron-core local, transformers hand-written or traced, the reference torch layer) and applies
-what the training settings change in it (loss chunks, FP8, MsT). The top of the inventory layer: nothing in it
+what the training settings change in it (loss chunks, FP8, MsT, LoRA). The top of the inventory layer: nothing in it
 imports this module."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Optional
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
+from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
 from memplan.inventory.hf import hf_inventory
@@ -115,6 +116,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
                               minis.pieces_for(model, training, impl))
+    if training.lora_rank:  # peft LoRA / QLoRA (memplan/inventory/lora.py)
+        inventory = adapters.apply(inventory, model, impl, device, training)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")

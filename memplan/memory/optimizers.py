@@ -87,6 +87,8 @@ OPTIMIZER_INFO: dict[str, Optimizer] = {o.name: o for o in (
 def states_label(training: TrainingSpec) -> str:
     """How reports name the optimizer row: 'optimizer (Adafactor: master + factored second moment)'."""
     name, states = OPTIMIZER_INFO[training.optimizer].title.split(": ", 1)
+    if training.lora_rank:  # peft LoRA: the fp32 adapters' states only, no master copy (memplan/memory/adapters.py)
+        return f"optimizer ({name}: LoRA adapters' {states}, fp32)"
     if training.master_weight_bytes:
         states = "master only" if training.optimizer == "sgd-nomomentum" else f"master + {states}"
     return f"optimizer ({name}: {states})"

@@ -14,6 +14,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.fp8 import weight_extra_bytes
 from memplan.inventory.types import Term
+from memplan.memory.adapters import lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
 from memplan.memory.parallel import expert_states, state_shard
@@ -46,6 +47,7 @@ class StageMemory:
     tensors: Optional[StageTensors] = None  # the GPU's parameter tensors, for optimizers that need their shapes
     host_optimizer: Any = 0  # master weights + optimizer states stepped in host memory (optimizer offload)
     expert_params: Any = 0  # of `params`, the routed experts' (sharded over the expert-data-parallel group)
+    trained_params: Any = None  # LoRA: the adapters' parameters (the optimizer steps only those); None: `params`
 
     @property
     def weights(self) -> Any:
@@ -105,6 +107,10 @@ def stage_memory(
     states = state_bytes(params, training, state_shard(plan), plan.zero,
                          gathered_params=layer_params(model, sizes.group),
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
+    if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
+        states, trained = lora_states(model, training, sizes.values, params, layers, state_shard(plan), plan.zero)
+    else:
+        trained = None
     experts: Any = 0
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
         experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
@@ -118,4 +124,4 @@ def stage_memory(
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
-                       host, experts)
+                       host, experts, trained)

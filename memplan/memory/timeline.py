@@ -43,6 +43,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
+from memplan.memory.adapters import ADAPTER_BYTES, adapter_groups
 from memplan.memory.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
@@ -140,12 +141,15 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     head = output_layer_group()
     untied_head = (not model.tied_embeddings) or (plan.p > 1)
     grad_cache: dict[tuple[str, bool], Any] = {}
+    lora = adapter_groups(model, training) if training.lora_rank else None  # only the adapters get gradients
 
     def group_grad(name: str, kept: bool = False) -> Any:
         """Gradient bytes of a parameter group on one GPU; `kept`: what a ZeRO-2/3 run keeps of the
         .grad tensors (its shard: they are reduce-scattered as they are made)."""
         if (name, kept) not in grad_cache:
-            if name == head.name:
+            if lora is not None:
+                n = sizes.group(lora[name]) * ADAPTER_BYTES if name in lora else 0
+            elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
             else:
                 n = sizes.group(groups[name]) * training.grad_bytes if name in groups else 0
@@ -156,6 +160,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     def new_grad(name: str) -> Any:
         """A group's gradient as autograd makes it, in the weights' dtype (before a hook or
         AccumulateGrad puts it into the buffer or the .grad)."""
+        if lora is not None:  # fp32 adapters: made in their own dtype
+            return group_grad(name)
         return group_grad(name) * training.weight_bytes // training.grad_bytes
 
     buffer = inventory.grad_lifetime == "buffer"
@@ -398,7 +404,8 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     shard = 1 + (state_shard(plan) - 1) * (plan.zero >= 1)
     impl = optimizer_impl(training, inventory)
     experts = stage_mem.expert_params
-    temp = optimizers.temporaries(training, impl, stage_mem.params, stage_mem.tensors, shard)
+    trained = stage_mem.params if stage_mem.trained_params is None else stage_mem.trained_params
+    temp = optimizers.temporaries(training, impl, trained, stage_mem.tensors, shard)
     if training.optimizer in ("adamw", "sgd", "sgd-nomomentum"):  # one temporary per stepped parameter: the routed
         # experts step their expert-data-parallel shard (the same as the others' when ep = 1 and etp = t)
         e_shard = 1 + (expert_shard(plan) - 1) * (plan.zero >= 1)

@@ -19,6 +19,7 @@ from memplan.inventory.fp8 import notes as fp8_notes
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
+from memplan.memory.adapters import notes as lora_notes
 from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
@@ -317,6 +318,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
+    notes += lora_notes(tr)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])

@@ -240,6 +240,17 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
         optimizer = Step("states", label, "parameters x master bytes + the optimizer's states by tensor shape",
                          f"{params:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
                          "B", f"memplan/memory/optimizers.py ({tr.optimizer}); {prec}")
+    if tr.lora_rank:  # peft LoRA: the base frozen, only the fp32 adapters trained (memplan/memory/adapters.py)
+        n, src = int(peak.trained_params), "memplan/memory/adapters.py (peft LoRA)"
+        base = "frozen parameters in NF4 (layer linears) and bf16 (the rest)" if tr.qlora else \
+            f"{params:,} frozen parameters x {tr.weight_bytes} B"
+        return steps + [
+            Step("states", "weights", "frozen base + adapters x 4 B (fp32)",
+                 f"{base} + {n:,} x 4 B{sharded(3)}", int(peak.weights), "B", src),
+            Step("states", "gradients", "adapters x 4 B (fp32; the base has none)", f"{n:,} x 4 B{sharded(2)}",
+                 int(peak.gradients), "B", src),
+            Step("states", label, "adapters x moments x 4 B (fp32, no master copy)",
+                 f"{n:,} x {tr.optimizer_moments} x 4 B{sharded(1)}", int(peak.optimizer), "B", src)]
     steps += [
         Step("states", "weights", "parameters x weight bytes",
              f"{params:,} x {tr.weight_bytes} B{sharded(3)}{gathered}", int(peak.weights), "B", prec),

@@ -1,0 +1,131 @@
+"""peft LoRA adapters (and QLoRA's 4-bit base) on transformers' Llama layout: what the adapters save for the
+backward, what the frozen base layers no longer save, and the adapters' shapes (memplan/memory/adapters.py
+turns them into weights, gradients and optimizer states).
+
+Read from peft 0.21.2 (tuners/lora/layer.py Linear.forward) and measured on CPU per layer
+(validation/hf.py with a peft-wrapped model; tests/test_lora.py):
+
+- get_peft_model freezes every base parameter and, with autocast_adapter_dtype=True (its default), keeps
+  the adapters of a bf16 model in fp32; the forward casts x to the adapters' dtype, so each target linear
+  makes its own fp32 copy of its input: lora_A saves it (or, with --lora-dropout > 0, the dropout output;
+  the dropout keeps its mask: in fp32 on CPU, torch's bernoulli_ path, a 1-byte bool on CUDA,
+  native_dropout), lora_B saves A's output (r wide, fp32); the scaling multiply saves nothing;
+- a frozen linear needs no saved input (its weight gets no gradient): the inputs of q/k/v_proj, gate/up_proj,
+  down_proj, o_proj (eager; sdpa keeps its output anyway) and lm_head are no longer saved, nor the bf16
+  normalised tensors the RMSNorm weights' gradients need (weight * normed); what the input gradients need
+  (the fp32 norm input and rstd, K, Q, V, the softmax, the SwiGLU factors) stays;
+- one difference is left, on the safe side: with the embedding frozen, the first layer's input needs no gradient,
+  so its input_layernorm saves nothing (4 s b h + 4 s b bytes once, measured: tests/test_lora.py), unless gradient
+  checkpointing's enable_input_require_grads (peft, transformers) makes the embedding output require grad.
+
+QLoRA (bitsandbytes 0.50.2 Linear4bit, autograd/_functions.py MatMul4Bit): the forward runs the gemm_4bit op on
+the packed weight; the backward dequantises the weight (dequantize_4bit, in the compute dtype) for the input
+gradient, so the transient copy of the layer's largest linear weight is added to the layer's backward moments.
+Derived from bitsandbytes' code, not measured (the NF4 storage itself is measured: memplan/memory/adapters.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.inventory.types import FC1_W, FC2_W, PROJ_W, QKV_W, Dtype, Inventory, Moment, Term, saved, transient
+
+LORA_INFO = ("--lora R [--lora-targets, --lora-dropout, --qlora] (--impl hf-*, Llama layout): peft LoRA, the base "
+             "frozen, fp32 adapters with their gradients and AdamW states; what peft's LoRA layers save and what the "
+             "frozen layers no longer save measured per layer on CPU with peft 0.21.2 (validation/hf.py, "
+             "tests/test_lora.py); --qlora's NF4 weights (bitsandbytes, double quantisation) measured with "
+             "bitsandbytes 0.50.2 on CPU, its dequantised weights in the backward derived from its code, not measured")
+
+
+PEFT = "peft 0.21.2 lora.Linear.forward, measured (validation/hf.py, tests/test_lora.py)"
+
+
+# name: (input width, output width, parameter group), transformers' Llama-layout linears
+LINEARS: dict[str, tuple[str, str, str]] = {
+    "q_proj": ("h", "q", QKV_W), "k_proj": ("h", "q g /a", QKV_W), "v_proj": ("h", "q g /a", QKV_W),
+    "o_proj": ("q", "h", PROJ_W), "gate_proj": ("h", "f", FC1_W), "up_proj": ("h", "f", FC1_W),
+    "down_proj": ("f", "h", FC2_W),
+}
+
+
+# peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (utils/constants.py) for the Llama layout
+# (llama, mistral, mixtral, qwen2, gemma, ...: all ["q_proj", "v_proj"])
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+ALL_LINEAR = tuple(LINEARS)
+
+
+# saved tensors only a frozen weight's gradient needed (transformers' Llama layout; memplan/inventory/hf.py ids)
+# (the embedding's token ids too: a frozen embedding has no backward)
+FROZEN_NOT_SAVED = ("qkv_input", "mlp_input", "fc2_input", "ln1_normed", "ln2_normed", "final_norm_normed",
+                    "head_input", "token_ids")
+
+
+def targets_of(names: Optional[tuple[str, ...]]) -> tuple[str, ...]:
+    """The target linears: peft's default for the family (None), `all-linear`, or named ones."""
+    if not names:
+        return DEFAULT_TARGETS
+    if tuple(names) == ("all-linear",):
+        return ALL_LINEAR
+    unknown = [n for n in names if n not in LINEARS]
+    if unknown:
+        raise MemplanError(f"unknown --lora-targets {', '.join(unknown)}; known: all-linear, {', '.join(LINEARS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def check_lora(model: ModelSpec, impl: str) -> None:
+    """LoRA is modelled for the hand-written transformers Llama inventory."""
+    if impl not in ("hf-eager", "hf-sdpa") or model.inventory is not None or model.is_moe or model.is_mla:
+        raise MemplanError("--lora / --qlora are modelled for --impl hf-sdpa / hf-eager with the Llama layout "
+                           "(transformers' own code, not a traced inventory)")
+    if not (model.norm == "rmsnorm" and model.mlp == "swiglu"):
+        raise MemplanError("--lora / --qlora are modelled for the Llama layout (RMSNorm, SwiGLU)")
+
+
+def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: bool, device: str,
+               sdpa: bool) -> list[Term]:
+    """The inventory's terms with the frozen layers' weight-gradient inputs gone and each target's adapter tensors."""
+    gone = FROZEN_NOT_SAVED + (() if sdpa else ("attn_out",))
+    out = [t for t in terms if t.id not in gone]
+    mask: Dtype = "mask" if device == "cuda" else "fp32"
+    for name in targets:
+        n_in = LINEARS[name][0]
+        if dropout:
+            out.append(saved(f"lora_{name}_mask", f"{name} LoRA dropout mask", "LoRA", f"s b {n_in}", mask,
+                             k22=False, src=PEFT))
+        what = "dropout output" if dropout else "input cast to fp32"
+        out.append(saved(f"lora_{name}_input", f"{name} LoRA A input ({what})", "LoRA", f"s b {n_in}", "fp32",
+                         k22=False, src=PEFT))
+        out.append(saved(f"lora_{name}_a_out", f"{name} LoRA A output (B's input, fp32)", "LoRA", f"s b {rank}", "fp32",
+                         k22=False, src=PEFT))
+    return out
+
+
+QLORA = "derived from bitsandbytes 0.50.2 autograd/_functions.py MatMul4Bit.backward (dequantize_4bit), not measured"
+
+
+def qlora_moments(moments: list[Moment]) -> list[Moment]:
+    """Each layer backward moment with the dequantised weight its GEMM is using (the MLP's in the MLP's moments,
+    the attention's in attention's)."""
+    out = []
+    for m in moments:
+        if m.scope == "layer" and m.phase == "backward":
+            w = "h f" if m.id in ("fc2_backward", "mlp_backward") else "q h"
+            m = dataclasses.replace(m, transients=m.transients + (
+                transient("qlora_dequantized_weight", "a 4-bit weight dequantised for the backward GEMM", w, src=QLORA),))
+        out.append(m)
+    return out
+
+
+def apply(inv: Inventory, model: ModelSpec, impl: str, device: str, training) -> Inventory:
+    """`inv` (transformers' Llama inventory) under peft LoRA with `training`'s rank, targets and dropout."""
+    check_lora(model, impl)
+    targets = targets_of(training.lora_targets)
+    terms = lora_terms(list(inv.terms), training.lora_rank, targets, training.lora_dropout > 0, device,
+                       impl == "hf-sdpa")
+    moments = qlora_moments(list(inv.moments)) if training.qlora else list(inv.moments)
+    tag = f"lora-r{training.lora_rank}" + ("-qlora" if training.qlora else "")
+    return dataclasses.replace(inv, name=f"{inv.name}/{tag}", terms=tuple(terms), moments=tuple(moments))

@@ -1,0 +1,83 @@
+"""Weights, gradients and optimizer states of a LoRA / QLoRA run (peft): the base model frozen (its weights only,
+in bf16, or with --qlora its layer linears in bitsandbytes NF4), the adapters trained in fp32 with their own
+gradients and optimizer states (memplan/inventory/lora.py has the saved tensors and the target table).
+
+The adapters: r x n_in (lora_A) + n_out x r (lora_B) per target linear and layer, fp32 (peft's
+get_peft_model, autocast_adapter_dtype=True, upcasts bf16 adapters), so fp32 gradients, no master copy and
+fp32 optimizer moments (torch AdamW keeps its states in the parameter's dtype).
+
+NF4 storage per frozen linear of n weights, read from bitsandbytes' functional.quantize_4bit with
+bnb_4bit_use_double_quant (compress_statistics=True), blocksize 64, and measured on CPU with bitsandbytes 0.50.2
+(tests/test_lora.py sums every tensor of the QuantState): the packed codes ceil(n/2) uint8; the per-64 absmax
+quantised to uint8 (ceil(n/64) bytes) in blocks of 256 with one fp32 absmax each (4 ceil(ceil(n/64)/256)
+bytes); per tensor the 16-value NF4 code (fp32, 64 B), the fp32 offset (4 B) and the 256-value dynamic map of
+the double quantisation (fp32, 1,024 B; copied to the weight's device for each tensor). 0.516 B per weight
+against bf16's 2. transformers keeps lm_head, the embedding and the norms unquantised (bf16)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
+from memplan.core.training import TrainingSpec
+from memplan.inventory.lora import LINEARS, targets_of
+from memplan.memory.states import ParamGroup, StateBytes, shard_bytes
+
+ADAPTER_BYTES = 4  # fp32 adapters, gradients and optimizer moments
+
+NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256  # bitsandbytes blocksize (4-bit) and double-quant blocksize
+NF4_TENSOR_EXTRA = 16 * 4 + 4 + 256 * 4  # per tensor: the NF4 code, the offset, the double quantisation's map
+
+
+def nf4_bytes(n: Any) -> Any:
+    """Bytes of one weight tensor of n elements in bitsandbytes NF4 with double quantisation (module docstring)."""
+    blocks = -(-n // NF4_BLOCK)
+    return -(-n // 2) + blocks + 4 * (-(-blocks // NF4_ABSMAX_BLOCK)) + NF4_TENSOR_EXTRA
+
+
+def adapter_groups(model: ModelSpec, training: TrainingSpec) -> dict[str, ParamGroup]:
+    """The adapters of one layer by the base parameter group they sit on (their gradients appear with it)."""
+    r = training.lora_rank
+    counts: dict[str, Poly] = {}
+    for name in targets_of(training.lora_targets):
+        n_in, n_out, group = LINEARS[name]
+        poly = Poly.parse_sum(f"{r} {n_in} + {r} {n_out}")
+        counts[group] = counts[group] + poly if group in counts else poly
+    return {g: ParamGroup(g, c, False, "layer") for g, c in counts.items()}
+
+
+def frozen_linear_shapes(model: ModelSpec) -> list[tuple[str, str]]:
+    """(rows, cols) of each layer linear bitsandbytes quantises (the Llama layout)."""
+    return [(n_out, n_in) for n_in, n_out, _ in LINEARS.values()]
+
+
+def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: Any, layers: Any, d: Any,
+                zero: Any) -> tuple[StateBytes, Any]:
+    """(StateBytes, adapter parameters) of one GPU holding `params` base parameters and `layers` layers."""
+    per_layer = sum((g.count.evaluate(values) for g in adapter_groups(model, training).values()), 0)
+    adapters = per_layer * layers
+    base = params * training.weight_bytes
+    if training.qlora:
+        for rows, cols in frozen_linear_shapes(model):
+            n = Poly.parse(rows).evaluate(values) * Poly.parse(cols).evaluate(values)
+            base = base + layers * (nf4_bytes(n) - n * training.weight_bytes)
+    weights = shard_bytes(base, d, zero >= 3) + shard_bytes(adapters * ADAPTER_BYTES, d, zero >= 3)
+    gradients = shard_bytes(adapters * ADAPTER_BYTES, d, zero >= 2)
+    optimizer = shard_bytes(adapters * training.optimizer_moments * ADAPTER_BYTES, d, zero >= 1)
+    return StateBytes(weights, gradients, optimizer), adapters
+
+
+def notes(training: TrainingSpec) -> list[str]:
+    """What a LoRA / QLoRA estimate measured and what it derived."""
+    if not training.lora_rank:
+        return []
+    targets = ", ".join(targets_of(training.lora_targets))
+    out = [f"LoRA r = {training.lora_rank} on {targets} (peft 0.21.2): the base frozen (weights only), fp32 adapters "
+           f"with fp32 gradients and optimizer states; the tensors peft's LoRA layers save and those the frozen layers "
+           f"no longer save measured per layer on CPU (validation/hf.py); the adapters' backward transients not counted"]
+    if training.qlora:
+        out.append("QLoRA: the layer linears in bitsandbytes NF4 with double quantisation (0.516 B per weight; measured "
+                   "with bitsandbytes 0.50.2 on CPU); the dequantised weight in each layer's backward derived from "
+                   "bitsandbytes' code, not measured")
+    return out
