@@ -56,19 +56,24 @@ def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, 
     return result
 
 
+def _plans(n: int) -> str:
+    return f"{n} plan" + ("" if n == 1 else "s")
+
+
 def _note(verdicts: dict[int, Optional[bool]], kept: list, allocator: str, alloc_conf: Optional[str]) -> str:
     replayed = [v for v in verdicts.values() if v is not None]
     died = replayed.count(False)
-    shown_unreplayed = sum(verdicts[row.plan] is None for row in kept)
-    what = (f"{len(replayed)} plan(s) replayed through PyTorch's caching allocator "
-            f"({allocator_label(allocator, alloc_conf)}; derived, not measured)")
-    if died:
-        what += f": {died} died in the replay and are left out, the next plans that fit taking their place"
-    elif replayed:
-        what += ": each completes"
-    if shown_unreplayed:
-        what += (f"; {shown_unreplayed} listed plan(s) (interleaved stages, cp, ZeRO-3, offload) have no allocation "
-                 "stream yet and are not replayed")
+    unreplayed = sum(verdicts[row.plan] is None for row in kept)
+    how = f"PyTorch's caching allocator ({allocator_label(allocator, alloc_conf)}; derived, not measured)"
+    why = "interleaved stages, cp, ZeRO-3 and offload have no allocation stream yet"
+    if not replayed:
+        what = f"no listed plan replayed through {how}: {why}"
+    else:
+        what = f"{_plans(len(replayed))} replayed through {how}"
+        what += (f": {died} died in the replay and are left out, the next plans that fit taking their place" if died
+                 else ": each completes")
+        if unreplayed:
+            what += f"; {_plans(unreplayed)} listed not replayed ({why})"
     return what + "; the count of plans that fit is the bound allocated peak + margin + runtime, not replayed"
 
 
