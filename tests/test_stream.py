@@ -6,13 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memplan.api.estimating import estimate as api_estimate
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import allocation_stream
-from memplan.memory.stream import KINDS, Alloc, Free
+from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
+from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
 from memplan.presets.catalog import load_model
@@ -169,6 +171,15 @@ def test_workspace_and_refusals():
     assert len(ws) == 1 and ws[0].size == 1 << 20 and ws[0].bytes == 0
     with pytest.raises(MemplanError):
         allocation_stream(tiny(offload_activations=True), device="cpu")
+
+
+def test_lora_plans_are_not_replayed():
+    # the stream allocates every parameter's gradient and optimizer state; a LoRA run trains only its adapters
+    # (memplan/memory/adapters.py), so the stream refuses it and estimate keeps the flat margin (the estimate of
+    # llama3-8b r = 16 once replayed 17 GB of "fragmentation": the frozen base's gradients the run never makes)
+    lora = api_estimate("llama3-8b", impl="hf-sdpa", gpus=1, lora=16, seq_len=1024, precision="bf16-true")
+    assert not lora.estimate.device.replayed and "LoRA" in not_streamed(lora.config.training,
+                                                                       PlanValues.from_config(lora.config))
 
 
 @st.composite

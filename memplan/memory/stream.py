@@ -104,7 +104,8 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
                                  ("optimizer offload", training.offload_optimizer_fraction),
                                  ("the optimizer step in the backward", training.optimizer_in_backward),
                                  ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1),
-                                 ("ZeRO-3", plan.zero >= 3)) if on]
+                                 ("ZeRO-3", plan.zero >= 3),
+                                 ("LoRA adapters", training.lora_rank)) if on]
     return ", ".join(why)
 
 
@@ -115,7 +116,7 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
     why = not_streamed(training, plan)
     if why or steps < 1:
         raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
-                           f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
+                           f"no optimizer step in the backward, no LoRA, at least one step: {why or f'{steps} steps'}")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)

@@ -214,13 +214,17 @@ def estimate(
     perf = None
     if gpu is not None:
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
+    notes = _notes(config, peak, terms, values, inventory)
+    if budget_bytes is not None and not paper_only and (why := not_streamed(config.training, plan)):
+        notes.append(f"not replayed through the caching allocator: its allocation stream does not model {why} "
+                     "yet, so the verdict takes the flat fragmentation margin alone")
     return Estimate(
         config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
         most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
         rows=rows, total_params=total_params(config.model), active_params=active_params(config.model),
         budget_bytes=budget_bytes, gpu=gpu, perf=perf,
-        notes=_notes(config, peak, terms, values, inventory),
+        notes=notes,
         hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
                for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
         host_budget_bytes=host_budget_bytes, reserved=reserved,

@@ -7,7 +7,7 @@ not replayed, and the search says so."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from memplan.core.errors import MemplanError
 from memplan.memory.reserved import allocator_label
@@ -23,11 +23,11 @@ from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
 EXTRA_REPLAYS = 20
 
 
-def _survives(result: SearchResult, plan: int, allocator: str, alloc_conf: Optional[str]) -> Optional[bool]:
-    """Whether plan's run completes in the replay; None when the plan has no allocation stream (not replayed)."""
+def _survives(result: SearchResult, plan: int, allocator: str, alloc_conf: Optional[str]) -> Union[bool, str]:
+    """Whether plan's run completes in the replay; what the stream does not model when the plan is not replayed."""
     config = result.config(plan)
-    if not_streamed(config.training, PlanValues.from_config(config)):
-        return None
+    if why := not_streamed(config.training, PlanValues.from_config(config)):
+        return why
     return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, allocator,
                         alloc_conf) <= result.budget_bytes
 
@@ -37,7 +37,7 @@ def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, 
     """Arrange the search's listing (`arrange`) and replay its plans; a plan whose run dies is left out and the next
     rows of the listing's order are replayed in its place (at most `EXTRA_REPLAYS` more), so the listing keeps `top`
     rows where that many survive. Says what was replayed."""
-    verdicts: dict[int, Optional[bool]] = {}
+    verdicts: dict[int, Union[bool, str]] = {}
     want = top
     while True:
         arrange(result, sort, fold, want)
@@ -60,12 +60,13 @@ def _plans(n: int) -> str:
     return f"{n} plan" + ("" if n == 1 else "s")
 
 
-def _note(verdicts: dict[int, Optional[bool]], kept: list, allocator: str, alloc_conf: Optional[str]) -> str:
-    replayed = [v for v in verdicts.values() if v is not None]
+def _note(verdicts: dict[int, Union[bool, str]], kept: list, allocator: str, alloc_conf: Optional[str]) -> str:
+    replayed = [v for v in verdicts.values() if isinstance(v, bool)]
     died = replayed.count(False)
-    unreplayed = sum(verdicts[row.plan] is None for row in kept)
+    skipped = [verdicts[row.plan] for row in kept if isinstance(verdicts[row.plan], str)]
+    unreplayed = len(skipped)
     how = f"PyTorch's caching allocator ({allocator_label(allocator, alloc_conf)}; derived, not measured)"
-    why = "interleaved stages, cp, ZeRO-3 and offload have no allocation stream yet"
+    why = f"the allocation stream does not model {', '.join(dict.fromkeys(skipped))} yet"
     if not replayed:
         what = f"no listed plan replayed through {how}: {why}"
     else:
