@@ -12,7 +12,7 @@ from memplan.api.options import PlanOptions
 from memplan.api.values import check_emit
 from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
-from memplan.launch.megatron import megatron_launch
+from memplan.launch.megatron import launch_refusal, megatron_launch
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.arrange import arrange
@@ -107,9 +107,14 @@ class PreparedSearch:
             results, skipped = search_presets(requests, opts.gpus, max_seq=self.max_seq, progress=progress, **kw)
         results = [replay_listing(arrange(r, self.sort, not self.all_variants, self.top), opts.allocator,
                                   opts.alloc_conf) for r in results]
-        launch = {}
+        launch: dict[str, Any] = {}
         if self.emit == "megatron":
-            launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
+            for r in results:  # a model no Megatron-LM arguments build gets a note instead of a launch
+                refusal = launch_refusal(r.model)
+                if refusal:
+                    r.notes.append(refusal)
+                elif r.top:
+                    launch[r.model.name] = megatron_launch(r.config(r.top[0]))
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
             p, gpu_note, asked_s = by_name[r.model.name]
@@ -142,6 +147,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     one = opts.preset()
     presets = [one] if one is not None else [load_model(name) for name in model_names()]
     presets = [opts.routed(p, one is not None) for p in presets]
+    if emit and one is not None and launch_refusal(presets[0].model):
+        raise MemplanError(launch_refusal(presets[0].model))
     return PreparedSearch(opts, fixed, presets, one is not None, top=top, sort=sort, all_variants=all_variants,
                           max_tp=max_tp, max_seq=max_seq, emit=emit)
 
