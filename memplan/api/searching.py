@@ -14,6 +14,7 @@ from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
 from memplan.launch.megatron import launch_refusal, megatron_launch
 from memplan.memory.optimizers import notes as optimizer_notes
+from memplan.memory.reserved import launch_alloc_conf
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.arrange import arrange
 from memplan.plan.verdict import replay_listing
@@ -114,7 +115,8 @@ class PreparedSearch:
                 if refusal:
                     r.notes.append(refusal)
                 elif r.top:
-                    launch[r.model.name] = megatron_launch(r.config(r.top[0]))
+                    launch[r.model.name] = megatron_launch(r.config(r.top[0]),
+                                                           launch_alloc_conf(opts.allocator, opts.alloc_conf))
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
             p, gpu_note, asked_s = by_name[r.model.name]

@@ -206,3 +206,18 @@ def check_plots(paths: dict[str, Optional[str]]) -> None:
         from memplan.report.plots import check_plot_paths
 
         check_plot_paths(paths)
+
+
+def emit_options(what: str) -> Callable[[Callable], Callable]:
+    """--emit and --emit-only, shared by estimate (what: "the plan") and search ("the best plan")."""
+    options = [
+        click.option("--emit", type=click.Choice(["megatron"]),
+                     help=f"Also print {what} as Megatron-LM arguments and the environment they need (with "
+                          "PYTORCH_CUDA_ALLOC_CONF when the plan fits only with the allocator settings it was replayed "
+                          "with, e.g. expandable segments; with --json: inside the document, as launch)."),
+        click.option("--emit-only", is_flag=True,
+                     help="With --emit: print only the launch block (export/unset lines, then the arguments one per "
+                          "line with \\ continuations, to paste after `torchrun ... pretrain_gpt.py`); notes go to "
+                          "stderr."),
+    ]
+    return lambda func: functools.reduce(lambda f, opt: opt(f), reversed(options), func)

@@ -34,6 +34,7 @@ _PRECISION_FLAGS = {"bf16-mixed": ["--bf16"], "16-mixed": ["--fp16"], "32-true":
 _ATTENTION_BACKEND = {"eager": "unfused", "flash": "flash"}
 
 CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class Launch:
         return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
 
 
-def megatron_launch(config: Config) -> Launch:
-    """The plan as Megatron-LM arguments, environment and notes."""
+def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes; `alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the plan
+    fits with (memplan/memory/reserved.py launch_alloc_conf; "" for the default allocator), exported."""
     m, par, tr = config.model, config.parallel, config.training
     refusal = launch_refusal(m)
     if refusal:
@@ -140,7 +142,12 @@ def megatron_launch(config: Config) -> Launch:
     if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
                      f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")
-    return Launch(args, _environment(config, notes), notes)
+    env = _environment(config, notes)
+    if alloc_conf:
+        env[ALLOC_CONF] = alloc_conf
+        notes.append(f"{ALLOC_CONF}={alloc_conf}: the caching allocator's settings the plan fits with (memplan's "
+                     "replay of the run through PyTorch's caching allocator; derived, not measured)")
+    return Launch(args, env, notes)
 
 
 def launch_refusal(model: ModelSpec) -> Optional[str]:
