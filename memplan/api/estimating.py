@@ -11,7 +11,8 @@ from memplan.api.options import PlanOptions
 from memplan.core.errors import MemplanError
 from memplan.api.values import check_emit
 from memplan.core.specs import Config
-from memplan.launch.megatron import Launch, launch_refusal, megatron_launch
+from memplan.launch.bridge import launch_for
+from memplan.launch.megatron import Launch, launch_refusal
 from memplan.memory.reserved import launch_alloc_conf
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
@@ -72,7 +73,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     """Memory per GPU of one plan (`memplan estimate`): keyword arguments as PlanOptions (tp=8, seq_len=4096,
     gpu="h100-80gb", mem="80GB", ...); paper_only counts only K22's terms; max_seq / max_micro_batch also find
     the longest sequence / largest micro-batch the plan fits with; require_fit refuses a plan with no budget;
-    emit="megatron": the plan's Megatron-LM launch (EstimateResult.launch), with PYTORCH_CUDA_ALLOC_CONF exported
+    emit="megatron" / "bridge": the plan's Megatron-LM launch / Megatron-Bridge overrides (EstimateResult.launch), with PYTORCH_CUDA_ALLOC_CONF exported
     when the plan needs it (planned with it, or it dies with the default allocator and fits with expandable
     segments)."""
     opts = PlanOptions(model=model, **options)
@@ -103,7 +104,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     launch = None
     if emit:
         expandable_fits = result.reserved.expandable_fits if result.reserved is not None else None
-        launch = megatron_launch(config, launch_alloc_conf(opts.allocator, opts.alloc_conf, expandable_fits))
+        launch = launch_for(config, emit, launch_alloc_conf(opts.allocator, opts.alloc_conf, expandable_fits))
     return EstimateResult(result, config, preset, limits, launch)
 
 

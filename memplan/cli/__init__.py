@@ -102,7 +102,8 @@ def estimate(**opts: Any) -> None:
 
         draw_techniques(result.config, plot_techniques)
     if result.launch and fmt in ("table", "markdown") and not emit_only:
-        _echo_script(result.launch.script(f"{result.config.model.name}: the plan as Megatron-LM arguments"), fmt)
+        _echo_script(result.launch.script(f"{result.config.model.name}: the plan as {result.launch.what}"),
+                     fmt)
     if opts["require_fit"] and not result.fits:
         sys.exit(1)
 
@@ -182,7 +183,7 @@ def search(**opts: Any) -> None:
         plot_search(results[0], plot)
     if launch and fmt in ("table", "markdown") and not emit_only:
         for name, plan in launch.items():
-            _echo_script(plan.script(f"{name}: best plan as Megatron-LM arguments"), fmt)
+            _echo_script(plan.script(f"{name}: best plan as {plan.what}"), fmt)
     if require_fit and not found.fits:
         sys.exit(1)
 

@@ -45,10 +45,16 @@ class Launch:
     args: list[str]
     env: dict[str, Optional[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge overrides (launch/bridge.py)
 
     def as_dict(self) -> dict:
-        """The JSON form: `megatron` (the arguments, as before), `env` and `notes` beside them."""
-        return {"megatron": list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+        """The JSON form: `megatron` (the arguments, as before) or `bridge` (the overrides), `env` and `notes`."""
+        return {self.kind: list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+
+    @property
+    def what(self) -> str:
+        """What the block is, for the `# title` line of the report."""
+        return "Megatron-Bridge recipe overrides" if self.kind == "bridge" else "Megatron-LM arguments"
 
     def env_lines(self) -> list[str]:
         return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
