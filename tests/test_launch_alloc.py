@@ -68,7 +68,8 @@ def test_cli_estimate_bad_emit(run_cli, extra, fragment):
 
 
 def test_search_exports_the_allocator_it_was_planned_with(run_cli):
-    base = ("search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--emit", "megatron", "--json")
+    base = ("search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--tp", "2", "--pp", "1", "--zero",
+            "1", "--top", "1", "--emit", "megatron", "--json")
     code, out, _ = run_cli(*base, "--allocator", "expandable")
     assert json.loads(out)["launch"]["env"][ALLOC_CONF] == "expandable_segments:True"
     code, out, _ = run_cli(*base)
