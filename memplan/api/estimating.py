@@ -73,9 +73,9 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     """Memory per GPU of one plan (`memplan estimate`): keyword arguments as PlanOptions (tp=8, seq_len=4096,
     gpu="h100-80gb", mem="80GB", ...); paper_only counts only K22's terms; max_seq / max_micro_batch also find
     the longest sequence / largest micro-batch the plan fits with; require_fit refuses a plan with no budget;
-    emit="megatron" / "bridge": the plan's Megatron-LM launch / Megatron-Bridge overrides (EstimateResult.launch), with PYTORCH_CUDA_ALLOC_CONF exported
-    when the plan needs it (planned with it, or it dies with the default allocator and fits with expandable
-    segments)."""
+    emit="megatron" / "bridge": the plan's Megatron-LM launch / Megatron-Bridge overrides (EstimateResult.launch),
+    with PYTORCH_CUDA_ALLOC_CONF exported when the plan needs it (planned with it, or it dies with the default
+    allocator and fits with expandable segments)."""
     opts = PlanOptions(model=model, **options)
     check_emit(emit, opts.mst, opts.impl)
     preset, config = opts.config()

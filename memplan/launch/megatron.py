@@ -45,7 +45,7 @@ class Launch:
     args: list[str]
     env: dict[str, Optional[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge overrides (launch/bridge.py)
+    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge's (launch/bridge.py)
 
     def as_dict(self) -> dict:
         """The JSON form: `megatron` (the arguments, as before) or `bridge` (the overrides), `env` and `notes`."""
@@ -161,8 +161,8 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     is gated_linear_unit with F.silu, --quick-geglu x * sigmoid(1.702 x) (arguments.py core_args_from_args at
     core_v0.16.1 and main), and no flag gives the GeLU gate of Gemma (gelu_pytorch_tanh)."""
     if model.mlp == "swiglu" and model.gate_activation == "gelu":
-        return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu is "
-                "SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
+        return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
+                "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
     return None
 
 
