@@ -119,7 +119,22 @@ MEGATRON_FLAGS = {
     "--moe-z-loss-coeff": float,
     "--moe-router-dtype": ("fp32", "fp64"),
     "--moe-router-pre-softmax": None,
+    # the model's own settings (memplan/launch/megatron.py _architecture), read at core_v0.16.1 and main d98e8a6:
+    # arguments.py _add_network_size_args: --rotary-base type=int, --window-size type=tuple_type ("a,b" -> (a, b)),
+    # --window-attn-skip-freq type=moe_freq_type (an int N: N - 1 sliding layers, then one full); TransformerConfig
+    # layernorm_epsilon (arg_names ["--norm-epsilon"], a float) and add_qkv_bias (a bool defaulting to False:
+    # store_true, megatron/training/argument_utils.py) through ArgumentGroupFactory
+    "--rotary-base": int,
+    "--norm-epsilon": float,
+    "--add-qkv-bias": None,
+    "--window-size": "int_tuple",
+    "--window-attn-skip-freq": int,
 }
+
+
+def int_tuple(value):
+    """A --window-size value as arguments.py tuple_type reads it: integers separated by commas."""
+    return tuple(int(i) for i in value.strip("()").split(","))
 
 
 def moe_freq(value):
@@ -162,6 +177,8 @@ GRID = [
     config(LLAMA, dp=16, zero=3, zero_shard=4, precision="bf16-true", attention="eager"),
     config(dict(GPT, hidden_size=2560), head_dim=128, tp=2),  # heads not h/a wide: --kv-channels
     config(dp=8, zero=1, offload_optimizer_fraction=0.5),  # optimizer offload
+    config(dict(LLAMA, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6, sliding_window=4096, sliding_window_pattern=6),
+           dp=2),  # the model's own settings: QKV bias, RoPE base, norm epsilon, sliding windows
     config(tp=2, sp=True, offload_activations=True),  # activation offload: layer offloading, p = 1
     # (the FP8 plans stay last: test_fp8_flags_and_chunked_loss_note takes them by position)
     config(pp=4, dp=2, first_stage_layers=5, last_stage_layers=5, global_batch=16),  # uneven stages
@@ -198,6 +215,8 @@ def test_every_flag_is_megatron_lm_s_own(cfg):
             assert value is None, f"{flag} is a switch, given {value!r}"
         elif kind == "moe_freq":
             moe_freq(value)
+        elif kind == "int_tuple":
+            assert len(int_tuple(value)) == 2, value  # TransformerConfig.window_size: (left, right)
         elif isinstance(kind, tuple):
             assert value in kind, f"{flag} {value}: not one of {kind}"
         else:
@@ -334,7 +353,10 @@ def test_json_stays_one_valid_document(run_cli):
     # every preset: a JSON list, each model with its launch
     code, out, _ = run_cli("search", "--gpus", "64", "--mem", "80GB", "--emit", "megatron", "--json")
     rows = json.loads(out)
-    assert isinstance(rows, list) and all("launch" in r for r in rows if r["plans"])
+    assert isinstance(rows, list) and all("launch" in r for r in rows if r["plans"] and "gemma" not in r["model"])
+    # the GeLU-gated Gemma models: no Megatron-LM argument builds them, a note says so instead of a launch
+    gemma = [r for r in rows if r["model"].startswith("gemma")]
+    assert gemma and all("launch" not in r and any("GeLU-gated" in n for n in r["notes"]) for r in gemma)
 
 
 def test_table_and_markdown_end_with_the_block(run_cli):

@@ -95,7 +95,7 @@ def write(tmp_path, data):
 LLAMA3_8B_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                 "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 8192,
-                "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+                "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
 
 
 def test_hf_config_llama_equals_preset(tmp_path):

@@ -9,7 +9,11 @@ from typing import Any, Optional
 
 from memplan.api.options import PlanOptions
 from memplan.core.errors import MemplanError
+from memplan.api.values import check_emit
 from memplan.core.specs import Config
+from memplan.launch.bridge import launch_for
+from memplan.launch.megatron import Launch, launch_refusal
+from memplan.memory.reserved import launch_alloc_conf
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
 from memplan.plan.limits import cap_of, max_seq_len, need_budget
@@ -27,6 +31,7 @@ class EstimateResult:
     config: Config
     preset: ModelPreset
     limits: dict[str, Optional[int]] = field(default_factory=dict)  # max_seq_len / max_micro_batch, when asked
+    launch: Optional[Launch] = None  # emit="megatron": the plan's Megatron-LM launch
 
     @property
     def fits(self) -> Optional[bool]:
@@ -53,7 +58,8 @@ class EstimateResult:
     def to_dict(self) -> dict[str, Any]:
         """The document `memplan estimate ... --json` prints."""
         capped = [key for key, value in self.limits.items() if cap_of(key, value, self.config) is not None]
-        return {**estimate_dict(self.estimate), **self.limits, **({"limits_at_cap": capped} if capped else {})}
+        return {**estimate_dict(self.estimate), **self.limits, **({"limits_at_cap": capped} if capped else {}),
+                **({"launch": self.launch.as_dict()} if self.launch else {})}
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
@@ -62,12 +68,19 @@ def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
 
 
 def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: bool = False,
-             max_micro_batch: bool = False, require_fit: bool = False, **options: Any) -> EstimateResult:
+             max_micro_batch: bool = False, require_fit: bool = False, emit: Optional[str] = None,
+             **options: Any) -> EstimateResult:
     """Memory per GPU of one plan (`memplan estimate`): keyword arguments as PlanOptions (tp=8, seq_len=4096,
     gpu="h100-80gb", mem="80GB", ...); paper_only counts only K22's terms; max_seq / max_micro_batch also find
-    the longest sequence / largest micro-batch the plan fits with; require_fit refuses a plan with no budget."""
+    the longest sequence / largest micro-batch the plan fits with; require_fit refuses a plan with no budget;
+    emit="megatron" / "bridge": the plan's Megatron-LM launch / Megatron-Bridge overrides (EstimateResult.launch),
+    with PYTORCH_CUDA_ALLOC_CONF exported when the plan needs it (planned with it, or it dies with the default
+    allocator and fits with expandable segments)."""
     opts = PlanOptions(model=model, **options)
+    check_emit(emit, opts.mst, opts.impl)
     preset, config = opts.config()
+    if emit and launch_refusal(config.model):
+        raise MemplanError(launch_refusal(config.model))
     gpu = opts.gpu_spec(preset)
     assumed = None
     if gpu is None and opts.mem is not None:  # a verdict: the device model `search` uses (memplan/api/options.py)
@@ -88,7 +101,11 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
             limits["max_seq_len"] = max_seq_len(config, budget, **_limit_options(opts, gpu))
         if max_micro_batch:
             limits["max_micro_batch"] = largest_micro_batch(config, budget, **_limit_options(opts, gpu))
-    return EstimateResult(result, config, preset, limits)
+    launch = None
+    if emit:
+        expandable_fits = result.reserved.expandable_fits if result.reserved is not None else None
+        launch = launch_for(config, emit, launch_alloc_conf(opts.allocator, opts.alloc_conf, expandable_fits))
+    return EstimateResult(result, config, preset, limits, launch)
 
 
 def max_seq(model: Optional[str] = None, **options: Any) -> Optional[int]:

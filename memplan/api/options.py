@@ -15,6 +15,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import describe_validation_error
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
+from memplan.inventory.traced_file import check_traced_file
+from memplan.inventory.types import HF_IMPLS
 from memplan.presets.batch import batch_note, make_config
 from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
@@ -31,6 +33,7 @@ class PlanOptions:
 
     model: Optional[str] = None
     hf_config: Optional[str] = None
+    inventory: Optional[str] = None  # a traced inventory file (memplan trace --out) for --impl hf-*
     attention: Optional[str] = None
     tp: Optional[int] = None
     pp: Optional[int] = None
@@ -124,9 +127,16 @@ class PlanOptions:
         """The model the options name: model (preset or YAML) or hf_config; None if neither."""
         if self.model and self.hf_config:
             raise MemplanError("give --model or --hf-config, not both")
-        if self.hf_config:
-            return read_hf_config(self.hf_config)
-        return load_model(self.model) if self.model else None
+        preset = read_hf_config(self.hf_config) if self.hf_config else load_model(self.model) if self.model else None
+        if self.inventory is None:
+            return preset
+        if preset is None:
+            raise MemplanError("--inventory is the traced inventory of one model: give --model or --hf-config")
+        if self.impl not in HF_IMPLS:
+            raise MemplanError(f"--inventory is a traced inventory of transformers' code: plan with --impl hf-sdpa or "
+                               f"hf-eager (got --impl {self.impl})")
+        check_traced_file(self.inventory, self.impl, preset.model.num_layers)
+        return dataclasses.replace(preset, model=preset.model.model_copy(update={"inventory": self.inventory}))
 
     def training_settings(self) -> dict[str, Any]:
         """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,

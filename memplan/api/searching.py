@@ -12,8 +12,10 @@ from memplan.api.options import PlanOptions
 from memplan.api.values import check_emit
 from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
-from memplan.launch.megatron import megatron_launch
+from memplan.launch.bridge import launch_for
+from memplan.launch.megatron import launch_refusal
 from memplan.memory.optimizers import notes as optimizer_notes
+from memplan.memory.reserved import launch_alloc_conf
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
@@ -134,9 +136,15 @@ class PreparedSearch:
                 gpu = by_model[r.model.name][3]
                 skipped.append(Skipped(r.model.name, gpu.name if gpu is not None else None, str(err)))
         results = settled
-        launch = {}
-        if self.emit == "megatron":
-            launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
+        launch: dict[str, Any] = {}
+        if self.emit:
+            for r in results:  # a model no Megatron-LM arguments build gets a note instead of a launch
+                refusal = launch_refusal(r.model)
+                if refusal:
+                    r.notes.append(refusal)
+                elif r.top:
+                    launch[r.model.name] = launch_for(r.config(r.top[0]), self.emit,
+                                                      launch_alloc_conf(opts.allocator, opts.alloc_conf))
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
             p, gpu_note, asked_s = by_name[r.model.name]
@@ -169,6 +177,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     one = opts.preset()
     presets = [one] if one is not None else [load_model(name) for name in model_names()]
     presets = [opts.routed(p, one is not None) for p in presets]
+    if emit and one is not None and launch_refusal(presets[0].model):
+        raise MemplanError(launch_refusal(presets[0].model))
     return PreparedSearch(opts, fixed, presets, one is not None, top=top, sort=sort, all_variants=all_variants,
                           max_tp=max_tp, max_seq=max_seq, emit=emit)
 
@@ -180,7 +190,7 @@ def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int 
     """Every plan for `gpus` GPUs that fits the budget (`memplan search`), fastest first (sort="memory": least
     device memory first), ZeRO and recompute variants folded (all_variants=True: not); the plan options
     (memplan.api.options.PlanOptions) pin what they name. Without model / hf_config: every preset, each on its
-    own GPU. max_seq: the longest sequence some plan fits with, and the plans at that length; emit="megatron":
-    the best plan's Megatron-LM launch (SearchResults.launch)."""
+    own GPU. max_seq: the longest sequence some plan fits with, and the plans at that length; emit="megatron" /
+    "bridge": the best plan's Megatron-LM launch / Megatron-Bridge overrides (SearchResults.launch)."""
     return prepare_search(model, gpus=gpus, top=top, sort=sort, all_variants=all_variants, max_tp=max_tp,
                           uneven_stages=uneven_stages, max_seq=max_seq, emit=emit, **options).run(progress)

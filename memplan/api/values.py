@@ -68,9 +68,11 @@ def mst_pieces(value: Union[int, str, None]) -> Union[int, str, None]:
 
 def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> None:
     """Refuse an --emit that cannot give a launch block for this plan, before any work."""
+    if emit not in (None, "megatron", "bridge"):
+        raise MemplanError(f"--emit takes megatron or bridge, not {str(emit)[:40]!r}")
     if emit and mst not in (None, 1):
-        raise MemplanError("--emit megatron cannot express --mst: Megatron-LM has no mini-sequence MLP / LM head "
+        raise MemplanError(f"--emit {emit} cannot express --mst: Megatron-LM has no mini-sequence MLP / LM head "
                            "(MsT is modelled for transformers models, --impl hf-*)")
     if emit and impl != "megatron":
-        raise MemplanError(f"--emit megatron launches Megatron-LM: plan it with --impl megatron (got --impl "
+        raise MemplanError(f"--emit {emit} launches Megatron-LM: plan it with --impl megatron (got --impl "
                            f"{impl}, whose memory differs)")

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import click
 
-from memplan.cli.options import AsciiIntRange, check_plots, output_format, output_options, plan_options, refuse
+from memplan.cli.options import (AsciiIntRange, check_plots, emit_options, output_format, output_options, plan_options,
+                                 refuse)
 
 
 def _console():
@@ -71,6 +72,7 @@ def gpus() -> None:
 @click.option("--max-micro-batch", is_flag=True, help="Also the largest micro-batch this plan fits with.")
 @click.option("--require-fit", is_flag=True,
               help="Exit 1 when the plan does not fit its budget (for scripts; needs --mem or a GPU).")
+@emit_options("the plan")
 def estimate(**opts: Any) -> None:
     """Memory per GPU of one plan: weights, gradients, optimizer, activations term by term, and the
     peak of a training step."""
@@ -79,10 +81,13 @@ def estimate(**opts: Any) -> None:
     from memplan.report.tables import render_estimate, render_limits
 
     fmt = output_format(opts)
-    plot, plot_techniques = opts.pop("plot"), opts.pop("plot_techniques")
+    plot, plot_techniques, emit_only = opts.pop("plot"), opts.pop("plot_techniques"), opts.pop("emit_only")
+    _check_emit(opts.get("emit"), emit_only, fmt)
     check_plots({"--plot": plot, "--plot-techniques": plot_techniques})
     result = run(**opts)
-    if fmt == "table":
+    if emit_only:
+        _print_launch(result.launch)
+    elif fmt == "table":
         console = _console()
         render_estimate(result.estimate, console)
         render_limits(result.limits, result.estimate, console)
@@ -96,6 +101,9 @@ def estimate(**opts: Any) -> None:
         from memplan.report.plots import plot_techniques as draw_techniques
 
         draw_techniques(result.config, plot_techniques)
+    if result.launch and fmt in ("table", "markdown") and not emit_only:
+        _echo_script(result.launch.script(f"{result.config.model.name}: the plan as {result.launch.what}"),
+                     fmt)
     if opts["require_fit"] and not result.fits:
         sys.exit(1)
 
@@ -128,12 +136,7 @@ class _SearchCommand(click.Command):
                    "the middle stages splitting the rest (p need not divide L); --first-stage-layers / "
                    "--last-stage-layers pin a split.")
 @click.option("--require-fit", is_flag=True, help="Exit 1 when no plan fits (for scripts).")
-@click.option("--emit", type=click.Choice(["megatron"]),
-              help="Also print the best plan as Megatron-LM arguments and the environment they need (with --json: "
-                   "inside the document, as launch).")
-@click.option("--emit-only", is_flag=True,
-              help="With --emit: print only the launch block (export/unset lines, then the arguments one per line "
-                   "with \\ continuations, to paste after `torchrun ... pretrain_gpt.py`); notes go to stderr.")
+@emit_options("the best plan")
 @click.option("--max-seq", is_flag=True,
               help="Find the longest sequence length (a multiple of 128) some plan fits with, and rank the plans "
                    "that fit at that length.")
@@ -180,8 +183,7 @@ def search(**opts: Any) -> None:
         plot_search(results[0], plot)
     if launch and fmt in ("table", "markdown") and not emit_only:
         for name, plan in launch.items():
-            script = plan.script(f"{name}: best plan as Megatron-LM arguments")
-            click.echo(f"```bash\n{script}\n```" if fmt == "markdown" else script)
+            _echo_script(plan.script(f"{name}: best plan as {plan.what}"), fmt)
     if require_fit and not found.fits:
         sys.exit(1)
 
@@ -204,9 +206,19 @@ def _emit_only(launch: dict[str, Any]) -> None:
         click.echo("memplan: no plan fits: nothing to launch", err=True)
         sys.exit(1)
     (plan,) = launch.values()
+    _print_launch(plan)
+
+
+def _print_launch(plan: Any) -> None:
+    """--emit-only: the launch block alone on stdout, its notes on stderr."""
     for note in plan.notes:
         click.echo(f"memplan: note: {note}", err=True)
     click.echo(plan.block())
+
+
+def _echo_script(script: str, fmt: str) -> None:
+    """The launch script after the report: as it is (table), or in a bash code block (markdown)."""
+    click.echo(f"```bash\n{script}\n```" if fmt == "markdown" else script)
 
 
 @cli.command()

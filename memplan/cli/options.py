@@ -66,6 +66,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--model", "model", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
         click.option("--hf-config", "hf_config", metavar="config.json",
                      help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
+        click.option("--inventory", "inventory", metavar="FILE.yaml",
+                     help="A traced inventory written by `memplan trace --out` for the model's config.json: what "
+                          "--impl hf-sdpa / hf-eager count (instead of the shipped or cached trace)."),
         click.option("--attention", type=click.Choice(["eager", "flash"]),
                      help="Attention kernel: eager stores the s x s scores; flash does not."),
         click.option("--tp", type=INT, help="Tensor-parallel size t."),
@@ -232,3 +235,19 @@ def check_plots(paths: dict[str, Optional[str]]) -> None:
         from memplan.report.plots import check_plot_paths
 
         check_plot_paths(paths)
+
+
+def emit_options(what: str) -> Callable[[Callable], Callable]:
+    """--emit and --emit-only, shared by estimate (what: "the plan") and search ("the best plan")."""
+    options = [
+        click.option("--emit", type=click.Choice(["megatron", "bridge"]),
+                     help=f"Also print {what} as Megatron-LM arguments (bridge: as Megatron-Bridge recipe overrides, "
+                          "section.field=value) and the environment they need (with "
+                          "PYTORCH_CUDA_ALLOC_CONF when the plan fits only with the allocator settings it was replayed "
+                          "with, e.g. expandable segments; with --json: inside the document, as launch)."),
+        click.option("--emit-only", is_flag=True,
+                     help="With --emit: print only the launch block (export/unset lines, then the arguments one per "
+                          "line with \\ continuations, to paste after `torchrun ... pretrain_gpt.py`); notes go to "
+                          "stderr."),
+    ]
+    return lambda func: functools.reduce(lambda f, opt: opt(f), reversed(options), func)

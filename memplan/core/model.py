@@ -55,6 +55,23 @@ class ModelSpec(Spec):
         description="an RMSNorm on each head's queries and keys (two head_dim-wide weights per layer: Qwen3, "
         "Qwen3-MoE)",
     )
+    # What the emitted launch needs to build the same model (memplan/launch/megatron.py); the memory does not depend
+    # on them (a sliding window changes no stored tensor under flash attention; None: the framework's default).
+    gate_activation: Literal["silu", "gelu"] = Field(
+        default="silu", description="the gated MLP's activation (mlp: swiglu): silu (SwiGLU, Llama) or gelu (GeGLU, "
+        "Gemma's gelu_pytorch_tanh)")
+    rope_theta: Optional[float] = Field(
+        default=None, gt=0, description="RoPE base (transformers rope_theta; Megatron-LM --rotary-base, default 10000)")
+    norm_eps: Optional[float] = Field(
+        default=None, gt=0, lt=1, description="the norms' epsilon (transformers rms_norm_eps / layer_norm_epsilon; "
+        "Megatron-LM --norm-epsilon, default 1e-5)")
+    sliding_window: Optional[int] = Field(
+        default=None, gt=0, description="tokens a sliding-window layer attends to, itself included (transformers "
+        "sliding_window; Megatron-LM --window-size W-1,0)")
+    sliding_window_pattern: Optional[int] = Field(
+        default=None, gt=1, description="with sliding_window: every N-th layer attends to all tokens, the others "
+        "slide (Gemma 3's sliding_window_pattern, Gemma 2's 2; Megatron-LM --window-attn-skip-freq N); None: every "
+        "layer slides")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
@@ -185,6 +202,8 @@ class ModelSpec(Spec):
                              f"(a model whose heads are not h/a wide sets head_dim)")
         if a % g:
             raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
+        if self.sliding_window_pattern is not None and self.sliding_window is None:
+            raise ValueError("sliding_window_pattern needs sliding_window (the tokens a sliding layer attends to)")
         return self._latent()._experts()
 
     def _latent(self) -> "ModelSpec":

@@ -27,7 +27,7 @@ from memplan.core.datafile import read_json, read_yaml
 from memplan.core.errors import MemplanError
 from memplan.core.harness import harness
 from memplan.core.model import MAX_LAYERS
-from memplan.core.spec_base import describe_validation_error
+from memplan.core.spec_base import describe_validation_error, echo
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import Dtype
 
@@ -246,10 +246,28 @@ def _load(path: str, mtime: float) -> TracedFile:
     return read_traced(Path(path))
 
 
+def check_traced_file(path_text: str, impl: str, num_layers: int) -> None:
+    """A traced inventory file given for a model (--inventory FILE): readable, traced for `impl`, with the model's
+    layers."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise MemplanError(f"--inventory {echo(path_text)}: no such file (write one with memplan trace --out FILE)")
+    traced = _load(str(path), path.stat().st_mtime)
+    if traced.origin.impl != impl:
+        raise MemplanError(f"--inventory {echo(path_text)} was traced for --impl {traced.origin.impl}: plan with it, "
+                           f"or trace --impl {impl}")
+    if traced.num_layers != num_layers:
+        raise MemplanError(f"--inventory {echo(path_text)} has {traced.num_layers:,} layers, the model "
+                           f"{num_layers:,}: it was traced from another config.json")
+
+
 def load(directory: str, impl: str, kernels: str) -> TracedFile:
-    """The traced file of `impl` in a traced inventory's directory; else one traced on first use
+    """The traced file of `impl` in a traced inventory's directory (or the file itself, when ModelSpec.inventory is
+    one: --inventory FILE, checked by check_traced_file; its own kernels); else one traced on first use
     into the cache (never into a shipped directory) from the directory's config.json when torch and
     transformers are installed; else a one-line error naming how to make it."""
+    if Path(directory).is_file():
+        return _load(directory, Path(directory).stat().st_mtime)
     path = Path(directory) / file_name(impl, kernels)
     config = Path(directory) / "config.json"
     if not config.is_file() and directory in _PENDING_CONFIGS and _tracer() is not None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.spec_base import echo
 from memplan.core.specs import Config
 from memplan.core.training import PRECISIONS, Recompute
 from memplan.inventory.chunked_loss import launch_note as loss_chunks_note
@@ -31,6 +34,7 @@ _PRECISION_FLAGS = {"bf16-mixed": ["--bf16"], "16-mixed": ["--fp16"], "32-true":
 _ATTENTION_BACKEND = {"eager": "unfused", "flash": "flash"}
 
 CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,16 @@ class Launch:
     args: list[str]
     env: dict[str, Optional[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge's (launch/bridge.py)
 
     def as_dict(self) -> dict:
-        """The JSON form: `megatron` (the arguments, as before), `env` and `notes` beside them."""
-        return {"megatron": list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+        """The JSON form: `megatron` (the arguments, as before) or `bridge` (the overrides), `env` and `notes`."""
+        return {self.kind: list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+
+    @property
+    def what(self) -> str:
+        """What the block is, for the `# title` line of the report."""
+        return "Megatron-Bridge recipe overrides" if self.kind == "bridge" else "Megatron-LM arguments"
 
     def env_lines(self) -> list[str]:
         return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
@@ -62,9 +72,13 @@ class Launch:
         return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
 
 
-def megatron_launch(config: Config) -> Launch:
-    """The plan as Megatron-LM arguments, environment and notes."""
+def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes; `alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the plan
+    fits with (memplan/memory/reserved.py launch_alloc_conf; "" for the default allocator), exported."""
     m, par, tr = config.model, config.parallel, config.training
+    refusal = launch_refusal(m)
+    if refusal:
+        raise MemplanError(refusal)
     notes: list[str] = []
     args = [
         f"--num-layers {m.num_layers}",
@@ -92,6 +106,7 @@ def megatron_launch(config: Config) -> Launch:
         args += ["--attention-dropout 0.0", "--hidden-dropout 0.0"]
     if m.qk_norm:
         args.append("--qk-layernorm")
+    args += _architecture(config, notes)
     args += _latent_attention(config) + _experts(config)
     args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
     args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
@@ -133,7 +148,51 @@ def megatron_launch(config: Config) -> Launch:
     if {k: getattr(tr, k) for k in PRECISIONS[tr.precision]} != PRECISIONS[tr.precision]:
         notes.append(f"the model's training: section overrides the byte sizes of {tr.precision}; the arguments "
                      f"follow {tr.precision}, Megatron-LM's memory may differ from the plan's")
-    return Launch(args, _environment(config, notes), notes)
+    env = _environment(config, notes)
+    if alloc_conf:
+        env[ALLOC_CONF] = alloc_conf
+        notes.append(f"{ALLOC_CONF}={alloc_conf}: the caching allocator's settings the plan fits with (memplan's "
+                     "replay of the run through PyTorch's caching allocator; derived, not measured)")
+    return Launch(args, env, notes)
+
+
+def launch_refusal(model: ModelSpec) -> Optional[str]:
+    """Why no Megatron-LM arguments build this model (None: they do). Its gated MLP must be SiLU-gated: --swiglu
+    is gated_linear_unit with F.silu, --quick-geglu x * sigmoid(1.702 x) (arguments.py core_args_from_args at
+    core_v0.16.1 and main), and no flag gives the GeLU gate of Gemma (gelu_pytorch_tanh)."""
+    if model.mlp == "swiglu" and model.gate_activation == "gelu":
+        return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
+                "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
+    return None
+
+
+def _architecture(config: Config, notes: list[str]) -> list[str]:
+    """What else the model needs to be the same model in Megatron-LM (TransformerConfig fields at core_v0.16.1 and
+    main made flags by ArgumentGroupFactory, or arguments.py's own): --rotary-base (an int in arguments.py),
+    --norm-epsilon (layernorm_epsilon's arg_names), --add-qkv-bias (add_qkv_bias; implied by bias on every linear,
+    validate_args), --window-size left,right (TransformerConfig.window_size, TE's (W - 1, 0) for a window of W
+    tokens, as Megatron-Bridge converts transformers' sliding_window) and --window-attn-skip-freq N (one
+    full-attention layer after N - 1 sliding ones)."""
+    m = config.model
+    args: list[str] = []
+    if m.position_embedding == "rope" and m.rope_theta is not None:
+        if m.rope_theta == int(m.rope_theta):
+            args.append(f"--rotary-base {int(m.rope_theta)}")
+        else:
+            notes.append(f"RoPE base {m.rope_theta:g} is not an integer, which Megatron-LM's --rotary-base (type int) "
+                         "requires: no flag is given (Megatron-LM uses 10000)")
+    if m.norm_eps is not None:
+        args.append(f"--norm-epsilon {m.norm_eps:g}")
+    if m.qkv_bias and not m.bias:
+        args.append("--add-qkv-bias")
+    if m.sliding_window is not None:
+        args.append(f"--window-size {m.sliding_window - 1},0")
+        if m.sliding_window_pattern is not None:
+            args.append(f"--window-attn-skip-freq {m.sliding_window_pattern}")
+    if m.sandwich_norms:
+        notes.append("the norms on the attention's and the MLP's outputs (sandwich_norms, Gemma 2 / 3) have no "
+                     "Megatron-LM argument: Megatron-LM builds the layer without them")
+    return args
 
 
 def _pipeline(config: Config) -> list[str]:

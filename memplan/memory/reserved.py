@@ -53,6 +53,17 @@ def allocator_label(allocator: str, alloc_conf: Optional[str]) -> str:
     return f"{allocator}, {alloc_conf}" if alloc_conf else allocator
 
 
+def launch_alloc_conf(allocator: str, alloc_conf: Optional[str], expandable_fits: Optional[bool] = None) -> str:
+    """The PYTORCH_CUDA_ALLOC_CONF a launch needs to run as planned ("" when the default allocator will do): the
+    conf given, with expandable segments when planned with them (allocator "expandable") or when the run dies with
+    the default allocator and fits with them (a replay's expandable_fits)."""
+    expandable = allocator == "expandable" or bool(expandable_fits)
+    parts = [alloc_conf] if alloc_conf else []
+    if expandable and not allocator_config("default", alloc_conf).expandable_segments:
+        parts.append(EXPANDABLE_CONF)
+    return ",".join(parts)
+
+
 @dataclass(frozen=True)
 class Reserved:
     """The replay of one GPU's run: the allocator's settings, the memory it may take, what it measured, the

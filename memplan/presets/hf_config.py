@@ -134,6 +134,52 @@ def _read_deepseek_v3(data: dict) -> dict[str, Any]:
                 v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
 
 
+def _rope_theta(data: dict) -> Any:
+    """RoPE's base: rope_theta at the top (transformers 4) or in rope_parameters (transformers 5); with a base per
+    layer type (Gemma 3: sliding and full attention), the full-attention layers'. None when the file has none."""
+    if data.get("rope_theta") is not None:
+        return data["rope_theta"]
+    params = data.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    return params.get("rope_theta") if isinstance(params, dict) else None
+
+
+def _sliding_window(data: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The sliding window as ModelSpec's sliding_window / sliding_window_pattern, from the layers transformers makes
+    slide: layer_types where the file lists them; else as the config class fills them in (Gemma 2: every other
+    layer, the first sliding; Gemma 3: all but every sliding_window_pattern-th, default 6; Qwen2 / Qwen3 with
+    use_sliding_window: the layers from max_window_layers on; Mistral, Phi-3, Mixtral: every layer). A pattern
+    that is none of these is left out, with a note."""
+    window, kind = data.get("sliding_window"), data.get("model_type")
+    if not window or data.get("use_sliding_window") is False:
+        return {}, ()
+    types, L = data.get("layer_types"), data.get("num_hidden_layers")
+    if not isinstance(L, int) or isinstance(L, bool) or L <= 0:
+        return {}, ()
+    if isinstance(types, list) and types:
+        slides = [t == "sliding_attention" for t in types]
+    elif kind == "gemma2":
+        slides = [(i + 1) % 2 != 0 for i in range(L)]
+    elif kind in ("gemma3", "gemma3_text"):
+        n = data.get("sliding_window_pattern", 6)
+        slides = [(i + 1) % n != 0 for i in range(L)] if isinstance(n, int) and n > 0 else []
+    elif data.get("use_sliding_window"):
+        first = data.get("max_window_layers", 0)
+        slides = [i >= first for i in range(L)] if isinstance(first, int) else []
+    else:
+        slides = [True] * L
+    if slides and all(slides):
+        return dict(sliding_window=window), ()
+    if not any(slides):
+        return {}, ()
+    n = slides.index(False) + 1
+    if n > 1 and slides == [(i + 1) % n != 0 for i in range(len(slides))]:
+        return dict(sliding_window=window, sliding_window_pattern=n), ()
+    return {}, (f"the sliding window ({echo(window)} tokens) on some layers only, in a pattern other than every n-th "
+                "layer full: not carried into the model (memory is the same; --emit megatron gives no window)",)
+
+
 def _names(archs: list) -> str:
     """Architecture names for an error line: as they are when they are Python names, else quoted with their escapes
     (a newline in a name must not break the line), the first three only."""
@@ -174,13 +220,15 @@ def read_hf_config(path_text: str) -> ModelPreset:
     note = (f"s = {seq:,} from the config's {positions_key}" if seq == positions else
             f"s = {seq:,}: the config allows {positions:,} positions ({positions_key}), a context few train "
             f"with from the start; --seq-len sets s")
+    window_notes: tuple[str, ...] = ()
     try:
         if layout == "gpt2":
             dropout = any(_probability(data, k, 0.1, path) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
             spec = dict(name=name, num_layers=data["n_layer"], hidden_size=data["n_embd"],
                         num_attention_heads=data["n_head"], seq_length=seq,
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
-                        tied_embeddings=_flag(data, "tie_word_embeddings", True, path), attention="eager")
+                        tied_embeddings=_flag(data, "tie_word_embeddings", True, path), attention="eager",
+                        norm_eps=data.get("layer_norm_epsilon"))
         else:
             act_key = "hidden_activation" if data.get("hidden_activation") else "hidden_act"
             acts = ("silu",) if layout == "llama" else _GATED_ACTS
@@ -199,12 +247,16 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         bias=_flag(data, "attention_bias", False, path) or _flag(data, "mlp_bias", False, path),
                         attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
                         qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
-                        sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES)
+                        sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES,
+                        gate_activation="silu" if data.get(act_key, "silu") == "silu" else "gelu",
+                        rope_theta=_rope_theta(data), norm_eps=data.get("rms_norm_eps"))
+            window, window_notes = _sliding_window(data)
+            spec.update(window)
             if known[0] in _MOE_ARCHITECTURES:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
-    notes = (note,)
+    notes = (note,) + window_notes
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
