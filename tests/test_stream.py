@@ -12,7 +12,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
-from memplan.memory.reserved import allocation_stream
+from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
@@ -224,3 +224,19 @@ def test_random_plans_equal_the_timeline(case):
             (i, e.bytes) for i, e in enumerate(walk.events) if e.bytes]
         assert stream.peak_bytes == walk.peak_bytes
         well_formed(stream)
+
+
+def test_the_runs_history_reaches_the_replay():
+    # --first-step-seq-len: step 1 (where fused AdamW creates its states) at 512 tokens, the later steps at 4,096. The
+    # verdict's replay is the run of allocation_stream(..., first_step_seq_len=512) through the allocator, and the
+    # history moves the reserved peak (the states land among other blocks than in the ordinary loop)
+    plan = dict(impl="hf-sdpa", precision="bf16-true", gpus=1, micro_batch=1, recompute="full", optimizer_impl="fused",
+                gpu="h100-80gb", frag_margin=0.0, global_batch=2, seq_len=4096)
+    ordinary = api_estimate("llama3-8b", **plan).estimate
+    warmed = api_estimate("llama3-8b", first_step_seq_len=512, **plan).estimate
+    stream = allocation_stream(warmed.config, "hf-sdpa", first_step_seq_len=512,
+                               workspace_bytes=warmed.device.workspace_bytes)
+    direct = replay_run(stream, warmed.reserved.capacity_bytes, Replay(first_step_seq_len=512))
+    assert warmed.reserved.result.reserved_peak_bytes == direct.result.reserved_peak_bytes
+    assert warmed.reserved.result.reserved_peak_bytes != ordinary.reserved.result.reserved_peak_bytes
+    assert warmed.reserved.label == "default; step 1 at s = 512" and ordinary.reserved.first_step_seq_len is None

@@ -13,7 +13,6 @@ from memplan.api.values import check_emit
 from memplan.core.specs import Config
 from memplan.launch.bridge import launch_for
 from memplan.launch.megatron import Launch, launch_refusal
-from memplan.memory.reserved import launch_alloc_conf
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
 from memplan.plan.limits import cap_of, max_seq_len, need_budget
@@ -63,8 +62,7 @@ class EstimateResult:
 
 
 def _limit_options(opts: PlanOptions, gpu: Any) -> dict[str, Any]:
-    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin, allocator=opts.allocator,
-                alloc_conf=opts.alloc_conf)
+    return dict(impl=opts.impl, gpu=gpu, fragmentation_margin=opts.frag_margin, replay=opts.replay())
 
 
 def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: bool = False,
@@ -87,7 +85,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
         gpu, assumed = opts.search_gpu(preset)[0], opts.assumed_gpu(preset)
     result = estimate_plan(config, budget_bytes=opts.mem, gpu=gpu, paper_only=paper_only, impl=opts.impl,
                            fragmentation_margin=opts.frag_margin, host_budget_bytes=opts.host_mem,
-                           allocator=opts.allocator, alloc_conf=opts.alloc_conf)
+                           replay=opts.replay())
     result = dataclasses.replace(result, gpu_assumed=assumed)
     if opts.seq_len is None:
         result.notes.extend(preset.notes)
@@ -104,7 +102,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     launch = None
     if emit:
         expandable_fits = result.reserved.expandable_fits if result.reserved is not None else None
-        launch = launch_for(config, emit, launch_alloc_conf(opts.allocator, opts.alloc_conf, expandable_fits))
+        launch = launch_for(config, emit, opts.replay().launch_conf(expandable_fits))
     return EstimateResult(result, config, preset, limits, launch)
 
 

@@ -17,6 +17,7 @@ from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
+from memplan.memory.reserved import Replay
 from memplan.presets.batch import batch_note, make_config
 from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
@@ -86,8 +87,13 @@ class PlanOptions:
     frag_margin: Optional[float] = None
     allocator: str = "default"
     alloc_conf: Optional[str] = None
+    first_step_seq_len: Optional[int] = None
     gpu: Optional[str] = None
     mem: Size = None
+
+    def replay(self) -> Replay:
+        """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
+        return Replay(self.allocator, self.alloc_conf, self.first_step_seq_len)
 
     def __post_init__(self) -> None:
         for f in fields(self):

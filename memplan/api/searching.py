@@ -15,7 +15,6 @@ from memplan.inventory.assemble import training_inventory
 from memplan.launch.bridge import launch_for
 from memplan.launch.megatron import launch_refusal
 from memplan.memory.optimizers import notes as optimizer_notes
-from memplan.memory.reserved import launch_alloc_conf
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
@@ -94,7 +93,7 @@ class PreparedSearch:
         opts = self.opts
 
         def listed(r: SearchResult) -> SearchResult:
-            return replay_listing(r, self.sort, not self.all_variants, self.top, opts.allocator, opts.alloc_conf)
+            return replay_listing(r, self.sort, not self.all_variants, self.top, opts.replay())
 
         result = listed(result)
         if not self.max_seq:
@@ -144,7 +143,7 @@ class PreparedSearch:
                     r.notes.append(refusal)
                 elif r.top:
                     launch[r.model.name] = launch_for(r.config(r.top[0]), self.emit,
-                                                      launch_alloc_conf(opts.allocator, opts.alloc_conf))
+                                                      opts.replay().launch_conf())
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
             p, gpu_note, asked_s = by_name[r.model.name]

@@ -198,6 +198,10 @@ def plan_options(func: Callable) -> Callable:
         click.option("--allocator", type=click.Choice(ALLOCATORS), default="default",
                      help="The caching allocator the run is replayed through (memplan/memory/reserved.py)."),
         click.option("--alloc-conf", "alloc_conf", metavar="TEXT", help="PYTORCH_CUDA_ALLOC_CONF for the replay."),
+        click.option("--first-step-seq-len", type=AsciiIntRange(1), metavar="N",
+                     help="The run's history for the replay: step 1, where AdamW creates its states, at N tokens "
+                          "(e.g. a short warm-up step), the later steps at --seq-len (default: every step at "
+                          "--seq-len)."),
         click.option("--gpu", "gpu", metavar="NAME|FILE.yaml", help="GPU preset (budget, speed)."),
         click.option("--mem", "mem", callback=_size, metavar="SIZE",
                      help="Memory budget per GPU, e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)."),

@@ -65,6 +65,28 @@ def launch_alloc_conf(allocator: str, alloc_conf: Optional[str], expandable_fits
 
 
 @dataclass(frozen=True)
+class Replay:
+    """How a run is replayed through the caching allocator: the allocator (`ALLOCATORS`), its settings in
+    PYTORCH_CUDA_ALLOC_CONF syntax, and the run's history: step 1, where AdamW creates its states lazily, at
+    `first_step_seq_len` tokens and the later steps at the plan's (None: every step at the plan's length, the
+    ordinary training loop)."""
+
+    allocator: str = "default"
+    alloc_conf: Optional[str] = None
+    first_step_seq_len: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """How reports name it: "default", "expandable, max_split_size_mb:512; step 1 at s = 2,048"."""
+        history = f"; step 1 at s = {self.first_step_seq_len:,}" if self.first_step_seq_len else ""
+        return allocator_label(self.allocator, self.alloc_conf) + history
+
+    def launch_conf(self, expandable_fits: Optional[bool] = None) -> str:
+        """The PYTORCH_CUDA_ALLOC_CONF a launch needs to run as planned (`launch_alloc_conf`)."""
+        return launch_alloc_conf(self.allocator, self.alloc_conf, expandable_fits)
+
+
+@dataclass(frozen=True)
 class Reserved:
     """The replay of one GPU's run: the allocator's settings, the memory it may take, what it measured, the
     event the run dies at (None when it fits) and, when it dies with the default allocator, whether the same
@@ -78,6 +100,7 @@ class Reserved:
     result: ReplayResult
     oom_event: Optional[dict]  # index, name, kind, phase, requested / tried bytes, PyTorch's message
     expandable_fits: Optional[bool] = None
+    first_step_seq_len: Optional[int] = None  # the run's history (Replay)
 
     @property
     def fits(self) -> bool:
@@ -85,7 +108,7 @@ class Reserved:
 
     @property
     def label(self) -> str:
-        return allocator_label(self.allocator, self.alloc_conf)
+        return Replay(self.allocator, self.alloc_conf, self.first_step_seq_len).label
 
 
 def replay_stream(stream: AllocationStream, capacity_bytes: int, config: AllocatorConfig) -> ReplayResult:
@@ -105,17 +128,17 @@ def _oom_event(stream: AllocationStream, result: ReplayResult) -> Optional[dict]
             "allocated_bytes": oom.allocated_bytes, "reserved_bytes": oom.reserved_bytes, "message": oom.message}
 
 
-def replay_run(stream: AllocationStream, capacity_bytes: int, allocator: str = "default",
-               alloc_conf: Optional[str] = None) -> Reserved:
-    """The verdict of one GPU's run: replayed with the allocator asked for, and when that dies with the default
-    allocator, once more with expandable segments (the report then says that they would fit it)."""
-    config = allocator_config(allocator, alloc_conf)
+def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay = Replay()) -> Reserved:
+    """The verdict of one GPU's run (`stream`, made with the settings' history): replayed with the allocator asked
+    for, and when that dies with the default allocator, once more with expandable segments (the report then says
+    that they would fit it)."""
+    config = allocator_config(settings.allocator, settings.alloc_conf)
     result = replay_stream(stream, max(capacity_bytes, 0), config)
     expandable = None
     if not result.fits and not config.expandable_segments:
         expandable = replay_stream(stream, max(capacity_bytes, 0), replace(config, expandable_segments=True)).fits
-    return Reserved(allocator_name(config), alloc_conf or "", capacity_bytes, stream.stage, len(stream.events), result,
-                    _oom_event(stream, result), expandable)
+    return Reserved(allocator_name(config), settings.alloc_conf or "", capacity_bytes, stream.stage, len(stream.events),
+                    result, _oom_event(stream, result), expandable, settings.first_step_seq_len)
 
 
 def allocation_stream(config: Config, impl: str = "megatron", device: str = "cuda", stage: Optional[int] = None,

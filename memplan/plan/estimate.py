@@ -27,7 +27,7 @@ from memplan.memory.pipeline import chunks_in_flight, interleaving_factor
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
-from memplan.memory.reserved import Reserved, replay_run
+from memplan.memory.reserved import Replay, Reserved, replay_run
 from memplan.memory.stream import not_streamed, stream_for
 from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
                                      step_events)
@@ -161,15 +161,14 @@ def estimate(
     device: str = "cuda",
     fragmentation_margin: Optional[float] = None,
     host_budget_bytes: Optional[int] = None,
-    allocator: str = "default",
-    alloc_conf: Optional[str] = None,
+    replay: Replay = Replay(),
 ) -> Estimate:
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
     activations and states (with `paper_only`, only the tensors K22 counts) and the step's
     allocated peak (always the real-code view). The stage with the highest peak is the answer; it
     fits when peak + fragmentation + runtime is within the budget, the fragmentation being the larger of the
     margin (the GPU preset's, or `fragmentation_margin`) and what the caching allocator reserves when that GPU's
-    run is replayed through it (`allocator`, `alloc_conf`; `device_needs`); with `host_budget_bytes`, also when
+    run is replayed through it (`replay`: the allocator, its settings, the run's history; `device_needs`); with `host_budget_bytes`, also when
     the host memory its offload takes per node is within that."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
@@ -210,7 +209,7 @@ def estimate(
     if budget_bytes is None and gpu is not None:
         budget_bytes = gpu.process_memory_bytes
     needs, reserved = device_needs(config, inventory, plan, stages[most_loaded], steps[most_loaded], gpu,
-                                   None if paper_only else budget_bytes, fragmentation_margin, allocator, alloc_conf)
+                                   None if paper_only else budget_bytes, fragmentation_margin, replay)
     perf = None
     if gpu is not None:
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
@@ -233,7 +232,7 @@ def estimate(
 
 def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
                  gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
-                 allocator: str = "default", alloc_conf: Optional[str] = None) -> tuple[DeviceMemory, Optional[Reserved]]:
+                 replay: Replay = Replay()) -> tuple[DeviceMemory, Optional[Reserved]]:
     """What one GPU of the stage needs: its allocated peak + the fragmentation margin (the GPU preset's, or the
     one given) + the runtime outside PyTorch's pool. With a budget, and a plan the allocation stream models, the
     run is also replayed through the caching allocator on the budget less the runtime (memory/reserved.py);
@@ -246,8 +245,8 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     in_flight = chunks_in_flight(stage_mem.stage, plan.p, 1, plan.microbatches)
     replayed_plan = dataclasses.replace(plan, microbatches=min(int(plan.microbatches), int(in_flight) + 2))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
-                        workspace_bytes=flat.workspace_bytes)
-    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, allocator, alloc_conf)
+                        first_step_seq_len=replay.first_step_seq_len, workspace_bytes=flat.workspace_bytes)
+    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay)
     # dies: at least over the budget (the OOM event says where; what it would need is not known)
     needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
     replayed = needed - flat.allocated_peak
@@ -278,7 +277,7 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
 
 def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,
                  fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
-                 allocator: str = "default", alloc_conf: Optional[str] = None) -> int:
+                 replay: Replay = Replay()) -> int:
     """What the most loaded GPU of `config` needs (what `estimate` decides a fit on, without its report): with a
     budget, the caching allocator's replay in it (more than the budget when the run dies), else the highest
     stage peak + margin + runtime."""
@@ -292,7 +291,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     steps = step_peaks(config, inventory, plan, mems)
     top = most_loaded_stage(steps, mems)
     needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
-                            allocator, alloc_conf)
+                            replay)
     return int(needs.total)
 
 

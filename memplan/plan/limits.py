@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import build
 from memplan.core.specs import Config, GpuSpec
+from memplan.memory.reserved import Replay
 from memplan.plan.estimate import device_bytes
 
 SEQ_LIMIT = 1 << 24  # 16M tokens: beyond any context trained today (and far below int64 overflow)
@@ -101,13 +102,13 @@ def cap_of(key: str, value: Optional[int], config: Config) -> Optional[int]:
 
 
 def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
-                gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None, allocator: str = "default",
-                alloc_conf: Optional[str] = None) -> Optional[int]:
+                gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None,
+                replay: Replay = Replay()) -> Optional[int]:
     """The longest sequence this plan fits in `budget_bytes` with (a multiple of `seq_step`: `largest_replayed`), all
     else equal; None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
-    def needs(s: int, replay: bool) -> int:
+    def needs(s: int, replayed: bool) -> int:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
-                            budget_bytes if replay else None, allocator, alloc_conf)
+                            budget_bytes if replayed else None, replay)
 
     return largest_replayed(lambda s: needs(s, False) <= budget_bytes, lambda s: needs(s, True) <= budget_bytes,
                             seq_step(config), SEQ_LIMIT)
@@ -115,15 +116,14 @@ def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", devic
 
 def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",
                     gpu: Optional[GpuSpec] = None, fragmentation_margin: Optional[float] = None,
-                    allocator: str = "default", alloc_conf: Optional[str] = None) -> Optional[int]:
+                    replay: Replay = Replay()) -> Optional[int]:
     """The largest micro-batch this plan fits with, the micro-batches per step unchanged (so the
     global batch grows with b); None when none does."""
     M, d = config.num_microbatches, config.parallel.dp
 
-    def needs(b: int, replay: bool) -> int:
+    def needs(b: int, replayed: bool) -> int:
         c = _with(config, training=dict(micro_batch=b, global_batch=b * d * M))
-        return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes if replay else None, allocator,
-                            alloc_conf)
+        return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes if replayed else None, replay)
 
     return largest_replayed(lambda b: needs(b, False) <= budget_bytes, lambda b: needs(b, True) <= budget_bytes, 1,
                             MICRO_BATCH_LIMIT)

@@ -7,10 +7,10 @@ not replayed, and the search says so."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 from memplan.core.errors import MemplanError
-from memplan.memory.reserved import allocator_label
+from memplan.memory.reserved import Replay
 from memplan.memory.stream import not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.arrange import arrange
@@ -23,17 +23,17 @@ from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
 EXTRA_REPLAYS = 20
 
 
-def _survives(result: SearchResult, plan: int, allocator: str, alloc_conf: Optional[str]) -> Union[bool, str]:
+def _survives(result: SearchResult, plan: int, replay: Replay) -> Union[bool, str]:
     """Whether plan's run completes in the replay; what the stream does not model when the plan is not replayed."""
     config = result.config(plan)
     if why := not_streamed(config.training, PlanValues.from_config(config)):
         return why
-    return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, allocator,
-                        alloc_conf) <= result.budget_bytes
+    return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes,
+                        replay) <= result.budget_bytes
 
 
 def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, top: int = 10,
-                   allocator: str = "default", alloc_conf: Optional[str] = None) -> SearchResult:
+                   replay: Replay = Replay()) -> SearchResult:
     """Arrange the search's listing (`arrange`) and replay its plans; a plan whose run dies is left out and the next
     rows of the listing's order are replayed in its place (at most `EXTRA_REPLAYS` more), so the listing keeps `top`
     rows where that many survive. Says what was replayed."""
@@ -44,7 +44,7 @@ def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, 
         rows = result.listed()
         for row in rows:
             if row.plan not in verdicts:
-                verdicts[row.plan] = _survives(result, row.plan, allocator, alloc_conf)
+                verdicts[row.plan] = _survives(result, row.plan, replay)
         kept = [row for row in rows if verdicts[row.plan] is not False]
         if len(kept) >= top or len(rows) < want or want >= top + EXTRA_REPLAYS:
             break
@@ -52,7 +52,7 @@ def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, 
     kept = kept[:max(top, 0)]
     result.listing, result.top = kept, [row.plan for row in kept]
     if verdicts:
-        result.notes.append(_note(verdicts, kept, allocator, alloc_conf))
+        result.notes.append(_note(verdicts, kept, replay))
     return result
 
 
@@ -60,12 +60,12 @@ def _plans(n: int) -> str:
     return f"{n} plan" + ("" if n == 1 else "s")
 
 
-def _note(verdicts: dict[int, Union[bool, str]], kept: list, allocator: str, alloc_conf: Optional[str]) -> str:
+def _note(verdicts: dict[int, Union[bool, str]], kept: list, replay: Replay) -> str:
     replayed = [v for v in verdicts.values() if isinstance(v, bool)]
     died = replayed.count(False)
     skipped = [verdicts[row.plan] for row in kept if isinstance(verdicts[row.plan], str)]
     unreplayed = len(skipped)
-    how = f"PyTorch's caching allocator ({allocator_label(allocator, alloc_conf)}; derived, not measured)"
+    how = f"PyTorch's caching allocator ({replay.label}; derived, not measured)"
     why = f"the allocation stream does not model {', '.join(dict.fromkeys(skipped))} yet"
     if not replayed:
         what = f"no listed plan replayed through {how}: {why}"

@@ -143,7 +143,8 @@ def allocator_dict(est: Estimate) -> dict[str, Any]:
     if r is None:
         return {"allocator": None, "reserved_peak_bytes": None, "inactive_split_bytes": None, "oom_event": None}
     res = r.result
-    return {"allocator": r.allocator, "alloc_conf": r.alloc_conf, "allocator_capacity_bytes": int(r.capacity_bytes),
+    return {"allocator": r.allocator, "alloc_conf": r.alloc_conf, "first_step_seq_len": r.first_step_seq_len,
+            "allocator_capacity_bytes": int(r.capacity_bytes),
             "reserved_peak_bytes": int(res.reserved_peak_bytes), "replayed_allocated_peak_bytes":
             int(res.allocated_peak_bytes), "inactive_split_bytes": int(res.inactive_split_bytes_at_reserved_peak),
             "segments": int(res.segments_at_reserved_peak), "num_alloc_retries": int(res.num_alloc_retries),
