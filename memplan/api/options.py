@@ -49,6 +49,8 @@ class PlanOptions:
     moe_token_dispatcher: Optional[str] = None
     recompute: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[str] = None
+    recompute_method: Optional[str] = None
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None
     global_batch_tokens: Union[int, str, None] = None
@@ -134,6 +136,11 @@ class PlanOptions:
                     if "optimizer" in self.offload else None,
                     offload_activations=True if "activations" in self.offload else None)
 
+    def recompute_choices(self) -> dict:
+        """Megatron-LM's --recompute-modules / --recompute-method, where given (TrainingSpec checks them)."""
+        return {k: v for k, v in (("recompute_modules", self.recompute_modules),
+                                  ("recompute_method", self.recompute_method)) if v is not None}
+
     def config(self) -> tuple[ModelPreset, Config]:
         """The preset and the checked config of one plan."""
         preset = self.preset()
@@ -153,7 +160,8 @@ class PlanOptions:
                           zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
                           last_stage_layers=self.last_stage_layers),
             training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
-                          recompute_num_layers=self.recompute_num_layers, **self.training_settings()),
+                          recompute_num_layers=self.recompute_num_layers, **self.recompute_choices(),
+                          **self.training_settings()),
             model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
             gpus=self.gpus,
             whole_model_per_rank=self.impl.startswith("hf-"),

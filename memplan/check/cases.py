@@ -57,6 +57,7 @@ class ValidationCase:
     dn: int = 32
     dr: int = 16
     dv: int = 24
+    modules: tuple[str, ...] = ("core_attn",)  # selective recompute: Megatron-LM's --recompute-modules
 
     @property
     def layers(self) -> int:
@@ -115,14 +116,15 @@ MCORE_SHAPE = dict(s=32, b=2, h=64, a=4)  # every megatron-core case; llama: g =
 
 
 def mcore_case(arch: str, t: int = 1, sp: bool = False, recompute: str = "none", scope: str = "layer",
-               backend: str = "ledger") -> ValidationCase:
+               backend: str = "ledger", modules: tuple[str, ...] = ("core_attn",)) -> ValidationCase:
     """One megatron-core local-spec case (validation/mcore.py): GPT (LayerNorm, GeLU, learned positions,
     dropout 0.1) or Llama-like (RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups, f = 160, no dropout);
     scope "model" is a 2-layer GPTModel with its loss."""
     llama = arch == "llama"
     return ValidationCase(f"mcore {arch}", scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
                           MCORE_SHAPE["a"], 160 if llama else None, t, sp, recompute, backend, v=256, L=2,
-                          impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1)
+                          impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1,
+                          modules=modules)
 
 
 def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none", "selective", "full"),

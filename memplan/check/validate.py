@@ -22,6 +22,7 @@ from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory.mcore import QKV_TERMS
+from memplan.inventory.recompute import apply_modules
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.inventory.types import CUDA_BLOCK_BYTES
 from memplan.memory.stage import stage_memory
@@ -105,8 +106,8 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     `allocated`: each storage rounded up as the device's allocator does (what it reports)."""
     model = case_model(case)
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
-                    training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
-    inv = assemble.inventory_for(model, case.impl, device)
+                    training=TrainingSpec(micro_batch=case.b, recompute=case.recompute, recompute_modules=case.modules))
+    inv = apply_modules(assemble.inventory_for(model, case.impl, device), model, case.impl, case.modules)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
     terms = tuple(t for t in inv.terms if t.scope in scopes and (t.in_k22 or not paper_only))
     stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False,
@@ -137,7 +138,7 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
         mcore = importlib.import_module(pkg.__name__ + ".mcore")
         measured = mcore.measure_mcore([mcore.McoreCase(
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
-            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
+            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend, modules=c.modules,
             **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
                     capacity=c.capacity, pad=c.pad, aux_loss=0.01) if c.experts else {}),
             **(dict(kv_lora=c.kv_lora, q_lora=c.q_lora, qk_nope=c.dn, qk_rope=c.dr, v_head=c.dv) if c.kv_lora else {}))
