@@ -120,7 +120,7 @@ class PlanOptions:
 
     def training_settings(self) -> dict[str, Any]:
         """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,
-        FP8, MsT, offload."""
+        FP8, MsT, offload, selective recompute's modules."""
         fraction = self.offload_fraction
         if fraction is not None and "optimizer" not in self.offload:
             raise MemplanError("--offload-fraction needs --offload optimizer")
@@ -134,12 +134,13 @@ class PlanOptions:
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
                     if "optimizer" in self.offload else None,
-                    offload_activations=True if "activations" in self.offload else None)
+                    offload_activations=True if "activations" in self.offload else None,
+                    **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)))
 
     def recompute_choices(self) -> dict:
-        """Megatron-LM's --recompute-modules / --recompute-method, where given (TrainingSpec checks them)."""
-        return {k: v for k, v in (("recompute_modules", self.recompute_modules),
-                                  ("recompute_method", self.recompute_method)) if v is not None}
+        """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
+        the block method's layers itself)."""
+        return {} if self.recompute_method is None else dict(recompute_method=self.recompute_method)
 
     def config(self) -> tuple[ModelPreset, Config]:
         """The preset and the checked config of one plan."""
