@@ -9,6 +9,8 @@ returns the fc2 bias parameter as its output and its backward re-enters itself w
 """
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -49,6 +51,23 @@ def test_emit_megatron_recompute_flags():
 def test_bad_recompute_choices(training, words):
     with pytest.raises(ValueError, match=words):
         TrainingSpec(**training)
+
+
+def test_cli_bad_recompute_module_is_one_line():
+    # as tests/test_bad_input.py: the real CLI in a new process, one line on stderr, exit 2, the name echoed as data
+    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--model", "llama3-8b", "--recompute",
+                        "selective", "--recompute-modules", "core_attn,[b]x[/b]"], capture_output=True, text=True,
+                       timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("memplan: error:"), p.stderr[-2000:]
+    assert "'[b]x[/b]'" in lines[0] and "recompute_modules takes" in lines[0]
+
+
+def test_mcore_grid_has_every_modelled_module():
+    from memplan.check.cases import mcore_grid
+
+    modules = {m for c in mcore_grid((1,)) if c.recompute == "selective" for m in c.modules}
+    assert modules == set(recompute.MODELLED)
 
 
 def test_unmodelled_modules_and_impls_refused():

@@ -49,7 +49,7 @@ class PlanOptions:
     moe_token_dispatcher: Optional[str] = None
     recompute: Optional[str] = None
     recompute_num_layers: Optional[int] = None
-    recompute_modules: Optional[str] = None
+    recompute_modules: Union[str, tuple[str, ...], list[str], None] = None  # names, or one comma / space separated string
     recompute_method: Optional[str] = None
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None

@@ -121,7 +121,8 @@ def mcore_case(arch: str, t: int = 1, sp: bool = False, recompute: str = "none",
     dropout 0.1) or Llama-like (RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups, f = 160, no dropout);
     scope "model" is a 2-layer GPTModel with its loss."""
     llama = arch == "llama"
-    return ValidationCase(f"mcore {arch}", scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
+    name = f"mcore {arch}" + (f" recompute {'+'.join(modules) or 'no module'}" if modules != ("core_attn",) else "")
+    return ValidationCase(name, scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
                           MCORE_SHAPE["a"], 160 if llama else None, t, sp, recompute, backend, v=256, L=2,
                           impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1,
                           modules=modules)
@@ -142,6 +143,10 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                         cases.append(mcore_case(arch, t, sp, rec, scope))
                         if arch == "gpt" and t == 1:
                             cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
+    if "selective" in recomputes and "layer" in scopes:  # Megatron-LM's --recompute-modules (inventory/recompute.py)
+        # "mlp" on the Llama-like layer only: with biases megatron-core 0.16.1's MLP checkpoint recurses in backward
+        cases += [mcore_case(arch, 1, False, "selective", modules=m) for arch in archs
+                  for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp")) if arch == "llama" or "mlp" not in m]
     if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
         cases += [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
                   mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64)]
