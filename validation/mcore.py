@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .hf import _CallRecorder, _HFLedger
 from .measure import LiveTracker, _ModuleStack
@@ -85,6 +86,11 @@ class _Proxy:
 CURRENT_DEVICE_MODULES = ("models.common.embeddings.rotary_pos_embedding", "tensor_parallel.mappings",
                           "tensor_parallel.layers", "transformer.moe.router", "transformer.moe.token_dispatcher",
                           "transformer.moe.moe_utils", "transformer.moe.experts")
+
+
+# the output storages megatron-core's CheckpointWithoutOutput frees in this process's current case (selective
+# recompute of "layernorm": the norms' outputs, saved by the next linear, resized to 0 once it has run)
+DISCARDED: set = set()
 
 
 def apply_cpu_patches() -> None:
@@ -131,6 +137,23 @@ def apply_cpu_patches() -> None:
         tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor)
     token_dispatcher.torch = _Proxy(current_device=lambda: "cpu", Stream=lambda *a, **k: stream,
                                     current_stream=lambda *a, **k: stream, stream=lambda s: contextlib.nullcontext())
+    # CheckpointWithoutOutput (selective recompute of "layernorm") sets its fp8 flag from `fp8 is not None`, so
+    # the default fp8=False turns it on and its forward reaches Transformer Engine's FP8GlobalStateManager, an
+    # undefined name without TE (0.16.1): the flag as its default means (off); nothing it saves changes
+    original_init = random.CheckpointWithoutOutput.__init__
+
+    def checkpoint_init(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    random.CheckpointWithoutOutput.__init__ = checkpoint_init
+    original_discard = random.CheckpointWithoutOutput.discard_output_and_register_recompute
+
+    def discard(self, hook_tensor):
+        DISCARDED.update(StorageWeakRef(o.untyped_storage()) for o in self.outputs)
+        return original_discard(self, hook_tensor)
+
+    random.CheckpointWithoutOutput.discard_output_and_register_recompute = discard
     random._memplan_cpu = True
 
 
@@ -343,6 +366,7 @@ class McoreCase:
     sp: bool = False
     recompute: str = "none"
     scope: Literal["layer", "model"] = "layer"
+    modules: tuple[str, ...] = ("core_attn",)  # selective recompute: Megatron-LM's --recompute-modules
     p_drop: float = 0.1
     softmax_fp32: bool = False
     backend: Literal["ledger", "live"] = "ledger"
@@ -435,7 +459,7 @@ def _config(case: McoreCase):
                   qk_pos_emb_head_dim=case.qk_rope, v_head_dim=case.v_head, rope_type="rope")
         kw.pop("num_query_groups", None)
     if case.recompute == "selective":
-        kw.update(recompute_granularity="selective")
+        kw.update(recompute_granularity="selective", recompute_modules=list(case.modules))
     elif case.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return MLATransformerConfig(**kw) if case.kv_lora else TransformerConfig(**kw)
@@ -528,6 +552,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
         random.model_parallel_cuda_manual_seed(case.seed + 1)
         torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
         module = build(case)
+        DISCARDED.clear()
         if case.backend == "live":  # warm-up: lazy initialisation outside the window
             _forward_fresh(module, case).backward()
             module.zero_grad(set_to_none=True)
@@ -559,6 +584,7 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
     rules = {**LAYER_RULES, **MOE_RULES, **MLA_RULES, **MODEL_RULES, **(Z_LOSS_RULES if case.z_loss is not None else {}),
              **{k: v for i in range(16) if case.gelu for k, v in _gelu_expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
              **(GELU_SHARED_RULES if case.gelu else {})}
+    checkpoints = layer_checkpoints(case)
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():
@@ -570,10 +596,24 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
         label = rules.get((where, op, k, j), UNLABELED)
         if (where, op) == (ROUTER, MUL):
             label = ROUTER_MUL.get(str(r.dtype).removeprefix("torch."), UNLABELED)
+        if (where, op, j) == ("<layer>", FN, 0) and k < len(checkpoints):
+            label = checkpoints[k]
+        if key in DISCARDED:
+            continue  # its storage freed (resize_(0)) by CheckpointWithoutOutput: nothing left to count
         entries.append((label, r.shape, r.dtype, r.nbytes, (where, op, k, j)))
         by_label[label] = by_label.get(label, 0) + r.nbytes
     return McoreMeasurement(case, by_label, entries, retained, peak, loss_bytes, rank,
                             notes=[f"megatron-core {_version()}"])
+
+
+def layer_checkpoints(case: McoreCase) -> list[str]:
+    """The labels of the inputs that selective recompute's checkpoints in a TransformerLayer's own forward save,
+    in call order: "layernorm" checkpoints both norms (their inputs: the layer input, the residual after the
+    attention), "mlp" the dense MLP (its input, the second norm's output)."""
+    if case.recompute != "selective":
+        return []
+    norms = ["ln1_input", "ln2_input"] if "layernorm" in case.modules else []
+    return norms + (["fc1_input"] if "mlp" in case.modules and not case.experts else [])
 
 
 def _version() -> str:

@@ -58,6 +58,8 @@ class PlanOptions:
     megatron_core_version: Optional[str] = None
     recompute: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    recompute_modules: Union[str, tuple[str, ...], list[str], None] = None  # names, or one comma / space separated string
+    recompute_method: Optional[str] = None
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None
     global_batch_tokens: Union[int, str, None] = None
@@ -146,7 +148,7 @@ class PlanOptions:
 
     def training_settings(self) -> dict[str, Any]:
         """Training settings that are not searched: precision, the optimizer and its implementation, loss chunks,
-        FP8, MsT, LoRA / QLoRA, offload."""
+        FP8, MsT, LoRA / QLoRA, offload, selective recompute's modules."""
         fraction = self.offload_fraction
         if fraction is not None and "optimizer" not in self.offload:
             raise MemplanError("--offload-fraction needs --offload optimizer")
@@ -164,7 +166,13 @@ class PlanOptions:
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
                     if "optimizer" in self.offload else None,
-                    offload_activations=True if "activations" in self.offload else None)
+                    offload_activations=True if "activations" in self.offload else None,
+                    **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)))
+
+    def recompute_choices(self) -> dict:
+        """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
+        the block method's layers itself)."""
+        return {} if self.recompute_method is None else dict(recompute_method=self.recompute_method)
 
     def config(self) -> tuple[ModelPreset, Config]:
         """The preset and the checked config of one plan."""
@@ -185,7 +193,8 @@ class PlanOptions:
                           zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
                           last_stage_layers=self.last_stage_layers),
             training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
-                          recompute_num_layers=self.recompute_num_layers, **self.training_settings()),
+                          recompute_num_layers=self.recompute_num_layers, **self.recompute_choices(),
+                          **self.training_settings()),
             model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
             gpus=self.gpus,
             whole_model_per_rank=self.impl.startswith("hf-"),

@@ -165,6 +165,9 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    if opts.recompute_method is not None:
+        raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
+                           "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")
     if opts.mst not in (None, 1) and opts.preset() is None:
         raise MemplanError("search --mst needs --model (MsT is modelled for the Llama layout)")
     fixed = fixed_from(

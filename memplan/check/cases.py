@@ -67,6 +67,7 @@ class ValidationCase:
     lora: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+    modules: tuple[str, ...] = ("core_attn",)  # selective recompute: Megatron-LM's --recompute-modules
 
     @property
     def layers(self) -> int:
@@ -125,14 +126,16 @@ MCORE_SHAPE = dict(s=32, b=2, h=64, a=4)  # every megatron-core case; llama: g =
 
 
 def mcore_case(arch: str, t: int = 1, sp: bool = False, recompute: str = "none", scope: str = "layer",
-               backend: str = "ledger") -> ValidationCase:
+               backend: str = "ledger", modules: tuple[str, ...] = ("core_attn",)) -> ValidationCase:
     """One megatron-core local-spec case (validation/mcore.py): GPT (LayerNorm, GeLU, learned positions,
     dropout 0.1) or Llama-like (RMSNorm, SwiGLU, RoPE, GQA 4 heads / 2 groups, f = 160, no dropout);
     scope "model" is a 2-layer GPTModel with its loss."""
     llama = arch == "llama"
-    return ValidationCase(f"mcore {arch}", scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
+    name = f"mcore {arch}" + (f" recompute {'+'.join(modules) or 'no module'}" if modules != ("core_attn",) else "")
+    return ValidationCase(name, scope, MCORE_SHAPE["s"], MCORE_SHAPE["b"], MCORE_SHAPE["h"],
                           MCORE_SHAPE["a"], 160 if llama else None, t, sp, recompute, backend, v=256, L=2,
-                          impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1)
+                          impl="megatron-local", arch=arch, g=2 if llama else None, dropout=0.0 if llama else 0.1,
+                          modules=modules)
 
 
 def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none", "selective", "full"),
@@ -150,6 +153,10 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                         cases.append(mcore_case(arch, t, sp, rec, scope))
                         if arch == "gpt" and t == 1:
                             cases.append(mcore_case(arch, t, sp, rec, scope, "live"))
+    if "selective" in recomputes and "layer" in scopes:  # Megatron-LM's --recompute-modules (inventory/recompute.py)
+        # "mlp" on the Llama-like layer only: with biases megatron-core 0.16.1's MLP checkpoint recurses in backward
+        cases += [mcore_case(arch, 1, False, "selective", modules=m) for arch in archs
+                  for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp")) if arch == "llama" or "mlp" not in m]
     if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
         cases += mcore_moe_cases()
         if 2 in tps:

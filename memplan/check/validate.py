@@ -24,6 +24,7 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory import lora as lora_inventory
 from memplan.inventory.mcore import QKV_TERMS
+from memplan.inventory.recompute import apply_modules
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.inventory.types import CUDA_BLOCK_BYTES
 from memplan.memory.stage import stage_memory
@@ -111,8 +112,8 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     `allocated`: each storage rounded up as the device's allocator does (what it reports)."""
     model = case_model(case)
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
-                    training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
-    inv = assemble.inventory_for(model, case.impl, device)
+                    training=TrainingSpec(micro_batch=case.b, recompute=case.recompute, recompute_modules=case.modules))
+    inv = apply_modules(assemble.inventory_for(model, case.impl, device), model, case.impl, case.modules)
     if case.lora:  # peft LoRA (memplan/inventory/lora.py)
         lora = TrainingSpec(lora_rank=case.lora, lora_targets=case.lora_targets or None, lora_dropout=case.lora_dropout)
         inv = lora_inventory.apply(inv, model, case.impl, device, lora)
@@ -146,7 +147,7 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
         mcore = importlib.import_module(pkg.__name__ + ".mcore")
         measured = mcore.measure_mcore([mcore.McoreCase(
             arch=c.arch, s=c.s, b=c.b, h=c.h, a=c.a, f=c.f, g=c.g, v=c.v, L=c.layers, t=c.t, sp=c.sp,
-            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend,
+            recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend, modules=c.modules,
             **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
                     capacity=c.capacity, pad=c.pad, aux_loss=c.aux_loss, z_loss=c.z_loss, router_dtype=c.router_dtype,
                     pre_softmax=c.pre_softmax, gelu=c.gelu) if c.experts else {}),

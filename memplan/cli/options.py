@@ -118,6 +118,13 @@ def plan_options(func: Callable) -> Callable:
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
+        click.option("--recompute-modules", metavar="NAMES",
+                     help="Selective recompute of these submodules (Megatron-LM --recompute-modules, comma or space "
+                          "separated): core_attn (default), layernorm, mlp; moe_act, moe, shared_experts and "
+                          "mla_up_proj are Megatron-LM's too, not modelled."),
+        click.option("--recompute-method", type=click.Choice(["uniform", "block"]),
+                     help="Full recompute (Megatron-LM --recompute-method): block with --recompute-num-layers N, "
+                          "uniform one layer per checkpoint."),
         click.option("--micro-batch", type=INT, help="Micro-batch size b."),
         click.option("--global-batch", type=INT, help="Global batch in sequences per step."),
         click.option("--global-batch-tokens", callback=_tokens, metavar="TOKENS",

@@ -89,6 +89,11 @@ def parse_optimizer(value: Any) -> str:
     return name
 
 
+# megatron-core 0.16.1's selective recompute modules (TransformerConfig.recompute_modules) and its default
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+
+
 class TrainingSpec(Spec):
     """Batch, recompute and the byte size of every stored number."""
 
@@ -98,6 +103,13 @@ class TrainingSpec(Spec):
     recompute_num_layers: Optional[int] = Field(
         default=None, gt=0, description="with full recompute: layers per model chunk recomputed (default all)"
     )
+    recompute_modules: tuple[str, ...] = Field(
+        default=DEFAULT_RECOMPUTE_MODULES, description="with selective recompute: the submodules recomputed "
+        "(Megatron-LM --recompute-modules; default core_attn; memplan/inventory/recompute.py)")
+    recompute_method: Optional[Literal["uniform", "block"]] = Field(
+        default=None, description="with full recompute: Megatron-LM --recompute-method (block: the first "
+        "recompute_num_layers layers of each chunk; uniform: every layer, one per checkpoint); default block with "
+        "recompute_num_layers, else uniform")
     activation_bytes: int = Field(default=2, gt=0, description="16-bit activations (K22 section 4)")
     weight_bytes: int = Field(default=2, gt=0, description="bf16 model weights")
     grad_bytes: int = Field(default=4, gt=0, description="fp32 main gradients (Megatron-LM bf16 training)")
@@ -179,6 +191,33 @@ class TrainingSpec(Spec):
     @classmethod
     def _recompute(cls, value: Any) -> Recompute:
         return Recompute.parse(value)
+
+    @field_validator("recompute_modules", mode="before")
+    @classmethod
+    def _recompute_modules(cls, value: Any) -> tuple[str, ...]:
+        """Megatron-LM's module names (megatron-core 0.16.1 TransformerConfig.recompute_modules), each once."""
+        items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+        for item in items:
+            if item not in RECOMPUTE_MODULES:
+                raise ValueError(f"recompute_modules takes {', '.join(RECOMPUTE_MODULES)} (got {echo(item)})")
+        return tuple(dict.fromkeys(items))
+
+    @model_validator(mode="after")
+    def _recompute_method(self) -> "TrainingSpec":
+        """Megatron-LM's --recompute-method as modelled: block recomputes --recompute-num-layers layers per chunk;
+        uniform with one layer per checkpoint is every layer (N > 1 layers per checkpoint is not modelled)."""
+        if self.recompute_method is None:
+            return self
+        if self.recompute != Recompute.FULL:
+            raise ValueError("recompute_method applies to full recompute")
+        if self.recompute_method == "block" and self.recompute_num_layers is None:
+            raise ValueError("recompute_method block needs recompute_num_layers (the layers recomputed per chunk)")
+        if self.recompute_method == "uniform" and self.recompute_num_layers not in (None, 1):
+            raise ValueError("recompute_method uniform is modelled with one layer per checkpoint "
+                             "(recompute_num_layers 1), not several layers per checkpoint")
+        if self.recompute_method == "uniform":
+            object.__setattr__(self, "recompute_num_layers", None)  # every layer, each its own checkpoint
+        return self
 
     @field_validator("mst", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from memplan.inventory.k22 import (
 from memplan.inventory.mcore import mcore_local_inventory
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
+from memplan.inventory.recompute import apply_modules
 from memplan.inventory.traced import traced_inventory
 from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
 
@@ -113,9 +114,11 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
 
 def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
     """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
-    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
+    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch) and
+    selective recompute's modules (memplan/inventory/recompute.py)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
                               minis.pieces_for(model, training, impl))
+    inventory = apply_modules(inventory, model, impl, training.recompute_modules)
     if training.lora_rank:  # peft LoRA / QLoRA (memplan/inventory/lora.py)
         inventory = adapters.apply(inventory, model, impl, device, training)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":

@@ -15,7 +15,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import echo
 from memplan.core.specs import Config
-from memplan.core.training import PRECISIONS, Recompute
+from memplan.core.training import DEFAULT_RECOMPUTE_MODULES, PRECISIONS, Recompute
 from memplan.inventory.chunked_loss import launch_note as loss_chunks_note
 from memplan.inventory.fp8 import launch_args as fp8_launch_args
 
@@ -121,10 +121,12 @@ def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
     if m.is_moe and par.expert_tp != par.tp:
         args.append(f"--expert-tensor-parallel-size {par.expert_tp}")
     if tr.recompute == Recompute.SELECTIVE:
-        args.append("--recompute-granularity selective")  # recomputes core_attn, Megatron-LM's default module
+        args.append("--recompute-granularity selective")
+        if tr.recompute_modules != DEFAULT_RECOMPUTE_MODULES:  # Megatron-LM's default: core_attn
+            args.append(f"--recompute-modules {' '.join(tr.recompute_modules)}")
     elif tr.recompute == Recompute.FULL:
         n = tr.recompute_num_layers
-        if n is None or n == config.layers_per_chunk:
+        if n is None or (n == config.layers_per_chunk and tr.recompute_method != "block"):
             args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
         else:
             args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {n}"]

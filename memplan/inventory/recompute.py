@@ -1,0 +1,73 @@
+"""Megatron-LM's selective recompute modules (`--recompute-modules`) as a rewrite of an inventory's recompute flags.
+
+An inventory marks what selective recompute drops as the attention core (`core_attn`, Megatron-LM's default module:
+Term.dropped_by_selective) and what only its checkpoint keeps (Term.only_selective). With other modules chosen,
+`apply_modules` moves those flags so that "selective" means the chosen modules, as megatron-core 0.16.1 runs them
+(transformer_layer.py, measured on CPU per term: validation/mcore.py, tests/test_validate_mcore_recompute.py):
+
+- "layernorm": both norms run in a CheckpointWithoutOutput under no_grad: their own saved tensors (statistics; on
+  CPU RMSNorm's fp32 copies) are gone, their outputs (the QKV projection's and the first MLP linear's saved inputs)
+  are freed after use (`discard_output_and_register_recompute`), and the checkpoint keeps the norms' inputs (the layer
+  input and the residual after the attention);
+- "mlp": the dense MLP runs in a CheckpointFunction that keeps its input (the second norm's output, which the first
+  MLP linear saves anyway) and none of the MLP's own tensors; the dropout after it is outside the checkpoint.
+
+The MoE and MLA modules (moe_act, moe, shared_experts, mla_up_proj) are not modelled here: they are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.training import DEFAULT_RECOMPUTE_MODULES
+from memplan.inventory.types import Inventory, Term, saved
+
+MODELLED = ("core_attn", "layernorm", "mlp")
+MEGATRON_IMPLS = ("megatron", "megatron-local")
+# what each module drops (term ids of memplan/inventory/k22.py and mcore.py)
+DROPS = {
+    "layernorm": ("ln1_stats", "ln2_stats", "ln1_fp32_input", "ln1_normed", "ln2_fp32_input", "ln2_normed",
+                  "qkv_input", "fc1_input"),
+    "mlp": ("gelu_input", "fc2_input", "swiglu_input", "swiglu_up", "swiglu_silu_out"),
+}
+NORM_INPUTS = ("ln1_input", "ln2_input")
+SRC = "megatron-core 0.16.1 CheckpointWithoutOutput around the norms (selective recompute 'layernorm')"
+
+
+def apply_modules(inv: Inventory, model: ModelSpec, impl: str, modules: Iterable[str]) -> Inventory:
+    """`inv` with selective recompute meaning Megatron-LM's `modules` (the default, core_attn: unchanged)."""
+    modules = tuple(modules)
+    if modules == DEFAULT_RECOMPUTE_MODULES:
+        return inv
+    if impl not in MEGATRON_IMPLS:
+        raise MemplanError(f"--recompute-modules is Megatron-LM's: it applies to --impl megatron / megatron-local, "
+                           f"not --impl {impl}")
+    other = [m for m in modules if m not in MODELLED]
+    if other:
+        raise MemplanError(f"--recompute-modules {' '.join(other)}: not modelled (modelled: {', '.join(MODELLED)})")
+    if (model.is_moe or model.is_mla) and set(modules) & {"layernorm", "mlp"}:
+        raise MemplanError("--recompute-modules layernorm / mlp are modelled for dense layers with standard "
+                           "attention (not MoE or MLA layers)")
+    drops = {i for m in modules for i in DROPS.get(m, ())}
+    terms: list[Term] = []
+    for t in inv.terms:
+        if t.scope == "layer":
+            if "core_attn" not in modules and t.only_selective:
+                continue  # the attention checkpoint's own inputs: no such checkpoint
+            if "core_attn" not in modules and t.dropped_by_selective:
+                t = dataclasses.replace(t, dropped_by_selective=False)
+            if t.id in drops:
+                t = dataclasses.replace(t, dropped_by_selective=True)
+            if "layernorm" in modules and t.id in NORM_INPUTS and t.only_full:
+                # kept by the norm checkpoint as by the full-recompute one, by nothing without recompute
+                t = dataclasses.replace(t, only_full=False, only_selective=True, kept_by_full=True,
+                                        source=f"{t.source}; {SRC}")
+        terms.append(t)
+    ids = {t.id for t in terms}
+    if "layernorm" in modules and "ln2_input" not in ids:
+        terms.append(saved("ln2_input", "input of norm 2 (kept by the norm checkpoint)", "layer norms", "s b h",
+                           sp=True, k22=False, only_selective=True, src=SRC))
+    return dataclasses.replace(inv, terms=tuple(terms), name=f"{inv.name}/recompute-{'+'.join(modules) or 'none'}")
