@@ -68,7 +68,8 @@ def _optimizer_notes(result: SearchResult) -> list[str]:
     """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
     if result.training.optimizer == "adamw":
         return []
-    impl = optimizer_impl(result.training, training_inventory(result.model, result.impl, "cuda", result.training))
+    inventory = training_inventory(result.model, result.impl, result.training.device, result.training)
+    impl = optimizer_impl(result.training, inventory)
     return optimizer_notes(result.training, impl, pinned=True)
 
 
@@ -109,7 +110,7 @@ class PreparedSearch:
                                   opts.alloc_conf) for r in results]
         launch = {}
         if self.emit == "megatron":
-            launch = {r.model.name: megatron_launch(r.config(r.top[0])) for r in results if r.top}
+            launch = {r.model.name: megatron_launch(r.config(r.top[0]), r.impl) for r in results if r.top}
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:
             p, gpu_note, asked_s = by_name[r.model.name]

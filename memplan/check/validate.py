@@ -20,7 +20,9 @@ from memplan.core.harness import harness
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
+from memplan.core.training import FUSIONS
 from memplan.inventory import assemble
+from memplan.inventory.fusions import apply_fusions
 from memplan.inventory.mcore import QKV_TERMS
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.inventory.types import CUDA_BLOCK_BYTES
@@ -107,6 +109,8 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute))
     inv = assemble.inventory_for(model, case.impl, device)
+    if case.impl == "megatron-local":  # validation/mcore.py runs megatron-core with every fusion off
+        inv = apply_fusions(inv, model, case.impl, device, FUSIONS)
     scopes = ("layer", "chunk") if case.scope == "layer" else ("layer", "chunk", "first", "last")
     terms = tuple(t for t in inv.terms if t.scope in scopes and (t.in_k22 or not paper_only))
     stage = stage_memory(model, terms, config.training, PlanValues.from_config(config), 0, working_set=False,

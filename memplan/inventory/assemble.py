@@ -13,6 +13,7 @@ from memplan.core.model import ModelSpec
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
+from memplan.inventory.fusions import apply_fusions
 from memplan.inventory.hf import hf_inventory
 from memplan.inventory.k22 import (
     causal_mask_term,
@@ -107,10 +108,12 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
 
 
 def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
-    """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
-    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch)."""
+    """`inventory_for` with what the training settings change in it: the loss chunks, FP8, MsT's pieces
+    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch) and
+    the Megatron-LM fusions switched off (memplan/inventory/fusions.py)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
                               minis.pieces_for(model, training, impl))
+    inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")

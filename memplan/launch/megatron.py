@@ -62,8 +62,9 @@ class Launch:
         return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
 
 
-def megatron_launch(config: Config) -> Launch:
-    """The plan as Megatron-LM arguments, environment and notes."""
+def megatron_launch(config: Config, impl: str = "megatron") -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes; `impl` megatron-local is --transformer-impl local
+    (transformer_engine, the default, gets no flag)."""
     m, par, tr = config.model, config.parallel, config.training
     notes: list[str] = []
     args = [
@@ -92,7 +93,7 @@ def megatron_launch(config: Config) -> Launch:
         args += ["--attention-dropout 0.0", "--hidden-dropout 0.0"]
     if m.qk_norm:
         args.append("--qk-layernorm")
-    args += _latent_attention(config) + _experts(config)
+    args += _latent_attention(config) + _experts(config) + _kernels(config, impl)
     args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
     args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
     if par.sp:
@@ -120,7 +121,9 @@ def megatron_launch(config: Config) -> Launch:
             args.append(f"--num-distributed-optimizer-instances {par.dp // par.shard}")
     if par.zero >= 2:
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
-                 "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
+                 "--ckpt-format fsdp_dtensor"]
+        if "gradient-accumulation" not in tr.fusions_off:  # else _kernels gives it
+            args.append("--no-gradient-accumulation-fusion")
     muon = tr.optimizer == "muon" and par.zero == 0
     if par.dp > 1 and not muon:  # Megatron-LM's Muon refuses to overlap them (arguments.py, below)
         args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
@@ -192,9 +195,16 @@ def _experts(config: Config) -> list[str]:
     return args
 
 
-def megatron_args(config: Config) -> list[str]:
+def megatron_args(config: Config, impl: str = "megatron") -> list[str]:
     """The plan as Megatron-LM command-line arguments ("--flag value" strings)."""
-    return megatron_launch(config).args
+    return megatron_launch(config, impl).args
+
+
+def _kernels(config: Config, impl: str) -> list[str]:
+    """--transformer-impl local for megatron-core's local spec, and the fusions switched off (memplan/inventory/
+    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false)."""
+    args = ["--transformer-impl local"] if impl == "megatron-local" else []
+    return args + [f"--no-{name}-fusion" for name in config.training.fusions_off]
 
 
 def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
