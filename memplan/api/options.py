@@ -107,6 +107,9 @@ class PlanOptions:
                 raise MemplanError(f"--transformer-impl {self.transformer_impl} is --impl {impl}; it conflicts with "
                                    f"--impl {self.impl}")
             self.impl = impl
+        if self.device == "cpu" and self.impl == "megatron":
+            raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on "
+                               "CUDA only: --device cpu takes --impl megatron-local (--transformer-impl local)")
 
     @property
     def fusions_off(self) -> tuple[str, ...]:

@@ -49,11 +49,8 @@ def apply_fusions(inv: Inventory, model: ModelSpec, impl: str, device: str, off:
                            f"megatron-local, not --impl {impl}")
     if impl not in MEGATRON_IMPLS:
         return inv
-    if device == "cpu" and impl == "megatron":
-        raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on CUDA "
-                           "only: --device cpu takes --impl megatron-local (--transformer-impl local)")
     if device == "cpu":  # torch's CPU kernels: the fused wgrad is a CUDA kernel; the rest is unfused already
-        return dataclasses.replace(inv, grad_hook_transient=True)
+        return dataclasses.replace(inv, grad_hook_transient=impl == "megatron-local" or inv.grad_hook_transient)
     terms = list(inv.terms)
     ids = {t.id for t in terms}
     if "masked-softmax" in off and impl == "megatron-local" and "causal_mask" not in ids:
