@@ -39,6 +39,13 @@ from memplan.inventory.mcore import MCORE, rope_cos_sin_term, unfused_swiglu
 from memplan.inventory.types import Inventory
 
 MEGATRON_IMPLS = ("megatron", "megatron-local")
+INFO = ("--device cpu|cuda, --transformer-impl local|transformer_engine, --no-<name>-fusion (masked-softmax, bias-gelu, "
+        "bias-swiglu, bias-dropout, rope, gradient-accumulation; --impl megatron*): Megatron-LM's names and defaults "
+        "(every fusion on). Unfused, megatron-core keeps the causal mask (local spec only), SwiGLU's x + offset and "
+        "SiLU output, rotary cos / sin per layer, each bf16 weight gradient until DDP's hook adds it; bias-gelu and "
+        "bias-dropout keep the same bytes. The tensors are measured on CPU (validation/mcore.py runs megatron-core "
+        "unfused); their CUDA use is DERIVED from megatron-core 0.16.1 code, NOT MEASURED on a GPU "
+        "(memplan/inventory/fusions.py)")
 DERIVED = f"{MCORE} with the Megatron-LM fusion switched off, derived from code, not measured"
 
 

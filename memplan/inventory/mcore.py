@@ -26,8 +26,11 @@ On CUDA (`device="cuda"`) Megatron-LM's defaults (`--masked-softmax-fusion`, `--
 `--bias-swiglu-fusion`, `--bias-dropout-fusion`: all on) change that; derived from code, not measured:
 the fused upper-triangular softmax (megatron/core/fusions/fused_softmax.py ScaledUpperTriangMaskedSoftmax)
 builds no mask; the fused SwiGLU (fusions/fused_bias_swiglu.py SwiGLUFunction) saves only its input;
-dropout masks are 1 byte, LayerNorm statistics fp32, and torch's fused RMSNorm kernel
-(aten::_fused_rms_norm) keeps the input and an fp32 rstd.
+dropout masks are 1 byte, LayerNorm statistics fp32, torch's fused RMSNorm kernel
+(aten::_fused_rms_norm) keeps the input and an fp32 rstd, and TE's fused RoPE (`--rope-fusion`,
+rope_utils.apply_rotary_pos_emb -> fused_apply_rotary_pos_emb) keeps no per-layer cos / sin.
+Megatron-LM's --no-<name>-fusion switches turn these back to the unfused code's tensors
+(memplan/inventory/fusions.py).
 """
 
 from __future__ import annotations
