@@ -67,3 +67,14 @@ def test_bad_combinations(run_cli, extra, fragment):
     code, _, err = run_cli("estimate", "--model", "llama3-8b", *extra)
     assert code == 2 and fragment in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_search_emits_what_was_chosen(run_cli):
+    code, out, err = run_cli("search", "--model", "llama3-8b", "--gpus", "8", "--mem", "80GB", "--top", "1",
+                             "--transformer-impl", "local", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+                             "--emit", "megatron", "--emit-only")
+    assert code == 0, err
+    lines = out.replace(" \\", "").splitlines()
+    assert {"--transformer-impl local", "--no-rope-fusion", "--no-gradient-accumulation-fusion"} <= set(lines)
+    assert not [line for line in lines if line in ("--no-bias-swiglu-fusion", "--no-masked-softmax-fusion")]
+    assert not [line for line in lines if line.startswith("--attention-backend")]  # the local spec's own attention

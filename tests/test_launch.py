@@ -356,7 +356,7 @@ def assert_one_line_error(code, err, fragment):
     (["--emit", "megatron", "--emit-only", "--json"], "conflicts with --format json"),
     (["--emit", "megatron", "--emit-only", "--format", "markdown"], "conflicts with --format markdown"),
     (["--emit", "megatron", "--format", "csv"], "--emit megatron cannot follow CSV"),
-    (["--emit", "megatron", "--impl", "hf-eager"], "plan it with --impl megatron"),
+    (["--emit", "megatron", "--impl", "hf-eager"], "plan it with --impl megatron or megatron-local"),
 ])
 def test_bad_combinations(run_cli, extra, fragment):
     code, out, err = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", *extra)

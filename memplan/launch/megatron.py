@@ -94,7 +94,8 @@ def megatron_launch(config: Config, impl: str = "megatron") -> Launch:
     if m.qk_norm:
         args.append("--qk-layernorm")
     args += _latent_attention(config) + _experts(config) + _kernels(config, impl)
-    args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
+    if impl != "megatron-local":  # the local spec runs its own DotProductAttention whatever the backend says
+        args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
     args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
     if par.sp:
         args.append("--sequence-parallel")
