@@ -78,9 +78,15 @@ def test_unfused_cuda_terms_are_what_megatron_core_keeps(t1_results):
     # CUDA are the unfused code's, which megatron-core runs on CPU here: in the CUDA inventory with every fusion off
     # (validate's prediction for megatron-local on CUDA) each must have the measured bytes of the Llama-like layer;
     # removing any of them from memplan/inventory/fusions.py fails here. The fused default has none of them.
-    r = next(r for r in t1_results if r.case.arch == "llama" and r.case.scope == "layer" and r.case.recompute == "none")
-    cuda = predict(r.case, "cuda")
-    fused = {t.id for t in inventory_for(case_model(r.case), "megatron-local", "cuda").terms}
-    for term_id in ("causal_mask", "swiglu_up", "swiglu_silu_out", "rope_cos_sin"):
-        assert r.measured[term_id] > 0 and cuda[term_id] == r.measured[term_id], term_id
-        assert term_id not in fused, term_id
+    # Selective and full recompute likewise (full keeps only the chunk's causal mask of them).
+    unfused = ("causal_mask", "swiglu_up", "swiglu_silu_out", "rope_cos_sin")
+    kept = {"none": set(unfused), "selective": set(unfused), "full": {"causal_mask"}}
+    cases = [r for r in t1_results if r.case.arch == "llama" and r.case.scope == "layer"]
+    assert sorted(r.case.recompute for r in cases) == ["full", "none", "selective"]
+    for r in cases:
+        cuda = predict(r.case, "cuda")
+        fused = {t.id for t in inventory_for(case_model(r.case), "megatron-local", "cuda").terms}
+        assert {k for k in unfused if r.measured.get(k, 0) > 0} == kept[r.case.recompute], r.case.name
+        for term_id in unfused:
+            assert cuda.get(term_id, 0) == r.measured.get(term_id, 0), (r.case.recompute, term_id)
+            assert term_id not in fused, term_id
