@@ -78,3 +78,14 @@ def test_search_emits_what_was_chosen(run_cli):
     assert {"--transformer-impl local", "--no-rope-fusion", "--no-gradient-accumulation-fusion"} <= set(lines)
     assert not [line for line in lines if line in ("--no-bias-swiglu-fusion", "--no-masked-softmax-fusion")]
     assert not [line for line in lines if line.startswith("--attention-backend")]  # the local spec's own attention
+
+
+def test_api_takes_the_same_options():
+    from memplan import estimate
+    from memplan.core.errors import MemplanError
+
+    got = estimate("llama3-8b", tp=8, transformer_impl="local", no_masked_softmax_fusion=True)
+    assert got.estimate.inventory.name == "megatron-local/eager/cuda/no-fusion:masked-softmax"
+    assert "causal_mask" in {row.term.id for row in got.estimate.rows}
+    with pytest.raises(MemplanError, match="unknown --transformer-impl"):
+        estimate("llama3-8b", tp=8, transformer_impl="te")
