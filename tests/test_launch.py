@@ -12,7 +12,7 @@ import pytest
 from memplan.launch.megatron import CONNECTIONS, megatron_args, megatron_launch
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
-from memplan.core.training import TrainingSpec
+from memplan.core.training import FUSIONS, TrainingSpec
 
 # Every flag memplan can emit, as Megatron-LM's own argument parser defines it: None for a switch
 # (store_true / store_false, no value), a type for a value, a tuple for its choices. Transcribed from
@@ -54,6 +54,15 @@ MEGATRON_FLAGS = {
     "--use-megatron-fsdp": None,
     "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "--no-gradient-accumulation-fusion": None,
+    # kernels and fusions (memplan/launch/megatron.py _kernels): arguments.py _add_training_args at core_v0.16.1
+    # (store_false switches); --transformer-impl is TransformerConfig.transformer_impl made a flag by
+    # ArgumentGroupFactory (arguments.py:1621; transformer_config.py:880: 'local', 'transformer_engine', ...)
+    "--transformer-impl": ("local", "transformer_engine"),
+    "--no-masked-softmax-fusion": None,
+    "--no-bias-gelu-fusion": None,
+    "--no-bias-swiglu-fusion": None,
+    "--no-bias-dropout-fusion": None,
+    "--no-rope-fusion": None,
     "--ckpt-format": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
     "--overlap-grad-reduce": None,
     "--overlap-param-gather": None,
@@ -190,6 +199,7 @@ GRID = [
                 moe_router_pre_softmax=True), dp=2),  # the router's options
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
+    config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS),  # every fusion off; ZeRO 2 also turns gradient accumulation's off
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
     config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]
@@ -239,7 +249,7 @@ def test_fp8_flags_and_chunked_loss_note():
 
 
 def test_grid_covers_every_flag_memplan_emits():
-    emitted = set().union(*(flags(megatron_args(c)) for c in GRID))
+    emitted = set().union(*(flags(megatron_args(c)) for c in GRID), flags(megatron_args(GRID[0], "megatron-local")))
     assert emitted == set(MEGATRON_FLAGS), set(MEGATRON_FLAGS) ^ emitted
 
 
@@ -379,7 +389,7 @@ def assert_one_line_error(code, err, fragment):
     (["--emit", "megatron", "--emit-only", "--json"], "conflicts with --format json"),
     (["--emit", "megatron", "--emit-only", "--format", "markdown"], "conflicts with --format markdown"),
     (["--emit", "megatron", "--format", "csv"], "--emit megatron cannot follow CSV"),
-    (["--emit", "megatron", "--impl", "hf-eager"], "plan it with --impl megatron"),
+    (["--emit", "megatron", "--impl", "hf-eager"], "plan it with --impl megatron or megatron-local"),
 ])
 def test_bad_combinations(run_cli, extra, fragment):
     code, out, err = run_cli("search", "--model", "gpt-22b", "--gpus", "8", "--mem", "80GB", *extra)
@@ -425,3 +435,12 @@ def test_experts_and_latent_attention_flags():
     # the latent norms (memplan/inventory/mla.py) and the config.json's num_nextn_predict_layers = 1
     assert "--qk-layernorm" in got and got["--mtp-num-layers"] == "1"
     assert not {"--num-experts", "--multi-latent-attention", "--moe-layer-freq"} & set(flags(megatron_args(config())))
+
+
+def test_kernels_flags():
+    # --transformer-impl local for megatron-core's local spec; each fusion switched off by its own flag, once
+    args = megatron_args(config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS), "megatron-local")
+    assert "--transformer-impl local" in args
+    assert [a for a in args if a.endswith("-fusion")] == [f"--no-{name}-fusion" for name in FUSIONS]
+    # Megatron-LM's defaults: Transformer Engine, every fusion on: no flag
+    assert not [a for a in megatron_args(config(LLAMA, dp=8)) if a.endswith("-fusion") or "transformer-impl" in a]

@@ -14,7 +14,8 @@ pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
 from memplan.check.cases import mcore_case  # noqa: E402
-from memplan.check.validate import run  # noqa: E402
+from memplan.check.validate import case_model, predict, run  # noqa: E402
+from memplan.inventory.assemble import inventory_for  # noqa: E402
 
 T1 = [mcore_case("gpt", recompute=r) for r in ("none", "selective", "full")] + [
     mcore_case("gpt", scope="model", backend="live"),
@@ -70,3 +71,22 @@ def test_every_term_is_checked(monkeypatch, t1_results, t2_results):
     # attn_mask_type is 4 bytes per layer: within 0.01 % of any case
     assert set(unchecked) <= {"attn_mask_type"}, unchecked
 
+
+
+def test_unfused_cuda_terms_are_what_megatron_core_keeps(t1_results):
+    # The tensors Megatron-LM's --no-masked-softmax-fusion / --no-bias-swiglu-fusion / --no-rope-fusion keep on
+    # CUDA are the unfused code's, which megatron-core runs on CPU here: in the CUDA inventory with every fusion off
+    # (validate's prediction for megatron-local on CUDA) each must have the measured bytes of the Llama-like layer;
+    # removing any of them from memplan/inventory/fusions.py fails here. The fused default has none of them.
+    # Selective and full recompute likewise (full keeps only the chunk's causal mask of them).
+    unfused = ("causal_mask", "swiglu_up", "swiglu_silu_out", "rope_cos_sin")
+    kept = {"none": set(unfused), "selective": set(unfused), "full": {"causal_mask"}}
+    cases = [r for r in t1_results if r.case.arch == "llama" and r.case.scope == "layer"]
+    assert sorted(r.case.recompute for r in cases) == ["full", "none", "selective"]
+    for r in cases:
+        cuda = predict(r.case, "cuda")
+        fused = {t.id for t in inventory_for(case_model(r.case), "megatron-local", "cuda").terms}
+        assert {k for k in unfused if r.measured.get(k, 0) > 0} == kept[r.case.recompute], r.case.name
+        for term_id in unfused:
+            assert cuda.get(term_id, 0) == r.measured.get(term_id, 0), (r.case.recompute, term_id)
+            assert term_id not in fused, term_id

@@ -102,7 +102,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     launch = None
     if emit:
         expandable_fits = result.reserved.expandable_fits if result.reserved is not None else None
-        launch = launch_for(config, emit, opts.replay().launch_conf(expandable_fits))
+        launch = launch_for(config, emit, opts.impl, opts.replay().launch_conf(expandable_fits))
     return EstimateResult(result, config, preset, limits, launch)
 
 

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from memplan.api.values import Size, bounded_count, budget_bytes, finite, mst_pieces, token_count
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.core.spec_base import describe_validation_error
+from memplan.core.spec_base import describe_validation_error, echo
+from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.traced_file import check_traced_file
@@ -23,7 +24,9 @@ from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
 from memplan.presets.hf_config import read_hf_config
 
-ASSUMED_GPU = "a100-80gb"  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
+ASSUMED_GPU = "a100-80gb"
+# Megatron-LM --transformer-impl (TransformerConfig.transformer_impl, default transformer_engine) -> memplan's --impl
+TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"}  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
 
 
 @dataclass
@@ -92,6 +95,15 @@ class PlanOptions:
     first_step_seq_len: Optional[int] = None
     gpu: Optional[str] = None
     mem: Size = None
+    # whose kernels and which Megatron-LM fusions (memplan/inventory/fusions.py): Megatron-LM's names and defaults
+    device: Optional[str] = None
+    transformer_impl: Optional[str] = None
+    no_masked_softmax_fusion: Optional[bool] = None
+    no_bias_gelu_fusion: Optional[bool] = None
+    no_bias_swiglu_fusion: Optional[bool] = None
+    no_bias_dropout_fusion: Optional[bool] = None
+    no_rope_fusion: Optional[bool] = None
+    no_gradient_accumulation_fusion: Optional[bool] = None
 
     def replay(self) -> Replay:
         """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
@@ -106,6 +118,24 @@ class PlanOptions:
         self.global_batch_tokens = token_count(self.global_batch_tokens)
         self.mst = mst_pieces(self.mst)
         self.offload = (self.offload,) if isinstance(self.offload, str) else tuple(self.offload or ())
+        if self.transformer_impl is not None:
+            impl = TRANSFORMER_IMPLS.get(self.transformer_impl)
+            if impl is None:
+                raise MemplanError(f"unknown --transformer-impl {echo(self.transformer_impl)}; known: "
+                                   f"{', '.join(TRANSFORMER_IMPLS)}")
+            if self.impl not in ("megatron", impl):
+                raise MemplanError(f"--transformer-impl {self.transformer_impl} is --impl {impl}; it conflicts with "
+                                   f"--impl {self.impl}")
+            self.impl = impl
+        if self.device == "cpu" and self.impl == "megatron":
+            raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on "
+                               "CUDA only: --device cpu takes --impl megatron-local (--transformer-impl local)")
+
+    @property
+    def fusions_off(self) -> tuple[str, ...]:
+        """The Megatron-LM fusions switched off (memplan/core/training.py FUSIONS), from the --no-<name>-fusion
+        options."""
+        return tuple(name for name in FUSIONS if getattr(self, f"no_{name.replace('-', '_')}_fusion"))
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["PlanOptions", dict[str, Any]]:
@@ -167,7 +197,8 @@ class PlanOptions:
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
                     if "optimizer" in self.offload else None,
                     offload_activations=True if "activations" in self.offload else None,
-                    **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)))
+                    **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
+                    device=self.device, fusions_off=self.fusions_off or None)
 
     def recompute_choices(self) -> dict:
         """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses

@@ -68,7 +68,8 @@ def _optimizer_notes(result: SearchResult) -> list[str]:
     """What a search says about its (pinned) optimizer: implementation and the source of its figures."""
     if result.training.optimizer == "adamw":
         return []
-    impl = optimizer_impl(result.training, training_inventory(result.model, result.impl, "cuda", result.training))
+    inventory = training_inventory(result.model, result.impl, result.training.device, result.training)
+    impl = optimizer_impl(result.training, inventory)
     return optimizer_notes(result.training, impl, pinned=True)
 
 
@@ -142,7 +143,7 @@ class PreparedSearch:
                 if refusal:
                     r.notes.append(refusal)
                 elif r.top:
-                    launch[r.model.name] = launch_for(r.config(r.top[0]), self.emit,
+                    launch[r.model.name] = launch_for(r.config(r.top[0]), self.emit, r.impl,
                                                       opts.replay().launch_conf())
         by_name = {p.model.name: (p, note, req[0].seq_length) for p, (_, note), req in zip(self.presets, gpu_of, requests)}
         for r in results:

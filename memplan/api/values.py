@@ -73,6 +73,6 @@ def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> No
     if emit and mst not in (None, 1):
         raise MemplanError(f"--emit {emit} cannot express --mst: Megatron-LM has no mini-sequence MLP / LM head "
                            "(MsT is modelled for transformers models, --impl hf-*)")
-    if emit and impl != "megatron":
-        raise MemplanError(f"--emit {emit} launches Megatron-LM: plan it with --impl megatron (got --impl "
-                           f"{impl}, whose memory differs)")
+    if emit and impl not in ("megatron", "megatron-local"):  # megatron-local: --transformer-impl local
+        raise MemplanError(f"--emit {emit} launches Megatron-LM: plan it with --impl megatron or megatron-local "
+                           f"(got --impl {impl}, whose memory differs)")

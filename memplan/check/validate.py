@@ -21,8 +21,10 @@ from memplan.core.harness import harness
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
+from memplan.core.training import FUSIONS
 from memplan.inventory import assemble
 from memplan.inventory import lora as lora_inventory
+from memplan.inventory.fusions import apply_fusions
 from memplan.inventory.mcore import QKV_TERMS
 from memplan.inventory.recompute import apply_modules
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
@@ -114,6 +116,8 @@ def predict(case: ValidationCase, device: str = "cpu", paper_only: bool = False,
     config = Config(model=model, parallel=ParallelSpec(tp=case.t, sp=case.sp, ep=case.ep, etp=case.etp, dp=case.ep),
                     training=TrainingSpec(micro_batch=case.b, recompute=case.recompute, recompute_modules=case.modules))
     inv = apply_modules(assemble.inventory_for(model, case.impl, device), model, case.impl, case.modules)
+    if case.impl == "megatron-local":  # validation/mcore.py runs megatron-core with every fusion off
+        inv = apply_fusions(inv, model, case.impl, device, FUSIONS)
     if case.lora:  # peft LoRA (memplan/inventory/lora.py)
         lora = TrainingSpec(lora_rank=case.lora, lora_targets=case.lora_targets or None, lora_dropout=case.lora_dropout)
         inv = lora_inventory.apply(inv, model, case.impl, device, lora)

@@ -10,6 +10,8 @@ import click
 
 # memplan/core/training.py OPTIMIZERS (a test checks they agree; specs loads pydantic, which --help does not need)
 OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon", "lion")
+# memplan/core/training.py FUSIONS: Megatron-LM's --no-<name>-fusion switches (a test checks they agree)
+FUSIONS = ("masked-softmax", "bias-gelu", "bias-swiglu", "bias-dropout", "rope", "gradient-accumulation")
 # memplan/memory/reserved.py ALLOCATORS (a test checks they agree; the allocator model loads with estimate)
 ALLOCATORS = ("default", "expandable")
 
@@ -142,6 +144,15 @@ def plan_options(func: Callable) -> Callable:
         click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
+        click.option("--transformer-impl", type=click.Choice(["transformer_engine", "local"]),
+                     help="Megatron-LM --transformer-impl: transformer_engine = --impl megatron, local = --impl "
+                          "megatron-local."),
+        click.option("--device", type=click.Choice(["cuda", "cpu"]),
+                     help="Whose kernels run the layers (default cuda): cpu = torch's CPU kernels, every CUDA-only "
+                          "fusion off, as validation/ measures megatron-core (--impl megatron-local)."),
+        *[click.option(f"--no-{name}-fusion", is_flag=True, default=None,
+                       help=f"Megatron-LM --no-{name}-fusion (--impl megatron*; memplan/inventory/fusions.py).")
+          for name in FUSIONS],
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
                      help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
                           "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),

@@ -71,6 +71,11 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon",
 
 OPTIMIZER_ALIASES = {"adam": "adamw"}
 
+# Megatron-LM's fusion switches that memplan models, by the name inside --no-<name>-fusion (megatron/training/
+# arguments.py at core_v0.16.1, _add_training_args: all on by default; memplan/inventory/fusions.py says what each
+# changes)
+FUSIONS = ("masked-softmax", "bias-gelu", "bias-swiglu", "bias-dropout", "rope", "gradient-accumulation")
+
 
 # The implementations each has, its own default first (torch 2.13 torch/optim/: AdamW and SGD have
 # foreach and fused; Adafactor a for-loop, its default, and foreach; Muon a for-loop beside an AdamW
@@ -156,6 +161,20 @@ class TrainingSpec(Spec):
         default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
         "memplan/memory/offload.py)")
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="whose kernels run the layers: cuda, or cpu (torch's CPU kernels, which is "
+        "what validation/ measures: every CUDA-only fusion off)")
+    fusions_off: tuple[str, ...] = Field(
+        default=(), description="Megatron-LM fusions turned off (--no-<name>-fusion, FUSIONS; memplan/inventory/"
+        "fusions.py); (): Megatron-LM's defaults, all on")
+
+    @field_validator("fusions_off", mode="after")
+    @classmethod
+    def _fusions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [name for name in value if name not in FUSIONS]
+        if unknown:
+            raise ValueError(f"unknown fusion {echo(unknown[0])}; known: {', '.join(FUSIONS)}")
+        return tuple(name for name in FUSIONS if name in value)  # one order, no repeats
 
     lora_rank: int = Field(
         default=0, ge=0, description="peft LoRA adapters of this rank on the target linears, the base weights frozen "

@@ -14,6 +14,7 @@ from memplan.inventory import fp8 as fp8_module  # by module: tests take a term 
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
+from memplan.inventory.fusions import apply_fusions
 from memplan.inventory.hf import hf_inventory
 from memplan.inventory.k22 import (
     causal_mask_term,
@@ -44,7 +45,8 @@ IMPLEMENTATIONS: dict[str, str] = {
                       "--transformer-impl local): unfused DotProductAttention, torch LayerNorm / RMSNorm, unrotated QKV "
                       "one storage, rotary unfused, K / V repeated for GQA. Measured per term on CPU against megatron-core "
                       "(validation/mcore.py: t = 1, 2, SP, recompute none / selective / full, layer and GPTModel); "
-                      "--device cuda applies Megatron-LM's fusion defaults, derived from its code, not measured. "
+                      "--device cuda applies Megatron-LM's fusion defaults (TE's fused RoPE: no per-layer cos / sin), derived from "
+                      "its code, not measured; --no-<name>-fusion switches each off (memplan/inventory/fusions.py). "
                       "`megatron` (the Transformer Engine spec) differs from it by: no mask tensor (fused softmax), "
                       "K / V not repeated, rotary fused, one QKV storage: derived from megatron-core / TE code. "
                       "Mixture of experts: megatron-core's MoELayer (router, alltoall / allgather dispatcher, "
@@ -113,13 +115,15 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
 
 
 def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) -> Inventory:
-    """`inventory_for` with what the training settings change in it: the loss chunks, FP8 and MsT's pieces
-    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch) and
-    selective recompute's modules (memplan/inventory/recompute.py)."""
+    """`inventory_for` with what the training settings change in it: the loss chunks, FP8, MsT's pieces
+    (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch), the
+    Megatron-LM fusions switched off (memplan/inventory/fusions.py), selective recompute's modules
+    (memplan/inventory/recompute.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
                               minis.pieces_for(model, training, impl))
+    inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
     inventory = apply_modules(inventory, model, impl, training.recompute_modules)
-    if training.lora_rank:  # peft LoRA / QLoRA (memplan/inventory/lora.py)
+    if training.lora_rank:  # peft LoRA / QLoRA
         inventory = adapters.apply(inventory, model, impl, device, training)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "

@@ -26,8 +26,11 @@ On CUDA (`device="cuda"`) Megatron-LM's defaults (`--masked-softmax-fusion`, `--
 `--bias-swiglu-fusion`, `--bias-dropout-fusion`: all on) change that; derived from code, not measured:
 the fused upper-triangular softmax (megatron/core/fusions/fused_softmax.py ScaledUpperTriangMaskedSoftmax)
 builds no mask; the fused SwiGLU (fusions/fused_bias_swiglu.py SwiGLUFunction) saves only its input;
-dropout masks are 1 byte, LayerNorm statistics fp32, and torch's fused RMSNorm kernel
-(aten::_fused_rms_norm) keeps the input and an fp32 rstd.
+dropout masks are 1 byte, LayerNorm statistics fp32, torch's fused RMSNorm kernel
+(aten::_fused_rms_norm) keeps the input and an fp32 rstd, and TE's fused RoPE (`--rope-fusion`,
+rope_utils.apply_rotary_pos_emb -> fused_apply_rotary_pos_emb) keeps no per-layer cos / sin.
+Megatron-LM's --no-<name>-fusion switches turn these back to the unfused code's tensors
+(memplan/inventory/fusions.py).
 """
 
 from __future__ import annotations
@@ -84,9 +87,9 @@ def mcore_local_terms(model: ModelSpec, device: str) -> list[Term]:
         terms.append(t)
     terms = _swap_norms(terms, model, cpu) if model.norm == "rmsnorm" else terms
     if model.mlp == "swiglu" and cpu:
-        terms = _unfused_swiglu(terms)
+        terms = unfused_swiglu(terms, f"{MEASURED}: MLP.glu (bias_activation_fusion off)")
     at = next(i for i, t in enumerate(terms) if t.id == "qkv_input") + 1
-    terms[at:at] = _qkv_terms(model, src)
+    terms[at:at] = _qkv_terms(model, src, unfused_rope=cpu)
     if cpu:
         terms.append(causal_mask_term())
     if model.position_embedding == "rope":
@@ -95,9 +98,10 @@ def mcore_local_terms(model: ModelSpec, device: str) -> list[Term]:
     return terms
 
 
-def _qkv_terms(model: ModelSpec, src: str) -> list[Term]:
+def _qkv_terms(model: ModelSpec, src: str, unfused_rope: bool) -> list[Term]:
     """What the attention core keeps of Q, K, V (see the module docstring): the QKV projection's output M
-    is s b q (1 + 2g/a) wide."""
+    is s b q (1 + 2g/a) wide; `unfused_rope`: rotary applied unfused (on CPU; on CUDA with --no-rope-fusion,
+    memplan/inventory/fusions.py), which keeps cos and sin."""
     rope, gqa = model.position_embedding == "rope", model.g < model.num_attention_heads
     mixed = "s b q + 2 s b q g /a"
     out = []
@@ -105,9 +109,8 @@ def _qkv_terms(model: ModelSpec, src: str) -> list[Term]:
         out += [saved("q", "Q after rotary (saved by QK^T / the checkpoint)", "attention", "s b q", tp=True, k22=False,
                    src=src),
                 saved("k", "K after rotary, g heads (saved by QK^T / the checkpoint)", "attention", "s b q g /a", tp=True,
-                   k22=False, src=src, only_selective=gqa),
-                saved("rope_cos_sin", "rotary cos and sin, made for Q and for K in every layer", "attention", "4 s q /a",
-                   k22=False, src=src)]
+                   k22=False, src=src, only_selective=gqa)]
+        out += [rope_cos_sin_term(src)] if unfused_rope else []
     # V is a view of the QKV output, and without rotary so are Q and K: that storage is kept whenever one of
     # them is (with GQA and no recompute only the repeated copies are)
     out.append(saved("qkv_output", "QKV projection output (Q, K, V are views of it)", "attention", mixed, tp=True,
@@ -142,8 +145,18 @@ def _swap_norms(terms: list[Term], model: ModelSpec, cpu: bool) -> list[Term]:
     return [dataclasses.replace(t, dtype="fp32") if t.id.endswith("_stats") else t for t in out]
 
 
-def _unfused_swiglu(terms: list[Term]) -> list[Term]:
-    src = f"{MEASURED}: MLP.glu (bias_activation_fusion off)"
+def rope_cos_sin_term(src: str) -> Term:
+    """Rotary embeddings applied unfused (megatron-core rope_utils._apply_rotary_pos_emb_bshd: `t * cos +
+    rotate_half(t) * sin`, cos and sin cast to the activation dtype per call): the two muls save cos and sin,
+    made for Q and for K in every layer; TE's fused kernel (fused_apply_rotary_pos_emb) saves only the shared
+    freqs."""
+    return saved("rope_cos_sin", "rotary cos and sin, made for Q and for K in every layer", "attention", "4 s q /a",
+                 k22=False, src=src)
+
+
+def unfused_swiglu(terms: list[Term], src: str) -> list[Term]:
+    """megatron-core MLP.glu with bias_activation_fusion off (Megatron-LM --no-bias-swiglu-fusion, or on CPU):
+    besides silu's input, `x_linear + glu_linear_offset` and SiLU's output, both kept by the product."""
     out: list[Term] = []
     for t in terms:
         out.append(t)

@@ -156,8 +156,8 @@ def bridge_launch(config: Config, megatron: Launch) -> Launch:
     return Launch(overrides, dict(megatron.env), notes, kind="bridge")
 
 
-def launch_for(config: Config, emit: str, alloc_conf: str = "") -> Launch:
+def launch_for(config: Config, emit: str, impl: str = "megatron", alloc_conf: str = "") -> Launch:
     """The launch `--emit` asks for: "megatron" (Megatron-LM's arguments) or "bridge" (Megatron-Bridge's overrides);
-    alloc_conf: the PYTORCH_CUDA_ALLOC_CONF the plan fits with (megatron_launch)."""
-    megatron = megatron_launch(config, alloc_conf)
+    impl and alloc_conf as megatron_launch takes them."""
+    megatron = megatron_launch(config, impl, alloc_conf)
     return bridge_launch(config, megatron) if emit == "bridge" else megatron

@@ -72,9 +72,10 @@ class Launch:
         return "\n".join([f"# {title}"] + [f"# note: {n}" for n in self.notes] + [self.block()])
 
 
-def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
-    """The plan as Megatron-LM arguments, environment and notes; `alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the plan
-    fits with (memplan/memory/reserved.py launch_alloc_conf; "" for the default allocator), exported."""
+def megatron_launch(config: Config, impl: str = "megatron", alloc_conf: str = "") -> Launch:
+    """The plan as Megatron-LM arguments, environment and notes; `impl` megatron-local is --transformer-impl local
+    (transformer_engine, the default, gets no flag); `alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the plan fits with
+    (memplan/memory/reserved.py launch_alloc_conf; "" for the default allocator), exported."""
     m, par, tr = config.model, config.parallel, config.training
     refusal = launch_refusal(m)
     if refusal:
@@ -107,8 +108,9 @@ def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
     if m.qk_norm:
         args.append("--qk-layernorm")
     args += _architecture(config, notes)
-    args += _latent_attention(config) + _experts(config)
-    args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
+    args += _latent_attention(config) + _experts(config) + _kernels(config, impl)
+    if impl != "megatron-local":  # the local spec runs its own DotProductAttention whatever the backend says
+        args.append(f"--attention-backend {_ATTENTION_BACKEND[m.attention]}")
     args += [f"--tensor-model-parallel-size {par.tp}"] + _pipeline(config)
     if par.sp:
         args.append("--sequence-parallel")
@@ -137,7 +139,9 @@ def megatron_launch(config: Config, alloc_conf: str = "") -> Launch:
             args.append(f"--num-distributed-optimizer-instances {par.dp // par.shard}")
     if par.zero >= 2:
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[par.zero]}",
-                 "--no-gradient-accumulation-fusion", "--ckpt-format fsdp_dtensor"]
+                 "--ckpt-format fsdp_dtensor"]
+        if "gradient-accumulation" not in tr.fusions_off:  # else _kernels gives it
+            args.append("--no-gradient-accumulation-fusion")
     muon = tr.optimizer == "muon" and par.zero == 0
     if par.dp > 1 and not muon:  # Megatron-LM's Muon refuses to overlap them (arguments.py, below)
         args += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if par.zero >= 1 else [])
@@ -263,9 +267,16 @@ def _experts(config: Config) -> list[str]:
     return args
 
 
-def megatron_args(config: Config) -> list[str]:
+def megatron_args(config: Config, impl: str = "megatron") -> list[str]:
     """The plan as Megatron-LM command-line arguments ("--flag value" strings)."""
-    return megatron_launch(config).args
+    return megatron_launch(config, impl).args
+
+
+def _kernels(config: Config, impl: str) -> list[str]:
+    """--transformer-impl local for megatron-core's local spec, and the fusions switched off (memplan/inventory/
+    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false)."""
+    args = ["--transformer-impl local"] if impl == "megatron-local" else []
+    return args + [f"--no-{name}-fusion" for name in config.training.fusions_off]
 
 
 def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:

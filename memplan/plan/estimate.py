@@ -158,7 +158,7 @@ def estimate(
     gpu: Optional[GpuSpec] = None,
     paper_only: bool = False,
     impl: str = "megatron",
-    device: str = "cuda",
+    device: Optional[str] = None,
     fragmentation_margin: Optional[float] = None,
     host_budget_bytes: Optional[int] = None,
     replay: Replay = Replay(),
@@ -173,6 +173,7 @@ def estimate(
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
+    device = device or config.training.device
     inventory = training_inventory(config.model, impl, device, config.training)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
@@ -275,7 +276,7 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
             for i in which]
 
 
-def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", gpu: Optional[GpuSpec] = None,
+def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] = None, gpu: Optional[GpuSpec] = None,
                  fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
                  replay: Replay = Replay()) -> int:
     """What the most loaded GPU of `config` needs (what `estimate` decides a fit on, without its report): with a
@@ -284,7 +285,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: str = "cuda", g
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
-    inventory = training_inventory(config.model, impl, device, config.training)
+    inventory = training_inventory(config.model, impl, device or config.training.device, config.training)
     plan = PlanValues.from_config(config)
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]

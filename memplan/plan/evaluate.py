@@ -74,7 +74,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
     stage: the most micro-batches in flight of those with the middle stages' layers). A test checks this
     against `estimate`'s all-stage maximum.
     """
-    inventory = training_inventory(model, impl, "cuda", training)
+    inventory = training_inventory(model, impl, training.device, training)
     peaks, retained = [], []
     for stage in candidate_stages(plans):
         mem = stage_memory(model, inventory.terms, training, plans, stage, granularity=inventory.granularity,

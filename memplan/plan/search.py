@@ -147,7 +147,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
     start = time.perf_counter()
     space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
     check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
-    inventory = training_inventory(model, impl, "cuda", training)
+    inventory = training_inventory(model, impl, training.device, training)
     limits = block_limits(space, inventory, gpu, margin, budget_bytes)
     best, miss = _Best(top), _Best(1)
     feasible = done = 0
@@ -402,7 +402,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
         check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
     except MemplanError:
         return False
-    inventory = training_inventory(model, impl, "cuda", training)
+    inventory = training_inventory(model, impl, training.device, training)
     limits = block_limits(space, inventory, gpu, margin, budget_bytes)
     for part in table_parts(space, inventory.grad_lifetime == "buffer"):
         part = memory_ready(part, space, model, training, inventory)
