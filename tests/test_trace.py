@@ -355,3 +355,14 @@ def test_llama3_8b_traces_in_seconds(capsys):
     assert sum(tr.evaluate(t["bytes"], 1, 1) for t in group["terms"] if not t["shared"]) == 200840
     assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["256 s", "256 s"]
     assert next(t for t in inv["outside"] if t["op"].endswith("cross_entropy"))["bytes"] == "513024 s b"
+
+
+def test_the_two_keys_agree():
+    """validation/ (which does not import memplan) keys a trace as memplan finds it (tests/test_traced_key.py)."""
+    from memplan.inventory import traced_file
+    from memplan.presets.files import configs_dir
+
+    assert tr.METADATA_KEYS == traced_file.METADATA_KEYS
+    for d in sorted(configs_dir().glob("traced/*/config.json")):
+        data = {**json.loads(d.read_text()), "transformers_version": "4.57.1", "rope_theta": 10000}
+        assert tr.config_sha256(data) == traced_file.config_sha256(data), d

@@ -121,9 +121,31 @@ def load_config(config: dict | str | Path) -> dict:
     return json.loads(Path(config).read_text())
 
 
+# config.json keys that do not change what a training step saves (memplan/inventory/traced_file.py's
+# METADATA_KEYS, the key of a traced inventory: validation/ does not import memplan; a test checks they agree)
+METADATA_KEYS = frozenset({
+    "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path", "_commit_hash", "auto_map",
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "cache_implementation", "initializer_range", "tokenizer_class", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "num_labels", "problem_type",
+    "task_specific_params", "finetuning_task", "prefix", "_attn_implementation", "_attn_implementation_autoset",
+    "attn_implementation", "use_return_dict", "torchscript", "generation_config"})
+
+
+def architecture_fields(config):
+    """The config without its metadata keys (nested configs too), integral floats as integers."""
+    if isinstance(config, dict):
+        return {k: architecture_fields(v) for k, v in config.items() if k not in METADATA_KEYS}
+    if isinstance(config, list):
+        return [architecture_fields(v) for v in config]
+    if isinstance(config, float) and config.is_integer() and abs(config) < 2 ** 53:
+        return int(config)
+    return config
+
+
 def config_sha256(config: dict) -> str:
-    """sha256 of the canonical JSON of a config dict (sorted keys, no whitespace)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """sha256 of the canonical JSON (sorted keys, no whitespace) of a config's architecture fields."""
+    text = json.dumps(architecture_fields(config), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
