@@ -366,3 +366,38 @@ def test_the_two_keys_agree():
     for d in sorted(configs_dir().glob("traced/*/config.json")):
         data = {**json.loads(d.read_text()), "transformers_version": "4.57.1", "rope_theta": 10000}
         assert tr.config_sha256(data) == traced_file.config_sha256(data), d
+
+
+# ---------------------------------------------------------------------------------------------
+# the composed trace (validation/compose.py) against the whole model's
+
+# (family, layers, with the step's moments): a dense model; Gemma 3's alternating sliding / global layers (two
+# kinds, each with its rotary tables); DeepSeek-V3's dense first layer before its MoE ones (routed + shared experts)
+COMPOSED = [("qwen2", 5, True), ("gemma3", 10, False), ("deepseek-v3", 6, False)]
+
+
+@pytest.mark.parametrize("family, layers, moments", COMPOSED)
+def test_composed_trace_equals_the_whole_model_trace(family, layers, moments):
+    """Tracing the first two and last two layers of each kind and composing the model from them gives, term by
+    term, the inventory of the whole model's trace (its moments too for the dense one: they hold the ends of a
+    kind apart)."""
+    cfg, impl = FAMILIES[family]
+    cfg = {**cfg, "num_hidden_layers": layers}
+    told: list[str] = []
+    composed = tr.trace_hf_config(cfg, impl, moments=moments, progress=told.append)
+    whole = tr.trace_hf_config(cfg, impl, moments=moments, compose=False)
+    assert len(told) == 1 and f"of {layers} decoder layers" in told[0]
+    assert int(told[0].split(": ")[1].split()[0]) < layers  # fewer layers ran than the model has
+    assert [g["layers"] for g in composed["layer_groups"]] == [g["layers"] for g in whole["layer_groups"]]
+    for mine, theirs in zip(composed["layer_groups"], whole["layer_groups"]):
+        assert len(mine["terms"]) == len(theirs["terms"])
+        for a, b in zip(mine["terms"], theirs["terms"]):
+            assert a == b
+    assert composed["outside"] == whole["outside"]
+    assert composed["conditions"] == whole["conditions"]
+    if moments:
+        assert composed["checkpoint"] == whole["checkpoint"]
+        assert len(composed["moments"]) == len(whole["moments"])
+        for a, b in zip(composed["moments"], whole["moments"]):
+            assert a == b
+    assert composed == whole

@@ -6,7 +6,8 @@ storage autograd saves: its size is an exact polynomial in s and b. The result i
 `memplan-traced-inventory/2`, YAML; /1 files, without the transients, still load) with its origin (transformers and
 torch versions, the hash of the config's architecture fields, the kernels it was traced with). This module holds
 the file's schema (`TracedFile`), reads and checks a file with no torch (`read_traced`), finds a config's
-directory by that hash, whatever metadata the config.json carries (shipped, else the cache: `inventory_dir`) and loads or traces a file on first use (`load`, `trace_to_yaml`);
+directory by that hash, whatever metadata the config.json carries (shipped, else the cache: `inventory_dir`)
+and loads or traces a file on first use, saying so on stderr (`load`, `trace_to_yaml`);
 memplan/inventory/traced.py turns a file into an `Inventory`.
 """
 
@@ -17,6 +18,7 @@ import hashlib
 import importlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Literal, Optional
@@ -309,6 +311,12 @@ def _tracer():
         return None
 
 
+def tell(line: str) -> None:
+    """A progress line on stderr while transformers' code is traced (seconds, once per config and
+    implementation): what is being traced, so a first `--impl hf-*` run does not sit silent."""
+    print(f"memplan: {line}", file=sys.stderr, flush=True)
+
+
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
     config = Path(config_path)
@@ -323,7 +331,7 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
         raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
                            "pip install 'memplan[trace]'")
     try:
-        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels, progress=tell)
     except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)
         first = (str(err).strip().splitlines() or [""])[0]
         raise MemplanError(f"tracing {config} ({impl}, {kernels} kernels) failed: {type(err).__name__}: "
