@@ -9,7 +9,8 @@ list entries (``layer_types``).  It keeps, of each kind, the first two and the l
 kind differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
 checkpoint's tensors they were the last to use; validation/trace.py samples exactly these) and swaps the
 decoder layers' ModuleList for those alone, in their order; the config's per-layer lists and its layer count
-are cut to match.  The embedding, the final norm, the head and the loss run once, as in the whole model.
+are cut to match, and the kept layers' own indices (``layer_idx``) are their new positions, so a model that reads
+those lists by position or by ``self.layer_idx`` reads the entry of the layer that runs.  The embedding, the final norm, the head and the loss run once, as in the whole model.
 
 The traced run then speaks of the kept layers by their new positions; ``renumber`` gives them back their
 indices in the whole model, and every layer not traced takes the terms of the second traced layer of its kind
@@ -79,6 +80,11 @@ def reduce(model: torch.nn.Module, path: str, n: int) -> tuple[list[int], list[l
     owner = model.get_submodule(parent) if parent else model
     layers = getattr(owner, attr)
     setattr(owner, attr, torch.nn.ModuleList([layers[i] for i in kept]))
+    for j, i in enumerate(kept):  # code that reads the config's per-layer lists by self.layer_idx reads the cut ones
+        for module in layers[i].modules():
+            for name in _INDEX_NAMES:
+                if getattr(module, name, None) == i and isinstance(getattr(module, name), int):
+                    setattr(module, name, j)
     config = model.config
     for k in _per_layer_lists(config, n):
         setattr(config, k, [getattr(config, k)[i] for i in kept])
