@@ -355,3 +355,54 @@ def test_llama3_8b_traces_in_seconds(capsys):
     assert sum(tr.evaluate(t["bytes"], 1, 1) for t in group["terms"] if not t["shared"]) == 200840
     assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["256 s", "256 s"]
     assert next(t for t in inv["outside"] if t["op"].endswith("cross_entropy"))["bytes"] == "513024 s b"
+
+
+def test_the_two_keys_agree():
+    """validation/ (which does not import memplan) keys a trace as memplan finds it (tests/test_traced_key.py)."""
+    from memplan.inventory import traced_file
+    from memplan.presets.files import configs_dir
+
+    assert tr.METADATA_KEYS == traced_file.METADATA_KEYS
+    for d in sorted(configs_dir().glob("traced/*/config.json")):
+        data = {**json.loads(d.read_text()), "transformers_version": "4.57.1", "rope_theta": 10000}
+        assert tr.config_sha256(data) == traced_file.config_sha256(data), d
+
+
+# ---------------------------------------------------------------------------------------------
+# the composed trace (validation/compose.py) against the whole model's
+
+# (family, changes, with the step's moments): a dense model; Gemma 3's sliding / global layers (5 : 1, two kinds,
+# each with its rotary tables: 5 of 7 layers run); DeepSeek-V3's dense first layer before its MoE ones (routed +
+# shared experts). A full-size dense model with its moments: tests/test_traced.py re-traces qwen2.5-7b (4 of 28
+# layers run) and compares it with the shipped file, traced from every layer.
+COMPOSED = [("qwen2", {"num_hidden_layers": 5}, False),
+            ("gemma3", {"num_hidden_layers": 7, "sliding_window_pattern": 6}, False),
+            ("deepseek-v3", {"num_hidden_layers": 6}, False)]
+
+
+@pytest.mark.parametrize("family, changes, moments", COMPOSED)
+def test_composed_trace_equals_the_whole_model_trace(family, changes, moments):
+    """Tracing the first two and last two layers of each kind and composing the model from them gives, term by
+    term, the inventory of the whole model's trace. Saves only, for the test's time: the moments (which hold the
+    ends of a kind apart) are compared on qwen2.5-7b in tests/test_traced.py."""
+    cfg, impl = FAMILIES[family]
+    cfg = {**cfg, **changes}
+    layers = cfg["num_hidden_layers"]
+    told: list[str] = []
+    composed = tr.trace_hf_config(cfg, impl, moments=moments, progress=told.append)
+    whole = tr.trace_hf_config(cfg, impl, moments=moments, compose=False)
+    assert len(told) == 1 and f"of {layers} decoder layers" in told[0]
+    assert int(told[0].split(": ")[1].split()[0]) < layers  # fewer layers ran than the model has
+    assert [g["layers"] for g in composed["layer_groups"]] == [g["layers"] for g in whole["layer_groups"]]
+    for mine, theirs in zip(composed["layer_groups"], whole["layer_groups"]):
+        assert len(mine["terms"]) == len(theirs["terms"])
+        for a, b in zip(mine["terms"], theirs["terms"]):
+            assert a == b
+    assert composed["outside"] == whole["outside"]
+    assert composed["conditions"] == whole["conditions"]
+    if moments:
+        assert composed["checkpoint"] == whole["checkpoint"]
+        assert len(composed["moments"]) == len(whole["moments"])
+        for a, b in zip(composed["moments"], whole["moments"]):
+            assert a == b
+    assert composed == whole

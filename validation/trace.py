@@ -6,15 +6,17 @@ ids of shape ``[b, s]`` where s (sequence length) and b (micro-batch) are *symbo
 loss once in training mode, and records every storage autograd saves for backward
 (``saved_tensors_hooks``; one entry per storage, views of one storage count once; parameters and
 buffers excluded).  Under fake tensors nothing is allocated, so the real config's sizes are used
-(h, a, g, f, v as the config says; a 70B config traces in seconds), and each storage's size comes
+(h, a, g, f, v as the config says), and each storage's size comes
 out as a symbolic expression: an exact polynomial in s and b with integer coefficients, which is
 written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
 
-Every decoder layer of the config is traced (no reduced model, so no mapping of a small variant
-back onto the real layer indices is needed: layers of different kinds, e.g. Gemma 3's sliding
-layers, whose sdpa keeps an s x s mask, beside its global ones, or DeepSeek-V3's dense first
-layers before the MoE ones, simply come out as different groups).  Layers whose saved tensors are
-identical (same ids, ops, dtypes and polynomials) form one group.  MoE layers trace with
+The real config's sizes are used (no reduced model), but not every decoder layer runs: the
+first two and the last two layers of each kind (``validation/compose.py``: layers with the same
+modules, parameter shapes and per-layer settings, e.g. Gemma 3's sliding layers, whose sdpa keeps
+an s x s mask, beside its global ones, or DeepSeek-V3's dense first layers before the MoE ones)
+run, with the embedding, head and loss once, and every other layer takes its kind's terms
+(``compose=False`` traces every layer: the reference tests compare the composition with).
+Layers whose saved tensors are identical (same ids, ops, dtypes and polynomials) form one group.  MoE layers trace with
 transformers' default ``grouped_mm`` experts: dropless top-k routing sends all k s b token copies
 through grouped GEMMs, so every size is a polynomial; an expert loop over the experts that
 received tokens (``experts_implementation="eager"``) is data-dependent and refused.
@@ -98,6 +100,7 @@ import sympy  # noqa: E402
 import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
+from . import compose as compose_  # noqa: E402
 from .measure import Ledger, _ModuleStack, _OpRecorder  # noqa: E402
 
 FORMAT = "memplan-traced-inventory/2"
@@ -121,9 +124,31 @@ def load_config(config: dict | str | Path) -> dict:
     return json.loads(Path(config).read_text())
 
 
+# config.json keys that do not change what a training step saves (memplan/inventory/traced_file.py's
+# METADATA_KEYS, the key of a traced inventory: validation/ does not import memplan; a test checks they agree)
+METADATA_KEYS = frozenset({
+    "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path", "_commit_hash", "auto_map",
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "cache_implementation", "initializer_range", "tokenizer_class", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "num_labels", "problem_type",
+    "task_specific_params", "finetuning_task", "prefix", "_attn_implementation", "_attn_implementation_autoset",
+    "attn_implementation", "use_return_dict", "torchscript", "generation_config"})
+
+
+def architecture_fields(config):
+    """The config without its metadata keys (nested configs too), integral floats as integers."""
+    if isinstance(config, dict):
+        return {k: architecture_fields(v) for k, v in config.items() if k not in METADATA_KEYS}
+    if isinstance(config, list):
+        return [architecture_fields(v) for v in config]
+    if isinstance(config, float) and config.is_integer() and abs(config) < 2 ** 53:
+        return int(config)
+    return config
+
+
 def config_sha256(config: dict) -> str:
-    """sha256 of the canonical JSON of a config dict (sorted keys, no whitespace)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """sha256 of the canonical JSON (sorted keys, no whitespace) of a config's architecture fields."""
+    text = json.dumps(architecture_fields(config), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -702,9 +727,11 @@ def _term_id(module: str, op: str, k: int, j: int) -> str:
     return f"{head}{f'#{k}' if k else ''}.{j}"
 
 
-def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int, ids: dict | None = None) -> dict:
+def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int, ids: dict | None = None,
+                         copies: dict[int, int] | None = None) -> dict:
     """Group saved storages into decoder-layer groups and the outside (the file's body); ``ids``, when
-    given, receives each storage's term id by its ``key``."""
+    given, receives each storage's term id by its ``key``; ``copies``: layers not traced -> the traced
+    layer whose terms they have (validation/compose.py)."""
     layer_re = re.compile(rf"^{re.escape(layers_path)}\.(\d+)(?:\.(.*))?$")
 
     def place(module: str) -> tuple[int | None, str]:
@@ -746,8 +773,8 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
             (outside if p is None else per_layer[p]).append((seq, dict(term)))
     groups: list[dict] = []
     index: dict[str, int] = {}
-    for i, seq_terms in enumerate(per_layer):
-        terms = [t for _, t in sorted(seq_terms, key=lambda x: x[0])]
+    for i in range(num_layers):
+        terms = [t for _, t in sorted(per_layer[(copies or {}).get(i, i)], key=lambda x: x[0])]
         ids = [t["id"] for t in terms]
         dup = [x for x, n in Counter(ids).items() if n > 1]
         if dup:
@@ -763,7 +790,8 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
 
 def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: str = "cpu",
                     dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
-                    python_dispatcher: bool = True, experts: str | None = None, moments: bool = True) -> dict:
+                    python_dispatcher: bool = True, experts: str | None = None, moments: bool = True,
+                    compose: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """The traced inventory of a transformers config: what one training forward + loss saves for
     backward, per decoder-layer group and outside the layers, as polynomials in s and b; with
     ``moments`` also the step's transient tensors (validation/transients.py): the backward run
@@ -773,6 +801,10 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     versions, the config's sha256, architecture, impl, kernels, dtype), ``conditions`` (what the
     polynomials assume about s and b), ``num_layers``, ``layer_groups``, ``outside`` and, with
     ``moments``, ``checkpoint`` (what gradient checkpointing keeps) and ``moments``.
+
+    ``compose``: trace the first two and the last two decoder layers of each kind only, with the embedding,
+    head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
+    model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
@@ -785,15 +817,23 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
 
     def build():
         model = build_model(cfg, impl, dtype, experts)
-        holder["layers"] = num_hidden_layers(model)
+        n = num_hidden_layers(model)
+        holder.update(layers=n, path=decoder_layers_path(model, n))
+        holder["index"], holder["kinds"] = (compose_.reduce(model, holder["path"], n) if compose
+                                            else (list(range(n)), None))
+        if progress is not None and not holder.get("told"):
+            holder["told"] = True
+            kinds = f" ({len(holder['kinds'])} kind{'s' * (len(holder['kinds']) > 1)})" if compose else ""
+            progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) with symbolic s and b: "
+                     f"{len(holder['index'])} of {n} decoder layers{kinds}, the embedding, head and loss; "
+                     f"forward and backward{', then with gradient checkpointing' if moments else ''}")
         return model
 
     def make_inputs(s, b):
         return torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
 
     def layers(model):
-        n = num_hidden_layers(model)
-        return decoder_layers_path(model, n), n
+        return holder["path"], len(holder["index"])
 
     sampled: list[int] = []  # the checkpointed run samples the layers the plain run chose
 
@@ -806,10 +846,12 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]
     conditions = list(dict.fromkeys(c for r in runs for c in r["conditions"]))
-    num_layers = holder["layers"]
-    path = decoder_layers_path(model, num_layers)
+    num_layers, path = holder["layers"], holder["path"]
+    for r in runs:
+        compose_.renumber(r, path, holder["index"])
+    same = compose_.copies(holder["kinds"]) if compose else {}
     ids: dict = {}
-    body = inventory_from_saves(storages, path, num_layers, ids)
+    body = inventory_from_saves(storages, path, num_layers, ids, same)
     origin = {
         "transformers": tf.__version__,
         "torch": torch.__version__.split("+")[0],
@@ -822,7 +864,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     }
     data = {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
     if moments:
-        data.update(_moments_sections(runs, body, ids, path, num_layers))
+        data.update(_moments_sections(runs, body, ids, path, num_layers, same))
     return data
 
 
@@ -830,13 +872,14 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_layers: int) -> dict:
+def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_layers: int,
+                      copies: dict[int, int]) -> dict:
     """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one."""
     from . import transients
 
     plain, ckpt = runs
     ckpt_ids: dict = {}
-    inventory_from_saves(ckpt["storages"], path, num_layers, ckpt_ids)
+    inventory_from_saves(ckpt["storages"], path, num_layers, ckpt_ids, copies)
     polys = ckpt["polys"]
 
     def sized(rec, **fields) -> dict:
@@ -1043,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the YAML here (default: stdout)")
     a = p.parse_args(argv)
     try:
-        data = trace_hf_config(a.hf_config, a.impl, a.kernels, a.dtype, s_hint=a.s_hint)
+        data = trace_hf_config(a.hf_config, a.impl, a.kernels, a.dtype, s_hint=a.s_hint,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (NotImplementedError, TraceRefused, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

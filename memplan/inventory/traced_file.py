@@ -4,9 +4,10 @@
 FakeTensorMode with the sequence length s and the micro-batch b as symbols, and records every
 storage autograd saves: its size is an exact polynomial in s and b. The result is a file (format
 `memplan-traced-inventory/2`, YAML; /1 files, without the transients, still load) with its origin (transformers and
-torch versions, the config's hash, the kernels it was traced with). This module holds the file's schema
-(`TracedFile`), reads and checks a file with no torch (`read_traced`), finds a config's directory by its hash
-(shipped, else the cache: `inventory_dir`) and loads or traces a file on first use (`load`, `trace_to_yaml`);
+torch versions, the hash of the config's architecture fields, the kernels it was traced with). This module holds
+the file's schema (`TracedFile`), reads and checks a file with no torch (`read_traced`), finds a config's
+directory by that hash, whatever metadata the config.json carries (shipped, else the cache: `inventory_dir`)
+and loads or traces a file on first use, saying so on stderr (`load`, `trace_to_yaml`);
 memplan/inventory/traced.py turns a file into an `Inventory`.
 """
 
@@ -17,6 +18,7 @@ import hashlib
 import importlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Literal, Optional
@@ -131,10 +133,37 @@ class TracedFile(_Row):
     moments: list[TracedMoment] = []
 
 
+# config.json keys that do not change what a training step saves: the file's own metadata, generation and
+# tokeniser settings (token ids, use_cache), the checkpoint's storage dtype (the plan sets the precision), the
+# init scale and the class list (the tracer builds the *ForCausalLM of model_type). A Hub config.json carries
+# them; the traced inventory of the same architecture is found whatever they say (validation/trace.py keeps the
+# same list: validation/ never imports memplan; tests/test_traced_key.py checks that the two agree).
+METADATA_KEYS = frozenset({
+    "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path", "_commit_hash", "auto_map",
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "cache_implementation", "initializer_range", "tokenizer_class", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "num_labels", "problem_type",
+    "task_specific_params", "finetuning_task", "prefix", "_attn_implementation", "_attn_implementation_autoset",
+    "attn_implementation", "use_return_dict", "torchscript", "generation_config"})
+
+
+def architecture_fields(data):
+    """A config with the metadata keys left out (in nested configs too: text_config, rope_scaling) and
+    integral floats written as integers (10000.0 and 10000 are one rope base): what a traced inventory is
+    keyed by."""
+    if isinstance(data, dict):
+        return {k: architecture_fields(v) for k, v in data.items() if k not in METADATA_KEYS}
+    if isinstance(data, list):
+        return [architecture_fields(v) for v in data]
+    if isinstance(data, float) and data.is_integer() and abs(data) < 2 ** 53:
+        return int(data)
+    return data
+
+
 def config_sha256(data: dict) -> str:
-    """The hash a traced inventory records of the config.json it was traced from: sha256 of the
-    config as canonical JSON (keys sorted, no spaces)."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The key a traced inventory records of the config.json it was traced from: sha256 of the config's
+    architecture fields (`architecture_fields`) as canonical JSON (keys sorted, no spaces)."""
+    canonical = json.dumps(architecture_fields(data), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -161,7 +190,7 @@ _PENDING_CONFIGS: dict[str, str] = {}
 
 def inventory_dir(data: dict, text: str, shipped: Path) -> tuple[str, str]:
     """The directory of a config's traced inventories, and a note saying which: a shipped one
-    (configs/traced/<name>/, whose config.json hashes the same), else one in the cache, where
+    (configs/traced/<name>/, whose config.json has the same architecture fields: `config_sha256`), else one in the cache, where
     `load` traces on first use (the config.json is kept there for it)."""
     sha = config_sha256(data)
     for candidate in sorted(shipped.glob("*/config.json")) if shipped.is_dir() else []:
@@ -300,6 +329,12 @@ def _tracer():
         return None
 
 
+def tell(line: str) -> None:
+    """A progress line on stderr while transformers' code is traced (seconds, once per config and
+    implementation): what is being traced, so a first `--impl hf-*` run does not sit silent."""
+    print(f"memplan: {line}", file=sys.stderr, flush=True)
+
+
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
     config = Path(config_path)
@@ -314,7 +349,7 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
         raise MemplanError("memplan trace needs torch and transformers: pip install torch==2.13.0 && "
                            "pip install 'memplan[trace]'")
     try:
-        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels)
+        data = tracer.trace_hf_config(str(config), impl=impl, kernels=kernels, progress=tell)
     except Exception as err:  # the real model code's own refusal, or the tracer's (a shape guard)
         first = (str(err).strip().splitlines() or [""])[0]
         raise MemplanError(f"tracing {config} ({impl}, {kernels} kernels) failed: {type(err).__name__}: "

@@ -1,0 +1,116 @@
+"""Trace a model from a few of its decoder layers: one set per kind of layer, composed back into every layer.
+
+Running a 70B model's whole forward and backward under fake tensors costs ~0.9 s of CPU per decoder layer,
+twice (as is and with gradient checkpointing), though most layers are copies of one another.  ``reduce`` sorts
+a built model's decoder layers into *kinds* (``layer_kinds``): layers whose modules (class and path), parameter
+shapes and dtypes and per-layer settings (every plain attribute of every module, ``attention_type``,
+``sliding_window``, ``is_sliding``..., except the layer's own index) are the same, plus the config's per-layer
+list entries (``layer_types``).  It keeps, of each kind, the first two and the last two layers (the ends of a
+kind differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
+checkpoint's tensors they were the last to use; validation/trace.py samples exactly these) and swaps the
+decoder layers' ModuleList for those alone, in their order; the config's per-layer lists and its layer count
+are cut to match, and the kept layers' own indices (``layer_idx``) are their new positions, so a model that reads
+those lists by position or by ``self.layer_idx`` reads the entry of the layer that runs.  The embedding, the final norm, the head and the loss run once, as in the whole model.
+
+The traced run then speaks of the kept layers by their new positions; ``renumber`` gives them back their
+indices in the whole model, and every layer not traced takes the terms of the second traced layer of its kind
+(``copies``), as the whole trace's moments already repeat that layer for the middle of a kind.  Tests compare
+the composed inventory with the whole model's, term by term, on dense, alternating-attention and MoE families
+(tests/test_trace.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INDEX_NAMES = ("layer_idx", "layer_id", "layer_number", "layer_index", "idx")
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _signature(layer: torch.nn.Module, settings: tuple) -> tuple:
+    rows = []
+    for name, module in layer.named_modules():
+        params = tuple((p, tuple(t.shape), str(t.dtype)) for p, t in module.named_parameters(recurse=False))
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                             if not k.startswith("_") and k not in _INDEX_NAMES and k != "training" and _plain(v)))
+        rows.append((name, type(module).__name__, params, attrs))
+    return tuple(rows) + settings
+
+
+def _per_layer_lists(config, n: int) -> list[str]:
+    """The config's attributes that hold one entry per decoder layer (``layer_types``)."""
+    return [k for k, v in vars(config).items() if isinstance(v, list) and len(v) == n and not k.startswith("_")]
+
+
+def layer_kinds(model: torch.nn.Module, path: str, n: int) -> list[list[int]]:
+    """The decoder layers (of the ModuleList at ``path``, ``n`` of them) by kind, in order of first layer."""
+    lists = _per_layer_lists(model.config, n)
+    kinds: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(model.get_submodule(path)):
+        settings = tuple((k, repr(getattr(model.config, k)[i])) for k in lists)
+        kinds.setdefault(_signature(layer, settings), []).append(i)
+    return list(kinds.values())
+
+
+def representatives(kinds: list[list[int]]) -> list[int]:
+    """The layers traced: of each kind the first two and the last two."""
+    return sorted({i for layers in kinds for i in layers[:2] + layers[-2:]})
+
+
+def copies(kinds: list[list[int]]) -> dict[int, int]:
+    """Each layer not traced -> the traced layer whose terms it has (the second of its kind)."""
+    kept = set(representatives(kinds))
+    return {i: layers[min(1, len(layers) - 1)] for layers in kinds for i in layers if i not in kept}
+
+
+def reduce(model: torch.nn.Module, path: str, n: int) -> tuple[list[int], list[list[int]]]:
+    """Keep only the representative decoder layers of ``model`` (in place): returns the kept layers' indices in
+    the whole model (position -> index) and the kinds."""
+    kinds = layer_kinds(model, path, n)
+    kept = representatives(kinds)
+    if len(kept) == n:
+        return list(range(n)), kinds
+    parent, _, attr = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    layers = getattr(owner, attr)
+    setattr(owner, attr, torch.nn.ModuleList([layers[i] for i in kept]))
+    for j, i in enumerate(kept):  # code that reads the config's per-layer lists by self.layer_idx reads the cut ones
+        for module in layers[i].modules():
+            for name in _INDEX_NAMES:
+                if getattr(module, name, None) == i and isinstance(getattr(module, name), int):
+                    setattr(module, name, j)
+    config = model.config
+    for k in _per_layer_lists(config, n):
+        setattr(config, k, [getattr(config, k)[i] for i in kept])
+    config.num_hidden_layers = len(kept)
+    return kept, kinds
+
+
+def renumber_module(module: str, path: str, index: list[int]) -> str:
+    """A module path of the reduced model with the decoder layer's index in the whole model."""
+    prefix = path + "."
+    if not module.startswith(prefix):
+        return module
+    head, _, rest = module[len(prefix):].partition(".")
+    if not head.isdigit():
+        return module
+    return prefix + str(index[int(head)]) + ("." + rest if rest else "")
+
+
+def renumber(run: dict, path: str, index: list[int]) -> None:
+    """A reduced model's traced run (validation/trace.py ``symbolic_run``) in the whole model's layer indices:
+    the saved storages' modules, the sampled layers' moments, the layers' inputs."""
+    for st in run["storages"]:
+        st["module"] = renumber_module(st["module"], path, index)
+        st["savers"] = {renumber_module(m, path, index): seq for m, seq in st["savers"].items()}
+    if "sampler" in run:
+        fronts = run["sampler"].fronts
+        run["sampler"].fronts = {(k[0], index[k[1]]) if k[0] == "layer" else k: v for k, v in fronts.items()}
+        run["args"] = {c: (label, index[i], rec) for c, (label, i, rec) in run["args"].items()}
+
