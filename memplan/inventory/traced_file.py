@@ -241,6 +241,18 @@ def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
     return poly
 
 
+# model types whose transformers class has no sdpa attention (_supports_sdpa false in transformers 5.x), among the
+# architectures memplan reads from a config.json: --impl hf-sdpa is refused before tracing (issue 22)
+NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-oss (attention sinks)"}
+
+
+def check_impl(data: object, impl: str) -> None:
+    """Refuse --impl hf-sdpa for a config whose transformers model has no sdpa path, naming the impl that has one."""
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if impl == "hf-sdpa" and model_type in NO_SDPA:
+        raise MemplanError(f"{NO_SDPA[model_type]} has no sdpa attention in transformers: use --impl hf-eager")
+
+
 @functools.lru_cache(maxsize=64)
 def _load(path: str, mtime: float) -> TracedFile:
     return read_traced(Path(path))
@@ -252,6 +264,9 @@ def load(directory: str, impl: str, kernels: str) -> TracedFile:
     transformers are installed; else a one-line error naming how to make it."""
     path = Path(directory) / file_name(impl, kernels)
     config = Path(directory) / "config.json"
+    if directory in _PENDING_CONFIGS or config.is_file():
+        check_impl(json.loads(_PENDING_CONFIGS[directory]) if directory in _PENDING_CONFIGS else read_json(config),
+                   impl)
     if not config.is_file() and directory in _PENDING_CONFIGS and _tracer() is not None:
         try:  # the config read in this process, kept in the cache only now that an inventory is traced from it
             config.parent.mkdir(parents=True, exist_ok=True)
@@ -288,6 +303,7 @@ def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
     data = read_json(config)
+    check_impl(data, impl)
     layers = data.get("num_hidden_layers", data.get("n_layer")) if isinstance(data, dict) else None
     if isinstance(layers, int) and not 0 < layers <= MAX_LAYERS:
         raise MemplanError(f"{config}: {layers:,} layers: memplan traces models of 1 to {MAX_LAYERS:,} layers")
