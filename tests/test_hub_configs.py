@@ -128,3 +128,24 @@ def test_mlp_bias_alone_is_refused_in_one_line(tmp_path):
     path.write_text(json.dumps({**json.loads((HUB / "granite-3.1-8b.json").read_text()), "mlp_bias": True}))
     with pytest.raises(MemplanError, match="mlp_bias without attention_bias"):
         read_hf_config(str(path))
+
+
+def test_trace_takes_a_directory_and_refuses_sdpa_for_gemma2_before_tracing(run_cli, tmp_path):
+    config = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("trace", "--hf-config", str(tmp_path), "--impl", "hf-sdpa")
+    assert code == 2 and err.strip().endswith("use --impl hf-eager"), err
+
+
+def test_gpt_oss_active_parameters_leave_out_the_idle_experts_biases():
+    """gpt-oss-20b, by hand: transformers builds 20,914,757,184 parameters (tests/hub/README.md); each of the 24
+    layers leaves 32 - 4 = 28 experts idle per token, each 3 x 2880 x 2880 weights + 2 x 2880 + 2880 biases =
+    24,891,840; 20,914,757,184 - 24 x 28 x 24,891,840 = 4,187,440,704 active. Without the embedding lookup
+    (201,088 x 2,880 = 579,133,440) that is 3.61 B, the active count OpenAI's gpt-oss model card publishes."""
+    from memplan.memory.states import active_params
+
+    model = read_hf_config(str(HUB / "gpt-oss-20b.json")).model
+    assert total_params(model) == 20_914_757_184
+    assert active_params(model) == 4_187_440_704
+    assert round((active_params(model) - 201_088 * 2_880) / 1e9, 2) == 3.61

@@ -65,7 +65,8 @@ def plan_options(func: Callable) -> Callable:
     options = [
         click.option("--model", "model", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
         click.option("--hf-config", "hf_config", metavar="config.json",
-                     help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
+                     help="A transformers config.json, or the directory holding it, read as data (the "
+                          "architectures of docs/reference.md, config.json architectures)."),
         click.option("--attention", type=click.Choice(["eager", "flash"]),
                      help="Attention kernel: eager stores the s x s scores; flash does not."),
         click.option("--tp", type=INT, help="Tensor-parallel size t."),

@@ -300,6 +300,7 @@ def _tracer():
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
     config = Path(config_path)
+    config = config / "config.json" if config.is_dir() else config  # a model's directory: its config.json
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
     data = read_json(config)

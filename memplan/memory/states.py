@@ -210,6 +210,8 @@ def active_params(model: ModelSpec) -> int:
     if not model.is_moe:
         return total_params(model)
     per_expert = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.fe
+    if model.moe_bias:  # an expert's own biases (gpt-oss): gate_up 2 f_e, down h
+        per_expert += (2 if model.mlp == "swiglu" else 1) * model.fe + model.hidden_size
     return total_params(model) - model.moe_layers * (model.num_experts - model.moe_top_k) * per_expert
 
 
