@@ -149,3 +149,10 @@ def test_gpt_oss_active_parameters_leave_out_the_idle_experts_biases():
     assert total_params(model) == 20_914_757_184
     assert active_params(model) == 4_187_440_704
     assert round((active_params(model) - 201_088 * 2_880) / 1e9, 2) == 3.61
+
+
+@pytest.mark.parametrize("given", ["config.json", "."])
+def test_a_config_json_or_its_directory_given_to_model_points_to_hf_config(run_cli, tmp_path, given):
+    (tmp_path / "config.json").write_text((HUB / "pythia-1b.json").read_text())
+    code, _, err = run_cli("estimate", "--model", str(tmp_path / given))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "goes with --hf-config" in err, err

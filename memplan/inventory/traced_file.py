@@ -40,7 +40,8 @@ SYMBOLS = {"s", "b"}
 # precision of the plan; the others keep their own size.
 # (Term's storage kinds go by element size: 4-byte and 8-byte integers share fp32's and int64's.)
 _DTYPES: dict[str, Dtype] = {"float32": "fp32", "int32": "fp32", "uint32": "fp32", "bool": "mask", "uint8": "mask",
-                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64"}
+                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64",
+                             "complex64": "int64"}  # DeepSeek-V2's rotary embedding: fp32 pairs, 8 bytes
 _ACT_DTYPES = ("bfloat16", "float16")
 
 
