@@ -156,3 +156,14 @@ def test_a_config_json_or_its_directory_given_to_model_points_to_hf_config(run_c
     (tmp_path / "config.json").write_text((HUB / "pythia-1b.json").read_text())
     code, _, err = run_cli("estimate", "--model", str(tmp_path / given))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "goes with --hf-config" in err, err
+
+
+def test_complex64_saves_are_sized_as_8_byte_elements():
+    """DeepSeek-V2's rotary embedding (view_as_complex of fp32 pairs) saves complex64 tensors: 8 bytes an element
+    in torch, the size of the int64 storage kind (a trace of a tiny DeepSeek-V2 was refused before)."""
+    torch = pytest.importorskip("torch")
+    from memplan.inventory.traced_file import term_dtype
+    from memplan.inventory.types import INT64_BYTES
+
+    assert term_dtype("complex64") == "int64"
+    assert torch.empty(0, dtype=torch.complex64).element_size() == INT64_BYTES == 8

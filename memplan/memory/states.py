@@ -279,13 +279,14 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                     WeightShape("query / key norms", "key norm weight", q_kv, None)]
     if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head
         qk_norms = [WeightShape("attention sinks", "sinks", P("a"), None, 1, "rows")] + qk_norms
+    qkv_biases = ([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
+                  [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")])
     if model.attention_bias and not model.bias:  # q, k, v, o_proj biases (gpt-oss, Phi-3.5-MoE)
-        qk_norms = qk_norms + [WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows"),
-                               WeightShape("attention output projection bias", "o_proj bias", P("h"), None)]
+        qk_norms = qk_norms + qkv_biases + [WeightShape("attention output projection bias", "o_proj bias", P("h"),
+                                                        None)]
     elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
-        qk_norms = (([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
-                     [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
-                      WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")]) + qk_norms)
+        qk_norms = qkv_biases + qk_norms
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
     second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
