@@ -129,11 +129,12 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("data, fragment", [
-    ({"architectures": ["FalconForCausalLM"]}, "architecture FalconForCausalLM"),
+    ({"architectures": ["BloomForCausalLM"]}, "architecture BloomForCausalLM"),
+    ({"architectures": ["FalconForCausalLM"]}, "missing field 'vocab_size'"),
     ({"architectures": ["Qwen2ForCausalLM"]}, "missing field"),
     # a Mixtral config is read (tests/test_moe.py) and estimated (tests/test_megatron_moe.py)
     ({**LLAMA3_8B_HF, "num_local_experts": 8},
-     "memplan models the experts of Mixtral, Qwen3-MoE and DeepSeek-V3 only"),
+     "memplan reads the experts of Mixtral, Qwen3Moe, DeepseekV3"),
     ({"model_type": "bert"}, "model_type 'bert'"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "missing field"),
     ({**LLAMA3_8B_HF, "hidden_act": "gelu"}, "hidden_act"),

@@ -67,7 +67,8 @@ def plan_options(func: Callable) -> Callable:
     options = [
         click.option("--model", "model", metavar="NAME|FILE.yaml", help="Model preset or YAML file."),
         click.option("--hf-config", "hf_config", metavar="config.json",
-                     help="A transformers config.json (GPT-2 or the Llama layout), read as data."),
+                     help="A transformers config.json, or the directory holding it, read as data (the "
+                          "architectures of docs/reference.md, config.json architectures)."),
         click.option("--inventory", "inventory", metavar="FILE.yaml",
                      help="A traced inventory written by `memplan trace --out` for the model's config.json: what "
                           "--impl hf-sdpa / hf-eager count (instead of the shipped or cached trace)."),

@@ -72,6 +72,26 @@ class ModelSpec(Spec):
         default=None, gt=1, description="with sliding_window: every N-th layer attends to all tokens, the others "
         "slide (Gemma 3's sliding_window_pattern, Gemma 2's 2; Megatron-LM --window-attn-skip-freq N); None: every "
         "layer slides")
+    # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
+    # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
+    # sequential pre-norm layer of the other inventories (the config reader's notes say which).
+    norms_per_layer: Optional[int] = Field(
+        default=None, ge=1, le=4, description="norms in one layer (default 2, 4 with sandwich_norms): 1 in a "
+        "parallel attention + MLP block with one shared norm (Falcon-7B, Cohere), 2 as post-norms (OLMo-2)")
+    norm_bias: Optional[bool] = Field(
+        default=None, description="a LayerNorm's bias (default: a LayerNorm has one, an RMSNorm none; Cohere's "
+        "LayerNorm has none)")
+    qk_norm_width: Literal["head", "full"] = Field(
+        default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
+        "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
+    attention_bias: bool = Field(
+        default=False, description="biases on the Q, K, V and output projections only (transformers "
+        "attention_bias: gpt-oss, Phi-3.5-MoE, Granite; `bias` puts one on every linear)")
+    head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    attention_sinks: bool = Field(
+        default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
+    moe_bias: bool = Field(
+        default=False, description="biases on the router (E) and on each routed expert's projections (gpt-oss)")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
@@ -152,6 +172,16 @@ class ModelSpec(Spec):
         return self.kv_lora_rank is not None
 
     @property
+    def layer_norms(self) -> int:
+        """Norms in one layer: norms_per_layer, else 4 with sandwich_norms, else 2."""
+        return self.norms_per_layer or (4 if self.sandwich_norms else 2)
+
+    @property
+    def has_norm_bias(self) -> bool:
+        """Whether each norm has a bias (a LayerNorm unless norm_bias says otherwise)."""
+        return self.norm == "layernorm" if self.norm_bias is None else self.norm_bias and self.norm == "layernorm"
+
+    @property
     def is_moe(self) -> bool:
         """A mixture-of-experts model (num_experts set)."""
         return self.num_experts is not None
@@ -204,6 +234,10 @@ class ModelSpec(Spec):
             raise ValueError(f"attention heads a={a} are not divisible by the key/value heads {g}")
         if self.sliding_window_pattern is not None and self.sliding_window is None:
             raise ValueError("sliding_window_pattern needs sliding_window (the tokens a sliding layer attends to)")
+        if self.norms_per_layer is not None and self.sandwich_norms and self.norms_per_layer != 4:
+            raise ValueError(f"sandwich_norms means four norms per layer (norms_per_layer={self.norms_per_layer})")
+        if self.moe_bias and not self.is_moe:
+            raise ValueError("moe_bias is a mixture-of-experts field: it needs num_experts (the routed experts)")
         return self._latent()._experts()
 
     def _latent(self) -> "ModelSpec":
@@ -248,6 +282,7 @@ class ModelSpec(Spec):
             raise ValueError(f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer among the "
                              f"num_layers={self.num_layers}")
         if self.bias:
-            raise ValueError("bias: memplan models mixture-of-experts layers without biases (Mixtral, Qwen3-MoE); "
-                             "set bias: false")
+            raise ValueError("bias: memplan models mixture-of-experts layers without biases on every linear (Mixtral, "
+                             "Qwen3-MoE); set bias: false (attention_bias and moe_bias put them where gpt-oss has "
+                             "them)")
         return self

@@ -42,7 +42,8 @@ SYMBOLS = {"s", "b"}
 # precision of the plan; the others keep their own size.
 # (Term's storage kinds go by element size: 4-byte and 8-byte integers share fp32's and int64's.)
 _DTYPES: dict[str, Dtype] = {"float32": "fp32", "int32": "fp32", "uint32": "fp32", "bool": "mask", "uint8": "mask",
-                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64"}
+                             "int8": "mask", "int64": "int64", "uint64": "int64", "float64": "int64",
+                             "complex64": "int64"}  # DeepSeek-V2's rotary embedding: fp32 pairs, 8 bytes
 _ACT_DTYPES = ("bfloat16", "float16")
 
 
@@ -270,6 +271,18 @@ def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
     return poly
 
 
+# model types whose transformers class has no sdpa attention (_supports_sdpa false in transformers 5.x), among the
+# architectures memplan reads from a config.json: --impl hf-sdpa is refused before tracing (issue 22)
+NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-oss (attention sinks)"}
+
+
+def check_impl(data: object, impl: str) -> None:
+    """Refuse --impl hf-sdpa for a config whose transformers model has no sdpa path, naming the impl that has one."""
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if impl == "hf-sdpa" and model_type in NO_SDPA:
+        raise MemplanError(f"{NO_SDPA[model_type]} has no sdpa attention in transformers: use --impl hf-eager")
+
+
 @functools.lru_cache(maxsize=64)
 def _load(path: str, mtime: float) -> TracedFile:
     return read_traced(Path(path))
@@ -299,6 +312,9 @@ def load(directory: str, impl: str, kernels: str) -> TracedFile:
         return _load(directory, Path(directory).stat().st_mtime)
     path = Path(directory) / file_name(impl, kernels)
     config = Path(directory) / "config.json"
+    if directory in _PENDING_CONFIGS or config.is_file():
+        check_impl(json.loads(_PENDING_CONFIGS[directory]) if directory in _PENDING_CONFIGS else read_json(config),
+                   impl)
     if not config.is_file() and directory in _PENDING_CONFIGS and _tracer() is not None:
         try:  # the config read in this process, kept in the cache only now that an inventory is traced from it
             config.parent.mkdir(parents=True, exist_ok=True)
@@ -338,9 +354,11 @@ def tell(line: str) -> None:
 def trace_to_yaml(config_path: str, impl: str, kernels: str) -> str:
     """Trace a config.json with transformers' own code: the inventory file's text."""
     config = Path(config_path)
+    config = config / "config.json" if config.is_dir() else config  # a model's directory: its config.json
     if not config.is_file():
         raise MemplanError(f"no such config.json: {config_path}")
     data = read_json(config)
+    check_impl(data, impl)
     layers = data.get("num_hidden_layers", data.get("n_layer")) if isinstance(data, dict) else None
     if isinstance(layers, int) and not 0 < layers <= MAX_LAYERS:
         raise MemplanError(f"{config}: {layers:,} layers: memplan traces models of 1 to {MAX_LAYERS:,} layers")

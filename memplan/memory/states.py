@@ -64,7 +64,7 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     keep the names of the dense MLP's groups (the backward's moments name them). transformers stores each
     MoE layer's experts as two 3-D tensors (weight_shapes); Megatron-LM's count is the same
     (megatron/training/theoretical_memory_usage.py: E x 2 h f_e x 3/2 + h E per MoE layer)."""
-    norm = "2 h" if model.norm == "layernorm" else "h"  # LayerNorm: weight + bias; RMSNorm: weight
+    norm = "2 h" if model.has_norm_bias else "h"  # LayerNorm: weight + bias; RMSNorm (Cohere's LayerNorm): weight
     gated = model.mlp == "swiglu"
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers else "layer"
@@ -77,7 +77,10 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
     if model.qk_norm:
-        groups.append(ParamGroup("query / key norms", Poly.parse("2 q /a"), False, "layer"))
+        groups.append(ParamGroup("query / key norms", Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full"
+                                                                      else "2 q /a"), False, "layer"))
+    if model.attention_sinks:
+        groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
     if model.is_moe:
         groups += [
             ParamGroup("MLP input projection weight", Poly.parse(("2 " if gated else "") + "E h fe"), True, "moe",
@@ -85,6 +88,10 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe", expert=True),
             ParamGroup("router weight", Poly.parse("E h"), False, "moe"),
         ]
+        if model.moe_bias:  # gpt-oss: router bias E; each expert's gate_up bias 2 f_e and down bias h
+            groups += [ParamGroup("router bias", Poly.parse("E"), False, "moe"),
+                       ParamGroup("expert biases", Poly.parse_sum(("2 " if gated else "") + "E fe + E h"), True, "moe",
+                                  expert=True)]
         if model.moe_shared_ffn_hidden_size:
             groups += [
                 ParamGroup("shared experts' input projection weight", Poly.parse(("2 " if gated else "") + "h fs"),
@@ -97,8 +104,11 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
             ParamGroup(prefix + "MLP output projection weight", Poly.parse("h f"), True, mlp),
         ]
-    groups.append(ParamGroup("layer norms", Poly.parse(norm) * (4 if model.sandwich_norms else 2), False, "layer"))
-    if model.qkv_bias and not model.bias:
+    groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
+    if model.attention_bias and not model.bias:
+        groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
+                   ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
+    elif model.qkv_bias and not model.bias:
         groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
@@ -111,6 +121,8 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", Poly.parse("s h"), False, "first"))
     groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
+    if model.head_bias:
+        groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     return tuple(groups)
 
 
@@ -198,6 +210,8 @@ def active_params(model: ModelSpec) -> int:
     if not model.is_moe:
         return total_params(model)
     per_expert = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.fe
+    if model.moe_bias:  # an expert's own biases (gpt-oss): gate_up 2 f_e, down h
+        per_expert += (2 if model.mlp == "swiglu" else 1) * model.fe + model.hidden_size
     return total_params(model) - model.moe_layers * (model.num_experts - model.moe_top_k) * per_expert
 
 
@@ -255,16 +269,26 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     f_in = P("2 f") if gated else P("f")
     norm = [WeightShape("layer norms", "norm weight", P("h"), None)]
     final = [WeightShape("final norm", "final norm weight", P("h"), None)]
-    if model.norm == "layernorm":
+    if model.has_norm_bias:
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None, 2)] \
-        if model.qk_norm else []
-    if model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
-        qk_norms = (([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
-                     [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
-                      WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")]) + qk_norms)
-    sandwich = norm + norm if model.sandwich_norms else []  # Gemma 2 / 3: norms on the sub-layers' outputs
+        if model.qk_norm and model.qk_norm_width == "head" else []
+    if model.qk_norm and model.qk_norm_width == "full":  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
+        qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
+                    WeightShape("query / key norms", "key norm weight", q_kv, None)]
+    if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head
+        qk_norms = [WeightShape("attention sinks", "sinks", P("a"), None, 1, "rows")] + qk_norms
+    qkv_biases = ([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
+                  [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")])
+    if model.attention_bias and not model.bias:  # q, k, v, o_proj biases (gpt-oss, Phi-3.5-MoE)
+        qk_norms = qk_norms + qkv_biases + [WeightShape("attention output projection bias", "o_proj bias", P("h"),
+                                                        None)]
+    elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
+        qk_norms = qkv_biases + qk_norms
+    sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
+    second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
 
     def linear(group: str, name: str, rows: Poly, cols: Poly, split: str, count: int = 1) -> list[WeightShape]:
@@ -280,10 +304,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.is_mla:  # the same tensors in both layouts (Megatron-LM: linear_q_down_proj, ..., linear_proj)
         attention = _mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
         if layout == "fused":
-            attention = norm + attention + norm
+            attention = norm + attention + second
     elif layout == "fused":
         attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
-            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + norm
+            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + second
     else:
         attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
                      + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
@@ -296,15 +320,16 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
                   else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
         dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
-        layer = attention + dense_mlp + norm + norm
+        layer = attention + dense_mlp + norm + second
     dense_layer: list[WeightShape] = []
     if model.is_moe:
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
-        layer = (attention + moe) if layout == "fused" else (attention + moe + norm + norm)
+        layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
     first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")]
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", P("s"), P("h")))
+    final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}
@@ -331,6 +356,7 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
     P = Poly.parse
     fe_in = P("2 fe") if model.mlp == "swiglu" else P("fe")
     router = [WeightShape("router weight", "router", P("E"), P("h"))]
+    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias else []
     E = model.num_experts or 0
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     if layout == "fused":  # Megatron-LM TEGroupedMLP: linear_fc1.weight0..E-1, then linear_fc2's
@@ -339,6 +365,9 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
     else:  # transformers: gate_up_proj (E, 2 f_e, h), down_proj (E, h, f_e)
         experts = [WeightShape(fc1_w, "experts' gate_up_proj", fe_in, P("h"), 1, "rows", P("E")),
                    WeightShape(fc2_w, "experts' down_proj", P("h"), P("fe"), 1, "cols", P("E"))]
+    if model.moe_bias:  # gpt-oss: gate_up_proj_bias (E, 2 f_e), down_proj_bias (E, h)
+        experts += [WeightShape("expert biases", "experts' gate_up_proj_bias", fe_in, None, 1, "rows", P("E")),
+                    WeightShape("expert biases", "experts' down_proj_bias", P("h"), None, 1, None, P("E"))]
     shared: list[WeightShape] = []
     if model.moe_shared_ffn_hidden_size:
         s_in, s_out = "shared experts' input projection weight", "shared experts' output projection weight"

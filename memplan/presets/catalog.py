@@ -27,6 +27,9 @@ def load_model(name_or_path: str) -> ModelPreset:
     if path.suffix == ".json":
         raise MemplanError(f"{name_or_path} is JSON: a transformers config.json goes with --hf-config; "
                            "--model takes a preset name or a YAML file")
+    if path.is_dir() and (path / "config.json").is_file():
+        raise MemplanError(f"{name_or_path} is a model directory: its config.json goes with --hf-config "
+                           f"{name_or_path}; --model takes a preset name or a YAML file")
     if path.suffix in (".yaml", ".yml"):
         if not path.exists():
             raise MemplanError(f"no such model file: {name_or_path}")

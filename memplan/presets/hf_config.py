@@ -31,6 +31,33 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "traced",  # mixture of experts (issue 11): see _read_moe
     "Qwen3MoeForCausalLM": "traced",
     "DeepseekV3ForCausalLM": "traced",  # mixture of experts and multi-head latent attention
+    # issue 22: families whose parameters ModelSpec's layout fields count exactly (_FAMILIES says how) and whose
+    # layers --impl hf-* traces; --impl megatron* approximates their layer by the pre-norm layer (_APPROXIMATED)
+    "DeepseekV2ForCausalLM": "traced",
+    "Olmo2ForCausalLM": "traced",
+    "GraniteForCausalLM": "traced",
+    "FalconForCausalLM": "traced",
+    "GPTNeoXForCausalLM": "traced",
+    "Starcoder2ForCausalLM": "traced",
+    "CohereForCausalLM": "traced",
+    "PhimoeForCausalLM": "traced",
+    "GptOssForCausalLM": "traced",
+    "Gemma3ForConditionalGeneration": "traced",  # its text_config: the text model alone (see _text_model)
+}
+
+
+# Where each family's layer differs from the sequential pre-norm layer the --impl megatron* inventories model:
+# a note on every estimate of that family (its parameters are counted exactly; --impl hf-* traces its own code).
+_APPROXIMATED = {
+    "Olmo2ForCausalLM": "OLMo-2 normalises the sub-layers' outputs (post-norms) and the whole Q and K",
+    "FalconForCausalLM": "Falcon runs attention and MLP in parallel on the same normalised input",
+    "GPTNeoXForCausalLM": "GPT-NeoX runs attention and MLP in parallel (use_parallel_residual) with a rotary "
+                          "fraction of each head",
+    "CohereForCausalLM": "Cohere runs attention and MLP in parallel after one LayerNorm without bias",
+    "PhimoeForCausalLM": "Phi-3.5-MoE's LayerNorms and attention carry biases",
+    "GptOssForCausalLM": "gpt-oss alternates sliding-window and full attention with attention sinks and clamped "
+                         "SwiGLU experts",
+    "Starcoder2ForCausalLM": "StarCoder2's LayerNorms and linears carry biases and its attention a sliding window",
 }
 
 
@@ -44,17 +71,28 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts",
-                      "DeepseekV3ForCausalLM": "n_routed_experts"}
+                      "DeepseekV3ForCausalLM": "n_routed_experts", "DeepseekV2ForCausalLM": "n_routed_experts",
+                      "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts"}
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2")
 
 
 _QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias=True, o_proj without
 
 
 _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / pre- and post_feedforward norms
+
+
+# Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
+_OLD_DEFAULTS = ("FalconForCausalLM", "GPTNeoXForCausalLM")
+
+
+# What an architecture memplan cannot read from its config.json should do instead (one line, exactly what to run)
+_REFUSAL = ("describe it in a model YAML (docs/reference.md, section Model presets) and give it to --model; "
+            "pip install 'memplan[trace]' then traces its activations: memplan trace --hf-config config.json "
+            "--out DIR/hf-sdpa-cpu.yaml, and the YAML's inventory: DIR uses them")
 
 
 # The sequence length a config.json gets when --seq-len is not given: its position limit, capped at
@@ -97,10 +135,17 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
     Qwen3-MoE: num_experts experts of moe_intermediate_size, top num_experts_per_tok; a layer is dense
     (intermediate_size wide) when in mlp_only_layers or when (i + 1) % decoder_sparse_step != 0
     (Qwen3MoeDecoderLayer): memplan models dense layers first only, and refuses other patterns."""
-    if arch == "MixtralForCausalLM":
-        return dict(num_experts=data.get("num_local_experts", 8), moe_top_k=data.get("num_experts_per_tok", 2))
-    if arch == "DeepseekV3ForCausalLM":
-        return _read_deepseek_v3(data)
+    if arch in ("MixtralForCausalLM", "PhimoeForCausalLM"):  # every layer MoE, experts intermediate_size wide
+        return dict(num_experts=data.get("num_local_experts", 8 if arch == "MixtralForCausalLM" else 16),
+                    moe_top_k=data.get("num_experts_per_tok", 2))
+    if arch == "GptOssForCausalLM":  # GptOssMLP: router with bias, experts with biases (GptOssExperts)
+        return dict(num_experts=data.get("num_local_experts", 128), moe_top_k=data.get("num_experts_per_tok", 4),
+                    moe_bias=True)
+    if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
+        if data.get("moe_layer_freq", 1) != 1:
+            raise MemplanError(f"{path}: moe_layer_freq = {echo(data['moe_layer_freq'])}: memplan models an MoE "
+                               "layer in every layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
+        return _read_deepseek_v3(data, arch)
     experts = data.get("num_experts", 128)
     step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
     if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
@@ -117,18 +162,28 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
                 moe_ffn_hidden_size=data.get("moe_intermediate_size", 768), moe_first_dense_layers=len(dense))
 
 
-def _read_deepseek_v3(data: dict) -> dict[str, Any]:
+# transformers' DeepseekV2Config / DeepseekV3Config defaults for the keys a config.json may leave out
+_DEEPSEEK_DEFAULTS = {
+    "DeepseekV3ForCausalLM": dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                                  n_shared_experts=1, first_k_dense_replace=3),
+    "DeepseekV2ForCausalLM": dict(n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407,
+                                  n_shared_experts=2, first_k_dense_replace=0),
+}
+
+
+def _read_deepseek_v3(data: dict, arch: str = "DeepseekV3ForCausalLM") -> dict[str, Any]:
     """DeepSeek-V3 (DeepseekV3ForCausalLM, transformers' defaults for missing keys): first_k_dense_replace
     dense layers intermediate_size wide, then MoE layers of n_routed_experts experts of moe_intermediate_size,
     top num_experts_per_tok, and n_shared_experts shared ones (one MLP n_shared_experts x moe_intermediate_size
     wide, DeepseekV3MoE); multi-head latent attention. Its multi-token-prediction layer
     (num_nextn_predict_layers, ModelSpec.mtp_layers) is not built by transformers: memplan models it for --impl
     megatron* (memplan/inventory/mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
-    fe, shared = data.get("moe_intermediate_size", 2048), data.get("n_shared_experts", 1)
+    d = {**_DEEPSEEK_DEFAULTS[arch], **{k: v for k, v in data.items() if k in _DEEPSEEK_DEFAULTS[arch]}}
+    fe, shared = d["moe_intermediate_size"], d["n_shared_experts"]
     both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
-    return dict(num_experts=data.get("n_routed_experts", 256), moe_top_k=data.get("num_experts_per_tok", 8),
+    return dict(num_experts=d["n_routed_experts"], moe_top_k=d["num_experts_per_tok"],
                 moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
-                moe_first_dense_layers=data.get("first_k_dense_replace", 3),
+                moe_first_dense_layers=d["first_k_dense_replace"],
                 kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
                 qk_nope_head_dim=data.get("qk_nope_head_dim", 128), qk_rope_head_dim=data.get("qk_rope_head_dim", 64),
                 v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
@@ -187,9 +242,67 @@ def _names(archs: list) -> str:
     return ", ".join(shown) + (f" and {len(archs) - 3:,} more" if len(archs) > 3 else "")
 
 
+def _falcon(data: dict, path: Path) -> dict[str, Any]:
+    """Falcon (FalconForCausalLM; transformers' FalconConfig defaults): a parallel attention + MLP block (parallel_attn)
+    with one shared LayerNorm, or two (ln_attn, ln_mlp) with new_decoder_architecture; K and V heads num_kv_heads
+    (new_decoder_architecture), 1 (multi_query) or a; a GeLU MLP ffn_hidden_size wide; `bias` on every linear."""
+    a = data.get("num_attention_heads", data.get("n_head", 71))
+    new, parallel = _flag(data, "new_decoder_architecture", False, path), _flag(data, "parallel_attn", True, path)
+    kv = data.get("num_kv_heads", a) if new else 1 if _flag(data, "multi_query", True, path) else a
+    lns = data.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    h = data.get("hidden_size", 4544)
+    return dict(num_layers=data.get("num_hidden_layers", data.get("n_layer", 32)), hidden_size=h,
+                num_attention_heads=a, num_kv_heads=kv, ffn_hidden_size=data.get("ffn_hidden_size"),
+                norm="layernorm", mlp="gelu", bias=_flag(data, "bias", False, path),
+                norms_per_layer=2 if not parallel else lns, tied_embeddings=_flag(data, "tie_word_embeddings", True, path),
+                dropout=max(_probability(data, "attention_dropout", 0.0, path),
+                            _probability(data, "hidden_dropout", 0.0, path)) > 0)
+
+
+def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
+    """What a family's config.json sets beyond the Llama layout's fields (transformers' defaults for missing keys):
+    norms, biases, q / k norms, gated or plain MLP, tied embeddings (checked against the meta-device model by
+    tests/test_hub_configs.py)."""
+    if arch == "GPTNeoXForCausalLM":  # GPTNeoXLayer: two LayerNorms, biased query_key_value, dense and MLP
+        if not _flag(data, "attention_bias", True, path):
+            raise MemplanError(f"{path}: GPT-NeoX with attention_bias false keeps its MLP biases: memplan puts a bias "
+                               "on every linear or on the attention's only; write a model YAML (docs/reference.md, "
+                               "Model presets)")
+        return dict(norm="layernorm", mlp="gelu", bias=True, tied_embeddings=_flag(data, "tie_word_embeddings",
+                                                                                   False, path))
+    if arch == "Starcoder2ForCausalLM":  # LayerNorm with bias, c_fc / c_proj GeLU MLP, use_bias on every linear
+        return dict(norm="layernorm", mlp="gelu", bias=_flag(data, "use_bias", True, path),
+                    tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
+    if arch == "CohereForCausalLM":  # one CohereLayerNorm (no bias) before the parallel block; q / k norms per head
+        return dict(norm="layernorm", norm_bias=False, norms_per_layer=1, qk_norm=_flag(data, "use_qk_norm", False, path),
+                    qk_norm_width="full", tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
+    if arch == "Olmo2ForCausalLM":  # q_norm over q, k_norm over q g/a; post_attention / post_feedforward norms
+        return dict(qk_norm=True, qk_norm_width="full")
+    if arch == "PhimoeForCausalLM":  # nn.LayerNorm with bias, lm_head_bias
+        return dict(norm="layernorm", head_bias=_flag(data, "lm_head_bias", False, path))
+    if arch == "GptOssForCausalLM":  # sinks, q / k / v / o biases (attention_bias, default true)
+        return dict(attention_sinks=True, attention_bias=_flag(data, "attention_bias", True, path))
+    return {}
+
+
+def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
+    """A multimodal config (Gemma3ForConditionalGeneration): its text_config read as the text model (Gemma3ForCausalLM),
+    the text that model's trace is keyed by, and a note on what is left out."""
+    text_config = data.get("text_config")
+    if not isinstance(text_config, dict):
+        raise MemplanError(f"{path}: text_config: expected the text model's config (a JSON object)")
+    text_data = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    left = [k.removesuffix("_config").replace("_", " ") for k in data if k.endswith("_config") and k != "text_config"]
+    note = (f"the text model only (text_config, as Gemma3ForCausalLM): the {' and '.join(left) or 'vision'} tower "
+            "and the multimodal projector are left out of the parameters and the activations (a text-only run)")
+    return text_data, json.dumps(text_data, sort_keys=True), (note,)
+
+
 def read_hf_config(path_text: str) -> ModelPreset:
-    """A transformers config.json read as data (no code runs, nothing is downloaded)."""
+    """A transformers config.json read as data (no code runs, nothing is downloaded); a directory: its config.json."""
     path = Path(path_text)
+    if path.is_dir():
+        path = path / "config.json"
     text = read_text(path, "config.json")
     data = load_json_text(text, str(path))
     if not isinstance(data, dict):
@@ -200,20 +313,24 @@ def read_hf_config(path_text: str) -> ModelPreset:
     if not isinstance(data.get("model_type", ""), str):
         raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
     known = [a for a in archs if a in HF_ARCHITECTURES]
+    notes: tuple[str, ...] = ()
+    if known and known[0] == "Gemma3ForConditionalGeneration":
+        data, text, notes = _text_model(data, path)
+        known = ["Gemma3ForCausalLM"]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _MOE_ARCHITECTURES):
         arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"
-        raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan models the experts of "
-                           "Mixtral, Qwen3-MoE and DeepSeek-V3 only (issue 11)")
+        raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
+                           f"{', '.join(a.removesuffix('ForCausalLM') for a in _MOE_ARCHITECTURES)} only; "
+                           f"{_REFUSAL}")
     if not known:
         name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"
-        raise MemplanError(f"{path}: architecture {name} is not one memplan models; known: "
-                           f"{', '.join(HF_ARCHITECTURES)}")
+        raise MemplanError(f"{path}: architecture {name} is not one memplan reads from a config.json; {_REFUSAL}")
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
     positions_key = "n_positions" if layout == "gpt2" else "max_position_embeddings"
-    positions = data.get(positions_key, 1024 if layout == "gpt2" else 4096)
+    positions = data.get(positions_key, 1024 if layout == "gpt2" else 2048 if known[0] in _OLD_DEFAULTS else 4096)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")
     seq = min(positions, HF_DEFAULT_SEQ)
@@ -229,12 +346,21 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         vocab_size=data["vocab_size"], ffn_hidden_size=data.get("n_inner"), dropout=dropout,
                         tied_embeddings=_flag(data, "tie_word_embeddings", True, path), attention="eager",
                         norm_eps=data.get("layer_norm_epsilon"))
+        elif known[0] == "FalconForCausalLM":
+            spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], position_embedding="rope",
+                        attention="flash", **_falcon(data, path))
         else:
+            family = _family(known[0], data, path)
+            gated = family.get("mlp", "swiglu") == "swiglu"
             act_key = "hidden_activation" if data.get("hidden_activation") else "hidden_act"
             acts = ("silu",) if layout == "llama" else _GATED_ACTS
-            if data.get(act_key, "silu") not in acts:
+            if gated and data.get(act_key, "silu") not in acts:
                 raise MemplanError(f"{path}: {act_key} {data[act_key]!r}: memplan models the gated MLP with "
                                    f"{' / '.join(acts)}")
+            attention_bias = _flag(data, "attention_bias", False, path)
+            if _flag(data, "mlp_bias", False, path) and not attention_bias:
+                raise MemplanError(f"{path}: mlp_bias without attention_bias: memplan puts a bias on every linear or "
+                                   "on the attention's only; write a model YAML (docs/reference.md, Model presets)")
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
@@ -244,23 +370,28 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         tied_embeddings=_flag(data, "tie_word_embeddings", layout == "traced" and
                                               data.get("model_type", "").startswith("gemma"), path),
                         dropout=_probability(data, "attention_dropout", 0.0, path) > 0,
-                        bias=_flag(data, "attention_bias", False, path) or _flag(data, "mlp_bias", False, path),
+                        bias=_flag(data, "mlp_bias", False, path), attention_bias=attention_bias,
                         attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
                         qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
                         sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES,
                         gate_activation="silu" if data.get(act_key, "silu") == "silu" else "gelu",
                         rope_theta=_rope_theta(data), norm_eps=data.get("rms_norm_eps"))
+            spec.update(family)
             window, window_notes = _sliding_window(data)
             spec.update(window)
             if known[0] in _MOE_ARCHITECTURES:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
-    notes = (note,) + window_notes
+    notes = (note,) + notes + window_notes
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
+    if known[0] in _APPROXIMATED:
+        notes += (f"{_APPROXIMATED[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
+                  "activations by a sequential pre-norm layer of the same widths (derived, not traced); --impl "
+                  "hf-sdpa / hf-eager traces transformers' own code",)
     if layout == "traced":
         spec["inventory"], how = inventory_dir(data, text, configs_dir() / "traced")
         notes += (how,)
