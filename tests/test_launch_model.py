@@ -131,3 +131,29 @@ def test_irregular_sliding_layers_are_a_note(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = transformers.Qwen2Config(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
     assert hf.layer_types[:3] == ["full_attention", "full_attention", "sliding_attention"]
+
+
+HUB = Path(__file__).resolve().parent / "hub"
+# what each family's layer is in transformers (modeling_<family>.py), against Megatron-LM's GPTModel layer (sequential
+# pre-norm, every linear biased or none, per-head Q / K norms): the part no argument builds, or None
+HUB_LAYOUTS = {
+    "command-r-v01": "in parallel", "command-r-plus": "in parallel",  # CohereDecoderLayer: attn + mlp on one norm
+    "falcon-7b": "in parallel", "falcon-40b": "in parallel",  # FalconDecoderLayer parallel_attn
+    "pythia-1b": "in parallel",  # GPTNeoXLayer use_parallel_residual
+    "olmo2-7b": "post-norms",  # Olmo2DecoderLayer: post_attention_layernorm on the attention's output
+    "gpt-oss-20b": "attention sinks",  # GptOssAttention.sinks
+    "phi-3.5-moe": "a bias on the output head",  # PhimoeForCausalLM lm_head_bias
+    "gemma3-4b": "GeLU-gated",  # gelu_pytorch_tanh
+    "deepseek-v2": None, "deepseek-v2-lite": None, "starcoder2-3b": None, "granite-3.1-8b": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_LAYOUTS))
+def test_other_layouts_get_no_launch(name):
+    model = read_hf_config(str(HUB / f"{name}.json")).model
+    expected = HUB_LAYOUTS[name]
+    if expected is None:
+        assert megatron_launch(Config(model=model, parallel=ParallelSpec(), training=TrainingSpec())).args
+    else:
+        with pytest.raises(MemplanError, match=expected):
+            megatron_launch(Config(model=model, parallel=ParallelSpec(), training=TrainingSpec()))

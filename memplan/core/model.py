@@ -75,6 +75,11 @@ class ModelSpec(Spec):
     # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
     # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
     # sequential pre-norm layer of the other inventories (the config reader's notes say which).
+    layer_layout: Literal["sequential", "parallel", "post-norm"] = Field(
+        default="sequential", description="where a layer's sub-layers and norms sit: sequential pre-norm (GPT, Llama; "
+        "what the --impl megatron* inventories model and --emit megatron builds), attention and MLP in parallel on "
+        "the same input (Falcon, GPT-NeoX's use_parallel_residual, Cohere) or norms on the sub-layers' outputs "
+        "(post-norm: OLMo-2)")
     norms_per_layer: Optional[int] = Field(
         default=None, ge=1, le=4, description="norms in one layer (default 2, 4 with sandwich_norms): 1 in a "
         "parallel attention + MLP block with one shared norm (Falcon-7B, Cohere), 2 as post-norms (OLMo-2)")

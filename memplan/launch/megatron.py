@@ -169,6 +169,20 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     if model.mlp == "swiglu" and model.gate_activation == "gelu":
         return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
                 "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
+    # the layouts of transformers' other families (memplan/core/model.py): GPTModel's layer is a sequential pre-norm
+    # block with every linear biased or none (--add-bias-linear), Q and K norms per head (--qk-layernorm)
+    layouts = [(model.layer_layout == "parallel", "attention and MLP in parallel"),
+               (model.layer_layout == "post-norm", "norms on the sub-layers' outputs (post-norms)"),
+               (model.norms_per_layer not in (None, 2), f"{model.norms_per_layer} norm(s) per layer"),
+               (model.attention_bias and not model.bias, "biases on the attention's projections only"),
+               (model.head_bias, "a bias on the output head"), (model.attention_sinks, "attention sinks"),
+               (model.moe_bias, "biased router and experts"),
+               (model.qk_norm and model.qk_norm_width == "full", "Q and K norms over the whole width"),
+               (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias")]
+    missing = [what for on, what in layouts if on]
+    if missing:
+        return (f"--emit megatron: {echo(model.name)} has {', '.join(missing)}, which no Megatron-LM argument builds "
+                "(its GPTModel layer is sequential pre-norm): no launch is given for it")
     return None
 
 

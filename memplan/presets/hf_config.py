@@ -254,7 +254,8 @@ def _falcon(data: dict, path: Path) -> dict[str, Any]:
     return dict(num_layers=data.get("num_hidden_layers", data.get("n_layer", 32)), hidden_size=h,
                 num_attention_heads=a, num_kv_heads=kv, ffn_hidden_size=data.get("ffn_hidden_size"),
                 norm="layernorm", mlp="gelu", bias=_flag(data, "bias", False, path),
-                norms_per_layer=2 if not parallel else lns, tied_embeddings=_flag(data, "tie_word_embeddings", True, path),
+                norms_per_layer=2 if not parallel else lns, layer_layout="parallel" if parallel else "sequential",
+                tied_embeddings=_flag(data, "tie_word_embeddings", True, path),
                 dropout=max(_probability(data, "attention_dropout", 0.0, path),
                             _probability(data, "hidden_dropout", 0.0, path)) > 0)
 
@@ -269,15 +270,17 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
                                "on every linear or on the attention's only; write a model YAML (docs/reference.md, "
                                "Model presets)")
         return dict(norm="layernorm", mlp="gelu", bias=True, tied_embeddings=_flag(data, "tie_word_embeddings",
-                                                                                   False, path))
+                                                                                   False, path),
+                    layer_layout="parallel" if _flag(data, "use_parallel_residual", True, path) else "sequential")
     if arch == "Starcoder2ForCausalLM":  # LayerNorm with bias, c_fc / c_proj GeLU MLP, use_bias on every linear
         return dict(norm="layernorm", mlp="gelu", bias=_flag(data, "use_bias", True, path),
                     tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
     if arch == "CohereForCausalLM":  # one CohereLayerNorm (no bias) before the parallel block; q / k norms per head
-        return dict(norm="layernorm", norm_bias=False, norms_per_layer=1, qk_norm=_flag(data, "use_qk_norm", False, path),
+        return dict(norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
+                    qk_norm=_flag(data, "use_qk_norm", False, path),
                     qk_norm_width="full", tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
     if arch == "Olmo2ForCausalLM":  # q_norm over q, k_norm over q g/a; post_attention / post_feedforward norms
-        return dict(qk_norm=True, qk_norm_width="full")
+        return dict(qk_norm=True, qk_norm_width="full", layer_layout="post-norm")
     if arch == "PhimoeForCausalLM":  # nn.LayerNorm with bias, lm_head_bias
         return dict(norm="layernorm", head_bias=_flag(data, "lm_head_bias", False, path))
     if arch == "GptOssForCausalLM":  # sinks, q / k / v / o biases (attention_bias, default true)
