@@ -128,14 +128,15 @@ def _oom_event(stream: AllocationStream, result: ReplayResult) -> Optional[dict]
             "allocated_bytes": oom.allocated_bytes, "reserved_bytes": oom.reserved_bytes, "message": oom.message}
 
 
-def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay = Replay()) -> Reserved:
+def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay = Replay(),
+               try_expandable: bool = True) -> Reserved:
     """The verdict of one GPU's run (`stream`, made with the settings' history): replayed with the allocator asked
     for, and when that dies with the default allocator, once more with expandable segments (the report then says
-    that they would fit it)."""
+    that they would fit it; `try_expandable` False: not tried, the verdict alone is wanted)."""
     config = allocator_config(settings.allocator, settings.alloc_conf)
     result = replay_stream(stream, max(capacity_bytes, 0), config)
     expandable = None
-    if not result.fits and not config.expandable_segments:
+    if try_expandable and not result.fits and not config.expandable_segments:
         expandable = replay_stream(stream, max(capacity_bytes, 0), replace(config, expandable_segments=True)).fits
     return Reserved(allocator_name(config), settings.alloc_conf or "", capacity_bytes, stream.stage, len(stream.events),
                     result, _oom_event(stream, result), expandable, settings.first_step_seq_len)

@@ -233,13 +233,14 @@ def estimate(
 
 def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
                  gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
-                 replay: Replay = Replay()) -> tuple[DeviceMemory, Optional[Reserved]]:
+                 replay: Replay = Replay(), report: bool = True) -> tuple[DeviceMemory, Optional[Reserved]]:
     """What one GPU of the stage needs: its allocated peak + the fragmentation margin (the GPU preset's, or the
     one given) + the runtime outside PyTorch's pool. With a budget, and a plan the allocation stream models, the
     run is also replayed through the caching allocator on the budget less the runtime (memory/reserved.py);
     when the replay reserves more beyond the allocated peak than the margin (or dies: then what it held and
     asked for, more than it may take), that is the fragmentation. The replay runs the stage's 1F1B schedule with
-    at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same)."""
+    at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same). `report`
+    False: the verdict alone (a run that dies is not replayed again with expandable segments)."""
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
     if budget_bytes is None or not_streamed(config.training, plan):
         return flat, None
@@ -247,7 +248,7 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     replayed_plan = dataclasses.replace(plan, microbatches=min(int(plan.microbatches), int(in_flight) + 2))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
                         first_step_seq_len=replay.first_step_seq_len, workspace_bytes=flat.workspace_bytes)
-    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay)
+    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report)
     # dies: at least over the budget (the OOM event says where; what it would need is not known)
     needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
     replayed = needed - flat.allocated_peak
@@ -292,7 +293,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     steps = step_peaks(config, inventory, plan, mems)
     top = most_loaded_stage(steps, mems)
     needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
-                            replay)
+                            replay, report=False)
     return int(needs.total)
 
 

@@ -56,7 +56,8 @@ def fits_below(fits: Callable[[int], bool], top: int, step: int) -> Optional[int
     """Below `top` (a multiple of `step` at which `fits` fails), the first multiple of `step` at which `fits` holds,
     one step longer not, found in strides doubling down from `top` and then a bisection; None when it holds at none
     down to `step`."""
-    hi, gap = top // step, 1  # hi: does not fit (in steps)
+    hi = top // step  # does not fit (in steps)
+    gap = max(hi // 128, 1)  # the first stride below: ~0.8 % (the replay's excess over the bound is of that order)
     while True:
         lo = max(hi - gap, 1)
         if fits(lo * step):
