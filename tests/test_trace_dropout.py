@@ -143,3 +143,32 @@ def test_cuda_trace_with_dropout_equals_a_real_gpu_run(config, impl):
         assert predicted["outside"] == measured["outside"]
         for p, m in zip(predicted["layers"], measured["layers"]):
             assert abs(p - m) <= 64, (s, b, p, m)
+
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("files,device,kernels", [
+    ((), "cuda", "cuda"),  # nothing traced yet: trace CUDA's kernels on first use (it used to trace CPU's)
+    (("hf-sdpa-cpu.yaml",), "cuda", "cpu"),  # a CPU kernels' trace already there and no CUDA one: that (reported)
+    (("hf-sdpa-cpu.yaml", "hf-sdpa-cuda.yaml"), "cuda", "cuda"),
+    ((), "cpu", "cpu"),
+])
+def test_a_cuda_estimate_traces_cuda_kernels_on_first_use(files, device, kernels, tmp_path, monkeypatch):
+    """Which kernels' trace an estimate reads (or traces on first use) for a config.json with no shipped trace:
+    CUDA's for --device cuda, so that attention dropout does not bring CPU's s x s tensors into a GPU estimate."""
+    from memplan.inventory import traced
+    from memplan.presets.catalog import load_model
+
+    def load(directory, impl, kernels_):
+        raise _Loaded(kernels_)
+
+    for name in files:
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(traced, "load", load)
+    model = load_model("qwen3-8b").model.model_copy(update={"inventory": str(tmp_path)})
+    with pytest.raises(_Loaded) as loaded:
+        traced.traced_inventory(model, "hf-sdpa", device)
+    assert loaded.value.args == (kernels,)
