@@ -342,7 +342,14 @@ class _CudaKernels:
       additive one in the activation dtype; head dims multiples of 8) saves the same plus the mask,
       its logsumexp padded to a multiple of 32 along s; else the math kernel, as on CPU (fp32).
       cuDNN attention, which torch prefers on sm90 / sm100 with cuDNN > 9.15, saves the same q, k,
-      v, output and fp32 logsumexp;
+      v, output and fp32 logsumexp. With dropout (``attention_dropout > 0``) the choice is the
+      same: flash, memory-efficient and cuDNN attention all take dropout (cuDNN except 9.11 - 9.13)
+      and keep only the Philox seed / offset to replay it, never an s x s tensor; CPU sdpa instead
+      leaves its flash kernel for the fp32 math path. The RNG state is sized as
+      torch/_meta_registrations.py gives it: flash's uint64 [2] and [] (GPU tensors), the
+      memory-efficient kernel's int64 [] seed and offset (which a CUDA run outside graph capture
+      keeps on the host: 16 bytes counted that the GPU does not hold). The math kernel's own
+      ``at::dropout`` goes through the ``dropout`` below (a bool mask);
     * ``native_layer_norm``: fp32 mean and rstd for fp16 / bf16 inputs (CPU: the input's dtype).
 
     Conditions that make a size exact (a mask's rows aligned to 8 elements: s % 8 == 0) are
