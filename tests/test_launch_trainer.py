@@ -4,11 +4,17 @@ deepspeed; memplan/launch/trainer.py), loaded with accelerate's and DeepSpeed's 
 The stacks' extra bytes are derived from their code (dp_stack.py says where), not measured; the expected values here
 are hand derivations for Llama 3 8B (h = 4096, a = 32, g = 8, f = 14336, v = 128256, untied, RMSNorm):
 one decoder layer holds q 4096^2 + k, v 2 x 4096 x 1024 + o 4096^2 + gate, up, down 3 x 4096 x 14336 + two norms
-2 x 4096 = 218,112,000 parameters; the root module embedding + output layer 2 x 128256 x 4096 + final norm 4096 =
-1,050,677,248."""
+2 x 4096 = 218,112,000 parameters; FSDP2's tail unit the output layer 128256 x 4096 + final norm 4096 = 525,340,672.
+
+The FSDP2 moments are measured with accelerate's own wrapping on CPU (validation/fsdp2.py) against a hand count of the
+tiny Llama there (h 64, f 160, 4 heads of 16, 2 K/V heads, v 512): a layer q, o 2 x 64^2 + k, v 2 x 64 x 32 +
+gate, up, down 3 x 64 x 160 + two norms 2 x 64 = 43,136 parameters = 86,272 B in bf16; the tail v h + h = 32,832 =
+65,664 B (tied or not: tied, the tail unit holds the shared embedding once)."""
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 
 import pytest
@@ -16,7 +22,7 @@ import yaml
 
 import memplan as api
 
-LAYER, ROOT, H, F = 218_112_000, 1_050_677_248, 4096, 14336
+LAYER, TAIL, H, F = 218_112_000, 525_340_672, 4096, 14336
 PLAN = dict(impl="hf-sdpa", gpus=8, seq_len=1024, micro_batch=1, global_batch=16)
 
 
@@ -25,9 +31,10 @@ def _weights(**options) -> int:
 
 
 def test_stack_bytes_over_plain_zero():
-    # FSDP2 keeps 2 layers' unsharded parameters + 1 layer's unsharded gradients + the root's, where plain ZeRO 3
-    # counts one layer: (3 LAYER + ROOT - LAYER) x 2 B (bf16)
-    assert _weights(fsdp2=True) - _weights(zero=3) == (2 * LAYER + ROOT) * 2 == 2_973_802_496
+    # FSDP2 keeps the larger of 3 layers (computing, prefetched, unsharded gradients) = 654,336,000 and the tail
+    # (output layer + final norm, TAIL) with one layer = 743,452,672, where plain ZeRO 3 counts one layer:
+    # TAIL x 2 B (bf16)
+    assert _weights(fsdp2=True) - _weights(zero=3) == TAIL * 2 == 1_050_681_344
     # DeepSpeed ZeRO 2: one IPG bucket of h^2 bf16 elements (overlap_comm off below stage 3)
     assert _weights(deepspeed_zero=2) - _weights(zero=2) == H * H * 2 == 33_554_432
     # ZeRO 3: the largest submodule (h f) + the prefetch bucket int(0.9 h^2) instead of a layer, two IPG buckets
@@ -104,3 +111,32 @@ def test_bad_stack_input(run_cli, args, message):
     code, out, err = run_cli("estimate", "--model", "llama3-8b", "--gpus", "8", *args)
     assert code == 2 and out == "", err
     assert message in err and len(err.strip().splitlines()) == 1 and err.startswith("memplan: error:")
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    """A gloo process group of one rank in this process (FSDP2 all-gathers and frees as with more), torn down after."""
+    dist = pytest.importorskip("torch.distributed")
+    pytest.importorskip("accelerate")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    # before the group exists, so its functions' default group is not pinned past the test (validation/ranks.py)
+    importlib.import_module("torch.distributed.nn")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()  # the FSDP2 model's cycles hold the group
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp2_unsharded_moments_measured(one_rank, tied):
+    from validation.fsdp2 import unsharded_moments
+
+    # one layer while it computes (no prefetch on CPU), the tail from its forward to its backward, nothing after;
+    # tied, the tail (with the shared embedding) is gathered from the first forward: 86,272 + 65,664 B in the layers
+    layer = 86_272 + 65_664 * tied
+    assert unsharded_moments(tied) == {"layer forward": layer, "after forward": 65_664, "layer backward": layer,
+                                       "after backward": 0}
+

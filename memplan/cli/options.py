@@ -143,9 +143,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
         click.option("--fsdp2", is_flag=True, default=None,
-                     help="HF Trainer / accelerate with FSDP2 (fsdp_version 2; --impl hf-*): ZeRO 3 plus two layers' "
-                          "unsharded parameters, the root module's and one layer's unsharded gradients (derived; "
-                          "memplan/memory/dp_stack.py)."),
+                     help="HF Trainer / accelerate with FSDP2 (fsdp_version 2; --impl hf-*): ZeRO 3 plus the "
+                          "unsharded layers in flight (prefetch, reduce-scatter input; derived) or the output layer "
+                          "at the loss (measured on CPU): memplan/memory/dp_stack.py."),
         click.option("--deepspeed-zero", type=AsciiIntRange(1, 3), metavar="1|2|3",
                      help="HF Trainer with DeepSpeed ZeRO of this stage (--impl hf-*): its reduce buckets and stage 3's "
                           "prefetch with the Trainer's 'auto' sizes (derived; memplan/memory/dp_stack.py); with "

@@ -4,13 +4,16 @@
 
 All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
 
-- FSDP2 (torch 2.13 torch/distributed/fsdp/_fully_shard/_fully_shard.py): accelerate wraps each decoder layer with
-  fully_shard (TRANSFORMER_BASED_WRAP on the model's _no_split_modules) and the whole model last. While a layer
-  computes, the next layer's all-gather is already issued (FSDP2's implicit forward prefetch; in the backward the
-  previous layer's), so two layers' unsharded parameters are alive; the root module (embedding, final norm, output
-  layer) is not resharded after the forward ("the root FSDP state has its value specially set to False"), so its
-  unsharded parameters stay from its forward to its backward. In the backward each layer's unsharded gradients (the
-  reduce-scatter's input, in the parameters' dtype) are alive beside the next layer's computation: one layer.
+- FSDP2 (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model, torch 2.13 fully_shard): each decoder layer is
+  a unit (TRANSFORMER_BASED_WRAP), the untied input embedding a unit, the final norm and output layer a "tail" unit
+  that is not resharded after the forward, the root last. Measured on CPU (validation/fsdp2.py,
+  tests/test_launch_trainer.py): one layer's unsharded parameters while it computes, and the tail's (v h + h) from
+  its forward until its backward, nothing else; with tied embeddings the tail unit holds the embedding too, and
+  is gathered from the embedding's forward to its backward: the whole step. Derived (a GPU runs ahead of the host, a CPU does not): while a
+  layer computes, the next layer's all-gather is already issued (FSDP2's implicit prefetch; in the backward the
+  previous layer's), and in the backward each layer's unsharded gradients (the reduce-scatter's input, in the
+  parameters' dtype) are alive: three layers during the layers' backward, the tail and the last layer's prefetch
+  at the loss; memplan keeps the larger all step.
 - DeepSpeed ZeRO (deepspeed 0.19.8 runtime/zero/config.py, stage_1_and_2.py setup_buckets, stage3.py): with
   contiguous_gradients (default true) every stage keeps an IPG bucket of reduce_bucket_size elements in the model's
   dtype (gradient_accumulation_dtype defaults to it), and a second one when overlap_comm is on (its default: true
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from memplan.core.arith import maximum
 from memplan.core.model import ModelSpec
 from memplan.core.training import TrainingSpec
 
@@ -56,14 +60,15 @@ def buffer_bytes(training: TrainingSpec, model: ModelSpec, zero: Any) -> Any:
     return buckets * hf_auto_buckets(model)["reduce_bucket_size"] * training.weight_bytes
 
 
-def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, root: Any) -> Optional[Any]:
+def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any) -> Optional[Any]:
     """Unsharded parameters alive at once under ZeRO 3 (elements, in the weights' dtype), given one layer's
-    parameters `layer` and the root module's (embedding, final norm, output layer) `root`; None: memplan's default
-    (one layer, memplan/memory/states.py state_bytes). FSDP2: two layers (the one computing and the prefetched one),
-    the root's, and one layer's unsharded gradients (the reduce-scatter input, as many elements). DeepSpeed stage 3:
-    the largest submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
-    if training.dp_stack == "fsdp2":
-        return 3 * layer + root
+    parameters `layer` and the tail unit's (final norm, output layer) `tail`; None: memplan's default (one layer,
+    memplan/memory/states.py state_bytes). FSDP2: the larger of three layers (the one computing, the prefetched one,
+    one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
+    unsharded all step). DeepSpeed stage 3: the largest
+    submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
+    if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
+        return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "deepspeed":
         prefetch = hf_auto_buckets(model)["stage3_prefetch_bucket_size"]
         return min(model.hidden_size * model.f + prefetch, DS_MAX_LIVE_PARAMETERS)
@@ -73,9 +78,10 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, root: 
 def notes(training: TrainingSpec, zero: int) -> list[str]:
     """What the plan's stack adds, said as derived."""
     if training.dp_stack == "fsdp2":
-        return ["FSDP2 (accelerate fsdp_version 2): two layers' unsharded parameters (prefetch), the root module's "
-                "(embedding, final norm, output layer) and one layer's unsharded gradients counted with the weights; "
-                "derived from torch's fully_shard code, not measured"]
+        return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
+                "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "
+                "plus one layer (at the loss); the output layer's and one layer's measured with accelerate on CPU, "
+                "the prefetch and the gradients derived from torch's fully_shard code"]
     if training.dp_stack == "deepspeed":
         extra = ("; stage 3 gathers the largest submodule plus the prefetch bucket (0.9 h^2)" if zero == 3 else "")
         return [f"DeepSpeed ZeRO {zero}: IPG reduce bucket(s) of h^2 elements (the HF Trainer's 'auto') counted with "

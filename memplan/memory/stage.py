@@ -106,7 +106,8 @@ def stage_memory(
     if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or offload:  # by tensor shape
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
     one_layer = layer_params(model, sizes.group)
-    gathered = dp_stack.gathered_params(training, model, one_layer, stage_params(model, sizes.group, 0, 1, 1, 1))
+    # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
+    gathered = dp_stack.gathered_params(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
     states = state_bytes(params, training, state_shard(plan), plan.zero,
                          gathered_params=one_layer if gathered is None else gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
