@@ -42,6 +42,12 @@ def test_stack_bytes_over_plain_zero():
     assert _weights(deepspeed_zero=3) - _weights(zero=3) == (gathered - LAYER) * 2 + 2 * H * H * 2 == -221_475_636
 
 
+def test_stack_bytes_with_lora():
+    # LoRA's states count no gathered copy under ZeRO 3 (memplan/memory/adapters.py); FSDP2's unsharded base is the
+    # larger of 3 LAYER and LAYER + TAIL = 743,452,672 parameters, in bf16
+    assert _weights(fsdp2=True, lora=8) - _weights(zero=3, lora=8) == (LAYER + TAIL) * 2
+
+
 def _emit(run_cli, kind: str, *args: str) -> str:
     code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--gpus", "8", "--seq-len", "1024",
                              "--micro-batch", "2", "--global-batch", "64", "--emit", kind, "--emit-only", *args)

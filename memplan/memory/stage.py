@@ -111,13 +111,15 @@ def stage_memory(
     states = state_bytes(params, training, state_shard(plan), plan.zero,
                          gathered_params=one_layer if gathered is None else gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
-    if training.dp_stack:  # DeepSpeed's reduce buckets, kept all step (memplan/memory/dp_stack.py)
-        states = StateBytes(states.weights + dp_stack.buffer_bytes(training, model, plan.zero), states.gradients,
-                            states.optimizer)
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
         states, trained = lora_states(model, training, sizes.values, params, layers, state_shard(plan), plan.zero)
     else:
         trained = None
+    if training.dp_stack:  # DeepSpeed's reduce buckets, kept all step (memplan/memory/dp_stack.py)
+        extra = dp_stack.buffer_bytes(training, model, plan.zero)
+        if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base
+            extra = extra + (plan.zero >= 3) * gathered * training.weight_bytes
+        states = StateBytes(states.weights + extra, states.gradients, states.optimizer)
     experts: Any = 0
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
         experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
