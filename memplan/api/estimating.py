@@ -12,7 +12,7 @@ from memplan.core.errors import MemplanError
 from memplan.api.values import check_emit
 from memplan.core.specs import Config
 from memplan.launch.bridge import launch_for
-from memplan.launch.megatron import Launch, launch_refusal
+from memplan.launch.megatron import MEGATRON_EMITS, Launch, launch_refusal
 from memplan.plan.estimate import Estimate
 from memplan.plan.estimate import estimate as estimate_plan
 from memplan.plan.limits import cap_of, max_seq_len, need_budget
@@ -77,7 +77,7 @@ def estimate(model: Optional[str] = None, *, paper_only: bool = False, max_seq: 
     opts = PlanOptions(model=model, **options)
     check_emit(emit, opts.mst, opts.impl)
     preset, config = opts.config()
-    if emit and launch_refusal(config.model):
+    if emit in MEGATRON_EMITS and launch_refusal(config.model):
         raise MemplanError(launch_refusal(config.model))
     gpu = opts.gpu_spec(preset)
     assumed = None

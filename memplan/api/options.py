@@ -71,6 +71,8 @@ class PlanOptions:
     zero: Optional[int] = None
     zero_shard: Optional[int] = None
     distributed_optimizer: Optional[bool] = None
+    fsdp2: Optional[bool] = None  # the HF Trainer / accelerate stacks (memplan/memory/dp_stack.py)
+    deepspeed_zero: Optional[int] = None
     impl: str = "megatron"
     precision: Optional[str] = None
     optimizer: Optional[str] = None
@@ -147,7 +149,7 @@ class PlanOptions:
     @property
     def zero_stage(self) -> Optional[int]:
         """--zero, with --distributed-optimizer as stage 1 (no conflict check: `config` makes it)."""
-        return 1 if self.distributed_optimizer else self.zero
+        return self.stack_zero(1 if self.distributed_optimizer else self.zero)[0]
 
     def cp_ep(self) -> dict[str, Any]:
         """The context- and expert-parallel options as ParallelSpec fields."""
@@ -189,7 +191,7 @@ class PlanOptions:
         if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
             raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
-        return dict(lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+        return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
                     fp8_amax_history_len=self.fp8_amax_history_len, fp8_param_gather=self.fp8_param_gather,
@@ -199,6 +201,24 @@ class PlanOptions:
                     offload_activations=True if "activations" in self.offload else None,
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
                     device=self.device, fusions_off=self.fusions_off or None)
+
+    def stack_zero(self, zero: Optional[int]) -> tuple[Optional[int], Optional[str]]:
+        """The ZeRO stage and data-parallel stack of --fsdp2 (ZeRO 3) / --deepspeed-zero N (memplan/memory/dp_stack.py),
+        which run the HF Trainer's model: --impl hf-sdpa / hf-eager."""
+        if not self.fsdp2 and self.deepspeed_zero is None:
+            return zero, None
+        if self.fsdp2 and self.deepspeed_zero is not None:
+            raise MemplanError("--fsdp2 and --deepspeed-zero are two data-parallel stacks: give one")
+        name, stage = ("--fsdp2", 3) if self.fsdp2 else (f"--deepspeed-zero {self.deepspeed_zero}", self.deepspeed_zero)
+        if stage not in (1, 2, 3):
+            raise MemplanError(f"--deepspeed-zero takes 1, 2 or 3, not {echo(stage)}")
+        if not self.impl.startswith("hf-"):
+            raise MemplanError(f"{name} runs the HF Trainer's transformers model: plan it with --impl hf-sdpa or "
+                               f"hf-eager (got --impl {self.impl})")
+        if zero not in (None, stage):
+            raise MemplanError(f"{name} is ZeRO stage {stage}; it conflicts with --zero {zero}"
+                               + (" (--distributed-optimizer)" if self.distributed_optimizer else ""))
+        return stage, "fsdp2" if self.fsdp2 else "deepspeed"
 
     def recompute_choices(self) -> dict:
         """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
@@ -218,6 +238,7 @@ class PlanOptions:
             if zero not in (None, 1):
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
             zero = 1
+        zero = self.stack_zero(zero)[0]
         config = make_config(
             preset,
             parallel=dict(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,

@@ -13,7 +13,7 @@ from memplan.api.values import check_emit
 from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
 from memplan.launch.bridge import launch_for
-from memplan.launch.megatron import launch_refusal
+from memplan.launch.megatron import MEGATRON_EMITS, launch_refusal
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.timeline import optimizer_impl
 from memplan.plan.verdict import replay_listing, replayed_max_seq
@@ -139,7 +139,7 @@ class PreparedSearch:
         launch: dict[str, Any] = {}
         if self.emit:
             for r in results:  # a model no Megatron-LM arguments build gets a note instead of a launch
-                refusal = launch_refusal(r.model)
+                refusal = launch_refusal(r.model) if self.emit in MEGATRON_EMITS else None
                 if refusal:
                     r.notes.append(refusal)
                 elif r.top:

@@ -68,8 +68,13 @@ def mst_pieces(value: Union[int, str, None]) -> Union[int, str, None]:
 
 def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> None:
     """Refuse an --emit that cannot give a launch block for this plan, before any work."""
-    if emit not in (None, "megatron", "bridge"):
-        raise MemplanError(f"--emit takes megatron or bridge, not {str(emit)[:40]!r}")
+    if emit not in (None, "megatron", "bridge", "accelerate", "deepspeed"):
+        raise MemplanError(f"--emit takes megatron, bridge, accelerate or deepspeed, not {str(emit)[:40]!r}")
+    if emit in ("accelerate", "deepspeed"):  # the HF Trainer's stacks (memplan/launch/trainer.py)
+        if not impl.startswith("hf-"):
+            raise MemplanError(f"--emit {emit} configures the HF Trainer: plan it with --impl hf-sdpa or hf-eager and "
+                               f"--fsdp2 or --deepspeed-zero N (got --impl {impl})")
+        return
     if emit and mst not in (None, 1):
         raise MemplanError(f"--emit {emit} cannot express --mst: Megatron-LM has no mini-sequence MLP / LM head "
                            "(MsT is modelled for transformers models, --impl hf-*)")

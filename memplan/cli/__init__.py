@@ -191,10 +191,10 @@ def search(**opts: Any) -> None:
 def _check_emit(emit: Optional[str], emit_only: bool, fmt: str) -> None:
     """Refuse --emit / --emit-only with a format that cannot show the launch block, before any work."""
     if emit and fmt == "csv":
-        refuse("--emit megatron cannot follow CSV rows: use --format json (the arguments go in the "
+        refuse(f"--emit {emit} cannot follow CSV rows: use --format json (the arguments go in the "
                "document) or table / markdown")
     if emit_only and not emit:
-        refuse("--emit-only needs --emit megatron")
+        refuse("--emit-only needs --emit megatron|bridge|accelerate|deepspeed")
     if emit_only and fmt != "table":
         refuse(f"--emit-only prints the launch block alone; it conflicts with --format {fmt} "
                "(with --json the arguments go in the document)")

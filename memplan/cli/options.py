@@ -142,6 +142,14 @@ def plan_options(func: Callable) -> Callable:
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
+        click.option("--fsdp2", is_flag=True, default=None,
+                     help="HF Trainer / accelerate with FSDP2 (fsdp_version 2; --impl hf-*): ZeRO 3 plus the "
+                          "unsharded layers in flight (prefetch, reduce-scatter input; derived) or the output layer "
+                          "at the loss (measured on CPU): memplan/memory/dp_stack.py."),
+        click.option("--deepspeed-zero", type=AsciiIntRange(1, 3), metavar="1|2|3",
+                     help="HF Trainer with DeepSpeed ZeRO of this stage (--impl hf-*): its reduce buckets and stage 3's "
+                          "prefetch with the Trainer's 'auto' sizes (derived; memplan/memory/dp_stack.py); with "
+                          "--offload optimizer: offload_optimizer to CPU."),
         click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
@@ -263,9 +271,10 @@ def check_plots(paths: dict[str, Optional[str]]) -> None:
 def emit_options(what: str) -> Callable[[Callable], Callable]:
     """--emit and --emit-only, shared by estimate (what: "the plan") and search ("the best plan")."""
     options = [
-        click.option("--emit", type=click.Choice(["megatron", "bridge"]),
+        click.option("--emit", type=click.Choice(["megatron", "bridge", "accelerate", "deepspeed"]),
                      help=f"Also print {what} as Megatron-LM arguments (bridge: as Megatron-Bridge recipe overrides, "
-                          "section.field=value) and the environment they need (with "
+                          "section.field=value; accelerate: an accelerate config YAML, with --fsdp2 or "
+                          "--deepspeed-zero; deepspeed: a DeepSpeed config JSON, with --deepspeed-zero) and the environment they need (with "
                           "PYTORCH_CUDA_ALLOC_CONF when the plan fits only with the allocator settings it was replayed "
                           "with, e.g. expandable segments; with --json: inside the document, as launch)."),
         click.option("--emit-only", is_flag=True,

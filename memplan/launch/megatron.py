@@ -34,6 +34,9 @@ _PRECISION_FLAGS = {"bf16-mixed": ["--bf16"], "16-mixed": ["--fp16"], "32-true":
 _ATTENTION_BACKEND = {"eager": "unfused", "flash": "flash"}
 
 CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+# the --emit values that launch Megatron-LM (launch_refusal applies to them; accelerate / deepspeed: launch/trainer.py)
+MEGATRON_EMITS = ("megatron", "bridge")
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
@@ -45,23 +48,28 @@ class Launch:
     args: list[str]
     env: dict[str, Optional[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge's (launch/bridge.py)
+    kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge's (launch/bridge.py);
+    # accelerate / deepspeed: a config file's lines (launch/trainer.py), `document` its content
+    document: Optional[dict] = None
 
     def as_dict(self) -> dict:
-        """The JSON form: `megatron` (the arguments, as before) or `bridge` (the overrides), `env` and `notes`."""
-        return {self.kind: list(self.args), "env": dict(self.env), "notes": list(self.notes)}
+        """The JSON form: `megatron` (the arguments, as before), `bridge` (the overrides) or `accelerate` /
+        `deepspeed` (the config file's content), `env` and `notes`."""
+        body = self.document if self.document is not None else list(self.args)
+        return {self.kind: body, "env": dict(self.env), "notes": list(self.notes)}
 
     @property
     def what(self) -> str:
         """What the block is, for the `# title` line of the report."""
-        return "Megatron-Bridge recipe overrides" if self.kind == "bridge" else "Megatron-LM arguments"
+        return {"bridge": "Megatron-Bridge recipe overrides", "accelerate": "an accelerate config (YAML)",
+                "deepspeed": "a DeepSpeed config (JSON)"}.get(self.kind, "Megatron-LM arguments")
 
     def env_lines(self) -> list[str]:
         return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
 
     def args_block(self) -> str:
         """The arguments one per line with ` \\` continuations: paste after `torchrun ... pretrain_gpt.py`."""
-        return " \\\n".join(self.args)
+        return "\n".join(self.args) if self.document is not None else " \\\n".join(self.args)
 
     def block(self) -> str:
         """The environment lines, then the arguments: what `search --emit megatron --emit-only` prints."""

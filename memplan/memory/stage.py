@@ -14,6 +14,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.fp8 import weight_extra_bytes
 from memplan.inventory.types import Term
+from memplan.memory import dp_stack
 from memplan.memory.adapters import lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
@@ -104,13 +105,21 @@ def stage_memory(
     offload = training.offload_optimizer_fraction > 0
     if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or offload:  # by tensor shape
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
+    one_layer = layer_params(model, sizes.group)
+    # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
+    gathered = dp_stack.gathered_params(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
     states = state_bytes(params, training, state_shard(plan), plan.zero,
-                         gathered_params=layer_params(model, sizes.group),
+                         gathered_params=one_layer if gathered is None else gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
         states, trained = lora_states(model, training, sizes.values, params, layers, state_shard(plan), plan.zero)
     else:
         trained = None
+    if training.dp_stack:  # DeepSpeed's reduce buckets, kept all step (memplan/memory/dp_stack.py)
+        extra = dp_stack.buffer_bytes(training, model, plan.zero)
+        if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base
+            extra = extra + (plan.zero >= 3) * gathered * training.weight_bytes
+        states = StateBytes(states.weights + extra, states.gradients, states.optimizer)
     experts: Any = 0
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
         experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)

@@ -20,6 +20,7 @@ from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
 from memplan.memory.adapters import notes as lora_notes
+from memplan.memory.dp_stack import notes as stack_notes
 from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
@@ -324,6 +325,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
     notes += lora_notes(tr)
+    notes += stack_notes(tr, config.parallel.zero)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])

@@ -1,0 +1,89 @@
+"""The data-parallel stack of an HF Trainer / accelerate run: FSDP2 (accelerate `fsdp_version: 2`) or DeepSpeed ZeRO
+1 / 2 / 3. The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
+2 also the gradients, 3 also the weights, over the d data-parallel ranks); what a stack adds on top is here.
+
+All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
+
+- FSDP2 (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model, torch 2.13 fully_shard): each decoder layer is
+  a unit (TRANSFORMER_BASED_WRAP), the untied input embedding a unit, the final norm and output layer a "tail" unit
+  that is not resharded after the forward, the root last. Measured on CPU (validation/fsdp2.py,
+  tests/test_launch_trainer.py): one layer's unsharded parameters while it computes, and the tail's (v h + h) from
+  its forward until its backward, nothing else; with tied embeddings the tail unit holds the embedding too, and
+  is gathered from the embedding's forward to its backward: the whole step. Derived (a GPU runs ahead of the host, a CPU does not): while a
+  layer computes, the next layer's all-gather is already issued (FSDP2's implicit prefetch; in the backward the
+  previous layer's), and in the backward each layer's unsharded gradients (the reduce-scatter's input, in the
+  parameters' dtype) are alive: three layers during the layers' backward, the tail and the last layer's prefetch
+  at the loss; memplan keeps the larger all step.
+- DeepSpeed ZeRO (deepspeed 0.19.8 runtime/zero/config.py, stage_1_and_2.py setup_buckets, stage3.py): with
+  contiguous_gradients (default true) every stage keeps an IPG bucket of reduce_bucket_size elements in the model's
+  dtype (gradient_accumulation_dtype defaults to it), and a second one when overlap_comm is on (its default: true
+  for stage 3 only). Stage 3 gathers parameters one submodule at a time: alive are the submodule's own (the largest
+  is one MLP projection, h x f) and the prefetch bucket (stage3_prefetch_bucket_size), at most
+  stage3_max_live_parameters in all. The HF Trainer fills the "auto" values from the model
+  (transformers/integrations/deepspeed.py: reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2,
+  stage3_param_persistence_threshold 10 h); those are what memplan plans and --emit deepspeed writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from memplan.core.arith import maximum
+from memplan.core.model import ModelSpec
+from memplan.core.training import TrainingSpec
+
+STACKS = ("fsdp2", "deepspeed")
+
+# deepspeed 0.19.8 runtime/zero/config.py: stage3_max_live_parameters' default (elements)
+DS_MAX_LIVE_PARAMETERS = 10**9
+
+
+def hf_auto_buckets(model: ModelSpec) -> dict[str, int]:
+    """The DeepSpeed bucket sizes (elements) the HF Trainer writes for "auto" (HfTrainerDeepSpeedConfig)."""
+    h = model.hidden_size
+    return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h}
+
+
+def overlap_comm(zero: int) -> bool:
+    """DeepSpeed's overlap_comm default (config.py overlap_comm_valid: on for stage 3 only)."""
+    return zero == 3
+
+
+def buffer_bytes(training: TrainingSpec, model: ModelSpec, zero: Any) -> Any:
+    """Bytes a stack keeps on every GPU for the whole step beyond the states: DeepSpeed's IPG reduce bucket(s),
+    reduce_bucket_size elements of the model's dtype each, two with overlap_comm; FSDP2 none (its buffers are per
+    layer: `gathered_params`)."""
+    if training.dp_stack != "deepspeed":
+        return 0
+    buckets = 1 + 1 * (zero == 3)  # overlap_comm's default (a second bucket): stage 3 only
+    return buckets * hf_auto_buckets(model)["reduce_bucket_size"] * training.weight_bytes
+
+
+def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any) -> Optional[Any]:
+    """Unsharded parameters alive at once under ZeRO 3 (elements, in the weights' dtype), given one layer's
+    parameters `layer` and the tail unit's (final norm, output layer) `tail`; None: memplan's default (one layer,
+    memplan/memory/states.py state_bytes). FSDP2: the larger of three layers (the one computing, the prefetched one,
+    one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
+    unsharded all step). DeepSpeed stage 3: the largest
+    submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
+    if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
+        return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
+    if training.dp_stack == "deepspeed":
+        prefetch = hf_auto_buckets(model)["stage3_prefetch_bucket_size"]
+        return min(model.hidden_size * model.f + prefetch, DS_MAX_LIVE_PARAMETERS)
+    return None
+
+
+def notes(training: TrainingSpec, zero: int) -> list[str]:
+    """What the plan's stack adds, said as derived."""
+    if training.dp_stack == "fsdp2":
+        return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
+                "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "
+                "plus one layer (at the loss); the output layer's and one layer's measured with accelerate on CPU, "
+                "the prefetch and the gradients derived from torch's fully_shard code"]
+    if training.dp_stack == "deepspeed":
+        extra = ("; stage 3 gathers the largest submodule plus the prefetch bucket (0.9 h^2)" if zero == 3 else "")
+        return [f"DeepSpeed ZeRO {zero}: IPG reduce bucket(s) of h^2 elements (the HF Trainer's 'auto') counted with "
+                f"the weights{extra}; derived from deepspeed 0.19.8's code, not measured"]
+    return []
