@@ -13,8 +13,15 @@ import sympy
 pytest.importorskip("torchtitan")
 
 from memplan.core.errors import MemplanError  # noqa: E402
-from memplan.inventory.titan import AC_MODES, fsdp2_states, layer_bytes, llama3_layer_terms, sharded_numel  # noqa: E402
-from validation.titan import Shape, measure_block, trace_block  # noqa: E402
+from memplan.inventory.titan import (  # noqa: E402
+    AC_MODES,
+    fsdp2_states,
+    layer_bytes,
+    llama3_layer_terms,
+    local_numel,
+    sharded_numel,
+)
+from validation.titan import Shape, measure_block, measure_fsdp, trace_block  # noqa: E402
 
 SHAPE = Shape(h=64, a=4, g=2, f=160)  # head dim 16
 TERMS = llama3_layer_terms(SHAPE.h, SHAPE.a, SHAPE.g, SHAPE.f)
@@ -26,10 +33,10 @@ def _inventory(ac):
     return Counter(t.bytes_per_token for t in TERMS if ac in t.modes and t.id != "input")
 
 
-# the trace of every mode is slow (fake mode's first run, ~20 s); the measured test below checks all three
-# modes against the same terms in the suite, and selective-op's trace runs there too
-@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow),
-                                "selective-op"])
+# slow: the fake mode's first run in a process takes 10-15 s; the measured test below makes the same term-by-term
+# comparison with real tensors for all three modes in the suite
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", AC_MODES)
 def test_traced_terms_equal_memplan_terms(ac):
     traced = trace_block(SHAPE, ac)
     per_token = Counter()
@@ -63,6 +70,28 @@ def test_layer_bytes_by_hand():
 def test_fsdp2_states_by_hand():
     # two ranks; a [5, 4] weight shards as ceil(5 / 2) = 3 rows of 4 per rank (dim 0 padded), a [4] norm as 2
     assert sharded_numel((5, 4), 2) == 12 and sharded_numel((4,), 2) == 2
-    st = fsdp2_states([(5, 4), (4,)], layer_params=24, n=2)
-    # 14 elements per rank: fp32 params 56, grads 56, AdamW 2 x 56; 2 layers in flight x 24 params x 2 bytes
-    assert (st.params, st.grads, st.adam, st.unsharded, st.total) == (56, 56, 112, 96, 320)
+    assert local_numel((5, 4), 2, 0) == 12 and local_numel((5, 4), 2, 1) == 8  # rows 3 and 2, unpadded
+    st = fsdp2_states([(5, 4), (4,)], layer_shapes=[(5, 4)], head_shapes=[(4,)], n=2)
+    # 14 elements per rank: fp32 params 56, grads 56, AdamW 2 x 56; the layer unsharded is 2 x 12 = 24 elements
+    # (6 padded rows of 4), 2 in flight (GPU prefetch) x 24 x 2 bytes = 96; the head's 4 in bf16: 8
+    assert (st.params, st.grads, st.adam, st.layers_unsharded, st.head_unsharded, st.total) == (56, 56, 112, 96, 8, 328)
+    with pytest.raises(MemplanError):
+        fsdp2_states([(4,)], [(4,)], [(4,)], n=0)
+
+
+@pytest.mark.slow
+def test_fsdp2_states_measured_over_gloo():
+    # torchtitan's apply_fsdp_to_decoder on a 3-layer model, 2 ranks over gloo, one step with AdamW (~40 s)
+    # vocab 251: the embedding and LM head ([251, 64]) shard as ceil(251 / 2) = 126 rows on each rank (padded)
+    ranks = measure_fsdp(Shape(h=64, a=4, g=2, f=168), layers=3, vocab=251, world=2)
+    for rank, r in enumerate(ranks):
+        st = fsdp2_states(r["shapes"], r["layer_shapes"], [(64,), (251, 64)], n=2, prefetch=0, rank=rank)  # CPU
+
+        assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
+        assert r["unsharded_forward_peak"] == r["unsharded_backward_peak"] == st.layers_unsharded
+        # final norm [h] + LM head [v, h] gathered with padding: 2 x (64 + 2 x 126 x 64) = 32384 bytes
+        assert r["unsharded_after_forward"] == st.head_unsharded == 32384
+    # padding: more than half the model's fp32 parameters per rank (2 x 64 padded elements over the two [251, 64]);
+    # rank 1's AdamW moments are 125 rows of each, not 126: 2 moments x 2 x 64 x 4 bytes = 1024 fewer
+    assert ranks[0]["params"] == ranks[1]["params"] == 4 * (ranks[0]["total_params"] + 2 * 64) // 2
+    assert ranks[0]["adam"] - ranks[1]["adam"] == 1024

@@ -160,3 +160,97 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
         expr = sympy.expand(n.node.expr.xreplace(names) if isinstance(n, torch.SymInt) else sympy.Integer(n))
         rows.append((op, str(dtype).replace("torch.", ""), expr))
     return {"rows": rows, "input_kept": input_kept, "total": sympy.expand(sum((e for _, _, e in rows), sympy.Integer(0)))}
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: torchtitan's apply_fsdp_to_decoder on a whole tiny model, ranks over gloo on CPU
+
+
+def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none") -> torch.nn.Module:
+    """A torchtitan Llama3Model (fp32, as torchtitan builds it before FSDP's mixed precision) with ``layers``
+    blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring)."""
+    _, _, ComplexRoPE, SDPA, build_layers = _titan()
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model
+
+    blocks = build_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
+                          rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=512, theta=500000,
+                                                  scaling="llama"), attn_backend="flex")
+    for cfg in blocks:
+        cfg.attention.inner_attention = SDPA.Config()
+    config = Llama3Model.Config(dim=shape.h, vocab_size=vocab, layers=blocks,
+                                tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
+                                norm=RMSNorm.Config(normalized_shape=shape.h),
+                                lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    return config.build()
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[StorageWeakRef(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _unsharded_bytes(groups) -> int:
+    """bf16 unsharded parameter bytes allocated now, over FSDP2's parameter groups (FSDP2 frees an unsharded
+    parameter by resizing its storage to 0; a prefetched group's all-gather output exists before its unsharded
+    parameters are made from it)."""
+    tensors = [t for g in groups for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
+    tensors += [p._unsharded_param for g in groups for p in g.fsdp_params if hasattr(p, "_unsharded_param")]
+    return _storage_bytes(tensors)
+
+
+def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int) -> dict:
+    """One rank of a 1-step FSDP2 run (torchtitan's ``apply_fsdp_to_decoder``: bf16 params, fp32 reduce,
+    reshard_after_forward by torchtitan's default policy): per-rank bytes of the sharded fp32 parameters,
+    gradients and AdamW moments (storages, padding included), and the bf16 unsharded parameters alive: the
+    most inside a block's forward (its feed-forward's end) and backward (its feed-forward's and attention's
+    start), and after the forward (before the backward).  On CPU nothing runs ahead of the compute (no
+    streams), so what a GPU's prefetch adds is not seen here.
+    Parameter shapes (all, one layer's) and count for the derivation."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    torch.manual_seed(0)
+    model = build_model(shape, layers, vocab)
+    total_params = sum(p.numel() for p in model.parameters())
+    layer_shapes = [tuple(p.shape) for p in model.layers["0"].parameters()]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    modules = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    for m in modules:  # gloo has no PREMUL_SUM: sum, then divide (the reduction's op, not its buffers)
+        m.set_force_sum_reduction_for_comms(True)
+    groups = [g for m in modules if (g := m._get_fsdp_state()._fsdp_param_group) is not None]
+    peaks = {"forward": 0, "backward": 0}
+
+    def sample(phase):
+        peaks[phase] = max(peaks[phase], _unsharded_bytes(groups))
+
+    handles = []
+    for block in model.layers.values():  # inside each block: its parameters unsharded, the next one's prefetched
+        handles.append(block.feed_forward.register_forward_hook(lambda *_: sample("forward")))
+        handles.append(block.feed_forward.register_full_backward_pre_hook(lambda *_: sample("backward")))
+        handles.append(block.attention.register_full_backward_pre_hook(lambda *_: sample("backward")))
+    tokens = torch.randint(0, vocab, (b, s))
+    logits = model(tokens)
+    after_forward = _unsharded_bytes(groups)
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    for h in handles:
+        h.remove()
+    local = [p.to_local() for p in model.parameters()]
+    grads = [p.grad.to_local() for p in model.parameters()]
+    moments = [st[k].to_local() for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"params": _storage_bytes(local), "grads": _storage_bytes(grads), "adam": _storage_bytes(moments),
+            "unsharded_forward_peak": peaks["forward"], "unsharded_backward_peak": peaks["backward"],
+            "unsharded_after_forward": after_forward, "layer_shapes": layer_shapes, "total_params": total_params,
+            "shapes": [tuple(p.shape) for p in model.parameters()]}
+
+
+def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2) -> list[dict]:
+    """``fsdp_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b))

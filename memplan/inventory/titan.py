@@ -22,10 +22,12 @@ both keep q, k, v, out and the fp32 log-sum-exp (derived from torch's FlexAttent
 On CUDA, F.rms_norm is the fused kernel (x and an fp32 rstd kept: 2h + 4 per norm instead of 10h + 4): derived
 from torch's dispatch, not measured here.
 
-FSDP2 (fully_shard with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), dp_shard = N ranks):
-fp32 sharded parameters, gradients and AdamW's two moments (4 each, dim 0 padded to a multiple of N);
-with reshard_after_forward the bf16 unsharded parameters of the layers in flight: the running layer and the
-next one prefetched (2 x 2 bytes x a layer's parameters); derived from torch.distributed.fsdp code.
+FSDP2 (torchtitan's apply_fsdp_to_decoder: fully_shard with MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32), dp_shard = N ranks): fp32 sharded parameters, gradients and AdamW's two moments (4 each,
+dim 0 padded to a multiple of N; the moments unpadded), measured over gloo with 2 ranks; the bf16 unsharded parameters of the
+running decoder layer (reshard_after_forward), measured, and of the next one all-gathered ahead of it on a GPU
+(derived: on CPU nothing runs ahead); the final norm and LM head stay unsharded in bf16 from their forward to
+their backward (torchtitan does not reshard them after forward), measured.
 """
 
 from __future__ import annotations
@@ -82,15 +84,16 @@ def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Fsdp2States:
-    """Per-rank bytes of FSDP2's states (derived from torch.distributed.fsdp code)."""
-    params: int  # fp32 sharded parameters
+    """Per-rank bytes of FSDP2's states under torchtitan's apply_fsdp_to_decoder."""
+    params: int  # fp32 sharded parameters (dim 0 padded to a multiple of the ranks)
     grads: int  # fp32 sharded gradients
-    adam: int  # AdamW exp_avg + exp_avg_sq, fp32, sharded
-    unsharded: int  # bf16 unsharded parameters of the layers in flight (running + prefetched)
+    adam: int  # AdamW exp_avg + exp_avg_sq, fp32, the local shard unpadded
+    layers_unsharded: int  # bf16 unsharded parameters of the decoder layers in flight
+    head_unsharded: int  # bf16 final norm + LM head, not resharded after forward (torchtitan's default)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.adam + self.unsharded
+        return self.params + self.grads + self.adam + self.layers_unsharded + self.head_unsharded
 
 
 def sharded_numel(shape: tuple[int, ...], n: int) -> int:
@@ -102,15 +105,30 @@ def sharded_numel(shape: tuple[int, ...], n: int) -> int:
     return rows * rest
 
 
-def fsdp2_states(param_shapes: list[tuple[int, ...]], layer_params: int, n: int, in_flight: int = 2) -> Fsdp2States:
-    """FSDP2 states per rank: ``param_shapes`` every parameter's shape, ``layer_params`` one decoder layer's
-    parameter count, ``n`` = dp_shard, ``in_flight`` unsharded layers (reshard_after_forward: 2, the running
-    layer and the prefetched one)."""
+def local_numel(shape: tuple[int, ...], n: int, rank: int) -> int:
+    """A parameter's real (unpadded) elements on ``rank``: its rows of torch.chunk(d0, n)."""
+    rows = -(-shape[0] // n)
+    return max(0, min(rows, shape[0] - rank * rows)) * (sharded_numel(shape, n) // rows)
+
+
+def fsdp2_states(param_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
+                 head_shapes: list[tuple[int, ...]], n: int, prefetch: int = 1, rank: int = 0) -> Fsdp2States:
+    """FSDP2 states per rank: ``param_shapes`` every parameter's shape, ``layer_shapes`` one decoder layer's,
+    ``head_shapes`` the final norm's and LM head's, ``n`` = dp_shard; ``prefetch`` layers all-gathered ahead of
+    the running one (GPU: 1, the all-gather runs on its own stream ahead of the compute, derived; on CPU
+    nothing runs ahead: 0, measured).  AdamW's moments are made like the local shard, unpadded (``rank``'s rows;
+rank 0 holds the most); the sharded parameters and gradients keep the padded size.  An unsharded parameter is the all-gather of n padded shards (n x
+    ceil(d0 / n) rows).  The bf16 copies exist at n = 1 too (mixed precision)."""
     if n < 1:
         raise MemplanError("--gpus must be >= 1")
-    shard = sum(sharded_numel(s, n) for s in param_shapes)
-    return Fsdp2States(params=4 * shard, grads=4 * shard, adam=8 * shard,
-                       unsharded=2 * layer_params * in_flight)
+
+    def shard(shapes):
+        return sum(sharded_numel(s, n) for s in shapes)
+
+    local = sum(local_numel(s, n, rank) for s in param_shapes)
+    return Fsdp2States(params=4 * shard(param_shapes), grads=4 * shard(param_shapes), adam=8 * local,
+                       layers_unsharded=2 * n * shard(layer_shapes) * (1 + prefetch),
+                       head_unsharded=2 * n * shard(head_shapes))
 
 
 TITAN_LEFT = ("wiring into `memplan estimate --impl torchtitan` (Inventory terms, --ac, --gpus as dp_shard); "
