@@ -1,0 +1,135 @@
+"""torchtitan 0.3.0's Llama 3 decoder layer: the tensors it keeps for the backward per activation-checkpointing
+mode, and FSDP2's per-rank states.  Owns the first slice of `--impl torchtitan` (issue 24); not yet wired into
+`estimate` (see TITAN_LEFT).
+
+The layer (torchtitan/models/llama3 + models/common: fused QKV linear, complex RoPE, RMSNorm, SwiGLU) read from
+its code and checked, term by term in total, against validation/titan.py, which runs torchtitan's real block
+(measured with real tensors on CPU, and traced under FakeTensorMode with symbolic s and b).  Every figure is
+bytes per token (times s b for the layer) on CPU kernels, bf16 activations:
+
+* ``none``: what autograd keeps.  torch's CPU ``F.rms_norm`` is composite: each norm keeps x in fp32 (4h), its
+  rstd (fp32, 4), x * rstd in fp32 (4h) and the bf16 output (2h); RoPE keeps the rotated q (2 a d) and k (2 g d),
+  the value is copied contiguous (2 g d); attention keeps its output (2 a d) and fp32 log-sum-exp (4 a); the
+  SwiGLU keeps w1's output, silu's, w3's and the product (4 x 2f).  The layer input is not kept (no op of the
+  layer saves x itself: the norm saves its fp32 copy).
+* ``full`` (torchtitan FullAC: torch checkpoint_wrapper around the block): the block input (2h) only.
+* ``selective-op`` (torchtitan SelectiveAC): the block input (2h) and the outputs of the save-list ops,
+  every second matmul recomputed (the count restarts per block): matmuls 1, 3, 5 of the six (wqkv: 2(a+2g)d,
+  w1: 2f, w2: 2h) and attention's output and log-sum-exp.
+
+Attention: validation runs torchtitan's sdpa inner module in place of compiled FlexAttention (no CPU backward);
+both keep q, k, v, out and the fp32 log-sum-exp (derived from torch's FlexAttentionAutogradOp, not measured).
+On CUDA, F.rms_norm is the fused kernel (x and an fp32 rstd kept: 2h + 4 per norm instead of 10h + 4): derived
+from torch's dispatch, not measured here.
+
+FSDP2 (torchtitan's apply_fsdp_to_decoder: fully_shard with MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32), dp_shard = N ranks): fp32 sharded parameters, gradients and AdamW's two moments (4 each,
+dim 0 padded to a multiple of N; the moments unpadded), measured over gloo with 2 ranks; the bf16 unsharded parameters of the
+running decoder layer (reshard_after_forward), measured, and of the next one all-gathered ahead of it on a GPU
+(derived: on CPU nothing runs ahead); the final norm and LM head stay unsharded in bf16 from their forward to
+their backward (torchtitan does not reshard them after forward), measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.core.errors import MemplanError
+
+AC_MODES = ("none", "full", "selective-op")
+SOURCE = "torchtitan 0.3.0 Llama 3 block; measured and traced on CPU (validation/titan.py)"
+
+
+@dataclass(frozen=True)
+class TitanTerm:
+    """One kept tensor of the layer: bytes per token, the AC modes that keep it."""
+    id: str
+    name: str
+    bytes_per_token: int
+    modes: tuple[str, ...]
+
+
+def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> list[TitanTerm]:
+    """The layer's kept tensors (bytes per token) for hidden h, heads a, KV heads g, FFN f, head dim d (h / a)."""
+    d = d or h // a
+    norm = [("x_fp32", "x in fp32", 4 * h), ("rstd", "rstd (fp32)", 4), ("x_rstd", "x * rstd in fp32", 4 * h),
+            ("out", "norm output (bf16)", 2 * h)]
+    terms = [TitanTerm("input", "block input (bf16), kept by the checkpoint", 2 * h, ("full", "selective-op"))]
+    terms += [TitanTerm(f"attention_norm.{i}", f"attention_norm: {n}", v, ("none",)) for i, n, v in norm]
+    terms += [
+        TitanTerm("wqkv.out", "fused QKV linear output (bf16), matmul 1", 2 * (a + 2 * g) * d, ("selective-op",)),
+        TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",)),
+        TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",)),
+        TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",)),
+        TitanTerm("attn.out", "attention output (bf16)", 2 * a * d, ("none", "selective-op")),
+        TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op")),
+    ]
+    terms += [TitanTerm(f"ffn_norm.{i}", f"ffn_norm: {n}", v, ("none",)) for i, n, v in norm]
+    terms += [
+        TitanTerm("w1.out", "w1 output (bf16), matmul 3", 2 * f, ("none", "selective-op")),
+        TitanTerm("silu.out", "silu output (bf16)", 2 * f, ("none",)),
+        TitanTerm("w3.out", "w3 output (bf16)", 2 * f, ("none",)),
+        TitanTerm("swiglu.mul", "silu(w1) * w3 (bf16)", 2 * f, ("none",)),
+        TitanTerm("w2.out", "w2 output (bf16), matmul 5", 2 * h, ("selective-op",)),
+    ]
+    return terms
+
+
+def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int) -> int:
+    """Bytes one layer keeps after its forward under AC mode ``ac``."""
+    if ac not in AC_MODES:
+        raise MemplanError(f"unknown --ac '{ac}' for --impl torchtitan; modelled: {', '.join(AC_MODES)}")
+    return s * b * sum(t.bytes_per_token for t in terms if ac in t.modes)
+
+
+@dataclass(frozen=True)
+class Fsdp2States:
+    """Per-rank bytes of FSDP2's states under torchtitan's apply_fsdp_to_decoder."""
+    params: int  # fp32 sharded parameters (dim 0 padded to a multiple of the ranks)
+    grads: int  # fp32 sharded gradients
+    adam: int  # AdamW exp_avg + exp_avg_sq, fp32, the local shard unpadded
+    layers_unsharded: int  # bf16 unsharded parameters of the decoder layers in flight
+    head_unsharded: int  # bf16 final norm + LM head, not resharded after forward (torchtitan's default)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.adam + self.layers_unsharded + self.head_unsharded
+
+
+def sharded_numel(shape: tuple[int, ...], n: int) -> int:
+    """A parameter's per-rank elements under fully_shard over n ranks: dim 0 split in ceil(d0 / n) rows."""
+    rows = -(-shape[0] // n)
+    rest = 1
+    for x in shape[1:]:
+        rest *= x
+    return rows * rest
+
+
+def local_numel(shape: tuple[int, ...], n: int, rank: int) -> int:
+    """A parameter's real (unpadded) elements on ``rank``: its rows of torch.chunk(d0, n)."""
+    rows = -(-shape[0] // n)
+    return max(0, min(rows, shape[0] - rank * rows)) * (sharded_numel(shape, n) // rows)
+
+
+def fsdp2_states(param_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
+                 head_shapes: list[tuple[int, ...]], n: int, prefetch: int = 1, rank: int = 0) -> Fsdp2States:
+    """FSDP2 states per rank: ``param_shapes`` every parameter's shape, ``layer_shapes`` one decoder layer's,
+    ``head_shapes`` the final norm's and LM head's, ``n`` = dp_shard; ``prefetch`` layers all-gathered ahead of
+    the running one (GPU: 1, the all-gather runs on its own stream ahead of the compute, derived; on CPU
+    nothing runs ahead: 0, measured).  AdamW's moments are made like the local shard, unpadded (``rank``'s rows;
+rank 0 holds the most); the sharded parameters and gradients keep the padded size.  An unsharded parameter is the all-gather of n padded shards (n x
+    ceil(d0 / n) rows).  The bf16 copies exist at n = 1 too (mixed precision)."""
+    if n < 1:
+        raise MemplanError("--gpus must be >= 1")
+
+    def shard(shapes):
+        return sum(sharded_numel(s, n) for s in shapes)
+
+    local = sum(local_numel(s, n, rank) for s in param_shapes)
+    return Fsdp2States(params=4 * shard(param_shapes), grads=4 * shard(param_shapes), adam=8 * local,
+                       layers_unsharded=2 * n * shard(layer_shapes) * (1 + prefetch),
+                       head_unsharded=2 * n * shard(head_shapes))
+
+
+TITAN_LEFT = ("wiring into `memplan estimate --impl torchtitan` (Inventory terms, --ac, --gpus as dp_shard); "
+              "the step's transients; CUDA kernels measured; TP / PP / CP, compile, float8; the emitted config")

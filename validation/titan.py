@@ -1,0 +1,256 @@
+"""torchtitan 0.3.0's Llama 3 decoder layer: what its real code keeps for the backward, traced and measured.
+
+``build_block(shape, ac)`` builds one ``Llama3TransformerBlock`` from torchtitan's own config code
+(``_build_llama3_layers``: fused QKV linear, complex RoPE, RMSNorm, SwiGLU feed-forward) in bf16 and
+wraps it with torchtitan's own activation-checkpointing classes (``FullAC``, ``SelectiveAC``: its per-op
+save list and its every-other-matmul rule), as ``ActivationCheckpointing.apply`` wraps each block.
+
+What a layer keeps is read off live storages, not saved-tensor hooks (a checkpointed block's saves go
+through torch.utils.checkpoint's own hooks and SAC's cache): ``_Live`` (a ``TorchDispatchMode``) notes every
+storage an op makes during the block's forward; after the forward, the ones still alive (other than the
+block's output) are what the layer keeps.  The block's input (the previous layer's output) is made
+before the block and is counted by the caller: every AC mode keeps it.
+
+The same code runs twice: with real tensors at given (s, b) (``measure_block``: bytes), and under
+``FakeTensorMode`` with s and b symbolic (``trace_block``: each kept storage an exact polynomial in s, b,
+refused if the ShapeEnv pinned s or b).
+
+One substitution, said everywhere it shows: torchtitan's language models attend with compiled
+FlexAttention, which has no backward on CPU.  The block here uses torchtitan's ``ScaledDotProductAttention``
+inner module (is_causal) instead, whose CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) keeps
+q, k, v, out and the fp32 log-sum-exp, the set FlexAttention's autograd op (torch's
+``FlexAttentionAutogradOp``) keeps; under SelectiveAC the CPU kernel is added to torchtitan's save list
+(its ``get_save_ops`` hook), standing in for the ``flex_attention`` op torchtitan's list names.  The block
+mask (shared by the layers, O(s^2 / 128^2)) is not in the layer.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+AC_MODES = ("none", "full", "selective-op")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama 3 layer's sizes: h (dim), a (heads), g (KV heads), f (FFN hidden)."""
+    h: int = 64
+    a: int = 4
+    g: int = 2
+    f: int = 160
+
+
+def _titan():
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import _build_llama3_layers
+    return FullAC, SelectiveAC, ComplexRoPE, ScaledDotProductAttention, _build_llama3_layers
+
+
+def _cpu_sdpa_save_list(SelectiveAC):
+    class CpuSelectiveAC(SelectiveAC):
+        """torchtitan's SelectiveAC with the CPU attention kernel in its save list (for flex_attention)."""
+
+        def get_save_ops(self) -> set:
+            return super().get_save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    return CpuSelectiveAC
+
+
+def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096) -> torch.nn.Module:
+    """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it."""
+    if ac not in AC_MODES:
+        raise ValueError(f"ac must be one of {AC_MODES}")
+    FullAC, SelectiveAC, ComplexRoPE, SDPA, build_layers = _titan()
+    cfg = build_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
+                       rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
+                                               scaling="llama"), attn_backend="flex")[0]
+    cfg.attention.inner_attention = SDPA.Config()
+    block = cfg.build()
+    for p in list(block.parameters()):  # bf16 in place (fake tensors cannot be swapped by Module.to)
+        p.data = p.data.to(torch.bfloat16)
+    if ac == "full":
+        block = FullAC(FullAC.Config())._wrap_block(block)
+    elif ac == "selective-op":
+        cls = _cpu_sdpa_save_list(SelectiveAC)
+        block = cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
+    return block
+
+
+class _Live(TorchDispatchMode):
+    """Every storage an op makes, with the op that made it first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[StorageWeakRef, tuple[str, torch.dtype, object]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.made.setdefault(StorageWeakRef(st), (str(func.overloadpacket.__name__), t.dtype, st.nbytes()))
+        return out
+
+    def alive(self, exclude=()) -> list[tuple[str, torch.dtype, object]]:
+        gc.collect()
+        skip = {StorageWeakRef(t.untyped_storage()) for t in exclude}
+        return [v for k, v in self.made.items() if not k.expired() and k not in skip]
+
+
+def _kept(block, x0) -> tuple[list, torch.Tensor, bool]:
+    """The storages the block keeps, its output, and whether it keeps its input (made here from the leaf
+    ``x0`` by an op that saves nothing, so only the block can keep it alive)."""
+    x = x0 * 1
+    x_ref = StorageWeakRef(x.untyped_storage())
+    live = _Live()
+    with live:
+        out = block(x, None, None)
+    del x
+    params = list(block.parameters()) + list(block.buffers())
+    kept = live.alive([out, *params])
+    return kept, out, not x_ref.expired()
+
+
+def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
+    """Real tensors on CPU: the storages the layer makes and keeps after its forward (``rows``: op, dtype,
+    bytes; ``total`` their bytes), ``input_kept`` whether it keeps its input; the backward is run once (the
+    block works)."""
+    torch.manual_seed(seed)
+    block = build_block(shape, ac)
+    x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
+    kept, out, input_kept = _kept(block, x)
+    rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
+    out.float().square().mean().backward()
+    return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows)}
+
+
+def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> dict:
+    """The same under FakeTensorMode with s and b symbolic (forward only): ``rows`` (op, dtype, bytes as a
+    sympy polynomial in the symbols s, b), ``total``, ``input_kept``."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)
+    names, sizes = {}, {}
+    for name, hint in (("s", s_hint), ("b", b_hint)):
+        sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+        names[sym] = sympy.Symbol(name, integer=True, positive=True)
+        sizes[name] = env.create_symintnode(sym, hint=hint)
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
+        block = build_block(shape, ac)
+        x = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
+        kept, out, input_kept = _kept(block, x)
+        del out
+    pinned = [str(g) for g in env.guards if {str(v) for v in getattr(g.expr, "free_symbols", ())} & {"s0", "s1"}
+              and ("Eq(" in str(g.expr) and "Mod" not in str(g.expr))]
+    if env.replacements:
+        pinned += [f"{k} -> {v}" for k, v in env.replacements.items() if v.is_number]
+    if pinned:
+        raise RuntimeError(f"trace pinned s or b: {pinned}")
+    rows = []
+    for op, dtype, n in kept:
+        expr = sympy.expand(n.node.expr.xreplace(names) if isinstance(n, torch.SymInt) else sympy.Integer(n))
+        rows.append((op, str(dtype).replace("torch.", ""), expr))
+    return {"rows": rows, "input_kept": input_kept, "total": sympy.expand(sum((e for _, _, e in rows), sympy.Integer(0)))}
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: torchtitan's apply_fsdp_to_decoder on a whole tiny model, ranks over gloo on CPU
+
+
+def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none") -> torch.nn.Module:
+    """A torchtitan Llama3Model (fp32, as torchtitan builds it before FSDP's mixed precision) with ``layers``
+    blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring)."""
+    _, _, ComplexRoPE, SDPA, build_layers = _titan()
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model
+
+    blocks = build_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
+                          rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=512, theta=500000,
+                                                  scaling="llama"), attn_backend="flex")
+    for cfg in blocks:
+        cfg.attention.inner_attention = SDPA.Config()
+    config = Llama3Model.Config(dim=shape.h, vocab_size=vocab, layers=blocks,
+                                tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
+                                norm=RMSNorm.Config(normalized_shape=shape.h),
+                                lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    return config.build()
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[StorageWeakRef(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _unsharded_bytes(groups) -> int:
+    """bf16 unsharded parameter bytes allocated now, over FSDP2's parameter groups (FSDP2 frees an unsharded
+    parameter by resizing its storage to 0; a prefetched group's all-gather output exists before its unsharded
+    parameters are made from it)."""
+    tensors = [t for g in groups for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
+    tensors += [p._unsharded_param for g in groups for p in g.fsdp_params if hasattr(p, "_unsharded_param")]
+    return _storage_bytes(tensors)
+
+
+def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int) -> dict:
+    """One rank of a 1-step FSDP2 run (torchtitan's ``apply_fsdp_to_decoder``: bf16 params, fp32 reduce,
+    reshard_after_forward by torchtitan's default policy): per-rank bytes of the sharded fp32 parameters,
+    gradients and AdamW moments (storages, padding included), and the bf16 unsharded parameters alive: the
+    most inside a block's forward (its feed-forward's end) and backward (its feed-forward's and attention's
+    start), and after the forward (before the backward).  On CPU nothing runs ahead of the compute (no
+    streams), so what a GPU's prefetch adds is not seen here.
+    Parameter shapes (all, one layer's) and count for the derivation."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    torch.manual_seed(0)
+    model = build_model(shape, layers, vocab)
+    total_params = sum(p.numel() for p in model.parameters())
+    layer_shapes = [tuple(p.shape) for p in model.layers["0"].parameters()]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    modules = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    for m in modules:  # gloo has no PREMUL_SUM: sum, then divide (the reduction's op, not its buffers)
+        m.set_force_sum_reduction_for_comms(True)
+    groups = [g for m in modules if (g := m._get_fsdp_state()._fsdp_param_group) is not None]
+    peaks = {"forward": 0, "backward": 0}
+
+    def sample(phase):
+        peaks[phase] = max(peaks[phase], _unsharded_bytes(groups))
+
+    handles = []
+    for block in model.layers.values():  # inside each block: its parameters unsharded, the next one's prefetched
+        handles.append(block.feed_forward.register_forward_hook(lambda *_: sample("forward")))
+        handles.append(block.feed_forward.register_full_backward_pre_hook(lambda *_: sample("backward")))
+        handles.append(block.attention.register_full_backward_pre_hook(lambda *_: sample("backward")))
+    tokens = torch.randint(0, vocab, (b, s))
+    logits = model(tokens)
+    after_forward = _unsharded_bytes(groups)
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    for h in handles:
+        h.remove()
+    local = [p.to_local() for p in model.parameters()]
+    grads = [p.grad.to_local() for p in model.parameters()]
+    moments = [st[k].to_local() for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"params": _storage_bytes(local), "grads": _storage_bytes(grads), "adam": _storage_bytes(moments),
+            "unsharded_forward_peak": peaks["forward"], "unsharded_backward_peak": peaks["backward"],
+            "unsharded_after_forward": after_forward, "layer_shapes": layer_shapes, "total_params": total_params,
+            "shapes": [tuple(p.shape) for p in model.parameters()]}
+
+
+def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2) -> list[dict]:
+    """``fsdp_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b))
