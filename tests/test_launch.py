@@ -200,6 +200,7 @@ GRID = [
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
     config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS),  # every fusion off; ZeRO 2 also turns gradient accumulation's off
+    config(GPT, dp=8, fusions_off=FUSIONS),  # GeLU: --no-bias-gelu-fusion (the SwiGLU switch does nothing there)
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
     config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]
@@ -441,6 +442,10 @@ def test_kernels_flags():
     # --transformer-impl local for megatron-core's local spec; each fusion switched off by its own flag, once
     args = megatron_args(config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS), "megatron-local")
     assert "--transformer-impl local" in args
-    assert [a for a in args if a.endswith("-fusion")] == [f"--no-{name}-fusion" for name in FUSIONS]
+    # (bias_activation_fusion is bias_swiglu_fusion with --swiglu, else bias_gelu_fusion: the other switch is idle)
+    assert [a for a in args if a.endswith("-fusion")] == [f"--no-{name}-fusion" for name in FUSIONS if name != "bias-gelu"]
+    gelu = megatron_args(config(GPT, dp=8, fusions_off=FUSIONS), "megatron-local")
+    assert [a for a in gelu if a.endswith("-fusion")] == [f"--no-{name}-fusion" for name in FUSIONS
+                                                           if name != "bias-swiglu"]
     # Megatron-LM's defaults: Transformer Engine, every fusion on: no flag
     assert not [a for a in megatron_args(config(LLAMA, dp=8)) if a.endswith("-fusion") or "transformer-impl" in a]
