@@ -274,6 +274,7 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
     (MOE, "torch.Tensor.__getitem__", 0, 0): "moe_sort_index",  # 0.19.2's argsort, indexing the probabilities
     (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
+    (MOE, FN, 0, 0): "fc1_input",  # selective recompute "moe" / "shared_experts": the checkpoint keeps the MLP input
     (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
     (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",
     (SHARED, MUL, 0, 1): "shared_silu_out", (f"{SHARED}.linear_fc2", FN, 0, 0): "shared_fc2_input",
@@ -585,6 +586,7 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
              **{k: v for i in range(16) if case.gelu for k, v in _gelu_expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
              **(GELU_SHARED_RULES if case.gelu else {})}
     checkpoints = layer_checkpoints(case)
+    up_proj = mla_up_proj_inputs(case)
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():
@@ -598,6 +600,8 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
             label = ROUTER_MUL.get(str(r.dtype).removeprefix("torch."), UNLABELED)
         if (where, op, j) == ("<layer>", FN, 0) and k < len(checkpoints):
             label = checkpoints[k]
+        if (where, op) == (ATTN, FN) and up_proj:  # the up projections' checkpoint runs before the core attention's
+            label = up_proj[j] if k == 0 else rules.get((where, op, k - 1, j), UNLABELED)
         if key in DISCARDED:
             continue  # its storage freed (resize_(0)) by CheckpointWithoutOutput: nothing left to count
         entries.append((label, r.shape, r.dtype, r.nbytes, (where, op, k, j)))
@@ -614,6 +618,16 @@ def layer_checkpoints(case: McoreCase) -> list[str]:
         return []
     norms = ["ln1_input", "ln2_input"] if "layernorm" in case.modules else []
     return norms + (["fc1_input"] if "mlp" in case.modules and not case.experts else [])
+
+
+def mla_up_proj_inputs(case: McoreCase) -> list[str]:
+    """The labels of what selective recompute of "mla_up_proj" (MLA's CheckpointWithoutOutput around the up
+    projections and RoPE) saves, in order: q_compressed (the q latent norm's output; without a q down projection the
+    attention input), kv_compressed (the kv latent norm's output), k_pos_emb (a view of the kv down projection's
+    output) and the fp32 rotary frequencies; [] without it."""
+    if not (case.kv_lora and case.recompute == "selective" and "mla_up_proj" in case.modules):
+        return []
+    return ["mla_q_up_input" if case.q_lora else "qkv_input", "mla_kv_up_input", "mla_k_pos_emb", "mla_rope_freqs"]
 
 
 def _version() -> str:

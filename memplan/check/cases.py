@@ -159,6 +159,8 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                   for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp")) if arch == "llama" or "mlp" not in m]
     if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
         cases += mcore_moe_cases()
+        if "selective" in recomputes:
+            cases += mcore_module_cases()
         if 2 in tps:
             cases += mcore_moe_cases(two=True)
         # megatron-core's MLASelfAttention (memplan/inventory/mla.py)
@@ -194,6 +196,19 @@ def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
             mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64), mcore_moe_case(aux_loss=0.0),
             mcore_moe_case(z_loss=1e-3, router_dtype="fp32"), mcore_moe_case(topk=1, pre_softmax=True, aux_loss=0.0),
             mcore_moe_case(gelu=True, fs=64)]
+
+
+def mcore_module_cases() -> list[ValidationCase]:
+    """Selective recompute of the MoE and MLA modules (memplan/inventory/recompute.py) on the MoE and MLA layers of
+    mcore_moe_case / mcore_mla_case: the whole MoE layer, the shared experts, MLA's up projections (with and
+    without the q down projection), and three modules at once on DeepSeek-V3's layer."""
+    def selective(case: ValidationCase, *modules: str) -> ValidationCase:
+        return dataclasses.replace(case, name=f"{case.name} recompute {'+'.join(modules)}", recompute="selective",
+                                   modules=modules)
+
+    return [selective(mcore_moe_case(fs=64), "moe"), selective(mcore_moe_case(fs=64), "shared_experts"),
+            selective(mcore_mla_case(), "mla_up_proj"), selective(mcore_mla_case(None), "mla_up_proj"),
+            selective(mcore_mla_case(experts=4), "core_attn", "mla_up_proj", "shared_experts")]
 
 
 def mcore_mla_case(q_lora: Optional[int] = 40, t: int = 1, sp: bool = False, recompute: str = "none",

@@ -123,8 +123,8 @@ def plan_options(func: Callable) -> Callable:
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",
                      help="Selective recompute of these submodules (Megatron-LM --recompute-modules, comma or space "
-                          "separated): core_attn (default), layernorm, mlp; moe_act, moe, shared_experts and "
-                          "mla_up_proj are Megatron-LM's too, not modelled."),
+                          "separated): core_attn (default), layernorm, mlp, moe, shared_experts, mla_up_proj; "
+                          "moe_act (grouped GEMM, CUDA only) is not modelled."),
         click.option("--recompute-method", type=click.Choice(["uniform", "block"]),
                      help="Full recompute (Megatron-LM --recompute-method): block with --recompute-num-layers N, "
                           "uniform one layer per checkpoint."),
