@@ -170,6 +170,10 @@ class _NoStream:
         pass
 
 
+# the current case's uneven routing (McoreCase.loads; empty: balanced), set per case in the rank process
+LOADS: list = []
+
+
 def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
     """Stands in for megatron-core's ``moe_router_force_load_balancing`` (random logits, balanced only on
     average): token i of the rank's [s, b] tokens (flattened) gets a large bonus on experts (i k + j) mod E,
@@ -182,6 +186,10 @@ def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
     E = logits.shape[-1]
     n = logits.numel() // E
     idx = (torch.arange(n).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % E
+    if LOADS:  # uneven: expert e receives LOADS[e] of the k n copies; copy j of token i goes to the (i + j n)-th
+        # entry of the experts listed in order, each LOADS[e] times (distinct experts per token while LOADS[e] <= n)
+        order = torch.repeat_interleave(torch.arange(E), torch.tensor(LOADS))
+        idx = torch.stack([order[torch.arange(n) + j * n] for j in range(k)], dim=1)
     bonus = torch.zeros(n, E, dtype=logits.dtype).scatter_(1, idx, 64.0)
     return logits + bonus.view(logits.shape)
 
@@ -384,6 +392,7 @@ class McoreCase:
     pad: bool = False  # moe_pad_expert_input_to_capacity
     aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
     balanced: bool = True  # route token i to experts (i k + j) mod E (see _balanced_routing)
+    loads: tuple[int, ...] = ()  # routed copies each expert receives from this rank's tokens (see _balanced_routing)
     z_loss: Optional[float] = None  # moe_z_loss_coeff (None: no z-loss)
     router_dtype: Optional[str] = None  # moe_router_dtype: None (the input's) | fp32 | fp64
     pre_softmax: bool = False  # moe_router_pre_softmax (softmax over all E logits before top-k)
@@ -554,6 +563,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
         torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
         module = build(case)
         DISCARDED.clear()
+        LOADS[:] = case.loads
         if case.backend == "live":  # warm-up: lazy initialisation outside the window
             _forward_fresh(module, case).backward()
             module.zero_grad(set_to_none=True)

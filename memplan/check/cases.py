@@ -56,6 +56,7 @@ class ValidationCase:
     router_dtype: Optional[str] = None  # --moe-router-dtype
     pre_softmax: bool = False  # --moe-router-pre-softmax
     gelu: bool = False  # GeLU experts (and dense MLP) instead of SwiGLU
+    loads: tuple[int, ...] = ()  # routed copies per expert from each rank's tokens (() balanced: validation/mcore.py)
     mcore_version: str = "0.16"  # the megatron-core modelled (validate.run sets the one measured)
     # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/inventory/mla.py)
     kv_lora: int = 0
@@ -175,7 +176,8 @@ def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional
                    **router) -> ValidationCase:
     """One megatron-core MoE case: the Llama-like layer of mcore_case with megatron-core's MoELayer as its MLP
     (4 SequentialMLP experts of f_e = 96, top-2, aux loss 0.01, routing forced to be balanced); t > 1 with SP (MoE
-    needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu."""
+    needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu,
+    loads (uneven routing)."""
     base = mcore_case("llama", t, t > 1, scope=scope)
     name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "") + (
         f" k{topk}" if topk != 2 else "") + (f" C{capacity:g}" + (" pad" if pad else "") if capacity else "") + (
@@ -188,6 +190,7 @@ def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
     """The megatron-core MoE cases of `validate --mcore` (one process): dispatchers, capacity with and without
     padding, shared experts, and Megatron-LM's router options (no aux loss, its default; the z-loss with the
     router in fp32; the softmax before the top-k at k = 1, which megatron-core requires there; GeLU experts);
+    uneven routing with and without a capacity (each expert dropping what exceeds its own capacity);
     `two`: those of two gloo processes (ep = 2, or t = 2 with SP and etp = 2 / 1)."""
     if two:
         return [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
@@ -195,7 +198,12 @@ def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
     return [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
             mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64), mcore_moe_case(aux_loss=0.0),
             mcore_moe_case(z_loss=1e-3, router_dtype="fp32"), mcore_moe_case(topk=1, pre_softmax=True, aux_loss=0.0),
-            mcore_moe_case(gelu=True, fs=64)]
+            mcore_moe_case(gelu=True, fs=64), mcore_moe_case(capacity=1.0, loads=UNEVEN),
+            mcore_moe_case(loads=UNEVEN)]
+
+
+# uneven routing of the 64 tokens x top-2 of mcore_moe_case over 4 experts: 1.75, 1.25, 0.5, 0.5 x the average 32
+UNEVEN = (56, 40, 16, 16)
 
 
 def mcore_module_cases() -> list[ValidationCase]:
