@@ -132,3 +132,9 @@ def test_expert_loads_refused_when_inconsistent():
                                 ((1.5, 0.5), {"moe_imbalance": 1.5}, "give one")):
         with pytest.raises(ValueError, match=words):
             ModelSpec(**base, moe_expert_loads=loads, **extra)
+    # the loads are the busiest GPU's E/ep experts': 4 loads at ep = 2 refused, 2 taken
+    from memplan.core.specs import Config, ParallelSpec
+
+    with pytest.raises(ValueError, match="E/ep = 2"):
+        Config(model=ModelSpec(**base, moe_expert_loads=(1.75, 1.25, 0.5, 0.5)), parallel=ParallelSpec(ep=2, dp=2))
+    assert Config(model=ModelSpec(**base, moe_expert_loads=(1.75, 1.25)), parallel=ParallelSpec(ep=2, dp=2))

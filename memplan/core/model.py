@@ -123,9 +123,9 @@ class ModelSpec(Spec):
         default=1.0, ge=1.0, le=1024.0, description="the busiest GPU's share of the routed tokens relative to the "
         "average (1.0: perfectly balanced routing); scales the routed-token activations on the peak GPU")
     moe_expert_loads: Optional[tuple[float, ...]] = Field(
-        default=None, description="the busiest GPU's routed experts' loads (its E/ep experts, or all E: the same on "
-        "every GPU), each relative to the average expert: with moe_capacity_factor each keeps min(load, C) of the "
-        "average, the rest dropped; in place of moe_imbalance (their mean)")
+        default=None, description="the busiest GPU's E/ep routed experts' loads (all E at ep = 1), each relative to "
+        "the average expert: with moe_capacity_factor each keeps min(load, C) of the average, the rest dropped; in "
+        "place of moe_imbalance (their mean)")
     moe_capacity_factor: Optional[float] = Field(
         default=None, gt=0, le=1024.0, description="each expert takes at most C k s b / E tokens, the others are "
         "dropped (Megatron-LM --moe-expert-capacity-factor; None: no dropping)")

@@ -41,8 +41,9 @@ average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the c
 GPU's experts share its load evenly) and by C when padded to capacity. With `moe_expert_loads` (the busiest GPU's
 experts' loads) each expert keeps min(load, C) of the average, as megatron-core's apply_router_token_dropping caps
 each expert at C k s b / E of each source GPU's tokens: measured at ep = 1 with uneven routing (tests/
-test_validate_mcore_moe.py test_capacity_drops_per_expert); at ep > 1 the receiver's figure is derived, and the
-sender's copies (the permutation index) are the balanced bound min(1, C) unless all E loads are given. Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
+test_validate_mcore_moe.py test_capacity_drops_per_expert); at ep > 1 (the loads of the GPU's E/ep experts, checked
+in memplan/core/specs.py) the receiver's figure is the same rule and the sender's copies (the permutation index)
+are the balanced bound min(1, C), an upper bound (measured once at ep = 2, not in the suite). Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
 its kind's share of the layers (as memplan/inventory/traced.py weighs layer groups), so a stage's total is exact for the
 model and its per-layer figure the layers' mean.
 """
@@ -89,8 +90,8 @@ def _kept(loads: tuple[float, ...], cap) -> float:
 
 def _sent_factor(model: ModelSpec) -> Fraction:
     """A GPU's own routed copies that leave it (the sender's permutation): all k s b of them, fewer when
-    dropped: per expert the mean of min(load, C) over all E experts when moe_expert_loads gives all E (ep = 1, or
-    the same loads on every GPU), else the balanced bound min(1, C); C k s b padded."""
+    dropped: per expert the mean of min(load, C) over all E experts when moe_expert_loads gives all E (ep = 1),
+    else the balanced bound min(1, C) (an upper bound: its copies to hot experts drop too); C k s b padded."""
     cap = model.moe_capacity_factor
     if cap is None:
         return Fraction(1)
