@@ -16,7 +16,8 @@ pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact, term_ids, unchecked_terms  # noqa: E402
 from memplan.check.cases import mcore_moe_cases  # noqa: E402
-from memplan.check.validate import run  # noqa: E402
+from memplan.check.validate import CaseResult, predict, run  # noqa: E402
+from memplan.inventory import moe  # noqa: E402
 
 # the cases of `validate --mcore`: dispatchers, capacity, shared experts, Megatron-LM's router options (one process);
 # two processes: ep = 2, or t = 2 with SP and expert tensor parallelism etp = 2 (the experts' MLPs split) or 1
@@ -104,3 +105,36 @@ def test_every_moe_term_is_checked(monkeypatch, t1_results):
     unchecked = unchecked_terms(monkeypatch, t1_results, ids)
     # the aux loss and z-loss values are one scalar per layer: 4 bytes, within 0.01 % of any case
     assert set(unchecked) <= {"moe_aux_loss", "moe_z_loss"}, unchecked
+
+
+def test_capacity_drops_per_expert(monkeypatch, t1_results):
+    # uneven routing (validation/mcore.py LOADS): of the 64 tokens x top-2 = 128 copies, experts 0-3 receive 56, 40,
+    # 16, 16 (1.75, 1.25, 0.5, 0.5 x the average 32). Capacity factor 1: megatron-core 0.16.1's
+    # apply_router_token_dropping keeps ceil(128 / 4 x 1) = 32 per expert: 32 + 32 + 16 + 16 = 96 copies, 96 x 64 bf16
+    # = 12,288 B of routed tokens (a per-GPU bound, min(imbalance 1, C 1) at ep = 1, would keep all 128: 16,384 B)
+    r = next(r for r in t1_results if r.case.loads and r.case.capacity == 1.0)
+    assert r.measured["moe_permuted_tokens"] == 96 * 64 * 2 and r.measured["moe_permute_index"] == 96 * 8
+    # without a capacity the same routing keeps all 128 copies on the one GPU
+    free = next(r for r in t1_results if r.case.loads and r.case.capacity is None)
+    assert free.measured["moe_permuted_tokens"] == 128 * 64 * 2
+    # the per-expert capacity removed (each expert's load averaged before the cap: the per-GPU bound) fails the case
+    monkeypatch.setattr(moe, "_kept", lambda loads, cap: min(sum(loads) / len(loads), cap or float("inf")))
+    assert not CaseResult(r.case, predict(r.case, "cpu"), r.measured, 0, None, None, r.tolerance).passed
+
+
+def test_expert_loads_refused_when_inconsistent():
+    from memplan.core.model import ModelSpec
+
+    base = dict(name="m", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
+                norm="rmsnorm", mlp="swiglu", position_embedding="rope", tied_embeddings=False, bias=False,
+                num_experts=4, moe_top_k=2)
+    for loads, extra, words in (((1.0, 1.0, 1.0), {}, "dividing"), ((2.5, 1.5), {}, "exceeds E / k"),
+                                ((1.5, 0.5), {"moe_imbalance": 1.5}, "give one")):
+        with pytest.raises(ValueError, match=words):
+            ModelSpec(**base, moe_expert_loads=loads, **extra)
+    # the loads are the busiest GPU's E/ep experts': 4 loads at ep = 2 refused, 2 taken
+    from memplan.core.specs import Config, ParallelSpec
+
+    with pytest.raises(ValueError, match="E/ep = 2"):
+        Config(model=ModelSpec(**base, moe_expert_loads=(1.75, 1.25, 0.5, 0.5)), parallel=ParallelSpec(ep=2, dp=2))
+    assert Config(model=ModelSpec(**base, moe_expert_loads=(1.75, 1.25)), parallel=ParallelSpec(ep=2, dp=2))

@@ -5,7 +5,9 @@ validation/mcore.py runs the local-spec layer with recompute_granularity "select
 labels every tensor autograd saves (a norm output that CheckpointWithoutOutput frees counts with the bytes left in its
 storage: none) and compares with memplan per term (0.01 %: the measurement is exact). "mlp" is measured on the
 Llama-like layer (no biases): on the GPT layer (biases, skip_bias_add) megatron-core 0.16.1's CheckpointFunction
-returns the fc2 bias parameter as its output and its backward re-enters itself without end.
+returns the fc2 bias parameter as its output and its backward re-enters itself without end. "moe", "shared_experts"
+and "mla_up_proj" are measured on the MoE layer (4 experts, shared experts) and the MLA layer of
+tests/test_validate_mcore_moe.py / test_validate_mcore_mla.py; "moe_act" needs grouped GEMM (CUDA): refused.
 """
 
 import dataclasses
@@ -72,8 +74,10 @@ def test_mcore_grid_has_every_modelled_module():
 
 def test_unmodelled_modules_and_impls_refused():
     model = ModelSpec(**LLAMA)
-    for modules, impl in ((("moe",), "megatron"), (("mla_up_proj",), "megatron-local"), (("mlp",), "hf-sdpa")):
-        with pytest.raises(MemplanError):
+    for modules, impl, words in ((("moe_act",), "megatron", "moe-grouped-gemm"),
+                                 (("mla_up_proj",), "megatron-local", "multi-latent attention"),
+                                 (("mlp",), "hf-sdpa", "--impl hf-sdpa")):
+        with pytest.raises(MemplanError, match=words):
             training_inventory(model, impl, "cuda", TrainingSpec(recompute="selective", recompute_modules=modules))
 
 
@@ -92,7 +96,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from mcore_checks import assert_exact  # noqa: E402
-from memplan.check.cases import mcore_case  # noqa: E402
+from memplan.check.cases import mcore_case, mcore_module_cases  # noqa: E402
 from memplan.check.validate import CaseResult, predict, run  # noqa: E402
 
 CASES = [mcore_case("gpt", recompute="selective", modules=("layernorm",)),
@@ -100,7 +104,8 @@ CASES = [mcore_case("gpt", recompute="selective", modules=("layernorm",)),
          mcore_case("llama", recompute="selective", modules=("mlp",)),
          mcore_case("llama", recompute="selective", modules=("core_attn", "layernorm", "mlp")),
          mcore_case("llama", recompute="selective", modules=()),
-         mcore_case("llama", recompute="selective", scope="model", modules=("layernorm", "mlp"))]
+         mcore_case("llama", recompute="selective", scope="model", modules=("layernorm", "mlp"))] + mcore_module_cases()
+MOE, SHARED, MLA, MLA_DIRECT, DSV3 = range(6, 11)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +138,10 @@ def test_every_term_and_rule_is_checked(monkeypatch, results):
     a case; the norm checkpoint's inputs, not kept, fail a case."""
     for r in results:
         predicted = predict(r.case, "cpu")
-        # attn_mask_type is 4 bytes per layer: within 0.01 % of any case (as in tests/test_validate_mcore.py)
-        assert [k for k in predicted if not _fails(r, {**predicted, k: 0})] in ([], ["attn_mask_type"]), r.case.name
+        # attn_mask_type and the aux loss are 4 bytes per layer, the aux loss's tokens per expert 4 x 8 B: within
+        # 0.01 % of the larger cases (as in tests/test_validate_mcore.py, test_validate_mcore_moe.py)
+        unchecked = {k for k in predicted if not _fails(r, {**predicted, k: 0})}
+        assert unchecked <= {"attn_mask_type", "moe_aux_loss", "moe_aux_counts"}, r.case.name
     unchecked = []
     for module, ids in recompute.DROPS.items():
         for term_id in ids:
@@ -146,6 +153,26 @@ def test_every_term_and_rule_is_checked(monkeypatch, results):
     assert set(unchecked) <= {"gelu_input"}, unchecked
     monkeypatch.setattr(recompute, "NORM_INPUTS", ())
     assert any(_fails(r, predict(r.case, "cpu")) for r in results)
+    for module in recompute.DROPS_BLOCKS:  # the blocks a module drops, kept, fail a case
+        monkeypatch.setitem(recompute.DROPS_BLOCKS, module, ())
+        assert any(_fails(r, predict(r.case, "cpu")) for r in results), module
+        monkeypatch.undo()
+
+
+def test_moe_and_mla_modules_by_hand(results):
+    # s = 32, b = 2, h = 64, bf16, one layer. "moe": the checkpoint around the MoELayer keeps its input (the second
+    # norm's output, 32 x 2 x 64 x 2 B = 8,192 B) and nothing of the router, experts or shared experts
+    moe = results[MOE].measured
+    assert moe["fc1_input"] == 8_192 and not [k for k in moe if k.startswith(("moe_", "shared_"))]
+    # "shared_experts": the shared experts' four tensors gone (fc1 output 2 x 32 x 2 x 64 x 2 B, three 32 x 2 x 64 x 2 B),
+    # the routed experts' kept
+    shared = results[SHARED].measured
+    assert "moe_fc1_output" in shared and not [k for k in shared if k.startswith("shared_")]
+    # "mla_up_proj" (r_kv = 48, d_r = 16): k_pos_emb keeps the kv down projection's 32 x 2 x (48 + 16) bf16 output
+    # (8,192 B), the rotary frequencies 32 x 16 fp32 (2,048 B); no RoPE cos / sin, Q, K or V
+    mla = results[MLA].measured
+    assert (mla["mla_k_pos_emb"], mla["mla_rope_freqs"]) == (8_192, 2_048)
+    assert "rope_cos_sin" not in mla and "qkv" not in mla
 
 
 def test_no_modules_is_no_recompute(results):

@@ -170,6 +170,10 @@ class _NoStream:
         pass
 
 
+# the current case's uneven routing (McoreCase.loads; empty: balanced), set per case in the rank process
+LOADS: list = []
+
+
 def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
     """Stands in for megatron-core's ``moe_router_force_load_balancing`` (random logits, balanced only on
     average): token i of the rank's [s, b] tokens (flattened) gets a large bonus on experts (i k + j) mod E,
@@ -182,6 +186,10 @@ def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
     E = logits.shape[-1]
     n = logits.numel() // E
     idx = (torch.arange(n).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % E
+    if LOADS:  # uneven: expert e receives LOADS[e] of the k n copies; copy j of token i goes to the (i + j n)-th
+        # entry of the experts listed in order, each LOADS[e] times (distinct experts per token while LOADS[e] <= n)
+        order = torch.repeat_interleave(torch.arange(E), torch.tensor(LOADS))
+        idx = torch.stack([order[torch.arange(n) + j * n] for j in range(k)], dim=1)
     bonus = torch.zeros(n, E, dtype=logits.dtype).scatter_(1, idx, 64.0)
     return logits + bonus.view(logits.shape)
 
@@ -274,6 +282,7 @@ MOE_RULES: dict[tuple[str, str, int, int], str] = {
     (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
     (MOE, "torch.Tensor.__getitem__", 0, 0): "moe_sort_index",  # 0.19.2's argsort, indexing the probabilities
     (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
+    (MOE, FN, 0, 0): "fc1_input",  # selective recompute "moe" / "shared_experts": the checkpoint keeps the MLP input
     (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
     (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",
     (SHARED, MUL, 0, 1): "shared_silu_out", (f"{SHARED}.linear_fc2", FN, 0, 0): "shared_fc2_input",
@@ -383,6 +392,7 @@ class McoreCase:
     pad: bool = False  # moe_pad_expert_input_to_capacity
     aux_loss: float = 0.0  # moe_aux_loss_coeff (Megatron-LM's default 0: no aux loss)
     balanced: bool = True  # route token i to experts (i k + j) mod E (see _balanced_routing)
+    loads: tuple[int, ...] = ()  # routed copies each expert receives from this rank's tokens (see _balanced_routing)
     z_loss: Optional[float] = None  # moe_z_loss_coeff (None: no z-loss)
     router_dtype: Optional[str] = None  # moe_router_dtype: None (the input's) | fp32 | fp64
     pre_softmax: bool = False  # moe_router_pre_softmax (softmax over all E logits before top-k)
@@ -553,6 +563,7 @@ def _measure_here(case: McoreCase) -> McoreMeasurement:
         torch.manual_seed(case.seed + ps.get_tensor_model_parallel_rank())
         module = build(case)
         DISCARDED.clear()
+        LOADS[:] = case.loads
         if case.backend == "live":  # warm-up: lazy initialisation outside the window
             _forward_fresh(module, case).backward()
             module.zero_grad(set_to_none=True)
@@ -585,6 +596,7 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
              **{k: v for i in range(16) if case.gelu for k, v in _gelu_expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
              **(GELU_SHARED_RULES if case.gelu else {})}
     checkpoints = layer_checkpoints(case)
+    up_proj = mla_up_proj_inputs(case)
     by_label: dict[str, int] = {}
     entries = []
     for key, r in ledger.records.items():
@@ -598,6 +610,8 @@ def _collect(case, ledger, alive, retained, peak, loss_bytes, rank) -> McoreMeas
             label = ROUTER_MUL.get(str(r.dtype).removeprefix("torch."), UNLABELED)
         if (where, op, j) == ("<layer>", FN, 0) and k < len(checkpoints):
             label = checkpoints[k]
+        if (where, op) == (ATTN, FN) and up_proj:  # the up projections' checkpoint runs before the core attention's
+            label = up_proj[j] if k == 0 else rules.get((where, op, k - 1, j), UNLABELED)
         if key in DISCARDED:
             continue  # its storage freed (resize_(0)) by CheckpointWithoutOutput: nothing left to count
         entries.append((label, r.shape, r.dtype, r.nbytes, (where, op, k, j)))
@@ -614,6 +628,16 @@ def layer_checkpoints(case: McoreCase) -> list[str]:
         return []
     norms = ["ln1_input", "ln2_input"] if "layernorm" in case.modules else []
     return norms + (["fc1_input"] if "mlp" in case.modules and not case.experts else [])
+
+
+def mla_up_proj_inputs(case: McoreCase) -> list[str]:
+    """The labels of what selective recompute of "mla_up_proj" (MLA's CheckpointWithoutOutput around the up
+    projections and RoPE) saves, in order: q_compressed (the q latent norm's output; without a q down projection the
+    attention input), kv_compressed (the kv latent norm's output), k_pos_emb (a view of the kv down projection's
+    output) and the fp32 rotary frequencies; [] without it."""
+    if not (case.kv_lora and case.recompute == "selective" and "mla_up_proj" in case.modules):
+        return []
+    return ["mla_q_up_input" if case.q_lora else "qkv_input", "mla_kv_up_input", "mla_k_pos_emb", "mla_rope_freqs"]
 
 
 def _version() -> str:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from memplan.api.values import Size, bounded_count, budget_bytes, finite, mst_pieces, token_count
+from memplan.api.values import Size, bounded_count, budget_bytes, expert_loads, finite, mst_pieces, token_count
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import describe_validation_error, echo
@@ -51,6 +51,7 @@ class PlanOptions:
     ep: Optional[int] = None
     etp: Optional[int] = None
     moe_imbalance: Optional[float] = None
+    moe_expert_loads: Optional[tuple[float, ...]] = None
     moe_capacity_factor: Optional[float] = None
     moe_pad_to_capacity: Optional[bool] = None
     moe_token_dispatcher: Optional[str] = None
@@ -157,7 +158,8 @@ class PlanOptions:
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
-        return dict(moe_imbalance=self.moe_imbalance, moe_capacity_factor=self.moe_capacity_factor,
+        return dict(moe_imbalance=self.moe_imbalance, moe_expert_loads=expert_loads(self.moe_expert_loads),
+                    moe_capacity_factor=self.moe_capacity_factor,
                     moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher,
                     moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
                     moe_router_dtype=self.moe_router_dtype, moe_router_pre_softmax=self.moe_router_pre_softmax,

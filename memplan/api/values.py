@@ -66,6 +66,20 @@ def mst_pieces(value: Union[int, str, None]) -> Union[int, str, None]:
     return text if text == "auto" else int(text)
 
 
+def expert_loads(value: Union[str, tuple, None]) -> Optional[tuple[float, ...]]:
+    """--moe-expert-loads: comma-separated numbers (each expert's load relative to the average expert)."""
+    if value is None or isinstance(value, tuple):
+        return value
+    try:
+        loads = tuple(float(x) for x in str(value).split(","))
+    except ValueError:
+        loads = ()
+    if not loads or not all(math.isfinite(x) for x in loads) or not str(value).isascii():
+        raise MemplanError(f"--moe-expert-loads takes comma-separated numbers (each expert's load relative to the "
+                           f"average), not {str(value)[:40]!r}")
+    return loads
+
+
 def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> None:
     """Refuse an --emit that cannot give a launch block for this plan, before any work."""
     if emit not in (None, "megatron", "bridge", "accelerate", "deepspeed"):

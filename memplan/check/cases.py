@@ -56,6 +56,7 @@ class ValidationCase:
     router_dtype: Optional[str] = None  # --moe-router-dtype
     pre_softmax: bool = False  # --moe-router-pre-softmax
     gelu: bool = False  # GeLU experts (and dense MLP) instead of SwiGLU
+    loads: tuple[int, ...] = ()  # routed copies per expert from each rank's tokens (() balanced: validation/mcore.py)
     mcore_version: str = "0.16"  # the megatron-core modelled (validate.run sets the one measured)
     # megatron-local multi-head latent attention (kv_lora > 0: megatron-core's MLASelfAttention, memplan/inventory/mla.py)
     kv_lora: int = 0
@@ -159,6 +160,8 @@ def mcore_grid(tps: Iterable[int] = (1, 2), recomputes: Iterable[str] = ("none",
                   for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp")) if arch == "llama" or "mlp" not in m]
     if "llama" in archs and "layer" in scopes:  # megatron-core's MoELayer (memplan/inventory/moe.py)
         cases += mcore_moe_cases()
+        if "selective" in recomputes:
+            cases += mcore_module_cases()
         if 2 in tps:
             cases += mcore_moe_cases(two=True)
         # megatron-core's MLASelfAttention (memplan/inventory/mla.py)
@@ -173,7 +176,8 @@ def mcore_moe_case(dispatcher: str = "alltoall", ep: int = 1, capacity: Optional
                    **router) -> ValidationCase:
     """One megatron-core MoE case: the Llama-like layer of mcore_case with megatron-core's MoELayer as its MLP
     (4 SequentialMLP experts of f_e = 96, top-2, aux loss 0.01, routing forced to be balanced); t > 1 with SP (MoE
-    needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu."""
+    needs it), etp = t unless given; `router`: ValidationCase's aux_loss, z_loss, router_dtype, pre_softmax, gelu,
+    loads (uneven routing)."""
     base = mcore_case("llama", t, t > 1, scope=scope)
     name = f"mcore moe {dispatcher} ep{ep}" + (f" t{t} etp{etp or t}" if t > 1 else "") + (
         f" k{topk}" if topk != 2 else "") + (f" C{capacity:g}" + (" pad" if pad else "") if capacity else "") + (
@@ -186,6 +190,7 @@ def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
     """The megatron-core MoE cases of `validate --mcore` (one process): dispatchers, capacity with and without
     padding, shared experts, and Megatron-LM's router options (no aux loss, its default; the z-loss with the
     router in fp32; the softmax before the top-k at k = 1, which megatron-core requires there; GeLU experts);
+    uneven routing with and without a capacity (each expert dropping what exceeds its own capacity);
     `two`: those of two gloo processes (ep = 2, or t = 2 with SP and etp = 2 / 1)."""
     if two:
         return [mcore_moe_case(ep=2), mcore_moe_case("allgather", ep=2), mcore_moe_case(t=2, fs=64),
@@ -193,7 +198,25 @@ def mcore_moe_cases(two: bool = False) -> list[ValidationCase]:
     return [mcore_moe_case(), mcore_moe_case("allgather"), mcore_moe_case(capacity=1.0, pad=True),
             mcore_moe_case(capacity=0.5), mcore_moe_case(fs=64), mcore_moe_case(aux_loss=0.0),
             mcore_moe_case(z_loss=1e-3, router_dtype="fp32"), mcore_moe_case(topk=1, pre_softmax=True, aux_loss=0.0),
-            mcore_moe_case(gelu=True, fs=64)]
+            mcore_moe_case(gelu=True, fs=64), mcore_moe_case(capacity=1.0, loads=UNEVEN),
+            mcore_moe_case(loads=UNEVEN)]
+
+
+# uneven routing of the 64 tokens x top-2 of mcore_moe_case over 4 experts: 1.75, 1.25, 0.5, 0.5 x the average 32
+UNEVEN = (56, 40, 16, 16)
+
+
+def mcore_module_cases() -> list[ValidationCase]:
+    """Selective recompute of the MoE and MLA modules (memplan/inventory/recompute.py) on the MoE and MLA layers of
+    mcore_moe_case / mcore_mla_case: the whole MoE layer, the shared experts, MLA's up projections (with and
+    without the q down projection), and three modules at once on DeepSeek-V3's layer."""
+    def selective(case: ValidationCase, *modules: str) -> ValidationCase:
+        return dataclasses.replace(case, name=f"{case.name} recompute {'+'.join(modules)}", recompute="selective",
+                                   modules=modules)
+
+    return [selective(mcore_moe_case(fs=64), "moe"), selective(mcore_moe_case(fs=64), "shared_experts"),
+            selective(mcore_mla_case(), "mla_up_proj"), selective(mcore_mla_case(None), "mla_up_proj"),
+            selective(mcore_mla_case(experts=4), "core_attn", "mla_up_proj", "shared_experts")]
 
 
 def mcore_mla_case(q_lora: Optional[int] = 40, t: int = 1, sp: bool = False, recompute: str = "none",

@@ -98,6 +98,7 @@ def case_model(case: ValidationCase) -> ModelSpec:
                      moe_pad_to_capacity=case.pad, moe_token_dispatcher=case.dispatcher,
                      moe_aux_loss_coeff=case.aux_loss, moe_z_loss_coeff=case.z_loss,
                      moe_router_dtype=case.router_dtype, moe_router_pre_softmax=case.pre_softmax,
+                     moe_expert_loads=tuple(x * case.experts / sum(case.loads) for x in case.loads) or None,
                      megatron_core_version=case.mcore_version)
     if case.kv_lora:
         shape.update(kv_lora_rank=case.kv_lora, q_lora_rank=case.q_lora, qk_nope_head_dim=case.dn,
@@ -154,7 +155,7 @@ def _measure(cases: list[ValidationCase]) -> list[Any]:
             recompute=c.recompute, scope=c.scope, p_drop=c.dropout, backend=c.backend, modules=c.modules,
             **(dict(experts=c.experts, topk=c.topk, fe=c.fe, fs=c.fs, ep=c.ep, etp=c.etp, dispatcher=c.dispatcher,
                     capacity=c.capacity, pad=c.pad, aux_loss=c.aux_loss, z_loss=c.z_loss, router_dtype=c.router_dtype,
-                    pre_softmax=c.pre_softmax, gelu=c.gelu) if c.experts else {}),
+                    pre_softmax=c.pre_softmax, gelu=c.gelu, loads=c.loads) if c.experts else {}),
             **(dict(kv_lora=c.kv_lora, q_lora=c.q_lora, qk_nope=c.dn, qk_rope=c.dr, v_head=c.dv) if c.kv_lora else {}))
             for c in (cases[i] for i in mc)])
         for i, m in zip(mc, measured):

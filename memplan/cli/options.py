@@ -35,6 +35,12 @@ def _tokens(ctx: click.Context, param: click.Parameter, value: Optional[str]) ->
     return token_count(value)
 
 
+def _loads(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
+    from memplan.api.values import expert_loads
+
+    return expert_loads(value)
+
+
 def _mst(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Any:
     from memplan.api.values import mst_pieces
 
@@ -96,9 +102,14 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-imbalance", type=click.FloatRange(1.0, 1024.0), metavar="F",
                      help="MoE, --impl megatron*: the busiest GPU's routed tokens relative to the average (1.0 = "
                           "balanced, default); scales the routed-token activations (pinned in search)."),
+        click.option("--moe-expert-loads", callback=_loads, metavar="L1,L2,..",
+                     help="MoE, --impl megatron*: the busiest GPU's E/ep routed experts' loads relative to the average "
+                          "expert (all E at ep = 1), in place of --moe-imbalance; with --moe-capacity-factor each "
+                          "expert keeps min(load, C)."),
         click.option("--moe-capacity-factor", type=click.FloatRange(0, 1024.0, min_open=True), metavar="C",
                      help="MoE, --impl megatron*: each expert takes at most C k s b / E tokens, the rest dropped "
-                          "(Megatron-LM --moe-expert-capacity-factor): routed terms bounded by min(imbalance, C)."),
+                          "(Megatron-LM --moe-expert-capacity-factor): routed terms bounded by min(imbalance, C), or per "
+                          "expert with --moe-expert-loads."),
         click.option("--moe-pad-to-capacity", is_flag=True, default=None,
                      help="With --moe-capacity-factor: every expert's input padded to its capacity (Megatron-LM "
                           "--moe-pad-expert-input-to-capacity): routed terms x C."),
@@ -123,8 +134,8 @@ def plan_options(func: Callable) -> Callable:
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",
                      help="Selective recompute of these submodules (Megatron-LM --recompute-modules, comma or space "
-                          "separated): core_attn (default), layernorm, mlp; moe_act, moe, shared_experts and "
-                          "mla_up_proj are Megatron-LM's too, not modelled."),
+                          "separated): core_attn (default), layernorm, mlp, moe, shared_experts, mla_up_proj; "
+                          "moe_act (grouped GEMM, CUDA only) is not modelled."),
         click.option("--recompute-method", type=click.Choice(["uniform", "block"]),
                      help="Full recompute (Megatron-LM --recompute-method): block with --recompute-num-layers N, "
                           "uniform one layer per checkpoint."),

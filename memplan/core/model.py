@@ -122,6 +122,10 @@ class ModelSpec(Spec):
     moe_imbalance: float = Field(
         default=1.0, ge=1.0, le=1024.0, description="the busiest GPU's share of the routed tokens relative to the "
         "average (1.0: perfectly balanced routing); scales the routed-token activations on the peak GPU")
+    moe_expert_loads: Optional[tuple[float, ...]] = Field(
+        default=None, description="the busiest GPU's E/ep routed experts' loads (all E at ep = 1), each relative to "
+        "the average expert: with moe_capacity_factor each keeps min(load, C) of the average, the rest dropped; in "
+        "place of moe_imbalance (their mean)")
     moe_capacity_factor: Optional[float] = Field(
         default=None, gt=0, le=1024.0, description="each expert takes at most C k s b / E tokens, the others are "
         "dropped (Megatron-LM --moe-expert-capacity-factor; None: no dropping)")
@@ -262,6 +266,19 @@ class ModelSpec(Spec):
                              "bias: false")
         return self
 
+    def _expert_loads(self, E: int, k: int) -> None:
+        """moe_expert_loads: the loads of E/ep experts (a count dividing E), none negative or above E / k times the
+        average (an expert receives each token at most once), in place of moe_imbalance."""
+        loads = self.moe_expert_loads
+        if not loads or E % len(loads) or min(loads) < 0:
+            raise ValueError(f"moe_expert_loads takes the loads of E/ep experts (a count dividing num_experts={E}), "
+                             f"none negative (got {len(loads)})")
+        if self.moe_imbalance != 1.0:
+            raise ValueError("moe_expert_loads and moe_imbalance both give the routing's imbalance: give one")
+        if max(loads) > E / k:
+            raise ValueError(f"moe_expert_loads: an expert's load {max(loads):g} x the average exceeds E / k = "
+                             f"{E / k:g} (each token goes to an expert at most once)")
+
     def _experts(self) -> "ModelSpec":
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
         MoE layer; its experts have no biases."""
@@ -270,7 +287,7 @@ class ModelSpec(Spec):
             raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
         if E is None:
             given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor", "moe_z_loss_coeff",
-                                       "moe_router_dtype")
+                                       "moe_router_dtype", "moe_expert_loads")
                      if getattr(self, name) is not None]
             given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
             given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
@@ -280,6 +297,8 @@ class ModelSpec(Spec):
             return self
         if k is None:
             raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
+        if self.moe_expert_loads is not None:
+            self._expert_loads(E, k)
         if k > E:
             raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
                              "there are")

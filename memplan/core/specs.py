@@ -379,6 +379,9 @@ def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
         if m.num_experts % par.ep:
             raise ValueError(f"expert-parallel size ep={par.ep} does not divide the experts E={m.num_experts} "
                              "(Megatron-LM arguments.py)")
+        if m.moe_expert_loads is not None and len(m.moe_expert_loads) != m.num_experts // par.ep:
+            raise ValueError(f"moe_expert_loads gives {len(m.moe_expert_loads)} loads: it takes the busiest GPU's "
+                             f"E/ep = {m.num_experts // par.ep} experts' (ep={par.ep})")
         if m.fe % par.expert_tp:
             raise ValueError(f"expert tensor-parallel size etp={par.expert_tp} does not divide the expert MLP width "
                              f"f_e={m.fe}")

@@ -37,8 +37,13 @@ megatron`) keep the same tensors (GroupedLinear keeps its input, the permuted to
 measured.
 
 Load imbalance: the routed-token terms are multiplied by `moe_imbalance` (the busiest GPU's share relative to the
-average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped) and by C when
-padded to capacity. Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
+average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped: the bound when the
+GPU's experts share its load evenly) and by C when padded to capacity. With `moe_expert_loads` (the busiest GPU's
+experts' loads) each expert keeps min(load, C) of the average, as megatron-core's apply_router_token_dropping caps
+each expert at C k s b / E of each source GPU's tokens: measured at ep = 1 with uneven routing (tests/
+test_validate_mcore_moe.py test_capacity_drops_per_expert); at ep > 1 (the loads of the GPU's E/ep experts, checked
+in memplan/core/specs.py) the receiver's figure is the same rule and the sender's copies (the permutation index)
+are the balanced bound min(1, C), an upper bound (measured once at ep = 2, not in the suite). Dense-first layers (moe_first_dense_layers) keep the dense MLP: each MLP term is weighted by
 its kind's share of the layers (as memplan/inventory/traced.py weighs layer groups), so a stage's total is exact for the
 model and its per-layer figure the layers' mean.
 """
@@ -63,21 +68,38 @@ DENSE_MLP = ("gelu_input", "swiglu_input", "swiglu_up", "swiglu_silu_out", "fc2_
 
 
 def routed_factor(model: ModelSpec) -> Fraction:
-    """The busiest GPU's routed tokens relative to balanced routing: the imbalance, bounded by the capacity
-    factor when tokens are dropped, the capacity factor itself when every expert is padded to it."""
+    """The busiest GPU's routed tokens relative to balanced routing. With its experts' loads (moe_expert_loads):
+    the mean over them of min(load, C), each expert keeping at most its capacity (megatron-core 0.16.1
+    apply_router_token_dropping: per expert, C k s b / E of each source GPU's tokens), the mean load without a
+    capacity. With moe_imbalance only: the imbalance, bounded by the capacity factor (exact when the busiest GPU's
+    experts share its load evenly; unevenly they drop more). Padded to capacity: C."""
     r, cap = model.moe_imbalance, model.moe_capacity_factor
-    if cap is not None:
-        r = cap if model.moe_pad_to_capacity else min(r, cap)
+    if cap is not None and model.moe_pad_to_capacity:
+        r = cap
+    elif model.moe_expert_loads is not None:
+        r = _kept(model.moe_expert_loads, cap)
+    elif cap is not None:
+        r = min(r, cap)
     return Fraction(r).limit_denominator(10_000)
+
+
+def _kept(loads: tuple[float, ...], cap) -> float:
+    """The mean kept share of experts with these loads (relative to the average expert), each capped at C."""
+    return sum(x if cap is None else min(x, cap) for x in loads) / len(loads)
 
 
 def _sent_factor(model: ModelSpec) -> Fraction:
     """A GPU's own routed copies that leave it (the sender's permutation): all k s b of them, fewer when
-    dropped, C k s b padded."""
+    dropped: per expert the mean of min(load, C) over all E experts when moe_expert_loads gives all E (ep = 1),
+    else the balanced bound min(1, C) (an upper bound: its copies to hot experts drop too); C k s b padded."""
     cap = model.moe_capacity_factor
     if cap is None:
         return Fraction(1)
-    return Fraction(cap if model.moe_pad_to_capacity else min(1.0, cap)).limit_denominator(10_000)
+    if model.moe_pad_to_capacity:
+        return Fraction(cap).limit_denominator(10_000)
+    loads = model.moe_expert_loads
+    all_experts = loads is not None and len(loads) == model.num_experts
+    return Fraction(_kept(loads, cap) if all_experts else min(1.0, cap)).limit_denominator(10_000)
 
 
 def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
