@@ -118,7 +118,7 @@ def test_no_sdpa_list_agrees_with_transformers():
     from memplan.inventory.traced_file import NO_SDPA
     from memplan.presets.hf_config import HF_ARCHITECTURES
 
-    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss"}
+    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss", "VaultGemmaForCausalLM": "vaultgemma"}
     missing = [a for a in HF_ARCHITECTURES if not getattr(getattr(transformers, a), "_supports_sdpa", False)]
     assert sorted(types[a] for a in missing) == sorted(NO_SDPA)
 
