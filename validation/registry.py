@@ -71,6 +71,12 @@ def _shrink(data: dict) -> dict:
             out[k] = 0
         elif k.endswith("_token_id") and isinstance(v, list):
             out[k] = [0 if isinstance(x, int) and x >= _SMALL["vocab_size"] else x for x in v]
+    if "qk_rope_head_dim" in data and "head_dim" in data:  # DeepSeek's rotary tables are qk_rope_head_dim wide
+        out["head_dim"] = out["qk_rope_head_dim"]
+    if "qk_head_dim" in data and "qk_nope_head_dim" in data:  # the derived width the defaults wrote out
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if "kv_lora_rank" in data and "num_key_value_heads" in data:  # latent attention: one K / V per query head
+        out["num_key_value_heads"] = out["num_attention_heads"]
     n = _SMALL.get(layers_key, 2) if layers_key else None
     if out.get("first_k_dense_replace"):
         n = 3  # one dense layer, then two MoE layers
@@ -113,14 +119,25 @@ def impl_of(config: dict) -> str:
     return "hf-sdpa" if getattr(cls, "_supports_sdpa", False) else "hf-eager"
 
 
+def text_model(config: dict) -> dict:
+    """The config traced: a multimodal config's text_config as its own causal LM (what memplan estimates), else
+    the config itself."""
+    text = config.get("text_config")
+    if not isinstance(text, dict) or "model_type" not in text or text["model_type"] not in architectures():
+        return config
+    return {**text, "architectures": [architectures()[text["model_type"]]]}
+
+
 def trace(config: dict) -> dict:
     """The traced inventory of the tiny config (saved tensors only, composed per layer kind)."""
+    config = text_model(config)
     return trace_hf_config(config, impl=impl_of(config), kernels="cpu", moments=False)
 
 
 def measure(config: dict, s: int, b: int) -> dict:
     """What a real CPU run of the tiny model saves at (s, b) (validation/trace.py measure_hf_config)."""
+    config = text_model(config)
     return measure_hf_config(config, s, b, impl=impl_of(config))
 
 
-__all__ = ["architectures", "tiny_config", "meta_params", "trace", "measure", "impl_of"]
+__all__ = ["architectures", "tiny_config", "meta_params", "trace", "measure", "impl_of", "text_model"]

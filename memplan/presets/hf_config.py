@@ -58,6 +58,9 @@ HF_ARCHITECTURES = {
     "SeedOssForCausalLM": "traced",
     "HyperCLOVAXForCausalLM": "traced",
     "StableLmForCausalLM": "traced",
+    "GraniteMoeForCausalLM": "traced",  # Mixtral's experts with Granite's multipliers (constants)
+    "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
+    "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
 }
 
 
@@ -91,7 +94,9 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts",
                       "DeepseekV3ForCausalLM": "n_routed_experts", "DeepseekV2ForCausalLM": "n_routed_experts",
-                      "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts"}
+                      "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts",
+                      "GraniteMoeForCausalLM": "num_local_experts", "GraniteMoeSharedForCausalLM": "num_local_experts",
+                      "OlmoeForCausalLM": "num_experts"}
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -157,6 +162,13 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
     if arch in ("MixtralForCausalLM", "PhimoeForCausalLM"):  # every layer MoE, experts intermediate_size wide
         return dict(num_experts=data.get("num_local_experts", 8 if arch == "MixtralForCausalLM" else 16),
                     moe_top_k=data.get("num_experts_per_tok", 2))
+    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # GraniteMoeParallelExperts: f wide
+        shared = data.get("shared_intermediate_size", 0) if arch == "GraniteMoeSharedForCausalLM" else 0
+        return dict(num_experts=data.get("num_local_experts", 8), moe_top_k=data.get("num_experts_per_tok", 2),
+                    **({"moe_shared_ffn_hidden_size": shared} if shared else {}))
+    if arch == "OlmoeForCausalLM":  # OlmoeSparseMoeBlock: num_experts (num_local_experts) experts f wide
+        return dict(num_experts=data.get("num_experts", data.get("num_local_experts", 64)),
+                    moe_top_k=data.get("num_experts_per_tok", 8))
     if arch == "GptOssForCausalLM":  # GptOssMLP: router with bias, experts with biases (GptOssExperts)
         return dict(num_experts=data.get("num_local_experts", 128), moe_top_k=data.get("num_experts_per_tok", 4),
                     moe_bias=True)
@@ -302,6 +314,8 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
                     qk_norm_width="full", tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):  # q_norm over q, k_norm over q g/a; post-norms
         return dict(qk_norm=True, qk_norm_width="full", layer_layout="post-norm")
+    if arch == "OlmoeForCausalLM":  # q_norm over q, k_norm over q g/a; pre-norms
+        return dict(qk_norm=True, qk_norm_width="full")
     if arch == "Exaone4ForCausalLM":  # q_norm, k_norm over one head; post_attention / post_feedforward norms
         return dict(layer_layout="post-norm")
     if arch == "HyperCLOVAXForCausalLM":  # use_post_norm: post_norm1, post_norm2 beside the two pre-norms
