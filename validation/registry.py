@@ -27,8 +27,8 @@ import json
 
 import torch
 
-from validation import hf as _hf
-from validation.trace import hf_config, measure_hf_config, trace_hf_config
+from . import hf as _hf
+from .trace import hf_config, measure_hf_config, trace_hf_config
 
 # the shrunk sizes: applied to each key the config class's to_dict() has (nested sub-configs too)
 _SMALL = {
