@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
+from memplan.check.validate import measured_buckets
 from memplan.core.harness import harness
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.memory.states import total_params
@@ -282,10 +283,7 @@ def trace_row(row: Row, config: dict, s: int = 32, b: int = 2, cpu_limit_s: floa
         signal.setitimer(signal.ITIMER_PROF, 0)
     row.traced = True
     predicted = bucket_bytes(TracedFile.model_validate(data), s, b)
-    measured = walker.measure(config, s, b)
-    real = {f"layer {i}": n for i, n in enumerate(measured["layers"])}
-    real["outside the layers"] = measured["outside"]
-    row.measured = predicted == real
+    row.measured = predicted == measured_buckets(walker.measure(config, s, b))
     return row
 
 
