@@ -19,20 +19,15 @@ FIXTURES = sorted(p.stem for p in HUB.glob("*.json"))
 # the families issue 22 names, each with a fixture (two for Falcon, Cohere and DeepSeek-V2: both layouts)
 FAMILIES = ["olmo2-7b", "granite-3.1-8b", "falcon-7b", "falcon-40b", "pythia-1b", "starcoder2-3b", "command-r-v01",
             "command-r-plus", "phi-3.5-moe", "deepseek-v2-lite", "deepseek-v2", "gpt-oss-20b", "gemma3-4b"]
-LEFT_OUT = ("vision_tower.", "multi_modal_projector.")  # Gemma 3's parts outside the text model
 
 
 def _meta_params(config: dict) -> int:
-    """transformers' own count: AutoModelForCausalLM.from_config on the meta device (no memory), each tensor once
-    (tied embeddings once); a multimodal model's vision tower and projector left out."""
+    """transformers' own count: the model built on the meta device (no memory), each tensor once (tied embeddings
+    once); a multimodal model's vision tower and projector left out (validation/registry.py, the registry walk's)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import torch
-    import transformers
+    from validation.registry import meta_params
 
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for name, p in model.named_parameters() if not any(part in name for part in LEFT_OUT))
+    return meta_params(config)
 
 
 def test_every_named_family_has_a_fixture():
@@ -118,7 +113,7 @@ def test_no_sdpa_list_agrees_with_transformers():
     from memplan.inventory.traced_file import NO_SDPA
     from memplan.presets.hf_config import HF_ARCHITECTURES
 
-    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss"}
+    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss", "VaultGemmaForCausalLM": "vaultgemma"}
     missing = [a for a in HF_ARCHITECTURES if not getattr(getattr(transformers, a), "_supports_sdpa", False)]
     assert sorted(types[a] for a in missing) == sorted(NO_SDPA)
 

@@ -211,9 +211,15 @@ def compare_traced(case: ValidationCase, inventory_data: dict, measured: dict) -
     """A traced inventory file's data (as the tracer writes it), read by memplan, against what a real
     run saved (validation/trace.py measure_hf_config): per decoder layer and outside the layers."""
     predicted = bucket_bytes(TracedFile.model_validate(inventory_data), case.s, case.b)
+    return CaseResult(case, predicted, measured_buckets(measured), 0, None, None, HF_TOLERANCE)
+
+
+def measured_buckets(measured: dict) -> dict[str, int]:
+    """A real run's saved bytes (validation/trace.py measure_hf_config) in bucket_bytes's buckets: each decoder
+    layer, and outside the layers."""
     real = {f"layer {i}": n for i, n in enumerate(measured["layers"])}
     real["outside the layers"] = measured["outside"]
-    return CaseResult(case, predicted, real, 0, None, None, HF_TOLERANCE)
+    return real
 
 
 def run_traced(cases: list[ValidationCase]) -> list[CaseResult]:

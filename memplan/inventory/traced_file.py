@@ -273,7 +273,8 @@ def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
 
 # model types whose transformers class has no sdpa attention (_supports_sdpa false in transformers 5.x), among the
 # architectures memplan reads from a config.json: --impl hf-sdpa is refused before tracing (issue 22)
-NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-oss (attention sinks)"}
+NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-oss (attention sinks)",
+           "vaultgemma": "VaultGemma (attention logit soft-capping)"}
 
 
 def check_impl(data: object, impl: str) -> None:

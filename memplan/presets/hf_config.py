@@ -43,6 +43,24 @@ HF_ARCHITECTURES = {
     "PhimoeForCausalLM": "traced",
     "GptOssForCausalLM": "traced",
     "Gemma3ForConditionalGeneration": "traced",  # its text_config: the text model alone (see _text_model)
+    # the registry walk (memplan/check/registry.py): Llama-layout families (sliding windows from layer_types: CWM;
+    # layers without RoPE: SmolLM3; Gemma's GeLU gate: VaultGemma) and the variants _family reads, each checked
+    # against transformers' meta-device count (tests/test_registry.py)
+    "CwmForCausalLM": "traced",
+    "Ernie4_5ForCausalLM": "traced",
+    "HeliumForCausalLM": "traced",
+    "Ministral3ForCausalLM": "traced",
+    "SmolLM3ForCausalLM": "traced",
+    "VaultGemmaForCausalLM": "traced",
+    "Olmo3ForCausalLM": "traced",
+    "Cohere2ForCausalLM": "traced",
+    "Exaone4ForCausalLM": "traced",
+    "SeedOssForCausalLM": "traced",
+    "HyperCLOVAXForCausalLM": "traced",
+    "StableLmForCausalLM": "traced",
+    "GraniteMoeForCausalLM": "traced",  # Mixtral's experts with Granite's multipliers (constants)
+    "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
+    "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
 }
 
 
@@ -50,10 +68,14 @@ HF_ARCHITECTURES = {
 # a note on every estimate of that family (its parameters are counted exactly; --impl hf-* traces its own code).
 _APPROXIMATED = {
     "Olmo2ForCausalLM": "OLMo-2 normalises the sub-layers' outputs (post-norms) and the whole Q and K",
+    "Olmo3ForCausalLM": "OLMo-3 normalises the sub-layers' outputs (post-norms) and the whole Q and K",
+    "Exaone4ForCausalLM": "EXAONE 4 normalises the sub-layers' outputs (post-norms) and each head's Q and K",
+    "CohereForCausalLM": "Cohere runs attention and MLP in parallel after one LayerNorm without bias",
+    "Cohere2ForCausalLM": "Cohere 2 runs attention and MLP in parallel after one LayerNorm without bias",
+    "HyperCLOVAXForCausalLM": "HyperCLOVA X normalises the sub-layers' outputs too (post_norm1, post_norm2)",
     "FalconForCausalLM": "Falcon runs attention and MLP in parallel on the same normalised input",
     "GPTNeoXForCausalLM": "GPT-NeoX runs attention and MLP in parallel (use_parallel_residual) with a rotary "
                           "fraction of each head",
-    "CohereForCausalLM": "Cohere runs attention and MLP in parallel after one LayerNorm without bias",
     "PhimoeForCausalLM": "Phi-3.5-MoE's LayerNorms and attention carry biases",
     "GptOssForCausalLM": "gpt-oss alternates sliding-window and full attention with attention sinks and clamped "
                          "SwiGLU experts",
@@ -72,11 +94,13 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts",
                       "DeepseekV3ForCausalLM": "n_routed_experts", "DeepseekV2ForCausalLM": "n_routed_experts",
-                      "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts"}
+                      "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts",
+                      "GraniteMoeForCausalLM": "num_local_experts", "GraniteMoeSharedForCausalLM": "num_local_experts",
+                      "OlmoeForCausalLM": "num_experts"}
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "exaone4")
 
 
 _QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias=True, o_proj without
@@ -138,6 +162,13 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
     if arch in ("MixtralForCausalLM", "PhimoeForCausalLM"):  # every layer MoE, experts intermediate_size wide
         return dict(num_experts=data.get("num_local_experts", 8 if arch == "MixtralForCausalLM" else 16),
                     moe_top_k=data.get("num_experts_per_tok", 2))
+    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # GraniteMoeParallelExperts: f wide
+        shared = data.get("shared_intermediate_size", 0) if arch == "GraniteMoeSharedForCausalLM" else 0
+        return dict(num_experts=data.get("num_local_experts", 8), moe_top_k=data.get("num_experts_per_tok", 2),
+                    **({"moe_shared_ffn_hidden_size": shared} if shared else {}))
+    if arch == "OlmoeForCausalLM":  # OlmoeSparseMoeBlock: num_experts (num_local_experts) experts f wide
+        return dict(num_experts=data.get("num_experts", data.get("num_local_experts", 64)),
+                    moe_top_k=data.get("num_experts_per_tok", 8))
     if arch == "GptOssForCausalLM":  # GptOssMLP: router with bias, experts with biases (GptOssExperts)
         return dict(num_experts=data.get("num_local_experts", 128), moe_top_k=data.get("num_experts_per_tok", 4),
                     moe_bias=True)
@@ -146,7 +177,9 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
             raise MemplanError(f"{path}: moe_layer_freq = {echo(data['moe_layer_freq'])}: memplan models an MoE "
                                "layer in every layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
         return _read_deepseek_v3(data, arch)
-    experts = data.get("num_experts", 128)
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts (Qwen3MoeConfig.attribute_map), the Hub's
+    # files as num_experts
+    experts = data.get("num_experts", data.get("num_local_experts", 128))
     step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
     if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
         return {}
@@ -275,12 +308,32 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     if arch == "Starcoder2ForCausalLM":  # LayerNorm with bias, c_fc / c_proj GeLU MLP, use_bias on every linear
         return dict(norm="layernorm", mlp="gelu", bias=_flag(data, "use_bias", True, path),
                     tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
-    if arch == "CohereForCausalLM":  # one CohereLayerNorm (no bias) before the parallel block; q / k norms per head
+    if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):  # one CohereLayerNorm (no bias) before the parallel block; q / k norms per head
         return dict(norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
                     qk_norm=_flag(data, "use_qk_norm", False, path),
                     qk_norm_width="full", tied_embeddings=_flag(data, "tie_word_embeddings", True, path))
-    if arch == "Olmo2ForCausalLM":  # q_norm over q, k_norm over q g/a; post_attention / post_feedforward norms
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):  # q_norm over q, k_norm over q g/a; post-norms
         return dict(qk_norm=True, qk_norm_width="full", layer_layout="post-norm")
+    if arch == "OlmoeForCausalLM":  # q_norm over q, k_norm over q g/a; pre-norms
+        return dict(qk_norm=True, qk_norm_width="full")
+    if arch == "Exaone4ForCausalLM":  # q_norm, k_norm over one head; post_attention / post_feedforward norms
+        return dict(layer_layout="post-norm")
+    if arch == "HyperCLOVAXForCausalLM":  # use_post_norm: post_norm1, post_norm2 beside the two pre-norms
+        return dict(sandwich_norms=_flag(data, "use_post_norm", True, path))
+    if arch == "Ernie4_5ForCausalLM":  # use_bias: q, k, v, o and the MLP's linears
+        return dict(bias=_flag(data, "use_bias", False, path))
+    if arch == "SeedOssForCausalLM":  # attention_bias: q, k, v; attention_out_bias: o_proj
+        qkv, out = _flag(data, "attention_bias", True, path), _flag(data, "attention_out_bias", False, path)
+        if out and not qkv or _flag(data, "mlp_bias", False, path) and not out:
+            raise MemplanError(f"{path}: Seed-OSS with attention_bias {str(qkv).lower()}, attention_out_bias "
+                               f"{str(out).lower()} and mlp_bias: memplan puts biases on q, k, v, on all four, or on "
+                               "every linear; write a model YAML (docs/reference.md, Model presets)")
+        return dict(qkv_bias=qkv and not out, attention_bias=out)
+    if arch == "StableLmForCausalLM":  # LayerNorm with bias; use_qkv_bias: q, k, v
+        if _flag(data, "qk_layernorm", False, path) or _flag(data, "use_parallel_residual", False, path):
+            raise MemplanError(f"{path}: StableLM with qk_layernorm (a LayerNorm per head) or use_parallel_residual: "
+                               "not modelled; write a model YAML (docs/reference.md, Model presets)")
+        return dict(norm="layernorm", qkv_bias=_flag(data, "use_qkv_bias", False, path))
     if arch == "PhimoeForCausalLM":  # nn.LayerNorm with bias, lm_head_bias
         return dict(norm="layernorm", head_bias=_flag(data, "lm_head_bias", False, path))
     if arch == "GptOssForCausalLM":  # sinks, q / k / v / o biases (attention_bias, default true)

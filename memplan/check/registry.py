@@ -1,0 +1,365 @@
+"""The transformers registry walk (issue 22): every causal-LM architecture of the installed transformers, as a tiny
+config.json of its config class's defaults (validation/registry.py), read by memplan (``read_hf_config``) and
+compared with transformers' count of the model on the meta device; traced by validation/trace.py, and the trace as
+memplan reads it compared with a real CPU run's saved bytes.
+
+``EXCLUDED`` is the one list of the architectures the walk does not pass, each with the reason (docs/reference.md
+prints it, ``render_table``); tests/test_registry.py checks every entry against the walk.  ``python -m
+memplan.check.registry`` runs the whole walk, tracing the architectures memplan reads (``--all``: every one
+that builds; ``--params-only``: none), and prints its summary.  torch is imported
+only when a walk runs (``harness()``)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from memplan.core.errors import MemplanError
+from memplan.check.validate import measured_buckets
+from memplan.core.harness import harness
+from memplan.inventory.traced_file import TracedFile, bucket_bytes
+from memplan.memory.states import total_params
+from memplan.presets.hf_config import read_hf_config
+
+# What each kind of exclusion means: "build" transformers' own config defaults, shrunk, make no config or no model
+# (the walk cannot check it); "estimate" memplan refuses the config.json (its parameters, activations); "trace"
+# validation/trace.py cannot trace its code with symbolic s and b.
+KINDS = ("build", "estimate", "trace")
+
+# why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
+_ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
+_RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
+_LAYOUT = "a layer layout hf_config.py does not model (its own norms, attention or MLP)"
+_MOE = "experts memplan does not read from this family's config.json"
+_MULTIMODAL = "a multimodal model: hf_config.py reads the text model of Gemma 3 only"
+
+EXCLUDED: dict[str, tuple[str, str]] = {
+    "afmoe": ("estimate", _MOE),
+    "apertus": ("estimate", _LAYOUT),
+    "arcee": ("estimate", _LAYOUT),
+    "aria_text": ("estimate", _MOE),
+    "axk1": ("estimate", _MOE),
+    "axk2": ("estimate", _MOE),
+    "bailing_hybrid": ("estimate", _RECURRENT),
+    "bamba": ("estimate", _RECURRENT),
+    "bart": ("estimate", _ENCODER),
+    "beam": ("estimate", _MOE),
+    "bert": ("estimate", _ENCODER),
+    "bert-generation": ("estimate", _ENCODER),
+    "big_bird": ("estimate", _ENCODER),
+    "bigbird_pegasus": ("estimate", _ENCODER),
+    "biogpt": ("estimate", _LAYOUT),
+    "bitnet": ("estimate", _LAYOUT),
+    "blenderbot": ("estimate", _ENCODER),
+    "blenderbot-small": ("estimate", _ENCODER),
+    "bloom": ("estimate", _LAYOUT),
+    "blt": ("estimate", _LAYOUT),
+    "camembert": ("estimate", _ENCODER),
+    "codegen": ("estimate", _LAYOUT),
+    "cohere2_moe": ("estimate", _MOE),
+    "cohere_compass_text": ("estimate", _LAYOUT),
+    "cpmant": ("estimate", _LAYOUT),
+    "ctrl": ("estimate", _LAYOUT),
+    "data2vec-text": ("estimate", _ENCODER),
+    "dbrx": ("estimate", _MOE),
+    "deepseek_v32": ("estimate", _MOE),
+    "deepseek_v4": ("estimate", _MOE),
+    "diffllama": ("estimate", _LAYOUT),
+    "doge": ("estimate", _MOE),
+    "dots1": ("estimate", _MOE),
+    "dots3_note": ("estimate", _MULTIMODAL),
+    "dots3_note_text": ("estimate", _MOE),
+    "electra": ("estimate", _ENCODER),
+    "emu3": ("estimate", _MULTIMODAL),
+    "ernie": ("estimate", _ENCODER),
+    "ernie4_5_moe": ("estimate", _MOE),
+    "exaone_moe": ("estimate", _MOE),
+    "falcon_h1": ("estimate", _RECURRENT),
+    "falcon_mamba": ("estimate", _RECURRENT),
+    "flex_olmo": ("estimate", _MOE),
+    "flint": ("estimate", _MOE),
+    "fuyu": ("estimate", _MULTIMODAL),
+    "gemma3n": ("estimate", _MULTIMODAL),
+    "gemma3n_text": ("estimate", _LAYOUT),
+    "gemma4": ("estimate", _MULTIMODAL),
+    "gemma4_assistant": ("build", "its config class's validation refuses the shrunk sizes"),
+    "gemma4_text": ("estimate", _LAYOUT),
+    "gemma4_unified": ("estimate", _MULTIMODAL),
+    "gemma4_unified_assistant": ("estimate", _LAYOUT),
+    "gemma4_unified_text": ("estimate", _LAYOUT),
+    "git": ("estimate", _MULTIMODAL),
+    "glm": ("estimate", _LAYOUT),
+    "glm4": ("estimate", _LAYOUT),
+    "glm4_moe": ("estimate", _MOE),
+    "glm4_moe_lite": ("estimate", _MOE),
+    "glm_moe_dsa": ("estimate", _MOE),
+    "got_ocr2": ("estimate", _MULTIMODAL),
+    "gpt_bigcode": ("estimate", _LAYOUT),
+    "gpt_neo": ("estimate", _LAYOUT),
+    "gpt_neox_japanese": ("estimate", _LAYOUT),
+    "gptj": ("estimate", _LAYOUT),
+    "granite_swa": ("estimate", _LAYOUT),
+    "granitemoe_swa": ("estimate", _MOE),
+    "granitemoehybrid": ("estimate", _RECURRENT),
+    "hrm_text": ("estimate", _RECURRENT),
+    "hunyuan_v1_dense": ("estimate", _LAYOUT),
+    "hunyuan_v1_moe": ("estimate", _MOE),
+    "hy_v3": ("estimate", _MOE),
+    "hy_v4": ("estimate", _MOE),
+    "inkling2_text": ("estimate", _MOE),
+    "inkling_text": ("estimate", _MOE),
+    "jais2": ("estimate", _LAYOUT),
+    "jamba": ("estimate", _RECURRENT),
+    "jetmoe": ("estimate", _MOE),
+    "kimi_linear": ("estimate", _RECURRENT),
+    "kolibri1": ("estimate", _MOE),
+    "laguna": ("estimate", _MOE),
+    "lfm2": ("estimate", _RECURRENT),
+    "lfm2_moe": ("estimate", _RECURRENT),
+    "lfm3": ("estimate", _RECURRENT),
+    "llama4": ("estimate", _MULTIMODAL),
+    "llama4_text": ("estimate", _MOE),
+    "longcat_flash": ("estimate", _MOE),
+    "mamba": ("estimate", _RECURRENT),
+    "mamba2": ("estimate", _RECURRENT),
+    "marian": ("estimate", _ENCODER),
+    "mbart": ("estimate", _ENCODER),
+    "megatron-bert": ("estimate", _ENCODER),
+    "mellum": ("estimate", _MOE),
+    "mimo_v2_flash": ("estimate", _MOE),
+    "minicpm3": ("estimate", _LAYOUT),
+    "minimax": ("estimate", _RECURRENT),
+    "minimax_m2": ("estimate", _MOE),
+    "minimax_m3_vl_text": ("estimate", _MOE),
+    "ministral": ("estimate", _LAYOUT),
+    "mllama": ("estimate", _MULTIMODAL),
+    "modernbert-decoder": ("estimate", _LAYOUT),
+    "moshi": ("estimate", _MULTIMODAL),
+    "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
+    "mpt": ("estimate", _LAYOUT),
+    "musicgen": ("estimate", _MULTIMODAL),
+    "musicgen_melody": ("estimate", _MULTIMODAL),
+    "mvp": ("estimate", _ENCODER),
+    "nanochat": ("estimate", _LAYOUT),
+    "nemotron": ("estimate", _LAYOUT),
+    "nemotron_h": ("estimate", _RECURRENT),
+    "olmo": ("estimate", _LAYOUT),
+    "olmo_hybrid": ("estimate", _RECURRENT),
+    "openai-gpt": ("estimate", _LAYOUT),
+    "opt": ("estimate", _LAYOUT),
+    "pegasus": ("estimate", _ENCODER),
+    "persimmon": ("estimate", _LAYOUT),
+    "phi": ("estimate", _LAYOUT),
+    "phi4_multimodal": ("estimate", _MULTIMODAL),
+    "plbart": ("estimate", _ENCODER),
+    "prophetnet": ("estimate", _ENCODER),
+    "qwen2_moe": ("estimate", _MOE),
+    "qwen3_5": ("estimate", _RECURRENT),
+    "qwen3_5_moe": ("estimate", _RECURRENT),
+    "qwen3_5_moe_text": ("estimate", _RECURRENT),
+    "qwen3_5_text": ("estimate", _RECURRENT),
+    "qwen3_next": ("estimate", _RECURRENT),
+    "qwen4_exp": ("estimate", _MOE),
+    "qwen4_exp_text": ("estimate", _MOE),
+    "recurrent_gemma": ("estimate", _RECURRENT),
+    "reformer": ("estimate", _LAYOUT),
+    "rembert": ("estimate", _ENCODER),
+    "roberta": ("estimate", _ENCODER),
+    "roberta-prelayernorm": ("estimate", _ENCODER),
+    "roc_bert": ("estimate", _ENCODER),
+    "roformer": ("estimate", _ENCODER),
+    "rwkv": ("estimate", _RECURRENT),
+    "solar_open": ("estimate", _MOE),
+    "trocr": ("estimate", _ENCODER),
+    "whisper": ("estimate", _ENCODER),
+    "xglm": ("estimate", _LAYOUT),
+    "xlm": ("estimate", _ENCODER),
+    "xlm-roberta": ("estimate", _ENCODER),
+    "xlm-roberta-xl": ("estimate", _ENCODER),
+    "xlnet": ("estimate", _LAYOUT),
+    "xlstm": ("estimate", _RECURRENT),
+    "xmod": ("estimate", _ENCODER),
+    "youtu": ("estimate", _LAYOUT),
+    "zamba": ("estimate", _RECURRENT),
+    "zamba2": ("estimate", _RECURRENT),
+    "zaya": ("estimate", _MOE),
+}
+
+
+@dataclass
+class Row:
+    """One architecture of the walk."""
+    model_type: str
+    architecture: str
+    meta_params: Optional[int] = None  # transformers' count on the meta device
+    memplan_params: Optional[int] = None  # read_hf_config's count
+    refused: Optional[str] = None  # memplan's refusal, or the config class's error
+    config_made: bool = True  # the config class accepts its defaults, shrunk
+    built: Optional[bool] = None  # the model builds on the meta device (None: not tried)
+    build_error: Optional[str] = None
+    traced: Optional[bool] = None
+    trace_error: Optional[str] = None
+    measured: Optional[bool] = None  # the trace's saved bytes equal a real CPU run's, bucket by bucket
+    trace_cpu_s: Optional[float] = None  # CPU seconds of the trace and the real run
+
+    @property
+    def estimated(self) -> bool:
+        return self.memplan_params is not None
+
+
+def _walker() -> Any:
+    return importlib.import_module(harness().__name__ + ".registry")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:160]
+
+
+def memplan_params(config: dict) -> int:
+    """memplan's parameter count of a config.json (read_hf_config on the file); MemplanError when it refuses."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.json"
+        path.write_text(json.dumps(config))
+        return total_params(read_hf_config(str(path)).model)
+
+
+def params_row(model_type: str, architecture: str, build_all: bool = True) -> tuple[Row, Optional[dict]]:
+    """The parameter half of the walk for one architecture, and its tiny config (None when it does not build).
+    ``build_all`` False: the model is built (on the meta device) only when memplan reads the config."""
+    walker = _walker()
+    row = Row(model_type, architecture)
+    try:
+        config = walker.tiny_config(model_type)
+    except Exception as err:  # transformers' own config class refuses its defaults, shrunk: recorded, not raised
+        row.config_made, row.built, row.refused = False, False, _first_line(err)
+        return row, None
+    try:
+        row.memplan_params = memplan_params(config)
+    except MemplanError as err:
+        row.refused = str(err).split(": ", 1)[-1].split("; describe it")[0][:160]
+    if not (row.estimated or build_all):
+        return row, None
+    try:
+        row.meta_params = walker.meta_params(config)
+    except Exception as err:  # transformers' own defaults, shrunk, do not build: recorded, not raised
+        row.built, row.build_error = False, _first_line(err)
+        return row, None
+    row.built = True
+    return row, config
+
+
+class _OverTime(Exception):
+    pass
+
+
+def _over_time(signum: int, frame: Any) -> None:
+    raise _OverTime
+
+
+def trace_row(row: Row, config: dict, s: int = 32, b: int = 2, cpu_limit_s: float = 0) -> Row:
+    """The trace half: traced (saved tensors only), then memplan's reading of the trace against a real CPU run;
+    ``cpu_limit_s`` > 0: a trace that takes more CPU seconds is stopped and recorded as not traced."""
+    walker = _walker()
+    if cpu_limit_s:
+        signal.signal(signal.SIGPROF, _over_time)
+        signal.setitimer(signal.ITIMER_PROF, cpu_limit_s)
+    try:
+        data = walker.trace(config)
+    except _OverTime:
+        row.traced, row.trace_error = False, f"the trace took over {cpu_limit_s:g} s of CPU (stopped)"
+        return row
+    except Exception as err:  # the tracer's refusals and transformers' own errors alike: recorded
+        row.traced, row.trace_error = False, _first_line(err)
+        return row
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+    row.traced = True
+    predicted = bucket_bytes(TracedFile.model_validate(data), s, b)
+    row.measured = predicted == measured_buckets(walker.measure(config, s, b))
+    return row
+
+
+def walk(trace: str = "none", only: Optional[list[str]] = None, progress: Any = None,
+         cpu_limit_s: float = 0, build_all: bool = True) -> list[Row]:
+    """Every architecture of transformers' causal-LM mapping (``only``: those model types); ``trace``: "none",
+    "estimated" (those memplan reads: what --impl hf-* traces) or "all" (every one that builds); ``progress`` is
+    told each row's line as it is walked."""
+    rows = []
+    for model_type, architecture in _walker().architectures().items():
+        if only is not None and model_type not in only:
+            continue
+        row, config = params_row(model_type, architecture, build_all)
+        if config is not None and (trace == "all" or trace == "estimated" and row.estimated):
+            started = time.process_time()
+            trace_row(row, config, cpu_limit_s=cpu_limit_s)
+            row.trace_cpu_s = time.process_time() - started
+        rows.append(row)
+        if progress is not None:
+            progress(row_line(row))
+    return rows
+
+
+def excluded_as_walked(row: Row) -> Optional[str]:
+    """The kind of exclusion a walked row shows (None: it passes), for checking EXCLUDED."""
+    if not row.config_made:
+        return "build"
+    if not row.estimated:
+        return "estimate"
+    if row.built is False:
+        return "build"
+    if row.traced is False:
+        return "trace"
+    return None
+
+
+def render_table() -> str:
+    """EXCLUDED as the Markdown table docs/reference.md prints."""
+    lines = ["| model_type | class | not | why |", "|---|---|---|---|"]
+    for model_type, (kind, why) in sorted(EXCLUDED.items()):
+        why = f"`{why}`" if kind != "estimate" else why  # an error's own text, as code
+        lines.append(f"| `{model_type}` | {_walker().architectures().get(model_type, '?')} | {kind} | {why} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """The walk's printed summary: counts, then one line per architecture."""
+    estimated = [r for r in rows if r.estimated]
+    exact = [r for r in estimated if r.memplan_params == r.meta_params]
+    traced = [r for r in rows if r.traced]
+    measured = [r for r in rows if r.measured]
+    out = [f"{len(rows)} causal-LM architectures; {sum(r.built is True for r in rows)} built from their config "
+           f"defaults, shrunk; {len(estimated)} estimated by memplan, {len(exact)} with transformers' exact parameter count; "
+           f"{len(traced)} traced; {len(measured)} traces equal to a real CPU run's saved bytes (s = 32, b = 2)"]
+    return out + [row_line(r) for r in rows]
+
+
+def row_line(r: Row) -> str:
+    """One architecture's line of the summary."""
+    params = (f"params {r.memplan_params:,} (meta {r.meta_params:,})" if r.estimated else
+              f"not estimated: {r.refused}" if r.config_made else f"no config: {r.refused}")
+    params += f"; not built: {r.build_error}" if r.built is False and r.config_made else ""
+    traced = ("" if r.traced is None else "; traced, saved bytes " + ("equal" if r.measured else "DIFFER")
+              if r.traced else f"; not traced: {r.trace_error}")
+    traced += f" ({r.trace_cpu_s:.1f} s of CPU)" if r.trace_cpu_s is not None else ""
+    return f"{r.model_type:26s} {params}{traced}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    trace = "none" if "--params-only" in args else "all" if "--all" in args else "estimated"
+    rows = walk(trace=trace, only=[a for a in args if not a.startswith("--")] or None,
+                progress=lambda line: print(line, file=sys.stderr, flush=True), cpu_limit_s=60)
+    print("\n".join(summary(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""The whole causal-LM registry of the installed transformers, walked with a tiny config of each architecture.
+
+``architectures()`` is transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (model_type -> class).
+``tiny_config(model_type)`` is that architecture's config class's own defaults, shrunk (``_SMALL``: two decoder
+layers, h = 64, 4 heads, v = 512, 4 experts of which top 2, small latent ranks, a 16-token window), keeping what
+makes the architecture what it is: the experts and shared experts, the latent attention, dense-first layers
+(one), and the per-layer pattern of ``layer_types`` (one layer of each kind, in the order the defaults first show
+them), nested sub-configs (``text_config``) shrunk the same way.  For each architecture:
+
+* ``meta_params``: transformers' own parameter count of ``AutoModelForCausalLM.from_config`` on the meta device
+  (a multimodal model's vision tower and projector left out, as memplan estimates the text model);
+* ``memplan_params``: memplan's count from ``memplan/presets/hf_config.read_hf_config`` on the config's
+  ``to_dict()`` written as a config.json, or the one-line refusal it gives;
+* ``trace``: ``validation/trace.py``'s ``trace_hf_config`` (sdpa where the class has it, else eager; composed
+  per layer kind), and ``measured``: its saved bytes at (s, b) against a real CPU run (``measure_hf_config``).
+
+``EXCLUDED`` is the one list of the architectures memplan cannot estimate from a config.json or whose trace
+fails, each with the reason; tests/test_registry.py checks it against the walk (parameters of every
+architecture, traces of a sample) and docs/reference.md prints it (``python -m validation.registry --docs``
+rewrites that table).  ``python -m validation.registry`` runs the whole walk, traces included, and prints a
+summary (the figures in docs/reference.md, section "The transformers registry").
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import hf as _hf
+from .trace import hf_config, measure_hf_config, trace_hf_config
+
+# the shrunk sizes: applied to each key the config class's to_dict() has (nested sub-configs too)
+_SMALL = {
+    "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2,
+    "hidden_size": 64, "n_embd": 64, "d_model": 64,
+    "intermediate_size": 128, "n_inner": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 512,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
+    "d_head": 16,
+}
+
+# a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
+LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.")
+
+
+def architectures() -> dict[str, str]:
+    """transformers' causal-LM mapping: model_type -> the class AutoModelForCausalLM builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink(data: dict) -> dict:
+    out = dict(data)
+    layers_key = next((k for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in data), None)
+    n_old = data.get(layers_key) if layers_key else None
+    for k, v in data.items():
+        if k in _SMALL and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[k] = _SMALL[k]
+        elif k == "num_experts_per_tok" and v is None:  # DeepSeek-V2's default: no top-k, which cannot run
+            out[k] = _SMALL[k]
+        elif isinstance(v, dict) and "model_type" in v:
+            out[k] = _shrink(v)
+    for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
+        if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
+            out[k] = 0
+        elif k.endswith("_token_id") and isinstance(v, list):
+            out[k] = [0 if isinstance(x, int) and x >= _SMALL["vocab_size"] else x for x in v]
+    if "qk_rope_head_dim" in data and "head_dim" in data:  # DeepSeek's rotary tables are qk_rope_head_dim wide
+        out["head_dim"] = out["qk_rope_head_dim"]
+    if "qk_head_dim" in data and "qk_nope_head_dim" in data:  # the derived width the defaults wrote out
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if "kv_lora_rank" in data and "num_key_value_heads" in data:  # latent attention: one K / V per query head
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    n = _SMALL.get(layers_key, 2) if layers_key else None
+    if out.get("first_k_dense_replace"):
+        n = 3  # one dense layer, then two MoE layers
+    types = data.get("layer_types")
+    if isinstance(types, list) and types and n:
+        kinds = list(dict.fromkeys(types))
+        n = max(n, len(kinds))
+        # one layer of each kind in the order the defaults first show them, the last kind repeated up to n
+        out["layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
+    if n and layers_key:
+        out[layers_key] = n
+        for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
+            if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
+                out[k] = v[:n]
+    return out
+
+
+def tiny_config(model_type: str) -> dict:
+    """The config.json of a tiny model of the architecture: its config class's defaults, shrunk."""
+    tf = _hf._transformers()
+    data = tf.CONFIG_MAPPING[model_type]().to_dict()
+    data = json.loads(json.dumps(_shrink(data), default=str))
+    data["architectures"] = [architectures()[model_type]]
+    data["model_type"] = model_type
+    return data
+
+
+def meta_params(config: dict) -> int:
+    """transformers' count: the model built on the meta device, each tensor once, the vision parts left out."""
+    tf = _hf._transformers()
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(hf_config(config))
+    return sum(p.numel() for name, p in model.named_parameters() if not any(part in name for part in LEFT_OUT))
+
+
+def impl_of(config: dict) -> str:
+    """hf-sdpa where the architecture's class has an sdpa path, else hf-eager (Gemma 2, ...)."""
+    tf = _hf._transformers()
+    cls = getattr(tf, architectures()[config["model_type"]])
+    return "hf-sdpa" if getattr(cls, "_supports_sdpa", False) else "hf-eager"
+
+
+def text_model(config: dict) -> dict:
+    """The config traced: a multimodal config's text_config as its own causal LM (what memplan estimates), else
+    the config itself."""
+    text = config.get("text_config")
+    if not isinstance(text, dict) or "model_type" not in text or text["model_type"] not in architectures():
+        return config
+    return {**text, "architectures": [architectures()[text["model_type"]]]}
+
+
+def trace(config: dict) -> dict:
+    """The traced inventory of the tiny config (saved tensors only, composed per layer kind)."""
+    config = text_model(config)
+    return trace_hf_config(config, impl=impl_of(config), kernels="cpu", moments=False)
+
+
+def measure(config: dict, s: int, b: int) -> dict:
+    """What a real CPU run of the tiny model saves at (s, b) (validation/trace.py measure_hf_config)."""
+    config = text_model(config)
+    return measure_hf_config(config, s, b, impl=impl_of(config))
+
+
+__all__ = ["architectures", "tiny_config", "meta_params", "trace", "measure", "impl_of", "text_model"]
