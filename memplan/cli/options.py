@@ -142,7 +142,7 @@ def plan_options(func: Callable) -> Callable:
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
-        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
+        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa", "torchtune"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--transformer-impl", type=click.Choice(["transformer_engine", "local"]),

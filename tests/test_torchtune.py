@@ -1,0 +1,60 @@
+"""--impl torchtune against torchtune 0.6.1's own Llama code, traced on CPU (validation/torchtune.py).
+
+The expected bytes are torchtune's real code run under FakeTensorMode with symbolic s and b (memplan's
+tracer): every storage autograd saves. memplan's inventory (memplan/inventory/hf.py torchtune_terms) must
+give the same total per (s, b), so a removed or resized term fails the test. Needs torchtune (test extra)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torchtune")
+pytest.importorskip("torchao")
+
+from memplan.plan.estimate import estimate  # noqa: E402
+from memplan.presets.batch import make_config  # noqa: E402
+from memplan.presets.files import ModelPreset  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from validation.torchtune import trace_torchtune_llama  # noqa: E402
+from validation.trace import evaluate  # noqa: E402
+
+# h = 32, a = 4 heads of 8, g = 2 KV heads, f = 48, v = 64, L = 2
+DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,
+         "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return trace_torchtune_llama(**DIMS)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tt") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return read_hf_config(str(path)).model
+
+
+def _estimate(model, s, b, impl="torchtune"):
+    config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute="none", precision="bf16-true"),
+                         model=dict(seq_length=s))
+    return estimate(config, impl=impl, device="cpu")
+
+
+def test_kv_expanded_before_attention(traced):
+    # sdpa saves q, k, v, the log-sum-exp and the output: K and V at all a = 4 heads (q width 32, bf16: 64 s b
+    # bytes each), not at g = 2 heads as transformers' sdpa with enable_gqa (32 s b)
+    sdpa = [t for t in traced if t["module"] == "layers.0.attn" and "scaled_dot_product" in t["op"]]
+    assert [t["nbytes"] for t in sdpa] == ["64 s b", "64 s b", "64 s b", "16 s b", "64 s b"]
+
+
+@pytest.mark.parametrize("s, b", [(64, 2), (256, 3)])
+def test_torchtune_inventory_equals_the_traced_code(traced, model, s, b):
+    want = sum(evaluate(t["nbytes"], s, b) for t in traced)
+    got = _estimate(model, s, b)
+    assert got.stages[0].activations == want
+    # the same model in transformers' sdpa code keeps less: K / V at g heads, a bf16 normalised input
+    hf = _estimate(model, s, b, "hf-sdpa")
+    assert hf.stages[0].activations < want
