@@ -27,16 +27,22 @@ def _bf16_default():
         torch.set_default_dtype(old)
 
 
-def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int) -> list[dict]:
+def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int,
+                          checkpoint: bool = False) -> list[dict]:
     """The saved storages of one forward + loss of torchtune's Llama: dicts with module, op, dtype (str) and
-    nbytes (memplan's Poly text in s and b)."""
+    nbytes (memplan's Poly text in s and b). `checkpoint`: its recipes' enable_activation_checkpointing
+    (training.set_activation_checkpointing around every TransformerSelfAttentionLayer)."""
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
     from torchtune.models.llama3_2 import llama3_2
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
 
     def build():
         with _bf16_default():
             model = llama3_2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                              embed_dim=hidden, max_seq_len=4096, intermediate_dim=ffn, tie_word_embeddings=False)
+        if checkpoint:
+            set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         return model.train()
 
     def forward(model, tokens, labels):
