@@ -1,8 +1,9 @@
-"""--impl torchtune against torchtune 0.6.1's own Llama code, traced on CPU (validation/torchtune.py).
+"""--impl torchtune against torchtune 0.6.1's own Llama code on CPU (validation/torchtune.py).
 
 The expected bytes are torchtune's real code run under FakeTensorMode with symbolic s and b (memplan's
-tracer): every storage autograd saves. memplan's inventory (memplan/inventory/hf.py torchtune_terms) must
-give the same total per (s, b), so a removed or resized term fails the test. Needs torchtune (test extra)."""
+tracer) and run for real on CPU: every storage autograd saves. memplan's inventory (memplan/inventory/hf.py
+torchtune_terms) must give the same total per (s, b), so a removed or resized term fails the test. Needs
+torchtune and torchao (test extra)."""
 
 import json
 
@@ -15,7 +16,7 @@ from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets.batch import make_config  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.torchtune import trace_torchtune_llama  # noqa: E402
+from validation.torchtune import measure_torchtune_llama, trace_torchtune_llama  # noqa: E402
 from validation.trace import evaluate  # noqa: E402
 
 # h = 32, a = 4 heads of 8, g = 2 KV heads, f = 48, v = 64, L = 2
@@ -28,11 +29,6 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 @pytest.fixture(scope="module")
 def traced():
     return trace_torchtune_llama(**DIMS)
-
-
-@pytest.fixture(scope="module")
-def traced_checkpointed():
-    return trace_torchtune_llama(**DIMS, checkpoint=True)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +54,8 @@ def test_kv_expanded_before_attention(traced):
 @pytest.mark.parametrize("s, b", [(64, 2), (256, 3)])
 def test_torchtune_inventory_equals_the_traced_code(traced, model, s, b):
     want = sum(evaluate(t["nbytes"], s, b) for t in traced)
+    if s == 64:  # the trace is the real run's bytes
+        assert measure_torchtune_llama(s, b, **DIMS) == want
     got = _estimate(model, s, b)
     assert got.stages[0].activations == want
     # the same model in transformers' sdpa code keeps less: K / V at g heads, a bf16 normalised input
@@ -65,7 +63,7 @@ def test_torchtune_inventory_equals_the_traced_code(traced, model, s, b):
     assert hf.stages[0].activations < want
 
 
-def test_activation_checkpointing_keeps_each_layer_input(traced, traced_checkpointed, model):
+def test_activation_checkpointing_keeps_each_layer_input(traced, model):
     # torchtune's checkpoint_wrapper (non-reentrant) keeps each layer's input (2 h = 64 s b bytes), the rest of the
     # model (embedding, final norm, head, loss) as without it; memplan's activations under full recompute also
     # hold the one layer being recomputed in the backward: one layer's saved tensors of the run without checkpoints
@@ -73,6 +71,5 @@ def test_activation_checkpointing_keeps_each_layer_input(traced, traced_checkpoi
     # under layers.0: split the layers' sum, not by name)
     s, b = 128, 2
     recomputed = sum(evaluate(t["nbytes"], s, b) for t in traced if t["module"].startswith("layers.")) // 2
-    assert len([t for t in traced_checkpointed if t["module"].startswith("layers.")]) == 2
-    want = sum(evaluate(t["nbytes"], s, b) for t in traced_checkpointed) + recomputed
+    want = measure_torchtune_llama(s, b, **DIMS, checkpoint=True) + recomputed
     assert _estimate(model, s, b, recompute="full").stages[0].activations == want

@@ -1,8 +1,10 @@
-"""Trace what torchtune 0.6.1's Llama saves for backward, with memplan's tracer (validation/trace.py).
+"""What torchtune 0.6.1's Llama saves for backward: traced with memplan's tracer (validation/trace.py) and
+measured in a real CPU run (``measure_torchtune_llama``).
 
 torchtune's ``llama3_2`` builder (the same TransformerDecoder as llama3 / 3.1) is built under FakeTensorMode in
 bf16 (torchtune's recipes build under ``set_default_dtype(bfloat16)``) and run forward + cross-entropy on the
-fp32 logits with symbolic s and b. One change to its code: ``Llama3ScaledRoPE.apply_scaling`` reads the
+logits with symbolic s and b, as its recipes' _loss_step
+computes a torch.nn.CrossEntropyLoss. One change to its code: ``Llama3ScaledRoPE.apply_scaling`` reads the
 frequencies' values (a data-dependent branch under fake tensors), so the trace skips the scaling: it changes
 the cache's values, not its shape, and the cache is a buffer (never counted as saved).
 """
@@ -13,6 +15,8 @@ import contextlib
 from unittest import mock
 
 import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from validation.trace import poly_text, symbolic_saves
 
@@ -27,32 +31,60 @@ def _bf16_default():
         torch.set_default_dtype(old)
 
 
+def _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint):
+    from torchtune.models.llama3_2 import llama3_2
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    with _bf16_default():
+        model = llama3_2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                         embed_dim=hidden, max_seq_len=4096, intermediate_dim=ffn, tie_word_embeddings=False)
+    if checkpoint:
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return model.train()
+
+
+def _forward(model, tokens, labels):
+    """full_finetune_single_device's _loss_step with a torch.nn.CrossEntropyLoss loss (TransformerDecoder returns
+    the output projection's logits upcast to fp32, so the loss keeps an fp32 log-softmax)."""
+    logits = model(tokens)
+    return torch.nn.CrossEntropyLoss()(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def measure_torchtune_llama(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                            ffn: int, checkpoint: bool = False) -> int:
+    """Bytes of the distinct storages a real CPU forward + loss saves for backward (parameters and buffers not
+    counted; views of one storage once)."""
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint)
+    own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    saved: dict = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in own:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, vocab, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _forward(model, tokens, torch.randint(0, vocab, (b, s)))
+    del loss
+    return sum(saved.values())
+
+
 def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int,
                           checkpoint: bool = False) -> list[dict]:
     """The saved storages of one forward + loss of torchtune's Llama: dicts with module, op, dtype (str) and
     nbytes (memplan's Poly text in s and b). `checkpoint`: its recipes' enable_activation_checkpointing
     (training.set_activation_checkpointing around every TransformerSelfAttentionLayer)."""
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
-    from torchtune.models.llama3_2 import llama3_2
-    from torchtune.modules import TransformerSelfAttentionLayer
-    from torchtune.training import set_activation_checkpointing
-
-    def build():
-        with _bf16_default():
-            model = llama3_2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                             embed_dim=hidden, max_seq_len=4096, intermediate_dim=ffn, tie_word_embeddings=False)
-        if checkpoint:
-            set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-        return model.train()
-
-    def forward(model, tokens, labels):
-        logits = model(tokens)  # the recipes' loss on the fp32 logits (torch.nn.CrossEntropyLoss)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
 
     def inputs(s, b):
         return torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
 
     with mock.patch.object(Llama3ScaledRoPE, "apply_scaling", lambda self, freqs, *a, **k: freqs):
-        _, storages, _ = symbolic_saves(build, forward, inputs, s_hint=128, b_hint=3)
+        _, storages, _ = symbolic_saves(
+            lambda: _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint), _forward, inputs, s_hint=128, b_hint=3)
     return [{"module": st["module"], "op": st["op"], "dtype": str(st["dtype"]).removeprefix("torch."),
              "nbytes": poly_text(st["nbytes"])} for st in storages]

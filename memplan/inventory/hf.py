@@ -383,8 +383,9 @@ TUNE = "torchtune 0.6.1, traced (tests/test_torchtune.py)"
 def torchtune_terms(model: ModelSpec) -> list[Term]:
     """torchtune 0.6.1's Llama (TransformerDecoder of the llama3 / 3.1 / 3.2 builders, bf16, sdpa): its
     MultiHeadAttention expands K and V to all a heads before sdpa (saved at full width); its RoPE multiplies
-    by a cache buffer (nothing saved); its RMSNorm keeps the normalised input in fp32. Activation
-    checkpointing gives each layer only its input (no mask, no positions in training)."""
+    by a cache buffer (nothing saved); its RMSNorm keeps the normalised input in fp32; its output projection's
+    logits are upcast to fp32 inside the model (the loss's moments are transformers' ForCausalLMLoss ones: bf16
+    logits, fp32 copy). Activation checkpointing gives each layer only its input (no mask, no positions)."""
     sd = f"{TUNE}: MultiHeadAttention expands K and V to all heads before scaled_dot_product_attention"
     ff = f"{TUNE}: FeedForward"
     layer = [
@@ -409,7 +410,12 @@ def torchtune_terms(model: ModelSpec) -> list[Term]:
         saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first",
               k22=False, src=TUNE),
         *_rmsnorm("final_norm", "final norm", "last", tune=True),
-        *_loss_terms(1),
+        saved("head_input", "input of the output projection", "output layer", "s b h", scope="last", src=TUNE),
+        saved("logits_fp32", "fp32 log-softmax of the logits", "output layer", "s b v", "fp32", scope="last",
+              src=f"{TUNE}: TransformerDecoder upcasts the logits, the recipes' CrossEntropyLoss keeps log-softmax"),
+        saved("target_ids", "target ids (int64)", "output layer", "s b", "int64", scope="last", k22=False, src=TUNE),
+        saved("nll_total_weight", "nll_loss total weight (fp32 scalar)", "output layer", "1", "fp32", scope="last",
+              k22=False, src=TUNE),
     ]
     return layer + outside
 
