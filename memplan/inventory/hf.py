@@ -40,14 +40,18 @@ SRC = "transformers 5.23.0, measured (validation/hf.py)"
 def check_hf_plan(config: Config, impl: str) -> None:
     """transformers runs a model on one device per replica: refuse what it cannot launch."""
     par, tr = config.parallel, config.training
+    who = "torchtune" if impl == "torchtune" else "transformers"
+    if (par.tp > 1 or par.pp > 1) and impl == "torchtune":
+        raise MemplanError("--impl torchtune: memplan models its recipes without tensor or pipeline parallelism "
+                           "(use t = p = 1 with data parallelism / ZeRO)")
     if par.tp > 1 or par.pp > 1:
-        raise MemplanError(f"--impl {impl}: transformers models have no tensor or pipeline parallelism "
+        raise MemplanError(f"--impl {impl}: transformers runs a model with no tensor or pipeline parallelism "
                            "(use t = p = 1 with data parallelism / ZeRO, or --impl megatron)")
     if par.cp > 1 or par.ep > 1:
         raise MemplanError(f"--impl {impl}: context and expert parallelism are modelled for Megatron-LM "
-                           "(--impl megatron), not for transformers models")
+                           f"(--impl megatron), not for {who}")
     if tr.recompute == Recompute.SELECTIVE:
-        raise MemplanError(f"--impl {impl}: transformers has no selective recompute (gradient checkpointing "
+        raise MemplanError(f"--impl {impl}: {who} has no selective recompute (gradient checkpointing "
                            "recomputes whole layers: --recompute full)")
     if tr.recompute == Recompute.FULL and tr.recompute_num_layers not in (None, config.layers_per_chunk):
         raise MemplanError(f"--impl {impl}: transformers' gradient checkpointing covers every layer or none "
