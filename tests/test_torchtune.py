@@ -10,16 +10,21 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtune")
 pytest.importorskip("torchao")
+pytest.importorskip("datasets")  # torchtune's own dependencies (pip installs them with torchtune)
 
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets.batch import make_config  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.torchtune import measure_torchtune_llama, trace_torchtune_llama  # noqa: E402
+from validation.torchtune import import_torchtune, measure_torchtune_llama, trace_torchtune_llama  # noqa: E402
 from validation.trace import evaluate  # noqa: E402
+
+try:
+    import_torchtune()
+except ImportError:  # torchtune not installed (the test extra installs it)
+    pytest.skip("torchtune not installed", allow_module_level=True)
 
 # h = 32, a = 4 heads of 8, g = 2 KV heads, f = 48, v = 64, L = 2
 DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)

@@ -12,6 +12,8 @@ the cache's values, not its shape, and the cache is a buffer (never counted as s
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from unittest import mock
 
 import torch
@@ -31,16 +33,33 @@ def _bf16_default():
         torch.set_default_dtype(old)
 
 
+def import_torchtune():
+    """torchtune's modules import ``torchao.dtypes.nf4tensor`` (for QLoRA), which torchao 0.12+ moved to
+    ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``; peft (the test extra) needs torchao > 0.16, so
+    the old name is pointed at the new module (NF4Tensor is not used by the full-weight model measured here)."""
+    try:
+        importlib.import_module("torchao.dtypes.nf4tensor")
+    except ImportError:
+        sys.modules["torchao.dtypes.nf4tensor"] = importlib.import_module(
+            "torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    return importlib.import_module("torchtune")
+
+
 def _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import_torchtune()
     from torchtune.models.llama3_2 import llama3_2
     from torchtune.modules import TransformerSelfAttentionLayer
-    from torchtune.training import set_activation_checkpointing
 
     with _bf16_default():
         model = llama3_2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                          embed_dim=hidden, max_seq_len=4096, intermediate_dim=ffn, tie_word_embeddings=False)
     if checkpoint:
-        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+        # what torchtune.training.set_activation_checkpointing does (torchtune/training/memory.py; that package
+        # imports torchao's quantization APIs of before 0.12): non-reentrant checkpoint_wrapper per layer
+        apply_activation_checkpointing(model, auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
     return model.train()
 
 
@@ -77,7 +96,8 @@ def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hi
                           checkpoint: bool = False) -> list[dict]:
     """The saved storages of one forward + loss of torchtune's Llama: dicts with module, op, dtype (str) and
     nbytes (memplan's Poly text in s and b). `checkpoint`: its recipes' enable_activation_checkpointing
-    (training.set_activation_checkpointing around every TransformerSelfAttentionLayer)."""
+    (set_activation_checkpointing around every TransformerSelfAttentionLayer)."""
+    import_torchtune()
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 
     def inputs(s, b):
