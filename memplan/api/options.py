@@ -174,7 +174,7 @@ class PlanOptions:
             return preset
         if preset is None:
             raise MemplanError("--inventory is the traced inventory of one model: give --model or --hf-config")
-        if self.impl not in HF_IMPLS:
+        if self.impl not in HF_IMPLS or self.impl == "torchtune":
             raise MemplanError(f"--inventory is a traced inventory of transformers' code: plan with --impl hf-sdpa or "
                                f"hf-eager (got --impl {self.impl})")
         check_traced_file(self.inventory, self.impl, preset.model.num_layers)

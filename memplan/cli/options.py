@@ -161,7 +161,7 @@ def plan_options(func: Callable) -> Callable:
                      help="HF Trainer with DeepSpeed ZeRO of this stage (--impl hf-*): its reduce buckets and stage 3's "
                           "prefetch with the Trainer's 'auto' sizes (derived; memplan/memory/dp_stack.py); with "
                           "--offload optimizer: offload_optimizer to CPU."),
-        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]), default="megatron",
+        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa", "torchtune"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--transformer-impl", type=click.Choice(["transformer_engine", "local"]),

@@ -66,6 +66,11 @@ IMPLEMENTATIONS: dict[str, str] = {
                "architectures (Qwen2/3, Gemma 1-3, Phi-3, the mixture-of-experts Mixtral, Qwen3-MoE and "
                "DeepSeek-V3, ...) a traced one (memplan trace: saved tensors traced from transformers' code, checked "
                "against CPU runs; the backward's transients derived)",
+    "torchtune": "torchtune 0.6.1's Llama (llama3 / 3.1 / 3.2 builders, sdpa) in its recipes' loop: K and V expanded "
+                 "to all heads before attention, RMSNorm keeping fp32 tensors, RoPE from a cache buffer; saved "
+                 "tensors traced from its code on CPU (tests/test_torchtune.py), the step's transients derived "
+                 "from transformers' measured ones; torch .grad tensors, AdamW fused; --optimizer-in-backward as "
+                 "its recipes' optimizer_in_bwd",
 }
 
 
@@ -133,6 +138,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
 
 def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> Inventory:
     stats: Dtype = "fp32" if device == "cuda" else "act"
+    if impl == "torchtune" and (model.inventory is not None or model.is_moe or model.is_mla):
+        raise MemplanError("--impl torchtune models torchtune's Llama (dense, RMSNorm, SwiGLU); a traced "
+                           "inventory is transformers' code: use --impl hf-sdpa for it")
     if impl in HF_IMPLS:
         if model.inventory is not None:
             return traced_inventory(model, impl, device, loss_chunks)

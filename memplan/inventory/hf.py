@@ -40,14 +40,18 @@ SRC = "transformers 5.23.0, measured (validation/hf.py)"
 def check_hf_plan(config: Config, impl: str) -> None:
     """transformers runs a model on one device per replica: refuse what it cannot launch."""
     par, tr = config.parallel, config.training
+    who = "torchtune" if impl == "torchtune" else "transformers"
+    if (par.tp > 1 or par.pp > 1) and impl == "torchtune":
+        raise MemplanError("--impl torchtune: memplan models its recipes without tensor or pipeline parallelism "
+                           "(use t = p = 1 with data parallelism / ZeRO)")
     if par.tp > 1 or par.pp > 1:
-        raise MemplanError(f"--impl {impl}: transformers models have no tensor or pipeline parallelism "
+        raise MemplanError(f"--impl {impl}: transformers runs a model with no tensor or pipeline parallelism "
                            "(use t = p = 1 with data parallelism / ZeRO, or --impl megatron)")
     if par.cp > 1 or par.ep > 1:
         raise MemplanError(f"--impl {impl}: context and expert parallelism are modelled for Megatron-LM "
-                           "(--impl megatron), not for transformers models")
+                           f"(--impl megatron), not for {who}")
     if tr.recompute == Recompute.SELECTIVE:
-        raise MemplanError(f"--impl {impl}: transformers has no selective recompute (gradient checkpointing "
+        raise MemplanError(f"--impl {impl}: {who} has no selective recompute (gradient checkpointing "
                            "recomputes whole layers: --recompute full)")
     if tr.recompute == Recompute.FULL and tr.recompute_num_layers not in (None, config.layers_per_chunk):
         raise MemplanError(f"--impl {impl}: transformers' gradient checkpointing covers every layer or none "
@@ -58,10 +62,16 @@ def check_hf_plan(config: Config, impl: str) -> None:
 def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
     """transformers' saved tensors, its step's moments, torch .grad tensors (allocated on their
     first write in the backward, freed by zero_grad) and the Trainer's fused AdamW."""
+    if impl == "torchtune" and loss_chunks > 1:
+        raise MemplanError("--impl torchtune with --loss-chunks (CEWithChunkedOutputLoss) is not modelled yet: "
+                           "its saved tensors are the whole loss's, its forward keeps the full bf16 logits")
     terms = hf_terms(model, impl, device, loss_chunks)
     loss = (hf_loss_moments(model) if loss_chunks == 1
             else final_norm_moments(model) + _chunked_loss_moments(model, loss_chunks))
-    moments = hf_layer_moments(model, impl == "hf-sdpa") + loss
+    moments = hf_layer_moments(model, impl != "hf-eager", kv_expanded=impl == "torchtune") + loss
+    if impl == "torchtune":
+        moments = [dataclasses.replace(m, source=f"derived: {m.source}, with torchtune's tensors (not measured)")
+                   for m in moments]
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
 
 
@@ -69,13 +79,15 @@ STEP = "measured: transformers 5.23.0 training step (validation/step.py)"
 
 
 def hf_layer_moments(model: ModelSpec, sdpa: bool,
-                   traced: Optional[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = None) -> list[Moment]:
+                   traced: Optional[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = None,
+                   kv_expanded: bool = False) -> list[Moment]:
     """Where a transformers layer's backward peaks (op-level live bytes of validation/step.py):
     the MLP once the gated / tanh-GeLU product's backward has made two f-wide gradients beside the
     down projection's input gradient, and attention inside the sdpa kernel's backward (dQ, dK, dV)
     or, eager, at the softmax backward (s x s gradients; fp32 for Llama, which upcasts the scores).
     `traced` overrides the saved tensors each of the three moments no longer holds (a traced inventory's
-    ids, memplan/inventory/traced.py)."""
+    ids, memplan/inventory/traced.py); `kv_expanded`: sdpa's dK and dV have all a heads (torchtune expands
+    K and V before attention)."""
     dy = transient("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=STEP)
     d_fc2_in = transient("grad_fc2_input", "gradient of the down projection's input", "s b f", src=STEP)
     two_f = transient("grad_activation_products", "gradients of the two factors of the activation product", "2 s b f",
@@ -92,7 +104,8 @@ def hf_layer_moments(model: ModelSpec, sdpa: bool,
     if sdpa:
         # sdpa's backward holds the gradient of its output beside dQ, dK, dV
         extra = (transient("grad_attention_output", "gradient of the attention output", "s b q", src=STEP),
-                 transient("grad_qkv", "dQ, dK, dV of sdpa's backward", "s b q + 2 s b q g /a", src=STEP))
+                 transient("grad_qkv", "dQ, dK, dV of sdpa's backward",
+                           "3 s b q" if kv_expanded else "s b q + 2 s b q g /a", src=STEP))
         freed = mlp + ("attn_out",)
     else:
         # at the softmax backward, attention over V's backward has consumed the output's gradient
@@ -200,6 +213,11 @@ def hf_terms(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> 
     if layout == "llama" and not (model.norm == "rmsnorm" and model.mlp == "swiglu"):
         raise MemplanError("--impl hf-*: memplan knows the GPT-2 layout (LayerNorm, GeLU) and the Llama "
                            "layout (RMSNorm, SwiGLU)")
+    if impl == "torchtune":
+        if layout != "llama" or model.dropout or model.bias:
+            raise MemplanError("--impl torchtune: memplan models torchtune's Llama (RMSNorm, SwiGLU, no dropout, "
+                               "no biases)")
+        return torchtune_terms(model)
     mask: Dtype = "mask" if device == "cuda" else "act"  # F.dropout: native_dropout on CUDA only
     sdpa = impl == "hf-sdpa"
     if sdpa and model.dropout and device == "cpu":
@@ -295,7 +313,17 @@ def _gpt2_outside(model: ModelSpec, mask: Dtype, device: str, loss_chunks: int) 
     ]
 
 
-def _rmsnorm(prefix: str, which: str, scope: str) -> list[Term]:
+def _rmsnorm(prefix: str, which: str, scope: str, tune: bool = False) -> list[Term]:
+    if tune:  # F.rms_norm(x.float(), weight=bf16 scale): the dtypes differ, so torch runs the composite ops
+        src = f"{TUNE}: RMSNorm, F.rms_norm on the fp32 input with the bf16 scale (no fused kernel)"
+        return [
+            saved(f"{prefix}_fp32_input", f"{which}: fp32 copy of its input", "layer norms", "s b h", "fp32",
+                  scope=scope, k22=False, src=src),
+            saved(f"{prefix}_rstd", f"{which}: rstd (fp32)", "layer norms", "s b", "fp32", scope=scope, k22=False,
+                  src=src),
+            saved(f"{prefix}_normed", f"{which}: normalised input before the scale (fp32)", "layer norms", "s b h",
+                  "fp32", scope=scope, src=src),
+        ]
     src = f"{SRC}: LlamaRMSNorm computes in fp32"
     return [
         saved(f"{prefix}_fp32_input", f"{which}: fp32 copy of its input", "layer norms", "s b h", "fp32",
@@ -351,6 +379,49 @@ def _llama_layer(model: ModelSpec, sdpa: bool, mask: Dtype) -> list[Term]:
         saved("fc2_input", "input of down_proj (SiLU(gate) * up)", "MLP", "s b f", src=f"{SRC}: LlamaMLP"),
     ]
     return terms
+
+
+TUNE = "torchtune 0.6.1, traced (tests/test_torchtune.py)"
+
+
+def torchtune_terms(model: ModelSpec) -> list[Term]:
+    """torchtune 0.6.1's Llama (TransformerDecoder of the llama3 / 3.1 / 3.2 builders, bf16, sdpa): its
+    MultiHeadAttention expands K and V to all a heads before sdpa (saved at full width); its RoPE multiplies
+    by a cache buffer (nothing saved); its RMSNorm keeps the normalised input in fp32; its output projection's
+    logits are upcast to fp32 inside the model (the loss's moments are transformers' ForCausalLMLoss ones: bf16
+    logits, fp32 copy). Activation checkpointing gives each layer only its input (no mask, no positions)."""
+    sd = f"{TUNE}: MultiHeadAttention expands K and V to all heads before scaled_dot_product_attention"
+    ff = f"{TUNE}: FeedForward"
+    layer = [
+        saved("layer_input", "layer input, kept by activation checkpointing", "layer norms", "s b h", only_full=True,
+              src=f"{TUNE}: checkpoint saves the layer's input"),
+        *_rmsnorm("ln1", "sa_norm", "layer", tune=True),
+        saved("qkv_input", "input of q_proj, k_proj, v_proj (one tensor)", "attention", "s b h", src=TUNE),
+        saved("q", "Q after RoPE (saved by sdpa)", "attention", "s b q", src=sd),
+        saved("k", "K after RoPE, expanded to a heads (saved by sdpa)", "attention", "s b q", src=sd),
+        saved("v", "V expanded to a heads (saved by sdpa)", "attention", "s b q", src=sd),
+        saved("sdpa_logsumexp", "sdpa log-sum-exp per row and head (fp32)", "attention", "a s b", "fp32", k22=False,
+              src=sd),
+        saved("attn_out", "attention output = input of output_proj", "attention", "s b q", src=TUNE),
+        *_rmsnorm("ln2", "mlp_norm", "layer", tune=True),
+        saved("mlp_input", "input of w1 and w3 (one tensor)", "MLP", "s b h", src=ff),
+        saved("silu_input", "w1 output (SiLU input)", "MLP", "s b f", src=ff),
+        saved("up_out", "w3 output (kept by SiLU(w1 x) * w3 x)", "MLP", "s b f", src=ff),
+        saved("silu_out", "SiLU(w1 x) (kept by the product)", "MLP", "s b f", src=ff),
+        saved("fc2_input", "input of w2", "MLP", "s b f", src=ff),
+    ]
+    outside = [
+        saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first",
+              k22=False, src=TUNE),
+        *_rmsnorm("final_norm", "final norm", "last", tune=True),
+        saved("head_input", "input of the output projection", "output layer", "s b h", scope="last", src=TUNE),
+        saved("logits_fp32", "fp32 log-softmax of the logits", "output layer", "s b v", "fp32", scope="last",
+              src=f"{TUNE}: TransformerDecoder upcasts the logits, the recipes' CrossEntropyLoss keeps log-softmax"),
+        saved("target_ids", "target ids (int64)", "output layer", "s b", "int64", scope="last", k22=False, src=TUNE),
+        saved("nll_total_weight", "nll_loss total weight (fp32 scalar)", "output layer", "1", "fp32", scope="last",
+              k22=False, src=TUNE),
+    ]
+    return layer + outside
 
 
 def _llama_outside(loss_chunks: int) -> list[Term]:

@@ -203,7 +203,7 @@ class Inventory:
     weight_layout: Literal["fused", "separate"] = "fused"
 
 
-HF_IMPLS = ("hf-eager", "hf-sdpa")
+HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica
 
 
 DEVICES = ("cuda", "cpu")

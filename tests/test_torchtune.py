@@ -1,0 +1,105 @@
+"""--impl torchtune against torchtune 0.6.1's own Llama code on CPU (validation/torchtune.py).
+
+The expected bytes are torchtune's real code run under FakeTensorMode with symbolic s and b (memplan's
+tracer) and run for real on CPU: every storage autograd saves. memplan's inventory (memplan/inventory/hf.py
+torchtune_terms) must give the same total per (s, b), so a removed or resized term fails the test. Needs
+torchtune and torchao (test extra)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchao")
+pytest.importorskip("datasets")  # torchtune's own dependencies (pip installs them with torchtune)
+
+from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.plan.estimate import estimate  # noqa: E402
+from memplan.presets.batch import make_config  # noqa: E402
+from memplan.presets.files import ModelPreset  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from validation.torchtune import import_torchtune, measure_torchtune_llama, trace_torchtune_llama  # noqa: E402
+from validation.trace import evaluate  # noqa: E402
+
+try:
+    import_torchtune()
+except ImportError:  # torchtune not installed (the test extra installs it)
+    pytest.skip("torchtune not installed", allow_module_level=True)
+
+# h = 32, a = 4 heads of 8, g = 2 KV heads, f = 48, v = 64, L = 2
+DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,
+         "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return trace_torchtune_llama(**DIMS)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tt") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return read_hf_config(str(path)).model
+
+
+def _estimate(model, s, b, impl="torchtune", recompute="none"):
+    config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute, precision="bf16-true"),
+                         model=dict(seq_length=s))
+    return estimate(config, impl=impl, device="cpu")
+
+
+def test_kv_expanded_before_attention(traced):
+    # sdpa saves q, k, v, the log-sum-exp and the output: K and V at all a = 4 heads (q width 32, bf16: 64 s b
+    # bytes each), not at g = 2 heads as transformers' sdpa with enable_gqa (32 s b)
+    sdpa = [t for t in traced if t["module"] == "layers.0.attn" and "scaled_dot_product" in t["op"]]
+    assert [t["nbytes"] for t in sdpa] == ["64 s b", "64 s b", "64 s b", "16 s b", "64 s b"]
+
+
+@pytest.mark.parametrize("s, b", [(64, 2), (256, 3)])
+def test_torchtune_inventory_equals_the_traced_code(traced, model, s, b):
+    want = sum(evaluate(t["nbytes"], s, b) for t in traced)
+    if s == 64:  # the trace is the real run's bytes
+        assert measure_torchtune_llama(s, b, **DIMS) == want
+    got = _estimate(model, s, b)
+    assert got.stages[0].activations == want
+    # the same model in transformers' sdpa code keeps less: K / V at g heads, a bf16 normalised input
+    hf = _estimate(model, s, b, "hf-sdpa")
+    assert hf.stages[0].activations < want
+
+
+def test_activation_checkpointing_keeps_each_layer_input(traced, model):
+    # torchtune's checkpoint_wrapper (non-reentrant) keeps each layer's input (2 h = 64 s b bytes), the rest of the
+    # model (embedding, final norm, head, loss) as without it; memplan's activations under full recompute also
+    # hold the one layer being recomputed in the backward: one layer's saved tensors of the run without checkpoints
+    # (the L = 2 layers save alike; torchtune's builder shares one SiLU module, so layer 1's SiLU input is named
+    # under layers.0: split the layers' sum, not by name)
+    s, b = 128, 2
+    recomputed = sum(evaluate(t["nbytes"], s, b) for t in traced if t["module"].startswith("layers.")) // 2
+    want = measure_torchtune_llama(s, b, **DIMS, checkpoint=True) + recomputed
+    assert _estimate(model, s, b, recompute="full").stages[0].activations == want
+
+
+def test_loss_chunks_refused_and_other_models(model):
+    config = make_config(ModelPreset(model), training=dict(micro_batch=2, loss_chunks=4, precision="bf16-true"),
+                         model=dict(seq_length=64))
+    with pytest.raises(MemplanError, match="CEWithChunkedOutputLoss"):
+        estimate(config, impl="torchtune", device="cpu")
+
+
+def test_published_llama32_3b_packed_row():
+    # torchtune's README (github.com/pytorch/torchtune), Llama 3.2 3B, full_finetune_single_device, b = 2, packed
+    # 4,096 tokens, bf16, one A100: 60.0 GiB peak active memory. memplan's allocated peak for it is within 4 %
+    # (docs/guide.md explains the difference); transformers' Llama (hf-sdpa) lower by the expanded K / V and the fp32
+    # normalised inputs, 2 s b q (1 - g/a) 2 bytes x L + 2 s b h bytes x (2 L + 1) = 1.88 GB + 2.87 GB
+    llama = read_hf_config(str(Path(__file__).parent.parent / "docs" / "torchtune" / "llama3.2-3b.json")).model
+    config = make_config(ModelPreset(llama), training=dict(micro_batch=2, recompute="none", precision="bf16-true"),
+                         model=dict(seq_length=4096))
+    tune = estimate(config, impl="torchtune", device="cuda").step.peak_bytes
+    hf = estimate(config, impl="hf-sdpa", device="cuda").step.peak_bytes
+    assert abs(tune / 2**30 - 60.0) <= 0.04 * 60.0
+    s, b, q, h, layers = 4096, 2, 3072, 3072, 28
+    extra = 2 * s * b * q * 2 * layers * 2 // 3 + 2 * s * b * h * (2 * layers + 1)
+    assert abs((tune - hf) - extra) <= 0.01 * extra

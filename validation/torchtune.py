@@ -1,0 +1,110 @@
+"""What torchtune 0.6.1's Llama saves for backward: traced with memplan's tracer (validation/trace.py) and
+measured in a real CPU run (``measure_torchtune_llama``).
+
+torchtune's ``llama3_2`` builder (the same TransformerDecoder as llama3 / 3.1) is built under FakeTensorMode in
+bf16 (torchtune's recipes build under ``set_default_dtype(bfloat16)``) and run forward + cross-entropy on the
+logits with symbolic s and b, as its recipes' _loss_step
+computes a torch.nn.CrossEntropyLoss. One change to its code: ``Llama3ScaledRoPE.apply_scaling`` reads the
+frequencies' values (a data-dependent branch under fake tensors), so the trace skips the scaling: it changes
+the cache's values, not its shape, and the cache is a buffer (never counted as saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from unittest import mock
+
+import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from validation.trace import poly_text, symbolic_saves
+
+
+@contextlib.contextmanager
+def _bf16_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def import_torchtune():
+    """torchtune's modules import ``torchao.dtypes.nf4tensor`` (for QLoRA), which torchao 0.12+ moved to
+    ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``; peft (the test extra) needs torchao > 0.16, so
+    the old name is pointed at the new module (NF4Tensor is not used by the full-weight model measured here)."""
+    try:
+        importlib.import_module("torchao.dtypes.nf4tensor")
+    except ImportError:
+        sys.modules["torchao.dtypes.nf4tensor"] = importlib.import_module(
+            "torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    return importlib.import_module("torchtune")
+
+
+def _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import_torchtune()
+    from torchtune.models.llama3_2 import llama3_2
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    with _bf16_default():
+        model = llama3_2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                         embed_dim=hidden, max_seq_len=4096, intermediate_dim=ffn, tie_word_embeddings=False)
+    if checkpoint:
+        # what torchtune.training.set_activation_checkpointing does (torchtune/training/memory.py; that package
+        # imports torchao's quantization APIs of before 0.12): non-reentrant checkpoint_wrapper per layer
+        apply_activation_checkpointing(model, auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
+    return model.train()
+
+
+def _forward(model, tokens, labels):
+    """full_finetune_single_device's _loss_step with a torch.nn.CrossEntropyLoss loss (TransformerDecoder returns
+    the output projection's logits upcast to fp32, so the loss keeps an fp32 log-softmax)."""
+    logits = model(tokens)
+    return torch.nn.CrossEntropyLoss()(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def measure_torchtune_llama(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                            ffn: int, checkpoint: bool = False) -> int:
+    """Bytes of the distinct storages a real CPU forward + loss saves for backward (parameters and buffers not
+    counted; views of one storage once)."""
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint)
+    own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    saved: dict = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in own:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, vocab, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _forward(model, tokens, torch.randint(0, vocab, (b, s)))
+    del loss
+    return sum(saved.values())
+
+
+def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int,
+                          checkpoint: bool = False) -> list[dict]:
+    """The saved storages of one forward + loss of torchtune's Llama: dicts with module, op, dtype (str) and
+    nbytes (memplan's Poly text in s and b). `checkpoint`: its recipes' enable_activation_checkpointing
+    (set_activation_checkpointing around every TransformerSelfAttentionLayer)."""
+    import_torchtune()
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+
+    def inputs(s, b):
+        return torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
+
+    with mock.patch.object(Llama3ScaledRoPE, "apply_scaling", lambda self, freqs, *a, **k: freqs):
+        _, storages, _ = symbolic_saves(
+            lambda: _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint), _forward, inputs, s_hint=128, b_hint=3)
+    return [{"module": st["module"], "op": st["op"], "dtype": str(st["dtype"]).removeprefix("torch."),
+             "nbytes": poly_text(st["nbytes"])} for st in storages]
