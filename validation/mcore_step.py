@@ -115,6 +115,7 @@ class McoreStepMeasurement:
     peak_phase: str
     phase_peaks: dict[str, int]  # phase -> persistent_total + the largest live bytes inside it
     live_at_end: int
+    parameters: int  # elements of the model's parameters on this rank
     notes: list[str] = field(default_factory=list)
 
 
@@ -210,6 +211,7 @@ def _measure_here(case: McoreStepCase) -> McoreStepMeasurement:
         peak = max(peaks.values())
         phase = next(p for p in PHASES if peaks[p] == peak)
         return McoreStepMeasurement(case, persistent, base, peak, phase, peaks, live_at_end,
+                                    sum(p.numel() for p in model.parameters()),
                                     notes=[f"megatron-core {importlib.metadata.version('megatron-core')}",
                                            f"optimizer {type(optimizer.chained_optimizers[0].optimizer).__name__}"])
     finally:

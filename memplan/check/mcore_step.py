@@ -81,7 +81,7 @@ def run_mcore_step(cases: list[McoreStep], tolerance: float = PEAK_TOLERANCE) ->
         at = e.phase + (f" {e.layer}" if e.layer is not None else "")
         results.append(PeakResult(c, int(predicted.peak_bytes), int(m.peak_bytes), at, m.peak_phase, e.moment,
                                   tolerance, total_params(mcore_step_config(c).model),
-                                  m.persistent["weights"] // 2))
+                                  m.parameters))
     return results
 
 
