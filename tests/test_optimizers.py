@@ -214,8 +214,10 @@ def test_weight_shapes_add_up_to_the_parameter_groups(kw, layout):
 STEP = dict(model="llama", attn="sdpa", s=16, b=1, h=128, a=4, g=2, f=384, v=256, L=2)
 K22 = dict(model="k22", s=16, b=1, h=128, a=4, v=256, L=2, p_drop=0.1)
 GPT2_STEP = dict(model="gpt2", attn="eager", s=16, b=1, h=256, a=4, v=256, L=2)
+# for-loop AdamW's temporaries follow megatron-core's parameter order (memplan/memory/optimizers.py): measured on its
+# whole step (tests/test_validate_mcore_step.py), not on these torch loops
 MEASURED = [(algo, impl) for algo in ("adamw", "sgd", "sgd-nomomentum", "adafactor", "muon")
-            for impl in OPTIMIZER_IMPLS_OF[algo]]
+            for impl in OPTIMIZER_IMPLS_OF[algo] if (algo, impl) != ("adamw", "for-loop")]
 
 
 @pytest.fixture(scope="module")

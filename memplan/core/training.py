@@ -81,7 +81,7 @@ FUSIONS = ("masked-softmax", "bias-gelu", "bias-swiglu", "bias-dropout", "rope",
 # foreach and fused; Adafactor a for-loop, its default, and foreach; Muon a for-loop beside an AdamW
 # for the other parameters, whose implementation is the one named; bitsandbytes' 8-bit Adam one fused
 # kernel; lion-pytorch's Lion a for-loop).
-OPTIMIZER_IMPLS_OF = {"adamw": ("foreach", "fused"), "sgd": ("foreach", "fused"), "sgd-nomomentum": ("foreach", "fused"),
+OPTIMIZER_IMPLS_OF = {"adamw": ("foreach", "fused", "for-loop"), "sgd": ("foreach", "fused"), "sgd-nomomentum": ("foreach", "fused"),
                       "adafactor": ("for-loop", "foreach"), "adam8bit": ("fused",), "muon": ("fused", "foreach"),
                       "lion": ("for-loop",)}
 

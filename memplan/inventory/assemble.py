@@ -23,7 +23,7 @@ from memplan.inventory.k22 import (
     layer_backward_moments,
     megatron_layer,
 )
-from memplan.inventory.mcore import mcore_local_inventory
+from memplan.inventory.mcore import held_decoder_input, mcore_local_inventory
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
 from memplan.inventory.recompute import apply_modules
@@ -128,6 +128,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                               minis.pieces_for(model, training, impl))
     inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
     inventory = apply_modules(inventory, model, impl, training.recompute_modules)
+    inventory = held_decoder_input(inventory, model, impl, device, training.recompute,
+                                   tuple(training.recompute_modules))
     if training.lora_rank:  # peft LoRA / QLoRA
         inventory = adapters.apply(inventory, model, impl, device, training)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":

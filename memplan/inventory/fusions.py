@@ -19,7 +19,9 @@ What each changes, per tensor and the function that makes it (megatron-core 0.16
   Multi-head latent attention keeps its own rotary terms (memplan/inventory/mla.py): no change.
 - gradient-accumulation: without the fused wgrad (fused_weight_gradient_mlp_cuda, a CUDA kernel) each linear
   layer's bf16 weight gradient is a tensor until DDP's backward hook adds it to the fp32 main_grad
-  (distributed/distributed_data_parallel.py _make_backward_post_hook): Inventory.grad_hook_transient.
+  (distributed/distributed_data_parallel.py _make_backward_post_hook): Inventory.grad_hook_transient. A tied
+  output layer's bf16 weight gradient then waits in autograd's input buffer for the embedding's, from the output
+  layer's backward to the embedding's (Inventory.tied_grad_waits; measured on CPU: validation/mcore_step.py).
 - bias-gelu, bias-dropout: no change in bytes, derived from code: unfused, `fc1 + bias` is a new s b f tensor
   that F.gelu saves where the fused bias_gelu_impl saves fc1's output (the bias is a parameter); the unfused
   bias_dropout_add keeps native_dropout's 1-byte mask as the jit-fused one does.
@@ -57,7 +59,8 @@ def apply_fusions(inv: Inventory, model: ModelSpec, impl: str, device: str, off:
     if impl not in MEGATRON_IMPLS:
         return inv
     if device == "cpu":  # torch's CPU kernels: the fused wgrad is a CUDA kernel; the rest is unfused already
-        return dataclasses.replace(inv, grad_hook_transient=impl == "megatron-local" or inv.grad_hook_transient)
+        hook = impl == "megatron-local" or inv.grad_hook_transient
+        return dataclasses.replace(inv, grad_hook_transient=hook, tied_grad_waits=hook or inv.tied_grad_waits)
     terms = list(inv.terms)
     ids = {t.id for t in terms}
     if "masked-softmax" in off and impl == "megatron-local" and "causal_mask" not in ids:
@@ -72,4 +75,5 @@ def apply_fusions(inv: Inventory, model: ModelSpec, impl: str, device: str, off:
                                            "(validation/mcore.py)"))
     hook = inv.grad_hook_transient or "gradient-accumulation" in off
     name = f"{inv.name}/no-fusion:{','.join(off)}" if off else inv.name
-    return dataclasses.replace(inv, name=name, terms=tuple(terms), grad_hook_transient=hook)
+    return dataclasses.replace(inv, name=name, terms=tuple(terms), grad_hook_transient=hook,
+                               tied_grad_waits=hook or inv.tied_grad_waits)

@@ -223,19 +223,24 @@ def layer_backward_moments(model: ModelSpec, attention: str, device: str, src: s
     return moments
 
 
-def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = ()) -> list[Moment]:
+def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = (),
+                                softmax_in_copy: bool = False) -> list[Moment]:
     """Megatron-LM's output layer and vocab-parallel cross-entropy (cross_entropy.py): the bf16
     logits and their fp32 copy are alive while the cross-entropy computes the softmax (the saved
     term) in a third buffer; the backward turns the saved softmax into the gradient in place and
-    casts it to bf16 for the output layer's backward."""
+    casts it to bf16 for the output layer's backward. `softmax_in_copy`: megatron-core 0.16.1's
+    VocabParallelCrossEntropy computes exp and the division in place in the fp32 copy
+    (``torch.exp(logits, out=logits)``, ``exp_logits.div_``): the copy IS the saved softmax, no third
+    buffer (measured: validation/mcore_step.py)."""
     logits = transient("logits", "logits (output layer, activation dtype)", "s b v", tp=True, scope="last", src=src)
     logits32 = transient("logits_fp32_copy", "fp32 copy of the logits (input of the cross-entropy)", "s b v", "fp32",
                   tp=True, scope="last", src=src)
     d_logits = transient("grad_logits", "gradient of the logits (activation dtype)", "s b v", tp=True, scope="last", src=src)
     d_head_in = transient("grad_head_input", "gradient of the output layer's input", "s b h", scope="last", src=src)
     return [
-        Moment("loss_forward", "cross-entropy forward: logits, fp32 copy and softmax", "loss", "last",
-               (logits, logits32, *forward_extra), source=src),
+        Moment("loss_forward", "cross-entropy forward: logits and the fp32 copy that becomes the softmax"
+               if softmax_in_copy else "cross-entropy forward: logits, fp32 copy and softmax", "loss", "last",
+               (logits, *(() if softmax_in_copy else (logits32,)), *forward_extra), source=src),
         Moment("loss_backward", "output-layer backward: the logits' gradient and the input gradient", "backward",
                "last", (d_logits, d_head_in), ("head_input",), (OUTPUT_LAYER_W,), source=src),
     ]

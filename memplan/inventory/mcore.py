@@ -39,6 +39,7 @@ import dataclasses
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.inventory.k22 import (
     causal_mask_term,
     k22_outside_layers,
@@ -48,7 +49,7 @@ from memplan.inventory.k22 import (
 )
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
-from memplan.inventory.types import Dtype, Inventory, Term, saved
+from memplan.inventory.types import Dtype, Inventory, Term, saved, transient
 
 MCORE = "megatron-core 0.16.1 local spec"
 MEASURED = f"mcore CPU: {MCORE}, measured on CPU (validation/mcore.py)"
@@ -68,9 +69,25 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
     src = DERIVED if device == "cuda" else MEASURED
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
              f"{src}; step transients derived as for --impl megatron")
-    moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src)
+    moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src, softmax_in_copy=True)
     return megatron_inventory(f"megatron-local/eager/{device}", terms, moments, model,
                               "act" if device == "cpu" else "fp32", moe_cpu=device == "cpu")
+
+
+def held_decoder_input(inv: Inventory, model: ModelSpec, impl: str, device: str, recompute: Recompute,
+                       modules: tuple[str, ...]) -> Inventory:
+    """megatron-core's GPTModel.forward keeps the embedding's output (`decoder_input`, s b h) in a local until it
+    returns, the loss included. On CPU an RMSNorm saves an fp32 copy of its input, not the input itself, so with no
+    checkpoint on the first layer's input (full recompute, or "layernorm" among the selective modules, saves it)
+    that tensor is counted by no saved term: alive beside the cross-entropy's (measured: validation/mcore_step.py)."""
+    saved_anyway = recompute == Recompute.FULL or (recompute == Recompute.SELECTIVE and "layernorm" in modules)
+    if impl != "megatron-local" or device != "cpu" or model.norm != "rmsnorm" or saved_anyway:
+        return inv
+    held = transient("decoder_input", "the embedding's output, a local of GPTModel.forward until the loss", "s b h",
+                     sp=True, scope="last", src=f"{MEASURED} (validation/mcore_step.py: the whole step)")
+    moments = tuple(dataclasses.replace(m, transients=m.transients + (held,)) if m.id == "loss_forward" else m
+                    for m in inv.moments)
+    return dataclasses.replace(inv, moments=moments)
 
 
 def mcore_local_terms(model: ModelSpec, device: str) -> list[Term]:

@@ -32,6 +32,7 @@ Temporaries of the step (measured on CPU by validation/step.py where torch runs 
 | optimizer, implementation | temporaries                                                        |
 |---------------------------|--------------------------------------------------------------------|
 | adamw foreach             | p x stepped parameters (exp_avg_sq_sqrt, adam.py `_multi_tensor_adam`) |
+| adamw for-loop            | p x max over consecutive matrices of the previous `denom` + the current sqrt and denom (adam.py `_single_tensor_adam`; torch's default on CPU tensors; in megatron-core's order: the decayed matrices, reversed; measured: validation/mcore_step.py) |
 | sgd(-nomomentum) foreach  | p x stepped parameters (grad + weight_decay x param, sgd.py:429)    |
 | adafactor foreach         | p x stepped parameters (every matrix's r x c var_estimate, _adafactor.py:564, then the vectors' squared gradients beside them) |
 | adafactor for-loop        | p x max over consecutive tensors of the previous var_estimate (the loop's `update` keeps it, _adafactor.py:413) + the current one with its row and column means (402, 393-399) |
@@ -209,33 +210,36 @@ class StageTensors:
                     best = maximum(best, fn(t) * on)
         return best
 
-    def largest_pair(self, kept, own) -> Any:
-        """max over consecutive tensors of kept(previous) + own(current), in the order the loop visits them."""
+    def largest_pair(self, kept, own, only=lambda t: True) -> Any:
+        """max over consecutive tensors of kept(previous) + own(current), in the order the loop visits them;
+        `only`: the loop visits only these tensors (one parameter group)."""
         best: Any = 0
 
         def pair(a: Tensor, b: Tensor, on: Any = 1) -> None:
             nonlocal best
             best = maximum(best, (kept(a) + own(b)) * on)
 
+        first, dense, layer, last, head = ([t for t in seq if only(t)] for seq in (
+            self.first, self.dense, self.layer, self.last, self.head))
         has_dense = 1 * (self.dense_layers > 0)
-        for seq, on in ((self.first, self.is_first), (self.dense, has_dense), (self.layer, 1),
-                        (self.last, self.is_last)):
+        for seq, on in ((first, self.is_first), (dense, has_dense), (layer, 1), (last, self.is_last)):
             for a, b in zip(seq, seq[1:]):
                 pair(a, b, on)
-        if self.dense:  # dense layers, then the first MoE layer (all on the first stage)
-            pair(self.dense[-1], self.dense[0], 1 * (self.dense_layers > 1))
-            pair(self.dense[-1], self.layer[0], has_dense)
-            if self.first:
-                pair(self.first[-1], self.dense[0], self.is_first * has_dense)
-        if self.layer:
-            pair(self.layer[-1], self.layer[0], 1 * (self.layers > 1))
-            if self.first:
-                pair(self.first[-1], self.layer[0], self.is_first * (1 - has_dense))
-            if self.last:
-                pair(self.layer[-1], self.last[0], self.is_last)
-        if self.head:
-            before, on = (self.last[-1], self.is_last) if self.last else (self.layer[-1], 1)
-            pair(before, self.head[0], self.has_head * on)
+        if dense:  # dense layers, then the first MoE layer (all on the first stage)
+            pair(dense[-1], dense[0], 1 * (self.dense_layers > 1))
+            if layer:
+                pair(dense[-1], layer[0], has_dense)
+            if first:
+                pair(first[-1], dense[0], self.is_first * has_dense)
+        if layer:
+            pair(layer[-1], layer[0], 1 * (self.layers > 1))
+            if first:
+                pair(first[-1], layer[0], self.is_first * (1 - has_dense))
+            if last:
+                pair(layer[-1], last[0], self.is_last)
+        if head and (last or layer):
+            before, on = (last[-1], self.is_last) if last else (layer[-1], 1)
+            pair(before, head[0], self.has_head * on)
         return best
 
 
@@ -247,6 +251,11 @@ def temporaries(training: TrainingSpec, impl: str, params: Any, tensors: StageTe
     p = training.master_weight_bytes or training.weight_bytes
     if opt == "adam8bit" or (impl == "fused" and opt != "muon"):
         return 0 * params
+    if opt == "adamw" and impl == "for-loop":  # the previous tensor's denom lives until the current one's exists;
+        # megatron-core's order: the weight-decayed group (the matrices), its gradient buffer's reverse order
+        # (forward pairs a, b visited b then a: own(a) + kept(b)). A ZeRO shard is a contiguous range of that buffer:
+        # it holds whole tensors, so the pair is not divided (the rank that holds it: measured at d = 2)
+        return p * tensors.largest_pair(_adamw_own, _adamw_kept, only=_is_matrix)
     if opt in ("adamw", "sgd", "sgd-nomomentum") or (opt == "adafactor" and impl == "foreach"):
         return p * _ceil(params, shard)  # foreach: one temporary per stepped parameter
     if opt == "adafactor":  # for-loop: the previous tensor's var_estimate lives until the current one's exists
@@ -260,6 +269,22 @@ def temporaries(training: TrainingSpec, impl: str, params: Any, tensors: StageTe
     hidden = tensors.layers * sum((t.numel for t in tensors.layer if _is_hidden_matrix(t)), 0) + \
         tensors.dense_layers * sum((t.numel for t in tensors.dense if _is_hidden_matrix(t)), 0)
     return maximum(ns, p * _ceil(params - hidden, shard))
+
+
+def _adamw_own(t: Tensor) -> Any:
+    """torch's for-loop AdamW (adam.py `_single_tensor_adam`, torch 2.13): `exp_avg_sq.sqrt()` and its division by
+    the bias correction (`denom`), both of the tensor's size, alive together."""
+    return 2 * t.numel
+
+
+def _adamw_kept(t: Tensor) -> Any:
+    """The loop's local `denom` keeps the previous tensor's until the current one's is made."""
+    return t.numel
+
+
+def _is_matrix(t: Tensor) -> bool:
+    """What megatron-core decays (its default no_weight_decay_cond leaves biases and 1-D gains out)."""
+    return t.cols is not None
 
 
 def _is_hidden_matrix(t: Tensor) -> bool:

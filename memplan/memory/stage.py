@@ -103,7 +103,8 @@ def stage_memory(
     params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
     tensors = None
     offload = training.offload_optimizer_fraction > 0
-    if training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or offload:  # by tensor shape
+    by_tensor = training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or training.optimizer_impl == "for-loop"
+    if by_tensor or offload:  # by tensor shape
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
     one_layer = layer_params(model, sizes.group)
     # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
