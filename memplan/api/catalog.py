@@ -9,6 +9,7 @@ from memplan.core.specs import GpuSpec
 from memplan.inventory.assemble import IMPLEMENTATIONS
 from memplan.inventory.chunked_loss import INFO as CHUNKS_INFO
 from memplan.inventory.fp8 import INFO as FP8_INFO
+from memplan.inventory.liger import INFO as LIGER_INFO
 from memplan.inventory.lora import LORA_INFO
 from memplan.inventory.fusions import INFO as FUSIONS_INFO
 from memplan.inventory.mst import TECHNIQUES
@@ -51,5 +52,5 @@ def impls_lines() -> list[str]:
     lines.append("\noptimizers (--optimizer; implementations for --optimizer-impl, the default first):")
     lines += [f"{name:14s} {info.title} [{', '.join(info.impls)}]: {info.source}" for name, info in OPTIMIZER_INFO.items()]
     lines.append("\ntechniques (how each is known):")
-    return lines + [IMPLS_TEXT, FP8_INFO, CHUNKS_INFO, LORA_INFO, FUSIONS_INFO,
+    return lines + [IMPLS_TEXT, FP8_INFO, CHUNKS_INFO, LORA_INFO, LIGER_INFO, FUSIONS_INFO,
                     *(f"{name}: {text}" for name, text in TECHNIQUES.items())]

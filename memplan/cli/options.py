@@ -218,6 +218,10 @@ def plan_options(func: Callable) -> Callable:
                           "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj)."),
         click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), metavar="P",
                      help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
+        click.option("--liger", is_flag=True, default=None,
+                     help="Liger-Kernel 0.8.5's fused kernels (--impl hf-*, Llama layout): RMSNorm, SwiGLU, RoPE, "
+                          "the fused linear cross-entropy. Derived from its code (Triton only), not measured "
+                          "(memplan/inventory/liger.py)."),
         click.option("--qlora", is_flag=True, default=None,
                      help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
                           "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code)."),

@@ -191,6 +191,11 @@ class TrainingSpec(Spec):
         "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
         "bitsandbytes' code, not measured)")
 
+    liger: bool = Field(
+        default=False, description="Liger-Kernel's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear "
+        "cross-entropy) on transformers' Llama layout, derived from its code, not measured "
+        "(memplan/inventory/liger.py)")
+
     @model_validator(mode="after")
     def _lora(self) -> "TrainingSpec":
         if self.qlora and not self.lora_rank:

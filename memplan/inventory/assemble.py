@@ -1,6 +1,6 @@
 """The inventory of a model as an implementation runs it: picks the implementation's own inventory (K22 /
 Megatron-LM, megatron-core local, transformers hand-written or traced, the reference torch layer) and applies
-what the training settings change in it (loss chunks, FP8, MsT, LoRA). The top of the inventory layer: nothing in it
+what the training settings change in it (loss chunks, FP8, MsT, Liger, LoRA). The top of the inventory layer: nothing in it
 imports this module."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Optional
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
+from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
@@ -123,13 +124,19 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     """`inventory_for` with what the training settings change in it: the loss chunks, FP8, MsT's pieces
     (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch), the
     Megatron-LM fusions switched off (memplan/inventory/fusions.py), selective recompute's modules
-    (memplan/inventory/recompute.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
-    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8,
-                              minis.pieces_for(model, training, impl))
+    (memplan/inventory/recompute.py), Liger-Kernel (memplan/inventory/liger.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
+    if training.liger:  # refused before the implementation's own inventory is built
+        liger_kernel.check_liger(model, impl, training.loss_chunks)
+    pieces = minis.pieces_for(model, training, impl)
+    if training.liger and pieces != (1, 1):
+        raise MemplanError("--liger computes the LM head and loss in its own chunks: drop --mst")
+    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8, pieces)
     inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
     inventory = apply_modules(inventory, model, impl, training.recompute_modules)
     inventory = held_decoder_input(inventory, model, impl, device, training.recompute,
                                    tuple(training.recompute_modules))
+    if training.liger:  # Liger-Kernel's fused kernels (derived from its code)
+        inventory = liger_kernel.apply(inventory, model, impl, training.loss_chunks)
     if training.lora_rank:  # peft LoRA / QLoRA
         inventory = adapters.apply(inventory, model, impl, device, training)
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":

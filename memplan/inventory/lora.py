@@ -59,9 +59,10 @@ ALL_LINEAR = tuple(LINEARS)
 
 
 # saved tensors only a frozen weight's gradient needed (transformers' Llama layout; memplan/inventory/hf.py ids)
-# (the embedding's token ids too: a frozen embedding has no backward)
+# (the embedding's token ids too: a frozen embedding has no backward; with --liger the fused loss makes no gradient
+# of a frozen head weight: fused_linear_cross_entropy_forward's weight_needs_grad, memplan/inventory/liger.py)
 FROZEN_NOT_SAVED = ("qkv_input", "mlp_input", "fc2_input", "ln1_normed", "ln2_normed", "final_norm_normed",
-                    "head_input", "token_ids")
+                    "head_input", "token_ids", "liger_grad_head_weight")
 
 
 def targets_of(names: Optional[tuple[str, ...]]) -> tuple[str, ...]:
