@@ -70,6 +70,12 @@ def test_liger_refused_for_other_impls(impl):
         training_inventory(_model(), impl, "cuda", TrainingSpec(liger=True))
 
 
+def test_estimate_says_liger_is_derived(run_cli):
+    code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--seq-len", "2048", "--liger")
+    assert code == 0, err
+    assert "NOT MEASURED" in out and "LigerRMSNorm input X" in out
+
+
 def test_cli_refuses_liger_for_megatron(run_cli):
     code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", "megatron", "--liger")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--liger" in err

@@ -109,3 +109,11 @@ def apply(inv: Inventory, model: ModelSpec, impl: str, loss_chunks: int) -> Inve
     return dataclasses.replace(inv, name=f"{inv.name}/liger", terms=tuple(liger_terms(list(inv.terms),
                                                                                      model.tied_embeddings)),
                                moments=tuple(liger_moments(list(inv.moments), model.tied_embeddings)))
+
+
+def notes(training) -> list[str]:
+    """The estimate's note on what --liger changes, and that it is derived."""
+    if not training.liger:
+        return []
+    return ["--liger: Liger-Kernel 0.8.5's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy; their saved tensors "
+            "and the loss's chunk of logits are DERIVED from its code (Triton only), NOT MEASURED"]

@@ -16,6 +16,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
+from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
@@ -325,6 +326,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
     notes += lora_notes(tr)
+    notes += liger_notes(tr)
     notes += stack_notes(tr, config.parallel.zero)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
