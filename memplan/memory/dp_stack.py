@@ -1,5 +1,6 @@
 """The data-parallel stack of an HF Trainer / accelerate run: FSDP2 (accelerate `fsdp_version: 2`) or DeepSpeed ZeRO
-1 / 2 / 3. The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
+1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, the running and prefetched
+layers and the final norm + LM head unsharded in bf16; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
 2 also the gradients, 3 also the weights, over the d data-parallel ranks); what a stack adds on top is here.
 
 All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
