@@ -29,6 +29,10 @@ ASSUMED_GPU = "a100-80gb"
 TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"}  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
 
 
+# torchtitan's --ac modes (memplan/inventory/titan.py AC_MODES) as memplan's recompute modes
+TITAN_AC = {"none": "none", "full": "full", "selective-op": "selective"}
+
+
 @dataclass
 class PlanOptions:
     """The plan options of `memplan estimate / search / explain` (--tp -> tp, --seq-len -> seq_len, --mem -> mem,
@@ -64,6 +68,7 @@ class PlanOptions:
     recompute_num_layers: Optional[int] = None
     recompute_modules: Union[str, tuple[str, ...], list[str], None] = None  # names, or one comma / space separated string
     recompute_method: Optional[str] = None
+    ac: Optional[str] = None  # torchtitan's activation checkpointing: none | full | selective-op (--impl torchtitan)
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None
     global_batch_tokens: Union[int, str, None] = None
@@ -209,6 +214,11 @@ class PlanOptions:
     def stack_zero(self, zero: Optional[int]) -> tuple[Optional[int], Optional[str]]:
         """The ZeRO stage and data-parallel stack of --fsdp2 (ZeRO 3) / --deepspeed-zero N (memplan/memory/dp_stack.py),
         which run the HF Trainer's model: --impl hf-sdpa / hf-eager."""
+        if self.impl == "torchtitan":  # torchtitan's FSDP2 over every data-parallel rank (dp_shard)
+            if self.fsdp2 or self.deepspeed_zero is not None or zero not in (None, 3):
+                raise MemplanError("--impl torchtitan shards with its own FSDP2 (ZeRO 3 over --gpus): drop --fsdp2, "
+                                   "--deepspeed-zero, --zero, --distributed-optimizer")
+            return 3, "torchtitan"
         if not self.fsdp2 and self.deepspeed_zero is None:
             return zero, None
         if self.fsdp2 and self.deepspeed_zero is not None:
@@ -224,6 +234,25 @@ class PlanOptions:
                                + (" (--distributed-optimizer)" if self.distributed_optimizer else ""))
         return stage, "fsdp2" if self.fsdp2 else "deepspeed"
 
+    def titan_recompute(self) -> Optional[str]:
+        """--ac as memplan's recompute (none, full, selective-op = selective: memplan/inventory/titan.py), and what
+        --impl torchtitan does not model refused; None for other implementations."""
+        if self.impl != "torchtitan":
+            if self.ac is not None:
+                raise MemplanError("--ac is torchtitan's activation checkpointing: give --impl torchtitan "
+                                   "(elsewhere --recompute)")
+            return None
+        if self.ac is not None and self.ac not in TITAN_AC:
+            raise MemplanError(f"--impl torchtitan: --ac {echo(self.ac)} is not modelled yet; modelled: "
+                               f"{', '.join(TITAN_AC)}")
+        if any(x not in (None, 1) for x in (self.tp, self.pp, self.cp, self.ep, self.vpp)):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism only yet (tp, pp, cp, ep = 1)")
+        if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
+            raise MemplanError("--impl torchtitan takes --ac none|full|selective-op, not --recompute*")
+        if self.fp8 is not None or self.lora or self.mst or self.loss_chunks not in (None, 1):
+            raise MemplanError("--impl torchtitan: float8, LoRA, MsT and loss chunks are not modelled yet")
+        return TITAN_AC[self.ac or "none"]
+
     def recompute_choices(self) -> dict:
         """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
         the block method's layers itself)."""
@@ -236,8 +265,11 @@ class PlanOptions:
             raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
                                "or --hf-config config.json")
         zero = self.zero
+        recompute = self.titan_recompute()
+        titan = self.impl == "torchtitan"  # data parallelism alone (titan_recompute refuses the rest)
         # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
-        recompute = "full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
+        recompute = ("full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
+                     if recompute is None else recompute)
         if self.distributed_optimizer:
             if zero not in (None, 1):
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
@@ -245,7 +277,7 @@ class PlanOptions:
         zero = self.stack_zero(zero)[0]
         config = make_config(
             preset,
-            parallel=dict(tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
+            parallel=dict(tp=1 if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
                           zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
                           last_stage_layers=self.last_stage_layers),
             training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,

@@ -166,6 +166,9 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    if opts.impl == "torchtitan":
+        raise MemplanError("search over torchtitan's dimensions is not modelled yet: plan one layout with "
+                           "`memplan estimate --impl torchtitan --gpus N --ac MODE`")
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")

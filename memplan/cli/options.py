@@ -130,6 +130,9 @@ def plan_options(func: Callable) -> Callable:
                      help="MoE, --impl megatron*: the megatron-core modelled (default 0.16: 0.16.1; 0.19: 0.19.2's "
                           "alltoall permute keeps an int64 sort index over tokens x E)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
+        click.option("--ac", metavar="MODE",
+                     help="--impl torchtitan's activation checkpointing: none (default), full or selective-op "
+                          "(memplan/inventory/titan.py)."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",
@@ -161,7 +164,8 @@ def plan_options(func: Callable) -> Callable:
                      help="HF Trainer with DeepSpeed ZeRO of this stage (--impl hf-*): its reduce buckets and stage 3's "
                           "prefetch with the Trainer's 'auto' sizes (derived; memplan/memory/dp_stack.py); with "
                           "--offload optimizer: offload_optimizer to CPU."),
-        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa", "torchtune"]), default="megatron",
+        click.option("--impl", type=click.Choice(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa", "torchtune",
+                                                 "torchtitan"]), default="megatron",
                      show_default=True,
                      help="Which code runs the model: what it saves differs (see `memplan impls`)."),
         click.option("--transformer-impl", type=click.Choice(["transformer_engine", "local"]),

@@ -28,6 +28,7 @@ from memplan.inventory.mcore import held_decoder_input, mcore_local_inventory
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
 from memplan.inventory.recompute import apply_modules
+from memplan.inventory.titan import titan_inventory
 from memplan.inventory.traced import traced_inventory
 from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
 
@@ -72,6 +73,12 @@ IMPLEMENTATIONS: dict[str, str] = {
                  "tensors traced from its code on CPU (tests/test_torchtune.py), the step's transients derived "
                  "from transformers' measured ones; torch .grad tensors, AdamW fused; --optimizer-in-backward as "
                  "its recipes' optimizer_in_bwd",
+    "torchtitan": "torchtitan 0.3.0's Llama 3 (fused QKV, complex RoPE, RMSNorm, SwiGLU) with FSDP2 over --gpus "
+                  "(dp_shard; fp32 sharded parameters, gradients and AdamW moments, bf16 unsharded layers) and --ac "
+                  "none / full / selective-op: the layer's kept tensors measured and traced on CPU against torchtitan's "
+                  "real block (validation/titan.py; sdpa in place of FlexAttention); on CUDA the fused RMSNorm derived; "
+                  "the next layer's prefetched all-gather derived; the final norm, loss and token ids derived; the "
+                  "step's transients not modelled yet",
 }
 
 
@@ -150,6 +157,10 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     if impl == "torchtune" and (model.inventory is not None or model.is_moe or model.is_mla):
         raise MemplanError("--impl torchtune models torchtune's Llama (dense, RMSNorm, SwiGLU); a traced "
                            "inventory is transformers' code: use --impl hf-sdpa for it")
+    if impl == "torchtitan":
+        if loss_chunks > 1:
+            raise MemplanError("--impl torchtitan with --loss-chunks is not modelled")
+        return titan_inventory(model, device)
     if impl in HF_IMPLS:
         if model.inventory is not None:
             return traced_inventory(model, impl, device, loss_chunks)

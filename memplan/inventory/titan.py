@@ -1,6 +1,6 @@
 """torchtitan 0.3.0's Llama 3 decoder layer: the tensors it keeps for the backward per activation-checkpointing
-mode, and FSDP2's per-rank states.  Owns the first slice of `--impl torchtitan` (issue 24); not yet wired into
-`estimate` (see TITAN_LEFT).
+mode, FSDP2's per-rank states, and them as the Inventory of `--impl torchtitan` (``titan_inventory``; issue 24's
+first slice: what is left is TITAN_LEFT).
 
 The layer (torchtitan/models/llama3 + models/common: fused QKV linear, complex RoPE, RMSNorm, SwiGLU) read from
 its code and checked, term by term in total, against validation/titan.py, which runs torchtitan's real block
@@ -32,9 +32,14 @@ their backward (torchtitan does not reshard them after forward), measured.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.inventory.hf import hf_loss_moments
+from memplan.inventory.k22 import labels_term
+from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
 SOURCE = "torchtitan 0.3.0 Llama 3 block; measured and traced on CPU (validation/titan.py)"
@@ -131,5 +136,70 @@ rank 0 holds the most); the sharded parameters and gradients keep the padded siz
                        head_unsharded=2 * n * shard(head_shapes))
 
 
-TITAN_LEFT = ("wiring into `memplan estimate --impl torchtitan` (Inventory terms, --ac, --gpus as dp_shard); "
-              "the step's transients; CUDA kernels measured; TP / PP / CP, compile, float8; the emitted config")
+MEASURED = "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py, tests/test_titan.py)"
+DERIVED = "derived from torchtitan 0.3.0 / torch 2.13 code, not measured"
+# the mode each AC mode's kept set is written in: a term kept in ``modes`` gets these memplan recompute flags
+# (memplan/inventory/types.py Term.kept: none = Recompute.NONE, selective-op = SELECTIVE, full = FULL)
+_FLAGS = {("none",): dict(sel=True), ("none", "selective-op"): {}, ("selective-op",): dict(only_selective=True),
+          ("full", "selective-op"): dict(only_selective=True, full=True)}
+
+
+def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
+    """A TitanTerm (bytes per token) as an Inventory term: fp32 where its name says so, else the activation dtype."""
+    fp32 = "fp32" in t.name or t.id.endswith("rstd")
+    per = t.bytes_per_token // (4 if fp32 else 2)
+    flags = _FLAGS[t.modes] if scope == "layer" else {}
+    return saved(t.id, t.name, t.id.split(".")[0], f"{per} s b", "fp32" if fp32 else "act", scope=scope, k22=False,
+                 src=src, **flags)
+
+
+def _cuda_norm(terms: list[TitanTerm], h: int) -> list[TitanTerm]:
+    """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and an fp32 rstd (derived)."""
+    out: list[TitanTerm] = []
+    for t in terms:
+        which = t.id.split(".")[0]
+        if which.endswith("norm") and t.id.endswith(".x_fp32"):
+            out += [TitanTerm(f"{which}.x", f"{which}: input (bf16), fused kernel (CUDA)", 2 * h, t.modes),
+                    TitanTerm(f"{which}.rstd", f"{which}: rstd (fp32), fused kernel (CUDA)", 4, t.modes)]
+        elif not which.endswith("norm"):
+            out.append(t)
+    return out
+
+
+def titan_inventory(model: ModelSpec, device: str) -> Inventory:
+    """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
+    measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
+    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
+    yet: the peak is the kept tensors plus the states."""
+    if (model.is_moe or model.is_mla or model.inventory is not None or model.norm != "rmsnorm"
+            or model.mlp != "swiglu" or model.bias or model.dropout):
+        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3 layout only (RMSNorm, SwiGLU, no "
+                           "biases, no dropout, dense)")
+    h = model.hidden_size
+    terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads)
+    src = MEASURED
+    if device == "cuda":
+        terms, src = _cuda_norm(terms, h), f"{MEASURED}; on CUDA the fused RMSNorm {DERIVED}"
+    final = [t for t in llama3_layer_terms(h, 1, 1, 1, 1) if t.id.startswith("ffn_norm.")]
+    final = _cuda_norm(final, h) if device == "cuda" else final
+    loss = f"{DERIVED}: cross_entropy_loss on the fp32 logits"
+    outside = [_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
+                               t.bytes_per_token, ()), DERIVED, "last") for t in final]
+    outside += [
+        saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first", k22=False,
+              src=DERIVED),
+        saved("logits_fp32", "fp32 log-softmax of the logits", "output", "s b v", "fp32", scope="last", k22=False,
+              src=loss),
+        saved("target_ids", "target ids (int64)", "output", "s b", "int64", scope="last", k22=False, src=loss),
+    ]
+    held = (labels_term(),)
+    # the loss's moments: torchtitan's cross_entropy_loss runs the ops of transformers' ForCausalLMLoss (bf16
+    # logits, their fp32 copy, log-softmax), so its measured moments apply: derived for torchtitan
+    moments = tuple(dataclasses.replace(m, source=f"derived: {m.source}, with torchtitan's loss (same ops; not "
+                                        "measured)") for m in hf_loss_moments(model, final_norm=False))
+    return Inventory(f"torchtitan/{device}", tuple(_term(t, src) for t in terms) + tuple(outside), moments, "buffer",
+                     False, "fused", "torch", held, tied_grad_waits=False)
+
+
+TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile, float8, budget AC; "
+              "search over torchtitan's dimensions; the emitted config")

@@ -1,5 +1,6 @@
 """The data-parallel stack of an HF Trainer / accelerate run: FSDP2 (accelerate `fsdp_version: 2`) or DeepSpeed ZeRO
-1 / 2 / 3. The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
+1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, the running and prefetched
+layers and the final norm + LM head unsharded in bf16; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
 2 also the gradients, 3 also the weights, over the d data-parallel ranks); what a stack adds on top is here.
 
 All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
@@ -32,7 +33,7 @@ from memplan.core.arith import maximum
 from memplan.core.model import ModelSpec
 from memplan.core.training import TrainingSpec
 
-STACKS = ("fsdp2", "deepspeed")
+STACKS = ("fsdp2", "deepspeed", "torchtitan")
 
 # deepspeed 0.19.8 runtime/zero/config.py: stage3_max_live_parameters' default (elements)
 DS_MAX_LIVE_PARAMETERS = 10**9
@@ -67,6 +68,8 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
     unsharded all step). DeepSpeed stage 3: the largest
     submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
+    if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layer, tail
+        return 2 * layer + tail
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "deepspeed":
@@ -75,8 +78,20 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     return None
 
 
+def sharded_weight_bytes(training: TrainingSpec) -> int:
+    """Bytes per parameter of the sharded weights beside the optimizer's copy: torchtitan's FSDP2 keeps only the fp32
+    sharded parameters (the optimizer steps them: counted as the master weights) and all-gathers bf16 from them."""
+    return 0 if training.dp_stack == "torchtitan" else training.weight_bytes
+
+
 def notes(training: TrainingSpec, zero: int) -> list[str]:
     """What the plan's stack adds, said as derived."""
+    if training.dp_stack == "torchtitan":
+        return ["torchtitan FSDP2 (fully_shard per decoder layer, bf16 params / fp32 reduce): fp32 sharded parameters, "
+                "gradients and AdamW moments over the data-parallel ranks (16 B / d per parameter; dim-0 padding not "
+                "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
+                "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
+                "norm + LM head, kept from their forward to their backward (measured)"]
     if training.dp_stack == "fsdp2":
         return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
                 "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "

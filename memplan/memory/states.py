@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.model import ModelSpec
+from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import OUTPUT_LAYER_W
@@ -431,7 +432,7 @@ def state_bytes(params: Any, training: TrainingSpec, d: Any, zero: Any, gathered
     if optimizer_unsharded is None:
         optimizer_unsharded = optimizer_bytes(training, params)
     z = zero
-    weights = shard_bytes(params * training.weight_bytes, d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
+    weights = shard_bytes(params * sharded_weight_bytes(training), d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
     gradients = shard_bytes(params * training.grad_bytes, d, z >= 2)
     optimizer = shard_bytes(optimizer_unsharded, d, z >= 1)
     return StateBytes(weights, gradients, optimizer)
