@@ -137,7 +137,7 @@ rank 0 holds the most); the sharded parameters and gradients keep the padded siz
 
 
 MEASURED = "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py, tests/test_titan.py)"
-DERIVED = "derived from torchtitan 0.3.0 / torch 2.13 code, not measured"
+DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 # the mode each AC mode's kept set is written in: a term kept in ``modes`` gets these memplan recompute flags
 # (memplan/inventory/types.py Term.kept: none = Recompute.NONE, selective-op = SELECTIVE, full = FULL)
 _FLAGS = {("none",): dict(sel=True), ("none", "selective-op"): {}, ("selective-op",): dict(only_selective=True),
@@ -179,10 +179,10 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads)
     src = MEASURED
     if device == "cuda":
-        terms, src = _cuda_norm(terms, h), f"{MEASURED}; on CUDA the fused RMSNorm {DERIVED}"
+        terms, src = _cuda_norm(terms, h), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
     final = [t for t in llama3_layer_terms(h, 1, 1, 1, 1) if t.id.startswith("ffn_norm.")]
     final = _cuda_norm(final, h) if device == "cuda" else final
-    loss = f"{DERIVED}: cross_entropy_loss on the fp32 logits"
+    loss = f"{DERIVED}; cross_entropy_loss on the fp32 logits"
     outside = [_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
                                t.bytes_per_token, ()), DERIVED, "last") for t in final]
     outside += [

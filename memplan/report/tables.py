@@ -42,10 +42,10 @@ def _cite(source: str) -> str:
 # The compact layout's source column: the long names of works shortened (every citation then takes
 # at most 11 characters), each explained in a line under the table when it appears.
 SHORT_WORKS = (("FlashAttention-2 (Dao 2023)", "FlashAttn-2"), ("Transformer Engine / apex", "TE / apex"),
-               ("transformers ", "HF "), ("torchtune ", "tune "))
+               ("transformers ", "HF "), ("torchtune ", "tune "), ("torchtitan ", "titan "))
 SHORT_WORK_NAMES = {"FlashAttn-2": "FlashAttention-2 (Dao 2023)", "TE": "Transformer Engine",
                     "mcore": "megatron-core 0.16.1 (its local spec)",
-                    "HF": "Hugging Face transformers", "tune": "torchtune"}
+                    "HF": "Hugging Face transformers", "tune": "torchtune", "titan": "torchtitan"}
 
 
 def _short_cite(cite: str) -> str:
