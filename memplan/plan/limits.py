@@ -32,6 +32,12 @@ def largest(fits: Callable[[int], bool], step: int, limit: int) -> Optional[int]
     while hi * step <= limit and fits(hi * step):
         lo, hi = hi, hi * 2
     hi = min(hi, limit // step + 1)  # fits(hi * step) is false or beyond the limit
+    return _bisect(fits, lo, hi, step)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int, step: int) -> int:
+    """Between lo (fits at lo * step) and hi (does not at hi * step), a multiple of `step` that fits, one step
+    longer not."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid * step):
@@ -65,13 +71,7 @@ def fits_below(fits: Callable[[int], bool], top: int, step: int) -> Optional[int
         if lo == 1:
             return None
         hi, gap = lo, gap * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * step
+    return _bisect(fits, lo, hi, step)
 
 
 def _with(config: Config, model: Optional[dict] = None, training: Optional[dict] = None) -> Config:
