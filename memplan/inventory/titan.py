@@ -116,8 +116,12 @@ def local_numel(shape: tuple[int, ...], n: int, rank: int) -> int:
     return max(0, min(rows, shape[0] - rank * rows)) * (sharded_numel(shape, n) // rows)
 
 
+# layers torchtitan's FSDP2 all-gathers ahead of the running one on a GPU (derived: fully_shard's prefetch)
+GPU_PREFETCH = 1
+
+
 def fsdp2_states(param_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
-                 head_shapes: list[tuple[int, ...]], n: int, prefetch: int = 1, rank: int = 0) -> Fsdp2States:
+                 head_shapes: list[tuple[int, ...]], n: int, prefetch: int = GPU_PREFETCH, rank: int = 0) -> Fsdp2States:
     """FSDP2 states per rank: ``param_shapes`` every parameter's shape, ``layer_shapes`` one decoder layer's,
     ``head_shapes`` the final norm's and LM head's, ``n`` = dp_shard; ``prefetch`` layers all-gathered ahead of
     the running one (GPU: 1, the all-gather runs on its own stream ahead of the compute, derived; on CPU

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from memplan.core.arith import maximum
 from memplan.core.model import ModelSpec
 from memplan.core.training import TrainingSpec
+from memplan.inventory.titan import GPU_PREFETCH
 
 STACKS = ("fsdp2", "deepspeed", "torchtitan")
 
@@ -68,8 +69,8 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
     unsharded all step). DeepSpeed stage 3: the largest
     submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
-    if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layer, tail
-        return 2 * layer + tail
+    if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layers, tail
+        return (1 + GPU_PREFETCH) * layer + tail
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "deepspeed":
