@@ -64,3 +64,17 @@ def test_substituted_text():
 def test_explain_needs_a_model(run_cli):
     code, _, err = run_cli("explain")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--model is required" in err
+
+
+def test_a_replayed_fragmentation_is_explained_as_the_replay(run_cli):
+    # llama3-8b, transformers sdpa, bf16 states on one H100, --frag-margin 0: the caching allocator's replay reserves
+    # more than the (zero) margin, so the fragmentation is reserved peak - allocated peak; before, the step printed
+    # ceil(0 x allocated peak) beside a non-zero value
+    code, out, _ = run_cli("explain", "--model", "llama3-8b", "--impl", "hf-sdpa", "--precision", "bf16-true", "--gpus",
+                           "1", "--recompute", "full", "--micro-batch", "1", "--global-batch", "2", "--gpu", "h100-80gb",
+                           "--frag-margin", "0", "--json")
+    assert code == 0
+    frag = next(s for s in json.loads(out) if s["label"].startswith("fragmentation"))
+    assert frag["value"] > 0 and "replay" in frag["label"]
+    reserved, allocated = (int(x.replace(",", "")) for x in frag["substituted"].split(" - "))
+    assert frag["value"] == reserved - allocated

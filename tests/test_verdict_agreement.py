@@ -57,3 +57,20 @@ def test_estimate_search_and_max_seq_agree(drawn):
     found = search(model, all_variants=True, max_seq=True, **plan).result
     assert found.max_seq_len % SEQ_STEP == 0 and len(found.top) == 1
     assert fits_at(found.max_seq_len) and not fits_at(found.max_seq_len + SEQ_STEP)
+
+
+def test_a_listed_plan_shows_estimates_need_and_a_dead_run_leaves_the_count():
+    # llama3-8b t2 p2 d2 on H100s, --frag-margin 0: the replay reserves more than the allocated peak, so estimate's
+    # need is above the search's bound (allocated peak + runtime). A listed row shows estimate's need; with a budget of
+    # the bound itself the run dies in the replay (its segments hold more than the allocated bytes), and the plan
+    # leaves both the listing and the count of plans that fit
+    plan = dict(gpus=8, tp=2, pp=2, dp=2, vpp=1, sp=True, zero=0, micro_batch=1, recompute="selective", seq_len=4096,
+                gpu="h100-80gb", frag_margin=0.0)
+    est = estimate("llama3-8b", **plan)
+    assert est.estimate.device.replayed
+    row = search("llama3-8b", all_variants=True, **plan).to_dict()["plans"][0]
+    assert row["memory"]["device_bytes"] == est.device_bytes
+    bound = int(est.estimate.device.flat_total)
+    assert not estimate("llama3-8b", mem=bound, **plan).fits
+    tight = search("llama3-8b", all_variants=True, mem=bound, **plan).result
+    assert tight.top == [] and tight.feasible == 0

@@ -3,11 +3,12 @@
 the next plans that fit the vectorised bound are replayed in its place, so every plan listed is one `estimate` says
 fits. `search --max-seq` answers the longest length at which a listed plan survives its replay. The count of plans
 that fit stays the vectorised bound's (allocated peak + the margin + runtime within the budget): plans not listed are
-not replayed, and the search says so."""
+not replayed, and the search says so. A plan whose run dies no longer fits the search: the listing is arranged and
+folded again without it."""
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable
 
 from memplan.core.errors import MemplanError
 from memplan.memory.reserved import Replay
@@ -23,59 +24,79 @@ from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
 EXTRA_REPLAYS = 20
 
 
-def _survives(result: SearchResult, plan: int, replay: Replay) -> Union[bool, str]:
-    """Whether plan's run completes in the replay; what the stream does not model when the plan is not replayed."""
+def _verdict(result: SearchResult, plan: int, replay: Replay) -> tuple[int, str]:
+    """What plan needs as `estimate` decides it and what the stream does not model ("" when the plan is replayed):
+    where not streamed, the flat margin alone decides, which is the search's own bound."""
     config = result.config(plan)
     if why := not_streamed(config.training, PlanValues.from_config(config)):
-        return why
-    return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes,
-                        replay) <= result.budget_bytes
+        return int(result.numbers(plan)["device_bytes"]), why
+    return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, replay), ""
 
 
 def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, top: int = 10,
                    replay: Replay = Replay()) -> SearchResult:
-    """Arrange the search's listing (`arrange`) and replay its plans; a plan whose run dies is left out and the next
-    rows of the listing's order are replayed in its place (at most `EXTRA_REPLAYS` more), so the listing keeps `top`
-    rows where that many survive. Says what was replayed."""
-    verdicts: dict[int, Union[bool, str]] = {}
-    want = top
+    """Arrange the search's listing (`arrange`) and decide its plans as `estimate` does (`_verdict`). A plan whose run
+    dies in the replay no longer fits the search either (its device memory is set to what it needs, so the listing is arranged and
+    folded again without it), and the next rows are decided in its place (at most `EXTRA_REPLAYS` more decisions),
+    so the listing keeps `top` rows where that many fit. The rows show what `estimate` says each needs (folded
+    variants are counted on the bound, not replayed). Says what was decided."""
+    verdicts: dict[int, tuple[int, str]] = {}
     while True:
-        arrange(result, sort, fold, want)
+        arrange(result, sort, fold, top)
         rows = result.listed()
-        for row in rows:
-            if row.plan not in verdicts:
-                verdicts[row.plan] = _survives(result, row.plan, replay)
-        kept = [row for row in rows if verdicts[row.plan] is not False]
-        if len(kept) >= top or len(rows) < want or want >= top + EXTRA_REPLAYS:
+        new = [row.plan for row in rows if row.plan not in verdicts]
+        if not new:
             break
-        want = min(top + EXTRA_REPLAYS, want + top - len(kept))
-    kept = kept[:max(top, 0)]
+        over = []
+        for plan in new[:max(top + EXTRA_REPLAYS - len(verdicts), 0)]:
+            verdicts[plan] = _verdict(result, plan, replay)
+            if verdicts[plan][0] > result.budget_bytes:
+                over.append(plan)
+        if over:
+            _no_longer_fit(result, {plan: verdicts[plan][0] for plan in over})
+        elif len(verdicts) >= top + EXTRA_REPLAYS:
+            break
+    kept = [row for row in result.listed() if row.plan in verdicts and verdicts[row.plan][0] <= result.budget_bytes]
     result.listing, result.top = kept, [row.plan for row in kept]
+    for row in kept:
+        result.exact[row.plan]["device_bytes"] = verdicts[row.plan][0]
     if verdicts:
-        result.notes.append(_note(verdicts, kept, replay))
+        result.notes.append(_note(verdicts, kept, replay, result.budget_bytes, fold))
     return result
+
+
+def _no_longer_fit(result: SearchResult, needs: dict[int, int]) -> None:
+    """Plans the verdict takes over the budget: their device memory is what they need, out of the search's fits."""
+    device = result.evaluated.device_bytes
+    for plan, need in needs.items():
+        device[plan] = need
+        if plan in result.exact:
+            result.exact[plan]["device_bytes"] = need
+    result.top = [plan for plan in result.top if plan not in needs]
+    result.feasible -= len(needs)
 
 
 def _plans(n: int) -> str:
     return f"{n} plan" + ("" if n == 1 else "s")
 
 
-def _note(verdicts: dict[int, Union[bool, str]], kept: list, replay: Replay) -> str:
-    replayed = [v for v in verdicts.values() if isinstance(v, bool)]
+def _note(verdicts: dict[int, tuple[int, str]], kept: list, replay: Replay, budget: int, fold: bool) -> str:
+    replayed = [need <= budget for need, why in verdicts.values() if not why]
     died = replayed.count(False)
-    skipped = [verdicts[row.plan] for row in kept if isinstance(verdicts[row.plan], str)]
-    unreplayed = len(skipped)
+    skipped = [verdicts[row.plan][1] for row in kept if verdicts[row.plan][1]]
     how = f"PyTorch's caching allocator ({replay.label}; derived, not measured)"
     why = f"the allocation stream does not model {', '.join(dict.fromkeys(skipped))} yet"
     if not replayed:
-        what = f"no listed plan replayed through {how}: {why}"
-    else:
-        what = f"{_plans(len(replayed))} replayed through {how}"
-        what += (f": {died} died in the replay and are left out, the next plans that fit taking their place" if died
-                 else ": each completes")
-        if unreplayed:
-            what += f"; {_plans(unreplayed)} listed not replayed ({why})"
-    return what + "; the count of plans that fit is the bound allocated peak + margin + runtime, not replayed"
+        return (f"no listed plan replayed through {how}: {why}; the count of plans that fit is the bound allocated peak + "
+                "margin + runtime")
+    what = f"{_plans(len(replayed))} replayed through {how}"
+    what += (f": {died} of them died in the replay, left out, the next plans that fit taking their place" if died
+             else ": each completes") + " (a listed row shows what estimate says it needs)"
+    if skipped:
+        what += f"; {_plans(len(skipped))} listed not replayed ({why})"
+    return what + ("; the count of plans that fit is the bound allocated peak + margin + runtime"
+                   + (f" less the {died} that died" if died else "")
+                   + (", folded variants counted on that bound" if fold else ""))
 
 
 def replayed_max_seq(result: SearchResult, search_at: Callable[[int], SearchResult],

@@ -271,9 +271,14 @@ def _peak(est: Estimate) -> list[Step]:
              int(step.peak_bytes), "B", "memplan/memory/timeline.py"),
         Step("peak", "allocated peak (torch.cuda.max_memory_allocated)", "step peak + cuBLAS workspace",
              _plus([step.peak_bytes, dev.workspace_bytes]), int(dev.allocated_peak), "B"),
-        Step("peak", "fragmentation margin", "ceil(margin x allocated peak)",
-             f"ceil({dev.margin:g} x {int(dev.allocated_peak):,})", int(dev.fragmentation_bytes), "B",
-             "GPU preset" if est.gpu is not None else "--frag-margin"),
+        Step("peak", *(
+            ("fragmentation (the caching allocator's replay, above the margin)",
+             "reserved peak of the replay (the capacity + 1 B where the run dies) - allocated peak",
+             f"{int(dev.allocated_peak + dev.fragmentation_bytes):,} - {int(dev.allocated_peak):,}",
+             int(dev.fragmentation_bytes), "B",
+             "memplan/memory/reserved.py") if dev.replayed else
+            ("fragmentation margin", "ceil(margin x allocated peak)", f"ceil({dev.margin:g} x {int(dev.allocated_peak):,})",
+             int(dev.fragmentation_bytes), "B", "GPU preset" if est.gpu is not None else "--frag-margin"))),
         Step("peak", "CUDA context, kernels, NCCL (outside PyTorch)", "runtime", "",
              int(dev.runtime_bytes), "B", f"GPU preset {est.gpu.name}" if est.gpu is not None else "no GPU given"),
         Step("peak", "device memory needed", "allocated peak + margin + runtime",
