@@ -113,6 +113,8 @@ class PlanOptions:
     no_bias_dropout_fusion: Optional[bool] = None
     no_rope_fusion: Optional[bool] = None
     no_gradient_accumulation_fusion: Optional[bool] = None
+    cross_entropy_loss_fusion: Optional[bool] = None
+    cross_entropy_fusion_impl: Optional[str] = None
 
     def replay(self) -> Replay:
         """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
@@ -139,6 +141,20 @@ class PlanOptions:
         if self.device == "cpu" and self.impl == "megatron":
             raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on "
                                "CUDA only: --device cpu takes --impl megatron-local (--transformer-impl local)")
+
+    @property
+    def cross_entropy_fusion(self) -> Optional[str]:
+        """Megatron-LM's fused cross-entropy (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl native|te;
+        memplan/inventory/fusions.py): None when off."""
+        if self.cross_entropy_fusion_impl not in (None, "native", "te"):
+            raise MemplanError(f"unknown --cross-entropy-fusion-impl {echo(self.cross_entropy_fusion_impl)}; known: "
+                               "native, te")
+        if not self.cross_entropy_loss_fusion:
+            if self.cross_entropy_fusion_impl is not None:
+                raise MemplanError("--cross-entropy-fusion-impl needs --cross-entropy-loss-fusion (Megatron-LM "
+                                   "ignores it without)")
+            return None
+        return self.cross_entropy_fusion_impl or "native"
 
     @property
     def fusions_off(self) -> tuple[str, ...]:
@@ -209,7 +225,8 @@ class PlanOptions:
                     if "optimizer" in self.offload else None,
                     offload_activations=True if "activations" in self.offload else None,
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
-                    device=self.device, fusions_off=self.fusions_off or None)
+                    device=self.device, fusions_off=self.fusions_off or None,
+                    cross_entropy_fusion=self.cross_entropy_fusion)
 
     def stack_zero(self, zero: Optional[int]) -> tuple[Optional[int], Optional[str]]:
         """The ZeRO stage and data-parallel stack of --fsdp2 (ZeRO 3) / --deepspeed-zero N (memplan/memory/dp_stack.py),

@@ -177,6 +177,13 @@ def plan_options(func: Callable) -> Callable:
         *[click.option(f"--no-{name}-fusion", is_flag=True, default=None,
                        help=f"Megatron-LM --no-{name}-fusion (--impl megatron*; memplan/inventory/fusions.py).")
           for name in FUSIONS],
+        click.option("--cross-entropy-loss-fusion", is_flag=True, default=None,
+                     help="Megatron-LM --cross-entropy-loss-fusion (--impl megatron*): megatron-core's fused "
+                          "vocab-parallel cross-entropy. native: the same tensors but an extra fp32 logits-sized "
+                          "gradient buffer in its backward (measured on CPU); te: Transformer Engine's kernel keeps "
+                          "the bf16 logits as their gradient instead of an fp32 softmax (derived, CUDA only)."),
+        click.option("--cross-entropy-fusion-impl", type=click.Choice(["native", "te"]),
+                     help="Megatron-LM --cross-entropy-fusion-impl (default native) with --cross-entropy-loss-fusion."),
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
                      help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
                           "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),

@@ -168,6 +168,10 @@ class TrainingSpec(Spec):
         default=(), description="Megatron-LM fusions turned off (--no-<name>-fusion, FUSIONS; memplan/inventory/"
         "fusions.py); (): Megatron-LM's defaults, all on")
 
+    cross_entropy_fusion: Optional[Literal["native", "te"]] = Field(
+        default=None, description="Megatron-LM --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native|te "
+        "(memplan/inventory/fusions.py); None: off, Megatron-LM's default")
+
     @field_validator("fusions_off", mode="after")
     @classmethod
     def _fusions(cls, value: tuple[str, ...]) -> tuple[str, ...]:

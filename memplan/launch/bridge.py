@@ -80,6 +80,8 @@ OVERRIDES: dict[str, tuple[tuple[str, Value], ...]] = {
     "--no-bias-dropout-fusion": (("model.bias_dropout_fusion", _FALSE),),
     "--no-rope-fusion": (("model.apply_rope_fusion", _FALSE),),
     "--transformer-impl": (("model.transformer_impl", "$"),),
+    "--cross-entropy-loss-fusion": (("model.cross_entropy_loss_fusion", _TRUE),),
+    "--cross-entropy-fusion-impl": (("model.cross_entropy_fusion_impl", "$"),),
     "--recompute-modules": (("model.recompute_modules", lambda v, c: "[" + ",".join(v.split()) + "]"),),
     "--ckpt-format": (("checkpoint.ckpt_format", "$"),),
     "--overlap-grad-reduce": (("ddp.overlap_grad_reduce", _TRUE),),

@@ -295,13 +295,17 @@ def megatron_args(config: Config, impl: str = "megatron") -> list[str]:
 
 
 def _kernels(config: Config, impl: str) -> list[str]:
-    """--transformer-impl local for megatron-core's local spec, and the fusions switched off (memplan/inventory/
-    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false)."""
+    """--transformer-impl local for megatron-core's local spec, the fusions switched off (memplan/inventory/
+    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false), and the
+    fused cross-entropy (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl native|te)."""
     args = ["--transformer-impl local"] if impl == "megatron-local" else []
     # core_transformer_config_from_args: bias_activation_fusion is bias_swiglu_fusion with --swiglu, else
     # bias_gelu_fusion, so the other activation's switch does nothing and is not emitted
     idle = "bias-gelu" if config.model.mlp == "swiglu" else "bias-swiglu"
-    return args + [f"--no-{name}-fusion" for name in config.training.fusions_off if name != idle]
+    args += [f"--no-{name}-fusion" for name in config.training.fusions_off if name != idle]
+    if config.training.cross_entropy_fusion:  # ModelParallelConfig.cross_entropy_loss_fusion / _fusion_impl
+        args += ["--cross-entropy-loss-fusion", f"--cross-entropy-fusion-impl {config.training.cross_entropy_fusion}"]
+    return args
 
 
 def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
