@@ -115,6 +115,7 @@ class PlanOptions:
     no_gradient_accumulation_fusion: Optional[bool] = None
     cross_entropy_loss_fusion: Optional[bool] = None
     cross_entropy_fusion_impl: Optional[str] = None
+    memory_efficient_layer_norm: Optional[bool] = None
 
     def replay(self) -> Replay:
         """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
@@ -226,7 +227,8 @@ class PlanOptions:
                     offload_activations=True if "activations" in self.offload else None,
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
                     device=self.device, fusions_off=self.fusions_off or None,
-                    cross_entropy_fusion=self.cross_entropy_fusion)
+                    cross_entropy_fusion=self.cross_entropy_fusion,
+                    memory_efficient_layer_norm=self.memory_efficient_layer_norm)
 
     def stack_zero(self, zero: Optional[int]) -> tuple[Optional[int], Optional[str]]:
         """The ZeRO stage and data-parallel stack of --fsdp2 (ZeRO 3) / --deepspeed-zero N (memplan/memory/dp_stack.py),

@@ -184,6 +184,10 @@ def plan_options(func: Callable) -> Callable:
                           "the bf16 logits as their gradient instead of an fp32 softmax (derived, CUDA only)."),
         click.option("--cross-entropy-fusion-impl", type=click.Choice(["native", "te"]),
                      help="Megatron-LM --cross-entropy-fusion-impl (default native) with --cross-entropy-loss-fusion."),
+        click.option("--memory-efficient-layer-norm", is_flag=True, default=None,
+                     help="Megatron-LM --memory-efficient-layer-norm (--impl megatron-local, LayerNorm, CUDA): apex's "
+                          "fused LayerNorm saves its output (the next linear's input) instead of its input, and no "
+                          "mean. Derived from apex's code, not measured."),
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
                      help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
                           "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),

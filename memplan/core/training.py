@@ -172,6 +172,10 @@ class TrainingSpec(Spec):
         default=None, description="Megatron-LM --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native|te "
         "(memplan/inventory/fusions.py); None: off, Megatron-LM's default")
 
+    memory_efficient_layer_norm: bool = Field(
+        default=False, description="Megatron-LM --memory-efficient-layer-norm: apex's fused LayerNorm saves its "
+        "output, not its input (--impl megatron-local, LayerNorm, CUDA; memplan/inventory/fusions.py)")
+
     @field_validator("fusions_off", mode="after")
     @classmethod
     def _fusions(cls, value: tuple[str, ...]) -> tuple[str, ...]:

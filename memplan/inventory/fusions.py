@@ -45,6 +45,16 @@ place, which the backward turns into the gradient in place before autograd casts
   per token the max, the sum and the target's logit (m_d_X_y, 3 fp32; all-gathered over t ranks) and the
   contiguous targets, and write the gradient into the logits' own storage, which they save: 2 bytes per logit
   saved instead of 4, and no gradient buffer in the backward. CUDA only; derived from code, not measured.
+
+The norm's implementation has one switch that changes memory, `--memory-efficient-layer-norm`
+(TransformerConfig.memory_efficient_layer_norm): the local spec's LayerNorm with apex installed is
+fusions/fused_layer_norm.FusedLayerNorm, which hands it to apex's FusedLayerNormAffineFunction (or the persistent
+FastLayerNormFN): memory_efficient saves the norm's output, not its input, and rstd without the mean. The output is
+the next linear's saved input (the same storage), so each LayerNorm's input (s b h) and mean (s b fp32) are no
+longer kept: both layer norms of every layer and the final one. Derived from apex's code (CUDA only), not measured.
+Transformer Engine's norms ignore it; the local spec's RMSNorm (torch.nn.RMSNorm through WrappedTorchNorm) asserts it
+is off, as it does for persist_layer_norm and `--apply-layernorm-1p`, which change no bytes in FusedLayerNorm
+(the persistent kernel saves what the other one does; zero-centred gamma makes `weight + 1`, h elements).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from typing import Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import causal_mask_term
 from memplan.inventory.mcore import MCORE, rope_cos_sin_term, unfused_swiglu
 from memplan.inventory.types import Inventory, Moment, saved, transient
@@ -143,3 +154,33 @@ def apply_loss_fusion(inv: Inventory, impl: str, device: str, fusion: Optional[s
     moments = [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id not in drop[m.id]))
                if m.id in drop else m for m in moments]
     return dataclasses.replace(inv, name=f"{inv.name}/ce-fusion:{fusion}", terms=tuple(terms), moments=tuple(moments))
+
+
+APEX_LN = "derived from apex FusedLayerNormAffineFunction (memory_efficient=True saves the output), not measured"
+LN_INPUTS = ("ln1_input", "ln2_input", "final_ln_input")
+LN_STATS = ("ln1_stats", "ln2_stats", "final_ln_stats")
+
+
+def apply_norm(inv: Inventory, model: ModelSpec, impl: str, device: str, memory_efficient: bool,
+               modules: tuple[str, ...]) -> Inventory:
+    """`inv` with Megatron-LM's --memory-efficient-layer-norm: the LayerNorms' inputs and means not kept."""
+    if not memory_efficient:
+        return inv
+    if impl != "megatron-local" or device != "cuda" or model.norm != "layernorm":
+        raise MemplanError("--memory-efficient-layer-norm is apex's fused LayerNorm in megatron-core's local spec: "
+                           "--impl megatron-local, a LayerNorm model, --device cuda (Transformer Engine ignores it, "
+                           "torch's RMSNorm refuses it)")
+    if "layernorm" in modules:
+        raise MemplanError("--memory-efficient-layer-norm with --recompute-modules layernorm is not modelled")
+    terms = []
+    for t in inv.terms:
+        if t.id == "ln1_input":  # the layer input: still the checkpoint's under full recompute
+            t = dataclasses.replace(t, name="the layer input (kept by full recompute's checkpoint only)",
+                                    only_full=True, source=APEX_LN)
+        elif t.id in LN_INPUTS:
+            continue
+        if t.id in LN_STATS:  # rstd only: one value per token
+            t = dataclasses.replace(t, name=t.name.replace("mean and rstd", "rstd"), elements=Poly.parse_sum("s b"), storages=1,
+                                    source=APEX_LN)
+        terms.append(t)
+    return dataclasses.replace(inv, name=f"{inv.name}/memory-efficient-ln", terms=tuple(terms))

@@ -82,6 +82,7 @@ OVERRIDES: dict[str, tuple[tuple[str, Value], ...]] = {
     "--transformer-impl": (("model.transformer_impl", "$"),),
     "--cross-entropy-loss-fusion": (("model.cross_entropy_loss_fusion", _TRUE),),
     "--cross-entropy-fusion-impl": (("model.cross_entropy_fusion_impl", "$"),),
+    "--memory-efficient-layer-norm": (("model.memory_efficient_layer_norm", _TRUE),),
     "--recompute-modules": (("model.recompute_modules", lambda v, c: "[" + ",".join(v.split()) + "]"),),
     "--ckpt-format": (("checkpoint.ckpt_format", "$"),),
     "--overlap-grad-reduce": (("ddp.overlap_grad_reduce", _TRUE),),

@@ -305,6 +305,8 @@ def _kernels(config: Config, impl: str) -> list[str]:
     args += [f"--no-{name}-fusion" for name in config.training.fusions_off if name != idle]
     if config.training.cross_entropy_fusion:  # ModelParallelConfig.cross_entropy_loss_fusion / _fusion_impl
         args += ["--cross-entropy-loss-fusion", f"--cross-entropy-fusion-impl {config.training.cross_entropy_fusion}"]
+    if config.training.memory_efficient_layer_norm:  # TransformerConfig.memory_efficient_layer_norm (apex)
+        args.append("--memory-efficient-layer-norm")
     return args
 
 
