@@ -116,6 +116,11 @@ class PlanOptions:
     cross_entropy_loss_fusion: Optional[bool] = None
     cross_entropy_fusion_impl: Optional[str] = None
     memory_efficient_layer_norm: Optional[bool] = None
+    # Megatron-LM's activation offloading (memplan/memory/offload.py): the layer offloading it maps onto, the
+    # fine-grained one it refuses
+    cpu_offloading_num_layers: Optional[int] = None
+    fine_grained_activation_offloading: Optional[bool] = None
+    offload_modules: Optional[str] = None
 
     def replay(self) -> Replay:
         """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
@@ -139,6 +144,13 @@ class PlanOptions:
                 raise MemplanError(f"--transformer-impl {self.transformer_impl} is --impl {impl}; it conflicts with "
                                    f"--impl {self.impl}")
             self.impl = impl
+        if self.fine_grained_activation_offloading or self.offload_modules:
+            raise MemplanError("Megatron-LM's fine-grained activation offloading (--fine-grained-activation-offloading "
+                               "--offload-modules: chosen modules' inputs) is not modelled; memplan models layer "
+                               "offloading (--offload activations, --cpu-offloading-num-layers L-1)")
+        if self.cpu_offloading_num_layers is not None and not self.impl.startswith("megatron"):
+            raise MemplanError(f"--cpu-offloading-num-layers is Megatron-LM's (--impl megatron*); for --impl "
+                               f"{self.impl} use --offload activations (torch's save_on_cpu)")
         if self.device == "cpu" and self.impl == "megatron":
             raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on "
                                "CUDA only: --device cpu takes --impl megatron-local (--transformer-impl local)")
@@ -224,7 +236,8 @@ class PlanOptions:
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
                     if "optimizer" in self.offload else None,
-                    offload_activations=True if "activations" in self.offload else None,
+                    offload_activations=True if "activations" in self.offload or self.cpu_offloading_num_layers
+                    else None, offload_activation_layers=self.cpu_offloading_num_layers,
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
                     device=self.device, fusions_off=self.fusions_off or None,
                     cross_entropy_fusion=self.cross_entropy_fusion,

@@ -184,6 +184,15 @@ def plan_options(func: Callable) -> Callable:
                           "the bf16 logits as their gradient instead of an fp32 softmax (derived, CUDA only)."),
         click.option("--cross-entropy-fusion-impl", type=click.Choice(["native", "te"]),
                      help="Megatron-LM --cross-entropy-fusion-impl (default native) with --cross-entropy-loss-fusion."),
+        click.option("--cpu-offloading-num-layers", type=AsciiIntRange(1), metavar="N",
+                     help="Megatron-LM --cpu-offloading-num-layers (--impl megatron*): Transformer Engine offloads the "
+                          "first N layers' activations; N = L - 1 (no pipeline parallelism) is --offload activations "
+                          "(derived, memplan/memory/offload.py); other N are refused."),
+        click.option("--fine-grained-activation-offloading", is_flag=True, default=None,
+                     help="Megatron-LM's module-level activation offloading: not modelled (refused)."),
+        click.option("--offload-modules", metavar="MODULES",
+                     help="Megatron-LM --offload-modules (with --fine-grained-activation-offloading): not modelled "
+                          "(refused)."),
         click.option("--memory-efficient-layer-norm", is_flag=True, default=None,
                      help="Megatron-LM --memory-efficient-layer-norm (--impl megatron-local, LayerNorm, CUDA): apex's "
                           "fused LayerNorm saves its output (the next linear's input) instead of its input, and no "

@@ -370,9 +370,12 @@ def _offload(config: Config, notes: list[str]) -> list[str]:
             args.append(f"--cpu-offloading-num-layers {m.num_layers - 1}")
             notes.append(f"--cpu-offloading-num-layers offloads at most L - 1 = {m.num_layers - 1} layers "
                          "(transformer_config.py:1137-1142): the last layer's saved tensors stay on the GPU, where "
-                         "memplan's first backward has them too; Megatron-LM's offloader (Transformer Engine) copies on "
-                         "a side stream a layer ahead and skips weights and tensors under 1 MB, unlike torch's "
-                         "save_on_cpu that memplan models: its memory and time differ")
+                         "memplan's first backward has them too. Transformer Engine's offloader (cpu_offload.py "
+                         "OffloadSynchronizer, read at TE commit 00382b96) then keeps at most L - N = 1 layer's "
+                         "activations on the GPU, as memplan's torch save_on_cpu model does, but copies on a side "
+                         "stream a layer ahead and keeps weights and tensors under 1 MB on the GPU (no host copy): "
+                         "the GPU bytes match to about one layer's small tensors, the host bytes and copy time are "
+                         "memplan's upper bound (derived, not measured)")
     return args
 
 
