@@ -10,7 +10,7 @@ import pytest
 from memplan.check.cases import mcore_case
 from memplan.check.validate import case_model
 from memplan.cli import options as cli_options
-from memplan.core.training import FUSIONS, TrainingSpec
+from memplan.core.training import FUSIONS, Recompute, TrainingSpec
 from memplan.inventory.assemble import training_inventory
 
 # the terms each switch adds on CUDA (the rest change no bytes: memplan/inventory/fusions.py)
@@ -89,3 +89,32 @@ def test_api_takes_the_same_options():
     assert "causal_mask" in {row.term.id for row in got.estimate.rows}
     with pytest.raises(MemplanError, match="unknown --transformer-impl"):
         estimate("llama3-8b", tp=8, transformer_impl="te")
+
+
+def test_memory_efficient_layer_norm_keeps_the_output_not_the_input(run_cli):
+    from memplan.memory.term_bytes import PlanValues, TermBytes
+
+    model = case_model(mcore_case("gpt"))  # LayerNorm, s = 32, b = 2, h = 64
+    s, b, h = model.seq_length, 2, model.hidden_size
+    sizes = TermBytes(model, PlanValues(1, 1, 1, 1, 0, 0, 1, b, 0, 1, 1), 2)
+
+    def kept(recompute=Recompute.NONE, **training):
+        inv = training_inventory(model, "megatron-local", "cuda", TrainingSpec(recompute=recompute, **training))
+        return {scope: sum(sizes(t) * t.kept(recompute) for t in inv.terms if t.scope == scope)
+                for scope in ("layer", "last")}
+
+    on, off = kept(memory_efficient_layer_norm=True), kept()
+    # hand-derived from apex FusedLayerNormAffineFunction (memory_efficient=True): save_for_backward(output, weight,
+    # bias, None, invvar) instead of (input, weight, bias, mean, invvar); the output is the next linear's saved input.
+    # Per LayerNorm: its bf16 input (2 s b h) and its fp32 mean (4 s b) go: two per layer, the final one at the loss.
+    assert off["layer"] - on["layer"] == 2 * (2 * s * b * h + 4 * s * b)
+    assert off["last"] - on["last"] == 2 * s * b * h + 4 * s * b
+    # full recompute keeps the layer input (the checkpoint's) either way
+    full = Recompute.FULL
+    assert kept(full, memory_efficient_layer_norm=True)["layer"] == kept(full)["layer"] == 2 * s * b * h
+    code, _, err = run_cli("estimate", "--model", "llama3-8b", "--tp", "8", "--transformer-impl", "local",
+                           "--memory-efficient-layer-norm")
+    assert code == 2 and "a LayerNorm model" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("estimate", "--model", "gpt-22b", "--tp", "8", "--transformer-impl", "local",
+                             "--memory-efficient-layer-norm", "--emit", "megatron", "--emit-only")
+    assert code == 0 and "--memory-efficient-layer-norm" in out, err

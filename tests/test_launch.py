@@ -63,6 +63,15 @@ MEGATRON_FLAGS = {
     "--no-bias-swiglu-fusion": None,
     "--no-bias-dropout-fusion": None,
     "--no-rope-fusion": None,
+    # the fused cross-entropy: arguments.py _add_training_args '--cross-entropy-loss-fusion' (store_true, dest
+    # cross_entropy_loss_fusion; read in NVIDIA/Megatron-LM's stored arguments.py); '--cross-entropy-fusion-impl'
+    # sets ModelParallelConfig.cross_entropy_fusion_impl (Literal['native', 'te'] in megatron-core 0.16.1's
+    # model_parallel_config.py), the flag seen in Megatron-LM launch scripts for MCore 0.16, not in its parser here
+    "--cross-entropy-loss-fusion": None,
+    "--cross-entropy-fusion-impl": ("native", "te"),
+    # apex's memory-efficient LayerNorm (TransformerConfig.memory_efficient_layer_norm): arguments.py
+    # '--memory-efficient-layer-norm' (store_true), as Megatron-LM's argument docs list it
+    "--memory-efficient-layer-norm": None,
     "--ckpt-format": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
     "--overlap-grad-reduce": None,
     "--overlap-param-gather": None,
@@ -201,6 +210,8 @@ GRID = [
     config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
     config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS),  # every fusion off; ZeRO 2 also turns gradient accumulation's off
     config(GPT, dp=8, fusions_off=FUSIONS),  # GeLU: --no-bias-gelu-fusion (the SwiGLU switch does nothing there)
+    config(LLAMA, dp=8, cross_entropy_fusion="te"),  # the fused cross-entropy, Transformer Engine's kernel
+    config(GPT, dp=8, memory_efficient_layer_norm=True),  # apex's memory-efficient LayerNorm
     config(LLAMA, tp=2, dp=4, zero=1, fp8="delayed", fp8_amax_history_len=16, fp8_param_gather=True),  # FP8
     config(LLAMA, dp=2, fp8="blockwise", loss_chunks=8),  # FP8 without history; chunked loss: a note, no flag
 ]

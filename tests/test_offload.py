@@ -361,3 +361,26 @@ def test_search_says_when_only_host_memory_is_missing():
               "--offload", "optimizer", "--host-mem", "100GB")
     text = " ".join(out.stdout.split())
     assert "0 fit" in text and "144.54 GB of host memory per node, over the 100.00 GB of --host-mem by 44.54 GB" in text
+
+
+def test_megatron_layer_offloading_is_activation_offload(run_cli):
+    # Megatron-LM --cpu-offloading-num-layers L - 1 (Transformer Engine keeps L - N = 1 layer on the GPU) is memplan's
+    # activation offload; llama3-8b has L = 32
+    def peak(*extra):
+        code, out, err = run_cli("estimate", "--model", "llama3-8b", "--tp", "8", "--json", *extra)
+        assert code == 0, err
+        return json.loads(out)["memory"]["peak_bytes"]
+
+    offloaded = peak("--offload", "activations")
+    assert peak("--cpu-offloading-num-layers", "31") == offloaded < peak()
+    code, out, err = run_cli("estimate", "--model", "llama3-8b", "--tp", "8", "--cpu-offloading-num-layers", "31",
+                             "--emit", "megatron", "--emit-only")
+    assert code == 0 and "--cpu-offloading-num-layers 31" in out, err
+    for extra, fragment in [(("--cpu-offloading-num-layers", "20"), "modelled for N = L - 1 = 31"),
+                            (("--cpu-offloading-num-layers", "31", "--pp", "2"), "without pipeline parallelism"),
+                            (("--fine-grained-activation-offloading", "--offload-modules", "core_attn"),
+                             "fine-grained activation offloading"),
+                            (("--cpu-offloading-num-layers", "31", "--impl", "hf-sdpa", "--tp", "1"),
+                             "--cpu-offloading-num-layers is Megatron-LM's")]:
+        code, _, err = run_cli("estimate", "--model", "llama3-8b", "--tp", "8", *extra)
+        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err

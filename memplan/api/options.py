@@ -113,6 +113,14 @@ class PlanOptions:
     no_bias_dropout_fusion: Optional[bool] = None
     no_rope_fusion: Optional[bool] = None
     no_gradient_accumulation_fusion: Optional[bool] = None
+    cross_entropy_loss_fusion: Optional[bool] = None
+    cross_entropy_fusion_impl: Optional[str] = None
+    memory_efficient_layer_norm: Optional[bool] = None
+    # Megatron-LM's activation offloading (memplan/memory/offload.py): the layer offloading it maps onto, the
+    # fine-grained one it refuses
+    cpu_offloading_num_layers: Optional[int] = None
+    fine_grained_activation_offloading: Optional[bool] = None
+    offload_modules: Optional[str] = None
 
     def replay(self) -> Replay:
         """How the run is replayed through the caching allocator: the allocator, its settings, the run's history."""
@@ -136,9 +144,30 @@ class PlanOptions:
                 raise MemplanError(f"--transformer-impl {self.transformer_impl} is --impl {impl}; it conflicts with "
                                    f"--impl {self.impl}")
             self.impl = impl
+        if self.fine_grained_activation_offloading or self.offload_modules:
+            raise MemplanError("Megatron-LM's fine-grained activation offloading (--fine-grained-activation-offloading "
+                               "--offload-modules: chosen modules' inputs) is not modelled; memplan models layer "
+                               "offloading (--offload activations, --cpu-offloading-num-layers L-1)")
+        if self.cpu_offloading_num_layers is not None and not self.impl.startswith("megatron"):
+            raise MemplanError(f"--cpu-offloading-num-layers is Megatron-LM's (--impl megatron*); for --impl "
+                               f"{self.impl} use --offload activations (torch's save_on_cpu)")
         if self.device == "cpu" and self.impl == "megatron":
             raise MemplanError("Transformer Engine (--impl megatron, --transformer-impl transformer_engine) runs on "
                                "CUDA only: --device cpu takes --impl megatron-local (--transformer-impl local)")
+
+    @property
+    def cross_entropy_fusion(self) -> Optional[str]:
+        """Megatron-LM's fused cross-entropy (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl native|te;
+        memplan/inventory/fusions.py): None when off."""
+        if self.cross_entropy_fusion_impl not in (None, "native", "te"):
+            raise MemplanError(f"unknown --cross-entropy-fusion-impl {echo(self.cross_entropy_fusion_impl)}; known: "
+                               "native, te")
+        if not self.cross_entropy_loss_fusion:
+            if self.cross_entropy_fusion_impl is not None:
+                raise MemplanError("--cross-entropy-fusion-impl needs --cross-entropy-loss-fusion (Megatron-LM "
+                                   "ignores it without)")
+            return None
+        return self.cross_entropy_fusion_impl or "native"
 
     @property
     def fusions_off(self) -> tuple[str, ...]:
@@ -207,9 +236,12 @@ class PlanOptions:
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
                     if "optimizer" in self.offload else None,
-                    offload_activations=True if "activations" in self.offload else None,
+                    offload_activations=True if "activations" in self.offload or self.cpu_offloading_num_layers
+                    else None, offload_activation_layers=self.cpu_offloading_num_layers,
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
-                    device=self.device, fusions_off=self.fusions_off or None)
+                    device=self.device, fusions_off=self.fusions_off or None,
+                    cross_entropy_fusion=self.cross_entropy_fusion,
+                    memory_efficient_layer_norm=self.memory_efficient_layer_norm)
 
     def stack_zero(self, zero: Optional[int]) -> tuple[Optional[int], Optional[str]]:
         """The ZeRO stage and data-parallel stack of --fsdp2 (ZeRO 3) / --deepspeed-zero N (memplan/memory/dp_stack.py),

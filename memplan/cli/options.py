@@ -177,6 +177,26 @@ def plan_options(func: Callable) -> Callable:
         *[click.option(f"--no-{name}-fusion", is_flag=True, default=None,
                        help=f"Megatron-LM --no-{name}-fusion (--impl megatron*; memplan/inventory/fusions.py).")
           for name in FUSIONS],
+        click.option("--cross-entropy-loss-fusion", is_flag=True, default=None,
+                     help="Megatron-LM --cross-entropy-loss-fusion (--impl megatron*): megatron-core's fused "
+                          "vocab-parallel cross-entropy. native: the same tensors but an extra fp32 logits-sized "
+                          "gradient buffer in its backward (measured on CPU); te: Transformer Engine's kernel keeps "
+                          "the bf16 logits as their gradient instead of an fp32 softmax (derived, CUDA only)."),
+        click.option("--cross-entropy-fusion-impl", type=click.Choice(["native", "te"]),
+                     help="Megatron-LM --cross-entropy-fusion-impl (default native) with --cross-entropy-loss-fusion."),
+        click.option("--cpu-offloading-num-layers", type=AsciiIntRange(1), metavar="N",
+                     help="Megatron-LM --cpu-offloading-num-layers (--impl megatron*): Transformer Engine offloads the "
+                          "first N layers' activations; N = L - 1 (no pipeline parallelism) is --offload activations "
+                          "(derived, memplan/memory/offload.py); other N are refused."),
+        click.option("--fine-grained-activation-offloading", is_flag=True, default=None,
+                     help="Megatron-LM's module-level activation offloading: not modelled (refused)."),
+        click.option("--offload-modules", metavar="MODULES",
+                     help="Megatron-LM --offload-modules (with --fine-grained-activation-offloading): not modelled "
+                          "(refused)."),
+        click.option("--memory-efficient-layer-norm", is_flag=True, default=None,
+                     help="Megatron-LM --memory-efficient-layer-norm (--impl megatron-local, LayerNorm, CUDA): apex's "
+                          "fused LayerNorm saves its output (the next linear's input) instead of its input, and no "
+                          "mean. Derived from apex's code, not measured."),
         click.option("--precision", type=click.Choice(["bf16-mixed", "bf16-true", "16-mixed", "32-true"]),
                      help="Byte sizes of weights, gradients, master weights and optimizer states (PyTorch "
                           "Lightning's names; default bf16-mixed: Megatron-LM's 18 bytes per parameter)."),

@@ -342,6 +342,11 @@ class Config(Spec):
                     f"recompute_num_layers={tr.recompute_num_layers} exceeds the {self.layers_per_chunk} "
                     "layers of a model chunk"
                 )
+        n = tr.offload_activation_layers
+        if n is not None and (par.pp > 1 or n != m.num_layers - 1):
+            raise ValueError(f"--cpu-offloading-num-layers {n}: modelled for N = L - 1 = {m.num_layers - 1} without "
+                             "pipeline parallelism only (Transformer Engine then keeps one layer's activations on the "
+                             "GPU, as memplan's --offload activations does; memplan/memory/offload.py)")
         return self
 
 

@@ -161,12 +161,24 @@ class TrainingSpec(Spec):
         default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
         "memplan/memory/offload.py)")
+    offload_activation_layers: Optional[int] = Field(
+        default=None, gt=0, description="Megatron-LM --cpu-offloading-num-layers N (Transformer Engine's CPU "
+        "offload of the first N layers' activations): modelled for N = L - 1 only, as offload_activations "
+        "(memplan/memory/offload.py); None: not given")
     device: Literal["cuda", "cpu"] = Field(
         default="cuda", description="whose kernels run the layers: cuda, or cpu (torch's CPU kernels, which is "
         "what validation/ measures: every CUDA-only fusion off)")
     fusions_off: tuple[str, ...] = Field(
         default=(), description="Megatron-LM fusions turned off (--no-<name>-fusion, FUSIONS; memplan/inventory/"
         "fusions.py); (): Megatron-LM's defaults, all on")
+
+    cross_entropy_fusion: Optional[Literal["native", "te"]] = Field(
+        default=None, description="Megatron-LM --cross-entropy-loss-fusion with --cross-entropy-fusion-impl native|te "
+        "(memplan/inventory/fusions.py); None: off, Megatron-LM's default")
+
+    memory_efficient_layer_norm: bool = Field(
+        default=False, description="Megatron-LM --memory-efficient-layer-norm: apex's fused LayerNorm saves its "
+        "output, not its input (--impl megatron-local, LayerNorm, CUDA; memplan/inventory/fusions.py)")
 
     @field_validator("fusions_off", mode="after")
     @classmethod
@@ -286,6 +298,8 @@ class TrainingSpec(Spec):
         if self.offload_optimizer_fraction > 0 and self.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):
             raise ValueError(f"optimizer offload is modelled for adamw and sgd (Megatron-LM's HybridDeviceOptimizer "
                              f"steps a CPU AdamW or SGD), not {self.optimizer}")
+        if self.offload_activation_layers is not None and not self.offload_activations:
+            raise ValueError("offload_activation_layers (--cpu-offloading-num-layers) needs offload_activations")
         if self.offload_activations and self.recompute != Recompute.NONE:
             raise ValueError(f"activation offload is modelled without recompute (got recompute "
                              f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "

@@ -10,12 +10,13 @@ from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
-from memplan.inventory.fusions import apply_fusions
+from memplan.inventory.fusions import apply_fusions, apply_loss_fusion, apply_norm
 from memplan.inventory.hf import hf_inventory
 from memplan.inventory.k22 import (
     causal_mask_term,
@@ -139,6 +140,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
         raise MemplanError("--liger computes the LM head and loss in its own chunks: drop --mst")
     inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8, pieces)
     inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
+    inventory = apply_loss_fusion(inventory, impl, device, training.cross_entropy_fusion, training.loss_chunks)
+    selective = tuple(training.recompute_modules) if training.recompute == Recompute.SELECTIVE else ()
+    inventory = apply_norm(inventory, model, impl, device, training.memory_efficient_layer_norm, selective)
     inventory = apply_modules(inventory, model, impl, training.recompute_modules)
     inventory = held_decoder_input(inventory, model, impl, device, training.recompute,
                                    tuple(training.recompute_modules))

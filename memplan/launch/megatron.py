@@ -295,13 +295,19 @@ def megatron_args(config: Config, impl: str = "megatron") -> list[str]:
 
 
 def _kernels(config: Config, impl: str) -> list[str]:
-    """--transformer-impl local for megatron-core's local spec, and the fusions switched off (memplan/inventory/
-    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false)."""
+    """--transformer-impl local for megatron-core's local spec, the fusions switched off (memplan/inventory/
+    fusions.py), under Megatron-LM's names (arguments.py at core_v0.16.1: --no-<name>-fusion, store_false), and the
+    fused cross-entropy (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl native|te)."""
     args = ["--transformer-impl local"] if impl == "megatron-local" else []
     # core_transformer_config_from_args: bias_activation_fusion is bias_swiglu_fusion with --swiglu, else
     # bias_gelu_fusion, so the other activation's switch does nothing and is not emitted
     idle = "bias-gelu" if config.model.mlp == "swiglu" else "bias-swiglu"
-    return args + [f"--no-{name}-fusion" for name in config.training.fusions_off if name != idle]
+    args += [f"--no-{name}-fusion" for name in config.training.fusions_off if name != idle]
+    if config.training.cross_entropy_fusion:  # ModelParallelConfig.cross_entropy_loss_fusion / _fusion_impl
+        args += ["--cross-entropy-loss-fusion", f"--cross-entropy-fusion-impl {config.training.cross_entropy_fusion}"]
+    if config.training.memory_efficient_layer_norm:  # TransformerConfig.memory_efficient_layer_norm (apex)
+        args.append("--memory-efficient-layer-norm")
+    return args
 
 
 def _optimizer(optimizer: str, zero: int, notes: list[str]) -> list[str]:
@@ -364,9 +370,12 @@ def _offload(config: Config, notes: list[str]) -> list[str]:
             args.append(f"--cpu-offloading-num-layers {m.num_layers - 1}")
             notes.append(f"--cpu-offloading-num-layers offloads at most L - 1 = {m.num_layers - 1} layers "
                          "(transformer_config.py:1137-1142): the last layer's saved tensors stay on the GPU, where "
-                         "memplan's first backward has them too; Megatron-LM's offloader (Transformer Engine) copies on "
-                         "a side stream a layer ahead and skips weights and tensors under 1 MB, unlike torch's "
-                         "save_on_cpu that memplan models: its memory and time differ")
+                         "memplan's first backward has them too. Transformer Engine's offloader (cpu_offload.py "
+                         "OffloadSynchronizer, read at TE commit 00382b96) then keeps at most L - N = 1 layer's "
+                         "activations on the GPU, as memplan's torch save_on_cpu model does, but copies on a side "
+                         "stream a layer ahead and keeps weights and tensors under 1 MB on the GPU (no host copy): "
+                         "the GPU bytes match to about one layer's small tensors, the host bytes and copy time are "
+                         "memplan's upper bound (derived, not measured)")
     return args
 
 
