@@ -286,6 +286,10 @@ def _experts(config: Config) -> list[str]:
         args.append(f"--moe-router-dtype {m.moe_router_dtype}")
     if m.moe_router_pre_softmax or m.moe_top_k == 1:
         args.append("--moe-router-pre-softmax")
+    # the experts' kernels and streams (TransformerConfig moe_grouped_gemm, moe_permute_fusion,
+    # moe_shared_expert_overlap; store_true in Megatron-LM)
+    args += [flag for flag, on in (("--moe-grouped-gemm", m.moe_grouped_gemm), ("--moe-permute-fusion",
+             m.moe_permute_fusion), ("--moe-shared-expert-overlap", m.moe_shared_expert_overlap)) if on]
     return args
 
 
