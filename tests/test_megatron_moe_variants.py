@@ -131,3 +131,43 @@ def test_variants_emitted_for_megatron_and_bridge():
     bridge = launch_for(config, "bridge").args
     assert {"model.moe_grouped_gemm=true", "model.moe_permute_fusion=true",
             "model.moe_shared_expert_overlap=true"} <= set(bridge), bridge
+
+
+def test_flex_dispatcher_with_deepep():
+    # MoEFlexTokenDispatcher (DeepEP) at t = etp = 1, ep = 2: the group is etp x ep = 2 ranks, the GPU's s b = 8192
+    # tokens routed to k etp = 2 of them; a GPU receives at most one token per routed copy (k s b = 16,384: the bound)
+    values = MIXTRAL.symbols(b=1, t=1, etp=1, ep=2)
+
+    def flex(**update):
+        inv = inventory(moe_token_dispatcher="flex", **update)
+        return {x.id: int(x.bytes(values, 2, 1)) for x in inv.terms if x.scope == "layer"}
+
+    b = flex()
+    assert b["moe_flex_topk_indices"] == 131_072  # setup_metadata torch.topk: k etp s b / t int64 = 16,384 x 8 B
+    assert b["moe_deepep_token_in_rank"] == 16_384  # handle: is_token_in_rank, s b / t x etp ep ranks, bool
+    assert b["moe_deepep_send_head"] == 65_536  # handle: send_head, the same shape in int32
+    assert b["moe_deepep_recv_src_idx"] == 65_536  # handle: recv_src_idx, int32 per received token (16,384)
+    assert b["moe_flex_multihot_mask"] == 32_768  # probs[mask]: the mask, received tokens x k etp = 16,384 x 2, bool
+    assert b["moe_flex_multihot_index"] == 262_144  # index_put_: row and expert indices, 2 x 16,384 int64
+    # permute (unfused) of the received tokens over E / ep = 4 local experts: the routing map (bool) and the multihot
+    # probabilities (fp32) 16,384 x 4 each, the index int64 per routed copy
+    assert (b["moe_routing_map"], b["moe_probs_dense"], b["moe_permute_index"]) == (65_536, 262_144, 131_072)
+    assert b["moe_permuted_probs"] == 65_536  # DeepEP's fp32 probabilities, k s b x 4 B
+    # fused permute: row_id_map int32, 2 E / ep + 1 = 9 per received token: 16,384 x 9 x 4 B
+    fused = flex(moe_permute_fusion=True)
+    assert fused["moe_row_id_map"] == 589_824 and not {"moe_routing_map", "moe_probs_dense"} & set(fused)
+    # at t = etp = 2 the mask is (k s b etp / t received) x k etp = 16,384 x 4 bool
+    values = MIXTRAL.symbols(b=1, t=2, etp=2, ep=2)
+    inv = inventory(moe_token_dispatcher="flex")
+    assert {x.id: int(x.bytes(values, 2, 1)) for x in inv.terms}["moe_flex_multihot_mask"] == 65_536
+    with pytest.raises(ValueError, match="pad"):  # DeepEP refuses padding to capacity
+        ModelSpec(**{**MIXTRAL.model_dump(exclude_unset=True), "moe_token_dispatcher": "flex",
+                     "moe_capacity_factor": 1.0, "moe_pad_to_capacity": True})
+    with pytest.raises(ValueError, match="etp x ep > 1"):
+        Config(model=MIXTRAL.model_copy(update=dict(moe_token_dispatcher="flex")), parallel=ParallelSpec(dp=8),
+               training=TrainingSpec())
+    config = Config(model=MIXTRAL.model_copy(update=dict(moe_token_dispatcher="flex")), parallel=ParallelSpec(dp=8, ep=8),
+                    training=TrainingSpec())
+    assert {"--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep"} <= set(
+        launch_for(config, "megatron").args)
+    assert "model.moe_flex_dispatcher_backend=deepep" in launch_for(config, "bridge").args

@@ -113,8 +113,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-pad-to-capacity", is_flag=True, default=None,
                      help="With --moe-capacity-factor: every expert's input padded to its capacity (Megatron-LM "
                           "--moe-pad-expert-input-to-capacity): routed terms x C."),
-        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
-                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
+        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather", "flex"]),
+                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall; flex: DeepEP, CUDA only, "
+                          "derived)."),
         click.option("--moe-aux-loss-coeff", type=click.FloatRange(0, 1e6), metavar="F",
                      help="MoE, --impl megatron*: Megatron-LM's load-balancing loss coefficient (default 0): > 0 "
                           "keeps the router's fp32 softmax over all E logits."),

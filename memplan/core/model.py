@@ -132,8 +132,9 @@ class ModelSpec(Spec):
     moe_pad_to_capacity: bool = Field(
         default=False, description="pad every expert's input to its capacity (Megatron-LM "
         "--moe-pad-expert-input-to-capacity; needs moe_capacity_factor)")
-    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
-        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type")
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = Field(
+        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type (flex: DeepEP's fused all-to-all, "
+        "CUDA only, derived)")
     moe_aux_loss_coeff: float = Field(
         default=0.0, ge=0.0, description="the load-balancing loss's coefficient (Megatron-LM --moe-aux-loss-coeff, "
         "default 0): > 0 keeps the router's softmax over all E logits, the tokens per expert and the loss")
@@ -309,6 +310,9 @@ class ModelSpec(Spec):
             raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
         if self.moe_expert_loads is not None:
             self._expert_loads(E, k)
+        if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
+            raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
+                             "TransformerConfig)")
         if self.moe_shared_expert_overlap and not (self.moe_shared_ffn_hidden_size
                                                    and self.moe_token_dispatcher == "alltoall"):
             raise ValueError("moe_shared_expert_overlap needs shared experts (moe_shared_ffn_hidden_size) and the "

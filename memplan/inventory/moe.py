@@ -73,8 +73,12 @@ OVERLAP_SRC = ("mcore MoE code: megatron-core 0.16.1 SharedExpertMLP with moe_sh
                "all-gathers the input with gather_from_sequence_parallel_region, the linears run without their own "
                "sequence-parallel gather: fc1 saves the gathered s b h; post_forward_comm reduce-scatters fc2's "
                "output), derived from code, not measured")
-CUDA_ONLY = ("--moe-grouped-gemm, --moe-permute-fusion and --moe-shared-expert-overlap need CUDA (Transformer Engine, "
-             "the grouped_gemm package, CUDA streams): not with --device cpu")
+FLEX_SRC = ("mcore MoE code: megatron-core 0.16.1 MoEFlexTokenDispatcher with _DeepepManager (setup_metadata's torch.topk "
+            "over the probabilities expanded to the etp x ep ranks, fused_a2a.FusedDispatch keeping DeepEP's handle, "
+            "_indices_to_multihot, moe_utils.permute), derived from code, not measured; per received token bounded by "
+            "one per routed copy")
+CUDA_ONLY = ("--moe-grouped-gemm, --moe-permute-fusion, --moe-shared-expert-overlap and --moe-token-dispatcher flex need "
+             "CUDA (Transformer Engine, the grouped_gemm package, CUDA streams, DeepEP): not with --device cpu")
 SRC_019 = ("mcore MoE CPU: megatron-core 0.19.2 moe_utils.permute (its E s b int64 argsort, sliced, indexes the "
            "probabilities), measured on CPU, recorded (tests/data/mcore_0_19_2_moe.json)")
 # the dense MLP's terms that an MoE layer does not have (fc1_input, the MLP input, it keeps)
@@ -119,10 +123,12 @@ def _sent_factor(model: ModelSpec) -> Fraction:
 def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     """`terms` (a Megatron layer's inventory) with the MLP of the MoE layers: the dense MLP's terms weighted by
     the dense layers' share, the router / dispatcher / experts' terms by the MoE layers' share."""
-    if measured and (model.moe_grouped_gemm or model.moe_permute_fusion or model.moe_shared_expert_overlap):
+    flex = model.moe_token_dispatcher == "flex"
+    if measured and (model.moe_grouped_gemm or model.moe_permute_fusion or model.moe_shared_expert_overlap or flex):
         raise MemplanError(CUDA_ONLY)
-    if model.moe_permute_fusion and model.megatron_core_version == "0.19":
-        raise MemplanError("--moe-permute-fusion is modelled for megatron-core 0.16.1 (--megatron-core-version 0.16)")
+    if (model.moe_permute_fusion or flex) and model.megatron_core_version == "0.19":
+        raise MemplanError("--moe-permute-fusion and --moe-token-dispatcher flex are modelled for megatron-core 0.16.1 "
+                           "(--megatron-core-version 0.16)")
     L = model.num_layers
     dense, moe = Fraction(model.moe_first_dense_layers, L), Fraction(model.moe_layers, L)
     out: list[Term] = []
@@ -168,8 +174,9 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     # TE's fused permute (--moe-permute-fusion) keeps its int32 row_id_map in place of the index(es) and, in the
     # alltoall dispatcher, of the permute's routing map and scattered probabilities (the allgather dispatcher still
     # selects its probabilities with masked_select)
-    fused = model.moe_permute_fusion
-    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity or (fused and not allgather)))
+    fused, flex = model.moe_permute_fusion, model.moe_token_dispatcher == "flex"
+    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity or (fused and not allgather)
+                                                           or flex))
     two = maps == 2
     # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
     # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
@@ -179,7 +186,9 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
         out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (
             ", twice (token dropping, permute)" if two else ""), router, "2 E s b" if two else "E s b", "mask",
             k22=False, src=src, storages=maps, **split))
-    if fused:
+    if flex:
+        out += _flex_terms(fused, routed)
+    elif fused:
         out += _fused_permute_terms(model, allgather, split, routed)
         if allgather and not model.moe_pad_to_capacity:
             out.append(saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
@@ -197,8 +206,8 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     out += [
         routed("moe_permuted_tokens", "routed token copies, the experts' input (k per token)", "k s b h",
                tp=True, etp_gathered=True),
-        routed("moe_permuted_probs", "routing probabilities of the routed copies", "k s b", probs, tp=True,
-               etp_gathered=True),
+        routed("moe_permuted_probs", "routing probabilities of the routed copies" + (" (fp32: DeepEP's)" if flex else ""),
+               "k s b", "fp32" if flex else probs, tp=True, etp_gathered=True),
         routed("moe_fc1_output", "experts' fc1 output (the activation's input)", "2 k s b fe" if gated else "k s b fe",
                tp=True, src=experts),
     ]
@@ -264,6 +273,41 @@ def unfused_moe_swiglu(terms: Iterable[Term], model: ModelSpec, impl: str, src: 
         if prefix:
             out += [x for id, x in new.items() if id.startswith(prefix)]
     return out
+
+
+def _flex_terms(fused: bool, routed) -> list[Term]:
+    """What the flex dispatcher with DeepEP keeps per MoE layer (megatron-core 0.16.1 MoEFlexTokenDispatcher): its group is
+    the etp x ep ranks, the GPU's s b / t tokens routed to k etp of them. setup_metadata's torch.topk over the
+    probabilities expanded to those ranks keeps its int64 indices (k etp s b / t); FusedDispatch and FusedCombine keep
+    DeepEP's handle: is_token_in_rank (bool) and send_head (int32) per token and rank (etp ep s b / t each), recv_src_idx
+    (int32 per received token); _indices_to_multihot keeps probs[mask]'s mask (bool, k etp per received token) and
+    index_put_'s two int64 indices per routed copy; the permute of the received tokens keeps, unfused, their routing map
+    (bool) and multihot probabilities (fp32: DeepEP's) over the E / ep local experts and the int64 index, fused the int32
+    row_id_map (2 E / ep + 1 per received token). A GPU receives a token once however many of its experts it chose:
+    at most one per routed copy (k s b etp / t, the bound used). DeepEP's own buffers are not counted (below)."""
+    def flex(id, name, elements, dtype, **kw):
+        return dataclasses.replace(routed(id, name, elements, dtype, tp=True, etp_gathered=True, **kw), source=FLEX_SRC)
+
+    one = Fraction(1)
+    out = [flex("moe_flex_topk_indices", "flex: top-k indices over the probabilities expanded to the etp x ep ranks "
+                "(int64, k etp per token)", "k s b", "int64", scale=one),
+           flex("moe_deepep_token_in_rank", "DeepEP handle: is_token_in_rank (bool, per token and rank)", "ep s b", "mask",
+                scale=one),
+           flex("moe_deepep_send_head", "DeepEP handle: send_head (int32, per token and rank)", "ep s b", "fp32",
+                scale=one),
+           flex("moe_deepep_recv_src_idx", "DeepEP handle: recv_src_idx (int32 per received token)", "k s b", "fp32"),
+           flex("moe_flex_multihot_mask", "_indices_to_multihot: probs[mask]'s mask (bool, k etp per received token)",
+                "k k s b etp", "mask"),
+           flex("moe_flex_multihot_index", "_indices_to_multihot: index_put_'s row and expert indices (int64, per "
+                "routed copy)", "2 k s b", "int64")]
+    if fused:
+        return out + [flex("moe_row_id_map", "fused permute's row_id_map (int32, 2 E / ep + 1 per received token)",
+                           "2 k s b E /ep + k s b", "fp32")]
+    return out + [flex("moe_routing_map", "received tokens' routing map (bool, E / ep local experts)", "k s b E /ep",
+                       "mask"),
+                  flex("moe_probs_dense", "received tokens' multihot probabilities (fp32, kept by masked_select)",
+                       "k s b E /ep", "fp32"),
+                  flex("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64")]
 
 
 def router_dtype(model: ModelSpec) -> str:

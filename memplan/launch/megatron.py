@@ -272,6 +272,8 @@ def _experts(config: Config) -> list[str]:
     # the routing memplan's MoE inventory assumed (memplan/inventory/moe.py): TransformerConfig's
     # moe_token_dispatcher_type, moe_expert_capacity_factor, moe_pad_expert_input_to_capacity
     args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
+    if m.moe_token_dispatcher == "flex":  # the backend memplan models (memplan/inventory/moe.py _flex_terms)
+        args.append("--moe-flex-dispatcher-backend deepep")
     if m.moe_capacity_factor is not None:
         args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
     if m.moe_pad_to_capacity:
