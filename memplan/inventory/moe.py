@@ -36,6 +36,11 @@ keeps only its 2 f_e input and the probabilities; Transformer Engine's grouped e
 megatron`) keep the same tensors (GroupedLinear keeps its input, the permuted tokens): derived from code, not
 measured.
 
+CUDA-only variants, derived from code, not measured (tests/test_megatron_moe_variants.py holds the hand derivations):
+--moe-grouped-gemm (GROUPED_SRC; --recompute-modules moe_act in memplan/inventory/recompute.py), --moe-permute-fusion
+(_fused_permute_terms), --moe-shared-expert-overlap (OVERLAP_SRC) and the flex dispatcher with DeepEP (_flex_terms);
+--device cpu refuses them.
+
 Load imbalance: the routed-token terms are multiplied by `moe_imbalance` (the busiest GPU's share relative to the
 average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped: the bound when the
 GPU's experts share its load evenly) and by C when padded to capacity. With `moe_expert_loads` (the busiest GPU's
