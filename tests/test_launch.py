@@ -137,6 +137,14 @@ MEGATRON_FLAGS = {
     "--moe-z-loss-coeff": float,
     "--moe-router-dtype": ("fp32", "fp64"),
     "--moe-router-pre-softmax": None,
+    # the experts' kernels and streams (memplan/launch/megatron.py _experts): megatron-core 0.16.1 TransformerConfig
+    # moe_grouped_gemm, moe_permute_fusion, moe_shared_expert_overlap, each bool = False (store_true through
+    # ArgumentGroupFactory); Megatron-LM's arguments.py _add_moe_args has --moe-grouped-gemm action='store_true'
+    "--moe-grouped-gemm": None,
+    # TransformerConfig moe_flex_dispatcher_backend: Literal['deepep', 'hybridep'] = "deepep" (megatron-core 0.16.1)
+    "--moe-flex-dispatcher-backend": ("deepep", "hybridep"),
+    "--moe-permute-fusion": None,
+    "--moe-shared-expert-overlap": None,
     # the model's own settings (memplan/launch/megatron.py _architecture), read at core_v0.16.1 and main d98e8a6:
     # arguments.py _add_network_size_args: --rotary-base type=int, --window-size type=tuple_type ("a,b" -> (a, b)),
     # --window-attn-skip-freq type=moe_freq_type (an int N: N - 1 sliding layers, then one full); TransformerConfig
@@ -206,6 +214,9 @@ GRID = [
            dp=2),  # MoE routing: token dropping, padding, the dispatcher
     config(dict(MIXTRAL, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_router_dtype="fp32",
                 moe_router_pre_softmax=True), dp=2),  # the router's options
+    config(dict(DEEPSEEK, moe_grouped_gemm=True, moe_permute_fusion=True, moe_shared_expert_overlap=True),
+           pp=2),  # the experts' kernels and streams: grouped GEMM, fused permutation, shared-expert overlap
+    config(dict(MIXTRAL, moe_token_dispatcher="flex"), tp=2, dp=4, sp=True),  # the flex dispatcher (DeepEP; etp ep > 1)
     config(dict(DEEPSEEK, qk_norm=True), pp=2),  # MLA without a query latent, shared experts, a dense layer first
     config(dict(DEEPSEEK, q_lora_rank=1536, mtp_layers=1), pp=2),  # MLA with a query latent, multi-token prediction
     config(LLAMA, dp=8, zero=2, fusions_off=FUSIONS),  # every fusion off; ZeRO 2 also turns gradient accumulation's off

@@ -64,6 +64,9 @@ class PlanOptions:
     moe_router_dtype: Optional[str] = None
     moe_router_pre_softmax: Optional[bool] = None
     megatron_core_version: Optional[str] = None
+    moe_grouped_gemm: Optional[bool] = None
+    moe_permute_fusion: Optional[bool] = None
+    moe_shared_expert_overlap: Optional[bool] = None
     recompute: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Union[str, tuple[str, ...], list[str], None] = None  # names, or one comma / space separated string
@@ -198,7 +201,9 @@ class PlanOptions:
                     moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher,
                     moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
                     moe_router_dtype=self.moe_router_dtype, moe_router_pre_softmax=self.moe_router_pre_softmax,
-                    megatron_core_version=self.megatron_core_version)
+                    megatron_core_version=self.megatron_core_version, moe_grouped_gemm=self.moe_grouped_gemm,
+                    moe_permute_fusion=self.moe_permute_fusion,
+                    moe_shared_expert_overlap=self.moe_shared_expert_overlap)
 
     def preset(self) -> Optional[ModelPreset]:
         """The model the options name: model (preset or YAML) or hf_config; None if neither."""

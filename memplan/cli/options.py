@@ -113,8 +113,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-pad-to-capacity", is_flag=True, default=None,
                      help="With --moe-capacity-factor: every expert's input padded to its capacity (Megatron-LM "
                           "--moe-pad-expert-input-to-capacity): routed terms x C."),
-        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather"]),
-                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall)."),
+        click.option("--moe-token-dispatcher", type=click.Choice(["alltoall", "allgather", "flex"]),
+                     help="MoE: Megatron-LM --moe-token-dispatcher-type (default alltoall; flex: DeepEP, CUDA only, "
+                          "derived)."),
         click.option("--moe-aux-loss-coeff", type=click.FloatRange(0, 1e6), metavar="F",
                      help="MoE, --impl megatron*: Megatron-LM's load-balancing loss coefficient (default 0): > 0 "
                           "keeps the router's fp32 softmax over all E logits."),
@@ -126,6 +127,15 @@ def plan_options(func: Callable) -> Callable:
         click.option("--moe-router-pre-softmax", is_flag=True, default=None,
                      help="MoE, --impl megatron*: softmax over all E logits before the top-k (Megatron-LM; "
                           "required, so assumed, for k = 1)."),
+        click.option("--moe-grouped-gemm", is_flag=True, default=None,
+                     help="MoE, --impl megatron*, CUDA: the experts as grouped GEMMs (Megatron-LM; TEGroupedMLP, with "
+                          "--transformer-impl local GroupedMLP); allows --recompute-modules moe_act."),
+        click.option("--moe-permute-fusion", is_flag=True, default=None,
+                     help="MoE, --impl megatron*, CUDA: Transformer Engine's fused token permutation (Megatron-LM): "
+                          "an int32 row_id_map in place of the routing map, probabilities and int64 index."),
+        click.option("--moe-shared-expert-overlap", is_flag=True, default=None,
+                     help="MoE with shared experts, alltoall, --impl megatron*, CUDA: the shared experts on a second "
+                          "stream (Megatron-LM): their fc1 keeps its own gathered input at t > 1."),
         click.option("--megatron-core-version", type=click.Choice(["0.16", "0.19"]),
                      help="MoE, --impl megatron*: the megatron-core modelled (default 0.16: 0.16.1; 0.19: 0.19.2's "
                           "alltoall permute keeps an int64 sort index over tokens x E)."),
@@ -137,8 +147,8 @@ def plan_options(func: Callable) -> Callable:
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",
                      help="Selective recompute of these submodules (Megatron-LM --recompute-modules, comma or space "
-                          "separated): core_attn (default), layernorm, mlp, moe, shared_experts, mla_up_proj; "
-                          "moe_act (grouped GEMM, CUDA only) is not modelled."),
+                          "separated): core_attn (default), layernorm, mlp, moe, shared_experts, mla_up_proj, "
+                          "moe_act (with --moe-grouped-gemm)."),
         click.option("--recompute-method", type=click.Choice(["uniform", "block"]),
                      help="Full recompute (Megatron-LM --recompute-method): block with --recompute-num-layers N, "
                           "uniform one layer per checkpoint."),

@@ -132,8 +132,9 @@ class ModelSpec(Spec):
     moe_pad_to_capacity: bool = Field(
         default=False, description="pad every expert's input to its capacity (Megatron-LM "
         "--moe-pad-expert-input-to-capacity; needs moe_capacity_factor)")
-    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
-        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type")
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = Field(
+        default="alltoall", description="Megatron-LM --moe-token-dispatcher-type (flex: DeepEP's fused all-to-all, "
+        "CUDA only, derived)")
     moe_aux_loss_coeff: float = Field(
         default=0.0, ge=0.0, description="the load-balancing loss's coefficient (Megatron-LM --moe-aux-loss-coeff, "
         "default 0): > 0 keeps the router's softmax over all E logits, the tokens per expert and the loss")
@@ -147,6 +148,15 @@ class ModelSpec(Spec):
         default="0.16", description="the megatron-core whose MoE permutation is modelled: 0.16 (0.16.1, measured: "
         "the routing map and the probabilities scattered to E columns) or 0.19 (0.19.2, derived from its code: "
         "an int64 sort index over tokens x experts)")
+    moe_grouped_gemm: bool = Field(
+        default=False, description="the routed experts as grouped GEMMs (Megatron-LM --moe-grouped-gemm: Transformer "
+        "Engine's TEGroupedMLP, the grouped_gemm package's GroupedMLP with --transformer-impl local); CUDA only")
+    moe_permute_fusion: bool = Field(
+        default=False, description="Transformer Engine's fused token permutation (Megatron-LM --moe-permute-fusion): "
+        "an int32 row_id_map in place of the routing map, the scattered probabilities and the int64 index; CUDA only")
+    moe_shared_expert_overlap: bool = Field(
+        default=False, description="the shared experts on a second CUDA stream beside the alltoall dispatcher "
+        "(Megatron-LM --moe-shared-expert-overlap): their fc1 keeps its own all-gathered input at t > 1")
     moe_router_pre_softmax: bool = Field(
         default=False, description="softmax over all E logits before the top-k (Megatron-LM "
         "--moe-router-pre-softmax; megatron-core requires it for k = 1): keeps E fp32 scores per token, not k")
@@ -291,7 +301,8 @@ class ModelSpec(Spec):
                      if getattr(self, name) is not None]
             given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
             given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
-                                        "moe_router_pre_softmax") if getattr(self, name)]
+                                        "moe_router_pre_softmax", "moe_grouped_gemm", "moe_permute_fusion",
+                                        "moe_shared_expert_overlap") if getattr(self, name)]
             if given:
                 raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
             return self
@@ -299,6 +310,13 @@ class ModelSpec(Spec):
             raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
         if self.moe_expert_loads is not None:
             self._expert_loads(E, k)
+        if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
+            raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
+                             "TransformerConfig)")
+        if self.moe_shared_expert_overlap and not (self.moe_shared_ffn_hidden_size
+                                                   and self.moe_token_dispatcher == "alltoall"):
+            raise ValueError("moe_shared_expert_overlap needs shared experts (moe_shared_ffn_hidden_size) and the "
+                             "alltoall dispatcher (megatron-core 0.16.1 TransformerConfig)")
         if k > E:
             raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
                              "there are")

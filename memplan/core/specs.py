@@ -390,6 +390,9 @@ def _check_cp_ep(m: ModelSpec, par: ParallelSpec) -> None:
         if m.fe % par.expert_tp:
             raise ValueError(f"expert tensor-parallel size etp={par.expert_tp} does not divide the expert MLP width "
                              f"f_e={m.fe}")
+        if m.moe_token_dispatcher == "flex" and par.ep * par.expert_tp == 1:
+            raise ValueError("the flex dispatcher needs etp x ep > 1 GPUs to exchange tokens between "
+                             "(megatron-core 0.16.1 MoEFlexTokenDispatcher)")
         if t > 1 and not par.sp:
             raise ValueError("a mixture-of-experts model with tensor parallelism needs sequence parallelism (--sp): "
                              "Megatron-LM's MoELayer refuses to train without it (moe_layer.py)")

@@ -12,8 +12,10 @@ What each changes, per tensor and the function that makes it (megatron-core 0.16
   (--impl megatron) has its own softmax kernels and does not read this switch: no change there.
 - bias-swiglu: MLP.glu unfused keeps `x_linear + glu_linear_offset` and SiLU's output beside silu's input
   (mcore.unfused_swiglu, measured on CPU); the fused bias_swiglu_impl (fusions/fused_bias_swiglu.py) saves
-  only its input. Both specs' MLP runs megatron-core's activation, so both impls change. Mixture-of-experts
-  experts keep their own switch (memplan/inventory/moe.py), not modelled here.
+  only its input. Both specs' MLP runs megatron-core's activation, so both impls change. A mixture-of-experts
+  layer's experts and shared experts read the same switch (SequentialMLP's MLP, TEGroupedMLP's bias_act_func,
+  SharedExpertMLP) and keep the same three tensors per routed copy (moe.unfused_moe_swiglu); the legacy GroupedMLP
+  (--moe-grouped-gemm with --transformer-impl local) does not read it.
 - rope: unfused `_apply_rotary_pos_emb_bshd` saves cos and sin for Q and for K in every layer
   (mcore.rope_cos_sin_term, measured on CPU); TE's fused_apply_rotary_pos_emb saves the shared freqs only.
   Multi-head latent attention keeps its own rotary terms (memplan/inventory/mla.py): no change.
@@ -67,6 +69,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import causal_mask_term
 from memplan.inventory.mcore import MCORE, rope_cos_sin_term, unfused_swiglu
+from memplan.inventory.moe import unfused_moe_swiglu
 from memplan.inventory.types import Inventory, Moment, saved, transient
 
 MEGATRON_IMPLS = ("megatron", "megatron-local")
@@ -101,6 +104,8 @@ def apply_fusions(inv: Inventory, model: ModelSpec, impl: str, device: str, off:
                                                       f"{mask.source}"))
     if "bias-swiglu" in off and model.mlp == "swiglu" and "swiglu_up" not in ids:
         terms = unfused_swiglu(terms, f"{DERIVED} (MLP.glu); measured on CPU (validation/mcore.py)")
+    if "bias-swiglu" in off and model.is_moe and model.mlp == "swiglu":
+        terms = unfused_moe_swiglu(terms, model, impl, f"{DERIVED} (experts' MLP.glu / TEGroupedMLP bias_act_func)")
     if ("rope" in off and model.position_embedding == "rope" and not model.is_mla and "rope_cos_sin" not in ids):
         at = max(i for i, t in enumerate(terms) if t.id in ("qkv_input", "q", "k")) + 1
         terms.insert(at, rope_cos_sin_term(f"{DERIVED} (rope_utils._apply_rotary_pos_emb_bshd); measured on CPU "

@@ -36,6 +36,11 @@ keeps only its 2 f_e input and the probabilities; Transformer Engine's grouped e
 megatron`) keep the same tensors (GroupedLinear keeps its input, the permuted tokens): derived from code, not
 measured.
 
+CUDA-only variants, derived from code, not measured (tests/test_megatron_moe_variants.py holds the hand derivations):
+--moe-grouped-gemm (GROUPED_SRC; --recompute-modules moe_act in memplan/inventory/recompute.py), --moe-permute-fusion
+(_fused_permute_terms), --moe-shared-expert-overlap (OVERLAP_SRC) and the flex dispatcher with DeepEP (_flex_terms);
+--device cpu refuses them.
+
 Load imbalance: the routed-token terms are multiplied by `moe_imbalance` (the busiest GPU's share relative to the
 average) or, with a capacity factor C, by min(imbalance, C) (tokens beyond the capacity dropped: the bound when the
 GPU's experts share its load evenly) and by C when padded to capacity. With `moe_expert_loads` (the busiest GPU's
@@ -54,6 +59,7 @@ import dataclasses
 from fractions import Fraction
 from typing import Iterable
 
+from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import Moment, Term, saved
@@ -61,6 +67,23 @@ from memplan.inventory.types import Moment, Term, saved
 MOE_SRC = "mcore MoE CPU: megatron-core 0.16.1 MoELayer (local spec, SequentialMLP), measured (validation/mcore.py)"
 MOE_DERIVED = ("mcore MoE code: megatron-core 0.16.1 MoELayer with Megatron-LM's CUDA fusions (weighted_bias_swiglu_impl) "
                "/ Transformer Engine TEGroupedMLP, derived from code, not measured")
+GROUPED_SRC = ("mcore MoE code: megatron-core 0.16.1 TEGroupedMLP.forward (Transformer Engine GroupedLinear saves its "
+               "input; bias_act_func) / GroupedMLP.forward (grouped_gemm gmm; its torch.compile'd "
+               "activation_func_with_probs saves fc1's output and the probabilities), derived from code, not measured")
+PERMUTE_SRC = ("mcore MoE code: megatron-core 0.16.1 moe_utils.permute / unpermute / sort_chunks_by_idxs with fused=True "
+               "(Transformer Engine >= 2.5 moe_permute_with_probs / moe_permute: _moe_permute_mask_map saves "
+               "make_row_id_map's int32 [tokens, 2 E + 1]; _moe_chunk_sort saves an int32 map of its rows), derived "
+               "from code, not measured")
+OVERLAP_SRC = ("mcore MoE code: megatron-core 0.16.1 SharedExpertMLP with moe_shared_expert_overlap (pre_forward_comm "
+               "all-gathers the input with gather_from_sequence_parallel_region, the linears run without their own "
+               "sequence-parallel gather: fc1 saves the gathered s b h; post_forward_comm reduce-scatters fc2's "
+               "output), derived from code, not measured")
+FLEX_SRC = ("mcore MoE code: megatron-core 0.16.1 MoEFlexTokenDispatcher with _DeepepManager (setup_metadata's torch.topk "
+            "over the probabilities expanded to the etp x ep ranks, fused_a2a.FusedDispatch keeping DeepEP's handle, "
+            "_indices_to_multihot, moe_utils.permute), derived from code, not measured; per received token bounded by "
+            "one per routed copy")
+CUDA_ONLY = ("--moe-grouped-gemm, --moe-permute-fusion, --moe-shared-expert-overlap and --moe-token-dispatcher flex need "
+             "CUDA (Transformer Engine, the grouped_gemm package, CUDA streams, DeepEP): not with --device cpu")
 SRC_019 = ("mcore MoE CPU: megatron-core 0.19.2 moe_utils.permute (its E s b int64 argsort, sliced, indexes the "
            "probabilities), measured on CPU, recorded (tests/data/mcore_0_19_2_moe.json)")
 # the dense MLP's terms that an MoE layer does not have (fc1_input, the MLP input, it keeps)
@@ -105,6 +128,12 @@ def _sent_factor(model: ModelSpec) -> Fraction:
 def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     """`terms` (a Megatron layer's inventory) with the MLP of the MoE layers: the dense MLP's terms weighted by
     the dense layers' share, the router / dispatcher / experts' terms by the MoE layers' share."""
+    flex = model.moe_token_dispatcher == "flex"
+    if measured and (model.moe_grouped_gemm or model.moe_permute_fusion or model.moe_shared_expert_overlap or flex):
+        raise MemplanError(CUDA_ONLY)
+    if (model.moe_permute_fusion or flex) and model.megatron_core_version == "0.19":
+        raise MemplanError("--moe-permute-fusion and --moe-token-dispatcher flex are modelled for megatron-core 0.16.1 "
+                           "(--megatron-core-version 0.16)")
     L = model.num_layers
     dense, moe = Fraction(model.moe_first_dense_layers, L), Fraction(model.moe_layers, L)
     out: list[Term] = []
@@ -133,7 +162,9 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     gated = model.mlp == "swiglu"
     probs = router_dtype(model)
 
-    def routed(id, name, elements, dtype="act", scale=r, **kw):
+    experts = GROUPED_SRC if model.moe_grouped_gemm else src  # the experts' computation
+
+    def routed(id, name, elements, dtype="act", scale=r, src=src, **kw):
         term = saved(id, name, "MoE experts", elements, dtype, k22=False, src=src, **kw)
         return dataclasses.replace(term, elements=term.elements * scale)
 
@@ -145,7 +176,12 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     # (masked_select) another; 0.19.2's alltoall dispatcher keeps its permute's argsort over tokens x E instead (its
     # allgather dispatcher still selects the probabilities with masked_select, as 0.16.1's)
     v19 = model.megatron_core_version == "0.19" and not allgather
-    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity))
+    # TE's fused permute (--moe-permute-fusion) keeps its int32 row_id_map in place of the index(es) and, in the
+    # alltoall dispatcher, of the permute's routing map and scattered probabilities (the allgather dispatcher still
+    # selects its probabilities with masked_select)
+    fused, flex = model.moe_permute_fusion, model.moe_token_dispatcher == "flex"
+    maps = (model.moe_capacity_factor is not None) + (not (v19 or model.moe_pad_to_capacity or (fused and not allgather)
+                                                           or flex))
     two = maps == 2
     # the allgather dispatcher permutes the tokens gathered over the etp x ep group: its routing map, probabilities
     # and index cover etp ep s b / t tokens for the GPU's E / ep experts (the router's own tensors, and with
@@ -155,7 +191,14 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
         out.append(saved("moe_routing_map", "routing map (bool, tokens x E)" + (
             ", twice (token dropping, permute)" if two else ""), router, "2 E s b" if two else "E s b", "mask",
             k22=False, src=src, storages=maps, **split))
-    if model.moe_pad_to_capacity:
+    if flex:
+        out += _flex_terms(fused, routed)
+    elif fused:
+        out += _fused_permute_terms(model, allgather, split, routed)
+        if allgather and not model.moe_pad_to_capacity:
+            out.append(saved("moe_probs_dense", "probabilities scattered to E columns (kept by masked_select)", router,
+                             "E s b", probs, k22=False, src=src, **split))
+    elif model.moe_pad_to_capacity:
         out.append(routed("moe_permute_index", "permutation indices of tokens and of probabilities (int64, "
                           "padded to capacity)", "2 k s b", "int64", scale=sent, sp=True))
     else:
@@ -168,20 +211,25 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     out += [
         routed("moe_permuted_tokens", "routed token copies, the experts' input (k per token)", "k s b h",
                tp=True, etp_gathered=True),
-        routed("moe_permuted_probs", "routing probabilities of the routed copies", "k s b", probs, tp=True,
-               etp_gathered=True),
+        routed("moe_permuted_probs", "routing probabilities of the routed copies" + (" (fp32: DeepEP's)" if flex else ""),
+               "k s b", "fp32" if flex else probs, tp=True, etp_gathered=True),
         routed("moe_fc1_output", "experts' fc1 output (the activation's input)", "2 k s b fe" if gated else "k s b fe",
-               tp=True),
+               tp=True, src=experts),
     ]
     if unfused:
         if gated:
-            out += [routed("moe_swiglu_up", "experts' x_linear + glu_linear_offset", "k s b fe", tp=True),
-                    routed("moe_silu_out", "experts' SiLU(gate)", "k s b fe", tp=True)]
+            out += [routed("moe_swiglu_up", "experts' x_linear + glu_linear_offset", "k s b fe", tp=True, src=experts),
+                    routed("moe_silu_out", "experts' SiLU(gate)", "k s b fe", tp=True, src=experts)]
         out.append(routed("moe_act_out", "experts' activation output (kept by the probabilities' multiply)",
-                          "k s b fe", tp=True))
-    out.append(routed("moe_fc2_input", "experts' fc2 input (activation times probability)", "k s b fe", tp=True))
+                          "k s b fe", tp=True, src=experts))
+    out.append(routed("moe_fc2_input", "experts' fc2 input (activation times probability)", "k s b fe", tp=True,
+                      src=experts))
     if model.moe_shared_ffn_hidden_size:
         shared = "MoE shared experts"
+        if model.moe_shared_expert_overlap:
+            out.append(saved("shared_fc1_gathered_input", "shared experts' fc1 input, all-gathered on their stream "
+                             "(s b h, t > 1; at t = 1 the MLP input itself)", shared, "s b h", needs_tp=True,
+                             k22=False, src=OVERLAP_SRC))
         out.append(saved("shared_fc1_output", "shared experts' fc1 output", shared,
                       "2 s b fs" if gated else "s b fs", tp=True, k22=False, src=src))
         if unfused and gated:
@@ -190,6 +238,81 @@ def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
                     saved("shared_silu_out", "shared experts' SiLU(gate)", shared, "s b fs", tp=True, k22=False, src=src)]
         out.append(saved("shared_fc2_input", "shared experts' fc2 input", shared, "s b fs", tp=True, k22=False, src=src))
     return [dataclasses.replace(t, elements=t.elements.assign("k", model.moe_top_k)) for t in out]
+
+
+def _fused_permute_terms(model: ModelSpec, allgather: bool, split: dict, routed) -> list[Term]:
+    """What Transformer Engine's fused permutation keeps (--moe-permute-fusion): make_row_id_map's int32 map, 2 E + 1
+    per token (its unpermute saves the same tensor), over the GPU's s b tokens (alltoall) or the etp ep s b / t
+    gathered ones for the E / ep local experts (allgather: (2 E / ep + 1) etp ep s b / t); the alltoall dispatcher's
+    two sorts by local expert (dispatch_postprocess, combine_preprocess; the unfused split / cat keeps nothing) an
+    int32 map per received copy each. megatron-core skips those sorts with one local expert (ep = E) or padding."""
+    name = "fused permute's row_id_map (int32, 2 E + 1 per token; its unpermute saves the same)"
+    if allgather:
+        return [saved("moe_row_id_map", name, "MoE router", "2 E s b + ep s b", "fp32", k22=False, src=PERMUTE_SRC,
+                      **split)]
+    out = [saved("moe_row_id_map", name, "MoE router", "2 E s b + s b", "fp32", sp=True, k22=False, src=PERMUTE_SRC)]
+    if not model.moe_pad_to_capacity:
+        term = routed("moe_sort_chunks_map", "fused sorts by local expert: an int32 map per received copy, twice "
+                      "(dispatch, combine; none at ep = E)", "2 k s b", "fp32", tp=True, etp_gathered=True)
+        out.append(dataclasses.replace(term, source=PERMUTE_SRC))
+    return out
+
+
+UNFUSED_SWIGLU = ("moe_swiglu_up", "moe_silu_out", "moe_act_out", "shared_swiglu_up", "shared_silu_out")
+
+
+def unfused_moe_swiglu(terms: Iterable[Term], model: ModelSpec, impl: str, src: str) -> list[Term]:
+    """`terms` (a CUDA Megatron-LM inventory of an MoE model) with --no-bias-swiglu-fusion: the experts' and the shared
+    experts' unfused SwiGLU tensors (as measured on CPU) after their fc1 output. SequentialMLP's experts (MLP) and
+    TEGroupedMLP's bias_act_func read the switch; the legacy GroupedMLP (--moe-grouped-gemm with --transformer-impl
+    local) does not: its torch.compile'd activation_func_with_probs keeps fc1's output and the probabilities only."""
+    legacy = model.moe_grouped_gemm and impl == "megatron-local"
+    have = {t.id for t in terms}
+    new = {t.id: dataclasses.replace(t, source=f"{src}; {t.source}")
+           for t in moe_layer_terms([saved("fc1_input", "", "", "s b h", src="")], model, True, False)[1:]
+           if t.id in UNFUSED_SWIGLU and t.id not in have and not (legacy and t.id.startswith("moe_"))}
+    out: list[Term] = []
+    for t in terms:
+        out.append(t)
+        prefix = {"moe_fc1_output": "moe_", "shared_fc1_output": "shared_"}.get(t.id)
+        if prefix:
+            out += [x for id, x in new.items() if id.startswith(prefix)]
+    return out
+
+
+def _flex_terms(fused: bool, routed) -> list[Term]:
+    """What the flex dispatcher with DeepEP keeps per MoE layer (megatron-core 0.16.1 MoEFlexTokenDispatcher): its group is
+    the etp x ep ranks, the GPU's s b / t tokens routed to k etp of them. setup_metadata's torch.topk over the
+    probabilities expanded to those ranks keeps its int64 indices (k etp s b / t); FusedDispatch and FusedCombine keep
+    DeepEP's handle: is_token_in_rank (bool) and send_head (int32) per token and rank (etp ep s b / t each), recv_src_idx
+    (int32 per received token); _indices_to_multihot keeps probs[mask]'s mask (bool, k etp per received token) and
+    index_put_'s two int64 indices per routed copy; the permute of the received tokens keeps, unfused, their routing map
+    (bool) and multihot probabilities (fp32: DeepEP's) over the E / ep local experts and the int64 index, fused the int32
+    row_id_map (2 E / ep + 1 per received token). A GPU receives a token once however many of its experts it chose:
+    at most one per routed copy (k s b etp / t, the bound used). DeepEP's own buffers are not counted (below)."""
+    def flex(id, name, elements, dtype, **kw):
+        return dataclasses.replace(routed(id, name, elements, dtype, tp=True, etp_gathered=True, **kw), source=FLEX_SRC)
+
+    one = Fraction(1)
+    out = [flex("moe_flex_topk_indices", "flex: top-k indices over the probabilities expanded to the etp x ep ranks "
+                "(int64, k etp per token)", "k s b", "int64", scale=one),
+           flex("moe_deepep_token_in_rank", "DeepEP handle: is_token_in_rank (bool, per token and rank)", "ep s b", "mask",
+                scale=one),
+           flex("moe_deepep_send_head", "DeepEP handle: send_head (int32, per token and rank)", "ep s b", "fp32",
+                scale=one),
+           flex("moe_deepep_recv_src_idx", "DeepEP handle: recv_src_idx (int32 per received token)", "k s b", "fp32"),
+           flex("moe_flex_multihot_mask", "_indices_to_multihot: probs[mask]'s mask (bool, k etp per received token)",
+                "k k s b etp", "mask"),
+           flex("moe_flex_multihot_index", "_indices_to_multihot: index_put_'s row and expert indices (int64, per "
+                "routed copy)", "2 k s b", "int64")]
+    if fused:
+        return out + [flex("moe_row_id_map", "fused permute's row_id_map (int32, 2 E / ep + 1 per received token)",
+                           "2 k s b E /ep + k s b", "fp32")]
+    return out + [flex("moe_routing_map", "received tokens' routing map (bool, E / ep local experts)", "k s b E /ep",
+                       "mask"),
+                  flex("moe_probs_dense", "received tokens' multihot probabilities (fp32, kept by masked_select)",
+                       "k s b E /ep", "fp32"),
+                  flex("moe_permute_index", "permutation index (int64, one per routed copy)", "k s b", "int64")]
 
 
 def router_dtype(model: ModelSpec) -> str:
@@ -282,6 +405,9 @@ def _combine_moment(model: ModelSpec, terms: tuple[Term, ...]) -> Moment:
     else:
         transients.append(x("moe_combine_received", "routed copies back from the all-to-all", f"{k} s b h", sent,
                             sp=True))
+    if model.moe_shared_expert_overlap:  # combine_postprocess: the shared experts' fc2, then its reduce-scatter
+        transients.append(x("shared_fc2_output_gathered", "shared experts' fc2 output before the reduce-scatter (on "
+                            "their stream, t > 1)", "s b h", needs_tp=True))
     transients.append(x("moe_unpermuted", "unpermuted MoE output", "s b h", sp=True))
     later = tuple(t.id for t in terms if t.id == "mlp_dropout_mask")
     return Moment("moe_combine_forward", "MoE forward: the experts' output and the dispatcher's combine buffers",

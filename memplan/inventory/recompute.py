@@ -24,8 +24,11 @@ Term.dropped_by_selective) and what only its checkpoint keeps (Term.only_selecti
   replicated one keeps s/t b (r_kv + d_r) and gathers k_pos_emb (s b d_r) under SP: the term is its upper bound
   there. On CUDA (--device cuda) the same rules, derived.
 
-"moe_act" is refused: megatron-core 0.16.1 accepts it only with --moe-grouped-gemm (TransformerConfig), whose
-experts (Transformer Engine's TEGroupedMLP, the grouped_gemm package's GroupedMLP) need CUDA: not measurable on CPU.
+- "moe_act": megatron-core 0.16.1 accepts it only with --moe-grouped-gemm (TransformerConfig), whose experts need CUDA
+  (Transformer Engine's TEGroupedMLP, the grouped_gemm package's GroupedMLP): derived from their forward, not
+  measured. The activation runs in a CheckpointWithoutOutput that keeps its inputs (fc1's output, the probabilities:
+  kept anyway) and frees its output, fc2's saved input, after fc2 (`discard_output_and_register_recompute`): the
+  experts' fc2 input and, with the unfused SwiGLU, its own tensors are dropped.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import DEFAULT_RECOMPUTE_MODULES
 from memplan.inventory.types import Inventory, Term, saved
 
-MODELLED = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
+MODELLED = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")  # measured on CPU
+DERIVED_MODULES = ("moe_act",)  # CUDA only: derived from megatron-core's code
 MEGATRON_IMPLS = ("megatron", "megatron-local")
 # what each module drops (term ids of memplan/inventory/k22.py and mcore.py)
 DROPS = {
@@ -47,10 +51,12 @@ DROPS = {
     "mlp": ("gelu_input", "fc2_input", "swiglu_input", "swiglu_up", "swiglu_silu_out"),
     "mla_up_proj": ("rope_cos_sin", "qk", "v"),
 }
+# derived, not measured (CUDA only): TEGroupedMLP / GroupedMLP's activation checkpoint (tests/test_megatron_moe_variants.py)
+DERIVED_DROPS = {"moe_act": ("moe_fc2_input", "moe_swiglu_up", "moe_silu_out", "moe_act_out")}
 # the blocks (memplan/inventory/moe.py) whose every term a module drops
 DROPS_BLOCKS = {"moe": ("MoE router", "MoE experts", "MoE shared experts"), "shared_experts": ("MoE shared experts",)}
-MOE_ACT = ("--recompute-modules moe_act: megatron-core 0.16.1 accepts it only with --moe-grouped-gemm, whose experts "
-           "(Transformer Engine's TEGroupedMLP, grouped_gemm's GroupedMLP) need CUDA: not measured, not modelled")
+MOE_ACT = ("--recompute-modules moe_act: megatron-core 0.16.1 accepts it only with --moe-grouped-gemm (TransformerConfig), "
+           "an MoE model's")
 SRC_MLA = "megatron-core 0.16.1 CheckpointWithoutOutput around MLA's up projections and RoPE ('mla_up_proj')"
 NORM_INPUTS = ("ln1_input", "ln2_input")
 SRC = "megatron-core 0.16.1 CheckpointWithoutOutput around the norms (selective recompute 'layernorm')"
@@ -64,18 +70,22 @@ def apply_modules(inv: Inventory, model: ModelSpec, impl: str, modules: Iterable
     if impl not in MEGATRON_IMPLS:
         raise MemplanError(f"--recompute-modules is Megatron-LM's: it applies to --impl megatron / megatron-local, "
                            f"not --impl {impl}")
-    other = [m for m in modules if m not in MODELLED]
-    if "moe_act" in other:
+    other = [m for m in modules if m not in MODELLED + DERIVED_MODULES]
+    if "moe_act" in modules and not (model.is_moe and model.moe_grouped_gemm):
         raise MemplanError(MOE_ACT)
+    if "shared_experts" in modules and model.moe_shared_expert_overlap:
+        raise MemplanError("--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap "
+                           "(megatron-core 0.16.1 TransformerConfig)")
     if other:
-        raise MemplanError(f"--recompute-modules {' '.join(other)}: not modelled (modelled: {', '.join(MODELLED)})")
+        raise MemplanError(f"--recompute-modules {' '.join(other)}: not modelled (modelled: "
+                           f"{', '.join(MODELLED + DERIVED_MODULES)})")
     if (model.is_moe or model.is_mla) and set(modules) & {"layernorm", "mlp"}:
         raise MemplanError("--recompute-modules layernorm / mlp are modelled for dense layers with standard "
                            "attention (not MoE or MLA layers)")
     if "mla_up_proj" in modules and not model.is_mla:
         raise MemplanError("--recompute-modules mla_up_proj applies to multi-latent attention (kv_lora_rank set), as "
                            "megatron-core requires")
-    drops = {i for m in modules for i in DROPS.get(m, ())}
+    drops = {i for m in modules for i in DROPS.get(m, DERIVED_DROPS.get(m, ()))}
     blocks = {b for m in modules for b in DROPS_BLOCKS.get(m, ())}
     terms: list[Term] = []
     for t in inv.terms:

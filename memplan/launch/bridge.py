@@ -115,6 +115,10 @@ OVERRIDES: dict[str, tuple[tuple[str, Value], ...]] = {
     "--moe-z-loss-coeff": (("model.moe_z_loss_coeff", "$"),),
     "--moe-router-dtype": (("model.moe_router_dtype", "$"),),
     "--moe-router-pre-softmax": (("model.moe_router_pre_softmax", _TRUE),),
+    "--moe-flex-dispatcher-backend": (("model.moe_flex_dispatcher_backend", "$"),),
+    "--moe-grouped-gemm": (("model.moe_grouped_gemm", _TRUE),),
+    "--moe-permute-fusion": (("model.moe_permute_fusion", _TRUE),),
+    "--moe-shared-expert-overlap": (("model.moe_shared_expert_overlap", _TRUE),),
     # MLATransformerConfig's fields: a DeepSeek (MLA) provider's recipe takes them
     "--multi-latent-attention": (("model.multi_latent_attention", _TRUE),),
     "--q-lora-rank": (("model.q_lora_rank", "$"),),

@@ -272,6 +272,8 @@ def _experts(config: Config) -> list[str]:
     # the routing memplan's MoE inventory assumed (memplan/inventory/moe.py): TransformerConfig's
     # moe_token_dispatcher_type, moe_expert_capacity_factor, moe_pad_expert_input_to_capacity
     args.append(f"--moe-token-dispatcher-type {m.moe_token_dispatcher}")
+    if m.moe_token_dispatcher == "flex":  # the backend memplan models (memplan/inventory/moe.py _flex_terms)
+        args.append("--moe-flex-dispatcher-backend deepep")
     if m.moe_capacity_factor is not None:
         args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor:g}")
     if m.moe_pad_to_capacity:
@@ -286,6 +288,10 @@ def _experts(config: Config) -> list[str]:
         args.append(f"--moe-router-dtype {m.moe_router_dtype}")
     if m.moe_router_pre_softmax or m.moe_top_k == 1:
         args.append("--moe-router-pre-softmax")
+    # the experts' kernels and streams (TransformerConfig moe_grouped_gemm, moe_permute_fusion,
+    # moe_shared_expert_overlap; store_true in Megatron-LM)
+    args += [flag for flag, on in (("--moe-grouped-gemm", m.moe_grouped_gemm), ("--moe-permute-fusion",
+             m.moe_permute_fusion), ("--moe-shared-expert-overlap", m.moe_shared_expert_overlap)) if on]
     return args
 
 

@@ -373,6 +373,8 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
     file (memplan/memory/timeline.py device_memory): the cuBLAS workspace, the margin on both, the runtime
     of either framework and an NCCL communicator for each of the at most five groups (t, p, d, cp, ep).
     That bound is computed in Python integers."""
+    if model.moe_token_dispatcher == "flex":  # needs etp ep > 1: bounded by the alltoall dispatcher's (its few
+        model = model.model_copy(update=dict(moe_token_dispatcher="alltoall"))  # int / bool per token sit in the 2x)
     one_gpu = Config(model=model, training=training.model_copy(update=dict(
         micro_batch=max_micro_batch, global_batch=max_micro_batch, recompute=Recompute.NONE,
         recompute_num_layers=None, mst=1)))  # MsT off: it needs recompute, and only lowers the bound

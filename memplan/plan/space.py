@@ -349,7 +349,8 @@ MAX_CP = 32  # the largest cp searched (powers of 2; Llama 3 405B's 128K-token s
 def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: bool) -> Iterator[tuple[int, ...]]:
     """(t, cp, ep, etp, p) of every plan whose t p cp divides the GPU count: t dividing a and g (at most max_tp);
     cp a power of 2 up to MAX_CP with 2 cp | s, flash attention only and s >= CP_MIN_SEQ (memplan/memory/parallel.py);
-    for an MoE model ep dividing E and etp in {1, t} dividing f_e (memplan/memory/parallel.py; ep etp | t cp d is checked
+    for an MoE model ep dividing E and etp in {1, t} dividing f_e, ep etp > 1 with the flex dispatcher
+    (memplan/memory/parallel.py; ep etp | t cp d is checked
     with d); p dividing L (any p with uneven splits: _splits). transformers (hf-*): t = p = cp = ep = 1."""
     a, g, L, s = model.num_attention_heads, model.g, model.num_layers, model.seq_length
     # p dividing L, or any p when uneven splits are searched or pinned (_splits then decides)
@@ -365,7 +366,8 @@ def _model_parallel(model: ModelSpec, gpus: int, fixed: Fixed, max_tp: int, hf: 
             eps = list(_divisors(model.num_experts)) if expert else [1]
             for ep in _pick(eps, fixed.ep):
                 etps = sorted({1, t}) if expert else [t]
-                for etp in _pick([e for e in etps if model.fe % e == 0], fixed.etp):
+                for etp in _pick([e for e in etps if model.fe % e == 0
+                                  and (ep * e > 1 or model.moe_token_dispatcher != "flex")], fixed.etp):
                     for p in _pick([p for p in pipelines if p == 1 or not hf], fixed.pp):
                         if gpus % (t * p * cp) == 0:
                             yield t, cp, ep, etp, p
