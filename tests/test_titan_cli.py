@@ -106,7 +106,8 @@ def test_hsdp_states_by_hand():
 
 
 @pytest.mark.parametrize("kw", [dict(dp_replicate=3), dict(dp_replicate=8), dict(dp_replicate=2, zero_shard=4),
-                                dict(ac="selective-layer:0"), dict(ac="selective-layer:x")])
+                                dict(ac="selective-layer:0"), dict(ac="selective-layer:x"),
+                                dict(ac="selective-layer:33")])
 def test_hsdp_and_layer_ac_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**{"ac": "full", **kw})

@@ -261,7 +261,10 @@ class PlanOptions:
         mode, every = titan_ac_mode(self.ac)
         if self.impl != "torchtitan" or mode != "selective-layer":
             return {}
-        return dict(recompute_num_layers=len(checkpointed_layers(preset.model.num_layers, every)))
+        layers = preset.model.num_layers
+        if every > layers:
+            raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: plan it with --ac none")
+        return dict(recompute_num_layers=len(checkpointed_layers(layers, every)))
 
     def titan_shard(self, dp: int) -> Optional[int]:
         """--dp-replicate R (torchtitan's HSDP, data_parallel_replicate_degree; torchtitan's parallelize_llama
