@@ -231,4 +231,4 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile, float8, budget AC; "
-              "search over torchtitan's dimensions; the emitted config")
+              "search over torchtitan's dimensions; the allocation stream")
