@@ -17,13 +17,14 @@ pytest.importorskip("torchtitan")
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.inventory.titan import (  # noqa: E402
     AC_MODES,
+    checkpointed_layers,
     fsdp2_states,
     layer_bytes,
     llama3_layer_terms,
     local_numel,
     sharded_numel,
 )
-from validation.titan import Shape, measure_block, measure_fsdp, trace_block  # noqa: E402
+from validation.titan import Shape, measure_block, measure_fsdp, measure_layer_ac, trace_block  # noqa: E402
 
 SHAPE = Shape(h=64, a=4, g=2, f=160)  # head dim 16
 TERMS = llama3_layer_terms(SHAPE.h, SHAPE.a, SHAPE.g, SHAPE.f)
@@ -61,6 +62,17 @@ def test_measured_bytes_equal_memplan(ac, s, b):
     assert Counter(n // (s * b) for _, _, n in measured["rows"]) == _inventory(ac)
     input_bytes = 2 * SHAPE.h * s * b if measured["input_kept"] else 0
     assert measured["total"] + input_bytes == layer_bytes(TERMS, ac, s, b)
+
+
+def test_selective_layer_ac_measured_equals_memplan():
+    # torchtitan's selective per-layer AC (selective_ac_option 2) on 3 real blocks: its rule checkpoints the 2nd
+    # block only; the stack keeps full's bytes for it, none's for the others (each measured above term by term)
+    layers, every, s, b = 3, 2, 16, 2
+    measured = measure_layer_ac(SHAPE, layers, every, s, b)
+    assert measured["checkpointed"] == checkpointed_layers(layers, every) == [1]
+    assert measured["total"] == sum(layer_bytes(TERMS, "full" if i == 1 else "none", s, b) for i in range(layers))
+    # by hand: 2 x 2968 + 128 bytes per token (test_layer_bytes_by_hand) x s b = 6064 x 32
+    assert measured["total"] == 6064 * s * b
 
 
 def test_layer_bytes_by_hand():
@@ -103,3 +115,15 @@ def test_fsdp2_states_measured_over_gloo():
     # rank 1's AdamW moments are 125 rows of each, not 126: 2 moments x 2 x 64 x 4 bytes = 1024 fewer
     assert ranks[0]["params"] == ranks[1]["params"] == 4 * (ranks[0]["total_params"] + 2 * 64) // 2
     assert ranks[0]["adam"] - ranks[1]["adam"] == 1024
+
+
+@pytest.mark.slow
+@SLOW
+def test_hsdp_states_measured_over_gloo():
+    # --dp-replicate 2 on 4 ranks: torchtitan's 2-D mesh (dp_replicate 2, fsdp 2) given to fully_shard; each rank
+    # holds the shard of a 2-way FSDP (its rank in the shard group), not of a 4-way one (~90 s)
+    ranks = measure_fsdp(Shape(h=64, a=4, g=2, f=168), layers=2, vocab=251, world=4, replicate=2)
+    for rank, r in enumerate(ranks):
+        st = fsdp2_states(r["shapes"], r["layer_shapes"], [(64,), (251, 64)], n=2, prefetch=0, rank=rank % 2)
+        assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
+        assert r["unsharded_after_forward"] == st.head_unsharded

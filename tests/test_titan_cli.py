@@ -81,3 +81,38 @@ def test_search_refused(capsys):
 def test_ac_needs_torchtitan():
     with pytest.raises(MemplanError, match="--impl torchtitan"):
         estimate("llama3-8b", ac="full", gpus=8)
+
+
+def test_selective_layer_keeps_full_bytes_for_every_nth_layer():
+    # --ac selective-layer:N: torchtitan checkpoints layers N-1, 2N-1, ... (32 // N of llama3-8b's 32; measured on
+    # CPU against its rule in tests/test_titan.py); they keep the block input, the others what none keeps
+    layer_ids = {t.id for t in titan.llama3_layer_terms(H, A, G, F, D)}
+    for ac, full_layers in (("selective-layer", 16), ("selective-layer:4", 8), ("selective-layer:3", 10),
+                            ("selective-layer:1", 32)):
+        stage = _estimate(ac, "cpu").stages[0]
+        kept = sum(v for k, v in stage.term_bytes.items() if k in layer_ids)
+        per_token = full_layers * PER_TOKEN["full", "cpu"] + (32 - full_layers) * PER_TOKEN["none", "cpu"]
+        assert kept == per_token * S * B, ac
+
+
+def test_hsdp_states_by_hand():
+    # --dp-replicate 2 on 8 GPUs: torchtitan's (dp_replicate 2, fsdp 4) mesh: the fp32 states sharded over 4 ranks
+    layer = 2 * H * H + 2 * H * G * D + 3 * H * F + 2 * H
+    total = V * H + 32 * layer + V * H + H
+    st = _estimate("full", dp_replicate=2).peak.states
+    assert st.optimizer == -(-12 * total // 4) and st.gradients == -(-4 * total // 4)
+    assert st.weights == 2 * (2 * layer + V * H + H)  # all-gathered within a shard group: the whole layers
+    assert _estimate("full", dp_replicate=1).peak.states == _estimate("full").peak.states
+
+
+@pytest.mark.parametrize("kw", [dict(dp_replicate=3), dict(dp_replicate=8), dict(dp_replicate=2, zero_shard=4),
+                                dict(ac="selective-layer:0"), dict(ac="selective-layer:x"),
+                                dict(ac="selective-layer:33")])
+def test_hsdp_and_layer_ac_refused(kw):
+    with pytest.raises(MemplanError):
+        _estimate(**{"ac": "full", **kw})
+
+
+def test_hsdp_needs_torchtitan():
+    with pytest.raises(MemplanError, match="--impl torchtitan"):
+        estimate("llama3-8b", dp_replicate=2, gpus=8)

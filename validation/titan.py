@@ -131,6 +131,40 @@ def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
     return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows)}
 
 
+def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed: int = 0) -> dict:
+    """torchtitan's selective per-layer AC (torchtitan <= 0.2, ``selective_ac_option`` = ``every``; 0.3.0 has no
+    such option) on ``layers`` chained blocks, with real tensors on CPU: its rule as its code wrote it (a count of
+    the wrapped blocks from 1; ``checkpoint_wrapper(module, preserve_rng_state=False)`` where the count is a
+    multiple of ``every``, the block as it is otherwise).  ``total``: bytes the stack keeps after its forward (the
+    last block's output apart; the first block's input counted when a checkpoint keeps it), ``checkpointed``: the
+    wrapped blocks (0-based); the backward is run once."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(seed)
+    blocks, checkpointed, count = [], [], 0
+    for i in range(layers):
+        block = build_block(shape, "none")
+        count += 1
+        if count % every == 0:
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+            checkpointed.append(i)
+        blocks.append(block)
+    x0 = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
+    x = x0 * 1
+    x_ref = StorageWeakRef(x.untyped_storage())
+    live = _Live()
+    with live:
+        out = x
+        for block in blocks:
+            out = block(out, None, None)
+    del x
+    params = [t for block in blocks for t in (*block.parameters(), *block.buffers())]
+    kept = live.alive([out, *params])
+    input_bytes = 0 if x_ref.expired() else 2 * shape.h * s * b
+    out.float().square().mean().backward()
+    return {"total": sum(int(n) for _, _, n in kept) + input_bytes, "checkpointed": checkpointed}
+
+
 def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> dict:
     """The same under FakeTensorMode with s and b symbolic (forward only): ``rows`` (op, dtype, bytes as a
     sympy polynomial in the symbols s, b), ``total``, ``input_kept``."""
@@ -202,13 +236,15 @@ def _unsharded_bytes(groups) -> int:
     return _storage_bytes(tensors)
 
 
-def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int) -> dict:
+def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1) -> dict:
     """One rank of a 1-step FSDP2 run (torchtitan's ``apply_fsdp_to_decoder``: bf16 params, fp32 reduce,
     reshard_after_forward by torchtitan's default policy): per-rank bytes of the sharded fp32 parameters,
     gradients and AdamW moments (storages, padding included), and the bf16 unsharded parameters alive: the
     most inside a block's forward (its feed-forward's end) and backward (its feed-forward's and attention's
     start), and after the forward (before the backward).  On CPU nothing runs ahead of the compute (no
-    streams), so what a GPU's prefetch adds is not seen here.
+    streams), so what a GPU's prefetch adds is not seen here.  ``replicate`` > 1: HSDP as torchtitan's
+    parallelize_llama sets it up (data_parallel_replicate_degree): the 2-D mesh (dp_replicate, fsdp) given to
+    fully_shard, which replicates over the first dimension and shards over the second (world / replicate ranks).
     Parameter shapes (all, one layer's) and count for the derivation."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -217,7 +253,8 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     model = build_model(shape, layers, vocab)
     total_params = sum(p.numel() for p in model.parameters())
     layer_shapes = [tuple(p.shape) for p in model.layers["0"].parameters()]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)) if replicate == 1 else
+            init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "fsdp")))
     apply_fsdp_to_decoder(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
     modules = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     for m in modules:  # gloo has no PREMUL_SUM: sum, then divide (the reduction's op, not its buffers)
@@ -250,7 +287,8 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
             "shapes": [tuple(p.shape) for p in model.parameters()]}
 
 
-def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2) -> list[dict]:
-    """``fsdp_rank`` on ``world`` spawned ranks over gloo."""
+def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2,
+                 replicate: int = 1) -> list[dict]:
+    """``fsdp_rank`` on ``world`` spawned ranks over gloo (``replicate``: HSDP's replicas)."""
     from .ranks import run_ranks
-    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b))
+    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate))

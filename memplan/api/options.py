@@ -16,6 +16,7 @@ from memplan.core.spec_base import describe_validation_error, echo
 from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
+from memplan.inventory.titan import checkpointed_layers, titan_ac_mode
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.reserved import Replay
@@ -29,8 +30,9 @@ ASSUMED_GPU = "a100-80gb"
 TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"}  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
 
 
-# torchtitan's --ac modes (memplan/inventory/titan.py AC_MODES) as memplan's recompute modes
-TITAN_AC = {"none": "none", "full": "full", "selective-op": "selective"}
+# torchtitan's --ac modes (memplan/inventory/titan.py AC_MODES, LAYER_AC) as memplan's recompute modes; selective-layer[:N]
+# (titan.py checkpointed_layers) is full recompute of the layers it checkpoints
+TITAN_AC = {"none": "none", "full": "full", "selective-op": "selective", "selective-layer": "full"}
 
 
 @dataclass
@@ -71,7 +73,8 @@ class PlanOptions:
     recompute_num_layers: Optional[int] = None
     recompute_modules: Union[str, tuple[str, ...], list[str], None] = None  # names, or one comma / space separated string
     recompute_method: Optional[str] = None
-    ac: Optional[str] = None  # torchtitan's activation checkpointing: none | full | selective-op (--impl torchtitan)
+    ac: Optional[str] = None  # torchtitan's activation checkpointing: none | full | selective-op | selective-layer[:N]
+    dp_replicate: Optional[int] = None  # torchtitan's HSDP: replicas of each shard group (--impl torchtitan)
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None
     global_batch_tokens: Union[int, str, None] = None
@@ -272,23 +275,45 @@ class PlanOptions:
         return stage, "fsdp2" if self.fsdp2 else "deepspeed"
 
     def titan_recompute(self) -> Optional[str]:
-        """--ac as memplan's recompute (none, full, selective-op = selective: memplan/inventory/titan.py), and what
-        --impl torchtitan does not model refused; None for other implementations."""
+        """--ac as memplan's recompute (none, full, selective-op = selective, selective-layer[:N] = full of the layers
+        it checkpoints: memplan/inventory/titan.py), and what --impl torchtitan does not model refused; None for other
+        implementations."""
         if self.impl != "torchtitan":
-            if self.ac is not None:
-                raise MemplanError("--ac is torchtitan's activation checkpointing: give --impl torchtitan "
-                                   "(elsewhere --recompute)")
+            if self.ac is not None or self.dp_replicate is not None:
+                raise MemplanError("--ac and --dp-replicate are torchtitan's activation checkpointing and HSDP: give "
+                                   "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
-        if self.ac is not None and self.ac not in TITAN_AC:
-            raise MemplanError(f"--impl torchtitan: --ac {echo(self.ac)} is not modelled yet; modelled: "
-                               f"{', '.join(TITAN_AC)}")
+        mode = titan_ac_mode(self.ac)[0]
         if any(x not in (None, 1) for x in (self.tp, self.pp, self.cp, self.ep, self.vpp)):
             raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism only yet (tp, pp, cp, ep = 1)")
         if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
-            raise MemplanError("--impl torchtitan takes --ac none|full|selective-op, not --recompute*")
+            raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
+                               "--recompute*")
         if self.fp8 is not None or self.lora or self.mst or self.loss_chunks not in (None, 1):
             raise MemplanError("--impl torchtitan: float8, LoRA, MsT and loss chunks are not modelled yet")
-        return TITAN_AC[self.ac or "none"]
+        return TITAN_AC[mode]
+
+    def titan_layers(self, preset: ModelPreset) -> dict:
+        """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""
+        mode, every = titan_ac_mode(self.ac)
+        if self.impl != "torchtitan" or mode != "selective-layer":
+            return {}
+        layers = preset.model.num_layers
+        if every > layers:
+            raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: plan it with --ac none")
+        return dict(recompute_num_layers=len(checkpointed_layers(layers, every)))
+
+    def titan_shard(self, dp: int) -> Optional[int]:
+        """--dp-replicate R (torchtitan's HSDP, data_parallel_replicate_degree; torchtitan's parallelize_llama
+        gives fully_shard the 2-D mesh (dp_replicate, fsdp): FSDP2 replicates over the first dimension, shards over
+        the second) as the ranks each shard group spans: d / R (memplan's zero_shard); None for R = 1."""
+        r = self.dp_replicate
+        if self.zero_shard is not None:
+            raise MemplanError("--impl torchtitan: give --dp-replicate R (HSDP), not --zero-shard")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or dp % r or (r > 1 and dp // r < 2):
+            raise MemplanError(f"--dp-replicate {echo(r)} must divide the data-parallel size {dp} and leave 2 or more "
+                               "ranks per shard group")
+        return None if r == 1 else dp // r
 
     def recompute_choices(self) -> dict:
         """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
@@ -312,19 +337,26 @@ class PlanOptions:
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
             zero = 1
         zero = self.stack_zero(zero)[0]
-        config = make_config(
-            preset,
-            parallel=dict(tp=1 if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp, zero=zero,
-                          zero_shard=self.zero_shard, **self.cp_ep(), first_stage_layers=self.first_stage_layers,
-                          last_stage_layers=self.last_stage_layers),
-            training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
-                          recompute_num_layers=self.recompute_num_layers, **self.recompute_choices(),
-                          **self.training_settings()),
-            model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
-            gpus=self.gpus,
-            whole_model_per_rank=self.impl.startswith("hf-"),
-            global_batch_tokens=self.global_batch_tokens,
-        )
+
+        def build(zero_shard: Optional[int]) -> Config:
+            return make_config(
+                preset,
+                parallel=dict(tp=1 if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp,
+                              sp=self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers),
+                training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
+                              **({"recompute_num_layers": self.recompute_num_layers} | self.titan_layers(preset)),
+                              **self.recompute_choices(),
+                              **self.training_settings()),
+                model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
+                gpus=self.gpus,
+                whole_model_per_rank=self.impl.startswith("hf-"),
+                global_batch_tokens=self.global_batch_tokens,
+            )
+
+        config = build(self.zero_shard)
+        if titan and self.dp_replicate is not None:  # HSDP: the shard groups span d / R ranks (the d of the plan)
+            config = build(self.titan_shard(config.parallel.dp))
         return preset, config
 
     def gpu_spec(self, preset: Optional[ModelPreset]) -> Optional[GpuSpec]:

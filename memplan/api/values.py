@@ -82,8 +82,14 @@ def expert_loads(value: Union[str, tuple, None]) -> Optional[tuple[float, ...]]:
 
 def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> None:
     """Refuse an --emit that cannot give a launch block for this plan, before any work."""
-    if emit not in (None, "megatron", "bridge", "accelerate", "deepspeed"):
-        raise MemplanError(f"--emit takes megatron, bridge, accelerate or deepspeed, not {str(emit)[:40]!r}")
+    if emit not in (None, "megatron", "bridge", "accelerate", "deepspeed", "torchtitan"):
+        raise MemplanError(f"--emit takes megatron, bridge, accelerate, deepspeed or torchtitan, not {str(emit)[:40]!r}")
+    if (emit == "torchtitan") != (impl == "torchtitan") and emit is not None:  # memplan/launch/titan.py
+        raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan"
+                           if emit == "torchtitan" else f"--impl torchtitan is launched with --emit torchtitan, not "
+                           f"--emit {emit}")
+    if emit == "torchtitan":
+        return
     if emit in ("accelerate", "deepspeed"):  # the HF Trainer's stacks (memplan/launch/trainer.py)
         if not impl.startswith("hf-"):
             raise MemplanError(f"--emit {emit} configures the HF Trainer: plan it with --impl hf-sdpa or hf-eager and "

@@ -194,7 +194,7 @@ def _check_emit(emit: Optional[str], emit_only: bool, fmt: str) -> None:
         refuse(f"--emit {emit} cannot follow CSV rows: use --format json (the arguments go in the "
                "document) or table / markdown")
     if emit_only and not emit:
-        refuse("--emit-only needs --emit megatron|bridge|accelerate|deepspeed")
+        refuse("--emit-only needs --emit megatron|bridge|accelerate|deepspeed|torchtitan")
     if emit_only and fmt != "table":
         refuse(f"--emit-only prints the launch block alone; it conflicts with --format {fmt} "
                "(with --json the arguments go in the document)")

@@ -141,8 +141,9 @@ def plan_options(func: Callable) -> Callable:
                           "alltoall permute keeps an int64 sort index over tokens x E)."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), help="Activation recompute."),
         click.option("--ac", metavar="MODE",
-                     help="--impl torchtitan's activation checkpointing: none (default), full or selective-op "
-                          "(memplan/inventory/titan.py)."),
+                     help="--impl torchtitan's activation checkpointing: none (default), full, selective-op or "
+                          "selective-layer[:N] (every N-th layer checkpointed, default 2; torchtitan <= 0.2's "
+                          "selective_ac_option) (memplan/inventory/titan.py)."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",
@@ -164,6 +165,9 @@ def plan_options(func: Callable) -> Callable:
                           "2 also gradients; 3 also weights."),
         click.option("--zero-shard", type=INT,
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
+        click.option("--dp-replicate", type=INT,
+                     help="--impl torchtitan's HSDP: R replicas (data_parallel_replicate_degree), each shard group "
+                          "d / R ranks (data_parallel_shard_degree; default 1: FSDP over all d)."),
         click.option("--distributed-optimizer", is_flag=True, default=None,
                      help="Megatron-LM distributed optimizer (same memory as --zero 1)."),
         click.option("--fsdp2", is_flag=True, default=None,
@@ -320,10 +324,11 @@ def check_plots(paths: dict[str, Optional[str]]) -> None:
 def emit_options(what: str) -> Callable[[Callable], Callable]:
     """--emit and --emit-only, shared by estimate (what: "the plan") and search ("the best plan")."""
     options = [
-        click.option("--emit", type=click.Choice(["megatron", "bridge", "accelerate", "deepspeed"]),
+        click.option("--emit", type=click.Choice(["megatron", "bridge", "accelerate", "deepspeed", "torchtitan"]),
                      help=f"Also print {what} as Megatron-LM arguments (bridge: as Megatron-Bridge recipe overrides, "
                           "section.field=value; accelerate: an accelerate config YAML, with --fsdp2 or "
-                          "--deepspeed-zero; deepspeed: a DeepSpeed config JSON, with --deepspeed-zero) and the environment they need (with "
+                          "--deepspeed-zero; deepspeed: a DeepSpeed config JSON, with --deepspeed-zero; torchtitan: a Python module "
+                          "returning torchtitan 0.3.0's Trainer.Config, with --impl torchtitan) and the environment they need (with "
                           "PYTORCH_CUDA_ALLOC_CONF when the plan fits only with the allocator settings it was replayed "
                           "with, e.g. expandable segments; with --json: inside the document, as launch)."),
         click.option("--emit-only", is_flag=True,

@@ -42,6 +42,10 @@ from memplan.inventory.k22 import labels_term
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
+# torchtitan <= 0.2's selective per-layer AC (activation_checkpoint.mode "selective", selective_ac_option an int N):
+# torch's checkpoint_wrapper (FullAC's) around every N-th decoder layer, the others as under none; its default "2"
+LAYER_AC = "selective-layer"
+LAYER_AC_DEFAULT = 2
 SOURCE = "torchtitan 0.3.0 Llama 3 block; measured and traced on CPU (validation/titan.py)"
 
 
@@ -85,6 +89,27 @@ def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int) -> int:
     if ac not in AC_MODES:
         raise MemplanError(f"unknown --ac '{ac}' for --impl torchtitan; modelled: {', '.join(AC_MODES)}")
     return s * b * sum(t.bytes_per_token for t in terms if ac in t.modes)
+
+
+def titan_ac_mode(ac: str | None) -> tuple[str, int]:
+    """--ac as (mode, N): N the layer frequency of selective-layer[:N] (default 2), else 1; unknown modes refused."""
+    mode, _, every = (ac or "none").partition(":")
+    if mode == LAYER_AC:
+        if not every:
+            return mode, LAYER_AC_DEFAULT
+        if every.isascii() and every.isdigit() and int(every) >= 1:
+            return mode, int(every)
+    elif mode in AC_MODES and not every:
+        return mode, 1
+    raise MemplanError(f"--impl torchtitan: --ac {str(ac)[:40]!r} is not modelled; modelled: {', '.join(AC_MODES)}, "
+                       f"{LAYER_AC}[:N] (N >= 1)")
+
+
+def checkpointed_layers(layers: int, every: int) -> list[int]:
+    """The decoder layers (0-based) torchtitan's selective per-layer AC checkpoints: it counts the blocks it wraps
+    from 1 and wraps those whose count is a multiple of N (``_apply_ac_to_transformer_block``: ``_count % ac_freq
+    == 0``), so layers N-1, 2N-1, ...: L // N of them."""
+    return [i for i in range(layers) if (i + 1) % every == 0]
 
 
 @dataclass(frozen=True)
@@ -206,4 +231,4 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile, float8, budget AC; "
-              "search over torchtitan's dimensions; the emitted config")
+              "search over torchtitan's dimensions; the allocation stream")

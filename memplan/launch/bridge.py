@@ -17,6 +17,7 @@ from typing import Callable, Union
 
 from memplan.core.specs import Config
 from memplan.launch.megatron import Launch, megatron_launch
+from memplan.launch.titan import titan_launch
 from memplan.launch.trainer import trainer_launch
 
 Value = Union[str, Callable[[str, Config], str]]
@@ -175,9 +176,12 @@ def bridge_launch(config: Config, megatron: Launch) -> Launch:
 
 def launch_for(config: Config, emit: str, impl: str = "megatron", alloc_conf: str = "") -> Launch:
     """The launch `--emit` asks for: "megatron" (Megatron-LM's arguments), "bridge" (Megatron-Bridge's overrides),
-    "accelerate" / "deepspeed" (an HF Trainer stack's config file, launch/trainer.py);
+    "accelerate" / "deepspeed" (an HF Trainer stack's config file, launch/trainer.py), "torchtitan" (a Python module
+    returning torchtitan's Trainer.Config, launch/titan.py);
     impl and alloc_conf as megatron_launch takes them."""
     if emit in ("accelerate", "deepspeed"):
         return trainer_launch(config, emit)
+    if emit == "torchtitan":
+        return titan_launch(config)
     megatron = megatron_launch(config, impl, alloc_conf)
     return bridge_launch(config, megatron) if emit == "bridge" else megatron

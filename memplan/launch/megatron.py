@@ -49,7 +49,8 @@ class Launch:
     env: dict[str, Optional[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     kind: str = "megatron"  # megatron: pretrain_gpt.py's arguments; bridge: Megatron-Bridge's (launch/bridge.py);
-    # accelerate / deepspeed: a config file's lines (launch/trainer.py), `document` its content
+    # accelerate / deepspeed: a config file's lines (launch/trainer.py), `document` its content; torchtitan: a Python
+    # module's lines (launch/titan.py), `document` the fields it sets
     document: Optional[dict] = None
 
     def as_dict(self) -> dict:
@@ -62,10 +63,14 @@ class Launch:
     def what(self) -> str:
         """What the block is, for the `# title` line of the report."""
         return {"bridge": "Megatron-Bridge recipe overrides", "accelerate": "an accelerate config (YAML)",
-                "deepspeed": "a DeepSpeed config (JSON)"}.get(self.kind, "Megatron-LM arguments")
+                "deepspeed": "a DeepSpeed config (JSON)", "torchtitan": "a torchtitan config (Python)"}.get(
+                    self.kind, "Megatron-LM arguments")
 
     def env_lines(self) -> list[str]:
-        return [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
+        """export / unset lines; commented out when the block is a Python file (torchtitan: its docstring says
+        how to launch with them)."""
+        lines = [f"export {name}={value}" if value is not None else f"unset {name}" for name, value in self.env.items()]
+        return [f"# {line}" for line in lines] if self.kind == "torchtitan" else lines
 
     def args_block(self) -> str:
         """The arguments one per line with ` \\` continuations: paste after `torchrun ... pretrain_gpt.py`."""

@@ -85,11 +85,14 @@ def sharded_weight_bytes(training: TrainingSpec) -> int:
     return 0 if training.dp_stack == "torchtitan" else training.weight_bytes
 
 
-def notes(training: TrainingSpec, zero: int) -> list[str]:
-    """What the plan's stack adds, said as derived."""
+def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1) -> list[str]:
+    """What the plan's stack adds, said as derived (``dp`` data-parallel ranks, ``shard`` of them per shard group)."""
     if training.dp_stack == "torchtitan":
+        over = ("the data-parallel ranks (16 B / d per parameter" if shard == dp else
+                f"each HSDP shard group of {shard} ranks ({dp // shard} replicas, torchtitan's "
+                f"data_parallel_replicate_degree; 16 B / {shard} per parameter")
         return ["torchtitan FSDP2 (fully_shard per decoder layer, bf16 params / fp32 reduce): fp32 sharded parameters, "
-                "gradients and AdamW moments over the data-parallel ranks (16 B / d per parameter; dim-0 padding not "
+                f"gradients and AdamW moments over {over}; dim-0 padding not "
                 "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
                 "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
                 "norm + LM head, kept from their forward to their backward (measured)"]

@@ -330,7 +330,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += fp8_notes(tr)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
-    notes += stack_notes(tr, config.parallel.zero)
+    notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])
@@ -354,7 +354,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if tr.recompute == Recompute.FULL and tr.recompute_num_layers is not None:
         notes.append(
             f"full recompute of {tr.recompute_num_layers} of {config.layers_per_chunk} layers per model chunk "
-            "(Megatron-LM --recompute-method block)"
+            + ("(torchtitan's selective per-layer AC: every N-th layer checkpointed; the kept bytes are the same "
+               "wherever they sit)" if inventory.name.startswith("torchtitan") else
+               "(Megatron-LM --recompute-method block)")
         )
     if tr.recompute == Recompute.SELECTIVE:
         dropped = sum(t.bytes(values, tr.activation_bytes, int(par.sp)) for t in terms

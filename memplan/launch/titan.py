@@ -1,0 +1,119 @@
+"""From plan to launch, the torchtitan way: a plan of --impl torchtitan as torchtitan 0.3.0's configuration.
+
+torchtitan 0.3.0 (the version installed beside torch 2.13; its TOML job files are gone) is configured by Python:
+``torchtitan.train`` calls ``ConfigManager.parse_args``, which imports ``--module M`` (a short name such as llama3, or
+any importable module) and calls its function ``--config F``, which returns a ``Trainer.Config``
+(torchtitan/config/manager.py, torchtitan/trainer.py). The emitted text is such a module: ``memplan_plan()`` starts
+from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
+sets what memplan planned: the model without converters (no float8), no torch.compile, the plain cross-entropy loss
+(the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
+batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard; tensor, pipeline and context
+parallelism 1) and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
+torchtitan 0.3.0's dataclasses; tests/test_launch_titan.py loads the emitted module with torchtitan's own
+ConfigManager.
+
+torchtitan's launcher (run_train.sh) runs torchrun with expandable segments ("expandable_segments:True", spelled
+PYTORCH_ALLOC_CONF there, torch's newer name for PYTORCH_CUDA_ALLOC_CONF, which torch 2.13 still reads): the launch
+sets it the same way."""
+
+from __future__ import annotations
+
+from memplan.core.errors import MemplanError
+from memplan.core.specs import Config
+from memplan.core.training import Recompute
+from memplan.launch.megatron import ALLOC_CONF, Launch
+
+EXPANDABLE = "expandable_segments:True"
+MODULE = "memplan_titan"  # the file name the emitted text is saved as (memplan_titan.py)
+FUNCTION = "memplan_plan"
+
+# torchtitan 0.3.0's Llama 3 flavours (torchtitan/models/llama3/__init__.py llama3_configs): layers, dim, heads, KV
+# heads, FFN hidden, vocabulary -> the config_registry function that ships it; tests/test_launch_titan.py checks each
+# against torchtitan's own model configs
+FLAVORS = {(32, 4096, 32, 8, 14336, 128256): ("8B", "llama3_8b"),
+           (80, 8192, 64, 8, 28672, 128256): ("70B", "llama3_70b"),
+           (126, 16384, 128, 8, 53248, 128256): ("405B", "llama3_405b")}
+
+
+def flavor(config: Config) -> tuple[str, str]:
+    """The torchtitan Llama 3 flavour and the shipped config function of the plan's model, or refused."""
+    m = config.model
+    key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.g, m.f, m.vocab_size)
+    if key not in FLAVORS:
+        raise MemplanError(f"--emit torchtitan starts from torchtitan's shipped Llama 3 configs (8B, 70B, 405B); "
+                           f"{m.name[:40]!r} is none of them")
+    return FLAVORS[key]
+
+
+def _ac(config: Config) -> tuple[str, str]:
+    """The activation-checkpointing line and its import name (refusing what 0.3.0 cannot say)."""
+    tr = config.training
+    if tr.recompute == Recompute.FULL and tr.recompute_num_layers is not None:
+        raise MemplanError("--emit torchtitan: torchtitan 0.3.0 has no per-layer selective AC (selective_ac_option "
+                           "was removed with the TOML configs): plan it with --ac none, full or selective-op")
+    if tr.recompute == Recompute.FULL:
+        return "FullAC.Config()", "FullAC"
+    if tr.recompute == Recompute.SELECTIVE:
+        return "SelectiveAC.Config()", "SelectiveAC"
+    return "None", ""
+
+
+def titan_document(config: Config) -> dict:
+    """What the emitted module sets, by torchtitan's field names (the JSON form of the launch)."""
+    par, tr = config.parallel, config.training
+    replicate = par.dp // par.shard
+    flavour, base = flavor(config)
+    return {"module": MODULE, "config": FUNCTION, "base": base, "flavor": flavour,
+            "training.local_batch_size": tr.micro_batch, "training.global_batch_size": config.global_batch,
+            "training.seq_len": config.model.seq_length,
+            "parallelism.data_parallel_replicate_degree": replicate,
+            "parallelism.data_parallel_shard_degree": par.shard,
+            "activation_checkpoint": _ac(config)[0], "compile.enable": False,
+            "loss": "CrossEntropyLoss", "converters": []}
+
+
+def titan_launch(config: Config) -> Launch:
+    """--emit torchtitan: the plan as a Python module returning torchtitan 0.3.0's Trainer.Config."""
+    if config.training.dp_stack != "torchtitan":
+        raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
+    doc = titan_document(config)
+    ac, ac_name = _ac(config)
+    gpus = config.parallel.dp
+    imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
+    lines = [
+        f'"""memplan\'s plan as torchtitan 0.3.0\'s config. Save as {MODULE}.py, then, from its folder:',
+        f"    PYTHONPATH=. {ALLOC_CONF}={EXPANDABLE} torchrun --nproc_per_node={gpus} \\",
+        f"        -m torchtitan.train --module {MODULE} --config {FUNCTION}",
+        '"""',
+        "from torchtitan.components.loss import CrossEntropyLoss",
+        "from torchtitan.config import CompileConfig, ParallelismConfig",
+    ]
+    if imports:
+        lines.append(f"from torchtitan.distributed.activation_checkpoint import {imports}")
+    lines += [
+        "from torchtitan.models.common.config_utils import decoder_vocab_size",
+        "from torchtitan.models.llama3 import model_registry",
+        f"from torchtitan.models.llama3.config_registry import {doc['base']}",
+        "from torchtitan.trainer import Trainer",
+        "",
+        "",
+        f"def {FUNCTION}() -> Trainer.Config:",
+        f"    config = {doc['base']}()",
+        f"    config.model_spec = model_registry(\"{doc['flavor']}\")  # no converters (float8 is not planned)",
+        "    config.compile = CompileConfig(enable=False)",
+        "    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
+        f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
+        f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
+        f"    config.training.seq_len = {doc['training.seq_len']}",
+        "    config.parallelism = ParallelismConfig(",
+        f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
+        f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",
+        "        tensor_parallel_degree=1, pipeline_parallel_degree=1, context_parallel_degree=1)",
+        f"    config.activation_checkpoint = {ac}",
+        "    return config",
+    ]
+    notes = [f"torchtitan 0.3.0 is configured in Python: save the block as {MODULE}.py and launch it as its docstring "
+             "says (torchtitan's run_train.sh sets expandable segments the same way)",
+             "the shipped configs' chunked loss (ChunkedLossWrapper), torch.compile and float8 are switched off: "
+             "memplan plans the plain cross-entropy, eager, bf16"]
+    return Launch(lines, {ALLOC_CONF: EXPANDABLE}, notes, kind="torchtitan", document=doc)

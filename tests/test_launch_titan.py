@@ -1,0 +1,79 @@
+"""--emit torchtitan (memplan/launch/titan.py): the emitted module is loaded by torchtitan 0.3.0's own ConfigManager
+(the code `torchtitan.train --module M --config F` runs) and the Trainer.Config it returns carries the plan; memplan's
+table of torchtitan's Llama 3 flavours equals torchtitan's own model configs. Needs torchtitan (the test extra)."""
+
+import sys
+
+import pytest
+
+from memplan.api.estimating import estimate
+from memplan.cli import main
+from memplan.launch.titan import EXPANDABLE, FLAVORS, FUNCTION, MODULE
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.config.manager import ConfigManager  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
+from torchtitan.models.llama3 import llama3_configs  # noqa: E402
+
+
+def _load(tmp_path, monkeypatch, text):
+    """torchtitan's ConfigManager on the emitted module, as `torchtitan.train --module M --config F` parses it."""
+    (tmp_path / f"{MODULE}.py").write_text(text + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    return ConfigManager().parse_args(["--module", MODULE, "--config", FUNCTION])
+
+
+@pytest.mark.parametrize("ac,replicate,cls", [("selective-op", None, SelectiveAC.Config), ("full", 2, FullAC.Config),
+                                              ("none", None, type(None))])
+def test_emitted_config_builds_in_torchtitan(tmp_path, monkeypatch, ac, replicate, cls):
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, ac=ac, dp_replicate=replicate, seq_len=4096,
+                      micro_batch=2, global_batch=32, emit="torchtitan")
+    launch = result.launch
+    assert launch.env == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    config = _load(tmp_path, monkeypatch, "\n".join(launch.args))
+    par = config.parallelism
+    # the plan: 8 GPUs, data-parallel only (HSDP: 2 replicas of 4 shards), local batch 2 of 4,096 tokens, 32 in all
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree) == ((replicate or 1), 8 // (replicate or 1))
+    assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.context_parallel_degree) == (1, 1, 1)
+    assert (config.training.local_batch_size, config.training.global_batch_size, config.training.seq_len) == (2, 32, 4096)
+    assert type(config.activation_checkpoint) is cls
+    # eager, bf16 params / fp32 reduce (torchtitan's defaults, what memplan plans), no float8 converter, plain loss
+    assert not config.compile.enable
+    assert (config.training.mixed_precision_param, config.training.mixed_precision_reduce) == ("bfloat16", "float32")
+    assert type(config.loss).__qualname__ == "CrossEntropyLoss.Config"
+    assert len(config.model_spec.model.layers) == 32 and config.model_spec.flavor == "8B"
+
+
+def test_the_whole_block_is_a_python_module(tmp_path, monkeypatch, capsys):
+    # --emit-only prints the block alone: saved as is, it loads (the allocator setting is a comment in it)
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--model", "llama3-70b", "--impl", "torchtitan", "--gpus", "64", "--ac", "full",
+              "--seq-len", "8192", "--emit", "torchtitan", "--emit-only"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.err
+    assert "# export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out.out and "note:" in out.err
+    config = _load(tmp_path, monkeypatch, out.out)
+    assert len(config.model_spec.model.layers) == 80 and config.parallelism.data_parallel_shard_degree == 64
+    # the shipped llama3_70b sets TP 8; the plan has none
+    assert config.parallelism.tensor_parallel_degree == 1
+
+
+def test_flavours_equal_torchtitans_configs():
+    for (layers, dim, heads, kv, ffn, vocab), (name, _) in FLAVORS.items():
+        cfg = llama3_configs[name](attn_backend="flex")
+        attn, ff = cfg.layers[0].attention, cfg.layers[0].feed_forward
+        assert (len(cfg.layers), cfg.dim, attn.n_heads, attn.n_kv_heads, ff.w1.out_features, cfg.vocab_size) == (
+            layers, dim, heads, kv, ffn, vocab)
+    for model in ("llama3-8b", "llama3-70b", "llama3.1-405b"):  # memplan's presets are those flavours
+        assert estimate(model, impl="torchtitan", gpus=8, global_batch=8, emit="torchtitan").launch.document["flavor"]
+
+
+@pytest.mark.parametrize("args", [["--impl", "megatron"], ["--impl", "torchtitan", "--model", "llama2-7b"],
+                                  ["--impl", "torchtitan", "--ac", "selective-layer:2"]])
+def test_refused_in_one_line(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--emit", "torchtitan"] + args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
