@@ -227,7 +227,11 @@ def plan_options(func: Callable) -> Callable:
                           "no attention mask); padded = padded to s with an attention mask; packed = sequences packed "
                           "by position_ids (DataCollatorWithFlattening: --micro-batch 1, --seq-len the packed row). "
                           "With hf-sdpa a mask is saved in every layer and K / V keep all heads (measured on CPU with "
-                          "the HF Trainer, memplan/inventory/batch_mask.py)."),
+                          "the HF Trainer, memplan/inventory/hf_trainer.py)."),
+        click.option("--checkpoint-reentrant", is_flag=True, default=None,
+                     help="With --impl hf-* and --recompute full: transformers' gradient checkpointing with "
+                          "use_reentrant=True (gradient_checkpointing_kwargs; its default is False): the recomputed "
+                          "layer's output (s b h) is held through its backward (measured on CPU with the HF Trainer)."),
         click.option("--liger", is_flag=True, default=None,
                      help="Liger-Kernel 0.8.5's fused kernels (--impl hf-*, Llama layout): RMSNorm, SwiGLU, RoPE, "
                           "the fused linear cross-entropy. Derived from its code (Triton only), not measured "

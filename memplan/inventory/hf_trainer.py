@@ -1,4 +1,6 @@
-"""Padded and packed batches in transformers' sdpa attention (`--batch-layout padded|packed`, --impl hf-sdpa).
+"""What the HF Trainer's data and checkpointing settings change in transformers' inventory (memplan/inventory/hf.py):
+padded and packed batches (`--batch-layout padded|packed`, --impl hf-sdpa) and reentrant gradient checkpointing
+(`--checkpoint-reentrant`).
 
 With every row of the micro-batch s real tokens (`full`, the default) transformers 5.23 gives sdpa no mask
 (masking_utils.sdpa_mask skips it: `is_causal=True`) and keeps K and V at g heads (`enable_gqa`). A batch that
@@ -17,19 +19,44 @@ activation dtype (aten's convert_boolean_attn_mask: `where`, b s^2 elements), wh
 at full width, and dK / dV of the backward too). Under gradient checkpointing the bool mask is an input of every
 checkpointed layer and lives through the backward (one storage, 1 byte an element). Eager attention builds its
 [b, 1, s, s] mask anyway (memplan/inventory/hf.py checkpoint_mask): the layout changes nothing there.
+
+Gradient checkpointing: transformers 5.23 (`activation_checkpointing_enable`, which the Trainer's
+`gradient_checkpointing=True` calls) defaults to `use_reentrant=False`, what memplan/inventory/hf.py models: the
+recompute stops once the last saved tensor is remade. With `gradient_checkpointing_kwargs={"use_reentrant": True}`
+torch's CheckpointFunction.backward re-runs the whole layer and holds its output (s b h) while it back-propagates
+through it: measured +s b h at every checkpointed layer's backward peak (validation/trainer_loop.py --reentrant).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
-from memplan.inventory.types import Inventory, saved
+from memplan.core.training import Recompute
+from memplan.inventory.types import Inventory, saved, transient
 
 LAYOUTS = ("full", "padded", "packed")
 SRC = "measured: transformers 5.23.0 Trainer, padded / packed batches (validation/trainer_loop.py)"
+REENTRANT = "measured: transformers 5.23.0 Trainer, use_reentrant=True (validation/trainer_loop.py --reentrant)"
+
+
+def check_reentrant(impl: str, training: Any) -> None:
+    """Reentrant checkpointing is transformers' gradient checkpointing of whole layers."""
+    if training.checkpoint_reentrant and (impl not in ("hf-sdpa", "hf-eager") or training.recompute != Recompute.FULL):
+        raise MemplanError("--checkpoint-reentrant is transformers' gradient checkpointing: --impl hf-sdpa / "
+                           "hf-eager with --recompute full")
+
+
+def reentrant(inventory: Inventory) -> Inventory:
+    """`inventory` with the recomputed layer's output alive through every backward moment of the layer."""
+    out = transient("reentrant_layer_output", "the recomputed layer's output, held by reentrant checkpointing",
+                    "s b h", src=REENTRANT)
+    moments = tuple(dataclasses.replace(m, transients=m.transients + (out,))
+                    if m.scope == "layer" and m.phase == "backward" else m for m in inventory.moments)
+    return dataclasses.replace(inventory, moments=moments)
 
 
 def check_layout(model: ModelSpec, impl: str, layout: str) -> None:
