@@ -109,25 +109,42 @@ def test_layout_refused_where_not_modelled():
 
 
 # every loop of the comparison, measured (validation/trainer_loop.py) against memplan: (TrainerCase options, memplan's
-# s, b, layout, recompute, micro-batches); the packed rows are one row of 64 + 48 = 112 tokens (DataCollatorWithFlattening)
+# s, b, layout, recompute, micro-batches); the packed rows are one row of 64 + 48 = 112 tokens (DataCollatorWithFlattening).
+# `PYTHONPATH=. python tests/test_trainer_loop.py` measures them all and prints the table of docs/reference.md; the
+# suite (slow) runs the packed batch with checkpointing (transformers' packed-sequence detection from position_ids),
+# which the fast test's padded batch does not reach; the reentrant and eager cases are hand-checked above
 GRID = [
     (dict(), S, B, "full", "none", 1),
-    (dict(attn="eager", batching="padded"), S, B, "padded", "none", 1),
     (dict(ga=2), S, B, "full", "none", 2),
     (dict(checkpointing=True), S, B, "full", "full", 1),
-    (dict(checkpointing=True, use_reentrant=True), S, B, "full", "full", 1),
     (dict(batching="padded"), S, B, "padded", "none", 1),
     (dict(batching="packed"), 112, 1, "packed", "none", 1),
     (dict(batching="packed", checkpointing=True), 112, 1, "packed", "full", 1),
+    (dict(checkpointing=True, use_reentrant=True), S, B, "full", "full", 1),
+    (dict(attn="eager", batching="padded"), S, B, "padded", "none", 1),
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("options, s, b, layout, recompute, microbatches", GRID)
-def test_trainer_grid(options, s, b, layout, recompute, microbatches):
-    pytest.importorskip("accelerate")
+def _grid_case(options, s, b, layout, recompute, microbatches):
+    """(measured, predicted, predicted without the layout's and reentrancy's terms) of one GRID case."""
     from validation.trainer_loop import TrainerCase, measure_trainer
 
-    m = measure_trainer(TrainerCase(**options))
+    m = measure_trainer(TrainerCase(**options)).peak_bytes
     attn, reentrant = options.get("attn", "sdpa"), bool(options.get("use_reentrant"))
-    assert _within(_predict(s, b, layout, recompute, microbatches, attn, reentrant), m.peak_bytes), m.peak_bytes
+    return (m, _predict(s, b, layout, recompute, microbatches, attn, reentrant),
+            _predict(s, b, "full", recompute, microbatches, attn))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [GRID[5]], ids=["packed-checkpointing"])
+def test_trainer_grid(case):
+    pytest.importorskip("accelerate")
+    measured, predicted, _ = _grid_case(*case)
+    assert _within(predicted, measured), (predicted, measured)
+
+
+if __name__ == "__main__":
+    for case in GRID:
+        m, p, p0 = _grid_case(*case)
+        print(f"{case[0]}: measured {m:,} B, memplan {p:,} B ({(p - m) / m:+.3%}), without the terms {p0:,} B "
+              f"({(p0 - m) / m:+.2%})")
