@@ -20,8 +20,11 @@ Batches (``TrainerCase.batching``):
 Measured: the Trainer's second optimizer step (from the end of step 1, so the batch fetch of step 2 is inside
 the window, to the end of step 2), with validation/step.py's ``StepTracker`` (live bytes of storages created by
 aten ops in the window, after every op) and its layer hooks for the labels; persistent bytes (weights, buffers,
-optimizer states and step counters) are read off the tensors when the window opens. Nothing here computes a
-byte count from a formula.
+optimizer states and step counters) are read off the tensors when the window opens. Labels: the layer hooks
+give forward / backward per layer; the Trainer calls ``loss.backward()`` itself, so the loss's backward (down to
+the last layer's output) stays labelled ``loss``; ``on_substep_end`` starts the next micro-batch and
+``on_pre_optimizer_step`` the optimizer phase (gradient clipping is in the backward's last segment). Nothing here
+computes a byte count from a formula.
 
     PYTHONPATH=. python -m validation.trainer_loop [--ga 2] [--checkpointing] [--batching packed]
 """
