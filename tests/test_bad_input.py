@@ -58,6 +58,8 @@ CASES = [
     (["estimate", "--model", "llama3-8b", "--impl", "hf-sdpa", "--lora", "8", "--lora-targets", "c_attn"],
      "unknown --lora-targets c_attn"),
     (["estimate", "--model", "llama3-8b", "--lora", "8"], "modelled for --impl hf-sdpa / hf-eager"),
+    (["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--batch-layout", "packed"],
+     "--batch-layout packed is modelled for --impl hf-sdpa / hf-eager"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--gpus", "2", "--tp", "2"],
      "memplan models its recipes without tensor or pipeline parallelism"),
     (["estimate", "--model", "mixtral-8x7b", "--impl", "torchtune", "--gpus", "1", "--tp", "1", "--pp", "1",

@@ -337,6 +337,9 @@ class _LayerHooks:
             h.remove()
 
 
+LayerHooks = _LayerHooks  # the labels, for other loops that drive the same tracker (validation/trainer_loop.py)
+
+
 # ---------------------------------------------------------------------------------------------
 # models, loops
 

@@ -101,6 +101,8 @@ class PlanOptions:
     lora_dropout: Optional[float] = None
     qlora: Optional[bool] = None
     liger: Optional[bool] = None
+    batch_layout: Optional[str] = None
+    checkpoint_reentrant: Optional[bool] = None
     offload: tuple[str, ...] = ()
     offload_fraction: Optional[float] = None
     host_mem: Size = None
@@ -237,7 +239,8 @@ class PlanOptions:
             raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
-                    liger=self.liger,
+                    liger=self.liger, batch_layout=self.batch_layout,
+                    checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
                     fp8_amax_history_len=self.fp8_amax_history_len, fp8_param_gather=self.fp8_param_gather,

@@ -74,6 +74,8 @@ class PeakCase:
     family: Optional[str] = None  # model "family": FAMILY_ARCHITECTURES' name (its config: validation/trace.py)
     lora: int = 0  # transformers Llama: peft LoRA of this rank, the base frozen (memplan/inventory/lora.py); 0: none
     lora_targets: tuple[str, ...] = ()  # empty: peft's default
+    reentrant: bool = False  # transformers' gradient checkpointing with use_reentrant=True (memplan/inventory/hf_trainer.py)
+    batch_layout: str = "full"  # full | padded | packed (memplan/inventory/hf_trainer.py; measured by validation/trainer_loop.py)
 
     @property
     def loop(self) -> str:
@@ -103,7 +105,8 @@ def peak_config(case: PeakCase) -> Config:
         micro_batch=case.b, global_batch=case.b * case.microbatches, recompute=case.recompute, precision=precision,
         optimizer=case.algorithm, optimizer_impl=None if case.in_backward else case.optimizer, loss_chunks=case.loss_chunks,
         mst=case.mst, optimizer_in_backward=case.in_backward, lora_rank=case.lora,
-        lora_targets=case.lora_targets or None))
+        lora_targets=case.lora_targets or None, batch_layout=case.batch_layout,
+        checkpoint_reentrant=case.reentrant))
 
 
 def family_model(case: PeakCase) -> ModelSpec:

@@ -256,6 +256,16 @@ def plan_options(func: Callable) -> Callable:
                           "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj)."),
         click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), metavar="P",
                      help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
+        click.option("--batch-layout", type=click.Choice(["full", "padded", "packed"]), default=None,
+                     help="The micro-batch's rows (--impl hf-*, Llama layout): full = s real tokens each (default, "
+                          "no attention mask); padded = padded to s with an attention mask; packed = sequences packed "
+                          "by position_ids (DataCollatorWithFlattening: --micro-batch 1, --seq-len the packed row). "
+                          "With hf-sdpa a mask is saved in every layer and K / V keep all heads (measured on CPU with "
+                          "the HF Trainer, memplan/inventory/hf_trainer.py)."),
+        click.option("--checkpoint-reentrant", is_flag=True, default=None,
+                     help="With --impl hf-* and --recompute full: transformers' gradient checkpointing with "
+                          "use_reentrant=True (gradient_checkpointing_kwargs; its default is False): the recomputed "
+                          "layer's output (s b h) is held through its backward (measured on CPU with the HF Trainer)."),
         click.option("--liger", is_flag=True, default=None,
                      help="Liger-Kernel 0.8.5's fused kernels (--impl hf-*, Llama layout): RMSNorm, SwiGLU, RoPE, "
                           "the fused linear cross-entropy. Derived from its code (Triton only), not measured "

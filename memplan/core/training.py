@@ -204,6 +204,15 @@ class TrainingSpec(Spec):
         "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
         "bitsandbytes' code, not measured)")
 
+    batch_layout: Literal["full", "padded", "packed"] = Field(
+        default="full", description="the micro-batch's rows: full (s real tokens each, no attention mask), padded "
+        "(padded to s with an attention mask), packed (sequences packed, told apart by position_ids): with --impl "
+        "hf-sdpa a mask in every layer and K / V at all heads (memplan/inventory/hf_trainer.py)")
+
+    checkpoint_reentrant: bool = Field(
+        default=False, description="transformers' gradient checkpointing with use_reentrant=True (its default is "
+        "False): the recomputed layer's output is held through its backward (memplan/inventory/hf_trainer.py)")
+
     liger: bool = Field(
         default=False, description="Liger-Kernel's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear "
         "cross-entropy) on transformers' Llama layout, derived from its code, not measured "

@@ -12,6 +12,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
+from memplan.inventory import hf_trainer  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
@@ -132,9 +133,11 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     """`inventory_for` with what the training settings change in it: the loss chunks, FP8, MsT's pieces
     (memplan/inventory/mst.py, which checks that MsT is modelled for this model, implementation and micro-batch), the
     Megatron-LM fusions switched off (memplan/inventory/fusions.py), selective recompute's modules
-    (memplan/inventory/recompute.py), Liger-Kernel (memplan/inventory/liger.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
+    (memplan/inventory/recompute.py), padded / packed batches and reentrant checkpointing (memplan/inventory/hf_trainer.py), Liger-Kernel (memplan/inventory/liger.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
     if training.liger:  # refused before the implementation's own inventory is built
         liger_kernel.check_liger(model, impl, training.loss_chunks)
+    hf_trainer.check_layout(model, impl, training.batch_layout)
+    hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)
     if training.liger and pieces != (1, 1):
         raise MemplanError("--liger computes the LM head and loss in its own chunks: drop --mst")
@@ -146,6 +149,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     inventory = apply_modules(inventory, model, impl, training.recompute_modules)
     inventory = held_decoder_input(inventory, model, impl, device, training.recompute,
                                    tuple(training.recompute_modules))
+    inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
+    if training.checkpoint_reentrant:
+        inventory = hf_trainer.reentrant(inventory)
     if training.liger:  # Liger-Kernel's fused kernels (derived from its code)
         inventory = liger_kernel.apply(inventory, model, impl, training.loss_chunks)
     if training.lora_rank:  # peft LoRA / QLoRA
