@@ -20,6 +20,7 @@ import torch
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from validation.measure import LiveTracker
 from validation.trace import poly_text, symbolic_saves
 
 
@@ -108,3 +109,76 @@ def trace_torchtune_llama(vocab: int, layers: int, heads: int, kv_heads: int, hi
             lambda: _build(vocab, layers, heads, kv_heads, hidden, ffn, checkpoint), _forward, inputs, s_hint=128, b_hint=3)
     return [{"module": st["module"], "op": st["op"], "dtype": str(st["dtype"]).removeprefix("torch."),
              "nbytes": poly_text(st["nbytes"])} for st in storages]
+
+
+class _OpLog(LiveTracker):
+    """LiveTracker that also logs (op, live bytes) after every op while ``log`` is a list."""
+
+    log: list | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.log is not None:
+            self.log.append((str(func), self.live))
+        return out
+
+
+def measure_torchtune_loss(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int,
+                           chunks: int = 1) -> dict[str, int]:
+    """torchtune's loss as full_finetune_single_device's ``_loss_step`` runs it (chunks > 1: the model's
+    ``set_num_output_chunks(N)`` and ``CEWithChunkedOutputLoss(N)``; 1: ``torch.nn.CrossEntropyLoss`` on the fp32
+    logits), measured in a real CPU forward + backward with a ``LiveTracker`` (the bytes of every storage made inside
+    the window: parameters and the batch's labels are not counted, the token ids are). Returns ``saved`` (the
+    distinct storages autograd saves), ``loss_forward`` (the live peak from the model's output to the loss), and the
+    live peaks of the backward's ops before the output projection's first ``mm`` (``loss_backward``), from it up to
+    its first weight-gradient ``add`` (``head_backward``, none with one chunk: up to the final norm's backward) and at
+    that ``add`` (``head_weight_sum``, chunks > 1)."""
+    import_torchtune()
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, False)
+    loss_fn = CEWithChunkedOutputLoss(chunks) if chunks > 1 else torch.nn.CrossEntropyLoss()
+    if chunks > 1:
+        model.set_num_output_chunks(chunks)
+    own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    saved: dict = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in own:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    batch_labels = torch.randint(0, vocab, (b, s))
+    ignore = torch.full((b, 1), -100, dtype=torch.long)
+    tracker = _OpLog()
+    head_done: list[int] = []  # the op count when the final norm's output gradient is complete
+
+    def on_norm(_module, _args, out):
+        out.register_hook(lambda _g: head_done.append(len(tracker.log)))
+
+    model.norm.register_forward_hook(on_norm)
+    with tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(torch.randint(0, vocab, (b, s)))
+            tracker.log = []
+            labels = torch.hstack((batch_labels[..., 1:], ignore))  # the recipe's shifted labels
+            if not isinstance(logits, list):
+                labels, logits = labels.reshape(-1), logits.reshape(-1, logits.size(-1))
+            loss = loss_fn(logits, labels)
+            del logits, labels  # _loss_step returns
+        forward = max(live for _, live in tracker.log)
+        tracker.log = []
+        loss.backward()
+    ops = tracker.log
+    first_mm = next(i for i, (op, _) in enumerate(ops) if op.startswith("aten.mm"))
+    result = {"saved": sum(saved.values()), "loss_forward": forward,
+              "loss_backward": max(live for _, live in ops[:first_mm])}
+    if chunks > 1:
+        first_add = next(i for i, (op, _) in enumerate(ops) if op.startswith("aten.add.Tensor") and i > first_mm)
+        result["head_backward"] = max(live for _, live in ops[first_mm:first_add])
+        result["head_weight_sum"] = ops[first_add][1]
+    else:
+        result["head_backward"] = max(live for _, live in ops[first_mm:head_done[0]])
+    return result

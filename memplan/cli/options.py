@@ -191,7 +191,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--loss-chunks", type=AsciiIntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
-                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py)."),
+                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py); "
+                          "torchtune: its CEWithChunkedOutputLoss, measured (memplan/inventory/tune_loss.py)."),
         click.option("--fp8", "fp8", type=click.Choice(["delayed", "tensorwise", "blockwise", "mxfp8", "custom"]),
                      metavar="RECIPE",
                      help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
