@@ -200,6 +200,7 @@ class PlanOptions:
             raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+                    lora_impl="torchtune" if self.impl == "torchtune" else "peft",
                     liger=self.liger,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,

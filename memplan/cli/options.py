@@ -217,10 +217,12 @@ def plan_options(func: Callable) -> Callable:
         click.option("--lora", "lora", type=AsciiIntRange(1), metavar="R",
                      help="peft LoRA adapters of rank R, the base model frozen (--impl hf-*, Llama layout): fp32 "
                           "adapters with their gradients and AdamW states, what peft's LoRA layers save (measured on "
-                          "CPU, memplan/inventory/lora.py)."),
+                          "CPU, memplan/inventory/lora.py); with --impl torchtune its own LoRALinear (bf16 adapters, "
+                          "measured)."),
         click.option("--lora-targets", metavar="NAMES",
                      help="With --lora: comma-separated linears (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                          "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj)."),
+                          "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj; torchtune: its recipes', "
+                          "q_proj,v_proj,o_proj and the MLP's three)."),
         click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), metavar="P",
                      help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
         click.option("--liger", is_flag=True, default=None,
@@ -229,7 +231,8 @@ def plan_options(func: Callable) -> Callable:
                           "(memplan/inventory/liger.py)."),
         click.option("--qlora", is_flag=True, default=None,
                      help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
-                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code)."),
+                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code); "
+                          "with --impl torchtune torchao's NF4Tensor (measured)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "

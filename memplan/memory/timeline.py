@@ -43,7 +43,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
-from memplan.memory.adapters import ADAPTER_BYTES, adapter_groups
+from memplan.memory.adapters import adapter_bytes, adapter_groups
 from memplan.memory.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
@@ -148,7 +148,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         .grad tensors (its shard: they are reduce-scattered as they are made)."""
         if (name, kept) not in grad_cache:
             if lora is not None:
-                n = sizes.group(lora[name]) * ADAPTER_BYTES if name in lora else 0
+                n = sizes.group(lora[name]) * adapter_bytes(training) if name in lora else 0
             elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
             else:
