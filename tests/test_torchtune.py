@@ -20,7 +20,7 @@ from memplan.presets.batch import make_config  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.torchtune import (import_torchtune, measure_torchtune_llama, measure_torchtune_loss,  # noqa: E402
-                                  trace_torchtune_llama)
+                                  torchtune_head_grad_in_backward, trace_torchtune_llama)
 from validation.trace import evaluate  # noqa: E402
 
 try:
@@ -137,6 +137,23 @@ def test_removing_a_chunked_loss_tensor_fails(model, measured_loss, monkeypatch,
     monkeypatch.setattr(hf, "tune_loss_forward", without(tune_loss.tune_loss_forward))
     monkeypatch.setattr(hf, "tune_chunked_backward", without(tune_loss.tune_chunked_backward))
     assert not _matches(_loss_bytes(model, 64, 2, 4), measured_loss[(4, 2)], 128, 4)
+
+
+def test_optimizer_in_backward_steps_the_head_at_once(model, monkeypatch):
+    # torchtune's optimizer_in_bwd steps and zeroes each parameter in its own hook: when the output projection's
+    # backward is done its gradient is gone (measured: no .grad alive); memplan's final-norm moment holds none either
+    # (MsT's recipe, memplan's default, keeps the LM head's gradient until the embedding's step: v h x 2 B here, with
+    # the final norm's, h x 2 B, counted with the head's)
+    assert torchtune_head_grad_in_backward(64, 2, **DIMS) == 0
+    config = make_config(ModelPreset(model), training=dict(micro_batch=2, optimizer_in_backward=True,
+                                                           precision="bf16-true"), model=dict(seq_length=64))
+
+    def norm_grads(impl):
+        est = estimate(config, impl=impl, device="cpu")
+        return next(e.parts["gradients"] for e in est.step.events if e.moment.startswith("final norm backward"))
+
+    assert norm_grads("torchtune") == 0
+    assert norm_grads("hf-sdpa") == 64 * 32 * 2 + 32 * 2
 
 
 def test_published_llama32_3b_packed_row():

@@ -240,3 +240,31 @@ def measure_torchtune_loss(s: int, b: int, vocab: int, layers: int, heads: int, 
     else:
         result["head_backward"] = max(live for _, live in ops[first_mm:head_done[0]])
     return result
+
+
+def torchtune_head_grad_in_backward(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                                    ffn: int) -> int:
+    """Bytes of the .grad tensors alive when the final norm's output gradient is complete (the output projection's
+    backward done) in a real CPU step with the optimizer step in the backward as torchtune's recipes set it up
+    (optimizer_in_bwd: one fused AdamW per parameter, stepped and zeroed in that parameter's own
+    post-accumulate-grad hook: training.register_optim_in_bwd_hooks, whose package does not import with torchao 0.18,
+    so the two-line hook is set here)."""
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, False)
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-4, fused=True) for p in model.parameters()}
+
+    def optim_step(param) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(optim_step)
+    alive: list[int] = []
+
+    def on_norm(_module, _args, out):
+        out.register_hook(lambda _g: alive.append(sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
+                                                      if p.grad is not None)))
+
+    model.norm.register_forward_hook(on_norm)
+    _forward(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))).backward()
+    return alive[0]

@@ -209,10 +209,14 @@ def plan_options(func: Callable) -> Callable:
                           "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
                           "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
+        click.option("--compile", "compile", is_flag=True, default=None,
+                     help="torch.compile (torchtune's compile: True, torchtitan's --compile): not modelled yet, "
+                          "refused."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
-                          "AdamW per parameter, the LM head's step after the embedding's); --impl hf-*, adamw, one "
+                          "AdamW per parameter, the LM head's step after the embedding's; --impl torchtune: its "
+                          "optimizer_in_bwd, no step waits); --impl hf-*, adamw, one "
                           "micro-batch. Measured (validation/step.py loop in-backward)."),
         click.option("--lora", "lora", type=AsciiIntRange(1), metavar="R",
                      help="peft LoRA adapters of rank R, the base model frozen (--impl hf-*, Llama layout): fp32 "

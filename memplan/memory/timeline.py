@@ -169,6 +169,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # the optimizer step in the backward (TrainingSpec.optimizer_in_backward; torch .grad, one micro-batch): a
     # gradient lives from its AccumulateGrad to its hook's step, except the LM head's, stepped after the embedding's
     in_backward = training.optimizer_in_backward
+    # torchtune's register_optim_in_bwd_hooks (torchtune/training/memory.py) steps and zeroes every parameter in its
+    # own hook: no LM head step waits (measured: tests/test_torchtune.py)
+    delay_head = not inventory.name.startswith("torchtune")
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
     # zero_grad, so in the forward only when earlier micro-batches of this step made them.
     grads_fwd = all_grads if buffer else all_grads * (plan.microbatches > 1)
@@ -183,7 +186,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             # the fresh gradient (its step follows once the node that made it has freed its saved input, which
             # outweighs the step's two temporaries of the gradient's size but for the shortest sequences: not
             # counted); the LM head's gradient once made (its step waits for the embedding's)
-            waits = sum((group_grad(g) for g in m.grads if g in head_names), 0)
+            waits = sum((group_grad(g) for g in m.grads if g in head_names), 0) * delay_head
             return fresh + waits
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
