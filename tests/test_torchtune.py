@@ -5,6 +5,7 @@ tracer) and run for real on CPU: every storage autograd saves. memplan's invento
 torchtune_terms) must give the same total per (s, b), so a removed or resized term fails the test. Needs
 torchtune and torchao (test extra)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,12 +14,13 @@ import pytest
 pytest.importorskip("torchao")
 pytest.importorskip("datasets")  # torchtune's own dependencies (pip installs them with torchtune)
 
-from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.inventory import hf, tune_loss  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets.batch import make_config  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.torchtune import import_torchtune, measure_torchtune_llama, trace_torchtune_llama  # noqa: E402
+from validation.torchtune import (import_torchtune, measure_torchtune_llama, measure_torchtune_loss,  # noqa: E402
+                                  torchtune_head_grad_in_backward, trace_torchtune_llama)
 from validation.trace import evaluate  # noqa: E402
 
 try:
@@ -45,9 +47,9 @@ def model(tmp_path_factory):
     return read_hf_config(str(path)).model
 
 
-def _estimate(model, s, b, impl="torchtune", recompute="none"):
-    config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute, precision="bf16-true"),
-                         model=dict(seq_length=s))
+def _estimate(model, s, b, impl="torchtune", recompute="none", chunks=1):
+    config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute=recompute, precision="bf16-true",
+                                                           loss_chunks=chunks), model=dict(seq_length=s))
     return estimate(config, impl=impl, device="cpu")
 
 
@@ -82,11 +84,76 @@ def test_activation_checkpointing_keeps_each_layer_input(traced, model):
     assert _estimate(model, s, b, recompute="full").stages[0].activations == want
 
 
-def test_loss_chunks_refused_and_other_models(model):
-    config = make_config(ModelPreset(model), training=dict(micro_batch=2, loss_chunks=4, precision="bf16-true"),
-                         model=dict(seq_length=64))
-    with pytest.raises(MemplanError, match="CEWithChunkedOutputLoss"):
-        estimate(config, impl="torchtune", device="cpu")
+def _loss_bytes(model, s, b, chunks):
+    """memplan's bytes at each loss / output-projection moment of --impl torchtune: what the step holds beside the
+    weights and optimizer states (saved tensors, transients, gradients), by moment id."""
+    config = make_config(ModelPreset(model), training=dict(micro_batch=b, loss_chunks=chunks, precision="bf16-true"),
+                         model=dict(seq_length=s))
+    est = estimate(config, impl="torchtune", device="cpu")
+    names = {m.name: m.id for m in est.inventory.moments if m.scope == "last"}
+    return {names[e.moment]: e.parts["saved"] + e.parts["transient"] + e.parts["gradients"]
+            for e in est.step.events if e.moment in names}
+
+
+@pytest.fixture(scope="module")
+def measured_loss():
+    return {(n, b): measure_torchtune_loss(64, b, **DIMS, chunks=n) for n, b in [(1, 2), (4, 2), (2, 2)]}
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 2])
+def test_torchtune_loss_equals_its_cpu_run(model, measured_loss, chunks):
+    # torchtune's own model and loss run as full_finetune_single_device's _loss_step (chunks > 1: the model's
+    # set_num_output_chunks and CEWithChunkedOutputLoss), s 64, b 2, v 64, h 32, against memplan's moments
+    s, b = 64, 2
+    assert _matches(_loss_bytes(model, s, b, chunks), measured_loss[(chunks, b)], s * b, chunks)
+    if chunks > 1:
+        # the chunks save what the whole loss saves (s b v fp32 log-softmax, s b int64 targets) with N fp32 total
+        # weights and the int64 token count: 4 (N - 1) + 8 bytes more
+        want = measured_loss[(chunks, b)]["saved"]
+        assert want == measured_loss[(1, b)]["saved"] + 4 * (chunks - 1) + 8
+        assert _estimate(model, s, b, chunks=chunks).stages[0].activations == want
+
+
+def _matches(got: dict, want: dict, tokens: int, chunks: int) -> bool:
+    """memplan's moments equal the measured live bytes within 16 B: the measurement also holds the loss scalars
+    (the loss, the chunks' running sum, the division's result: 4 B each). Where noted, memplan is above by the int64
+    targets the real backward has freed by then: nll_loss's backward of the chunk back-propagated first frees its
+    targets (8 s b / N B) before log_softmax's; with the whole loss the targets are gone for the output projection's
+    backward too (memplan frees them with the final norm's: the safe side)."""
+    early = {"loss_backward": 8 * tokens // chunks, "head_backward": 8 * tokens if chunks == 1 else 0}
+    return all(abs(want[k] - (got[k] - early.get(k, 0))) <= 16 for k in want if k != "saved")
+
+
+@pytest.mark.parametrize("removed", ["logits", "logits_fp32_copy", "shifted_labels", "grad_nll", "grad_logits",
+                                     "grad_head_weight_sum"])
+def test_removing_a_chunked_loss_tensor_fails(model, measured_loss, monkeypatch, removed):
+    def without(make):
+        def wrapped(*args):
+            made = make(*args)
+            drop = lambda m: dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id != removed))  # noqa: E731
+            return [drop(m) for m in made] if isinstance(made, list) else drop(made)
+        return wrapped
+
+    monkeypatch.setattr(hf, "tune_loss_forward", without(tune_loss.tune_loss_forward))
+    monkeypatch.setattr(hf, "tune_chunked_backward", without(tune_loss.tune_chunked_backward))
+    assert not _matches(_loss_bytes(model, 64, 2, 4), measured_loss[(4, 2)], 128, 4)
+
+
+def test_optimizer_in_backward_steps_the_head_at_once(model, monkeypatch):
+    # torchtune's optimizer_in_bwd steps and zeroes each parameter in its own hook: when the output projection's
+    # backward is done its gradient is gone (measured: no .grad alive); memplan's final-norm moment holds none either
+    # (MsT's recipe, memplan's default, keeps the LM head's gradient until the embedding's step: v h x 2 B here, with
+    # the final norm's, h x 2 B, counted with the head's)
+    assert torchtune_head_grad_in_backward(64, 2, **DIMS) == 0
+    config = make_config(ModelPreset(model), training=dict(micro_batch=2, optimizer_in_backward=True,
+                                                           precision="bf16-true"), model=dict(seq_length=64))
+
+    def norm_grads(impl):
+        est = estimate(config, impl=impl, device="cpu")
+        return next(e.parts["gradients"] for e in est.step.events if e.moment.startswith("final norm backward"))
+
+    assert norm_grads("torchtune") == 0
+    assert norm_grads("hf-sdpa") == 64 * 32 * 2 + 32 * 2
 
 
 def test_published_llama32_3b_packed_row():

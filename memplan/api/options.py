@@ -96,6 +96,7 @@ class PlanOptions:
     fp8_param_gather: Optional[bool] = None
     mst: Union[int, str, None] = None
     optimizer_in_backward: Optional[bool] = None
+    compile: Optional[bool] = None
     lora: Optional[int] = None
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
@@ -235,10 +236,17 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
+        if self.compile:
+            raise MemplanError("--compile (torch.compile: torchtune's compile: True, torchtitan's --compile) is not "
+                               "modelled yet: its fused kernels change what is saved; estimate without it")
+        if self.impl == "torchtune" and "activations" in self.offload:
+            raise MemplanError("--impl torchtune: its activation offloading (OffloadActivations with activation "
+                               "checkpointing, copies on a CUDA side stream) is not modelled yet")
         if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
             raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+                    lora_impl="torchtune" if self.impl == "torchtune" else "peft",
                     liger=self.liger, batch_layout=self.batch_layout,
                     checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,

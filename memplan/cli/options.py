@@ -225,7 +225,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--loss-chunks", type=AsciiIntRange(1), metavar="N",
                      help="LM head + cross-entropy in N checkpointed sequence chunks (chunked / fused linear "
                           "cross-entropy): the full fp32 logits never exist (pinned in search). Measured for --impl "
-                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py)."),
+                          "hf-* and torch; derived for megatron, which has no such flag (memplan/inventory/chunked_loss.py); "
+                          "torchtune: its CEWithChunkedOutputLoss, measured (memplan/inventory/tune_loss.py)."),
         click.option("--fp8", "fp8", type=click.Choice(["delayed", "tensorwise", "blockwise", "mxfp8", "custom"]),
                      metavar="RECIPE",
                      help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
@@ -242,18 +243,24 @@ def plan_options(func: Callable) -> Callable:
                           "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
                           "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
+        click.option("--compile", "compile", is_flag=True, default=None,
+                     help="torch.compile (torchtune's compile: True, torchtitan's --compile): not modelled yet, "
+                          "refused."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
-                          "AdamW per parameter, the LM head's step after the embedding's); --impl hf-*, adamw, one "
+                          "AdamW per parameter, the LM head's step after the embedding's; --impl torchtune: its "
+                          "optimizer_in_bwd, no step waits); --impl hf-*, adamw, one "
                           "micro-batch. Measured (validation/step.py loop in-backward)."),
         click.option("--lora", "lora", type=AsciiIntRange(1), metavar="R",
                      help="peft LoRA adapters of rank R, the base model frozen (--impl hf-*, Llama layout): fp32 "
                           "adapters with their gradients and AdamW states, what peft's LoRA layers save (measured on "
-                          "CPU, memplan/inventory/lora.py)."),
+                          "CPU, memplan/inventory/lora.py); with --impl torchtune its own LoRALinear (bf16 adapters, "
+                          "measured)."),
         click.option("--lora-targets", metavar="NAMES",
                      help="With --lora: comma-separated linears (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                          "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj)."),
+                          "down_proj) or all-linear (default: peft's for the family, q_proj,v_proj; torchtune: its recipes', "
+                          "q_proj,v_proj,o_proj and the MLP's three)."),
         click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), metavar="P",
                      help="With --lora: peft's lora_dropout (each target saves its mask; default 0)."),
         click.option("--batch-layout", type=click.Choice(["full", "padded", "packed"]), default=None,
@@ -272,7 +279,8 @@ def plan_options(func: Callable) -> Callable:
                           "(memplan/inventory/liger.py)."),
         click.option("--qlora", is_flag=True, default=None,
                      help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
-                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code)."),
+                          "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code); "
+                          "with --impl torchtune torchao's NF4Tensor (measured)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "

@@ -199,6 +199,9 @@ class TrainingSpec(Spec):
         default=None, description="the linears LoRA adapts (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
         "or all-linear); None: peft's default for the family (q_proj, v_proj)")
     lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="peft's lora_dropout (its mask is saved)")
+    lora_impl: Literal["peft", "torchtune"] = Field(
+        default="peft", description="whose LoRA modules: peft (fp32 adapters; QLoRA: bitsandbytes NF4) or torchtune's "
+        "LoRALinear (adapters in the model's dtype; QLoRA: torchao NF4Tensor), which --impl torchtune sets")
     qlora: bool = Field(
         default=False, description="QLoRA: the frozen layer linears stored as bitsandbytes NF4 with double "
         "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "

@@ -72,7 +72,8 @@ IMPLEMENTATIONS: dict[str, str] = {
                "against CPU runs; the backward's transients derived)",
     "torchtune": "torchtune 0.6.1's Llama (llama3 / 3.1 / 3.2 builders, sdpa) in its recipes' loop: K and V expanded "
                  "to all heads before attention, RMSNorm keeping fp32 tensors, RoPE from a cache buffer; saved "
-                 "tensors traced from its code on CPU (tests/test_torchtune.py), the step's transients derived "
+                 "tensors traced from its code on CPU (tests/test_torchtune.py), its loss (whole or "
+                 "CEWithChunkedOutputLoss, --loss-chunks N) measured on CPU, the layers' transients derived "
                  "from transformers' measured ones; torch .grad tensors, AdamW fused; --optimizer-in-backward as "
                  "its recipes' optimizer_in_bwd",
     "torchtitan": "torchtitan 0.3.0's Llama 3 (fused QKV, complex RoPE, RMSNorm, SwiGLU) with FSDP2 over --gpus "

@@ -101,6 +101,10 @@ def chunked_loss_moments(chunks: int, impl: str, forward_extra: tuple[Term, ...]
 
 def note(chunks: int, impl: str) -> str:
     """What an estimate says about its chunked loss."""
+    if impl == "torchtune":
+        return (f"torchtune's CEWithChunkedOutputLoss in {chunks} chunks (its model's set_num_output_chunks): every "
+                "chunk's fp32 log-softmax is saved as with the whole loss, the N bf16 chunks live through the loss "
+                "forward; measured on CPU against torchtune 0.6.1 (memplan/inventory/tune_loss.py)")
     if impl == "torch":
         return (f"LM head + loss in {chunks} checkpointed sequence chunks: measured on the reference model "
                 "(validation/losses.py chunked_vocab_parallel_cross_entropy, t = 1)")

@@ -21,6 +21,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
+from memplan.inventory.tune_loss import tune_chunked_backward, tune_loss_forward, tune_loss_terms
 from memplan.inventory.types import (
     FC1_W,
     FC2_W,
@@ -61,17 +62,19 @@ def check_hf_plan(config: Config, impl: str) -> None:
 
 def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
     """transformers' saved tensors, its step's moments, torch .grad tensors (allocated on their
-    first write in the backward, freed by zero_grad) and the Trainer's fused AdamW."""
-    if impl == "torchtune" and loss_chunks > 1:
-        raise MemplanError("--impl torchtune with --loss-chunks (CEWithChunkedOutputLoss) is not modelled yet: "
-                           "its saved tensors are the whole loss's, its forward keeps the full bf16 logits")
+    first write in the backward, freed by zero_grad) and the Trainer's fused AdamW; torchtune's with
+    its own loss (memplan/inventory/tune_loss.py: its model's fp32 logits or CEWithChunkedOutputLoss)."""
     terms = hf_terms(model, impl, device, loss_chunks)
-    loss = (hf_loss_moments(model) if loss_chunks == 1
-            else final_norm_moments(model) + _chunked_loss_moments(model, loss_chunks))
-    moments = hf_layer_moments(model, impl != "hf-eager", kv_expanded=impl == "torchtune") + loss
     if impl == "torchtune":
         moments = [dataclasses.replace(m, source=f"derived: {m.source}, with torchtune's tensors (not measured)")
-                   for m in moments]
+                   for m in hf_layer_moments(model, True, kv_expanded=True) + final_norm_moments(model)]
+        loss = [m for m in hf_loss_moments(model, final_norm=False) if m.id != "loss_forward"] if loss_chunks == 1 \
+            else tune_chunked_backward(loss_chunks)
+        moments += [tune_loss_forward(loss_chunks)] + loss
+    else:
+        loss = (hf_loss_moments(model) if loss_chunks == 1
+                else final_norm_moments(model) + _chunked_loss_moments(model, loss_chunks))
+        moments = hf_layer_moments(model, impl != "hf-eager") + loss
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
 
 
@@ -182,7 +185,7 @@ def final_norm_moments(model: ModelSpec) -> list[Moment]:
     return [Moment("final_norm_backward", "final norm backward (RMSNorm in fp32)", "backward", "last",
                    (transient("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
                               scope="last", src=src),),
-                   ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "final_norm_rstd",
+                   ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "loss_total_elements", "final_norm_rstd",
                     "final_norm_normed"), (_head(model), "final norm"), source=src)]
 
 
@@ -217,7 +220,7 @@ def hf_terms(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> 
         if layout != "llama" or model.dropout or model.bias:
             raise MemplanError("--impl torchtune: memplan models torchtune's Llama (RMSNorm, SwiGLU, no dropout, "
                                "no biases)")
-        return torchtune_terms(model)
+        return torchtune_terms(model, loss_chunks)
     mask: Dtype = "mask" if device == "cuda" else "act"  # F.dropout: native_dropout on CUDA only
     sdpa = impl == "hf-sdpa"
     if sdpa and model.dropout and device == "cpu":
@@ -384,12 +387,12 @@ def _llama_layer(model: ModelSpec, sdpa: bool, mask: Dtype) -> list[Term]:
 TUNE = "torchtune 0.6.1, traced (tests/test_torchtune.py)"
 
 
-def torchtune_terms(model: ModelSpec) -> list[Term]:
+def torchtune_terms(model: ModelSpec, loss_chunks: int = 1) -> list[Term]:
     """torchtune 0.6.1's Llama (TransformerDecoder of the llama3 / 3.1 / 3.2 builders, bf16, sdpa): its
     MultiHeadAttention expands K and V to all a heads before sdpa (saved at full width); its RoPE multiplies
-    by a cache buffer (nothing saved); its RMSNorm keeps the normalised input in fp32; its output projection's
-    logits are upcast to fp32 inside the model (the loss's moments are transformers' ForCausalLMLoss ones: bf16
-    logits, fp32 copy). Activation checkpointing gives each layer only its input (no mask, no positions)."""
+    by a cache buffer (nothing saved); its RMSNorm keeps the normalised input in fp32; its loss keeps the fp32
+    log-softmax of all the logits, whole or in `loss_chunks` chunks (memplan/inventory/tune_loss.py).
+    Activation checkpointing gives each layer only its input (no mask, no positions)."""
     sd = f"{TUNE}: MultiHeadAttention expands K and V to all heads before scaled_dot_product_attention"
     ff = f"{TUNE}: FeedForward"
     layer = [
@@ -415,11 +418,7 @@ def torchtune_terms(model: ModelSpec) -> list[Term]:
               k22=False, src=TUNE),
         *_rmsnorm("final_norm", "final norm", "last", tune=True),
         saved("head_input", "input of the output projection", "output layer", "s b h", scope="last", src=TUNE),
-        saved("logits_fp32", "fp32 log-softmax of the logits", "output layer", "s b v", "fp32", scope="last",
-              src=f"{TUNE}: TransformerDecoder upcasts the logits, the recipes' CrossEntropyLoss keeps log-softmax"),
-        saved("target_ids", "target ids (int64)", "output layer", "s b", "int64", scope="last", k22=False, src=TUNE),
-        saved("nll_total_weight", "nll_loss total weight (fp32 scalar)", "output layer", "1", "fp32", scope="last",
-              k22=False, src=TUNE),
+        *tune_loss_terms(loss_chunks),
     ]
     return layer + outside
 

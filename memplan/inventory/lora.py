@@ -21,7 +21,19 @@ Read from peft 0.21.2 (tuners/lora/layer.py Linear.forward) and measured on CPU 
 QLoRA (bitsandbytes 0.50.2 Linear4bit, autograd/_functions.py MatMul4Bit): the forward runs the gemm_4bit op on
 the packed weight; the backward dequantises the weight (dequantize_4bit, in the compute dtype) for the input
 gradient, so the transient copy of the layer's largest linear weight is added to the layer's backward moments.
-Derived from bitsandbytes' code, not measured (the NF4 storage itself is measured: memplan/memory/adapters.py)."""
+Derived from bitsandbytes' code, not measured (the NF4 storage itself is measured: memplan/memory/adapters.py).
+
+torchtune's own LoRA (`--impl torchtune`, training.lora_impl "torchtune": torchtune 0.6.1 modules/peft/lora.py
+LoRALinear, its lora_llama3_2 builders, set_trainable_params on the adapters), measured on CPU the same way
+(validation/torchtune.py, tests/test_torchtune_lora.py): the adapters are in the model's dtype (bf16) and take the
+linear's own input (`self.lora_a(self.dropout(x))`, no copy), so q/k/v_proj's shared input, w1/w3's and w2's stay
+saved once each when one of their linears is a target (nothing is saved per target but B's input, s b r in bf16);
+with dropout each target keeps its mask and dropout output instead. What the frozen model no longer saves is the
+list above (torchtune's ids are transformers' ones). Its QLoRA (torchao's NF4Tensor, LinearNF4) dequantises the
+weight with `weight.to(input.dtype)` in the forward and again in the backward: the backward's copy is the one
+counted, as bitsandbytes' (derived from torchao's code). Its default targets are its recipes' (lora_attn_modules
+q_proj, v_proj, output_proj and apply_lora_to_mlp: w1, w2, w3; memplan's names o_proj, gate_proj, down_proj,
+up_proj)."""
 
 from __future__ import annotations
 
@@ -53,6 +65,14 @@ LINEARS: dict[str, tuple[str, str, str]] = {
 # peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (utils/constants.py) for the Llama layout
 # (llama, mistral, mixtral, qwen2, gemma, ...: all ["q_proj", "v_proj"])
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+# torchtune's Llama 3.x LoRA / QLoRA recipe configs (recipes/configs/llama3_*/*lora*.yaml): lora_attn_modules
+# [q_proj, v_proj, output_proj], apply_lora_to_mlp: True
+# a chunked loss's output-projection weight gradients (memplan/inventory/hf.py, tune_loss.py)
+HEAD_WEIGHT_GRADS = ("grad_head_weight_chunk", "grad_head_weight_sum", "grad_head_weight_new_sum")
+TUNE_DEFAULT_TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the saved input each linear shares with its neighbours (torchtune: the adapter takes the same tensor)
+SHARED_INPUT = {"q_proj": "qkv_input", "k_proj": "qkv_input", "v_proj": "qkv_input", "o_proj": "attn_out",
+                "gate_proj": "mlp_input", "up_proj": "mlp_input", "down_proj": "fc2_input"}
 
 
 ALL_LINEAR = tuple(LINEARS)
@@ -65,10 +85,10 @@ FROZEN_NOT_SAVED = ("qkv_input", "mlp_input", "fc2_input", "ln1_normed", "ln2_no
                     "head_input", "token_ids", "liger_grad_head_weight")
 
 
-def targets_of(names: Optional[tuple[str, ...]]) -> tuple[str, ...]:
-    """The target linears: peft's default for the family (None), `all-linear`, or named ones."""
+def targets_of(names: Optional[tuple[str, ...]], lora_impl: str = "peft") -> tuple[str, ...]:
+    """The target linears: peft's default for the family or torchtune's recipes' (None), `all-linear`, or named ones."""
     if not names:
-        return DEFAULT_TARGETS
+        return TUNE_DEFAULT_TARGETS if lora_impl == "torchtune" else DEFAULT_TARGETS
     if tuple(names) == ("all-linear",):
         return ALL_LINEAR
     unknown = [n for n in names if n not in LINEARS]
@@ -77,19 +97,24 @@ def targets_of(names: Optional[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def check_lora(model: ModelSpec, impl: str) -> None:
-    """LoRA is modelled for the hand-written transformers Llama inventory."""
-    if impl not in ("hf-eager", "hf-sdpa") or model.inventory is not None or model.is_moe or model.is_mla:
-        raise MemplanError("--lora / --qlora are modelled for --impl hf-sdpa / hf-eager with the Llama layout "
-                           "(transformers' own code, not a traced inventory)")
+def check_lora(model: ModelSpec, impl: str, lora_impl: str = "peft") -> None:
+    """LoRA is modelled for the hand-written transformers Llama inventory (peft) and torchtune's Llama (its own)."""
+    if impl not in ("hf-eager", "hf-sdpa", "torchtune") or model.inventory is not None or model.is_moe or model.is_mla:
+        raise MemplanError("--lora / --qlora are modelled for --impl hf-sdpa / hf-eager / torchtune with the Llama "
+                           "layout (transformers' or torchtune's own code, not a traced inventory)")
+    if (impl == "torchtune") != (lora_impl == "torchtune"):
+        raise MemplanError(f"--impl {impl} runs {'torchtune' if impl == 'torchtune' else 'peft'}'s LoRA modules, not "
+                           f"{lora_impl}'s")
     if not (model.norm == "rmsnorm" and model.mlp == "swiglu"):
         raise MemplanError("--lora / --qlora are modelled for the Llama layout (RMSNorm, SwiGLU)")
 
 
 def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: bool, device: str,
-               sdpa: bool) -> list[Term]:
+               sdpa: bool, lora_impl: str = "peft") -> list[Term]:
     """The inventory's terms with the frozen layers' weight-gradient inputs gone and each target's adapter tensors."""
     gone = FROZEN_NOT_SAVED + (() if sdpa else ("attn_out",))
+    if lora_impl == "torchtune":
+        return _tune_lora_terms(terms, rank, targets, dropout, device, gone)
     out = [t for t in terms if t.id not in gone]
     mask: Dtype = "mask" if device == "cuda" else "fp32"
     for name in targets:
@@ -102,6 +127,28 @@ def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: 
                          k22=False, src=PEFT))
         out.append(saved(f"lora_{name}_a_out", f"{name} LoRA A output (B's input, fp32)", "LoRA", f"s b {rank}", "fp32",
                          k22=False, src=PEFT))
+    return out
+
+
+TUNE = "torchtune 0.6.1 LoRALinear.forward, measured (validation/torchtune.py, tests/test_torchtune_lora.py)"
+
+
+def _tune_lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: bool, device: str,
+                     gone: tuple[str, ...]) -> list[Term]:
+    """torchtune's LoRALinear (module docstring): the targets' shared inputs stay (without dropout), B's input per
+    target in the activation dtype; with dropout its mask (bf16 on CPU, bernoulli_; 1 byte on CUDA) and output."""
+    keep = set() if dropout else {SHARED_INPUT[n] for n in targets}
+    out = [t for t in terms if t.id not in gone or t.id in keep]
+    mask: Dtype = "mask" if device == "cuda" else "act"
+    for name in targets:
+        n_in = LINEARS[name][0]
+        if dropout:
+            out.append(saved(f"lora_{name}_mask", f"{name} LoRA dropout mask", "LoRA", f"s b {n_in}", mask,
+                             k22=False, src=TUNE))
+            out.append(saved(f"lora_{name}_input", f"{name} LoRA A input (dropout output)", "LoRA", f"s b {n_in}",
+                             k22=False, src=TUNE))
+        out.append(saved(f"lora_{name}_a_out", f"{name} LoRA A output (B's input)", "LoRA", f"s b {rank}", k22=False,
+                         src=TUNE))
     return out
 
 
@@ -122,11 +169,15 @@ def qlora_moments(moments: list[Moment]) -> list[Moment]:
 
 
 def apply(inv: Inventory, model: ModelSpec, impl: str, device: str, training) -> Inventory:
-    """`inv` (transformers' Llama inventory) under peft LoRA with `training`'s rank, targets and dropout."""
-    check_lora(model, impl)
-    targets = targets_of(training.lora_targets)
+    """`inv` (transformers' or torchtune's Llama inventory) under peft's or torchtune's LoRA with `training`'s rank,
+    targets and dropout."""
+    check_lora(model, impl, training.lora_impl)
+    targets = targets_of(training.lora_targets, training.lora_impl)
     terms = lora_terms(list(inv.terms), training.lora_rank, targets, training.lora_dropout > 0, device,
-                       impl == "hf-sdpa")
-    moments = qlora_moments(list(inv.moments)) if training.qlora else list(inv.moments)
+                       impl != "hf-eager", training.lora_impl)
+    # the output projection is frozen: a chunked loss makes no weight gradient of it (measured with torchtune's)
+    moments = [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id not in HEAD_WEIGHT_GRADS))
+               for m in inv.moments]
+    moments = qlora_moments(moments) if training.qlora else moments
     tag = f"lora-r{training.lora_rank}" + ("-qlora" if training.qlora else "")
     return dataclasses.replace(inv, name=f"{inv.name}/{tag}", terms=tuple(terms), moments=tuple(moments))

@@ -12,7 +12,15 @@ bnb_4bit_use_double_quant (compress_statistics=True), blocksize 64, and measured
 quantised to uint8 (ceil(n/64) bytes) in blocks of 256 with one fp32 absmax each (4 ceil(ceil(n/64)/256)
 bytes); per tensor the 16-value NF4 code (fp32, 64 B), the fp32 offset (4 B) and the 256-value dynamic map of
 the double quantisation (fp32, 1,024 B; copied to the weight's device for each tensor). 0.516 B per weight
-against bf16's 2. transformers keeps lm_head, the embedding and the norms unquantised (bf16)."""
+against bf16's 2. transformers keeps lm_head, the embedding and the norms unquantised (bf16).
+
+torchtune's LoRA (training.lora_impl "torchtune", memplan/inventory/lora.py): the adapters in the model's dtype
+(bf16: its recipes build the model under set_default_dtype and validate_expected_param_dtype checks the adapters),
+so their gradients and torch AdamW's moments are bf16 too. Its QLoRA stores every layer linear as torchao's
+NF4Tensor (to_nf4, block_size 64, scaler_block_size 256), measured on CPU with torchao 0.18
+(tests/test_torchtune_lora.py): quantized_data ceil(n/2) uint8, quantized_scalers n/64 int8, quantization_factor
+n/(64 x 256) bf16, the bf16 scaler_mean and the 16-value bf16 nf4 table (34 B per tensor); torchao asserts that
+n/64 is a multiple of 256. The embedding, output projection and norms stay bf16."""
 
 from __future__ import annotations
 
@@ -30,17 +38,29 @@ NF4_BLOCK, NF4_ABSMAX_BLOCK = 64, 256  # bitsandbytes blocksize (4-bit) and doub
 NF4_TENSOR_EXTRA = 16 * 4 + 4 + 256 * 4  # per tensor: the NF4 code, the offset, the double quantisation's map
 
 
-def nf4_bytes(n: Any) -> Any:
-    """Bytes of one weight tensor of n elements in bitsandbytes NF4 with double quantisation (module docstring)."""
+TORCHAO_NF4_TENSOR_EXTRA = 2 + 16 * 2  # per tensor: the bf16 scaler mean and the bf16 NF4 table
+
+
+def nf4_bytes(n: Any, lora_impl: str = "peft") -> Any:
+    """Bytes of one weight tensor of n elements in bitsandbytes NF4 with double quantisation, or with torchtune in
+    torchao's NF4Tensor (module docstring)."""
     blocks = -(-n // NF4_BLOCK)
+    if lora_impl == "torchtune":
+        return -(-n // 2) + blocks + 2 * (-(-blocks // NF4_ABSMAX_BLOCK)) + TORCHAO_NF4_TENSOR_EXTRA
     return -(-n // 2) + blocks + 4 * (-(-blocks // NF4_ABSMAX_BLOCK)) + NF4_TENSOR_EXTRA
+
+
+def adapter_bytes(training: TrainingSpec) -> int:
+    """Bytes per adapter element of its weight, gradient and each optimizer moment: peft's fp32, torchtune's in the
+    model's dtype."""
+    return training.weight_bytes if training.lora_impl == "torchtune" else ADAPTER_BYTES
 
 
 def adapter_groups(model: ModelSpec, training: TrainingSpec) -> dict[str, ParamGroup]:
     """The adapters of one layer by the base parameter group they sit on (their gradients appear with it)."""
     r = training.lora_rank
     counts: dict[str, Poly] = {}
-    for name in targets_of(training.lora_targets):
+    for name in targets_of(training.lora_targets, training.lora_impl):
         n_in, n_out, group = LINEARS[name]
         poly = Poly.parse_sum(f"{r} {n_in} + {r} {n_out}")
         counts[group] = counts[group] + poly if group in counts else poly
@@ -61,10 +81,11 @@ def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: 
     if training.qlora:
         for rows, cols in frozen_linear_shapes(model):
             n = Poly.parse(rows).evaluate(values) * Poly.parse(cols).evaluate(values)
-            base = base + layers * (nf4_bytes(n) - n * training.weight_bytes)
-    weights = shard_bytes(base, d, zero >= 3) + shard_bytes(adapters * ADAPTER_BYTES, d, zero >= 3)
-    gradients = shard_bytes(adapters * ADAPTER_BYTES, d, zero >= 2)
-    optimizer = shard_bytes(adapters * training.optimizer_moments * ADAPTER_BYTES, d, zero >= 1)
+            base = base + layers * (nf4_bytes(n, training.lora_impl) - n * training.weight_bytes)
+    each = adapter_bytes(training)
+    weights = shard_bytes(base, d, zero >= 3) + shard_bytes(adapters * each, d, zero >= 3)
+    gradients = shard_bytes(adapters * each, d, zero >= 2)
+    optimizer = shard_bytes(adapters * training.optimizer_moments * each, d, zero >= 1)
     return StateBytes(weights, gradients, optimizer), adapters
 
 
@@ -72,7 +93,16 @@ def notes(training: TrainingSpec) -> list[str]:
     """What a LoRA / QLoRA estimate measured and what it derived."""
     if not training.lora_rank:
         return []
-    targets = ", ".join(targets_of(training.lora_targets))
+    targets = ", ".join(targets_of(training.lora_targets, training.lora_impl))
+    if training.lora_impl == "torchtune":
+        out = [f"LoRA r = {training.lora_rank} on {targets} (torchtune 0.6.1's LoRALinear): the base frozen, the "
+               "adapters in the model's dtype with their gradients and optimizer states; the saved tensors measured "
+               "per layer on CPU against torchtune's model (validation/torchtune.py); the adapters' backward "
+               "transients not counted"]
+        if training.qlora:
+            out.append("QLoRA: the layer linears as torchao NF4Tensor (measured with torchao 0.18 on CPU); the "
+                       "dequantised weight in each layer's backward derived from torchao's LinearNF4, not measured")
+        return out
     out = [f"LoRA r = {training.lora_rank} on {targets} (peft 0.21.2): the base frozen (weights only), fp32 adapters "
            f"with fp32 gradients and optimizer states; the tensors peft's LoRA layers save and those the frozen layers "
            f"no longer save measured per layer on CPU (validation/hf.py); the adapters' backward transients not counted"]

@@ -89,7 +89,8 @@ def states_label(training: TrainingSpec) -> str:
     """How reports name the optimizer row: 'optimizer (Adafactor: master + factored second moment)'."""
     name, states = OPTIMIZER_INFO[training.optimizer].title.split(": ", 1)
     if training.lora_rank:  # peft LoRA: the fp32 adapters' states only, no master copy (memplan/memory/adapters.py)
-        return f"optimizer ({name}: LoRA adapters' {states}, fp32)"
+        dtype = 'fp32' if training.lora_impl == 'peft' or training.weight_bytes == 4 else 'bf16'
+        return f"optimizer ({name}: LoRA adapters' {states}, {dtype})"
     if training.master_weight_bytes:
         states = "master only" if training.optimizer == "sgd-nomomentum" else f"master + {states}"
     return f"optimizer ({name}: {states})"

@@ -43,7 +43,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
-from memplan.memory.adapters import ADAPTER_BYTES, adapter_groups
+from memplan.memory.adapters import adapter_bytes, adapter_groups
 from memplan.memory.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
@@ -148,7 +148,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         .grad tensors (its shard: they are reduce-scattered as they are made)."""
         if (name, kept) not in grad_cache:
             if lora is not None:
-                n = sizes.group(lora[name]) * ADAPTER_BYTES if name in lora else 0
+                n = sizes.group(lora[name]) * adapter_bytes(training) if name in lora else 0
             elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
             else:
@@ -169,6 +169,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # the optimizer step in the backward (TrainingSpec.optimizer_in_backward; torch .grad, one micro-batch): a
     # gradient lives from its AccumulateGrad to its hook's step, except the LM head's, stepped after the embedding's
     in_backward = training.optimizer_in_backward
+    # torchtune's register_optim_in_bwd_hooks (torchtune/training/memory.py) steps and zeroes every parameter in its
+    # own hook: no LM head step waits (measured: tests/test_torchtune.py)
+    delay_head = not inventory.name.startswith("torchtune")
     # A gradient buffer is alive all step; torch .grad tensors from the first backward write until
     # zero_grad, so in the forward only when earlier micro-batches of this step made them.
     grads_fwd = all_grads if buffer else all_grads * (plan.microbatches > 1)
@@ -183,7 +186,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             # the fresh gradient (its step follows once the node that made it has freed its saved input, which
             # outweighs the step's two temporaries of the gradient's size but for the shortest sequences: not
             # counted); the LM head's gradient once made (its step waits for the embedding's)
-            waits = sum((group_grad(g) for g in m.grads if g in head_names), 0)
+            waits = sum((group_grad(g) for g in m.grads if g in head_names), 0) * delay_head
             return fresh + waits
         if buffer:
             return fresh if inventory.grad_hook_transient else 0
