@@ -208,6 +208,7 @@ class Polys:
         self.s, self.b = s, b
         self._plain: dict[Any, dict] = {}
         self._shift: dict[Any, dict] = {}
+        self.texts: dict[tuple, tuple[str, str]] = {}  # entries: (size, dtype) -> (elements, bytes) as text
 
     def expr(self, nbytes: Any) -> sympy.Expr:
         if isinstance(nbytes, torch.SymInt):
@@ -387,9 +388,13 @@ def entries(front: Front, ids: dict, polys: Polys, text: Callable, itemsize: Cal
     for vector, snap in front.items:
         transients = []
         for what, dtype, nbytes in snap["transients"]:
-            e = polys.expr(nbytes)
+            key = (nbytes.node.expr if isinstance(nbytes, torch.SymInt) else nbytes, dtype)
+            if key not in polys.texts:  # (elements, bytes) of a size, written once
+                e = polys.expr(nbytes)
+                polys.texts[key] = (text(sympy.expand(e / itemsize(dtype))), text(e))
+            elements, nbytes_text = polys.texts[key]
             transients.append({"what": what, "dtype": str(dtype).replace("torch.", ""),
-                               "elements": text(sympy.expand(e / itemsize(dtype))), "bytes": text(e)})
+                               "elements": elements, "bytes": nbytes_text})
         transients.sort(key=lambda t: (t["what"], t["dtype"], t["bytes"]))
         row = {**fields, **({"phase": snap["phase"]} if fields.get("scope") == "last" else {}), "at": snap["op"],
                "alive": [k if isinstance(k, str) else ids.get(k, "?") for k in snap["own"]],
