@@ -134,3 +134,27 @@ def test_pruning_keeps_what_can_be_the_peak():
     for v in (vec({(1, 1): 9}), vec({(1, 1): 10}), vec({(2, 1): 1}), vec({(1, 1): 8})):
         front.offer(v, lambda v=v: v)
     assert [v for v, _ in front.items] == [vec({(1, 1): 10}), vec({(2, 1): 1})]
+
+
+_COEF = st.one_of(st.integers(-50, 50), st.fractions(min_value=-50, max_value=50, max_denominator=64))
+_VECTOR = st.dictionaries(st.tuples(st.sampled_from(("act", "other")), st.integers(0, 2), st.integers(0, 2)),
+                          _COEF, max_size=6).flatmap(
+    lambda v: st.integers(0, 100).map(lambda g: {**v, ("grad",): g}))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_VECTOR, _VECTOR)
+def test_dominance_is_every_case_of_its_rule(a, b):
+    """The one-pass test equals its rule written case by case: a - b has no negative shifted coefficient
+    for activations of 2 or 4 bytes (scale 1 or 2) and gradients of 0 or 4 bytes each (ints and fractions,
+    as the tracer's sums of sizes mix them)."""
+    transients = pytest.importorskip("validation.transients")
+    keys = {k[1:] for k in a.keys() | b.keys() if k[0] != "grad"} | {(0, 0)}
+
+    def diff(k, scale, grad_bytes):
+        d = scale * (a.get(("act", *k), 0) - b.get(("act", *k), 0)) + a.get(("other", *k), 0) \
+            - b.get(("other", *k), 0)
+        return d + (grad_bytes * (a[("grad",)] - b[("grad",)]) if k == (0, 0) else 0)
+
+    rule = all(diff(k, scale, g) >= 0 for scale in (1, 2) for g in (0, 4) for k in keys)
+    assert transients.dominates(a, b) == rule

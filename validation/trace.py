@@ -90,7 +90,7 @@ import math
 import re
 from collections import Counter
 from fractions import Fraction
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -674,8 +674,10 @@ def _check_guards(env, symbols: dict) -> list[str]:
 # polynomials in memplan's Poly syntax
 
 
+@lru_cache(maxsize=4096)
 def poly_text(expr: sympy.Expr) -> str:
-    """'12 s^2 b + 64 s b' for 12*s**2*b + 64*s*b (memplan's ``Poly.parse_sum`` syntax)."""
+    """'12 s^2 b + 64 s b' for 12*s**2*b + 64*s*b (memplan's ``Poly.parse_sum`` syntax; cached: a trace writes
+    the same few sizes many times)."""
     expr = sympy.expand(expr)
     if expr == 0:
         return "0"

@@ -52,7 +52,7 @@ LOW = 2  # the traces hold for s, b >= 2
 class _Rec:
     """One live storage: size (sympy, bytes), dtype, who made it, and where it is counted."""
 
-    __slots__ = ("cdata", "nbytes", "dtype", "what", "bucket", "key", "param", "numel", "__weakref__")
+    __slots__ = ("cdata", "nbytes", "dtype", "what", "bucket", "key", "param", "numel", "size_key", "__weakref__")
 
     def __init__(self, cdata: int, nbytes: Any, dtype: torch.dtype, what: str) -> None:
         self.cdata, self.nbytes, self.dtype, self.what = cdata, nbytes, dtype, what
@@ -60,6 +60,7 @@ class _Rec:
         self.key = None  # the StorageWeakRef its saves are recorded under
         self.param = ""  # a gradient: the parameter's name
         self.numel = 0
+        self.size_key = None  # Polys.key: the sympy expression of nbytes
 
 
 class LiveStorages(TorchDispatchMode):
@@ -207,9 +208,13 @@ class Polys:
         self.s, self.b = s, b
         self._plain: dict[Any, dict] = {}
         self._shift: dict[Any, dict] = {}
+        self.texts: dict[tuple, tuple[str, str]] = {}  # entries: (size, dtype) -> (elements, bytes) as text
 
     def expr(self, nbytes: Any) -> sympy.Expr:
-        e = nbytes.node.expr if isinstance(nbytes, torch.SymInt) else sympy.Integer(int(nbytes))
+        if isinstance(nbytes, torch.SymInt):
+            e = nbytes.node.expr
+        else:
+            e = nbytes if isinstance(nbytes, sympy.Expr) else sympy.Integer(int(nbytes))
         e = sympy.expand(self.exact(e.xreplace(self.named), self.conditions))
         return e.xreplace({x: (self.s if str(x) == "s" else self.b) for x in e.free_symbols})
 
@@ -236,8 +241,29 @@ class Polys:
             for i in range(p + 1):
                 for j in range(q + 1):
                     out[i, j] = out.get((i, j), 0) + c * comb(p, i) * LOW ** (p - i) * comb(q, j) * LOW ** (q - j)
+        # integral coefficients as ints (the sums over live storages then stay in fast int arithmetic)
+        out = {m: int(c) if c.denominator == 1 else c for m, c in out.items()}
         self._shift[key] = out
         return out
+
+    def key(self, rec: "_Rec") -> Any:
+        """The cache key of a live storage's size (its sympy expression), kept on the record."""
+        if rec.size_key is None:
+            rec.size_key = rec.nbytes.node.expr if isinstance(rec.nbytes, torch.SymInt) else rec.nbytes
+        return rec.size_key
+
+    def summed(self, recs) -> dict[tuple, Fraction]:
+        """The shifted coefficients of the bytes of ``recs``, by (activation dtype or other, i, j): the
+        records counted by size first, so each distinct size is expanded once."""
+        counts: dict[tuple, int] = {}
+        for rec in recs:
+            k = ("act" if rec.dtype in ACT else "other", self.key(rec))
+            counts[k] = counts.get(k, 0) + 1
+        vector: dict[tuple, Fraction] = {}
+        for (d, key), n in counts.items():
+            for m, c in self.shifted(key).items():
+                vector[(d, *m)] = vector.get((d, *m), 0) + n * c
+        return vector
 
 
 ACT = (torch.bfloat16, torch.float16)
@@ -248,16 +274,16 @@ def dominates(a: dict, b: dict) -> bool:
     activations' element size (2 or 4 bytes: the trace's bf16 bytes counted once or twice) and whether
     the layer's gradients count (torch .grad made in this step, up to 4 bytes each) or not (gradient
     accumulation, where every gradient exists already)."""
-    keys = {k[1:] for k in set(a) | set(b) if k[0] != "grad"} | {(0, 0)}
-    for scale in (1, 2):
-        for grad_bytes in (0, 4):
-            for k in keys:
-                diff = scale * (a.get(("act", *k), 0) - b.get(("act", *k), 0)) + a.get(("other", *k), 0) \
-                    - b.get(("other", *k), 0)
-                if k == (0, 0):
-                    diff += grad_bytes * (a.get(("grad",), 0) - b.get(("grad",), 0))
-                if diff < 0:
-                    return False
+    keys = {k[1:] for k in a.keys() | b.keys() if k[0] != "grad"} | {(0, 0)}
+    for k in keys:
+        act = a.get(("act", *k), 0) - b.get(("act", *k), 0)
+        other = a.get(("other", *k), 0) - b.get(("other", *k), 0)
+        # the least of scale * act + other (scale 1 or 2) plus grad_bytes * the gradients' difference (0 or 4 bytes)
+        least = min(act, 2 * act) + other
+        if k == (0, 0):
+            least += min(0, 4 * (a.get(("grad",), 0) - b.get(("grad",), 0)))
+        if least < 0:
+            return False
     return True
 
 
@@ -332,12 +358,8 @@ class Sampler:
                 grads += recs.values()
             elif kind == "extra" and i is not None:
                 kept += recs.values()
-        vector: dict[tuple, Fraction] = {}
-        for rec in own + outside + transients + kept:
-            d = "act" if rec.dtype in ACT else "other"
-            for m, c in self.polys.shifted(rec.nbytes).items():
-                vector[(d, *m)] = vector.get((d, *m), 0) + c
-        vector[("grad",)] = Fraction(sum(r.numel for r in grads))
+        vector = self.polys.summed(own + outside + transients + kept)
+        vector[("grad",)] = sum(r.numel for r in grads)
 
         def snapshot() -> dict:
             return {"op": op, "phase": live.phase, "own": [r.key if r.bucket[0] == "saved" else "layer_input" for r in own],
@@ -366,9 +388,13 @@ def entries(front: Front, ids: dict, polys: Polys, text: Callable, itemsize: Cal
     for vector, snap in front.items:
         transients = []
         for what, dtype, nbytes in snap["transients"]:
-            e = polys.expr(nbytes)
+            key = (nbytes.node.expr if isinstance(nbytes, torch.SymInt) else nbytes, dtype)
+            if key not in polys.texts:  # (elements, bytes) of a size, written once
+                e = polys.expr(nbytes)
+                polys.texts[key] = (text(sympy.expand(e / itemsize(dtype))), text(e))
+            elements, nbytes_text = polys.texts[key]
             transients.append({"what": what, "dtype": str(dtype).replace("torch.", ""),
-                               "elements": text(sympy.expand(e / itemsize(dtype))), "bytes": text(e)})
+                               "elements": elements, "bytes": nbytes_text})
         transients.sort(key=lambda t: (t["what"], t["dtype"], t["bytes"]))
         row = {**fields, **({"phase": snap["phase"]} if fields.get("scope") == "last" else {}), "at": snap["op"],
                "alive": [k if isinstance(k, str) else ids.get(k, "?") for k in snap["own"]],
