@@ -4,8 +4,10 @@ measured against memplan's prediction, case by case or whole training steps. Nee
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any, Optional
 
+from memplan.check.allocator import ALLOCATOR_CASES, allocator_summary, max_seq_checks, run_allocator
 from memplan.check.cases import SHAPES, grid, hf_grid, mcore_available, mcore_grid, traced_grid
 from memplan.check.peak import peak_grid, peak_summary, run_peak
 from memplan.check.validate import run, run_traced, summary
@@ -63,3 +65,17 @@ def validate_peak(device: str = "cpu", fake: bool = True) -> tuple[list[Any], di
         raise MemplanError("--peak needs transformers: pip install -e '.[test]'")
     results = run_peak(peak_grid(fake, device))
     return results, peak_summary(results)
+
+
+def validate_allocator(device: str = "cpu", record_dir: Optional[str] = None,
+                       max_seq: bool = True) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """Real runs' allocation streams through memplan's caching-allocator model, against memplan's own streams and
+    (CUDA) the allocator's own figures; on CUDA with `max_seq`, memplan's longest sequence against real runs:
+    (results, max-seq results, totals). Needs transformers."""
+    if not _need_torch(device):
+        raise MemplanError("--allocator needs transformers: pip install -e '.[test]'")
+    if record_dir is not None and not Path(record_dir).is_dir():
+        raise MemplanError(f"--record {record_dir}: not a directory")
+    results = run_allocator(ALLOCATOR_CASES, device, record_dir)
+    checks = max_seq_checks() if device == "cuda" and max_seq else []
+    return results, checks, allocator_summary(results, checks)

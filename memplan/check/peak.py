@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from memplan.core.harness import harness
 from memplan.core.model import ModelSpec
-from memplan.core.specs import Config
+from memplan.core.specs import Config, GpuSpec
 from memplan.core.training import OPTIMIZER_IMPLS_OF, TrainingSpec
 from memplan.inventory import assemble
 from memplan.inventory.mst import pieces
@@ -335,14 +335,19 @@ def mst_peak_cases() -> list[PeakCase]:
     ]
 
 
-def _cuda_workspace() -> int:
-    """The cuBLAS workspace in PyTorch's pool on this machine's GPU, from its preset (the H100's
-    figure for a GPU without one): max_memory_allocated counts it beside the tensors."""
+def card_preset() -> GpuSpec:
+    """The GPU preset of this machine's GPU, by its name (the H100's for a GPU without one)."""
     import torch
 
     name = torch.cuda.get_device_name().lower()
     match = [g for g in gpu_names() if g.split("-")[0] in name]
-    return load_gpu(match[0] if match else "h100-80gb").workspace_bytes
+    return load_gpu(match[0] if match else "h100-80gb")
+
+
+def _cuda_workspace() -> int:
+    """The cuBLAS workspace in PyTorch's pool on this machine's GPU, from its preset: max_memory_allocated counts it
+    beside the tensors."""
+    return card_preset().workspace_bytes
 
 
 def peak_summary(results: list[PeakResult]) -> dict[str, Any]:

@@ -271,15 +271,32 @@ def _recompute_list(ctx: click.Context, param: click.Parameter, value: str) -> t
               help="Instead: whole training steps (forward, loss, backward, optimizer step: AdamW, SGD, Adafactor, "
                    "Muon), the measured allocated "
                    "peak against memplan's (1% tolerance; --device cuda: torch.cuda.max_memory_allocated).")
+@click.option("--allocator", "allocator", is_flag=True,
+              help="Instead: the allocation streams of real runs (build, optimizer, two steps of tiny Llama-shaped "
+                   "transformers models) replayed through memplan's caching-allocator model beside memplan's own "
+                   "streams; --device cuda records torch.cuda.memory._snapshot(), checks the replay against "
+                   "max_memory_reserved and memplan's --max-seq of llama3-8b against real runs.")
+@click.option("--record", "record_dir", metavar="DIR", default=None,
+              help="With --allocator: save each recorded run in DIR as CASE-ALLOCATOR.json.gz (gzip JSON).")
+@click.option("--max-seq/--no-max-seq", "max_seq", default=True, show_default=True,
+              help="With --allocator --device cuda: also check memplan's longest sequence against real runs.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def validate(device: str, tps: tuple[int, ...], recomputes: tuple[str, ...], fake: bool, hf: Optional[bool],
-             mcore: Optional[bool], terms: bool, peak: bool, as_json: bool) -> None:
+             mcore: Optional[bool], terms: bool, peak: bool, allocator: bool, record_dir: Optional[str], max_seq: bool,
+             as_json: bool) -> None:
     """Run real torch layers, measure what they save, compare with memplan (exit 1 on a miss). Needs torch."""
     from memplan.api import checks
-    from memplan.report.formats import peak_validation_dict, print_json, validation_dict
-    from memplan.report.validate_tables import render_peak_validation, render_validation
+    from memplan.report.formats import allocator_validation_dict, peak_validation_dict, print_json, validation_dict
+    from memplan.report.validate_tables import (render_allocator_validation, render_peak_validation,
+                                                render_validation)
 
-    if peak:
+    if allocator:
+        results, seqs, totals = checks.validate_allocator(device, record_dir, max_seq)
+        if as_json:
+            print_json(allocator_validation_dict(results, seqs, totals))
+        else:
+            render_allocator_validation(results, seqs, totals, _console())
+    elif peak:
         results, totals = checks.validate_peak(device, fake)
         if as_json:
             print_json(peak_validation_dict(results, totals))

@@ -392,3 +392,22 @@ def peak_validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[st
          "predicted_at": r.predicted_at, "predicted_moment": r.predicted_moment, "measured_at": r.measured_at,
          "error": r.error, "passed": r.passed}
         for r in results]}
+
+
+def _replayed(x: Any) -> dict[str, int]:
+    return {"reserved_peak_bytes": x.reserved_peak_bytes, "allocated_peak_bytes": x.allocated_peak_bytes,
+            "requested_peak_bytes": x.requested_peak_bytes, "segments_at_reserved_peak": x.segments_at_reserved_peak,
+            "inactive_split_peak_bytes": x.inactive_split_peak_bytes}
+
+
+def allocator_validation_dict(results: list[Any], max_seq: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """`validate --allocator --json`: each recorded run replayed (memplan/check/allocator.py) and, on CUDA, each
+    longest-sequence check."""
+    return {**summary, "results": [
+        {"case": r.case.__dict__, "allocator": r.allocator, "device": r.device, "recorded_events": r.recorded_events,
+         "recorded_live_peak_bytes": r.recorded_live_peak, "recorded_replayed": _replayed(r.recorded),
+         "memplan_events": r.memplan_events, "memplan_replayed": _replayed(r.memplan), "measured": r.measured,
+         "peak_error": r.peak_error, "checks": r.checks, "passed": r.passed} for r in results],
+        "max_seq": [{"case": m.case.__dict__, "allocator": m.allocator, "predicted_max_seq_len": m.predicted,
+                     "tried_seq_len": m.tried, "trains": m.trains, "next_step_dies": m.next_dies, "passed": m.passed}
+                    for m in max_seq]}

@@ -110,3 +110,44 @@ def render_peak_validation(results: list[Any], summary: dict[str, Any], console:
         console.print("peak at: phase and layer (1 = the first of the chunk) where the step peaks")
     console.print(f"{summary['passed']} passed, {summary['failed']} failed; largest error "
                   f"{summary['largest_error']:.3%} (tolerance {summary['tolerance']:.0%} of the measured peak)")
+
+
+def render_allocator_validation(results: list[Any], max_seq: list[Any], summary: dict[str, Any],
+                                console: Console) -> None:
+    """`validate --allocator`: each run's recorded allocation stream and memplan's own stream of it, replayed through
+    memplan's caching-allocator model; on CUDA, the allocator's own figures and memplan's longest sequence."""
+    cuda = any(r.measured for r in results)
+    columns = [Col("case", "left", fold=True), Col("allocator", "left", short="alloc"),
+               Col("events (run / memplan)", "right", short="events"),
+               Col("live peak (run)", "right", short="live"), Col("memplan's peak vs the run", "right", short="error"),
+               Col("reserved: run replayed", "right", short="res. run"),
+               Col("reserved: memplan replayed", "right", short="res. memplan")]
+    if cuda:
+        columns.append(Col("reserved: measured", "right", short="res. measured"))
+    columns.append(Col("result", "left", short=""))
+    device = "CUDA: torch.cuda.memory._snapshot()" if cuda else "CPU: live-storage tracker, op outputs"
+    table = make_table(console, columns,
+                       title=f"allocation streams of real runs ({device}) and memplan's, through memplan's "
+                             "caching-allocator model",
+                       short_title="real runs' allocation streams through memplan's allocator model")
+    for r in results:
+        cells = [r.case.name, r.allocator, f"{r.recorded_events:,} / {r.memplan_events:,}",
+                 f"{r.recorded_live_peak:,} B", f"{r.peak_error:+.3%}", f"{r.recorded.reserved_peak_bytes:,} B",
+                 f"{r.memplan.reserved_peak_bytes:,} B"]
+        if cuda:
+            cells.append(f"{r.measured['max_memory_reserved']:,} B")
+        cells.append("[green]PASS[/]" if r.passed else "[red]FAIL[/] " + ", ".join(k for k, v in r.checks.items()
+                                                                                 if not v))
+        table.add_row(*cells)
+    console.print(table)
+    if not cuda:
+        console.print("CPU: no caching allocator runs; the recorded order is the real code's (op outputs, CPU kernels), "
+                      "both reserved figures are memplan's model replaying it (derived). --device cuda records "
+                      "torch.cuda.memory._snapshot() and checks the replay against max_memory_reserved.")
+    for m in max_seq:
+        what = ("no length of at least 1,024 tokens fits" if m.tried is None else
+                f"memplan {m.predicted:,} tokens; {m.tried:,} {'trains' if m.trains else 'dies'}, {m.tried + 1024:,} "
+                f"{'dies' if m.next_dies else 'trains'}")
+        console.print(f"longest sequence, {m.case.name} ({m.allocator}): {what}: "
+                      + ("[green]PASS[/]" if m.passed else "[red]FAIL[/]"))
+    console.print(f"{summary['cases'] - summary['failed']} of {summary['cases']} passed")

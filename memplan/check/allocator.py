@@ -1,0 +1,188 @@
+"""`memplan validate --allocator`: the allocation streams of real runs (validation/alloc_trace.py: build the model,
+create the optimizer, two steps, every allocation and free in order) replayed through memplan's caching-allocator
+model (memory/allocator.py), against memplan's own stream of the same run (memory/reserved.allocation_stream) and,
+on CUDA, against what PyTorch's allocator itself reported (`max_memory_reserved`, segments, inactive split bytes,
+retries), which the replay of the recorded trace must reproduce exactly (issue 20 item 5).
+
+On CPU there is no caching allocator: the recorded stream is the real code's order of storages (op outputs; the
+temporaries an op frees inside itself are not seen), and the check is that the recording's live peak is what
+memplan's stream peaks at (the whole-step claim, 1 %); the reserved peaks of both replays are shown side by side,
+derived. `ALLOCATOR_CASES` are small Llama-shaped transformers steps; `MAX_SEQ_CASES` the llama3-8b-class runs whose
+first failing length only a GPU measures (`first_failing`). torch is imported only when a run is recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from memplan.check.peak import PEAK_TOLERANCE, PeakCase, card_preset, peak_config
+from memplan.core.harness import harness
+from memplan.core.specs import GpuSpec
+from memplan.memory.allocator import ReplayResult, replay
+from memplan.memory.reserved import (ALLOCATORS, EXPANDABLE_CONF, Replay, allocation_stream, allocator_config,
+                                     replay_stream)
+from memplan.plan.limits import max_seq_len
+
+# small Llama-shaped transformers steps (sdpa, bf16 weights and AdamW states; the logits 8 MiB, beyond the small
+# pool): torch's default (foreach) and fused AdamW, with and without gradient checkpointing
+_SMALL = dict(model="llama", attn="sdpa", s=256, b=2, h=256, a=8, g=4, f=704, L=2, v=4096)
+ALLOCATOR_CASES = [PeakCase(name=f"llama-small {opt} {rec}", **_SMALL, optimizer=opt, recompute=rec)
+                   for opt in ("foreach", "fused") for rec in ("none", "full")]
+# llama3-8b as transformers trains it on one GPU (sdpa, bf16-true, b = 1): the runs the issue's longest lengths
+# were measured on; their first failing length needs a GPU (`first_failing`)
+_LLAMA3_8B = dict(model="llama", attn="sdpa", s=2048, b=1, h=4096, a=32, g=8, f=14336, L=32, v=128256)
+MAX_SEQ_CASES = [PeakCase(name=f"llama3-8b {opt} {rec}", **_LLAMA3_8B, optimizer=opt, recompute=rec)
+                 for opt in ("foreach", "fused") for rec in ("none", "full")]
+NO_LIMIT = 1 << 50  # the replay's capacity for a run that must not die: the reserved peak without pressure
+
+
+@dataclass
+class AllocatorResult:
+    """One run recorded and replayed with one allocator setting."""
+
+    case: PeakCase
+    allocator: str  # default | expandable
+    device: str
+    recorded_events: int
+    recorded_live_peak: int  # the most bytes live at once in the recording (sizes as requested)
+    recorded: ReplayResult  # the recording replayed through memplan's allocator model
+    memplan_events: int
+    memplan: ReplayResult  # memplan's own stream of the run, replayed
+    measured: dict  # CUDA: the allocator's own statistics of the run; {} on CPU
+    tolerance: float = PEAK_TOLERANCE
+
+    @property
+    def peak_error(self) -> float:
+        """memplan's stream's requested peak against the recording's live peak."""
+        return (self.memplan.requested_peak_bytes - self.recorded_live_peak) / max(self.recorded_live_peak, 1)
+
+    @property
+    def checks(self) -> dict[str, bool]:
+        out = {"replay keeps the recording's bytes": self.recorded.requested_peak_bytes == self.recorded_live_peak,
+               "memplan's stream peaks within 1 %": abs(self.peak_error) <= self.tolerance}
+        if self.measured:
+            out["replay = max_memory_reserved"] = (self.recorded.reserved_peak_bytes
+                                                   == self.measured["max_memory_reserved"])
+            out["replay = peak segments"] = self.recorded.segments_at_reserved_peak == self.measured["segments_peak"]
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks.values())
+
+
+def _conf(allocator: str) -> str:
+    """The PYTORCH_CUDA_ALLOC_CONF a run with `allocator` is started with."""
+    return EXPANDABLE_CONF if allocator == "expandable" else ""
+
+
+def _module() -> Any:
+    return importlib.import_module(harness().__name__ + ".alloc_trace")
+
+
+def step_case(case: PeakCase, device: str = "cpu", s: Optional[int] = None) -> dict:
+    """The validation.step.StepCase fields of a peak case (its run), as JSON-ready data."""
+    return dict(model=case.model, attn=case.attn, s=case.s if s is None else s, b=case.b, h=case.h, a=case.a, L=case.L,
+                v=case.v, f=case.f, g=case.g, head_dim=case.head_dim, recompute=case.recompute, optimizer=case.optimizer,
+                backend="cuda" if device == "cuda" else "live")
+
+
+def _record_cuda(case: PeakCase, allocator: str, out: Path) -> Any:
+    """One CUDA run in a fresh process (the allocator's state and settings are the process's)."""
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": _conf(allocator)}
+    root = Path(harness().__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", harness().__name__ + ".alloc_trace", "--case",
+                           json.dumps(step_case(case, "cuda")), "--out", str(out)], env=env, cwd=root,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{case.name} ({allocator}): the run failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return _module().load(out)
+
+
+def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Optional[str] = None,
+                  allocators: tuple[str, ...] = ALLOCATORS) -> list[AllocatorResult]:
+    """Record each case's run (CPU: once, in this process, for every allocator; CUDA: once per allocator, each in a
+    fresh process) and replay it and memplan's stream of it through each allocator setting. `record_dir`: save
+    each recording there (gzip JSON, validation/alloc_trace.py's `save`)."""
+    mod = _module()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="memplan-alloc-") as tmp:
+        for case in cases:
+            config = peak_config(case)
+            ours = allocation_stream(config, case.impl, device)
+            cpu_rec = None
+            for allocator in allocators:
+                settings = allocator_config(allocator)
+                name = f"{case.name.replace(' ', '_')}-{allocator}.json.gz"
+                if device == "cuda":
+                    rec = _record_cuda(case, allocator, Path(record_dir or tmp) / name)
+                else:
+                    if cpu_rec is None:
+                        cpu_rec = mod.record_run(mod.StepCase(**step_case(case)))
+                        if record_dir:
+                            mod.save(cpu_rec, Path(record_dir) / name.replace(f"-{allocator}", ""))
+                    rec = cpu_rec
+                results.append(AllocatorResult(case, allocator, device, len(rec.events), rec.live_peak_bytes,
+                                               replay(rec.events, NO_LIMIT, settings), len(ours.events),
+                                               replay_stream(ours, NO_LIMIT, settings), dict(rec.stats)))
+    return results
+
+
+def first_failing(case: PeakCase, lengths: list[int], allocator: str = "default") -> Optional[int]:
+    """The first of `lengths` at which the case's run dies on this machine's GPU (a fresh process per length);
+    None when every one trains."""
+    mod = _module()
+    return mod.first_failing_length(mod.StepCase(**step_case(case, "cuda")), lengths, alloc_conf=_conf(allocator))
+
+
+MAX_SEQ_STEP = 1024  # the done-means' step: memplan's --max-seq within one such step of the longest that trains
+
+
+@dataclass
+class MaxSeqResult:
+    """memplan's longest sequence for a run against the real run on this GPU: the predicted length (rounded down
+    to `MAX_SEQ_STEP`) must train and one step more must die (within one step, on the safe side)."""
+
+    case: PeakCase
+    allocator: str
+    predicted: Optional[int]  # memplan's --max-seq (the replay's verdict on the GPU preset)
+    tried: Optional[int]  # predicted rounded down to MAX_SEQ_STEP
+    trains: Optional[bool]  # the run at `tried` completes
+    next_dies: Optional[bool]  # the run at `tried` + MAX_SEQ_STEP dies
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.trains and self.next_dies)
+
+
+def max_seq_check(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> MaxSeqResult:
+    """memplan's `--max-seq` for the case's run on `gpu` (the preset of the card in this machine) with `allocator`,
+    and two real runs on this GPU: at that length (rounded down to MAX_SEQ_STEP) and one step longer."""
+    config = peak_config(case)
+    predicted = max_seq_len(config, gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
+    if predicted is None or predicted < MAX_SEQ_STEP:
+        return MaxSeqResult(case, allocator, predicted, None, None, None)
+    tried = predicted // MAX_SEQ_STEP * MAX_SEQ_STEP
+    dies_at = first_failing(case, [tried, tried + MAX_SEQ_STEP], allocator)
+    return MaxSeqResult(case, allocator, predicted, tried, dies_at != tried, dies_at == tried + MAX_SEQ_STEP)
+
+
+def max_seq_checks(cases: list[PeakCase] = MAX_SEQ_CASES) -> list[MaxSeqResult]:
+    """`max_seq_check` of each case with each allocator on this machine's GPU (its preset by name)."""
+    gpu = card_preset()
+    return [max_seq_check(case, gpu, allocator) for case in cases for allocator in ALLOCATORS]
+
+
+def allocator_summary(results: list[AllocatorResult], max_seq: list[MaxSeqResult]) -> dict[str, Any]:
+    failed = [f"{r.case.name} ({r.allocator})" for r in results + max_seq if not r.passed]
+    return {"cases": len(results) + len(max_seq), "failed": len(failed), "failed_cases": failed}
