@@ -61,6 +61,14 @@ CASES = [
                                                                   loss_chunks=4), dict(num_layers=2), (0,)),
     ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, loss_chunks=4,
                                                         optimizer="muon"), dict(num_layers=2), (0,)),
+    # ZeRO-3: per-tensor shards, the gathered parameters in flight (memplan's one layer, FSDP2's, DeepSpeed's,
+    # torchtitan's), the experts' shards over their own group
+    *[("llama3-8b", impl, dict(tp=1, pp=1, dp=2, zero=3), dict(micro_batch=1, global_batch=4, dp_stack=stack,
+                                                             recompute=rec), HF_LLAMA, (0,))
+      for impl, stack, rec in (("hf-sdpa", None, "none"), ("hf-sdpa", "fsdp2", "full"), ("hf-eager", "deepspeed", "none"),
+                               ("torchtitan", "torchtitan", "none"))],
+    ("mixtral-8x22b", "megatron", dict(tp=2, pp=2, dp=2, ep=2, sp=True, zero=3),
+     dict(micro_batch=1, global_batch=8, recompute="selective"), L4, (0, 1)),
 ]
 
 
@@ -151,6 +159,26 @@ def test_one_layer_stream_by_hand():
     assert stream.peak_bytes == estimate(tiny(), impl="megatron", device="cpu").step.peak_bytes
 
 
+def test_zero3_shards_and_gathered_layers_by_hand():
+    # tiny() (test_one_layer_stream_by_hand's model) over d = 2 with ZeRO-3, memplan's own loop (no stack): each
+    # parameter tensor's shard is half its bf16 bytes, [256, 16, 384, 128, 16, 512, 256, 16, 256] / 2; the gathered
+    # parameters in flight are one layer's: 16 + 384 + 128 + 16 + 512 + 256 = 1,312 B, all-gathered at the first
+    # forward (one unit), then freed and gathered again at the layer's forward and backward of every micro-batch:
+    # 2 steps x 2 micro-batches x (forward + backward) = 8 more
+    config = tiny(global_batch=4)
+    config = config.model_copy(update={"parallel": ParallelSpec(dp=2, zero=3)})
+    stream = allocation_stream(config, device="cpu")
+    allocs = [e for e in stream.events if type(e) is Alloc]
+    assert [e.size for e in allocs if e.kind == "parameter" and "shard" in e.name] == [
+        128, 8, 192, 64, 8, 256, 128, 8, 128]
+    gathered = [e for e in allocs if e.name.startswith("gathered parameters")]
+    assert [e.size for e in gathered] == [1312] * 9
+    assert gathered[0].id > dict(stream.phases)["step 1"] and gathered[0].name.endswith("(unit 1)")
+    alive = well_formed(stream)
+    assert sum(e.bytes for e in alive.values() if e.name.startswith("gathered")) == 1312  # one unit at a time
+    assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
+
+
 def test_first_step_at_another_length():
     config = config_of("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1),
                        HF_LLAMA)
@@ -184,7 +212,7 @@ def test_lora_plans_are_not_replayed():
 
 @st.composite
 def plans(draw):
-    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-2)."""
+    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-3)."""
     impl = draw(st.sampled_from(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]))
     hf = impl.startswith("hf-")
     llama = impl != "torch" and draw(st.booleans())
@@ -207,7 +235,7 @@ def plans(draw):
     training = TrainingSpec(micro_batch=b, global_batch=b * d * M, recompute=recompute, recompute_num_layers=k,
                             precision=draw(st.sampled_from(["bf16-mixed", "bf16-true", "32-true"])),
                             optimizer_impl=draw(st.sampled_from(["foreach", "fused"])))
-    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 2)) if d > 1 else 0)
+    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 3)) if d > 1 else 0)
     return Config(model=model, parallel=par, training=training), impl, draw(st.sampled_from(["cuda", "cpu"]))
 
 
