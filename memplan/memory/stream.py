@@ -47,6 +47,7 @@ from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment, Term
 from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
 from memplan.memory.stream_params import Persistent, fit
@@ -106,8 +107,7 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     why = [what for what, on in (("activation offload", training.offload_activations),
                                  ("optimizer offload", training.offload_optimizer_fraction),
                                  ("the optimizer step in the backward", training.optimizer_in_backward),
-                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1),
-                                 ("LoRA adapters", training.lora_rank)) if on]
+                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1)) if on]
     return ", ".join(why)
 
 
@@ -118,7 +118,7 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
     why = not_streamed(training, plan)
     if why or steps < 1:
         raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, no offload, "
-                           f"no optimizer step in the backward, no LoRA, at least one step: {why or f'{steps} steps'}")
+                           f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)
@@ -274,10 +274,8 @@ class _Run:
             self._ensure(site, group)
 
     def _new_grad(self, group: str) -> int:
-        """A group's gradient as autograd makes it, in the weights' dtype (one layer's, or the head's)."""
-        site = self.site_of.get(group, self.n)
-        n = sum(r[2] for r in self.tables[self._table(site)] if r[0] == group)
-        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+        """A group's gradient as autograd makes it (`Persistent.new_grad`)."""
+        return self.persistent.new_grad(group, self.site_of.get(group, self.n))
 
     def _moment_grads(self, m: Moment, site: Any, creating: bool) -> list:
         """The gradients a moment adds (after the point's frees): the listed groups' .grad where this
@@ -401,7 +399,8 @@ class _Run:
         for name, n in (r for rows in self.lazy for r in rows if first):  # AdamW's moments: in the first step
             self._alloc(n, n, "optimizer_state", name)
         temp, pb = self.step.optimizer_temp_bytes, self.tr.master_weight_bytes or self.tr.weight_bytes
-        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self._tensors()]  # torch foreach
+        pb = ADAPTER_BYTES if self.tr.lora_rank else pb
+        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self.persistent.trained()]  # torch foreach
                 if optimizer_impl(self.tr, self.inv) == "foreach" and self.plan.zero == 0 else [["temporaries", temp]])
         temps = [self._alloc(n, n, "transient", name) for name, n in fit(rows, temp) if n > 0]
         self._point(temps)

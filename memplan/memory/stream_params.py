@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
 from memplan.core.training import TrainingSpec
+from memplan.inventory.lora import LINEARS, targets_of
 from memplan.inventory.types import Inventory
+from memplan.memory.adapters import ADAPTER_BYTES, nf4_bytes
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
@@ -73,9 +76,17 @@ class Persistent:
         self.site_of.update({g.name: "first" for g in self.groups.values() if g.scope == "first"}, **{head.name: "head"})
         self.sites = (["first"] if is_first else []) + [j for j in range(1, n + 1)] + (
             (["last"] + (["head"] if self.untied_head else [])) if is_last else [])
-        gb = training.grad_bytes
+        # LoRA (peft's get_peft_model after the base is on the GPU): one layer's adapters, lora_A (r x n_in) then
+        # lora_B (n_out x r) per target linear in module order, fp32; only they get gradients and states
+        self.lora, self.adapters = bool(training.lora_rank), []
+        for name in (n for n in LINEARS if n in targets_of(training.lora_targets)) if self.lora else ():
+            n_in, n_out, group = (int(Poly.parse(x).evaluate(values)) if k < 2 else x for k, x in enumerate(LINEARS[name]))
+            self.adapters += [[group, f"{name} lora_A", training.lora_rank * n_in],
+                              [group, f"{name} lora_B", n_out * training.lora_rank]]
+        self.linear_groups = {g for *_, g in LINEARS.values()} if training.qlora else set()
+        gb = ADAPTER_BYTES if self.lora else training.grad_bytes
         self.grad_rows: dict[tuple, list] = {}
-        for key, rows in self.tables.items():
+        for key, rows in ({"layer": self.adapters} if self.lora else self.tables).items():
             for name in dict.fromkeys(r[0] for r in rows):
                 n_bytes = sum(r[2] for r in rows if r[0] == name) * gb
                 kept = shard_bytes(n_bytes, self._shard(name), plan.zero >= 2)
@@ -93,12 +104,35 @@ class Persistent:
         """(site, group, name, params) of every parameter tensor of the GPU, in registration order."""
         return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self.table(site)]]
 
+    def trained(self) -> list:
+        """(site, group, name, params) of the tensors the optimizer steps: LoRA's adapters, else every parameter."""
+        if not self.lora:
+            return self.tensors()
+        return [(j, g, name, n) for j in self.sites if isinstance(j, int) for g, name, n in self.adapters]
+
+    def new_grad(self, group: str, site: Any) -> int:
+        """A group's gradient as autograd makes it (one layer's, or the head's): in the weights' dtype, LoRA's in
+        the adapters' fp32."""
+        if self.lora:
+            return sum(n for g, _, n in self.adapters if g == group) * ADAPTER_BYTES
+        n = sum(r[2] for r in self.tables[self.table(site)] if r[0] == group)
+        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+
+    def _base_bytes(self, site: Any, group: str, n: int) -> int:
+        """A parameter tensor's bytes: QLoRA's layer linears in NF4 (memplan/memory/adapters.py nf4_bytes)."""
+        return nf4_bytes(n) if isinstance(site, int) and group in self.linear_groups else n * self.tr.weight_bytes
+
     def weights(self) -> list[tuple[str, int]]:
         """(name, bytes) of the parameter allocations at model build: each tensor (with ZeRO-3 its shard, rounded down,
         the largest taking the rounding), then one block of what else the timeline counts with the weights (MTP
         modules, FP8 weight caches, a stack's buckets), less the gathered parameters the first forward makes."""
-        tensors, wb, z3 = self.tensors(), self.tr.weight_bytes, self.plan.zero >= 3
-        sizes = [n * sharded_weight_bytes(self.tr) // self._shard(g) if z3 else n * wb for _, g, _, n in tensors]
+        z3 = self.plan.zero >= 3
+        tensors = self.tensors() + [(j, g, name, n * ADAPTER_BYTES) for j, g, name, n in self.trained()] * self.lora
+        sizes = [self._base_bytes(site, g, n) for site, g, _, n in tensors[:len(tensors) - len(self.trained()) * self.lora]]
+        sizes += [n for *_, n in tensors[len(sizes):]]
+        if z3:  # each tensor's shard (FSDP2, DeepSpeed stage 3: per parameter), rounded down
+            swb = sharded_weight_bytes(self.tr) / self.tr.weight_bytes
+            sizes = [int(n * swb) // self._shard(g) for n, (_, g, _, _) in zip(sizes, tensors)]
         rest = self.mem.states.weights - sum(sizes) - int(self.mem.gathered)
         if z3 and 0 < rest <= len(sizes):
             sizes[max(range(len(sizes)), key=sizes.__getitem__)] += rest
@@ -112,7 +146,7 @@ class Persistent:
         per state; each a list of [name, bytes] lists."""
         tr, total = self.tr, self.mem.states.optimizer
         names = STATE_NAMES.get(tr.optimizer)
-        mb, sb = tr.master_weight_bytes, tr.optimizer_state_bytes
+        mb, sb = (0, ADAPTER_BYTES) if self.lora else (tr.master_weight_bytes, tr.optimizer_state_bytes)
         weights = [("optimizer states", 1)] if names is None else (
             [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names])
         parts = [[label, total * w // (sum(w for _, w in weights) or 1)] for label, w in weights]
@@ -122,7 +156,7 @@ class Persistent:
         lazy: list = []
         flat = " (flat shard)" * (self.plan.zero > 0)
         for label, n in (part for part in parts if part[1] > 0):
-            rows = (fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in self.tensors()], n)
+            rows = (fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in self.trained()], n)
                     if self.plan.zero == 0 and names is not None else [[label + flat, n]])
             (master if label.startswith("master") else lazy).append(rows)
         return master, lazy
