@@ -76,6 +76,13 @@ CASES = [
                                                          lora_targets=("all-linear",), recompute="full"), HF_LLAMA, (0,)),
     ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=2, zero=3), dict(micro_batch=1, global_batch=2, lora_rank=16,
                                                                 dp_stack="fsdp2", optimizer_impl="foreach"), HF_LLAMA, (0,)),
+    # context parallelism: the attention's ring (p2p) or all-to-all buffers in the forward and the backward
+    ("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, cp=2, sp=True), dict(micro_batch=1, global_batch=4),
+     dict(num_layers=4, seq_length=4096), (0, 1)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=1, dp=2, cp=4, cp_comm_type="a2a", zero=1),
+     dict(micro_batch=1, global_batch=2, recompute="selective"), dict(num_layers=4, seq_length=4096), (0,)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=1, dp=1, cp=2), dict(micro_batch=1, global_batch=2, recompute="full"),
+     dict(num_layers=2, seq_length=4096), (0,)),
 ]
 
 
@@ -183,6 +190,25 @@ def test_zero3_shards_and_gathered_layers_by_hand():
     assert gathered[0].id > dict(stream.phases)["step 1"] and gathered[0].name.endswith("(unit 1)")
     alive = well_formed(stream)
     assert sum(e.bytes for e in alive.values() if e.name.startswith("gathered")) == 1312  # one unit at a time
+    assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
+
+
+def test_cp_buffers_by_hand():
+    # tiny() (s = 4, b = 1, h = q = 8, a = g = 2, bf16 activations, CPU: no rounding) with cp = 2, Transformer
+    # Engine's ring attention (p2p); each rank holds s/cp tokens and the buffers (memplan/memory/parallel.py
+    # cp_transients, elements per sequence before the cp split): inside the attention forward the received K/V
+    # chunks 2 cp s b q g/a / cp = 64 elements = 128 B, the ring steps' partial outputs s b q = 32 = 64 B, their
+    # log-sum-exp (fp32) (cp a s b + a s b) / cp = 12 elements = 48 B, freed at the forward's end; in the attention
+    # backward the double-buffered K/V and their gradients 4 s b q g/a / cp = 64 = 128 B and the dQ accumulator
+    # s b q / cp = 16 = 32 B. One micro-batch, two steps: each twice
+    config = tiny().model_copy(update={"parallel": ParallelSpec(cp=2)})
+    stream = allocation_stream(config, device="cpu")
+    names = {"K/V chunks received": 128, "partial attention outputs": 64, "log-sum-exp of the cp ring": 48,
+             "double-buffered K/V": 128, "dQ accumulator": 32}
+    found = [(k, e.size) for e in stream.events if type(e) is Alloc for k in names if e.name.startswith(k)]
+    assert sorted(found) == sorted(list(names.items()) * 2)
+    fwd = [i for i, e in enumerate(stream.events) if type(e) is Alloc and e.name.startswith("K/V chunks")]
+    assert all(type(e) is Free for e in stream.events[fwd[0] + 3:fwd[0] + 6])  # gone after the attention forward
     assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
 
 

@@ -12,7 +12,9 @@ step and zero_grad. ZeRO-3's unsharded parameters in flight (`StageMemory.gather
 stack's count, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one layer's
 parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay the timeline's bytes
 all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one gathered.
-AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
+LoRA (peft): the frozen base built (QLoRA's layer linears in NF4), then the fp32 adapters; only they get .grad
+tensors and optimizer states (memplan/memory/stream_params.py). Context parallelism: the attention's cp buffers
+as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
 step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first write in
 the backward, zero_grad frees them.
 
@@ -36,7 +38,7 @@ states as requested). `marks` tie the timeline's events (its walk of the last st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, NamedTuple, Optional
 
@@ -46,6 +48,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment, Term
+from memplan.memory.parallel import cp_moments
 from memplan.memory.pipeline import chunks_in_flight
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
@@ -107,7 +110,7 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     why = [what for what, on in (("activation offload", training.offload_activations),
                                  ("optimizer offload", training.offload_optimizer_fraction),
                                  ("the optimizer step in the backward", training.optimizer_in_backward),
-                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1)) if on]
+                                 ("interleaved stages", plan.m > 1)) if on]
     return ", ".join(why)
 
 
@@ -117,7 +120,7 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
     """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
     why = not_streamed(training, plan)
     if why or steps < 1:
-        raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, no offload, "
+        raise MemplanError(f"the allocation stream models 1F1B without interleaving, no offload, "
                            f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
@@ -169,12 +172,16 @@ class _Run:
             [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
              and (scope != "first" or self.is_first)] for scope in ("layer", "first", "last", "chunk"))
         self.held = list(inv.held) if self.is_last else []
-        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"]
+        # context parallelism's buffers (memplan/memory/parallel.py cp_moments, as the timeline adds them): a moment
+        # inside the attention forward after the inventory's, and the attention backward's extra transients
+        cp_forward, cp_backward = cp_moments(model, inv, plan)
+        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"] + list(cp_forward)
         # around the loss in the order they happen (the inventory lists them in any order: the timeline sums each
         # on its own): the forward, then the backward's moments by the gradients they have made
         self.loss_moments = sorted(enumerate(m for m in inv.moments if m.scope == "last"),
                                    key=lambda im: (im[1].phase != "loss", len(im[1].grads)))
-        self.bwd_moments = [m for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
+        self.bwd_moments = [replace(m, transients=m.transients + cp_backward) if m.id == "attention_backward" else m
+                            for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
         self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
                                  if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
         self.alive_sets: dict[tuple, tuple] = {}
