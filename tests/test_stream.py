@@ -13,6 +13,7 @@ from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
+from memplan.memory.pipeline import microbatches_in_flight, schedule
 from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
@@ -83,6 +84,13 @@ CASES = [
      dict(micro_batch=1, global_batch=2, recompute="selective"), dict(num_layers=4, seq_length=4096), (0,)),
     ("llama3-8b", "megatron", dict(tp=1, pp=1, dp=1, cp=2), dict(micro_batch=1, global_batch=2, recompute="full"),
      dict(num_layers=2, seq_length=4096), (0,)),
+    # interleaved stages: Megatron-LM's interleaved 1F1B chunk order (M a multiple of p, at least 2p)
+    ("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True), dict(micro_batch=1, global_batch=4),
+     dict(num_layers=8), (0, 1)),
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, vpp=2, sp=True),
+     dict(micro_batch=1, global_batch=8, recompute="full", recompute_num_layers=1), dict(num_layers=16), (0, 1, 3)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=2, dp=2, vpp=3, zero=1),
+     dict(micro_batch=1, global_batch=12, recompute="selective"), dict(num_layers=6), (0, 1)),
 ]
 
 
@@ -210,6 +218,34 @@ def test_cp_buffers_by_hand():
     fwd = [i for i, e in enumerate(stream.events) if type(e) is Alloc and e.name.startswith("K/V chunks")]
     assert all(type(e) is Free for e in stream.events[fwd[0] + 3:fwd[0] + 6])  # gone after the attention forward
     assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
+
+
+def test_interleaved_schedule_by_hand():
+    # megatron-core 0.16 schedules.py, p = 2, m = 2, M = 4, rank 0: get_schedule_table in groups of p micro-batches
+    # (microbatch_group_size_per_vp_stage's default), chunk by chunk: (mb, chunk) (0,0) (1,0) (0,1) (1,1) (2,0) (3,0)
+    # (2,1) (3,1); warm-up 2 (p - 1) + (m - 1) p = 4 forwards, then forward / backward pairs, the backward running
+    # the table's chunk reversed (get_model_chunk_id), then the cool-down backwards
+    F, B = (lambda mb, c: ("F", mb, c)), (lambda mb, c: ("B", mb, c))
+    assert schedule(0, 2, 2, 4) == [F(0, 0), F(1, 0), F(0, 1), F(1, 1), F(2, 0), B(0, 1), F(3, 0), B(1, 1),
+                                    F(2, 1), B(0, 0), F(3, 1), B(1, 0), B(2, 1), B(3, 1), B(2, 0), B(3, 0)]
+    assert schedule(1, 2, 1, 3) == [F(0, 0), B(0, 0), F(1, 0), B(1, 0), F(2, 0), B(2, 0)]  # 1F1B, last stage
+    # so at rank 0's backward of (0, 0) the chunk-0 forwards of micro-batches 0..3 = 2p are alive, each holding the
+    # embedding's token ids (1F1B: p): the timeline counts 2p and the stream keeps them until each chunk-0 backward
+    assert microbatches_in_flight(0, 2, 4, m=2) == 4 and microbatches_in_flight(0, 2, 4) == 2
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True),
+                       dict(micro_batch=1, global_batch=4), dict(num_layers=8))
+    stream = allocation_stream(config, impl="megatron", stage=0)
+    alive, most = set(), 0
+    for e in stream.events:
+        if type(e) is Alloc and e.name.startswith("token ids"):
+            alive.add(e.id)
+            assert e.name.endswith("chunk 0)")
+        elif type(e) is Free:
+            alive.discard(e.id)
+        most = max(most, len(alive))
+    assert most == 4
+    layers = [e for e in stream.events if type(e) is Alloc and e.name.startswith("input of RMSNorm 1")]
+    assert len(layers) == 2 * 4 * 2 * 2  # 2 steps x 4 micro-batches x 2 chunks x 2 layers per chunk
 
 
 def test_first_step_at_another_length():

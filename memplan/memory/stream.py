@@ -7,8 +7,9 @@ The run: the model built (one allocation per parameter tensor, `states.weight_sh
 with ZeRO-3 one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded
 down, the largest taking the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
 ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's
-1F1B schedule (p - stage - 1 warm-up forwards, forward / backward pairs, cool-down backwards), the optimizer
-step and zero_grad. ZeRO-3's unsharded parameters in flight (`StageMemory.gathered`: one layer's, or the
+1F1B or interleaved 1F1B schedule (memplan/memory/pipeline.py `schedule`: warm-up forwards, forward / backward
+pairs, cool-down backwards; the embedding's terms in chunk 0 of the first stage, the loop's batch and the loss in
+the last chunk of the last stage), the optimizer step and zero_grad. ZeRO-3's unsharded parameters in flight (`StageMemory.gathered`: one layer's, or the
 stack's count, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one layer's
 parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay the timeline's bytes
 all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one gathered.
@@ -49,7 +50,7 @@ from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment, Term
 from memplan.memory.parallel import cp_moments
-from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.pipeline import schedule
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
@@ -110,7 +111,8 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     why = [what for what, on in (("activation offload", training.offload_activations),
                                  ("optimizer offload", training.offload_optimizer_fraction),
                                  ("the optimizer step in the backward", training.optimizer_in_backward),
-                                 ("interleaved stages", plan.m > 1)) if on]
+                                 ("interleaved stages with fewer than 2p micro-batches or not a multiple of p",
+                                  plan.m > 1 and (plan.microbatches % plan.p or plan.microbatches < 2 * plan.p))) if on]
     return ", ".join(why)
 
 
@@ -166,7 +168,7 @@ class _Run:
         self.n, self.N = int(n), int(recomputed) * (self.rec != Recompute.NONE)
         self.buffer = inv.grad_lifetime == "buffer"
         self.M = int(plan.microbatches)
-        self.k = int(chunks_in_flight(stage, plan.p, 1, plan.microbatches))
+        self.m = int(plan.m)
         self.step = step_events(model, inv, training, plan, mem, stage)
         self.layer_terms, self.first_terms, self.last_terms, self.chunk_terms = (
             [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
@@ -190,7 +192,8 @@ class _Run:
         self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
         self.gathered, self.in_flight = int(mem.gathered), []  # ZeRO-3's unsharded parameters; their units' ids
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
-        self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n, self.is_first, self.is_last)
+        self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
+                                            self.is_last)
         self.tables, self.site_of, self.sites, self.grad_rows = pers.tables, pers.site_of, pers.sites, pers.grad_rows
         self.untied_head, self._table, self._tensors = pers.untied_head, pers.table, pers.tensors
         self.head_names = [g.name for g in pers.groups.values() if g.scope == "last"] + [
@@ -307,10 +310,14 @@ class _Run:
                 else (t.kept(Recompute.SELECTIVE) or (plain and m.recomputed))))
         return self.alive_sets[m.id, rc]
 
-    def _forward(self, mb: int) -> dict:
-        label = f"micro-batch {mb}"
-        st: dict = {"held": [i for t in self.held for i in self._term(t, "saved_activation", label)],
-                    "first": [i for t in self.first_terms for i in self._term(t, "saved_activation", label)],
+    def _forward(self, mb: int, c: int) -> dict:
+        """Model chunk c's forward of micro-batch mb: the loop's batch (last stage, last chunk), the embedding's
+        terms (first stage, chunk 0), the layers', the loss (last stage, last chunk)."""
+        label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
+        head, embedding = self.is_last and c == self.m - 1, c == 0
+        st: dict = {"held": [i for t in self.held * head for i in self._term(t, "saved_activation", label)],
+                    "first": [i for t in self.first_terms * embedding
+                              for i in self._term(t, "saved_activation", label)],
                     "chunk": {}, "layers": {}, "last": {}}
         if self.workspace and not self.workspace_made:
             self.workspace_made = True
@@ -330,7 +337,7 @@ class _Run:
             self._drop(layer, set(self.stored[rc]))
             self._fill(layer, self.layer_terms, self.stored[rc], where)
             self._mark()
-        if not self.is_last:
+        if not head:
             self.ev += len(self.loss_moments) * self.walk
             return st
         creating = not self.buffer and not self.have_grads
@@ -343,8 +350,8 @@ class _Run:
         self._drop(st["last"], ())
         return st
 
-    def _backward(self, st: dict, mb: int) -> None:
-        label = f"micro-batch {mb}"
+    def _backward(self, st: dict, mb: int, c: int) -> None:
+        label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
         creating = not self.buffer and not self.have_grads
         owed: list = list(self.head_names) if creating and self.is_last else []
         # a tied LM head's gradient waits in autograd's input buffer for the embedding's (with a main-grad buffer)
@@ -365,9 +372,9 @@ class _Run:
                 self._pay(owed, wait)
                 self._fill(st["chunk"], self.chunk_terms, chunk, label)
                 self._fill(layer, self.layer_terms, target, where)
-                self._point(self._moment_grads(m, j, creating) + self._transients(m, rc, where))
+                self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
             self._drop(layer, ())
-            owed += [j] * creating
+            owed += [c * self.n + j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
         self._free(st["held"])
@@ -375,7 +382,7 @@ class _Run:
         for site in self.sites if creating else ():  # the embedding's, and any no moment named (the timeline's)
             self._ensure_site(site)
         extra = []
-        if self.is_first:
+        if self.is_first and c == 0:
             extra = self._term(EMBEDDING_OUTPUT_GRAD, "transient", f"embedding backward, {label}")
             dense = self._new_grad("word embedding")
             for name, on in (("embedding weight gradient before the hook", self.buffer),
@@ -415,6 +422,21 @@ class _Run:
             self._free([i for ids in self.grad_ids.values() for i in ids])
             self.grad_ids, self.have_grads = {}, False
 
+    def _walked(self, order: list) -> set:
+        """The (forward, backward) pair the timeline walks: the last of the steady state (a backward right after a
+        forward, every in-flight chunk alive) whose backward is of the chunk with the embedding (first stage,
+        with the most embedding activations alive) or the loss (last stage)."""
+        alive: set = set()
+        best = (-1, 0)
+        for i, (what, mb, c) in enumerate(order):
+            if what == "F":
+                alive.add((mb, c))
+                continue
+            if i and order[i - 1][0] == "F" and (not self.is_first or c == 0) and (not self.is_last or c == self.m - 1):
+                best = max(best, (sum(1 for x in alive if x[1] == 0), i))
+            alive.discard((mb, c))
+        return {best[1] - 1, best[1]}
+
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspace_made = False
@@ -422,20 +444,19 @@ class _Run:
         first = main if first_seq in (None, self.model.seq_length) else _Sizes(
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
-        k, M = self.k, self.M  # 1F1B: warm-up forwards, (forward, backward) pairs, cool-down backwards
-        order = ([("F", i) for i in range(k - 1)] + [x for r in range(M - k + 1) for x in (("F", k - 1 + r), ("B", r))]
-                 + [("B", r) for r in range(M - k + 1, M)])
+        order = schedule(self.stage, int(self.plan.p), self.m, self.M)
+        walked = self._walked(order)
         for step in range(1, steps + 1):
             self.phases.append((f"step {step}", len(self.events)))
             sizes = first if step == 1 else main
             live: dict = {}
-            for what, mb in order:
-                self.walk = step == steps and ((what == "F" and mb == M - 1) or (what == "B" and mb == M - k))
+            for i, (what, mb, c) in enumerate(order):
+                self.walk = step == steps and i in walked
                 self.sizes = sizes
                 if what == "F":
-                    live[mb] = self._forward(mb)
+                    live[mb, c] = self._forward(mb, c)
                 else:
-                    self._backward(live.pop(mb), mb)
+                    self._backward(live.pop((mb, c)), mb, c)
             self.walk = step == steps
             self.phases.append((f"optimizer step {step}", len(self.events)))
             self._optimizer(step == 1)
