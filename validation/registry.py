@@ -44,6 +44,9 @@ _SMALL = {
     "d_head": 16,
 }
 
+# keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
+_NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
+
 # a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
 LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.")
 
@@ -62,8 +65,10 @@ def _shrink(data: dict) -> dict:
     for k, v in data.items():
         if k in _SMALL and isinstance(v, int) and not isinstance(v, bool) and v > 0:
             out[k] = _SMALL[k]
-        elif k == "num_experts_per_tok" and v is None:  # DeepSeek-V2's default: no top-k, which cannot run
-            out[k] = _SMALL[k]
+        elif k in _NONE_FILLED and v is None:  # a default that cannot run (DeepSeek-V2's top-k, Ministral's head_dim,
+            out[k] = _SMALL[k]  # dots1's experts): a published config.json writes the number
+        elif k == "attn_config" and isinstance(v, dict) and "kv_n_heads" in v:  # DBRX's attention config class has
+            out[k] = {**v, "rope_theta": 500000.0}  # no rope_theta default (the model reads it): DBRX's published one
         elif isinstance(v, dict) and "model_type" in v:
             out[k] = _shrink(v)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)

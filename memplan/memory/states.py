@@ -78,8 +78,8 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
     if model.qk_norm:
-        groups.append(ParamGroup("query / key norms", Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full"
-                                                                      else "2 q /a"), False, "layer"))
+        qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
+        groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
     if model.attention_sinks:
         groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
     if model.is_moe:
@@ -89,9 +89,10 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe", expert=True),
             ParamGroup("router weight", Poly.parse("E h"), False, "moe"),
         ]
-        if model.moe_bias:  # gpt-oss: router bias E; each expert's gate_up bias 2 f_e and down bias h
-            groups += [ParamGroup("router bias", Poly.parse("E"), False, "moe"),
-                       ParamGroup("expert biases", Poly.parse_sum(("2 " if gated else "") + "E fe + E h"), True, "moe",
+        if model.moe_bias or model.moe_router_bias:  # gpt-oss, ERNIE 4.5: the router's bias E
+            groups.append(ParamGroup("router bias", Poly.parse("E"), False, "moe"))
+        if model.moe_bias:  # gpt-oss: each expert's gate_up bias 2 f_e and down bias h
+            groups += [ParamGroup("expert biases", Poly.parse_sum(("2 " if gated else "") + "E fe + E h"), True, "moe",
                                   expert=True)]
         if model.moe_shared_ffn_hidden_size:
             groups += [
@@ -99,12 +100,17 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                            True, "moe"),
                 ParamGroup("shared experts' output projection weight", Poly.parse("h fs"), True, "moe"),
             ]
+        if model.moe_shared_gate:  # Qwen2-MoE: shared_expert_gate, h -> 1
+            groups.append(ParamGroup("shared experts' gate", Poly.parse("h"), False, "moe"))
     if not model.is_moe or model.moe_first_dense_layers:
         prefix = "dense " if model.is_moe else ""
         groups += [
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
             ParamGroup(prefix + "MLP output projection weight", Poly.parse("h f"), True, mlp),
         ]
+        if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
+            groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
+                                     mlp))
     groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
         groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
@@ -273,8 +279,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.has_norm_bias:
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
-    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None, 2)] \
-        if model.qk_norm and model.qk_norm_width == "head" else []
+    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
+                            4 if model.has_norm_bias else 2)] if model.qk_norm and model.qk_norm_width == "head" else []
     if model.qk_norm and model.qk_norm_width == "full":  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
         qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
                     WeightShape("query / key norms", "key norm weight", q_kv, None)]
@@ -316,12 +322,14 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if layout == "fused":
         dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
                      + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
-        layer = attention + dense_mlp
     else:
         mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
                   else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
         dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
-        layer = attention + dense_mlp + norm + second
+    if model.mlp_bias and not model.bias:  # GPT-J: fc_in's and fc_out's biases
+        dense_mlp += [WeightShape(prefix + "MLP biases", "MLP input bias", f_in, None, 1, "rows"),
+                      WeightShape(prefix + "MLP biases", "MLP output bias", P("h"), None)]
+    layer = attention + dense_mlp + ([] if layout == "fused" else norm + second)
     dense_layer: list[WeightShape] = []
     if model.is_moe:
         moe = _moe_shapes(model, layout)
@@ -357,7 +365,8 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
     P = Poly.parse
     fe_in = P("2 fe") if model.mlp == "swiglu" else P("fe")
     router = [WeightShape("router weight", "router", P("E"), P("h"))]
-    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias else []
+    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias or model.moe_router_bias \
+        else []
     E = model.num_experts or 0
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     if layout == "fused":  # Megatron-LM TEGroupedMLP: linear_fc1.weight0..E-1, then linear_fc2's
@@ -378,6 +387,8 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
         else:
             shared = [WeightShape(s_in, "shared experts' gate / up", P("fs"), P("h"), 2, "rows")]
         shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
+        shared += [WeightShape("shared experts' gate", "shared_expert_gate", P("h"), None)] if model.moe_shared_gate \
+            else []
     return (router + experts + shared) if layout == "fused" else (experts + router + shared)
 
 

@@ -13,6 +13,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
+from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, OWN_KEYS, POSITIONS, deepseek_experts,
+                                         flag as _flag)
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -61,6 +63,8 @@ HF_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "traced",  # Mixtral's experts with Granite's multipliers (constants)
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
+    # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS)},
 }
 
 
@@ -96,7 +100,10 @@ _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCau
                       "DeepseekV3ForCausalLM": "n_routed_experts", "DeepseekV2ForCausalLM": "n_routed_experts",
                       "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts",
                       "GraniteMoeForCausalLM": "num_local_experts", "GraniteMoeSharedForCausalLM": "num_local_experts",
-                      "OlmoeForCausalLM": "num_experts"}
+                      "OlmoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts"}
+
+# the architectures whose experts memplan reads: those above (_read_moe) and hf_families' own
+_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, "DbrxForCausalLM")
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -133,17 +140,6 @@ def _probability(data: dict, key: str, default: float, path: Path) -> float:
     return float(value)
 
 
-def _flag(data: dict, key: str, default: bool, path: Path) -> bool:
-    """A true / false field of a config.json: JSON's true or false (a string "false" is refused, not read as true);
-    missing or null: transformers' default."""
-    value = data.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise MemplanError(f"{path}: {key}: expected true or false (got {echo(value)})")
-    return value
-
-
 def _head_dim(data: dict) -> Any:
     """A config's head_dim when it differs from h/a (Mistral-Nemo: 128 with h/a = 160); None when it
     is h/a (many configs state it), so such a model equals its preset."""
@@ -178,8 +174,9 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
                                "layer in every layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
         return _read_deepseek_v3(data, arch)
     # transformers 5 writes Qwen3-MoE's count as num_local_experts (Qwen3MoeConfig.attribute_map), the Hub's
-    # files as num_experts
-    experts = data.get("num_experts", data.get("num_local_experts", 128))
+    # files as num_experts; Qwen2-MoE's the same (Qwen2MoeConfig's defaults: 60 experts, top 4, 1408 wide)
+    E, k, fe = (60, 4, 1408) if arch == "Qwen2MoeForCausalLM" else (128, 8, 768)
+    experts = data.get("num_experts", data.get("num_local_experts", E))
     step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
     if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
         return {}
@@ -191,8 +188,8 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
         shown = shown if len(shown) <= 60 else shown[:60] + "..."
         raise MemplanError(f"{path}: mlp_only_layers = {shown}: memplan models dense layers first only "
                            "(mlp_only_layers [0, 1, ..., k-1])")
-    return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", 8),
-                moe_ffn_hidden_size=data.get("moe_intermediate_size", 768), moe_first_dense_layers=len(dense))
+    return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", k),
+                moe_ffn_hidden_size=data.get("moe_intermediate_size", fe), moe_first_dense_layers=len(dense))
 
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for the keys a config.json may leave out
@@ -212,12 +209,7 @@ def _read_deepseek_v3(data: dict, arch: str = "DeepseekV3ForCausalLM") -> dict[s
     (num_nextn_predict_layers, ModelSpec.mtp_layers) is not built by transformers: memplan models it for --impl
     megatron* (memplan/inventory/mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
     d = {**_DEEPSEEK_DEFAULTS[arch], **{k: v for k, v in data.items() if k in _DEEPSEEK_DEFAULTS[arch]}}
-    fe, shared = d["moe_intermediate_size"], d["n_shared_experts"]
-    both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
-    return dict(num_experts=d["n_routed_experts"], moe_top_k=d["num_experts_per_tok"],
-                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
-                moe_first_dense_layers=d["first_k_dense_replace"],
-                kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
+    return dict(deepseek_experts(d), kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
                 qk_nope_head_dim=data.get("qk_nope_head_dim", 128), qk_rope_head_dim=data.get("qk_rope_head_dim", 64),
                 v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
 
@@ -296,7 +288,9 @@ def _falcon(data: dict, path: Path) -> dict[str, Any]:
 def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     """What a family's config.json sets beyond the Llama layout's fields (transformers' defaults for missing keys):
     norms, biases, q / k norms, gated or plain MLP, tied embeddings (checked against the meta-device model by
-    tests/test_hub_configs.py)."""
+    tests/test_hub_configs.py; hf_families.LLAMA_KEYED: the families the registry walk added)."""
+    if arch in LLAMA_KEYED:
+        return LLAMA_KEYED[arch](data, path)
     if arch == "GPTNeoXForCausalLM":  # GPTNeoXLayer: two LayerNorms, biased query_key_value, dense and MLP
         if not _flag(data, "attention_bias", True, path):
             raise MemplanError(f"{path}: GPT-NeoX with attention_bias false keeps its MLP biases: memplan puts a bias "
@@ -374,7 +368,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
         data, text, notes = _text_model(data, path)
         known = ["Gemma3ForCausalLM"]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
-    if moe and not (known and known[0] in _MOE_ARCHITECTURES):
+    if moe and not (known and known[0] in _READS_EXPERTS):
         arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
                            f"{', '.join(a.removesuffix('ForCausalLM') for a in _MOE_ARCHITECTURES)} only; "
@@ -385,8 +379,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
-    positions_key = "n_positions" if layout == "gpt2" else "max_position_embeddings"
-    positions = data.get(positions_key, 1024 if layout == "gpt2" else 2048 if known[0] in _OLD_DEFAULTS else 4096)
+    positions_key, default = POSITIONS.get(known[0], ("n_positions", 1024) if layout == "gpt2" else (
+        "max_position_embeddings", 2048 if known[0] in _OLD_DEFAULTS else 4096))
+    positions = data.get(positions_key, default)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")
     seq = min(positions, HF_DEFAULT_SEQ)
@@ -405,6 +400,11 @@ def read_hf_config(path_text: str) -> ModelPreset:
         elif known[0] == "FalconForCausalLM":
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], position_embedding="rope",
                         attention="flash", **_falcon(data, path))
+        elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
+            parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
+            drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop") if k in d]
+            spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
+                        dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops), **OWN_KEYS[known[0]](data, path))
         else:
             family = _family(known[0], data, path)
             gated = family.get("mlp", "swiglu") == "swiglu"
@@ -444,8 +444,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
-    if known[0] in _APPROXIMATED:
-        notes += (f"{_APPROXIMATED[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
+    approximated = {**_APPROXIMATED, **APPROXIMATED}
+    if known[0] in approximated:
+        notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
                   "activations by a sequential pre-norm layer of the same widths (derived, not traced); --impl "
                   "hf-sdpa / hf-eager traces transformers' own code",)
     if layout == "traced":

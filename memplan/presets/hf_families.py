@@ -1,0 +1,229 @@
+"""The config.json readers of transformers' further families (issue 22, the registry walk): what each family's
+config sets on ModelSpec, from transformers' own modelling code (transformers 5.23), each checked by the walk
+(memplan/check/registry.py) against transformers' parameter count of the model built on the meta device.
+
+``LLAMA_KEYED``: families whose config.json names the Llama fields (hidden_size, num_hidden_layers,
+intermediate_size, ...): the fields they set beyond the Llama layout (hf_config reads the rest).
+``OWN_KEYS``: families with their own key names (GPT-J's n_embd, MPT's d_model, DBRX's nested configs): the whole
+spec but name, sequence and vocabulary.  ``APPROXIMATED``: where a family's layer differs from the sequential
+pre-norm layer the --impl megatron* inventories model (the config reader adds it as a note)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+
+_YAML = "write a model YAML (docs/reference.md, Model presets)"
+
+
+def flag(data: dict, key: str, default: bool, path: Path) -> bool:
+    """A true / false field of a config.json: JSON's true or false (a string "false" is refused, not read as true);
+    missing or null: transformers' default."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MemplanError(f"{path}: {key}: expected true or false (got {echo(value)})")
+    return value
+
+
+def _int(data: dict, key: str, default: Any, path: Path) -> Any:
+    value = data.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise MemplanError(f"{path}: {key}: expected a positive integer (got {echo(value)})")
+    return value
+
+
+def deepseek_experts(d: dict) -> dict[str, Any]:
+    """The experts of a DeepSeek-V3-style config (DeepSeek-V2 / V3, GLM-4.5, dots.llm1): first_k_dense_replace
+    dense layers intermediate_size wide, then n_routed_experts experts moe_intermediate_size wide, top
+    num_experts_per_tok, and n_shared_experts shared ones as one MLP n_shared_experts x moe_intermediate_size wide;
+    ``d``: the config with the family's defaults filled in."""
+    fe, shared = d["moe_intermediate_size"], d["n_shared_experts"]
+    both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
+    return dict(num_experts=d["n_routed_experts"], moe_top_k=d["num_experts_per_tok"], moe_ffn_hidden_size=fe,
+                moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
+                moe_first_dense_layers=d["first_k_dense_replace"])
+
+
+def _glm(data: dict, path: Path) -> dict[str, Any]:  # GlmAttention: attention_bias on q, k, v (not o_proj)
+    return dict(qkv_bias=flag(data, "attention_bias", True, path), attention_bias=False)
+
+
+def _glm4(data: dict, path: Path) -> dict[str, Any]:  # and post_self_attn_layernorm / post_mlp_layernorm
+    return dict(_glm(data, path), sandwich_norms=True)
+
+
+def _plain_mlp(data: dict, path: Path) -> dict[str, Any]:  # Arcee, Nemotron: up_proj, down_proj (relu2)
+    return dict(mlp="gelu", **({"norm": "layernorm", "norm_eps": data.get("norm_eps")}
+                               if data.get("model_type") == "nemotron" else {}))
+
+
+def _phi(data: dict, path: Path) -> dict[str, Any]:
+    """PhiDecoderLayer: one LayerNorm before attention and MLP in parallel, every linear and lm_head biased."""
+    if flag(data, "qk_layernorm", False, path):
+        raise MemplanError(f"{path}: Phi with qk_layernorm (a LayerNorm with bias per head): not modelled; {_YAML}")
+    return dict(norm="layernorm", mlp="gelu", bias=True, norms_per_layer=1, layer_layout="parallel", head_bias=True,
+                norm_eps=data.get("layer_norm_eps"))
+
+
+def _persimmon(data: dict, path: Path) -> dict[str, Any]:
+    """PersimmonDecoderLayer: LayerNorms with bias, every linear biased, q / k LayerNorms (with bias) per head."""
+    return dict(norm="layernorm", mlp="gelu", bias=True, qk_norm=flag(data, "qk_layernorm", True, path),
+                norm_eps=data.get("layer_norm_eps"))
+
+
+def _qwen2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Qwen2MoeSparseMoeBlock: Qwen3-MoE's experts (hf_config reads them) plus a shared expert
+    shared_expert_intermediate_size wide behind a sigmoid gate (shared_expert_gate, h -> 1); qkv_bias on q, k, v."""
+    shared = _int(data, "shared_expert_intermediate_size", 5632, path)
+    return dict(qkv_bias=flag(data, "qkv_bias", True, path), moe_shared_ffn_hidden_size=shared,
+                moe_shared_gate=True)
+
+
+_DEEPSEEK_LIKE_DEFAULTS = {  # Glm4MoeConfig / Dots1Config defaults for the keys a config.json may leave out
+    "glm4_moe": dict(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                     first_k_dense_replace=1),
+    "dots1": dict(n_routed_experts=None, num_experts_per_tok=None, moe_intermediate_size=None, n_shared_experts=None,
+                  first_k_dense_replace=0),
+}
+
+
+def _deepseek_like(data: dict, path: Path) -> dict[str, Any]:
+    """GLM-4.5 (Glm4MoeMoE) and dots.llm1 (Dots1MoE): DeepSeek-V3's experts (its correction bias a buffer) with
+    standard attention; GLM-4.5: attention_bias on q, k, v, q / k norms per head with use_qk_norm; dots.llm1:
+    attention_bias on all four projections, q / k norms per head always."""
+    kind = "glm4_moe" if data.get("model_type") == "glm4_moe" else "dots1"
+    d = {**_DEEPSEEK_LIKE_DEFAULTS[kind], **{k: data[k] for k in _DEEPSEEK_LIKE_DEFAULTS[kind] if k in data}}
+    missing = [k for k, v in d.items() if v is None]
+    if missing:
+        raise MemplanError(f"{path}: missing field {missing[0]!r} for {data.get('architectures', ['dots1'])[0]}")
+    if kind == "glm4_moe":
+        attention = dict(qkv_bias=flag(data, "attention_bias", False, path), attention_bias=False,
+                         qk_norm=flag(data, "use_qk_norm", False, path))
+    else:
+        attention = dict(qk_norm=True)
+    return dict(deepseek_experts(d), **attention)
+
+
+def _llama4(data: dict, path: Path) -> dict[str, Any]:
+    """Llama4TextMoe: num_local_experts experts intermediate_size wide, top num_experts_per_tok, one shared expert
+    as wide, in the layers moe_layers lists (default every interleave_moe_layer_step-th); the others a dense MLP
+    intermediate_size_mlp wide; its q / k norm is an L2 norm without weights.  memplan models dense layers first."""
+    L, f = _int(data, "num_hidden_layers", 48, path), _int(data, "intermediate_size", 8192, path)
+    step = _int(data, "interleave_moe_layer_step", 1, path)
+    moe = data.get("moe_layers")
+    moe = list(range(step - 1, L, step)) if moe is None else moe
+    if not isinstance(moe, list) or not moe or moe != list(range(L - len(moe), L)):
+        raise MemplanError(f"{path}: moe_layers / interleave_moe_layer_step: memplan models MoE layers after the dense "
+                           f"ones only (every layer from some k on; got {len(moe) if isinstance(moe, list) else 0} "
+                           f"MoE layers of {L} not in that pattern); {_YAML}")
+    return dict(num_experts=_int(data, "num_local_experts", 16, path), moe_top_k=_int(data, "num_experts_per_tok", 1,
+                                                                                         path),
+                moe_ffn_hidden_size=f, moe_shared_ffn_hidden_size=f, moe_first_dense_layers=L - len(moe),
+                ffn_hidden_size=_int(data, "intermediate_size_mlp", 16384, path))
+
+
+def _hunyuan(data: dict, path: Path) -> dict[str, Any]:
+    """HunYuan dense / MoE: q / k RMSNorms per head; the MoE's num_experts experts intermediate_size wide (top
+    moe_topk), a router (gate.wg) and one shared MLP as wide in every layer."""
+    if data.get("model_type") != "hunyuan_v1_moe":
+        return dict(qk_norm=True)
+    experts, k = data.get("num_experts", 1), data.get("moe_topk", 1)
+    if not isinstance(experts, int) or not isinstance(k, int):
+        raise MemplanError(f"{path}: num_experts / moe_topk per layer (a list): memplan models one expert count; "
+                           f"{_YAML}")
+    return dict(qk_norm=True, num_experts=experts, moe_top_k=k, moe_shared_ffn_hidden_size=data.get(
+        "intermediate_size", 11008))
+
+
+def _ernie_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Ernie4_5_MoeSparseMoeBlock: moe_num_experts experts moe_intermediate_size wide, top moe_k, a router with a
+    correction bias (a parameter, E per layer), moe_num_shared_experts shared ones; MoE in the layers from
+    moe_layer_start_index to moe_layer_end_index every moe_layer_interval-th."""
+    L = _int(data, "num_hidden_layers", 28, path)
+    start, end = data.get("moe_layer_start_index", 1), data.get("moe_layer_end_index", 27)
+    if data.get("moe_layer_interval", 1) != 1 or not isinstance(start, int) or not isinstance(end, int) \
+            or end < L - 1 or flag(data, "use_bias", False, path):
+        raise MemplanError(f"{path}: ERNIE 4.5 MoE with moe_layer_interval other than 1, moe_layer_end_index before "
+                           f"the last layer or use_bias: memplan models MoE layers after the dense ones, without "
+                           f"biases; {_YAML}")
+    fe = _int(data, "moe_intermediate_size", 1536, path)
+    return dict(num_experts=_int(data, "moe_num_experts", 64, path), moe_top_k=_int(data, "moe_k", 2, path),
+                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * data.get("moe_num_shared_experts", 0),
+                moe_first_dense_layers=max(start, 0), moe_router_bias=True)
+
+
+LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
+    "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
+    "MinistralForCausalLM": lambda data, path: {}, "HunYuanDenseV1ForCausalLM": _hunyuan,
+    "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _deepseek_like, "Dots1ForCausalLM": _deepseek_like,
+    "Llama4ForCausalLM": _llama4, "HunYuanMoEV1ForCausalLM": _hunyuan, "Ernie4_5_MoeForCausalLM": _ernie_moe,
+}
+
+# the MoE families LLAMA_KEYED reads whole (their experts included); Qwen2-MoE's experts are Qwen3-MoE's (hf_config)
+MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
+            "Ernie4_5_MoeForCausalLM")
+
+
+def _gptj(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-J / CodeGen: one LayerNorm before attention and MLP in parallel; the MLP (fc_in, fc_out, n_inner or 4h
+    wide) and lm_head biased, the attention not."""
+    h = _int(data, "n_embd", 4096, path)
+    return dict(num_layers=_int(data, "n_layer", 28, path), hidden_size=h, num_attention_heads=_int(data, "n_head", 16,
+                                                                                                   path),
+                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=False, mlp_bias=True,
+                head_bias=True, norms_per_layer=1, layer_layout="parallel", position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _mpt(data: dict, path: Path) -> dict[str, Any]:
+    """MPT (MptBlock): LayerNorms and linears with biases unless no_bias, a GeLU MLP expansion_ratio x d_model
+    wide, ALiBi (no position parameters), tied embeddings."""
+    h, biased = _int(data, "d_model", 2048, path), not flag(data, "no_bias", True, path)
+    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=h,
+                num_attention_heads=_int(data, "n_heads", 16, path), ffn_hidden_size=h * _int(data, "expansion_ratio",
+                                                                                             4, path),
+                norm="layernorm", norm_bias=biased, mlp="gelu", bias=biased, position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _dbrx(data: dict, path: Path) -> dict[str, Any]:
+    """DBRX (DbrxBlock): LayerNorms without bias, no linear biases, attn_config's kv_n_heads K / V heads, every
+    layer ffn_config's moe_num_experts gated experts ffn_hidden_size wide, top moe_top_k."""
+    attn, ffn = data.get("attn_config") or {}, data.get("ffn_config") or {}
+    if not isinstance(attn, dict) or not isinstance(ffn, dict):
+        raise MemplanError(f"{path}: attn_config / ffn_config: expected JSON objects")
+    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=_int(data, "d_model", 2048, path),
+                num_attention_heads=_int(data, "n_heads", 16, path), num_kv_heads=_int(attn, "kv_n_heads", 1, path),
+                ffn_hidden_size=_int(ffn, "ffn_hidden_size", 3584, path), norm="layernorm", norm_bias=False,
+                mlp="swiglu", bias=False, position_embedding="rope", num_experts=_int(ffn, "moe_num_experts", 4, path),
+                moe_top_k=_int(ffn, "moe_top_k", 1, path), rope_theta=attn.get("rope_theta"),
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path))
+
+
+OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
+}
+
+# the position limit's key and default of the OWN_KEYS families
+POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
+             "MptForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048)}
+
+APPROXIMATED = {
+    "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
+    "GPTJForCausalLM": "GPT-J runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
+    "CodeGenForCausalLM": "CodeGen runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
+    "MptForCausalLM": "MPT's attention has ALiBi position biases (no RoPE)",
+    "Glm4ForCausalLM": "GLM-4 normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
+    "ArceeForCausalLM": "Arcee's MLP is up / down projections with ReLU squared",
+    "NemotronForCausalLM": "Nemotron's MLP is up / down projections with ReLU squared",
+    "PersimmonForCausalLM": "Persimmon's MLP is ReLU squared and its per-head q / k norms are LayerNorms with bias",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE gates its shared expert by a sigmoid (shared_expert_gate)",
+    "Ernie4_5_MoeForCausalLM": "ERNIE 4.5's router adds a learned correction bias",
+    "Llama4ForCausalLM": "Llama 4 normalises q and k by an L2 norm and skips RoPE on some layers",
+}
