@@ -13,8 +13,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
-from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, OWN_KEYS, POSITIONS, deepseek_experts,
-                                         flag as _flag)
+from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, OWN_KEYS, POSITIONS,
+                                         deepseek_experts, flag as _flag)
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -402,7 +402,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         attention="flash", **_falcon(data, path))
         elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
             parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
-            drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop") if k in d]
+            drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",
+                                                     "attention_dropout", "activation_dropout") if k in d]
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
                         dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops), **OWN_KEYS[known[0]](data, path))
         else:
@@ -419,7 +420,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
                                    "on the attention's only; write a model YAML (docs/reference.md, Model presets)")
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
-                        num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
+                        num_kv_heads=data.get("num_key_value_heads"),
+                        ffn_hidden_size=None if known[0] in NO_DENSE_WIDTH else data["intermediate_size"],
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",

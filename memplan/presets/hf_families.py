@@ -157,17 +157,87 @@ def _ernie_moe(data: dict, path: Path) -> dict[str, Any]:
                 moe_first_dense_layers=max(start, 0), moe_router_bias=True)
 
 
+def _dense_first(data: dict, default: int, path: Path) -> int:
+    """The dense layers before the MoE ones: mlp_layer_types' leading "dense" entries (the rest "sparse"), else
+    first_k_dense_replace (``default`` when missing)."""
+    kinds = data.get("mlp_layer_types")
+    if kinds is None:
+        return _int(data, "first_k_dense_replace", default, path) if data.get("first_k_dense_replace") != 0 else 0
+    k = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds)) if isinstance(kinds, list) else -1
+    if k < 0 or any(kind != "sparse" for kind in kinds[k:]):
+        raise MemplanError(f"{path}: mlp_layer_types: memplan models MoE layers after the dense ones only (dense, ..., "
+                           f"sparse, ...); {_YAML}")
+    return k
+
+
+def _routed(data: dict, experts: str, path: Path) -> dict[str, Any]:
+    return dict(num_experts=_int(data, experts, None, path), moe_top_k=_int(data, "num_experts_per_tok", None, path))
+
+
+def _minimax_m2(data: dict, path: Path) -> dict[str, Any]:
+    """MiniMax-M2: Mixtral's experts (num_local_experts, intermediate_size wide) in every layer, q / k RMSNorms over
+    the whole Q and K."""
+    return dict(_routed(data, "num_local_experts", path), qk_norm=True, qk_norm_width="full")
+
+
+def _flex_olmo(data: dict, path: Path) -> dict[str, Any]:
+    """FlexOlmo: OLMo-2's layer (post-norms, whole-width q / k norms) with OLMoE's experts (intermediate_size wide)."""
+    return dict(_routed(data, "num_experts", path), qk_norm=True, qk_norm_width="full", layer_layout="post-norm")
+
+
+def _shared_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Solar Open (n_shared_experts, every layer MoE) and EXAONE MoE (num_shared_experts, dense layers first, q / k
+    norms per head): num_experts / n_routed_experts experts moe_intermediate_size wide, shared ones as one MLP
+    (shared count) x moe_intermediate_size wide."""
+    solar = data.get("model_type") == "solar_open"
+    fe = _int(data, "moe_intermediate_size", None, path)
+    shared = _int(data, "n_shared_experts" if solar else "num_shared_experts", 1, path)
+    out = dict(_routed(data, "n_routed_experts" if solar else "num_experts", path), moe_ffn_hidden_size=fe,
+               moe_shared_ffn_hidden_size=fe * shared)
+    return dict(out, ffn_hidden_size=fe) if solar else dict(out, qk_norm=True, moe_first_dense_layers=_dense_first(
+        data, 1, path))
+
+
+def _cohere2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Cohere2-MoE: Cohere 2's parallel block after one LayerNorm without bias; experts intermediate_size wide,
+    num_shared_experts shared ones as one MLP that many times as wide; dense prefix layers
+    prefix_dense_intermediate_size wide."""
+    f, dense = _int(data, "intermediate_size", None, path), _dense_first(data, 0, path)
+    shared = data.get("num_shared_experts", 0)
+    out = dict(_routed(data, "num_experts", path), moe_ffn_hidden_size=f, moe_first_dense_layers=dense,
+               norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
+               tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_eps"))
+    out.update(moe_shared_ffn_hidden_size=f * shared) if isinstance(shared, int) and shared > 0 else None
+    return dict(out, ffn_hidden_size=_int(data, "prefix_dense_intermediate_size", None, path)) if dense else out
+
+
+def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
+    """GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's multi-head latent attention and experts, the dense layers from
+    mlp_layer_types."""
+    d = {k: data[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
+    mla = {k: data[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, 1, path))), **mla,
+                q_lora_rank=data.get("q_lora_rank"))
+
+
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
     "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
     "MinistralForCausalLM": lambda data, path: {}, "HunYuanDenseV1ForCausalLM": _hunyuan,
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _deepseek_like, "Dots1ForCausalLM": _deepseek_like,
     "Llama4ForCausalLM": _llama4, "HunYuanMoEV1ForCausalLM": _hunyuan, "Ernie4_5_MoeForCausalLM": _ernie_moe,
+    "MiniMaxM2ForCausalLM": _minimax_m2, "FlexOlmoForCausalLM": _flex_olmo, "SolarOpenForCausalLM": _shared_moe,
+    "ExaoneMoeForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
+    "Glm4MoeLiteForCausalLM": _glm4_moe_lite,
 }
+
+# LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
+NO_DENSE_WIDTH = ("SolarOpenForCausalLM",)
 
 # the MoE families LLAMA_KEYED reads whole (their experts included); Qwen2-MoE's experts are Qwen3-MoE's (hf_config)
 MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
-            "Ernie4_5_MoeForCausalLM")
+            "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
+            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def _gptj(data: dict, path: Path) -> dict[str, Any]:
@@ -206,13 +276,36 @@ def _dbrx(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=flag(data, "tie_word_embeddings", False, path))
 
 
+def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-BigCode (StarCoder 1): GPT-2's layer (LayerNorms and linears biased, learned positions, tied) with one K /
+    V head (multi_query) or a."""
+    a = _int(data, "n_head", 12, path)
+    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
+                num_attention_heads=a, num_kv_heads=1 if flag(data, "multi_query", True, path) else a,
+                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _xglm(data: dict, path: Path) -> dict[str, Any]:
+    """XGLM: pre-LayerNorms with bias, every linear biased, a GeLU MLP ffn_dim wide, sinusoidal positions (a buffer,
+    no parameters), tied embeddings."""
+    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "d_model", 1024, path),
+                num_attention_heads=_int(data, "attention_heads", 16, path), ffn_hidden_size=_int(data, "ffn_dim", 4096,
+                                                                                                 path),
+                norm="layernorm", mlp="gelu", bias=True, position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
+    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm,
 }
 
 # the position limit's key and default of the OWN_KEYS families
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
-             "MptForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048)}
+             "MptForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
+             "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -226,4 +319,8 @@ APPROXIMATED = {
     "Qwen2MoeForCausalLM": "Qwen2-MoE gates its shared expert by a sigmoid (shared_expert_gate)",
     "Ernie4_5_MoeForCausalLM": "ERNIE 4.5's router adds a learned correction bias",
     "Llama4ForCausalLM": "Llama 4 normalises q and k by an L2 norm and skips RoPE on some layers",
+    "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
+    "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
+    "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
+    "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
 }
