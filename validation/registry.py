@@ -48,7 +48,8 @@ _SMALL = {
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
 # a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
-LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.")
+LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
+            "vision_embed_tokens.")  # Fuyu: its patch projection
 
 
 def architectures() -> dict[str, str]:

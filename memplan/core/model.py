@@ -86,6 +86,12 @@ class ModelSpec(Spec):
     norm_bias: Optional[bool] = Field(
         default=None, description="a LayerNorm's bias (default: a LayerNorm has one, an RMSNorm none; Cohere's "
         "LayerNorm has none)")
+    norm_params: bool = Field(
+        default=True, description="whether the norms (the q / k norms too) have learned weights (False: OLMo's "
+        "LayerNorm and nanochat's RMSNorm have none)")
+    embedding_norm: bool = Field(
+        default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
+        "word_embeddings_layernorm)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -197,6 +203,8 @@ class ModelSpec(Spec):
     @property
     def has_norm_bias(self) -> bool:
         """Whether each norm has a bias (a LayerNorm unless norm_bias says otherwise)."""
+        if not self.norm_params:
+            return False
         return self.norm == "layernorm" if self.norm_bias is None else self.norm_bias and self.norm == "layernorm"
 
     @property

@@ -77,7 +77,7 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
-    if model.qk_norm:
+    if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
     if model.attention_sinks:
@@ -111,7 +111,8 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
             groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
                                      mlp))
-    groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
+    if model.norm_params:
+        groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
         groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
@@ -125,9 +126,12 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     groups.append(ParamGroup("word embedding", Poly.parse("v h"), True, "first"))
+    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
+        groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", Poly.parse("s h"), False, "first"))
-    groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
+    if model.norm_params:
+        groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     return tuple(groups)
@@ -279,9 +283,14 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.has_norm_bias:
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
+    embedding_norm = [WeightShape("embedding norm", w.name.replace("final", "embedding"), P("h"), None)
+                      for w in final] if model.embedding_norm else []
+    if not model.norm_params:  # OLMo, nanochat: norms without weights
+        norm, final = [], []
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
-                            4 if model.has_norm_bias else 2)] if model.qk_norm and model.qk_norm_width == "head" else []
-    if model.qk_norm and model.qk_norm_width == "full":  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
+                            4 if model.has_norm_bias else 2)] \
+        if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []
+    if model.qk_norm and model.qk_norm_width == "full" and model.norm_params:  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
         qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
                     WeightShape("query / key norms", "key norm weight", q_kv, None)]
     if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head
@@ -335,7 +344,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
-    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")]
+    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", P("s"), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []

@@ -116,6 +116,11 @@ _QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias
 _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / pre- and post_feedforward norms
 
 
+# A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
+TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
 _OLD_DEFAULTS = ("FalconForCausalLM", "GPTNeoXForCausalLM")
 
@@ -336,14 +341,16 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
 
 
 def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
-    """A multimodal config (Gemma3ForConditionalGeneration): its text_config read as the text model (Gemma3ForCausalLM),
-    the text that model's trace is keyed by, and a note on what is left out."""
+    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2): its text_config read as the text model (its causal LM,
+    TEXT_MODELS), the text that model's trace is keyed by, and a note on what is left out."""
     text_config = data.get("text_config")
     if not isinstance(text_config, dict):
         raise MemplanError(f"{path}: text_config: expected the text model's config (a JSON object)")
-    text_data = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    kind = text_config.get("model_type")
+    kind = kind if kind in TEXT_MODELS else "gemma3_text"  # Gemma3ForConditionalGeneration's, whatever the file says
+    text_data = {**text_config, "architectures": [TEXT_MODELS[kind]], "model_type": kind}
     left = [k.removesuffix("_config").replace("_", " ") for k in data if k.endswith("_config") and k != "text_config"]
-    note = (f"the text model only (text_config, as Gemma3ForCausalLM): the {' and '.join(left) or 'vision'} tower "
+    note = (f"the text model only (text_config, as {TEXT_MODELS[kind]}): the {' and '.join(left) or 'vision'} tower "
             "and the multimodal projector are left out of the parameters and the activations (a text-only run)")
     return text_data, json.dumps(text_data, sort_keys=True), (note,)
 
@@ -364,9 +371,11 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
     known = [a for a in archs if a in HF_ARCHITECTURES]
     notes: tuple[str, ...] = ()
-    if known and known[0] == "Gemma3ForConditionalGeneration":
+    text_config = data.get("text_config")
+    if known and known[0] == "Gemma3ForConditionalGeneration" or isinstance(text_config, dict) and \
+            text_config.get("model_type") in TEXT_MODELS:
         data, text, notes = _text_model(data, path)
-        known = ["Gemma3ForCausalLM"]
+        known = data["architectures"]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _READS_EXPERTS):
         arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"

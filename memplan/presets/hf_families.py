@@ -220,6 +220,23 @@ def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
                 q_lora_rank=data.get("q_lora_rank"))
 
 
+def _olmo(data: dict, path: Path) -> dict[str, Any]:  # OlmoLayerNorm: no weight, no bias
+    return dict(norm="layernorm", norm_params=False)
+
+
+def _nanochat(data: dict, path: Path) -> dict[str, Any]:  # RMSNorms (q / k too) without weights; fc1 / fc2 relu2
+    return dict(mlp="gelu", norm_params=False, qk_norm=True)
+
+
+def _jais2(data: dict, path: Path) -> dict[str, Any]:  # LayerNorms with bias; up / down relu2 (hf_config: biases)
+    return dict(norm="layernorm", mlp="gelu", norm_eps=data.get("layer_norm_eps"))
+
+
+def _youtu(data: dict, path: Path) -> dict[str, Any]:  # DeepSeek-V3's latent attention, a dense gated MLP
+    return dict(q_lora_rank=data.get("q_lora_rank"),
+                **{k: data[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+
+
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
     "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
@@ -228,7 +245,9 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Llama4ForCausalLM": _llama4, "HunYuanMoEV1ForCausalLM": _hunyuan, "Ernie4_5_MoeForCausalLM": _ernie_moe,
     "MiniMaxM2ForCausalLM": _minimax_m2, "FlexOlmoForCausalLM": _flex_olmo, "SolarOpenForCausalLM": _shared_moe,
     "ExaoneMoeForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
-    "Glm4MoeLiteForCausalLM": _glm4_moe_lite,
+    "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
+    "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu,
+    "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
@@ -297,15 +316,36 @@ def _xglm(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+def _bloom(data: dict, path: Path) -> dict[str, Any]:
+    """BLOOM: a LayerNorm on the embeddings, LayerNorms and linears biased, a GeLU MLP 4h wide, ALiBi (no position
+    parameters), tied embeddings."""
+    return dict(num_layers=_int(data, "n_layer", 2, path), hidden_size=_int(data, "hidden_size", data.get("n_embed", 64),
+                                                                          path),
+                num_attention_heads=_int(data, "n_head", 8, path), norm="layernorm", mlp="gelu", bias=True,
+                embedding_norm=True, position_embedding="rope", norm_eps=data.get("layer_norm_epsilon"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _ctrl(data: dict, path: Path) -> dict[str, Any]:
+    """CTRL: pre-LayerNorms with bias, every linear biased, a ReLU MLP dff wide, sinusoidal positions (no
+    parameters), tied embeddings with lm_head's bias."""
+    return dict(num_layers=_int(data, "n_layer", 48, path), hidden_size=_int(data, "n_embd", 1280, path),
+                num_attention_heads=_int(data, "n_head", 16, path), ffn_hidden_size=_int(data, "dff", 8192, path),
+                norm="layernorm", mlp="gelu", bias=True, head_bias=True, position_embedding="rope",
+                norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
-    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm,
+    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "BloomForCausalLM": _bloom,
+    "CTRLLMHeadModel": _ctrl,
 }
 
 # the position limit's key and default of the OWN_KEYS families
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
              "MptForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
-             "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048)}
+             "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
+             "BloomForCausalLM": ("seq_length", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -320,6 +360,12 @@ APPROXIMATED = {
     "Ernie4_5_MoeForCausalLM": "ERNIE 4.5's router adds a learned correction bias",
     "Llama4ForCausalLM": "Llama 4 normalises q and k by an L2 norm and skips RoPE on some layers",
     "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
+    "CTRLLMHeadModel": "CTRL adds sinusoidal positions (no RoPE) and its MLP is ReLU",
+    "BloomForCausalLM": "BLOOM's attention has ALiBi position biases (no RoPE) and its embeddings a LayerNorm",
+    "OlmoForCausalLM": "OLMo's LayerNorms have no weights",
+    "NanoChatForCausalLM": "nanochat's RMSNorms have no weights and its MLP is ReLU squared",
+    "Jais2ForCausalLM": "Jais 2's MLP is up / down projections with ReLU squared",
+    "GraniteSWAForCausalLM": "Granite-SWA's attention has sinks",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
     "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
