@@ -237,6 +237,28 @@ def _youtu(data: dict, path: Path) -> dict[str, Any]:  # DeepSeek-V3's latent at
                 **{k: data[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
 
 
+def _more_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Granite-MoE-SWA (GraniteMoe's experts intermediate_size wide, attention sinks), Mellum (experts
+    moe_intermediate_size wide after mlp_layer_types' dense layers, q / k norms per head), Aria's text model
+    (moe_num_experts experts intermediate_size wide, top moe_topk, moe_num_shared_experts shared ones as one MLP that
+    many times as wide) and Kolibri (experts moe_intermediate_size wide, a shared one shared_expert_intermediate_size
+    wide, four norms per layer, q / k norms per head); Mellum aside, every layer MoE."""
+    kind = data.get("model_type")
+    if kind == "granitemoe_swa":
+        return dict(_routed(data, "num_local_experts", path), attention_sinks=True)
+    if kind == "mellum":
+        return dict(_routed(data, "num_local_experts", path), qk_norm=True, moe_first_dense_layers=_dense_first(
+            data, 0, path), moe_ffn_hidden_size=_int(data, "moe_intermediate_size", None, path))
+    if kind == "aria_text":
+        f = _int(data, "intermediate_size", None, path)
+        return dict(num_experts=_int(data, "moe_num_experts", 8, path), moe_top_k=_int(data, "moe_topk", 2, path),
+                    moe_shared_ffn_hidden_size=f * _int(data, "moe_num_shared_experts", 2, path))
+    fe = _int(data, "moe_intermediate_size", None, path)  # Kolibri
+    return dict(_routed(data, "num_local_experts", path), qk_norm=True, sandwich_norms=True, ffn_hidden_size=fe,
+                moe_ffn_hidden_size=fe,
+                moe_shared_ffn_hidden_size=_int(data, "shared_expert_intermediate_size", None, path))
+
+
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
     "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
@@ -246,17 +268,20 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "MiniMaxM2ForCausalLM": _minimax_m2, "FlexOlmoForCausalLM": _flex_olmo, "SolarOpenForCausalLM": _shared_moe,
     "ExaoneMoeForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
     "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
-    "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu,
+    "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu, "MiniCPM3ForCausalLM": _youtu,
+    "GraniteMoeSWAForCausalLM": _more_moe, "MellumForCausalLM": _more_moe, "AriaTextForCausalLM": _more_moe,
+    "Kolibri1ForCausalLM": _more_moe,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
-NO_DENSE_WIDTH = ("SolarOpenForCausalLM",)
+NO_DENSE_WIDTH = ("SolarOpenForCausalLM", "Kolibri1ForCausalLM")
 
 # the MoE families LLAMA_KEYED reads whole (their experts included); Qwen2-MoE's experts are Qwen3-MoE's (hf_config)
 MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
-            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
+            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM")
 
 
 def _gptj(data: dict, path: Path) -> dict[str, Any]:
@@ -366,6 +391,8 @@ APPROXIMATED = {
     "NanoChatForCausalLM": "nanochat's RMSNorms have no weights and its MLP is ReLU squared",
     "Jais2ForCausalLM": "Jais 2's MLP is up / down projections with ReLU squared",
     "GraniteSWAForCausalLM": "Granite-SWA's attention has sinks",
+    "GraniteMoeSWAForCausalLM": "Granite-MoE-SWA's attention has sinks",
+    "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
     "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
