@@ -290,7 +290,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
                             4 if model.has_norm_bias else 2)] \
         if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []
-    if model.qk_norm and model.qk_norm_width == "full" and model.norm_params:  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
+    if model.qk_norm and model.qk_norm_width == "full" and model.norm_params:  # OLMo-2 (q, qg/a), Cohere
+        # ((a, d), (g, d))
         qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
                     WeightShape("query / key norms", "key norm weight", q_kv, None)]
     if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head

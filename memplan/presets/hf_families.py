@@ -186,9 +186,9 @@ def _flex_olmo(data: dict, path: Path) -> dict[str, Any]:
 
 
 def _shared_moe(data: dict, path: Path) -> dict[str, Any]:
-    """Solar Open (n_shared_experts, every layer MoE) and EXAONE MoE (num_shared_experts, dense layers first, q / k
-    norms per head): num_experts / n_routed_experts experts moe_intermediate_size wide, shared ones as one MLP
-    (shared count) x moe_intermediate_size wide."""
+    """Solar Open (n_shared_experts, every layer MoE), EXAONE MoE and Hunyuan 3 (num_shared_experts, dense layers
+    first, q / k norms per head): num_experts / n_routed_experts experts moe_intermediate_size wide, shared ones as
+    one MLP (shared count) x moe_intermediate_size wide."""
     solar = data.get("model_type") == "solar_open"
     fe = _int(data, "moe_intermediate_size", None, path)
     shared = _int(data, "n_shared_experts" if solar else "num_shared_experts", 1, path)
@@ -266,7 +266,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _deepseek_like, "Dots1ForCausalLM": _deepseek_like,
     "Llama4ForCausalLM": _llama4, "HunYuanMoEV1ForCausalLM": _hunyuan, "Ernie4_5_MoeForCausalLM": _ernie_moe,
     "MiniMaxM2ForCausalLM": _minimax_m2, "FlexOlmoForCausalLM": _flex_olmo, "SolarOpenForCausalLM": _shared_moe,
-    "ExaoneMoeForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
+    "ExaoneMoeForCausalLM": _shared_moe, "HYV3ForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
     "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
     "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu, "MiniCPM3ForCausalLM": _youtu,
     "GraniteMoeSWAForCausalLM": _more_moe, "MellumForCausalLM": _more_moe, "AriaTextForCausalLM": _more_moe,
@@ -281,7 +281,7 @@ NO_DENSE_WIDTH = ("SolarOpenForCausalLM", "Kolibri1ForCausalLM")
 MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
-            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM")
+            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM")
 
 
 def _gptj(data: dict, path: Path) -> dict[str, Any]:
@@ -344,8 +344,8 @@ def _xglm(data: dict, path: Path) -> dict[str, Any]:
 def _bloom(data: dict, path: Path) -> dict[str, Any]:
     """BLOOM: a LayerNorm on the embeddings, LayerNorms and linears biased, a GeLU MLP 4h wide, ALiBi (no position
     parameters), tied embeddings."""
-    return dict(num_layers=_int(data, "n_layer", 2, path), hidden_size=_int(data, "hidden_size", data.get("n_embed", 64),
-                                                                          path),
+    h = _int(data, "hidden_size", data.get("n_embed", 64), path)  # BloomConfig's n_embed alias
+    return dict(num_layers=_int(data, "n_layer", 2, path), hidden_size=h,
                 num_attention_heads=_int(data, "n_head", 8, path), norm="layernorm", mlp="gelu", bias=True,
                 embedding_norm=True, position_embedding="rope", norm_eps=data.get("layer_norm_epsilon"),
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path))
