@@ -25,6 +25,10 @@ TABLE = re.compile(r"<!-- registry-exclusions -->\n(?P<body>.*?)\n<!-- end regis
 # the families issue 22 names (model_type), each estimated with the exact count
 NAMED = ["olmo2", "granite", "falcon", "gpt_neox", "starcoder2", "cohere", "phimoe", "deepseek_v2", "gpt_oss",
          "gemma3", "gemma3_text"]
+# the families the third wave read (memplan/presets/hf_families.py), each estimated with the exact count
+WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "phi", "gptj",
+           "codegen", "bloom", "olmo", "glm", "glm4", "nemotron", "persimmon", "arcee", "ministral", "mpt", "dbrx",
+           "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2"]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,8 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     estimated = [r for r in rows if r.estimated]
     wrong = {r.model_type: (r.memplan_params, r.meta_params) for r in estimated if r.memplan_params != r.meta_params}
     assert not wrong
-    assert len(estimated) >= 40
-    assert {r.model_type for r in estimated} >= set(NAMED)
+    assert len(estimated) >= 80
+    assert {r.model_type for r in estimated} >= set(NAMED) | set(WIDENED)
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -58,6 +62,15 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     ("exaone4", dict(tie_word_embeddings=True)),
     ("granitemoeshared", dict(shared_intermediate_size=48)),  # the shared expert (0 by default: none)
     ("olmoe", dict(num_experts=6)),
+    ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),  # q / k norms per head; biases on q, k, v only
+    ("glm", dict(attention_bias=False)),
+    ("qwen2_moe", dict(qkv_bias=False, shared_expert_intermediate_size=48)),
+    ("llama4_text", dict(moe_layers=[1])),  # a dense first layer intermediate_size_mlp wide
+    ("ernie4_5_moe", dict(moe_num_shared_experts=0)),
+    ("exaone_moe", dict(mlp_layer_types=["dense", "dense", "sparse"])),
+    ("cohere2_moe", dict(num_shared_experts=1)),
+    ("persimmon", dict(qk_layernorm=False)),
+    ("gpt_bigcode", dict(multi_query=False)),
 ])
 def test_the_switches_of_the_widened_families_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -68,6 +81,11 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
     ("seed_oss", dict(attention_bias=False, attention_out_bias=True), "attention_out_bias"),
     ("stablelm", dict(qk_layernorm=True), "qk_layernorm"),
     ("stablelm", dict(use_parallel_residual=True), "use_parallel_residual"),
+    ("phi", dict(qk_layernorm=True), "qk_layernorm"),
+    ("llama4_text", dict(moe_layers=[0]), "moe_layers"),  # an MoE layer before a dense one
+    ("ernie4_5_moe", dict(moe_layer_interval=2), "moe_layer_interval"),
+    ("exaone_moe", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types"),
+    ("mpt", dict(no_bias=False), "no_bias"),  # transformers' MptBlock builds no bias whatever the file says
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:

@@ -296,13 +296,16 @@ def _gptj(data: dict, path: Path) -> dict[str, Any]:
 
 
 def _mpt(data: dict, path: Path) -> dict[str, Any]:
-    """MPT (MptBlock): LayerNorms and linears with biases unless no_bias, a GeLU MLP expansion_ratio x d_model
-    wide, ALiBi (no position parameters), tied embeddings."""
-    h, biased = _int(data, "d_model", 2048, path), not flag(data, "no_bias", True, path)
+    """MPT (transformers' MptBlock): LayerNorms and linears without biases and a GeLU MLP 4 x d_model wide whatever
+    no_bias and expansion_ratio say (a file asking otherwise is refused: MPT's own code would build another model),
+    ALiBi (no position parameters), tied embeddings."""
+    if not flag(data, "no_bias", True, path) or data.get("expansion_ratio", 4) != 4:
+        raise MemplanError(f"{path}: MPT with no_bias false or expansion_ratio other than 4: transformers' MptForCausalLM "
+                           f"builds neither (no biases, a 4 x d_model MLP), MPT's own code does; {_YAML}")
+    h = _int(data, "d_model", 2048, path)
     return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=h,
-                num_attention_heads=_int(data, "n_heads", 16, path), ffn_hidden_size=h * _int(data, "expansion_ratio",
-                                                                                             4, path),
-                norm="layernorm", norm_bias=biased, mlp="gelu", bias=biased, position_embedding="rope",
+                num_attention_heads=_int(data, "n_heads", 16, path), ffn_hidden_size=4 * h, norm="layernorm",
+                norm_bias=False, mlp="gelu", bias=False, position_embedding="rope",
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
 
 
@@ -364,11 +367,12 @@ OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "BloomForCausalLM": _bloom,
     "CTRLLMHeadModel": _ctrl,
+    "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
 
 # the position limit's key and default of the OWN_KEYS families
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
-             "MptForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
+             "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
              "BloomForCausalLM": ("seq_length", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
 
@@ -377,6 +381,7 @@ APPROXIMATED = {
     "GPTJForCausalLM": "GPT-J runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
     "CodeGenForCausalLM": "CodeGen runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
     "MptForCausalLM": "MPT's attention has ALiBi position biases (no RoPE)",
+    "MPTForCausalLM": "MPT's attention has ALiBi position biases (no RoPE)",
     "Glm4ForCausalLM": "GLM-4 normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "ArceeForCausalLM": "Arcee's MLP is up / down projections with ReLU squared",
     "NemotronForCausalLM": "Nemotron's MLP is up / down projections with ReLU squared",
