@@ -102,6 +102,16 @@ def test_a_traced_sample_equals_a_real_cpu_run(model_type):
     assert row.traced and row.measured, row.trace_error
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "bloom", "gptj", "glm4_moe", "llama4", "olmo"])
+def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_type):
+    """The same check over families hf_families.py reads (a gated shared expert, ALiBi with an embedding norm, GPT-J's
+    parallel block, GLM-4.5's dense-first experts, Llama 4's text_config, norms without weights)."""
+    row, config = registry.params_row(model_type, "")
+    registry.trace_row(row, config)
+    assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
 def test_the_docs_print_the_exclusions():
     found = TABLE.search(DOCS.read_text())
     assert found, "docs/reference.md has no registry-exclusions table"
