@@ -106,8 +106,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "git": ("estimate", _MULTIMODAL),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),
-    "gpt_neo": ("estimate", "biases on the attention output and the MLP but not on q, k, v: no ModelSpec field for "
-                            "that split"),
+    "gpt_neo": ("trace", "GPTNeoSelfAttention slices its causal-mask buffer, max_position_embeddings wide: the trace "
+                         "specialises s to that width (TraceRefused)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
     "granitemoehybrid": ("estimate", _RECURRENT),

@@ -101,6 +101,8 @@ class ModelSpec(Spec):
     mlp_bias: bool = Field(
         default=False, description="biases on the MLP's two linears only (GPT-J, CodeGen; `bias` puts one on every "
         "linear)")
+    out_bias: bool = Field(
+        default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")

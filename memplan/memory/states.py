@@ -118,6 +118,8 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
     elif model.qkv_bias and not model.bias:
         groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
+    if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
+        groups.append(ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
@@ -304,6 +306,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                                                         None)]
     elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
         qk_norms = qkv_biases + qk_norms
+    if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
+        qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
     second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"

@@ -412,7 +412,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
         elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
             parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
             drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",
-                                                     "attention_dropout", "activation_dropout") if k in d]
+                                                     "attention_dropout", "activation_dropout", "resid_dropout",
+                                                     "embed_dropout") if k in d]
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
                         dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops),
                         **OWN_KEYS[known[0]](data, path))

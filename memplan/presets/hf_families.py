@@ -334,6 +334,15 @@ def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("layer_norm_epsilon"))
 
 
+def _gpt_neo(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-Neo: LayerNorms with bias, q / k / v without bias, out_proj and the MLP (intermediate_size or 4h) biased,
+    learned positions, local / global attention (no parameters), tied embeddings."""
+    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "hidden_size", 2048, path),
+                num_attention_heads=_int(data, "num_heads", 16, path), ffn_hidden_size=data.get("intermediate_size"),
+                norm="layernorm", mlp="gelu", bias=False, mlp_bias=True, out_bias=True, position_embedding="learned",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
 def _xglm(data: dict, path: Path) -> dict[str, Any]:
     """XGLM: pre-LayerNorms with bias, every linear biased, a GeLU MLP ffn_dim wide, sinusoidal positions (a buffer,
     no parameters), tied embeddings."""
@@ -365,7 +374,7 @@ def _ctrl(data: dict, path: Path) -> dict[str, Any]:
 
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
-    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "BloomForCausalLM": _bloom,
+    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
     "CTRLLMHeadModel": _ctrl,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
@@ -374,7 +383,7 @@ OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
              "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
-             "BloomForCausalLM": ("seq_length", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
+             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -390,6 +399,7 @@ APPROXIMATED = {
     "Ernie4_5_MoeForCausalLM": "ERNIE 4.5's router adds a learned correction bias",
     "Llama4ForCausalLM": "Llama 4 normalises q and k by an L2 norm and skips RoPE on some layers",
     "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
+    "GPTNeoForCausalLM": "GPT-Neo alternates global and local attention and biases out_proj and the MLP only",
     "CTRLLMHeadModel": "CTRL adds sinusoidal positions (no RoPE) and its MLP is ReLU",
     "BloomForCausalLM": "BLOOM's attention has ALiBi position biases (no RoPE) and its embeddings a LayerNorm",
     "OlmoForCausalLM": "OLMo's LayerNorms have no weights",
