@@ -379,9 +379,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _READS_EXPERTS):
         arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"
+        names = [a.removesuffix("ForCausalLM") for a in _READS_EXPERTS]
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
-                           f"{', '.join(a.removesuffix('ForCausalLM') for a in _MOE_ARCHITECTURES)} only; "
-                           f"{_REFUSAL}")
+                           f"{', '.join(names[:3])} and {len(names) - 3} more architectures (docs/reference.md, "
+                           f"config.json architectures) only; {_REFUSAL}")
     if not known:
         name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan reads from a config.json; {_REFUSAL}")
