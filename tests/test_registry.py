@@ -8,6 +8,7 @@ with every trace: `python -m memplan.check.registry` (docs/reference.md, section
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,6 +18,8 @@ pytest.importorskip("transformers")
 
 from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.memory.states import total_params, weight_shapes  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
@@ -75,6 +78,25 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
 def test_the_switches_of_the_widened_families_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
     assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config(model_type))
+
+
+@pytest.mark.parametrize("layout", ["fused", "separate"])
+@pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
+                                        "gpt_neo"])
+def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
+    """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
+    fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
+    shared experts' gate, MLP-only and out_proj biases, the embedding norm."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config(model_type)))
+    model = read_hf_config(str(path)).model
+    values, k = model.symbols(t=1), model.moe_first_dense_layers
+    shapes = weight_shapes(model, layout)
+    held = sum(times * w.count * int(w.numel.evaluate(values)) for scope, times in (
+        ("first", 1), ("dense_layer", k), ("layer", model.num_layers - k), ("last", 1), ("head", 0 if
+                                                                                          model.tied_embeddings else 1))
+        for w in shapes[scope])
+    assert held == total_params(model)
 
 
 @pytest.mark.parametrize("model_type, switches, says", [
