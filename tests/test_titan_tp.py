@@ -88,3 +88,13 @@ def test_gloo_run_equals_recorded(ac):
         assert Counter(n for _, _, n in r["tail"]) == Counter(TAIL)
         assert [n for _, _, n in r["loss"]] == LOSS
         assert {k: r[k] for k in STATES} == STATES
+
+
+def test_every_term_is_needed():
+    # removing any term memplan keeps on a TP rank (under any AC mode) breaks the term-by-term match above
+    for removed in TERMS:
+        for ac in AC_MODES:
+            if ac not in removed.modes or removed.id == "input":
+                continue
+            kept = Counter(rank_bytes_per_token(x, T) for x in TERMS if ac in x.modes and x.id not in ("input", removed.id))
+            assert kept != Counter(n // (S * B) for n in RECORDED[ac]["layer"]), (removed.id, ac)
