@@ -6,9 +6,10 @@ validation/titan.py ``tp_rank`` builds a 2-layer torchtitan Llama3Model with tor
 norms, ColwiseParallel wqkv / w1 / w3 / LM head, RowwiseParallel wo / w2 reducing-scattering to the sequence; the
 vocab-parallel loss), one step with AdamW.  RECORDED holds what it measured (both ranks alike), from
 
-    MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k gloo     (~60 s)
+    MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k gloo     (~90 s)
 
-which re-measures it and fails if torchtitan's code keeps anything else.  The fast tests hold memplan's per-rank
+which re-measures it and fails if torchtitan's code keeps anything else; the states sharded over d x t are measured
+on 4 ranks (FSDP 2 x TP 2) by the opt-in ``test_states_sharded_over_d_x_t_gloo`` (~50 s).  The fast tests hold memplan's per-rank
 terms (memplan/inventory/titan.py: each term's split, "tp" / t, "sp" / t or whole, and the TP-only terms) against the
 recorded storages term by term, and the states against a hand derivation."""
 
@@ -98,3 +99,26 @@ def test_every_term_is_needed():
                 continue
             kept = Counter(rank_bytes_per_token(x, T) for x in TERMS if ac in x.modes and x.id not in ("input", removed.id))
             assert kept != Counter(n // (S * B) for n in RECORDED[ac]["layer"]), (removed.id, ac)
+
+
+@pytest.mark.slow
+@SLOW
+def test_states_sharded_over_d_x_t_gloo():
+    # FSDP 2 x TP 2 on 4 ranks (torchtitan's mesh puts tp innermost: rank r is TP rank r % 2 of FSDP rank r // 2),
+    # vocab 254, f 168: each parameter's TP shard (wqkv [128, 64] -> [64, 64], wo [64, 64] -> [64, 32], w1 / w3
+    # [168, 64] -> [84, 64], w2 [64, 168] -> [64, 84], embedding and LM head [254, 64] -> [127, 64], norms whole)
+    # sharded by fully_shard over 2 ranks, dim 0 padded (127 rows -> 64 + 64); by hand per rank: embedding 64 x 64 =
+    # 4096, per layer 2048 + 1024 + 2 x 2688 + 32 x 84 + 2 x 32 = 11200, final norm 32, LM head 4096: 30624
+    # elements, 122496 fp32 bytes; AdamW's moments unpadded: FSDP rank 1 holds 63 of the 127 rows (128 fewer)
+    pytest.importorskip("torchtitan")
+    from memplan.inventory.titan import fsdp2_states
+    from validation.titan import Shape, measure_tp
+
+    f = 168
+    layer = [(64, 64), (64, 32), (84, 64), (64, 84), (84, 64), (64,), (64,)]
+    shapes = [(127, 64)] + 2 * layer + [(64,), (127, 64)]
+    ranks = measure_tp(Shape(h=H, a=A, g=G, f=f), layers=2, vocab=254, world=4, s=S, b=B, ac="full", tp=2)
+    for rank, r in enumerate(ranks):
+        st = fsdp2_states(shapes, layer, [(64,), (127, 64)], n=2, prefetch=0, rank=rank // 2)
+        assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
+        assert r["params"] == 4 * 30624 and r["adam"] == 8 * (30624 - 128 * (rank // 2))

@@ -343,10 +343,11 @@ class _LiveLocal(_Live):
 
 
 def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
-            backend: str = "partial_dtensor") -> dict:
+            tp: int = 0, backend: str = "partial_dtensor") -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_llama`` with ``tensor_parallel_degree`` =
-    ``world`` (sequence parallelism on, torchtitan's default ``spmd_types`` backend; FSDP2 over the size-1
-    data-parallel mesh, as torchtitan always applies it), the loss torchtitan's ``cross_entropy_loss`` (its
+    ``tp`` (default ``world``; sequence parallelism on, the ``partial_dtensor`` backend: DTensor TP; 0.3.0's default
+    ``spmd_types`` stops in torch 2.13's fully_shard with TP) and FSDP2 over the world / tp data-parallel ranks (a
+    size-1 mesh at tp = world: torchtitan always applies it), the loss torchtitan's ``cross_entropy_loss`` (its
     vocab-parallel ``_LossParallelCrossEntropy`` under TP).  Measured: ``layer`` the storages layer 0 made in its
     forward and still holds at its end (op, dtype, bytes; the block's output and the parameters apart),
     ``input_kept`` whether it keeps its input (``input_bytes`` its local bytes); ``tail`` the same for the final norm and the LM head; ``loss`` the storages the loss's forward made and holds until
@@ -363,7 +364,7 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
 
     pd.device_type = "cpu"
     torch.manual_seed(0)
-    parallelism = ParallelismConfig(tensor_parallel_degree=world, spmd_backend=backend)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -371,6 +372,9 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                       compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac),
                       dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
     out: dict = {}
     live = _LiveLocal()
     block = model.layers["0"]
@@ -422,7 +426,7 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
 
 
 def measure_tp(shape: Shape, layers: int, vocab: int, world: int = 2, s: int = 16, b: int = 2,
-               ac: str = "none") -> list[dict]:
-    """``tp_rank`` on ``world`` spawned ranks over gloo."""
+               ac: str = "none", tp: int = 0) -> list[dict]:
+    """``tp_rank`` on ``world`` spawned ranks over gloo (``tp``: the TP degree, default ``world``)."""
     from .ranks import run_ranks
-    return run_ranks(tp_rank, world, (shape, layers, vocab, s, b, ac))
+    return run_ranks(tp_rank, world, (shape, layers, vocab, s, b, ac, tp))

@@ -188,7 +188,8 @@ rank 0 holds the most); the sharded parameters and gradients keep the padded siz
                        head_unsharded=2 * n * shard(head_shapes))
 
 
-MEASURED = "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py, tests/test_titan.py)"
+MEASURED = (
+    "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py; tests/test_titan.py, TP: tests/test_titan_tp.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 # the mode each AC mode's kept set is written in: a term kept in ``modes`` gets these memplan recompute flags
 # (memplan/inventory/types.py Term.kept: none = Recompute.NONE, selective-op = SELECTIVE, full = FULL)
