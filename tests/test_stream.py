@@ -12,6 +12,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
+from memplan.memory.alloc_conf import parse_alloc_conf
+from memplan.memory.allocator import replay, replay_ops
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.pipeline import microbatches_in_flight, schedule
 from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
@@ -351,3 +353,20 @@ def test_the_runs_history_reaches_the_replay():
     assert warmed.reserved.result.reserved_peak_bytes == direct.result.reserved_peak_bytes
     assert warmed.reserved.result.reserved_peak_bytes != ordinary.reserved.result.reserved_peak_bytes
     assert warmed.reserved.label == "default; step 1 at s = 512" and ordinary.reserved.first_step_seq_len is None
+
+
+def test_ops_replay_as_the_events():
+    # the compact form the replay takes (stream.ops): allocations numbered in order from 0, so ~id frees; replayed it
+    # gives what the checked replay of the events gives, here for an interleaved stage that dies mid-run and fits
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True),
+                       dict(micro_batch=1, global_batch=4), dict(num_layers=8))
+    stream = allocation_stream(config, impl="megatron", stage=0)
+    allocs = [e.id for e in stream.events if type(e) is Alloc]
+    assert allocs == list(range(len(allocs)))
+    events = [("alloc", e.id, e.size, 0) if type(e) is Alloc else ("free", e.id, 0, 0) for e in stream.events]
+    results = []
+    for capacity in (stream.peak_bytes, 4 * stream.peak_bytes):
+        for conf in ("", "expandable_segments:True"):
+            results.append(replay_ops(stream.ops(), capacity, parse_alloc_conf(conf)))
+            assert results[-1] == replay(events, capacity, parse_alloc_conf(conf))
+    assert not results[0].fits and results[-1].fits

@@ -76,6 +76,9 @@ class Free(NamedTuple):
     id: int
 
 
+_new = tuple.__new__  # a NamedTuple made without its Python-level __new__ (the stream makes tens of thousands)
+
+
 @dataclass(frozen=True)
 class AllocationStream:
     """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
@@ -100,6 +103,11 @@ class AllocationStream:
         """(timeline event index, the stream's live bytes at its point)."""
         live = [0] + self.live_bytes()
         return [(i, live[pos]) for i, pos in self.marks]
+
+    def ops(self) -> list[int]:
+        """The stream in the compact form memplan.memory.allocator.replay_ops replays: an allocation's requested
+        bytes, ~id for a free (ids are given in allocation order from 0, every event on stream 0)."""
+        return [e.size if type(e) is Alloc else ~e.id for e in self.events]
 
     @property
     def peak_bytes(self) -> int:
@@ -142,15 +150,17 @@ class _Sizes:
         """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
         storage in s and b, kind)."""
         hit = self.cache.get((id(term), kind))
-        if hit is None:
-            n, st = term.bytes(self.values, self.act, self.sp), term.storages
-            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
-            for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
-                poly = poly.assign(sym, self.values[sym])
-            comm = any(w in term.name.lower() for w in _COMM_WORDS)
-            hit = self.cache[id(term), kind] = (term, -(-n // st), self.counted(term) // st, st * (n > 0), poly,
-                                                "communication" if comm else kind)
-        return hit[1:]
+        if hit is not None:
+            return hit[1]
+        n, st = term.bytes(self.values, self.act, self.sp), term.storages
+        poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
+        for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
+            poly = poly.assign(sym, self.values[sym])
+        comm = any(w in term.name.lower() for w in _COMM_WORDS)
+        # the term kept in the entry: its id() stays its own while cached
+        sizes = (-(-n // st), self.counted(term) // st, st * (n > 0), poly, "communication" if comm else kind)
+        self.cache[id(term), kind] = (term, sizes)
+        return sizes
 
 
 class _Run:
@@ -187,6 +197,7 @@ class _Run:
         self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
                                  if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
         self.alive_sets: dict[tuple, tuple] = {}
+        self.chunk_alive: dict[str, tuple] = {}  # the chunk's terms alive at a backward moment
         self.is_full = self.rec == Recompute.FULL
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
         self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
@@ -202,17 +213,20 @@ class _Run:
     # -- primitives --------------------------------------------------------------------------------------------
     def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
         self.nid += 1
-        self.events.append(Alloc(self.nid - 1, size, 0, kind, name, poly, counted))
+        self.events.append(_new(Alloc, (self.nid - 1, size, 0, kind, name, poly, counted)))
         return self.nid - 1
 
     def _free(self, ids: list) -> None:
-        self.events += [Free(i) for i in reversed(ids)]
+        self.events += [_new(Free, (i,)) for i in reversed(ids)]
 
     def _term(self, t: Term, kind: str, label: str) -> list:
         req, counted, storages, poly, kind = self.sizes(t, kind)
         i, name = self.nid, f"{t.name} ({label})"
         self.nid += storages
-        self.events += [Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages)]
+        if storages == 1:
+            self.events.append(_new(Alloc, (i, req, 0, kind, name, poly, counted)))
+            return [i]
+        self.events += [_new(Alloc, (j, req, 0, kind, name, poly, counted)) for j in range(i, i + storages)]
         return list(range(i, i + storages))
 
     def _drop(self, alive: dict, keep: Any) -> None:
@@ -366,7 +380,10 @@ class _Run:
                 if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
                     continue
                 target = self._alive(m, rc)
-                chunk = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
+                chunk = self.chunk_alive.get(m.id)
+                if chunk is None:
+                    chunk = self.chunk_alive[m.id] = tuple(i for i, t in enumerate(self.chunk_terms)
+                                                           if t.id not in m.freed)
                 self._drop(layer, set(target))
                 self._drop(st["chunk"], set(chunk))
                 self._pay(owed, wait)
