@@ -13,6 +13,7 @@ gpt3-530b as the README runs it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -44,6 +45,7 @@ def main() -> None:
             run()
             times.append(time.perf_counter() - start)
         print(f"{label}: {answer:,} tokens, median {statistics.median(times):.3f} s of {args.runs} runs")
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 
 if __name__ == "__main__":

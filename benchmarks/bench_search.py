@@ -132,6 +132,7 @@ def main() -> None:
             line += f" {now:>8.3f}s"
         print(line + f" {'< ' + format(target, 'g') + 's':>8s} {now / target:>8.2f}", flush=True)
     print(f"medians of {args.runs} runs; in process: after one warm-up search; /target below 1 meets the target")
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ replaced by a naive one, the config parser (with a fuzz), and properties against
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from memplan.core.errors import MemplanError
 from memplan.memory import alloc_rules
 from memplan.memory.alloc_conf import SIZE_MAX, AllocatorConfig, parse_alloc_conf
-from memplan.memory.allocator import AllocEvent, CachingAllocatorModel, format_size, replay
+from memplan.memory.allocator import AllocEvent, CachingAllocatorModel, format_size, replay, replay_ops
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 BIG = 4 * GIB  # a capacity nothing here reaches
@@ -656,3 +657,29 @@ def test_invariants_at_every_step(ops, capacity, conf, fraction):
     # in the free list, so release_blocks leaves it (as PyTorch does); it holds no memory
     assert state.segments == sum(1 for pool in state.pools.values() for b in pool.unmapped.values()
                                  if b.prev is None and b.next is None)
+
+
+def _compact(events):
+    """The events as replay_ops takes them (tensor ids renumbered in allocation order: n bytes, ~k frees k)."""
+    number, ops = {}, []
+    for op, tid, size, _stream in events:
+        if op == "alloc":
+            number[tid] = len(number)
+            ops.append(size)
+        else:
+            ops.append(~number[tid])
+    return number, ops
+
+
+@settings(max_examples=120, deadline=None)
+@given(OPS, st.integers(8, 200).map(lambda m: m * MIB), CONFIGS, st.sampled_from([0, 1]))
+def test_replay_ops_is_replay(ops, capacity, conf, stream):
+    # the compact replay memplan's own streams take: the same state, rules and result as the checked replay (zero-byte
+    # tensors included; every event on one stream), the out-of-memory naming the allocation by its number
+    events = [(op, tid, size * (tid % 7 != 3), stream) for op, tid, size, _ in _events(ops)]
+    number, compact = _compact(events)
+    config = parse_alloc_conf(conf)
+    want = replay(events, capacity, config)
+    if want.oom is not None:
+        want = dataclasses.replace(want, oom=dataclasses.replace(want.oom, tensor_id=number[want.oom.tensor_id]))
+    assert replay_ops(compact, capacity, config, stream) == want

@@ -12,9 +12,11 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
+from memplan.memory.alloc_conf import parse_alloc_conf
+from memplan.memory.allocator import replay, replay_ops
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.pipeline import microbatches_in_flight, schedule
-from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
+from memplan.memory.stream import KINDS, Alloc, Free, not_streamed, stream_for
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
@@ -351,3 +353,49 @@ def test_the_runs_history_reaches_the_replay():
     assert warmed.reserved.result.reserved_peak_bytes == direct.result.reserved_peak_bytes
     assert warmed.reserved.result.reserved_peak_bytes != ordinary.reserved.result.reserved_peak_bytes
     assert warmed.reserved.label == "default; step 1 at s = 512" and ordinary.reserved.first_step_seq_len is None
+
+
+def test_ops_replay_as_the_events():
+    # the compact form the replay takes (stream.ops): allocations numbered in order from 0, so ~id frees; replayed it
+    # gives what the checked replay of the events gives, here for an interleaved stage that dies mid-run and fits
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True),
+                       dict(micro_batch=1, global_batch=4), dict(num_layers=8))
+    stream = allocation_stream(config, impl="megatron", stage=0)
+    allocs = [e.id for e in stream.events if type(e) is Alloc]
+    assert allocs == list(range(len(allocs)))
+    events = [("alloc", e.id, e.size, 0) if type(e) is Alloc else ("free", e.id, 0, 0) for e in stream.events]
+    results = []
+    for capacity in (stream.peak_bytes, 4 * stream.peak_bytes):
+        for conf in ("", "expandable_segments:True"):
+            results.append(replay_ops(stream.ops(), capacity, parse_alloc_conf(conf)))
+            assert results[-1] == replay(events, capacity, parse_alloc_conf(conf))
+    assert not results[0].fits and results[-1].fits
+
+
+def _both(config, impl, device="cuda", stage=0, first_step_seq_len=None):
+    """The stage's stream made with its layers' templates (memplan/memory/stream_events.py) and afresh."""
+    inventory = training_inventory(config.model, impl, device, config.training)
+    plan = PlanValues.from_config(config)
+    return [stream_for(config.model, inventory, config.training, plan, stage, steps=2, repeat=repeat,
+                       first_step_seq_len=first_step_seq_len) for repeat in (True, False)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
+def test_copied_layers_are_the_layers_made_afresh(case):
+    # the repeated layers are copies of a template: the same events (ids, sizes, kinds, names, polynomials), marks and
+    # phases as made layer by layer (grads created in a first micro-batch, ZeRO-3, LoRA, MoE, MTP, cp, interleaving;
+    # on a later stage step 1 at another length)
+    preset, impl, par, tr, model, stages = case
+    config = config_of(preset, impl, par, tr, model)
+    for stage in stages:
+        copied, afresh = _both(config, impl, stage=stage, first_step_seq_len=256 if stage else None)
+        assert (copied.events, copied.marks, copied.phases) == (afresh.events, afresh.marks, afresh.phases)
+
+
+@settings(max_examples=25, deadline=None)
+@given(plans())
+def test_random_plans_copy_layers_exactly(case):
+    config, impl, device = case
+    for stage in range(config.parallel.pp):
+        copied, afresh = _both(config, impl, device, stage)
+        assert (copied.events, copied.marks, copied.phases) == (afresh.events, afresh.marks, afresh.phases)

@@ -20,6 +20,7 @@ leaves them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal, Mapping
 
 from memplan.core.model import ModelSpec
@@ -115,6 +116,15 @@ class Term:
 
     def kept(self, recompute: Any) -> Any:
         """1 where the tensor is stored under this recompute mode, else 0 (scalar or array)."""
+        if type(recompute) is Recompute:  # one mode: worked out once per term (the timelines ask it often)
+            return self._kept_by_mode[recompute]
+        return self._kept(recompute)
+
+    @cached_property
+    def _kept_by_mode(self) -> tuple[int, ...]:
+        return tuple(self._kept(mode) for mode in sorted(Recompute))
+
+    def _kept(self, recompute: Any) -> Any:
         if self.scope != "layer":
             # outside the layers only a checkpoint's inputs depend on recompute (the mask every
             # checkpointed layer is given)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from memplan.core.errors import MemplanError
 from memplan.memory import alloc_rules as rules
@@ -245,8 +245,11 @@ class CachingAllocatorModel:
         self.allocated -= block.size
         self.requested -= block.requested
         pool = block.pool
-        net = -rules.try_merge_blocks(block, block.prev, pool)
-        net -= rules.try_merge_blocks(block, block.next, pool)
+        net, prev, nxt = 0, block.prev, block.next
+        if prev is not None and not prev.allocated:  # try_merge_blocks merges no other neighbour
+            net -= rules.try_merge_blocks(block, prev, pool)
+        if nxt is not None and not nxt.allocated:
+            net -= rules.try_merge_blocks(block, nxt, pool)
         pool.add(block)
         if block.seg is None:
             if block.prev is not None or block.next is not None:
@@ -314,9 +317,48 @@ def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConf
         else:
             raise _event_error(index, event, f"unknown op {op!r} (alloc, free or empty_cache)")
         replayed = index + 1
+    return _result(state, at_peak, replayed, oom)
+
+
+def _result(state: CachingAllocatorModel, at_peak: tuple[int, int], replayed: int,
+            oom: Optional[OutOfMemory]) -> ReplayResult:
     return ReplayResult(
         reserved_peak_bytes=state.reserved_peak, allocated_peak_bytes=state.allocated_peak,
         requested_peak_bytes=state.requested_peak, inactive_split_bytes_at_reserved_peak=at_peak[0],
         inactive_split_peak_bytes=state.inactive_split_peak, segments_at_reserved_peak=at_peak[1],
         num_alloc_retries=state.num_alloc_retries, num_ooms=state.num_ooms, events_replayed=replayed,
         reserved_end_bytes=state.reserved, allocated_end_bytes=state.allocated, oom=oom)
+
+
+def replay_ops(ops: Sequence[int], capacity_bytes: int, config: Optional[AllocatorConfig] = None,
+               stream: int = 0) -> ReplayResult:
+    """`replay` of a stream already known to be well formed, in its compact form (what memplan's own allocation
+    streams replay: no per-event checks, no tuples): `ops` a sequence of ints, n >= 0 allocating n bytes (the
+    k-th allocation is tensor k, counting from 0), ~k (negative) freeing tensor k; every event on `stream`. The
+    same state, rules and result as `replay` of the events ("alloc", k, n, stream) / ("free", k, 0, stream)."""
+    state = CachingAllocatorModel(capacity_bytes, config)
+    blocks: list[Optional[Block]] = []
+    keep, malloc, free = blocks.append, state.malloc, state.free
+    oom = None
+    at_peak = (0, 0)
+    replayed = len(ops)
+    for index, op in enumerate(ops):
+        if op < 0:
+            block = blocks[~op]
+            if block is not None:
+                free(block)
+        elif op:
+            block = malloc(op, stream)
+            if block is None:
+                rounded, segment = state.last_failure
+                oom = OutOfMemory(index, len(blocks), stream, op, rounded, segment, state.allocated, state.reserved,
+                                  capacity_bytes)
+                replayed = index
+                break
+            keep(block)
+            if state.peak_moved:
+                state.peak_moved = False
+                at_peak = (state.inactive_split, state.segments)
+        else:
+            keep(None)
+    return _result(state, at_peak, replayed, oom)

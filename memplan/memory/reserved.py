@@ -21,9 +21,9 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.alloc_conf import AllocatorConfig, parse_alloc_conf
-from memplan.memory.allocator import ReplayResult, replay
+from memplan.memory.allocator import ReplayResult, replay_ops
 from memplan.memory.stage import stage_memory
-from memplan.memory.stream import Alloc, AllocationStream, stream_for
+from memplan.memory.stream import AllocationStream, stream_for
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import most_loaded_stage, step_events
 
@@ -111,10 +111,11 @@ class Reserved:
         return Replay(self.allocator, self.alloc_conf, self.first_step_seq_len).label
 
 
-def replay_stream(stream: AllocationStream, capacity_bytes: int, config: AllocatorConfig) -> ReplayResult:
-    """The stream's allocations (requested sizes; the model rounds them) and frees through the allocator."""
-    events = [("alloc", e.id, e.size, e.stream) if type(e) is Alloc else ("free", e.id, 0, 0) for e in stream.events]
-    return replay(events, capacity_bytes, config)
+def replay_stream(stream: AllocationStream, capacity_bytes: int, config: AllocatorConfig,
+                  ops: Optional[list[int]] = None) -> ReplayResult:
+    """The stream's allocations (requested sizes; the model rounds them) and frees through the allocator (`ops`:
+    the stream's `ops()`, when made already)."""
+    return replay_ops(stream.ops() if ops is None else ops, capacity_bytes, config)
 
 
 def _oom_event(stream: AllocationStream, result: ReplayResult) -> Optional[dict]:
@@ -134,10 +135,11 @@ def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay =
     for, and when that dies with the default allocator, once more with expandable segments (the report then says
     that they would fit it; `try_expandable` False: not tried, the verdict alone is wanted)."""
     config = allocator_config(settings.allocator, settings.alloc_conf)
-    result = replay_stream(stream, max(capacity_bytes, 0), config)
+    ops = stream.ops()
+    result = replay_stream(stream, max(capacity_bytes, 0), config, ops)
     expandable = None
     if try_expandable and not result.fits and not config.expandable_segments:
-        expandable = replay_stream(stream, max(capacity_bytes, 0), replace(config, expandable_segments=True)).fits
+        expandable = replay_stream(stream, max(capacity_bytes, 0), replace(config, expandable_segments=True), ops).fits
     return Reserved(allocator_name(config), settings.alloc_conf or "", capacity_bytes, stream.stage, len(stream.events),
                     result, _oom_event(stream, result), expandable, settings.first_step_seq_len)
 

@@ -56,7 +56,20 @@ class ParamGroup:
         return -(-n // values["t"]) if self.tp_split else n
 
 
+_GROUPS: dict[int, tuple[ModelSpec, tuple[ParamGroup, ...]]] = {}  # by the (frozen) model's identity, model kept
+
+
 def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
+    """`model_groups` of the model, made once per model object (the timelines of a plan's stages ask it often)."""
+    hit = _GROUPS.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_GROUPS) >= 64:
+            _GROUPS.clear()
+        hit = _GROUPS[id(model)] = (model, model_groups(model))
+    return hit[1]
+
+
+def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     """Parameter groups of a decoder-only transformer (column/row-parallel split as Megatron-LM).
 
     A mixture-of-experts layer's MLP (scope "moe") is its E routed experts, each a gated (3 h f_e) or

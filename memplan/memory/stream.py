@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
@@ -54,26 +54,13 @@ from memplan.memory.pipeline import schedule
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
+from memplan.memory.stream_events import Alloc, Free, Repeats, new_event
 from memplan.memory.stream_params import Persistent, fit
 from memplan.memory.term_bytes import PlanValues, TermBytes
 from memplan.memory.timeline import StepPeak, optimizer_impl, step_events
 
 KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
 _COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
-
-
-class Alloc(NamedTuple):
-    id: int
-    size: int  # bytes requested (before the caching allocator's rounding)
-    stream: int  # 0: the default compute stream
-    kind: str  # one of KINDS
-    name: str
-    poly: Optional[Poly]  # the requested bytes as a polynomial in s and b (None: a state sized by shapes)
-    bytes: int  # as the step timeline counts it (a term's storage rounded to the inventory's granularity)
-
-
-class Free(NamedTuple):
-    id: int
 
 
 @dataclass(frozen=True)
@@ -101,6 +88,11 @@ class AllocationStream:
         live = [0] + self.live_bytes()
         return [(i, live[pos]) for i, pos in self.marks]
 
+    def ops(self) -> list[int]:
+        """The stream in the compact form memplan.memory.allocator.replay_ops replays: an allocation's requested
+        bytes, ~id for a free (ids are given in allocation order from 0, every event on stream 0)."""
+        return [e.size if type(e) is Alloc else ~e.id for e in self.events]
+
     @property
     def peak_bytes(self) -> int:
         return max(self.live_bytes(), default=0)
@@ -118,8 +110,9 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
 
 def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
                stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
-               workspace_bytes: int = 0) -> AllocationStream:
-    """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
+               workspace_bytes: int = 0, repeat: bool = True) -> AllocationStream:
+    """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None);
+    `repeat` False: every layer's events made afresh, none copied from a template (the same stream, slower)."""
     why = not_streamed(training, plan)
     if why or steps < 1:
         raise MemplanError(f"the allocation stream models 1F1B without interleaving, no offload, "
@@ -127,7 +120,8 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)
-    return _Run(model, inventory, training, plan, stage, stage_mem, workspace_bytes).run(steps, first_step_seq_len)
+    return _Run(model, inventory, training, plan, stage, stage_mem, workspace_bytes, repeat).run(steps,
+                                                                                                 first_step_seq_len)
 
 
 class _Sizes:
@@ -142,22 +136,24 @@ class _Sizes:
         """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
         storage in s and b, kind)."""
         hit = self.cache.get((id(term), kind))
-        if hit is None:
-            n, st = term.bytes(self.values, self.act, self.sp), term.storages
-            poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
-            for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
-                poly = poly.assign(sym, self.values[sym])
-            comm = any(w in term.name.lower() for w in _COMM_WORDS)
-            hit = self.cache[id(term), kind] = (term, -(-n // st), self.counted(term) // st, st * (n > 0), poly,
-                                                "communication" if comm else kind)
-        return hit[1:]
+        if hit is not None:
+            return hit[1]
+        n, st = term.bytes(self.values, self.act, self.sp), term.storages
+        poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
+        for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
+            poly = poly.assign(sym, self.values[sym])
+        comm = any(w in term.name.lower() for w in _COMM_WORDS)
+        # the term kept in the entry: its id() stays its own while cached
+        sizes = (-(-n // st), self.counted(term) // st, st * (n > 0), poly, "communication" if comm else kind)
+        self.cache[id(term), kind] = (term, sizes)
+        return sizes
 
 
 class _Run:
     """Builds the stream; one instance per call."""
 
     def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
-                 mem: StageMemory, workspace: int) -> None:
+                 mem: StageMemory, workspace: int, repeat: bool = True) -> None:
         self.model, self.inv, self.tr, self.plan, self.stage, self.mem = model, inv, training, plan, stage, mem
         self.events: list = []
         self.marks: list[tuple[int, int]] = []
@@ -187,6 +183,8 @@ class _Run:
         self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
                                  if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
         self.alive_sets: dict[tuple, tuple] = {}
+        self.repeats = Repeats(repeat)
+        self.chunk_alive: dict[str, tuple] = {}  # the chunk's terms alive at a backward moment
         self.is_full = self.rec == Recompute.FULL
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
         self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
@@ -202,17 +200,20 @@ class _Run:
     # -- primitives --------------------------------------------------------------------------------------------
     def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
         self.nid += 1
-        self.events.append(Alloc(self.nid - 1, size, 0, kind, name, poly, counted))
+        self.events.append(new_event(Alloc, (self.nid - 1, size, 0, kind, name, poly, counted)))
         return self.nid - 1
 
     def _free(self, ids: list) -> None:
-        self.events += [Free(i) for i in reversed(ids)]
+        self.events += [new_event(Free, (i,)) for i in reversed(ids)]
 
     def _term(self, t: Term, kind: str, label: str) -> list:
         req, counted, storages, poly, kind = self.sizes(t, kind)
         i, name = self.nid, f"{t.name} ({label})"
         self.nid += storages
-        self.events += [Alloc(j, req, 0, kind, name, poly, counted) for j in range(i, i + storages)]
+        if storages == 1:
+            self.events.append(new_event(Alloc, (i, req, 0, kind, name, poly, counted)))
+            return [i]
+        self.events += [new_event(Alloc, (j, req, 0, kind, name, poly, counted)) for j in range(i, i + storages)]
         return list(range(i, i + storages))
 
     def _drop(self, alive: dict, keep: Any) -> None:
@@ -328,15 +329,11 @@ class _Run:
         for j in range(1, self.n + 1):
             rc, layer = j <= self.N, st["layers"].setdefault(j, {})
             where = f"layer {j}, {label}"
-            self._roll(j)
-            for m in self.fwd_moments:
-                target = self._alive(m, rc)
-                self._drop(layer, set(target))
-                self._fill(layer, self.layer_terms, target, where)
-                self._point(self._transients(m, rc, where))
-            self._drop(layer, set(self.stored[rc]))
-            self._fill(layer, self.layer_terms, self.stored[rc], where)
-            self._mark()
+            if self.gathered or self.walk:
+                self._layer_forward(j, rc, layer, where)
+            else:  # the same events for every layer of this shape: a template's copy (memory/stream_events.py)
+                self.repeats.piece(self, ("F", rc, id(self.sizes)), {"layer": layer}, where, label, f"layer {j}",
+                                   lambda: self._layer_forward(j, rc, layer, where))
         if not head:
             self.ev += len(self.loss_moments) * self.walk
             return st
@@ -350,6 +347,17 @@ class _Run:
         self._drop(st["last"], ())
         return st
 
+    def _layer_forward(self, j: int, rc: bool, layer: dict, where: str) -> None:
+        self._roll(j)
+        for m in self.fwd_moments:
+            target = self._alive(m, rc)
+            self._drop(layer, set(target))
+            self._fill(layer, self.layer_terms, target, where)
+            self._point(self._transients(m, rc, where))
+        self._drop(layer, set(self.stored[rc]))
+        self._fill(layer, self.layer_terms, self.stored[rc], where)
+        self._mark()
+
     def _backward(self, st: dict, mb: int, c: int) -> None:
         label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
         creating = not self.buffer and not self.have_grads
@@ -359,21 +367,14 @@ class _Run:
         for j in range(self.n, 0, -1):
             rc, layer = j <= self.N, st["layers"].pop(j)
             where = f"layer {j}, {label}"
-            self._roll(j)
-            for m in self.bwd_moments:
-                if m.layers and j - 1 not in m.layers:
-                    continue
-                if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
-                    continue
-                target = self._alive(m, rc)
-                chunk = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
-                self._drop(layer, set(target))
-                self._drop(st["chunk"], set(chunk))
-                self._pay(owed, wait)
-                self._fill(st["chunk"], self.chunk_terms, chunk, label)
-                self._fill(layer, self.layer_terms, target, where)
-                self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
-            self._drop(layer, ())
+            args = (j, c, rc, layer, st["chunk"], where, label, owed, wait, creating)
+            if creating or owed or self.partial or self.gathered or self.walk or (wait and not self.waiting):
+                self._layer_backward(*args)
+            else:  # as the forward's: a template's copy when made before for this shape and what is alive
+                key = ("B", rc, id(self.sizes), tuple(j - 1 in m.layers for m in self.bwd_moments if m.layers),
+                       tuple(layer), tuple(st["chunk"]), bool(self.waiting), wait)
+                self.repeats.piece(self, key, {"layer": layer, "chunk": st["chunk"]}, where, label, f"layer {j}",
+                                   lambda: self._layer_backward(*args))
             owed += [c * self.n + j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
@@ -393,6 +394,26 @@ class _Run:
         self._point(extra + self.waiting)
         self._free(st["first"])
         self.have_grads = self.have_grads or not self.buffer
+
+    def _layer_backward(self, j: int, c: int, rc: bool, layer: dict, chunk_alive: dict, where: str, label: str,
+                        owed: list, wait: int, creating: bool) -> None:
+        self._roll(j)
+        for m in self.bwd_moments:
+            if m.layers and j - 1 not in m.layers:
+                continue
+            if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
+                continue
+            target = self._alive(m, rc)
+            chunk = self.chunk_alive.get(m.id)
+            if chunk is None:
+                chunk = self.chunk_alive[m.id] = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
+            self._drop(layer, set(target))
+            self._drop(chunk_alive, set(chunk))
+            self._pay(owed, wait)
+            self._fill(chunk_alive, self.chunk_terms, chunk, label)
+            self._fill(layer, self.layer_terms, target, where)
+            self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
+        self._drop(layer, ())
 
     def _pay(self, owed: list, wait: int) -> None:
         """At a point of the backward, after its frees of saved terms: a traced moment's partial gradients go, the

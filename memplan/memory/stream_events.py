@@ -1,0 +1,106 @@
+"""The events of an allocation stream (`Alloc`, `Free`) and the repetition of its repeated pieces (`Repeats`): a
+layer's forward or backward makes the same events for every micro-batch and layer of a step (only the tensor ids and
+the labels in the names change), so memplan/memory/stream.py makes a piece once per distinct shape, keeps it as a
+template, and stamps later copies from it (new ids, the new labels, the same sizes, kinds, polynomials and order):
+the stream is the same event for event as made piece by piece (tests/test_stream.py), made several times faster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+from memplan.core.symbolic import Poly
+
+
+class Alloc(NamedTuple):
+    id: int
+    size: int  # bytes requested (before the caching allocator's rounding)
+    stream: int  # 0: the default compute stream
+    kind: str  # one of KINDS
+    name: str
+    poly: Optional[Poly]  # the requested bytes as a polynomial in s and b (None: a state sized by shapes)
+    bytes: int  # as the step timeline counts it (a term's storage rounded to the inventory's granularity)
+
+
+class Free(NamedTuple):
+    id: int
+
+
+new_event = tuple.__new__  # an event made without the NamedTuple's Python-level __new__ (a stream makes many)
+
+
+class Repeats:
+    """Templates of a stream's repeated pieces, by the caller's key (what makes a piece's events differ other than
+    its ids and labels). A piece is `body()`, which appends events to `run.events` numbering allocations from
+    `run.nid` (advancing it) and changes the dicts of `live` (name -> {index: [tensor ids]}, the tensors alive
+    that the piece frees or adds to) in place; its labels are `where` and `label` ("layer j, micro-batch mb",
+    "micro-batch mb"), which a name ends with as "(... where)" or "(... label)"."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.templates: dict[Any, Any] = {}
+
+    def piece(self, run: Any, key: Any, live: dict[str, dict], where: str, label: str, variable: str,
+              body: Callable[[], None]) -> None:
+        """Run `body()`, or stamp its template when one was made for `key`. `variable`: a text no name made
+        from a constant may hold (what else differs between copies, e.g. "layer j"): a piece whose names hold it
+        other than in the labels is not templated."""
+        template = self.templates.get(key) if self.enabled else False
+        if template:
+            self._stamp(run, template, live, where, label)
+            return
+        base, start = run.nid, len(run.events)
+        outside = {i: (name, index, k) for name, d in live.items() for index, ids in d.items()
+                   for k, i in enumerate(ids)}
+        body()
+        if template is None:
+            self.templates[key] = _template(run.events[start:], base, outside, live, where, label, variable) or False
+
+    @staticmethod
+    def _stamp(run: Any, template: tuple, live: dict[str, dict], where: str, label: str) -> None:
+        events, outside, after, allocations = template
+        base, tails = run.nid, ("", where + ")", label + ")")
+        ext = [live[name][index][k] for name, index, k in outside]  # the tensors from before, as ~position
+        run.events += [new_event(Alloc, (base + e[0], e[1], 0, e[2], e[3] + tails[e[4]], e[5], e[6]))
+                       if type(e) is tuple else new_event(Free, (base + e if e >= 0 else ext[~e],)) for e in events]
+        run.nid = base + allocations
+        done = {name: {index: [base + r if r >= 0 else ext[~r] for r in refs] for index, refs in d.items()}
+                for name, d in after.items()}
+        for name, d in done.items():
+            live[name].clear()
+            live[name].update(d)
+
+
+def _template(events: list, base: int, outside: dict, live: dict[str, dict], where: str, label: str,
+              variable: str) -> Optional[tuple]:
+    """The piece's events with ids relative to `base` (a tensor from before the piece as ~its position in a list of
+    (dict, index, position) places), its names as text + which label ends them, the dicts' contents after it; None
+    when a free or a tensor left alive is of neither, or a name holds a label or `variable` other than at its end."""
+    tails = (where + ")", label + ")")
+    places: dict[tuple, int] = {}
+
+    def ref(i: int) -> int:
+        if i >= base:
+            return i - base
+        return ~places.setdefault(outside[i], len(places))
+
+    out: list = []
+    allocations = 0
+    try:
+        for e in events:
+            if type(e) is Free:
+                out.append(ref(e.id))
+                continue
+            name, mode = e.name, 0
+            for m, tail in enumerate(tails, 1):
+                if name.endswith(tail):
+                    name, mode = name[:-len(tail)], m
+                    break
+            if label in name or variable in name or e.id != base + allocations or e.stream:
+                return None
+            out.append((allocations, e.size, e.kind, name, mode, e.poly, e.bytes))
+            allocations += 1
+        after = {name: {index: [ref(i) for i in ids] for index, ids in d.items()} for name, d in live.items()}
+    except KeyError:
+        return None
+    return out, list(places), after, allocations
