@@ -16,8 +16,8 @@ gate, the residual sums are recomputed from the layer input and o_proj's output,
 
 Left out, said in the output: Inductor's fused backward kernels' own buffers (not traced); the backward's moments
 are eager transformers' measured ones (the matmul and sdpa gradients run the same kernels), with the compiled
-layer's saved tensors (derived). Compiled on CPU: on CUDA the sdpa kernel (flash / efficient) and its saved
-tensors differ as in eager (memplan/inventory/hf.py's CUDA inventory keeps those; derived).
+layer's saved tensors (derived). Traced with CPU's sdpa kernel; a CUDA estimate uses the same list (derived:
+without dropout CUDA's flash / efficient sdpa also keeps Q, K, V, its output and the fp32 log-sum-exp).
 """
 
 from __future__ import annotations
