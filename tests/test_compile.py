@@ -7,8 +7,11 @@ CPU (validation/compiled.py: h 60, f 154, a 6, g 2, head 8, so q 48; s 20, b 2 =
 
 prints the forward graph's saved tensors and "after forward 72480 B (output 4800 B), eager 104000 B": the compiled
 layer keeps 72,480 - 4,800 = 67,680 B = 1,692 B per token (its input included: the window makes the input), the eager
-layer 104,000 - 4,800 = 99,200 B = 2,480 B per token. The suite runs the "aot" route (seconds); the inductor route,
-whose C++ compile takes ~20 s of CPU, runs with MEMPLAN_COMPILE_SLOW=1.
+layer 104,000 - 4,800 = 99,200 B = 2,480 B per token. torchtune 0.6.1's layer (llama3_2 builder, h 48, f 154, a 6,
+g 2; `python -m validation.compiled inductor torchtune`, the aot route the same): "after forward 72800 B (output
+3840 B), eager 108160 B": 1,724 B per token compiled, 2,608 B eager. The suite runs transformers' layer by the "aot"
+route with static shapes (~2 s of CPU); the symbolic trace through inductor, whose C++ compile takes ~20 s of CPU,
+and torchtune's run with MEMPLAN_COMPILE_SLOW=1.
 """
 
 import os
@@ -29,18 +32,24 @@ BYTES = {"act": 2, "fp32": 4, "int64": 8}
 TOKENS = S * B
 COMPILED_PER_TOKEN = (72480 - 4800) // TOKENS  # measured, the docstring's command: 1,692 B
 EAGER_PER_TOKEN = (104000 - 4800) // TOKENS  # measured, the same run: 2,480 B
+TUNE_H = 48  # torchtune's heads are h / a wide: q = h
+TUNE_COMPILED_PER_TOKEN = (72800 - 3840) // TOKENS  # measured, the docstring's torchtune command: 1,724 B
+TUNE_EAGER_PER_TOKEN = (108160 - 3840) // TOKENS  # measured, the same run: 2,608 B
+SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="set MEMPLAN_COMPILE_SLOW=1 to run")
 
 
-def _model():
-    return case_model(ValidationCase("llama compile", "layer", impl="hf-sdpa", s=S, b=B, h=H, a=A, f=F, t=1,
-                                     sp=False, recompute="none", backend="ledger", arch="llama", g=G, head_dim=D,
+def _model(impl: str = "hf-sdpa"):
+    h, d = (H, D) if impl == "hf-sdpa" else (TUNE_H, None)
+    return case_model(ValidationCase("llama compile", "layer", impl=impl, s=S, b=B, h=h, a=A, f=F, t=1,
+                                     sp=False, recompute="none", backend="ledger", arch="llama", g=G, head_dim=d,
                                      dropout=0.0))
 
 
-def _layer_bytes(training: TrainingSpec) -> int:
-    model = _model()
-    inv = training_inventory(model, "hf-sdpa", "cpu", training)
-    vals = dict(s=S, b=B, h=H, a=A, f=F, g=G, q=A * D, v=model.vocab_size, t=1)
+def _layer_bytes(training: TrainingSpec, impl: str = "hf-sdpa") -> int:
+    model = _model(impl)
+    inv = training_inventory(model, impl, "cpu", training)
+    h = H if impl == "hf-sdpa" else TUNE_H
+    vals = dict(s=S, b=B, h=h, a=A, f=F, g=G, q=A * D, v=model.vocab_size, t=1)
     return sum(t.elements.evaluate(vals) * BYTES[t.dtype] for t in inv.terms if t.scope == "layer" and not t.only_full)
 
 
@@ -49,6 +58,11 @@ def test_compiled_layer_bytes_equal_the_cpu_measurement():
     assert _layer_bytes(TrainingSpec(compile=True)) == COMPILED_PER_TOKEN * TOKENS
     # eager transformers' inventory equals the same run's eager measurement (the layer input not kept)
     assert _layer_bytes(TrainingSpec()) == EAGER_PER_TOKEN * TOKENS
+
+
+def test_compiled_torchtune_layer_bytes_equal_the_cpu_measurement():
+    assert _layer_bytes(TrainingSpec(compile=True), "torchtune") == TUNE_COMPILED_PER_TOKEN * TOKENS
+    assert _layer_bytes(TrainingSpec(), "torchtune") == TUNE_EAGER_PER_TOKEN * TOKENS
 
 
 def test_compiled_layer_moments_free_compiled_tensors():
@@ -60,35 +74,51 @@ def test_compiled_layer_moments_free_compiled_tensors():
     assert set(attention.freed) <= ids and {"o_proj_out", "attn_out", "fc2_input"} <= set(attention.freed)
 
 
-def _check_trace(route: str) -> None:
+def _check_trace(route: str, impl: str = "hf-sdpa", dynamic: bool = True) -> None:
     from validation.compiled import trace_compiled_layer
 
-    r = trace_compiled_layer(route)
-    # what the forward graph hands the backward (parameters apart) is the table, term by term
+    # static shapes: traced and measured at s 20, b 5 (no size equal to a width); dynamic: traced with symbolic s, b
+    # (hinted 24, 3), measured at s 20, b 2 by the same kernel
+    r = trace_compiled_layer(route, impl, 20, 5, dynamic=False) if not dynamic else trace_compiled_layer(route, impl)
+    # what the forward graph hands the backward (parameters and buffers apart) is the table, term by term; where
+    # q = h (torchtune) the two name one width
     dtype = {"act": "bfloat16", "fp32": "float32"}
-    traced = Counter((Poly.parse_sum(t.elements), t.dtype) for t in r.saved if t.kind != "parameter")
-    table = Counter((Poly.parse_sum(e), dtype[d]) for _, _, _, e, d in compiled.LAYER)
-    table[(Poly.parse_sum("s q /a"), "bfloat16")] += 2  # the rotary cos / sin (hf.py's rope_cos / rope_sin)
+    same = (lambda e: e) if impl == "hf-sdpa" else (lambda e: e.replace("q", "h"))
+    traced = Counter((Poly.parse_sum(same(t.elements)), t.dtype) for t in r.saved if t.kind != "parameter")
+    table = Counter((Poly.parse_sum(same(e)), dtype[d]) for _, _, _, e, d in compiled.TABLES[impl])
+    if impl == "hf-sdpa":
+        table[(Poly.parse_sum("s q /a"), "bfloat16")] += 2  # the rotary cos / sin (hf.py's rope_cos / rope_sin)
     assert traced == table
     # and the bytes the compiled layer keeps are the measured ones
-    assert (r.s, r.b) == (S, B)
-    assert r.after_forward - r.output_bytes == COMPILED_PER_TOKEN * TOKENS
-    assert r.eager_after_forward - r.output_bytes == EAGER_PER_TOKEN * TOKENS
+    assert (r.s, r.b) == ((S, B) if dynamic else (20, 5))
+    kept = (COMPILED_PER_TOKEN, EAGER_PER_TOKEN) if impl == "hf-sdpa" else (TUNE_COMPILED_PER_TOKEN, TUNE_EAGER_PER_TOKEN)
+    assert r.after_forward - r.output_bytes == kept[0] * r.s * r.b
+    assert r.eager_after_forward - r.output_bytes == kept[1] * r.s * r.b
 
 
 def test_partitioner_saves_the_table_aot():
+    # the suite's check: static shapes, AOTAutograd with inductor's partitioner, no C++ (~2 s of CPU)
     pytest.importorskip("transformers")
-    _check_trace("aot")
+    _check_trace("aot", dynamic=False)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="set MEMPLAN_COMPILE_SLOW=1 to run")
-def test_partitioner_saves_the_table_inductor():
+@SLOW
+@pytest.mark.parametrize("impl", ["hf-sdpa", "torchtune"])
+def test_partitioner_saves_the_table_inductor(impl):
     pytest.importorskip("transformers")
-    _check_trace("inductor")
+    if impl == "torchtune":
+        pytest.importorskip("torchao")
+        from validation.torchtune import import_torchtune
+
+        try:
+            import_torchtune()
+        except ImportError:
+            pytest.skip("torchtune not installed")
+    _check_trace("inductor", impl)
 
 
-@pytest.mark.parametrize("impl", ["torchtune", "torchtitan", "hf-eager", "megatron"])
+@pytest.mark.parametrize("impl", ["torchtitan", "hf-eager", "megatron"])
 def test_compile_refused_elsewhere(run_cli, impl):
     code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", impl, "--gpus", "8", "--tp", "1",
                              "--compile")
@@ -98,6 +128,14 @@ def test_compile_refused_elsewhere(run_cli, impl):
 def test_compile_refuses_liger():
     with pytest.raises(MemplanError, match="--liger"):
         training_inventory(_model(), "hf-sdpa", "cpu", TrainingSpec(compile=True, liger=True))
+
+
+def test_compiled_torchtune_moments_have_all_heads():
+    inv = training_inventory(_model("torchtune"), "torchtune", "cpu", TrainingSpec(compile=True))
+    attention = next(m for m in inv.moments if m.id == "attention_backward")
+    assert attention.source == compiled.MOMENTS
+    grad_qkv = next(t for t in attention.transients if t.id == "grad_qkv")
+    assert grad_qkv.elements == Poly.parse_sum("3 s b q")  # dQ, dK, dV at all heads (K, V expanded)
 
 
 def test_estimate_says_what_is_traced(run_cli):

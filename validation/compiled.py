@@ -28,8 +28,9 @@ import torch
 
 from .mcore_loss import allocation_peak
 
-# the tiny layer: every width distinct, so a static size names one config field (q = a * head_dim differs from h)
-WIDTHS = dict(h=60, f=154, a=6, g=2, d=8)
+# the tiny layers: every width distinct, so a static size names one config field (transformers: q = a * head_dim
+# differs from h; torchtune's heads are h / a wide, so there q = h, named h)
+WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8)}
 
 
 @dataclass(frozen=True)
@@ -53,35 +54,37 @@ class CompiledLayer:
 def _config():
     import transformers as tf
 
-    w = WIDTHS
+    w = WIDTHS["hf-sdpa"]
     return tf.LlamaConfig(hidden_size=w["h"], intermediate_size=w["f"], num_attention_heads=w["a"],
                           num_key_value_heads=w["g"], head_dim=w["d"], num_hidden_layers=1, vocab_size=64,
                           max_position_embeddings=4096, attn_implementation="sdpa")
 
 
-def _names() -> dict[int, str]:
-    w = WIDTHS
-    return {w["h"]: "h", w["f"]: "f", w["a"]: "a", w["g"]: "g", w["d"]: "q /a", w["a"] * w["d"]: "q",
-            w["g"] * w["d"]: "g q /a"}
+def _names(w: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Each static width as exponents of memplan's symbols (the head width is q /a, torchtune's K / V expansion a /g);
+    where q = h (torchtune) the width is named h."""
+    return {w["a"] * w["d"]: {"q": 1}, w["h"]: {"h": 1}, w["f"]: {"f": 1}, w["a"]: {"a": 1}, w["g"]: {"g": 1},
+            w["d"]: {"q": 1, "a": -1}, w["g"] * w["d"]: {"g": 1, "q": 1, "a": -1}, w["a"] // w["g"]: {"a": 1, "g": -1}}
 
 
-def _dim(d, hints: dict[int, str]) -> str:
-    """One size as symbols: a SymInt by its free symbols' hints (the trace's s and b differ), an int by the table."""
+def _dim(d, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> dict[str, int]:
+    """One size as exponents: a SymInt by its free symbols' hints (the trace's s and b differ), an int by the table."""
     if isinstance(d, torch.SymInt):
         expr = d.node.expr
         env = d.node.shape_env
-        names = []
-        for sym in sorted(expr.free_symbols, key=str):
+        out: dict[str, int] = {}
+        for sym in expr.free_symbols:
             hint = int(env.var_to_val[sym])
             if hint not in hints:
                 raise ValueError(f"size symbol {sym} = {hint} is neither s nor b")
-            names.append(hints[hint])
+            out[hints[hint]] = 1
         if expr != _product(expr.free_symbols):
             raise ValueError(f"size {expr} is not a product of s and b")
-        return " ".join(names)
+        return out
     if d == 1:
-        return ""
-    names = _names()
+        return {}
+    if static and d in hints:  # static shapes: s, b and s b are sizes distinct from every width
+        return {k: 1 for k in hints[d].split()}
     if d not in names:
         raise ValueError(f"static size {d} is none of the config's widths {names}")
     return names[d]
@@ -94,19 +97,18 @@ def _product(symbols):
     return out
 
 
-def _elements(shape, hints: dict[int, str]) -> str:
-    parts = [p for p in (_dim(d, hints) for d in shape) if p]
-    text = " ".join(parts) or "1"
-    # "q /a" in the middle of a product reads the same anywhere: move the division last
-    words = text.replace("/a", "").split()
-    if "/a" in text and "a" in words:  # a heads of q /a: q
-        words.remove("a")
-        return " ".join(sorted(words, key=_order))
-    return " ".join(sorted(words, key=_order)) + (" /a" if "/a" in text else "")
+ORDER = ("s", "b", "a", "g", "h", "q", "f")
 
 
-def _order(word: str) -> int:
-    return ["s", "b", "a", "g", "h", "q", "f"].index(word)
+def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
+    """The shape's element count as memplan writes a product: "s b g q /a"."""
+    power = {k: 0 for k in ORDER}
+    for d in shape:
+        for k, e in _dim(d, hints, names, static).items():
+            power[k] += e
+    up = [k if e == 1 else f"{k}^{e}" for k, e in power.items() if e > 0]
+    down = [f"/{k}" if e == -1 else f"/{k}^{-e}" for k, e in power.items() if e < 0]
+    return " ".join(up + down) or "1"
 
 
 def _base(node):
@@ -116,22 +118,55 @@ def _base(node):
     return node
 
 
-def _inputs(cfg, s: int, b: int, seed: int):
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def _hf_layer():
+    """transformers' LlamaDecoderLayer and its inputs: the hidden states and the rotary cos / sin (one row)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    torch.manual_seed(seed)
-    x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(s).unsqueeze(0))  # one row, as LlamaModel makes them
-    return x, cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    cfg = _config()
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(s).unsqueeze(0))  # one row, as LlamaModel makes them
+        return x, dict(position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)), attention_mask=None)
+
+    return layer, inputs
 
 
-def _after_forward(layer, x, cos, sin) -> tuple[int, int, torch.Tensor]:
+def _tune_layer():
+    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache)."""
+    from .torchtune import import_torchtune
+
+    import_torchtune()
+    from torchtune.models.llama3_2 import llama3_2
+
+    w = WIDTHS["torchtune"]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        model = llama3_2(vocab_size=64, num_layers=1, num_heads=w["a"], num_kv_heads=w["g"], embed_dim=w["h"],
+                         max_seq_len=4096, intermediate_dim=w["f"], tie_word_embeddings=False)
+    finally:
+        torch.set_default_dtype(old)
+    layer = model.layers[0].train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        return torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True), {}
+
+    return layer, inputs
+
+
+def _after_forward(layer, x, kwargs) -> tuple[int, int, torch.Tensor]:
     """Bytes the forward leaves alive: the layer's input is made inside the window (a clone of the leaf, as a
     layer's input is the previous layer's output), so it counts when the layer keeps it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = layer(x.clone(), position_embeddings=(cos, sin), attention_mask=None)
+        out = layer(x.clone(), **kwargs)
     return allocation_peak(prof, 0)[1], out.numel() * out.element_size(), out
 
 
@@ -149,18 +184,17 @@ def _aot_backend(inner):
                         partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
 
 
-def trace_compiled_layer(route: str = "inductor", s_trace: int = 24, b_trace: int = 3, s: int = 20,
-                         b: int = 2) -> CompiledLayer:
-    """Compile one Llama decoder layer (sdpa, bf16, CPU), read what the partitioner saves, measure what it keeps.
+def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
+                         s: int = 20, b: int = 2, dynamic: bool = True) -> CompiledLayer:
+    """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
+    the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
+    measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
     `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     warnings.filterwarnings("ignore")
-    cfg = _config()
-    torch.manual_seed(0)
-    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).train()
+    layer, inputs = _hf_layer() if impl == "hf-sdpa" else _tune_layer()
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -169,17 +203,22 @@ def trace_compiled_layer(route: str = "inductor", s_trace: int = 24, b_trace: in
         return compile_fx_inner(gm, example_inputs, **kw) if route == "inductor" else None
 
     backend = (lambda gm, ex: compile_fx(gm, ex, inner_compile=inner)) if route == "inductor" else _aot_backend(inner)
-    compiled = torch.compile(layer, backend=backend, dynamic=True)
-    x, cos, sin = _inputs(cfg, s_trace, b_trace, 1)
+    compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
+    if not dynamic:
+        s, b = s_trace, b_trace
+    x, kwargs = inputs(s_trace, b_trace, 1)
     # no cached graph: a cache hit would skip the partitioner and inner_compile
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled(x, position_embeddings=(cos, sin), attention_mask=None).sum().backward()
+        compiled(x, **kwargs).sum().backward()
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
-    hints = {s_trace: "s", b_trace: "b"}
-    param_shapes = {tuple(p.shape) for p in layer.parameters()}
+    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[impl])
+    if not dynamic:
+        hints[s_trace * b_trace] = "s b"
+        if set(hints) & set(names) or len(hints) < 3:
+            raise ValueError(f"static s {s_trace}, b {b_trace}: their sizes must differ from the widths {names}")
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
     saved, seen = [], set()
     for node in outputs[1:]:  # the layer's one output first
@@ -191,25 +230,23 @@ def trace_compiled_layer(route: str = "inductor", s_trace: int = 24, b_trace: in
         if not isinstance(val, torch.Tensor):
             continue  # SymInts for the backward
         shape = tuple(val.shape)
-        static = all(isinstance(d, int) for d in shape)
-        kind = "parameter" if node.op == "placeholder" and static and shape in param_shapes else (
-            "input" if node.op == "placeholder" else "made")
-        saved.append(SavedTensor(node.name, kind, "" if kind == "parameter" else _elements(shape, hints),
-                                 str(val.dtype).removeprefix("torch.")))
+        # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
+        tokens = any(isinstance(d, torch.SymInt) or (not dynamic and d in hints) for d in shape)
+        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else "made"
+        elements = "" if kind == "parameter" else _elements(shape, hints, names, not dynamic)
+        saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
-    x, cos, sin = _inputs(cfg, s, b, 2)
-    compiled(x, position_embeddings=(cos, sin), attention_mask=None)  # warm: guards, first-call allocations
-    x, cos, sin = _inputs(cfg, s, b, 3)
-    after, out_bytes, out = _after_forward(compiled, x, cos, sin)
+    x, kwargs = inputs(s, b, 2)
+    compiled(x, **kwargs)  # warm: guards, first-call allocations
+    after, out_bytes, out = _after_forward(compiled, *inputs(s, b, 3))
     del out
-    x, cos, sin = _inputs(cfg, s, b, 4)
-    eager_after, _, out = _after_forward(layer, x, cos, sin)
+    eager_after, _, out = _after_forward(layer, *inputs(s, b, 4))
     del out
     return CompiledLayer(tuple(saved), s, b, after, out_bytes, eager_after)
 
 
 def main(argv: list[str]) -> None:
-    r = trace_compiled_layer(argv[0] if argv else "inductor")
+    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa")
     for t in r.saved:
         print(f"{t.node:12} {t.kind:10} {t.dtype:9} {t.elements}")
     print(f"s={r.s} b={r.b}: after forward {r.after_forward} B (output {r.output_bytes} B), eager {r.eager_after_forward} B")
