@@ -55,13 +55,13 @@ def test_a_removed_term_fails(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["--tp", "2"], ["--pp", "2"], ["--cp", "2"], ["--ac", "budget:0.5"],
-                                  ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"], ["--compile"],
+                                  ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"], ["--compile", "--ac", "selective-op"],
                                   ["--model", "mixtral-8x7b"]])
 def test_refused_in_one_line(args, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8"] + args)
     err = capsys.readouterr().err
-    # --compile: traced for --impl hf-sdpa / torchtune only (memplan/inventory/compiled.py), refused here
+    # --compile: traced with --ac none / full / selective-layer (memplan/inventory/compiled.py), not selective-op
     assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
 
 

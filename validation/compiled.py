@@ -30,7 +30,8 @@ from .mcore_loss import allocation_peak
 
 # the tiny layers: every width distinct, so a static size names one config field (transformers: q = a * head_dim
 # differs from h; torchtune's heads are h / a wide, so there q = h, named h)
-WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8)}
+WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8),
+          "torchtitan": dict(h=48, f=154, a=6, g=2, d=8)}
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def _hf_layer():
         torch.manual_seed(seed)
         x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(s).unsqueeze(0))  # one row, as LlamaModel makes them
-        return x, dict(position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)), attention_mask=None)
+        rope = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+        return x, lambda layer, x: layer(x, position_embeddings=rope, attention_mask=None)
 
     return layer, inputs
 
@@ -155,18 +157,35 @@ def _tune_layer():
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
-        return torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True), {}
+        return torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True), lambda layer, x: layer(x)
 
     return layer, inputs
 
 
-def _after_forward(layer, x, kwargs) -> tuple[int, int, torch.Tensor]:
+def _titan_layer():
+    """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
+    FlexAttention, no AC), called as its decoder calls a layer (RoPE from its cache buffer, no mask)."""
+    from .titan import Shape, build_block
+
+    w = WIDTHS["torchtitan"]
+    torch.manual_seed(0)
+    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"])).train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        return (torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True),
+                lambda layer, x: layer(x, None, None))
+
+    return layer, inputs
+
+
+def _after_forward(layer, x, call) -> tuple[int, int, torch.Tensor]:
     """Bytes the forward leaves alive: the layer's input is made inside the window (a clone of the leaf, as a
     layer's input is the previous layer's output), so it counts when the layer keeps it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = layer(x.clone(), **kwargs)
+        out = call(layer, x.clone())
     return allocation_peak(prof, 0)[1], out.numel() * out.element_size(), out
 
 
@@ -194,7 +213,7 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
-    layer, inputs = _hf_layer() if impl == "hf-sdpa" else _tune_layer()
+    layer, inputs = {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -206,11 +225,11 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
     if not dynamic:
         s, b = s_trace, b_trace
-    x, kwargs = inputs(s_trace, b_trace, 1)
+    x, call = inputs(s_trace, b_trace, 1)
     # no cached graph: a cache hit would skip the partitioner and inner_compile
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled(x, **kwargs).sum().backward()
+        call(compiled, x).sum().backward()
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
@@ -236,8 +255,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         elements = "" if kind == "parameter" else _elements(shape, hints, names, not dynamic)
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
-    x, kwargs = inputs(s, b, 2)
-    compiled(x, **kwargs)  # warm: guards, first-call allocations
+    x, call = inputs(s, b, 2)
+    call(compiled, x)  # warm: guards, first-call allocations
     after, out_bytes, out = _after_forward(compiled, *inputs(s, b, 3))
     del out
     eager_after, _, out = _after_forward(layer, *inputs(s, b, 4))

@@ -1,15 +1,19 @@
 """torch.compile per decoder layer (`--compile`; --impl hf-sdpa: transformers' Llama layout, --impl torchtune: its
-Llama, as its recipes' compile_model compiles each layer): what AOTAutograd's partitioner saves for the backward of
-one compiled layer, in place of what the eager layer saves.
+Llama, as its recipes' compile_model compiles each layer, --impl torchtitan: its Llama 3 block, as apply_compile
+compiles each, --ac none / full / selective-layer): what AOTAutograd's partitioner saves for the backward of one
+compiled layer, in place of what the eager layer saves. With a layer checkpointed, the compiled layer keeps its
+input only, as the eager one.
 
 The tables below are TRACED from the compiled graph, not guessed: validation/compiled.py compiles one transformers
-5.23 LlamaDecoderLayer (sdpa, bf16) or one torchtune 0.6.1 TransformerSelfAttentionLayer (llama3_2 builder) with
-torch 2.13's inductor on CPU (dynamic s and b) and reads the forward graph's
+5.23 LlamaDecoderLayer (sdpa, bf16), one torchtune 0.6.1 TransformerSelfAttentionLayer (llama3_2 builder) or one
+torchtitan 0.3.0 Llama 3 block (validation/titan.py: sdpa standing in for FlexAttention, which has no CPU backward)
+with torch 2.13's inductor on CPU (dynamic s and b) and reads the forward graph's
 outputs that the backward takes (inductor's min_cut_rematerialization_partition, torch._functorch.partitioners),
 each shape as a polynomial in s, b and the config's widths; the same compiled layer's bytes alive after its forward
 are measured with torch.profiler's allocation events and equal the table's (tests/test_compile.py: 1,692 B per token
-for h 60, f 154, a 6, g 2, head 8, vs 2,480 B eager; torchtune's at h 48: 1,724 B vs 2,608 B eager;
-MEMPLAN_COMPILE_SLOW=1 runs inductor and torchtune, the suite runs transformers' layer through AOTAutograd with
+for h 60, f 154, a 6, g 2, head 8, vs 2,480 B eager; torchtune's at h 48: 1,724 B vs 2,608 B eager; torchtitan's
+at h 48: 1,596 B vs 2,480 B eager;
+MEMPLAN_COMPILE_SLOW=1 runs inductor, torchtune and torchtitan, the suite runs transformers' layer through AOTAutograd with
 inductor's partitioner and decompositions, no C++).
 
 What the partitioner changes (per token, bf16 = 2 B): the RMSNorms keep only their fp32 rstd and their bf16 output
@@ -30,13 +34,14 @@ import dataclasses
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
 from memplan.inventory.hf import hf_layer_moments
 from memplan.inventory.types import Inventory, Term, saved
 
 SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
-INFO = ("--compile (--impl hf-sdpa / torchtune, Llama layout): each decoder layer torch.compile'd; its saved tensors "
-        + SRC + "; the backward's transients: eager transformers' measured moments (Inductor's fused kernels' own "
-        "buffers left out)")
+INFO = ("--compile (--impl hf-sdpa / torchtune / torchtitan, Llama layout): each decoder layer torch.compile'd; its saved tensors "
+        + SRC + "; the backward's transients, where modelled: the eager layer's moments (derived; Inductor's fused "
+        "kernels' own buffers left out)")
 
 # (id, what, block, elements, dtype): the compiled layer's saved storages in the forward graph's order (views of one
 # storage counted once); "act" is the bf16 activation dtype. The rotary cos / sin tables (graph inputs, shared by the
@@ -76,7 +81,24 @@ TUNE_LAYER = (
     ("up_out", "w3's output", "MLP", "s b f", "act"),
     ("fc2_input", "SiLU(w1 x) * w3 x = input of w2", "MLP", "s b f", "act"),
 )
-TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER}
+TITAN_LAYER = (
+    ("layer_input", "block input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
+     "s b h", "act"),
+    ("ln1_rstd", "attention_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("qkv_input", "attention_norm's output (bf16) = input of the fused QKV linear", "attention", "s b h", "act"),
+    ("q", "rotated q (saved by sdpa)", "attention", "s b q", "act"),
+    ("k", "rotated k, g heads (saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("v", "v, g heads, contiguous (saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("sdpa_logsumexp", "attention log-sum-exp (fp32)", "attention", "s b a", "fp32"),
+    ("attn_out", "attention output = input of wo", "attention", "s b q", "act"),
+    ("o_proj_out", "wo's output (the residual sum is recomputed from it)", "attention", "s b h", "act"),
+    ("ln2_rstd", "ffn_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("mlp_input", "ffn_norm's output (bf16) = input of w1 and w3", "MLP", "s b h", "act"),
+    ("silu_input", "w1's output (SiLU is recomputed from it)", "MLP", "s b f", "act"),
+    ("up_out", "w3's output", "MLP", "s b f", "act"),
+    ("fc2_input", "silu(w1) * w3 = input of w2", "MLP", "s b f", "act"),
+)
+TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER, "torchtitan": TITAN_LAYER}
 
 MLP = ("ln2_rstd", "mlp_input", "silu_input", "up_out", "fc2_input", "o_proj_out")
 # the saved tensors each of hf.py's three layer moments (fc2, MLP, attention backward) no longer holds
@@ -87,12 +109,12 @@ MOMENTS = ("derived: the eager layer's backward moment (transformers' measured o
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
     """--compile is traced for transformers' (sdpa) and torchtune's Llama layer, nothing else changing the layer."""
-    if impl == "torchtitan":
-        raise MemplanError("--compile with --impl torchtitan is not modelled yet (traced for --impl hf-sdpa and "
-                           "torchtune)")
+    if impl == "torchtitan" and training.recompute == Recompute.SELECTIVE:
+        raise MemplanError("--compile with --ac selective-op is not modelled yet (the partitioner under torchtitan's "
+                           "save list is not traced): --ac none, full or selective-layer")
     if impl not in TABLES or model.inventory is not None or model.is_moe or model.is_mla:
-        raise MemplanError("--compile is traced for --impl hf-sdpa and torchtune with the Llama layout (their own "
-                           "code, not a traced inventory)")
+        raise MemplanError("--compile is traced for --impl hf-sdpa, torchtune and torchtitan with the Llama layout "
+                           "(their own code, not a traced inventory)")
     if not (model.norm == "rmsnorm" and model.mlp == "swiglu") or model.dropout or model.bias:
         raise MemplanError("--compile is traced for the Llama layout (RMSNorm, SwiGLU, no biases, no dropout)")
     others = [name for name, on in (("--liger", training.liger), ("--lora", training.lora_rank),
@@ -122,6 +144,6 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str) -> Inventory:
 def notes(training) -> list[str]:
     if not getattr(training, "compile", False):
         return []
-    return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients are the eager "
-            "layer's (transformers' measured ones, derived), Inductor's fused kernels' own buffers left out (not "
-            "traced); the loss is not compiled"]
+    return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
+            "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
+            "kernels' own buffers left out (not traced); the loss is not compiled"]
