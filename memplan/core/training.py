@@ -222,7 +222,7 @@ class TrainingSpec(Spec):
         "(memplan/inventory/liger.py)")
 
     compile: bool = Field(
-        default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune, Llama layout): the layer's saved "
+        default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune / torchtitan, Llama layout): the layer's saved "
         "tensors traced from AOTAutograd's partitioner (memplan/inventory/compiled.py)")
 
     @model_validator(mode="after")

@@ -230,5 +230,5 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile, float8, budget AC; "
-              "search over torchtitan's dimensions; the allocation stream")
+TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile with selective-op AC, "
+              "float8, budget AC; search over torchtitan's dimensions; the allocation stream")
