@@ -50,7 +50,7 @@ def _allocations(prof) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def _peak(prof, start: int) -> tuple[int, int]:
+def allocation_peak(prof, start: int) -> tuple[int, int]:
     """The peak and the final bytes alive, from `start` bytes, over the profile's allocations."""
     live = peak = start
     for _, n in _allocations(prof):
@@ -87,8 +87,8 @@ def _measure_rank(rank: int, world: int, s: int, b: int, v: int) -> list[LossMea
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as bwd:
                     loss.backward()
                     del loss
-            forward_peak, after = _peak(fwd, 0)
-            backward_peak, _ = _peak(bwd, after)
+            forward_peak, after = allocation_peak(fwd, 0)
+            backward_peak, _ = allocation_peak(bwd, after)
             out.append(LossMeasurement(fused, s, b, v, s * b * v * 2, forward_peak, after, backward_peak))
         return out
     finally:

@@ -236,9 +236,6 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
-        if self.compile:
-            raise MemplanError("--compile (torch.compile: torchtune's compile: True, torchtitan's --compile) is not "
-                               "modelled yet: its fused kernels change what is saved; estimate without it")
         if self.impl == "torchtune" and "activations" in self.offload:
             raise MemplanError("--impl torchtune: its activation offloading (OffloadActivations with activation "
                                "checkpointing, copies on a CUDA side stream) is not modelled yet")
@@ -247,7 +244,7 @@ class PlanOptions:
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
                     lora_impl="torchtune" if self.impl == "torchtune" else "peft",
-                    liger=self.liger, batch_layout=self.batch_layout,
+                    liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile),
                     checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
@@ -301,6 +298,9 @@ class PlanOptions:
         if self.sp is False and self.tp not in (None, 1):
             raise MemplanError("--impl torchtitan: TP without sequence parallelism (enable_sequence_parallel = False) "
                                "is not modelled: drop --no-sp")
+        if self.compile and self.tp not in (None, 1):
+            raise MemplanError("--impl torchtitan: --compile with --tp is not modelled yet (the partitioner is traced "
+                               "on the unsharded block)")
         if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
             raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
                                "--recompute*")

@@ -244,8 +244,11 @@ def plan_options(func: Callable) -> Callable:
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
                           "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
         click.option("--compile", "compile", is_flag=True, default=None,
-                     help="torch.compile (torchtune's compile: True, torchtitan's --compile): not modelled yet, "
-                          "refused."),
+                     help="torch.compile per decoder layer (--impl hf-sdpa, torchtune or torchtitan, Llama layout): "
+                          "each layer's saved tensors traced from AOTAutograd's partitioner (torch 2.13, inductor on "
+                          "CPU) and measured on CPU; the backward's transients the eager layer's (derived), Inductor's "
+                          "fused kernels' own buffers left out; the loss not compiled (memplan/inventory/compiled.py). "
+                          "Refused with --ac selective-op (not traced)."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "

@@ -221,6 +221,10 @@ class TrainingSpec(Spec):
         "cross-entropy) on transformers' Llama layout, derived from its code, not measured "
         "(memplan/inventory/liger.py)")
 
+    compile: bool = Field(
+        default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune / torchtitan, Llama layout): the layer's saved "
+        "tensors traced from AOTAutograd's partitioner (memplan/inventory/compiled.py)")
+
     @model_validator(mode="after")
     def _lora(self) -> "TrainingSpec":
         if self.qlora and not self.lora_rank:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
+from memplan.inventory import compiled as compiled_layer  # by module: tests take a term out of it
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import hf_trainer  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
@@ -139,6 +140,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     (memplan/inventory/recompute.py), padded / packed batches and reentrant checkpointing (memplan/inventory/hf_trainer.py), Liger-Kernel (memplan/inventory/liger.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
     if training.liger:  # refused before the implementation's own inventory is built
         liger_kernel.check_liger(model, impl, training.loss_chunks)
+    if training.compile:
+        compiled_layer.check_compile(model, impl, training)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)
@@ -153,6 +156,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     inventory = held_decoder_input(inventory, model, impl, device, training.recompute,
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
+    if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
+        inventory = compiled_layer.apply(inventory, model, impl)
     if training.checkpoint_reentrant:
         inventory = hf_trainer.reentrant(inventory)
     if training.liger:  # Liger-Kernel's fused kernels (derived from its code)

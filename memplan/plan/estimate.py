@@ -16,6 +16,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
+from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
@@ -330,6 +331,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += fp8_notes(tr)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
+    notes += compile_notes(tr)
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))

@@ -1,0 +1,149 @@
+"""torch.compile per decoder layer (`--compile`; --impl hf-sdpa: transformers' Llama layout, --impl torchtune: its
+Llama, as its recipes' compile_model compiles each layer, --impl torchtitan: its Llama 3 block, as apply_compile
+compiles each, --ac none / full / selective-layer): what AOTAutograd's partitioner saves for the backward of one
+compiled layer, in place of what the eager layer saves. With a layer checkpointed, the compiled layer keeps its
+input only, as the eager one.
+
+The tables below are TRACED from the compiled graph, not guessed: validation/compiled.py compiles one transformers
+5.23 LlamaDecoderLayer (sdpa, bf16), one torchtune 0.6.1 TransformerSelfAttentionLayer (llama3_2 builder) or one
+torchtitan 0.3.0 Llama 3 block (validation/titan.py: sdpa standing in for FlexAttention, which has no CPU backward)
+with torch 2.13's inductor on CPU (dynamic s and b) and reads the forward graph's
+outputs that the backward takes (inductor's min_cut_rematerialization_partition, torch._functorch.partitioners),
+each shape as a polynomial in s, b and the config's widths; the same compiled layer's bytes alive after its forward
+are measured with torch.profiler's allocation events and equal the table's (tests/test_compile.py: 1,692 B per token
+for h 60, f 154, a 6, g 2, head 8, vs 2,480 B eager; torchtune's at h 48: 1,724 B vs 2,608 B eager; torchtitan's
+at h 48: 1,596 B vs 2,480 B eager;
+MEMPLAN_COMPILE_SLOW=1 runs inductor, torchtune and torchtitan, the suite runs transformers' layer through AOTAutograd with
+inductor's partitioner and decompositions, no C++).
+
+What the partitioner changes (per token, bf16 = 2 B): the RMSNorms keep only their fp32 rstd and their bf16 output
+(the fp32 copy of the input and the fp32 normalised tensor are recomputed), SiLU's output is recomputed from the
+gate, the residual sums are recomputed from the layer input and o_proj's output, so the layer keeps its own input
+(eager frees it) and o_proj's output. sdpa keeps Q, K, V, its output and log-sum-exp as eager does (torchtune's K
+and V expanded to all heads, as eager).
+
+Left out, said in the output: Inductor's fused backward kernels' own buffers (not traced); the backward's moments
+are eager transformers' measured ones (the matmul and sdpa gradients run the same kernels), with the compiled
+layer's saved tensors (derived). Traced with CPU's sdpa kernel; a CUDA estimate uses the same list (derived:
+without dropout CUDA's flash / efficient sdpa also keeps Q, K, V, its output and the fp32 log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.training import Recompute
+from memplan.inventory.hf import hf_layer_moments
+from memplan.inventory.types import Inventory, Term, saved
+
+SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
+INFO = ("--compile (--impl hf-sdpa / torchtune / torchtitan, Llama layout): each decoder layer torch.compile'd; its saved tensors "
+        + SRC + "; the backward's transients, where modelled: the eager layer's moments (derived; Inductor's fused "
+        "kernels' own buffers left out)")
+
+# (id, what, block, elements, dtype): the compiled layer's saved storages in the forward graph's order (views of one
+# storage counted once); "act" is the bf16 activation dtype. The rotary cos / sin tables (graph inputs, shared by the
+# layers) are kept as in eager (hf.py's rope_cos / rope_sin, once per model chunk).
+LAYER = (
+    ("layer_input", "layer input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
+     "s b h", "act"),
+    ("ln1_rstd", "input_layernorm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("qkv_input", "input_layernorm's output = input of q_proj, k_proj, v_proj", "attention", "s b h", "act"),
+    ("v", "V, g heads (v_proj's output, saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("q", "Q after rotary (saved by sdpa)", "attention", "s b q", "act"),
+    ("k", "K after rotary, g heads (saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("sdpa_logsumexp", "sdpa log-sum-exp per row and head (fp32)", "attention", "s b a", "fp32"),
+    ("attn_out", "sdpa output = input of o_proj", "attention", "s b q", "act"),
+    ("o_proj_out", "o_proj's output (the residual sum is recomputed from it)", "attention", "s b h", "act"),
+    ("ln2_rstd", "post_attention_layernorm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("mlp_input", "post_attention_layernorm's output = input of gate_proj and up_proj", "MLP", "s b h", "act"),
+    ("silu_input", "gate_proj's output (SiLU is recomputed from it)", "MLP", "s b f", "act"),
+    ("up_out", "up_proj's output", "MLP", "s b f", "act"),
+    ("fc2_input", "SiLU(gate) * up = input of down_proj", "MLP", "s b f", "act"),
+)
+
+TUNE_LAYER = (
+    ("layer_input", "layer input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
+     "s b h", "act"),
+    ("ln1_rstd", "sa_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("qkv_input", "sa_norm's output (bf16) = input of q_proj, k_proj, v_proj", "attention", "s b h", "act"),
+    ("q", "Q after RoPE (saved by sdpa)", "attention", "s b q", "act"),
+    ("k", "K after RoPE, expanded to a heads (saved by sdpa)", "attention", "s b q", "act"),
+    ("v", "V expanded to a heads (saved by sdpa)", "attention", "s b q", "act"),
+    ("sdpa_logsumexp", "sdpa log-sum-exp per row and head (fp32)", "attention", "s b a", "fp32"),
+    ("attn_out", "sdpa output = input of output_proj", "attention", "s b q", "act"),
+    ("o_proj_out", "output_proj's output (the residual sum is recomputed from it)", "attention", "s b h", "act"),
+    ("ln2_rstd", "mlp_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("mlp_input", "mlp_norm's output (bf16) = input of w1 and w3", "MLP", "s b h", "act"),
+    ("silu_input", "w1's output (SiLU is recomputed from it)", "MLP", "s b f", "act"),
+    ("up_out", "w3's output", "MLP", "s b f", "act"),
+    ("fc2_input", "SiLU(w1 x) * w3 x = input of w2", "MLP", "s b f", "act"),
+)
+TITAN_LAYER = (
+    ("layer_input", "block input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
+     "s b h", "act"),
+    ("ln1_rstd", "attention_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("qkv_input", "attention_norm's output (bf16) = input of the fused QKV linear", "attention", "s b h", "act"),
+    ("q", "rotated q (saved by sdpa)", "attention", "s b q", "act"),
+    ("k", "rotated k, g heads (saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("v", "v, g heads, contiguous (saved by sdpa)", "attention", "s b g q /a", "act"),
+    ("sdpa_logsumexp", "attention log-sum-exp (fp32)", "attention", "s b a", "fp32"),
+    ("attn_out", "attention output = input of wo", "attention", "s b q", "act"),
+    ("o_proj_out", "wo's output (the residual sum is recomputed from it)", "attention", "s b h", "act"),
+    ("ln2_rstd", "ffn_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
+    ("mlp_input", "ffn_norm's output (bf16) = input of w1 and w3", "MLP", "s b h", "act"),
+    ("silu_input", "w1's output (SiLU is recomputed from it)", "MLP", "s b f", "act"),
+    ("up_out", "w3's output", "MLP", "s b f", "act"),
+    ("fc2_input", "silu(w1) * w3 = input of w2", "MLP", "s b f", "act"),
+)
+TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER, "torchtitan": TITAN_LAYER}
+
+MLP = ("ln2_rstd", "mlp_input", "silu_input", "up_out", "fc2_input", "o_proj_out")
+# the saved tensors each of hf.py's three layer moments (fc2, MLP, attention backward) no longer holds
+FREED = ((), ("fc2_input",), MLP + ("attn_out",))
+MOMENTS = ("derived: the eager layer's backward moment (transformers' measured one) with the compiled layer's saved "
+           "tensors; Inductor's fused kernels' own buffers left out (not traced)")
+
+
+def check_compile(model: ModelSpec, impl: str, training) -> None:
+    """--compile is traced for transformers' (sdpa) and torchtune's Llama layer, nothing else changing the layer."""
+    if impl == "torchtitan" and training.recompute == Recompute.SELECTIVE:
+        raise MemplanError("--compile with --ac selective-op is not modelled yet (the partitioner under torchtitan's "
+                           "save list is not traced): --ac none, full or selective-layer")
+    if impl not in TABLES or model.inventory is not None or model.is_moe or model.is_mla:
+        raise MemplanError("--compile is traced for --impl hf-sdpa, torchtune and torchtitan with the Llama layout "
+                           "(their own code, not a traced inventory)")
+    if not (model.norm == "rmsnorm" and model.mlp == "swiglu") or model.dropout or model.bias:
+        raise MemplanError("--compile is traced for the Llama layout (RMSNorm, SwiGLU, no biases, no dropout)")
+    others = [name for name, on in (("--liger", training.liger), ("--lora", training.lora_rank),
+                                    ("--fp8", training.fp8), ("--mst", training.mst != 1),
+                                    ("--batch-layout", training.batch_layout != "full"),
+                                    ("--checkpoint-reentrant", training.checkpoint_reentrant)) if on]
+    if others:
+        raise MemplanError(f"--compile is traced for the plain layer: drop {others[0]}")
+
+
+def compiled_terms(impl: str) -> list[Term]:
+    return [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC)
+            for id, what, block, elements, dtype in TABLES[impl]]
+
+
+def apply(inventory: Inventory, model: ModelSpec, impl: str) -> Inventory:
+    """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
+    freeing the compiled tensors."""
+    kept = [t for t in inventory.terms if t.scope != "layer"]
+    moments = {m.id: m for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
+    out = tuple(dataclasses.replace(moments[m.id], source=MOMENTS) if m.id in moments else m
+                for m in inventory.moments)
+    return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(compiled_terms(impl) + kept),
+                               moments=out)
+
+
+def notes(training) -> list[str]:
+    if not getattr(training, "compile", False):
+        return []
+    return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
+            "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
+            "kernels' own buffers left out (not traced); the loss is not compiled"]

@@ -1,0 +1,277 @@
+"""What torch.compile keeps for the backward of one transformers Llama decoder layer (attn_implementation "sdpa").
+
+``trace_compiled_layer`` compiles one ``LlamaDecoderLayer`` (bf16, on CPU) with a backend that is inductor's own
+``compile_fx`` with an ``inner_compile`` wrapper: AOTAutograd traces the joint graph, inductor's partitioner
+(``min_cut_rematerialization_partition``, torch._functorch.partitioners) splits it, and the wrapper reads the
+forward graph's outputs before handing the graph on to inductor's ``compile_fx_inner`` (so the code that runs is
+inductor's C++ for CPU). The forward graph returns the layer's output, then the tensors saved for the backward,
+then the SymInts the backward needs. s and b are symbolic (``dynamic=True``): each saved tensor's shape is read as
+symbols (s, b from the ShapeEnv's hints, the sizes fixed by the config by a table of the config's widths), so the
+result is a polynomial in s, b per tensor with the model's widths named (h, f, a, g, q; the head width is q /a).
+
+The same compiled layer is then run on real tensors (with distinct s, b from the trace's so the dynamic kernel is
+reused, not recompiled) and the bytes it keeps are measured: torch.profiler's allocation events
+(``profile_memory=True``, validation/mcore_loss.py: inductor allocates inside its generated code, which a
+TorchDispatchMode does not see) give the bytes alive after the forward that the forward allocated; the layer's input
+and the rotary tables exist before and are not counted there. The eager layer is measured the same way for
+comparison.
+
+Nothing here computes a byte count from a formula: the trace reads the graph, the measurement reads allocations.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .mcore_loss import allocation_peak
+
+# the tiny layers: every width distinct, so a static size names one config field (transformers: q = a * head_dim
+# differs from h; torchtune's heads are h / a wide, so there q = h, named h)
+WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8),
+          "torchtitan": dict(h=48, f=154, a=6, g=2, d=8)}
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    node: str  # the forward graph's node name
+    kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made"
+    elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a")
+    dtype: str  # torch dtype name: bfloat16, float32
+
+
+@dataclass(frozen=True)
+class CompiledLayer:
+    saved: tuple[SavedTensor, ...]
+    s: int  # the measured run's sequence length and micro-batch
+    b: int
+    after_forward: int  # bytes the forward allocated that are alive after it (the output and the saved tensors)
+    output_bytes: int
+    eager_after_forward: int  # the same for the eager layer (torch.autograd's own saves)
+
+
+def _config():
+    import transformers as tf
+
+    w = WIDTHS["hf-sdpa"]
+    return tf.LlamaConfig(hidden_size=w["h"], intermediate_size=w["f"], num_attention_heads=w["a"],
+                          num_key_value_heads=w["g"], head_dim=w["d"], num_hidden_layers=1, vocab_size=64,
+                          max_position_embeddings=4096, attn_implementation="sdpa")
+
+
+def _names(w: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Each static width as exponents of memplan's symbols (the head width is q /a, torchtune's K / V expansion a /g);
+    where q = h (torchtune) the width is named h."""
+    return {w["a"] * w["d"]: {"q": 1}, w["h"]: {"h": 1}, w["f"]: {"f": 1}, w["a"]: {"a": 1}, w["g"]: {"g": 1},
+            w["d"]: {"q": 1, "a": -1}, w["g"] * w["d"]: {"g": 1, "q": 1, "a": -1}, w["a"] // w["g"]: {"a": 1, "g": -1}}
+
+
+def _dim(d, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> dict[str, int]:
+    """One size as exponents: a SymInt by its free symbols' hints (the trace's s and b differ), an int by the table."""
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        env = d.node.shape_env
+        out: dict[str, int] = {}
+        for sym in expr.free_symbols:
+            hint = int(env.var_to_val[sym])
+            if hint not in hints:
+                raise ValueError(f"size symbol {sym} = {hint} is neither s nor b")
+            out[hints[hint]] = 1
+        if expr != _product(expr.free_symbols):
+            raise ValueError(f"size {expr} is not a product of s and b")
+        return out
+    if d == 1:
+        return {}
+    if static and d in hints:  # static shapes: s, b and s b are sizes distinct from every width
+        return {k: 1 for k in hints[d].split()}
+    if d not in names:
+        raise ValueError(f"static size {d} is none of the config's widths {names}")
+    return names[d]
+
+
+def _product(symbols):
+    out = 1
+    for sym in symbols:
+        out = out * sym
+    return out
+
+
+ORDER = ("s", "b", "a", "g", "h", "q", "f")
+
+
+def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
+    """The shape's element count as memplan writes a product: "s b g q /a"."""
+    power = {k: 0 for k in ORDER}
+    for d in shape:
+        for k, e in _dim(d, hints, names, static).items():
+            power[k] += e
+    up = [k if e == 1 else f"{k}^{e}" for k, e in power.items() if e > 0]
+    down = [f"/{k}" if e == -1 else f"/{k}^{-e}" for k, e in power.items() if e < 0]
+    return " ".join(up + down) or "1"
+
+
+def _base(node):
+    """The node whose storage a saved view shares (views and aliases followed to the tensor they view)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node
+
+
+def _hf_layer():
+    """transformers' LlamaDecoderLayer and its inputs: the hidden states and the rotary cos / sin (one row)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = _config()
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(s).unsqueeze(0))  # one row, as LlamaModel makes them
+        rope = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+        return x, lambda layer, x: layer(x, position_embeddings=rope, attention_mask=None)
+
+    return layer, inputs
+
+
+def _tune_layer():
+    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache)."""
+    from .torchtune import import_torchtune
+
+    import_torchtune()
+    from torchtune.models.llama3_2 import llama3_2
+
+    w = WIDTHS["torchtune"]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        model = llama3_2(vocab_size=64, num_layers=1, num_heads=w["a"], num_kv_heads=w["g"], embed_dim=w["h"],
+                         max_seq_len=4096, intermediate_dim=w["f"], tie_word_embeddings=False)
+    finally:
+        torch.set_default_dtype(old)
+    layer = model.layers[0].train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        return torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True), lambda layer, x: layer(x)
+
+    return layer, inputs
+
+
+def _titan_layer():
+    """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
+    FlexAttention, no AC), called as its decoder calls a layer (RoPE from its cache buffer, no mask)."""
+    from .titan import Shape, build_block
+
+    w = WIDTHS["torchtitan"]
+    torch.manual_seed(0)
+    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"])).train()
+
+    def inputs(s: int, b: int, seed: int):
+        torch.manual_seed(seed)
+        return (torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True),
+                lambda layer, x: layer(x, None, None))
+
+    return layer, inputs
+
+
+def _after_forward(layer, x, call) -> tuple[int, int, torch.Tensor]:
+    """Bytes the forward leaves alive: the layer's input is made inside the window (a clone of the leaf, as a
+    layer's input is the previous layer's output), so it counts when the layer keeps it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = call(layer, x.clone())
+    return allocation_peak(prof, 0)[1], out.numel() * out.element_size(), out
+
+
+def _aot_backend(inner):
+    """AOTAutograd with inductor's partitioner and decompositions, the graphs run as traced (no code generated)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def fw(gm, example_inputs):
+        inner(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                        partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+
+
+def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
+                         s: int = 20, b: int = 2, dynamic: bool = True) -> CompiledLayer:
+    """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
+    the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
+    measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
+    `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
+    and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    warnings.filterwarnings("ignore")
+    layer, inputs = {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
+    graphs: list = []
+
+    def inner(gm, example_inputs, **kw):
+        if not kw.get("is_backward"):
+            graphs.append((gm, list(example_inputs)))
+        return compile_fx_inner(gm, example_inputs, **kw) if route == "inductor" else None
+
+    backend = (lambda gm, ex: compile_fx(gm, ex, inner_compile=inner)) if route == "inductor" else _aot_backend(inner)
+    compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
+    if not dynamic:
+        s, b = s_trace, b_trace
+    x, call = inputs(s_trace, b_trace, 1)
+    # no cached graph: a cache hit would skip the partitioner and inner_compile
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        call(compiled, x).sum().backward()
+    if len(graphs) != 1:
+        raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
+    gm, _ = graphs[0]
+    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[impl])
+    if not dynamic:
+        hints[s_trace * b_trace] = "s b"
+        if set(hints) & set(names) or len(hints) < 3:
+            raise ValueError(f"static s {s_trace}, b {b_trace}: their sizes must differ from the widths {names}")
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    saved, seen = [], set()
+    for node in outputs[1:]:  # the layer's one output first
+        node = _base(node)
+        if node in seen:
+            continue  # a view of a storage already listed
+        seen.add(node)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue  # SymInts for the backward
+        shape = tuple(val.shape)
+        # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
+        tokens = any(isinstance(d, torch.SymInt) or (not dynamic and d in hints) for d in shape)
+        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else "made"
+        elements = "" if kind == "parameter" else _elements(shape, hints, names, not dynamic)
+        saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
+    # the measured run: the dynamic kernel again (no recompile), then the eager layer
+    x, call = inputs(s, b, 2)
+    call(compiled, x)  # warm: guards, first-call allocations
+    after, out_bytes, out = _after_forward(compiled, *inputs(s, b, 3))
+    del out
+    eager_after, _, out = _after_forward(layer, *inputs(s, b, 4))
+    del out
+    return CompiledLayer(tuple(saved), s, b, after, out_bytes, eager_after)
+
+
+def main(argv: list[str]) -> None:
+    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa")
+    for t in r.saved:
+        print(f"{t.node:12} {t.kind:10} {t.dtype:9} {t.elements}")
+    print(f"s={r.s} b={r.b}: after forward {r.after_forward} B (output {r.output_bytes} B), eager {r.eager_after_forward} B")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
