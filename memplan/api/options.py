@@ -239,9 +239,6 @@ class PlanOptions:
         if self.compile:
             raise MemplanError("--compile (torch.compile: torchtune's compile: True, torchtitan's --compile) is not "
                                "modelled yet: its fused kernels change what is saved; estimate without it")
-        if self.impl == "torchtune" and "activations" in self.offload:
-            raise MemplanError("--impl torchtune: its activation offloading (OffloadActivations with activation "
-                               "checkpointing, copies on a CUDA side stream) is not modelled yet")
         if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
             raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
@@ -257,6 +254,8 @@ class PlanOptions:
                     if "optimizer" in self.offload else None,
                     offload_activations=True if "activations" in self.offload or self.cpu_offloading_num_layers
                     else None, offload_activation_layers=self.cpu_offloading_num_layers,
+                    activation_offloader="torchtune" if self.impl == "torchtune" and "activations" in self.offload
+                    else "save_on_cpu",
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
                     device=self.device, fusions_off=self.fusions_off or None,
                     cross_entropy_fusion=self.cross_entropy_fusion,

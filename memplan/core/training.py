@@ -161,6 +161,10 @@ class TrainingSpec(Spec):
         default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
         "memplan/memory/offload.py)")
+    activation_offloader: Literal["save_on_cpu", "torchtune"] = Field(
+        default="save_on_cpu", description="what offloads the activations: torch's save_on_cpu around the layers "
+        "(no recompute), or torchtune's OffloadActivations (its recipes' enable_activation_offloading, with every "
+        "layer checkpointed: the checkpoints' inputs go to the host on a side stream; memplan/memory/offload.py)")
     offload_activation_layers: Optional[int] = Field(
         default=None, gt=0, description="Megatron-LM --cpu-offloading-num-layers N (Transformer Engine's CPU "
         "offload of the first N layers' activations): modelled for N = L - 1 only, as offload_activations "
@@ -312,7 +316,11 @@ class TrainingSpec(Spec):
                              f"steps a CPU AdamW or SGD), not {self.optimizer}")
         if self.offload_activation_layers is not None and not self.offload_activations:
             raise ValueError("offload_activation_layers (--cpu-offloading-num-layers) needs offload_activations")
-        if self.offload_activations and self.recompute != Recompute.NONE:
+        if self.activation_offloader == "torchtune":
+            if not self.offload_activations or self.recompute != Recompute.FULL:
+                raise ValueError("torchtune's activation offloading runs with activation checkpointing of every layer "
+                                 "(its recipes refuse it otherwise): --recompute full")
+        elif self.offload_activations and self.recompute != Recompute.NONE:
             raise ValueError(f"activation offload is modelled without recompute (got recompute "
                              f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "
                              "keeps its inputs outside save_on_cpu's hooks")

@@ -420,6 +420,11 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
         fixed = dataclasses.replace(fixed, micro_batch=b, recompute=Recompute.FULL, recompute_num_layers=k)
     if not training.offload_activations:
         return fixed
+    if training.activation_offloader == "torchtune":  # its recipes offload only with every layer checkpointed
+        if fixed.recompute not in (None, Recompute.FULL) or fixed.recompute_num_layers is not None:
+            raise MemplanError("torchtune's activation offloading runs with every layer checkpointed: search it with "
+                               "--recompute full (or leave --recompute out)")
+        return dataclasses.replace(fixed, recompute=Recompute.FULL)
     if fixed.recompute not in (None, Recompute.NONE) or fixed.recompute_num_layers is not None:
         raise MemplanError("activation offload is modelled without recompute: search it with --recompute none "
                            "(or leave --recompute out)")

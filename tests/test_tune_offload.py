@@ -1,0 +1,82 @@
+"""torchtune's activation offloading (`--impl torchtune --recompute full --offload activations`,
+memplan/memory/offload.py): what its OffloadActivations packs to the host, measured on CPU against torchtune 0.6.1's
+own code (validation/tune_offload.py, single-stream path), and what the GPU keeps, derived by hand from its code."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torchao")
+pytest.importorskip("datasets")
+
+from memplan.memory.offload import pow2ceil, tune_host_bytes  # noqa: E402
+from memplan.memory.term_bytes import PlanValues, term_bytes_for  # noqa: E402
+from memplan.inventory.assemble import inventory_for  # noqa: E402
+from memplan.plan.estimate import estimate  # noqa: E402
+from memplan.presets.batch import make_config  # noqa: E402
+from memplan.presets.files import ModelPreset  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from validation.tune_offload import measure_tune_offload  # noqa: E402
+
+DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)  # as tests/test_torchtune.py
+
+
+def _model(tmp_path, layers):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 64,
+           "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    path = tmp_path / f"config{layers}.json"
+    path.write_text(json.dumps(cfg))
+    return read_hf_config(str(path)).model
+
+
+def _estimate(model, s, b, offload):
+    extra = dict(offload_activations=True, activation_offloader="torchtune") if offload else {}
+    config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute="full", precision="bf16-true",
+                                                           **extra), model=dict(seq_length=s))
+    return config, estimate(config, impl="torchtune", device="cpu")
+
+
+@pytest.mark.parametrize("s, b", [(64, 2), (128, 2)])
+def test_host_bytes_equal_what_offloading_packs(tmp_path, s, b):
+    """Measured packs (h = 32, L = 2): token ids 8 s b B, two layer inputs 2 s b h B each, the final norm's fp32
+    input twice and normalised fp32 input once (4 s b h B each) and its rstd twice (4 s b B), each offloaded only at
+    1,024 B or more: at s b = 128 the rstd (512 B) stays, at s b = 256 (1,024 B) it goes."""
+    measured = measure_tune_offload(s, b, **DIMS)
+    model = _model(tmp_path, 2)
+    config, e = _estimate(model, s, b, True)
+    sizes = term_bytes_for(config.model, PlanValues.from_config(config), 2)
+    terms = inventory_for(model, "torchtune").terms
+    assert tune_host_bytes(terms, sizes, 2, rounded=False) == sum(measured["offloaded"])
+    # the recipes pin the host copies: each its own power-of-two block
+    assert e.host.activations == sum(pow2ceil(n) for n in measured["offloaded"])
+    assert sum(measured["kept"]) == 32 * 2 + (2 * 4 * s * b if s * b < 256 else 0)  # the scale, the small rstd
+
+
+def test_gpu_keeps_the_stash_and_two_inputs(tmp_path):
+    """L = 7, s = 64, b = 2: a layer input is 2 s b h = 8,192 B. Without offload the checkpointed run keeps layers
+    1..j's inputs after layer j's forward, all 7 at the loss and layers 1..j-1's (+ layer j's, in `alive`) in layer j's
+    backward. OffloadActivations keeps the last 5 packs on the GPU in the forward (min(j, 5) inputs), none at the
+    loss (the final norm's packs push them out) and in layer j < 7's backward layer j + 1's input brought back."""
+    model = _model(tmp_path, 7)
+    (_, base), (_, off) = _estimate(model, 64, 2, False), _estimate(model, 64, 2, True)
+    one = 2 * 64 * 2 * 32
+    pairs = list(zip(base.step.events, off.step.events))
+    fwd = [(a, o) for a, o in pairs if a.phase == "forward" and a.moment.startswith("after layer")]
+    assert len(fwd) == 7
+    for a, o in fwd:
+        assert a.parts["saved"] - o.parts["saved"] == (a.layer - min(a.layer, 5)) * one, a.moment
+    loss = [(a, o) for a, o in pairs if a.phase == "loss"]
+    assert loss and all(a.parts["saved"] - o.parts["saved"] == 7 * one for a, o in loss)
+    bwd = [(a, o) for a, o in pairs if a.phase == "backward" and a.layer is not None]
+    assert bwd
+    for a, o in bwd:
+        assert a.parts["saved"] - o.parts["saved"] == (a.layer - 1 - (a.layer < 7)) * one, a.moment
+    assert off.perf is None or off.perf.host_copy_s == 0  # a side stream: no exposed copy time (derived)
+
+
+def test_offloading_needs_checkpointing(run_cli):
+    """torchtune's recipes refuse enable_activation_offloading without enable_activation_checkpointing."""
+    code, _, err = run_cli("estimate", "--model", "llama3-8b", "--impl", "torchtune", "--gpus", "1", "--tp", "1",
+                           "--pp", "1", "--offload", "activations")
+    assert code == 2 and "--recompute full" in err and len(err.strip().splitlines()) == 1
