@@ -22,19 +22,19 @@ from validation.tune_offload import measure_tune_offload  # noqa: E402
 DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)  # as tests/test_torchtune.py
 
 
-def _model(tmp_path, layers):
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 64,
+def _model(tmp_path, layers, hidden=32, ffn=48, kv_heads=2):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
+           "num_attention_heads": 4, "num_key_value_heads": kv_heads, "num_hidden_layers": layers, "vocab_size": 64,
            "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-    path = tmp_path / f"config{layers}.json"
+    path = tmp_path / f"config{layers}-{hidden}.json"
     path.write_text(json.dumps(cfg))
     return read_hf_config(str(path)).model
 
 
-def _estimate(model, s, b, offload):
+def _estimate(model, s, b, offload, **training):
     extra = dict(offload_activations=True, activation_offloader="torchtune") if offload else {}
     config = make_config(ModelPreset(model), training=dict(micro_batch=b, recompute="full", precision="bf16-true",
-                                                           **extra), model=dict(seq_length=s))
+                                                           **extra, **training), model=dict(seq_length=s))
     return config, estimate(config, impl="torchtune", device="cpu")
 
 
@@ -53,6 +53,22 @@ def test_host_bytes_equal_what_offloading_packs(tmp_path, s, b):
     # the recipes pin the host copies: each its own power-of-two block
     assert e.host.activations == sum(pow2ceil(n) for n in measured["offloaded"])
     assert sum(measured["kept"]) == 32 * 2 + (2 * 4 * s * b if s * b < 256 else 0)  # the scale, the small rstd
+
+
+@pytest.mark.parametrize("s, qlora", [(128, False), (96, True)])
+def test_host_bytes_with_lora(tmp_path, s, qlora):
+    """torchtune's LoRA / QLoRA model (h = 128, f = 128, 4 KV heads: NF4 needs 16,384-element weights; r 8 on q, v,
+    output_proj and the MLP), b = 2: the frozen embedding saves no token ids and the frozen final-norm scale makes
+    its normalised input unsaved: the packs are the two layer inputs (2 s b h), the norm's fp32 input twice
+    (4 s b h) and, at s b = 256, its rstd twice (1,024 B); NF4 weights change nothing (the layers are checkpointed)."""
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    measured = measure_tune_offload(s, 2, vocab=64, layers=2, heads=4, kv_heads=4, hidden=128, ffn=128,
+                                    lora=dict(rank=8, targets=targets, dropout=0.0, qlora=qlora))
+    assert sorted(measured["offloaded"]) == sorted([2 * s * 2 * 128] * 2 + [4 * s * 2 * 128] * 2
+                                                   + ([4 * s * 2] * 2 if s * 2 >= 256 else []))
+    _, e = _estimate(_model(tmp_path, 2, hidden=128, ffn=128, kv_heads=4), s, 2, True, lora_rank=8,
+                     lora_targets=tuple(targets), qlora=qlora, lora_impl="torchtune")
+    assert e.host.activations == sum(pow2ceil(n) for n in measured["offloaded"])
 
 
 def test_gpu_keeps_the_stash_and_two_inputs(tmp_path):

@@ -31,13 +31,13 @@ def _offloading_module():
 
 
 def measure_tune_offload(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
-                         ffn: int) -> dict[str, list[int]]:
+                         ffn: int, lora: dict | None = None) -> dict[str, list[int]]:
     """One forward of torchtune's checkpointed Llama under its activation offloading. Returns ``offloaded`` (the
     bytes of each host copy its pack hook made, in pack order) and ``kept`` (of each pack it left as it is,
-    parameters included)."""
+    parameters included); ``lora``: torchtune's LoRA / QLoRA model (validation/torchtune.py ``_build``)."""
     module = _offloading_module()
     torch.manual_seed(0)
-    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, True)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, True, lora)
     real = module.OffloadActivations
     with mock.patch.object(torch.cuda, "default_stream", lambda *a, **k: None), \
             mock.patch.object(module, "OffloadActivations",

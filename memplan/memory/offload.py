@@ -188,10 +188,13 @@ TUNE_PACKED = (("token_ids", 1), ("final_norm_fp32_input", 2), ("final_norm_rstd
 def tune_host_bytes(terms: Any, sizes: Any, layers: Any, rounded: bool = True) -> Any:
     """Host bytes torchtune's OffloadActivations holds for one micro-batch: the packs of at least TUNE_MIN_BYTES,
     each its own host tensor (a pinned block, a power of two, unless `rounded` is False), of `layers` layer inputs
-    and of the tensors TUNE_PACKED names (`sizes`: a term's bytes)."""
+    and of the tensors TUNE_PACKED names that the inventory saves (`sizes`: a term's bytes; with LoRA the frozen
+    embedding's token ids and the final norm's normalised input are not saved: memplan/inventory/lora.py)."""
     by_id = {t.id: t for t in terms}
     total: Any = 0
     for tid, packs in (("layer_input", layers), *TUNE_PACKED):
+        if tid not in by_id:
+            continue
         n = sizes(by_id[tid])
         total = total + packs * (n >= TUNE_MIN_BYTES) * (pow2ceil(n) if rounded else n)
     return total
