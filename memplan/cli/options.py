@@ -284,7 +284,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
-                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/memory/offload.py."),
+                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute; with --impl torchtune its "
+                          "OffloadActivations, with --recompute full). memplan/memory/offload.py."),
         click.option("--offload-fraction", type=click.FloatRange(0, 1, min_open=True), metavar="F",
                      help="With --offload optimizer: the fraction of the optimizer states offloaded (default 1.0; "
                           "Megatron-LM --optimizer-offload-fraction)."),
