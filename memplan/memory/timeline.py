@@ -125,12 +125,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # Activation offload (memplan/memory/offload.py: torch's save_on_cpu): the decoder layers' saved tensors of the other
     # layers and micro-batches are in host memory. The GPU keeps what is saved outside the layers, the current
     # layer's tensors (in the forward until packed, in its backward once brought back), one copy of the tensors the
-    # layers share (chunk terms) and, in a layer's backward, the largest of its weights brought back. torchtune's
-    # (offload.py): the last TUNE_STASH packs in the forward, none at the loss, layers j, j + 1's inputs in j's backward.
-    tune = training.activation_offloader == "torchtune"
+    # layers share (chunk terms) and, in a layer's backward, the largest of its weights brought back.
+    tune = training.activation_offloader == "torchtune"  # OffloadActivations (memplan/memory/offload.py)
     off = training.offload_activations and not tune
 
-    def kept_upto(j: Any, stash: int = TUNE_STASH) -> Any:  # saved bytes of layers 1..j the GPU holds
+    def kept_upto(j: Any, stash: int = TUNE_STASH) -> Any:  # saved bytes of layers 1..j on the GPU (tune: its stash)
         return 0 if off else stored_upto(minimum(j, stash) if tune else j)
     unpacked_weight: Any = 0
     if off:
