@@ -62,7 +62,7 @@ CASES = [
      "--batch-layout packed is modelled for --impl hf-sdpa / hf-eager"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--compile"], "--compile (torch.compile"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--recompute", "none", "--offload", "activations"],
-     "its activation offloading (OffloadActivations"),
+     "torchtune's activation offloading runs with activation checkpointing"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--gpus", "2", "--tp", "2"],
      "memplan models its recipes without tensor or pipeline parallelism"),
     (["estimate", "--model", "mixtral-8x7b", "--impl", "torchtune", "--gpus", "1", "--tp", "1", "--pp", "1",
