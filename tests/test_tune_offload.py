@@ -5,6 +5,7 @@ own code (validation/tune_offload.py, single-stream path), and what the GPU keep
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torchao")
@@ -14,7 +15,9 @@ from memplan.memory.offload import pow2ceil, tune_host_bytes  # noqa: E402
 from memplan.memory.term_bytes import PlanValues, term_bytes_for  # noqa: E402
 from memplan.inventory.assemble import inventory_for  # noqa: E402
 from memplan.plan.estimate import estimate  # noqa: E402
-from memplan.presets.batch import make_config  # noqa: E402
+from memplan.plan.arrange import arrange  # noqa: E402
+from memplan.plan.search import search  # noqa: E402
+from memplan.presets.batch import make_config, search_inputs  # noqa: E402
 from memplan.presets.catalog import load_gpu  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
@@ -129,3 +132,18 @@ def test_published_llama32_3b_offloading_row():
     assert 21.8 < peaks[1] / 2**30 < 1.15 * 21.8
     # host: 28 x 64 MiB + token ids 65,536 B + fp32 input twice and normed once in 128 MiB blocks + rstd twice 32 KiB
     assert e.host.activations == 28 * 2**26 + 2**16 + 3 * 2**27 + 2 * 2**15
+
+
+def test_search_pins_full_recompute_and_equals_estimate():
+    """A search with torchtune's offloading keeps every plan checkpointed (its recipes need it) and gives each listed
+    plan the estimate's device and host memory (the vectorised planner and the scalar estimate share the model)."""
+    llama = read_hf_config(str(Path(__file__).parent.parent / "docs" / "torchtune" / "llama3.2-3b.json")).model
+    gpu = load_gpu("a100-80gb")
+    model, training, gb = search_inputs(ModelPreset(llama), 2, 4, 4096, None, dict(
+        offload_activations=True, activation_offloader="torchtune", precision="bf16-true", loss_chunks=8), None)
+    result = arrange(search(model, training, 2, gb, gpu.memory_bytes, gpu=gpu, impl="torchtune", top=3))
+    assert result.top and set(np.asarray(result.evaluated.plans.recompute).tolist()) == {2}  # Recompute.FULL
+    for i in result.top:
+        e = estimate(result.config(i), gpu=gpu, impl="torchtune")
+        assert result.row(i)["memory"]["host_bytes_per_node"] == e.host_bytes_per_node > 0
+        assert result.row(i)["memory"]["device_bytes"] == e.device.flat_total

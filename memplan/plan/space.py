@@ -403,7 +403,7 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
     (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. Expert parallelism is modelled with some optimizers
     only (memplan/core/specs.py EXPERT_PARALLEL_RULE): with the others the search leaves it out (`space_notes`). MsT is modelled at micro-batch 1 with every layer
     checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
-    (TrainingSpec): the search keeps recompute none."""
+    (TrainingSpec): the search keeps recompute none; torchtune's with every layer checkpointed: recompute full."""
     if training.fp8 is not None:
         if fixed.zero is not None and fixed.zero > FP8_MAX_ZERO:
             raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
