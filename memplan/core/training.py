@@ -309,8 +309,9 @@ class TrainingSpec(Spec):
     @model_validator(mode="after")
     def _offload(self) -> "TrainingSpec":
         """Offload as modelled: optimizer offload steps AdamW or SGD on the host (Megatron-LM's HybridDeviceOptimizer
-        has a CPU Adam and SGD only); activation offload without recompute (torch's checkpoint keeps its inputs
-        outside save_on_cpu's hooks, and Megatron-LM refuses the two together)."""
+        has a CPU Adam and SGD only); save_on_cpu's activation offload without recompute (Megatron-LM refuses the two
+        together; around checkpointed layers save_on_cpu would pack only the checkpoints' inputs, which torch 2.13's
+        checkpoint saves through the hooks around it: not modelled); torchtune's with every layer checkpointed."""
         if self.offload_optimizer_fraction > 0 and self.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):
             raise ValueError(f"optimizer offload is modelled for adamw and sgd (Megatron-LM's HybridDeviceOptimizer "
                              f"steps a CPU AdamW or SGD), not {self.optimizer}")
@@ -322,8 +323,8 @@ class TrainingSpec(Spec):
                                  "(its recipes refuse it otherwise): --recompute full")
         elif self.offload_activations and self.recompute != Recompute.NONE:
             raise ValueError(f"activation offload is modelled without recompute (got recompute "
-                             f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "
-                             "keeps its inputs outside save_on_cpu's hooks")
+                             f"{self.recompute.label}): Megatron-LM refuses the two together (with --impl torchtune, "
+                             "its own offloading runs with --recompute full)")
         return self
 
     @model_validator(mode="after")
