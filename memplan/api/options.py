@@ -101,6 +101,7 @@ class PlanOptions:
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
     qlora: Optional[bool] = None
+    dora: Optional[bool] = None
     liger: Optional[bool] = None
     batch_layout: Optional[str] = None
     checkpoint_reentrant: Optional[bool] = None
@@ -239,10 +240,11 @@ class PlanOptions:
         if self.compile:
             raise MemplanError("--compile (torch.compile: torchtune's compile: True, torchtitan's --compile) is not "
                                "modelled yet: its fused kernels change what is saved; estimate without it")
-        if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
-            raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
+        if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora or self.dora):
+            raise MemplanError("--lora-targets, --lora-dropout, --qlora and --dora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+                    lora_dora=self.dora,
                     lora_impl="torchtune" if self.impl == "torchtune" else "peft",
                     liger=self.liger, batch_layout=self.batch_layout,
                     checkpoint_reentrant=self.checkpoint_reentrant,

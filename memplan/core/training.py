@@ -206,6 +206,10 @@ class TrainingSpec(Spec):
     lora_impl: Literal["peft", "torchtune"] = Field(
         default="peft", description="whose LoRA modules: peft (fp32 adapters; QLoRA: bitsandbytes NF4) or torchtune's "
         "LoRALinear (adapters in the model's dtype; QLoRA: torchao NF4Tensor), which --impl torchtune sets")
+    lora_dora: bool = Field(
+        default=False, description="peft's DoRA (LoraConfig(use_dora=True)): a magnitude vector per target (fp32, "
+        "trained) and what DoraLinearLayer saves beyond LoRA, measured with peft 0.21.2 on CPU (memplan/inventory/"
+        "lora.py); peft's LoRA without dropout or QLoRA only")
     qlora: bool = Field(
         default=False, description="QLoRA: the frozen layer linears stored as bitsandbytes NF4 with double "
         "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
@@ -231,6 +235,9 @@ class TrainingSpec(Spec):
             raise ValueError("qlora trains LoRA adapters on a 4-bit base: give lora_rank (--lora R)")
         if (self.lora_targets or self.lora_dropout) and not self.lora_rank:
             raise ValueError("lora_targets / lora_dropout need lora_rank (--lora R)")
+        if self.lora_dora and (not self.lora_rank or self.lora_impl != "peft" or self.qlora or self.lora_dropout):
+            raise ValueError("DoRA (--dora) is modelled for peft's LoRA (--lora R, --impl hf-*) without --qlora or "
+                             "--lora-dropout (measured without them)")
         return self
 
     @model_validator(mode="before")
