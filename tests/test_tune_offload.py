@@ -21,7 +21,7 @@ from memplan.presets.batch import make_config, search_inputs  # noqa: E402
 from memplan.presets.catalog import load_gpu  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.tune_offload import measure_tune_offload  # noqa: E402
+from validation.tune_offload import measure_tune_offload, tune_offload_stash  # noqa: E402
 
 DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)  # as tests/test_torchtune.py
 
@@ -147,3 +147,20 @@ def test_search_pins_full_recompute_and_equals_estimate():
         e = estimate(result.config(i), gpu=gpu, impl="torchtune")
         assert result.row(i)["memory"]["host_bytes_per_node"] == e.host_bytes_per_node > 0
         assert result.row(i)["memory"]["device_bytes"] == e.device.flat_total
+
+
+@pytest.mark.parametrize("lora", [None, dict(rank=8, targets=["q_proj", "v_proj"], dropout=0.0)])
+def test_forward_stash_measured(tmp_path, lora):
+    """torchtune's stream path run on CPU with the streams stubbed (L = 7, h = 128): its forward stash holds at most
+    5 layer inputs; at the loss none, or with LoRA the last layer's (the frozen final-norm scale: no normalised
+    input packed after it). memplan's loss moment holds that many layer inputs (2 s b h = 65,536 B each) and its
+    forward after layer j min(j, 5)."""
+    measured = tune_offload_stash(128, 2, vocab=64, layers=7, heads=4, kv_heads=4, hidden=128, ffn=128, lora=lora)
+    assert measured["most"] == 5
+    extra = dict(lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_impl="torchtune") if lora else {}
+    model = _model(tmp_path, 7, hidden=128, ffn=128, kv_heads=4)
+    (_, base), (_, off) = _estimate(model, 128, 2, False, **extra), _estimate(model, 128, 2, True, **extra)
+    one = 2 * 128 * 2 * 128
+    loss = [(a, o) for a, o in zip(base.step.events, off.step.events) if a.phase == "loss"]
+    assert loss and all(a.parts["saved"] - o.parts["saved"] == (7 - measured["at_end"]) * one for a, o in loss)
+    assert measured["at_end"] == (1 if lora else 0)

@@ -64,8 +64,10 @@ enable_activation_offloading, which they allow only with enable_activation_check
   projection runs under NoOpManager (nothing packed) and the loss outside. Measured on CPU with use_streams=False
   (validation/tune_offload.py): which tensors are packed, offloaded and kept, and their bytes.
 - the GPU keeps each offloaded tensor in a forward stash until a later pack of id 5 more (ids count every pack):
-  in the forward, the inputs of the last min(j, 5) layers; the final norm's five packs empty the stash of layer
-  inputs before the loss (its own tensors stay: the stash or the norm hold them until its backward).
+  in the forward, the inputs of the last min(j, 5) layers; the final norm's packs empty the stash of layer inputs
+  before the loss (its own tensors stay: the stash or the norm hold them until its backward), but for the last
+  layer's with LoRA (its frozen scale: one pack fewer that offloads). Measured with its stream code on CPU, the
+  streams stubbed (validation/tune_offload.py tune_offload_stash).
 - unpack (streams): the checkpoint's input comes back to the GPU when its layer's backward starts and is freed once
   the next layer's first node has run: in layer j's backward, layer j + 1's input too (memplan counts it for the
   whole of layer j's backward: an upper bound). The token ids stay on the GPU (the batch holds them).
@@ -183,6 +185,15 @@ TUNE_STASH = 5  # max_fwd_stash_size: packs of the last 5 ids stay on the GPU
 TUNE_MIN_BYTES = 1024  # min_offload_size
 # what it packs outside the layers (term id, packs of it): the tokens, the final norm's composite ops
 TUNE_PACKED = (("token_ids", 1), ("final_norm_fp32_input", 2), ("final_norm_rstd", 2), ("final_norm_normed", 1))
+
+
+def tune_loss_stash(terms: Any) -> int:
+    """Layer inputs still in OffloadActivations' forward stash at the loss: the final norm packs its fp32 input,
+    rstd twice, its fp32 input again, the scale (a parameter: no stash cleanup) and, unless the scale is frozen
+    (LoRA), its normalised input. A pack of id t drops ids <= t - 5: the normalised input (6th) drops every layer
+    input, the fp32 input (4th) all but the last layer's (measured: validation/tune_offload.py tune_offload_stash)."""
+    last = 6 if any(t.id == "final_norm_normed" for t in terms) else 4
+    return max(0, TUNE_STASH - last)
 
 
 def tune_host_bytes(terms: Any, sizes: Any, layers: Any, rounded: bool = True) -> Any:

@@ -14,21 +14,19 @@ One step on a stage, walked for the micro-batch whose backward comes first in th
   its moments have not freed (all of them re-created when the layer is recomputed), the moments'
   transient tensors, and the gradients made so far;
 - embedding backward (first stage): every gradient, nothing of this chunk saved;
-- optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one
-  tensor the size of the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in
-  torch/optim/adam.py `_multi_tensor_adam`; fused: none; the other optimizers' in
-  memplan/memory/optimizers.py).
+- optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one tensor the size of
+  the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in torch/optim/adam.py `_multi_tensor_adam`; fused:
+  none; the other optimizers' in memplan/memory/optimizers.py).
 
-Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the
-whole step; torch `.grad` tensors (transformers) appear on their first write in the backward and
-are freed by zero_grad after the optimizer step, so with one micro-batch the forward has none and
-with gradient accumulation the later micro-batches' forwards have all of them.
+Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the whole step; torch
+`.grad` tensors (transformers) appear on their first write in the backward and are freed by zero_grad after the
+optimizer step, so with one micro-batch the forward has none and with gradient accumulation the later micro-batches'
+forwards have all of them.
 
-Every quantity is a scalar or a numpy array (one element per plan). Backward bytes are linear in
-j within the recomputed layers (the first N of a chunk, Megatron-LM's block method) and within the
-others, so the peak over all layers is at j in {1, N, N + 1, n} (with a gradient buffer, where
-they grow with j, in {N, n}), and the forward's at j = n: the planner evaluates only those
-(`critical=True`); a test checks that against the walk over every layer.
+Every quantity is a scalar or a numpy array (one element per plan). Backward bytes are linear in j within the
+recomputed layers (the first N of a chunk, Megatron-LM's block method) and within the others, so the peak over all
+layers is at j in {1, N, N + 1, n} (with a gradient buffer, where they grow with j, in {N, n}), and the forward's at
+j = n: the planner evaluates only those (`critical=True`); a test checks that against the walk over every layer.
 """
 
 from __future__ import annotations
@@ -44,7 +42,8 @@ from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
-from memplan.memory.offload import TUNE_STASH, conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
+from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_weight_bytes, offloaded_params, share,
+                                    tune_loss_stash)
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
@@ -278,7 +277,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
         event(m.phase, None, m.name, grads_fwd + grads_of(m),
-              others + (0 if off or tune else stored_upto(n)) + last_cur - freed, held + transient_bytes(m), is_last)
+              others + kept_upto(n, tune_loss_stash(inventory.terms)) + last_cur - freed, held + transient_bytes(m),
+              is_last)
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
