@@ -303,10 +303,10 @@ def notes(training: TrainingSpec, impl: str) -> list[str]:
                    "pinned host buffers and the weights come back every step over PCIe, exposed; the host's optimizer "
                    "step itself is not timed")
     if training.activation_offloader == "torchtune":
-        out.append("activation offload: torchtune's OffloadActivations with every layer checkpointed, derived from "
-                   "its code (torchtune 0.6.1) and measured on CPU without CUDA streams (what it packs): the layer "
-                   "inputs, token ids and final norm's tensors go to pinned host memory on a side stream (no time "
-                   "added); the GPU keeps the last 5 packs in the forward and two layer inputs in the backward")
+        out.append("activation offload: torchtune's OffloadActivations with every layer checkpointed (torchtune "
+                   "0.6.1): what it packs and its forward stash measured on CPU with its own code (streams stubbed); "
+                   "the layer inputs, token ids and final norm's tensors go to pinned host memory on a side stream; "
+                   "derived from its code: two layer inputs in a layer's backward, no time added (copies overlapped)")
     elif training.offload_activations:
         out.append("activation offload: torch.autograd.graph.save_on_cpu(pin_memory=True) around the decoder layers, "
                    "derived from torch/autograd/graph.py:400-420 (torch 2.13), not measured on a GPU: every saved "
