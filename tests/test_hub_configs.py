@@ -18,7 +18,9 @@ HUB = Path(__file__).parent / "hub"
 FIXTURES = sorted(p.stem for p in HUB.glob("*.json"))
 # the families issue 22 names, each with a fixture (two for Falcon, Cohere and DeepSeek-V2: both layouts)
 FAMILIES = ["olmo2-7b", "granite-3.1-8b", "falcon-7b", "falcon-40b", "pythia-1b", "starcoder2-3b", "command-r-v01",
-            "command-r-plus", "phi-3.5-moe", "deepseek-v2-lite", "deepseek-v2", "gpt-oss-20b", "gemma3-4b"]
+            "command-r-plus", "phi-3.5-moe", "deepseek-v2-lite", "deepseek-v2", "gpt-oss-20b", "gemma3-4b",
+            # and families the registry walk added (memplan/presets/hf_families.py)
+            "qwen1.5-moe-a2.7b", "phi-2", "gpt-j-6b", "bloom-560m", "mpt-7b", "gpt-neo-125m"]
 
 
 def _meta_params(config: dict) -> int:
@@ -85,7 +87,7 @@ def test_a_directory_given_to_hf_config_uses_its_config_json(tmp_path):
 
 def test_an_unknown_architecture_says_how_to_write_a_model_yaml_and_what_to_install(run_cli, tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"architectures": ["BloomForCausalLM"], "model_type": "bloom"}))
+    path.write_text(json.dumps({"architectures": ["RwkvForCausalLM"], "model_type": "rwkv"}))
     code, _, err = run_cli("estimate", "--hf-config", str(path))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "Model presets" in err and "pip install 'memplan[trace]'" in err and "--model" in err
@@ -113,9 +115,14 @@ def test_no_sdpa_list_agrees_with_transformers():
     from memplan.inventory.traced_file import NO_SDPA
     from memplan.presets.hf_config import HF_ARCHITECTURES
 
-    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss", "VaultGemmaForCausalLM": "vaultgemma"}
-    missing = [a for a in HF_ARCHITECTURES if not getattr(getattr(transformers, a), "_supports_sdpa", False)]
-    assert sorted(types[a] for a in missing) == sorted(NO_SDPA)
+    types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss", "VaultGemmaForCausalLM": "vaultgemma",
+             "GraniteSWAForCausalLM": "granite_swa", "GraniteMoeSWAForCausalLM": "granitemoe_swa",
+             "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt", "MPTForCausalLM": "mpt", "GPTJForCausalLM": "gptj",
+             "CodeGenForCausalLM": "codegen", "XGLMForCausalLM": "xglm", "GPTNeoForCausalLM": "gpt_neo"}
+    # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
+    classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
+    missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]
+    assert sorted({types[a] for a in missing}) == sorted(NO_SDPA)
 
 
 def test_mlp_bias_alone_is_refused_in_one_line(tmp_path):

@@ -77,3 +77,15 @@ def test_refused_in_one_line(args, capsys):
         main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--emit", "torchtitan"] + args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
+
+
+def test_tp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --tp 2 on 8 GPUs: torchtitan's 2-D layout, dp_shard 4 x TP 2, with the DTensor backend memplan measured TP on
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, tp=2, ac="selective-op", seq_len=4096, micro_batch=2,
+                      global_batch=16, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    par = config.parallelism
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.tensor_parallel_degree) == (1, 4, 2)
+    assert par.enable_sequence_parallel and par.spmd_backend == "partial_dtensor"
+    assert "--nproc_per_node=8" in result.launch.args[1]
+    assert result.launch.document["parallelism.tensor_parallel_degree"] == 2

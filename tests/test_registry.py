@@ -8,6 +8,7 @@ with every trace: `python -m memplan.check.registry` (docs/reference.md, section
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,6 +18,8 @@ pytest.importorskip("transformers")
 
 from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.memory.states import total_params, weight_shapes  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
@@ -25,6 +28,10 @@ TABLE = re.compile(r"<!-- registry-exclusions -->\n(?P<body>.*?)\n<!-- end regis
 # the families issue 22 names (model_type), each estimated with the exact count
 NAMED = ["olmo2", "granite", "falcon", "gpt_neox", "starcoder2", "cohere", "phimoe", "deepseek_v2", "gpt_oss",
          "gemma3", "gemma3_text"]
+# the families the third wave read (memplan/presets/hf_families.py), each estimated with the exact count
+WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "phi", "gptj",
+           "codegen", "bloom", "olmo", "glm", "glm4", "nemotron", "persimmon", "arcee", "ministral", "mpt", "dbrx",
+           "gpt_neo", "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2"]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +50,8 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     estimated = [r for r in rows if r.estimated]
     wrong = {r.model_type: (r.memplan_params, r.meta_params) for r in estimated if r.memplan_params != r.meta_params}
     assert not wrong
-    assert len(estimated) >= 40
-    assert {r.model_type for r in estimated} >= set(NAMED)
+    assert len(estimated) >= 80
+    assert {r.model_type for r in estimated} >= set(NAMED) | set(WIDENED)
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -58,16 +65,49 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     ("exaone4", dict(tie_word_embeddings=True)),
     ("granitemoeshared", dict(shared_intermediate_size=48)),  # the shared expert (0 by default: none)
     ("olmoe", dict(num_experts=6)),
+    ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),  # q / k norms per head; biases on q, k, v only
+    ("glm", dict(attention_bias=False)),
+    ("qwen2_moe", dict(qkv_bias=False, shared_expert_intermediate_size=48)),
+    ("llama4_text", dict(moe_layers=[1])),  # a dense first layer intermediate_size_mlp wide
+    ("ernie4_5_moe", dict(moe_num_shared_experts=0)),
+    ("exaone_moe", dict(mlp_layer_types=["dense", "dense", "sparse"])),
+    ("cohere2_moe", dict(num_shared_experts=1)),
+    ("persimmon", dict(qk_layernorm=False)),
+    ("gpt_bigcode", dict(multi_query=False)),
 ])
 def test_the_switches_of_the_widened_families_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
     assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config(model_type))
 
 
+@pytest.mark.parametrize("layout", ["fused", "separate"])
+@pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
+                                        "gpt_neo"])
+def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
+    """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
+    fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
+    shared experts' gate, MLP-only and out_proj biases, the embedding norm."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config(model_type)))
+    model = read_hf_config(str(path)).model
+    values, k = model.symbols(t=1), model.moe_first_dense_layers
+    shapes = weight_shapes(model, layout)
+    held = sum(times * w.count * int(w.numel.evaluate(values)) for scope, times in (
+        ("first", 1), ("dense_layer", k), ("layer", model.num_layers - k), ("last", 1), ("head", 0 if
+                                                                                          model.tied_embeddings else 1))
+        for w in shapes[scope])
+    assert held == total_params(model)
+
+
 @pytest.mark.parametrize("model_type, switches, says", [
     ("seed_oss", dict(attention_bias=False, attention_out_bias=True), "attention_out_bias"),
     ("stablelm", dict(qk_layernorm=True), "qk_layernorm"),
     ("stablelm", dict(use_parallel_residual=True), "use_parallel_residual"),
+    ("phi", dict(qk_layernorm=True), "qk_layernorm"),
+    ("llama4_text", dict(moe_layers=[0]), "moe_layers"),  # an MoE layer before a dense one
+    ("ernie4_5_moe", dict(moe_layer_interval=2), "moe_layer_interval"),
+    ("exaone_moe", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types"),
+    ("mpt", dict(no_bias=False), "no_bias"),  # transformers' MptBlock builds no bias whatever the file says
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -82,6 +122,16 @@ def test_a_traced_sample_equals_a_real_cpu_run(model_type):
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.traced and row.measured, row.trace_error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "bloom", "gptj", "glm4_moe", "llama4", "olmo"])
+def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_type):
+    """The same check over families hf_families.py reads (a gated shared expert, ALiBi with an embedding norm, GPT-J's
+    parallel block, GLM-4.5's dense-first experts, Llama 4's text_config, norms without weights)."""
+    row, config = registry.params_row(model_type, "")
+    registry.trace_row(row, config)
+    assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
 
 
 def test_the_docs_print_the_exclusions():

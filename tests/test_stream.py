@@ -13,6 +13,7 @@ from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
+from memplan.memory.pipeline import microbatches_in_flight, schedule
 from memplan.memory.stream import KINDS, Alloc, Free, not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
@@ -61,6 +62,35 @@ CASES = [
                                                                   loss_chunks=4), dict(num_layers=2), (0,)),
     ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, loss_chunks=4,
                                                         optimizer="muon"), dict(num_layers=2), (0,)),
+    # ZeRO-3: per-tensor shards, the gathered parameters in flight (memplan's one layer, FSDP2's, DeepSpeed's,
+    # torchtitan's), the experts' shards over their own group
+    *[("llama3-8b", impl, dict(tp=1, pp=1, dp=2, zero=3), dict(micro_batch=1, global_batch=4, dp_stack=stack,
+                                                             recompute=rec), HF_LLAMA, (0,))
+      for impl, stack, rec in (("hf-sdpa", None, "none"), ("hf-sdpa", "fsdp2", "full"), ("hf-eager", "deepspeed", "none"),
+                               ("torchtitan", "torchtitan", "none"))],
+    ("mixtral-8x22b", "megatron", dict(tp=2, pp=2, dp=2, ep=2, sp=True, zero=3),
+     dict(micro_batch=1, global_batch=8, recompute="selective"), L4, (0, 1)),
+    # LoRA / QLoRA: the frozen base (bf16, or NF4 linears), fp32 adapters with the only gradients and states
+    ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1, lora_rank=16,
+                                                        precision="bf16-true"), HF_LLAMA, (0,)),
+    ("llama3-8b", "hf-eager", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=2, lora_rank=8, qlora=True,
+                                                         lora_targets=("all-linear",), recompute="full"), HF_LLAMA, (0,)),
+    ("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=2, zero=3), dict(micro_batch=1, global_batch=2, lora_rank=16,
+                                                                dp_stack="fsdp2", optimizer_impl="foreach"), HF_LLAMA, (0,)),
+    # context parallelism: the attention's ring (p2p) or all-to-all buffers in the forward and the backward
+    ("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, cp=2, sp=True), dict(micro_batch=1, global_batch=4),
+     dict(num_layers=4, seq_length=4096), (0, 1)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=1, dp=2, cp=4, cp_comm_type="a2a", zero=1),
+     dict(micro_batch=1, global_batch=2, recompute="selective"), dict(num_layers=4, seq_length=4096), (0,)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=1, dp=1, cp=2), dict(micro_batch=1, global_batch=2, recompute="full"),
+     dict(num_layers=2, seq_length=4096), (0,)),
+    # interleaved stages: Megatron-LM's interleaved 1F1B chunk order (M a multiple of p, at least 2p)
+    ("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True), dict(micro_batch=1, global_batch=4),
+     dict(num_layers=8), (0, 1)),
+    ("llama3-8b", "megatron", dict(tp=2, pp=4, dp=1, vpp=2, sp=True),
+     dict(micro_batch=1, global_batch=8, recompute="full", recompute_num_layers=1), dict(num_layers=16), (0, 1, 3)),
+    ("llama3-8b", "megatron", dict(tp=1, pp=2, dp=2, vpp=3, zero=1),
+     dict(micro_batch=1, global_batch=12, recompute="selective"), dict(num_layers=6), (0, 1)),
 ]
 
 
@@ -151,6 +181,73 @@ def test_one_layer_stream_by_hand():
     assert stream.peak_bytes == estimate(tiny(), impl="megatron", device="cpu").step.peak_bytes
 
 
+def test_zero3_shards_and_gathered_layers_by_hand():
+    # tiny() (test_one_layer_stream_by_hand's model) over d = 2 with ZeRO-3, memplan's own loop (no stack): each
+    # parameter tensor's shard is half its bf16 bytes, [256, 16, 384, 128, 16, 512, 256, 16, 256] / 2; the gathered
+    # parameters in flight are one layer's: 16 + 384 + 128 + 16 + 512 + 256 = 1,312 B, all-gathered at the first
+    # forward (one unit), then freed and gathered again at the layer's forward and backward of every micro-batch:
+    # 2 steps x 2 micro-batches x (forward + backward) = 8 more
+    config = tiny(global_batch=4)
+    config = config.model_copy(update={"parallel": ParallelSpec(dp=2, zero=3)})
+    stream = allocation_stream(config, device="cpu")
+    allocs = [e for e in stream.events if type(e) is Alloc]
+    assert [e.size for e in allocs if e.kind == "parameter" and "shard" in e.name] == [
+        128, 8, 192, 64, 8, 256, 128, 8, 128]
+    gathered = [e for e in allocs if e.name.startswith("gathered parameters")]
+    assert [e.size for e in gathered] == [1312] * 9
+    assert gathered[0].id > dict(stream.phases)["step 1"] and gathered[0].name.endswith("(unit 1)")
+    alive = well_formed(stream)
+    assert sum(e.bytes for e in alive.values() if e.name.startswith("gathered")) == 1312  # one unit at a time
+    assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
+
+
+def test_cp_buffers_by_hand():
+    # tiny() (s = 4, b = 1, h = q = 8, a = g = 2, bf16 activations, CPU: no rounding) with cp = 2, Transformer
+    # Engine's ring attention (p2p); each rank holds s/cp tokens and the buffers (memplan/memory/parallel.py
+    # cp_transients, elements per sequence before the cp split): inside the attention forward the received K/V
+    # chunks 2 cp s b q g/a / cp = 64 elements = 128 B, the ring steps' partial outputs s b q = 32 = 64 B, their
+    # log-sum-exp (fp32) (cp a s b + a s b) / cp = 12 elements = 48 B, freed at the forward's end; in the attention
+    # backward the double-buffered K/V and their gradients 4 s b q g/a / cp = 64 = 128 B and the dQ accumulator
+    # s b q / cp = 16 = 32 B. One micro-batch, two steps: each twice
+    config = tiny().model_copy(update={"parallel": ParallelSpec(cp=2)})
+    stream = allocation_stream(config, device="cpu")
+    names = {"K/V chunks received": 128, "partial attention outputs": 64, "log-sum-exp of the cp ring": 48,
+             "double-buffered K/V": 128, "dQ accumulator": 32}
+    found = [(k, e.size) for e in stream.events if type(e) is Alloc for k in names if e.name.startswith(k)]
+    assert sorted(found) == sorted(list(names.items()) * 2)
+    fwd = [i for i, e in enumerate(stream.events) if type(e) is Alloc and e.name.startswith("K/V chunks")]
+    assert all(type(e) is Free for e in stream.events[fwd[0] + 3:fwd[0] + 6])  # gone after the attention forward
+    assert stream.peak_bytes == estimate(config, impl="megatron", device="cpu").step.peak_bytes
+
+
+def test_interleaved_schedule_by_hand():
+    # megatron-core 0.16 schedules.py, p = 2, m = 2, M = 4, rank 0: get_schedule_table in groups of p micro-batches
+    # (microbatch_group_size_per_vp_stage's default), chunk by chunk: (mb, chunk) (0,0) (1,0) (0,1) (1,1) (2,0) (3,0)
+    # (2,1) (3,1); warm-up 2 (p - 1) + (m - 1) p = 4 forwards, then forward / backward pairs, the backward running
+    # the table's chunk reversed (get_model_chunk_id), then the cool-down backwards
+    F, B = (lambda mb, c: ("F", mb, c)), (lambda mb, c: ("B", mb, c))
+    assert schedule(0, 2, 2, 4) == [F(0, 0), F(1, 0), F(0, 1), F(1, 1), F(2, 0), B(0, 1), F(3, 0), B(1, 1),
+                                    F(2, 1), B(0, 0), F(3, 1), B(1, 0), B(2, 1), B(3, 1), B(2, 0), B(3, 0)]
+    assert schedule(1, 2, 1, 3) == [F(0, 0), B(0, 0), F(1, 0), B(1, 0), F(2, 0), B(2, 0)]  # 1F1B, last stage
+    # so at rank 0's backward of (0, 0) the chunk-0 forwards of micro-batches 0..3 = 2p are alive, each holding the
+    # embedding's token ids (1F1B: p): the timeline counts 2p and the stream keeps them until each chunk-0 backward
+    assert microbatches_in_flight(0, 2, 4, m=2) == 4 and microbatches_in_flight(0, 2, 4) == 2
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=2, dp=1, vpp=2, sp=True),
+                       dict(micro_batch=1, global_batch=4), dict(num_layers=8))
+    stream = allocation_stream(config, impl="megatron", stage=0)
+    alive, most = set(), 0
+    for e in stream.events:
+        if type(e) is Alloc and e.name.startswith("token ids"):
+            alive.add(e.id)
+            assert e.name.endswith("chunk 0)")
+        elif type(e) is Free:
+            alive.discard(e.id)
+        most = max(most, len(alive))
+    assert most == 4
+    layers = [e for e in stream.events if type(e) is Alloc and e.name.startswith("input of RMSNorm 1")]
+    assert len(layers) == 2 * 4 * 2 * 2  # 2 steps x 4 micro-batches x 2 chunks x 2 layers per chunk
+
+
 def test_first_step_at_another_length():
     config = config_of("llama3-8b", "hf-sdpa", dict(tp=1, pp=1, dp=1), dict(micro_batch=1, global_batch=1),
                        HF_LLAMA)
@@ -173,18 +270,32 @@ def test_workspace_and_refusals():
         allocation_stream(tiny(offload_activations=True), device="cpu")
 
 
-def test_lora_plans_are_not_replayed():
-    # the stream allocates every parameter's gradient and optimizer state; a LoRA run trains only its adapters
-    # (memplan/memory/adapters.py), so the stream refuses it and estimate keeps the flat margin (the estimate of
-    # llama3-8b r = 16 once replayed 17 GB of "fragmentation": the frozen base's gradients the run never makes)
+def test_lora_stream_by_hand():
+    # tiny() as transformers' Llama with peft LoRA r = 2 on q_proj and v_proj (peft's default), bf16 weights: the base
+    # built first (bf16, transformers' separate linears: embedding v h 2 = 256; q h h 2 = 128, k and v (h g/a) h 2 =
+    # 128 each, o 128, gate and up f h 2 = 256 each, down 256, two norms h 2 = 16; final norm 16; head 256), then
+    # get_peft_model's adapters in module order, fp32: q_proj lora_A r h = 16 and lora_B h r = 16 parameters, v_proj
+    # the same (g = a): 64 B each. Only the adapters get a .grad (4 x 64 B) and AdamW's two moments (fp32, per tensor
+    # with ZeRO 0: 8 x 64 B); the frozen base none
+    config = tiny(lora_rank=2, precision="bf16-true")
+    stream = allocation_stream(config, impl="hf-sdpa", device="cpu")
+    allocs = [e for e in stream.events if type(e) is Alloc]
+    params = [(e.name, e.size) for e in allocs if e.kind == "parameter"]
+    assert [n for _, n in params] == [256, 128, 128, 128, 128, 256, 256, 256, 16, 16, 16, 256, 64, 64, 64, 64]
+    assert [name for name, _ in params[-4:]] == [f"{t} lora_{x} (layer 1)" for t in ("q_proj", "v_proj") for x in "AB"]
+    grads = [(e.name, e.size) for e in allocs if e.kind == "gradient"]
+    assert grads and all(n == 64 and ".grad" in name and "lora_" in name for name, n in grads)
+    assert len(grads) == 8  # made in each of the two steps' backward, freed by zero_grad
+    assert [e.size for e in allocs if e.kind == "optimizer_state"] == [64] * 8
+    assert stream.peak_bytes == estimate(config, impl="hf-sdpa", device="cpu").step.peak_bytes
     lora = api_estimate("llama3-8b", impl="hf-sdpa", gpus=1, lora=16, seq_len=1024, precision="bf16-true")
-    assert not lora.estimate.device.replayed and "LoRA" in not_streamed(lora.config.training,
-                                                                       PlanValues.from_config(lora.config))
+    assert lora.estimate.reserved is not None and not not_streamed(lora.config.training,
+                                                                   PlanValues.from_config(lora.config))
 
 
 @st.composite
 def plans(draw):
-    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-2)."""
+    """Small random plans (as tests/test_timeline.py draws them; 1F1B without interleaving, ZeRO 0-3)."""
     impl = draw(st.sampled_from(["megatron", "megatron-local", "torch", "hf-eager", "hf-sdpa"]))
     hf = impl.startswith("hf-")
     llama = impl != "torch" and draw(st.booleans())
@@ -207,7 +318,7 @@ def plans(draw):
     training = TrainingSpec(micro_batch=b, global_batch=b * d * M, recompute=recompute, recompute_num_layers=k,
                             precision=draw(st.sampled_from(["bf16-mixed", "bf16-true", "32-true"])),
                             optimizer_impl=draw(st.sampled_from(["foreach", "fused"])))
-    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 2)) if d > 1 else 0)
+    par = ParallelSpec(tp=t, pp=p, dp=d, sp=t > 1 and draw(st.booleans()), zero=draw(st.integers(0, 3)) if d > 1 else 0)
     return Config(model=model, parallel=par, training=training), impl, draw(st.sampled_from(["cuda", "cpu"]))
 
 

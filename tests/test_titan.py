@@ -32,8 +32,8 @@ S, B = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer
 
 
 def _inventory(ac):
-    """memplan's terms kept under ac, the block input apart (the harness reports it as input_kept)."""
-    return Counter(t.bytes_per_token for t in TERMS if ac in t.modes and t.id != "input")
+    """memplan's terms kept under ac without TP, the block input apart (the harness reports it as input_kept)."""
+    return Counter(t.bytes_per_token for t in TERMS if ac in t.modes and t.id != "input" and not t.tp_only)
 
 
 # Opt-in (MEMPLAN_TITAN_SLOW=1; ~20 s for the traces, ~45 s for the gloo run, over the suite's time budget): the

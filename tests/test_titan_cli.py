@@ -17,16 +17,17 @@ H, A, G, F, D, V = 4096, 32, 8, 14336, 128, 128256  # llama3-8b
 # against torchtitan's block; the same formulas at h = 64 give its 2968 / 128 / 976):
 # none, CPU: 2 norms x (x fp32 4h + rstd 4 + x*rstd fp32 4h + out bf16 2h) = 2 x 40964 = 81928; rotated q 2ad = 8192,
 #   k 2gd = 2048, v contiguous 2048; attention out 2ad = 8192, lse 4a = 128; SwiGLU 4 x 2f = 114688: 217224
-# none, CUDA: the fused RMSNorm keeps x (2h) and rstd (4): 2 x 8196 = 16392 in place of 81928: 151688 (derived)
+# none, CUDA: the fused RMSNorm keeps x (2h) and rstd (4), its output (2h) stays as the matmul's input:
+#   2 x 16388 = 32776 in place of 81928: 168072 (derived)
 # full: the block input 2h = 8192
 # selective-op: input 8192 + wqkv 2(a + 2g)d = 12288 + out 8192 + lse 128 + w1 2f = 28672 + w2 2h = 8192: 65664
-PER_TOKEN = {("none", "cpu"): 217224, ("none", "cuda"): 151688, ("full", "cpu"): 8192, ("full", "cuda"): 8192,
+PER_TOKEN = {("none", "cpu"): 217224, ("none", "cuda"): 168072, ("full", "cpu"): 8192, ("full", "cuda"): 8192,
              ("selective-op", "cpu"): 65664, ("selective-op", "cuda"): 65664}
 
 
 def _estimate(ac, device="cuda", **kw):
-    return estimate("llama3-8b", impl="torchtitan", gpus=8, ac=ac, seq_len=S, micro_batch=B, global_batch=8,
-                    device=device, **kw).estimate
+    return estimate("llama3-8b", impl="torchtitan", gpus=8, ac=ac, seq_len=S, micro_batch=B,
+                    **{"global_batch": 8, "device": device, **kw}).estimate
 
 
 @pytest.mark.parametrize("ac,device", sorted(PER_TOKEN))
@@ -54,7 +55,7 @@ def test_a_removed_term_fails(monkeypatch):
         assert _estimate(ac, "cpu").per_layer_bytes != PER_TOKEN[ac, "cpu"] * S * B
 
 
-@pytest.mark.parametrize("args", [["--tp", "2"], ["--pp", "2"], ["--cp", "2"], ["--ac", "budget:0.5"],
+@pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2"], ["--cp", "2"], ["--ac", "budget:0.5"],
                                   ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"], ["--compile"],
                                   ["--model", "mixtral-8x7b"]])
 def test_refused_in_one_line(args, capsys):
@@ -65,7 +66,7 @@ def test_refused_in_one_line(args, capsys):
     assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("kw", [dict(tp=2), dict(pp=2), dict(ep=2), dict(ac="budget:0.5"), dict(recompute="full"),
+@pytest.mark.parametrize("kw", [dict(tp=2, sp=False), dict(pp=2), dict(ep=2), dict(ac="budget:0.5"), dict(recompute="full"),
                                 dict(zero=1), dict(fsdp2=True), dict(loss_chunks=4), dict(model="mixtral-8x7b")])
 def test_refused_by_the_api(kw):
     with pytest.raises(MemplanError):
@@ -116,3 +117,34 @@ def test_hsdp_and_layer_ac_refused(kw):
 def test_hsdp_needs_torchtitan():
     with pytest.raises(MemplanError, match="--impl torchtitan"):
         estimate("llama3-8b", dp_replicate=2, gpus=8)
+
+
+# --tp 2 on 8 GPUs (d = 4), per global token on one rank (the per-rank terms measured over gloo against torchtitan's
+# parallelize_llama in tests/test_titan_tp.py), CUDA:
+# selective-op: input 2h / t = 4096, wqkv 2(a + 2g)d / t = 6144, out 2ad / t = 4096, lse 4a / t = 64, wo
+#   reduce-scattered 2h / t = 4096, w1 2f / t = 14336, w2's partial sums 2h = 8192, w2 reduce-scattered 4096: 45120
+# none: 2 norms x (x 2h / t + rstd 4 / t + the all-gathered output 2h) = 2 x 12290 = 24580; q 2ad / t = 4096, k, v
+#   2gd / t = 1024 each, out 4096, lse 64; SwiGLU 4 x 2f / t = 57344: 92228
+# full: 4096
+TP_PER_TOKEN = {"selective-op": 45120, "none": 92228, "full": 4096}
+
+
+@pytest.mark.parametrize("ac", sorted(TP_PER_TOKEN))
+def test_tp_layer_bytes_by_hand(ac):
+    est = _estimate(ac, tp=2, global_batch=4)
+    assert est.per_layer_bytes == TP_PER_TOKEN[ac] * S * B
+    assert (est.config.parallel.tp, est.config.parallel.dp, est.config.parallel.sp) == (2, 4, True)
+
+
+def test_tp_states_and_loss_by_hand():
+    # the TP shard of each parameter (matrices / t, the norms whole: measured in tests/test_titan_tp.py), sharded by
+    # FSDP2 over d = 4; in flight: two layers and the tail, each the TP shard
+    layer = (2 * H * H + 2 * H * G * D + 3 * H * F) // 2 + 2 * H
+    tail = V * H // 2 + H
+    total = V * H // 2 + 32 * layer + tail
+    est = _estimate("full", tp=2, global_batch=4)
+    st = est.peak.states
+    assert st.optimizer == -(-12 * total // 4) and st.gradients == -(-4 * total // 4)
+    assert st.weights == 2 * (2 * layer + tail)
+    # loss parallel: the saved fp32 log-probabilities are the rank's vocab shard, 4 v / t bytes per token
+    assert est.stages[-1].term_bytes["logits_fp32"] == 4 * V // 2 * S * B

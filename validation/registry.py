@@ -41,11 +41,15 @@ _SMALL = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
-    "d_head": 16,
+    "d_head": 16, "rotary_dim": 8,
 }
 
+# keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
+_NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
+
 # a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
-LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.")
+LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
+            "vision_embed_tokens.")  # Fuyu: its patch projection
 
 
 def architectures() -> dict[str, str]:
@@ -62,8 +66,11 @@ def _shrink(data: dict) -> dict:
     for k, v in data.items():
         if k in _SMALL and isinstance(v, int) and not isinstance(v, bool) and v > 0:
             out[k] = _SMALL[k]
-        elif k == "num_experts_per_tok" and v is None:  # DeepSeek-V2's default: no top-k, which cannot run
-            out[k] = _SMALL[k]
+        elif k in _NONE_FILLED and v is None:  # a default that cannot run (DeepSeek-V2's top-k, Ministral's head_dim,
+            out[k] = _SMALL[k]  # dots1's experts): a published config.json writes the number
+        elif k == "attn_config" and isinstance(v, dict) and "kv_n_heads" in v:  # DBRX's attention config: no
+            # rope_theta default (the model reads it), clip_qkv None (a clamp without bounds): DBRX's published values
+            out[k] = {**v, "rope_theta": 500000.0, "clip_qkv": v.get("clip_qkv") or 8.0}
         elif isinstance(v, dict) and "model_type" in v:
             out[k] = _shrink(v)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)

@@ -200,9 +200,11 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
 # FSDP2: torchtitan's apply_fsdp_to_decoder on a whole tiny model, ranks over gloo on CPU
 
 
-def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none") -> torch.nn.Module:
+def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_sharding: bool = False) -> torch.nn.Module:
     """A torchtitan Llama3Model (fp32, as torchtitan builds it before FSDP's mixed precision) with ``layers``
-    blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring)."""
+    blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring); ``tp_sharding``: the
+    sharding configs torchtitan's ``Llama3Model.Config.update_from_config`` sets (``set_llama3_sharding_config``,
+    sequence parallelism on), which ``parallelize_llama`` applies when TP is on."""
     _, _, ComplexRoPE, SDPA, build_layers = _titan()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model
@@ -216,6 +218,9 @@ def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none") -> torc
                                 tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
                                 norm=RMSNorm.Config(normalized_shape=shape.h),
                                 lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    if tp_sharding:
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+        set_llama3_sharding_config(config, enable_sp=True)
     return config.build()
 
 
@@ -292,3 +297,136 @@ def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16,
     """``fsdp_rank`` on ``world`` spawned ranks over gloo (``replicate``: HSDP's replicas)."""
     from .ranks import run_ranks
     return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: torchtitan's parallelize_llama with tensor_parallel_degree = ranks, over gloo on CPU
+
+
+class _AcShim:
+    """``ac_config`` for parallelize_llama: ``build`` gives torchtitan's FullAC / SelectiveAC (the CPU attention
+    kernel added to SelectiveAC's save list, as in build_block), which parallelize_llama applies after TP."""
+
+    def __init__(self, ac: str) -> None:
+        self.ac = ac
+
+    def build(self, **_):
+        FullAC, SelectiveAC, *_ = _titan()
+        if self.ac == "full":
+            return FullAC(FullAC.Config())
+        cls = _cpu_sdpa_save_list(SelectiveAC)
+        return cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class _LiveLocal(_Live):
+    """``_Live`` for a tensor-parallel block: a DTensor op's output counted by its local tensor's storage (the
+    wrapper's own storage is sized like the global tensor), and only storages an op allocates (an output that
+    aliases an input's storage, e.g. the transpose of an unsharded weight, is not new)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        seen = {StorageWeakRef(_local(t).untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = _local(t).untyped_storage()
+                if StorageWeakRef(st) not in seen:
+                    self.made.setdefault(StorageWeakRef(st), (str(func.overloadpacket.__name__), t.dtype, st.nbytes()))
+        return out
+
+    def alive(self, exclude=()) -> list[tuple[str, torch.dtype, object]]:
+        return super().alive([_local(t) for t in exclude])
+
+
+def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
+            tp: int = 0, backend: str = "partial_dtensor") -> dict:
+    """One rank of a 1-step run of torchtitan's own ``parallelize_llama`` with ``tensor_parallel_degree`` =
+    ``tp`` (default ``world``; sequence parallelism on, the ``partial_dtensor`` backend: DTensor TP; 0.3.0's default
+    ``spmd_types`` stops in torch 2.13's fully_shard with TP) and FSDP2 over the world / tp data-parallel ranks (a
+    size-1 mesh at tp = world: torchtitan always applies it), the loss torchtitan's ``cross_entropy_loss`` (its
+    vocab-parallel ``_LossParallelCrossEntropy`` under TP).  Measured: ``layer`` the storages layer 0 made in its
+    forward and still holds at its end (op, dtype, bytes; the block's output and the parameters apart),
+    ``input_kept`` whether it keeps its input (``input_bytes`` its local bytes); ``tail`` the same for the final norm and the LM head; ``loss`` the storages the loss's forward made and holds until
+    the backward; ``params`` / ``grads`` / ``adam`` per-rank fp32 state bytes after an AdamW step, with every
+    parameter's local shape.  One substitution beyond the sdpa one: torchtitan picks its mesh's device type
+    from the accelerator it finds (CUDA when none), set to "cpu" here."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    model = build_model(shape, layers, vocab, tp_sharding=True)
+    parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac),
+                      dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    out: dict = {}
+    live = _LiveLocal()
+    block = model.layers["0"]
+
+    def pre(_module, args):
+        out["x"] = StorageWeakRef(_local(args[0]).untyped_storage())
+        out["input_bytes"] = _local(args[0]).untyped_storage().nbytes()
+        live.__enter__()
+
+    def post(module, _args, output):
+        live.__exit__(None, None, None)
+        params = [_local(t) for t in (*module.parameters(), *module.buffers())]
+        out["layer"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in live.alive([output, *params])]
+
+    tail = _LiveLocal()
+
+    def tail_post(module, _args, output):
+        tail.__exit__(None, None, None)
+        params = [_local(t) for m in (model.norm, model.lm_head) for t in m.parameters()]
+        out["tail"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in tail.alive([output, *params])]
+
+    handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post),
+               model.norm.register_forward_pre_hook(lambda *_: (tail.__enter__(), None)[1]),
+               model.lm_head.register_forward_hook(tail_post)]
+    ctx = dist_utils.get_spmd_context(parallel_dims=dims)
+    tokens = torch.randint(0, vocab, (b, s))
+    with ctx():
+        labels = tokens.clone()
+        if backend == "spmd_types":  # the Trainer's post_dataloading_process
+            tokens, labels, _ = annotate_input_spmd_types(dims, tokens, labels, {})
+        logits = model(tokens)
+        out["input_kept"] = not out.pop("x").expired()  # layer 0's input: the embedding's output, kept by no other op
+        out["logits_local"] = tuple(_local(logits).shape)
+        loss_live = _LiveLocal()
+        with loss_live:
+            loss = cross_entropy_loss(logits, labels, global_vocab_size=vocab)
+        out["loss"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in loss_live.alive([loss])]
+        del logits
+        loss.backward()
+    for h in handles:
+        h.remove()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    out["params"] = _storage_bytes([_local(p) for p in model.parameters()])
+    out["grads"] = _storage_bytes([_local(p.grad) for p in model.parameters()])
+    out["adam"] = _storage_bytes([_local(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])
+    out["local_shapes"] = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
+    return out
+
+
+def measure_tp(shape: Shape, layers: int, vocab: int, world: int = 2, s: int = 16, b: int = 2,
+               ac: str = "none", tp: int = 0) -> list[dict]:
+    """``tp_rank`` on ``world`` spawned ranks over gloo (``tp``: the TP degree, default ``world``)."""
+    from .ranks import run_ranks
+    return run_ranks(tp_rank, world, (shape, layers, vocab, s, b, ac, tp))

@@ -296,8 +296,12 @@ class PlanOptions:
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
         mode = titan_ac_mode(self.ac)[0]
-        if any(x not in (None, 1) for x in (self.tp, self.pp, self.cp, self.ep, self.vpp)):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism only yet (tp, pp, cp, ep = 1)")
+        if any(x not in (None, 1) for x in (self.pp, self.cp, self.ep, self.vpp)):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism and --tp only yet "
+                               "(pp, cp, ep = 1)")
+        if self.sp is False and self.tp not in (None, 1):
+            raise MemplanError("--impl torchtitan: TP without sequence parallelism (enable_sequence_parallel = False) "
+                               "is not modelled: drop --no-sp")
         if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
             raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
                                "--recompute*")
@@ -340,7 +344,7 @@ class PlanOptions:
                                "or --hf-config config.json")
         zero = self.zero
         recompute = self.titan_recompute()
-        titan = self.impl == "torchtitan"  # data parallelism alone (titan_recompute refuses the rest)
+        titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
         recompute = ("full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
                      if recompute is None else recompute)
@@ -353,8 +357,8 @@ class PlanOptions:
         def build(zero_shard: Optional[int]) -> Config:
             return make_config(
                 preset,
-                parallel=dict(tp=1 if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp,
-                              sp=self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
+                parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp,
+                              sp=True if titan and self.tp not in (None, 1) else self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
                               first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers),
                 training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                               **({"recompute_num_layers": self.recompute_num_layers} | self.titan_layers(preset)),

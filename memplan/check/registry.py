@@ -36,160 +36,158 @@ KINDS = ("build", "estimate", "trace")
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
 _RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
-_LAYOUT = "a layer layout hf_config.py does not model (its own norms, attention or MLP)"
-_MOE = "experts memplan does not read from this family's config.json"
-_MULTIMODAL = "a multimodal model: hf_config.py reads the text model of Gemma 3 only"
+_MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Llama 4, "
+               "Persimmon, Qwen2 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "afmoe": ("estimate", _MOE),
-    "apertus": ("estimate", _LAYOUT),
-    "arcee": ("estimate", _LAYOUT),
-    "aria_text": ("estimate", _MOE),
-    "axk1": ("estimate", _MOE),
-    "axk2": ("estimate", _MOE),
+    "afmoe": ("estimate", "a gate on the attention output (self_attn.gate_proj, h x h) and pre / post MLP norms "
+                          "beside the attention's: not counted"),
+    "apertus": ("estimate", "the xIELU activation's two learned scalars per layer (mlp.act_fn.alpha_p, alpha_n): no "
+                            "ModelSpec field"),
+    "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
+                         "only: not counted"),
+    "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
+                         "and an MLP inside the input norm"),
     "bailing_hybrid": ("estimate", _RECURRENT),
     "bamba": ("estimate", _RECURRENT),
     "bart": ("estimate", _ENCODER),
-    "beam": ("estimate", _MOE),
+    "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
+                         "feed-forward norms: not counted"),
     "bert": ("estimate", _ENCODER),
     "bert-generation": ("estimate", _ENCODER),
     "big_bird": ("estimate", _ENCODER),
     "bigbird_pegasus": ("estimate", _ENCODER),
-    "biogpt": ("estimate", _LAYOUT),
-    "bitnet": ("estimate", _LAYOUT),
+    "biogpt": ("estimate", "learned positions max_position_embeddings + 2 rows (an offset of 2): ModelSpec's learned "
+                           "positions are s rows"),
+    "bitnet": ("estimate", "sub-norms inside the attention (attn_sub_norm, h) and the MLP (ffn_sub_norm, f): no "
+                           "ModelSpec field"),
     "blenderbot": ("estimate", _ENCODER),
     "blenderbot-small": ("estimate", _ENCODER),
-    "bloom": ("estimate", _LAYOUT),
-    "blt": ("estimate", _LAYOUT),
+    "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
+                        "the global model"),
     "camembert": ("estimate", _ENCODER),
-    "codegen": ("estimate", _LAYOUT),
-    "cohere2_moe": ("estimate", _MOE),
-    "cohere_compass_text": ("estimate", _LAYOUT),
-    "cpmant": ("estimate", _LAYOUT),
-    "ctrl": ("estimate", _LAYOUT),
+    "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
+                                        "'full_attention'), so no reader is checked"),
+    "cpmant": ("estimate", "CPM-Ant: segment embeddings, a relative position bias table and heads dim_head wide (not "
+                           "h / a)"),
     "data2vec-text": ("estimate", _ENCODER),
-    "dbrx": ("estimate", _MOE),
-    "deepseek_v32": ("estimate", _MOE),
-    "deepseek_v4": ("estimate", _MOE),
-    "diffllama": ("estimate", _LAYOUT),
-    "doge": ("estimate", _MOE),
-    "dots1": ("estimate", _MOE),
+    "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
+                      "(TraceRefused)"),
+    "deepseek_v32": ("estimate", "DeepSeek-V3.2's lightning indexer beside the latent attention (indexer.wq_b, wk, "
+                                 "k_norm with bias, weights_proj)"),
+    "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
+                                "hyper-connections (attn_hc, ffn_hc)"),
+    "diffllama": ("estimate", "differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2 (4 x head_dim per "
+                              "layer): no ModelSpec field"),
+    "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
+                         "attention (A, dt_proj)"),
     "dots3_note": ("estimate", _MULTIMODAL),
-    "dots3_note_text": ("estimate", _MOE),
+    "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
+                                    "names layers past the second)"),
     "electra": ("estimate", _ENCODER),
     "emu3": ("estimate", _MULTIMODAL),
     "ernie": ("estimate", _ENCODER),
-    "ernie4_5_moe": ("estimate", _MOE),
-    "exaone_moe": ("estimate", _MOE),
     "falcon_h1": ("estimate", _RECURRENT),
     "falcon_mamba": ("estimate", _RECURRENT),
-    "flex_olmo": ("estimate", _MOE),
-    "flint": ("estimate", _MOE),
-    "fuyu": ("estimate", _MULTIMODAL),
+    "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
+                          "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", _MULTIMODAL),
-    "gemma3n_text": ("estimate", _LAYOUT),
+    "gemma3n_text": ("estimate", "Gemma 3n: per-layer embeddings, AltUp and LAuReL blocks, KV-sharing layers; its "
+                                 "defaults, shrunk, do not build"),
     "gemma4": ("estimate", _MULTIMODAL),
     "gemma4_assistant": ("build", "its config class's validation refuses the shrunk sizes"),
-    "gemma4_text": ("estimate", _LAYOUT),
+    "gemma4_text": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, shrunk, do not "
+                                "build"),
     "gemma4_unified": ("estimate", _MULTIMODAL),
-    "gemma4_unified_assistant": ("estimate", _LAYOUT),
-    "gemma4_unified_text": ("estimate", _LAYOUT),
+    "gemma4_unified_assistant": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, "
+                                             "shrunk, do not build"),
+    "gemma4_unified_text": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, shrunk, "
+                                        "do not build"),
     "git": ("estimate", _MULTIMODAL),
-    "glm": ("estimate", _LAYOUT),
-    "glm4": ("estimate", _LAYOUT),
-    "glm4_moe": ("estimate", _MOE),
-    "glm4_moe_lite": ("estimate", _MOE),
-    "glm_moe_dsa": ("estimate", _MOE),
-    "got_ocr2": ("estimate", _MULTIMODAL),
-    "gpt_bigcode": ("estimate", _LAYOUT),
-    "gpt_neo": ("estimate", _LAYOUT),
-    "gpt_neox_japanese": ("estimate", _LAYOUT),
-    "gptj": ("estimate", _LAYOUT),
-    "granite_swa": ("estimate", _LAYOUT),
-    "granitemoe_swa": ("estimate", _MOE),
+    "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
+                                "k_norm with bias, weights_proj)"),
+    "gpt_neo": ("trace", "GPTNeoSelfAttention slices its causal-mask buffer, max_position_embeddings wide: the trace "
+                         "specialises s to that width (TraceRefused)"),
+    "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
+                                      "parameter (dense_bias)"),
     "granitemoehybrid": ("estimate", _RECURRENT),
     "hrm_text": ("estimate", _RECURRENT),
-    "hunyuan_v1_dense": ("estimate", _LAYOUT),
-    "hunyuan_v1_moe": ("estimate", _MOE),
-    "hy_v3": ("estimate", _MOE),
-    "hy_v4": ("estimate", _MOE),
-    "inkling2_text": ("estimate", _MOE),
-    "inkling_text": ("estimate", _MOE),
-    "jais2": ("estimate", _LAYOUT),
+    "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
+                          "ffn_hc)"),
+    "inkling2_text": ("estimate", "Inkling 2: short convolutions on K / V and after each sub-layer, relative logits, "
+                                  "an embedding norm"),
+    "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
+                                 "embedding norm"),
     "jamba": ("estimate", _RECURRENT),
-    "jetmoe": ("estimate", _MOE),
+    "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
+                           "each block with an output bias"),
     "kimi_linear": ("estimate", _RECURRENT),
-    "kolibri1": ("estimate", _MOE),
-    "laguna": ("estimate", _MOE),
+    "laguna": ("estimate", "a gate on the attention output (self_attn.g_proj): not counted"),
     "lfm2": ("estimate", _RECURRENT),
     "lfm2_moe": ("estimate", _RECURRENT),
     "lfm3": ("estimate", _RECURRENT),
-    "llama4": ("estimate", _MULTIMODAL),
-    "llama4_text": ("estimate", _MOE),
-    "longcat_flash": ("estimate", _MOE),
+    "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
+                                  "in the router"),
     "mamba": ("estimate", _RECURRENT),
     "mamba2": ("estimate", _RECURRENT),
     "marian": ("estimate", _ENCODER),
     "mbart": ("estimate", _ENCODER),
     "megatron-bert": ("estimate", _ENCODER),
-    "mellum": ("estimate", _MOE),
-    "mimo_v2_flash": ("estimate", _MOE),
-    "minicpm3": ("estimate", _LAYOUT),
+    "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
+                                  "layer)"),
     "minimax": ("estimate", _RECURRENT),
-    "minimax_m2": ("estimate", _MOE),
-    "minimax_m3_vl_text": ("estimate", _MOE),
-    "ministral": ("estimate", _LAYOUT),
+    "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
+                                       "shared widths are not read"),
     "mllama": ("estimate", _MULTIMODAL),
-    "modernbert-decoder": ("estimate", _LAYOUT),
+    "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
+                                       "with a decoder bias"),
     "moshi": ("estimate", _MULTIMODAL),
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
-    "mpt": ("estimate", _LAYOUT),
+    "mpt": ("trace", "MptAttention slices its ALiBi bias, max_seq_len wide, from max(0, max_seq_len - s): a symbolic "
+                     "s cannot be compared with max_seq_len"),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "mvp": ("estimate", _ENCODER),
-    "nanochat": ("estimate", _LAYOUT),
-    "nemotron": ("estimate", _LAYOUT),
     "nemotron_h": ("estimate", _RECURRENT),
-    "olmo": ("estimate", _LAYOUT),
     "olmo_hybrid": ("estimate", _RECURRENT),
-    "openai-gpt": ("estimate", _LAYOUT),
-    "opt": ("estimate", _LAYOUT),
+    "openai-gpt": ("estimate", "GPT-1: GPT-2's layer without a final LayerNorm (ModelSpec always has one)"),
+    "opt": ("estimate", "OPT: learned positions of max_position_embeddings + 2 rows, and project_in / project_out "
+                        "where word_embed_proj_dim differs from h"),
     "pegasus": ("estimate", _ENCODER),
-    "persimmon": ("estimate", _LAYOUT),
-    "phi": ("estimate", _LAYOUT),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),
     "prophetnet": ("estimate", _ENCODER),
-    "qwen2_moe": ("estimate", _MOE),
     "qwen3_5": ("estimate", _RECURRENT),
     "qwen3_5_moe": ("estimate", _RECURRENT),
     "qwen3_5_moe_text": ("estimate", _RECURRENT),
     "qwen3_5_text": ("estimate", _RECURRENT),
     "qwen3_next": ("estimate", _RECURRENT),
-    "qwen4_exp": ("estimate", _MOE),
-    "qwen4_exp_text": ("estimate", _MOE),
+    "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
+                              "so no reader is checked"),
+    "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
+                                   "None), so no reader is checked"),
     "recurrent_gemma": ("estimate", _RECURRENT),
-    "reformer": ("estimate", _LAYOUT),
+    "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
+                             "decoder (is_decoder false)"),
     "rembert": ("estimate", _ENCODER),
     "roberta": ("estimate", _ENCODER),
     "roberta-prelayernorm": ("estimate", _ENCODER),
     "roc_bert": ("estimate", _ENCODER),
     "roformer": ("estimate", _ENCODER),
     "rwkv": ("estimate", _RECURRENT),
-    "solar_open": ("estimate", _MOE),
     "trocr": ("estimate", _ENCODER),
     "whisper": ("estimate", _ENCODER),
-    "xglm": ("estimate", _LAYOUT),
     "xlm": ("estimate", _ENCODER),
     "xlm-roberta": ("estimate", _ENCODER),
     "xlm-roberta-xl": ("estimate", _ENCODER),
-    "xlnet": ("estimate", _LAYOUT),
+    "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
+                          "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
     "xmod": ("estimate", _ENCODER),
-    "youtu": ("estimate", _LAYOUT),
     "zamba": ("estimate", _RECURRENT),
     "zamba2": ("estimate", _RECURRENT),
-    "zaya": ("estimate", _MOE),
+    "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
+                         "so no reader is checked"),
 }
 
 

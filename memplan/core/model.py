@@ -86,17 +86,34 @@ class ModelSpec(Spec):
     norm_bias: Optional[bool] = Field(
         default=None, description="a LayerNorm's bias (default: a LayerNorm has one, an RMSNorm none; Cohere's "
         "LayerNorm has none)")
+    norm_params: bool = Field(
+        default=True, description="whether the norms (the q / k norms too) have learned weights (False: OLMo's "
+        "LayerNorm and nanochat's RMSNorm have none)")
+    embedding_norm: bool = Field(
+        default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
+        "word_embeddings_layernorm)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
     attention_bias: bool = Field(
         default=False, description="biases on the Q, K, V and output projections only (transformers "
         "attention_bias: gpt-oss, Phi-3.5-MoE, Granite; `bias` puts one on every linear)")
+    mlp_bias: bool = Field(
+        default=False, description="biases on the MLP's two linears only (GPT-J, CodeGen; `bias` puts one on every "
+        "linear)")
+    out_bias: bool = Field(
+        default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
     moe_bias: bool = Field(
         default=False, description="biases on the router (E) and on each routed expert's projections (gpt-oss)")
+    moe_router_bias: bool = Field(
+        default=False, description="a learned bias on the router's E logits, without expert biases (ERNIE 4.5's "
+        "e_score_correction_bias; moe_bias includes it)")
+    moe_shared_gate: bool = Field(
+        default=False, description="a sigmoid gate on the shared experts' output, one h-wide weight per MoE layer "
+        "(Qwen2-MoE shared_expert_gate)")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
@@ -198,6 +215,8 @@ class ModelSpec(Spec):
     @property
     def has_norm_bias(self) -> bool:
         """Whether each norm has a bias (a LayerNorm unless norm_bias says otherwise)."""
+        if not self.norm_params:
+            return False
         return self.norm == "layernorm" if self.norm_bias is None else self.norm_bias and self.norm == "layernorm"
 
     @property
@@ -255,8 +274,11 @@ class ModelSpec(Spec):
             raise ValueError("sliding_window_pattern needs sliding_window (the tokens a sliding layer attends to)")
         if self.norms_per_layer is not None and self.sandwich_norms and self.norms_per_layer != 4:
             raise ValueError(f"sandwich_norms means four norms per layer (norms_per_layer={self.norms_per_layer})")
-        if self.moe_bias and not self.is_moe:
-            raise ValueError("moe_bias is a mixture-of-experts field: it needs num_experts (the routed experts)")
+        for name in ("moe_bias", "moe_router_bias", "moe_shared_gate"):
+            if getattr(self, name) and not self.is_moe:
+                raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
+        if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
+            raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         return self._latent()._experts()
 
     def _latent(self) -> "ModelSpec":

@@ -78,7 +78,9 @@ IMPLEMENTATIONS: dict[str, str] = {
                  "its recipes' optimizer_in_bwd",
     "torchtitan": "torchtitan 0.3.0's Llama 3 (fused QKV, complex RoPE, RMSNorm, SwiGLU) with FSDP2 over --gpus "
                   "(dp_shard, or HSDP with --dp-replicate; fp32 sharded parameters, gradients and AdamW moments, bf16 "
-                  "unsharded layers) and --ac none / full / selective-op / selective-layer[:N]: the layer's kept tensors measured and traced on CPU against torchtitan's "
+                  "unsharded layers), --tp T (sequence parallel, loss parallel: the per-rank terms measured over gloo "
+                  "against parallelize_llama) "
+                  "and --ac none / full / selective-op / selective-layer[:N]: the layer's kept tensors measured and traced on CPU against torchtitan's "
                   "real block (validation/titan.py; sdpa in place of FlexAttention); on CUDA the fused RMSNorm derived; "
                   "the next layer's prefetched all-gather derived; the final norm, loss and token ids derived; the "
                   "step's transients not modelled yet",

@@ -1,5 +1,5 @@
 """torchtitan 0.3.0's Llama 3 decoder layer: the tensors it keeps for the backward per activation-checkpointing
-mode, FSDP2's per-rank states, and them as the Inventory of `--impl torchtitan` (``titan_inventory``; issue 24's
+mode and TP degree, FSDP2's per-rank states, and them as the Inventory of `--impl torchtitan` (``titan_inventory``; issue 24's
 first slice: what is left is TITAN_LEFT).
 
 The layer (torchtitan/models/llama3 + models/common: fused QKV linear, complex RoPE, RMSNorm, SwiGLU) read from
@@ -19,8 +19,16 @@ bytes per token (times s b for the layer) on CPU kernels, bf16 activations:
 
 Attention: validation runs torchtitan's sdpa inner module in place of compiled FlexAttention (no CPU backward);
 both keep q, k, v, out and the fp32 log-sum-exp (derived from torch's FlexAttentionAutogradOp, not measured).
-On CUDA, F.rms_norm is the fused kernel (x and an fp32 rstd kept: 2h + 4 per norm instead of 10h + 4): derived
-from torch's dispatch, not measured here.
+On CUDA, F.rms_norm is the fused kernel (x and an fp32 rstd kept, the output kept as the next matmul's input:
+4h + 4 per norm instead of 10h + 4): derived from torch's dispatch, not measured here.
+
+Tensor parallelism (``--tp T``, torchtitan's sharding configs with sequence parallelism on, applied by
+parallelize_llama; measured per rank over gloo with 2 ranks, tests/test_titan_tp.py): each term is split ``tp``
+(heads, FFN columns: / t), ``sp`` (the norms' fp32 tensors and the block input, sequence-sharded: / t) or kept whole
+(the norm outputs all-gathered over the sequence as the colwise matmuls' input; w2's partial sums over the whole
+sequence under selective-op).  selective-op also keeps the reduce-scattered outputs of wo and w2 (TP only: the
+save list holds reduce_scatter_tensor).  Loss parallel: the fp32 log-probabilities are the rank's vocab shard.
+FSDP2 x TP: the states per rank are the TP shard (matrices / t, norms whole) sharded over the d data-parallel ranks.
 
 FSDP2 (torchtitan's apply_fsdp_to_decoder: fully_shard with MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32), dp_shard = N ranks): fp32 sharded parameters, gradients and AdamW's two moments (4 each,
@@ -56,39 +64,54 @@ class TitanTerm:
     name: str
     bytes_per_token: int
     modes: tuple[str, ...]
+    split: str = ""  # under TP t: "tp" / t (heads, FFN columns, vocab), "sp" / t (the sequence-parallel norms), "" whole
+    tp_only: bool = False  # exists only with TP (t > 1)
 
 
 def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> list[TitanTerm]:
     """The layer's kept tensors (bytes per token) for hidden h, heads a, KV heads g, FFN f, head dim d (h / a)."""
     d = d or h // a
-    norm = [("x_fp32", "x in fp32", 4 * h), ("rstd", "rstd (fp32)", 4), ("x_rstd", "x * rstd in fp32", 4 * h),
-            ("out", "norm output (bf16)", 2 * h)]
-    terms = [TitanTerm("input", "block input (bf16), kept by the checkpoint", 2 * h, ("full", "selective-op"))]
-    terms += [TitanTerm(f"attention_norm.{i}", f"attention_norm: {n}", v, ("none",)) for i, n, v in norm]
+    norm = [("x_fp32", "x in fp32", 4 * h, "sp"), ("rstd", "rstd (fp32)", 4, "sp"),
+            ("x_rstd", "x * rstd in fp32", 4 * h, "sp"),
+            ("out", "norm output (bf16), all-gathered over the sequence under TP", 2 * h, "")]
+    terms = [TitanTerm("input", "block input (bf16), kept by the checkpoint", 2 * h, ("full", "selective-op"), "sp")]
+    terms += [TitanTerm(f"attention_norm.{i}", f"attention_norm: {n}", v, ("none",), sp) for i, n, v, sp in norm]
     terms += [
-        TitanTerm("wqkv.out", "fused QKV linear output (bf16), matmul 1", 2 * (a + 2 * g) * d, ("selective-op",)),
-        TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",)),
-        TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",)),
-        TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",)),
-        TitanTerm("attn.out", "attention output (bf16)", 2 * a * d, ("none", "selective-op")),
-        TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op")),
+        TitanTerm("wqkv.out", "fused QKV linear output (bf16), matmul 1", 2 * (a + 2 * g) * d, ("selective-op",), "tp"),
+        TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",), "tp"),
+        TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",), "tp"),
+        TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",), "tp"),
+        TitanTerm("attn.out", "attention output (bf16)", 2 * a * d, ("none", "selective-op"), "tp"),
+        TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op"), "tp"),
+        TitanTerm("wo.rs", "wo output reduce-scattered over the sequence (bf16), TP only", 2 * h, ("selective-op",),
+                  "sp", True),
     ]
-    terms += [TitanTerm(f"ffn_norm.{i}", f"ffn_norm: {n}", v, ("none",)) for i, n, v in norm]
+    terms += [TitanTerm(f"ffn_norm.{i}", f"ffn_norm: {n}", v, ("none",), sp) for i, n, v, sp in norm]
     terms += [
-        TitanTerm("w1.out", "w1 output (bf16), matmul 3", 2 * f, ("none", "selective-op")),
-        TitanTerm("silu.out", "silu output (bf16)", 2 * f, ("none",)),
-        TitanTerm("w3.out", "w3 output (bf16)", 2 * f, ("none",)),
-        TitanTerm("swiglu.mul", "silu(w1) * w3 (bf16)", 2 * f, ("none",)),
-        TitanTerm("w2.out", "w2 output (bf16), matmul 5", 2 * h, ("selective-op",)),
+        TitanTerm("w1.out", "w1 output (bf16), matmul 3", 2 * f, ("none", "selective-op"), "tp"),
+        TitanTerm("silu.out", "silu output (bf16)", 2 * f, ("none",), "tp"),
+        TitanTerm("w3.out", "w3 output (bf16)", 2 * f, ("none",), "tp"),
+        TitanTerm("swiglu.mul", "silu(w1) * w3 (bf16)", 2 * f, ("none",), "tp"),
+        TitanTerm("w2.out", "w2 output (bf16), matmul 5; under TP the partial sums over the whole sequence", 2 * h,
+                  ("selective-op",)),
+        TitanTerm("w2.rs", "w2 output reduce-scattered over the sequence (bf16), TP only", 2 * h, ("selective-op",),
+                  "sp", True),
     ]
     return terms
 
 
-def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int) -> int:
-    """Bytes one layer keeps after its forward under AC mode ``ac``."""
+def rank_bytes_per_token(term: TitanTerm, t: int = 1) -> int:
+    """A term's bytes per token of the global s b on one rank of a TP group of t (0 for a TP-only term at t = 1)."""
+    if term.tp_only and t == 1:
+        return 0
+    return term.bytes_per_token // (t if term.split else 1)
+
+
+def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int, t: int = 1) -> int:
+    """Bytes one layer keeps after its forward under AC mode ``ac``, on one rank of a TP group of ``t``."""
     if ac not in AC_MODES:
         raise MemplanError(f"unknown --ac '{ac}' for --impl torchtitan; modelled: {', '.join(AC_MODES)}")
-    return s * b * sum(t.bytes_per_token for t in terms if ac in t.modes)
+    return s * b * sum(rank_bytes_per_token(x, t) for x in terms if ac in x.modes)
 
 
 def titan_ac_mode(ac: str | None) -> tuple[str, int]:
@@ -165,7 +188,8 @@ rank 0 holds the most); the sharded parameters and gradients keep the padded siz
                        head_unsharded=2 * n * shard(head_shapes))
 
 
-MEASURED = "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py, tests/test_titan.py)"
+MEASURED = (
+    "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py; tests/test_titan.py, TP: tests/test_titan_tp.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 # the mode each AC mode's kept set is written in: a term kept in ``modes`` gets these memplan recompute flags
 # (memplan/inventory/types.py Term.kept: none = Recompute.NONE, selective-op = SELECTIVE, full = FULL)
@@ -179,20 +203,31 @@ def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
     per = t.bytes_per_token // (4 if fp32 else 2)
     flags = _FLAGS[t.modes] if scope == "layer" else {}
     return saved(t.id, t.name, t.id.split(".")[0], f"{per} s b", "fp32" if fp32 else "act", scope=scope, k22=False,
-                 src=src, **flags)
+                 src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, **flags)
 
 
 def _cuda_norm(terms: list[TitanTerm], h: int) -> list[TitanTerm]:
-    """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and an fp32 rstd (derived)."""
+    """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and an fp32 rstd (derived); its output stays
+    as the next matmul's input (the all-gathered one under TP: measured on CPU, where it is a tensor of its own)."""
     out: list[TitanTerm] = []
     for t in terms:
         which = t.id.split(".")[0]
         if which.endswith("norm") and t.id.endswith(".x_fp32"):
-            out += [TitanTerm(f"{which}.x", f"{which}: input (bf16), fused kernel (CUDA)", 2 * h, t.modes),
-                    TitanTerm(f"{which}.rstd", f"{which}: rstd (fp32), fused kernel (CUDA)", 4, t.modes)]
-        elif not which.endswith("norm"):
+            out += [TitanTerm(f"{which}.x", f"{which}: input (bf16), fused kernel (CUDA)", 2 * h, t.modes, "sp"),
+                    TitanTerm(f"{which}.rstd", f"{which}: rstd (fp32), fused kernel (CUDA)", 4, t.modes, "sp")]
+        elif not which.endswith("norm") or t.id.endswith(".out"):
             out.append(t)
     return out
+
+
+def _vocab_split(term: Term) -> Term:
+    """A loss transient as loss parallel makes it: a vocab-wide tensor is the rank's vocab shard (/ t)."""
+    vocab = any(name == "v" for mono, _ in term.elements.terms for name, _ in mono)
+    return dataclasses.replace(term, tp_split=True) if vocab else term
+
+
+TAIL = (f"{DERIVED}; under TP measured on CPU over gloo (2 ranks, tests/test_titan_tp.py): the final norm's fp32 "
+        "terms sequence-sharded, its output all-gathered")
 
 
 def titan_inventory(model: ModelSpec, device: str) -> Inventory:
@@ -213,22 +248,26 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
     final = _cuda_norm(final, h) if device == "cuda" else final
     loss = f"{DERIVED}; cross_entropy_loss on the fp32 logits"
     outside = [_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
-                               t.bytes_per_token, ()), DERIVED, "last") for t in final]
+                               t.bytes_per_token, (), t.split), TAIL, "last") for t in final]
     outside += [
         saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first", k22=False,
               src=DERIVED),
-        saved("logits_fp32", "fp32 log-softmax of the logits", "output", "s b v", "fp32", scope="last", k22=False,
-              src=loss),
+        saved("logits_fp32", "fp32 log-softmax of the logits (its vocab shard under TP: loss parallel)", "output",
+              "s b v", "fp32", scope="last", k22=False, src=loss, tp=True),
         saved("target_ids", "target ids (int64)", "output", "s b", "int64", scope="last", k22=False, src=loss),
     ]
     held = (labels_term(),)
     # the loss's moments: torchtitan's cross_entropy_loss runs the ops of transformers' ForCausalLMLoss (bf16
     # logits, their fp32 copy, log-softmax), so its measured moments apply: derived for torchtitan
+    # under TP the logits and their gradients are vocab shards (loss parallel: _LossParallelCrossEntropy), derived
     moments = tuple(dataclasses.replace(m, source=f"derived: {m.source}, with torchtitan's loss (same ops; not "
-                                        "measured)") for m in hf_loss_moments(model, final_norm=False))
+                                        "measured); under TP the vocab-wide tensors / t (loss parallel)",
+                                        transients=tuple(_vocab_split(x) for x in m.transients))
+                    for m in hf_loss_moments(model, final_norm=False))
     return Inventory(f"torchtitan/{device}", tuple(_term(t, src) for t in terms) + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; TP / PP / CP, compile, float8, budget AC; "
+TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, PP / CP / EP, compile, float8, "
+              "budget AC; "
               "search over torchtitan's dimensions; the allocation stream")

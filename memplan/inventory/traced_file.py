@@ -274,7 +274,10 @@ def _polynomial(term: TracedTerm, field: str, path: Path) -> Poly:
 # model types whose transformers class has no sdpa attention (_supports_sdpa false in transformers 5.x), among the
 # architectures memplan reads from a config.json: --impl hf-sdpa is refused before tracing (issue 22)
 NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-oss (attention sinks)",
-           "vaultgemma": "VaultGemma (attention logit soft-capping)"}
+           "vaultgemma": "VaultGemma (attention logit soft-capping)", "granite_swa": "Granite-SWA (attention sinks)",
+           "granitemoe_swa": "Granite-MoE-SWA (attention sinks)", "bloom": "BLOOM (ALiBi)", "mpt": "MPT (ALiBi)",
+           "gptj": "GPT-J (eager attention only)", "codegen": "CodeGen (eager attention only)",
+           "xglm": "XGLM (eager attention only)", "gpt_neo": "GPT-Neo (eager attention only)"}
 
 
 def check_impl(data: object, impl: str) -> None:

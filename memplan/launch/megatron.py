@@ -189,7 +189,11 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.norms_per_layer not in (None, 2), f"{model.norms_per_layer} norm(s) per layer"),
                (model.attention_bias and not model.bias, "biases on the attention's projections only"),
                (model.head_bias, "a bias on the output head"), (model.attention_sinks, "attention sinks"),
-               (model.moe_bias, "biased router and experts"),
+               (model.moe_bias, "biased router and experts"), (model.moe_router_bias, "a biased router"),
+               (model.mlp_bias and not model.bias, "biases on the MLP's linears only"),
+               (model.out_bias and not model.bias, "a bias on the attention output alone"),
+               (model.moe_shared_gate, "a gate on the shared experts"), (not model.norm_params, "norms without weights"),
+               (model.embedding_norm, "a norm on the embeddings"),
                (model.qk_norm and model.qk_norm_width == "full", "Q and K norms over the whole width"),
                (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias")]
     missing = [what for on, what in layouts if on]

@@ -7,8 +7,10 @@ any importable module) and calls its function ``--config F``, which returns a ``
 from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
 sets what memplan planned: the model without converters (no float8), no torch.compile, the plain cross-entropy loss
 (the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
-batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard; tensor, pipeline and context
-parallelism 1) and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
+batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard), the tensor-parallel degree (sequence
+parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
+(validation/titan.py tp_rank): 0.3.0's default ``spmd_types`` with TP stopped in torch 2.13's fully_shard, which
+wants DTensor parameters), pipeline and context parallelism 1 and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
 torchtitan 0.3.0's dataclasses; tests/test_launch_titan.py loads the emitted module with torchtitan's own
 ConfigManager.
 
@@ -68,6 +70,8 @@ def titan_document(config: Config) -> dict:
             "training.seq_len": config.model.seq_length,
             "parallelism.data_parallel_replicate_degree": replicate,
             "parallelism.data_parallel_shard_degree": par.shard,
+            "parallelism.tensor_parallel_degree": par.tp,
+            "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 else "spmd_types",
             "activation_checkpoint": _ac(config)[0], "compile.enable": False,
             "loss": "CrossEntropyLoss", "converters": []}
 
@@ -78,7 +82,7 @@ def titan_launch(config: Config) -> Launch:
         raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
     doc = titan_document(config)
     ac, ac_name = _ac(config)
-    gpus = config.parallel.dp
+    gpus = config.parallel.dp * config.parallel.tp
     imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
     lines = [
         f'"""memplan\'s plan as torchtitan 0.3.0\'s config. Save as {MODULE}.py, then, from its folder:',
@@ -108,7 +112,9 @@ def titan_launch(config: Config) -> Launch:
         "    config.parallelism = ParallelismConfig(",
         f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
         f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",
-        "        tensor_parallel_degree=1, pipeline_parallel_degree=1, context_parallel_degree=1)",
+        f"        tensor_parallel_degree={doc['parallelism.tensor_parallel_degree']}, pipeline_parallel_degree=1, "
+        "context_parallel_degree=1,",
+        f"        spmd_backend=\"{doc['parallelism.spmd_backend']}\")",
         f"    config.activation_checkpoint = {ac}",
         "    return config",
     ]
@@ -116,4 +122,7 @@ def titan_launch(config: Config) -> Launch:
              "says (torchtitan's run_train.sh sets expandable segments the same way)",
              "the shipped configs' chunked loss (ChunkedLossWrapper), torch.compile and float8 are switched off: "
              "memplan plans the plain cross-entropy, eager, bf16"]
+    if config.parallel.tp > 1:
+        notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
+                     "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")
     return Launch(lines, {ALLOC_CONF: EXPANDABLE}, notes, kind="torchtitan", document=doc)

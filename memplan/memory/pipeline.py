@@ -34,10 +34,36 @@ def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
     return minimum(warmup_plus_one, microbatches * m)
 
 
-def microbatches_in_flight(stage: Any, p: Any, microbatches: Any) -> Any:
+def microbatches_in_flight(stage: Any, p: Any, microbatches: Any, m: Any = 1) -> Any:
     """Micro-batches whose embedding (first stage) or output layer (last stage) activations are
-    alive at the stage's peak: p - stage under 1F1B (K22 section 4.3: the sbhp of the first stage)."""
-    return minimum(p - stage, microbatches)
+    alive at the stage's peak: p - stage under 1F1B (K22 section 4.3: the sbhp of the first stage).
+    Interleaved (m > 1, `schedule`): the first stage's chunk 0 holds the embedding, and at a backward of
+    chunk 0 in the steady state the chunk-0 forwards of 2p micro-batches are alive (the warm-up ran them for
+    micro-batches 0..2p - 2, the steady state's forward before that backward the last); the last stage's
+    chunk m - 1 runs each forward right before its backward (one)."""
+    return minimum((p - stage) * (1 + (m != 1) * (stage == 0)), microbatches)
+
+
+def replayed_microbatches(stage: int, p: int, m: int, microbatches: int) -> int:
+    """The fewest micro-batches whose schedule (`schedule`) reaches the stage's peak as the whole step does (the
+    steady state repeats): 1F1B the in-flight ones + 2; interleaved 2p (a chunk-0 backward of the steady state,
+    with 2p micro-batches' chunk 0 alive: `microbatches_in_flight`)."""
+    if m > 1:
+        return min(microbatches, 2 * p)
+    return min(microbatches, int(chunks_in_flight(stage, p, 1, microbatches)) + 2)
+
+
+def schedule(stage: int, p: int, m: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """The order of ("F" or "B", micro-batch, model chunk) steps of one step on pipeline rank `stage` (scalars):
+    Megatron-LM's 1F1B and interleaved 1F1B (megatron-core 0.16 schedules.py get_schedule_table with
+    microbatch_group_size_per_vp_stage = p, its default; get_model_chunk_id: a backward runs the table's chunk
+    reversed). `chunks_in_flight` - 1 warm-up forwards, (forward, backward) pairs, cool-down backwards."""
+    table = [(mb, c) for lo in range(0, microbatches, p) for c in range(m)
+             for mb in range(lo, microbatches if lo + p >= microbatches else lo + p)]
+    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches))
+    fwd = [("F", mb, c) for mb, c in table]
+    bwd = [("B", mb, m - 1 - c) for mb, c in table]
+    return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
 
 
 def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: Any = None) -> Any:

@@ -49,6 +49,7 @@ class StageMemory:
     host_optimizer: Any = 0  # master weights + optimizer states stepped in host memory (optimizer offload)
     expert_params: Any = 0  # of `params`, the routed experts' (sharded over the expert-data-parallel group)
     trained_params: Any = None  # LoRA: the adapters' parameters (the optimizer steps only those); None: `params`
+    gathered: Any = 0  # of `states.weights`, ZeRO-3's unsharded parameters in flight (bytes; dp_stack.gathered_params)
 
     @property
     def weights(self) -> Any:
@@ -109,8 +110,8 @@ def stage_memory(
     one_layer = layer_params(model, sizes.group)
     # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
     gathered = dp_stack.gathered_params(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
-    states = state_bytes(params, training, state_shard(plan), plan.zero,
-                         gathered_params=one_layer if gathered is None else gathered,
+    gathered = one_layer if gathered is None else gathered
+    states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
         states, trained = lora_states(model, training, sizes.values, params, layers, state_shard(plan), plan.zero)
@@ -121,6 +122,8 @@ def stage_memory(
         if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base
             extra = extra + (plan.zero >= 3) * gathered * training.weight_bytes
         states = StateBytes(states.weights + extra, states.gradients, states.optimizer)
+    # lora_states counts no gathered copy without a stack
+    in_flight = (plan.zero >= 3) * gathered * training.weight_bytes * (not training.lora_rank or bool(training.dp_stack))
     experts: Any = 0
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
         experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
@@ -134,4 +137,4 @@ def stage_memory(
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
-                       host, experts, trained)
+                       host, experts, trained, in_flight)

@@ -77,9 +77,9 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
-    if model.qk_norm:
-        groups.append(ParamGroup("query / key norms", Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full"
-                                                                      else "2 q /a"), False, "layer"))
+    if model.qk_norm and model.norm_params:
+        qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
+        groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
     if model.attention_sinks:
         groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
     if model.is_moe:
@@ -89,9 +89,10 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("MLP output projection weight", Poly.parse("E h fe"), True, "moe", expert=True),
             ParamGroup("router weight", Poly.parse("E h"), False, "moe"),
         ]
-        if model.moe_bias:  # gpt-oss: router bias E; each expert's gate_up bias 2 f_e and down bias h
-            groups += [ParamGroup("router bias", Poly.parse("E"), False, "moe"),
-                       ParamGroup("expert biases", Poly.parse_sum(("2 " if gated else "") + "E fe + E h"), True, "moe",
+        if model.moe_bias or model.moe_router_bias:  # gpt-oss, ERNIE 4.5: the router's bias E
+            groups.append(ParamGroup("router bias", Poly.parse("E"), False, "moe"))
+        if model.moe_bias:  # gpt-oss: each expert's gate_up bias 2 f_e and down bias h
+            groups += [ParamGroup("expert biases", Poly.parse_sum(("2 " if gated else "") + "E fe + E h"), True, "moe",
                                   expert=True)]
         if model.moe_shared_ffn_hidden_size:
             groups += [
@@ -99,18 +100,26 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                            True, "moe"),
                 ParamGroup("shared experts' output projection weight", Poly.parse("h fs"), True, "moe"),
             ]
+        if model.moe_shared_gate:  # Qwen2-MoE: shared_expert_gate, h -> 1
+            groups.append(ParamGroup("shared experts' gate", Poly.parse("h"), False, "moe"))
     if not model.is_moe or model.moe_first_dense_layers:
         prefix = "dense " if model.is_moe else ""
         groups += [
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
             ParamGroup(prefix + "MLP output projection weight", Poly.parse("h f"), True, mlp),
         ]
-    groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
+        if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
+            groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
+                                     mlp))
+    if model.norm_params:
+        groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
         groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
     elif model.qkv_bias and not model.bias:
         groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
+    if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
+        groups.append(ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
@@ -119,9 +128,12 @@ def param_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     groups.append(ParamGroup("word embedding", Poly.parse("v h"), True, "first"))
+    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
+        groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", Poly.parse("s h"), False, "first"))
-    groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
+    if model.norm_params:
+        groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     return tuple(groups)
@@ -273,9 +285,15 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.has_norm_bias:
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
-    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None, 2)] \
-        if model.qk_norm and model.qk_norm_width == "head" else []
-    if model.qk_norm and model.qk_norm_width == "full":  # OLMo-2 (q, qg/a), Cohere ((a, d), (g, d))
+    embedding_norm = [WeightShape("embedding norm", w.name.replace("final", "embedding"), P("h"), None)
+                      for w in final] if model.embedding_norm else []
+    if not model.norm_params:  # OLMo, nanochat: norms without weights
+        norm, final = [], []
+    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
+                            4 if model.has_norm_bias else 2)] \
+        if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []
+    if model.qk_norm and model.qk_norm_width == "full" and model.norm_params:  # OLMo-2 (q, qg/a), Cohere
+        # ((a, d), (g, d))
         qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
                     WeightShape("query / key norms", "key norm weight", q_kv, None)]
     if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head
@@ -288,6 +306,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                                                         None)]
     elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
         qk_norms = qkv_biases + qk_norms
+    if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
+        qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
     second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
@@ -316,18 +336,20 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if layout == "fused":
         dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
                      + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
-        layer = attention + dense_mlp
     else:
         mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
                   else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
         dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
-        layer = attention + dense_mlp + norm + second
+    if model.mlp_bias and not model.bias:  # GPT-J: fc_in's and fc_out's biases
+        dense_mlp += [WeightShape(prefix + "MLP biases", "MLP input bias", f_in, None, 1, "rows"),
+                      WeightShape(prefix + "MLP biases", "MLP output bias", P("h"), None)]
+    layer = attention + dense_mlp + ([] if layout == "fused" else norm + second)
     dense_layer: list[WeightShape] = []
     if model.is_moe:
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
-    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")]
+    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", P("s"), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
@@ -357,7 +379,8 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
     P = Poly.parse
     fe_in = P("2 fe") if model.mlp == "swiglu" else P("fe")
     router = [WeightShape("router weight", "router", P("E"), P("h"))]
-    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias else []
+    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias or model.moe_router_bias \
+        else []
     E = model.num_experts or 0
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     if layout == "fused":  # Megatron-LM TEGroupedMLP: linear_fc1.weight0..E-1, then linear_fc2's
@@ -378,6 +401,8 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
         else:
             shared = [WeightShape(s_in, "shared experts' gate / up", P("fs"), P("h"), 2, "rows")]
         shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
+        shared += [WeightShape("shared experts' gate", "shared_expert_gate", P("h"), None)] if model.moe_shared_gate \
+            else []
     return (router + experts + shared) if layout == "fused" else (experts + router + shared)
 
 

@@ -4,10 +4,18 @@ for one plan of scalars. This module owns that stream; a model of PyTorch's cach
 (memplan's verdict at the margin, ../shared/reference/allocator.md "What a replay needs").
 
 The run: the model built (one allocation per parameter tensor, `states.weight_shapes`, registration order);
-the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
+with ZeRO-3 one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded
+down, the largest taking the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
 ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's
-1F1B schedule (p - stage - 1 warm-up forwards, forward / backward pairs, cool-down backwards), the optimizer
-step and zero_grad. AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
+1F1B or interleaved 1F1B schedule (memplan/memory/pipeline.py `schedule`: warm-up forwards, forward / backward
+pairs, cool-down backwards; the embedding's terms in chunk 0 of the first stage, the loop's batch and the loss in
+the last chunk of the last stage), the optimizer step and zero_grad. ZeRO-3's unsharded parameters in flight (`StageMemory.gathered`: one layer's, or the
+stack's count, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one layer's
+parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay the timeline's bytes
+all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one gathered.
+LoRA (peft): the frozen base built (QLoRA's layer linears in NF4), then the fp32 adapters; only they get .grad
+tensors and optimizer states (memplan/memory/stream_params.py). Context parallelism: the attention's cp buffers
+as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
 step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first write in
 the backward, zero_grad frees them.
 
@@ -31,7 +39,7 @@ states as requested). `marks` tie the timeline's events (its walk of the last st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, NamedTuple, Optional
 
@@ -41,16 +49,16 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment, Term
-from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.parallel import cp_moments
+from memplan.memory.pipeline import schedule
+from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
-from memplan.memory.parallel import expert_shard, state_shard
-from memplan.memory.states import output_layer_group, param_groups, shard_bytes, weight_shapes
+from memplan.memory.states import shard_bytes
+from memplan.memory.stream_params import Persistent, fit
 from memplan.memory.term_bytes import PlanValues, TermBytes
 from memplan.memory.timeline import StepPeak, optimizer_impl, step_events
 
 KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
-STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
-               "sgd-nomomentum": ()}
 _COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
 
 
@@ -103,9 +111,8 @@ def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     why = [what for what, on in (("activation offload", training.offload_activations),
                                  ("optimizer offload", training.offload_optimizer_fraction),
                                  ("the optimizer step in the backward", training.optimizer_in_backward),
-                                 ("context parallelism", plan.cp > 1), ("interleaved stages", plan.m > 1),
-                                 ("ZeRO-3", plan.zero >= 3),
-                                 ("LoRA adapters", training.lora_rank)) if on]
+                                 ("interleaved stages with fewer than 2p micro-batches or not a multiple of p",
+                                  plan.m > 1 and (plan.microbatches % plan.p or plan.microbatches < 2 * plan.p))) if on]
     return ", ".join(why)
 
 
@@ -115,8 +122,8 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
     """The stream for a plan of scalars on one GPU of `stage` (`stage_mem`: its `stage_memory`, made if None)."""
     why = not_streamed(training, plan)
     if why or steps < 1:
-        raise MemplanError(f"the allocation stream models 1F1B without interleaving, cp = 1, ZeRO 0-2, no offload, "
-                           f"no optimizer step in the backward, no LoRA, at least one step: {why or f'{steps} steps'}")
+        raise MemplanError(f"the allocation stream models 1F1B without interleaving, no offload, "
+                           f"no optimizer step in the backward, at least one step: {why or f'{steps} steps'}")
     if stage_mem is None:
         stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
                                  layout=inventory.weight_layout)
@@ -146,18 +153,6 @@ class _Sizes:
         return hit[1:]
 
 
-def _fit(items: list, target: int) -> list:
-    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last ones dropped while the others
-    reach it (a GPU's E/ep experts), then the last largest absorbs the rest (a vocabulary padded to t)."""
-    total = sum(n for _, n in items)
-    while len(items) > 1 and total - items[-1][1] >= target:
-        total -= items.pop()[1]
-    if items and total != target:
-        big = max(range(len(items)), key=lambda i: (items[i][1], i))
-        items[big][1] += target - total
-    return items
-
-
 class _Run:
     """Builds the stream; one instance per call."""
 
@@ -173,27 +168,36 @@ class _Run:
         self.n, self.N = int(n), int(recomputed) * (self.rec != Recompute.NONE)
         self.buffer = inv.grad_lifetime == "buffer"
         self.M = int(plan.microbatches)
-        self.k = int(chunks_in_flight(stage, plan.p, 1, plan.microbatches))
-        self.dense_here = model.moe_first_dense_layers * self.is_first
+        self.m = int(plan.m)
         self.step = step_events(model, inv, training, plan, mem, stage)
         self.layer_terms, self.first_terms, self.last_terms, self.chunk_terms = (
             [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
              and (scope != "first" or self.is_first)] for scope in ("layer", "first", "last", "chunk"))
         self.held = list(inv.held) if self.is_last else []
-        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"]
+        # context parallelism's buffers (memplan/memory/parallel.py cp_moments, as the timeline adds them): a moment
+        # inside the attention forward after the inventory's, and the attention backward's extra transients
+        cp_forward, cp_backward = cp_moments(model, inv, plan)
+        self.fwd_moments = [m for m in inv.moments if m.phase == "forward" and m.scope == "layer"] + list(cp_forward)
         # around the loss in the order they happen (the inventory lists them in any order: the timeline sums each
         # on its own): the forward, then the backward's moments by the gradients they have made
         self.loss_moments = sorted(enumerate(m for m in inv.moments if m.scope == "last"),
                                    key=lambda im: (im[1].phase != "loss", len(im[1].grads)))
-        self.bwd_moments = [m for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
+        self.bwd_moments = [replace(m, transients=m.transients + cp_backward) if m.id == "attention_backward" else m
+                            for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
         self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
                                  if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
         self.alive_sets: dict[tuple, tuple] = {}
         self.is_full = self.rec == Recompute.FULL
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
         self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
+        self.gathered, self.in_flight = int(mem.gathered), []  # ZeRO-3's unsharded parameters; their units' ids
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
-        self._params()
+        self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
+                                            self.is_last)
+        self.tables, self.site_of, self.sites, self.grad_rows = pers.tables, pers.site_of, pers.sites, pers.grad_rows
+        self.untied_head, self._table, self._tensors = pers.untied_head, pers.table, pers.tensors
+        self.head_names = [g.name for g in pers.groups.values() if g.scope == "last"] + [
+            g for _, m in self.loss_moments for g in m.grads]
 
     # -- primitives --------------------------------------------------------------------------------------------
     def _alloc(self, size: int, counted: int, kind: str, name: str, poly: Optional[Poly] = None) -> int:
@@ -237,80 +241,34 @@ class _Run:
                 for i in self._term(t, "transient", f"{m.name}, {label}")]
 
     # -- parameters and states ---------------------------------------------------------------------------------
-    def _params(self) -> None:
-        model, tr, plan = self.model, self.tr, self.plan
-        values = plan.symbols(model)
-        count = TermBytes(model, plan, tr.activation_bytes).group
-        groups = {g.name: g for g in param_groups(model)}
-        head = output_layer_group()
-        self.untied_head = (not model.tied_embeddings) or plan.p > 1
-        shapes = weight_shapes(model, self.inv.weight_layout)
-        wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),
-                  "dense_layer": ("layer", "dense"), "last": ("last",)}
-        self.tables: dict[str, list] = {}  # scope -> [group, name, params] in registration order
-        for key, scopes in wanted.items():
-            rows = [[w.group, w.name, int(w.on_gpu(values, key in ("layer", "dense_layer")).numel)]
-                    for w in shapes[key] for _ in range(w.count)]
-            targets = {g.name: int(count(g)) for g in groups.values() if g.scope in scopes}
-            self.tables[key] = self._fit_groups(rows, targets)
-        self.tables["head"] = self._fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
-        self.site_of = {g.name: "last" for g in groups.values() if g.scope == "last"}
-        self.site_of.update({g.name: "first" for g in groups.values() if g.scope == "first"}, **{head.name: "head"})
-        self.sites = (["first"] if self.is_first else []) + [j for j in range(1, self.n + 1)] + (
-            (["last"] + (["head"] if self.untied_head else [])) if self.is_last else [])
-        self.head_names = [g.name for g in groups.values() if g.scope == "last"] + [
-            g for _, m in self.loss_moments for g in m.grads]
-        gb, shard = tr.grad_bytes, state_shard(plan)
-        self.grad_rows: dict[tuple, list] = {}
-        for key, rows in self.tables.items():
-            for name in dict.fromkeys(r[0] for r in rows):
-                g = groups.get(name, head)
-                n = sum(r[2] for r in rows if r[0] == name) * gb
-                kept = shard_bytes(n, expert_shard(plan) if g.expert else shard, plan.zero >= 2)
-                self.grad_rows[key, name] = [r for r in _fit([[r[1], r[2] * gb] for r in rows if r[0] == name], kept)
-                                             if r[1] > 0]
-
-    def _fit_groups(self, rows: list, targets: dict) -> list:
-        for name, target in targets.items():
-            mine = [r for r in rows if r[0] == name] or ([rows.append([name, name, 0]) or rows[-1]] if target else [])
-            fitted = _fit([[r[1], r[2]] for r in mine], target)
-            for k, r in enumerate(mine):
-                r[2] = fitted[k][1] if k < len(fitted) else 0
-        return [r for r in rows if r[2] > 0]
-
-    def _table(self, site: Any) -> str:
-        return site if isinstance(site, str) else ("dense_layer" if site <= self.dense_here else "layer")
-
-    def _tensors(self) -> list:
-        """(site, group, name, params) of every parameter tensor of the GPU, in registration order."""
-        return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self._table(site)]]
-
     def _build(self) -> None:
         """The model's parameters, the main-gradient buffer, the optimizer's master copy."""
-        tr, states, wb, tensors = self.tr, self.mem.states, self.tr.weight_bytes, self._tensors()
-        for site, _, name, n in tensors:
-            self._alloc(n * wb, n * wb, "parameter", f"{name} ({'layer ' * isinstance(site, int)}{site})")
-        if (rest := states.weights - sum(n for *_, n in tensors) * wb) > 0:  # MTP modules, FP8 weight caches
-            self._alloc(rest, rest, "parameter", "other parameters and weight caches")
+        for name, n in self.persistent.weights():
+            self._alloc(n, n, "parameter", name)
         self.phases.append(("optimizer created", len(self.events)))
-        if self.buffer and states.gradients:
-            self._alloc(states.gradients, states.gradients, "gradient", "main-gradient buffer (fp32)", None)
-        # optimizer states: per tensor (ZeRO 0, states of parameter size), else one flat shard per state
-        names = STATE_NAMES.get(tr.optimizer)
-        total, mb, sb = states.optimizer, tr.master_weight_bytes, tr.optimizer_state_bytes
-        weights = [("optimizer states", 1)] if names is None else (
-            [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names])
-        parts = [[label, total * w // (sum(w for _, w in weights) or 1)] for label, w in weights]
-        if parts:
-            parts[0][1] += total - sum(n for _, n in parts)
-        self.master, self.lazy = [], []
-        flat = " (flat shard)" * (self.plan.zero > 0)
-        for label, n in (part for part in parts if part[1] > 0):
-            rows = (_fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in tensors], n)
-                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
-            (self.master if label.startswith("master") else self.lazy).append(rows)
+        if self.buffer and (n := self.mem.states.gradients):
+            self._alloc(n, n, "gradient", "main-gradient buffer (fp32)", None)
+        self.master, self.lazy = self.persistent.optimizer_rows()
         for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
             self._alloc(n, n, "optimizer_state", name)
+
+    # -- ZeRO-3's gathered parameters -------------------------------------------------------------------------
+    def _gather_all(self) -> None:
+        """ZeRO-3's unsharded parameters in flight, all-gathered at the first forward (`Persistent.gathered_units`)."""
+        self.unit_size, units, rest = self.persistent.gathered_units()
+        self.in_flight = [self._alloc(self.unit_size, self.unit_size, "parameter", f"gathered parameters (unit {k + 1})")
+                          for k in range(units)] or [None]
+        if rest > 0:
+            self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
+
+    def _roll(self, j: int) -> None:
+        """Layer j gathered: the oldest unit in flight freed (resharded), a new one all-gathered (the same size, so the
+        bytes alive at every timeline point stay the timeline's)."""
+        if self.gathered and self.in_flight[0] is not None:
+            old = self.in_flight.pop(0)
+            self._free([old])
+            n = self.unit_size
+            self.in_flight.append(self._alloc(n, n, "parameter", f"gathered parameters (layer {j})"))
 
     # -- gradients ---------------------------------------------------------------------------------------------
     def _ensure(self, site: Any, group: str) -> None:
@@ -326,10 +284,8 @@ class _Run:
             self._ensure(site, group)
 
     def _new_grad(self, group: str) -> int:
-        """A group's gradient as autograd makes it, in the weights' dtype (one layer's, or the head's)."""
-        site = self.site_of.get(group, self.n)
-        n = sum(r[2] for r in self.tables[self._table(site)] if r[0] == group)
-        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+        """A group's gradient as autograd makes it (`Persistent.new_grad`)."""
+        return self.persistent.new_grad(group, self.site_of.get(group, self.n))
 
     def _moment_grads(self, m: Moment, site: Any, creating: bool) -> list:
         """The gradients a moment adds (after the point's frees): the listed groups' .grad where this
@@ -354,18 +310,25 @@ class _Run:
                 else (t.kept(Recompute.SELECTIVE) or (plain and m.recomputed))))
         return self.alive_sets[m.id, rc]
 
-    def _forward(self, mb: int) -> dict:
-        label = f"micro-batch {mb}"
-        st: dict = {"held": [i for t in self.held for i in self._term(t, "saved_activation", label)],
-                    "first": [i for t in self.first_terms for i in self._term(t, "saved_activation", label)],
+    def _forward(self, mb: int, c: int) -> dict:
+        """Model chunk c's forward of micro-batch mb: the loop's batch (last stage, last chunk), the embedding's
+        terms (first stage, chunk 0), the layers', the loss (last stage, last chunk)."""
+        label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
+        head, embedding = self.is_last and c == self.m - 1, c == 0
+        st: dict = {"held": [i for t in self.held * head for i in self._term(t, "saved_activation", label)],
+                    "first": [i for t in self.first_terms * embedding
+                              for i in self._term(t, "saved_activation", label)],
                     "chunk": {}, "layers": {}, "last": {}}
         if self.workspace and not self.workspace_made:
             self.workspace_made = True
             self._alloc(self.workspace, 0, "workspace", "cuBLAS workspace")
+        if self.gathered and not self.in_flight:
+            self._gather_all()
         self._fill(st["chunk"], self.chunk_terms, tuple(range(len(self.chunk_terms))), label)
         for j in range(1, self.n + 1):
             rc, layer = j <= self.N, st["layers"].setdefault(j, {})
             where = f"layer {j}, {label}"
+            self._roll(j)
             for m in self.fwd_moments:
                 target = self._alive(m, rc)
                 self._drop(layer, set(target))
@@ -374,7 +337,7 @@ class _Run:
             self._drop(layer, set(self.stored[rc]))
             self._fill(layer, self.layer_terms, self.stored[rc], where)
             self._mark()
-        if not self.is_last:
+        if not head:
             self.ev += len(self.loss_moments) * self.walk
             return st
         creating = not self.buffer and not self.have_grads
@@ -387,8 +350,8 @@ class _Run:
         self._drop(st["last"], ())
         return st
 
-    def _backward(self, st: dict, mb: int) -> None:
-        label = f"micro-batch {mb}"
+    def _backward(self, st: dict, mb: int, c: int) -> None:
+        label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
         creating = not self.buffer and not self.have_grads
         owed: list = list(self.head_names) if creating and self.is_last else []
         # a tied LM head's gradient waits in autograd's input buffer for the embedding's (with a main-grad buffer)
@@ -396,6 +359,7 @@ class _Run:
         for j in range(self.n, 0, -1):
             rc, layer = j <= self.N, st["layers"].pop(j)
             where = f"layer {j}, {label}"
+            self._roll(j)
             for m in self.bwd_moments:
                 if m.layers and j - 1 not in m.layers:
                     continue
@@ -408,9 +372,9 @@ class _Run:
                 self._pay(owed, wait)
                 self._fill(st["chunk"], self.chunk_terms, chunk, label)
                 self._fill(layer, self.layer_terms, target, where)
-                self._point(self._moment_grads(m, j, creating) + self._transients(m, rc, where))
+                self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
             self._drop(layer, ())
-            owed += [j] * creating
+            owed += [c * self.n + j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
         self._free(st["held"])
@@ -418,7 +382,7 @@ class _Run:
         for site in self.sites if creating else ():  # the embedding's, and any no moment named (the timeline's)
             self._ensure_site(site)
         extra = []
-        if self.is_first:
+        if self.is_first and c == 0:
             extra = self._term(EMBEDDING_OUTPUT_GRAD, "transient", f"embedding backward, {label}")
             dense = self._new_grad("word embedding")
             for name, on in (("embedding weight gradient before the hook", self.buffer),
@@ -449,13 +413,29 @@ class _Run:
         for name, n in (r for rows in self.lazy for r in rows if first):  # AdamW's moments: in the first step
             self._alloc(n, n, "optimizer_state", name)
         temp, pb = self.step.optimizer_temp_bytes, self.tr.master_weight_bytes or self.tr.weight_bytes
-        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self._tensors()]  # torch foreach
+        pb = ADAPTER_BYTES if self.tr.lora_rank else pb
+        rows = ([[f"optimizer temporary of {name}", n * pb] for *_, name, n in self.persistent.trained()]  # torch foreach
                 if optimizer_impl(self.tr, self.inv) == "foreach" and self.plan.zero == 0 else [["temporaries", temp]])
-        temps = [self._alloc(n, n, "transient", name) for name, n in _fit(rows, temp) if n > 0]
+        temps = [self._alloc(n, n, "transient", name) for name, n in fit(rows, temp) if n > 0]
         self._point(temps)
         if not self.buffer:  # zero_grad(set_to_none=True)
             self._free([i for ids in self.grad_ids.values() for i in ids])
             self.grad_ids, self.have_grads = {}, False
+
+    def _walked(self, order: list) -> set:
+        """The (forward, backward) pair the timeline walks: the last of the steady state (a backward right after a
+        forward, every in-flight chunk alive) whose backward is of the chunk with the embedding (first stage,
+        with the most embedding activations alive) or the loss (last stage)."""
+        alive: set = set()
+        best = (-1, 0)
+        for i, (what, mb, c) in enumerate(order):
+            if what == "F":
+                alive.add((mb, c))
+                continue
+            if i and order[i - 1][0] == "F" and (not self.is_first or c == 0) and (not self.is_last or c == self.m - 1):
+                best = max(best, (sum(1 for x in alive if x[1] == 0), i))
+            alive.discard((mb, c))
+        return {best[1] - 1, best[1]}
 
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
@@ -464,20 +444,19 @@ class _Run:
         first = main if first_seq in (None, self.model.seq_length) else _Sizes(
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
-        k, M = self.k, self.M  # 1F1B: warm-up forwards, (forward, backward) pairs, cool-down backwards
-        order = ([("F", i) for i in range(k - 1)] + [x for r in range(M - k + 1) for x in (("F", k - 1 + r), ("B", r))]
-                 + [("B", r) for r in range(M - k + 1, M)])
+        order = schedule(self.stage, int(self.plan.p), self.m, self.M)
+        walked = self._walked(order)
         for step in range(1, steps + 1):
             self.phases.append((f"step {step}", len(self.events)))
             sizes = first if step == 1 else main
             live: dict = {}
-            for what, mb in order:
-                self.walk = step == steps and ((what == "F" and mb == M - 1) or (what == "B" and mb == M - k))
+            for i, (what, mb, c) in enumerate(order):
+                self.walk = step == steps and i in walked
                 self.sizes = sizes
                 if what == "F":
-                    live[mb] = self._forward(mb)
+                    live[mb, c] = self._forward(mb, c)
                 else:
-                    self._backward(live.pop(mb), mb)
+                    self._backward(live.pop((mb, c)), mb, c)
             self.walk = step == steps
             self.phases.append((f"optimizer step {step}", len(self.events)))
             self._optimizer(step == 1)

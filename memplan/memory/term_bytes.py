@@ -177,4 +177,4 @@ def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, 
     if term.scope == "chunk":
         return chunks_in_flight(stage, plan.p, plan.m, plan.microbatches) * term.kept(plan.recompute)
     on_stage = (stage == 0) if term.scope == "first" else (stage == plan.p - 1)
-    return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches)
+    return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches, plan.m)

@@ -25,7 +25,7 @@ from memplan.memory.dp_stack import notes as stack_notes
 from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
-from memplan.memory.pipeline import chunks_in_flight, interleaving_factor
+from memplan.memory.pipeline import chunks_in_flight, interleaving_factor, replayed_microbatches
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
@@ -246,8 +246,8 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
     if budget_bytes is None or not_streamed(config.training, plan):
         return flat, None
-    in_flight = chunks_in_flight(stage_mem.stage, plan.p, 1, plan.microbatches)
-    replayed_plan = dataclasses.replace(plan, microbatches=min(int(plan.microbatches), int(in_flight) + 2))
+    replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
+        int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches)))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
                         first_step_seq_len=replay.first_step_seq_len, workspace_bytes=flat.workspace_bytes)
     reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report)

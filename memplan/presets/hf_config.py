@@ -13,6 +13,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
+from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, OWN_KEYS, POSITIONS,
+                                         deepseek_experts, flag as _flag)
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -61,6 +63,8 @@ HF_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "traced",  # Mixtral's experts with Granite's multipliers (constants)
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
+    # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS)},
 }
 
 
@@ -96,7 +100,10 @@ _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCau
                       "DeepseekV3ForCausalLM": "n_routed_experts", "DeepseekV2ForCausalLM": "n_routed_experts",
                       "PhimoeForCausalLM": "num_local_experts", "GptOssForCausalLM": "num_local_experts",
                       "GraniteMoeForCausalLM": "num_local_experts", "GraniteMoeSharedForCausalLM": "num_local_experts",
-                      "OlmoeForCausalLM": "num_experts"}
+                      "OlmoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts"}
+
+# the architectures whose experts memplan reads: those above (_read_moe) and hf_families' own
+_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, "DbrxForCausalLM")
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -107,6 +114,11 @@ _QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias
 
 
 _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / pre- and post_feedforward norms
+
+
+# A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
+TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
@@ -131,17 +143,6 @@ def _probability(data: dict, key: str, default: float, path: Path) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise MemplanError(f"{path}: {key}: expected a dropout probability between 0 and 1 (got {echo(value)})")
     return float(value)
-
-
-def _flag(data: dict, key: str, default: bool, path: Path) -> bool:
-    """A true / false field of a config.json: JSON's true or false (a string "false" is refused, not read as true);
-    missing or null: transformers' default."""
-    value = data.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise MemplanError(f"{path}: {key}: expected true or false (got {echo(value)})")
-    return value
 
 
 def _head_dim(data: dict) -> Any:
@@ -178,8 +179,9 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
                                "layer in every layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
         return _read_deepseek_v3(data, arch)
     # transformers 5 writes Qwen3-MoE's count as num_local_experts (Qwen3MoeConfig.attribute_map), the Hub's
-    # files as num_experts
-    experts = data.get("num_experts", data.get("num_local_experts", 128))
+    # files as num_experts; Qwen2-MoE's the same (Qwen2MoeConfig's defaults: 60 experts, top 4, 1408 wide)
+    E, k, fe = (60, 4, 1408) if arch == "Qwen2MoeForCausalLM" else (128, 8, 768)
+    experts = data.get("num_experts", data.get("num_local_experts", E))
     step, dense = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
     if experts == 0:  # transformers builds every layer dense (Qwen3MoeDecoderLayer: num_experts > 0)
         return {}
@@ -191,8 +193,8 @@ def _read_moe(data: dict, arch: str, path: Path) -> dict[str, Any]:
         shown = shown if len(shown) <= 60 else shown[:60] + "..."
         raise MemplanError(f"{path}: mlp_only_layers = {shown}: memplan models dense layers first only "
                            "(mlp_only_layers [0, 1, ..., k-1])")
-    return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", 8),
-                moe_ffn_hidden_size=data.get("moe_intermediate_size", 768), moe_first_dense_layers=len(dense))
+    return dict(num_experts=experts, moe_top_k=data.get("num_experts_per_tok", k),
+                moe_ffn_hidden_size=data.get("moe_intermediate_size", fe), moe_first_dense_layers=len(dense))
 
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for the keys a config.json may leave out
@@ -212,12 +214,7 @@ def _read_deepseek_v3(data: dict, arch: str = "DeepseekV3ForCausalLM") -> dict[s
     (num_nextn_predict_layers, ModelSpec.mtp_layers) is not built by transformers: memplan models it for --impl
     megatron* (memplan/inventory/mla.py), not in the parameter total (DeepSeek-V3's 671 B excludes it)."""
     d = {**_DEEPSEEK_DEFAULTS[arch], **{k: v for k, v in data.items() if k in _DEEPSEEK_DEFAULTS[arch]}}
-    fe, shared = d["moe_intermediate_size"], d["n_shared_experts"]
-    both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
-    return dict(num_experts=d["n_routed_experts"], moe_top_k=d["num_experts_per_tok"],
-                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
-                moe_first_dense_layers=d["first_k_dense_replace"],
-                kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
+    return dict(deepseek_experts(d), kv_lora_rank=data.get("kv_lora_rank", 512), q_lora_rank=data.get("q_lora_rank", 1536),
                 qk_nope_head_dim=data.get("qk_nope_head_dim", 128), qk_rope_head_dim=data.get("qk_rope_head_dim", 64),
                 v_head_dim=data.get("v_head_dim", 128), mtp_layers=data.get("num_nextn_predict_layers", 0))
 
@@ -296,7 +293,9 @@ def _falcon(data: dict, path: Path) -> dict[str, Any]:
 def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     """What a family's config.json sets beyond the Llama layout's fields (transformers' defaults for missing keys):
     norms, biases, q / k norms, gated or plain MLP, tied embeddings (checked against the meta-device model by
-    tests/test_hub_configs.py)."""
+    tests/test_hub_configs.py; hf_families.LLAMA_KEYED: the families the registry walk added)."""
+    if arch in LLAMA_KEYED:
+        return LLAMA_KEYED[arch](data, path)
     if arch == "GPTNeoXForCausalLM":  # GPTNeoXLayer: two LayerNorms, biased query_key_value, dense and MLP
         if not _flag(data, "attention_bias", True, path):
             raise MemplanError(f"{path}: GPT-NeoX with attention_bias false keeps its MLP biases: memplan puts a bias "
@@ -342,14 +341,16 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
 
 
 def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
-    """A multimodal config (Gemma3ForConditionalGeneration): its text_config read as the text model (Gemma3ForCausalLM),
-    the text that model's trace is keyed by, and a note on what is left out."""
+    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2): its text_config read as the text model (its causal LM,
+    TEXT_MODELS), the text that model's trace is keyed by, and a note on what is left out."""
     text_config = data.get("text_config")
     if not isinstance(text_config, dict):
         raise MemplanError(f"{path}: text_config: expected the text model's config (a JSON object)")
-    text_data = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    kind = text_config.get("model_type")
+    kind = kind if kind in TEXT_MODELS else "gemma3_text"  # Gemma3ForConditionalGeneration's, whatever the file says
+    text_data = {**text_config, "architectures": [TEXT_MODELS[kind]], "model_type": kind}
     left = [k.removesuffix("_config").replace("_", " ") for k in data if k.endswith("_config") and k != "text_config"]
-    note = (f"the text model only (text_config, as Gemma3ForCausalLM): the {' and '.join(left) or 'vision'} tower "
+    note = (f"the text model only (text_config, as {TEXT_MODELS[kind]}): the {' and '.join(left) or 'vision'} tower "
             "and the multimodal projector are left out of the parameters and the activations (a text-only run)")
     return text_data, json.dumps(text_data, sort_keys=True), (note,)
 
@@ -370,23 +371,27 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
     known = [a for a in archs if a in HF_ARCHITECTURES]
     notes: tuple[str, ...] = ()
-    if known and known[0] == "Gemma3ForConditionalGeneration":
+    text_config = data.get("text_config")
+    if known and known[0] == "Gemma3ForConditionalGeneration" or isinstance(text_config, dict) and \
+            text_config.get("model_type") in TEXT_MODELS:
         data, text, notes = _text_model(data, path)
-        known = ["Gemma3ForCausalLM"]
+        known = data["architectures"]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
-    if moe and not (known and known[0] in _MOE_ARCHITECTURES):
+    if moe and not (known and known[0] in _READS_EXPERTS):
         arch = known[0] if known else _names(archs) or f"model_type {echo(data.get('model_type'))}"
+        names = [a.removesuffix("ForCausalLM") for a in _READS_EXPERTS]
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
-                           f"{', '.join(a.removesuffix('ForCausalLM') for a in _MOE_ARCHITECTURES)} only; "
-                           f"{_REFUSAL}")
+                           f"{', '.join(names[:3])} and {len(names) - 3} more architectures (docs/reference.md, "
+                           f"config.json architectures) only; {_REFUSAL}")
     if not known:
         name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan reads from a config.json; {_REFUSAL}")
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
-    positions_key = "n_positions" if layout == "gpt2" else "max_position_embeddings"
-    positions = data.get(positions_key, 1024 if layout == "gpt2" else 2048 if known[0] in _OLD_DEFAULTS else 4096)
+    positions_key, default = POSITIONS.get(known[0], ("n_positions", 1024) if layout == "gpt2" else (
+        "max_position_embeddings", 2048 if known[0] in _OLD_DEFAULTS else 4096))
+    positions = data.get(positions_key, default)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")
     seq = min(positions, HF_DEFAULT_SEQ)
@@ -405,6 +410,14 @@ def read_hf_config(path_text: str) -> ModelPreset:
         elif known[0] == "FalconForCausalLM":
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], position_embedding="rope",
                         attention="flash", **_falcon(data, path))
+        elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
+            parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
+            drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",
+                                                     "attention_dropout", "activation_dropout", "resid_dropout",
+                                                     "embed_dropout") if k in d]
+            spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
+                        dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops),
+                        **OWN_KEYS[known[0]](data, path))
         else:
             family = _family(known[0], data, path)
             gated = family.get("mlp", "swiglu") == "swiglu"
@@ -419,7 +432,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
                                    "on the attention's only; write a model YAML (docs/reference.md, Model presets)")
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
-                        num_kv_heads=data.get("num_key_value_heads"), ffn_hidden_size=data["intermediate_size"],
+                        num_kv_heads=data.get("num_key_value_heads"),
+                        ffn_hidden_size=None if known[0] in NO_DENSE_WIDTH else data["intermediate_size"],
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
@@ -444,8 +458,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
-    if known[0] in _APPROXIMATED:
-        notes += (f"{_APPROXIMATED[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
+    approximated = {**_APPROXIMATED, **APPROXIMATED}
+    if known[0] in approximated:
+        notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
                   "activations by a sequential pre-norm layer of the same widths (derived, not traced); --impl "
                   "hf-sdpa / hf-eager traces transformers' own code",)
     if layout == "traced":

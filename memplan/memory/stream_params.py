@@ -1,0 +1,171 @@
+"""The persistent tensors of a run's allocation stream (memplan/memory/stream.py) on one GPU of a stage: the parameter
+tensors in registration order and the bytes each is allocated at (whole, or with ZeRO-3 each tensor's shard), each
+parameter group's .grad tensors, the optimizer's master copy and moments (per tensor, or one flat shard per state),
+and ZeRO-3's unsharded parameters in flight, cut into units of one layer's parameters. Every size is fitted to the
+step timeline's count (StageMemory.states, .gathered), so the stream's live bytes are the timeline's; derived from
+the inventories and the frameworks' code (registration order, FSDP2's and DeepSpeed stage 3's per-parameter shards),
+not measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
+from memplan.core.training import TrainingSpec
+from memplan.inventory.lora import LINEARS, targets_of
+from memplan.inventory.types import Inventory
+from memplan.memory.adapters import ADAPTER_BYTES, nf4_bytes
+from memplan.memory.dp_stack import sharded_weight_bytes
+from memplan.memory.parallel import expert_shard, state_shard
+from memplan.memory.stage import StageMemory
+from memplan.memory.states import output_layer_group, param_groups, shard_bytes, weight_shapes
+from memplan.memory.term_bytes import PlanValues, TermBytes
+
+STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
+               "sgd-nomomentum": ()}
+
+
+def fit(items: list, target: int) -> list:
+    """Make the sizes of `items` ([name, size] lists) add up to `target`: the last ones dropped while the others
+    reach it (a GPU's E/ep experts), then the last largest absorbs the rest (a vocabulary padded to t)."""
+    total = sum(n for _, n in items)
+    while len(items) > 1 and total - items[-1][1] >= target:
+        total -= items.pop()[1]
+    if items and total != target:
+        big = max(range(len(items)), key=lambda i: (items[i][1], i))
+        items[big][1] += target - total
+    return items
+
+
+def _fit_groups(rows: list, targets: dict) -> list:
+    for name, target in targets.items():
+        mine = [r for r in rows if r[0] == name] or ([rows.append([name, name, 0]) or rows[-1]] if target else [])
+        fitted = fit([[r[1], r[2]] for r in mine], target)
+        for k, r in enumerate(mine):
+            r[2] = fitted[k][1] if k < len(fitted) else 0
+    return [r for r in rows if r[2] > 0]
+
+
+class Persistent:
+    """The parameter tables of one GPU (scope -> [group, name, params] in registration order), where each group sits
+    (`site_of`), the GPU's sites (the embedding "first", layers 1..n, "last", the untied "head"), each group's .grad
+    rows per table, and the sizes of the weights, optimizer states and gathered units."""
+
+    def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, mem: StageMemory,
+                 n: int, is_first: bool, is_last: bool) -> None:
+        self.tr, self.plan, self.mem, self.n = training, plan, mem, n
+        self.dense_here = model.moe_first_dense_layers * is_first
+        values = plan.symbols(model)
+        count = TermBytes(model, plan, training.activation_bytes).group
+        self.groups = {g.name: g for g in param_groups(model)}
+        head = output_layer_group()
+        self.untied_head = (not model.tied_embeddings) or plan.p > 1
+        shapes = weight_shapes(model, inv.weight_layout)
+        wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),
+                  "dense_layer": ("layer", "dense"), "last": ("last",)}
+        self.tables: dict[str, list] = {}
+        for key, scopes in wanted.items():
+            rows = [[w.group, w.name, int(w.on_gpu(values, key in ("layer", "dense_layer")).numel)]
+                    for w in shapes[key] for _ in range(w.count)]
+            targets = {g.name: int(count(g)) for g in self.groups.values() if g.scope in scopes}
+            self.tables[key] = _fit_groups(rows, targets)
+        self.tables["head"] = _fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
+        self.site_of = {g.name: "last" for g in self.groups.values() if g.scope == "last"}
+        self.site_of.update({g.name: "first" for g in self.groups.values() if g.scope == "first"}, **{head.name: "head"})
+        self.sites = (["first"] if is_first else []) + [j for j in range(1, n + 1)] + (
+            (["last"] + (["head"] if self.untied_head else [])) if is_last else [])
+        # LoRA (peft's get_peft_model after the base is on the GPU): one layer's adapters, lora_A (r x n_in) then
+        # lora_B (n_out x r) per target linear in module order, fp32; only they get gradients and states
+        self.lora, self.adapters = bool(training.lora_rank), []
+        for name in (n for n in LINEARS if n in targets_of(training.lora_targets)) if self.lora else ():
+            n_in, n_out, group = (int(Poly.parse(x).evaluate(values)) if k < 2 else x for k, x in enumerate(LINEARS[name]))
+            self.adapters += [[group, f"{name} lora_A", training.lora_rank * n_in],
+                              [group, f"{name} lora_B", n_out * training.lora_rank]]
+        self.linear_groups = {g for *_, g in LINEARS.values()} if training.qlora else set()
+        gb = ADAPTER_BYTES if self.lora else training.grad_bytes
+        self.grad_rows: dict[tuple, list] = {}
+        for key, rows in ({"layer": self.adapters} if self.lora else self.tables).items():
+            for name in dict.fromkeys(r[0] for r in rows):
+                n_bytes = sum(r[2] for r in rows if r[0] == name) * gb
+                kept = shard_bytes(n_bytes, self._shard(name), plan.zero >= 2)
+                self.grad_rows[key, name] = [r for r in fit([[r[1], r[2] * gb] for r in rows if r[0] == name], kept)
+                                             if r[1] > 0]
+
+    def _shard(self, group: str) -> Any:
+        g = self.groups.get(group)
+        return expert_shard(self.plan) if g is not None and g.expert else state_shard(self.plan)
+
+    def table(self, site: Any) -> str:
+        return site if isinstance(site, str) else ("dense_layer" if site <= self.dense_here else "layer")
+
+    def tensors(self) -> list:
+        """(site, group, name, params) of every parameter tensor of the GPU, in registration order."""
+        return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self.table(site)]]
+
+    def trained(self) -> list:
+        """(site, group, name, params) of the tensors the optimizer steps: LoRA's adapters, else every parameter."""
+        if not self.lora:
+            return self.tensors()
+        return [(j, g, name, n) for j in self.sites if isinstance(j, int) for g, name, n in self.adapters]
+
+    def new_grad(self, group: str, site: Any) -> int:
+        """A group's gradient as autograd makes it (one layer's, or the head's): in the weights' dtype, LoRA's in
+        the adapters' fp32."""
+        if self.lora:
+            return sum(n for g, _, n in self.adapters if g == group) * ADAPTER_BYTES
+        n = sum(r[2] for r in self.tables[self.table(site)] if r[0] == group)
+        return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
+
+    def _base_bytes(self, site: Any, group: str, n: int) -> int:
+        """A parameter tensor's bytes: QLoRA's layer linears in NF4 (memplan/memory/adapters.py nf4_bytes)."""
+        return nf4_bytes(n) if isinstance(site, int) and group in self.linear_groups else n * self.tr.weight_bytes
+
+    def weights(self) -> list[tuple[str, int]]:
+        """(name, bytes) of the parameter allocations at model build: each tensor (with ZeRO-3 its shard, rounded down,
+        the largest taking the rounding), then one block of what else the timeline counts with the weights (MTP
+        modules, FP8 weight caches, a stack's buckets), less the gathered parameters the first forward makes."""
+        z3 = self.plan.zero >= 3
+        tensors = self.tensors() + [(j, g, name, n * ADAPTER_BYTES) for j, g, name, n in self.trained()] * self.lora
+        sizes = [self._base_bytes(site, g, n) for site, g, _, n in tensors[:len(tensors) - len(self.trained()) * self.lora]]
+        sizes += [n for *_, n in tensors[len(sizes):]]
+        if z3:  # each tensor's shard (FSDP2, DeepSpeed stage 3: per parameter), rounded down
+            swb = sharded_weight_bytes(self.tr) / self.tr.weight_bytes
+            sizes = [int(n * swb) // self._shard(g) for n, (_, g, _, _) in zip(sizes, tensors)]
+        rest = self.mem.states.weights - sum(sizes) - int(self.mem.gathered)
+        if z3 and 0 < rest <= len(sizes):
+            sizes[max(range(len(sizes)), key=sizes.__getitem__)] += rest
+            rest = 0
+        out = [(f"{name}{' shard' * z3} ({'layer ' * isinstance(site, int)}{site})", n)
+               for (site, _, name, _), n in zip(tensors, sizes) if n > 0]
+        return out + [("other parameters and weight caches", rest)] * (rest > 0)
+
+    def optimizer_rows(self) -> tuple[list, list]:
+        """(master copy rows, moment rows): per tensor with ZeRO 0 (states of parameter size), else one flat shard
+        per state; each a list of [name, bytes] lists."""
+        tr, total = self.tr, self.mem.states.optimizer
+        names = STATE_NAMES.get(tr.optimizer)
+        mb, sb = (0, ADAPTER_BYTES) if self.lora else (tr.master_weight_bytes, tr.optimizer_state_bytes)
+        weights = [("optimizer states", 1)] if names is None else (
+            [("master weights (fp32)", mb)] * (mb > 0) + [(s, sb) for s in names])
+        parts = [[label, total * w // (sum(w for _, w in weights) or 1)] for label, w in weights]
+        if parts:
+            parts[0][1] += total - sum(n for _, n in parts)
+        master: list = []
+        lazy: list = []
+        flat = " (flat shard)" * (self.plan.zero > 0)
+        for label, n in (part for part in parts if part[1] > 0):
+            rows = (fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in self.trained()], n)
+                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
+            (master if label.startswith("master") else lazy).append(rows)
+        return master, lazy
+
+    def gathered_units(self) -> tuple[int, int, int]:
+        """(unit bytes, units, rest bytes) of ZeRO-3's unsharded parameters in flight (StageMemory.gathered): units
+        of one layer's parameters (FSDP2's all-gather output of one layer), the rest of the count (a tail unit, a
+        stack's prefetch bucket) one block."""
+        gathered = int(self.mem.gathered)
+        unit = sum(r[2] for r in self.tables["layer"]) * self.tr.weight_bytes if self.n else 0
+        units = gathered // unit if 0 < unit <= gathered else 0
+        return unit, units, gathered - units * unit

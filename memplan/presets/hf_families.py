@@ -1,0 +1,414 @@
+"""The config.json readers of transformers' further families (issue 22, the registry walk): what each family's
+config sets on ModelSpec, from transformers' own modelling code (transformers 5.23), each checked by the walk
+(memplan/check/registry.py) against transformers' parameter count of the model built on the meta device.
+
+``LLAMA_KEYED``: families whose config.json names the Llama fields (hidden_size, num_hidden_layers,
+intermediate_size, ...): the fields they set beyond the Llama layout (hf_config reads the rest).
+``OWN_KEYS``: families with their own key names (GPT-J's n_embd, MPT's d_model, DBRX's nested configs): the whole
+spec but name, sequence and vocabulary.  ``APPROXIMATED``: where a family's layer differs from the sequential
+pre-norm layer the --impl megatron* inventories model (the config reader adds it as a note)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+
+_YAML = "write a model YAML (docs/reference.md, Model presets)"
+
+
+def flag(data: dict, key: str, default: bool, path: Path) -> bool:
+    """A true / false field of a config.json: JSON's true or false (a string "false" is refused, not read as true);
+    missing or null: transformers' default."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MemplanError(f"{path}: {key}: expected true or false (got {echo(value)})")
+    return value
+
+
+def _int(data: dict, key: str, default: Any, path: Path) -> Any:
+    value = data.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise MemplanError(f"{path}: {key}: expected a positive integer (got {echo(value)})")
+    return value
+
+
+def deepseek_experts(d: dict) -> dict[str, Any]:
+    """The experts of a DeepSeek-V3-style config (DeepSeek-V2 / V3, GLM-4.5, dots.llm1): first_k_dense_replace
+    dense layers intermediate_size wide, then n_routed_experts experts moe_intermediate_size wide, top
+    num_experts_per_tok, and n_shared_experts shared ones as one MLP n_shared_experts x moe_intermediate_size wide;
+    ``d``: the config with the family's defaults filled in."""
+    fe, shared = d["moe_intermediate_size"], d["n_shared_experts"]
+    both_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (fe, shared))
+    return dict(num_experts=d["n_routed_experts"], moe_top_k=d["num_experts_per_tok"], moe_ffn_hidden_size=fe,
+                moe_shared_ffn_hidden_size=fe * shared if both_ints else shared,
+                moe_first_dense_layers=d["first_k_dense_replace"])
+
+
+def _glm(data: dict, path: Path) -> dict[str, Any]:  # GlmAttention: attention_bias on q, k, v (not o_proj)
+    return dict(qkv_bias=flag(data, "attention_bias", True, path), attention_bias=False)
+
+
+def _glm4(data: dict, path: Path) -> dict[str, Any]:  # and post_self_attn_layernorm / post_mlp_layernorm
+    return dict(_glm(data, path), sandwich_norms=True)
+
+
+def _plain_mlp(data: dict, path: Path) -> dict[str, Any]:  # Arcee, Nemotron: up_proj, down_proj (relu2)
+    return dict(mlp="gelu", **({"norm": "layernorm", "norm_eps": data.get("norm_eps")}
+                               if data.get("model_type") == "nemotron" else {}))
+
+
+def _phi(data: dict, path: Path) -> dict[str, Any]:
+    """PhiDecoderLayer: one LayerNorm before attention and MLP in parallel, every linear and lm_head biased."""
+    if flag(data, "qk_layernorm", False, path):
+        raise MemplanError(f"{path}: Phi with qk_layernorm (a LayerNorm with bias per head): not modelled; {_YAML}")
+    return dict(norm="layernorm", mlp="gelu", bias=True, norms_per_layer=1, layer_layout="parallel", head_bias=True,
+                norm_eps=data.get("layer_norm_eps"))
+
+
+def _persimmon(data: dict, path: Path) -> dict[str, Any]:
+    """PersimmonDecoderLayer: LayerNorms with bias, every linear biased, q / k LayerNorms (with bias) per head."""
+    return dict(norm="layernorm", mlp="gelu", bias=True, qk_norm=flag(data, "qk_layernorm", True, path),
+                norm_eps=data.get("layer_norm_eps"))
+
+
+def _qwen2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Qwen2MoeSparseMoeBlock: Qwen3-MoE's experts (hf_config reads them) plus a shared expert
+    shared_expert_intermediate_size wide behind a sigmoid gate (shared_expert_gate, h -> 1); qkv_bias on q, k, v."""
+    shared = _int(data, "shared_expert_intermediate_size", 5632, path)
+    return dict(qkv_bias=flag(data, "qkv_bias", True, path), moe_shared_ffn_hidden_size=shared,
+                moe_shared_gate=True)
+
+
+_DEEPSEEK_LIKE_DEFAULTS = {  # Glm4MoeConfig / Dots1Config defaults for the keys a config.json may leave out
+    "glm4_moe": dict(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                     first_k_dense_replace=1),
+    "dots1": dict(n_routed_experts=None, num_experts_per_tok=None, moe_intermediate_size=None, n_shared_experts=None,
+                  first_k_dense_replace=0),
+}
+
+
+def _deepseek_like(data: dict, path: Path) -> dict[str, Any]:
+    """GLM-4.5 (Glm4MoeMoE) and dots.llm1 (Dots1MoE): DeepSeek-V3's experts (its correction bias a buffer) with
+    standard attention; GLM-4.5: attention_bias on q, k, v, q / k norms per head with use_qk_norm; dots.llm1:
+    attention_bias on all four projections, q / k norms per head always."""
+    kind = "glm4_moe" if data.get("model_type") == "glm4_moe" else "dots1"
+    d = {**_DEEPSEEK_LIKE_DEFAULTS[kind], **{k: data[k] for k in _DEEPSEEK_LIKE_DEFAULTS[kind] if k in data}}
+    missing = [k for k, v in d.items() if v is None]
+    if missing:
+        raise MemplanError(f"{path}: missing field {missing[0]!r} for {data.get('architectures', ['dots1'])[0]}")
+    if kind == "glm4_moe":
+        attention = dict(qkv_bias=flag(data, "attention_bias", False, path), attention_bias=False,
+                         qk_norm=flag(data, "use_qk_norm", False, path))
+    else:
+        attention = dict(qk_norm=True)
+    return dict(deepseek_experts(d), **attention)
+
+
+def _llama4(data: dict, path: Path) -> dict[str, Any]:
+    """Llama4TextMoe: num_local_experts experts intermediate_size wide, top num_experts_per_tok, one shared expert
+    as wide, in the layers moe_layers lists (default every interleave_moe_layer_step-th); the others a dense MLP
+    intermediate_size_mlp wide; its q / k norm is an L2 norm without weights.  memplan models dense layers first."""
+    L, f = _int(data, "num_hidden_layers", 48, path), _int(data, "intermediate_size", 8192, path)
+    step = _int(data, "interleave_moe_layer_step", 1, path)
+    moe = data.get("moe_layers")
+    moe = list(range(step - 1, L, step)) if moe is None else moe
+    if not isinstance(moe, list) or not moe or moe != list(range(L - len(moe), L)):
+        raise MemplanError(f"{path}: moe_layers / interleave_moe_layer_step: memplan models MoE layers after the dense "
+                           f"ones only (every layer from some k on; got {len(moe) if isinstance(moe, list) else 0} "
+                           f"MoE layers of {L} not in that pattern); {_YAML}")
+    return dict(num_experts=_int(data, "num_local_experts", 16, path), moe_top_k=_int(data, "num_experts_per_tok", 1,
+                                                                                         path),
+                moe_ffn_hidden_size=f, moe_shared_ffn_hidden_size=f, moe_first_dense_layers=L - len(moe),
+                ffn_hidden_size=_int(data, "intermediate_size_mlp", 16384, path))
+
+
+def _hunyuan(data: dict, path: Path) -> dict[str, Any]:
+    """HunYuan dense / MoE: q / k RMSNorms per head; the MoE's num_experts experts intermediate_size wide (top
+    moe_topk), a router (gate.wg) and one shared MLP as wide in every layer."""
+    if data.get("model_type") != "hunyuan_v1_moe":
+        return dict(qk_norm=True)
+    experts, k = data.get("num_experts", 1), data.get("moe_topk", 1)
+    if not isinstance(experts, int) or not isinstance(k, int):
+        raise MemplanError(f"{path}: num_experts / moe_topk per layer (a list): memplan models one expert count; "
+                           f"{_YAML}")
+    return dict(qk_norm=True, num_experts=experts, moe_top_k=k, moe_shared_ffn_hidden_size=data.get(
+        "intermediate_size", 11008))
+
+
+def _ernie_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Ernie4_5_MoeSparseMoeBlock: moe_num_experts experts moe_intermediate_size wide, top moe_k, a router with a
+    correction bias (a parameter, E per layer), moe_num_shared_experts shared ones; MoE in the layers from
+    moe_layer_start_index to moe_layer_end_index every moe_layer_interval-th."""
+    L = _int(data, "num_hidden_layers", 28, path)
+    start, end = data.get("moe_layer_start_index", 1), data.get("moe_layer_end_index", 27)
+    if data.get("moe_layer_interval", 1) != 1 or not isinstance(start, int) or not isinstance(end, int) \
+            or end < L - 1 or flag(data, "use_bias", False, path):
+        raise MemplanError(f"{path}: ERNIE 4.5 MoE with moe_layer_interval other than 1, moe_layer_end_index before "
+                           f"the last layer or use_bias: memplan models MoE layers after the dense ones, without "
+                           f"biases; {_YAML}")
+    fe = _int(data, "moe_intermediate_size", 1536, path)
+    return dict(num_experts=_int(data, "moe_num_experts", 64, path), moe_top_k=_int(data, "moe_k", 2, path),
+                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * data.get("moe_num_shared_experts", 0),
+                moe_first_dense_layers=max(start, 0), moe_router_bias=True)
+
+
+def _dense_first(data: dict, default: int, path: Path) -> int:
+    """The dense layers before the MoE ones: mlp_layer_types' leading "dense" entries (the rest "sparse"), else
+    first_k_dense_replace (``default`` when missing)."""
+    kinds = data.get("mlp_layer_types")
+    if kinds is None:
+        return _int(data, "first_k_dense_replace", default, path) if data.get("first_k_dense_replace") != 0 else 0
+    k = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds)) if isinstance(kinds, list) else -1
+    if k < 0 or any(kind != "sparse" for kind in kinds[k:]):
+        raise MemplanError(f"{path}: mlp_layer_types: memplan models MoE layers after the dense ones only (dense, ..., "
+                           f"sparse, ...); {_YAML}")
+    return k
+
+
+def _routed(data: dict, experts: str, path: Path) -> dict[str, Any]:
+    return dict(num_experts=_int(data, experts, None, path), moe_top_k=_int(data, "num_experts_per_tok", None, path))
+
+
+def _minimax_m2(data: dict, path: Path) -> dict[str, Any]:
+    """MiniMax-M2: Mixtral's experts (num_local_experts, intermediate_size wide) in every layer, q / k RMSNorms over
+    the whole Q and K."""
+    return dict(_routed(data, "num_local_experts", path), qk_norm=True, qk_norm_width="full")
+
+
+def _flex_olmo(data: dict, path: Path) -> dict[str, Any]:
+    """FlexOlmo: OLMo-2's layer (post-norms, whole-width q / k norms) with OLMoE's experts (intermediate_size wide)."""
+    return dict(_routed(data, "num_experts", path), qk_norm=True, qk_norm_width="full", layer_layout="post-norm")
+
+
+def _shared_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Solar Open (n_shared_experts, every layer MoE), EXAONE MoE and Hunyuan 3 (num_shared_experts, dense layers
+    first, q / k norms per head): num_experts / n_routed_experts experts moe_intermediate_size wide, shared ones as
+    one MLP (shared count) x moe_intermediate_size wide."""
+    solar = data.get("model_type") == "solar_open"
+    fe = _int(data, "moe_intermediate_size", None, path)
+    shared = _int(data, "n_shared_experts" if solar else "num_shared_experts", 1, path)
+    out = dict(_routed(data, "n_routed_experts" if solar else "num_experts", path), moe_ffn_hidden_size=fe,
+               moe_shared_ffn_hidden_size=fe * shared)
+    return dict(out, ffn_hidden_size=fe) if solar else dict(out, qk_norm=True, moe_first_dense_layers=_dense_first(
+        data, 1, path))
+
+
+def _cohere2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Cohere2-MoE: Cohere 2's parallel block after one LayerNorm without bias; experts intermediate_size wide,
+    num_shared_experts shared ones as one MLP that many times as wide; dense prefix layers
+    prefix_dense_intermediate_size wide."""
+    f, dense = _int(data, "intermediate_size", None, path), _dense_first(data, 0, path)
+    shared = data.get("num_shared_experts", 0)
+    out = dict(_routed(data, "num_experts", path), moe_ffn_hidden_size=f, moe_first_dense_layers=dense,
+               norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
+               tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_eps"))
+    out.update(moe_shared_ffn_hidden_size=f * shared) if isinstance(shared, int) and shared > 0 else None
+    return dict(out, ffn_hidden_size=_int(data, "prefix_dense_intermediate_size", None, path)) if dense else out
+
+
+def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
+    """GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's multi-head latent attention and experts, the dense layers from
+    mlp_layer_types."""
+    d = {k: data[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
+    mla = {k: data[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, 1, path))), **mla,
+                q_lora_rank=data.get("q_lora_rank"))
+
+
+def _olmo(data: dict, path: Path) -> dict[str, Any]:  # OlmoLayerNorm: no weight, no bias
+    return dict(norm="layernorm", norm_params=False)
+
+
+def _nanochat(data: dict, path: Path) -> dict[str, Any]:  # RMSNorms (q / k too) without weights; fc1 / fc2 relu2
+    return dict(mlp="gelu", norm_params=False, qk_norm=True)
+
+
+def _jais2(data: dict, path: Path) -> dict[str, Any]:  # LayerNorms with bias; up / down relu2 (hf_config: biases)
+    return dict(norm="layernorm", mlp="gelu", norm_eps=data.get("layer_norm_eps"))
+
+
+def _youtu(data: dict, path: Path) -> dict[str, Any]:  # DeepSeek-V3's latent attention, a dense gated MLP
+    return dict(q_lora_rank=data.get("q_lora_rank"),
+                **{k: data[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+
+
+def _more_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Granite-MoE-SWA (GraniteMoe's experts intermediate_size wide, attention sinks), Mellum (experts
+    moe_intermediate_size wide after mlp_layer_types' dense layers, q / k norms per head), Aria's text model
+    (moe_num_experts experts intermediate_size wide, top moe_topk, moe_num_shared_experts shared ones as one MLP that
+    many times as wide) and Kolibri (experts moe_intermediate_size wide, a shared one shared_expert_intermediate_size
+    wide, four norms per layer, q / k norms per head); Mellum aside, every layer MoE."""
+    kind = data.get("model_type")
+    if kind == "granitemoe_swa":
+        return dict(_routed(data, "num_local_experts", path), attention_sinks=True)
+    if kind == "mellum":
+        return dict(_routed(data, "num_local_experts", path), qk_norm=True, moe_first_dense_layers=_dense_first(
+            data, 0, path), moe_ffn_hidden_size=_int(data, "moe_intermediate_size", None, path))
+    if kind == "aria_text":
+        f = _int(data, "intermediate_size", None, path)
+        return dict(num_experts=_int(data, "moe_num_experts", 8, path), moe_top_k=_int(data, "moe_topk", 2, path),
+                    moe_shared_ffn_hidden_size=f * _int(data, "moe_num_shared_experts", 2, path))
+    fe = _int(data, "moe_intermediate_size", None, path)  # Kolibri
+    return dict(_routed(data, "num_local_experts", path), qk_norm=True, sandwich_norms=True, ffn_hidden_size=fe,
+                moe_ffn_hidden_size=fe,
+                moe_shared_ffn_hidden_size=_int(data, "shared_expert_intermediate_size", None, path))
+
+
+LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
+    "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
+    "MinistralForCausalLM": lambda data, path: {}, "HunYuanDenseV1ForCausalLM": _hunyuan,
+    "Qwen2MoeForCausalLM": _qwen2_moe, "Glm4MoeForCausalLM": _deepseek_like, "Dots1ForCausalLM": _deepseek_like,
+    "Llama4ForCausalLM": _llama4, "HunYuanMoEV1ForCausalLM": _hunyuan, "Ernie4_5_MoeForCausalLM": _ernie_moe,
+    "MiniMaxM2ForCausalLM": _minimax_m2, "FlexOlmoForCausalLM": _flex_olmo, "SolarOpenForCausalLM": _shared_moe,
+    "ExaoneMoeForCausalLM": _shared_moe, "HYV3ForCausalLM": _shared_moe, "Cohere2MoeForCausalLM": _cohere2_moe,
+    "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
+    "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu, "MiniCPM3ForCausalLM": _youtu,
+    "GraniteMoeSWAForCausalLM": _more_moe, "MellumForCausalLM": _more_moe, "AriaTextForCausalLM": _more_moe,
+    "Kolibri1ForCausalLM": _more_moe,
+    "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
+}
+
+# LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
+NO_DENSE_WIDTH = ("SolarOpenForCausalLM", "Kolibri1ForCausalLM")
+
+# the MoE families LLAMA_KEYED reads whole (their experts included); Qwen2-MoE's experts are Qwen3-MoE's (hf_config)
+MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
+            "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
+            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
+            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM")
+
+
+def _gptj(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-J / CodeGen: one LayerNorm before attention and MLP in parallel; the MLP (fc_in, fc_out, n_inner or 4h
+    wide) and lm_head biased, the attention not."""
+    h = _int(data, "n_embd", 4096, path)
+    return dict(num_layers=_int(data, "n_layer", 28, path), hidden_size=h, num_attention_heads=_int(data, "n_head", 16,
+                                                                                                   path),
+                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=False, mlp_bias=True,
+                head_bias=True, norms_per_layer=1, layer_layout="parallel", position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _mpt(data: dict, path: Path) -> dict[str, Any]:
+    """MPT (transformers' MptBlock): LayerNorms and linears without biases and a GeLU MLP 4 x d_model wide whatever
+    no_bias and expansion_ratio say (a file asking otherwise is refused: MPT's own code would build another model),
+    ALiBi (no position parameters), tied embeddings."""
+    if not flag(data, "no_bias", True, path) or data.get("expansion_ratio", 4) != 4:
+        raise MemplanError(f"{path}: MPT with no_bias false or expansion_ratio other than 4: transformers' MptForCausalLM "
+                           f"builds neither (no biases, a 4 x d_model MLP), MPT's own code does; {_YAML}")
+    h = _int(data, "d_model", 2048, path)
+    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=h,
+                num_attention_heads=_int(data, "n_heads", 16, path), ffn_hidden_size=4 * h, norm="layernorm",
+                norm_bias=False, mlp="gelu", bias=False, position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _dbrx(data: dict, path: Path) -> dict[str, Any]:
+    """DBRX (DbrxBlock): LayerNorms without bias, no linear biases, attn_config's kv_n_heads K / V heads, every
+    layer ffn_config's moe_num_experts gated experts ffn_hidden_size wide, top moe_top_k."""
+    attn, ffn = data.get("attn_config") or {}, data.get("ffn_config") or {}
+    if not isinstance(attn, dict) or not isinstance(ffn, dict):
+        raise MemplanError(f"{path}: attn_config / ffn_config: expected JSON objects")
+    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=_int(data, "d_model", 2048, path),
+                num_attention_heads=_int(data, "n_heads", 16, path), num_kv_heads=_int(attn, "kv_n_heads", 1, path),
+                ffn_hidden_size=_int(ffn, "ffn_hidden_size", 3584, path), norm="layernorm", norm_bias=False,
+                mlp="swiglu", bias=False, position_embedding="rope", num_experts=_int(ffn, "moe_num_experts", 4, path),
+                moe_top_k=_int(ffn, "moe_top_k", 1, path), rope_theta=attn.get("rope_theta"),
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path))
+
+
+def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-BigCode (StarCoder 1): GPT-2's layer (LayerNorms and linears biased, learned positions, tied) with one K /
+    V head (multi_query) or a."""
+    a = _int(data, "n_head", 12, path)
+    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
+                num_attention_heads=a, num_kv_heads=1 if flag(data, "multi_query", True, path) else a,
+                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _gpt_neo(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-Neo: LayerNorms with bias, q / k / v without bias, out_proj and the MLP (intermediate_size or 4h) biased,
+    learned positions, local / global attention (no parameters), tied embeddings."""
+    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "hidden_size", 2048, path),
+                num_attention_heads=_int(data, "num_heads", 16, path), ffn_hidden_size=data.get("intermediate_size"),
+                norm="layernorm", mlp="gelu", bias=False, mlp_bias=True, out_bias=True, position_embedding="learned",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _xglm(data: dict, path: Path) -> dict[str, Any]:
+    """XGLM: pre-LayerNorms with bias, every linear biased, a GeLU MLP ffn_dim wide, sinusoidal positions (a buffer,
+    no parameters), tied embeddings."""
+    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "d_model", 1024, path),
+                num_attention_heads=_int(data, "attention_heads", 16, path), ffn_hidden_size=_int(data, "ffn_dim", 4096,
+                                                                                                 path),
+                norm="layernorm", mlp="gelu", bias=True, position_embedding="rope",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _bloom(data: dict, path: Path) -> dict[str, Any]:
+    """BLOOM: a LayerNorm on the embeddings, LayerNorms and linears biased, a GeLU MLP 4h wide, ALiBi (no position
+    parameters), tied embeddings."""
+    h = _int(data, "hidden_size", data.get("n_embed", 64), path)  # BloomConfig's n_embed alias
+    return dict(num_layers=_int(data, "n_layer", 2, path), hidden_size=h,
+                num_attention_heads=_int(data, "n_head", 8, path), norm="layernorm", mlp="gelu", bias=True,
+                embedding_norm=True, position_embedding="rope", norm_eps=data.get("layer_norm_epsilon"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _ctrl(data: dict, path: Path) -> dict[str, Any]:
+    """CTRL: pre-LayerNorms with bias, every linear biased, a ReLU MLP dff wide, sinusoidal positions (no
+    parameters), tied embeddings with lm_head's bias."""
+    return dict(num_layers=_int(data, "n_layer", 48, path), hidden_size=_int(data, "n_embd", 1280, path),
+                num_attention_heads=_int(data, "n_head", 16, path), ffn_hidden_size=_int(data, "dff", 8192, path),
+                norm="layernorm", mlp="gelu", bias=True, head_bias=True, position_embedding="rope",
+                norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
+    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
+    "CTRLLMHeadModel": _ctrl,
+    "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
+}
+
+# the position limit's key and default of the OWN_KEYS families
+POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
+             "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
+             "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
+             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
+
+APPROXIMATED = {
+    "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
+    "GPTJForCausalLM": "GPT-J runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
+    "CodeGenForCausalLM": "CodeGen runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
+    "MptForCausalLM": "MPT's attention has ALiBi position biases (no RoPE)",
+    "MPTForCausalLM": "MPT's attention has ALiBi position biases (no RoPE)",
+    "Glm4ForCausalLM": "GLM-4 normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
+    "ArceeForCausalLM": "Arcee's MLP is up / down projections with ReLU squared",
+    "NemotronForCausalLM": "Nemotron's MLP is up / down projections with ReLU squared",
+    "PersimmonForCausalLM": "Persimmon's MLP is ReLU squared and its per-head q / k norms are LayerNorms with bias",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE gates its shared expert by a sigmoid (shared_expert_gate)",
+    "Ernie4_5_MoeForCausalLM": "ERNIE 4.5's router adds a learned correction bias",
+    "Llama4ForCausalLM": "Llama 4 normalises q and k by an L2 norm and skips RoPE on some layers",
+    "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
+    "GPTNeoForCausalLM": "GPT-Neo alternates global and local attention and biases out_proj and the MLP only",
+    "CTRLLMHeadModel": "CTRL adds sinusoidal positions (no RoPE) and its MLP is ReLU",
+    "BloomForCausalLM": "BLOOM's attention has ALiBi position biases (no RoPE) and its embeddings a LayerNorm",
+    "OlmoForCausalLM": "OLMo's LayerNorms have no weights",
+    "NanoChatForCausalLM": "nanochat's RMSNorms have no weights and its MLP is ReLU squared",
+    "Jais2ForCausalLM": "Jais 2's MLP is up / down projections with ReLU squared",
+    "GraniteSWAForCausalLM": "Granite-SWA's attention has sinks",
+    "GraniteMoeSWAForCausalLM": "Granite-MoE-SWA's attention has sinks",
+    "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
+    "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
+    "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
+    "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
+}

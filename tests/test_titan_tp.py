@@ -1,0 +1,124 @@
+"""torchtitan 0.3.0's tensor parallelism (--impl torchtitan --tp T) against torchtitan's own parallelize code.
+
+validation/titan.py ``tp_rank`` builds a 2-layer torchtitan Llama3Model with torchtitan's sharding configs
+(``set_llama3_sharding_config``, sequence parallelism on) and runs ``parallelize_llama`` with
+``tensor_parallel_degree`` 2 on 2 ranks over gloo (the ``partial_dtensor`` backend: DTensor TP, SequenceParallel
+norms, ColwiseParallel wqkv / w1 / w3 / LM head, RowwiseParallel wo / w2 reducing-scattering to the sequence; the
+vocab-parallel loss), one step with AdamW.  RECORDED holds what it measured (both ranks alike), from
+
+    MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k gloo     (~90 s)
+
+which re-measures it and fails if torchtitan's code keeps anything else; the states sharded over d x t are measured
+on 4 ranks (FSDP 2 x TP 2) by the opt-in ``test_states_sharded_over_d_x_t_gloo`` (~50 s).  The fast tests hold memplan's per-rank
+terms (memplan/inventory/titan.py: each term's split, "tp" / t, "sp" / t or whole, and the TP-only terms) against the
+recorded storages term by term, and the states against a hand derivation."""
+
+import os
+from collections import Counter
+
+import pytest
+
+from memplan.inventory.titan import AC_MODES, layer_bytes, llama3_layer_terms, rank_bytes_per_token
+
+H, A, G, F, V, T = 64, 4, 2, 160, 256, 2
+S, B = 16, 2  # the global s b = 32 tokens; each rank holds 16 of them sequence-sharded
+TERMS = llama3_layer_terms(H, A, G, F)
+
+# measured per rank (bytes of each storage layer 0 keeps after its forward, by the op that made it)
+_NORM = [4096, 64, 4096, 4096]  # x fp32 (s b / t tokens), rstd, x * rstd, the all-gathered output (all s b tokens)
+RECORDED = {
+    "none": {"layer": _NORM + [1024, 2048, 1024, 2048, 256] + _NORM + [5120] * 4, "input_kept": False},
+    "full": {"layer": [], "input_kept": True},
+    "selective-op": {"layer": [4096, 2048, 256, 2048, 5120, 4096, 2048], "input_kept": True},
+}
+INPUT_BYTES = 2048  # the block input: s b / t tokens x 2h
+TAIL = _NORM  # the final norm and the LM head (its input: the all-gathered final-norm output)
+LOSS = [16384]  # the loss's saved fp32 log-probabilities of the rank's vocab shard: s b x v / t x 4
+STATES = {"params": 238848, "grads": 238848, "adam": 477696}
+
+
+def _memplan(ac):
+    """memplan's terms kept under ac on one rank of t = 2 (bytes per global token), the block input apart."""
+    return Counter(rank_bytes_per_token(x, T) for x in TERMS if ac in x.modes and x.id != "input")
+
+
+@pytest.mark.parametrize("ac", AC_MODES)
+def test_recorded_layer_equals_memplan_term_by_term(ac):
+    rec = RECORDED[ac]
+    assert Counter(n // (S * B) for n in rec["layer"]) == _memplan(ac)
+    input_bytes = INPUT_BYTES if rec["input_kept"] else 0
+    assert sum(rec["layer"]) + input_bytes == layer_bytes(TERMS, ac, S, B, T)
+
+
+def test_layer_bytes_by_hand():
+    # per global token on one of t = 2 ranks, h 64, a 4, g 2, f 160, d 16:
+    # none: 2 norms x ((4h + 4 + 4h) / t + the gathered output 2h) = 2 x (258 + 128) = 772; q 2ad / t = 64,
+    #       k 2gd / t = 32, v 32, out 64, lse 4a / t = 8; SwiGLU 4 x 2f / t = 640: 1612 (2968 at t = 1)
+    # full: the sequence-sharded input 2h / t = 64
+    # selective-op: input 64, wqkv 2(a + 2g)d / t = 128, out 64, lse 8, wo reduce-scattered 2h / t = 64, w1 2f / t
+    #       = 160, w2's partial sums over the whole sequence 2h = 128, w2 reduce-scattered 64: 680
+    assert [layer_bytes(TERMS, ac, 1, 1, T) for ac in AC_MODES] == [1612, 64, 680]
+    assert [layer_bytes(TERMS, ac, 1, 1) for ac in AC_MODES] == [2968, 128, 976]  # the TP-only terms vanish at t 1
+
+
+def test_tail_loss_and_states_by_hand():
+    # the final norm as the layers' norms (fp32 x, rstd, x * rstd over s b / t tokens; the output all-gathered)
+    final = [x for x in TERMS if x.id.startswith("ffn_norm.")]
+    assert Counter(TAIL) == Counter(rank_bytes_per_token(x, T) * S * B for x in final)
+    assert LOSS == [S * B * V // T * 4]
+    # fp32 states per rank: the matrices / t (wqkv, w1, w3, LM head and embedding rows; wo, w2 columns), the norms
+    # whole: embedding 256 x 64 / 2 = 8192; per layer (128 x 64 + 64 x 64 + 3 x 160 x 64) / 2 + 2 x 64 = 21632;
+    # final norm 64; LM head 8192: 59712 elements, 4 B each; AdamW's two moments 8 B
+    elements = 8192 + 2 * 21632 + 64 + 8192
+    assert STATES == {"params": 4 * elements, "grads": 4 * elements, "adam": 8 * elements}
+
+
+SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ac", AC_MODES)
+def test_gloo_run_equals_recorded(ac):
+    pytest.importorskip("torchtitan")
+    from validation.titan import Shape, measure_tp
+
+    for r in measure_tp(Shape(h=H, a=A, g=G, f=F), layers=2, vocab=V, world=T, s=S, b=B, ac=ac):
+        assert Counter(n for _, _, n in r["layer"]) == Counter(RECORDED[ac]["layer"])
+        assert (r["input_kept"], r["input_bytes"]) == (RECORDED[ac]["input_kept"], INPUT_BYTES)
+        assert Counter(n for _, _, n in r["tail"]) == Counter(TAIL)
+        assert [n for _, _, n in r["loss"]] == LOSS
+        assert {k: r[k] for k in STATES} == STATES
+
+
+def test_every_term_is_needed():
+    # removing any term memplan keeps on a TP rank (under any AC mode) breaks the term-by-term match above
+    for removed in TERMS:
+        for ac in AC_MODES:
+            if ac not in removed.modes or removed.id == "input":
+                continue
+            kept = Counter(rank_bytes_per_token(x, T) for x in TERMS if ac in x.modes and x.id not in ("input", removed.id))
+            assert kept != Counter(n // (S * B) for n in RECORDED[ac]["layer"]), (removed.id, ac)
+
+
+@pytest.mark.slow
+@SLOW
+def test_states_sharded_over_d_x_t_gloo():
+    # FSDP 2 x TP 2 on 4 ranks (torchtitan's mesh puts tp innermost: rank r is TP rank r % 2 of FSDP rank r // 2),
+    # vocab 254, f 168: each parameter's TP shard (wqkv [128, 64] -> [64, 64], wo [64, 64] -> [64, 32], w1 / w3
+    # [168, 64] -> [84, 64], w2 [64, 168] -> [64, 84], embedding and LM head [254, 64] -> [127, 64], norms whole)
+    # sharded by fully_shard over 2 ranks, dim 0 padded (127 rows -> 64 + 64); by hand per rank: embedding 64 x 64 =
+    # 4096, per layer 2048 + 1024 + 2 x 2688 + 32 x 84 + 2 x 32 = 11200, final norm 32, LM head 4096: 30624
+    # elements, 122496 fp32 bytes; AdamW's moments unpadded: FSDP rank 1 holds 63 of the 127 rows (128 fewer)
+    pytest.importorskip("torchtitan")
+    from memplan.inventory.titan import fsdp2_states
+    from validation.titan import Shape, measure_tp
+
+    f = 168
+    layer = [(64, 64), (64, 32), (84, 64), (64, 84), (84, 64), (64,), (64,)]
+    shapes = [(127, 64)] + 2 * layer + [(64,), (127, 64)]
+    ranks = measure_tp(Shape(h=H, a=A, g=G, f=f), layers=2, vocab=254, world=4, s=S, b=B, ac="full", tp=2)
+    for rank, r in enumerate(ranks):
+        st = fsdp2_states(shapes, layer, [(64,), (127, 64)], n=2, prefetch=0, rank=rank // 2)
+        assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
+        assert r["params"] == 4 * 30624 and r["adam"] == 8 * (30624 - 128 * (rank // 2))
