@@ -63,7 +63,7 @@ CASES = [
     (["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--ac", "selective-op", "--compile"],
      "--compile with --ac selective-op"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--recompute", "none", "--offload", "activations"],
-     "its activation offloading (OffloadActivations"),
+     "torchtune's activation offloading runs with activation checkpointing"),
     (["estimate", "--model", "llama3-8b", "--impl", "torchtune", "--gpus", "2", "--tp", "2"],
      "memplan models its recipes without tensor or pipeline parallelism"),
     (["estimate", "--model", "mixtral-8x7b", "--impl", "torchtune", "--gpus", "1", "--tp", "1", "--pp", "1",

@@ -101,6 +101,7 @@ class PlanOptions:
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
     qlora: Optional[bool] = None
+    dora: Optional[bool] = None
     liger: Optional[bool] = None
     batch_layout: Optional[str] = None
     checkpoint_reentrant: Optional[bool] = None
@@ -236,13 +237,11 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
-        if self.impl == "torchtune" and "activations" in self.offload:
-            raise MemplanError("--impl torchtune: its activation offloading (OffloadActivations with activation "
-                               "checkpointing, copies on a CUDA side stream) is not modelled yet")
-        if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora):
-            raise MemplanError("--lora-targets, --lora-dropout and --qlora need --lora R (the adapters' rank)")
+        if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora or self.dora):
+            raise MemplanError("--lora-targets, --lora-dropout, --qlora and --dora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
+                    lora_dora=self.dora,
                     lora_impl="torchtune" if self.impl == "torchtune" else "peft",
                     liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile),
                     checkpoint_reentrant=self.checkpoint_reentrant,
@@ -254,6 +253,8 @@ class PlanOptions:
                     if "optimizer" in self.offload else None,
                     offload_activations=True if "activations" in self.offload or self.cpu_offloading_num_layers
                     else None, offload_activation_layers=self.cpu_offloading_num_layers,
+                    activation_offloader="torchtune" if self.impl == "torchtune" and "activations" in self.offload
+                    else "save_on_cpu",
                     **({} if self.recompute_modules is None else dict(recompute_modules=self.recompute_modules)),
                     device=self.device, fusions_off=self.fusions_off or None,
                     cross_entropy_fusion=self.cross_entropy_fusion,

@@ -284,10 +284,15 @@ def plan_options(func: Callable) -> Callable:
                      help="With --lora: the frozen layer linears in bitsandbytes NF4 with double quantisation "
                           "(0.516 B per weight, measured on CPU), dequantised per GEMM (derived from bitsandbytes' code); "
                           "with --impl torchtune torchao's NF4Tensor (measured)."),
+        click.option("--dora", is_flag=True, default=None,
+                     help="With --lora (--impl hf-*, no --qlora or --lora-dropout): peft's DoRA (use_dora=True): a "
+                          "magnitude vector per target and what its layer saves beyond LoRA, among them an in x in "
+                          "identity per target (measured with peft on CPU)."),
         click.option("--offload", "offload", multiple=True, type=click.Choice(["optimizer", "activations"]),
                      help="Keep in host memory (repeatable; search keeps it for every plan): optimizer = the master "
                           "weights and moments, stepped on the host (Megatron-LM's HybridDeviceOptimizer); activations "
-                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute). memplan/memory/offload.py."),
+                          "= the decoder layers' saved tensors (torch's save_on_cpu; no recompute; with --impl torchtune its "
+                          "OffloadActivations, with --recompute full). memplan/memory/offload.py."),
         click.option("--offload-fraction", type=click.FloatRange(0, 1, min_open=True), metavar="F",
                      help="With --offload optimizer: the fraction of the optimizer states offloaded (default 1.0; "
                           "Megatron-LM --optimizer-offload-fraction)."),

@@ -161,6 +161,10 @@ class TrainingSpec(Spec):
         default=False, description="the decoder layers' saved tensors are copied to pinned host memory when saved "
         "and back when the backward needs them (torch.autograd.graph.save_on_cpu(pin_memory=True); "
         "memplan/memory/offload.py)")
+    activation_offloader: Literal["save_on_cpu", "torchtune"] = Field(
+        default="save_on_cpu", description="what offloads the activations: torch's save_on_cpu around the layers "
+        "(no recompute), or torchtune's OffloadActivations (its recipes' enable_activation_offloading, with every "
+        "layer checkpointed: the checkpoints' inputs go to the host on a side stream; memplan/memory/offload.py)")
     offload_activation_layers: Optional[int] = Field(
         default=None, gt=0, description="Megatron-LM --cpu-offloading-num-layers N (Transformer Engine's CPU "
         "offload of the first N layers' activations): modelled for N = L - 1 only, as offload_activations "
@@ -202,6 +206,10 @@ class TrainingSpec(Spec):
     lora_impl: Literal["peft", "torchtune"] = Field(
         default="peft", description="whose LoRA modules: peft (fp32 adapters; QLoRA: bitsandbytes NF4) or torchtune's "
         "LoRALinear (adapters in the model's dtype; QLoRA: torchao NF4Tensor), which --impl torchtune sets")
+    lora_dora: bool = Field(
+        default=False, description="peft's DoRA (LoraConfig(use_dora=True)): a magnitude vector per target (fp32, "
+        "trained) and what DoraLinearLayer saves beyond LoRA, measured with peft 0.21.2 on CPU (memplan/inventory/"
+        "lora.py); peft's LoRA without dropout or QLoRA only")
     qlora: bool = Field(
         default=False, description="QLoRA: the frozen layer linears stored as bitsandbytes NF4 with double "
         "quantisation (measured with bitsandbytes on CPU), dequantised to the compute dtype per GEMM (derived from "
@@ -231,6 +239,9 @@ class TrainingSpec(Spec):
             raise ValueError("qlora trains LoRA adapters on a 4-bit base: give lora_rank (--lora R)")
         if (self.lora_targets or self.lora_dropout) and not self.lora_rank:
             raise ValueError("lora_targets / lora_dropout need lora_rank (--lora R)")
+        if self.lora_dora and (not self.lora_rank or self.lora_impl != "peft" or self.qlora or self.lora_dropout):
+            raise ValueError("DoRA (--dora) is modelled for peft's LoRA (--lora R, --impl hf-*) without --qlora or "
+                             "--lora-dropout (measured without them)")
         return self
 
     @model_validator(mode="before")
@@ -309,17 +320,22 @@ class TrainingSpec(Spec):
     @model_validator(mode="after")
     def _offload(self) -> "TrainingSpec":
         """Offload as modelled: optimizer offload steps AdamW or SGD on the host (Megatron-LM's HybridDeviceOptimizer
-        has a CPU Adam and SGD only); activation offload without recompute (torch's checkpoint keeps its inputs
-        outside save_on_cpu's hooks, and Megatron-LM refuses the two together)."""
+        has a CPU Adam and SGD only); save_on_cpu's activation offload without recompute (Megatron-LM refuses the two
+        together; around checkpointed layers save_on_cpu would pack only the checkpoints' inputs, which torch 2.13's
+        checkpoint saves through the hooks around it: not modelled); torchtune's with every layer checkpointed."""
         if self.offload_optimizer_fraction > 0 and self.optimizer not in ("adamw", "sgd", "sgd-nomomentum"):
             raise ValueError(f"optimizer offload is modelled for adamw and sgd (Megatron-LM's HybridDeviceOptimizer "
                              f"steps a CPU AdamW or SGD), not {self.optimizer}")
         if self.offload_activation_layers is not None and not self.offload_activations:
             raise ValueError("offload_activation_layers (--cpu-offloading-num-layers) needs offload_activations")
-        if self.offload_activations and self.recompute != Recompute.NONE:
+        if self.activation_offloader == "torchtune":
+            if not self.offload_activations or self.recompute != Recompute.FULL:
+                raise ValueError("torchtune's activation offloading runs with activation checkpointing of every layer "
+                                 "(its recipes refuse it otherwise): --recompute full")
+        elif self.offload_activations and self.recompute != Recompute.NONE:
             raise ValueError(f"activation offload is modelled without recompute (got recompute "
-                             f"{self.recompute.label}): Megatron-LM refuses the two together and torch's checkpoint "
-                             "keeps its inputs outside save_on_cpu's hooks")
+                             f"{self.recompute.label}): Megatron-LM refuses the two together (with --impl torchtune, "
+                             "its own offloading runs with --recompute full)")
         return self
 
     @model_validator(mode="after")

@@ -109,9 +109,33 @@ def check_lora(model: ModelSpec, impl: str, lora_impl: str = "peft") -> None:
         raise MemplanError("--lora / --qlora are modelled for the Llama layout (RMSNorm, SwiGLU)")
 
 
+DORA = "peft 0.21.2 tuners/lora/dora.py DoraLinearLayer.forward, measured (validation/dora.py, tests/test_dora.py)"
+
+
+def dora_terms(name: str, rank: int) -> list[Term]:
+    """What peft's DoraLinearLayer saves for one target beyond LoRA (validation/dora.py): B A built as
+    lora_B(lora_A(eye(in))) (lora_A saves the fp32 identity, lora_B its output), the weight norm (the magnitude's
+    division), both scale vectors and the base and adapter outputs (the two muls). Measured: the first layer's
+    frozen-input targets (q, k, v, gate, up) do not save m / |W| - 1; memplan counts it (out x 4 B each)."""
+    n_in, n_out, _ = LINEARS[name]
+    return [
+        saved(f"dora_{name}_eye", f"{name} DoRA identity (lora_A's input)", "LoRA", f"{n_in} {n_in}", "fp32",
+              k22=False, src=DORA),
+        saved(f"dora_{name}_eye_a", f"{name} DoRA A eye (lora_B's input)", "LoRA", f"{n_in} {rank}", "fp32",
+              k22=False, src=DORA),
+        saved(f"dora_{name}_vectors", f"{name} DoRA weight norm, m / |W| and m / |W| - 1", "LoRA", f"3 {n_out}",
+              "fp32", k22=False, storages=3, src=DORA),
+        saved(f"dora_{name}_base_out", f"{name} DoRA: the frozen linear's output", "LoRA", f"s b {n_out}",
+              k22=False, src=DORA),
+        saved(f"dora_{name}_lora_out", f"{name} DoRA: the adapter's output (fp32)", "LoRA", f"s b {n_out}", "fp32",
+              k22=False, src=DORA),
+    ]
+
+
 def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: bool, device: str,
-               sdpa: bool, lora_impl: str = "peft") -> list[Term]:
-    """The inventory's terms with the frozen layers' weight-gradient inputs gone and each target's adapter tensors."""
+               sdpa: bool, lora_impl: str = "peft", dora: bool = False) -> list[Term]:
+    """The inventory's terms with the frozen layers' weight-gradient inputs gone and each target's adapter tensors
+    (and DoRA's)."""
     gone = FROZEN_NOT_SAVED + (() if sdpa else ("attn_out",))
     if lora_impl == "torchtune":
         return _tune_lora_terms(terms, rank, targets, dropout, device, gone)
@@ -127,6 +151,7 @@ def lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dropout: 
                          k22=False, src=PEFT))
         out.append(saved(f"lora_{name}_a_out", f"{name} LoRA A output (B's input, fp32)", "LoRA", f"s b {rank}", "fp32",
                          k22=False, src=PEFT))
+        out += dora_terms(name, rank) if dora else []
     return out
 
 
@@ -174,10 +199,10 @@ def apply(inv: Inventory, model: ModelSpec, impl: str, device: str, training) ->
     check_lora(model, impl, training.lora_impl)
     targets = targets_of(training.lora_targets, training.lora_impl)
     terms = lora_terms(list(inv.terms), training.lora_rank, targets, training.lora_dropout > 0, device,
-                       impl != "hf-eager", training.lora_impl)
+                       impl != "hf-eager", training.lora_impl, training.lora_dora)
     # the output projection is frozen: a chunked loss makes no weight gradient of it (measured with torchtune's)
     moments = [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id not in HEAD_WEIGHT_GRADS))
                for m in inv.moments]
     moments = qlora_moments(moments) if training.qlora else moments
-    tag = f"lora-r{training.lora_rank}" + ("-qlora" if training.qlora else "")
+    tag = f"lora-r{training.lora_rank}" + ("-qlora" if training.qlora else "") + ("-dora" if training.lora_dora else "")
     return dataclasses.replace(inv, name=f"{inv.name}/{tag}", terms=tuple(terms), moments=tuple(moments))

@@ -62,7 +62,7 @@ def adapter_groups(model: ModelSpec, training: TrainingSpec) -> dict[str, ParamG
     counts: dict[str, Poly] = {}
     for name in targets_of(training.lora_targets, training.lora_impl):
         n_in, n_out, group = LINEARS[name]
-        poly = Poly.parse_sum(f"{r} {n_in} + {r} {n_out}")
+        poly = Poly.parse_sum(f"{r} {n_in} + {r} {n_out}" + (f" + {n_out}" if training.lora_dora else ""))  # DoRA's m
         counts[group] = counts[group] + poly if group in counts else poly
     return {g: ParamGroup(g, c, False, "layer") for g, c in counts.items()}
 
@@ -110,4 +110,9 @@ def notes(training: TrainingSpec) -> list[str]:
         out.append("QLoRA: the layer linears in bitsandbytes NF4 with double quantisation (0.516 B per weight; measured "
                    "with bitsandbytes 0.50.2 on CPU); the dequantised weight in each layer's backward derived from "
                    "bitsandbytes' code, not measured")
+    if training.lora_dora:
+        out.append("DoRA (use_dora): an fp32 magnitude vector per target, trained; per target its layer saves an "
+                   "in x in fp32 identity (B A is built as lora_B(lora_A(eye))), the weight norm and scale vectors, "
+                   "and the base and adapter outputs: measured with peft 0.21.2 on CPU (validation/dora.py); its "
+                   "backward transients (the identity's gradient path) not counted")
     return out

@@ -50,6 +50,29 @@ backward, that layer's (memplan counts every saved tensor of the layer the momen
 one node's tensors unpack brings back), one copy of the tensors the layers share and the largest unpacked weight.
 Derived from torch's code, not measured on a GPU: on a CPU-only machine the copies are CPU to CPU and the "device"
 cannot be told from the host. What is measured (on CPU) is which tensors save_on_cpu packs and their bytes.
+
+torchtune's activation offloading (`--impl torchtune --recompute full --offload activations`: its recipes'
+enable_activation_offloading, which they allow only with enable_activation_checkpointing) is OffloadActivations
+(torchtune/training/_activation_offloading.py, torchtune 0.6.1), a saved_tensors_hooks around the model's forward
+(not the loss), defaults use_pin_memory, use_streams, max_fwd_stash_size 5, min_offload_size 1024 B:
+
+- pack: a saved tensor of at least 1,024 B that is not a Parameter is copied to a new pinned host tensor on a side
+  stream; the rest stay as they are. With every layer checkpointed, the checkpoints save their inputs through these
+  hooks (torch/utils/checkpoint.py `save_inputs`, before its own hooks) and the recomputation's saves do not go
+  through them: what is packed is the token ids (int64), each layer's input (bf16 s b h) and the final norm's
+  saves (its fp32 input twice, rstd twice, the normalised fp32 input once: F.rms_norm's composite ops); the output
+  projection runs under NoOpManager (nothing packed) and the loss outside. Measured on CPU with use_streams=False
+  (validation/tune_offload.py): which tensors are packed, offloaded and kept, and their bytes.
+- the GPU keeps each offloaded tensor in a forward stash until a later pack of id 5 more (ids count every pack):
+  in the forward, the inputs of the last min(j, 5) layers; the final norm's packs empty the stash of layer inputs
+  before the loss (its own tensors stay: the stash or the norm hold them until its backward), but for the last
+  layer's with LoRA (its frozen scale: one pack fewer that offloads). Measured with its stream code on CPU, the
+  streams stubbed (validation/tune_offload.py tune_offload_stash).
+- unpack (streams): the checkpoint's input comes back to the GPU when its layer's backward starts and is freed once
+  the next layer's first node has run: in layer j's backward, layer j + 1's input too (memplan counts it for the
+  whole of layer j's backward: an upper bound). The token ids stay on the GPU (the batch holds them).
+- host: the packed tensors of one micro-batch, each a pinned block rounded to a power of two (as save_on_cpu's).
+The copies run on the side stream, overlapped with compute: no time is added (derived, not measured on a GPU).
 """
 
 from __future__ import annotations
@@ -157,6 +180,37 @@ def layer_weight_bytes(model: ModelSpec, training: TrainingSpec, values: dict, l
     return total, largest
 
 
+# --- torchtune's OffloadActivations ---------------------------------------------------------------
+TUNE_STASH = 5  # max_fwd_stash_size: packs of the last 5 ids stay on the GPU
+TUNE_MIN_BYTES = 1024  # min_offload_size
+# what it packs outside the layers (term id, packs of it): the tokens, the final norm's composite ops
+TUNE_PACKED = (("token_ids", 1), ("final_norm_fp32_input", 2), ("final_norm_rstd", 2), ("final_norm_normed", 1))
+
+
+def tune_loss_stash(terms: Any) -> int:
+    """Layer inputs still in OffloadActivations' forward stash at the loss: the final norm packs its fp32 input,
+    rstd twice, its fp32 input again, the scale (a parameter: no stash cleanup) and, unless the scale is frozen
+    (LoRA), its normalised input. A pack of id t drops ids <= t - 5: the normalised input (6th) drops every layer
+    input, the fp32 input (4th) all but the last layer's (measured: validation/tune_offload.py tune_offload_stash)."""
+    last = 6 if any(t.id == "final_norm_normed" for t in terms) else 4
+    return max(0, TUNE_STASH - last)
+
+
+def tune_host_bytes(terms: Any, sizes: Any, layers: Any, rounded: bool = True) -> Any:
+    """Host bytes torchtune's OffloadActivations holds for one micro-batch: the packs of at least TUNE_MIN_BYTES,
+    each its own host tensor (a pinned block, a power of two, unless `rounded` is False), of `layers` layer inputs
+    and of the tensors TUNE_PACKED names that the inventory saves (`sizes`: a term's bytes; with LoRA the frozen
+    embedding's token ids and the final norm's normalised input are not saved: memplan/inventory/lora.py)."""
+    by_id = {t.id: t for t in terms}
+    total: Any = 0
+    for tid, packs in (("layer_input", layers), *TUNE_PACKED):
+        if tid not in by_id:
+            continue
+        n = sizes(by_id[tid])
+        total = total + packs * (n >= TUNE_MIN_BYTES) * (pow2ceil(n) if rounded else n)
+    return total
+
+
 @dataclass(frozen=True)
 class HostBytes:
     """Host memory one GPU's offload takes (scalars or arrays)."""
@@ -203,7 +257,9 @@ def host_bytes(model: ModelSpec, terms: Any, training: TrainingSpec, plan: Any, 
                layout: str = "fused") -> HostBytes:
     """Host memory one GPU of a stage takes for its offload (optimizer states and staging; activations)."""
     act = weights = 0
-    if training.offload_activations:
+    if training.activation_offloader == "torchtune":
+        act = tune_host_bytes(terms, term_bytes_for(model, plan, training.activation_bytes), stage_mem.layers)
+    elif training.offload_activations:
         act, weights = activation_host_bytes(model, terms, training, plan, stage_mem, layout)
     staging: Any = 0
     if training.offload_optimizer_fraction > 0:
@@ -246,7 +302,12 @@ def notes(training: TrainingSpec, impl: str) -> list[str]:
                    "(Megatron-LM's HybridDeviceOptimizer, derived from its code, not measured): their gradients go to "
                    "pinned host buffers and the weights come back every step over PCIe, exposed; the host's optimizer "
                    "step itself is not timed")
-    if training.offload_activations:
+    if training.activation_offloader == "torchtune":
+        out.append("activation offload: torchtune's OffloadActivations with every layer checkpointed (torchtune "
+                   "0.6.1): what it packs and its forward stash measured on CPU with its own code (streams stubbed); "
+                   "the layer inputs, token ids and final norm's tensors go to pinned host memory on a side stream; "
+                   "derived from its code: two layer inputs in a layer's backward, no time added (copies overlapped)")
+    elif training.offload_activations:
         out.append("activation offload: torch.autograd.graph.save_on_cpu(pin_memory=True) around the decoder layers, "
                    "derived from torch/autograd/graph.py:400-420 (torch 2.13), not measured on a GPU: every saved "
                    "tensor, weights included, is copied to pinned host memory (power-of-two blocks) when saved and "

@@ -1,12 +1,12 @@
-"""The peak of a training step: the bytes alive after each event of one step on one GPU of a
-pipeline stage, from the inventory (saved terms and the moments their code peaks at), the states
-and the training loop; and what the device needs beyond PyTorch's allocator.
+"""The peak of a training step: the bytes alive after each event of one step on one GPU of a pipeline stage, from
+the inventory (saved terms and the moments their code peaks at), the states and the training loop; and what the
+device needs beyond PyTorch's allocator.
 
 One step on a stage, walked for the micro-batch whose backward comes first in the steady state
 (1F1B: the stage then holds every in-flight model chunk), layer position j = 1..n of its chunk:
 
-- forward, after layer j: states + gradients that exist + the saved tensors of the other in-flight
-  chunks + this chunk's first j layers;
+- forward, after layer j: states + gradients that exist + the saved tensors of the other in-flight chunks + this
+  chunk's first j layers;
 - loss (last stage): the inventory's moments around the loss (logits and their fp32 copy in the
   forward; the cross-entropy's and the output layer's gradients, phase "backward", layer None) on
   top of everything saved;
@@ -14,21 +14,19 @@ One step on a stage, walked for the micro-batch whose backward comes first in th
   its moments have not freed (all of them re-created when the layer is recomputed), the moments'
   transient tensors, and the gradients made so far;
 - embedding backward (first stage): every gradient, nothing of this chunk saved;
-- optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one
-  tensor the size of the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in
-  torch/optim/adam.py `_multi_tensor_adam`; fused: none; the other optimizers' in
-  memplan/memory/optimizers.py).
+- optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one tensor the size of
+  the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in torch/optim/adam.py `_multi_tensor_adam`; fused:
+  none; the other optimizers' in memplan/memory/optimizers.py).
 
-Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the
-whole step; torch `.grad` tensors (transformers) appear on their first write in the backward and
-are freed by zero_grad after the optimizer step, so with one micro-batch the forward has none and
-with gradient accumulation the later micro-batches' forwards have all of them.
+Gradients: a main-gradient buffer (Megatron-LM, and memplan's reference loop) exists for the whole step; torch
+`.grad` tensors (transformers) appear on their first write in the backward and are freed by zero_grad after the
+optimizer step, so with one micro-batch the forward has none and with gradient accumulation the later micro-batches'
+forwards have all of them.
 
-Every quantity is a scalar or a numpy array (one element per plan). Backward bytes are linear in
-j within the recomputed layers (the first N of a chunk, Megatron-LM's block method) and within the
-others, so the peak over all layers is at j in {1, N, N + 1, n} (with a gradient buffer, where
-they grow with j, in {N, n}), and the forward's at j = n: the planner evaluates only those
-(`critical=True`); a test checks that against the walk over every layer.
+Every quantity is a scalar or a numpy array (one element per plan). Backward bytes are linear in j within the
+recomputed layers (the first N of a chunk, Megatron-LM's block method) and within the others, so the peak over all
+layers is at j in {1, N, N + 1, n} (with a gradient buffer, where they grow with j, in {N, n}), and the forward's at
+j = n: the planner evaluates only those (`critical=True`); a test checks that against the walk over every layer.
 """
 
 from __future__ import annotations
@@ -44,14 +42,14 @@ from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
-from memplan.memory.offload import conversion_temp_bytes, layer_weight_bytes, offloaded_params, share
+from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_weight_bytes, offloaded_params, share,
+                                    tune_loss_stash)
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-
 
 PARTS = ("weights", "optimizer", "gradients", "saved", "transient")
 PART_LABELS = {"weights": "weights", "optimizer": "optimizer states (master + moments)", "gradients": "gradients",
@@ -104,7 +102,6 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     n, recomputed = plan.chunk_layers(model, stage)  # this stage's chunks (uneven stages: memplan/memory/pipeline.py)
     N = recomputed * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
     is_first, is_last = stage == 0, stage == plan.p - 1
-
     is_full, is_sel, is_none = (rec == Recompute.FULL), (rec == Recompute.SELECTIVE), (rec == Recompute.NONE)
     stored_plain = stored_full = stored_sel = 0  # one layer's saved bytes: not recomputed, full, selective
     for t in layer_terms:
@@ -128,7 +125,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # layers and micro-batches are in host memory. The GPU keeps what is saved outside the layers, the current
     # layer's tensors (in the forward until packed, in its backward once brought back), one copy of the tensors the
     # layers share (chunk terms) and, in a layer's backward, the largest of its weights brought back.
-    off = training.offload_activations
+    tune = training.activation_offloader == "torchtune"  # OffloadActivations (memplan/memory/offload.py)
+    off = training.offload_activations and not tune
+
+    def kept_upto(j: Any, stash: int = TUNE_STASH) -> Any:  # saved bytes of layers 1..j on the GPU (tune: its stash)
+        return 0 if off else stored_upto(minimum(j, stash) if tune else j)
     unpacked_weight: Any = 0
     if off:
         outside = sum((stage_mem.term_bytes.get(t.id, 0) for t in inventory.terms if t.scope in ("first", "last")), 0)
@@ -268,15 +269,16 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             plain, full, selective = fwd_alive[m.id]
             recomputed = (j <= N) if not critical else _le(j, N)
             alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
-            event("forward", j, m.name, grads_fwd, others + (0 if off else stored_upto(j - 1)) + alive,
+            event("forward", j, m.name, grads_fwd, others + kept_upto(j - 1, TUNE_STASH - 1) + alive,
                   held + transient_bytes(m, recomputed))
         event("forward", j, f"after layer {j}'s forward" if not critical else "layer forward",
-              grads_fwd, others + (stored_plain if off else stored_upto(j)), held)
+              grads_fwd, others + (stored_plain if off else kept_upto(j)), held)
     # loss (last stage)
     for m in loss_moments:
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
         event(m.phase, None, m.name, grads_fwd + grads_of(m),
-              others + (0 if off else stored_upto(n)) + last_cur - freed, held + transient_bytes(m), is_last)
+              others + kept_upto(n, tune_loss_stash(inventory.terms)) + last_cur - freed, held + transient_bytes(m),
+              is_last)
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
@@ -295,7 +297,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         plain, full, selective = alive_sums[m.id]
         alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
         event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
-              others - chunk_freed[m.id] + (0 if off else stored_upto(j - 1)) + alive,
+              others - chunk_freed[m.id] + (stored_rec * (j < n) if tune else kept_upto(j - 1)) + alive,
               held + transient_bytes(m, recomputed) + unpacked_weight, on)
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;

@@ -377,7 +377,9 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
         model = model.model_copy(update=dict(moe_token_dispatcher="alltoall"))  # int / bool per token sit in the 2x)
     one_gpu = Config(model=model, training=training.model_copy(update=dict(
         micro_batch=max_micro_batch, global_batch=max_micro_batch, recompute=Recompute.NONE,
-        recompute_num_layers=None, mst=1)))  # MsT off: it needs recompute, and only lowers the bound
+        recompute_num_layers=None, mst=1,  # MsT off: it needs recompute, and only lowers the bound; so does torchtune's
+        **(dict(offload_activations=False, activation_offloader="save_on_cpu")  # offloading, which needs recompute
+           if training.activation_offloader == "torchtune" else {}))))
     need = 2 * device_bytes(one_gpu, impl)  # the allocated peak's bound (no GPU: no margin, no runtime)
     if gpu is not None:
         m = gpu.fragmentation_margin if margin is None else margin

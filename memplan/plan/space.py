@@ -403,7 +403,7 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
     (memplan/inventory/fp8.py): the search leaves ZeRO 2 / 3 out. Expert parallelism is modelled with some optimizers
     only (memplan/core/specs.py EXPERT_PARALLEL_RULE): with the others the search leaves it out (`space_notes`). MsT is modelled at micro-batch 1 with every layer
     checkpointed (memplan/inventory/mst.py search_pins). Activation offload is modelled without recompute
-    (TrainingSpec): the search keeps recompute none."""
+    (TrainingSpec): the search keeps recompute none; torchtune's with every layer checkpointed: recompute full."""
     if training.fp8 is not None:
         if fixed.zero is not None and fixed.zero > FP8_MAX_ZERO:
             raise MemplanError(f"--fp8 with ZeRO-{fixed.zero} (Megatron-FSDP) is not modelled: search it with --zero "
@@ -420,6 +420,11 @@ def training_fixed(model: ModelSpec, training: TrainingSpec, fixed: Fixed) -> Fi
         fixed = dataclasses.replace(fixed, micro_batch=b, recompute=Recompute.FULL, recompute_num_layers=k)
     if not training.offload_activations:
         return fixed
+    if training.activation_offloader == "torchtune":  # its recipes offload only with every layer checkpointed
+        if fixed.recompute not in (None, Recompute.FULL) or fixed.recompute_num_layers is not None:
+            raise MemplanError("torchtune's activation offloading runs with every layer checkpointed: search it with "
+                               "--recompute full (or leave --recompute out)")
+        return dataclasses.replace(fixed, recompute=Recompute.FULL)
     if fixed.recompute not in (None, Recompute.NONE) or fixed.recompute_num_layers is not None:
         raise MemplanError("activation offload is modelled without recompute: search it with --recompute none "
                            "(or leave --recompute out)")

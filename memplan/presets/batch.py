@@ -148,7 +148,10 @@ def search_inputs(preset: ModelPreset, gpus: int, global_batch: Optional[int] = 
     if over:
         model = build(ModelSpec, {**model.model_dump(exclude_defaults=True), **over})
     settings = {**preset.training, **{k: v for k, v in (training or {}).items() if v is not None}}
-    training = build(TrainingSpec, {k: v for k, v in settings.items() if k not in _PLAN_KEYS})
+    unsearched = {k: v for k, v in settings.items() if k not in _PLAN_KEYS}
+    if unsearched.get("activation_offloader") == "torchtune":  # only with every layer checkpointed: the search pins it
+        unsearched["recompute"] = "full"
+    training = build(TrainingSpec, unsearched)
     global_batch = _batch(preset, gpus, model.seq_length, global_batch, global_batch_tokens)
     if global_batch is None:
         global_batch = gpus

@@ -185,9 +185,10 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
     # Activation offload (memplan/memory/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
     # forward and back in the backward, on the compute stream (exposed): 2 x its bytes per layer and micro-batch.
+    # torchtune's OffloadActivations copies on a side stream, overlapped: no time added (derived).
     host_bw = _host_bandwidth(gpu, training)
     act_copy = 0.0 * b
-    if training.offload_activations:
+    if training.offload_activations and training.activation_offloader != "torchtune":
         act_copy = layers * ((2.0 / host_bw) * as_time(layer_copy_bytes(model, training, plan, impl))) / b
     # Context parallelism: each GPU computes 1/cp of every sequence (the causal load balance makes the shares equal),
     # and exchanges K/V (cp) and routed tokens (ep) on top (memplan/memory/parallel.py).
