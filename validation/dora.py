@@ -10,7 +10,8 @@ base linear's output (bf16) and the adapter's output (fp32, peft's fp32 adapters
 from __future__ import annotations
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from .measure import saved_storages
 
 
 def measure_dora(s: int, b: int, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int, vocab: int,
@@ -29,14 +30,7 @@ def measure_dora(s: int, b: int, hidden: int, ffn: int, heads: int, kv_heads: in
     peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                target_modules=list(targets), use_dora=dora))
     model.train()
-    own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
-    saved: dict = {}
-
-    def pack(t):
-        key = StorageWeakRef(t.untyped_storage())
-        if key not in own:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
+    saved, pack = saved_storages([*model.parameters(), *model.buffers()])
 
     tokens = torch.randint(0, vocab, (b, s))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

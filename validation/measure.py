@@ -36,7 +36,7 @@ import time
 import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -314,6 +314,21 @@ class LiveTracker(TorchDispatchMode):
                 self._see_output(x)
         self.peak = max(self.peak, self.live)
         return out
+
+
+def saved_storages(own) -> tuple[dict, Callable]:
+    """A ``saved_tensors_hooks`` pack function recording the bytes of every storage autograd saves that is not one of
+    the tensors ``own`` (the model's parameters and buffers): (storage -> bytes, the pack function)."""
+    owned = {StorageWeakRef(t.untyped_storage()) for t in own}
+    saved: dict = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in owned:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    return saved, pack
 
 
 # ---------------------------------------------------------------------------------------------

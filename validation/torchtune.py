@@ -18,9 +18,7 @@ from unittest import mock
 
 import torch
 
-from torch.multiprocessing.reductions import StorageWeakRef
-
-from validation.measure import LiveTracker
+from validation.measure import LiveTracker, saved_storages
 from validation.trace import poly_text, symbolic_saves
 
 
@@ -105,14 +103,7 @@ def measure_torchtune_llama(s: int, b: int, vocab: int, layers: int, heads: int,
 def _saved_forward(model, s: int, b: int, vocab: int):
     """(bytes of the storages one forward + loss saves, the loss)."""
     # an NF4Tensor parameter (QLoRA) is saved by LinearNF4 as itself: its wrapper's storage is the parameter's too
-    own = {StorageWeakRef(t.untyped_storage()) for t in [*_plain_tensors(model), *model.parameters()]}
-    saved: dict = {}
-
-    def pack(t):
-        key = StorageWeakRef(t.untyped_storage())
-        if key not in own:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
+    saved, pack = saved_storages([*_plain_tensors(model), *model.parameters()])
 
     tokens = torch.randint(0, vocab, (b, s))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -199,14 +190,7 @@ def measure_torchtune_loss(s: int, b: int, vocab: int, layers: int, heads: int, 
     loss_fn = CEWithChunkedOutputLoss(chunks) if chunks > 1 else torch.nn.CrossEntropyLoss()
     if chunks > 1:
         model.set_num_output_chunks(chunks)
-    own = {StorageWeakRef(t.untyped_storage()) for t in [*_plain_tensors(model), *model.parameters()]}
-    saved: dict = {}
-
-    def pack(t):
-        key = StorageWeakRef(t.untyped_storage())
-        if key not in own:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
+    saved, pack = saved_storages([*_plain_tensors(model), *model.parameters()])
 
     batch_labels = torch.randint(0, vocab, (b, s))
     ignore = torch.full((b, 1), -100, dtype=torch.long)
