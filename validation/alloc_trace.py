@@ -46,6 +46,10 @@ HISTORY_ENTRIES = 2_000_000  # torch.cuda.memory._record_memory_history's ring b
 ALLOC_ACTION, FREE_ACTION = "alloc", "free_completed"
 
 
+class OutOfMemory(Exception):
+    """A run in a fresh process (``record_fresh``) died of an out-of-memory."""
+
+
 class CapExceeded(MemoryError):
     """The CPU stand-in for torch.OutOfMemoryError: the tracked live bytes went over the cap."""
 
@@ -181,11 +185,13 @@ def load(path: str | Path) -> Recording:
     return Recording(**data)
 
 
-def first_failing_length(case: StepCase, lengths: Sequence[int], steps: int = 2, cap_bytes: Optional[int] = None,
-                         alloc_conf: Optional[str] = None, timeout_s: float = 600) -> Optional[int]:
-    """The first of ``lengths`` (ascending) whose run dies of an out-of-memory, each run in a fresh process
-    (``python -m validation.alloc_trace --case JSON --seq-len S``, with ``PYTORCH_CUDA_ALLOC_CONF=alloc_conf`` where
-    given); None when every one trains. CPU: ``cap_bytes`` plays the card's capacity."""
+def record_fresh(case: StepCase, s: Optional[int] = None, steps: int = 2, out: Optional[str | Path] = None,
+                 cap_bytes: Optional[int] = None, alloc_conf: Optional[str] = None,
+                 timeout_s: float = 600) -> Optional[Recording]:
+    """``case`` (at length ``s`` where given) run in a fresh process (``python -m <this module> --case JSON``: an
+    allocator's state and settings are the process's), with ``PYTORCH_CUDA_ALLOC_CONF=alloc_conf`` where given; the
+    recording (saved to ``out``, read back) when ``out`` is given, else None; ``OutOfMemory`` when the run dies of
+    an out-of-memory (CPU: ``cap_bytes`` plays the card's capacity)."""
     env = dict(os.environ)
     if alloc_conf is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
@@ -193,14 +199,27 @@ def first_failing_length(case: StepCase, lengths: Sequence[int], steps: int = 2,
         env[CAP_ENV] = str(cap_bytes)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    args = [sys.executable, "-m", __name__, "--case", json.dumps(dataclasses.asdict(case)), "--steps", str(steps)]
+    args += ["--seq-len", str(s)] if s is not None else []
+    args += ["--out", str(out)] if out is not None else []
+    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode == OOM_EXIT:
+        raise OutOfMemory(f"the run at s = {s if s is not None else case.s} died of an out-of-memory")
+    if done.returncode != 0:
+        raise RuntimeError(f"the run at s = {s if s is not None else case.s} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return load(out) if out is not None else None
+
+
+def first_failing_length(case: StepCase, lengths: Sequence[int], steps: int = 2, cap_bytes: Optional[int] = None,
+                         alloc_conf: Optional[str] = None, timeout_s: float = 600) -> Optional[int]:
+    """The first of ``lengths`` (ascending) whose run dies of an out-of-memory, each run in a fresh process
+    (``record_fresh``); None when every one trains. CPU: ``cap_bytes`` plays the card's capacity."""
     for s in lengths:
-        args = [sys.executable, "-m", "validation.alloc_trace", "--case", json.dumps(dataclasses.asdict(case)),
-                "--seq-len", str(s), "--steps", str(steps)]
-        done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode == OOM_EXIT:
+        try:
+            record_fresh(case, s, steps, cap_bytes=cap_bytes, alloc_conf=alloc_conf, timeout_s=timeout_s)
+        except OutOfMemory:
             return s
-        if done.returncode != 0:
-            raise RuntimeError(f"the run at s = {s} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     return None
 
 

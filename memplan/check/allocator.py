@@ -14,16 +14,12 @@ first failing length only a GPU measures (`first_failing`). torch is imported on
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from memplan.check.peak import PEAK_TOLERANCE, PeakCase, card_preset, peak_config
+from memplan.check.peak import PEAK_TOLERANCE, PeakCase, card_preset, peak_config, step_fields
 from memplan.core.harness import harness
 from memplan.core.specs import GpuSpec
 from memplan.memory.allocator import ReplayResult, replay
@@ -88,25 +84,10 @@ def _module() -> Any:
     return importlib.import_module(harness().__name__ + ".alloc_trace")
 
 
-def step_case(case: PeakCase, device: str = "cpu", s: Optional[int] = None) -> dict:
-    """The validation.step.StepCase fields of a peak case (its run), as JSON-ready data."""
-    return dict(model=case.model, attn=case.attn, s=case.s if s is None else s, b=case.b, h=case.h, a=case.a, L=case.L,
-                v=case.v, f=case.f, g=case.g, head_dim=case.head_dim, recompute=case.recompute, optimizer=case.optimizer,
-                backend="cuda" if device == "cuda" else "live")
-
-
 def _record_cuda(case: PeakCase, allocator: str, out: Path) -> Any:
     """One CUDA run in a fresh process (the allocator's state and settings are the process's)."""
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": _conf(allocator)}
-    root = Path(harness().__file__).resolve().parent.parent
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-m", harness().__name__ + ".alloc_trace", "--case",
-                           json.dumps(step_case(case, "cuda")), "--out", str(out)], env=env, cwd=root,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{case.name} ({allocator}): the run failed (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-2000:]}")
-    return _module().load(out)
+    mod = _module()
+    return mod.record_fresh(mod.StepCase(**step_fields(case, "cuda")), out=out, alloc_conf=_conf(allocator))
 
 
 def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Optional[str] = None,
@@ -128,7 +109,7 @@ def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Option
                     rec = _record_cuda(case, allocator, Path(record_dir or tmp) / name)
                 else:
                     if cpu_rec is None:
-                        cpu_rec = mod.record_run(mod.StepCase(**step_case(case)))
+                        cpu_rec = mod.record_run(mod.StepCase(**step_fields(case, "live")))
                         if record_dir:
                             mod.save(cpu_rec, Path(record_dir) / name.replace(f"-{allocator}", ""))
                     rec = cpu_rec
@@ -142,7 +123,7 @@ def first_failing(case: PeakCase, lengths: list[int], allocator: str = "default"
     """The first of `lengths` at which the case's run dies on this machine's GPU (a fresh process per length);
     None when every one trains."""
     mod = _module()
-    return mod.first_failing_length(mod.StepCase(**step_case(case, "cuda")), lengths, alloc_conf=_conf(allocator))
+    return mod.first_failing_length(mod.StepCase(**step_fields(case, "cuda")), lengths, alloc_conf=_conf(allocator))
 
 
 MAX_SEQ_STEP = 1024  # the done-means' step: memplan's --max-seq within one such step of the longest that trains

@@ -284,12 +284,7 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
 
     results = []
     for c in cases:
-        m = measure_step(StepCase(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f,
-                                  g=c.g, head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
-                                  optimizer="for-loop" if c.in_backward else c.optimizer, algorithm=c.algorithm,
-                                  microbatches=c.microbatches,
-                                  backend=c.backend, family=c.family, lora=c.lora, lora_targets=c.lora_targets,
-                                  **_mst_pieces(c)))
+        m = measure_step(StepCase(**step_fields(c)))
         step = predict_peak(c)
         predicted = int(step.peak_bytes) + (_cuda_workspace() if c.backend == "cuda" else 0)
         e = step.peak_event
@@ -298,6 +293,17 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
         results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance,
                                   total_params(peak_config(c).model), m.persistent["weights"] // 2))
     return results
+
+
+def step_fields(case: PeakCase, backend: Optional[str] = None) -> dict[str, Any]:
+    """The validation.step.StepCase fields of the run a peak case measures (`backend`: in place of the case's), as
+    JSON-ready data."""
+    c = case
+    return dict(model=c.model, attn=c.attn, s=c.s, b=c.b, h=c.h, a=c.a, L=c.L, v=c.v, f=c.f, g=c.g,
+                head_dim=c.head_dim, loss_chunks=c.loss_chunks, p_drop=c.p_drop, recompute=c.recompute, loop=c.loop,
+                optimizer="for-loop" if c.in_backward else c.optimizer, algorithm=c.algorithm,
+                microbatches=c.microbatches, backend=backend or c.backend, family=c.family, lora=c.lora,
+                lora_targets=c.lora_targets, **_mst_pieces(c))
 
 
 def _mst_pieces(case: PeakCase) -> dict[str, int]:
