@@ -146,6 +146,22 @@ def test_zero_with_one_data_parallel_rank_searched_as_estimated():
         assert est.config.parallel.zero == 1 and est.config.parallel.dp == 1
 
 
+def test_torch_loops_keep_every_state_unless_a_zero_stack_is_named():
+    # before: --impl hf-sdpa / torchtune took the llama3-8b preset's Megatron distributed optimizer (zero: 1), so a
+    # transformers DDP run on 8 GPUs had its AdamW states sharded 8 ways (1/8 of the bytes) and one GPU's states
+    # were one flat 32 GB tensor each (the replay's verdict). By hand: llama3-8b's 8,030,261,248 parameters
+    # (Meta's model card; memplan's count is checked against transformers in tests/test_models.py) x (fp32
+    # master 4 B + exp_avg 4 B + exp_avg_sq 4 B) = 96,363,134,976 B on every rank.
+    n = 8_030_261_248
+    for impl in ("hf-sdpa", "torchtune"):
+        est = memplan.estimate("llama3-8b", impl=impl, gpus=8, tp=1, pp=1, global_batch=8)
+        assert est.config.parallel.zero == 0
+        assert est.to_dict()["memory"]["optimizer_bytes"] == 12 * n
+    sharded = memplan.estimate("llama3-8b", impl="hf-sdpa", gpus=8, global_batch=8, zero=1)
+    assert sharded.to_dict()["memory"]["optimizer_bytes"] == 12 * n // 8
+    assert memplan.estimate("llama3-8b", gpus=8, global_batch=8).config.parallel.zero == 1  # Megatron-LM: the preset's
+
+
 def test_recompute_num_layers_alone_is_full_recompute_in_both():
     # before: estimate refused it ("only applies to full recompute"), search pinned full recompute of k layers
     kw = dict(gpus=8, tp=4, pp=2, micro_batch=1, global_batch=8, recompute_num_layers=3, gpu="h100-80gb")

@@ -353,6 +353,11 @@ class PlanOptions:
                 raise MemplanError("--distributed-optimizer is ZeRO stage 1; it conflicts with --zero " + str(zero))
             zero = 1
         zero = self.stack_zero(zero)[0]
+        if zero is None and self.impl in HF_IMPLS:
+            # a torch .grad loop (transformers, torchtune) keeps every optimizer state on every data-parallel rank
+            # (DDP, a single device) unless a ZeRO stack is named: the preset's `zero` is Megatron-LM's
+            # distributed optimizer, not theirs
+            zero = 0
 
         def build(zero_shard: Optional[int]) -> Config:
             return make_config(

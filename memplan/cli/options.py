@@ -162,7 +162,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--gpus", type=INT, help="Number of GPUs (sets d = GPUs / (t p); scales the preset's global batch)."),
         click.option("--zero", type=AsciiIntRange(0, 3),
                      help="0 none; 1 optimizer states sharded over d (= Megatron-LM distributed optimizer); "
-                          "2 also gradients; 3 also weights."),
+                          "2 also gradients; 3 also weights. Default: the preset's; 0 with --impl hf-* / torchtune "
+                          "(their loops keep every state on every rank unless --fsdp2 / --deepspeed-zero)."),
         click.option("--zero-shard", type=INT,
                      help="Shard ZeRO states over this many data-parallel ranks (HSDP; default d)."),
         click.option("--dp-replicate", type=INT,
