@@ -40,9 +40,11 @@ def gemms_per_layer(model: ModelSpec, impl: str = "megatron") -> int:
     """Weight-GEMM kernels in one layer's forward (the backward runs two per forward GEMM, dgrad and
     wgrad): Megatron-LM and the reference torch layer fuse Q, K, V into one GEMM (and SwiGLU's gate
     and up into linear_fc1): QKV, projection, fc1, fc2. transformers' Llama layer runs q, k, v, o,
-    gate, up and down separately (GPT-2's c_attn is fused)."""
+    gate, up and down separately (GPT-2's c_attn is fused); torchtitan 0.3.0's Llama 3 fuses Q, K, V (wqkv) only."""
     if impl in ("megatron", "torch") or model.mlp != "swiglu":
         return 4
+    if impl == "torchtitan" and not model.is_moe:  # its Llama 3 block: wqkv (fused), wo, w1, w3, w2
+        return 5
     if model.is_moe:  # q, k, v, o; the router and the experts' two grouped GEMMs; the shared experts' three
         return 7 + 3 * (model.moe_shared_ffn_hidden_size > 0)
     return 7
