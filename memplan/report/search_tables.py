@@ -57,7 +57,10 @@ def render_search(result: SearchResult, console: Console) -> None:
     listing = result.listed()
     host = offloads(result.training)
     folded = any(x.zero_variants or x.recompute_variants for x in listing)
-    if result.distinct_fit is not None and result.feasible:
+    if result.distinct_fit is not None and result.feasible and result.impl == "torchtitan":
+        console.print(f"variants folded into {result.distinct_fit:,} rows: +n HSDP other dp_replicate x dp_shard "
+                      "splits, +n AC AC modes no faster, no smaller (--all-variants lists them)")
+    elif result.distinct_fit is not None and result.feasible:
         console.print(f"variants folded into {result.distinct_fit:,} rows: +n ZeRO other ZeRO stages / shard groups, "
                       "+n rec recompute choices no faster, no smaller (--all-variants lists them)")
     if listing and result.impl == "torchtitan":
