@@ -43,6 +43,8 @@ class TitanPins:
     compile: Optional[bool] = None
     micro_batch: Optional[int] = None  # torchtitan's local batch
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
+    # float8 (not modelled for torchtitan yet) goes here as a pin, beside `compiled` in titan_search.search_titan as
+    # a per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
 
 
 def layer_ac_counts(layers: int) -> dict[int, int]:
