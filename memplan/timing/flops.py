@@ -81,6 +81,14 @@ def layer_matmul_flops(model: ModelSpec) -> float:
     return qkv + 2 * s * q * h + mlp_matrices * 2 * s * h * active_ffn_width(model) + router
 
 
+def titan_selective_flops(model: ModelSpec) -> float:
+    """The matmul FLOPs per sequence torchtitan's per-op selective AC re-runs in a layer's backward: its policy saves
+    every other matmul of the block (wqkv, w1, w2) and recomputes wo (2sqh) and w3 (2shf) (memplan/timing/layer.py
+    _titan_selective), no t split."""
+    s, h = float(model.seq_length), float(model.hidden_size)
+    return 2 * s * float(model.q) * h + 2 * s * h * active_ffn_width(model)
+
+
 def layer_attention_flops(model: ModelSpec) -> float:
     """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2q, 4s^2h in K22 (appendix A);
     multi-head latent attention 2s^2 a (d_n + d_r) + 2s^2 a d_v (its queries and keys are d_n + d_r wide, its
@@ -111,14 +119,16 @@ def model_flops_per_sequence(model: ModelSpec, causal: bool = False) -> float:
     return 3.0 * forward
 
 
-def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any) -> Any:
+def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any, impl: str = "megatron") -> Any:
     """Model FLOPs plus recomputation: selective re-runs the attention matmuls (4Bs^2h per layer,
     K22 section 5), full re-runs the layer's forward. (K22 Eq. 8 prints 1 + s/(3h) for selective;
-    the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.)"""
+    the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.) torchtitan's selective-op AC
+    re-runs wo and w3 instead (titan_selective_flops)."""
     # Recomputed layers per chunk x p m chunks, per sequence.
     layers = as_float64(plan.recomputed_layers)
     selective = as_float64(plan.recompute == Recompute.SELECTIVE) * layers
     full = as_float64(plan.recompute == Recompute.FULL) * layers
     attention = layer_attention_flops(model)
-    extra = as_float64(plan.p * plan.m) * (selective * attention + full * (layer_matmul_flops(model) + attention))
+    recomputed = titan_selective_flops(model) if impl == "torchtitan" else attention
+    extra = as_float64(plan.p * plan.m) * (selective * recomputed + full * (layer_matmul_flops(model) + attention))
     return model_flops(model, global_batch) + extra * as_float64(global_batch)

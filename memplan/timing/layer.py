@@ -51,11 +51,11 @@ from memplan.timing.arrays import as_python, as_time, plan_floats
 from memplan.timing.calibration import attention_matmul_efficiency, memory_bound_efficiency
 from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
 from memplan.timing.flops import (
-    active_ffn_width,
     attention_time_flops,
     gemms_per_layer,
     layer_matmul_flops,
     logits_flops,
+    titan_selective_flops,
 )
 from memplan.timing.forms import Form, basis, evaluate
 from memplan.timing.traffic import (
@@ -140,9 +140,7 @@ def _titan_selective(model: ModelSpec, gpu: GpuSpec, gemm_peak: float, fwd_memor
     the rest: the 2nd and 4th matmuls (wo, 2sqh; w3, 2shf), every memory-bound op of the forward (norms, RoPE, SwiGLU,
     residual adds) and, under TP, the all-gathers of the sequence-parallel norms' outputs (2 of v, not in the save
     list). Derived from the policy, not measured."""
-    s, h, q = float(model.seq_length), float(model.hidden_size), float(model.q)
-    flops = 2 * s * q * h + 2 * s * h * active_ffn_width(model)
-    return Form(t=flops / (gemm_peak * gpu.matmul_efficiency), u=2 * gpu.matmul_overhead_s, a=2 * v) + fwd_memory
+    return Form(t=titan_selective_flops(model) / (gemm_peak * gpu.matmul_efficiency), u=2 * gpu.matmul_overhead_s, a=2 * v) + fwd_memory
 
 
 @dataclass(frozen=True)

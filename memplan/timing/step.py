@@ -315,7 +315,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
                       calibrated=cal.calibrated, uncertainty=cal.uncertainty)
     if not breakdown:
         return StepTime(**as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
-    hw_flops = hardware_flops(model, plan, global_batch)
+    hw_flops = hardware_flops(model, plan, global_batch, impl)
     tp_comm = evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
     return StepTime(**as_python(dict(
         hardware_flops=hw_flops,
