@@ -67,7 +67,7 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
     dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
     assert len({tuple(sorted(d.items())) for d in dims}) == len(dims) > 300
     for t in dims:
-        assert model.num_attention_heads % t["tp"] == 0 and model.g % t["tp"] == 0 and 2048 % t["tp"] == 0
+        assert all(n % t["tp"] == 0 for n in (model.num_attention_heads, model.g, model.f, model.vocab_size, 2048))
         assert t["dp_replicate"] * t["dp_shard"] * t["tp"] == 8 and (t["dp_replicate"] == 1 or t["dp_shard"] >= 2)
         assert t["local_batch"] * t["gradient_accumulation"] * t["dp_replicate"] * t["dp_shard"] == 16
         assert not t["compile"] or (t["tp"] == 1 and t["ac"] != "selective-op")

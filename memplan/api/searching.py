@@ -224,6 +224,7 @@ def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int 
     device memory first), ZeRO and recompute variants folded (all_variants=True: not); the plan options
     (memplan.api.options.PlanOptions) pin what they name. Without model / hf_config: every preset, each on its
     own GPU. max_seq: the longest sequence some plan fits with, and the plans at that length; emit="megatron" /
-    "bridge": the best plan's Megatron-LM launch / Megatron-Bridge overrides (SearchResults.launch)."""
+    "bridge": the best plan's Megatron-LM launch / Megatron-Bridge overrides (SearchResults.launch); impl="torchtitan":
+    torchtitan's dimensions (memplan/plan/titan.py; emit="torchtitan" its config)."""
     return prepare_search(model, gpus=gpus, top=top, sort=sort, all_variants=all_variants, max_tp=max_tp,
                           uneven_stages=uneven_stages, max_seq=max_seq, emit=emit, **options).run(progress)

@@ -13,6 +13,8 @@ The space (each plan distinct and launchable with Megatron-LM):
   ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0: only a pinned one), each
      sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
 
+With impl "torchtitan" (memplan/plan/titan.py narrows it with `Fixed`): SP exactly when t > 1.
+
 The space is a table (`PlanSpace`, `plan_space`): a row is a plan without its ZeRO variant (t, p, d, m,
 b, M, SP, recompute, recomputed layers) and the columns are the ZeRO variants of the row's d
 (memplan/plan/evaluate.py evaluates it). `enumerate_plans` gives every plan as flat arrays, `plan_config`

@@ -3,8 +3,9 @@ torchtitan settings (`titan_dims`, the listing's columns and JSON).
 
 The space (each plan distinct and launchable with torchtitan, each one `estimate --impl torchtitan` plans with the
 same flags, memplan/api/options.py):
-  tp          divides the attention heads and the key/value heads, at most the GPUs of a node (or --max-tp), with
-              sequence parallelism and loss parallel (torchtitan's default) and the sequence length divisible by it;
+  tp          divides the attention heads, the key/value heads, the FFN width and the vocabulary, at most the GPUs of
+              a node (or --max-tp), with sequence parallelism and loss parallel (torchtitan's default) and the sequence
+              length divisible by it;
   dp_shard x dp_replicate = d = GPUs / tp, d dividing the global batch; dp_replicate R divides d (R = 1: FSDP2 over
               d ranks; R > 1: HSDP, d / R >= 2 ranks per shard group) (memplan's ZeRO 3 sharded over d / R);
   local batch b divides the global batch / d (the rest is gradient accumulation);
@@ -104,6 +105,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     plans = plan_space(model, gpus, global_batch, fixed, max_tp, "torchtitan").flat()
     replicas = plans.d // plans.shard
     keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
+    # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
+    keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
     if pins.dp_replicate is not None:
         keep &= replicas == pins.dp_replicate
     if not keep.any():
