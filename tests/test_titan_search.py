@@ -171,3 +171,12 @@ def test_hardware_flops_count_selective_ops_recomputed_matmuls():
            for impl in ("torchtitan", "megatron")}
     extra = est["torchtitan"].estimate.perf.hardware_flops - est["megatron"].estimate.perf.hardware_flops
     assert extra == pytest.approx(8 * 32 * (2 * s * h * h + 2 * s * h * f), rel=1e-9)
+
+
+def test_hsdp_adds_the_all_reduce_across_replicas():
+    # per gradient byte on one node's 8 GPUs (one NVLink rate c): FSDP2 over 8 reduce-scatters (1 - 1/8) c; HSDP 2 x 4
+    # reduce-scatters over 4, (1 - 1/4) c, then all-reduces its quarter across the 2 replicas, 2 x 1/4 x (1 - 1/2) c:
+    # 1.0 c in all, 8/7 of FSDP2's
+    def dp_comm(replicate):
+        return estimate("llama3-8b", seq_len=2048, micro_batch=1, dp_replicate=replicate, **BASE).estimate.perf.dp_comm_s
+    assert dp_comm(2) / dp_comm(1) == pytest.approx(8 / 7, rel=1e-6)
