@@ -106,6 +106,11 @@ def test_the_table_and_json_show_torchtitans_dimensions(capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0
     assert all(c in out for c in ("dp_replicate", "dp_shard", "local batch", "AC", "compile"))
+    with pytest.raises(SystemExit) as exit_:  # CSV: one column per setting
+        main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB", "--gpu", GPU,
+              "--seq-len", "2048", "--top", "1", "--format", "csv"])
+    header = capsys.readouterr().out.splitlines()[0].split(",")
+    assert {f"torchtitan_{k}" for k in ("dp_replicate", "dp_shard", "tp", "ac", "compile", "local_batch")} <= set(header)
 
 
 # --- the step-time model -------------------------------------------------------------------------------------------
