@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from memplan.api.estimating import estimate
+from memplan.api.searching import search
 from memplan.cli import main
 from memplan.launch.titan import EXPANDABLE, FLAVORS, FUNCTION, MODULE
 
@@ -89,3 +90,19 @@ def test_tp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert par.enable_sequence_parallel and par.spmd_backend == "partial_dtensor"
     assert "--nproc_per_node=8" in result.launch.args[1]
     assert result.launch.document["parallelism.tensor_parallel_degree"] == 2
+
+
+def test_a_searchs_best_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # search --impl torchtitan --emit torchtitan: the best plan (here compiled: the fastest at this budget) as the
+    # module; torchtitan's ConfigManager builds it with the listed plan's settings, compile on the blocks only
+    found = search("llama3-8b", impl="torchtitan", gpus=8, seq_len=4096, global_batch=32, gpu="h100-80gb",
+                   mem=80 * 10**9, emit="torchtitan", top=3)
+    best = found.result.row(found.result.top[0])["torchtitan"]
+    config = _load(tmp_path, monkeypatch, "\n".join(found.launch["llama3-8b"].args))
+    par = config.parallelism
+    assert best["compile"] and config.compile.enable and config.compile.components == ["model"]
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.tensor_parallel_degree) == (
+        best["dp_replicate"], best["dp_shard"], best["tp"])
+    assert config.training.local_batch_size == best["local_batch"] and config.training.global_batch_size == 32
+    assert type(config.activation_checkpoint) is {"none": type(None), "full": FullAC.Config,
+                                                  "selective-op": SelectiveAC.Config}[best["ac"]]

@@ -74,12 +74,6 @@ def test_refused_by_the_api(kw):
         estimate(**{"model": "llama3-8b", "impl": "torchtitan", "gpus": 8, **kw})
 
 
-def test_search_refused(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8"])
-    assert exit_.value.code == 2 and "not modelled yet" in capsys.readouterr().err
-
-
 def test_ac_needs_torchtitan():
     with pytest.raises(MemplanError, match="--impl torchtitan"):
         estimate("llama3-8b", ac="full", gpus=8)

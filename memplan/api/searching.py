@@ -19,6 +19,8 @@ from memplan.memory.timeline import optimizer_impl
 from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
+from memplan.plan.titan import TitanPins
+from memplan.plan.titan_search import search_titan
 from memplan.plan.search import search as search_plans
 from memplan.presets.batch import search_inputs
 from memplan.presets.catalog import load_model, model_names
@@ -118,7 +120,13 @@ class PreparedSearch:
         kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
                   host_budget_bytes=opts.host_mem)
         skipped: list[Skipped] = []
-        if self.one_model:
+        if self.one_model and opts.impl == "torchtitan":
+            model, training, gb, gpu, budget = requests[0]
+            report = functools.partial(progress, label=model.name) if progress is not None else None
+            results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),
+                                    max_tp=self.max_tp, top=self.top, margin=opts.frag_margin,
+                                    host_budget_bytes=opts.host_mem, progress=report)]
+        elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
             results = [(search_max_seq if self.max_seq else search_plans)(model, training, opts.gpus, gb, budget,
@@ -158,6 +166,26 @@ class PreparedSearch:
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 
 
+def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
+    """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
+    opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
+    if opts.preset() is None:
+        raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
+                           "with Megatron-LM)")
+    if max_seq:
+        raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")
+    if opts.dp is not None or opts.zero_shard is not None or uneven_stages or opts.first_stage_layers is not None \
+            or opts.last_stage_layers is not None:
+        raise MemplanError("search --impl torchtitan pins its data parallelism with --tp (d = GPUs / tp) and "
+                           "--dp-replicate R (HSDP), not --dp, --zero-shard or stage splits")
+
+
+def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
+    """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
+    return TitanPins(tp=opts.tp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
+                     micro_batch=opts.micro_batch, launchable=emit == "torchtitan")
+
+
 def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,
                    max_tp: Optional[int] = None, uneven_stages: bool = False, max_seq: bool = False,
                    emit: Optional[str] = None, **options: Any) -> PreparedSearch:
@@ -167,8 +195,7 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
     if opts.impl == "torchtitan":
-        raise MemplanError("search over torchtitan's dimensions is not modelled yet: plan one layout with "
-                           "`memplan estimate --impl torchtitan --gpus N --ac MODE`")
+        _check_titan(opts, max_seq, uneven_stages)
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")
@@ -197,6 +224,7 @@ def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int 
     device memory first), ZeRO and recompute variants folded (all_variants=True: not); the plan options
     (memplan.api.options.PlanOptions) pin what they name. Without model / hf_config: every preset, each on its
     own GPU. max_seq: the longest sequence some plan fits with, and the plans at that length; emit="megatron" /
-    "bridge": the best plan's Megatron-LM launch / Megatron-Bridge overrides (SearchResults.launch)."""
+    "bridge": the best plan's Megatron-LM launch / Megatron-Bridge overrides (SearchResults.launch); impl="torchtitan":
+    torchtitan's dimensions (memplan/plan/titan.py; emit="torchtitan" its config)."""
     return prepare_search(model, gpus=gpus, top=top, sort=sort, all_variants=all_variants, max_tp=max_tp,
                           uneven_stages=uneven_stages, max_seq=max_seq, emit=emit, **options).run(progress)

@@ -244,12 +244,13 @@ def plan_options(func: Callable) -> Callable:
                           "--recompute full, b = 1): the MLP and the LM head + loss run on M pieces of the sequence; "
                           "auto: as MsT's code, the MLP in pieces of max(4096/b, 1024) tokens and the head in 64. "
                           "search keeps it for every plan (and b = 1). memplan/inventory/mst.py."),
-        click.option("--compile", "compile", is_flag=True, default=None,
+        click.option("--compile/--no-compile", "compile", default=None,
                      help="torch.compile per decoder layer (--impl hf-sdpa, torchtune or torchtitan, Llama layout): "
                           "each layer's saved tensors traced from AOTAutograd's partitioner (torch 2.13, inductor on "
                           "CPU) and measured on CPU; the backward's transients the eager layer's (derived), Inductor's "
                           "fused kernels' own buffers left out; the loss not compiled (memplan/inventory/compiled.py). "
-                          "Refused with --ac selective-op (not traced)."),
+                          "Refused with --ac selective-op (not traced). search --impl torchtitan tries both unless "
+                          "--compile or --no-compile pins it; --timing: its fused memory-bound ops (derived)."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "

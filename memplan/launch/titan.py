@@ -5,7 +5,8 @@ torchtitan 0.3.0 (the version installed beside torch 2.13; its TOML job files ar
 any importable module) and calls its function ``--config F``, which returns a ``Trainer.Config``
 (torchtitan/config/manager.py, torchtitan/trainer.py). The emitted text is such a module: ``memplan_plan()`` starts
 from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
-sets what memplan planned: the model without converters (no float8), no torch.compile, the plain cross-entropy loss
+sets what memplan planned: the model without converters (no float8), torch.compile of the decoder blocks only or none
+(``CompileConfig(components=["model"])``: memplan traces the compiled block, not a compiled loss), the plain cross-entropy loss
 (the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
 batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard), the tensor-parallel degree (sequence
 parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
@@ -72,7 +73,8 @@ def titan_document(config: Config) -> dict:
             "parallelism.data_parallel_shard_degree": par.shard,
             "parallelism.tensor_parallel_degree": par.tp,
             "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 else "spmd_types",
-            "activation_checkpoint": _ac(config)[0], "compile.enable": False,
+            "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
+            "compile.components": ["model"] if tr.compile else [],
             "loss": "CrossEntropyLoss", "converters": []}
 
 
@@ -104,7 +106,8 @@ def titan_launch(config: Config) -> Launch:
         f"def {FUNCTION}() -> Trainer.Config:",
         f"    config = {doc['base']}()",
         f"    config.model_spec = model_registry(\"{doc['flavor']}\")  # no converters (float8 is not planned)",
-        "    config.compile = CompileConfig(enable=False)",
+        "    config.compile = CompileConfig(enable=True, components=[\"model\"])  # the blocks, as memplan plans"
+        if doc["compile.enable"] else "    config.compile = CompileConfig(enable=False)",
         "    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
@@ -120,8 +123,10 @@ def titan_launch(config: Config) -> Launch:
     ]
     notes = [f"torchtitan 0.3.0 is configured in Python: save the block as {MODULE}.py and launch it as its docstring "
              "says (torchtitan's run_train.sh sets expandable segments the same way)",
-             "the shipped configs' chunked loss (ChunkedLossWrapper), torch.compile and float8 are switched off: "
-             "memplan plans the plain cross-entropy, eager, bf16"]
+             "the shipped configs' chunked loss (ChunkedLossWrapper) and float8 are switched off, and torch.compile "
+             + ("compiles the decoder blocks only (components ['model'], the loss eager): " if config.training.compile
+                else "too: ") + "memplan plans the plain cross-entropy, bf16"
+             + (", the blocks compiled" if config.training.compile else ", eager")]
     if config.parallel.tp > 1:
         notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
                      "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")

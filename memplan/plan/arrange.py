@@ -123,6 +123,8 @@ def _variant_keys(result: SearchResult, idx: np.ndarray) -> tuple[np.ndarray, np
     x = result.evaluated.plans.take(idx)
     shape = [np.asarray(v) for v in (x.t, x.p, x.d, x.m, x.b, x.sp, x.cp, x.ep, x.expert_tp, x.first_layers,
                                      x.last_layers) if v is not None]
+    if result.compiled is not None:  # torchtitan: compiled and eager plans are rows of their own
+        shape.append(np.asarray(result.compiled)[idx].astype(np.int64))
     return (_group_ids(shape + [np.asarray(x.recompute), np.asarray(x.recomputed_layers)]),
             _group_ids(shape + [np.asarray(x.zero), np.asarray(x.shard)]))
 

@@ -45,6 +45,7 @@ from memplan.plan.evaluate import (
 from memplan.plan.fit import block_limits, fit_mask, part_limits, within_budget
 from memplan.plan.limits import SEQ_LIMIT, largest
 from memplan.plan.space import Fixed, PlanSpace, enumerate_plans, plan_config, plan_space, space_notes, training_fixed
+from memplan.plan.titan import titan_dims
 from memplan.timing.step import step_time
 
 
@@ -85,6 +86,8 @@ class SearchResult:
     distinct_fit: Optional[int] = None  # with `folded`: the rows that fit once variants are folded
     host_budget_bytes: Optional[int] = None  # host memory per node the plans' offload must fit in (--host-mem)
     gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
+    compiled: Optional[np.ndarray] = None  # torchtitan (memplan/plan/titan.py): per plan, torch.compile on
+    layer_ac_every: Optional[int] = None  # torchtitan: a pinned --ac selective-layer:N, as the rows name it
 
     def listed(self) -> list["Listed"]:
         """The plans to show, best first, each with the plans folded into it."""
@@ -92,7 +95,10 @@ class SearchResult:
 
     def config(self, i: int) -> Config:
         plans = self.space.take([i]) if self.space is not None else self.evaluated.plans.take([i])
-        return plan_config(self.model, self.training, plans, 0, self.global_batch)
+        training = self.training
+        if self.compiled is not None:
+            training = training.model_copy(update={"compile": bool(self.compiled[i])})
+        return plan_config(self.model, training, plans, 0, self.global_batch)
 
     def numbers(self, i: int) -> dict[str, Any]:
         """Plan i's memory and time fields, from `evaluate` on that plan (kept for the plans shown)."""
@@ -113,7 +119,8 @@ class SearchResult:
     def row(self, i: int) -> dict[str, Any]:
         e = self.numbers(i)
         out = {
-            **self.config(i).plan_summary(),
+            **(config := self.config(i)).plan_summary(),
+            **({"torchtitan": titan_dims(config, self.layer_ac_every)} if self.impl == "torchtitan" else {}),
             "memory": {"device_bytes": int(e["device_bytes"]), "peak_bytes": int(e["peak_bytes"]),
                        "first_stage_peak_bytes": int(e["first_stage_peak_bytes"]),
                        "last_stage_peak_bytes": int(e["last_stage_peak_bytes"]),
@@ -145,7 +152,7 @@ def search(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: in
         out.notes.extend(space_notes(model, fixed))
         return out
     start = time.perf_counter()
-    space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
+    space = plan_space(model, gpus, global_batch, fixed, tp_limit(max_tp, gpu), impl)
     check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
     inventory = training_inventory(model, impl, training.device, training)
     limits = block_limits(space, inventory, gpu, margin, budget_bytes)
@@ -332,7 +339,7 @@ def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, globa
                       margin: Optional[float], host_budget_bytes: Optional[int] = None) -> SearchResult:
     """Every plan as flat arrays, evaluated in chunks, sorted: the oracle of `search`."""
     start = time.perf_counter()
-    plans = enumerate_plans(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
+    plans = enumerate_plans(model, gpus, global_batch, fixed, tp_limit(max_tp, gpu), impl)
     check_int64(model, training, int(plans.b.max()), impl, gpu, margin)
     n = len(plans.t)
     parts = []
@@ -341,22 +348,26 @@ def _search_reference(model: ModelSpec, training: TrainingSpec, gpus: int, globa
         if progress is not None:
             progress(min(lo + chunk, n), n)
     evaluated = parts[0] if len(parts) == 1 else concat(plans, parts)
+    return ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, impl, margin,
+                  host_budget_bytes, start)
+
+
+def ranked(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+           gpu: Optional[GpuSpec], evaluated: Any, top: int, impl: str, margin: Optional[float],
+           host_budget_bytes: Optional[int], start: float) -> SearchResult:
+    """A search of flat plans `evaluated`: those that fit by step time (memory without a GPU), memory, number."""
     fits = within_budget(evaluated, budget_bytes, host_budget_bytes)
     key = evaluated.step_time_s if evaluated.step_time_s is not None else evaluated.device_bytes
     order = np.lexsort((evaluated.device_bytes, key))
-    ranked = order[fits[order]]
-    best = [int(i) for i in ranked[:top]]
-    nearest = None if best else int(np.argmin(evaluated.device_bytes))
-    fastest_miss = None
+    best = [int(i) for i in order[fits[order]][:top]]
     over = order[~fits[order]]
-    if len(over) and (not best or key[over[0]] < key[best[0]]):
-        fastest_miss = int(over[0])
-    return SearchResult(model, gpus, global_batch, budget_bytes, gpu, n, int(fits.sum()),
-                        time.perf_counter() - start, best, nearest, fastest_miss, evaluated, training, impl,
-                        margin=margin, host_budget_bytes=host_budget_bytes)
+    fastest_miss = int(over[0]) if len(over) and (not best or key[over[0]] < key[best[0]]) else None
+    return SearchResult(model, gpus, global_batch, budget_bytes, gpu, len(key), int(fits.sum()),
+                        time.perf_counter() - start, best, None if best else int(np.argmin(evaluated.device_bytes)),
+                        fastest_miss, evaluated, training, impl, margin=margin, host_budget_bytes=host_budget_bytes)
 
 
-def _tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
+def tp_limit(max_tp: Optional[int], gpu: Optional[GpuSpec]) -> int:
     """The largest t searched: --max-tp, else the GPUs of a node."""
     return max_tp if max_tp is not None else (gpu.gpus_per_node if gpu is not None else 8)
 
@@ -402,7 +413,7 @@ def any_fits(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: 
     beyond the int64 arithmetic, which fits no budget)."""
     try:
         fixed = training_fixed(model, training, fixed)
-        space = plan_space(model, gpus, global_batch, fixed, _tp_limit(max_tp, gpu), impl)
+        space = plan_space(model, gpus, global_batch, fixed, tp_limit(max_tp, gpu), impl)
         check_int64(model, training, space.max_micro_batch, impl, gpu, margin)
     except MemplanError:
         return False

@@ -13,6 +13,8 @@ The space (each plan distinct and launchable with Megatron-LM):
   ZeRO 0 .. 3 (1 = Megatron-LM distributed optimizer) when d > 1 (with d = 1 they equal 0: only a pinned one), each
      sharded over k ranks for every divisor k > 1 of d (k < d: HSDP, d/k replicas of each shard).
 
+With impl "torchtitan" (memplan/plan/titan.py narrows it with `Fixed`): SP exactly when t > 1.
+
 The space is a table (`PlanSpace`, `plan_space`): a row is a plan without its ZeRO variant (t, p, d, m,
 b, M, SP, recompute, recomputed layers) and the columns are the ZeRO variants of the row's d
 (memplan/plan/evaluate.py evaluates it). `enumerate_plans` gives every plan as flat arrays, `plan_config`
@@ -72,6 +74,7 @@ class Fixed:
     last_stage_layers: Optional[int] = None
     uneven: bool = False  # also search uneven stages: one or two layers fewer on the first / last stage (_splits)
     expert_parallel: bool = True  # False: ep = 1 and etp = t only (the optimizer / offload has no EP model)
+    recompute_layers: Optional[tuple[int, ...]] = None  # the full-recompute layer counts searched (None: 1 .. n)
 
 
 def _pick(values: list[int] | tuple[int, ...], fixed: Optional[int]) -> list[int]:
@@ -215,6 +218,8 @@ def _recompute_variants(n: int, hf: bool, fixed: Fixed) -> list[tuple[int, int]]
         recompute = [r for r in recompute if r[0] == fixed.recompute]
     if fixed.recompute_num_layers is not None:
         recompute = [r for r in recompute if r[0] == Recompute.FULL and r[1] == fixed.recompute_num_layers]
+    if fixed.recompute_layers is not None:  # torchtitan: full AC and its selective per-layer AC (memplan/plan/titan.py)
+        recompute = [r for r in recompute if r[0] != Recompute.FULL or r[1] in fixed.recompute_layers]
     return recompute
 
 
@@ -240,6 +245,8 @@ def plan_space(model: ModelSpec, gpus: int, global_batch: int, fixed: Fixed = Fi
             if (fixed.dp is not None and d != fixed.dp) or global_batch % d or (t * cp * d) % (ep * etp):
                 continue
             sps = [0] if t == 1 else [x for x in (0, 1) if (x == 0 and not model.is_moe) or (x == 1 and s % (t * cp) == 0)]
+            if impl == "torchtitan":  # TP with sequence parallelism only (memplan/plan/titan.py)
+                sps = [x for x in sps if x == int(t > 1)]
             if fixed.sp is not None:
                 sps = [x for x in sps if x == int(fixed.sp)]
             zkey = _zero_key(d, t, cp, ep, etp)

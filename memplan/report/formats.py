@@ -239,8 +239,9 @@ def search_rows(data: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, A
         others = [(status, "", result[key]) for key, status in (("fastest_over_budget", "fastest over budget"),
                                                                  ("nearest_miss", "nearest miss")) if key in result]
         for status, rank, plan in ranked + others:
-            flat = {k: v for k, v in plan.items() if k != "memory"}
-            rows.append({"model": result["model"], "rank": rank, "status": status, **flat, **plan["memory"]})
+            flat = {k: v for k, v in plan.items() if k not in ("memory", "torchtitan")}
+            titan = {f"torchtitan_{k}": v for k, v in plan.get("torchtitan", {}).items()}  # search --impl torchtitan
+            rows.append({"model": result["model"], "rank": rank, "status": status, **titan, **flat, **plan["memory"]})
     return rows
 
 

@@ -57,10 +57,15 @@ def render_search(result: SearchResult, console: Console) -> None:
     listing = result.listed()
     host = offloads(result.training)
     folded = any(x.zero_variants or x.recompute_variants for x in listing)
-    if result.distinct_fit is not None and result.feasible:
+    if result.distinct_fit is not None and result.feasible and result.impl == "torchtitan":
+        console.print(f"variants folded into {result.distinct_fit:,} rows: +n HSDP other dp_replicate x dp_shard "
+                      "splits, +n AC AC modes no faster, no smaller (--all-variants lists them)")
+    elif result.distinct_fit is not None and result.feasible:
         console.print(f"variants folded into {result.distinct_fit:,} rows: +n ZeRO other ZeRO stages / shard groups, "
                       "+n rec recompute choices no faster, no smaller (--all-variants lists them)")
-    if listing:
+    if listing and result.impl == "torchtitan":
+        console.print(_titan_table(result, console, has_time, folded))
+    elif listing:
         narrow = compact(console)
         extra = _cp_ep_columns(result)
         table = make_table(console, [Col(c, "right") for c in ("#", "t", "p", "d", *extra, "b", "m", "SP")]
@@ -98,6 +103,25 @@ def render_search(result: SearchResult, console: Console) -> None:
         console.print(f"did not fit: {result.candidates - result.feasible:,} plans")
     for note in result.notes:
         console.print(f"note: {markup(note, NOTE_LIMIT)}")
+
+
+def _titan_table(result: SearchResult, console: Console, has_time: bool, folded: bool) -> Any:
+    """The listing of `search --impl torchtitan`: torchtitan's dimensions (memplan/plan/titan.py titan_dims)."""
+    table = make_table(console, [Col("#", "right"), Col("dp_replicate", "right", short="rep"),
+                                 Col("dp_shard", "right", short="shard"), Col("tp", "right"),
+                                 Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right"),
+                                 Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
+                                 Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
+                       title=_listing_heading(result, has_time))
+    for rank, x in enumerate(result.listed(), 1):
+        row = result.row(x.plan)
+        dims = row["torchtitan"]
+        fold = _folded_cell(x).replace("ZeRO", "HSDP").replace("rec", "AC")
+        table.add_row(str(rank), *(str(dims[k]) for k in ("dp_replicate", "dp_shard", "tp", "local_batch", "ac")),
+                      "on" if dims["compile"] else "off", format_gb(row["memory"]["device_bytes"]),
+                      f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
+                      *([fold] if folded else []))
+    return table
 
 
 def _cp_ep_columns(result: SearchResult) -> tuple[str, ...]:

@@ -65,6 +65,8 @@ def compact_plan(fields: dict[str, Any]) -> str:
 def plan_text(row: dict[str, Any], num_layers: Optional[int] = None, layers: Optional[int] = None) -> str:
     """'t=8 p=35 d=8 b=1 m=3 SP selective ZeRO-1' style summary of a search row; given the model's
     `num_layers`, the compact layout's 't8 p35 d8 b1 m3 SP sel Z1' (compact_plan)."""
+    if "torchtitan" in row:  # search --impl torchtitan (memplan/plan/titan.py titan_dims)
+        return titan_text(row["torchtitan"])
     rec = row["recompute"]
     if num_layers is not None:
         cell = rec_cell(row, row_chunk(row, num_layers), short=True)
@@ -77,6 +79,12 @@ def plan_text(row: dict[str, Any], num_layers: Optional[int] = None, layers: Opt
     pp = row["pp"] if layers is None else p_cell(row, layers).replace(" ", "")  # layers: L, to show a split
     return (f"t={row['tp']} p={pp} d={row['dp']}{cp_ep} b={row['micro_batch']} m={row['vpp']}{sp} "
             f"{rec_text} ZeRO-{zero_cell(row)}")
+
+
+def titan_text(dims: dict[str, Any]) -> str:
+    """'dp_replicate=1 dp_shard=8 tp=1 local_batch=2 ac=selective-op compile' (the estimate --impl torchtitan flags)."""
+    return (f"dp_replicate={dims['dp_replicate']} dp_shard={dims['dp_shard']} tp={dims['tp']} "
+            f"local_batch={dims['local_batch']} ac={dims['ac']}" + (" compile" if dims["compile"] else ""))
 
 
 def zero_cell(row: dict[str, Any]) -> str:

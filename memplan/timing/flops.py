@@ -40,9 +40,11 @@ def gemms_per_layer(model: ModelSpec, impl: str = "megatron") -> int:
     """Weight-GEMM kernels in one layer's forward (the backward runs two per forward GEMM, dgrad and
     wgrad): Megatron-LM and the reference torch layer fuse Q, K, V into one GEMM (and SwiGLU's gate
     and up into linear_fc1): QKV, projection, fc1, fc2. transformers' Llama layer runs q, k, v, o,
-    gate, up and down separately (GPT-2's c_attn is fused)."""
+    gate, up and down separately (GPT-2's c_attn is fused); torchtitan 0.3.0's Llama 3 fuses Q, K, V (wqkv) only."""
     if impl in ("megatron", "torch") or model.mlp != "swiglu":
         return 4
+    if impl == "torchtitan" and not model.is_moe:  # its Llama 3 block: wqkv (fused), wo, w1, w3, w2
+        return 5
     if model.is_moe:  # q, k, v, o; the router and the experts' two grouped GEMMs; the shared experts' three
         return 7 + 3 * (model.moe_shared_ffn_hidden_size > 0)
     return 7
@@ -79,6 +81,14 @@ def layer_matmul_flops(model: ModelSpec) -> float:
     return qkv + 2 * s * q * h + mlp_matrices * 2 * s * h * active_ffn_width(model) + router
 
 
+def titan_selective_flops(model: ModelSpec) -> float:
+    """The matmul FLOPs per sequence torchtitan's per-op selective AC re-runs in a layer's backward: its policy saves
+    every other matmul of the block (wqkv, w1, w2) and recomputes wo (2sqh) and w3 (2shf) (memplan/timing/layer.py
+    _titan_selective), no t split."""
+    s, h = float(model.seq_length), float(model.hidden_size)
+    return 2 * s * float(model.q) * h + 2 * s * h * active_ffn_width(model)
+
+
 def layer_attention_flops(model: ModelSpec) -> float:
     """Forward FLOPs of QK^T and attention over V for one sequence: 4s^2q, 4s^2h in K22 (appendix A);
     multi-head latent attention 2s^2 a (d_n + d_r) + 2s^2 a d_v (its queries and keys are d_n + d_r wide, its
@@ -109,14 +119,16 @@ def model_flops_per_sequence(model: ModelSpec, causal: bool = False) -> float:
     return 3.0 * forward
 
 
-def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any) -> Any:
+def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any, impl: str = "megatron") -> Any:
     """Model FLOPs plus recomputation: selective re-runs the attention matmuls (4Bs^2h per layer,
     K22 section 5), full re-runs the layer's forward. (K22 Eq. 8 prints 1 + s/(3h) for selective;
-    the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.)"""
+    the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.) torchtitan's selective-op AC
+    re-runs wo and w3 instead (titan_selective_flops)."""
     # Recomputed layers per chunk x p m chunks, per sequence.
     layers = as_float64(plan.recomputed_layers)
     selective = as_float64(plan.recompute == Recompute.SELECTIVE) * layers
     full = as_float64(plan.recompute == Recompute.FULL) * layers
     attention = layer_attention_flops(model)
-    extra = as_float64(plan.p * plan.m) * (selective * attention + full * (layer_matmul_flops(model) + attention))
+    recomputed = titan_selective_flops(model) if impl == "torchtitan" else attention
+    extra = as_float64(plan.p * plan.m) * (selective * recomputed + full * (layer_matmul_flops(model) + attention))
     return model_flops(model, global_batch) + extra * as_float64(global_batch)

@@ -29,6 +29,8 @@ One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel grou
   sequence-split input, K22 section 4.2.2) next to the weight-gradient GEMM: 4 ag exposed by
   TP_ASYNC_EXPOSED_FRACTION; with SP the all-gathers that are the backward of each row-parallel
   output's reduce-scatter, 2 ag, are on the critical path.
+- torchtitan (--impl torchtitan): its per-op selective AC re-runs two of the five matmuls and the forward's
+  memory-bound ops (_titan_selective); a compiled layer's memory-bound ops run fused (layer_forms).
 - recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
   matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
   re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
@@ -48,7 +50,13 @@ from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_python, as_time, plan_floats
 from memplan.timing.calibration import attention_matmul_efficiency, memory_bound_efficiency
 from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
-from memplan.timing.flops import attention_time_flops, gemms_per_layer, layer_matmul_flops, logits_flops
+from memplan.timing.flops import (
+    attention_time_flops,
+    gemms_per_layer,
+    layer_matmul_flops,
+    logits_flops,
+    titan_selective_flops,
+)
 from memplan.timing.forms import Form, basis, evaluate
 from memplan.timing.traffic import (
     CROSS_ENTROPY_BWD_FP32_ACCESSES,
@@ -83,14 +91,18 @@ class LayerForms:
 
 @functools.lru_cache(maxsize=64)
 def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron",
-                 fp8: bool = False) -> LayerForms:
+                 fp8: bool = False, compiled: bool = False) -> LayerForms:
+    """One layer's forms; `compiled`: each decoder layer torch.compile'd (--compile), whose memory-bound ops Inductor
+    fuses: their traffic taken as the fused kernels' (layer_traffic_bytes(fused=True): each elementwise chain reads
+    its inputs and writes its output once) instead of eager's op-by-op passes. Derived, not measured: uncalibrated
+    (docs/torchtitan.md compares the speed-up with torchtitan's published tables)."""
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     # FP8 (memplan/inventory/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
     gemm_peak = gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else peak
     matmul = layer_matmul_flops(model) / (gemm_peak * gpu.matmul_efficiency)
     attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
-    by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS)
+    by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS or compiled)
     if fp8:
         by = cast_traffic(model, activation_bytes, by)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
@@ -116,7 +128,19 @@ def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str
         selective=Form(t=attention + by.attention_core_fwd / hbm),
         full=Form(),
     )
+    if impl == "torchtitan":
+        forms = LayerForms(**{**forms.__dict__, "selective": _titan_selective(model, gpu, gemm_peak, fwd_memory, v)})
     return LayerForms(**{**forms.__dict__, "full": forms.forward})
+
+
+def _titan_selective(model: ModelSpec, gpu: GpuSpec, gemm_peak: float, fwd_memory: Form, v: float) -> Form:
+    """What torchtitan's per-op selective AC (--ac selective-op: SelectiveAC, torchtitan/distributed/
+    activation_checkpoint.py) re-runs in a layer's backward: its policy saves the outputs of the attention kernel,
+    of TP's reduce-scatters and of every other matmul of the block (the 1st, 3rd, 5th: wqkv, w1, w2), and recomputes
+    the rest: the 2nd and 4th matmuls (wo, 2sqh; w3, 2shf), every memory-bound op of the forward (norms, RoPE, SwiGLU,
+    residual adds) and, under TP, the all-gathers of the sequence-parallel norms' outputs (2 of v, not in the save
+    list). Derived from the policy, not measured."""
+    return Form(t=titan_selective_flops(model) / (gemm_peak * gpu.matmul_efficiency), u=2 * gpu.matmul_overhead_s, a=2 * v) + fwd_memory
 
 
 @dataclass(frozen=True)
@@ -196,12 +220,12 @@ class LayerTime:
 
 
 def layer_time(model: ModelSpec, gpu: GpuSpec, plan: PlanValues, activation_bytes: int = 2,
-               impl: str = "megatron") -> LayerTime:
+               impl: str = "megatron", compiled: bool = False) -> LayerTime:
     """Forward and backward seconds of one layer for one micro-batch of plan.b sequences, run by
     implementation `impl` (fused kernels for megatron, PyTorch eager ops otherwise)."""
     pf = plan_floats(plan)
     x = basis(gpu, pf)
-    lf = layer_forms(model, gpu, activation_bytes, impl)
+    lf = layer_forms(model, gpu, activation_bytes, impl, compiled=compiled)
     selective = as_time(plan.recompute == Recompute.SELECTIVE)
     full = as_time(plan.recompute == Recompute.FULL)
     return LayerTime(**as_python(dict(

@@ -151,7 +151,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     A = training.activation_bytes
     pf = plan_floats(plan)
     x = basis(gpu, pf)
-    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None)
+    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None, bool(training.compile))
     hf = head_forms(model, gpu, A)
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
@@ -274,7 +274,11 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # same links: the reduction hides only behind the compute the gathers leave (else a longer
     # backward, e.g. more recompute, would hide both at once and shorten the step).
     reduce_window = maximum(backward_window - gather_pass, 0.0 * backward_window)
-    dp_exposed = (overlapped(grad_reduce, reduce_window, inv_layers)
+    # torchtitan's FSDP2 reduce-scatters (HSDP: and all-reduces across the replicas) in every micro-batch's backward:
+    # its train_step runs backward per micro-batch and leaves FSDP2's gradient sync on (torchtitan/trainer.py), each
+    # hidden behind its own backward as the last one's is
+    reductions = M if impl == "torchtitan" else 1.0
+    dp_exposed = (reductions * overlapped(grad_reduce, reduce_window, inv_layers)
                   + overlapped(param_gather, forward_window, inv_layers))
     zero3_exposed = M * (overlapped(gather_pass, forward_window, inv_layers)
                          + overlapped(gather_pass, backward_window, inv_layers))
@@ -311,7 +315,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
                       calibrated=cal.calibrated, uncertainty=cal.uncertainty)
     if not breakdown:
         return StepTime(**as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
-    hw_flops = hardware_flops(model, plan, global_batch)
+    hw_flops = hardware_flops(model, plan, global_batch, impl)
     tp_comm = evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
     return StepTime(**as_python(dict(
         hardware_flops=hw_flops,
@@ -324,7 +328,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         bubble_s=bubble,
         bubble_share=bubble / step,
         pp_comm_s=pp_comm,
-        dp_comm_s=grad_reduce + param_gather,
+        dp_comm_s=reductions * grad_reduce + param_gather,
         dp_comm_exposed_s=dp_exposed,
         zero3_gather_s=(2.0 * M) * gather_pass,
         zero3_gather_exposed_s=zero3_exposed,

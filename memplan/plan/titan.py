@@ -1,0 +1,139 @@
+"""torchtitan's dimensions in a search (`search --impl torchtitan`): the plans of them memplan models, and a plan's
+torchtitan settings (`titan_dims`, the listing's columns and JSON).
+
+The space (each plan distinct and launchable with torchtitan, each one `estimate --impl torchtitan` plans with the
+same flags, memplan/api/options.py):
+  tp          divides the attention heads, the key/value heads, the FFN width and the vocabulary, at most the GPUs of
+              a node (or --max-tp), with sequence parallelism and loss parallel (torchtitan's default) and the sequence
+              length divisible by it;
+  dp_shard x dp_replicate = d = GPUs / tp, d dividing the global batch; dp_replicate R divides d (R = 1: FSDP2 over
+              d ranks; R > 1: HSDP, d / R >= 2 ranks per shard group) (memplan's ZeRO 3 sharded over d / R);
+  local batch b divides the global batch / d (the rest is gradient accumulation);
+  AC          none, selective-op, full, selective-layer:N (every N-th layer checkpointed, L // N of them: one plan
+              per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
+              layers sit, memplan/inventory/titan.py);
+  compile     off, or on where memplan traces it (tp = 1, AC not selective-op: memplan/inventory/compiled.py).
+Not searched (not modelled for torchtitan yet): pipeline, context and expert parallelism, async TP, memory-budget AC,
+float8 (a dimension like compile: a pin in `TitanPins`, a mask beside `compiled`, a column in `titan_dims`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.specs import Config
+from memplan.core.training import Recompute
+from memplan.inventory.titan import LAYER_AC, checkpointed_layers, titan_ac_mode
+from memplan.memory.term_bytes import PlanValues
+from memplan.plan.space import Fixed, plan_space
+
+
+@dataclass(frozen=True)
+class TitanPins:
+    """The torchtitan dimensions a search pins (None: searched)."""
+
+    tp: Optional[int] = None
+    dp_replicate: Optional[int] = None
+    ac: Optional[str] = None  # --ac as `estimate` takes it
+    compile: Optional[bool] = None
+    micro_batch: Optional[int] = None  # torchtitan's local batch
+    launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
+    # float8 (not modelled for torchtitan yet) goes here as a pin, beside `compiled` in titan_search.search_titan as
+    # a per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
+
+
+def layer_ac_counts(layers: int) -> dict[int, int]:
+    """selective-layer:N's distinct counts of checkpointed layers (fewer than all), each with the smallest N giving it."""
+    out: dict[int, int] = {}
+    for every in range(2, layers + 1):
+        out.setdefault(len(checkpointed_layers(layers, every)), every)
+    return out
+
+
+def ac_label(recompute: int, layers_recomputed: int, layers: int, every: Optional[int] = None) -> str:
+    """The --ac of a plan: none, selective-op, full or selective-layer:N (`every`: a pinned N, where it gives the
+    same layers)."""
+    rec = Recompute(int(recompute))
+    if rec == Recompute.NONE:
+        return "none"
+    if rec == Recompute.SELECTIVE:
+        return "selective-op"
+    k = int(layers_recomputed)
+    if k >= layers:
+        return "full"
+    if every is not None and len(checkpointed_layers(layers, every)) == k:
+        return f"{LAYER_AC}:{every}"
+    return f"{LAYER_AC}:{layer_ac_counts(layers)[k]}"
+
+
+def pinned_every(pins: TitanPins) -> Optional[int]:
+    """The N of a pinned --ac selective-layer:N (None otherwise)."""
+    if pins.ac is None:
+        return None
+    mode, every = titan_ac_mode(pins.ac)
+    return every if mode == LAYER_AC else None
+
+
+def _ac_fixed(model: ModelSpec, pins: TitanPins) -> dict[str, Any]:
+    """The AC modes searched, as memplan's recompute pins."""
+    L = model.num_layers
+    if pins.ac is None:
+        counts = () if pins.launchable else tuple(layer_ac_counts(L))
+        return dict(recompute_layers=counts + (L,))
+    mode, every = titan_ac_mode(pins.ac)
+    if mode == LAYER_AC:
+        if pins.launchable:
+            raise MemplanError("--emit torchtitan: torchtitan 0.3.0 has no per-layer selective AC: search it with "
+                               "--ac none, full or selective-op (or leave --ac out)")
+        if every > L:
+            raise MemplanError(f"--ac {LAYER_AC}:{every} checkpoints no layer of {L}: search it with --ac none")
+        return dict(recompute=Recompute.FULL, recompute_layers=(len(checkpointed_layers(L, every)),))
+    code = {"none": Recompute.NONE, "selective-op": Recompute.SELECTIVE, "full": Recompute.FULL}[mode]
+    return dict(recompute=code, recompute_layers=(L,))
+
+
+def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins, max_tp: int) -> PlanValues:
+    """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them)."""
+    fixed = Fixed(tp=pins.tp, pp=1, vpp=1, cp=1, ep=1, zero=3, micro_batch=pins.micro_batch,
+                  **_ac_fixed(model, pins))
+    plans = plan_space(model, gpus, global_batch, fixed, max_tp, "torchtitan").flat()
+    replicas = plans.d // plans.shard
+    keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
+    # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
+    keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
+    if pins.dp_replicate is not None:
+        keep &= replicas == pins.dp_replicate
+    if not keep.any():
+        raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs with global batch {global_batch} and "
+                           f"the pinned dimensions (dp_replicate R must divide d = GPUs / tp and leave 2 or more "
+                           "ranks per shard group)")
+    return plans.take(np.flatnonzero(keep))
+
+
+def compilable(plans: PlanValues) -> np.ndarray:
+    """The plans memplan models with torch.compile: tp = 1, AC not selective-op (memplan/inventory/compiled.py)."""
+    return (np.asarray(plans.t) == 1) & (np.asarray(plans.recompute) != int(Recompute.SELECTIVE))
+
+
+def join(a: PlanValues, b: PlanValues) -> PlanValues:
+    """Two sets of flat plans as one (the array fields concatenated)."""
+    out = {}
+    for f in dataclasses.fields(PlanValues):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        out[f.name] = np.concatenate((x, y)) if getattr(x, "ndim", 0) else x
+    return PlanValues(**out)
+
+
+def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
+    """A plan's torchtitan settings, by the names its config and `estimate --impl torchtitan` use."""
+    par, tr = config.parallel, config.training
+    k = tr.recompute_num_layers if tr.recompute_num_layers is not None else config.model.num_layers
+    return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp,
+            "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
+            "local_batch": tr.micro_batch, "gradient_accumulation": config.num_microbatches}

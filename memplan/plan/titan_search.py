@@ -1,0 +1,80 @@
+"""`search --impl torchtitan`: every torchtitan plan memplan models for a model on N GPUs (memplan/plan/titan.py),
+eager and compiled, evaluated as flat arrays by the functions `estimate --impl torchtitan` uses
+(memplan/plan/evaluate.py: the compiled plans with the compiled layer's inventory), filtered by the budget and ranked
+by step time (memplan/timing/: FSDP2's per-layer all-gathers and per-micro-batch reduce-scatters, HSDP's all-reduce,
+TP's collectives, each AC mode's recompute, compile's fused kernels). The space is small (thousands of plans), so it
+is evaluated whole, as `search(..., reference=True)` evaluates Megatron-LM's."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.core.specs import GpuSpec
+from memplan.core.training import TrainingSpec
+from memplan.inventory.assemble import training_inventory
+from memplan.plan.evaluate import concat, evaluate
+from memplan.plan.search import SearchResult, check_int64, ranked, tp_limit
+from memplan.plan.titan import TitanPins, compilable, join, pinned_every, titan_plans
+
+IMPL = "torchtitan"
+
+
+def _compile_refusal(model: ModelSpec, training: TrainingSpec) -> str:
+    """Why memplan cannot plan this model compiled ("" when it can)."""
+    try:
+        training_inventory(model, IMPL, training.device, training.model_copy(update={"compile": True}))
+    except MemplanError as err:
+        return str(err)
+    return ""
+
+
+def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                 gpu: Optional[GpuSpec] = None, pins: TitanPins = TitanPins(), max_tp: Optional[int] = None,
+                 top: int = 10, margin: Optional[float] = None, host_budget_bytes: Optional[int] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+    """The torchtitan plans that fit the budget, fastest first (`SearchResult.compiled` says which are compiled)."""
+    start = time.perf_counter()
+    eager = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu))
+    notes = []
+    sets = []  # (plans, compiled)
+    if pins.compile is not True:
+        sets.append((eager, False))
+    if pins.compile is not False:
+        why = _compile_refusal(model, training)
+        can = compilable(eager)
+        if why and pins.compile:
+            raise MemplanError(why)
+        if pins.compile and not can.any():
+            raise MemplanError("--compile is modelled for torchtitan with --tp 1 and --ac none, full or "
+                               "selective-layer (memplan/inventory/compiled.py): no plan left")
+        if why:
+            notes.append(f"torch.compile not searched: {why}")
+        elif can.any():
+            sets.append((eager.take(np.flatnonzero(can)), True))
+            if not can.all():
+                notes.append("torch.compile searched with tp 1 and AC none, full or selective-layer only (compile "
+                             "with TP or selective-op is not traced yet)")
+    parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
+    for plans, compiled in sets:
+        tr = training.model_copy(update={"compile": compiled})
+        check_int64(model, tr, int(plans.b.max()), IMPL, gpu, margin)
+        parts.append(evaluate(model, tr, plans, gpu, global_batch, IMPL, margin))
+        done += len(plans.t)
+        if progress is not None:
+            progress(done, total)
+    plans = parts[0].plans if len(parts) == 1 else join(parts[0].plans, parts[1].plans)
+    evaluated = parts[0] if len(parts) == 1 else concat(plans, parts)
+    result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
+                    host_budget_bytes, start)
+    result.compiled = np.concatenate([np.full(len(p.t), c) for p, c in sets])
+    result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
+                                                            if i is not None]))
+    result.layer_ac_every = pinned_every(pins)
+    result.notes.extend(notes + ["torchtitan: pipeline, context and expert parallelism, async TP, memory-budget AC "
+                                 "and float8 are not searched (not modelled for --impl torchtitan yet)"])
+    return result
