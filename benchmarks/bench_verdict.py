@@ -1,13 +1,14 @@
 """In-process time of the caching allocator's verdict (issue 20 item 4): the 530B / 2240 GPU search with its listed
-plans replayed against the same search without the replays (target: at most 2x), the replays of its listed plans
-alone (their streams made once: `replay_ops` only), and `estimate --max-seq` on gpt3-530b (target: under 1 s), as
-medians of N runs, optionally beside another checkout ("before").
+plans replayed against the same search without the replays (target: at most 2x), the making of its listed plans'
+streams alone (`stream_for`), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
+under 1 s), as medians of N runs, optionally beside another checkout ("before").
 
-    python benchmarks/bench_verdict.py [--runs 7] [--baseline DIR]
+    python benchmarks/bench_verdict.py [--runs 3] [--rounds 3] [--baseline DIR]
 
 DIR is a checkout of another commit, e.g. `mkdir -p /tmp/base && git archive f26f385 | tar -x -C /tmp/base`. Each
-checkout is timed in a child process (its tree on PYTHONPATH), after one warm-up run of each command (presets and
-inventories cached, as in a second command of one process). "without replays" is the same API call with
+checkout is timed in `--rounds` child processes (its tree on PYTHONPATH; the checkouts in turn, so that they share
+the load), each after one warm-up run of each command (presets and inventories cached, as in a second command of
+one process). "without replays" is the same API call with
 plan/verdict.py's `replay_listing` replaced by the arrangement alone (`arrange`): the vectorised search, its
 listing arranged and folded, nothing replayed. The machine is shared: compare figures of one run, read medians.
 """
@@ -54,7 +55,8 @@ def search_530b_unreplayed():
 
 
 captured = []  # the listed plans' streams (as replay_ops takes them) and capacities, from one search
-replay_run = estimate_module.replay_run
+made = []  # the arguments each of those streams was made with
+replay_run, stream_for = estimate_module.replay_run, estimate_module.stream_for
 
 
 def capture(stream, capacity, settings, try_expandable=True):
@@ -62,9 +64,20 @@ def capture(stream, capacity, settings, try_expandable=True):
     return replay_run(stream, capacity, settings, try_expandable)
 
 
-estimate_module.replay_run = capture
+def capture_made(*args, **kwargs):
+    made.append((args, kwargs))
+    return stream_for(*args, **kwargs)
+
+
+estimate_module.replay_run, estimate_module.stream_for = capture, capture_made
 search_530b()
-estimate_module.replay_run = replay_run
+estimate_module.replay_run, estimate_module.stream_for = replay_run, stream_for
+
+
+def streams():
+    for args, kwargs in made:
+        stream_for(*args, **kwargs)
+    return len(made)
 
 
 def replays():
@@ -76,6 +89,7 @@ def replays():
 CASES = {
     "search gpt3-530b --gpus 2240 --mem 80GB": search_530b,
     "  the same without replays": search_530b_unreplayed,
+    "  its listed plans' streams made alone": streams,
     "  its listed plans' replays alone": replays,
     "estimate gpt3-530b --max-seq": lambda: estimate("gpt3-530b", max_seq=True).max_seq_len,
     "estimate gpt3-530b --max-seq --frag-margin 0":
@@ -104,13 +118,19 @@ def timed(tree: Path, runs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per child process")
+    parser.add_argument("--rounds", type=int, default=3, help="child processes per checkout, taken in turn")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit to compare with")
     args = parser.parse_args()
     columns = [("after" if args.baseline else "median", HERE)]
     if args.baseline:
         columns.insert(0, ("before", args.baseline.resolve()))
-    figures = {name: timed(tree, args.runs) for name, tree in columns}
+    figures: dict[str, dict] = {}
+    for _ in range(args.rounds):  # the checkouts in turn, so that they share the machine's load
+        for name, tree in columns:
+            for label, case in timed(tree, args.runs).items():
+                figures.setdefault(name, {}).setdefault(label, {"answer": case["answer"], "seconds": []})
+                figures[name][label]["seconds"] += case["seconds"]
     print(f"{'':48s}" + "".join(f" {name:>18s}" for name, _ in columns))
     for label in figures[columns[0][0]]:
         line = f"{label:48s}"
@@ -124,7 +144,8 @@ def main() -> None:
                           ("search gpt3-530b --gpus 2240 --mem 80GB", "  the same without replays"))
         line += f" {with_ / without:>8.2f} x {'':7s}"
     print(line)
-    print(f"medians of {args.runs} runs in process (after a warm-up run); the number beside each time is its answer: "
+    print(f"medians of {args.rounds} x {args.runs} runs in process (after a warm-up run in each of {args.rounds} "
+          "child processes per checkout, taken in turn); the number beside each time is its answer: "
           "plans that fit, streams replayed, or the longest length in tokens")
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
