@@ -1,7 +1,8 @@
 """The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`, `--max-micro-batch`), on the
 fit verdict `estimate` gives (the flat margin and the caching allocator's replay), in two steps (`largest_replayed`):
-the allocated peak + margin + runtime grows with s and b (a property test checks it), so a bisection on it finds the
-longest length the bound allows exactly to one step; the replay needs at least that much, but its verdict is not
+the allocated peak + margin + runtime grows with s and b (a property test checks it), so a search on its bytes
+(`largest_under`: interpolation kept at a bisection's pace; tests/test_limits_search.py) finds the longest length
+the bound allows exactly to one step; the replay needs at least that much, but its verdict is not
 monotone (a longer sequence can pack its blocks into the segments better, as in PyTorch's allocator), so from there
 the answer is the first length, going down in doubling strides and then bisecting, at which the replay completes and
 one step longer it does not: a length that fits, the next step not fitting (tests/test_verdict_agreement.py).
