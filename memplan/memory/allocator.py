@@ -336,7 +336,8 @@ def replay_ops(ops: Sequence[int], capacity_bytes: int, config: Optional[Allocat
     """`replay` of a stream already known to be well formed, in its compact form (what memplan's own allocation
     streams replay: no per-event checks, no tuples): `ops` a sequence of ints, n >= 0 allocating n bytes (the
     k-th allocation is tensor k, counting from 0), ~k (negative) freeing tensor k; every event on `stream`. The
-    same state, rules and result as `replay` of the events ("alloc", k, n, stream) / ("free", k, 0, stream)."""
+    same state, rules and result as `replay` of the events ("alloc", k, n, stream) / ("free", k, 0, stream); under
+    PyTorch's default settings the hot path written out (`_replay_plain`)."""
     state = CachingAllocatorModel(capacity_bytes, config)
     if _plain(state.config):
         return _replay_plain(state, ops, stream)
