@@ -29,7 +29,7 @@ SMALL_BUFFER_BYTES = 2 << 20  # kSmallBuffer: a small-pool segment; an expandabl
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc: requests below it get a kLargeBuffer segment
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge: larger requests' segments are rounded to it
 # LARGE_BUFFER_BYTES (alloc_conf): kLargeBuffer, 20 MiB: that segment; an expandable large page
-_KEY_SHIFT = 56  # a free block's sort key: size << 56 | address (addresses stay below 2^56)
+KEY_SHIFT = 56  # a free block's sort key: size << 56 | address (addresses stay below 2^56)
 
 
 class Block:
@@ -63,13 +63,13 @@ class Pool:
 
     def add(self, block: Block) -> None:
         """BlockPool::insert_into_blocks (stamps the block's garbage-collection age)."""
-        key = block.size << _KEY_SHIFT | block.addr
+        key = block.size << KEY_SHIFT | block.addr
         insort(self.keys, key)
         self.blocks[key] = block
         block.gc_base = self.owner.gc_calls[self.large]
 
     def remove(self, block: Block) -> None:
-        key = block.size << _KEY_SHIFT | block.addr
+        key = block.size << KEY_SHIFT | block.addr
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 
@@ -150,7 +150,7 @@ def get_free_block(pool: Pool, size: int, config: AllocatorConfig) -> Optional[B
     or above it, a request at or above it only a block < request + max_non_split_rounding (20 MiB). Takes the
     block out of the free list."""
     keys = pool.keys
-    i = bisect_left(keys, size << _KEY_SHIFT)
+    i = bisect_left(keys, size << KEY_SHIFT)
     if i == len(keys):
         return None
     block = pool.blocks[keys[i]]
@@ -166,7 +166,7 @@ def get_free_block(pool: Pool, size: int, config: AllocatorConfig) -> Optional[B
     if size >= limit and block.size >= size + config.max_non_split_rounding_bytes:
         return None
     del keys[i]
-    del pool.blocks[block.size << _KEY_SHIFT | block.addr]
+    del pool.blocks[block.size << KEY_SHIFT | block.addr]
     return block
 
 
@@ -218,7 +218,7 @@ def release_available_cached_blocks(state: Any, pool: Pool, size: int) -> bool:
         return False
     target = max(size, limit)
     keys = pool.keys
-    i = bisect_left(keys, target << _KEY_SHIFT)
+    i = bisect_left(keys, target << KEY_SHIFT)
     if i < len(keys) and pool.blocks[keys[i]].seg is None:
         block = pool.blocks[keys[i]]
         if block.prev is not None or block.next is not None:

@@ -14,6 +14,7 @@ lives outside PyTorch's allocator.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
@@ -335,8 +336,11 @@ def replay_ops(ops: Sequence[int], capacity_bytes: int, config: Optional[Allocat
     """`replay` of a stream already known to be well formed, in its compact form (what memplan's own allocation
     streams replay: no per-event checks, no tuples): `ops` a sequence of ints, n >= 0 allocating n bytes (the
     k-th allocation is tensor k, counting from 0), ~k (negative) freeing tensor k; every event on `stream`. The
-    same state, rules and result as `replay` of the events ("alloc", k, n, stream) / ("free", k, 0, stream)."""
+    same state, rules and result as `replay` of the events ("alloc", k, n, stream) / ("free", k, 0, stream); under
+    PyTorch's default settings the hot path written out (`_replay_plain`)."""
     state = CachingAllocatorModel(capacity_bytes, config)
+    if _plain(state.config):
+        return _replay_plain(state, ops, stream)
     blocks: list[Optional[Block]] = []
     keep, malloc, free = blocks.append, state.malloc, state.free
     oom = None
@@ -361,4 +365,133 @@ def replay_ops(ops: Sequence[int], capacity_bytes: int, config: Optional[Allocat
                 at_peak = (state.inactive_split, state.segments)
         else:
             keep(None)
+    return _result(state, at_peak, replayed, oom)
+
+
+def _plain(config: AllocatorConfig) -> bool:
+    """PyTorch's defaults as far as a cached block's reuse goes (any roundup_power2_divisions): no expandable
+    segments, no max_split_size, no memory fraction (so no garbage collection)."""
+    return not (config.expandable_segments or config.max_split_size_set or config.memory_fraction is not None)
+
+
+def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int) -> ReplayResult:
+    """`replay_ops` under `_plain` settings, the loop of memplan's own streams, with the hot path written out: an
+    allocation a cached block serves (`get_free_block`'s best fit, which under these settings takes the first block
+    of the free list >= size; `should_split`: a remainder of >= 512 B in the small pool, > 1 MiB in the large one)
+    and a free (`try_merge_blocks` with both neighbours, then cached). Everything else, a new segment and the
+    release and retry before an out-of-memory, is `CachingAllocatorModel.malloc` itself. The same state and result
+    as the rules' replay: tests/test_allocator.py replays random streams both ways (`replay`, which calls the
+    rules, against this)."""
+    blocks: list[Optional[Block]] = []
+    keep, malloc = blocks.append, state.malloc
+    config = state.config
+    sizes: dict[int, tuple[int, Pool, int]] = {}  # requested -> rounded, pool, the least remainder split off
+    shift, small = rules.KEY_SHIFT, rules.SMALL_SIZE_BYTES
+    oom = None
+    at_peak = (0, 0)
+    replayed = len(ops)
+    allocated = requested = allocated_peak = requested_peak = 0
+    inactive, inactive_peak = 0, 0
+    for index, op in enumerate(ops):
+        if op < 0:
+            block = blocks[~op]
+            if block is None:
+                continue
+            # DeviceCachingAllocator::free / free_block
+            block.allocated = False
+            allocated -= block.size
+            requested -= block.requested
+            pool = block.pool
+            keys, cached = pool.keys, pool.blocks
+            net = 0
+            for src in (block.prev, block.next):
+                if src is not None and not src.allocated:  # try_merge_blocks
+                    key = src.size << shift | src.addr
+                    del keys[bisect_left(keys, key)]
+                    del cached[key]
+                    if block.prev is src:
+                        block.addr = src.addr
+                        block.prev = src.prev
+                        if src.prev is not None:
+                            src.prev.next = block
+                    else:
+                        block.next = src.next
+                        if src.next is not None:
+                            src.next.prev = block
+                    block.size += src.size
+                    net -= src.size
+            key = block.size << shift | block.addr
+            insort(keys, key)
+            cached[key] = block
+            if block.prev is not None or block.next is not None:
+                net += block.size
+            inactive += net
+            if inactive > inactive_peak:
+                inactive_peak = inactive
+            continue
+        if not op:
+            keep(None)
+            continue
+        entry = sizes.get(op)
+        if entry is None:
+            size = rules.round_size(op, config)
+            pool = state.pool(rules.get_pool(size, stream))
+            entry = sizes[op] = (size, pool, small + 1 if pool.large else rules.MIN_BLOCK_BYTES)
+        size, pool, least = entry
+        keys = pool.keys
+        i = bisect_left(keys, size << shift)
+        if i == len(keys):  # no cached block: a new segment, or the release and retry, or out of memory
+            state.allocated, state.requested = allocated, requested
+            state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
+            state.inactive_split, state.inactive_split_peak = inactive, inactive_peak
+            block = malloc(op, stream)
+            allocated, requested = state.allocated, state.requested
+            allocated_peak, requested_peak = state.allocated_peak, state.requested_peak
+            inactive, inactive_peak = state.inactive_split, state.inactive_split_peak
+            if block is None:
+                rounded, segment = state.last_failure
+                oom = OutOfMemory(index, len(blocks), stream, op, rounded, segment, allocated, state.reserved,
+                                  state.capacity)
+                replayed = index
+                break
+            keep(block)
+            if state.peak_moved:
+                state.peak_moved = False
+                at_peak = (inactive, state.segments)
+            continue
+        key = keys[i]
+        del keys[i]
+        block = pool.blocks.pop(key)
+        # alloc_found_block
+        already_split = block.prev is not None or block.next is not None
+        if block.size - size >= least:
+            rest = block
+            block = Block(rest.addr, size, pool)
+            block.prev = rest.prev
+            if rest.prev is not None:
+                rest.prev.next = block
+            block.next = rest
+            rest.prev = block
+            rest.addr += size
+            rest.size -= size
+            key = rest.size << shift | rest.addr
+            insort(keys, key)
+            pool.blocks[key] = rest
+            inactive += -size if already_split else rest.size
+            if inactive > inactive_peak:
+                inactive_peak = inactive
+        elif already_split:
+            inactive -= block.size
+        block.allocated = True
+        block.requested = op
+        allocated += block.size
+        requested += op
+        if allocated > allocated_peak:
+            allocated_peak = allocated
+        if requested > requested_peak:
+            requested_peak = requested
+        keep(block)
+    state.allocated, state.requested = allocated, requested
+    state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
+    state.inactive_split, state.inactive_split_peak = inactive, inactive_peak
     return _result(state, at_peak, replayed, oom)

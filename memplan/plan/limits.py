@@ -1,7 +1,8 @@
 """The largest sequence length / micro-batch a plan fits with (`estimate --max-seq`, `--max-micro-batch`), on the
 fit verdict `estimate` gives (the flat margin and the caching allocator's replay), in two steps (`largest_replayed`):
-the allocated peak + margin + runtime grows with s and b (a property test checks it), so a bisection on it finds the
-longest length the bound allows exactly to one step; the replay needs at least that much, but its verdict is not
+the allocated peak + margin + runtime grows with s and b (a property test checks it), so a search on its bytes
+(`largest_under`: interpolation kept at a bisection's pace; tests/test_limits_search.py) finds the longest length
+the bound allows exactly to one step; the replay needs at least that much, but its verdict is not
 monotone (a longer sequence can pack its blocks into the segments better, as in PyTorch's allocator), so from there
 the answer is the first length, going down in doubling strides and then bisecting, at which the replay completes and
 one step longer it does not: a length that fits, the next step not fitting (tests/test_verdict_agreement.py).
@@ -47,12 +48,65 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int, step: int) -> int:
     return lo * step
 
 
-def largest_replayed(bound_fits: Callable[[int], bool], fits: Callable[[int], bool], step: int,
+def largest_under(need: Callable[[int], int], budget: int, step: int, limit: int) -> Optional[int]:
+    """`largest` for `fits(x) = need(x) <= budget` with `need` non-decreasing: the same answer (the largest multiple
+    of `step` up to `limit` that fits is one number, whatever the order of the probes), found in fewer probes by
+    reading the values: the next probe is where the line through two probes reaches the budget (extrapolated from
+    the two longest that fit until one does not, then interpolated inside the bracket; doubling while the values
+    do not grow). Each round inside the bracket probes the line's point (and one step longer when that fits: the
+    usual case, the answer found) and then the middle of what is left, so the bracket at least halves per round as
+    in a bisection. The bound is near affine in s and b, so the line lands within a step or two of the answer."""
+    top_k = limit // step
+    values: dict[int, int] = {}
+
+    def at(k: int) -> int:
+        if k not in values:
+            values[k] = need(k * step)
+        return values[k]
+
+    if at(1) > budget:
+        return None
+    lo, hi = 1, None  # fits at lo * step; not at hi * step (None: not found yet)
+    prev = None  # the probe that fits before lo, for the extrapolation
+    while hi is None:
+        if lo >= top_k:  # (as `largest`: `step` itself is answered even above the limit)
+            return lo * step
+        if prev is None or values[lo] <= values[prev]:
+            guess = 2 * lo
+        else:
+            slope = (values[lo] - values[prev]) / (lo - prev)
+            guess = lo + int((budget - values[lo]) / slope) + 1  # one past where the line reaches the budget
+            guess = max(guess, lo + 1)
+        guess = min(guess, top_k)
+        if at(guess) <= budget:
+            prev, lo = lo, guess
+        else:
+            hi = guess
+    while hi - lo > 1:
+        span = values[hi] - values[lo]
+        guess = lo + int((budget - values[lo]) * (hi - lo) / span) if span > 0 else (lo + hi) // 2
+        guess = min(max(guess, lo + 1), hi - 1)
+        if at(guess) <= budget:
+            lo = guess
+            if hi - lo > 1 and at(lo + 1) > budget:  # the usual case: the guess was the answer
+                hi = lo + 1
+        else:
+            hi = guess
+        if hi - lo > 1:
+            mid = (lo + hi) // 2  # keep the bisection's pace when the line misleads
+            if at(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+    return lo * step
+
+
+def largest_replayed(bound_need: Callable[[int], int], budget: int, fits: Callable[[int], bool], step: int,
                      limit: int) -> Optional[int]:
     """A multiple of `step` up to `limit` for which `fits` holds and (below the limit) fits one step longer does not,
-    where `fits` implies `bound_fits` (monotone, as `largest` needs); None when `fits` holds at none below the bound's
-    answer (tried down to `step`). Exact when `fits` is monotone too."""
-    top = largest(bound_fits, step, limit)
+    where `fits` implies the bound `bound_need(x) <= budget` (non-decreasing, `largest_under`); None when `fits`
+    holds at none below the bound's answer (tried down to `step`). Exact when `fits` is monotone too."""
+    top = largest_under(bound_need, budget, step, limit)
     if top is None or fits(top):
         return top
     return fits_below(fits, top, step)
@@ -111,7 +165,7 @@ def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", devic
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
                             budget_bytes if replayed else None, replay)
 
-    return largest_replayed(lambda s: needs(s, False) <= budget_bytes, lambda s: needs(s, True) <= budget_bytes,
+    return largest_replayed(lambda s: needs(s, False), budget_bytes, lambda s: needs(s, True) <= budget_bytes,
                             seq_step(config), SEQ_LIMIT)
 
 
@@ -126,7 +180,7 @@ def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", d
         c = _with(config, training=dict(micro_batch=b, global_batch=b * d * M))
         return device_bytes(c, impl, device, gpu, fragmentation_margin, budget_bytes if replayed else None, replay)
 
-    return largest_replayed(lambda b: needs(b, False) <= budget_bytes, lambda b: needs(b, True) <= budget_bytes, 1,
+    return largest_replayed(lambda b: needs(b, False), budget_bytes, lambda b: needs(b, True) <= budget_bytes, 1,
                             MICRO_BATCH_LIMIT)
 
 

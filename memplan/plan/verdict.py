@@ -52,10 +52,9 @@ def replay_listing(result: SearchResult, sort: str = "time", fold: bool = True, 
             verdicts[plan] = _verdict(result, plan, replay)
             if verdicts[plan][0] > result.budget_bytes:
                 over.append(plan)
-        if over:
-            _no_longer_fit(result, {plan: verdicts[plan][0] for plan in over})
-        elif len(verdicts) >= top + EXTRA_REPLAYS:
+        if not over:  # the listing stands: arranged again it would be the same rows, every one decided
             break
+        _no_longer_fit(result, {plan: verdicts[plan][0] for plan in over})
     kept = [row for row in result.listed() if row.plan in verdicts and verdicts[row.plan][0] <= result.budget_bytes]
     result.listing, result.top = kept, [row.plan for row in kept]
     for row in kept:
