@@ -16,7 +16,8 @@ from memplan.memory.alloc_conf import parse_alloc_conf
 from memplan.memory.allocator import replay, replay_ops
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.pipeline import microbatches_in_flight, schedule
-from memplan.memory.stream import KINDS, Alloc, Free, not_streamed, stream_for
+from memplan.memory.stream import Alloc, Free, not_streamed, stream_for
+from memplan.memory.stream_events import KINDS
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
