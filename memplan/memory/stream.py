@@ -24,8 +24,13 @@ the per-tensor order of the real code that reproduces them at every timeline eve
 saved tensors in forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a
 moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
 tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
-layer's at its end; a traced moment's gradients in elements as one tensor). Between two timeline events every
-free precedes every allocation, so no point exceeds both neighbours: the maximum is the timeline's peak. A
+layer's at its end; a traced moment's gradients in elements as one tensor). Around the loss the order is the
+recorded real code's (validation/alloc_trace.py on CPU, tests/test_alloc_fixtures.py): a moment's first transient,
+the previous moment's handed-on gradient freed (`Moment.handed_on`), its .grad, the other transients, the saved
+terms the transients make (`Moment.made_after`); AdamW's lazy states tensor by tensor. Between two timeline
+events every free precedes every allocation (but a handed-on gradient, freed after the next moment's first
+transient while the bytes stay under the earlier point: `_Run._loss_point`), so no point exceeds both neighbours:
+the maximum is the timeline's peak. A
 group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
 absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
 allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
@@ -307,8 +312,8 @@ class _Run:
         for at, m in self.loss_moments:
             target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
             self._drop(st["last"], set(target))
-            self._fill(st["last"], self.last_terms, tuple(i for i in target if self.last_terms[i].id not in m.made_after),
-                       label)
+            early = tuple(i for i in target if self.last_terms[i].id not in m.made_after)
+            self._fill(st["last"], self.last_terms, early, label)
             handed = self._loss_point(m, at, label, creating, handed,
                                       lambda: self._fill(st["last"], self.last_terms, target, label))
         self._free(handed)
@@ -320,9 +325,10 @@ class _Run:
         """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first
         transient, the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient
         before its input gradient), the other transients, the saved terms they make (`made_after`); the point; the
-        transients freed but those it hands on (returned). The live bytes after the first transient stay under the previous point's: the handed-on fp32
-        log_softmax gradient (4 s b v bytes) and the bf16 logits gradient (2 s b v) against the nll_loss gradient
-        and the saved log-softmax (4 s b v each) freed since (hf_loss_moments)."""
+        transients freed but those it hands on (returned). The live bytes after the first transient stay at most
+        the previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against
+        the fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient
+        was counted at that point)."""
         made = [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[:1] if not t.only_full]
         self._free(handed)
         grads = self._moment_grads(m, "last", creating)
