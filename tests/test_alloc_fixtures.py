@@ -10,10 +10,11 @@ Re-record (a minute of CPU; the run is deterministic, so the figures come out th
 
 Tolerance: 2 x 2 MiB, two small-pool segments (kSmallBuffer, ../shared/reference/allocator.md), and two segments.
 What the stream leaves out are the forward's temporaries that no backward keeps and no timeline moment counts
-(LlamaRMSNorm's fp32 pow and product, the rotary tables' work tensors, the position ids' int64 helpers): recorded,
-each at most 1 MiB at these shapes, so they land in the small pool, whose segments are 2 MiB. Measured (reserved
-peak of memplan's stream against the recording's, `PYTHONPATH=. python tests/test_alloc_fixtures.py`): before the
-stream took the real order of the loss, its lumped gradients and AdamW's states (commit 93cd059) -26.2 % .. +30.0 %
+(LlamaRMSNorm's fp32 pow and product, the rotary tables' work tensors, the position ids' int64 helpers): recorded;
+at s 256 each is at most 0.5 MiB, a small-pool block (segments of 2 MiB); at s 512 RMSNorm's are 2 MiB large-pool
+blocks, which without checkpointing fit in the large segments' free blocks: both gaps are small segments (11 large
+segments in both replays at s 512). Measured (reserved peak of memplan's stream against the recording's,
+`PYTHONPATH=. python tests/test_alloc_fixtures.py`): before the stream took the real order of the loss, its lumped gradients and AdamW's states (main at f26f385) -26.2 % .. +30.0 %
 on the s 256 cases (17-23 MB off, beyond any tolerance here) and -7.2 % .. +3.6 % on s 512 without checkpointing;
 after, 0 to -2 MiB (-3.0 %) and -4 MiB (-1.2 %). Left out: s 512 with checkpointing (-2.6 % .. -7.4 %, 8-23 MB
 under the recording: the checkpointed layers' forward makes the layer's tensors and frees them at once, which the
