@@ -14,11 +14,12 @@ What the stream leaves out are the forward's temporaries that no backward keeps 
 at s 256 each is at most 0.5 MiB, a small-pool block (segments of 2 MiB); at s 512 RMSNorm's are 2 MiB large-pool
 blocks, which without checkpointing fit in the large segments' free blocks: both gaps are small segments (11 large
 segments in both replays at s 512). Measured (reserved peak of memplan's stream against the recording's,
-`PYTHONPATH=. python tests/test_alloc_fixtures.py`): before the stream took the real order of the loss, its
-lumped gradients and AdamW's states (main at f26f385) -26.2 % .. +30.0 % on the s 256 cases (17-23 MB off, beyond any tolerance here) and -7.2 % .. +3.6 % on s 512 without checkpointing;
-after, 0 to -2 MiB (-3.0 %) and -4 MiB (-1.2 %). Left out: s 512 with checkpointing (-2.6 % .. -7.4 %, 8-23 MB
-under the recording: the checkpointed layers' forward makes the layer's tensors and frees them at once, which the
-stream does not make; docs/how-it-works.md "The allocation stream against the real code").
+`PYTHONPATH=. python tests/test_alloc_fixtures.py`): before the stream took the real order of the loss, its lumped
+gradients and AdamW's states (main at f26f385) -26.2 % .. +30.0 % on the s 256 cases (17-23 MB off, beyond any
+tolerance here) and -7.2 % .. +3.6 % on s 512 without checkpointing; after, 0 to -2 MiB (-3.0 %) and -4 MiB (-1.2
+%). Left out: s 512 with checkpointing (-2.6 % .. -7.4 %, 8-23 MB under the recording: the checkpointed layers'
+forward makes the layer's tensors and frees them at once, which the stream does not make; docs/how-it-works.md "The
+allocation stream against the real code").
 """
 
 import dataclasses
