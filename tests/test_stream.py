@@ -16,7 +16,8 @@ from memplan.memory.alloc_conf import parse_alloc_conf
 from memplan.memory.allocator import replay, replay_ops
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.pipeline import microbatches_in_flight, schedule
-from memplan.memory.stream import KINDS, Alloc, Free, not_streamed, stream_for
+from memplan.memory.stream import Alloc, Free, not_streamed, stream_for
+from memplan.memory.stream_events import KINDS
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
@@ -179,6 +180,12 @@ def test_one_layer_stream_by_hand():
     live = stream.live_bytes()
     moments = [i for i, e in enumerate(stream.events) if type(e) is Alloc and e.name.startswith("exp_avg")]
     assert len(moments) == 18 and moments[0] >= dict(stream.phases)["optimizer step 1"]
+    # tensor by tensor (torch/optim/adamw.py _init_group: a parameter's exp_avg, then its exp_avg_sq, then the
+    # next parameter's; apex / TE FusedAdam alike): the embedding's two (v h = 128 x 4 = 512 B each), then layer
+    # 1's norm's (8 x 4)
+    states = [(stream.events[i].name, stream.events[i].size) for i in moments]
+    assert [n.split(" of ")[0] for n, _ in states[:4]] == ["exp_avg", "exp_avg_sq", "exp_avg", "exp_avg_sq"]
+    assert [n for _, n in states[:4]] == [512, 512, 32, 32]
     assert live[dict(stream.phases)["step 2"] - 1] == 16560
     assert stream.peak_bytes == estimate(tiny(), impl="megatron", device="cpu").step.peak_bytes
 

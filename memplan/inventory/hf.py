@@ -94,7 +94,7 @@ def hf_layer_moments(model: ModelSpec, sdpa: bool,
     dy = transient("grad_residual", "gradient of the layer output (residual stream)", "s b h", src=STEP)
     d_fc2_in = transient("grad_fc2_input", "gradient of the down projection's input", "s b f", src=STEP)
     two_f = transient("grad_activation_products", "gradients of the two factors of the activation product", "2 s b f",
-               src=STEP)
+               src=STEP, storages=2)  # mul's backward: two tensors (recorded: validation/alloc_trace.py)
     gpt2 = model.mlp == "gelu"
     mlp = ("ln2_input", "ln2_stats", "mlp_input", "gelu_input", "gelu_tanh_out", "gelu_one_plus_tanh",
            "gelu_half_x", "fc2_input", "mlp_dropout_mask", "attn_dropout_mask") if gpt2 else (
@@ -184,7 +184,7 @@ def final_norm_moments(model: ModelSpec) -> list[Moment]:
            "validate --peak (llama sdpa s128 v64)")
     return [Moment("final_norm_backward", "final norm backward (RMSNorm in fp32)", "backward", "last",
                    (transient("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
-                              scope="last", src=src),),
+                              scope="last", src=src, storages=5),),
                    ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "loss_total_elements", "final_norm_rstd",
                     "final_norm_normed"), (_head(model), "final norm"), source=src)]
 
@@ -199,11 +199,12 @@ def hf_loss_moments(model: ModelSpec, final_norm: bool = True) -> list[Moment]:
     return norm + [
         Moment("loss_forward", "loss forward: bf16 logits, fp32 copy, log-softmax", "loss", "last",
                (transient("logits", "logits (lm_head output, bf16)", "s b v", scope="last", src=STEP),
-                transient("logits_fp32_copy", "logits.float()", "s b v", "fp32", scope="last", src=STEP)), source=STEP),
+                transient("logits_fp32_copy", "logits.float()", "s b v", "fp32", scope="last", src=STEP)), source=STEP,
+               made_after=("logits_fp32", "target_ids", "nll_total_weight")),
         Moment("loss_backward", "loss backward: fp32 gradients of nll_loss and log_softmax", "backward", "last",
                (transient("grad_nll", "nll_loss gradient (fp32)", "s b v", "fp32", scope="last", src=STEP),
                 transient("grad_log_softmax", "log_softmax gradient (fp32)", "s b v", "fp32", scope="last", src=STEP)),
-               source=STEP),
+               source=STEP, handed_on=("grad_log_softmax",)),
         Moment("head_backward", "lm_head backward: bf16 gradient of the logits", "backward", "last",
                (transient("grad_logits", "gradient of the logits (bf16)", "s b v", scope="last", src=STEP),
                 transient("grad_head_input", "gradient of lm_head's input", "s b h", scope="last", src=STEP)),

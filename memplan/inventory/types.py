@@ -167,12 +167,19 @@ class Moment:
     grad_elements: int = 0  # gradients made so far of the layer's own parameters, in elements (traced moments)
     applies: Literal["any", "plain", "recomputed"] = "any"  # layers it happens in: all, not recomputed, recomputed
     layers: tuple[int, ...] = ()  # the model's layers (from 0) it happens in, when not all (a traced layer group)
+    # saved term ids the moment's transients make (log_softmax of the fp32 logits): the allocation stream
+    # (memplan/memory/stream.py) allocates them after the transients, as the real code does
+    made_after: tuple[str, ...] = ()
+    # transient ids of this moment the next moment's first transient is computed from: autograd frees a node's
+    # incoming gradient after the node has made its output, so the stream frees them after that allocation
+    handed_on: tuple[str, ...] = ()
 
 
-def transient(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False):
-    """A transient tensor (a Term that no backward keeps)."""
+def transient(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False,
+              storages=1):
+    """A transient tensor (a Term that no backward keeps; `storages`: the separate equal tensors it is made of)."""
     return saved(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src,
-              needs_cp=needs_cp)
+              needs_cp=needs_cp, storages=storages)
 
 
 # Parameter groups (memplan/memory/states.py) by role.

@@ -24,8 +24,13 @@ the per-tensor order of the real code that reproduces them at every timeline eve
 saved tensors in forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a
 moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
 tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
-layer's at its end; a traced moment's gradients in elements as one tensor). Between two timeline events every
-free precedes every allocation, so no point exceeds both neighbours: the maximum is the timeline's peak. A
+layer's at its end; a traced moment's gradients in elements as one tensor). Around the loss the order is the
+recorded real code's (validation/alloc_trace.py on CPU, tests/test_alloc_fixtures.py): a moment's first transient,
+the previous moment's handed-on gradient freed (`Moment.handed_on`), its .grad, the other transients, the saved
+terms the transients make (`Moment.made_after`); AdamW's lazy states tensor by tensor. Between two timeline
+events every free precedes every allocation (but a handed-on gradient, freed after the next moment's first
+transient while the bytes stay under the earlier point: `_Run._loss_point`), so no point exceeds both neighbours:
+the maximum is the timeline's peak. A
 group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
 absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
 allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
@@ -39,8 +44,9 @@ states as requested). `marks` tie the timeline's events (its walk of the last st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from fractions import Fraction
+from itertools import zip_longest
 from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
@@ -54,48 +60,12 @@ from memplan.memory.pipeline import schedule
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
-from memplan.memory.stream_events import Alloc, Free, Repeats, new_event
+from memplan.memory.stream_events import Alloc, AllocationStream, Free, Repeats, new_event
 from memplan.memory.stream_params import Persistent, fit
 from memplan.memory.term_bytes import PlanValues, TermBytes
-from memplan.memory.timeline import StepPeak, optimizer_impl, step_events
+from memplan.memory.timeline import optimizer_impl, step_events
 
-KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
 _COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
-
-
-@dataclass(frozen=True)
-class AllocationStream:
-    """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
-    of stream events before that event's point) for the last step, and `phases`: (what starts, position)."""
-
-    events: list  # Alloc | Free
-    marks: list[tuple[int, int]]
-    phases: list[tuple[str, int]]
-    step: StepPeak  # the timeline walk of the stage (the steady-state step)
-    stage: int
-
-    def live_bytes(self) -> list[int]:
-        """Bytes alive (as the timeline counts them) after each event."""
-        size = {e.id: e.bytes for e in self.events if type(e) is Alloc}
-        live, out = 0, []
-        for e in self.events:
-            live += size[e.id] if type(e) is Alloc else -size[e.id]
-            out.append(live)
-        return out
-
-    def at_marks(self) -> list[tuple[int, int]]:
-        """(timeline event index, the stream's live bytes at its point)."""
-        live = [0] + self.live_bytes()
-        return [(i, live[pos]) for i, pos in self.marks]
-
-    def ops(self) -> list[int]:
-        """The stream in the compact form memplan.memory.allocator.replay_ops replays: an allocation's requested
-        bytes, ~id for a free (ids are given in allocation order from 0, every event on stream 0)."""
-        return [e.size if type(e) is Alloc else ~e.id for e in self.events]
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.live_bytes(), default=0)
 
 
 def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
@@ -338,14 +308,35 @@ class _Run:
             self.ev += len(self.loss_moments) * self.walk
             return st
         creating = not self.buffer and not self.have_grads
+        handed: list = []
         for at, m in self.loss_moments:
             target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
             self._drop(st["last"], set(target))
-            self._fill(st["last"], self.last_terms, target, label)
-            self._point(self._moment_grads(m, "last", creating) + self._transients(m, False, label), at)
+            early = tuple(i for i in target if self.last_terms[i].id not in m.made_after)
+            self._fill(st["last"], self.last_terms, early, label)
+            handed = self._loss_point(m, at, label, creating, handed,
+                                      lambda: self._fill(st["last"], self.last_terms, target, label))
+        self._free(handed)
         self.ev += len(self.loss_moments) * self.walk
         self._drop(st["last"], ())
         return st
+
+    def _loss_point(self, m: Moment, at: int, label: str, creating: bool, handed: list, made_after: Any) -> list:
+        """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first
+        transient, the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient
+        before its input gradient), the other transients, the saved terms they make (`made_after`); the point; the
+        transients freed but those it hands on (returned). The live bytes after the first transient stay at most
+        the previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against
+        the fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient
+        was counted at that point)."""
+        made = [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[:1] if not t.only_full]
+        self._free(handed)
+        grads = self._moment_grads(m, "last", creating)
+        made += [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[1:] if not t.only_full]
+        made_after()
+        keep = [i for tid, ids in made if tid in m.handed_on for i in ids]
+        self._point(grads + [i for tid, ids in made if tid not in m.handed_on for i in ids], at)
+        return keep
 
     def _layer_forward(self, j: int, rc: bool, layer: dict, where: str) -> None:
         self._roll(j)
@@ -431,7 +422,9 @@ class _Run:
 
     # -- the run -----------------------------------------------------------------------------------------------
     def _optimizer(self, first: bool) -> None:
-        for name, n in (r for rows in self.lazy for r in rows if first):  # AdamW's moments: in the first step
+        # AdamW's moments, in the first step: tensor by tensor, each tensor's states in turn (torch's _init_group,
+        # apex / TE FusedAdam alike: exp_avg then exp_avg_sq of one parameter, then the next parameter's)
+        for name, n in (r for rows in zip_longest(*self.lazy) for r in rows if r is not None and first):
             self._alloc(n, n, "optimizer_state", name)
         temp, pb = self.step.optimizer_temp_bytes, self.tr.master_weight_bytes or self.tr.weight_bytes
         pb = ADAPTER_BYTES if self.tr.lora_rank else pb

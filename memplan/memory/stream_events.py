@@ -1,4 +1,5 @@
-"""The events of an allocation stream (`Alloc`, `Free`) and the repetition of its repeated pieces (`Repeats`): a
+"""The events of an allocation stream (`Alloc`, `Free`), the stream itself (`AllocationStream`, which
+memplan/memory/stream.py builds) and the repetition of its repeated pieces (`Repeats`): a
 layer's forward or backward makes the same events for every micro-batch and layer of a step (only the tensor ids and
 the labels in the names change), so memplan/memory/stream.py makes a piece once per distinct shape, keeps it as a
 template, and stamps later copies from it (new ids, the new labels, the same sizes, kinds, polynomials and order):
@@ -7,9 +8,13 @@ the stream is the same event for event as made piece by piece (tests/test_stream
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 from memplan.core.symbolic import Poly
+from memplan.memory.timeline import StepPeak
+
+KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "transient", "communication", "workspace")
 
 
 class Alloc(NamedTuple):
@@ -27,6 +32,41 @@ class Free(NamedTuple):
 
 
 new_event = tuple.__new__  # an event made without the NamedTuple's Python-level __new__ (a stream makes many)
+
+
+@dataclass(frozen=True)
+class AllocationStream:
+    """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
+    of stream events before that event's point) for the last step, and `phases`: (what starts, position)."""
+
+    events: list  # Alloc | Free
+    marks: list[tuple[int, int]]
+    phases: list[tuple[str, int]]
+    step: StepPeak  # the timeline walk of the stage (the steady-state step)
+    stage: int
+
+    def live_bytes(self) -> list[int]:
+        """Bytes alive (as the timeline counts them) after each event."""
+        size = {e.id: e.bytes for e in self.events if type(e) is Alloc}
+        live, out = 0, []
+        for e in self.events:
+            live += size[e.id] if type(e) is Alloc else -size[e.id]
+            out.append(live)
+        return out
+
+    def at_marks(self) -> list[tuple[int, int]]:
+        """(timeline event index, the stream's live bytes at its point)."""
+        live = [0] + self.live_bytes()
+        return [(i, live[pos]) for i, pos in self.marks]
+
+    def ops(self) -> list[int]:
+        """The stream in the compact form memplan.memory.allocator.replay_ops replays: an allocation's requested
+        bytes, ~id for a free (ids are given in allocation order from 0, every event on stream 0)."""
+        return [e.size if type(e) is Alloc else ~e.id for e in self.events]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes(), default=0)
 
 
 class Repeats:
