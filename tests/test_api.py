@@ -83,6 +83,12 @@ def test_bad_input_is_a_memplan_error():
         memplan.search(model="llama3-8b")
     with pytest.raises(TypeError):
         memplan.estimate(model="llama3-8b", no_such_option=1)
+    # before: a str or negative first_step_seq_len reached the allocation stream (TypeError deep in the sizes;
+    # -5 tokens replayed); a str count reached pydantic under another name
+    for kw, what in ((dict(first_step_seq_len="1024"), "first_step_seq_len: an integer, not str"),
+                     (dict(first_step_seq_len=-5), "at least 1 token"), (dict(micro_batch=True), "not bool")):
+        with pytest.raises(memplan.MemplanError, match=what):
+            memplan.estimate(model="llama3-8b", impl="hf-sdpa", gpus=1, global_batch=1, gpu="h100-80gb", **kw)
 
 
 def _loaded(code: str) -> set[str]:

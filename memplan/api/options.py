@@ -139,10 +139,14 @@ class PlanOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.type == "Optional[int]" and value is not None and (type(value) is bool or not isinstance(value, int)):
+                raise MemplanError(f"{f.name}: an integer, not {type(value).__name__} {echo(str(value))}")
             setattr(self, f.name, finite(bounded_count(value, f.name), f.name))
         self.mem = budget_bytes(self.mem, "mem")
         self.host_mem = budget_bytes(self.host_mem, "host_mem")
         self.global_batch_tokens = token_count(self.global_batch_tokens)
+        if self.first_step_seq_len is not None and self.first_step_seq_len < 1:
+            raise MemplanError(f"first_step_seq_len {self.first_step_seq_len}: at least 1 token")
         self.mst = mst_pieces(self.mst)
         self.offload = (self.offload,) if isinstance(self.offload, str) else tuple(self.offload or ())
         if self.transformer_impl is not None:
