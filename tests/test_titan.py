@@ -127,3 +127,42 @@ def test_hsdp_states_measured_over_gloo():
         st = fsdp2_states(r["shapes"], r["layer_shapes"], [(64,), (251, 64)], n=2, prefetch=0, rank=rank % 2)
         assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
         assert r["unsharded_after_forward"] == st.head_unsharded
+
+
+# --float8 (memplan/inventory/titan_float8.py): the same block with torchao's Float8Linear, converted by torchtitan's
+# own Float8LinearConverter.convert (validation/titan.py build_block); memplan's kept terms of the same layer
+# (tests/test_titan_float8.py float8_rows) must equal the measured storages
+
+
+def _float8_measured(recipe, ac, s, b):
+    from test_titan_float8 import TINY, float8_rows
+
+    from memplan.inventory.titan_float8 import converted_linears
+
+    pytest.importorskip("torchao")
+    measured = measure_block(SHAPE, ac, s, b, float8=recipe)
+    assert measured["float8_linears"] == len(converted_linears(TINY)) == 5  # wqkv, wo, w1, w2, w3
+    rows, input_kept = float8_rows(recipe, ac, s, b)
+    assert Counter(n for _, _, n in measured["rows"]) == rows
+    assert measured["input_kept"] == input_kept
+    return measured
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_measured_float8_selective_op_equals_memplan(recipe):
+    # selective-op is where the recipes differ: torchtitan's save list holds aten.max, which tensorwise's amax is
+    # (10 bf16 scalars: input and weight of 5 linears), rowwise's torch.amax is not. By hand, per token the bf16
+    # layer's 976 - 128 (the input, apart) = 848 B x s b = 40,704 B at s 24, b 2; tensorwise + 10 x 2 B = 40,724 B
+    measured = _float8_measured(recipe, "selective-op", 24, 2)
+    assert measured["total"] == 40704 + (20 if recipe == "tensorwise" else 0)
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_measured_float8_equals_memplan_every_mode(recipe, ac):
+    # none and full keep exactly the bf16 layer's tensors: torchao saves the bf16 input (float8_linear.py:40);
+    # by hand none: 2968 B per token x 48 (test_layer_bytes_by_hand), full: nothing but the input
+    measured = _float8_measured(recipe, ac, 24, 2)
+    assert measured["total"] == (2968 * 48 if ac == "none" else 0)

@@ -63,8 +63,27 @@ def _cpu_sdpa_save_list(SelectiveAC):
     return CpuSelectiveAC
 
 
-def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096) -> torch.nn.Module:
-    """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it."""
+def float8_converter(recipe: str):
+    """torchtitan's own ``Float8LinearConverter`` for torchao's ``recipe`` (tensorwise, rowwise) with the shipped
+    ``filter_fqns=["lm_head"]``; its hardware check (CUDA SM89+, else emulation, which would replace the recipe by
+    emulated tensorwise) is what is skipped: torch 2.13 runs ``torch._scaled_mm`` and the float8 dtypes on CPU."""
+    from functools import partial
+
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    conv = object.__new__(Float8LinearConverter)
+    conv.config = Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=["lm_head"])
+    conv.torchao_config = Float8LinearConfig.from_recipe_name(recipe)
+    conv.filter_fn = partial(module_filter_fn, filter_fqns=conv.config.filter_fqns)
+    conv.enabled = True
+    return conv
+
+
+def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8: str | None = None) -> torch.nn.Module:
+    """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it; ``float8``: its
+    linears swapped for torchao's Float8Linear by torchtitan's converter (``float8_converter``)."""
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     FullAC, SelectiveAC, ComplexRoPE, SDPA, build_layers = _titan()
@@ -72,6 +91,8 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096) -> torc
                        rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
                                                scaling="llama"), attn_backend="flex")[0]
     cfg.attention.inner_attention = SDPA.Config()
+    if float8:
+        cfg = float8_converter(float8).convert(cfg)
     block = cfg.build()
     for p in list(block.parameters()):  # bf16 in place (fake tensors cannot be swapped by Module.to)
         p.data = p.data.to(torch.bfloat16)
@@ -118,17 +139,18 @@ def _kept(block, x0) -> tuple[list, torch.Tensor, bool]:
     return kept, out, not x_ref.expired()
 
 
-def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
+def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0, float8: str | None = None) -> dict:
     """Real tensors on CPU: the storages the layer makes and keeps after its forward (``rows``: op, dtype,
     bytes; ``total`` their bytes), ``input_kept`` whether it keeps its input; the backward is run once (the
-    block works)."""
+    block works).  ``float8``: with torchao's float8 linears (``build_block``); ``float8_linears`` how many."""
     torch.manual_seed(seed)
-    block = build_block(shape, ac)
+    block = build_block(shape, ac, float8=float8)
     x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
     kept, out, input_kept = _kept(block, x)
     rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
     out.float().square().mean().backward()
-    return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows)}
+    linears = sum(type(m).__name__ == "Float8Linear" for m in block.modules())
+    return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows), "float8_linears": linears}
 
 
 def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed: int = 0) -> dict:

@@ -17,6 +17,7 @@ from memplan.inventory import hf_trainer  # by module: tests take a term out of 
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
+from memplan.inventory import titan_float8  # by module: tests take a term out of it
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
 from memplan.inventory.fusions import apply_fusions, apply_loss_fusion, apply_norm
 from memplan.inventory.hf import hf_inventory
@@ -142,6 +143,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
         liger_kernel.check_liger(model, impl, training.loss_chunks)
     if training.compile:
         compiled_layer.check_compile(model, impl, training)
+    titan_float8.check_float8(training.float8, impl, training, None)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)
@@ -158,6 +160,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
         inventory = compiled_layer.apply(inventory, model, impl)
+    if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
+        inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:
         inventory = hf_trainer.reentrant(inventory)
     if training.liger:  # Liger-Kernel's fused kernels (derived from its code)
