@@ -15,6 +15,10 @@ The same code runs twice: with real tensors at given (s, b) (``measure_block``: 
 ``FakeTensorMode`` with s and b symbolic (``trace_block``: each kept storage an exact polynomial in s, b,
 refused if the ShapeEnv pinned s or b).
 
+``build_block(float8=...)`` swaps the block's linears for torchao's Float8Linear with torchtitan's own
+``Float8LinearConverter.convert`` (``float8_converter``: its SM89 check skipped, torch 2.13 runs the float8 GEMMs on
+CPU); ``fsdp_rank(float8="tensorwise")`` converts the model as torchtitan <= 0.2 did, with FSDP2's float8 all-gather.
+
 One substitution, said everywhere it shows: torchtitan's language models attend with compiled
 FlexAttention, which has no backward on CPU.  The block here uses torchtitan's ``ScaledDotProductAttention``
 inner module (is_causal) instead, whose CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) keeps
@@ -249,6 +253,7 @@ def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_shar
 def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
+        t = getattr(t, "_data", t)  # torchao's Float8TrainingTensor: its float8 data
         st = t.untyped_storage()
         seen[StorageWeakRef(st)] = st.nbytes()
     return sum(seen.values())
@@ -263,7 +268,8 @@ def _unsharded_bytes(groups) -> int:
     return _storage_bytes(tensors)
 
 
-def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1) -> dict:
+def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1,
+              float8: str | None = None) -> dict:
     """One rank of a 1-step FSDP2 run (torchtitan's ``apply_fsdp_to_decoder``: bf16 params, fp32 reduce,
     reshard_after_forward by torchtitan's default policy): per-rank bytes of the sharded fp32 parameters,
     gradients and AdamW moments (storages, padding included), and the bf16 unsharded parameters alive: the
@@ -278,6 +284,10 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
 
     torch.manual_seed(0)
     model = build_model(shape, layers, vocab)
+    if float8 == "tensorwise":  # torchtitan <= 0.2's float8: torchao's conversion with the float8 all-gather
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                   module_filter_fn=lambda _m, fqn: "lm_head" not in fqn)
     total_params = sum(p.numel() for p in model.parameters())
     layer_shapes = [tuple(p.shape) for p in model.layers["0"].parameters()]
     mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)) if replicate == 1 else
@@ -315,10 +325,10 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
 
 
 def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2,
-                 replicate: int = 1) -> list[dict]:
+                 replicate: int = 1, float8: str | None = None) -> list[dict]:
     """``fsdp_rank`` on ``world`` spawned ranks over gloo (``replicate``: HSDP's replicas)."""
     from .ranks import run_ranks
-    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate))
+    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate, float8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ FSDP2's float8 all-gather (tensorwise only; torchao float8/fsdp_utils.py:228-253
 ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the local shard to float8 and all-gathers it,
 ``fsdp_post_all_gather`` wraps the gathered bytes as the unsharded float8 weight, which the forward uses as
 already cast, float8_linear.py:63): a layer's unsharded float8 weights take 1 byte per element instead of bf16's 2,
-its norms stay bf16; the LM head (not converted) stays bf16.  Derived from torchao's code, not measured (the
-per-weight fp32 scales, 4 bytes each, are left out).  ``force_recompute_fp8_weight_in_bwd`` (deprecated in
+its norms stay bf16; the LM head (not converted) stays bf16.  Measured over gloo on 2 ranks with torchao's own
+conversion (``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather``, as torchtitan <= 0.2 called it;
+validation/titan.py ``fsdp_rank(float8="tensorwise")``, opt-in ``MEMPLAN_TITAN_SLOW=1 pytest tests/test_titan.py -k
+float8_all_gather``): a tiny layer's unsharded bytes 43,264 against bf16's 86,272, the fp32 states unchanged.  The
+per-weight fp32 scales (4 bytes each, metadata of the all-gather) are left out.  ``force_recompute_fp8_weight_in_bwd`` (deprecated in
 torchao 0.18, config.py:311) changes nothing here in eager: the weight a linear saves is FSDP2's unsharded
 parameter, freed by ``reshard_after_forward`` and gathered again for the backward either way.
 """
@@ -56,7 +59,6 @@ FILTER_FQNS = ("lm_head",)  # torchtitan's shipped float8 config (models/llama3/
 AMAX_CASTS = 2  # tensorwise casts per float8 linear in the forward whose amax selective-op saves: input, weight
 SRC = ("measured: torchtitan 0.3.0 Llama 3 block with torchao 0.18's Float8Linear on CPU (validation/titan.py, "
        "tests/test_titan_float8.py); torchao float8_linear.py:40 saves the bf16 input")
-GATHER_SRC = "derived: torchao 0.18 float8/fsdp_utils.py:228-253 (float8 all-gather), not measured"
 
 
 def check_float8(recipe: Optional[str], impl: str, training: Any, tp: Optional[int]) -> None:
@@ -111,7 +113,7 @@ def notes(recipe: Optional[str]) -> list[str]:
     if recipe is None:
         return []
     gather = ("; FSDP2 all-gathers the float8 weights (tensorwise, enable_fsdp_float8_all_gather as torchtitan <= 0.2 "
-              "ran it): the layers in flight at 1 byte per linear weight (derived from torchao's fsdp_utils.py)"
+              "ran it): the layers in flight at 1 byte per linear weight (measured over gloo on CPU)"
               if recipe == "tensorwise" else "; FSDP2 all-gathers bf16 (torchtitan 0.3.0 has no float8 all-gather)")
     return [f"float8 ({recipe}, torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head bf16): a layer keeps what its "
             "bf16 version keeps (torchao saves the bf16 input and recasts in the backward), plus under selective-op "
