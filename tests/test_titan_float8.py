@@ -8,6 +8,7 @@ keeps after its forward, storage by storage; memplan's kept terms of the same ti
 equal them (a multiset of storage sizes), so removing a term fails. The FSDP2 float8 all-gather and the LM head left
 in bf16 are derived: checked by hand below. No torch needed here."""
 
+import os
 from collections import Counter
 
 import pytest
@@ -15,7 +16,9 @@ import pytest
 from memplan.api.estimating import estimate
 from memplan.cli import main
 from memplan.core.model import ModelSpec
-from memplan.core.training import Recompute
+from memplan.core.symbolic import Poly
+from memplan.core.training import Recompute, TrainingSpec
+from memplan.inventory.assemble import training_inventory
 from memplan.inventory import titan_float8
 from memplan.inventory.titan import titan_inventory
 
@@ -82,7 +85,7 @@ def test_amax_scalars_in_the_estimate_by_hand():
     assert none["tensorwise"] == none[None]
 
 
-@pytest.mark.parametrize("args", [["--float8", "tensorwise", "--compile"], ["--float8", "rowwise", "--tp", "2"],
+@pytest.mark.parametrize("args", [["--float8", "tensorwise", "--compile", "--ac", "selective-op"], ["--float8", "rowwise", "--tp", "2"],
                                   ["--float8", "rowwise", "--impl", "megatron"], ["--float8", "blockwise"]])
 def test_refused_in_one_line(args, capsys):
     argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8"] + args
@@ -97,3 +100,56 @@ def test_refused_in_one_line(args, capsys):
 def test_the_estimate_says_what_is_measured_and_derived():
     notes = " ".join(_est(ac="selective-op", float8="tensorwise").notes)
     assert "float8 (tensorwise" in notes and "measured on CPU" in notes and "derived" in notes
+
+
+# --compile --float8: torchtitan's block with float8 linears compiled by torch 2.13's inductor on CPU, measured with
+# `PYTHONPATH=. python -m validation.compiled inductor torchtitan RECIPE` (h 48, f 160, a 6, g 2, head 8; static s 28,
+# b 5 = 140 tokens): "after forward 170240 B (output 13440 B)" rowwise, 170270 B tensorwise. By hand, per token:
+# input 96 + rstd 4 + q 96 + k 32 + v 32 + attention out 96 + lse 24 + wo out 96 + rstd 4 + w1 out 320 + w3 out 320
+# = 1,120 B (the bf16 compiled block's 1,632 B without the norms' outputs 96 + 96 and SwiGLU's product 320) x 140
+# = 156,800 B; tensorwise + 5 bf16 amax + 5 fp32 scales = 30 B
+COMPILED_TOKENS = 140
+COMPILED_FLOAT8 = {"rowwise": 170240 - 13440, "tensorwise": 170270 - 13440}
+COMPILED_MODEL = TINY.model_copy(update={"hidden_size": 48, "num_attention_heads": 6, "ffn_hidden_size": 160})
+
+
+def _compiled_layer_bytes(recipe):
+    inv = training_inventory(COMPILED_MODEL, "torchtitan", "cpu", TrainingSpec(compile=True, float8=recipe))
+    return sum(t.bytes({"s": 28, "b": 5, "t": 1, "h": 48, "a": 6, "g": 2, "f": 160, "q": 48}, 2, 0)
+               for t in inv.terms if t.scope == "layer" and t.kept(Recompute.NONE))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_compiled_float8_layer_equals_the_cpu_measurement(recipe):
+    assert _compiled_layer_bytes(recipe) == COMPILED_FLOAT8[recipe] == 1120 * COMPILED_TOKENS + (
+        30 if recipe == "tensorwise" else 0)
+    # and the bf16 compiled block of the same widths keeps 1,632 B per token (tests/test_compile.py's table)
+    assert _compiled_layer_bytes(None) == 1632 * COMPILED_TOKENS
+
+
+def test_compile_float8_in_the_estimate():
+    # llama3-8b, --ac none, compiled: the float8 layer keeps 2h + 2h + 2f = 45,056 B per token less than the bf16 one
+    per = {r: _est(ac="none", compile=True, float8=r).per_layer_bytes for r in (None, "rowwise", "tensorwise")}
+    assert per[None] - per["rowwise"] == 45056 * 1024
+    assert per["tensorwise"] - per["rowwise"] == 30
+    assert "partitioner saves with float8" in " ".join(_est(ac="none", compile=True, float8="rowwise").notes)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="set MEMPLAN_COMPILE_SLOW=1 to run")
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_partitioner_saves_the_float8_table_inductor(recipe):
+    # the measurement above, run (~2-3 min each): the saved storages are memplan's table, the bytes the measured ones
+    pytest.importorskip("torchtitan")
+    from validation.compiled import trace_compiled_layer
+
+    r = trace_compiled_layer("inductor", "torchtitan", s_trace=28, b_trace=5, dynamic=False, float8=recipe)
+    made = Counter((Poly.parse_sum(t.elements or "1"), t.dtype) for t in r.saved if t.kind != "parameter")
+    inv = training_inventory(COMPILED_MODEL, "torchtitan", "cpu", TrainingSpec(compile=True, float8=recipe))
+    dtypes = {"act": "bfloat16", "fp32": "float32"}
+    table = Counter()
+    for t in inv.terms:
+        if t.scope == "layer" and t.kept(Recompute.NONE):
+            table[(t.elements if t.storages == 1 else Poly.parse_sum("1"), dtypes[t.dtype])] += t.storages
+    assert made == table
+    assert r.after_forward - r.output_bytes == COMPILED_FLOAT8[recipe]

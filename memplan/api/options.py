@@ -239,7 +239,7 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
-        check_float8(self.float8, self.impl, self, self.tp)
+        check_float8(self.float8, self.impl, self.tp)
         if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora or self.dora):
             raise MemplanError("--lora-targets, --lora-dropout, --qlora and --dora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None

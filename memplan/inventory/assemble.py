@@ -143,7 +143,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
         liger_kernel.check_liger(model, impl, training.loss_chunks)
     if training.compile:
         compiled_layer.check_compile(model, impl, training)
-    titan_float8.check_float8(training.float8, impl, training, None)
+    titan_float8.check_float8(training.float8, impl, None)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)
@@ -159,7 +159,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
-        inventory = compiled_layer.apply(inventory, model, impl)
+        inventory = compiled_layer.apply(inventory, model, impl, training.float8)
     if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
         inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:

@@ -22,7 +22,8 @@ Under ``selective-op`` torchtitan's save list holds ``aten.max.default`` "for lo
 (distributed/activation_checkpoint.py:47): the tensorwise casts' amax, ``torch.max(torch.abs(x))``
 (float8/float8_utils.py:65), one bf16 scalar per cast, is kept: the input's and the weight's of each float8 linear
 (2 per linear, 10 per layer); rowwise's per-row amax is ``torch.amax`` (float8_utils.py:69), not in the list, and
-is recomputed.  All of this is measured on CPU against torchtitan's block converted by its own ``convert``
+is recomputed (with ``--compile`` the partitioner decides instead: memplan/inventory/compiled.py).  All of this is
+measured on CPU against torchtitan's block converted by its own ``convert``
 (validation/titan.py ``build_block(float8=...)``, tests/test_titan_float8.py): the kept bytes equal the bf16
 block's, plus the 10 scalars under selective-op with tensorwise.  The float8 GEMMs (``torch._scaled_mm``) run on
 CPU with torch 2.13.
@@ -61,9 +62,9 @@ SRC = ("measured: torchtitan 0.3.0 Llama 3 block with torchao 0.18's Float8Linea
        "tests/test_titan_float8.py); torchao float8_linear.py:40 saves the bf16 input")
 
 
-def check_float8(recipe: Optional[str], impl: str, training: Any, tp: Optional[int]) -> None:
-    """Refuse what memplan does not model: float8 outside torchtitan, with --compile, with --tp; a recipe
-    torchao's from_recipe_name does not name here."""
+def check_float8(recipe: Optional[str], impl: str, tp: Optional[int]) -> None:
+    """Refuse what memplan does not model: float8 outside torchtitan, with --tp; a recipe torchao's
+    from_recipe_name does not name here (with --compile: memplan/inventory/compiled.py)."""
     if recipe is None:
         return
     if recipe not in RECIPES:
@@ -71,9 +72,6 @@ def check_float8(recipe: Optional[str], impl: str, training: Any, tp: Optional[i
     if impl != "torchtitan":
         raise MemplanError("--float8 is torchtitan's torchao float8 (--impl torchtitan); Megatron-LM's Transformer "
                            "Engine FP8 is --fp8 RECIPE")
-    if training.compile:
-        raise MemplanError("--float8 with --compile is not modelled yet (the partitioner is not traced with "
-                           "torchao's float8 linears): plan float8 eager")
     if tp not in (None, 1):
         raise MemplanError("--float8 with --tp is not modelled yet (torchtitan <= 0.2 cast before the all-gather in "
                            "Float8ColwiseParallel; 0.3.0's DTensor path is not measured)")
@@ -108,14 +106,17 @@ def gathered_layer(model: ModelSpec, layer: Any) -> Any:
     return layer - sum(i * o for _, i, o in converted_linears(model)) // 2
 
 
-def notes(recipe: Optional[str]) -> list[str]:
-    """What an estimate says about its float8 figures."""
+def notes(recipe: Optional[str], compiled: bool = False) -> list[str]:
+    """What an estimate says about its float8 figures (``compiled``: with --compile)."""
     if recipe is None:
         return []
+    kept = ("a layer keeps what its bf16 version keeps (torchao saves the bf16 input and recasts in the backward), plus "
+            "under selective-op with tensorwise the casts' amax scalars (measured on CPU)" if not compiled else
+            "compiled, a layer keeps what the partitioner saves with float8 linears: the bf16 compiled layer's tensors "
+            "without the norms' outputs and SwiGLU's product (traced and measured on CPU, memplan/inventory/compiled.py)")
     gather = ("; FSDP2 all-gathers the float8 weights (tensorwise, enable_fsdp_float8_all_gather as torchtitan <= 0.2 "
               "ran it): the layers in flight at 1 byte per linear weight (measured over gloo on CPU)"
               if recipe == "tensorwise" else "; FSDP2 all-gathers bf16 (torchtitan 0.3.0 has no float8 all-gather)")
-    return [f"float8 ({recipe}, torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head bf16): a layer keeps what its "
-            "bf16 version keeps (torchao saves the bf16 input and recasts in the backward), plus under selective-op "
-            f"with tensorwise the casts' amax scalars (measured on CPU){gather}; the casts' transients are not in the "
-            "peak (derived, memplan/inventory/titan_float8.py); step time counts bf16 GEMMs"]
+    return [f"float8 ({recipe}, torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head bf16): {kept}{gather}; the "
+            "casts' transients are not in the peak (derived, memplan/inventory/titan_float8.py); step time counts bf16 "
+            "GEMMs"]

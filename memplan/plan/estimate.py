@@ -330,7 +330,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "derived): the peak is a lower bound")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
-    notes += float8_notes(tr.float8)
+    notes += float8_notes(tr.float8, tr.compile)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += compile_notes(tr)
