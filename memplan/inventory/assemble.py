@@ -83,7 +83,8 @@ IMPLEMENTATIONS: dict[str, str] = {
                   "unsharded layers), --tp T (sequence parallel, loss parallel: the per-rank terms measured over gloo "
                   "against parallelize_llama) "
                   "and --ac none / full / selective-op / selective-layer[:N]: the layer's kept tensors measured and traced on CPU against torchtitan's "
-                  "real block (validation/titan.py; sdpa in place of FlexAttention); on CUDA the fused RMSNorm derived; "
+                  "real block (validation/titan.py; sdpa in place of FlexAttention); --float8 tensorwise / rowwise (torchao's "
+                  "Float8Linear, measured on CPU: memplan/inventory/titan_float8.py); on CUDA the fused RMSNorm derived; "
                   "the next layer's prefetched all-gather derived; the final norm, loss and token ids derived; the "
                   "step's transients not modelled yet",
 }
