@@ -121,3 +121,17 @@ def test_float8_tensorwise_is_refused_for_torchtitan_0_3(capsys):
               "--emit", "torchtitan"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "rowwise" in err and err.count("\n") == 1, err
+
+
+def test_compiled_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --compile --float8 rowwise: torchtitan compiles the model (not the loss: memplan plans it eager) and the converter
+    # is told so (model_compile_enabled)
+    import torchtitan.components.quantization.float8 as titan_float8
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *_: True)
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, ac="full", compile=True, float8="rowwise", seq_len=4096,
+                      micro_batch=2, global_batch=16, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    assert config.compile.enable and config.compile.components == ["model"]
+    assert "model_compile_enabled=True" in "\n".join(result.launch.args)
+    assert isinstance(config.model_spec.model.layers[0].feed_forward.w2, titan_float8.Float8Linear.Config)

@@ -6,7 +6,8 @@ any importable module) and calls its function ``--config F``, which returns a ``
 (torchtitan/config/manager.py, torchtitan/trainer.py). The emitted text is such a module: ``memplan_plan()`` starts
 from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
 sets what memplan planned: the model with torchtitan's ``Float8LinearConverter`` (``--float8 rowwise``: recipe
-"rowwise", ``filter_fqns=["lm_head"]`` as the shipped float8 config) or without converters, no torch.compile, the plain cross-entropy loss
+"rowwise", ``filter_fqns=["lm_head"]`` as the shipped float8 config) or without converters, torch.compile of the model only where the plan has ``--compile`` (memplan does not model
+the compiled loss), the plain cross-entropy loss
 (the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
 batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard), the tensor-parallel degree (sequence
 parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
@@ -73,7 +74,7 @@ def _converters(config: Config) -> str:
                            "with --float8 rowwise")
     fqns = ", ".join(f'"{x}"' for x in FILTER_FQNS)
     return (f'[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=[{fqns}], '
-            "model_compile_enabled=False)]")
+            f"model_compile_enabled={config.training.compile})]")
 
 
 def titan_document(config: Config) -> dict:
@@ -88,7 +89,7 @@ def titan_document(config: Config) -> dict:
             "parallelism.data_parallel_shard_degree": par.shard,
             "parallelism.tensor_parallel_degree": par.tp,
             "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 else "spmd_types",
-            "activation_checkpoint": _ac(config)[0], "compile.enable": False,
+            "activation_checkpoint": _ac(config)[0], "compile.enable": config.training.compile,
             "loss": "CrossEntropyLoss", "converters": _converters(config)}
 
 
@@ -121,6 +122,7 @@ def titan_launch(config: Config) -> Launch:
         f"def {FUNCTION}() -> Trainer.Config:",
         f"    config = {doc['base']}()",
         f"    config.model_spec = model_registry(\"{doc['flavor']}\", converters={doc['converters']})",
+        "    config.compile = CompileConfig(enable=True, components=[\"model\"])" if doc["compile.enable"] else
         "    config.compile = CompileConfig(enable=False)",
         "    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
@@ -137,9 +139,10 @@ def titan_launch(config: Config) -> Launch:
     ]
     notes = [f"torchtitan 0.3.0 is configured in Python: save the block as {MODULE}.py and launch it as its docstring "
              "says (torchtitan's run_train.sh sets expandable segments the same way)",
-             "the shipped configs' chunked loss (ChunkedLossWrapper) and torch.compile are switched off: memplan "
-             "plans the plain cross-entropy, eager, " + ("float8 rowwise linears (the converter needs an SM89+ GPU: "
-                                                          "H100, H200)" if config.training.float8 else "bf16")]
+             "the shipped configs' chunked loss (ChunkedLossWrapper) is switched off: memplan plans the plain "
+             "cross-entropy, " + ("the model compiled (not the loss)" if config.training.compile else "eager") + ", "
+             + ("float8 rowwise linears (the converter needs an SM89+ GPU: H100, H200)" if config.training.float8
+                else "bf16")]
     if config.parallel.tp > 1:
         notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
                      "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")
