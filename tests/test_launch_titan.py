@@ -106,3 +106,49 @@ def test_a_searchs_best_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert config.training.local_batch_size == best["local_batch"] and config.training.global_batch_size == 32
     assert type(config.activation_checkpoint) is {"none": type(None), "full": FullAC.Config,
                                                   "selective-op": SelectiveAC.Config}[best["ac"]]
+
+
+def test_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --float8 rowwise: the emitted model_registry(converters=[Float8LinearConverter.Config(...)]) runs torchtitan's own
+    # converter while ConfigManager loads the module; its hardware check (SM89+) is the one thing a CPU fails, so it
+    # is told the GPU has one. What the converter makes must be memplan's plan: each layer's wqkv, wo, w1, w2, w3
+    # torchao Float8Linear with the rowwise recipe, the LM head a plain bf16 Linear (filter_fqns ["lm_head"])
+    import torchtitan.components.quantization.float8 as titan_float8
+    from torchao.float8.config import ScalingGranularity
+    from torchtitan.models.common.linear import Linear
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *_: True)
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, ac="selective-op", float8="rowwise", seq_len=4096,
+                      micro_batch=2, global_batch=16, emit="torchtitan")
+    model = _load(tmp_path, monkeypatch, "\n".join(result.launch.args)).model_spec.model
+    converted = {name for name, cfg, *_ in model.traverse(Linear.Config) if isinstance(cfg, titan_float8.Float8Linear.Config)}
+    assert converted == {f"layers.{i}.{m}" for i in range(32) for m in ("attention.qkv_linear.wqkv", "attention.wo",
+                                                                       "feed_forward.w1", "feed_forward.w2",
+                                                                       "feed_forward.w3")}
+    recipe = model.layers[0].feed_forward.w1._torchao_config
+    assert recipe.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+    assert not isinstance(model.lm_head, titan_float8.Float8Linear.Config)
+    assert "float8 rowwise" in " ".join(result.launch.notes)
+
+
+def test_float8_tensorwise_is_refused_for_torchtitan_0_3(capsys):
+    # torchtitan 0.3.0's converter names rowwise / rowwise_with_gw_hp only: tensorwise (torchtitan <= 0.2's) has no config
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--float8", "tensorwise",
+              "--emit", "torchtitan"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "rowwise" in err and err.count("\n") == 1, err
+
+
+def test_compiled_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --compile --float8 rowwise: torchtitan compiles the model (not the loss: memplan plans it eager) and the converter
+    # is told so (model_compile_enabled)
+    import torchtitan.components.quantization.float8 as titan_float8
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *_: True)
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, ac="full", compile=True, float8="rowwise", seq_len=4096,
+                      micro_batch=2, global_batch=16, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    assert config.compile.enable and config.compile.components == ["model"]
+    assert "model_compile_enabled=True" in "\n".join(result.launch.args)
+    assert isinstance(config.model_spec.model.layers[0].feed_forward.w2, titan_float8.Float8Linear.Config)

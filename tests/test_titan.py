@@ -6,6 +6,7 @@ FakeTensorMode with symbolic s and b. memplan's terms (written from torchtitan's
 term (each term's bytes per token as a multiset), so removing any term fails. FSDP2's per-rank states are measured
 from torchtitan's apply_fsdp_to_decoder on 2 ranks over gloo. Needs torchtitan (the test extra)."""
 
+import math
 import os
 from collections import Counter
 
@@ -127,3 +128,63 @@ def test_hsdp_states_measured_over_gloo():
         st = fsdp2_states(r["shapes"], r["layer_shapes"], [(64,), (251, 64)], n=2, prefetch=0, rank=rank % 2)
         assert (r["params"], r["grads"], r["adam"]) == (st.params, st.grads, st.adam)
         assert r["unsharded_after_forward"] == st.head_unsharded
+
+
+# --float8 (memplan/inventory/titan_float8.py): the same block with torchao's Float8Linear, converted by torchtitan's
+# own Float8LinearConverter.convert (validation/titan.py build_block); memplan's kept terms of the same layer
+# (tests/test_titan_float8.py float8_rows) must equal the measured storages
+
+
+def _float8_measured(recipe, ac, s, b):
+    from test_titan_float8 import TINY, float8_rows
+
+    from memplan.inventory.titan_float8 import converted_linears
+
+    pytest.importorskip("torchao")
+    measured = measure_block(SHAPE, ac, s, b, float8=recipe)
+    assert measured["float8_linears"] == len(converted_linears(TINY)) == 5  # wqkv, wo, w1, w2, w3
+    rows, input_kept = float8_rows(recipe, ac, s, b)
+    assert Counter(n for _, _, n in measured["rows"]) == rows
+    assert measured["input_kept"] == input_kept
+    return measured
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_measured_float8_selective_op_equals_memplan(recipe):
+    # selective-op is where the recipes differ: torchtitan's save list holds aten.max, which tensorwise's amax is
+    # (10 bf16 scalars: input and weight of 5 linears), rowwise's torch.amax is not. By hand, per token the bf16
+    # layer's 976 - 128 (the input, apart) = 848 B x s b = 40,704 B at s 24, b 2; tensorwise + 10 x 2 B = 40,724 B
+    measured = _float8_measured(recipe, "selective-op", 24, 2)
+    assert measured["total"] == 40704 + (20 if recipe == "tensorwise" else 0)
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_measured_float8_equals_memplan_every_mode(recipe, ac):
+    # none and full keep exactly the bf16 layer's tensors: torchao saves the bf16 input (float8_linear.py:40);
+    # by hand none: 2968 B per token x 48 (test_layer_bytes_by_hand), full: nothing but the input
+    measured = _float8_measured(recipe, ac, 24, 2)
+    assert measured["total"] == (2968 * 48 if ac == "none" else 0)
+
+
+@pytest.mark.slow
+@SLOW
+def test_fsdp2_float8_all_gather_measured_over_gloo():
+    # --float8 tensorwise: torchao's conversion with enable_fsdp_float8_all_gather (torchtitan <= 0.2's), FSDP2 over 2
+    # ranks (~75 s with the bf16 run): a layer's unsharded weights all-gathered in float8. By hand, the layer's linears
+    # 64 x 128 + 64 x 64 + 3 x 64 x 160 = 43,008 elements at 1 B, its norms 2 x 64 at 2 B: 43,264 B against bf16's
+    # 86,272 B; the LM head (filtered) and the fp32 states unchanged
+    from test_titan_float8 import TINY
+
+    from memplan.inventory.titan_float8 import gathered_layer
+
+    pytest.importorskip("torchao")
+    shape = Shape(h=64, a=4, g=2, f=160)
+    bf16, fp8 = (measure_fsdp(shape, layers=2, vocab=256, world=2, float8=f)[0] for f in (None, "tensorwise"))
+    layer = sum(math.prod(x) for x in fp8["layer_shapes"])
+    assert bf16["unsharded_forward_peak"] == 2 * layer == 86272
+    assert fp8["unsharded_forward_peak"] == fp8["unsharded_backward_peak"] == 2 * gathered_layer(TINY, layer) == 43264
+    assert fp8["unsharded_after_forward"] == bf16["unsharded_after_forward"]
+    assert (fp8["params"], fp8["grads"], fp8["adam"]) == (bf16["params"], bf16["grads"], bf16["adam"])

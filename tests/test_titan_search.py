@@ -82,6 +82,18 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
     assert [found.row(x.plan)["torchtitan"] for x in found.listed()] == [dims[x.plan] for x in found.listed()]
 
 
+def test_a_float8_search_lists_only_plans_estimate_takes():
+    # before: with --float8 pinned the search listed tp 2 / 4 / 8 plans, which estimate refuses (float8 with TP is
+    # not modelled): every plan searched is tp 1, and estimate agrees with its row
+    found = search("llama3-8b", all_variants=True, top=2, seq_len=1024, float8="rowwise", ac="full", compile=False,
+                   **BASE).result
+    dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
+    assert dims and {d["tp"] for d in dims} == {1}
+    row = found.row(found.top[0])
+    est = estimate("llama3-8b", seq_len=1024, float8="rowwise", **BASE, **_flags(row["torchtitan"]))
+    assert row["memory"]["device_bytes"] == est.device_bytes
+
+
 def test_selective_layer_counts_are_distinct_plans():
     # torchtitan <= 0.2 checkpoints layers N-1, 2N-1, ...: L // N of 32; N = 2 .. 32 give 16, 10, 8, 6, 5, 4, 3, 2, 1
     found = search("llama3-8b", all_variants=True, top=1, tp=1, dp_replicate=1, micro_batch=1, compile=False,

@@ -31,7 +31,9 @@ from .mcore_loss import allocation_peak
 # the tiny layers: every width distinct, so a static size names one config field (transformers: q = a * head_dim
 # differs from h; torchtune's heads are h / a wide, so there q = h, named h)
 WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8),
-          "torchtitan": dict(h=48, f=154, a=6, g=2, d=8)}
+          "torchtitan": dict(h=48, f=154, a=6, g=2, d=8),
+          # with torchao's float8 linears (float8=...): f a multiple of 16, so that torchtitan converts every linear
+          "torchtitan-float8": dict(h=48, f=160, a=6, g=2, d=8)}
 
 
 @dataclass(frozen=True)
@@ -162,14 +164,15 @@ def _tune_layer():
     return layer, inputs
 
 
-def _titan_layer():
+def _titan_layer(float8: str | None = None):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
-    FlexAttention, no AC), called as its decoder calls a layer (RoPE from its cache buffer, no mask)."""
+    FlexAttention, no AC), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
+    its linears torchao's Float8Linear (validation/titan.py build_block)."""
     from .titan import Shape, build_block
 
-    w = WIDTHS["torchtitan"]
+    w = WIDTHS["torchtitan-float8" if float8 else "torchtitan"]
     torch.manual_seed(0)
-    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"])).train()
+    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"]), float8=float8).train()
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
@@ -204,16 +207,20 @@ def _aot_backend(inner):
 
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
-                         s: int = 20, b: int = 2, dynamic: bool = True) -> CompiledLayer:
+                         s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
     `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
-    and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check)."""
+    and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check).
+    ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8")."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
-    layer, inputs = {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
+    if float8 and impl != "torchtitan":
+        raise ValueError("float8 is torchtitan's (impl torchtitan)")
+    layer, inputs = (_titan_layer(float8) if float8 else
+                     {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -233,7 +240,7 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
-    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[impl])
+    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[f"{impl}-float8" if float8 else impl])
     if not dynamic:
         hints[s_trace * b_trace] = "s b"
         if set(hints) & set(names) or len(hints) < 3:
@@ -265,7 +272,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
 
 
 def main(argv: list[str]) -> None:
-    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa")
+    float8 = argv[2] if argv[2:] else None  # torchtitan's float8 linears: static shapes (s 28, b 5)
+    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa",
+                             **(dict(s_trace=28, b_trace=5, dynamic=False, float8=float8) if float8 else {}))
     for t in r.saved:
         print(f"{t.node:12} {t.kind:10} {t.dtype:9} {t.elements}")
     print(f"s={r.s} b={r.b}: after forward {r.after_forward} B (output {r.output_bytes} B), eager {r.eager_after_forward} B")

@@ -15,6 +15,10 @@ The same code runs twice: with real tensors at given (s, b) (``measure_block``: 
 ``FakeTensorMode`` with s and b symbolic (``trace_block``: each kept storage an exact polynomial in s, b,
 refused if the ShapeEnv pinned s or b).
 
+``build_block(float8=...)`` swaps the block's linears for torchao's Float8Linear with torchtitan's own
+``Float8LinearConverter.convert`` (``float8_converter``: its SM89 check skipped, torch 2.13 runs the float8 GEMMs on
+CPU); ``fsdp_rank(float8="tensorwise")`` converts the model as torchtitan <= 0.2 did, with FSDP2's float8 all-gather.
+
 One substitution, said everywhere it shows: torchtitan's language models attend with compiled
 FlexAttention, which has no backward on CPU.  The block here uses torchtitan's ``ScaledDotProductAttention``
 inner module (is_causal) instead, whose CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) keeps
@@ -63,8 +67,27 @@ def _cpu_sdpa_save_list(SelectiveAC):
     return CpuSelectiveAC
 
 
-def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096) -> torch.nn.Module:
-    """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it."""
+def float8_converter(recipe: str):
+    """torchtitan's own ``Float8LinearConverter`` for torchao's ``recipe`` (tensorwise, rowwise) with the shipped
+    ``filter_fqns=["lm_head"]``; its hardware check (CUDA SM89+, else emulation, which would replace the recipe by
+    emulated tensorwise) is what is skipped: torch 2.13 runs ``torch._scaled_mm`` and the float8 dtypes on CPU."""
+    from functools import partial
+
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    conv = object.__new__(Float8LinearConverter)
+    conv.config = Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=["lm_head"])
+    conv.torchao_config = Float8LinearConfig.from_recipe_name(recipe)
+    conv.filter_fn = partial(module_filter_fn, filter_fqns=conv.config.filter_fqns)
+    conv.enabled = True
+    return conv
+
+
+def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8: str | None = None) -> torch.nn.Module:
+    """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it; ``float8``: its
+    linears swapped for torchao's Float8Linear by torchtitan's converter (``float8_converter``)."""
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     FullAC, SelectiveAC, ComplexRoPE, SDPA, build_layers = _titan()
@@ -72,6 +95,8 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096) -> torc
                        rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
                                                scaling="llama"), attn_backend="flex")[0]
     cfg.attention.inner_attention = SDPA.Config()
+    if float8:
+        cfg = float8_converter(float8).convert(cfg)
     block = cfg.build()
     for p in list(block.parameters()):  # bf16 in place (fake tensors cannot be swapped by Module.to)
         p.data = p.data.to(torch.bfloat16)
@@ -118,17 +143,18 @@ def _kept(block, x0) -> tuple[list, torch.Tensor, bool]:
     return kept, out, not x_ref.expired()
 
 
-def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
+def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0, float8: str | None = None) -> dict:
     """Real tensors on CPU: the storages the layer makes and keeps after its forward (``rows``: op, dtype,
     bytes; ``total`` their bytes), ``input_kept`` whether it keeps its input; the backward is run once (the
-    block works)."""
+    block works).  ``float8``: with torchao's float8 linears (``build_block``); ``float8_linears`` how many."""
     torch.manual_seed(seed)
-    block = build_block(shape, ac)
+    block = build_block(shape, ac, float8=float8)
     x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
     kept, out, input_kept = _kept(block, x)
     rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
     out.float().square().mean().backward()
-    return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows)}
+    linears = sum(type(m).__name__ == "Float8Linear" for m in block.modules())
+    return {"rows": rows, "input_kept": input_kept, "total": sum(n for _, _, n in rows), "float8_linears": linears}
 
 
 def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed: int = 0) -> dict:
@@ -227,6 +253,7 @@ def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_shar
 def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
+        t = getattr(t, "_data", t)  # torchao's Float8TrainingTensor: its float8 data
         st = t.untyped_storage()
         seen[StorageWeakRef(st)] = st.nbytes()
     return sum(seen.values())
@@ -241,7 +268,8 @@ def _unsharded_bytes(groups) -> int:
     return _storage_bytes(tensors)
 
 
-def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1) -> dict:
+def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1,
+              float8: str | None = None) -> dict:
     """One rank of a 1-step FSDP2 run (torchtitan's ``apply_fsdp_to_decoder``: bf16 params, fp32 reduce,
     reshard_after_forward by torchtitan's default policy): per-rank bytes of the sharded fp32 parameters,
     gradients and AdamW moments (storages, padding included), and the bf16 unsharded parameters alive: the
@@ -256,6 +284,10 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
 
     torch.manual_seed(0)
     model = build_model(shape, layers, vocab)
+    if float8 == "tensorwise":  # torchtitan <= 0.2's float8: torchao's conversion with the float8 all-gather
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                   module_filter_fn=lambda _m, fqn: "lm_head" not in fqn)
     total_params = sum(p.numel() for p in model.parameters())
     layer_shapes = [tuple(p.shape) for p in model.layers["0"].parameters()]
     mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)) if replicate == 1 else
@@ -293,10 +325,10 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
 
 
 def measure_fsdp(shape: Shape, layers: int, vocab: int, world: int, s: int = 16, b: int = 2,
-                 replicate: int = 1) -> list[dict]:
+                 replicate: int = 1, float8: str | None = None) -> list[dict]:
     """``fsdp_rank`` on ``world`` spawned ranks over gloo (``replicate``: HSDP's replicas)."""
     from .ranks import run_ranks
-    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate))
+    return run_ranks(fsdp_rank, world, (shape, layers, vocab, s, b, replicate, float8))
 
 
 # ---------------------------------------------------------------------------------------------

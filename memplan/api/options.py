@@ -17,6 +17,7 @@ from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.titan import checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.reserved import Replay
@@ -94,6 +95,7 @@ class PlanOptions:
     fp8_format: Optional[str] = None
     fp8_amax_history_len: Optional[int] = None
     fp8_param_gather: Optional[bool] = None
+    float8: Optional[str] = None  # torchtitan's torchao float8 linears: tensorwise | rowwise (--impl torchtitan)
     mst: Union[int, str, None] = None
     optimizer_in_backward: Optional[bool] = None
     compile: Optional[bool] = None
@@ -241,6 +243,7 @@ class PlanOptions:
             raise MemplanError("--fp8-format, --fp8-amax-history-len and --fp8-param-gather need --fp8 RECIPE")
         if self.fp8 is not None:
             check_fp8(self.fp8, self.impl)
+        check_float8(self.float8, self.impl, self.tp)
         if not self.lora and (self.lora_targets or self.lora_dropout or self.qlora or self.dora):
             raise MemplanError("--lora-targets, --lora-dropout, --qlora and --dora need --lora R (the adapters' rank)")
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
@@ -250,7 +253,7 @@ class PlanOptions:
                     liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile),
                     checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
-                    loss_chunks=self.loss_chunks, fp8=self.fp8, fp8_format=self.fp8_format,
+                    loss_chunks=self.loss_chunks, fp8=self.fp8, float8=self.float8, fp8_format=self.fp8_format,
                     fp8_amax_history_len=self.fp8_amax_history_len, fp8_param_gather=self.fp8_param_gather,
                     mst=self.mst, optimizer_in_backward=self.optimizer_in_backward,
                     offload_optimizer_fraction=(1.0 if fraction is None else fraction)
@@ -310,7 +313,8 @@ class PlanOptions:
             raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
                                "--recompute*")
         if self.fp8 is not None or self.lora or self.mst or self.loss_chunks not in (None, 1):
-            raise MemplanError("--impl torchtitan: float8, LoRA, MsT and loss chunks are not modelled yet")
+            raise MemplanError("--impl torchtitan: --fp8 (Transformer Engine; torchtitan's float8 is --float8), LoRA, "
+                               "MsT and loss chunks are not modelled yet")
         return TITAN_AC[mode]
 
     def titan_layers(self, preset: ModelPreset) -> dict:

@@ -229,6 +229,11 @@ class TrainingSpec(Spec):
         "cross-entropy) on transformers' Llama layout, derived from its code, not measured "
         "(memplan/inventory/liger.py)")
 
+    float8: Optional[Literal["tensorwise", "rowwise"]] = Field(
+        default=None, description="torchtitan's float8 linears (torchao Float8Linear, --impl torchtitan): rowwise as "
+        "torchtitan 0.3.0's Float8LinearConverter sets it, tensorwise with FSDP2's float8 all-gather as torchtitan <= 0.2 "
+        "ran it (memplan/inventory/titan_float8.py); None: bf16 linears")
+
     compile: bool = Field(
         default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune / torchtitan, Llama layout): the layer's saved "
         "tensors traced from AOTAutograd's partitioner (memplan/inventory/compiled.py)")

@@ -17,6 +17,7 @@ from memplan.inventory import hf_trainer  # by module: tests take a term out of 
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
 from memplan.inventory import lora as adapters  # by module: tests take a term out of it
 from memplan.inventory import mst as minis
+from memplan.inventory import titan_float8  # by module: tests take a term out of it
 from memplan.inventory.chunked_loss import loss_moments, loss_terms
 from memplan.inventory.fusions import apply_fusions, apply_loss_fusion, apply_norm
 from memplan.inventory.hf import hf_inventory
@@ -82,7 +83,8 @@ IMPLEMENTATIONS: dict[str, str] = {
                   "unsharded layers), --tp T (sequence parallel, loss parallel: the per-rank terms measured over gloo "
                   "against parallelize_llama) "
                   "and --ac none / full / selective-op / selective-layer[:N]: the layer's kept tensors measured and traced on CPU against torchtitan's "
-                  "real block (validation/titan.py; sdpa in place of FlexAttention); on CUDA the fused RMSNorm derived; "
+                  "real block (validation/titan.py; sdpa in place of FlexAttention); --float8 tensorwise / rowwise (torchao's "
+                  "Float8Linear, measured on CPU: memplan/inventory/titan_float8.py); on CUDA the fused RMSNorm derived; "
                   "the next layer's prefetched all-gather derived; the final norm, loss and token ids derived; the "
                   "step's transients not modelled yet",
 }
@@ -142,6 +144,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
         liger_kernel.check_liger(model, impl, training.loss_chunks)
     if training.compile:
         compiled_layer.check_compile(model, impl, training)
+    titan_float8.check_float8(training.float8, impl, None)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)
@@ -157,7 +160,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
-        inventory = compiled_layer.apply(inventory, model, impl)
+        inventory = compiled_layer.apply(inventory, model, impl, training.float8)
+    if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
+        inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:
         inventory = hf_trainer.reentrant(inventory)
     if training.liger:  # Liger-Kernel's fused kernels (derived from its code)

@@ -22,6 +22,13 @@ gate, the residual sums are recomputed from the layer input and o_proj's output,
 (eager frees it) and o_proj's output. sdpa keeps Q, K, V, its output and log-sum-exp as eager does (torchtune's K
 and V expanded to all heads, as eager).
 
+torchtitan's block with torchao's float8 linears (``--float8``, memplan/inventory/titan_float8.py), traced and
+measured the same way (validation/compiled.py ``trace_compiled_layer(float8=...)``, h 48, f 160 so that every linear
+is converted): the partitioner no longer saves the two norms' bf16 outputs nor SwiGLU's product (2h + 2h + 2f per
+token: it recomputes them, as each float8 linear's backward casts its input again); tensorwise also keeps one bf16
+amax and one fp32 scale scalar per float8 linear. Measured after the forward at s 28, b 5: 1,120 B per token
+(rowwise; + 30 B tensorwise) against the bf16 compiled block's 1,632 B (tests/test_titan_float8.py).
+
 Left out, said in the output: Inductor's fused backward kernels' own buffers (not traced); the backward's moments
 are eager transformers' measured ones (the matmul and sdpa gradients run the same kernels), with the compiled
 layer's saved tensors (derived). Traced with CPU's sdpa kernel; a CUDA estimate uses the same list (derived:
@@ -36,6 +43,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
 from memplan.inventory.hf import hf_layer_moments
+from memplan.inventory.titan_float8 import converted_linears
 from memplan.inventory.types import Inventory, Term, saved
 
 SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
@@ -99,6 +107,11 @@ TITAN_LAYER = (
     ("fc2_input", "silu(w1) * w3 = input of w2", "MLP", "s b f", "act"),
 )
 TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER, "torchtitan": TITAN_LAYER}
+# torchtitan with float8 linears (module docstring): TITAN_LAYER without these, plus tensorwise's scalars (one of each
+# per float8 linear, each its own storage)
+FLOAT8_RECOMPUTED = ("qkv_input", "mlp_input", "fc2_input")
+FLOAT8_SCALARS = (("float8_amax", "tensorwise casts' amax (bf16 scalars, one per float8 linear)", "act"),
+                  ("float8_scale", "tensorwise casts' scales (fp32 scalars, one per float8 linear)", "fp32"))
 
 MLP = ("ln2_rstd", "mlp_input", "silu_input", "up_out", "fc2_input", "o_proj_out")
 # the saved tensors each of hf.py's three layer moments (fc2, MLP, attention backward) no longer holds
@@ -125,19 +138,29 @@ def check_compile(model: ModelSpec, impl: str, training) -> None:
         raise MemplanError(f"--compile is traced for the plain layer: drop {others[0]}")
 
 
-def compiled_terms(impl: str) -> list[Term]:
-    return [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC)
-            for id, what, block, elements, dtype in TABLES[impl]]
+def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> list[Term]:
+    """The compiled layer's saved tensors; ``float8``: torchtitan's block with ``linears`` float8 linears."""
+    terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC)
+             for id, what, block, elements, dtype in TABLES[impl] if not (float8 and id in FLOAT8_RECOMPUTED)]
+    if float8 == "tensorwise":
+        terms += [saved(id, what, "float8", str(linears), dtype, k22=False, src=SRC, storages=linears)
+                  for id, what, dtype in FLOAT8_SCALARS]
+    return terms
 
 
-def apply(inventory: Inventory, model: ModelSpec, impl: str) -> Inventory:
+def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None = None) -> Inventory:
     """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
-    freeing the compiled tensors."""
+    freeing the compiled tensors; ``float8``: torchtitan's float8 linears (all five converted, as traced)."""
+    linears = len(converted_linears(model)) if float8 else 0
+    if float8 and linears != 5:
+        raise MemplanError("--compile with --float8 is traced with every linear of the layer in float8; this model "
+                           "has a dim not divisible by 16 (torchtitan leaves that linear bf16): plan it eager")
     kept = [t for t in inventory.terms if t.scope != "layer"]
     moments = {m.id: m for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
     out = tuple(dataclasses.replace(moments[m.id], source=MOMENTS) if m.id in moments else m
                 for m in inventory.moments)
-    return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(compiled_terms(impl) + kept),
+    return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
+                               terms=tuple(compiled_terms(impl, float8, linears) + kept),
                                moments=out)
 
 

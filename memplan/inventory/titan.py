@@ -269,4 +269,4 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, PP / CP / EP, compile with "
-              "selective-op AC or TP, float8, budget AC; search over torchtitan's dimensions; the allocation stream")
+              "selective-op AC or TP, float8 with TP, budget AC; search over torchtitan's dimensions; the allocation stream")

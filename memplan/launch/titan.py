@@ -5,8 +5,9 @@ torchtitan 0.3.0 (the version installed beside torch 2.13; its TOML job files ar
 any importable module) and calls its function ``--config F``, which returns a ``Trainer.Config``
 (torchtitan/config/manager.py, torchtitan/trainer.py). The emitted text is such a module: ``memplan_plan()`` starts
 from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
-sets what memplan planned: the model without converters (no float8), torch.compile of the decoder blocks only or none
-(``CompileConfig(components=["model"])``: memplan traces the compiled block, not a compiled loss), the plain cross-entropy loss
+sets what memplan planned: the model with torchtitan's ``Float8LinearConverter`` (``--float8 rowwise``: recipe
+"rowwise", ``filter_fqns=["lm_head"]`` as the shipped float8 config) or without converters, torch.compile of the model only where the plan has ``--compile`` (memplan does not model
+the compiled loss), the plain cross-entropy loss
 (the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
 batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard), the tensor-parallel degree (sequence
 parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
@@ -24,6 +25,7 @@ from __future__ import annotations
 from memplan.core.errors import MemplanError
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
+from memplan.inventory.titan_float8 import FILTER_FQNS
 from memplan.launch.megatron import ALLOC_CONF, Launch
 
 EXPANDABLE = "expandable_segments:True"
@@ -61,6 +63,20 @@ def _ac(config: Config) -> tuple[str, str]:
     return "None", ""
 
 
+def _converters(config: Config) -> str:
+    """The model's converters: torchtitan 0.3.0's float8 converter for --float8 rowwise; tensorwise refused."""
+    recipe = config.training.float8
+    if recipe is None:
+        return "[]"
+    if recipe != "rowwise":
+        raise MemplanError("--emit torchtitan: torchtitan 0.3.0's Float8LinearConverter names the rowwise recipes "
+                           "only and has no float8 all-gather (--float8 tensorwise is torchtitan <= 0.2's): plan it "
+                           "with --float8 rowwise")
+    fqns = ", ".join(f'"{x}"' for x in FILTER_FQNS)
+    return (f'[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=[{fqns}], '
+            f"model_compile_enabled={config.training.compile})]")
+
+
 def titan_document(config: Config) -> dict:
     """What the emitted module sets, by torchtitan's field names (the JSON form of the launch)."""
     par, tr = config.parallel, config.training
@@ -75,7 +91,7 @@ def titan_document(config: Config) -> dict:
             "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 else "spmd_types",
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
-            "loss": "CrossEntropyLoss", "converters": []}
+            "loss": "CrossEntropyLoss", "converters": _converters(config)}
 
 
 def titan_launch(config: Config) -> Launch:
@@ -92,6 +108,7 @@ def titan_launch(config: Config) -> Launch:
         f"        -m torchtitan.train --module {MODULE} --config {FUNCTION}",
         '"""',
         "from torchtitan.components.loss import CrossEntropyLoss",
+    ] + (["from torchtitan.components.quantization import Float8LinearConverter"] if config.training.float8 else []) + [
         "from torchtitan.config import CompileConfig, ParallelismConfig",
     ]
     if imports:
@@ -105,9 +122,9 @@ def titan_launch(config: Config) -> Launch:
         "",
         f"def {FUNCTION}() -> Trainer.Config:",
         f"    config = {doc['base']}()",
-        f"    config.model_spec = model_registry(\"{doc['flavor']}\")  # no converters (float8 is not planned)",
-        "    config.compile = CompileConfig(enable=True, components=[\"model\"])  # the blocks, as memplan plans"
-        if doc["compile.enable"] else "    config.compile = CompileConfig(enable=False)",
+        f"    config.model_spec = model_registry(\"{doc['flavor']}\", converters={doc['converters']})",
+        "    config.compile = CompileConfig(enable=True, components=[\"model\"])" if doc["compile.enable"] else
+        "    config.compile = CompileConfig(enable=False)",
         "    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
@@ -123,10 +140,10 @@ def titan_launch(config: Config) -> Launch:
     ]
     notes = [f"torchtitan 0.3.0 is configured in Python: save the block as {MODULE}.py and launch it as its docstring "
              "says (torchtitan's run_train.sh sets expandable segments the same way)",
-             "the shipped configs' chunked loss (ChunkedLossWrapper) and float8 are switched off, and torch.compile "
-             + ("compiles the decoder blocks only (components ['model'], the loss eager): " if config.training.compile
-                else "too: ") + "memplan plans the plain cross-entropy, bf16"
-             + (", the blocks compiled" if config.training.compile else ", eager")]
+             "the shipped configs' chunked loss (ChunkedLossWrapper) is switched off: memplan plans the plain "
+             "cross-entropy, " + ("the model compiled (not the loss)" if config.training.compile else "eager") + ", "
+             + ("float8 rowwise linears (the converter needs an SM89+ GPU: H100, H200)" if config.training.float8
+                else "bf16")]
     if config.parallel.tp > 1:
         notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
                      "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")

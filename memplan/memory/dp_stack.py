@@ -33,6 +33,7 @@ from memplan.core.arith import maximum
 from memplan.core.model import ModelSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.titan import GPU_PREFETCH
+from memplan.inventory.titan_float8 import gathered_layer
 
 STACKS = ("fsdp2", "deepspeed", "torchtitan")
 
@@ -70,7 +71,8 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     unsharded all step). DeepSpeed stage 3: the largest
     submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
     if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layers, tail
-        return (1 + GPU_PREFETCH) * layer + tail
+        # tensorwise float8: the layers all-gathered in float8 (memplan/inventory/titan_float8.py); the tail bf16
+        return (1 + GPU_PREFETCH) * (gathered_layer(model, layer) if training.float8 == "tensorwise" else layer) + tail
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "deepspeed":

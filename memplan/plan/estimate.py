@@ -16,6 +16,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
+from memplan.inventory.titan_float8 import notes as float8_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
@@ -329,6 +330,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "derived): the peak is a lower bound")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
+    notes += float8_notes(tr.float8, tr.compile)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += compile_notes(tr)

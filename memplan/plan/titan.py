@@ -13,8 +13,9 @@ same flags, memplan/api/options.py):
               per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
               layers sit, memplan/inventory/titan.py);
   compile     off, or on where memplan traces it (tp = 1, AC not selective-op: memplan/inventory/compiled.py).
-Not searched (not modelled for torchtitan yet): pipeline, context and expert parallelism, async TP, memory-budget AC,
-float8 (a dimension like compile: a pin in `TitanPins`, a mask beside `compiled`, a column in `titan_dims`).
+Not searched (not modelled for torchtitan yet): pipeline, context and expert parallelism, async TP, memory-budget AC.
+float8 is pinned, not searched (`--float8`: tp 1 plans only); as a dimension it would be like compile: a pin in
+`TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class TitanPins:
     compile: Optional[bool] = None
     micro_batch: Optional[int] = None  # torchtitan's local batch
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
-    # float8 (not modelled for torchtitan yet) goes here as a pin, beside `compiled` in titan_search.search_titan as
-    # a per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
+    # float8 as a searched dimension would go here as a pin, beside `compiled` in titan_search.search_titan as a
+    # per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
 
 
 def layer_ac_counts(layers: int) -> dict[int, int]:
