@@ -264,7 +264,106 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     return CompiledLayer(tuple(saved), s, b, after, out_bytes, eager_after)
 
 
+def _allocations_by_owner(prof) -> list[tuple[int, str]]:
+    """(bytes, owner) of every allocation (+) and free (-) in the profile, in time order; the owner is the innermost
+    enclosing ``record_function`` region named "memplan:..." or autograd node (``evaluate_function: XBackward0``)."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], [(node, node.name) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, owner = stack.pop()
+        stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner)
+                     for c in node.children)
+        if node.typed[0] == _EventType.Allocation:
+            out.append((node.start_time_ns, node.typed[1].alloc_size, owner))
+    return [(n, owner) for _, n, owner in sorted(out, key=lambda x: x[0])]
+
+
+def measure_compiled_tune_loss(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                               ffn: int, chunks: int, route: str = "inductor") -> dict[str, int]:
+    """torchtune's CEWithChunkedOutputLoss compiled as its recipes' ``compile: True`` compiles it
+    (training.compile_loss: ``loss.compute_cross_entropy = torch.compile(loss.compute_cross_entropy)``, inductor;
+    torchtune.training does not import with torchao 0.18, so that one line is written here) on the real bf16 chunks
+    of torchtune's Llama (``set_num_output_chunks``), as ``_loss_step`` calls it (shifted labels, ``del logits``).
+    Inductor's kernels allocate outside the dispatcher: the bytes are read off torch.profiler's allocation events
+    over the whole step (the CPU allocator reports the size of a free only for blocks made while it profiles), after
+    one warm step (the compilation). Every figure counts from what the model holds when it returns, less its logits;
+    in bytes: ``logits`` (the model's N bf16 chunks), ``saved`` (the distinct storages the loss saves for its
+    backward, by a saved-tensors hook), ``loss_forward`` (the peak from the model's output to ``_loss_step``'s
+    return, the logits included), ``after_forward`` (alive when it has returned) and ``loss_backward`` (the peak of
+    the backward before the output projection's first ``MmBackward0``). `route` "aot": AOTAutograd with inductor's
+    partitioner, its graphs run by torch (seconds, no C++): the same saved tensors, not inductor's fused peaks."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .measure import saved_storages
+    from .torchtune import _build, _plain_tensors, import_torchtune
+
+    warnings.filterwarnings("ignore")
+    import_torchtune()
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, False)
+    loss_fn = CEWithChunkedOutputLoss(chunks)
+    backend = "inductor" if route == "inductor" else _aot_backend(lambda gm, example_inputs: None)
+    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy, backend=backend)
+    model.set_num_output_chunks(chunks)
+    result: dict[str, int] = {}
+    for _ in range(2):  # the first step compiles (and keeps what compiling allocated)
+        saved, pack = saved_storages([*_plain_tensors(model), *model.parameters()])
+        batch_labels = torch.randint(0, vocab, (b, s))
+        tokens = torch.randint(0, vocab, (b, s))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("memplan:model"):
+                logits = model(tokens)
+            start = sum(c.untyped_storage().nbytes() for c in logits)
+            with record_function("memplan:loss"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                labels = torch.hstack((batch_labels[..., 1:], torch.full((b, 1), -100, dtype=torch.long)))
+                loss = loss_fn(logits, labels)
+                del logits, labels
+            loss.backward()
+            del loss
+        live, peaks, phase = 0, {"memplan:loss": 0, "backward": 0}, "memplan:model"
+        for n, owner in _allocations_by_owner(prof):
+            if phase == "memplan:model" and owner == "memplan:loss":
+                phase, base = owner, live - start
+            elif phase == "memplan:loss" and owner != phase:
+                phase, after = "backward", live
+            if phase == "backward" and "MmBackward0" in owner:
+                break
+            live += n
+            if phase != "memplan:model":
+                peaks[phase] = max(peaks[phase], live)
+        model.zero_grad(set_to_none=True)
+        result = {"logits": start, "saved": sum(saved.values()), "loss_forward": peaks["memplan:loss"] - base,
+                  "after_forward": after - base, "loss_backward": peaks["backward"] - base}
+    return result
+
+
+LOSS_CASES = ((4, 64, 2), (2, 64, 2), (8, 64, 1))  # (chunks, s, b) of tests/data/torchtune_compiled_loss.json
+LOSS_DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)  # tests/test_torchtune.py's model
+
+
+def _write_loss(path: str) -> None:
+    """Measure LOSS_CASES with inductor and write them as JSON (tests/data/torchtune_compiled_loss.json)."""
+    import importlib.metadata
+    import json
+
+    cases = [{"chunks": n, "s": s, "b": b, **LOSS_DIMS, **measure_compiled_tune_loss(s, b, chunks=n, **LOSS_DIMS)}
+             for n, s, b in LOSS_CASES]
+    doc = {"command": f"PYTHONPATH=. python -m validation.compiled loss {path}",
+           "measured_with": f"torchtune {importlib.metadata.version('torchtune')}, torch {torch.__version__} "
+                            "(inductor on CPU)", "cases": cases}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(json.dumps(cases, indent=1))
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["loss"]:  # torchtune's compiled chunked loss: loss PATH (writes the test fixture)
+        _write_loss(argv[1])
+        return
     r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa")
     for t in r.saved:
         print(f"{t.node:12} {t.kind:10} {t.dtype:9} {t.elements}")

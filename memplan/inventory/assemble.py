@@ -157,7 +157,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
-        inventory = compiled_layer.apply(inventory, model, impl)
+        inventory = compiled_layer.apply(inventory, model, impl, training.loss_chunks)
     if training.checkpoint_reentrant:
         inventory = hf_trainer.reentrant(inventory)
     if training.liger:  # Liger-Kernel's fused kernels (derived from its code)

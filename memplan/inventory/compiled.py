@@ -36,6 +36,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
 from memplan.inventory.hf import hf_layer_moments
+from memplan.inventory.tune_loss import EAGER_SAVED, compiled_loss_terms, tune_chunked_backward, tune_loss_forward
 from memplan.inventory.types import Inventory, Term, saved
 
 SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
@@ -130,20 +131,29 @@ def compiled_terms(impl: str) -> list[Term]:
             for id, what, block, elements, dtype in TABLES[impl]]
 
 
-def apply(inventory: Inventory, model: ModelSpec, impl: str) -> Inventory:
+def apply(inventory: Inventory, model: ModelSpec, impl: str, loss_chunks: int = 1) -> Inventory:
     """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
-    freeing the compiled tensors."""
+    freeing the compiled tensors; with torchtune's chunked loss (`loss_chunks` > 1) the compiled loss's saved
+    tensors and moments (its recipes' compile_loss: memplan/inventory/tune_loss.py)."""
     kept = [t for t in inventory.terms if t.scope != "layer"]
-    moments = {m.id: m for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
-    out = tuple(dataclasses.replace(moments[m.id], source=MOMENTS) if m.id in moments else m
-                for m in inventory.moments)
+    moments = {m.id: dataclasses.replace(m, source=MOMENTS)
+               for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
+    if impl == "torchtune" and loss_chunks > 1:
+        kept = [t for t in kept if t.id not in EAGER_SAVED] + compiled_loss_terms(loss_chunks)
+        moments |= {m.id: m for m in [tune_loss_forward(loss_chunks, True),
+                                      *tune_chunked_backward(loss_chunks, True)]}
+    out = tuple(moments.get(m.id, m) for m in inventory.moments)
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(compiled_terms(impl) + kept),
                                moments=out)
 
 
-def notes(training) -> list[str]:
+def notes(training, impl: str = "") -> list[str]:
     if not getattr(training, "compile", False):
         return []
+    loss = ("the loss is not compiled" if impl != "torchtune" else
+            "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
+            "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
+            "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            "kernels' own buffers left out (not traced); the loss is not compiled"]
+            f"kernels' own buffers left out (not traced); {loss}"]
