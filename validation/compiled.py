@@ -98,7 +98,7 @@ def _product(symbols):
     return out
 
 
-ORDER = ("s", "b", "a", "g", "h", "q", "f")
+ORDER = ("s", "b", "a", "g", "h", "q", "f", "r")
 
 
 def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
@@ -137,22 +137,15 @@ def _hf_layer():
     return layer, inputs
 
 
-def _tune_layer():
-    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache)."""
-    from .torchtune import import_torchtune
-
-    import_torchtune()
-    from torchtune.models.llama3_2 import llama3_2
+def _tune_layer(lora: dict | None = None):
+    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache);
+    ``lora``: dict(rank, targets (memplan's names), dropout, qlora): its lora_llama3_2 layer, only the adapters
+    trainable (validation/torchtune.py ``_build``)."""
+    from .torchtune import _build
 
     w = WIDTHS["torchtune"]
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        model = llama3_2(vocab_size=64, num_layers=1, num_heads=w["a"], num_kv_heads=w["g"], embed_dim=w["h"],
-                         max_seq_len=4096, intermediate_dim=w["f"], tie_word_embeddings=False)
-    finally:
-        torch.set_default_dtype(old)
+    torch.manual_seed(0)
+    model = _build(64, 1, w["a"], w["g"], w["h"], w["f"], False, lora)
     layer = model.layers[0].train()
 
     def inputs(s: int, b: int, seed: int):
@@ -204,7 +197,7 @@ def _aot_backend(inner):
 
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
-                         s: int = 20, b: int = 2, dynamic: bool = True) -> CompiledLayer:
+                         s: int = 20, b: int = 2, dynamic: bool = True, lora: dict | None = None) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -213,7 +206,10 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
-    layer, inputs = {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
+    if lora is not None and impl != "torchtune":
+        raise ValueError("lora: torchtune's LoRALinear layer only")
+    layer, inputs = _tune_layer(lora) if lora else {
+        "hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -234,6 +230,10 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
     hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[impl])
+    if lora:
+        if lora["rank"] in names:
+            raise ValueError(f"LoRA rank {lora['rank']} must differ from the widths {names}")
+        names[lora["rank"]] = {"r": 1}
     if not dynamic:
         hints[s_trace * b_trace] = "s b"
         if set(hints) & set(names) or len(hints) < 3:

@@ -22,6 +22,13 @@ gate, the residual sums are recomputed from the layer input and o_proj's output,
 (eager frees it) and o_proj's output. sdpa keeps Q, K, V, its output and log-sum-exp as eager does (torchtune's K
 and V expanded to all heads, as eager).
 
+torchtune's LoRA layer (`--lora R` with `--impl torchtune`, its lora_llama3_2 layer, only the adapters trainable) compiled
+keeps the table's tensors that the adapters' and the input gradients need and each target's A output (s b r): what
+memplan/inventory/lora.py makes of the table (traced with the recipes' targets and with q, v only, and measured:
+tests/test_compile.py); with `--qlora` (torchao NF4) the partitioner also saves every NF4 linear's dequantised bf16
+weight (lora.py's qlora_dequantized_weights). Not traced: LoRA dropout, a whole (unchunked) loss (the LoRA recipe
+compiles it: refused).
+
 Left out, said in the output: Inductor's fused backward kernels' own buffers (not traced); the backward's moments
 are eager transformers' measured ones (the matmul and sdpa gradients run the same kernels), with the compiled
 layer's saved tensors (derived). Traced with CPU's sdpa kernel; a CUDA estimate uses the same list (derived:
@@ -118,12 +125,26 @@ def check_compile(model: ModelSpec, impl: str, training) -> None:
                            "(their own code, not a traced inventory)")
     if not (model.norm == "rmsnorm" and model.mlp == "swiglu") or model.dropout or model.bias:
         raise MemplanError("--compile is traced for the Llama layout (RMSNorm, SwiGLU, no biases, no dropout)")
-    others = [name for name, on in (("--liger", training.liger), ("--lora", training.lora_rank),
+    if training.lora_rank and impl == "torchtune":
+        _check_tune_lora(training)
+    others = [name for name, on in (("--liger", training.liger),
+                                    ("--lora", training.lora_rank and impl != "torchtune"),
                                     ("--fp8", training.fp8), ("--mst", training.mst != 1),
                                     ("--batch-layout", training.batch_layout != "full"),
                                     ("--checkpoint-reentrant", training.checkpoint_reentrant)) if on]
     if others:
         raise MemplanError(f"--compile is traced for the plain layer: drop {others[0]}")
+
+
+def _check_tune_lora(training) -> None:
+    """torchtune's LoRA layer compiled is traced without dropout, with its chunked loss (its LoRA recipe compiles a
+    whole loss, which is not measured)."""
+    if training.lora_dropout:
+        raise MemplanError("--compile with --lora-dropout is not traced (the partitioner's dropout masks): "
+                           "--lora-dropout 0, as torchtune's Llama 3 LoRA configs")
+    if training.loss_chunks < 2:
+        raise MemplanError("--compile --lora: torchtune's LoRA recipe compiles the whole loss, which is not measured; "
+                           "give --loss-chunks N (its configs' CEWithChunkedOutputLoss)")
 
 
 def compiled_terms(impl: str) -> list[Term]:
