@@ -227,3 +227,23 @@ def test_compiled_torchtune_qlora_layer_keeps_the_dequantised_weights():
     assert layer(False) == 357280 - 20480
     assert layer(True) == 1766304 - 20480
     assert 1766304 - 357280 == 2 * (2 * h * h + 2 * h * 64 + 3 * h * f)
+
+
+@pytest.mark.slow
+@SLOW
+def test_compiled_torchtune_qlora_layer_aot():
+    # the trace behind the QLoRA figures above (~60 s of CPU): the seven dequantised weights are bf16 "constants"
+    pytest.importorskip("torchao")
+    from validation.compiled import trace_compiled_layer
+    from validation.torchtune import import_torchtune
+
+    try:
+        import_torchtune()
+    except ImportError:
+        pytest.skip("torchtune not installed")
+    widths, h, f = dict(h=256, f=704, a=8, g=2, d=32), 256, 704
+    r = trace_compiled_layer("aot", "torchtune", lora=dict(rank=5, targets=TUNE_TARGETS, dropout=0.0, qlora=True),
+                             widths=widths)
+    weights = sorted(int(t.elements) for t in r.saved if t.kind == "constant" and t.dtype == "bfloat16")
+    assert weights == sorted([h * h, h * 64, h * 64, h * h, h * f, h * f, h * f])
+    assert (r.after_forward, r.output_bytes) == (1766304, 20480)

@@ -37,7 +37,8 @@ WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f
 @dataclass(frozen=True)
 class SavedTensor:
     node: str  # the forward graph's node name
-    kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made"
+    kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made",
+    # "constant" (made from parameters alone, no s or b: QLoRA's dequantised weights; elements its value count)
     elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a")
     dtype: str  # torch dtype name: bfloat16, float32
 
@@ -137,13 +138,13 @@ def _hf_layer():
     return layer, inputs
 
 
-def _tune_layer(lora: dict | None = None):
+def _tune_layer(lora: dict | None = None, w: dict | None = None):
     """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache);
     ``lora``: dict(rank, targets (memplan's names), dropout, qlora): its lora_llama3_2 layer, only the adapters
     trainable (validation/torchtune.py ``_build``)."""
     from .torchtune import _build
 
-    w = WIDTHS["torchtune"]
+    w = w or WIDTHS["torchtune"]
     torch.manual_seed(0)
     model = _build(64, 1, w["a"], w["g"], w["h"], w["f"], False, lora)
     layer = model.layers[0].train()
@@ -197,10 +198,13 @@ def _aot_backend(inner):
 
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
-                         s: int = 20, b: int = 2, dynamic: bool = True, lora: dict | None = None) -> CompiledLayer:
+                         s: int = 20, b: int = 2, dynamic: bool = True, lora: dict | None = None,
+                         widths: dict | None = None) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
+    `lora`: torchtune's LoRA layer (validation/torchtune.py ``_build``); `widths`: the layer's h, f, a, g, d (default
+    WIDTHS[impl]; torchao's NF4 needs weights of 16,384-value multiples).
     `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -208,7 +212,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     warnings.filterwarnings("ignore")
     if lora is not None and impl != "torchtune":
         raise ValueError("lora: torchtune's LoRALinear layer only")
-    layer, inputs = _tune_layer(lora) if lora else {
+    widths = widths or WIDTHS[impl]
+    layer, inputs = _tune_layer(lora, widths) if lora else {
         "hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]()
     graphs: list = []
 
@@ -229,7 +234,7 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
-    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[impl])
+    hints, names = {s_trace: "s", b_trace: "b"}, _names(widths)
     if lora:
         if lora["rank"] in names:
             raise ValueError(f"LoRA rank {lora['rank']} must differ from the widths {names}")
@@ -251,8 +256,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         shape = tuple(val.shape)
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
         tokens = any(isinstance(d, torch.SymInt) or (not dynamic and d in hints) for d in shape)
-        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else "made"
-        elements = "" if kind == "parameter" else _elements(shape, hints, names, not dynamic)
+        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
+        elements = ("" if kind == "parameter" else str(val.numel()) if kind == "constant"
+                    else _elements(shape, hints, names, not dynamic))
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
     x, call = inputs(s, b, 2)
