@@ -144,3 +144,13 @@ def test_published_llama32_3b_chunked_compiled_row():
     assert abs(est.step.peak_bytes / 2**30 - 42.9) <= 0.01 * 42.9
     # the estimate says what is measured and what is derived
     assert any("CEWithChunkedOutputLoss's compute_cross_entropy" in n and "CUDA derived" in n for n in est.notes)
+
+
+def test_compiled_loss_tensors_are_freed_by_the_head_backward(model):
+    # every chunk's compiled backward frees its saved chunk and statistics before the output projection's backward
+    # (measured: the loss backward's peak is the first chunk's; the head's moments and the final norm's hold none)
+    config = make_config(ModelPreset(model), training=dict(micro_batch=2, loss_chunks=4, precision="bf16-true",
+                                                           compile=True), model=dict(seq_length=64))
+    moments = {m.id: m for m in estimate(config, impl="torchtune", device="cpu").inventory.moments}
+    for later in ("head_backward", "head_weight_sum", "final_norm_backward"):
+        assert set(tune_loss.COMPILED_SAVED) <= set(moments[later].freed), later
