@@ -154,3 +154,96 @@ def test_estimate_says_what_is_traced(run_cli):
     text = " ".join(out.split())  # the notes wrap
     assert "traced from torch.compile's partitioner (torch 2.13, inductor on CPU" in text
     assert "Inductor's fused kernels' own buffers left out" in text
+
+
+# torchtune's LoRA layer (lora_llama3_2, only the adapters trainable, rank 5, no dropout) compiled: the dynamic
+# trace `trace_compiled_layer("inductor" | "aot", "torchtune", lora=dict(rank=5, targets=..., dropout=0.0))` at
+# s 20, b 2 prints "after forward 75200 B (output 3840 B)" with its recipes' targets (q, v, output_proj, w1, w2, w3)
+# and "after forward 57440 B (output 3840 B)" with q and v only: 1,784 and 1,340 B per token. The partitioner saves
+# the plain compiled layer's tensors that the adapters' and the input gradients need and each target's A output
+# (s b r): with the MLP frozen, not w1 / w3's input nor w2's (as eager LoRA)
+TUNE_TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MEASURED = {TUNE_TARGETS: (75200 - 3840) // TOKENS, ("q_proj", "v_proj"): (57440 - 3840) // TOKENS}
+
+
+@pytest.mark.parametrize("targets", list(LORA_MEASURED), ids=["recipe-targets", "q-v"])
+def test_compiled_torchtune_lora_layer_bytes_equal_the_cpu_measurement(targets):
+    training = TrainingSpec(compile=True, lora_rank=5, lora_impl="torchtune", lora_targets=tuple(targets),
+                            loss_chunks=2)
+    assert _layer_bytes(training, "torchtune") == LORA_MEASURED[targets] * TOKENS
+
+
+@pytest.mark.slow
+@SLOW
+def test_compiled_torchtune_lora_layer_aot():
+    # the LoRA layer's trace (~25 s of CPU: torchtune's LoRA layer through dynamo): static shapes (s 20, b 5; rank 7, a size no width or s, b has),
+    # AOTAutograd with inductor's partitioner; the compiled LoRA layer keeps what memplan's terms give
+    pytest.importorskip("torchao")
+    from validation.compiled import trace_compiled_layer
+    from validation.torchtune import import_torchtune
+
+    try:
+        import_torchtune()
+    except ImportError:
+        pytest.skip("torchtune not installed")
+    r = trace_compiled_layer("aot", "torchtune", 20, 5, dynamic=False,
+                             lora=dict(rank=7, targets=TUNE_TARGETS, dropout=0.0))
+    training = TrainingSpec(compile=True, lora_rank=7, lora_impl="torchtune", loss_chunks=2)
+    model = _model("torchtune")
+    inv = training_inventory(model, "torchtune", "cpu", training)
+    vals = dict(s=20, b=5, h=TUNE_H, a=A, f=F, g=G, q=TUNE_H, v=model.vocab_size, t=1)
+    want = sum(t.elements.evaluate(vals) * BYTES[t.dtype] for t in inv.terms
+               if t.scope == "layer" and not t.only_full and not t.only_selective)
+    assert r.after_forward - r.output_bytes == want
+
+
+def test_compile_with_torchtune_lora_refuses_what_is_not_traced():
+    model = _model("torchtune")
+    for extra, match in ((dict(lora_dropout=0.1), "--lora-dropout"), (dict(loss_chunks=1), "--loss-chunks")):
+        training = TrainingSpec(**{"compile": True, "lora_rank": 8, "lora_impl": "torchtune", "loss_chunks": 2,
+                                   **extra})
+        with pytest.raises(MemplanError, match=match):
+            training_inventory(model, "torchtune", "cpu", training)
+
+
+def test_compiled_torchtune_qlora_layer_keeps_the_dequantised_weights():
+    # torchtune's QLoRA layer compiled (torchao NF4 needs weights of 16,384 values: h 256, f 704, a 8, g 2, head
+    # 32, rank 5, its recipes' targets): the dynamic trace at s 20, b 2 (aot route, the docstring's
+    # trace_compiled_layer with lora=dict(..., qlora=True) and these widths) prints "after forward 1766304 B (output
+    # 20480 B)"; the LoRA layer of the same widths "after forward 357280 B (output 20480 B)". The difference is every
+    # NF4 linear's dequantised bf16 weight, saved by the partitioner: 2 x (2 h h + 2 h 64 + 3 h f) = 1,409,024 B
+    s, b, h, f = 20, 2, 256, 704
+    model = case_model(ValidationCase("qlora compile", "layer", impl="torchtune", s=s, b=b, h=h, a=8, f=f, t=1,
+                                      sp=False, recompute="none", backend="ledger", arch="llama", g=2, head_dim=None,
+                                      dropout=0.0))
+    vals = dict(s=s, b=b, h=h, a=8, f=f, g=2, q=h, v=model.vocab_size, t=1)
+
+    def layer(qlora):
+        training = TrainingSpec(compile=True, lora_rank=5, lora_impl="torchtune", loss_chunks=2, qlora=qlora)
+        inv = training_inventory(model, "torchtune", "cpu", training)
+        return sum(t.elements.evaluate(vals) * BYTES[t.dtype] for t in inv.terms
+                   if t.scope == "layer" and not t.only_full and not t.only_selective)
+
+    assert layer(False) == 357280 - 20480
+    assert layer(True) == 1766304 - 20480
+    assert 1766304 - 357280 == 2 * (2 * h * h + 2 * h * 64 + 3 * h * f)
+
+
+@pytest.mark.slow
+@SLOW
+def test_compiled_torchtune_qlora_layer_aot():
+    # the trace behind the QLoRA figures above (~60 s of CPU): the seven dequantised weights are bf16 "constants"
+    pytest.importorskip("torchao")
+    from validation.compiled import trace_compiled_layer
+    from validation.torchtune import import_torchtune
+
+    try:
+        import_torchtune()
+    except ImportError:
+        pytest.skip("torchtune not installed")
+    widths, h, f = dict(h=256, f=704, a=8, g=2, d=32), 256, 704
+    r = trace_compiled_layer("aot", "torchtune", lora=dict(rank=5, targets=TUNE_TARGETS, dropout=0.0, qlora=True),
+                             widths=widths)
+    weights = sorted(int(t.elements) for t in r.saved if t.kind == "constant" and t.dtype == "bfloat16")
+    assert weights == sorted([h * h, h * 64, h * 64, h * h, h * f, h * f, h * f])
+    assert (r.after_forward, r.output_bytes) == (1766304, 20480)

@@ -68,15 +68,21 @@ def test_adafactor_factored_second_moment():
 
 def test_adam8bit_blockwise_states():
     # bitsandbytes/optim/optimizer.py:518-529: state1, state2 uint8 (n bytes each) and absmax1, absmax2
-    # fp32, one per block of 256 (n = 45,088,768 = 176,128 blocks): 2 x 45,088,768 + 2 x 4 x 176,128
-    assert one("adam8bit", MATRIX) == 90_177_536 + 1_409_024 == 91_586_560
+    # fp32, one per block of 256 (n = 45,088,768 = 176,128 blocks): 2 x 45,088,768 + 2 x 4 x 176,128, and the
+    # optimizer's two 256-value fp32 quantile maps qmap1, qmap2 (optimizer.py:513-522: 2 x 1,024 B, once)
+    assert one("adam8bit", MATRIX) == 90_177_536 + 1_409_024 + 2_048 == 91_588_608
     # a partial block counts whole: n = 257 -> 2 blocks; but 257 < min_8bit_size 4096 keeps fp32 states
-    # (optimizer.py:502, 509-510): 2 x 4 x 257
+    # (optimizer.py:502, 509-510): 2 x 4 x 257, no quantile maps
     assert one("adam8bit", Tensor(257, None, hidden=False)) == 2_056
-    # exactly 4096 values is not below min_8bit_size: 8-bit, 16 blocks: 2 x 4096 + 2 x 4 x 16
-    assert one("adam8bit", Tensor(64, 64, hidden=True)) == 8_320
+    # exactly 4096 values is not below min_8bit_size: 8-bit, 16 blocks: 2 x 4096 + 2 x 4 x 16 + the maps
+    assert one("adam8bit", Tensor(64, 64, hidden=True)) == 8_320 + 2_048
     # 8-bit Adam's bytes do not follow optimizer_state_bytes (uint8 and fp32 are fixed dtypes)
-    assert one("adam8bit", MATRIX, precision="bf16-true") == 91_586_560
+    assert one("adam8bit", MATRIX, precision="bf16-true") == 91_588_608
+    # one optimizer for both tensors: the maps once; with the step in the backward one optimizer per tensor
+    two = [(Tensor(64, 64, hidden=True), 1), (MATRIX, 1)]
+    assert state_bytes(TrainingSpec(optimizer="adam8bit"), two) == 8_320 + 91_586_560 + 2_048
+    assert state_bytes(TrainingSpec(optimizer="adam8bit", optimizer_in_backward=True), two) == \
+        8_320 + 91_586_560 + 2 * 2_048
 
 
 def test_muon_momentum_on_hidden_matrices_adamw_elsewhere():
@@ -459,7 +465,7 @@ def test_impls_says_what_is_measured(run_cli):
     code, out, _ = run_cli("impls")
     lines = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in OPTIMIZERS}
     assert set(lines) == set(OPTIMIZERS)
-    assert "derived from bitsandbytes code" in lines["adam8bit"] and "not measured" in lines["adam8bit"]
+    assert "measured on CPU with bitsandbytes 0.50.2 (its states" in lines["adam8bit"]
     assert "not measured" in lines["lion"]
     assert all("measured on CPU" in lines[o] for o in ("adamw", "sgd", "sgd-nomomentum", "adafactor", "muon"))
 

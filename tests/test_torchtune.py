@@ -7,6 +7,7 @@ torchtune and torchao (test extra)."""
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ from memplan.plan.estimate import estimate  # noqa: E402
 from memplan.presets.batch import make_config  # noqa: E402
 from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.torchtune import (import_torchtune, measure_torchtune_llama, measure_torchtune_loss,  # noqa: E402
-                                  torchtune_head_grad_in_backward, trace_torchtune_llama)
+from validation.torchtune import (import_torchtune, measure_torchtune_8bit_states, measure_torchtune_llama,  # noqa: E402
+                                  measure_torchtune_loss, torchtune_head_grad_in_backward, trace_torchtune_llama)
 from validation.trace import evaluate  # noqa: E402
 
 try:
@@ -170,3 +171,43 @@ def test_published_llama32_3b_packed_row():
     s, b, q, h, layers = 4096, 2, 3072, 3072, 28
     extra = 2 * s * b * q * 2 * layers * 2 // 3 + 2 * s * b * h * (2 * layers + 1)
     assert abs((tune - hf) - extra) <= 0.01 * extra
+
+
+# bitsandbytes' AdamW8bit stepped in the backward as torchtune's optimizer_in_bwd runs it (one optimizer per
+# parameter), one real CPU step of torchtune's model with h 64, a 4, g 2, f 128, v 128, 2 layers (bitsandbytes 0.50.2
+# runs its 8-bit optimizers on CPU; PagedAdamW8bit falls back to the same tensors there):
+#     measure_torchtune_8bit_states(32, 2, vocab=128, layers=2, heads=4, kv_heads=2, hidden=64, ffn=128[, paged=True])
+# gives {"optimizer": 259072, "gradients": 0} both ways. By hand: a tensor of n >= 4,096 values keeps two uint8 states
+# (2 n), an fp32 absmax per 256 values of each (8 ceil(n / 256)) and its optimizer's two 256-value fp32 quantile maps
+# (2,048 B); a smaller one two fp32 states (8 n): embedding, output, w1, w2, w3 (8,192 values) 16,384 + 256 + 2,048,
+# q_proj and output_proj (4,096) 8,192 + 128 + 2,048, k_proj and v_proj (2,048) 16,384, each norm (64) 512:
+# 2 x 18,688 + 512 + 2 x (2 x 10,368 + 2 x 16,384 + 3 x 18,688 + 2 x 512) = 259,072 B.
+ADAM8BIT = dict(vocab=128, layers=2, heads=4, kv_heads=2, hidden=64, ffn=128)
+ADAM8BIT_MEASURED = {"optimizer": 259072, "gradients": 0}
+
+
+def _adam8bit_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}))
+    return read_hf_config(str(path)).model
+
+
+def test_adam8bit_in_backward_states_equal_bitsandbytes(tmp_path):
+    config = make_config(ModelPreset(_adam8bit_model(tmp_path)),
+                         training=dict(micro_batch=2, precision="bf16-true", optimizer="adam8bit",
+                                       optimizer_in_backward=True), model=dict(seq_length=32))
+    est = estimate(config, impl="torchtune", device="cpu")
+    assert est.stages[0].optimizer == ADAM8BIT_MEASURED["optimizer"]
+    # without the step in the backward one optimizer holds every tensor: its quantile maps once
+    config = make_config(ModelPreset(_adam8bit_model(tmp_path)),
+                         training=dict(micro_batch=2, precision="bf16-true", optimizer="adam8bit"),
+                         model=dict(seq_length=32))
+    assert estimate(config, impl="torchtune", device="cpu").stages[0].optimizer == 259072 - 11 * 2048
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="set MEMPLAN_COMPILE_SLOW=1 to run")
+@pytest.mark.parametrize("paged", [False, True])
+def test_adam8bit_measurement_is_the_constant(paged):
+    pytest.importorskip("bitsandbytes")
+    assert measure_torchtune_8bit_states(32, 2, **ADAM8BIT, paged=paged) == ADAM8BIT_MEASURED

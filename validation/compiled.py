@@ -39,7 +39,8 @@ WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f
 @dataclass(frozen=True)
 class SavedTensor:
     node: str  # the forward graph's node name
-    kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made"
+    kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made",
+    # "constant" (made from parameters alone, no s or b: QLoRA's dequantised weights; elements its value count)
     elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a")
     dtype: str  # torch dtype name: bfloat16, float32
 
@@ -100,7 +101,7 @@ def _product(symbols):
     return out
 
 
-ORDER = ("s", "b", "a", "g", "h", "q", "f")
+ORDER = ("s", "b", "a", "g", "h", "q", "f", "r")
 
 
 def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
@@ -139,22 +140,15 @@ def _hf_layer():
     return layer, inputs
 
 
-def _tune_layer():
-    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache)."""
-    from .torchtune import import_torchtune
+def _tune_layer(lora: dict | None = None, w: dict | None = None):
+    """torchtune 0.6.1's TransformerSelfAttentionLayer (llama3_2 builder, bf16) and its input (RoPE from its cache);
+    ``lora``: dict(rank, targets (memplan's names), dropout, qlora): its lora_llama3_2 layer, only the adapters
+    trainable (validation/torchtune.py ``_build``)."""
+    from .torchtune import _build
 
-    import_torchtune()
-    from torchtune.models.llama3_2 import llama3_2
-
-    w = WIDTHS["torchtune"]
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        model = llama3_2(vocab_size=64, num_layers=1, num_heads=w["a"], num_kv_heads=w["g"], embed_dim=w["h"],
-                         max_seq_len=4096, intermediate_dim=w["f"], tie_word_embeddings=False)
-    finally:
-        torch.set_default_dtype(old)
+    w = w or WIDTHS["torchtune"]
+    torch.manual_seed(0)
+    model = _build(64, 1, w["a"], w["g"], w["h"], w["f"], False, lora)
     layer = model.layers[0].train()
 
     def inputs(s: int, b: int, seed: int):
@@ -207,10 +201,13 @@ def _aot_backend(inner):
 
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
-                         s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None) -> CompiledLayer:
+                         s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
+                         lora: dict | None = None, widths: dict | None = None) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
+    `lora`: torchtune's LoRA layer (validation/torchtune.py ``_build``); `widths`: the layer's h, f, a, g, d (default
+    WIDTHS[impl]; torchao's NF4 needs weights of 16,384-value multiples).
     `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check).
     ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8")."""
@@ -219,7 +216,10 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     warnings.filterwarnings("ignore")
     if float8 and impl != "torchtitan":
         raise ValueError("float8 is torchtitan's (impl torchtitan)")
-    layer, inputs = (_titan_layer(float8) if float8 else
+    if lora is not None and impl != "torchtune":
+        raise ValueError("lora: torchtune's LoRALinear layer only")
+    widths = widths or WIDTHS[f"{impl}-float8" if float8 else impl]
+    layer, inputs = (_titan_layer(float8) if float8 else _tune_layer(lora, widths) if lora else
                      {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
     graphs: list = []
 
@@ -240,7 +240,11 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
-    hints, names = {s_trace: "s", b_trace: "b"}, _names(WIDTHS[f"{impl}-float8" if float8 else impl])
+    hints, names = {s_trace: "s", b_trace: "b"}, _names(widths)
+    if lora:
+        if lora["rank"] in names:
+            raise ValueError(f"LoRA rank {lora['rank']} must differ from the widths {names}")
+        names[lora["rank"]] = {"r": 1}
     if not dynamic:
         hints[s_trace * b_trace] = "s b"
         if set(hints) & set(names) or len(hints) < 3:
@@ -258,8 +262,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         shape = tuple(val.shape)
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
         tokens = any(isinstance(d, torch.SymInt) or (not dynamic and d in hints) for d in shape)
-        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else "made"
-        elements = "" if kind == "parameter" else _elements(shape, hints, names, not dynamic)
+        kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
+        elements = ("" if kind == "parameter" else str(val.numel()) if kind == "constant"
+                    else _elements(shape, hints, names, not dynamic))
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
     x, call = inputs(s, b, 2)
@@ -271,7 +276,106 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     return CompiledLayer(tuple(saved), s, b, after, out_bytes, eager_after)
 
 
+def _allocations_by_owner(prof) -> list[tuple[int, str]]:
+    """(bytes, owner) of every allocation (+) and free (-) in the profile, in time order; the owner is the innermost
+    enclosing ``record_function`` region named "memplan:..." or autograd node (``evaluate_function: XBackward0``)."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], [(node, node.name) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, owner = stack.pop()
+        stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner)
+                     for c in node.children)
+        if node.typed[0] == _EventType.Allocation:
+            out.append((node.start_time_ns, node.typed[1].alloc_size, owner))
+    return [(n, owner) for _, n, owner in sorted(out, key=lambda x: x[0])]
+
+
+def measure_compiled_tune_loss(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                               ffn: int, chunks: int, route: str = "inductor") -> dict[str, int]:
+    """torchtune's CEWithChunkedOutputLoss compiled as its recipes' ``compile: True`` compiles it
+    (training.compile_loss: ``loss.compute_cross_entropy = torch.compile(loss.compute_cross_entropy)``, inductor;
+    torchtune.training does not import with torchao 0.18, so that one line is written here) on the real bf16 chunks
+    of torchtune's Llama (``set_num_output_chunks``), as ``_loss_step`` calls it (shifted labels, ``del logits``).
+    Inductor's kernels allocate outside the dispatcher: the bytes are read off torch.profiler's allocation events
+    over the whole step (the CPU allocator reports the size of a free only for blocks made while it profiles), after
+    one warm step (the compilation). Every figure counts from what the model holds when it returns, less its logits;
+    in bytes: ``logits`` (the model's N bf16 chunks), ``saved`` (the distinct storages the loss saves for its
+    backward, by a saved-tensors hook), ``loss_forward`` (the peak from the model's output to ``_loss_step``'s
+    return, the logits included), ``after_forward`` (alive when it has returned) and ``loss_backward`` (the peak of
+    the backward before the output projection's first ``MmBackward0``). `route` "aot": AOTAutograd with inductor's
+    partitioner, its graphs run by torch (seconds, no C++): the same saved tensors, not inductor's fused peaks."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .measure import saved_storages
+    from .torchtune import _build, _plain_tensors, import_torchtune
+
+    warnings.filterwarnings("ignore")
+    import_torchtune()
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, False)
+    loss_fn = CEWithChunkedOutputLoss(chunks)
+    backend = "inductor" if route == "inductor" else _aot_backend(lambda gm, example_inputs: None)
+    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy, backend=backend)
+    model.set_num_output_chunks(chunks)
+    result: dict[str, int] = {}
+    for _ in range(2):  # the first step compiles (and keeps what compiling allocated)
+        saved, pack = saved_storages([*_plain_tensors(model), *model.parameters()])
+        batch_labels = torch.randint(0, vocab, (b, s))
+        tokens = torch.randint(0, vocab, (b, s))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("memplan:model"):
+                logits = model(tokens)
+            start = sum(c.untyped_storage().nbytes() for c in logits)
+            with record_function("memplan:loss"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                labels = torch.hstack((batch_labels[..., 1:], torch.full((b, 1), -100, dtype=torch.long)))
+                loss = loss_fn(logits, labels)
+                del logits, labels
+            loss.backward()
+            del loss
+        live, peaks, phase = 0, {"memplan:loss": 0, "backward": 0}, "memplan:model"
+        for n, owner in _allocations_by_owner(prof):
+            if phase == "memplan:model" and owner == "memplan:loss":
+                phase, base = owner, live - start
+            elif phase == "memplan:loss" and owner != phase:
+                phase, after = "backward", live
+            if phase == "backward" and "MmBackward0" in owner:
+                break
+            live += n
+            if phase != "memplan:model":
+                peaks[phase] = max(peaks[phase], live)
+        model.zero_grad(set_to_none=True)
+        result = {"logits": start, "saved": sum(saved.values()), "loss_forward": peaks["memplan:loss"] - base,
+                  "after_forward": after - base, "loss_backward": peaks["backward"] - base}
+    return result
+
+
+LOSS_CASES = ((4, 64, 2), (2, 64, 2), (8, 64, 1))  # (chunks, s, b) of tests/data/torchtune_compiled_loss.json
+LOSS_DIMS = dict(vocab=64, layers=2, heads=4, kv_heads=2, hidden=32, ffn=48)  # tests/test_torchtune.py's model
+
+
+def _write_loss(path: str) -> None:
+    """Measure LOSS_CASES with inductor and write them as JSON (tests/data/torchtune_compiled_loss.json)."""
+    import importlib.metadata
+    import json
+
+    cases = [{"chunks": n, "s": s, "b": b, **LOSS_DIMS, **measure_compiled_tune_loss(s, b, chunks=n, **LOSS_DIMS)}
+             for n, s, b in LOSS_CASES]
+    doc = {"command": f"PYTHONPATH=. python -m validation.compiled loss {path}",
+           "measured_with": f"torchtune {importlib.metadata.version('torchtune')}, torch {torch.__version__} "
+                            "(inductor on CPU)", "cases": cases}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(json.dumps(cases, indent=1))
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["loss"]:  # torchtune's compiled chunked loss: loss PATH (writes the test fixture)
+        _write_loss(argv[1])
+        return
     float8 = argv[2] if argv[2:] else None  # torchtitan's float8 linears: static shapes (s 28, b 5)
     r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa",
                              **(dict(s_trace=28, b_trace=5, dynamic=False, float8=float8) if float8 else {}))

@@ -252,3 +252,34 @@ def torchtune_head_grad_in_backward(s: int, b: int, vocab: int, layers: int, hea
     model.norm.register_forward_hook(on_norm)
     _forward(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))).backward()
     return alive[0]
+
+
+def measure_torchtune_8bit_states(s: int, b: int, vocab: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                                  ffn: int, paged: bool = False) -> dict[str, int]:
+    """One real CPU step of torchtune's model with bitsandbytes' AdamW8bit (``paged``: PagedAdamW8bit, which falls
+    back to ordinary CPU tensors on CPU) stepped in the backward as its recipes' ``optimizer_in_bwd`` sets it up (one
+    optimizer per parameter, stepped and zeroed in that parameter's post-accumulate-grad hook, as
+    ``torchtune_head_grad_in_backward``). Returns the bytes of the optimizer states after the step (``optimizer``:
+    the distinct storages of every state tensor, the quantile maps each optimizer shares among its tensors counted
+    once per optimizer; the ``step`` counters are ints) and of the ``.grad`` tensors alive after the backward
+    (``gradients``)."""
+    import bitsandbytes as bnb
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+    torch.manual_seed(0)
+    model = _build(vocab, layers, heads, kv_heads, hidden, ffn, False)
+    optimizers = {p: cls([p], lr=1e-4) for p in model.parameters()}
+
+    def optim_step(param) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(optim_step)
+    _forward(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))).backward()
+    storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+                for opt in optimizers.values() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)}
+    return {"optimizer": sum(storages.values()),
+            "gradients": sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)}

@@ -254,15 +254,18 @@ def plan_options(func: Callable) -> Callable:
                      help="torch.compile per decoder layer (--impl hf-sdpa, torchtune or torchtitan, Llama layout): "
                           "each layer's saved tensors traced from AOTAutograd's partitioner (torch 2.13, inductor on "
                           "CPU) and measured on CPU; the backward's transients the eager layer's (derived), Inductor's "
-                          "fused kernels' own buffers left out; the loss not compiled (memplan/inventory/compiled.py). "
-                          "Refused with --ac selective-op (not traced). search --impl torchtitan tries both unless "
-                          "--compile or --no-compile pins it; --timing: its fused memory-bound ops (derived)."),
+                          "fused kernels' own buffers left out; the loss not compiled but with --impl torchtune "
+                          "--loss-chunks N (its recipes' compile_loss, measured on CPU); torchtune's LoRA / QLoRA "
+                          "layers traced (memplan/inventory/compiled.py). Refused with --ac selective-op (not traced). "
+                          "search --impl torchtitan tries both unless --compile or --no-compile pins it; --timing: its "
+                          "fused memory-bound ops (derived)."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "
                           "AdamW per parameter, the LM head's step after the embedding's; --impl torchtune: its "
-                          "optimizer_in_bwd, no step waits); --impl hf-*, adamw, one "
-                          "micro-batch. Measured (validation/step.py loop in-backward)."),
+                          "optimizer_in_bwd, no step waits); --impl hf-* / torchtune, adamw or adam8bit (bitsandbytes, "
+                          "one optimizer per parameter), one micro-batch. Measured (validation/step.py loop "
+                          "in-backward; adam8bit's states with torchtune on CPU)."),
         click.option("--lora", "lora", type=AsciiIntRange(1), metavar="R",
                      help="peft LoRA adapters of rank R, the base model frozen (--impl hf-*, Llama layout): fp32 "
                           "adapters with their gradients and AdamW states, what peft's LoRA layers save (measured on "

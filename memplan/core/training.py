@@ -310,9 +310,10 @@ class TrainingSpec(Spec):
     def _mst_needs(self) -> "TrainingSpec":
         """MsT with its own LM head + loss in place of a chunked loss (its gradient checkpointing: Config, as the
         recompute mode is a plan's), and the optimizer step in the backward as modelled."""
-        if self.optimizer_in_backward and (self.optimizer != "adamw" or self.offload_optimizer_fraction > 0):
-            raise ValueError("the optimizer step in the backward is modelled for AdamW on the GPU (a for-loop AdamW "
-                             "per parameter, as MsT's benchmark runs it)")
+        if self.optimizer_in_backward and (self.optimizer not in ("adamw", "adam8bit")
+                                           or self.offload_optimizer_fraction > 0):
+            raise ValueError("the optimizer step in the backward is modelled for AdamW and 8-bit Adam on the GPU (an "
+                             "optimizer per parameter, as MsT's benchmark and torchtune's optimizer_in_bwd run it)")
         if self.mst != 1 and self.loss_chunks > 1:
             raise ValueError("MsT computes the LM head and loss in its own pieces: drop --loss-chunks")
         return self

@@ -160,7 +160,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
-        inventory = compiled_layer.apply(inventory, model, impl, training.float8)
+        inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks)
     if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
         inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:

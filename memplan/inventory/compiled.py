@@ -29,6 +29,13 @@ token: it recomputes them, as each float8 linear's backward casts its input agai
 amax and one fp32 scale scalar per float8 linear. Measured after the forward at s 28, b 5: 1,120 B per token
 (rowwise; + 30 B tensorwise) against the bf16 compiled block's 1,632 B (tests/test_titan_float8.py).
 
+torchtune's LoRA layer (`--lora R` with `--impl torchtune`, its lora_llama3_2 layer, only the adapters trainable) compiled
+keeps the table's tensors that the adapters' and the input gradients need and each target's A output (s b r): what
+memplan/inventory/lora.py makes of the table (traced with the recipes' targets and with q, v only, and measured:
+tests/test_compile.py); with `--qlora` (torchao NF4) the partitioner also saves every NF4 linear's dequantised bf16
+weight (lora.py's qlora_dequantized_weights). Not traced: LoRA dropout, a whole (unchunked) loss (the LoRA recipe
+compiles it: refused).
+
 Left out, said in the output: Inductor's fused backward kernels' own buffers (not traced); the backward's moments
 are eager transformers' measured ones (the matmul and sdpa gradients run the same kernels), with the compiled
 layer's saved tensors (derived). Traced with CPU's sdpa kernel; a CUDA estimate uses the same list (derived:
@@ -44,6 +51,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
 from memplan.inventory.hf import hf_layer_moments
 from memplan.inventory.titan_float8 import converted_linears
+from memplan.inventory.tune_loss import EAGER_SAVED, compiled_loss_terms, tune_chunked_backward, tune_loss_forward
 from memplan.inventory.types import Inventory, Term, saved
 
 SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
@@ -130,12 +138,26 @@ def check_compile(model: ModelSpec, impl: str, training) -> None:
                            "(their own code, not a traced inventory)")
     if not (model.norm == "rmsnorm" and model.mlp == "swiglu") or model.dropout or model.bias:
         raise MemplanError("--compile is traced for the Llama layout (RMSNorm, SwiGLU, no biases, no dropout)")
-    others = [name for name, on in (("--liger", training.liger), ("--lora", training.lora_rank),
+    if training.lora_rank and impl == "torchtune":
+        _check_tune_lora(training)
+    others = [name for name, on in (("--liger", training.liger),
+                                    ("--lora", training.lora_rank and impl != "torchtune"),
                                     ("--fp8", training.fp8), ("--mst", training.mst != 1),
                                     ("--batch-layout", training.batch_layout != "full"),
                                     ("--checkpoint-reentrant", training.checkpoint_reentrant)) if on]
     if others:
         raise MemplanError(f"--compile is traced for the plain layer: drop {others[0]}")
+
+
+def _check_tune_lora(training) -> None:
+    """torchtune's LoRA layer compiled is traced without dropout, with its chunked loss (its LoRA recipe compiles a
+    whole loss, which is not measured)."""
+    if training.lora_dropout:
+        raise MemplanError("--compile with --lora-dropout is not traced (the partitioner's dropout masks): "
+                           "--lora-dropout 0, as torchtune's Llama 3 LoRA configs")
+    if training.loss_chunks < 2:
+        raise MemplanError("--compile --lora: torchtune's LoRA recipe compiles the whole loss, which is not measured; "
+                           "give --loss-chunks N (its configs' CEWithChunkedOutputLoss)")
 
 
 def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> list[Term]:
@@ -148,25 +170,36 @@ def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> li
     return terms
 
 
-def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None = None) -> Inventory:
+def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None = None,
+          loss_chunks: int = 1) -> Inventory:
     """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
-    freeing the compiled tensors; ``float8``: torchtitan's float8 linears (all five converted, as traced)."""
+    freeing the compiled tensors; ``float8``: torchtitan's float8 linears (all five converted, as traced); with
+    torchtune's chunked loss (`loss_chunks` > 1) the compiled loss's saved tensors and moments (its recipes'
+    compile_loss: memplan/inventory/tune_loss.py)."""
     linears = len(converted_linears(model)) if float8 else 0
     if float8 and linears != 5:
         raise MemplanError("--compile with --float8 is traced with every linear of the layer in float8; this model "
                            "has a dim not divisible by 16 (torchtitan leaves that linear bf16): plan it eager")
     kept = [t for t in inventory.terms if t.scope != "layer"]
-    moments = {m.id: m for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
-    out = tuple(dataclasses.replace(moments[m.id], source=MOMENTS) if m.id in moments else m
-                for m in inventory.moments)
+    moments = {m.id: dataclasses.replace(m, source=MOMENTS)
+               for m in hf_layer_moments(model, True, traced=FREED, kv_expanded=impl == "torchtune")}
+    if impl == "torchtune" and loss_chunks > 1:
+        kept = [t for t in kept if t.id not in EAGER_SAVED] + compiled_loss_terms(loss_chunks)
+        moments |= {m.id: m for m in [tune_loss_forward(loss_chunks, True),
+                                      *tune_chunked_backward(loss_chunks, True)]}
+    out = tuple(moments.get(m.id, m) for m in inventory.moments)
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
                                terms=tuple(compiled_terms(impl, float8, linears) + kept),
                                moments=out)
 
 
-def notes(training) -> list[str]:
+def notes(training, impl: str = "") -> list[str]:
     if not getattr(training, "compile", False):
         return []
+    loss = ("the loss is not compiled" if impl != "torchtune" else
+            "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
+            "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
+            "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            "kernels' own buffers left out (not traced); the loss is not compiled"]
+            f"kernels' own buffers left out (not traced); {loss}"]

@@ -186,7 +186,7 @@ def final_norm_moments(model: ModelSpec) -> list[Moment]:
                    (transient("grad_final_norm_fp32", "fp32 gradients inside RMSNorm's backward", "5 s b h", "fp32",
                               scope="last", src=src, storages=5),),
                    ("head_input", "logits_fp32", "target_ids", "nll_total_weight", "loss_total_elements", "final_norm_rstd",
-                    "final_norm_normed"), (_head(model), "final norm"), source=src)]
+                    "final_norm_normed", "logits_bf16", "loss_row_stats"), (_head(model), "final norm"), source=src)]
 
 
 def hf_loss_moments(model: ModelSpec, final_norm: bool = True) -> list[Moment]:

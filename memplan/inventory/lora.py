@@ -178,6 +178,12 @@ def _tune_lora_terms(terms: list[Term], rank: int, targets: tuple[str, ...], dro
 
 
 QLORA = "derived from bitsandbytes 0.50.2 autograd/_functions.py MatMul4Bit.backward (dequantize_4bit), not measured"
+# torchtune's QLoRA layer under --compile (its recipes' compile_model): AOTAutograd's partitioner saves every NF4
+# linear's dequantised bf16 weight for the backward instead of dequantising it again (traced: validation/compiled.py
+# trace_compiled_layer(..., lora=dict(qlora=True)), tests/test_compile.py)
+COMPILED_QLORA = ("traced from torch.compile's partitioner (torch 2.13, torchtune 0.6.1 with torchao 0.18 NF4; "
+                  "validation/compiled.py) and measured on CPU")
+LAYER_WEIGHTS = "2 q h + 2 g q h /a + 3 h f"  # q, o; k, v; w1, w3, w2
 
 
 def qlora_moments(moments: list[Moment]) -> list[Moment]:
@@ -203,6 +209,10 @@ def apply(inv: Inventory, model: ModelSpec, impl: str, device: str, training) ->
     # the output projection is frozen: a chunked loss makes no weight gradient of it (measured with torchtune's)
     moments = [dataclasses.replace(m, transients=tuple(t for t in m.transients if t.id not in HEAD_WEIGHT_GRADS))
                for m in inv.moments]
-    moments = qlora_moments(moments) if training.qlora else moments
+    if training.qlora and training.compile:  # the dequantised weights are saved: no second dequantisation
+        terms.append(saved("qlora_dequantized_weights", "every NF4 linear's dequantised weight (bf16, saved by the "
+                           "compiled layer)", "LoRA", LAYER_WEIGHTS, k22=False, src=COMPILED_QLORA))
+    elif training.qlora:
+        moments = qlora_moments(moments)
     tag = f"lora-r{training.lora_rank}" + ("-qlora" if training.qlora else "") + ("-dora" if training.lora_dora else "")
     return dataclasses.replace(inv, name=f"{inv.name}/{tag}", terms=tuple(terms), moments=tuple(moments))

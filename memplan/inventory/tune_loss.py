@@ -17,6 +17,15 @@ tests/test_torchtune.py); what each keeps, as the recipes' `_loss_step` runs it 
   first: nll_loss's and log_softmax's fp32 gradients of one chunk beside all the saved log-softmax, then its bf16
   gradient, kept), then the output projection's backward chunk by chunk: its weight gradient added out of place to
   the running sum of the earlier chunks' (autograd's input buffer), the chunks' bf16 logit gradients freed one by one.
+- compiled (`--compile --loss-chunks N`: its recipes' `compile_loss` compiles `compute_cross_entropy`, one chunk's
+  upcast and cross-entropy, with inductor): AOTAutograd's partitioner saves the chunk's bf16 logits (the graph's
+  input) and each row's max and log of the summed exponentials (two fp32 per token), not an fp32 log-softmax, and
+  no total weight; the fused kernels make no fp32 copy. So the bf16 chunks stay alive until their chunk's backward,
+  whose one kernel writes the chunk's bf16 gradient directly (a fp32 sum per row beside it) and frees the saved
+  chunk. Measured on CPU (inductor's C++ kernels: torch.profiler's allocation events, the saved storages by a
+  saved-tensors hook; validation/compiled.py `measure_compiled_tune_loss`, tests/test_compile_loss.py); CUDA
+  (Triton kernels from the same partitioned graph) derived. Its recipes' full fine-tune discards what compile_loss
+  returns for a whole (unchunked) loss, which stays eager.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ from __future__ import annotations
 from memplan.inventory.types import Moment, Term, saved, transient
 
 MEASURED = "measured: torchtune 0.6.1 on CPU (validation/torchtune.py measure_torchtune_loss)"
+COMPILED = ("measured: torchtune 0.6.1's CEWithChunkedOutputLoss with compute_cross_entropy compiled (torch 2.13 "
+            "inductor on CPU, validation/compiled.py measure_compiled_tune_loss)")
+# what the eager loss saves (the compiled loss replaces them: compiled_loss_terms)
+EAGER_SAVED = ("logits_fp32", "target_ids", "nll_total_weight", "loss_total_elements")
+COMPILED_SAVED = ("logits_bf16", "loss_row_stats", "target_ids", "loss_total_elements")
 
 
 def tune_loss_terms(chunks: int) -> list[Term]:
@@ -43,9 +57,26 @@ def tune_loss_terms(chunks: int) -> list[Term]:
     return terms
 
 
-def tune_loss_forward(chunks: int) -> Moment:
+def compiled_loss_terms(chunks: int) -> list[Term]:
+    """What the compiled chunked loss saves (module docstring), N > 1 chunks."""
+    return [
+        saved("logits_bf16", f"bf16 logits of the {chunks} chunks (the compiled cross-entropy's saved input)",
+              "output layer", "s b v", scope="last", k22=False, src=COMPILED),
+        saved("loss_row_stats", "each row's max and log of summed exponentials (2 fp32 per token)", "output layer",
+              "2 s b", "fp32", scope="last", k22=False, src=COMPILED),
+        saved("target_ids", "target ids (int64)", "output layer", "s b", "int64", scope="last", k22=False,
+              src=COMPILED),
+        saved("loss_total_elements", "token count the chunks' summed loss is divided by (int64)", "output layer", "1",
+              "int64", scope="last", k22=False, src=COMPILED)]
+
+
+def tune_loss_forward(chunks: int, compiled: bool = False) -> Moment:
     """The loss forward's peak: the whole loss's fp32 logits (the model's output) beside the log-softmax it makes; a
     chunked loss's N bf16 chunks, one chunk's fp32 copy and the shifted labels beside the last chunk's log-softmax."""
+    if compiled:  # the bf16 chunks are saved; inductor's kernels make no fp32 copy
+        return Moment("loss_forward", "loss forward of the last chunk (compiled): the shifted labels", "loss", "last",
+                      (transient("shifted_labels", "the recipe's shifted labels (int64)", "s b", "int64", scope="last",
+                                 src=COMPILED),), source=COMPILED)
     if chunks == 1:
         return Moment("loss_forward", "loss forward: the model's fp32 logits, log-softmax", "loss", "last",
                       (transient("logits_fp32_copy", "fp32 logits returned by the model", "s b v", "fp32",
@@ -61,11 +92,11 @@ def tune_loss_forward(chunks: int) -> Moment:
                   source=MEASURED)
 
 
-def tune_chunked_backward(chunks: int) -> list[Moment]:
-    """The chunked loss's backward moments (module docstring), N > 1 chunks. The output projection's .grad is made
-    after the last chunk's (autograd's AccumulateGrad): none of these has it."""
+def tune_chunked_backward(chunks: int, compiled: bool = False) -> list[Moment]:
+    """The chunked loss's backward moments (module docstring), N > 1 chunks, eager or compiled. The output
+    projection's .grad is made after the last chunk's (autograd's AccumulateGrad): none of these has it."""
     c = f"s b v /{chunks}"
-    loss_saved = ("logits_fp32", "target_ids", "nll_total_weight", "loss_total_elements")
+    loss_saved = COMPILED_SAVED if compiled else EAGER_SAVED
 
     def bf16_grads(n: int) -> tuple[Term, ...]:
         return (transient("grad_logits", f"bf16 gradients of {n} chunks' logits", f"{n} s b v /{chunks}",
@@ -73,12 +104,19 @@ def tune_chunked_backward(chunks: int) -> list[Moment]:
 
     weight = transient("grad_head_weight_chunk", "one chunk's output-projection weight gradient", "v h", scope="last",
                        src=MEASURED)
+    loss = Moment("loss_backward", "loss backward of the last chunk: its nll_loss and log_softmax fp32 gradients",
+                  "backward", "last", (transient("grad_nll", "nll_loss gradient of one chunk (fp32)", c, "fp32",
+                                                 scope="last", src=MEASURED),
+                                       transient("grad_log_softmax", "log_softmax gradient of one chunk (fp32)", c,
+                                                 "fp32", scope="last", src=MEASURED)), source=MEASURED)
+    if compiled:  # one kernel writes the chunk's bf16 gradient; its saved chunk is freed after it
+        loss = Moment("loss_backward", "loss backward of the last chunk (compiled): its bf16 gradient", "backward",
+                      "last", (transient("grad_logits_chunk", "bf16 gradient of one chunk's logits", c, scope="last",
+                                         src=COMPILED),
+                               transient("grad_row_sum", "the chunk's fp32 sum per row", f"s b /{chunks}", "fp32",
+                                         scope="last", src=COMPILED)), source=COMPILED)
     return [
-        Moment("loss_backward", "loss backward of the last chunk: its nll_loss and log_softmax fp32 gradients",
-               "backward", "last", (transient("grad_nll", "nll_loss gradient of one chunk (fp32)", c, "fp32",
-                                              scope="last", src=MEASURED),
-                                    transient("grad_log_softmax", "log_softmax gradient of one chunk (fp32)", c,
-                                              "fp32", scope="last", src=MEASURED)), source=MEASURED),
+        loss,
         Moment("head_backward", "output projection backward of the first chunk: all chunks' bf16 logit gradients",
                "backward", "last", (*bf16_grads(chunks), weight,
                                     transient("grad_head_input", "one chunk's input gradient", f"s b h /{chunks}",

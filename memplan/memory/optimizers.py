@@ -15,13 +15,18 @@ States (besides the master copy, which every optimizer steps when there is one):
 | sgd            | n s (momentum_buffer)                                         | torch/optim/sgd.py:361 (momentum != 0)   |
 | sgd-nomomentum | none                                                          | torch/optim/sgd.py:357 (momentum == 0)   |
 | adafactor      | matrix: (r + c) s (row_var, col_var); vector: n s (variance)  | torch/optim/_adafactor.py:100-113        |
-| adam8bit       | n >= 4096: 2 n + 2 x 4 ceil(n / 256) B; smaller: 2 x 4 n B     | bitsandbytes optim/optimizer.py:502-529  |
+| adam8bit       | n >= 4096: 2 n + 2 x 4 ceil(n / 256) B; smaller: 2 x 4 n B; 2 x 1 KiB quantile maps per optimizer | bitsandbytes optim/optimizer.py:502-529 |
 | muon           | hidden matrices: n s (momentum_buffer); the rest AdamW's 2 n s | torch/optim/_muon.py:156; Muon README   |
 | lion           | n s (exp_avg)                                                 | lion-pytorch lion_pytorch.py (exp_avg)   |
 
 torch's Adafactor has no first moment (no beta1); transformers' Adafactor keeps one only with beta1 set
 (default None). bitsandbytes: blocksize 256 since 0.44.0 (PR #1365, commit aa57bd89; 2048 before),
-min_8bit_size 4096, fp32 absmax per block of each state (read at commit 95f9af30). Muon updates only
+min_8bit_size 4096, fp32 absmax per block of each state (read at commit 95f9af30); each optimizer's two 256-value fp32
+quantile maps (`name2qmap`, shared by its 8-bit tensors: once, or once per 8-bit tensor with the step in the backward,
+whose loop makes one optimizer per parameter). bitsandbytes 0.50.2 runs its 8-bit optimizers on CPU: these states
+were measured with torchtune's model and optimizer_in_bwd (validation/torchtune.py measure_torchtune_8bit_states,
+tests/test_torchtune.py); PagedAdamW8bit keeps the same states in CUDA unified memory (cudaMallocManaged, outside
+torch's caching allocator; on CPU it falls back to ordinary tensors). Muon updates only
 the 2-D weights inside the layers; embeddings, the LM head and the 1-D gains and biases go to AdamW
 (Keller Jordan's MuonWithAuxAdam, KellerJordan/Muon README; torch.optim.Muon refuses non-2-D
 parameters, torch/optim/_muon.py:130; Megatron-LM core_v0.16.1 megatron/core/optimizer/muon.py:249-258
@@ -75,8 +80,9 @@ OPTIMIZER_INFO: dict[str, Optimizer] = {o.name: o for o in (
     Optimizer("adafactor", "Adafactor: factored second moment",
               f"read from torch/optim/_adafactor.py (torch 2.13) and {MEASURED}", True),
     Optimizer("adam8bit", "8-bit Adam: uint8 moments + fp32 absmax per 256",
-              "derived from bitsandbytes code (bitsandbytes/optim/optimizer.py: blocksize 256 since 0.44.0, "
-              "min_8bit_size 4096), not measured (it needs CUDA)", False),
+              "read from bitsandbytes code (bitsandbytes/optim/optimizer.py: blocksize 256 since 0.44.0, "
+              "min_8bit_size 4096) and measured on CPU with bitsandbytes 0.50.2 (its states; the CUDA step's "
+              "temporaries derived: one in-place kernel)", False),
     Optimizer("muon", "Muon: momentum on hidden matrices, AdamW on the rest",
               f"read from torch/optim/_muon.py (torch 2.13; the rest in torch AdamW, Keller Jordan's "
               f"MuonWithAuxAdam split) and {MEASURED}", True),
@@ -146,6 +152,7 @@ def state_bytes(training: TrainingSpec, tensors: Sequence[tuple[Tensor, Any]]) -
     the GPU holds), before ZeRO sharding."""
     opt, s = training.optimizer, training.optimizer_state_bytes
     total: Any = 0
+    qmaps: Any = 0  # an 8-bit tensor: the one optimizer's quantile maps (per tensor with the step in the backward)
     for t, k in tensors:
         n = t.numel
         if opt == "adamw":
@@ -159,18 +166,21 @@ def state_bytes(training: TrainingSpec, tensors: Sequence[tuple[Tensor, Any]]) -
         elif opt == "adam8bit":
             big = 1 * (n >= ADAM8BIT_MIN_SIZE)
             b = big * 2 * (n + ABSMAX_BYTES * _ceil(n, ADAM8BIT_BLOCK)) + (1 - big) * 2 * FP32 * n
+            qmaps = maximum(qmaps, big)
+            b = b + big * QMAP_BYTES * training.optimizer_in_backward
         elif opt == "muon":
             b = s * n * (1 if _is_hidden_matrix(t) else 2)
         else:  # pragma: no cover - TrainingSpec refuses other names
             raise ValueError(opt)
         total = total + b * k
-    return total
+    return total + qmaps * QMAP_BYTES * (not training.optimizer_in_backward)
 
 
 FP32 = 4
 ABSMAX_BYTES = 4  # bitsandbytes: one fp32 absmax per block of each 8-bit state
 ADAM8BIT_BLOCK = 256  # bitsandbytes/optim/optimizer.py:524 (`blocksize = 256`, 2048 before 0.44.0)
 ADAM8BIT_MIN_SIZE = 4096  # bitsandbytes Optimizer2State min_8bit_size default: smaller tensors keep fp32 states
+QMAP_BYTES = 2 * 256 * FP32  # bitsandbytes' "dynamic" and "udynamic" quantile maps (create_dynamic_map), per optimizer
 
 
 def muon_newton_schulz_bytes(t: Tensor, p: int) -> Any:
