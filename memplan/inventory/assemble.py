@@ -172,7 +172,21 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")
-    return inventory
+    return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training))
+
+
+def stream_checked(model: ModelSpec, impl: str, device: str, training: Any) -> bool:
+    """Whether memplan's allocation stream of this run is the one checked against recordings of the real code's
+    allocations in order (tests/test_alloc_fixtures.py, memplan/check/allocator.py ALLOCATOR_CASES): transformers'
+    dense Llama layout with sdpa (memplan's own inventory, not a trace), the loop's plain loss, torch AdamW (foreach or
+    fused), with or without gradient checkpointing, nothing else of the training settings changed. Only there does
+    the replay alone decide fit (memplan/memory/timeline.py device_memory); elsewhere the flat margin stays."""
+    changed = (training.compile, training.lora_rank, training.liger, training.fp8, training.float8,
+               training.checkpoint_reentrant, training.optimizer_in_backward, training.offload_activations,
+               training.offload_optimizer_fraction, training.fusions_off, training.loss_chunks != 1,
+               training.mst != 1, training.batch_layout != "full", training.optimizer != "adamw")
+    return (impl == "hf-sdpa" and device == "cuda" and model.inventory is None and not model.is_moe
+            and not model.is_mla and not any(changed))
 
 
 def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> Inventory:

@@ -218,6 +218,10 @@ class Inventory:
     # q/k/v_proj and gate/up_proj apart ("separate"; Phi-3's fused qkv_proj is not modelled), Megatron-LM,
     # the reference layer and transformers' GPT-2 (Conv1D c_attn, c_fc) fuse them
     weight_layout: Literal["fused", "separate"] = "fused"
+    # the run's allocation stream (memplan/memory/stream.py) was checked against a recording of the real code's
+    # allocations (tests/test_alloc_fixtures.py): the replay alone decides fit, no flat margin (memory/timeline.py
+    # device_memory); set by memplan/inventory/assemble.py training_inventory
+    stream_checked: bool = False
 
 
 HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica

@@ -476,12 +476,12 @@ def communicators(plan: PlanValues) -> Any:
 
 def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec],
                   margin: Optional[float] = None) -> DeviceMemory:
-    """The tensors' peak plus the cuBLAS workspace, the fragmentation margin on both and the
-    runtime's own memory (all from the GPU preset; none without a GPU)."""
+    """The tensors' peak + the cuBLAS workspace, the GPU preset's margin on both (none with Inventory.stream_checked:
+    the replay decides) and the runtime's own memory (all from the GPU preset; none without a GPU)."""
     if gpu is None:
         m = margin or 0.0
         return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes, m)
-    m = gpu.fragmentation_margin if margin is None else margin
+    m = (0.0 if inventory.stream_checked else gpu.fragmentation_margin) if margin is None else margin
     base = gpu.runtime_bytes.get(inventory.runtime)
     groups = communicators(plan)
     # the megatron figure was measured with one communicator already in it

@@ -21,6 +21,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.pipeline import chunks_in_flight
 from memplan.memory.states import optimizer_bytes, param_groups
 from memplan.plan.estimate import Estimate, estimate
+from memplan.report.tables import fragmentation_label
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def _peak(est: Estimate) -> list[Step]:
         Step("peak", "allocated peak (torch.cuda.max_memory_allocated)", "step peak + cuBLAS workspace",
              _plus([step.peak_bytes, dev.workspace_bytes]), int(dev.allocated_peak), "B"),
         Step("peak", *(
-            ("fragmentation (the caching allocator's replay, above the margin)",
+            (fragmentation_label(dev),
              "reserved peak of the replay (the capacity + 1 B where the run dies) - allocated peak",
              f"{int(dev.allocated_peak + dev.fragmentation_bytes):,} - {int(dev.allocated_peak):,}",
              int(dev.fragmentation_bytes), "B",

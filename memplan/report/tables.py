@@ -292,9 +292,7 @@ def render_peak(est: Estimate, console: Console) -> None:
     table.add_row("cuBLAS workspace (inside PyTorch's pool)", format_gb(dev.workspace_bytes), "runtime")
     table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{format_gb(dev.allocated_peak)}[/]",
                   "")
-    table.add_row("fragmentation (the caching allocator's replay, above the margin)" if dev.replayed else
-                  f"fragmentation margin ({dev.margin:.0%} of the allocated peak)", format_gb(dev.fragmentation_bytes),
-                  "allocator")
+    table.add_row(fragmentation_label(dev), format_gb(dev.fragmentation_bytes), "allocator")
     table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", format_gb(dev.runtime_bytes), "runtime")
     table.add_row("[bold]device memory needed[/]", f"[bold]{format_gb(dev.total)}[/]", "")
     console.print(table)
@@ -368,3 +366,13 @@ def _billions(params: int, narrow: bool) -> str:
 def _plan_fields(text: str) -> dict[str, str]:
     """'tp=8 pp=64 sp=True' -> {'tp': '8', 'pp': '64', 'sp': 'True'} (`memplan models`' plan)."""
     return dict(item.partition("=")[::2] for item in text.split())
+
+
+def fragmentation_label(dev: Any) -> str:
+    """What a report calls the device memory's fragmentation: the replay's (with no flat margin where the stream is
+    checked against the real run's, `Inventory.stream_checked`), or the flat margin."""
+    if dev.replayed and not dev.margin:
+        return "fragmentation (the caching allocator's replay; no flat margin: the stream checked against the real run)"
+    if dev.replayed:
+        return "fragmentation (the caching allocator's replay, above the margin)"
+    return f"fragmentation margin ({dev.margin:.0%} of the allocated peak)"
