@@ -9,7 +9,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.plan.limits import largest, largest_under
+from memplan.plan.limits import largest, largest_replayed, largest_under, settled
 
 
 @settings(max_examples=150, deadline=None)
@@ -45,3 +45,18 @@ def test_few_probes_on_an_affine_need():
     assert len(probes) == 4 and len(set(probes)) == 4
     assert largest(lambda s: need(s) <= 85_900_000_000, 8, 1 << 24) == 3056
     assert len(probes) - 4 >= 18
+
+
+def test_settled_moves_below_a_shorter_length_that_dies():
+    # a replay-like verdict, not monotone: fits up to 1,000 steps except at 900 (a shorter length that dies, as the
+    # llama3-8b replay at 13,056 tokens under 14,848 that complete). fits_below / largest_replayed's plain answer is
+    # 1,000 (fits, 1,001 not); the window (6 lengths, 1/48 of 1,000 = 20 steps apart: 980 .. 880) holds 900, so the
+    # answer goes below it: 899 (fits, 900 not), whose own window (18 steps apart: 881 .. 791) fits
+    def fits(x: int) -> bool:
+        return x <= 1000 and x != 900
+
+    assert settled(fits, 1000, 1) == 899
+    assert largest_replayed(lambda x: x, 1000, fits, 1, 10**6) == 899
+    # a length outside the window is not sampled: the answer stays (the window is a sample, not a proof)
+    assert settled(lambda x: x <= 1000 and x != 500, 1000, 1) == 1000
+    assert settled(lambda x: True, None, 1) is None
