@@ -8,6 +8,9 @@ two decoder layers of each kind and the model's last two (validation/compose.py)
 (the reference the composition is tested against; about 0.9 s of CPU per decoder layer). Prints one line per
 model: its layers, the layers traced, the wall seconds, the CPU seconds of this process and the machine's load
 average (1 min) before and after, since wall time on a shared machine depends on it. A figure, not a test.
+The first model of a process also pays the one-time warm-up a fresh `memplan trace` pays (torch._dynamo and the
+model's module imported, torch's and sympy's caches filled: ~5 s of CPU on this machine); give one name per
+process for that figure.
 ``--out DIR`` writes each inventory to DIR/<model>.yaml (what `memplan trace --out` writes), so a change to the
 tracer can be checked byte for byte against the inventories from before it (``cmp``).
 """
