@@ -1,13 +1,18 @@
 """The wall time of tracing transformers' code (validation/trace.py) at full size, for five families.
 
-    python benchmarks/bench_trace.py [--impl hf-sdpa] [--kernels cpu] [--whole] [--saves-only] [names...]
+    python benchmarks/bench_trace.py [--impl hf-sdpa] [--kernels cpu] [--whole] [--saves-only] [--out DIR] [names...]
 
 Each trace is what `--impl hf-*` runs on first use of a config.json: forward + loss + backward under
 FakeTensorMode with symbolic s and b, once as is and once with gradient checkpointing, composed from the first
-two and the last two decoder layers of each kind (validation/compose.py). `--whole` traces every layer instead
+two decoder layers of each kind and the model's last two (validation/compose.py). `--whole` traces every layer instead
 (the reference the composition is tested against; about 0.9 s of CPU per decoder layer). Prints one line per
 model: its layers, the layers traced, the wall seconds, the CPU seconds of this process and the machine's load
 average (1 min) before and after, since wall time on a shared machine depends on it. A figure, not a test.
+The first model of a process also pays the one-time warm-up a fresh `memplan trace` pays (torch._dynamo and the
+model's module imported, torch's and sympy's caches filled: ~5 s of CPU on this machine); give one name per
+process for that figure.
+``--out DIR`` writes each inventory to DIR/<model>.yaml (what `memplan trace --out` writes), so a change to the
+tracer can be checked byte for byte against the inventories from before it (``cmp``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from validation.trace import trace_hf_config
+from validation.trace import to_yaml, trace_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent / "configs" / "traced"
 
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--whole", action="store_true", help="trace every decoder layer (no composition)")
     p.add_argument("--saves-only", action="store_true", help="no backward: the saved tensors only")
+    p.add_argument("--out", type=Path, help="write each inventory to DIR/<model>.yaml")
     a = p.parse_args(argv)
     unknown = sorted(set(a.names) - set(MODELS))
     if unknown:
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         traced = told[0].split(": ")[1].split(" decoder layers")[0] if told else "?"
         print(f"{name:16} {data['num_layers']:3} layers, traced {traced:>9}: {wall:6.1f} s wall, {cpu:6.1f} s CPU "
               f"(load average {load:.1f} -> {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)", flush=True)
+        if a.out is not None:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / f"{name}.yaml").write_text(to_yaml(data))
     return 0
 
 

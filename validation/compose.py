@@ -5,8 +5,8 @@ twice (as is and with gradient checkpointing), though most layers are copies of 
 a built model's decoder layers into *kinds* (``layer_kinds``): layers whose modules (class and path), parameter
 shapes and dtypes and per-layer settings (every plain attribute of every module, ``attention_type``,
 ``sliding_window``, ``is_sliding``..., except the layer's own index) are the same, plus the config's per-layer
-list entries (``layer_types``).  It keeps, of each kind, the first two and the last two layers (the ends of a
-kind differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
+list entries (``layer_types``).  It keeps, of each kind, the first two layers, and the model's last two (the
+ends differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
 checkpoint's tensors they were the last to use; validation/trace.py samples exactly these) and swaps the
 decoder layers' ModuleList for those alone, in their order; the config's per-layer lists and its layer count
 are cut to match, and the kept layers' own indices (``layer_idx``) are their new positions, so a model that reads
@@ -59,8 +59,17 @@ def layer_kinds(model: torch.nn.Module, path: str, n: int) -> list[list[int]]:
 
 
 def representatives(kinds: list[list[int]]) -> list[int]:
-    """The layers traced: of each kind the first two and the last two."""
-    return sorted({i for layers in kinds for i in layers[:2] + layers[-2:]})
+    """The layers traced: of each kind the first two, and the model's last two layers.
+
+    A layer's trace differs from its kind's only at the model's ends: the bottom layers (the first of
+    each kind) are the last to use, in the backward, what the layers share (rotary tables of their kind,
+    checkpointed inputs), and the top two see the head's gradient.  A kind's last layer in the middle of
+    the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2 under the MoE ones)
+    traces as its second layer does, so it is not traced again (the five full-size traces of
+    benchmarks/bench_trace.py are byte-identical to the ones that traced every kind's last two layers;
+    tests/test_trace.py compares with the whole model)."""
+    n = 1 + max((i for layers in kinds for i in layers), default=-1)
+    return sorted({i for layers in kinds for i in layers[:2]} | set(range(max(n - 2, 0), n)))
 
 
 def copies(kinds: list[list[int]]) -> dict[int, int]:

@@ -11,7 +11,7 @@ out as a symbolic expression: an exact polynomial in s and b with integer coeffi
 written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
 
 The real config's sizes are used (no reduced model), but not every decoder layer runs: the
-first two and the last two layers of each kind (``validation/compose.py``: layers with the same
+first two layers of each kind and the model's last two (``validation/compose.py``: layers with the same
 modules, parameter shapes and per-layer settings, e.g. Gemma 3's sliding layers, whose sdpa keeps
 an s x s mask, beside its global ones, or DeepSeek-V3's dense first layers before the MoE ones)
 run, with the embedding, head and loss once, and every other layer takes its kind's terms
@@ -447,14 +447,18 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
 
 def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
                  make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
-                 python_dispatcher: bool = True, kernels: str = "cpu", step: dict | None = None) -> dict:
+                 python_dispatcher: bool = True, kernels: str = "cpu", step: dict | None = None,
+                 shapes: dict | None = None) -> dict:
     """``symbolic_saves``' run, as a dict (model, storages, conditions); with ``step`` (``layers``:
     model -> (decoder layers' module path, their number), ``checkpoint``: gradient checkpointing on)
     also the backward (``loss.backward()`` under the same fake mode, so the gradients are symbolic
     too) with every live storage followed (validation/transients.py): ``sampler`` (the candidate
     moments per layer and of the head), ``kept`` (checkpointing: the tensors every checkpointed
     layer is given, alive when the backward starts, and a layer's input), ``args`` (decoder layers'
-    input tensors by (argument, first layer): the records, to match the two runs)."""
+    input tensors by (argument, first layer): the records, to match the two runs).  ``shapes``: a dict the
+    runs of one trace share, which keeps the first run's ShapeEnv, symbols s, b and their SymInts, so a
+    later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
+    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -465,13 +469,19 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
         raise ValueError(f"kernels must be one of {KERNELS}")
     if kernels == "cuda" and not python_dispatcher:
         raise ValueError("the CUDA kernels are emulated through the python dispatcher")
-    env = ShapeEnv(duck_shape=False)
-    symbols = {}
-    sizes = {}
-    for name, hint in (("s", s_hint), ("b", b_hint)):
-        sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
-        symbols[sym] = name
-        sizes[name] = env.create_symintnode(sym, hint=hint)
+    shapes = {} if shapes is None else shapes
+    if "env" not in shapes:
+        env = ShapeEnv(duck_shape=False)
+        symbols = {}
+        sizes = {}
+        for name, hint in (("s", s_hint), ("b", b_hint)):
+            sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+            symbols[sym] = name
+            sizes[name] = env.create_symintnode(sym, hint=hint)
+        shapes.update(env=env, symbols=symbols, sizes=sizes, hints=(s_hint, b_hint))
+    elif shapes["hints"] != (s_hint, b_hint):
+        raise ValueError("a shared ShapeEnv needs the same hints")
+    env, symbols, sizes = shapes["env"], shapes["symbols"], shapes["sizes"]
     named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
     cuda = _CudaKernels(named) if kernels == "cuda" else None
     run: dict = {}
@@ -811,7 +821,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     polynomials assume about s and b), ``num_layers``, ``layer_groups``, ``outside`` and, with
     ``moments``, ``checkpoint`` (what gradient checkpointing keeps) and ``moments``.
 
-    ``compose``: trace the first two and the last two decoder layers of each kind only, with the embedding,
+    ``compose``: trace the first two decoder layers of each kind and the model's last two only, with the embedding,
     head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     """
@@ -845,10 +855,12 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         return holder["path"], len(holder["index"])
 
     sampled: list[int] = []  # the checkpointed run samples the layers the plain run chose
+    shapes: dict = {}
 
     def run(checkpoint: bool) -> dict:
         out = symbolic_run(build, _forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
-                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled} if moments else None)
+                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled} if moments else None,
+                           shapes=shapes)
         sampled[:] = out.get("sampled", [])
         return out
 

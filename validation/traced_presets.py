@@ -6,7 +6,7 @@ the transformers config.json it was traced from and one file per implementation 
     python -m validation.traced_presets qwen2.5-7b # one model
 
 Tracing the transients runs the backward twice more (as is and with gradient checkpointing); the trace runs
-the first two and last two decoder layers of each kind only (validation/compose.py), so a file takes seconds
+the first two decoder layers of each kind and the model's last two only (validation/compose.py), so a file takes seconds
 (benchmarks/bench_trace.py). Files of format
 /1 (no transients: memplan derives them, memplan/inventory/traced.py) still load, and --check re-traces them as they
 were made.
