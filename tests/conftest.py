@@ -80,7 +80,8 @@ def announce(pytestconfig):
 def peak_steps():
     """`run_peak(cases)` (memplan.check.peak) measuring each whole training step once per test run:
     the results of the cases measured before (by any test file) are reused, in the order asked. Only for
-    the measurement fixtures: a test that changes memplan's prediction (monkeypatch) calls run_peak itself."""
+    the measurement fixtures: a result's prediction was made unpatched, so a test that changes memplan's prediction
+    (monkeypatch) predicts again (memplan.check.peak.predict_peak) against the result's measurement."""
     from memplan.check.peak import run_peak
 
     done = {}
