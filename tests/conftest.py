@@ -5,8 +5,8 @@ The suite measures real torch code for minutes; each measurement is made once pe
   worker (pyproject's addopts: --dist loadfile): one worker measures a file's grid while the other goes on with
   other files (a file lock and a cache shared by the workers would make the second worker wait for the first);
 - the whole training steps of `memplan validate --peak` (tests/test_validate_peak.py's grid, ~200 s; the subsets
-  tests/test_chunked_loss.py and tests/test_mst.py measure) are measured once through the session fixture
-  `peak_steps`: those three files are one unit of work (PEAK_FILES, pytest_xdist_make_scheduler below);
+  tests/test_chunked_loss.py, tests/test_mst.py and tests/test_optimizers.py measure) are measured once through the
+  session fixture `peak_steps`: those four files are one unit of work (PEAK_FILES, pytest_xdist_make_scheduler below);
 - the workers are handed that unit first (the longest), then the files with a module-scoped fixture of their own
   (the other measurements), then the rest, which fills both workers up to the end (pyproject's addopts:
   --no-loadscope-reorder keeps this order, pytest_collection_modifyitems makes it).
@@ -31,7 +31,8 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-PEAK_FILES = ("tests/test_chunked_loss.py", "tests/test_mst.py", "tests/test_validate_peak.py")
+PEAK_FILES = ("tests/test_chunked_loss.py", "tests/test_mst.py", "tests/test_optimizers.py",
+              "tests/test_validate_peak.py")
 PEAK_UNIT = "peak steps"
 
 
@@ -79,7 +80,8 @@ def announce(pytestconfig):
 def peak_steps():
     """`run_peak(cases)` (memplan.check.peak) measuring each whole training step once per test run:
     the results of the cases measured before (by any test file) are reused, in the order asked. Only for
-    the measurement fixtures: a test that changes memplan's prediction (monkeypatch) calls run_peak itself."""
+    the measurement fixtures: a result's prediction was made unpatched, so a test that changes memplan's prediction
+    (monkeypatch) predicts again (memplan.check.peak.predict_peak) against the result's measurement."""
     from memplan.check.peak import run_peak
 
     done = {}

@@ -227,17 +227,24 @@ MEASURED = [(algo, impl) for algo in ("adamw", "sgd", "sgd-nomomentum", "adafact
 
 
 @pytest.fixture(scope="module")
-def measured(announce):
+def measured(announce, peak_steps):
+    """Each step's measurement (validation/step.py); measured once with tests/test_validate_peak.py's grid (the
+    session's `peak_steps`), which has all of these steps but GPT-2's AdamW at h = 256."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from validation.step import StepCase, measure_step
+    from memplan.check.peak import PeakCase, peak_grid, step_fields
 
-    out = {}
-    with announce(f"measuring {3 * len(MEASURED)} training steps with SGD, Adafactor, Muon and AdamW"):
-        for algo, impl in MEASURED:
-            for name, shape, loop in (("llama", STEP, "torch"), ("k22", K22, "megatron"), ("gpt2", GPT2_STEP, "torch")):
-                out[name, algo, impl] = measure_step(StepCase(**shape, loop=loop, optimizer=impl, algorithm=algo))
-    return out
+    def key(case):
+        return tuple(step_fields(case).items())
+
+    grid = {key(c): c for c in peak_grid(fake=False)}
+    cases = {}
+    for algo, impl in MEASURED:
+        for name, shape in (("llama", STEP), ("k22", K22), ("gpt2", GPT2_STEP)):
+            case = PeakCase(name, **shape, optimizer=impl, algorithm=algo)
+            cases[name, algo, impl] = grid.get(key(case), case)
+    with announce(f"measuring {len(cases)} training steps with SGD, Adafactor, Muon and AdamW"):
+        return {k: r.measurement for k, r in zip(cases, peak_steps(list(cases.values())))}
 
 
 def _predicted_stage(name: str, algo: str, impl: str):

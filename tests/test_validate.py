@@ -16,7 +16,7 @@ from memplan.inventory import assemble as inventory  # noqa: E402
 from memplan.core.symbolic import Poly  # noqa: E402
 from memplan.inventory.types import Inventory  # noqa: E402
 from memplan.check.cases import grid  # noqa: E402
-from memplan.check.validate import run, summary  # noqa: E402
+from memplan.check.validate import predict, run, summary  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +72,26 @@ def _perturbed(term_id, elements):
 
 
 @pytest.mark.parametrize("term_id, elements", [("gelu_input", "4 s b h"), ("softmax_mask", "2 a s^2 b")])
-def test_a_wrong_term_fails(monkeypatch, term_id, elements):
+def test_a_wrong_term_fails(cpu_results, monkeypatch, term_id, elements):
     # gelu_input is s*b*f elements; saying 4sbh with f = 160 != 4h is wrong for the second shape.
     # softmax_mask is as^2b one-byte elements; doubling it is wrong everywhere.
     monkeypatch.setattr(inventory, "inventory_for", _perturbed(term_id, elements))
     cases = [c for c in grid("cpu", tps=(1,), recomputes=("none",), fake=False) if c.backend == "ledger"]
-    results = run(cases, "cpu")
+    # what `run(cases, "cpu")` gives under the perturbed inventory: memplan's prediction now against the grid's
+    # measurement of the same (deterministic) case, not measured again
+    measured = {r.case: r for r in cpu_results}
+    assert cases and all(c in measured for c in cases)
+    results = [dataclasses.replace(measured[c], predicted=predict(c, "cpu")) for c in cases]
     failed = [r for r in results if not r.passed]
     assert failed
     assert all(any(label == term_id for label, _, _ in r.mismatched) for r in failed)
 
 
 def test_validate_cli_exit_1_on_a_wrong_term(monkeypatch, run_cli):
+    # the reference layer's cases only (--no-hf): the wrong qk term is the reference inventory's; the transformers
+    # cases are measured against memplan in tests/test_validate_hf.py, the traced families in tests/test_trace.py
     monkeypatch.setattr(inventory, "inventory_for", _perturbed("qk", "s b h"))
-    code, out, _ = run_cli("validate", "--tp", "1", "--recompute", "none", "--no-fake", "--no-mcore")
+    code, out, _ = run_cli("validate", "--tp", "1", "--recompute", "none", "--no-fake", "--no-mcore", "--no-hf")
     assert code == 1 and "FAIL" in out and "qk" in out
 
 

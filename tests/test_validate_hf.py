@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from memplan.inventory import assemble as inventory  # noqa: E402
 from memplan.check.cases import hf_grid  # noqa: E402
-from memplan.check.validate import run  # noqa: E402
+from memplan.check.validate import predict, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_llama3_8b_layer_eager_vs_sdpa(hf_results):
 
 
 @pytest.mark.parametrize("term_id", ["up_out", "gelu_tanh_out", "ln1_fp32_input"])
-def test_removing_a_term_fails(monkeypatch, term_id):
+def test_removing_a_term_fails(hf_results, monkeypatch, term_id):
     original = inventory.inventory_for
 
     def without(model, impl="megatron", device="cuda"):
@@ -49,6 +49,11 @@ def test_removing_a_term_fails(monkeypatch, term_id):
         return dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != term_id))
 
     monkeypatch.setattr(inventory, "inventory_for", without)
-    results = run([c for c in hf_grid(fake=False) if c.scope == "layer"], "cpu")
+    # what `run(cases, "cpu")` gives without the term: memplan's prediction now against the grid's measurement of
+    # the same (deterministic) layer, not measured again
+    measured = {r.case: r for r in hf_results}
+    cases = [c for c in hf_grid(fake=False) if c.scope == "layer"]
+    assert cases and all(c in measured for c in cases)
+    results = [dataclasses.replace(measured[c], predicted=predict(c, "cpu")) for c in cases]
     failed = [r for r in results if not r.passed]
     assert failed and all(any(label == term_id for label, _, _ in r.mismatched) for r in failed)

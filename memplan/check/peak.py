@@ -266,6 +266,9 @@ class PeakResult:
     tolerance: float = PEAK_TOLERANCE
     predicted_params: Optional[int] = None  # memplan's parameter count of the model (states.total_params)
     measured_params: Optional[int] = None  # the real model's (its bf16 weights' bytes / 2)
+    # the harness's whole measurement (validation/step.py StepMeasurement: states, phases, timeline), for the
+    # checks that read more of the same step than its peak
+    measurement: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def error(self) -> float:
@@ -291,7 +294,7 @@ def run_peak(cases: list[PeakCase], tolerance: float = PEAK_TOLERANCE) -> list[P
         at = e.phase + (f" {e.layer}" if e.layer is not None else "")
         measured_at = m.peak_phase + (f" {m.peak_layer + 1}" if m.peak_layer is not None else "")  # layers from 1
         results.append(PeakResult(c, predicted, int(m.peak_bytes), at, measured_at, e.moment, tolerance,
-                                  total_params(peak_config(c).model), m.persistent["weights"] // 2))
+                                  total_params(peak_config(c).model), m.persistent["weights"] // 2, m))
     return results
 
 
