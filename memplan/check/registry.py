@@ -150,7 +150,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "mvp": ("estimate", _ENCODER),
     "nemotron_h": ("estimate", _RECURRENT),
     "olmo_hybrid": ("estimate", _RECURRENT),
-    "openai-gpt": ("estimate", "GPT-1: GPT-2's layer without a final LayerNorm (ModelSpec always has one)"),
+    "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
+                            "specialises s"),
     "opt": ("estimate", "OPT: learned positions of max_position_embeddings + 2 rows, and project_in / project_out "
                         "where word_embed_proj_dim differs from h"),
     "pegasus": ("estimate", _ENCODER),

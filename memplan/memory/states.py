@@ -145,7 +145,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", Poly.parse("s h"), False, "first"))
-    if model.norm_params:
+    if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
@@ -302,6 +302,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                       for w in final] if model.embedding_norm else []
     if not model.norm_params:  # OLMo, nanochat: norms without weights
         norm, final = [], []
+    if not model.final_norm:  # GPT-1: no norm after the last layer
+        final = []
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
                             4 if model.has_norm_bias else 2)] \
         if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []

@@ -334,6 +334,15 @@ def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("layer_norm_epsilon"))
 
 
+def _openai_gpt(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-1 (openai-gpt): GPT-2's widths (LayerNorms and linears biased, a GeLU MLP 4h wide, learned positions,
+    tied) with post-norm layers (ln_1(x + attn), ln_2(n + mlp)) and no final norm."""
+    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
+                num_attention_heads=_int(data, "n_head", 12, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", final_norm=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
 def _gpt_neo(data: dict, path: Path) -> dict[str, Any]:
     """GPT-Neo: LayerNorms with bias, q / k / v without bias, out_proj and the MLP (intermediate_size or 4h) biased,
     learned positions, local / global attention (no parameters), tied embeddings."""
@@ -375,7 +384,7 @@ def _ctrl(data: dict, path: Path) -> dict[str, Any]:
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
-    "CTRLLMHeadModel": _ctrl,
+    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
 
@@ -383,7 +392,8 @@ OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
              "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
-             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
+             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
+             "OpenAIGPTLMHeadModel": ("n_positions", 512)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -401,6 +411,7 @@ APPROXIMATED = {
     "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
     "GPTNeoForCausalLM": "GPT-Neo alternates global and local attention and biases out_proj and the MLP only",
     "CTRLLMHeadModel": "CTRL adds sinusoidal positions (no RoPE) and its MLP is ReLU",
+    "OpenAIGPTLMHeadModel": "GPT-1 normalises each sub-layer's residual sum (post-norm) and has no final norm",
     "BloomForCausalLM": "BLOOM's attention has ALiBi position biases (no RoPE) and its embeddings a LayerNorm",
     "OlmoForCausalLM": "OLMo's LayerNorms have no weights",
     "NanoChatForCausalLM": "nanochat's RMSNorms have no weights and its MLP is ReLU squared",
