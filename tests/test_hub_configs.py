@@ -20,7 +20,8 @@ FIXTURES = sorted(p.stem for p in HUB.glob("*.json"))
 FAMILIES = ["olmo2-7b", "granite-3.1-8b", "falcon-7b", "falcon-40b", "pythia-1b", "starcoder2-3b", "command-r-v01",
             "command-r-plus", "phi-3.5-moe", "deepseek-v2-lite", "deepseek-v2", "gpt-oss-20b", "gemma3-4b",
             # and families the registry walk added (memplan/presets/hf_families.py)
-            "qwen1.5-moe-a2.7b", "phi-2", "gpt-j-6b", "bloom-560m", "mpt-7b", "gpt-neo-125m"]
+            "qwen1.5-moe-a2.7b", "phi-2", "gpt-j-6b", "bloom-560m", "mpt-7b", "gpt-neo-125m",
+            "openai-gpt", "opt-125m", "biogpt"]
 
 
 def _meta_params(config: dict) -> int:
@@ -118,11 +119,22 @@ def test_no_sdpa_list_agrees_with_transformers():
     types = {"Gemma2ForCausalLM": "gemma2", "GptOssForCausalLM": "gpt_oss", "VaultGemmaForCausalLM": "vaultgemma",
              "GraniteSWAForCausalLM": "granite_swa", "GraniteMoeSWAForCausalLM": "granitemoe_swa",
              "BloomForCausalLM": "bloom", "MptForCausalLM": "mpt", "MPTForCausalLM": "mpt", "GPTJForCausalLM": "gptj",
-             "CodeGenForCausalLM": "codegen", "XGLMForCausalLM": "xglm", "GPTNeoForCausalLM": "gpt_neo"}
+             "CodeGenForCausalLM": "codegen", "XGLMForCausalLM": "xglm", "GPTNeoForCausalLM": "gpt_neo",
+             "OpenAIGPTLMHeadModel": "openai-gpt"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
     missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]
     assert sorted({types[a] for a in missing}) == sorted(NO_SDPA)
+
+
+def test_opt_350m_projections_are_refused_in_one_line(tmp_path):
+    """OPT-350m (post-norm, word_embed_proj_dim 512 != hidden_size 1024: project_in / project_out) is not read."""
+    config = {**json.loads((HUB / "opt-125m.json").read_text()), "hidden_size": 1024, "word_embed_proj_dim": 512,
+              "do_layer_norm_before": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MemplanError, match="project_in / project_out") as err:
+        read_hf_config(str(tmp_path / "config.json"))
+    assert "\n" not in str(err.value)
 
 
 def test_mlp_bias_alone_is_refused_in_one_line(tmp_path):

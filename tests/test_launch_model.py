@@ -144,6 +144,8 @@ HUB_LAYOUTS = {
     "gpt-oss-20b": "attention sinks",  # GptOssAttention.sinks
     "phi-3.5-moe": "a bias on the output head",  # PhimoeForCausalLM lm_head_bias
     "gemma3-4b": "GeLU-gated",  # gelu_pytorch_tanh
+    "openai-gpt": "no final norm",  # OpenAIGPTModel: no LayerNorm after the last Block
+    "opt-125m": "position rows beyond", "biogpt": "position rows beyond",  # learned positions offset by 2
     "deepseek-v2": None, "deepseek-v2-lite": None, "starcoder2-3b": None, "granite-3.1-8b": None,
 }
 

@@ -31,7 +31,8 @@ NAMED = ["olmo2", "granite", "falcon", "gpt_neox", "starcoder2", "cohere", "phim
 # the families the third wave read (memplan/presets/hf_families.py), each estimated with the exact count
 WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "phi", "gptj",
            "codegen", "bloom", "olmo", "glm", "glm4", "nemotron", "persimmon", "arcee", "ministral", "mpt", "dbrx",
-           "gpt_neo", "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2"]
+           "gpt_neo", "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2",
+           "openai-gpt", "opt", "biogpt"]  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,8 @@ def _shrink(data: dict) -> dict:
         out["head_dim"] = out["qk_rope_head_dim"]
     if "qk_head_dim" in data and "qk_nope_head_dim" in data:  # the derived width the defaults wrote out
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if "word_embed_proj_dim" in data and data["word_embed_proj_dim"] == data.get("hidden_size"):  # OPT: no projection
+        out["word_embed_proj_dim"] = out["hidden_size"]
     if "kv_lora_rank" in data and "num_key_value_heads" in data:  # latent attention: one K / V per query head
         out["num_key_value_heads"] = out["num_attention_heads"]
     n = _SMALL.get(layers_key, 2) if layers_key else None

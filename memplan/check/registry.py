@@ -57,8 +57,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "bert-generation": ("estimate", _ENCODER),
     "big_bird": ("estimate", _ENCODER),
     "bigbird_pegasus": ("estimate", _ENCODER),
-    "biogpt": ("estimate", "learned positions max_position_embeddings + 2 rows (an offset of 2): ModelSpec's learned "
-                           "positions are s rows"),
     "bitnet": ("estimate", "sub-norms inside the attention (attn_sub_norm, h) and the MLP (ffn_sub_norm, f): no "
                            "ModelSpec field"),
     "blenderbot": ("estimate", _ENCODER),
@@ -150,9 +148,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "mvp": ("estimate", _ENCODER),
     "nemotron_h": ("estimate", _RECURRENT),
     "olmo_hybrid": ("estimate", _RECURRENT),
-    "openai-gpt": ("estimate", "GPT-1: GPT-2's layer without a final LayerNorm (ModelSpec always has one)"),
-    "opt": ("estimate", "OPT: learned positions of max_position_embeddings + 2 rows, and project_in / project_out "
-                        "where word_embed_proj_dim differs from h"),
+    "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
+                            "specialises s"),
     "pegasus": ("estimate", _ENCODER),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),

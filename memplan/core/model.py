@@ -89,6 +89,12 @@ class ModelSpec(Spec):
     norm_params: bool = Field(
         default=True, description="whether the norms (the q / k norms too) have learned weights (False: OLMo's "
         "LayerNorm and nanochat's RMSNorm have none)")
+    position_offset: int = Field(
+        default=0, ge=0, le=8, description="learned position rows beyond s (OPT's and BioGPT's 2: their position "
+        "ids start at 2)")
+    final_norm: bool = Field(
+        default=True, description="a norm after the last layer (False: GPT-1, openai-gpt, whose post-norm layers "
+        "end in their own LayerNorm)")
     embedding_norm: bool = Field(
         default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
         "word_embeddings_layernorm)")

@@ -277,7 +277,8 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "vaultgemma": "VaultGemma (attention logit soft-capping)", "granite_swa": "Granite-SWA (attention sinks)",
            "granitemoe_swa": "Granite-MoE-SWA (attention sinks)", "bloom": "BLOOM (ALiBi)", "mpt": "MPT (ALiBi)",
            "gptj": "GPT-J (eager attention only)", "codegen": "CodeGen (eager attention only)",
-           "xglm": "XGLM (eager attention only)", "gpt_neo": "GPT-Neo (eager attention only)"}
+           "xglm": "XGLM (eager attention only)", "gpt_neo": "GPT-Neo (eager attention only)",
+           "openai-gpt": "GPT-1 (eager attention only)"}
 
 
 def check_impl(data: object, impl: str) -> None:

@@ -193,6 +193,8 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.mlp_bias and not model.bias, "biases on the MLP's linears only"),
                (model.out_bias and not model.bias, "a bias on the attention output alone"),
                (model.moe_shared_gate, "a gate on the shared experts"), (not model.norm_params, "norms without weights"),
+               (not model.final_norm, "no final norm"),
+               (model.position_offset > 0, "position rows beyond the sequence"),
                (model.embedding_norm, "a norm on the embeddings"),
                (model.qk_norm and model.qk_norm_width == "full", "Q and K norms over the whole width"),
                (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias")]

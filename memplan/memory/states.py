@@ -144,8 +144,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
-        groups.append(ParamGroup("position embedding", Poly.parse("s h"), False, "first"))
-    if model.norm_params:
+        rows = f"s h + {model.position_offset} h" if model.position_offset else "s h"  # OPT, BioGPT: 2 more rows
+        groups.append(ParamGroup("position embedding", Poly.parse_sum(rows), False, "first"))
+    if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
@@ -302,6 +303,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                       for w in final] if model.embedding_norm else []
     if not model.norm_params:  # OLMo, nanochat: norms without weights
         norm, final = [], []
+    if not model.final_norm:  # GPT-1: no norm after the last layer
+        final = []
     qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
                             4 if model.has_norm_bias else 2)] \
         if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []
@@ -364,7 +367,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
     first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
     if model.position_embedding == "learned":
-        first.append(WeightShape("position embedding", "position embedding", P("s"), P("h")))
+        rows = Poly.parse_sum(f"s + {model.position_offset}") if model.position_offset else P("s")
+        first.append(WeightShape("position embedding", "position embedding", rows, P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),

@@ -414,7 +414,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
             parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
             drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",
                                                      "attention_dropout", "activation_dropout", "resid_dropout",
-                                                     "embed_dropout") if k in d]
+                                                     "embed_dropout", "hidden_dropout_prob",
+                                                     "attention_probs_dropout_prob") if k in d]
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
                         dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops),
                         **OWN_KEYS[known[0]](data, path))

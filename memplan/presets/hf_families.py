@@ -334,6 +334,43 @@ def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("layer_norm_epsilon"))
 
 
+def _openai_gpt(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-1 (openai-gpt): GPT-2's widths (LayerNorms and linears biased, a GeLU MLP 4h wide, learned positions,
+    tied) with post-norm layers (ln_1(x + attn), ln_2(n + mlp)) and no final norm."""
+    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
+                num_attention_heads=_int(data, "n_head", 12, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", final_norm=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
+
+
+def _opt(data: dict, path: Path) -> dict[str, Any]:
+    """OPT: pre-LayerNorms with bias, q / k / v / out_proj and a ReLU MLP ffn_dim wide (biased unless enable_bias is
+    false), max_position_embeddings + 2 learned position rows, tied embeddings; OPT-350m's post-norm layers with
+    project_in / project_out (word_embed_proj_dim != hidden_size) are refused."""
+    h = _int(data, "hidden_size", 768, path)
+    if not flag(data, "do_layer_norm_before", True, path) or data.get("word_embed_proj_dim", h) != h or \
+            flag(data, "_remove_final_layer_norm", False, path) or \
+            not flag(data, "layer_norm_elementwise_affine", True, path):
+        raise MemplanError(f"{path}: OPT with post-norm layers, project_in / project_out (word_embed_proj_dim "
+                           f"{echo(data.get('word_embed_proj_dim'))} != hidden_size {h}) or norms without weights: "
+                           f"memplan reads pre-norm OPT only; {_YAML}")
+    return dict(num_layers=_int(data, "num_hidden_layers", 12, path), hidden_size=h,
+                num_attention_heads=_int(data, "num_attention_heads", 12, path),
+                ffn_hidden_size=_int(data, "ffn_dim", 3072, path), norm="layernorm", mlp="gelu",
+                bias=flag(data, "enable_bias", True, path), position_embedding="learned", position_offset=2,
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _biogpt(data: dict, path: Path) -> dict[str, Any]:
+    """BioGPT: pre-LayerNorms with bias, every linear biased, a GeLU MLP intermediate_size wide, scaled word
+    embeddings (no parameter), max_position_embeddings + 2 learned position rows, tied output_projection."""
+    return dict(num_layers=_int(data, "num_hidden_layers", 24, path), hidden_size=_int(data, "hidden_size", 1024, path),
+                num_attention_heads=_int(data, "num_attention_heads", 16, path),
+                ffn_hidden_size=_int(data, "intermediate_size", 4096, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", position_offset=2, norm_eps=data.get("layer_norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 def _gpt_neo(data: dict, path: Path) -> dict[str, Any]:
     """GPT-Neo: LayerNorms with bias, q / k / v without bias, out_proj and the MLP (intermediate_size or 4h) biased,
     learned positions, local / global attention (no parameters), tied embeddings."""
@@ -375,7 +412,8 @@ def _ctrl(data: dict, path: Path) -> dict[str, Any]:
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
-    "CTRLLMHeadModel": _ctrl,
+    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt,
+    "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
 
@@ -383,7 +421,9 @@ OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
              "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
-             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256)}
+             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
+             "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
+             "BioGptForCausalLM": ("max_position_embeddings", 1024)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -401,6 +441,8 @@ APPROXIMATED = {
     "XGLMForCausalLM": "XGLM adds sinusoidal positions (no RoPE)",
     "GPTNeoForCausalLM": "GPT-Neo alternates global and local attention and biases out_proj and the MLP only",
     "CTRLLMHeadModel": "CTRL adds sinusoidal positions (no RoPE) and its MLP is ReLU",
+    "OpenAIGPTLMHeadModel": "GPT-1 normalises each sub-layer's residual sum (post-norm) and has no final norm",
+    "OPTForCausalLM": "OPT's MLP is ReLU",
     "BloomForCausalLM": "BLOOM's attention has ALiBi position biases (no RoPE) and its embeddings a LayerNorm",
     "OlmoForCausalLM": "OLMo's LayerNorms have no weights",
     "NanoChatForCausalLM": "nanochat's RMSNorms have no weights and its MLP is ReLU squared",
