@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
 from memplan.memory.states import param_groups, total_params, weight_shapes
 from memplan.presets.hf_config import read_hf_config
 
@@ -181,3 +182,16 @@ def test_complex64_saves_are_sized_as_8_byte_elements():
 
     assert term_dtype("complex64") == "int64"
     assert torch.empty(0, dtype=torch.complex64).element_size() == INT64_BYTES == 8
+
+
+@pytest.mark.parametrize("name", ["opt-125m", "biogpt", "gpt-neo-125m"])
+def test_a_learned_position_table_keeps_its_rows_at_any_seq_len(name):
+    # before: the learned table was counted as s rows, so training OPT-125m (2,048 + 2 rows) at s = 512 counted
+    # 1,536 x 768 = 1,179,648 parameters fewer than transformers builds. The table is max_position_embeddings rows
+    # (+ OPT's / BioGPT's 2) whatever s trains: the count at a shorter s is transformers' meta-device count
+    pytest.importorskip("transformers")
+    preset = read_hf_config(str(HUB / f"{name}.json"))
+    shorter = preset.model.model_copy(update={"seq_length": 256})
+    assert total_params(shorter) == _meta_params(json.loads((HUB / f"{name}.json").read_text()))
+    with pytest.raises(ValueError, match="longer than the learned position table"):
+        ModelSpec(**{**preset.model.model_dump(exclude_unset=True), "seq_length": preset.model.position_rows + 1})

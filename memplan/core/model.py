@@ -92,6 +92,10 @@ class ModelSpec(Spec):
     position_offset: int = Field(
         default=0, ge=0, le=8, description="learned position rows beyond s (OPT's and BioGPT's 2: their position "
         "ids start at 2)")
+    position_rows: Optional[int] = Field(
+        default=None, ge=1, description="rows of the learned position table (transformers' max_position_embeddings "
+        "/ n_positions, whatever s trains); None: s (K22's (V + s) h, Megatron-LM's --max-position-embeddings "
+        "defaulting to --seq-length)")
     final_norm: bool = Field(
         default=True, description="a norm after the last layer (False: GPT-1, openai-gpt, whose post-norm layers "
         "end in their own LayerNorm)")
@@ -283,6 +287,10 @@ class ModelSpec(Spec):
         for name in ("moe_bias", "moe_router_bias", "moe_shared_gate"):
             if getattr(self, name) and not self.is_moe:
                 raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
+        if self.position_rows is not None and self.position_embedding == "learned" and \
+                self.seq_length > self.position_rows:
+            raise ValueError(f"s = {self.seq_length:,} tokens is longer than the learned position table's "
+                             f"{self.position_rows:,} rows (max_position_embeddings)")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         return self._latent()._experts()

@@ -100,7 +100,8 @@ def megatron_launch(config: Config, impl: str = "megatron", alloc_conf: str = ""
         f"--num-attention-heads {m.num_attention_heads}",
         f"--ffn-hidden-size {m.f}",
         f"--seq-length {m.seq_length}",
-        f"--max-position-embeddings {m.seq_length}",
+        # a learned table's rows (the count memplan plans); otherwise the sequence length
+        f"--max-position-embeddings {m.position_rows if m.position_embedding == 'learned' and m.position_rows else m.seq_length}",
     ]
     if m.q != m.hidden_size and not m.is_mla:  # heads not h/a wide (Mistral-Nemo): --kv-channels (default h/a)
         args.append(f"--kv-channels {m.head_dim}")

@@ -144,13 +144,19 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
-        rows = f"s h + {model.position_offset} h" if model.position_offset else "s h"  # OPT, BioGPT: 2 more rows
-        groups.append(ParamGroup("position embedding", Poly.parse_sum(rows), False, "first"))
+        groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     return tuple(groups)
+
+
+def position_rows(model: ModelSpec) -> Poly:
+    """Rows of a learned position table: the model's own count (transformers' max_position_embeddings), else s (K22,
+    Megatron-LM), and OPT's / BioGPT's 2 rows beyond (their position ids start at 2)."""
+    rows = Poly.parse("s") if model.position_rows is None else Poly.parse(str(model.position_rows))
+    return rows + Poly.parse(str(model.position_offset)) if model.position_offset else rows
 
 
 def output_layer_group() -> ParamGroup:
@@ -367,8 +373,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
     first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
     if model.position_embedding == "learned":
-        rows = Poly.parse_sum(f"s + {model.position_offset}") if model.position_offset else P("s")
-        first.append(WeightShape("position embedding", "position embedding", rows, P("h")))
+        first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),

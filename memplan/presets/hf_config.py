@@ -467,5 +467,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
     if layout == "traced":
         spec["inventory"], how = inventory_dir(data, text, configs_dir() / "traced")
         notes += (how,)
+    if spec.get("position_embedding", "learned") == "learned":  # the table transformers builds, whatever s trains
+        spec["position_rows"] = positions
     model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))
     return ModelPreset(model, {}, {}, None, str(path), notes)
