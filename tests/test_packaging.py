@@ -2,6 +2,7 @@
 (no torch, no checkout on the path), it ships the presets and no generic top-level package."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_wheel_installs_and_runs(tmp_path, announce):
+    # no checkout on the path: with PYTHONPATH at a checkout (its memplan.egg-info) pip finds memplan installed and
+    # skips the wheel, and the commands below would import the checkout's memplan
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     dist = tmp_path / "dist"
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
@@ -22,23 +26,24 @@ def test_wheel_installs_and_runs(tmp_path, announce):
         wheel = next(dist.glob("memplan-*.whl"))
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
         subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True,
-                       timeout=600)
+                       timeout=600, env=clean)
     memplan = venv / "bin" / "memplan"
     # run away from the checkout, so nothing can come from it
-    out = subprocess.run([str(memplan), "models", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(memplan), "models", "--json"], env=clean, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     names = {row["name"] for row in json.loads(out.stdout)}
     assert names == ({p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")} |
                      {p.parent.name for p in (ROOT / "configs" / "traced").glob("*/config.json")})
     # a shipped traced inventory is read from the wheel, with no torch and no transformers
-    out = subprocess.run([str(memplan), "estimate", "--model", "qwen2.5-7b", "--impl", "hf-sdpa"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(memplan), "estimate", "--model", "qwen2.5-7b", "--impl", "hf-sdpa"], env=clean,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "traced from transformers" in out.stdout, out.stderr
-    out = subprocess.run([str(memplan), "estimate", "--model", "gpt3-530b"], cwd=tmp_path, capture_output=True,
+    out = subprocess.run([str(memplan), "estimate", "--model", "gpt3-530b"], env=clean, cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "fits in" in out.stdout, out.stderr
     site = Path(subprocess.run([str(python), "-c", "import memplan, pathlib; print(pathlib.Path(memplan.__file__)"
-                                ".parent.parent)"], cwd=tmp_path, capture_output=True, text=True,
+                                ".parent.parent)"], env=clean, cwd=tmp_path, capture_output=True, text=True,
                                check=True).stdout.strip())
     assert site.is_relative_to(venv)
     assert not (site / "validation").exists() and (site / "memplan_validation").is_dir()
