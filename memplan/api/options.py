@@ -282,13 +282,15 @@ class PlanOptions:
         name, stage = ("--fsdp2", 3) if self.fsdp2 else (f"--deepspeed-zero {self.deepspeed_zero}", self.deepspeed_zero)
         if stage not in (1, 2, 3):
             raise MemplanError(f"--deepspeed-zero takes 1, 2 or 3, not {echo(stage)}")
-        if not self.impl.startswith("hf-"):
+        tune = self.impl == "torchtune" and self.fsdp2  # torchtune's distributed recipes: training.shard_model
+        if not self.impl.startswith("hf-") and not tune:
             raise MemplanError(f"{name} runs the HF Trainer's transformers model: plan it with --impl hf-sdpa or "
-                               f"hf-eager (got --impl {self.impl})")
+                               f"hf-eager" + (" (--fsdp2 also torchtune's distributed recipes: --impl torchtune)"
+                                              if self.fsdp2 else "") + f" (got --impl {self.impl})")
         if zero not in (None, stage):
             raise MemplanError(f"{name} is ZeRO stage {stage}; it conflicts with --zero {zero}"
                                + (" (--distributed-optimizer)" if self.distributed_optimizer else ""))
-        return stage, "fsdp2" if self.fsdp2 else "deepspeed"
+        return stage, "torchtune" if tune else "fsdp2" if self.fsdp2 else "deepspeed"
 
     def titan_recompute(self) -> Optional[str]:
         """--ac as memplan's recompute (none, full, selective-op = selective, selective-layer[:N] = full of the layers

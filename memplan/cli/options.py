@@ -174,7 +174,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--fsdp2", is_flag=True, default=None,
                      help="HF Trainer / accelerate with FSDP2 (fsdp_version 2; --impl hf-*): ZeRO 3 plus the "
                           "unsharded layers in flight (prefetch, reduce-scatter input; derived) or the output layer "
-                          "at the loss (measured on CPU): memplan/memory/dp_stack.py."),
+                          "at the loss (measured on CPU); with --impl torchtune its distributed recipes' "
+                          "shard_model: 3 layers and the root (embedding, norm, output) gathered: "
+                          "memplan/memory/dp_stack.py."),
         click.option("--deepspeed-zero", type=AsciiIntRange(1, 3), metavar="1|2|3",
                      help="HF Trainer with DeepSpeed ZeRO of this stage (--impl hf-*): its reduce buckets and stage 3's "
                           "prefetch with the Trainer's 'auto' sizes (derived; memplan/memory/dp_stack.py); with "

@@ -192,9 +192,10 @@ class TrainingSpec(Spec):
             raise ValueError(f"unknown fusion {echo(unknown[0])}; known: {', '.join(FUSIONS)}")
         return tuple(name for name in FUSIONS if name in value)  # one order, no repeats
 
-    dp_stack: Optional[Literal["fsdp2", "deepspeed", "torchtitan"]] = Field(
+    dp_stack: Optional[Literal["fsdp2", "deepspeed", "torchtitan", "torchtune"]] = Field(
         default=None, description="the data-parallel stack of an HF Trainer / accelerate run: fsdp2 (ZeRO 3) or "
-        "deepspeed (ZeRO 1-3); torchtitan's FSDP2 (ZeRO 3, fp32 sharded parameters); its buffers: "
+        "deepspeed (ZeRO 1-3); torchtitan's FSDP2 (ZeRO 3, fp32 sharded parameters); torchtune's distributed "
+        "recipes' FSDP2 (training.shard_model, ZeRO 3); its buffers: "
         "memplan/memory/dp_stack.py; None: the sharding alone")
     lora_rank: int = Field(
         default=0, ge=0, description="peft LoRA adapters of this rank on the target linears, the base weights frozen "

@@ -15,6 +15,17 @@ All of it is derived from the stacks' code, not measured (CPU runs of these stac
   previous layer's), and in the backward each layer's unsharded gradients (the reduce-scatter's input, in the
   parameters' dtype) are alive: three layers during the layers' backward, the tail and the last layer's prefetch
   at the loss; memplan keeps the larger all step.
+- torchtune's distributed recipes (--impl torchtune --fsdp2; torchtune 0.6.1 training/_distributed.py shard_model,
+  torch 2.13 fully_shard): each decoder layer a unit (reshard_after_forward: fsdp_reshard_after_forward, default
+  true), the model itself the root unit last; the 70B / 405B configs leave custom_sharded_layers commented out, so
+  the root holds the input embedding, the final norm and the output layer (v h + h + v h untied); torchtune passes
+  reshard_after_forward=True explicitly, so torch reshards the root after its forward too (torch _fsdp_state.py
+  _lazy_init keeps the root unsharded only for the default None): the root is gathered through the forward and
+  again through the backward, under every layer. Measured on CPU over gloo, 2 ranks (validation/fsdp2.py
+  tune_unsharded_moments): one layer plus the root while a layer computes, nothing after the forward or the
+  backward. Derived as for
+  accelerate: the prefetched layer and one layer's unsharded gradients, so 3 layers + the root. LoRA / QLoRA: the
+  frozen base sits in the same units as the adapters and is gathered with them (counted in the weights' dtype).
 - DeepSpeed ZeRO (deepspeed 0.19.8 runtime/zero/config.py, stage_1_and_2.py setup_buckets, stage3.py): with
   contiguous_gradients (default true) every stage keeps an IPG bucket of reduce_bucket_size elements in the model's
   dtype (gradient_accumulation_dtype defaults to it), and a second one when overlap_comm is on (its default: true
@@ -35,7 +46,7 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory.titan import GPU_PREFETCH
 from memplan.inventory.titan_float8 import gathered_layer
 
-STACKS = ("fsdp2", "deepspeed", "torchtitan")
+STACKS = ("fsdp2", "deepspeed", "torchtitan", "torchtune")
 
 # deepspeed 0.19.8 runtime/zero/config.py: stage3_max_live_parameters' default (elements)
 DS_MAX_LIVE_PARAMETERS = 10**9
@@ -68,13 +79,16 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     parameters `layer` and the tail unit's (final norm, output layer) `tail`; None: memplan's default (one layer,
     memplan/memory/states.py state_bytes). FSDP2: the larger of three layers (the one computing, the prefetched one,
     one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
-    unsharded all step). DeepSpeed stage 3: the largest
+    unsharded all step). torchtune: 3 layers and the root (the tail and, untied, the input embedding v h),
+    gathered under every layer. DeepSpeed stage 3: the largest
     submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
     if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layers, tail
         # tensorwise float8: the layers all-gathered in float8 (memplan/inventory/titan_float8.py); the tail bf16
         return (1 + GPU_PREFETCH) * (gathered_layer(model, layer) if training.float8 == "tensorwise" else layer) + tail
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
+    if training.dp_stack == "torchtune":  # the root unit: embedding, final norm, output layer (one v h when tied)
+        return 3 * layer + tail + (0 if model.tied_embeddings else model.vocab_size * model.hidden_size)
     if training.dp_stack == "deepspeed":
         prefetch = hf_auto_buckets(model)["stage3_prefetch_bucket_size"]
         return min(model.hidden_size * model.f + prefetch, DS_MAX_LIVE_PARAMETERS)
@@ -103,6 +117,13 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1) -> lis
                 "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "
                 "plus one layer (at the loss); the output layer's and one layer's measured with accelerate on CPU, "
                 "the prefetch and the gradients derived from torch's fully_shard code"]
+    if training.dp_stack == "torchtune":
+        return ["torchtune FSDP2 (training.shard_model: a unit per decoder layer, the root last): the unsharded "
+                "parameters counted with the weights are three layers (computing, prefetched, unsharded gradients) "
+                "and the root's input embedding, final norm and output layer, gathered through the forward and "
+                "again through the backward; one layer and the root measured with torchtune's shard_model "
+                "on CPU over gloo, the prefetch and the gradients derived; with LoRA / QLoRA the frozen base is "
+                "gathered with its unit (in the weights' dtype)"]
     if training.dp_stack == "deepspeed":
         extra = ("; stage 3 gathers the largest submodule plus the prefetch bucket (0.9 h^2)" if zero == 3 else "")
         return [f"DeepSpeed ZeRO {zero}: IPG reduce bucket(s) of h^2 elements (the HF Trainer's 'auto') counted with "
