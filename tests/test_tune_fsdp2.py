@@ -34,8 +34,25 @@ def test_tune_fsdp2_gathers_three_layers_and_the_root():
 
 
 def test_tune_fsdp2_lora_gathers_the_frozen_base():
-    # LoRA's states count no gathered copy under ZeRO 3: the frozen base's 3 layers + root gathered with the adapters
-    assert _weights(fsdp2=True, lora=8) - _weights(zero=3, lora=8) == (3 * LAYER + TAIL + EMB) * 2
+    # LoRA's states count no gathered copy under ZeRO 3: the frozen base's layers + root gathered with the adapters;
+    # 2 layers (computing, prefetched): a frozen base makes no unsharded gradients
+    assert _weights(fsdp2=True, lora=8) - _weights(zero=3, lora=8) == (2 * LAYER + TAIL + EMB) * 2
+
+
+def _torchao_nf4(n: int) -> int:
+    # torchao's NF4Tensor (to_nf4, block 64, scaler block 256; measured in tests/test_torchtune_lora.py): n / 2 B of
+    # 4-bit codes, one int8 scale per 64 values, one bf16 scaler per 256 blocks, 34 B per tensor
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 2 * -(-blocks // 256) + 34
+
+
+def test_tune_fsdp2_qlora_gathers_the_nf4_base():
+    # QLoRA: each layer's 7 linears are gathered as their NF4 storage (in bf16 elements: ceil(bytes / 2)), the two
+    # norms (2 x 4096) in bf16, the root in bf16; before, the base was gathered as bf16 (the 405B row +69 %)
+    linears = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096] + [14336 * 4096] * 3  # q k v o, gate up down
+    layer = LAYER - sum(linears) + sum(-(-_torchao_nf4(n) // 2) for n in linears)
+    assert _weights(fsdp2=True, lora=8, qlora=True) - _weights(zero=3, lora=8, qlora=True) == (
+        2 * layer + TAIL + EMB) * 2
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="~5 s of 2 gloo ranks: MEMPLAN_TITAN_SLOW=1")

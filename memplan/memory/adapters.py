@@ -72,6 +72,19 @@ def frozen_linear_shapes(model: ModelSpec) -> list[tuple[str, str]]:
     return [(n_out, n_in) for n_in, n_out, _ in LINEARS.values()]
 
 
+def gathered_base_layer(model: ModelSpec, training: TrainingSpec, values: dict, layer: Any) -> Any:
+    """One layer's frozen base as ZeRO 3 all-gathers it, in elements of the weights' dtype (the unit
+    memplan/memory/dp_stack.py counts in): `layer` itself, or with QLoRA its linears in NF4 (the quantised storage is
+    what is sharded and gathered: torchao's NF4Tensor under torchtune's FSDP2, bitsandbytes' packed uint8 under
+    accelerate's), the norms in the weights' dtype. Derived from the storage, not measured gathered."""
+    if not training.qlora:
+        return layer
+    for rows, cols in frozen_linear_shapes(model):
+        n = Poly.parse(rows).evaluate(values) * Poly.parse(cols).evaluate(values)
+        layer = layer - n + -(-nf4_bytes(n, training.lora_impl) // training.weight_bytes)
+    return layer
+
+
 def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: Any, layers: Any, d: Any,
                 zero: Any) -> tuple[StateBytes, Any]:
     """(StateBytes, adapter parameters) of one GPU holding `params` base parameters and `layers` layers."""

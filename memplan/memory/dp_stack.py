@@ -79,8 +79,9 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     parameters `layer` and the tail unit's (final norm, output layer) `tail`; None: memplan's default (one layer,
     memplan/memory/states.py state_bytes). FSDP2: the larger of three layers (the one computing, the prefetched one,
     one layer's unsharded gradients) and the tail with one layer (the loss); tied embeddings: both (the tail is
-    unsharded all step). torchtune: 3 layers and the root (the tail and, untied, the input embedding v h),
-    gathered under every layer. DeepSpeed stage 3: the largest
+    unsharded all step). torchtune: 3 layers (2 with LoRA: a frozen base makes no unsharded gradients) and the
+    root (the tail and, untied, the input embedding v h), gathered under every layer; `layer` is what a layer
+    gathers (QLoRA's in NF4: memplan/memory/adapters.py gathered_base_layer). DeepSpeed stage 3: the largest
     submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
     if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layers, tail
         # tensorwise float8: the layers all-gathered in float8 (memplan/inventory/titan_float8.py); the tail bf16
@@ -88,7 +89,9 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "torchtune":  # the root unit: embedding, final norm, output layer (one v h when tied)
-        return 3 * layer + tail + (0 if model.tied_embeddings else model.vocab_size * model.hidden_size)
+        # LoRA: the frozen base has no unsharded gradients (the adapters' are counted with the adapters): 2 layers
+        layers = 2 if training.lora_rank else 3
+        return layers * layer + tail + (0 if model.tied_embeddings else model.vocab_size * model.hidden_size)
     if training.dp_stack == "deepspeed":
         prefetch = hf_auto_buckets(model)["stage3_prefetch_bucket_size"]
         return min(model.hidden_size * model.f + prefetch, DS_MAX_LIVE_PARAMETERS)

@@ -15,7 +15,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.fp8 import weight_extra_bytes
 from memplan.inventory.types import Term
 from memplan.memory import dp_stack
-from memplan.memory.adapters import lora_states
+from memplan.memory.adapters import gathered_base_layer, lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
 from memplan.memory.parallel import expert_states, state_shard
@@ -109,7 +109,8 @@ def stage_memory(
         tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
     one_layer = layer_params(model, sizes.group)
     # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
-    gathered = dp_stack.gathered_params(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
+    gathered_layer = gathered_base_layer(model, training, sizes.values, one_layer) if training.lora_rank else one_layer
+    gathered = dp_stack.gathered_params(training, model, gathered_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
     gathered = one_layer if gathered is None else gathered
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
