@@ -111,6 +111,11 @@ def test_device_memory_adds_margin_and_runtime():
     sdpa = estimate(config, gpu=H100, impl="hf-sdpa")
     reserved = sdpa.reserved.result.reserved_peak_bytes
     assert sdpa.device.margin == 0 and sdpa.device.total == reserved + 800_000_000 > sdpa.device.allocated_peak
+    # a data-parallel stack's gathers are not in the recorded run: FSDP2 keeps the flat margin
+    import memplan
+
+    fsdp2 = memplan.estimate("llama3-8b", impl="hf-sdpa", gpus=8, global_batch=8, fsdp2=True, gpu="h100-80gb")
+    assert fsdp2.estimate.device.margin == H100.fragmentation_margin > 0
     # K22's 530B plan (megatron-core): 2.6 GB with one communicator, + 0.6 GB for each further
     # group of more than one rank (t = 8, p = 35; d = 1: two groups)
     from memplan.presets.batch import make_config

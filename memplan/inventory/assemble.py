@@ -179,9 +179,10 @@ def stream_checked(model: ModelSpec, impl: str, device: str, training: Any) -> b
     """Whether memplan's allocation stream of this run is the one checked against recordings of the real code's
     allocations in order (tests/test_alloc_fixtures.py, memplan/check/allocator.py ALLOCATOR_CASES): transformers'
     dense Llama layout with sdpa (memplan's own inventory, not a trace), the loop's plain loss, torch AdamW (foreach or
-    fused), with or without gradient checkpointing, nothing else of the training settings changed. Only there does
-    the replay alone decide fit (memplan/memory/timeline.py device_memory); elsewhere the flat margin stays."""
-    changed = (training.compile, training.lora_rank, training.liger, training.fp8, training.float8,
+    fused), with or without gradient checkpointing, no data-parallel stack (FSDP2's, DeepSpeed's gathers), nothing
+    else of the training settings changed. Only there does the replay alone decide fit (memplan/memory/timeline.py
+    device_memory); elsewhere the flat margin stays."""
+    changed = (training.compile, training.lora_rank, training.liger, training.fp8, training.float8, training.dp_stack,
                training.checkpoint_reentrant, training.optimizer_in_backward, training.offload_activations,
                training.offload_optimizer_fraction, training.fusions_off, training.loss_chunks != 1,
                training.mst != 1, training.batch_layout != "full", training.optimizer != "adamw")
