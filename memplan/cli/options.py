@@ -313,7 +313,9 @@ def plan_options(func: Callable) -> Callable:
                      help="Host memory per node for the offload, e.g. 2TB or 2TiB: a plan fits only within it too "
                           "(estimate's verdict, search's filter)."),
         click.option("--frag-margin", type=click.FloatRange(0, 1), metavar="FRACTION",
-                     help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10)."),
+                     help="Caching-allocator margin above the allocated peak (default: the GPU preset's, 0.10; none "
+                          "where the run's allocation stream is checked against the real code's, --impl hf-sdpa's "
+                          "plain Llama loop: the replay decides)."),
         click.option("--allocator", type=click.Choice(ALLOCATORS), default="default",
                      help="The caching allocator the run is replayed through (memplan/memory/reserved.py)."),
         click.option("--alloc-conf", "alloc_conf", metavar="TEXT", help="PYTORCH_CUDA_ALLOC_CONF for the replay."),
