@@ -79,10 +79,16 @@ def gathered_base_layer(model: ModelSpec, training: TrainingSpec, values: dict, 
     accelerate's), the norms in the weights' dtype. Derived from the storage, not measured gathered."""
     if not training.qlora:
         return layer
+    return layer + sum(-(-nf4 // training.weight_bytes) - n for n, nf4 in _nf4_linears(model, training, values))
+
+
+def _nf4_linears(model: ModelSpec, training: TrainingSpec, values: dict) -> list[tuple[Any, Any]]:
+    """(elements, NF4 bytes) of each layer linear QLoRA quantises."""
+    out = []
     for rows, cols in frozen_linear_shapes(model):
         n = Poly.parse(rows).evaluate(values) * Poly.parse(cols).evaluate(values)
-        layer = layer - n + -(-nf4_bytes(n, training.lora_impl) // training.weight_bytes)
-    return layer
+        out.append((n, nf4_bytes(n, training.lora_impl)))
+    return out
 
 
 def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: Any, layers: Any, d: Any,
@@ -92,9 +98,7 @@ def lora_states(model: ModelSpec, training: TrainingSpec, values: dict, params: 
     adapters = per_layer * layers
     base = params * training.weight_bytes
     if training.qlora:
-        for rows, cols in frozen_linear_shapes(model):
-            n = Poly.parse(rows).evaluate(values) * Poly.parse(cols).evaluate(values)
-            base = base + layers * (nf4_bytes(n, training.lora_impl) - n * training.weight_bytes)
+        base = base + layers * sum(nf4 - n * training.weight_bytes for n, nf4 in _nf4_linears(model, training, values))
     each = adapter_bytes(training)
     weights = shard_bytes(base, d, zero >= 3) + shard_bytes(adapters * each, d, zero >= 3)
     gradients = shard_bytes(adapters * each, d, zero >= 2)
