@@ -7,6 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import memplan
+
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
@@ -112,8 +114,6 @@ def test_device_memory_adds_margin_and_runtime():
     reserved = sdpa.reserved.result.reserved_peak_bytes
     assert sdpa.device.margin == 0 and sdpa.device.total == reserved + 800_000_000 > sdpa.device.allocated_peak
     # a data-parallel stack's gathers are not in the recorded run: FSDP2 keeps the flat margin
-    import memplan
-
     fsdp2 = memplan.estimate("llama3-8b", impl="hf-sdpa", gpus=8, global_batch=8, fsdp2=True, gpu="h100-80gb")
     assert fsdp2.estimate.device.margin == H100.fragmentation_margin > 0
     # K22's 530B plan (megatron-core): 2.6 GB with one communicator, + 0.6 GB for each further

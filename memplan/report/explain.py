@@ -21,7 +21,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.pipeline import chunks_in_flight
 from memplan.memory.states import optimizer_bytes, param_groups
 from memplan.plan.estimate import Estimate, estimate
-from memplan.report.tables import fragmentation_label
+from memplan.report.text import fragmentation_label
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from memplan.inventory.activations import layer_bytes
 from memplan.inventory.assemble import inventory_for
 from memplan.memory.timeline import PART_LABELS, PARTS
 from memplan.report.escape import shortened
-from memplan.report.text import plan_text
+from memplan.report.text import fragmentation_label, plan_text
 
 if TYPE_CHECKING:
     from memplan.core.specs import Config
@@ -118,8 +118,7 @@ def plot_estimate(est: Estimate, path: str) -> None:
                 arrowprops=dict(arrowstyle="->", color="black"))
     ax.plot([ip + 0.5], [(peak.bytes + dev.workspace_bytes) / GB], "k*", ms=12)
     ax.axhline(dev.total / GB, color="black", ls=":", lw=1,
-               label=f"device memory needed at the peak (+{dev.margin:.0%} fragmentation margin): "
-                     f"{dev.total / GB:.2f} GB")
+               label=f"device memory needed at the peak (+ {fragmentation_label(dev)}): {dev.total / GB:.2f} GB")
     if est.budget_bytes is not None:
         ax.axhline(est.budget_bytes / GB, color="red", ls="--", lw=1.5,
                    label=f"budget {est.budget_bytes / GB:.2f} GB" + (f" ({shortened(est.gpu.name)})" if est.gpu else ""))

@@ -22,7 +22,8 @@ from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.plan.limits import cap_of
 from memplan.report.escape import NOTE_LIMIT, markup
-from memplan.report.text import PLAN_LEGEND, bytes3, compact_plan, format_gb, pinned_techniques
+from memplan.report.text import (PLAN_LEGEND, bytes3, compact_plan, format_gb, fragmentation_label,
+                                 pinned_techniques)
 from memplan.timing.calibration import calibration
 
 
@@ -367,12 +368,3 @@ def _plan_fields(text: str) -> dict[str, str]:
     """'tp=8 pp=64 sp=True' -> {'tp': '8', 'pp': '64', 'sp': 'True'} (`memplan models`' plan)."""
     return dict(item.partition("=")[::2] for item in text.split())
 
-
-def fragmentation_label(dev: Any) -> str:
-    """What a report calls the device memory's fragmentation: the replay's (with no flat margin where the stream is
-    checked against the real run's, `Inventory.stream_checked`), or the flat margin."""
-    if dev.replayed and not dev.margin:
-        return "fragmentation (the caching allocator's replay; no flat margin: the stream checked against the real run)"
-    if dev.replayed:
-        return "fragmentation (the caching allocator's replay, above the margin)"
-    return f"fragmentation margin ({dev.margin:.0%} of the allocated peak)"

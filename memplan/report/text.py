@@ -129,3 +129,13 @@ def pinned_techniques(training: Any, lead: str = ",") -> str:
     if training.loss_chunks > 1:
         parts.append(f"LM head + loss in {training.loss_chunks} chunks")
     return f"{lead} {', '.join(parts)}" if parts else ""
+
+
+def fragmentation_label(dev: Any) -> str:
+    """What a report calls the device memory's fragmentation: the replay's (with no flat margin where the stream is
+    checked against the real run's, `Inventory.stream_checked`), or the flat margin."""
+    if dev.replayed and not dev.margin:
+        return "fragmentation (the caching allocator's replay; no flat margin: the stream checked against the real run)"
+    if dev.replayed:
+        return "fragmentation (the caching allocator's replay, above the margin)"
+    return f"fragmentation margin ({dev.margin:.0%} of the allocated peak)"
