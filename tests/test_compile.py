@@ -11,11 +11,17 @@ layer 104,000 - 4,800 = 99,200 B = 2,480 B per token. torchtune 0.6.1's layer (l
 g 2; `python -m validation.compiled inductor torchtune`, the aot route the same): "after forward 72800 B (output
 3840 B), eager 108160 B": 1,724 B per token compiled, 2,608 B eager. torchtitan 0.3.0's Llama 3 block
 (validation/titan.py's, sdpa for FlexAttention, h 48; `... inductor torchtitan`): "after forward 67680 B (output
-3840 B), eager 103040 B": 1,596 B per token compiled, 2,480 B eager. The suite runs transformers' layer by the "aot"
+3840 B), eager 103040 B": 1,596 B per token compiled, 2,480 B eager. The same block wrapped in torchtitan's
+SelectiveAC (--ac selective-op), then compiled, as torchtitan applies AC before apply_compile
+(`trace_compiled_layer("inductor", "torchtitan", ac="selective-op")`, dynamic, s 20, b 2): "after forward 31200 B
+(output 3840 B), eager 40096 B": 684 B per token compiled; eager SelectiveAC 780 B per token plus the CPU generator's
+state (5,056 B, torch.get_rng_state(), which torch.utils.checkpoint's preserve_rng_state stashes once per
+checkpointed block). The suite runs transformers' layer by the "aot"
 route with static shapes (~2 s of CPU); the symbolic trace through inductor, whose C++ compile takes ~20 s of CPU,
 and torchtune's run with MEMPLAN_COMPILE_SLOW=1.
 """
 
+import json
 import os
 from collections import Counter
 
@@ -25,7 +31,7 @@ from memplan.check.cases import ValidationCase
 from memplan.check.validate import case_model
 from memplan.core.errors import MemplanError
 from memplan.core.symbolic import Poly
-from memplan.core.training import TrainingSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import compiled
 from memplan.inventory.assemble import training_inventory
 
@@ -39,8 +45,12 @@ TUNE_COMPILED_PER_TOKEN = (72800 - 3840) // TOKENS  # measured, the docstring's 
 TUNE_EAGER_PER_TOKEN = (108160 - 3840) // TOKENS  # measured, the same run: 2,608 B
 TITAN_COMPILED_PER_TOKEN = (67680 - 3840) // TOKENS  # measured, the docstring's torchtitan command: 1,596 B
 TITAN_EAGER_PER_TOKEN = (103040 - 3840) // TOKENS  # measured, the same run: 2,480 B
+RNG_STATE = 5056  # torch.get_rng_state()'s bytes: stashed by each eager checkpoint (preserve_rng_state), no s or b
+SAC_COMPILED_PER_TOKEN = (31200 - 3840) // TOKENS  # measured, the docstring's selective-op command: 684 B
+SAC_EAGER_PER_TOKEN = (40096 - 3840 - RNG_STATE) // TOKENS  # measured, the same run: 780 B
 MEASURED = {"hf-sdpa": (COMPILED_PER_TOKEN, EAGER_PER_TOKEN), "torchtune": (TUNE_COMPILED_PER_TOKEN, TUNE_EAGER_PER_TOKEN),
-            "torchtitan": (TITAN_COMPILED_PER_TOKEN, TITAN_EAGER_PER_TOKEN)}
+            "torchtitan": (TITAN_COMPILED_PER_TOKEN, TITAN_EAGER_PER_TOKEN),
+            "torchtitan-sac": (SAC_COMPILED_PER_TOKEN, SAC_EAGER_PER_TOKEN)}
 SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="set MEMPLAN_COMPILE_SLOW=1 to run")
 
 
@@ -56,8 +66,8 @@ def _layer_bytes(training: TrainingSpec, impl: str = "hf-sdpa") -> int:
     inv = training_inventory(model, impl, "cpu", training)
     h = H if impl == "hf-sdpa" else TUNE_H
     vals = dict(s=S, b=B, h=h, a=A, f=F, g=G, q=A * D, v=model.vocab_size, t=1)
-    return sum(t.elements.evaluate(vals) * BYTES[t.dtype] for t in inv.terms
-               if t.scope == "layer" and not t.only_full and not t.only_selective)
+    return sum(t.elements.evaluate(vals) * BYTES[t.dtype] * t.kept(training.recompute) for t in inv.terms
+               if t.scope == "layer" and not t.needs_tp)  # t = 1: no TP-only term
 
 
 def test_compiled_layer_bytes_equal_the_cpu_measurement():
@@ -73,6 +83,20 @@ def test_compiled_tune_titan_layer_bytes_equal_the_cpu_measurement(impl):
     assert _layer_bytes(TrainingSpec(), impl) == MEASURED[impl][1] * TOKENS
 
 
+def test_compiled_titan_selective_op_layer_bytes_equal_the_cpu_measurement():
+    # torchtitan's SelectiveAC block compiled: fails when a term of compiled.TITAN_SAC is taken out (or the compiled
+    # no-AC terms it drops are left in)
+    sac = Recompute.SELECTIVE
+    assert _layer_bytes(TrainingSpec(compile=True, recompute=sac), "torchtitan") == SAC_COMPILED_PER_TOKEN * TOKENS
+    # the eager SelectiveAC inventory (memplan/inventory/titan.py) equals the same run's eager measurement
+    assert _layer_bytes(TrainingSpec(recompute=sac), "torchtitan") == SAC_EAGER_PER_TOKEN * TOKENS
+    # hand check of the table at these widths (h 48, a 6, g 2, head 8, f 154; bytes per token): the block input 2h
+    # 96, the fused QKV output 2(a + 2g)d 160, the attention output 2ad 96 and log-sum-exp 4a 24, w1's output 2f 308
+    assert SAC_COMPILED_PER_TOKEN == 96 + 160 + 96 + 24 + 308
+    # and the compiled block without AC is unchanged by the selective-op table beside it
+    assert _layer_bytes(TrainingSpec(compile=True), "torchtitan") == TITAN_COMPILED_PER_TOKEN * TOKENS
+
+
 def test_compiled_layer_moments_free_compiled_tensors():
     inv = training_inventory(_model(), "hf-sdpa", "cpu", TrainingSpec(compile=True))
     ids = {t.id for t in inv.terms}
@@ -82,32 +106,48 @@ def test_compiled_layer_moments_free_compiled_tensors():
     assert set(attention.freed) <= ids and {"o_proj_out", "attn_out", "fc2_input"} <= set(attention.freed)
 
 
-def _check_trace(route: str, impl: str = "hf-sdpa", dynamic: bool = True) -> None:
+def _check_trace(route: str, impl: str = "hf-sdpa", dynamic: bool = True, ac: str = "none") -> None:
     from validation.compiled import trace_compiled_layer
 
     # static shapes: traced and measured at s 20, b 5 (no size equal to a width); dynamic: traced with symbolic s, b
     # (hinted 24, 3), measured at s 20, b 2 by the same kernel
-    r = trace_compiled_layer(route, impl, 20, 5, dynamic=False) if not dynamic else trace_compiled_layer(route, impl)
+    r = trace_compiled_layer(route, impl, ac=ac) if dynamic else trace_compiled_layer(route, impl, 20, 5, dynamic=False, ac=ac)
     # what the forward graph hands the backward (parameters and buffers apart) is the table, term by term; where
     # q = h (torchtune) the two name one width
     dtype = {"act": "bfloat16", "fp32": "float32"}
     same = (lambda e: e) if impl == "hf-sdpa" else (lambda e: e.replace("q", "h"))
     traced = Counter((Poly.parse_sum(same(t.elements)), t.dtype) for t in r.saved if t.kind != "parameter")
-    table = Counter((Poly.parse_sum(same(e)), dtype[d]) for _, _, _, e, d in compiled.TABLES[impl])
+    rows = compiled.TITAN_SAC if ac == "selective-op" else compiled.TABLES[impl]
+    table = Counter((Poly.parse_sum(same(e)), dtype[d]) for _, _, _, e, d in rows)
     if impl == "hf-sdpa":
         table[(Poly.parse_sum("s q /a"), "bfloat16")] += 2  # the rotary cos / sin (hf.py's rope_cos / rope_sin)
     assert traced == table
     # and the bytes the compiled layer keeps are the measured ones
     assert (r.s, r.b) == ((S, B) if dynamic else (20, 5))
-    kept = MEASURED[impl]
+    kept = MEASURED[impl + ("-sac" if ac == "selective-op" else "")]
     assert r.after_forward - r.output_bytes == kept[0] * r.s * r.b
-    assert r.eager_after_forward - r.output_bytes == kept[1] * r.s * r.b
+    rng = RNG_STATE if ac == "selective-op" else 0  # the eager checkpoint's stashed generator state
+    assert r.eager_after_forward - r.output_bytes == kept[1] * r.s * r.b + rng
 
 
 def test_partitioner_saves_the_table_aot():
     # the suite's check: static shapes, AOTAutograd with inductor's partitioner, no C++ (~2 s of CPU)
     pytest.importorskip("transformers")
     _check_trace("aot", dynamic=False)
+
+
+def test_partitioner_saves_the_selective_op_table_aot():
+    # torchtitan's SelectiveAC block compiled: the fast route (static shapes, AOTAutograd with inductor's partitioner
+    # and the SAC tags, no C++); the dynamic inductor trace of the docstring with MEMPLAN_COMPILE_SLOW=1
+    pytest.importorskip("torchtitan")
+    _check_trace("aot", "torchtitan", dynamic=False, ac="selective-op")
+
+
+@pytest.mark.slow
+@SLOW
+def test_partitioner_saves_the_selective_op_table_inductor():
+    pytest.importorskip("torchtitan")
+    _check_trace("inductor", "torchtitan", ac="selective-op")
 
 
 @pytest.mark.slow
@@ -130,7 +170,7 @@ def test_partitioner_saves_the_table_inductor(impl):
 
 @pytest.mark.parametrize("impl", ["hf-eager", "megatron", "torchtitan"])
 def test_compile_refused_elsewhere(run_cli, impl):
-    layout = ["--ac", "selective-op"] if impl == "torchtitan" else ["--tp", "1"]  # selective-op: not traced
+    layout = ["--tp", "2"] if impl == "torchtitan" else ["--tp", "1"]  # torchtitan with TP: not traced
     code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", impl, "--gpus", "8", *layout, "--compile")
     assert code == 2 and "--compile" in err and "Traceback" not in err
 
@@ -146,6 +186,19 @@ def test_compiled_torchtune_moments_have_all_heads():
     assert attention.source == compiled.MOMENTS
     grad_qkv = next(t for t in attention.transients if t.id == "grad_qkv")
     assert grad_qkv.elements == Poly.parse_sum("3 s b q")  # dQ, dK, dV at all heads (K, V expanded)
+
+
+def test_issue_24s_command_answers_term_by_term(run_cli):
+    # issue 24's done-means command: the compiled selective-op block's terms, each with its source
+    code, out, err = run_cli("estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--ac",
+                             "selective-op", "--compile", "--json")
+    assert code == 0, err
+    terms = {t["id"]: t for t in json.loads(out)["activations"]["terms"]}
+    layer = {row[0] for row in compiled.TITAN_SAC}
+    assert layer <= set(terms) and not {"q", "k", "v", "o_proj_out", "up_out", "fc2_input"} & set(terms)
+    assert all(terms[i]["source"] == compiled.SRC for i in layer)
+    # llama3-8b, s 8192, b 1: the fused QKV output 2(a + 2g)d = 2 x (32 + 16) x 128 = 12,288 B per token
+    assert terms["qkv_out"]["bytes"] == 12288 * 8192
 
 
 def test_estimate_says_what_is_traced(run_cli):

@@ -16,6 +16,13 @@ TorchDispatchMode does not see) give the bytes alive after the forward that the 
 and the rotary tables exist before and are not counted there. The eager layer is measured the same way for
 comparison.
 
+``ac="selective-op"`` (torchtitan): the block is first wrapped in torchtitan's SelectiveAC (validation/titan.py
+``build_block``: ``create_selective_checkpoint_contexts`` with its save list and every-other-matmul policy, the CPU
+attention kernel added for FlexAttention), then compiled, as torchtitan's parallelize_llama applies AC before
+apply_compile: dynamo traces the checkpoint as a tagged region and the partitioner follows the policy's MUST_SAVE /
+PREFER_RECOMPUTE tags. The eager figure is then eager SelectiveAC's (with the CPU generator state each checkpoint
+stashes).
+
 Nothing here computes a byte count from a formula: the trace reads the graph, the measurement reads allocations.
 """
 
@@ -66,9 +73,11 @@ def _config():
 
 def _names(w: dict[str, int]) -> dict[int, dict[str, int]]:
     """Each static width as exponents of memplan's symbols (the head width is q /a, torchtune's K / V expansion a /g);
-    where q = h (torchtune) the width is named h."""
+    where q = h (torchtune) the width is named h; torchtitan's fused QKV output (a + 2 g) d is the pseudo-symbol
+    "qkv" (``_elements`` writes it as the sum q + 2 g q /a)."""
     return {w["a"] * w["d"]: {"q": 1}, w["h"]: {"h": 1}, w["f"]: {"f": 1}, w["a"]: {"a": 1}, w["g"]: {"g": 1},
-            w["d"]: {"q": 1, "a": -1}, w["g"] * w["d"]: {"g": 1, "q": 1, "a": -1}, w["a"] // w["g"]: {"a": 1, "g": -1}}
+            w["d"]: {"q": 1, "a": -1}, w["g"] * w["d"]: {"g": 1, "q": 1, "a": -1}, w["a"] // w["g"]: {"a": 1, "g": -1},
+            (w["a"] + 2 * w["g"]) * w["d"]: {"qkv": 1}}
 
 
 def _dim(d, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> dict[str, int]:
@@ -105,11 +114,25 @@ ORDER = ("s", "b", "a", "g", "h", "q", "f", "r")
 
 
 def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
-    """The shape's element count as memplan writes a product: "s b g q /a"."""
+    """The shape's element count as memplan writes a product: "s b g q /a" (with the fused QKV width, the sum
+    "s b q + 2 s b g q /a")."""
     power = {k: 0 for k in ORDER}
+    qkv = 0
     for d in shape:
         for k, e in _dim(d, hints, names, static).items():
-            power[k] += e
+            if k == "qkv":
+                qkv += e
+            else:
+                power[k] += e
+    if qkv:
+        if qkv != 1:
+            raise ValueError(f"shape {shape} has the fused QKV width {qkv} times")
+        q = _monomial({**power, "q": power["q"] + 1})
+        return f"{q} + 2 {_monomial({**power, 'q': power['q'] + 1, 'g': power['g'] + 1, 'a': power['a'] - 1})}"
+    return _monomial(power)
+
+
+def _monomial(power: dict[str, int]) -> str:
     up = [k if e == 1 else f"{k}^{e}" for k, e in power.items() if e > 0]
     down = [f"/{k}" if e == -1 else f"/{k}^{-e}" for k, e in power.items() if e < 0]
     return " ".join(up + down) or "1"
@@ -158,15 +181,17 @@ def _tune_layer(lora: dict | None = None, w: dict | None = None):
     return layer, inputs
 
 
-def _titan_layer(float8: str | None = None):
+def _titan_layer(float8: str | None = None, ac: str = "none"):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
-    FlexAttention, no AC), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
-    its linears torchao's Float8Linear (validation/titan.py build_block)."""
+    FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
+    its linears torchao's Float8Linear (validation/titan.py build_block); ``ac``: wrapped first in torchtitan's AC
+    (build_block: "selective-op" its SelectiveAC, the save list and every-other-matmul policy), then compiled, as
+    torchtitan's parallelize_llama applies AC before apply_compile."""
     from .titan import Shape, build_block
 
     w = WIDTHS["torchtitan-float8" if float8 else "torchtitan"]
     torch.manual_seed(0)
-    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"]), float8=float8).train()
+    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"]), ac, float8=float8).train()
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
@@ -202,7 +227,7 @@ def _aot_backend(inner):
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
                          s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
-                         lora: dict | None = None, widths: dict | None = None) -> CompiledLayer:
+                         lora: dict | None = None, widths: dict | None = None, ac: str = "none") -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -219,7 +244,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if lora is not None and impl != "torchtune":
         raise ValueError("lora: torchtune's LoRALinear layer only")
     widths = widths or WIDTHS[f"{impl}-float8" if float8 else impl]
-    layer, inputs = (_titan_layer(float8) if float8 else _tune_layer(lora, widths) if lora else
+    if ac != "none" and impl != "torchtitan":
+        raise ValueError("ac is torchtitan's (impl torchtitan)")
+    layer, inputs = (_titan_layer(float8, ac) if float8 or ac != "none" else _tune_layer(lora, widths) if lora else
                      {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
     graphs: list = []
 
@@ -234,8 +261,10 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         s, b = s_trace, b_trace
     x, call = inputs(s_trace, b_trace, 1)
     # no cached graph: a cache hit would skip the partitioner and inner_compile
+    # torchtitan's apply_compile sets skip_fwd_side_effects_in_bwd_under_checkpoint (its blocks are checkpointed)
     with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=ac != "none"):
         call(compiled, x).sum().backward()
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
@@ -376,8 +405,11 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["loss"]:  # torchtune's compiled chunked loss: loss PATH (writes the test fixture)
         _write_loss(argv[1])
         return
-    float8 = argv[2] if argv[2:] else None  # torchtitan's float8 linears: static shapes (s 28, b 5)
-    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa",
+    # torchtitan: a third word "selective-op" (its SelectiveAC block compiled, dynamic) or a float8 recipe (static
+    # shapes, s 28, b 5)
+    ac = "selective-op" if argv[2:] == ["selective-op"] else "none"
+    float8 = argv[2] if argv[2:] and ac == "none" else None
+    r = trace_compiled_layer(argv[0] if argv else "inductor", argv[1] if argv[1:] else "hf-sdpa", ac=ac,
                              **(dict(s_trace=28, b_trace=5, dynamic=False, float8=float8) if float8 else {}))
     for t in r.saved:
         print(f"{t.node:12} {t.kind:10} {t.dtype:9} {t.elements}")

@@ -258,7 +258,8 @@ def plan_options(func: Callable) -> Callable:
                           "CPU) and measured on CPU; the backward's transients the eager layer's (derived), Inductor's "
                           "fused kernels' own buffers left out; the loss not compiled but with --impl torchtune "
                           "--loss-chunks N (its recipes' compile_loss, measured on CPU); torchtune's LoRA / QLoRA "
-                          "layers traced (memplan/inventory/compiled.py). Refused with --ac selective-op (not traced). "
+                          "layers traced (memplan/inventory/compiled.py); torchtitan with --ac selective-op: its save list's "
+                          "block compiled, traced and measured on CPU (not with --float8). "
                           "search --impl torchtitan tries both unless --compile or --no-compile pins it; --timing: its "
                           "fused memory-bound ops (derived)."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,

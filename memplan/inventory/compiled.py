@@ -1,8 +1,8 @@
 """torch.compile per decoder layer (`--compile`; --impl hf-sdpa: transformers' Llama layout, --impl torchtune: its
 Llama, as its recipes' compile_model compiles each layer, --impl torchtitan: its Llama 3 block, as apply_compile
-compiles each, --ac none / full / selective-layer): what AOTAutograd's partitioner saves for the backward of one
-compiled layer, in place of what the eager layer saves. With a layer checkpointed, the compiled layer keeps its
-input only, as the eager one.
+compiles each, --ac none / full / selective-layer / selective-op): what AOTAutograd's partitioner saves for the
+backward of one compiled layer, in place of what the eager layer saves. With a layer checkpointed (full AC), the
+compiled layer keeps its input only, as the eager one (derived).
 
 The tables below are TRACED from the compiled graph, not guessed: validation/compiled.py compiles one transformers
 5.23 LlamaDecoderLayer (sdpa, bf16), one torchtune 0.6.1 TransformerSelfAttentionLayer (llama3_2 builder) or one
@@ -21,6 +21,16 @@ What the partitioner changes (per token, bf16 = 2 B): the RMSNorms keep only the
 gate, the residual sums are recomputed from the layer input and o_proj's output, so the layer keeps its own input
 (eager frees it) and o_proj's output. sdpa keeps Q, K, V, its output and log-sum-exp as eager does (torchtune's K
 and V expanded to all heads, as eager).
+
+torchtitan's block under its per-op selective AC (``--ac selective-op``: torchtitan wraps each block in SelectiveAC,
+create_selective_checkpoint_contexts with its save list and every-other-matmul policy, then compiles it), traced
+and measured the same way (validation/compiled.py ``trace_compiled_layer(ac="selective-op")``, the CPU attention
+kernel added to the save list for FlexAttention as validation/titan.py does): the partitioner keeps the block input,
+the fused QKV linear's output (matmul 1), the attention output and log-sum-exp and w1's output (matmul 3), TITAN_SAC;
+w2's output (matmul 5), which eager SAC keeps in its cache, is not saved (the backward does not use it); wo, w3
+(matmuls 2, 4), the norms, RoPE and SwiGLU are recomputed. Measured after the forward at s 20, b 2 (h 48, f 154, a 6,
+g 2): 684 B per token against eager SelectiveAC's 780 B (tests/test_compile.py); for llama3-8b 2h less per token.
+The layers' backward (the recomputed tensors alive in it) is memplan's recompute working set (derived).
 
 torchtitan's block with torchao's float8 linears (``--float8``, memplan/inventory/titan_float8.py), traced and
 measured the same way (validation/compiled.py ``trace_compiled_layer(float8=...)``, h 48, f 160 so that every linear
@@ -115,6 +125,17 @@ TITAN_LAYER = (
     ("fc2_input", "silu(w1) * w3 = input of w2", "MLP", "s b f", "act"),
 )
 TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER, "torchtitan": TITAN_LAYER}
+# torchtitan's block in its SelectiveAC (--ac selective-op), then compiled: the partitioner saves, besides the block
+# input, the outputs of the policy's MUST_SAVE ops that the backward needs (the fused QKV linear, matmul 1; the
+# attention op; w1, matmul 3; not w2, matmul 5: its output is only the residual sum's) and recomputes everything the
+# policy marks PREFER_RECOMPUTE (the norms, RoPE, wo and w3, SwiGLU). Traced and measured (module docstring).
+TITAN_SAC = (
+    TITAN_LAYER[0],
+    ("qkv_out", "fused QKV linear's output (bf16; matmul 1, saved by the selective-op policy)", "attention",
+     "s b q + 2 s b g q /a", "act"),
+    *(row for row in TITAN_LAYER if row[0] in ("sdpa_logsumexp", "attn_out", "silu_input")),
+)
+SAC_IDS = frozenset(row[0] for row in TITAN_SAC)
 # torchtitan with float8 linears (module docstring): TITAN_LAYER without these, plus tensorwise's scalars (one of each
 # per float8 linear, each its own storage)
 FLOAT8_RECOMPUTED = ("qkv_input", "mlp_input", "fc2_input")
@@ -130,9 +151,9 @@ MOMENTS = ("derived: the eager layer's backward moment (transformers' measured o
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
     """--compile is traced for transformers' (sdpa) and torchtune's Llama layer, nothing else changing the layer."""
-    if impl == "torchtitan" and training.recompute == Recompute.SELECTIVE:
-        raise MemplanError("--compile with --ac selective-op is not modelled yet (the partitioner under torchtitan's "
-                           "save list is not traced): --ac none, full or selective-layer")
+    if impl == "torchtitan" and training.recompute == Recompute.SELECTIVE and training.float8:
+        raise MemplanError("--compile --float8 with --ac selective-op is not traced yet (the partitioner under "
+                           "torchtitan's save list with float8 linears): --ac none, full or selective-layer")
     if impl not in TABLES or model.inventory is not None or model.is_moe or model.is_mla:
         raise MemplanError("--compile is traced for --impl hf-sdpa, torchtune and torchtitan with the Llama layout "
                            "(their own code, not a traced inventory)")
@@ -161,9 +182,15 @@ def _check_tune_lora(training) -> None:
 
 
 def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> list[Term]:
-    """The compiled layer's saved tensors; ``float8``: torchtitan's block with ``linears`` float8 linears."""
-    terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC)
-             for id, what, block, elements, dtype in TABLES[impl] if not (float8 and id in FLOAT8_RECOMPUTED)]
+    """The compiled layer's saved tensors; ``float8``: torchtitan's block with ``linears`` float8 linears. torchtitan's
+    terms carry its selective-op table too (Term.kept: TITAN_LAYER's terms not in TITAN_SAC dropped under selective,
+    TITAN_SAC's own kept under selective alone)."""
+    sac = impl == "torchtitan" and not float8
+    rows = TABLES[impl] + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) if sac else ())
+    terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC,
+                   sel=sac and id not in SAC_IDS, only_selective=sac and (id, what, block, elements, dtype) not in
+                   TITAN_LAYER)
+             for id, what, block, elements, dtype in rows if not (float8 and id in FLOAT8_RECOMPUTED)]
     if float8 == "tensorwise":
         terms += [saved(id, what, "float8", str(linears), dtype, k22=False, src=SRC, storages=linears)
                   for id, what, dtype in FLOAT8_SCALARS]

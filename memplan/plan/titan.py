@@ -12,7 +12,7 @@ same flags, memplan/api/options.py):
   AC          none, selective-op, full, selective-layer:N (every N-th layer checkpointed, L // N of them: one plan
               per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
               layers sit, memplan/inventory/titan.py);
-  compile     off, or on where memplan traces it (tp = 1, AC not selective-op: memplan/inventory/compiled.py).
+  compile     off, or on where memplan traces it (tp = 1; with --float8 AC not selective-op: memplan/inventory/compiled.py).
 Not searched (not modelled for torchtitan yet): pipeline, context and expert parallelism, async TP, memory-budget AC.
 float8 is pinned, not searched (`--float8`: tp 1 plans only); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
@@ -117,9 +117,10 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     return plans.take(np.flatnonzero(keep))
 
 
-def compilable(plans: PlanValues) -> np.ndarray:
-    """The plans memplan models with torch.compile: tp = 1, AC not selective-op (memplan/inventory/compiled.py)."""
-    return (np.asarray(plans.t) == 1) & (np.asarray(plans.recompute) != int(Recompute.SELECTIVE))
+def compilable(plans: PlanValues, float8: bool = False) -> np.ndarray:
+    """The plans memplan models with torch.compile: tp = 1; with float8 linears AC not selective-op
+    (memplan/inventory/compiled.py)."""
+    return (np.asarray(plans.t) == 1) & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8))
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:

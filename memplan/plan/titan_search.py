@@ -49,19 +49,21 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         sets.append((eager, False))
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = compilable(eager)
+        can = compilable(eager, bool(training.float8))
+        where = "--tp 1 and --ac none, full or selective-layer" if training.float8 else "--tp 1"
         if why and pins.compile:
             raise MemplanError(why)
         if pins.compile and not can.any():
-            raise MemplanError("--compile is modelled for torchtitan with --tp 1 and --ac none, full or "
-                               "selective-layer (memplan/inventory/compiled.py): no plan left")
+            raise MemplanError(f"--compile is modelled for torchtitan with {where} (memplan/inventory/compiled.py): "
+                               "no plan left")
         if why:
             notes.append(f"torch.compile not searched: {why}")
         elif can.any():
             sets.append((eager.take(np.flatnonzero(can)), True))
             if not can.all():
-                notes.append("torch.compile searched with tp 1 and AC none, full or selective-layer only (compile "
-                             "with TP or selective-op is not traced yet)")
+                notes.append(f"torch.compile searched with {where} only (compile with TP"
+                             + (", or with float8 and selective-op," if training.float8 else "")
+                             + " is not traced yet)")
     parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
     for plans, compiled in sets:
         tr = training.model_copy(update={"compile": compiled})
