@@ -300,3 +300,48 @@ def test_compiled_torchtune_qlora_layer_aot():
     weights = sorted(int(t.elements) for t in r.saved if t.kind == "constant" and t.dtype == "bfloat16")
     assert weights == sorted([h * h, h * 64, h * 64, h * h, h * f, h * f, h * f])
     assert (r.after_forward, r.output_bytes) == (1766304, 20480)
+
+
+# torchtitan's memory-budget AC (--ac budget:F, compiled): what the partitioner saves at llama3-8b's real widths,
+# measured with `PYTHONPATH=. python -m validation.budget 4096 32 8 14336 8192 0 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 1`
+# (the real-size block compiled under FakeTensorMode; the same sets at s 2,048 and 32,768 and at the 70B and 405B
+# widths): bytes per token and layer at F = 0, 0.1, ..., 1
+BUDGET_MEASURED = (8192, 20480, 28672, 49152, 57344, 77824, 86024, 94344, 94344, 94344, 139400)
+
+
+@pytest.mark.parametrize("tenths", range(11))
+def test_titan_memory_budget_layer_bytes_equal_the_partitioners(tenths):
+    from memplan import estimate
+
+    s = 1024
+    est = estimate("llama3-8b", impl="torchtitan", gpus=8, seq_len=s, micro_batch=1, global_batch=8,
+                   ac=f"budget:{tenths / 10:g}", compile=True).estimate
+    assert est.per_layer_bytes == BUDGET_MEASURED[tenths] * s
+    # by hand (h 4096, a 32, g 8, d 128, f 14336): F = 0 the block input 2h; F = 0.5 the input, q 2h, k and v 2gd
+    # each, w1's and w3's outputs 2f each; F = 1 the plain compiled block (TITAN_LAYER, reference.md's 139,400 B)
+    assert BUDGET_MEASURED[0] == 2 * 4096 and BUDGET_MEASURED[5] == 2 * 4096 * 2 + 2 * 2 * 8 * 128 + 2 * 2 * 14336
+
+
+@pytest.mark.parametrize("args", [["--ac", "budget:0.5"], ["--ac", "budget:0.55", "--compile"],
+                                  ["--ac", "budget:1.5", "--compile"],
+                                  ["--ac", "budget:0.5", "--compile", "--float8", "rowwise"],
+                                  ["--ac", "budget:0.5", "--compile", "--model", "llama2-7b"]])
+def test_memory_budget_refuses_what_is_not_traced(run_cli, args):
+    argv = ["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", *args]
+    code, _, err = run_cli(*argv)
+    assert code == 2 and "budget" in err and "Traceback" not in err, err
+    code, _, err = run_cli("search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB",
+                           "--ac", "budget:0.5", "--compile")
+    assert code == 2 and "memory-budget" in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+@SLOW
+def test_memory_budget_trace_gives_the_table():
+    # the partitioner's saved sets at llama3-8b's widths (s 2,048; ~15 s of CPU) are compiled.BUDGET_SAVED's
+    pytest.importorskip("torchtitan")
+    from validation.budget import budget_saved
+
+    got = budget_saved(4096, 32, 8, 14336, 2048, tuple(i / 10 for i in range(11)), compiled.TITAN_LAYER)
+    assert [" ".join(r["saved"]) for r in got.values()] == list(compiled.BUDGET_SAVED)
+    assert [r["per_token"] for r in got.values()] == list(BUDGET_MEASURED)

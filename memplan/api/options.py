@@ -33,7 +33,8 @@ TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"
 
 # torchtitan's --ac modes (memplan/inventory/titan.py AC_MODES, LAYER_AC) as memplan's recompute modes; selective-layer[:N]
 # (titan.py checkpointed_layers) is full recompute of the layers it checkpoints
-TITAN_AC = {"none": "none", "full": "full", "selective-op": "selective", "selective-layer": "full"}
+# budget: nothing checkpointed; the compiled blocks keep the partitioner's saved set at the budget (compiled.py)
+TITAN_AC = {"none": "none", "full": "full", "selective-op": "selective", "selective-layer": "full", "budget": "none"}
 
 
 @dataclass
@@ -251,6 +252,7 @@ class PlanOptions:
                     lora_dora=self.dora,
                     lora_impl="torchtune" if self.impl == "torchtune" else "peft",
                     liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile),
+                    memory_budget=self.memory_budget(),
                     checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
                     loss_chunks=self.loss_chunks, fp8=self.fp8, float8=self.float8, fp8_format=self.fp8_format,
@@ -317,7 +319,20 @@ class PlanOptions:
         if self.fp8 is not None or self.lora or self.mst or self.loss_chunks not in (None, 1):
             raise MemplanError("--impl torchtitan: --fp8 (Transformer Engine; torchtitan's float8 is --float8), LoRA, "
                                "MsT and loss chunks are not modelled yet")
+        if mode == "budget" and self.compile is False:
+            raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC, which needs the blocks compiled: give "
+                               "--compile")
         return TITAN_AC[mode]
+
+    def memory_budget(self) -> Optional[float]:
+        """--ac budget:F's F (torchtitan's MemoryBudgetAC; it needs --compile), else None."""
+        mode, tenths = titan_ac_mode(self.ac) if self.impl == "torchtitan" else ("none", 0)
+        if mode != "budget":
+            return None
+        if not self.compile:
+            raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC, which needs the blocks compiled: give "
+                               "--compile")
+        return tenths / 10
 
     def titan_layers(self, preset: ModelPreset) -> dict:
         """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""

@@ -143,7 +143,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--ac", metavar="MODE",
                      help="--impl torchtitan's activation checkpointing: none (default), full, selective-op or "
                           "selective-layer[:N] (every N-th layer checkpointed, default 2; torchtitan <= 0.2's "
-                          "selective_ac_option) (memplan/inventory/titan.py)."),
+                          "selective_ac_option) (memplan/inventory/titan.py), or budget:F with --compile (its "
+                          "MemoryBudgetAC, F = 0, 0.1, ..., 1: the partitioner's saved set traced at the Llama 3 "
+                          "widths; not searched)."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",

@@ -239,6 +239,11 @@ class TrainingSpec(Spec):
         default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune / torchtitan, Llama layout): the layer's saved "
         "tensors traced from AOTAutograd's partitioner (memplan/inventory/compiled.py)")
 
+    memory_budget: Optional[float] = Field(
+        default=None, ge=0, le=1, description="torchtitan's memory-budget AC (--ac budget:F, with compile): "
+        "torch._functorch.config.activation_memory_budget, the partitioner's saved set traced at F "
+        "(memplan/inventory/compiled.py BUDGET_SAVED); None: not set")
+
     @model_validator(mode="after")
     def _lora(self) -> "TrainingSpec":
         if self.qlora and not self.lora_rank:

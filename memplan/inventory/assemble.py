@@ -142,6 +142,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     (memplan/inventory/recompute.py), padded / packed batches and reentrant checkpointing (memplan/inventory/hf_trainer.py), Liger-Kernel (memplan/inventory/liger.py) and LoRA / QLoRA (memplan/inventory/lora.py)."""
     if training.liger:  # refused before the implementation's own inventory is built
         liger_kernel.check_liger(model, impl, training.loss_chunks)
+    compiled_layer.check_budget(model, impl, training)
     if training.compile:
         compiled_layer.check_compile(model, impl, training)
     titan_float8.check_float8(training.float8, impl, None)
@@ -160,7 +161,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
-        inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks)
+        inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks,
+                                         training.memory_budget)
     if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
         inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:

@@ -32,6 +32,11 @@ w2's output (matmul 5), which eager SAC keeps in its cache, is not saved (the ba
 g 2): 684 B per token against eager SelectiveAC's 780 B (tests/test_compile.py); for llama3-8b 2h less per token.
 The layers' backward (the recomputed tensors alive in it) is memplan's recompute working set (derived).
 
+torchtitan's memory-budget AC (``--ac budget:F --compile``: MemoryBudgetAC sets activation_memory_budget = F): the
+partitioner's knapsack keeps a subset of TITAN_LAYER that depends on the widths, so it is traced at the real Llama 3
+8B / 70B / 405B widths (validation/budget.py, under FakeTensorMode; BUDGET_SAVED, F in tenths); its recompute is
+neither timed nor counted (said in the notes).
+
 torchtitan's block with torchao's float8 linears (``--float8``, memplan/inventory/titan_float8.py), traced and
 measured the same way (validation/compiled.py ``trace_compiled_layer(float8=...)``, h 48, f 160 so that every linear
 is converted): the partitioner no longer saves the two norms' bf16 outputs nor SwiGLU's product (2h + 2h + 2f per
@@ -136,6 +141,18 @@ TITAN_SAC = (
     *(row for row in TITAN_LAYER if row[0] in ("sdpa_logsumexp", "attn_out", "silu_input")),
 )
 SAC_IDS = frozenset(row[0] for row in TITAN_SAC)
+# torchtitan's MemoryBudgetAC (--ac budget:F): the TITAN_LAYER rows the partitioner saves at F = 0, 0.1, ..., 1 (by
+# tenths), traced at the Llama 3 8B, 70B and 405B widths (BUDGET_WIDTHS) at s 2,048, 8,192 and 32,768 with
+# validation/budget.py (the real-size block compiled under FakeTensorMode; torch's knapsack, flops estimator): the
+# same set at each of the nine. F = 1 is the plain compiled block (TITAN_LAYER), F = 0 its input only.
+_B7 = "layer_input ln1_rstd q k v sdpa_logsumexp attn_out o_proj_out ln2_rstd silu_input up_out"
+BUDGET_SAVED = ("layer_input", "layer_input q k v", "layer_input q k v o_proj_out", "layer_input q k v silu_input",
+                "layer_input q k v o_proj_out silu_input", "layer_input q k v silu_input up_out",
+                "layer_input ln1_rstd q k v o_proj_out ln2_rstd silu_input up_out", _B7, _B7, _B7,
+                " ".join(row[0] for row in TITAN_LAYER))
+BUDGET_WIDTHS = {(4096, 32, 8, 14336), (8192, 64, 8, 28672), (16384, 128, 8, 53248)}  # (h, a, g, f)
+BUDGET_SRC = ("traced from torch.compile's partitioner at torchtitan's memory budget (torch 2.13, the Llama 3 8B / "
+              "70B / 405B widths at s 2,048, 8,192, 32,768: the same set at each; validation/budget.py)")
 # torchtitan with float8 linears (module docstring): TITAN_LAYER without these, plus tensorwise's scalars (one of each
 # per float8 linear, each its own storage)
 FLOAT8_RECOMPUTED = ("qkv_input", "mlp_input", "fc2_input")
@@ -147,6 +164,21 @@ MLP = ("ln2_rstd", "mlp_input", "silu_input", "up_out", "fc2_input", "o_proj_out
 FREED = ((), ("fc2_input",), MLP + ("attn_out",))
 MOMENTS = ("derived: the eager layer's backward moment (transformers' measured one) with the compiled layer's saved "
            "tensors; Inductor's fused kernels' own buffers left out (not traced)")
+
+
+def check_budget(model: ModelSpec, impl: str, training) -> None:
+    """torchtitan's memory-budget AC: compiled, its Llama 3 widths (the partitioner's knapsack depends on them),
+    bf16 linears, nothing checkpointed."""
+    if training.memory_budget is None:
+        return
+    if impl != "torchtitan" or not training.compile:
+        raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC: --impl torchtitan with --compile")
+    if training.float8 or training.recompute != Recompute.NONE:
+        raise MemplanError("--ac budget:F is traced with bf16 linears and no other AC: drop --float8")
+    widths = (model.hidden_size, model.num_attention_heads, model.g, model.f)
+    if widths not in BUDGET_WIDTHS or model.q != model.hidden_size:
+        raise MemplanError("--ac budget:F is traced at the Llama 3 8B, 70B and 405B widths (the partitioner's choice "
+                           "depends on them); this model's are not")
 
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
@@ -181,10 +213,14 @@ def _check_tune_lora(training) -> None:
                            "give --loss-chunks N (its configs' CEWithChunkedOutputLoss)")
 
 
-def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> list[Term]:
+def compiled_terms(impl: str, float8: str | None = None, linears: int = 0, budget: float | None = None) -> list[Term]:
     """The compiled layer's saved tensors; ``float8``: torchtitan's block with ``linears`` float8 linears. torchtitan's
     terms carry its selective-op table too (Term.kept: TITAN_LAYER's terms not in TITAN_SAC dropped under selective,
-    TITAN_SAC's own kept under selective alone)."""
+    TITAN_SAC's own kept under selective alone); ``budget``: its memory-budget AC, BUDGET_SAVED's rows at F."""
+    if budget is not None:
+        keep = BUDGET_SAVED[round(budget * 10)].split()
+        return [saved(id, what, block, elements, dtype, k22=False, src=BUDGET_SRC)
+                for id, what, block, elements, dtype in TITAN_LAYER if id in keep]
     sac = impl == "torchtitan" and not float8
     rows = TABLES[impl] + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) if sac else ())
     terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC,
@@ -198,7 +234,7 @@ def compiled_terms(impl: str, float8: str | None = None, linears: int = 0) -> li
 
 
 def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None = None,
-          loss_chunks: int = 1) -> Inventory:
+          loss_chunks: int = 1, budget: float | None = None) -> Inventory:
     """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
     freeing the compiled tensors; ``float8``: torchtitan's float8 linears (all five converted, as traced); with
     torchtune's chunked loss (`loss_chunks` > 1) the compiled loss's saved tensors and moments (its recipes'
@@ -216,7 +252,7 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
                                       *tune_chunked_backward(loss_chunks, True)]}
     out = tuple(moments.get(m.id, m) for m in inventory.moments)
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
-                               terms=tuple(compiled_terms(impl, float8, linears) + kept),
+                               terms=tuple(compiled_terms(impl, float8, linears, budget) + kept),
                                moments=out)
 
 
@@ -227,6 +263,9 @@ def notes(training, impl: str = "") -> list[str]:
             "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
             "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
             "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
+    budget = [] if getattr(training, "memory_budget", None) is None else [
+        f"--ac budget:{training.memory_budget:g} (torchtitan's MemoryBudgetAC): the saved set {BUDGET_SRC}; what the "
+        "partitioner recomputes in the backward is neither timed nor counted as a working set (a lower bound)"]
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            f"kernels' own buffers left out (not traced); {loss}"]
+            f"kernels' own buffers left out (not traced); {loss}"] + budget

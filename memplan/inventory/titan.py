@@ -54,6 +54,9 @@ AC_MODES = ("none", "full", "selective-op")
 # torch's checkpoint_wrapper (FullAC's) around every N-th decoder layer, the others as under none; its default "2"
 LAYER_AC = "selective-layer"
 LAYER_AC_DEFAULT = 2
+# torchtitan's MemoryBudgetAC (activation_checkpoint "memory-budget": torch._functorch.config.activation_memory_budget
+# = F, the blocks compiled): --ac budget:F, F in tenths from 0 to 1 (memplan/inventory/compiled.py BUDGET_SAVED)
+BUDGET_AC = "budget"
 SOURCE = "torchtitan 0.3.0 Llama 3 block; measured and traced on CPU (validation/titan.py)"
 
 
@@ -115,8 +118,15 @@ def layer_bytes(terms: list[TitanTerm], ac: str, s: int, b: int, t: int = 1) -> 
 
 
 def titan_ac_mode(ac: str | None) -> tuple[str, int]:
-    """--ac as (mode, N): N the layer frequency of selective-layer[:N] (default 2), else 1; unknown modes refused."""
+    """--ac as (mode, N): N the layer frequency of selective-layer[:N] (default 2), the tenths of budget:F (F = 0,
+    0.1, ..., 1: the budgets traced), else 1; unknown modes refused."""
     mode, _, every = (ac or "none").partition(":")
+    if mode == BUDGET_AC:
+        tenths = round(float(every) * 10) if every.replace(".", "", 1).isdigit() and every.isascii() else -1
+        if 0 <= tenths <= 10 and abs(float(every) * 10 - tenths) < 1e-9:
+            return mode, tenths
+        raise MemplanError(f"--ac budget:F: F is torchtitan's memory_budget, traced at 0, 0.1, ..., 1 (got "
+                           f"{str(every)[:20]!r})")
     if mode == LAYER_AC:
         if not every:
             return mode, LAYER_AC_DEFAULT
@@ -125,7 +135,7 @@ def titan_ac_mode(ac: str | None) -> tuple[str, int]:
     elif mode in AC_MODES and not every:
         return mode, 1
     raise MemplanError(f"--impl torchtitan: --ac {str(ac)[:40]!r} is not modelled; modelled: {', '.join(AC_MODES)}, "
-                       f"{LAYER_AC}[:N] (N >= 1)")
+                       f"{LAYER_AC}[:N] (N >= 1), {BUDGET_AC}:F (with --compile)")
 
 
 def checkpointed_layers(layers: int, every: int) -> list[int]:

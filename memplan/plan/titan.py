@@ -88,6 +88,9 @@ def _ac_fixed(model: ModelSpec, pins: TitanPins) -> dict[str, Any]:
         counts = () if pins.launchable else tuple(layer_ac_counts(L))
         return dict(recompute_layers=counts + (L,))
     mode, every = titan_ac_mode(pins.ac)
+    if mode == "budget":
+        raise MemplanError("search --impl torchtitan does not search memory-budget AC yet: estimate it (--ac budget:F "
+                           "--compile) or search --ac none, full, selective-op or selective-layer[:N]")
     if mode == LAYER_AC:
         if pins.launchable:
             raise MemplanError("--emit torchtitan: torchtitan 0.3.0 has no per-layer selective AC: search it with "
