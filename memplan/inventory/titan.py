@@ -279,4 +279,4 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, PP / CP / EP, compile with TP or "
-              "with selective-op AC and float8, float8 with TP, budget AC; the allocation stream")
+              "with selective-op AC and float8, float8 with TP, budget AC's recompute; the allocation stream")
