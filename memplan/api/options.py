@@ -319,20 +319,12 @@ class PlanOptions:
         if self.fp8 is not None or self.lora or self.mst or self.loss_chunks not in (None, 1):
             raise MemplanError("--impl torchtitan: --fp8 (Transformer Engine; torchtitan's float8 is --float8), LoRA, "
                                "MsT and loss chunks are not modelled yet")
-        if mode == "budget" and self.compile is False:
-            raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC, which needs the blocks compiled: give "
-                               "--compile")
         return TITAN_AC[mode]
 
     def memory_budget(self) -> Optional[float]:
         """--ac budget:F's F (torchtitan's MemoryBudgetAC; it needs --compile), else None."""
         mode, tenths = titan_ac_mode(self.ac) if self.impl == "torchtitan" else ("none", 0)
-        if mode != "budget":
-            return None
-        if not self.compile:
-            raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC, which needs the blocks compiled: give "
-                               "--compile")
-        return tenths / 10
+        return tenths / 10 if mode == "budget" else None  # refused without --compile: compiled.check_budget
 
     def titan_layers(self, preset: ModelPreset) -> dict:
         """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""

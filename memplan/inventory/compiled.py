@@ -172,7 +172,8 @@ def check_budget(model: ModelSpec, impl: str, training) -> None:
     if training.memory_budget is None:
         return
     if impl != "torchtitan" or not training.compile:
-        raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC: --impl torchtitan with --compile")
+        raise MemplanError("--ac budget:F is torchtitan's MemoryBudgetAC, which needs the blocks compiled: "
+                           "--impl torchtitan with --compile")
     if training.float8 or training.recompute != Recompute.NONE:
         raise MemplanError("--ac budget:F is traced with bf16 linears and no other AC: drop --float8")
     widths = (model.hidden_size, model.num_attention_heads, model.g, model.f)
