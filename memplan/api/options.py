@@ -302,9 +302,12 @@ class PlanOptions:
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
         mode = titan_ac_mode(self.ac)[0]
-        if any(x not in (None, 1) for x in (self.pp, self.cp, self.ep, self.vpp)):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism and --tp only yet "
-                               "(pp, cp, ep = 1)")
+        if any(x not in (None, 1) for x in (self.pp, self.ep, self.vpp)):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp and --cp only yet "
+                               "(pp, ep = 1)")
+        if self.cp not in (None, 1) and self.cp_comm_type not in (None, "p2p"):
+            raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
+                               "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
         if self.sp is False and self.tp not in (None, 1):
             raise MemplanError("--impl torchtitan: TP without sequence parallelism (enable_sequence_parallel = False) "
                                "is not modelled: drop --no-sp")
