@@ -75,3 +75,38 @@ def test_cp_refusals():
         _est(2, cp_comm_type="a2a")
     with pytest.raises(MemplanError):  # the head-tail layout: 2 cp chunks of the sequence
         _est(2, seq_len=8190)
+
+
+def test_search_tries_cp_and_each_plan_estimates_the_same():
+    # s = 16384 (memplan/plan/space.py CP_MIN_SEQ): cp 1, 2, 4, 8 searched beside tp and HSDP; every plan launches
+    # on the 8 GPUs (dp_replicate x dp_shard x tp x cp), compile only with cp 1, and estimate with a row's flags gives
+    # the row's peak and step time
+    from memplan import search
+    from memplan.plan.titan import titan_dims
+
+    base = dict(impl="torchtitan", gpus=8, global_batch=8, seq_len=16384, gpu="h100-80gb")
+    found = search("llama3-8b", all_variants=True, top=2, mem=80 * 10**9, **base).result
+    dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
+    assert {d["cp"] for d in dims} == {1, 2, 4, 8}
+    for d in dims:
+        assert d["dp_replicate"] * d["dp_shard"] * d["tp"] * d["cp"] == 8 and (not d["compile"] or d["cp"] == 1)
+    e = found.evaluated
+    for i in [i for i, d in enumerate(dims) if d["cp"] > 1][::23]:
+        d = dims[i]
+        est = estimate("llama3-8b", **base, tp=d["tp"], cp=d["cp"], dp_replicate=d["dp_replicate"], ac=d["ac"],
+                       micro_batch=d["local_batch"]).estimate
+        assert est.step.peak_bytes == e.peak_bytes[i], d
+        assert est.perf.step_time_s == pytest.approx(e.step_time_s[i], rel=1e-6)
+
+
+def test_cp_all_gather_is_timed_not_overlapped():
+    # torchtitan's K/V all-gather (forward) and the reduce-scatter of their gradients (backward), each waited for at
+    # once (cplib::flex_cp_allgather): per layer each moves (cp - 1)/cp of the sequence's K and V, 2 g d s = 2 x 8 x
+    # 128 x 8192 bf16 = 33,554,432 B, half of it at cp 2: 16,777,216 B x 2 directions x 32 layers = 2^30 B per
+    # sequence, 2 sequences per GPU (global batch 8 over d = 4), over NVLink (a cp group of 2 in one node)
+    from memplan.presets.catalog import load_gpu
+    from memplan.timing.comm import link_per_byte
+
+    one, two = _est(1).perf, _est(2).perf
+    assert one.cp_ep_comm_exposed_s == 0
+    assert two.cp_ep_comm_exposed_s == pytest.approx(2 * 2**30 * link_per_byte(load_gpu("h100-80gb"), 2), rel=1e-9)

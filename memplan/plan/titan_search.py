@@ -78,7 +78,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: pipeline, context and expert parallelism, async TP and memory-budget AC "
+    result.notes.extend(notes + ["torchtitan: pipeline and expert parallelism, async TP and memory-budget AC "
                                  "are not searched (not modelled for --impl torchtitan yet); float8 is a pin "
                                  "(--float8), not searched"])
     return result
