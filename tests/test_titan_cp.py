@@ -110,3 +110,23 @@ def test_cp_all_gather_is_timed_not_overlapped():
     one, two = _est(1).perf, _est(2).perf
     assert one.cp_ep_comm_exposed_s == 0
     assert two.cp_ep_comm_exposed_s == pytest.approx(2 * 2**30 * link_per_byte(load_gpu("h100-80gb"), 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("impl,cp,per_layer", [("torchtitan", 2, 705_200_128), ("torchtitan", 1, 1_376_845_824),
+                                               ("megatron", 2, None)])
+def test_explain_with_cp(impl, cp, per_layer, capsys):
+    # explain binds cp (it ended in KeyError 'cp' with --cp before, Megatron-LM's included); torchtitan by hand:
+    # (168072 - 4096) x 4096 + 4096 x 8192 at cp 2 (test_cp_layer_and_states_by_hand), 168072 x 8192 at cp 1
+    from memplan.cli import main
+
+    args = ["--model", "llama3-8b", "--impl", impl, "--gpus", "8", "--cp", str(cp), "--seq-len", "8192",
+            "--global-batch", "8"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain"] + args)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("per layer, with what real code keeps"))
+    expected = per_layer or estimate("llama3-8b", impl=impl, gpus=8, cp=cp, seq_len=8192,
+                                     global_batch=8).estimate.per_layer_bytes
+    assert f"= {expected:,} B" in line
+    assert ("whole sequence" in out) == (impl == "torchtitan" and cp > 1)
