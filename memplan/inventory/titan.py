@@ -302,5 +302,6 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
-              "async TP, PP / EP, CP with the sdpa ring or measured, compile with "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), PP / EP, "
+              "CP with the sdpa ring or with TP measured, compile with "
               "selective-op AC or TP, float8 with TP, budget AC; search over torchtitan's dimensions; the allocation stream")
