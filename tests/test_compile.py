@@ -67,7 +67,7 @@ def _layer_bytes(training: TrainingSpec, impl: str = "hf-sdpa") -> int:
     h = H if impl == "hf-sdpa" else TUNE_H
     vals = dict(s=S, b=B, h=h, a=A, f=F, g=G, q=A * D, v=model.vocab_size, t=1)
     return sum(t.elements.evaluate(vals) * BYTES[t.dtype] * t.kept(training.recompute) for t in inv.terms
-               if t.scope == "layer" and not t.needs_tp)  # t = 1: no TP-only term
+               if t.scope == "layer" and not t.needs_tp and not t.needs_cp)  # t = cp = 1: no TP- or CP-only term
 
 
 def test_compiled_layer_bytes_equal_the_cpu_measurement():

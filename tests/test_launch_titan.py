@@ -152,3 +152,19 @@ def test_compiled_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert config.compile.enable and config.compile.components == ["model"]
     assert "model_compile_enabled=True" in "\n".join(result.launch.args)
     assert isinstance(config.model_spec.model.layers[0].feed_forward.w2, titan_float8.Float8Linear.Config)
+
+
+def test_cp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --cp 2 on 8 GPUs: dp_shard 4 x cp 2 (torchtitan folds cp into FSDP's mesh), on the partial_dtensor backend
+    # whose apply_cp_to_forward memplan measured (validation/titan_cp.py); torchtitan's ParallelDims accepts it for
+    # a world of 8 and shards FSDP over dp_shard x cp
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, cp=2, seq_len=8192, micro_batch=1, global_batch=8,
+                      emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    par = config.parallelism
+    assert (par.data_parallel_shard_degree, par.context_parallel_degree, par.tensor_parallel_degree) == (4, 2, 1)
+    assert par.spmd_backend == "partial_dtensor" and "--nproc_per_node=8" in result.launch.args[1]
+    dims = ParallelDims.from_config(par, world_size=8)
+    assert dims.cp_enabled and dims.dp_shard * dims.cp == 8

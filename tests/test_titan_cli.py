@@ -55,7 +55,7 @@ def test_a_removed_term_fails(monkeypatch):
         assert _estimate(ac, "cpu").per_layer_bytes != PER_TOKEN[ac, "cpu"] * S * B
 
 
-@pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2"], ["--cp", "2"], ["--ac", "budget:0.5"],
+@pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2"], ["--cp", "2", "--cp-comm-type", "a2a"], ["--ac", "budget:0.5"],
                                   ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"],
                                   ["--compile", "--ac", "selective-op", "--float8", "rowwise"], ["--compile", "--tp", "2"],
                                   ["--model", "mixtral-8x7b"]])

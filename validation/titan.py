@@ -85,16 +85,19 @@ def float8_converter(recipe: str):
     return conv
 
 
-def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8: str | None = None) -> torch.nn.Module:
+def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8: str | None = None,
+                flex: bool = False) -> torch.nn.Module:
     """One torchtitan Llama 3 decoder layer (bf16), wrapped as torchtitan's AC mode ``ac`` wraps it; ``float8``: its
-    linears swapped for torchao's Float8Linear by torchtitan's converter (``float8_converter``)."""
+    linears swapped for torchao's Float8Linear by torchtitan's converter (``float8_converter``); ``flex``: its
+    FlexAttention kept (validation/titan_cp.py runs it), else the sdpa inner module (module docstring)."""
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     FullAC, SelectiveAC, ComplexRoPE, SDPA, build_layers = _titan()
     cfg = build_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
                        rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
                                                scaling="llama"), attn_backend="flex")[0]
-    cfg.attention.inner_attention = SDPA.Config()
+    if not flex:
+        cfg.attention.inner_attention = SDPA.Config()
     if float8:
         cfg = float8_converter(float8).convert(cfg)
     block = cfg.build()

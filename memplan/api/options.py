@@ -206,7 +206,10 @@ class PlanOptions:
 
     def cp_ep(self) -> dict[str, Any]:
         """The context- and expert-parallel options as ParallelSpec fields."""
-        return dict(cp=self.cp, cp_comm_type=self.cp_comm_type, ep=self.ep, etp=self.etp)
+        if self.cp_comm_type == "allgather":
+            raise MemplanError("cp_comm_type 'allgather' is torchtitan's and set by --impl torchtitan: give p2p or a2a")
+        comm = "allgather" if self.impl == "torchtitan" else self.cp_comm_type  # torchtitan: titan_recompute checks
+        return dict(cp=self.cp, cp_comm_type=comm, ep=self.ep, etp=self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
@@ -304,15 +307,18 @@ class PlanOptions:
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
         mode = titan_ac_mode(self.ac)[0]
-        if any(x not in (None, 1) for x in (self.pp, self.cp, self.ep, self.vpp)):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism and --tp only yet "
-                               "(pp, cp, ep = 1)")
+        if any(x not in (None, 1) for x in (self.pp, self.ep, self.vpp)):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp and --cp only yet "
+                               "(pp, ep = 1)")
+        if self.cp_comm_type is not None:
+            raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
+                               "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
         if self.sp is False and self.tp not in (None, 1):
             raise MemplanError("--impl torchtitan: TP without sequence parallelism (enable_sequence_parallel = False) "
                                "is not modelled: drop --no-sp")
-        if self.compile and self.tp not in (None, 1):
-            raise MemplanError("--impl torchtitan: --compile with --tp is not modelled yet (the partitioner is traced "
-                               "on the unsharded block)")
+        if self.compile and (self.tp not in (None, 1) or self.cp not in (None, 1)):
+            raise MemplanError("--impl torchtitan: --compile with --tp or --cp is not modelled yet (the partitioner is "
+                               "traced on the unsharded block)")
         if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
             raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
                                "--recompute*")

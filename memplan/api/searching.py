@@ -182,7 +182,7 @@ def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
 
 def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
-    return TitanPins(tp=opts.tp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
+    return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
                      micro_batch=opts.micro_batch, launchable=emit == "torchtitan")
 
 

@@ -92,8 +92,8 @@ def plan_options(func: Callable) -> Callable:
                           "--decoder-last-pipeline-num-layers)."),
         click.option("--sp/--no-sp", default=None, help="Sequence parallelism."),
         click.option("--cp", type=AsciiIntRange(1), help="Context-parallel size: each sequence split over cp GPUs "
-                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/memory/parallel.py). search: tried "
-                     "from s >= 16384 on."),
+                     "(GPUs = t p d cp; needs flash attention and 2 cp | s; memplan/memory/parallel.py; --impl torchtitan: its "
+                     "context_parallel_degree, memplan/inventory/titan.py). search: tried from s >= 16384 on."),
         click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
                      help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
         click.option("--ep", type=AsciiIntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "

@@ -52,10 +52,11 @@ class ParallelSpec(Spec):
 
     cp: int = Field(default=1, gt=0, description="context-parallel size: each sequence split over cp ranks "
                     "(Megatron-LM --context-parallel-size; memplan/memory/parallel.py)")
-    cp_comm_type: Literal["p2p", "a2a"] = Field(
+    cp_comm_type: Literal["p2p", "a2a", "allgather"] = Field(
         default="p2p", description="how context-parallel attention exchanges keys / values: p2p (ring attention, "
-        "Transformer Engine AttnFuncWithCPAndKVP2P) or a2a (Ulysses: heads all-to-all, AttnFuncWithCPAndQKVOA2A); "
-        "Megatron-LM --cp-comm-type")
+        "Transformer Engine AttnFuncWithCPAndKVP2P) or a2a (Ulysses: heads all-to-all, AttnFuncWithCPAndQKVOA2A), "
+        "Megatron-LM --cp-comm-type; allgather: torchtitan's (FlexAttention's K and V all-gathered over cp, their "
+        "gradients reduce-scattered; set by --impl torchtitan)")
     ep: int = Field(default=1, gt=0, description="expert-parallel size: each MoE layer's routed experts split over "
                     "ep ranks (Megatron-LM --expert-model-parallel-size)")
     etp: Optional[int] = Field(default=None, gt=0, description="expert tensor-parallel size: each routed expert's "

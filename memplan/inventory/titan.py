@@ -36,6 +36,20 @@ dim 0 padded to a multiple of N; the moments unpadded), measured over gloo with 
 running decoder layer (reshard_after_forward), measured, and of the next one all-gathered ahead of it on a GPU
 (derived: on CPU nothing runs ahead); the final norm and LM head stay unsharded in bf16 from their forward to
 their backward (torchtitan does not reshard them after forward), measured.
+
+Context parallelism (``--cp C``, torchtitan's context_parallel_degree; read from torchtitan 0.3.0's
+distributed/context_parallel/api.py and torch 2.13's distributed/tensor/experimental/_context_parallel; the layer's
+kept tensors measured on one rank of a fake cp group, validation/titan_cp.py, tests/test_titan_cp.py). The batch's tokens are cut
+into 2C chunks, rank r keeping chunks r and 2C-1-r (cp_shard's "headtail" load balancer), so every per-token term
+is the rank's s/C tokens (memplan's cp split).  FlexAttention, torchtitan's Llama 3 default (``attn_backend="flex"``),
+does not run a ring: ``apply_cp_to_forward`` wraps it to all-gather K and V over the cp group
+(cplib::flex_cp_allgather) and FlexAttention saves its inputs, so a layer keeps the whole sequence's K and V in
+place of its own rotated k and contiguous v (``cp_gathered_kv``); q, the output and log-sum-exp stay the rank's.  Their
+gradients over the whole sequence are reduce-scattered in the backward (a layer-backward transient, not counted:
+the layers' backward transients are left, TITAN_LEFT).  The sdpa backend's ring instead (torch's
+_templated_ring_attention, rotate method all-gather) keeps only local q, k, v, out, lse and holds transients
+(the all-gathered K/V, the fp32 merged output and log-sum-exp) inside the attention: not modelled.  FSDP2 shards
+over dp_shard x C (ParallelDims folds cp into the "fsdp" mesh): memplan's d x cp state sharding.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.hf import hf_loss_moments
 from memplan.inventory.k22 import labels_term
+from memplan.core.symbolic import Poly
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
@@ -69,6 +84,7 @@ class TitanTerm:
     modes: tuple[str, ...]
     split: str = ""  # under TP t: "tp" / t (heads, FFN columns, vocab), "sp" / t (the sequence-parallel norms), "" whole
     tp_only: bool = False  # exists only with TP (t > 1)
+    cp_gathered: bool = False  # under context parallelism the all-gathered whole-sequence tensor is kept instead
 
 
 def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> list[TitanTerm]:
@@ -82,8 +98,8 @@ def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> 
     terms += [
         TitanTerm("wqkv.out", "fused QKV linear output (bf16), matmul 1", 2 * (a + 2 * g) * d, ("selective-op",), "tp"),
         TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",), "tp"),
-        TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",), "tp"),
-        TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",), "tp"),
+        TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
+        TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
         TitanTerm("attn.out", "attention output (bf16)", 2 * a * d, ("none", "selective-op"), "tp"),
         TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op"), "tp"),
         TitanTerm("wo.rs", "wo output reduce-scattered over the sequence (bf16), TP only", 2 * h, ("selective-op",),
@@ -198,6 +214,22 @@ rank 0 holds the most); the sharded parameters and gradients keep the padded siz
                        head_unsharded=2 * n * shard(head_shapes))
 
 
+CP_SOURCE = ("measured: torchtitan 0.3.0 apply_cp_to_forward on its block, one rank of a fake cp group, the CPU sdpa "
+             "kernel in place of FlexAttention's (validation/titan_cp.py)")
+
+
+def cp_gathered_kv(g: int, d: int) -> Term:
+    """The whole sequence's K and V a layer keeps under context parallelism: FlexAttention saves the all-gathered
+    K and V (cplib::flex_cp_allgather's two outputs, g d bf16 each per token of the whole sequence), and the rank's
+    own rotated k and contiguous v are then freed (rope.k, v.contiguous: without_cp).  Written before the cp split
+    (Term.bytes divides by cp): 2 g d cp s b elements, i.e. 2 g d s b on a rank, two storages.  Kept where rope.k
+    and v.contiguous are (AC none: selective-op's save list does not hold the all-gather); cp > 1 only; heads split
+    over t."""
+    return Term("cp.kv_gathered", "K and V of the whole sequence (bf16), all-gathered over cp for FlexAttention",
+                "attn", Poly.parse(f"{2 * g * d} cp s b"), "act", True, False, True, False, "layer", False, CP_SOURCE,
+                needs_cp=True, storages=2)
+
+
 MEASURED = (
     "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py; tests/test_titan.py, TP: tests/test_titan_tp.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
@@ -213,7 +245,7 @@ def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
     per = t.bytes_per_token // (4 if fp32 else 2)
     flags = _FLAGS[t.modes] if scope == "layer" else {}
     return saved(t.id, t.name, t.id.split(".")[0], f"{per} s b", "fp32" if fp32 else "act", scope=scope, k22=False,
-                 src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, **flags)
+                 src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, without_cp=t.cp_gathered, **flags)
 
 
 def _cuda_norm(terms: list[TitanTerm], h: int) -> list[TitanTerm]:
@@ -274,9 +306,12 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                                         "measured); under TP the vocab-wide tensors / t (loss parallel)",
                                         transients=tuple(_vocab_split(x) for x in m.transients))
                     for m in hf_loss_moments(model, final_norm=False))
-    return Inventory(f"torchtitan/{device}", tuple(_term(t, src) for t in terms) + tuple(outside), moments, "buffer",
+    layer = tuple(_term(t, src) for t in terms) + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
+    return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, PP / CP / EP, compile with TP or "
-              "with selective-op AC and float8, float8 with TP, budget AC's recompute; the allocation stream")
+TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), PP / EP, "
+              "CP with the sdpa ring or with TP measured, compile with TP or CP or with selective-op AC and float8, "
+              "float8 with TP, budget AC's recompute; the allocation stream checked against a recording")

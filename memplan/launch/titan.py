@@ -12,7 +12,8 @@ the compiled loss), the plain cross-entropy loss
 batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard), the tensor-parallel degree (sequence
 parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
 (validation/titan.py tp_rank): 0.3.0's default ``spmd_types`` with TP stopped in torch 2.13's fully_shard, which
-wants DTensor parameters), pipeline and context parallelism 1 and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
+wants DTensor parameters), the context-parallel degree (with CP > 1 the ``partial_dtensor`` backend too: its
+``apply_cp_to_forward`` is what validation/titan_cp.py measured), pipeline parallelism 1 and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
 torchtitan 0.3.0's dataclasses; tests/test_launch_titan.py loads the emitted module with torchtitan's own
 ConfigManager.
 
@@ -88,7 +89,8 @@ def titan_document(config: Config) -> dict:
             "parallelism.data_parallel_replicate_degree": replicate,
             "parallelism.data_parallel_shard_degree": par.shard,
             "parallelism.tensor_parallel_degree": par.tp,
-            "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 else "spmd_types",
+            "parallelism.context_parallel_degree": par.cp,
+            "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 or par.cp > 1 else "spmd_types",
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
             "loss": "CrossEntropyLoss", "converters": _converters(config)}
@@ -100,7 +102,7 @@ def titan_launch(config: Config) -> Launch:
         raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
     doc = titan_document(config)
     ac, ac_name = _ac(config)
-    gpus = config.parallel.dp * config.parallel.tp
+    gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp
     imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
     lines = [
         f'"""memplan\'s plan as torchtitan 0.3.0\'s config. Save as {MODULE}.py, then, from its folder:',
@@ -133,7 +135,7 @@ def titan_launch(config: Config) -> Launch:
         f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
         f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",
         f"        tensor_parallel_degree={doc['parallelism.tensor_parallel_degree']}, pipeline_parallel_degree=1, "
-        "context_parallel_degree=1,",
+        f"context_parallel_degree={doc['parallelism.context_parallel_degree']},",
         f"        spmd_backend=\"{doc['parallelism.spmd_backend']}\")",
         f"    config.activation_checkpoint = {ac}",
         "    return config",
@@ -144,6 +146,10 @@ def titan_launch(config: Config) -> Launch:
              "cross-entropy, " + ("the model compiled (not the loss)" if config.training.compile else "eager") + ", "
              + ("float8 rowwise linears (the converter needs an SM89+ GPU: H100, H200)" if config.training.float8
                 else "bf16")]
+    if config.parallel.cp > 1:
+        notes.append(f"context parallelism {config.parallel.cp} on torchtitan's partial_dtensor backend, the path "
+                     "memplan measured (apply_cp_to_forward: FlexAttention's K and V all-gathered over the cp group); "
+                     "FSDP2 shards over dp_shard x cp")
     if config.parallel.tp > 1:
         notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
                      "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")

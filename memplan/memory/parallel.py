@@ -132,7 +132,14 @@ IMPLS_TEXT = ("context parallelism (--cp, --cp-comm-type p2p | a2a) and expert p
 def notes(config: Any) -> list[str]:
     """What estimate says about a plan's context / expert parallelism."""
     par, out = config.parallel, []
-    if par.cp > 1:
+    if par.cp > 1 and config.training.dp_stack == "torchtitan":
+        out.append(f"context parallelism cp = {par.cp} (torchtitan): each GPU holds s/cp = "
+                   f"{config.model.seq_length // par.cp:,} tokens of every sequence (head-tail load balanced); "
+                   "FlexAttention's K and V all-gathered over the cp group and kept (the whole sequence's; measured "
+                   "on one rank of a fake cp group on CPU, the sdpa kernel in place of FlexAttention's); FSDP2's "
+                   "states sharded over dp_shard x cp (derived from torchtitan's ParallelDims, not measured); the "
+                   "whole sequence's K, V gradients in the backward not counted (memplan/inventory/titan.py)")
+    elif par.cp > 1:
         out.append(f"context parallelism cp = {par.cp} ({par.cp_comm_type}): each GPU holds s/cp = "
                    f"{config.model.seq_length // par.cp:,} tokens of every sequence; the attention's "
                    f"{'ring' if par.cp_comm_type == 'p2p' else 'all-to-all'} buffers and the d x cp state sharding "

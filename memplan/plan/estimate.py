@@ -194,7 +194,9 @@ def estimate(
     layer_terms = tuple(t for t in terms if t.scope == "layer" and t.in_k22) if paper_only else tuple(
         t for t in terms if t.scope == "layer")
     per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
-    poly = display_poly(layer_poly(layer_terms, act, config.parallel.sp, config.training.recompute,
+    cp_on = config.parallel.cp > 1  # terms that exist only with / only without context parallelism
+    shown = tuple(t for t in layer_terms if not (t.needs_cp and not cp_on) and not (t.without_cp and cp_on))
+    poly = display_poly(layer_poly(shown, act, config.parallel.sp, config.training.recompute,
                                    config.parallel.cp), config.model)
     if config.parallel.tp == 1:
         poly = poly.assign("t", 1)
@@ -203,7 +205,7 @@ def estimate(
     for term in terms:
         n = peak.unit_bytes[term.id]  # one copy as allocated (storages rounded to the allocator block)
         stage_n = peak.term_bytes[term.id]
-        if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute)):
+        if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute) or term not in shown):
             continue
         sym = display_poly(term.split_size(act, config.parallel.sp, config.parallel.cp), config.model)
         if config.parallel.tp == 1:

@@ -12,8 +12,11 @@ same flags, memplan/api/options.py):
   AC          none, selective-op, full, selective-layer:N (every N-th layer checkpointed, L // N of them: one plan
               per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
               layers sit, memplan/inventory/titan.py);
-  compile     off, or on where memplan traces it (tp = 1; with --float8 AC not selective-op: memplan/inventory/compiled.py).
-Not searched (not modelled for torchtitan yet): pipeline, context and expert parallelism, async TP, memory-budget AC.
+  compile     off, or on where memplan traces it (tp = cp = 1; with --float8 AC not selective-op:
+              memplan/inventory/compiled.py).
+  cp          1, and where s >= CP_MIN_SEQ or --cp pins it, powers of 2 with 2 cp | s (torchtitan's head-tail
+              chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
+Not searched (not modelled for torchtitan yet): pipeline and expert parallelism, async TP, memory-budget AC.
 float8 is pinned, not searched (`--float8`: tp 1 plans only); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
@@ -40,6 +43,7 @@ class TitanPins:
     """The torchtitan dimensions a search pins (None: searched)."""
 
     tp: Optional[int] = None
+    cp: Optional[int] = None  # context parallelism: searched where s >= CP_MIN_SEQ (memplan/plan/space.py)
     dp_replicate: Optional[int] = None
     ac: Optional[str] = None  # --ac as `estimate` takes it
     compile: Optional[bool] = None
@@ -104,7 +108,7 @@ def _ac_fixed(model: ModelSpec, pins: TitanPins) -> dict[str, Any]:
 
 def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins, max_tp: int) -> PlanValues:
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them)."""
-    fixed = Fixed(tp=pins.tp, pp=1, vpp=1, cp=1, ep=1, zero=3, micro_batch=pins.micro_batch,
+    fixed = Fixed(tp=pins.tp, pp=1, vpp=1, cp=pins.cp, cp_comm_type="allgather", ep=1, zero=3, micro_batch=pins.micro_batch,
                   **_ac_fixed(model, pins))
     plans = plan_space(model, gpus, global_batch, fixed, max_tp, "torchtitan").flat()
     replicas = plans.d // plans.shard
@@ -121,9 +125,10 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
 
 
 def compilable(plans: PlanValues, float8: bool = False) -> np.ndarray:
-    """The plans memplan models with torch.compile: tp = 1; with float8 linears AC not selective-op
+    """The plans memplan models with torch.compile: tp = cp = 1; with float8 linears AC not selective-op
     (memplan/inventory/compiled.py)."""
-    return (np.asarray(plans.t) == 1) & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8))
+    return ((np.asarray(plans.t) == 1) & (np.asarray(plans.cp) == 1)
+            & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8)))
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:
@@ -139,6 +144,6 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
     """A plan's torchtitan settings, by the names its config and `estimate --impl torchtitan` use."""
     par, tr = config.parallel, config.training
     k = tr.recompute_num_layers if tr.recompute_num_layers is not None else config.model.num_layers
-    return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp,
+    return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp, "cp": par.cp,
             "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
             "local_batch": tr.micro_batch, "gradient_accumulation": config.num_microbatches}

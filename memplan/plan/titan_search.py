@@ -50,7 +50,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     if pins.compile is not False:
         why = _compile_refusal(model, training)
         can = compilable(eager, bool(training.float8))
-        where = "--tp 1 and --ac none, full or selective-layer" if training.float8 else "--tp 1"
+        where = "--tp 1, --cp 1" + (" and --ac none, full or selective-layer" if training.float8 else "")
         if why and pins.compile:
             raise MemplanError(why)
         if pins.compile and not can.any():
@@ -61,7 +61,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         elif can.any():
             sets.append((eager.take(np.flatnonzero(can)), True))
             if not can.all():
-                notes.append(f"torch.compile searched with {where} only (compile with TP"
+                notes.append(f"torch.compile searched with {where} only (compile with TP or CP"
                              + (", or with float8 and selective-op," if training.float8 else "")
                              + " is not traced yet)")
     parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
@@ -80,7 +80,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: pipeline, context and expert parallelism and async TP are not searched "
+    result.notes.extend(notes + ["torchtitan: pipeline and expert parallelism and async TP are not searched "
                                  "(not modelled for --impl torchtitan yet), memory-budget AC neither (estimate "
                                  "--ac budget:F --compile); float8 is a pin (--float8), not searched"])
     return result

@@ -90,12 +90,18 @@ def explain(config: Config, budget_bytes: Optional[int] = None, gpu: Optional[Gp
     est = estimate(config, budget_bytes=budget_bytes, gpu=gpu, impl=impl, fragmentation_margin=fragmentation_margin)
     # an MoE layer's routed tokens after the expert-TP all-gather are etp wide (Term.etp_gathered)
     moe = dict(ep=config.parallel.ep, etp=config.parallel.expert_tp) if config.model.is_moe else {}
+    # context parallelism: every term holds the rank's s/cp tokens (Term.bytes divides by values' cp); a term with
+    # its own cp factor (torchtitan's all-gathered K, V) needs the symbol at cp = 1 too
+    cp = config.parallel.cp
+    if cp > 1 or any(t.needs_cp or t.without_cp for t in est.inventory.terms):
+        moe["cp"] = cp
     values = dict(config.model.symbols(b=config.training.micro_batch, t=config.parallel.tp, **moe))
     return est, (_symbols(est, values) + _layer(est, values) + _pipeline(est) + _states(est, values) + _peak(est))
 
 
 def _display(poly: Poly, config: Config) -> Poly:
     poly = display_poly(poly, config.model)
+    poly = poly.assign("cp", 1) if config.parallel.cp == 1 else poly
     return poly.assign("t", 1) if config.parallel.tp == 1 else poly
 
 
@@ -116,7 +122,9 @@ def _layer(est: Estimate, values: dict[str, Any]) -> list[Step]:
     c = est.config
     act, sp, rec = c.training.activation_bytes, c.parallel.sp, c.training.recompute
     split = (sp, c.parallel.cp)  # how a term's polynomial is split on one GPU (Term.split_size)
-    layer_terms = [t for t in est.inventory.terms if t.scope == "layer"]
+    cp = c.parallel.cp  # the terms that exist only with (needs_cp) or only without (without_cp) context parallelism
+    layer_terms = [t for t in est.inventory.terms if t.scope == "layer" and not (t.needs_cp and cp == 1)
+                   and not (t.without_cp and cp > 1)]
     kept = [t for t in layer_terms if t.kept(rec) and t.bytes(values, act, int(sp))]
     unit = est.peak.unit_bytes
     steps = []

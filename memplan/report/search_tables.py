@@ -106,9 +106,12 @@ def render_search(result: SearchResult, console: Console) -> None:
 
 
 def _titan_table(result: SearchResult, console: Console, has_time: bool, folded: bool) -> Any:
-    """The listing of `search --impl torchtitan`: torchtitan's dimensions (memplan/plan/titan.py titan_dims)."""
+    """The listing of `search --impl torchtitan`: torchtitan's dimensions (memplan/plan/titan.py titan_dims); cp
+    where the search tried cp > 1."""
+    cp = _cp_ep_columns(result)[:1] == ("cp",)
     table = make_table(console, [Col("#", "right"), Col("dp_replicate", "right", short="rep"),
-                                 Col("dp_shard", "right", short="shard"), Col("tp", "right"),
+                                 Col("dp_shard", "right", short="shard"), Col("tp", "right")]
+                       + [Col("cp", "right")] * cp + [
                                  Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right"),
                                  Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
                                  Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
@@ -117,7 +120,8 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
         row = result.row(x.plan)
         dims = row["torchtitan"]
         fold = _folded_cell(x).replace("ZeRO", "HSDP").replace("rec", "AC")
-        table.add_row(str(rank), *(str(dims[k]) for k in ("dp_replicate", "dp_shard", "tp", "local_batch", "ac")),
+        keys = ("dp_replicate", "dp_shard", "tp") + ("cp",) * cp + ("local_batch", "ac")
+        table.add_row(str(rank), *(str(dims[k]) for k in keys),
                       "on" if dims["compile"] else "off", format_gb(row["memory"]["device_bytes"]),
                       f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
                       *([fold] if folded else []))

@@ -49,6 +49,9 @@ def cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: PlanFloats, A: int, layers:
     - cp, p2p: each ring step sends the rank's K/V chunk ((cp - 1) of them per layer in the forward; K/V and their
       gradients, twice that, in the backward) while the step's attention runs (Transformer Engine overlaps them on
       two streams): exposed is what the rank's attention compute, 1/cp of it (backward 2x), cannot hide.
+    - cp, allgather (torchtitan, FlexAttention): K/V all-gathered before the attention in the forward (the ring's
+      volume, (cp - 1)/cp of them received), their gradients reduce-scattered after it in the backward (as much);
+      cplib::flex_cp_allgather waits at once: not overlapped (derived, uncalibrated).
     - cp, a2a: Q, K, V and the output (forward), their gradients (backward) are all-to-all'ed over cp, (cp - 1)/cp
       of each rank's share leaving it; not overlapped.
     - ep: the alltoall dispatcher's dispatch and combine, each k s b h / (t cp) routed tokens per GPU, in the forward
@@ -64,7 +67,7 @@ def cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: PlanFloats, A: int, layers:
         att = attention_s * pf.inv_t * inv_cp
         ring = maximum(ring_fwd - att, 0.0 * ring_fwd) + maximum(2.0 * ring_fwd - 2.0 * att, 0.0 * ring_fwd)
         a2a = 2.0 * (A * (2.0 * s * q + kv) * pf.inv_t * inv_cp) * (1.0 - inv_cp) * per_cp_byte
-        cp = layers * (ring if comm == "p2p" else a2a)
+        cp = layers * (ring if comm == "p2p" else 2.0 * ring_fwd if comm == "allgather" else a2a)
     else:
         cp = 0.0 * pf.cp
     moe = 0.0 * pf.ep
