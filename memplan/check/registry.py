@@ -40,8 +40,6 @@ _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_co
                "Persimmon, Qwen2 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "afmoe": ("estimate", "a gate on the attention output (self_attn.gate_proj, h x h) and pre / post MLP norms "
-                          "beside the attention's: not counted"),
     "apertus": ("estimate", "the xIELU activation's two learned scalars per layer (mlp.act_fn.alpha_p, alpha_n): no "
                             "ModelSpec field"),
     "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
@@ -120,7 +118,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", _RECURRENT),
-    "laguna": ("estimate", "a gate on the attention output (self_attn.g_proj): not counted"),
     "lfm2": ("estimate", _RECURRENT),
     "lfm2_moe": ("estimate", _RECURRENT),
     "lfm3": ("estimate", _RECURRENT),

@@ -116,6 +116,10 @@ class ModelSpec(Spec):
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
+    attention_output_gate: Optional[Literal["head", "full"]] = Field(
+        default=None, description="a learned gate on the attention output, a linear from the layer input without "
+        "bias: one value per channel of the attention output (full: h x q, AFMoE self_attn.gate_proj) or per head "
+        "(head: h x a)")
     moe_bias: bool = Field(
         default=False, description="biases on the router (E) and on each routed expert's projections (gpt-oss)")
     moe_router_bias: bool = Field(

@@ -190,6 +190,7 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.norms_per_layer not in (None, 2), f"{model.norms_per_layer} norm(s) per layer"),
                (model.attention_bias and not model.bias, "biases on the attention's projections only"),
                (model.head_bias, "a bias on the output head"), (model.attention_sinks, "attention sinks"),
+               (model.attention_output_gate is not None, "a gate on the attention output"),
                (model.moe_bias, "biased router and experts"), (model.moe_router_bias, "a biased router"),
                (model.mlp_bias and not model.bias, "biases on the MLP's linears only"),
                (model.out_bias and not model.bias, "a bias on the attention output alone"),

@@ -38,6 +38,7 @@ from memplan.memory import optimizers
 # MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
 Scope = Literal["layer", "moe", "dense", "first", "last"]
 LAYER_SCOPES = ("layer", "moe", "dense")
+GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
     if model.attention_sinks:
         groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
+    if model.attention_output_gate:  # AFMoE: self_attn.gate_proj, h -> q (full) or h -> a (head)
+        groups.append(ParamGroup(GATE, Poly.parse("h q" if model.attention_output_gate == "full" else "h a"), True,
+                                 "layer"))
     if model.is_moe:
         groups += [
             ParamGroup("MLP input projection weight", Poly.parse(("2 " if gated else "") + "E h fe"), True, "moe",
@@ -328,6 +332,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                                                         None)]
     elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
         qk_norms = qkv_biases + qk_norms
+    if model.attention_output_gate:
+        rows = P("q") if model.attention_output_gate == "full" else P("a")
+        qk_norms = qk_norms + [WeightShape(GATE, "attention gate weight", rows, P("h"), 1, "rows")]
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs

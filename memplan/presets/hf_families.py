@@ -259,6 +259,39 @@ def _more_moe(data: dict, path: Path) -> dict[str, Any]:
                 moe_shared_ffn_hidden_size=_int(data, "shared_expert_intermediate_size", None, path))
 
 
+def _afmoe(data: dict, path: Path) -> dict[str, Any]:
+    """AFMoE: num_dense_layers dense layers, then num_experts experts moe_intermediate_size wide (a sigmoid router
+    with expert_bias, a parameter E per layer), num_shared_experts shared ones as one MLP that many times as wide;
+    four norms per layer, q / k norms per head, a gate on the attention output (self_attn.gate_proj, h x q)."""
+    fe, shared = _int(data, "moe_intermediate_size", 1408, path), data.get("num_shared_experts", 2)
+    if shared != 0:
+        shared = _int(data, "num_shared_experts", 2, path)
+    dense = data.get("num_dense_layers", 1)
+    return dict(num_experts=_int(data, "num_experts", 64, path), moe_top_k=_int(data, "num_experts_per_tok", 6, path),
+                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared, moe_router_bias=True,
+                moe_first_dense_layers=0 if dense == 0 else _int(data, "num_dense_layers", 1, path),
+                qk_norm=True, sandwich_norms=True, attention_output_gate="full")
+
+
+def _laguna(data: dict, path: Path) -> dict[str, Any]:
+    """Laguna: AFMoE's attention with a gate (g_proj) per head (gating true or "per-head") or per channel, the
+    heads of num_attention_heads_per_layer (one count for every layer), q / k norms per head; dense layers
+    (mlp_layer_types) then num_experts experts moe_intermediate_size wide with a correction bias (a parameter, E
+    per layer) and one shared expert shared_expert_intermediate_size wide."""
+    heads = data.get("num_attention_heads_per_layer") or [_int(data, "num_attention_heads", None, path)]
+    if not isinstance(heads, list) or len(set(map(str, heads))) != 1:
+        raise MemplanError(f"{path}: num_attention_heads_per_layer: memplan models one head count for every layer "
+                           f"(got {echo(heads)}); {_YAML}")
+    gating, a = data.get("gating", True), _int(data, "num_attention_heads", None, path)
+    head_dim = _int(data, "head_dim", None, path) or _int(data, "hidden_size", None, path) // a  # config's a, not heads
+    return dict(_routed(data, "num_experts", path), num_attention_heads=_int({"heads": heads[0]}, "heads", None, path),
+                head_dim=head_dim,
+                moe_ffn_hidden_size=_int(data, "moe_intermediate_size", None, path),
+                moe_shared_ffn_hidden_size=_int(data, "shared_expert_intermediate_size", None, path),
+                moe_first_dense_layers=_dense_first(data, 0, path), moe_router_bias=True, qk_norm=True,
+                attention_output_gate="head" if gating is True or gating == "per-head" else "full")
+
+
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
     "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
@@ -270,7 +303,8 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
     "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu, "MiniCPM3ForCausalLM": _youtu,
     "GraniteMoeSWAForCausalLM": _more_moe, "MellumForCausalLM": _more_moe, "AriaTextForCausalLM": _more_moe,
-    "Kolibri1ForCausalLM": _more_moe,
+    "Kolibri1ForCausalLM": _more_moe, "AfmoeForCausalLM": _afmoe,
+    "LagunaForCausalLM": _laguna,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
 
@@ -281,7 +315,8 @@ NO_DENSE_WIDTH = ("SolarOpenForCausalLM", "Kolibri1ForCausalLM")
 MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
-            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM")
+            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM",
+            "AfmoeForCausalLM", "LagunaForCausalLM")
 
 
 def _gptj(data: dict, path: Path) -> dict[str, Any]:
@@ -449,6 +484,9 @@ APPROXIMATED = {
     "Jais2ForCausalLM": "Jais 2's MLP is up / down projections with ReLU squared",
     "GraniteSWAForCausalLM": "Granite-SWA's attention has sinks",
     "GraniteMoeSWAForCausalLM": "Granite-MoE-SWA's attention has sinks",
+    "AfmoeForCausalLM": "AFMoE gates the attention output by a sigmoid of a linear of the layer input and normalises "
+                        "the sub-layers' outputs too",
+    "LagunaForCausalLM": "Laguna gates the attention output by a softplus of a linear of the layer input",
     "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
