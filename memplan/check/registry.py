@@ -40,8 +40,6 @@ _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_co
                "Persimmon, Qwen2 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "apertus": ("estimate", "the xIELU activation's two learned scalars per layer (mlp.act_fn.alpha_p, alpha_n): no "
-                            "ModelSpec field"),
     "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
@@ -73,8 +71,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                  "k_norm with bias, weights_proj)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
-    "diffllama": ("estimate", "differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2 (4 x head_dim per "
-                              "layer): no ModelSpec field"),
     "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
                          "attention (A, dt_proj)"),
     "dots3_note": ("estimate", _MULTIMODAL),

@@ -120,6 +120,12 @@ class ModelSpec(Spec):
         default=None, description="a learned gate on the attention output, a linear from the layer input without "
         "bias: one value per channel of the attention output (full: h x q, AFMoE self_attn.gate_proj) or per head "
         "(head: h x a)")
+    differential_attention: bool = Field(
+        default=False, description="differential attention: four learned vectors head_dim wide per layer (DiffLlama "
+        "lambda_q1, lambda_k1, lambda_q2, lambda_k2)")
+    activation_params: int = Field(
+        default=0, ge=0, description="learned scalars of the MLP's activation per layer (Apertus's xIELU: alpha_p, "
+        "alpha_n)")
     moe_bias: bool = Field(
         default=False, description="biases on the router (E) and on each routed expert's projections (gpt-oss)")
     moe_router_bias: bool = Field(

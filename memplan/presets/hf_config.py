@@ -13,8 +13,9 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
-from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, OWN_KEYS, POSITIONS,
-                                         deepseek_experts, flag as _flag)
+from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
+                                         flag as _flag)
+from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
