@@ -21,7 +21,8 @@ from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.memory.shapes import weight_shapes  # noqa: E402
 from memplan.memory.states import total_params  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
+from validation.registry import architectures, meta_params, text_model, tiny_config  # noqa: E402
+from validation.trace import build_model  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 TABLE = re.compile(r"<!-- registry-exclusions -->\n(?P<body>.*?)\n<!-- end registry-exclusions -->", re.DOTALL)
@@ -35,7 +36,8 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "gpt_neo", "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2",
            "openai-gpt", "opt", "biogpt",  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
            "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
-           "diffllama", "apertus"]  # differential attention's lambdas, xIELU's two scalars (activation_params)
+           "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
+           "emu3"]  # its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,14 @@ def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
+def test_a_text_model_the_mapping_does_not_name_is_built_by_its_class():
+    """Emu3's text_config (Emu3TextConfig) is no key of AutoModelForCausalLM's mapping: the trace builds the class the
+    config names (Emu3ForCausalLM), whose own config class it is, as transformers does for the whole Emu3Config."""
+    model = build_model(text_model(tiny_config("emu3")), dtype="float32")
+    assert type(model).__name__ == "Emu3ForCausalLM" and model.training
+    assert sum(p.numel() for p in model.parameters()) == meta_params(tiny_config("emu3"))
 
 
 def test_the_docs_print_the_exclusions():

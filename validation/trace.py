@@ -170,8 +170,15 @@ def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16", ex
         raise ValueError(f"impl must be one of {IMPLS}")
     tf = _hf._transformers()
     kwargs = {"experts_implementation": experts} if experts else {}
-    model = tf.AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
-                                                attn_implementation=impl.removeprefix("hf-"), **kwargs)
+    kwargs.update(dtype=getattr(torch, dtype), attn_implementation=impl.removeprefix("hf-"))
+    cfg = hf_config(config)
+    try:
+        model = tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    except ValueError:  # a text model's config the mapping does not name (Emu3TextConfig): the class it configures
+        cls = getattr(tf, (config.get("architectures") or [""])[0], None)
+        if cls is None or getattr(cls, "config_class", None) is not type(cfg):
+            raise
+        model = cls._from_config(cfg, **kwargs)
     return model.train()
 
 

@@ -37,7 +37,7 @@ KINDS = ("build", "estimate", "trace")
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
 _RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Llama 4, "
-               "Persimmon, Qwen2 text models)")
+               "Persimmon, Qwen2, Emu3 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
     "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
@@ -77,7 +77,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
     "electra": ("estimate", _ENCODER),
-    "emu3": ("estimate", _MULTIMODAL),
     "ernie": ("estimate", _ENCODER),
     "falcon_h1": ("estimate", _RECURRENT),
     "falcon_mamba": ("estimate", _RECURRENT),

@@ -119,7 +119,7 @@ _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / p
 
 # A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
 TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
 
 
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
@@ -342,7 +342,7 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
 
 
 def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
-    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2): its text_config read as the text model (its causal LM,
+    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2, Emu3): its text_config read as the text model (its causal LM,
     TEXT_MODELS), the text that model's trace is keyed by, and a note on what is left out."""
     text_config = data.get("text_config")
     if not isinstance(text_config, dict):

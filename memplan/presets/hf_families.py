@@ -313,6 +313,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Kolibri1ForCausalLM": _more_moe, "AfmoeForCausalLM": _afmoe,
     "LagunaForCausalLM": _laguna,
     "DiffLlamaForCausalLM": lambda data, path: dict(differential_attention=True),
+    "Emu3ForCausalLM": lambda data, path: {},  # Emu3's text model: the Llama layout
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
