@@ -37,7 +37,7 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "openai-gpt", "opt", "biogpt",  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
            "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
            "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
-           "emu3"]  # its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
+           "emu3", "bitnet"]  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,8 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
 
 @pytest.mark.parametrize("layout", ["fused", "separate"])
 @pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
-                                        "gpt_neo", "afmoe", "laguna", "diffllama", "apertus"])
+                                        "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
+                                        "bitnet"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the

@@ -53,8 +53,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "bert-generation": ("estimate", _ENCODER),
     "big_bird": ("estimate", _ENCODER),
     "bigbird_pegasus": ("estimate", _ENCODER),
-    "bitnet": ("estimate", "sub-norms inside the attention (attn_sub_norm, h) and the MLP (ffn_sub_norm, f): no "
-                           "ModelSpec field"),
     "blenderbot": ("estimate", _ENCODER),
     "blenderbot-small": ("estimate", _ENCODER),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "

@@ -57,9 +57,9 @@ class ModelSpec(Spec):
     )
     # What the emitted launch needs to build the same model (memplan/launch/megatron.py); the memory does not depend
     # on them (a sliding window changes no stored tensor under flash attention; None: the framework's default).
-    gate_activation: Literal["silu", "gelu"] = Field(
-        default="silu", description="the gated MLP's activation (mlp: swiglu): silu (SwiGLU, Llama) or gelu (GeGLU, "
-        "Gemma's gelu_pytorch_tanh)")
+    gate_activation: Literal["silu", "gelu", "relu2"] = Field(
+        default="silu", description="the gated MLP's activation (mlp: swiglu): silu (SwiGLU, Llama), gelu (GeGLU, "
+        "Gemma's gelu_pytorch_tanh) or relu2 (squared ReLU, BitNet)")
     rope_theta: Optional[float] = Field(
         default=None, gt=0, description="RoPE base (transformers rope_theta; Megatron-LM --rotary-base, default 10000)")
     norm_eps: Optional[float] = Field(
@@ -123,6 +123,10 @@ class ModelSpec(Spec):
     differential_attention: bool = Field(
         default=False, description="differential attention: four learned vectors head_dim wide per layer (DiffLlama "
         "lambda_q1, lambda_k1, lambda_q2, lambda_k2)")
+    sub_norms: bool = Field(
+        default=False, description="norms inside the sub-layers: on the attention output before its projection (h "
+        "wide) and on the gated MLP's product before its output projection (f wide) (BitNet attn_sub_norm, "
+        "ffn_sub_norm)")
     activation_params: int = Field(
         default=0, ge=0, description="learned scalars of the MLP's activation per layer (Apertus's xIELU: alpha_p, "
         "alpha_n)")

@@ -89,7 +89,8 @@ _APPROXIMATED = {
 
 
 # Gated activations of the Llama-layout MLP (gate and up projections f wide, the product into down_proj).
-_GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+_GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
+_GATE_ACTIVATION = {"silu": "silu", "relu2": "relu2"}  # ModelSpec.gate_activation; the GeLU variants: gelu
 
 
 # The config keys that make a model a mixture of experts; the MoE architectures memplan reads (_read_moe)
@@ -446,7 +447,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
                         qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
                         sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES,
-                        gate_activation="silu" if data.get(act_key, "silu") == "silu" else "gelu",
+                        gate_activation=_GATE_ACTIVATION.get(data.get(act_key, "silu"), "gelu"),
                         rope_theta=_rope_theta(data), norm_eps=data.get("rms_norm_eps"))
             spec.update(family)
             window, window_notes = _sliding_window(data)

@@ -314,6 +314,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "LagunaForCausalLM": _laguna,
     "DiffLlamaForCausalLM": lambda data, path: dict(differential_attention=True),
     "Emu3ForCausalLM": lambda data, path: {},  # Emu3's text model: the Llama layout
+    "BitNetForCausalLM": lambda data, path: dict(sub_norms=True),  # attn_sub_norm, ffn_sub_norm; relu2 gate
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
@@ -357,6 +358,8 @@ APPROXIMATED = {
                         "the sub-layers' outputs too",
     "DiffLlamaForCausalLM": "DiffLlama's attention subtracts a second softmax's attention (differential attention)",
     "ApertusForCausalLM": "Apertus's MLP is up / down projections with the xIELU activation",
+    "BitNetForCausalLM": "BitNet normalises the attention output and the MLP's gated product before their "
+                         "projections (sub-norms) and gates its MLP by a squared ReLU",
     "LagunaForCausalLM": "Laguna gates the attention output by a softplus of a linear of the layer input",
     "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
