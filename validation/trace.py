@@ -530,6 +530,13 @@ def _representatives(live, saves: _Saves) -> list[int]:
     return sorted({i for layers in kinds.values() for i in layers[:2] + layers[-2:]})
 
 
+def grad_hooks(model, live) -> list:
+    """A hook on every trainable parameter telling ``live`` its gradient is made; a frozen one (AFMoE's expert_bias,
+    Laguna's e_score_correction_bias: parameters with requires_grad false) gets no gradient and no hook."""
+    return [p.register_post_accumulate_grad_hook(partial(lambda name, p: live.grad_made(p, name), name))
+            for name, p in model.named_parameters() if p.requires_grad]
+
+
 @contextlib.contextmanager
 def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[str], run: dict):
     """The live-storage tracker of a step's run (``symbolic_run``), with its hooks: forward and backward
@@ -563,8 +570,7 @@ def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[st
 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(partial(inputs, i), with_kwargs=True))
-    for name, p in model.named_parameters():
-        handles.append(p.register_post_accumulate_grad_hook(partial(lambda name, p: live.grad_made(p, name), name)))
+    handles += grad_hooks(model, live)
     hooks = _LayerHooks(live, layers)
     live.sampler = sampler
     try:
