@@ -12,7 +12,8 @@ import pytest
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
-from memplan.memory.states import param_groups, total_params, weight_shapes
+from memplan.memory.shapes import weight_shapes
+from memplan.memory.states import param_groups, total_params
 from memplan.presets.hf_config import read_hf_config
 
 HUB = Path(__file__).parent / "hub"

@@ -159,3 +159,11 @@ def test_other_layouts_get_no_launch(name):
     else:
         with pytest.raises(MemplanError, match=expected):
             megatron_launch(Config(model=model, parallel=ParallelSpec(), training=TrainingSpec()))
+
+
+def test_squared_relu_gated_models_are_refused():
+    """BitNet's MLP is gated by a squared ReLU (relu2); Megatron-LM's --swiglu is SiLU-gated: no launch, one line."""
+    model = load_model("llama3-8b").model.model_copy(update=dict(gate_activation="relu2"))
+    with pytest.raises(MemplanError, match="squared ReLU") as err:
+        megatron_launch(Config(model=model, parallel=ParallelSpec(), training=TrainingSpec()))
+    assert "\n" not in str(err.value)

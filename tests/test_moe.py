@@ -21,7 +21,8 @@ from memplan.presets.hf_config import read_hf_config
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build
 from memplan.core.training import TrainingSpec
-from memplan.memory.states import param_groups, total_params, weight_shapes
+from memplan.memory.shapes import weight_shapes
+from memplan.memory.states import param_groups, total_params
 
 # --- small configs, the parameters derived by hand ---------------------------------------------------
 

@@ -26,7 +26,8 @@ from memplan.memory.optimizers import Tensor, state_bytes
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec
 from memplan.core.training import OPTIMIZERS, OPTIMIZER_IMPLS_OF, TrainingSpec
-from memplan.memory.states import param_groups, weight_shapes
+from memplan.memory.shapes import weight_shapes
+from memplan.memory.states import param_groups
 from memplan.inventory.assemble import inventory_for
 
 FP32, BF16 = 4, 2

@@ -18,9 +18,11 @@ pytest.importorskip("transformers")
 
 from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
-from memplan.memory.states import total_params, weight_shapes  # noqa: E402
+from memplan.memory.shapes import weight_shapes  # noqa: E402
+from memplan.memory.states import total_params  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
+from validation.registry import architectures, meta_params, text_model, tiny_config  # noqa: E402
+from validation.trace import build_model  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 TABLE = re.compile(r"<!-- registry-exclusions -->\n(?P<body>.*?)\n<!-- end registry-exclusions -->", re.DOTALL)
@@ -32,7 +34,10 @@ NAMED = ["olmo2", "granite", "falcon", "gpt_neox", "starcoder2", "cohere", "phim
 WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "phi", "gptj",
            "codegen", "bloom", "olmo", "glm", "glm4", "nemotron", "persimmon", "arcee", "ministral", "mpt", "dbrx",
            "gpt_neo", "gpt_bigcode", "minimax_m2", "glm4_moe_lite", "fuyu", "got_ocr2",
-           "openai-gpt", "opt", "biogpt"]  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
+           "openai-gpt", "opt", "biogpt",  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
+           "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
+           "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
+           "emu3", "bitnet"]  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,11 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     ("cohere2_moe", dict(num_shared_experts=1)),
     ("persimmon", dict(qk_layernorm=False)),
     ("gpt_bigcode", dict(multi_query=False)),
+    ("laguna", dict(gating=False)),  # g_proj one gate per channel (h x q), not per head (h x a)
+    ("laguna", dict(num_attention_heads_per_layer=[8, 8])),  # the layers' own head count, not num_attention_heads
+    ("afmoe", dict(num_shared_experts=1, num_dense_layers=0)),
+    ("diffllama", dict(head_dim=32)),  # the four lambdas are head_dim wide
+    ("apertus", dict(hidden_act="gelu")),  # no xIELU: no learned scalars
 ])
 def test_the_switches_of_the_widened_families_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -83,7 +93,8 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
 
 @pytest.mark.parametrize("layout", ["fused", "separate"])
 @pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
-                                        "gpt_neo"])
+                                        "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
+                                        "bitnet"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
@@ -109,6 +120,7 @@ def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, l
     ("ernie4_5_moe", dict(moe_layer_interval=2), "moe_layer_interval"),
     ("exaone_moe", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types"),
     ("mpt", dict(no_bias=False), "no_bias"),  # transformers' MptBlock builds no bias whatever the file says
+    ("laguna", dict(num_attention_heads_per_layer=[4, 8]), "num_attention_heads_per_layer"),
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -133,6 +145,14 @@ def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
+def test_a_text_model_the_mapping_does_not_name_is_built_by_its_class():
+    """Emu3's text_config (Emu3TextConfig) is no key of AutoModelForCausalLM's mapping: the trace builds the class the
+    config names (Emu3ForCausalLM), whose own config class it is, as transformers does for the whole Emu3Config."""
+    model = build_model(text_model(tiny_config("emu3")), dtype="float32")
+    assert type(model).__name__ == "Emu3ForCausalLM" and model.training
+    assert sum(p.numel() for p in model.parameters()) == meta_params(tiny_config("emu3"))
 
 
 def test_the_docs_print_the_exclusions():

@@ -432,3 +432,16 @@ def test_composed_moments_equal_the_whole_model_trace(family, changes, traced):
     assert f"{len(traced)} of {cfg['num_hidden_layers']} decoder layers" in told[0]
     whole = tr.trace_hf_config(cfg, impl, compose=False)
     assert composed["moments"] and tr.to_yaml(composed) == tr.to_yaml(whole)
+
+
+def test_a_frozen_parameter_gets_no_gradient_hook():
+    """AFMoE's expert_bias and Laguna's e_score_correction_bias are parameters with requires_grad false: torch refuses
+    a gradient hook on them, so the step's trace hooks the trainable ones only (it failed on both models)."""
+    model = torch.nn.Linear(3, 2)
+    model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(4), requires_grad=False))
+    made = []
+    live = type("Live", (), {"grad_made": lambda self, p, name: made.append(name)})()
+    handles = tr.grad_hooks(model, live)
+    assert len(handles) == 2  # weight, bias
+    model(torch.ones(1, 3)).sum().backward()
+    assert sorted(made) == ["bias", "weight"]

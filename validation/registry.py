@@ -124,7 +124,7 @@ def meta_params(config: dict) -> int:
 def impl_of(config: dict) -> str:
     """hf-sdpa where the architecture's class has an sdpa path, else hf-eager (Gemma 2, ...)."""
     tf = _hf._transformers()
-    cls = getattr(tf, architectures()[config["model_type"]])
+    cls = getattr(tf, config["architectures"][0])
     return "hf-sdpa" if getattr(cls, "_supports_sdpa", False) else "hf-eager"
 
 
@@ -132,9 +132,14 @@ def text_model(config: dict) -> dict:
     """The config traced: a multimodal config's text_config as its own causal LM (what memplan estimates), else
     the config itself."""
     text = config.get("text_config")
-    if not isinstance(text, dict) or "model_type" not in text or text["model_type"] not in architectures():
+    if not isinstance(text, dict) or "model_type" not in text:
         return config
-    return {**text, "architectures": [architectures()[text["model_type"]]]}
+    if text["model_type"] in architectures():
+        return {**text, "architectures": [architectures()[text["model_type"]]]}
+    # a causal LM whose own config class is the text model's (Emu3ForCausalLM: Emu3TextConfig)
+    cls = getattr(_hf._transformers(), config["architectures"][0], None)
+    own = getattr(getattr(cls, "config_class", None), "model_type", None)
+    return {**text, "architectures": config["architectures"]} if own == text["model_type"] else config
 
 
 def trace(config: dict) -> dict:

@@ -170,8 +170,15 @@ def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16", ex
         raise ValueError(f"impl must be one of {IMPLS}")
     tf = _hf._transformers()
     kwargs = {"experts_implementation": experts} if experts else {}
-    model = tf.AutoModelForCausalLM.from_config(hf_config(config), dtype=getattr(torch, dtype),
-                                                attn_implementation=impl.removeprefix("hf-"), **kwargs)
+    kwargs.update(dtype=getattr(torch, dtype), attn_implementation=impl.removeprefix("hf-"))
+    cfg = hf_config(config)
+    try:
+        model = tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    except ValueError:  # a text model's config the mapping does not name (Emu3TextConfig): the class it configures
+        cls = getattr(tf, (config.get("architectures") or [""])[0], None)
+        if cls is None or getattr(cls, "config_class", None) is not type(cfg):
+            raise
+        model = cls._from_config(cfg, **kwargs)
     return model.train()
 
 
@@ -523,6 +530,13 @@ def _representatives(live, saves: _Saves) -> list[int]:
     return sorted({i for layers in kinds.values() for i in layers[:2] + layers[-2:]})
 
 
+def grad_hooks(model, live) -> list:
+    """A hook on every trainable parameter telling ``live`` its gradient is made; a frozen one (AFMoE's expert_bias,
+    Laguna's e_score_correction_bias: parameters with requires_grad false) gets no gradient and no hook."""
+    return [p.register_post_accumulate_grad_hook(partial(lambda name, p: live.grad_made(p, name), name))
+            for name, p in model.named_parameters() if p.requires_grad]
+
+
 @contextlib.contextmanager
 def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[str], run: dict):
     """The live-storage tracker of a step's run (``symbolic_run``), with its hooks: forward and backward
@@ -556,8 +570,7 @@ def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[st
 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(partial(inputs, i), with_kwargs=True))
-    for name, p in model.named_parameters():
-        handles.append(p.register_post_accumulate_grad_hook(partial(lambda name, p: live.grad_made(p, name), name)))
+    handles += grad_hooks(model, live)
     hooks = _LayerHooks(live, layers)
     live.sampler = sampler
     try:

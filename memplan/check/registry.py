@@ -37,13 +37,9 @@ KINDS = ("build", "estimate", "trace")
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
 _RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Llama 4, "
-               "Persimmon, Qwen2 text models)")
+               "Persimmon, Qwen2, Emu3 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "afmoe": ("estimate", "a gate on the attention output (self_attn.gate_proj, h x h) and pre / post MLP norms "
-                          "beside the attention's: not counted"),
-    "apertus": ("estimate", "the xIELU activation's two learned scalars per layer (mlp.act_fn.alpha_p, alpha_n): no "
-                            "ModelSpec field"),
     "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
@@ -57,8 +53,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "bert-generation": ("estimate", _ENCODER),
     "big_bird": ("estimate", _ENCODER),
     "bigbird_pegasus": ("estimate", _ENCODER),
-    "bitnet": ("estimate", "sub-norms inside the attention (attn_sub_norm, h) and the MLP (ffn_sub_norm, f): no "
-                           "ModelSpec field"),
     "blenderbot": ("estimate", _ENCODER),
     "blenderbot-small": ("estimate", _ENCODER),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
@@ -75,15 +69,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                  "k_norm with bias, weights_proj)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
-    "diffllama": ("estimate", "differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2 (4 x head_dim per "
-                              "layer): no ModelSpec field"),
     "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
                          "attention (A, dt_proj)"),
     "dots3_note": ("estimate", _MULTIMODAL),
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
     "electra": ("estimate", _ENCODER),
-    "emu3": ("estimate", _MULTIMODAL),
     "ernie": ("estimate", _ENCODER),
     "falcon_h1": ("estimate", _RECURRENT),
     "falcon_mamba": ("estimate", _RECURRENT),
@@ -120,7 +111,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", _RECURRENT),
-    "laguna": ("estimate", "a gate on the attention output (self_attn.g_proj): not counted"),
     "lfm2": ("estimate", _RECURRENT),
     "lfm2_moe": ("estimate", _RECURRENT),
     "lfm3": ("estimate", _RECURRENT),

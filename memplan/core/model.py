@@ -57,9 +57,9 @@ class ModelSpec(Spec):
     )
     # What the emitted launch needs to build the same model (memplan/launch/megatron.py); the memory does not depend
     # on them (a sliding window changes no stored tensor under flash attention; None: the framework's default).
-    gate_activation: Literal["silu", "gelu"] = Field(
-        default="silu", description="the gated MLP's activation (mlp: swiglu): silu (SwiGLU, Llama) or gelu (GeGLU, "
-        "Gemma's gelu_pytorch_tanh)")
+    gate_activation: Literal["silu", "gelu", "relu2"] = Field(
+        default="silu", description="the gated MLP's activation (mlp: swiglu): silu (SwiGLU, Llama), gelu (GeGLU, "
+        "Gemma's gelu_pytorch_tanh) or relu2 (squared ReLU, BitNet)")
     rope_theta: Optional[float] = Field(
         default=None, gt=0, description="RoPE base (transformers rope_theta; Megatron-LM --rotary-base, default 10000)")
     norm_eps: Optional[float] = Field(
@@ -116,6 +116,20 @@ class ModelSpec(Spec):
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
+    attention_output_gate: Optional[Literal["head", "full"]] = Field(
+        default=None, description="a learned gate on the attention output, a linear from the layer input without "
+        "bias: one value per channel of the attention output (full: h x q, AFMoE self_attn.gate_proj) or per head "
+        "(head: h x a)")
+    differential_attention: bool = Field(
+        default=False, description="differential attention: four learned vectors head_dim wide per layer (DiffLlama "
+        "lambda_q1, lambda_k1, lambda_q2, lambda_k2)")
+    sub_norms: bool = Field(
+        default=False, description="norms inside the sub-layers: on the attention output before its projection (h "
+        "wide) and on the gated MLP's product before its output projection (f wide) (BitNet attn_sub_norm, "
+        "ffn_sub_norm)")
+    activation_params: int = Field(
+        default=0, ge=0, description="learned scalars of the MLP's activation per layer (Apertus's xIELU: alpha_p, "
+        "alpha_n)")
     moe_bias: bool = Field(
         default=False, description="biases on the router (E) and on each routed expert's projections (gpt-oss)")
     moe_router_bias: bool = Field(

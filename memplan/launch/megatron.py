@@ -180,6 +180,9 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     """Why no Megatron-LM arguments build this model (None: they do). Its gated MLP must be SiLU-gated: --swiglu
     is gated_linear_unit with F.silu, --quick-geglu x * sigmoid(1.702 x) (arguments.py core_args_from_args at
     core_v0.16.1 and main), and no flag gives the GeLU gate of Gemma (gelu_pytorch_tanh)."""
+    if model.mlp == "swiglu" and model.gate_activation == "relu2":
+        return (f"--emit megatron: {echo(model.name)}'s MLP is gated by a squared ReLU (BitNet): Megatron-LM's "
+                "--swiglu is SiLU-gated, so no Megatron-LM argument builds this model")
     if model.mlp == "swiglu" and model.gate_activation == "gelu":
         return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
                 "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
@@ -190,6 +193,10 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.norms_per_layer not in (None, 2), f"{model.norms_per_layer} norm(s) per layer"),
                (model.attention_bias and not model.bias, "biases on the attention's projections only"),
                (model.head_bias, "a bias on the output head"), (model.attention_sinks, "attention sinks"),
+               (model.attention_output_gate is not None, "a gate on the attention output"),
+               (model.differential_attention, "differential attention"),
+               (model.activation_params > 0, "learned activation parameters"),
+               (model.sub_norms, "norms inside the attention and the MLP (sub-norms)"),
                (model.moe_bias, "biased router and experts"), (model.moe_router_bias, "a biased router"),
                (model.mlp_bias and not model.bias, "biases on the MLP's linears only"),
                (model.out_bias and not model.bias, "a bias on the attention output alone"),

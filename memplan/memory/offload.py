@@ -84,7 +84,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.parallel import state_shard
-from memplan.memory.states import weight_shapes
+from memplan.memory.shapes import weight_shapes
 from memplan.memory.term_bytes import term_bytes_for
 
 MICRO = 1_000_000

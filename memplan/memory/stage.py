@@ -19,14 +19,13 @@ from memplan.memory.adapters import gathered_base_layer, lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
 from memplan.memory.parallel import expert_states, state_shard
+from memplan.memory.shapes import Layout, stage_tensors
 from memplan.memory.states import (
-    Layout,
     StateBytes,
     layer_params,
     optimizer_bytes,
     param_groups,
     stage_params,
-    stage_tensors,
     state_bytes,
 )
 from memplan.memory.term_bytes import PlanValues, TermBytes, term_bytes_for, term_count

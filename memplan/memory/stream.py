@@ -3,7 +3,7 @@ allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and
 for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
 (memplan's verdict at the margin, ../shared/reference/allocator.md "What a replay needs").
 
-The run: the model built (one allocation per parameter tensor, `states.weight_shapes`, registration order);
+The run: the model built (one allocation per parameter tensor, `shapes.weight_shapes`, registration order);
 with ZeRO-3 one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded
 down, the largest taking the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
 ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's

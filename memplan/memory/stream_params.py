@@ -20,7 +20,8 @@ from memplan.memory.adapters import ADAPTER_BYTES, nf4_bytes
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
-from memplan.memory.states import output_layer_group, param_groups, shard_bytes, weight_shapes
+from memplan.memory.shapes import weight_shapes
+from memplan.memory.states import output_layer_group, param_groups, shard_bytes
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),

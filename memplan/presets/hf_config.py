@@ -13,8 +13,9 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
-from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, OWN_KEYS, POSITIONS,
-                                         deepseek_experts, flag as _flag)
+from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
+                                         flag as _flag)
+from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -88,7 +89,8 @@ _APPROXIMATED = {
 
 
 # Gated activations of the Llama-layout MLP (gate and up projections f wide, the product into down_proj).
-_GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+_GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
+_GATE_ACTIVATION = {"silu": "silu", "relu2": "relu2"}  # ModelSpec.gate_activation; the GeLU variants: gelu
 
 
 # The config keys that make a model a mixture of experts; the MoE architectures memplan reads (_read_moe)
@@ -118,7 +120,7 @@ _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / p
 
 # A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
 TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
 
 
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
@@ -341,7 +343,7 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
 
 
 def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
-    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2): its text_config read as the text model (its causal LM,
+    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2, Emu3): its text_config read as the text model (its causal LM,
     TEXT_MODELS), the text that model's trace is keyed by, and a note on what is left out."""
     text_config = data.get("text_config")
     if not isinstance(text_config, dict):
@@ -445,7 +447,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                         attention="flash", qk_norm=data.get("model_type") in _QK_NORM_TYPES,
                         qkv_bias=data.get("model_type") in _QKV_BIAS_TYPES,
                         sandwich_norms=data.get("model_type") in _SANDWICH_NORM_TYPES,
-                        gate_activation="silu" if data.get(act_key, "silu") == "silu" else "gelu",
+                        gate_activation=_GATE_ACTIVATION.get(data.get(act_key, "silu"), "gelu"),
                         rope_theta=_rope_theta(data), norm_eps=data.get("rms_norm_eps"))
             spec.update(family)
             window, window_notes = _sliding_window(data)

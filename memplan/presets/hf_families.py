@@ -4,8 +4,7 @@ config sets on ModelSpec, from transformers' own modelling code (transformers 5.
 
 ``LLAMA_KEYED``: families whose config.json names the Llama fields (hidden_size, num_hidden_layers,
 intermediate_size, ...): the fields they set beyond the Llama layout (hf_config reads the rest).
-``OWN_KEYS``: families with their own key names (GPT-J's n_embd, MPT's d_model, DBRX's nested configs): the whole
-spec but name, sequence and vocabulary.  ``APPROXIMATED``: where a family's layer differs from the sequential
+(hf_own_keys.py reads the families with their own key names on these helpers.)  ``APPROXIMATED``: where a family's layer differs from the sequential
 pre-norm layer the --impl megatron* inventories model (the config reader adds it as a note)."""
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, Callable
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
 
-_YAML = "write a model YAML (docs/reference.md, Model presets)"
+YAML_HINT = "write a model YAML (docs/reference.md, Model presets)"
 
 
 def flag(data: dict, key: str, default: bool, path: Path) -> bool:
@@ -30,7 +29,8 @@ def flag(data: dict, key: str, default: bool, path: Path) -> bool:
     return value
 
 
-def _int(data: dict, key: str, default: Any, path: Path) -> Any:
+def nat(data: dict, key: str, default: Any, path: Path) -> Any:
+    """A positive-integer field of a config.json (``default`` when missing; a bool, 0 or a string is refused)."""
     value = data.get(key, default)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise MemplanError(f"{path}: {key}: expected a positive integer (got {echo(value)})")
@@ -65,7 +65,7 @@ def _plain_mlp(data: dict, path: Path) -> dict[str, Any]:  # Arcee, Nemotron: up
 def _phi(data: dict, path: Path) -> dict[str, Any]:
     """PhiDecoderLayer: one LayerNorm before attention and MLP in parallel, every linear and lm_head biased."""
     if flag(data, "qk_layernorm", False, path):
-        raise MemplanError(f"{path}: Phi with qk_layernorm (a LayerNorm with bias per head): not modelled; {_YAML}")
+        raise MemplanError(f"{path}: Phi with qk_layernorm (a LayerNorm with bias per head): not modelled; {YAML_HINT}")
     return dict(norm="layernorm", mlp="gelu", bias=True, norms_per_layer=1, layer_layout="parallel", head_bias=True,
                 norm_eps=data.get("layer_norm_eps"))
 
@@ -79,7 +79,7 @@ def _persimmon(data: dict, path: Path) -> dict[str, Any]:
 def _qwen2_moe(data: dict, path: Path) -> dict[str, Any]:
     """Qwen2MoeSparseMoeBlock: Qwen3-MoE's experts (hf_config reads them) plus a shared expert
     shared_expert_intermediate_size wide behind a sigmoid gate (shared_expert_gate, h -> 1); qkv_bias on q, k, v."""
-    shared = _int(data, "shared_expert_intermediate_size", 5632, path)
+    shared = nat(data, "shared_expert_intermediate_size", 5632, path)
     return dict(qkv_bias=flag(data, "qkv_bias", True, path), moe_shared_ffn_hidden_size=shared,
                 moe_shared_gate=True)
 
@@ -113,18 +113,18 @@ def _llama4(data: dict, path: Path) -> dict[str, Any]:
     """Llama4TextMoe: num_local_experts experts intermediate_size wide, top num_experts_per_tok, one shared expert
     as wide, in the layers moe_layers lists (default every interleave_moe_layer_step-th); the others a dense MLP
     intermediate_size_mlp wide; its q / k norm is an L2 norm without weights.  memplan models dense layers first."""
-    L, f = _int(data, "num_hidden_layers", 48, path), _int(data, "intermediate_size", 8192, path)
-    step = _int(data, "interleave_moe_layer_step", 1, path)
+    L, f = nat(data, "num_hidden_layers", 48, path), nat(data, "intermediate_size", 8192, path)
+    step = nat(data, "interleave_moe_layer_step", 1, path)
     moe = data.get("moe_layers")
     moe = list(range(step - 1, L, step)) if moe is None else moe
     if not isinstance(moe, list) or not moe or moe != list(range(L - len(moe), L)):
         raise MemplanError(f"{path}: moe_layers / interleave_moe_layer_step: memplan models MoE layers after the dense "
                            f"ones only (every layer from some k on; got {len(moe) if isinstance(moe, list) else 0} "
-                           f"MoE layers of {L} not in that pattern); {_YAML}")
-    return dict(num_experts=_int(data, "num_local_experts", 16, path), moe_top_k=_int(data, "num_experts_per_tok", 1,
+                           f"MoE layers of {L} not in that pattern); {YAML_HINT}")
+    return dict(num_experts=nat(data, "num_local_experts", 16, path), moe_top_k=nat(data, "num_experts_per_tok", 1,
                                                                                          path),
                 moe_ffn_hidden_size=f, moe_shared_ffn_hidden_size=f, moe_first_dense_layers=L - len(moe),
-                ffn_hidden_size=_int(data, "intermediate_size_mlp", 16384, path))
+                ffn_hidden_size=nat(data, "intermediate_size_mlp", 16384, path))
 
 
 def _hunyuan(data: dict, path: Path) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def _hunyuan(data: dict, path: Path) -> dict[str, Any]:
     experts, k = data.get("num_experts", 1), data.get("moe_topk", 1)
     if not isinstance(experts, int) or not isinstance(k, int):
         raise MemplanError(f"{path}: num_experts / moe_topk per layer (a list): memplan models one expert count; "
-                           f"{_YAML}")
+                           f"{YAML_HINT}")
     return dict(qk_norm=True, num_experts=experts, moe_top_k=k, moe_shared_ffn_hidden_size=data.get(
         "intermediate_size", 11008))
 
@@ -144,15 +144,15 @@ def _ernie_moe(data: dict, path: Path) -> dict[str, Any]:
     """Ernie4_5_MoeSparseMoeBlock: moe_num_experts experts moe_intermediate_size wide, top moe_k, a router with a
     correction bias (a parameter, E per layer), moe_num_shared_experts shared ones; MoE in the layers from
     moe_layer_start_index to moe_layer_end_index every moe_layer_interval-th."""
-    L = _int(data, "num_hidden_layers", 28, path)
+    L = nat(data, "num_hidden_layers", 28, path)
     start, end = data.get("moe_layer_start_index", 1), data.get("moe_layer_end_index", 27)
     if data.get("moe_layer_interval", 1) != 1 or not isinstance(start, int) or not isinstance(end, int) \
             or end < L - 1 or flag(data, "use_bias", False, path):
         raise MemplanError(f"{path}: ERNIE 4.5 MoE with moe_layer_interval other than 1, moe_layer_end_index before "
                            f"the last layer or use_bias: memplan models MoE layers after the dense ones, without "
-                           f"biases; {_YAML}")
-    fe = _int(data, "moe_intermediate_size", 1536, path)
-    return dict(num_experts=_int(data, "moe_num_experts", 64, path), moe_top_k=_int(data, "moe_k", 2, path),
+                           f"biases; {YAML_HINT}")
+    fe = nat(data, "moe_intermediate_size", 1536, path)
+    return dict(num_experts=nat(data, "moe_num_experts", 64, path), moe_top_k=nat(data, "moe_k", 2, path),
                 moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * data.get("moe_num_shared_experts", 0),
                 moe_first_dense_layers=max(start, 0), moe_router_bias=True)
 
@@ -162,16 +162,16 @@ def _dense_first(data: dict, default: int, path: Path) -> int:
     first_k_dense_replace (``default`` when missing)."""
     kinds = data.get("mlp_layer_types")
     if kinds is None:
-        return _int(data, "first_k_dense_replace", default, path) if data.get("first_k_dense_replace") != 0 else 0
+        return nat(data, "first_k_dense_replace", default, path) if data.get("first_k_dense_replace") != 0 else 0
     k = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds)) if isinstance(kinds, list) else -1
     if k < 0 or any(kind != "sparse" for kind in kinds[k:]):
         raise MemplanError(f"{path}: mlp_layer_types: memplan models MoE layers after the dense ones only (dense, ..., "
-                           f"sparse, ...); {_YAML}")
+                           f"sparse, ...); {YAML_HINT}")
     return k
 
 
 def _routed(data: dict, experts: str, path: Path) -> dict[str, Any]:
-    return dict(num_experts=_int(data, experts, None, path), moe_top_k=_int(data, "num_experts_per_tok", None, path))
+    return dict(num_experts=nat(data, experts, None, path), moe_top_k=nat(data, "num_experts_per_tok", None, path))
 
 
 def _minimax_m2(data: dict, path: Path) -> dict[str, Any]:
@@ -190,8 +190,8 @@ def _shared_moe(data: dict, path: Path) -> dict[str, Any]:
     first, q / k norms per head): num_experts / n_routed_experts experts moe_intermediate_size wide, shared ones as
     one MLP (shared count) x moe_intermediate_size wide."""
     solar = data.get("model_type") == "solar_open"
-    fe = _int(data, "moe_intermediate_size", None, path)
-    shared = _int(data, "n_shared_experts" if solar else "num_shared_experts", 1, path)
+    fe = nat(data, "moe_intermediate_size", None, path)
+    shared = nat(data, "n_shared_experts" if solar else "num_shared_experts", 1, path)
     out = dict(_routed(data, "n_routed_experts" if solar else "num_experts", path), moe_ffn_hidden_size=fe,
                moe_shared_ffn_hidden_size=fe * shared)
     return dict(out, ffn_hidden_size=fe) if solar else dict(out, qk_norm=True, moe_first_dense_layers=_dense_first(
@@ -202,13 +202,13 @@ def _cohere2_moe(data: dict, path: Path) -> dict[str, Any]:
     """Cohere2-MoE: Cohere 2's parallel block after one LayerNorm without bias; experts intermediate_size wide,
     num_shared_experts shared ones as one MLP that many times as wide; dense prefix layers
     prefix_dense_intermediate_size wide."""
-    f, dense = _int(data, "intermediate_size", None, path), _dense_first(data, 0, path)
+    f, dense = nat(data, "intermediate_size", None, path), _dense_first(data, 0, path)
     shared = data.get("num_shared_experts", 0)
     out = dict(_routed(data, "num_experts", path), moe_ffn_hidden_size=f, moe_first_dense_layers=dense,
                norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_eps"))
     out.update(moe_shared_ffn_hidden_size=f * shared) if isinstance(shared, int) and shared > 0 else None
-    return dict(out, ffn_hidden_size=_int(data, "prefix_dense_intermediate_size", None, path)) if dense else out
+    return dict(out, ffn_hidden_size=nat(data, "prefix_dense_intermediate_size", None, path)) if dense else out
 
 
 def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
@@ -248,15 +248,55 @@ def _more_moe(data: dict, path: Path) -> dict[str, Any]:
         return dict(_routed(data, "num_local_experts", path), attention_sinks=True)
     if kind == "mellum":
         return dict(_routed(data, "num_local_experts", path), qk_norm=True, moe_first_dense_layers=_dense_first(
-            data, 0, path), moe_ffn_hidden_size=_int(data, "moe_intermediate_size", None, path))
+            data, 0, path), moe_ffn_hidden_size=nat(data, "moe_intermediate_size", None, path))
     if kind == "aria_text":
-        f = _int(data, "intermediate_size", None, path)
-        return dict(num_experts=_int(data, "moe_num_experts", 8, path), moe_top_k=_int(data, "moe_topk", 2, path),
-                    moe_shared_ffn_hidden_size=f * _int(data, "moe_num_shared_experts", 2, path))
-    fe = _int(data, "moe_intermediate_size", None, path)  # Kolibri
+        f = nat(data, "intermediate_size", None, path)
+        return dict(num_experts=nat(data, "moe_num_experts", 8, path), moe_top_k=nat(data, "moe_topk", 2, path),
+                    moe_shared_ffn_hidden_size=f * nat(data, "moe_num_shared_experts", 2, path))
+    fe = nat(data, "moe_intermediate_size", None, path)  # Kolibri
     return dict(_routed(data, "num_local_experts", path), qk_norm=True, sandwich_norms=True, ffn_hidden_size=fe,
                 moe_ffn_hidden_size=fe,
-                moe_shared_ffn_hidden_size=_int(data, "shared_expert_intermediate_size", None, path))
+                moe_shared_ffn_hidden_size=nat(data, "shared_expert_intermediate_size", None, path))
+
+
+def _afmoe(data: dict, path: Path) -> dict[str, Any]:
+    """AFMoE: num_dense_layers dense layers, then num_experts experts moe_intermediate_size wide (a sigmoid router
+    with expert_bias, a parameter E per layer), num_shared_experts shared ones as one MLP that many times as wide;
+    four norms per layer, q / k norms per head, a gate on the attention output (self_attn.gate_proj, h x q)."""
+    fe, shared = nat(data, "moe_intermediate_size", 1408, path), data.get("num_shared_experts", 2)
+    if shared != 0:
+        shared = nat(data, "num_shared_experts", 2, path)
+    dense = data.get("num_dense_layers", 1)
+    return dict(num_experts=nat(data, "num_experts", 64, path), moe_top_k=nat(data, "num_experts_per_tok", 6, path),
+                moe_ffn_hidden_size=fe, moe_shared_ffn_hidden_size=fe * shared, moe_router_bias=True,
+                moe_first_dense_layers=0 if dense == 0 else nat(data, "num_dense_layers", 1, path),
+                qk_norm=True, sandwich_norms=True, attention_output_gate="full")
+
+
+def _apertus(data: dict, path: Path) -> dict[str, Any]:
+    """Apertus: q / k norms per head, an up / down MLP whose xIELU activation (hidden_act "xielu") learns two scalars
+    per layer (alpha_p, alpha_n)."""
+    return dict(mlp="gelu", qk_norm=True, activation_params=2 if data.get("hidden_act", "xielu") == "xielu" else 0)
+
+
+def _laguna(data: dict, path: Path) -> dict[str, Any]:
+    """Laguna: AFMoE's attention with a gate (g_proj) per head (gating true or "per-head") or per channel, the
+    heads of num_attention_heads_per_layer (one count for every layer), q / k norms per head; dense layers
+    (mlp_layer_types) then num_experts experts moe_intermediate_size wide with a correction bias (a parameter, E
+    per layer) and one shared expert shared_expert_intermediate_size wide."""
+    heads = data.get("num_attention_heads_per_layer") or [nat(data, "num_attention_heads", None, path)]
+    if not isinstance(heads, list) or len(set(map(str, heads))) != 1:
+        raise MemplanError(f"{path}: num_attention_heads_per_layer: memplan models one head count for every layer "
+                           f"(got {echo(heads)}); {YAML_HINT}")
+    gating, a = data.get("gating", True), nat(data, "num_attention_heads", None, path)
+    head_dim = nat(data, "head_dim", None, path) or nat(data, "hidden_size", None, path) // a  # config's a, not heads
+    return dict(_routed(data, "num_experts", path), num_attention_heads=nat({"num_attention_heads_per_layer": heads[0]},
+                                                                    "num_attention_heads_per_layer", None, path),
+                head_dim=head_dim,
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", None, path),
+                moe_shared_ffn_hidden_size=nat(data, "shared_expert_intermediate_size", None, path),
+                moe_first_dense_layers=_dense_first(data, 0, path), moe_router_bias=True, qk_norm=True,
+                attention_output_gate="head" if gating is True or gating == "per-head" else "full")
 
 
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
@@ -270,7 +310,12 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Glm4MoeLiteForCausalLM": _glm4_moe_lite, "OlmoForCausalLM": _olmo, "NanoChatForCausalLM": _nanochat,
     "Jais2ForCausalLM": _jais2, "YoutuForCausalLM": _youtu, "MiniCPM3ForCausalLM": _youtu,
     "GraniteMoeSWAForCausalLM": _more_moe, "MellumForCausalLM": _more_moe, "AriaTextForCausalLM": _more_moe,
-    "Kolibri1ForCausalLM": _more_moe,
+    "Kolibri1ForCausalLM": _more_moe, "AfmoeForCausalLM": _afmoe,
+    "LagunaForCausalLM": _laguna,
+    "DiffLlamaForCausalLM": lambda data, path: dict(differential_attention=True),
+    "Emu3ForCausalLM": lambda data, path: {},  # Emu3's text model: the Llama layout
+    "BitNetForCausalLM": lambda data, path: dict(sub_norms=True),  # attn_sub_norm, ffn_sub_norm; relu2 gate
+    "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
 }
 
@@ -281,149 +326,9 @@ NO_DENSE_WIDTH = ("SolarOpenForCausalLM", "Kolibri1ForCausalLM")
 MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM",
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
-            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM")
+            "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM",
+            "AfmoeForCausalLM", "LagunaForCausalLM")
 
-
-def _gptj(data: dict, path: Path) -> dict[str, Any]:
-    """GPT-J / CodeGen: one LayerNorm before attention and MLP in parallel; the MLP (fc_in, fc_out, n_inner or 4h
-    wide) and lm_head biased, the attention not."""
-    h = _int(data, "n_embd", 4096, path)
-    return dict(num_layers=_int(data, "n_layer", 28, path), hidden_size=h, num_attention_heads=_int(data, "n_head", 16,
-                                                                                                   path),
-                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=False, mlp_bias=True,
-                head_bias=True, norms_per_layer=1, layer_layout="parallel", position_embedding="rope",
-                tied_embeddings=flag(data, "tie_word_embeddings", False, path), norm_eps=data.get("layer_norm_epsilon"))
-
-
-def _mpt(data: dict, path: Path) -> dict[str, Any]:
-    """MPT (transformers' MptBlock): LayerNorms and linears without biases and a GeLU MLP 4 x d_model wide whatever
-    no_bias and expansion_ratio say (a file asking otherwise is refused: MPT's own code would build another model),
-    ALiBi (no position parameters), tied embeddings."""
-    if not flag(data, "no_bias", True, path) or data.get("expansion_ratio", 4) != 4:
-        raise MemplanError(f"{path}: MPT with no_bias false or expansion_ratio other than 4: transformers' MptForCausalLM "
-                           f"builds neither (no biases, a 4 x d_model MLP), MPT's own code does; {_YAML}")
-    h = _int(data, "d_model", 2048, path)
-    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=h,
-                num_attention_heads=_int(data, "n_heads", 16, path), ffn_hidden_size=4 * h, norm="layernorm",
-                norm_bias=False, mlp="gelu", bias=False, position_embedding="rope",
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
-
-
-def _dbrx(data: dict, path: Path) -> dict[str, Any]:
-    """DBRX (DbrxBlock): LayerNorms without bias, no linear biases, attn_config's kv_n_heads K / V heads, every
-    layer ffn_config's moe_num_experts gated experts ffn_hidden_size wide, top moe_top_k."""
-    attn, ffn = data.get("attn_config") or {}, data.get("ffn_config") or {}
-    if not isinstance(attn, dict) or not isinstance(ffn, dict):
-        raise MemplanError(f"{path}: attn_config / ffn_config: expected JSON objects")
-    return dict(num_layers=_int(data, "n_layers", 24, path), hidden_size=_int(data, "d_model", 2048, path),
-                num_attention_heads=_int(data, "n_heads", 16, path), num_kv_heads=_int(attn, "kv_n_heads", 1, path),
-                ffn_hidden_size=_int(ffn, "ffn_hidden_size", 3584, path), norm="layernorm", norm_bias=False,
-                mlp="swiglu", bias=False, position_embedding="rope", num_experts=_int(ffn, "moe_num_experts", 4, path),
-                moe_top_k=_int(ffn, "moe_top_k", 1, path), rope_theta=attn.get("rope_theta"),
-                tied_embeddings=flag(data, "tie_word_embeddings", False, path))
-
-
-def _gpt_bigcode(data: dict, path: Path) -> dict[str, Any]:
-    """GPT-BigCode (StarCoder 1): GPT-2's layer (LayerNorms and linears biased, learned positions, tied) with one K /
-    V head (multi_query) or a."""
-    a = _int(data, "n_head", 12, path)
-    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
-                num_attention_heads=a, num_kv_heads=1 if flag(data, "multi_query", True, path) else a,
-                ffn_hidden_size=data.get("n_inner"), norm="layernorm", mlp="gelu", bias=True,
-                position_embedding="learned", tied_embeddings=flag(data, "tie_word_embeddings", True, path),
-                norm_eps=data.get("layer_norm_epsilon"))
-
-
-def _openai_gpt(data: dict, path: Path) -> dict[str, Any]:
-    """GPT-1 (openai-gpt): GPT-2's widths (LayerNorms and linears biased, a GeLU MLP 4h wide, learned positions,
-    tied) with post-norm layers (ln_1(x + attn), ln_2(n + mlp)) and no final norm."""
-    return dict(num_layers=_int(data, "n_layer", 12, path), hidden_size=_int(data, "n_embd", 768, path),
-                num_attention_heads=_int(data, "n_head", 12, path), norm="layernorm", mlp="gelu", bias=True,
-                position_embedding="learned", final_norm=False,
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
-
-
-def _opt(data: dict, path: Path) -> dict[str, Any]:
-    """OPT: pre-LayerNorms with bias, q / k / v / out_proj and a ReLU MLP ffn_dim wide (biased unless enable_bias is
-    false), max_position_embeddings + 2 learned position rows, tied embeddings; OPT-350m's post-norm layers with
-    project_in / project_out (word_embed_proj_dim != hidden_size) are refused."""
-    h = _int(data, "hidden_size", 768, path)
-    if not flag(data, "do_layer_norm_before", True, path) or data.get("word_embed_proj_dim", h) != h or \
-            flag(data, "_remove_final_layer_norm", False, path) or \
-            not flag(data, "layer_norm_elementwise_affine", True, path):
-        raise MemplanError(f"{path}: OPT with post-norm layers, project_in / project_out (word_embed_proj_dim "
-                           f"{echo(data.get('word_embed_proj_dim'))} != hidden_size {h}) or norms without weights: "
-                           f"memplan reads pre-norm OPT only; {_YAML}")
-    return dict(num_layers=_int(data, "num_hidden_layers", 12, path), hidden_size=h,
-                num_attention_heads=_int(data, "num_attention_heads", 12, path),
-                ffn_hidden_size=_int(data, "ffn_dim", 3072, path), norm="layernorm", mlp="gelu",
-                bias=flag(data, "enable_bias", True, path), position_embedding="learned", position_offset=2,
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
-
-
-def _biogpt(data: dict, path: Path) -> dict[str, Any]:
-    """BioGPT: pre-LayerNorms with bias, every linear biased, a GeLU MLP intermediate_size wide, scaled word
-    embeddings (no parameter), max_position_embeddings + 2 learned position rows, tied output_projection."""
-    return dict(num_layers=_int(data, "num_hidden_layers", 24, path), hidden_size=_int(data, "hidden_size", 1024, path),
-                num_attention_heads=_int(data, "num_attention_heads", 16, path),
-                ffn_hidden_size=_int(data, "intermediate_size", 4096, path), norm="layernorm", mlp="gelu", bias=True,
-                position_embedding="learned", position_offset=2, norm_eps=data.get("layer_norm_eps"),
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
-
-
-def _gpt_neo(data: dict, path: Path) -> dict[str, Any]:
-    """GPT-Neo: LayerNorms with bias, q / k / v without bias, out_proj and the MLP (intermediate_size or 4h) biased,
-    learned positions, local / global attention (no parameters), tied embeddings."""
-    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "hidden_size", 2048, path),
-                num_attention_heads=_int(data, "num_heads", 16, path), ffn_hidden_size=data.get("intermediate_size"),
-                norm="layernorm", mlp="gelu", bias=False, mlp_bias=True, out_bias=True, position_embedding="learned",
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_epsilon"))
-
-
-def _xglm(data: dict, path: Path) -> dict[str, Any]:
-    """XGLM: pre-LayerNorms with bias, every linear biased, a GeLU MLP ffn_dim wide, sinusoidal positions (a buffer,
-    no parameters), tied embeddings."""
-    return dict(num_layers=_int(data, "num_layers", 24, path), hidden_size=_int(data, "d_model", 1024, path),
-                num_attention_heads=_int(data, "attention_heads", 16, path), ffn_hidden_size=_int(data, "ffn_dim", 4096,
-                                                                                                 path),
-                norm="layernorm", mlp="gelu", bias=True, position_embedding="rope",
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
-
-
-def _bloom(data: dict, path: Path) -> dict[str, Any]:
-    """BLOOM: a LayerNorm on the embeddings, LayerNorms and linears biased, a GeLU MLP 4h wide, ALiBi (no position
-    parameters), tied embeddings."""
-    h = _int(data, "hidden_size", data.get("n_embed", 64), path)  # BloomConfig's n_embed alias
-    return dict(num_layers=_int(data, "n_layer", 2, path), hidden_size=h,
-                num_attention_heads=_int(data, "n_head", 8, path), norm="layernorm", mlp="gelu", bias=True,
-                embedding_norm=True, position_embedding="rope", norm_eps=data.get("layer_norm_epsilon"),
-                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
-
-
-def _ctrl(data: dict, path: Path) -> dict[str, Any]:
-    """CTRL: pre-LayerNorms with bias, every linear biased, a ReLU MLP dff wide, sinusoidal positions (no
-    parameters), tied embeddings with lm_head's bias."""
-    return dict(num_layers=_int(data, "n_layer", 48, path), hidden_size=_int(data, "n_embd", 1280, path),
-                num_attention_heads=_int(data, "n_head", 16, path), ffn_hidden_size=_int(data, "dff", 8192, path),
-                norm="layernorm", mlp="gelu", bias=True, head_bias=True, position_embedding="rope",
-                norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
-
-
-OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
-    "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
-    "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
-    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt,
-    "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
-    "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
-}
-
-# the position limit's key and default of the OWN_KEYS families
-POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n_positions", 2048),
-             "MptForCausalLM": ("max_seq_len", 2048), "MPTForCausalLM": ("max_seq_len", 2048), "DbrxForCausalLM": ("max_seq_len", 2048),
-             "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
-             "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
-             "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
-             "BioGptForCausalLM": ("max_position_embeddings", 1024)}
 
 APPROXIMATED = {
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
@@ -449,6 +354,13 @@ APPROXIMATED = {
     "Jais2ForCausalLM": "Jais 2's MLP is up / down projections with ReLU squared",
     "GraniteSWAForCausalLM": "Granite-SWA's attention has sinks",
     "GraniteMoeSWAForCausalLM": "Granite-MoE-SWA's attention has sinks",
+    "AfmoeForCausalLM": "AFMoE gates the attention output by a sigmoid of a linear of the layer input and normalises "
+                        "the sub-layers' outputs too",
+    "DiffLlamaForCausalLM": "DiffLlama's attention subtracts a second softmax's attention (differential attention)",
+    "ApertusForCausalLM": "Apertus's MLP is up / down projections with the xIELU activation",
+    "BitNetForCausalLM": "BitNet normalises the attention output and the MLP's gated product before their "
+                         "projections (sub-norms) and gates its MLP by a squared ReLU",
+    "LagunaForCausalLM": "Laguna gates the attention output by a softplus of a linear of the layer input",
     "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",

@@ -1,0 +1,209 @@
+"""The parameter tensors by shape (split from states.py): `weight_shapes` lists every parameter tensor of the
+groups states.py counts, in the order the implementation registers them ("fused": Megatron-LM and the reference
+layer, one QKV and one MLP-input matrix; "separate": transformers' Llama layout, q/k/v_proj and gate/up_proj apart),
+and `stage_tensors` the tensors on one GPU of a stage (the optimizers' shape-dependent states, the allocator's
+replay)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
+
+from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
+from memplan.memory import optimizers
+from memplan.memory.states import GATE, gate_rows, layer_kinds, layer_vectors, output_layer_group, position_rows
+
+
+Layout = Literal["fused", "separate"]
+
+
+@dataclass(frozen=True)
+class WeightShape:
+    """`count` parameter tensors of group `group`, each `rows` x `cols` (cols None: a vector of rows), or
+    with `batch` a 3-D tensor of `batch` such matrices (transformers' experts: E x rows x cols), `split`:
+    the dimension tensor parallelism divides (rows: column- / vocab-parallel, cols: row-parallel)."""
+
+    group: str
+    name: str
+    rows: Poly
+    cols: Optional[Poly]
+    count: int = 1
+    split: Optional[Literal["rows", "cols"]] = None
+    batch: Optional[Poly] = None
+
+    @property
+    def numel(self) -> Poly:
+        n = self.rows if self.cols is None else self.rows * self.cols
+        return n if self.batch is None else self.batch * n
+
+    def on_gpu(self, values: Mapping[str, Any], hidden: bool) -> optimizers.Tensor:
+        """The tensor on one GPU with the symbols `values` (scalars or arrays; t splits `split`)."""
+        r = self.rows.evaluate(values)
+        c = None if self.cols is None else self.cols.evaluate(values)
+        if self.split == "rows":
+            r = -(-r // values["t"])
+        elif self.split == "cols":
+            c = -(-c // values["t"])
+        batch = 1 if self.batch is None else int(self.batch.evaluate(values))  # E: a model constant
+        return optimizers.Tensor(r, c, hidden and c is not None, batch)
+
+
+def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple[WeightShape, ...]]:
+    """Every parameter tensor by shape, scope by scope ("first", "layer", "dense_layer", "last", "head":
+    the output layer where it exists, see `output_layer_group`), each in the order the implementation
+    registers them (the order a for-loop optimizer visits them). Shapes are (out, in) as nn.Linear's
+    weight; the counts of a group add up to its `param_groups` count (a test checks both layouts, and the
+    shapes against transformers' GPT-2, Llama, Mixtral and Qwen3-MoE modules).
+
+    "layer" is a layer of a dense model, or an MoE layer; "dense_layer" a dense layer of an MoE model
+    (the first moe_first_dense_layers layers; empty for other models). transformers keeps each MoE layer's
+    experts as two 3-D tensors, gate_up_proj E x 2f_e x h and down_proj E x h x f_e (Mixtral, Qwen3-MoE,
+    DeepSeek-V3 in transformers 5.x), its router as an E x h matrix; Megatron-LM's grouped experts
+    (TEGroupedMLP) one matrix per expert and projection. Within the MoE block, the experts come before the
+    router here (Qwen3-MoE, DeepSeek-V3; Mixtral registers its router first)."""
+    P = Poly.parse
+    q_kv = P("q g /a")  # K and V rows
+    qkv_rows = Poly.parse_sum("q + 2 q g /a")
+    gated = model.mlp == "swiglu"
+    f_in = P("2 f") if gated else P("f")
+    norm = [WeightShape("layer norms", "norm weight", P("h"), None)]
+    final = [WeightShape("final norm", "final norm weight", P("h"), None)]
+    if model.has_norm_bias:
+        norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
+        final.append(WeightShape("final norm", "final norm bias", P("h"), None))
+    embedding_norm = [WeightShape("embedding norm", w.name.replace("final", "embedding"), P("h"), None)
+                      for w in final] if model.embedding_norm else []
+    if not model.norm_params:  # OLMo, nanochat: norms without weights
+        norm, final = [], []
+    if not model.final_norm:  # GPT-1: no norm after the last layer
+        final = []
+    qk_norms = [WeightShape("query / key norms", "query / key norm weight", P("q /a"), None,
+                            4 if model.has_norm_bias else 2)] \
+        if model.qk_norm and model.qk_norm_width == "head" and model.norm_params else []
+    if model.qk_norm and model.qk_norm_width == "full" and model.norm_params:  # OLMo-2 (q, qg/a), Cohere
+        # ((a, d), (g, d))
+        qk_norms = [WeightShape("query / key norms", "query norm weight", P("q"), None),
+                    WeightShape("query / key norms", "key norm weight", q_kv, None)]
+    if model.attention_sinks:  # gpt-oss: self_attn.sinks, one logit per head
+        qk_norms = [WeightShape("attention sinks", "sinks", P("a"), None, 1, "rows")] + qk_norms
+    qkv_biases = ([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
+                  [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")])
+    if model.attention_bias and not model.bias:  # q, k, v, o_proj biases (gpt-oss, Phi-3.5-MoE)
+        qk_norms = qk_norms + qkv_biases + [WeightShape("attention output projection bias", "o_proj bias", P("h"),
+                                                        None)]
+    elif model.qkv_bias and not model.bias:  # Qwen2: q_proj, k_proj, v_proj have biases, nothing else
+        qk_norms = qkv_biases + qk_norms
+    if model.attention_output_gate:  # AFMoE, Laguna: h -> q (full) or h -> a (head)
+        qk_norms = qk_norms + [WeightShape(GATE, "attention gate weight", gate_rows(model), P("h"), 1, "rows")]
+    qk_norms = qk_norms + [WeightShape(group, name, count, None) for group, name, count in layer_vectors(model)]
+    if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
+        qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
+    sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
+    second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
+    col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
+
+    def linear(group: str, name: str, rows: Poly, cols: Poly, split: str, count: int = 1) -> list[WeightShape]:
+        out = [WeightShape(group, name, rows, cols, 1, split)]
+        if model.bias:
+            bias_group, bias_split = (col_bias, "rows") if split == "rows" else (row_bias, None)
+            out.append(WeightShape(bias_group, name + " bias", rows, None, 1, bias_split))
+        return out * count
+
+    qkv_w, proj_w = "QKV projection weight", "attention output projection weight"
+    fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
+    prefix = "dense " if model.is_moe else ""
+    if model.is_mla:  # the same tensors in both layouts (Megatron-LM: linear_q_down_proj, ..., linear_proj)
+        attention = _mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+        if layout == "fused":
+            attention = norm + attention + second
+    elif layout == "fused":
+        attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
+            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + second
+    else:
+        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
+                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+    attention = attention + sandwich
+    if layout == "fused":
+        dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
+                     + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
+    else:
+        mlp_in = (linear(prefix + fc1_w, "gate / up", P("f"), P("h"), "rows", 2) if gated
+                  else linear(prefix + fc1_w, "MLP input", P("f"), P("h"), "rows"))
+        dense_mlp = mlp_in + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols")
+    if model.mlp_bias and not model.bias:  # GPT-J: fc_in's and fc_out's biases
+        dense_mlp += [WeightShape(prefix + "MLP biases", "MLP input bias", f_in, None, 1, "rows"),
+                      WeightShape(prefix + "MLP biases", "MLP output bias", P("h"), None)]
+    layer = attention + dense_mlp + ([] if layout == "fused" else norm + second)
+    dense_layer: list[WeightShape] = []
+    if model.is_moe:
+        moe = _moe_shapes(model, layout)
+        dense_layer = layer if model.moe_first_dense_layers else []
+        layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
+    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
+    if model.position_embedding == "learned":
+        first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
+    final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
+    head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
+    return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
+            "head": head}
+
+
+def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
+    """Multi-head latent attention's tensors before the output projection, in transformers' order
+    (DeepseekV3Attention: q_proj or q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj)."""
+    P, S = Poly.parse, Poly.parse_sum
+    qkv_w, norms = "QKV projection weight", "latent norms"
+    if model.q_lora_rank:
+        q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
+             WeightShape(qkv_w, "q_b_proj", S("a dn + a dr"), P("rq"), 1, "rows")]
+    else:
+        q = [WeightShape(qkv_w, "q_proj", S("a dn + a dr"), P("h"), 1, "rows")]
+    return q + [WeightShape(qkv_w, "kv_a_proj_with_mqa", S("rkv + dr"), P("h")),
+                WeightShape(norms, "kv_a_layernorm", P("rkv"), None),
+                WeightShape(qkv_w, "kv_b_proj", S("a dn + a dv"), P("rkv"), 1, "rows")]
+
+
+def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
+    """An MoE layer's MLP tensors: the routed experts, the router, the shared experts (weight_shapes)."""
+    P = Poly.parse
+    fe_in = P("2 fe") if model.mlp == "swiglu" else P("fe")
+    router = [WeightShape("router weight", "router", P("E"), P("h"))]
+    router += [WeightShape("router bias", "router bias", P("E"), None)] if model.moe_bias or model.moe_router_bias \
+        else []
+    E = model.num_experts or 0
+    fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
+    if layout == "fused":  # Megatron-LM TEGroupedMLP: linear_fc1.weight0..E-1, then linear_fc2's
+        experts = [WeightShape(fc1_w, "expert MLP input", fe_in, P("h"), E, "rows"),
+                   WeightShape(fc2_w, "expert MLP output", P("h"), P("fe"), E, "cols")]
+    else:  # transformers: gate_up_proj (E, 2 f_e, h), down_proj (E, h, f_e)
+        experts = [WeightShape(fc1_w, "experts' gate_up_proj", fe_in, P("h"), 1, "rows", P("E")),
+                   WeightShape(fc2_w, "experts' down_proj", P("h"), P("fe"), 1, "cols", P("E"))]
+    if model.moe_bias:  # gpt-oss: gate_up_proj_bias (E, 2 f_e), down_proj_bias (E, h)
+        experts += [WeightShape("expert biases", "experts' gate_up_proj_bias", fe_in, None, 1, "rows", P("E")),
+                    WeightShape("expert biases", "experts' down_proj_bias", P("h"), None, 1, None, P("E"))]
+    shared: list[WeightShape] = []
+    if model.moe_shared_ffn_hidden_size:
+        s_in, s_out = "shared experts' input projection weight", "shared experts' output projection weight"
+        if layout == "fused" or model.mlp != "swiglu":
+            shared = [WeightShape(s_in, "shared experts' MLP input", P("2 fs") if model.mlp == "swiglu" else P("fs"),
+                                  P("h"), 1, "rows")]
+        else:
+            shared = [WeightShape(s_in, "shared experts' gate / up", P("fs"), P("h"), 2, "rows")]
+        shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
+        shared += [WeightShape("shared experts' gate", "shared_expert_gate", P("h"), None)] if model.moe_shared_gate \
+            else []
+    return (router + experts + shared) if layout == "fused" else (experts + router + shared)
+
+
+def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
+                  layout: Layout = "fused") -> optimizers.StageTensors:
+    """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays)."""
+    shapes = weight_shapes(model, layout)
+    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
+    head_copy = 1 if not model.tied_embeddings else (p > 1)
+    dense = layer_kinds(model, layers, is_first)["dense"]
+    return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers - dense, is_first, is_last,
+                                   is_last * head_copy, on["dense_layer"], dense)
