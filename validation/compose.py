@@ -59,23 +59,42 @@ def layer_kinds(model: torch.nn.Module, path: str, n: int) -> list[list[int]]:
 
 
 def representatives(kinds: list[list[int]]) -> list[int]:
-    """The layers traced: of each kind the first two, and the model's last two layers.
+    """The layers traced: of each kind its first layer and one in the middle of the model, and the model's last two.
 
-    A layer's trace differs from its kind's only at the model's ends: the bottom layers (the first of
-    each kind) are the last to use, in the backward, what the layers share (rotary tables of their kind,
-    checkpointed inputs), and the top two see the head's gradient.  A kind's last layer in the middle of
-    the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2 under the MoE ones)
-    traces as its second layer does, so it is not traced again (the five full-size traces of
-    benchmarks/bench_trace.py are byte-identical to the ones that traced every kind's last two layers;
-    tests/test_trace.py compares with the whole model)."""
+    A layer's trace differs from its kind's only at the model's ends and with the kinds that start below it:
+    the bottom layers (the first of each kind) are the last to use, in the backward, what the layers of their
+    kind share (rotary tables of their kind, checkpointed inputs), so those tensors are alive in the backward
+    of every layer above that first one and freed below it; the top layer sees the head's gradient.  A layer
+    in the middle traces as any other layer of its kind with the same kinds' first layers below it: a kind's
+    last layer in the middle of the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2
+    under the MoE ones) as its second layer, and the model's second-last layer as its kind's second one when
+    no other kind starts between them (a dense model traces layers 0, n - 2 and n - 1; DeepSeek-V3 0, 1, 3,
+    59, 60; Gemma 3, whose global layers start at 5, keeps its sliding layer 1 for the sliding layers 2 to 4).
+    The five full-size traces of benchmarks/bench_trace.py are byte-identical to the ones that traced every
+    kind's first two and last two layers; tests/test_trace.py compares with the whole model."""
     n = 1 + max((i for layers in kinds for i in layers), default=-1)
-    return sorted({i for layers in kinds for i in layers[:2]} | set(range(max(n - 2, 0), n)))
+    firsts = sorted(layers[0] for layers in kinds)
+    kept = set(range(max(n - 2, 0), n))
+    for layers in kinds:
+        kept.add(layers[0])
+        if len(layers) < 2 or layers[1] in kept:
+            continue
+        # n - 2 stands for the kind's middle when it is of the kind and the same kinds have started below both
+        if n - 2 not in layers or any(layers[1] < f < n - 2 for f in firsts):
+            kept.add(layers[1])
+    return sorted(kept)
 
 
 def copies(kinds: list[list[int]]) -> dict[int, int]:
-    """Each layer not traced -> the traced layer whose terms it has (the second of its kind)."""
+    """Each layer not traced -> the traced layer whose terms it has: its kind's first traced middle layer (neither
+    the kind's first nor the model's top)."""
+    n = 1 + max((i for layers in kinds for i in layers), default=-1)
     kept = set(representatives(kinds))
-    return {i: layers[min(1, len(layers) - 1)] for layers in kinds for i in layers if i not in kept}
+    out = {}
+    for layers in kinds:
+        middle = [i for i in layers[1:] if i in kept and i != n - 1]
+        out.update({i: middle[0] for i in layers if i not in kept})
+    return out
 
 
 def reduce(model: torch.nn.Module, path: str, n: int) -> tuple[list[int], list[list[int]]]:
