@@ -5,16 +5,18 @@ twice (as is and with gradient checkpointing), though most layers are copies of 
 a built model's decoder layers into *kinds* (``layer_kinds``): layers whose modules (class and path), parameter
 shapes and dtypes and per-layer settings (every plain attribute of every module, ``attention_type``,
 ``sliding_window``, ``is_sliding``..., except the layer's own index) are the same, plus the config's per-layer
-list entries (``layer_types``).  It keeps, of each kind, the first two layers, and the model's last two (the
-ends differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
-checkpoint's tensors they were the last to use; validation/trace.py samples exactly these) and swaps the
+list entries (``layer_types``).  It keeps, of each kind, the first layer and one in the middle, and the model's
+last two (``representatives``: the ends differ in the step's moments: the top layer's gradient comes from the head,
+the bottom ones free the checkpoint's tensors they were the last to use; validation/trace.py samples exactly
+these) and swaps the
 decoder layers' ModuleList for those alone, in their order; the config's per-layer lists and its layer count
 are cut to match, and the kept layers' own indices (``layer_idx``) are their new positions, so a model that reads
 those lists by position or by ``self.layer_idx`` reads the entry of the layer that runs.  The embedding, the final norm, the head and the loss run once, as in the whole model.
 
 The traced run then speaks of the kept layers by their new positions; ``renumber`` gives them back their
 indices in the whole model, and every layer not traced takes the terms of the second traced layer of its kind
-(``copies``), as the whole trace's moments already repeat that layer for the middle of a kind.  Tests compare
+(``copies``: its kind's traced middle layer), as the whole trace's moments repeat that layer for the middle of
+a kind.  Tests compare
 the composed inventory with the whole model's, term by term, on dense, alternating-attention and MoE families
 (tests/test_trace.py).
 """

@@ -11,7 +11,7 @@ out as a symbolic expression: an exact polynomial in s and b with integer coeffi
 written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
 
 The real config's sizes are used (no reduced model), but not every decoder layer runs: the
-first two layers of each kind and the model's last two (``validation/compose.py``: layers with the same
+first layer of each kind, one in its middle, and the model's last two (``validation/compose.py``: layers with the same
 modules, parameter shapes and per-layer settings, e.g. Gemma 3's sliding layers, whose sdpa keeps
 an s x s mask, beside its global ones, or DeepSeek-V3's dense first layers before the MoE ones)
 run, with the embedding, head and loss once, and every other layer takes its kind's terms
@@ -823,7 +823,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     polynomials assume about s and b), ``num_layers``, ``layer_groups``, ``outside`` and, with
     ``moments``, ``checkpoint`` (what gradient checkpointing keeps) and ``moments``.
 
-    ``compose``: trace the first two decoder layers of each kind and the model's last two only, with the embedding,
+    ``compose``: trace of each kind the first decoder layer and one in the middle, and the model's last two only
+    (validation/compose.py ``representatives``), with the embedding,
     head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     """
