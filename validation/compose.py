@@ -16,7 +16,8 @@ those lists by position or by ``self.layer_idx`` reads the entry of the layer th
 The traced run then speaks of the kept layers by their new positions; ``renumber`` gives them back their
 indices in the whole model, and every layer not traced takes the terms of the second traced layer of its kind
 (``copies``: its kind's traced middle layer), as the whole trace's moments repeat that layer for the middle of
-a kind.  Tests compare
+a kind; a kind's second layer that the model's second-last stands in for (``stand_ins``) has that layer's moments
+less the tensors layers above it are the first to be given (validation/trace.py).  Tests compare
 the composed inventory with the whole model's, term by term, on dense, alternating-attention and MoE families
 (tests/test_trace.py).
 """
@@ -60,6 +61,23 @@ def layer_kinds(model: torch.nn.Module, path: str, n: int) -> list[list[int]]:
     return list(kinds.values())
 
 
+def _middles(kinds: list[list[int]]) -> tuple[set[int], dict[int, int]]:
+    """The layers traced, and the kinds' second layers that the model's second-last stands for (``stand_ins``)."""
+    n = 1 + max((i for layers in kinds for i in layers), default=-1)
+    firsts = sorted(layers[0] for layers in kinds)
+    kept = set(range(max(n - 2, 0), n))
+    stand: dict[int, int] = {}
+    for layers in kinds:
+        kept.add(layers[0])
+        if len(layers) < 2 or layers[1] in kept:
+            continue
+        if n - 2 not in layers:
+            kept.add(layers[1])
+        elif any(layers[1] < f < n - 2 for f in firsts):  # another kind starts between the two
+            stand[layers[1]] = n - 2
+    return kept, stand
+
+
 def representatives(kinds: list[list[int]]) -> list[int]:
     """The layers traced: of each kind its first layer and one in the middle of the model, and the model's last two.
 
@@ -69,22 +87,20 @@ def representatives(kinds: list[list[int]]) -> list[int]:
     of every layer above that first one and freed below it; the top layer sees the head's gradient.  A layer
     in the middle traces as any other layer of its kind with the same kinds' first layers below it: a kind's
     last layer in the middle of the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2
-    under the MoE ones) as its second layer, and the model's second-last layer as its kind's second one when
-    no other kind starts between them (a dense model traces layers 0, n - 2 and n - 1; DeepSeek-V3 0, 1, 3,
-    59, 60; Gemma 3, whose global layers start at 5, keeps its sliding layer 1 for the sliding layers 2 to 4).
-    The five full-size traces of benchmarks/bench_trace.py are byte-identical to the ones that traced every
-    kind's first two and last two layers; tests/test_trace.py compares with the whole model."""
-    n = 1 + max((i for layers in kinds for i in layers), default=-1)
-    firsts = sorted(layers[0] for layers in kinds)
-    kept = set(range(max(n - 2, 0), n))
-    for layers in kinds:
-        kept.add(layers[0])
-        if len(layers) < 2 or layers[1] in kept:
-            continue
-        # n - 2 stands for the kind's middle when it is of the kind and the same kinds have started below both
-        if n - 2 not in layers or any(layers[1] < f < n - 2 for f in firsts):
-            kept.add(layers[1])
-    return sorted(kept)
+    under the MoE ones) as its second layer, and the model's second-last layer as its kind's second one (a
+    dense model traces layers 0, n - 2 and n - 1; DeepSeek-V3 0, 1, 3, 59, 60).  Where other kinds start
+    between the two (Gemma 3's global layers at 5, between its sliding layers 1 and 24), the second layer's
+    moments are the second-last's without the tensors the checkpointed layers are given first by a layer above
+    it (``stand_ins``; validation/trace.py): Gemma 3 1B traces 0, 5, 11, 24, 25.  The five full-size traces
+    of benchmarks/bench_trace.py are byte-identical to the ones that traced every kind's first two and last
+    two layers; tests/test_trace.py compares with the whole model."""
+    return sorted(_middles(kinds)[0])
+
+
+def stand_ins(kinds: list[list[int]]) -> dict[int, int]:
+    """A kind's second layer not traced -> the model's second-last layer, whose moments it has less the tensors
+    that the checkpointed layers are given first by a layer above it (other kinds' rotary tables)."""
+    return _middles(kinds)[1]
 
 
 def copies(kinds: list[list[int]]) -> dict[int, int]:

@@ -894,7 +894,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     }
     data = {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
     if moments:
-        data.update(_moments_sections(runs, body, ids, path, num_layers, same))
+        data.update(_moments_sections(runs, body, ids, path, num_layers, same,
+                                      compose_.stand_ins(holder["kinds"]) if compose else {}))
     return data
 
 
@@ -903,8 +904,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_layers: int,
-                      copies: dict[int, int]) -> dict:
-    """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one."""
+                      copies: dict[int, int], stand_ins: dict[int, int]) -> dict:
+    """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one; ``stand_ins``
+    (validation/compose.py): a layer not traced -> the traced layer whose moments it has, less the kept tensors
+    that layers above it are the first to be given."""
     from . import transients
 
     plain, ckpt = runs
@@ -937,16 +940,20 @@ def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_la
             # each sampled layer's own candidates (the ends of a group differ: the top layer's gradient comes
             # from the head, the bottom ones free the checkpoint's tensors they were the last to use); a layer
             # not sampled repeats the second and the second-last sampled ones
-            sampled = [i for i in group["layers"] if ("layer", i) in fronts]
+            source = {i: i for i in group["layers"] if ("layer", i) in fronts}
+            source.update({j: i for j, i in stand_ins.items() if i in source and j in group["layers"]})
+            sampled = sorted(source)
             if not sampled:
                 continue
             middle = {sampled[1], sampled[-2]} if len(sampled) >= 2 else {sampled[0]}
             rows: dict[str, tuple[dict, set]] = {}
             for i in sampled:
                 where = {i} | ({j for j in group["layers"] if j not in sampled} if i in middle else set())
-                for row in transients.entries(fronts[("layer", i)], run_ids, run["polys"], poly_text, _itemsize,
-                                              kept_index if recompute == "full" else None, scope="layer", group=k,
-                                              recompute=recompute):
+                for row in transients.entries(fronts[("layer", source[i])], run_ids, run["polys"], poly_text,
+                                              _itemsize, kept_index if recompute == "full" else None, scope="layer",
+                                              group=k, recompute=recompute):
+                    if source[i] != i and "kept" in row:  # freed by then: what a layer above i is given first
+                        row["kept"] = [x for x in row["kept"] if kept[x]["layer"] <= i]
                     key = json.dumps(row, sort_keys=True)
                     rows.setdefault(key, (row, set()))[1].update(where)
             for row, where in rows.values():
