@@ -456,10 +456,9 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     moments per layer and of the head), ``kept`` (checkpointing: the tensors every checkpointed
     layer is given, alive when the backward starts, and a layer's input), ``args`` (decoder layers'
     input tensors by (argument, first layer): the records, to match the two runs).  ``shapes``: a dict the
-    runs of one trace share, which keeps the first run's ShapeEnv, fake mode, symbols s, b and their SymInts,
-    so a later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
-    (decided the same way again), and ``build`` may give it the first run's model (its fake parameters belong
-    to that mode); the conditions and sizes come out as with a ShapeEnv of its own."""
+    runs of one trace share, which keeps the first run's ShapeEnv, symbols s, b and their SymInts, so a
+    later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
+    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -479,8 +478,7 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
             sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
             symbols[sym] = name
             sizes[name] = env.create_symintnode(sym, hint=hint)
-        shapes.update(env=env, symbols=symbols, sizes=sizes, hints=(s_hint, b_hint),
-                      mode=FakeTensorMode(shape_env=env, allow_non_fake_inputs=False))
+        shapes.update(env=env, symbols=symbols, sizes=sizes, hints=(s_hint, b_hint))
     elif shapes["hints"] != (s_hint, b_hint):
         raise ValueError("a shared ShapeEnv needs the same hints")
     env, symbols, sizes = shapes["env"], shapes["symbols"], shapes["sizes"]
@@ -488,7 +486,7 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     cuda = _CudaKernels(named) if kernels == "cuda" else None
     run: dict = {}
     polys_conditions: list[str] = []
-    with shapes["mode"]:
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
         model = build()
         saves = _Saves(model)
         tracking = _tracking(model, saves, named, step, polys_conditions, run) if step else contextlib.nullcontext()
@@ -838,11 +836,6 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     holder: dict = {}
 
     def build():
-        if "model" in holder:  # the checkpointed run: the plain run's model, as built (no gradients yet)
-            model = holder["model"]
-            for p in model.parameters():
-                p.grad = None
-            return model
         model = build_model(cfg, impl, dtype, experts)
         n = num_hidden_layers(model)
         holder.update(layers=n, path=decoder_layers_path(model, n))
@@ -854,7 +847,6 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
             progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) with symbolic s and b: "
                      f"{len(holder['index'])} of {n} decoder layers{kinds}, the embedding, head and loss; "
                      f"forward and backward{', then with gradient checkpointing' if moments else ''}")
-        holder["model"] = model
         return model
 
     def make_inputs(s, b):
