@@ -4,7 +4,7 @@
 
 Each trace is what `--impl hf-*` runs on first use of a config.json: forward + loss + backward under
 FakeTensorMode with symbolic s and b, once as is and once with gradient checkpointing, composed from the first
-two decoder layers of each kind and the model's last two (validation/compose.py). `--whole` traces every layer instead
+decoder layer of each kind, one in its middle and the model's last two (validation/compose.py). `--whole` traces every layer instead
 (the reference the composition is tested against; about 0.9 s of CPU per decoder layer). Prints one line per
 model: its layers, the layers traced, the wall seconds, the CPU seconds of this process and the machine's load
 average (1 min) before and after, since wall time on a shared machine depends on it. A figure, not a test.

@@ -372,10 +372,10 @@ def test_the_two_keys_agree():
 # ---------------------------------------------------------------------------------------------
 # the composed trace (validation/compose.py) against the whole model's
 
-# (family, changes, with the step's moments): a dense model; Gemma 3's sliding / global layers (1 : 1, two kinds,
-# each with its rotary tables, global 1, 3, 5: 6 of 7 layers run, not the sliding layer 4, its kind's
-# second-last); DeepSeek-V3's dense first layer before its MoE ones (routed + shared experts). A full-size dense
-# model with its moments: tests/test_traced.py re-traces qwen2.5-7b (4 of 28 layers run) and compares it with the
+# (family, changes, with the step's moments): a dense model (layers 0, 3, 4 of 5 run); Gemma 3's sliding / global
+# layers (1 : 1, two kinds, each with its rotary tables, global 1, 3, 5: 0, 1, 2, 5, 6 of 7 run, the global layer 5
+# standing for 3); DeepSeek-V3's dense first layers before its MoE ones (routed + shared experts). A full-size dense
+# model with its moments: tests/test_traced.py re-traces qwen2.5-7b (3 of 28 layers run) and compares it with the
 # shipped file, traced from every layer.
 COMPOSED = [("qwen2", {"num_hidden_layers": 5}, False),
             ("gemma3", {"num_hidden_layers": 7, "sliding_window_pattern": 2}, False),
@@ -384,7 +384,7 @@ COMPOSED = [("qwen2", {"num_hidden_layers": 5}, False),
 
 @pytest.mark.parametrize("family, changes, moments", COMPOSED)
 def test_composed_trace_equals_the_whole_model_trace(family, changes, moments):
-    """Tracing the first two and last two layers of each kind and composing the model from them gives, term by
+    """Tracing the first and a middle layer of each kind and the model's last two and composing the model from them gives, term by
     term, the inventory of the whole model's trace. Saves only, for the test's time: the moments (which hold the
     ends of a kind apart) are compared on qwen2.5-7b in tests/test_traced.py."""
     cfg, impl = FAMILIES[family]
@@ -411,20 +411,21 @@ def test_composed_trace_equals_the_whole_model_trace(family, changes, moments):
 
 
 # with the step's moments, where the layers not traced are the ones the rule leaves out (validation/compose.py
-# ``representatives``): Gemma 3 at 9 layers, 1 : 1 (global layers 1, 3, 5, 7: 5 and the sliding 4, 6, the ends of
-# their kinds in the middle of the model, are not traced), DeepSeek-V3 with three dense layers (the last, 2, under the
-# MoE ones, not traced). The file's bytes are compared, as `memplan trace --out` writes them.
-# Opt-in (MEMPLAN_TRACE_SLOW=1; ~85 s, the whole models' moments): the suite runs the same composition on saves
-# only (COMPOSED above, with gemma3 at 1 : 1).
-COMPOSED_MOMENTS = [("gemma3", {"num_hidden_layers": 9, "sliding_window_pattern": 2}, [0, 1, 2, 3, 7, 8]),
-                    ("deepseek-v3", {"num_hidden_layers": 7, "first_k_dense_replace": 3}, [0, 1, 3, 4, 5, 6])]
+# ``representatives``): Gemma 3 at 9 layers, 1 : 1 (global layers 1, 3, 5, 7: the global 7, the model's second-last,
+# stands for 3 and 5, no kind starting between them; the sliding 4, 6 are not traced), DeepSeek-V3 with three dense
+# layers (the last, 2, under the MoE ones, not traced) and four MoE ones (5, the second-last, stands for 4). The
+# file's bytes are compared, as `memplan trace --out` writes them. Opt-in (MEMPLAN_TRACE_SLOW=1; ~85 s, the whole
+# models' moments): the suite runs the same composition on saves only (COMPOSED above, with gemma3 at 1 : 1).
+COMPOSED_MOMENTS = [("gemma3", {"num_hidden_layers": 9, "sliding_window_pattern": 2}, [0, 1, 2, 7, 8]),
+                    ("deepseek-v3", {"num_hidden_layers": 7, "first_k_dense_replace": 3}, [0, 1, 3, 5, 6])]
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_TRACE_SLOW"), reason="set MEMPLAN_TRACE_SLOW=1 to run")
 @pytest.mark.parametrize("family, changes, traced", COMPOSED_MOMENTS)
 def test_composed_moments_equal_the_whole_model_trace(family, changes, traced):
-    """Of each kind the first two layers, and the model's last two: the composed file, moments included, is the
-    whole model's byte for byte, though the last layers of a kind in the middle of the model are not traced."""
+    """Of each kind the first layer and one in the middle, and the model's last two: the composed file, moments
+    included, is the whole model's byte for byte, though the last layers of a kind in the middle of the model are
+    not traced and the model's second-last layer stands for the middle of its kind."""
     cfg, impl = FAMILIES[family]
     cfg = {**cfg, **changes}
     told: list[str] = []
@@ -445,3 +446,48 @@ def test_a_frozen_parameter_gets_no_gradient_hook():
     assert len(handles) == 2  # weight, bias
     model(torch.ones(1, 3)).sum().backward()
     assert sorted(made) == ["bias", "weight"]
+
+
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_TRACE_SLOW"), reason="set MEMPLAN_TRACE_SLOW=1 to run")
+def test_a_stand_in_layer_has_the_moments_of_its_trace(monkeypatch):
+    """Gemma 3 at 8 layers, 2 : 1 (sliding 0, 1, 3, 4, 6, 7; global 2, 5): the global layers start between the
+    sliding 1 and 6, the model's second-last, so 1 is not traced and takes 6's moments less the global rotary
+    tables that the checkpointed layers are given from layer 2 on (compose.stand_ins). The file is the one that
+    traces layer 1, byte for byte. Opt-in (~25 s): the suite checks the rule (the test below)."""
+    from validation import compose
+
+    cfg, impl = FAMILIES["gemma3"]
+    cfg = {**cfg, "num_hidden_layers": 8, "sliding_window_pattern": 3}
+    told: list[str] = []
+    standing = tr.trace_hf_config(cfg, impl, progress=told.append)
+    assert "5 of 8 decoder layers" in told[0]
+    rule, stands = compose.representatives, compose.stand_ins
+    monkeypatch.setattr(compose, "representatives", lambda kinds: sorted({*rule(kinds), *stands(kinds)}))
+    monkeypatch.setattr(compose, "stand_ins", lambda kinds: {})
+    told.clear()
+    traced = tr.trace_hf_config(cfg, impl, progress=told.append)
+    assert "6 of 8 decoder layers" in told[0]
+    assert standing["checkpoint"]["kept"][4:] and tr.to_yaml(standing) == tr.to_yaml(traced)
+
+
+def test_representatives_keep_one_middle_layer_per_kind():
+    """The rule of validation/compose.py by hand: the model's last two layers, each kind's first, and one middle
+    layer of each kind: the model's second-last where it is of the kind (standing in for the kind's second layer
+    where another kind starts between them), else the kind's second layer."""
+    from validation import compose
+
+    dense = [list(range(80))]  # Llama 3 70B: 0, then 78 stands for 1..77
+    assert compose.representatives(dense) == [0, 78, 79]
+    assert compose.copies(dense) == {i: 78 for i in range(1, 78)}
+    dense_first = [[0, 1, 2], list(range(3, 61))]  # DeepSeek-V3: the dense kind's middle is 1, the MoE kind's 59
+    assert compose.representatives(dense_first) == [0, 1, 3, 59, 60]
+    assert compose.copies(dense_first) == {2: 1, **{i: 59 for i in range(4, 59)}}
+    # Gemma 3 1B: global layers 5, 11, 17, 23 start at 5, between the sliding kind's second layer (1) and 24: 24
+    # stands in for 1
+    gemma = [[i for i in range(26) if i % 6 != 5], [5, 11, 17, 23]]
+    assert compose.representatives(gemma) == [0, 5, 11, 24, 25] and compose.stand_ins(gemma) == {1: 24}
+    assert compose.copies(gemma)[2] == 24 and compose.copies(gemma)[22] == 24 and compose.copies(gemma)[23] == 11
+    # alternating kinds: the top layer (7) is never a middle; 6, of the other kind, stands for 2 and 4
+    assert compose.representatives([[0, 2, 4, 6], [1, 3, 5, 7]]) == [0, 1, 3, 6, 7]
+    assert compose.stand_ins([[0, 2, 4, 6], [1, 3, 5, 7]]) == compose.stand_ins(dense_first) == {}
+    assert compose.copies([[0, 2, 4, 6], [1, 3, 5, 7]]) == {2: 6, 4: 6, 5: 3}

@@ -5,16 +5,19 @@ twice (as is and with gradient checkpointing), though most layers are copies of 
 a built model's decoder layers into *kinds* (``layer_kinds``): layers whose modules (class and path), parameter
 shapes and dtypes and per-layer settings (every plain attribute of every module, ``attention_type``,
 ``sliding_window``, ``is_sliding``..., except the layer's own index) are the same, plus the config's per-layer
-list entries (``layer_types``).  It keeps, of each kind, the first two layers, and the model's last two (the
-ends differ in the step's moments: the top layer's gradient comes from the head, the bottom ones free the
-checkpoint's tensors they were the last to use; validation/trace.py samples exactly these) and swaps the
+list entries (``layer_types``).  It keeps, of each kind, the first layer and one in the middle, and the model's
+last two (``representatives``: the ends differ in the step's moments: the top layer's gradient comes from the head,
+the bottom ones free the checkpoint's tensors they were the last to use; validation/trace.py samples exactly
+these) and swaps the
 decoder layers' ModuleList for those alone, in their order; the config's per-layer lists and its layer count
 are cut to match, and the kept layers' own indices (``layer_idx``) are their new positions, so a model that reads
 those lists by position or by ``self.layer_idx`` reads the entry of the layer that runs.  The embedding, the final norm, the head and the loss run once, as in the whole model.
 
 The traced run then speaks of the kept layers by their new positions; ``renumber`` gives them back their
 indices in the whole model, and every layer not traced takes the terms of the second traced layer of its kind
-(``copies``), as the whole trace's moments already repeat that layer for the middle of a kind.  Tests compare
+(``copies``: its kind's traced middle layer), as the whole trace's moments repeat that layer for the middle of
+a kind; a kind's second layer that the model's second-last stands in for (``stand_ins``) has that layer's moments
+less the tensors layers above it are the first to be given (validation/trace.py).  Tests compare
 the composed inventory with the whole model's, term by term, on dense, alternating-attention and MoE families
 (tests/test_trace.py).
 """
@@ -58,24 +61,58 @@ def layer_kinds(model: torch.nn.Module, path: str, n: int) -> list[list[int]]:
     return list(kinds.values())
 
 
-def representatives(kinds: list[list[int]]) -> list[int]:
-    """The layers traced: of each kind the first two, and the model's last two layers.
-
-    A layer's trace differs from its kind's only at the model's ends: the bottom layers (the first of
-    each kind) are the last to use, in the backward, what the layers share (rotary tables of their kind,
-    checkpointed inputs), and the top two see the head's gradient.  A kind's last layer in the middle of
-    the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2 under the MoE ones)
-    traces as its second layer does, so it is not traced again (the five full-size traces of
-    benchmarks/bench_trace.py are byte-identical to the ones that traced every kind's last two layers;
-    tests/test_trace.py compares with the whole model)."""
+def _middles(kinds: list[list[int]]) -> tuple[set[int], dict[int, int]]:
+    """The layers traced, and the kinds' second layers that the model's second-last stands for (``stand_ins``)."""
     n = 1 + max((i for layers in kinds for i in layers), default=-1)
-    return sorted({i for layers in kinds for i in layers[:2]} | set(range(max(n - 2, 0), n)))
+    firsts = sorted(layers[0] for layers in kinds)
+    kept = set(range(max(n - 2, 0), n))
+    stand: dict[int, int] = {}
+    for layers in kinds:
+        kept.add(layers[0])
+        if len(layers) < 2 or layers[1] in kept:
+            continue
+        if n - 2 not in layers:
+            kept.add(layers[1])
+        elif any(layers[1] < f < n - 2 for f in firsts):  # another kind starts between the two
+            stand[layers[1]] = n - 2
+    return kept, stand
+
+
+def representatives(kinds: list[list[int]]) -> list[int]:
+    """The layers traced: of each kind its first layer and one in the middle of the model, and the model's last two.
+
+    A layer's trace differs from its kind's only at the model's ends and with the kinds that start below it:
+    the bottom layers (the first of each kind) are the last to use, in the backward, what the layers of their
+    kind share (rotary tables of their kind, checkpointed inputs), so those tensors are alive in the backward
+    of every layer above that first one and freed below it; the top layer sees the head's gradient.  A layer
+    in the middle traces as any other layer of its kind with the same kinds' first layers below it: a kind's
+    last layer in the middle of the model (Gemma 3's global layer 23 of 26, DeepSeek-V3's last dense layer 2
+    under the MoE ones) as its second layer, and the model's second-last layer as its kind's second one (a
+    dense model traces layers 0, n - 2 and n - 1; DeepSeek-V3 0, 1, 3, 59, 60).  Where other kinds start
+    between the two (Gemma 3's global layers at 5, between its sliding layers 1 and 24), the second layer's
+    moments are the second-last's without the tensors the checkpointed layers are given first by a layer above
+    it (``stand_ins``; validation/trace.py): Gemma 3 1B traces 0, 5, 11, 24, 25.  The five full-size traces
+    of benchmarks/bench_trace.py are byte-identical to the ones that traced every kind's first two and last
+    two layers; tests/test_trace.py compares with the whole model."""
+    return sorted(_middles(kinds)[0])
+
+
+def stand_ins(kinds: list[list[int]]) -> dict[int, int]:
+    """A kind's second layer not traced -> the model's second-last layer, whose moments it has less the tensors
+    that the checkpointed layers are given first by a layer above it (other kinds' rotary tables)."""
+    return _middles(kinds)[1]
 
 
 def copies(kinds: list[list[int]]) -> dict[int, int]:
-    """Each layer not traced -> the traced layer whose terms it has (the second of its kind)."""
+    """Each layer not traced -> the traced layer whose terms it has: its kind's first traced middle layer (neither
+    the kind's first nor the model's top)."""
+    n = 1 + max((i for layers in kinds for i in layers), default=-1)
     kept = set(representatives(kinds))
-    return {i: layers[min(1, len(layers) - 1)] for layers in kinds for i in layers if i not in kept}
+    out = {}
+    for layers in kinds:
+        middle = [i for i in layers[1:] if i in kept and i != n - 1]
+        out.update({i: middle[0] for i in layers if i not in kept})
+    return out
 
 
 def reduce(model: torch.nn.Module, path: str, n: int) -> tuple[list[int], list[list[int]]]:

@@ -11,7 +11,7 @@ out as a symbolic expression: an exact polynomial in s and b with integer coeffi
 written in memplan's ``Poly`` syntax (``"5656 s b"``, ``"12 s^2 b + 64 s b"``).
 
 The real config's sizes are used (no reduced model), but not every decoder layer runs: the
-first two layers of each kind and the model's last two (``validation/compose.py``: layers with the same
+first layer of each kind, one in its middle, and the model's last two (``validation/compose.py``: layers with the same
 modules, parameter shapes and per-layer settings, e.g. Gemma 3's sliding layers, whose sdpa keeps
 an s x s mask, beside its global ones, or DeepSeek-V3's dense first layers before the MoE ones)
 run, with the embedding, head and loss once, and every other layer takes its kind's terms
@@ -834,7 +834,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     polynomials assume about s and b), ``num_layers``, ``layer_groups``, ``outside`` and, with
     ``moments``, ``checkpoint`` (what gradient checkpointing keeps) and ``moments``.
 
-    ``compose``: trace the first two decoder layers of each kind and the model's last two only, with the embedding,
+    ``compose``: trace of each kind the first decoder layer and one in the middle, and the model's last two only
+    (validation/compose.py ``representatives``), with the embedding,
     head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     """
@@ -898,7 +899,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     }
     data = {"format": FORMAT, "origin": origin, "conditions": conditions, **body}
     if moments:
-        data.update(_moments_sections(runs, body, ids, path, num_layers, same))
+        data.update(_moments_sections(runs, body, ids, path, num_layers, same,
+                                      compose_.stand_ins(holder["kinds"]) if compose else {}))
     return data
 
 
@@ -907,8 +909,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_layers: int,
-                      copies: dict[int, int]) -> dict:
-    """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one."""
+                      copies: dict[int, int], stand_ins: dict[int, int]) -> dict:
+    """The file's ``checkpoint`` and ``moments`` from the plain run and the checkpointed one; ``stand_ins``
+    (validation/compose.py): a layer not traced -> the traced layer whose moments it has, less the kept tensors
+    that layers above it are the first to be given."""
     from . import transients
 
     plain, ckpt = runs
@@ -941,16 +945,20 @@ def _moments_sections(runs: list[dict], body: dict, ids: dict, path: str, num_la
             # each sampled layer's own candidates (the ends of a group differ: the top layer's gradient comes
             # from the head, the bottom ones free the checkpoint's tensors they were the last to use); a layer
             # not sampled repeats the second and the second-last sampled ones
-            sampled = [i for i in group["layers"] if ("layer", i) in fronts]
+            source = {i: i for i in group["layers"] if ("layer", i) in fronts}
+            source.update({j: i for j, i in stand_ins.items() if i in source and j in group["layers"]})
+            sampled = sorted(source)
             if not sampled:
                 continue
             middle = {sampled[1], sampled[-2]} if len(sampled) >= 2 else {sampled[0]}
             rows: dict[str, tuple[dict, set]] = {}
             for i in sampled:
                 where = {i} | ({j for j in group["layers"] if j not in sampled} if i in middle else set())
-                for row in transients.entries(fronts[("layer", i)], run_ids, run["polys"], poly_text, _itemsize,
-                                              kept_index if recompute == "full" else None, scope="layer", group=k,
-                                              recompute=recompute):
+                for row in transients.entries(fronts[("layer", source[i])], run_ids, run["polys"], poly_text,
+                                              _itemsize, kept_index if recompute == "full" else None, scope="layer",
+                                              group=k, recompute=recompute):
+                    if source[i] != i and "kept" in row:  # freed by then: what a layer above i is given first
+                        row["kept"] = [x for x in row["kept"] if kept[x]["layer"] <= i]
                     key = json.dumps(row, sort_keys=True)
                     rows.setdefault(key, (row, set()))[1].update(where)
             for row, where in rows.values():
