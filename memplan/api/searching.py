@@ -169,6 +169,9 @@ class PreparedSearch:
 def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
     """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
     opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
+    if opts.pp not in (None, 1) or opts.pipeline_schedule is not None:
+        raise MemplanError("search --impl torchtitan does not search pipeline parallelism yet: plan --pp with "
+                           "estimate --impl torchtitan --pp P")
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
