@@ -68,6 +68,15 @@ def test_estimate_pp_states_and_activations():
         estimate("llama3-8b", gpus=16, pp=2, pipeline_schedule="GPipe")
 
 
+def test_search_refuses_pipeline_schedules_in_one_line(capsys):
+    from memplan.cli import main
+    for extra in (["--impl", "torchtitan", "--pp", "2"], ["--pipeline-schedule", "GPipe"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["search", "--model", "llama3-8b", "--gpus", "16", "--mem", "80GB"] + extra)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, (extra, err)
+
+
 @SLOW
 @pytest.mark.parametrize("kind", ["1F1B", "GPipe"])
 def test_stage_saved_peak_measured_over_gloo(kind):

@@ -199,6 +199,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
         raise MemplanError("--gpus is required for search")
     if opts.impl == "torchtitan":
         _check_titan(opts, max_seq, uneven_stages)
+    elif opts.pipeline_schedule not in (None, "1F1B"):
+        raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")

@@ -156,7 +156,9 @@ def _pipeline(est: Estimate) -> list[Step]:
     c, peak = est.config, est.peak
     par, i, M = c.parallel, est.most_loaded, c.num_microbatches
     chunks = int(schedule_in_flight(i, par.pp, par.vpp, M, par.pp_schedule)[0])
-    if par.vpp == 1:
+    if par.pp_schedule == "GPipe":
+        formula, text, src = "M", f"{M}", "GPipe: torch's ScheduleGPipe runs every forward first"
+    elif par.vpp == 1:
         formula, text = "min(p - i, M)", f"min({par.pp} - {i}, {M})"
         src = "1F1B: K22 section 4.2.3, Eq. 5"
     else:
