@@ -268,5 +268,5 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, PP / CP / EP, compile with "
+TITAN_LEFT = ("the layers' backward transients; CUDA kernels measured; async TP, multi-stage PP schedules, CP / EP, compile with "
               "selective-op AC or TP, float8 with TP, budget AC; search over torchtitan's dimensions; the allocation stream")
