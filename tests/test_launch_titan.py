@@ -168,3 +168,17 @@ def test_cp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert par.spmd_backend == "partial_dtensor" and "--nproc_per_node=8" in result.launch.args[1]
     dims = ParallelDims.from_config(par, world_size=8)
     assert dims.cp_enabled and dims.dp_shard * dims.cp == 8
+
+
+def test_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --pp 2 --pipeline-schedule GPipe on 16 GPUs, global batch 64: dp_shard 8 x pp 2; each data-parallel rank's
+    # local batch is 64 / 8 = 8 sequences, the pipeline's 8 micro-batches of 1 (n_microbatches = 8 // 1)
+    result = estimate("llama3-8b", impl="torchtitan", gpus=16, pp=2, pipeline_schedule="GPipe", seq_len=4096,
+                      global_batch=64, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    par = config.parallelism
+    assert (par.data_parallel_shard_degree, par.pipeline_parallel_degree) == (8, 2)
+    assert (par.pipeline_parallel_schedule, par.pipeline_parallel_microbatch_size) == ("GPipe", 1)
+    assert (config.training.local_batch_size, config.training.global_batch_size) == (8, 64)
+    assert config.training.disable_cuda_graphs  # torchtitan's _validate_cuda_graphs refuses PP otherwise
+    assert "--nproc_per_node=16" in result.launch.args[1]

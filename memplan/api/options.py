@@ -20,6 +20,7 @@ from memplan.inventory.titan import checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
+from memplan.memory.pipeline import TITAN_SCHEDULES, titan_stage_layers
 from memplan.memory.reserved import Replay
 from memplan.presets.batch import batch_note, make_config
 from memplan.presets.catalog import load_gpu, load_model
@@ -53,6 +54,7 @@ class PlanOptions:
     vpp: Optional[int] = None
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    pipeline_schedule: Optional[str] = None  # torchtitan's pipeline_parallel_schedule (1F1B, GPipe)
     sp: Optional[bool] = None
     cp: Optional[int] = None
     cp_comm_type: Optional[str] = None
@@ -307,9 +309,9 @@ class PlanOptions:
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
         mode = titan_ac_mode(self.ac)[0]
-        if any(x not in (None, 1) for x in (self.pp, self.ep, self.vpp)):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp and --cp only yet "
-                               "(pp, ep = 1)")
+        if any(x not in (None, 1) for x in (self.ep, self.vpp)):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp, --cp and --pp only yet "
+                               "(ep = 1; one stage per pipeline rank)")
         if self.cp_comm_type is not None:
             raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
                                "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
@@ -331,6 +333,38 @@ class PlanOptions:
         """--ac budget:F's F (torchtitan's MemoryBudgetAC; it needs --compile), else None."""
         mode, tenths = titan_ac_mode(self.ac) if self.impl == "torchtitan" else ("none", 0)
         return tenths / 10 if mode == "budget" else None  # refused without --compile: compiled.check_budget
+
+    def titan_pipeline(self, preset: ModelPreset) -> dict:
+        """--pp and --pipeline-schedule as the ParallelSpec fields: torchtitan's stage split (memplan/memory/pipeline.py
+        titan_stage_layers) as first / last stage layers, the schedule; the multi-stage schedules refused."""
+        schedule = self.pipeline_schedule or "1F1B"
+        if self.impl != "torchtitan":
+            if self.pipeline_schedule not in (None, "1F1B"):
+                raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (--impl torchtitan); "
+                                   "Megatron-LM interleaves with --vpp")
+            return dict(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+        if schedule not in TITAN_SCHEDULES:
+            raise MemplanError(f"--pipeline-schedule {echo(schedule)}: memplan models torchtitan's single-stage "
+                               f"schedules {', '.join(TITAN_SCHEDULES)} only yet (multi-stage: Interleaved1F1B, "
+                               "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV not yet)")
+        p = self.pp or 1
+        if p == 1:
+            return dict(pp_schedule=schedule)
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            raise MemplanError("--impl torchtitan splits the stages itself (the embedding and the output each count "
+                               "as a layer): drop --first-stage-layers / --last-stage-layers")
+        if self.float8 is not None:
+            raise MemplanError("--impl torchtitan: --float8 with --pp is not modelled yet")
+        try:
+            split = titan_stage_layers(p, preset.model.num_layers)
+        except ValueError as e:
+            raise MemplanError(str(e)) from None
+        if len(set(split[1:-1])) > 1:
+            raise MemplanError(f"torchtitan splits the {preset.model.num_layers} layers over {p} stages as "
+                               f"{', '.join(map(str, split))}: middle stages of different sizes are not modelled yet")
+        even = all(n == split[0] for n in split)
+        return dict(pp_schedule=schedule, first_stage_layers=None if even else split[0],
+                    last_stage_layers=None if even else split[-1])
 
     def titan_layers(self, preset: ModelPreset) -> dict:
         """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""
@@ -385,9 +419,9 @@ class PlanOptions:
         def build(zero_shard: Optional[int]) -> Config:
             return make_config(
                 preset,
-                parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=1 if titan else self.pp, dp=self.dp, vpp=self.vpp,
+                parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=(self.pp or 1) if titan else self.pp, dp=self.dp, vpp=self.vpp,
                               sp=True if titan and self.tp not in (None, 1) else self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
-                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers),
+                              **self.titan_pipeline(preset)),
                 training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                               **({"recompute_num_layers": self.recompute_num_layers} | self.titan_layers(preset)),
                               **self.recompute_choices(),

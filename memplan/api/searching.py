@@ -169,6 +169,9 @@ class PreparedSearch:
 def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
     """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
     opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
+    if opts.pp not in (None, 1) or opts.pipeline_schedule is not None:
+        raise MemplanError("search --impl torchtitan does not search pipeline parallelism yet: plan --pp with "
+                           "estimate --impl torchtitan --pp P")
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
@@ -196,6 +199,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
         raise MemplanError("--gpus is required for search")
     if opts.impl == "torchtitan":
         _check_titan(opts, max_seq, uneven_stages)
+    elif opts.pipeline_schedule not in (None, "1F1B"):
+        raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")

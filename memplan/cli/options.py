@@ -14,6 +14,9 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum", "adafactor", "adam8bit", "muon",
 FUSIONS = ("masked-softmax", "bias-gelu", "bias-swiglu", "bias-dropout", "rope", "gradient-accumulation")
 # memplan/memory/reserved.py ALLOCATORS (a test checks they agree; the allocator model loads with estimate)
 ALLOCATORS = ("default", "expandable")
+# memplan/memory/pipeline.py TORCH_SCHEDULES: torch.distributed.pipelining's schedule names (a test checks they agree)
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
 
 
 def refuse(message: str) -> NoReturn:
@@ -84,6 +87,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--pp", type=INT, help="Pipeline-parallel size p."),
         click.option("--dp", type=INT, help="Data-parallel size d."),
         click.option("--vpp", type=INT, help="Interleaved (virtual) stages m per pipeline rank."),
+        click.option("--pipeline-schedule", type=click.Choice(PIPELINE_SCHEDULES),
+                     help="--impl torchtitan: its pipeline_parallel_schedule (default 1F1B; GPipe: every forward "
+                          "first). memplan models the single-stage schedules 1F1B and GPipe."),
         click.option("--first-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
                           "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),

@@ -42,6 +42,10 @@ class ParallelSpec(Spec):
     last_stage_layers: Optional[int] = Field(
         default=None, gt=0, description="transformer layers on the last pipeline stage (Megatron-LM "
         "--decoder-last-pipeline-num-layers)")
+    pp_schedule: Literal["1F1B", "GPipe"] = Field(
+        default="1F1B", description="the pipeline schedule: 1F1B (Megatron-LM's, torch's Schedule1F1B) or GPipe "
+        "(torch's ScheduleGPipe, torchtitan's pipeline_parallel_schedule: every forward, then every backward; "
+        "memplan/memory/pipeline.py)")
     zero_shard: Optional[int] = Field(
         default=None,
         gt=1,

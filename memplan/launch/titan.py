@@ -13,7 +13,7 @@ batch, the sequence length, the data-parallel degrees (dp_replicate x dp_shard),
 parallelism on, torchtitan's default; with TP > 1 the ``partial_dtensor`` SPMD backend, the DTensor path memplan measured
 (validation/titan.py tp_rank): 0.3.0's default ``spmd_types`` with TP stopped in torch 2.13's fully_shard, which
 wants DTensor parameters), the context-parallel degree (with CP > 1 the ``partial_dtensor`` backend too: its
-``apply_cp_to_forward`` is what validation/titan_cp.py measured), pipeline parallelism 1 and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
+``apply_cp_to_forward`` is what validation/titan_cp.py measured), pipeline parallelism with its schedule and micro-batch size, and the activation checkpointing (``FullAC`` / ``SelectiveAC`` / None).  Field names checked against
 torchtitan 0.3.0's dataclasses; tests/test_launch_titan.py loads the emitted module with torchtitan's own
 ConfigManager.
 
@@ -84,12 +84,18 @@ def titan_document(config: Config) -> dict:
     replicate = par.dp // par.shard
     flavour, base = flavor(config)
     return {"module": MODULE, "config": FUNCTION, "base": base, "flavor": flavour,
-            "training.local_batch_size": tr.micro_batch, "training.global_batch_size": config.global_batch,
+            # with PP the local batch is the pipeline's M micro-batches (pipeline_parallel.py: n_microbatches =
+            # local_batch_size // pipeline_parallel_microbatch_size), without it one micro-batch (accumulation steps)
+            "training.local_batch_size": tr.micro_batch * (config.num_microbatches if par.pp > 1 else 1),
+            "training.global_batch_size": config.global_batch,
             "training.seq_len": config.model.seq_length,
             "parallelism.data_parallel_replicate_degree": replicate,
             "parallelism.data_parallel_shard_degree": par.shard,
             "parallelism.tensor_parallel_degree": par.tp,
             "parallelism.context_parallel_degree": par.cp,
+            "parallelism.pipeline_parallel_degree": par.pp,
+            "parallelism.pipeline_parallel_schedule": par.pp_schedule,
+            "parallelism.pipeline_parallel_microbatch_size": tr.micro_batch,
             "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 or par.cp > 1 else "spmd_types",
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
@@ -102,7 +108,7 @@ def titan_launch(config: Config) -> Launch:
         raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
     doc = titan_document(config)
     ac, ac_name = _ac(config)
-    gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp
+    gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp * config.parallel.pp
     imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
     lines = [
         f'"""memplan\'s plan as torchtitan 0.3.0\'s config. Save as {MODULE}.py, then, from its folder:',
@@ -131,11 +137,16 @@ def titan_launch(config: Config) -> Launch:
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
         f"    config.training.seq_len = {doc['training.seq_len']}",
+    ] + (["    config.training.disable_cuda_graphs = True  # torchtitan's Trainer.Config refuses CUDA graphs with PP"]
+         if config.parallel.pp > 1 else []) + [
         "    config.parallelism = ParallelismConfig(",
         f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
         f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",
-        f"        tensor_parallel_degree={doc['parallelism.tensor_parallel_degree']}, pipeline_parallel_degree=1, "
-        f"context_parallel_degree={doc['parallelism.context_parallel_degree']},",
+        f"        tensor_parallel_degree={doc['parallelism.tensor_parallel_degree']}, "
+        f"pipeline_parallel_degree={doc['parallelism.pipeline_parallel_degree']}, context_parallel_degree={doc['parallelism.context_parallel_degree']},",
+    ] + ([f"        pipeline_parallel_schedule=\"{doc['parallelism.pipeline_parallel_schedule']}\", "
+          f"pipeline_parallel_microbatch_size={doc['parallelism.pipeline_parallel_microbatch_size']},"]
+         if config.parallel.pp > 1 else []) + [
         f"        spmd_backend=\"{doc['parallelism.spmd_backend']}\")",
         f"    config.activation_checkpoint = {ac}",
         "    return config",

@@ -34,6 +34,14 @@ All of it is derived from the stacks' code, not measured (CPU runs of these stac
   stage3_max_live_parameters in all. The HF Trainer fills the "auto" values from the model
   (transformers/integrations/deepspeed.py: reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2,
   stage3_param_persistence_threshold 10 h); those are what memplan plans and --emit deepspeed writes.
+- torchtitan with pipeline parallelism (--impl torchtitan --pp P; `titan_pipelined`): torchtitan's
+  fsdp_reshard_after_forward "default" is ``not pp_enabled`` (distributed/fsdp.py
+  get_fsdp_reshard_after_forward_policy), and torch's pipeline stage turns off resharding after the backward and
+  the gradient reduction for every micro-batch but the last (torch 2.13 distributed/pipelining/stage.py
+  backward_maybe_with_nosync: set_reshard_after_backward(False), set_requires_gradient_sync(False); the reduction
+  in perform_reduce_grad at the step's end): the stage's parameters stay unsharded in bf16 for the whole step, and
+  FSDP2 accumulates their gradients unsharded in the fp32 reduce dtype (fully_shard/_fsdp_param.py
+  to_accumulated_grad_if_needed): 2 + 4 bytes per parameter of the stage, derived, not measured.
 """
 
 from __future__ import annotations
@@ -98,14 +106,31 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     return None
 
 
+def titan_pipelined(training: TrainingSpec, p: Any, params: Any, gathered: Any) -> tuple[Any, Any]:
+    """(unsharded parameters in flight, in elements; extra gradient bytes) of a torchtitan stage: with p > 1 the
+    stage's ``params`` all unsharded and their fp32 unsharded accumulated gradients (module docstring), else
+    ``gathered`` and nothing. Scalars or arrays."""
+    if training.dp_stack != "torchtitan":
+        return gathered, 0
+    on = 1 * (p > 1)
+    return on * params + (1 - on) * gathered, on * 4 * params
+
+
 def sharded_weight_bytes(training: TrainingSpec) -> int:
     """Bytes per parameter of the sharded weights beside the optimizer's copy: torchtitan's FSDP2 keeps only the fp32
     sharded parameters (the optimizer steps them: counted as the master weights) and all-gathers bf16 from them."""
     return 0 if training.dp_stack == "torchtitan" else training.weight_bytes
 
 
-def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1) -> list[str]:
-    """What the plan's stack adds, said as derived (``dp`` data-parallel ranks, ``shard`` of them per shard group)."""
+def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: int = 1) -> list[str]:
+    """What the plan's stack adds, said as derived (``dp`` data-parallel ranks, ``shard`` of them per shard group,
+    ``pp`` pipeline stages)."""
+    if training.dp_stack == "torchtitan" and pp > 1:
+        return ["torchtitan FSDP2 with pipeline parallelism: fp32 sharded parameters, gradients and AdamW moments of "
+                "the stage over the data-parallel ranks, the stage's parameters unsharded in bf16 all step "
+                "(reshard_after_forward off with PP) and their gradients accumulated unsharded in fp32 until the "
+                "last micro-batch's backward (torch's pipeline stage: set_requires_gradient_sync(False)): derived "
+                "from torchtitan 0.3.0's and torch 2.13's code, not measured"]
     if training.dp_stack == "torchtitan":
         over = ("the data-parallel ranks (16 B / d per parameter" if shard == dp else
                 f"each HSDP shard group of {shard} ranks ({dp // shard} replicas, torchtitan's "

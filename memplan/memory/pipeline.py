@@ -16,7 +16,12 @@ chunks split its layers evenly. `--account-for-embedding-in-pipeline-split` and
 last stage: without interleaving that is the same layout, first = (L + e + l)/p - e (e, l = 1
 when accounted), the others (L + e + l)/p (same function there).
 
-All functions take scalars or numpy arrays.
+torchtitan 0.3.0 (``--impl torchtitan --pp P``, torch.distributed.pipelining): its single-stage schedules
+``1F1B`` (torch's Schedule1F1B: rank i runs min(M, p - i) warm-up forwards before its first backward, the same
+p - i in flight as Megatron-LM's 1F1B) and ``GPipe`` (ScheduleGPipe: every forward, then every backward: M in
+flight on every stage); its stage split `titan_stage_layers`.
+
+All functions take scalars or numpy arrays (`titan_stage_layers`: scalars).
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from typing import Any
 
 from memplan.core.arith import minimum
 
+# torch 2.13's schedule names (torch.distributed.pipelining.schedules get_schedule_class), torchtitan's
+# pipeline_parallel_schedule; memplan models the single-stage ones (PipelineScheduleSingle) in TITAN_SCHEDULES
+TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                   "DualPipeV")
+TITAN_SCHEDULES = ("1F1B", "GPipe")
+
 
 def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
     """(micro-batch, model chunk) activation sets stage `stage` holds at its peak."""
@@ -32,6 +43,37 @@ def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
     interleaved = 2 * (p - stage - 1) + (m - 1) * p + 1
     warmup_plus_one = (m == 1) * one_f_one_b + (m != 1) * interleaved
     return minimum(warmup_plus_one, microbatches * m)
+
+
+def schedule_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, schedule: str = "1F1B") -> tuple[Any, Any]:
+    """(chunks_in_flight, microbatches_in_flight) under ``schedule``: GPipe (torch's ScheduleGPipe runs all M
+    forwards before the first backward) holds every micro-batch on every stage; the 1F1B family the counts above."""
+    if schedule == "GPipe":
+        return microbatches * m, microbatches
+    return chunks_in_flight(stage, p, m, microbatches), microbatches_in_flight(stage, p, microbatches, m)
+
+
+def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> tuple[int, ...]:
+    """Decoder layers on each of the p stages of torchtitan 0.3.0's split for single-stage schedules
+    (distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part; pipeline_parallel_first_stage_less_layers =
+    input_weight, ..._last_stage_less_layers = output_weight, both 1 by default): the embedding counts as
+    input_weight layers of the first stage, norm + output as output_weight of the last; the L + iw + ow "effective
+    layers" are dealt out evenly, the first (L + iw + ow) mod p stages one more. Llama 3 8B (L = 32), p = 2:
+    17 effective each, so 16 + 16; p = 4: 9, 9, 8, 8 effective, so 8, 9, 8, 7 layers."""
+    effective = num_layers + input_weight + output_weight
+    per, extra = divmod(effective, p)
+    if p < 1 or per == 0 or input_weight > per or output_weight > per:
+        raise ValueError(f"torchtitan cannot split {num_layers} layers (+{input_weight} +{output_weight}) into {p} "
+                         "pipeline stages (pipeline_parallel.py: empty stages, or the embedding / output weight "
+                         "above the layers per stage)")
+    if p == 1:
+        return (num_layers,)
+    sizes = [per + (i < extra) - input_weight * (i == 0) - output_weight * (i == p - 1) for i in range(p)]
+    left, out = num_layers, []
+    for n in sizes:  # torchtitan hands layers out in order while any are left
+        out.append(min(n, left))
+        left -= out[-1]
+    return tuple(out)
 
 
 def microbatches_in_flight(stage: Any, p: Any, microbatches: Any, m: Any = 1) -> Any:
@@ -44,20 +86,25 @@ def microbatches_in_flight(stage: Any, p: Any, microbatches: Any, m: Any = 1) ->
     return minimum((p - stage) * (1 + (m != 1) * (stage == 0)), microbatches)
 
 
-def replayed_microbatches(stage: int, p: int, m: int, microbatches: int) -> int:
+def replayed_microbatches(stage: int, p: int, m: int, microbatches: int, kind: str = "1F1B") -> int:
     """The fewest micro-batches whose schedule (`schedule`) reaches the stage's peak as the whole step does (the
     steady state repeats): 1F1B the in-flight ones + 2; interleaved 2p (a chunk-0 backward of the steady state,
-    with 2p micro-batches' chunk 0 alive: `microbatches_in_flight`)."""
+    with 2p micro-batches' chunk 0 alive: `microbatches_in_flight`); GPipe all of them (its peak grows with M)."""
+    if kind == "GPipe":
+        return microbatches
     if m > 1:
         return min(microbatches, 2 * p)
     return min(microbatches, int(chunks_in_flight(stage, p, 1, microbatches)) + 2)
 
 
-def schedule(stage: int, p: int, m: int, microbatches: int) -> list[tuple[str, int, int]]:
+def schedule(stage: int, p: int, m: int, microbatches: int, kind: str = "1F1B") -> list[tuple[str, int, int]]:
     """The order of ("F" or "B", micro-batch, model chunk) steps of one step on pipeline rank `stage` (scalars):
     Megatron-LM's 1F1B and interleaved 1F1B (megatron-core 0.16 schedules.py get_schedule_table with
     microbatch_group_size_per_vp_stage = p, its default; get_model_chunk_id: a backward runs the table's chunk
-    reversed). `chunks_in_flight` - 1 warm-up forwards, (forward, backward) pairs, cool-down backwards."""
+    reversed). `chunks_in_flight` - 1 warm-up forwards, (forward, backward) pairs, cool-down backwards. GPipe
+    (torch's ScheduleGPipe, one chunk): every forward, then every backward in the same order."""
+    if kind == "GPipe":
+        return [("F", mb, 0) for mb in range(microbatches)] + [("B", mb, 0) for mb in range(microbatches)]
     table = [(mb, c) for lo in range(0, microbatches, p) for c in range(m)
              for mb in range(lo, microbatches if lo + p >= microbatches else lo + p)]
     total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches))

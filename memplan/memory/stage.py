@@ -111,6 +111,8 @@ def stage_memory(
     gathered_layer = gathered_base_layer(model, training, sizes.values, one_layer) if training.lora_rank else one_layer
     gathered = dp_stack.gathered_params(training, model, gathered_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
     gathered = one_layer if gathered is None else gathered
+    # torchtitan with PP: the stage's parameters unsharded all step, their gradients accumulated unsharded in fp32
+    gathered, accumulated = dp_stack.titan_pipelined(training, plan.p, params, gathered)
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
@@ -121,7 +123,7 @@ def stage_memory(
         extra = dp_stack.buffer_bytes(training, model, plan.zero)
         if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base
             extra = extra + (plan.zero >= 3) * gathered * training.weight_bytes
-        states = StateBytes(states.weights + extra, states.gradients, states.optimizer)
+        states = StateBytes(states.weights + extra, states.gradients + accumulated, states.optimizer)
     # lora_states counts no gathered copy without a stack
     in_flight = (plan.zero >= 3) * gathered * training.weight_bytes * (not training.lora_rank or bool(training.dp_stack))
     experts: Any = 0

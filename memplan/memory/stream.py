@@ -458,7 +458,7 @@ class _Run:
         first = main if first_seq in (None, self.model.seq_length) else _Sizes(
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
-        order = schedule(self.stage, int(self.plan.p), self.m, self.M)
+        order = schedule(self.stage, int(self.plan.p), self.m, self.M, self.plan.schedule)
         walked = self._walked(order)
         for step in range(1, steps + 1):
             self.phases.append((f"step {step}", len(self.events)))

@@ -12,7 +12,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
 from memplan.inventory.types import Term
-from memplan.memory.pipeline import chunks_in_flight, microbatches_in_flight, stage_layers
+from memplan.memory.pipeline import schedule_in_flight, stage_layers
 from memplan.memory.states import ParamGroup
 
 
@@ -35,6 +35,7 @@ class PlanValues:
     ep: Any = 1  # expert-parallel size
     etp: Any = None  # expert tensor-parallel size (None: t)
     cp_comm: str = "p2p"  # context-parallel attention's communication (ParallelSpec.cp_comm_type)
+    schedule: str = "1F1B"  # the pipeline schedule (ParallelSpec.pp_schedule: 1F1B or GPipe)
 
     @property
     def expert_tp(self) -> Any:
@@ -58,7 +59,7 @@ class PlanValues:
             t=par.tp, p=par.pp, d=par.dp, m=par.vpp, sp=int(par.sp), zero=par.zero, shard=par.shard,
             b=tr.micro_batch,
             recompute=int(tr.recompute), recomputed_layers=recomputed, microbatches=config.num_microbatches,
-            cp=par.cp, ep=par.ep, etp=par.expert_tp, cp_comm=par.cp_comm_type,
+            cp=par.cp, ep=par.ep, etp=par.expert_tp, cp_comm=par.cp_comm_type, schedule=par.pp_schedule,
             first_layers=first if config.uneven else None, last_layers=last if config.uneven else None,
         )
 
@@ -167,14 +168,14 @@ def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
 def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, recomputed: Any = None) -> Any:
     """How many copies of a saved tensor stage `stage` holds at its peak (`recomputed`: layers of each of its
     chunks the recompute mode applies to, default the plan's)."""
+    chunks, microbatches = schedule_in_flight(stage, plan.p, plan.m, plan.microbatches, plan.schedule)
     if term.scope == "layer":
-        chunks = chunks_in_flight(stage, plan.p, plan.m, plan.microbatches)
         recomputed = plan.recomputed_layers if recomputed is None else recomputed
         per_chunk = recomputed * term.kept(plan.recompute) + (layers_per_chunk - recomputed) * term.kept(
             Recompute.NONE
         )
         return chunks * per_chunk
     if term.scope == "chunk":
-        return chunks_in_flight(stage, plan.p, plan.m, plan.microbatches) * term.kept(plan.recompute)
+        return chunks * term.kept(plan.recompute)
     on_stage = (stage == 0) if term.scope == "first" else (stage == plan.p - 1)
-    return on_stage * microbatches_in_flight(stage, plan.p, plan.microbatches, plan.m)
+    return on_stage * microbatches

@@ -27,7 +27,7 @@ from memplan.memory.dp_stack import notes as stack_notes
 from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
-from memplan.memory.pipeline import chunks_in_flight, interleaving_factor, replayed_microbatches
+from memplan.memory.pipeline import interleaving_factor, replayed_microbatches, schedule_in_flight
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
@@ -69,7 +69,7 @@ def stage_rows(est: "Estimate") -> list[StageRow]:
     par, c = est.config.parallel, est.config
     rows = []
     for mem, step in zip(est.stages, est.steps):
-        chunks = int(chunks_in_flight(mem.stage, par.pp, par.vpp, c.num_microbatches))
+        chunks = int(schedule_in_flight(mem.stage, par.pp, par.vpp, c.num_microbatches, par.pp_schedule)[0])
         e = step.peak_event
         rows.append(StageRow(mem.stage, int(mem.layers), chunks, chunks * int(mem.layers) // par.vpp,
                              int(mem.states.total), int(mem.activations), int(step.peak_bytes),
@@ -251,7 +251,7 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     if budget_bytes is None or not_streamed(config.training, plan):
         return flat, None
     replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
-        int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches)))
+        int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
                         first_step_seq_len=replay.first_step_seq_len, workspace_bytes=flat.workspace_bytes)
     reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report)
@@ -330,22 +330,30 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.name.startswith("torchtitan"):
         notes.append("torchtitan: the decoder layers' backward transients are not modelled yet (the loss's are, "
                      "derived): the peak is a lower bound")
+        if par.pp > 1:
+            notes.append(f"torchtitan pipeline_parallel_schedule {par.pp_schedule} (torch.distributed.pipelining "
+                         + ("ScheduleGPipe: every forward before the first backward, all micro-batches in flight on "
+                            "every stage" if par.pp_schedule == "GPipe" else
+                            "Schedule1F1B: stage i runs min(M, p - i) forwards before its first backward")
+                         + "); the stage's received inputs and kept outputs per micro-batch are not counted")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
     notes += float8_notes(tr.float8, tr.compile)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += compile_notes(tr, inventory.name.split("/")[0])
-    notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard)
+    notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))
     notes += offload_notes(tr, inventory.name.split("/")[0])
-    chunks = chunks_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches)
+    chunks = schedule_in_flight(peak.stage, par.pp, par.vpp, config.num_microbatches, par.pp_schedule)[0]
     if config.uneven:
         first, middle, last = config.split
+        titan = ("torchtitan's split: the embedding and the output each count as a layer (pipeline_parallel.py "
+                 "_generate_llm_fqn_per_model_part)" if tr.dp_stack == "torchtitan" else
+                 "Megatron-LM --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
         notes.append(f"uneven pipeline stages: {first} layer(s) on the first stage, {middle} on each of the {par.pp - 2} "
-                     f"middle one(s), {last} on the last (Megatron-LM --decoder-first-pipeline-num-layers / "
-                     "--decoder-last-pipeline-num-layers)" if par.pp > 2 else
+                     f"middle one(s), {last} on the last ({titan})" if par.pp > 2 else
                      f"uneven pipeline stages: {first} layer(s) on the first stage, {last} on the last")
     notes.append(
         f"stage {peak.stage} holds {chunks} model chunk(s) of {peak.layers // par.vpp} layer(s) in flight"

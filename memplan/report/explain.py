@@ -18,7 +18,7 @@ from memplan.core.training import Recompute
 from memplan.core.symbolic import Poly, sort_key  # the order Poly.text() writes monomials in
 from memplan.inventory.types import Term, display_poly
 from memplan.memory.optimizers import states_label
-from memplan.memory.pipeline import chunks_in_flight
+from memplan.memory.pipeline import schedule_in_flight
 from memplan.memory.states import optimizer_bytes, param_groups
 from memplan.plan.estimate import Estimate, estimate
 from memplan.report.text import fragmentation_label
@@ -163,8 +163,10 @@ def _sum(terms: list[Term], act: int, sp: tuple[bool, int]) -> Poly:
 def _pipeline(est: Estimate) -> list[Step]:
     c, peak = est.config, est.peak
     par, i, M = c.parallel, est.most_loaded, c.num_microbatches
-    chunks = int(chunks_in_flight(i, par.pp, par.vpp, M))
-    if par.vpp == 1:
+    chunks = int(schedule_in_flight(i, par.pp, par.vpp, M, par.pp_schedule)[0])
+    if par.pp_schedule == "GPipe":
+        formula, text, src = "M", f"{M}", "GPipe: torch's ScheduleGPipe runs every forward first"
+    elif par.vpp == 1:
         formula, text = "min(p - i, M)", f"min({par.pp} - {i}, {M})"
         src = "1F1B: K22 section 4.2.3, Eq. 5"
     else:

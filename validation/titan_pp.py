@@ -1,0 +1,103 @@
+"""torchtitan 0.3.0's pipeline parallelism on CPU: what each stage keeps for the backward under torch's 1F1B / GPipe.
+
+``pp_rank`` is one rank of a 2-stage run over gloo: the tiny torchtitan Llama 3 of validation/titan.py
+(``build_model``, the sdpa inner attention, in bf16 as FSDP2's mixed precision would run it), split with
+torchtitan's own ``_generate_llm_fqn_per_model_part`` and ``_split_module`` (its ``pipeline_llm`` path), one
+``PipelineStage`` per rank, and torch's ``Schedule1F1B`` or ``ScheduleGPipe`` over ``microbatches`` micro-batches,
+the loss torchtitan's (``cross_entropy`` of the fp32 logits) on the last stage.
+
+What is measured: the most bytes of saved-for-backward tensors alive at once during the step, per stage
+(``saved_tensors_hooks``: each saved tensor's storage counted once while any saved reference to it lives; the
+stage's parameters are not counted).  The pipeline's own buffers (received inputs, kept outputs) are not saved
+tensors and are not in this figure.  No FSDP (one rank per stage): the states are not measured here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .titan import Shape, build_model
+
+
+class _SavedPeak:
+    """saved_tensors_hooks that track the live bytes of saved storages (parameters excluded) and their peak."""
+
+    def __init__(self, params) -> None:
+        self.params = {StorageWeakRef(p.untyped_storage()) for p in params}
+        self.refs: dict = {}
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        if t.device.type == "meta":  # the stage's shape inference
+            return t
+        key = StorageWeakRef(t.untyped_storage())
+        if key in self.params:
+            return t
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        return _Held(self, key, t.detach())  # detached: a saved output kept with its grad_fn would be a cycle
+
+    @staticmethod
+    def unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def drop(self, key, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= nbytes
+
+
+class _Held:
+    def __init__(self, owner: _SavedPeak, key, t) -> None:
+        self.owner, self.key, self.t, self.n = owner, key, t, t.untyped_storage().nbytes()
+
+    def __del__(self) -> None:
+        self.owner.drop(self.key, self.n)
+
+
+def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, microbatches: int,
+            schedule: str) -> dict:
+    """One stage of a ``world``-stage pipeline step: its modules, the peak of its saved tensors' bytes (see module)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
+
+    torch.manual_seed(0)
+    whole = build_model(shape, layers, vocab)
+    for prm in whole.parameters():  # bf16 parameters (the RoPE buffer keeps its complex dtype)
+        prm.data = prm.data.to(torch.bfloat16)
+    names = _generate_llm_fqn_per_model_part(world, layers)[rank]
+    part = _split_module(whole, names)
+    del whole
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+
+    def loss_fn(pred, labels):  # torchtitan's cross_entropy_loss: F.cross_entropy(pred.float(), labels)
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    sched = get_schedule_class(schedule)(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    tokens = torch.randint(0, vocab, (b * microbatches, s))
+    saved = _SavedPeak([*part.parameters(), *part.buffers()])
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        if rank == 0:
+            sched.step(tokens)
+        else:
+            sched.step(target=tokens)
+    return {"modules": names, "saved_peak": saved.peak, "saved_after": saved.live}
+
+
+def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
+               schedule: str = "1F1B", world: int = 2) -> list[dict]:
+    """``pp_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(pp_rank, world, (shape, layers, vocab, s, b, microbatches, schedule))
+
+
+if __name__ == "__main__":
+    import sys
+    for kind in sys.argv[1:] or ("1F1B", "GPipe"):
+        print(kind, measure_pp(Shape(), 4, 128, schedule=kind))
