@@ -306,7 +306,7 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                            "(RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout, dense)")
     h = model.hidden_size
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
-                               qk_norm=model.qk_norm)
+                               model.qk_norm)
     src = MEASURED
     if device == "cuda":
         terms, src = _cuda_norm(terms), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
