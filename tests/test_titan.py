@@ -25,6 +25,12 @@ from memplan.inventory.titan import (  # noqa: E402
     local_numel,
     sharded_numel,
 )
+import torch  # noqa: E402
+
+from memplan.core.symbolic import Poly  # noqa: E402
+from memplan.inventory.titan import is_qwen3_dense, titan_inventory  # noqa: E402
+from memplan.memory.states import total_params  # noqa: E402
+from memplan.presets.catalog import load_model  # noqa: E402
 from validation.titan import Shape, measure_block, measure_fsdp, measure_layer_ac, trace_block  # noqa: E402
 
 SHAPE = Shape(h=64, a=4, g=2, f=160)  # head dim 16
@@ -188,3 +194,64 @@ def test_fsdp2_float8_all_gather_measured_over_gloo():
     assert fp8["unsharded_forward_peak"] == fp8["unsharded_backward_peak"] == 2 * gathered_layer(TINY, layer) == 43264
     assert fp8["unsharded_after_forward"] == bf16["unsharded_after_forward"]
     assert (fp8["params"], fp8["grads"], fp8["adam"]) == (bf16["params"], bf16["grads"], bf16["adam"])
+
+
+# torchtitan's dense Qwen3 block (validation/titan.py build_block, Shape(qwen3=True): its own _build_qwen3_layers);
+# in this file so it shares the process's torchtitan warm-up (--dist loadfile)
+Q_SHAPE = Shape(h=64, a=4, g=2, f=160, qwen3=True)  # head dim 16
+Q_TERMS = llama3_layer_terms(Q_SHAPE.h, Q_SHAPE.a, Q_SHAPE.g, Q_SHAPE.f, qk_norm=True)
+
+
+def test_qwen3_block_measured_equals_memplan_term_by_term():
+    # AC none, term by term: the Llama 3 terms plus q_norm's and k_norm's fp32 input, rstd and fp32 x * rstd;
+    # selective-op keeps what Llama 3's keeps (the q / k norms are recomputed): its total (full, the block input
+    # alone, is the checkpoint wrapper's as for Llama 3: test_measured_bytes_equal_memplan; not rerun, for time)
+    s, b = 24, 2
+    for ac in ("none", "selective-op"):
+        measured = measure_block(Q_SHAPE, ac, s, b)
+        if ac == "none":
+            assert Counter(n // (s * b) for _, _, n in measured["rows"]) == Counter(
+                t.bytes_per_token for t in Q_TERMS if ac in t.modes and t.id != "input" and not t.tp_only)
+        input_bytes = 2 * Q_SHAPE.h * s * b if measured["input_kept"] else 0
+        assert measured["total"] + input_bytes == layer_bytes(Q_TERMS, ac, s, b)
+
+
+def test_qwen3_qk_norm_terms_by_hand():
+    # per token, a = 4, g = 2, d = 16: q_norm 4ad + 4a + 4ad = 256 + 16 + 256 = 528, k_norm 128 + 8 + 128 = 264:
+    # 792 over Llama 3's 2968 (tests/test_titan.py test_layer_bytes_by_hand) under AC none, nothing more otherwise
+    assert [layer_bytes(Q_TERMS, ac, 1, 1) for ac in AC_MODES] == [2968 + 792, 128, 976]
+
+
+def test_qwen3_parameters_equal_torchtitan_model():
+    # torchtitan's Qwen3Model (meta device) built from its own config code at a small shape: its parameter count is
+    # memplan's for the same ModelSpec (the q / k norm weights d each per layer included)
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+    h, a, g, d, f, v, layers = 64, 4, 2, 32, 160, 256, 2  # head dim 32 != h / a, as Qwen3's presets may set
+    cfg = Qwen3Model.Config(
+        vocab_size=v, dim=h, norm=_qwen3_norm(h), tok_embeddings=Embedding.Config(num_embeddings=v, embedding_dim=h),
+        lm_head=Linear.Config(in_features=h, out_features=v),
+        layers=_build_qwen3_layers(n_layers=layers, dim=h, n_heads=a, n_kv_heads=g, head_dim=d, hidden_dim=f,
+                                   attn_backend="flex", rope=CosSinRoPE.Config(dim=d, max_seq_len=64, theta=1e6)))
+    with torch.device("meta"):
+        real = sum(p.numel() for p in cfg.build().parameters())
+    spec = load_model("qwen3-8b").model.model_copy(update=dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=a, num_kv_heads=g, head_dim=d, ffn_hidden_size=f,
+        vocab_size=v))  # the preset's layout fields at a small shape
+    assert is_qwen3_dense(spec)
+    assert total_params(spec) == real
+
+
+def test_qwen3_8b_inventory_has_the_qk_norm_terms():
+    # --impl torchtitan on the qwen3-8b preset (a = 32, g = 8, d = 128): CPU, the norms' fp32 input x (a d = 4,096
+    # elements per token for q, g d = 1,024 for k); CUDA's fused kernel keeps the bf16 input (same elements) and the
+    # rstd (a = 32, g = 8 per token); a MoE Qwen3 is refused
+    model = load_model("qwen3-8b").model
+    cpu = {t.id: t.elements for t in titan_inventory(model, "cpu").terms}
+    cuda = {t.id: t.elements for t in titan_inventory(model, "cuda").terms}
+    assert cpu["q_norm.x_fp32"] == Poly.parse("4096 s b") and cpu["k_norm.x_fp32"] == Poly.parse("1024 s b")
+    assert cuda["q_norm.x"] == Poly.parse("4096 s b") and cuda["k_norm.rstd"] == Poly.parse("8 s b")
+    assert "q_norm.x_rstd" in cpu and "q_norm.x_rstd" not in cuda
+    with pytest.raises(MemplanError):
+        titan_inventory(load_model("qwen3-30b-a3b").model, "cpu")

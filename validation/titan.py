@@ -48,6 +48,7 @@ class Shape:
     a: int = 4
     g: int = 2
     f: int = 160
+    qwen3: bool = False  # torchtitan's Qwen3 block (_build_qwen3_layers: q / k RMSNorms on the head dim, CosSinRoPE)
 
 
 def _titan():
@@ -93,9 +94,17 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8:
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     FullAC, SelectiveAC, ComplexRoPE, SDPA, build_layers = _titan()
-    cfg = build_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
-                       rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
-                                               scaling="llama"), attn_backend="flex")[0]
+    if shape.qwen3:
+        from torchtitan.models.common import CosSinRoPE
+        from torchtitan.models.qwen3 import _build_qwen3_layers
+        d = shape.h // shape.a
+        cfg = _build_qwen3_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, head_dim=d,
+                                  hidden_dim=shape.f, attn_backend="flex",
+                                  rope=CosSinRoPE.Config(dim=d, max_seq_len=max_seq_len, theta=1000000.0))[0]
+    else:
+        cfg = build_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
+                           rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
+                                                   scaling="llama"), attn_backend="flex")[0]
     if not flex:
         cfg.attention.inner_attention = SDPA.Config()
     if float8:

@@ -87,8 +87,11 @@ class TitanTerm:
     cp_gathered: bool = False  # under context parallelism the all-gathered whole-sequence tensor is kept instead
 
 
-def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> list[TitanTerm]:
-    """The layer's kept tensors (bytes per token) for hidden h, heads a, KV heads g, FFN f, head dim d (h / a)."""
+def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None, qk_norm: bool = False) -> list[TitanTerm]:
+    """The layer's kept tensors (bytes per token) for hidden h, heads a, KV heads g, FFN f, head dim d (h / a);
+    ``qk_norm``: torchtitan's Qwen3 block (RMSNorms on the head dim over q and k before RoPE, CosSinRoPE): each keeps
+    its fp32 input, rstd (one per head) and fp32 x * rstd under AC none; its bf16 output is not kept (CosSinRoPE
+    multiplies it by cos / sin buffers, which saves only them; the rotated q, k stay as in Llama 3), measured."""
     d = d or h // a
     norm = [("x_fp32", "x in fp32", 4 * h, "sp"), ("rstd", "rstd (fp32)", 4, "sp"),
             ("x_rstd", "x * rstd in fp32", 4 * h, "sp"),
@@ -97,6 +100,9 @@ def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None) -> 
     terms += [TitanTerm(f"attention_norm.{i}", f"attention_norm: {n}", v, ("none",), sp) for i, n, v, sp in norm]
     terms += [
         TitanTerm("wqkv.out", "fused QKV linear output (bf16), matmul 1", 2 * (a + 2 * g) * d, ("selective-op",), "tp"),
+        *[TitanTerm(f"{w}_norm.{i}", f"{w}_norm (head dim): {n}", v * heads, ("none",), "tp")
+          for w, heads in (("q", a), ("k", g)) if qk_norm
+          for i, n, v in (("x_fp32", "x in fp32", 4 * d), ("rstd", "rstd (fp32)", 4), ("x_rstd", "x * rstd in fp32", 4 * d))],
         TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",), "tp"),
         TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
         TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
@@ -248,15 +254,17 @@ def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
                  src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, without_cp=t.cp_gathered, **flags)
 
 
-def _cuda_norm(terms: list[TitanTerm], h: int) -> list[TitanTerm]:
-    """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and an fp32 rstd (derived); its output stays
+def _cuda_norm(terms: list[TitanTerm]) -> list[TitanTerm]:
+    """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and its fp32 rstd (derived); its output stays
     as the next matmul's input (the all-gathered one under TP: measured on CPU, where it is a tensor of its own)."""
     out: list[TitanTerm] = []
     for t in terms:
         which = t.id.split(".")[0]
-        if which.endswith("norm") and t.id.endswith(".x_fp32"):
-            out += [TitanTerm(f"{which}.x", f"{which}: input (bf16), fused kernel (CUDA)", 2 * h, t.modes, "sp"),
-                    TitanTerm(f"{which}.rstd", f"{which}: rstd (fp32), fused kernel (CUDA)", 4, t.modes, "sp")]
+        if which.endswith("norm") and t.id.endswith(".x_fp32"):  # the bf16 input: half the fp32 copy
+            out.append(TitanTerm(f"{which}.x", f"{which}: input (bf16), fused kernel (CUDA)", t.bytes_per_token // 2,
+                                 t.modes, t.split))
+        elif which.endswith("norm") and t.id.endswith(".rstd"):
+            out.append(dataclasses.replace(t, name=f"{which}: rstd (fp32), fused kernel (CUDA)"))
         elif not which.endswith("norm") or t.id.endswith(".out"):
             out.append(t)
     return out
@@ -272,22 +280,38 @@ TAIL = (f"{DERIVED}; under TP measured on CPU over gloo (2 ranks, tests/test_tit
         "terms sequence-sharded, its output all-gathered")
 
 
+# the ModelSpec fields a dense Qwen3 (torchtitan's models/qwen3 _build_qwen3_layers) may set off their defaults:
+# sizes, names and the q / k norms on the head dim; any other (sliding window, sandwich norms, ...) is not its layout
+QWEN3_FIELDS = frozenset({"name", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                          "ffn_hidden_size", "num_kv_heads", "head_dim", "norm", "dropout", "tied_embeddings",
+                          "position_embedding", "mlp", "bias", "attention", "qk_norm", "rope_theta", "norm_eps",
+                          "inventory"})
+
+
+def is_qwen3_dense(model: ModelSpec) -> bool:
+    """A model with transformers' traced inventory that is torchtitan's dense Qwen3 layout (QWEN3_FIELDS)."""
+    fields = type(model).model_fields
+    return model.qk_norm and model.qk_norm_width == "head" and not model.tied_embeddings and all(
+        getattr(model, k) == f.default for k, f in fields.items() if k not in QWEN3_FIELDS)
+
+
 def titan_inventory(model: ModelSpec, device: str) -> Inventory:
     """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
     from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
     yet: the peak is the kept tensors plus the states."""
-    if (model.is_moe or model.is_mla or model.inventory is not None or model.norm != "rmsnorm"
-            or model.mlp != "swiglu" or model.bias or model.dropout):
-        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3 layout only (RMSNorm, SwiGLU, no "
-                           "biases, no dropout, dense)")
+    if (model.is_moe or model.is_mla or (model.inventory is not None and not is_qwen3_dense(model))
+            or model.norm != "rmsnorm" or model.mlp != "swiglu" or model.bias or model.dropout):
+        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3 and dense Qwen3 layouts only "
+                           "(RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout, dense)")
     h = model.hidden_size
-    terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads)
+    terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
+                               model.qk_norm)
     src = MEASURED
     if device == "cuda":
-        terms, src = _cuda_norm(terms, h), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
+        terms, src = _cuda_norm(terms), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
     final = [t for t in llama3_layer_terms(h, 1, 1, 1, 1) if t.id.startswith("ffn_norm.")]
-    final = _cuda_norm(final, h) if device == "cuda" else final
+    final = _cuda_norm(final) if device == "cuda" else final
     loss = f"{DERIVED}; cross_entropy_loss on the fp32 logits"
     outside = [_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
                                t.bytes_per_token, (), t.split), TAIL, "last") for t in final]
@@ -313,5 +337,6 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
+              "the MoE models (Qwen3 MoE, DeepSeek-V3), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with TP or CP or with selective-op AC and float8, "
               "float8 with TP, budget AC's recompute; the allocation stream checked against a recording")
