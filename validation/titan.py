@@ -377,6 +377,34 @@ class _LiveLocal(_Live):
         return super().alive([_local(t) for t in exclude])
 
 
+def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none", tp: int = 0,
+             backend: str = "partial_dtensor", compile_backend: str = "") -> tuple:
+    """torchtitan's own ``parallelize_llama`` on this rank (``tp_rank``'s set-up): the model and its ParallelDims;
+    ``compile_backend`` a registered torch.compile backend's name: its ``apply_compile`` on each block (after TP and
+    AC, before FSDP, as torchtitan's CompileConfig(enable=True, components=["model"]) does)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    model = build_model(shape, layers, vocab, tp_sharding=True)
+    compile_config = (CompileConfig(enable=True, components=["model"], backend=compile_backend) if compile_backend
+                      else CompileConfig())
+    parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=compile_config, ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    return model, dims
+
+
 def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
             tp: int = 0, backend: str = "partial_dtensor") -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_llama`` with ``tensor_parallel_degree`` =
@@ -389,27 +417,11 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     the backward; ``params`` / ``grads`` / ``adam`` per-rank fp32 state bytes after an AdamW step, with every
     parameter's local shape.  One substitution beyond the sdpa one: torchtitan picks its mesh's device type
     from the accelerator it finds (CUDA when none), set to "cpu" here."""
-    import torchtitan.distributed.parallel_dims as pd
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
-    from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    pd.device_type = "cpu"
-    torch.manual_seed(0)
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
-    model = build_model(shape, layers, vocab, tp_sharding=True)
-    parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                      compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac),
-                      dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    model, dims = tp_model(world, shape, layers, vocab, ac, tp, backend)
     out: dict = {}
     live = _LiveLocal()
     block = model.layers["0"]

@@ -318,9 +318,12 @@ class PlanOptions:
         if self.sp is False and self.tp not in (None, 1):
             raise MemplanError("--impl torchtitan: TP without sequence parallelism (enable_sequence_parallel = False) "
                                "is not modelled: drop --no-sp")
-        if self.compile and (self.tp not in (None, 1) or self.cp not in (None, 1)):
-            raise MemplanError("--impl torchtitan: --compile with --tp or --cp is not modelled yet (the partitioner is "
-                               "traced on the unsharded block)")
+        if self.compile and self.cp not in (None, 1):
+            raise MemplanError("--impl torchtitan: --compile with --cp is not modelled yet (the partitioner is traced "
+                               "on the unsharded block and under TP)")
+        if self.compile and self.tp not in (None, 1) and mode == "budget":
+            raise MemplanError("--impl torchtitan: --ac budget:F with --tp is not traced (the partitioner's knapsack "
+                               "under TP): --ac none, full or selective-op")
         if self.recompute is not None or self.recompute_num_layers is not None or self.recompute_modules:
             raise MemplanError("--impl torchtitan takes --ac none|full|selective-op|selective-layer[:N], not "
                                "--recompute*")

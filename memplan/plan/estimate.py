@@ -341,7 +341,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += float8_notes(tr.float8, tr.compile)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
-    notes += compile_notes(tr, inventory.name.split("/")[0])
+    notes += compile_notes(tr, inventory.name.split("/")[0], par.tp)
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))

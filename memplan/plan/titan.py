@@ -12,7 +12,7 @@ same flags, memplan/api/options.py):
   AC          none, selective-op, full, selective-layer:N (every N-th layer checkpointed, L // N of them: one plan
               per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
               layers sit, memplan/inventory/titan.py);
-  compile     off, or on where memplan traces it (tp = cp = 1; with --float8 AC not selective-op:
+  compile     off, or on where memplan traces it (cp = 1, any tp; with --float8 AC not selective-op:
               memplan/inventory/compiled.py).
   cp          1, and where s >= CP_MIN_SEQ or --cp pins it, powers of 2 with 2 cp | s (torchtitan's head-tail
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
@@ -125,10 +125,9 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
 
 
 def compilable(plans: PlanValues, float8: bool = False) -> np.ndarray:
-    """The plans memplan models with torch.compile: tp = cp = 1; with float8 linears AC not selective-op
-    (memplan/inventory/compiled.py)."""
-    return ((np.asarray(plans.t) == 1) & (np.asarray(plans.cp) == 1)
-            & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8)))
+    """The plans memplan models with torch.compile: cp = 1 (any tp: the compiled block traced per TP rank); with
+    float8 linears AC not selective-op (memplan/inventory/compiled.py)."""
+    return (np.asarray(plans.cp) == 1) & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8))
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:

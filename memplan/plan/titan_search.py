@@ -50,7 +50,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     if pins.compile is not False:
         why = _compile_refusal(model, training)
         can = compilable(eager, bool(training.float8))
-        where = "--tp 1, --cp 1" + (" and --ac none, full or selective-layer" if training.float8 else "")
+        where = "--cp 1" + (" and --ac none, full or selective-layer" if training.float8 else "")
         if why and pins.compile:
             raise MemplanError(why)
         if pins.compile and not can.any():
@@ -61,7 +61,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         elif can.any():
             sets.append((eager.take(np.flatnonzero(can)), True))
             if not can.all():
-                notes.append(f"torch.compile searched with {where} only (compile with TP or CP"
+                notes.append(f"torch.compile searched with {where} only (compile with CP"
                              + (", or with float8 and selective-op," if training.float8 else "")
                              + " is not traced yet)")
     parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
