@@ -86,12 +86,17 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
 
 
 def test_a_float8_search_lists_only_plans_estimate_takes():
-    # before: with --float8 pinned the search listed tp 2 / 4 / 8 plans, which estimate refuses (float8 with TP is
-    # not modelled): every plan searched is tp 1, and estimate agrees with its row
-    found = search("llama3-8b", all_variants=True, top=2, seq_len=1024, float8="rowwise", ac="full", compile=False,
-                   **BASE).result
+    # float8 with TP is modelled (measured per rank: tests/test_titan_tp.py): plans at every tp; compiled with tp > 1
+    # only under full AC (options refuses the rest); estimate with a plan's flags gives the search's numbers
+    found = search("llama3-8b", all_variants=True, top=2, seq_len=1024, float8="rowwise", micro_batch=1,
+                   dp_replicate=1, **BASE).result
     dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
-    assert dims and {d["tp"] for d in dims} == {1}
+    assert {d["tp"] for d in dims} == {1, 2, 4, 8}
+    assert {d["ac"] for d in dims if d["compile"] and d["tp"] > 1} == {"full"}
+    for i, d in enumerate(dims):
+        if d["tp"] > 1 and (d["compile"] or d["ac"] == "selective-op"):
+            est = estimate("llama3-8b", seq_len=1024, float8="rowwise", **BASE, **_flags(d))
+            assert est.estimate.step.peak_bytes == found.evaluated.peak_bytes[i], d
     row = found.row(found.top[0])
     est = estimate("llama3-8b", seq_len=1024, float8="rowwise", **BASE, **_flags(row["torchtitan"]))
     assert row["memory"]["device_bytes"] == est.device_bytes

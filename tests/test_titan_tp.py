@@ -126,7 +126,7 @@ def test_states_sharded_over_d_x_t_gloo():
 
 # torch.compile under TP (issue 24): layer 0's compiled block on each of the 2 ranks, torchtitan's parallelize_llama
 # (TP, then apply_compile per block; AOTAutograd with inductor's partitioner and decompositions), measured by
-#     MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k compiled_gloo     (~40 s)
+#     MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k compiled_gloo     (~60 s, 2 runs)
 # (validation/titan_tp_compile.py): the bytes of each tensor the forward graph saves for the backward, which equal
 # the storages a saved-tensors hook sees in the real run (parameters apart), both ranks alike.  --ac full with
 # compile and TP stops in torch 2.13 (memplan/inventory/compiled.py FULL_TP_ERROR): derived, not recorded.
@@ -205,3 +205,52 @@ def test_estimate_compile_with_tp_by_hand():
         assert est.estimate.per_layer_bytes == per_token * 1024, ac
         assert any("--compile with --tp 2" in n for n in est.notes) and (ac != "full") != any(
             "DERIVED" in n for n in est.notes), ac
+
+
+# --float8 with --tp (issue 24): torchtitan 0.3.0 converts the linears to torchao's Float8Linear before its sharding
+# configs, so DTensor TP shards them like the bf16 ones; measured per rank (both alike) by
+#     MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k float8_gloo     (~150 s, 4 runs)
+# (validation/titan.py measure_tp(float8=...)): each rank keeps the bf16 rank's storages (RECORDED), plus under
+# selective-op with tensorwise the 10 bf16 amax scalars (2 B each) its save list (aten.max) holds; 10 Float8Linear
+# modules (5 per layer), the fp32 states as bf16's (STATES)
+FLOAT8 = {("none", "tensorwise"): RECORDED["none"]["layer"],
+          ("selective-op", "tensorwise"): RECORDED["selective-op"]["layer"] + [2] * 10,
+          ("selective-op", "rowwise"): RECORDED["selective-op"]["layer"], ("full", "rowwise"): []}
+
+
+def _float8_rank(ac, recipe, drop=""):
+    """memplan's float8 torchtitan layer terms kept under ac on one rank of t = 2, one entry per storage (bytes)."""
+    from memplan.core.model import ModelSpec
+    from memplan.core.training import Recompute
+    from memplan.inventory import titan_float8
+    from memplan.inventory.titan import titan_inventory
+
+    tiny = ModelSpec(name="tiny-titan", num_layers=1, hidden_size=H, num_attention_heads=A, num_kv_heads=G,
+                     ffn_hidden_size=F, seq_length=S, vocab_size=V, norm="rmsnorm", mlp="swiglu",
+                     position_embedding="rope", tied_embeddings=False, dropout=False, bias=False, attention="flash")
+    rec = {"none": Recompute.NONE, "selective-op": Recompute.SELECTIVE, "full": Recompute.FULL}[ac]
+    out = Counter()
+    for x in titan_float8.apply(titan_inventory(tiny, "cpu"), tiny, recipe).terms:
+        n = int(x.bytes(dict(s=S, b=B, t=T, cp=1), 2, 1)) if x.scope == "layer" and x.kept(rec) else 0
+        if n and x.id not in ("input", drop):
+            out[n // x.storages] += x.storages
+    return out
+
+
+@pytest.mark.parametrize("ac,recipe", sorted(FLOAT8))
+def test_float8_tp_recorded_equals_memplan(ac, recipe):
+    assert _float8_rank(ac, recipe) == Counter(FLOAT8[ac, recipe])
+    if recipe == "tensorwise" and ac == "selective-op":  # the amax term is needed
+        assert _float8_rank(ac, recipe, drop="float8.amax") != Counter(FLOAT8[ac, recipe])
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ac,recipe", sorted(FLOAT8))
+def test_float8_gloo_run_equals_recorded(ac, recipe):
+    pytest.importorskip("torchao")
+    from validation.titan import Shape, measure_tp
+
+    for r in measure_tp(Shape(h=H, a=A, g=G, f=F), layers=2, vocab=V, world=T, s=S, b=B, ac=ac, float8=recipe):
+        assert Counter(n for _, _, n in r["layer"]) == Counter(FLOAT8[ac, recipe])
+        assert r["float8_linears"] == 10 and {k: r[k] for k in STATES} == STATES

@@ -28,7 +28,7 @@ BACKEND = "memplan_aot_partitioner"
 
 
 def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int,
-                     ac: str = "none", route: str = "aot") -> dict:
+                     ac: str = "none", route: str = "aot", float8: str | None = None) -> dict:
     """One rank: ``graph`` (node, dtype, bytes) and ``saved`` ((dtype, bytes)), layer 0's, parameters apart;
     ``input_bytes`` the block input's local bytes; ``graphs`` the forward graphs compiled."""
     import warnings
@@ -42,7 +42,7 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
     register_backend(name=BACKEND)(_backend(route, graphs))
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        model, dims = tp_model(world, shape, layers, vocab, ac, compile_backend=BACKEND)
+        model, dims = tp_model(world, shape, layers, vocab, ac, compile_backend=BACKEND, float8=float8)
         block = model.layers["0"]
         found: dict = {}
         out: dict = {}
@@ -106,10 +106,11 @@ def _backend(route: str, graphs: list):
 
 
 def measure_compiled_tp(shape: Shape, layers: int, vocab: int, world: int = 2, s: int = 16, b: int = 2,
-                        ac: str = "none", route: str = "aot") -> list[dict]:
-    """``compiled_tp_rank`` on ``world`` spawned ranks over gloo (TP degree ``world``)."""
+                        ac: str = "none", route: str = "aot", float8: str | None = None) -> list[dict]:
+    """``compiled_tp_rank`` on ``world`` spawned ranks over gloo (TP degree ``world``; ``float8``: the blocks' linears
+    torchao's Float8Linear, validation/titan.py ``build_model``)."""
     from .ranks import run_ranks
-    return run_ranks(compiled_tp_rank, world, (shape, layers, vocab, s, b, ac, route))
+    return run_ranks(compiled_tp_rank, world, (shape, layers, vocab, s, b, ac, route, float8))
 
 
 if __name__ == "__main__":
@@ -117,5 +118,7 @@ if __name__ == "__main__":
 
     ac = sys.argv[1] if sys.argv[1:] else "none"
     route = sys.argv[2] if sys.argv[2:] else "aot"
-    for r in measure_compiled_tp(Shape(h=64, a=4, g=2, f=160), layers=2, vocab=256, s=16, b=2, ac=ac, route=route):
+    float8 = sys.argv[3] if sys.argv[3:] else None
+    for r in measure_compiled_tp(Shape(h=64, a=4, g=2, f=160), layers=2, vocab=256, s=16, b=2, ac=ac, route=route,
+                                 float8=float8):
         print(r)

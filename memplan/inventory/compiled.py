@@ -293,7 +293,7 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
         return []
     if impl == "torchtitan" and tp > 1:
         full = training.recompute == Recompute.FULL
-        tp_note = [f"--compile with --tp {tp}: the compiled block's saved tensors per rank {TP_SRC}" + (
+        tp_note = [f"--compile with --tp {tp}: the compiled block's saved tensors {TP_SRC}" + (
             "; under --ac full DERIVED, not measured (each checkpointed block keeps its sequence-sharded input, as "
             "eager FullAC under TP, measured): torch 2.13 does not run it on CPU, " + FULL_TP_ERROR if full else "")]
     else:

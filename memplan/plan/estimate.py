@@ -338,7 +338,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                          + "); the stage's received inputs and kept outputs per micro-batch are not counted")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
-    notes += float8_notes(tr.float8, tr.compile)
+    notes += float8_notes(tr.float8, tr.compile, par.tp)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += compile_notes(tr, inventory.name.split("/")[0], par.tp)
