@@ -254,3 +254,14 @@ def test_float8_gloo_run_equals_recorded(ac, recipe):
     for r in measure_tp(Shape(h=H, a=A, g=G, f=F), layers=2, vocab=V, world=T, s=S, b=B, ac=ac, float8=recipe):
         assert Counter(n for _, _, n in r["layer"]) == Counter(FLOAT8[ac, recipe])
         assert r["float8_linears"] == 10 and {k: r[k] for k in STATES} == STATES
+
+
+def test_float8_all_gather_of_the_tp_shard_by_hand():
+    # derived: llama3-70b's layer linears are 8192 x (8192 + 2 x 8 x 128) + 8192 x 8192 + 3 x 8192 x 28672 =
+    # 855,638,016 elements, 106,954,752 on a rank of TP 8; tensorwise's FSDP2 float8 all-gather holds the running
+    # and the prefetched layer at 1 B instead of 2 B per element: 2 x 106,954,752 B less than rowwise (bf16 gather)
+    from memplan.api.estimating import estimate
+
+    weights = {r: estimate("llama3-70b", impl="torchtitan", gpus=256, tp=8, ac="full", seq_len=1024, micro_batch=1,
+                           global_batch=256, float8=r).estimate.peak.weights for r in ("rowwise", "tensorwise")}
+    assert weights["rowwise"] - weights["tensorwise"] == 2 * 106954752

@@ -104,11 +104,11 @@ def apply(inventory: Inventory, model: ModelSpec, recipe: str) -> Inventory:
     return dataclasses.replace(inventory, name=f"{inventory.name}/float8-{recipe}", terms=terms)
 
 
-def gathered_layer(model: ModelSpec, layer: Any) -> Any:
+def gathered_layer(model: ModelSpec, layer: Any, t: Any = 1) -> Any:
     """One decoder layer's unsharded parameters under tensorwise's float8 all-gather, in bf16 elements (the unit
     memplan/memory/dp_stack.py counts gathered parameters in): its float8 weights at 1 byte, half a bf16 element
-    each; ``layer`` the layer's parameters."""
-    return layer - sum(i * o for _, i, o in converted_linears(model)) // 2
+    each; ``layer`` the layer's parameters on a rank of TP ``t`` (every linear TP-split: its shard / t; derived)."""
+    return layer - sum(i * o for _, i, o in converted_linears(model)) // (2 * t)
 
 
 def notes(recipe: Optional[str], compiled: bool = False, tp: int = 1) -> list[str]:
