@@ -77,7 +77,7 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
     assert {t["ac"].split(":")[0] for t in dims} == {"none", "full", "selective-op", "selective-layer"}
     # compiled selective-op plans are searched (the partitioner under torchtitan's save list: compiled.TITAN_SAC)
     assert {t["ac"].split(":")[0] for t in dims if t["compile"]} == {"none", "full", "selective-op", "selective-layer"}
-    for i in range(0, len(dims), 17):  # estimate with the plan's flags: the same plan, the same numbers
+    for i in range(0, len(dims), 26):  # estimate with the plan's flags: the same plan, the same numbers (~20 plans)
         est = estimate("llama3-8b", seq_len=2048, **BASE, **_flags(dims[i]))
         assert est.estimate.step.peak_bytes == e.peak_bytes[i], dims[i]
         assert est.estimate.perf.step_time_s == pytest.approx(e.step_time_s[i], rel=1e-6)

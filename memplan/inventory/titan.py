@@ -314,4 +314,5 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
-              "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), float8 with TP, budget AC's recompute; the allocation stream checked against a recording")
+              "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
+              "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")
