@@ -58,13 +58,14 @@ def test_a_removed_term_fails(monkeypatch):
 @pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2", "--pipeline-schedule", "ZBVZeroBubble"],
                                   ["--pp", "4"], ["--cp", "2", "--cp-comm-type", "a2a"], ["--ac", "budget:0.5"],
                                   ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"],
-                                  ["--compile", "--ac", "selective-op", "--float8", "rowwise"], ["--compile", "--tp", "2"],
-                                  ["--model", "mixtral-8x7b"]])
+                                  ["--compile", "--ac", "selective-op", "--float8", "rowwise"], ["--compile", "--cp", "2"],
+                                  ["--compile", "--tp", "2", "--ac", "budget:0.5"], ["--model", "mixtral-8x7b"]])
 def test_refused_in_one_line(args, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8"] + args)
     err = capsys.readouterr().err
-    # --compile: traced with --tp 1 (memplan/inventory/compiled.py), with --float8 not under selective-op
+    # --compile: traced with --cp 1 (memplan/inventory/compiled.py), with --float8 not under selective-op, budget AC
+    # with --tp 1
     assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
 
 

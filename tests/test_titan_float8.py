@@ -85,7 +85,7 @@ def test_amax_scalars_in_the_estimate_by_hand():
     assert none["tensorwise"] == none[None]
 
 
-@pytest.mark.parametrize("args", [["--float8", "tensorwise", "--compile", "--ac", "selective-op"], ["--float8", "rowwise", "--tp", "2"],
+@pytest.mark.parametrize("args", [["--float8", "tensorwise", "--compile", "--ac", "selective-op"], ["--float8", "rowwise", "--tp", "2", "--compile", "--ac", "none"],
                                   ["--float8", "rowwise", "--impl", "megatron"], ["--float8", "blockwise"]])
 def test_refused_in_one_line(args, capsys):
     argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8"] + args

@@ -34,7 +34,7 @@ def _flags(dims):
 def plans(draw):
     tp = draw(st.sampled_from([1, 2]))
     ac = draw(st.sampled_from(["none", "full", "selective-op", "selective-layer:2", "selective-layer:5"]))
-    compiled = tp == 1 and draw(st.booleans())
+    compiled = draw(st.booleans())
     plan = dict(tp=tp, dp_replicate=draw(st.sampled_from([1, 2])), ac=ac, compile=compiled,
                 micro_batch=draw(st.sampled_from([1, 2])), seq_len=draw(st.sampled_from([1024, 4096])),
                 allocator=draw(st.sampled_from(["default", "expandable"])))
@@ -70,13 +70,14 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
         assert all(n % t["tp"] == 0 for n in (model.num_attention_heads, model.g, model.f, model.vocab_size, 2048))
         assert t["dp_replicate"] * t["dp_shard"] * t["tp"] == 8 and (t["dp_replicate"] == 1 or t["dp_shard"] >= 2)
         assert t["local_batch"] * t["gradient_accumulation"] * t["dp_replicate"] * t["dp_shard"] == 16
-        assert not t["compile"] or t["tp"] == 1
+    # compiled plans at every tp (the compiled block measured per TP rank: tests/test_titan_tp.py)
+    assert {t["tp"] for t in dims if t["compile"]} == {1, 2, 4, 8}
     # the space: tp 1, 2, 4, 8 (8 heads of K/V), AC none / full / selective-op / selective-layer:N, compile on and off
     assert {t["tp"] for t in dims} == {1, 2, 4, 8} and {t["compile"] for t in dims} == {True, False}
     assert {t["ac"].split(":")[0] for t in dims} == {"none", "full", "selective-op", "selective-layer"}
     # compiled selective-op plans are searched (the partitioner under torchtitan's save list: compiled.TITAN_SAC)
     assert {t["ac"].split(":")[0] for t in dims if t["compile"]} == {"none", "full", "selective-op", "selective-layer"}
-    for i in range(0, len(dims), 17):  # estimate with the plan's flags: the same plan, the same numbers
+    for i in range(0, len(dims), 26):  # estimate with the plan's flags: the same plan, the same numbers (~20 plans)
         est = estimate("llama3-8b", seq_len=2048, **BASE, **_flags(dims[i]))
         assert est.estimate.step.peak_bytes == e.peak_bytes[i], dims[i]
         assert est.estimate.perf.step_time_s == pytest.approx(e.step_time_s[i], rel=1e-6)
@@ -85,12 +86,17 @@ def test_every_plan_searched_is_distinct_launchable_and_estimates_the_same():
 
 
 def test_a_float8_search_lists_only_plans_estimate_takes():
-    # before: with --float8 pinned the search listed tp 2 / 4 / 8 plans, which estimate refuses (float8 with TP is
-    # not modelled): every plan searched is tp 1, and estimate agrees with its row
-    found = search("llama3-8b", all_variants=True, top=2, seq_len=1024, float8="rowwise", ac="full", compile=False,
-                   **BASE).result
+    # float8 with TP is modelled (measured per rank: tests/test_titan_tp.py): plans at every tp; compiled with tp > 1
+    # only under full AC (options refuses the rest); estimate with a plan's flags gives the search's numbers
+    found = search("llama3-8b", all_variants=True, top=2, seq_len=1024, float8="rowwise", micro_batch=1,
+                   dp_replicate=1, **BASE).result
     dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
-    assert dims and {d["tp"] for d in dims} == {1}
+    assert {d["tp"] for d in dims} == {1, 2, 4, 8}
+    assert {d["ac"] for d in dims if d["compile"] and d["tp"] > 1} == {"full"}
+    for i, d in enumerate(dims):
+        if d["tp"] > 1 and (d["compile"] or d["ac"] == "selective-op"):
+            est = estimate("llama3-8b", seq_len=1024, float8="rowwise", **BASE, **_flags(d))
+            assert est.estimate.step.peak_bytes == found.evaluated.peak_bytes[i], d
     row = found.row(found.top[0])
     est = estimate("llama3-8b", seq_len=1024, float8="rowwise", **BASE, **_flags(row["torchtitan"]))
     assert row["memory"]["device_bytes"] == est.device_bytes
@@ -116,7 +122,7 @@ def test_selective_layer_counts_are_distinct_plans():
 
 
 def test_search_refuses_what_is_not_modelled_in_one_line(capsys):
-    for extra in (["--pp", "2"], ["--tp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
+    for extra in (["--pp", "2"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
                   ["--dp-replicate", "3"]):
         with pytest.raises(SystemExit) as exit_:
             main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB"] + extra)

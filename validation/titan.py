@@ -238,7 +238,8 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
 # FSDP2: torchtitan's apply_fsdp_to_decoder on a whole tiny model, ranks over gloo on CPU
 
 
-def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_sharding: bool = False) -> torch.nn.Module:
+def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_sharding: bool = False,
+                float8: str | None = None) -> torch.nn.Module:
     """A torchtitan Llama3Model (fp32, as torchtitan builds it before FSDP's mixed precision) with ``layers``
     blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring); ``tp_sharding``: the
     sharding configs torchtitan's ``Llama3Model.Config.update_from_config`` sets (``set_llama3_sharding_config``,
@@ -256,6 +257,8 @@ def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_shar
                                 tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
                                 norm=RMSNorm.Config(normalized_shape=shape.h),
                                 lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    if float8:  # torchtitan's converter runs before update_from_config sets the sharding (models/llama3/__init__.py)
+        config = float8_converter(float8).convert(config)
     if tp_sharding:
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
         set_llama3_sharding_config(config, enable_sp=True)
@@ -386,8 +389,36 @@ class _LiveLocal(_Live):
         return super().alive([_local(t) for t in exclude])
 
 
+def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none", tp: int = 0,
+             backend: str = "partial_dtensor", compile_backend: str = "", float8: str | None = None) -> tuple:
+    """torchtitan's own ``parallelize_llama`` on this rank (``tp_rank``'s set-up): the model and its ParallelDims;
+    ``compile_backend`` a registered torch.compile backend's name: its ``apply_compile`` on each block (after TP and
+    AC, before FSDP, as torchtitan's CompileConfig(enable=True, components=["model"]) does)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    model = build_model(shape, layers, vocab, tp_sharding=True, float8=float8)
+    compile_config = (CompileConfig(enable=True, components=["model"], backend=compile_backend) if compile_backend
+                      else CompileConfig())
+    parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=compile_config, ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    return model, dims
+
+
 def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
-            tp: int = 0, backend: str = "partial_dtensor") -> dict:
+            tp: int = 0, backend: str = "partial_dtensor", float8: str | None = None) -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_llama`` with ``tensor_parallel_degree`` =
     ``tp`` (default ``world``; sequence parallelism on, the ``partial_dtensor`` backend: DTensor TP; 0.3.0's default
     ``spmd_types`` stops in torch 2.13's fully_shard with TP) and FSDP2 over the world / tp data-parallel ranks (a
@@ -398,27 +429,11 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     the backward; ``params`` / ``grads`` / ``adam`` per-rank fp32 state bytes after an AdamW step, with every
     parameter's local shape.  One substitution beyond the sdpa one: torchtitan picks its mesh's device type
     from the accelerator it finds (CUDA when none), set to "cpu" here."""
-    import torchtitan.distributed.parallel_dims as pd
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
-    from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    pd.device_type = "cpu"
-    torch.manual_seed(0)
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp or world, spmd_backend=backend)
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
-    model = build_model(shape, layers, vocab, tp_sharding=True)
-    parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                      compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac),
-                      dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    model, dims = tp_model(world, shape, layers, vocab, ac, tp, backend, float8=float8)
     out: dict = {}
     live = _LiveLocal()
     block = model.layers["0"]
@@ -466,11 +481,13 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     out["grads"] = _storage_bytes([_local(p.grad) for p in model.parameters()])
     out["adam"] = _storage_bytes([_local(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])
     out["local_shapes"] = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
+    out["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     return out
 
 
 def measure_tp(shape: Shape, layers: int, vocab: int, world: int = 2, s: int = 16, b: int = 2,
-               ac: str = "none", tp: int = 0) -> list[dict]:
-    """``tp_rank`` on ``world`` spawned ranks over gloo (``tp``: the TP degree, default ``world``)."""
+               ac: str = "none", tp: int = 0, float8: str | None = None) -> list[dict]:
+    """``tp_rank`` on ``world`` spawned ranks over gloo (``tp``: the TP degree, default ``world``; ``float8``: the
+    blocks' linears torchao's Float8Linear, torchtitan's converter applied before its sharding configs)."""
     from .ranks import run_ranks
-    return run_ranks(tp_rank, world, (shape, layers, vocab, s, b, ac, tp))
+    return run_ranks(tp_rank, world, (shape, layers, vocab, s, b, ac, tp, "partial_dtensor", float8))

@@ -146,7 +146,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     compiled_layer.check_budget(model, impl, training)
     if training.compile:
         compiled_layer.check_compile(model, impl, training)
-    titan_float8.check_float8(training.float8, impl, None)
+    titan_float8.check_float8(training.float8, impl)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
     pieces = minis.pieces_for(model, training, impl)

@@ -32,6 +32,14 @@ w2's output (matmul 5), which eager SAC keeps in its cache, is not saved (the ba
 g 2): 684 B per token against eager SelectiveAC's 780 B (tests/test_compile.py); for llama3-8b 2h less per token.
 The layers' backward (the recomputed tensors alive in it) is memplan's recompute working set (derived).
 
+torchtitan's compiled block under TP (``--compile --tp T``, sequence parallel, DTensor): torchtitan's own
+parallelize_llama then apply_compile on 2 ranks over gloo (validation/titan_tp_compile.py; AOTAutograd with inductor's
+partitioner): the forward graph of each rank saves TITAN_LAYER's set (selective-op: TITAN_SAC's plus wo's
+reduce-scattered output), each term split per TITAN_TP_SPLIT (one table, its split: tests/test_titan_tp.py); under
+TP, AC none, the residual sum after attention is saved in place of the block input (as many bytes). ``--ac full``
+with compile and TP is derived (the block's sequence-sharded input, as eager FullAC under TP): torch 2.13 stops it
+(FULL_TP_ERROR). Budget AC with TP and compile with CP are not traced (refused).
+
 torchtitan's memory-budget AC (``--ac budget:F --compile``: MemoryBudgetAC sets activation_memory_budget = F): the
 partitioner's knapsack keeps a subset of TITAN_LAYER that depends on the widths, so it is traced at the real Llama 3
 8B / 70B / 405B widths (validation/budget.py, under FakeTensorMode; BUDGET_SAVED, F in tenths); its recompute is
@@ -70,6 +78,8 @@ from memplan.inventory.tune_loss import EAGER_SAVED, compiled_loss_terms, tune_c
 from memplan.inventory.types import Inventory, Term, saved
 
 SRC = "traced from torch.compile's partitioner (torch 2.13, inductor on CPU; validation/compiled.py)"
+TP_SRC = ("measured per rank: torchtitan's parallelize_llama (DTensor TP, sequence parallel) then apply_compile, "
+          "AOTAutograd with inductor's partitioner, 2 ranks over gloo (validation/titan_tp_compile.py)")
 INFO = ("--compile (--impl hf-sdpa / torchtune / torchtitan, Llama layout): each decoder layer torch.compile'd; its saved tensors "
         + SRC + "; the backward's transients, where modelled: the eager layer's moments (derived; Inductor's fused "
         "kernels' own buffers left out)")
@@ -113,8 +123,8 @@ TUNE_LAYER = (
     ("fc2_input", "SiLU(w1 x) * w3 x = input of w2", "MLP", "s b f", "act"),
 )
 TITAN_LAYER = (
-    ("layer_input", "block input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
-     "s b h", "act"),
+    ("layer_input", "block input (bf16: the compiled backward recomputes the residual sums from it; under TP, AC "
+     "none, the residual sum after attention in its place, as many bytes)", "layer norms", "s b h", "act"),
     ("ln1_rstd", "attention_norm: rstd (fp32)", "layer norms", "s b", "fp32"),
     ("qkv_input", "attention_norm's output (bf16) = input of the fused QKV linear", "attention", "s b h", "act"),
     ("q", "rotated q (saved by sdpa)", "attention", "s b q", "act"),
@@ -140,7 +150,20 @@ TITAN_SAC = (
      "s b q + 2 s b g q /a", "act"),
     *(row for row in TITAN_LAYER if row[0] in ("sdpa_logsumexp", "attn_out", "silu_input")),
 )
-SAC_IDS = frozenset(row[0] for row in TITAN_SAC)
+# torchtitan's compiled block under TP (--tp T, sequence parallel, DTensor; measured per rank over gloo, 2 ranks:
+# validation/titan_tp_compile.py, tests/test_titan_tp.py): the same saved set, each term on a rank split "tp" (heads,
+# FFN columns: / t), "sp" (sequence-sharded: / t) or kept whole (""); the norm outputs are saved all-gathered over the
+# sequence (the colwise linears' input), wo's output reduce-scattered. The residual row: under TP the partitioner saves
+# the residual sum after attention (x + wo's output) in place of the block input (the reduce-scatter sits between
+# them), as many bytes; under selective-op the block input itself.
+TITAN_TP_SPLIT = {"layer_input": "sp", "ln1_rstd": "sp", "qkv_input": "", "q": "tp", "k": "tp", "v": "tp",
+                  "sdpa_logsumexp": "tp", "attn_out": "tp", "o_proj_out": "sp", "ln2_rstd": "sp", "mlp_input": "",
+                  "silu_input": "tp", "up_out": "tp", "fc2_input": "tp", "qkv_out": "tp", "wo_rs": "sp"}
+# selective-op under TP also saves wo's reduce-scattered output (its save list holds reduce_scatter_tensor; w2's is
+# not saved: the backward does not use it), a TP-only term
+TITAN_SAC_TP = (("wo_rs", "wo's output reduce-scattered over the sequence (bf16; TP only, selective-op's save list)",
+                 "attention", "s b h", "act"),)
+SAC_IDS = frozenset(row[0] for row in TITAN_SAC + TITAN_SAC_TP)
 # torchtitan's MemoryBudgetAC (--ac budget:F): the TITAN_LAYER rows the partitioner saves at F = 0, 0.1, ..., 1 (by
 # tenths), traced at the Llama 3 8B, 70B and 405B widths (BUDGET_WIDTHS) at s 2,048, 8,192 and 32,768 with
 # validation/budget.py (the real-size block compiled under FakeTensorMode; torch's knapsack, flops estimator): the
@@ -223,10 +246,12 @@ def compiled_terms(impl: str, float8: str | None = None, linears: int = 0, budge
         return [saved(id, what, block, elements, dtype, k22=False, src=BUDGET_SRC)
                 for id, what, block, elements, dtype in TITAN_LAYER if id in keep]
     sac = impl == "torchtitan" and not float8
-    rows = TABLES[impl] + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) if sac else ())
-    terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=SRC,
+    rows = TABLES[impl] + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) + TITAN_SAC_TP if sac else ())
+    split = TITAN_TP_SPLIT if impl == "torchtitan" else {}
+    src = f"{SRC}; per TP rank {TP_SRC}" if impl == "torchtitan" else SRC
+    terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=src,
                    sel=sac and id not in SAC_IDS, only_selective=sac and (id, what, block, elements, dtype) not in
-                   TITAN_LAYER)
+                   TITAN_LAYER, tp=split.get(id) == "tp", sp=split.get(id) == "sp", needs_tp=id == "wo_rs")
              for id, what, block, elements, dtype in rows if not (float8 and id in FLOAT8_RECOMPUTED)]
     if float8 == "tensorwise":
         terms += [saved(id, what, "float8", str(linears), dtype, k22=False, src=SRC, storages=linears)
@@ -257,9 +282,22 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
                                moments=out)
 
 
-def notes(training, impl: str = "") -> list[str]:
+# torch 2.13 stops compiling torchtitan's FullAC block under DTensor TP (inductor and AOTAutograd alike, on CPU): the
+# checkpointed region's forward saves the TP DeviceMesh among its tensors
+FULL_TP_ERROR = ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors, got types: [..., "
+                 "DeviceMesh] (torch/_functorch/_aot_autograd/runtime_wrappers.py save_from_forward)")
+
+
+def notes(training, impl: str = "", tp: int = 1) -> list[str]:
     if not getattr(training, "compile", False):
         return []
+    if impl == "torchtitan" and tp > 1:
+        full = training.recompute == Recompute.FULL
+        tp_note = [f"--compile with --tp {tp}: the compiled block's saved tensors {TP_SRC}" + (
+            "; under --ac full DERIVED, not measured (each checkpointed block keeps its sequence-sharded input, as "
+            "eager FullAC under TP, measured): torch 2.13 does not run it on CPU, " + FULL_TP_ERROR if full else "")]
+    else:
+        tp_note = []
     loss = ("the loss is not compiled" if impl != "torchtune" else
             "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
             "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
@@ -269,4 +307,4 @@ def notes(training, impl: str = "") -> list[str]:
         "partitioner recomputes in the backward is neither timed nor counted as a working set (a lower bound)"]
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            f"kernels' own buffers left out (not traced); {loss}"] + budget
+            f"kernels' own buffers left out (not traced); {loss}"] + budget + tp_note

@@ -338,5 +338,6 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
               "the MoE models (Qwen3 MoE, DeepSeek-V3), Qwen3 with TP or CP measured, "
-              "CP with the sdpa ring or with TP measured, compile with TP or CP or with selective-op AC and float8, "
-              "float8 with TP, budget AC's recompute; the allocation stream checked against a recording")
+              "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
+              "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
+              "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")

@@ -33,6 +33,14 @@ per cast ``torch.abs`` (2 B per element), the fp32 scaled copy and its clamp (fl
 ``_ToFloat8ConstrFunc``), the 1-byte float8 result; the input and weight in the forward, the weight again and the
 output gradient twice in the backward.
 
+With TP (``--tp T``): torchtitan 0.3.0 runs the converter before its sharding configs, so its DTensor TP shards the
+Float8Linear modules as it shards the bf16 ones (no Float8ColwiseParallel there); measured over gloo on 2 ranks
+(validation/titan.py ``measure_tp(float8=...)``, tests/test_titan_float8.py): each rank keeps what the bf16 TP rank
+keeps (tests/test_titan_tp.py's split), plus under selective-op with tensorwise the same 10 amax scalars, the states
+unchanged.  Tensorwise's FSDP2 float8 all-gather with TP is derived (the rank's TP shard gathered at 1 byte per
+element), not measured.  Compiled with TP the partitioner saves float8 casts of the weights and the norm outputs
+(measured, validation/titan_tp_compile.py): not modelled, refused outside --ac full (memplan/api/options.py).
+
 FSDP2's float8 all-gather (tensorwise only; torchao float8/fsdp_utils.py:228-253
 ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the local shard to float8 and all-gathers it,
 ``fsdp_post_all_gather`` wraps the gathered bytes as the unsharded float8 weight, which the forward uses as
@@ -62,9 +70,9 @@ SRC = ("measured: torchtitan 0.3.0 Llama 3 block with torchao 0.18's Float8Linea
        "tests/test_titan_float8.py); torchao float8_linear.py:40 saves the bf16 input")
 
 
-def check_float8(recipe: Optional[str], impl: str, tp: Optional[int]) -> None:
-    """Refuse what memplan does not model: float8 outside torchtitan, with --tp; a recipe torchao's
-    from_recipe_name does not name here (with --compile: memplan/inventory/compiled.py)."""
+def check_float8(recipe: Optional[str], impl: str) -> None:
+    """Refuse what memplan does not model: float8 outside torchtitan; a recipe torchao's from_recipe_name does not
+    name here (with --compile: memplan/inventory/compiled.py; with --compile and --tp: memplan/api/options.py)."""
     if recipe is None:
         return
     if recipe not in RECIPES:
@@ -72,9 +80,6 @@ def check_float8(recipe: Optional[str], impl: str, tp: Optional[int]) -> None:
     if impl != "torchtitan":
         raise MemplanError("--float8 is torchtitan's torchao float8 (--impl torchtitan); Megatron-LM's Transformer "
                            "Engine FP8 is --fp8 RECIPE")
-    if tp not in (None, 1):
-        raise MemplanError("--float8 with --tp is not modelled yet (torchtitan <= 0.2 cast before the all-gather in "
-                           "Float8ColwiseParallel; 0.3.0's DTensor path is not measured)")
 
 
 def converted_linears(model: ModelSpec) -> list[tuple[str, int, int]]:
@@ -99,17 +104,23 @@ def apply(inventory: Inventory, model: ModelSpec, recipe: str) -> Inventory:
     return dataclasses.replace(inventory, name=f"{inventory.name}/float8-{recipe}", terms=terms)
 
 
-def gathered_layer(model: ModelSpec, layer: Any) -> Any:
+def gathered_layer(model: ModelSpec, layer: Any, t: Any = 1) -> Any:
     """One decoder layer's unsharded parameters under tensorwise's float8 all-gather, in bf16 elements (the unit
     memplan/memory/dp_stack.py counts gathered parameters in): its float8 weights at 1 byte, half a bf16 element
-    each; ``layer`` the layer's parameters."""
-    return layer - sum(i * o for _, i, o in converted_linears(model)) // 2
+    each; ``layer`` the layer's parameters on a rank of TP ``t`` (every linear TP-split: its shard / t; derived)."""
+    return layer - sum(i * o for _, i, o in converted_linears(model)) // (2 * t)
 
 
-def notes(recipe: Optional[str], compiled: bool = False) -> list[str]:
-    """What an estimate says about its float8 figures (``compiled``: with --compile)."""
+def notes(recipe: Optional[str], compiled: bool = False, tp: int = 1) -> list[str]:
+    """What an estimate says about its float8 figures (``compiled``: with --compile; ``tp``: the TP degree)."""
     if recipe is None:
         return []
+    with_tp = [] if tp == 1 else [
+        f"--float8 with --tp {tp}: each rank's kept tensors measured over gloo (2 ranks, torchtitan 0.3.0's DTensor TP "
+        "of its Float8Linear modules: what the bf16 rank keeps, plus tensorwise's amax under selective-op)"
+        + ("; compiled under --ac full: each block keeps its input only (DERIVED: torch 2.13 does not run compile "
+           "with full AC and TP on CPU)" if compiled else "")
+        + ("; tensorwise's float8 all-gather of the TP shard derived, not measured" if recipe == "tensorwise" else "")]
     kept = ("a layer keeps what its bf16 version keeps (torchao saves the bf16 input and recasts in the backward), plus "
             "under selective-op with tensorwise the casts' amax scalars (measured on CPU)" if not compiled else
             "compiled, a layer keeps what the partitioner saves with float8 linears: the bf16 compiled layer's tensors "
@@ -119,4 +130,4 @@ def notes(recipe: Optional[str], compiled: bool = False) -> list[str]:
               if recipe == "tensorwise" else "; FSDP2 all-gathers bf16 (torchtitan 0.3.0 has no float8 all-gather)")
     return [f"float8 ({recipe}, torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head bf16): {kept}{gather}; the "
             "casts' transients are not in the peak (derived, memplan/inventory/titan_float8.py); step time counts bf16 "
-            "GEMMs"]
+            "GEMMs"] + with_tp

@@ -82,7 +82,7 @@ def buffer_bytes(training: TrainingSpec, model: ModelSpec, zero: Any) -> Any:
     return buckets * hf_auto_buckets(model)["reduce_bucket_size"] * training.weight_bytes
 
 
-def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any) -> Optional[Any]:
+def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any, t: Any = 1) -> Optional[Any]:
     """Unsharded parameters alive at once under ZeRO 3 (elements, in the weights' dtype), given one layer's
     parameters `layer` and the tail unit's (final norm, output layer) `tail`; None: memplan's default (one layer,
     memplan/memory/states.py state_bytes). FSDP2: the larger of three layers (the one computing, the prefetched one,
@@ -90,10 +90,11 @@ def gathered_params(training: TrainingSpec, model: ModelSpec, layer: Any, tail: 
     unsharded all step). torchtune: 3 layers (2 with LoRA: a frozen base makes no unsharded gradients) and the
     root (the tail and, untied, the input embedding v h), gathered under every layer; `layer` is what a layer
     gathers (QLoRA's in NF4: memplan/memory/adapters.py gathered_base_layer). DeepSpeed stage 3: the largest
-    submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters."""
+    submodule (an MLP projection, h x f) and the prefetch bucket, capped at stage3_max_live_parameters. `t`: the
+    TP degree (torchtitan's float8 linears are TP shards)."""
     if training.dp_stack == "torchtitan":  # memplan/inventory/titan.py fsdp2_states: running + prefetched layers, tail
         # tensorwise float8: the layers all-gathered in float8 (memplan/inventory/titan_float8.py); the tail bf16
-        return (1 + GPU_PREFETCH) * (gathered_layer(model, layer) if training.float8 == "tensorwise" else layer) + tail
+        return (1 + GPU_PREFETCH) * (gathered_layer(model, layer, t) if training.float8 == "tensorwise" else layer) + tail
     if training.dp_stack == "fsdp2":  # tied: the tail holds the embedding, gathered from the first layer's forward
         return 3 * layer + tail if model.tied_embeddings else maximum(3 * layer, tail + layer)
     if training.dp_stack == "torchtune":  # the root unit: embedding, final norm, output layer (one v h when tied)

@@ -109,7 +109,8 @@ def stage_memory(
     one_layer = layer_params(model, sizes.group)
     # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
     gathered_layer = gathered_base_layer(model, training, sizes.values, one_layer) if training.lora_rank else one_layer
-    gathered = dp_stack.gathered_params(training, model, gathered_layer, stage_params(model, sizes.group, 0, 0, 1, 2))
+    gathered = dp_stack.gathered_params(training, model, gathered_layer, stage_params(model, sizes.group, 0, 0, 1, 2),
+                                        plan.t)
     gathered = one_layer if gathered is None else gathered
     # torchtitan with PP: the stage's parameters unsharded all step, their gradients accumulated unsharded in fp32
     gathered, accumulated = dp_stack.titan_pipelined(training, plan.p, params, gathered)

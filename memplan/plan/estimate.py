@@ -338,10 +338,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                          + "); the stage's received inputs and kept outputs per micro-batch are not counted")
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
-    notes += float8_notes(tr.float8, tr.compile)
+    notes += float8_notes(tr.float8, tr.compile, par.tp)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
-    notes += compile_notes(tr, inventory.name.split("/")[0])
+    notes += compile_notes(tr, inventory.name.split("/")[0], par.tp)
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))

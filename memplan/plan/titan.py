@@ -12,12 +12,12 @@ same flags, memplan/api/options.py):
   AC          none, selective-op, full, selective-layer:N (every N-th layer checkpointed, L // N of them: one plan
               per distinct count, named by the smallest N that gives it; the kept bytes do not depend on where the
               layers sit, memplan/inventory/titan.py);
-  compile     off, or on where memplan traces it (tp = cp = 1; with --float8 AC not selective-op:
-              memplan/inventory/compiled.py).
+  compile     off, or on where memplan traces it (cp = 1, any tp; with --float8 AC not selective-op, and at
+              tp > 1 full AC only: memplan/inventory/compiled.py, memplan/api/options.py).
   cp          1, and where s >= CP_MIN_SEQ or --cp pins it, powers of 2 with 2 cp | s (torchtitan's head-tail
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
 Not searched (not modelled for torchtitan yet): pipeline and expert parallelism, async TP, memory-budget AC.
-float8 is pinned, not searched (`--float8`: tp 1 plans only); as a dimension it would be like compile: a pin in
+float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
 
@@ -124,11 +124,13 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     return plans.take(np.flatnonzero(keep))
 
 
-def compilable(plans: PlanValues, float8: bool = False) -> np.ndarray:
-    """The plans memplan models with torch.compile: tp = cp = 1; with float8 linears AC not selective-op
-    (memplan/inventory/compiled.py)."""
-    return ((np.asarray(plans.t) == 1) & (np.asarray(plans.cp) == 1)
-            & ((np.asarray(plans.recompute) != int(Recompute.SELECTIVE)) | (not float8)))
+def compilable(plans: PlanValues, float8: bool = False, layers: int = 0) -> np.ndarray:
+    """The plans memplan models with torch.compile: cp = 1 (any tp: the compiled block measured per TP rank); with
+    float8 linears AC not selective-op (memplan/inventory/compiled.py), and with tp > 1 full AC of all ``layers``
+    (memplan/api/options.py)."""
+    rec, t = np.asarray(plans.recompute), np.asarray(plans.t)
+    full = (rec == int(Recompute.FULL)) & (np.asarray(plans.recomputed_layers) >= layers)
+    return (np.asarray(plans.cp) == 1) & (((rec != int(Recompute.SELECTIVE)) & ((t == 1) | full)) | (not float8))
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:

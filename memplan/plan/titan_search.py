@@ -41,16 +41,13 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     start = time.perf_counter()
     eager = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu))
     notes = []
-    if training.float8:  # float8 is modelled with FSDP2 alone (check_float8 refuses it with --tp): tp 1 plans only
-        eager = eager.take(np.flatnonzero(eager.t == 1))
-        notes.append(f"--float8 {training.float8}: tp 1 plans only (float8 with TP is not modelled yet)")
     sets = []  # (plans, compiled)
     if pins.compile is not True:
         sets.append((eager, False))
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = compilable(eager, bool(training.float8))
-        where = "--tp 1, --cp 1" + (" and --ac none, full or selective-layer" if training.float8 else "")
+        can = compilable(eager, bool(training.float8), model.num_layers)
+        where = "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else "")
         if why and pins.compile:
             raise MemplanError(why)
         if pins.compile and not can.any():
@@ -61,8 +58,9 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         elif can.any():
             sets.append((eager.take(np.flatnonzero(can)), True))
             if not can.all():
-                notes.append(f"torch.compile searched with {where} only (compile with TP or CP"
-                             + (", or with float8 and selective-op," if training.float8 else "")
+                notes.append(f"torch.compile searched with {where} only (compile with CP"
+                             + (", or with float8 and selective-op, or with float8, TP and AC not full,"
+                                if training.float8 else "")
                              + " is not traced yet)")
     parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
     for plans, compiled in sets:
