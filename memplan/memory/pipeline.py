@@ -19,7 +19,12 @@ when accounted), the others (L + e + l)/p (same function there).
 torchtitan 0.3.0 (``--impl torchtitan --pp P``, torch.distributed.pipelining): its single-stage schedules
 ``1F1B`` (torch's Schedule1F1B: rank i runs min(M, p - i) warm-up forwards before its first backward, the same
 p - i in flight as Megatron-LM's 1F1B) and ``GPipe`` (ScheduleGPipe: every forward, then every backward: M in
-flight on every stage); its stage split `titan_stage_layers`.
+flight on every stage); its stage split `titan_stage_layers`. Its multi-stage ``Interleaved1F1B`` (torch's
+ScheduleInterleaved1F1B, `titan_order`): torchtitan makes m = 2 stages per rank unless
+pipeline_parallel_layers_per_stage says otherwise (`titan_stages_per_rank`), splits the layers over the p m virtual
+stages with the same split (so a rank's chunks differ by a layer: Llama 3 8B, p = 2: 8, 9, 8, 7), rank r runs
+stages r, r + p, ...; torch's warm-up is Megatron-LM's with p replaced by its micro-batches per round
+M // max(1, M // p) (`chunks_in_flight`'s ``group``): the same count when p divides M, more when it does not.
 
 All functions take scalars or numpy arrays (`titan_stage_layers`: scalars).
 """
@@ -37,10 +42,13 @@ TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "Interleaved
 TITAN_SCHEDULES = ("1F1B", "GPipe")
 
 
-def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
-    """(micro-batch, model chunk) activation sets stage `stage` holds at its peak."""
+def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, group: Any = None) -> Any:
+    """(micro-batch, model chunk) activation sets stage `stage` holds at its peak: Megatron-LM's warm-up forwards
+    + 1; `group` the micro-batches that run one chunk before the next (Megatron-LM: p; torch's
+    ScheduleInterleaved1F1B: `torch_round`)."""
+    group = p if group is None else group
     one_f_one_b = p - stage
-    interleaved = 2 * (p - stage - 1) + (m - 1) * p + 1
+    interleaved = 2 * (p - stage - 1) + (m - 1) * group + 1
     warmup_plus_one = (m == 1) * one_f_one_b + (m != 1) * interleaved
     return minimum(warmup_plus_one, microbatches * m)
 
@@ -51,6 +59,65 @@ def schedule_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, schedule: 
     if schedule == "GPipe":
         return microbatches * m, microbatches
     return chunks_in_flight(stage, p, m, microbatches), microbatches_in_flight(stage, p, microbatches, m)
+
+
+def torch_round(p: int, microbatches: int) -> int:
+    """torch's ScheduleInterleaved1F1B micro-batches per round: M // max(1, M // p); it refuses an M that the
+    rounds do not divide (p = 4: M = 9)."""
+    rounds = max(1, microbatches // p)
+    if microbatches % rounds:
+        raise ValueError(f"torch's Interleaved1F1B needs the {microbatches} micro-batches to be a multiple of its "
+                         f"{rounds} rounds (max(1, M // p), p = {p})")
+    return microbatches // rounds
+
+
+def titan_stages_per_rank(p: int, num_layers: int, layers_per_stage: Any = None, input_weight: int = 1,
+                          output_weight: int = 1) -> int:
+    """torchtitan 0.3.0's virtual stages per rank for a multi-stage schedule (pipeline_parallel.py
+    _get_pipeline_metadata): 2 by default, else ceil((L + iw + ow) / pipeline_parallel_layers_per_stage) / p,
+    which p must divide and which must be at least 2."""
+    if layers_per_stage is None:
+        return 2
+    stages = -(-(num_layers + input_weight + output_weight) // layers_per_stage)
+    if stages % p or stages // p < 2:
+        raise ValueError(f"torchtitan: {num_layers} layers at {layers_per_stage} a stage make {stages} virtual "
+                         f"stages: a multi-stage schedule needs a multiple of p = {p}, at least 2 a rank")
+    return stages // p
+
+
+def titan_order(rank: int, p: int, m: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """("F" or "B", micro-batch, local chunk) steps of torch 2.13's ScheduleInterleaved1F1B on `rank` (schedules.py
+    _get_1f1b_rank_ops, no zero bubble): `chunks_in_flight` - 1 warm-up forwards, forward-then-backward pairs,
+    cool-down backwards; the forward of step k runs chunk (k // round) mod m, the backward of step k chunk
+    m - 1 - ((k - warm-up) // round) mod m (round = `torch_round`); each chunk's micro-batches in order."""
+    group = torch_round(p, microbatches)
+    total = m * microbatches
+    warm = min(2 * (p - rank - 1) + (m - 1) * group, total)  # torch's _get_warmup_ops (capped at M m)
+    nxt_f, nxt_b, out = [0] * m, [0] * m, []
+
+    def step(kind: str, chunk: int, nxt: list) -> None:
+        out.append((kind, nxt[chunk], chunk))
+        nxt[chunk] += 1
+    for k in range(total + warm):
+        if k < total:
+            step("F", (k // group) % m, nxt_f)
+        if k >= warm:
+            step("B", m - 1 - ((k - warm) // group) % m, nxt_b)
+    return out
+
+
+def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None) -> tuple[Any, tuple[int, ...]]:
+    """The most of sum(weight[chunk] x its forwards not yet backwarded) over `order`'s steps (+ once[chunk] while
+    the chunk holds any), and the per-chunk counts then (a backward frees what its forward saved)."""
+    held = [0] * (max(c for _, _, c in order) + 1)
+    once = once or [0] * len(held)
+    best, at = None, tuple(held)
+    for kind, _, c in order:
+        held[c] += 1 if kind == "F" else -1
+        total = sum(w * n + o * (n > 0) for w, n, o in zip(weight, held, once))
+        if best is None or total > best:
+            best, at = total, tuple(held)
+    return best, at
 
 
 def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> tuple[int, ...]:

@@ -1,0 +1,89 @@
+"""torchtitan's multi-stage pipeline schedule Interleaved1F1B (torch 2.13's ScheduleInterleaved1F1B): torchtitan's
+stages per rank, torch's step order and what each rank holds at its peak, against torch's real schedule measured
+over gloo (validation/titan_pp.py; the re-measurement, ~40 s, is opt-in: MEMPLAN_TITAN_SLOW=1)."""
+
+import os
+
+import pytest
+
+from memplan.inventory.titan import layer_bytes, llama3_layer_terms
+from memplan.memory.pipeline import (chunks_in_flight, peak_sets, titan_order, titan_stage_layers,
+                                     titan_stages_per_rank, torch_round)
+
+SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")
+H, A, G, F, V, S = 64, 4, 2, 160, 128, 16  # validation/titan.py Shape(), vocab 128, s 16, b 1, 6 layers
+
+# PYTHONPATH=. python -m validation.titan_pp Interleaved1F1B (2 ranks x 2 stages, 6 layers): saved_peak per rank
+MEASURED = {3: (427_776, 351_300), 4: (332_928, 284_928)}
+
+
+def test_stages_per_rank():
+    # torchtitan 0.3.0 _get_pipeline_metadata: 2 a rank by default; else ceil((L + 2) / layers_per_stage) stages,
+    # a multiple of p, >= 2 a rank. L = 32, 4 a stage: ceil(34 / 4) = 9: p = 3 gives 3; p = 2 refused (9 odd);
+    # 17 a stage: 2 stages, one a rank at p = 2: refused
+    assert titan_stages_per_rank(2, 32) == 2
+    assert titan_stages_per_rank(3, 32, 4) == 3
+    for p, per in ((2, 4), (2, 17)):
+        with pytest.raises(ValueError):
+            titan_stages_per_rank(p, 32, per)
+    # the p m virtual stages split as titan_stage_layers: L = 32, p = 2, m = 2: 8, 9, 8, 7 (rank 0: 8 + 8, rank 1:
+    # 9 + 7); the measured L = 6: 8 effective, 2 each: 1, 2, 2, 1
+    assert titan_stage_layers(4, 32) == (8, 9, 8, 7) and titan_stage_layers(4, 6) == (1, 2, 2, 1)
+
+
+def test_order_by_hand():
+    # torch's _get_1f1b_rank_ops, p = 2, m = 2, M = 4: round = 4 // max(1, 4 // 2) = 2; rank 1's warm-up
+    # 2 (p - 1 - 1) + (m - 1) 2 = 2 forwards of chunk 0; then step k: forward of chunk (k // 2) % 2, backward of
+    # chunk 1 - ((k - 2) // 2) % 2
+    assert titan_order(1, 2, 2, 4)[:8] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 1),
+                                           ("B", 1, 1), ("F", 2, 0), ("B", 0, 0)]
+    # the round differs from Megatron-LM's p when p does not divide M: p = 2, M = 3: one round of 3; rank 0 warm-up
+    # 2 + 3 = 5 forwards, + 1 = 6 = every (micro-batch, chunk) set, where Megatron-LM's count is 2 + 2 + 1 = 5
+    assert torch_round(2, 3) == 3 and torch_round(4, 10) == 5
+    assert chunks_in_flight(0, 2, 2, 3, torch_round(2, 3)) == 6 and chunks_in_flight(0, 2, 2, 3) == 5
+    with pytest.raises(ValueError):
+        torch_round(4, 9)  # 2 rounds do not divide 9: torch refuses
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 2), (3, 3)])
+def test_order_peak_is_the_count(p, m):
+    for micro in (1, 2, p, 2 * p, 3 * p):
+        rnd = torch_round(p, micro)
+        for r in range(p):
+            order = titan_order(r, p, m, micro)
+            assert sorted(order) == sorted((k, mb, c) for k in "FB" for mb in range(micro) for c in range(m))
+            assert all(order.index(("F", mb, c)) < order.index(("B", mb, c)) for _, mb, c in order)
+            flight = chunks_in_flight(r, p, m, micro, rnd)
+            assert peak_sets(order, [1] * m)[0] == flight
+            if micro % p == 0:  # torch's count is Megatron-LM's where p divides M
+                assert flight == chunks_in_flight(r, p, m, micro)
+
+
+def expected_saved(micro: int) -> tuple[int, int]:
+    """Each rank's saved peak from the order: rank 0's chunks hold 1 and 2 layers (chunk 0 + the token ids),
+    rank 1's 2 and 1 (chunk 1 + the final norm, the fp32 log-softmax 4 v and nll_loss's 4-byte total_weight per
+    micro-batch); + the token ids (rank 0's chunk 0) / targets (rank 1's chunk 1) of all M micro-batches, one
+    storage of 8 s M bytes (as in tests/test_titan_pp.py), alive while that chunk holds a micro-batch: rank 1's
+    peak at M = 4 is 3 micro-batches of chunk 0 (6 layers' worth against 5 + the loss's) without it."""
+    layer = layer_bytes(llama3_layer_terms(H, A, G, F), "none", S, 1)
+    norm = sum(t.bytes_per_token for t in llama3_layer_terms(H, 1, 1, 1, 1) if t.id.startswith("ffn_norm."))
+    weights = ([layer, 2 * layer], [2 * layer, layer + (norm + 4 * V) * S + 4])
+    ids = ([8 * S * micro, 0], [0, 8 * S * micro])
+    return tuple(peak_sets(titan_order(r, 2, 2, micro), weights[r], ids[r])[0] for r in (0, 1))
+
+
+@pytest.mark.parametrize("micro", sorted(MEASURED))
+def test_saved_peak_matches_measurement(micro):
+    assert expected_saved(micro) == MEASURED[micro]
+
+
+@SLOW
+@pytest.mark.parametrize("micro", sorted(MEASURED))
+def test_saved_peak_measured_over_gloo(micro):
+    from validation.titan import Shape
+    from validation.titan_pp import measure_pp
+
+    ranks = measure_pp(Shape(H, A, G, F), 6, V, S, 1, micro, "Interleaved1F1B", chunks=2)
+    assert [[sum(n.startswith("layers.") for n in c) for c in r["modules"]] for r in ranks] == [[1, 2], [2, 1]]
+    assert tuple(r["saved_peak"] for r in ranks) == expected_saved(micro) == MEASURED[micro]
+    assert all(r["saved_after"] == 0 for r in ranks)
