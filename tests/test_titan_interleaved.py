@@ -1,14 +1,17 @@
 """torchtitan's multi-stage pipeline schedule Interleaved1F1B (torch 2.13's ScheduleInterleaved1F1B): torchtitan's
 stages per rank, torch's step order and what each rank holds at its peak, against torch's real schedule measured
-over gloo (validation/titan_pp.py; the re-measurement, ~40 s, is opt-in: MEMPLAN_TITAN_SLOW=1)."""
+over gloo (validation/titan_pp.py). Opt-in (MEMPLAN_TITAN_SLOW=1): the re-measurement (~80 s) and the comparison with
+torch's own order (~3 s of import)."""
 
 import os
 
 import pytest
 
 from memplan.inventory.titan import layer_bytes, llama3_layer_terms
-from memplan.memory.pipeline import (chunks_in_flight, peak_sets, titan_order, titan_stage_layers,
-                                     titan_stages_per_rank, torch_round)
+from memplan.memory.pipeline import (chunks_in_flight, peak_sets, schedule, titan_stage_layers, titan_stages_per_rank,
+                                     torch_round)
+
+I1F1B = "Interleaved1F1B"
 
 SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")
 H, A, G, F, V, S = 64, 4, 2, 160, 128, 16  # validation/titan.py Shape(), vocab 128, s 16, b 1, 6 layers
@@ -35,7 +38,7 @@ def test_order_by_hand():
     # torch's _get_1f1b_rank_ops, p = 2, m = 2, M = 4: round = 4 // max(1, 4 // 2) = 2; rank 1's warm-up
     # 2 (p - 1 - 1) + (m - 1) 2 = 2 forwards of chunk 0; then step k: forward of chunk (k // 2) % 2, backward of
     # chunk 1 - ((k - 2) // 2) % 2
-    assert titan_order(1, 2, 2, 4)[:8] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 1),
+    assert schedule(1, 2, 2, 4, I1F1B)[:8] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 1),
                                            ("B", 1, 1), ("F", 2, 0), ("B", 0, 0)]
     # the round differs from Megatron-LM's p when p does not divide M: p = 2, M = 3: one round of 3; rank 0 warm-up
     # 2 + 3 = 5 forwards, + 1 = 6 = every (micro-batch, chunk) set, where Megatron-LM's count is 2 + 2 + 1 = 5
@@ -50,13 +53,13 @@ def test_order_peak_is_the_count(p, m):
     for micro in (1, 2, p, 2 * p, 3 * p):
         rnd = torch_round(p, micro)
         for r in range(p):
-            order = titan_order(r, p, m, micro)
+            order = schedule(r, p, m, micro, I1F1B)
             assert sorted(order) == sorted((k, mb, c) for k in "FB" for mb in range(micro) for c in range(m))
             assert all(order.index(("F", mb, c)) < order.index(("B", mb, c)) for _, mb, c in order)
             flight = chunks_in_flight(r, p, m, micro, rnd)
             assert peak_sets(order, [1] * m)[0] == flight
-            if micro % p == 0:  # torch's count is Megatron-LM's where p divides M
-                assert flight == chunks_in_flight(r, p, m, micro)
+            if micro % p == 0:  # torch's count and order are Megatron-LM's where p divides M
+                assert flight == chunks_in_flight(r, p, m, micro) and order == schedule(r, p, m, micro)
 
 
 def expected_saved(micro: int) -> tuple[int, int]:
@@ -69,7 +72,7 @@ def expected_saved(micro: int) -> tuple[int, int]:
     norm = sum(t.bytes_per_token for t in llama3_layer_terms(H, 1, 1, 1, 1) if t.id.startswith("ffn_norm."))
     weights = ([layer, 2 * layer], [2 * layer, layer + (norm + 4 * V) * S + 4])
     ids = ([8 * S * micro, 0], [0, 8 * S * micro])
-    return tuple(peak_sets(titan_order(r, 2, 2, micro), weights[r], ids[r])[0] for r in (0, 1))
+    return tuple(peak_sets(schedule(r, 2, 2, micro, I1F1B), weights[r], ids[r])[0] for r in (0, 1))
 
 
 @pytest.mark.parametrize("micro", sorted(MEASURED))
@@ -87,3 +90,26 @@ def test_saved_peak_measured_over_gloo(micro):
     assert [[sum(n.startswith("layers.") for n in c) for c in r["modules"]] for r in ranks] == [[1, 2], [2, 1]]
     assert tuple(r["saved_peak"] for r in ranks) == expected_saved(micro) == MEASURED[micro]
     assert all(r["saved_after"] == 0 for r in ranks)
+
+
+class _Stage:
+    """What ScheduleInterleaved1F1B reads of its stages to build its order (no process group needed)."""
+
+    def __init__(self, rank: int, p: int, index: int, stages: int) -> None:
+        self.group_size, self.group_rank, self.stage_index, self.num_stages = p, rank, index, stages
+        self.is_first, self.is_last = index == 0, index == stages - 1
+
+
+@SLOW  # importing torch.distributed.pipelining takes ~3 s (the order itself 0.02 s); test_order_by_hand is the fast one
+def test_order_is_torchs():
+    # torch 2.13's own ScheduleInterleaved1F1B.pipeline_order (its compute actions; a rank's stage r + c p is its
+    # local chunk c) against `schedule`, p dividing M or not (p = 4, M = 6: one round of 6; M = 10: 2 of 5)
+    pytest.importorskip("torch")
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    for p, m, micro in ((2, 2, 3), (2, 2, 4), (4, 2, 6), (4, 2, 10), (3, 3, 6), (4, 2, 2)):
+        sched = ScheduleInterleaved1F1B([_Stage(0, p, c * p, p * m) for c in range(m)], n_microbatches=micro)
+        for r in range(p):
+            real = [(a.computation_type.value, a.microbatch_index, (a.stage_index - r) // p)
+                    for a in sched.pipeline_order[r] if a is not None]
+            assert real == schedule(r, p, m, micro, I1F1B), (p, m, micro, r)

@@ -20,7 +20,7 @@ torchtitan 0.3.0 (``--impl torchtitan --pp P``, torch.distributed.pipelining): i
 ``1F1B`` (torch's Schedule1F1B: rank i runs min(M, p - i) warm-up forwards before its first backward, the same
 p - i in flight as Megatron-LM's 1F1B) and ``GPipe`` (ScheduleGPipe: every forward, then every backward: M in
 flight on every stage); its stage split `titan_stage_layers`. Its multi-stage ``Interleaved1F1B`` (torch's
-ScheduleInterleaved1F1B, `titan_order`): torchtitan makes m = 2 stages per rank unless
+ScheduleInterleaved1F1B, `schedule`): torchtitan makes m = 2 stages per rank unless
 pipeline_parallel_layers_per_stage says otherwise (`titan_stages_per_rank`), splits the layers over the p m virtual
 stages with the same split (so a rank's chunks differ by a layer: Llama 3 8B, p = 2: 8, 9, 8, 7), rank r runs
 stages r, r + p, ...; torch's warm-up is Megatron-LM's with p replaced by its micro-batches per round
@@ -83,27 +83,6 @@ def titan_stages_per_rank(p: int, num_layers: int, layers_per_stage: Any = None,
         raise ValueError(f"torchtitan: {num_layers} layers at {layers_per_stage} a stage make {stages} virtual "
                          f"stages: a multi-stage schedule needs a multiple of p = {p}, at least 2 a rank")
     return stages // p
-
-
-def titan_order(rank: int, p: int, m: int, microbatches: int) -> list[tuple[str, int, int]]:
-    """("F" or "B", micro-batch, local chunk) steps of torch 2.13's ScheduleInterleaved1F1B on `rank` (schedules.py
-    _get_1f1b_rank_ops, no zero bubble): `chunks_in_flight` - 1 warm-up forwards, forward-then-backward pairs,
-    cool-down backwards; the forward of step k runs chunk (k // round) mod m, the backward of step k chunk
-    m - 1 - ((k - warm-up) // round) mod m (round = `torch_round`); each chunk's micro-batches in order."""
-    group = torch_round(p, microbatches)
-    total = m * microbatches
-    warm = min(2 * (p - rank - 1) + (m - 1) * group, total)  # torch's _get_warmup_ops (capped at M m)
-    nxt_f, nxt_b, out = [0] * m, [0] * m, []
-
-    def step(kind: str, chunk: int, nxt: list) -> None:
-        out.append((kind, nxt[chunk], chunk))
-        nxt[chunk] += 1
-    for k in range(total + warm):
-        if k < total:
-            step("F", (k // group) % m, nxt_f)
-        if k >= warm:
-            step("B", m - 1 - ((k - warm) // group) % m, nxt_b)
-    return out
 
 
 def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None) -> tuple[Any, tuple[int, ...]]:
@@ -169,12 +148,16 @@ def schedule(stage: int, p: int, m: int, microbatches: int, kind: str = "1F1B") 
     Megatron-LM's 1F1B and interleaved 1F1B (megatron-core 0.16 schedules.py get_schedule_table with
     microbatch_group_size_per_vp_stage = p, its default; get_model_chunk_id: a backward runs the table's chunk
     reversed). `chunks_in_flight` - 1 warm-up forwards, (forward, backward) pairs, cool-down backwards. GPipe
-    (torch's ScheduleGPipe, one chunk): every forward, then every backward in the same order."""
+    (torch's ScheduleGPipe, one chunk): every forward, then every backward in the same order. ``Interleaved1F1B``
+    (torch 2.13's ScheduleInterleaved1F1B, schedules.py _get_1f1b_rank_ops without zero bubble): the same table and
+    pairs with groups of `torch_round` micro-batches instead of p (its step k's forward runs chunk (k // round) mod
+    m, its backward chunk m - 1 - ((k - warm-up) // round) mod m): Megatron-LM's order where p divides M."""
     if kind == "GPipe":
         return [("F", mb, 0) for mb in range(microbatches)] + [("B", mb, 0) for mb in range(microbatches)]
-    table = [(mb, c) for lo in range(0, microbatches, p) for c in range(m)
-             for mb in range(lo, microbatches if lo + p >= microbatches else lo + p)]
-    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches))
+    group = torch_round(p, microbatches) if kind == "Interleaved1F1B" else p
+    table = [(mb, c) for lo in range(0, microbatches, group) for c in range(m)
+             for mb in range(lo, microbatches if lo + group >= microbatches else lo + group)]
+    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches, group))
     fwd = [("F", mb, c) for mb, c in table]
     bwd = [("B", mb, m - 1 - c) for mb, c in table]
     return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
