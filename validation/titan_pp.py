@@ -5,9 +5,9 @@
 torchtitan's own ``_generate_llm_fqn_per_model_part`` and ``_split_module`` (its ``pipeline_llm`` path), one
 ``PipelineStage`` per rank, and torch's ``Schedule1F1B`` or ``ScheduleGPipe`` over ``microbatches`` micro-batches,
 the loss torchtitan's (``cross_entropy`` of the fp32 logits) on the last stage.  ``chunks`` > 1: torchtitan's
-multi-stage path (``Interleaved1F1B``): ``world x chunks`` virtual stages split by the same function, rank r holding
-stages r, r + world, ... (``_get_pp_rank_to_stage_indices_mapping``'s loop style), all its ``PipelineStage``\ s given
-to the schedule.
+multi-stage path (``Interleaved1F1B``, ``InterleavedZeroBubble``): ``world x chunks`` virtual stages split by the
+same function, rank r holding stages r, r + world, ... (``_get_pp_rank_to_stage_indices_mapping``'s loop style),
+all its ``PipelineStage`` objects given to the schedule.
 
 What is measured: the most bytes of saved-for-backward tensors alive at once during the step, per stage
 (``saved_tensors_hooks``: each saved tensor's storage counted once while any saved reference to it lives; the
@@ -106,7 +106,7 @@ def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, m
 if __name__ == "__main__":
     import sys
     for kind in sys.argv[1:] or ("1F1B", "GPipe"):
-        multi = kind == "Interleaved1F1B"
+        multi = kind in ("Interleaved1F1B", "InterleavedZeroBubble")
         for m in (3, 4) if multi else (4,):
             print(kind, m, measure_pp(Shape(), 6 if multi else 4, 128, microbatches=m, schedule=kind,
                                       chunks=2 if multi else 1))

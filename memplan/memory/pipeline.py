@@ -42,13 +42,14 @@ TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "Interleaved
 TITAN_SCHEDULES = ("1F1B", "GPipe")
 
 
-def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, group: Any = None) -> Any:
+def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, group: Any = None, hop: Any = 2) -> Any:
     """(micro-batch, model chunk) activation sets stage `stage` holds at its peak: Megatron-LM's warm-up forwards
     + 1; `group` the micro-batches that run one chunk before the next (Megatron-LM: p; torch's
-    ScheduleInterleaved1F1B: `torch_round`)."""
+    ScheduleInterleaved1F1B: `torch_round`), `hop` the warm-up forwards added per stage from the last (torch's
+    _get_warmup_ops multiply_factor: 2, its InterleavedZeroBubble 1)."""
     group = p if group is None else group
     one_f_one_b = p - stage
-    interleaved = 2 * (p - stage - 1) + (m - 1) * group + 1
+    interleaved = hop * (p - stage - 1) + (m - 1) * group + 1
     warmup_plus_one = (m == 1) * one_f_one_b + (m != 1) * interleaved
     return minimum(warmup_plus_one, microbatches * m)
 
@@ -85,15 +86,23 @@ def titan_stages_per_rank(p: int, num_layers: int, layers_per_stage: Any = None,
     return stages // p
 
 
-def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None) -> tuple[Any, tuple[int, ...]]:
-    """The most of sum(weight[chunk] x its forwards not yet backwarded) over `order`'s steps (+ once[chunk] while
-    the chunk holds any), and the per-chunk counts then (a backward frees what its forward saved)."""
-    held = [0] * (max(c for _, _, c in order) + 1)
-    once = once or [0] * len(held)
+def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None, early: Any = None,
+              early_once: Any = None) -> tuple[Any, tuple[int, ...]]:
+    """The most of sum(weight[chunk] x its micro-batches held) over `order`'s steps, and the per-chunk counts then:
+    a forward's saved tensors are held until its backward B, or until the W of a split one (torch's
+    stage_backward_input keeps the graph below the weight-gradient nodes for W); ``early[chunk]`` per micro-batch
+    until its B or I (what lies above the last weight, the loss: stage_backward_input detaches the outputs); the
+    ``once`` / ``early_once`` bytes while the chunk holds any micro-batch of those."""
+    chunks = max(c for _, _, c in order) + 1
+    zeros = [0] * chunks
+    once, early, early_once = once or zeros, early or zeros, early_once or zeros
+    held, pre = [0] * chunks, [0] * chunks
     best, at = None, tuple(held)
     for kind, _, c in order:
-        held[c] += 1 if kind == "F" else -1
-        total = sum(w * n + o * (n > 0) for w, n, o in zip(weight, held, once))
+        held[c] += 1 if kind == "F" else -1 if kind in "BW" else 0
+        pre[c] += 1 if kind == "F" else -1 if kind in "BI" else 0
+        total = sum(w * n + o * (n > 0) + e * k + eo * (k > 0)
+                    for w, n, o, e, k, eo in zip(weight, held, once, early, pre, early_once))
         if best is None or total > best:
             best, at = total, tuple(held)
     return best, at
@@ -154,13 +163,24 @@ def schedule(stage: int, p: int, m: int, microbatches: int, kind: str = "1F1B") 
     m, its backward chunk m - 1 - ((k - warm-up) // round) mod m): Megatron-LM's order where p divides M."""
     if kind == "GPipe":
         return [("F", mb, 0) for mb in range(microbatches)] + [("B", mb, 0) for mb in range(microbatches)]
-    group = torch_round(p, microbatches) if kind == "Interleaved1F1B" else p
+    zero = kind == "InterleavedZeroBubble"
+    group = torch_round(p, microbatches) if kind in ("Interleaved1F1B", "InterleavedZeroBubble") else p
     table = [(mb, c) for lo in range(0, microbatches, group) for c in range(m)
              for mb in range(lo, microbatches if lo + group >= microbatches else lo + group)]
-    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches, group))
+    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches, group, 1 if zero else 2))
     fwd = [("F", mb, c) for mb, c in table]
-    bwd = [("B", mb, m - 1 - c) for mb, c in table]
-    return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
+    bwd = [("I" if zero else "B", mb, m - 1 - c) for mb, c in table]
+    if not zero:
+        return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
+    # InterleavedZeroBubble (ZB1P, _get_1f1b_rank_ops with enable_zero_bubble): each backward split into I (input
+    # gradients) and W (weight gradients); the W of the n-th I runs right after the (n + rank)-th I, the rest at the end
+    out, w = fwd[:k - 1], 0
+    for r in range(total):
+        out += ([fwd[k - 1 + r]] if r <= total - k else []) + [bwd[r]]
+        if r >= stage:
+            out.append(("W",) + bwd[w][1:])
+            w += 1
+    return out + [("W",) + x[1:] for x in bwd[w:]]
 
 
 def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: Any = None) -> Any:
