@@ -4,7 +4,10 @@
 (``build_model``, the sdpa inner attention, in bf16 as FSDP2's mixed precision would run it), split with
 torchtitan's own ``_generate_llm_fqn_per_model_part`` and ``_split_module`` (its ``pipeline_llm`` path), one
 ``PipelineStage`` per rank, and torch's ``Schedule1F1B`` or ``ScheduleGPipe`` over ``microbatches`` micro-batches,
-the loss torchtitan's (``cross_entropy`` of the fp32 logits) on the last stage.
+the loss torchtitan's (``cross_entropy`` of the fp32 logits) on the last stage.  ``chunks`` > 1: torchtitan's
+multi-stage path (``Interleaved1F1B``, ``InterleavedZeroBubble``): ``world x chunks`` virtual stages split by the
+same function, rank r holding stages r, r + world, ... (``_get_pp_rank_to_stage_indices_mapping``'s loop style),
+all its ``PipelineStage`` objects given to the schedule.
 
 What is measured: the most bytes of saved-for-backward tensors alive at once during the step, per stage
 (``saved_tensors_hooks``: each saved tensor's storage counted once while any saved reference to it lives; the
@@ -61,7 +64,7 @@ class _Held:
 
 
 def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, microbatches: int,
-            schedule: str) -> dict:
+            schedule: str, chunks: int = 1) -> dict:
     """One stage of a ``world``-stage pipeline step: its modules, the peak of its saved tensors' bytes (see module)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -71,33 +74,39 @@ def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     whole = build_model(shape, layers, vocab)
     for prm in whole.parameters():  # bf16 parameters (the RoPE buffer keeps its complex dtype)
         prm.data = prm.data.to(torch.bfloat16)
-    names = _generate_llm_fqn_per_model_part(world, layers)[rank]
-    part = _split_module(whole, names)
+    split = _generate_llm_fqn_per_model_part(world * chunks, layers)
+    ids = [rank + c * world for c in range(chunks)]
+    parts = [_split_module(whole, split[i]) for i in ids]
     del whole
-    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    stages = [PipelineStage(part, i, world * chunks, torch.device("cpu")) for part, i in zip(parts, ids)]
 
     def loss_fn(pred, labels):  # torchtitan's cross_entropy_loss: F.cross_entropy(pred.float(), labels)
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
-    sched = get_schedule_class(schedule)(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    sched = get_schedule_class(schedule)(stages if chunks > 1 else stages[0], n_microbatches=microbatches,
+                                         loss_fn=loss_fn)
     tokens = torch.randint(0, vocab, (b * microbatches, s))
-    saved = _SavedPeak([*part.parameters(), *part.buffers()])
+    saved = _SavedPeak([x for part in parts for x in (*part.parameters(), *part.buffers())])
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         if rank == 0:
             sched.step(tokens)
         else:
             sched.step(target=tokens)
-    return {"modules": names, "saved_peak": saved.peak, "saved_after": saved.live}
+    return {"modules": [split[i] for i in ids] if chunks > 1 else split[rank], "saved_peak": saved.peak,
+            "saved_after": saved.live}
 
 
 def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
-               schedule: str = "1F1B", world: int = 2) -> list[dict]:
+               schedule: str = "1F1B", world: int = 2, chunks: int = 1) -> list[dict]:
     """``pp_rank`` on ``world`` spawned ranks over gloo."""
     from .ranks import run_ranks
-    return run_ranks(pp_rank, world, (shape, layers, vocab, s, b, microbatches, schedule))
+    return run_ranks(pp_rank, world, (shape, layers, vocab, s, b, microbatches, schedule, chunks))
 
 
 if __name__ == "__main__":
     import sys
     for kind in sys.argv[1:] or ("1F1B", "GPipe"):
-        print(kind, measure_pp(Shape(), 4, 128, schedule=kind))
+        multi = kind in ("Interleaved1F1B", "InterleavedZeroBubble")
+        for m in (3, 4) if multi else (4,):
+            print(kind, m, measure_pp(Shape(), 6 if multi else 4, 128, microbatches=m, schedule=kind,
+                                      chunks=2 if multi else 1))

@@ -352,8 +352,9 @@ class PlanOptions:
             return dict(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
         if schedule not in TITAN_SCHEDULES:
             raise MemplanError(f"--pipeline-schedule {echo(schedule)}: memplan models torchtitan's single-stage "
-                               f"schedules {', '.join(TITAN_SCHEDULES)} only yet (multi-stage: Interleaved1F1B, "
-                               "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV not yet)")
+                               f"schedules {', '.join(TITAN_SCHEDULES)} only yet (multi-stage: Interleaved1F1B and "
+                               "InterleavedZeroBubble are counted in memplan/memory/pipeline.py but not estimated: "
+                               "a rank's chunks differ in size; LoopedBFS, ZBVZeroBubble, DualPipeV not yet)")
         p = self.pp or 1
         if p == 1:
             return dict(pp_schedule=schedule)

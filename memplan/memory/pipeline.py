@@ -19,7 +19,12 @@ when accounted), the others (L + e + l)/p (same function there).
 torchtitan 0.3.0 (``--impl torchtitan --pp P``, torch.distributed.pipelining): its single-stage schedules
 ``1F1B`` (torch's Schedule1F1B: rank i runs min(M, p - i) warm-up forwards before its first backward, the same
 p - i in flight as Megatron-LM's 1F1B) and ``GPipe`` (ScheduleGPipe: every forward, then every backward: M in
-flight on every stage); its stage split `titan_stage_layers`.
+flight on every stage); its stage split `titan_stage_layers`. Its multi-stage ``Interleaved1F1B`` (torch's
+ScheduleInterleaved1F1B, `schedule`): torchtitan makes m = 2 stages per rank unless
+pipeline_parallel_layers_per_stage says otherwise (`titan_stages_per_rank`), splits the layers over the p m virtual
+stages with the same split (so a rank's chunks differ by a layer: Llama 3 8B, p = 2: 8, 9, 8, 7), rank r runs
+stages r, r + p, ...; torch's warm-up is Megatron-LM's with p replaced by its micro-batches per round
+M // max(1, M // p) (`chunks_in_flight`'s ``group``): the same count when p divides M, more when it does not.
 
 All functions take scalars or numpy arrays (`titan_stage_layers`: scalars).
 """
@@ -37,10 +42,14 @@ TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "Interleaved
 TITAN_SCHEDULES = ("1F1B", "GPipe")
 
 
-def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any) -> Any:
-    """(micro-batch, model chunk) activation sets stage `stage` holds at its peak."""
+def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, group: Any = None, hop: Any = 2) -> Any:
+    """(micro-batch, model chunk) activation sets stage `stage` holds at its peak: Megatron-LM's warm-up forwards
+    + 1; `group` the micro-batches that run one chunk before the next (Megatron-LM: p; torch's
+    ScheduleInterleaved1F1B: `torch_round`), `hop` the warm-up forwards added per stage from the last (torch's
+    _get_warmup_ops multiply_factor: 2, its InterleavedZeroBubble 1)."""
+    group = p if group is None else group
     one_f_one_b = p - stage
-    interleaved = 2 * (p - stage - 1) + (m - 1) * p + 1
+    interleaved = hop * (p - stage - 1) + (m - 1) * group + 1
     warmup_plus_one = (m == 1) * one_f_one_b + (m != 1) * interleaved
     return minimum(warmup_plus_one, microbatches * m)
 
@@ -51,6 +60,52 @@ def schedule_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, schedule: 
     if schedule == "GPipe":
         return microbatches * m, microbatches
     return chunks_in_flight(stage, p, m, microbatches), microbatches_in_flight(stage, p, microbatches, m)
+
+
+def torch_round(p: int, microbatches: int) -> int:
+    """torch's ScheduleInterleaved1F1B micro-batches per round: M // max(1, M // p); it refuses an M that the
+    rounds do not divide (p = 4: M = 9)."""
+    rounds = max(1, microbatches // p)
+    if microbatches % rounds:
+        raise ValueError(f"torch's Interleaved1F1B needs the {microbatches} micro-batches to be a multiple of its "
+                         f"{rounds} rounds (max(1, M // p), p = {p})")
+    return microbatches // rounds
+
+
+def titan_stages_per_rank(p: int, num_layers: int, layers_per_stage: Any = None, input_weight: int = 1,
+                          output_weight: int = 1) -> int:
+    """torchtitan 0.3.0's virtual stages per rank for a multi-stage schedule (pipeline_parallel.py
+    _get_pipeline_metadata): 2 by default, else ceil((L + iw + ow) / pipeline_parallel_layers_per_stage) / p,
+    which p must divide and which must be at least 2."""
+    if layers_per_stage is None:
+        return 2
+    stages = -(-(num_layers + input_weight + output_weight) // layers_per_stage)
+    if stages % p or stages // p < 2:
+        raise ValueError(f"torchtitan: {num_layers} layers at {layers_per_stage} a stage make {stages} virtual "
+                         f"stages: a multi-stage schedule needs a multiple of p = {p}, at least 2 a rank")
+    return stages // p
+
+
+def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None, early: Any = None,
+              early_once: Any = None) -> tuple[Any, tuple[int, ...]]:
+    """The most of sum(weight[chunk] x its micro-batches held) over `order`'s steps, and the per-chunk counts then:
+    a forward's saved tensors are held until its backward B, or until the W of a split one (torch's
+    stage_backward_input keeps the graph below the weight-gradient nodes for W); ``early[chunk]`` per micro-batch
+    until its B or I (what lies above the last weight, the loss: stage_backward_input detaches the outputs); the
+    ``once`` / ``early_once`` bytes while the chunk holds any micro-batch of those."""
+    chunks = max(c for _, _, c in order) + 1
+    zeros = [0] * chunks
+    once, early, early_once = once or zeros, early or zeros, early_once or zeros
+    held, pre = [0] * chunks, [0] * chunks
+    best, at = None, tuple(held)
+    for kind, _, c in order:
+        held[c] += 1 if kind == "F" else -1 if kind in "BW" else 0
+        pre[c] += 1 if kind == "F" else -1 if kind in "BI" else 0
+        total = sum(w * n + o * (n > 0) + e * k + eo * (k > 0)
+                    for w, n, o, e, k, eo in zip(weight, held, once, early, pre, early_once))
+        if best is None or total > best:
+            best, at = total, tuple(held)
+    return best, at
 
 
 def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> tuple[int, ...]:
@@ -102,15 +157,30 @@ def schedule(stage: int, p: int, m: int, microbatches: int, kind: str = "1F1B") 
     Megatron-LM's 1F1B and interleaved 1F1B (megatron-core 0.16 schedules.py get_schedule_table with
     microbatch_group_size_per_vp_stage = p, its default; get_model_chunk_id: a backward runs the table's chunk
     reversed). `chunks_in_flight` - 1 warm-up forwards, (forward, backward) pairs, cool-down backwards. GPipe
-    (torch's ScheduleGPipe, one chunk): every forward, then every backward in the same order."""
+    (torch's ScheduleGPipe, one chunk): every forward, then every backward in the same order. ``Interleaved1F1B``
+    (torch 2.13's ScheduleInterleaved1F1B, schedules.py _get_1f1b_rank_ops without zero bubble): the same table and
+    pairs with groups of `torch_round` micro-batches instead of p (its step k's forward runs chunk (k // round) mod
+    m, its backward chunk m - 1 - ((k - warm-up) // round) mod m): Megatron-LM's order where p divides M."""
     if kind == "GPipe":
         return [("F", mb, 0) for mb in range(microbatches)] + [("B", mb, 0) for mb in range(microbatches)]
-    table = [(mb, c) for lo in range(0, microbatches, p) for c in range(m)
-             for mb in range(lo, microbatches if lo + p >= microbatches else lo + p)]
-    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches))
+    zero = kind == "InterleavedZeroBubble"
+    group = torch_round(p, microbatches) if kind in ("Interleaved1F1B", "InterleavedZeroBubble") else p
+    table = [(mb, c) for lo in range(0, microbatches, group) for c in range(m)
+             for mb in range(lo, microbatches if lo + group >= microbatches else lo + group)]
+    total, k = len(table), int(chunks_in_flight(stage, p, m, microbatches, group, 1 if zero else 2))
     fwd = [("F", mb, c) for mb, c in table]
-    bwd = [("B", mb, m - 1 - c) for mb, c in table]
-    return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
+    bwd = [("I" if zero else "B", mb, m - 1 - c) for mb, c in table]
+    if not zero:
+        return fwd[:k - 1] + [x for r in range(total - k + 1) for x in (fwd[k - 1 + r], bwd[r])] + bwd[total - k + 1:]
+    # InterleavedZeroBubble (ZB1P, _get_1f1b_rank_ops with enable_zero_bubble): each backward split into I (input
+    # gradients) and W (weight gradients); the W of the n-th I runs right after the (n + rank)-th I, the rest at the end
+    out, w = fwd[:k - 1], 0
+    for r in range(total):
+        out += ([fwd[k - 1 + r]] if r <= total - k else []) + [bwd[r]]
+        if r >= stage:
+            out.append(("W",) + bwd[w][1:])
+            w += 1
+    return out + [("W",) + x[1:] for x in bwd[w:]]
 
 
 def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: Any = None) -> Any:
