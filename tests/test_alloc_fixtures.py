@@ -17,9 +17,10 @@ segments in both replays at s 512). Measured (reserved peak of memplan's stream 
 `PYTHONPATH=. python tests/test_alloc_fixtures.py`): before the stream took the real order of the loss, its lumped
 gradients and AdamW's states (main at f26f385) -26.2 % .. +30.0 % on the s 256 cases (17-23 MB off, beyond any
 tolerance here) and -7.2 % .. +3.6 % on s 512 without checkpointing; after, 0 to -2 MiB (-3.0 %) and -4 MiB (-1.2
-%). Left out: s 512 with checkpointing (-2.6 % .. -7.4 %, 8-23 MB under the recording: the checkpointed layers'
-forward makes the layer's tensors and frees them at once, which the stream does not make; docs/how-it-works.md "The
-allocation stream against the real code").
+%). s 512 with checkpointing (foreach and fused): a checkpointed layer's forward makes its RMSNorm and MLP tensors
+and frees them one after another (Inventory.checkpointed_forward, made by the stream since): default allocator -8 MiB
+(-2.6 %, -2.8 %) -> -4 MiB (-1.3 %, -1.4 %), its large pool exact; with expandable segments -23 MB (-7.4 %) before and
+after, left out of the reserved check (docs/how-it-works.md "The allocation stream against the real code").
 """
 
 import dataclasses
