@@ -75,7 +75,33 @@ def hf_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1)
         loss = (hf_loss_moments(model) if loss_chunks == 1
                 else final_norm_moments(model) + _chunked_loss_moments(model, loss_chunks))
         moments = hf_layer_moments(model, impl != "hf-eager") + loss
-    return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch")
+    ops = llama_checkpointed_forward(terms) if impl != "torchtune" and model.mlp == "swiglu" else ()
+    return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
+                     checkpointed_forward=ops)
+
+
+CKPT = "recorded: transformers 5.23.0 Llama under torch.utils.checkpoint (validation/alloc_trace.py, tests/data/alloc)"
+
+
+def llama_checkpointed_forward(terms: list[Term]) -> tuple[tuple[str, Term], ...]:
+    """A gradient-checkpointed Llama layer's forward (`Inventory.checkpointed_forward`): each LlamaRMSNorm makes its
+    fp32 copy, the square (pow), frees it, the fp32 product with the rstd, frees the copy, the bf16 cast and the
+    weighted output, frees the cast and the product; LlamaMLP makes the gate projection, SiLU of it, frees the gate,
+    the up projection, the product, frees SiLU and up, down_proj's output, frees the product and its input, then the
+    output (the residual add's). The attention's tensors (at most s b h each) are left out. Recorded order: events
+    99-175 of tests/data/alloc/llama-s512_foreach_full.json.gz (layer 1 of step 1)."""
+    t = {x.id: x for x in terms}
+    ops: list[tuple[str, Term]] = []
+    for p, which, out in (("ln1", "input_layernorm", "qkv_input"), ("ln2", "post_attention_layernorm", "mlp_input")):
+        sq = transient(f"{p}_pow", f"{which}: fp32 square of its input", "s b h", "fp32", src=CKPT)
+        prod = transient(f"{p}_product", f"{which}: fp32 input times rstd", "s b h", "fp32", src=CKPT)
+        a, normed = t[f"{p}_fp32_input"], t[f"{p}_normed"]
+        ops += [("+", a), ("+", sq), ("-", sq), ("+", prod), ("-", a), ("+", normed), ("+", t[out]), ("-", normed),
+                ("-", prod)] + [("-", t[out])] * (p == "ln1")  # q / k / v_proj made from it (left out)
+    down = transient("mlp_output", "MLP output (down_proj, before the residual add)", "s b h", src=CKPT)
+    gate, act, up, prod = (t[x] for x in ("silu_input", "silu_out", "up_out", "fc2_input"))
+    return tuple(ops + [("+", gate), ("+", act), ("-", gate), ("+", up), ("+", prod), ("-", act), ("-", up),
+                        ("+", down), ("-", prod), ("-", t["mlp_input"]), ("-", down)])
 
 
 STEP = "measured: transformers 5.23.0 training step (validation/step.py)"

@@ -225,6 +225,10 @@ class Inventory:
     # allocations (tests/test_alloc_fixtures.py): the replay alone decides fit, no flat margin (memory/timeline.py
     # device_memory); set by memplan/inventory/assemble.py training_inventory
     stream_checked: bool = False
+    # a gradient-checkpointed layer's forward in the real code's op order, for the allocation stream only: ("+", t)
+    # makes term t's tensor (a saved term of the layer, by id, or a transient of its own), ("-", t) frees it; run
+    # without saving, every tensor made is freed within the layer (memplan/memory/stream.py _layer_forward)
+    checkpointed_forward: tuple[tuple[str, Term], ...] = ()
 
 
 HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica

@@ -1,45 +1,45 @@
-"""The allocation stream of one GPU of a pipeline stage for the run a training script does: every
-allocation (tensor id, requested bytes, stream, kind, name, size polynomial) and every free, in order,
-for one plan of scalars. This module owns that stream; a model of PyTorch's caching allocator replays it
-(memplan's verdict at the margin, ../shared/reference/allocator.md "What a replay needs").
+"""The allocation stream of one GPU of a pipeline stage for the run a training script does: every allocation (tensor id,
+requested bytes, stream, kind, name, size polynomial) and every free, in order, for one plan of scalars. This module
+owns that stream; a model of PyTorch's caching allocator replays it (memplan's verdict at the margin,
+../shared/reference/allocator.md "What a replay needs").
 
-The run: the model built (one allocation per parameter tensor, `shapes.weight_shapes`, registration order);
-with ZeRO-3 one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded
-down, the largest taking the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy; with
-ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's
-1F1B or interleaved 1F1B schedule (memplan/memory/pipeline.py `schedule`: warm-up forwards, forward / backward
-pairs, cool-down backwards; the embedding's terms in chunk 0 of the first stage, the loop's batch and the loss in
-the last chunk of the last stage), the optimizer step and zero_grad. ZeRO-3's unsharded parameters in flight (`StageMemory.gathered`: one layer's, or the
-stack's count, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one layer's
-parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay the timeline's bytes
-all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one gathered.
-LoRA (peft): the frozen base built (QLoRA's layer linears in NF4), then the fp32 adapters; only they get .grad
-tensors and optimizer states (memplan/memory/stream_params.py). Context parallelism: the attention's cp buffers
-as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW (torch, apex / TE FusedAdam alike) makes exp_avg and exp_avg_sq LAZILY in the first
-step's optimizer call, after the backward; torch .grad tensors (transformers) appear at their first write in
-the backward, zero_grad frees them.
+The run: the model built (one allocation per parameter tensor, `shapes.weight_shapes`, registration order); with ZeRO-3
+one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded down, the largest taking
+the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy;
+with ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's 1F1B
+or interleaved 1F1B schedule (memplan/memory/pipeline.py `schedule`: warm-up forwards, forward / backward pairs,
+cool-down backwards; the embedding's terms in chunk 0 of the first stage, the loop's batch and the loss in the last
+chunk of the last stage), the optimizer step and zero_grad. ZeRO-3's unsharded parameters in flight
+(`StageMemory.gathered`: one layer's, or the stack's count, memplan/memory/dp_stack.py) are all-gathered at the first
+forward as units of one layer's parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay
+the timeline's bytes all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one
+gathered. LoRA (peft): the frozen base built (QLoRA's layer linears in NF4), then the fp32 adapters; only they get
+.grad tensors and optimizer states (memplan/memory/stream_params.py). Context parallelism: the attention's cp buffers
+as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW (torch, apex / TE FusedAdam alike) makes
+exp_avg and exp_avg_sq LAZILY in the first step's optimizer call, after the backward; torch .grad tensors
+(transformers) appear at their first write in the backward, zero_grad frees them.
 
-Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks
-the per-tensor order of the real code that reproduces them at every timeline event: autograd's (a layer's
-saved tensors in forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a
-moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
-tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
-layer's at its end; a traced moment's gradients in elements as one tensor). Around the loss the order is the
-recorded real code's (validation/alloc_trace.py on CPU, tests/test_alloc_fixtures.py): a moment's first transient,
-the previous moment's handed-on gradient freed (`Moment.handed_on`), its .grad, the other transients, the saved
-terms the transients make (`Moment.made_after`); AdamW's lazy states tensor by tensor. Between two timeline
-events every free precedes every allocation (but a handed-on gradient, freed after the next moment's first
-transient while the bytes stay under the earlier point: `_Run._loss_point`), so no point exceeds both neighbours:
-the maximum is the timeline's peak. A
-group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
-absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
-allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
-collectives write into compute-stream tensors, its gradient-reduce overlap into the buffer); tensors named for
-a gather / all-to-all / dispatch are of kind "communication".
+Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks the
+per-tensor order of the real code that reproduces them at every timeline event: autograd's (a layer's saved tensors in
+forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a moment's transients made
+at it and freed after it (the moments say which coexist), a checkpointed layer's forward making and freeing its tensors
+in the real order (`Inventory.checkpointed_forward`) and re-making them, the saved ones kept, when its backward starts,
+a .grad group made when a moment first lists it (the rest of a layer's at its end; a traced moment's gradients in
+elements as one tensor). Around the loss the order is the recorded real code's (validation/alloc_trace.py on CPU,
+tests/test_alloc_fixtures.py): a moment's first transient, the previous moment's handed-on gradient freed
+(`Moment.handed_on`), its .grad, the other transients, the saved terms the transients make (`Moment.made_after`);
+AdamW's lazy states tensor by tensor. Between two timeline events every free precedes every allocation (but a handed-on
+gradient, freed after the next moment's first transient while the bytes stay under the earlier point:
+`_Run._loss_point`), so no point exceeds both neighbours (but a checkpointed layer's forward and its re-run, under its
+recomputed backward's point): the maximum is the timeline's peak. A group's tensors are sized from their shapes, fitted
+to the group's count (E/ep experts kept; the last largest absorbs a padded vocabulary); weights beyond every group
+(MTP, FP8 caches) are one allocation. Every allocation is on stream 0: the inventories hold no tensor allocated on a
+communication stream (Megatron-LM's collectives write into compute-stream tensors, its gradient-reduce overlap into the
+buffer); tensors named for a gather / all-to-all / dispatch are of kind "communication".
 
-Sizes: `Alloc.size` is the bytes requested (a term's storage: ceil(bytes / storages), before the 512 B
-rounding); `Alloc.bytes` what the timeline counts (a term's storage rounded to Inventory.granularity once,
-states as requested). `marks` tie the timeline's events (its walk of the last step) to stream positions.
+Sizes: `Alloc.size` is the bytes requested (a term's storage: ceil(bytes / storages), before the 512 B rounding);
+`Alloc.bytes` what the timeline counts (a term's storage rounded to Inventory.granularity once, states as requested).
+`marks` tie the timeline's events (its walk of the last step) to stream positions.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ class _Run:
             [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
              and (scope != "first" or self.is_first)] for scope in ("layer", "first", "last", "chunk"))
         self.held = list(inv.held) if self.is_last else []
+        self.index = {t.id: i for i, t in enumerate(self.layer_terms)}  # a layer term's position
         # context parallelism's buffers (memplan/memory/parallel.py cp_moments, as the timeline adds them): a moment
         # inside the attention forward after the inventory's, and the attention backward's extra transients
         cp_forward, cp_backward = cp_moments(model, inv, plan)
@@ -340,6 +341,8 @@ class _Run:
 
     def _layer_forward(self, j: int, rc: bool, layer: dict, where: str) -> None:
         self._roll(j)
+        if rc and self.is_full:
+            self._checkpointed(layer, (), f"checkpointed forward, {where}")
         for m in self.fwd_moments:
             target = self._alive(m, rc)
             self._drop(layer, set(target))
@@ -348,6 +351,22 @@ class _Run:
         self._drop(layer, set(self.stored[rc]))
         self._fill(layer, self.layer_terms, self.stored[rc], where)
         self._mark()
+
+    def _checkpointed(self, layer: dict, target: tuple, label: str) -> None:
+        """A checkpointed layer's forward in the real order (`Inventory.checkpointed_forward`): run without saving
+        (`target` ()), each tensor made and freed; re-run in its backward, the saved terms in `target` kept in `layer`,
+        the rest freed, up to the last kept (torch.utils.checkpoint stops recomputing there)."""
+        ops, made = self.inv.checkpointed_forward, {}
+        kept = [k for k, (op, t) in enumerate(ops) if op == "+" and self.index.get(t.id) in target] or [len(ops)]
+        for op, t in ops[:kept[-1] + 1]:
+            i = self.index.get(t.id)
+            if op == "+" and i in target:
+                layer[i] = self._term(self.layer_terms[i], "saved_activation", label)
+            elif op == "+":
+                made[t.id] = self._term(t if i is None else self.layer_terms[i], "transient", label)
+            elif t.id in made:
+                self._free(made.pop(t.id))
+        self._free([i for ids in made.values() for i in ids])
 
     def _backward(self, st: dict, mb: int, c: int) -> None:
         label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
@@ -402,6 +421,8 @@ class _Run:
             self._drop(chunk_alive, set(chunk))
             self._pay(owed, wait)
             self._fill(chunk_alive, self.chunk_terms, chunk, label)
+            if rc and self.is_full and set(layer) <= set(self.stored[rc]):  # nothing re-made yet: re-run the forward
+                self._checkpointed(layer, target, f"recomputed, {where}")
             self._fill(layer, self.layer_terms, target, where)
             self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
         self._drop(layer, ())

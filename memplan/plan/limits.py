@@ -120,8 +120,8 @@ WINDOW, STRIDES = 6, 48  # `settled` checks 6 lengths below an answer, 1/48 of i
 def settled(fits: Callable[[int], bool], found: Optional[int], step: int) -> Optional[int]:
     """`found` (a multiple of `step` at which `fits` holds, or None), or a shorter one, such that `fits` also holds at
     WINDOW lengths below it, each 1/STRIDES of it shorter (in steps) than the last: the replay's verdict is not
-    monotone (llama3-8b, hf-sdpa, one H100, fused AdamW, full recompute: the run replays through at 13,312 to
-    14,080 tokens and dies at 12,800 and 13,056), so a length that fits with one step longer not is no answer when a
+    monotone (llama3-8b, hf-sdpa, one H100, foreach AdamW, full recompute: the run replays through at 12,288 to
+    13,056 tokens and dies at 12,032), so a length that fits with one step longer not is no answer when a
     shorter length dies; where one in the window dies, the answer is sought below it (`fits_below`) and checked
     again. Not a proof that every shorter length fits: the lengths the window skips are not replayed."""
     while found is not None:
