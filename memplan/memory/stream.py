@@ -316,7 +316,7 @@ class _Run:
             self._fill(st["last"], self.last_terms, early, label)
             handed = self._loss_point(m, at, label, creating, handed,
                                       lambda: self._fill(st["last"], self.last_terms, target, label))
-        self._free(handed)
+        self._free([i for _, ids in handed for i in ids])
         self.ev += len(self.loss_moments) * self.walk
         self._drop(st["last"], ())
         return st
@@ -325,16 +325,20 @@ class _Run:
         """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first
         transient, the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient
         before its input gradient), the other transients, the saved terms they make (`made_after`); the point; the
-        transients freed but those it hands on (returned). The live bytes after the first transient stay at most
+        transients freed but those it hands on (returned: (id, tensor ids)). The live bytes after the first transient stay at most
         the previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against
         the fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient
         was counted at that point)."""
-        made = [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[:1] if not t.only_full]
-        self._free(handed)
+        # a handed-on transient this moment lists first is the same tensor, not a new one (megatron-core's bf16
+        # gradient of the logits: made in the cross-entropy's backward, used by the output layer's)
+        carried = dict(handed)
+        made = [(t.id, carried.pop(t.id) if t.id in carried else self._term(t, "transient", f"{m.name}, {label}"))
+                for t in m.transients[:1] if not t.only_full]
+        self._free([i for ids in carried.values() for i in ids])
         grads = self._moment_grads(m, "last", creating)
         made += [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[1:] if not t.only_full]
         made_after()
-        keep = [i for tid, ids in made if tid in m.handed_on for i in ids]
+        keep = [(tid, ids) for tid, ids in made if tid in m.handed_on]
         self._point(grads + [i for tid, ids in made if tid not in m.handed_on for i in ids], at)
         return keep
 
