@@ -125,9 +125,11 @@ def _table() -> None:
     ours = allocation_stream(config(), IMPL, "cpu")
     print(f"live peak: recorded {rec.live_peak_bytes:,} B, memplan {ours.peak_bytes:,} B")
     for a in ALLOCATORS:
-        real, mine = replay(rec.events, CAPACITY, allocator_config(a)), replay_stream(ours, CAPACITY, allocator_config(a))
+        real = replay(rec.events, CAPACITY, allocator_config(a))
+        mine = replay_stream(ours, CAPACITY, allocator_config(a))
         err = mine.reserved_peak_bytes - real.reserved_peak_bytes
-        print(f"{a:10s} reserved peak recorded {real.reserved_peak_bytes:,} B ({real.segments_at_reserved_peak} segments)"
+        print(f"{a:10s} reserved peak recorded {real.reserved_peak_bytes:,} B "
+              f"({real.segments_at_reserved_peak} segments)"
               f" | memplan {mine.reserved_peak_bytes:,} B ({mine.segments_at_reserved_peak} segments) | {err:+,} B "
               f"({err / real.reserved_peak_bytes:+.1%})")
     (_, rp, _), (_, op, _) = step_two()

@@ -196,7 +196,8 @@ def unfused_swiglu_backward(m: Moment) -> Moment:
     new 2f-wide tensor (recorded in order: validation/mcore_alloc.py, tests/test_alloc_fixtures.py)."""
     src = f"{MEASURED}: the unfused SwiGLU's backward (recorded allocation order)"
     halves = (transient("grad_swiglu_gate", "gradient of the gate half (SiLU backward)", "s b f", tp=True, src=src),
-              transient("grad_swiglu_up", "gradient of the up half (the product's backward)", "s b f", tp=True, src=src))
+              transient("grad_swiglu_up", "gradient of the up half (the product's backward)", "s b f", tp=True,
+                        src=src))
     kept = tuple(t for t in m.transients if t.id != "grad_fc2_input")
     return dataclasses.replace(m, transients=kept[:1] + halves + kept[1:],
                                freed=m.freed + ("swiglu_input", "swiglu_up", "swiglu_silu_out"))

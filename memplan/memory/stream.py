@@ -25,12 +25,12 @@ saved tensors in forward order, freed in reverse in its backward, a moment's `fr
 moment's transients made at it and freed after it (the moments say which coexist), a recomputed layer's
 tensors re-made when its backward starts, a .grad group made when a moment first lists it (the rest of a
 layer's at its end; a traced moment's gradients in elements as one tensor). Around the loss the order is the
-recorded real code's (validation/alloc_trace.py on CPU, tests/test_alloc_fixtures.py): a moment's first transient,
-the previous moment's handed-on gradient freed (`Moment.handed_on`), its .grad, the other transients, the saved
-terms the transients make (`Moment.made_after`); AdamW's lazy states tensor by tensor. Between two timeline
-events every free precedes every allocation (but a handed-on gradient, freed after the next moment's first
-transient while the bytes stay under the earlier point: `_Run._loss_point`), so no point exceeds both neighbours:
-the maximum is the timeline's peak. A
+recorded real code's (validation/alloc_trace.py on CPU, tests/test_alloc_fixtures.py, test_alloc_fixture_mcore.py):
+a moment's first transient, the previous moment's handed-on gradient freed (`Moment.handed_on`; kept when it is
+this moment's first), its .grad, the other transients, the saved terms the transients make (`Moment.made_after`);
+AdamW's lazy states tensor by tensor. Between two timeline events every free precedes every allocation (but a
+handed-on gradient, freed after the next moment's first transient while the bytes stay under the earlier point:
+`_Run._loss_point`), so no point exceeds both neighbours: the maximum is the timeline's peak. A
 group's tensors are sized from their shapes, fitted to the group's count (E/ep experts kept; the last largest
 absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. Every
 allocation is on stream 0: the inventories hold no tensor allocated on a communication stream (Megatron-LM's
@@ -322,13 +322,13 @@ class _Run:
         return st
 
     def _loss_point(self, m: Moment, at: int, label: str, creating: bool, handed: list, made_after: Any) -> list:
-        """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first
-        transient, the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient
-        before its input gradient), the other transients, the saved terms they make (`made_after`); the point; the
-        transients freed but those it hands on (returned: (id, tensor ids)). The live bytes after the first transient stay at most
-        the previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against
-        the fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient
-        was counted at that point)."""
+        """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first transient,
+        the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient before its input
+        gradient), the other transients, the saved terms they make (`made_after`); the point; the transients freed but
+        those it hands on (returned: (id, tensor ids)). The live bytes after the first transient stay at most the
+        previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against the
+        fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient was
+        counted at that point)."""
         # a handed-on transient this moment lists first is the same tensor, not a new one (megatron-core's bf16
         # gradient of the logits: made in the cross-entropy's backward, used by the output layer's)
         carried = dict(handed)
