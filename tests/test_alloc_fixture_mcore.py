@@ -28,8 +28,9 @@ live peak -1.2 %, reserved peak (replayed) +5.9 % with the default allocator and
   `_build_model_and_main_param_groups`: `shard_model_param.clone().float()`), AdamW's moments per parameter in
   step 1: memplan makes one flat shard per state (3 x 14,291,968 B);
 - the step: clip_grad's CPU fallback (`local_multi_tensor_scale`: an out-of-place product per gradient) and the
-  for-loop AdamW's sqrt / div temporaries per parameter, against memplan's one 8,912,896 B block; gloo's
-  reduce-scatter at d = 1 copies the gradient buffer (14,291,968 B; NCCL writes in place).
+  for-loop AdamW's sqrt / div temporaries per parameter, against memplan's one 8,912,896 B block; in each step's
+  gradient sync (start_grad_sync, d = 1) a 14,291,968 B tensor (the gradient buffer's size) made outside the
+  dispatcher and freed at once, gloo's by all signs (not checked on NCCL).
 """
 
 import dataclasses
