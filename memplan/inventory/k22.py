@@ -231,7 +231,11 @@ def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = (),
     casts it to bf16 for the output layer's backward. `softmax_in_copy`: megatron-core 0.16.1's
     VocabParallelCrossEntropy computes exp and the division in place in the fp32 copy
     (``torch.exp(logits, out=logits)``, ``exp_logits.div_``): the copy IS the saved softmax, no third
-    buffer (measured: validation/mcore_step.py)."""
+    buffer (measured: validation/mcore_step.py). The saved fp32 term is made after the bf16 logits it is computed
+    from (`made_after`; recorded: megatron-core 0.16.1's ``calculate_logits_max`` casts after the output layer's
+    matmul, tests/test_alloc_fixtures.py). There the backward is two moments, as recorded: the bf16 gradient of
+    the logits cast while the fp32 softmax still lives, then the output layer's backward (the fp32 softmax freed)
+    with its weight gradient a tensor of its own until the hook adds it to the main gradient (`fresh`)."""
     logits = transient("logits", "logits (output layer, activation dtype)", "s b v", tp=True, scope="last", src=src)
     logits32 = transient("logits_fp32_copy", "fp32 copy of the logits (input of the cross-entropy)", "s b v", "fp32",
                   tp=True, scope="last", src=src)
@@ -240,9 +244,14 @@ def vocab_parallel_loss_moments(src: str, forward_extra: tuple[Term, ...] = (),
     return [
         Moment("loss_forward", "cross-entropy forward: logits and the fp32 copy that becomes the softmax"
                if softmax_in_copy else "cross-entropy forward: logits, fp32 copy and softmax", "loss", "last",
-               (logits, *(() if softmax_in_copy else (logits32,)), *forward_extra), source=src),
-        Moment("loss_backward", "output-layer backward: the logits' gradient and the input gradient", "backward",
-               "last", (d_logits, d_head_in), ("head_input",), (OUTPUT_LAYER_W,), source=src),
+               (logits, *(() if softmax_in_copy else (logits32,)), *forward_extra), source=src,
+               made_after=("logits_fp32",)),
+        *([Moment("loss_backward", "cross-entropy backward: the logits' gradient cast from the fp32 softmax",
+                  "backward", "last", (d_logits,), source=src, handed_on=("grad_logits",))] if softmax_in_copy else []),
+        Moment("head_backward" if softmax_in_copy else "loss_backward",
+               "output-layer backward: the logits' gradient and the input gradient", "backward", "last",
+               (d_logits, d_head_in), ("head_input",) + ("logits_fp32",) * softmax_in_copy, (OUTPUT_LAYER_W,),
+               fresh=softmax_in_copy, source=src),
     ]
 
 

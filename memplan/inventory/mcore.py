@@ -49,7 +49,7 @@ from memplan.inventory.k22 import (
 )
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
-from memplan.inventory.types import Dtype, Inventory, Term, saved, transient
+from memplan.inventory.types import Dtype, Inventory, Moment, Term, saved, transient
 
 MCORE = "megatron-core 0.16.1 local spec"
 MEASURED = f"mcore CPU: {MCORE}, measured on CPU (validation/mcore.py)"
@@ -70,6 +70,8 @@ def mcore_local_inventory(model: ModelSpec, device: str, loss_chunks: int = 1) -
     rerun = ("s b h", "the recomputed layer's output (megatron-core CheckpointFunction)",
              f"{src}; step transients derived as for --impl megatron")
     moments = layer_backward_moments(model, "eager", device, src, rerun) + vocab_parallel_loss_moments(src, softmax_in_copy=True)
+    if model.mlp == "swiglu" and device == "cpu":
+        moments = [unfused_swiglu_backward(m) if m.id == "mlp_activation_backward" else m for m in moments]
     return megatron_inventory(f"megatron-local/eager/{device}", terms, moments, model,
                               "act" if device == "cpu" else "fp32", moe_cpu=device == "cpu")
 
@@ -184,3 +186,18 @@ def unfused_swiglu(terms: list[Term], src: str) -> list[Term]:
                        src=src)]
     return out
 
+
+
+def unfused_swiglu_backward(m: Moment) -> Moment:
+    """The activation's backward of the unfused SwiGLU (`unfused_swiglu`: torch.chunk, F.silu, the product): the
+    product's backward makes the gradients of SiLU's output and of the up half (s b f each) and frees its saved
+    operands and the down projection's input gradient, SiLU's backward frees its input (the gate half, a view of the
+    2f-wide fc1 output, the last view of it), then chunk's backward concatenates the two halves' gradients into a
+    new 2f-wide tensor (recorded in order: validation/mcore_alloc.py, tests/test_alloc_fixtures.py)."""
+    src = f"{MEASURED}: the unfused SwiGLU's backward (recorded allocation order)"
+    halves = (transient("grad_swiglu_gate", "gradient of the gate half (SiLU backward)", "s b f", tp=True, src=src),
+              transient("grad_swiglu_up", "gradient of the up half (the product's backward)", "s b f", tp=True,
+                        src=src))
+    kept = tuple(t for t in m.transients if t.id != "grad_fc2_input")
+    return dataclasses.replace(m, transients=kept[:1] + halves + kept[1:],
+                               freed=m.freed + ("swiglu_input", "swiglu_up", "swiglu_silu_out"))

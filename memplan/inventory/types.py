@@ -174,7 +174,8 @@ class Moment:
     # (memplan/memory/stream.py) allocates them after the transients, as the real code does
     made_after: tuple[str, ...] = ()
     # transient ids of this moment the next moment's first transient is computed from: autograd frees a node's
-    # incoming gradient after the node has made its output, so the stream frees them after that allocation
+    # incoming gradient after the node has made its output, so the stream frees them after that allocation (where
+    # the next moment's first transient is the same id, it is that tensor, kept: megatron-core's logits gradient)
     handed_on: tuple[str, ...] = ()
 
 

@@ -20,26 +20,22 @@ exp_avg and exp_avg_sq LAZILY in the first step's optimizer call, after the back
 (transformers) appear at their first write in the backward, zero_grad frees them.
 
 Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks the
-per-tensor order of the real code that reproduces them at every timeline event: autograd's (a layer's saved tensors in
-forward order, freed in reverse in its backward, a moment's `freed` terms gone before it), a moment's transients made
-at it and freed after it (the moments say which coexist), a checkpointed layer's forward making and freeing its tensors
-in the real order (`Inventory.checkpointed_forward`) and re-making them, the saved ones kept, when its backward starts,
-a .grad group made when a moment first lists it (the rest of a layer's at its end; a traced moment's gradients in
-elements as one tensor). Around the loss the order is the recorded real code's (validation/alloc_trace.py on CPU,
-tests/test_alloc_fixtures.py): a moment's first transient, the previous moment's handed-on gradient freed
-(`Moment.handed_on`), its .grad, the other transients, the saved terms the transients make (`Moment.made_after`);
-AdamW's lazy states tensor by tensor. Between two timeline events every free precedes every allocation (but a handed-on
-gradient, freed after the next moment's first transient while the bytes stay under the earlier point:
-`_Run._loss_point`), so no point exceeds both neighbours (but a checkpointed layer's forward and its re-run, under its
-recomputed backward's point): the maximum is the timeline's peak. A group's tensors are sized from their shapes, fitted
-to the group's count (E/ep experts kept; the last largest absorbs a padded vocabulary); weights beyond every group
-(MTP, FP8 caches) are one allocation. Every allocation is on stream 0: the inventories hold no tensor allocated on a
-communication stream (Megatron-LM's collectives write into compute-stream tensors, its gradient-reduce overlap into the
-buffer); tensors named for a gather / all-to-all / dispatch are of kind "communication".
-
-Sizes: `Alloc.size` is the bytes requested (a term's storage: ceil(bytes / storages), before the 512 B rounding);
-`Alloc.bytes` what the timeline counts (a term's storage rounded to Inventory.granularity once, states as requested).
-`marks` tie the timeline's events (its walk of the last step) to stream positions.
+per-tensor order of the real code that reproduces them at every timeline event: autograd's (saved tensors in forward
+order, freed in reverse in the backward, a moment's `freed` terms gone before it), a moment's transients made at it and
+freed after it, a checkpointed layer's forward making and freeing its tensors in the real order
+(`Inventory.checkpointed_forward`) and re-making them, the saved ones kept, when its backward starts, a .grad group made
+when a moment first lists it (a traced moment's gradients as one tensor). Around the loss the order is the recorded
+real code's (validation/alloc_trace.py, tests/test_alloc_fixtures.py, test_alloc_fixture_mcore.py): a moment's first
+transient, the previous moment's handed-on gradient freed (`Moment.handed_on`; kept when it is this moment's first), its
+.grad, the other transients, the saved terms they make (`Moment.made_after`); AdamW's lazy states tensor by tensor.
+Between two timeline events every free precedes every allocation (but a handed-on gradient, `_Run._loss_point`), so no
+point exceeds both neighbours (but a checkpointed forward and its re-run, under the recomputed backward's point): the
+maximum is the timeline's peak. A group's tensors are sized from their shapes, fitted to the group's count (E/ep experts;
+the last absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. All on stream 0
+(Megatron-LM's collectives write into compute-stream tensors); tensors named for a gather / all-to-all / dispatch are of
+kind "communication". `Alloc.size` is the bytes requested (ceil(bytes / storages), before the 512 B rounding),
+`Alloc.bytes` what the timeline counts (rounded to Inventory.granularity once); `marks` tie the timeline's events to
+stream positions.
 """
 
 from __future__ import annotations
@@ -317,25 +313,29 @@ class _Run:
             self._fill(st["last"], self.last_terms, early, label)
             handed = self._loss_point(m, at, label, creating, handed,
                                       lambda: self._fill(st["last"], self.last_terms, target, label))
-        self._free(handed)
+        self._free([i for _, ids in handed for i in ids])
         self.ev += len(self.loss_moments) * self.walk
         self._drop(st["last"], ())
         return st
 
     def _loss_point(self, m: Moment, at: int, label: str, creating: bool, handed: list, made_after: Any) -> list:
-        """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first
-        transient, the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient
-        before its input gradient), the other transients, the saved terms they make (`made_after`); the point; the
-        transients freed but those it hands on (returned). The live bytes after the first transient stay at most
-        the previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against
-        the fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient
-        was counted at that point)."""
-        made = [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[:1] if not t.only_full]
-        self._free(handed)
+        """A moment around the loss in the real code's order (validation/alloc_trace.py recordings): its first transient,
+        the previous moment's handed-on gradient freed, the .grad tensors (lm_head's weight gradient before its input
+        gradient), the other transients, the saved terms they make (`made_after`); the point; the transients freed but
+        those it hands on (returned: (id, tensor ids)). The live bytes after the first transient stay at most the
+        previous point's: the gradient of the logits made (s b v in the activations' dtype, at most 4 B) against the
+        fp32 nll_loss gradient (4 s b v B) freed since (hf_loss_moments; the handed-on fp32 log_softmax gradient was
+        counted at that point)."""
+        # a handed-on transient this moment lists first is the same tensor, not a new one (megatron-core's bf16
+        # gradient of the logits: made in the cross-entropy's backward, used by the output layer's)
+        carried = dict(handed)
+        made = [(t.id, carried.pop(t.id) if t.id in carried else self._term(t, "transient", f"{m.name}, {label}"))
+                for t in m.transients[:1] if not t.only_full]
+        self._free([i for ids in carried.values() for i in ids])
         grads = self._moment_grads(m, "last", creating)
         made += [(t.id, self._term(t, "transient", f"{m.name}, {label}")) for t in m.transients[1:] if not t.only_full]
         made_after()
-        keep = [i for tid, ids in made if tid in m.handed_on for i in ids]
+        keep = [(tid, ids) for tid, ids in made if tid in m.handed_on]
         self._point(grads + [i for tid, ids in made if tid not in m.handed_on for i in ids], at)
         return keep
 
