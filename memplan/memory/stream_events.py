@@ -4,6 +4,8 @@ layer's forward or backward makes the same events for every micro-batch and laye
 the labels in the names change), so memplan/memory/stream.py makes a piece once per distinct shape, keeps it as a
 template, and stamps later copies from it (new ids, the new labels, the same sizes, kinds, polynomials and order):
 the stream is the same event for event as made piece by piece (tests/test_stream.py), made several times faster.
+A copy is kept as one `Stamp` (in each of its positions of the event list) holding its compact form for the replay
+(`AllocationStream.ops`); its events are made only when the stream's `events` are first asked for.
 """
 
 from __future__ import annotations
