@@ -111,19 +111,21 @@ class Repeats:
 
     @staticmethod
     def _stamp(run: Any, template: tuple, live: dict[str, dict], where: str, label: str) -> None:
-        events, outside, after, allocations, codes = template
+        events, outside, after, allocations, (relative, from_before) = template
         base = run.nid
         ext = [live[name][index][k] for name, index, k in outside]  # the tensors from before, as ~position
         # the copy's compact form now (what a replay reads), its events when the stream's are asked for: one
         # `Stamp` standing in each of its positions of run.events
-        ops = [v if k == 0 else ~(base + v) if k == 1 else ~ext[v] for k, v in codes]
+        ops = [x if x >= 0 else x - base for x in relative]  # ~(base + v) = ~v - base
+        for at, k in from_before:
+            ops[at] = ~ext[k]
         run.events += [Stamp(events, base, ext, where, label, ops)] * len(events)
         run.nid = base + allocations
-        done = {name: {index: [base + r if r >= 0 else ext[~r] for r in refs] for index, refs in d.items()}
-                for name, d in after.items()}
-        for name, d in done.items():
-            live[name].clear()
-            live[name].update(d)
+        for name, d in after.items():
+            alive = live[name]
+            alive.clear()
+            for index, refs in d:
+                alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
 
 
 class Stamp(NamedTuple):
@@ -206,7 +208,8 @@ def _template(events: list, base: int, outside: dict, live: dict[str, dict], whe
         after = {name: {index: [ref(i) for i in ids] for index, ids in d.items()} for name, d in live.items()}
     except KeyError:
         return None
-    # each event's compact form from the copy's first id and ext: (0, requested bytes) for an allocation, (1,
-    # relative id) for a free of the piece's own tensor, (2, position in ext) for a free of one from before
-    codes = [(0, e[1]) if type(e) is tuple else (1, e) if e >= 0 else (2, ~e) for e in out]
-    return out, list(places), after, allocations, codes
+    # the compact form relative to the copy's first id: an allocation's requested bytes, ~relative id for a free of
+    # the piece's own tensor; a free of one from before (0 here) as (position, its position in ext)
+    relative = [e[1] if type(e) is tuple else ~e if e >= 0 else 0 for e in out]
+    from_before = [(at, ~e) for at, e in enumerate(out) if type(e) is int and e < 0]
+    return out, list(places), {name: list(d.items()) for name, d in after.items()}, allocations, (relative, from_before)
