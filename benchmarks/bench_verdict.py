@@ -3,14 +3,16 @@ plans replayed against the same search without the replays (target: at most 2x),
 streams alone (`stream_for`), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
 under 1 s), as medians of N runs, optionally beside another checkout ("before").
 
-    python benchmarks/bench_verdict.py [--runs 3] [--rounds 3] [--baseline DIR]
+    python benchmarks/bench_verdict.py [--runs 3] [--rounds 3] [--baseline DIR] [--cpu]
 
 DIR is a checkout of another commit, e.g. `mkdir -p /tmp/base && git archive f26f385 | tar -x -C /tmp/base`. Each
 checkout is timed in `--rounds` child processes (its tree on PYTHONPATH; the checkouts in turn, so that they share
 the load), each after one warm-up run of each command (presets and inventories cached, as in a second command of
 one process). "without replays" is the same API call with
 plan/verdict.py's `replay_listing` replaced by the arrangement alone (`arrange`): the vectorised search, its
-listing arranged and folded, nothing replayed. The machine is shared: compare figures of one run, read medians.
+listing arranged and folded, nothing replayed. The machine is shared: compare figures of one run, read medians;
+`--cpu` times CPU seconds of the process (time.process_time) instead of wall seconds, less moved by other processes
+on a loaded machine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from memplan import estimate, search
 from memplan.plan.arrange import arrange
 
 runs = int(sys.argv[1])
+clock = time.process_time if sys.argv[2] == "cpu" else time.perf_counter
 replayed = searching.replay_listing
 
 
@@ -100,19 +103,19 @@ for label, run in CASES.items():
     answer = run()
     seconds = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = clock()
         run()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(clock() - start)
     out[label] = {"answer": answer, "seconds": seconds}
 print(json.dumps(out))
 """
 
 
-def timed(tree: Path, runs: int) -> dict:
+def timed(tree: Path, runs: int, clock: str = "wall") -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("MEMPLAN_CONFIGS", None)  # each checkout reads its own presets
-    out = subprocess.run([sys.executable, "-c", TIMER, str(runs)], env=env, cwd=tree, check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", TIMER, str(runs), clock], env=env, cwd=tree, check=True,
+                         capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -121,6 +124,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per child process")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per checkout, taken in turn")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit to compare with")
+    parser.add_argument("--cpu", action="store_true", help="CPU seconds of the process instead of wall seconds")
     args = parser.parse_args()
     columns = [("after" if args.baseline else "median", HERE)]
     if args.baseline:
@@ -128,7 +132,7 @@ def main() -> None:
     figures: dict[str, dict] = {}
     for _ in range(args.rounds):  # the checkouts in turn, so that they share the machine's load
         for name, tree in columns:
-            for label, case in timed(tree, args.runs).items():
+            for label, case in timed(tree, args.runs, "cpu" if args.cpu else "wall").items():
                 figures.setdefault(name, {}).setdefault(label, {"answer": case["answer"], "seconds": []})
                 figures[name][label]["seconds"] += case["seconds"]
     print(f"{'':48s}" + "".join(f" {name:>18s}" for name, _ in columns))
@@ -144,7 +148,8 @@ def main() -> None:
                           ("search gpt3-530b --gpus 2240 --mem 80GB", "  the same without replays"))
         line += f" {with_ / without:>8.2f} x {'':7s}"
     print(line)
-    print(f"medians of {args.rounds} x {args.runs} runs in process (after a warm-up run in each of {args.rounds} "
+    print(f"{'CPU' if args.cpu else 'wall'} seconds, medians of {args.rounds} x {args.runs} runs in process (after a "
+          f"warm-up run in each of {args.rounds} "
           "child processes per checkout, taken in turn); the number beside each time is its answer: "
           "plans that fit, streams replayed, or the longest length in tokens")
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")

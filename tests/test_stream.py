@@ -17,7 +17,7 @@ from memplan.memory.allocator import replay, replay_ops
 from memplan.memory.reserved import Replay, allocation_stream, replay_run
 from memplan.memory.pipeline import microbatches_in_flight, schedule
 from memplan.memory.stream import Alloc, Free, not_streamed, stream_for
-from memplan.memory.stream_events import KINDS
+from memplan.memory.stream_events import KINDS, Stamp
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import estimate, step_peaks
 from memplan.presets.batch import make_config
@@ -397,6 +397,7 @@ def test_copied_layers_are_the_layers_made_afresh(case):
     for stage in stages:
         copied, afresh = _both(config, impl, stage=stage, first_step_seq_len=256 if stage else None)
         assert (copied.events, copied.marks, copied.phases) == (afresh.events, afresh.marks, afresh.phases)
+        _same_ops(copied, afresh)
 
 
 @settings(max_examples=25, deadline=None)
@@ -406,3 +407,25 @@ def test_random_plans_copy_layers_exactly(case):
     for stage in range(config.parallel.pp):
         copied, afresh = _both(config, impl, device, stage)
         assert (copied.events, copied.marks, copied.phases) == (afresh.events, afresh.marks, afresh.phases)
+        _same_ops(copied, afresh)
+
+
+def _same_ops(copied, afresh):
+    """The copies' compact form (a `Stamp`'s ops, made when stamped) is the one of the events they stand for."""
+    expected = [e.size if type(e) is Alloc else ~e.id for e in afresh.events]
+    assert not any(type(e) is Stamp for e in afresh.raw)
+    assert copied.ops() == afresh.ops() == expected
+    assert len(copied) == len(copied.raw) == len(afresh.events)
+
+
+def test_copies_stand_as_stamps():
+    # a 4-layer stage: its layers after the first of each shape are a template's copies, kept as `Stamp`s (one in each
+    # of the copy's positions) until the events are asked for; a copy's ops free the tensors of the layer it copies
+    config = config_of("llama3-8b", "megatron", dict(tp=2, pp=1, dp=1, sp=True), dict(micro_batch=1, global_batch=2),
+                       L4)
+    copied, afresh = _both(config, "megatron")
+    stamps = {id(e): e for e in copied.raw if type(e) is Stamp}
+    assert stamps and sum(len(e.template) for e in stamps.values()) == sum(type(e) is Stamp for e in copied.raw)
+    for stamp in stamps.values():
+        assert stamp.ops == [e.size if type(e) is Alloc else ~e.id for e in stamp.events()]
+    _same_ops(copied, afresh)

@@ -140,7 +140,7 @@ def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay =
     expandable = None
     if try_expandable and not result.fits and not config.expandable_segments:
         expandable = replay_stream(stream, max(capacity_bytes, 0), replace(config, expandable_segments=True), ops).fits
-    return Reserved(allocator_name(config), settings.alloc_conf or "", capacity_bytes, stream.stage, len(stream.events),
+    return Reserved(allocator_name(config), settings.alloc_conf or "", capacity_bytes, stream.stage, len(stream),
                     result, _oom_event(stream, result), expandable, settings.first_step_seq_len)
 
 

@@ -4,11 +4,14 @@ layer's forward or backward makes the same events for every micro-batch and laye
 the labels in the names change), so memplan/memory/stream.py makes a piece once per distinct shape, keeps it as a
 template, and stamps later copies from it (new ids, the new labels, the same sizes, kinds, polynomials and order):
 the stream is the same event for event as made piece by piece (tests/test_stream.py), made several times faster.
+A copy is kept as one `Stamp` (in each of its positions of the event list) holding its compact form for the replay
+(`AllocationStream.ops`); its events are made only when the stream's `events` are first asked for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, NamedTuple, Optional
 
 from memplan.core.symbolic import Poly
@@ -37,13 +40,23 @@ new_event = tuple.__new__  # an event made without the NamedTuple's Python-level
 @dataclass(frozen=True)
 class AllocationStream:
     """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
-    of stream events before that event's point) for the last step, and `phases`: (what starts, position)."""
+    of stream events before that event's point) for the last step, and `phases`: (what starts, position).
+    `raw`: the events as made, a template's copy a `Stamp` in each of its positions (`events` expands them when
+    first asked for; a replay reads `ops()`, which does not)."""
 
-    events: list  # Alloc | Free
+    raw: list
     marks: list[tuple[int, int]]
     phases: list[tuple[str, int]]
     step: StepPeak  # the timeline walk of the stage (the steady-state step)
     stage: int
+
+    @cached_property
+    def events(self) -> list:
+        """Alloc | Free, in order."""
+        return expand(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
 
     def live_bytes(self) -> list[int]:
         """Bytes alive (as the timeline counts them) after each event."""
@@ -62,7 +75,7 @@ class AllocationStream:
     def ops(self) -> list[int]:
         """The stream in the compact form memplan.memory.allocator.replay_ops replays: an allocation's requested
         bytes, ~id for a free (ids are given in allocation order from 0, every event on stream 0)."""
-        return [e.size if type(e) is Alloc else ~e.id for e in self.events]
+        return compact(self.raw)
 
     @property
     def peak_bytes(self) -> int:
@@ -98,17 +111,69 @@ class Repeats:
 
     @staticmethod
     def _stamp(run: Any, template: tuple, live: dict[str, dict], where: str, label: str) -> None:
-        events, outside, after, allocations = template
-        base, tails = run.nid, ("", where + ")", label + ")")
+        events, outside, after, allocations, (relative, from_before) = template
+        base = run.nid
         ext = [live[name][index][k] for name, index, k in outside]  # the tensors from before, as ~position
-        run.events += [new_event(Alloc, (base + e[0], e[1], 0, e[2], e[3] + tails[e[4]], e[5], e[6]))
-                       if type(e) is tuple else new_event(Free, (base + e if e >= 0 else ext[~e],)) for e in events]
+        # the copy's compact form now (what a replay reads), its events when the stream's are asked for: one
+        # `Stamp` standing in each of its positions of run.events
+        ops = [x if x >= 0 else x - base for x in relative]  # ~(base + v) = ~v - base
+        for at, k in from_before:
+            ops[at] = ~ext[k]
+        run.events += [Stamp(events, base, ext, where, label, ops)] * len(events)
         run.nid = base + allocations
-        done = {name: {index: [base + r if r >= 0 else ext[~r] for r in refs] for index, refs in d.items()}
-                for name, d in after.items()}
-        for name, d in done.items():
-            live[name].clear()
-            live[name].update(d)
+        for name, d in after.items():
+            alive = live[name]
+            alive.clear()
+            for index, refs in d:
+                alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
+
+
+class Stamp(NamedTuple):
+    """A template's copy in a stream's event list (`Repeats._stamp`), in each of its positions: the template's
+    events, the copy's first id, the tensors from before it (`ext`), its labels, its events in the compact form."""
+
+    template: list
+    base: int
+    ext: list
+    where: str
+    label: str
+    ops: list
+
+    def events(self) -> list:
+        base, tails, ext = self.base, ("", self.where + ")", self.label + ")"), self.ext
+        return [new_event(Alloc, (base + e[0], e[1], 0, e[2], e[3] + tails[e[4]], e[5], e[6]))
+                if type(e) is tuple else new_event(Free, (base + e if e >= 0 else ext[~e],)) for e in self.template]
+
+
+def expand(raw: list) -> list:
+    """A stream's events with every `Stamp` replaced by the events it stands for."""
+    out: list = []
+    i, n = 0, len(raw)
+    while i < n:
+        e = raw[i]
+        if type(e) is Stamp:
+            out += e.events()
+            i += len(e.template)
+        else:
+            out.append(e)
+            i += 1
+    return out
+
+
+def compact(raw: list) -> list[int]:
+    """A stream's events (`Stamp`s in place) in the compact form of memplan.memory.allocator.replay_ops."""
+    out: list[int] = []
+    i, n = 0, len(raw)
+    while i < n:
+        e = raw[i]
+        t = type(e)
+        if t is Stamp:
+            out += e.ops
+            i += len(e.template)
+            continue
+        out.append(e.size if t is Alloc else ~e.id)
+        i += 1
+    return out
 
 
 def _template(events: list, base: int, outside: dict, live: dict[str, dict], where: str, label: str,
@@ -143,4 +208,8 @@ def _template(events: list, base: int, outside: dict, live: dict[str, dict], whe
         after = {name: {index: [ref(i) for i in ids] for index, ids in d.items()} for name, d in live.items()}
     except KeyError:
         return None
-    return out, list(places), after, allocations
+    # the compact form relative to the copy's first id: an allocation's requested bytes, ~relative id for a free of
+    # the piece's own tensor; a free of one from before (0 here) as (position, its position in ext)
+    relative = [e[1] if type(e) is tuple else ~e if e >= 0 else 0 for e in out]
+    from_before = [(at, ~e) for at, e in enumerate(out) if type(e) is int and e < 0]
+    return out, list(places), {name: list(d.items()) for name, d in after.items()}, allocations, (relative, from_before)
