@@ -19,7 +19,7 @@ import warnings
 
 from .alloc_trace import EventTracker, Recording
 from .mcore import build
-from .mcore_step import McoreStepCase, _train_step, apply_step_patches
+from .mcore_step import McoreStepCase, apply_step_patches, train_step, wrap_for_training
 from .ranks import run_ranks
 
 
@@ -29,8 +29,6 @@ def _record_here(case: McoreStepCase, steps: int) -> Recording:
     apply_step_patches()
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import random
 
     c = case.model
@@ -42,19 +40,14 @@ def _record_here(case: McoreStepCase, steps: int) -> Recording:
         gc.collect()
         tracker = EventTracker()
         with tracker:
-            model = build(c)
-            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-            optimizer = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=True, use_distributed_optimizer=True,
-                clip_grad=1.0), [ddp])
+            ddp, optimizer = wrap_for_training(build(c))
             marks = [("built", len(tracker.events))]
             for step in range(1, steps + 1):
                 marks.append((f"step {step}", len(tracker.events)))
-                _train_step(ddp, optimizer, c, lambda phase: marks.append((f"{phase} end", len(tracker.events))))
+                train_step(ddp, optimizer, c, lambda phase: marks.append((f"{phase} end", len(tracker.events))))
             gc.collect()
         rec.events = tracker.events
-        # where each phase ends (``_train_step``'s marks: forward with the loss, backward, grad-sync, optimizer):
+        # where each phase ends (``train_step``'s marks: forward with the loss, backward, grad-sync, optimizer):
         # (label, number of events before it)
         rec.stats = {"optimizer": type(optimizer.chained_optimizers[0].optimizer).__name__, "marks": marks}
         return rec

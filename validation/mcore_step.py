@@ -157,7 +157,19 @@ def _forward(ddp, case: McoreCase) -> torch.Tensor:
     return torch.sum(losses.view(-1).float() * loss_mask.view(-1))
 
 
-def _train_step(ddp, optimizer, case: McoreCase, mark) -> None:
+def wrap_for_training(model):
+    """The model in DDP with the fp32 gradient buffer and the distributed optimizer over Adam (clip 1.0), as the
+    reference loop trains it: (ddp, optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+    return ddp, get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=True, use_distributed_optimizer=True,
+        clip_grad=1.0), [ddp])
+
+
+def train_step(ddp, optimizer, case: McoreCase, mark) -> None:
     """Megatron-LM's train_step for one micro-batch; `mark(phase)` at the end of each phase."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
@@ -178,8 +190,6 @@ def _measure_here(case: McoreStepCase) -> McoreStepMeasurement:
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     apply_step_patches()
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import random
 
     c = case.model
@@ -188,12 +198,8 @@ def _measure_here(case: McoreStepCase) -> McoreStepMeasurement:
         random.model_parallel_cuda_manual_seed(c.seed + 1)
         torch.manual_seed(c.seed + ps.get_tensor_model_parallel_rank())
         model = build(c)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=True, use_distributed_optimizer=True,
-            clip_grad=1.0), [ddp])
-        _train_step(ddp, optimizer, c, lambda phase: None)
+        ddp, optimizer = wrap_for_training(model)
+        train_step(ddp, optimizer, c, lambda phase: None)
         gc.collect()
         persistent = _persistent(ddp, optimizer)
         base = sum(persistent.values())
@@ -205,7 +211,7 @@ def _measure_here(case: McoreStepCase) -> McoreStepMeasurement:
             tracker.peak = tracker.live
 
         with tracker:
-            _train_step(ddp, optimizer, c, mark)
+            train_step(ddp, optimizer, c, mark)
             gc.collect()
             live_at_end = tracker.settle()
         peak = max(peaks.values())
