@@ -141,14 +141,15 @@ class _Live(TorchDispatchMode):
         return [v for k, v in self.made.items() if not k.expired() and k not in skip]
 
 
-def _kept(block, x0) -> tuple[list, torch.Tensor, bool]:
+def kept_storages(block, x0, mask=None) -> tuple[list, torch.Tensor, bool]:
     """The storages the block keeps, its output, and whether it keeps its input (made here from the leaf
-    ``x0`` by an op that saves nothing, so only the block can keep it alive)."""
+    ``x0`` by an op that saves nothing, so only the block can keep it alive); ``mask``: the attention's block mask
+    (FlexAttention under context parallelism, validation/titan_cp.py)."""
     x = x0 * 1
     x_ref = StorageWeakRef(x.untyped_storage())
     live = _Live()
     with live:
-        out = block(x, None, None)
+        out = block(x, mask, None)
     del x
     params = list(block.parameters()) + list(block.buffers())
     kept = live.alive([out, *params])
@@ -162,7 +163,7 @@ def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0, float8: 
     torch.manual_seed(seed)
     block = build_block(shape, ac, float8=float8)
     x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
-    kept, out, input_kept = _kept(block, x)
+    kept, out, input_kept = kept_storages(block, x)
     rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
     out.float().square().mean().backward()
     linears = sum(type(m).__name__ == "Float8Linear" for m in block.modules())
@@ -219,7 +220,7 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
         block = build_block(shape, ac)
         x = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
-        kept, out, input_kept = _kept(block, x)
+        kept, out, input_kept = kept_storages(block, x)
         del out
     pinned = [str(g) for g in env.guards if {str(v) for v in getattr(g.expr, "free_symbols", ())} & {"s0", "s1"}
               and ("Eq(" in str(g.expr) and "Mod" not in str(g.expr))]

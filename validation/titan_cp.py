@@ -7,7 +7,7 @@ torch's _context_parallel/_cp_custom_ops.py) and FlexAttention runs the rank's s
 sequence's keys.  ``measure_cp_block`` runs torchtitan's own block and its own ``apply_cp_to_forward`` on one
 process: rank 0 of a process group of C ranks on torch's fake backend (``FakeStore``: collectives return tensors of
 the right shape, no peers; what is kept depends on shapes only), the storages read off as validation/titan.py does
-(``_Live``).
+(``kept_storages``).
 
 One substitution, as in validation/titan.py: FlexAttention has no backward on CPU, so its kernel
 (``FlexAttention._compiled_flex_attn``, patched for the call only) is replaced by the CPU sdpa kernel on the same
@@ -22,9 +22,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from torch.multiprocessing.reductions import StorageWeakRef
-
-from .titan import Shape, _Live, build_block
+from .titan import Shape, build_block, kept_storages
 
 
 @contextlib.contextmanager
@@ -78,14 +76,7 @@ def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "non
             apply_cp_to_forward(inner, init_device_mesh("cpu", (cp,)))
         mask = create_block_mask(lambda b_, h_, q, kv: q >= kv, None, None, s_local, s_local * cp, device="cpu")
         x0 = torch.randn(b, s_local, shape.h, dtype=torch.bfloat16, requires_grad=True)
-        x = x0 * 1
-        x_ref = StorageWeakRef(x.untyped_storage())
-        live = _Live()
-        with live:
-            out = block(x, mask, None)
-        del x
-        kept = live.alive([out, *block.parameters(), *block.buffers()])
+        kept, out, input_kept = kept_storages(block, x0, mask)
         rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
-        input_kept = not x_ref.expired()
         out.float().square().mean().backward()
     return {"rows": rows, "total": sum(n for _, _, n in rows), "input_kept": input_kept}
