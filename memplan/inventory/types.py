@@ -95,6 +95,11 @@ class Term:
             size = size * Poly.parse("etp")
         return size.divide_by("t") if (self.tp_split or (sp and self.sp_split)) else size
 
+    def exists_at_cp(self, cp: int) -> bool:
+        """Whether the term exists at context-parallel degree ``cp`` (needs_cp: only above 1, without_cp: only at 1);
+        `bytes` applies the same rule to arrays of plans."""
+        return not (self.needs_cp and cp == 1) and not (self.without_cp and cp > 1)
+
     def bytes(self, values: Mapping[str, Any], activation_bytes: int, sp: Any) -> Any:
         """Bytes on one GPU; `values` and `sp` may be scalars or numpy arrays (one per plan)."""
         full = self.size(activation_bytes).evaluate(values)

@@ -194,8 +194,7 @@ def estimate(
     layer_terms = tuple(t for t in terms if t.scope == "layer" and t.in_k22) if paper_only else tuple(
         t for t in terms if t.scope == "layer")
     per_layer = layer_bytes(layer_terms, values, act, plan.sp, plan.recompute)
-    cp_on = config.parallel.cp > 1  # terms that exist only with / only without context parallelism
-    shown = tuple(t for t in layer_terms if not (t.needs_cp and not cp_on) and not (t.without_cp and cp_on))
+    shown = tuple(t for t in layer_terms if t.exists_at_cp(config.parallel.cp))
     poly = display_poly(layer_poly(shown, act, config.parallel.sp, config.training.recompute,
                                    config.parallel.cp), config.model)
     if config.parallel.tp == 1:

@@ -122,9 +122,7 @@ def _layer(est: Estimate, values: dict[str, Any]) -> list[Step]:
     c = est.config
     act, sp, rec = c.training.activation_bytes, c.parallel.sp, c.training.recompute
     split = (sp, c.parallel.cp)  # how a term's polynomial is split on one GPU (Term.split_size)
-    cp = c.parallel.cp  # the terms that exist only with (needs_cp) or only without (without_cp) context parallelism
-    layer_terms = [t for t in est.inventory.terms if t.scope == "layer" and not (t.needs_cp and cp == 1)
-                   and not (t.without_cp and cp > 1)]
+    layer_terms = [t for t in est.inventory.terms if t.scope == "layer" and t.exists_at_cp(c.parallel.cp)]
     kept = [t for t in layer_terms if t.kept(rec) and t.bytes(values, act, int(sp))]
     unit = est.peak.unit_bytes
     steps = []
