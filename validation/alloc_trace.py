@@ -149,19 +149,36 @@ def record_run(case: StepCase, steps: int = 2, cap_bytes: Optional[int] = None) 
                     alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     gc.collect()
     if case.backend == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
-        with _mode(case):
-            _run(case, steps)
+        # the alloc / free trace without stack traces (context None): symbolising millions of C++ frames would take
+        # minutes at llama3-8b's sizes, and nothing here reads them
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=HISTORY_ENTRIES)
+        oom = None
+        try:
+            with _mode(case):
+                _run(case, steps)
+        except torch.OutOfMemoryError as e:  # the events up to the failing request are kept (stats["oom"])
+            oom = str(e).splitlines()[0][:300]
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         stats = torch.cuda.memory_stats()
+        free, total = torch.cuda.mem_get_info()
         rec.events = snapshot_events(snapshot)
         rec.stats = {"max_memory_reserved": torch.cuda.max_memory_reserved(),
                      "max_memory_allocated": torch.cuda.max_memory_allocated(),
                      "inactive_split_peak_bytes": stats.get("inactive_split_bytes.all.peak", 0),
                      "num_alloc_retries": stats.get("num_alloc_retries", 0),
-                     "segments_peak": stats.get("segment.all.peak", 0)}
+                     "segments_peak": stats.get("segment.all.peak", 0),
+                     # the cudaMalloc'd segments in order (the replay's segments are checked against them)
+                     "segment_allocs": [e["size"] for e in snapshot["device_traces"][0]
+                                        if e["action"] == "segment_alloc"],
+                     "segment_frees": sum(e["action"] == "segment_free" for e in snapshot["device_traces"][0]),
+                     # what the device holds outside PyTorch's pool after the run (CUDA context, cuBLAS, ...)
+                     "outside_pool_bytes": total - free - torch.cuda.memory_reserved(), "total_memory": total}
+        if oom is not None:  # the trace's own "oom" entry: the request that failed and what the device had free
+            entry = next((e for e in snapshot["device_traces"][0] if e["action"] == "oom"), {})
+            rec.stats.update(oom=oom, oom_request_bytes=entry.get("size"), oom_device_free_bytes=entry.get("device_free"))
         return rec
     if case.backend != "live":
         raise ValueError("record_run runs the live (CPU) or cuda backend")
@@ -244,6 +261,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(OOM_EXIT)
     if args.out:
         save(rec, args.out)
+    if rec.stats.get("oom"):  # CUDA: recorded up to the out-of-memory
+        sys.exit(OOM_EXIT)
 
 
 if __name__ == "__main__":

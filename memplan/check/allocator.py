@@ -131,15 +131,21 @@ MAX_SEQ_STEP = 1024  # the done-means' step: memplan's --max-seq within one such
 
 @dataclass
 class MaxSeqResult:
-    """memplan's longest sequence for a run against the real run on this GPU: the predicted length (rounded down
-    to `MAX_SEQ_STEP`) must train and one step more must die (within one step, on the safe side)."""
+    """memplan's longest sequence for a run against the real run on this GPU: the run at the predicted length must
+    train and the run one `MAX_SEQ_STEP` longer must die, so the longest that trains is within one step above the
+    prediction (the done-means: within one step, on the safe side)."""
 
     case: PeakCase
     allocator: str
     predicted: Optional[int]  # memplan's --max-seq (the replay's verdict on the GPU preset)
-    tried: Optional[int]  # predicted rounded down to MAX_SEQ_STEP
+    tried: Optional[int]  # the length run: the prediction itself
     trains: Optional[bool]  # the run at `tried` completes
     next_dies: Optional[bool]  # the run at `tried` + MAX_SEQ_STEP dies
+
+    @property
+    def longer(self) -> Optional[int]:
+        """The length one step above the one tried, which must die."""
+        return None if self.tried is None else self.tried + MAX_SEQ_STEP
 
     @property
     def passed(self) -> bool:
@@ -148,12 +154,12 @@ class MaxSeqResult:
 
 def max_seq_check(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> MaxSeqResult:
     """memplan's `--max-seq` for the case's run on `gpu` (the preset of the card in this machine) with `allocator`,
-    and two real runs on this GPU: at that length (rounded down to MAX_SEQ_STEP) and one step longer."""
+    and two real runs on this GPU: at that length and one MAX_SEQ_STEP longer."""
     config = peak_config(case)
     predicted = max_seq_len(config, gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
-    if predicted is None or predicted < MAX_SEQ_STEP:
+    if predicted is None:
         return MaxSeqResult(case, allocator, predicted, None, None, None)
-    tried = predicted // MAX_SEQ_STEP * MAX_SEQ_STEP
+    tried = predicted
     dies_at = first_failing(case, [tried, tried + MAX_SEQ_STEP], allocator)
     return MaxSeqResult(case, allocator, predicted, tried, dies_at != tried, dies_at == tried + MAX_SEQ_STEP)
 

@@ -344,11 +344,14 @@ def mst_peak_cases() -> list[PeakCase]:
     ]
 
 
-def card_preset() -> GpuSpec:
-    """The GPU preset of this machine's GPU, by its name (the H100's for a GPU without one)."""
-    import torch
+def card_preset(device_name: Optional[str] = None) -> GpuSpec:
+    """The GPU preset of this machine's GPU (or of the card named `device_name`, as torch.cuda.get_device_name()
+    gives it), by its name (the H100's for a GPU without one)."""
+    if device_name is None:
+        import torch
 
-    name = torch.cuda.get_device_name().lower()
+        device_name = torch.cuda.get_device_name()
+    name = device_name.lower()
     match = [g for g in gpu_names() if g.split("-")[0] in name]
     return load_gpu(match[0] if match else "h100-80gb")
 

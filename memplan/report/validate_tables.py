@@ -145,9 +145,9 @@ def render_allocator_validation(results: list[Any], max_seq: list[Any], summary:
                       "both reserved figures are memplan's model replaying it (derived). --device cuda records "
                       "torch.cuda.memory._snapshot() and checks the replay against max_memory_reserved.")
     for m in max_seq:
-        what = ("no length of at least 1,024 tokens fits" if m.tried is None else
-                f"memplan {m.predicted:,} tokens; {m.tried:,} {'trains' if m.trains else 'dies'}, {m.tried + 1024:,} "
-                f"{'dies' if m.next_dies else 'trains'}")
+        what = ("memplan: no length fits" if m.tried is None else
+                f"memplan {m.predicted:,} tokens; {m.tried:,} {'trains' if m.trains else 'dies'}, "
+                f"{m.longer:,} {'dies' if m.next_dies else 'trains'}")
         console.print(f"longest sequence, {m.case.name} ({m.allocator}): {what}: "
                       + ("[green]PASS[/]" if m.passed else "[red]FAIL[/]"))
     console.print(f"{summary['cases'] - summary['failed']} of {summary['cases']} passed")
