@@ -48,7 +48,7 @@ def gpt3_530b_stream():
                                                                         int(plan.microbatches)))
     mem = stage_memory(config.model, inventory.terms, config.training, plan, reserved.stage,
                        granularity=inventory.granularity, layout=inventory.weight_layout)
-    workspace = result.estimate.device.workspace_bytes
+    workspace = result.estimate.gpu.workspace_bytes  # one thread's; the stream makes the two
 
     def build():
         return stream_for(config.model, inventory, config.training, plan, reserved.stage, mem,

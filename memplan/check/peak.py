@@ -359,7 +359,7 @@ def card_preset(device_name: Optional[str] = None) -> GpuSpec:
 def _cuda_workspace() -> int:
     """The cuBLAS workspace in PyTorch's pool on this machine's GPU, from its preset: max_memory_allocated counts it
     beside the tensors."""
-    return card_preset().workspace_bytes
+    return card_preset().step_workspace_bytes
 
 
 def peak_summary(results: list[PeakResult]) -> dict[str, Any]:

@@ -140,6 +140,8 @@ class RuntimeBytes(Spec):
         return getattr(self, framework)
 
 
+STEP_MATMUL_THREADS = 2  # the threads a training step runs matmuls on (GpuSpec.step_workspace_bytes)
+
 class GpuSpec(Spec):
     """An accelerator's data-sheet figures (per GPU)."""
 
@@ -176,14 +178,22 @@ class GpuSpec(Spec):
         default_factory=lambda: RuntimeBytes(),
         description="device memory a training process uses outside PyTorch's caching allocator, by framework")
     nccl_communicator_bytes: int = Field(default=0, ge=0, description="each further NCCL communicator")
-    workspace_bytes: int = Field(default=0, ge=0, description="cuBLAS workspace, allocated inside PyTorch's pool "
-                                 "(part of torch.cuda.max_memory_allocated)")
+    workspace_bytes: int = Field(default=0, ge=0, description="cuBLAS workspace of one thread's handle, allocated "
+                                 "inside PyTorch's pool (part of torch.cuda.max_memory_allocated)")
     fragmentation_margin: float = Field(
         default=0.0, ge=0, le=1, description="caching-allocator reserve above the allocated peak, as a fraction")
     total_memory_bytes: Optional[int] = Field(
         default=None, gt=0, description="torch.cuda.get_device_properties(0).total_memory: what one process can have "
         "(less than nvidia-smi's total); None: not measured, memory_bytes is taken")
     source: str = ""
+
+    @property
+    def step_workspace_bytes(self) -> int:
+        """The cuBLAS workspaces a training step keeps in PyTorch's pool: cuBLAS keeps one per (thread, stream)
+        handle, and a step runs matmuls on two threads, the forward's and autograd's device thread's backward
+        (recorded on an H100, torch 2.11: two 32 MiB blocks, made at the first forward and the first backward
+        matmul, never freed; tests/data/alloc/cuda)."""
+        return STEP_MATMUL_THREADS * self.workspace_bytes
 
     @field_validator("memory_bytes", "nccl_communicator_bytes", "workspace_bytes", "total_memory_bytes",
                      mode="before")

@@ -3,39 +3,36 @@ requested bytes, stream, kind, name, size polynomial) and every free, in order, 
 owns that stream; a model of PyTorch's caching allocator replays it (memplan's verdict at the margin,
 ../shared/reference/allocator.md "What a replay needs").
 
-The run: the model built (one allocation per parameter tensor, `shapes.weight_shapes`, registration order); with ZeRO-3
-one shard per parameter tensor (FSDP2's and DeepSpeed stage 3's per-parameter shards, rounded down, the largest taking
-the rest); the fp32 main-gradient buffer (Megatron-LM, the reference loop); the optimizer created (its master copy;
-with ZeRO >= 1 one flat shard per state, as Megatron-LM's distributed optimizer); `steps` steps, each the stage's 1F1B
-or interleaved 1F1B schedule (memplan/memory/pipeline.py `schedule`: warm-up forwards, forward / backward pairs,
-cool-down backwards; the embedding's terms in chunk 0 of the first stage, the loop's batch and the loss in the last
-chunk of the last stage), the optimizer step and zero_grad. ZeRO-3's unsharded parameters in flight
-(`StageMemory.gathered`: one layer's, or the stack's count, memplan/memory/dp_stack.py) are all-gathered at the first
-forward as units of one layer's parameters (the rest of the count, a tail unit or prefetch bucket, one block) and stay
-the timeline's bytes all step; at each layer's forward and backward the oldest unit is freed (resharded) and a new one
-gathered. LoRA (peft): the frozen base built (QLoRA's layer linears in NF4), then the fp32 adapters; only they get
-.grad tensors and optimizer states (memplan/memory/stream_params.py). Context parallelism: the attention's cp buffers
-as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW (torch, apex / TE FusedAdam alike) makes
-exp_avg and exp_avg_sq LAZILY in the first step's optimizer call, after the backward; torch .grad tensors
-(transformers) appear at their first write in the backward, zero_grad frees them.
+The run: the model built (one allocation per parameter tensor, `shapes.weight_shapes`, registration order; ZeRO-3: one
+shard per parameter tensor, FSDP2's / DeepSpeed stage 3's, the largest taking the rest); Megatron-LM's fp32
+main-gradient buffer; the optimizer created (its master copy; ZeRO >= 1: one flat shard per state); `steps` steps, each
+the stage's (interleaved) 1F1B schedule (memplan/memory/pipeline.py `schedule`; the embedding's terms in chunk 0 of the
+first stage, the batch and the loss in the last chunk of the last stage), the optimizer step and zero_grad; cuBLAS's
+workspaces at the first forward and the first backward matmul (one per thread, kept). ZeRO-3's unsharded parameters in
+flight (`StageMemory.gathered`, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one
+layer's parameters (the rest of the count one block) and stay the timeline's bytes all step: at each layer's forward and
+backward the oldest unit is freed and a new one gathered. LoRA (peft): the frozen base (QLoRA's linears in NF4), then
+the fp32 adapters, which alone get .grad tensors and states (memplan/memory/stream_params.py). Context parallelism: the
+cp buffers as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW makes exp_avg and exp_avg_sq LAZILY
+in the first step's optimizer call; torch .grad tensors (transformers) appear at their first write in the backward,
+zero_grad frees them.
 
 Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks the
 per-tensor order of the real code that reproduces them at every timeline event: autograd's (saved tensors in forward
 order, freed in reverse in the backward, a moment's `freed` terms gone before it), a moment's transients made at it and
 freed after it, a checkpointed layer's forward making and freeing its tensors in the real order
 (`Inventory.checkpointed_forward`) and re-making them, the saved ones kept, when its backward starts, a .grad group made
-when a moment first lists it (a traced moment's gradients as one tensor). Around the loss the order is the recorded
-real code's (validation/alloc_trace.py, tests/test_alloc_fixtures.py, test_alloc_fixture_mcore.py): a moment's first
-transient, the previous moment's handed-on gradient freed (`Moment.handed_on`; kept when it is this moment's first), its
-.grad, the other transients, the saved terms they make (`Moment.made_after`); AdamW's lazy states tensor by tensor.
-Between two timeline events every free precedes every allocation (but a handed-on gradient, `_Run._loss_point`), so no
-point exceeds both neighbours (but a checkpointed forward and its re-run, under the recomputed backward's point): the
-maximum is the timeline's peak. A group's tensors are sized from their shapes, fitted to the group's count (E/ep experts;
-the last absorbs a padded vocabulary); weights beyond every group (MTP, FP8 caches) are one allocation. All on stream 0
-(Megatron-LM's collectives write into compute-stream tensors); tensors named for a gather / all-to-all / dispatch are of
-kind "communication". `Alloc.size` is the bytes requested (ceil(bytes / storages), before the 512 B rounding),
-`Alloc.bytes` what the timeline counts (rounded to Inventory.granularity once); `marks` tie the timeline's events to
-stream positions.
+when a moment first lists it (a traced moment's gradients as one tensor). Around the loss the order is the recorded real
+code's (tests/test_alloc_fixture*.py): a moment's first transient, the previous moment's handed-on gradient freed
+(`Moment.handed_on`; kept when it is this moment's first), its .grad, the other transients, the saved terms they make
+(`Moment.made_after`); AdamW's lazy states tensor by tensor. Between two timeline events every free precedes every
+allocation (but a handed-on gradient, `_Run._loss_point`), so no point exceeds both neighbours (but a checkpointed
+forward and its re-run, under the recomputed backward's point): the maximum is the timeline's peak. A group's tensors
+are sized from their shapes, fitted to the group's count (E/ep experts; the last absorbs a padded vocabulary); weights
+beyond every group (MTP, FP8 caches) are one allocation. All on stream 0 (Megatron-LM's collectives write into
+compute-stream tensors); tensors named for a gather / all-to-all / dispatch are of kind "communication". `Alloc.size` is
+the bytes requested (ceil(bytes / storages), before the 512 B rounding), `Alloc.bytes` what the timeline counts (rounded
+to Inventory.granularity once); `marks` tie the timeline's events to stream positions.
 """
 
 from __future__ import annotations
@@ -121,16 +118,13 @@ class _Run:
     def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
                  mem: StageMemory, workspace: int, repeat: bool = True) -> None:
         self.model, self.inv, self.tr, self.plan, self.stage, self.mem = model, inv, training, plan, stage, mem
-        self.events: list = []
-        self.marks: list[tuple[int, int]] = []
+        self.events, self.marks = [], []  # the events; (timeline event, stream position) pairs
         self.nid, self.ev, self.walk, self.workspace = 0, 0, False, workspace
         self.is_first, self.is_last = stage == 0, stage == plan.p - 1
         n, recomputed = plan.chunk_layers(model, stage)
         self.rec = plan.recompute
         self.n, self.N = int(n), int(recomputed) * (self.rec != Recompute.NONE)
-        self.buffer = inv.grad_lifetime == "buffer"
-        self.M = int(plan.microbatches)
-        self.m = int(plan.m)
+        self.buffer, self.M, self.m = inv.grad_lifetime == "buffer", int(plan.microbatches), int(plan.m)
         self.step = step_events(model, inv, training, plan, mem, stage)
         self.layer_terms, self.first_terms, self.last_terms, self.chunk_terms = (
             [t for t in inv.terms if t.scope == scope and (scope != "chunk" or t.kept(self.rec))
@@ -149,8 +143,7 @@ class _Run:
                             for m in inv.moments if m.scope == "layer" and m.phase == "backward"]
         self.stored = {rc: tuple(i for i, t in enumerate(self.layer_terms)
                                  if t.kept(self.rec if rc else Recompute.NONE)) for rc in (True, False)}
-        self.alive_sets: dict[tuple, tuple] = {}
-        self.repeats = Repeats(repeat)
+        self.alive_sets, self.repeats = {}, Repeats(repeat)  # (moment, rc) -> alive terms; copies of templates
         self.chunk_alive: dict[str, tuple] = {}  # the chunk's terms alive at a backward moment
         self.is_full = self.rec == Recompute.FULL
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
@@ -264,9 +257,17 @@ class _Run:
         if creating and m.grad_elements:
             n = shard_bytes(m.grad_elements * self.tr.grad_bytes, self.plan.shard, self.plan.zero >= 2)
             self.partial = [self._alloc(n, n, "gradient", f"layer {site} gradients made so far (traced)")]
-        if fresh and (n := self._new_grad(m.grads[-1])):
-            return [self._alloc(n, n, "gradient", f"{m.grads[-1]} gradient before accumulation")]
-        return []
+        out = [self._alloc(n, n, "gradient", f"{m.grads[-1]} gradient before accumulation")] if fresh and (
+            n := self._new_grad(m.grads[-1])) else []
+        if m.grads or m.grad_elements:  # a weight gradient: the backward's first matmul (after its .grad, measured)
+            self._workspace(2)
+        return out
+
+    def _workspace(self, thread: int) -> None:
+        """cuBLAS's workspace of matmul thread 1 (the forward's) or 2 (autograd's: the backward's), made once, kept."""
+        if self.workspace and self.workspaces < thread:
+            self.workspaces = thread
+            self._alloc(self.workspace, 0, "workspace", "cuBLAS workspace" + " (backward)" * (thread == 2))
 
     # -- one micro-batch ---------------------------------------------------------------------------------------
     def _alive(self, m: Moment, rc: bool) -> tuple:
@@ -287,9 +288,7 @@ class _Run:
                     "first": [i for t in self.first_terms * embedding
                               for i in self._term(t, "saved_activation", label)],
                     "chunk": {}, "layers": {}, "last": {}}
-        if self.workspace and not self.workspace_made:
-            self.workspace_made = True
-            self._alloc(self.workspace, 0, "workspace", "cuBLAS workspace")
+        self._workspace(1)
         if self.gathered and not self.in_flight:
             self._gather_all()
         self._fill(st["chunk"], self.chunk_terms, tuple(range(len(self.chunk_terms))), label)
@@ -370,6 +369,7 @@ class _Run:
 
     def _backward(self, st: dict, mb: int, c: int) -> None:
         label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
+        self._workspace(2)  # a stage whose backward begins with no weight gradient (the last stage's: in the loss's)
         creating = not self.buffer and not self.have_grads
         owed: list = list(self.head_names) if creating and self.is_last else []
         # a tied LM head's gradient waits in autograd's input buffer for the embedding's (with a main-grad buffer)
@@ -474,7 +474,7 @@ class _Run:
 
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
-        self.workspace_made = False
+        self.workspaces = 0
         self.sizes = main = _Sizes(self.model, self.inv, self.tr, self.plan)
         first = main if first_seq in (None, self.model.seq_length) else _Sizes(
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)

@@ -486,8 +486,8 @@ def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: 
     groups = communicators(plan)
     # the megatron figure was measured with one communicator already in it
     extra = maximum(groups - 1, 0) if inventory.runtime == "megatron" else groups
-    allocated = peak_bytes + gpu.workspace_bytes
-    return DeviceMemory(peak_bytes, gpu.workspace_bytes, fraction_bytes(allocated, m),
+    allocated = peak_bytes + gpu.step_workspace_bytes
+    return DeviceMemory(peak_bytes, gpu.step_workspace_bytes, fraction_bytes(allocated, m),
                         base + extra * gpu.nccl_communicator_bytes, m)
 
 

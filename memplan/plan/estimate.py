@@ -252,7 +252,8 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
         int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
     stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
-                        first_step_seq_len=replay.first_step_seq_len, workspace_bytes=flat.workspace_bytes)
+                        first_step_seq_len=replay.first_step_seq_len,
+                        workspace_bytes=gpu.workspace_bytes if gpu is not None else 0)
     reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report)
     # dies: at least over the budget (the OOM event says where; what it would need is not known)
     needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1

@@ -394,7 +394,7 @@ def check_int64(model: ModelSpec, training: TrainingSpec, max_micro_batch: int, 
     need = 2 * device_bytes(one_gpu, impl)  # the allocated peak's bound (no GPU: no margin, no runtime)
     if gpu is not None:
         m = gpu.fragmentation_margin if margin is None else margin
-        allocated = need + gpu.workspace_bytes
+        allocated = need + gpu.step_workspace_bytes
         need = (allocated + fraction_bytes(allocated, m) + max(gpu.runtime_bytes.torch, gpu.runtime_bytes.megatron)
                 + MAX_COMMUNICATORS * gpu.nccl_communicator_bytes)
     elif margin:

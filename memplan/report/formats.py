@@ -175,7 +175,7 @@ MEMORY_ROWS = (
     ("activations_bytes", "saved activations at the first backward"),
     ("total_bytes", "retained at the first backward"),
     ("peak_bytes", "peak of the step's tensors"),
-    ("workspace_bytes", "cuBLAS workspace (inside PyTorch's pool)"),
+    ("workspace_bytes", "cuBLAS workspaces of the forward and backward threads (inside PyTorch's pool)"),
     ("allocated_peak_bytes", "allocated peak (torch.cuda.max_memory_allocated)"),
     ("fragmentation_bytes", "fragmentation margin"),
     ("runtime_bytes", "CUDA context, kernels, NCCL (outside PyTorch)"),

@@ -290,7 +290,7 @@ def render_peak(est: Estimate, console: Console) -> None:
             " alive" if kind == "step" else "")
         table.add_row(label, format_gb(e.parts[k]), kind)
     table.add_row("[bold]peak of the step's tensors[/]", f"[bold]{format_gb(step.peak_bytes)}[/]", "")
-    table.add_row("cuBLAS workspace (inside PyTorch's pool)", format_gb(dev.workspace_bytes), "runtime")
+    table.add_row("cuBLAS workspaces (forward, backward; in PyTorch's pool)", format_gb(dev.workspace_bytes), "runtime")
     table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{format_gb(dev.allocated_peak)}[/]",
                   "")
     table.add_row(fragmentation_label(dev), format_gb(dev.fragmentation_bytes), "allocator")
