@@ -100,7 +100,9 @@ def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Option
     with tempfile.TemporaryDirectory(prefix="memplan-alloc-") as tmp:
         for case in cases:
             config = peak_config(case)
-            ours = allocation_stream(config, case.impl, device)
+            # on CUDA the run holds cuBLAS's workspaces (the card's preset; GpuSpec.step_workspace_bytes)
+            ours = allocation_stream(config, case.impl, device,
+                                     workspace_bytes=card_preset().workspace_bytes if device == "cuda" else 0)
             cpu_rec = None
             for allocator in allocators:
                 settings = allocator_config(allocator)
