@@ -7,7 +7,7 @@ max_memory_reserved, segments and what lived outside the pool).
 What holds, measured: memplan's stream of the same run peaks at the recorded live peak within 0.01 % (the small runs
 +3.9 KB of 115-126 MB, 0.0034 %; llama3-8b -2 KB to +150 KB of 76-82 GB, once the stream makes cuBLAS's two workspaces), and its
 replay through memplan's allocator model reserves within 2 % of what the run reserved (max_memory_reserved: small runs
--2 MiB with the default allocator, exact with expandable segments; llama3-8b -0.95 % to +1.19 %), the capacity being the
+-2 MiB with the default allocator, exact with expandable segments; llama3-8b -0.73 % to +1.19 %), the capacity being the
 card's less what lived outside PyTorch's pool in that run. What does not (docs/how-it-works.md): on CUDA a checkpointed
 layer's re-run and backward make more tensors than the stream has, and where that decides an out-of-memory (foreach
 AdamW with checkpointing at 10,898 tokens) memplan's replay completes where the run died. Without the stream's second
@@ -42,7 +42,11 @@ def _case(path: Path):
     return (case if s is None else dataclasses.replace(case, s=int(s))), allocator
 
 
-@pytest.mark.parametrize("path", sorted(DATA.glob("*.json.gz")), ids=lambda p: p.name.split(".")[0])
+# the runs that trained (the two that died: tests/test_alloc_fixtures_cuda.py)
+TRAINED = [p for p in sorted(DATA.glob("*.json.gz")) if "-s10898" not in p.name and "-s19556" not in p.name]
+
+
+@pytest.mark.parametrize("path", TRAINED, ids=lambda p: p.name.split(".")[0])
 def test_memplans_stream_is_the_recorded_run(path):
     case, allocator = _case(path)
     rec = load(path)

@@ -6,9 +6,8 @@ blocks, free lists, statistics) and runs `DeviceCachingAllocator::malloc` / `fre
 c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.9-2.11) step by step, calling the rules of
 memplan.memory.alloc_rules through that module; the settings are memplan.memory.alloc_conf's.
 
-The device: `capacity_bytes` is the memory the allocator may hold (cudaMalloc, or mapping a page, fails when
-reserved + the new segment > capacity): the card's total memory less the CUDA context, NCCL and whatever else
-lives outside PyTorch's allocator.
+The device: `capacity_bytes` is the memory the allocator may hold (cudaMalloc or mapping a page fails past it):
+the card's total memory less the CUDA context, NCCL and all else outside PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -143,7 +142,7 @@ class CachingAllocatorModel:
         self.pools: dict[tuple[int, bool], Pool] = {}
         self.peak_moved = False
         self.last_failure = (0, 0)  # (rounded size, segment size) of the last request that found no memory
-        self._next_address = _ALIGN
+        self._low, self._high = _ALIGN, _ADDRESS_LIMIT  # new_address: the small pool's up, the large pool's down
         self._sizes: dict[tuple[int, int], tuple[int, Pool, int]] = {}
 
     def grow(self, nbytes: int) -> None:
@@ -154,12 +153,16 @@ class CachingAllocatorModel:
             self.peak_moved = True
 
     def new_address(self, nbytes: int) -> int:
-        """A fresh virtual address range (never reused: addresses only order blocks of equal size)."""
-        address = self._next_address
-        self._next_address += -(-nbytes // _ALIGN) * _ALIGN
-        if self._next_address >= _ADDRESS_LIMIT:
+        """A new segment's address (never reused; it orders equal-size free blocks, lowest first): as in the H100
+        recordings, a large-pool segment below the earlier ones, a 2 MiB small-pool one above (tests/test_alloc_fixtures_cuda.py)."""
+        n = -(-nbytes // _ALIGN) * _ALIGN
+        if nbytes <= rules.SMALL_BUFFER_BYTES:
+            self._low += n
+            return self._low - n
+        self._high -= n
+        if self._high < self._low:
             raise MemplanError("the replay ran out of model addresses (2^56 bytes of segments); split the stream")
-        return address
+        return self._high
 
     def pool(self, key: tuple[int, bool]) -> Pool:
         pool = self.pools.get(key)
