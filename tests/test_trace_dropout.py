@@ -12,7 +12,8 @@ Where the figures come from (torch 2.13's sources, read, not measured on a GPU h
 * torch's math sdpa (aten/src/ATen/native/transformers/attention.cpp, ``_scaled_dot_product_attention_math``):
   bf16 q, k, v upcast to fp32, q and k each scaled by sqrt(scale), k and v repeated to the a query heads (GQA),
   ``softmax(q kT)``, ``at::dropout``, ``@ v``, the result cast back to bf16;
-* FlashAttention-2 (flash_attn/flash_api.cpp ``mha_fwd``): q, k, v and the output kept, output allocated as
+* cuDNN attention (torch 2.11's choice on an H100 with cuDNN 9.19, measured) keeps flash's tensors with another
+  Philox state (below); FlashAttention-2 (flash_attn/flash_api.cpp ``mha_fwd``): q, k, v and the output kept, output allocated as
   [b, s, a, d] (the layout of q before transformers' transpose), softmax_lse fp32 [b, a, s], ``rng_state`` uint64
   [2] and ``_unused`` uint64 [] allocated on the GPU with or without dropout (torch/_meta_registrations.py gives
   the same shapes and dtypes);
@@ -71,18 +72,22 @@ CPU_MATH = Counter({
 })
 
 
-def test_sdpa_with_dropout_is_flash_attention_on_cuda():
-    """No mask (is_causal): CPU's math path against FlashAttention-2, which supports dropout."""
+def test_sdpa_with_dropout_is_cudnn_attention_on_cuda():
+    """No mask (is_causal): CPU's math path against cuDNN attention, which torch 2.11 chose on an H100 (cuDNN 9.19;
+    measured there: tests/test_cuda_dropout.py) and which supports dropout. It keeps what FlashAttention-2 keeps
+    (flash_api.cpp ``mha_fwd``: q, k, v, the output, an fp32 logsumexp) but for the Philox state: two int64 scalars
+    (torch/_meta_registrations.py ``meta__scaled_dot_product_cudnn_attention``: seed and offset, []) where flash keeps
+    ``rng_state`` uint64 [2] and ``_unused`` uint64 [] (8 bytes more per layer, measured)."""
     cpu, cuda = _pair(tiny("llama", num_hidden_layers=1, attention_dropout=0.1), "hf-sdpa")
     cpu_only, cuda_only = _differences(cpu, cuda)
     assert cpu_only == CPU_MATH
     assert cuda_only == Counter({
-        (f"{SDPA}[flash]", "bfloat16", "128 s b"): 2,  # q [b, a, s, d] and the output [b, s, a, d]: 2 * 4 * 16 s b
+        # q [b, a, s, d] and the output (laid out as q: [b, s, a, d] in memory): 2 * 4 * 16 s b each
+        (f"{SDPA}[cudnn]", "bfloat16", "128 s b"): 2,
         # k and v unrepeated (no mask: transformers passes enable_gqa): [b, g, s, d] = 2 * 2 * 16 s b each
-        (f"{SDPA}[flash]", "bfloat16", "64 s b"): 2,
-        (f"{SDPA}[flash]", "float32", "16 s b"): 1,  # softmax_lse [b, a, s]: 4 * 4 s b
-        (f"{SDPA}[flash]", "uint64", "16"): 1,  # rng_state [2]: the Philox seed and offset the backward replays
-        (f"{SDPA}[flash]", "uint64", "8"): 1,  # _unused []
+        (f"{SDPA}[cudnn]", "bfloat16", "64 s b"): 2,
+        (f"{SDPA}[cudnn]", "float32", "16 s b"): 1,  # logsumexp [b, a, s, 1]: 4 * 4 s b
+        (f"{SDPA}[cudnn]", "int64", "8"): 2,  # the Philox seed and offset the backward replays, [] each
     })
     assert cpu["conditions"] == cuda["conditions"] == ["s >= 2", "b >= 2"]
 

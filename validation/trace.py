@@ -348,8 +348,11 @@ class _CudaKernels:
       [b, a, s] and the Philox RNG state; else memory-efficient attention (any mask, turned into an
       additive one in the activation dtype; head dims multiples of 8) saves the same plus the mask,
       its logsumexp padded to a multiple of 32 along s; else the math kernel, as on CPU (fp32).
-      cuDNN attention, which torch prefers on sm90 / sm100 with cuDNN > 9.15, saves the same q, k,
-      v, output and fp32 logsumexp. With dropout (``attention_dropout > 0``) the choice is the
+      cuDNN attention, which torch 2.11 chose on an H100 (cuDNN 9.19) where flash would run (head dims
+      equal, <= 128, multiples of 8; no mask), saves the same q, k, v, output and fp32 logsumexp with two int64
+      Philox scalars: that is what is emulated there (measured on the H100, tests/test_cuda_dropout.py: every
+      layer of 32 of 34 configs exact; MLA's q / k 24 wide and v 16 keep one more v-sized tensor under cuDNN,
+      measured, not identified, not emulated). With dropout (``attention_dropout > 0``) the choice is the
       same: flash, memory-efficient and cuDNN attention all take dropout (cuDNN except 9.11 - 9.13)
       and keep only the Philox seed / offset to replay it, never an s x s tensor; CPU sdpa instead
       leaves its flash kernel for the fp32 math path. The RNG state is sized as
@@ -391,6 +394,11 @@ class _CudaKernels:
         aten = torch.ops.aten
         low = query.dtype in (torch.float16, torch.bfloat16)
         d_qk, d_v = int(query.shape[-1]), int(value.shape[-1])
+        if attn_mask is None and low and d_qk == d_v and d_qk <= 128 and d_qk % 8 == 0:
+            # cuDNN attention, torch 2.11's choice on the H100 (cuDNN 9.19): flash's tensors, but its Philox seed and
+            # offset two int64 scalars (16 B where flash keeps 24): measured, tests/test_cuda_dropout.py
+            return aten._scaled_dot_product_cudnn_attention.default(query, key, value, None, True, dropout_p, is_causal,
+                                                                    False, scale=scale)[0]
         if attn_mask is None and low and d_qk == d_v and d_qk <= 256:
             pad = -d_qk % 8
             scale_ = scale if scale is not None else 1.0 / math.sqrt(d_qk)
