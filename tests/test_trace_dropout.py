@@ -35,11 +35,17 @@ from validation.trace import tiny  # noqa: E402
 SDPA = "scaled_dot_product_attention"
 
 
-def _pair(config: dict, impl: str) -> tuple[dict, dict]:
-    """The config traced with CPU's kernels and with CUDA's; the CPU trace checked against a real CPU run (what
-    every layer saves, measured with saved_tensors_hooks), so that the differences pinned below start from
-    measured CPU figures."""
-    cpu, cuda = (tr.trace_hf_config(config, impl, kernels=k, moments=False) for k in ("cpu", "cuda"))
+# torch's sdpa priority where cuDNN attention is not preferred (an A100, a cuDNN up to 9.15.0, or
+# TORCH_CUDNN_SDPA_DEPRIORITIZED=1): flash, memory-efficient, math. The H100 default (cuDNN first) is checked against
+# measured GPU figures in tests/test_cuda_dropout.py.
+NO_CUDNN = tuple(k for k in tr.SDPA_ORDER if k != "cudnn")
+
+
+def _pair(config: dict, impl: str, sdpa: tuple = tr.SDPA_ORDER) -> tuple[dict, dict]:
+    """The config traced with CPU's kernels and with CUDA's (`sdpa`: the CUDA sdpa kernels tried, in order); the
+    CPU trace checked against a real CPU run (what every layer saves, measured with saved_tensors_hooks), so that
+    the differences pinned below start from measured CPU figures."""
+    cpu, cuda = (tr.trace_hf_config(config, impl, kernels=k, moments=False, sdpa=sdpa) for k in ("cpu", "cuda"))
     for s, b in ((32, 2), (48, 3)):  # s >= the windows below, a multiple of 16
         assert tr.predicted_bytes(cpu, s, b)["layers"] == tr.measure_hf_config(config, s, b, impl)["layers"]
     return cpu, cuda
@@ -73,7 +79,7 @@ CPU_MATH = Counter({
 
 def test_sdpa_with_dropout_is_flash_attention_on_cuda():
     """No mask (is_causal): CPU's math path against FlashAttention-2, which supports dropout."""
-    cpu, cuda = _pair(tiny("llama", num_hidden_layers=1, attention_dropout=0.1), "hf-sdpa")
+    cpu, cuda = _pair(tiny("llama", num_hidden_layers=1, attention_dropout=0.1), "hf-sdpa", NO_CUDNN)
     cpu_only, cuda_only = _differences(cpu, cuda)
     assert cpu_only == CPU_MATH
     assert cuda_only == Counter({
@@ -90,7 +96,8 @@ def test_sdpa_with_dropout_is_flash_attention_on_cuda():
 def test_sdpa_with_a_mask_and_dropout_is_efficient_attention_on_cuda():
     """Mistral's sliding window (s >= 16: an explicit mask): no FlashAttention; the memory-efficient kernel keeps
     the mask as an additive bias, its logsumexp padded along s to a multiple of 32 (exact when s % 32 == 0)."""
-    cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, attention_dropout=0.1), "hf-sdpa")
+    cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, attention_dropout=0.1), "hf-sdpa",
+                      NO_CUDNN)
     cpu_only, cuda_only = _differences(cpu, cuda)
     assert cpu_only == CPU_MATH  # the CPU math path adds the mask in place: nothing more saved
     assert cuda_only == Counter({
@@ -107,8 +114,8 @@ def test_sdpa_with_a_mask_and_dropout_is_efficient_attention_on_cuda():
 
 
 def test_sdpa_math_on_cuda_keeps_a_bool_dropout_mask():
-    """A mask and d = 20 (not a multiple of 8: neither flash, which takes no mask, nor the memory-efficient
-    kernel): CUDA runs the math path too, the same fp32 tensors as CPU, except that its ``at::dropout`` is
+    """A mask and d = 20 (not a multiple of 8: neither cuDNN, nor flash, which takes no mask, nor the
+    memory-efficient kernel): CUDA runs the math path too, the same fp32 tensors as CPU, except that its ``at::dropout`` is
     ``native_dropout``."""
     cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, head_dim=20, attention_dropout=0.1),
                       "hf-sdpa")
