@@ -371,7 +371,8 @@ class _CudaKernels:
         capture keeps on the host: 16 bytes counted that the GPU does not hold);
       - else the math kernel, as on CPU (fp32).
       With dropout (``attention_dropout > 0``) the choice is the same (cuDNN takes dropout except
-      9.11 - 9.13 and p not a multiple of 1/16 in newer torch, not emulated): each kernel keeps only
+      with cuDNN 9.11 - 9.13; torch 2.11 took p = 0.1, where some other sdp_utils.cpp versions
+      refuse a p that is not a multiple of 1/16: neither emulated): each kernel keeps only
       the Philox state to replay it, never an s x s tensor (measured); CPU sdpa instead leaves its
       flash kernel for the fp32 math path. The math kernel's own ``at::dropout`` goes through the
       ``dropout`` below (a bool mask). A kernel list without one that takes the call raises
