@@ -274,23 +274,26 @@ def test_cli(tmp_path, capsys):
 # --kernels cuda: the CUDA kernels' saves, emulated on fake CPU tensors
 
 
-@pytest.mark.parametrize("arch,impl,dropout", [("llama", "hf-sdpa", 0.0), ("llama", "hf-eager", 0.0),
-                                               ("gpt2", "hf-sdpa", 0.1), ("gpt2", "hf-eager", 0.1)])
-def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
+@pytest.mark.parametrize("arch,impl,dropout,sdpa", [("llama", "hf-sdpa", 0.0, "cudnn"), ("llama", "hf-eager", 0.0, ""),
+                                                    ("gpt2", "hf-sdpa", 0.1, "flash"), ("gpt2", "hf-eager", 0.1, "")])
+def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout, sdpa):
     """terms_hf's CUDA inventories (derived from torch's kernels: bool dropout masks, fp32
-    layer-norm statistics, a fused attention kernel even with dropout) plus, per sdpa call, the Philox RNG
-    state cuDNN attention keeps (two int64 scalars, 16 bytes; torch 2.11's kernel on an H100, measured:
-    tests/test_cuda_dropout.py), which terms_hf leaves out."""
+    layer-norm statistics, FlashAttention even with dropout) plus, per sdpa call, the Philox RNG
+    state, which terms_hf leaves out: cuDNN attention's int64 seed and offset [] (16 bytes), the
+    kernel torch picks first on an H100 (validation/trace.py SDPA_ORDER), keeping what flash keeps
+    otherwise (its logsumexp [b, a, s, 1], its output in q's layout [b, s, a, d]); flash's own
+    state (uint64 [2] and [], 24 bytes) where cuDNN is not preferred."""
     from memplan.check.cases import ValidationCase
     from memplan.check.validate import predict
     from validation.hf import HFCase, build_config
 
     f, g = (256, None) if arch == "gpt2" else (160, 2)
     case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"), g=g)
-    inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda", moments=False)
+    order = tr.SDPA_ORDER[tr.SDPA_ORDER.index(sdpa or "cudnn"):]  # cudnn: torch's H100 order; flash: without cuDNN
+    inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda", moments=False, sdpa=order)
     assert inv["origin"]["kernels"] == "cuda" and inv["conditions"] == ["s >= 2", "b >= 2"]
     (group,) = inv["layer_groups"]
-    rng = 16 if impl == "hf-sdpa" else 0
+    rng = {"cudnn": 16, "flash": 24, "": 0}[sdpa]
     assert sum(tr.evaluate(t["bytes"], 0, 0) for t in group["terms"]) == rng
     for s, b in ((32, 2), (64, 3)):
         vc = ValidationCase("trace", "layer", s, b, 64, 4, f, 1, False, "none", "ledger", impl=impl, arch=arch, g=g,
@@ -298,7 +301,7 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
         assert tr.predicted_bytes(inv, s, b)["layers"] == [sum(predict(vc, "cuda").values()) + rng] * 2
     ops = {t["op"] for t in group["terms"]}
     if impl == "hf-sdpa":
-        assert "torch.nn.functional.scaled_dot_product_attention[cudnn]" in ops
+        assert f"torch.nn.functional.scaled_dot_product_attention[{sdpa}]" in ops
     masks = [t for t in group["terms"] if t["op"].endswith("dropout")]
     assert all(t["dtype"] == "bool" for t in masks) and len(masks) == (3 if impl == "hf-eager" and dropout else
                                                                         2 if dropout else 0)
@@ -308,10 +311,11 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout):
 
 
 def test_cuda_kernels_with_a_mask_use_efficient_attention():
-    """Mistral's sliding window (s >= window): a mask, so no FlashAttention; the memory-efficient
-    kernel keeps the additive bf16 mask and a logsumexp padded to a multiple of 32 along s."""
+    """Mistral's sliding window (s >= window): a mask, so no FlashAttention; where cuDNN is not
+    preferred (an A100, cuDNN <= 9.15) the memory-efficient kernel keeps the additive bf16 mask and a
+    logsumexp padded to a multiple of 32 along s."""
     cfg, impl = FAMILIES["mistral-window"]
-    inv = tr.trace_hf_config(cfg, impl, kernels="cuda", moments=False)
+    inv = tr.trace_hf_config(cfg, impl, kernels="cuda", moments=False, sdpa=("flash", "efficient", "math"))
     assert inv["conditions"] == ["s >= 16", "b >= 2", "s % 32 == 0"]
     sdpa = [t for t in inv["layer_groups"][0]["terms"] if "scaled_dot_product" in t["op"]]
     assert {t["op"] for t in sdpa} == {"torch.nn.functional.scaled_dot_product_attention[efficient]"}

@@ -12,8 +12,7 @@ Where the figures come from (torch 2.13's sources, read, not measured on a GPU h
 * torch's math sdpa (aten/src/ATen/native/transformers/attention.cpp, ``_scaled_dot_product_attention_math``):
   bf16 q, k, v upcast to fp32, q and k each scaled by sqrt(scale), k and v repeated to the a query heads (GQA),
   ``softmax(q kT)``, ``at::dropout``, ``@ v``, the result cast back to bf16;
-* cuDNN attention (torch 2.11's choice on an H100 with cuDNN 9.19, measured) keeps flash's tensors with another
-  Philox state (below); FlashAttention-2 (flash_attn/flash_api.cpp ``mha_fwd``): q, k, v and the output kept, output allocated as
+* FlashAttention-2 (flash_attn/flash_api.cpp ``mha_fwd``): q, k, v and the output kept, output allocated as
   [b, s, a, d] (the layout of q before transformers' transpose), softmax_lse fp32 [b, a, s], ``rng_state`` uint64
   [2] and ``_unused`` uint64 [] allocated on the GPU with or without dropout (torch/_meta_registrations.py gives
   the same shapes and dtypes);
@@ -36,11 +35,17 @@ from validation.trace import tiny  # noqa: E402
 SDPA = "scaled_dot_product_attention"
 
 
-def _pair(config: dict, impl: str) -> tuple[dict, dict]:
-    """The config traced with CPU's kernels and with CUDA's; the CPU trace checked against a real CPU run (what
-    every layer saves, measured with saved_tensors_hooks), so that the differences pinned below start from
-    measured CPU figures."""
-    cpu, cuda = (tr.trace_hf_config(config, impl, kernels=k, moments=False) for k in ("cpu", "cuda"))
+# torch's sdpa priority where cuDNN attention is not preferred (an A100, a cuDNN up to 9.15.0, or
+# TORCH_CUDNN_SDPA_DEPRIORITIZED=1): flash, memory-efficient, math. The H100 default (cuDNN first) is checked against
+# measured GPU figures in tests/test_cuda_dropout.py.
+NO_CUDNN = tuple(k for k in tr.SDPA_ORDER if k != "cudnn")
+
+
+def _pair(config: dict, impl: str, sdpa: tuple = tr.SDPA_ORDER) -> tuple[dict, dict]:
+    """The config traced with CPU's kernels and with CUDA's (`sdpa`: the CUDA sdpa kernels tried, in order); the
+    CPU trace checked against a real CPU run (what every layer saves, measured with saved_tensors_hooks), so that
+    the differences pinned below start from measured CPU figures."""
+    cpu, cuda = (tr.trace_hf_config(config, impl, kernels=k, moments=False, sdpa=sdpa) for k in ("cpu", "cuda"))
     for s, b in ((32, 2), (48, 3)):  # s >= the windows below, a multiple of 16
         assert tr.predicted_bytes(cpu, s, b)["layers"] == tr.measure_hf_config(config, s, b, impl)["layers"]
     return cpu, cuda
@@ -72,22 +77,18 @@ CPU_MATH = Counter({
 })
 
 
-def test_sdpa_with_dropout_is_cudnn_attention_on_cuda():
-    """No mask (is_causal): CPU's math path against cuDNN attention, which torch 2.11 chose on an H100 (cuDNN 9.19;
-    measured there: tests/test_cuda_dropout.py) and which supports dropout. It keeps what FlashAttention-2 keeps
-    (flash_api.cpp ``mha_fwd``: q, k, v, the output, an fp32 logsumexp) but for the Philox state: two int64 scalars
-    (torch/_meta_registrations.py ``meta__scaled_dot_product_cudnn_attention``: seed and offset, []) where flash keeps
-    ``rng_state`` uint64 [2] and ``_unused`` uint64 [] (8 bytes more per layer, measured)."""
-    cpu, cuda = _pair(tiny("llama", num_hidden_layers=1, attention_dropout=0.1), "hf-sdpa")
+def test_sdpa_with_dropout_is_flash_attention_on_cuda():
+    """No mask (is_causal): CPU's math path against FlashAttention-2, which supports dropout."""
+    cpu, cuda = _pair(tiny("llama", num_hidden_layers=1, attention_dropout=0.1), "hf-sdpa", NO_CUDNN)
     cpu_only, cuda_only = _differences(cpu, cuda)
     assert cpu_only == CPU_MATH
     assert cuda_only == Counter({
-        # q [b, a, s, d] and the output (laid out as q: [b, s, a, d] in memory): 2 * 4 * 16 s b each
-        (f"{SDPA}[cudnn]", "bfloat16", "128 s b"): 2,
+        (f"{SDPA}[flash]", "bfloat16", "128 s b"): 2,  # q [b, a, s, d] and the output [b, s, a, d]: 2 * 4 * 16 s b
         # k and v unrepeated (no mask: transformers passes enable_gqa): [b, g, s, d] = 2 * 2 * 16 s b each
-        (f"{SDPA}[cudnn]", "bfloat16", "64 s b"): 2,
-        (f"{SDPA}[cudnn]", "float32", "16 s b"): 1,  # logsumexp [b, a, s, 1]: 4 * 4 s b
-        (f"{SDPA}[cudnn]", "int64", "8"): 2,  # the Philox seed and offset the backward replays, [] each
+        (f"{SDPA}[flash]", "bfloat16", "64 s b"): 2,
+        (f"{SDPA}[flash]", "float32", "16 s b"): 1,  # softmax_lse [b, a, s]: 4 * 4 s b
+        (f"{SDPA}[flash]", "uint64", "16"): 1,  # rng_state [2]: the Philox seed and offset the backward replays
+        (f"{SDPA}[flash]", "uint64", "8"): 1,  # _unused []
     })
     assert cpu["conditions"] == cuda["conditions"] == ["s >= 2", "b >= 2"]
 
@@ -95,7 +96,8 @@ def test_sdpa_with_dropout_is_cudnn_attention_on_cuda():
 def test_sdpa_with_a_mask_and_dropout_is_efficient_attention_on_cuda():
     """Mistral's sliding window (s >= 16: an explicit mask): no FlashAttention; the memory-efficient kernel keeps
     the mask as an additive bias, its logsumexp padded along s to a multiple of 32 (exact when s % 32 == 0)."""
-    cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, attention_dropout=0.1), "hf-sdpa")
+    cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, attention_dropout=0.1), "hf-sdpa",
+                      NO_CUDNN)
     cpu_only, cuda_only = _differences(cpu, cuda)
     assert cpu_only == CPU_MATH  # the CPU math path adds the mask in place: nothing more saved
     assert cuda_only == Counter({
@@ -112,8 +114,8 @@ def test_sdpa_with_a_mask_and_dropout_is_efficient_attention_on_cuda():
 
 
 def test_sdpa_math_on_cuda_keeps_a_bool_dropout_mask():
-    """A mask and d = 20 (not a multiple of 8: neither flash, which takes no mask, nor the memory-efficient
-    kernel): CUDA runs the math path too, the same fp32 tensors as CPU, except that its ``at::dropout`` is
+    """A mask and d = 20 (not a multiple of 8: neither cuDNN, nor flash, which takes no mask, nor the
+    memory-efficient kernel): CUDA runs the math path too, the same fp32 tensors as CPU, except that its ``at::dropout`` is
     ``native_dropout``."""
     cpu, cuda = _pair(tiny("mistral", num_hidden_layers=1, sliding_window=16, head_dim=20, attention_dropout=0.1),
                       "hf-sdpa")

@@ -1,8 +1,9 @@
 """Traced inventories against what CUDA's kernels save, with and without attention dropout (issue 22 item 4).
 
 ``memplan trace --kernels cuda`` emulates on fake CPU tensors what torch's CUDA kernels save (validation/trace.py
-``_CudaKernels``: sdpa's flash / memory-efficient / cuDNN kernels keep q, k, v, the output, an fp32 logsumexp and
-the Philox RNG state, never an s x s tensor; eager dropout a 1-byte bool mask; layer norm's fp32 statistics). Here
+``_CudaKernels``: sdpa's cuDNN / flash / memory-efficient kernels, in torch's H100 order, keep q, k, v, the output,
+an fp32 logsumexp and the Philox RNG state, never an s x s tensor; eager dropout a 1-byte bool mask; layer norm's
+fp32 statistics). Here
 the real models run on a GPU and what they save for the backward is read off the tensors
 (``trace.measure_hf_config`` on ``device="cuda"``) and compared layer by layer with the trace's polynomials.
 

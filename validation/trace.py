@@ -71,11 +71,12 @@ tensors) with dropout, layer norm keeps its mean and rstd in the activation dtyp
 ``kernels="cuda"`` emulates what the CUDA kernels save, still on fake CPU tensors (a CPU-only
 torch cannot make fake CUDA tensors for a whole model), by swapping the ops whose CUDA kernels
 save differently at dispatch level (``_CudaKernels``): native_dropout's bool mask, torch's choice
-of FlashAttention-2 / memory-efficient / math sdpa kernel with their saved tensors (q, k, v, out,
-fp32 logsumexp, Philox RNG state, the additive mask), fp32 layer-norm statistics.  It is derived
-from torch's dispatch code and checked against memplan's CUDA inventories (terms_hf), not
-measured on a GPU here; ``measure_hf_config(device="cuda")`` is the measurement where one exists
-(tests/test_trace.py, skipped without CUDA).
+of cuDNN / FlashAttention-2 / memory-efficient / math sdpa kernel (its default order on an H100:
+``SDPA_ORDER``; ``sdpa=`` another) with their saved tensors (q, k, v, out, fp32 logsumexp, Philox
+RNG state, the additive mask), fp32 layer-norm statistics.  It is derived from torch's dispatch
+code, checked against memplan's CUDA inventories (terms_hf) and against an H100's saved bytes
+(validation/cuda_dropout.py; tests/data/cuda_dropout.json, tests/test_cuda_dropout.py);
+``measure_hf_config(device="cuda")`` is the measurement (tests/test_trace.py, skipped without CUDA).
 
 CLI: ``python -m validation.trace --hf-config config.json [--impl hf-sdpa|hf-eager]
 [--kernels cpu|cuda] [--out FILE.yaml]`` (YAML on stdout without ``--out``).
@@ -106,6 +107,8 @@ from .measure import Ledger, _ModuleStack, _OpRecorder  # noqa: E402
 FORMAT = "memplan-traced-inventory/2"
 IMPLS = ("hf-sdpa", "hf-eager")
 KERNELS = ("cpu", "cuda")
+# torch's default sdpa priority on sm90 (H100) with cuDNN > 9.15.0 (torch 2.11 + cuDNN 9.19 measured): _CudaKernels
+SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
 SDPA = _hf.SDPA
 
 
@@ -338,36 +341,53 @@ class _CudaKernels:
     """What torch's CUDA kernels save, emulated on fake CPU tensors (``kernels="cuda"``).
 
     Read off torch's C++ dispatch (aten/src/ATen/native/Dropout.cpp, transformers/attention.cpp,
-    transformers/cuda/sdp_utils.cpp) for an sm80 / sm90 GPU, fp16 / bf16:
+    transformers/cuda/sdp_utils.cpp) for an sm90 GPU (H100), fp16 / bf16, and measured there
+    (validation/cuda_dropout.py; torch 2.11.0+cu130, cuDNN 9.19, tests/data/cuda_dropout.json):
 
     * ``dropout``: on CUDA ``at::dropout`` is ``native_dropout`` (a 1-byte bool mask) for
       0 < p < 1, the input itself at p = 0;
-    * ``scaled_dot_product_attention``: torch's choice, in its priority order: FlashAttention-2
-      (``_scaled_dot_product_flash_attention``: no mask, equal head dims <= 256, fp16 / bf16; head
-      dim padded to a multiple of 8; GQA native) saves q, k, v, the output, an fp32 logsumexp
-      [b, a, s] and the Philox RNG state; else memory-efficient attention (any mask, turned into an
-      additive one in the activation dtype; head dims multiples of 8) saves the same plus the mask,
-      its logsumexp padded to a multiple of 32 along s; else the math kernel, as on CPU (fp32).
-      cuDNN attention, which torch 2.11 chose on an H100 (cuDNN 9.19) where flash would run (head dims
-      equal, <= 128, multiples of 8; no mask), saves the same q, k, v, output and fp32 logsumexp with two int64
-      Philox scalars: that is what is emulated there (measured on the H100, tests/test_cuda_dropout.py: every
-      layer of 32 of 34 configs exact; MLA's q / k 24 wide and v 16 keep one more v-sized tensor under cuDNN,
-      measured, not identified, not emulated). With dropout (``attention_dropout > 0``) the choice is the
-      same: flash, memory-efficient and cuDNN attention all take dropout (cuDNN except 9.11 - 9.13)
-      and keep only the Philox seed / offset to replay it, never an s x s tensor; CPU sdpa instead
-      leaves its flash kernel for the fp32 math path. The RNG state is sized as
-      torch/_meta_registrations.py gives it: flash's uint64 [2] and [] (GPU tensors), the
-      memory-efficient kernel's int64 [] seed and offset (which a CUDA run outside graph capture
-      keeps on the host: 16 bytes counted that the GPU does not hold). The math kernel's own
-      ``at::dropout`` goes through the ``dropout`` below (a bool mask);
+    * ``scaled_dot_product_attention``: the first kernel of ``sdpa`` (``SDPA_ORDER``) that takes the
+      call. ``SDPA_ORDER`` is torch's default priority on sm90 / sm100 / sm103 with a cuDNN newer
+      than 9.15.0 (sdp_utils.cpp ``check_prefer_cudnn_attention``: cuDNN, flash, memory-efficient,
+      math; torch 2.9+ wheels with cuDNN 9.15.1+, e.g. torch 2.11 with cuDNN 9.19; an older cuDNN, an
+      A100 or ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` put flash first: ``sdpa=SDPA_ORDER[1:]``):
+      - cuDNN attention (``_scaled_dot_product_cudnn_attention``; ``check_cudnn_tensor_shapes``:
+        head dims multiples of 8, <= 256 on sm90 with cuDNN >= 9.10; any mask, turned into an
+        additive one in the activation dtype; GQA native) saves q, k, v, the output, an fp32
+        logsumexp [b, a, s, 1], the mask and its Philox seed and offset, int64 [] each (16 bytes:
+        torch/_meta_registrations.py ``meta__scaled_dot_product_cudnn_attention``). Its output is
+        allocated in q's layout (``alloc_with_matching_layout``, the meta registration does the
+        same), where flash and memory-efficient attention allocate [b, s, a, d]: for DeepSeek's MLA,
+        whose q is a ``torch.cat`` (contiguous [b, a, s, d]), transformers' ``transpose(1, 2)
+        .reshape`` before o_proj then copies the output and o_proj keeps the copy: b a s d_v
+        elements more than the memory-efficient kernel (which flash's d_qk != d_v refusal leaves),
+        as measured on the H100;
+      - FlashAttention-2 (``_scaled_dot_product_flash_attention``: no mask, equal head dims <= 256;
+        head dim padded to a multiple of 8; GQA native) saves q, k, v, the output, an fp32
+        logsumexp [b, a, s] and the RNG state uint64 [2] and [] (24 bytes, GPU tensors);
+      - memory-efficient attention (any mask, turned into an additive one; head dims multiples of
+        8; no GQA: equal head counts) saves the same plus the mask, its logsumexp padded to a
+        multiple of 32 along s, and an int64 [] seed and offset (which a CUDA run outside graph
+        capture keeps on the host: 16 bytes counted that the GPU does not hold);
+      - else the math kernel, as on CPU (fp32).
+      With dropout (``attention_dropout > 0``) the choice is the same (cuDNN takes dropout except
+      with cuDNN 9.11 - 9.13; torch 2.11 took p = 0.1, where some other sdp_utils.cpp versions
+      refuse a p that is not a multiple of 1/16: neither emulated): each kernel keeps only
+      the Philox state to replay it, never an s x s tensor (measured); CPU sdpa instead leaves its
+      flash kernel for the fp32 math path. The math kernel's own ``at::dropout`` goes through the
+      ``dropout`` below (a bool mask). A kernel list without one that takes the call raises
+      RuntimeError("No available kernel"), as torch does;
     * ``native_layer_norm``: fp32 mean and rstd for fp16 / bf16 inputs (CPU: the input's dtype).
 
     Conditions that make a size exact (a mask's rows aligned to 8 elements: s % 8 == 0) are
     assumed, not guarded, and listed in ``assumed``.
     """
 
-    def __init__(self, names: dict) -> None:
+    def __init__(self, names: dict, sdpa: tuple[str, ...] = SDPA_ORDER) -> None:
+        if not sdpa or set(sdpa) - set(SDPA_ORDER):
+            raise ValueError(f"sdpa kernels must be some of {SDPA_ORDER}")
         self.names = names  # torch symbol -> sympy Symbol("s" / "b")
+        self.order = tuple(sdpa)
         self.assumed: list[str] = []
 
     def overrides(self) -> dict[str, Callable]:
@@ -389,17 +409,38 @@ class _CudaKernels:
         expr = _expr(size).xreplace(self.names)
         self.assumed.append(f"{expr} % {n} == 0")
 
+    @staticmethod
+    def _additive(attn_mask, dtype):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            return torch.where(attn_mask, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
+        return attn_mask
+
+    def _takes(self, kernel: str, query, key, value, attn_mask) -> bool:
+        """Whether `kernel` takes the call (sdp_utils.cpp's checks that tiny and real configs meet)."""
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        d_qk, d_v = int(query.shape[-1]), int(value.shape[-1])
+        if kernel == "cudnn":
+            return low and d_qk % 8 == 0 and d_v % 8 == 0 and max(d_qk, d_v) <= 256
+        if kernel == "flash":
+            return attn_mask is None and low and d_qk == d_v and d_qk <= 256
+        if kernel == "efficient":
+            align = 8 if low else 4
+            return (d_qk % align == 0 and d_v % align == 0 and query.shape[1] == key.shape[1]
+                    and query.dtype in (torch.float16, torch.bfloat16, torch.float32))
+        return True
+
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
         aten = torch.ops.aten
-        low = query.dtype in (torch.float16, torch.bfloat16)
-        d_qk, d_v = int(query.shape[-1]), int(value.shape[-1])
-        if attn_mask is None and low and d_qk == d_v and d_qk <= 128 and d_qk % 8 == 0:
-            # cuDNN attention, torch 2.11's choice on the H100 (cuDNN 9.19): flash's tensors, but its Philox seed and
-            # offset two int64 scalars (16 B where flash keeps 24): measured, tests/test_cuda_dropout.py
-            return aten._scaled_dot_product_cudnn_attention.default(query, key, value, None, True, dropout_p, is_causal,
-                                                                    False, scale=scale)[0]
-        if attn_mask is None and low and d_qk == d_v and d_qk <= 256:
+        kernel = next((k for k in self.order if self._takes(k, query, key, value, attn_mask)), None)
+        if kernel is None:
+            raise RuntimeError(f"No available kernel among {self.order} (the CUDA kernels' emulation)")
+        d_qk = int(query.shape[-1])
+        if kernel == "cudnn":
+            return aten._scaled_dot_product_cudnn_attention.default(
+                query, key, value, self._additive(attn_mask, query.dtype), True, dropout_p, is_causal, False,
+                scale=scale)[0]
+        if kernel == "flash":
             pad = -d_qk % 8
             scale_ = scale if scale is not None else 1.0 / math.sqrt(d_qk)
             if pad:
@@ -407,23 +448,18 @@ class _CudaKernels:
             out = aten._scaled_dot_product_flash_attention.default(query, key, value, dropout_p, is_causal, False,
                                                                     scale=scale_)[0]
             return out[..., :d_qk] if pad else out
-        align = 8 if low else 4
-        if d_qk % align == 0 and d_v % align == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if kernel == "efficient":
+            attn_mask = self._additive(attn_mask, query.dtype)
             if attn_mask is not None:
-                if attn_mask.dtype == torch.bool:
-                    attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype),
-                                            torch.full((), float("-inf"), dtype=query.dtype))
                 # rows aligned to 8 elements: no padded copy (pad_bias); the outer strides are
                 # multiples of the row stride (contiguous) or 0 (broadcast)
                 self._assume_divisible(attn_mask.stride(-2), 8)
                 attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
             return aten._scaled_dot_product_efficient_attention.default(
                 query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype),
-                                    torch.full((), float("-inf"), dtype=query.dtype))
-        return aten._scaled_dot_product_attention_math.default(query, key, value, attn_mask, dropout_p, is_causal,
-                                                               None, scale=scale, enable_gqa=enable_gqa)[0]
+        return aten._scaled_dot_product_attention_math.default(query, key, value, self._additive(attn_mask, query.dtype),
+                                                               dropout_p, is_causal, None, scale=scale,
+                                                               enable_gqa=enable_gqa)[0]
 
     def norm_stats(self):
         """A dispatch mode that gives native_layer_norm CUDA's fp32 mean and rstd."""
@@ -463,7 +499,7 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
 def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
                  make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
                  python_dispatcher: bool = True, kernels: str = "cpu", step: dict | None = None,
-                 shapes: dict | None = None) -> dict:
+                 shapes: dict | None = None, sdpa: tuple[str, ...] = SDPA_ORDER) -> dict:
     """``symbolic_saves``' run, as a dict (model, storages, conditions); with ``step`` (``layers``:
     model -> (decoder layers' module path, their number), ``checkpoint``: gradient checkpointing on)
     also the backward (``loss.backward()`` under the same fake mode, so the gradients are symbolic
@@ -473,7 +509,8 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     input tensors by (argument, first layer): the records, to match the two runs).  ``shapes``: a dict the
     runs of one trace share, which keeps the first run's ShapeEnv, symbols s, b and their SymInts, so a
     later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
-    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own."""
+    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own. ``sdpa``: the
+    CUDA sdpa kernels tried, in order (``kernels="cuda"``; ``_CudaKernels``)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -498,7 +535,7 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
         raise ValueError("a shared ShapeEnv needs the same hints")
     env, symbols, sizes = shapes["env"], shapes["symbols"], shapes["sizes"]
     named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
-    cuda = _CudaKernels(named) if kernels == "cuda" else None
+    cuda = _CudaKernels(named, sdpa) if kernels == "cuda" else None
     run: dict = {}
     polys_conditions: list[str] = []
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
@@ -831,7 +868,8 @@ def inventory_from_saves(storages: list[dict], layers_path: str, num_layers: int
 def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: str = "cpu",
                     dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
                     python_dispatcher: bool = True, experts: str | None = None, moments: bool = True,
-                    compose: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+                    compose: bool = True, progress: Callable[[str], None] | None = None,
+                    sdpa: tuple[str, ...] = SDPA_ORDER) -> dict:
     """The traced inventory of a transformers config: what one training forward + loss saves for
     backward, per decoder-layer group and outside the layers, as polynomials in s and b; with
     ``moments`` also the step's transient tensors (validation/transients.py): the backward run
@@ -846,12 +884,17 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     (validation/compose.py ``representatives``), with the embedding,
     head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
+    ``sdpa``: with ``kernels="cuda"``, the sdpa kernels tried in order (default torch's on an H100: ``SDPA_ORDER``;
+    one name forces that kernel, as ``torch.nn.attention.sdpa_kernel`` does).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}")
     cfg = load_config(config)
+    # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
+    # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
+    key = config_sha256(cfg)
     tf = _hf._transformers()
     vocab = int(hf_config(cfg).vocab_size)
     holder: dict = {}
@@ -882,7 +925,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     def run(checkpoint: bool) -> dict:
         out = symbolic_run(build, _forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
                            step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled} if moments else None,
-                           shapes=shapes)
+                           shapes=shapes, sdpa=sdpa)
         sampled[:] = out.get("sampled", [])
         return out
 
@@ -898,7 +941,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     origin = {
         "transformers": tf.__version__,
         "torch": torch.__version__.split("+")[0],
-        "config_sha256": config_sha256(cfg),
+        "config_sha256": key,
         "architecture": type(model).__name__,
         "model_type": cfg["model_type"],
         "impl": impl,
