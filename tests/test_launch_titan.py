@@ -182,3 +182,20 @@ def test_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert (config.training.local_batch_size, config.training.global_batch_size) == (8, 64)
     assert config.training.disable_cuda_graphs  # torchtitan's _validate_cuda_graphs refuses PP otherwise
     assert "--nproc_per_node=16" in result.launch.args[1]
+
+
+def test_a_searched_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # search --impl torchtitan --pp 2 --emit torchtitan: the best listed plan's module, loaded by torchtitan's
+    # ConfigManager; its ParallelDims takes the degrees for a world of 16 and its pipeline settings are the row's
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    found = search("llama3-8b", impl="torchtitan", gpus=16, pp=2, seq_len=1024, global_batch=32, mem=60 * 10**9,
+                   gpu="h100-80gb", emit="torchtitan")
+    dims = found.result.row(found.result.top[0])["torchtitan"]
+    config = _load(tmp_path, monkeypatch, "\n".join(found.launch["llama3-8b"].args))
+    par = config.parallelism
+    assert (par.pipeline_parallel_degree, par.pipeline_parallel_schedule) == (2, dims["pipeline_schedule"])
+    assert par.pipeline_parallel_microbatch_size == dims["pipeline_microbatch_size"]
+    assert (config.training.local_batch_size, config.training.global_batch_size) == (dims["local_batch"], 32)
+    world = ParallelDims.from_config(par, world_size=16)
+    assert world.pp_enabled and world.pp == 2 and world.dp_shard * world.tp * world.pp == 16

@@ -84,7 +84,7 @@ def test_search_tries_cp_and_each_plan_estimates_the_same():
     from memplan import search
     from memplan.plan.titan import titan_dims
 
-    base = dict(impl="torchtitan", gpus=8, global_batch=8, seq_len=16384, gpu="h100-80gb")
+    base = dict(impl="torchtitan", gpus=8, global_batch=8, seq_len=16384, gpu="h100-80gb", pp=1)  # pp: test_titan_pp_search
     found = search("llama3-8b", all_variants=True, top=2, mem=80 * 10**9, **base).result
     dims = [titan_dims(found.config(i)) for i in range(found.candidates)]
     assert {d["cp"] for d in dims} == {1, 2, 4, 8}

@@ -70,7 +70,7 @@ def test_estimate_pp_states_and_activations():
 
 def test_search_refuses_pipeline_schedules_in_one_line(capsys):
     from memplan.cli import main
-    for extra in (["--impl", "torchtitan", "--pp", "2"], ["--pipeline-schedule", "GPipe"]):
+    for extra in (["--impl", "torchtitan", "--pp", "4"], ["--pipeline-schedule", "GPipe"]):  # 4: 8, 9, 8, 7
         with pytest.raises(SystemExit) as exit_:
             main(["search", "--model", "llama3-8b", "--gpus", "16", "--mem", "80GB"] + extra)
         err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from memplan.timing.layer import layer_forms, layer_time
 from memplan.timing.traffic import layer_traffic_bytes
 
 GPU = "h100-80gb"
-BASE = dict(impl="torchtitan", gpus=8, global_batch=16, gpu=GPU)
+BASE = dict(impl="torchtitan", gpus=8, global_batch=16, gpu=GPU, pp=1)  # pp > 1: tests/test_titan_pp_search.py
 
 
 def _flags(dims):
@@ -122,7 +122,7 @@ def test_selective_layer_counts_are_distinct_plans():
 
 
 def test_search_refuses_what_is_not_modelled_in_one_line(capsys):
-    for extra in (["--pp", "2"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
+    for extra in (["--pp", "4"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
                   ["--dp-replicate", "3"]):
         with pytest.raises(SystemExit) as exit_:
             main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB"] + extra)

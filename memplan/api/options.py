@@ -20,7 +20,7 @@ from memplan.inventory.titan import checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
-from memplan.memory.pipeline import TITAN_SCHEDULES, titan_stage_layers
+from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split
 from memplan.memory.reserved import Replay
 from memplan.presets.batch import batch_note, make_config
 from memplan.presets.catalog import load_gpu, load_model
@@ -343,7 +343,8 @@ class PlanOptions:
 
     def titan_pipeline(self, preset: ModelPreset) -> dict:
         """--pp and --pipeline-schedule as the ParallelSpec fields: torchtitan's stage split (memplan/memory/pipeline.py
-        titan_stage_layers) as first / last stage layers, the schedule; the multi-stage schedules refused."""
+        titan_split: the one rule search applies too) as first / last stage layers, the schedule; the multi-stage
+        schedules refused."""
         schedule = self.pipeline_schedule or "1F1B"
         if self.impl != "torchtitan":
             if self.pipeline_schedule not in (None, "1F1B"):
@@ -364,15 +365,10 @@ class PlanOptions:
         if self.float8 is not None:
             raise MemplanError("--impl torchtitan: --float8 with --pp is not modelled yet")
         try:
-            split = titan_stage_layers(p, preset.model.num_layers)
+            first, last = titan_split(p, preset.model.num_layers)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        if len(set(split[1:-1])) > 1:
-            raise MemplanError(f"torchtitan splits the {preset.model.num_layers} layers over {p} stages as "
-                               f"{', '.join(map(str, split))}: middle stages of different sizes are not modelled yet")
-        even = all(n == split[0] for n in split)
-        return dict(pp_schedule=schedule, first_stage_layers=None if even else split[0],
-                    last_stage_layers=None if even else split[-1])
+        return dict(pp_schedule=schedule, first_stage_layers=first, last_stage_layers=last)
 
     def titan_layers(self, preset: ModelPreset) -> dict:
         """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""
@@ -443,6 +439,10 @@ class PlanOptions:
         config = build(self.zero_shard)
         if titan and self.dp_replicate is not None:  # HSDP: the shard groups span d / R ranks (the d of the plan)
             config = build(self.titan_shard(config.parallel.dp))
+        par = config.parallel
+        if titan and not titan_schedule_runs(par.pp, config.num_microbatches, par.pp_schedule):
+            raise MemplanError(f"torch's Schedule1F1B needs as many micro-batches as stages: {config.num_microbatches} "
+                               f"for pp {par.pp}; raise --global-batch, lower --micro-batch or plan --pipeline-schedule GPipe")
         return preset, config
 
     def gpu_spec(self, preset: Optional[ModelPreset]) -> Optional[GpuSpec]:

@@ -169,12 +169,10 @@ class PreparedSearch:
 def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
     """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
     opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
-    if opts.pp not in (None, 1) or opts.pipeline_schedule is not None:
-        raise MemplanError("search --impl torchtitan does not search pipeline parallelism yet: plan --pp with "
-                           "estimate --impl torchtitan --pp P")
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
+    opts.titan_pipeline(opts.preset())  # a pinned --pp / --pipeline-schedule: what estimate refuses (its split)
     if max_seq:
         raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")
     if opts.dp is not None or opts.zero_shard is not None or uneven_stages or opts.first_stage_layers is not None \
@@ -186,7 +184,8 @@ def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
 def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
     return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
-                     micro_batch=opts.micro_batch, launchable=emit == "torchtitan")
+                     micro_batch=opts.micro_batch, pp=opts.pp, schedule=opts.pipeline_schedule,
+                     launchable=emit == "torchtitan")
 
 
 def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,

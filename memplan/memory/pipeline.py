@@ -131,6 +131,26 @@ def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_we
     return tuple(out)
 
 
+def titan_split(p: int, num_layers: int) -> tuple[Any, Any]:
+    """torchtitan's split (`titan_stage_layers`) as memplan models it: (first, last) stage layers where they differ
+    from the middle stages', (None, None) where every stage holds L / p. ValueError where torchtitan cannot split the
+    layers, a stage holds none, or the middle stages differ in size (not modelled: llama3-8b at p = 4, 8, 9, 8, 7):
+    the one rule `estimate --impl torchtitan --pp` and `search --impl torchtitan` apply."""
+    split = titan_stage_layers(p, num_layers)
+    if len(set(split[1:-1])) > 1 or min(split) < 1:
+        raise ValueError(f"torchtitan splits the {num_layers} layers over {p} stages as {', '.join(map(str, split))}: "
+                         + ("middle stages of different sizes are" if min(split) else "a stage without layers is")
+                         + " not modelled yet")
+    return (None, None) if len(set(split)) == 1 else (split[0], split[-1])
+
+
+def titan_schedule_runs(p: Any, microbatches: Any, schedule: str) -> Any:
+    """Whether torch 2.13 runs the single-stage `schedule` with M micro-batches over p stages: Schedule1F1B refuses
+    M < p ("Number of microbatches (M) must be greater than or equal to the number of stages",
+    torch/distributed/pipelining/schedules.py), ScheduleGPipe takes any M (scalars or arrays)."""
+    return (microbatches >= p) | (schedule == "GPipe")
+
+
 def microbatches_in_flight(stage: Any, p: Any, microbatches: Any, m: Any = 1) -> Any:
     """Micro-batches whose embedding (first stage) or output layer (last stage) activations are
     alive at the stage's peak: p - stage under 1F1B (K22 section 4.3: the sbhp of the first stage).

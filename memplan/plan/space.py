@@ -461,7 +461,8 @@ def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: 
         parallel=ParallelSpec(tp=int(x.t), pp=int(x.p), dp=int(x.d), vpp=int(x.m), sp=bool(x.sp), zero=int(x.zero),
                               zero_shard=int(x.shard) if x.shard < x.d else None, cp=int(x.cp),
                               cp_comm_type=x.cp_comm, ep=int(x.ep),
-                              etp=int(x.expert_tp) if model.is_moe and int(x.expert_tp) != int(x.t) else None, **split),
+                              etp=int(x.expert_tp) if model.is_moe and int(x.expert_tp) != int(x.t) else None,
+                              pp_schedule=str(x.schedule), **split),
         training=training.model_copy(update=dict(
             micro_batch=int(x.b), global_batch=global_batch, recompute=rec,
             recompute_num_layers=(int(x.recomputed_layers) if rec == Recompute.FULL and x.recomputed_layers < n else None),

@@ -16,7 +16,17 @@ same flags, memplan/api/options.py):
               tp > 1 full AC only: memplan/inventory/compiled.py, memplan/api/options.py).
   cp          1, and where s >= CP_MIN_SEQ or --cp pins it, powers of 2 with 2 cp | s (torchtitan's head-tail
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
-Not searched (not modelled for torchtitan yet): pipeline and expert parallelism, async TP, memory-budget AC.
+  pp          1, and the powers of 2 dividing the GPUs whose stage split `estimate --impl torchtitan --pp` takes
+              (memplan/memory/pipeline.py titan_split: equal middle stages, the first / last stage a layer short
+              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`); the
+              micro-batch b (pipeline_parallel_microbatch_size) divides the global batch / d, the local batch is
+              the pipeline's M = global batch / (d b) micro-batches (no accumulation on top, as --emit torchtitan
+              launches it), 1F1B with M >= pp only (titan_schedule_runs: torch's Schedule1F1B refuses fewer); AC
+              none, selective-op or full of the stage's layers (selective-layer's count over the stages is not
+              modelled), not with --float8 (estimate refuses it). Each (pp, schedule) is evaluated as a part of its
+              own (the schedule is one per PlanValues); `join` makes the schedule a per-plan array.
+Not searched (not modelled for torchtitan yet): expert parallelism, multi-stage pipeline schedules, async TP,
+memory-budget AC.
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
@@ -34,6 +44,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
 from memplan.inventory.titan import LAYER_AC, checkpointed_layers, titan_ac_mode
+from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
 
@@ -47,7 +58,9 @@ class TitanPins:
     dp_replicate: Optional[int] = None
     ac: Optional[str] = None  # --ac as `estimate` takes it
     compile: Optional[bool] = None
-    micro_batch: Optional[int] = None  # torchtitan's local batch
+    micro_batch: Optional[int] = None  # torchtitan's local batch (with pp > 1 its pipeline_parallel_microbatch_size)
+    pp: Optional[int] = None  # pipeline_parallel_degree
+    schedule: Optional[str] = None  # pipeline_parallel_schedule (1F1B or GPipe); pinned: pp > 1 only
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
     # float8 as a searched dimension would go here as a pin, beside `compiled` in titan_search.search_titan as a
     # per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
@@ -85,12 +98,13 @@ def pinned_every(pins: TitanPins) -> Optional[int]:
     return every if mode == LAYER_AC else None
 
 
-def _ac_fixed(model: ModelSpec, pins: TitanPins) -> dict[str, Any]:
-    """The AC modes searched, as memplan's recompute pins."""
+def _ac_fixed(model: ModelSpec, pins: TitanPins, chunk: int) -> dict[str, Any]:
+    """The AC modes searched, as memplan's recompute pins; `chunk` the stage's layers (full AC recomputes them all;
+    selective-layer searched at pp = 1 only: `pipelines`)."""
     L = model.num_layers
     if pins.ac is None:
-        counts = () if pins.launchable else tuple(layer_ac_counts(L))
-        return dict(recompute_layers=counts + (L,))
+        counts = () if pins.launchable or chunk < L else tuple(layer_ac_counts(L))
+        return dict(recompute_layers=counts + (chunk,))
     mode, every = titan_ac_mode(pins.ac)
     if mode == "budget":
         raise MemplanError("search --impl torchtitan does not search memory-budget AC yet: estimate it (--ac budget:F "
@@ -103,25 +117,70 @@ def _ac_fixed(model: ModelSpec, pins: TitanPins) -> dict[str, Any]:
             raise MemplanError(f"--ac {LAYER_AC}:{every} checkpoints no layer of {L}: search it with --ac none")
         return dict(recompute=Recompute.FULL, recompute_layers=(len(checkpointed_layers(L, every)),))
     code = {"none": Recompute.NONE, "selective-op": Recompute.SELECTIVE, "full": Recompute.FULL}[mode]
-    return dict(recompute=code, recompute_layers=(L,))
+    return dict(recompute=code, recompute_layers=(chunk,))
 
 
-def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins, max_tp: int) -> PlanValues:
-    """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them)."""
-    fixed = Fixed(tp=pins.tp, pp=1, vpp=1, cp=pins.cp, cp_comm_type="allgather", ep=1, zero=3, micro_batch=pins.micro_batch,
-                  **_ac_fixed(model, pins))
-    plans = plan_space(model, gpus, global_batch, fixed, max_tp, "torchtitan").flat()
-    replicas = plans.d // plans.shard
-    keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
-    # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
-    keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
-    if pins.dp_replicate is not None:
-        keep &= replicas == pins.dp_replicate
-    if not keep.any():
+def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False) -> tuple[list, list[str]]:
+    """The (pp, first stage layers, last stage layers, schedule) searched (module docstring), and what was left out
+    as notes. pp = 1 once (no schedule runs), unless --pipeline-schedule pins one."""
+    L, notes = model.num_layers, []
+    layer_ac = pins.ac is not None and titan_ac_mode(pins.ac)[0] == LAYER_AC
+    if pins.pp not in (None, 1) and layer_ac:
+        raise MemplanError(f"search --impl torchtitan: --ac {LAYER_AC} with --pp is not searched (how torchtitan "
+                           "<= 0.2 counts the checkpointed layers over the stages is not modelled): --ac none, full "
+                           "or selective-op")
+    out: list = [(1, None, None, "1F1B")] if pins.pp in (None, 1) and pins.schedule is None else []
+    if pins.pp is None and (float8 or layer_ac):
+        return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
+                     "modelled with --pp)"]
+    skipped = []
+    for p in [pins.pp] if pins.pp not in (None, 1) else [2 ** i for i in range(1, gpus.bit_length()) if pins.pp is None]:
+        if gpus % p:
+            continue
+        try:
+            first, last = titan_split(p, L)
+        except ValueError:
+            skipped.append(p)
+            continue
+        out += [(p, first, last, s) for s in ([pins.schedule] if pins.schedule else TITAN_SCHEDULES)]
+    if skipped:
+        notes.append(f"pp {', '.join(map(str, skipped))} not searched: torchtitan's stage split of the {L} layers "
+                     "leaves middle stages of different sizes or a stage without layers (not modelled: "
+                     "memplan/memory/pipeline.py titan_split)")
+    return out, notes
+
+
+def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins, max_tp: int,
+                float8: bool = False) -> tuple[list[PlanValues], list[str]]:
+    """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
+    part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
+    parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
+    for p, first, last, schedule in splits:
+        chunk = max(titan_stage_layers(p, model.num_layers))
+        fixed = Fixed(tp=pins.tp, pp=p, vpp=1, cp=pins.cp, cp_comm_type="allgather", ep=1, zero=3,
+                      micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
+                      **_ac_fixed(model, pins, chunk))
+        try:
+            plans = plan_space(model, gpus, global_batch, fixed, max_tp, "torchtitan").flat()
+        except MemplanError:  # no t, d, b for this pp
+            continue
+        replicas = plans.d // plans.shard
+        keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
+        # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
+        keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
+        keep &= titan_schedule_runs(plans.p, plans.microbatches, schedule)
+        if pins.dp_replicate is not None:
+            keep &= replicas == pins.dp_replicate
+        if keep.any():
+            plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
+            n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
+            parts.append(dataclasses.replace(plans, first_layers=n * (first or model.num_layers // p),
+                                             last_layers=n * (last or model.num_layers // p)))
+    if not parts:
         raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs with global batch {global_batch} and "
                            f"the pinned dimensions (dp_replicate R must divide d = GPUs / tp and leave 2 or more "
-                           "ranks per shard group)")
-    return plans.take(np.flatnonzero(keep))
+                           "ranks per shard group; 1F1B needs as many micro-batches as pipeline stages)")
+    return parts, notes
 
 
 def compilable(plans: PlanValues, float8: bool = False, layers: int = 0) -> np.ndarray:
@@ -134,11 +193,15 @@ def compilable(plans: PlanValues, float8: bool = False, layers: int = 0) -> np.n
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:
-    """Two sets of flat plans as one (the array fields concatenated)."""
-    out = {}
+    """Two sets of flat plans as one (the array fields concatenated; a scalar field the two differ in, the pipeline
+    schedule, as a per-plan array)."""
+    out, n = {}, (len(a.t), len(b.t))
     for f in dataclasses.fields(PlanValues):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        out[f.name] = np.concatenate((x, y)) if getattr(x, "ndim", 0) else x
+        if getattr(x, "ndim", 0) or getattr(y, "ndim", 0) or x != y:
+            out[f.name] = np.concatenate([v if getattr(v, "ndim", 0) else np.full(k, v) for v, k in zip((x, y), n)])
+        else:
+            out[f.name] = x
     return PlanValues(**out)
 
 
@@ -146,6 +209,10 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
     """A plan's torchtitan settings, by the names its config and `estimate --impl torchtitan` use."""
     par, tr = config.parallel, config.training
     k = tr.recompute_num_layers if tr.recompute_num_layers is not None else config.model.num_layers
-    return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp, "cp": par.cp,
+    piped = par.pp > 1  # the local batch is the pipeline's M micro-batches (memplan/launch/titan.py titan_document)
+    return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp, "cp": par.cp, "pp": par.pp,
+            "pipeline_schedule": par.pp_schedule if piped else None,
             "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
-            "local_batch": tr.micro_batch, "gradient_accumulation": config.num_microbatches}
+            "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
+            "pipeline_microbatch_size": tr.micro_batch if piped else None,
+            "gradient_accumulation": 1 if piped else config.num_microbatches}

@@ -2,11 +2,13 @@
 eager and compiled, evaluated as flat arrays by the functions `estimate --impl torchtitan` uses
 (memplan/plan/evaluate.py: the compiled plans with the compiled layer's inventory), filtered by the budget and ranked
 by step time (memplan/timing/: FSDP2's per-layer all-gathers and per-micro-batch reduce-scatters, HSDP's all-reduce,
-TP's collectives, each AC mode's recompute, compile's fused kernels). The space is small (thousands of plans), so it
+TP's collectives, each AC mode's recompute, compile's fused kernels, with pp > 1 the pipeline's bubble and sends as
+Megatron-LM's plans are timed: derived, uncalibrated). The space is small (thousands of plans), so it
 is evaluated whole, as `search(..., reference=True)` evaluates Megatron-LM's."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Optional
 
@@ -39,25 +41,24 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                  progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
     """The torchtitan plans that fit the budget, fastest first (`SearchResult.compiled` says which are compiled)."""
     start = time.perf_counter()
-    eager = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu))
-    notes = []
-    sets = []  # (plans, compiled)
+    eager, notes = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu), bool(training.float8))
+    sets = []  # (plans, compiled): one per (pp, schedule) part and compile setting
     if pins.compile is not True:
-        sets.append((eager, False))
+        sets += [(part, False) for part in eager]
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = compilable(eager, bool(training.float8), model.num_layers)
+        can = [compilable(part, bool(training.float8), model.num_layers) for part in eager]
         where = "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else "")
         if why and pins.compile:
             raise MemplanError(why)
-        if pins.compile and not can.any():
+        if pins.compile and not any(c.any() for c in can):
             raise MemplanError(f"--compile is modelled for torchtitan with {where} (memplan/inventory/compiled.py): "
                                "no plan left")
         if why:
             notes.append(f"torch.compile not searched: {why}")
-        elif can.any():
-            sets.append((eager.take(np.flatnonzero(can)), True))
-            if not can.all():
+        elif any(c.any() for c in can):
+            sets += [(part.take(np.flatnonzero(c)), True) for part, c in zip(eager, can) if c.any()]
+            if not all(c.all() for c in can):
                 notes.append(f"torch.compile searched with {where} only (compile with CP"
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
@@ -70,7 +71,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         done += len(plans.t)
         if progress is not None:
             progress(done, total)
-    plans = parts[0].plans if len(parts) == 1 else join(parts[0].plans, parts[1].plans)
+    plans = functools.reduce(join, [p.plans for p in parts])
     evaluated = parts[0] if len(parts) == 1 else concat(plans, parts)
     result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
                     host_budget_bytes, start)
@@ -78,7 +79,11 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: pipeline and expert parallelism and async TP are not searched "
-                                 "(not modelled for --impl torchtitan yet), memory-budget AC neither (estimate "
-                                 "--ac budget:F --compile); float8 is a pin (--float8), not searched"])
+    result.notes.extend(notes + ["torchtitan: expert parallelism, the multi-stage pipeline schedules and async TP "
+                                 "are not searched (not modelled for --impl torchtitan yet), memory-budget AC neither "
+                                 "(estimate --ac budget:F --compile); float8 is a pin (--float8), not searched"])
+    if np.any(np.asarray(plans.p) > 1):
+        result.notes.append("torchtitan pp: the step time charges the pipeline bubble, (pp - 1) / M of a stage's "
+                            "busy time, and the stage sends as Megatron-LM's plans are timed (memplan/timing/step.py): "
+                            "derived, uncalibrated (no torchtitan pipeline run was timed)")
     return result

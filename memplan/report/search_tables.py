@@ -107,11 +107,16 @@ def render_search(result: SearchResult, console: Console) -> None:
 
 def _titan_table(result: SearchResult, console: Console, has_time: bool, folded: bool) -> Any:
     """The listing of `search --impl torchtitan`: torchtitan's dimensions (memplan/plan/titan.py titan_dims); cp
-    where the search tried cp > 1."""
+    where the search tried cp > 1; pp, the schedule and the pipeline's micro-batch size where it tried pp > 1 (the
+    local batch then the pipeline's M micro-batches)."""
     cp = _cp_ep_columns(result)[:1] == ("cp",)
+    p = result.evaluated.plans.p
+    pp = bool(getattr(p, "max", lambda: p)() > 1)
     table = make_table(console, [Col("#", "right"), Col("dp_replicate", "right", short="rep"),
                                  Col("dp_shard", "right", short="shard"), Col("tp", "right")]
-                       + [Col("cp", "right")] * cp + [
+                       + [Col("cp", "right")] * cp
+                       + [Col("pp", "right"), Col("schedule", "right", short="sched"),
+                          Col("micro-batch", "right", short="mb")] * pp + [
                                  Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right"),
                                  Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
                                  Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
@@ -120,8 +125,10 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
         row = result.row(x.plan)
         dims = row["torchtitan"]
         fold = _folded_cell(x).replace("ZeRO", "HSDP").replace("rec", "AC")
-        keys = ("dp_replicate", "dp_shard", "tp") + ("cp",) * cp + ("local_batch", "ac")
-        table.add_row(str(rank), *(str(dims[k]) for k in keys),
+        keys = ("dp_replicate", "dp_shard", "tp") + ("cp",) * cp + ("pp", "pipeline_schedule",
+                                                                    "pipeline_microbatch_size") * pp
+        table.add_row(str(rank), *(str(dims[k]) if dims[k] is not None else "-" for k in keys),
+                      *(str(dims[k]) for k in ("local_batch", "ac")),
                       "on" if dims["compile"] else "off", format_gb(row["memory"]["device_bytes"]),
                       f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
                       *([fold] if folded else []))
