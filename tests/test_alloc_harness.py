@@ -41,6 +41,21 @@ def test_a_snapshots_trace_becomes_the_replays_events():
     # the small segment freed into. Reserved: 2 + 20 MiB in 2 segments
     result = replay(events, 1 << 40, AllocatorConfig())
     assert result.reserved_peak_bytes == 22 * MiB and result.segments_at_reserved_peak == 2
+    assert alloc_trace.events_before_oom(snapshot) is None
+
+
+def test_the_events_before_the_out_of_memory_are_counted():
+    # the trace's "oom" entry (TraceEntry::OOM: the request's size, the device's free memory) comes after the
+    # events the run did before the failing request and before the frees of its unwinding: 2 of the 3 here
+    a, b = 0x7F0000000000, 0x7F0000200000
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "addr": a, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": b, "size": 3 * MiB, "stream": 0},
+        {"action": "oom", "addr": 5 * MiB, "size": 40 * MiB, "stream": 0},
+        {"action": "free_requested", "addr": b, "size": 3 * MiB, "stream": 0},
+        {"action": "free_completed", "addr": b, "size": 3 * MiB, "stream": 0},
+    ]]}
+    assert alloc_trace.events_before_oom(snapshot) == 2
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,11 @@ def _case(path: Path):
     return (case if s is None else dataclasses.replace(case, s=int(s))), allocator
 
 
-# the runs that trained (the two that died: tests/test_alloc_fixtures_cuda.py)
-TRAINED = [p for p in sorted(DATA.glob("*.json.gz")) if "-s10898" not in p.name and "-s19556" not in p.name]
+# the runs that trained (those that died: tests/test_alloc_fixtures_cuda.py), but fused AdamW's at 13,312 tokens,
+# which trained after a retry and which memplan's replay, on the capacity the run had after its step, calls a death
+# (the safe side: test_memplans_verdict_is_the_h100s_at_every_recorded_length)
+TRAINED = [p for p in sorted(DATA.glob("*.json.gz")) if not load(p).stats.get("oom") and "fused_full-default-s13312"
+           not in p.name]
 
 
 @pytest.mark.parametrize("path", TRAINED, ids=lambda p: p.name.split(".")[0])

@@ -4,6 +4,7 @@ replaced by a naive one, the config parser (with a fuzz), and properties against
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -15,13 +16,14 @@ from hypothesis import strategies as st
 from memplan.core.errors import MemplanError
 from memplan.memory import alloc_rules
 from memplan.memory.alloc_conf import SIZE_MAX, AllocatorConfig, parse_alloc_conf
-from memplan.memory.allocator import AllocEvent, CachingAllocatorModel, format_size, replay, replay_ops
+from memplan.memory.alloc_result import format_size
+from memplan.memory.allocator import AllocEvent, CachingAllocatorModel, replay, replay_ops
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 BIG = 4 * GIB  # a capacity nothing here reaches
 
 
-def run(*ops, capacity=BIG, conf="", fraction=None):
+def run(*ops, capacity=BIG, conf="", fraction=None, ids_are_addresses=False):
     """Replay ops written as ("a", id, size[, stream]) / ("f", id) / ("e",)."""
     events = []
     for op in ops:
@@ -31,7 +33,7 @@ def run(*ops, capacity=BIG, conf="", fraction=None):
             events.append(AllocEvent("free", op[1]))
         else:
             events.append(AllocEvent("empty_cache", None))
-    return replay(events, capacity, parse_alloc_conf(conf, memory_fraction=fraction))
+    return replay(events, capacity, parse_alloc_conf(conf, memory_fraction=fraction), ids_are_addresses)
 
 
 # ------------------------------------------------------------------------------------------------ scenarios
@@ -172,6 +174,62 @@ def s_fragmentation_expandable():
     return run(*FRAGMENT, capacity=100 * MIB, conf="expandable_segments:True")
 
 
+def s_segment_count():
+    # 1,000 B: a 2 MiB small segment; 30 MiB: a 30 MiB large one (>= 10 MiB, rounded to 2 MiB); freed and
+    # empty_cache: the 30 MiB one is released (whole, free; the small one still holds a block); 40 MiB: a new
+    # 40 MiB segment. cudaMalloc'd in order 2, 30, 40 MiB; at most 2 at once (segment.all.peak)
+    return run(("a", 1, 1000), ("a", 2, 30 * MIB), ("f", 2), ("e",), ("a", 3, 40 * MIB))
+
+
+def s_segment_count_expandable():
+    # the same with expandable segments: one small and one large segment of reserved address space whose pages
+    # are mapped (map_block): nothing is cudaMalloc'd, segment.all.peak stays 0 (PyTorch counts no expandable
+    # segment); the model's own count (segments_at_reserved_peak) has both
+    return run(("a", 1, 1000), ("a", 2, 30 * MIB), ("f", 2), ("e",), ("a", 3, 40 * MIB),
+               conf="expandable_segments:True")
+
+
+# Two equal free blocks, the real addresses: a 40 MiB segment at 8 GiB (address 2^33) holds a (30 MiB) and x (the
+# 10 MiB rest: 10 MiB > 1 MiB, split off); b (30 MiB) gets a new segment at 4 GiB (2^32), below it. Reserved 70
+# MiB. a and b freed: two free 30 MiB blocks, a's inside a segment x still holds, b's a whole segment. c (30 MiB)
+# takes the one at the lower address (BlockComparatorSize: size, then address): b's. d (32 MiB): nothing cached
+# fits, 70 + 32 > 72 MiB: release_cached_blocks finds no whole free segment (a's is split), so d dies. The
+# model's own addresses put a new large segment below the earlier ones as the driver did in the H100 recordings
+# (CachingAllocatorModel.new_address): the same; placed above (memplan before them), c took a's, b's whole segment
+# was released and 40 + 32 = 72 fit (s_upward_addresses).
+EQUAL_BLOCKS = (("a", 1 << 33, 40 * MIB), ("f", 1 << 33), ("a", 1 << 33, 30 * MIB),
+                ("a", (1 << 33) + 30 * MIB, 10 * MIB), ("a", 1 << 32, 30 * MIB), ("f", 1 << 33), ("f", 1 << 32),
+                ("a", 5, 30 * MIB), ("a", 6, 32 * MIB))
+
+
+def s_device_addresses():
+    return run(*EQUAL_BLOCKS, capacity=72 * MIB, ids_are_addresses=True)
+
+
+def s_model_addresses():
+    return run(*EQUAL_BLOCKS, capacity=72 * MIB)
+
+
+def s_upward_addresses():
+    with _segments_upward():
+        return run(*EQUAL_BLOCKS, capacity=72 * MIB)
+
+
+@contextlib.contextmanager
+def _segments_upward():
+    """The model with every new segment above the last (its placement before the H100 recordings)."""
+    def upward(self, nbytes):
+        self._low += -(-nbytes // (2 * MIB)) * (2 * MIB)
+        return self._low
+
+    saved = CachingAllocatorModel.new_address
+    CachingAllocatorModel.new_address = upward
+    try:
+        yield
+    finally:
+        CachingAllocatorModel.new_address = saved
+
+
 EXPECTED = {  # scenario: {ReplayResult field: value}
     s_round_512: dict(allocated_peak_bytes=1024, requested_peak_bytes=1000, reserved_peak_bytes=2 * MIB),
     s_power2_divisions: dict(allocated_peak_bytes=1_310_720),
@@ -193,6 +251,12 @@ EXPECTED = {  # scenario: {ReplayResult field: value}
     s_expandable_unmap: dict(num_alloc_retries=1, num_ooms=0, reserved_end_bytes=60 * MIB),
     s_fragmentation_default: dict(num_ooms=1, events_replayed=5, reserved_end_bytes=50 * MIB),
     s_fragmentation_expandable: dict(num_ooms=0, reserved_peak_bytes=100 * MIB),
+    s_segment_count: dict(segments_peak=2, segment_allocs=(2 * MIB, 30 * MIB, 40 * MIB)),
+    s_segment_count_expandable: dict(segments_peak=0, segment_allocs=(), segments_at_reserved_peak=2),
+    s_device_addresses: dict(num_ooms=1, events_replayed=8, num_alloc_retries=1),
+    s_model_addresses: dict(num_ooms=1, events_replayed=8, num_alloc_retries=1),
+    s_upward_addresses: dict(num_ooms=0, num_alloc_retries=1, reserved_end_bytes=72 * MIB,
+                             segment_allocs=(40 * MIB, 30 * MIB, 32 * MIB)),
 }
 
 
@@ -245,6 +309,7 @@ NAIVE = [  # (rule, naive replacement, the scenario whose outcome it must change
     ("unmap_block", lambda state, block: None, s_expandable_unmap),
     ("map_block", None, s_expandable_unmap),
     ("try_allocate_expandable_block", None, s_fragmentation_expandable),
+    ("count_cuda_segment", lambda state, size: None, s_segment_count),
 ]
 
 
@@ -285,7 +350,8 @@ REPLACEMENTS = {"find_expandable_block": _new_segment_each_time, "try_allocate_e
 
 def _outcome(result):
     return (result.reserved_peak_bytes, result.allocated_peak_bytes, result.requested_peak_bytes,
-            result.allocated_end_bytes, result.reserved_end_bytes, result.num_alloc_retries, result.fits)
+            result.allocated_end_bytes, result.reserved_end_bytes, result.num_alloc_retries, result.fits,
+            result.segments_peak, result.segment_allocs)
 
 
 @pytest.mark.parametrize("rule, naive, scenario", NAIVE, ids=[f"{r}-{s.__name__}" for r, _, s in NAIVE])
@@ -299,7 +365,7 @@ def test_every_rule_has_a_mutation():
     rules = {"round_size", "roundup_power2_next_division", "get_pool", "get_allocation_size", "get_free_block",
              "should_split", "try_merge_blocks", "release_cached_blocks", "release_available_cached_blocks",
              "garbage_collect_cached_blocks", "expandable_page_size", "find_expandable_block", "unmap_block", "map_block",
-             "try_allocate_expandable_block"}
+             "try_allocate_expandable_block", "count_cuda_segment"}
     assert rules == {r for r, _, _ in NAIVE}
 
 
@@ -318,6 +384,13 @@ def test_the_out_of_memory_says_what_pytorch_would():
     assert "Tried to allocate 60.00 MiB" in oom.message
     assert "20.00 MiB is allocated by PyTorch, and 30.00 MiB is reserved by PyTorch but unallocated" in oom.message
     assert result.num_alloc_retries == 1 and not result.fits
+
+
+def test_device_addresses_must_be_addresses():
+    with pytest.raises(MemplanError, match="device address"):
+        run(("a", "t", 30 * MIB), ids_are_addresses=True)
+    with pytest.raises(MemplanError, match="left the recording"):  # the 30 MiB segment is cached, still at 2^32
+        run(("a", 1 << 32, 30 * MIB), ("f", 1 << 32), ("a", 1 << 32, 40 * MIB), ids_are_addresses=True)
 
 
 def test_tried_to_allocate_is_the_segment_size():

@@ -133,6 +133,14 @@ def snapshot_events(snapshot: dict, device: int = 0) -> list[tuple[str, int, int
     return events
 
 
+def events_before_oom(snapshot: dict, device: int = 0) -> Optional[int]:
+    """How many of ``snapshot_events`` came before the device trace's first "oom" entry (the request that failed),
+    None when there is none: the events after it are the frees of the run unwinding from the out-of-memory."""
+    trace = snapshot["device_traces"][device]
+    at = next((i for i, entry in enumerate(trace) if entry["action"] == "oom"), None)
+    return None if at is None else len(snapshot_events({"device_traces": {device: trace[:at]}}, device))
+
+
 def _run(case: StepCase, steps: int) -> None:
     model, layers, forward = _build(case)
     loop = _Loop(case, model, forward, layers)
@@ -178,7 +186,9 @@ def record_run(case: StepCase, steps: int = 2, cap_bytes: Optional[int] = None) 
                      "outside_pool_bytes": total - free - torch.cuda.memory_reserved(), "total_memory": total}
         if oom is not None:  # the trace's own "oom" entry: the request that failed and what the device had free
             entry = next((e for e in snapshot["device_traces"][0] if e["action"] == "oom"), {})
-            rec.stats.update(oom=oom, oom_request_bytes=entry.get("size"), oom_device_free_bytes=entry.get("device_free"))
+            rec.stats.update(oom=oom, oom_request_bytes=entry.get("size"),
+                             oom_device_free_bytes=entry.get("device_free"),
+                             oom_event_index=events_before_oom(snapshot))  # the events before the failing request
         return rec
     if case.backend != "live":
         raise ValueError("record_run runs the live (CPU) or cuda backend")

@@ -1,8 +1,10 @@
 """`memplan validate --allocator`: the allocation streams of real runs (validation/alloc_trace.py: build the model,
 create the optimizer, two steps, every allocation and free in order) replayed through memplan's caching-allocator
 model (memory/allocator.py), against memplan's own stream of the same run (memory/reserved.allocation_stream) and,
-on CUDA, against what PyTorch's allocator itself reported (`max_memory_reserved`, segments, inactive split bytes,
-retries), which the replay of the recorded trace must reproduce exactly (issue 20 item 5).
+on CUDA, against what PyTorch's allocator itself reported (`max_memory_reserved`, `max_memory_allocated`, the
+segments cudaMalloc'd in order and at most at once, inactive split bytes, retries), which the replay of the recorded
+trace, its segments placed at the device's addresses and the card's capacity less what lives outside the pool, must
+reproduce exactly (issue 20 item 5; tests/test_alloc_fixtures_cuda.py replays such recordings made on an H100).
 
 On CPU there is no caching allocator: the recorded stream is the real code's order of storages (op outputs; the
 temporaries an op frees inside itself are not seen), and the check is that the recording's live peak is what
@@ -22,6 +24,7 @@ from typing import Any, Optional
 from memplan.check.peak import PEAK_TOLERANCE, PeakCase, card_preset, peak_config, step_fields
 from memplan.core.harness import harness
 from memplan.core.specs import GpuSpec
+from memplan.memory.alloc_conf import AllocatorConfig
 from memplan.memory.allocator import ReplayResult, replay
 from memplan.memory.reserved import (ALLOCATORS, EXPANDABLE_CONF, Replay, allocation_stream, allocator_config,
                                      replay_stream)
@@ -67,7 +70,13 @@ class AllocatorResult:
         if self.measured:
             out["replay = max_memory_reserved"] = (self.recorded.reserved_peak_bytes
                                                    == self.measured["max_memory_reserved"])
-            out["replay = peak segments"] = self.recorded.segments_at_reserved_peak == self.measured["segments_peak"]
+            out["replay = max_memory_allocated"] = (self.recorded.allocated_peak_bytes
+                                                    == self.measured["max_memory_allocated"])
+            # segment.all.peak: cudaMalloc'd segments only, 0 with expandable ones (alloc_rules.count_cuda_segment)
+            out["replay = peak segments"] = self.recorded.segments_peak == self.measured["segments_peak"]
+            if "segment_allocs" in self.measured:
+                out["replay = segments cudaMalloc'd"] = (list(self.recorded.segment_allocs)
+                                                         == self.measured["segment_allocs"])
         return out
 
     @property
@@ -78,6 +87,17 @@ class AllocatorResult:
 def _conf(allocator: str) -> str:
     """The PYTORCH_CUDA_ALLOC_CONF a run with `allocator` is started with."""
     return EXPANDABLE_CONF if allocator == "expandable" else ""
+
+
+def replay_recording(events: list, stats: dict, settings: AllocatorConfig, device: str) -> ReplayResult:
+    """A recorded run through memplan's allocator model. CUDA: the ids are the blocks' device addresses, where each
+    segment is placed (which of two equal cached blocks is taken follows them), and the capacity is the card's
+    memory less what lived outside PyTorch's pool after the run (CUDA context, cuBLAS and cuDNN handles). CPU: the
+    reserved peak without pressure (`NO_LIMIT`)."""
+    capacity = NO_LIMIT
+    if "total_memory" in stats and "outside_pool_bytes" in stats:
+        capacity = stats["total_memory"] - stats["outside_pool_bytes"]
+    return replay(events, capacity, settings, ids_are_addresses=device == "cuda")
 
 
 def _module() -> Any:
@@ -115,8 +135,9 @@ def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Option
                         if record_dir:
                             mod.save(cpu_rec, Path(record_dir) / name.replace(f"-{allocator}", ""))
                     rec = cpu_rec
+                recorded = replay_recording(rec.events, rec.stats, settings, device)
                 results.append(AllocatorResult(case, allocator, device, len(rec.events), rec.live_peak_bytes,
-                                               replay(rec.events, NO_LIMIT, settings), len(ours.events),
+                                               recorded, len(ours.events),
                                                replay_stream(ours, NO_LIMIT, settings), dict(rec.stats)))
     return results
 

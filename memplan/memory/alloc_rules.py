@@ -4,14 +4,16 @@ segment (`ExpandableSegment`). The state they change and the replay that calls t
 memplan.memory.allocator's; the settings memplan.memory.alloc_conf's.
 
 Followed: PyTorch 2.9-2.11, c10/cuda/CUDACachingAllocator.cpp (`round_size`, `get_pool`, `get_allocation_size`,
-`get_free_block`, `should_split`, `try_merge_blocks`, `release_available_cached_blocks`, `release_cached_blocks`
-/ `release_blocks` / `release_block`, `garbage_collect_cached_blocks`, and for expandable segments
-`find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`, `ExpandableSegment::map` /
-`unmap`), which newer versions move into c10/core/CachingDeviceAllocator.h (`get_round_size`,
+`get_free_block`, `should_split`, `alloc_block`'s segment count, `try_merge_blocks`,
+`release_available_cached_blocks`, `release_cached_blocks` / `release_blocks` / `release_block`,
+`garbage_collect_cached_blocks`, and for expandable segments `find_expandable_block`,
+`try_allocate_expandable_block`, `map_block`, `unmap_block`, `ExpandableSegment::map` / `unmap`),
+which newer versions move into c10/core/CachingDeviceAllocator.h (`get_round_size`,
 `get_allocation_size`) with the same logic. Our own code, none of PyTorch's.
 
 The rules reach the allocator's state (`state`, a memplan.memory.allocator.CachingAllocatorModel) through its
-public fields: config, capacity, allowed_bytes, reserved, segments, pools, gc_calls, grow(), new_address().
+public fields: config, capacity, allowed_bytes, reserved, segments, cuda_segments, cuda_segments_peak,
+segment_allocs, segment_bases, pools, gc_calls, grow(), new_address().
 Every rule calls the others through this module's globals, and the allocator calls them through the module, so
 a test can replace one rule and see the outcome change.
 """
@@ -202,11 +204,24 @@ def try_merge_blocks(dst: Block, src: Optional[Block], pool: Pool) -> int:
     return src.size
 
 
+def count_cuda_segment(state: Any, size: int) -> None:
+    """`alloc_block`'s `stats.segment` increase and its SEGMENT_ALLOC trace entry, which only a cudaMalloc'd
+    segment makes: an expandable segment is reserved address space (`find_expandable_block`) whose pages
+    `map_block` maps with a SEGMENT_MAP entry and a reserved_bytes increase, never a segment; so segment.all.peak
+    is 0 under expandable_segments (measured on an H100, torch 2.11: tests/test_alloc_fixtures_cuda.py)."""
+    state.segment_allocs.append(size)
+    state.cuda_segments += 1
+    if state.cuda_segments > state.cuda_segments_peak:
+        state.cuda_segments_peak = state.cuda_segments
+
+
 def release_block(state: Any, block: Block) -> None:
-    """`release_block`: cudaFree of a whole free segment."""
+    """`release_block`: cudaFree of a whole free segment (`stats.segment` decreases)."""
     block.pool.remove(block)
     state.reserved -= block.size
     state.segments -= 1
+    state.cuda_segments -= 1
+    state.segment_bases.discard(block.addr)
 
 
 def release_available_cached_blocks(state: Any, pool: Pool, size: int) -> bool:

@@ -1,10 +1,16 @@
 """The replay of a run through a model of PyTorch's CUDA caching allocator on one device: `replay(events,
-capacity_bytes, config)` walks an ordered stream of allocations and frees and returns a `ReplayResult` (the
-reserved peak, the allocated peak as torch.cuda.max_memory_allocated, inactive split bytes, retries, the first
-out-of-memory and what its message would say). `CachingAllocatorModel` holds the allocator's state (segments,
-blocks, free lists, statistics) and runs `DeviceCachingAllocator::malloc` / `free` / `emptyCache` of
-c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.9-2.11) step by step, calling the rules of
+capacity_bytes, config)` walks an ordered stream of allocations and frees and returns a `ReplayResult`
+(memplan.memory.alloc_result: the reserved peak, the allocated peak as torch.cuda.max_memory_allocated, inactive
+split bytes, segments, retries, the first out-of-memory and what its message would say). `CachingAllocatorModel`
+holds the allocator's state (segments, blocks, free lists, statistics) and runs `DeviceCachingAllocator::malloc` /
+`free` / `emptyCache` of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.9-2.11) step by step, calling the rules of
 memplan.memory.alloc_rules through that module; the settings are memplan.memory.alloc_conf's.
+
+Addresses order the cached blocks of one size (PyTorch's BlockComparatorSize: size, then address), so which of
+two equal free blocks a request takes depends on where the driver put their segments. The model places each new
+large-pool segment below the earlier ones and each small-pool one above, as the H100 recordings show
+(`new_address`); a CUDA recording knows the real places (its tensor ids are the blocks' addresses, and a block cut
+from a new segment starts at the segment's base), and `replay(..., ids_are_addresses=True)` uses them.
 
 The device: `capacity_bytes` is the memory the allocator may hold (cudaMalloc or mapping a page fails past it):
 the card's total memory less the CUDA context, NCCL and all else outside PyTorch's allocator.
@@ -14,12 +20,12 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, insort
-from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from memplan.core.errors import MemplanError
 from memplan.memory import alloc_rules as rules
 from memplan.memory.alloc_conf import AllocatorConfig
+from memplan.memory.alloc_result import OutOfMemory, ReplayResult
 from memplan.memory.alloc_rules import Block, Pool
 
 _ADDRESS_LIMIT = 1 << 56
@@ -36,83 +42,6 @@ class AllocEvent(NamedTuple):
     tensor_id: Any
     size_bytes: int = 0
     stream: int = 0
-
-
-def format_size(size: int) -> str:
-    """A byte count as PyTorch's out-of-memory message writes it (`format_size`): bytes up to 1 KiB, then KiB,
-    MiB up to 1 GiB, then GiB, two decimals."""
-    if size <= 1024:
-        return f"{size} bytes"
-    if size <= 1 << 20:
-        return f"{size / 1024:.2f} KiB"
-    if size <= 1 << 30:
-        return f"{size / (1 << 20):.2f} MiB"
-    return f"{size / (1 << 30):.2f} GiB"
-
-
-@dataclass(frozen=True)
-class OutOfMemory:
-    """The event the run dies at, and the state the allocator reports in its OutOfMemoryError (after it has
-    released every cached whole segment)."""
-
-    event_index: int
-    tensor_id: Any
-    stream: int
-    requested_bytes: int
-    rounded_bytes: int
-    tried_to_allocate_bytes: int  # the segment it asked for: PyTorch's "Tried to allocate" is get_allocation_size
-    allocated_bytes: int
-    reserved_bytes: int
-    capacity_bytes: int
-
-    @property
-    def reserved_unallocated_bytes(self) -> int:
-        return self.reserved_bytes - self.allocated_bytes
-
-    @property
-    def message(self) -> str:
-        """The lines of PyTorch's message the replay knows (the allocator's capacity stands for the GPU's)."""
-        return (f"CUDA out of memory. Tried to allocate {format_size(self.tried_to_allocate_bytes)}. The allocator "
-                f"may hold {format_size(self.capacity_bytes)} of which "
-                f"{format_size(self.capacity_bytes - self.reserved_bytes)} is free. Of the allocated memory "
-                f"{format_size(self.allocated_bytes)} is allocated by PyTorch, and "
-                f"{format_size(self.reserved_unallocated_bytes)} is reserved by PyTorch but unallocated.")
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a replay measured, in the names of torch.cuda.memory_stats() where there is one.
-
-    reserved_peak_bytes: reserved_bytes.all.peak (max_memory_reserved).
-    allocated_peak_bytes: allocated_bytes.all.peak (max_memory_allocated): rounded block sizes, with the
-        unsplit remainder a block was handed out with.
-    requested_peak_bytes: requested_bytes.all.peak: the sizes as asked.
-    inactive_split_bytes_at_reserved_peak: inactive_split_bytes.all.current after the event that set the reserved
-        peak: free bytes inside segments that still hold a live block (expandable segments excluded, as PyTorch).
-    inactive_split_peak_bytes: inactive_split_bytes.all.peak.
-    segments_at_reserved_peak: cudaMalloc segments after that event (an expandable segment counts as one).
-    num_alloc_retries / num_ooms: as memory_stats (num_ooms is 0 or 1: the replay stops at the first).
-    events_replayed: events done before the out-of-memory (all of them when it fits).
-    reserved_end_bytes / allocated_end_bytes: after the last event replayed.
-    oom: the first out-of-memory, or None.
-    """
-
-    reserved_peak_bytes: int
-    allocated_peak_bytes: int
-    requested_peak_bytes: int
-    inactive_split_bytes_at_reserved_peak: int
-    inactive_split_peak_bytes: int
-    segments_at_reserved_peak: int
-    num_alloc_retries: int
-    num_ooms: int
-    events_replayed: int
-    reserved_end_bytes: int
-    allocated_end_bytes: int
-    oom: Optional[OutOfMemory]
-
-    @property
-    def fits(self) -> bool:
-        return self.oom is None
 
 
 class CachingAllocatorModel:
@@ -137,6 +66,10 @@ class CachingAllocatorModel:
         self.reserved_peak = self.allocated_peak = self.requested_peak = 0
         self.inactive_split = self.inactive_split_peak = 0
         self.segments = 0
+        self.cuda_segments = self.cuda_segments_peak = 0  # segment.all: cudaMalloc'd segments only
+        self.segment_allocs: list[int] = []  # the sizes cudaMalloc'd, in order
+        self.segment_address: Optional[int] = None  # where the driver puts the next segment (None: above the last)
+        self.segment_bases: set[int] = set()  # the device addresses of the live segments placed there
         self.num_alloc_retries = self.num_ooms = 0
         self.gc_calls = [0, 0]  # BlockPool::get_free_blocks_call_count of the small and the large pool
         self.pools: dict[tuple[int, bool], Pool] = {}
@@ -181,8 +114,17 @@ class CachingAllocatorModel:
             return rules.try_allocate_expandable_block(self, pool, size)
         if self.reserved + alloc_size > self.capacity:
             return None
-        block = Block(self.new_address(alloc_size), alloc_size, pool)
+        address = self.segment_address
+        if address is None:
+            address = self.new_address(alloc_size)
+        elif address in self.segment_bases:
+            raise MemplanError(f"a segment is cudaMalloc'd at address {address}, where a live one starts: the replay "
+                               f"has left the recording it replays")
+        else:
+            self.segment_bases.add(address)
+        block = Block(address, alloc_size, pool)
         self.segments += 1
+        rules.count_cuda_segment(self, alloc_size)
         self.grow(alloc_size)
         return block
 
@@ -271,12 +213,15 @@ def _event_error(index: int, event: Any, why: str) -> MemplanError:
     return MemplanError(f"allocation event {index} {event!r}: {why}")
 
 
-def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConfig] = None) -> ReplayResult:
+def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConfig] = None,
+           ids_are_addresses: bool = False) -> ReplayResult:
     """Replay an ordered stream of AllocEvent / (op, tensor_id, size_bytes, stream) tuples through the caching
     allocator of a device whose allocator may hold `capacity_bytes`; stop at the first out-of-memory, as the
     training script would. A tensor id is live from its "alloc" to its "free"; a 0-byte tensor takes no
-    memory (PyTorch never calls malloc for it)."""
+    memory (PyTorch never calls malloc for it). `ids_are_addresses`: the ids are the blocks' device addresses (a
+    CUDA recording's trace), and a segment cudaMalloc'd for an allocation starts at its id (module docstring)."""
     state = CachingAllocatorModel(capacity_bytes, config)
+    place = ids_are_addresses and not state.config.expandable_segments
     live: dict[Any, Optional[Block]] = {}
     malloc, free = state.malloc, state.free
     oom = None
@@ -300,7 +245,10 @@ def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConf
                     raise _event_error(index, event, "a negative size")
                 live[tensor_id] = None
             else:
+                if place:
+                    state.segment_address = _device_address(index, event, tensor_id)
                 block = malloc(size, stream)
+                state.segment_address = None
                 if block is None:
                     rounded, segment = state.last_failure
                     oom = OutOfMemory(index, tensor_id, stream, size, rounded, segment, state.allocated,
@@ -324,6 +272,12 @@ def replay(events: Iterable, capacity_bytes: int, config: Optional[AllocatorConf
     return _result(state, at_peak, replayed, oom)
 
 
+def _device_address(index: int, event: Any, tensor_id: Any) -> int:
+    if type(tensor_id) is not int or not 0 <= tensor_id < _ADDRESS_LIMIT:
+        raise _event_error(index, event, "with ids_are_addresses the id must be a device address below 2^56")
+    return tensor_id
+
+
 def _result(state: CachingAllocatorModel, at_peak: tuple[int, int], replayed: int,
             oom: Optional[OutOfMemory]) -> ReplayResult:
     return ReplayResult(
@@ -331,7 +285,8 @@ def _result(state: CachingAllocatorModel, at_peak: tuple[int, int], replayed: in
         requested_peak_bytes=state.requested_peak, inactive_split_bytes_at_reserved_peak=at_peak[0],
         inactive_split_peak_bytes=state.inactive_split_peak, segments_at_reserved_peak=at_peak[1],
         num_alloc_retries=state.num_alloc_retries, num_ooms=state.num_ooms, events_replayed=replayed,
-        reserved_end_bytes=state.reserved, allocated_end_bytes=state.allocated, oom=oom)
+        reserved_end_bytes=state.reserved, allocated_end_bytes=state.allocated, oom=oom,
+        segments_peak=state.cuda_segments_peak, segment_allocs=tuple(state.segment_allocs))
 
 
 def replay_ops(ops: Sequence[int], capacity_bytes: int, config: Optional[AllocatorConfig] = None,

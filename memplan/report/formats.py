@@ -398,7 +398,7 @@ def peak_validation_dict(results: list[Any], summary: dict[str, Any]) -> dict[st
 def _replayed(x: Any) -> dict[str, int]:
     return {"reserved_peak_bytes": x.reserved_peak_bytes, "allocated_peak_bytes": x.allocated_peak_bytes,
             "requested_peak_bytes": x.requested_peak_bytes, "segments_at_reserved_peak": x.segments_at_reserved_peak,
-            "inactive_split_peak_bytes": x.inactive_split_peak_bytes}
+            "inactive_split_peak_bytes": x.inactive_split_peak_bytes, "segments_peak": x.segments_peak}
 
 
 def allocator_validation_dict(results: list[Any], max_seq: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
