@@ -66,6 +66,10 @@ def test_estimate_pp_states_and_activations():
         estimate("llama3-8b", impl="torchtitan", gpus=16, pp=2, first_stage_layers=15)
     with pytest.raises(MemplanError, match="torchtitan's"):
         estimate("llama3-8b", gpus=16, pp=2, pipeline_schedule="GPipe")
+    # selective-layer:N checkpoints every N-th layer of each stage in torchtitan, not L // N of the model: refused
+    # (counted over the model, every layer of a 16-layer stage came out checkpointed: --ac full's peak)
+    with pytest.raises(MemplanError, match="selective-layer with --pp"):
+        estimate("llama3-8b", impl="torchtitan", gpus=16, pp=2, ac="selective-layer:2")
 
 
 def test_search_refuses_pipeline_schedules_in_one_line(capsys):

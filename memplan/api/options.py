@@ -376,6 +376,9 @@ class PlanOptions:
         if self.impl != "torchtitan" or mode != "selective-layer":
             return {}
         layers = preset.model.num_layers
+        if (self.pp or 1) > 1:  # torchtitan counts every N-th layer of each stage's own layers: not modelled
+            raise MemplanError("--ac selective-layer with --pp is not modelled yet (torchtitan checkpoints every N-th "
+                               "layer of each stage); use --ac full, selective-op or none")
         if every > layers:
             raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: plan it with --ac none")
         return dict(recompute_num_layers=len(checkpointed_layers(layers, every)))
