@@ -99,25 +99,17 @@ def allocator(out: Path) -> None:
 def dropout(out: Path, predictions: str) -> None:
     from . import cuda_dropout
 
-    pred = json.loads(Path(predictions).read_text(encoding="utf-8"))
-    rows = cuda_dropout.measure(pred["predictions"])
-    import torch
-
-    data = {"s": pred["s"], "b": pred["b"], "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-            "cudnn": torch.backends.cudnn.version(), "rows": rows}
-    (out / "dropout.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    cuda_dropout.main(["measure", "--predictions", predictions, "--out", str(out / "dropout.json")])
 
 
 def _run(case, s: int, allocator: str, out: Optional[Path]) -> tuple[str, Optional[dict]]:
     """('trains' | 'dies' | 'error: ...', the recording's stats) of one fresh-process run at length s."""
-    from memplan.check.allocator import _conf
-    from memplan.check.peak import step_fields
+    from memplan.check.allocator import record_cuda
 
     from . import alloc_trace
 
-    step = alloc_trace.StepCase(**step_fields(case, "cuda"))
     try:
-        rec = alloc_trace.record_fresh(step, s, out=out, alloc_conf=_conf(allocator), timeout_s=RUN_TIMEOUT_S)
+        rec = record_cuda(case, allocator, out, s, timeout_s=RUN_TIMEOUT_S)
     except alloc_trace.OutOfMemory:
         return "dies", None
     except Exception as e:
@@ -134,10 +126,8 @@ def _child(stage: str, out: Path, predictions: Optional[str], timeout_s: float) 
 
 
 def max_seq(out: Path, clock: Clock, tar: Optional[str]) -> None:
-    from memplan.check.allocator import MAX_SEQ_CASES, MAX_SEQ_STEP
-    from memplan.check.peak import card_preset, peak_config
-    from memplan.memory.reserved import Replay
-    from memplan.plan.limits import max_seq_len
+    from memplan.check.allocator import MAX_SEQ_CASES, MAX_SEQ_STEP, predicted_max_seq
+    from memplan.check.peak import card_preset
 
     env_file = out / "env.json"  # the card's name (the env stage's); no name: the H100's preset
     gpu = card_preset(json.loads(env_file.read_text(encoding="utf-8"))["device"] if env_file.exists() else "")
@@ -150,8 +140,7 @@ def max_seq(out: Path, clock: Clock, tar: Optional[str]) -> None:
             print(f"{clock.stamp()} max-seq: stopped, {clock.left():.0f} s left", flush=True)
             break
         t0 = time.monotonic()
-        predicted = max_seq_len(peak_config(case), gpu.process_memory_bytes, case.impl, "cuda", gpu,
-                                replay=Replay(alloc))
+        predicted = predicted_max_seq(case, gpu, alloc)
         row = {"case": case.name, "allocator": alloc, "gpu_preset": gpu.name, "predicted": predicted,
                "predict_s": round(time.monotonic() - t0, 2), "runs": {}}
         if predicted is not None:

@@ -380,7 +380,7 @@ class PlanOptions:
             raise MemplanError("--ac selective-layer with --pp is not modelled yet (torchtitan checkpoints every N-th "
                                "layer of each stage); use --ac full, selective-op or none")
         if every > layers:
-            raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: plan it with --ac none")
+            raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: use --ac none")
         return dict(recompute_num_layers=len(checkpointed_layers(layers, every)))
 
     def titan_shard(self, dp: int) -> Optional[int]:

@@ -173,6 +173,7 @@ def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
     opts.titan_pipeline(opts.preset())  # a pinned --pp / --pipeline-schedule: what estimate refuses (its split)
+    opts.titan_layers(opts.preset())  # --ac selective-layer:N as estimate takes it (not with a pinned --pp)
     if max_seq:
         raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")
     if opts.dp is not None or opts.zero_shard is not None or uneven_stages or opts.first_stage_layers is not None \

@@ -104,10 +104,14 @@ def _module() -> Any:
     return importlib.import_module(harness().__name__ + ".alloc_trace")
 
 
-def _record_cuda(case: PeakCase, allocator: str, out: Path) -> Any:
-    """One CUDA run in a fresh process (the allocator's state and settings are the process's)."""
+def record_cuda(case: PeakCase, allocator: str, out: Optional[Path] = None, s: Optional[int] = None,
+                timeout_s: float = 600) -> Any:
+    """One CUDA run of the case (at length `s` where given) in a fresh process (the allocator's state and settings
+    are the process's): its recording (saved to `out`, also up to an out-of-memory) when `out` is given;
+    validation/alloc_trace.py's OutOfMemory when it dies."""
     mod = _module()
-    return mod.record_fresh(mod.StepCase(**step_fields(case, "cuda")), out=out, alloc_conf=_conf(allocator))
+    return mod.record_fresh(mod.StepCase(**step_fields(case, "cuda")), s, out=out, alloc_conf=_conf(allocator),
+                            timeout_s=timeout_s)
 
 
 def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Optional[str] = None,
@@ -128,7 +132,7 @@ def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Option
                 settings = allocator_config(allocator)
                 name = f"{case.name.replace(' ', '_')}-{allocator}.json.gz"
                 if device == "cuda":
-                    rec = _record_cuda(case, allocator, Path(record_dir or tmp) / name)
+                    rec = record_cuda(case, allocator, Path(record_dir or tmp) / name)
                 else:
                     if cpu_rec is None:
                         cpu_rec = mod.record_run(mod.StepCase(**step_fields(case, "live")))
@@ -161,9 +165,13 @@ class MaxSeqResult:
     case: PeakCase
     allocator: str
     predicted: Optional[int]  # memplan's --max-seq (the replay's verdict on the GPU preset)
-    tried: Optional[int]  # the length run: the prediction itself
     trains: Optional[bool]  # the run at `tried` completes
     next_dies: Optional[bool]  # the run at `tried` + MAX_SEQ_STEP dies
+
+    @property
+    def tried(self) -> Optional[int]:
+        """The length run: the prediction itself."""
+        return self.predicted
 
     @property
     def longer(self) -> Optional[int]:
@@ -175,16 +183,19 @@ class MaxSeqResult:
         return bool(self.trains and self.next_dies)
 
 
+def predicted_max_seq(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> Optional[int]:
+    """memplan's `--max-seq` for the case's run on `gpu` with `allocator` (the replay's verdict)."""
+    return max_seq_len(peak_config(case), gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
+
+
 def max_seq_check(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> MaxSeqResult:
     """memplan's `--max-seq` for the case's run on `gpu` (the preset of the card in this machine) with `allocator`,
     and two real runs on this GPU: at that length and one MAX_SEQ_STEP longer."""
-    config = peak_config(case)
-    predicted = max_seq_len(config, gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
+    predicted = predicted_max_seq(case, gpu, allocator)
     if predicted is None:
-        return MaxSeqResult(case, allocator, predicted, None, None, None)
-    tried = predicted
-    dies_at = first_failing(case, [tried, tried + MAX_SEQ_STEP], allocator)
-    return MaxSeqResult(case, allocator, predicted, tried, dies_at != tried, dies_at == tried + MAX_SEQ_STEP)
+        return MaxSeqResult(case, allocator, predicted, None, None)
+    dies_at = first_failing(case, [predicted, predicted + MAX_SEQ_STEP], allocator)
+    return MaxSeqResult(case, allocator, predicted, dies_at != predicted, dies_at == predicted + MAX_SEQ_STEP)
 
 
 def max_seq_checks(cases: list[PeakCase] = MAX_SEQ_CASES) -> list[MaxSeqResult]:

@@ -142,6 +142,7 @@ class RuntimeBytes(Spec):
 
 STEP_MATMUL_THREADS = 2  # the threads a training step runs matmuls on (GpuSpec.step_workspace_bytes)
 
+
 class GpuSpec(Spec):
     """An accelerator's data-sheet figures (per GPU)."""
 

@@ -124,11 +124,8 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     """The (pp, first stage layers, last stage layers, schedule) searched (module docstring), and what was left out
     as notes. pp = 1 once (no schedule runs), unless --pipeline-schedule pins one."""
     L, notes = model.num_layers, []
+    # --ac selective-layer with a pinned --pp: refused before the search (api options.titan_layers, as estimate)
     layer_ac = pins.ac is not None and titan_ac_mode(pins.ac)[0] == LAYER_AC
-    if pins.pp not in (None, 1) and layer_ac:
-        raise MemplanError(f"search --impl torchtitan: --ac {LAYER_AC} with --pp is not searched (how torchtitan "
-                           "<= 0.2 counts the checkpointed layers over the stages is not modelled): --ac none, full "
-                           "or selective-op")
     out: list = [(1, None, None, "1F1B")] if pins.pp in (None, 1) and pins.schedule is None else []
     if pins.pp is None and (float8 or layer_ac):
         return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
