@@ -120,7 +120,8 @@ _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / p
 
 # A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
 TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
+               "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
 
 
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
@@ -248,7 +249,7 @@ def _sliding_window(data: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
         slides = [t == "sliding_attention" for t in types]
     elif kind == "gemma2":
         slides = [(i + 1) % 2 != 0 for i in range(L)]
-    elif kind in ("gemma3", "gemma3_text"):
+    elif kind in ("gemma3", "gemma3_text", "gemma4_text", "gemma4_unified_text"):  # Gemma 4: hf_families._gemma4
         n = data.get("sliding_window_pattern", 6)
         slides = [(i + 1) % n != 0 for i in range(L)] if isinstance(n, int) and n > 0 else []
     elif data.get("use_sliding_window"):
