@@ -41,7 +41,7 @@ _SMALL = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
-    "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 8,
+    "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
 }
 
 # a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),

@@ -124,6 +124,10 @@ TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCaus
                "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
 
 
+# Speculative-decoding drafters: every layer reuses the target model's K / V (no training run of their own to plan)
+_DRAFTERS = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
+
+
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
 _OLD_DEFAULTS = ("FalconForCausalLM", "GPTNeoXForCausalLM")
 
@@ -372,6 +376,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: architectures: expected a list of class names (got {echo(archs)})")
     if not isinstance(data.get("model_type", ""), str):
         raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
+    if any(a in _DRAFTERS for a in archs):
+        raise MemplanError(f"{path}: {_names(archs)} is a speculative-decoding drafter whose layers all reuse its target "
+                           "model's keys and values: memplan estimates the target model's config.json")
     known = [a for a in archs if a in HF_ARCHITECTURES]
     notes: tuple[str, ...] = ()
     text_config = data.get("text_config")

@@ -425,7 +425,9 @@ APPROXIMATED = {
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
     "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
-    "Gemma4ForCausalLM": "Gemma 4 adds per-layer inputs, reuses K / V in its last layers and widens its full-attention "
-                         "heads",
-    "Gemma4UnifiedForCausalLM": "Gemma 4 reuses K / V in its last layers and widens its full-attention heads",
+    "Gemma4ForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V heads; "
+                         "per-layer inputs, K / V reused by the last layers and experts beside the MLP where the config "
+                         "sets them)",
+    "Gemma4UnifiedForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V "
+                                "heads; K / V reused by the last layers where the config sets them)",
 }
