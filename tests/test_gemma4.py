@@ -11,6 +11,7 @@ import pytest
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.memory.shapes import weight_shapes
 from memplan.memory.states import layer_kinds, total_params
 
 # ---------------------------------------------------------------------------------------------
@@ -163,3 +164,15 @@ def test_the_checkpointed_layer_input_of_a_gemma4_trace():
     traced = trace_hf_config(tiny_config("gemma4_text"), "hf-sdpa", kernels="cpu")
     assert traced["checkpoint"]["layer_input"] == {"dtype": "bfloat16", "elements": "64 s b", "bytes": "128 s b"}
     assert any("layer_input" in m["alive"] for m in traced["moments"] if m["scope"] == "layer")
+
+
+@pytest.mark.parametrize("layout", ["fused", "separate"])
+def test_the_per_layer_input_tensors_hold_their_counted_parameters(layout):
+    """weight_shapes (the tensors the optimizers' shape-dependent states and the allocator's replay see) hold what
+    param_groups count for the per-layer inputs (a model whose layers are all alike: no full-attention widths of their
+    own, no K / V sharing)."""
+    model = ModelSpec(**BASE, per_layer_input_size=8, per_layer_input_vocab=256)
+    values, shapes = model.symbols(t=1), weight_shapes(model, layout)
+    held = sum(times * w.count * int(w.numel.evaluate(values)) for scope, times in (
+        ("first", 1), ("layer", model.num_layers), ("last", 1)) for w in shapes[scope])
+    assert held == total_params(model)
