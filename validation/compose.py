@@ -27,6 +27,10 @@ from __future__ import annotations
 import torch
 
 _INDEX_NAMES = ("layer_idx", "layer_id", "layer_number", "layer_index", "idx")
+# config keys of tables packed over all the layers: Gemma 4's per-layer inputs (hidden_size_per_layer_input p, an
+# L p-wide embedding and projection reshaped by num_hidden_layers): with one set, the layer count stays the model's,
+# so the table and what is saved of it are the whole model's, and the kept layers read their inputs by position
+_PACKED = ("hidden_size_per_layer_input",)
 _PLAIN = (int, float, str, bool, type(None))
 
 
@@ -134,7 +138,8 @@ def reduce(model: torch.nn.Module, path: str, n: int) -> tuple[list[int], list[l
     config = model.config
     for k in _per_layer_lists(config, n):
         setattr(config, k, [getattr(config, k)[i] for i in kept])
-    config.num_hidden_layers = len(kept)
+    if not any(getattr(config, k, None) for k in _PACKED):
+        config.num_hidden_layers = len(kept)
     return kept, kinds
 
 

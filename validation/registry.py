@@ -41,15 +41,19 @@ _SMALL = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
-    "d_head": 16, "rotary_dim": 8,
+    "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
 }
+
+# a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),
+# unlike the shrunk defaults so that the reader must take them
+_SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
 # a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
 LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
-            "vision_embed_tokens.")  # Fuyu: its patch projection
+            "vision_embed_tokens.", "embed_audio.")  # Fuyu: its patch projection
 
 
 def architectures() -> dict[str, str]:
@@ -95,11 +99,27 @@ def _shrink(data: dict) -> dict:
         n = max(n, len(kinds))
         # one layer of each kind in the order the defaults first show them, the last kind repeated up to n
         out["layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
+    if isinstance(data.get("per_layer_config"), dict) and isinstance(types, list) and "layer_types" in out:
+        out["per_layer_config"] = _shrink_overrides(data["per_layer_config"], types, out["layer_types"])
     if n and layers_key:
         out[layers_key] = n
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
             if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
                 out[k] = v[:n]
+    return out
+
+
+def _shrink_overrides(overrides: dict, types: list, shrunk_types: list) -> dict:
+    """per_layer_config (layer index -> overrides) for the shrunk layers: each shrunk layer takes the overrides of the
+    first default layer of its kind, their sizes shrunk (_SMALL_OVERRIDES), so the overrides agree with the shrunk
+    layer_types (transformers refuses an index past the last layer)."""
+    by_index = {int(k): v for k, v in overrides.items()}
+    out = {}
+    for i, kind in enumerate(shrunk_types):
+        first = types.index(kind)
+        if by_index.get(first):
+            out[str(i)] = {k: _SMALL_OVERRIDES.get(k, v) if isinstance(v, int) else v
+                           for k, v in by_index[first].items()}
     return out
 
 

@@ -551,7 +551,10 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
                     run["sampled"] = step.get("sampled") or _representatives(live, saves)
                     live.sampler.layers = set(run["sampled"])
                     live.set(phase="backward", layer=None)
-                    run["kept"] = {"inputs": list(live.buckets.get(("input", 0), {}).values()),
+                    # the lowest layer whose input the checkpoint keeps (Gemma 4's first layer's input, the
+                    # embeddings, is saved outside the layers already, by its per-layer input projection)
+                    first = min((k[1] for k, v in live.buckets.items() if k[0] == "input" and v), default=0)
+                    run["kept"] = {"inputs": list(live.buckets.get(("input", first), {}).values()),
                                    "extras": list(live.buckets.get(("extra",), {}).values())}
                     loss.backward()
                 del loss

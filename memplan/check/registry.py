@@ -36,8 +36,8 @@ KINDS = ("build", "estimate", "trace")
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
 _RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
-_MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Llama 4, "
-               "Persimmon, Qwen2, Emu3 text models)")
+_MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
+               "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
     "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
@@ -83,15 +83,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma3n": ("estimate", _MULTIMODAL),
     "gemma3n_text": ("estimate", "Gemma 3n: per-layer embeddings, AltUp and LAuReL blocks, KV-sharing layers; its "
                                  "defaults, shrunk, do not build"),
-    "gemma4": ("estimate", _MULTIMODAL),
     "gemma4_assistant": ("build", "its config class's validation refuses the shrunk sizes"),
-    "gemma4_text": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, shrunk, do not "
-                                "build"),
-    "gemma4_unified": ("estimate", _MULTIMODAL),
-    "gemma4_unified_assistant": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, "
-                                             "shrunk, do not build"),
-    "gemma4_unified_text": ("estimate", "Gemma 4: a configuration per layer (per_layer_config); its defaults, shrunk, "
-                                        "do not build"),
+    "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
+                                             "keys and values (memplan estimates the target)"),
     "git": ("estimate", _MULTIMODAL),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),

@@ -72,6 +72,36 @@ class ModelSpec(Spec):
         default=None, gt=1, description="with sliding_window: every N-th layer attends to all tokens, the others "
         "slide (Gemma 3's sliding_window_pattern, Gemma 2's 2; Megatron-LM --window-attn-skip-freq N); None: every "
         "layer slides")
+    # Gemma 4 (issue 22): the full-attention layers' own head width and K / V heads, keys used as values there,
+    # layers that reuse earlier layers' K / V, per-layer input embeddings. Which layers attend to all tokens is
+    # sliding_window / sliding_window_pattern's (every N-th layer; no sliding_window: every layer).
+    full_attention_head_dim: Optional[int] = Field(
+        default=None, gt=0, description="the full-attention layers' head width (default head_dim; Gemma 4 "
+        "global_head_dim, per_layer_config head_dim): their Q, K, V and output projections and q / k norms")
+    full_attention_kv_heads: Optional[int] = Field(
+        default=None, gt=0, description="the full-attention layers' key/value heads (default g; Gemma 4 "
+        "num_global_key_value_heads)")
+    full_attention_k_eq_v: bool = Field(
+        default=False, description="the full-attention layers' keys serve as their values: no V projection "
+        "(Gemma 4 attention_k_eq_v)")
+    kv_shared_layers: int = Field(
+        default=0, ge=0, description="the last N layers reuse the K / V of the last earlier layer of their kind: no K "
+        "/ V projections nor key norm of their own (Gemma 4 num_kv_shared_layers)")
+    kv_shared_double_mlp: bool = Field(
+        default=False, description="the K / V-sharing layers' MLP is 2f wide (Gemma 4 use_double_wide_mlp)")
+    per_layer_input_size: int = Field(
+        default=0, ge=0, description="p, per-layer input embeddings (0: none; Gemma 4 hidden_size_per_layer_input): "
+        "a table of per_layer_input_vocab x L p and an h -> L p projection on the first stage, a gate h -> p, a "
+        "projection p -> h and a norm in each layer")
+    per_layer_input_vocab: Optional[int] = Field(
+        default=None, gt=0, description="rows of the per-layer input table (default v; Gemma 4 "
+        "vocab_size_per_layer_input)")
+    moe_router_scales: bool = Field(
+        default=False, description="a learned h-wide scale on the router's input and one scale per expert (Gemma 4 "
+        "router.scale, per_expert_scale)")
+    moe_block_norms: int = Field(
+        default=0, ge=0, le=4, description="norms of each MoE layer's block beside the layer's own (Gemma 4: 3, "
+        "post_feedforward_layernorm_1 / _2 and pre_feedforward_layernorm_2)")
     # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
     # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
     # sequential pre-norm layer of the other inventories (the config reader's notes say which).
@@ -259,6 +289,23 @@ class ModelSpec(Spec):
         return self.num_layers - self.moe_first_dense_layers if self.is_moe else 0
 
     @property
+    def full_layers(self) -> int:
+        """Layers attending to all tokens: every layer without sliding_window, every N-th with
+        sliding_window_pattern N, none with a window on every layer."""
+        if self.sliding_window is None:
+            return self.num_layers
+        return self.num_layers // self.sliding_window_pattern if self.sliding_window_pattern else 0
+
+    @property
+    def kv_shared_full_layers(self) -> int:
+        """The K / V-sharing layers (the last kv_shared_layers) that attend to all tokens."""
+        L, n = self.num_layers, self.sliding_window_pattern
+        shared = range(L - self.kv_shared_layers, L)
+        if self.sliding_window is None:
+            return len(shared)
+        return sum((i + 1) % n == 0 for i in shared) if n else 0
+
+    @property
     def f(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
@@ -305,6 +352,19 @@ class ModelSpec(Spec):
                 self.seq_length > self.position_rows:
             raise ValueError(f"s = {self.seq_length:,} tokens is longer than the learned position table's "
                              f"{self.position_rows:,} rows (max_position_embeddings)")
+        if self.kv_shared_layers >= self.num_layers:
+            raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "
+                             f"the num_layers={self.num_layers}")
+        if self.kv_shared_double_mlp and not self.kv_shared_layers:
+            raise ValueError("kv_shared_double_mlp widens the K / V-sharing layers' MLP: it needs kv_shared_layers")
+        if self.per_layer_input_vocab is not None and not self.per_layer_input_size:
+            raise ValueError("per_layer_input_vocab is the per-layer input table's: it needs per_layer_input_size")
+        if (self.moe_router_scales or self.moe_block_norms) and not self.is_moe:
+            raise ValueError("moe_router_scales and moe_block_norms are mixture-of-experts fields: they need "
+                             "num_experts (the routed experts)")
+        if self.num_attention_heads % (self.full_attention_kv_heads or 1):
+            raise ValueError(f"attention heads a={self.num_attention_heads} are not divisible by the full-attention "
+                             f"layers' key/value heads {self.full_attention_kv_heads}")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         return self._latent()._experts()

@@ -141,7 +141,19 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
+    if model.per_layer_input_size:  # Gemma 4: per_layer_input_gate (p x h), per_layer_projection (h x p), its norm
+        p = Poly.parse(str(model.per_layer_input_size))
+        layer = layer + [WeightShape("per-layer input gate / projection", "per_layer_input_gate", p, P("h"), 1, "rows"),
+                         WeightShape("per-layer input gate / projection", "per_layer_projection", P("h"), p, 1, "cols")]
+        layer += [WeightShape("per-layer input layer norm", "post_per_layer_input_norm", P("h"), None)] * \
+            model.norm_params
     first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
+    if model.per_layer_input_size:  # embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm
+        Lp = Poly.parse(str(model.num_layers * model.per_layer_input_size))
+        rows = Poly.parse(str(model.per_layer_input_vocab or model.vocab_size))
+        first += [WeightShape("per-layer input embedding", "embed_tokens_per_layer", rows, Lp, 1, "rows"),
+                  WeightShape("per-layer input projection", "per_layer_model_projection", Lp, P("h"), 1, "rows")]
+        first += [WeightShape("per-layer input norms", "per_layer_projection_norm", p, None)] * model.norm_params
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []

@@ -25,6 +25,7 @@ implementation uses).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.model import ModelSpec
@@ -36,7 +37,9 @@ from memplan.memory import optimizers
 
 # Where a group lives: in every layer, in each mixture-of-experts layer ("moe"), in each dense layer of an
 # MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
-Scope = Literal["layer", "moe", "dense", "first", "last"]
+# Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
+# sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
+Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full"]
 LAYER_SCOPES = ("layer", "moe", "dense")
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
@@ -119,6 +122,11 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ]
         if model.moe_shared_gate:  # Qwen2-MoE: shared_expert_gate, h -> 1
             groups.append(ParamGroup("shared experts' gate", Poly.parse("h"), False, "moe"))
+        if model.moe_router_scales:  # Gemma 4: router.scale (h) and per_expert_scale (E)
+            groups.append(ParamGroup("router scales", Poly.parse_sum("h + E"), False, "moe"))
+        if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
+            groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
+    groups += gemma4_groups(model)
     if not model.is_moe or model.moe_first_dense_layers:
         prefix = "dense " if model.is_moe else ""
         groups += [
@@ -154,6 +162,54 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     return tuple(groups)
+
+
+def _number(n: int) -> Poly:
+    """A count that is a number of the model's own (negative where a layer kind holds less than a sliding layer)."""
+    return Poly((((), Fraction(n)),)).simplified()
+
+
+def attention_params(model: ModelSpec, head_dim: int, kv_heads: int, k_eq_v: bool) -> tuple[int, int]:
+    """One layer's attention parameters with heads head_dim wide and kv_heads K / V heads: (Q, output projection
+    and query norm; K, V projections and key norm), biases included (transformers Gemma4TextAttention)."""
+    h, a, qk = model.hidden_size, model.num_attention_heads, int(model.qk_norm and model.norm_params)
+    bias = model.attention_bias or model.qkv_bias or model.bias
+    q = 2 * h * a * head_dim + qk * head_dim + bias * a * head_dim + (model.attention_bias or model.bias) * h
+    kv = (2 - k_eq_v) * kv_heads * head_dim * (h + bias) + qk * head_dim
+    return q, kv
+
+
+def gemma4_groups(model: ModelSpec) -> list[ParamGroup]:
+    """Gemma 4's parameters beyond a sliding layer's (transformers Gemma4TextModel / Gemma4TextDecoderLayer): each
+    full-attention layer's attention with its own head width and K / V heads (keys as values: no v_proj), each K /
+    V-sharing layer without k_proj, v_proj and k_norm (and its MLP 2f wide with kv_shared_double_mlp), and the
+    per-layer inputs: embed_tokens_per_layer (per_layer_input_vocab x L p), per_layer_model_projection (h x L p)
+    and per_layer_projection_norm (p) on the first stage, per_layer_input_gate (h x p), per_layer_projection
+    (p x h) and post_per_layer_input_norm (h) in each layer. A model without them gets none."""
+    groups = []
+    hd = model.head_dim or model.hidden_size // model.num_attention_heads
+    base_q, base_kv = attention_params(model, hd, model.g, False)
+    full = (model.full_attention_head_dim or hd, model.full_attention_kv_heads or model.g, model.full_attention_k_eq_v)
+    full_q, full_kv = attention_params(model, *full)
+    if model.full_layers and (full_q, full_kv) != (base_q, base_kv):
+        groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)",
+                                 _number(full_q + full_kv - base_q - base_kv), True, "full"))
+    if model.kv_shared_layers:
+        mlp = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.f * model.kv_shared_double_mlp
+        for scope, kv in (("kv_shared", base_kv), ("kv_shared_full", full_kv)):
+            groups.append(ParamGroup(f"K / V-sharing {'full-attention' if scope.endswith('full') else 'sliding'} "
+                                     "layers (no K / V of their own" + (", MLP 2f wide)" if mlp else ")"),
+                                     _number(mlp - kv), True, scope))
+    p = model.per_layer_input_size
+    if p:
+        Lp, rows = model.num_layers * p, model.per_layer_input_vocab or model.vocab_size
+        groups += [ParamGroup("per-layer input embedding", _number(rows * Lp), True, "first"),
+                   ParamGroup("per-layer input projection", _number(model.hidden_size * Lp), True, "first"),
+                   ParamGroup("per-layer input gate / projection", Poly.parse(f"{2 * p} h"), True, "layer")]
+        if model.norm_params:
+            groups += [ParamGroup("per-layer input norms", _number(p), False, "first"),
+                       ParamGroup("per-layer input layer norm", Poly.parse("h"), False, "layer")]
+    return groups
 
 
 def gate_rows(model: ModelSpec) -> Poly:
@@ -202,18 +258,23 @@ def mla_qkv_count(model: ModelSpec) -> Poly:
     return Poly.parse_sum(q + " + h rkv + h dr + a dn rkv + a dv rkv")
 
 
-def layer_kinds(model: ModelSpec, layers: Any, is_first: Any) -> dict[str, Any]:
+def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0) -> dict[str, Any]:
     """How many of a stage's `layers` layers each layer scope's groups are in: every layer ("layer"), the
     dense layers of an MoE model ("dense": the first moe_first_dense_layers, all on the first stage, as
-    Config checks) and its MoE layers ("moe": the others)."""
+    Config checks) and its MoE layers ("moe": the others); Gemma 4's full-attention layers ("full": the
+    stage's share of them, exact for the whole model, derived for a stage) and K / V-sharing layers (the last
+    kv_shared_layers, all on the last stage)."""
     dense = model.moe_first_dense_layers * is_first
-    return {"layer": layers, "moe": layers - dense, "dense": dense}
+    shared_full = model.kv_shared_full_layers * is_last
+    return {"layer": layers, "moe": layers - dense, "dense": dense, "full": layers * model.full_layers //
+            model.num_layers, "kv_shared": model.kv_shared_layers * is_last - shared_full,
+            "kv_shared_full": shared_full}
 
 
 def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any) -> Any:
     """Parameters held by one GPU of a stage with `layers` layers (scalars or arrays)."""
     total: Any = 0
-    weights = {**layer_kinds(model, layers, is_first), "first": is_first, "last": is_last}
+    weights = {**layer_kinds(model, layers, is_first, is_last), "first": is_first, "last": is_last}
     for group in param_groups(model):
         total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)
@@ -248,7 +309,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
         elif group.scope in kinds:
             kinds[group.scope] = kinds[group.scope] + count(group)
     moe, dense = kinds["moe"], kinds["dense"]
-    return total + moe + (dense - moe) * (dense > moe)
+    full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
+    return total + moe + (dense - moe) * (dense > moe) + full * (full > 0)
 
 
 def total_params(model: ModelSpec) -> int:

@@ -120,7 +120,12 @@ _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / p
 
 # A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
 TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
+               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
+               "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+
+
+# Speculative-decoding drafters: every layer reuses the target model's K / V (no training run of their own to plan)
+_DRAFTERS = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
 
 
 # Families whose config defaults max_position_embeddings to 2048 (FalconConfig, GPTNeoXConfig)
@@ -248,7 +253,7 @@ def _sliding_window(data: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
         slides = [t == "sliding_attention" for t in types]
     elif kind == "gemma2":
         slides = [(i + 1) % 2 != 0 for i in range(L)]
-    elif kind in ("gemma3", "gemma3_text"):
+    elif kind in ("gemma3", "gemma3_text", "gemma4_text", "gemma4_unified_text"):  # Gemma 4: hf_families._gemma4
         n = data.get("sliding_window_pattern", 6)
         slides = [(i + 1) % n != 0 for i in range(L)] if isinstance(n, int) and n > 0 else []
     elif data.get("use_sliding_window"):
@@ -371,6 +376,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: architectures: expected a list of class names (got {echo(archs)})")
     if not isinstance(data.get("model_type", ""), str):
         raise MemplanError(f"{path}: model_type: expected a name (got {echo(data['model_type'])})")
+    if any(a in _DRAFTERS for a in archs):
+        raise MemplanError(f"{path}: {_names(archs)} is a speculative-decoding drafter whose layers all reuse its target "
+                           "model's keys and values: memplan estimates the target model's config.json")
     known = [a for a in archs if a in HF_ARCHITECTURES]
     notes: tuple[str, ...] = ()
     text_config = data.get("text_config")

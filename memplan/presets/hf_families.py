@@ -299,6 +299,65 @@ def _laguna(data: dict, path: Path) -> dict[str, Any]:
                 attention_output_gate="head" if gating is True or gating == "per-head" else "full")
 
 
+def _gemma4_full(data: dict, types: list, k_eq_v: bool, path: Path) -> tuple[Any, Any]:
+    """The full-attention layers' head width and K / V heads: per_layer_config's overrides, the same for every
+    full-attention layer and none for a sliding one (what Gemma4TextConfig writes); else global_head_dim (default
+    512) and, with attention_k_eq_v, num_global_key_value_heads (Gemma4TextConfig.__post_init__)."""
+    overrides = data.get("per_layer_config")
+    if overrides is None:
+        return nat(data, "global_head_dim", 512, path), \
+            nat(data, "num_global_key_value_heads", None, path) if k_eq_v else None
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+                                                  for k, v in overrides.items()):
+        raise MemplanError(f"{path}: per_layer_config: expected layer indices with their overrides (got "
+                           f"{echo(overrides)})")
+    by_layer = {int(k): v for k, v in overrides.items() if v}
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    wanted = by_layer.get(full[0], {}) if full else {}
+    if set(wanted) - {"head_dim", "num_key_value_heads"} or any(by_layer.get(i, {}) != wanted for i in full) \
+            or set(by_layer) - set(full):
+        raise MemplanError(f"{path}: per_layer_config: memplan models one head_dim / num_key_value_heads override "
+                           f"shared by every full-attention layer and none on a sliding layer; {YAML_HINT}")
+    return nat(wanted, "head_dim", None, path), nat(wanted, "num_key_value_heads", None, path)
+
+
+def _gemma4(data: dict, path: Path) -> dict[str, Any]:
+    """Gemma 4's text model (transformers Gemma4TextModel; Gemma4TextConfig's defaults for missing keys): Gemma 3's
+    layer (q / k norms per head, four norms, GeLU-gated MLP) with the full-attention layers' own head width and K / V
+    heads (_gemma4_full; attention_k_eq_v: their keys serve as values, no v_proj), the last num_kv_shared_layers
+    layers reusing earlier K / V (use_double_wide_mlp: their MLP 2f wide), per-layer input embeddings
+    (hidden_size_per_layer_input p, vocab_size_per_layer_input rows) and, with enable_moe_block, experts beside the
+    dense MLP (the dense MLP read as the shared experts, f wide; the router's scales and the block's three norms).
+    The full-attention layers must be every N-th (layer_types; default every 6th, the last one full)."""
+    L = nat(data, "num_hidden_layers", 30, path)
+    types = data.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 or i == L - 1 else "sliding_attention"
+                                        for i in range(L)]
+    if not isinstance(types, list) or len(types) != L:
+        raise MemplanError(f"{path}: layer_types: expected one attention kind per layer ({L} layers)")
+    n = types.index("full_attention") + 1 if "full_attention" in types else 0
+    if n and types != ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(L)] and \
+            "sliding_attention" in types:
+        raise MemplanError(f"{path}: layer_types: memplan models Gemma 4's full-attention layers as every N-th layer "
+                           f"(every {n}-th here, the rest sliding); {YAML_HINT}")
+    k_eq_v = flag(data, "attention_k_eq_v", False, path)
+    head_dim, kv_heads = _gemma4_full(data, types, k_eq_v, path)
+    shared = data.get("num_kv_shared_layers") or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < L:
+        raise MemplanError(f"{path}: num_kv_shared_layers: expected a number of layers below {L} (got {echo(shared)})")
+    p = data.get("hidden_size_per_layer_input", 256 if data.get("model_type") == "gemma4_text" else None) or 0
+    out = dict(qk_norm=True, sandwich_norms=True, full_attention_head_dim=head_dim, full_attention_kv_heads=kv_heads,
+               full_attention_k_eq_v=k_eq_v, kv_shared_layers=shared,
+               kv_shared_double_mlp=flag(data, "use_double_wide_mlp", False, path) and shared > 0,
+               per_layer_input_size=p, per_layer_input_vocab=nat(data, "vocab_size_per_layer_input", 262_144, path)
+               if p else None)
+    if flag(data, "enable_moe_block", False, path):
+        out.update(num_experts=nat(data, "num_experts", None, path), moe_top_k=nat(data, "top_k_experts", None, path),
+                   moe_ffn_hidden_size=nat(data, "moe_intermediate_size", None, path),
+                   moe_shared_ffn_hidden_size=nat(data, "intermediate_size", 9216, path), moe_router_scales=True,
+                   moe_block_norms=3)
+    return out
+
+
 LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "ArceeForCausalLM": _plain_mlp,
     "NemotronForCausalLM": _plain_mlp, "PhiForCausalLM": _phi, "PersimmonForCausalLM": _persimmon,
@@ -317,6 +376,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "BitNetForCausalLM": lambda data, path: dict(sub_norms=True),  # attn_sub_norm, ffn_sub_norm; relu2 gate
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
+    "Gemma4ForCausalLM": _gemma4, "Gemma4UnifiedForCausalLM": _gemma4,
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
@@ -327,7 +387,7 @@ MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunY
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
             "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM",
-            "AfmoeForCausalLM", "LagunaForCausalLM")
+            "AfmoeForCausalLM", "LagunaForCausalLM", "Gemma4ForCausalLM")
 
 
 APPROXIMATED = {
@@ -365,4 +425,9 @@ APPROXIMATED = {
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
     "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
+    "Gemma4ForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V heads; "
+                         "per-layer inputs, K / V reused by the last layers and experts beside the MLP where the config "
+                         "sets them)",
+    "Gemma4UnifiedForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V "
+                                "heads; K / V reused by the last layers where the config sets them)",
 }
