@@ -59,7 +59,7 @@ def _titan():
     return FullAC, SelectiveAC, ComplexRoPE, ScaledDotProductAttention, _build_llama3_layers
 
 
-def _cpu_sdpa_save_list(SelectiveAC):
+def cpu_sdpa_save_list(SelectiveAC):
     class CpuSelectiveAC(SelectiveAC):
         """torchtitan's SelectiveAC with the CPU attention kernel in its save list (for flex_attention)."""
 
@@ -115,7 +115,7 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8:
     if ac == "full":
         block = FullAC(FullAC.Config())._wrap_block(block)
     elif ac == "selective-op":
-        cls = _cpu_sdpa_save_list(SelectiveAC)
+        cls = cpu_sdpa_save_list(SelectiveAC)
         block = cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
     return block
 
@@ -362,7 +362,7 @@ class _AcShim:
         FullAC, SelectiveAC, *_ = _titan()
         if self.ac == "full":
             return FullAC(FullAC.Config())
-        cls = _cpu_sdpa_save_list(SelectiveAC)
+        cls = cpu_sdpa_save_list(SelectiveAC)
         return cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))
 
 
