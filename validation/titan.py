@@ -207,6 +207,12 @@ def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed
 def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> dict:
     """The same under FakeTensorMode with s and b symbolic (forward only): ``rows`` (op, dtype, bytes as a
     sympy polynomial in the symbols s, b), ``total``, ``input_kept``."""
+    return trace_kept(lambda: build_block(shape, ac), shape.h, s_hint, b_hint)
+
+
+def trace_kept(make_block, h: int, s_hint: int = 256, b_hint: int = 3) -> dict:
+    """What the block ``make_block()`` (built under the fake mode) keeps for a (b, s, h) input, s and b symbolic
+    (``trace_block``; validation/titan_moe.py); refused if the ShapeEnv pinned s or b."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -218,8 +224,8 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
         names[sym] = sympy.Symbol(name, integer=True, positive=True)
         sizes[name] = env.create_symintnode(sym, hint=hint)
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
-        block = build_block(shape, ac)
-        x = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
+        block = make_block()
+        x = torch.randn(sizes["b"], sizes["s"], h, dtype=torch.bfloat16, requires_grad=True)
         kept, out, input_kept = kept_storages(block, x)
         del out
     pinned = [str(g) for g in env.guards if {str(v) for v in getattr(g.expr, "free_symbols", ())} & {"s0", "s1"}

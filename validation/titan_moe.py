@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from validation.titan import AC_MODES, cpu_sdpa_save_list, kept_storages
+from validation.titan import AC_MODES, cpu_sdpa_save_list, kept_storages, trace_kept
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,15 @@ def measure_moe(shape: MoeShape, ac: str, s: int, b: int, balanced: bool = True,
     bytes), whether it keeps its input, their ``total``; the backward is run once."""
     torch.manual_seed(seed)
     return _run(build_moe_block(shape, balanced), ac, shape, s, b, seed)
+
+
+def trace_moe(shape: MoeShape, ac: str, balanced: bool = False, s_hint: int = 64, b_hint: int = 3) -> dict:
+    """The layer under FakeTensorMode with s and b symbolic (validation/titan.py ``trace_kept``): each kept storage a
+    polynomial in s, b; at ep = 1 every size is static in s b (the N = k s b routed copies), the routing only the
+    values (the grouped GEMMs' offsets)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_kept(lambda: wrap_ac(build_moe_block(shape, balanced), ac), shape.h, s_hint, b_hint)
 
 
 def _ep_rank(rank: int, ep: int, port: int, shape: MoeShape, ac: str, s: int, b: int, balanced: bool, out: str):

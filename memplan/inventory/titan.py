@@ -1,6 +1,7 @@
 """torchtitan 0.3.0's Llama 3 decoder layer: the tensors it keeps for the backward per activation-checkpointing
 mode and TP degree, FSDP2's per-rank states, and them as the Inventory of `--impl torchtitan` (``titan_inventory``; issue 24's
-first slice: what is left is TITAN_LEFT).
+first slice: what is left is TITAN_LEFT).  Qwen3 MoE (``is_qwen3_moe``): the MoE's terms in place of the SwiGLU's,
+memplan/inventory/titan_moe.py.
 
 The layer (torchtitan/models/llama3 + models/common: fused QKV linear, complex RoPE, RMSNorm, SwiGLU) read from
 its code and checked, term by term in total, against validation/titan.py, which runs torchtitan's real block
@@ -349,8 +350,9 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
-              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
-              "the MoE models (Qwen3 MoE, DeepSeek-V3), Qwen3 with TP or CP measured, "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, "
+              "Qwen3 MoE with TP, CP, PP, HSDP, compile or float8, its uneven routing (balanced modelled) and its layers' "
+              "backward transients, DeepSeek-V3 (MLA, shared experts, dense first layers), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")
