@@ -203,3 +203,30 @@ def test_traced_equals_memplan(ac):
     if ac == "none":
         values[OFFSETS[1]] -= 1
     assert +values == _memplan(ac) and traced["input_kept"] == _input_kept(ac)
+
+
+def test_search_tries_ep_and_agrees_with_estimate():
+    # search --impl torchtitan on a Qwen3 MoE: ep over the divisors of E = 128 that divide d = 8 (1, 2, 4, 8), tp 1,
+    # no pp; each listed plan is the plan `estimate` gives the same memory and step time
+    from memplan import search
+
+    base = dict(impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048)
+    found = search("qwen3-30b-a3b", all_variants=True, **base).result
+    assert sorted(set(found.evaluated.plans.ep.tolist())) == [1, 2, 4, 8]
+    assert set(found.evaluated.plans.t.tolist()) == {1} and set(found.evaluated.plans.p.tolist()) == {1}
+    assert found.top
+    for x in found.top[:3]:
+        row = found.row(x)
+        dims = row["torchtitan"]
+        est = estimate("qwen3-30b-a3b", **base, ep=dims["ep"], ac=dims["ac"], micro_batch=dims["local_batch"],
+                       dp_replicate=dims["dp_replicate"])
+        assert row["memory"]["device_bytes"] == est.device_bytes
+        assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(ep=3), dict(emit="torchtitan"), dict(etp=1)])
+def test_search_refusals(kw):
+    from memplan import search
+
+    with pytest.raises(MemplanError):
+        search("qwen3-30b-a3b", impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048, **kw)
