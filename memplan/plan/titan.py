@@ -172,7 +172,7 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
     if model.is_moe:  # FSDP2 with EP only (moe_dims)
         splits = [x for x in splits if x[0] == 1]
-        notes = ["torchtitan MoE: tp, cp and pp not searched (modelled with FSDP2 and --ep only); EP's all-to-alls "
+        notes = ["torchtitan MoE: ep searched, tp, cp and pp not (modelled with FSDP2 and --ep only); EP's all-to-alls "
                  "timed as Megatron-LM's alltoall dispatcher's (memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
         chunk = max(titan_stage_layers(p, model.num_layers))
