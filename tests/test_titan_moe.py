@@ -16,7 +16,13 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+import torch  # noqa: E402
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: E402
+from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm  # noqa: E402
+
+from memplan import search  # noqa: E402
 from memplan.api.estimating import estimate  # noqa: E402
+from memplan.cli import main  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.core.training import Recompute  # noqa: E402
 from memplan.inventory.titan import is_qwen3_moe, titan_inventory  # noqa: E402
@@ -83,10 +89,6 @@ def test_qwen3_moe_preset_is_torchtitans_layout():
 def test_parameters_equal_torchtitan_model():
     # torchtitan's Qwen3Model (meta device) with _build_qwen3_moe_layers at the tiny shape, 2 layers: its parameters
     # (per layer: wqkv, wo, the norms, the router E h, the experts' w1 / w2 / w3 E x fe x h) are memplan's count
-    import torch
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
-
     v, layers = 256, 2
     cfg = Qwen3Model.Config(
         vocab_size=v, dim=SHAPE.h, norm=_qwen3_norm(SHAPE.h),
@@ -208,8 +210,6 @@ def test_traced_equals_memplan(ac):
 def test_search_tries_ep_and_agrees_with_estimate():
     # search --impl torchtitan on a Qwen3 MoE: ep over the divisors of E = 128 that divide d = 8 (1, 2, 4, 8), tp 1,
     # no pp; each listed plan is the plan `estimate` gives the same memory and step time
-    from memplan import search
-
     base = dict(impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048)
     found = search("qwen3-30b-a3b", all_variants=True, **base).result
     assert sorted(set(found.evaluated.plans.ep.tolist())) == [1, 2, 4, 8]
@@ -226,7 +226,15 @@ def test_search_tries_ep_and_agrees_with_estimate():
 
 @pytest.mark.parametrize("kw", [dict(tp=2), dict(ep=3), dict(emit="torchtitan"), dict(etp=1)])
 def test_search_refusals(kw):
-    from memplan import search
-
     with pytest.raises(MemplanError):
         search("qwen3-30b-a3b", impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048, **kw)
+
+
+@pytest.mark.parametrize("command", ["estimate", "search"])
+def test_other_moe_layouts_refused_in_one_line(command, capsys):
+    # DeepSeek-V3 (MLA, shared experts, dense first layers) and Mixtral (no q / k norms) are not torchtitan's Qwen3 MoE
+    for model in ("deepseek-v3", "mixtral-8x7b"):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--model", model, "--impl", "torchtitan", "--gpus", "8", "--gpu", "h100-80gb"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and "Qwen3 MoE layouts only" in err, err

@@ -304,17 +304,23 @@ def is_qwen3_moe(model: ModelSpec) -> bool:
     return model.is_moe and _is_qwen3(model, QWEN3_MOE_FIELDS)
 
 
-def titan_inventory(model: ModelSpec, device: str) -> Inventory:
-    """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
-    measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
-    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
-    yet: the peak is the kept tensors plus the states."""
+def check_titan_layout(model: ModelSpec) -> None:
+    """The layouts `--impl torchtitan` models (Llama 3, dense Qwen3, Qwen3 MoE); any other refused in one line."""
     moe = is_qwen3_moe(model)
     if ((model.is_moe and not moe) or model.is_mla or (model.inventory is not None and not (moe or is_qwen3_dense(model)))
             or model.norm != "rmsnorm" or model.mlp != "swiglu" or model.bias or model.dropout):
         raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3, dense Qwen3 and Qwen3 MoE layouts "
                            "only (RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout; MoE: "
                            "routed experts in every layer, no shared experts, balanced routing; not DeepSeek-V3's MLA)")
+
+
+def titan_inventory(model: ModelSpec, device: str) -> Inventory:
+    """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
+    measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
+    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
+    yet: the peak is the kept tensors plus the states."""
+    check_titan_layout(model)
+    moe = is_qwen3_moe(model)
     h = model.hidden_size
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
                                model.qk_norm)

@@ -44,7 +44,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
-from memplan.inventory.titan import LAYER_AC, checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan import LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
 from memplan.memory.term_bytes import PlanValues
@@ -155,6 +155,7 @@ def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[st
     """The model-parallel pins of the space: a dense model's tp and cp with ep 1; a Qwen3 MoE's ep (searched over the
     divisors of E dividing d, memplan/plan/space.py) with tp = cp = pp = 1 and etp 1, what estimate models of it
     (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for estimate)."""
+    check_titan_layout(model)
     check_titan_moe(model, pins.ep or 1, pins.etp, pins.tp or 1, pins.cp or 1, pins.pp or 1, False, float8,
                     pins.dp_replicate not in (None, 1), False)
     if not model.is_moe:
