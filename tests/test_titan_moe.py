@@ -13,6 +13,7 @@ import os
 from collections import Counter
 
 import pytest
+import yaml
 
 pytest.importorskip("torchtitan")
 
@@ -28,7 +29,7 @@ from memplan.core.training import Recompute  # noqa: E402
 from memplan.inventory.titan import is_qwen3_moe, titan_inventory  # noqa: E402
 from memplan.memory.states import total_params  # noqa: E402
 from memplan.presets.catalog import load_model  # noqa: E402
-from validation.titan_moe import MoeShape, measure_moe, measure_moe_ep, trace_moe  # noqa: E402
+from validation.titan_moe import MoeShape, measure_ep_states, measure_moe, measure_moe_ep, trace_moe  # noqa: E402
 
 SHAPE = MoeShape()  # h 64, a 4, g 2, head dim 16, fe 32, E 8, top-2
 S, B = 32, 2
@@ -238,3 +239,45 @@ def test_other_moe_layouts_refused_in_one_line(command, capsys):
             main([command, "--model", model, "--impl", "torchtitan", "--gpus", "8", "--gpu", "h100-80gb"])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.count("\n") == 1 and "Qwen3 MoE layouts only" in err, err
+
+
+# torchtitan's own parallelize_qwen3 (sharding config with enable_ep, FSDP2 over 2 ranks, the experts over efsdp =
+# 2 / ep) on a 2-layer model of the tiny shape, vocabulary 256, one AdamW step over gloo, both ranks alike:
+#   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe.py -k states_gloo   (~60 s).
+# Hand derivation: a layer's dense parameters wqkv 64 x 128, wo 64 x 64, the q / k norms 16 + 16, the router 8 x 64, two norms 64 + 64: 12,960; its experts 3 x 8 x 32 x 64 = 49,152; the
+# embedding and LM head 256 x 64 each, the final norm 64: 2 x 62,112 + 32,832 = 157,056 parameters, 78,528 a rank
+# at ep 1 (all sharded over 2, no padding) and at ep 2 (the 4 local experts whole, 2 x 24,576 = 49,152, the rest / 2:
+# 29,376): fp32 params and grads 4 x 78,528 = 314,112 B each, AdamW's two moments 628,224 B.
+# The running layer unsharded in bf16 (the most at a block's MoE end): 2 x (12,960 + 49,152 / ep) = 124,224 B at
+# ep 1, 75,072 B at ep 2 (the rank's experts only).
+RECORDED_STATES = {1: {"params": 314112, "grads": 314112, "adam": 628224, "running": 124224},
+                   2: {"params": 314112, "grads": 314112, "adam": 628224, "running": 75072}}
+DENSE, EXPERTS, TAIL = 12960, 49152, 256 * 64 + 64
+
+
+def _tiny_yaml(tmp_path):
+    spec = _model(num_layers=2, vocab_size=256, seq_length=16, name="tiny-qwen3-moe").model_dump(exclude={"inventory"})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"model": spec}))
+    return str(path)
+
+
+@pytest.mark.parametrize("ep", sorted(RECORDED_STATES))
+def test_ep_states_equal_the_recorded_run(ep, tmp_path):
+    got = RECORDED_STATES[ep]
+    assert got["running"] == 2 * (DENSE + EXPERTS // ep)  # the hand derivation above
+    st = estimate(_tiny_yaml(tmp_path), impl="torchtitan", gpus=2, ep=ep, micro_batch=2, global_batch=4,
+                  ac="full").estimate.peak.states
+    assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
+    # in flight: the running layer (measured) and the next one prefetched (derived: a GPU all-gathers ahead; on CPU
+    # torchtitan's explicit EP prefetch is copied out only when the block runs), and the head (measured, dense)
+    assert st.weights == 2 * got["running"] + 2 * TAIL
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ep", sorted(RECORDED_STATES))
+def test_ep_states_gloo_equal_recorded(ep):
+    for rank in measure_ep_states(SHAPE, ep=ep):
+        assert {k: rank[k] for k in RECORDED_STATES[ep]} == RECORDED_STATES[ep]
+        assert rank["layer_shapes"]["moe.routed_experts.inner_experts.w1_EFD"] == (SHAPE.E // 2, SHAPE.fe, SHAPE.h)

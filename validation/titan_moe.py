@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from validation.titan import AC_MODES, cpu_sdpa_save_list, kept_storages, trace_kept
+from validation.titan import AC_MODES, cpu_sdpa_save_list, kept_storages, local_tensor, storage_bytes, trace_kept
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,79 @@ def measure_moe_ep(shape: MoeShape, ac: str, s: int, b: int, ep: int = 2, balanc
     for r in results:
         r["rows"] = [tuple(x) for x in r["rows"]]
     return results
+
+
+def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int) -> dict:
+    """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` on a ``layers``-layer Qwen3 MoE model
+    (its sharding config with ``enable_ep``; ``expert_parallel_degree`` = ``ep``, FSDP2 over the ``world`` ranks,
+    the experts' over efsdp = world / ep; the ``partial_dtensor`` backend, mesh device "cpu" as validation/titan.py
+    ``tp_model``), balanced routing, torchtitan's loss, AdamW: the per-rank fp32 ``params`` / ``grads`` / ``adam``
+    bytes, layer 0's local parameter shapes, and ``running``: the bf16 unsharded parameters (their local tensors:
+    with ep > 1 the experts' are DTensors on the ep mesh) alive at the end of a block's MoE in the forward, the most
+    over the blocks.  What FSDP2 prefetches is not in it: on CPU a prefetched group's all-gather is copied out only
+    when its block runs (torchtitan sets an explicit prefetch with ep > 1; on a GPU it runs ahead: derived)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    blocks = _build_qwen3_moe_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g,
+                                     head_dim=shape.d, moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k,
+                                     attn_backend="flex", moe_comm_backend="standard",
+                                     rope=CosSinRoPE.Config(dim=shape.d, max_seq_len=1024, theta=1e6))
+    for cfg in blocks:
+        cfg.attention.inner_attention = ScaledDotProductAttention.Config()
+        cfg.moe.router._debug_force_load_balance = True
+    config = Qwen3Model.Config(vocab_size=vocab, dim=shape.h, norm=_qwen3_norm(shape.h), layers=blocks,
+                               tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
+                               lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    model = config.build()
+    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    # with ep > 1 a block holds two FSDP2 parameter groups (its experts on the efsdp mesh, the rest on the dp mesh)
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+    peak = {"running": 0}
+
+    def sample(*_):
+        params = [p._unsharded_param for g in groups for p in g.fsdp_params if hasattr(p, "_unsharded_param")]
+        peak["running"] = max(peak["running"], storage_bytes([local_tensor(p) for p in params]))
+
+    for block in model.layers.values():
+        block.moe.register_forward_hook(sample)
+    tokens = torch.randint(0, vocab, (b, s))
+    with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
+        warnings.simplefilter("ignore")
+        cross_entropy_loss(model(tokens), tokens.clone(), global_vocab_size=vocab).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    return {"params": storage_bytes([local_tensor(p) for p in model.parameters()]),
+            "grads": storage_bytes([local_tensor(p.grad) for p in model.parameters()]),
+            "adam": storage_bytes([local_tensor(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]),
+            "layer_shapes": {n: tuple(local_tensor(p).shape) for n, p in model.layers["0"].named_parameters()}, **peak}
+
+
+def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int = 2, vocab: int = 256, s: int = 16,
+                      b: int = 2) -> list[dict]:
+    """``ep_states_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ assumption, and the routing-dependent sizes are exactly the R-sized terms: the r
 tensors, the permutation index); at worst every rank sends all its copies to one rank's experts (R = ep k s b, not
 modelled). ``none`` adds the rank-major to expert-major permutation index (int64 R); the sent copies are then not
 kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-all outputs: the received copies
-(R h), the combined copies back (k s b h) and the token counts exchanged (int64 E).
+(R h), the combined copies back (k s b h) and the token counts exchanged (int64 E).  The states (memplan's
+ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
+2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
+16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if left:
-        raise MemplanError(f"--impl torchtitan with MoE: memplan models FSDP2 with --ep only yet, not {', '.join(left)}")
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 with --ep only yet, not "
+                           + ", ".join(left))
     if model.num_experts % ep:
-        raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on dim 0)")
+        raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
+                           "dim 0)")
