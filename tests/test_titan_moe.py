@@ -176,7 +176,7 @@ def test_ep_layer_adds_the_permutation_index():
         assert _estimate(ac, ep=8).per_layer_bytes - _estimate(ac).per_layer_bytes == extra, ac
 
 
-@pytest.mark.parametrize("kw", [dict(tp=2), dict(cp=2), dict(pp=2), dict(compile=True), dict(ep=3),
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(cp=2), dict(pp=2), dict(compile=True), dict(ep=3), dict(ep=16),
                                 dict(ep=8, etp=1), dict(dp_replicate=2), dict(moe_imbalance=1.5)])
 def test_refused(kw):
     with pytest.raises(MemplanError):

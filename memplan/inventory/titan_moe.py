@@ -102,10 +102,10 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
 
 
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, hsdp: bool,
-                    routing_options: bool) -> None:
+                    routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model (torchtitan's efsdp = d t cp / ep borrows
     the data-parallel ranks: its experts have no expert TP) with FSDP2 data parallelism alone; the rest refused in
-    one line."""
+    one line; ``gpus`` (0: not known yet) the ranks ep must divide."""
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
@@ -120,3 +120,6 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     if model.num_experts % ep:
         raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
                            "dim 0)")
+    if gpus and gpus % ep:
+        raise MemplanError(f"--ep {ep} does not divide the {gpus} data-parallel GPUs (torchtitan's efsdp = dp_shard "
+                           "x cp x tp / ep)")
