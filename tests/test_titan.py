@@ -246,7 +246,7 @@ def test_qwen3_parameters_equal_torchtitan_model():
 def test_qwen3_8b_inventory_has_the_qk_norm_terms():
     # --impl torchtitan on the qwen3-8b preset (a = 32, g = 8, d = 128): CPU, the norms' fp32 input x (a d = 4,096
     # elements per token for q, g d = 1,024 for k); CUDA's fused kernel keeps the bf16 input (same elements) and the
-    # rstd (a = 32, g = 8 per token); a MoE Qwen3 is refused
+    # rstd (a = 32, g = 8 per token); DeepSeek-V3 (MLA) is refused (Qwen3 MoE: tests/test_titan_moe.py)
     model = load_model("qwen3-8b").model
     cpu = {t.id: t.elements for t in titan_inventory(model, "cpu").terms}
     cuda = {t.id: t.elements for t in titan_inventory(model, "cuda").terms}
@@ -254,4 +254,4 @@ def test_qwen3_8b_inventory_has_the_qk_norm_terms():
     assert cuda["q_norm.x"] == Poly.parse("4096 s b") and cuda["k_norm.rstd"] == Poly.parse("8 s b")
     assert "q_norm.x_rstd" in cpu and "q_norm.x_rstd" not in cuda
     with pytest.raises(MemplanError):
-        titan_inventory(load_model("qwen3-30b-a3b").model, "cpu")
+        titan_inventory(load_model("deepseek-v3").model, "cpu")

@@ -59,7 +59,7 @@ def _titan():
     return FullAC, SelectiveAC, ComplexRoPE, ScaledDotProductAttention, _build_llama3_layers
 
 
-def _cpu_sdpa_save_list(SelectiveAC):
+def cpu_sdpa_save_list(SelectiveAC):
     class CpuSelectiveAC(SelectiveAC):
         """torchtitan's SelectiveAC with the CPU attention kernel in its save list (for flex_attention)."""
 
@@ -115,7 +115,7 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8:
     if ac == "full":
         block = FullAC(FullAC.Config())._wrap_block(block)
     elif ac == "selective-op":
-        cls = _cpu_sdpa_save_list(SelectiveAC)
+        cls = cpu_sdpa_save_list(SelectiveAC)
         block = cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
     return block
 
@@ -207,6 +207,12 @@ def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed
 def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> dict:
     """The same under FakeTensorMode with s and b symbolic (forward only): ``rows`` (op, dtype, bytes as a
     sympy polynomial in the symbols s, b), ``total``, ``input_kept``."""
+    return trace_kept(lambda: build_block(shape, ac), shape.h, s_hint, b_hint)
+
+
+def trace_kept(make_block, h: int, s_hint: int = 256, b_hint: int = 3) -> dict:
+    """What the block ``make_block()`` (built under the fake mode) keeps for a (b, s, h) input, s and b symbolic
+    (``trace_block``; validation/titan_moe.py); refused if the ShapeEnv pinned s or b."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -218,8 +224,8 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
         names[sym] = sympy.Symbol(name, integer=True, positive=True)
         sizes[name] = env.create_symintnode(sym, hint=hint)
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
-        block = build_block(shape, ac)
-        x = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
+        block = make_block()
+        x = torch.randn(sizes["b"], sizes["s"], h, dtype=torch.bfloat16, requires_grad=True)
         kept, out, input_kept = kept_storages(block, x)
         del out
     pinned = [str(g) for g in env.guards if {str(v) for v in getattr(g.expr, "free_symbols", ())} & {"s0", "s1"}
@@ -266,7 +272,7 @@ def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_shar
     return config.build()
 
 
-def _storage_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
         t = getattr(t, "_data", t)  # torchao's Float8TrainingTensor: its float8 data
@@ -281,7 +287,7 @@ def _unsharded_bytes(groups) -> int:
     parameters are made from it)."""
     tensors = [t for g in groups for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
     tensors += [p._unsharded_param for g in groups for p in g.fsdp_params if hasattr(p, "_unsharded_param")]
-    return _storage_bytes(tensors)
+    return storage_bytes(tensors)
 
 
 def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, replicate: int = 1,
@@ -334,7 +340,7 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     local = [p.to_local() for p in model.parameters()]
     grads = [p.grad.to_local() for p in model.parameters()]
     moments = [st[k].to_local() for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    return {"params": _storage_bytes(local), "grads": _storage_bytes(grads), "adam": _storage_bytes(moments),
+    return {"params": storage_bytes(local), "grads": storage_bytes(grads), "adam": storage_bytes(moments),
             "unsharded_forward_peak": peaks["forward"], "unsharded_backward_peak": peaks["backward"],
             "unsharded_after_forward": after_forward, "layer_shapes": layer_shapes, "total_params": total_params,
             "shapes": [tuple(p.shape) for p in model.parameters()]}
@@ -362,11 +368,11 @@ class _AcShim:
         FullAC, SelectiveAC, *_ = _titan()
         if self.ac == "full":
             return FullAC(FullAC.Config())
-        cls = _cpu_sdpa_save_list(SelectiveAC)
+        cls = cpu_sdpa_save_list(SelectiveAC)
         return cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
@@ -378,16 +384,16 @@ class _LiveLocal(_Live):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-        seen = {StorageWeakRef(_local(t).untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
+        seen = {StorageWeakRef(local_tensor(t).untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                st = _local(t).untyped_storage()
+                st = local_tensor(t).untyped_storage()
                 if StorageWeakRef(st) not in seen:
                     self.made.setdefault(StorageWeakRef(st), (str(func.overloadpacket.__name__), t.dtype, st.nbytes()))
         return out
 
     def alive(self, exclude=()) -> list[tuple[str, torch.dtype, object]]:
-        return super().alive([_local(t) for t in exclude])
+        return super().alive([local_tensor(t) for t in exclude])
 
 
 def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none", tp: int = 0,
@@ -440,20 +446,20 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     block = model.layers["0"]
 
     def pre(_module, args):
-        out["x"] = StorageWeakRef(_local(args[0]).untyped_storage())
-        out["input_bytes"] = _local(args[0]).untyped_storage().nbytes()
+        out["x"] = StorageWeakRef(local_tensor(args[0]).untyped_storage())
+        out["input_bytes"] = local_tensor(args[0]).untyped_storage().nbytes()
         live.__enter__()
 
     def post(module, _args, output):
         live.__exit__(None, None, None)
-        params = [_local(t) for t in (*module.parameters(), *module.buffers())]
+        params = [local_tensor(t) for t in (*module.parameters(), *module.buffers())]
         out["layer"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in live.alive([output, *params])]
 
     tail = _LiveLocal()
 
     def tail_post(module, _args, output):
         tail.__exit__(None, None, None)
-        params = [_local(t) for m in (model.norm, model.lm_head) for t in m.parameters()]
+        params = [local_tensor(t) for m in (model.norm, model.lm_head) for t in m.parameters()]
         out["tail"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in tail.alive([output, *params])]
 
     handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post),
@@ -467,7 +473,7 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
             tokens, labels, _ = annotate_input_spmd_types(dims, tokens, labels, {})
         logits = model(tokens)
         out["input_kept"] = not out.pop("x").expired()  # layer 0's input: the embedding's output, kept by no other op
-        out["logits_local"] = tuple(_local(logits).shape)
+        out["logits_local"] = tuple(local_tensor(logits).shape)
         loss_live = _LiveLocal()
         with loss_live:
             loss = cross_entropy_loss(logits, labels, global_vocab_size=vocab)
@@ -478,10 +484,10 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
         h.remove()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
-    out["params"] = _storage_bytes([_local(p) for p in model.parameters()])
-    out["grads"] = _storage_bytes([_local(p.grad) for p in model.parameters()])
-    out["adam"] = _storage_bytes([_local(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])
-    out["local_shapes"] = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
+    out["params"] = storage_bytes([local_tensor(p) for p in model.parameters()])
+    out["grads"] = storage_bytes([local_tensor(p.grad) for p in model.parameters()])
+    out["adam"] = storage_bytes([local_tensor(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])
+    out["local_shapes"] = {n: tuple(local_tensor(p).shape) for n, p in model.named_parameters()}
     out["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     return out
 

@@ -22,7 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .compiled import _aot_backend, _base
-from .titan import Shape, _local, tp_model
+from .titan import Shape, local_tensor, tp_model
 
 BACKEND = "memplan_aot_partitioner"
 
@@ -49,8 +49,8 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
 
         def pack(t):
             # the parameters as the block holds them now (FSDP2's unsharded bf16 copies inside its forward)
-            params = {StorageWeakRef(_local(p).untyped_storage()) for p in (*block.parameters(), *block.buffers())}
-            st = _local(t).untyped_storage()
+            params = {StorageWeakRef(local_tensor(p).untyped_storage()) for p in (*block.parameters(), *block.buffers())}
+            st = local_tensor(t).untyped_storage()
             if StorageWeakRef(st) not in params:
                 found.setdefault(StorageWeakRef(st), (str(t.dtype).removeprefix("torch."), st.nbytes()))
             return t
@@ -65,7 +65,7 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
                 self.block = block
 
             def forward(self, x, *args):
-                out["input_bytes"] = _local(x).untyped_storage().nbytes()
+                out["input_bytes"] = local_tensor(x).untyped_storage().nbytes()
                 with hooks:
                     return self.block(x, *args)
 

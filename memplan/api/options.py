@@ -16,8 +16,9 @@ from memplan.core.spec_base import describe_validation_error, echo
 from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
-from memplan.inventory.titan import checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan import check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_float8 import check_float8
+from memplan.inventory.titan_moe import check_titan_moe
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split
@@ -309,9 +310,9 @@ class PlanOptions:
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
             return None
         mode = titan_ac_mode(self.ac)[0]
-        if any(x not in (None, 1) for x in (self.ep, self.vpp)):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp, --cp and --pp only yet "
-                               "(ep = 1; one stage per pipeline rank)")
+        if self.vpp not in (None, 1):
+            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp, --cp, --pp and (MoE) "
+                               "--ep only yet (one stage per pipeline rank)")
         if self.cp_comm_type is not None:
             raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
                                "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
@@ -409,6 +410,11 @@ class PlanOptions:
         zero = self.zero
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
+        if titan:  # the layouts it models; MoE: FSDP2 with --ep only (memplan/inventory/titan_moe.py)
+            check_titan_layout(preset.model)
+            check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
+                            self.float8, self.dp_replicate not in (None, 1), any(v is not None for v in self.moe_routing().values()),
+                            self.gpus or 0)
         # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
         recompute = ("full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute
                      if recompute is None else recompute)

@@ -186,7 +186,7 @@ def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
     return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
                      micro_batch=opts.micro_batch, pp=opts.pp, schedule=opts.pipeline_schedule,
-                     launchable=emit == "torchtitan")
+                     launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp)
 
 
 def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,

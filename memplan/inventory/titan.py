@@ -1,6 +1,7 @@
 """torchtitan 0.3.0's Llama 3 decoder layer: the tensors it keeps for the backward per activation-checkpointing
 mode and TP degree, FSDP2's per-rank states, and them as the Inventory of `--impl torchtitan` (``titan_inventory``; issue 24's
-first slice: what is left is TITAN_LEFT).
+first slice: what is left is TITAN_LEFT).  Qwen3 MoE (``is_qwen3_moe``): the MoE's terms in place of the SwiGLU's,
+memplan/inventory/titan_moe.py.
 
 The layer (torchtitan/models/llama3 + models/common: fused QKV linear, complex RoPE, RMSNorm, SwiGLU) read from
 its code and checked, term by term in total, against validation/titan.py, which runs torchtitan's real block
@@ -62,6 +63,7 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.hf import hf_loss_moments
 from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
+from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, titan_moe_terms
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
@@ -239,17 +241,11 @@ def cp_gathered_kv(g: int, d: int) -> Term:
 MEASURED = (
     "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py; tests/test_titan.py, TP: tests/test_titan_tp.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
-# the mode each AC mode's kept set is written in: a term kept in ``modes`` gets these memplan recompute flags
-# (memplan/inventory/types.py Term.kept: none = Recompute.NONE, selective-op = SELECTIVE, full = FULL)
-_FLAGS = {("none",): dict(sel=True), ("none", "selective-op"): {}, ("selective-op",): dict(only_selective=True),
-          ("full", "selective-op"): dict(only_selective=True, full=True)}
-
-
 def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
     """A TitanTerm (bytes per token) as an Inventory term: fp32 where its name says so, else the activation dtype."""
     fp32 = "fp32" in t.name or t.id.endswith("rstd")
     per = t.bytes_per_token // (4 if fp32 else 2)
-    flags = _FLAGS[t.modes] if scope == "layer" else {}
+    flags = MODE_FLAGS[t.modes] if scope == "layer" else {}
     return saved(t.id, t.name, t.id.split(".")[0], f"{per} s b", "fp32" if fp32 else "act", scope=scope, k22=False,
                  src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, without_cp=t.cp_gathered, **flags)
 
@@ -288,11 +284,34 @@ QWEN3_FIELDS = frozenset({"name", "num_layers", "hidden_size", "num_attention_he
                           "inventory"})
 
 
+# and those torchtitan's Qwen3 MoE (_build_qwen3_moe_layers: every layer MoE, no shared experts) sets besides
+QWEN3_MOE_FIELDS = QWEN3_FIELDS | {"num_experts", "moe_top_k", "moe_ffn_hidden_size"}
+
+
+def _is_qwen3(model: ModelSpec, fields: frozenset) -> bool:
+    own = type(model).model_fields
+    return model.qk_norm and model.qk_norm_width == "head" and not model.tied_embeddings and all(
+        getattr(model, k) == f.default for k, f in own.items() if k not in fields)
+
+
 def is_qwen3_dense(model: ModelSpec) -> bool:
     """A model with transformers' traced inventory that is torchtitan's dense Qwen3 layout (QWEN3_FIELDS)."""
-    fields = type(model).model_fields
-    return model.qk_norm and model.qk_norm_width == "head" and not model.tied_embeddings and all(
-        getattr(model, k) == f.default for k, f in fields.items() if k not in QWEN3_FIELDS)
+    return _is_qwen3(model, QWEN3_FIELDS)
+
+
+def is_qwen3_moe(model: ModelSpec) -> bool:
+    """torchtitan's Qwen3 MoE layout (QWEN3_MOE_FIELDS: routed experts only, every layer, balanced routing)."""
+    return model.is_moe and _is_qwen3(model, QWEN3_MOE_FIELDS)
+
+
+def check_titan_layout(model: ModelSpec) -> None:
+    """The layouts `--impl torchtitan` models (Llama 3, dense Qwen3, Qwen3 MoE); any other refused in one line."""
+    moe = is_qwen3_moe(model)
+    if ((model.is_moe and not moe) or model.is_mla or (model.inventory is not None and not (moe or is_qwen3_dense(model)))
+            or model.norm != "rmsnorm" or model.mlp != "swiglu" or model.bias or model.dropout):
+        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3, dense Qwen3 and Qwen3 MoE layouts "
+                           "only (RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout; MoE: "
+                           "routed experts in every layer, no shared experts, balanced routing; not DeepSeek-V3's MLA)")
 
 
 def titan_inventory(model: ModelSpec, device: str) -> Inventory:
@@ -300,13 +319,13 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
     from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
     yet: the peak is the kept tensors plus the states."""
-    if (model.is_moe or model.is_mla or (model.inventory is not None and not is_qwen3_dense(model))
-            or model.norm != "rmsnorm" or model.mlp != "swiglu" or model.bias or model.dropout):
-        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3 and dense Qwen3 layouts only "
-                           "(RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout, dense)")
+    check_titan_layout(model)
+    moe = is_qwen3_moe(model)
     h = model.hidden_size
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
                                model.qk_norm)
+    if moe:  # the MoE in place of the dense feed-forward (memplan/inventory/titan_moe.py)
+        terms = [t for t in terms if t.id not in DENSE_FFN]
     src = MEASURED
     if device == "cuda":
         terms, src = _cuda_norm(terms), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
@@ -330,14 +349,16 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                                         "measured); under TP the vocab-wide tensors / t (loss parallel)",
                                         transients=tuple(_vocab_split(x) for x in m.transients))
                     for m in hf_loss_moments(model, final_norm=False))
-    layer = tuple(_term(t, src) for t in terms) + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
+    layer = tuple(_term(t, src) for t in terms) + tuple(titan_moe_terms(model, device) if moe else ())
+    layer += (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
-              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
-              "the MoE models (Qwen3 MoE, DeepSeek-V3), Qwen3 with TP or CP measured, "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, "
+              "Qwen3 MoE with TP, CP, PP, HSDP, compile or float8, its uneven routing (balanced modelled) and its layers' "
+              "backward transients, DeepSeek-V3 (MLA, shared experts, dense first layers), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")

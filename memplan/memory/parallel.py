@@ -144,7 +144,15 @@ def notes(config: Any) -> list[str]:
                    f"{config.model.seq_length // par.cp:,} tokens of every sequence; the attention's "
                    f"{'ring' if par.cp_comm_type == 'p2p' else 'all-to-all'} buffers and the d x cp state sharding "
                    "are derived from Transformer Engine / Megatron-LM code, not measured (memplan/memory/parallel.py)")
-    if par.ep * par.expert_tp > 1 and config.model.is_moe:
+    if par.ep > 1 and config.model.is_moe and config.training.dp_stack == "torchtitan":
+        out.append(f"expert parallelism ep = {par.ep} (torchtitan): each GPU holds E/ep = {config.model.num_experts // par.ep} "
+                   "experts, their FSDP2 states sharded over efsdp = d t cp / ep ranks, the layer in flight with "
+                   "the GPU's experts only (measured with torchtitan's parallelize_qwen3 on 2 ranks over gloo; the "
+                   "prefetched layer derived); the routed tokens' activations as "
+                   "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b tokens received: "
+                   "they do not shrink with ep; at worst ep times that, not modelled), measured on 2 ranks over gloo "
+                   "(memplan/inventory/titan_moe.py)")
+    elif par.ep * par.expert_tp > 1 and config.model.is_moe:
         out.append("expert parallelism: experts split over ep x etp, activations of the routed tokens as the "
                    "alltoall dispatcher keeps them with balanced routing (they do not shrink with ep); derived from "
                    "Megatron-LM code, not measured (memplan/memory/parallel.py)")

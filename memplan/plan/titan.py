@@ -25,8 +25,9 @@ same flags, memplan/api/options.py):
               none, selective-op or full of the stage's layers (selective-layer's count over the stages is not
               modelled), not with --float8 (estimate refuses it). Each (pp, schedule) is evaluated as a part of its
               own (the schedule is one per PlanValues); `join` makes the schedule a per-plan array.
-Not searched (not modelled for torchtitan yet): expert parallelism, multi-stage pipeline schedules, async TP,
-memory-budget AC.
+  ep          a Qwen3 MoE model's: the divisors of E dividing d, with tp = cp = pp = 1 and no compile or float8
+              (`moe_dims`; memplan/inventory/titan_moe.py); dense models ep 1.
+Not searched (not modelled for torchtitan yet): multi-stage pipeline schedules, async TP, memory-budget AC.
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
@@ -43,7 +44,8 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
-from memplan.inventory.titan import LAYER_AC, checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan import LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan_moe import check_titan_moe
 from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
@@ -62,6 +64,8 @@ class TitanPins:
     pp: Optional[int] = None  # pipeline_parallel_degree
     schedule: Optional[str] = None  # pipeline_parallel_schedule (1F1B or GPipe); pinned: pp > 1 only
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
+    ep: Optional[int] = None  # expert_parallel_degree (a Qwen3 MoE: searched over the divisors of E; `moe_dims`)
+    etp: Optional[int] = None  # refused: torchtitan's experts have no expert TP here (efsdp = d t cp / ep)
     # float8 as a searched dimension would go here as a pin, beside `compiled` in titan_search.search_titan as a
     # per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
 
@@ -147,14 +151,33 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     return out, notes
 
 
+def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[str, Any]:
+    """The model-parallel pins of the space: a dense model's tp and cp with ep 1; a Qwen3 MoE's ep (searched over the
+    divisors of E dividing d, memplan/plan/space.py) with tp = cp = pp = 1 and etp 1, what estimate models of it
+    (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for estimate)."""
+    check_titan_layout(model)
+    check_titan_moe(model, pins.ep or 1, pins.etp, pins.tp or 1, pins.cp or 1, pins.pp or 1, False, float8,
+                    pins.dp_replicate not in (None, 1), False)
+    if not model.is_moe:
+        return dict(tp=pins.tp, cp=pins.cp, ep=1)
+    if pins.launchable:
+        raise MemplanError("--emit torchtitan of an MoE plan is not written yet (expert_parallel_degree and the "
+                           "Qwen3 MoE flavour): search without --emit")
+    return dict(tp=1, cp=1, ep=pins.ep, etp=1)
+
+
 def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins, max_tp: int,
                 float8: bool = False) -> tuple[list[PlanValues], list[str]]:
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
+    if model.is_moe:  # FSDP2 with EP only (moe_dims)
+        splits = [x for x in splits if x[0] == 1]
+        notes = ["torchtitan MoE: ep searched, tp, cp and pp not (modelled with FSDP2 and --ep only); EP's all-to-alls "
+                 "timed as Megatron-LM's alltoall dispatcher's (memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
         chunk = max(titan_stage_layers(p, model.num_layers))
-        fixed = Fixed(tp=pins.tp, pp=p, vpp=1, cp=pins.cp, cp_comm_type="allgather", ep=1, zero=3,
+        fixed = Fixed(**moe_dims(model, pins, float8), pp=p, vpp=1, cp_comm_type="allgather", zero=3,
                       micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
                       **_ac_fixed(model, pins, chunk))
         try:
@@ -168,6 +191,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
         keep &= titan_schedule_runs(plans.p, plans.microbatches, schedule)
         if pins.dp_replicate is not None:
             keep &= replicas == pins.dp_replicate
+        if model.is_moe:  # no HSDP with EP (moe_dims)
+            keep &= replicas == 1
         if keep.any():
             plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
             n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
@@ -212,4 +237,5 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
             "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,
-            "gradient_accumulation": 1 if piped else config.num_microbatches}
+            "gradient_accumulation": 1 if piped else config.num_microbatches,
+            **({"ep": par.ep} if config.model.is_moe else {})}

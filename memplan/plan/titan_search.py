@@ -79,9 +79,8 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: expert parallelism, the multi-stage pipeline schedules and async TP "
-                                 "are not searched (not modelled for --impl torchtitan yet), memory-budget AC neither "
-                                 "(estimate --ac budget:F --compile); float8 is a pin (--float8), not searched"])
+    result.notes.extend(notes + ["torchtitan: the multi-stage pipeline schedules and async TP are not searched (not "
+                                 "modelled for --impl torchtitan yet), memory-budget AC neither (estimate --ac budget:F --compile); float8 is a pin (--float8), not searched"])
     if np.any(np.asarray(plans.p) > 1):
         result.notes.append("torchtitan pp: the step time charges the pipeline bubble, (pp - 1) / M of a stage's "
                             "busy time, and the stage sends as Megatron-LM's plans are timed (memplan/timing/step.py): "

@@ -109,12 +109,12 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
     """The listing of `search --impl torchtitan`: torchtitan's dimensions (memplan/plan/titan.py titan_dims); cp
     where the search tried cp > 1; pp, the schedule and the pipeline's micro-batch size where it tried pp > 1 (the
     local batch then the pipeline's M micro-batches)."""
-    cp = _cp_ep_columns(result)[:1] == ("cp",)
+    cp, ep = _cp_ep_columns(result)[:1] == ("cp",), result.model.is_moe
     p = result.evaluated.plans.p
     pp = bool(getattr(p, "max", lambda: p)() > 1)
     table = make_table(console, [Col("#", "right"), Col("dp_replicate", "right", short="rep"),
                                  Col("dp_shard", "right", short="shard"), Col("tp", "right")]
-                       + [Col("cp", "right")] * cp
+                       + [Col("cp", "right")] * cp + [Col("ep", "right")] * ep
                        + [Col("pp", "right"), Col("schedule", "right", short="sched"),
                           Col("micro-batch", "right", short="mb")] * pp + [
                                  Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right"),
@@ -125,7 +125,7 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
         row = result.row(x.plan)
         dims = row["torchtitan"]
         fold = _folded_cell(x).replace("ZeRO", "HSDP").replace("rec", "AC")
-        keys = ("dp_replicate", "dp_shard", "tp") + ("cp",) * cp + ("pp", "pipeline_schedule",
+        keys = ("dp_replicate", "dp_shard", "tp") + ("cp",) * cp + ("ep",) * ep + ("pp", "pipeline_schedule",
                                                                     "pipeline_microbatch_size") * pp
         table.add_row(str(rank), *(str(dims[k]) if dims[k] is not None else "-" for k in keys),
                       *(str(dims[k]) for k in ("local_batch", "ac")),

@@ -84,7 +84,7 @@ def plan_text(row: dict[str, Any], num_layers: Optional[int] = None, layers: Opt
 def titan_text(dims: dict[str, Any]) -> str:
     """'dp_replicate=1 dp_shard=8 tp=1 local_batch=2 ac=selective-op compile' (the estimate --impl torchtitan flags)."""
     return (f"dp_replicate={dims['dp_replicate']} dp_shard={dims['dp_shard']} tp={dims['tp']} "
-            + (f"cp={dims['cp']} " if dims.get("cp", 1) > 1 else "")
+            + (f"cp={dims['cp']} " if dims.get("cp", 1) > 1 else "") + (f"ep={dims['ep']} " if dims.get("ep", 1) > 1 else "")
             + (f"pp={dims['pp']} {dims['pipeline_schedule']} micro_batch={dims['pipeline_microbatch_size']} "
                if dims.get("pp", 1) > 1 else "")
             + f"local_batch={dims['local_batch']} ac={dims['ac']}" + (" compile" if dims["compile"] else ""))

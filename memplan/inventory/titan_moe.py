@@ -1,0 +1,125 @@
+"""torchtitan 0.3.0's Qwen3 MoE layer (`--impl torchtitan` on a Qwen3 MoE model, `--ep E`): what its MoE keeps for
+the backward per AC mode, as Inventory terms in place of the dense SwiGLU's (memplan/inventory/titan.py has the
+rest of the layer: attention, the norms, the block input).
+
+torchtitan's MoE (models/common/moe.py, token_dispatcher.py; Qwen3's `_build_qwen3_moe_layers`: softmax router with
+route_norm, no shared experts, the aux-loss-free load-balancing bias), measured on CPU with torchtitan's real block,
+validation/titan_moe.py (tests/test_titan_moe.py), per token of the rank's s b (T tokens; N = k T routed copies):
+
+* ``none``: the router keeps the softmax scores (T x E; saved by softmax), the top-k expert ids (int64 k, saved by
+  gather), the gathered top-k scores (k) and route_norm's denominator (1) (both saved by the division); the
+  dispatcher's local reorder keeps the argsort of the ids (int64 k, the scores' index), the scores in that order
+  (k, saved by combine's multiply), the token indices (int64 k: the tokens' index and scatter_add's) and the routed
+  copies of the tokens (k h, the grouped GEMMs' input); GroupedExperts (``torch._grouped_mm``, on CPU too in torch
+  2.13) keeps w1's output, silu's, w3's and their product (4 x k fe); combine keeps the experts' output in fp32 (4 k h,
+  saved by the scores' multiply).  Not modelled: the grouped GEMMs' int32 offsets (4 E / ep bytes a layer).
+* ``selective-op`` (torchtitan's SelectiveAC: its save list holds topk and all_to_all_single; matmuls counted per
+  block, every second recomputed): the block input, wqkv's output (matmul 1), attention's output and log-sum-exp,
+  the router gate's output (T x E, matmul 3; wo is matmul 2), topk's values (fp32: the scores plus the fp32
+  expert_bias buffer) and ids (int64); the grouped GEMMs are not in the list (recomputed).
+* ``full``: the block input only (titan.py's dense term).
+
+Router dtype: torchtitan runs the gate under ``torch.autocast(dtype=float32)``. CPU autocast refuses fp32, so on CPU
+(measured) the gate, softmax and scores are bf16; on CUDA (derived from torch 2.13's autocast, not measured) they
+are fp32 and the gate linear keeps fp32 copies of its input (T x h) and of its weight (E x h, a layer) under ``none``.
+
+Expert parallelism (``--ep E``: torchtitan's AllToAllTokenDispatcher; measured on 2 ranks over gloo with torch's
+functional all_to_all_single, validation/titan_moe.py ``measure_moe_ep``): the routed tokens a rank's experts
+receive (R) are k s b under balanced routing (torchtitan's round-robin ``_debug_force_load_balance``; memplan's
+assumption, and the routing-dependent sizes are exactly the R-sized terms: the received copies, the experts' four
+tensors, the permutation index); at worst every rank sends all its copies to one rank's experts (R = ep k s b, not
+modelled). ``none`` adds the rank-major to expert-major permutation index (int64 R); the sent copies are then not
+kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-all outputs: the received copies
+(R h), the combined copies back (k s b h) and the token counts exchanged (int64 E).  The states (memplan's
+ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
+2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
+16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts.
+"""
+
+from __future__ import annotations
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.inventory.types import Term, saved
+
+# the memplan recompute flags of a term kept in these AC modes (memplan/inventory/types.py Term.kept: none =
+# Recompute.NONE, selective-op = SELECTIVE, full = FULL)
+MODE_FLAGS = {("none",): dict(sel=True), ("none", "selective-op"): {}, ("selective-op",): dict(only_selective=True),
+              ("full", "selective-op"): dict(only_selective=True, full=True)}
+MOE_MEASURED = ("measured: torchtitan 0.3.0 Qwen3 MoE block on CPU, balanced routing (validation/titan_moe.py; "
+                "tests/test_titan_moe.py)")
+EP_MEASURED = ("measured: torchtitan 0.3.0 AllToAllTokenDispatcher on 2 ranks over gloo, balanced routing "
+               "(validation/titan_moe.py measure_moe_ep)")
+CUDA_ROUTER = ("derived: torch 2.13's CUDA autocast runs torchtitan's router gate in fp32 (CPU autocast cannot: "
+               "measured there in bf16), not measured")
+# the dense feed-forward's terms (memplan/inventory/titan.py llama3_layer_terms) an MoE layer does not have
+DENSE_FFN = frozenset({"w1.out", "silu.out", "w3.out", "swiglu.mul", "w2.out", "w2.rs"})
+
+
+def _term(id: str, name: str, elements: str, dtype: str, modes: tuple[str, ...], src: str, **kw) -> Term:
+    return saved(id, name, "MoE", elements, dtype, k22=False, src=src, **MODE_FLAGS[modes], **kw)
+
+
+def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
+    """The MoE's kept tensors of one torchtitan Qwen3 MoE layer (module docstring), k bound to the model's top-k."""
+    cuda = device == "cuda"
+    r = "fp32" if cuda else "act"  # the router's scores: fp32 on CUDA (autocast), bf16 on CPU
+    rsrc = CUDA_ROUTER if cuda else MOE_MEASURED
+    src, none, sel, both = MOE_MEASURED, ("none",), ("selective-op",), ("none", "selective-op")
+    k = str(model.moe_top_k)
+    terms = [
+        _term("moe.scores", "router softmax scores (tokens x E)", "E s b", r, none, rsrc),
+        _term("moe.gate_out", "router gate output (tokens x E), matmul 3", "E s b", r, sel, rsrc),
+        _term("moe.topk_values", "topk values (fp32: scores + the fp32 expert_bias)", f"{k} s b", "fp32", sel, src),
+        _term("moe.topk_ids", "top-k expert ids (int64)", f"{k} s b", "int64", both, src),
+        _term("moe.topk_scores", "gathered top-k scores", f"{k} s b", r, none, rsrc),
+        _term("moe.route_norm", "route_norm's denominator", "s b", r, none, rsrc),
+        _term("moe.sort_idx", "argsort of the expert ids (int64)", f"{k} s b", "int64", none, src),
+        _term("moe.scores_sorted", "top-k scores in expert order", f"{k} s b", r, none, rsrc),
+        _term("moe.token_idx", "token index of each routed copy (int64)", f"{k} s b", "int64", none, src),
+        _term("moe.routed_input", "routed token copies, the grouped GEMMs' input (under EP the received R)",
+              f"{k} s b h", "act", none, src),
+        *[_term(f"moe.{i}", f"experts' {n} (R x fe)", f"{k} s b fe", "act", none, src)
+          for i, n in (("w1.out", "w1 output"), ("silu.out", "silu output"), ("w3.out", "w3 output"),
+                       ("swiglu.mul", "silu(w1) * w3"))],
+        _term("moe.combine_fp32", "experts' output in fp32 (combine's score multiply)", f"{k} s b h", "fp32", none,
+              src),
+        _term("moe.ep_permute_idx", "rank-major to expert-major permutation index (int64 R), EP only", f"{k} s b",
+              "int64", none, EP_MEASURED, needs_ep=True),
+        _term("moe.ep_a2a_dispatch", "all_to_all_single output: the received copies (R x h), EP only", f"{k} s b h",
+              "act", sel, EP_MEASURED, needs_ep=True),
+        _term("moe.ep_a2a_combine", "all_to_all_single output: the copies combined back (k s b x h), EP only",
+              f"{k} s b h", "act", sel, EP_MEASURED, needs_ep=True),
+        _term("moe.ep_a2a_counts", "all_to_all_single output: tokens per local expert from each rank (int64 E), "
+              "EP only", "E", "int64", sel, EP_MEASURED, needs_ep=True),
+    ]
+    if cuda:
+        terms += [_term("moe.gate_in_fp32", "router gate input in fp32 (autocast's copy)", "s b h", "fp32", none,
+                        CUDA_ROUTER),
+                  _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h",
+                        "fp32", none, CUDA_ROUTER)]
+    return terms
+
+
+def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, hsdp: bool,
+                    routing_options: bool, gpus: int = 0) -> None:
+    """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model (torchtitan's efsdp = d t cp / ep borrows
+    the data-parallel ranks: its experts have no expert TP) with FSDP2 data parallelism alone; the rest refused in
+    one line; ``gpus`` (0: not known yet) the ranks ep must divide."""
+    if not model.is_moe:
+        if ep > 1:
+            raise MemplanError("--ep is expert parallelism: the model has no experts")
+        return
+    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--pp", pp > 1), ("--compile", compiled),
+                                  ("--float8", bool(float8)), ("--dp-replicate", hsdp), ("--etp", etp is not None),
+                                  ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
+            if on]
+    if left:
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 with --ep only yet, not "
+                           + ", ".join(left))
+    if model.num_experts % ep:
+        raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
+                           "dim 0)")
+    if gpus and gpus % ep:
+        raise MemplanError(f"--ep {ep} does not divide the {gpus} data-parallel GPUs (torchtitan's efsdp = dp_shard "
+                           "x cp x tp / ep)")
