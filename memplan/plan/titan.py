@@ -44,7 +44,8 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
 from memplan.inventory.titan import LAYER_AC, checkpointed_layers, titan_ac_mode
-from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
+from memplan.memory.pipeline import SINGLE_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
+from memplan.memory.pipeline_multi import MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_runs
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
 
@@ -130,20 +131,28 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     if pins.pp is None and (float8 or layer_ac):
         return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
                      "modelled with --pp)"]
-    skipped = []
+    skipped, multi_skipped = [], []
+    schedules = [pins.schedule] if pins.schedule else list(SINGLE_SCHEDULES + MULTI_SCHEDULES)
     for p in [pins.pp] if pins.pp not in (None, 1) else [2 ** i for i in range(1, gpus.bit_length()) if pins.pp is None]:
         if gpus % p:
             continue
-        try:
-            first, last = titan_split(p, L)
-        except ValueError:
-            skipped.append(p)
-            continue
-        out += [(p, first, last, s) for s in ([pins.schedule] if pins.schedule else TITAN_SCHEDULES)]
-    if skipped:
-        notes.append(f"pp {', '.join(map(str, skipped))} not searched: torchtitan's stage split of the {L} layers "
-                     "leaves middle stages of different sizes or a stage without layers (not modelled: "
-                     "memplan/memory/pipeline.py titan_split)")
+        for s in schedules:
+            try:
+                if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at L / p: titan_plans)
+                    if L % p or (pins.compile and s in SPLIT_BACKWARD):
+                        raise ValueError(s)
+                    titan_stage_layers(2 * p, L)
+                    out.append((p, None, None, s))
+                else:
+                    out.append((p, *titan_split(p, L), s))
+            except ValueError:
+                (multi_skipped if is_multi(s) else skipped).append(p)
+    for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
+        if ps:
+            notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
+                         f"torchtitan's stage split of the {L} layers leaves stages memplan does not model "
+                         "(memplan/memory/pipeline.py titan_split; multi-stage: p must divide L here), or --compile "
+                         "pins a split-backward schedule")
     return out, notes
 
 
@@ -153,7 +162,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
     for p, first, last, schedule in splits:
-        chunk = max(titan_stage_layers(p, model.num_layers))
+        multi = is_multi(schedule)
+        chunk = model.num_layers // p if multi else max(titan_stage_layers(p, model.num_layers))
         fixed = Fixed(tp=pins.tp, pp=p, vpp=1, cp=pins.cp, cp_comm_type="allgather", ep=1, zero=3,
                       micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
                       **_ac_fixed(model, pins, chunk))
@@ -165,11 +175,14 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
         keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
         # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
         keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
-        keep &= titan_schedule_runs(plans.p, plans.microbatches, schedule)
+        keep &= multi_runs(plans.p, 2, plans.microbatches, schedule) if multi else titan_schedule_runs(
+            plans.p, plans.microbatches, schedule)
         if pins.dp_replicate is not None:
             keep &= replicas == pins.dp_replicate
         if keep.any():
             plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
+            if multi:  # 2 stages a rank (torchtitan's default); the AC mode covers every layer of every chunk
+                plans = dataclasses.replace(plans, m=plans.m * 2, recomputed_layers=0 * plans.m + model.num_layers)
             n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
             parts.append(dataclasses.replace(plans, first_layers=n * (first or model.num_layers // p),
                                              last_layers=n * (last or model.num_layers // p)))
@@ -186,7 +199,9 @@ def compilable(plans: PlanValues, float8: bool = False, layers: int = 0) -> np.n
     (memplan/api/options.py)."""
     rec, t = np.asarray(plans.recompute), np.asarray(plans.t)
     full = (rec == int(Recompute.FULL)) & (np.asarray(plans.recomputed_layers) >= layers)
-    return (np.asarray(plans.cp) == 1) & (((rec != int(Recompute.SELECTIVE)) & ((t == 1) | full)) | (not float8))
+    split = str(plans.schedule) in SPLIT_BACKWARD  # I / W through a compiled block: not modelled (api options)
+    return (np.asarray(plans.cp) == 1) & (((rec != int(Recompute.SELECTIVE)) & ((t == 1) | full)) | (not float8)) & (
+        not split)
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:
