@@ -313,7 +313,8 @@ class PlanOptions:
         mode = titan_ac_mode(self.ac)[0]
         if any(x not in (None, 1) for x in (self.ep, self.vpp)):
             raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp, --cp and --pp only yet "
-                               "(ep = 1; one stage per pipeline rank)")
+                               "(ep = 1; no --vpp: it is Megatron-LM's, torchtitan's multi-stage schedules are "
+                               "--pipeline-schedule's)")
         if self.cp_comm_type is not None:
             raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
                                "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
@@ -354,9 +355,6 @@ class PlanOptions:
                                    "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
             return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
                         last_stage_layers=self.last_stage_layers)
-        if self.vpp not in (None, 1):
-            raise MemplanError("--impl torchtitan: --vpp is Megatron-LM's; torchtitan's multi-stage schedules hold 2 "
-                               "stages per rank, or as many as --pipeline-layers-per-stage makes")
         p, multi = self.pp or 1, is_multi(schedule)
         if self.pipeline_layers_per_stage is not None and not multi:
             raise MemplanError("--pipeline-layers-per-stage applies to torchtitan's multi-stage schedules "

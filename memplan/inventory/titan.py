@@ -55,6 +55,7 @@ over dp_shard x C (ParallelDims folds cp into the "fsdp" mesh): memplan's d x cp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from memplan.core.errors import MemplanError
@@ -336,13 +337,17 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
-              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, EP, "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), EP, "
               "the MoE models (Qwen3 MoE, DeepSeek-V3), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")
 
 
+SPLIT_BLOCK = "split backward"  # the block of `split_backward_grads`' terms
+
+
+@functools.lru_cache(maxsize=16)  # the same Term objects on every call: memplan/memory/term_bytes.py caches by them
 def split_backward_grads(model: ModelSpec, device: str) -> tuple[Term, ...]:
     """What a zero-bubble schedule's split backward keeps from I (input gradients) to W (weight gradients) of one
     micro-batch, beyond the saved tensors: torch's ``stage_backward_input`` hooks the nodes where the input and the
@@ -358,15 +363,15 @@ def split_backward_grads(model: ModelSpec, device: str) -> tuple[Term, ...]:
     src = (f"{DERIVED}; torch's stage_backward_input keeps these gradients from I to W (measured on CPU without TP: "
            "validation/titan_pp.py)")
     return (
-        saved("zb.linear_out_col", "I->W: output gradients of wq, wk, wv, w1, w3", "split backward",
+        saved("zb.linear_out_col", "I->W: output gradients of wq, wk, wv, w1, w3", SPLIT_BLOCK,
               f"{model.q + 2 * model.g * (model.q // model.num_attention_heads) + 2 * model.f} s b", tp=True,
               k22=False, src=src),
         saved("zb.linear_out_row", "I->W: output gradients of wo, w2 (whole-sequence partial sums under TP)",
-              "split backward", f"{2 * model.hidden_size} s b", k22=False, src=src),
-        saved("zb.norm_out", "I->W: output gradients of the two RMSNorm weight products", "split backward",
+              SPLIT_BLOCK, f"{2 * model.hidden_size} s b", k22=False, src=src),
+        saved("zb.norm_out", "I->W: output gradients of the two RMSNorm weight products", SPLIT_BLOCK,
               f"{2 * model.hidden_size} s b", norm, sp=True, k22=False, src=src),
-        saved("zb.final_norm_out", "I->W: output gradient of the final RMSNorm's weight product", "split backward",
+        saved("zb.final_norm_out", "I->W: output gradient of the final RMSNorm's weight product", SPLIT_BLOCK,
               f"{model.hidden_size} s b", norm, sp=True, k22=False, src=src, scope="last"),
         saved("zb.logits", "I->W: output gradient of the LM head (the logits, its vocab shard under TP)",
-              "split backward", "s b v", tp=True, k22=False, src=src, scope="last"),
+              SPLIT_BLOCK, "s b v", tp=True, k22=False, src=src, scope="last"),
     )

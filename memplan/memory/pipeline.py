@@ -25,6 +25,7 @@ pipeline_parallel_layers_per_stage says otherwise (`titan_stages_per_rank`), spl
 stages with the same split (so a rank's chunks differ by a layer: Llama 3 8B, p = 2: 8, 9, 8, 7), rank r runs
 stages r, r + p, ...; torch's warm-up is Megatron-LM's with p replaced by its micro-batches per round
 M // max(1, M // p) (`chunks_in_flight`'s ``group``): the same count when p divides M, more when it does not.
+The other multi-stage schedules, the placement of a rank's chunks and its peak: memplan/memory/pipeline_multi.py.
 
 All functions take scalars or numpy arrays (`titan_stage_layers`: scalars).
 """

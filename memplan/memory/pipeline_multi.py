@@ -25,6 +25,7 @@ and weight paths meet (``param_groups``' grads; stage 0 runs no I: its W is the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -228,16 +229,17 @@ def rank_order(rank: int, p: int, m: int, microbatches: int, kind: str) -> list[
 
 def _counts(order: list[tuple[str, int, int]], chunks: int, first_chunk_i: Optional[int] = None) -> tuple:
     """(held, before I) counts per chunk after each step (steps x chunks arrays): a forward adds one to both; B
-    takes one from both, I from the second (not on `first_chunk_i`: stage 0 runs no I), W from the first."""
-    held, pre = np.zeros((len(order), chunks), dtype=np.int64), np.zeros((len(order), chunks), dtype=np.int64)
-    h, k = [0] * chunks, [0] * chunks
-    for i, (kind, _, c) in enumerate(order):
-        h[c] += 1 if kind == "F" else -1 if kind in "BW" else 0
-        k[c] += 1 if kind == "F" else -1 if kind == "B" or (kind == "I" and c != first_chunk_i) else 0
-        if kind == "W" and c == first_chunk_i:
-            k[c] -= 1
-        held[i], pre[i] = h, k
-    return held, pre
+    takes one from both, I from the second (not on `first_chunk_i`: stage 0 runs no I, its W does), W from the
+    first."""
+    kinds = np.array([k for k, _, _ in order])
+    chunk = np.array([c for _, _, c in order], dtype=np.int64)
+    steps = np.arange(len(order))
+    first = chunk == (-1 if first_chunk_i is None else first_chunk_i)
+    dh = np.zeros((len(order), chunks), dtype=np.int64)
+    dk = np.zeros((len(order), chunks), dtype=np.int64)
+    dh[steps, chunk] = (kinds == "F") * 1 - np.isin(kinds, ("B", "W"))
+    dk[steps, chunk] = (kinds == "F") * 1 - ((kinds == "B") | ((kinds == "I") & ~first) | ((kinds == "W") & first))
+    return np.cumsum(dh, axis=0), np.cumsum(dk, axis=0)
 
 
 def peak_state(order: list[tuple[str, int, int]], weight: Any, once: Any = None, early: Any = None,
@@ -247,12 +249,56 @@ def peak_state(order: list[tuple[str, int, int]], weight: Any, once: Any = None,
     are scalars or equally shaped arrays (one value per plan): (that total, held counts, before-I counts), the counts
     one array per chunk. `first_chunk_i`: the chunk of stage 0, whose I does nothing (its W the whole backward)."""
     chunks = max(c for _, _, c in order) + 1
-    held, pre = _counts(order, chunks, first_chunk_i)
+    return _peak(*_distinct(*_counts(order, chunks, first_chunk_i)), weight, once, early, early_once, between)
+
+
+@functools.lru_cache(maxsize=256)
+def rank_states(rank: int, p: int, m: int, microbatches: int, kind: str) -> tuple:
+    """The distinct (held, before-I) count vectors of the rank's order, in the order they first occur (`peak_state`'s
+    candidates: the step with the most bytes is one of them), cached: a search evaluates each rank of many plans."""
+    stages = rank_stages(rank, p, m, kind)
+    return _distinct(*_counts(rank_order(rank, p, m, microbatches, kind), m, stages.index(0) if 0 in stages else None))
+
+
+def rank_peak(rank: int, p: int, m: int, microbatches: int, kind: str, weight: Any, early: Any,
+              between: Any) -> tuple:
+    """`peak_state` of the rank's order (`rank_order`), from the cached `rank_states` of `steady_microbatches`."""
+    return _peak(*rank_states(rank, p, m, steady_microbatches(p, m, microbatches, kind), kind), weight, None, early,
+                 None, between)
+
+
+def steady_microbatches(p: int, m: int, microbatches: int, kind: str) -> int:
+    """The fewest micro-batches whose order has the same distinct (held, before-I) states on every rank as M's (so
+    the same peak): the steady state repeats. With 2 stages a rank: ZBVZeroBubble and DualPipeV min(M, 2p);
+    Interleaved1F1B and InterleavedZeroBubble min(M, 2 x its round, `torch_round`); checked exhaustively for
+    p <= 8, M <= 160 while writing it (tests/test_titan_multistage.py checks p <= 4, M <= 40). LoopedBFS's peak grows
+    with M (every forward of a chunk first), and other m: M itself."""
+    if m != 2 or kind == "LoopedBFS":
+        return microbatches
+    if kind in V_SCHEDULES:
+        return min(microbatches, 2 * p)
+    return min(microbatches, 2 * torch_round(p, microbatches))
+
+
+def _distinct(held: Any, pre: Any) -> tuple:
+    """The distinct rows of (held, pre), first occurrences in order (the argmax keeps the first step of a tie)."""
+    rows = np.concatenate([held, pre], axis=1)
+    base = int(rows.max()) + 1 if rows.size else 1  # counts are >= 0: one integer per row where it fits in 63 bits
+    if base ** rows.shape[1] < 2 ** 62:
+        _, first = np.unique(rows @ (base ** np.arange(rows.shape[1], dtype=np.int64)), return_index=True)
+    else:
+        _, first = np.unique(rows, axis=0, return_index=True)
+    keep = np.sort(first)
+    return held[keep], pre[keep]
+
+
+def _peak(held: Any, pre: Any, weight: Any, once: Any, early: Any, early_once: Any, between: Any) -> tuple:
+    chunks = held.shape[1]
     zero = [0] * chunks
     parts = [(held, weight), (held > 0, once or zero), (pre, early or zero), (pre > 0, early_once or zero),
              (held - pre, between or zero)]
     shape = np.broadcast_shapes(*(np.shape(w[c]) for _, w in parts for c in range(chunks)))
-    total = np.zeros((len(order),) + shape, dtype=np.int64)
+    total = np.zeros((len(held),) + shape, dtype=np.int64)
     for n, w in parts:
         for c in range(chunks):
             total += np.multiply.outer(n[:, c], np.broadcast_to(np.asarray(w[c], dtype=np.int64), shape))

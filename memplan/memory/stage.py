@@ -16,7 +16,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.arith import minimum
 from memplan.inventory.fp8 import weight_extra_bytes
-from memplan.inventory.titan import split_backward_grads
+from memplan.inventory.titan import SPLIT_BLOCK, split_backward_grads
 from memplan.inventory.types import Term
 from memplan.memory import dp_stack
 from memplan.memory.adapters import gathered_base_layer, lora_states
@@ -33,8 +33,8 @@ from memplan.memory.states import (
     state_bytes,
 )
 from memplan.memory.term_bytes import PlanValues, TermBytes, term_bytes_for, term_count
-from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, is_multi, one, peak_state, rank_chunks, rank_order,
-                                           rank_stages)
+from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, is_multi, one, rank_chunks, rank_peak, rank_stages,
+                                           steady_microbatches)
 
 
 @dataclass(frozen=True)
@@ -164,40 +164,47 @@ def multi_counts(model: ModelSpec, terms: tuple[Term, ...], plan: PlanValues, st
     p, m, stage = one(plan.p), one(plan.m), one(stage)
     stages = rank_stages(stage, p, m, str(plan.schedule))
     layers = rank_chunks(stage, p, m, model.num_layers, str(plan.schedule))
-    zb = {t.id for t in split_backward_grads(model, "cpu")}
 
     def coefficients(t: Term) -> tuple[str, list]:
         """(when the term is alive: held / early / between, its copies per micro-batch of each chunk)."""
         if t.scope == "layer":
             per = [minimum(recomputed, n) * t.kept(plan.recompute) + (n - minimum(recomputed, n)) * t.kept(Recompute.NONE)
-                   for n in layers] if t.id not in zb else [n * (s != 0) for n, s in zip(layers, stages)]
+                   for n in layers] if t.block != SPLIT_BLOCK else [n * (s != 0) for n, s in zip(layers, stages)]
         elif t.scope == "chunk":
             per = [t.kept(plan.recompute)] * m
         else:
             per = [1 * (s == (0 if t.scope == "first" else p * m - 1)) for s in stages]
-        return ("between" if t.id in zb else "early" if t.scope == "last" and t.block == "output" else "held"), per
+        return ("between" if t.block == SPLIT_BLOCK else "early" if t.scope == "last" and t.block == "output"
+                else "held"), per
 
-    coef = {t.id: coefficients(t) for t in terms}
+    groups: dict[tuple, list] = {}  # terms alike in when and how often they are held: one weight, one count
+    for t in terms:
+        key = (t.block == SPLIT_BLOCK, t.scope, t.scope == "last" and t.block == "output", t.recompute_flags)
+        groups.setdefault(key, []).append(t)
+    coef = {key: coefficients(ts[0]) for key, ts in groups.items()}
+    weights = {k: [0] * m for k in ("held", "early", "between")}
+    for key, ts in groups.items():
+        kind, per = coef[key]
+        size = sum(sizes(t) for t in ts)
+        weights[kind] = [w + size * c for w, c in zip(weights[kind], per)]
     micro = np.asarray(plan.microbatches)
-    by_id: dict[str, Any] = {t.id: 0 * micro for t in terms}
+    steady = np.vectorize(lambda n: steady_microbatches(p, m, int(n), str(plan.schedule)))(micro)
+    counts: dict[tuple, Any] = {key: 0 * micro for key in groups}
     held_out: list = [0 * micro for _ in range(m)]
-    for M in np.unique(micro):  # one order per distinct M (the search's plans hold several)
-        mask = micro == M
-        pick = (lambda x: x[mask] if np.ndim(x) and np.shape(x) == micro.shape else x) if micro.ndim else (lambda x: x)
-        weights = {k: [0] * m for k in ("held", "early", "between")}
-        for t in terms:
-            kind, per = coef[t.id]
-            weights[kind] = [w + pick(sizes(t)) * pick(c) for w, c in zip(weights[kind], per)]
-        order = rank_order(stage, p, m, int(M), str(plan.schedule))
-        _, held, pre = peak_state(order, weights["held"], early=weights["early"], between=weights["between"],
-                                  first_chunk_i=stages.index(0) if 0 in stages else None)
+    for M in np.unique(steady):  # one order per distinct M of the same peak (the search's plans hold several)
+        mask = steady == M
+        w = {k: [_at(x, mask, micro) for x in v] for k, v in weights.items()}
+        _, held, pre = rank_peak(stage, p, m, int(M), str(plan.schedule), w["held"], w["early"], w["between"])
         alive = {"held": held, "early": pre, "between": [h - k for h, k in zip(held, pre)]}
-        for t in terms:
-            kind, per = coef[t.id]
-            n = sum(pick(c) * a for c, a in zip(per, alive[kind]))
-            by_id[t.id] = _put(by_id[t.id], mask, n)
+        for key, (kind, per) in coef.items():
+            counts[key] = _put(counts[key], mask, sum(_at(c, mask, micro) * a for c, a in zip(per, alive[kind])))
         held_out = [_put(h, mask, n) for h, n in zip(held_out, held)]
-    return by_id, held_out
+    return {t.id: counts[key] for key, ts in groups.items() for t in ts}, held_out
+
+
+def _at(x: Any, mask: Any, like: Any) -> Any:
+    """`x` where `mask` if it is an array shaped like the plans' `like`, else `x`."""
+    return x[mask] if np.ndim(like) and np.shape(x) == np.shape(like) else x
 
 
 def _put(into: Any, mask: Any, value: Any) -> Any:

@@ -18,15 +18,18 @@ same flags, memplan/api/options.py):
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
   pp          1, and the powers of 2 dividing the GPUs whose stage split `estimate --impl torchtitan --pp` takes
               (memplan/memory/pipeline.py titan_split: equal middle stages, the first / last stage a layer short
-              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`); the
+              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`), and where p
+              divides L and torchtitan splits 2p virtual stages, the multi-stage Interleaved1F1B, LoopedBFS,
+              InterleavedZeroBubble, ZBVZeroBubble and DualPipeV at 2 stages a rank (memplan/memory/pipeline_multi.py;
+              where torch runs them: multi_runs; the split-backward ones not compiled); the
               micro-batch b (pipeline_parallel_microbatch_size) divides the global batch / d, the local batch is
               the pipeline's M = global batch / (d b) micro-batches (no accumulation on top, as --emit torchtitan
               launches it), 1F1B with M >= pp only (titan_schedule_runs: torch's Schedule1F1B refuses fewer); AC
               none, selective-op or full of the stage's layers (selective-layer's count over the stages is not
               modelled), not with --float8 (estimate refuses it). Each (pp, schedule) is evaluated as a part of its
               own (the schedule is one per PlanValues); `join` makes the schedule a per-plan array.
-Not searched (not modelled for torchtitan yet): expert parallelism, multi-stage pipeline schedules, async TP,
-memory-budget AC.
+Not searched (not modelled for torchtitan yet): expert parallelism, async TP, memory-budget AC; more than 2 stages a
+rank (estimate --pipeline-layers-per-stage).
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
@@ -61,7 +64,7 @@ class TitanPins:
     compile: Optional[bool] = None
     micro_batch: Optional[int] = None  # torchtitan's local batch (with pp > 1 its pipeline_parallel_microbatch_size)
     pp: Optional[int] = None  # pipeline_parallel_degree
-    schedule: Optional[str] = None  # pipeline_parallel_schedule (1F1B or GPipe); pinned: pp > 1 only
+    schedule: Optional[str] = None  # pipeline_parallel_schedule (pipeline.py TORCH_SCHEDULES); pinned: pp > 1 only
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
     # float8 as a searched dimension would go here as a pin, beside `compiled` in titan_search.search_titan as a
     # per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
