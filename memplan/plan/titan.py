@@ -150,12 +150,14 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
                     out.append((p, *titan_split(p, L), s))
             except ValueError:
                 (multi_skipped if is_multi(s) else skipped).append(p)
+    why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes or a "
+                           "stage without layers (not modelled: memplan/memory/pipeline.py titan_split)",
+           "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or --compile pins a "
+                          "split-backward schedule"}
     for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
         if ps:
             notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
-                         f"torchtitan's stage split of the {L} layers leaves stages memplan does not model "
-                         "(memplan/memory/pipeline.py titan_split; multi-stage: p must divide L here), or --compile "
-                         "pins a split-backward schedule")
+                         + why[which])
     return out, notes
 
 
