@@ -2,7 +2,7 @@
 ZBVZeroBubble, DualPipeV; memplan/memory/pipeline_multi.py): placement, torch's order per rank (by hand here; against
 torch's own pipeline_order opt-in), what each rank holds at its peak against torch's real schedules run over gloo
 (validation/titan_pp.py: saved tensors, the split backward's I -> W gradients), estimate / search / their refusals.
-Opt-in (MEMPLAN_TITAN_SLOW=1): the re-measurement (~4 min on 2 loaded cores) and the comparison with torch's order."""
+Opt-in (MEMPLAN_TITAN_SLOW=1): the re-measurement (~6 min at load 4-7 on the shared 2 cores) and the comparison with torch's order."""
 
 import os
 

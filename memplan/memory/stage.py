@@ -2,7 +2,8 @@
 gradients and optimizer states.
 
 `PlanValues` holds the plan as numbers, scalars for `estimate` or numpy arrays (one element
-per candidate) for the planner; `stage_memory` is the one function both call.
+per candidate) for the planner; `stage_memory` is the one function both call. Under torchtitan's multi-stage
+pipeline schedules the copies of each term come from the rank's peak in torch's order (`multi_counts`).
 """
 
 from __future__ import annotations
