@@ -199,3 +199,26 @@ def test_a_searched_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert (config.training.local_batch_size, config.training.global_batch_size) == (dims["local_batch"], 32)
     world = ParallelDims.from_config(par, world_size=16)
     assert world.pp_enabled and world.pp == 2 and world.dp_shard * world.tp * world.pp == 16
+
+
+@pytest.mark.parametrize("schedule,per_stage,stages", [("ZBVZeroBubble", None, 4), ("Interleaved1F1B", 6, 6)])
+def test_multistage_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch, schedule, per_stage, stages):
+    # a multi-stage plan (2 stages a rank, or --pipeline-layers-per-stage 6: ceil(34 / 6) = 6 virtual stages, 3 a
+    # rank at pp 2): torchtitan's own _get_pipeline_metadata on the loaded config makes the plan's virtual stages, and
+    # its rank-to-stage mapping places them as memplan does
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import (_get_pipeline_metadata,
+                                                          _get_pp_rank_to_stage_indices_mapping)
+
+    from memplan.memory.pipeline_multi import rank_stages
+
+    result = estimate("llama3-8b", impl="torchtitan", gpus=16, pp=2, pipeline_schedule=schedule, seq_len=1024,
+                      global_batch=64, pipeline_layers_per_stage=per_stage, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    par = config.parallelism
+    assert (par.pipeline_parallel_schedule, par.pipeline_parallel_layers_per_stage) == (schedule, per_stage)
+    dims = ParallelDims.from_config(par, world_size=16)
+    assert _get_pipeline_metadata(dims, par, config.model_spec.model)[:2] == (stages, 32)
+    m = result.estimate.config.parallel.vpp
+    assert m == stages // 2 and all(
+        _get_pp_rank_to_stage_indices_mapping(r, 2, schedule, stages) == rank_stages(r, 2, m, schedule) for r in (0, 1))

@@ -55,7 +55,7 @@ def test_a_removed_term_fails(monkeypatch):
         assert _estimate(ac, "cpu").per_layer_bytes != PER_TOKEN[ac, "cpu"] * S * B
 
 
-@pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2", "--pipeline-schedule", "ZBVZeroBubble"],
+@pytest.mark.parametrize("args", [["--tp", "2", "--no-sp"], ["--pp", "2", "--pipeline-schedule", "ZBVZeroBubble", "--compile"],
                                   ["--pp", "4"], ["--cp", "2", "--cp-comm-type", "a2a"], ["--ac", "budget:0.5"],
                                   ["--recompute", "full"], ["--zero", "1"], ["--fp8", "delayed"],
                                   ["--compile", "--ac", "selective-op", "--float8", "rowwise"], ["--compile", "--cp", "2"],
@@ -69,7 +69,7 @@ def test_refused_in_one_line(args, capsys):
     assert exit_.value.code == 2 and err.startswith("memplan: error:") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("kw", [dict(tp=2, sp=False), dict(pp=2, pipeline_schedule="Interleaved1F1B"), dict(ep=2), dict(ac="budget:0.5"), dict(recompute="full"),
+@pytest.mark.parametrize("kw", [dict(tp=2, sp=False), dict(pp=2, pipeline_schedule="InterleavedZeroBubble", compile=True), dict(ep=2), dict(ac="budget:0.5"), dict(recompute="full"),
                                 dict(zero=1), dict(fsdp2=True), dict(loss_chunks=4), dict(model="mixtral-8x7b")])
 def test_refused_by_the_api(kw):
     with pytest.raises(MemplanError):

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from memplan.inventory.titan import layer_bytes, llama3_layer_terms
-from memplan.memory.pipeline import (chunks_in_flight, peak_sets, schedule, titan_stage_layers, titan_stages_per_rank,
-                                     torch_round)
+from memplan.memory.pipeline import chunks_in_flight, schedule, titan_stage_layers, titan_stages_per_rank, torch_round
+from memplan.memory.pipeline_multi import peak_sets
 
 I1F1B = "Interleaved1F1B"
 SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")

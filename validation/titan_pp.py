@@ -5,13 +5,17 @@
 torchtitan's own ``_generate_llm_fqn_per_model_part`` and ``_split_module`` (its ``pipeline_llm`` path), one
 ``PipelineStage`` per rank, and torch's ``Schedule1F1B`` or ``ScheduleGPipe`` over ``microbatches`` micro-batches,
 the loss torchtitan's (``cross_entropy`` of the fp32 logits) on the last stage.  ``chunks`` > 1: torchtitan's
-multi-stage path (``Interleaved1F1B``, ``InterleavedZeroBubble``): ``world x chunks`` virtual stages split by the
-same function, rank r holding stages r, r + world, ... (``_get_pp_rank_to_stage_indices_mapping``'s loop style),
-all its ``PipelineStage`` objects given to the schedule.
+multi-stage path (``Interleaved1F1B``, ``InterleavedZeroBubble``, ``LoopedBFS``; ``ZBVZeroBubble``, ``DualPipeV``):
+``world x chunks`` virtual stages split by the same function, rank r holding stages r, r + world, ...
+(``_get_pp_rank_to_stage_indices_mapping``'s loop style) or, for the V schedules, r and 2 world - 1 - r (its "v"
+style), all its ``PipelineStage`` objects given to the schedule.
 
 What is measured: the most bytes of saved-for-backward tensors alive at once during the step, per stage
 (``saved_tensors_hooks``: each saved tensor's storage counted once while any saved reference to it lives; the
-stage's parameters are not counted).  The pipeline's own buffers (received inputs, kept outputs) are not saved
+stage's parameters are not counted).  The zero-bubble schedules split a backward into I (input gradients) and W
+(weight gradients): torch's ``stage_backward_input`` keeps, from I to W, the gradients flowing into the nodes where
+the input and the weight paths meet (``param_groups``' "grads"; not saved tensors): ``grads_peak`` is the most bytes of
+those alive at once (each storage once), ``held_peak`` the most of saved tensors + those together.  The pipeline's own buffers (received inputs, kept outputs) are not saved
 tensors and are not in this figure.  No FSDP (one rank per stage): the states are not measured here.
 """
 
@@ -22,6 +26,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .titan import Shape, build_model
 
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+MULTI = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS") + V_SCHEDULES
+
 
 class _SavedPeak:
     """saved_tensors_hooks that track the live bytes of saved storages (parameters excluded) and their peak."""
@@ -29,7 +36,7 @@ class _SavedPeak:
     def __init__(self, params) -> None:
         self.params = {StorageWeakRef(p.untyped_storage()) for p in params}
         self.refs: dict = {}
-        self.live = self.peak = 0
+        self.live = self.peak = self.pending = self.grads_peak = self.held_peak = 0
 
     def pack(self, t):
         if t.device.type == "meta":  # the stage's shape inference
@@ -41,6 +48,7 @@ class _SavedPeak:
             self.refs[key] = 0
             self.live += t.untyped_storage().nbytes()
             self.peak = max(self.peak, self.live)
+            self.held_peak = max(self.held_peak, self.live + self.pending)
         self.refs[key] += 1
         return _Held(self, key, t.detach())  # detached: a saved output kept with its grad_fn would be a cycle
 
@@ -48,11 +56,47 @@ class _SavedPeak:
     def unpack(held):
         return held.t if isinstance(held, _Held) else held
 
+    def grads(self, delta: int) -> None:  # I -> W gradients (see module), counted beside the saved tensors
+        self.pending += delta
+        self.grads_peak = max(self.grads_peak, self.pending)
+        self.held_peak = max(self.held_peak, self.live + self.pending)
+
     def drop(self, key, nbytes: int) -> None:
         self.refs[key] -= 1
         if not self.refs[key]:
             del self.refs[key]
             self.live -= nbytes
+
+
+def _grad_bytes(param_groups) -> int:
+    """Bytes of the distinct storages of the I -> W gradients in torch's ``param_groups``."""
+    seen = {}
+    for group in param_groups or ():
+        for grads in group.get("grads") or ():
+            for g in grads or ():
+                if isinstance(g, torch.Tensor):
+                    seen[StorageWeakRef(g.untyped_storage())] = g.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _track_split_backward(stage, saved: "_SavedPeak") -> None:
+    """Count the I -> W gradients a split backward keeps in ``stage.backward_state`` until its W."""
+    backward, weight, pending = stage.backward_one_chunk, stage.backward_weight_one_chunk, {}
+
+    def backward_one_chunk(chunk_id, *args, **kwargs):
+        out = backward(chunk_id, *args, **kwargs)
+        state = stage.backward_state.get(chunk_id)
+        if state is not None:
+            pending[chunk_id] = _grad_bytes(state[1])
+            saved.grads(pending[chunk_id])
+        return out
+
+    def backward_weight_one_chunk(chunk_id, *args, **kwargs):
+        out = weight(chunk_id, *args, **kwargs)
+        saved.grads(-pending.pop(chunk_id, 0))
+        return out
+
+    stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
 
 
 class _Held:
@@ -75,7 +119,8 @@ def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     for prm in whole.parameters():  # bf16 parameters (the RoPE buffer keeps its complex dtype)
         prm.data = prm.data.to(torch.bfloat16)
     split = _generate_llm_fqn_per_model_part(world * chunks, layers)
-    ids = [rank + c * world for c in range(chunks)]
+    v_shape = schedule in V_SCHEDULES  # torch's "v" placement: rank r holds stages r and 2 world - 1 - r
+    ids = [rank, 2 * world - 1 - rank] if v_shape else [rank + c * world for c in range(chunks)]
     parts = [_split_module(whole, split[i]) for i in ids]
     del whole
     stages = [PipelineStage(part, i, world * chunks, torch.device("cpu")) for part, i in zip(parts, ids)]
@@ -86,14 +131,16 @@ def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     sched = get_schedule_class(schedule)(stages if chunks > 1 else stages[0], n_microbatches=microbatches,
                                          loss_fn=loss_fn)
     tokens = torch.randint(0, vocab, (b * microbatches, s))
+    labels = tokens.roll(-1, 1)  # a storage of its own, as torchtitan's labels (rank 0 of a V holds both ends)
     saved = _SavedPeak([x for part in parts for x in (*part.parameters(), *part.buffers())])
+    for stage in stages:
+        _track_split_backward(stage, saved)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        if rank == 0:
-            sched.step(tokens)
-        else:
-            sched.step(target=tokens)
+        args = (tokens,) if 0 in ids else ()  # the V schedules: rank 0 holds the first and the last stage
+        sched.step(*args, target=labels if world * chunks - 1 in ids else None)
     return {"modules": [split[i] for i in ids] if chunks > 1 else split[rank], "saved_peak": saved.peak,
-            "saved_after": saved.live}
+            "saved_after": saved.live, "grads_peak": saved.grads_peak, "held_peak": saved.held_peak,
+            "grads_after": saved.pending}
 
 
 def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
@@ -106,7 +153,7 @@ def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, m
 if __name__ == "__main__":
     import sys
     for kind in sys.argv[1:] or ("1F1B", "GPipe"):
-        multi = kind in ("Interleaved1F1B", "InterleavedZeroBubble")
-        for m in (3, 4) if multi else (4,):
+        multi = kind in MULTI
+        for m in (4, 5) if kind == "DualPipeV" else (3, 4) if multi else (4,):
             print(kind, m, measure_pp(Shape(), 6 if multi else 4, 128, microbatches=m, schedule=kind,
                                       chunks=2 if multi else 1))

@@ -21,7 +21,8 @@ from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
-from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split
+from memplan.memory.pipeline import titan_split, titan_stage_layers, titan_stages_per_rank
+from memplan.memory.pipeline_multi import MULTI_SCHEDULES, is_multi, multi_refusal, schedule_refusal
 from memplan.memory.reserved import Replay
 from memplan.presets.batch import batch_note, make_config
 from memplan.presets.catalog import load_gpu, load_model
@@ -55,7 +56,8 @@ class PlanOptions:
     vpp: Optional[int] = None
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
-    pipeline_schedule: Optional[str] = None  # torchtitan's pipeline_parallel_schedule (1F1B, GPipe)
+    pipeline_schedule: Optional[str] = None  # torchtitan's pipeline_parallel_schedule (memplan/memory/pipeline.py)
+    pipeline_layers_per_stage: Optional[int] = None  # torchtitan's pipeline_parallel_layers_per_stage (multi-stage)
     sp: Optional[bool] = None
     cp: Optional[int] = None
     cp_comm_type: Optional[str] = None
@@ -311,8 +313,7 @@ class PlanOptions:
             return None
         mode = titan_ac_mode(self.ac)[0]
         if self.vpp not in (None, 1):
-            raise MemplanError("--impl torchtitan: memplan models FSDP2 data parallelism, --tp, --cp, --pp and (MoE) "
-                               "--ep only yet (one stage per pipeline rank)")
+            raise MemplanError("--vpp is Megatron-LM's: torchtitan's stages a rank come with --pipeline-schedule")
         if self.cp_comm_type is not None:
             raise MemplanError("--impl torchtitan: --cp-comm-type is Megatron-LM's; torchtitan's context parallelism "
                                "all-gathers K and V (FlexAttention, its Llama 3 default): drop --cp-comm-type")
@@ -342,34 +343,42 @@ class PlanOptions:
         mode, tenths = titan_ac_mode(self.ac) if self.impl == "torchtitan" else ("none", 0)
         return tenths / 10 if mode == "budget" else None  # refused without --compile: compiled.check_budget
 
-    def titan_pipeline(self, preset: ModelPreset) -> dict:
-        """--pp and --pipeline-schedule as the ParallelSpec fields: torchtitan's stage split (memplan/memory/pipeline.py
-        titan_split: the one rule search applies too) as first / last stage layers, the schedule; the multi-stage
-        schedules refused."""
+    def titan_pipeline(self, preset: ModelPreset, search: bool = False) -> dict:
+        """--pp, --vpp, --pipeline-schedule as ParallelSpec fields; torchtitan: its split (pipeline.py titan_split, as
+        search) as first / last stage layers, or for a multi-stage schedule its stages a rank (titan_stages_per_rank)
+        as vpp. `search`: a schedule without --pp pins the pipelined plans searched."""
         schedule = self.pipeline_schedule or "1F1B"
         if self.impl != "torchtitan":
-            if self.pipeline_schedule not in (None, "1F1B"):
-                raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (--impl torchtitan); "
-                                   "Megatron-LM interleaves with --vpp")
-            return dict(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
-        if schedule not in TITAN_SCHEDULES:
-            raise MemplanError(f"--pipeline-schedule {echo(schedule)}: memplan models torchtitan's single-stage "
-                               f"schedules {', '.join(TITAN_SCHEDULES)} only yet (multi-stage: Interleaved1F1B and "
-                               "InterleavedZeroBubble are counted in memplan/memory/pipeline.py but not estimated: "
-                               "a rank's chunks differ in size; LoopedBFS, ZBVZeroBubble, DualPipeV not yet)")
-        p = self.pp or 1
+            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage is not None:
+                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
+                                   "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
+            return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
+                        last_stage_layers=self.last_stage_layers)
+        p, multi = self.pp or 1, is_multi(schedule)
+        if self.pipeline_layers_per_stage is not None and not multi:
+            raise MemplanError("--pipeline-layers-per-stage applies to torchtitan's multi-stage schedules "
+                               f"({', '.join(MULTI_SCHEDULES)})")
         if p == 1:
+            if multi and not (search and self.pp is None):  # search: the schedule pins the pp > 1 plans it tries
+                raise MemplanError(f"--pipeline-schedule {schedule} needs pipeline parallelism: --pp 2 or more")
             return dict(pp_schedule=schedule)
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             raise MemplanError("--impl torchtitan splits the stages itself (the embedding and the output each count "
                                "as a layer): drop --first-stage-layers / --last-stage-layers")
         if self.float8 is not None:
             raise MemplanError("--impl torchtitan: --float8 with --pp is not modelled yet")
+        L = preset.model.num_layers
         try:
-            first, last = titan_split(p, preset.model.num_layers)
+            if not multi:
+                first, last = titan_split(p, L)
+                return dict(pp_schedule=schedule, first_stage_layers=first, last_stage_layers=last)
+            m = titan_stages_per_rank(p, L, self.pipeline_layers_per_stage)
+            titan_stage_layers(p * m, L)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        return dict(pp_schedule=schedule, first_stage_layers=first, last_stage_layers=last)
+        if why := multi_refusal(p, m, None, schedule, bool(self.compile)):
+            raise MemplanError(why)
+        return dict(pp_schedule=schedule, vpp=m)
 
     def titan_layers(self, preset: ModelPreset) -> dict:
         """--ac selective-layer:N as the number of layers fully recomputed (torchtitan checkpoints every N-th)."""
@@ -378,8 +387,7 @@ class PlanOptions:
             return {}
         layers = preset.model.num_layers
         if (self.pp or 1) > 1:  # torchtitan counts every N-th layer of each stage's own layers: not modelled
-            raise MemplanError("--ac selective-layer with --pp is not modelled yet (torchtitan checkpoints every N-th "
-                               "layer of each stage); use --ac full, selective-op or none")
+            raise MemplanError("--ac selective-layer with --pp is not modelled yet: use --ac full, selective-op or none")
         if every > layers:
             raise MemplanError(f"--ac selective-layer:{every} checkpoints no layer of {layers}: use --ac none")
         return dict(recompute_num_layers=len(checkpointed_layers(layers, every)))
@@ -432,7 +440,7 @@ class PlanOptions:
         def build(zero_shard: Optional[int]) -> Config:
             return make_config(
                 preset,
-                parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=(self.pp or 1) if titan else self.pp, dp=self.dp, vpp=self.vpp,
+                parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=(self.pp or 1) if titan else self.pp, dp=self.dp,
                               sp=True if titan and self.tp not in (None, 1) else self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
                               **self.titan_pipeline(preset)),
                 training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
@@ -449,9 +457,8 @@ class PlanOptions:
         if titan and self.dp_replicate is not None:  # HSDP: the shard groups span d / R ranks (the d of the plan)
             config = build(self.titan_shard(config.parallel.dp))
         par = config.parallel
-        if titan and not titan_schedule_runs(par.pp, config.num_microbatches, par.pp_schedule):
-            raise MemplanError(f"torch's Schedule1F1B needs as many micro-batches as stages: {config.num_microbatches} "
-                               f"for pp {par.pp}; raise --global-batch, lower --micro-batch or plan --pipeline-schedule GPipe")
+        if titan and (why := schedule_refusal(par.pp, par.vpp, config.num_microbatches, par.pp_schedule)):
+            raise MemplanError(why)
         return preset, config
 
     def gpu_spec(self, preset: Optional[ModelPreset]) -> Optional[GpuSpec]:

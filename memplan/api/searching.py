@@ -172,7 +172,10 @@ def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
-    opts.titan_pipeline(opts.preset())  # a pinned --pp / --pipeline-schedule: what estimate refuses (its split)
+    opts.titan_pipeline(opts.preset(), search=True)  # a pinned --pp / --pipeline-schedule: what estimate refuses
+    if opts.pipeline_layers_per_stage is not None:
+        raise MemplanError("search --impl torchtitan tries torchtitan's default 2 stages per rank for the multi-stage "
+                           "schedules: estimate a plan with --pipeline-layers-per-stage")
     opts.titan_layers(opts.preset())  # --ac selective-layer:N as estimate takes it (not with a pinned --pp)
     if max_seq:
         raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")

@@ -27,6 +27,7 @@ def budget_bytes(value: Size, what: str) -> Optional[int]:
 MOST = {"gpus": 2**24, "global_batch": 2**32, "dp": 2**24, "tp": 2**16, "pp": 2**16, "cp": 2**16, "ep": 2**16,
         "etp": 2**16, "vpp": 2**16, "micro_batch": 2**32, "seq_len": 2**40, "zero_shard": 2**24,
         "recompute_num_layers": 2**16, "loss_chunks": 2**20, "first_stage_layers": 2**16, "last_stage_layers": 2**16,
+        "pipeline_layers_per_stage": 2**16,
         "fp8_amax_history_len": 2**20}
 
 

@@ -89,7 +89,11 @@ def plan_options(func: Callable) -> Callable:
         click.option("--vpp", type=INT, help="Interleaved (virtual) stages m per pipeline rank."),
         click.option("--pipeline-schedule", type=click.Choice(PIPELINE_SCHEDULES),
                      help="--impl torchtitan: its pipeline_parallel_schedule (default 1F1B; GPipe: every forward "
-                          "first). memplan models the single-stage schedules 1F1B and GPipe."),
+                          "first; the multi-stage Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+                          "DualPipeV with 2 stages per rank)."),
+        click.option("--pipeline-layers-per-stage", type=AsciiIntRange(1), metavar="N",
+                     help="--impl torchtitan, multi-stage schedules: its pipeline_parallel_layers_per_stage (stages "
+                          "per rank = ceil((L + 2) / N) / pp, at least 2)."),
         click.option("--first-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
                           "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),

@@ -42,10 +42,12 @@ class ParallelSpec(Spec):
     last_stage_layers: Optional[int] = Field(
         default=None, gt=0, description="transformer layers on the last pipeline stage (Megatron-LM "
         "--decoder-last-pipeline-num-layers)")
-    pp_schedule: Literal["1F1B", "GPipe"] = Field(
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV"] = Field(
         default="1F1B", description="the pipeline schedule: 1F1B (Megatron-LM's, torch's Schedule1F1B) or GPipe "
         "(torch's ScheduleGPipe, torchtitan's pipeline_parallel_schedule: every forward, then every backward; "
-        "memplan/memory/pipeline.py)")
+        "memplan/memory/pipeline.py); torchtitan's multi-stage ones with vpp stages per rank split by torchtitan "
+        "(memplan/memory/pipeline_multi.py)")
     zero_shard: Optional[int] = Field(
         default=None,
         gt=1,
@@ -323,7 +325,7 @@ class Config(Spec):
             raise ValueError(f"tensor-parallel size t={t} does not divide the key/value heads {g}")
         if self.uneven:
             self._check_split()
-        elif L % (par.pp * par.vpp):
+        elif L % (par.pp * par.vpp) and par.pp_schedule in ("1F1B", "GPipe"):  # torchtitan splits the others
             raise ValueError(
                 f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
                 + (" (an uneven split, --first-stage-layers / --last-stage-layers, may fit them)"

@@ -56,6 +56,7 @@ over dp_shard x C (ParallelDims folds cp into the "fsdp" mesh): memplan's d x cp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from memplan.core.errors import MemplanError
@@ -356,9 +357,42 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
-              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), multi-stage PP schedules, "
+              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE with TP, CP, PP, HSDP, compile or float8, its uneven routing (balanced modelled) and its layers' "
               "backward transients, DeepSeek-V3 (MLA, shared experts, dense first layers), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")
+
+
+SPLIT_BLOCK = "split backward"  # the block of `split_backward_grads`' terms
+
+
+@functools.lru_cache(maxsize=16)  # the same Term objects on every call: memplan/memory/term_bytes.py caches by them
+def split_backward_grads(model: ModelSpec, device: str) -> tuple[Term, ...]:
+    """What a zero-bubble schedule's split backward keeps from I (input gradients) to W (weight gradients) of one
+    micro-batch, beyond the saved tensors: torch's ``stage_backward_input`` hooks the nodes where the input and the
+    weight paths meet and keeps the gradient flowing into each (``param_groups``' grads) until
+    ``stage_backward_weight`` (torch 2.13 distributed/pipelining/_backward.py). In torchtitan's Llama 3 layer: the
+    output gradient of each linear (wq, wk, wv, w1, w3 shard the columns under TP; wo and w2's whole-sequence partial
+    sums do not shard) in bf16, and of the two RMSNorm weight multiplications, fp32 with torch's composite CPU
+    F.rms_norm (measured over gloo: validation/titan_pp.py grads_peak, tests/test_titan_multistage.py), bf16 through
+    the fused CUDA kernel (derived); scope "last": the final norm's and the LM head's (the logits, bf16, the rank's
+    vocab shard under loss parallel). Not in the inventory's terms: memplan/memory/stage.py adds them for those
+    schedules only. TP and CUDA derived, not measured."""
+    norm = "fp32" if device == "cpu" else "act"
+    src = (f"{DERIVED}; torch's stage_backward_input keeps these gradients from I to W (measured on CPU without TP: "
+           "validation/titan_pp.py)")
+    return (
+        saved("zb.linear_out_col", "I->W: output gradients of wq, wk, wv, w1, w3", SPLIT_BLOCK,
+              f"{model.q + 2 * model.g * (model.q // model.num_attention_heads) + 2 * model.f} s b", tp=True,
+              k22=False, src=src),
+        saved("zb.linear_out_row", "I->W: output gradients of wo, w2 (whole-sequence partial sums under TP)",
+              SPLIT_BLOCK, f"{2 * model.hidden_size} s b", k22=False, src=src),
+        saved("zb.norm_out", "I->W: output gradients of the two RMSNorm weight products", SPLIT_BLOCK,
+              f"{2 * model.hidden_size} s b", norm, sp=True, k22=False, src=src),
+        saved("zb.final_norm_out", "I->W: output gradient of the final RMSNorm's weight product", SPLIT_BLOCK,
+              f"{model.hidden_size} s b", norm, sp=True, k22=False, src=src, scope="last"),
+        saved("zb.logits", "I->W: output gradient of the LM head (the logits, its vocab shard under TP)",
+              SPLIT_BLOCK, "s b v", tp=True, k22=False, src=src, scope="last"),
+    )

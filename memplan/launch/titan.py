@@ -23,6 +23,8 @@ sets it the same way."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from memplan.core.errors import MemplanError
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
@@ -78,6 +80,18 @@ def _converters(config: Config) -> str:
             f"model_compile_enabled={config.training.compile})]")
 
 
+def layers_per_stage(config: Config) -> Optional[int]:
+    """pipeline_parallel_layers_per_stage giving the plan's vpp stages a rank (torchtitan's _get_pipeline_metadata:
+    ceil((L + 2) / N) virtual stages), None for its default (1 stage a rank single-stage, 2 multi-stage)."""
+    par, L = config.parallel, config.model.num_layers
+    if par.pp_schedule in ("1F1B", "GPipe") or par.vpp == 2:
+        return None
+    n = -(-(L + 2) // (par.pp * par.vpp))
+    if -(-(L + 2) // n) != par.pp * par.vpp:
+        raise MemplanError(f"--emit torchtitan: no pipeline_parallel_layers_per_stage makes {par.vpp} stages a rank")
+    return n
+
+
 def titan_document(config: Config) -> dict:
     """What the emitted module sets, by torchtitan's field names (the JSON form of the launch)."""
     par, tr = config.parallel, config.training
@@ -96,6 +110,8 @@ def titan_document(config: Config) -> dict:
             "parallelism.pipeline_parallel_degree": par.pp,
             "parallelism.pipeline_parallel_schedule": par.pp_schedule,
             "parallelism.pipeline_parallel_microbatch_size": tr.micro_batch,
+            # multi-stage schedules: torchtitan's default is 2 stages a rank; more need its layers-per-stage setting
+            "parallelism.pipeline_parallel_layers_per_stage": layers_per_stage(config),
             "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 or par.cp > 1 else "spmd_types",
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
@@ -146,7 +162,9 @@ def titan_launch(config: Config) -> Launch:
         f"pipeline_parallel_degree={doc['parallelism.pipeline_parallel_degree']}, context_parallel_degree={doc['parallelism.context_parallel_degree']},",
     ] + ([f"        pipeline_parallel_schedule=\"{doc['parallelism.pipeline_parallel_schedule']}\", "
           f"pipeline_parallel_microbatch_size={doc['parallelism.pipeline_parallel_microbatch_size']},"]
-         if config.parallel.pp > 1 else []) + [
+         if config.parallel.pp > 1 else []) + (
+        [f"        pipeline_parallel_layers_per_stage={doc['parallelism.pipeline_parallel_layers_per_stage']},"]
+        if doc["parallelism.pipeline_parallel_layers_per_stage"] is not None else []) + [
         f"        spmd_backend=\"{doc['parallelism.spmd_backend']}\")",
         f"    config.activation_checkpoint = {ac}",
         "    return config",

@@ -25,6 +25,7 @@ pipeline_parallel_layers_per_stage says otherwise (`titan_stages_per_rank`), spl
 stages with the same split (so a rank's chunks differ by a layer: Llama 3 8B, p = 2: 8, 9, 8, 7), rank r runs
 stages r, r + p, ...; torch's warm-up is Megatron-LM's with p replaced by its micro-batches per round
 M // max(1, M // p) (`chunks_in_flight`'s ``group``): the same count when p divides M, more when it does not.
+The other multi-stage schedules, the placement of a rank's chunks and its peak: memplan/memory/pipeline_multi.py.
 
 All functions take scalars or numpy arrays (`titan_stage_layers`: scalars).
 """
@@ -36,10 +37,11 @@ from typing import Any
 from memplan.core.arith import minimum
 
 # torch 2.13's schedule names (torch.distributed.pipelining.schedules get_schedule_class), torchtitan's
-# pipeline_parallel_schedule; memplan models the single-stage ones (PipelineScheduleSingle) in TITAN_SCHEDULES
+# pipeline_parallel_schedule: the single-stage ones (PipelineScheduleSingle) here, the multi-stage ones in
+# memplan/memory/pipeline_multi.py
 TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                    "DualPipeV")
-TITAN_SCHEDULES = ("1F1B", "GPipe")
+SINGLE_SCHEDULES = ("1F1B", "GPipe")
 
 
 def chunks_in_flight(stage: Any, p: Any, m: Any, microbatches: Any, group: Any = None, hop: Any = 2) -> Any:
@@ -84,28 +86,6 @@ def titan_stages_per_rank(p: int, num_layers: int, layers_per_stage: Any = None,
         raise ValueError(f"torchtitan: {num_layers} layers at {layers_per_stage} a stage make {stages} virtual "
                          f"stages: a multi-stage schedule needs a multiple of p = {p}, at least 2 a rank")
     return stages // p
-
-
-def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None, early: Any = None,
-              early_once: Any = None) -> tuple[Any, tuple[int, ...]]:
-    """The most of sum(weight[chunk] x its micro-batches held) over `order`'s steps, and the per-chunk counts then:
-    a forward's saved tensors are held until its backward B, or until the W of a split one (torch's
-    stage_backward_input keeps the graph below the weight-gradient nodes for W); ``early[chunk]`` per micro-batch
-    until its B or I (what lies above the last weight, the loss: stage_backward_input detaches the outputs); the
-    ``once`` / ``early_once`` bytes while the chunk holds any micro-batch of those."""
-    chunks = max(c for _, _, c in order) + 1
-    zeros = [0] * chunks
-    once, early, early_once = once or zeros, early or zeros, early_once or zeros
-    held, pre = [0] * chunks, [0] * chunks
-    best, at = None, tuple(held)
-    for kind, _, c in order:
-        held[c] += 1 if kind == "F" else -1 if kind in "BW" else 0
-        pre[c] += 1 if kind == "F" else -1 if kind in "BI" else 0
-        total = sum(w * n + o * (n > 0) + e * k + eo * (k > 0)
-                    for w, n, o, e, k, eo in zip(weight, held, once, early, pre, early_once))
-        if best is None or total > best:
-            best, at = total, tuple(held)
-    return best, at
 
 
 def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 gradients and optimizer states.
 
 `PlanValues` holds the plan as numbers, scalars for `estimate` or numpy arrays (one element
-per candidate) for the planner; `stage_memory` is the one function both call.
+per candidate) for the planner; `stage_memory` is the one function both call. Under torchtitan's multi-stage
+pipeline schedules the copies of each term come from the rank's peak in torch's order (`multi_counts`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
+from memplan.core.arith import minimum
 from memplan.inventory.fp8 import weight_extra_bytes
+from memplan.inventory.titan import SPLIT_BLOCK, split_backward_grads
 from memplan.inventory.types import Term
 from memplan.memory import dp_stack
 from memplan.memory.adapters import gathered_base_layer, lora_states
@@ -29,6 +34,8 @@ from memplan.memory.states import (
     state_bytes,
 )
 from memplan.memory.term_bytes import PlanValues, TermBytes, term_bytes_for, term_count
+from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, is_multi, one, rank_chunks, rank_peak, rank_stages,
+                                           steady_microbatches)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class StageMemory:
     expert_params: Any = 0  # of `params`, the routed experts' (sharded over the expert-data-parallel group)
     trained_params: Any = None  # LoRA: the adapters' parameters (the optimizer steps only those); None: `params`
     gathered: Any = 0  # of `states.weights`, ZeRO-3's unsharded parameters in flight (bytes; dp_stack.gathered_params)
+    held: Optional[list] = None  # multi-stage schedules: (micro-batch, chunk) sets of each chunk held at the peak
+    extra_terms: tuple = ()  # terms beyond the inventory's (a split backward's I -> W gradients)
 
     @property
     def weights(self) -> Any:
@@ -79,27 +88,30 @@ def stage_memory(
     states depend on their shapes."""
     sizes = term_bytes_for(model, plan, training.activation_bytes, granularity)
     layers_per_chunk, recomputed = plan.chunk_layers(model, stage)
+    multi = is_multi(plan.schedule)  # torchtitan's multi-stage schedules: counted from torch's order (module below)
+    zb_terms = split_backward_grads(model, training.device) if str(plan.schedule) in SPLIT_BACKWARD else ()
+    by_id, held = multi_counts(model, terms + zb_terms, plan, stage, sizes, recomputed) if multi else ({}, None)
     counts: dict[tuple, Any] = {}  # the count depends only on a term's scope and recompute flags
     dropped: dict[tuple, Any] = {}  # 1 where recompute drops the term, by the same flags
     term_bytes, unit_bytes = {}, {}
     activations: Any = 0
     working: Any = 0
-    for term in terms:
+    for term in terms + zb_terms:
         per = unit_bytes[term.id] = sizes(term)
         key = term.recompute_flags
-        if key not in counts:
+        if key not in counts and not multi:
             counts[key] = term_count(term, plan, layers_per_chunk, stage, recomputed)
-        n = per * counts[key]
+        n = per * (by_id[term.id] if multi else counts[key])
         term_bytes[term.id] = n
         activations = activations + n
-        if working_set and term.scope == "layer":
+        if working_set and term.scope == "layer" and term not in zb_terms:
             if key not in dropped:
                 dropped[key] = term.kept(Recompute.NONE) * (1 - term.kept(plan.recompute))
             working = working + per * dropped[key]
     working = working * (recomputed > 0)
     activations = activations + working
-    layers = layers_per_chunk * plan.m
-    is_first, is_last = stage == 0, stage == plan.p - 1
+    layers = plan.layers(model, stage) if multi else layers_per_chunk * plan.m
+    is_first, is_last = plan.ends(stage)
     params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
     tensors = None
     offload = training.offload_optimizer_fraction > 0
@@ -140,4 +152,66 @@ def stage_memory(
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
-                       host, experts, trained, in_flight)
+                       host, experts, trained, in_flight, held, zb_terms)
+
+
+def multi_counts(model: ModelSpec, terms: tuple[Term, ...], plan: PlanValues, stage: int, sizes: TermBytes,
+                 recomputed: Any) -> tuple[dict[str, Any], list]:
+    """Copies of each term rank `stage` holds at its peak under a multi-stage schedule (memplan/memory/pipeline_multi.py:
+    torch's order, torchtitan's chunks; plan.p, plan.m and the schedule scalars, M scalar or array): a (micro-batch,
+    chunk) set keeps its layers' and its stage's terms until its B or W, the loss (the "last" terms of the output
+    block) until its B or I, the split backward's gradients (`split_backward_grads`) from I to W. The peak is the
+    step where their bytes are the most, found per plan; (copies by term id, the held count of each chunk then)."""
+    p, m, stage = one(plan.p), one(plan.m), one(stage)
+    stages = rank_stages(stage, p, m, str(plan.schedule))
+    layers = rank_chunks(stage, p, m, model.num_layers, str(plan.schedule))
+
+    def coefficients(t: Term) -> tuple[str, list]:
+        """(when the term is alive: held / early / between, its copies per micro-batch of each chunk)."""
+        if t.scope == "layer":
+            per = [minimum(recomputed, n) * t.kept(plan.recompute) + (n - minimum(recomputed, n)) * t.kept(Recompute.NONE)
+                   for n in layers] if t.block != SPLIT_BLOCK else [n * (s != 0) for n, s in zip(layers, stages)]
+        elif t.scope == "chunk":
+            per = [t.kept(plan.recompute)] * m
+        else:
+            per = [1 * (s == (0 if t.scope == "first" else p * m - 1)) for s in stages]
+        return ("between" if t.block == SPLIT_BLOCK else "early" if t.scope == "last" and t.block == "output"
+                else "held"), per
+
+    groups: dict[tuple, list] = {}  # terms alike in when and how often they are held: one weight, one count
+    for t in terms:
+        key = (t.block == SPLIT_BLOCK, t.scope, t.scope == "last" and t.block == "output", t.recompute_flags)
+        groups.setdefault(key, []).append(t)
+    coef = {key: coefficients(ts[0]) for key, ts in groups.items()}
+    weights = {k: [0] * m for k in ("held", "early", "between")}
+    for key, ts in groups.items():
+        kind, per = coef[key]
+        size = sum(sizes(t) for t in ts)
+        weights[kind] = [w + size * c for w, c in zip(weights[kind], per)]
+    micro = np.asarray(plan.microbatches)
+    steady = np.vectorize(lambda n: steady_microbatches(p, m, int(n), str(plan.schedule)))(micro)
+    counts: dict[tuple, Any] = {key: 0 * micro for key in groups}
+    held_out: list = [0 * micro for _ in range(m)]
+    for M in np.unique(steady):  # one order per distinct M of the same peak (the search's plans hold several)
+        mask = steady == M
+        w = {k: [_at(x, mask, micro) for x in v] for k, v in weights.items()}
+        _, held, pre = rank_peak(stage, p, m, int(M), str(plan.schedule), w["held"], w["early"], w["between"])
+        alive = {"held": held, "early": pre, "between": [h - k for h, k in zip(held, pre)]}
+        for key, (kind, per) in coef.items():
+            counts[key] = _put(counts[key], mask, sum(_at(c, mask, micro) * a for c, a in zip(per, alive[kind])))
+        held_out = [_put(h, mask, n) for h, n in zip(held_out, held)]
+    return {t.id: counts[key] for key, ts in groups.items() for t in ts}, held_out
+
+
+def _at(x: Any, mask: Any, like: Any) -> Any:
+    """`x` where `mask` if it is an array shaped like the plans' `like`, else `x`."""
+    return x[mask] if np.ndim(like) and np.shape(x) == np.shape(like) else x
+
+
+def _put(into: Any, mask: Any, value: Any) -> Any:
+    """`value` where `mask` (arrays), or `value` (scalars)."""
+    if not np.ndim(into):
+        return value
+    out = np.array(into, dtype=np.result_type(into, value))
+    out[mask] = value
+    return out

@@ -13,6 +13,7 @@ from memplan.core.specs import Config
 from memplan.core.training import Recompute
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import schedule_in_flight, stage_layers
+from memplan.memory.pipeline_multi import is_multi, one, rank_chunks, stage_ends
 from memplan.memory.states import ParamGroup
 
 
@@ -35,7 +36,7 @@ class PlanValues:
     ep: Any = 1  # expert-parallel size
     etp: Any = None  # expert tensor-parallel size (None: t)
     cp_comm: str = "p2p"  # context-parallel attention's communication (ParallelSpec.cp_comm_type)
-    schedule: str = "1F1B"  # the pipeline schedule (ParallelSpec.pp_schedule: 1F1B or GPipe)
+    schedule: str = "1F1B"  # the pipeline schedule (ParallelSpec.pp_schedule: memplan/memory/pipeline.py TORCH_SCHEDULES)
 
     @property
     def expert_tp(self) -> Any:
@@ -52,7 +53,8 @@ class PlanValues:
     @staticmethod
     def from_config(config: Config) -> "PlanValues":
         par, tr = config.parallel, config.training
-        chunk = config.layers_per_chunk
+        model_layers = config.model.num_layers
+        chunk = model_layers if is_multi(par.pp_schedule) else config.layers_per_chunk  # multi: all, every chunk
         recomputed = tr.recompute_num_layers if tr.recompute_num_layers is not None else chunk
         first, _, last = config.split
         return PlanValues(
@@ -73,13 +75,25 @@ class PlanValues:
         return model.symbols(b=self.b, t=self.t, cp=self.cp, ep=self.ep, etp=self.expert_tp, **more)
 
     def layers(self, model: ModelSpec, stage: Any) -> Any:
-        """Transformer layers on pipeline stage `stage` (memplan/memory/pipeline.py stage_layers)."""
+        """Transformer layers on pipeline stage `stage` (memplan/memory/pipeline.py stage_layers; a multi-stage
+        schedule's rank: its chunks', memplan/memory/pipeline_multi.py rank_chunks)."""
+        if is_multi(self.schedule):
+            return sum(rank_chunks(one(stage), one(self.p), one(self.m), model.num_layers, str(self.schedule)))
         return stage_layers(stage, self.p, model.num_layers, self.first_layers, self.last_layers)
+
+    def ends(self, stage: Any) -> tuple[Any, Any]:
+        """(stage `stage` holds the embedding, it holds the output layer): memplan/memory/pipeline_multi.py
+        stage_ends."""
+        return stage_ends(stage, self.p, self.schedule)
 
     def chunk_layers(self, model: ModelSpec, stage: Any) -> tuple[Any, Any]:
         """(layers per model chunk of stage `stage`, those of them the recompute mode applies to): Megatron-LM
-        recomputes the first N layers of each chunk (block method), all of a chunk that has fewer."""
-        n = self.layers(model, stage) // self.m
+        recomputes the first N layers of each chunk (block method), all of a chunk that has fewer. A multi-stage
+        schedule's chunks differ: the rank's largest."""
+        if is_multi(self.schedule):
+            n = max(rank_chunks(one(stage), one(self.p), one(self.m), model.num_layers, str(self.schedule)))
+        else:
+            n = self.layers(model, stage) // self.m
         return n, minimum(self.recomputed_layers, n)
 
 

@@ -101,7 +101,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     rec = plan.recompute
     n, recomputed = plan.chunk_layers(model, stage)  # this stage's chunks (uneven stages: memplan/memory/pipeline.py)
     N = recomputed * (rec != Recompute.NONE)  # recomputed layers of a chunk (its first N)
-    is_first, is_last = stage == 0, stage == plan.p - 1
+    is_first, is_last = plan.ends(stage)  # the V schedules: rank 0 holds both
     is_full, is_sel, is_none = (rec == Recompute.FULL), (rec == Recompute.SELECTIVE), (rec == Recompute.NONE)
     stored_plain = stored_full = stored_sel = 0  # one layer's saved bytes: not recomputed, full, selective
     for t in layer_terms:

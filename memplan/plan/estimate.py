@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from memplan.core.specs import Config, GpuSpec
-from memplan.core.training import Recompute
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.activations import layer_bytes, layer_poly
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
@@ -28,6 +28,7 @@ from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
 from memplan.memory.pipeline import interleaving_factor, replayed_microbatches, schedule_in_flight
+from memplan.memory.pipeline_multi import is_multi, multi_note, rank_chunks
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
@@ -70,8 +71,12 @@ def stage_rows(est: "Estimate") -> list[StageRow]:
     rows = []
     for mem, step in zip(est.stages, est.steps):
         chunks = int(schedule_in_flight(mem.stage, par.pp, par.vpp, c.num_microbatches, par.pp_schedule)[0])
+        copies = chunks * int(mem.layers) // par.vpp
+        if mem.held is not None:  # a multi-stage schedule: its chunks differ (memplan/memory/pipeline_multi.py)
+            sizes = rank_chunks(int(mem.stage), par.pp, par.vpp, c.model.num_layers, par.pp_schedule)
+            chunks, copies = int(sum(mem.held)), int(sum(n * k for n, k in zip(sizes, mem.held)))
         e = step.peak_event
-        rows.append(StageRow(mem.stage, int(mem.layers), chunks, chunks * int(mem.layers) // par.vpp,
+        rows.append(StageRow(mem.stage, int(mem.layers), chunks, copies,
                              int(mem.states.total), int(mem.activations), int(step.peak_bytes),
                              f"{e.phase}{f' of layer {e.layer}' if e.layer is not None else ''}"))
     return rows
@@ -85,14 +90,18 @@ def peak_reason(est: "Estimate") -> str:
     p = len(rows)
     if p == 1:
         return "one stage: it holds every layer, the embedding and the LM head"
-    why = [f"{top.layer_copies} layer activation sets in flight ({top.chunks} chunk(s) x {top.layers // est.config.parallel.vpp} "
-           f"layer(s))"]
-    if top.stage == 0:
-        why.append("the embedding and the most micro-batches in flight (1F1B warm-up)")
-    if top.stage == p - 1:
+    multi = is_multi(est.config.parallel.pp_schedule)
+    why = [f"{top.layer_copies} layer activation sets in flight ({top.chunks} chunk(s) x "
+           + (f"their layers, {est.config.parallel.pp_schedule})" if multi else
+              f"{top.layers // est.config.parallel.vpp} layer(s))")]
+    first, last = PlanValues.from_config(est.config).ends(top.stage)
+    if first:
+        why.append("the embedding" + ("" if multi else " and the most micro-batches in flight (1F1B warm-up)"))
+    if last:
         why.append("the LM head and the loss (logits)")
     others = [r for r in (rows[0], rows[min(1, p - 1)], rows[-1]) if r.stage != top.stage]
-    versus = "; ".join(f"stage {r.stage}: {r.layer_copies} sets ({r.chunks} x {r.layers // est.config.parallel.vpp}), "
+    versus = "; ".join(f"stage {r.stage}: {r.layer_copies} sets ({r.chunks} x "
+                       + ("chunks" if multi else f"{r.layers // est.config.parallel.vpp}") + "), "
                        f"peak {r.peak_bytes / 1e9:.2f} GB" for r in dict((r.stage, r) for r in others).values())
     return f"stage {top.stage} peaks: " + ", ".join(why) + (f"; against {versus}" if versus else "")
 
@@ -201,7 +210,7 @@ def estimate(
         poly = poly.assign("t", 1)
 
     rows = []
-    for term in terms:
+    for term in terms + peak.extra_terms:  # extra: a split backward's I -> W gradients (memplan/memory/stage.py)
         n = peak.unit_bytes[term.id]  # one copy as allocated (storages rounded to the allocator block)
         stage_n = peak.term_bytes[term.id]
         if stage_n == 0 and (term.scope != "layer" or not term.kept(plan.recompute) or term not in shown):
@@ -220,7 +229,7 @@ def estimate(
     if gpu is not None:
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
     notes = _notes(config, peak, terms, values, inventory)
-    if budget_bytes is not None and not paper_only and (why := not_streamed(config.training, plan)):
+    if budget_bytes is not None and not paper_only and (why := not_replayed(config.training, plan)):
         notes.append(f"not replayed through the caching allocator: its allocation stream does not model {why} "
                      "yet, so the verdict takes the flat fragmentation margin alone")
     return Estimate(
@@ -236,6 +245,13 @@ def estimate(
     )
 
 
+def not_replayed(training: TrainingSpec, plan: PlanValues) -> str:
+    """What of the plan the allocation stream does not model ("" when it models all of it): memplan/memory/stream.py
+    not_streamed, and torchtitan's multi-stage schedules (a rank's chunks differ in size; a split backward)."""
+    multi = f"torchtitan's {plan.schedule} schedule" if is_multi(plan.schedule) else ""
+    return ", ".join(x for x in (not_streamed(training, plan), multi) if x)
+
+
 def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
                  gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
                  replay: Replay = Replay(), report: bool = True) -> tuple[DeviceMemory, Optional[Reserved]]:
@@ -247,7 +263,7 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same). `report`
     False: the verdict alone (a run that dies is not replayed again with expandable segments)."""
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
-    if budget_bytes is None or not_streamed(config.training, plan):
+    if budget_bytes is None or not_replayed(config.training, plan):
         return flat, None
     replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
         int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
@@ -330,7 +346,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.name.startswith("torchtitan"):
         notes.append("torchtitan: the decoder layers' backward transients are not modelled yet (the loss's are, "
                      "derived): the peak is a lower bound")
-        if par.pp > 1:
+        if par.pp > 1 and is_multi(par.pp_schedule):
+            notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)
+        elif par.pp > 1:
             notes.append(f"torchtitan pipeline_parallel_schedule {par.pp_schedule} (torch.distributed.pipelining "
                          + ("ScheduleGPipe: every forward before the first backward, all micro-batches in flight on "
                             "every stage" if par.pp_schedule == "GPipe" else
@@ -355,11 +373,17 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         notes.append(f"uneven pipeline stages: {first} layer(s) on the first stage, {middle} on each of the {par.pp - 2} "
                      f"middle one(s), {last} on the last ({titan})" if par.pp > 2 else
                      f"uneven pipeline stages: {first} layer(s) on the first stage, {last} on the last")
-    notes.append(
+    if peak.held is not None:
+        sizes = rank_chunks(int(peak.stage), par.pp, par.vpp, config.model.num_layers, par.pp_schedule)
+        notes.append(f"stage {peak.stage} holds, at its peak, " + ", ".join(
+            f"{int(k)} micro-batch(es) of its {n}-layer chunk" for n, k in zip(sizes, peak.held))
+            + f" (torch's {par.pp_schedule} order, memplan/memory/pipeline_multi.py)")
+    else:
+        notes.append(
         f"stage {peak.stage} holds {chunks} model chunk(s) of {peak.layers // par.vpp} layer(s) in flight"
         + (f" (interleaving factor 1 + (p-1)/(pm) = {interleaving_factor(par.pp, par.vpp):.4f} on stage 0)"
            if par.vpp > 1 else "")
-    )
+        )
     if config.num_microbatches < par.pp:
         notes.append(
             f"only {config.num_microbatches} micro-batch(es) per step for p={par.pp} stages: "

@@ -40,6 +40,7 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.types import Inventory
 from memplan.memory.offload import host_bytes, offloads, per_node
+from memplan.memory.pipeline_multi import is_multi, one
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import device_memory, step_events
@@ -94,8 +95,12 @@ def evaluate(model: ModelSpec, training: TrainingSpec, plans: PlanValues, gpu: O
 
 def candidate_stages(plans: PlanValues) -> tuple[Any, ...]:
     """The stages that can be the most loaded (`evaluate`): the first and the last, and with uneven stages the
-    second (the most loaded middle one; the last when p = 2, the first when p = 1)."""
+    second (the most loaded middle one; the last when p = 2, the first when p = 1); with a multi-stage schedule every
+    rank (its chunks and order differ)."""
     last = plans.p - 1
+    if is_multi(plans.schedule):  # torchtitan's multi-stage schedules: any rank (one p per part), first and last first
+        p = one(plans.p)
+        return (0, p - 1) + tuple(range(1, p - 1))
     if plans.first_layers is None:
         return (0 * last, last)
     return (0 * last, last, last - (last > 1) * (last - 1))

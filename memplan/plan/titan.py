@@ -18,7 +18,10 @@ same flags, memplan/api/options.py):
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
   pp          1, and the powers of 2 dividing the GPUs whose stage split `estimate --impl torchtitan --pp` takes
               (memplan/memory/pipeline.py titan_split: equal middle stages, the first / last stage a layer short
-              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`); the
+              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`), and where p
+              divides L and torchtitan splits 2p virtual stages, the multi-stage Interleaved1F1B, LoopedBFS,
+              InterleavedZeroBubble, ZBVZeroBubble and DualPipeV at 2 stages a rank (memplan/memory/pipeline_multi.py;
+              where torch runs them: multi_runs; the split-backward ones not compiled); the
               micro-batch b (pipeline_parallel_microbatch_size) divides the global batch / d, the local batch is
               the pipeline's M = global batch / (d b) micro-batches (no accumulation on top, as --emit torchtitan
               launches it), 1F1B with M >= pp only (titan_schedule_runs: torch's Schedule1F1B refuses fewer); AC
@@ -27,7 +30,8 @@ same flags, memplan/api/options.py):
               own (the schedule is one per PlanValues); `join` makes the schedule a per-plan array.
   ep          a Qwen3 MoE model's: the divisors of E dividing d, with tp = cp = pp = 1 and no compile or float8
               (`moe_dims`; memplan/inventory/titan_moe.py); dense models ep 1.
-Not searched (not modelled for torchtitan yet): multi-stage pipeline schedules, async TP, memory-budget AC.
+Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
+--pipeline-layers-per-stage).
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
 `TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
 """
@@ -46,7 +50,8 @@ from memplan.core.specs import Config
 from memplan.core.training import Recompute
 from memplan.inventory.titan import LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_moe import check_titan_moe
-from memplan.memory.pipeline import TITAN_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
+from memplan.memory.pipeline import SINGLE_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
+from memplan.memory.pipeline_multi import MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_runs
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
 
@@ -62,7 +67,7 @@ class TitanPins:
     compile: Optional[bool] = None
     micro_batch: Optional[int] = None  # torchtitan's local batch (with pp > 1 its pipeline_parallel_microbatch_size)
     pp: Optional[int] = None  # pipeline_parallel_degree
-    schedule: Optional[str] = None  # pipeline_parallel_schedule (1F1B or GPipe); pinned: pp > 1 only
+    schedule: Optional[str] = None  # pipeline_parallel_schedule (pipeline.py TORCH_SCHEDULES); pinned: pp > 1 only
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
     ep: Optional[int] = None  # expert_parallel_degree (a Qwen3 MoE: searched over the divisors of E; `moe_dims`)
     etp: Optional[int] = None  # refused: torchtitan's experts have no expert TP here (efsdp = d t cp / ep)
@@ -134,20 +139,30 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     if pins.pp is None and (float8 or layer_ac):
         return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
                      "modelled with --pp)"]
-    skipped = []
+    skipped, multi_skipped = [], []
+    schedules = [pins.schedule] if pins.schedule else list(SINGLE_SCHEDULES + MULTI_SCHEDULES)
     for p in [pins.pp] if pins.pp not in (None, 1) else [2 ** i for i in range(1, gpus.bit_length()) if pins.pp is None]:
         if gpus % p:
             continue
-        try:
-            first, last = titan_split(p, L)
-        except ValueError:
-            skipped.append(p)
-            continue
-        out += [(p, first, last, s) for s in ([pins.schedule] if pins.schedule else TITAN_SCHEDULES)]
-    if skipped:
-        notes.append(f"pp {', '.join(map(str, skipped))} not searched: torchtitan's stage split of the {L} layers "
-                     "leaves middle stages of different sizes or a stage without layers (not modelled: "
-                     "memplan/memory/pipeline.py titan_split)")
+        for s in schedules:
+            try:
+                if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at L / p: titan_plans)
+                    if L % p or (pins.compile and s in SPLIT_BACKWARD):
+                        raise ValueError(s)
+                    titan_stage_layers(2 * p, L)
+                    out.append((p, None, None, s))
+                else:
+                    out.append((p, *titan_split(p, L), s))
+            except ValueError:
+                (multi_skipped if is_multi(s) else skipped).append(p)
+    why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes or a "
+                           "stage without layers (not modelled: memplan/memory/pipeline.py titan_split)",
+           "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or --compile pins a "
+                          "split-backward schedule"}
+    for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
+        if ps:
+            notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
+                         + why[which])
     return out, notes
 
 
@@ -176,7 +191,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
         notes = ["torchtitan MoE: ep searched, tp, cp and pp not (modelled with FSDP2 and --ep only); EP's all-to-alls "
                  "timed as Megatron-LM's alltoall dispatcher's (memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
-        chunk = max(titan_stage_layers(p, model.num_layers))
+        multi = is_multi(schedule)
+        chunk = model.num_layers // p if multi else max(titan_stage_layers(p, model.num_layers))
         fixed = Fixed(**moe_dims(model, pins, float8), pp=p, vpp=1, cp_comm_type="allgather", zero=3,
                       micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
                       **_ac_fixed(model, pins, chunk))
@@ -188,13 +204,16 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
         keep = (replicas == 1) | (plans.shard >= 2)  # HSDP keeps 2 or more ranks per shard group (options.titan_shard)
         # TP shards w1 / w3 / w2 by the FFN width and the LM head and loss by the vocabulary (colwise, loss parallel)
         keep &= (model.f % plans.t == 0) & (model.vocab_size % plans.t == 0)
-        keep &= titan_schedule_runs(plans.p, plans.microbatches, schedule)
+        keep &= multi_runs(plans.p, 2, plans.microbatches, schedule) if multi else titan_schedule_runs(
+            plans.p, plans.microbatches, schedule)
         if pins.dp_replicate is not None:
             keep &= replicas == pins.dp_replicate
         if model.is_moe:  # no HSDP with EP (moe_dims)
             keep &= replicas == 1
         if keep.any():
             plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
+            if multi:  # 2 stages a rank (torchtitan's default); the AC mode covers every layer of every chunk
+                plans = dataclasses.replace(plans, m=plans.m * 2, recomputed_layers=0 * plans.m + model.num_layers)
             n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
             parts.append(dataclasses.replace(plans, first_layers=n * (first or model.num_layers // p),
                                              last_layers=n * (last or model.num_layers // p)))
@@ -211,7 +230,9 @@ def compilable(plans: PlanValues, float8: bool = False, layers: int = 0) -> np.n
     (memplan/api/options.py)."""
     rec, t = np.asarray(plans.recompute), np.asarray(plans.t)
     full = (rec == int(Recompute.FULL)) & (np.asarray(plans.recomputed_layers) >= layers)
-    return (np.asarray(plans.cp) == 1) & (((rec != int(Recompute.SELECTIVE)) & ((t == 1) | full)) | (not float8))
+    split = str(plans.schedule) in SPLIT_BACKWARD  # I / W through a compiled block: not modelled (api options)
+    return (np.asarray(plans.cp) == 1) & (((rec != int(Recompute.SELECTIVE)) & ((t == 1) | full)) | (not float8)) & (
+        not split)
 
 
 def join(a: PlanValues, b: PlanValues) -> PlanValues:

@@ -19,6 +19,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
 from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
+from memplan.memory.pipeline_multi import SPLIT_BACKWARD
 from memplan.plan.evaluate import concat, evaluate
 from memplan.plan.search import SearchResult, check_int64, ranked, tp_limit
 from memplan.plan.titan import TitanPins, compilable, join, pinned_every, titan_plans
@@ -58,7 +59,10 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
             notes.append(f"torch.compile not searched: {why}")
         elif any(c.any() for c in can):
             sets += [(part.take(np.flatnonzero(c)), True) for part, c in zip(eager, can) if c.any()]
-            if not all(c.all() for c in can):
+            if any(str(part.schedule) in SPLIT_BACKWARD for part in eager):
+                notes.append("torch.compile not searched with the split-backward pipeline schedules (I / W through a "
+                             "compiled block: not modelled)")
+            if not all(c.all() for part, c in zip(eager, can) if str(part.schedule) not in SPLIT_BACKWARD):
                 notes.append(f"torch.compile searched with {where} only (compile with CP"
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
@@ -79,10 +83,14 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: the multi-stage pipeline schedules and async TP are not searched (not "
-                                 "modelled for --impl torchtitan yet), memory-budget AC neither (estimate --ac budget:F --compile); float8 is a pin (--float8), not searched"])
+    result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), "
+                                 "memory-budget AC neither (estimate --ac budget:F --compile), the multi-stage "
+                                 "schedules at 2 stages a rank only (torchtitan's default); float8 is a pin (--float8), "
+                                 "not searched"])
     if np.any(np.asarray(plans.p) > 1):
-        result.notes.append("torchtitan pp: the step time charges the pipeline bubble, (pp - 1) / M of a stage's "
-                            "busy time, and the stage sends as Megatron-LM's plans are timed (memplan/timing/step.py): "
-                            "derived, uncalibrated (no torchtitan pipeline run was timed)")
+        result.notes.append("torchtitan pp: the step time charges the pipeline bubble, (pp - 1) / (m M) of a stage's "
+                            "busy time (m = 2 stages a rank for the multi-stage schedules; a third of it for the "
+                            "split-backward ones: memplan/memory/pipeline_multi.py bubble_share), and the stage sends "
+                            "as Megatron-LM's plans are timed (memplan/timing/step.py): derived, uncalibrated (no "
+                            "torchtitan pipeline run was timed)")
     return result

@@ -12,10 +12,9 @@ from typing import Callable
 
 from memplan.core.errors import MemplanError
 from memplan.memory.reserved import Replay
-from memplan.memory.stream import not_streamed
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.arrange import arrange
-from memplan.plan.estimate import device_bytes
+from memplan.plan.estimate import device_bytes, not_replayed
 from memplan.plan.limits import fits_below
 from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
 
@@ -28,7 +27,7 @@ def _verdict(result: SearchResult, plan: int, replay: Replay) -> tuple[int, str]
     """What plan needs as `estimate` decides it and what the stream does not model ("" when the plan is replayed):
     where not streamed, the flat margin alone decides, which is the search's own bound."""
     config = result.config(plan)
-    if why := not_streamed(config.training, PlanValues.from_config(config)):
+    if why := not_replayed(config.training, PlanValues.from_config(config)):
         return int(result.numbers(plan)["device_bytes"]), why
     return device_bytes(config, result.impl, "cuda", result.gpu, result.margin, result.budget_bytes, replay), ""
 

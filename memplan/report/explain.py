@@ -19,6 +19,7 @@ from memplan.core.symbolic import Poly, sort_key  # the order Poly.text() writes
 from memplan.inventory.types import Term, display_poly
 from memplan.memory.optimizers import states_label
 from memplan.memory.pipeline import schedule_in_flight
+from memplan.memory.pipeline_multi import rank_chunks
 from memplan.memory.states import optimizer_bytes, param_groups
 from memplan.plan.estimate import Estimate, estimate
 from memplan.report.text import fragmentation_label
@@ -162,7 +163,13 @@ def _pipeline(est: Estimate) -> list[Step]:
     c, peak = est.config, est.peak
     par, i, M = c.parallel, est.most_loaded, c.num_microbatches
     chunks = int(schedule_in_flight(i, par.pp, par.vpp, M, par.pp_schedule)[0])
-    if par.pp_schedule == "GPipe":
+    per_chunk: Any = ("L/(pm)", f"{c.model.num_layers} / ({par.pp} x {par.vpp})", c.layers_per_chunk)
+    if peak.held is not None:  # a multi-stage schedule (memplan/memory/pipeline_multi.py): chunks differ in size
+        chunks, sizes = int(sum(peak.held)), rank_chunks(i, par.pp, par.vpp, c.model.num_layers, par.pp_schedule)
+        formula, text = "the most bytes over torch's order", " + ".join(str(int(k)) for k in peak.held)
+        src = f"torch 2.13's {par.pp_schedule} order per rank (its _calculate_single_rank_operations)"
+        per_chunk = ("the rank's largest of torchtitan's split", f"max({', '.join(map(str, sizes))})", max(sizes))
+    elif par.pp_schedule == "GPipe":
         formula, text, src = "M", f"{M}", "GPipe: torch's ScheduleGPipe runs every forward first"
     elif par.vpp == 1:
         formula, text = "min(p - i, M)", f"min({par.pp} - {i}, {M})"
@@ -174,8 +181,7 @@ def _pipeline(est: Estimate) -> list[Step]:
     steps = [
         Step("pipeline", f"model chunks in flight on stage i={i} (the most loaded)", formula, text, chunks, "chunks",
              src),
-        Step("pipeline", "layers per model chunk", "L/(pm)", f"{c.model.num_layers} / ({par.pp} x {par.vpp})",
-             c.layers_per_chunk, "layer(s)"),
+        Step("pipeline", "layers per model chunk", *per_chunk, "layer(s)"),
     ]
     groups: dict[tuple[str, int], list[Any]] = {}
     for r in est.rows:

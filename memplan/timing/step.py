@@ -41,6 +41,7 @@ from memplan.core.specs import GpuSpec
 from memplan.core.training import TrainingSpec
 from memplan.memory.offload import layer_copy_bytes, offloads, stepped_bytes
 from memplan.memory.states import counter, stage_params
+from memplan.memory.pipeline_multi import bubble_share
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_python, as_time, maximum, minimum, plan_floats, select
 from memplan.timing.calibration import attention_matmul_efficiency, calibration, memory_bound_efficiency
@@ -203,7 +204,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # are the other stages' warm-up forwards and cool-down backwards, so they are priced at a
     # stage of L/p layers without the LM head (the bottleneck stage's own time is `ideal`).
     chunk_steps = m * M
-    bubble_over_ideal = (p - 1.0) / chunk_steps
+    bubble_over_ideal = (p - 1.0) / chunk_steps * bubble_share(plan.schedule)  # zero-bubble schedules: less
     stage_layers = (evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy) * inv_cp \
         + cp_ep
     bubble = bubble_over_ideal * (bm * stage_layers)
