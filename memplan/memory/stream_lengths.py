@@ -1,0 +1,110 @@
+"""One plan's allocation stream at many sequence lengths (`--max-seq`'s search, memplan/plan/limits.py, replays
+some thirty lengths of one plan): `StreamLengths` makes the stream (memplan/memory/stream.py) for the first two
+lengths asked for; when the two are the same stream but for the sizes, and every size is what its polynomial gives
+(`Alloc.poly`, the requested bytes of one storage in s and b, rounded up as the stream rounds a storage: ceil), at
+both lengths, the compact form the replay reads (`AllocationStream.ops`) at every later length is the first
+stream's, its sizes evaluated from their polynomials, instead of the whole stream made again (a stream of
+llama3-8b costs ~15 ms to make, its sizes ~1 ms to evaluate).
+
+What this takes for granted, checked at the two lengths made and by tests/test_replay_speed.py at other lengths of
+random plans: the stream's events, their order and every size without a polynomial do not depend on s, and a size
+with one is ceil(poly(s, b)) (exact when the plan's divisibility checks hold: memplan/core/symbolic.py `evaluate`).
+Where the two streams differ otherwise (context parallelism's s / cp tokens, which the polynomials leave out; a
+first step at another length, `Replay.first_step_seq_len`; any size that moves with s without a polynomial), every
+length's stream is made.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+from memplan.core.symbolic import Poly
+from memplan.memory.stream_events import Alloc, AllocationStream
+
+_UNDECIDED = object()
+
+
+def ceil_at(poly: Poly, s: int, b: int) -> Optional[int]:
+    """ceil(poly(s, b)) exactly (rational coefficients); None when the polynomial holds another symbol."""
+    total = Fraction(0)
+    for mono, coef in poly.terms:
+        value = Fraction(coef)
+        for sym, power in mono:
+            if sym not in ("s", "b"):
+                return None
+            value *= Fraction(s if sym == "s" else b) ** power
+        total += value
+    return -(-total.numerator // total.denominator)
+
+
+class _Shape:
+    """A stream's compact form with its sizes as functions of s: the ops that do not move (frees, sizes without a
+    polynomial) and, per distinct polynomial, the positions it sizes."""
+
+    def __init__(self, stream: AllocationStream, ops: list[int], polys: dict[Poly, list[int]], b: int) -> None:
+        self.stream, self.ops_const, self.b = stream, ops, b
+        self.groups = list(polys.items())
+
+    def ops(self, s: int) -> list[int]:
+        out = list(self.ops_const)
+        for poly, positions in self.groups:
+            value = ceil_at(poly, s, self.b)
+            for at in positions:
+                out[at] = value
+        return out
+
+
+def shape_of(first: tuple[int, AllocationStream], second: tuple[int, AllocationStream], b: int) -> Optional[_Shape]:
+    """The shape two streams of one plan at lengths s1 != s2 share (their events equal but for the sizes, each size
+    with a polynomial ceil(poly(s, b)) at both lengths, each without one equal); None when they do not."""
+    (s1, one), (s2, two) = first, second
+    events, others = one.events, two.events
+    if len(events) != len(others):
+        return None
+    ops = one.ops()
+    polys: dict[Poly, list[int]] = {}
+    for at, (x, y) in enumerate(zip(events, others)):
+        if type(x) is not type(y):
+            return None
+        if type(x) is not Alloc:
+            if x != y:
+                return None
+            continue
+        if (x.id, x.kind, x.name, x.poly) != (y.id, y.kind, y.name, y.poly):
+            return None
+        if x.poly is None:
+            if x.size != y.size:
+                return None
+            continue
+        if ceil_at(x.poly, s1, b) != x.size or ceil_at(x.poly, s2, b) != y.size:
+            return None
+        polys.setdefault(x.poly, []).append(at)
+    return _Shape(one, ops, polys, b)
+
+
+class StreamLengths:
+    """The streams of one plan (all but the sequence length fixed; b its micro-batch) at the lengths a search asks
+    for, by `key` (what else picks the stream: the stage replayed): `get(key, s, make)` returns the stream and its
+    compact form at s, `make()` called only while the shape is not known (module docstring)."""
+
+    def __init__(self, b: int) -> None:
+        self.b = b
+        self.first: dict[Any, tuple[int, AllocationStream]] = {}
+        self.shapes: dict[Any, Any] = {}  # key -> _Shape, or None: every length made
+        self.made = 0  # streams made (the rest evaluated)
+
+    def get(self, key: Any, s: int, make: Callable[[], AllocationStream]) -> tuple[AllocationStream, list[int]]:
+        """The stream at length s (the first stream made, for an evaluated length: the same events, other sizes)
+        and its compact form at s."""
+        shape = self.shapes.get(key, _UNDECIDED)
+        if isinstance(shape, _Shape):
+            return shape.stream, shape.ops(s)
+        stream = make()
+        self.made += 1
+        if shape is _UNDECIDED:
+            first = self.first.setdefault(key, (s, stream))
+            if first[0] != s:
+                self.shapes[key] = shape_of(first, (s, stream), self.b)
+                del self.first[key]
+        return stream, stream.ops()
