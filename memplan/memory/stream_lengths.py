@@ -16,6 +16,7 @@ length's stream is made.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
@@ -27,29 +28,41 @@ _UNDECIDED = object()
 
 def ceil_at(poly: Poly, s: int, b: int) -> Optional[int]:
     """ceil(poly(s, b)) exactly (rational coefficients); None when the polynomial holds another symbol."""
-    total = Fraction(0)
+    in_s = in_powers_of_s(poly, b)
+    return None if in_s is None else value_at(in_s, s)
+
+
+def in_powers_of_s(poly: Poly, b: int) -> Optional[tuple[tuple[tuple[int, int], ...], int]]:
+    """The polynomial at this b as integers: ((power of s, coefficient), ...) over a common denominator (the value at
+    s is ceil(sum(coefficient * s^power) / denominator)); None when it holds another symbol or a negative power."""
+    by_power: dict[int, Fraction] = {}
     for mono, coef in poly.terms:
-        value = Fraction(coef)
-        for sym, power in mono:
-            if sym not in ("s", "b"):
-                return None
-            value *= Fraction(s if sym == "s" else b) ** power
-        total += value
-    return -(-total.numerator // total.denominator)
+        powers = dict(mono)
+        if set(powers) - {"s", "b"} or min(powers.values(), default=0) < 0:
+            return None
+        k = powers.get("s", 0)
+        by_power[k] = by_power.get(k, Fraction(0)) + Fraction(coef) * b ** powers.get("b", 0)
+    denominator = math.lcm(*(c.denominator for c in by_power.values())) if by_power else 1
+    return tuple((k, int(c * denominator)) for k, c in by_power.items()), denominator
+
+
+def value_at(in_s: tuple[tuple[tuple[int, int], ...], int], s: int) -> int:
+    """ceil(poly(s)) of a polynomial `in_powers_of_s` gave."""
+    terms, denominator = in_s
+    return -(-sum(c * s ** k for k, c in terms) // denominator)
 
 
 class _Shape:
     """A stream's compact form with its sizes as functions of s: the ops that do not move (frees, sizes without a
-    polynomial) and, per distinct polynomial, the positions it sizes."""
+    polynomial) and, per distinct polynomial (in powers of s at the plan's b), the positions it sizes."""
 
-    def __init__(self, stream: AllocationStream, ops: list[int], polys: dict[Poly, list[int]], b: int) -> None:
-        self.stream, self.ops_const, self.b = stream, ops, b
-        self.groups = list(polys.items())
+    def __init__(self, stream: AllocationStream, ops: list[int], groups: list[tuple[Any, list[int]]]) -> None:
+        self.stream, self.ops_const, self.groups = stream, ops, groups
 
     def ops(self, s: int) -> list[int]:
         out = list(self.ops_const)
-        for poly, positions in self.groups:
-            value = ceil_at(poly, s, self.b)
+        for in_s, positions in self.groups:
+            value = value_at(in_s, s)
             for at in positions:
                 out[at] = value
         return out
@@ -63,7 +76,8 @@ def shape_of(first: tuple[int, AllocationStream], second: tuple[int, AllocationS
     if len(events) != len(others):
         return None
     ops = one.ops()
-    polys: dict[Poly, list[int]] = {}
+    polys: dict[Poly, list[int]] = {}  # the positions each sizes
+    compiled: dict[Poly, Any] = {}  # its form in powers of s (`in_powers_of_s`)
     for at, (x, y) in enumerate(zip(events, others)):
         if type(x) is not type(y):
             return None
@@ -77,10 +91,15 @@ def shape_of(first: tuple[int, AllocationStream], second: tuple[int, AllocationS
             if x.size != y.size:
                 return None
             continue
-        if ceil_at(x.poly, s1, b) != x.size or ceil_at(x.poly, s2, b) != y.size:
+        if x.poly not in polys:
+            in_s = compiled[x.poly] = in_powers_of_s(x.poly, b)
+            polys[x.poly] = []
+        else:
+            in_s = compiled[x.poly]
+        if in_s is None or value_at(in_s, s1) != x.size or value_at(in_s, s2) != y.size:
             return None
-        polys.setdefault(x.poly, []).append(at)
-    return _Shape(one, ops, polys, b)
+        polys[x.poly].append(at)
+    return _Shape(one, ops, [(compiled[poly], positions) for poly, positions in polys.items()])
 
 
 class StreamLengths:
