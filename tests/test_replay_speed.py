@@ -4,6 +4,8 @@ polynomials (memplan/memory/stream_lengths.py) is the stream made at those lengt
 otherwise, it is made at every length. (The written-out replay, which reuses merged-away blocks, is checked against
 the rules' replay in tests/test_allocator.py.)"""
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +15,7 @@ from memplan.core.symbolic import Poly
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import allocation_stream
 from memplan.memory.stream import stream_for
-from memplan.memory.stream_events import Stamp
+from memplan.memory.stream_events import Alloc, AllocationStream, Free, Stamp
 from memplan.memory.stream_lengths import StreamLengths, ceil_at
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.limits import seq_step
@@ -126,3 +128,24 @@ def test_random_plans_evaluated_at_another_length(case, k):
     s = s0 + k * step
     stream, ops = lengths.get(0, s, lambda: make(s))
     assert ops == make(s).ops()
+
+
+def test_a_size_under_one_byte_is_made():
+    # two hand-made runs of one allocation of s - 100 bytes (a polynomial with a negative coefficient) at s = 300 and
+    # 200: evaluated at s = 150 (50 bytes); at s = 100 and 60 (0 and less: a stream would hold no such allocation)
+    # the stream is made there
+    size = Poly(((((("s", 1),), Fraction(1)), ((), Fraction(-100)))))
+
+    def make(s):
+        n = s - 100
+        events = [Alloc(0, n, 0, "transient", "x", size, n), Free(0)] if n > 0 else []
+        return AllocationStream(events, [], [], None, 0)
+
+    lengths = StreamLengths(1)
+    for s in (300, 200):
+        lengths.get(0, s, lambda: make(s))
+    assert lengths.get(0, 150, lambda: pytest.fail("made again"))[1] == [50, ~0]
+    for s in (100, 60):
+        stream, ops = lengths.get(0, s, lambda: make(s))
+        assert ops == [] and len(stream) == 0
+    assert lengths.made == 4

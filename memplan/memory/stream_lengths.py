@@ -3,15 +3,17 @@ some thirty lengths of one plan): `StreamLengths` makes the stream (memplan/memo
 lengths asked for; when the two are the same stream but for the sizes, and every size is what its polynomial gives
 (`Alloc.poly`, the requested bytes of one storage in s and b, rounded up as the stream rounds a storage: ceil), at
 both lengths, the compact form the replay reads (`AllocationStream.ops`) at every later length is the first
-stream's, its sizes evaluated from their polynomials, instead of the whole stream made again (a stream of
-llama3-8b costs ~15 ms to make, its sizes ~1 ms to evaluate).
+stream's, its sizes evaluated from their polynomials, instead of the whole stream made again (llama3-8b's stream
+for one H100, hf-sdpa, full recompute: 8,019 events, ~15 ms of CPU to make, its 13 distinct sizes under 0.1 ms to
+evaluate). Where a size would be under 1 byte at a length (the stream's term may have no storage there), that
+length's stream is made.
 
 What this takes for granted, checked at the two lengths made and by tests/test_replay_speed.py at other lengths of
 random plans: the stream's events, their order and every size without a polynomial do not depend on s, and a size
 with one is ceil(poly(s, b)) (exact when the plan's divisibility checks hold: memplan/core/symbolic.py `evaluate`).
 Where the two streams differ otherwise (context parallelism's s / cp tokens, which the polynomials leave out; a
-first step at another length, `Replay.first_step_seq_len`; any size that moves with s without a polynomial), every
-length's stream is made.
+first step at another length, `Replay.first_step_seq_len`; any size that moves with s without a polynomial, as GPT-3's
+learned position embedding, a parameter of s x h), every length's stream is made.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def value_at(in_s: tuple[tuple[tuple[int, int], ...], int], s: int) -> int:
     return -(-sum(c * s ** k for k, c in terms) // denominator)
 
 
+def _at_least_one(in_s: tuple[tuple[tuple[int, int], ...], int], s: int) -> Optional[int]:
+    """`value_at` where poly(s) >= 1 byte; None where less: the stream's term may have no storage there (a size of 0
+    bytes, floored, makes no allocation), so that length's stream is made."""
+    terms, denominator = in_s
+    total = sum(c * s ** k for k, c in terms)
+    return -(-total // denominator) if total >= denominator else None
+
+
 class _Shape:
     """A stream's compact form with its sizes as functions of s: the ops that do not move (frees, sizes without a
     polynomial) and, per distinct polynomial (in powers of s at the plan's b), the positions it sizes."""
@@ -59,10 +69,13 @@ class _Shape:
     def __init__(self, stream: AllocationStream, ops: list[int], groups: list[tuple[Any, list[int]]]) -> None:
         self.stream, self.ops_const, self.groups = stream, ops, groups
 
-    def ops(self, s: int) -> list[int]:
+    def ops(self, s: int) -> Optional[list[int]]:
+        """The compact form at s; None where a size would be under 1 byte (`_at_least_one`)."""
         out = list(self.ops_const)
         for in_s, positions in self.groups:
-            value = value_at(in_s, s)
+            value = _at_least_one(in_s, s)
+            if value is None:
+                return None
             for at in positions:
                 out[at] = value
         return out
@@ -105,7 +118,8 @@ def shape_of(first: tuple[int, AllocationStream], second: tuple[int, AllocationS
 class StreamLengths:
     """The streams of one plan (all but the sequence length fixed; b its micro-batch) at the lengths a search asks
     for, by `key` (what else picks the stream: the stage replayed): `get(key, s, make)` returns the stream and its
-    compact form at s, `make()` called only while the shape is not known (module docstring)."""
+    compact form at s, `make()` called only while the shape is not known (module docstring) or where a size would be
+    under 1 byte."""
 
     def __init__(self, b: int) -> None:
         self.b = b
@@ -117,8 +131,8 @@ class StreamLengths:
         """The stream at length s (the first stream made, for an evaluated length: the same events, other sizes)
         and its compact form at s."""
         shape = self.shapes.get(key, _UNDECIDED)
-        if isinstance(shape, _Shape):
-            return shape.stream, shape.ops(s)
+        if isinstance(shape, _Shape) and (ops := shape.ops(s)) is not None:
+            return shape.stream, ops
         stream = make()
         self.made += 1
         if shape is _UNDECIDED:
