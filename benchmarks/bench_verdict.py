@@ -62,9 +62,9 @@ made = []  # the arguments each of those streams was made with
 replay_run, stream_for = estimate_module.replay_run, estimate_module.stream_for
 
 
-def capture(stream, capacity, settings, try_expandable=True):
-    captured.append((stream.ops(), capacity))
-    return replay_run(stream, capacity, settings, try_expandable)
+def capture(stream, capacity, settings, try_expandable=True, **kwargs):  # kwargs: ops, where the tree takes them
+    captured.append((kwargs.get("ops") or stream.ops(), capacity))
+    return replay_run(stream, capacity, settings, try_expandable, **kwargs)
 
 
 def capture_made(*args, **kwargs):

@@ -335,16 +335,20 @@ def _plain(config: AllocatorConfig) -> bool:
 def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int) -> ReplayResult:
     """`replay_ops` under `_plain` settings, the loop of memplan's own streams, with the hot path written out: an
     allocation a cached block serves (`get_free_block`'s best fit, which under these settings takes the first block
-    of the free list >= size; `should_split`: a remainder of >= 512 B in the small pool, > 1 MiB in the large one)
-    and a free (`try_merge_blocks` with both neighbours, then cached). Everything else, a new segment and the
-    release and retry before an out-of-memory, is `CachingAllocatorModel.malloc` itself. The same state and result
-    as the rules' replay: tests/test_allocator.py replays random streams both ways (`replay`, which calls the
-    rules, against this)."""
+    of the free list >= size; `should_split`: a remainder of >= 512 B in the small pool, > 1 MiB in the large one),
+    one a new segment serves (`CachingAllocatorModel.alloc_block`, then split as a cached block) and a free
+    (`try_merge_blocks` with the previous neighbour, then the next, then cached). Everything else, the release and
+    retry before an out-of-memory, is `CachingAllocatorModel.malloc` itself. A neighbour merged away is kept and
+    reused as the next split's new block (fewer objects made; a freed tensor's id is never used again in a well
+    formed stream). The same state and result as the rules' replay: tests/test_allocator.py replays random streams
+    both ways (`replay`, which calls the rules, against this)."""
     blocks: list[Optional[Block]] = []
-    keep, malloc = blocks.append, state.malloc
+    keep, malloc, alloc_block = blocks.append, state.malloc, state.alloc_block
     config = state.config
-    sizes: dict[int, tuple[int, Pool, int]] = {}  # requested -> rounded, pool, the least remainder split off
+    sizes: dict[int, tuple] = {}  # requested -> rounded, pool, least remainder split off, its key, segment size
     shift, small = rules.KEY_SHIFT, rules.SMALL_SIZE_BYTES
+    spare: list[Block] = []  # blocks merged away, reused by the next splits
+    reuse, spared = spare.pop, spare.append
     oom = None
     at_peak = (0, 0)
     replayed = len(ops)
@@ -357,35 +361,45 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
                 continue
             # DeviceCachingAllocator::free / free_block
             block.allocated = False
-            allocated -= block.size
+            size = block.size
+            allocated -= size
             requested -= block.requested
             pool = block.pool
-            keys, cached = pool.keys, pool.blocks
             net = 0
-            for src in (block.prev, block.next):
-                if src is not None and not src.allocated:  # try_merge_blocks
-                    key = src.size << shift | src.addr
-                    del keys[bisect_left(keys, key)]
-                    del cached[key]
-                    if block.prev is src:
-                        block.addr = src.addr
-                        block.prev = src.prev
-                        if src.prev is not None:
-                            src.prev.next = block
-                    else:
-                        block.next = src.next
-                        if src.next is not None:
-                            src.next.prev = block
-                    block.size += src.size
-                    net -= src.size
-            key = block.size << shift | block.addr
-            insort(keys, key)
-            cached[key] = block
-            if block.prev is not None or block.next is not None:
-                net += block.size
-            inactive += net
-            if inactive > inactive_peak:
-                inactive_peak = inactive
+            prev, nxt = block.prev, block.next
+            if prev is not None and not prev.allocated:  # try_merge_blocks(block, prev)
+                key = prev.size << shift | prev.addr
+                keys = pool.keys
+                del keys[bisect_left(keys, key)]
+                del pool.blocks[key]
+                spared(prev)
+                block.addr = prev.addr
+                size += prev.size
+                net -= prev.size
+                prev = block.prev = prev.prev
+                if prev is not None:
+                    prev.next = block
+            if nxt is not None and not nxt.allocated:  # try_merge_blocks(block, next)
+                key = nxt.size << shift | nxt.addr
+                keys = pool.keys
+                del keys[bisect_left(keys, key)]
+                del pool.blocks[key]
+                spared(nxt)
+                size += nxt.size
+                net -= nxt.size
+                nxt = block.next = nxt.next
+                if nxt is not None:
+                    nxt.prev = block
+            block.size = size
+            key = size << shift | block.addr
+            insort(pool.keys, key)
+            pool.blocks[key] = block
+            if prev is not None or nxt is not None:
+                net += size
+            if net:
+                inactive += net
+                if inactive > inactive_peak:
+                    inactive_peak = inactive
             continue
         if not op:
             keep(None)
@@ -394,51 +408,58 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
         if entry is None:
             size = rules.round_size(op, config)
             pool = state.pool(rules.get_pool(size, stream))
-            entry = sizes[op] = (size, pool, small + 1 if pool.large else rules.MIN_BLOCK_BYTES)
-        size, pool, least = entry
+            entry = sizes[op] = (size, pool, small + 1 if pool.large else rules.MIN_BLOCK_BYTES, size << shift,
+                                 rules.get_allocation_size(size))
+        size, pool, least, low, segment = entry
         keys = pool.keys
-        i = bisect_left(keys, size << shift)
-        if i == len(keys):  # no cached block: a new segment, or the release and retry, or out of memory
-            state.allocated, state.requested = allocated, requested
-            state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
-            state.inactive_split, state.inactive_split_peak = inactive, inactive_peak
-            block = malloc(op, stream)
-            allocated, requested = state.allocated, state.requested
-            allocated_peak, requested_peak = state.allocated_peak, state.requested_peak
-            inactive, inactive_peak = state.inactive_split, state.inactive_split_peak
+        i = bisect_left(keys, low)
+        grew = i == len(keys)
+        if not grew:
+            block = pool.blocks.pop(keys.pop(i))
+        else:  # no cached block: a new segment, or the release and retry, or out of memory
+            block = alloc_block(pool, size, segment, False)
             if block is None:
-                rounded, segment = state.last_failure
-                oom = OutOfMemory(index, len(blocks), stream, op, rounded, segment, allocated, state.reserved,
-                                  state.capacity)
-                replayed = index
-                break
-            keep(block)
-            if state.peak_moved:
-                state.peak_moved = False
-                at_peak = (inactive, state.segments)
-            continue
-        key = keys[i]
-        del keys[i]
-        block = pool.blocks.pop(key)
+                state.allocated, state.requested = allocated, requested
+                state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
+                state.inactive_split, state.inactive_split_peak = inactive, inactive_peak
+                block = malloc(op, stream)
+                allocated, requested = state.allocated, state.requested
+                allocated_peak, requested_peak = state.allocated_peak, state.requested_peak
+                inactive, inactive_peak = state.inactive_split, state.inactive_split_peak
+                if block is None:
+                    rounded, segment = state.last_failure
+                    oom = OutOfMemory(index, len(blocks), stream, op, rounded, segment, allocated, state.reserved,
+                                      state.capacity)
+                    replayed = index
+                    break
+                keep(block)
+                if state.peak_moved:
+                    state.peak_moved = False
+                    at_peak = (inactive, state.segments)
+                continue
         # alloc_found_block
-        already_split = block.prev is not None or block.next is not None
-        if block.size - size >= least:
+        rest_size = block.size - size
+        if rest_size >= least:  # split: the request's part is a new block, the rest stays cached
             rest = block
-            block = Block(rest.addr, size, pool)
-            block.prev = rest.prev
-            if rest.prev is not None:
-                rest.prev.next = block
-            block.next = rest
+            block = reuse() if spare else Block(0, 0, pool)
+            block.addr, block.size, block.pool, block.next = rest.addr, size, pool, rest
+            prev = block.prev = rest.prev
+            if prev is not None:
+                prev.next = block
+                inactive -= size  # already split
+            elif rest.next is not None:
+                inactive -= size
+            else:
+                inactive += rest_size
+                if inactive > inactive_peak:
+                    inactive_peak = inactive
             rest.prev = block
             rest.addr += size
-            rest.size -= size
-            key = rest.size << shift | rest.addr
+            rest.size = rest_size
+            key = rest_size << shift | rest.addr
             insort(keys, key)
             pool.blocks[key] = rest
-            inactive += -size if already_split else rest.size
-            if inactive > inactive_peak:
-                inactive_peak = inactive
-        elif already_split:
+        elif block.prev is not None or block.next is not None:
             inactive -= block.size
         block.allocated = True
         block.requested = op
@@ -449,6 +470,9 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
         if requested > requested_peak:
             requested_peak = requested
         keep(block)
+        if grew and state.peak_moved:
+            state.peak_moved = False
+            at_peak = (inactive, state.segments)
     state.allocated, state.requested = allocated, requested
     state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
     state.inactive_split, state.inactive_split_peak = inactive, inactive_peak

@@ -122,7 +122,7 @@ def _oom_event(stream: AllocationStream, result: ReplayResult) -> Optional[dict]
     oom = result.oom
     if oom is None:
         return None
-    event = stream.events[oom.event_index]
+    event = stream.event_at(oom.event_index)
     phase = next((name for name, start in reversed(stream.phases) if start <= oom.event_index), "")
     return {"index": oom.event_index, "name": event.name, "kind": event.kind, "phase": phase,
             "requested_bytes": oom.requested_bytes, "tried_to_allocate_bytes": oom.tried_to_allocate_bytes,
@@ -130,12 +130,13 @@ def _oom_event(stream: AllocationStream, result: ReplayResult) -> Optional[dict]
 
 
 def replay_run(stream: AllocationStream, capacity_bytes: int, settings: Replay = Replay(),
-               try_expandable: bool = True) -> Reserved:
+               try_expandable: bool = True, ops: Optional[list[int]] = None) -> Reserved:
     """The verdict of one GPU's run (`stream`, made with the settings' history): replayed with the allocator asked
     for, and when that dies with the default allocator, once more with expandable segments (the report then says
-    that they would fit it; `try_expandable` False: not tried, the verdict alone is wanted)."""
+    that they would fit it; `try_expandable` False: not tried, the verdict alone is wanted). `ops`: the run's
+    compact form when it is not the stream's own (memplan/memory/stream_lengths.py: its sizes at another length)."""
     config = allocator_config(settings.allocator, settings.alloc_conf)
-    ops = stream.ops()
+    ops = stream.ops() if ops is None else ops
     result = replay_stream(stream, max(capacity_bytes, 0), config, ops)
     expandable = None
     if try_expandable and not result.fits and not config.expandable_segments:

@@ -58,6 +58,18 @@ class AllocationStream:
     def __len__(self) -> int:
         return len(self.raw)
 
+    def event_at(self, index: int) -> Any:
+        """`events[index]`, without expanding the other events (a replay that dies names the one it dies at)."""
+        if "events" in self.__dict__:
+            return self.events[index]
+        e = self.raw[index]
+        if type(e) is not Stamp:
+            return e
+        start = index  # a copy stands in each of its positions: its first is where the run of the same Stamp starts
+        while start and self.raw[start - 1] is e:
+            start -= 1
+        return e.events()[index - start]
+
     def live_bytes(self) -> list[int]:
         """Bytes alive (as the timeline counts them) after each event."""
         size = {e.id: e.bytes for e in self.events if type(e) is Alloc}

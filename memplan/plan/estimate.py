@@ -34,6 +34,8 @@ from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
 from memplan.memory.reserved import Replay, Reserved, replay_run
 from memplan.memory.stream import not_streamed, stream_for
+from memplan.memory.stream_events import AllocationStream
+from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
                                      step_events)
 from memplan.timing.step import step_time
@@ -254,23 +256,29 @@ def not_replayed(training: TrainingSpec, plan: PlanValues) -> str:
 
 def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
                  gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
-                 replay: Replay = Replay(), report: bool = True) -> tuple[DeviceMemory, Optional[Reserved]]:
+                 replay: Replay = Replay(), report: bool = True,
+                 lengths: Optional[StreamLengths] = None) -> tuple[DeviceMemory, Optional[Reserved]]:
     """What one GPU of the stage needs: its allocated peak + the fragmentation margin (the GPU preset's, or the
     one given) + the runtime outside PyTorch's pool. With a budget, and a plan the allocation stream models, the
     run is also replayed through the caching allocator on the budget less the runtime (memory/reserved.py);
     when the replay reserves more beyond the allocated peak than the margin (or dies: then what it held and
     asked for, more than it may take), that is the fragmentation. The replay runs the stage's 1F1B schedule with
     at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same). `report`
-    False: the verdict alone (a run that dies is not replayed again with expandable segments)."""
+    False: the verdict alone (a run that dies is not replayed again with expandable segments). `lengths`: the
+    plan's streams at the other lengths a search replays (memplan/memory/stream_lengths.py), by stage."""
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
     if budget_bytes is None or not_replayed(config.training, plan):
         return flat, None
     replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
         int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
-    stream = stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
-                        first_step_seq_len=replay.first_step_seq_len,
-                        workspace_bytes=gpu.workspace_bytes if gpu is not None else 0)
-    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report)
+
+    def make() -> AllocationStream:
+        return stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
+                          first_step_seq_len=replay.first_step_seq_len,
+                          workspace_bytes=gpu.workspace_bytes if gpu is not None else 0)
+
+    stream, ops = (make(), None) if lengths is None else lengths.get(stage_mem.stage, config.model.seq_length, make)
+    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report, ops=ops)
     # dies: at least over the budget (the OOM event says where; what it would need is not known)
     needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
     replayed = needed - flat.allocated_peak
@@ -301,10 +309,10 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
 
 def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] = None, gpu: Optional[GpuSpec] = None,
                  fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
-                 replay: Replay = Replay()) -> int:
+                 replay: Replay = Replay(), lengths: Optional[StreamLengths] = None) -> int:
     """What the most loaded GPU of `config` needs (what `estimate` decides a fit on, without its report): with a
-    budget, the caching allocator's replay in it (more than the budget when the run dies), else the highest
-    stage peak + margin + runtime."""
+    budget, the caching allocator's replay in it (more than the budget when the run dies; `lengths`: as
+    `device_needs`), else the highest stage peak + margin + runtime."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -315,7 +323,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     steps = step_peaks(config, inventory, plan, mems)
     top = most_loaded_stage(steps, mems)
     needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
-                            replay, report=False)
+                            replay, report=False, lengths=lengths)
     return int(needs.total)
 
 

@@ -19,6 +19,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.spec_base import build
 from memplan.core.specs import Config, GpuSpec
 from memplan.memory.reserved import Replay
+from memplan.memory.stream_lengths import StreamLengths
 from memplan.plan.estimate import device_bytes
 
 SEQ_LIMIT = 1 << 24  # 16M tokens: beyond any context trained today (and far below int64 overflow)
@@ -183,9 +184,11 @@ def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", devic
                 replay: Replay = Replay()) -> Optional[int]:
     """The longest sequence this plan fits in `budget_bytes` with (a multiple of `seq_step`: `largest_replayed`), all
     else equal; None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
+    lengths = StreamLengths(config.training.micro_batch)  # the plan's stream made twice, evaluated at other lengths
+
     def needs(s: int, replayed: bool) -> int:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
-                            budget_bytes if replayed else None, replay)
+                            budget_bytes if replayed else None, replay, lengths)
 
     return largest_replayed(lambda s: needs(s, False), budget_bytes, lambda s: needs(s, True) <= budget_bytes,
                             seq_step(config), SEQ_LIMIT)
