@@ -24,13 +24,20 @@ backward workspace, cuBLAS's workspace: `unmatched` lists the recorded requests 
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES
+from memplan.check.peak import card_preset, peak_config
+from memplan.memory.reserved import allocation_stream
+
+from .alloc_trace import load
 from .layer_order import PIECES, piece_of
-from .trace import evaluate
+from .trace import evaluate, trace_hf_config
 
 def lcs_pairs(a: list[int], b: list[int]) -> list[tuple[int, int]]:
     """A longest common subsequence of a and b as (index in a, index in b) pairs, in order (dynamic programming, one
@@ -169,8 +176,6 @@ def llama_config(case: dict) -> dict:
 
 def traced_steps(case: dict) -> dict[str, list[tuple]]:
     """The whole step of a recorded case's model traced in order (every layer, CUDA's kernels), by recompute."""
-    from .trace import trace_hf_config
-
     steps: dict = {}
     trace_hf_config(llama_config(case), kernels="cuda", compose=False, layer_order=True, steps=steps)
     return steps
@@ -179,15 +184,6 @@ def traced_steps(case: dict) -> dict[str, list[tuple]]:
 def main(argv: list[str] | None = None) -> int:
     """Print, for each recording given, the middle decoder layer's pieces: recorded requests, the trace's and
     memplan's stream's reproduced ones, the requests the trace misses."""
-    import argparse
-    import dataclasses
-
-    from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES
-    from memplan.check.peak import card_preset, peak_config
-    from memplan.memory.reserved import allocation_stream
-
-    from .alloc_trace import load
-
     p = argparse.ArgumentParser(prog="python -m validation.layer_match", description=__doc__.split("\n")[0])
     p.add_argument("recordings", nargs="+", help="CUDA recordings (tests/data/alloc/cuda/*.json.gz)")
     a = p.parse_args(argv)
