@@ -165,6 +165,58 @@ def match_layer(recorded_events: list, traced_events: list[tuple], case: dict, l
     return out
 
 
+@dataclass
+class StepMatch:
+    """The recording's last step (from its batch to its end, the optimizer step included) against the whole traced
+    step: allocations reproduced in order, and, of the reproduced ones, the events (allocations and frees) in the
+    same order in both."""
+
+    recorded: int  # allocations from the step's start to the recording's end
+    traced: int
+    matched: int
+    events_traced: int  # allocations and frees of the matched allocations in the trace (frees within the step)
+    events_in_order: int  # of those, in the recorded order (a longest common subsequence)
+    unmatched: dict = field(default_factory=dict)  # recorded sizes the trace does not make (count by size)
+
+
+def match_step(recorded_events: list, traced_events: list[tuple], case: dict) -> StepMatch:
+    """``StepMatch`` of a recording and the trace of its step (``layer_order.step_order``)."""
+    s, b = case["s"], case["b"]
+    sizes = recorded_allocations(recorded_events)
+    start = step_start(sizes, s, b, case["h"])
+    recorded = sizes[start:]
+    traced = [evaluate(e[1], s, b) for e in traced_events if e[0] == "+"]
+    pairs = lcs_pairs(traced, recorded)
+    of_recorded = {j + start: i for i, j in pairs}
+    mine: list[int] = []  # the recorded events of matched allocations, as 2 i (+1 for a free), i the traced index
+    live: dict = {}
+    n = 0
+    for op, address, _, _ in recorded_events:
+        if op == "alloc":
+            if n in of_recorded:
+                live[address] = of_recorded[n]
+                mine.append(2 * of_recorded[n])
+            n += 1
+        elif address in live:
+            mine.append(2 * live.pop(address) + 1)
+    matched = set(of_recorded.values())
+    theirs: list[int] = []
+    n = 0
+    for e in traced_events:
+        if e[0] == "+":
+            if n in matched:
+                theirs.append(2 * n)
+            n += 1
+        elif e[1] in matched:
+            theirs.append(2 * e[1] + 1)
+    hit = {j for _, j in pairs}
+    unmatched: dict = {}
+    for j, x in enumerate(recorded):
+        if j not in hit:
+            unmatched[x] = unmatched.get(x, 0) + 1
+    return StepMatch(len(recorded), len(traced), len(pairs), len(theirs), lcs_length(theirs, mine), unmatched)
+
+
 def llama_config(case: dict) -> dict:
     """The transformers config.json of a recorded Llama case (validation/hf.py ``build_config``'s fields)."""
     cfg = {"model_type": "llama", "hidden_size": case["h"], "intermediate_size": case["f"],
@@ -200,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         case = dataclasses.replace(cases[0], s=c["s"])
         stream = allocation_stream(peak_config(case), case.impl, "cuda", workspace_bytes=workspace)
         layer = c["L"] // 2
-        print(f"{Path(path).name}: layer {layer} (from 0)")
+        step = match_step(rec.events, traces[key][c["recompute"]], c)
+        top = ", ".join(f"{n} x {x:,} B" for x, n in sorted(step.unmatched.items(), key=lambda kv: -kv[1])[:8])
+        print(f"{Path(path).name}: the last step (its optimizer step included): {step.recorded} recorded requests, "
+              f"the trace reproduces {step.matched} of its {step.traced}; of their allocations and frees "
+              f"{step.events_in_order} of {step.events_traced} in the recorded order; not traced (most): {top}")
+        print(f"  layer {layer} (from 0)")
         for m in match_layer(rec.events, traces[key][c["recompute"]], c, layer, memplan_pieces(stream, layer)):
             print(f"  {m.piece}: {len(m.recorded)} recorded requests; the trace reproduces {m.traced} (of its "
                   f"{m.traced_total}), memplan's stream {m.memplan} (of its {m.memplan_total}); not traced: "
