@@ -8,7 +8,9 @@ The splice: memplan's events of the build and the optimizer are kept; of each st
 cuBLAS's workspaces (made at the first forward and backward matmul, kept; the trace sees no kernel's own buffers)
 and the frees of tensors made before the step; the traced step's events follow; its tensors still alive after the
 backward (the .grad tensors) are freed after the optimizer step, where memplan's zero_grad frees its own.
-What the trace cannot see is missing here too: cuDNN attention's own buffers (validation/layer_match.py).
+What the trace cannot see is missing here too unless fitted ones are added (``kernel_buffers``: cuDNN attention's
+backward workspace, the CUDA reduction's staging buffers; validation/layer_match.py names them): on the recorded
+llama3-8b runs they move no figure by a MB (freed at once, they fit in blocks the allocator has cached).
 
     PYTHONPATH=. python -m validation.layer_replay tests/data/alloc/cuda/*.json.gz
 """
