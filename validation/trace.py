@@ -102,6 +102,7 @@ import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 from . import compose as compose_  # noqa: E402
+from . import layer_order as order_  # noqa: E402
 from .measure import Ledger, _ModuleStack, _OpRecorder  # noqa: E402
 
 FORMAT = "memplan-traced-inventory/2"
@@ -556,7 +557,10 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
                     first = min((k[1] for k, v in live.buckets.items() if k[0] == "input" and v), default=0)
                     run["kept"] = {"inputs": list(live.buckets.get(("input", first), {}).values()),
                                    "extras": list(live.buckets.get(("extra",), {}).values())}
+                    hooks = order_.engine_hooks(loss, live) if step.get("order") else []
                     loss.backward()
+                    for h in hooks:
+                        h.remove()
                 del loss
     conditions = _check_guards(env, symbols) + (cuda.assumed if cuda else [])
     out = []
@@ -616,6 +620,10 @@ def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[st
             if rec is not None:
                 run["args"].setdefault(rec.cdata, (label, i, rec))
 
+    if step.get("order"):  # the allocations and frees in order (validation/layer_order.py)
+        live.log = run["log"] = []
+        for layer in layers if checkpoint else ():
+            _flag_reruns(layer, live)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(partial(inputs, i), with_kwargs=True))
     handles += grad_hooks(model, live)
@@ -629,6 +637,27 @@ def _tracking(model, saves: _Saves, named: dict, step: dict, conditions: list[st
         hooks.close()
         for h in handles:
             h.remove()
+
+
+def _flag_reruns(layer, live) -> None:
+    """``live.rerun`` set while a checkpointed layer's forward runs again in the backward: transformers checkpoints
+    the layer's ``forward`` through ``_gradient_checkpointing_func`` (its module hooks stay outside the recompute)."""
+    checkpointed = getattr(layer, "_gradient_checkpointing_func", None)
+    if checkpointed is None:
+        return
+
+    def flagged(fn, *args, **kwargs):
+        def run(*a, **k):
+            again = live.phase == "backward"
+            live.rerun = again
+            try:
+                return fn(*a, **k)
+            finally:
+                live.rerun = live.rerun and not again
+
+        return checkpointed(run, *args, **kwargs)
+
+    layer._gradient_checkpointing_func = flagged
 
 
 @contextlib.contextmanager
@@ -872,7 +901,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
                     dtype: str = "bfloat16", s_hint: int = 4096, b_hint: int = 2,
                     python_dispatcher: bool = True, experts: str | None = None, moments: bool = True,
                     compose: bool = True, progress: Callable[[str], None] | None = None,
-                    sdpa: tuple[str, ...] = SDPA_ORDER) -> dict:
+                    sdpa: tuple[str, ...] = SDPA_ORDER, layer_order: bool = False, steps: dict | None = None) -> dict:
     """The traced inventory of a transformers config: what one training forward + loss saves for
     backward, per decoder-layer group and outside the layers, as polynomials in s and b; with
     ``moments`` also the step's transient tensors (validation/transients.py): the backward run
@@ -888,7 +917,9 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     head and loss, and give every other layer the terms of its kind (validation/compose.py; False: the whole
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     ``sdpa``: with ``kernels="cuda"``, the sdpa kernels tried in order (default torch's on an H100: ``SDPA_ORDER``;
-    one name forces that kernel, as ``torch.nn.attention.sdpa_kernel`` does).
+    one name forces that kernel, as ``torch.nn.attention.sdpa_kernel`` does). ``layer_order`` (with ``moments``):
+    also ``layer_order``, one layer of each group's allocations and frees in order (validation/layer_order.py), and,
+    into ``steps`` when a dict, each run's whole step in order (``layer_order.step_order``) by recompute (none, full).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
@@ -927,7 +958,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
 
     def run(checkpoint: bool) -> dict:
         out = symbolic_run(build, _forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
-                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled} if moments else None,
+                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled,
+                                 "order": layer_order} if moments else None,
                            shapes=shapes, sdpa=sdpa)
         sampled[:] = out.get("sampled", [])
         return out
@@ -955,6 +987,9 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     if moments:
         data.update(_moments_sections(runs, body, ids, path, num_layers, same,
                                       compose_.stand_ins(holder["kinds"]) if compose else {}))
+    if layer_order and moments:
+        data["layer_order"] = order_.file_rows(runs, body["layer_groups"], list(holder["index"]), num_layers,
+                                                    poly_text, steps)
     return data
 
 
@@ -1180,10 +1215,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--s-hint", type=int, default=4096, help="the sequence length range guards are decided at")
     p.add_argument("--out", help="write the YAML here (default: stdout)")
+    p.add_argument("--layer-order", action="store_true",
+                   help="also record one layer of each group's allocations and frees in order (layer_order)")
     a = p.parse_args(argv)
     try:
         data = trace_hf_config(a.hf_config, a.impl, a.kernels, a.dtype, s_hint=a.s_hint,
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+                               progress=lambda line: print(line, file=sys.stderr, flush=True),
+                               layer_order=a.layer_order)
     except (NotImplementedError, TraceRefused, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

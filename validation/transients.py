@@ -45,6 +45,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import layer_order as order
+
 SYMBOLS = ("s", "b")
 LOW = 2  # the traces hold for s, b >= 2
 
@@ -52,7 +54,8 @@ LOW = 2  # the traces hold for s, b >= 2
 class _Rec:
     """One live storage: size (sympy, bytes), dtype, who made it, and where it is counted."""
 
-    __slots__ = ("cdata", "nbytes", "dtype", "what", "bucket", "key", "param", "numel", "size_key", "__weakref__")
+    __slots__ = ("cdata", "nbytes", "dtype", "what", "bucket", "key", "param", "numel", "size_key", "serial", "stolen",
+                 "__weakref__")
 
     def __init__(self, cdata: int, nbytes: Any, dtype: torch.dtype, what: str) -> None:
         self.cdata, self.nbytes, self.dtype, self.what = cdata, nbytes, dtype, what
@@ -61,6 +64,7 @@ class _Rec:
         self.param = ""  # a gradient: the parameter's name
         self.numel = 0
         self.size_key = None  # Polys.key: the sympy expression of nbytes
+        self.serial, self.stolen = -1, False  # the log's id (validation/layer_order.py); taken over by an accumulation
 
 
 class LiveStorages(TorchDispatchMode):
@@ -82,6 +86,12 @@ class LiveStorages(TorchDispatchMode):
         self.external: dict[int, weakref.ref] = {}
         self.refs: dict[int, weakref.ref] = {}
         self.phase, self.layer, self.microbatch = "forward", None, 0
+        self.rerun = False  # a checkpointed layer's forward re-run in the backward (validation/trace.py's hooks)
+        # the allocations and frees in order, when a list (validation/layer_order.py): ("+", cdata, record, label)
+        # and ("-", cdata, None, label), label = (phase, layer, rerun) when the event happened
+        self.log: list | None = None
+        self.made = 0  # storages logged
+        self.between_nodes = False  # the autograd engine's own work: after a node's function, before the next's
         self.layers_started = False
         self.module: Callable[[], str] = lambda: ""
         self.sampler: Callable[[str], None] | None = None
@@ -111,6 +121,8 @@ class LiveStorages(TorchDispatchMode):
             self.refs.pop(cdata, None)
             if rec is not None:
                 self.buckets.get(rec.bucket, {}).pop(cdata, None)
+                if self.log is not None and rec.serial >= 0 and not rec.stolen:
+                    self.log.append(("-", rec.serial, None, (self.phase, self.layer, self.rerun)))
 
     def _forget_external(self, cdata: int, _ref) -> None:
         self.external.pop(cdata, None)
@@ -134,7 +146,8 @@ class LiveStorages(TorchDispatchMode):
         if func.namespace == "prim":
             return out
         self.op = str(func.overloadpacket).replace("aten.", "")
-        for x in pytree.tree_leaves(out):
+        leaves = pytree.tree_leaves(out)
+        for x in leaves if self.log is None else order.allocation_order(func, leaves):
             if isinstance(x, torch.Tensor):
                 st = x.untyped_storage()
                 cdata = st._cdata
@@ -145,6 +158,8 @@ class LiveStorages(TorchDispatchMode):
                     self.records[cdata] = rec
                     self.refs[cdata] = weakref.ref(st, partial(self._free, cdata))
                     self.buckets.setdefault(rec.bucket, {})[cdata] = rec
+                if self.log is not None:
+                    order.log_made(self, func, args, rec)
         if self.sampler is not None:
             self.sampler(self.op)
         return out

@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -123,6 +123,20 @@ class TracedMoment(_Row):
     transients: list[Transient]
 
 
+class LayerOrder(_Row):
+    """One layer of a group's allocations and frees in the real code's order (validation/layer_order.py), traced
+    without (`recompute` none) or with gradient checkpointing (full): its `forward`, its `rerun` in the backward and
+    its `backward`, each entry an allocation (its bytes, a polynomial in s and b), the free of one of the layer's
+    allocations (its index, counted over the pieces in order) or the free of a tensor made outside the layer ("-" and
+    its bytes). Not used by memplan's stream yet (memplan/memory/stream.py); validation/layer_match.py measures it."""
+    group: int
+    layer: int
+    recompute: Literal["none", "full"]
+    forward: list[Union[int, str]] = []
+    rerun: list[Union[int, str]] = []
+    backward: list[Union[int, str]] = []
+
+
 class TracedFile(_Row):
     format: Literal["memplan-traced-inventory/1", "memplan-traced-inventory/2"]
     origin: Origin
@@ -132,6 +146,7 @@ class TracedFile(_Row):
     outside: list[TracedTerm]
     checkpoint: Optional[Checkpoint] = None
     moments: list[TracedMoment] = []
+    layer_order: list[LayerOrder] = []  # absent in files traced without --layer-order
 
 
 # config.json keys that do not change what a training step saves: the file's own metadata, generation and
@@ -243,7 +258,26 @@ def read_traced(path: Path) -> TracedFile:
         unknown = sorted((set(m.alive) - rows) | (set(m.outside) - {t.id for t in traced.outside}))
         if unknown:
             raise MemplanError(f"{path}: moment at {m.at} names saves the file does not have: {', '.join(unknown)}")
+    for row in traced.layer_order:
+        _check_order(row, groups, path)
     return traced
+
+
+def _check_order(row: LayerOrder, groups: int, path: Path) -> None:
+    """A layer_order row's group exists, its sizes are polynomials in s and b, each free names an allocation made
+    before it and not yet freed."""
+    if not 0 <= row.group < groups:
+        raise MemplanError(f"{path}: layer_order names group {row.group} (the file has 0..{groups - 1})")
+    made, freed = 0, set()
+    for entry in row.forward + row.rerun + row.backward:
+        if isinstance(entry, str):
+            _polynomial(TracedTerm(id=f"layer_order of layer {row.layer}", module="", op="", dtype="float32",
+                                   elements="0", bytes=entry.removeprefix("-")), "bytes", path)
+            made += not entry.startswith("-")
+        elif not 0 <= entry < made or entry in freed:
+            raise MemplanError(f"{path}: layer_order of layer {row.layer} frees {entry}, not a live allocation")
+        else:
+            freed.add(entry)
 
 
 def _size(term: TracedTerm, path: Path) -> Poly:
