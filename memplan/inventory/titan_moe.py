@@ -101,25 +101,28 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
     return terms
 
 
-def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, hsdp: bool,
+def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
-    """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model (torchtitan's efsdp = d t cp / ep borrows
-    the data-parallel ranks: its experts have no expert TP) with FSDP2 data parallelism alone; the rest refused in
-    one line; ``gpus`` (0: not known yet) the ranks ep must divide."""
+    """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
+    (``replicate`` > 1) and the single-stage pipeline schedules (--pp: torchtitan's sparse mesh is (pp,
+    dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the shard group's ranks, its experts have no
+    expert TP); the rest refused in one line; ``gpus`` (0: not known yet) the world, whose dp_shard = gpus / (pp
+    replicate) ep must divide."""
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--pp", pp > 1), ("--compile", compiled),
-                                  ("--float8", bool(float8)), ("--dp-replicate", hsdp), ("--etp", etp is not None),
+    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--compile", compiled),
+                                  ("--float8", bool(float8)), ("--etp", etp is not None),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if left:
-        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 with --ep only yet, not "
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep and --pp only yet, not "
                            + ", ".join(left))
     if model.num_experts % ep:
         raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
                            "dim 0)")
-    if gpus and gpus % ep:
-        raise MemplanError(f"--ep {ep} does not divide the {gpus} data-parallel GPUs (torchtitan's efsdp = dp_shard "
-                           "x cp x tp / ep)")
+    shard = gpus // (pp * replicate)
+    if gpus and shard % ep:
+        raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group (torchtitan's efsdp = "
+                           "dp_shard x cp x tp / ep; pp and dp_replicate are outside it)")
