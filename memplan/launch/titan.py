@@ -131,6 +131,8 @@ def titan_document(config: Config) -> dict:
             # MoE: EP borrows the FSDP ranks (torchtitan's efsdp = dp_shard cp tp / ep); dense models: 1
             "parallelism.expert_parallel_degree": ep,
             "parallelism.spmd_backend": "partial_dtensor" if max(par.tp, par.cp, ep) > 1 else "spmd_types",
+            # torchtitan's _validate_cuda_graphs refuses graphs with PP and with EP's AllToAllTokenDispatcher
+            "training.disable_cuda_graphs": par.pp > 1 or ep > 1,
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
             "loss": "CrossEntropyLoss", "converters": _converters(config)}
@@ -142,6 +144,9 @@ def titan_launch(config: Config) -> Launch:
         raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
     doc = titan_document(config)
     ac, ac_name = _ac(config)
+    graphs = " and ".join(w for w, on in (("PP", config.parallel.pp > 1),
+                                          ("EP's all-to-all dispatcher", doc["parallelism.expert_parallel_degree"] > 1))
+                          if on)
     gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp * config.parallel.pp
     imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
     lines = [
@@ -171,8 +176,8 @@ def titan_launch(config: Config) -> Launch:
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
         f"    config.training.seq_len = {doc['training.seq_len']}",
-    ] + (["    config.training.disable_cuda_graphs = True  # torchtitan's Trainer.Config refuses CUDA graphs with PP"]
-         if config.parallel.pp > 1 else []) + [
+    ] + ([f"    config.training.disable_cuda_graphs = True  # torchtitan's Trainer.Config refuses CUDA graphs with {graphs}"]
+         if doc["training.disable_cuda_graphs"] else []) + [
         "    config.parallelism = ParallelismConfig(",
         f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
         f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",

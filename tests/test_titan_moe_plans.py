@@ -1,0 +1,184 @@
+"""torchtitan 0.3.0's Qwen3 MoE plans beyond FSDP2 + EP (memplan/inventory/titan_moe.py check_titan_moe,
+memplan/plan/titan.py, memplan/launch/titan.py): `--emit torchtitan` of an MoE plan loaded by torchtitan's own
+ConfigManager and its ParallelDims building the meshes (on a fake process group: torchtitan's sparse mesh (pp,
+dp_replicate, efsdp, ep) with efsdp = dp_shard cp tp / ep); pipeline parallelism and HSDP with EP, their states
+derived by hand from torchtitan's meshes. Needs torchtitan (the test extra)."""
+
+import sys
+
+import pytest
+
+from memplan.api.estimating import estimate
+from memplan.api.searching import search
+from memplan.cli import main
+from memplan.core.errors import MemplanError
+from memplan.launch.titan import FUNCTION, MODULE, QWEN3_MOE_FLAVORS
+from memplan.memory.pipeline import titan_stage_layers
+
+pytest.importorskip("torchtitan")
+
+import torch.distributed as dist  # noqa: E402
+import torchtitan.distributed.parallel_dims as titan_dims  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torchtitan.config.manager import ConfigManager  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.models.qwen3 import qwen3_configs  # noqa: E402
+
+# qwen3-30b-a3b (torchtitan's "30B-A3B"): a layer's dense parameters wqkv 2048 x (32 + 2 x 4) x 128, wo 32 x 128 x
+# 2048, two norms 2 x 2048, the q / k norms 2 x 128, the router 128 x 2048: 19,140,864; its experts 3 x 128 x 2048 x
+# 768 = 603,979,776; the embedding and the LM head 151,936 x 2048 = 311,164,928 each, the final norm 2048
+H, V, L = 2048, 151936, 48
+DENSE, EXPERTS, EMBED = 19_140_864, 603_979_776, 311_164_928
+
+
+def _load(tmp_path, monkeypatch, launch):
+    """torchtitan's ConfigManager on the emitted module, as `torchtitan.train --module M --config F` parses it."""
+    (tmp_path / f"{MODULE}.py").write_text("\n".join(launch.args) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    return ConfigManager().parse_args(["--module", MODULE, "--config", FUNCTION])
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """torchtitan's ParallelDims building its meshes for a world of n ranks on torch's fake process group."""
+    monkeypatch.setattr(titan_dims, "device_type", "cpu")
+    started = []
+
+    def meshes(parallelism, n):
+        if started:
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+        started.append(n)
+        dims = ParallelDims.from_config(parallelism, world_size=n)
+        dims.build_mesh()
+        return dims
+
+    yield meshes
+    if started:
+        dist.destroy_process_group()
+
+
+def test_flavours_equal_torchtitans_configs():
+    for (layers, dim, heads, kv, head_dim, experts, fe, k, vocab), (name, _) in QWEN3_MOE_FLAVORS.items():
+        cfg = qwen3_configs[name](attn_backend="flex")
+        attn, moe = cfg.layers[0].attention, cfg.layers[0].moe
+        assert (len(cfg.layers), cfg.dim, attn.n_heads, attn.n_kv_heads, attn.head_dim, moe.num_experts,
+                moe.routed_experts.inner_experts.hidden_dim, moe.router.top_k, cfg.vocab_size) == (
+            layers, dim, heads, kv, head_dim, experts, fe, k, vocab)
+        assert moe.shared_experts is None  # what memplan's Qwen3 MoE layout has (titan.py is_qwen3_moe)
+
+
+def test_moe_plan_builds_in_torchtitan(tmp_path, monkeypatch, world):
+    # --ep 8 on 16 GPUs: dp_shard 16, the experts' FSDP over efsdp = 16 / 8 = 2 (torchtitan's own meshes say so)
+    result = estimate("qwen3-30b-a3b", impl="torchtitan", gpus=16, ep=8, ac="selective-op", seq_len=4096,
+                      micro_batch=1, global_batch=32, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, result.launch)
+    par = config.parallelism
+    assert config.model_spec.flavor == "30B-A3B" and len(config.model_spec.model.layers) == 48
+    assert (par.data_parallel_shard_degree, par.expert_parallel_degree, par.spmd_backend) == (16, 8, "partial_dtensor")
+    assert type(config.loss).__qualname__ == "CrossEntropyLoss.Config"
+    # torchtitan's Trainer.Config refuses CUDA graphs with the all-to-all dispatcher (the module would not load)
+    assert config.training.disable_cuda_graphs and result.launch.document["training.disable_cuda_graphs"]
+    assert (config.training.local_batch_size, config.training.global_batch_size) == (1, 32)
+    dims = world(par, 16)
+    assert (dims.get_mesh("ep").size(), dims.get_mesh("efsdp").size()) == (8, 2)
+
+
+def test_235b_plan_starts_from_the_30b_config(tmp_path, monkeypatch):
+    # 0.3.0 ships no qwen3_235b_a22b config: the module swaps the model of qwen3_30b_a3b, and says so
+    result = estimate("qwen3-235b-a22b", impl="torchtitan", gpus=64, ep=16, ac="full", seq_len=4096, micro_batch=1,
+                      global_batch=64, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, result.launch)
+    assert config.model_spec.flavor == "235B-A22B" and len(config.model_spec.model.layers) == 94
+    assert config.parallelism.expert_parallel_degree == 16
+    assert any("ships no 235B-A22B config" in n for n in result.launch.notes)
+
+
+def test_hsdp_with_ep_states_by_hand_and_in_torchtitan(tmp_path, monkeypatch, world):
+    # --dp-replicate 2 --ep 4 on 16 GPUs: dp_shard 8; torchtitan's sparse mesh (dp_replicate 2, efsdp 8 / 4 = 2, ep 4):
+    # each GPU keeps its E / 4 experts' fp32 states sharded over 2, the dense ones over 8: 16 B / 8 per parameter
+    # either way (the replicas hold copies), as FSDP2 over 8 ranks without EP would
+    kw = dict(impl="torchtitan", gpus=16, ac="full", seq_len=1024, micro_batch=1, global_batch=16)
+    result = estimate("qwen3-30b-a3b", dp_replicate=2, ep=4, emit="torchtitan", **kw)
+    total = 2 * EMBED + H + L * (DENSE + EXPERTS)
+    st = result.estimate.peak.states
+    assert st.optimizer == -(-12 * total // 8) and st.gradients == -(-4 * total // 8)
+    # in flight: the running and the prefetched layer (bf16) with the GPU's 32 experts, and the head
+    assert st.weights == 2 * (2 * (DENSE + EXPERTS // 4) + EMBED + H)
+    config = _load(tmp_path, monkeypatch, result.launch)
+    par = config.parallelism
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.expert_parallel_degree) == (2, 8, 4)
+    dims = world(par, 16)
+    assert (dims.get_mesh("dp_replicate").size(), dims.get_mesh("efsdp").size(), dims.get_mesh("ep").size()) == (2, 2, 4)
+
+
+def test_ep_not_dividing_the_shard_group_refused_as_torchtitan_refuses(capsys, world):
+    # dp_replicate 2 x dp_shard 8 with ep 16: torchtitan's mesh cannot be unflattened (efsdp = 8 / 16); memplan says so
+    # in one line
+    from torchtitan.config import ParallelismConfig
+
+    with pytest.raises(ValueError):
+        world(ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=8,
+                                expert_parallel_degree=16), 16)
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "16", "--dp-replicate", "2",
+              "--ep", "16"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "shard group" in err, err
+    with pytest.raises(MemplanError, match="shard group"):  # pp 2 leaves a shard group of 8
+        estimate("qwen3-30b-a3b", impl="torchtitan", gpus=16, pp=2, ep=16)
+
+
+def test_pp_with_ep_states_and_activations_by_hand():
+    # --pp 2 --ep 8 on 16 GPUs: dp_shard 8, efsdp 1. torchtitan's split of 48 layers: 24 + 24, stage 0 with the
+    # embedding. A GPU holds its stage's dense parameters and its E / 8 = 16 experts of each layer:
+    kw = dict(impl="torchtitan", gpus=16, ep=8, seq_len=1024, micro_batch=1, global_batch=16)
+    est = estimate("qwen3-30b-a3b", pp=2, ac="none", **kw).estimate
+    assert titan_stage_layers(2, L) == (24, 24)
+    dense0, experts0 = EMBED + 24 * DENSE, 24 * EXPERTS // 8
+    s0 = est.stages[0]
+    # with PP FSDP2 keeps the stage unsharded in bf16 all step (2 B / parameter) and its gradients accumulated
+    # unsharded in fp32 (4 B), the rank's experts only (memplan/memory/dp_stack.py, derived); the sharded fp32
+    # gradients and AdamW's master + moments: the dense ones over 8, the experts' over efsdp = 1
+    assert s0.states.weights == 2 * (dense0 + experts0)
+    assert s0.states.gradients == 4 * dense0 // 8 + 4 * experts0 + 4 * (dense0 + experts0)
+    assert s0.states.optimizer == 12 * dense0 // 8 + 12 * experts0
+    # 1F1B: stage 0 holds min(M, p) = 2 micro-batches (M = 16 / 8) of its 24 MoE layers' kept tensors (a layer's
+    # terms measured in tests/test_titan_moe.py: here the pp = 1 plan's per-layer bytes) and the token ids (8 s b)
+    layer = estimate("qwen3-30b-a3b", ac="none", **kw).estimate.per_layer_bytes
+    assert s0.activations == 2 * (24 * layer + 8 * 1024)
+    gpipe = estimate("qwen3-30b-a3b", pp=2, ac="none", pipeline_schedule="GPipe", **kw).estimate.stages[0]
+    assert gpipe.activations == s0.activations  # M = 2: GPipe holds both as well
+
+
+def test_split_backward_schedules_refused_with_moe(capsys):
+    # the zero-bubble schedules' I -> W gradients are the dense block's (memplan/inventory/titan.py): refused
+    for kind in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "16", "--pp", "2",
+                  "--ep", "8", "--global-batch", "64", "--pipeline-schedule", kind])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and "MoE" in err, err
+
+
+def test_searched_pp_ep_plan_builds_in_torchtitan(tmp_path, monkeypatch, world):
+    # search --pp 2 --emit torchtitan: the best listed MoE plan's module; torchtitan's meshes take it for 16 ranks
+    found = search("qwen3-30b-a3b", impl="torchtitan", gpus=16, pp=2, seq_len=4096, global_batch=32, mem=70 * 10**9,
+                   gpu="h100-80gb", emit="torchtitan")
+    dims = found.result.row(found.result.top[0])["torchtitan"]
+    assert dims["pp"] == 2 and dims["ep"] > 1
+    config = _load(tmp_path, monkeypatch, found.launch["qwen3-30b-a3b"])
+    par = config.parallelism
+    assert (par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.expert_parallel_degree) == (
+        2, dims["pipeline_schedule"], dims["ep"])
+    assert (config.training.local_batch_size, par.pipeline_parallel_microbatch_size) == (
+        dims["local_batch"], dims["pipeline_microbatch_size"])
+    built = world(par, 16)
+    assert built.get_mesh("pp").size() == 2 and built.get_mesh("efsdp").size() * dims["ep"] == dims["dp_shard"]
+    # and the search tries HSDP with EP where ep divides the shard group
+    found = search("qwen3-30b-a3b", impl="torchtitan", gpus=16, dp_replicate=2, seq_len=4096, global_batch=32,
+                   gpu="h100-80gb", all_variants=True).result
+    plans = found.evaluated.plans
+    assert set(plans.ep.tolist()) == {1, 2, 4, 8} and ((plans.d // plans.shard) == 2).all()
+    assert (plans.shard % plans.ep == 0).all()
