@@ -243,3 +243,38 @@ def test_pipelined_moe_gloo_equals_recorded(kind):
     ranks = measure_pp(MoeShape(), 4, 128, s=16, b=1, microbatches=4, schedule=kind)
     assert [r["saved_peak"] for r in ranks] == RECORDED_PP[kind]
     assert [sum(n.startswith("layers.") for n in r["modules"]) for r in ranks] == [2, 2]
+
+
+# HSDP with EP measured: torchtitan's own parallelize_qwen3 on 4 ranks over gloo, data_parallel_replicate_degree 2
+# (dp_shard 2), expert_parallel_degree 2 (efsdp 1), the 2-layer tiny model, one AdamW step; all four ranks alike:
+#   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe_plans.py -k hsdp_gloo   (~55 s)
+# By hand (tests/test_titan_moe.py RECORDED_STATES): the dense 2 x 12,960 + 2 x 256 x 64 + 64 = 58,752 parameters
+# sharded over dp_shard 2 (29,376), the rank's 4 of 8 experts whole (2 x 3 x 4 x 32 x 64 = 49,152): 78,528 fp32
+# a rank, the same as FSDP2 over 2 ranks with ep 2 (each replica a copy); the running layer 2 x (12,960 + 24,576)
+RECORDED_HSDP = {"params": 314112, "grads": 314112, "adam": 628224, "running": 75072}
+
+
+def test_hsdp_ep_states_equal_the_recorded_run(tmp_path):
+    import yaml
+
+    _, spec = _tiny_moe()
+    path = tmp_path / "tiny.yaml"
+    spec = spec.model_copy(update=dict(num_layers=2, vocab_size=256, name="tiny-qwen3-moe"))
+    path.write_text(yaml.safe_dump({"model": spec.model_dump(exclude={"inventory"})}))
+    got = RECORDED_HSDP
+    assert got["params"] == 4 * (29_376 + 49_152) and got["running"] == 2 * (12_960 + 24_576)
+    st = estimate(str(path), impl="torchtitan", gpus=4, dp_replicate=2, ep=2, micro_batch=2, global_batch=8,
+                  ac="full").estimate.peak.states
+    assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
+    # in flight: the running layer (measured), the prefetched one (derived) and the head (256 x 64 + 64)
+    assert st.weights == 2 * got["running"] + 2 * (256 * 64 + 64)
+
+
+@pytest.mark.slow
+@SLOW
+def test_hsdp_gloo_equals_recorded():
+    from validation.titan_moe import MoeShape, measure_ep_states
+
+    for rank in measure_ep_states(MoeShape(), ep=2, world=4, replicate=2):
+        assert {k: rank[k] for k in RECORDED_HSDP} == RECORDED_HSDP
+        assert rank["layer_shapes"]["moe.routed_experts.inner_experts.w1_EFD"] == (4, 32, 64)

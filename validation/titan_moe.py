@@ -163,7 +163,8 @@ def moe_model_config(shape: MoeShape, layers: int, vocab: int):
                              lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
 
 
-def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int) -> dict:
+def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int,
+                   replicate: int = 1) -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` on a ``layers``-layer Qwen3 MoE model
     (its sharding config with ``enable_ep``; ``expert_parallel_degree`` = ``ep``, FSDP2 over the ``world`` ranks,
     the experts' over efsdp = world / ep; the ``partial_dtensor`` backend, mesh device "cpu" as validation/titan.py
@@ -182,7 +183,8 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
 
     pd.device_type = "cpu"
     torch.manual_seed(0)
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_replicate_degree=replicate,
+                                    spmd_backend="partial_dtensor")  # replicate > 1: HSDP, dp_shard world / replicate
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -218,10 +220,10 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
 
 
 def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int = 2, vocab: int = 256, s: int = 16,
-                      b: int = 2) -> list[dict]:
-    """``ep_states_rank`` on ``world`` spawned ranks over gloo."""
+                      b: int = 2, replicate: int = 1) -> list[dict]:
+    """``ep_states_rank`` on ``world`` spawned ranks over gloo (``replicate`` > 1: HSDP, that many replicas)."""
     from .ranks import run_ranks
-    return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b))
+    return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b, replicate))
 
 
 if __name__ == "__main__":
