@@ -418,7 +418,7 @@ class PlanOptions:
         zero = self.zero
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
-        if titan:  # the layouts it models; MoE: FSDP2 with --ep only (memplan/inventory/titan_moe.py)
+        if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
             check_titan_layout(preset.model)
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
                             self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),

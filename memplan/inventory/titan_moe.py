@@ -33,7 +33,10 @@ kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-a
 (R h), the combined copies back (k s b h) and the token counts exchanged (int64 E).  The states (memplan's
 ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
 2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
-16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts.
+16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts;
+with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.  With --pp
+torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
+the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
 
 from __future__ import annotations
