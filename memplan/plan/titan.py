@@ -169,8 +169,9 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
 
 def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[str, Any]:
     """The model-parallel pins of the space: a dense model's tp and cp with ep 1; a Qwen3 MoE's ep (searched over the
-    divisors of E dividing d, memplan/plan/space.py) with tp = cp = pp = 1 and etp 1, what estimate models of it
-    (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for estimate)."""
+    divisors of E dividing d, memplan/plan/space.py; `titan_plans` keeps those dividing dp_shard) with tp = cp = 1 and
+    etp 1, what estimate models of it (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for
+    estimate; pp and HSDP are searched as for a dense model)."""
     check_titan_layout(model)
     check_titan_moe(model, pins.ep or 1, pins.etp, pins.tp or 1, pins.cp or 1, pins.pp or 1, False, float8,
                     pins.dp_replicate or 1, False)
