@@ -144,7 +144,27 @@ def measure_moe_ep(shape: MoeShape, ac: str, s: int, b: int, ep: int = 2, balanc
     return results
 
 
-def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int) -> dict:
+def moe_model_config(shape: MoeShape, layers: int, vocab: int):
+    """A torchtitan Qwen3Model.Config of ``layers`` MoE blocks at ``shape`` (the sdpa inner attention, torchtitan's
+    balanced routing), built fp32 as torchtitan builds it before FSDP's mixed precision."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+
+    blocks = _build_qwen3_moe_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g,
+                                     head_dim=shape.d, moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k,
+                                     attn_backend="flex", moe_comm_backend="standard",
+                                     rope=CosSinRoPE.Config(dim=shape.d, max_seq_len=1024, theta=1e6))
+    for cfg in blocks:
+        cfg.attention.inner_attention = ScaledDotProductAttention.Config()
+        cfg.moe.router._debug_force_load_balance = True
+    return Qwen3Model.Config(vocab_size=vocab, dim=shape.h, norm=_qwen3_norm(shape.h), layers=blocks,
+                             tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
+                             lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+
+
+def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int,
+                   replicate: int = 1) -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` on a ``layers``-layer Qwen3 MoE model
     (its sharding config with ``enable_ep``; ``expert_parallel_degree`` = ``ep``, FSDP2 over the ``world`` ranks,
     the experts' over efsdp = world / ep; the ``partial_dtensor`` backend, mesh device "cpu" as validation/titan.py
@@ -158,28 +178,17 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     pd.device_type = "cpu"
     torch.manual_seed(0)
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_replicate_degree=replicate,
+                                    spmd_backend="partial_dtensor")  # replicate > 1: HSDP, dp_shard world / replicate
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
-    blocks = _build_qwen3_moe_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g,
-                                     head_dim=shape.d, moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k,
-                                     attn_backend="flex", moe_comm_backend="standard",
-                                     rope=CosSinRoPE.Config(dim=shape.d, max_seq_len=1024, theta=1e6))
-    for cfg in blocks:
-        cfg.attention.inner_attention = ScaledDotProductAttention.Config()
-        cfg.moe.router._debug_force_load_balance = True
-    config = Qwen3Model.Config(vocab_size=vocab, dim=shape.h, norm=_qwen3_norm(shape.h), layers=blocks,
-                               tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
-                               lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+    config = moe_model_config(shape, layers, vocab)
     set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
     model = config.build()
     parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
@@ -211,10 +220,10 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
 
 
 def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int = 2, vocab: int = 256, s: int = 16,
-                      b: int = 2) -> list[dict]:
-    """``ep_states_rank`` on ``world`` spawned ranks over gloo."""
+                      b: int = 2, replicate: int = 1) -> list[dict]:
+    """``ep_states_rank`` on ``world`` spawned ranks over gloo (``replicate`` > 1: HSDP, that many replicas)."""
     from .ranks import run_ranks
-    return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b))
+    return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b, replicate))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .titan import Shape, build_model
+from .titan_moe import MoeShape, moe_model_config
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 MULTI = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS") + V_SCHEDULES
@@ -107,15 +108,18 @@ class _Held:
         self.owner.drop(self.key, self.n)
 
 
-def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, microbatches: int,
+def pp_rank(rank: int, world: int, shape, layers: int, vocab: int, s: int, b: int, microbatches: int,
             schedule: str, chunks: int = 1) -> dict:
-    """One stage of a ``world``-stage pipeline step: its modules, the peak of its saved tensors' bytes (see module)."""
+    """One stage of a ``world``-stage pipeline step: its modules, the peak of its saved tensors' bytes (see module).
+    ``shape`` a validation/titan.py Shape (Llama 3) or a validation/titan_moe.py MoeShape (Qwen3 MoE, balanced
+    routing, no EP: each stage's experts whole)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
 
     torch.manual_seed(0)
-    whole = build_model(shape, layers, vocab)
+    moe = isinstance(shape, MoeShape)
+    whole = moe_model_config(shape, layers, vocab).build() if moe else build_model(shape, layers, vocab)
     for prm in whole.parameters():  # bf16 parameters (the RoPE buffer keeps its complex dtype)
         prm.data = prm.data.to(torch.bfloat16)
     split = _generate_llm_fqn_per_model_part(world * chunks, layers)
@@ -143,7 +147,7 @@ def pp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
             "grads_after": saved.pending}
 
 
-def measure_pp(shape: Shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
+def measure_pp(shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
                schedule: str = "1F1B", world: int = 2, chunks: int = 1) -> list[dict]:
     """``pp_rank`` on ``world`` spawned ranks over gloo."""
     from .ranks import run_ranks

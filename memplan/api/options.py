@@ -376,7 +376,7 @@ class PlanOptions:
             titan_stage_layers(p * m, L)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        if why := multi_refusal(p, m, None, schedule, bool(self.compile)):
+        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe):
             raise MemplanError(why)
         return dict(pp_schedule=schedule, vpp=m)
 
@@ -418,10 +418,10 @@ class PlanOptions:
         zero = self.zero
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
-        if titan:  # the layouts it models; MoE: FSDP2 with --ep only (memplan/inventory/titan_moe.py)
+        if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
             check_titan_layout(preset.model)
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
-                            self.float8, self.dp_replicate not in (None, 1), any(v is not None for v in self.moe_routing().values()),
+                            self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),
                             self.gpus or 0)
         # --recompute-num-layers alone is full recompute of that many layers, as `search` pins it (fixed_from)
         recompute = ("full" if self.recompute is None and self.recompute_num_layers is not None else self.recompute

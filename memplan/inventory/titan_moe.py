@@ -33,7 +33,10 @@ kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-a
 (R h), the combined copies back (k s b h) and the token counts exchanged (int64 E).  The states (memplan's
 ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
 2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
-16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts.
+16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts;
+with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.  With --pp
+torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
+the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
 
 from __future__ import annotations
@@ -101,25 +104,28 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
     return terms
 
 
-def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, hsdp: bool,
+def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
-    """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model (torchtitan's efsdp = d t cp / ep borrows
-    the data-parallel ranks: its experts have no expert TP) with FSDP2 data parallelism alone; the rest refused in
-    one line; ``gpus`` (0: not known yet) the ranks ep must divide."""
+    """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
+    (``replicate`` > 1) and the single-stage pipeline schedules (--pp: torchtitan's sparse mesh is (pp,
+    dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the shard group's ranks, its experts have no
+    expert TP); the rest refused in one line; ``gpus`` (0: not known yet) the world, whose dp_shard = gpus / (pp
+    replicate) ep must divide."""
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--pp", pp > 1), ("--compile", compiled),
-                                  ("--float8", bool(float8)), ("--dp-replicate", hsdp), ("--etp", etp is not None),
+    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--compile", compiled),
+                                  ("--float8", bool(float8)), ("--etp", etp is not None),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if left:
-        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 with --ep only yet, not "
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep and --pp only yet, not "
                            + ", ".join(left))
     if model.num_experts % ep:
         raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
                            "dim 0)")
-    if gpus and gpus % ep:
-        raise MemplanError(f"--ep {ep} does not divide the {gpus} data-parallel GPUs (torchtitan's efsdp = dp_shard "
-                           "x cp x tp / ep)")
+    shard = gpus // (pp * replicate)
+    if gpus and shard % ep:
+        raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group (torchtitan's efsdp = "
+                           "dp_shard x cp x tp / ep; pp and dp_replicate are outside it)")

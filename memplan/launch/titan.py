@@ -41,16 +41,31 @@ FUNCTION = "memplan_plan"
 FLAVORS = {(32, 4096, 32, 8, 14336, 128256): ("8B", "llama3_8b"),
            (80, 8192, 64, 8, 28672, 128256): ("70B", "llama3_70b"),
            (126, 16384, 128, 8, 53248, 128256): ("405B", "llama3_405b")}
+# torchtitan 0.3.0's Qwen3 MoE flavours (torchtitan/models/qwen3/__init__.py qwen3_configs): layers, dim, heads, KV
+# heads, head dim, experts, expert FFN hidden, top-k, vocabulary -> the shipped config function it starts from.
+# 0.3.0 ships one Qwen3 MoE config, qwen3_30b_a3b: the 235B-A22B plan starts from it with the model swapped (the
+# same Qwen3 tokenizer; its hf_assets_path names the 30B's folder: a note says so). tests/test_launch_titan.py checks
+# each against torchtitan's own model configs
+QWEN3_MOE_FLAVORS = {(48, 2048, 32, 4, 128, 128, 768, 8, 151936): ("30B-A3B", "qwen3_30b_a3b"),
+                     (94, 4096, 64, 4, 128, 128, 1536, 8, 151936): ("235B-A22B", "qwen3_30b_a3b")}
 
 
-def flavor(config: Config) -> tuple[str, str]:
-    """The torchtitan Llama 3 flavour and the shipped config function of the plan's model, or refused."""
+def flavor(config: Config) -> tuple[str, str, str]:
+    """The torchtitan model family (its models/ package), flavour and the shipped config function of the plan's
+    model, or refused."""
     m = config.model
+    if m.is_moe:
+        key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.g, m.head_dim, m.num_experts,
+               m.moe_ffn_hidden_size, m.moe_top_k, m.vocab_size)
+        if key not in QWEN3_MOE_FLAVORS:
+            raise MemplanError("--emit torchtitan starts from torchtitan's Qwen3 MoE flavours (30B-A3B, 235B-A22B) "
+                               f"for an MoE plan; {m.name[:40]!r} is none of them")
+        return ("qwen3",) + QWEN3_MOE_FLAVORS[key]
     key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.g, m.f, m.vocab_size)
     if key not in FLAVORS:
         raise MemplanError(f"--emit torchtitan starts from torchtitan's shipped Llama 3 configs (8B, 70B, 405B); "
                            f"{m.name[:40]!r} is none of them")
-    return FLAVORS[key]
+    return ("llama3",) + FLAVORS[key]
 
 
 def _ac(config: Config) -> tuple[str, str]:
@@ -96,8 +111,9 @@ def titan_document(config: Config) -> dict:
     """What the emitted module sets, by torchtitan's field names (the JSON form of the launch)."""
     par, tr = config.parallel, config.training
     replicate = par.dp // par.shard
-    flavour, base = flavor(config)
-    return {"module": MODULE, "config": FUNCTION, "base": base, "flavor": flavour,
+    family, flavour, base = flavor(config)
+    ep = par.ep if config.model.is_moe else 1
+    return {"module": MODULE, "config": FUNCTION, "family": family, "base": base, "flavor": flavour,
             # with PP the local batch is the pipeline's M micro-batches (pipeline_parallel.py: n_microbatches =
             # local_batch_size // pipeline_parallel_microbatch_size), without it one micro-batch (accumulation steps)
             "training.local_batch_size": tr.micro_batch * (config.num_microbatches if par.pp > 1 else 1),
@@ -112,7 +128,11 @@ def titan_document(config: Config) -> dict:
             "parallelism.pipeline_parallel_microbatch_size": tr.micro_batch,
             # multi-stage schedules: torchtitan's default is 2 stages a rank; more need its layers-per-stage setting
             "parallelism.pipeline_parallel_layers_per_stage": layers_per_stage(config),
-            "parallelism.spmd_backend": "partial_dtensor" if par.tp > 1 or par.cp > 1 else "spmd_types",
+            # MoE: EP borrows the FSDP ranks (torchtitan's efsdp = dp_shard cp tp / ep); dense models: 1
+            "parallelism.expert_parallel_degree": ep,
+            "parallelism.spmd_backend": "partial_dtensor" if max(par.tp, par.cp, ep) > 1 else "spmd_types",
+            # torchtitan's _validate_cuda_graphs refuses graphs with PP and with EP's AllToAllTokenDispatcher
+            "training.disable_cuda_graphs": par.pp > 1 or ep > 1,
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
             "loss": "CrossEntropyLoss", "converters": _converters(config)}
@@ -124,6 +144,9 @@ def titan_launch(config: Config) -> Launch:
         raise MemplanError("--emit torchtitan writes torchtitan's config: plan it with --impl torchtitan")
     doc = titan_document(config)
     ac, ac_name = _ac(config)
+    graphs = " and ".join(w for w, on in (("PP", config.parallel.pp > 1),
+                                          ("EP's all-to-all dispatcher", doc["parallelism.expert_parallel_degree"] > 1))
+                          if on)
     gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp * config.parallel.pp
     imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
     lines = [
@@ -139,8 +162,8 @@ def titan_launch(config: Config) -> Launch:
         lines.append(f"from torchtitan.distributed.activation_checkpoint import {imports}")
     lines += [
         "from torchtitan.models.common.config_utils import decoder_vocab_size",
-        "from torchtitan.models.llama3 import model_registry",
-        f"from torchtitan.models.llama3.config_registry import {doc['base']}",
+        f"from torchtitan.models.{doc['family']} import model_registry",
+        f"from torchtitan.models.{doc['family']}.config_registry import {doc['base']}",
         "from torchtitan.trainer import Trainer",
         "",
         "",
@@ -153,14 +176,15 @@ def titan_launch(config: Config) -> Launch:
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
         f"    config.training.seq_len = {doc['training.seq_len']}",
-    ] + (["    config.training.disable_cuda_graphs = True  # torchtitan's Trainer.Config refuses CUDA graphs with PP"]
-         if config.parallel.pp > 1 else []) + [
+    ] + ([f"    config.training.disable_cuda_graphs = True  # torchtitan's Trainer.Config refuses CUDA graphs with {graphs}"]
+         if doc["training.disable_cuda_graphs"] else []) + [
         "    config.parallelism = ParallelismConfig(",
         f"        data_parallel_replicate_degree={doc['parallelism.data_parallel_replicate_degree']},",
         f"        data_parallel_shard_degree={doc['parallelism.data_parallel_shard_degree']},",
         f"        tensor_parallel_degree={doc['parallelism.tensor_parallel_degree']}, "
         f"pipeline_parallel_degree={doc['parallelism.pipeline_parallel_degree']}, context_parallel_degree={doc['parallelism.context_parallel_degree']},",
-    ] + ([f"        pipeline_parallel_schedule=\"{doc['parallelism.pipeline_parallel_schedule']}\", "
+    ] + ([f"        expert_parallel_degree={doc['parallelism.expert_parallel_degree']},"] if config.model.is_moe else []) + (
+        [f"        pipeline_parallel_schedule=\"{doc['parallelism.pipeline_parallel_schedule']}\", "
           f"pipeline_parallel_microbatch_size={doc['parallelism.pipeline_parallel_microbatch_size']},"]
          if config.parallel.pp > 1 else []) + (
         [f"        pipeline_parallel_layers_per_stage={doc['parallelism.pipeline_parallel_layers_per_stage']},"]
@@ -175,6 +199,15 @@ def titan_launch(config: Config) -> Launch:
              "cross-entropy, " + ("the model compiled (not the loss)" if config.training.compile else "eager") + ", "
              + ("float8 rowwise linears (the converter needs an SM89+ GPU: H100, H200)" if config.training.float8
                 else "bf16")]
+    if config.model.is_moe:
+        ep = doc["parallelism.expert_parallel_degree"]
+        notes.append(f"Qwen3 MoE {doc['flavor']}, expert_parallel_degree {ep}"
+                     + (" (torchtitan's all-to-all dispatcher, the experts' FSDP over dp_shard / ep) on the "
+                        "partial_dtensor backend, the path memplan measured EP on (validation/titan_moe.py)" if ep > 1
+                        else "") + ": memplan assumes balanced routing (the expert-side sizes grow with imbalance)")
+        if doc["flavor"] != "30B-A3B":
+            notes.append(f"torchtitan 0.3.0 ships no {doc['flavor']} config: the module starts from qwen3_30b_a3b with "
+                         "the model swapped (its hf_assets_path still names Qwen3-30B-A3B's tokenizer folder)")
     if config.parallel.cp > 1:
         notes.append(f"context parallelism {config.parallel.cp} on torchtitan's partial_dtensor backend, the path "
                      "memplan measured (apply_cp_to_forward: FlexAttention's K and V all-gathered over the cp group); "

@@ -146,9 +146,11 @@ def notes(config: Any) -> list[str]:
                    "are derived from Transformer Engine / Megatron-LM code, not measured (memplan/memory/parallel.py)")
     if par.ep > 1 and config.model.is_moe and config.training.dp_stack == "torchtitan":
         out.append(f"expert parallelism ep = {par.ep} (torchtitan): each GPU holds E/ep = {config.model.num_experts // par.ep} "
-                   "experts, their FSDP2 states sharded over efsdp = d t cp / ep ranks, the layer in flight with "
-                   "the GPU's experts only (measured with torchtitan's parallelize_qwen3 on 2 ranks over gloo; the "
-                   "prefetched layer derived); the routed tokens' activations as "
+                   f"experts, their FSDP2 states sharded over efsdp = dp_shard t cp / ep = {par.tp * par.cp * par.shard // par.ep} ranks"
+                   + (f" in each of the {par.dp // par.shard} HSDP replicas (torchtitan's sparse mesh (pp, "
+                      "dp_replicate, efsdp, ep); measured on 4 ranks over gloo, 2 replicas, ep 2)" if par.dp > par.shard else "")
+                   + ", the layer in flight with the GPU's experts only (measured with torchtitan's parallelize_qwen3 "
+                   "on 2 ranks over gloo; the prefetched layer derived); the routed tokens' activations as "
                    "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b tokens received: "
                    "they do not shrink with ep; at worst ep times that, not modelled), measured on 2 ranks over gloo "
                    "(memplan/inventory/titan_moe.py)")

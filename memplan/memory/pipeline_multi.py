@@ -69,13 +69,19 @@ def rank_chunks(rank: int, p: int, m: int, num_layers: int, kind: str) -> tuple[
     return tuple(split[s] for s in rank_stages(rank, p, m, kind))
 
 
-def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compiled: bool = False) -> str:
+def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compiled: bool = False,
+                  moe: bool = False) -> str:
     """Why torch 2.13 does not run `kind` with m stages a rank and M micro-batches (None: any), or memplan does not
     model it ("" when both do): the V schedules take exactly 2 stages a rank (ScheduleZBVZeroBubble,
     ScheduleDualPipeV), DualPipeV at least 2p micro-batches, Interleaved1F1B and InterleavedZeroBubble M a multiple of
-    max(1, M // p) (`torch_round`); a split backward through compiled blocks is not modelled."""
+    max(1, M // p) (`torch_round`); a split backward through compiled blocks, or through an MoE block (``moe``: the
+    I -> W gradients are the dense block's, memplan/inventory/titan.py split_backward_grads), is not modelled."""
     if kind in V_SCHEDULES and m != 2:
         return f"torch's {kind} takes exactly 2 stages per rank, not {m}"
+    if moe and kind in SPLIT_BACKWARD:
+        return (f"--pipeline-schedule {kind} with an MoE model is not modelled: the gradients its split backward "
+                "holds from I to W are measured for the dense block only (the MoE: 1F1B, GPipe, Interleaved1F1B, "
+                "LoopedBFS)")
     if compiled and kind in SPLIT_BACKWARD:
         return (f"--compile with --pipeline-schedule {kind} is not modelled: its split backward (I, then W) runs "
                 "through the compiled blocks' one backward node, not traced yet")

@@ -28,7 +28,8 @@ same flags, memplan/api/options.py):
               none, selective-op or full of the stage's layers (selective-layer's count over the stages is not
               modelled), not with --float8 (estimate refuses it). Each (pp, schedule) is evaluated as a part of its
               own (the schedule is one per PlanValues); `join` makes the schedule a per-plan array.
-  ep          a Qwen3 MoE model's: the divisors of E dividing d, with tp = cp = pp = 1 and no compile or float8
+  ep          a Qwen3 MoE model's: the divisors of E dividing dp_shard (torchtitan's efsdp = dp_shard / ep), with tp = cp = 1,
+              HSDP and pp (not the split-backward schedules: multi_refusal) and no compile or float8
               (`moe_dims`; memplan/inventory/titan_moe.py); dense models ep 1.
 Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
 --pipeline-layers-per-stage).
@@ -147,7 +148,7 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
         for s in schedules:
             try:
                 if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at L / p: titan_plans)
-                    if L % p or (pins.compile and s in SPLIT_BACKWARD):
+                    if L % p or ((pins.compile or model.is_moe) and s in SPLIT_BACKWARD):
                         raise ValueError(s)
                     titan_stage_layers(2 * p, L)
                     out.append((p, None, None, s))
@@ -157,8 +158,8 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
                 (multi_skipped if is_multi(s) else skipped).append(p)
     why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes or a "
                            "stage without layers (not modelled: memplan/memory/pipeline.py titan_split)",
-           "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or --compile pins a "
-                          "split-backward schedule"}
+           "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or a "
+                          "split-backward schedule with --compile or an MoE model (not modelled)"}
     for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
         if ps:
             notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
@@ -168,16 +169,14 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
 
 def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[str, Any]:
     """The model-parallel pins of the space: a dense model's tp and cp with ep 1; a Qwen3 MoE's ep (searched over the
-    divisors of E dividing d, memplan/plan/space.py) with tp = cp = pp = 1 and etp 1, what estimate models of it
-    (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for estimate)."""
+    divisors of E dividing d, memplan/plan/space.py; `titan_plans` keeps those dividing dp_shard) with tp = cp = 1 and
+    etp 1, what estimate models of it (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for
+    estimate; pp and HSDP are searched as for a dense model)."""
     check_titan_layout(model)
     check_titan_moe(model, pins.ep or 1, pins.etp, pins.tp or 1, pins.cp or 1, pins.pp or 1, False, float8,
-                    pins.dp_replicate not in (None, 1), False)
+                    pins.dp_replicate or 1, False)
     if not model.is_moe:
         return dict(tp=pins.tp, cp=pins.cp, ep=1)
-    if pins.launchable:
-        raise MemplanError("--emit torchtitan of an MoE plan is not written yet (expert_parallel_degree and the "
-                           "Qwen3 MoE flavour): search without --emit")
     return dict(tp=1, cp=1, ep=pins.ep, etp=1)
 
 
@@ -186,10 +185,10 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
-    if model.is_moe:  # FSDP2 with EP only (moe_dims)
-        splits = [x for x in splits if x[0] == 1]
-        notes = ["torchtitan MoE: ep searched, tp, cp and pp not (modelled with FSDP2 and --ep only); EP's all-to-alls "
-                 "timed as Megatron-LM's alltoall dispatcher's (memplan/timing/comm.py): derived, uncalibrated"]
+    if model.is_moe:  # FSDP2 / HSDP with EP and PP (moe_dims)
+        notes = notes + ["torchtitan MoE: ep and pp searched, tp and cp not (modelled with FSDP2 / HSDP, --ep and "
+                         "--pp only; the split-backward schedules not); EP's all-to-alls timed as Megatron-LM's "
+                         "alltoall dispatcher's (memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
         multi = is_multi(schedule)
         chunk = model.num_layers // p if multi else max(titan_stage_layers(p, model.num_layers))
@@ -208,8 +207,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
             plans.p, plans.microbatches, schedule)
         if pins.dp_replicate is not None:
             keep &= replicas == pins.dp_replicate
-        if model.is_moe:  # no HSDP with EP (moe_dims)
-            keep &= replicas == 1
+        if model.is_moe:  # EP borrows a shard group's ranks (torchtitan's efsdp = dp_shard / ep, tp = cp = 1)
+            keep &= plans.shard % plans.ep == 0
         if keep.any():
             plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
             if multi:  # 2 stages a rank (torchtitan's default); the AC mode covers every layer of every chunk
