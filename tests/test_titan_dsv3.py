@@ -14,12 +14,11 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
+import yaml
 
 pytest.importorskip("torchtitan")
 
 import torch  # noqa: E402
-from torchtitan.models.common import Embedding, Linear, RMSNorm  # noqa: E402
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model  # noqa: E402
 
 from memplan.api.estimating import estimate  # noqa: E402
 from memplan.cli import main  # noqa: E402
@@ -30,7 +29,8 @@ from memplan.inventory.titan import is_dsv3, is_qwen3_moe  # noqa: E402
 from memplan.inventory.titan_dsv3 import ROUTER_GROUPS, dsv3_layer_terms  # noqa: E402
 from memplan.memory.states import total_params  # noqa: E402
 from memplan.presets.catalog import load_model  # noqa: E402
-from validation.titan_dsv3 import DsvShape, dsv3_layer_configs, measure_dsv3, trace_dsv3  # noqa: E402
+from validation.titan_dsv3 import (DsvShape, dsv3_model_config, measure_dsv3, measure_dsv3_ep_states,  # noqa: E402
+                                   trace_dsv3)
 
 # h 64, 4 heads, r_q 32, r_kv 48, d_n 16, d_r 8, d_v 12 (d_v != d_n + d_r as in DeepSeek-V3), dense f 96, 16 experts
 # of 32, one shared, top-2, torchtitan's 671B router groups (8, 4 chosen)
@@ -96,11 +96,7 @@ def test_parameters_equal_torchtitan_model(q_lora):
     # dense): its parameters are memplan's count.  At full size (the 671B flavour, model_registry("671B"), no MTP
     # layers) torchtitan builds 671,026,404,352 parameters on the meta device, memplan's deepseek-v3 count to the one
     # (measured: ~12 s, test_671b_parameters below, opt-in)
-    v = 256
-    cfg = DeepSeekV3Model.Config(vocab_size=v, dim=SHAPE.h, layers=dsv3_layer_configs(SHAPE, q_lora=q_lora),
-                                 tok_embeddings=Embedding.Config(num_embeddings=v, embedding_dim=SHAPE.h),
-                                 norm=RMSNorm.Config(normalized_shape=SHAPE.h),
-                                 lm_head=Linear.Config(in_features=SHAPE.h, out_features=v))
+    cfg = dsv3_model_config(SHAPE, 256, q_lora)
     with torch.device("meta"):
         real = sum(p.numel() for p in cfg.build().parameters())
     assert total_params(_model(q_lora)) == real
@@ -213,3 +209,44 @@ def test_estimate_answers_term_by_term(capsys):
 def test_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**kw)
+
+
+# torchtitan's own parallelize_deepseekv3 (set_deepseek_v3_sharding_config with enable_ep, FSDP2 over 2 ranks, the
+# experts over efsdp = 2 / ep) on the 2-layer tiny model (a dense, an MoE layer), vocabulary 256, one AdamW step over
+# gloo, both ranks alike (validation/titan_dsv3.py measure_dsv3_ep_states; ~30 s each):
+#   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_dsv3.py -k states_gloo
+# Hand derivation: the attention wq_a 64 x 32, q_norm 32, wq_b 32 x 96, wkv_a 64 x 56, kv_norm 48, wkv_b 48 x 112,
+# wo 48 x 64, two norms 2 x 64: 17,360; the dense layer + 3 x 64 x 96 = 35,792; the MoE layer's router 16 x 64 and
+# shared expert 3 x 64 x 32 + 17,360 = 24,528 and its experts 3 x 16 x 64 x 32 = 98,304; the embedding, LM head and
+# final norm 2 x 16,384 + 64: 191,456 parameters, 95,728 a rank at ep 1 and 2 (the 8 local experts whole at ep 2):
+# fp32 params and grads 382,912 B each, AdamW's moments 765,824 B.  The running MoE layer unsharded in bf16:
+# 2 x (24,528 + 98,304 / ep) = 245,664 B at ep 1, 147,360 B at ep 2.
+RECORDED_STATES = {1: {"params": 382912, "grads": 382912, "adam": 765824, "running": 245664},
+                   2: {"params": 382912, "grads": 382912, "adam": 765824, "running": 147360}}
+MOE_DENSE, EXPERTS, TAIL = 24528, 98304, 256 * 64 + 64
+
+
+def _tiny_yaml(tmp_path):
+    spec = _model(vocab_size=256, seq_length=16, name="tiny-dsv3").model_dump(exclude={"inventory"})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"model": spec}))
+    return str(path)
+
+
+@pytest.mark.parametrize("ep", sorted(RECORDED_STATES))
+def test_ep_states_equal_the_recorded_run(ep, tmp_path):
+    got = RECORDED_STATES[ep]
+    assert got["running"] == 2 * (MOE_DENSE + EXPERTS // ep)  # the hand derivation above
+    st = estimate(_tiny_yaml(tmp_path), impl="torchtitan", gpus=2, ep=ep, micro_batch=2, global_batch=4,
+                  ac="full").estimate.peak.states
+    assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
+    # in flight: the running MoE layer (measured) and the next one prefetched (derived), and the head (measured)
+    assert st.weights == 2 * got["running"] + 2 * TAIL
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ep", sorted(RECORDED_STATES))
+def test_ep_states_gloo_equal_recorded(ep):
+    for rank in measure_dsv3_ep_states(SHAPE, ep=ep):
+        assert {k: rank[k] for k in RECORDED_STATES[ep]} == RECORDED_STATES[ep]

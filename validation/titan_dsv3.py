@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from validation.titan import kept_storages, trace_kept
-from validation.titan_moe import wrap_ac
+from validation.titan_moe import ep_states_run, wrap_ac
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,34 @@ def trace_dsv3(shape: DsvShape, ac: str, moe: bool = True, q_lora: bool = True, 
         warnings.simplefilter("ignore")
         return trace_kept(lambda: wrap_dsv3_ac(build_dsv3_block(shape, moe, q_lora, balanced=False), ac), shape.h,
                           s_hint, b_hint)
+
+
+def dsv3_model_config(shape: DsvShape, vocab: int, q_lora: bool = True):
+    """A 2-layer torchtitan DeepSeekV3Model config (a dense layer, an MoE layer) at ``shape``, no MTP layers."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    return DeepSeekV3Model.Config(vocab_size=vocab, dim=shape.h, layers=dsv3_layer_configs(shape, q_lora=q_lora),
+                                  tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
+                                  norm=RMSNorm.Config(normalized_shape=shape.h),
+                                  lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+
+
+def dsv3_ep_states_rank(rank: int, world: int, ep: int, shape: DsvShape, vocab: int, s: int, b: int) -> dict:
+    """validation/titan_moe.py ``ep_states_rank`` with torchtitan's own ``parallelize_deepseekv3`` and
+    ``set_deepseek_v3_sharding_config`` on the 2-layer DeepSeek-V3 model (``dsv3_model_config``)."""
+    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    return ep_states_run(world, ep, dsv3_model_config(shape, vocab), set_deepseek_v3_sharding_config,
+                         parallelize_deepseekv3, vocab, s, b)
+
+
+def measure_dsv3_ep_states(shape: DsvShape, ep: int = 2, world: int = 2, vocab: int = 256, s: int = 16,
+                           b: int = 2) -> list[dict]:
+    """``dsv3_ep_states_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(dsv3_ep_states_rank, world, (ep, shape, vocab, s, b))
 
 
 if __name__ == "__main__":

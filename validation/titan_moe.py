@@ -153,23 +153,12 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
     with ep > 1 the experts' are DTensors on the ep mesh) alive at the end of a block's MoE in the forward, the most
     over the blocks.  What FSDP2 prefetches is not in it: on CPU a prefetched group's all-gather is copied out only
     when its block runs (torchtitan sets an explicit prefetch with ep > 1; on a GPU it runs ahead: derived)."""
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
-    pd.device_type = "cpu"
-    torch.manual_seed(0)
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
     blocks = _build_qwen3_moe_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g,
                                      head_dim=shape.d, moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k,
                                      attn_backend="flex", moe_comm_backend="standard",
@@ -180,10 +169,29 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
     config = Qwen3Model.Config(vocab_size=vocab, dim=shape.h, norm=_qwen3_norm(shape.h), layers=blocks,
                                tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
                                lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
-    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    return ep_states_run(world, ep, config, set_qwen3_sharding_config, parallelize_qwen3, vocab, s, b)
+
+
+def ep_states_run(world: int, ep: int, config, set_sharding, parallelize, vocab: int, s: int, b: int) -> dict:
+    """``ep_states_rank``'s run for any torchtitan MoE model ``config`` (built here, after ``set_sharding(config,
+    enable_sp=True, enable_ep=ep > 1)``) with its ``parallelize`` function (validation/titan_dsv3.py: DeepSeek-V3's);
+    ``running`` sampled at the end of each MoE block's MoE (a dense block has none)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    set_sharding(config, enable_sp=True, enable_ep=ep > 1)
     model = config.build()
-    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                      compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    parallelize(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                compile_config=CompileConfig(), ac_config=None, dump_folder="")
     for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
         if hasattr(m, "_get_fsdp_state"):
             m.set_force_sum_reduction_for_comms(True)
@@ -197,7 +205,8 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
         peak["running"] = max(peak["running"], storage_bytes([local_tensor(p) for p in params]))
 
     for block in model.layers.values():
-        block.moe.register_forward_hook(sample)
+        if getattr(block, "moe", None) is not None:
+            block.moe.register_forward_hook(sample)
     tokens = torch.randint(0, vocab, (b, s))
     with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
         warnings.simplefilter("ignore")
