@@ -122,7 +122,8 @@ def test_measured_bytes_equal_memplan(ac, moe):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_without_q_latent_the_saved_matmuls_shift(moe):
     # the debug and 16B flavours (q_lora_rank 0): one wq in place of wq_a / wq_b, so selective-op's every-other-matmul
-    # rule saves wq (1), wkv_b (3), then w1 (5), w2 (7) or the router gate (5), the shared experts' w3 (7)
+    # rule saves wq (1), wkv_b (3), then w1 (5) and w2 (7), the dense layer's or the shared experts' (the router gate
+    # not counted: torchtitan's default force_recompute_mm_shapes_by_fqns)
     measured, _ = _measured("selective-op", moe, q_lora=False)
     assert measured == _memplan("selective-op", moe, q_lora=False)
 
@@ -148,6 +149,18 @@ def test_dense_first_layers_weigh_the_kinds():
     assert terms["shared.w1.out"].elements == Poly.parse("2048 s b") * Fraction(58, 61)
     assert terms["moe.routed_input"].elements == Poly.parse("8 s b h") * Fraction(58, 61)
     assert terms["mla.q"].elements == Poly.parse(f"{128 * (128 + 64)} s b")
+
+
+def test_cuda_latent_norms_fused_by_hand():
+    # on CUDA (derived from torch's dispatch, as titan.py's block norms) F.rms_norm is one fused kernel: a latent norm
+    # keeps its bf16 input (2 r), fp32 rstd (4) and bf16 output (2 r) a token, against CPU's fp32 copy, rstd, fp32
+    # x * rstd and bf16 output (10 r + 4)
+    model = _model()
+    values = model.symbols(b=B, t=1, cp=1, ep=1, etp=1)
+    for which, r in (("q_norm", SHAPE.rq), ("kv_norm", SHAPE.rkv)):
+        got = {d: sum(t.bytes(values, 2, 0) for t in dsv3_layer_terms(model, d) if t.id.startswith(which + ".")
+                      and t.kept(Recompute.NONE)) for d in ("cpu", "cuda")}
+        assert got == {"cpu": (10 * r + 4) * S * B, "cuda": (4 * r + 4) * S * B}, which
 
 
 @pytest.mark.slow
@@ -200,7 +213,7 @@ def test_estimate_answers_term_by_term(capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "build num_mtp_layers 0 by default" in " ".join(out.split())
     for row in ("q down projection output (bf16), matmul 1", "router group choice of 4 groups",
-                "shared experts' w2 output (bf16), matmul 9",
+                "shared experts' w3 output (bf16), matmul 7",
                 "attention log-sum-exp (fp32)", "torchtitan DeepSeek-V3"):
         assert row in out, row
 

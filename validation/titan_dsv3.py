@@ -92,7 +92,9 @@ class SavedAsFlex(torch.nn.Module):
 
 def wrap_dsv3_ac(block, ac: str):
     """``block`` as torchtitan's AC mode ``ac`` wraps it (validation/titan_moe.py ``wrap_ac``), ``flex_saved`` in
-    SelectiveAC's save list where torchtitan's names flex_attention."""
+    SelectiveAC's save list where torchtitan's names flex_attention; SelectiveAC with its shipped default config
+    (``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``: the router gate's matmul recomputed, not counted
+    in the every-other-matmul rule)."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     if ac != "selective-op":
@@ -101,7 +103,7 @@ def wrap_dsv3_ac(block, ac: str):
     class FlexSavedAC(SelectiveAC):
         def get_save_ops(self) -> set:
             return super().get_save_ops() | {torch.ops.memplan_validation.flex_saved.default}
-    return FlexSavedAC(FlexSavedAC.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
+    return FlexSavedAC(FlexSavedAC.Config())._wrap_block(block)
 
 
 def dsv3_layer_configs(shape: DsvShape, n_layers: int = 2, n_dense: int = 1, q_lora: bool = True,

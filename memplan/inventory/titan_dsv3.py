@@ -18,10 +18,10 @@ kv_lora_rank, d_n, d_r, d_v the head widths, a heads, f the dense FFN, f_s the s
 * ``selective-op`` (torchtitan's SelectiveAC): the block input, attention's output and log-sum-exp (flex_attention
   is in its save list), every topk's outputs (the group-limited routing's too: each group's top-2 scores, fp32 and
   int64 2 x 8, the 4 chosen groups, 4 + 4, then the top-k), and the odd-numbered matmuls of the block in forward
-  order (``mm_sequence``; every second one recomputed, the count restarting per block): with a q latent wq_a (1),
-  wkv_a (3), wo (5), then w3 (7) in a dense layer, the shared experts' w1 (7) and w2 (9) in an MoE layer (the router
-  gate is 6); without one (the debug and 16B flavours) wq (1), wkv_b (3), then w1 (5) and w2 (7), or the gate (5)
-  and the shared experts' w3 (7).
+  order (``mm_sequence``; every second one recomputed, the count restarting per block; the router gate not counted
+  and recomputed: SelectiveAC's shipped ``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``): with a q
+  latent wq_a (1), wkv_a (3), wo (5), then w3 (7), in a dense layer its own, in an MoE layer the shared experts';
+  without one (the debug and 16B flavours) wq (1), wkv_b (3), then w1 (5) and w2 (7).
 * ``full``: the block input only.
 
 Dense first layers: a dense layer's FFN terms weighted by n_dense / L, an MoE layer's (routed and shared) by
@@ -32,6 +32,10 @@ op's save set (q, k, v as passed, out, log-sum-exp: derived from torch 2.13's Fl
 The router's groups: memplan's ModelSpec has no field for them; torchtitan's 671B flavour's (8 groups, 4 chosen) are
 taken (ROUTER_GROUPS).  Multi-token prediction: torchtitan's flavours build ``num_mtp_layers = 0`` by default
 (model_registry): memplan/inventory/titan.py ``titan_model`` drops a model's MTP layers, said in the output.
+
+States: FSDP2 (+ EP) as for Qwen3 MoE (memplan/memory/stage.py), measured with torchtitan's own
+``parallelize_deepseekv3`` on 2 ranks over gloo at ep 1 and 2 (validation/titan_dsv3.py ``measure_dsv3_ep_states``):
+16 B / d per parameter, the running MoE layer unsharded with the rank's E / ep experts.
 """
 
 from __future__ import annotations
@@ -54,8 +58,7 @@ NOTE = ("torchtitan DeepSeek-V3 (models/deepseek_v3): the MLA attention, the den
         "experts measured with its real blocks on CPU (FlexAttention's save set in a stand-in: derived), the routed "
         "experts' terms those of its common MoE (memplan/inventory/titan_moe.py), the router's groups its 671B "
         "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default); "
-        "the EP states as measured with Qwen3 MoE's parallelize_qwen3 (the same apply_fsdp_to_decoder path: derived "
-        "for DeepSeek-V3)")
+        "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo")
 
 
 def mm_sequence(model: ModelSpec, moe: bool) -> list[tuple[str, str, int]]:
@@ -66,16 +69,11 @@ def mm_sequence(model: ModelSpec, moe: bool) -> list[tuple[str, str, int]]:
         ("wq", "q projection", a * (dn + dr))]
     seq += [("wkv_a", "kv down projection (the r_kv latent and k_pe)", rkv + dr),
             ("wkv_b", "kv up projection", a * (dn + dv)), ("wo", "attention output projection", h)]
-    if moe:
+    if moe:  # the router gate is not counted: SelectiveAC's default force_recompute_mm_shapes_by_fqns
         fs = model.moe_shared_ffn_hidden_size
-        return seq + [("moe.gate", "router gate", model.num_experts), ("shared.w1", "shared experts' w1", fs),
-                      ("shared.w3", "shared experts' w3", fs), ("shared.w2", "shared experts' w2", h)]
+        return seq + [("shared.w1", "shared experts' w1", fs), ("shared.w3", "shared experts' w3", fs),
+                      ("shared.w2", "shared experts' w2", h)]
     return seq + [("w1", "w1", model.f), ("w3", "w3", model.f), ("w2", "w2", h)]
-
-
-def _saved_mms(model: ModelSpec, moe: bool) -> list[str]:
-    """The ids of the matmuls SelectiveAC saves: the odd-numbered ones."""
-    return [i for n, (i, _, _) in enumerate(mm_sequence(model, moe), 1) if n % 2]
 
 
 def _ffn(prefix: str, name: str, width: int) -> list[TitanTerm]:
@@ -88,11 +86,10 @@ ATTENTION_MMS = frozenset({"wq_a", "wq_b", "wq", "wkv_a", "wkv_b", "wo"})
 
 
 def _mm_terms(model: ModelSpec, moe: bool, attention: bool, src: str) -> list[Term]:
-    """The saved matmul outputs under selective-op, the attention's or the FFN's (the router gate's is titan_moe.py's
-    moe.gate_out)."""
+    """The saved matmul outputs under selective-op, the attention's or the FFN's."""
     out = []
     for n, (i, name, width) in enumerate(mm_sequence(model, moe), 1):
-        if n % 2 and i != "moe.gate" and (i in ATTENTION_MMS) == attention:
+        if n % 2 and (i in ATTENTION_MMS) == attention:
             out.append(saved(f"mm.{i}", f"{name} output (bf16), matmul {n}", "attention" if attention else "MoE"
                              if moe else "MLP", f"{width} s b", "act", k22=False, src=src,
                              **MODE_FLAGS[("selective-op",)]))
@@ -134,9 +131,8 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     layer = [titan_term(t, src) for t in (cuda_norm(base) if cuda else base)] + _mm_terms(model, False, True, src)
     L, dense = model.num_layers, model.moe_first_dense_layers
     dense_terms = [titan_term(t, src) for t in _ffn("", "", model.f)] + _mm_terms(model, False, False, src)
-    gate_saved = "moe.gate" in _saved_mms(model, True)
     moe_terms = [dataclasses.replace(t, name=t.name.replace("softmax", "sigmoid")) for t in
-                 titan_moe_terms(model, device) if t.id != "moe.gate_out" or gate_saved]
+                 titan_moe_terms(model, device) if t.id != "moe.gate_out"]  # the gate: recomputed (mm_sequence)
     moe_terms += [titan_term(t, src) for t in _ffn("shared.", "shared experts' ", model.moe_shared_ffn_hidden_size)]
     moe_terms += _mm_terms(model, True, False, src) + _groups_terms()
     return (*layer, *(weighted(t, Fraction(dense, L)) for t in dense_terms if dense),

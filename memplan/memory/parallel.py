@@ -147,7 +147,8 @@ def notes(config: Any) -> list[str]:
     if par.ep > 1 and config.model.is_moe and config.training.dp_stack == "torchtitan":
         out.append(f"expert parallelism ep = {par.ep} (torchtitan): each GPU holds E/ep = {config.model.num_experts // par.ep} "
                    "experts, their FSDP2 states sharded over efsdp = d t cp / ep ranks, the layer in flight with "
-                   "the GPU's experts only (measured with torchtitan's parallelize_qwen3 on 2 ranks over gloo; the "
+                   "the GPU's experts only (measured with torchtitan's parallelize_qwen3 / parallelize_deepseekv3 on 2 "
+                   "ranks over gloo; the "
                    "prefetched layer derived); the routed tokens' activations as "
                    "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b tokens received: "
                    "they do not shrink with ep; at worst ep times that, not modelled), measured on 2 ranks over gloo "
