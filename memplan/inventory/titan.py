@@ -348,8 +348,10 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
     from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
     yet: the peak is the kept tensors plus the states.  ``layer_terms``: another layer's terms in place of Llama 3's
-    and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py)."""
+    and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
     check_titan_layout(model)
+    if is_dsv3(model) and not layer_terms:
+        raise MemplanError("torchtitan's DeepSeek-V3 layer is memplan/inventory/titan_dsv3.py's (dsv3_inventory)")
     moe = is_qwen3_moe(model)
     h = model.hidden_size
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
