@@ -224,6 +224,13 @@ def test_refused(kw):
         _estimate(**kw)
 
 
+def test_router_groups_must_divide_the_experts():
+    # torchtitan's router refuses experts not a multiple of its groups (8 in the 671B flavour), or 1 a group
+    for experts in (12, 8):
+        with pytest.raises(MemplanError, match="expert groups"):
+            dsv3_layer_terms(_model(num_experts=experts), "cpu")
+
+
 # torchtitan's own parallelize_deepseekv3 (set_deepseek_v3_sharding_config with enable_ep, FSDP2 over 2 ranks, the
 # experts over efsdp = 2 / ep) on the 2-layer tiny model (a dense, an MoE layer), vocabulary 256, one AdamW step over
 # gloo, both ranks alike (validation/titan_dsv3.py measure_dsv3_ep_states; ~30 s each):

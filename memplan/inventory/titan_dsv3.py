@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
+from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.moe import weighted
 from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
@@ -109,6 +110,10 @@ def _groups_terms() -> list[Term]:
 
 def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     """One torchtitan DeepSeek-V3 layer's kept tensors (module docstring), the dense and MoE layers' weighted."""
+    groups = ROUTER_GROUPS[0]
+    if model.num_experts % groups or model.num_experts // groups < 2:
+        raise MemplanError(f"torchtitan's DeepSeek-V3 router ({groups} expert groups, as its 671B flavour) needs the "
+                           f"experts a multiple of {groups}, at least 2 a group (got {model.num_experts})")
     cuda = device == "cuda"
     src = DSV3_CUDA if cuda else DSV3_MEASURED
     a, dn, dr, dv = model.num_attention_heads, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
