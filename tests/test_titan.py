@@ -246,7 +246,7 @@ def test_qwen3_parameters_equal_torchtitan_model():
 def test_qwen3_8b_inventory_has_the_qk_norm_terms():
     # --impl torchtitan on the qwen3-8b preset (a = 32, g = 8, d = 128): CPU, the norms' fp32 input x (a d = 4,096
     # elements per token for q, g d = 1,024 for k); CUDA's fused kernel keeps the bf16 input (same elements) and the
-    # rstd (a = 32, g = 8 per token); DeepSeek-V3 (MLA) is refused (Qwen3 MoE: tests/test_titan_moe.py)
+    # rstd (a = 32, g = 8 per token); DeepSeek-V3 refused here: its layer is titan_dsv3.py's (tests/test_titan_dsv3.py)
     model = load_model("qwen3-8b").model
     cpu = {t.id: t.elements for t in titan_inventory(model, "cpu").terms}
     cuda = {t.id: t.elements for t in titan_inventory(model, "cuda").terms}

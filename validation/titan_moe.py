@@ -173,13 +173,23 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
     with ep > 1 the experts' are DTensors on the ep mesh) alive at the end of a block's MoE in the forward, the most
     over the blocks.  What FSDP2 prefetches is not in it: on CPU a prefetched group's all-gather is copied out only
     when its block runs (torchtitan sets an explicit prefetch with ep > 1; on a GPU it runs ahead: derived)."""
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    return ep_states_run(world, ep, moe_model_config(shape, layers, vocab), set_qwen3_sharding_config,
+                         parallelize_qwen3, vocab, s, b, replicate)
+
+
+def ep_states_run(world: int, ep: int, config, set_sharding, parallelize, vocab: int, s: int, b: int,
+                  replicate: int = 1) -> dict:
+    """``ep_states_rank``'s run for any torchtitan MoE model ``config`` (built here, after ``set_sharding(config,
+    enable_sp=True, enable_ep=ep > 1)``) with its ``parallelize`` function (validation/titan_dsv3.py: DeepSeek-V3's);
+    ``running`` sampled at the end of each MoE block's MoE (a dense block has none)."""
     import torchtitan.distributed.parallel_dims as pd
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     pd.device_type = "cpu"
     torch.manual_seed(0)
@@ -188,11 +198,10 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
-    config = moe_model_config(shape, layers, vocab)
-    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    set_sharding(config, enable_sp=True, enable_ep=ep > 1)
     model = config.build()
-    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                      compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    parallelize(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                compile_config=CompileConfig(), ac_config=None, dump_folder="")
     for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
         if hasattr(m, "_get_fsdp_state"):
             m.set_force_sum_reduction_for_comms(True)
@@ -206,7 +215,8 @@ def ep_states_rank(rank: int, world: int, ep: int, shape: MoeShape, layers: int,
         peak["running"] = max(peak["running"], storage_bytes([local_tensor(p) for p in params]))
 
     for block in model.layers.values():
-        block.moe.register_forward_hook(sample)
+        if getattr(block, "moe", None) is not None:
+            block.moe.register_forward_hook(sample)
     tokens = torch.randint(0, vocab, (b, s))
     with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
         warnings.simplefilter("ignore")

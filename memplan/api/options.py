@@ -16,7 +16,7 @@ from memplan.core.spec_base import describe_validation_error, echo
 from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
-from memplan.inventory.titan import check_titan_layout, checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan import checkpointed_layers, titan_ac_mode, titan_model
 from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.inventory.traced_file import check_traced_file
@@ -419,7 +419,7 @@ class PlanOptions:
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
-            check_titan_layout(preset.model)
+            preset = dataclasses.replace(preset, model=titan_model(preset.model))  # checked; DeepSeek-V3: no MTP
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
                             self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),
                             self.gpus or 0)

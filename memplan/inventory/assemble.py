@@ -32,7 +32,8 @@ from memplan.inventory.mcore import held_decoder_input, mcore_local_inventory
 from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
 from memplan.inventory.recompute import apply_modules
-from memplan.inventory.titan import titan_inventory
+from memplan.inventory.titan import is_dsv3, titan_inventory
+from memplan.inventory.titan_dsv3 import dsv3_inventory
 from memplan.inventory.traced import traced_inventory
 from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
 
@@ -201,7 +202,7 @@ def _inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int) -> In
     if impl == "torchtitan":
         if loss_chunks > 1:
             raise MemplanError("--impl torchtitan with --loss-chunks is not modelled")
-        return titan_inventory(model, device)
+        return dsv3_inventory(model, device) if is_dsv3(model) else titan_inventory(model, device)
     if impl in HF_IMPLS:
         if model.inventory is not None:
             return traced_inventory(model, impl, device, loss_chunks)

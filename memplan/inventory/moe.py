@@ -140,16 +140,17 @@ def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, meas
     for t in terms:
         if t.id in DENSE_MLP:
             if dense:
-                out.append(_weighted(t, dense))
+                out.append(weighted(t, dense))
             continue
         out.append(t)
         if t.id == "fc1_input":
             out[-1] = dataclasses.replace(t, name="MLP input (router's / shared experts' input; dense MLP fc1's)")
-            out += [_weighted(x, moe) for x in _moe_terms(model, unfused, measured)]
+            out += [weighted(x, moe) for x in _moe_terms(model, unfused, measured)]
     return out
 
 
-def _weighted(t: Term, share: Fraction) -> Term:
+def weighted(t: Term, share: Fraction) -> Term:
+    """``t`` in ``share`` of the layers (its elements scaled, its name saying so)."""
     if share == 1:
         return t
     return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)")

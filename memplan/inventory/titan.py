@@ -242,7 +242,7 @@ def cp_gathered_kv(g: int, d: int) -> Term:
 MEASURED = (
     "measured: torchtitan 0.3.0 Llama 3 block on CPU (validation/titan.py; tests/test_titan.py, TP: tests/test_titan_tp.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
-def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
+def titan_term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
     """A TitanTerm (bytes per token) as an Inventory term: fp32 where its name says so, else the activation dtype."""
     fp32 = "fp32" in t.name or t.id.endswith("rstd")
     per = t.bytes_per_token // (4 if fp32 else 2)
@@ -251,7 +251,7 @@ def _term(t: TitanTerm, src: str, scope: str = "layer") -> Term:
                  src=src, tp=t.split == "tp", sp=t.split == "sp", needs_tp=t.tp_only, without_cp=t.cp_gathered, **flags)
 
 
-def _cuda_norm(terms: list[TitanTerm]) -> list[TitanTerm]:
+def cuda_norm(terms: list[TitanTerm]) -> list[TitanTerm]:
     """On CUDA, F.rms_norm is one fused kernel keeping its bf16 input and its fp32 rstd (derived); its output stays
     as the next matmul's input (the all-gathered one under TP: measured on CPU, where it is a tensor of its own)."""
     out: list[TitanTerm] = []
@@ -305,22 +305,53 @@ def is_qwen3_moe(model: ModelSpec) -> bool:
     return model.is_moe and _is_qwen3(model, QWEN3_MOE_FIELDS)
 
 
+# and those torchtitan's DeepSeek-V3 (models/deepseek_v3 build_mla_moe_layers: MLA, n_dense_layers dense first
+# layers, routed and shared experts; no q / k norms on the heads) sets
+DSV3_FIELDS = (QWEN3_FIELDS - {"qk_norm"}) | {"num_experts", "moe_top_k", "moe_ffn_hidden_size",
+                                              "moe_shared_ffn_hidden_size", "moe_first_dense_layers", "kv_lora_rank",
+                                              "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                              "mtp_layers"}
+
+
+def is_dsv3(model: ModelSpec) -> bool:
+    """torchtitan's DeepSeek-V3 layout (DSV3_FIELDS: MLA with its latent widths, MoE with shared experts)."""
+    own = type(model).model_fields
+    return (model.is_mla and model.is_moe and model.moe_shared_ffn_hidden_size > 0 and not model.qk_norm
+            and not model.tied_embeddings and model.qk_nope_head_dim is not None
+            and model.qk_rope_head_dim is not None and model.v_head_dim is not None
+            and all(getattr(model, k) == f.default for k, f in own.items() if k not in DSV3_FIELDS))
+
+
 def check_titan_layout(model: ModelSpec) -> None:
-    """The layouts `--impl torchtitan` models (Llama 3, dense Qwen3, Qwen3 MoE); any other refused in one line."""
+    """The layouts `--impl torchtitan` models (Llama 3, dense Qwen3, Qwen3 MoE, DeepSeek-V3); any other refused in
+    one line."""
+    if is_dsv3(model):
+        return
     moe = is_qwen3_moe(model)
     if ((model.is_moe and not moe) or model.is_mla or (model.inventory is not None and not (moe or is_qwen3_dense(model)))
             or model.norm != "rmsnorm" or model.mlp != "swiglu" or model.bias or model.dropout):
-        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3, dense Qwen3 and Qwen3 MoE layouts "
-                           "only (RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, no dropout; MoE: "
-                           "routed experts in every layer, no shared experts, balanced routing; not DeepSeek-V3's MLA)")
+        raise MemplanError("--impl torchtitan: memplan models torchtitan's Llama 3, dense Qwen3, Qwen3 MoE and "
+                           "DeepSeek-V3 layouts only (RMSNorm, SwiGLU, q / k norms on the head dim or none, no biases, "
+                           "no dropout; MoE: Qwen3's routed experts in every layer, or DeepSeek-V3's MLA with dense "
+                           "first layers and shared experts; balanced routing)")
 
 
-def titan_inventory(model: ModelSpec, device: str) -> Inventory:
+def titan_model(model: ModelSpec) -> ModelSpec:
+    """``model`` as torchtitan builds it, its layout checked (check_titan_layout): DeepSeek-V3 without its
+    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry)."""
+    check_titan_layout(model)
+    return model.model_copy(update={"mtp_layers": 0}) if is_dsv3(model) and model.mtp_layers else model
+
+
+def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:
     """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
     from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
-    yet: the peak is the kept tensors plus the states."""
+    yet: the peak is the kept tensors plus the states.  ``layer_terms``: another layer's terms in place of Llama 3's
+    and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
     check_titan_layout(model)
+    if is_dsv3(model) and not layer_terms:
+        raise MemplanError("torchtitan's DeepSeek-V3 layer is memplan/inventory/titan_dsv3.py's (dsv3_inventory)")
     moe = is_qwen3_moe(model)
     h = model.hidden_size
     terms = llama3_layer_terms(h, model.num_attention_heads, model.g, model.f, model.q // model.num_attention_heads,
@@ -329,11 +360,11 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
         terms = [t for t in terms if t.id not in DENSE_FFN]
     src = MEASURED
     if device == "cuda":
-        terms, src = _cuda_norm(terms), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
+        terms, src = cuda_norm(terms), f"{MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
     final = [t for t in llama3_layer_terms(h, 1, 1, 1, 1) if t.id.startswith("ffn_norm.")]
-    final = _cuda_norm(final) if device == "cuda" else final
+    final = cuda_norm(final) if device == "cuda" else final
     loss = f"{DERIVED}; cross_entropy_loss on the fp32 logits"
-    outside = [_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
+    outside = [titan_term(TitanTerm("final_" + t.id.replace("ffn_", ""), "final " + t.name.replace("ffn_", ""),
                                t.bytes_per_token, (), t.split), TAIL, "last") for t in final]
     outside += [
         saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first", k22=False,
@@ -350,8 +381,8 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
                                         "measured); under TP the vocab-wide tensors / t (loss parallel)",
                                         transients=tuple(_vocab_split(x) for x in m.transients))
                     for m in hf_loss_moments(model, final_norm=False))
-    layer = tuple(_term(t, src) for t in terms) + tuple(titan_moe_terms(model, device) if moe else ())
-    layer += (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
+    layer = tuple(titan_term(t, src) for t in terms) + tuple(titan_moe_terms(model, device) if moe else ())
+    layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
@@ -359,7 +390,8 @@ def titan_inventory(model: ModelSpec, device: str) -> Inventory:
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE with TP, CP, PP, HSDP, compile or float8, its uneven routing (balanced modelled) and its layers' "
-              "backward transients, DeepSeek-V3 (MLA, shared experts, dense first layers), Qwen3 with TP or CP measured, "
+              "backward transients, DeepSeek-V3 with the same (and its MTP layers, its 16B / 236B flavours' router options, "
+              "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")

@@ -119,6 +119,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
                                   ("--float8", bool(float8)), ("--etp", etp is not None),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
+    if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
+        left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep and --pp only yet, not "
                            + ", ".join(left))

@@ -149,7 +149,8 @@ def notes(config: Any) -> list[str]:
                    f"experts, their FSDP2 states sharded over efsdp = dp_shard t cp / ep = {par.tp * par.cp * par.shard // par.ep} ranks"
                    + (f" in each of the {par.dp // par.shard} HSDP replicas (torchtitan's sparse mesh (pp, "
                       "dp_replicate, efsdp, ep); measured on 4 ranks over gloo, 2 replicas, ep 2)" if par.dp > par.shard else "")
-                   + ", the layer in flight with the GPU's experts only (measured with torchtitan's parallelize_qwen3 "
+                   + ", the layer in flight with the GPU's experts only (measured with torchtitan's parallelize_qwen3 / "
+                   "parallelize_deepseekv3 "
                    "on 2 ranks over gloo; the prefetched layer derived); the routed tokens' activations as "
                    "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b tokens received: "
                    "they do not shrink with ep; at worst ep times that, not modelled), measured on 2 ranks over gloo "

@@ -17,6 +17,7 @@ from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
 from memplan.inventory.titan_float8 import notes as float8_notes
+from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
@@ -354,6 +355,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.name.startswith("torchtitan"):
         notes.append("torchtitan: the decoder layers' backward transients are not modelled yet (the loss's are, "
                      "derived): the peak is a lower bound")
+        notes += dsv3_notes(config.model)
         if par.pp > 1 and is_multi(par.pp_schedule):
             notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)
         elif par.pp > 1:

@@ -185,6 +185,10 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
+    moe_dims(model, pins, float8)  # the pins' refusals first (as estimate's), before any pp is left out
+    if model.is_moe and model.moe_first_dense_layers:  # estimate refuses them (titan_moe.check_titan_moe)
+        splits, notes = [x for x in splits if x[0] == 1], notes + [
+            "torchtitan MoE with dense first layers (DeepSeek-V3): pp not searched (not modelled)"]
     if model.is_moe:  # FSDP2 / HSDP with EP and PP (moe_dims)
         notes = notes + ["torchtitan MoE: ep and pp searched, tp and cp not (modelled with FSDP2 / HSDP, --ep and "
                          "--pp only; the split-backward schedules not); EP's all-to-alls timed as Megatron-LM's "

@@ -1,0 +1,155 @@
+"""torchtitan 0.3.0's DeepSeek-V3 (`--impl torchtitan` on a DeepSeek-V3 model: models/deepseek_v3, MLA attention,
+``n_dense_layers`` dense first layers, MoE layers with shared experts): one layer's kept tensors per AC mode, as
+Inventory terms (memplan/inventory/titan.py ``titan_inventory`` adds the final norm, the loss and the states'
+layout; memplan/inventory/titan_moe.py the routed experts' terms, shared with Qwen3 MoE).
+
+Measured on CPU with torchtitan's real block (validation/titan_dsv3.py, tests/test_titan_dsv3.py: a dense and an
+MoE layer at tiny sizes, the 671B flavour's kinds: q latent, sigmoid router with 8 expert groups of which 4 are
+chosen, route_norm, one shared expert), per token of the rank's s b (widths: r_q = q_lora_rank, r_kv =
+kv_lora_rank, d_n, d_r, d_v the head widths, a heads, f the dense FFN, f_s the shared experts' together, E experts):
+
+* ``none``: attention_norm and ffn_norm as in Llama 3 (CPU: x in fp32, rstd, x * rstd in fp32, the bf16 output);
+  q_norm on the r_q latent and kv_norm on the r_kv one, the same four each; q and k as the two ``torch.cat`` make
+  them (a (d_n + d_r) each: k's rope part the one shared rotated k_pe expanded to the heads); wkv_b's output (a (d_n
+  + d_v): the attention keeps v, a view of it, so the whole storage stays); the attention's output (a d_v), its fp32
+  log-sum-exp (a) and the contiguous copy wo takes; the dense layers' SwiGLU (w1, silu, w3, their product: 4 x f),
+  the MoE layers' shared experts' (4 x f_s) and routed terms (titan_moe.py: the router's sigmoid scores in place of
+  Qwen3's softmax, same size).  RoPE keeps nothing (ComplexRoPE saves its complex buffer only).
+* ``selective-op`` (torchtitan's SelectiveAC): the block input, attention's output and log-sum-exp (flex_attention
+  is in its save list), every topk's outputs (the group-limited routing's too: each group's top-2 scores, fp32 and
+  int64 2 x 8, the 4 chosen groups, 4 + 4, then the top-k), and the odd-numbered matmuls of the block in forward
+  order (``mm_sequence``; every second one recomputed, the count restarting per block; the router gate not counted
+  and recomputed: SelectiveAC's shipped ``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``): with a q
+  latent wq_a (1), wkv_a (3), wo (5), then w3 (7), in a dense layer its own, in an MoE layer the shared experts';
+  without one (the debug and 16B flavours) wq (1), wkv_b (3), then w1 (5) and w2 (7).
+* ``full``: the block input only.
+
+Dense first layers: a dense layer's FFN terms weighted by n_dense / L, an MoE layer's (routed and shared) by
+(L - n_dense) / L (as memplan/inventory/moe.py weighs Megatron-LM's), so the layers' total is exact.
+
+The attention: torchtitan attends with compiled FlexAttention; validation stands in one op that keeps its autograd
+op's save set (q, k, v as passed, out, log-sum-exp: derived from torch 2.13's FlexAttentionAutogradOp, not measured).
+The router's groups: memplan's ModelSpec has no field for them; torchtitan's 671B flavour's (8 groups, 4 chosen) are
+taken (ROUTER_GROUPS).  Multi-token prediction: torchtitan's flavours build ``num_mtp_layers = 0`` by default
+(model_registry): memplan/inventory/titan.py ``titan_model`` drops a model's MTP layers, said in the output.
+
+States: FSDP2 (+ EP) as for Qwen3 MoE (memplan/memory/stage.py), measured with torchtitan's own
+``parallelize_deepseekv3`` on 2 ranks over gloo at ep 1 and 2 (validation/titan_dsv3.py ``measure_dsv3_ep_states``):
+16 B / d per parameter, the running MoE layer unsharded with the rank's E / ep experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from memplan.core.errors import MemplanError
+from memplan.core.model import ModelSpec
+from memplan.inventory.moe import weighted
+from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
+from memplan.inventory.titan_moe import MODE_FLAGS, titan_moe_terms
+from memplan.inventory.types import Inventory, Term, saved
+
+DSV3_MEASURED = ("measured: torchtitan 0.3.0 DeepSeek-V3 block on CPU, FlexAttention's save set in a stand-in "
+                 "(validation/titan_dsv3.py; tests/test_titan_dsv3.py)")
+DSV3_CUDA = f"{DSV3_MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
+# torchtitan's 671B flavour: router_num_expert_groups, router_num_limited_groups (not ModelSpec fields)
+ROUTER_GROUPS = (8, 4)
+NOTE = ("torchtitan DeepSeek-V3 (models/deepseek_v3): the MLA attention, the dense first layers and the shared "
+        "experts measured with its real blocks on CPU (FlexAttention's save set in a stand-in: derived), the routed "
+        "experts' terms those of its common MoE (memplan/inventory/titan_moe.py), the router's groups its 671B "
+        "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default); "
+        "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo")
+
+
+def mm_sequence(model: ModelSpec, moe: bool) -> list[tuple[str, str, int]]:
+    """The block's matmuls in forward order (SelectiveAC counts aten.mm per block): (id, name, output width)."""
+    a, dn, dr, dv = model.num_attention_heads, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    h, rq, rkv = model.hidden_size, model.q_lora_rank, model.kv_lora_rank
+    seq = [("wq_a", "q down projection", rq), ("wq_b", "q up projection", a * (dn + dr))] if rq else [
+        ("wq", "q projection", a * (dn + dr))]
+    seq += [("wkv_a", "kv down projection (the r_kv latent and k_pe)", rkv + dr),
+            ("wkv_b", "kv up projection", a * (dn + dv)), ("wo", "attention output projection", h)]
+    if moe:  # the router gate is not counted: SelectiveAC's default force_recompute_mm_shapes_by_fqns
+        fs = model.moe_shared_ffn_hidden_size
+        return seq + [("shared.w1", "shared experts' w1", fs), ("shared.w3", "shared experts' w3", fs),
+                      ("shared.w2", "shared experts' w2", h)]
+    return seq + [("w1", "w1", model.f), ("w3", "w3", model.f), ("w2", "w2", h)]
+
+
+def _ffn(prefix: str, name: str, width: int) -> list[TitanTerm]:
+    return [TitanTerm(f"{prefix}{i}", f"{name}{n} (bf16)", 2 * width, ("none",))
+            for i, n in (("w1.out", "w1 output"), ("silu.out", "silu output"), ("w3.out", "w3 output"),
+                         ("swiglu.mul", "silu(w1) * w3"))]
+
+
+ATTENTION_MMS = frozenset({"wq_a", "wq_b", "wq", "wkv_a", "wkv_b", "wo"})
+
+
+def _mm_terms(model: ModelSpec, moe: bool, attention: bool, src: str) -> list[Term]:
+    """The saved matmul outputs under selective-op, the attention's or the FFN's."""
+    out = []
+    for n, (i, name, width) in enumerate(mm_sequence(model, moe), 1):
+        if n % 2 and (i in ATTENTION_MMS) == attention:
+            out.append(saved(f"mm.{i}", f"{name} output (bf16), matmul {n}", "attention" if attention else "MoE"
+                             if moe else "MLP", f"{width} s b", "act", k22=False, src=src,
+                             **MODE_FLAGS[("selective-op",)]))
+    return out
+
+
+def _groups_terms() -> list[Term]:
+    """The group-limited routing's topk outputs SelectiveAC saves (fp32 values: the scores plus the fp32 bias)."""
+    groups, limited = ROUTER_GROUPS
+    return [saved(f"moe.group_{w}_{kind}", f"router group {what}{' (int64)' if kind == 'ids' else ' (fp32)'}", "MoE",
+                  f"{n} s b", "int64" if kind == "ids" else "fp32", k22=False, src=DSV3_MEASURED,
+                  **MODE_FLAGS[("selective-op",)])
+            for w, what, n in (("top2", "top-2 scores in each group: topk", 2 * groups),
+                               ("choice", f"choice of {limited} groups: topk", limited))
+            for kind in ("values", "ids")]
+
+
+def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
+    """One torchtitan DeepSeek-V3 layer's kept tensors (module docstring), the dense and MoE layers' weighted."""
+    groups = ROUTER_GROUPS[0]
+    if model.num_experts % groups or model.num_experts // groups < 2:
+        raise MemplanError(f"torchtitan's DeepSeek-V3 router ({groups} expert groups, as its 671B flavour) needs the "
+                           f"experts a multiple of {groups}, at least 2 a group (got {model.num_experts})")
+    cuda = device == "cuda"
+    src = DSV3_CUDA if cuda else DSV3_MEASURED
+    a, dn, dr, dv = model.num_attention_heads, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    base = [t for t in llama3_layer_terms(model.hidden_size, 1, 1, 1)
+            if t.id == "input" or t.id.startswith(("attention_norm.", "ffn_norm."))]
+    latents = [("q_norm", model.q_lora_rank)] if model.q_lora_rank else []
+    for which, r in latents + [("kv_norm", model.kv_lora_rank)]:
+        base += [dataclasses.replace(t, id=t.id.replace("attention_norm", which), split="",
+                                     name=t.name.replace("attention_norm", f"{which} (the {r}-wide latent)"))
+                 for t in llama3_layer_terms(r, 1, 1, 1) if t.id.startswith("attention_norm.")]
+    base += [TitanTerm("mla.q", "q: nope and rotated rope parts concatenated (bf16)", 2 * a * (dn + dr), ("none",)),
+             TitanTerm("mla.k", "k: k_nope and the shared rotated k_pe expanded to the heads (bf16)",
+                       2 * a * (dn + dr), ("none",)),
+             TitanTerm("mla.wkv_b", "wkv_b output (bf16): v, a view of it, keeps it whole", 2 * a * (dn + dv),
+                       ("none",)),
+             TitanTerm("attn.out", "attention output (bf16)", 2 * a * dv, ("none", "selective-op")),
+             TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op")),
+             TitanTerm("attn.out_contiguous", "attention output made contiguous, wo's input (bf16)", 2 * a * dv,
+                       ("none",))]
+    layer = [titan_term(t, src) for t in (cuda_norm(base) if cuda else base)] + _mm_terms(model, False, True, src)
+    L, dense = model.num_layers, model.moe_first_dense_layers
+    dense_terms = [titan_term(t, src) for t in _ffn("", "", model.f)] + _mm_terms(model, False, False, src)
+    moe_terms = [dataclasses.replace(t, name=t.name.replace("softmax", "sigmoid")) for t in
+                 titan_moe_terms(model, device) if t.id != "moe.gate_out"]  # the gate: recomputed (mm_sequence)
+    moe_terms += [titan_term(t, src) for t in _ffn("shared.", "shared experts' ", model.moe_shared_ffn_hidden_size)]
+    moe_terms += _mm_terms(model, True, False, src) + _groups_terms()
+    return (*layer, *(weighted(t, Fraction(dense, L)) for t in dense_terms if dense),
+            *(weighted(t, Fraction(L - dense, L)) for t in moe_terms))
+
+
+def dsv3_inventory(model: ModelSpec, device: str) -> Inventory:
+    """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss)."""
+    return titan_inventory(model, device, dsv3_layer_terms(model, device))
+
+
+
+def notes(model: ModelSpec) -> list[str]:
+    """What the output says of a DeepSeek-V3 model under --impl torchtitan (nothing for another)."""
+    return [NOTE] if is_dsv3(model) else []
