@@ -5,9 +5,13 @@ set beside the recording and memplan's own stream. An experiment, not memplan's 
 does not read the traced order yet).
 
 The splice: memplan's events of the build and the optimizer are kept; of each step's forward and backward only
-cuBLAS's workspaces (made at the first forward and backward matmul, kept; the trace sees no kernel's own buffers)
-and the frees of tensors made before the step; the traced step's events follow; its tensors still alive after the
-backward (the .grad tensors) are freed after the optimizer step, where memplan's zero_grad frees its own.
+cuBLAS's workspaces (kept; the trace sees no kernel's own buffers) and the frees of tensors made before the step; the
+traced step's events follow, each workspace put where cuBLAS makes it (`workspace_points`): right after the output of
+the first matmul of its thread, the forward's (layer 0's q_proj) and autograd's (lm_head's weight gradient), as every
+CUDA recording has them; its tensors still alive after the backward (the .grad tensors) are freed after the optimizer
+step, where memplan's zero_grad frees its own. Put at the step's start instead, the two 32 MiB blocks sit below the
+loss's 5.2 GiB logits and the lazily made AdamW states fill the cached blocks differently: llama3-8b with foreach
+AdamW and checkpointing replays as fitting at 10,898 and 11,922 tokens, where the H100 runs died.
 What the trace cannot see is missing here too unless fitted ones are added (``kernel_buffers``: cuDNN attention's
 backward workspace, the CUDA reduction's staging buffers; validation/layer_match.py names them): on the recorded
 llama3-8b runs they move no figure by a MB (freed at once, they fit in blocks the allocator has cached).
@@ -57,6 +61,21 @@ def kernel_buffers(case: dict) -> Callable:
     return after
 
 
+MATMULS = ("mm", "addmm", "bmm", "matmul", "_scaled_mm")
+
+
+def workspace_points(traced: list[tuple]) -> list[int]:
+    """Where cuBLAS makes its workspaces in a traced step: after the output of the first matmul the forward runs and
+    after the first the backward runs (autograd's device thread has its own handle), as the traced events' positions
+    (an event "+" labelled "module: op"). In every H100 recording (tests/data/alloc/cuda) the 32 MiB workspace request
+    follows layer 0's q_proj output and lm_head's weight gradient (``workspaces_as_recorded``)."""
+    points: list[int] = []
+    for phase in ("forward", "backward"):
+        points += [next((k for k, e in enumerate(traced) if e[0] == "+" and e[2][0] == phase
+                         and e[3].rsplit(": ", 1)[-1] in MATMULS), len(traced) - 1)]
+    return points
+
+
 def spliced_ops(stream, traced: list[tuple], s: int, b: int, buffers: Callable | None = None) -> list[int]:
     """memplan's ``stream`` (an ``AllocationStream``) with each step's forward and backward replaced by the
     ``traced`` step (``layer_order.step_order`` events), in the compact form ``replay_ops`` reads; ``buffers``:
@@ -65,12 +84,14 @@ def spliced_ops(stream, traced: list[tuple], s: int, b: int, buffers: Callable |
     phases = stream.phases
     out: list[tuple] = []  # ("+", size, key) / ("-", key)
     dropped: set = set()
+    points = workspace_points(traced)
     for (name, start), (_, end) in zip(phases, phases[1:]):
         if name.startswith("step "):
+            at: dict = {}  # memplan's workspaces by the traced event they follow
             for e in events[start:end]:
                 if type(e).__name__ == "Alloc":
                     if e.kind == "workspace":
-                        out.append(("+", e.size, ("m", e.id)))
+                        at.setdefault(points["(backward)" in e.name], []).append(("+", e.size, ("m", e.id)))
                     else:
                         dropped.add(e.id)
                 elif e.id not in dropped:
@@ -84,12 +105,14 @@ def spliced_ops(stream, traced: list[tuple], s: int, b: int, buffers: Callable |
                     alive[made] = key
                     nbytes = evaluate(e[1], s, b)
                     out.append(("+", nbytes, key))
+                    out += at.pop(k, [])
                     extra = buffers(e, traced[k + 1] if k + 1 < len(traced) else None, nbytes) if buffers else []
                     out += [("+", x, key + (j,)) for j, x in enumerate(extra)]
                     out += [("-", key + (j,)) for j in reversed(range(len(extra)))]
                     made += 1
                 else:
                     out.append(("-", alive.pop(e[1])))
+            out += [w for ws in at.values() for w in ws]  # a workspace whose matmul the trace lacks: after the step
             left = list(alive.values())
             continue
         for e in events[start:end]:
