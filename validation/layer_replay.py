@@ -9,9 +9,11 @@ cuBLAS's workspaces (kept; the trace sees no kernel's own buffers) and the frees
 traced step's events follow, each workspace put where cuBLAS makes it (`workspace_points`): right after the output of
 the first matmul of its thread, the forward's (layer 0's q_proj) and autograd's (lm_head's weight gradient), as every
 CUDA recording has them; its tensors still alive after the backward (the .grad tensors) are freed after the optimizer
-step, where memplan's zero_grad frees its own. Put at the step's start instead, the two 32 MiB blocks sit below the
-loss's 5.2 GiB logits and the lazily made AdamW states fill the cached blocks differently: llama3-8b with foreach
-AdamW and checkpointing replays as fitting at 10,898 and 11,922 tokens, where the H100 runs died.
+step, where memplan's zero_grad frees its own. With the workspaces there the splice replays the max_memory_reserved of
+the 14 committed recordings that trained to the byte but one (2.1 MB short) and the H100's verdict at all 24 recorded
+llama3-8b lengths; put at the step's start instead, the 32 MiB blocks sit elsewhere in step 1's segments, the
+lazily made AdamW states land in other cached blocks, and llama3-8b with foreach AdamW and checkpointing replayed as
+fitting at 10,898 and 11,922 tokens, where the runs died (1.19 GB less stranded in partly used segments at 10,898).
 What the trace cannot see is missing here too unless fitted ones are added (``kernel_buffers``: cuDNN attention's
 backward workspace, the CUDA reduction's staging buffers; validation/layer_match.py names them): on the recorded
 llama3-8b runs they move no figure by a MB (freed at once, they fit in blocks the allocator has cached).
@@ -68,7 +70,8 @@ def workspace_points(traced: list[tuple]) -> list[int]:
     """Where cuBLAS makes its workspaces in a traced step: after the output of the first matmul the forward runs and
     after the first the backward runs (autograd's device thread has its own handle), as the traced events' positions
     (an event "+" labelled "module: op"). In every H100 recording (tests/data/alloc/cuda) the 32 MiB workspace request
-    follows layer 0's q_proj output and lm_head's weight gradient (``workspaces_as_recorded``)."""
+    follows layer 0's q_proj output and lm_head's weight gradient (tests/test_layer_order.py
+    `test_workspaces_as_recorded`)."""
     points: list[int] = []
     for phase in ("forward", "backward"):
         points += [next((k for k, e in enumerate(traced) if e[0] == "+" and e[2][0] == phase
@@ -156,6 +159,12 @@ def verdicts(runs_file: Path, recording: Path) -> None:
               f"{word[fits[0]]} | {word[fits[1]]}")
 
 
+def died(recorded: int | None, *replays) -> str:
+    """The request a recorded run died at and each replay's ("-": trained; a recording stops at its out-of-memory)."""
+    return " / ".join(f"{x:,}" if x else "-" for x in [recorded] + [r.oom.requested_bytes if r.oom else None
+                                                                    for r in replays])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m validation.layer_replay", description=__doc__.split("\n")[0])
     p.add_argument("recordings", nargs="+", help="CUDA recordings (tests/data/alloc/cuda/*.json.gz)")
@@ -168,12 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     traces: dict = {}
     print("recording | allocator | recorded reserved (MB = 1e6 B) | memplan's stream | the traced order | with the "
           "kernels' buffers | recorded allocated peak | memplan's | the traced order | with the kernels' buffers "
-          "(differences from the recording)")
+          "| the request each died at (B) (differences from the recording)")
     for path in a.recordings:
         rec = load(path)
         c = rec.case
-        if rec.stats.get("oom"):
-            continue
         key = (c["h"], c["L"])
         if key not in traces:
             traces[key] = traced_steps(c)
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{shown(spliced.reserved_peak_bytes, measured, spliced.fits)} | "
               f"{shown(buffered.reserved_peak_bytes, measured, buffered.fits)} | {peak / 1e6:,.1f} | "
               f"{shown(ours.requested_peak_bytes, peak)} | {shown(spliced.requested_peak_bytes, peak)} | "
-              f"{shown(buffered.requested_peak_bytes, peak)}")
+              f"{shown(buffered.requested_peak_bytes, peak)} | {died(rec.stats.get('oom_request_bytes'), ours, spliced)}")
     return 0
 
 
