@@ -117,3 +117,27 @@ def test_the_traced_order_replays_to_the_recorded_reserved_peak(traced, path):
     # the allocated peak: 216 B short at every run (a few small requests at the peak that neither memplan's events kept
     # here nor the trace make; not identified); memplan's own stream: 3.9 KB over
     assert 0 <= rec.live_peak_bytes - result.requested_peak_bytes <= 256
+
+
+@pytest.mark.parametrize("path", SMALL[:1], ids=lambda p: p.name.split(".")[0])
+def test_workspaces_as_recorded(traced, path):
+    # cuBLAS makes its 32 MiB workspace when a thread first runs a matmul, after that matmul's output: in every H100
+    # recording, after layer 0's q_proj output (s b h bf16, 262,144 B here; the two requests before it: the RMSNorm's
+    # bf16 copy and its product with the weight, the same size; k_proj's output after, half of it: 4 key/value heads)
+    # and after lm_head's weight gradient (v h bf16: 2 MiB; before it the fp32 log_softmax gradient, 4 s b v B = 8 MiB,
+    # and its bf16 copy, 4 MiB; lm_head's input gradient after, s b h bf16). The splice puts memplan's two workspaces
+    # there (validation/layer_replay.py `workspace_points`); at the step's start instead, llama3-8b's recorded deaths
+    # at 10,898 and 11,922 tokens (foreach AdamW, checkpointing) replay as fitting
+    rec = load(path)
+    case = rec.case
+    ours = next(c for c in ALLOCATOR_CASES if c.optimizer == case["optimizer"] and c.recompute == case["recompute"])
+    workspace = card_preset("NVIDIA H100 80GB HBM3").workspace_bytes
+    stream = allocation_stream(peak_config(ours), ours.impl, "cuda", workspace_bytes=workspace)
+
+    def around(sizes: list[int]) -> list[list[int]]:
+        return [sizes[k - 3:k + 2] for k, n in enumerate(sizes) if n == workspace]
+
+    recorded = around([e[2] for e in rec.events if e[0] == "alloc"])
+    assert recorded == [[262_144] * 3 + [workspace, 131_072], [8 << 20, 4 << 20, 2 << 20, workspace, 262_144]]
+    spliced = spliced_ops(stream, traced[1][case["recompute"]], case["s"], case["b"])
+    assert around([n for n in spliced if n >= 0]) == recorded
