@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from validation.titan import AC_MODES, kept_storages, selective_ac, local_tensor, storage_bytes, trace_kept
+from validation.titan import AC_MODES, kept_storages, local_tensor, selective_ac, storage_bytes, trace_kept
 
 
 @dataclass(frozen=True)
