@@ -59,13 +59,17 @@ def _titan():
     return FullAC, SelectiveAC, ComplexRoPE, ScaledDotProductAttention, _build_llama3_layers
 
 
-def cpu_sdpa_save_list(SelectiveAC):
+def selective_ac(SelectiveAC, *save_also):
+    """torchtitan's SelectiveAC with its shipped default Config: ``force_recompute_mm_shapes_by_fqns =
+    ["moe.router.gate"]`` (torchtitan 0.3.0 distributed/activation_checkpoint.py: the MoE router gate's matmul, and
+    any mm of its shape, recomputed and not counted in the every-other-matmul rule; a dense block has no such module,
+    so nothing changes there), with the CPU attention kernel (flex_attention's stand-in) and ``save_also`` (ops)
+    added to its save list."""
     class CpuSelectiveAC(SelectiveAC):
-        """torchtitan's SelectiveAC with the CPU attention kernel in its save list (for flex_attention)."""
-
         def get_save_ops(self) -> set:
-            return super().get_save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-    return CpuSelectiveAC
+            return super().get_save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                             *save_also}
+    return CpuSelectiveAC(CpuSelectiveAC.Config())
 
 
 def float8_converter(recipe: str):
@@ -115,8 +119,7 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8:
     if ac == "full":
         block = FullAC(FullAC.Config())._wrap_block(block)
     elif ac == "selective-op":
-        cls = cpu_sdpa_save_list(SelectiveAC)
-        block = cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
+        block = selective_ac(SelectiveAC)._wrap_block(block)
     return block
 
 
@@ -368,8 +371,7 @@ class _AcShim:
         FullAC, SelectiveAC, *_ = _titan()
         if self.ac == "full":
             return FullAC(FullAC.Config())
-        cls = cpu_sdpa_save_list(SelectiveAC)
-        return cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))
+        return selective_ac(SelectiveAC)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

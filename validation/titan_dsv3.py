@@ -91,19 +91,11 @@ class SavedAsFlex(torch.nn.Module):
 
 
 def wrap_dsv3_ac(block, ac: str):
-    """``block`` as torchtitan's AC mode ``ac`` wraps it (validation/titan_moe.py ``wrap_ac``), ``flex_saved`` in
-    SelectiveAC's save list where torchtitan's names flex_attention; SelectiveAC with its shipped default config
-    (``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``: the router gate's matmul recomputed, not counted
-    in the every-other-matmul rule)."""
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-    if ac != "selective-op":
-        return wrap_ac(block, ac)
-
-    class FlexSavedAC(SelectiveAC):
-        def get_save_ops(self) -> set:
-            return super().get_save_ops() | {torch.ops.memplan_validation.flex_saved.default}
-    return FlexSavedAC(FlexSavedAC.Config())._wrap_block(block)
+    """``block`` as torchtitan's AC mode ``ac`` wraps it (validation/titan_moe.py ``wrap_ac``: SelectiveAC with its
+    shipped default config, ``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``: the router gate's matmul
+    recomputed, not counted in the every-other-matmul rule), ``flex_saved`` in SelectiveAC's save list where
+    torchtitan's names flex_attention."""
+    return wrap_ac(block, ac, save_also=(torch.ops.memplan_validation.flex_saved.default,))
 
 
 def dsv3_layer_configs(shape: DsvShape, n_layers: int = 2, n_dense: int = 1, q_lora: bool = True,

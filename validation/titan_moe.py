@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from validation.titan import AC_MODES, cpu_sdpa_save_list, kept_storages, local_tensor, storage_bytes, trace_kept
+from validation.titan import AC_MODES, kept_storages, local_tensor, selective_ac, storage_bytes, trace_kept
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,10 @@ def build_moe_block(shape: MoeShape, balanced: bool = True) -> torch.nn.Module:
     return block
 
 
-def wrap_ac(block, ac: str):
-    """``block`` as torchtitan's AC mode ``ac`` wraps it (validation/titan.py build_block's way)."""
+def wrap_ac(block, ac: str, save_also: tuple = ()):
+    """``block`` as torchtitan's AC mode ``ac`` wraps it (validation/titan.py build_block's way): SelectiveAC with its
+    shipped default config (validation/titan.py ``selective_ac``: the router gate ``moe.router.gate`` recomputed and
+    not counted in the every-other-matmul rule), ``save_also`` (ops) added to its save list."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     if ac not in AC_MODES:
@@ -72,8 +74,7 @@ def wrap_ac(block, ac: str):
     if ac == "full":
         return FullAC(FullAC.Config())._wrap_block(block)
     if ac == "selective-op":
-        cls = cpu_sdpa_save_list(SelectiveAC)
-        return cls(cls.Config(force_recompute_mm_shapes_by_fqns=[]))._wrap_block(block)
+        return selective_ac(SelectiveAC, *save_also)._wrap_block(block)
     return block
 
 

@@ -13,10 +13,12 @@ validation/titan_moe.py (tests/test_titan_moe.py), per token of the rank's s b (
   copies of the tokens (k h, the grouped GEMMs' input); GroupedExperts (``torch._grouped_mm``, on CPU too in torch
   2.13) keeps w1's output, silu's, w3's and their product (4 x k fe); combine keeps the experts' output in fp32 (4 k h,
   saved by the scores' multiply).  Not modelled: the grouped GEMMs' int32 offsets (4 E / ep bytes a layer).
-* ``selective-op`` (torchtitan's SelectiveAC: its save list holds topk and all_to_all_single; matmuls counted per
-  block, every second recomputed): the block input, wqkv's output (matmul 1), attention's output and log-sum-exp,
-  the router gate's output (T x E, matmul 3; wo is matmul 2), topk's values (fp32: the scores plus the fp32
-  expert_bias buffer) and ids (int64); the grouped GEMMs are not in the list (recomputed).
+* ``selective-op`` (torchtitan's SelectiveAC with its shipped default config: its save list holds topk and
+  all_to_all_single; matmuls counted per block, every second recomputed; the router gate forced recomputed and not
+  counted, ``force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]`` in distributed/activation_checkpoint.py): the
+  block input, wqkv's output (matmul 1; wo, matmul 2, recomputed), attention's output and log-sum-exp, topk's values
+  (fp32: the scores plus the fp32 expert_bias buffer) and ids (int64); not the gate's output (T x E), and the grouped
+  GEMMs are not in the list (recomputed).
 * ``full``: the block input only (titan.py's dense term).
 
 Router dtype: torchtitan runs the gate under ``torch.autocast(dtype=float32)``. CPU autocast refuses fp32, so on CPU
@@ -72,7 +74,6 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
     k = str(model.moe_top_k)
     terms = [
         _term("moe.scores", "router softmax scores (tokens x E)", "E s b", r, none, rsrc),
-        _term("moe.gate_out", "router gate output (tokens x E), matmul 3", "E s b", r, sel, rsrc),
         _term("moe.topk_values", "topk values (fp32: scores + the fp32 expert_bias)", f"{k} s b", "fp32", sel, src),
         _term("moe.topk_ids", "top-k expert ids (int64)", f"{k} s b", "int64", both, src),
         _term("moe.topk_scores", "gathered top-k scores", f"{k} s b", r, none, rsrc),
