@@ -86,7 +86,7 @@ class LiveStorages(TorchDispatchMode):
         self.external: dict[int, weakref.ref] = {}
         self.refs: dict[int, weakref.ref] = {}
         self.phase, self.layer, self.microbatch = "forward", None, 0
-        self.rerun = False  # a checkpointed layer's forward re-run in the backward (validation/trace.py's hooks)
+        self.rerun = False  # a checkpointed layer's forward re-run in the backward (validation/trace_run.py's hooks)
         # the allocations and frees in order, when a list (validation/layer_order.py): ("+", cdata, record, label)
         # and ("-", cdata, None, label), label = (phase, layer, rerun) when the event happened
         self.log: list | None = None
