@@ -50,8 +50,9 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     input tensors by (argument, first layer): the records, to match the two runs).  ``shapes``: a dict the
     runs of one trace share, which keeps the first run's ShapeEnv, symbols s, b and their SymInts, so a
     later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
-    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own. ``sdpa``: the
-    CUDA sdpa kernels tried, in order (``kernels="cuda"``; ``CudaKernels``)."""
+    (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own. It keeps the
+    fake mode and the model too: a later run takes the first one's model (``build`` is called once) without its
+    gradients (kept in ``shapes``: freeing them would log frees into the first run's allocation order). ``sdpa``: the CUDA sdpa kernels tried, in order (``kernels="cuda"``; ``CudaKernels``)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -79,11 +80,19 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     cuda = CudaKernels(named, sdpa) if kernels == "cuda" else None
     run: dict = {}
     polys_conditions: list[str] = []
-    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
-        model = build()
+    if "mode" not in shapes:
+        shapes["mode"] = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
+    with shapes["mode"]:
+        model = shapes.get("model")
+        if model is None:
+            model = shapes["model"] = build()
+        else:  # the first run's model, its gradients set aside (kept alive, as a first model's are): as a fresh one
+            for p in model.parameters():
+                shapes.setdefault("grads", []).append(p.grad)
+                p.grad = None
         saves = Saves(model)
         tracking = _tracking(model, saves, named, step, polys_conditions, run) if step else contextlib.nullcontext()
-        with eager_decisions(), saves.recording(), tracking as live:
+        with eager_decisions(), saves.recording(aten=not step), tracking as live:
             with with_python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
                     (cuda.norm_stats() if cuda else contextlib.nullcontext()), _data_dependence_refused():
                 # the inputs live as long as the model's code keeps them (a training loop's batch dies with its step)
@@ -146,6 +155,7 @@ def _tracking(model, saves: Saves, named: dict, step: dict, conditions: list[str
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     live = transients.LiveStorages(named, path, n)
     live.module = lambda: saves.modules.current
+    live.before = saves.aten.note  # saves.recording(aten=False): the kernels logged from this mode
     polys = transients.Polys(named, conditions, exact_divisions)
     sampler = transients.Sampler(live, polys, checkpointed=checkpoint, head=not checkpoint)
     run.update(sampler=sampler, polys=polys, args={})

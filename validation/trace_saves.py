@@ -69,9 +69,12 @@ class Saves:
         return self.ledger.pack(t)
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, aten: bool = True):
+        """Saves recorded; ``aten=False``: the aten kernels logged by another dispatch mode calling ``aten.note``
+        (a step's ``transients.LiveStorages``: one python dispatch mode instead of two, the same log)."""
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.ledger.unpack), self.rec, self.aten:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.ledger.unpack), self.rec, \
+                    (self.aten if aten else contextlib.nullcontext()):
                 yield
         finally:
             self.modules.close()

@@ -96,6 +96,7 @@ class LiveStorages(TorchDispatchMode):
         self.module: Callable[[], str] = lambda: ""
         self.sampler: Callable[[str], None] | None = None
         self.op = ""
+        self.before: Callable[[Any], None] | None = None  # told of every op first (an _AtenLog's note: one mode)
 
     # labels (validation.step._LayerHooks calls set)
     def set(self, **label) -> None:
@@ -136,6 +137,8 @@ class LiveStorages(TorchDispatchMode):
         return f"{where}: {self.op}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.before is not None:
+            self.before(func)
         kwargs = kwargs or {}
         for x in pytree.tree_leaves((args, kwargs)):
             if isinstance(x, torch.Tensor):
