@@ -1,16 +1,16 @@
 """`--kernels cuda` traces against what CUDA's kernels saved on a GPU (issue 22 item 4; validation/cuda_dropout.py).
 
-tests/data/cuda_dropout.json holds the measurement: the tiny configs of validation/trace.py FAMILIES with attention
-dropout 0 and 0.1 (validation/cuda_dropout.py ``cases``) run for one training forward + loss at s = 64, b = 2, bf16,
+tests/data/cuda_dropout.json holds the measurement: the tiny configs of validation/trace_config.py FAMILIES with
+attention dropout 0 and 0.1 (validation/cuda_dropout.py ``cases``) run for one training forward + loss at s = 64, b = 2, bf16,
 on an NVIDIA H100 (torch 2.11.0+cu130, cuDNN 9.19), each decoder layer's saved bytes read off the tensors autograd
-keeps (validation/trace.py ``measure_hf_config`` on cuda); sdpa ran with torch's own choice of kernel (``default``:
+keeps (validation/trace_measure.py ``measure_hf_config`` on cuda); sdpa ran with torch's own choice of kernel (``default``:
 cuDNN attention on that H100) and with flash / memory-efficient / cuDNN forced (``torch.nn.attention.sdpa_kernel``;
 a kernel that refused the call is recorded as its error). Measured with
     PYTHONPATH=. python -m validation.cuda_dropout predict --out P.json            (CPU)
     PYTHONPATH=. python -m validation.cuda_dropout measure --predictions P.json --out M.json   (GPU)
 and M.json's rows kept without the predictions (memplan's own output, never an expected value).
 
-Each test traces one case with ``kernels="cuda"`` (the emulation, validation/trace.py ``_CudaKernels``) and the
+Each test traces one case with ``kernels="cuda"`` (the emulation, validation/trace_cuda.py ``CudaKernels``) and the
 sdpa kernels of the row (default: torch's order on an H100, ``SDPA_ORDER``; a forced kernel: that one alone), and
 checks every layer's bytes, the bytes outside the layers and the total against the measured row exactly; a row
 where the forced kernel refused must refuse in the emulation too.
@@ -25,11 +25,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from validation import trace as tr  # noqa: E402
+from validation import trace_cuda as tcu  # noqa: E402
+from validation import trace_measure as tm  # noqa: E402
 from validation.cuda_dropout import cases  # noqa: E402
 
 DATA = json.loads((Path(__file__).parent / "data" / "cuda_dropout.json").read_text())
 ROWS = {(r["name"], r["backend"]): r for r in DATA["rows"]}
-ORDER = {"default": tr.SDPA_ORDER, "flash": ("flash",), "efficient": ("efficient",), "cudnn": ("cudnn",)}
+ORDER = {"default": tcu.SDPA_ORDER, "flash": ("flash",), "efficient": ("efficient",), "cudnn": ("cudnn",)}
 
 # a representative subset (the whole table: about 80 traces); what each row exercises
 CHECKED = [
@@ -61,4 +63,4 @@ def test_cuda_trace_equals_the_h100_measurement(name, backend):
             tr.trace_hf_config(config, impl, kernels="cuda", moments=False, sdpa=ORDER[backend])
         return
     inv = tr.trace_hf_config(config, impl, kernels="cuda", moments=False, sdpa=ORDER[backend])
-    assert tr.predicted_bytes(inv, DATA["s"], DATA["b"]) == row["measured"]
+    assert tm.predicted_bytes(inv, DATA["s"], DATA["b"]) == row["measured"]

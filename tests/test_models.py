@@ -252,11 +252,11 @@ def test_shipped_transformers_presets_count_what_transformers_builds():
 
 @pytest.mark.slow
 def test_every_traced_family_counts_what_transformers_builds(tmp_path):
-    """The small configs of every family the tracer is checked on (validation/trace.py FAMILIES), read
+    """The small configs of every family the tracer is checked on (validation/trace_config.py FAMILIES), read
     as --hf-config reads a config.json: the same parameter count as transformers' model (Gemma 3: q/k
     norms and four norms per layer; DeepSeek-V3: latent attention, dense first layer, shared expert)."""
     pytest.importorskip("transformers")
-    from validation.trace import FAMILIES
+    from validation.trace_config import FAMILIES
 
     from memplan.memory.states import total_params
 

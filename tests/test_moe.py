@@ -333,7 +333,8 @@ def test_traced_moe_estimate_equals_a_real_run(config, tmp_path):
     import yaml
 
     from memplan.inventory.traced_file import file_name
-    from validation.trace import measure_hf_config, trace_hf_config
+    from validation.trace import trace_hf_config
+    from validation.trace_measure import measure_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     data = trace_hf_config(config, impl="hf-sdpa", kernels="cpu", moments=False)

@@ -22,7 +22,7 @@ from memplan.memory.shapes import weight_shapes  # noqa: E402
 from memplan.memory.states import total_params  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.registry import architectures, meta_params, text_model, tiny_config  # noqa: E402
-from validation.trace import build_model  # noqa: E402
+from validation.trace_config import build_model  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 TABLE = re.compile(r"<!-- registry-exclusions -->\n(?P<body>.*?)\n<!-- end registry-exclusions -->", re.DOTALL)

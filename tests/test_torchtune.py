@@ -22,7 +22,7 @@ from memplan.presets.files import ModelPreset  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.torchtune import (import_torchtune, measure_torchtune_8bit_states, measure_torchtune_llama,  # noqa: E402
                                   measure_torchtune_loss, torchtune_head_grad_in_backward, trace_torchtune_llama)
-from validation.trace import evaluate  # noqa: E402
+from validation.trace_poly import evaluate  # noqa: E402
 
 try:
     import_torchtune()

@@ -18,7 +18,12 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from validation import trace as tr  # noqa: E402
-from validation.trace import FAMILIES  # noqa: E402
+from validation import trace_config as tc  # noqa: E402
+from validation import trace_cuda as tcu  # noqa: E402
+from validation import trace_measure as tm  # noqa: E402
+from validation import trace_poly as tp  # noqa: E402
+from validation import trace_run as trun  # noqa: E402
+from validation.trace_config import FAMILIES  # noqa: E402
 
 SHAPES = ((16, 2), (40, 3), (23, 5))  # (s, b) of the real runs: s >= every tiny sliding window, b >= 2
 
@@ -72,7 +77,7 @@ def test_trace_equals_hand_inventory(arch, impl, g, head_dim, dropout):
                                 g=g, head_dim=head_dim, dropout=dropout, L=2)
             return sum(predict(vc, "cpu").values())
 
-        got = tr.predicted_bytes(inv, s, b)
+        got = tm.predicted_bytes(inv, s, b)
         # one layer: its own terms + the shared rope tables (terms_hf counts them in a layer's figure)
         assert got["layers"] == [hand("layer")] * 2, (s, b)
         # the model: 2 layers, rope once, embedding, final norm, LM head and loss
@@ -88,8 +93,8 @@ def test_trace_equals_real_run(name, traced):
     cfg, impl = FAMILIES[name]
     inv = traced(name)
     for s, b in SHAPES:
-        measured = tr.measure_hf_config(cfg, s, b, impl)
-        assert tr.predicted_bytes(inv, s, b) == measured, (name, s, b)
+        measured = tm.measure_hf_config(cfg, s, b, impl)
+        assert tm.predicted_bytes(inv, s, b) == measured, (name, s, b)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma3", "deepseek-v3"])
@@ -98,15 +103,15 @@ def test_trace_equals_real_run_term_by_term(name, traced):
     cfg, impl = FAMILIES[name]
     inv = traced(name)
     s, b = 24, 3
-    real = tr.saves_at(cfg, s, b, impl)
+    real = tm.saves_at(cfg, s, b, impl)
     assert [g["layers"] for g in real["layer_groups"]] == [g["layers"] for g in inv["layer_groups"]]
     for tg, rg in zip(inv["layer_groups"] + [{"terms": inv["outside"]}], real["layer_groups"] + [{"terms": real["outside"]}]):
         assert [t["id"] for t in tg["terms"]] == [t["id"] for t in rg["terms"]]
         for t, r in zip(tg["terms"], rg["terms"]):
             assert (t["dtype"], t["op"], t["shared"]) == (r["dtype"], r["op"], r["shared"]), t["id"]
-            assert tr.evaluate(t["bytes"], s, b) == int(r["bytes"]), t["id"]
-            assert tr.evaluate(t["elements"], s, b) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size() \
-                == tr.evaluate(t["bytes"], s, b)
+            assert tp.evaluate(t["bytes"], s, b) == int(r["bytes"]), t["id"]
+            assert tp.evaluate(t["elements"], s, b) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size() \
+                == tp.evaluate(t["bytes"], s, b)
 
 
 def test_layer_groups_follow_the_layer_kinds(traced):
@@ -115,7 +120,7 @@ def test_layer_groups_follow_the_layer_kinds(traced):
     local, global_ = ([t["id"] for t in g["terms"] if t["shared"]] for g in gemma3["layer_groups"])
     assert local == ["self_attn.mul.0", "self_attn.mul#1.0"]  # one storage per file and id
     assert global_ == ["self_attn.mul.0@1", "self_attn.mul#1.0@1"]
-    sliding, full = (sum(tr.evaluate(t["bytes"], 32, 2) for t in g["terms"]) for g in gemma3["layer_groups"])
+    sliding, full = (sum(tp.evaluate(t["bytes"], 32, 2) for t in g["terms"]) for g in gemma3["layer_groups"])
     assert sliding > full  # the sliding layers' sdpa keeps the s x s mask (as bf16)
     assert [g["layers"] for g in traced("mixtral")["layer_groups"]] == [[0, 1]]
     assert [g["layers"] for g in traced("deepseek-v3")["layer_groups"]] == [[0], [1, 2]]  # dense, then MoE
@@ -126,7 +131,7 @@ def test_qwen2_polynomials(traced):
     inv = traced("qwen2")
     (group,) = inv["layer_groups"]
     own = [t["bytes"] for t in group["terms"] if not t["shared"]]
-    assert sum(tr.evaluate(x, 1, 1) for x in own) == 2712  # 2712 s b per layer
+    assert sum(tp.evaluate(x, 1, 1) for x in own) == 2712  # 2712 s b per layer
     assert all(x.endswith("s b") for x in own)
     assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["32 s", "32 s"]  # rope cos, sin: s x head_dim
     assert [t["bytes"] for t in inv["outside"]] == ["8 s b", "256 s b", "4 s b", "128 s b", "128 s b", "2048 s b",
@@ -141,11 +146,11 @@ def test_sliding_window_conditions(traced):
     assert long_["conditions"] == ["s >= 16", "b >= 2"]
     assert short["conditions"] == ["s >= 2", "s <= 15", "b >= 2"]
     for s, b in ((9, 2), (15, 3), (16, 2), (30, 2)):
-        measured = tr.measure_hf_config(cfg, s, b, impl)
+        measured = tm.measure_hf_config(cfg, s, b, impl)
         inside = long_ if s >= 16 else short
         outside = short if s >= 16 else long_
-        assert tr.predicted_bytes(inside, s, b) == measured
-        assert tr.predicted_bytes(outside, s, b) != measured
+        assert tm.predicted_bytes(inside, s, b) == measured
+        assert tm.predicted_bytes(outside, s, b) != measured
 
 
 def test_without_the_eager_decisions_a_mask_appears(monkeypatch, traced):
@@ -154,12 +159,12 @@ def test_without_the_eager_decisions_a_mask_appears(monkeypatch, traced):
     import contextlib
 
     cfg, impl = FAMILIES["qwen2"]
-    monkeypatch.setattr(tr, "_eager_decisions", contextlib.nullcontext)
+    monkeypatch.setattr(trun, "eager_decisions", contextlib.nullcontext)
     raw = tr.trace_hf_config(cfg, impl, moments=False)
     extra = [t["bytes"] for t in raw["layer_groups"][0]["terms"] if "s^2" in t["bytes"]]
     assert extra == ["2 s^2 b"]
     assert not any("s^2" in t["bytes"] for t in traced("qwen2")["layer_groups"][0]["terms"])
-    assert tr.predicted_bytes(traced("qwen2"), 16, 2) == tr.measure_hf_config(cfg, 16, 2, impl)
+    assert tm.predicted_bytes(traced("qwen2"), 16, 2) == tm.measure_hf_config(cfg, 16, 2, impl)
 
 
 def test_b1_is_outside_the_trace(traced):
@@ -167,8 +172,8 @@ def test_b1_is_outside_the_trace(traced):
     labels (s + 1 ids) instead of a copy of the shifted ones (s ids): 8 bytes more."""
     cfg, impl = FAMILIES["qwen2"]
     inv = traced("qwen2")
-    measured = tr.measure_hf_config(cfg, 9, 1, impl)
-    predicted = tr.predicted_bytes(inv, 9, 1)
+    measured = tm.measure_hf_config(cfg, 9, 1, impl)
+    predicted = tm.predicted_bytes(inv, 9, 1)
     assert measured["layers"] == predicted["layers"]
     assert measured["outside"] - predicted["outside"] == 8
 
@@ -197,12 +202,12 @@ class _Reads(torch.nn.Module):
 
 
 def _toy(how: str):
-    return tr.symbolic_saves(lambda: _Reads(how), lambda m, x: m(x), lambda s, b: (torch.randn(b, s, 8),))
+    return trun.symbolic_saves(lambda: _Reads(how), lambda m, x: m(x), lambda s, b: (torch.randn(b, s, 8),))
 
 
 @pytest.mark.parametrize("how,needle", [("int", "replacement s -> 4096"), ("compare", "guard Eq(s, 4096)")])
 def test_specialising_trace_is_refused(how, needle):
-    with pytest.raises(tr.TraceRefused, match="specialised") as err:
+    with pytest.raises(tp.TraceRefused, match="specialised") as err:
         _toy(how)
     assert needle in str(err.value)
 
@@ -210,14 +215,14 @@ def test_specialising_trace_is_refused(how, needle):
 def test_range_guard_is_a_condition():
     _, storages, conditions = _toy("range")
     assert conditions == ["s >= 1024", "b >= 2"]
-    assert [tr.poly_text(st["nbytes"]) for st in storages] == ["32 s b"]  # fp32 x * 2, saved by the mul
+    assert [tp.poly_text(st["nbytes"]) for st in storages] == ["32 s b"]  # fp32 x * 2, saved by the mul
 
 
 def test_real_model_without_the_python_dispatcher_is_refused():
     """Without the python dispatcher torch's C++ matmul reads s and b as ints (eager attention's
     QK^T): the ShapeEnv pins both, and the trace is refused."""
     cfg, _ = FAMILIES["qwen2"]
-    with pytest.raises(tr.TraceRefused, match=r"replacement (s|b) -> "):
+    with pytest.raises(tp.TraceRefused, match=r"replacement (s|b) -> "):
         tr.trace_hf_config(cfg, "hf-eager", python_dispatcher=False, moments=False)
 
 
@@ -225,7 +230,7 @@ def test_data_dependent_forward_is_refused():
     """Mixtral with transformers' expert loop (experts_implementation="eager") iterates over the
     experts that received tokens: data-dependent, refused (its grouped_mm default traces)."""
     cfg, _ = FAMILIES["mixtral"]
-    with pytest.raises(tr.TraceRefused, match="depends on tensor values"):
+    with pytest.raises(tp.TraceRefused, match="depends on tensor values"):
         tr.trace_hf_config(cfg, experts="eager", moments=False)
 
 
@@ -280,7 +285,7 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout, sdpa):
     """terms_hf's CUDA inventories (derived from torch's kernels: bool dropout masks, fp32
     layer-norm statistics, FlashAttention even with dropout) plus, per sdpa call, the Philox RNG
     state, which terms_hf leaves out: cuDNN attention's int64 seed and offset [] (16 bytes), the
-    kernel torch picks first on an H100 (validation/trace.py SDPA_ORDER), keeping what flash keeps
+    kernel torch picks first on an H100 (validation/trace_cuda.py SDPA_ORDER), keeping what flash keeps
     otherwise (its logsumexp [b, a, s, 1], its output in q's layout [b, s, a, d]); flash's own
     state (uint64 [2] and [], 24 bytes) where cuDNN is not preferred."""
     from memplan.check.cases import ValidationCase
@@ -289,16 +294,16 @@ def test_cuda_kernels_equal_hand_cuda_inventory(arch, impl, dropout, sdpa):
 
     f, g = (256, None) if arch == "gpt2" else (160, 2)
     case = HFCase(s=32, b=2, h=64, a=4, f=f, v=512, L=2, p_drop=dropout, arch=arch, attn=impl.removeprefix("hf-"), g=g)
-    order = tr.SDPA_ORDER[tr.SDPA_ORDER.index(sdpa or "cudnn"):]  # cudnn: torch's H100 order; flash: without cuDNN
+    order = tcu.SDPA_ORDER[tcu.SDPA_ORDER.index(sdpa or "cudnn"):]  # cudnn: torch's H100 order; flash: without cuDNN
     inv = tr.trace_hf_config(build_config(case).to_dict(), impl, kernels="cuda", moments=False, sdpa=order)
     assert inv["origin"]["kernels"] == "cuda" and inv["conditions"] == ["s >= 2", "b >= 2"]
     (group,) = inv["layer_groups"]
     rng = {"cudnn": 16, "flash": 24, "": 0}[sdpa]
-    assert sum(tr.evaluate(t["bytes"], 0, 0) for t in group["terms"]) == rng
+    assert sum(tp.evaluate(t["bytes"], 0, 0) for t in group["terms"]) == rng
     for s, b in ((32, 2), (64, 3)):
         vc = ValidationCase("trace", "layer", s, b, 64, 4, f, 1, False, "none", "ledger", impl=impl, arch=arch, g=g,
                             dropout=dropout)
-        assert tr.predicted_bytes(inv, s, b)["layers"] == [sum(predict(vc, "cuda").values()) + rng] * 2
+        assert tm.predicted_bytes(inv, s, b)["layers"] == [sum(predict(vc, "cuda").values()) + rng] * 2
     ops = {t["op"] for t in group["terms"]}
     if impl == "hf-sdpa":
         assert f"torch.nn.functional.scaled_dot_product_attention[{sdpa}]" in ops
@@ -331,8 +336,8 @@ def test_cuda_kernels_equal_a_real_gpu_run(name):
     cfg, impl = FAMILIES[name]
     inv = tr.trace_hf_config(cfg, impl, kernels="cuda", moments=False)
     for s, b in ((32, 2), (64, 3)):
-        measured = tr.measure_hf_config(cfg, s, b, impl, device="cuda")
-        predicted = tr.predicted_bytes(inv, s, b)
+        measured = tm.measure_hf_config(cfg, s, b, impl, device="cuda")
+        predicted = tm.predicted_bytes(inv, s, b)
         assert predicted["outside"] == measured["outside"]
         for p, m in zip(predicted["layers"], measured["layers"]):
             assert abs(p - m) <= 64, (name, s, b, p, m)
@@ -358,7 +363,7 @@ def test_llama3_8b_traces_in_seconds(capsys):
     (group,) = inv["layer_groups"]
     assert group["layers"] == list(range(32))
     # per layer: 200840 s b (sdpa, GQA 32/8, f = 14336) + the rope tables 2 x 256 s, as terms_hf has it
-    assert sum(tr.evaluate(t["bytes"], 1, 1) for t in group["terms"] if not t["shared"]) == 200840
+    assert sum(tp.evaluate(t["bytes"], 1, 1) for t in group["terms"] if not t["shared"]) == 200840
     assert [t["bytes"] for t in group["terms"] if t["shared"]] == ["256 s", "256 s"]
     assert next(t for t in inv["outside"] if t["op"].endswith("cross_entropy"))["bytes"] == "513024 s b"
 
@@ -368,10 +373,10 @@ def test_the_two_keys_agree():
     from memplan.inventory import traced_file
     from memplan.presets.files import configs_dir
 
-    assert tr.METADATA_KEYS == traced_file.METADATA_KEYS
+    assert tc.METADATA_KEYS == traced_file.METADATA_KEYS
     for d in sorted(configs_dir().glob("traced/*/config.json")):
         data = {**json.loads(d.read_text()), "transformers_version": "4.57.1", "rope_theta": 10000}
-        assert tr.config_sha256(data) == traced_file.config_sha256(data), d
+        assert tc.config_sha256(data) == traced_file.config_sha256(data), d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +452,7 @@ def test_a_frozen_parameter_gets_no_gradient_hook():
     model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(4), requires_grad=False))
     made = []
     live = type("Live", (), {"grad_made": lambda self, p, name: made.append(name)})()
-    handles = tr.grad_hooks(model, live)
+    handles = trun.grad_hooks(model, live)
     assert len(handles) == 2  # weight, bias
     model(torch.ones(1, 3)).sum().backward()
     assert sorted(made) == ["bias", "weight"]

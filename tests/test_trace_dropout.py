@@ -1,4 +1,4 @@
-"""`--kernels cpu` against `--kernels cuda` when attention dropout is on (validation/trace.py, ``_CudaKernels``).
+"""`--kernels cpu` against `--kernels cuda` when attention dropout is on (validation/trace_cuda.py, ``CudaKernels``).
 
 With ``attention_dropout > 0`` torch's CPU sdpa cannot use its flash kernel and runs the math path (fp32 copies of
 q, k, v and three s x s tensors), and the CPU ``at::dropout`` keeps a ``bernoulli_`` mask in the input's dtype. The
@@ -30,7 +30,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from validation import trace as tr  # noqa: E402
-from validation.trace import tiny  # noqa: E402
+from validation import trace_cuda as tcu  # noqa: E402
+from validation import trace_measure as tm  # noqa: E402
+from validation.trace_config import tiny  # noqa: E402
 
 SDPA = "scaled_dot_product_attention"
 
@@ -38,16 +40,16 @@ SDPA = "scaled_dot_product_attention"
 # torch's sdpa priority where cuDNN attention is not preferred (an A100, a cuDNN up to 9.15.0, or
 # TORCH_CUDNN_SDPA_DEPRIORITIZED=1): flash, memory-efficient, math. The H100 default (cuDNN first) is checked against
 # measured GPU figures in tests/test_cuda_dropout.py.
-NO_CUDNN = tuple(k for k in tr.SDPA_ORDER if k != "cudnn")
+NO_CUDNN = tuple(k for k in tcu.SDPA_ORDER if k != "cudnn")
 
 
-def _pair(config: dict, impl: str, sdpa: tuple = tr.SDPA_ORDER) -> tuple[dict, dict]:
+def _pair(config: dict, impl: str, sdpa: tuple = tcu.SDPA_ORDER) -> tuple[dict, dict]:
     """The config traced with CPU's kernels and with CUDA's (`sdpa`: the CUDA sdpa kernels tried, in order); the
     CPU trace checked against a real CPU run (what every layer saves, measured with saved_tensors_hooks), so that
     the differences pinned below start from measured CPU figures."""
     cpu, cuda = (tr.trace_hf_config(config, impl, kernels=k, moments=False, sdpa=sdpa) for k in ("cpu", "cuda"))
     for s, b in ((32, 2), (48, 3)):  # s >= the windows below, a multiple of 16
-        assert tr.predicted_bytes(cpu, s, b)["layers"] == tr.measure_hf_config(config, s, b, impl)["layers"]
+        assert tm.predicted_bytes(cpu, s, b)["layers"] == tm.measure_hf_config(config, s, b, impl)["layers"]
     return cpu, cuda
 
 
@@ -145,8 +147,8 @@ def test_cuda_trace_with_dropout_equals_a_real_gpu_run(config, impl):
     64 bytes: the RNG state, which a real run may keep on the host or, with cuDNN attention, shape otherwise)."""
     cuda = tr.trace_hf_config(config, impl, kernels="cuda", moments=False)
     for s, b in ((32, 2), (64, 3)):
-        measured = tr.measure_hf_config(config, s, b, impl, device="cuda")
-        predicted = tr.predicted_bytes(cuda, s, b)
+        measured = tm.measure_hf_config(config, s, b, impl, device="cuda")
+        predicted = tm.predicted_bytes(cuda, s, b)
         assert predicted["outside"] == measured["outside"]
         for p, m in zip(predicted["layers"], measured["layers"]):
             assert abs(p - m) <= 64, (s, b, p, m)

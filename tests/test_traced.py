@@ -118,7 +118,8 @@ def test_a_trace_holds_at_micro_batch_one(family):
     """Traces hold for b >= 2 (torch's symbolic shapes treat size 1 apart), and estimate uses them at
     b = 1, the commonest micro-batch, saying so. Real CPU runs at b = 1 keep exactly 8 bytes more
     than the polynomials give (cross_entropy keeps one more int64 label id), whatever s is."""
-    from validation.trace import FAMILIES, measure_hf_config, predicted_bytes
+    from validation.trace_config import FAMILIES
+    from validation.trace_measure import measure_hf_config, predicted_bytes
 
     config, _ = FAMILIES[family]
     inventory = trace_hf_config(config, impl="hf-sdpa", kernels="cpu", moments=False)
@@ -135,7 +136,8 @@ def test_traced_estimate_equals_a_real_run(family, tmp_path):
     (every saved storage once, measured with saved_tensors_hooks). Gemma 3 has two kinds of layer
     (sliding-window and global attention, each with its own rope tables): two layer groups, each
     weighted by its share of the layers, must still add up exactly."""
-    from validation.trace import FAMILIES, measure_hf_config
+    from validation.trace_config import FAMILIES
+    from validation.trace_measure import measure_hf_config
 
     config, _ = FAMILIES[family]
     arch = {"gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
@@ -160,7 +162,8 @@ def test_validate_covers_the_traced_families_and_fails_without_a_term():
     one shape, and the same Gemma 3 case with one saved tensor of its first layer group removed fails."""
     from memplan.check.cases import traced_grid
     from memplan.check.validate import compare_traced, run_traced
-    from validation.trace import FAMILIES, measure_hf_config
+    from validation.trace_config import FAMILIES
+    from validation.trace_measure import measure_hf_config
 
     grid = traced_grid()
     assert {c.arch for c in grid} == set(FAMILIES)

@@ -112,7 +112,7 @@ def test_traced_families_peak_as_measured(results):
     config.json as estimate --hf-config does and predicts from its trace: within the tolerance, at the same
     phase and layer; with gradient checkpointing the peak is a decoder layer's backward (the traced
     inventory's traced transients)."""
-    from validation.trace import FAMILIES
+    from validation.trace_config import FAMILIES
 
     family = [r for r in results if r.case.model == "family"]
     assert {r.case.family for r in family} == set(FAMILIES) - {"qwen2-eager", "gemma-eager"}

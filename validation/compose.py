@@ -155,7 +155,7 @@ def renumber_module(module: str, path: str, index: list[int]) -> str:
 
 
 def renumber(run: dict, path: str, index: list[int]) -> None:
-    """A reduced model's traced run (validation/trace.py ``symbolic_run``) in the whole model's layer indices:
+    """A reduced model's traced run (validation/trace_run.py ``symbolic_run``) in the whole model's layer indices:
     the saved storages' modules, the sampled layers' moments, the layers' inputs."""
     for st in run["storages"]:
         st["module"] = renumber_module(st["module"], path, index)

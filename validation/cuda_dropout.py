@@ -1,14 +1,14 @@
 """Traced inventories against what CUDA's kernels save, with and without attention dropout (issue 22 item 4).
 
-``memplan trace --kernels cuda`` emulates on fake CPU tensors what torch's CUDA kernels save (validation/trace.py
-``_CudaKernels``: sdpa's cuDNN / flash / memory-efficient kernels, in torch's H100 order, keep q, k, v, the output,
+``memplan trace --kernels cuda`` emulates on fake CPU tensors what torch's CUDA kernels save (validation/trace_cuda.py
+``CudaKernels``: sdpa's cuDNN / flash / memory-efficient kernels, in torch's H100 order, keep q, k, v, the output,
 an fp32 logsumexp and the Philox RNG state, never an s x s tensor; eager dropout a 1-byte bool mask; layer norm's
 fp32 statistics). Here
 the real models run on a GPU and what they save for the backward is read off the tensors
-(``trace.measure_hf_config`` on ``device="cuda"``) and compared layer by layer with the trace's polynomials.
+(``trace_measure.measure_hf_config`` on ``device="cuda"``) and compared layer by layer with the trace's polynomials.
 
 Two halves, so that the GPU runs nothing but the models:
-* ``predict``: the ``--kernels cuda`` trace of every case (``CASES``: each family of ``trace.FAMILIES`` with
+* ``predict``: the ``--kernels cuda`` trace of every case (``CASES``: each family of ``trace_config.FAMILIES`` with
   ``attention_dropout`` 0 and 0.1, sdpa families also eager) evaluated at (S, B); CPU, here.
 * ``measure``: the same configs run on the GPU, sdpa with torch's own choice of kernel and with each of the
   flash, memory-efficient and cuDNN kernels forced (``torch.nn.attention.sdpa_kernel``; a kernel that refuses the
@@ -32,8 +32,8 @@ BACKENDS = ("default", "flash", "efficient", "cudnn")  # default: torch's own ch
 
 
 def cases() -> dict[str, tuple[dict, str]]:
-    """{name: (config, impl)}: each family of trace.FAMILIES at each dropout; the sdpa families also eager."""
-    from .trace import FAMILIES
+    """{name: (config, impl)}: each family of trace_config.FAMILIES at each dropout; the sdpa families also eager."""
+    from .trace_config import FAMILIES
 
     out = {}
     for family, (config, impl) in FAMILIES.items():
@@ -47,7 +47,8 @@ def cases() -> dict[str, tuple[dict, str]]:
 
 def predict(names: Optional[list[str]] = None) -> dict[str, dict]:
     """{name: the --kernels cuda trace's saved bytes at (S, B): layers, outside, shared, total}."""
-    from .trace import predicted_bytes, trace_hf_config
+    from .trace import trace_hf_config
+    from .trace_measure import predicted_bytes
 
     out = {}
     for name, (config, impl) in cases().items():
@@ -72,7 +73,7 @@ def measure(predictions: dict[str, dict], device: str = "cuda") -> list[dict]:
     prediction: [{name, backend, measured | error, predicted, layers_equal, total_equal}]."""
     import torch
 
-    from .trace import measure_hf_config
+    from .trace_measure import measure_hf_config
 
     rows = []
     for name, (config, impl) in cases().items():

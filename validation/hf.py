@@ -322,11 +322,15 @@ class _AtenLog(TorchDispatchMode):
         self.by_call: dict[int, list[str]] = {}
         self.op_of_call: dict[int, str] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def note(self, func) -> None:
+        """Log ``func`` if interesting (also called by another mode's dispatch, so one mode does the work of two)."""
         name = str(func.overloadpacket)
         if any(w in name for w in self.INTERESTING):
             self.by_call.setdefault(self.rec.call, []).append(name)
             self.op_of_call[self.rec.call] = self.rec.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.note(func)
         return func(*args, **(kwargs or {}))
 
     def kernel_tag(self, call: int) -> str:

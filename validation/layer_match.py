@@ -37,7 +37,8 @@ from memplan.memory.reserved import allocation_stream
 
 from .alloc_trace import load
 from .layer_order import PIECES, piece_of
-from .trace import evaluate, trace_hf_config
+from .trace import trace_hf_config
+from .trace_poly import evaluate
 
 def lcs_pairs(a: list[int], b: list[int]) -> list[tuple[int, int]]:
     """A longest common subsequence of a and b as (index in a, index in b) pairs, in order (dynamic programming, one

@@ -1,11 +1,11 @@
 """A decoder layer's allocations and frees in the real code's order, traced (issue 20 items 1 and 5).
 
 ``validation.transients.LiveStorages`` follows every storage an op makes until it is freed; with its ``log`` on
-(``validation.trace.symbolic_run(step={"order": True})``, ``trace_hf_config(layer_order=True)``) it keeps them in
+(``validation.trace_run.symbolic_run(step={"order": True})``, ``trace_hf_config(layer_order=True)``) it keeps them in
 order, each labelled with the phase and decoder layer it happened in (``validation.step._LayerHooks``) and whether a
 checkpointed layer's forward was being re-run in the backward (the layer's forward pre-hook firing in the backward).
 The sizes are the fake tensors' symbolic ``nbytes``: polynomials in s and b, with the ``--kernels cuda`` emulation
-(``validation.trace._CudaKernels``) where CUDA's kernels make other tensors than CPU's.
+(``validation.trace_cuda.CudaKernels``) where CUDA's kernels make other tensors than CPU's.
 
 * ``step_order``: the whole traced step (forward, loss, backward) as events (``("+", poly text, label)`` or
   ``("-", allocation index, label)``): what validation/layer_match.py aligns with a CUDA recording.

@@ -37,7 +37,7 @@ from memplan.memory.reserved import allocation_stream, allocator_config, replay_
 
 from .alloc_trace import load
 from .layer_match import traced_steps
-from .trace import evaluate
+from .trace_poly import evaluate
 
 
 CUDNN_BACKWARD = "ScaledDotProductCudnnAttentionBackward0: _scaled_dot_product_cudnn_attention_backward"

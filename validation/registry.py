@@ -28,7 +28,9 @@ import json
 import torch
 
 from . import hf as _hf
-from .trace import hf_config, measure_hf_config, trace_hf_config
+from .trace import trace_hf_config
+from .trace_config import hf_config
+from .trace_measure import measure_hf_config
 
 # the shrunk sizes: applied to each key the config class's to_dict() has (nested sub-configs too)
 _SMALL = {
@@ -169,7 +171,7 @@ def trace(config: dict) -> dict:
 
 
 def measure(config: dict, s: int, b: int) -> dict:
-    """What a real CPU run of the tiny model saves at (s, b) (validation/trace.py measure_hf_config)."""
+    """What a real CPU run of the tiny model saves at (s, b) (validation/trace_measure.py measure_hf_config)."""
     config = text_model(config)
     return measure_hf_config(config, s, b, impl=impl_of(config))
 

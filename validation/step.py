@@ -3,8 +3,8 @@
 Method
 ------
 A model (the K22 reference ``layers.GPTModel``, HF transformers GPT-2 / Llama built from a
-config by ``hf.build_model``, or another transformers family built by ``trace.build_model`` from its
-small config in ``trace.FAMILIES``: ``StepCase.family``) and an optimizer (torch AdamW; or SGD with /
+config by ``hf.build_model``, or another transformers family built by ``trace_config.build_model`` from its
+small config in ``trace_config.FAMILIES``: ``StepCase.family``) and an optimizer (torch AdamW; or SGD with /
 without momentum, Adafactor, Muon beside an AdamW: ``StepCase.algorithm``, ``ALGORITHMS``) run TWO
 full training steps; only the second is measured, so the optimizer states exist and everything lazy
 was initialised in step one.
@@ -121,7 +121,7 @@ class StepCase:
     backend: Literal["live", "fake", "cuda"] = "live"
     dtype: str = "bfloat16"
     seed: int = 0
-    # model "family": a transformers family of validation/trace.py FAMILIES (qwen2, gemma2, ...), its small
+    # model "family": a transformers family of validation/trace_config.py FAMILIES (qwen2, gemma2, ...), its small
     # config with this case's h, a, L, v (and f, g, head_dim where given); attn picks its implementation, and
     # gradient checkpointing is enabled as for Llama
     family: str | None = None
@@ -136,9 +136,9 @@ class StepCase:
         if self.model not in ("k22", "gpt2", "llama", "family"):
             raise ValueError("model must be 'k22', 'gpt2', 'llama' or 'family'")
         if (self.model == "family") != (self.family is not None):
-            raise ValueError("model 'family' needs a family (validation/trace.py FAMILIES), and only it takes one")
+            raise ValueError("model 'family' needs a family (validation.trace_config.FAMILIES), and only it takes one")
         if self.family is not None:
-            from .trace import FAMILIES
+            from .trace_config import FAMILIES
 
             if self.family not in FAMILIES:
                 raise ValueError(f"family must be one of {', '.join(FAMILIES)}")
@@ -371,10 +371,10 @@ def _build(case: StepCase):
         return model, list(model.layers), partial(_forward_fresh, model, case, "model", comm, dtype, device)
     hf = _hf()
     if case.family is not None:
-        from . import trace
+        from . import trace_config
 
         config = family_config(case.family, case.h, case.a, case.L, case.v, case.f, case.g, case.head_dim)
-        model = trace.build_model(config, f"hf-{case.attn}", case.dtype)
+        model = trace_config.build_model(config, f"hf-{case.attn}", case.dtype)
     else:
         hcase = _hf_case(case)
         model = hf.build_model(hcase)
@@ -401,9 +401,9 @@ def _build(case: StepCase):
 
 def family_config(family: str, h: int, a: int, L: int, v: int, f: int | None = None, g: int | None = None,
                   head_dim: int | None = None) -> dict:
-    """The config.json (a dict) of a family case: validation/trace.py FAMILIES' small config of
+    """The config.json (a dict) of a family case: validation/trace_config.py FAMILIES' small config of
     ``family`` with h, a, L, v and, where given (not None), f, g and head_dim."""
-    from .trace import FAMILIES
+    from .trace_config import FAMILIES
 
     cfg = dict(FAMILIES[family][0])
     cfg.update(hidden_size=h, num_attention_heads=a, num_hidden_layers=L, vocab_size=v)
@@ -692,8 +692,8 @@ def format_report(m: StepMeasurement, ops: bool = False, phase: str | None = Non
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m validation.step", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("k22", "gpt2", "llama"), default="llama")
-    p.add_argument("--family", default=None, help="a transformers family of validation/trace.py FAMILIES (qwen2, "
-                   "gemma2, ...) instead of --model: its small config, with h, a, L, v, f, g, head_dim where given")
+    p.add_argument("--family", default=None, help="a transformers family of validation/trace_config.py FAMILIES "
+                   "(qwen2, gemma2, ...) instead of --model: its small config, with h, a, L, v, f, g, head_dim where given")
     p.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
     for name, default in (("s", 64), ("b", 1), ("M", 1), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -719,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     shape = {"h": 64, "a": 4, "L": 2, "v": 512}
     if a.family is not None:
-        from .trace import FAMILIES
+        from .trace_config import FAMILIES
 
         cfg = FAMILIES[a.family][0]
         shape = {"h": cfg["hidden_size"], "a": cfg["num_attention_heads"], "L": cfg["num_hidden_layers"],

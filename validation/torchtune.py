@@ -19,7 +19,8 @@ from unittest import mock
 import torch
 
 from validation.measure import LiveTracker, saved_storages
-from validation.trace import poly_text, symbolic_saves
+from validation.trace_poly import poly_text
+from validation.trace_run import symbolic_saves
 
 
 @contextlib.contextmanager

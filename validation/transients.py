@@ -86,7 +86,7 @@ class LiveStorages(TorchDispatchMode):
         self.external: dict[int, weakref.ref] = {}
         self.refs: dict[int, weakref.ref] = {}
         self.phase, self.layer, self.microbatch = "forward", None, 0
-        self.rerun = False  # a checkpointed layer's forward re-run in the backward (validation/trace.py's hooks)
+        self.rerun = False  # a checkpointed layer's forward re-run in the backward (validation/trace_run.py's hooks)
         # the allocations and frees in order, when a list (validation/layer_order.py): ("+", cdata, record, label)
         # and ("-", cdata, None, label), label = (phase, layer, rerun) when the event happened
         self.log: list | None = None
@@ -96,6 +96,7 @@ class LiveStorages(TorchDispatchMode):
         self.module: Callable[[], str] = lambda: ""
         self.sampler: Callable[[str], None] | None = None
         self.op = ""
+        self.before: Callable[[Any], None] | None = None  # told of every op first (an _AtenLog's note: one mode)
 
     # labels (validation.step._LayerHooks calls set)
     def set(self, **label) -> None:
@@ -136,6 +137,8 @@ class LiveStorages(TorchDispatchMode):
         return f"{where}: {self.op}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.before is not None:
+            self.before(func)
         kwargs = kwargs or {}
         for x in pytree.tree_leaves((args, kwargs)):
             if isinstance(x, torch.Tensor):

@@ -237,11 +237,11 @@ def mcore_available() -> bool:
 
 
 def traced_grid() -> list[ValidationCase]:
-    """Every family the tracer is checked on (validation/trace.py FAMILIES: Qwen2, Qwen3, Gemma 1-3,
+    """Every family the tracer is checked on (validation/trace_config.py FAMILIES: Qwen2, Qwen3, Gemma 1-3,
     Phi-3, Mistral's sliding window, Mixtral, DeepSeek-V3), each a small model at two (s, b) on CPU:
     a traced inventory, as memplan reads it, against a real run. Imports torch (the family configs
     live with the tracer)."""
-    families = importlib.import_module(harness().__name__ + ".trace").FAMILIES
+    families = importlib.import_module(harness().__name__ + ".trace_config").FAMILIES
     cases = []
     for family, (cfg, impl) in families.items():
         for s, b in ((16, 2), (40, 3)):

@@ -35,7 +35,7 @@ PEAK_TOLERANCE = 1e-2  # 1 % of the measured allocated peak
 MEASURED_OPTIMIZERS = ("sgd", "sgd-nomomentum", "adafactor", "muon")
 
 
-# The transformers families of validation/trace.py FAMILIES that a peak case can run (model "family"), by
+# The transformers families of validation/trace_config.py FAMILIES that a peak case can run (model "family"), by
 # the architecture their config.json names: memplan reads the config as `estimate --hf-config` does
 FAMILY_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                         "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
@@ -242,7 +242,7 @@ def peak_grid(fake: bool = True, device: str = "cpu") -> list[PeakCase]:
 
 
 def family_peak_cases() -> list[PeakCase]:
-    """The traced families' whole steps (validation/trace.py FAMILIES' small configs: h = 64, a = 4, f = 160,
+    """The traced families' whole steps (validation/trace_config.py FAMILIES' small configs: h = 64, a = 4, f = 160,
     2-4 layers), s = 64, b = 2, with v = 128 so that with gradient checkpointing a decoder layer's backward
     is the step's peak (the traced inventory's traced transients) and without it the loss's; hf-sdpa, Gemma 2
     eager (transformers has no sdpa for it)."""

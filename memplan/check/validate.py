@@ -209,13 +209,13 @@ def run(cases: list[ValidationCase], device: str = "cpu", tolerance: Optional[fl
 
 def compare_traced(case: ValidationCase, inventory_data: dict, measured: dict) -> CaseResult:
     """A traced inventory file's data (as the tracer writes it), read by memplan, against what a real
-    run saved (validation/trace.py measure_hf_config): per decoder layer and outside the layers."""
+    run saved (validation/trace_measure.py measure_hf_config): per decoder layer and outside the layers."""
     predicted = bucket_bytes(TracedFile.model_validate(inventory_data), case.s, case.b)
     return CaseResult(case, predicted, measured_buckets(measured), 0, None, None, HF_TOLERANCE)
 
 
 def measured_buckets(measured: dict) -> dict[str, int]:
-    """A real run's saved bytes (validation/trace.py measure_hf_config) in bucket_bytes's buckets: each decoder
+    """A real run's saved bytes (validation/trace_measure.py measure_hf_config) in bucket_bytes's buckets: each decoder
     layer, and outside the layers."""
     real = {f"layer {i}": n for i, n in enumerate(measured["layers"])}
     real["outside the layers"] = measured["outside"]
@@ -225,12 +225,14 @@ def measured_buckets(measured: dict) -> dict[str, int]:
 def run_traced(cases: list[ValidationCase]) -> list[CaseResult]:
     """Trace each case's family config and run the real model (torch is imported here)."""
     trace = importlib.import_module(harness().__name__ + ".trace")
+    configs = importlib.import_module(harness().__name__ + ".trace_config")
+    measure = importlib.import_module(harness().__name__ + ".trace_measure")
     results, traces = [], {}
     for c in cases:
-        cfg, impl = trace.FAMILIES[c.arch]
+        cfg, impl = configs.FAMILIES[c.arch]
         if c.arch not in traces:
             traces[c.arch] = trace.trace_hf_config(cfg, impl=impl, kernels="cpu", moments=False)  # saves only
-        results.append(compare_traced(c, traces[c.arch], trace.measure_hf_config(cfg, c.s, c.b, impl=impl)))
+        results.append(compare_traced(c, traces[c.arch], measure.measure_hf_config(cfg, c.s, c.b, impl=impl)))
     return results
 
 

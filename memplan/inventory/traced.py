@@ -311,7 +311,7 @@ def _least_values(conditions: list[str]) -> tuple[tuple[str, int], ...]:
 def _cuda_or_cpu(directory: str, impl: str) -> TracedFile:
     """CUDA kernels' trace when there is one; else a CPU kernels' one already there (the report says which); else
     one traced on first use with CUDA's kernels (with attention dropout CPU's sdpa keeps s x s tensors and its
-    eager dropout a 2-byte mask that CUDA's kernels never make: validation/trace.py's _CudaKernels)."""
+    eager dropout a 2-byte mask that CUDA's kernels never make: validation/trace_cuda.py's CudaKernels)."""
     if (Path(directory) / file_name(impl, "cuda")).is_file() or not (Path(directory) / file_name(impl, "cpu")).is_file():
         return load(directory, impl, "cuda")
     return load(directory, impl, "cpu")

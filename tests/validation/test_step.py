@@ -191,7 +191,7 @@ def test_hf_loss_path_upcasts_logits_and_grads_order(m):
 
 
 def test_a_traced_family_runs_its_config_with_the_case_shape():
-    """model "family": validation/trace.py FAMILIES' small Qwen3 config (head_dim 24, q / k norms, tied
+    """model "family": validation/trace_config.py FAMILIES' small Qwen3 config (head_dim 24, q / k norms, tied
     embeddings) with the case's h, a, L, v, f, g; the torch loop as for Llama. By hand, Qwen3ForCausalLM:
     per layer q_proj h x a d, k_proj / v_proj h x g d, o_proj a d x h, q_norm / k_norm d, two norms h,
     gate / up / down 3 h f; embed_tokens v x h (the LM head tied to it), final norm h."""

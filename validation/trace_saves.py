@@ -1,0 +1,168 @@
+"""Recording what autograd saves (fake or real tensors alike) and the dispatch set-up of a symbolic trace: ``Saves``
+(every saved storage with the context of its first save), the loss a step runs (``forward_loss``), transformers' eager
+answers where it treats fake tensors as tracing (``eager_decisions``) and torch's python dispatcher
+(``with_python_dispatcher``; validation/trace.py's docstring says why)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import Counter
+from typing import Callable
+
+from . import hf as _hf  # sets HF_HUB_OFFLINE before transformers is imported
+
+import torch  # noqa: E402
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+
+from .measure import _ModuleStack  # noqa: E402
+
+SDPA = _hf.SDPA
+_SHORT = re.compile(r"[^A-Za-z0-9_]+")
+
+
+def short_op(op: str) -> str:
+    """An op's name as a term id's part: ``torch.nn.functional.linear`` -> ``linear``."""
+    base = op.split("[")[0].rsplit(".", 1)[-1]
+    return _SHORT.sub("_", base)
+
+
+
+class Saves:
+    """Every non-parameter storage autograd saves, with the context of its first save (module,
+    op, k, j: ``validation.hf``'s labelling, except that k counts the saving calls of one op name
+    whether called as a function or a method: ``torch.topk`` and ``Tensor.topk`` share ids), every
+    module that saved it, dtype, nbytes."""
+
+    def __init__(self, model: torch.nn.Module, extra_excluded=()) -> None:
+        self.modules = _ModuleStack(model, "")
+        self.rec = _hf._CallRecorder(self.modules)
+        excluded = list(model.parameters()) + list(model.buffers()) + list(extra_excluded)
+        self.ledger = _hf._HFLedger(excluded, self.rec, self.modules)
+        self.aten = _hf._AtenLog(self.rec)
+        self.dtypes: dict[StorageWeakRef, torch.dtype] = {}
+        self.first_save: dict[StorageWeakRef, dict[str, int]] = {}  # saver module -> sequence number
+        self.saves = 0
+        self.ctx: dict[StorageWeakRef, tuple[str, str, int, int, int]] = {}  # module, op, k, j, call
+        self._calls: Counter = Counter()
+        self._last_call: int | None = None
+        self._k = self._j = 0
+        self.live = None  # a transients.LiveStorages told of every save
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage())
+        module, op, call = self.modules.current.lstrip("."), self.rec.current, self.rec.call
+        if call != self._last_call:
+            self._last_call, self._j = call, 0
+            self._k = self._calls[(module, short_op(op))]
+            self._calls[(module, short_op(op))] += 1
+        is_param = key in self.ledger.param_keys
+        if key not in self.ctx:
+            self.ctx[key] = (module, op, self._k, -1 if is_param else self._j, call)
+        if not is_param:
+            self._j += 1
+        self.dtypes.setdefault(key, t.dtype)
+        self.first_save.setdefault(key, {}).setdefault(module, self.saves)
+        self.saves += 1
+        if self.live is not None and not is_param:
+            self.live.saved(t, module, key)
+        return self.ledger.pack(t)
+
+    @contextlib.contextmanager
+    def recording(self, aten: bool = True):
+        """Saves recorded; ``aten=False``: the aten kernels logged by another dispatch mode calling ``aten.note``
+        (a step's ``transients.LiveStorages``: one python dispatch mode instead of two, the same log)."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.ledger.unpack), self.rec, \
+                    (self.aten if aten else contextlib.nullcontext()):
+                yield
+        finally:
+            self.modules.close()
+
+    def storages(self) -> list[dict]:
+        """One dict per saved non-parameter storage, in the order of first save."""
+        out = []
+        for key, r in self.ledger.records.items():
+            if r.is_param:
+                continue
+            module, op, k, j, call = self.ctx[key]
+            if op == SDPA:
+                op = f"{SDPA}[{self.aten.kernel_tag(call)}]"
+            out.append(dict(module=module, op=op, k=k, j=j, dtype=self.dtypes[key], nbytes=r.nbytes,
+                            savers=self.first_save[key], key=key))
+        return out
+
+
+def forward_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=targets, use_cache=False).loss
+
+
+@contextlib.contextmanager
+def eager_decisions():
+    """Give transformers the answers an eager run gets where it treats fake tensors as tracing.
+
+    ``find_packed_sequence_indices(position_ids)`` reads the position ids' values to detect packed
+    sequences and, for a fake tensor, answers "packed" (a tensor), which builds an explicit mask
+    that an eager run never makes.  The position ids are the model's own ``arange(s)`` (we pass
+    none), for which an eager run returns None.
+    """
+    import transformers.masking_utils as mu
+
+    orig = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = orig
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the python dispatcher
+
+
+# Ops for which the python dispatcher would run a Python decomposition that saves differently from
+# the C++ kernel an eager run executes: torch/_decomp's dropout is native_dropout (a bool mask; the
+# C++ CPU kernel keeps a bernoulli_ mask in the input's dtype) and clone() at p = 0 (C++ returns
+# the input itself, so nothing new is saved).
+_EAGER_ONLY = ("dropout.default",)
+
+
+def _aten(name: str):
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+@contextlib.contextmanager
+def with_python_dispatcher(enabled: bool = True, overrides: dict[str, Callable] | None = None):
+    """``enable_python_dispatcher()``: torch's C++ composite ops then run their Python ports
+    (``aten.matmul``'s among them), which keep sizes symbolic where the C++ code reads them as
+    ints (and so would pin s and b); except the ops of ``_EAGER_ONLY``, which keep their C++
+    kernels, and the ``overrides`` (aten op name -> Python kernel for its composite / autograd
+    keys: the CUDA kernels' emulation)."""
+    if not enabled:
+        yield
+        return
+    from torch._C import DispatchKey
+    from torch._dispatch.python import enable_python_dispatcher
+
+    keys = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+    saved = []
+    for name in dict.fromkeys(_EAGER_ONLY + tuple(overrides or ())):
+        op = _aten(name)
+        saved.append((op, {k: op.py_kernels[k] for k in keys if k in op.py_kernels}))
+        for k in keys:
+            op.py_kernels.pop(k, None)
+        if overrides and name in overrides:
+            for k in keys:
+                op.py_kernels[k] = overrides[name]
+        op._dispatch_cache.clear()
+    try:
+        with enable_python_dispatcher():
+            yield
+    finally:
+        for op, kernels in saved:
+            for k in keys:
+                op.py_kernels.pop(k, None)
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
