@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+import memplan
 from memplan.timing.flops import layer_matmul_flops, logits_flops, model_flops
 from memplan.core.errors import MemplanError
 from memplan.plan.estimate import estimate
@@ -473,3 +474,12 @@ def test_large_moe_presets_have_their_published_sizes(name, total, active, publi
     assert model.is_moe and model.inventory is not None  # traced inventories shipped (--impl hf-*)
     assert (total_params(model), active_params(model)) == (total, active)
     assert (round(total / 1e9), round(active / 1e9)) == published
+
+
+@pytest.mark.parametrize("gpus, edp_words", [(8, "their states not sharded (one expert-data-parallel rank)"),
+                                             (16, "their states sharded over the 2 expert-data-parallel ranks")])
+def test_the_expert_note_counts_the_expert_data_parallel_ranks(gpus, edp_words):
+    # Megatron-LM's expert-data-parallel size is t cp d / (ep etp): mixtral-8x7b with t = 1, ep = 8 on 8 GPUs (d = 8)
+    # gives 8 / 8 = 1 (nothing to shard over), on 16 GPUs 16 / 8 = 2
+    notes = " ".join(memplan.estimate("mixtral-8x7b", gpus=gpus, tp=1, ep=8, global_batch=gpus).notes)
+    assert f"ep = 8, etp = 1: 1 experts per GPU, {edp_words}" in " ".join(notes.split())

@@ -107,8 +107,8 @@ def plan_options(func: Callable) -> Callable:
         click.option("--cp-comm-type", type=click.Choice(["p2p", "a2a"]),
                      help="Context-parallel attention: p2p ring (default) or a2a (Ulysses; cp | heads per GPU)."),
         click.option("--ep", type=AsciiIntRange(1), help="Expert-parallel size (MoE models): E/ep routed experts "
-                     "per GPU; ep x etp must divide t x cp x d. --impl torchtitan: a Qwen3 MoE's "
-                     "expert_parallel_degree (its experts FSDP-sharded over dp_shard / ep)."),
+                     "per GPU; ep x etp must divide t x cp x d. --impl torchtitan: a Qwen3 MoE's or "
+                     "DeepSeek-V3's expert_parallel_degree (its experts FSDP-sharded over dp_shard / ep)."),
         click.option("--etp", type=AsciiIntRange(1), help="Expert tensor-parallel size (MoE models; default t)."),
         click.option("--moe-imbalance", type=click.FloatRange(1.0, 1024.0), metavar="F",
                      help="MoE, --impl megatron*: the busiest GPU's routed tokens relative to the average (1.0 = "

@@ -346,9 +346,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
                      f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "
                      f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
-                     + (f"; ep = {par.ep}, etp = {par.expert_tp}: {m.num_experts // par.ep} experts per GPU, their "
-                        f"states sharded over the {par.edp} expert-data-parallel ranks" if par.ep * par.expert_tp > 1
-                        else "; ep = 1: every GPU holds every expert"))
+                     + _expert_split(config))
     notes += parallel_notes(config)
     if inventory.moments and not inventory.moments[0].source.startswith("measured"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
@@ -416,3 +414,16 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                 f"{dropped:,} of {kept:,} bytes per layer ({dropped / kept:.2%}); it saves almost nothing"
             )
     return notes
+
+
+def _expert_split(config: Config) -> str:
+    """How the experts are split over the GPUs, for the mixture-of-experts note (torchtitan's sharding of their states
+    is its own note: memplan/memory/parallel.py)."""
+    par, m = config.parallel, config.model
+    if par.ep * par.expert_tp == 1:
+        return "; ep = 1: every GPU holds every expert"
+    split = f"; ep = {par.ep}, etp = {par.expert_tp}: {m.num_experts // par.ep} experts per GPU"
+    if config.training.dp_stack == "torchtitan":
+        return split
+    return split + (f", their states sharded over the {par.edp} expert-data-parallel ranks" if par.edp > 1
+                    else ", their states not sharded (one expert-data-parallel rank)")
