@@ -185,7 +185,7 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
-    moe_dims(model, pins, float8)  # the pins' refusals first (as estimate's), before any pp is left out
+    dims = moe_dims(model, pins, float8)  # the pins' refusals first (as estimate's), before any pp is left out
     if model.is_moe and model.moe_first_dense_layers:  # estimate refuses them (titan_moe.check_titan_moe)
         splits, notes = [x for x in splits if x[0] == 1], notes + [
             "torchtitan MoE with dense first layers (DeepSeek-V3): pp not searched (not modelled)"]
@@ -196,7 +196,7 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     for p, first, last, schedule in splits:
         multi = is_multi(schedule)
         chunk = model.num_layers // p if multi else max(titan_stage_layers(p, model.num_layers))
-        fixed = Fixed(**moe_dims(model, pins, float8), pp=p, vpp=1, cp_comm_type="allgather", zero=3,
+        fixed = Fixed(**dims, pp=p, vpp=1, cp_comm_type="allgather", zero=3,
                       micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
                       **_ac_fixed(model, pins, chunk))
         try:
