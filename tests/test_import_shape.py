@@ -221,12 +221,35 @@ def test_a_downward_import_passes():
 
 MAX_MODULE_LINES = 500
 
+VALIDATION = PACKAGE.parent / "validation"
 
-def test_every_module_says_what_it_owns_in_at_most_500_lines():
+# validation/ modules still over the limit, each named with why; the test checks each is still over it, so that its
+# entry goes when the module is split.
+VALIDATION_OVER_THE_LIMIT = {
+    "step.py": "split by helper i20s this session",
+    "titan.py": "502 lines; titan*.py belong to another helper this session",
+}
+
+
+def _too_long_and_undocumented(sources: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The modules of {name: source} over MAX_MODULE_LINES lines, and those without a module docstring."""
     too_long, undocumented = [], []
-    for name, text in module_sources().items():
+    for name, text in sources.items():
         if len(text.splitlines()) > MAX_MODULE_LINES:
             too_long.append(f"{name}: {len(text.splitlines())} lines")
         if not ast.get_docstring(ast.parse(text)):
             undocumented.append(name)
-    assert too_long == [] and undocumented == []
+    return too_long, undocumented
+
+
+def test_every_module_says_what_it_owns_in_at_most_500_lines():
+    assert _too_long_and_undocumented(module_sources()) == ([], [])
+
+
+def test_every_validation_module_says_what_it_owns_in_at_most_500_lines():
+    sources = {path.name: path.read_text() for path in sorted(VALIDATION.glob("*.py"))}
+    exempt = {name: sources.pop(name, "") for name in VALIDATION_OVER_THE_LIMIT}
+    assert _too_long_and_undocumented(sources) == ([], [])
+    within = [name for name, text in exempt.items() if len(text.splitlines()) <= MAX_MODULE_LINES]
+    assert within == [], f"{within}: within the limit now (or gone): drop from VALIDATION_OVER_THE_LIMIT"
+    assert _too_long_and_undocumented(exempt)[1] == []

@@ -108,7 +108,7 @@ def test_every_moe_term_is_checked(monkeypatch, t1_results):
 
 
 def test_capacity_drops_per_expert(monkeypatch, t1_results):
-    # uneven routing (validation/mcore.py LOADS): of the 64 tokens x top-2 = 128 copies, experts 0-3 receive 56, 40,
+    # uneven routing (validation/mcore_cpu.py LOADS): of the 64 tokens x top-2 = 128 copies, experts 0-3 receive 56, 40,
     # 16, 16 (1.75, 1.25, 0.5, 0.5 x the average 32). Capacity factor 1: megatron-core 0.16.1's
     # apply_router_token_dropping keeps ceil(128 / 4 x 1) = 32 per expert: 32 + 32 + 16 + 16 = 96 copies, 96 x 64 bf16
     # = 12,288 B of routed tokens (a per-GPU bound, min(imbalance 1, C 1) at ep = 1, would keep all 128: 16,384 B)

@@ -4,7 +4,8 @@ Every number this package returns is read off real (or fake) tensors; none comes
 """
 
 from .equivalence import check_tensor_parallel_equivalence
-from .measure import Case, Measurement, SavedEntry, measure_layer, measure_many, measure_model, probe_dropout
+from .instruments import SavedEntry
+from .measure import Case, Measurement, measure_layer, measure_many, measure_model, probe_dropout
 from .tags import LABELS, LAYER_LABELS, MODEL_LABELS, PARAMETER, UNLABELED, tag
 
 

@@ -3,7 +3,7 @@ model on the device, create the optimizer, step 1 where AdamW creates its states
 allocation and free in order, for memplan's caching-allocator model to replay.
 
 * ``record_run(case, steps)``: one run of a ``validation.step.StepCase`` from the model's construction on.
-  - CPU (``backend="live"``): an ``EventTracker`` (the live tracker of validation/measure.py, keeping the order)
+  - CPU (``backend="live"``): an ``EventTracker`` (the live tracker of validation/instruments.py, keeping the order)
     sees each new storage an op outputs and each storage's free; temporaries an op makes and frees inside
     itself are not seen (CPU kernels; on CUDA the allocator sees them).
   - CUDA (``backend="cuda"``): ``torch.cuda.memory._record_memory_history()`` records every allocator call;
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .measure import LiveTracker
+from .instruments import LiveTracker
 from .step import StepCase, _build, _Loop, _mode
 
 CAP_ENV = "MEMPLAN_ALLOC_CAP_BYTES"  # CPU: live bytes above this end the run as an out-of-memory would

@@ -336,7 +336,7 @@ def measure_compiled_tune_loss(s: int, b: int, vocab: int, layers: int, heads: i
     partitioner, its graphs run by torch (seconds, no C++): the same saved tensors, not inductor's fused peaks."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from .measure import saved_storages
+    from .instruments import saved_storages
     from .torchtune import _build, _plain_tensors, import_torchtune
 
     warnings.filterwarnings("ignore")

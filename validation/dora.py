@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .measure import saved_storages
+from .instruments import saved_storages
 
 
 def measure_dora(s: int, b: int, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int, vocab: int,

@@ -8,18 +8,7 @@ Transformer Engine), bf16, training mode, over a gloo process group of t spawned
 never lives in the caller's process).
 
 megatron-core assumes CUDA in places that have nothing to do with what a layer saves; they
-are patched at run time in the rank processes (``apply_cpu_patches``), never in site-packages:
-
-* ``tensor_parallel/random.py``: the CUDA RNG tracker (``model_parallel_cuda_manual_seed``,
-  ``CudaRNGStatesTracker.add`` / ``fork``, ``CheckpointFunction``) reads and sets the CUDA generator:
-  routed to the CPU generator (``torch.get_rng_state`` / ``set_rng_state`` / ``manual_seed``);
-* ``utils.py``: ``GlobalMemoryBuffer.get_tensor`` (the ``baddbmm`` input buffer of
-  ``DotProductAttention``) allocates on ``torch.cuda.current_device()``: answered "cpu"; in 0.16.1 also
-  RoPE's ``get_emb`` and SP's all-gather buffers (``tensor_parallel/mappings.py``, ``layers.py``):
-  ``CURRENT_DEVICE_MODULES``;
-* ``transformer/torch_norm.py``: ``WrappedTorchNorm`` refuses sequence parallelism (it cannot mark
-  the norm weights for the SP gradient all-reduce, which a memory measurement does not need):
-  built with ``config.sequence_parallel`` seen as False.
+are patched at run time in the rank processes (``validation.mcore_cpu.apply_cpu_patches``), never in site-packages.
 
 And three configuration choices: ``masked_softmax_fusion=False`` (the fused softmax kernels are
 CUDA-only), an explicit causal attention mask (the unfused softmax masks with ``masked_fill``) and
@@ -29,8 +18,8 @@ is a store_true flag) unless a case asks for megatron-core's TransformerConfig d
 
 Labels: every saved storage is labelled from the context of its first save, as validation/hf.py does
 for transformers: (module path relative to the decoder layer / model, torch call, k-th saving call of
-that op in that module, j-th saved tensor of the call), mapped by the rule tables below to memplan's
-term ids. A storage no rule matches is "unlabeled" (tests demand none).
+that op in that module, j-th saved tensor of the call), mapped by the rule tables of ``validation.mcore_rules``
+to memplan's term ids. A storage no rule matches is "unlabeled" (tests demand none).
 
 Nothing here computes a byte count from a formula; every number is read off a tensor.
 """
@@ -39,20 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import logging
 import os
-import re
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from .hf import _CallRecorder, _HFLedger
-from .measure import LiveTracker, _ModuleStack
+from .instruments import LiveTracker, _CallRecorder, _HFLedger, _ModuleStack
+from .mcore_cpu import DISCARDED, LOADS, apply_cpu_patches
+from .mcore_rules import (
+    ATTN, FN, GELU_SHARED_RULES, LAYER_RULES, MLA_RULES, MODEL_RULES, MOE, MOE_RULES, MUL, ROUTER, ROUTER_MUL,
+    Z_LOSS_RULES, _gelu_expert_rules, split_module,
+)
 from .ranks import run_ranks
 from .tags import UNLABELED
 
@@ -60,269 +50,11 @@ MCORE_VERSION = "0.16.1"
 Arch = Literal["gpt", "llama"]
 
 # ---------------------------------------------------------------------------------------------
-# the CPU patches
-
-
-class _Proxy:
-    """A stand-in for a module's global ``torch``: everything from torch, except ``torch.cuda``'s
-    attributes named in ``cuda``."""
-
-    def __init__(self, **cuda) -> None:
-        class _Cuda:
-            def __getattr__(self, name):
-                return getattr(torch.cuda, name)
-
-        self.cuda = _Cuda()
-        for name, fn in cuda.items():
-            setattr(self.cuda, name, fn)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-# modules of megatron-core 0.16.1 beside utils.py that allocate on torch.cuda.current_device() in a path the
-# cases run: RoPE's inv_freq (rotary_pos_embedding.get_emb), SP's all-gather buffers (tensor_parallel mappings /
-# layers)
-CURRENT_DEVICE_MODULES = ("models.common.embeddings.rotary_pos_embedding", "tensor_parallel.mappings",
-                          "tensor_parallel.layers", "transformer.moe.router", "transformer.moe.token_dispatcher",
-                          "transformer.moe.moe_utils", "transformer.moe.experts")
-
-
-# the output storages megatron-core's CheckpointWithoutOutput frees in this process's current case (selective
-# recompute of "layernorm": the norms' outputs, saved by the next linear, resized to 0 once it has run)
-DISCARDED: set = set()
-
-
-def apply_cpu_patches() -> None:
-    """Make megatron-core run on CPU (see the module docstring); idempotent, rank processes only."""
-    from megatron.core import utils
-    from megatron.core.tensor_parallel import random
-    from megatron.core.transformer import torch_norm
-
-    if getattr(random, "_memplan_cpu", False):
-        return
-    random.torch = _Proxy(get_rng_state=lambda *a, **k: torch.get_rng_state(),
-                          set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
-                          manual_seed=lambda seed: torch.manual_seed(seed))
-    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    for module in (utils, *(importlib.import_module(f"megatron.core.{m}") for m in CURRENT_DEVICE_MODULES)):
-        module.torch = _Proxy(current_device=lambda: "cpu")
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def norm_new(cls, config, *args, **kwargs):
-        return original_new(cls, replace(config, sequence_parallel=False) if config.sequence_parallel else config,
-                            *args, **kwargs)
-
-    torch_norm.WrappedTorchNorm.__new__ = norm_new
-    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
-
-    # moe_utils imports te_general_gemm from Transformer Engine and leaves the name undefined without it
-    # (0.16.1); RouterGatingLinearFunction then takes its torch.mm path
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-    router.apply_random_logits = _balanced_routing
-    from megatron.core.transformer import multi_latent_attention
-
-    # without Transformer Engine megatron-core's extensions import stands MagicMocks in for TE's classes, and
-    # MLA's isinstance(self.linear_proj, TELinear) refuses one: TE is absent, as HAVE_TE should say
-    multi_latent_attention.HAVE_TE = False
-    # the alltoall dispatcher copies its split sizes to the host on a side CUDA stream: one stand-in stream
-    stream = _NoStream()
-    # ... and moves them there only from a CUDA tensor (maybe_move_tensor_to_cpu): on CPU the split sizes
-    # stay tensors, which gloo's all_to_all_single refuses; as on CUDA they become numpy arrays
-    token_dispatcher.maybe_move_tensor_to_cpu = (
-        lambda tensor, as_numpy=False, record_stream=False:
-        tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor)
-    token_dispatcher.torch = _Proxy(current_device=lambda: "cpu", Stream=lambda *a, **k: stream,
-                                    current_stream=lambda *a, **k: stream, stream=lambda s: contextlib.nullcontext())
-    # CheckpointWithoutOutput (selective recompute of "layernorm") sets its fp8 flag from `fp8 is not None`, so
-    # the default fp8=False turns it on and its forward reaches Transformer Engine's FP8GlobalStateManager, an
-    # undefined name without TE (0.16.1): the flag as its default means (off); nothing it saves changes
-    original_init = random.CheckpointWithoutOutput.__init__
-
-    def checkpoint_init(self, fp8=False):
-        original_init(self, fp8)
-        self.fp8 = bool(fp8)
-
-    random.CheckpointWithoutOutput.__init__ = checkpoint_init
-    original_discard = random.CheckpointWithoutOutput.discard_output_and_register_recompute
-
-    def discard(self, hook_tensor):
-        DISCARDED.update(StorageWeakRef(o.untyped_storage()) for o in self.outputs)
-        return original_discard(self, hook_tensor)
-
-    random.CheckpointWithoutOutput.discard_output_and_register_recompute = discard
-    random._memplan_cpu = True
-
-
-class _NoStream:
-    """A CUDA stream / event stand-in on CPU: work is synchronous, so waiting is nothing."""
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def record_event(self) -> "_NoStream":
-        return self
-
-    def synchronize(self) -> None:
-        pass
-
-
-# the current case's uneven routing (McoreCase.loads; empty: balanced), set per case in the rank process
-LOADS: list = []
-
-
-def _balanced_routing(logits: torch.Tensor) -> torch.Tensor:
-    """Stands in for megatron-core's ``moe_router_force_load_balancing`` (random logits, balanced only on
-    average): token i of the rank's [s, b] tokens (flattened) gets a large bonus on experts (i k + j) mod E,
-    j < k, so every expert receives exactly k s b / E of them (when E divides k s b). A constant added to
-    the logits: autograd saves nothing more, and the router's own ops (softmax, top-k) run unchanged."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    frame = sys._getframe(1)
-    k = frame.f_locals["self"].topk if isinstance(frame.f_locals.get("self"), TopKRouter) else 1
-    E = logits.shape[-1]
-    n = logits.numel() // E
-    idx = (torch.arange(n).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % E
-    if LOADS:  # uneven: expert e receives LOADS[e] of the k n copies; copy j of token i goes to the (i + j n)-th
-        # entry of the experts listed in order, each LOADS[e] times (distinct experts per token while LOADS[e] <= n)
-        order = torch.repeat_interleave(torch.arange(E), torch.tensor(LOADS))
-        idx = torch.stack([order[torch.arange(n) + j * n] for j in range(k)], dim=1)
-    bonus = torch.zeros(n, E, dtype=logits.dtype).scatter_(1, idx, 64.0)
-    return logits + bonus.view(logits.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# label rules: (module relative to the layer / model, op, k, j) -> memplan term id
-
-FN = "Function"  # a torch.autograd.Function's save_for_backward (megatron-core's linears, checkpoint, loss)
-LN, RMS = "torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm"
-DROPOUT, MUL = "torch.nn.functional.dropout", "torch.Tensor.mul"
-ATTN, CORE = "<layer>.self_attention", "<layer>.self_attention.core_attention"
-
-
-def _norm_rules(module: str, prefix: str) -> dict:
-    """torch.nn.LayerNorm saves input, mean, rstd (bf16 statistics on CPU); torch.nn.RMSNorm on CPU runs
-    F.rms_norm's composite path: an fp32 copy of the input, rstd (fp32) and the fp32 normalised input."""
-    return {(module, LN, 0, 0): f"{prefix}_input", (module, LN, 0, 1): f"{prefix}_stats",
-            (module, LN, 0, 2): f"{prefix}_stats",
-            (module, RMS, 0, 0): f"{prefix}_fp32_input", (module, RMS, 0, 1): f"{prefix}_stats",
-            (module, RMS, 0, 4): f"{prefix}_normed"}
-
-
-LAYER_RULES: dict[tuple[str, str, int, int], str] = {
-    **_norm_rules("<layer>.input_layernorm", "ln1"),
-    ("<layer>.self_attention.linear_qkv", FN, 0, 0): "qkv_input",
-    # apply_rotary_pos_emb (unfused): t * cos and rotate_half(t) * sin save cos and sin, made per call from
-    # the freqs, for Q and for K
-    **{(ATTN, MUL, k, 0): "rope_cos_sin" for k in range(4)},
-    # DotProductAttention: baddbmm(buffer, Q, K^T) saves Q and K, bmm(probs, V) saves V: views of the QKV
-    # projection's output (one storage) for GPT; Q and K after RoPE and K, V repeated to the a heads for GQA
-    (CORE, "torch.baddbmm", 0, 0): "qkv",
-    (CORE, "torch.baddbmm", 0, 1): "qkv",
-    (CORE, "torch.bmm", 0, 0): "qkv",
-    (f"{CORE}.scale_mask_softmax", "torch.Tensor.masked_fill_", 0, 0): "causal_mask",
-    (f"{CORE}.scale_mask_softmax", "torch.nn.functional.softmax", 0, 0): "softmax_out",
-    (f"{CORE}.attention_dropout", DROPOUT, 0, 0): "softmax_mask",
-    (CORE, "torch.bmm", 0, 1): "attn_dropout_out",  # dropout output, or the bf16 probabilities of an fp32 softmax
-    # selective recompute: CheckpointFunction around the attention core saves Q, K, V, the mask and
-    # attn_mask_type as an int tensor
-    **{(ATTN, FN, 0, j): "qkv" for j in range(3)},
-    (ATTN, FN, 0, 3): "causal_mask",
-    (ATTN, FN, 0, 4): "attn_mask_type",
-    ("<layer>.self_attention.linear_proj", FN, 0, 0): "proj_input",
-    ("<layer>", DROPOUT, 0, 0): "attn_dropout_mask",  # self_attn_bda (bias_dropout_fusion off: F.dropout)
-    **_norm_rules("<layer>.pre_mlp_layernorm", "ln2"),
-    ("<layer>.mlp.linear_fc1", FN, 0, 0): "fc1_input",
-    ("<layer>.mlp", "torch.nn.functional.gelu", 0, 0): "gelu_input",
-    ("<layer>.mlp", "torch.nn.functional.silu", 0, 0): "swiglu_input",  # a view of fc1's 2f-wide output
-    ("<layer>.mlp", MUL, 0, 0): "swiglu_up",  # x_linear + glu_linear_offset (a new tensor)
-    ("<layer>.mlp", MUL, 0, 1): "swiglu_silu_out",
-    ("<layer>.mlp.linear_fc2", FN, 0, 0): "fc2_input",
-    ("<layer>", DROPOUT, 1, 0): "mlp_dropout_mask",
-}
-
-MOE, ROUTER, SHARED = "<layer>.mlp", "<layer>.mlp.router", "<layer>.mlp.shared_experts"
-SILU = "torch.nn.functional.silu"
-
-
-def _expert_rules(expert: str) -> dict:
-    """One SequentialMLP expert (an MLP on its tokens, probabilities applied after the activation)."""
-    return {(f"{expert}.linear_fc1", FN, 0, 0): "moe_permuted_tokens",  # its slice of the routed tokens
-            (expert, SILU, 0, 0): "moe_fc1_output", (expert, MUL, 0, 0): "moe_swiglu_up",
-            (expert, MUL, 0, 1): "moe_silu_out", (expert, MUL, 1, 0): "moe_permuted_probs",
-            (expert, MUL, 1, 1): "moe_act_out", (f"{expert}.linear_fc2", FN, 0, 0): "moe_fc2_input"}
-
-
-def _gelu_expert_rules(expert: str) -> dict:
-    """One SequentialMLP expert with a GeLU MLP (no GLU): the probabilities' multiply is its first."""
-    return {(expert, "torch.nn.functional.gelu", 0, 0): "moe_fc1_output", (expert, MUL, 0, 0): "moe_permuted_probs",
-            (expert, MUL, 0, 1): "moe_act_out"}
-
-
-GELU_SHARED_RULES = {(SHARED, "torch.nn.functional.gelu", 0, 0): "shared_fc1_output"}
-
-
-# the z-loss (--moe-z-loss-coeff) runs before the routing: logsumexp keeps the logits and its output, and its
-# MoEAuxLossAutoScaler is the router's second Function (the aux loss's then the third)
-Z_LOSS_RULES = {(ROUTER, "torch.logsumexp", 0, 0): "moe_z_logits", (ROUTER, "torch.logsumexp", 0, 1): "moe_z_lse",
-                (ROUTER, FN, 1, 0): "moe_z_loss", (ROUTER, FN, 2, 0): "moe_aux_loss"}
-
-# megatron-core's MoELayer (memplan/inventory/moe.py): router, permutation, SequentialMLP experts, shared experts
-MOE_RULES: dict[tuple[str, str, int, int], str] = {
-    (ROUTER, FN, 0, 0): "fc1_input",  # RouterGatingLinearFunction keeps the MLP input
-    (f"{SHARED}.linear_fc1", FN, 0, 0): "fc1_input",  # the same storage, when the shared experts run first
-    (ROUTER, "torch.topk", 0, 0): "moe_topk_indices",
-    (ROUTER, "torch.softmax", 0, 0): "moe_topk_probs",
-    (ROUTER, "torch.softmax", 1, 0): "moe_aux_scores",
-    (ROUTER, FN, 1, 0): "moe_aux_loss",  # MoEAuxLossAutoScaler
-    (MOE, "torch.Tensor.masked_select", 0, 0): "moe_routing_map",
-    (MOE, "torch.Tensor.masked_select", 0, 1): "moe_probs_dense",
-    (MOE, "torch.Tensor.__getitem__", 0, 0): "moe_sort_index",  # 0.19.2's argsort, indexing the probabilities
-    (MOE, "torch.Tensor.index_select", 0, 0): "moe_permute_index",
-    (MOE, FN, 0, 0): "fc1_input",  # selective recompute "moe" / "shared_experts": the checkpoint keeps the MLP input
-    (MOE, "torch.Tensor.index_select", 1, 0): "moe_permute_index",  # padded to capacity: the probabilities'
-    (SHARED, SILU, 0, 0): "shared_fc1_output", (SHARED, MUL, 0, 0): "shared_swiglu_up",
-    (SHARED, MUL, 0, 1): "shared_silu_out", (f"{SHARED}.linear_fc2", FN, 0, 0): "shared_fc2_input",
-    **{k: v for i in range(16) for k, v in _expert_rules(f"{MOE}.experts.local_experts.{i}").items()},
-}
-# the router's multiplies: the token dropping's routing map (bool) and the aux loss's tokens per expert (int64),
-# in either order
-ROUTER_MUL = {"bool": "moe_routing_map", "int64": "moe_aux_counts"}
-
-# megatron-core's MLASelfAttention (memplan/inventory/mla.py): down projections, latent norms, up projections; RoPE's
-# cos / sin and the core attention's Q, K, V are LAYER_RULES' (ATTN, CORE)
-MLA_RULES: dict[tuple[str, str, int, int], str] = {
-    **{(f"{ATTN}.{proj}", FN, 0, 0): "qkv_input" for proj in ("linear_q_down_proj", "linear_kv_down_proj",
-                                                               "linear_q_proj")},
-    **{(f"{ATTN}.{which}_layernorm", RMS, 0, j): f"mla_{which}_{part}" for which in ("q", "kv")
-       for j, part in ((0, "fp32_latent"), (1, "norm_stats"), (4, "normed"))},
-    (f"{ATTN}.linear_q_up_proj", FN, 0, 0): "mla_q_up_input",
-    (f"{ATTN}.linear_kv_up_proj", FN, 0, 0): "mla_kv_up_input",
-}
-
-MODEL_RULES: dict[tuple[str, str, int, int], str] = {
-    ("embedding.word_embeddings", "torch.nn.functional.embedding", 0, 0): "token_ids",
-    ("embedding.word_embeddings", "torch.Tensor.__setitem__", 0, 0): "embedding_input_mask",  # t > 1
-    ("embedding.position_embeddings", "torch.nn.functional.embedding", 0, 0): "position_ids",
-    ("embedding.embedding_dropout", DROPOUT, 0, 0): "embedding_dropout_mask",
-    **_norm_rules("decoder.final_layernorm", "final_ln"),
-    ("output_layer", FN, 0, 0): "head_input",
-    # VocabParallelCrossEntropy saves exp_logits (the fp32 softmax), target_mask, masked_target_1d
-    ("", FN, 0, 0): "logits_fp32",
-    ("", FN, 0, 1): "target_mask",
-    ("", FN, 0, 2): "target_ids",
-    # full recompute: CheckpointFunction around the layers saves the hidden states and the mask
-    **{("decoder", FN, k, 0): "ln1_input" for k in range(8)},
-    **{("decoder", FN, k, 1): "causal_mask" for k in range(8)},
-    **{("decoder", FN, k, 2): "rope_freqs" for k in range(8)},  # RoPE's fp32 freqs, an input of every checkpoint
-}
+# the ledger
 
 
 class _Ledger(_HFLedger):
-    """validation/hf.py's ledger, with each torch.autograd.Function call (megatron-core's linears, its
+    """validation/instruments.py's ``_HFLedger``, with each torch.autograd.Function call (megatron-core's linears, its
     CheckpointFunction, its vocab-parallel cross-entropy: invisible to a TorchFunctionMode) its own call,
     op "Function"."""
 
@@ -341,16 +73,6 @@ class _Ledger(_HFLedger):
             return super().pack(t)
         finally:
             self.rec.current, self.rec.call, self.rec._next = current, call, counter
-
-
-LAYER_RE = re.compile(r"^(?:decoder\.)?layers\.(\d+)(?:\.(.*))?$")
-
-
-def split_module(path: str) -> tuple[Optional[int], str]:
-    m = LAYER_RE.match(path)
-    if m:
-        return int(m.group(1)), m.group(2) or ""
-    return None, path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ whose four pieces are ``jit_fuser`` = ``torch.compile`` (megatron/core/jit.py): 
 (gcc). Both functions run here as megatron-core ships them, on bf16 logits [s, b, v] made by a ``clone`` of a leaf
 (the output layer's logits: a fresh tensor whose gradient the clone passes on as it is), over a one-rank gloo group.
 
-Compiled code allocates its buffers in C++ without the dispatcher, so ``measure.LiveTracker`` cannot see them (and
+Compiled code allocates its buffers in C++ without the dispatcher, so ``instruments.LiveTracker`` cannot see them (and
 torch.compile runs eagerly under a dispatch mode). The bytes are read off torch.profiler's allocation events
 (``profile_memory=True``: every CPU allocation and free, in time order). Before the measured call each function runs
 once (the compilation). ``forward_peak``, ``after_forward`` and ``backward_peak`` are bytes alive made since the

@@ -13,11 +13,11 @@ d x t processes (``validation.ranks.run_ranks``). The loop is Megatron-LM's ``tr
 Two steps run; the second is measured. Before it (after ``gc.collect()``) ``persistent`` is read off the storages
 that exist, each once, by category: the bf16 parameter buffer (``weights``), the fp32 gradient buffer
 (``gradients``), the fp32 master shards (``master_weights``), AdamW's moments (``optimizer_states``) and step counters
-(``optimizer_steps``). The step runs under ``measure.LiveTracker`` (every storage an op makes, until freed); its
+(``optimizer_steps``). The step runs under ``instruments.LiveTracker`` (every storage an op makes, until freed); its
 peak plus ``persistent_total`` is the step's peak; ``phase_peaks`` the maximum inside each phase (forward with the
 loss, backward, the gradient sync, the optimizer step), the peak's phase the first that reaches it.
 
-megatron-core's DDP and optimizer assume CUDA beyond what ``mcore.apply_cpu_patches`` covers; patched at run time in
+megatron-core's DDP and optimizer assume CUDA beyond what ``mcore_cpu.apply_cpu_patches`` covers; patched at run time in
 the rank processes only (``apply_step_patches``), never in site-packages:
 
 * ``torch.tensor`` / ``zeros`` / ``empty`` ... with ``device="cuda"`` or ``torch.cuda.current_device()`` in the
@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .measure import LiveTracker
-from .mcore import McoreCase, apply_cpu_patches, build
+from .instruments import LiveTracker
+from .mcore import McoreCase, build
+from .mcore_cpu import apply_cpu_patches
 from .ranks import run_ranks
 
 PHASES = ("forward", "backward", "grad-sync", "optimizer")
@@ -76,7 +77,7 @@ class _CpuTorch:
 
 
 def apply_step_patches() -> None:
-    """``mcore.apply_cpu_patches`` and the DDP / optimizer ones (module docstring); rank processes only."""
+    """``mcore_cpu.apply_cpu_patches`` and the DDP / optimizer ones (module docstring); rank processes only."""
     apply_cpu_patches()
     if getattr(torch.Tensor.type, "_memplan_cpu", False):
         return

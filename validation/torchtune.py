@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from validation.measure import LiveTracker, saved_storages
+from validation.instruments import LiveTracker, saved_storages
 from validation.trace_poly import poly_text
 from validation.trace_run import symbolic_saves
 

@@ -3,7 +3,7 @@
 ``validation/trace.py`` records what autograd *saves*; the peak of a step also holds tensors nobody
 saves: the gradients flowing through the backward, a kernel's fp32 copies, the recomputed forward
 of a checkpointed layer.  ``LiveStorages`` is a ``TorchDispatchMode`` that follows every storage an
-op creates until it is freed (weakref callbacks on the storage, as ``validation.measure.LiveTracker``
+op creates until it is freed (weakref callbacks on the storage, as ``validation.instruments.LiveTracker``
 and torch's ``mem_tracker`` do), with its size as the sympy expression of the fake tensor's
 ``nbytes`` (a polynomial in s and b).  It never compares sizes (that would guard on s and b).
 

@@ -5,7 +5,7 @@ megatron-core 0.16.1's MoELayer (megatron/core/transformer/moe/): the TopKRouter
 TEGroupedMLP with grouped GEMM in the Transformer Engine spec) and the shared experts. Measured on CPU per term
 against megatron-core's own MoELayer in the local spec (validation/mcore.py, tests/test_validate_mcore_moe.py:
 alltoall and allgather dispatchers, ep = 1 and 2, capacity factor with padding, shared experts, aux loss), with
-the routing made exactly balanced (validation/mcore.py _balanced_routing). What one MoE layer keeps, per GPU:
+the routing made exactly balanced (validation/mcore_cpu.py _balanced_routing). What one MoE layer keeps, per GPU:
 
 - the MLP input (ln2's output): saved by the router's gating linear (RouterGatingLinearFunction) and by the shared
   experts' fc1 (one storage: the dense MLP's fc1_input term);

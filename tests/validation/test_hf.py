@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from validation.hf import HF_LAYER_LABELS, HF_MODEL_LABELS, measure_hf  # noqa: E402
+from validation.hf import measure_hf  # noqa: E402
+from validation.hf_rules import HF_LAYER_LABELS, HF_MODEL_LABELS  # noqa: E402
 from validation.tags import PARAMETER, UNLABELED  # noqa: E402
 
 BF16, FP32, I64 = 2, 4, 8
