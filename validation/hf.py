@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--g", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.0)
     a = p.parse_args(argv)
-    m = measure_hf(a.arch, a.attn, a.s, a.b, a.h, a.a, a.f, a.g, a.v, a.L, a.dropout, a.scope, a.backend)
+    m = measure_hf(a.arch, a.attn, a.s, a.b, a.h, a.a, f=a.f, g=a.g, v=a.v, L=a.L, dropout=a.dropout, scope=a.scope,
+                   backend=a.backend)
     print(m.notes[0], m.scope)
     print(format_table(m))
 

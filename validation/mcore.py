@@ -414,8 +414,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dropout", type=float, default=None)
     a = p.parse_args(argv)
     drop = a.dropout if a.dropout is not None else (0.1 if a.arch == "gpt" else 0.0)
-    case = McoreCase(a.arch, a.s, a.b, a.h, a.a, a.f, a.g, a.v, a.L, a.t, a.sp, a.recompute, a.scope, drop,
-                     a.softmax_fp32, a.backend)
+    # by keyword: McoreCase's fields are not in this order (modules sits before p_drop)
+    case = McoreCase(arch=a.arch, s=a.s, b=a.b, h=a.h, a=a.a, f=a.f, g=a.g, v=a.v, L=a.L, t=a.t, sp=a.sp,
+                     recompute=a.recompute, scope=a.scope, p_drop=drop, softmax_fp32=a.softmax_fp32, backend=a.backend)
     print(format_table(measure_mcore([case])[0]))
 
 
