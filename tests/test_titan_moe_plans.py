@@ -186,7 +186,7 @@ def test_searched_pp_ep_plan_builds_in_torchtitan(tmp_path, monkeypatch, world):
                    gpu="h100-80gb", all_variants=True).result
     plans = found.evaluated.plans
     assert set(plans.ep.tolist()) == {1, 2, 4, 8} and ((plans.d // plans.shard) == 2).all()
-    assert (plans.shard % plans.ep == 0).all()
+    assert ((plans.shard * plans.t) % plans.ep == 0).all()  # efsdp = dp_shard tp / ep (tp searched: moe_tp)
 
 
 # torchtitan's pipelined Qwen3 MoE measured over gloo (validation/titan_pp.py pp_rank with a MoeShape: the tiny

@@ -237,6 +237,70 @@ def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int 
     return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b, replicate))
 
 
+def _balanced_on_dtensors(router):
+    """torchtitan's ``_debug_force_load_balance_routing`` made to run under TP: its round-robin ids are a plain
+    tensor, which ``gather`` refuses beside the DTensor scores (torchtitan 0.3.0 stops there with TP and its
+    debug routing); here the ids are made on the rank's local scores (round-robin over its own tokens: balanced
+    when k times its tokens is a multiple of E) and wrapped like the scores. The only substitution of the TP run."""
+    from torch.distributed.tensor import DTensor
+
+    def routing(scores_BLE):
+        if not isinstance(scores_BLE, DTensor):
+            return type(router)._debug_force_load_balance_routing(router, scores_BLE)
+        local = scores_BLE.to_local()
+        bs, slen, _ = local.shape
+        ids = (torch.arange(bs * slen * router.top_k, dtype=torch.int64).reshape(bs, slen, router.top_k)
+               % router.num_experts)
+        ids = DTensor.from_local(ids, scores_BLE.device_mesh, scores_BLE.placements, run_check=False)
+        return ids, scores_BLE.gather(dim=-1, index=ids)
+    return routing
+
+
+def moe_tp_rank(rank: int, world: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
+                tp: int = 2, ep: int = 1) -> dict:
+    """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` = ``tp``
+    and ``expert_parallel_degree`` = ``ep`` (the ``partial_dtensor`` backend, sequence parallelism on, its MoE
+    sharding config: at ep 1 the experts' hidden dim sharded over tp and the MoE's input all-gathered, at ep > 1 the
+    experts sharded over ep and the tokens staying sequence-sharded), measured as validation/titan.py ``tp_rank``
+    measures Llama 3 (``tp_step``: layer 0's kept storages, the tail, the loss, the states)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    from validation.titan import _AcShim, tp_step
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                    spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    config = moe_model_config(shape, layers, vocab)
+    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    model = config.build()
+    for block in model.layers.values():
+        block.moe.router._debug_force_load_balance_routing = _balanced_on_dtensors(block.moe.router)
+    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (module docstring)
+        return tp_step(model, dims, vocab, s, b)
+
+
+def measure_moe_tp(shape: MoeShape, ac: str, tp: int = 2, ep: int = 1, world: int = 2, layers: int = 2,
+                   vocab: int = 256, s: int = 16, b: int = 2) -> list[dict]:
+    """``moe_tp_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(moe_tp_rank, world, (shape, layers, vocab, s, b, ac, tp, ep))
+
+
 if __name__ == "__main__":
     import sys
 

@@ -72,6 +72,7 @@ class Term:
     only_selective: bool = False  # exists only under selective recompute (the attention checkpoint's own inputs)
     without_cp: bool = False  # exists only without context parallelism (cp = 1): a cp term replaces it
     needs_ep: bool = False  # exists only with expert parallelism (ep > 1): torchtitan's all-to-all dispatch's tensors
+    without_ep: bool = False  # exists only without expert parallelism (ep = 1): torchtitan's MoE output reduce-scattered
 
     @property
     def recompute_flags(self) -> tuple:
@@ -116,6 +117,8 @@ class Term:
             full = full * (cp == 1)
         if self.needs_ep:
             full = full * (values.get("ep", 1) > 1)
+        if self.without_ep:
+            full = full * (values.get("ep", 1) == 1)
         if self.etp_gathered:
             full = full * values.get("etp", values["t"])
         if self.tp_split:
@@ -152,9 +155,9 @@ class Term:
 
 def saved(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
        k22=True, src, needs_tp=False, only_full=False, storages=1, etp_gathered=False, needs_cp=False,
-       only_selective=False, without_cp=False, needs_ep=False):
+       only_selective=False, without_cp=False, needs_ep=False, without_ep=False):
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
-                only_full, storages, etp_gathered, needs_cp, only_selective, without_cp, needs_ep)
+                only_full, storages, etp_gathered, needs_cp, only_selective, without_cp, needs_ep, without_ep)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,188 @@
+"""torchtitan 0.3.0's Qwen3 MoE with tensor parallelism (--impl torchtitan --tp T, with and without --ep) against
+torchtitan's own parallelize_qwen3 run over gloo.
+
+validation/titan_moe.py ``moe_tp_rank`` builds a 2-layer torchtitan Qwen3 MoE model (h 64, 4 heads, 2 KV heads,
+head dim 16, 8 experts of width 32, top-2, vocab 256) with torchtitan's sharding configs
+(``set_qwen3_sharding_config``, sequence parallelism on) and runs ``parallelize_qwen3`` with
+``tensor_parallel_degree`` 2 on 2 ranks (ep 1: the experts' hidden dim sharded over tp, the MoE's input all-gathered
+over the sequence, its output reduce-scattered; ep 2: the experts sharded over ep, the MoE keeping the rank's
+sequence shard), balanced routing, one step with AdamW. RECORDED holds what it measured (both ranks alike), from
+
+    MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe_tp.py -k gloo     (~90 s)
+
+which re-measures it. The fast tests hold memplan's per-rank terms (memplan/inventory/titan_moe.py: the MoE's
+token-sized terms ``etp_gathered``: whole at ep 1 (etp = t), / t at ep 2 (etp 1); the experts' four / t either way)
+against the recorded storages term by term, so removing any term fails; the grouped GEMMs' int32 offsets (4 E / ep
+bytes a layer) are the one storage memplan leaves out, as without TP (tests/test_titan_moe.py).  Needs torchtitan."""
+
+import dataclasses
+import os
+from collections import Counter
+
+import pytest
+import yaml
+
+pytest.importorskip("torchtitan")
+
+from memplan.api.estimating import estimate  # noqa: E402
+from memplan.cli import main  # noqa: E402
+from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.core.training import Recompute  # noqa: E402
+from memplan.inventory.titan import titan_inventory  # noqa: E402
+from memplan.inventory.titan_moe import moe_etp  # noqa: E402
+from memplan.presets.catalog import load_model  # noqa: E402
+from validation.titan_moe import MoeShape, measure_moe_tp  # noqa: E402
+
+SHAPE = MoeShape()
+T, S, B, LAYERS, V = 2, 16, 2, 2, 256  # global s b = 32 tokens, 16 on a rank's sequence shard
+REC = {"none": Recompute.NONE, "selective-op": Recompute.SELECTIVE, "full": Recompute.FULL}
+SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")
+OFFSETS = {1: 4 * SHAPE.E, 2: 4 * SHAPE.E // 2}  # the grouped GEMMs' int32 offsets (not modelled)
+
+# measured per rank, bytes of each storage layer 0 keeps after its forward (the block's output and parameters apart)
+# the attention half as dense TP (tests/test_titan_tp.py) with Qwen3's q / k norms on the rank's heads
+_ATTN = [4096, 64, 4096, 4096, 1024, 4096, 256, 4096, 2048, 128, 2048, 2048, 1024, 2048, 256]
+RECORDED = {
+    # ep 1: ffn_norm's fp32 tensors sequence-sharded, its output all-gathered (4096: 32 tokens x 2h); the router and
+    # the dispatcher over all 32 tokens (softmax 512, ids 512, scores 128, route_norm 64, argsort 512, sorted scores
+    # 128, token idx 512, routed copies 8192), offsets 32, the experts' four k s b x fe / t (2048 each), combine's
+    # fp32 output whole (16384)
+    (1, "none"): _ATTN + [4096, 64, 4096, 4096, 512, 512, 128, 64, 512, 128, 512, 8192, 32, 2048, 2048, 2048, 2048,
+                          16384],
+    # wqkv / t 4096, attention out 2048 + lse 256, wo reduce-scattered 2048, topk over all tokens (fp32 256, int64
+    # 512), the MoE's output reduce-scattered over the sequence (2048: s b / t x 2h)
+    (1, "selective-op"): [4096, 2048, 256, 2048, 256, 512, 2048],
+    (1, "full"): [],
+    # ep 2: the MoE's input stays the rank's sequence shard (ffn_norm's bf16 output 2048), every MoE tensor over its
+    # 16 tokens (R = k x 16 copies received: balanced), the permutation index 256 (R int64), offsets E / ep x 4
+    (2, "none"): _ATTN + [4096, 64, 4096, 2048, 256, 256, 64, 32, 256, 64, 256, 256, 4096, 16, 2048, 2048, 2048, 2048,
+                          8192],
+    # topk over the rank's tokens (128, 256), the all-to-alls' outputs: counts 64 (E int64), received copies 4096,
+    # combined copies 4096; no reduce-scatter of the MoE output (already sequence-sharded)
+    (2, "selective-op"): [4096, 2048, 256, 2048, 128, 256, 64, 4096, 4096],
+    (2, "full"): [],
+}
+INPUT_KEPT = {"none": False, "selective-op": True, "full": True}
+INPUT_BYTES = 2048  # the block input: 16 tokens x 2h
+# per rank after one AdamW step, ep 1 and 2 alike (dp_shard 1): TP shards wqkv, wo, the embedding and the LM head; the
+# experts by their width (ep 1) or by their number (ep 2): 79,232 parameters x 4 B (hand count in test_states_by_hand)
+STATES = {"params": 316928, "grads": 316928, "adam": 633856}
+
+
+def _model(**kw):
+    spec = load_model("qwen3-30b-a3b").model
+    return spec.model_copy(update=dict(hidden_size=SHAPE.h, num_attention_heads=SHAPE.a, num_kv_heads=SHAPE.g,
+                                       head_dim=SHAPE.d, num_experts=SHAPE.E, moe_top_k=SHAPE.k,
+                                       moe_ffn_hidden_size=SHAPE.fe, seq_length=S, num_layers=LAYERS, vocab_size=V,
+                                       name="tiny-qwen3-moe", **kw))
+
+
+def _memplan(ep, ac, inv=None):
+    """memplan's kept layer terms (bytes) on one of t = 2 ranks, the block input apart."""
+    inv = inv or titan_inventory(_model(), "cpu")
+    values = _model().symbols(b=B, t=T, cp=1, ep=ep, etp=moe_etp(ep, T))
+    out = Counter()
+    for t in inv.terms:
+        if t.scope == "layer" and t.id != "input" and t.kept(REC[ac]):
+            n = t.bytes(values, 2, 1)
+            if n:
+                out[n] += 1
+    return out
+
+
+@pytest.mark.parametrize("ep, ac", sorted(RECORDED))
+def test_recorded_layer_equals_memplan_term_by_term(ep, ac):
+    rec = Counter(RECORDED[ep, ac])
+    if ac == "none":
+        rec[OFFSETS[ep]] -= 1
+    assert +rec == _memplan(ep, ac)
+
+
+def test_a_removed_term_fails():
+    inv = titan_inventory(_model(), "cpu")
+    ids = [t.id for t in inv.terms if t.scope == "layer" and t.id.startswith(("moe.", "ffn_norm.out"))]
+    for drop in ids:
+        less = dataclasses.replace(inv, terms=tuple(t for t in inv.terms if t.id != drop))
+        assert any(_memplan(ep, ac, less) != _memplan(ep, ac, inv) for ep, ac in RECORDED), drop
+
+
+def test_etp_by_hand():
+    # torchtitan's set_moe_sharding_config: at ep 1 the experts' hidden dim over tp (w1 / w3 Shard(1), w2 Shard(2));
+    # at ep > 1 the experts over ep only (Shard(0)), the MoE reusing the tp ranks for its tokens
+    assert [moe_etp(1, 4), moe_etp(2, 4), moe_etp(8, 1)] == [4, 1, 1]
+
+
+def _yaml(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"model": _model().model_dump(exclude={"inventory"})}))
+    return str(path)
+
+
+def test_states_by_hand(tmp_path):
+    # a layer per rank: wqkv 128 x 64 / 2, wo 64 x 64 / 2, the experts 3 x 8 x 32 x 64 / 2, the router 8 x 64, two
+    # norms 2 x 64, q / k norms 2 x 16: 31,392; the embedding and LM head 256 x 64 / 2 each, the final norm 64
+    n = LAYERS * (4096 + 2048 + 24576 + 512 + 128 + 32) + 2 * 8192 + 64
+    assert 4 * n == STATES["params"]
+    for ep in (1, 2):
+        st = estimate(_yaml(tmp_path), impl="torchtitan", gpus=2, tp=2, ep=ep, micro_batch=B, global_batch=B,
+                      ac="full").estimate.peak.states
+        assert st.gradients == STATES["grads"] and st.optimizer == STATES["params"] + STATES["adam"], ep
+
+
+@pytest.mark.parametrize("argv", [["--etp", "2", "--ep", "2"], ["--etp", "1"], ["--model", "deepseek-v3"],
+                                  ["--cp", "2"]])
+def test_refused_in_one_line(argv, capsys):
+    base = ["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "8", "--tp", "2"]
+    with pytest.raises(SystemExit) as exit_:
+        main(base + argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err and "Traceback" not in err
+
+
+def test_qwen3_30b_ep_under_tp_by_hand():
+    # qwen3-30b-a3b (h 2048, E 128, k 8) at tp 2, s b = 4096 global tokens, on CUDA (the router in fp32): the MoE's
+    # token-sized tensors cover the whole sequence at ep 1 and the rank's half at ep 2, per token: scores 4E = 512,
+    # ids 8k = 64, top-k scores 4k = 32, route_norm 4, argsort 64, sorted scores 32, token idx 64, routed copies 2kh
+    # = 32768, combine's fp32 4kh = 65536, the gate's fp32 input 4h = 8192, ffn_norm's output 2h = 4096: 111,364 B,
+    # half of it over 4096 tokens, less ep 2's permutation index (8k / t = 32 B a token)
+    base = dict(impl="torchtitan", gpus=8, tp=2, global_batch=8, micro_batch=1, seq_len=4096, gpu="h100-80gb")
+
+    def layer(ac, ep):
+        return estimate("qwen3-30b-a3b", ac=ac, ep=ep, **base).estimate.per_layer_bytes
+
+    assert layer("none", 1) - layer("none", 2) == 111364 * 2048 - 32 * 4096
+    # selective-op: topk (4k + 8k = 96 B) whole at ep 1, half at ep 2; ep 1 keeps the MoE output reduce-scattered
+    # (2h / t = 2048 B), ep 2 the all-to-alls' outputs (2 x 2kh / t = 32768 B) and counts (8E B a layer)
+    assert layer("selective-op", 1) - layer("selective-op", 2) == 96 * 2048 + 2048 * 4096 - 32768 * 4096 - 8 * 128
+
+
+def test_search_pins_tp_and_agrees_with_estimate():
+    # search --tp 2 on a Qwen3 MoE: ep over the divisors of E dividing dp_shard x tp = 8, each plan's experts laid
+    # out as torchtitan lays them (etp = tp at ep 1, 1 at ep > 1); a listed plan is what estimate gives
+    from memplan import search
+
+    base = dict(impl="torchtitan", gpus=8, tp=2, global_batch=16, gpu="h100-80gb", seq_len=2048)
+    found = search("qwen3-30b-a3b", all_variants=True, **base).result
+    plans = found.evaluated.plans
+    assert set(plans.t.tolist()) == {2} and set(plans.ep.tolist()) == {1, 2, 4, 8}
+    assert (plans.expert_tp == [2 if e == 1 else 1 for e in plans.ep.tolist()]).all()
+    row = found.row(found.top[0])
+    dims = row["torchtitan"]
+    assert dims["tp"] == 2
+    piped = dict(pp=dims["pp"], pipeline_schedule=dims["pipeline_schedule"]) if dims["pp"] > 1 else {}
+    est = estimate("qwen3-30b-a3b", **base, ep=dims["ep"], ac=dims["ac"], dp_replicate=dims["dp_replicate"],
+                   micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
+    assert row["memory"]["device_bytes"] == est.device_bytes
+    with pytest.raises(MemplanError):  # torchtitan has no expert TP at ep > 1
+        search("qwen3-30b-a3b", ep=2, etp=2, **base)
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("ac", sorted(REC))
+def test_gloo_equals_recorded(ep, ac):
+    for rank in measure_moe_tp(SHAPE, ac, tp=T, ep=ep, layers=LAYERS, vocab=V, s=S, b=B):
+        assert [n for _, _, n in rank["layer"]] == RECORDED[ep, ac]
+        assert rank["input_kept"] == INPUT_KEPT[ac] and rank["input_bytes"] == INPUT_BYTES
+        assert {k: rank[k] for k in STATES} == STATES
