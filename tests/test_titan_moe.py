@@ -197,7 +197,7 @@ def test_ep_layer_adds_the_permutation_index():
         assert _estimate(ac, ep=8).per_layer_bytes - _estimate(ac).per_layer_bytes == extra, ac
 
 
-@pytest.mark.parametrize("kw", [dict(cp=2), dict(compile=True), dict(ep=3), dict(ep=16),
+@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(ep=16),
                                 dict(ep=8, etp=2), dict(moe_imbalance=1.5)])
 def test_refused(kw):
     with pytest.raises(MemplanError):
@@ -249,7 +249,7 @@ def test_search_tries_ep_and_agrees_with_estimate():
         assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(cp=2), dict(ep=3), dict(etp=2)])
+@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(etp=2)])
 def test_search_refusals(kw):
     with pytest.raises(MemplanError):
         search("qwen3-30b-a3b", impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048, **kw)

@@ -129,8 +129,82 @@ def test_states_by_hand(tmp_path):
         assert st.gradients == STATES["grads"] and st.optimizer == STATES["params"] + STATES["adam"], ep
 
 
+# 4 ranks, tp 2 x dp_shard 2 (ep 1: the experts fe / 2 wide, FSDP2 over dp_shard; ep 2 and 4: E / ep experts, FSDP2
+# over efsdp = dp_shard tp / ep = 2 and 1), the same per-rank fp32 states at every ep: half the 2-rank run's
+#   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe_tp.py -k states_4_ranks_gloo   (~50 s an ep)
+STATES_4 = {"params": 158464, "grads": 158464, "adam": 316928}
+LOCAL_W1 = {1: (SHAPE.E, SHAPE.fe // 2, SHAPE.h), 2: (SHAPE.E // 2, SHAPE.fe, SHAPE.h), 4: (2, SHAPE.fe, SHAPE.h)}
+
+
+@pytest.mark.parametrize("ep", sorted(LOCAL_W1))
+def test_states_on_4_ranks_equal_recorded(ep, tmp_path):
+    st = estimate(_yaml(tmp_path), impl="torchtitan", gpus=4, tp=2, ep=ep, micro_batch=B, global_batch=2 * B,
+                  ac="full").estimate.peak.states
+    assert st.gradients == STATES_4["grads"] and st.optimizer == STATES_4["params"] + STATES_4["adam"]
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ep", sorted(LOCAL_W1))
+def test_states_4_ranks_gloo(ep):
+    # w1's local shard: FSDP2 splits dim 0 of the TP / EP shard (LOCAL_W1) over dp_shard 2 at ep 1 ((8, 16, 64) ->
+    # (4, 16, 64)), over efsdp 2 at ep 2 ((4, 32, 64) -> (2, 32, 64)), not at ep 4 (efsdp 1: (2, 32, 64))
+    for rank in measure_moe_tp(SHAPE, "full", tp=T, ep=ep, world=4, layers=LAYERS, vocab=V, s=S, b=B):
+        assert {k: rank[k] for k in STATES_4} == STATES_4
+        w1 = [v for k, v in rank["local_shapes"].items() if k.endswith("layers.0._checkpoint_wrapped_module.moe."
+                                                                         "routed_experts.inner_experts.w1_EFD")]
+        assert w1 == [(LOCAL_W1[ep][0] // (2 if ep < 4 else 1), *LOCAL_W1[ep][1:])]
+
+
+# context parallelism: the MoE block (FlexAttention) under torchtitan's apply_cp_to_forward on rank 0 of a fake cp
+# group of 2, 16 tokens of each of 2 sequences on the rank (validation/titan_moe.py measure_moe_cp; ~1 s once the
+# FlexAttention path is imported, ~25 s with it):
+#   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe_tp.py -k cp_gloo_free
+# none: the attention half as the dense CP row (the whole sequence's K and V all-gathered, 4096 each, in place of the
+# rank's rotated k and contiguous v), then the MoE over the rank's 32 tokens as without CP (offsets 32 apart)
+CP_S_LOCAL = 16
+RECORDED_CP = {
+    "none": [8192, 128, 8192, 4096, 8192, 512, 8192, 4096, 256, 4096, 4096, 4096, 4096, 4096, 512, 8192, 128, 8192,
+             4096, 512, 512, 128, 64, 512, 128, 512, 8192, 32, 4096, 4096, 4096, 4096, 16384],
+    "selective-op": [8192, 4096, 512, 256, 512],
+}
+
+
+@pytest.mark.parametrize("ac", sorted(RECORDED_CP))
+def test_cp_recorded_equals_memplan(ac):
+    inv = titan_inventory(_model(), "cpu")
+    values = {**_model().symbols(b=B, t=1, cp=2, ep=1, etp=1), "s": 2 * CP_S_LOCAL}
+    got = Counter()
+    for t in inv.terms:
+        if t.scope == "layer" and t.id != "input" and t.kept(REC[ac]):
+            n = t.bytes(values, 2, 0)
+            if n:
+                got[n // t.storages] += t.storages
+    rec = Counter(RECORDED_CP[ac])
+    if ac == "none":
+        rec[OFFSETS[1]] -= 1
+    assert +rec == got
+
+
+def test_cp_counts_do_not_shrink_by_hand():
+    # the all-to-all's token counts (int64 E a layer, EP only) are per layer, not per token: cp leaves them whole
+    inv = titan_inventory(_model(), "cpu")
+    counts = next(t for t in inv.terms if t.id == "moe.ep_a2a_counts")
+    assert [counts.bytes({**_model().symbols(b=B, t=1, cp=cp, ep=2, etp=1), "s": 64}, 2, 0) for cp in (1, 2, 4)] == [
+        8 * SHAPE.E] * 3
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ac", sorted(RECORDED_CP))
+def test_cp_gloo_free_equals_recorded(ac):
+    from validation.titan_moe import measure_moe_cp
+    got = measure_moe_cp(SHAPE, 2, CP_S_LOCAL, B, ac)
+    assert [n for _, _, n in got["rows"]] == RECORDED_CP[ac] and got["input_kept"] == (ac != "none")
+
+
 @pytest.mark.parametrize("argv", [["--etp", "2", "--ep", "2"], ["--etp", "1"], ["--model", "deepseek-v3"],
-                                  ["--cp", "2"]])
+                                  ["--compile"]])
 def test_refused_in_one_line(argv, capsys):
     base = ["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "8", "--tp", "2"]
     with pytest.raises(SystemExit) as exit_:

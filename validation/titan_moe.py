@@ -45,8 +45,9 @@ class MoeShape:
     k: int = 2
 
 
-def build_moe_block(shape: MoeShape, balanced: bool = True) -> torch.nn.Module:
-    """One torchtitan Qwen3 MoE decoder layer (bf16); ``wrap_ac`` wraps it as torchtitan's AC modes do."""
+def build_moe_block(shape: MoeShape, balanced: bool = True, flex: bool = False) -> torch.nn.Module:
+    """One torchtitan Qwen3 MoE decoder layer (bf16); ``wrap_ac`` wraps it as torchtitan's AC modes do; ``flex``:
+    its FlexAttention kept (validation/titan_cp.py swaps its kernel), else the sdpa stand-in."""
     from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
@@ -55,7 +56,8 @@ def build_moe_block(shape: MoeShape, balanced: bool = True) -> torch.nn.Module:
                                   moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k, attn_backend="flex",
                                   moe_comm_backend="standard",
                                   rope=CosSinRoPE.Config(dim=shape.d, max_seq_len=1024, theta=1000000.0))[0]
-    cfg.attention.inner_attention = ScaledDotProductAttention.Config()
+    if not flex:
+        cfg.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg.moe.router._debug_force_load_balance = balanced
     block = cfg.build()
     for p in list(block.parameters()):
@@ -235,6 +237,17 @@ def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int 
     """``ep_states_rank`` on ``world`` spawned ranks over gloo (``replicate`` > 1: HSDP, that many replicas)."""
     from .ranks import run_ranks
     return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b, replicate))
+
+
+def measure_moe_cp(shape: MoeShape, cp: int, s_local: int, b: int, ac: str = "none") -> dict:
+    """The Qwen3 MoE block on one rank of a fake cp group of ``cp`` (torchtitan's apply_cp_to_forward on its
+    FlexAttention: validation/titan_cp.py ``measure_cp_block``), balanced routing over the rank's s_local b tokens."""
+    from validation.titan_cp import measure_cp_block
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (module docstring)
+        return measure_cp_block(shape, cp, s_local, b, ac,
+                                make_block=lambda: wrap_ac(build_moe_block(shape, True, flex=True), ac))
 
 
 def _balanced_on_dtensors(router):

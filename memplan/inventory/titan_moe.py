@@ -46,7 +46,13 @@ experts' four are fe / t wide, and under selective-op the MoE's output reduce-sc
 (``moe.rs``: the save list holds reduce_scatter_tensor); at ep > 1 the MoE reuses the tp ranks for EP (efsdp = dp_shard
 cp tp / ep), its experts whole (etp 1) and every token-sized tensor the rank's s b / t tokens (R = k s b / t).  Both
 are one flag: the token-sized terms are ``etp_gathered`` (etp / t: 1 at ep 1, 1 / t at ep > 1).  The states: the
-experts over ep x etp, FSDP2 over efsdp (measured at dp_shard 1; memplan/memory/stage.py).  With --pp
+experts over ep x etp, FSDP2 over efsdp (measured on 2 and 4 ranks; memplan/memory/stage.py).
+
+Context parallelism (``--cp C``: torchtitan's apply_cp_to_forward on the attention, measured on one rank of a fake cp
+group, validation/titan_moe.py ``measure_moe_cp``): the attention as the dense CP rule (the whole sequence's K and V
+all-gathered for FlexAttention), the MoE over the rank's s / C tokens: every per-token term / C (memplan's cp split),
+the per-layer ones (the all-to-all's counts, the CUDA gate weight's fp32 copy) written times cp so they do not
+shrink.  With EP, TP or on CUDA: derived.  With --pp
 torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
 the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
@@ -112,14 +118,14 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
         _term("moe.ep_a2a_combine", "all_to_all_single output: the copies combined back (k s b x h), EP only",
               f"{k} s b h", "act", sel, EP_MEASURED, needs_ep=True),
         _term("moe.ep_a2a_counts", "all_to_all_single output: tokens per local expert from each rank (int64 E), "
-              "EP only", "E", "int64", sel, EP_MEASURED, needs_ep=True, tp=False, etp_gathered=False),
+              "EP only", "E cp", "int64", sel, EP_MEASURED, needs_ep=True, tp=False, etp_gathered=False),
         _term("moe.rs", "MoE output reduce-scattered over the sequence (bf16), TP at ep 1 only", "h s b", "act", sel,
               TP_MEASURED, needs_tp=True, without_ep=True, tp=False, etp_gathered=False, sp=True),
     ]
     if cuda:
         terms += [_term("moe.gate_in_fp32", "router gate input in fp32 (autocast's copy)", "s b h", "fp32", none,
                         CUDA_ROUTER),
-                  _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h",
+                  _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h cp",
                         "fp32", none, CUDA_ROUTER, tp=False, etp_gathered=False)]
     return terms
 
@@ -134,7 +140,7 @@ def moe_etp(ep: int, tp: int) -> int:
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
-    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`) and the single-stage pipeline schedules
+    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
     (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
     shard group's and the TP group's ranks); DeepSeek-V3 without --tp; the rest refused in one line; ``gpus`` (0: not
     known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
@@ -142,15 +148,15 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--tp with DeepSeek-V3", tp > 1 and model.is_mla), ("--cp", cp > 1),
-                                  ("--compile", compiled), ("--float8", bool(float8)),
+    left = [name for name, on in (("--tp with DeepSeek-V3", tp > 1 and model.is_mla),
+                                  ("--cp with DeepSeek-V3", cp > 1 and model.is_mla), ("--compile", compiled), ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
         left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --pp and (Qwen3 MoE) "
-                           "--tp only yet, not " + ", ".join(left))
+                           "--tp, --cp only yet, not " + ", ".join(left))
     if etp is not None and etp != moe_etp(ep, tp):
         raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
                            f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")
