@@ -51,8 +51,8 @@ experts over ep x etp, FSDP2 over efsdp (measured on 2 and 4 ranks; memplan/memo
 Context parallelism (``--cp C``: torchtitan's apply_cp_to_forward on the attention, measured on one rank of a fake cp
 group, validation/titan_moe.py ``measure_moe_cp``): the attention as the dense CP rule (the whole sequence's K and V
 all-gathered for FlexAttention), the MoE over the rank's s / C tokens: every per-token term / C (memplan's cp split),
-the per-layer ones (the all-to-all's counts, the CUDA gate weight's fp32 copy) written times cp so they do not
-shrink.  With EP, TP or on CUDA: derived.  With --pp
+the per-layer ones (the all-to-all's counts, the CUDA gate weight's fp32 copy) ``tokenless``: cp does not split
+them.  With EP, TP or on CUDA: derived.  With --pp
 torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
 the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
@@ -118,15 +118,15 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
         _term("moe.ep_a2a_combine", "all_to_all_single output: the copies combined back (k s b x h), EP only",
               f"{k} s b h", "act", sel, EP_MEASURED, needs_ep=True),
         _term("moe.ep_a2a_counts", "all_to_all_single output: tokens per local expert from each rank (int64 E), "
-              "EP only", "E cp", "int64", sel, EP_MEASURED, needs_ep=True, tp=False, etp_gathered=False),
+              "EP only", "E", "int64", sel, EP_MEASURED, needs_ep=True, tp=False, etp_gathered=False, tokenless=True),
         _term("moe.rs", "MoE output reduce-scattered over the sequence (bf16), TP at ep 1 only", "h s b", "act", sel,
               TP_MEASURED, needs_tp=True, without_ep=True, tp=False, etp_gathered=False, sp=True),
     ]
     if cuda:
         terms += [_term("moe.gate_in_fp32", "router gate input in fp32 (autocast's copy)", "s b h", "fp32", none,
                         CUDA_ROUTER),
-                  _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h cp",
-                        "fp32", none, CUDA_ROUTER, tp=False, etp_gathered=False)]
+                  _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h",
+                        "fp32", none, CUDA_ROUTER, tp=False, etp_gathered=False, tokenless=True)]
     return terms
 
 
