@@ -15,6 +15,12 @@ through torch's functional ``all_to_all_single`` (torchtitan's ``partial_dtensor
 ``spmd_types`` backend runs the same exchanges through spmd_types' all_to_all, which needs the SPMD mesh set up by
 its trainer).  What a layer keeps is read off live storages (validation/titan.py ``kept_storages``).
 
+``measure_moe_tp`` runs torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` (and
+``expert_parallel_degree``) on gloo ranks, measured as validation/titan.py ``tp_rank`` measures Llama 3 (one
+substitution: torchtitan's debug balanced routing made to run on DTensors, ``_balanced_on_dtensors``);
+``measure_moe_cp`` runs the block with FlexAttention under torchtitan's ``apply_cp_to_forward`` on one rank of a fake
+cp group (validation/titan_cp.py).
+
 CPU differs from CUDA in one place: the router's ``torch.autocast(dtype=float32)`` is disabled on CPU (CPU autocast
 supports bf16 / fp16 only), so the gate runs in bf16 there; on CUDA it runs in fp32 (memplan/inventory/titan_moe.py:
 derived).
@@ -317,6 +323,15 @@ def measure_moe_tp(shape: MoeShape, ac: str, tp: int = 2, ep: int = 1, world: in
 if __name__ == "__main__":
     import sys
 
-    mode = sys.argv[1] if len(sys.argv) > 1 else "none"
-    print(json.dumps({"ep1": measure_moe(MoeShape(), mode, 32, 2),
-                      "ep2": measure_moe_ep(MoeShape(), mode, 32, 2)}))
+    # python -m validation.titan_moe AC            the block at ep 1 and over 2 gloo ranks at ep 2
+    # python -m validation.titan_moe tp AC EP      parallelize_qwen3 with tp 2 (and ep EP) on 2 gloo ranks
+    # python -m validation.titan_moe cp AC         the block on one rank of a fake cp group of 2
+    args = sys.argv[1:]
+    if args[:1] == ["tp"]:
+        print(json.dumps(measure_moe_tp(MoeShape(), args[1], tp=2, ep=int(args[2]))))
+    elif args[:1] == ["cp"]:
+        print(json.dumps(measure_moe_cp(MoeShape(), 2, 16, 2, args[1])))
+    else:
+        mode = args[0] if args else "none"
+        print(json.dumps({"ep1": measure_moe(MoeShape(), mode, 32, 2),
+                          "ep2": measure_moe_ep(MoeShape(), mode, 32, 2)}))
