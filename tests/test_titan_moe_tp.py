@@ -260,3 +260,19 @@ def test_gloo_equals_recorded(ep, ac):
         assert [n for _, _, n in rank["layer"]] == RECORDED[ep, ac]
         assert rank["input_kept"] == INPUT_KEPT[ac] and rank["input_bytes"] == INPUT_BYTES
         assert {k: rank[k] for k in STATES} == STATES
+
+
+def test_no_routed_token_gather_timed_for_torchtitan():
+    # Megatron-LM's etp > 1 all-gathers the routed copies over etp (4 k s h / t (etp - 1) bytes a sequence a layer);
+    # torchtitan at ep 1, etp = tp, gathers the MoE's input once over tp, timed as the dense layer's TP collectives:
+    # its cp / ep communication is 0 at cp 1, ep 1 (memplan/timing/comm.py)
+    from memplan.presets.catalog import load_gpu
+    from memplan.timing.arrays import PlanFloats
+    from memplan.timing.comm import cp_ep_comm_s
+
+    model = load_model("qwen3-30b-a3b").model
+    pf = PlanFloats(t=2.0, inv_t=0.5, sp=1.0, p=1.0, m=1.0, d=4.0, b=1.0, M=1.0, selective=0.0, full=0.0, first=1.0,
+                    sharded=1.0, k=4.0, zero3=1.0, cp=1.0, ep=1.0, etp=2.0)
+    gpu = load_gpu("h100-80gb")
+    assert cp_ep_comm_s(model, gpu, pf, 2, 48.0, 0.0, "allgather") == 0.0
+    assert cp_ep_comm_s(model, gpu, pf, 2, 48.0, 0.0, "p2p") > 0.0  # Megatron-LM's allgather of the routed copies

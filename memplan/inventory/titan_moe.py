@@ -36,7 +36,9 @@ kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-a
 ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
 2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
 16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts;
-with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.  Tensor parallelism (``--tp T``, torchtitan's ``set_moe_sharding_config`` with sequence parallelism, applied by
+with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.
+
+Tensor parallelism (``--tp T``, torchtitan's ``set_moe_sharding_config`` with sequence parallelism, applied by
 parallelize_qwen3; measured per rank over gloo with tensor_parallel_degree 2 at ep 1 and 2, validation/titan_moe.py
 ``measure_moe_tp``, tests/test_titan_moe_tp.py): attention and the norms as the dense TP rule (memplan/inventory/
 titan.py).  torchtitan 0.3.0 has no expert-TP option; its layout follows ep (``moe_etp``): at ep 1 the experts'
@@ -52,8 +54,9 @@ Context parallelism (``--cp C``: torchtitan's apply_cp_to_forward on the attenti
 group, validation/titan_moe.py ``measure_moe_cp``): the attention as the dense CP rule (the whole sequence's K and V
 all-gathered for FlexAttention), the MoE over the rank's s / C tokens: every per-token term / C (memplan's cp split),
 the per-layer ones (the all-to-all's counts, the CUDA gate weight's fp32 copy) ``tokenless``: cp does not split
-them.  With EP, TP or on CUDA: derived.  With --pp
-torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
+them.  With EP, TP or on CUDA: derived.
+
+With --pp torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
 the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
 
