@@ -90,6 +90,25 @@ def test_moe_plan_builds_in_torchtitan(tmp_path, monkeypatch, world):
     assert (dims.get_mesh("ep").size(), dims.get_mesh("efsdp").size()) == (8, 2)
 
 
+def test_tp_cp_ep_plan_states_by_hand_and_in_torchtitan(tmp_path, monkeypatch, world):
+    # --tp 2 --cp 2 --ep 4 on 16 GPUs: dp_shard 4, torchtitan's efsdp = dp_shard cp tp / ep = 4; the experts whole
+    # (etp 1 at ep > 1: tests/test_titan_moe_tp.py), E / 4 of them a GPU, FSDP2 over efsdp 4: 16 B / 16 per expert
+    # parameter; wqkv, wo (18,874,368 a layer), the embedding and the LM head TP-sharded, FSDP2 over dp_shard x cp = 8:
+    # / 16; the norms and the router (266,496 a layer) and the final norm replicated over tp: / 8
+    kw = dict(impl="torchtitan", gpus=16, tp=2, cp=2, ep=4, ac="full", seq_len=4096, micro_batch=1, global_batch=8)
+    result = estimate("qwen3-30b-a3b", emit="torchtitan", **kw)
+    per_rank = L * (18_874_368 // 16 + 266_496 // 8 + EXPERTS // 16) + 2 * EMBED // 16 + H // 8
+    st = result.estimate.peak.states
+    assert st.gradients == 4 * per_rank and st.optimizer == 12 * per_rank
+    config = _load(tmp_path, monkeypatch, result.launch)
+    par = config.parallelism
+    assert (par.tensor_parallel_degree, par.context_parallel_degree, par.expert_parallel_degree,
+            par.data_parallel_shard_degree, par.spmd_backend) == (2, 2, 4, 4, "partial_dtensor")
+    dims = world(par, 16)
+    assert (dims.get_mesh("tp").size(), dims.get_mesh("cp").size(), dims.get_mesh("ep").size(),
+            dims.get_mesh("efsdp").size()) == (2, 2, 4, 4)
+
+
 def test_235b_plan_starts_from_the_30b_config(tmp_path, monkeypatch):
     # 0.3.0 ships no qwen3_235b_a22b config: the module swaps the model of qwen3_30b_a3b, and says so
     result = estimate("qwen3-235b-a22b", impl="torchtitan", gpus=64, ep=16, ac="full", seq_len=4096, micro_batch=1,
@@ -186,7 +205,7 @@ def test_searched_pp_ep_plan_builds_in_torchtitan(tmp_path, monkeypatch, world):
                    gpu="h100-80gb", all_variants=True).result
     plans = found.evaluated.plans
     assert set(plans.ep.tolist()) == {1, 2, 4, 8} and ((plans.d // plans.shard) == 2).all()
-    assert (plans.shard % plans.ep == 0).all()
+    assert ((plans.shard * plans.t) % plans.ep == 0).all()  # efsdp = dp_shard tp / ep (tp searched: moe_tp)
 
 
 # torchtitan's pipelined Qwen3 MoE measured over gloo (validation/titan_pp.py pp_rank with a MoeShape: the tiny

@@ -438,11 +438,16 @@ def tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int
     the backward; ``params`` / ``grads`` / ``adam`` per-rank fp32 state bytes after an AdamW step, with every
     parameter's local shape.  One substitution beyond the sdpa one: torchtitan picks its mesh's device type
     from the accelerator it finds (CUDA when none), set to "cpu" here."""
+    return tp_step(*tp_model(world, shape, layers, vocab, ac, tp, backend, float8=float8), vocab, s, b, backend)
+
+
+def tp_step(model, dims, vocab: int, s: int, b: int, backend: str = "partial_dtensor") -> dict:
+    """``tp_rank``'s measured step on a parallelized torchtitan ``model`` (any of its decoder models: Llama 3, Qwen3
+    MoE, validation/titan_moe.py ``moe_tp_rank``)."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
-    model, dims = tp_model(world, shape, layers, vocab, ac, tp, backend, float8=float8)
     out: dict = {}
     live = _LiveLocal()
     block = model.layers["0"]

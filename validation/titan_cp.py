@@ -57,12 +57,14 @@ def _fake_group(world: int):
         dist.destroy_process_group()
 
 
-def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "none", seed: int = 0) -> dict:
+def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "none", seed: int = 0,
+                     make_block=None) -> dict:
     """torchtitan's Llama 3 block (bf16, FlexAttention, wrapped for AC mode ``ac`` as validation/titan.py's
     build_block wraps it) on one rank of a cp group of ``cp`` holding ``s_local`` tokens of each of ``b`` sequences
     (the whole sequence cp s_local); cp = 1: the block alone.  ``rows``: (op, dtype, bytes) of the storages the
     layer keeps after its forward (its input and output apart), ``total`` their bytes, ``input_kept`` whether it
-    keeps its input; the backward is run once (the block works)."""
+    keeps its input; the backward is run once (the block works).  ``make_block``: another torchtitan block with
+    FlexAttention, built and AC-wrapped by it (validation/titan_moe.py ``measure_moe_cp``: Qwen3 MoE's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
@@ -70,7 +72,7 @@ def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "non
 
     torch.manual_seed(seed)
     with _fake_group(cp), _flex_as_cpu_sdpa():
-        block = build_block(shape, ac, flex=True)
+        block = make_block() if make_block else build_block(shape, ac, flex=True)
         if cp > 1:  # as parallelize_llama does, on the cp mesh (it patches the module's forward: order-free)
             inner = [m for m in block.modules() if isinstance(m, FlexAttention)]
             apply_cp_to_forward(inner, init_device_mesh("cpu", (cp,)))

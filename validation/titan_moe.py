@@ -15,6 +15,12 @@ through torch's functional ``all_to_all_single`` (torchtitan's ``partial_dtensor
 ``spmd_types`` backend runs the same exchanges through spmd_types' all_to_all, which needs the SPMD mesh set up by
 its trainer).  What a layer keeps is read off live storages (validation/titan.py ``kept_storages``).
 
+``measure_moe_tp`` runs torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` (and
+``expert_parallel_degree``) on gloo ranks, measured as validation/titan.py ``tp_rank`` measures Llama 3 (one
+substitution: torchtitan's debug balanced routing made to run on DTensors, ``_balanced_on_dtensors``);
+``measure_moe_cp`` runs the block with FlexAttention under torchtitan's ``apply_cp_to_forward`` on one rank of a fake
+cp group (validation/titan_cp.py).
+
 CPU differs from CUDA in one place: the router's ``torch.autocast(dtype=float32)`` is disabled on CPU (CPU autocast
 supports bf16 / fp16 only), so the gate runs in bf16 there; on CUDA it runs in fp32 (memplan/inventory/titan_moe.py:
 derived).
@@ -45,8 +51,9 @@ class MoeShape:
     k: int = 2
 
 
-def build_moe_block(shape: MoeShape, balanced: bool = True) -> torch.nn.Module:
-    """One torchtitan Qwen3 MoE decoder layer (bf16); ``wrap_ac`` wraps it as torchtitan's AC modes do."""
+def build_moe_block(shape: MoeShape, balanced: bool = True, flex: bool = False) -> torch.nn.Module:
+    """One torchtitan Qwen3 MoE decoder layer (bf16); ``wrap_ac`` wraps it as torchtitan's AC modes do; ``flex``:
+    its FlexAttention kept (validation/titan_cp.py swaps its kernel), else the sdpa stand-in."""
     from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
@@ -55,7 +62,8 @@ def build_moe_block(shape: MoeShape, balanced: bool = True) -> torch.nn.Module:
                                   moe_hidden_dim=shape.fe, num_experts=shape.E, top_k=shape.k, attn_backend="flex",
                                   moe_comm_backend="standard",
                                   rope=CosSinRoPE.Config(dim=shape.d, max_seq_len=1024, theta=1000000.0))[0]
-    cfg.attention.inner_attention = ScaledDotProductAttention.Config()
+    if not flex:
+        cfg.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg.moe.router._debug_force_load_balance = balanced
     block = cfg.build()
     for p in list(block.parameters()):
@@ -237,9 +245,93 @@ def measure_ep_states(shape: MoeShape, ep: int = 2, world: int = 2, layers: int 
     return run_ranks(ep_states_rank, world, (ep, shape, layers, vocab, s, b, replicate))
 
 
+def measure_moe_cp(shape: MoeShape, cp: int, s_local: int, b: int, ac: str = "none") -> dict:
+    """The Qwen3 MoE block on one rank of a fake cp group of ``cp`` (torchtitan's apply_cp_to_forward on its
+    FlexAttention: validation/titan_cp.py ``measure_cp_block``), balanced routing over the rank's s_local b tokens."""
+    from validation.titan_cp import measure_cp_block
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (module docstring)
+        return measure_cp_block(shape, cp, s_local, b, ac,
+                                make_block=lambda: wrap_ac(build_moe_block(shape, True, flex=True), ac))
+
+
+def _balanced_on_dtensors(router):
+    """torchtitan's ``_debug_force_load_balance_routing`` made to run under TP: its round-robin ids are a plain
+    tensor, which ``gather`` refuses beside the DTensor scores (torchtitan 0.3.0 stops there with TP and its
+    debug routing); here the ids are made on the rank's local scores (round-robin over its own tokens: balanced
+    when k times its tokens is a multiple of E) and wrapped like the scores. The only substitution of the TP run."""
+    from torch.distributed.tensor import DTensor
+
+    def routing(scores_BLE):
+        if not isinstance(scores_BLE, DTensor):
+            return type(router)._debug_force_load_balance_routing(router, scores_BLE)
+        local = scores_BLE.to_local()
+        bs, slen, _ = local.shape
+        ids = (torch.arange(bs * slen * router.top_k, dtype=torch.int64).reshape(bs, slen, router.top_k)
+               % router.num_experts)
+        ids = DTensor.from_local(ids, scores_BLE.device_mesh, scores_BLE.placements, run_check=False)
+        return ids, scores_BLE.gather(dim=-1, index=ids)
+    return routing
+
+
+def moe_tp_rank(rank: int, world: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
+                tp: int = 2, ep: int = 1) -> dict:
+    """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` = ``tp``
+    and ``expert_parallel_degree`` = ``ep`` (the ``partial_dtensor`` backend, sequence parallelism on, its MoE
+    sharding config: at ep 1 the experts' hidden dim sharded over tp and the MoE's input all-gathered, at ep > 1 the
+    experts sharded over ep and the tokens staying sequence-sharded), measured as validation/titan.py ``tp_rank``
+    measures Llama 3 (``tp_step``: layer 0's kept storages, the tail, the loss, the states)."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    from validation.titan import _AcShim, tp_step
+
+    pd.device_type = "cpu"
+    torch.manual_seed(0)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                    spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    config = moe_model_config(shape, layers, vocab)
+    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+    model = config.build()
+    for block in model.layers.values():
+        block.moe.router._debug_force_load_balance_routing = _balanced_on_dtensors(block.moe.router)
+    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                      compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
+        if hasattr(m, "_get_fsdp_state"):
+            m.set_force_sum_reduction_for_comms(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (module docstring)
+        return tp_step(model, dims, vocab, s, b)
+
+
+def measure_moe_tp(shape: MoeShape, ac: str, tp: int = 2, ep: int = 1, world: int = 2, layers: int = 2,
+                   vocab: int = 256, s: int = 16, b: int = 2) -> list[dict]:
+    """``moe_tp_rank`` on ``world`` spawned ranks over gloo."""
+    from .ranks import run_ranks
+    return run_ranks(moe_tp_rank, world, (shape, layers, vocab, s, b, ac, tp, ep))
+
+
 if __name__ == "__main__":
     import sys
 
-    mode = sys.argv[1] if len(sys.argv) > 1 else "none"
-    print(json.dumps({"ep1": measure_moe(MoeShape(), mode, 32, 2),
-                      "ep2": measure_moe_ep(MoeShape(), mode, 32, 2)}))
+    # python -m validation.titan_moe AC            the block at ep 1 and over 2 gloo ranks at ep 2
+    # python -m validation.titan_moe tp AC EP      parallelize_qwen3 with tp 2 (and ep EP) on 2 gloo ranks
+    # python -m validation.titan_moe cp AC         the block on one rank of a fake cp group of 2
+    args = sys.argv[1:]
+    if args[:1] == ["tp"]:
+        print(json.dumps(measure_moe_tp(MoeShape(), args[1], tp=2, ep=int(args[2]))))
+    elif args[:1] == ["cp"]:
+        print(json.dumps(measure_moe_cp(MoeShape(), 2, 16, 2, args[1])))
+    else:
+        mode = args[0] if args else "none"
+        print(json.dumps({"ep1": measure_moe(MoeShape(), mode, 32, 2),
+                          "ep2": measure_moe_ep(MoeShape(), mode, 32, 2)}))

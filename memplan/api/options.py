@@ -18,7 +18,7 @@ from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.titan import checkpointed_layers, titan_ac_mode, titan_model
 from memplan.inventory.titan_float8 import check_float8
-from memplan.inventory.titan_moe import check_titan_moe
+from memplan.inventory.titan_moe import check_titan_moe, moe_etp
 from memplan.inventory.traced_file import check_traced_file
 from memplan.inventory.types import HF_IMPLS
 from memplan.memory.pipeline import titan_split, titan_stage_layers, titan_stages_per_rank
@@ -209,12 +209,12 @@ class PlanOptions:
         """--zero, with --distributed-optimizer as stage 1 (no conflict check: `config` makes it)."""
         return self.stack_zero(1 if self.distributed_optimizer else self.zero)[0]
 
-    def cp_ep(self) -> dict[str, Any]:
-        """The context- and expert-parallel options as ParallelSpec fields."""
+    def cp_ep(self, moe: bool = False) -> dict[str, Any]:
+        """The context- and expert-parallel options as ParallelSpec fields (torchtitan's MoE: its etp, `moe_etp`)."""
         if self.cp_comm_type == "allgather":
             raise MemplanError("cp_comm_type 'allgather' is torchtitan's and set by --impl torchtitan: give p2p or a2a")
         comm = "allgather" if self.impl == "torchtitan" else self.cp_comm_type  # torchtitan: titan_recompute checks
-        return dict(cp=self.cp, cp_comm_type=comm, ep=self.ep, etp=self.etp)
+        return dict(cp=self.cp, cp_comm_type=comm, ep=self.ep, etp=moe_etp(self.ep or 1, self.tp or 1) if moe and comm == "allgather" else self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
@@ -441,7 +441,7 @@ class PlanOptions:
             return make_config(
                 preset,
                 parallel=dict(tp=(self.tp or 1) if titan else self.tp, pp=(self.pp or 1) if titan else self.pp, dp=self.dp,
-                              sp=True if titan and self.tp not in (None, 1) else self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(),
+                              sp=True if titan and self.tp not in (None, 1) else self.sp, zero=zero, zero_shard=zero_shard, **self.cp_ep(preset.model.is_moe),
                               **self.titan_pipeline(preset)),
                 training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                               **({"recompute_num_layers": self.recompute_num_layers} | self.titan_layers(preset)),

@@ -64,7 +64,7 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.hf import hf_loss_moments
 from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
-from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, titan_moe_terms
+from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, TP_MEASURED, titan_moe_terms
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
@@ -382,6 +382,9 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
                                         transients=tuple(_vocab_split(x) for x in m.transients))
                     for m in hf_loss_moments(model, final_norm=False))
     layer = tuple(titan_term(t, src) for t in terms) + tuple(titan_moe_terms(model, device) if moe else ())
+    if moe:  # the MoE's input: all-gathered over the sequence under TP at ep 1, sequence-sharded at ep > 1 (titan_moe)
+        layer = tuple(dataclasses.replace(t, tp_split=True, etp_gathered=True, source=f"{t.source}; {TP_MEASURED}")
+                      if t.id == "ffn_norm.out" else t for t in layer)
     layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
@@ -389,8 +392,8 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
 
 TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
-              "Qwen3 MoE with TP, CP, PP, HSDP, compile or float8, its uneven routing (balanced modelled) and its layers' "
-              "backward transients, DeepSeek-V3 with the same (and its MTP layers, its 16B / 236B flavours' router options, "
+              "Qwen3 MoE with compile or float8, its uneven routing (balanced modelled) and its layers' "
+              "backward transients, DeepSeek-V3 with the same and TP, PP (and its MTP layers, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "

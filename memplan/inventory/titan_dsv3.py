@@ -137,7 +137,8 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     L, dense = model.num_layers, model.moe_first_dense_layers
     dense_terms = [titan_term(t, src) for t in _ffn("", "", model.f)] + _mm_terms(model, False, False, src)
     moe_terms = [dataclasses.replace(t, name=t.name.replace("softmax", "sigmoid")) for t in
-                 titan_moe_terms(model, device)]  # the gate: recomputed, not counted (mm_sequence)
+                 titan_moe_terms(model, device) if t.id != "moe.rs"]  # the gate: recomputed, not counted (mm_sequence;
+    # moe.rs: TP's, not modelled for DeepSeek-V3)
     moe_terms += [titan_term(t, src) for t in _ffn("shared.", "shared experts' ", model.moe_shared_ffn_hidden_size)]
     moe_terms += _mm_terms(model, True, False, src) + _groups_terms()
     return (*layer, *(weighted(t, Fraction(dense, L)) for t in dense_terms if dense),

@@ -36,8 +36,27 @@ kept (all_to_all_single saves nothing). ``selective-op`` adds the saved all-to-a
 ZeRO 3 with the experts' groups over ep: memplan/memory/stage.py) measured with torchtitan's own parallelize_qwen3 on
 2 ranks over gloo (validation/titan_moe.py ``measure_ep_states``): fp32 parameters, gradients and AdamW moments
 16 B / d per parameter at ep 1 and 2 (efsdp = d / ep), the running layer unsharded with the rank's E / ep experts;
-with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.  With --pp
-torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
+with HSDP (4 ranks, 2 replicas, ep 2) 16 B / dp_shard (efsdp = dp_shard / ep), each replica a copy.
+
+Tensor parallelism (``--tp T``, torchtitan's ``set_moe_sharding_config`` with sequence parallelism, applied by
+parallelize_qwen3; measured per rank over gloo with tensor_parallel_degree 2 at ep 1 and 2, validation/titan_moe.py
+``measure_moe_tp``, tests/test_titan_moe_tp.py): attention and the norms as the dense TP rule (memplan/inventory/
+titan.py).  torchtitan 0.3.0 has no expert-TP option; its layout follows ep (``moe_etp``): at ep 1 the experts'
+hidden dim is sharded over tp (w1 / w3 Shard(1), w2 Shard(2): etp = t) and the MoE's input is all-gathered over the
+sequence, so the router's and the dispatcher's tensors and ffn_norm's output cover the whole s b tokens, the
+experts' four are fe / t wide, and under selective-op the MoE's output reduce-scattered to the sequence is kept
+(``moe.rs``: the save list holds reduce_scatter_tensor); at ep > 1 the MoE reuses the tp ranks for EP (efsdp = dp_shard
+cp tp / ep), its experts whole (etp 1) and every token-sized tensor the rank's s b / t tokens (R = k s b / t).  Both
+are one flag: the token-sized terms are ``etp_gathered`` (etp / t: 1 at ep 1, 1 / t at ep > 1).  The states: the
+experts over ep x etp, FSDP2 over efsdp (measured on 2 and 4 ranks; memplan/memory/stage.py).
+
+Context parallelism (``--cp C``: torchtitan's apply_cp_to_forward on the attention, measured on one rank of a fake cp
+group, validation/titan_moe.py ``measure_moe_cp``): the attention as the dense CP rule (the whole sequence's K and V
+all-gathered for FlexAttention), the MoE over the rank's s / C tokens: every per-token term / C (memplan's cp split),
+the per-layer ones (the all-to-all's counts, the CUDA gate weight's fp32 copy) ``tokenless``: cp does not split
+them.  With EP, TP or on CUDA: derived.
+
+With --pp torchtitan splits the MoE layers as the dense ones (the stages' saved tensors measured over gloo: validation/titan_pp.py;
 the stages' states with EP derived: memplan/memory/dp_stack.py titan_pipelined on the rank's experts).
 """
 
@@ -53,6 +72,8 @@ MODE_FLAGS = {("none",): dict(sel=True), ("none", "selective-op"): {}, ("selecti
               ("full", "selective-op"): dict(only_selective=True, full=True)}
 MOE_MEASURED = ("measured: torchtitan 0.3.0 Qwen3 MoE block on CPU, balanced routing (validation/titan_moe.py; "
                 "tests/test_titan_moe.py)")
+TP_MEASURED = ("measured: torchtitan 0.3.0 parallelize_qwen3 with tensor_parallel_degree 2 (ep 1 and 2) on 2 ranks "
+               "over gloo (validation/titan_moe.py measure_moe_tp; tests/test_titan_moe_tp.py)")
 EP_MEASURED = ("measured: torchtitan 0.3.0 AllToAllTokenDispatcher on 2 ranks over gloo, balanced routing "
                "(validation/titan_moe.py measure_moe_ep)")
 CUDA_ROUTER = ("derived: torch 2.13's CUDA autocast runs torchtitan's router gate in fp32 (CPU autocast cannot: "
@@ -61,8 +82,13 @@ CUDA_ROUTER = ("derived: torch 2.13's CUDA autocast runs torchtitan's router gat
 DENSE_FFN = frozenset({"w1.out", "silu.out", "w3.out", "swiglu.mul", "w2.out", "w2.rs"})
 
 
+# under TP (TP_MEASURED) a token-sized MoE tensor covers the whole sequence at ep 1 (the MoE's input all-gathered) and
+# the rank's s b / t tokens at ep > 1 (sequence-sharded): etp t / t, 1 / t (`moe_etp`: the plan's etp says which)
+TOKENS = dict(tp=True, etp_gathered=True)
+
+
 def _term(id: str, name: str, elements: str, dtype: str, modes: tuple[str, ...], src: str, **kw) -> Term:
-    return saved(id, name, "MoE", elements, dtype, k22=False, src=src, **MODE_FLAGS[modes], **kw)
+    return saved(id, name, "MoE", elements, dtype, k22=False, src=src, **MODE_FLAGS[modes], **(TOKENS | kw))
 
 
 def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
@@ -83,7 +109,7 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
         _term("moe.token_idx", "token index of each routed copy (int64)", f"{k} s b", "int64", none, src),
         _term("moe.routed_input", "routed token copies, the grouped GEMMs' input (under EP the received R)",
               f"{k} s b h", "act", none, src),
-        *[_term(f"moe.{i}", f"experts' {n} (R x fe)", f"{k} s b fe", "act", none, src)
+        *[_term(f"moe.{i}", f"experts' {n} (R x fe)", f"{k} s b fe", "act", none, src, etp_gathered=False)
           for i, n in (("w1.out", "w1 output"), ("silu.out", "silu output"), ("w3.out", "w3 output"),
                        ("swiglu.mul", "silu(w1) * w3"))],
         _term("moe.combine_fp32", "experts' output in fp32 (combine's score multiply)", f"{k} s b h", "fp32", none,
@@ -95,40 +121,55 @@ def titan_moe_terms(model: ModelSpec, device: str) -> list[Term]:
         _term("moe.ep_a2a_combine", "all_to_all_single output: the copies combined back (k s b x h), EP only",
               f"{k} s b h", "act", sel, EP_MEASURED, needs_ep=True),
         _term("moe.ep_a2a_counts", "all_to_all_single output: tokens per local expert from each rank (int64 E), "
-              "EP only", "E", "int64", sel, EP_MEASURED, needs_ep=True),
+              "EP only", "E", "int64", sel, EP_MEASURED, needs_ep=True, tp=False, etp_gathered=False, tokenless=True),
+        _term("moe.rs", "MoE output reduce-scattered over the sequence (bf16), TP at ep 1 only", "h s b", "act", sel,
+              TP_MEASURED, needs_tp=True, without_ep=True, tp=False, etp_gathered=False, sp=True),
     ]
     if cuda:
         terms += [_term("moe.gate_in_fp32", "router gate input in fp32 (autocast's copy)", "s b h", "fp32", none,
                         CUDA_ROUTER),
                   _term("moe.gate_weight_fp32", "router gate weight in fp32 (autocast's copy, per layer)", "E h",
-                        "fp32", none, CUDA_ROUTER)]
+                        "fp32", none, CUDA_ROUTER, tp=False, etp_gathered=False, tokenless=True)]
     return terms
+
+
+def moe_etp(ep: int, tp: int) -> int:
+    """The experts' tensor-parallel degree torchtitan 0.3.0 gives a Qwen3 MoE (it has no option for it: its
+    ``set_moe_sharding_config``): at ep 1 the experts' hidden dim is sharded over the tp ranks (etp = tp), at ep > 1
+    the experts are sharded over ep only, the MoE reusing the tp ranks for its tokens (etp = 1)."""
+    return tp if ep == 1 else 1
 
 
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
-    (``replicate`` > 1) and the single-stage pipeline schedules (--pp: torchtitan's sparse mesh is (pp,
-    dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the shard group's ranks, its experts have no
-    expert TP); the rest refused in one line; ``gpus`` (0: not known yet) the world, whose dp_shard = gpus / (pp
-    replicate) ep must divide."""
+    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
+    (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
+    shard group's and the TP group's ranks); DeepSeek-V3 without --tp; the rest refused in one line; ``gpus`` (0: not
+    known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--tp", tp > 1), ("--cp", cp > 1), ("--compile", compiled),
-                                  ("--float8", bool(float8)), ("--etp", etp is not None),
+    left = [name for name, on in (("--tp with DeepSeek-V3", tp > 1 and model.is_mla),
+                                  ("--cp with DeepSeek-V3", cp > 1 and model.is_mla), ("--compile", compiled), ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
         left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
     if left:
-        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep and --pp only yet, not "
-                           + ", ".join(left))
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --pp and (Qwen3 MoE) "
+                           "--tp, --cp only yet, not " + ", ".join(left))
+    if etp is not None and etp != moe_etp(ep, tp):
+        raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
+                           f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")
     if model.num_experts % ep:
         raise MemplanError(f"--ep {ep} does not divide the {model.num_experts} experts (torchtitan shards them on "
                            "dim 0)")
+    if ep == 1 and model.fe % tp:
+        raise MemplanError(f"--tp {tp} does not divide the experts' FFN width {model.fe} (torchtitan shards it over "
+                           "tp at ep 1)")
     shard = gpus // (pp * replicate)
     if gpus and shard % ep:
-        raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group (torchtitan's efsdp = "
-                           "dp_shard x cp x tp / ep; pp and dp_replicate are outside it)")
+        raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group times tp (torchtitan's "
+                           "efsdp = dp_shard x cp x tp / ep; pp and dp_replicate are outside it)")

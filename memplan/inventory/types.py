@@ -72,6 +72,8 @@ class Term:
     only_selective: bool = False  # exists only under selective recompute (the attention checkpoint's own inputs)
     without_cp: bool = False  # exists only without context parallelism (cp = 1): a cp term replaces it
     needs_ep: bool = False  # exists only with expert parallelism (ep > 1): torchtitan's all-to-all dispatch's tensors
+    without_ep: bool = False  # exists only without expert parallelism (ep = 1): torchtitan's MoE output reduce-scattered
+    tokenless: bool = False  # no token dimension (torchtitan's all-to-all counts, a weight's fp32 copy): cp keeps it whole
 
     @property
     def recompute_flags(self) -> tuple:
@@ -90,7 +92,7 @@ class Term:
         """Bytes on one GPU of a tensor-parallel group, as a polynomial in t (and cp: the rank's s/cp tokens, as
         `bytes` divides them)."""
         size = self.size(activation_bytes)
-        if cp > 1:
+        if cp > 1 and not self.tokenless:
             size = size.divide_by("cp")
         if self.etp_gathered:
             size = size * Poly.parse("etp")
@@ -109,13 +111,15 @@ class Term:
         # context parallelism: every tensor holds the rank's s/cp tokens (memplan/memory/parallel.py); a term's own cp
         # factor (a buffer of all cp chunks) is in its polynomial
         cp = values.get("cp", 1)
-        full = full // cp
+        full = full // (1 if self.tokenless else cp)
         if self.needs_cp:
             full = full * (cp > 1)
         if self.without_cp:
             full = full * (cp == 1)
         if self.needs_ep:
             full = full * (values.get("ep", 1) > 1)
+        if self.without_ep:
+            full = full * (values.get("ep", 1) == 1)
         if self.etp_gathered:
             full = full * values.get("etp", values["t"])
         if self.tp_split:
@@ -152,9 +156,10 @@ class Term:
 
 def saved(id, name, block, elements, dtype="act", *, tp=False, sp=False, sel=False, full=False, scope="layer",
        k22=True, src, needs_tp=False, only_full=False, storages=1, etp_gathered=False, needs_cp=False,
-       only_selective=False, without_cp=False, needs_ep=False):
+       only_selective=False, without_cp=False, needs_ep=False, without_ep=False, tokenless=False):
     return Term(id, name, block, Poly.parse_sum(elements), dtype, tp, sp, sel, full, scope, k22, src, needs_tp,
-                only_full, storages, etp_gathered, needs_cp, only_selective, without_cp, needs_ep)
+                only_full, storages, etp_gathered, needs_cp, only_selective, without_cp, needs_ep, without_ep,
+                tokenless)
 
 
 @dataclass(frozen=True)

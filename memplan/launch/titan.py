@@ -202,9 +202,12 @@ def titan_launch(config: Config) -> Launch:
     if config.model.is_moe:
         ep = doc["parallelism.expert_parallel_degree"]
         notes.append(f"Qwen3 MoE {doc['flavor']}, expert_parallel_degree {ep}"
-                     + (" (torchtitan's all-to-all dispatcher, the experts' FSDP over dp_shard / ep) on the "
+                     + (" (torchtitan's all-to-all dispatcher, the experts' FSDP over efsdp = dp_shard cp tp / ep) on the "
                         "partial_dtensor backend, the path memplan measured EP on (validation/titan_moe.py)" if ep > 1
-                        else "") + ": memplan assumes balanced routing (the expert-side sizes grow with imbalance)")
+                        else "") + (f", tensor_parallel_degree {config.parallel.tp}: the experts' hidden dim "
+                                    "sharded over tp at ep 1, whole at ep > 1 (torchtitan 0.3.0 has no expert-TP "
+                                    "setting)" if config.parallel.tp > 1 else "")
+                     + ": memplan assumes balanced routing (the expert-side sizes grow with imbalance)")
         if doc["flavor"] != "30B-A3B":
             notes.append(f"torchtitan 0.3.0 ships no {doc['flavor']} config: the module starts from qwen3_30b_a3b with "
                          "the model swapped (its hf_assets_path still names Qwen3-30B-A3B's tokenizer folder)")

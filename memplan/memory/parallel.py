@@ -152,9 +152,16 @@ def notes(config: Any) -> list[str]:
                    + ", the layer in flight with the GPU's experts only (measured with torchtitan's parallelize_qwen3 / "
                    "parallelize_deepseekv3 "
                    "on 2 ranks over gloo; the prefetched layer derived); the routed tokens' activations as "
-                   "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b tokens received: "
-                   "they do not shrink with ep; at worst ep times that, not modelled), measured on 2 ranks over gloo "
-                   "(memplan/inventory/titan_moe.py)")
+                   "torchtitan's all-to-all dispatcher keeps them with balanced routing (R = k s b "
+                   + ("/ t tokens received: with TP the MoE keeps the rank's sequence shard, its experts not "
+                      "TP-sharded (etp 1), measured with tp 2 and ep 2 on 2 ranks over gloo; " if par.tp > 1 else
+                      "tokens received: ") + "they do not shrink with ep; at worst ep times that, not modelled), "
+                   "measured on 2 ranks over gloo (memplan/inventory/titan_moe.py)")
+    elif par.tp > 1 and config.model.is_moe and config.training.dp_stack == "torchtitan":
+        out.append(f"torchtitan MoE with tp = {par.tp} at ep 1: the experts' hidden dim sharded over tp (etp = tp), "
+                   "the MoE's input all-gathered over the sequence: the router's and the dispatcher's tensors over the "
+                   "whole s b tokens, the experts' f_e / t wide, the output reduce-scattered; measured with "
+                   "torchtitan's parallelize_qwen3 on 2 ranks over gloo (memplan/inventory/titan_moe.py)")
     elif par.ep * par.expert_tp > 1 and config.model.is_moe:
         out.append("expert parallelism: experts split over ep x etp, activations of the routed tokens as the "
                    "alltoall dispatcher keeps them with balanced routing (they do not shrink with ep); derived from "

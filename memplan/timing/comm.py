@@ -56,7 +56,9 @@ def cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: PlanFloats, A: int, layers:
       of each rank's share leaving it; not overlapped.
     - ep: the alltoall dispatcher's dispatch and combine, each k s b h / (t cp) routed tokens per GPU, in the forward
       and the backward, (ep - 1)/ep of them leaving the GPU, plus the all-gather / reduce-scatter over etp of
-      (etp - 1) times them; per MoE layer, not overlapped.
+      (etp - 1) times them; per MoE layer, not overlapped. torchtitan (comm "allgather") gathers no routed tokens:
+      at ep 1 its MoE's input all-gather and output reduce-scatter over tp are the dense layer's (timed with TP's),
+      at ep > 1 etp is 1.
     The CP group spans t cp consecutive ranks, the expert group etp ep (Megatron-LM rank order tp-cp-ep-dp-pp)."""
     s, h, q = float(model.seq_length), float(model.hidden_size), float(model.q)
     kv = 2.0 * s * q * model.g / model.num_attention_heads  # K and V of one sequence, elements
@@ -74,6 +76,6 @@ def cp_ep_comm_s(model: ModelSpec, gpu: GpuSpec, pf: PlanFloats, A: int, layers:
     if model.is_moe:
         tokens = (model.moe_top_k or 1) * s * pf.inv_t * inv_cp * (A * h)  # bytes of a GPU's routed tokens
         a2a_ep = 4.0 * tokens * (1.0 - 1.0 / pf.ep) * link_per_byte(gpu, pf.etp * pf.ep)
-        gather = 4.0 * tokens * (pf.etp - 1.0) * link_per_byte(gpu, pf.etp)
+        gather = 4.0 * tokens * (pf.etp - 1.0) * link_per_byte(gpu, pf.etp) * (comm != "allgather")
         moe = (layers * model.moe_layers / model.num_layers) * (a2a_ep + gather)
     return cp + moe
