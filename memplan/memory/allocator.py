@@ -354,7 +354,7 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
     replayed = len(ops)
     allocated = requested = allocated_peak = requested_peak = 0
     inactive, inactive_peak = 0, 0
-    for index, op in enumerate(ops):
+    for op in ops:  # no event index kept: an out-of-memory finds its event's (`_alloc_position`)
         if op < 0:
             block = blocks[~op]
             if block is None:
@@ -428,6 +428,7 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
                 inactive, inactive_peak = state.inactive_split, state.inactive_split_peak
                 if block is None:
                     rounded, segment = state.last_failure
+                    index = _alloc_position(ops, len(blocks))
                     oom = OutOfMemory(index, len(blocks), stream, op, rounded, segment, allocated, state.reserved,
                                       state.capacity)
                     replayed = index
@@ -477,3 +478,14 @@ def _replay_plain(state: CachingAllocatorModel, ops: Sequence[int], stream: int)
     state.allocated_peak, state.requested_peak = allocated_peak, requested_peak
     state.inactive_split, state.inactive_split_peak = inactive, inactive_peak
     return _result(state, at_peak, replayed, oom)
+
+
+def _alloc_position(ops: Sequence[int], k: int) -> int:
+    """The position in `ops` (replay_ops' compact form) of allocation k (the k-th op >= 0, counting from 0)."""
+    left = k
+    for index, op in enumerate(ops):
+        if op >= 0:
+            if not left:
+                return index
+            left -= 1
+    raise MemplanError(f"the stream has no allocation {k}")
