@@ -1,4 +1,4 @@
-"""memplan's allocation stream against runs recorded on an H100 (issue 20 item 5): `python -m validation.gpu_checks`
+"""memplan's allocation stream against runs recorded on an H100 (issue 20 item 5): `python benchmarks/gpu_checks.py`
 ran transformers' Llama (sdpa, bf16 weights and AdamW states, build + optimizer + two steps, one fresh process per run
 and allocator setting) under torch.cuda.memory._record_memory_history (torch 2.11.0+cu130, an H100 80GB HBM3,
 transformers 5.23.0); tests/data/alloc/cuda holds the traces (validation/alloc_trace.py's format, with the run's own

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from memplan.core.errors import MemplanError
 from memplan.core.symbolic import Poly
 
+PIECES = ("forward", "rerun", "backward")  # a decoder layer's pieces, as validation/layer_order.py names them
 WORKSPACES = ("W1", "W2")  # cuBLAS's workspace of the forward's thread, of autograd's (the backward's)
 _REF = re.compile(r"(O|L[+-]\d+|L@\d+):(\d+)")
 Entry = Union[int, str]
