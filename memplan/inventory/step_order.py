@@ -58,7 +58,20 @@ class StepOrder(_Row):
 def expand(order: StepOrder, num_layers: int, where: str = "step_order") -> tuple[tuple, ...]:
     """The model's whole step: ("+", size Poly, label) allocations numbered in order from 0, ("-", allocation
     number) frees, ("W", thread) workspaces (1: the forward's, 2: the backward's). A free of an allocation not
-    made or freed already, an unknown template or a size that is not a polynomial in s and b: MemplanError."""
+    made or freed already, an unknown template or a size that is not a polynomial in s and b: MemplanError.
+    Each distinct size is one Poly object. Kept per order (a file read once is expanded once)."""
+    hit = _EXPANDED.get((id(order), num_layers))
+    if hit is not None and hit[0] is order:
+        return hit[1]
+    out = _expand(order, num_layers, where)
+    _EXPANDED[id(order), num_layers] = (order, out)
+    return out
+
+
+_EXPANDED: dict[tuple[int, int], tuple[StepOrder, tuple]] = {}  # the order kept alive while its id is a key
+
+
+def _expand(order: StepOrder, num_layers: int, where: str) -> tuple[tuple, ...]:
     if len(order.layers) != num_layers:
         raise MemplanError(f"{where}: {len(order.layers):,} layers' templates for a model of {num_layers:,} layers")
     if any(not 0 <= t < len(order.templates) for t in order.layers):

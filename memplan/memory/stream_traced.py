@@ -25,17 +25,19 @@ empty: the traced step's live bytes are the real code's, not the timeline's mome
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.types import Inventory
-from memplan.memory.stage import StageMemory
+from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.stream import stream_for
 from memplan.memory.stream_events import Alloc, AllocationStream, Free, new_event
 from memplan.memory.stream_lengths import ceil_at
 from memplan.memory.term_bytes import PlanValues
+from memplan.memory.timeline import step_events
 
 _RECOMPUTE = {int(Recompute.NONE): "none", int(Recompute.FULL): "full"}
 _KINDS: dict[int, tuple] = {}  # id(order) -> (order, each allocation's kind): the order kept while cached
@@ -63,12 +65,20 @@ def run_stream(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
                workspace_bytes: int = 0) -> AllocationStream:
     """The run's stream on one GPU of `stage` (`stream_for`'s arguments): its steps traced where the inventory has
     the order of this plan's code (`traced_order`), else memplan's derived stream."""
-    stream = stream_for(model, inventory, training, plan, stage, stage_mem, steps, first_step_seq_len,
-                        workspace_bytes)
     order = traced_order(model, inventory, training, plan)
     if order is None:
-        return stream
-    return splice(stream, order, model.seq_length, int(plan.b), first_step_seq_len, inventory.granularity)
+        return stream_for(model, inventory, training, plan, stage, stage_mem, steps, first_step_seq_len,
+                          workspace_bytes)
+    if stage_mem is None:
+        stage_mem = stage_memory(model, inventory.terms, training, plan, stage, granularity=inventory.granularity,
+                                 layout=inventory.weight_layout)
+    # memplan's run without the step's tensors (the splice drops them): the same build, optimizer, zero_grad and
+    # workspaces (tests/test_stream_traced.py), made ten times faster than with the traced inventory's moments
+    bare = replace(inventory, terms=(), moments=(), held=(), checkpointed_forward=())
+    stream = stream_for(model, bare, training, plan, stage, stage_mem, steps, first_step_seq_len, workspace_bytes)
+    step = step_events(model, inventory, training, plan, stage_mem, stage)
+    return splice(replace(stream, step=step), order, model.seq_length, int(plan.b), first_step_seq_len,
+                  inventory.granularity)
 
 
 def kinds_of(order: tuple) -> tuple:
@@ -136,12 +146,13 @@ def splice(stream: AllocationStream, order: tuple, s: int, b: int, first_s: Opti
         for e in order:
             if e[0] == "+":
                 poly = e[1]
-                if poly not in sizes:
+                hit = sizes.get(id(poly))  # one Poly object per distinct size (step_order.expand)
+                if hit is None:
                     size = ceil_at(poly, at, b)
                     if size is None or size < 1:
                         raise MemplanError(f"the traced step's size {poly} is not a positive polynomial in s and b")
-                    sizes[poly] = (size, -(-size // granularity) * granularity)
-                size, counted = sizes[poly]
+                    hit = sizes[id(poly)] = (size, -(-size // granularity) * granularity)
+                size, counted = hit
                 i = alive[number] = len(renamed) + len(made)
                 made.append(i)
                 out.append(new_event(Alloc, (i, size, 0, kinds[number], f"traced ({e[2]})", poly, counted)))
