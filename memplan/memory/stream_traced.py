@@ -60,6 +60,15 @@ def traced_order(model: ModelSpec, inventory: Inventory, training: TrainingSpec,
     return rows[recompute]
 
 
+def replay_decides(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> bool:
+    """Whether the replay alone decides the plan's fit, no flat margin (memplan/memory/timeline.py device_memory):
+    where its stream is checked against the real run's (`Inventory.stream_checked`), or made from the traced order
+    of a dense model (no MoE, no MLA: transformers' Llama's traced stream replays to the H100 recordings' reserved
+    peaks and verdicts, tests/test_alloc_stream_cuda.py)."""
+    return inventory.stream_checked or (not model.is_moe and not model.is_mla
+                                        and traced_order(model, inventory, training, plan) is not None)
+
+
 def run_stream(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
                stage_mem: Optional[StageMemory] = None, steps: int = 2, first_step_seq_len: Optional[int] = None,
                workspace_bytes: int = 0) -> AllocationStream:
