@@ -17,11 +17,9 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 from memplan import estimate, search
-
-LLAMA3_8B_ORDER = str(Path(__file__).resolve().parent.parent / "configs" / "traced" / "llama3-8b" / "hf-sdpa-cuda.yaml")
+from memplan.check.allocator import LLAMA3_8B_ORDER
 
 ONE_GPU = dict(impl="hf-sdpa", precision="bf16-true", gpus=1, micro_batch=1, recompute="full", gpu="h100-80gb")
 MEGATRON = dict(gpus=8, tp=2, pp=2, dp=2, vpp=1, sp=True, zero=0, micro_batch=1, recompute="selective",
@@ -31,7 +29,7 @@ PLANS = [
     ("estimate llama3-8b hf-sdpa 1 GPU fused AdamW, global batch 1 (issue 20's target)",
      lambda: estimate("llama3-8b", max_seq=True, optimizer_impl="fused", global_batch=1, **ONE_GPU).max_seq_len),
     ("estimate llama3-8b hf-sdpa 1 GPU fused AdamW, global batch 1, traced inventory (its order)",
-     lambda: estimate("llama3-8b", max_seq=True, optimizer_impl="fused", global_batch=1, inventory=LLAMA3_8B_ORDER,
+     lambda: estimate("llama3-8b", max_seq=True, optimizer_impl="fused", global_batch=1, inventory=str(LLAMA3_8B_ORDER),
                       **ONE_GPU).max_seq_len),
     ("estimate llama3-8b hf-sdpa 1 GPU --frag-margin 0",
      lambda: estimate("llama3-8b", max_seq=True, frag_margin=0.0, **ONE_GPU).max_seq_len),

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
               f"the trace reproduces {step.matched} of its {step.traced}; of their allocations and frees "
               f"{step.events_in_order} of {step.events_traced} in the recorded order; not traced (most): {top}")
         print(f"  layer {layer} (from 0)")
-        for m in layer_match.match_layer(rec.events, traces[key][c["recompute"]], c, layer, memplan_pieces(stream, layer)):
+        pieces = memplan_pieces(stream, layer)
+        for m in layer_match.match_layer(rec.events, traces[key][c["recompute"]], c, layer, pieces):
             print(f"  {m.piece}: {len(m.recorded)} recorded requests; the trace reproduces {m.traced} (of its "
                   f"{m.traced_total}), memplan's stream {m.memplan} (of its {m.memplan_total}); not traced: "
                   f"{', '.join(f'{x:,} B' for x in m.unmatched) or 'none'}")

@@ -1,7 +1,7 @@
 """memplan's allocation stream with the traced order against the CUDA recordings (issue 20): for each recording, the
 reserved and allocated peaks and the request each run died at, recorded, replayed from memplan's stream derived from
-the step timeline (memplan/memory/stream.py) and from its stream with every step traced (memplan/memory/stream_traced.py:
-the inventory file's `step_order`); with --verdicts, memplan's verdict on the H100 preset at every recorded llama3-8b
+the step timeline (memplan/memory/stream.py) and from its stream with every step traced
+(memplan/memory/stream_traced.py: the inventory file's `step_order`); with --verdicts, memplan's verdict on the H100 preset at every recorded llama3-8b
 length (tests/data/alloc/cuda/h100_runs.json) from both streams. llama3-8b's order is the shipped trace
 (configs/traced/llama3-8b/hf-sdpa-cuda.yaml); another model's is traced here (CUDA's kernels, ~10 s of CPU).
 
@@ -18,20 +18,19 @@ import tempfile
 from pathlib import Path
 
 import memplan
-from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES
+from memplan.check.allocator import ALLOCATOR_CASES, LLAMA3_8B_ORDER, MAX_SEQ_CASES
 from memplan.check.peak import card_preset, peak_config
 from memplan.memory.reserved import allocation_stream, allocator_config, replay_stream
 from validation import layer_match, trace
 from validation.alloc_trace import load
 
-LLAMA3_8B = Path(__file__).resolve().parent.parent / "configs" / "traced" / "llama3-8b" / "hf-sdpa-cuda.yaml"
 H100 = "NVIDIA H100 80GB HBM3"
 
 
 def order_file(case: dict, tmp: Path) -> Path:
     """The traced inventory file with the step's order of a recorded case's model."""
     if (case["h"], case["L"], case["v"]) == (4096, 32, 128256):
-        return LLAMA3_8B
+        return LLAMA3_8B_ORDER
     path = tmp / f"h{case['h']}-L{case['L']}.yaml"
     if not path.is_file():
         data = trace.trace_hf_config(layer_match.llama_config(case), kernels="cuda", layer_order=True)
@@ -49,7 +48,7 @@ def verdicts(runs_file: Path) -> None:
         fits = [memplan.estimate("llama3-8b", impl="hf-sdpa", gpu="h100-80gb", gpus=1, global_batch=1,
                                  precision="bf16-true", recompute=case.recompute, optimizer_impl=case.optimizer,
                                  seq_len=run["seq_len"], allocator=run["allocator"],
-                                 inventory=inventory).estimate.reserved.fits for inventory in (None, str(LLAMA3_8B))]
+                                 inventory=inventory).estimate.fits for inventory in (None, str(LLAMA3_8B_ORDER))]
         agree = [n + (f == (run["run"] == "trains")) for n, f in zip(agree, fits)]
         print(f"{run['case']} | {run['allocator']} | {run['seq_len']:,} | {run['run']} | {word[fits[0]]} | "
               f"{word[fits[1]]}")

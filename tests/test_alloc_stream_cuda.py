@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import memplan
-from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES
+from memplan.check.allocator import ALLOCATOR_CASES, LLAMA3_8B_ORDER, MAX_SEQ_CASES, case_config
 from memplan.check.peak import card_preset, peak_config
 from memplan.memory.reserved import allocation_stream, allocator_config, replay_stream
 
@@ -37,7 +37,6 @@ pytest.importorskip("torch")
 from validation.alloc_trace import load  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "alloc" / "cuda"
-LLAMA3_8B_ORDER = Path(__file__).resolve().parent.parent / "configs" / "traced" / "llama3-8b" / "hf-sdpa-cuda.yaml"
 H100 = card_preset("NVIDIA H100 80GB HBM3")
 PEAK_TOLERANCE = 1e-4  # 0.01 %
 RESERVED_TOLERANCE = 0.02
@@ -122,9 +121,7 @@ def test_the_traced_stream_replays_to_the_recorded_reserved_peak():
     for path in LLAMA3_8B_TRAINED:
         case, allocator = _case(path)
         rec = load(path)
-        config = peak_config(case)
-        config = config.model_copy(update={"model": config.model.model_copy(update={"inventory": str(LLAMA3_8B_ORDER)})})
-        stream = allocation_stream(config, case.impl, "cuda", workspace_bytes=H100.workspace_bytes)
+        stream = allocation_stream(case_config(case), case.impl, "cuda", workspace_bytes=H100.workspace_bytes)
         assert any(getattr(e, "name", "").startswith("traced (") for e in stream.events)
         result = replay_stream(stream, rec.stats["total_memory"] - rec.stats["outside_pool_bytes"],
                                allocator_config(allocator))

@@ -4,10 +4,8 @@ which plans get it, and that the join keeps memplan's run around the steps. Agai
 tests/test_alloc_stream_cuda.py and tests/test_layer_order.py."""
 
 import dataclasses
-from pathlib import Path
 
-from memplan.check.allocator import MAX_SEQ_CASES
-from memplan.check.peak import peak_config
+from memplan.check.allocator import LLAMA3_8B_ORDER, MAX_SEQ_CASES, case_config
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import allocation_stream
 from memplan.memory.stage import stage_memory
@@ -16,16 +14,15 @@ from memplan.memory.stream_events import Alloc
 from memplan.memory.stream_traced import run_stream
 from memplan.memory.term_bytes import PlanValues
 
-ORDER = Path(__file__).resolve().parent.parent / "configs" / "traced" / "llama3-8b" / "hf-sdpa-cuda.yaml"
 WORKSPACE = 32 << 20
 
 
 def _config(s: int = 2048, **training):
-    config = peak_config(dataclasses.replace(MAX_SEQ_CASES[1], s=s))  # foreach AdamW, full recompute
+    config = case_config(dataclasses.replace(MAX_SEQ_CASES[1], s=s))  # foreach AdamW, full recompute
     fields = {k: v for k, v in config.training.model_dump(exclude_unset=True).items() if not k.endswith("_bytes")}
     rebuilt = type(config.training).model_validate({**fields, **training})
-    return config.model_copy(update={"model": config.model.model_copy(update={"inventory": str(ORDER)}),
-                                     "training": rebuilt})
+    assert config.model.inventory == str(LLAMA3_8B_ORDER)
+    return config.model_copy(update={"training": rebuilt})
 
 
 def _traced(stream) -> int:
