@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-import memplan
-from memplan.check.allocator import ALLOCATOR_CASES, LLAMA3_8B_ORDER, MAX_SEQ_CASES, case_config
+from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES, case_config
 from memplan.check.peak import card_preset, peak_config
-from memplan.memory.reserved import allocation_stream, allocator_config, replay_stream
+from memplan.memory.reserved import Replay, allocation_stream, allocator_config, replay_stream
+from memplan.plan.estimate import device_bytes
 
 pytest.importorskip("torch")
 
@@ -84,20 +84,19 @@ def test_memplans_verdict_is_the_h100s_at_every_recorded_length():
     # tests/data/alloc/cuda/h100_runs.json: 24 runs of llama3-8b on the H100 (8 plans, the lengths memplan's
     # --max-seq answered then and one 1,024-token step around them); memplan's verdict on the H100 preset for each,
     # from its stream derived from the step timeline (the hand-written inventory); never "fits" where a run died
-    assert _verdicts() == {x + (False,) for x in SAFE_SIDE}
+    assert _verdicts(traced=False) == {x + (False,) for x in SAFE_SIDE}
 
 
-def _verdicts(inventory=None) -> set:
-    """The recorded lengths (h100_runs.json) where memplan's verdict on the H100 preset (`estimate`'s fits: the
-    replay alone decides, no flat margin) is not the H100's."""
+def _verdicts(traced: bool) -> set:
+    """The recorded lengths (h100_runs.json) where memplan's verdict on the H100 preset (what `estimate` decides fit
+    on, without its report: `device_bytes`; the replay alone decides, no flat margin) is not the H100's; `traced`:
+    llama3-8b's traced inventory (`case_config`), else the hand-written one."""
     wrong = set()
     for run in RUNS:
-        case = next(c for c in MAX_SEQ_CASES if c.name == run["case"])
-        ours = memplan.estimate("llama3-8b", impl="hf-sdpa", gpu="h100-80gb", gpus=1, global_batch=1,
-                                precision="bf16-true", recompute=case.recompute, optimizer_impl=case.optimizer,
-                                seq_len=run["seq_len"], allocator=run["allocator"], inventory=inventory).estimate
-        fits = ours.fits
-        assert fits == ours.reserved.fits
+        case = dataclasses.replace(next(c for c in MAX_SEQ_CASES if c.name == run["case"]), s=run["seq_len"])
+        config = case_config(case) if traced else peak_config(case)
+        fits = device_bytes(config, case.impl, "cuda", H100, None, H100.process_memory_bytes,
+                            Replay(run["allocator"])) <= H100.process_memory_bytes
         if fits != (run["run"] == "trains"):
             wrong.add((run["case"], run["allocator"], run["seq_len"], fits))
     return wrong
@@ -106,7 +105,7 @@ def _verdicts(inventory=None) -> set:
 def test_the_traced_streams_verdict_is_the_h100s_at_every_recorded_length():
     # the same 24 runs, memplan's stream made from llama3-8b's traced step (every allocation and free of
     # transformers' code in order, cuBLAS's workspaces where the recordings have them): 24 of 24
-    assert _verdicts(str(LLAMA3_8B_ORDER)) == set()
+    assert _verdicts(traced=True) == set()
 
 
 LLAMA3_8B_TRAINED = [p for p in sorted(DATA.glob("llama3-8b_*.json.gz")) if not load(p).stats.get("oom")]

@@ -11,6 +11,7 @@ from memplan.memory.reserved import allocation_stream
 from memplan.memory.stage import stage_memory
 from memplan.memory.stream import stream_for
 from memplan.memory.stream_events import Alloc
+from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.stream_traced import run_stream
 from memplan.memory.term_bytes import PlanValues
 
@@ -64,3 +65,18 @@ def test_the_join_keeps_memplans_run_around_the_steps():
     live = traced.live_bytes()
     ends = [b - 1 for name, b in traced.phases[1:] if name.startswith("step ") or name == "end"][1:]
     assert live[ends[0]] == live[ends[1]] > 0
+
+
+def test_other_lengths_are_the_traced_sizes_evaluated():
+    # --max-seq makes the stream at two lengths and evaluates the sizes' polynomials at the others
+    # (memplan/memory/stream_lengths.py): the traced stream's sizes are polynomials, so the evaluated compact form at a
+    # third length is the stream made there, op for op
+    lengths = StreamLengths(1)
+
+    def at(s: int):
+        return allocation_stream(_config(s), "hf-sdpa", "cuda", workspace_bytes=WORKSPACE)
+
+    for s in (2048, 4096):
+        lengths.get(0, s, lambda s=s: at(s))
+    _, ops = lengths.get(0, 6144, lambda: at(6144))
+    assert lengths.made == 2 and ops == at(6144).ops()
