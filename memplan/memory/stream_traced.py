@@ -13,8 +13,8 @@ puts it (after the output of the first matmul of its thread: the forward's, auto
 it (tests/data/alloc/cuda); the traced tensors still alive after the backward (the .grad tensors) are freed where
 zero_grad frees them, after the optimizer step. With it memplan's replay gives the H100's verdict at every recorded
 llama3-8b length (tests/test_alloc_stream_cuda.py). What the trace cannot see is left out: the buffers kernels
-allocate inside themselves (cuDNN attention's backward workspace, CUDA reductions' staging; freed at once, they move
-no recorded llama3-8b figure by a MB: benchmarks/layer_replay.py).
+allocate inside themselves (cuDNN attention's backward workspace, CUDA reductions' staging; freed at once, added with
+sizes fitted to the recordings they moved no recorded llama3-8b figure by a MB: docs/how-it-works.md).
 
 The traced order is the code traced: one GPU (no tensor, pipeline, context or data parallelism), one micro-batch per
 step, bf16 weights, gradients and activations without master weights (bf16-true), gradient checkpointing of none or
