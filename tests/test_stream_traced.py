@@ -5,6 +5,7 @@ tests/test_alloc_stream_cuda.py and tests/test_layer_order.py."""
 
 import dataclasses
 
+import memplan
 from memplan.check.allocator import LLAMA3_8B_ORDER, MAX_SEQ_CASES, case_config
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.reserved import allocation_stream
@@ -80,3 +81,16 @@ def test_other_lengths_are_the_traced_sizes_evaluated():
         lengths.get(0, s, lambda s=s: at(s))
     _, ops = lengths.get(0, 6144, lambda: at(6144))
     assert lengths.made == 2 and ops == at(6144).ops()
+
+
+def test_search_and_estimate_agree_on_a_traced_plan():
+    # the replay alone decides a traced-order plan (no flat margin: memplan/memory/timeline.py device_memory with
+    # step_order.runs_traced), in estimate and in search's vectorised bound alike: foreach AdamW with checkpointing
+    # at 9,874 tokens, which trained on the H100 (tests/data/alloc/cuda/h100_runs.json), needs 80.4 GB allocated +
+    # 8.0 GB of a 10 % margin + 0.8 GB runtime > 85.0 GB with the margin: both would say it does not fit
+    args = dict(impl="hf-sdpa", gpus=1, global_batch=1, precision="bf16-true", recompute="full",
+                optimizer_impl="foreach", seq_len=9874, gpu="h100-80gb", inventory=str(LLAMA3_8B_ORDER))
+    estimated = memplan.estimate("llama3-8b", **args).estimate
+    found = memplan.search("llama3-8b", **args).result
+    assert estimated.fits and estimated.device.margin == 0
+    assert found.feasible == 1 and len(found.listed()) == 1

@@ -176,8 +176,12 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")
-    # a traced step's order is the traced code's: a setting that changed the inventory changes the code run
-    same = (inventory.terms, inventory.moments, inventory.held) == (base.terms, base.moments, base.held)
+    # a traced step's order is the traced code's: a setting that changed the inventory changes the code run, as do
+    # other dtypes than the trace's bf16 weights, gradients and activations without master weights (bf16-true); a
+    # MoE or MLA model's traced order is not checked against recordings (memplan/memory/stream_traced.py)
+    same = ((inventory.terms, inventory.moments, inventory.held) == (base.terms, base.moments, base.held)
+            and (training.weight_bytes, training.grad_bytes, training.activation_bytes,
+                 training.master_weight_bytes) == (2, 2, 2, 0) and not model.is_moe and not model.is_mla)
     return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training),
                                step_order=inventory.step_order if same else ())
 

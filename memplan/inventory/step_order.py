@@ -19,12 +19,13 @@ output of the first matmul the thread runs, where every CUDA recording makes it 
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
 from memplan.core.errors import MemplanError
 from memplan.core.symbolic import Poly
+from memplan.core.training import Recompute
 
 PIECES = ("forward", "rerun", "backward")  # a decoder layer's pieces, as validation/layer_order.py names them
 WORKSPACES = ("W1", "W2")  # cuBLAS's workspace of the forward's thread, of autograd's (the backward's)
@@ -130,3 +131,18 @@ def _size(text: str, where: str) -> Poly:
     if {sym for mono, _ in poly.terms for sym, _ in mono} - {"s", "b"}:
         raise MemplanError(f"{where}: size {text[:60]!r} uses symbols other than s and b")
     return poly
+
+
+def runs_traced(rows: tuple, plan: Any) -> Any:
+    """Which plans (memplan/memory/term_bytes.py PlanValues: scalars, or arrays of candidates) run the code a traced
+    step's order is of, `rows` (Inventory.step_order: (recompute, layers, events) of each run traced): one GPU (no
+    tensor, pipeline, context or data parallelism), one model chunk, one micro-batch per step (a second one adds
+    into the .grad tensors: other code), gradient checkpointing of no layer or of every layer as traced."""
+    one = (plan.t == 1) & (plan.p == 1) & (plan.d == 1) & (plan.cp == 1) & (plan.m == 1) & (plan.microbatches == 1)
+    traced = False
+    for recompute, layers, _ in rows:
+        if recompute == "none":
+            traced = traced | (plan.recompute == int(Recompute.NONE))
+        else:
+            traced = traced | ((plan.recompute == int(Recompute.FULL)) & (plan.recomputed_layers == layers))
+    return one & traced

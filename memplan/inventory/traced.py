@@ -188,7 +188,8 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
         return Inventory(f"{impl}/{device}", terms_by_id, tuple(_traced_moments(model, traced, terms)), "backward",
                          False, "fused", "torch", origin=origin_text(traced) + "; transients traced",
                          traced_from=_least_values(traced.conditions),
-                         step_order=tuple((row.recompute, expand(row, traced.num_layers)) for row in traced.step_order))
+                         step_order=tuple((row.recompute, traced.num_layers, expand(row, traced.num_layers))
+                                          for row in traced.step_order))
     # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
     # without recompute, added as terms_hf's measured inventories add them
     terms.append(saved("layer_input", "layer input, kept by gradient checkpointing", "layer norms", "s b h",

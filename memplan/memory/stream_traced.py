@@ -19,7 +19,8 @@ sizes fitted to the recordings they moved no recorded llama3-8b figure by a MB: 
 The traced order is the code traced: one GPU (no tensor, pipeline, context or data parallelism), one micro-batch per
 step, bf16 weights, gradients and activations without master weights (bf16-true), gradient checkpointing of none or
 every layer, and an inventory no training setting changed (memplan/inventory/assemble.py keeps the order only then);
-any other plan gets memplan's derived stream. The stream's `marks` (the timeline's events at stream positions) are
+any other plan gets memplan's derived stream. A plan that gets the traced stream has its fit decided by the replay
+alone, no flat margin (memplan/memory/timeline.py device_memory, in estimate and in search's vectorised bound). The stream's `marks` (the timeline's events at stream positions) are
 empty: the traced step's live bytes are the real code's, not the timeline's moment by moment.
 """
 
@@ -31,6 +32,7 @@ from typing import Optional
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
+from memplan.inventory.step_order import runs_traced
 from memplan.inventory.types import Inventory
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.stream import stream_for
@@ -45,28 +47,12 @@ _KINDS: dict[int, tuple] = {}  # id(order) -> (order, each allocation's kind): t
 
 def traced_order(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> Optional[tuple]:
     """The traced step (`step_order.expand`'s events) the plan's stream is made of; None where the plan is not the
-    code traced (module docstring) or the inventory has no order."""
-    if not inventory.step_order:
+    code traced (`step_order.runs_traced`; the inventory keeps the order only for the dtypes and settings traced:
+    memplan/inventory/assemble.py) or the inventory has no order."""
+    if not inventory.step_order or not runs_traced(inventory.step_order, plan):
         return None
-    rows = dict(inventory.step_order)
-    recompute = _RECOMPUTE.get(int(plan.recompute))
-    if recompute not in rows or (recompute == "full" and int(plan.recomputed_layers) != model.num_layers):
-        return None
-    if any(int(x) != 1 for x in (plan.t, plan.p, plan.d, plan.cp, plan.m, plan.microbatches)):
-        return None
-    dtypes = (training.weight_bytes, training.grad_bytes, training.activation_bytes, training.master_weight_bytes)
-    if dtypes != (2, 2, 2, 0):
-        return None
-    return rows[recompute]
-
-
-def replay_decides(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> bool:
-    """Whether the replay alone decides the plan's fit, no flat margin (memplan/memory/timeline.py device_memory):
-    where its stream is checked against the real run's (`Inventory.stream_checked`), or made from the traced order
-    of a dense model (no MoE, no MLA: transformers' Llama's traced stream replays to the H100 recordings' reserved
-    peaks and verdicts, tests/test_alloc_stream_cuda.py)."""
-    return inventory.stream_checked or (not model.is_moe and not model.is_mla
-                                        and traced_order(model, inventory, training, plan) is not None)
+    return next(events for recompute, _, events in inventory.step_order
+                if recompute == _RECOMPUTE[int(plan.recompute)])
 
 
 def run_stream(model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,

@@ -37,7 +37,7 @@ from memplan.memory.reserved import Replay, Reserved, replay_run
 from memplan.memory.stream import not_streamed
 from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
-from memplan.memory.stream_traced import replay_decides, run_stream
+from memplan.memory.stream_traced import run_stream
 from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
                                      step_events)
 from memplan.timing.step import step_time
@@ -268,8 +268,6 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
     at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same). `report`
     False: the verdict alone (a run that dies is not replayed again with expandable segments). `lengths`: the
     plan's streams at the other lengths a search replays (memplan/memory/stream_lengths.py), by stage."""
-    if replay_decides(config.model, inventory, config.training, plan):
-        inventory = dataclasses.replace(inventory, stream_checked=True)  # the traced order's stream: no flat margin
     flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
     if budget_bytes is None or not_replayed(config.training, plan):
         return flat, None
