@@ -20,7 +20,7 @@ Fixtures (tests/data/alloc/cuda/, as recorded):
   (fused full s13824, foreach full s10898); expandable segments trained (fused none s3470, foreach full s18532 with a
   retry) and died (fused none s4494, foreach full s19556).
 
-Recorded with (GPU): PYTHONPATH=. python -m validation.gpu_checks --out DIR --tar F.tgz --stages env,allocator
+Recorded with (GPU): PYTHONPATH=. python benchmarks/gpu_checks.py --out DIR --tar F.tgz --stages env,allocator
 (the llama3-8b runs: the stages maxseq and probe). The reader below is gzip JSON (validation/alloc_trace.py's
 `save` format) so that replaying needs no torch.
 """

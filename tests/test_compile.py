@@ -303,7 +303,7 @@ def test_compiled_torchtune_qlora_layer_aot():
 
 
 # torchtitan's memory-budget AC (--ac budget:F, compiled): what the partitioner saves at llama3-8b's real widths,
-# measured with `PYTHONPATH=. python -m validation.budget 4096 32 8 14336 8192 0 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 1`
+# measured with `PYTHONPATH=. python benchmarks/budget_saved.py 4096 32 8 14336 8192 0 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 1`
 # (the real-size block compiled under FakeTensorMode; the same sets at s 2,048 and 32,768 and at the 70B and 405B
 # widths): bytes per token and layer at F = 0, 0.1, ..., 1
 BUDGET_MEASURED = (8192, 20480, 28672, 49152, 57344, 77824, 86024, 94344, 94344, 94344, 139400)

@@ -253,3 +253,30 @@ def test_every_validation_module_says_what_it_owns_in_at_most_500_lines():
     within = [name for name, text in exempt.items() if len(text.splitlines()) <= MAX_MODULE_LINES]
     assert within == [], f"{within}: within the limit now (or gone): drop from VALIDATION_OVER_THE_LIMIT"
     assert _too_long_and_undocumented(exempt)[1] == []
+
+
+def memplan_imports(source: str) -> list[int]:
+    """The lines of a module's imports of memplan (at any level, inside functions too)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n.split(".")[0] == "memplan" for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_validation_never_imports_memplan():
+    # validation/ measures real code; memplan/check compares, reaching validation through memplan/core/harness.py at
+    # call time; scripts that need both live in benchmarks/
+    found = [f"validation/{p.name}:{n}" for p in sorted(VALIDATION.glob("*.py")) for n in memplan_imports(p.read_text())]
+    assert found == []
+
+
+def test_an_import_of_memplan_is_found_anywhere():
+    assert memplan_imports("import memplan\nfrom memplan.core import x\ndef f():\n    import memplan.api\n"
+                           "from .trace import y\nimport numpy\n") == [1, 2, 4]

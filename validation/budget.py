@@ -74,18 +74,3 @@ def budget_saved(h: int, a: int, g: int, f: int, s: int, budgets: tuple[float, .
             raise RuntimeError(f"budget {budget}: saved tensors outside TITAN_LAYER: {unknown}")
         out[budget] = {"saved": [ids[n] for n, _ in nodes], "per_token": sum(n for _, n in nodes)}
     return out
-
-
-def main(argv: list[str]) -> None:
-    """python -m validation.budget H A G F S BUDGET... (llama3-8b: 4096 32 8 14336 8192 0 0.5 1)"""
-    from memplan.inventory.compiled import TITAN_LAYER
-
-    h, a, g, f, s = (int(x) for x in argv[:5])
-    for budget, r in budget_saved(h, a, g, f, s, tuple(float(x) for x in argv[5:]), TITAN_LAYER).items():
-        print(f"{budget}: {r['per_token']} B per token: {' '.join(r['saved'])}")
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

@@ -1,5 +1,6 @@
 """How much of a decoder layer's recorded allocations an allocation stream reproduces (issue 20 item 5): "memplan's own
-stream for the same run must match the recorded one event for event where the code is the same".
+stream for the same run must match the recorded one event for event where the code is the same". Measures only
+(validation/ never imports memplan): benchmarks/layer_match.py prints the figures for every recording.
 
 A CUDA recording (validation/alloc_trace.py, tests/data/alloc/cuda) has no stack traces: its events are sizes and
 addresses in order. The layers are found in it with the trace of the same code (validation/layer_order.py: the step
@@ -16,7 +17,7 @@ under FakeTensorMode with symbolic s and b, CUDA's kernels emulated), whose even
 * in a layer's windows each allocation source is scored by the longest common subsequence of sizes with the
   recorded requests (same size, same order): the trace's own piece, and memplan's stream's events of that layer
   (named "..., layer j, ...": forward before the stream's first backward event, "recomputed" the re-run, the rest
-  the backward).
+  the backward; benchmarks/layer_match.py reads them off memplan's stream).
 
 What no trace can see is what a kernel allocates inside itself through the caching allocator (cuDNN's attention
 backward workspace, cuBLAS's workspace: `unmatched` lists the recorded requests the trace misses, by size).
@@ -24,18 +25,10 @@ backward workspace, cuBLAS's workspace: `unmatched` lists the recorded requests 
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from memplan.check.allocator import ALLOCATOR_CASES, MAX_SEQ_CASES
-from memplan.check.peak import card_preset, peak_config
-from memplan.memory.reserved import allocation_stream
-
-from .alloc_trace import load
 from .layer_order import PIECES, piece_of
 from .trace import trace_hf_config
 from .trace_poly import evaluate
@@ -126,24 +119,6 @@ def align(recorded: list[int], pieces: list[tuple]) -> list[tuple[int, int]]:
     return windows
 
 
-def memplan_pieces(stream, layer: int) -> dict[str, list[int]]:
-    """memplan's stream's (memplan/memory/stream.py ``AllocationStream``) allocations of decoder layer ``layer``
-    (0-based) in its last step, by piece."""
-    start = dict(stream.phases)[f"step {max(int(n.split()[-1]) for n, _ in stream.phases if n.startswith('step '))}"]
-    events = stream.events[start:]
-    tags = (f"layer {layer + 1},", f"layer {layer + 1})")
-    out: dict[str, list[int]] = {p: [] for p in PIECES}
-    backward = False
-    for e in events:
-        if type(e).__name__ != "Alloc":
-            continue
-        backward = backward or "backward" in e.name
-        if not any(t in e.name for t in tags):
-            continue
-        out["rerun" if "recomputed" in e.name else "backward" if backward else "forward"].append(e.size)
-    return out
-
-
 def match_layer(recorded_events: list, traced_events: list[tuple], case: dict, layer: int,
                 memplan: dict[str, list[int]]) -> list[PieceMatch]:
     """The pieces of decoder layer ``layer`` (0-based) in the recording's last step: the recorded requests of each,
@@ -232,39 +207,3 @@ def traced_steps(case: dict) -> dict[str, list[tuple]]:
     steps: dict = {}
     trace_hf_config(llama_config(case), kernels="cuda", compose=False, layer_order=True, steps=steps)
     return steps
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print, for each recording given, the middle decoder layer's pieces: recorded requests, the trace's and
-    memplan's stream's reproduced ones, the requests the trace misses."""
-    p = argparse.ArgumentParser(prog="python -m validation.layer_match", description=__doc__.split("\n")[0])
-    p.add_argument("recordings", nargs="+", help="CUDA recordings (tests/data/alloc/cuda/*.json.gz)")
-    a = p.parse_args(argv)
-    workspace = card_preset("NVIDIA H100 80GB HBM3").workspace_bytes
-    traces: dict = {}
-    for path in a.recordings:
-        rec = load(path)
-        c = rec.case
-        key = tuple(sorted((k, v) for k, v in c.items() if k in ("h", "f", "a", "g", "L", "v", "head_dim")))
-        if key not in traces:
-            traces[key] = traced_steps(c)
-        cases = [x for x in ALLOCATOR_CASES + MAX_SEQ_CASES if x.h == c["h"] and x.L == c["L"]
-                 and x.optimizer == c["optimizer"] and x.recompute == c["recompute"]]
-        case = dataclasses.replace(cases[0], s=c["s"])
-        stream = allocation_stream(peak_config(case), case.impl, "cuda", workspace_bytes=workspace)
-        layer = c["L"] // 2
-        step = match_step(rec.events, traces[key][c["recompute"]], c)
-        top = ", ".join(f"{n} x {x:,} B" for x, n in sorted(step.unmatched.items(), key=lambda kv: -kv[1])[:8])
-        print(f"{Path(path).name}: the last step (its optimizer step included): {step.recorded} recorded requests, "
-              f"the trace reproduces {step.matched} of its {step.traced}; of their allocations and frees "
-              f"{step.events_in_order} of {step.events_traced} in the recorded order; not traced (most): {top}")
-        print(f"  layer {layer} (from 0)")
-        for m in match_layer(rec.events, traces[key][c["recompute"]], c, layer, memplan_pieces(stream, layer)):
-            print(f"  {m.piece}: {len(m.recorded)} recorded requests; the trace reproduces {m.traced} (of its "
-                  f"{m.traced_total}), memplan's stream {m.memplan} (of its {m.memplan_total}); not traced: "
-                  f"{', '.join(f'{x:,} B' for x in m.unmatched) or 'none'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

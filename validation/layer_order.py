@@ -159,3 +159,86 @@ def file_rows(runs: list[dict], groups: list[dict], traced: list[int], num_layer
             rows.append({"group": k, "layer": layer, "recompute": recompute,
                          **layer_pieces(events, traced.index(layer))})
     return rows
+
+
+MATMULS = ("mm", "addmm", "bmm", "matmul", "_scaled_mm")
+WORKSPACES = {"forward": "W1", "backward": "W2"}  # in step_order: cuBLAS's workspace of the thread (its first matmul)
+
+
+def _section(events: list[tuple]) -> list:
+    """Each event's place in the file's step order: "before", "middle" or "after" (outside the decoder layers:
+    before the first layer's forward; between the last layer's forward and the first backward; after the last
+    layer's backward), or (piece, position of the layer in the traced model); an event outside the layers between
+    two layers' pieces (the freed input of the layer before, when the model's loop drops it) goes with the piece
+    before it."""
+    keys = [None if layer is None else ("forward" if phase == "forward" else "rerun" if rerun else "backward", layer)
+            for phase, layer, rerun in (e[2] for e in events)]
+    inside = [k for k, key in enumerate(keys) if key is not None]
+    if not inside:
+        raise ValueError("no decoder layer in the traced step")
+    forwards = [k for k in inside if keys[k][0] == "forward"]
+    backwards = [k for k in inside if keys[k][0] != "forward"]
+    out, previous = [], None
+    for k, key in enumerate(keys):
+        if key is not None:
+            previous = key
+        elif k < inside[0]:
+            key = "before"
+        elif k > inside[-1]:
+            key = "after"
+        elif k < forwards[-1] or (backwards and k > backwards[0]):
+            key = previous
+        else:
+            key = "middle"
+        out.append(key)
+    return out
+
+
+def step_row(events: list[tuple], recompute: str, traced: list[int], copies: dict[int, int],
+             num_layers: int) -> dict:
+    """The whole traced step (``step_order``'s events) in the inventory file's compact form (``step_order``, read
+    by memplan/inventory/step_order.py, which joins it into the model's step): the pieces outside the decoder layers
+    (``before``, ``middle``, ``after``) once, each traced layer's ``forward``, ``rerun`` and ``backward`` as a
+    template (identical ones once), and ``layers``, the template of each of the model's layers (a layer not traced:
+    the one whose terms it has, ``copies``). An allocation is its size's polynomial text; a free is the index of an
+    allocation of its own piece's owner (a layer's, counted over its three pieces in order; the outside's, over its
+    three), or "O:i" (the outside's i-th, freed in a layer), "L-1:i" / "L+1:i" (a neighbour layer's, freed in a
+    layer: the traced model's neighbours are the model's), "L@j:i" (layer j's, freed outside); ``WORKSPACES`` after
+    the output of the first matmul of the forward and of the backward (where cuBLAS makes each thread's 32 MiB
+    workspace: tests/test_layer_order.py ``test_workspaces_as_recorded``)."""
+    sections = _section(events)
+    owner: list = []  # allocation number -> (owner, index in its owner)
+    counts: dict = {}
+    pieces: dict = {}
+    matmul = {"forward": False, "backward": False}
+    for e, key in zip(events, sections):
+        who = "out" if isinstance(key, str) else key[1]
+        piece = pieces.setdefault(key, [])
+        if e[0] == "+":
+            owner.append((who, counts.get(who, 0)))
+            counts[who] = counts.get(who, 0) + 1
+            piece.append(e[1])
+            phase = e[2][0]
+            if phase in matmul and not matmul[phase] and e[3].rsplit(": ", 1)[-1] in MATMULS:
+                matmul[phase] = True
+                piece.append(WORKSPACES[phase])
+            continue
+        target, index = owner[e[1]]
+        if target == who:
+            piece.append(index)
+        elif target == "out":
+            piece.append(f"O:{index}")
+        elif who == "out":
+            piece.append(f"L@{traced[target]}:{index}")
+        else:
+            piece.append(f"L{target - who:+d}:{index}")
+    templates: list[dict] = []
+    of_traced = []
+    for k in range(len(traced)):
+        template = {name: pieces[name, k] for name in PIECES if (name, k) in pieces}
+        if template not in templates:
+            templates.append(template)
+        of_traced.append(templates.index(template))
+    layers = [of_traced[traced.index(i if i in traced else copies[i])] for i in range(num_layers)]
+    return {"recompute": recompute, "layers": layers, "templates": templates,
+            **{name: pieces.get(name, []) for name in ("before", "middle", "after")}}

@@ -133,8 +133,9 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     model, the reference the composition is tested against). ``progress`` is told, in one line, what is traced.
     ``sdpa``: with ``kernels="cuda"``, the sdpa kernels tried in order (default torch's on an H100: ``SDPA_ORDER``;
     one name forces that kernel, as ``torch.nn.attention.sdpa_kernel`` does). ``layer_order`` (with ``moments``):
-    also ``layer_order``, one layer of each group's allocations and frees in order (validation/layer_order.py), and,
-    into ``steps`` when a dict, each run's whole step in order (``layer_order.step_order``) by recompute (none, full).
+    also ``layer_order``, one layer of each group's allocations and frees in order (validation/layer_order.py),
+    ``step_order``, the whole step's in the compact form memplan's allocation stream reads (``layer_order.step_row``),
+    and, into ``steps`` when a dict, each run's whole step in order (``layer_order.step_order``) by recompute.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}")
@@ -203,8 +204,11 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         data.update(moments_sections(runs, body, ids, path, num_layers, same,
                                       compose_.stand_ins(holder["kinds"]) if compose else {}))
     if layer_order and moments:
+        steps = {} if steps is None else steps
         data["layer_order"] = order_.file_rows(runs, body["layer_groups"], list(holder["index"]), num_layers,
                                                     poly_text, steps)
+        data["step_order"] = [order_.step_row(events, recompute, list(holder["index"]), same, num_layers)
+                              for recompute, events in steps.items()]
     return data
 
 
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s-hint", type=int, default=4096, help="the sequence length range guards are decided at")
     p.add_argument("--out", help="write the YAML here (default: stdout)")
     p.add_argument("--layer-order", action="store_true",
-                   help="also record one layer of each group's allocations and frees in order (layer_order)")
+                   help="also record the allocations and frees in order: one layer of each group (layer_order) and "
+                        "the whole step (step_order, which memplan's allocation stream reads)")
     a = p.parse_args(argv)
     try:
         data = trace_hf_config(a.hf_config, a.impl, a.kernels, a.dtype, s_hint=a.s_hint,

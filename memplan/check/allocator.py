@@ -23,12 +23,13 @@ from typing import Any, Optional
 
 from memplan.check.peak import PEAK_TOLERANCE, PeakCase, card_preset, peak_config, step_fields
 from memplan.core.harness import harness
-from memplan.core.specs import GpuSpec
+from memplan.core.specs import Config, GpuSpec
 from memplan.memory.alloc_conf import AllocatorConfig
 from memplan.memory.allocator import ReplayResult, replay
 from memplan.memory.reserved import (ALLOCATORS, EXPANDABLE_CONF, Replay, allocation_stream, allocator_config,
                                      replay_stream)
 from memplan.plan.limits import max_seq_len
+from memplan.presets.files import configs_dir
 
 # small Llama-shaped transformers steps (sdpa, bf16 weights and AdamW states; the logits 8 MiB, beyond the small
 # pool): torch's default (foreach) and fused AdamW, with and without gradient checkpointing
@@ -40,6 +41,19 @@ ALLOCATOR_CASES = [PeakCase(name=f"llama-small {opt} {rec}", **_SMALL, optimizer
 _LLAMA3_8B = dict(model="llama", attn="sdpa", s=2048, b=1, h=4096, a=32, g=8, f=14336, L=32, v=128256)
 MAX_SEQ_CASES = [PeakCase(name=f"llama3-8b {opt} {rec}", **_LLAMA3_8B, optimizer=opt, recompute=rec)
                  for opt in ("foreach", "fused") for rec in ("none", "full")]
+# llama3-8b's traced inventory with the step's order (validation/layer_order.py): the MAX_SEQ_CASES' stream is the
+# traced code's allocations in order (memplan/memory/stream_traced.py; tests/test_alloc_stream_cuda.py)
+LLAMA3_8B_ORDER = configs_dir() / "traced" / "llama3-8b" / "hf-sdpa-cuda.yaml"
+
+
+def case_config(case: PeakCase) -> Config:
+    """The plan a case runs, as memplan's Config (`peak_config`), a llama3-8b case's with its traced inventory."""
+    config = peak_config(case)
+    if (case.h, case.L, case.v) != (_LLAMA3_8B["h"], _LLAMA3_8B["L"], _LLAMA3_8B["v"]):
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"inventory": str(LLAMA3_8B_ORDER)})})
+
+
 NO_LIMIT = 1 << 50  # the replay's capacity for a run that must not die: the reserved peak without pressure
 
 
@@ -123,7 +137,7 @@ def run_allocator(cases: list[PeakCase], device: str = "cpu", record_dir: Option
     results = []
     with tempfile.TemporaryDirectory(prefix="memplan-alloc-") as tmp:
         for case in cases:
-            config = peak_config(case)
+            config = case_config(case)
             # on CUDA the run holds cuBLAS's workspaces (the card's preset; GpuSpec.step_workspace_bytes)
             ours = allocation_stream(config, case.impl, device,
                                      workspace_bytes=card_preset().workspace_bytes if device == "cuda" else 0)
@@ -184,8 +198,9 @@ class MaxSeqResult:
 
 
 def predicted_max_seq(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> Optional[int]:
-    """memplan's `--max-seq` for the case's run on `gpu` with `allocator` (the replay's verdict)."""
-    return max_seq_len(peak_config(case), gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
+    """memplan's `--max-seq` for the case's run on `gpu` with `allocator` (the replay's verdict; llama3-8b's from
+    its traced stream, `case_config`)."""
+    return max_seq_len(case_config(case), gpu.process_memory_bytes, case.impl, "cuda", gpu, replay=Replay(allocator))
 
 
 def max_seq_check(case: PeakCase, gpu: GpuSpec, allocator: str = "default") -> MaxSeqResult:

@@ -153,7 +153,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     pieces = minis.pieces_for(model, training, impl)
     if training.liger and pieces != (1, 1):
         raise MemplanError("--liger computes the LM head and loss in its own chunks: drop --mst")
-    inventory = inventory_for(model, impl, device, training.loss_chunks, training.fp8, pieces)
+    inventory = base = inventory_for(model, impl, device, training.loss_chunks, training.fp8, pieces)
     inventory = apply_fusions(inventory, model, impl, device, training.fusions_off)
     inventory = apply_loss_fusion(inventory, impl, device, training.cross_entropy_fusion, training.loss_chunks)
     selective = tuple(training.recompute_modules) if training.recompute == Recompute.SELECTIVE else ()
@@ -176,7 +176,14 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     if training.optimizer_in_backward and inventory.grad_lifetime != "backward":
         raise MemplanError(f"the optimizer step in the backward is modelled for torch .grad training loops "
                            f"(--impl hf-*), not --impl {impl}")
-    return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training))
+    # a traced step's order is the traced code's: a setting that changed the inventory changes the code run, as do
+    # other dtypes than the trace's bf16 weights, gradients and activations without master weights (bf16-true); a
+    # MoE or MLA model's traced order is not checked against recordings (memplan/memory/stream_traced.py)
+    same = ((inventory.terms, inventory.moments, inventory.held) == (base.terms, base.moments, base.held)
+            and (training.weight_bytes, training.grad_bytes, training.activation_bytes,
+                 training.master_weight_bytes) == (2, 2, 2, 0) and not model.is_moe and not model.is_mla)
+    return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training),
+                               step_order=inventory.step_order if same else ())
 
 
 def stream_checked(model: ModelSpec, impl: str, device: str, training: Any) -> bool:

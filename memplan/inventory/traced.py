@@ -40,6 +40,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.hf import checkpoint_mask, hf_layer_moments, hf_loss_moments
+from memplan.inventory.step_order import expand
 from memplan.inventory.traced_file import SYMBOLS, LayerGroup, TracedFile, TracedTerm, file_name, load, term_dtype
 from memplan.inventory.types import OUTPUT_LAYER_W, Dtype, Inventory, Moment, Term, saved, transient
 
@@ -186,7 +187,9 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
         terms_by_id = tuple(terms)
         return Inventory(f"{impl}/{device}", terms_by_id, tuple(_traced_moments(model, traced, terms)), "backward",
                          False, "fused", "torch", origin=origin_text(traced) + "; transients traced",
-                         traced_from=_least_values(traced.conditions))
+                         traced_from=_least_values(traced.conditions),
+                         step_order=tuple((row.recompute, traced.num_layers, expand(row, traced.num_layers))
+                                          for row in traced.step_order))
     # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
     # without recompute, added as terms_hf's measured inventories add them
     terms.append(saved("layer_input", "layer input, kept by gradient checkpointing", "layer norms", "s b h",

@@ -31,6 +31,7 @@ from memplan.core.harness import harness
 from memplan.core.model import MAX_LAYERS
 from memplan.core.spec_base import describe_validation_error, echo
 from memplan.core.symbolic import Poly
+from memplan.inventory.step_order import StepOrder, expand
 from memplan.inventory.types import Dtype
 
 FORMAT = "memplan-traced-inventory/2"
@@ -128,7 +129,7 @@ class LayerOrder(_Row):
     without (`recompute` none) or with gradient checkpointing (full): its `forward`, its `rerun` in the backward and
     its `backward`, each entry an allocation (its bytes, a polynomial in s and b), the free of one of the layer's
     allocations (its index, counted over the pieces in order) or the free of a tensor made outside the layer ("-" and
-    its bytes). Not used by memplan's stream yet (memplan/memory/stream.py); validation/layer_match.py measures it."""
+    its bytes). validation/layer_match.py measures it; memplan's stream reads the whole step's (`StepOrder`)."""
     group: int
     layer: int
     recompute: Literal["none", "full"]
@@ -147,6 +148,7 @@ class TracedFile(_Row):
     checkpoint: Optional[Checkpoint] = None
     moments: list[TracedMoment] = []
     layer_order: list[LayerOrder] = []  # absent in files traced without --layer-order
+    step_order: list[StepOrder] = []  # the whole step's order (memplan/inventory/step_order.py); likewise
 
 
 # config.json keys that do not change what a training step saves: the file's own metadata, generation and
@@ -260,6 +262,8 @@ def read_traced(path: Path) -> TracedFile:
             raise MemplanError(f"{path}: moment at {m.at} names saves the file does not have: {', '.join(unknown)}")
     for row in traced.layer_order:
         _check_order(row, groups, path)
+    for row in traced.step_order:
+        expand(row, traced.num_layers, f"{path}: step_order ({row.recompute})")
     return traced
 
 

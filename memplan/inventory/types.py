@@ -243,6 +243,10 @@ class Inventory:
     # makes term t's tensor (a saved term of the layer, by id, or a transient of its own), ("-", t) frees it; run
     # without saving, every tensor made is freed within the layer (memplan/memory/stream.py _layer_forward)
     checkpointed_forward: tuple[tuple[str, Term], ...] = ()
+    # a traced step's allocations and frees in the real code's order: (recompute "none" / "full", the model's layers,
+    # memplan/inventory/step_order.py `expand`'s events) of each run traced; memplan/memory/stream_traced.py makes
+    # each step of the stream from it (empty: the stream derived from the timeline, memplan/memory/stream.py)
+    step_order: tuple[tuple[str, int, tuple], ...] = ()
 
 
 HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica

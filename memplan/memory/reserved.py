@@ -23,7 +23,8 @@ from memplan.inventory.types import HF_IMPLS
 from memplan.memory.alloc_conf import AllocatorConfig, parse_alloc_conf
 from memplan.memory.allocator import ReplayResult, replay_ops
 from memplan.memory.stage import stage_memory
-from memplan.memory.stream import AllocationStream, stream_for
+from memplan.memory.stream import AllocationStream
+from memplan.memory.stream_traced import run_stream
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import most_loaded_stage, step_events
 
@@ -161,5 +162,5 @@ def allocation_stream(config: Config, impl: str = "megatron", device: str = "cud
     if stage is None:
         stage = most_loaded_stage([step_events(config.model, inventory, config.training, plan, mem, i, critical=True)
                                    for i, mem in enumerate(mems)], mems)
-    return stream_for(config.model, inventory, config.training, plan, stage, mems[stage], steps, first_step_seq_len,
+    return run_stream(config.model, inventory, config.training, plan, stage, mems[stage], steps, first_step_seq_len,
                       workspace_bytes)

@@ -1,18 +1,16 @@
 """The peak of a training step: the bytes alive after each event of one step on one GPU of a pipeline stage, from
-the inventory (saved terms and the moments their code peaks at), the states and the training loop; and what the
-device needs beyond PyTorch's allocator.
+the inventory (saved terms and the moments their code peaks at), the states and the training loop; and what the device
+needs beyond PyTorch's allocator.
 
 One step on a stage, walked for the micro-batch whose backward comes first in the steady state
 (1F1B: the stage then holds every in-flight model chunk), layer position j = 1..n of its chunk:
 
 - forward, after layer j: states + gradients that exist + the saved tensors of the other in-flight chunks + this
   chunk's first j layers;
-- loss (last stage): the inventory's moments around the loss (logits and their fp32 copy in the
-  forward; the cross-entropy's and the output layer's gradients, phase "backward", layer None) on
-  top of everything saved;
-- backward of layer j (n down to 1): the layers below j still saved, layer j's saved terms that
-  its moments have not freed (all of them re-created when the layer is recomputed), the moments'
-  transient tensors, and the gradients made so far;
+- loss (last stage): the inventory's moments around the loss (logits and their fp32 copy in the forward; the
+  cross-entropy's and the output layer's gradients, phase "backward", layer None) on top of everything saved;
+- backward of layer j (n down to 1): the layers below j still saved, layer j's saved terms that its moments have not
+  freed (all of them re-created when the layer is recomputed), the moments' transient tensors, the gradients so far;
 - embedding backward (first stage): every gradient, nothing of this chunk saved;
 - optimizer: states + every gradient + the optimizer's temporaries (torch AdamW foreach: one tensor the size of
   the parameters it steps, in their dtype, `exp_avg_sq_sqrt` in torch/optim/adam.py `_multi_tensor_adam`; fused:
@@ -39,6 +37,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
+from memplan.inventory.step_order import runs_traced
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
@@ -476,19 +475,20 @@ def communicators(plan: PlanValues) -> Any:
 
 def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec],
                   margin: Optional[float] = None) -> DeviceMemory:
-    """The tensors' peak + the cuBLAS workspace, the GPU preset's margin on both (none with Inventory.stream_checked:
-    the replay decides) and the runtime's own memory (all from the GPU preset; none without a GPU)."""
+    """The tensors' peak + the cuBLAS workspace, the GPU preset's margin on both (none with Inventory.stream_checked
+    and for plans whose stream is a traced order, step_order.runs_traced: the replay decides) and the runtime's own
+    memory (all from the GPU preset; none without a GPU)."""
     if gpu is None:
         m = margin or 0.0
         return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes, m)
-    m = (0.0 if inventory.stream_checked else gpu.fragmentation_margin) if margin is None else margin
-    base = gpu.runtime_bytes.get(inventory.runtime)
-    groups = communicators(plan)
-    # the megatron figure was measured with one communicator already in it
-    extra = maximum(groups - 1, 0) if inventory.runtime == "megatron" else groups
-    allocated = peak_bytes + gpu.step_workspace_bytes
-    return DeviceMemory(peak_bytes, gpu.step_workspace_bytes, fraction_bytes(allocated, m),
-                        base + extra * gpu.nccl_communicator_bytes, m)
+    traced = runs_traced(inventory.step_order, plan) if inventory.step_order and margin is None else False
+    one = not getattr(traced, "ndim", 0) and bool(traced)  # one plan, a traced order's
+    m = (0.0 if inventory.stream_checked or one else gpu.fragmentation_margin) if margin is None else margin
+    extra = maximum(communicators(plan) - 1, 0) if inventory.runtime == "megatron" else communicators(plan)  # the
+    # megatron figure was measured with one communicator already in it
+    frag = fraction_bytes(peak_bytes + gpu.step_workspace_bytes, m)
+    return DeviceMemory(peak_bytes, gpu.step_workspace_bytes, frag - frag * traced,
+                        gpu.runtime_bytes.get(inventory.runtime) + extra * gpu.nccl_communicator_bytes, m)
 
 
 def fraction_bytes(n: Any, margin: float) -> Any:

@@ -34,9 +34,10 @@ from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
 from memplan.memory.reserved import Replay, Reserved, replay_run
-from memplan.memory.stream import not_streamed, stream_for
+from memplan.memory.stream import not_streamed
 from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
+from memplan.memory.stream_traced import run_stream
 from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
                                      step_events)
 from memplan.timing.step import step_time
@@ -274,7 +275,7 @@ def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_m
         int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
 
     def make() -> AllocationStream:
-        return stream_for(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
+        return run_stream(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
                           first_step_seq_len=replay.first_step_seq_len,
                           workspace_bytes=gpu.workspace_bytes if gpu is not None else 0)
 

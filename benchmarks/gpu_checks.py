@@ -10,7 +10,7 @@ still leaves what it finished):
    against real runs: the prediction must train, one 1,024-token step more must die (issue 20's done-means); the
    run at the prediction is recorded; where the verdict misses, one more run bounds the longest that trains.
 
-    PYTHONPATH=. python -m validation.gpu_checks --out DIR --tar FILE.tgz --predictions P.json --deadline 500
+    PYTHONPATH=. python benchmarks/gpu_checks.py --out DIR --tar FILE.tgz --predictions P.json --deadline 500
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def allocator(out: Path) -> None:
 
 
 def dropout(out: Path, predictions: str) -> None:
-    from . import cuda_dropout
+    from validation import cuda_dropout
 
     cuda_dropout.main(["measure", "--predictions", predictions, "--out", str(out / "dropout.json")])
 
@@ -106,7 +106,7 @@ def _run(case, s: int, allocator: str, out: Optional[Path]) -> tuple[str, Option
     """('trains' | 'dies' | 'error: ...', the recording's stats) of one fresh-process run at length s."""
     from memplan.check.allocator import record_cuda
 
-    from . import alloc_trace
+    from validation import alloc_trace
 
     try:
         rec = record_cuda(case, allocator, out, s, timeout_s=RUN_TIMEOUT_S)
@@ -187,7 +187,7 @@ def probe(out: Path, clock: Clock, runs: str, tar: Optional[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m validation.gpu_checks")
+    parser = argparse.ArgumentParser(prog="python benchmarks/gpu_checks.py")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tar")
     parser.add_argument("--predictions", help="validation.cuda_dropout predict's file (else no dropout stage)")
