@@ -205,8 +205,8 @@ def load_json_text(text: str, where: str, infinity: bool = False) -> Any:
 
 
 def read_json(path: Path, what: str = "config.json") -> Any:
-    """A JSON file, read by load_json_text."""
-    return load_json_text(read_text(path, what), str(path))
+    """A JSON file, read by load_json_text; Infinity allowed (its callers read transformers' config.json files)."""
+    return load_json_text(read_text(path, what), str(path), infinity=True)
 
 
 def check_data(data: Any, where: str) -> None:

@@ -15,7 +15,7 @@ from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
 from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
                                          flag as _flag)
-from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS, NOTE as HYBRID_NOTE
+from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
@@ -474,7 +474,6 @@ def read_hf_config(path_text: str) -> ModelPreset:
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
-    notes += (HYBRID_NOTE,) if known[0] in HYBRIDS else ()
     approximated = {**_APPROXIMATED, **APPROXIMATED}
     if known[0] in approximated:
         notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "

@@ -3,9 +3,8 @@ Granite 4 hybrids (granitemoehybrid) and Falcon-H1, from transformers' own model
 layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
 by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
 
-``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); ``NOTE`` is
-what every estimate of them says: their activations are traced from transformers' torch path of the mixer (the chunked
-scan), not from the CUDA kernels (mamba-ssm, causal-conv1d) a GPU run uses."""
+``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
+activations are traced (--impl hf-*: memplan/inventory/traced.py HYBRID_NOTE says what that leaves out)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,6 @@ from typing import Any, Callable
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
-
-NOTE = ("a state-space hybrid: its Mamba-2 layers' activations are what transformers' torch path saves (the chunked "
-        "scan, torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's fused "
-        "kernels (mamba_chunk_scan_combined, causal_conv1d) when installed, which save other tensors: not modelled. "
-        "Only --impl hf-sdpa / hf-eager estimate it (the megatron* inventories have no mixer)")
 
 # transformers' layer-type names (and their legacy spellings, configuration_utils._LEGACY_LAYER_TYPE_REMAP) as the
 # blocks of a layer with an MLP (Bamba, Granite 4) and of Nemotron-H's one-block layers (its hybrid_override_pattern)
@@ -117,6 +111,9 @@ def _nemotron_h(data: dict, path: Path) -> dict[str, Any]:
     if data.get("moe_latent_size") is not None:
         raise MemplanError(f"{path}: Nemotron-H with moe_latent_size (the experts in a latent space): not modelled; "
                            f"{YAML_HINT}")
+    if "E" in pattern and flag(data, "mlp_bias", False, path):
+        raise MemplanError(f"{path}: Nemotron-H with experts and mlp_bias (biases on the shared expert's linears): not "
+                           f"counted; {YAML_HINT}")
     bias = flag(data, "use_bias", False, path)
     moe = dict(num_experts=nat(data, "n_routed_experts", 8, path), moe_top_k=nat(data, "num_experts_per_tok", 2, path),
                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 7688, path),
