@@ -20,11 +20,17 @@ from memplan.core.model import ModelSpec
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
 from memplan.check import registry  # noqa: E402
 from memplan.check.validate import measured_buckets  # noqa: E402
 from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
+from memplan.memory.states import counter, layer_params  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.registry import meta_params, measure, tiny_config, trace  # noqa: E402
 from validation.trace import to_yaml  # noqa: E402
+from validation.trace_config import hf_config  # noqa: E402
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -110,3 +116,17 @@ def test_estimate_answers_with_the_trace(bamba, run_cli, tmp_path):
     assert code == 0 and "s = 72 is not a multiple of 16" in out
     code, out, err = run_cli(*args)  # --impl megatron: no mixer in its inventories
     assert code == 2 and out == "" and "use --impl hf-sdpa or hf-eager" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h", "bamba"])
+def test_the_largest_layer_is_the_largest_of_the_real_model(model_type, tmp_path):
+    """ZeRO-3 gathers one layer at a time: layer_params of a hybrid is its largest layer, block by block (Nemotron-H:
+    the experts' layer; Bamba: the mixer's), equal to the largest decoder layer transformers builds on the meta
+    device."""
+    config = tiny_config(model_type)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = read_hf_config(str(tmp_path / "config.json")).model
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf_config(config))
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in built.model.layers)
+    assert layer_params(model, counter(model.symbols(t=1))) == largest
