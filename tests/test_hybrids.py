@@ -26,6 +26,7 @@ import transformers  # noqa: E402
 from memplan.check import registry  # noqa: E402
 from memplan.check.validate import measured_buckets  # noqa: E402
 from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
+from memplan.launch.megatron import launch_refusal  # noqa: E402
 from memplan.memory.states import counter, layer_params  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation.registry import meta_params, measure, tiny_config, trace  # noqa: E402
@@ -130,3 +131,10 @@ def test_the_largest_layer_is_the_largest_of_the_real_model(model_type, tmp_path
         built = transformers.AutoModelForCausalLM.from_config(hf_config(config))
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in built.model.layers)
     assert layer_params(model, counter(model.symbols(t=1))) == largest
+
+
+def test_no_megatron_launch_is_emitted_for_a_hybrid(tmp_path):
+    """memplan emits Megatron-LM's GPTModel arguments; a hybrid (Megatron-LM's MambaModel) gets none, and says why."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("bamba")))
+    refusal = launch_refusal(read_hf_config(str(tmp_path / "config.json")).model)
+    assert refusal and "state-space mixer blocks" in refusal and "\n" not in refusal
