@@ -39,6 +39,7 @@ from validation.trace_config import hf_config  # noqa: E402
     ("bamba", dict(attention_bias=True, mlp_bias=True)),
     ("falcon_h1", dict(mamba_rms_norm=True, projectors_bias=True)),  # the gated norm; out_proj's own bias
     ("nemotron_h", dict(use_bias=True)),  # Nemotron-H's mixer biases are use_bias, not mamba_proj_bias
+    ("nemotron_h", dict(mamba_n_groups=4, mamba_d_conv=3, mamba_conv_bias=False)),  # the Hub files' older names win
     ("granitemoehybrid", dict(num_local_experts=0)),  # no experts: the shared MLP is the layer's MLP
     ("mamba2", dict(use_bias=True, use_conv_bias=False)),
 ])
@@ -49,10 +50,13 @@ def test_the_switches_count_exactly(model_type, switches):
 
 def test_the_hub_files_pattern_string_counts_exactly():
     """Nemotron-H's published config.json names its layers by hybrid_override_pattern (M mixer, * attention, - MLP, E
-    experts; transformers' NemotronHConfig turns it into layers_block_type)."""
+    experts; transformers' NemotronHConfig turns it into layers_block_type); Granite 4's by the legacy names."""
     config = {k: v for k, v in tiny_config("nemotron_h").items() if k != "layers_block_type"}
     config.update(hybrid_override_pattern="M-M*-E", num_hidden_layers=6)
     assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config("nemotron_h"))
+    # Granite 4's published files name the layer types mamba / attention (transformers' legacy spellings)
+    config = {**tiny_config("granitemoehybrid"), "layer_types": ["attention", "mamba"]}
+    assert registry.memplan_params(config) == meta_params(config)
 
 
 @pytest.mark.parametrize("model_type, switches, says", [

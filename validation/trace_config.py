@@ -99,7 +99,7 @@ def scan_chunk(config: dict) -> int:
     (trace_run's ``s_multiple``), the condition ``s % chunk == 0`` in the file, and is exact there."""
     if "time_step_limit" not in config:
         return 1
-    chunk = config.get("chunk_size", config.get("mamba_chunk_size", 256))
+    chunk = config.get("mamba_chunk_size", config.get("chunk_size", 256))  # Nemotron-H: the older name wins
     return chunk if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 1 else 1
 
 

@@ -18,6 +18,7 @@ from memplan.presets.hf_families import YAML_HINT, flag, nat
 # transformers' layer-type names (and their legacy spellings, configuration_utils._LEGACY_LAYER_TYPE_REMAP) as the
 # blocks of a layer with an MLP (Bamba, Granite 4) and of Nemotron-H's one-block layers (its hybrid_override_pattern)
 _TWO_BLOCKS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
+_NEMOTRON_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias"}
 _ONE_BLOCK = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
 
 
@@ -114,6 +115,8 @@ def _nemotron_h(data: dict, path: Path) -> dict[str, Any]:
     if "E" in pattern and flag(data, "mlp_bias", False, path):
         raise MemplanError(f"{path}: Nemotron-H with experts and mlp_bias (biases on the shared expert's linears): not "
                            f"counted; {YAML_HINT}")
+    # NemotronHConfig takes the Hub files' older names over the new ones (mamba_n_groups over n_groups, ...)
+    data = {**data, **{new: data[old] for new, old in _NEMOTRON_LEGACY.items() if old in data}}
     bias = flag(data, "use_bias", False, path)
     moe = dict(num_experts=nat(data, "n_routed_experts", 8, path), moe_top_k=nat(data, "num_experts_per_tok", 2, path),
                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 7688, path),
@@ -122,7 +125,7 @@ def _nemotron_h(data: dict, path: Path) -> dict[str, Any]:
     return dict(num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 4096, path), layer_pattern=pattern,
                 head_dim=nat(data, "head_dim", 128, path), mlp="gelu",
                 ffn_hidden_size=nat(data, "intermediate_size", 21504, path), mlp_bias=flag(data, "mlp_bias", False, path),
-                ssm_conv_bias=flag(data, "use_conv_bias", data.get("mamba_conv_bias", True), path), ssm_proj_bias=bias,
+                ssm_conv_bias=flag(data, "use_conv_bias", True, path), ssm_proj_bias=bias,
                 ssm_out_bias=bias, norm_eps=data.get("layer_norm_epsilon"), **_attention(data, path), **moe,
                 **_mixer(data, path, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
                          (128, 64, 128, 8, 4)))
