@@ -119,6 +119,15 @@ def test_estimate_answers_with_the_trace(bamba, run_cli, tmp_path):
     assert "state-space hybrid" in out and "mamba-ssm" in out and "not a multiple" not in out
     code, out, err = run_cli(*args[:-1], "72", "--impl", "hf-sdpa", "--inventory", str(tmp_path / "trace.yaml"))
     assert code == 0 and "s = 72 is not a multiple of 16" in out
+    # explain's "one layer": the average of the real model's decoder layers (transformers' own, on the meta device)
+    code, out, err = run_cli("explain", *args[1:], "--impl", "hf-sdpa", "--inventory", str(tmp_path / "trace.yaml"))
+    with torch.device("meta"):
+        layers = transformers.AutoModelForCausalLM.from_config(hf_config(config)).model.layers
+    average = sum(p.numel() for p in layers.parameters()) / len(layers)
+    line = next(x for x in out.splitlines() if x.startswith("parameters of one layer"))
+    assert code == 0 and "average of the hybrid's layers" in line and line.endswith(f"= {average:,.0f} parameters  "
+                                                                                  "[memplan/memory/states.py "
+                                                                                  "param_groups (Megatron-LM's layout)]")
     code, out, err = run_cli(*args)  # --impl megatron: no mixer in its inventories
     assert code == 2 and out == "" and "use --impl hf-sdpa or hf-eager" in err and len(err.strip().splitlines()) == 1
 
