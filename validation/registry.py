@@ -46,6 +46,14 @@ _SMALL = {
     "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
 }
 
+# a Mamba-2 mixer's shrunk sizes (the configs with a time_step_limit: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids,
+# Falcon-H1): 8 heads 16 wide (= 2 h, the expand the config classes check), a 16-wide state, 16-token chunks (s = 32
+# runs two chunks of the scan); defaults with mixers only (Bamba's, Granite 4's) get attention in their last layer
+_SMALL_SSM = {"num_heads": 8, "mamba_n_heads": 8, "mamba_num_heads": 8, "head_dim": 16, "mamba_d_head": 16,
+              "mamba_head_dim": 16, "state_size": 16, "mamba_d_state": 16, "ssm_state_size": 16, "n_groups": 2,
+              "mamba_n_groups": 2, "chunk_size": 16, "mamba_chunk_size": 16, "time_step_rank": 8, "mamba_d_ssm": 128,
+              "shared_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
+
 # a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),
 # unlike the shrunk defaults so that the reader must take them
 _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
@@ -79,6 +87,8 @@ def _shrink(data: dict) -> dict:
             out[k] = {**v, "rope_theta": 500000.0, "clip_qkv": v.get("clip_qkv") or 8.0}
         elif isinstance(v, dict) and "model_type" in v:
             out[k] = _shrink(v)
+    if "time_step_limit" in data:
+        out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)})
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0
@@ -103,6 +113,10 @@ def _shrink(data: dict) -> dict:
         out["layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
     if isinstance(data.get("per_layer_config"), dict) and isinstance(types, list) and "layer_types" in out:
         out["per_layer_config"] = _shrink_overrides(data["per_layer_config"], types, out["layer_types"])
+    if "time_step_limit" in data and "attn_layer_indices" in data and not data["attn_layer_indices"]:
+        out["attn_layer_indices"] = [1]
+    if "time_step_limit" in data and out.get("layer_types") == ["linear_attention"] * 2:
+        out["layer_types"] = ["linear_attention", "full_attention"]
     if n and layers_key:
         out[layers_key] = n
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)

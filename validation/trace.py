@@ -102,7 +102,7 @@ import torch  # noqa: E402
 from . import compose as compose_  # noqa: E402
 from . import layer_order as order_  # noqa: E402
 from .trace_config import (IMPLS, KERNELS, build_model, config_sha256, decoder_layers_path, hf_config,  # noqa: E402
-                           load_config, num_hidden_layers)
+                           load_config, num_hidden_layers, scan_chunk)
 from .trace_cuda import SDPA_ORDER  # noqa: E402
 from .trace_inventory import inventory_from_saves, moments_sections  # noqa: E402
 from .trace_poly import TraceRefused, poly_text  # noqa: E402
@@ -171,12 +171,16 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
 
     sampled: list[int] = []  # the checkpointed run samples the layers the plain run chose
     shapes: dict = {}
+    chunk = scan_chunk(cfg)  # a Mamba-2 mixer's scan: s a multiple of its chunk
+    if chunk > 1:  # the hint: a multiple of the chunk, at least two chunks, their count not b's hint
+        chunks = max(2, -(-s_hint // chunk))
+        s_hint = chunk * (chunks + (chunks == b_hint))
 
     def run(checkpoint: bool) -> dict:
         out = symbolic_run(build, forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
                            step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled,
                                  "order": layer_order} if moments else None,
-                           shapes=shapes, sdpa=sdpa)
+                           shapes=shapes, sdpa=sdpa, s_multiple=chunk)
         sampled[:] = out.get("sampled", [])
         return out
 

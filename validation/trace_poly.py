@@ -62,7 +62,7 @@ def exact_divisions(expr: sympy.Expr, conditions: list[str]) -> sympy.Expr:
 
 def as_poly_expr(nbytes, named: dict, st: dict, conditions: list[str]) -> sympy.Expr:
     expr = sympy.expand(exact_divisions(sym_expr(nbytes).xreplace(named), conditions))
-    allowed = set(named.values())
+    allowed = set().union(*(v.free_symbols for v in named.values()))  # s and b (s / m: trace_run's s_multiple)
     where = f"{st['module'] or '<model>'}: {st['op']} ({st['dtype']})"
     if not expr.free_symbols <= allowed:
         extra = sorted(map(str, expr.free_symbols - allowed))
@@ -77,11 +77,13 @@ def as_poly_expr(nbytes, named: dict, st: dict, conditions: list[str]) -> sympy.
     return expr
 
 
-def check_guards(env, symbols: dict) -> list[str]:
+def check_guards(env, symbols: dict, scale: dict | None = None) -> list[str]:
     """Refuse a trace that pinned s or b; return the conditions it holds under: the ranges of s and
     b the guards left (``s >= 2``; ``s >= 4096`` after a sliding window's ``kv_length >= window``)
-    and any other guard on them, as text in s and b."""
-    names = {sym: sympy.Symbol(n) for sym, n in symbols.items()}
+    and any other guard on them, as text in s and b; ``scale``: a symbol's multiple of the ShapeEnv's own (s = m c:
+    trace_run's s_multiple)."""
+    scale = scale or {}
+    names = {sym: sympy.Symbol(n) / scale.get(n, 1) for sym, n in symbols.items()}
     pinned = []
     for sym, value in env.replacements.items():
         if sym in symbols:
@@ -104,9 +106,10 @@ def check_guards(env, symbols: dict) -> list[str]:
         lo, hi = (vr.lower, vr.upper) if vr is not None else (2, None)
         if vr is not None and vr.lower == vr.upper:
             pinned.append(f"the range of {name} is [{vr.lower}, {vr.upper}]")
-        ranges.append(f"{name} >= {lo}")
+        m = scale.get(name, 1)
+        ranges.append(f"{name} >= {lo * m}")
         if isinstance(hi, sympy.Integer):  # not int_oo
-            ranges.append(f"{name} <= {hi}")
+            ranges.append(f"{name} <= {hi * m}")
     if pinned:
         raise TraceRefused("the trace specialised the sequence length s or the micro-batch b, so its sizes hold "
                            "only for the traced values: " + "; ".join(pinned))

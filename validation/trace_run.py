@@ -40,7 +40,7 @@ def symbolic_saves(build: Callable[[], torch.nn.Module], forward: Callable[..., 
 def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., torch.Tensor],
                  make_inputs: Callable[[Any, Any], tuple], s_hint: int = 4096, b_hint: int = 2,
                  python_dispatcher: bool = True, kernels: str = "cpu", step: dict | None = None,
-                 shapes: dict | None = None, sdpa: tuple[str, ...] = SDPA_ORDER) -> dict:
+                 shapes: dict | None = None, sdpa: tuple[str, ...] = SDPA_ORDER, s_multiple: int = 1) -> dict:
     """``symbolic_saves``' run, as a dict (model, storages, conditions); with ``step`` (``layers``:
     model -> (decoder layers' module path, their number), ``checkpoint``: gradient checkpointing on)
     also the backward (``loss.backward()`` under the same fake mode, so the gradients are symbolic
@@ -52,11 +52,16 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
     later run finds the first one's fake-tensor dispatch cache (it lives on the ShapeEnv) and its guards
     (decided the same way again); the conditions and sizes come out as with a ShapeEnv of its own. It keeps the
     fake mode and the model too: a later run takes the first one's model (``build`` is called once) without its
-    gradients (kept in ``shapes``: freeing them would log frees into the first run's allocation order). ``sdpa``: the CUDA sdpa kernels tried, in order (``kernels="cuda"``; ``CudaKernels``)."""
+    gradients (kept in ``shapes``: freeing them would log frees into the first run's allocation order). ``sdpa``: the CUDA sdpa kernels tried, in order (``kernels="cuda"``; ``CudaKernels``).
+    ``s_multiple`` m > 1: s is m times a symbol of the ShapeEnv (s a multiple of m, the condition ``s % m == 0``), so a
+    scan that pads s to chunks of m (Mamba-2's torch path: ``chunk_size``) leaves no symbolic remainder to guard on;
+    the sizes come out in s all the same."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+    if s_multiple > 1 and (s_hint % s_multiple or s_hint // s_multiple in (1, b_hint)):
+        raise ValueError("s_hint must be a multiple of s_multiple, at least twice it, its quotient not b_hint")
     if s_hint < 2 or b_hint < 2 or s_hint == b_hint:
         raise ValueError("need distinct hints s_hint, b_hint >= 2 (torch specialises sizes 0 and 1)")
     if kernels not in KERNELS:
@@ -68,15 +73,17 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
         env = ShapeEnv(duck_shape=False)
         symbols = {}
         sizes = {}
-        for name, hint in (("s", s_hint), ("b", b_hint)):
+        for name, hint in (("s", s_hint // s_multiple), ("b", b_hint)):
             sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
             symbols[sym] = name
             sizes[name] = env.create_symintnode(sym, hint=hint)
-        shapes.update(env=env, symbols=symbols, sizes=sizes, hints=(s_hint, b_hint))
-    elif shapes["hints"] != (s_hint, b_hint):
+        sizes["s"] = sizes["s"] * s_multiple  # s = m c: the symbol is c, the sizes are read back in s (named)
+        shapes.update(env=env, symbols=symbols, sizes=sizes, hints=(s_hint, b_hint, s_multiple))
+    elif shapes["hints"] != (s_hint, b_hint, s_multiple):
         raise ValueError("a shared ShapeEnv needs the same hints")
     env, symbols, sizes = shapes["env"], shapes["symbols"], shapes["sizes"]
-    named = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in symbols.items()}
+    scale = {"s": s_multiple, "b": 1}
+    named = {sym: sympy.Symbol(name, integer=True, positive=True) / scale[name] for sym, name in symbols.items()}
     cuda = CudaKernels(named, sdpa) if kernels == "cuda" else None
     run: dict = {}
     polys_conditions: list[str] = []
@@ -111,7 +118,8 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
                     for h in hooks:
                         h.remove()
                 del loss
-    conditions = check_guards(env, symbols) + (cuda.assumed if cuda else [])
+    conditions = check_guards(env, symbols, scale) + (cuda.assumed if cuda else [])
+    conditions += [f"s % {s_multiple} == 0"] if s_multiple > 1 else []
     out = []
     for st in saves.storages():
         st["nbytes"] = as_poly_expr(st["nbytes"], named, st, conditions)

@@ -35,7 +35,13 @@ KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
-_RECURRENT = "state-space, recurrent, convolution or linear-attention layers (Mamba, RWKV, xLSTM, ...): not modelled"
+_RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
+# the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
+_MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
+           "counted")
+_DELTA = ("gated DeltaNet linear-attention layers (flash-linear-attention's chunked delta rule) beside full attention: "
+          "not modelled")
+_SHORT_CONV = "LFM2's gated short-convolution layers (in_proj, a depthwise conv1d, out_proj) beside attention: not counted"
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -44,8 +50,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
-    "bailing_hybrid": ("estimate", _RECURRENT),
-    "bamba": ("estimate", _RECURRENT),
+    "bailing_hybrid": ("estimate", _DELTA),
     "bart": ("estimate", _ENCODER),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
@@ -76,8 +81,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                     "names layers past the second)"),
     "electra": ("estimate", _ENCODER),
     "ernie": ("estimate", _ENCODER),
-    "falcon_h1": ("estimate", _RECURRENT),
-    "falcon_mamba": ("estimate", _RECURRENT),
+    "falcon_mamba": ("estimate", _MAMBA1),
     "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
                           "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", _MULTIMODAL),
@@ -93,31 +97,30 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "specialises s to that width (TraceRefused)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
-    "granitemoehybrid": ("estimate", _RECURRENT),
-    "hrm_text": ("estimate", _RECURRENT),
+    "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
     "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
                           "ffn_hc)"),
     "inkling2_text": ("estimate", "Inkling 2: short convolutions on K / V and after each sub-layer, relative logits, "
                                   "an embedding norm"),
     "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
                                  "embedding norm"),
-    "jamba": ("estimate", _RECURRENT),
+    "jamba": ("estimate", "Jamba: Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel) with attention and "
+                          "experts every few layers: not counted (layer_pattern models Mamba-2's only)"),
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
-    "kimi_linear": ("estimate", _RECURRENT),
-    "lfm2": ("estimate", _RECURRENT),
-    "lfm2_moe": ("estimate", _RECURRENT),
-    "lfm3": ("estimate", _RECURRENT),
+    "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
+    "lfm2": ("estimate", _SHORT_CONV),
+    "lfm2_moe": ("estimate", _SHORT_CONV),
+    "lfm3": ("estimate", _SHORT_CONV),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
-    "mamba": ("estimate", _RECURRENT),
-    "mamba2": ("estimate", _RECURRENT),
+    "mamba": ("estimate", _MAMBA1),
     "marian": ("estimate", _ENCODER),
     "mbart": ("estimate", _ENCODER),
     "megatron-bert": ("estimate", _ENCODER),
     "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
                                   "layer)"),
-    "minimax": ("estimate", _RECURRENT),
+    "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
                                        "shared widths are not read"),
     "mllama": ("estimate", _MULTIMODAL),
@@ -130,24 +133,23 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "mvp": ("estimate", _ENCODER),
-    "nemotron_h": ("estimate", _RECURRENT),
-    "olmo_hybrid": ("estimate", _RECURRENT),
+    "olmo_hybrid": ("estimate", _DELTA),
     "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
                             "specialises s"),
     "pegasus": ("estimate", _ENCODER),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),
     "prophetnet": ("estimate", _ENCODER),
-    "qwen3_5": ("estimate", _RECURRENT),
-    "qwen3_5_moe": ("estimate", _RECURRENT),
-    "qwen3_5_moe_text": ("estimate", _RECURRENT),
-    "qwen3_5_text": ("estimate", _RECURRENT),
-    "qwen3_next": ("estimate", _RECURRENT),
+    "qwen3_5": ("estimate", _DELTA),
+    "qwen3_5_moe": ("estimate", _DELTA),
+    "qwen3_5_moe_text": ("estimate", _DELTA),
+    "qwen3_5_text": ("estimate", _DELTA),
+    "qwen3_next": ("estimate", _DELTA),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
                                    "None), so no reader is checked"),
-    "recurrent_gemma": ("estimate", _RECURRENT),
+    "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "rembert": ("estimate", _ENCODER),
@@ -165,8 +167,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
     "xmod": ("estimate", _ENCODER),
-    "zamba": ("estimate", _RECURRENT),
-    "zamba2": ("estimate", _RECURRENT),
+    "zamba": ("estimate", "Zamba: Mamba-1 mixers with one shared attention block reused every few layers: not counted"),
+    "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
+                           "every few layers: not counted"),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
                          "so no reader is checked"),
 }

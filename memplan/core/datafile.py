@@ -5,7 +5,8 @@ What every file gets: at most MAX_FILE_BYTES (or the caller's cap) read; a FIFO 
 opened; YAML aliases and language tags refused; duplicate keys refused (YAML and JSON); keys that are not strings
 refused; integers of more than MAX_INT_DIGITS digits refused (Python's int() of thousands of digits is slow or
 refused); YAML 1.1 sexagesimal (1:30) and octal (017, 0o17) numbers and yes / no / on / off booleans refused (YAML 1.2 and people read them
-differently); JSON's NaN / Infinity refused; strings that are not valid Unicode (lone surrogates) refused; nesting
+differently); JSON's NaN / Infinity refused (``infinity=True``: Infinity read as a float, for a config.json whose
+transformers writer puts it in a bound: Mamba-2's time_step_limit); strings that are not valid Unicode (lone surrogates) refused; nesting
 deeper than MAX_DEPTH refused; numbers that are not finite (.nan, .inf, 1e999) refused. Every refusal is one MemplanError line naming the file.
 """
 
@@ -182,11 +183,17 @@ def _json_constant(name: str) -> float:
     raise MemplanError(f"{name} is not JSON (write a number)")
 
 
-def load_json_text(text: str, where: str) -> Any:
-    """Strict JSON data from text (see the module docstring for what is refused)."""
+def _json_infinity(name: str) -> float:
+    if name == "Infinity":
+        return math.inf
+    return _json_constant(name)
+
+
+def load_json_text(text: str, where: str, infinity: bool = False) -> Any:
+    """Strict JSON data from text (see the module docstring for what is refused; ``infinity``: Infinity allowed)."""
     try:
         data = json.loads(text, object_pairs_hook=_json_pairs, parse_int=_json_int, parse_float=_json_float,
-                          parse_constant=_json_constant)
+                          parse_constant=_json_infinity if infinity else _json_constant)
     except MemplanError as err:
         raise MemplanError(f"{where}: {err}") from None
     except json.JSONDecodeError as err:
@@ -198,8 +205,8 @@ def load_json_text(text: str, where: str) -> Any:
 
 
 def read_json(path: Path, what: str = "config.json") -> Any:
-    """A JSON file, read by load_json_text."""
-    return load_json_text(read_text(path, what), str(path))
+    """A JSON file, read by load_json_text; Infinity allowed (its callers read transformers' config.json files)."""
+    return load_json_text(read_text(path, what), str(path), infinity=True)
 
 
 def check_data(data: Any, where: str) -> None:

@@ -13,6 +13,12 @@ from memplan.core.spec_base import Spec
 # the per-layer work (stages, events, a trace) must stay bounded.
 MAX_LAYERS = 16_384
 
+# A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
+# mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts; each "norm" one norm before a block.
+LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
+                "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
+                "-": ("dense", "norm"), "E": ("moe", "norm")}
+
 
 class ModelSpec(Spec):
     """A decoder-only transformer's architecture (no weights)."""
@@ -168,6 +174,24 @@ class ModelSpec(Spec):
     moe_shared_gate: bool = Field(
         default=False, description="a sigmoid gate on the shared experts' output, one h-wide weight per MoE layer "
         "(Qwen2-MoE shared_expert_gate)")
+    # State-space hybrids (issue 22: Mamba-2, Bamba, Nemotron-H, Granite 4, Falcon-H1): what each layer holds, and
+    # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
+    # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
+    layer_pattern: Optional[str] = Field(
+        default=None, pattern=r"^[ASPM*E-]+$", description="one character per layer (None: every layer attention + "
+        "MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
+        "M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
+        "the MLP of A / S / P is the model's experts when it has them")
+    ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
+    ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
+    ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")
+    ssm_groups: int = Field(default=1, gt=0, description="G, the B / C groups (mamba_n_groups)")
+    ssm_conv_kernel: int = Field(default=4, gt=0, description="the depthwise convolution's width (mamba_d_conv)")
+    ssm_conv_bias: bool = Field(default=True, description="the convolution's bias (mamba_conv_bias)")
+    ssm_proj_bias: bool = Field(default=False, description="in_proj's bias (mamba_proj_bias)")
+    ssm_out_bias: bool = Field(default=False, description="out_proj's bias (Falcon-H1 projectors_bias; else "
+                               "mamba_proj_bias)")
+    ssm_norm: bool = Field(default=True, description="the gated RMSNorm before out_proj (Falcon-H1 mamba_rms_norm)")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
@@ -286,7 +310,18 @@ class ModelSpec(Spec):
     @property
     def moe_layers(self) -> int:
         """Layers with a mixture-of-experts MLP (0 for a dense model)."""
+        if self.layer_pattern:
+            return self.layer_blocks["moe"]
         return self.num_layers - self.moe_first_dense_layers if self.is_moe else 0
+
+    @property
+    def layer_blocks(self) -> dict[str, int]:
+        """A hybrid's blocks over the whole model (layer_pattern, LAYER_BLOCKS): attention, ssm, dense, moe, norm."""
+        out = dict.fromkeys(("attention", "ssm", "dense", "moe", "norm"), 0)
+        for c in self.layer_pattern or "":
+            for block in LAYER_BLOCKS[c]:
+                out[block if block != "ffn" else "moe" if self.is_moe else "dense"] += 1
+        return out
 
     @property
     def full_layers(self) -> int:
@@ -367,7 +402,28 @@ class ModelSpec(Spec):
                              f"layers' key/value heads {self.full_attention_kv_heads}")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
-        return self._latent()._experts()
+        return self._latent()._experts()._hybrid()
+
+    def _hybrid(self) -> "ModelSpec":
+        """A layer_pattern has a character per layer, a mixer's widths where it has a mixer, experts where it has E;
+        no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are)."""
+        pattern = self.layer_pattern
+        if pattern is None:
+            if self.ssm_heads is not None:
+                raise ValueError("ssm_heads is a state-space field: it needs layer_pattern (which layers have a mixer)")
+            return self
+        if len(pattern) != self.num_layers:
+            raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={self.num_layers:,}")
+        if any(c in pattern for c in "SPM") and self.ssm_heads is None:
+            raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M): they need ssm_heads")
+        if self.ssm_heads is not None and self.ssm_heads % self.ssm_groups:
+            raise ValueError(f"ssm_heads={self.ssm_heads} is not divisible by ssm_groups={self.ssm_groups}")
+        if "E" in pattern and not self.is_moe:
+            raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
+        if self.bias or self.moe_first_dense_layers or self.is_mla:
+            raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
+                             "or latent attention (the pattern places the MLPs: - dense, E experts)")
+        return self
 
     def _latent(self) -> "ModelSpec":
         """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank

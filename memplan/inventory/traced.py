@@ -188,6 +188,7 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
         return Inventory(f"{impl}/{device}", terms_by_id, tuple(_traced_moments(model, traced, terms)), "backward",
                          False, "fused", "torch", origin=origin_text(traced) + "; transients traced",
                          traced_from=_least_values(traced.conditions),
+                         traced_multiple=_multiples(traced.conditions),
                          step_order=tuple((row.recompute, traced.num_layers, expand(row, traced.num_layers))
                                           for row in traced.step_order))
     # gradient checkpointing keeps each layer's input (and, eager, the additive mask): not in a trace
@@ -204,7 +205,8 @@ def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int 
     moments = (_first_moments(model, traced) + _moe_moments(model, hf_layer_moments(model, sdpa, freed))
                + hf_loss_moments(model, final_norm=False))
     return Inventory(f"{impl}/{device}", tuple(terms), tuple(moments), "backward", False, "fused", "torch",
-                     origin=origin_text(traced), traced_from=_least_values(traced.conditions))
+                     origin=origin_text(traced), traced_from=_least_values(traced.conditions),
+                         traced_multiple=_multiples(traced.conditions))
 
 
 def _checkpoint_terms(traced: TracedFile) -> list[Term]:
@@ -299,6 +301,23 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
         out.append(dataclasses.replace(m, transients=transients, source=f"{m.source}; the MLP's gradients sized for "
                                        "the k routed copies of each token through f_e-wide experts"))
     return out
+
+
+# what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are
+HYBRID_NOTE = ("a state-space hybrid: its Mamba-2 layers' activations are what transformers' torch path saves (the "
+               "chunked scan, torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs "
+               "mamba-ssm's fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save "
+               "other tensors: not modelled")
+
+
+def _multiples(conditions: list[str]) -> tuple[tuple[str, int], ...]:
+    """The conditions "s % m == 0" of a trace (validation/trace_config.py scan_chunk: a Mamba-2 scan's chunk)."""
+    out = []
+    for text in conditions:
+        parts = text.split()
+        if len(parts) == 5 and parts[0] in SYMBOLS and parts[1] == "%" and parts[2].isdigit() and parts[3:] == ["==", "0"]:
+            out.append((parts[0], int(parts[2])))
+    return tuple(out)
 
 
 def _least_values(conditions: list[str]) -> tuple[tuple[str, int], ...]:

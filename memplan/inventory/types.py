@@ -231,6 +231,7 @@ class Inventory:
     granularity: int = 1
     origin: str = ""  # a traced inventory's origin (memplan/inventory/traced.py); empty for hand-written ones
     traced_from: tuple[tuple[str, int], ...] = ()  # (symbol, least value) a trace's sizes hold from: (("b", 2),)
+    traced_multiple: tuple[tuple[str, int], ...] = ()  # (symbol, m): a trace's sizes hold where m divides it (a scan's chunk)
     # how the weight matrices are stored (shapes.weight_shapes): transformers keeps a gated model's
     # q/k/v_proj and gate/up_proj apart ("separate"; Phi-3's fused qkv_proj is not modelled), Megatron-LM,
     # the reference layer and transformers' GPT-2 (Conv1D c_attn, c_fc) fuse them

@@ -205,7 +205,9 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.position_offset > 0, "position rows beyond the sequence"),
                (model.embedding_norm, "a norm on the embeddings"),
                (model.qk_norm and model.qk_norm_width == "full", "Q and K norms over the whole width"),
-               (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias")]
+               (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias"),
+               # Megatron-LM's MambaModel (--hybrid-override-pattern) builds hybrids; memplan emits GPTModel only
+               (model.layer_pattern is not None, "state-space mixer blocks (layer_pattern: a hybrid, MambaModel)")]
     missing = [what for on, what in layouts if on]
     if missing:
         return (f"--emit megatron: {echo(model.name)} has {', '.join(missing)}, which no Megatron-LM argument builds "

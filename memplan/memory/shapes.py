@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
+from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
@@ -213,6 +214,9 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
                   layout: Layout = "fused") -> optimizers.StageTensors:
     """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays)."""
+    if model.layer_pattern:
+        raise MemplanError("a state-space hybrid's layers differ in their tensors (layer_pattern): per-tensor optimizer "
+                           "states and optimizer offload are not modelled for it; use --optimizer adamw or sgd")
     shapes = weight_shapes(model, layout)
     on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)

@@ -24,11 +24,11 @@ implementation uses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Literal, Mapping, Optional
 
-from memplan.core.model import ModelSpec
+from memplan.core.model import LAYER_BLOCKS, ModelSpec
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
@@ -39,8 +39,12 @@ from memplan.memory import optimizers
 # MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
-Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full"]
-LAYER_SCOPES = ("layer", "moe", "dense")
+# A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "norm" (one norm), and its MLPs
+# "dense" / "moe", each counted as often as the pattern holds it (ModelSpec.layer_blocks).
+Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
+                "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "norm")
+LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
 
@@ -85,7 +89,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     norm = "2 h" if model.has_norm_bias else "h"  # LayerNorm: weight + bias; RMSNorm (Cohere's LayerNorm): weight
     gated = model.mlp == "swiglu"
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
-    mlp = "dense" if model.moe_first_dense_layers else "layer"
+    mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
     groups = [
         ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
                    True, "layer"),
@@ -127,7 +131,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
             groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
     groups += gemma4_groups(model)
-    if not model.is_moe or model.moe_first_dense_layers:
+    if not model.is_moe or model.moe_first_dense_layers or "-" in (model.layer_pattern or ""):
         prefix = "dense " if model.is_moe else ""
         groups += [
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
@@ -161,7 +165,39 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
-    return tuple(groups)
+    return tuple(hybrid_groups(model, groups))
+
+
+# the attention's groups: a hybrid's "attention" blocks hold them (model_groups' names)
+_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "query / key norms",
+                     "attention sinks", GATE, "QKV biases", "attention output projection bias")
+
+
+def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup]:
+    """A hybrid's groups (ModelSpec.layer_pattern): the attention's in each attention block, the layer norms one norm
+    each, and the Mamba-2 mixer's (transformers Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer, FalconH1Mixer): in_proj
+    h x (2 I + 2 G N + H), the depthwise conv1d (I + 2 G N) x kernel (and its bias), dt_bias, A_log and D (H each),
+    the gated RMSNorm (I) and out_proj I x h, with I = H P. Other models' groups are as they are."""
+    if not model.layer_pattern:
+        return groups
+    norm = "2 h" if model.has_norm_bias else "h"
+    out = [replace(g, scope="attention") if g.name in _ATTENTION_GROUPS else
+           replace(g, count=Poly.parse(norm), scope="norm") if g.name == "layer norms" else g for g in groups]
+    if model.ssm_heads is None:
+        return out
+    H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
+    proj = 2 * i + gn + H
+    out += [ParamGroup("SSM input projection weight", _number(model.hidden_size * proj + model.ssm_proj_bias * proj),
+                       True, "ssm"),
+            ParamGroup("SSM convolution", _number((i + gn) * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                       "ssm"),
+            ParamGroup("SSM heads' dt_bias, A_log, D", _number(3 * H), True, "ssm"),
+            ParamGroup("SSM output projection weight", _number(i * model.hidden_size), True, "ssm")]
+    if model.ssm_norm:
+        out.append(ParamGroup("SSM gated norm", _number(i), True, "ssm"))
+    if model.ssm_out_bias:
+        out.append(ParamGroup("SSM output projection bias", Poly.parse("h"), False, "ssm"))
+    return out
 
 
 def _number(n: int) -> Poly:
@@ -264,11 +300,18 @@ def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0) 
     Config checks) and its MoE layers ("moe": the others); Gemma 4's full-attention layers ("full": the
     stage's share of them, exact for the whole model, derived for a stage) and K / V-sharing layers (the last
     kv_shared_layers, all on the last stage)."""
+    if model.layer_pattern:  # a hybrid: the stage's share of each block (exact for the whole model, derived per stage)
+        return {"layer": layers, **{k: layers * n // model.num_layers for k, n in model.layer_blocks.items()}}
     dense = model.moe_first_dense_layers * is_first
     shared_full = model.kv_shared_full_layers * is_last
     return {"layer": layers, "moe": layers - dense, "dense": dense, "full": layers * model.full_layers //
             model.num_layers, "kv_shared": model.kv_shared_layers * is_last - shared_full,
             "kv_shared_full": shared_full}
+
+
+def block_share(model: ModelSpec, per_scope: Mapping[str, Any]) -> Any:
+    """A hybrid layer's average of amounts per block scope (``per_scope``: one block's each), over its pattern."""
+    return sum(per_scope[k] * n / model.num_layers for k, n in model.layer_blocks.items())
 
 
 def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any) -> Any:
@@ -310,6 +353,15 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
             kinds[group.scope] = kinds[group.scope] + count(group)
     moe, dense = kinds["moe"], kinds["dense"]
     full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
+    if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
+        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope), 0)
+                 for scope in (*HYBRID_SCOPES, "moe", "dense")}
+        sizes = [sum(block["moe" if b == "ffn" and model.is_moe else "dense" if b == "ffn" else b] for b in blocks)
+                 for blocks in (LAYER_BLOCKS[c] for c in set(model.layer_pattern))]
+        largest = sizes[0]
+        for size in sizes[1:]:  # scalars or arrays (a plan's t)
+            largest = largest + (size - largest) * (size > largest)
+        return total + largest
     return total + moe + (dense - moe) * (dense > moe) + full * (full > 0)
 
 

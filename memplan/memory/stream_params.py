@@ -66,11 +66,14 @@ class Persistent:
         shapes = weight_shapes(model, inv.weight_layout)
         wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),
                   "dense_layer": ("layer", "dense"), "last": ("last",)}
+        # a hybrid (layer_pattern): every layer holds its average share of each block (derived)
+        share = {k: n / model.num_layers for k, n in model.layer_blocks.items()} if model.layer_pattern else {}
+        wanted["layer"] = ("layer", *share) if share else wanted["layer"]
         self.tables: dict[str, list] = {}
         for key, scopes in wanted.items():
             rows = [[w.group, w.name, int(w.on_gpu(values, key in ("layer", "dense_layer")).numel)]
                     for w in shapes[key] for _ in range(w.count)]
-            targets = {g.name: int(count(g)) for g in self.groups.values() if g.scope in scopes}
+            targets = {g.name: int(count(g) * share.get(g.scope, 1)) for g in self.groups.values() if g.scope in scopes}
             self.tables[key] = _fit_groups(rows, targets)
         self.tables["head"] = _fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
         self.site_of = {g.name: "last" for g in self.groups.values() if g.scope == "last"}

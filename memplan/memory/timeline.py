@@ -45,7 +45,7 @@ from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_wei
                                     tune_loss_stash)
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.stage import StageMemory
-from memplan.memory.states import LAYER_SCOPES, output_layer_group, param_groups, shard_bytes
+from memplan.memory.states import LAYER_SCOPES, block_share, output_layer_group, param_groups, shard_bytes
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -144,8 +144,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     lora = adapter_groups(model, training) if training.lora_rank else None  # only the adapters get gradients
 
     def group_grad(name: str, kept: bool = False) -> Any:
-        """Gradient bytes of a parameter group on one GPU; `kept`: what a ZeRO-2/3 run keeps of the
-        .grad tensors (its shard: they are reduce-scattered as they are made)."""
+        """Gradient bytes of a parameter group on one GPU; `kept`: what a ZeRO-2/3 run keeps of the .grad tensors."""
         if (name, kept) not in grad_cache:
             if lora is not None:
                 n = sizes.group(lora[name]) * adapter_bytes(training) if name in lora else 0
@@ -158,8 +157,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         return grad_cache[name, kept]
 
     def new_grad(name: str) -> Any:
-        """A group's gradient as autograd makes it, in the weights' dtype (before a hook or
-        AccumulateGrad puts it into the buffer or the .grad)."""
+        """A group's gradient as autograd makes it, in the weights' dtype (before a hook or AccumulateGrad)."""
         if lora is not None:  # fp32 adapters: made in their own dtype
             return group_grad(name)
         return group_grad(name) * training.weight_bytes // training.grad_bytes
@@ -215,6 +213,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         moe_done = minimum(layers_done, n - dense_here)  # the chunk's last layers are its MoE ones
         made = (head_grads * is_last + layers_done * kind["layer"] + moe_done * kind["moe"]
                 + (layers_done - moe_done) * kind["dense"])
+        if model.layer_pattern:  # a hybrid: each block's average share of a layer (derived)
+            made = head_grads * is_last + layers_done * (kind["layer"] + block_share(model, kind))
         return made * (plan.microbatches == 1) + all_grads * (plan.microbatches > 1)
 
     # context parallelism's buffers (memplan/memory/parallel.py): inside the attention forward, and added to its backward

@@ -21,6 +21,7 @@ from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
+from memplan.inventory.traced import HYBRID_NOTE
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
 from memplan.memory.adapters import notes as lora_notes
@@ -342,7 +343,14 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
                              "loss's padded label id; tests/test_traced.py)")
+        for sym, m in inventory.traced_multiple:
+            if plan_values[sym] % m:
+                notes.append(f"{sym} = {plan_values[sym]:,} is not a multiple of {m} (the trace's condition: a Mamba-2 "
+                             f"scan's chunk): transformers pads it to {-(-plan_values[sym] // m) * m:,} inside the scan; "
+                             f"the sizes at {sym} = {plan_values[sym]:,} are used (the scan's tensors under-estimated)")
     m = config.model
+    if m.layer_pattern:
+        notes.append(HYBRID_NOTE)
     if m.is_moe:
         notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
                      f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "

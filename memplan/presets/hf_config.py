@@ -15,6 +15,7 @@ from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
 from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
                                          flag as _flag)
+from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
@@ -65,7 +66,7 @@ HF_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
     # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
-    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS)},
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS, *HYBRIDS)},
 }
 
 
@@ -105,7 +106,7 @@ _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCau
                       "OlmoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts"}
 
 # the architectures whose experts memplan reads: those above (_read_moe) and hf_families' own
-_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, "DbrxForCausalLM")
+_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, *HYBRID_MOE, "DbrxForCausalLM")
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -368,7 +369,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
     if path.is_dir():
         path = path / "config.json"
     text = read_text(path, "config.json")
-    data = load_json_text(text, str(path))
+    data = load_json_text(text, str(path), infinity=True)  # transformers writes Mamba-2's time_step_limit [0, Infinity]
     if not isinstance(data, dict):
         raise MemplanError(f"{path}: expected a JSON object")
     archs = data.get("architectures") or []
@@ -420,6 +421,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
         elif known[0] == "FalconForCausalLM":
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], position_embedding="rope",
                         attention="flash", **_falcon(data, path))
+        elif known[0] in HYBRIDS:  # state-space hybrids (hf_hybrids): dropout on attention or the residual
+            spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
+                        dropout=any(_probability(data, k, 0.0, path) > 0 for k in ("attention_dropout", "hidden_dropout")),
+                        **HYBRIDS[known[0]](data, path))
         elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
             parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
             drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",

@@ -11,6 +11,7 @@ renders them).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any, Optional
 
 from memplan.core.specs import Config, GpuSpec
@@ -209,21 +210,24 @@ def _pipeline(est: Estimate) -> list[Step]:
 def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     c, peak, tr, par = est.config, est.peak, est.config.training, est.config.parallel
 
+    # a hybrid (layer_pattern): "one layer" is its average layer, each block by its share of the layers (derived)
+    share = {k: Fraction(n, c.model.num_layers) for k, n in c.model.layer_blocks.items()} if c.model.layer_pattern else {}
+
     def layer_of(scopes: tuple[str, ...]) -> tuple[Poly, int]:
-        poly, n = Poly(()), 0
+        poly, n = Poly(()), Fraction(0)
         for g in param_groups(c.model):
             if g.scope in scopes:
-                poly = poly + (g.count.divide_by("t") if g.tp_split else g.count)
-                n += int(g.per_gpu(values))
-        return _display(poly, c), n
+                poly = poly + (g.count.divide_by("t") if g.tp_split else g.count) * share.get(g.scope, 1)
+                n += int(g.per_gpu(values)) * share.get(g.scope, 1)
+        return _display(poly, c), int(n)
 
     # an MoE model: "one layer" is an MoE layer; its dense first layers (first stage) are counted apart
-    layer_poly, per_layer = layer_of(("layer", "moe"))
+    layer_poly, per_layer = layer_of(("layer", *share) if share else ("layer", "moe"))
     dense_poly, per_dense = layer_of(("layer", "dense"))
     dense = c.model.moe_first_dense_layers if est.most_loaded == 0 else 0
     layers = c.model.num_layers // par.pp - dense
     other = int(peak.params) - per_layer * layers - per_dense * dense
-    what = "one MoE layer" if c.model.is_moe else "one layer"
+    what = "one layer (the average of the hybrid's layers)" if share else "one MoE layer" if c.model.is_moe else "one layer"
     steps = [Step("states", f"parameters of {what} on one GPU", layer_poly.text(), substituted(layer_poly, values),
                   per_layer, "parameters", "memplan/memory/states.py param_groups (Megatron-LM's layout)")]
     if dense:

@@ -1,0 +1,162 @@
+"""The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
+Granite 4 hybrids (granitemoehybrid) and Falcon-H1, from transformers' own modelling code (transformers 5.23): each
+layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
+by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
+
+``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
+activations are traced (--impl hf-*: memplan/inventory/traced.py HYBRID_NOTE says what that leaves out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+from memplan.presets.hf_families import YAML_HINT, flag, nat
+
+# transformers' layer-type names (and their legacy spellings, configuration_utils._LEGACY_LAYER_TYPE_REMAP) as the
+# blocks of a layer with an MLP (Bamba, Granite 4) and of Nemotron-H's one-block layers (its hybrid_override_pattern)
+_TWO_BLOCKS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
+_NEMOTRON_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias"}
+_ONE_BLOCK = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _mixer(data: dict, path: Path, heads: str, head_dim: str, state: str, groups: str, conv: str,
+           defaults: tuple[int, int, int, int, int]) -> dict[str, Any]:
+    """The Mamba-2 mixer's widths under a family's key names (its config class's defaults for missing keys)."""
+    keys = (heads, head_dim, state, groups, conv)
+    H, P, N, G, K = (nat(data, k, d, path) for k, d in zip(keys, defaults))
+    if H % G:
+        raise MemplanError(f"{path}: {heads} = {H} is not divisible by {groups} = {G}")
+    return dict(ssm_heads=H, ssm_head_dim=P, ssm_state_size=N, ssm_groups=G, ssm_conv_kernel=K)
+
+
+def _types(data: dict, key: str, table: dict, path: Path) -> str:
+    """A layer-type list (layer_types, layers_block_type) as layer_pattern characters."""
+    types = data.get(key)
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in table for t in types):
+        raise MemplanError(f"{path}: {key}: expected a list of the layer types {', '.join(sorted(table))} "
+                           f"(got {echo(types)})")
+    return "".join(table[t] for t in types)
+
+
+def _attention(data: dict, path: Path) -> dict[str, Any]:
+    """The attention and norm fields the hybrids name as Llama does."""
+    return dict(num_attention_heads=nat(data, "num_attention_heads", 32, path),
+                num_kv_heads=data.get("num_key_value_heads"), norm="rmsnorm", position_embedding="rope", bias=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path))
+
+
+def _mamba2(data: dict, path: Path) -> dict[str, Any]:
+    """Mamba2ForCausalLM: every layer a norm and a mixer (no attention, no MLP); use_bias on in_proj and out_proj."""
+    L, h = nat(data, "num_hidden_layers", 64, path), nat(data, "hidden_size", 4096, path)
+    bias = flag(data, "use_bias", False, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=1, norm="rmsnorm", position_embedding="rope", bias=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path), layer_pattern="M" * L,
+                ssm_conv_bias=flag(data, "use_conv_bias", True, path), ssm_proj_bias=bias, ssm_out_bias=bias,
+                norm_eps=data.get("layer_norm_epsilon"),
+                **_mixer(data, path, "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel",
+                         (128, 64, 128, 8, 4)))
+
+
+def _bamba_like(data: dict, path: Path, pattern: str) -> dict[str, Any]:
+    """Bamba and Granite 4's shared fields: attention and MLP with attention_bias / mlp_bias, a mixer with
+    mamba_proj_bias on in_proj and out_proj."""
+    bias = flag(data, "mamba_proj_bias", False, path)
+    return dict(num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 4096, path), layer_pattern=pattern,
+                attention_bias=flag(data, "attention_bias", False, path), mlp_bias=flag(data, "mlp_bias", False, path),
+                ssm_conv_bias=flag(data, "mamba_conv_bias", True, path), ssm_proj_bias=bias, ssm_out_bias=bias,
+                norm_eps=data.get("rms_norm_eps"), **_attention(data, path),
+                **_mixer(data, path, "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
+                         (128, 64, 256, 1, 4)))
+
+
+def _bamba(data: dict, path: Path) -> dict[str, Any]:
+    """BambaForCausalLM: each layer a mixer or attention (attn_layer_indices), then a gated MLP intermediate_size
+    wide; two norms per layer."""
+    L = nat(data, "num_hidden_layers", 32, path)
+    attention = data.get("attn_layer_indices") or []
+    if not isinstance(attention, list) or not all(isinstance(i, int) and 0 <= i < L for i in attention):
+        raise MemplanError(f"{path}: attn_layer_indices: expected layer indices below {L} (got {echo(attention)})")
+    pattern = "".join("A" if i in attention else "S" for i in range(L))
+    return dict(_bamba_like(data, path, pattern), ffn_hidden_size=nat(data, "intermediate_size", 14336, path),
+                mlp="swiglu")
+
+
+def _granite_hybrid(data: dict, path: Path) -> dict[str, Any]:
+    """GraniteMoeHybridForCausalLM: each layer a mixer or attention (layer_types), then the experts
+    (num_local_experts of intermediate_size, gated, a router without bias) beside a gated shared MLP
+    shared_intermediate_size wide; with no experts the shared MLP alone (the model's MLP)."""
+    spec = _bamba_like(data, path, _types(data, "layer_types", _TWO_BLOCKS, path))
+    E, shared = data.get("num_local_experts", 8), nat(data, "shared_intermediate_size", 1024, path)
+    if E:
+        return dict(spec, mlp="swiglu", num_experts=nat(data, "num_local_experts", 8, path),
+                    moe_top_k=nat(data, "num_experts_per_tok", 2, path),
+                    ffn_hidden_size=nat(data, "intermediate_size", 11008, path), moe_shared_ffn_hidden_size=shared)
+    return dict(spec, mlp="swiglu", ffn_hidden_size=shared)
+
+
+def _nemotron_h(data: dict, path: Path) -> dict[str, Any]:
+    """NemotronHForCausalLM: one block per layer (layers_block_type, or the Hub files' hybrid_override_pattern: M
+    mixer, * attention, - MLP, E experts), each after one norm; plain (relu2) MLPs: the dense one intermediate_size
+    wide, the experts moe_intermediate_size with a shared one moe_shared_expert_intermediate_size; attention and
+    mixer without biases but use_bias on in_proj / out_proj."""
+    if isinstance(data.get("hybrid_override_pattern"), str) and not data.get("layers_block_type"):
+        pattern = data["hybrid_override_pattern"]
+        if not pattern or set(pattern) - set("M*-E"):
+            raise MemplanError(f"{path}: hybrid_override_pattern: expected the characters M, *, - and E "
+                               f"(got {echo(pattern)})")
+    else:
+        pattern = _types(data, "layers_block_type", _ONE_BLOCK, path)
+    if data.get("moe_latent_size") is not None:
+        raise MemplanError(f"{path}: Nemotron-H with moe_latent_size (the experts in a latent space): not modelled; "
+                           f"{YAML_HINT}")
+    if "E" in pattern and flag(data, "mlp_bias", False, path):
+        raise MemplanError(f"{path}: Nemotron-H with experts and mlp_bias (biases on the shared expert's linears): not "
+                           f"counted; {YAML_HINT}")
+    # NemotronHConfig takes the Hub files' older names over the new ones (mamba_n_groups over n_groups, ...)
+    data = {**data, **{new: data[old] for new, old in _NEMOTRON_LEGACY.items() if old in data}}
+    bias = flag(data, "use_bias", False, path)
+    moe = dict(num_experts=nat(data, "n_routed_experts", 8, path), moe_top_k=nat(data, "num_experts_per_tok", 2, path),
+               moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 7688, path),
+               moe_shared_ffn_hidden_size=nat(data, "moe_shared_expert_intermediate_size", 7688, path)
+               ) if "E" in pattern else {}
+    return dict(num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 4096, path), layer_pattern=pattern,
+                head_dim=nat(data, "head_dim", 128, path), mlp="gelu",
+                ffn_hidden_size=nat(data, "intermediate_size", 21504, path), mlp_bias=flag(data, "mlp_bias", False, path),
+                ssm_conv_bias=flag(data, "use_conv_bias", True, path), ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("layer_norm_epsilon"), **_attention(data, path), **moe,
+                **_mixer(data, path, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                         (128, 64, 128, 8, 4)))
+
+
+def _falcon_h1(data: dict, path: Path) -> dict[str, Any]:
+    """FalconH1ForCausalLM: every layer attention and a mixer in parallel after one norm, then a gated MLP after
+    another; the mixer mamba_d_ssm wide (else mamba_expand h), mamba_proj_bias on in_proj, projectors_bias on
+    out_proj, its gated norm only with mamba_rms_norm."""
+    h = nat(data, "hidden_size", 4096, path)
+    mixer = _mixer(data, path, "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
+                   (128, 64, 256, 1, 4))
+    width = data.get("mamba_d_ssm") or data.get("mamba_expand", 2) * h
+    if width != mixer["ssm_heads"] * mixer["ssm_head_dim"]:
+        raise MemplanError(f"{path}: mamba_d_ssm (or mamba_expand x hidden_size) = {echo(width)} is not mamba_n_heads "
+                           f"x mamba_d_head = {mixer['ssm_heads'] * mixer['ssm_head_dim']}: not modelled; {YAML_HINT}")
+    L = nat(data, "num_hidden_layers", 32, path)
+    return dict(num_layers=L, hidden_size=h, layer_pattern="P" * L, mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 14336, path), head_dim=data.get("head_dim"),
+                attention_bias=flag(data, "attention_bias", False, path), mlp_bias=flag(data, "mlp_bias", False, path),
+                ssm_conv_bias=flag(data, "mamba_conv_bias", True, path),
+                ssm_proj_bias=flag(data, "mamba_proj_bias", False, path),
+                ssm_out_bias=flag(data, "projectors_bias", False, path),
+                ssm_norm=flag(data, "mamba_rms_norm", False, path), norm_eps=data.get("rms_norm_eps"),
+                **_attention(data, path), **mixer)
+
+
+HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1,
+}
+
+# the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
+HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
