@@ -65,6 +65,7 @@ from memplan.inventory.hf import hf_loss_moments
 from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
 from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, TP_MEASURED, titan_moe_terms
+from memplan.inventory.titan_moments import titan_layer_moments
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
@@ -386,6 +387,8 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
         layer = tuple(dataclasses.replace(t, tp_split=True, etp_gathered=True, source=f"{t.source}; {TP_MEASURED}")
                       if t.id == "ffn_norm.out" else t for t in layer)
     layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
+    if not (moe or layer_terms):  # the dense layer's backward moments (the MoE's and DeepSeek-V3's: TITAN_LEFT)
+        moments = titan_layer_moments(model, device, layer) + moments
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
