@@ -2,8 +2,8 @@
 block run forward and backward on CPU (validation/titan_moments.py: every storage the block made that is alive
 after each op of its backward, its bf16 weight gradients included).  memplan's moments, evaluated here from their
 definition (the layer's terms kept under the AC mode and not freed, plus the moment's transients), must equal the
-measured largest moment of the backward and the one after sdpa's backward, at three shapes (the FFN wide, wider,
-narrow: the peak then falls in the RMSNorm's backward) and every AC mode; without the moments memplan has no layer
+measured largest moment of the backward and the one after sdpa's backward, at three Llama 3 shapes (the FFN wide,
+wider, narrow: the peak then falls in the RMSNorm's backward) and a dense Qwen3 one, every AC mode; without the moments memplan has no layer
 moment and every test here fails.  The symbolic trace (the same step under FakeTensorMode) is opt-in."""
 
 import os
@@ -21,12 +21,15 @@ from validation.titan import AC_MODES, Shape  # noqa: E402
 from validation.titan_moments import measure_moments, trace_moments  # noqa: E402
 
 MODES = {"none": Recompute.NONE, "full": Recompute.FULL, "selective-op": Recompute.SELECTIVE}
-SHAPES = (Shape(h=64, a=4, g=2, f=160), Shape(h=64, a=4, g=1, f=224), Shape(h=128, a=4, g=1, f=96))
+SHAPES = (Shape(h=64, a=4, g=2, f=160), Shape(h=64, a=4, g=1, f=224), Shape(h=128, a=4, g=1, f=96),
+          Shape(h=64, a=4, g=2, f=160, qwen3=True))
 BYTES = {"act": 2, "fp32": 4, "int64": 8}
 
 
 def tiny(shape: Shape) -> ModelSpec:
-    return ModelSpec(name="tiny-titan", num_layers=1, hidden_size=shape.h, num_attention_heads=shape.a,
+    """The block's sizes as a model (torchtitan's Qwen3 block: q / k norms on the head dim)."""
+    qwen3 = dict(qk_norm=True, qk_norm_width="head", head_dim=shape.h // shape.a) if shape.qwen3 else {}
+    return ModelSpec(**qwen3,name="tiny-titan", num_layers=1, hidden_size=shape.h, num_attention_heads=shape.a,
                      num_kv_heads=shape.g, ffn_hidden_size=shape.f, seq_length=32, vocab_size=256, norm="rmsnorm",
                      mlp="swiglu", position_embedding="rope", tied_embeddings=False, dropout=False, bias=False,
                      attention="flash")
@@ -52,7 +55,7 @@ def memplan_moments(shape: Shape, ac: str, s: int, b: int) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["f2.5h", "f3.5h", "f0.75h"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["f2.5h", "f3.5h", "f0.75h", "qwen3"])
 @pytest.mark.parametrize("ac", AC_MODES)
 def test_measured_backward_peak_equals_memplan(shape, ac):
     s, b = 32, 2
