@@ -38,8 +38,9 @@ from memplan.inventory.types import Moment, Term, transient
 
 # the tensors selective-op keeps that its recompute hands on or frees: freed at every layer-backward moment
 SEL_HANDED_ON = ("wqkv.out", "wo.rs", "w2.out", "w2.rs")
-TRACED = ("traced: torchtitan 0.3.0 Llama 3 block's backward on CPU, live storages under FakeTensorMode, s and b "
-          "symbolic (validation/titan_moments.py; measured: tests/test_titan_moments.py)")
+TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live storages after every op "
+          "(tests/test_titan_moments.py), and traced under FakeTensorMode with s and b symbolic "
+          "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 
 
