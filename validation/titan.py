@@ -38,6 +38,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .trace_poly import symbolic_sizes
+
 AC_MODES = ("none", "full", "selective-op")
 
 
@@ -216,16 +218,9 @@ def trace_block(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> di
 def trace_kept(make_block, h: int, s_hint: int = 256, b_hint: int = 3) -> dict:
     """What the block ``make_block()`` (built under the fake mode) keeps for a (b, s, h) input, s and b symbolic
     (``trace_block``; validation/titan_moe.py); refused if the ShapeEnv pinned s or b."""
-    from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    env = ShapeEnv(duck_shape=False)
-    names, sizes = {}, {}
-    for name, hint in (("s", s_hint), ("b", b_hint)):
-        sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
-        names[sym] = sympy.Symbol(name, integer=True, positive=True)
-        sizes[name] = env.create_symintnode(sym, hint=hint)
+    env, names, sizes = symbolic_sizes(s_hint, b_hint)
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
         block = make_block()
         x = torch.randn(sizes["b"], sizes["s"], h, dtype=torch.bfloat16, requires_grad=True)

@@ -164,3 +164,17 @@ def evaluate(text: str, s: int, b: int) -> int:
     if total.denominator != 1:
         raise ValueError(f"{text} is not an integer at s={s}, b={b}")
     return int(total)
+
+
+def symbolic_sizes(s_hint: int = 256, b_hint: int = 3) -> tuple:
+    """A ShapeEnv with s and b symbolic: (env, {torch symbol: sympy s / b}, {"s": SymInt, "b": SymInt})."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)
+    names, sizes = {}, {}
+    for name, hint in (("s", s_hint), ("b", b_hint)):
+        sym = env.create_symbol(hint, source=ConstantSource(f"memplan_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+        names[sym] = sympy.Symbol(name, integer=True, positive=True)
+        sizes[name] = env.create_symintnode(sym, hint=hint)
+    return env, names, sizes

@@ -276,7 +276,8 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
         kept = [t for t in kept if t.id not in EAGER_SAVED] + compiled_loss_terms(loss_chunks)
         moments |= {m.id: m for m in [tune_loss_forward(loss_chunks, True),
                                       *tune_chunked_backward(loss_chunks, True)]}
-    out = tuple(moments.get(m.id, m) for m in inventory.moments)
+    # torchtitan's eager layer moments (memplan/inventory/titan_moments.py) are not the compiled block's: left out
+    out = tuple(moments.get(m.id, m) for m in inventory.moments if impl != "torchtitan" or m.scope != "layer")
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
                                terms=tuple(compiled_terms(impl, float8, linears, budget) + kept),
                                moments=out)

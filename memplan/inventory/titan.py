@@ -46,8 +46,8 @@ is the rank's s/C tokens (memplan's cp split).  FlexAttention, torchtitan's Llam
 does not run a ring: ``apply_cp_to_forward`` wraps it to all-gather K and V over the cp group
 (cplib::flex_cp_allgather) and FlexAttention saves its inputs, so a layer keeps the whole sequence's K and V in
 place of its own rotated k and contiguous v (``cp_gathered_kv``); q, the output and log-sum-exp stay the rank's.  Their
-gradients over the whole sequence are reduce-scattered in the backward (a layer-backward transient, not counted:
-the layers' backward transients are left, TITAN_LEFT).  The sdpa backend's ring instead (torch's
+gradients over the whole sequence are reduce-scattered in the backward (in the attention backward's moment, derived:
+memplan/inventory/titan_moments.py).  The sdpa backend's ring instead (torch's
 _templated_ring_attention, rotate method all-gather) keeps only local q, k, v, out, lse and holds transients
 (the all-gathered K/V, the fp32 merged output and log-sum-exp) inside the attention: not modelled.  FSDP2 shards
 over dp_shard x C (ParallelDims folds cp into the "fsdp" mesh): memplan's d x cp state sharding.
@@ -65,6 +65,7 @@ from memplan.inventory.hf import hf_loss_moments
 from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
 from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, TP_MEASURED, titan_moe_terms
+from memplan.inventory.titan_moments import titan_layer_moments
 from memplan.inventory.types import Inventory, Term, saved
 
 AC_MODES = ("none", "full", "selective-op")
@@ -346,8 +347,8 @@ def titan_model(model: ModelSpec) -> ModelSpec:
 def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:
     """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
-    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``). No step transients (moments)
-    yet: the peak is the kept tensors plus the states.  ``layer_terms``: another layer's terms in place of Llama 3's
+    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``), the loss's moments and the dense
+    layer's backward moments (memplan/inventory/titan_moments.py; none for the MoE layers).  ``layer_terms``: another layer's terms in place of Llama 3's
     and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
     check_titan_layout(model)
     if is_dsv3(model) and not layer_terms:
@@ -386,11 +387,14 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
         layer = tuple(dataclasses.replace(t, tp_split=True, etp_gathered=True, source=f"{t.source}; {TP_MEASURED}")
                       if t.id == "ffn_norm.out" else t for t in layer)
     layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
+    if not (moe or layer_terms):  # the dense layer's backward moments (the MoE's and DeepSeek-V3's: TITAN_LEFT)
+        moments = titan_layer_moments(model, device, layer) + moments
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the layers' backward transients (under CP the whole sequence's K, V gradients); CUDA kernels measured; "
+TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
+              "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE with compile or float8, its uneven routing (balanced modelled) and its layers' "
               "backward transients, DeepSeek-V3 with the same and TP, PP (and its MTP layers, its 16B / 236B flavours' router options, "

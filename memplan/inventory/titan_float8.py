@@ -28,7 +28,7 @@ measured on CPU against torchtitan's block converted by its own ``convert``
 block's, plus the 10 scalars under selective-op with tensorwise.  The float8 GEMMs (``torch._scaled_mm``) run on
 CPU with torch 2.13.
 
-The casts' transients (derived, not in the peak: torchtitan's layer backward transients are not modelled yet):
+The casts' transients (derived, not in the peak: the layer backward moments are the bf16 block's):
 per cast ``torch.abs`` (2 B per element), the fp32 scaled copy and its clamp (float8_training_tensor.py
 ``_ToFloat8ConstrFunc``), the 1-byte float8 result; the input and weight in the forward, the weight again and the
 output gradient twice in the backward.
