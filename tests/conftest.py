@@ -12,6 +12,9 @@ The suite measures real torch code for minutes; each measurement is made once pe
   --no-loadscope-reorder keeps this order, pytest_collection_modifyitems makes it).
 (xdist's --dist loadgroup / xdist_group marks would say the same, but pytest 9.2 ignores the node id suffix
 they work by: pytest-xdist issue 1386.) Run one file as usual: `python -m pytest tests/test_x.py`, one process.
+Two things make the measurements cheaper without changing one byte they count: each worker runs torch on its share
+of the cores (OMP_NUM_THREADS below), and the objects alive after collection are frozen out of gc's walks
+(pytest_collection_finish; validation/ranks.py does the same in each spawned rank).
 """
 
 import gc
