@@ -37,6 +37,7 @@ it held the last reference, so that dropping it joins the gloo threads while Pyt
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pickle
@@ -79,6 +80,10 @@ def _entry(rank: int, world: int, backend: str, store: str, outdir: str,
     torch.set_num_threads(1)
     # Before the default group exists: see the module docstring (default args = group.WORLD).
     importlib.import_module("torch.distributed.nn")
+    # The imports (torch, the harness, what unpickling `fn` loaded) stay alive to the end: out of gc's way, so the
+    # gc.collect() before each measurement walks only what the rank made since (~0.2 s of CPU less per collection).
+    gc.collect()
+    gc.freeze()
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
