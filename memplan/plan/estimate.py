@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, GpuSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.activations import layer_bytes, layer_poly
@@ -193,8 +194,7 @@ def estimate(
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
     device = device or config.training.device
-    config = traced_default(config, impl, device)
-    inventory = training_inventory(config.model, impl, device, config.training)
+    inventory = training_inventory(traced_default(config, impl, device), impl, device, config.training)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
@@ -321,8 +321,8 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
-    config = traced_default(config, impl, device or config.training.device)
-    inventory = training_inventory(config.model, impl, device or config.training.device, config.training)
+    device = device or config.training.device
+    inventory = training_inventory(traced_default(config, impl, device), impl, device, config.training)
     plan = PlanValues.from_config(config)
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
@@ -333,21 +333,22 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     return int(needs.total)
 
 
-def traced_default(config: Config, impl: str, device: str) -> Config:
-    """`config` with its model preset's shipped traced inventory (memplan/presets/catalog.py `shipped_trace`: llama3-8b
+def traced_default(config: Config, impl: str, device: str) -> ModelSpec:
+    """The model whose inventory `config` is planned with: its preset's shipped traced inventory (memplan/presets/catalog.py `shipped_trace`: llama3-8b
     with --impl hf-sdpa on cuda) when the plan runs the code traced, its stream then the traced step's order
     (memplan/memory/stream_traced.py): a plan whose stream memplan checks against recordings with its hand-written
     inventory (memplan/inventory/assemble.py `stream_checked`: torch AdamW, no training setting changed) and which
     the traced order keeps (bf16-true; one GPU, one micro-batch, no or full recompute: step_order.runs_traced).
-    Any other plan, implementation or device keeps its inventory, as does a model naming one (--inventory)."""
+    Any other plan, implementation or device keeps its inventory, as does a model naming one (--inventory). The
+    config itself is left as given (its JSON names no file the user did not)."""
     path = shipped_trace(config.model, impl, device)
     if path is None or not stream_checked(config.model, impl, device, config.training):
-        return config
+        return config.model
     traced = config.model.model_copy(update={"inventory": str(path)})
     order = training_inventory(traced, impl, device, config.training).step_order
     if not order or not runs_traced(order, PlanValues.from_config(config)):
-        return config
-    return config.model_copy(update={"model": traced})
+        return config.model
+    return traced
 
 
 def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],
