@@ -4,8 +4,9 @@ allocator's verdict; target: estimate --max-seq under 1 s), as the API runs them
 Each plan is answered `--runs` times in this process (the presets and inventories cached after the first, as a
 user's second command would not have them: the first run is left out); prints the median and the answer. Plans:
 llama3-8b on one H100 (hf-sdpa, full recompute: the replay is the default allocator's), the same with fused AdamW
-and a global batch of 1 (issue 20's target: under 1 s), the same with llama3-8b's traced inventory (its stream made from
-the traced step's order: memplan/memory/stream_traced.py), the same with --frag-margin 0 (the replay alone decides), a
+and a global batch of 1 (issue 20's target: under 1 s; one micro-batch per step, so llama3-8b's shipped traced
+inventory by default, its stream made from the traced step's order: memplan/plan/estimate.py traced_default,
+memplan/memory/stream_traced.py), the same with --frag-margin 0 (the replay alone decides), a
 Megatron-LM plan of llama3-8b on 8 GPUs with --frag-margin 0, and gpt3-530b as the README runs it.
 
     python benchmarks/bench_max_seq.py [--runs 5] [--cpu]
@@ -19,18 +20,14 @@ import statistics
 import time
 
 from memplan import estimate, search
-from memplan.check.allocator import LLAMA3_8B_ORDER
 
 ONE_GPU = dict(impl="hf-sdpa", precision="bf16-true", gpus=1, micro_batch=1, recompute="full", gpu="h100-80gb")
 MEGATRON = dict(gpus=8, tp=2, pp=2, dp=2, vpp=1, sp=True, zero=0, micro_batch=1, recompute="selective",
                 seq_len=4096, gpu="h100-80gb", frag_margin=0.0)
 PLANS = [
     ("estimate llama3-8b hf-sdpa 1 GPU", lambda: estimate("llama3-8b", max_seq=True, **ONE_GPU).max_seq_len),
-    ("estimate llama3-8b hf-sdpa 1 GPU fused AdamW, global batch 1 (issue 20's target)",
+    ("estimate llama3-8b hf-sdpa 1 GPU fused AdamW, global batch 1 (issue 20's target; the traced inventory, its order)",
      lambda: estimate("llama3-8b", max_seq=True, optimizer_impl="fused", global_batch=1, **ONE_GPU).max_seq_len),
-    ("estimate llama3-8b hf-sdpa 1 GPU fused AdamW, global batch 1, traced inventory (its order)",
-     lambda: estimate("llama3-8b", max_seq=True, optimizer_impl="fused", global_batch=1, inventory=str(LLAMA3_8B_ORDER),
-                      **ONE_GPU).max_seq_len),
     ("estimate llama3-8b hf-sdpa 1 GPU --frag-margin 0",
      lambda: estimate("llama3-8b", max_seq=True, frag_margin=0.0, **ONE_GPU).max_seq_len),
     ("estimate llama3-8b t2 p2 d2 --frag-margin 0", lambda: estimate("llama3-8b", max_seq=True, **MEGATRON).max_seq_len),

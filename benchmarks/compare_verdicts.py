@@ -8,7 +8,8 @@ writes the documents to a file or compares them with one written before.
 Each command runs in this process through the CLI's `main` (the same JSON a user gets). The set: the 530B / 2240
 GPU search (default margin, --frag-margin 0, expandable segments, and its --max-seq), smaller searches whose
 listings replay near the budget, `estimate --max-seq` / `--max-micro-batch` on Megatron-LM and transformers plans,
-with the flat margin and with the replay alone deciding (--frag-margin 0), and a run history (--first-step-seq-len).
+with the flat margin and with the replay alone deciding (--frag-margin 0), a run history (--first-step-seq-len), and
+llama3-8b's traced stream (one GPU, one micro-batch per step).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ COMMANDS = [
     ["estimate", *ONE_GPU_8B, "--max-seq", "--frag-margin", "0"],
     ["estimate", *ONE_GPU_8B, "--max-seq", "--frag-margin", "0", "--allocator", "expandable"],
     ["estimate", *ONE_GPU_8B, "--seq-len", "8192", "--frag-margin", "0", "--first-step-seq-len", "2048"],
+    # one micro-batch per step: llama3-8b's shipped trace by default, its stream the traced order
+    ["estimate", *ONE_GPU_8B, "--global-batch", "1", "--optimizer-impl", "fused", "--max-seq"],
+    ["estimate", *ONE_GPU_8B, "--global-batch", "1", "--recompute", "none", "--allocator", "expandable", "--max-seq"],
 ]
 
 

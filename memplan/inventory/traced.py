@@ -173,13 +173,28 @@ DOWN_PROJ = ("down_proj", "fc2", "c_proj", "w2")
 DOWN_PROJ_OPS = ("_grouped_mm#1",)
 
 
+# (traced file, the model but its sequence length, impl, device) -> the inventory: its sizes are polynomials in s
+# and b, so `--max-seq`'s lengths share one (the traced file kept in the value: its id stays its own)
+_BUILT: dict[tuple, tuple[TracedFile, Inventory]] = {}
+
+
 def traced_inventory(model: ModelSpec, impl: str, device: str, loss_chunks: int = 1) -> Inventory:
-    """The inventory of a model whose saved tensors were traced (ModelSpec.inventory)."""
+    """The inventory of a model whose saved tensors were traced (ModelSpec.inventory); built once per file, model
+    (whatever its sequence length: no part of it reads it) and implementation."""
     assert model.inventory is not None
     if loss_chunks > 1:
         raise MemplanError("--loss-chunks is measured for the hand-written transformers inventories (GPT-2, "
                            "Llama layout); traced inventories have transformers' own loss only")
     traced = _cuda_or_cpu(model.inventory, impl) if device == "cuda" else load(model.inventory, impl, "cpu")
+    key = (id(traced), model.model_dump_json(exclude={"seq_length"}), impl, device)
+    if key not in _BUILT:
+        if len(_BUILT) >= 16:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = (traced, _traced_inventory(model, traced, impl, device))
+    return _BUILT[key][1]
+
+
+def _traced_inventory(model: ModelSpec, traced: TracedFile, impl: str, device: str) -> Inventory:
     terms = traced_terms(traced)
     sdpa = impl == "hf-sdpa"
     if traced.checkpoint is not None and traced.moments:

@@ -9,10 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, GpuSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.activations import layer_bytes, layer_poly
-from memplan.inventory.assemble import training_inventory
+from memplan.inventory.assemble import stream_checked, training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
@@ -22,6 +23,7 @@ from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.traced import HYBRID_NOTE
+from memplan.inventory.step_order import runs_traced
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
 from memplan.memory.adapters import notes as lora_notes
@@ -39,6 +41,7 @@ from memplan.memory.stream import not_streamed
 from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.stream_traced import run_stream
+from memplan.presets.catalog import shipped_trace
 from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
                                      step_events)
 from memplan.timing.step import step_time
@@ -192,7 +195,7 @@ def estimate(
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
     device = device or config.training.device
-    inventory = training_inventory(config.model, impl, device, config.training)
+    inventory = training_inventory(traced_default(config, impl, device), impl, device, config.training)
     terms = tuple(t for t in inventory.terms if t.in_k22 or not paper_only)
     plan = PlanValues.from_config(config)
     stages = [stage_memory(config.model, terms, config.training, plan, i, working_set=not paper_only,
@@ -319,7 +322,8 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
-    inventory = training_inventory(config.model, impl, device or config.training.device, config.training)
+    device = device or config.training.device
+    inventory = training_inventory(traced_default(config, impl, device), impl, device, config.training)
     plan = PlanValues.from_config(config)
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
@@ -330,13 +334,36 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     return int(needs.total)
 
 
+def traced_default(config: Config, impl: str, device: str) -> ModelSpec:
+    """The model whose inventory `config` is planned with: its preset's shipped traced inventory (memplan/presets/catalog.py `shipped_trace`: llama3-8b
+    with --impl hf-sdpa on cuda) when the plan runs the code traced, its stream then the traced step's order
+    (memplan/memory/stream_traced.py): a plan whose stream memplan checks against recordings with its hand-written
+    inventory (memplan/inventory/assemble.py `stream_checked`: torch AdamW, no training setting changed) and which
+    the traced order keeps (bf16-true; one GPU, one micro-batch, no or full recompute: step_order.runs_traced).
+    Any other plan, implementation or device keeps its inventory, as does a model naming one (--inventory). The
+    config itself is left as given (its JSON names no file the user did not)."""
+    path = shipped_trace(config.model, impl, device)
+    if path is None or not stream_checked(config.model, impl, device, config.training):
+        return config.model
+    traced = config.model.model_copy(update={"inventory": str(path)})
+    order = training_inventory(traced, impl, device, config.training).step_order
+    if not order or not runs_traced(order, PlanValues.from_config(config)):
+        return config.model
+    return traced
+
+
 def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: dict[str, Any],
            inventory: Inventory) -> list[str]:
     par, tr = config.parallel, config.training
     notes = []
     if inventory.origin:
-        notes.append(f"saved tensors {inventory.origin}; the backward's transient tensors are derived from the "
-                     "measured Llama layout, not traced")
+        notes.append(f"saved tensors {inventory.origin}" + ("" if "transients traced" in inventory.origin else
+                     "; the backward's transient tensors are derived from the measured Llama layout, not traced"))
+        if inventory.step_order and runs_traced(inventory.step_order, PlanValues.from_config(config)):
+            notes.append("allocation stream: the traced step's allocations and frees in the code's order "
+                         "(memplan/memory/stream_traced.py); derived: the model's build, AdamW's states, zero_grad "
+                         "and cuBLAS's workspaces; left out: the kernels' own buffers (cuDNN attention's backward "
+                         "workspace, reductions' staging)")
         plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
         for sym, least in inventory.traced_from:
             if plan_values[sym] < least:

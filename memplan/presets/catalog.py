@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 from memplan.core.datafile import read_yaml
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import build
+from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
+from memplan.inventory.traced_file import file_name
 from memplan.presets.files import ModelPreset, configs_dir, gpu_names, read_model_file, with_plan
 from memplan.presets.hf_config import read_hf_config
 
@@ -44,6 +48,30 @@ def load_model(name_or_path: str) -> ModelPreset:
     if not preset.is_file():
         raise MemplanError(f"unknown model preset '{name_or_path}'; known: {', '.join(model_names())}")
     return read_model_file(preset)
+
+
+@lru_cache(maxsize=None)
+def _preset_model(name: str) -> ModelSpec:
+    return read_model_file(configs_dir() / "models" / f"{name}.yaml").model
+
+
+def shipped_trace(model: ModelSpec, impl: str, kernels: str) -> Optional[Path]:
+    """The traced inventory file shipped for a model YAML preset (configs/traced/<name>/<impl>-<kernels>.yaml in a
+    directory without a config.json: the architecture is the preset's, configs/models/<name>.yaml; today llama3-8b's
+    hf-sdpa cuda trace with its step's order), when `model` is that preset's architecture (every field but the
+    sequence length the preset's) and names no inventory of its own; else None. Whether a plan uses it is the
+    plan's to decide (memplan/plan/estimate.py `traced_default`)."""
+    name = model.name
+    if model.inventory is not None or not name or Path(name).name != name or name.startswith("."):
+        return None
+    path = configs_dir() / "traced" / name / file_name(impl, kernels)
+    if (not path.is_file() or (path.parent / "config.json").is_file()
+            or not (configs_dir() / "models" / f"{name}.yaml").is_file()):
+        return None
+    preset = _preset_model(name)
+    if any(getattr(model, f) != getattr(preset, f) for f in type(model).model_fields if f != "seq_length"):
+        return None
+    return path
 
 
 def load_gpu(name_or_path: str) -> GpuSpec:
