@@ -116,3 +116,17 @@ def test_the_llama3_8b_preset_uses_its_shipped_trace_by_default():
     # other plans keep the hand-written inventory: two micro-batches per step, --impl hf-eager
     for other in (dict(args, global_batch=2), dict(args, impl="hf-eager")):
         assert not memplan.estimate("llama3-8b", **other).estimate.inventory.origin
+
+
+def test_search_max_seq_settles_as_estimate_does():
+    # llama3-8b, hf-sdpa, one H100, foreach AdamW, no checkpointing: the H100 run died at 2,633 tokens
+    # (tests/data/alloc/cuda/h100_runs.json). The replay completes at 4,224 but dies at shorter lengths; search
+    # --max-seq answered 4,224 (the bound's longest with a survivor) where estimate --max-seq settles below the
+    # shorter deaths (limits.settled). Both now stay under the length that died, search to its 128-token step
+    # of estimate's answer.
+    args = dict(impl="hf-sdpa", gpus=1, tp=1, pp=1, dp=1, global_batch=1, micro_batch=1, precision="bf16-true",
+                recompute="none", optimizer_impl="foreach", seq_len=1024, gpu="h100-80gb")
+    longest = memplan.max_seq("llama3-8b", **args)
+    found = memplan.search("llama3-8b", all_variants=True, max_seq=True, **args).result.max_seq_len
+    assert longest < 2633 and found < 2633
+    assert found <= longest < found + 128

@@ -15,7 +15,7 @@ from memplan.memory.reserved import Replay
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.arrange import arrange
 from memplan.plan.estimate import device_bytes, not_replayed
-from memplan.plan.limits import fits_below
+from memplan.plan.limits import fits_below, settled
 from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
 
 # How many more rows than asked for a listing may replay to replace the rows whose run dies (a bound on the work:
@@ -102,24 +102,35 @@ def replayed_max_seq(result: SearchResult, search_at: Callable[[int], SearchResu
     """`search --max-seq` under the replay: `result` is the replayed listing at the longest length the vectorised
     bound fits (`search_max_seq`, a multiple of `step`); when no listed plan survives its replay there, the lengths
     below it are searched (`fits_below`, on `search_at(s)`: a search at s, its listing replayed) for one with a
-    survivor, one step longer having none. The replay needs at least the bound's memory: no longer length has one."""
+    survivor, one step longer having none. The replay needs at least the bound's memory: no longer length has one.
+    The answer is then settled as estimate's `--max-seq` settles its own (limits.settled: a shorter length in the
+    window below it at which no listed plan survives moves it below that length), so that search and estimate give
+    one answer for a pinned plan."""
     longest = result.max_seq_len
-    if result.top or longest is None:
+    if longest is None:
         return result
     found: dict[int, SearchResult] = {}
 
     def survives(s: int) -> bool:
-        probe = search_at(s)
+        probe = result if s == longest else search_at(s)
         if probe.top:
             found[s] = probe
         return bool(probe.top)
 
-    s = fits_below(survives, longest, step)
+    first = longest if survives(longest) else fits_below(survives, longest, step)
+    s = settled(survives, first, step)
     if s is None:
         raise MemplanError(f"no plan of {result.model.name} survives the caching allocator's replay in "
                            f"{result.budget_bytes:,} bytes per GPU even at s = {step}")
+    if s == longest:
+        return result
     best = mark_max_seq(found[s], s, step)
-    best.notes.insert(0, f"the allocated-peak bound fits s = {longest:,} tokens, but every listed plan's run dies "
-                         f"there in the caching allocator's replay; at s = {s:,} one completes, at "
-                         f"{s + step:,} none does")
+    if first == longest:
+        best.notes.insert(0, f"a listed plan's run completes in the caching allocator's replay at s = {longest:,} "
+                             f"tokens (the allocated-peak bound's longest), but every one dies at a shorter length "
+                             f"(limits.settled's window); at s = {s:,} one completes, at {s + step:,} none does")
+    else:
+        best.notes.insert(0, f"the allocated-peak bound fits s = {longest:,} tokens, but every listed plan's run dies "
+                             f"there in the caching allocator's replay; at s = {s:,} one completes, at "
+                             f"{s + step:,} none does")
     return best
