@@ -38,8 +38,9 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
            "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
            "emu3", "bitnet"]  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
-# the state-space hybrids with Mamba-2 mixers (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces Bamba)
-HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"]
+# the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
+# Bamba and LFM2)
+HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2"]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
-Granite 4 hybrids (granitemoehybrid) and Falcon-H1, from transformers' own modelling code (transformers 5.23): each
+Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of LFM2's short-convolution hybrid (lfm2), from transformers' own modelling code (transformers 5.23): each
 layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
 by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
 
 ``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
-activations are traced (--impl hf-*: memplan/inventory/traced.py HYBRID_NOTE says what that leaves out)."""
+activations are traced (--impl hf-*: memplan/inventory/traced.py hybrid_note says what that leaves out)."""
 
 from __future__ import annotations
 
@@ -153,9 +153,45 @@ def _falcon_h1(data: dict, path: Path) -> dict[str, Any]:
                 **_attention(data, path), **mixer)
 
 
+def _lfm2_width(data: dict, path: Path) -> int:
+    """Lfm2MLP's width: intermediate_size (the Hub files' block_ff_dim), with block_auto_adjust_ff_dim two thirds of
+    it, times block_ffn_dim_multiplier (a number: Lfm2Config refuses None), rounded up to block_multiple_of."""
+    f = nat(data, "block_ff_dim", 0, path) if "block_ff_dim" in data else nat(data, "intermediate_size", 12288, path)
+    if not flag(data, "block_auto_adjust_ff_dim", True, path):
+        return f
+    f, multiplier = int(2 * f / 3), data.get("block_ffn_dim_multiplier", 1.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or multiplier <= 0:
+        raise MemplanError(f"{path}: block_ffn_dim_multiplier: expected a positive number (got {echo(multiplier)})")
+    m = nat(data, "block_multiple_of", 256, path)
+    return m * ((int(multiplier * f) + m - 1) // m)
+
+
+def _lfm2(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm2ForCausalLM: each layer attention (with head-wide q / k norms) or a gated short convolution (layer_types,
+    else full_attn_idxs: the others are "conv"), then a SwiGLU MLP (w1, w3, w2) after its own norm; conv_bias on the
+    convolution's in_proj, conv1d and out_proj; the final norm is its embedding_norm; embeddings tied (the Hub files'
+    tie_embedding)."""
+    L = nat(data, "num_hidden_layers", 32, path)
+    if data.get("layer_types") is None:
+        attention = data.get("full_attn_idxs")
+        attention = list(range(L)) if attention is None else attention
+        if not isinstance(attention, list) or not all(isinstance(i, int) and 0 <= i < L for i in attention):
+            raise MemplanError(f"{path}: full_attn_idxs: expected layer indices below {L} (got {echo(attention)})")
+        pattern = "".join("A" if i in attention else "C" for i in range(L))
+    else:
+        pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+    bias = flag(data, "conv_bias", False, path)
+    tied = flag(data, "tie_embedding", True, path) if "tie_embedding" in data else flag(data, "tie_word_embeddings",
+                                                                                        True, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2560, path),
+                layer_pattern=pattern, qk_norm=True, mlp="swiglu", ffn_hidden_size=_lfm2_width(data, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 3, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"), tied_embeddings=tied)
+
+
 HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
-    "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
 }
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
