@@ -49,6 +49,10 @@ from validation.trace_config import hf_config  # noqa: E402
     ("lfm2", dict(block_multiple_of=16)),  # 2/3 of intermediate_size rounded up to 16, not 256
     ("lfm2", dict(block_ffn_dim_multiplier=1.5, block_multiple_of=32)),
     ("lfm2", dict(conv_L_cache=5, tie_word_embeddings=False)),
+    ("lfm3", dict(use_attention_gate=False)),  # no per-head sigmoid gate (g_proj h x a)
+    ("lfm3", dict(use_sandwich_norm=False)),  # no norm after each block
+    ("lfm3", dict(conv_bias=True, attention_bias=True)),
+    ("lfm3", dict(layer_types=None, num_hidden_layers=6)),  # the defaults' pattern: C C A C A C (conv, full, sliding)
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}

@@ -110,8 +110,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
     "lfm2_moe": ("estimate", "LFM2-MoE: LFM2's layers (read for lfm2: layer_pattern C) with dense MLPs in the first "
                              "num_dense_layers, then experts; layer_pattern places no dense-first layers: not read"),
-    "lfm3": ("estimate", "LFM3: LFM2's short convolutions (layer_pattern C) with sandwich norms (four per layer), a "
-                         "per-head attention output gate and sliding-window layers among the full ones: not read"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("estimate", _MAMBA1),

@@ -310,8 +310,9 @@ _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers'
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
                   "tensors: not modelled"),
                  ("C", "its short-convolution layers' activations are what transformers' torch path saves (the gated "
-                  "depthwise conv1d, causal_conv1d_fn's torch fallback; traced); on CUDA, transformers runs "
-                  "causal-conv1d's fused kernel when it is installed, which saves other tensors: not modelled"))
+                  "depthwise conv1d, causal_conv1d_fn's torch fallback; traced); on CUDA, transformers runs LFM2's with "
+                  "causal-conv1d's fused kernel when it is installed, which saves other tensors: not modelled (LFM3's "
+                  "stay on the torch path)"))
 
 
 def hybrid_note(model: ModelSpec) -> str:

@@ -186,7 +186,8 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
         return groups
     norm = "2 h" if model.has_norm_bias else "h"
     out = [replace(g, scope="attention") if g.name in _ATTENTION_GROUPS else
-           replace(g, count=Poly.parse(norm), scope="norm") if g.name == "layer norms" else g for g in groups]
+           replace(g, count=Poly.parse(norm) * (1 + model.sandwich_norms), scope="norm") if g.name == "layer norms" else g
+           for g in groups]  # sandwich norms: a norm after each block too
     h = model.hidden_size
     if "C" in model.layer_pattern:
         out += [ParamGroup("short convolution input projection", _number(3 * h * (h + model.ssm_proj_bias)), True,

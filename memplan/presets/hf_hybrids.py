@@ -1,5 +1,5 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
-Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of LFM2's short-convolution hybrid (lfm2), from transformers' own modelling code (transformers 5.23): each
+Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2 and LFM3, from transformers' own modelling code (transformers 5.23): each
 layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
 by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
 
@@ -189,9 +189,33 @@ def _lfm2(data: dict, path: Path) -> dict[str, Any]:
                 ssm_out_bias=bias, norm_eps=data.get("norm_eps"), tied_embeddings=tied)
 
 
+def _lfm3(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm3ForCausalLM: LFM2's layers (layer_types; the defaults' every fourth from the third full attention, every
+    fourth from the fifth sliding-window attention, the others short convolutions conv_L_cache wide) with Qwen3's
+    attention (head_dim, attention_bias, head-wide q / k norms) and a sigmoid gate per head (use_attention_gate: g_proj
+    h x a), sandwich norms (use_sandwich_norm: a norm after each block too) and a SwiGLU MLP intermediate_size wide.
+    The sliding window changes no parameter; its activations are the trace's."""
+    L = nat(data, "num_hidden_layers", 24, path)
+    if data.get("layer_types") is None:
+        pattern = "".join("A" if i % 4 == 2 or (i % 4 == 0 and i) else "C" for i in range(L))
+    else:
+        pattern = _types(data, "layer_types", {"full_attention": "A", "sliding_attention": "A", "conv": "C"}, path)
+    bias = flag(data, "conv_bias", False, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2048, path),
+                layer_pattern=pattern, qk_norm=True, head_dim=nat(data, "head_dim", 128, path), mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 7680, path),
+                attention_bias=flag(data, "attention_bias", False, path),
+                attention_output_gate="head" if flag(data, "use_attention_gate", True, path) else None,
+                sandwich_norms=flag(data, "use_sandwich_norm", True, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 7, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
     "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
+    "Lfm3ForCausalLM": _lfm3,
 }
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
