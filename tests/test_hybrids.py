@@ -49,6 +49,9 @@ from validation.trace_config import hf_config  # noqa: E402
     ("lfm2", dict(block_multiple_of=16)),  # 2/3 of intermediate_size rounded up to 16, not 256
     ("lfm2", dict(block_ffn_dim_multiplier=1.5, block_multiple_of=32)),
     ("lfm2", dict(conv_L_cache=5, tie_word_embeddings=False)),
+    ("lfm2_moe", dict(num_dense_layers=0)),  # experts in every layer
+    ("lfm2_moe", dict(num_dense_layers=2, conv_bias=True)),  # dense MLPs (intermediate_size) in a conv and an attention
+    ("lfm2_moe", dict(moe_intermediate_size=48, num_experts=6)),
     ("lfm3", dict(use_attention_gate=False)),  # no per-head sigmoid gate (g_proj h x a)
     ("lfm3", dict(use_sandwich_norm=False)),  # no norm after each block
     ("lfm3", dict(conv_bias=True, attention_bias=True)),
@@ -89,6 +92,8 @@ def test_lfm2s_hub_file_keys_count_exactly():
     ("lfm2", dict(layer_types=["conv", "linear_attention"]), "layer_types"),
     ("lfm2", dict(layer_types=None, full_attn_idxs=[2]), "full_attn_idxs"),
     ("lfm2", dict(block_ffn_dim_multiplier=None), "block_ffn_dim_multiplier"),  # Lfm2Config refuses it too
+    ("lfm2_moe", dict(layer_types=None), "layer_types"),  # Lfm2MoeConfig fills none: transformers cannot build it
+    ("lfm2_moe", dict(num_dense_layers=4), "num_dense_layers"),
 ])
 def test_what_is_not_modelled_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -103,6 +108,7 @@ def test_what_is_not_modelled_is_refused_in_one_line(model_type, switches, says)
     (dict(ssm_heads=8), "needs layer_pattern"),
     (dict(layer_pattern="SAS", ssm_heads=8, ssm_groups=3), "not divisible"),
     (dict(layer_pattern="SAX", ssm_heads=8), "layer_pattern"),
+    (dict(layer_pattern="caC"), "need num_experts"),
 ])
 def test_the_spec_refuses_a_pattern_that_does_not_fit(fields, says):
     base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512, bias=False)
@@ -177,10 +183,10 @@ def test_the_traced_short_convolution_equals_a_real_cpu_run(lfm2, run_cli, tmp_p
     assert "short-convolution layers" in out and "causal-conv1d" in out and "mamba-ssm" not in out
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h", "bamba", "lfm2"])
+@pytest.mark.parametrize("model_type", ["nemotron_h", "bamba", "lfm2", "lfm2_moe"])
 def test_the_largest_layer_is_the_largest_of_the_real_model(model_type, tmp_path):
     """ZeRO-3 gathers one layer at a time: layer_params of a hybrid is its largest layer, block by block (Nemotron-H:
-    the experts' layer; Bamba: the mixer's; LFM2: the short convolution's), equal to the largest decoder layer transformers builds on the meta
+    the experts' layer; Bamba: the mixer's; LFM2: the short convolution's; LFM2-MoE: an experts' layer), equal to the largest decoder layer transformers builds on the meta
     device."""
     config = tiny_config(model_type)
     (tmp_path / "config.json").write_text(json.dumps(config))

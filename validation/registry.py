@@ -124,6 +124,8 @@ def _shrink(data: dict) -> dict:
                 out[k] = v[:n]
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
+    if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer
+        out.update(num_hidden_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])
     return out
 
 

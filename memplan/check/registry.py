@@ -108,8 +108,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
-    "lfm2_moe": ("estimate", "LFM2-MoE: LFM2's layers (read for lfm2: layer_pattern C) with dense MLPs in the first "
-                             "num_dense_layers, then experts; layer_pattern places no dense-first layers: not read"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("estimate", _MAMBA1),

@@ -8,10 +8,12 @@ from typing import Any
 
 # A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
 # mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated
-# short convolution; each "norm" one norm before a block.
+# short convolution (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers);
+# each "norm" one norm before a block.
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
-                "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm")}
+                "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
+                "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm")}
 BLOCKS = ("attention", "ssm", "conv", "dense", "moe", "norm")
 
 
@@ -40,6 +42,9 @@ def check_hybrid(model: Any) -> None:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:
         raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
+    if any(c in pattern for c in "ac") and not model.is_moe:
+        raise ValueError("layer_pattern's a / c put a dense MLP beside a mixture-of-experts model's experts: they need "
+                         "num_experts (else write A / C)")
     if model.bias or model.moe_first_dense_layers or model.is_mla:
         raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
                          "or latent attention (the pattern places the MLPs: - dense, E experts)")

@@ -133,7 +133,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
             groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
     groups += gemma4_groups(model)
-    if not model.is_moe or model.moe_first_dense_layers or "-" in (model.layer_pattern or ""):
+    if not model.is_moe or model.moe_first_dense_layers or (model.layer_pattern and model.layer_blocks["dense"]):
         prefix = "dense " if model.is_moe else ""
         groups += [
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),

@@ -1,5 +1,5 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
-Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2 and LFM3, from transformers' own modelling code (transformers 5.23): each
+Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2, LFM2-MoE and LFM3, from transformers' own modelling code (transformers 5.23): each
 layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
 by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
 
@@ -189,6 +189,27 @@ def _lfm2(data: dict, path: Path) -> dict[str, Any]:
                 ssm_out_bias=bias, norm_eps=data.get("norm_eps"), tied_embeddings=tied)
 
 
+def _lfm2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm2MoeForCausalLM: LFM2's layers (layer_types, which Lfm2MoeConfig needs: it fills none), the first
+    num_dense_layers with a SwiGLU MLP intermediate_size wide (layer_pattern a / c), the others num_experts experts
+    moe_intermediate_size wide, top num_experts_per_tok, a router E x h without bias (its expert_bias is a buffer)."""
+    pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+    dense = data.get("num_dense_layers", 2)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= len(pattern):
+        raise MemplanError(f"{path}: num_dense_layers: expected a layer count from 0 to {len(pattern)} "
+                           f"(got {echo(dense)})")
+    bias = flag(data, "conv_bias", False, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2048, path),
+                layer_pattern=pattern[:dense].lower() + pattern[dense:], qk_norm=True, mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 7168, path),
+                num_experts=nat(data, "num_experts", 32, path), moe_top_k=nat(data, "num_experts_per_tok", 4, path),
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 1792, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 3, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"),
+                tied_embeddings=flag(data, "tie_embedding", True, path) if "tie_embedding" in data else
+                flag(data, "tie_word_embeddings", True, path))
+
+
 def _lfm3(data: dict, path: Path) -> dict[str, Any]:
     """Lfm3ForCausalLM: LFM2's layers (layer_types; the defaults' every fourth from the third full attention, every
     fourth from the fifth sliding-window attention, the others short convolutions conv_L_cache wide) with Qwen3's
@@ -215,8 +236,8 @@ def _lfm3(data: dict, path: Path) -> dict[str, Any]:
 HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
     "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
-    "Lfm3ForCausalLM": _lfm3,
+    "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3,
 }
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
-HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM")
