@@ -122,6 +122,10 @@ def _shrink(data: dict) -> dict:
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
             if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
                 out[k] = v[:n]
+    if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
+        out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
+    if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer
+        out.update(num_hidden_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])
     return out
 
 

@@ -41,7 +41,6 @@ _MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer
            "counted")
 _DELTA = ("gated DeltaNet linear-attention layers (flash-linear-attention's chunked delta rule) beside full attention: "
           "not modelled")
-_SHORT_CONV = "LFM2's gated short-convolution layers (in_proj, a depthwise conv1d, out_proj) beside attention: not counted"
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -109,9 +108,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
-    "lfm2": ("estimate", _SHORT_CONV),
-    "lfm2_moe": ("estimate", _SHORT_CONV),
-    "lfm3": ("estimate", _SHORT_CONV),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("estimate", _MAMBA1),

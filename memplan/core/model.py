@@ -7,18 +7,12 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
+from memplan.core.hybrid import check_hybrid, layer_blocks
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
 # the per-layer work (stages, events, a trace) must stay bounded.
 MAX_LAYERS = 16_384
-
-# A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
-# mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts; each "norm" one norm before a block.
-LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
-                "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
-                "-": ("dense", "norm"), "E": ("moe", "norm")}
-
 
 class ModelSpec(Spec):
     """A decoder-only transformer's architecture (no weights)."""
@@ -174,14 +168,16 @@ class ModelSpec(Spec):
     moe_shared_gate: bool = Field(
         default=False, description="a sigmoid gate on the shared experts' output, one h-wide weight per MoE layer "
         "(Qwen2-MoE shared_expert_gate)")
-    # State-space hybrids (issue 22: Mamba-2, Bamba, Nemotron-H, Granite 4, Falcon-H1): what each layer holds, and
+    # State-space hybrids (issue 22: Mamba-2, Bamba, Nemotron-H, Granite 4, Falcon-H1; LFM2's short convolutions,
+    # which use ssm_conv_kernel and the three ssm_*_bias fields, not ssm_heads): what each layer holds, and
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E-]+$", description="one character per layer (None: every layer attention + "
+        default=None, pattern=r"^[ASPM*E\-Cac]+$", description="one character per layer (None: every layer attention + "
         "MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
         "M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
-        "the MLP of A / S / P is the model's experts when it has them")
+        "C LFM2's gated short convolution + MLP (two norms); the MLP of A / S / P / C is the model's experts when it has "
+        "them; a / c: A / C with an f-wide dense MLP in a mixture-of-experts model (LFM2-MoE's first layers)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")
@@ -316,12 +312,9 @@ class ModelSpec(Spec):
 
     @property
     def layer_blocks(self) -> dict[str, int]:
-        """A hybrid's blocks over the whole model (layer_pattern, LAYER_BLOCKS): attention, ssm, dense, moe, norm."""
-        out = dict.fromkeys(("attention", "ssm", "dense", "moe", "norm"), 0)
-        for c in self.layer_pattern or "":
-            for block in LAYER_BLOCKS[c]:
-                out[block if block != "ffn" else "moe" if self.is_moe else "dense"] += 1
-        return out
+        """A hybrid's blocks over the whole model (core/hybrid.py LAYER_BLOCKS): attention, ssm, conv, dense, moe,
+        norm."""
+        return layer_blocks(self.layer_pattern, self.is_moe)
 
     @property
     def full_layers(self) -> int:
@@ -405,24 +398,8 @@ class ModelSpec(Spec):
         return self._latent()._experts()._hybrid()
 
     def _hybrid(self) -> "ModelSpec":
-        """A layer_pattern has a character per layer, a mixer's widths where it has a mixer, experts where it has E;
-        no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are)."""
-        pattern = self.layer_pattern
-        if pattern is None:
-            if self.ssm_heads is not None:
-                raise ValueError("ssm_heads is a state-space field: it needs layer_pattern (which layers have a mixer)")
-            return self
-        if len(pattern) != self.num_layers:
-            raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={self.num_layers:,}")
-        if any(c in pattern for c in "SPM") and self.ssm_heads is None:
-            raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M): they need ssm_heads")
-        if self.ssm_heads is not None and self.ssm_heads % self.ssm_groups:
-            raise ValueError(f"ssm_heads={self.ssm_heads} is not divisible by ssm_groups={self.ssm_groups}")
-        if "E" in pattern and not self.is_moe:
-            raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
-        if self.bias or self.moe_first_dense_layers or self.is_mla:
-            raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
-                             "or latent attention (the pattern places the MLPs: - dense, E experts)")
+        """The layer pattern's checks (core/hybrid.py check_hybrid)."""
+        check_hybrid(self)
         return self
 
     def _latent(self) -> "ModelSpec":

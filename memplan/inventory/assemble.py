@@ -121,7 +121,7 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError("no reference torch layer (--impl torch) inventory for multi-head latent attention: use "
                            "--impl megatron, megatron-local, hf-sdpa or hf-eager")
     if model.layer_pattern and (impl not in HF_IMPLS or model.inventory is None):
-        raise MemplanError("a state-space hybrid's layers (layer_pattern: Mamba-2 mixers) are modelled from transformers' "
+        raise MemplanError("a state-space hybrid's layers (layer_pattern: Mamba-2 mixers, short convolutions) are modelled from transformers' "
                            "traced code only: use --impl hf-sdpa or hf-eager with its config.json (--hf-config)")
     if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"

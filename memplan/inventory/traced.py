@@ -318,11 +318,22 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
     return out
 
 
-# what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are
-HYBRID_NOTE = ("a state-space hybrid: its Mamba-2 layers' activations are what transformers' torch path saves (the "
-               "chunked scan, torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs "
-               "mamba-ssm's fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save "
-               "other tensors: not modelled")
+# what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
+# Mamba-2 mixers (S, P, M) and LFM2's short convolutions (C)
+_HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
+                  "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
+                  "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
+                  "tensors: not modelled"),
+                 ("C", "its short-convolution layers' activations are what transformers' torch path saves (the gated "
+                  "depthwise conv1d, causal_conv1d_fn's torch fallback; traced); on CUDA, transformers runs LFM2's with "
+                  "causal-conv1d's fused kernel when it is installed, which saves other tensors: not modelled (LFM3's "
+                  "stay on the torch path)"))
+
+
+def hybrid_note(model: ModelSpec) -> str:
+    """The estimate's note on a hybrid's traced activations (the torch path's, not CUDA's fused kernels')."""
+    parts = [text for blocks, text in _HYBRID_NOTES if set(blocks) & set(model.layer_pattern or "")]
+    return "a state-space hybrid: " + "; ".join(parts)
 
 
 def _multiples(conditions: list[str]) -> tuple[tuple[str, int], ...]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Literal, Mapping, Optional
 
-from memplan.core.model import LAYER_BLOCKS, ModelSpec
+from memplan.core.hybrid import LAYER_BLOCKS
+from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
@@ -39,11 +40,12 @@ from memplan.memory import optimizers
 # MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
-# A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "norm" (one norm), and its MLPs
-# "dense" / "moe", each counted as often as the pattern holds it (ModelSpec.layer_blocks).
+# A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
+# convolution), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
+# (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "norm")
+                "conv", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
@@ -131,7 +133,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
             groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
     groups += gemma4_groups(model)
-    if not model.is_moe or model.moe_first_dense_layers or "-" in (model.layer_pattern or ""):
+    if not model.is_moe or model.moe_first_dense_layers or (model.layer_pattern and model.layer_blocks["dense"]):
         prefix = "dense " if model.is_moe else ""
         groups += [
             ParamGroup(prefix + "MLP input projection weight", Poly.parse(mlp_in), True, mlp),
@@ -177,12 +179,22 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     """A hybrid's groups (ModelSpec.layer_pattern): the attention's in each attention block, the layer norms one norm
     each, and the Mamba-2 mixer's (transformers Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer, FalconH1Mixer): in_proj
     h x (2 I + 2 G N + H), the depthwise conv1d (I + 2 G N) x kernel (and its bias), dt_bias, A_log and D (H each),
-    the gated RMSNorm (I) and out_proj I x h, with I = H P. Other models' groups are as they are."""
+    the gated RMSNorm (I) and out_proj I x h, with I = H P; LFM2's short convolution (transformers Lfm2ShortConv):
+    in_proj h x 3 h, the depthwise conv1d h x kernel, out_proj h x h, each with conv_bias's bias (ssm_proj_bias,
+    ssm_conv_bias, ssm_out_bias). Other models' groups are as they are."""
     if not model.layer_pattern:
         return groups
     norm = "2 h" if model.has_norm_bias else "h"
     out = [replace(g, scope="attention") if g.name in _ATTENTION_GROUPS else
-           replace(g, count=Poly.parse(norm), scope="norm") if g.name == "layer norms" else g for g in groups]
+           replace(g, count=Poly.parse(norm) * (1 + model.sandwich_norms), scope="norm") if g.name == "layer norms" else g
+           for g in groups]  # sandwich norms: a norm after each block too
+    h = model.hidden_size
+    if "C" in model.layer_pattern:
+        out += [ParamGroup("short convolution input projection", _number(3 * h * (h + model.ssm_proj_bias)), True,
+                           "conv"),
+                ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                           "conv"),
+                ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
     if model.ssm_heads is None:
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size

@@ -22,7 +22,7 @@ from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
-from memplan.inventory.traced import HYBRID_NOTE
+from memplan.inventory.traced import hybrid_note
 from memplan.inventory.step_order import runs_traced
 from memplan.inventory.types import HF_IMPLS, Inventory, Term, display_poly
 from memplan.memory.offload import HostBytes, host_bytes, per_node
@@ -377,7 +377,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                              f"the sizes at {sym} = {plan_values[sym]:,} are used (the scan's tensors under-estimated)")
     m = config.model
     if m.layer_pattern:
-        notes.append(HYBRID_NOTE)
+        notes.append(hybrid_note(m))
     if m.is_moe:
         notes.append(f"mixture of experts: {m.num_experts} experts of f_e = {m.fe:,} in {m.moe_layers} of "
                      f"{m.num_layers} layers, top-{m.moe_top_k}; {active_params(m) / 1e9:,.2f} B of "

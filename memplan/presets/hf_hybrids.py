@@ -1,10 +1,10 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
-Granite 4 hybrids (granitemoehybrid) and Falcon-H1, from transformers' own modelling code (transformers 5.23): each
+Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2, LFM2-MoE and LFM3, from transformers' own modelling code (transformers 5.23): each
 layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
 by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
 
 ``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
-activations are traced (--impl hf-*: memplan/inventory/traced.py HYBRID_NOTE says what that leaves out)."""
+activations are traced (--impl hf-*: memplan/inventory/traced.py hybrid_note says what that leaves out)."""
 
 from __future__ import annotations
 
@@ -153,10 +153,91 @@ def _falcon_h1(data: dict, path: Path) -> dict[str, Any]:
                 **_attention(data, path), **mixer)
 
 
+def _lfm2_width(data: dict, path: Path) -> int:
+    """Lfm2MLP's width: intermediate_size (the Hub files' block_ff_dim), with block_auto_adjust_ff_dim two thirds of
+    it, times block_ffn_dim_multiplier (a number: Lfm2Config refuses None), rounded up to block_multiple_of."""
+    f = nat(data, "block_ff_dim", 0, path) if "block_ff_dim" in data else nat(data, "intermediate_size", 12288, path)
+    if not flag(data, "block_auto_adjust_ff_dim", True, path):
+        return f
+    f, multiplier = int(2 * f / 3), data.get("block_ffn_dim_multiplier", 1.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or multiplier <= 0:
+        raise MemplanError(f"{path}: block_ffn_dim_multiplier: expected a positive number (got {echo(multiplier)})")
+    m = nat(data, "block_multiple_of", 256, path)
+    return m * ((int(multiplier * f) + m - 1) // m)
+
+
+def _lfm2(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm2ForCausalLM: each layer attention (with head-wide q / k norms) or a gated short convolution (layer_types,
+    else full_attn_idxs: the others are "conv"), then a SwiGLU MLP (w1, w3, w2) after its own norm; conv_bias on the
+    convolution's in_proj, conv1d and out_proj; the final norm is its embedding_norm; embeddings tied (the Hub files'
+    tie_embedding)."""
+    L = nat(data, "num_hidden_layers", 32, path)
+    if data.get("layer_types") is None:
+        attention = data.get("full_attn_idxs")
+        attention = list(range(L)) if attention is None else attention
+        if not isinstance(attention, list) or not all(isinstance(i, int) and 0 <= i < L for i in attention):
+            raise MemplanError(f"{path}: full_attn_idxs: expected layer indices below {L} (got {echo(attention)})")
+        pattern = "".join("A" if i in attention else "C" for i in range(L))
+    else:
+        pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+    bias = flag(data, "conv_bias", False, path)
+    tied = flag(data, "tie_embedding", True, path) if "tie_embedding" in data else flag(data, "tie_word_embeddings",
+                                                                                        True, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2560, path),
+                layer_pattern=pattern, qk_norm=True, mlp="swiglu", ffn_hidden_size=_lfm2_width(data, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 3, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"), tied_embeddings=tied)
+
+
+def _lfm2_moe(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm2MoeForCausalLM: LFM2's layers (layer_types, which Lfm2MoeConfig needs: it fills none), the first
+    num_dense_layers with a SwiGLU MLP intermediate_size wide (layer_pattern a / c), the others num_experts experts
+    moe_intermediate_size wide, top num_experts_per_tok, a router E x h without bias (its expert_bias is a buffer)."""
+    pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+    dense = data.get("num_dense_layers", 2)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= len(pattern):
+        raise MemplanError(f"{path}: num_dense_layers: expected a layer count from 0 to {len(pattern)} "
+                           f"(got {echo(dense)})")
+    bias = flag(data, "conv_bias", False, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2048, path),
+                layer_pattern=pattern[:dense].lower() + pattern[dense:], qk_norm=True, mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 7168, path),
+                num_experts=nat(data, "num_experts", 32, path), moe_top_k=nat(data, "num_experts_per_tok", 4, path),
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 1792, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 3, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"),
+                tied_embeddings=flag(data, "tie_embedding", True, path) if "tie_embedding" in data else
+                flag(data, "tie_word_embeddings", True, path))
+
+
+def _lfm3(data: dict, path: Path) -> dict[str, Any]:
+    """Lfm3ForCausalLM: LFM2's layers (layer_types; the defaults' every fourth from the third full attention, every
+    fourth from the fifth sliding-window attention, the others short convolutions conv_L_cache wide) with Qwen3's
+    attention (head_dim, attention_bias, head-wide q / k norms) and a sigmoid gate per head (use_attention_gate: g_proj
+    h x a), sandwich norms (use_sandwich_norm: a norm after each block too) and a SwiGLU MLP intermediate_size wide.
+    The sliding window changes no parameter; its activations are the trace's."""
+    L = nat(data, "num_hidden_layers", 24, path)
+    if data.get("layer_types") is None:
+        pattern = "".join("A" if i % 4 == 2 or (i % 4 == 0 and i) else "C" for i in range(L))
+    else:
+        pattern = _types(data, "layer_types", {"full_attention": "A", "sliding_attention": "A", "conv": "C"}, path)
+    bias = flag(data, "conv_bias", False, path)
+    return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2048, path),
+                layer_pattern=pattern, qk_norm=True, head_dim=nat(data, "head_dim", 128, path), mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 7680, path),
+                attention_bias=flag(data, "attention_bias", False, path),
+                attention_output_gate="head" if flag(data, "use_attention_gate", True, path) else None,
+                sandwich_norms=flag(data, "use_sandwich_norm", True, path),
+                ssm_conv_kernel=nat(data, "conv_L_cache", 7, path), ssm_conv_bias=bias, ssm_proj_bias=bias,
+                ssm_out_bias=bias, norm_eps=data.get("norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
-    "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
+    "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3,
 }
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
-HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM")
