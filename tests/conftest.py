@@ -35,6 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(_share, 1)))
 
 from memplan.cli import main  # noqa: E402
+from memplan.inventory import traced as traced_module  # noqa: E402
 
 # The fuzz targets (hypothesis) draw the same examples on every run: a red CI is the change's bug, not a draw.
 # HYPOTHESIS_PROFILE=explore draws new ones (what to run when hunting; a failure found there becomes an @example).
@@ -45,6 +46,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 PEAK_FILES = ("tests/test_chunked_loss.py", "tests/test_mst.py", "tests/test_optimizers.py",
               "tests/test_validate_peak.py")
 PEAK_UNIT = "peak steps"
+
+
+@pytest.fixture(autouse=True)
+def fresh_traced_inventories(monkeypatch):
+    """Each test starts with none of the traced inventories memplan/inventory/traced.py keeps built (`_BUILT`, one
+    per file, model and impl for a process's commands): a test that patches how one is built (e.g.
+    tests/test_validate_peak.py removing a traced moment's transients) gets its patch, whatever ran before it on
+    its worker."""
+    monkeypatch.setattr(traced_module, "_BUILT", {})
 
 
 @pytest.fixture
