@@ -384,7 +384,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
                      + _expert_split(config))
     notes += parallel_notes(config)
-    if inventory.moments and not inventory.moments[0].source.startswith("measured"):
+    if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
         dense = any(m.scope == "layer" for m in inventory.moments)
