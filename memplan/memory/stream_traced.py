@@ -20,8 +20,8 @@ The traced order is the code traced: one GPU (no tensor, pipeline, context or da
 step, bf16 weights, gradients and activations without master weights (bf16-true), gradient checkpointing of none or
 every layer, and an inventory no training setting changed (memplan/inventory/assemble.py keeps the order only then);
 any other plan gets memplan's derived stream. A plan that gets the traced stream has its fit decided by the replay
-alone, no flat margin (memplan/memory/timeline.py device_memory, in estimate and in search's vectorised bound). The stream's `marks` (the timeline's events at stream positions) are
-empty: the traced step's live bytes are the real code's, not the timeline's moment by moment.
+alone, no flat margin (memplan/memory/timeline.py device_memory, in estimate and in search's vectorised bound).
+The stream's `marks` (the timeline's events at stream positions) are empty: the traced step's live bytes are the real code's, not the timeline's moment by moment.
 """
 
 from __future__ import annotations

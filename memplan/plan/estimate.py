@@ -189,8 +189,8 @@ def estimate(
     allocated peak (always the real-code view). The stage with the highest peak is the answer; it
     fits when peak + fragmentation + runtime is within the budget, the fragmentation being the larger of the
     margin (the GPU preset's, or `fragmentation_margin`) and what the caching allocator reserves when that GPU's
-    run is replayed through it (`replay`: the allocator, its settings, the run's history; `device_needs`); with `host_budget_bytes`, also when
-    the host memory its offload takes per node is within that."""
+    run is replayed through it (`replay`: the allocator, its settings, the run's history; `device_needs`); with
+    `host_budget_bytes`, also when the host memory its offload takes per node is within that."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -335,8 +335,8 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
 
 
 def traced_default(config: Config, impl: str, device: str) -> ModelSpec:
-    """The model whose inventory `config` is planned with: its preset's shipped traced inventory (memplan/presets/catalog.py `shipped_trace`: llama3-8b
-    with --impl hf-sdpa on cuda) when the plan runs the code traced, its stream then the traced step's order
+    """The model whose inventory `config` is planned with: its preset's shipped traced inventory
+    (memplan/presets/catalog.py `shipped_trace`: llama3-8b with --impl hf-sdpa on cuda) when the plan runs the code traced, its stream then the traced step's order
     (memplan/memory/stream_traced.py): a plan whose stream memplan checks against recordings with its hand-written
     inventory (memplan/inventory/assemble.py `stream_checked`: torch AdamW, no training setting changed) and which
     the traced order keeps (bf16-true; one GPU, one micro-batch, no or full recompute: step_order.runs_traced).
