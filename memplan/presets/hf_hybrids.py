@@ -1,7 +1,8 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
 Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2, LFM2-MoE and LFM3,
-from transformers' own modelling code (transformers 5.23): each layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's widths; each checked
-by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device.
+from transformers' own modelling code (transformers 5.23): each layer's blocks as ModelSpec.layer_pattern (from the
+config's own pattern fields) and the mixer's widths; each checked by the registry walk (memplan/check/registry.py)
+against transformers' parameter count of the model on the meta device.
 
 ``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
 activations are traced (--impl hf-*: memplan/inventory/traced.py hybrid_note says what that leaves out)."""
