@@ -45,7 +45,7 @@ from .titan import Shape, local_tensor, tp_model
 # backward, SwiGLU's product backward (mul), sdpa's backward, FSDP2's reduce-scatter copy-in, the embedding's backward
 MOMENT_OPS = ("nll_loss_forward", "_log_softmax_backward_data", "mul", "_scaled_dot_product_flash_attention_for_cpu_backward",
               "fsdp.chunk_cat", "embedding_dense_backward", "_fused_adamw_")
-KINDS = ("states", "unsharded", "all-gather", "reduce-scatter", "buffers", "batch", "loader", "step")
+KINDS = ("states", "unsharded", "all-gather", "reduce-scatter", "buffers", "batch", "step")
 
 
 class _StepStorages(StepTracker):
@@ -216,16 +216,15 @@ def step_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     blocks = list(model.layers.values())
     torch.manual_seed(1 + rank)
-    batches = [torch.randint(0, vocab, (b, s + 1)) for _ in range(2)]
+    # the loader's batches: torchtitan's dataset slices each sample into input and label, its DataLoader stacks them
+    batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in torch.randint(0, vocab, (2, b, s + 1))]
 
     def train_step(tracker):
         label = tracker.set if tracker is not None else (lambda **kw: None)
         label(phase="forward", layer=None, microbatch=0)
         optimizers.zero_grad(set_to_none=False)
-        data = batches.pop(0)
-        inputs, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        if tracker is not None:  # the loader's batch (torchtitan's loader yields inputs and labels apart) and them
-            tracker.follow((data,), "loader")
+        inputs, labels = batches.pop(0)
+        if tracker is not None:
             tracker.follow((inputs, labels), "batch")
         global_valid_tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), dims.get_mesh("batch"))
         pred = model(inputs)
