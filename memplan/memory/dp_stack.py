@@ -156,8 +156,8 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: in
                 "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
                 "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
                 "norm + LM head, kept from their forward to their backward (measured); with them each layer's RoPE "
-                "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3), "
-                "measured in a whole training step over gloo"]
+                "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3: "
+                "measured, Llama 3's in a whole training step over gloo)"]
     if training.dp_stack == "fsdp2":
         return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
                 "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "
