@@ -372,8 +372,10 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
               src=DERIVED),
         saved("logits_fp32", "fp32 log-softmax of the logits (its vocab shard under TP: loss parallel)", "output",
               "s b v", "fp32", scope="last", k22=False, src=loss, tp=True),
-        saved("target_ids", "target ids (int64)", "output", "s b", "int64", scope="last", k22=False, src=loss),
     ]
+    # the targets: torchtitan hands the loader's labels to the loss as they are (a view; no target copy, TP's
+    # loss-parallel function included: tests/test_titan_tp.py), so they are the training loop's held labels only
+    # (a separate target_ids term counted them twice: measured in a whole step, validation/titan_step.py)
     held = (labels_term(),)
     # the loss's moments: torchtitan's cross_entropy_loss runs the ops of transformers' ForCausalLMLoss (bf16
     # logits, their fp32 copy, log-softmax), so its measured moments apply: derived for torchtitan
