@@ -1,0 +1,88 @@
+"""The config.json readers of the models with Mamba-1 mixers (issue 22): Mamba, Falcon-Mamba and Jamba, from
+transformers' own modelling code (transformers 5.23: MambaMixer, FalconMambaMixer, JambaMambaMixer): each layer's
+blocks as ModelSpec.layer_pattern (1: a mixer alone, J / j: a mixer beside Jamba's experts / dense MLP, A / a:
+attention beside them; core/hybrid.py) and the mixer's widths (ssm_heads 1, ssm_head_dim its width I = expand h,
+ssm_dt_rank R); each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count
+of the model on the meta device.
+
+``MAMBA1`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which includes
+it); their activations are traced with CUDA's mamba-ssm kernels stood in (validation/trace_mamba1.py: derived from
+mamba-ssm's source; transformers' torch path loops over s, which a symbolic trace cannot follow)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+from memplan.presets.hf_families import flag, nat
+
+
+def _rank(data: dict, key: str, h: int, path: Path) -> int:
+    """The dt rank: an integer, or "auto" (the default) for ceil(h / 16) as the config classes compute it."""
+    value = data.get(key, "auto")
+    return math.ceil(h / 16) if value in ("auto", None) else nat(data, key, None, path)
+
+
+def _mixer(data: dict, path: Path, h: int, keys: tuple[str, str, str, str, str, str], norms: bool) -> dict[str, Any]:
+    """The mixer's fields under a family's key names (expand, state, conv kernel, dt rank, conv bias, proj bias: the
+    config classes' defaults 2, 16, 4, auto, true, false); ``norms``: dt / B / C RMSNorms with weights (Jamba)."""
+    expand, state, kernel, rank, conv_bias, proj_bias = keys
+    width = data.get(expand, 2)
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or width <= 0 or int(width * h) != width * h:
+        raise MemplanError(f"{path}: {expand}: expected a positive number that makes {expand} x hidden_size an "
+                           f"integer (got {echo(width)})")
+    bias = flag(data, proj_bias, False, path)
+    return dict(ssm_heads=1, ssm_head_dim=int(width * h), ssm_state_size=nat(data, state, 16, path),
+                ssm_conv_kernel=nat(data, kernel, 4, path), ssm_dt_rank=_rank(data, rank, h, path),
+                ssm_conv_bias=flag(data, conv_bias, True, path), ssm_proj_bias=bias, ssm_out_bias=bias, ssm_norm=norms)
+
+
+def _mamba(data: dict, path: Path, norms: bool = False) -> dict[str, Any]:
+    """MambaForCausalLM (and FalconMambaForCausalLM, whose dt / B / C RMSNorms are weightless buffers): every layer a
+    norm and a mixer; use_bias on in_proj and out_proj; embeddings tied by default."""
+    L, h = nat(data, "num_hidden_layers", 32, path), nat(data, "hidden_size", 768, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=1, norm="rmsnorm", position_embedding="rope",
+                bias=False, tied_embeddings=flag(data, "tie_word_embeddings", True, path), layer_pattern="1" * L,
+                norm_eps=data.get("layer_norm_epsilon"),
+                **_mixer(data, path, h, ("expand", "state_size", "conv_kernel", "time_step_rank", "use_conv_bias",
+                                         "use_bias"), norms))
+
+
+def _period(data: dict, path: Path, period: str, offset: str, defaults: tuple[int, int]) -> tuple[int, int]:
+    """A (period, offset) pair of Jamba's layout, the offset below the period (as JambaConfig checks)."""
+    p, o = nat(data, period, defaults[0], path), data.get(offset, defaults[1])
+    if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < p:
+        raise MemplanError(f"{path}: {offset}: expected an integer from 0 to {period} - 1 = {p - 1} (got {echo(o)})")
+    return p, o
+
+
+def _jamba(data: dict, path: Path) -> dict[str, Any]:
+    """JambaForCausalLM: layer i attention when i % attn_layer_period == attn_layer_offset, else a Mamba-1 mixer (its
+    dt / B / C RMSNorms with weights); then num_experts experts (intermediate_size wide, gated, top
+    num_experts_per_tok, a router without bias) when i % expert_layer_period == expert_layer_offset, else a gated MLP
+    as wide; two norms per layer; no biases, no position embedding."""
+    L, h = nat(data, "num_hidden_layers", 32, path), nat(data, "hidden_size", 4096, path)
+    attn, experts = (_period(data, path, "attn_layer_period", "attn_layer_offset", (8, 4)),
+                     _period(data, path, "expert_layer_period", "expert_layer_offset", (2, 1)))
+    E = nat(data, "num_experts", nat(data, "num_local_experts", 16, path), path)
+    moe = [E > 1 and i % experts[0] == experts[1] for i in range(L)]
+    pattern = "".join(("A" if i % attn[0] == attn[1] else "J").lower() if any(moe) and not moe[i] else
+                      "A" if i % attn[0] == attn[1] else "J" for i in range(L))
+    f = nat(data, "intermediate_size", 14336, path)
+    experts_spec = dict(num_experts=E, moe_top_k=nat(data, "num_experts_per_tok", 2, path),
+                        moe_ffn_hidden_size=f) if any(moe) else {}
+    return dict(num_layers=L, hidden_size=h, layer_pattern=pattern, mlp="swiglu", ffn_hidden_size=f,
+                num_attention_heads=nat(data, "num_attention_heads", 32, path),
+                num_kv_heads=data.get("num_key_value_heads"), norm="rmsnorm", position_embedding="rope", bias=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", False, path), norm_eps=data.get("rms_norm_eps"),
+                **experts_spec,
+                **_mixer(data, path, h, ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank",
+                                         "mamba_conv_bias", "mamba_proj_bias"), True))
+
+
+MAMBA1: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _mamba, "JambaForCausalLM": _jamba,
+}
