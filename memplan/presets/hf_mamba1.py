@@ -26,29 +26,34 @@ def _rank(data: dict, key: str, h: int, path: Path) -> int:
     return math.ceil(h / 16) if value in ("auto", None) else nat(data, key, None, path)
 
 
-def _mixer(data: dict, path: Path, h: int, keys: tuple[str, str, str, str, str, str], norms: bool) -> dict[str, Any]:
+def _mixer(data: dict, path: Path, h: int, keys: tuple[str, str, str, str, str, str], norms: bool,
+           inner: str = "") -> dict[str, Any]:
     """The mixer's fields under a family's key names (expand, state, conv kernel, dt rank, conv bias, proj bias: the
-    config classes' defaults 2, 16, 4, auto, true, false); ``norms``: dt / B / C RMSNorms with weights (Jamba)."""
+    config classes' defaults 2, 16, 4, auto, true, false); its width the ``inner`` key when the file has it (Mamba's
+    intermediate_size, which MambaConfig keeps over expand x h), else expand x h; ``norms``: dt / B / C RMSNorms with
+    weights (Jamba)."""
     expand, state, kernel, rank, conv_bias, proj_bias = keys
     width = data.get(expand, 2)
     if isinstance(width, bool) or not isinstance(width, (int, float)) or width <= 0 or int(width * h) != width * h:
         raise MemplanError(f"{path}: {expand}: expected a positive number that makes {expand} x hidden_size an "
                            f"integer (got {echo(width)})")
     bias = flag(data, proj_bias, False, path)
-    return dict(ssm_heads=1, ssm_head_dim=int(width * h), ssm_state_size=nat(data, state, 16, path),
+    width = nat(data, inner, None, path) if data.get(inner) is not None else int(width * h)
+    return dict(ssm_heads=1, ssm_head_dim=width, ssm_state_size=nat(data, state, 16, path),
                 ssm_conv_kernel=nat(data, kernel, 4, path), ssm_dt_rank=_rank(data, rank, h, path),
                 ssm_conv_bias=flag(data, conv_bias, True, path), ssm_proj_bias=bias, ssm_out_bias=bias, ssm_norm=norms)
 
 
 def _mamba(data: dict, path: Path, norms: bool = False) -> dict[str, Any]:
     """MambaForCausalLM (and FalconMambaForCausalLM, whose dt / B / C RMSNorms are weightless buffers): every layer a
-    norm and a mixer; use_bias on in_proj and out_proj; embeddings tied by default."""
+    norm and a mixer intermediate_size wide (else expand x hidden_size); use_bias on in_proj and out_proj; embeddings
+    tied by default."""
     L, h = nat(data, "num_hidden_layers", 32, path), nat(data, "hidden_size", 768, path)
     return dict(num_layers=L, hidden_size=h, num_attention_heads=1, norm="rmsnorm", position_embedding="rope",
                 bias=False, tied_embeddings=flag(data, "tie_word_embeddings", True, path), layer_pattern="1" * L,
                 norm_eps=data.get("layer_norm_epsilon"),
                 **_mixer(data, path, h, ("expand", "state_size", "conv_kernel", "time_step_rank", "use_conv_bias",
-                                         "use_bias"), norms))
+                                         "use_bias"), norms, "intermediate_size"))
 
 
 def _period(data: dict, path: Path, period: str, offset: str, defaults: tuple[int, int]) -> tuple[int, int]:
