@@ -1,7 +1,8 @@
 """Mamba-1 mixers under the tracer (``kernels="cuda"``): mamba-ssm's and causal-conv1d's fused CUDA kernels stood in
 on fake CPU tensors, saving what they save (``stand_ins``); with ``kernels="cpu"`` the trace is refused (``check``).
 
-transformers' torch path of a Mamba-1 mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer: ``mamba_selective_scan``)
+transformers' torch path of a Mamba-1 mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer, ZambaMambaMixer:
+``mamba_selective_scan``)
 loops over the sequence, one step per token, which a trace with a symbolic s cannot follow.  On CUDA with mamba-ssm
 and causal-conv1d installed, transformers calls their kernels instead (``use_kernel_func_from_hub_with_fallback``:
 the package's function replaces the module's ``mamba_inner_fn`` / ``causal_conv1d_fn`` / ``mamba_selective_scan``).
@@ -18,9 +19,9 @@ shapes and dtypes (derived from the code, not measured: no GPU with mamba-ssm wa
   ceil(s / 2048)) and the scan's output before the gate ``out`` ([b, I, s]); it returns out_proj's output.  Falcon-
   Mamba's dt / B / C RMSNorms (mamba_inner_fn's b / c / dt_rms_weight) replace B, C and delta by normed tensors of the
   same shapes: the same saves.
-* ``causal_conv1d`` (Jamba) saves its input x (a channel-last view of in_proj's output: no copy) and returns a new
+* ``causal_conv1d`` (Jamba, Zamba) saves its input x (a channel-last view of in_proj's output: no copy) and returns a new
   [b, I, s] tensor (the SiLU inside the kernel).
-* ``SelectiveScan`` (Jamba: ``selective_scan_fn`` with z) saves u, delta, B, C, z (each made contiguous: u, B, C and
+* ``SelectiveScan`` (Jamba, and Zamba once per mixer head: ``selective_scan_fn`` with z) saves u, delta, B, C, z (each made contiguous: u, B, C and
   z are transposed views in transformers' call, copied), A, D, delta_bias, ``x`` as above and ``out``; it returns
   out_z, a new [b, I, s] tensor.
 * The backwards allocate what the kernels' backwards allocate (the gradients of every input, the recomputed
@@ -37,10 +38,10 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 CHUNK = 2048  # selective_scan_fwd: n_chunks = (seqlen + 2048 - 1) / 2048
-MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
+MODEL_TYPES = ("mamba", "falcon_mamba", "jamba", "zamba")
 _MODULES = {"mamba": "transformers.models.mamba.modeling_mamba",
             "falcon_mamba": "transformers.models.falcon_mamba.modeling_falcon_mamba",
-            "jamba": "transformers.models.jamba.modeling_jamba"}
+            "jamba": "transformers.models.jamba.modeling_jamba", "zamba": "transformers.models.zamba.modeling_zamba"}
 
 
 def check(config: dict, kernels: str) -> None:
@@ -181,7 +182,7 @@ def stand_ins(config: dict, kernels: str):
     import importlib
 
     module = importlib.import_module(_MODULES[model_type])
-    swaps = ({"mamba_inner_fn": mamba_inner_fn} if model_type != "jamba" else
+    swaps = ({"mamba_inner_fn": mamba_inner_fn} if model_type in ("mamba", "falcon_mamba") else
              {"causal_conv1d_fn": causal_conv1d_fn, "mamba_selective_scan": selective_scan_fn})
     before = {name: getattr(module, name) for name in swaps}
     try:

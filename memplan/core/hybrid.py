@@ -10,13 +10,15 @@ from typing import Any
 # mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated
 # short convolution (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers);
 # each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: ModelSpec.ssm_dt_rank,
-# ssm_heads 1 and ssm_head_dim its width I).
+# ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's shared attention + MLP
+# block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
-                "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"), "j": ("mamba1", "dense", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "dense", "moe", "norm")
+                "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"), "j": ("mamba1", "dense", "norm", "norm"),
+                "Z": ("shared", "mamba1", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -40,9 +42,9 @@ def check_hybrid(model: Any) -> None:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
     if any(c in pattern for c in "SPM") and model.ssm_heads is None:
         raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M): they need ssm_heads")
-    if any(c in pattern for c in "1Jj") != (model.ssm_dt_rank is not None) or (
+    if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
             model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPM"))):
-        raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
+        raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
                          "needs them (Mamba-2 mixers S, P, M beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")

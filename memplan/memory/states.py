@@ -41,11 +41,11 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "mamba1" (a Mamba-1 mixer), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
 # (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "mamba1", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "norm")
+                "conv", "mamba1", "shared", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
@@ -196,7 +196,7 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                            "conv"),
                 ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
     if model.ssm_dt_rank is not None:
-        return out + _mamba1(model)
+        return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
     if model.ssm_heads is None:
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
@@ -231,6 +231,19 @@ def _mamba1(model: ModelSpec) -> list[ParamGroup]:
     if model.ssm_out_bias:
         out.append(ParamGroup("Mamba-1 output projection bias", Poly.parse("h"), False, "mamba1"))
     return out
+
+
+def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
+    """Zamba's shared transformer block (transformers ZambaAttentionDecoderLayer, tied across its uses: held once, on
+    the first stage) over the concatenated [x, embedding] input 2 h wide: a norm 2 h wide, q 2 h x a d, k and v
+    2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear."""
+    h, d, a = model.hidden_size, model.head_dim or 2 * model.hidden_size // model.num_attention_heads, \
+        model.num_attention_heads
+    g = model.num_kv_heads or a
+    return [ParamGroup("Zamba shared block's attention", _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
+            ParamGroup("Zamba shared block's MLP", _number(3 * h * model.ffn_hidden_size), True, "first"),
+            ParamGroup("Zamba shared block's norms", _number(3 * h), False, "first"),
+            ParamGroup("Zamba shared block's output linear", _number(h * h), True, "shared")]
 
 
 def _number(n: int) -> Poly:

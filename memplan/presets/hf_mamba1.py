@@ -1,8 +1,8 @@
-"""The config.json readers of the models with Mamba-1 mixers (issue 22): Mamba, Falcon-Mamba and Jamba, from
-transformers' own modelling code (transformers 5.23: MambaMixer, FalconMambaMixer, JambaMambaMixer): each layer's
-blocks as ModelSpec.layer_pattern (1: a mixer alone, J / j: a mixer beside Jamba's experts / dense MLP, A / a:
-attention beside them; core/hybrid.py) and the mixer's widths (ssm_heads 1, ssm_head_dim its width I = expand h,
-ssm_dt_rank R); each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count
+"""The config.json readers of the models with Mamba-1 mixers (issue 22): Mamba, Falcon-Mamba, Jamba and Zamba, from
+transformers' own modelling code (transformers 5.23: MambaMixer, FalconMambaMixer, JambaMambaMixer, ZambaMambaMixer):
+each layer's blocks as ModelSpec.layer_pattern (1: a mixer alone, J / j: a mixer beside Jamba's experts / dense MLP,
+A / a: attention beside them, Z: a mixer after a use of Zamba's shared block; core/hybrid.py) and the mixer's widths
+(ssm_heads 1, Zamba's n_mamba_heads; ssm_head_dim its width I = expand h over the heads; ssm_dt_rank R); each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count
 of the model on the meta device.
 
 ``MAMBA1`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which includes
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import flag, nat
+from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 
 def _rank(data: dict, key: str, h: int, path: Path) -> int:
@@ -88,6 +88,41 @@ def _jamba(data: dict, path: Path) -> dict[str, Any]:
                                          "mamba_conv_bias", "mamba_proj_bias"), True))
 
 
+def _zamba(data: dict, path: Path) -> dict[str, Any]:
+    """ZambaForCausalLM: every layer a norm and a Mamba-1 mixer of n_mamba_heads heads (x_proj and dt_proj per head:
+    as many parameters as one mixer I wide), the "hybrid" ones (layers_block_type, else ZambaConfig's own layout) after
+    a use of the shared attention + gated MLP block (over [x, embedding], attention_hidden_size = 2 h wide, heads
+    attention_head_dim wide) and its own h x h linear; no biases; embeddings tied by default."""
+    L, h = nat(data, "num_hidden_layers", 76, path), nat(data, "hidden_size", 3712, path)
+    a = nat(data, "num_attention_heads", 16, path)
+    if data.get("attention_hidden_size") not in (None, 2 * h):
+        raise MemplanError(f"{path}: attention_hidden_size = {echo(data['attention_hidden_size'])}, not 2 x "
+                           f"hidden_size = {2 * h}: not modelled; {YAML_HINT}")
+    if data.get("layers_block_type") is None:
+        period, offset = _period(data, path, "attn_layer_period", "attn_layer_offset", (6, 4))
+        pattern = "11Z" + "".join("Z" if i % period == offset else "1" for i in range(L - 3))
+    else:
+        types, table = data["layers_block_type"], {"linear_attention": "1", "mamba": "1", "hybrid": "Z"}
+        if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in table for t in types):
+            raise MemplanError(f"{path}: layers_block_type: expected a list of the layer types hybrid, "
+                               f"linear_attention and mamba (got {echo(types)})")
+        pattern = "".join(table[t] for t in types)
+    mixer = _mixer(data, path, h, ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank",
+                                   "mamba_conv_bias", "mamba_proj_bias"), False)
+    heads = nat(data, "n_mamba_heads", 2, path)
+    if mixer["ssm_head_dim"] % heads:
+        raise MemplanError(f"{path}: mamba_expand x hidden_size = {mixer['ssm_head_dim']} is not divisible by "
+                           f"n_mamba_heads = {heads}")
+    mixer.update(ssm_heads=heads, ssm_head_dim=mixer["ssm_head_dim"] // heads)
+    return dict(num_layers=len(pattern), hidden_size=h, layer_pattern=pattern, mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 14848, path), num_attention_heads=a,
+                num_kv_heads=data.get("num_key_value_heads"), head_dim=nat(data, "attention_head_dim", 2 * h // a, path),
+                norm="rmsnorm", position_embedding="rope", bias=False,
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("rms_norm_eps"),
+                **mixer)
+
+
 MAMBA1: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "MambaForCausalLM": _mamba, "FalconMambaForCausalLM": _mamba, "JambaForCausalLM": _jamba,
+    "ZambaForCausalLM": _zamba,
 }
