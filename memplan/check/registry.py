@@ -164,7 +164,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
     "xmod": ("estimate", _ENCODER),
-    "zamba": ("estimate", "Zamba: Mamba-1 mixers with one shared attention block reused every few layers: not counted"),
+    "zamba": ("trace", _MAMBA1),
     "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
                            "every few layers: not counted"),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
