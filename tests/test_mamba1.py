@@ -23,12 +23,16 @@ from memplan.core.symbolic import Poly
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from memplan.check import registry  # noqa: E402
+from memplan.memory.states import counter, layer_params  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation import hf as _hf  # noqa: E402
 from validation import trace_mamba1  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
 from validation.trace import to_yaml, trace_hf_config  # noqa: E402
+from validation.trace_config import hf_config  # noqa: E402
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -110,6 +114,21 @@ def test_zambas_shared_block_counts_once():
     config = {**tiny_config("zamba"), **ZAMBA}
     assert config["attention_hidden_size"] == 2 * config["hidden_size"]
     assert registry.memplan_params(config) == meta_params(config) == 471_040
+
+
+@pytest.mark.parametrize("model_type, switches", [("zamba", ZAMBA), ("jamba", {}), ("mamba", {})])
+def test_the_largest_layer_is_the_largest_of_the_real_model(model_type, switches, tmp_path):
+    """ZeRO-3 gathers one layer at a time: layer_params of a hybrid is its largest layer (Zamba's: a layer that uses
+    the shared block, whose tied weights transformers' hybrid layer holds; Jamba's: an experts' layer), equal to the
+    largest decoder layer transformers builds on the meta device."""
+    config = {**tiny_config(model_type), **switches}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = read_hf_config(str(tmp_path / "config.json")).model
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf_config(config))
+    layers = built.model.layers if hasattr(built, "model") else built.backbone.layers
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    assert layer_params(model, counter(model.symbols(t=1))) == largest
 
 
 def test_the_mixer_saves_what_the_kernels_save(zamba):

@@ -233,16 +233,21 @@ def _mamba1(model: ModelSpec) -> list[ParamGroup]:
     return out
 
 
+ZAMBA_SHARED = ("Zamba shared block's attention", "Zamba shared block's MLP", "Zamba shared block's norms")
+
+
 def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
     """Zamba's shared transformer block (transformers ZambaAttentionDecoderLayer, tied across its uses: held once, on
     the first stage) over the concatenated [x, embedding] input 2 h wide: a norm 2 h wide, q 2 h x a d, k and v
-    2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear."""
+    2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear. A Z
+    layer's size (layer_params: what ZeRO-3 gathers to run it) counts the block too."""
     h, d, a = model.hidden_size, model.head_dim or 2 * model.hidden_size // model.num_attention_heads, \
         model.num_attention_heads
     g = model.num_kv_heads or a
-    return [ParamGroup("Zamba shared block's attention", _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
-            ParamGroup("Zamba shared block's MLP", _number(3 * h * model.ffn_hidden_size), True, "first"),
-            ParamGroup("Zamba shared block's norms", _number(3 * h), False, "first"),
+    attention, mlp, norms = ZAMBA_SHARED
+    return [ParamGroup(attention, _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
+            ParamGroup(mlp, _number(3 * h * model.ffn_hidden_size), True, "first"),
+            ParamGroup(norms, _number(3 * h), False, "first"),
             ParamGroup("Zamba shared block's output linear", _number(h * h), True, "shared")]
 
 
@@ -400,7 +405,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
     moe, dense = kinds["moe"], kinds["dense"]
     full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
     if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
-        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope), 0)
+        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope or
+                             scope == "shared" and g.name in ZAMBA_SHARED), 0)  # the shared block, gathered per use
                  for scope in (*HYBRID_SCOPES, "moe", "dense")}
         sizes = [sum(block["moe" if b == "ffn" and model.is_moe else "dense" if b == "ffn" else b] for b in blocks)
                  for blocks in (LAYER_BLOCKS[c] for c in set(model.layer_pattern))]
