@@ -46,7 +46,7 @@ from validation.trace_config import hf_config  # noqa: E402
                    expert_layer_offset=2)),  # attention, experts and dense MLPs interleaved: J j A ...
     ("jamba", dict(mamba_proj_bias=True, mamba_conv_bias=False, mamba_dt_rank=5, mamba_expand=3)),
     ("zamba", dict(attention_head_dim=16, num_key_value_heads=4, layers_block_type=None, num_hidden_layers=10,
-                   attn_layer_period=3, attn_layer_offset=1, mamba_proj_bias=True)),  # ZambaConfig's own layout: 11Z1Z..
+                   attn_layer_period=3, attn_layer_offset=1, mamba_proj_bias=True)),  # ZambaConfig's layout 11Z1Z..
     ("zamba", dict(n_mamba_heads=4, mamba_conv_bias=False, tie_word_embeddings=False)),
 ])
 def test_the_switches_count_exactly(model_type, switches):

@@ -19,11 +19,12 @@ shapes and dtypes (derived from the code, not measured: no GPU with mamba-ssm wa
   ceil(s / 2048)) and the scan's output before the gate ``out`` ([b, I, s]); it returns out_proj's output.  Falcon-
   Mamba's dt / B / C RMSNorms (mamba_inner_fn's b / c / dt_rms_weight) replace B, C and delta by normed tensors of the
   same shapes: the same saves.
-* ``causal_conv1d`` (Jamba, Zamba) saves its input x (a channel-last view of in_proj's output: no copy) and returns a new
-  [b, I, s] tensor (the SiLU inside the kernel).
-* ``SelectiveScan`` (Jamba, and Zamba once per mixer head: ``selective_scan_fn`` with z) saves u, delta, B, C, z (each made contiguous: u, B, C and
-  z are transposed views in transformers' call, copied), A, D, delta_bias, ``x`` as above and ``out``; it returns
-  out_z, a new [b, I, s] tensor.
+* ``CausalConv1d`` (Jamba, Zamba: ``causal_conv1d_fn``) saves its input x as given when one of its last two strides
+  is 1 (Jamba's is a channel-last view of in_proj's output: no copy; Zamba's a contiguous copy made before) and
+  returns a new [b, I, s] tensor (the SiLU inside the kernel).
+* ``SelectiveScan`` (Jamba, and Zamba once per mixer head: ``selective_scan_fn`` with z) saves u, delta, B, C, z
+  (each made contiguous where its last stride is not 1: Jamba's u, B, C and z are transposed views, copied), A, D,
+  delta_bias, ``x`` as above and ``out``; it returns out_z, a new [b, I, s] tensor.
 * The backwards allocate what the kernels' backwards allocate (the gradients of every input, the recomputed
   convolution, delta and out_z, mamba-ssm's fp32 dB / dC), so the traced transients follow them.
 
@@ -86,7 +87,8 @@ class MambaInner(torch.autograd.Function):
         ctx.save_for_backward(xz, conv_w, conv_b, x_dbl, x_proj_w, dt_proj_w, out_w, A, B, C, D, delta_bias, states,
                               out)
         ctx.out_b = None if out_b is None else (out_b.shape, out_b.dtype)
-        return torch.nn.functional.linear(out_z.transpose(1, 2), out_w, None if out_b is None else out_b.to(out_w.dtype))
+        bias = None if out_b is None else out_b.to(out_w.dtype)
+        return torch.nn.functional.linear(out_z.transpose(1, 2), out_w, bias)
 
     @staticmethod
     def backward(ctx, dout):
@@ -98,8 +100,8 @@ class MambaInner(torch.autograd.Function):
         dx_dbl = torch.empty_like(x_dbl)
         del conv_out, delta, dout_y, made, dx_dbl
         out_b = None if ctx.out_b is None else torch.zeros(*ctx.out_b)
-        return (dxz, *(None if t is None else torch.zeros_like(t) for t in (conv_w, conv_b, x_proj_w, dt_proj_w, out_w)),
-                out_b, *(None if t is None else torch.zeros_like(t) for t in (A, D, delta_bias)))
+        weights = (None if t is None else torch.zeros_like(t) for t in (conv_w, conv_b, x_proj_w, dt_proj_w, out_w))
+        return (dxz, *weights, out_b, *(None if t is None else torch.zeros_like(t) for t in (A, D, delta_bias)))
 
 
 class CausalConv1d(torch.autograd.Function):

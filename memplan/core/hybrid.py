@@ -16,8 +16,8 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
-                "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"), "j": ("mamba1", "dense", "norm", "norm"),
-                "Z": ("shared", "mamba1", "norm")}
+                "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
+                "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm")}
 BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "dense", "moe", "norm")
 
 
@@ -36,7 +36,8 @@ def check_hybrid(model: Any) -> None:
     pattern = model.layer_pattern
     if pattern is None:
         if model.ssm_heads is not None or model.ssm_dt_rank is not None:
-            raise ValueError("ssm_heads / ssm_dt_rank are state-space fields: it needs layer_pattern (which layers have a mixer)")
+            raise ValueError("ssm_heads / ssm_dt_rank are state-space fields: they need layer_pattern (which layers "
+                             "have a mixer)")
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
@@ -51,8 +52,8 @@ def check_hybrid(model: Any) -> None:
     if "E" in pattern and not model.is_moe:
         raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
     if any(c in pattern for c in "acj") and not model.is_moe:
-        raise ValueError("layer_pattern's a / c / j put a dense MLP beside a mixture-of-experts model's experts: they need "
-                         "num_experts (else write A / C / J)")
+        raise ValueError("layer_pattern's a / c / j put a dense MLP beside a mixture-of-experts model's experts: they "
+                         "need num_experts (else write A / C / J)")
     if model.bias or model.moe_first_dense_layers or model.is_mla:
         raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
                          "or latent attention (the pattern places the MLPs: - dense, E experts)")

@@ -329,8 +329,8 @@ _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers'
                   "causal-conv1d's fused kernel when it is installed, which saves other tensors: not modelled (LFM3's "
                   "stay on the torch path)"),
                  ("1JjZ", "its Mamba-1 mixers' activations are what mamba-ssm's and causal-conv1d's CUDA kernels save "
-                  "(mamba_inner_fn; Jamba, Zamba: causal_conv1d_fn, selective_scan_fn), derived from their source and stood "
-                  "in while tracing (validation/trace_mamba1.py; s a multiple of the scan's 2048-token chunk), not "
+                  "(mamba_inner_fn; Jamba, Zamba: causal_conv1d_fn, selective_scan_fn), derived from their source and "
+                  "stood in while tracing (validation/trace_mamba1.py; s a multiple of the scan's 2048-token chunk), not "
                   "measured; transformers' torch path (a loop over s) is not modelled"))
 
 

@@ -41,8 +41,8 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
-# (ModelSpec.layer_blocks).
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "norm" (one norm), and its
+# MLPs "dense" / "moe", each counted as often as the pattern holds it (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
                 "conv", "mamba1", "shared", "norm"]
 HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "norm")
@@ -222,7 +222,8 @@ def _mamba1(model: ModelSpec) -> list[ParamGroup]:
     are weightless buffers)."""
     h, i, n, r = model.hidden_size, model.ssm_heads * model.ssm_head_dim, model.ssm_state_size, model.ssm_dt_rank
     out = [ParamGroup("Mamba-1 input projection", _number(2 * i * (h + model.ssm_proj_bias)), True, "mamba1"),
-           ParamGroup("Mamba-1 convolution", _number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True, "mamba1"),
+           ParamGroup("Mamba-1 convolution", _number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                      "mamba1"),
            ParamGroup("Mamba-1 x_proj, dt_proj", _number(i * (r + 2 * n) + r * i + i), True, "mamba1"),
            ParamGroup("Mamba-1 A_log, D", _number(i * (n + 1)), True, "mamba1"),
            ParamGroup("Mamba-1 output projection weight", _number(i * h), True, "mamba1")]

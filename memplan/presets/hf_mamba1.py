@@ -2,8 +2,9 @@
 transformers' own modelling code (transformers 5.23: MambaMixer, FalconMambaMixer, JambaMambaMixer, ZambaMambaMixer):
 each layer's blocks as ModelSpec.layer_pattern (1: a mixer alone, J / j: a mixer beside Jamba's experts / dense MLP,
 A / a: attention beside them, Z: a mixer after a use of Zamba's shared block; core/hybrid.py) and the mixer's widths
-(ssm_heads 1, Zamba's n_mamba_heads; ssm_head_dim its width I = expand h over the heads; ssm_dt_rank R); each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count
-of the model on the meta device.
+(ssm_heads 1, Zamba's n_mamba_heads; ssm_head_dim its width I = expand h over the heads; ssm_dt_rank R); each
+checked by the registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the
+meta device.
 
 ``MAMBA1`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which includes
 it); their activations are traced with CUDA's mamba-ssm kernels stood in (validation/trace_mamba1.py: derived from
@@ -116,7 +117,8 @@ def _zamba(data: dict, path: Path) -> dict[str, Any]:
     mixer.update(ssm_heads=heads, ssm_head_dim=mixer["ssm_head_dim"] // heads)
     return dict(num_layers=len(pattern), hidden_size=h, layer_pattern=pattern, mlp="swiglu",
                 ffn_hidden_size=nat(data, "intermediate_size", 14848, path), num_attention_heads=a,
-                num_kv_heads=data.get("num_key_value_heads"), head_dim=nat(data, "attention_head_dim", 2 * h // a, path),
+                num_kv_heads=data.get("num_key_value_heads"),
+                head_dim=nat(data, "attention_head_dim", 2 * h // a, path),
                 norm="rmsnorm", position_embedding="rope", bias=False,
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("rms_norm_eps"),
                 **mixer)
