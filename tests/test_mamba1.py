@@ -219,6 +219,8 @@ def test_estimate_answers_with_the_trace(zamba, run_cli, tmp_path):
     code, out, err = run_cli(*args)
     assert code == 0, err
     assert "Mamba-1 mixers" in out and "derived from their source" in out and "not a multiple" not in out
+    code, out, err = run_cli(*args[:4], "3000", *args[5:])  # the scan's states: ceil(s / 2048) chunks, no padding
+    assert code == 0 and "keeps its states for 2 chunks of 2048 tokens" in out and "pads" not in out
     for extra, says in ((["--device", "cpu"], "Mamba-1 mixers with --device cpu"),):
         code, out, err = run_cli(*args, *extra)
         assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
