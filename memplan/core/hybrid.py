@@ -36,8 +36,8 @@ def check_hybrid(model: Any) -> None:
     pattern = model.layer_pattern
     if pattern is None:
         if model.ssm_heads is not None or model.ssm_dt_rank is not None:
-            raise ValueError("ssm_heads / ssm_dt_rank are state-space fields: they need layer_pattern (which layers "
-                             "have a mixer)")
+            raise ValueError("a state-space field (ssm_heads, ssm_dt_rank) needs layer_pattern (which layers have a "
+                             "mixer)")
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
