@@ -98,6 +98,10 @@ def _shrink(data: dict) -> dict:
         out["head_dim"] = out["qk_rope_head_dim"]
     if "qk_head_dim" in data and "qk_nope_head_dim" in data:  # the derived width the defaults wrote out
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if data.get("attention_hidden_size") == 2 * data.get("hidden_size", 0):  # Zamba's shared block: [x, embedding]
+        out["attention_hidden_size"] = 2 * out["hidden_size"]
+        if data.get("attention_head_dim") == data["attention_hidden_size"] // data.get("num_attention_heads", 0):
+            out["attention_head_dim"] = out["attention_hidden_size"] // out["num_attention_heads"]
     if "word_embed_proj_dim" in data and data["word_embed_proj_dim"] == data.get("hidden_size"):  # OPT: no projection
         out["word_embed_proj_dim"] = out["hidden_size"]
     if "kv_lora_rank" in data and "num_key_value_heads" in data:  # latent attention: one K / V per query head

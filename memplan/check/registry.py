@@ -37,8 +37,10 @@ KINDS = ("build", "estimate", "trace")
 _ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
 _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
-_MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
-           "counted")
+# Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
+# (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
+_MAMBA1 = ("transformers' torch path of a Mamba-1 mixer loops over s, which a symbolic trace cannot follow: estimated "
+           "with mamba-ssm's CUDA kernels' saves stood in (--device cuda; derived, no CPU run to compare)")
 _DELTA = ("gated DeltaNet linear-attention layers (flash-linear-attention's chunked delta rule) beside full attention: "
           "not modelled")
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
@@ -80,7 +82,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                     "names layers past the second)"),
     "electra": ("estimate", _ENCODER),
     "ernie": ("estimate", _ENCODER),
-    "falcon_mamba": ("estimate", _MAMBA1),
+    "falcon_mamba": ("trace", _MAMBA1),
     "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
                           "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", _MULTIMODAL),
@@ -103,14 +105,13 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                   "an embedding norm"),
     "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
                                  "embedding norm"),
-    "jamba": ("estimate", "Jamba: Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel) with attention and "
-                          "experts every few layers: not counted (layer_pattern models Mamba-2's only)"),
+    "jamba": ("trace", _MAMBA1),
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
-    "mamba": ("estimate", _MAMBA1),
+    "mamba": ("trace", _MAMBA1),
     "marian": ("estimate", _ENCODER),
     "mbart": ("estimate", _ENCODER),
     "megatron-bert": ("estimate", _ENCODER),
@@ -163,7 +164,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
     "xmod": ("estimate", _ENCODER),
-    "zamba": ("estimate", "Zamba: Mamba-1 mixers with one shared attention block reused every few layers: not counted"),
+    "zamba": ("trace", _MAMBA1),
     "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
                            "every few layers: not counted"),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "

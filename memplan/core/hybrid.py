@@ -9,12 +9,16 @@ from typing import Any
 # A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
 # mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated
 # short convolution (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers);
-# each "norm" one norm before a block.
+# each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: ModelSpec.ssm_dt_rank,
+# ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's shared attention + MLP
+# block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
-                "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "dense", "moe", "norm")
+                "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
+                "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
+                "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -31,20 +35,25 @@ def check_hybrid(model: Any) -> None:
     no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are). Raises ValueError."""
     pattern = model.layer_pattern
     if pattern is None:
-        if model.ssm_heads is not None:
-            raise ValueError("ssm_heads is a state-space field: it needs layer_pattern (which layers have a mixer)")
+        if model.ssm_heads is not None or model.ssm_dt_rank is not None:
+            raise ValueError("a state-space field (ssm_heads, ssm_dt_rank) needs layer_pattern (which layers have a "
+                             "mixer)")
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
     if any(c in pattern for c in "SPM") and model.ssm_heads is None:
         raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M): they need ssm_heads")
+    if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPM"))):
+        raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
+                         "needs them (Mamba-2 mixers S, P, M beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:
         raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
-    if any(c in pattern for c in "ac") and not model.is_moe:
-        raise ValueError("layer_pattern's a / c put a dense MLP beside a mixture-of-experts model's experts: they need "
-                         "num_experts (else write A / C)")
+    if any(c in pattern for c in "acj") and not model.is_moe:
+        raise ValueError("layer_pattern's a / c / j put a dense MLP beside a mixture-of-experts model's experts: they "
+                         "need num_experts (else write A / C / J)")
     if model.bias or model.moe_first_dense_layers or model.is_mla:
         raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
                          "or latent attention (the pattern places the MLPs: - dense, E experts)")

@@ -173,11 +173,13 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-Cac]+$", description="one character per layer (None: every layer attention + "
-        "MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
+        default=None, pattern=r"^[ASPM*E\-Cac1JjZ]+$", description="one character per layer (None: every layer "
+        "attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
         "M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
         "C LFM2's gated short convolution + MLP (two norms); the MLP of A / S / P / C is the model's experts when it has "
-        "them; a / c: A / C with an f-wide dense MLP in a mixture-of-experts model (LFM2-MoE's first layers)")
+        "them; a / c: A / C with an f-wide dense MLP in a mixture-of-experts model (LFM2-MoE's first layers); 1 / J / "
+        "j: a Mamba-1 mixer alone (one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer after a use of the "
+        "shared attention + MLP block (core/hybrid.py)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")
@@ -187,7 +189,10 @@ class ModelSpec(Spec):
     ssm_proj_bias: bool = Field(default=False, description="in_proj's bias (mamba_proj_bias)")
     ssm_out_bias: bool = Field(default=False, description="out_proj's bias (Falcon-H1 projectors_bias; else "
                                "mamba_proj_bias)")
-    ssm_norm: bool = Field(default=True, description="the gated RMSNorm before out_proj (Falcon-H1 mamba_rms_norm)")
+    ssm_norm: bool = Field(default=True, description="the gated RMSNorm before out_proj (Falcon-H1 mamba_rms_norm); "
+                           "Mamba-1: Jamba's dt / B / C RMSNorms")
+    ssm_dt_rank: Optional[int] = Field(default=None, gt=0, description="R, a Mamba-1 mixer's dt rank (time_step_rank, "
+                                       "mamba_dt_rank): x_proj I -> R + 2 N, dt_proj R -> I")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.

@@ -41,11 +41,11 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
-# (ModelSpec.layer_blocks).
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "norm" (one norm), and its
+# MLPs "dense" / "moe", each counted as often as the pattern holds it (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "norm")
+                "conv", "mamba1", "shared", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
@@ -181,7 +181,7 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     h x (2 I + 2 G N + H), the depthwise conv1d (I + 2 G N) x kernel (and its bias), dt_bias, A_log and D (H each),
     the gated RMSNorm (I) and out_proj I x h, with I = H P; LFM2's short convolution (transformers Lfm2ShortConv):
     in_proj h x 3 h, the depthwise conv1d h x kernel, out_proj h x h, each with conv_bias's bias (ssm_proj_bias,
-    ssm_conv_bias, ssm_out_bias). Other models' groups are as they are."""
+    ssm_conv_bias, ssm_out_bias); the Mamba-1 mixer's (``_mamba1``). Other models' groups are as they are."""
     if not model.layer_pattern:
         return groups
     norm = "2 h" if model.has_norm_bias else "h"
@@ -195,6 +195,8 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                 ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                            "conv"),
                 ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
+    if model.ssm_dt_rank is not None:
+        return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
     if model.ssm_heads is None:
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
@@ -210,6 +212,44 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     if model.ssm_out_bias:
         out.append(ParamGroup("SSM output projection bias", Poly.parse("h"), False, "ssm"))
     return out
+
+
+def _mamba1(model: ModelSpec) -> list[ParamGroup]:
+    """A Mamba-1 mixer's groups (transformers MambaMixer, FalconMambaMixer, JambaMambaMixer; ZambaMambaMixer's per-head
+    x_proj / dt_proj hold as many), I = H P wide, state N, dt rank R: in_proj h x 2 I (ssm_proj_bias: + 2 I), the
+    depthwise conv1d I x kernel (+ I), x_proj I x (R + 2 N) without bias, dt_proj R x I with its I-wide bias, A_log
+    I x N, D (I), out_proj I x h (ssm_out_bias: + h); Jamba's dt / B / C RMSNorms (ssm_norm) R + 2 N (Falcon-Mamba's
+    are weightless buffers)."""
+    h, i, n, r = model.hidden_size, model.ssm_heads * model.ssm_head_dim, model.ssm_state_size, model.ssm_dt_rank
+    out = [ParamGroup("Mamba-1 input projection", _number(2 * i * (h + model.ssm_proj_bias)), True, "mamba1"),
+           ParamGroup("Mamba-1 convolution", _number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                      "mamba1"),
+           ParamGroup("Mamba-1 x_proj, dt_proj", _number(i * (r + 2 * n) + r * i + i), True, "mamba1"),
+           ParamGroup("Mamba-1 A_log, D", _number(i * (n + 1)), True, "mamba1"),
+           ParamGroup("Mamba-1 output projection weight", _number(i * h), True, "mamba1")]
+    if model.ssm_norm:
+        out.append(ParamGroup("Mamba-1 dt / B / C norms", _number(r + 2 * n), False, "mamba1"))
+    if model.ssm_out_bias:
+        out.append(ParamGroup("Mamba-1 output projection bias", Poly.parse("h"), False, "mamba1"))
+    return out
+
+
+ZAMBA_SHARED = ("Zamba shared block's attention", "Zamba shared block's MLP", "Zamba shared block's norms")
+
+
+def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
+    """Zamba's shared transformer block (transformers ZambaAttentionDecoderLayer, tied across its uses: held once, on
+    the first stage) over the concatenated [x, embedding] input 2 h wide: a norm 2 h wide, q 2 h x a d, k and v
+    2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear. A Z
+    layer's size (layer_params: what ZeRO-3 gathers to run it) counts the block too."""
+    h, d, a = model.hidden_size, model.head_dim or 2 * model.hidden_size // model.num_attention_heads, \
+        model.num_attention_heads
+    g = model.num_kv_heads or a
+    attention, mlp, norms = ZAMBA_SHARED
+    return [ParamGroup(attention, _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
+            ParamGroup(mlp, _number(3 * h * model.ffn_hidden_size), True, "first"),
+            ParamGroup(norms, _number(3 * h), False, "first"),
+            ParamGroup("Zamba shared block's output linear", _number(h * h), True, "shared")]
 
 
 def _number(n: int) -> Poly:
@@ -366,7 +406,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
     moe, dense = kinds["moe"], kinds["dense"]
     full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
     if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
-        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope), 0)
+        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope or
+                             scope == "shared" and g.name in ZAMBA_SHARED), 0)  # the shared block, gathered per use
                  for scope in (*HYBRID_SCOPES, "moe", "dense")}
         sizes = [sum(block["moe" if b == "ffn" and model.is_moe else "dense" if b == "ffn" else b] for b in blocks)
                  for blocks in (LAYER_BLOCKS[c] for c in set(model.layer_pattern))]
