@@ -311,7 +311,7 @@ def is_qwen3_moe(model: ModelSpec) -> bool:
 DSV3_FIELDS = (QWEN3_FIELDS - {"qk_norm"}) | {"num_experts", "moe_top_k", "moe_ffn_hidden_size",
                                               "moe_shared_ffn_hidden_size", "moe_first_dense_layers", "kv_lora_rank",
                                               "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                              "mtp_layers"}
+                                              "mtp_layers", "mla_down_replicated"}
 
 
 def is_dsv3(model: ModelSpec) -> bool:
@@ -339,9 +339,10 @@ def check_titan_layout(model: ModelSpec) -> None:
 
 def titan_model(model: ModelSpec) -> ModelSpec:
     """``model`` as torchtitan builds it, its layout checked (check_titan_layout): DeepSeek-V3 without its
-    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry)."""
+    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry), its
+    latent down projections replicated under TP (``mla_down_replicated``: set_deepseek_v3_sharding_config)."""
     check_titan_layout(model)
-    return model.model_copy(update={"mtp_layers": 0}) if is_dsv3(model) and model.mtp_layers else model
+    return model.model_copy(update={"mtp_layers": 0, "mla_down_replicated": True}) if is_dsv3(model) else model
 
 
 def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:

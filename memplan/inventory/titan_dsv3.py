@@ -47,11 +47,15 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.moe import weighted
 from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
-from memplan.inventory.titan_moe import MODE_FLAGS, titan_moe_terms
+from memplan.inventory.titan_moe import MODE_FLAGS, TOKENS, titan_moe_terms
 from memplan.inventory.types import Inventory, Term, saved
 
 DSV3_MEASURED = ("measured: torchtitan 0.3.0 DeepSeek-V3 block on CPU, FlexAttention's save set in a stand-in "
                  "(validation/titan_dsv3.py; tests/test_titan_dsv3.py)")
+TP_SRC = ("measured: torchtitan 0.3.0 parallelize_deepseekv3 with tensor_parallel_degree 2 (ep 1 and 2) on 2 ranks over "
+          "gloo, FlexAttention's save set in a stand-in (validation/titan_dsv3_tp.py; tests/test_titan_dsv3_tp.py)")
+CP_MEASURED = ("measured: torchtitan 0.3.0 apply_cp_to_forward on its DeepSeek-V3 block, one rank of a fake cp group, "
+               "FlexAttention's save set in a stand-in (validation/titan_dsv3_tp.py measure_dsv3_cp)")
 DSV3_CUDA = f"{DSV3_MEASURED}; on CUDA the fused RMSNorm derived from torch 2.13's code, not measured"
 # torchtitan's 671B flavour: router_num_expert_groups, router_num_limited_groups (not ModelSpec fields)
 ROUTER_GROUPS = (8, 4)
@@ -78,12 +82,15 @@ def mm_sequence(model: ModelSpec, moe: bool) -> list[tuple[str, str, int]]:
 
 
 def _ffn(prefix: str, name: str, width: int) -> list[TitanTerm]:
-    return [TitanTerm(f"{prefix}{i}", f"{name}{n} (bf16)", 2 * width, ("none",))
+    return [TitanTerm(f"{prefix}{i}", f"{name}{n} (bf16)", 2 * width, ("none",), "tp")
             for i, n in (("w1.out", "w1 output"), ("silu.out", "silu output"), ("w3.out", "w3 output"),
                          ("swiglu.mul", "silu(w1) * w3"))]
 
 
 ATTENTION_MMS = frozenset({"wq_a", "wq_b", "wq", "wkv_a", "wkv_b", "wo"})
+# under TP (set_deepseek_v3_sharding_config): the up projections, w1 and w3 colwise (/ t); wq_a and wkv_a replicated
+# on the whole sequence, wo and w2 rowwise (their outputs the partial sums over the whole sequence): whole
+COLWISE = frozenset({"wq_b", "wq", "wkv_b", "w1", "w3", "shared.w1", "shared.w3"})
 
 
 def _mm_terms(model: ModelSpec, moe: bool, attention: bool, src: str) -> list[Term]:
@@ -92,17 +99,28 @@ def _mm_terms(model: ModelSpec, moe: bool, attention: bool, src: str) -> list[Te
     for n, (i, name, width) in enumerate(mm_sequence(model, moe), 1):
         if n % 2 and (i in ATTENTION_MMS) == attention:
             out.append(saved(f"mm.{i}", f"{name} output (bf16), matmul {n}", "attention" if attention else "MoE"
-                             if moe else "MLP", f"{width} s b", "act", k22=False, src=src,
+                             if moe else "MLP", f"{width} s b", "act", k22=False, src=src, tp=i in COLWISE,
                              **MODE_FLAGS[("selective-op",)]))
     return out
 
 
+def cp_gathered_kv_mla(k_width: int, v_width: int) -> list[Term]:
+    """Under context parallelism the whole sequence's K (a (d_n + d_r)) and V (a d_v, made contiguous) that
+    torchtitan's apply_cp_to_forward all-gathers for FlexAttention, which saves them: in place of the rank's k and
+    wkv_b's output (``cp_gathered``); measured on one rank of a fake cp group (validation/titan_dsv3_tp.py
+    ``measure_dsv3_cp``).  As memplan/inventory/titan.py ``cp_gathered_kv``, MLA's K and V widths apart."""
+    return [saved(f"cp.{w}_gathered", f"{w.upper()} of the whole sequence (bf16), all-gathered over cp for "
+                  "FlexAttention", "attn", f"{n} cp s b", k22=False, src=CP_MEASURED, tp=True, needs_cp=True,
+                  **MODE_FLAGS[("none",)]) for w, n in (("k", k_width), ("v", v_width))]
+
+
 def _groups_terms() -> list[Term]:
-    """The group-limited routing's topk outputs SelectiveAC saves (fp32 values: the scores plus the fp32 bias)."""
+    """The group-limited routing's topk outputs SelectiveAC saves (fp32 values: the scores plus the fp32 bias); under
+    TP over the tokens the router sees (titan_moe.py TOKENS: all at ep 1, the rank's sequence shard at ep > 1)."""
     groups, limited = ROUTER_GROUPS
     return [saved(f"moe.group_{w}_{kind}", f"router group {what}{' (int64)' if kind == 'ids' else ' (fp32)'}", "MoE",
                   f"{n} s b", "int64" if kind == "ids" else "fp32", k22=False, src=DSV3_MEASURED,
-                  **MODE_FLAGS[("selective-op",)])
+                  **MODE_FLAGS[("selective-op",)], **TOKENS)
             for w, what, n in (("top2", "top-2 scores in each group: topk", 2 * groups),
                                ("choice", f"choice of {limited} groups: topk", limited))
             for kind in ("values", "ids")]
@@ -117,29 +135,40 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     cuda = device == "cuda"
     src = DSV3_CUDA if cuda else DSV3_MEASURED
     a, dn, dr, dv = model.num_attention_heads, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
-    base = [t for t in llama3_layer_terms(model.hidden_size, 1, 1, 1)
-            if t.id == "input" or t.id.startswith(("attention_norm.", "ffn_norm."))]
+    llama3 = llama3_layer_terms(model.hidden_size, 1, 1, 1)
+    base = [t for t in llama3 if t.id in ("input", "wo.rs") or t.id.startswith(("attention_norm.", "ffn_norm."))]
     latents = [("q_norm", model.q_lora_rank)] if model.q_lora_rank else []
     for which, r in latents + [("kv_norm", model.kv_lora_rank)]:
         base += [dataclasses.replace(t, id=t.id.replace("attention_norm", which), split="",
                                      name=t.name.replace("attention_norm", f"{which} (the {r}-wide latent)"))
                  for t in llama3_layer_terms(r, 1, 1, 1) if t.id.startswith("attention_norm.")]
-    base += [TitanTerm("mla.q", "q: nope and rotated rope parts concatenated (bf16)", 2 * a * (dn + dr), ("none",)),
+    none, tp = ("none",), "tp"  # the heads' terms split over tp (the up projections colwise)
+    base += [TitanTerm("mla.q", "q: nope and rotated rope parts concatenated (bf16)", 2 * a * (dn + dr), none, tp),
              TitanTerm("mla.k", "k: k_nope and the shared rotated k_pe expanded to the heads (bf16)",
-                       2 * a * (dn + dr), ("none",)),
-             TitanTerm("mla.wkv_b", "wkv_b output (bf16): v, a view of it, keeps it whole", 2 * a * (dn + dv),
-                       ("none",)),
-             TitanTerm("attn.out", "attention output (bf16)", 2 * a * dv, ("none", "selective-op")),
-             TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op")),
+                       2 * a * (dn + dr), none, tp, cp_gathered=True),
+             TitanTerm("mla.wkv_b", "wkv_b output (bf16): v, a view of it, keeps it whole", 2 * a * (dn + dv), none,
+                       tp, cp_gathered=True),
+             TitanTerm("attn.out", "attention output (bf16)", 2 * a * dv, ("none", "selective-op"), tp),
+             TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op"), tp),
              TitanTerm("attn.out_contiguous", "attention output made contiguous, wo's input (bf16)", 2 * a * dv,
-                       ("none",))]
-    layer = [titan_term(t, src) for t in (cuda_norm(base) if cuda else base)] + _mm_terms(model, False, True, src)
+                       none, tp)]
+    layer = [titan_term(t, TP_SRC if t.tp_only else src) for t in (cuda_norm(base) if cuda else base)]
+    layer += _mm_terms(model, False, True, src)
+    layer += cp_gathered_kv_mla(a * (dn + dr), a * dv)
     L, dense = model.num_layers, model.moe_first_dense_layers
-    dense_terms = [titan_term(t, src) for t in _ffn("", "", model.f)] + _mm_terms(model, False, False, src)
+    w2_rs = next(t for t in llama3 if t.id == "w2.rs")  # TP: w2's output reduce-scattered, kept under selective-op
+    dense_terms = [titan_term(t, TP_SRC if t.tp_only else src) for t in _ffn("", "", model.f) + [w2_rs]]
+    dense_terms += _mm_terms(model, False, False, src)
     moe_terms = [dataclasses.replace(t, name=t.name.replace("softmax", "sigmoid")) for t in
-                 titan_moe_terms(model, device) if t.id != "moe.rs"]  # the gate: recomputed, not counted (mm_sequence;
-    # moe.rs: TP's, not modelled for DeepSeek-V3)
-    moe_terms += [titan_term(t, src) for t in _ffn("shared.", "shared experts' ", model.moe_shared_ffn_hidden_size)]
+                 titan_moe_terms(model, device)]  # the gate: recomputed, not counted (mm_sequence)
+    shared = _ffn("shared.", "shared experts' ", model.moe_shared_ffn_hidden_size)
+    shared.append(dataclasses.replace(w2_rs, id="shared.w2.rs", name="shared experts' w2 output reduce-scattered "
+                                      "over the sequence (bf16), TP only"))
+    moe_terms += [titan_term(t, TP_SRC if t.tp_only else src) for t in shared]
+    moe_terms.append(saved("moe.input_sharded", "ffn_norm's own sequence-sharded output, the router's and the routed "
+                           "experts' input (bf16; the shared experts keep their all-gathered copy), TP with EP only",
+                           "MoE", f"{model.hidden_size} s b", k22=False, src=TP_SRC, sp=True, needs_tp=True,
+                           needs_ep=True, **MODE_FLAGS[("none",)]))
     moe_terms += _mm_terms(model, True, False, src) + _groups_terms()
     return (*layer, *(weighted(t, Fraction(dense, L)) for t in dense_terms if dense),
             *(weighted(t, Fraction(L - dense, L)) for t in moe_terms))
