@@ -202,3 +202,55 @@ def test_cp_fake_group_equals_recorded(ac):
     for kind in ("dense", "moe"):
         got = measure_dsv3_cp(SHAPE, 2, CP_S_LOCAL, B, ac, moe=kind == "moe")
         assert [n for _, _, n in got["rows"]] == RECORDED_CP[ac, kind] and got["input_kept"] == (ac != "none")
+
+
+def test_dsv3_flavour_equals_torchtitans_config():
+    # memplan's deepseek-v3 preset is the key of torchtitan's 671B flavour (its config, not built)
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    from memplan.launch.titan import DSV3_FLAVORS
+    (key, (name, _)), = DSV3_FLAVORS.items()
+    cfg = deepseekv3_configs[name](attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+                                   num_mtp_layers=0)
+    moe = cfg.layers[-1]
+    attn, experts = moe.attention, moe.moe.routed_experts.inner_experts
+    dense = sum(layer.moe is None for layer in cfg.layers)
+    assert (len(cfg.layers), dense, cfg.dim, attn.n_heads, attn.q_lora_rank, attn.kv_lora_rank, experts.num_experts,
+            experts.hidden_dim, moe.moe.router.top_k, cfg.vocab_size) == key
+    assert estimate("deepseek-v3", impl="torchtitan", gpus=8, ep=8, global_batch=8,
+                    emit="torchtitan").launch.document["flavor"] == name
+
+
+def test_tp_cp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # a tp 2 / cp 2 / ep 4 plan on 16 GPUs (dp_shard 4): torchtitan's ConfigManager loads the emitted module (its
+    # shipped deepseek_v3_671b with the plan's settings) and its ParallelDims takes the degrees for a world of 16
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from tests.test_launch_titan import _load
+    result = estimate("deepseek-v3", impl="torchtitan", gpus=16, tp=2, cp=2, ep=4, ac="selective-op", seq_len=8192,
+                      micro_batch=1, global_batch=8, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    par = config.parallelism
+    assert (par.tensor_parallel_degree, par.context_parallel_degree, par.expert_parallel_degree,
+            par.data_parallel_shard_degree, par.spmd_backend) == (2, 2, 4, 4, "partial_dtensor")
+    assert config.model_spec.name == "deepseek_v3" and config.model_spec.flavor == "671B"
+    assert len(config.model_spec.model.layers) == 61 and config.training.seq_len == 8192
+    assert type(config.activation_checkpoint).__qualname__ == "SelectiveAC.Config"
+    dims = ParallelDims.from_config(par, world_size=16)
+    assert (dims.tp, dims.cp, dims.ep, dims.dp_shard) == (2, 2, 4, 4)
+
+
+def test_search_lists_tp_plans_and_agrees_with_estimate():
+    # search --tp 2 on deepseek-v3: the plans carry tp 2 (ep over the divisors of E dividing dp_shard x tp, the experts
+    # fe / t wide at ep 1 only), and a listed plan is what estimate gives for its settings
+    from memplan import search
+
+    base = dict(impl="torchtitan", gpus=256, tp=2, global_batch=256, gpu="h100-80gb", seq_len=4096)
+    found = search("deepseek-v3", all_variants=True, **base).result
+    plans = found.evaluated.plans
+    assert set(plans.t.tolist()) == {2} and {1, 2, 256} <= set(plans.ep.tolist())
+    assert (plans.expert_tp == [2 if e == 1 else 1 for e in plans.ep.tolist()]).all()
+    dims = found.row(found.top[0])["torchtitan"]
+    est = estimate("deepseek-v3", **base, ep=dims["ep"], ac=dims["ac"], dp_replicate=dims["dp_replicate"],
+                   micro_batch=dims["local_batch"])
+    assert found.row(found.top[0])["memory"]["device_bytes"] == est.device_bytes
