@@ -36,6 +36,26 @@ taken (ROUTER_GROUPS).  Multi-token prediction: torchtitan's flavours build ``nu
 States: FSDP2 (+ EP) as for Qwen3 MoE (memplan/memory/stage.py), measured with torchtitan's own
 ``parallelize_deepseekv3`` on 2 ranks over gloo at ep 1 and 2 (validation/titan_dsv3.py ``measure_dsv3_ep_states``):
 16 B / d per parameter, the running MoE layer unsharded with the rank's E / ep experts.
+
+Tensor parallelism (``--tp T``: torchtitan's ``set_deepseek_v3_sharding_config`` with sequence parallelism, applied by
+``parallelize_deepseekv3``; measured per rank with tensor_parallel_degree 2 at ep 1 and 2 over gloo, every storage of
+the dense and the MoE layer under none / selective-op / full, and the states: validation/titan_dsv3_tp.py,
+tests/test_titan_dsv3_tp.py).  The attention's input is all-gathered over the sequence; wq_a, wkv_a, q_norm and
+kv_norm are replicated and run on the whole sequence (their terms whole: the latents' norms, matmuls 1 and 3 under
+selective-op), wq_b / wq / wkv_b colwise (q, k, wkv_b's output, the attention's output, lse and wo's input on the
+rank's a / t heads), wo rowwise (under selective-op its partial sums whole and its reduce-scattered output kept:
+``wo.rs``); the dense FFN as Llama 3's (``w2.rs``); the MoE as Qwen3 MoE's under TP (titan_moe.py: the routed terms
+over all tokens at ep 1, the rank's s b / t at ep > 1; the group-limited topk outputs with them), the shared experts
+colwise / rowwise on their input all-gathered over the sequence at any ep (their four / t, under selective-op w3 / t
+and w2's reduce-scattered output ``shared.w2.rs``); at ep > 1 ffn_norm's own sequence-sharded output is the router's
+and the routed experts' input beside the shared experts' all-gathered copy (``moe.input_sharded``).  States: the
+latent down projections whole on every TP rank (ModelSpec ``mla_down_replicated``, set by titan.py ``titan_model``),
+the rest as the dense TP rule.
+
+Context parallelism (``--cp C``: apply_cp_to_forward on its FlexAttention; measured on one rank of a fake cp group,
+``measure_dsv3_cp``): every term the rank's s / C tokens, the attention keeping the whole sequence's K (a (d_n + d_r))
+and V (a d_v, made contiguous) all-gathered in place of the rank's k and wkv_b's output (``cp_gathered_kv_mla``).
+CP with TP or EP, and CUDA: derived.
 """
 
 from __future__ import annotations
@@ -63,7 +83,9 @@ NOTE = ("torchtitan DeepSeek-V3 (models/deepseek_v3): the MLA attention, the den
         "experts measured with its real blocks on CPU (FlexAttention's save set in a stand-in: derived), the routed "
         "experts' terms those of its common MoE (memplan/inventory/titan_moe.py), the router's groups its 671B "
         "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default); "
-        "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo")
+        "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo; with --tp (the "
+        "latent projections replicated on the whole sequence) and --cp each rank's terms and states measured "
+        "(validation/titan_dsv3_tp.py), TP with CP or on CUDA derived")
 
 
 def mm_sequence(model: ModelSpec, moe: bool) -> list[tuple[str, str, int]]:
