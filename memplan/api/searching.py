@@ -130,7 +130,6 @@ class PreparedSearch:
                                     host_budget_bytes=opts.host_mem, progress=report)]
         elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
-            model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             results = [(search_max_seq if self.max_seq else search_plans)(model, training, opts.gpus, gb, budget,
                                                                           gpu=gpu, progress=report, **kw)]
