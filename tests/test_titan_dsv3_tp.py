@@ -168,6 +168,18 @@ def test_states_by_hand(tmp_path):
         assert st.gradients == STATES["grads"] and st.optimizer == STATES["params"] + STATES["adam"], ep
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_parallelized_parameters_per_rank_equal_memplan(ep, tmp_path):
+    # measured cheaply: torchtitan's own parallelize_deepseekv3 (tp 2) on the meta device, rank 0 of a fake process
+    # group (validation/titan_dsv3_tp.py dsv3_tp_local_params, ~2 s): the rank's parameters are the gloo run's
+    # (STATES) and memplan's fp32 gradients / 4
+    from validation.titan_dsv3_tp import dsv3_tp_local_params
+    n = dsv3_tp_local_params(SHAPE, T, ep, V)
+    st = estimate(_yaml(tmp_path), impl="torchtitan", gpus=2, tp=2, ep=ep, micro_batch=B, global_batch=B,
+                  seq_len=S * T, ac="full").estimate.peak.states
+    assert 4 * n == STATES["params"] == st.gradients
+
+
 def test_latent_projections_replicated_by_hand():
     # torchtitan keeps wq_a (32 x 64) and wkv_a (56 x 64) whole on each TP rank (set_deepseek_v3_sharding_config:
     # Replicate), the up projections split: a rank's QKV group at t = 2 is 2048 + 3584 + (1536 + 2688 ... ) / 2;

@@ -120,6 +120,36 @@ def measure_dsv3_tp(shape: DsvShape, ac: str, tp: int = 2, ep: int = 1, world: i
     return run_ranks(dsv3_tp_rank, world, (shape, vocab, s, b, ac, tp, ep))
 
 
+def dsv3_tp_local_params(shape: DsvShape, tp: int = 2, ep: int = 1, vocab: int = 256) -> int:
+    """The parameters one rank holds after torchtitan's own ``parallelize_deepseekv3`` with ``tensor_parallel_degree``
+    ``tp`` (and ``expert_parallel_degree`` ``ep``) on a world of ``tp``: the model built on the meta device, rank 0 of
+    a fake process group (validation/titan_cp.py ``_fake_group``: shapes only, no peers), its local shards counted
+    (the latent projections Replicate, the rest as its sharding configs place them). Seconds, not a gloo run."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    from validation.titan_cp import _fake_group
+
+    pd.device_type = "cpu"
+    with _fake_group(tp):
+        parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                        spmd_backend="partial_dtensor")
+        dist_utils.set_spmd_backend(parallelism.spmd_backend)
+        dims = ParallelDims.from_config(parallelism, tp)
+        dims.build_mesh()
+        config = dsv3_model_config(shape, vocab)
+        set_deepseek_v3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
+        with torch.device("meta"):
+            model = config.build()
+        parallelize_deepseekv3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                               compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        return sum(local_tensor(p).numel() for p in model.parameters())
+
+
 def _flex_kernel(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
                  kernel_options=None):
     """FlexAttention's kernel as the stand-in's op (validation/titan_dsv3.py ``flex_saved``: FlexAttention's save
