@@ -271,6 +271,10 @@ class ModelSpec(Spec):
     qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_r, a head's rotated query / key "
                                             "width, its key part shared by the heads (qk_rope_head_dim)")
     v_head_dim: Optional[int] = Field(default=None, gt=0, description="d_v, a head's value width (v_head_dim)")
+    mla_down_replicated: bool = Field(
+        default=False, description="the MLA's latent down projections (q_a_proj / wq_a, kv_a_proj_with_mqa / wkv_a: "
+        "h x (r_q + r_kv + d_r)) kept whole on every tensor-parallel rank, not split over t (torchtitan's DeepSeek-V3 "
+        "sharding; --impl torchtitan sets it)")
     mtp_layers: int = Field(
         default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "

@@ -57,9 +57,13 @@ class ParamGroup:
     tp_split: bool
     scope: Scope
     expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
+    whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
+        if self.whole is not None:
+            kept = self.whole.evaluate(values)
+            return -(-(n - kept) // values["t"]) + kept
         if self.expert:  # E/ep experts on a GPU, each f_e/etp wide (ep | E and etp | f_e: specs.py)
             return n // (values.get("ep", 1) * values.get("etp", values["t"]))
         # Vocabulary-parallel embeddings are padded to a multiple of t (Megatron-LM pads v).
@@ -94,7 +98,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
     groups = [
         ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
-                   True, "layer"),
+                   True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
+                   if model.is_mla and model.mla_down_replicated else None),
         ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
     ]
     if model.is_mla:
