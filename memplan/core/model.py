@@ -132,6 +132,16 @@ class ModelSpec(Spec):
     embedding_norm: bool = Field(
         default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
         "word_embeddings_layernorm)")
+    encoder_kind: Optional[Literal["bert", "seq2seq"]] = Field(
+        default=None, description="a family that is not decoder-only, trained as a causal LM: bert, a BERT-like "
+        "encoder with is_decoder (BertLMHeadModel, RobertaForCausalLM); seq2seq, an encoder-decoder model's decoder "
+        "alone (its encoder left out). Only --impl hf-* (a trace of transformers' code) estimates one")
+    token_type_rows: int = Field(
+        default=0, ge=0, description="rows of a token-type (segment) embedding table added to the word embeddings "
+        "(BERT type_vocab_size)")
+    head_transform: bool = Field(
+        default=False, description="a transform before the output head: a dense h x h with bias, an activation and "
+        "a norm (BERT cls.predictions.transform, RoBERTa lm_head.dense / layer_norm)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")

@@ -157,7 +157,13 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         first += [WeightShape("per-layer input norms", "per_layer_projection_norm", p, None)] * model.norm_params
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
+    if model.token_type_rows:  # BERT: token_type_embeddings
+        first.append(WeightShape("token-type embedding", "token-type embedding", P(str(model.token_type_rows)), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
+    if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
+        final += [WeightShape("output head transform", "head transform dense", P("h"), P("h")),
+                  WeightShape("output head transform", "head transform dense bias", P("h"), None)]
+        final += [WeightShape("output head transform", "head transform " + w.name, P("h"), None) for w in norm]
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}

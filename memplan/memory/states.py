@@ -163,10 +163,15 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
+    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x h
+        groups.append(ParamGroup("token-type embedding", Poly.parse(f"{model.token_type_rows} h"), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
+    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x h + h) and its norm
+        groups.append(ParamGroup("output head transform", Poly.parse_sum(f"h h + h + {norm}" if model.norm_params
+                                                                               else "h h + h"), False, "last"))
     return tuple(hybrid_groups(model, groups))
 
 
