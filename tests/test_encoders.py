@@ -1,9 +1,10 @@
-"""Issue 22: the BERT-like encoders transformers builds as causal LMs (memplan/presets/hf_encoders.py).
+"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP and TrOCR (encoder-decoder
+models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
 tiny configs (tests/test_registry.py) and here for the config classes' full-size defaults and the switches the
 reader reads; what it does not count is refused in one line; `--impl megatron*` and `--emit megatron` refuse the
-family (Megatron-LM's BERT is another model); a traced sample equals a real CPU run's saved bytes."""
+families (Megatron-LM's BERT and T5 are other models); a traced sample equals a real CPU run's saved bytes."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _defaults(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
-                                        "megatron-bert", "ernie"])  # each reader's own switches (bert: below)
+                                        "megatron-bert", "ernie", "mvp", "trocr"])  # each reader's (bert: below)
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -49,6 +50,10 @@ def test_bert_base_in_its_lm_head_form():
     ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
     ("bert", dict(type_vocab_size=4)),
     ("xlm-roberta-xl", dict(max_position_embeddings=514)),  # RoBERTa's table: ids from pad_token_id + 1
+    ("trocr", dict(use_learned_position_embeddings=False)),  # sinusoidal positions: a plain tensor, no parameter
+    ("trocr", dict(layernorm_embedding=False)),
+    ("mvp", dict(tie_word_embeddings=False)),  # lm_head v x h without bias
+    ("mvp", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -68,6 +73,8 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
 @pytest.mark.parametrize("model_type, switches, says", [
     ("bert", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # two v-wide biases then, one unused
     ("roberta", dict(add_cross_attention=True), "add_cross_attention"),
+    ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
+    ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
 ])
 def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -75,13 +82,14 @@ def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
 
 
-def test_megatron_refuses_them_in_one_line(run_cli, tmp_path):
+@pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])
+def test_megatron_refuses_them_in_one_line(model_type, says, run_cli, tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**tiny_config("roberta"), "is_decoder": True}))
-    assert "BERT is another model" in launch_refusal(read_hf_config(str(path)).model)
+    path.write_text(json.dumps({**tiny_config(model_type), "is_decoder": True}))
+    assert says in launch_refusal(read_hf_config(str(path)).model)
     for extra in (["--impl", "megatron"], ["--impl", "megatron-local"], ["--emit", "megatron"]):
         code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "32", *extra)
-        assert code == 2 and out == "" and "BERT-like encoder" in err and len(err.strip().splitlines()) == 1
+        assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_estimate_says_what_it_is(tmp_path):
@@ -89,21 +97,27 @@ def test_the_estimate_says_what_it_is(tmp_path):
     path.write_text(json.dumps(tiny_config("bert")))  # is_decoder false, as the defaults
     notes = " ".join(read_hf_config(str(path)).notes)
     assert "BERT-like encoder trained as a causal LM" in notes and "attends bidirectionally" in notes
+    path.write_text(json.dumps(tiny_config("trocr")))
+    notes = " ".join(read_hf_config(str(path)).notes)
+    assert "the encoder is left out" in notes and "not in the activations" in notes
+    assert "bidirectionally" not in notes  # a decoder's self-attention is causal whatever is_decoder says
 
 
-def test_a_traced_post_norm_encoder_equals_a_real_cpu_run():
-    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform):
-    traced, read by memplan, bucket by bucket equal to what the real model saves on CPU at s = 32, b = 2."""
-    row, config = registry.params_row("roberta", "")
+@pytest.mark.parametrize("model_type", ["roberta", "trocr"])
+def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
+    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform) and
+    TrOCR's decoder (its cross-attention built, not run): traced, read by memplan, bucket by bucket equal to what the
+    real model saves on CPU at s = 32, b = 2."""
+    row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
-@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}))
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
-    """The same over the other nine (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform),
-    the pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL) and RoBERTa's copies."""
+    """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
+    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies and MVP's decoder."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

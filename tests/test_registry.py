@@ -41,9 +41,10 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
 # the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
 # Bamba and LFM2)
 HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3"]
-# the BERT-like encoders trained as causal LMs (memplan/presets/hf_encoders.py; tests/test_encoders.py)
+# the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
+# (memplan/presets/hf_encoders.py; tests/test_encoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
-            "ernie", "data2vec-text", "megatron-bert"]
+            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr"]
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +101,13 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
 @pytest.mark.parametrize("layout", ["fused", "separate"])
 @pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
                                         "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
-                                        "bitnet", "bert", "bert-generation", "megatron-bert"])
+                                        "bitnet", "bert", "bert-generation", "megatron-bert",
+                                        "trocr"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
     shared experts' gate, MLP-only and out_proj biases, the embedding norm, token-type embeddings and the head's
-    transform (BERT)."""
+    transform (BERT), the cross-attention of a decoder run alone (TrOCR)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config(model_type)))
     model = read_hf_config(str(path)).model

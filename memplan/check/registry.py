@@ -34,9 +34,10 @@ from memplan.presets.hf_config import read_hf_config
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-# an encoder-decoder model's decoder run alone (BartForCausalLM, ...); the BERT-likes are read (presets/hf_encoders.py)
-_ENCODER = ("an encoder-decoder model's decoder run alone: its cross-attention blocks (built, skipped without encoder "
-            "states) and scaled / sinusoidal positions are not read")
+# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters)
+_ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
+              "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
+              "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
 _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 _MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
@@ -52,14 +53,16 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
     "bailing_hybrid": ("estimate", _DELTA),
-    "bart": ("estimate", _ENCODER),
+    "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
     "big_bird": ("estimate", "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises "
                              "s: not read"),
-    "bigbird_pegasus": ("estimate", _ENCODER),
-    "blenderbot": ("estimate", _ENCODER),
-    "blenderbot-small": ("estimate", _ENCODER),
+    "bigbird_pegasus": ("estimate", "BigBird-Pegasus's decoder: attention without biases (use_bias false) beside a "
+                                    "biased MLP, pre-LN layers ending in layernorm_embedding, an untied lm_head: not "
+                                    "read"),
+    "blenderbot": ("estimate", _ONES_MASK),
+    "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
@@ -110,8 +113,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("estimate", _MAMBA1),
-    "marian": ("estimate", _ENCODER),
-    "mbart": ("estimate", _ENCODER),
+    "marian": ("estimate", "Marian: " + _ONES_MASK),
+    "mbart": ("estimate", _ONES_MASK),
     "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
                                   "layer)"),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
@@ -126,14 +129,14 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                      "s cannot be compared with max_seq_len"),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
-    "mvp": ("estimate", _ENCODER),
     "olmo_hybrid": ("estimate", _DELTA),
     "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
                             "specialises s"),
-    "pegasus": ("estimate", _ENCODER),
+    "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
-    "plbart": ("estimate", _ENCODER),
-    "prophetnet": ("estimate", _ENCODER),
+    "plbart": ("estimate", _ONES_MASK),
+    "prophetnet": ("estimate", "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
+                               "position buckets): not read"),
     "qwen3_5": ("estimate", _DELTA),
     "qwen3_5_moe": ("estimate", _DELTA),
     "qwen3_5_moe_text": ("estimate", _DELTA),
@@ -152,8 +155,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "roformer": ("estimate", "RoFormer: factorised embeddings (embedding_size, embeddings_project) and its rotary "
                              "table kept as a frozen parameter (embed_positions): not read"),
     "rwkv": ("estimate", _RECURRENT),
-    "trocr": ("estimate", _ENCODER),
-    "whisper": ("estimate", _ENCODER),
+    "whisper": ("estimate", "Whisper's decoder: k_proj without a bias beside q / v / out_proj's in the self- and "
+                            "cross-attention: not read"),
     "xlm": ("estimate", "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option: "
                         "not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "

@@ -124,10 +124,10 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
     if model.layer_pattern and (impl not in HF_IMPLS or model.inventory is None):
         raise MemplanError("a state-space hybrid's layers (layer_pattern: Mamba-2 mixers, short convolutions) are modelled from transformers' "
                            "traced code only: use --impl hf-sdpa or hf-eager with its config.json (--hf-config)")
-    if model.encoder_kind and (impl not in HF_IMPLS or model.inventory is None):  # BERT-likes (presets/hf_encoders)
-        raise MemplanError(f"{echo(model.name)} is a BERT-like encoder trained as a causal LM: --impl {impl} models "
-                           "decoder-only layers (Megatron-LM's BERT is another model); use --impl hf-sdpa or hf-eager "
-                           "with its config.json (--hf-config), which traces transformers' own code")
+    if model.encoder_kind and (impl not in HF_IMPLS or model.inventory is None):  # presets/hf_encoders.py
+        raise MemplanError(f"{echo(model.name)} is {model.encoder_description}: --impl {impl} models decoder-only "
+                           "layers; use --impl hf-sdpa or hf-eager with its config.json (--hf-config), which traces "
+                           "transformers' own code")
     if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
         raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "

@@ -16,6 +16,7 @@ from memplan.presets.files import ModelPreset, configs_dir
 from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
                                          flag as _flag)
 from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, is_decoder_note, position_start
+from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
@@ -401,8 +402,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
-    positions_key, default = POSITIONS.get(known[0], ("n_positions", 1024) if layout == "gpt2" else (
-        "max_position_embeddings", 512 if known[0] in ENCODERS else 2048 if known[0] in _OLD_DEFAULTS else 4096))
+    positions_key, default = {**POSITIONS, **ENCODER_POSITIONS}.get(known[0], ("n_positions", 1024) if layout ==
+                                                                    "gpt2" else ("max_position_embeddings", 2048 if
+                                                                                 known[0] in _OLD_DEFAULTS else 4096))
     positions = data.get(positions_key, default)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")

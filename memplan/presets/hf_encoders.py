@@ -1,12 +1,14 @@
-"""The config.json readers of the BERT-like encoders that transformers builds as causal LMs (issue 22): BERT,
-RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, each run with
-``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``.  ``ENCODERS`` gives each
+"""The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
+encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
+each run with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``
+(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP and TrOCR run alone (seq2seq: their
+cross-attention counted, not run; ``_bart_decoder``).  ``ENCODERS`` gives each
 family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
 position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
 (memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and its
 traced saved bytes against a real CPU run.
 
-Every family here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
+Every BERT-like here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
 bias, every linear biased, a plain MLP intermediate_size wide (hidden_act: GeLU), an output head with a bias v wide
 (tied to the word embeddings: an untied file is refused) and, but BERT-generation, a transform before it
 (a dense h x h, the activation, a LayerNorm).  Post-LN blocks (BERT: a LayerNorm after each residual add, a
@@ -58,6 +60,26 @@ def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm
                 norm_eps=data.get("layer_norm_eps"), tied_embeddings=True)
 
 
+def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """The decoder of a BART-like encoder-decoder model run alone (MvpForCausalLM, TrOCRForCausalLM): post-LN layers
+    of self-attention, cross-attention and a GeLU MLP decoder_ffn_dim wide, every linear biased, three LayerNorms a
+    layer; learned positions from row 2 (BartLearnedPositionalEmbedding's offset)
+    or TrOCR's sinusoidal ones (no parameters); an embedding LayerNorm; the head tied, without bias)."""
+    arch = (data.get("architectures") or ["?"])[0]
+    h = nat(data, "d_model", 1024, path)
+    learned = flag(data, "use_learned_position_embeddings", True, path)
+    if flag(data, "use_prompt", False, path) or data.get("cross_attention_hidden_size") not in (None, h):
+        raise MemplanError(f"{path}: {arch} with use_prompt (MVP's prompt encoders) or cross_attention_hidden_size "
+                           f"other than d_model: not modelled; {YAML_HINT}")
+    return dict(num_layers=nat(data, "decoder_layers", 12, path), hidden_size=h,
+                num_attention_heads=nat(data, "decoder_attention_heads", 16, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned" if learned else "rope", position_offset=2 if learned else 0,
+                embedding_norm=flag(data, "layernorm_embedding", True, path), final_norm=False, norms_per_layer=3,
+                layer_layout="post-norm", encoder_kind="seq2seq", tied_embeddings=flag(data, "tie_word_embeddings",
+                                                                                       True, path))
+
+
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
@@ -65,19 +87,32 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
     "XLMRobertaXLForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
+    # BART's own decoder, PLBart's, mBART's, ... have the same parameters, but their traces keep a mask a real run
+    # drops (memplan/check/registry.py _ONES_MASK): not read
+    **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
 }
+
+# the position limit's key and default of each (the config classes' defaults)
+POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
+             "MvpForCausalLM": ("max_position_embeddings", 1024)}
 
 # what an estimate of each says beside its figures
 _BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decoder): its parameters are counted "
               "exactly (the token-type embeddings, the LM head's transform and bias included); only --impl hf-sdpa / "
               "hf-eager estimates its activations (traced from transformers' code); Megatron-LM's BERT is another "
               "model (--impl megatron* and --emit megatron refuse it)")
-ENCODER_NOTES = {arch: _BERT_NOTE.format(arch=arch) for arch in ENCODERS}
+_SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a causal LM ({arch}): the encoder is left "
+                 "out; each layer's cross-attention (encoder_attn) is counted in the parameters, not in the activations "
+                 "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
+                 "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
+                 "refuse it)")
+ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if ENCODERS[arch] is _bart_decoder else _BERT_NOTE).format(arch=arch)
+                 for arch in ENCODERS}
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
     """A note when the file does not set is_decoder: transformers then runs the encoder's bidirectional attention."""
-    if arch in ENCODERS and data.get("is_decoder") is not True:
+    if arch in ENCODERS and ENCODERS[arch] is not _bart_decoder and data.get("is_decoder") is not True:
         return (f"is_decoder is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
                 "encoder's attention, and it warns); a causal-LM run sets is_decoder true",)
     return ()
