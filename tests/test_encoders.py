@@ -1,5 +1,5 @@
-"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP and TrOCR (encoder-decoder
-models) run alone (memplan/presets/hf_encoders.py).
+"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP, TrOCR and BigBird-Pegasus
+(encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
 tiny configs (tests/test_registry.py) and here for the config classes' full-size defaults and the switches the
@@ -33,7 +33,7 @@ def _defaults(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
-                                        "megatron-bert", "ernie", "mvp", "trocr"])  # each reader's (bert: below)
+                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus"])  # bert: below
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -54,6 +54,7 @@ def test_bert_base_in_its_lm_head_form():
     ("trocr", dict(layernorm_embedding=False)),
     ("mvp", dict(tie_word_embeddings=False)),  # lm_head v x h without bias
     ("mvp", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
+    ("bigbird_pegasus", dict(use_bias=True)),  # biases on the self- and cross-attention too
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -114,10 +115,10 @@ def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
-@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp"])
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
-    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies and MVP's decoder."""
+    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

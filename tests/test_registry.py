@@ -44,7 +44,7 @@ HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lf
 # the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
-            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr"]
+            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus"]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,8 @@ from memplan.presets.hf_config import read_hf_config
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters)
+# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters,
+# and BigBird-Pegasus's, whose eager-only attention adds the mask and saves none)
 _ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
               "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
               "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
@@ -58,9 +59,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "feed-forward norms: not counted"),
     "big_bird": ("estimate", "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises "
                              "s: not read"),
-    "bigbird_pegasus": ("estimate", "BigBird-Pegasus's decoder: attention without biases (use_bias false) beside a "
-                                    "biased MLP, pre-LN layers ending in layernorm_embedding, an untied lm_head: not "
-                                    "read"),
     "blenderbot": ("estimate", _ONES_MASK),
     "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "

@@ -318,7 +318,7 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "xglm": "XGLM (eager attention only)", "gpt_neo": "GPT-Neo (eager attention only)",
            "openai-gpt": "GPT-1 (eager attention only)", "mamba2": "Mamba-2 (no attention layers: eager only)",
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
-           "trocr": "TrOCR (eager attention only)"}
+           "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)"}
 
 
 def check_impl(data: object, impl: str) -> None:

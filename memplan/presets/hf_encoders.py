@@ -1,8 +1,8 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
 each run with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``
-(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP and TrOCR run alone (seq2seq: their
-cross-attention counted, not run; ``_bart_decoder``).  ``ENCODERS`` gives each
+(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
+(seq2seq: their cross-attention counted, not run).  ``ENCODERS`` gives each
 family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
 position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
 (memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and its
@@ -80,6 +80,19 @@ def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
                                                                                        True, path))
 
 
+def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """BigBird-Pegasus's decoder run alone (BigBirdPegasusForCausalLM): pre-LN layers (three LayerNorms) of full
+    self-attention and cross-attention, biased with use_bias only, and a GeLU MLP decoder_ffn_dim wide, always biased;
+    max_position_embeddings learned rows (no offset); the final norm (its layernorm_embedding, applied after the
+    layers); an lm_head of its own whatever tie_word_embeddings says (the class ties none)."""
+    biased = flag(data, "use_bias", False, path)
+    return dict(num_layers=nat(data, "decoder_layers", 16, path), hidden_size=nat(data, "d_model", 1024, path),
+                num_attention_heads=nat(data, "decoder_attention_heads", 16, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=biased,
+                mlp_bias=not biased, position_embedding="learned", norms_per_layer=3, encoder_kind="seq2seq",
+                tied_embeddings=False)
+
+
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
@@ -90,11 +103,13 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     # BART's own decoder, PLBart's, mBART's, ... have the same parameters, but their traces keep a mask a real run
     # drops (memplan/check/registry.py _ONES_MASK): not read
     **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
+    "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
 }
 
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
-             "MvpForCausalLM": ("max_position_embeddings", 1024)}
+             "MvpForCausalLM": ("max_position_embeddings", 1024),
+             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096)}
 
 # what an estimate of each says beside its figures
 _BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decoder): its parameters are counted "
@@ -106,13 +121,13 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if ENCODERS[arch] is _bart_decoder else _BERT_NOTE).format(arch=arch)
-                 for arch in ENCODERS}
+_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM")
+ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
     """A note when the file does not set is_decoder: transformers then runs the encoder's bidirectional attention."""
-    if arch in ENCODERS and ENCODERS[arch] is not _bart_decoder and data.get("is_decoder") is not True:
+    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get("is_decoder") is not True:
         return (f"is_decoder is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
                 "encoder's attention, and it warns); a causal-LM run sets is_decoder true",)
     return ()
