@@ -74,6 +74,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
 @pytest.mark.parametrize("model_type, switches, says", [
     ("bert", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # two v-wide biases then, one unused
     ("roberta", dict(add_cross_attention=True), "add_cross_attention"),
+    ("roberta", dict(pad_token_id=10), "pad_token_id"),  # positions from row 11: past position_offset's 8
     ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
     ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
 ])

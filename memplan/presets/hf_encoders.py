@@ -48,6 +48,9 @@ def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm
         raise MemplanError(f"{path}: {arch} with tie_word_embeddings false: transformers then builds the output "
                            "head's own bias beside the LM head's bias (two v-wide biases, one unused): not modelled; "
                            f"{YAML_HINT}")
+    if position_start(arch, data) > 8:  # ModelSpec.position_offset's bound
+        raise MemplanError(f"{path}: pad_token_id {data.get('pad_token_id')}: {arch} numbers its positions from "
+                           f"pad_token_id + 1, and memplan models at most 8 unused rows before them; {YAML_HINT}")
     rows = nat(data, "type_vocab_size", 2, path) if token_types else 0
     if token_types and flag(data, "use_task_id", False, path):  # ERNIE: task_type_embeddings beside token types
         rows += nat(data, "task_type_vocab_size", 3, path)
