@@ -44,6 +44,9 @@ _SMALL = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
     "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+    # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
+    "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
+    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
 }
 
 # a Mamba-2 mixer's shrunk sizes (the configs with a time_step_limit: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids,

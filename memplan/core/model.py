@@ -132,6 +132,17 @@ class ModelSpec(Spec):
     embedding_norm: bool = Field(
         default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
         "word_embeddings_layernorm)")
+    encoder_kind: Optional[Literal["bert", "seq2seq"]] = Field(
+        default=None, description="a family that is not decoder-only, trained as a causal LM: bert, a BERT-like "
+        "encoder with is_decoder (BertLMHeadModel, RobertaForCausalLM); seq2seq, an encoder-decoder model's decoder "
+        "alone (PLBartForCausalLM, ...: its encoder left out, each layer's cross-attention q / k / v / out h x q with "
+        "their biases and its norm counted, not run). Only --impl hf-* (a trace of transformers' code) estimates one")
+    token_type_rows: int = Field(
+        default=0, ge=0, description="rows of a token-type (segment) embedding table added to the word embeddings "
+        "(BERT type_vocab_size)")
+    head_transform: bool = Field(
+        default=False, description="a transform before the output head: a dense h x h with bias, an activation and "
+        "a norm (BERT cls.predictions.transform, RoBERTa lm_head.dense / layer_norm)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -294,6 +305,13 @@ class ModelSpec(Spec):
     def layer_norms(self) -> int:
         """Norms in one layer: norms_per_layer, else 4 with sandwich_norms, else 2."""
         return self.norms_per_layer or (4 if self.sandwich_norms else 2)
+
+    @property
+    def encoder_description(self) -> str:
+        """What an encoder_kind model is, for the refusals of the layouts that model decoder-only LMs."""
+        return {"bert": "a BERT-like encoder trained as a causal LM (Megatron-LM's BERT is another model)",
+                "seq2seq": "an encoder-decoder model's decoder trained alone (Megatron-LM's T5 is another model)"}.get(
+                    self.encoder_kind or "", "a decoder-only LM")
 
     @property
     def has_norm_bias(self) -> bool:

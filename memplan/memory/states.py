@@ -48,6 +48,9 @@ Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "
 HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
+# an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
+CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
+                                         "cross-attention output bias")
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,10 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
             groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
                                      mlp))
+    if model.encoder_kind == "seq2seq":  # the decoder's cross-attention (encoder_attn): counted, not run alone
+        groups.append(ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer"))
+        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse("3 q"), True, "layer"),
+                   ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer")] if model.bias else []
     if model.norm_params:
         groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
@@ -168,10 +175,15 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
+    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x h
+        groups.append(ParamGroup("token-type embedding", Poly.parse(f"{model.token_type_rows} h"), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
+    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x h + h) and its norm
+        groups.append(ParamGroup("output head transform", Poly.parse_sum(f"h h + h + {norm}" if model.norm_params
+                                                                               else "h h + h"), False, "last"))
     return tuple(hybrid_groups(model, groups))
 
 
