@@ -70,6 +70,33 @@ def run_cli(capsys):
     return run
 
 
+@pytest.fixture(scope="module")
+def one_run_per_search():
+    """Each distinct `memplan search` runs once in a module that uses this: the CLI's `PreparedSearch.run` (the
+    search and the caching allocator's replay of its listing, ~10 s of CPU over every preset) is kept per prepared
+    search (its repr: the model, every plan option, --top, --sort, folding), so the table, JSON and CSV of one search,
+    at any console width, render the one result (only the "seconds" the search took differs from a fresh run's).
+    A test that patches the replay (plan/verdict.py's replay_listing) runs its own search; for modules whose tests
+    patch nothing else a search reads."""
+    import memplan.api.searching as searching
+    import memplan.plan.verdict as verdict
+
+    original = searching.PreparedSearch.run
+    done = {}
+
+    def run(self, progress=None):
+        if searching.replay_listing is not verdict.replay_listing:
+            return original(self, progress)
+        key = repr(self)
+        if key not in done:
+            done[key] = original(self, progress)
+        return done[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(searching.PreparedSearch, "run", run)
+        yield
+
+
 @pytest.fixture(scope="session")
 def announce(pytestconfig):
     """`with announce("measuring ..."):` writes a line to the terminal (past pytest's capture, also
