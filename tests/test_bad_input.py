@@ -1,7 +1,7 @@
 """Bad input gets one line on stderr and exit code 2: never a traceback, never a hang.
 
 A corpus of malformed files (tests/corpus/) and options, each run through the real CLI in a new
-process with a time limit (forked from one that imported memplan.cli once: FORKER); and hypothesis fuzzers feeding arbitrary size strings, YAML text and
+process with a time limit (forked from one that imported memplan.cli once: tests/conftest.py forked_cli); and hypothesis fuzzers feeding arbitrary size strings, YAML text and
 config.json objects to the readers, which may only answer with a MemplanError.
 """
 
@@ -78,68 +78,9 @@ def run(args, timeout=30):
                           timeout=timeout)
 
 
-# One process imports memplan.cli and the modules its estimate and search commands import (~0.7 s of CPU each time
-# `python -m memplan.cli estimate` starts) and forks a new
-# process per command: the child's stdout and stderr are files, it runs memplan's main() as `python -m memplan.cli`
-# does and exits with its code (an exception not caught: the traceback on stderr, exit 1, as Python; SIGALRM ends
-# one that hangs past its time limit); the parent sends back [exit code, stdout, stderr]. Single-threaded, so the
-# fork is safe (a pytest-xdist worker runs threads). test_deeply_nested_json and tests/test_bad_input_edges.py start
-# `python -m memplan.cli` itself.
-FORKER = r"""
-import json, os, signal, sys, tempfile, traceback
-import memplan.cli
-import memplan.api.estimating, memplan.api.searching, memplan.report.formats, memplan.report.search_tables, \
-    memplan.report.tables  # what the estimate and search commands import when they run
-for line in sys.stdin:
-    args, timeout = json.loads(line)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            signal.alarm(timeout)
-            try:
-                memplan.cli.main(args)
-                code = 0
-            except SystemExit as exit:
-                code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-                if not isinstance(exit.code, (int, type(None))):
-                    print(exit.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        texts = []
-        for f in (out, err):
-            f.seek(0)
-            texts.append(f.read().decode("utf-8", "backslashreplace"))
-    print(json.dumps([code] + texts), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def forked():
-    """`forked(args)`: memplan ARGS run in a new process forked from one that imported memplan.cli (FORKER), as a
-    subprocess.CompletedProcess."""
-    server = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def run_forked(args, timeout=30):
-        server.stdin.write(json.dumps([list(map(str, args)), timeout]) + "\n")
-        server.stdin.flush()
-        code, out, err = json.loads(server.stdout.readline())
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    yield run_forked
-    server.stdin.close()
-    server.wait(timeout=60)
-
-
 @pytest.mark.parametrize("args,fragment", CASES, ids=[" ".join(map(str, a[:3]))[-60:] for a, _ in CASES])
-def test_corpus_gives_one_line_and_exit_2(args, fragment, forked):
-    p = forked(args)
+def test_corpus_gives_one_line_and_exit_2(args, fragment, forked_cli):
+    p = forked_cli(args)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("memplan: error:"), p.stderr[-2000:]
