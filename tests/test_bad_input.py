@@ -1,8 +1,9 @@
 """Bad input gets one line on stderr and exit code 2: never a traceback, never a hang.
 
 A corpus of malformed files (tests/corpus/) and options, each run through the real CLI in a new
-process with a time limit (forked from one that imported memplan.cli once: tests/conftest.py forked_cli); and hypothesis fuzzers feeding arbitrary size strings, YAML text and
-config.json objects to the readers, which may only answer with a MemplanError.
+process with a time limit (forked from one that imported memplan.cli once: tests/conftest.py forked_cli);
+and hypothesis fuzzers feeding arbitrary size strings, YAML text and config.json objects to the
+readers, which may only answer with a MemplanError.
 """
 
 import json
