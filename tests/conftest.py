@@ -18,7 +18,10 @@ of the cores (OMP_NUM_THREADS below), and the objects alive after collection are
 """
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -68,6 +71,91 @@ def run_cli(capsys):
         return exc.value.code, out.out, out.err
 
     return run
+
+
+# One process imports memplan.cli and the modules its estimate and search commands import (~0.7 s of CPU each time
+# `python -m memplan.cli estimate` starts) and forks a new process per command: the child's stdout and stderr are
+# files, it runs memplan's main() as `python -m memplan.cli` does and exits with its code (an exception not caught:
+# the traceback on stderr, exit 1, as Python; SIGALRM ends one that hangs past its time limit); the parent sends back
+# [exit code, stdout, stderr]. Single-threaded, so the fork is safe (a pytest-xdist worker runs threads).
+# tests/test_bad_input.py's test_deeply_nested_json and tests/test_bad_input_edges.py start `python -m memplan.cli`.
+FORKER = r"""
+import json, os, signal, sys, tempfile, traceback
+import memplan.cli
+import memplan.api.estimating, memplan.api.searching, memplan.report.formats, memplan.report.search_tables, \
+    memplan.report.tables  # what the estimate and search commands import when they run
+for line in sys.stdin:
+    args, timeout = json.loads(line)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            signal.alarm(timeout)
+            try:
+                memplan.cli.main(args)
+                code = 0
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+                if not isinstance(exit.code, (int, type(None))):
+                    print(exit.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", "backslashreplace"))
+    print(json.dumps([code] + texts), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def forked_cli():
+    """`forked_cli(args)`: memplan ARGS run in a new process forked from one that imported memplan.cli (FORKER), as a
+    subprocess.CompletedProcess."""
+    server = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run_forked(args, timeout=30):
+        server.stdin.write(json.dumps([list(map(str, args)), timeout]) + "\n")
+        server.stdin.flush()
+        code, out, err = json.loads(server.stdout.readline())
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    yield run_forked
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def one_run_per_search():
+    """Each distinct `memplan search` runs once in a module that uses this: the CLI's `PreparedSearch.run` (the
+    search and the caching allocator's replay of its listing, ~10 s of CPU over every preset) is kept per prepared
+    search (its repr: the model, every plan option, --top, --sort, folding), so the table, JSON and CSV of one search,
+    at any console width, render the one result (only the "seconds" the search took differs from a fresh run's).
+    A test that patches the replay (plan/verdict.py's replay_listing) runs its own search; for modules whose tests
+    patch nothing else a search reads."""
+    import memplan.api.searching as searching
+    import memplan.plan.verdict as verdict
+
+    original = searching.PreparedSearch.run
+    done = {}
+
+    def run(self, progress=None):
+        if searching.replay_listing is not verdict.replay_listing:
+            return original(self, progress)
+        key = repr(self)
+        if key not in done:
+            done[key] = original(self, progress)
+        return done[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(searching.PreparedSearch, "run", run)
+        yield
 
 
 @pytest.fixture(scope="session")

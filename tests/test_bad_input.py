@@ -1,8 +1,9 @@
 """Bad input gets one line on stderr and exit code 2: never a traceback, never a hang.
 
 A corpus of malformed files (tests/corpus/) and options, each run through the real CLI in a new
-process with a time limit; and hypothesis fuzzers feeding arbitrary size strings, YAML text and
-config.json objects to the readers, which may only answer with a MemplanError.
+process with a time limit (forked from one that imported memplan.cli once: tests/conftest.py forked_cli);
+and hypothesis fuzzers feeding arbitrary size strings, YAML text and config.json objects to the
+readers, which may only answer with a MemplanError.
 """
 
 import json
@@ -79,8 +80,8 @@ def run(args, timeout=30):
 
 
 @pytest.mark.parametrize("args,fragment", CASES, ids=[" ".join(map(str, a[:3]))[-60:] for a, _ in CASES])
-def test_corpus_gives_one_line_and_exit_2(args, fragment):
-    p = run(args)
+def test_corpus_gives_one_line_and_exit_2(args, fragment, forked_cli):
+    p = forked_cli(args)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("memplan: error:"), p.stderr[-2000:]

@@ -3,9 +3,6 @@
 The expected values are derived by hand in the comments from the rules memplan/memory/parallel.py derives from
 Megatron-LM's and Transformer Engine's code (nothing here is measured: there is no GPU run of either)."""
 
-import subprocess
-import sys
-
 import pytest
 
 from memplan.core.model import ModelSpec
@@ -221,9 +218,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a[2:]) for a, _ in BAD])
-def test_bad_input_is_one_line_and_exit_2(args, fragment):
-    p = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", *args], capture_output=True, text=True,
-                       timeout=120)
+def test_bad_input_is_one_line_and_exit_2(args, fragment, forked_cli):
+    p = forked_cli(["estimate", *args], timeout=120)  # a new process (tests/conftest.py)
     assert p.returncode == 2, p.stderr[-2000:]
     assert len(p.stderr.strip().splitlines()) == 1 and fragment in p.stderr, p.stderr
 

@@ -24,6 +24,7 @@ ESTIMATE_530B = ("estimate", "--model", "gpt3-530b")
 SEARCH = ("search", "--model", "gpt3-175b", "--gpus", "1024", "--mem", "80GB")
 SEARCH_ALL = ("search", "--gpus", "64", "--mem", "80GB")
 COMMANDS = (ESTIMATE_FLASH, ESTIMATE_530B, SEARCH, SEARCH_ALL, ("models",), ("gpus",))
+pytestmark = pytest.mark.usefixtures("one_run_per_search")  # tests/conftest.py: a search's two widths, one search
 # The compact estimate table at 80 columns: the other columns take at most 10 (a per-layer formula
 # folds past that at its '+') + 3 (copies) + 7 (bytes, 3 digits) + 5 (share) + 11 (a shortened
 # source) and 5 one-space gaps, 41 in all, which leaves the component column 39: an indented name

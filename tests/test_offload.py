@@ -4,8 +4,6 @@ in estimate and search, the step time's PCIe copies, what torch's save_on_cpu re
 Megatron-LM flags, bad input."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -298,12 +296,13 @@ def test_megatron_flags_for_offload():
 
 # --- the command line ----------------------------------------------------------------------------
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "memplan.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+@pytest.fixture
+def run(forked_cli):
+    """`run(*ARGS)`: memplan ARGS in a new process (tests/conftest.py forked_cli), as a CompletedProcess."""
+    return lambda *args: forked_cli(args, timeout=120)
 
 
-def test_estimate_verdict_and_json():
+def test_estimate_verdict_and_json(run):
     args = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "1",
             "--global-batch", "8", "--gpu", "h100-80gb", "--offload", "optimizer"]
     data = json.loads(run(*args, "--json").stdout)
@@ -318,7 +317,7 @@ def test_estimate_verdict_and_json():
     assert ok["fits_host"] is True and ok["host_budget_bytes"] == per_node
 
 
-def test_search_json_names_host_budget():
+def test_search_json_names_host_budget(run):
     out = run("search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--offload", "optimizer",
               "--host-mem", "1TB", "--top", "2", "--json")
     data = json.loads(out.stdout)
@@ -341,7 +340,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a[3:]) for a, _ in BAD])
-def test_bad_input_one_line_exit_2(args, fragment, tmp_path):
+def test_bad_input_one_line_exit_2(args, fragment, tmp_path, run):
     if "NO-HOST" in args:  # a GPU file without host_bandwidth: offload cannot be timed
         src = Path(__file__).parent.parent / "configs" / "gpus" / "a100-80gb.yaml"
         gpu = tmp_path / "gpu.yaml"
@@ -354,7 +353,7 @@ def test_bad_input_one_line_exit_2(args, fragment, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("memplan: error:") and fragment in lines[0], lines
 
 
-def test_search_says_when_only_host_memory_is_missing():
+def test_search_says_when_only_host_memory_is_missing(run):
     """Optimizer offload puts 18 B per parameter of the whole model on a node of 8 GPUs whatever the plan (144.5 GB
     for llama3-8b): within 100 GB of host memory no plan fits, and the fastest miss says it is the host's."""
     out = run("search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--global-batch", "8",
