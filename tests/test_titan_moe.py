@@ -197,7 +197,7 @@ def test_ep_layer_adds_the_permutation_index():
         assert _estimate(ac, ep=8).per_layer_bytes - _estimate(ac).per_layer_bytes == extra, ac
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(ep=16),
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=2), dict(ep=3), dict(ep=16),
                                 dict(ep=8, etp=2), dict(moe_imbalance=1.5)])
 def test_refused(kw):
     with pytest.raises(MemplanError):
