@@ -249,7 +249,7 @@ def test_search_tries_ep_and_agrees_with_estimate():
         assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(etp=2)])
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=2), dict(ep=3), dict(etp=2)])
 def test_search_refusals(kw):
     with pytest.raises(MemplanError):
         search("qwen3-30b-a3b", impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048, **kw)
