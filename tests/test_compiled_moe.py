@@ -21,6 +21,8 @@ from collections import Counter
 
 import pytest
 
+from memplan.api.estimating import estimate
+from memplan.api.searching import search
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import compiled_moe
 from memplan.inventory.assemble import training_inventory
@@ -121,3 +123,21 @@ def test_recorded_trace_and_measurement(ac):
     assert Counter((_canon(el), dt) for el, dt in rows) == Counter((_canon(el), dt) for el, dt in RECORDED[ac])
     assert (r.s, r.b, r.output_bytes) == (S, B, OUTPUT)
     assert r.after_forward - OUTPUT - (RNG_STATE if ac == "full" else 0) == MEASURED[ac]
+
+
+def test_search_compiled_moe_plans_agree_with_estimate():
+    # search --compile on a Qwen3 MoE: only plans at tp = ep = cp = 1 (the traced layout), each the plan estimate
+    # --compile gives the same memory and step time
+    base = dict(impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048)
+    found = search("qwen3-30b-a3b", compile=True, **base).result
+    assert set(found.evaluated.plans.ep.tolist()) == {1} and set(found.evaluated.plans.t.tolist()) == {1}
+    assert found.top
+    for x in found.top[:2]:
+        row = found.row(x)
+        dims = row["torchtitan"]
+        assert dims["compile"] and dims["ep"] == 1 and dims["tp"] == 1
+        piped = dict(pp=dims["pp"], pipeline_schedule=dims["pipeline_schedule"]) if dims["pp"] > 1 else {}
+        est = estimate("qwen3-30b-a3b", **base, compile=True, ac=dims["ac"], dp_replicate=dims["dp_replicate"],
+                       micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
+        assert row["memory"]["device_bytes"] == est.device_bytes
+        assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)

@@ -244,7 +244,7 @@ def test_search_tries_ep_and_agrees_with_estimate():
         dims = row["torchtitan"]
         piped = dict(pp=dims["pp"], pipeline_schedule=dims["pipeline_schedule"]) if dims["pp"] > 1 else {}
         est = estimate("qwen3-30b-a3b", **base, ep=dims["ep"], tp=dims["tp"], ac=dims["ac"], dp_replicate=dims["dp_replicate"],
-                       micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
+                       compile=dims["compile"], micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
         assert row["memory"]["device_bytes"] == est.device_bytes
         assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)
 
