@@ -396,7 +396,7 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
 TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
-              "Qwen3 MoE with compile or float8, its uneven routing (balanced modelled) and its layers' "
+              "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled) and its layers' "
               "backward transients, DeepSeek-V3 with the same and TP, PP (and its MTP layers, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
