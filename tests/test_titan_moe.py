@@ -198,7 +198,7 @@ def test_ep_layer_adds_the_permutation_index():
         assert _estimate(ac, ep=8).per_layer_bytes - _estimate(ac).per_layer_bytes == extra, ac
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(ep=16),
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=2), dict(ep=3), dict(ep=16),
                                 dict(ep=8, etp=2), dict(moe_imbalance=1.5)])
 def test_refused(kw):
     with pytest.raises(MemplanError):
@@ -245,12 +245,12 @@ def test_search_tries_ep_and_agrees_with_estimate():
         dims = row["torchtitan"]
         piped = dict(pp=dims["pp"], pipeline_schedule=dims["pipeline_schedule"]) if dims["pp"] > 1 else {}
         est = estimate("qwen3-30b-a3b", **base, ep=dims["ep"], tp=dims["tp"], ac=dims["ac"], dp_replicate=dims["dp_replicate"],
-                       micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
+                       compile=dims["compile"], micro_batch=dims["pipeline_microbatch_size"] or dims["local_batch"], **piped)
         assert row["memory"]["device_bytes"] == est.device_bytes
         assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(etp=2)])
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=2), dict(ep=3), dict(etp=2)])
 def test_search_refusals(kw):
     with pytest.raises(MemplanError):
         search("qwen3-30b-a3b", impl="torchtitan", gpus=8, global_batch=16, gpu="h100-80gb", seq_len=2048, **kw)

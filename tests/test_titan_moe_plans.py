@@ -300,3 +300,16 @@ def test_hsdp_gloo_equals_recorded():
     for rank in measure_ep_states(MoeShape(), ep=2, world=4, replicate=2):
         assert {k: rank[k] for k in RECORDED_HSDP} == RECORDED_HSDP
         assert rank["layer_shapes"]["moe.routed_experts.inner_experts.w1_EFD"] == (4, 32, 64)
+
+
+def test_compiled_moe_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --compile on the Qwen3 MoE (memplan/inventory/compiled_moe.py, ep 1): the module compiles the model's blocks
+    # (torchtitan's apply_compile, every block, the MoE ones too), not the loss
+    result = estimate("qwen3-30b-a3b", impl="torchtitan", gpus=8, ac="selective-op", compile=True, seq_len=4096,
+                      micro_batch=1, global_batch=8, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, result.launch)
+    assert config.compile.enable and list(config.compile.components) == ["model"]
+    assert config.parallelism.expert_parallel_degree == 1
+    eager = estimate("qwen3-30b-a3b", impl="torchtitan", gpus=8, ac="selective-op", seq_len=4096, micro_batch=1,
+                     global_batch=8, emit="torchtitan")
+    assert not _load(tmp_path, monkeypatch, eager.launch).compile.enable

@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .mcore_loss import allocation_peak
 
@@ -91,8 +92,14 @@ def _dim(d, hints: dict[int, str], names: dict[int, dict[str, int]], static: boo
             if hint not in hints:
                 raise ValueError(f"size symbol {sym} = {hint} is neither s nor b")
             out[hints[hint]] = 1
-        if expr != _product(expr.free_symbols):
-            raise ValueError(f"size {expr} is not a product of s and b")
+        coeff = expr / _product(expr.free_symbols)
+        if not coeff.is_Integer:
+            raise ValueError(f"size {expr} is not a width times a product of s and b")
+        if int(coeff) != 1:  # a width times s b (the MoE's routed copies: k s b rows)
+            if int(coeff) not in names:
+                raise ValueError(f"size {expr}: {coeff} is none of the config's widths {names}")
+            for k, e in names[int(coeff)].items():
+                out[k] = out.get(k, 0) + e
         return out
     if d == 1:
         return {}
@@ -103,6 +110,12 @@ def _dim(d, hints: dict[int, str], names: dict[int, dict[str, int]], static: boo
     return names[d]
 
 
+def _tokens(d, hints: dict[int, str]) -> bool:
+    """Whether a size holds s or b (a SymInt one of whose symbols has the trace's s or b as its hint)."""
+    return isinstance(d, torch.SymInt) and any(int(d.node.shape_env.var_to_val[sym]) in hints
+                                               for sym in d.node.expr.free_symbols)
+
+
 def _product(symbols):
     out = 1
     for sym in symbols:
@@ -110,7 +123,7 @@ def _product(symbols):
     return out
 
 
-ORDER = ("s", "b", "a", "g", "h", "q", "f", "r")
+ORDER = ("s", "b", "k", "E", "a", "g", "h", "q", "f", "fe", "r")
 
 
 def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:
@@ -222,12 +235,14 @@ def _aot_backend(inner):
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                        partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+                        partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table(),
+                        keep_inference_input_mutations=True)  # buffers updated in the graph, as inductor's
 
 
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
                          s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
-                         lora: dict | None = None, widths: dict | None = None, ac: str = "none") -> CompiledLayer:
+                         lora: dict | None = None, widths: dict | None = None, ac: str = "none",
+                         built=None) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -235,7 +250,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     WIDTHS[impl]; torchao's NF4 needs weights of 16,384-value multiples).
     `route` "inductor": torch.compile's default backend (C++ kernels); "aot": AOTAutograd with inductor's partitioner
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check).
-    ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8")."""
+    ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8").
+    ``built``: (layer, inputs, names) of another block (validation/compiled_moe.py: torchtitan's Qwen3 MoE block; its
+    sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
@@ -246,7 +263,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     widths = widths or WIDTHS[f"{impl}-float8" if float8 else impl]
     if ac != "none" and impl != "torchtitan":
         raise ValueError("ac is torchtitan's (impl torchtitan)")
-    layer, inputs = (_titan_layer(float8, ac) if float8 or ac != "none" else _tune_layer(lora, widths) if lora else
+    layer, inputs, names = built if built else (None, None, _names(widths))
+    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac) if float8 or ac != "none" else _tune_layer(lora, widths) if lora else
                      {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
     graphs: list = []
 
@@ -269,7 +287,7 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, inductor compiled {len(graphs)}")
     gm, _ = graphs[0]
-    hints, names = {s_trace: "s", b_trace: "b"}, _names(widths)
+    hints = {s_trace: "s", b_trace: "b"}
     if lora:
         if lora["rank"] in names:
             raise ValueError(f"LoRA rank {lora['rank']} must differ from the widths {names}")
@@ -290,9 +308,10 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
             continue  # SymInts for the backward
         shape = tuple(val.shape)
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
-        tokens = any(isinstance(d, torch.SymInt) or (not dynamic and d in hints) for d in shape)
+        tokens = any(_tokens(d, hints) or (not dynamic and d in hints) for d in shape)
         kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
-        elements = ("" if kind == "parameter" else str(val.numel()) if kind == "constant"
+        # a constant's size may be symbolic without s or b (the CPU generator state full AC stashes): its hint
+        elements = ("" if kind == "parameter" else str(optimization_hint(val.numel())) if kind == "constant"
                     else _elements(shape, hints, names, not dynamic))
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer

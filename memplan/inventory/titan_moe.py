@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.inventory.compiled_moe import compile_left
 from memplan.inventory.types import Term, saved
 
 # the memplan recompute flags of a term kept in these AC modes (memplan/inventory/types.py Term.kept: none =
@@ -151,14 +152,15 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--compile", compiled), ("--float8", bool(float8)),
+    left = [name for name, on in ((compile_left(model, ep, tp, cp), compiled and bool(compile_left(model, ep, tp, cp))),
+                                  ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
         left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
     if left:
-        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp and --pp "
-                           "only yet, not " + ", ".join(left))
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
+                           "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))
     if etp is not None and etp != moe_etp(ep, tp):
         raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
                            f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")

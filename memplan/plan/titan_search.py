@@ -48,8 +48,9 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
         sets += [(part, False) for part in eager]
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = [compilable(part, bool(training.float8), model.num_layers) for part in eager]
-        where = "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else "")
+        can = [compilable(part, bool(training.float8), model.num_layers, model.is_moe) for part in eager]
+        where = ("--tp 1, --ep 1, --cp 1 for MoE" if model.is_moe else
+                 "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else ""))
         if why and pins.compile:
             raise MemplanError(why)
         if pins.compile and not any(c.any() for c in can):
@@ -63,7 +64,7 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                 notes.append("torch.compile not searched with the split-backward pipeline schedules (I / W through a "
                              "compiled block: not modelled)")
             if not all(c.all() for part, c in zip(eager, can) if str(part.schedule) not in SPLIT_BACKWARD):
-                notes.append(f"torch.compile searched with {where} only (compile with CP"
+                notes.append(f"torch.compile searched with {where} only (compile with CP" + (", TP or EP" if model.is_moe else "")
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
                              + " is not traced yet)")
