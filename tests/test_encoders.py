@@ -1,4 +1,5 @@
-"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP, TrOCR and BigBird-Pegasus
+"""Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
+among them), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
@@ -33,7 +34,8 @@ def _defaults(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
-                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus"])  # bert: below
+                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus",
+                                        "rembert"])  # bert, electra: below
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -46,6 +48,15 @@ def test_bert_base_in_its_lm_head_form():
     assert registry.memplan_params(_defaults("bert")) == 109_514_298 == meta_params(_defaults("bert"))
 
 
+def test_electra_generator_defaults_by_hand():
+    """ElectraConfig's defaults (v 30522, e = embedding_size 128, h 256, 12 layers of 4 heads, f 1024, 512 positions,
+    2 token types), ElectraForCausalLM by hand: the embeddings e wide 30522 x 128 + 512 x 128 + 2 x 128 + their
+    LayerNorm 2 x 128 = 3,972,864; embeddings_project 128 x 256 + 256 = 33,024; a layer 4 (256^2 + 256) + 256 x 1024
+    + 1024 + 1024 x 256 + 256 + two LayerNorms 4 x 256 = 789,760, twelve of them 9,477,120; generator_predictions
+    256 x 128 + 128 + a LayerNorm 2 x 128 = 33,152; generator_lm_head's bias 30,522 (its weight tied): 13,546,682."""
+    assert registry.memplan_params(_defaults("electra")) == 13_546_682 == meta_params(_defaults("electra"))
+
+
 @pytest.mark.parametrize("model_type, switches", [
     ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
     ("bert", dict(type_vocab_size=4)),
@@ -55,6 +66,10 @@ def test_bert_base_in_its_lm_head_form():
     ("mvp", dict(tie_word_embeddings=False)),  # lm_head v x h without bias
     ("mvp", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
     ("bigbird_pegasus", dict(use_bias=True)),  # biases on the self- and cross-attention too
+    ("electra", dict(tie_word_embeddings=False)),  # generator_lm_head's own e x v weight (one bias still)
+    ("electra", dict(embedding_size=64)),  # e = h: no embeddings_project
+    ("rembert", dict(input_embedding_size=64)),  # e = h: embedding_hidden_mapping_in is built all the same
+    ("rembert", dict(tie_word_embeddings=True, output_embedding_size=256)),  # e_out = e: still untied
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -105,18 +120,18 @@ def test_the_estimate_says_what_it_is(tmp_path):
     assert "bidirectionally" not in notes  # a decoder's self-attention is causal whatever is_decoder says
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "trocr"])
+@pytest.mark.parametrize("model_type", ["roberta", "trocr", "rembert"])
 def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
-    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform) and
-    TrOCR's decoder (its cross-attention built, not run): traced, read by memplan, bucket by bucket equal to what the
-    real model saves on CPU at s = 32, b = 2."""
+    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform),
+    TrOCR's decoder (its cross-attention built, not run) and RemBERT (embeddings 256 wide projected to h, a head 1664
+    wide): traced, read by memplan, bucket by bucket equal to what the real model saves on CPU at s = 32, b = 2."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
-@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus"])
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
     pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders."""

@@ -80,8 +80,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note": ("estimate", _MULTIMODAL),
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
-    "electra": ("estimate", "ELECTRA: factorised embeddings (embedding_size wide, embeddings_project to h) and a "
-                            "generator head embedding_size wide: not read"),
     "falcon_mamba": ("trace", _MAMBA1),
     "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
                           "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
@@ -148,8 +146,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
-    "rembert": ("estimate", "RemBERT: factorised embeddings (input_embedding_size, embedding_hidden_mapping_in) and "
-                            "an untied head output_embedding_size wide: not read"),
     "roc_bert": ("estimate", "RoCBERT: pronunciation and shape embeddings beside the word embeddings: not read"),
     "roformer": ("estimate", "RoFormer: factorised embeddings (embedding_size, embeddings_project) and its rotary "
                              "table kept as a frozen parameter (embed_positions): not read"),

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
+from memplan.core.moe_checks import check_expert_loads
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -143,6 +144,11 @@ class ModelSpec(Spec):
     head_transform: bool = Field(
         default=False, description="a transform before the output head: a dense h x h with bias, an activation and "
         "a norm (BERT cls.predictions.transform, RoBERTa lm_head.dense / layer_norm)")
+    embedding_widths: Optional[tuple[PositiveInt, PositiveInt]] = Field(
+        default=None, description="(e, e_out), factorised embeddings: the word, position and token-type tables and "
+        "the embedding norm e wide, a projection e -> h with bias before the first layer; the head transform h -> "
+        "e_out and the output layer e_out x v (ELECTRA / RoFormer embedding_size: (e, e); RemBERT input_ / "
+        "output_embedding_size). None: h wide, no projection")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -420,6 +426,9 @@ class ModelSpec(Spec):
         if self.num_attention_heads % (self.full_attention_kv_heads or 1):
             raise ValueError(f"attention heads a={self.num_attention_heads} are not divisible by the full-attention "
                              f"layers' key/value heads {self.full_attention_kv_heads}")
+        if self.embedding_widths and self.tied_embeddings and len(set(self.embedding_widths)) > 1:
+            raise ValueError(f"embedding_widths {self.embedding_widths}: a tied output layer is the word embeddings', "
+                             "e_out = e")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         return self._latent()._experts()._hybrid()
@@ -446,19 +455,6 @@ class ModelSpec(Spec):
                              "bias: false")
         return self
 
-    def _expert_loads(self, E: int, k: int) -> None:
-        """moe_expert_loads: the loads of E/ep experts (a count dividing E), none negative or above E / k times the
-        average (an expert receives each token at most once), in place of moe_imbalance."""
-        loads = self.moe_expert_loads
-        if not loads or E % len(loads) or min(loads) < 0:
-            raise ValueError(f"moe_expert_loads takes the loads of E/ep experts (a count dividing num_experts={E}), "
-                             f"none negative (got {len(loads)})")
-        if self.moe_imbalance != 1.0:
-            raise ValueError("moe_expert_loads and moe_imbalance both give the routing's imbalance: give one")
-        if max(loads) > E / k:
-            raise ValueError(f"moe_expert_loads: an expert's load {max(loads):g} x the average exceeds E / k = "
-                             f"{E / k:g} (each token goes to an expert at most once)")
-
     def _experts(self) -> "ModelSpec":
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
         MoE layer; its experts have no biases."""
@@ -479,7 +475,7 @@ class ModelSpec(Spec):
         if k is None:
             raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
         if self.moe_expert_loads is not None:
-            self._expert_loads(E, k)
+            check_expert_loads(self.moe_expert_loads, self.moe_imbalance, E, k)
         if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
             raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
                              "TransformerConfig)")

@@ -1,10 +1,9 @@
 """Parameters, and the bytes of weights, gradients and optimizer states per GPU.
 
-Parameter counts are an inventory like the activations: named groups with a polynomial
-count, whether tensor parallelism splits them, and where they live. The K22 GPT count is
-12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)) (K22 section 6 / appendix A; Megatron-LM's general
-count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output projection are
-q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
+Parameter counts are an inventory like the activations: named groups with a polynomial count, whether tensor
+parallelism splits them, and where they live. The K22 GPT count is 12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)) (K22 section
+6 / appendix A; Megatron-LM's general count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output
+projection are q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
 
 Bytes per parameter are the named sizes of `TrainingSpec` (Megatron-LM
 docs/user-guide/features/dist_optimizer.md): bf16 weights (2) + fp32 main gradients (4) +
@@ -13,13 +12,12 @@ splits over the d data-parallel ranks: stage 1 (= Megatron-LM's distributed opti
 master weights and moments, giving 6 + 12/d; stage 2 also the gradients; stage 3 also the
 weights, which are then gathered one layer at a time.
 
-Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored
-second moment, 8-bit Adam's blocks, Muon's split between hidden matrices and the rest:
-memplan/memory/optimizers.py): `weight_shapes` (memplan/memory/shapes.py) lists every parameter tensor of a
-group by shape, in the order the implementation registers them ("fused": Megatron-LM and the reference layer, one QKV and
-one MLP-input matrix, as transformers' GPT-2 Conv1D c_attn / c_fc; "separate": transformers' Llama
-layout, q/k/v_proj and gate/up_proj apart; `Inventory.weight_layout` says which an
-implementation uses).
+Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored second moment, 8-bit
+Adam's blocks, Muon's split between hidden matrices and the rest: memplan/memory/optimizers.py): `weight_shapes`
+(memplan/memory/shapes.py) lists every parameter tensor of a group by shape, in the order the implementation registers
+them ("fused": Megatron-LM and the reference layer, one QKV and one MLP-input matrix, as transformers' GPT-2 Conv1D
+c_attn / c_fc; "separate": transformers' Llama layout, q/k/v_proj and gate/up_proj apart; `Inventory.weight_layout`
+says which an implementation uses).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.hybrid import LAYER_BLOCKS
 from memplan.core.model import ModelSpec
-from memplan.memory.dp_stack import sharded_weight_bytes
+from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import OUTPUT_LAYER_W
@@ -170,20 +168,23 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                        Poly.parse_sum(f"q + 2 q g /a + {mlp_bias}"), True, "layer"),
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
-    groups.append(ParamGroup("word embedding", Poly.parse("v h"), True, "first"))
-    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
-        groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
+    e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
+    groups.append(ParamGroup("word embedding", Poly.parse("v") * e, True, "first"))
+    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm; ELECTRA's e wide
+        groups.append(ParamGroup("embedding norm", e * (1 + model.has_norm_bias), False, "first"))
     if model.position_embedding == "learned":
-        groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
-    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x h
-        groups.append(ParamGroup("token-type embedding", Poly.parse(f"{model.token_type_rows} h"), False, "first"))
+        groups.append(ParamGroup("position embedding", position_rows(model) * e, False, "first"))
+    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x e
+        groups.append(ParamGroup("token-type embedding", _number(model.token_type_rows) * e, False, "first"))
+    if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
+        groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
-    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x h + h) and its norm
-        groups.append(ParamGroup("output head transform", Poly.parse_sum(f"h h + h + {norm}" if model.norm_params
-                                                                               else "h h + h"), False, "last"))
+    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x e_out + e_out) and its norm
+        groups.append(ParamGroup("output head transform", e_out * Poly.parse("h") + e_out * (
+            1 + model.norm_params + model.has_norm_bias), False, "last"))
     return tuple(hybrid_groups(model, groups))
 
 
@@ -340,10 +341,16 @@ def position_rows(model: ModelSpec) -> Poly:
     return rows + Poly.parse(str(model.position_offset)) if model.position_offset else rows
 
 
-def output_layer_group() -> ParamGroup:
-    """The output projection v x h: its own weight when untied; with tied embeddings the last
-    stage still keeps a copy when p > 1 (Megatron-LM synchronises the two copies)."""
-    return ParamGroup(OUTPUT_LAYER_W, Poly.parse("v h"), True, "last")
+def output_layer_group(model: ModelSpec) -> ParamGroup:
+    """The output projection v x h (v x e_out, embedding_widths): its own weight when untied; with tied embeddings the
+    last stage still keeps a copy when p > 1 (Megatron-LM synchronises the two copies)."""
+    return ParamGroup(OUTPUT_LAYER_W, Poly.parse("v") * embedding_widths(model)[1], True, "last")
+
+
+def embedding_widths(model: ModelSpec) -> tuple[Poly, Poly]:
+    """The embeddings' width e and the head's e_out (ModelSpec.embedding_widths), each h unless factorised."""
+    e, e_out = model.embedding_widths or (0, 0)
+    return (_number(e), _number(e_out)) if e else (Poly.parse("h"), Poly.parse("h"))
 
 
 Count = Callable[[ParamGroup], Any]  # a group's parameters on one GPU for the plan at hand
@@ -390,7 +397,7 @@ def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_
     for group in param_groups(model):
         total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    return total + (count(output_layer_group()) * head_copy + mtp_stage_params(model, count)) * is_last
+    return total + (count(output_layer_group(model)) * head_copy + mtp_stage_params(model, count)) * is_last
 
 
 def mtp_stage_params(model: ModelSpec, count: Count) -> Any:
@@ -462,11 +469,6 @@ def optimizer_bytes(training: TrainingSpec, params: Any, tensors: Optional[optim
     held += [(t, tensors.dense_layers) for t in tensors.dense]
     held += [(t, 1 * tensors.is_last) for t in tensors.last] + [(t, 1 * tensors.has_head) for t in tensors.head]
     return params * training.master_weight_bytes + optimizers.state_bytes(training, held)
-
-
-def shard_bytes(n: Any, d: Any, on: Any) -> Any:
-    """n bytes, split over d ranks (rounded up) where `on` is true."""
-    return on * (-(-n // d)) + (1 - on) * n
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,14 @@ def position_start(arch: str, data: dict) -> int:
 
 
 def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm: bool = True,
-               token_types: bool = True, transform: bool = True) -> dict[str, Any]:
-    """The spec of one BERT-like encoder (the keys BertConfig names; transformers' defaults for missing ones)."""
+               token_types: bool = True, transform: bool = True, one_head_bias: bool = False) -> dict[str, Any]:
+    """The spec of one BERT-like encoder (the keys BertConfig names; transformers' defaults for missing ones);
+    ``one_head_bias``: an untied head keeps one v-wide bias (ELECTRA's generator_lm_head)."""
     arch = (data.get("architectures") or ["?"])[0]
     if flag(data, "add_cross_attention", False, path):
         raise MemplanError(f"{path}: {arch} with add_cross_attention (a cross-attention block per layer for an "
                            f"encoder-decoder pairing): not modelled; {YAML_HINT}")
-    if not flag(data, "tie_word_embeddings", True, path):
+    if not (one_head_bias or flag(data, "tie_word_embeddings", True, path)):
         raise MemplanError(f"{path}: {arch} with tie_word_embeddings false: transformers then builds the output "
                            "head's own bias beside the LM head's bias (two v-wide biases, one unused): not modelled; "
                            f"{YAML_HINT}")
@@ -60,7 +61,28 @@ def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm
                 position_embedding="learned", position_offset=position_start(arch, data), token_type_rows=rows,
                 embedding_norm=embedding_norm, final_norm=pre_norm, head_bias=True, head_transform=transform,
                 layer_layout="sequential" if pre_norm else "post-norm", encoder_kind="bert",
-                norm_eps=data.get("layer_norm_eps"), tied_embeddings=True)
+                norm_eps=data.get("layer_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _electra(data: dict, path: Path) -> dict[str, Any]:
+    """ELECTRA's generator as a causal LM (ElectraForCausalLM): BERT's post-LN layers over embeddings embedding_size
+    (e) wide (the word, position and token-type tables and their LayerNorm), embeddings_project e -> h where e != h;
+    generator_predictions (a dense h -> e, GeLU, a LayerNorm e wide) and generator_lm_head e -> v with its bias, tied
+    to the word embeddings unless tie_word_embeddings is false (ElectraConfig's defaults for missing keys)."""
+    data = {"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024, **data}
+    h, e = nat(data, "hidden_size", 256, path), nat(data, "embedding_size", 128, path)
+    return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": (e, e) if e != h else None}
+
+
+def _rembert(data: dict, path: Path) -> dict[str, Any]:
+    """RemBERT as a causal LM (RemBertForCausalLM): BERT's post-LN layers over embeddings input_embedding_size wide,
+    always projected to h (encoder.embedding_hidden_mapping_in); the head a dense h -> output_embedding_size, the
+    activation, a LayerNorm, and a decoder to v with its bias, never tied (the class ties none, whatever
+    tie_word_embeddings says; RemBertConfig's defaults for missing keys)."""
+    data = {"hidden_size": 1152, "num_hidden_layers": 32, "num_attention_heads": 18, "intermediate_size": 4608,
+            **data, "tie_word_embeddings": False}
+    widths = nat(data, "input_embedding_size", 256, path), nat(data, "output_embedding_size", 1664, path)
+    return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": widths}
 
 
 def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
@@ -99,6 +121,8 @@ def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
+    "ElectraForCausalLM": _electra,
+    "RemBertForCausalLM": _rembert,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
