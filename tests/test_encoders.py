@@ -35,7 +35,7 @@ def _defaults(model_type: str) -> dict:
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
                                         "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus",
-                                        "rembert"])  # bert, electra: below
+                                        "rembert", "roformer"])  # bert, electra: below
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -70,6 +70,8 @@ def test_electra_generator_defaults_by_hand():
     ("electra", dict(embedding_size=64)),  # e = h: no embeddings_project
     ("rembert", dict(input_embedding_size=64)),  # e = h: embedding_hidden_mapping_in is built all the same
     ("rembert", dict(tie_word_embeddings=True, output_embedding_size=256)),  # e_out = e: still untied
+    ("roformer", dict(embedding_size=None)),  # e = h: no embeddings_project
+    ("roformer", dict(max_position_embeddings=64)),  # the frozen rotary table, 64 x h / a
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -88,6 +90,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
 
 @pytest.mark.parametrize("model_type, switches, says", [
     ("bert", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # two v-wide biases then, one unused
+    ("roformer", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # decoder.bias and predictions.bias
     ("roberta", dict(add_cross_attention=True), "add_cross_attention"),
     ("roberta", dict(pad_token_id=10), "pad_token_id"),  # positions from row 11: past position_offset's 8
     ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
@@ -97,6 +100,15 @@ def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
         registry.memplan_params({**tiny_config(model_type), **switches})
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+
+
+def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
+    """RoFormer looks its sinusoidal table up by position id: s past max_position_embeddings rows fails in
+    transformers (an index error), so memplan refuses it in one line."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny_config("roformer"), "max_position_embeddings": 64}))
+    code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "65", "--impl", "hf-eager")
+    assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])
@@ -131,10 +143,12 @@ def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
-@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra"])
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra",
+                                                                                 "roformer"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
-    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders."""
+    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders,
+    ELECTRA's generator and RoFormer (rotary, embeddings 768 wide projected to h)."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

@@ -147,8 +147,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "roc_bert": ("estimate", "RoCBERT: pronunciation and shape embeddings beside the word embeddings: not read"),
-    "roformer": ("estimate", "RoFormer: factorised embeddings (embedding_size, embeddings_project) and its rotary "
-                             "table kept as a frozen parameter (embed_positions): not read"),
     "rwkv": ("estimate", _RECURRENT),
     "whisper": ("estimate", "Whisper's decoder: k_proj without a bias beside q / v / out_proj's in the self- and "
                             "cross-attention: not read"),

@@ -149,6 +149,9 @@ class ModelSpec(Spec):
         "the embedding norm e wide, a projection e -> h with bias before the first layer; the head transform h -> "
         "e_out and the output layer e_out x v (ELECTRA / RoFormer embedding_size: (e, e); RemBERT input_ / "
         "output_embedding_size). None: h wide, no projection")
+    frozen_position_rows: int = Field(
+        default=0, ge=0, description="rows of a frozen sinusoidal position table head_dim wide held as a parameter "
+        "(RoFormer's encoder.embed_positions: max_position_embeddings rows; its states counted as if trained)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -409,10 +412,10 @@ class ModelSpec(Spec):
         for name in ("moe_bias", "moe_router_bias", "moe_shared_gate"):
             if getattr(self, name) and not self.is_moe:
                 raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
-        if self.position_rows is not None and self.position_embedding == "learned" and \
-                self.seq_length > self.position_rows:
-            raise ValueError(f"s = {self.seq_length:,} tokens is longer than the learned position table's "
-                             f"{self.position_rows:,} rows (max_position_embeddings)")
+        rows = self.position_rows if self.position_embedding == "learned" else self.frozen_position_rows or None
+        if rows is not None and self.seq_length > rows:  # a learned table, or RoFormer's frozen one
+            kind = "learned" if self.position_embedding == "learned" else "frozen rotary"
+            raise ValueError(f"s = {self.seq_length:,} tokens is longer than the {kind} position table's {rows:,} rows")
         if self.kv_shared_layers >= self.num_layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "
                              f"the num_layers={self.num_layers}")

@@ -169,6 +169,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h
         first += [WeightShape("embedding projection", "embedding projection", P("h"), e),
                   WeightShape("embedding projection", "embedding projection bias", P("h"), None)]
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions
+        first.append(WeightShape("frozen position table", "embed_positions", P(str(model.frozen_position_rows)),
+                                 P("q /a")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
         final += [WeightShape("output head transform", "head transform dense", e_out, P("h")),

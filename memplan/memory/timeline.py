@@ -46,7 +46,8 @@ from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_wei
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.dp_stack import shard_bytes
 from memplan.memory.stage import StageMemory
-from memplan.memory.states import LAYER_SCOPES, block_share, output_layer_group, param_groups
+from memplan.memory.param_group import LAYER_SCOPES
+from memplan.memory.states import block_share, output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -67,7 +68,6 @@ class Event:
 @dataclass(frozen=True)
 class StepPeak:
     """The events of one step on one GPU and their maximum (scalars, or arrays in the planner)."""
-
     events: list[Event]
     peak_bytes: Any
     peak_index: Any  # index into events of the (first) maximum

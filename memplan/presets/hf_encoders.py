@@ -1,7 +1,7 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
-each run with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``
-(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
+and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
+with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
 (seq2seq: their cross-attention counted, not run).  ``ENCODERS`` gives each
 family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
 position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
@@ -118,11 +118,25 @@ def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=False)
 
 
+def _roformer(data: dict, path: Path) -> dict[str, Any]:
+    """RoFormer as a causal LM (RoFormerForCausalLM): BERT's post-LN layers with rotary positions, over word and
+    token-type embeddings embedding_size (e, default h) wide and their LayerNorm, embeddings_project e -> h where
+    e != h; the rotary table a frozen parameter max_position_embeddings x h / a (encoder.embed_positions); the head's
+    transform h -> e (dense, activation, LayerNorm) and the decoder e -> v, tied, with its bias (an untied file is
+    refused: two v-wide biases then, as BERT's)."""
+    h = nat(data, "hidden_size", 768, path)
+    e = nat(data, "embedding_size", h, path) if data.get("embedding_size") is not None else h
+    return {**_bert_like(data, path), "position_embedding": "rope", "position_offset": 0,
+            "frozen_position_rows": nat(data, "max_position_embeddings", 1536, path),
+            "embedding_widths": (e, e) if e != h else None}
+
+
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
     "ElectraForCausalLM": _electra,
     "RemBertForCausalLM": _rembert,
+    "RoFormerForCausalLM": _roformer,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
@@ -135,6 +149,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
+             "RoFormerForCausalLM": ("max_position_embeddings", 1536),
              "MvpForCausalLM": ("max_position_embeddings", 1024),
              "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096)}
 
@@ -150,6 +165,9 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "refuse it)")
 _SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
+ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
+                                         "x h / a, requires_grad false) is counted with the parameters, and its "
+                                         "gradient and optimizer states as if trained (derived: an overestimate)")
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
