@@ -35,7 +35,7 @@ def _defaults(model_type: str) -> dict:
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
                                         "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus",
-                                        "rembert", "roformer"])  # bert, electra: below
+                                        "rembert", "roformer", "whisper"])  # bert, electra, whisper: below
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -57,6 +57,15 @@ def test_electra_generator_defaults_by_hand():
     assert registry.memplan_params(_defaults("electra")) == 13_546_682 == meta_params(_defaults("electra"))
 
 
+def test_whisper_tiny_decoder_by_hand():
+    """WhisperConfig's defaults are whisper-tiny's decoder (v 51865, d 384, 448 positions, 4 layers, f 1536): the
+    embeddings 51865 x 384 + 448 x 384 = 20,088,192; a layer's self- and cross-attention 4 x 384^2 each with the
+    biases of q, v and out (3 x 384; k_proj has none): 2 x 590,976, its MLP 2 x 384 x 1536 + 1536 + 384 = 1,181,568
+    and three LayerNorms 6 x 384: 2,365,824, four of them 9,463,296; the final LayerNorm 768; proj_out tied:
+    29,552,256."""
+    assert registry.memplan_params(_defaults("whisper")) == 29_552_256 == meta_params(_defaults("whisper"))
+
+
 @pytest.mark.parametrize("model_type, switches", [
     ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
     ("bert", dict(type_vocab_size=4)),
@@ -72,6 +81,8 @@ def test_electra_generator_defaults_by_hand():
     ("rembert", dict(tie_word_embeddings=True, output_embedding_size=256)),  # e_out = e: still untied
     ("roformer", dict(embedding_size=None)),  # e = h: no embeddings_project
     ("roformer", dict(max_position_embeddings=64)),  # the frozen rotary table, 64 x h / a
+    ("whisper", dict(tie_word_embeddings=False)),  # proj_out v x d without bias
+    ("whisper", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -144,11 +155,11 @@ def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
 @pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra",
-                                                                                 "roformer"])
+                                                                                 "roformer", "whisper"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
     pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders,
-    ELECTRA's generator and RoFormer (rotary, embeddings 768 wide projected to h)."""
+    ELECTRA's generator, RoFormer (rotary, embeddings 768 wide projected to h) and Whisper's decoder (k_proj unbiased)."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

@@ -148,8 +148,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                              "decoder (is_decoder false)"),
     "roc_bert": ("estimate", "RoCBERT: pronunciation and shape embeddings beside the word embeddings: not read"),
     "rwkv": ("estimate", _RECURRENT),
-    "whisper": ("estimate", "Whisper's decoder: k_proj without a bias beside q / v / out_proj's in the self- and "
-                            "cross-attention: not read"),
     "xlm": ("estimate", "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option: "
                         "not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "

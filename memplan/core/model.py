@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
-from memplan.core.moe_checks import check_expert_loads
+from memplan.core.spec_checks import check_expert_loads, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -164,6 +164,9 @@ class ModelSpec(Spec):
     out_bias: bool = Field(
         default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    key_bias: bool = Field(
+        default=True, description="with bias, attention_bias or qkv_bias: whether K's projection has its bias too "
+        "(False: Whisper's k_proj, in the self- and the cross-attention)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
     attention_output_gate: Optional[Literal["head", "full"]] = Field(
@@ -434,28 +437,12 @@ class ModelSpec(Spec):
                              "e_out = e")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
-        return self._latent()._experts()._hybrid()
+        check_latent(self)
+        return self._experts()._hybrid()
 
     def _hybrid(self) -> "ModelSpec":
         """The layer pattern's checks (core/hybrid.py check_hybrid)."""
         check_hybrid(self)
-        return self
-
-    def _latent(self) -> "ModelSpec":
-        """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
-        optional), without biases."""
-        fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        if not self.is_mla:
-            given = [name for name in ("q_lora_rank",) + fields if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
-            return self
-        missing = [name for name in fields if getattr(self, name) is None]
-        if missing:
-            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (multi-head latent attention) needs {missing[0]}")
-        if self.bias:
-            raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
-                             "bias: false")
         return self
 
     def _experts(self) -> "ModelSpec":

@@ -6,7 +6,7 @@ replay)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional
 
 from memplan.core.errors import MemplanError
@@ -143,6 +143,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.mlp_bias and not model.bias:  # GPT-J: fc_in's and fc_out's biases
         dense_mlp += [WeightShape(prefix + "MLP biases", "MLP input bias", f_in, None, 1, "rows"),
                       WeightShape(prefix + "MLP biases", "MLP output bias", P("h"), None)]
+    attention = attention if model.key_bias else _without_key_bias(attention)
     layer = attention + dense_mlp + ([] if layout == "fused" else norm + second)
     dense_layer: list[WeightShape] = []
     if model.is_moe:
@@ -180,6 +181,21 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     head = (WeightShape(output_layer_group(model).name, "output layer", P("v"), e_out, 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}
+
+
+def _without_key_bias(attention: list[WeightShape]) -> list[WeightShape]:
+    """The attention's tensors less K's bias (Whisper's k_proj): K's rows of a fused QKV bias, one of the separate
+    K / V biases, one of the cross-attention's three."""
+    out: list[WeightShape] = []
+    for w in attention:
+        if w.name == "QKV bias":
+            w = replace(w, rows=Poly.parse_sum("q + q g /a"))
+        elif w.name == "cross-attention K / V / Q bias" or w.name == "K / V bias" and w.count == 2:
+            w = replace(w, count=w.count - 1)
+        elif w.name == "K / V bias" and any(o.name == "K / V bias" for o in out):
+            continue  # linear()'s two K / V tensors, each with its bias: V's kept
+        out.append(w)
+    return out
 
 
 def _mla_shapes(model: ModelSpec) -> list[WeightShape]:

@@ -66,6 +66,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     gated = model.mlp == "swiglu"
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
+    kv_bias = "2 q g /a" if model.key_bias else "q g /a"  # Whisper: k_proj without bias
     groups = [
         ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
                    True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
@@ -119,22 +120,22 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                                      mlp))
     if model.encoder_kind == "seq2seq":  # the decoder's cross-attention (encoder_attn): counted, not run alone
         groups.append(ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer"))
-        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse("3 q"), True, "layer"),
+        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse(f"{2 + model.key_bias} q"), True, "layer"),
                    ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer")] if model.bias else []
     if model.norm_params:
         groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
-        groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
+        groups += [ParamGroup("QKV biases", Poly.parse_sum(f"q + {kv_bias}"), True, "layer"),
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
     elif model.qkv_bias and not model.bias:
-        groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
+        groups.append(ParamGroup("QKV biases", Poly.parse_sum(f"q + {kv_bias}"), True, "layer"))
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         groups.append(ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
             ParamGroup("column-parallel biases (QKV, MLP input)",
-                       Poly.parse_sum(f"q + 2 q g /a + {mlp_bias}"), True, "layer"),
+                       Poly.parse_sum(f"q + {kv_bias} + {mlp_bias}"), True, "layer"),
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)

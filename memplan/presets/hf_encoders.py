@@ -1,12 +1,12 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
 and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
-with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
-(seq2seq: their cross-attention counted, not run).  ``ENCODERS`` gives each
-family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
-position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
-(memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and its
-traced saved bytes against a real CPU run.
+with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and
+the decoders of the encoder-decoder models MVP, TrOCR, BigBird-Pegasus and Whisper run alone (seq2seq: their
+cross-attention counted, not run). ``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as
+hf_own_keys.OWN_KEYS does), ``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of
+one says; each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count of the
+model on the meta device, and its traced saved bytes against a real CPU run.
 
 Every BERT-like here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
 bias, every linear biased, a plain MLP intermediate_size wide (hidden_act: GeLU), an output head with a bias v wide
@@ -131,6 +131,18 @@ def _roformer(data: dict, path: Path) -> dict[str, Any]:
             "embedding_widths": (e, e) if e != h else None}
 
 
+def _whisper_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """Whisper's decoder run alone (WhisperForCausalLM): pre-LN layers (three LayerNorms) of self-attention and
+    cross-attention, q_proj, v_proj and out_proj biased but not k_proj (key_bias false), and a GeLU MLP
+    decoder_ffn_dim wide with biases; max_target_positions learned positions; a final LayerNorm; proj_out without
+    bias, tied unless tie_word_embeddings is false (WhisperConfig's defaults for missing keys)."""
+    return dict(num_layers=nat(data, "decoder_layers", 4, path), hidden_size=nat(data, "d_model", 384, path),
+                num_attention_heads=nat(data, "decoder_attention_heads", 6, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 1536, path), norm="layernorm", mlp="gelu", bias=True,
+                key_bias=False, position_embedding="learned", norms_per_layer=3, encoder_kind="seq2seq",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
@@ -145,13 +157,15 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     # drops (memplan/check/registry.py _ONES_MASK): not read
     **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
     "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
+    "WhisperForCausalLM": _whisper_decoder,
 }
 
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
              "RoFormerForCausalLM": ("max_position_embeddings", 1536),
              "MvpForCausalLM": ("max_position_embeddings", 1024),
-             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096)}
+             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096),
+             "WhisperForCausalLM": ("max_target_positions", 448)}
 
 # what an estimate of each says beside its figures
 _BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decoder): its parameters are counted "
@@ -163,7 +177,7 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM")
+_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
 ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
                                          "x h / a, requires_grad false) is counted with the parameters, and its "
