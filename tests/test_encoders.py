@@ -20,6 +20,7 @@ from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.launch.megatron import launch_refusal  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from memplan.presets.hf_encoders import NOT_READ  # noqa: E402
 from validation import hf as _hf  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
 
@@ -120,6 +121,16 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     path.write_text(json.dumps({**tiny_config("roformer"), "max_position_embeddings": 64}))
     code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "65", "--impl", "hf-eager")
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("roc_bert", "pronunciation"),
+                                              ("xlm", "language embeddings"), ("prophetnet", "n-gram"),
+                                              ("big_bird", "block-sparse")])
+def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
+    with pytest.raises(MemplanError, match=says) as err:
+        registry.memplan_params(tiny_config(model_type))
+    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+    assert registry.EXCLUDED[model_type] == ("estimate", NOT_READ[architectures()[model_type]] + ": not read")
 
 
 @pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])

@@ -160,6 +160,18 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "WhisperForCausalLM": _whisper_decoder,
 }
 
+# the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
+# memplan/check/registry.py EXCLUDED lists them)
+NOT_READ = {
+    "XmodForCausalLM": "X-MOD: per-language adapters (adapter_modules) in every layer",
+    "RoCBertForCausalLM": "RoCBERT: pronunciation and shape embeddings beside the word embeddings",
+    "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
+    "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
+                             "position buckets)",
+    "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
+                          "and a pooler (h x h + h) beside the LM head",
+}
+
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
              "RoFormerForCausalLM": ("max_position_embeddings", 1536),
