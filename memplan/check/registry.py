@@ -39,8 +39,8 @@ _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sL
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 _MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
            "counted")
-_DELTA = ("gated DeltaNet linear-attention layers (flash-linear-attention's chunked delta rule) beside full attention: "
-          "not modelled")
+_DELTA_TRACE = ("the chunked gated delta rule's loop over the chunks of s (torch_chunk_gated_delta_rule) specialises s: "
+                "the symbolic trace is refused")
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -49,7 +49,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
-    "bailing_hybrid": ("estimate", _DELTA),
+    "bailing_hybrid": ("estimate", "Kimi Delta Attention (a gated delta rule with a per-channel forget gate, "
+                                   "f_proj) beside latent attention with a per-head gate: not read"),
     "bart": ("estimate", _ENCODER),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
@@ -129,18 +130,18 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "mvp": ("estimate", _ENCODER),
-    "olmo_hybrid": ("estimate", _DELTA),
+    "olmo_hybrid": ("trace", _DELTA_TRACE),
     "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
                             "specialises s"),
     "pegasus": ("estimate", _ENCODER),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),
     "prophetnet": ("estimate", _ENCODER),
-    "qwen3_5": ("estimate", _DELTA),
-    "qwen3_5_moe": ("estimate", _DELTA),
-    "qwen3_5_moe_text": ("estimate", _DELTA),
-    "qwen3_5_text": ("estimate", _DELTA),
-    "qwen3_next": ("estimate", _DELTA),
+    "qwen3_5": ("trace", _DELTA_TRACE),
+    "qwen3_5_moe": ("trace", _DELTA_TRACE),
+    "qwen3_5_moe_text": ("trace", _DELTA_TRACE),
+    "qwen3_5_text": ("trace", _DELTA_TRACE),
+    "qwen3_next": ("trace", _DELTA_TRACE),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "

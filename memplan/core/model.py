@@ -173,11 +173,12 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-Cac]+$", description="one character per layer (None: every layer attention + "
+        default=None, pattern=r"^[ASPM*E\-CacDd]+$", description="one character per layer (None: every layer attention + "
         "MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
         "M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
-        "C LFM2's gated short convolution + MLP (two norms); the MLP of A / S / P / C is the model's experts when it has "
-        "them; a / c: A / C with an f-wide dense MLP in a mixture-of-experts model (LFM2-MoE's first layers)")
+        "C LFM2's gated short convolution + MLP (two norms); D a gated DeltaNet + MLP (two norms; ssm_heads value heads "
+        "ssm_head_dim wide, ssm_groups key heads ssm_state_size wide); the MLP of A / S / P / C / D is the model's "
+        "experts when it has them; a / c / d: A / C / D with an f-wide dense MLP in a mixture-of-experts model")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")

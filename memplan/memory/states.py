@@ -41,11 +41,11 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
-# (ModelSpec.layer_blocks).
+# convolution), "delta" (a gated DeltaNet), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as
+# the pattern holds it (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "norm")
+                "conv", "delta", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "delta", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 
@@ -195,7 +195,8 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                 ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                            "conv"),
                 ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
-    if model.ssm_heads is None:
+    out += delta_groups(model)
+    if not any(c in model.layer_pattern for c in "SPM"):
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
     proj = 2 * i + gn + H
@@ -210,6 +211,24 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     if model.ssm_out_bias:
         out.append(ParamGroup("SSM output projection bias", Poly.parse("h"), False, "ssm"))
     return out
+
+
+def delta_groups(model: ModelSpec) -> list[ParamGroup]:
+    """A gated DeltaNet's groups (layer_pattern D / d; transformers Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet,
+    OlmoHybridGatedDeltaNet), with H = ssm_heads value heads of d_v = ssm_head_dim (V = H d_v) and ssm_groups key heads
+    of ssm_state_size (K): the input projections h x (2 K + 2 V + 2 H) (q, k, v, the output gate z, beta and the decay
+    a: in_proj_qkvz + in_proj_ba, or one linear each), the depthwise conv1d over 2 K + V channels, dt_bias and A_log (H
+    each), the gated RMSNorm d_v wide (one weight for every head) and out_proj V x h; no biases."""
+    if not any(c in model.layer_pattern or "" for c in "Dd"):
+        return []
+    H, dv, k = model.ssm_heads, model.ssm_head_dim, model.ssm_groups * model.ssm_state_size
+    h, v = model.hidden_size, model.ssm_heads * model.ssm_head_dim
+    return [ParamGroup("DeltaNet input projections", _number(h * (2 * k + 2 * v + 2 * H)), True, "delta"),
+            ParamGroup("DeltaNet convolution", _number((2 * k + v) * (model.ssm_conv_kernel + model.ssm_conv_bias)),
+                       True, "delta"),
+            ParamGroup("DeltaNet heads' dt_bias, A_log", _number(2 * H), True, "delta"),
+            ParamGroup("DeltaNet gated norm", _number(dv), False, "delta"),
+            ParamGroup("DeltaNet output projection", _number(v * h), True, "delta")]
 
 
 def _number(n: int) -> Poly:
