@@ -104,6 +104,7 @@ from . import layer_order as order_  # noqa: E402
 from .trace_config import (IMPLS, KERNELS, build_model, config_sha256, decoder_layers_path, hf_config,  # noqa: E402
                            load_config, num_hidden_layers, scan_chunk)
 from .trace_cuda import SDPA_ORDER  # noqa: E402
+from .trace_fit import delta_chunk, fitted_run  # noqa: E402
 from .trace_inventory import inventory_from_saves, moments_sections  # noqa: E402
 from .trace_poly import TraceRefused, poly_text  # noqa: E402
 from .trace_run import symbolic_run  # noqa: E402
@@ -142,6 +143,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}")
     cfg = load_config(config)
+    fit_chunk = delta_chunk(cfg)  # a gated DeltaNet's loop over the chunks of s: saves fitted (trace_fit.py)
+    moments = moments and fit_chunk == 1
     # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
     # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
     key = config_sha256(cfg)
@@ -158,9 +161,12 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         if progress is not None and not holder.get("told"):
             holder["told"] = True
             kinds = f" ({len(holder['kinds'])} kind{'s' * (len(holder['kinds']) > 1)})" if compose else ""
-            progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) with symbolic s and b: "
+            how = ("at 7 concrete s and b, fitted (a Python loop over the chunks of s)" if fit_chunk > 1 else
+                   "with symbolic s and b")
+            progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) {how}: "
                      f"{len(holder['index'])} of {n} decoder layers{kinds}, the embedding, head and loss; "
-                     f"forward and backward{', then with gradient checkpointing' if moments else ''}")
+                     f"{'forward' if fit_chunk > 1 else 'forward and backward'}"
+                     f"{', then with gradient checkpointing' if moments else ''}")
         return model
 
     def make_inputs(s, b):
@@ -184,7 +190,15 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         sampled[:] = out.get("sampled", [])
         return out
 
-    runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
+    if fit_chunk > 1:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
+            built = build()
+        runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa)]
+    else:
+        runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]
     conditions = list(dict.fromkeys(c for r in runs for c in r["conditions"]))
     num_layers, path = holder["layers"], holder["path"]

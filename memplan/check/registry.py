@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import signal
 import sys
 import tempfile
@@ -39,8 +40,6 @@ _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sL
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 _MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
            "counted")
-_DELTA_TRACE = ("the chunked gated delta rule's loop over the chunks of s (torch_chunk_gated_delta_rule) specialises s: "
-                "the symbolic trace is refused")
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -130,18 +129,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "mvp": ("estimate", _ENCODER),
-    "olmo_hybrid": ("trace", _DELTA_TRACE),
     "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
                             "specialises s"),
     "pegasus": ("estimate", _ENCODER),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),
     "prophetnet": ("estimate", _ENCODER),
-    "qwen3_5": ("trace", _DELTA_TRACE),
-    "qwen3_5_moe": ("trace", _DELTA_TRACE),
-    "qwen3_5_moe_text": ("trace", _DELTA_TRACE),
-    "qwen3_5_text": ("trace", _DELTA_TRACE),
-    "qwen3_next": ("trace", _DELTA_TRACE),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
@@ -261,9 +254,20 @@ def trace_row(row: Row, config: dict, s: int = 32, b: int = 2, cpu_limit_s: floa
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
     row.traced = True
-    predicted = bucket_bytes(TracedFile.model_validate(data), s, b)
+    traced = TracedFile.model_validate(data)
+    s = measured_s(traced, s)
+    predicted = bucket_bytes(traced, s, b)
     row.measured = predicted == measured_buckets(walker.measure(config, s, b))
     return row
+
+
+def measured_s(traced: TracedFile, s: int) -> int:
+    """The s a trace is checked at: ``s``, or the least s its conditions allow when they need a multiple of a chunk
+    ("s % m == 0", "s >= n": a gated DeltaNet's fitted trace, 2 chunks of 64)."""
+    multiple = max([int(c.split("%")[1].split("==")[0]) for c in traced.conditions
+                    if re.fullmatch(r"s % \d+ == 0", c)] or [1])
+    least = max([int(c.split(">=")[1]) for c in traced.conditions if re.fullmatch(r"s >= \d+", c)] or [s])
+    return s if s % multiple == 0 and s >= least else max(least, multiple * -(-s // multiple))
 
 
 def walk(trace: str = "none", only: Optional[list[str]] = None, progress: Any = None,
@@ -316,7 +320,8 @@ def summary(rows: list[Row]) -> list[str]:
     measured = [r for r in rows if r.measured]
     out = [f"{len(rows)} causal-LM architectures; {sum(r.built is True for r in rows)} built from their config "
            f"defaults, shrunk; {len(estimated)} estimated by memplan, {len(exact)} with transformers' exact parameter count; "
-           f"{len(traced)} traced; {len(measured)} traces equal to a real CPU run's saved bytes (s = 32, b = 2)"]
+           f"{len(traced)} traced; {len(measured)} traces equal to a real CPU run's saved bytes (s = 32, b = 2; a fitted "
+           f"trace's at s = 128: measured_s)"]
     return out + [row_line(r) for r in rows]
 
 

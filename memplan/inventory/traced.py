@@ -319,7 +319,7 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
 
 
 # what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
-# Mamba-2 mixers (S, P, M) and LFM2's short convolutions (C)
+# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C) and gated DeltaNets (D, d)
 _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
                   "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
@@ -327,7 +327,13 @@ _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers'
                  ("C", "its short-convolution layers' activations are what transformers' torch path saves (the gated "
                   "depthwise conv1d, causal_conv1d_fn's torch fallback; traced); on CUDA, transformers runs LFM2's with "
                   "causal-conv1d's fused kernel when it is installed, which saves other tensors: not modelled (LFM3's "
-                  "stay on the torch path)"))
+                  "stay on the torch path)"),
+                 ("Dd", "its gated DeltaNet layers' activations are what transformers' torch path saves (causal_conv1d_fn's "
+                  "and torch_chunk_gated_delta_rule's torch fallbacks, s padded to chunks of 64; its Python loop over the "
+                  "chunks is traced at concrete s and b and fitted: validation/trace_fit.py, the fit's points in the "
+                  "trace's conditions); on CUDA, transformers runs flash-linear-attention's chunk_gated_delta_rule and "
+                  "causal-conv1d's kernels when they are installed, which save other tensors: not modelled; the "
+                  "step's transients are the Llama layout's, derived (the fitted trace has no backward moments)"))
 
 
 def hybrid_note(model: ModelSpec) -> str:
