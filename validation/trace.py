@@ -104,7 +104,7 @@ from . import layer_order as order_  # noqa: E402
 from .trace_config import (IMPLS, KERNELS, build_model, config_sha256, decoder_layers_path, hf_config,  # noqa: E402
                            load_config, num_hidden_layers, scan_chunk)
 from .trace_cuda import SDPA_ORDER  # noqa: E402
-from .trace_fit import delta_chunk, fitted_run  # noqa: E402
+from .trace_fit import fit_step, fitted_run  # noqa: E402
 from .trace_inventory import inventory_from_saves, moments_sections  # noqa: E402
 from .trace_poly import TraceRefused, poly_text  # noqa: E402
 from .trace_run import symbolic_run  # noqa: E402
@@ -143,7 +143,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}")
     cfg = load_config(config)
-    fit_chunk = delta_chunk(cfg)  # a gated DeltaNet's loop over the chunks of s: saves fitted (trace_fit.py)
+    # a gated DeltaNet's loop over the chunks of s, a buffer sliced to s: saves fitted (trace_fit.py)
+    fit_chunk, fit_multiple = fit_step(cfg)
     moments = moments and fit_chunk == 1
     # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
     # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
@@ -161,7 +162,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         if progress is not None and not holder.get("told"):
             holder["told"] = True
             kinds = f" ({len(holder['kinds'])} kind{'s' * (len(holder['kinds']) > 1)})" if compose else ""
-            how = ("at 7 concrete s and b, fitted (a Python loop over the chunks of s)" if fit_chunk > 1 else
+            how = ("at concrete s and b, fitted (s pinned by a Python loop or a slice)" if fit_chunk > 1 else
                    "with symbolic s and b")
             progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) {how}: "
                      f"{len(holder['index'])} of {n} decoder layers{kinds}, the embedding, head and loss; "
@@ -196,7 +197,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         with mode:
             built = build()
-        runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa)]
+        runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa,
+                           fit_multiple)]
     else:
         runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]

@@ -33,12 +33,19 @@ POINTS = tuple((c, b) for c in (2, 3, 4) for b in (2, 3))
 HELD_OUT = (5, 4)
 
 
-def delta_chunk(config: dict) -> int:
-    """The chunk the gated delta rule's torch path loops over (64, its default: no caller passes another) for the
-    configs with a gated DeltaNet (``linear_num_value_heads``, in the config or its text_config); 1 for others."""
+# the families whose code slices a buffer max_position_embeddings wide to s (GPT-Neo's and GPT-1's causal mask, MPT's
+# ALiBi bias from max(0, max_seq_len - s)): a symbolic s cannot index it; fitted at s in steps of 16, any s
+SLICED = ("gpt_neo", "openai-gpt", "mpt")
+
+
+def fit_step(config: dict) -> tuple[int, bool]:
+    """How a config's saves are fitted: (the step of s, whether s must be a multiple of it); (1, False): traced
+    symbolically. A gated DeltaNet (``linear_num_value_heads``, in the config or its text_config): the chunk its torch
+    path pads s to and loops over (64, its default: no caller passes another); SLICED: steps of 16, any s."""
     text = config.get("text_config")
-    has = "linear_num_value_heads" in config or isinstance(text, dict) and "linear_num_value_heads" in text
-    return 64 if has else 1
+    if "linear_num_value_heads" in config or isinstance(text, dict) and "linear_num_value_heads" in text:
+        return 64, True
+    return (16, False) if config.get("model_type") in SLICED else (1, False)
 
 
 def concrete_saves(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
@@ -95,22 +102,23 @@ def _evaluate(coefs: dict[tuple[int, int], Fraction], s: int, b: int) -> Fractio
 
 def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
                make_inputs: Callable[[int, int], tuple], chunk: int, python_dispatcher: bool = True,
-               kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER) -> dict:
+               kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER, multiple: bool = True) -> dict:
     """The saved storages of ``model`` fitted from concrete traces at POINTS (s in chunks of ``chunk``) and checked
-    at HELD_OUT: ``symbolic_run``'s result without the backward (``model``, ``storages`` with ``nbytes`` a sympy
-    polynomial in s and b, ``conditions``)."""
+    at HELD_OUT (and, when s need not be a multiple of ``chunk``, at 3 past it, b = 3 too): ``symbolic_run``'s result
+    without the backward (``model``, ``storages`` with ``nbytes`` a sympy polynomial in s and b, ``conditions``)."""
     runs, assumed = {}, []
-    for c, b in POINTS + (HELD_OUT,):
-        runs[(c * chunk, b)] = _grouped(concrete_saves(model, mode, forward, make_inputs, c * chunk, b,
-                                                       python_dispatcher, kernels, sdpa, assumed))
+    checks = [(HELD_OUT[0] * chunk, HELD_OUT[1])] + ([] if multiple else [(HELD_OUT[0] * chunk + 3, 3)])
+    for s, b in [(c * chunk, b) for c, b in POINTS] + checks:
+        runs[(s, b)] = _grouped(concrete_saves(model, mode, forward, make_inputs, s, b, python_dispatcher, kernels,
+                                               sdpa, assumed))
     keys = list(dict.fromkeys(k for run in runs.values() for k in run))
     s_sym, b_sym = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer=True, positive=True)
-    held = (HELD_OUT[0] * chunk, HELD_OUT[1])
     storages = []
     for key in keys:
         values = {p: run[key]["nbytes"] if key in run else 0 for p, run in runs.items()}
-        coefs = fit({p: v for p, v in values.items() if p != held})
-        if _evaluate(coefs, *held) != values[held]:
+        coefs = fit({p: v for p, v in values.items() if p not in checks})
+        held = next((p for p in checks if _evaluate(coefs, *p) != values[p]), None)
+        if held is not None:
             module, op, j, dtype, _ = key
             raise TraceRefused(f"the saved bytes of {module or '<model>'}: {op} ({dtype}, j = {j}) fitted at s = "
                                f"{', '.join(str(c * chunk) for c in (2, 3, 4))}, b = 2, 3 miss the held-out s = "
@@ -121,8 +129,9 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
                       for (i, j), c in coefs.items()), sympy.Integer(0))
         if nbytes != 0:
             storages.append(dict(template, nbytes=sympy.expand(nbytes)))
-    conditions = assumed + [f"s % {chunk} == 0", f"s >= {2 * chunk}", "b >= 2",
+    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [f"s >= {2 * chunk}", "b >= 2",
                   f"fitted: the saved tensors traced at s = {2 * chunk}, {3 * chunk}, {4 * chunk} and b = 2, 3 "
-                  f"(the chunked loop over s runs in Python), fitted as polynomials (s^2 b at most) and checked at "
-                  f"s = {held[0]}, b = {held[1]}"]
+                  f"({'the chunked loop over s runs in Python' if multiple else 'a buffer sliced to s'}), fitted as "
+                  f"polynomials (s^2 b at most) and checked at "
+                  f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
     return {"model": model, "storages": storages, "conditions": conditions}

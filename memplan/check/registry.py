@@ -92,8 +92,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "git": ("estimate", _MULTIMODAL),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),
-    "gpt_neo": ("trace", "GPTNeoSelfAttention slices its causal-mask buffer, max_position_embeddings wide: the trace "
-                         "specialises s to that width (TraceRefused)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
     "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
@@ -124,13 +122,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                        "with a decoder bias"),
     "moshi": ("estimate", _MULTIMODAL),
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
-    "mpt": ("trace", "MptAttention slices its ALiBi bias, max_seq_len wide, from max(0, max_seq_len - s): a symbolic "
-                     "s cannot be compared with max_seq_len"),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "mvp": ("estimate", _ENCODER),
-    "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
-                            "specialises s"),
     "pegasus": ("estimate", _ENCODER),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ENCODER),
