@@ -127,6 +127,10 @@ def test_the_fitted_trace_equals_a_real_cpu_run_where_it_was_not_fitted(qwen3_ne
                              "hf-sdpa", "--inventory", str(tmp_path / "trace.yaml"))
     assert code == 0, err
     assert "gated DeltaNet" in out and "chunk_gated_delta_rule" in out and "fitted" in out
+    assert "s = 256 is outside" not in out and "not a multiple" not in out
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "64", "--impl",
+                             "hf-sdpa", "--inventory", str(tmp_path / "trace.yaml"))
+    assert code == 0 and "s = 64 is outside the trace (s >= 128: the least s its saves were fitted from)" in out
 
 
 def _synthetic(nbytes):
