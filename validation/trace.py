@@ -49,6 +49,11 @@ The trace is refused (``TraceRefused``) when it is not valid for every s and b:
 * a size that is not a polynomial in s and b, or a forward that depends on tensor values
   (data-dependent control flow or sizes).
 
+Two kinds of code pin s whatever the tracer does, and are traced at concrete (s, b) instead, their saves fitted as
+polynomials and checked at a held-out (s, b) (validation/trace_fit.py ``fit_step``): the gated delta rule's Python loop
+over the chunks of s (Qwen3-Next, Qwen3.5, OLMo-hybrid: s a multiple of 64) and a buffer sliced to s (GPT-Neo, GPT-1,
+MPT); such a trace has no backward moments, and its conditions say it was fitted.
+
 Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
 the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges
 (s, b >= 2 always: torch specialises sizes 0 and 1, so a trace never covers b = 1, where a few
