@@ -1,6 +1,6 @@
 """In-process time of the caching allocator's verdict (issue 20 item 4): the 530B / 2240 GPU search with its listed
 plans replayed against the same search without the replays (target: at most 2x), the making of its listed plans'
-streams alone (`stream_for`), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
+streams alone (`run_stream`, as memplan/plan/estimate.py makes them), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
 under 1 s), as medians of N runs, optionally beside another checkout ("before").
 
     python benchmarks/bench_verdict.py [--runs 3] [--rounds 3] [--baseline DIR] [--cpu]
@@ -59,7 +59,7 @@ def search_530b_unreplayed():
 
 captured = []  # the listed plans' streams (as replay_ops takes them) and capacities, from one search
 made = []  # the arguments each of those streams was made with
-replay_run, stream_for = estimate_module.replay_run, estimate_module.stream_for
+replay_run, run_stream = estimate_module.replay_run, estimate_module.run_stream
 
 
 def capture(stream, capacity, settings, try_expandable=True, **kwargs):  # kwargs: ops, where the tree takes them
@@ -69,17 +69,17 @@ def capture(stream, capacity, settings, try_expandable=True, **kwargs):  # kwarg
 
 def capture_made(*args, **kwargs):
     made.append((args, kwargs))
-    return stream_for(*args, **kwargs)
+    return run_stream(*args, **kwargs)
 
 
-estimate_module.replay_run, estimate_module.stream_for = capture, capture_made
+estimate_module.replay_run, estimate_module.run_stream = capture, capture_made
 search_530b()
-estimate_module.replay_run, estimate_module.stream_for = replay_run, stream_for
+estimate_module.replay_run, estimate_module.run_stream = replay_run, run_stream
 
 
 def streams():
     for args, kwargs in made:
-        stream_for(*args, **kwargs)
+        run_stream(*args, **kwargs)
     return len(made)
 
 

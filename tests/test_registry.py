@@ -43,6 +43,10 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
 # Qwen3-Next)
 HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "qwen3_next",
            "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid"]
+# the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
+# (memplan/presets/hf_encoders.py; tests/test_encoders.py)
+ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
+            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def test_every_architecture_is_estimated_exactly_or_excluded_with_its_reason(row
     wrong = {r.model_type: (r.memplan_params, r.meta_params) for r in estimated if r.memplan_params != r.meta_params}
     assert not wrong
     assert len(estimated) >= 80
-    assert {r.model_type for r in estimated} >= set(NAMED) | set(WIDENED) | set(HYBRIDS)
+    assert {r.model_type for r in estimated} >= set(NAMED) | set(WIDENED) | set(HYBRIDS) | set(ENCODERS)
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -99,11 +103,13 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
 @pytest.mark.parametrize("layout", ["fused", "separate"])
 @pytest.mark.parametrize("model_type", ["olmo", "nanochat", "ernie4_5_moe", "persimmon", "qwen2_moe", "gptj", "bloom",
                                         "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
-                                        "bitnet"])
+                                        "bitnet", "bert", "bert-generation", "megatron-bert",
+                                        "trocr", "bigbird_pegasus"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
-    shared experts' gate, MLP-only and out_proj biases, the embedding norm."""
+    shared experts' gate, MLP-only and out_proj biases, the embedding norm, token-type embeddings and the head's
+    transform (BERT), the cross-attention of a decoder run alone (TrOCR)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config(model_type)))
     model = read_hf_config(str(path)).model

@@ -2,6 +2,8 @@
 step, the stream's live bytes equal the timeline's; its maximum over the whole run is estimate's allocated
 step peak; it is well formed; a 1-layer model's stream derived by hand; the history option."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -255,6 +257,14 @@ def test_interleaved_schedule_by_hand():
     assert most == 4
     layers = [e for e in stream.events if type(e) is Alloc and e.name.startswith("input of RMSNorm 1")]
     assert len(layers) == 2 * 4 * 2 * 2  # 2 steps x 4 micro-batches x 2 chunks x 2 layers per chunk
+    # the steady state's (forward, backward) pairs the schedule above has, one after another: their positions
+    pairs = [((2, 0), (0, 1)), ((3, 0), (1, 1)), ((2, 1), (0, 0)), ((3, 1), (1, 0))] * 2  # 2 steps
+    assert len(stream.periods) == len(pairs)
+    for k, ((start, end), pair) in enumerate(zip(stream.periods, pairs)):
+        labels = {(int(mb), int(c)) for e in stream.events[start:end] if type(e) is Alloc
+                  for mb, c in re.findall(r"micro-batch (\d+), chunk (\d+)\)$", e.name)}
+        assert labels == set(pair)
+        assert k % 4 == 3 or stream.periods[k + 1][0] == end
 
 
 def test_first_step_at_another_length():

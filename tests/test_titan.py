@@ -243,6 +243,24 @@ def test_qwen3_parameters_equal_torchtitan_model():
     assert total_params(spec) == real
 
 
+def test_rope_cache_per_layer_equals_torchtitan():
+    # each block builds its own RoPE module; its buffer holds max_seq_len positions (the Trainer sets training.seq_len):
+    # Llama 3's ComplexRoPE s x d/2 complex64, Qwen3's CosSinRoPE cos and sin in fp32 [s, 2d] (memplan's term is
+    # counted once per layer with the weights: memplan/memory/dp_stack.py; a whole step in tests/test_titan_step.py)
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE
+
+    from memplan.memory.dp_stack import rope_cache_bytes
+
+    s, d = 48, 32
+    for spec, rope in (("llama3-8b", ComplexRoPE.Config(dim=d, max_seq_len=s, theta=500000, scaling="llama")),
+                       ("qwen3-8b", CosSinRoPE.Config(dim=d, max_seq_len=s, theta=1e6))):
+        model = load_model(spec).model.model_copy(update=dict(seq_length=s, hidden_size=4 * d, num_attention_heads=4,
+                                                              num_kv_heads=2, head_dim=d))
+        cache = rope.build().cache
+        by_hand = {"llama3-8b": 4, "qwen3-8b": 8}[spec] * s * d
+        assert rope_cache_bytes(model) == cache.untyped_storage().nbytes() == by_hand
+
+
 def test_qwen3_8b_inventory_has_the_qk_norm_terms():
     # --impl torchtitan on the qwen3-8b preset (a = 32, g = 8, d = 128): CPU, the norms' fp32 input x (a d = 4,096
     # elements per token for q, g d = 1,024 for k); CUDA's fused kernel keeps the bf16 input (same elements) and the

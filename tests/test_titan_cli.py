@@ -43,9 +43,10 @@ def test_fsdp2_states_by_hand():
     tail = V * H + H  # LM head, final norm
     total = V * H + 32 * layer + tail  # + the embedding
     # fp32 sharded parameters (the optimizer's) + AdamW's two moments: 12 B / 8; fp32 gradients 4 B / 8; no bf16
-    # sharded copy; unsharded bf16: the running layer, the prefetched one, the head (not resharded after forward)
+    # sharded copy; unsharded bf16: the running layer, the prefetched one, the head (not resharded after forward);
+    # each layer's RoPE cache (s x d/2 complex64: 4 s d B; measured in tests/test_titan_step.py)
     assert st.optimizer == -(-12 * total // 8) and st.gradients == -(-4 * total // 8)
-    assert st.weights == 2 * (2 * layer + tail)
+    assert st.weights == 2 * (2 * layer + tail) + 32 * 4 * S * D
 
 
 def test_a_removed_term_fails(monkeypatch):
@@ -99,7 +100,8 @@ def test_hsdp_states_by_hand():
     total = V * H + 32 * layer + V * H + H
     st = _estimate("full", dp_replicate=2).peak.states
     assert st.optimizer == -(-12 * total // 4) and st.gradients == -(-4 * total // 4)
-    assert st.weights == 2 * (2 * layer + V * H + H)  # all-gathered within a shard group: the whole layers
+    # all-gathered within a shard group: the whole layers; the RoPE caches as without HSDP
+    assert st.weights == 2 * (2 * layer + V * H + H) + 32 * 4 * S * D
     assert _estimate("full", dp_replicate=1).peak.states == _estimate("full").peak.states
 
 
@@ -142,6 +144,6 @@ def test_tp_states_and_loss_by_hand():
     est = _estimate("full", tp=2, global_batch=4)
     st = est.peak.states
     assert st.optimizer == -(-12 * total // 4) and st.gradients == -(-4 * total // 4)
-    assert st.weights == 2 * (2 * layer + tail)
+    assert st.weights == 2 * (2 * layer + tail) + 32 * 4 * S * D  # the RoPE caches whole on every TP rank
     # loss parallel: the saved fp32 log-probabilities are the rank's vocab shard, 4 v / t bytes per token
     assert est.stages[-1].term_bytes["logits_fp32"] == 4 * V // 2 * S * B

@@ -128,8 +128,10 @@ def test_without_q_latent_the_saved_matmuls_shift(moe):
     assert measured == _memplan("selective-op", moe, q_lora=False)
 
 
-# (the EP-only terms are titan_moe.py's, checked by tests/test_titan_moe.py)
-ALL_IDS = sorted({t.id for t in dsv3_layer_terms(_model(), "cpu") if t.id != "input" and not t.needs_ep})
+# (the EP-only terms are titan_moe.py's, checked by tests/test_titan_moe.py; the TP- and CP-only ones by
+# tests/test_titan_dsv3_tp.py)
+ALL_IDS = sorted({t.id for t in dsv3_layer_terms(_model(), "cpu")
+                  if t.id != "input" and not (t.needs_ep or t.needs_tp or t.needs_cp)})
 
 
 @pytest.mark.parametrize("term", ALL_IDS)
@@ -218,7 +220,7 @@ def test_estimate_answers_term_by_term(capsys):
         assert row in out, row
 
 
-@pytest.mark.parametrize("kw", [dict(tp=2), dict(cp=2), dict(pp=2), dict(compile=True), dict(ep=3)])
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(compile=True), dict(ep=3), dict(tp=3)])  # tp, cp: test_titan_dsv3_tp.py
 def test_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**kw)

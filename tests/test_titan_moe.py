@@ -187,7 +187,8 @@ def test_ep_states_by_hand():
     for ep in (1, 8):
         st = _estimate(ep=ep).peak.states
         assert st.optimizer == -(-12 * total // 8) and st.gradients == -(-4 * total // 8)
-        assert st.weights == 2 * (2 * (dense + experts // ep) + V * H + H)
+        # + each layer's RoPE cache (CosSinRoPE: fp32 cos, sin [s, 2d] = 8 s d B; tests/test_titan.py)
+        assert st.weights == 2 * (2 * (dense + experts // ep) + V * H + H) + L * 8 * 1024 * D
 
 
 def test_ep_layer_adds_the_permutation_index():
@@ -295,7 +296,8 @@ def test_ep_states_equal_the_recorded_run(ep, tmp_path):
     assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
     # in flight: the running layer (measured) and the next one prefetched (derived: a GPU all-gathers ahead; on CPU
     # torchtitan's explicit EP prefetch is copied out only when the block runs), and the head (measured, dense)
-    assert st.weights == 2 * got["running"] + 2 * TAIL
+    # + each layer's RoPE cache (CosSinRoPE: fp32 cos, sin [s, 2d] = 8 s d B; tests/test_titan.py)
+    assert st.weights == 2 * got["running"] + 2 * TAIL + 2 * 8 * 16 * 16
 
 
 @pytest.mark.slow

@@ -129,7 +129,8 @@ def test_hsdp_with_ep_states_by_hand_and_in_torchtitan(tmp_path, monkeypatch, wo
     st = result.estimate.peak.states
     assert st.optimizer == -(-12 * total // 8) and st.gradients == -(-4 * total // 8)
     # in flight: the running and the prefetched layer (bf16) with the GPU's 32 experts, and the head
-    assert st.weights == 2 * (2 * (DENSE + EXPERTS // 4) + EMBED + H)
+    # + each layer's RoPE cache (CosSinRoPE: fp32 cos, sin [s, 2d] = 8 s d B; tests/test_titan.py)
+    assert st.weights == 2 * (2 * (DENSE + EXPERTS // 4) + EMBED + H) + L * 8 * 1024 * 128
     config = _load(tmp_path, monkeypatch, result.launch)
     par = config.parallelism
     assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.expert_parallel_degree) == (2, 8, 4)
@@ -165,7 +166,8 @@ def test_pp_with_ep_states_and_activations_by_hand():
     # with PP FSDP2 keeps the stage unsharded in bf16 all step (2 B / parameter) and its gradients accumulated
     # unsharded in fp32 (4 B), the rank's experts only (memplan/memory/dp_stack.py, derived); the sharded fp32
     # gradients and AdamW's master + moments: the dense ones over 8, the experts' over efsdp = 1
-    assert s0.states.weights == 2 * (dense0 + experts0)
+    # + each layer's RoPE cache (CosSinRoPE: fp32 cos, sin [s, 2d] = 8 s d B; tests/test_titan.py)
+    assert s0.states.weights == 2 * (dense0 + experts0) + 24 * 8 * 1024 * 128
     assert s0.states.gradients == 4 * dense0 // 8 + 4 * experts0 + 4 * (dense0 + experts0)
     assert s0.states.optimizer == 12 * dense0 // 8 + 12 * experts0
     # 1F1B: stage 0 holds min(M, p) = 2 micro-batches (M = 16 / 8) of its 24 MoE layers' kept tensors (a layer's
@@ -286,7 +288,8 @@ def test_hsdp_ep_states_equal_the_recorded_run(tmp_path):
                   ac="full").estimate.peak.states
     assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
     # in flight: the running layer (measured), the prefetched one (derived) and the head (256 x 64 + 64)
-    assert st.weights == 2 * got["running"] + 2 * (256 * 64 + 64)
+    # + each layer's RoPE cache (CosSinRoPE: fp32 cos, sin [s, 2d] = 8 s d B; tests/test_titan.py)
+    assert st.weights == 2 * got["running"] + 2 * (256 * 64 + 64) + 2 * 8 * 16 * 16
 
 
 @pytest.mark.slow

@@ -50,7 +50,8 @@ def test_estimate_pp_states_and_activations():
     assert [int(st.layers) for st in one_f_one_b.estimate.stages] == [16, 16]
     # d = 8: the bf16 stage unsharded all step (2 B / parameter); gradients fp32 sharded (4 / 8) + accumulated
     # unsharded in fp32 (4): 4.5 B / parameter; AdamW fp32 master + 2 moments sharded: 12 / 8 B / parameter
-    assert s0.states.weights == 2 * STAGE0
+    # each of its 16 layers' RoPE cache (s x d/2 complex64 = 4 s d B; measured in tests/test_titan_step.py)
+    assert s0.states.weights == 2 * STAGE0 + 16 * 4 * 1024 * 128
     assert s0.states.gradients == 4 * STAGE0 // 8 + 4 * STAGE0
     assert s0.states.optimizer == 12 * STAGE0 // 8
     # stage 0 keeps p - 0 = 2 micro-batches' 16 layers under 1F1B, all M = 64 / 8 = 8 under GPipe; the layer's

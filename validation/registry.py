@@ -44,6 +44,9 @@ _SMALL = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
     "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+    # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
+    "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
+    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
 }
 
 # a Mamba-2 mixer's shrunk sizes (the configs with a time_step_limit: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids,
@@ -105,6 +108,10 @@ def _shrink(data: dict) -> dict:
         out["head_dim"] = out["qk_rope_head_dim"]
     if "qk_head_dim" in data and "qk_nope_head_dim" in data:  # the derived width the defaults wrote out
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if data.get("attention_hidden_size") == 2 * data.get("hidden_size", 0):  # Zamba's shared block: [x, embedding]
+        out["attention_hidden_size"] = 2 * out["hidden_size"]
+        if data.get("attention_head_dim") == data["attention_hidden_size"] // data.get("num_attention_heads", 0):
+            out["attention_head_dim"] = out["attention_hidden_size"] // out["num_attention_heads"]
     if "word_embed_proj_dim" in data and data["word_embed_proj_dim"] == data.get("hidden_size"):  # OPT: no projection
         out["word_embed_proj_dim"] = out["hidden_size"]
     if "kv_lora_rank" in data and "num_key_value_heads" in data:  # latent attention: one K / V per query head

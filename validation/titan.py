@@ -244,17 +244,18 @@ def trace_kept(make_block, h: int, s_hint: int = 256, b_hint: int = 3) -> dict:
 
 
 def build_model(shape: Shape, layers: int, vocab: int, ac: str = "none", tp_sharding: bool = False,
-                float8: str | None = None) -> torch.nn.Module:
+                float8: str | None = None, max_seq_len: int = 512) -> torch.nn.Module:
     """A torchtitan Llama3Model (fp32, as torchtitan builds it before FSDP's mixed precision) with ``layers``
     blocks, the sdpa inner attention in place of compiled FlexAttention (module docstring); ``tp_sharding``: the
     sharding configs torchtitan's ``Llama3Model.Config.update_from_config`` sets (``set_llama3_sharding_config``,
-    sequence parallelism on), which ``parallelize_llama`` applies when TP is on."""
+    sequence parallelism on), which ``parallelize_llama`` applies when TP is on; ``max_seq_len``: each block's RoPE
+    cache length (``update_from_config`` sets it to the Trainer's ``training.seq_len``)."""
     _, _, ComplexRoPE, SDPA, build_layers = _titan()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model
 
     blocks = build_layers(n_layers=layers, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
-                          rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=512, theta=500000,
+                          rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
                                                   scaling="llama"), attn_backend="flex")
     for cfg in blocks:
         cfg.attention.inner_attention = SDPA.Config()
@@ -394,7 +395,8 @@ class _LiveLocal(_Live):
 
 
 def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none", tp: int = 0,
-             backend: str = "partial_dtensor", compile_backend: str = "", float8: str | None = None) -> tuple:
+             backend: str = "partial_dtensor", compile_backend: str = "", float8: str | None = None,
+             max_seq_len: int = 512) -> tuple:
     """torchtitan's own ``parallelize_llama`` on this rank (``tp_rank``'s set-up): the model and its ParallelDims;
     ``compile_backend`` a registered torch.compile backend's name: its ``apply_compile`` on each block (after TP and
     AC, before FSDP, as torchtitan's CompileConfig(enable=True, components=["model"]) does)."""
@@ -410,7 +412,7 @@ def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none"
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
-    model = build_model(shape, layers, vocab, tp_sharding=True, float8=float8)
+    model = build_model(shape, layers, vocab, tp_sharding=True, float8=float8, max_seq_len=max_seq_len)
     compile_config = (CompileConfig(enable=True, components=["model"], backend=compile_backend) if compile_backend
                       else CompileConfig())
     parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,

@@ -26,16 +26,17 @@ from .titan import Shape, build_block, kept_storages
 
 
 @contextlib.contextmanager
-def _flex_as_cpu_sdpa():
-    """FlexAttention's kernel replaced by the CPU sdpa kernel on the same q, k, v (module docstring)."""
+def _flex_as_cpu_sdpa(kernel=None):
+    """FlexAttention's kernel replaced by the CPU sdpa kernel on the same q, k, v (module docstring), or by
+    ``kernel`` (its signature and (out, aux) result: validation/titan_dsv3_tp.py's stand-in)."""
     from torchtitan.models.common.attention import FlexAttention
 
-    def kernel(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
+    def sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
                kernel_options=None):
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa), None
 
     old = FlexAttention.__dict__["_compiled_flex_attn"]
-    FlexAttention._compiled_flex_attn = staticmethod(kernel)
+    FlexAttention._compiled_flex_attn = staticmethod(kernel or sdpa)
     try:
         yield
     finally:
@@ -58,20 +59,21 @@ def _fake_group(world: int):
 
 
 def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "none", seed: int = 0,
-                     make_block=None) -> dict:
+                     make_block=None, kernel=None) -> dict:
     """torchtitan's Llama 3 block (bf16, FlexAttention, wrapped for AC mode ``ac`` as validation/titan.py's
     build_block wraps it) on one rank of a cp group of ``cp`` holding ``s_local`` tokens of each of ``b`` sequences
     (the whole sequence cp s_local); cp = 1: the block alone.  ``rows``: (op, dtype, bytes) of the storages the
     layer keeps after its forward (its input and output apart), ``total`` their bytes, ``input_kept`` whether it
     keeps its input; the backward is run once (the block works).  ``make_block``: another torchtitan block with
-    FlexAttention, built and AC-wrapped by it (validation/titan_moe.py ``measure_moe_cp``: Qwen3 MoE's)."""
+    FlexAttention, built and AC-wrapped by it (validation/titan_moe.py ``measure_moe_cp``: Qwen3 MoE's); ``kernel``:
+    another stand-in for FlexAttention's (``_flex_as_cpu_sdpa``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.models.common.attention import FlexAttention
 
     torch.manual_seed(seed)
-    with _fake_group(cp), _flex_as_cpu_sdpa():
+    with _fake_group(cp), _flex_as_cpu_sdpa(kernel):
         block = make_block() if make_block else build_block(shape, ac, flex=True)
         if cp > 1:  # as parallelize_llama does, on the cp mesh (it patches the module's forward: order-free)
             inner = [m for m in block.modules() if isinstance(m, FlexAttention)]

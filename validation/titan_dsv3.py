@@ -54,8 +54,9 @@ def flex_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     """Causal attention (B, N, L, H) with FlexAttention's outputs: out (q's dtype) and the fp32 log-sum-exp; one op,
     as torch's flex_attention is to the dispatch modes (SelectiveAC's save list, the kept-storage census)."""
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    s = q.shape[-2]
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    sq, sk = q.shape[-2], k.shape[-2]  # sk > sq: a cp rank's queries against the whole sequence (sizes only)
+    scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1 + sk - sq),
+                                float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
 
@@ -122,13 +123,22 @@ def dsv3_layer_configs(shape: DsvShape, n_layers: int = 2, n_dense: int = 1, q_l
 
 
 def _stand_in_config():
+    """``SavedAsFlex`` as a torchtitan Module (its Config builds it and carries the sharding config torchtitan's
+    ``set_gqa_inner_attention_local_map`` installs: under TP the stand-in runs inside the same local_map, on the
+    rank's heads, as FlexAttention does)."""
     from torchtitan.protocols.module import Module
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        def build(self, **_):
-            return SavedAsFlex()
-    return Config
+    class FlexStandIn(Module, SavedAsFlex):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            pass
+
+        def __init__(self, config=None):
+            super().__init__()
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **_):
+            return SavedAsFlex.forward(self, q_BLNH, k_BLNH, v_BLNH, scale=scale)
+    return FlexStandIn.Config
 
 
 class _StandIn:

@@ -106,6 +106,7 @@ import torch  # noqa: E402
 
 from . import compose as compose_  # noqa: E402
 from . import layer_order as order_  # noqa: E402
+from . import trace_mamba1 as mamba1_  # noqa: E402
 from .trace_config import (IMPLS, KERNELS, build_model, config_sha256, decoder_layers_path, hf_config,  # noqa: E402
                            load_config, num_hidden_layers, scan_chunk)
 from .trace_cuda import SDPA_ORDER  # noqa: E402
@@ -148,6 +149,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}")
     cfg = load_config(config)
+    mamba1_.check(cfg, kernels)  # Mamba-1 mixers: CUDA's kernels stood in (validation/trace_mamba1.py)
     # a gated DeltaNet's loop over the chunks of s, a buffer sliced to s: saves fitted (trace_fit.py)
     fit_chunk, fit_multiple = fit_step(cfg)
     moments = moments and fit_chunk == 1
@@ -183,16 +185,18 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
 
     sampled: list[int] = []  # the checkpointed run samples the layers the plain run chose
     shapes: dict = {}
-    chunk = scan_chunk(cfg)  # a Mamba-2 mixer's scan: s a multiple of its chunk
+    # a Mamba-2 mixer's scan: s a multiple of its chunk; mamba-ssm's Mamba-1 scan keeps states per 2048 tokens
+    chunk = mamba1_.CHUNK if cfg.get("model_type") in mamba1_.MODEL_TYPES else scan_chunk(cfg)
     if chunk > 1:  # the hint: a multiple of the chunk, at least two chunks, their count not b's hint
         chunks = max(2, -(-s_hint // chunk))
         s_hint = chunk * (chunks + (chunks == b_hint))
 
     def run(checkpoint: bool) -> dict:
-        out = symbolic_run(build, forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
-                           step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled,
-                                 "order": layer_order} if moments else None,
-                           shapes=shapes, sdpa=sdpa, s_multiple=chunk)
+        with mamba1_.stand_ins(cfg, kernels):
+            out = symbolic_run(build, forward_loss, make_inputs, s_hint, b_hint, python_dispatcher, kernels,
+                               step={"layers": layers, "checkpoint": checkpoint, "sampled": sampled,
+                                     "order": layer_order} if moments else None,
+                               shapes=shapes, sdpa=sdpa, s_multiple=chunk)
         sampled[:] = out.get("sampled", [])
         return out
 

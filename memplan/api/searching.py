@@ -19,6 +19,7 @@ from memplan.memory.timeline import optimizer_impl
 from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
+from memplan.inventory.titan import titan_model
 from memplan.plan.titan import TitanPins
 from memplan.plan.titan_search import search_titan
 from memplan.plan.search import search as search_plans
@@ -122,6 +123,7 @@ class PreparedSearch:
         skipped: list[Skipped] = []
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
+            model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),
                                     max_tp=self.max_tp, top=self.top, margin=opts.frag_margin,

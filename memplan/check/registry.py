@@ -35,11 +35,17 @@ from memplan.presets.hf_config import read_hf_config
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-_ENCODER = "an encoder (BERT-like) or encoder-decoder model's decoder: memplan models decoder-only LMs"
+# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters,
+# and BigBird-Pegasus's, whose eager-only attention adds the mask and saves none)
+_ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
+              "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
+              "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
 _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
-_MAMBA1 = ("Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel; layer_pattern models Mamba-2's only): not "
-           "counted")
+# Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
+# (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
+_MAMBA1 = ("transformers' torch path of a Mamba-1 mixer loops over s, which a symbolic trace cannot follow: estimated "
+           "with mamba-ssm's CUDA kernels' saves stood in (--device cuda; derived, no CPU run to compare)")
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -50,23 +56,19 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "and an MLP inside the input norm"),
     "bailing_hybrid": ("estimate", "Kimi Delta Attention (a gated delta rule with a per-channel forget gate, "
                                    "f_proj) beside latent attention with a per-head gate: not read"),
-    "bart": ("estimate", _ENCODER),
+    "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
-    "bert": ("estimate", _ENCODER),
-    "bert-generation": ("estimate", _ENCODER),
-    "big_bird": ("estimate", _ENCODER),
-    "bigbird_pegasus": ("estimate", _ENCODER),
-    "blenderbot": ("estimate", _ENCODER),
-    "blenderbot-small": ("estimate", _ENCODER),
+    "big_bird": ("estimate", "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises "
+                             "s: not read"),
+    "blenderbot": ("estimate", _ONES_MASK),
+    "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
-    "camembert": ("estimate", _ENCODER),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
                                         "'full_attention'), so no reader is checked"),
     "cpmant": ("estimate", "CPM-Ant: segment embeddings, a relative position bias table and heads dim_head wide (not "
                            "h / a)"),
-    "data2vec-text": ("estimate", _ENCODER),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
     "deepseek_v32": ("estimate", "DeepSeek-V3.2's lightning indexer beside the latent attention (indexer.wq_b, wk, "
@@ -78,9 +80,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note": ("estimate", _MULTIMODAL),
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
-    "electra": ("estimate", _ENCODER),
-    "ernie": ("estimate", _ENCODER),
-    "falcon_mamba": ("estimate", _MAMBA1),
+    "electra": ("estimate", "ELECTRA: factorised embeddings (embedding_size wide, embeddings_project to h) and a "
+                            "generator head embedding_size wide: not read"),
+    "falcon_mamba": ("trace", _MAMBA1),
     "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
                           "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", _MULTIMODAL),
@@ -101,17 +103,15 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                   "an embedding norm"),
     "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
                                  "embedding norm"),
-    "jamba": ("estimate", "Jamba: Mamba-1 mixers (x_proj, dt_proj, a selective scan per channel) with attention and "
-                          "experts every few layers: not counted (layer_pattern models Mamba-2's only)"),
+    "jamba": ("trace", _MAMBA1),
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
     "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
-    "mamba": ("estimate", _MAMBA1),
-    "marian": ("estimate", _ENCODER),
-    "mbart": ("estimate", _ENCODER),
-    "megatron-bert": ("estimate", _ENCODER),
+    "mamba": ("trace", _MAMBA1),
+    "marian": ("estimate", "Marian: " + _ONES_MASK),
+    "mbart": ("estimate", _ONES_MASK),
     "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
                                   "layer)"),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
@@ -124,11 +124,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
-    "mvp": ("estimate", _ENCODER),
-    "pegasus": ("estimate", _ENCODER),
+    "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
-    "plbart": ("estimate", _ENCODER),
-    "prophetnet": ("estimate", _ENCODER),
+    "plbart": ("estimate", _ONES_MASK),
+    "prophetnet": ("estimate", "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
+                               "position buckets): not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
@@ -136,22 +136,21 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
-    "rembert": ("estimate", _ENCODER),
-    "roberta": ("estimate", _ENCODER),
-    "roberta-prelayernorm": ("estimate", _ENCODER),
-    "roc_bert": ("estimate", _ENCODER),
-    "roformer": ("estimate", _ENCODER),
+    "rembert": ("estimate", "RemBERT: factorised embeddings (input_embedding_size, embedding_hidden_mapping_in) and "
+                            "an untied head output_embedding_size wide: not read"),
+    "roc_bert": ("estimate", "RoCBERT: pronunciation and shape embeddings beside the word embeddings: not read"),
+    "roformer": ("estimate", "RoFormer: factorised embeddings (embedding_size, embeddings_project) and its rotary "
+                             "table kept as a frozen parameter (embed_positions): not read"),
     "rwkv": ("estimate", _RECURRENT),
-    "trocr": ("estimate", _ENCODER),
-    "whisper": ("estimate", _ENCODER),
-    "xlm": ("estimate", _ENCODER),
-    "xlm-roberta": ("estimate", _ENCODER),
-    "xlm-roberta-xl": ("estimate", _ENCODER),
+    "whisper": ("estimate", "Whisper's decoder: k_proj without a bias beside q / v / out_proj's in the self- and "
+                            "cross-attention: not read"),
+    "xlm": ("estimate", "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option: "
+                        "not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
-    "xmod": ("estimate", _ENCODER),
-    "zamba": ("estimate", "Zamba: Mamba-1 mixers with one shared attention block reused every few layers: not counted"),
+    "xmod": ("estimate", "X-MOD: per-language adapters (adapter_modules) in every layer: not read"),
+    "zamba": ("trace", _MAMBA1),
     "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
                            "every few layers: not counted"),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "

@@ -132,6 +132,17 @@ class ModelSpec(Spec):
     embedding_norm: bool = Field(
         default=False, description="a norm on the word embeddings' output on the first stage (BLOOM's "
         "word_embeddings_layernorm)")
+    encoder_kind: Optional[Literal["bert", "seq2seq"]] = Field(
+        default=None, description="a family that is not decoder-only, trained as a causal LM: bert, a BERT-like "
+        "encoder with is_decoder (BertLMHeadModel, RobertaForCausalLM); seq2seq, an encoder-decoder model's decoder "
+        "alone (PLBartForCausalLM, ...: its encoder left out, each layer's cross-attention q / k / v / out h x q with "
+        "their biases and its norm counted, not run). Only --impl hf-* (a trace of transformers' code) estimates one")
+    token_type_rows: int = Field(
+        default=0, ge=0, description="rows of a token-type (segment) embedding table added to the word embeddings "
+        "(BERT type_vocab_size)")
+    head_transform: bool = Field(
+        default=False, description="a transform before the output head: a dense h x h with bias, an activation and "
+        "a norm (BERT cls.predictions.transform, RoBERTa lm_head.dense / layer_norm)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -173,12 +184,13 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-CacDd]+$", description="one character per layer (None: every layer attention + "
-        "MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms each), "
-        "M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
-        "C LFM2's gated short convolution + MLP (two norms); D a gated DeltaNet + MLP (two norms; ssm_heads value heads "
-        "ssm_head_dim wide, ssm_groups key heads ssm_state_size wide); the MLP of A / S / P / C / D is the model's "
-        "experts when it has them; a / c / d: A / C / D with an f-wide dense MLP in a mixture-of-experts model")
+        default=None, pattern=r"^[ASPM*E\-Cac1JjZDd]+$", description="one character per layer (None: every layer "
+        "attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms "
+        "each), M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
+        "C LFM2's gated short convolution + MLP, D a gated DeltaNet + MLP (two norms each); the MLP of A / S / P / C / D "
+        "is the model's experts when it has them; a / c / d: A / C / D with an f-wide dense MLP in a mixture-of-experts "
+        "model; 1 / J / j: a Mamba-1 mixer alone (one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer "
+        "after a use of the shared attention + MLP block (core/hybrid.py)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")
@@ -188,7 +200,10 @@ class ModelSpec(Spec):
     ssm_proj_bias: bool = Field(default=False, description="in_proj's bias (mamba_proj_bias)")
     ssm_out_bias: bool = Field(default=False, description="out_proj's bias (Falcon-H1 projectors_bias; else "
                                "mamba_proj_bias)")
-    ssm_norm: bool = Field(default=True, description="the gated RMSNorm before out_proj (Falcon-H1 mamba_rms_norm)")
+    ssm_norm: bool = Field(default=True, description="the gated RMSNorm before out_proj (Falcon-H1 mamba_rms_norm); "
+                           "Mamba-1: Jamba's dt / B / C RMSNorms")
+    ssm_dt_rank: Optional[int] = Field(default=None, gt=0, description="R, a Mamba-1 mixer's dt rank (time_step_rank, "
+                                       "mamba_dt_rank): x_proj I -> R + 2 N, dt_proj R -> I")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.
@@ -267,6 +282,10 @@ class ModelSpec(Spec):
     qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="d_r, a head's rotated query / key "
                                             "width, its key part shared by the heads (qk_rope_head_dim)")
     v_head_dim: Optional[int] = Field(default=None, gt=0, description="d_v, a head's value width (v_head_dim)")
+    mla_down_replicated: bool = Field(
+        default=False, description="the MLA's latent down projections (q_a_proj / wq_a, kv_a_proj_with_mqa / wkv_a: "
+        "h x (r_q + r_kv + d_r)) kept whole on every tensor-parallel rank, not split over t (torchtitan's DeepSeek-V3 "
+        "sharding; --impl torchtitan sets it)")
     mtp_layers: int = Field(
         default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "
@@ -286,6 +305,13 @@ class ModelSpec(Spec):
     def layer_norms(self) -> int:
         """Norms in one layer: norms_per_layer, else 4 with sandwich_norms, else 2."""
         return self.norms_per_layer or (4 if self.sandwich_norms else 2)
+
+    @property
+    def encoder_description(self) -> str:
+        """What an encoder_kind model is, for the refusals of the layouts that model decoder-only LMs."""
+        return {"bert": "a BERT-like encoder trained as a causal LM (Megatron-LM's BERT is another model)",
+                "seq2seq": "an encoder-decoder model's decoder trained alone (Megatron-LM's T5 is another model)"}.get(
+                    self.encoder_kind or "", "a decoder-only LM")
 
     @property
     def has_norm_bias(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.spec_base import echo
 from memplan.core.training import Recompute
 from memplan.inventory import compiled as compiled_layer  # by module: tests take a term out of it
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
@@ -121,8 +122,17 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError("no reference torch layer (--impl torch) inventory for multi-head latent attention: use "
                            "--impl megatron, megatron-local, hf-sdpa or hf-eager")
     if model.layer_pattern and (impl not in HF_IMPLS or model.inventory is None):
-        raise MemplanError("a state-space hybrid's layers (layer_pattern: Mamba-2 mixers, short convolutions) are modelled from transformers' "
-                           "traced code only: use --impl hf-sdpa or hf-eager with its config.json (--hf-config)")
+        raise MemplanError("a state-space hybrid's layers (layer_pattern: Mamba-1 / Mamba-2 mixers, short convolutions) "
+                           "are modelled from transformers' traced code only: use --impl hf-sdpa or hf-eager with its "
+                           "config.json (--hf-config)")
+    if model.ssm_dt_rank is not None and device == "cpu":  # validation/trace_mamba1.py
+        raise MemplanError("Mamba-1 mixers with --device cpu: transformers' torch path loops over s, which a symbolic "
+                           "trace cannot follow; memplan models the CUDA kernels' (mamba-ssm) saved tensors only "
+                           "(--device cuda)")
+    if model.encoder_kind and (impl not in HF_IMPLS or model.inventory is None):  # presets/hf_encoders.py
+        raise MemplanError(f"{echo(model.name)} is {model.encoder_description}: --impl {impl} models decoder-only "
+                           "layers; use --impl hf-sdpa or hf-eager with its config.json (--hf-config), which traces "
+                           "transformers' own code")
     if (model.is_moe or model.is_mla) and model.inventory is None and impl in HF_IMPLS:
         what = "mixture-of-experts" if model.is_moe else "multi-head latent attention"
         raise MemplanError(f"a {what} model's --impl hf-* activations come from a traced inventory: "

@@ -311,7 +311,7 @@ def is_qwen3_moe(model: ModelSpec) -> bool:
 DSV3_FIELDS = (QWEN3_FIELDS - {"qk_norm"}) | {"num_experts", "moe_top_k", "moe_ffn_hidden_size",
                                               "moe_shared_ffn_hidden_size", "moe_first_dense_layers", "kv_lora_rank",
                                               "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                              "mtp_layers"}
+                                              "mtp_layers", "mla_down_replicated"}
 
 
 def is_dsv3(model: ModelSpec) -> bool:
@@ -339,9 +339,10 @@ def check_titan_layout(model: ModelSpec) -> None:
 
 def titan_model(model: ModelSpec) -> ModelSpec:
     """``model`` as torchtitan builds it, its layout checked (check_titan_layout): DeepSeek-V3 without its
-    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry)."""
+    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry), its
+    latent down projections replicated under TP (``mla_down_replicated``: set_deepseek_v3_sharding_config)."""
     check_titan_layout(model)
-    return model.model_copy(update={"mtp_layers": 0}) if is_dsv3(model) and model.mtp_layers else model
+    return model.model_copy(update={"mtp_layers": 0, "mla_down_replicated": True}) if is_dsv3(model) else model
 
 
 def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:
@@ -372,8 +373,10 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
               src=DERIVED),
         saved("logits_fp32", "fp32 log-softmax of the logits (its vocab shard under TP: loss parallel)", "output",
               "s b v", "fp32", scope="last", k22=False, src=loss, tp=True),
-        saved("target_ids", "target ids (int64)", "output", "s b", "int64", scope="last", k22=False, src=loss),
     ]
+    # the targets: torchtitan hands the loader's labels to the loss as they are (a view; no target copy, TP's
+    # loss-parallel function included: tests/test_titan_tp.py), so they are the training loop's held labels only
+    # (a separate target_ids term counted them twice: measured in a whole step, validation/titan_step.py)
     held = (labels_term(),)
     # the loss's moments: torchtitan's cross_entropy_loss runs the ops of transformers' ForCausalLMLoss (bf16
     # logits, their fp32 copy, log-softmax), so its measured moments apply: derived for torchtitan
@@ -397,7 +400,7 @@ TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's ba
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE with compile or float8, its uneven routing (balanced modelled) and its layers' "
-              "backward transients, DeepSeek-V3 with the same and TP, PP (and its MTP layers, its 16B / 236B flavours' router options, "
+              "backward transients, DeepSeek-V3 with the same and PP (and its MTP layers, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "

@@ -145,21 +145,20 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
     (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
     (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
-    shard group's and the TP group's ranks); DeepSeek-V3 without --tp; the rest refused in one line; ``gpus`` (0: not
+    shard group's and the TP group's ranks); DeepSeek-V3 the same but --pp; the rest refused in one line; ``gpus`` (0: not
     known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
         return
-    left = [name for name, on in (("--tp with DeepSeek-V3", tp > 1 and model.is_mla),
-                                  ("--cp with DeepSeek-V3", cp > 1 and model.is_mla), ("--compile", compiled), ("--float8", bool(float8)),
+    left = [name for name, on in (("--compile", compiled), ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
     if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
         left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
     if left:
-        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --pp and (Qwen3 MoE) "
-                           "--tp, --cp only yet, not " + ", ".join(left))
+        raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp and --pp "
+                           "only yet, not " + ", ".join(left))
     if etp is not None and etp != moe_etp(ep, tp):
         raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
                            f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")
@@ -169,6 +168,9 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     if ep == 1 and model.fe % tp:
         raise MemplanError(f"--tp {tp} does not divide the experts' FFN width {model.fe} (torchtitan shards it over "
                            "tp at ep 1)")
+    if (model.moe_shared_ffn_hidden_size or 0) % tp:
+        raise MemplanError(f"--tp {tp} does not divide the shared experts' FFN width {model.moe_shared_ffn_hidden_size} "
+                           "(torchtitan shards it over tp)")
     shard = gpus // (pp * replicate)
     if gpus and shard % ep:
         raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group times tp (torchtitan's "

@@ -20,6 +20,11 @@ FSDP2's post-backward reduce-scatters them (torch .grad in the harness, FSDP2's 
 * ``attention_backward``: sdpa's backward has made dQ (2ad), dK, dV (2gd each) beside wo's input gradient (2ad) and
   the residual gradient (2h), the FFN's saves freed; its and wo's weight gradients made.  On CUDA FlexAttention's
   backward adds its fp32 delta (4a; torch 2.13's inductor lowering, derived);
+* every moment above (FSDP2): the previous unit's fp32 reduce-scatter input, which torch 2.13's ``post_backward``
+  keeps in ``comm_ctx.reduce_scatter_states`` (``reduce_scatter_max_input_buffers`` 1) until the next unit's
+  post-backward: 4 B per parameter of a layer, the one back-propagated before (at the model's last layer it is the
+  final norm + LM head unit's, 4 (v h + h) B: not modelled, a layer's counted).  Measured in a whole step over gloo
+  (validation/titan_step.py, tests/test_titan_step.py), device-independent code;
 * ``fsdp_reduce_scatter``: the layer's backward done, FSDP2's foreach_reduce holds the unsharded bf16 gradients and
   the fp32 reduce-scatter input of the whole layer (6 B per parameter) beside the input's gradient, every save freed
   (derived from torch 2.13's code: on CPU without FSDP2 nothing is reduce-scattered).  Its overlap with the next
@@ -42,6 +47,8 @@ TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live stor
           "(tests/test_titan_moments.py), and traced under FakeTensorMode with s and b symbolic "
           "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
+RS_HELD = ("measured: a whole torchtitan FSDP2 step over gloo on 2 ranks (validation/titan_step.py, "
+           "tests/test_titan_step.py); torch 2.13's fully_shard post_backward, device-independent")
 
 
 def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) -> tuple[Moment, ...]:
@@ -57,12 +64,18 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
         return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", f"{n}", tp=tp,
                          src=TRACED)
 
+    matrices = q * h + 2 * g * d * h + q * h + 3 * h * f
+    norms = 2 * h + (2 * d if model.qk_norm else 0)
+    held = (transient("rs_held", "FSDP2's fp32 reduce-scatter input of the layer back-propagated before, kept until "
+                      "this one's post-backward (at the last layer the final norm + LM head's: not modelled)",
+                      f"{matrices}", "fp32", tp=True, src=RS_HELD),
+            transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD))
     moments = [Moment("swiglu_backward", "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's",
                       "backward", "layer", (
                           dy, transient("grad_w2_input", "gradient of w2's input", f"{f} s b", tp=True, src=TRACED),
                           transient("grad_swiglu", "gradients of silu(w1) and of w3's output", f"{2 * f} s b", tp=True,
                                     src=TRACED, storages=2),
-                          weights("grad_w2_weight", "w2's weight gradient", h * f)),
+                          weights("grad_w2_weight", "w2's weight gradient", h * f)) + held,
                       ("swiglu.mul",) + SEL_HANDED_ON, source=TRACED)]
     if device == "cpu":  # torch's composite CPU F.rms_norm: its backward's fp32 temporaries
         moments.append(Moment(
@@ -70,7 +83,7 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
             "layer", (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
                                     f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5),
                       weights("grad_ffn_weights", "the gradients of w1, w2, w3", 3 * h * f),
-                      weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", h, tp=False)),
+                      weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", h, tp=False)) + held,
             tuple(i for i in ffn if i != "ffn_norm.x_fp32") + SEL_HANDED_ON, source=TRACED))
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
@@ -83,9 +96,7 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
         attention += (transient("flex_delta", "fp32 delta of FlexAttention's backward (CUDA)", f"{a} s b", "fp32",
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
-                          "layer", attention, ffn + SEL_HANDED_ON, source=TRACED))
-    matrices = q * h + 2 * g * d * h + q * h + 3 * h * f
-    norms = 2 * h + (2 * d if model.qk_norm else 0)
+                          "layer", attention + held, ffn + SEL_HANDED_ON, source=TRACED))
     moments.append(Moment("fsdp_reduce_scatter", "layer backward done: FSDP2's reduce-scatter of its gradients",
                           "backward", "layer", (
                               transient("grad_input", "gradient of the layer input (sequence-sharded under TP)",

@@ -316,7 +316,11 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "granitemoe_swa": "Granite-MoE-SWA (attention sinks)", "bloom": "BLOOM (ALiBi)", "mpt": "MPT (ALiBi)",
            "gptj": "GPT-J (eager attention only)", "codegen": "CodeGen (eager attention only)",
            "xglm": "XGLM (eager attention only)", "gpt_neo": "GPT-Neo (eager attention only)",
-           "openai-gpt": "GPT-1 (eager attention only)", "mamba2": "Mamba-2 (no attention layers: eager only)"}
+           "openai-gpt": "GPT-1 (eager attention only)", "mamba2": "Mamba-2 (no attention layers: eager only)",
+           "mamba": "Mamba (no attention layers: eager only)",
+           "falcon_mamba": "Falcon-Mamba (no attention layers: eager only)",
+           "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
+           "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)"}
 
 
 def check_impl(data: object, impl: str) -> None:

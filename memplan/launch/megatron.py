@@ -180,6 +180,9 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     """Why no Megatron-LM arguments build this model (None: they do). Its gated MLP must be SiLU-gated: --swiglu
     is gated_linear_unit with F.silu, --quick-geglu x * sigmoid(1.702 x) (arguments.py core_args_from_args at
     core_v0.16.1 and main), and no flag gives the GeLU gate of Gemma (gelu_pytorch_tanh)."""
+    if model.encoder_kind:  # memplan/presets/hf_encoders.py
+        return (f"--emit megatron: {echo(model.name)} is {model.encoder_description}, which Megatron-LM's GPTModel "
+                "does not build: no launch is given for it")
     if model.mlp == "swiglu" and model.gate_activation == "relu2":
         return (f"--emit megatron: {echo(model.name)}'s MLP is gated by a squared ReLU (BitNet): Megatron-LM's "
                 "--swiglu is SiLU-gated, so no Megatron-LM argument builds this model")

@@ -4,8 +4,8 @@ torchtitan 0.3.0 (the version installed beside torch 2.13; its TOML job files ar
 ``torchtitan.train`` calls ``ConfigManager.parse_args``, which imports ``--module M`` (a short name such as llama3, or
 any importable module) and calls its function ``--config F``, which returns a ``Trainer.Config``
 (torchtitan/config/manager.py, torchtitan/trainer.py). The emitted text is such a module: ``memplan_plan()`` starts
-from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py and
-sets what memplan planned: the model with torchtitan's ``Float8LinearConverter`` (``--float8 rowwise``: recipe
+from the shipped ``llama3_8b`` / ``llama3_70b`` / ``llama3_405b`` of torchtitan/models/llama3/config_registry.py
+(Qwen3 MoE: ``qwen3_30b_a3b``; DeepSeek-V3: ``deepseek_v3_671b``) and sets what memplan planned: the model with torchtitan's ``Float8LinearConverter`` (``--float8 rowwise``: recipe
 "rowwise", ``filter_fqns=["lm_head"]`` as the shipped float8 config) or without converters, torch.compile of the model only where the plan has ``--compile`` (memplan does not model
 the compiled loss), the plain cross-entropy loss
 (the shipped configs chunk the loss with ChunkedLossWrapper, which memplan does not model), the local and global
@@ -48,12 +48,24 @@ FLAVORS = {(32, 4096, 32, 8, 14336, 128256): ("8B", "llama3_8b"),
 # each against torchtitan's own model configs
 QWEN3_MOE_FLAVORS = {(48, 2048, 32, 4, 128, 128, 768, 8, 151936): ("30B-A3B", "qwen3_30b_a3b"),
                      (94, 4096, 64, 4, 128, 128, 1536, 8, 151936): ("235B-A22B", "qwen3_30b_a3b")}
+# torchtitan 0.3.0's DeepSeek-V3 flavours memplan models (models/deepseek_v3/__init__.py): layers, dense first layers,
+# dim, heads, q / kv latents, experts, expert FFN hidden, top-k, vocabulary -> the shipped config function (the 16B
+# flavour's router options are not modelled: memplan/inventory/titan_dsv3.py ROUTER_GROUPS); tests/test_titan_dsv3_emit.py
+# checks it against torchtitan's own model config
+DSV3_FLAVORS = {(61, 3, 7168, 128, 1536, 512, 256, 2048, 8, 129280): ("671B", "deepseek_v3_671b")}
 
 
 def flavor(config: Config) -> tuple[str, str, str]:
     """The torchtitan model family (its models/ package), flavour and the shipped config function of the plan's
     model, or refused."""
     m = config.model
+    if m.is_mla:
+        key = (m.num_layers, m.moe_first_dense_layers, m.hidden_size, m.num_attention_heads, m.q_lora_rank,
+               m.kv_lora_rank, m.num_experts, m.moe_ffn_hidden_size, m.moe_top_k, m.vocab_size)
+        if key not in DSV3_FLAVORS:
+            raise MemplanError("--emit torchtitan starts from torchtitan's DeepSeek-V3 671B flavour for a latent-"
+                               f"attention plan; {m.name[:40]!r} is not it")
+        return ("deepseek_v3",) + DSV3_FLAVORS[key]
     if m.is_moe:
         key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.g, m.head_dim, m.num_experts,
                m.moe_ffn_hidden_size, m.moe_top_k, m.vocab_size)
@@ -201,14 +213,19 @@ def titan_launch(config: Config) -> Launch:
                 else "bf16")]
     if config.model.is_moe:
         ep = doc["parallelism.expert_parallel_degree"]
-        notes.append(f"Qwen3 MoE {doc['flavor']}, expert_parallel_degree {ep}"
+        notes.append(f"{'DeepSeek-V3' if config.model.is_mla else 'Qwen3 MoE'} {doc['flavor']}, expert_parallel_degree {ep}"
                      + (" (torchtitan's all-to-all dispatcher, the experts' FSDP over efsdp = dp_shard cp tp / ep) on the "
                         "partial_dtensor backend, the path memplan measured EP on (validation/titan_moe.py)" if ep > 1
                         else "") + (f", tensor_parallel_degree {config.parallel.tp}: the experts' hidden dim "
                                     "sharded over tp at ep 1, whole at ep > 1 (torchtitan 0.3.0 has no expert-TP "
                                     "setting)" if config.parallel.tp > 1 else "")
                      + ": memplan assumes balanced routing (the expert-side sizes grow with imbalance)")
-        if doc["flavor"] != "30B-A3B":
+        if config.model.is_mla:
+            notes.append("DeepSeek-V3 as torchtitan's model_registry builds it: no multi-token-prediction layers "
+                         "(num_mtp_layers 0), the 671B flavour's router groups; under TP its latent projections "
+                         "(wq_a, wkv_a and their norms) replicated on the whole sequence (set_deepseek_v3_sharding_"
+                         "config), the shared experts colwise / rowwise")
+        if doc["family"] == "qwen3" and doc["flavor"] != "30B-A3B":
             notes.append(f"torchtitan 0.3.0 ships no {doc['flavor']} config: the module starts from qwen3_30b_a3b with "
                          "the model swapped (its hf_assets_path still names Qwen3-30B-A3B's tokenizer folder)")
     if config.parallel.cp > 1:

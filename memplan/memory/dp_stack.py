@@ -72,10 +72,25 @@ def overlap_comm(zero: int) -> bool:
     return zero == 3
 
 
-def buffer_bytes(training: TrainingSpec, model: ModelSpec, zero: Any) -> Any:
+def rope_cache_bytes(model: ModelSpec) -> int:
+    """torchtitan 0.3.0's RoPE cache of one decoder layer: each block's attention builds its own RoPE module, whose
+    non-persistent buffer ``cache`` holds every position up to its ``max_seq_len`` (models/common/rope.py), which
+    ``Decoder.Config.update_from_config`` sets to the Trainer's ``training.seq_len``: ComplexRoPE (Llama 3) s x d/2
+    complex64 = 4 s d bytes, CosSinRoPE (Qwen3, q / k norms: cos and sin concatenated, fp32 [s, 2d]) 8 s d bytes
+    (d the head dim). A buffer: not sharded by FSDP2, whole on every rank (TP; CP too: the whole sequence). Measured
+    for ComplexRoPE over gloo (validation/titan_step.py); CosSinRoPE's from its code; DeepSeek-V3's: 0 (not
+    modelled)."""
+    if model.is_mla:
+        return 0
+    return (8 if model.qk_norm else 4) * model.seq_length * (model.q // model.num_attention_heads)
+
+
+def buffer_bytes(training: TrainingSpec, model: ModelSpec, zero: Any, layers: Any = 0) -> Any:
     """Bytes a stack keeps on every GPU for the whole step beyond the states: DeepSpeed's IPG reduce bucket(s),
-    reduce_bucket_size elements of the model's dtype each, two with overlap_comm; FSDP2 none (its buffers are per
-    layer: `gathered_params`)."""
+    reduce_bucket_size elements of the model's dtype each, two with overlap_comm; torchtitan the RoPE caches of the
+    stage's ``layers`` (`rope_cache_bytes`); FSDP2 none (its buffers are per layer: `gathered_params`)."""
+    if training.dp_stack == "torchtitan":
+        return layers * rope_cache_bytes(model)
     if training.dp_stack != "deepspeed":
         return 0
     buckets = 1 + 1 * (zero == 3)  # overlap_comm's default (a second bucket): stage 3 only
@@ -140,7 +155,9 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: in
                 f"gradients and AdamW moments over {over}; dim-0 padding not "
                 "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
                 "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
-                "norm + LM head, kept from their forward to their backward (measured)"]
+                "norm + LM head, kept from their forward to their backward (measured); with them each layer's RoPE "
+                "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3: "
+                "measured, Llama 3's in a whole training step over gloo)"]
     if training.dp_stack == "fsdp2":
         return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
                 "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "

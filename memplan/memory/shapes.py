@@ -13,7 +13,8 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import GATE, gate_rows, layer_kinds, layer_vectors, output_layer_group, position_rows
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, gate_rows, layer_kinds, layer_vectors,
+                                    output_layer_group, position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -126,6 +127,11 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
                      + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
     attention = attention + sandwich
+    if model.encoder_kind == "seq2seq":  # BART's decoder: encoder_attn's k, v, q, out_proj (counted, not run alone)
+        attention += [WeightShape(CROSS, "cross-attention K / V / Q", P("q"), P("h"), 3, "rows"),
+                      WeightShape(CROSS, "cross-attention output", P("h"), P("q"), 1, "cols")]
+        attention += [WeightShape(CROSS_QKV_BIAS, "cross-attention K / V / Q bias", P("q"), None, 3, "rows"),
+                      WeightShape(CROSS_OUT_BIAS, "cross-attention output bias", P("h"), None)] if model.bias else []
     if layout == "fused":
         dense_mlp = (linear(prefix + fc1_w, "MLP input", f_in, P("h"), "rows")
                      + linear(prefix + fc2_w, "MLP output", P("h"), P("f"), "cols"))
@@ -157,7 +163,13 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         first += [WeightShape("per-layer input norms", "per_layer_projection_norm", p, None)] * model.norm_params
     if model.position_embedding == "learned":
         first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
+    if model.token_type_rows:  # BERT: token_type_embeddings
+        first.append(WeightShape("token-type embedding", "token-type embedding", P(str(model.token_type_rows)), P("h")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
+    if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
+        final += [WeightShape("output head transform", "head transform dense", P("h"), P("h")),
+                  WeightShape("output head transform", "head transform dense bias", P("h"), None)]
+        final += [WeightShape("output head transform", "head transform " + w.name, P("h"), None) for w in norm]
     head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}

@@ -133,7 +133,7 @@ def stage_memory(
     else:
         trained = None
     if training.dp_stack:  # DeepSpeed's reduce buckets, kept all step (memplan/memory/dp_stack.py)
-        extra = dp_stack.buffer_bytes(training, model, plan.zero)
+        extra = dp_stack.buffer_bytes(training, model, plan.zero, layers)
         if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base
             extra = extra + (plan.zero >= 3) * gathered * training.weight_bytes
         states = StateBytes(states.weights + extra, states.gradients + accumulated, states.optimizer)

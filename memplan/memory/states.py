@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Literal, Mapping, Optional
 
-from memplan.core.hybrid import LAYER_BLOCKS
+from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.core.training import TrainingSpec
@@ -41,13 +41,17 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "delta" (a gated DeltaNet), "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as
-# the pattern holds it (ModelSpec.layer_blocks).
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
+# "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
+# (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "delta", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "delta", "norm")
+                "conv", "mamba1", "shared", "delta", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
+# an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
+CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
+                                         "cross-attention output bias")
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,13 @@ class ParamGroup:
     tp_split: bool
     scope: Scope
     expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
+    whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
+        if self.whole is not None:
+            kept = self.whole.evaluate(values)
+            return -(-(n - kept) // values["t"]) + kept
         if self.expert:  # E/ep experts on a GPU, each f_e/etp wide (ep | E and etp | f_e: specs.py)
             return n // (values.get("ep", 1) * values.get("etp", values["t"]))
         # Vocabulary-parallel embeddings are padded to a multiple of t (Megatron-LM pads v).
@@ -94,7 +102,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
     groups = [
         ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
-                   True, "layer"),
+                   True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
+                   if model.is_mla and model.mla_down_replicated else None),
         ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
     ]
     if model.is_mla:
@@ -142,6 +151,10 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
             groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
                                      mlp))
+    if model.encoder_kind == "seq2seq":  # the decoder's cross-attention (encoder_attn): counted, not run alone
+        groups.append(ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer"))
+        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse("3 q"), True, "layer"),
+                   ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer")] if model.bias else []
     if model.norm_params:
         groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
@@ -163,10 +176,15 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
     if model.position_embedding == "learned":
         groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
+    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x h
+        groups.append(ParamGroup("token-type embedding", Poly.parse(f"{model.token_type_rows} h"), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
+    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x h + h) and its norm
+        groups.append(ParamGroup("output head transform", Poly.parse_sum(f"h h + h + {norm}" if model.norm_params
+                                                                               else "h h + h"), False, "last"))
     return tuple(hybrid_groups(model, groups))
 
 
@@ -181,7 +199,7 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     h x (2 I + 2 G N + H), the depthwise conv1d (I + 2 G N) x kernel (and its bias), dt_bias, A_log and D (H each),
     the gated RMSNorm (I) and out_proj I x h, with I = H P; LFM2's short convolution (transformers Lfm2ShortConv):
     in_proj h x 3 h, the depthwise conv1d h x kernel, out_proj h x h, each with conv_bias's bias (ssm_proj_bias,
-    ssm_conv_bias, ssm_out_bias). Other models' groups are as they are."""
+    ssm_conv_bias, ssm_out_bias); the Mamba-1 mixer's (``_mamba1``). Other models' groups are as they are."""
     if not model.layer_pattern:
         return groups
     norm = "2 h" if model.has_norm_bias else "h"
@@ -195,7 +213,9 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                 ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                            "conv"),
                 ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
-    out += delta_groups(model)
+    out += [ParamGroup(name, _number(n), split, "delta") for name, n, split in delta_counts(model)]
+    if model.ssm_dt_rank is not None:
+        return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
     if not any(c in model.layer_pattern for c in "SPM"):
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
@@ -213,22 +233,42 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     return out
 
 
-def delta_groups(model: ModelSpec) -> list[ParamGroup]:
-    """A gated DeltaNet's groups (layer_pattern D / d; transformers Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet,
-    OlmoHybridGatedDeltaNet), with H = ssm_heads value heads of d_v = ssm_head_dim (V = H d_v) and ssm_groups key heads
-    of ssm_state_size (K): the input projections h x (2 K + 2 V + 2 H) (q, k, v, the output gate z, beta and the decay
-    a: in_proj_qkvz + in_proj_ba, or one linear each), the depthwise conv1d over 2 K + V channels, dt_bias and A_log (H
-    each), the gated RMSNorm d_v wide (one weight for every head) and out_proj V x h; no biases."""
-    if not any(c in model.layer_pattern or "" for c in "Dd"):
-        return []
-    H, dv, k = model.ssm_heads, model.ssm_head_dim, model.ssm_groups * model.ssm_state_size
-    h, v = model.hidden_size, model.ssm_heads * model.ssm_head_dim
-    return [ParamGroup("DeltaNet input projections", _number(h * (2 * k + 2 * v + 2 * H)), True, "delta"),
-            ParamGroup("DeltaNet convolution", _number((2 * k + v) * (model.ssm_conv_kernel + model.ssm_conv_bias)),
-                       True, "delta"),
-            ParamGroup("DeltaNet heads' dt_bias, A_log", _number(2 * H), True, "delta"),
-            ParamGroup("DeltaNet gated norm", _number(dv), False, "delta"),
-            ParamGroup("DeltaNet output projection", _number(v * h), True, "delta")]
+def _mamba1(model: ModelSpec) -> list[ParamGroup]:
+    """A Mamba-1 mixer's groups (transformers MambaMixer, FalconMambaMixer, JambaMambaMixer; ZambaMambaMixer's per-head
+    x_proj / dt_proj hold as many), I = H P wide, state N, dt rank R: in_proj h x 2 I (ssm_proj_bias: + 2 I), the
+    depthwise conv1d I x kernel (+ I), x_proj I x (R + 2 N) without bias, dt_proj R x I with its I-wide bias, A_log
+    I x N, D (I), out_proj I x h (ssm_out_bias: + h); Jamba's dt / B / C RMSNorms (ssm_norm) R + 2 N (Falcon-Mamba's
+    are weightless buffers)."""
+    h, i, n, r = model.hidden_size, model.ssm_heads * model.ssm_head_dim, model.ssm_state_size, model.ssm_dt_rank
+    out = [ParamGroup("Mamba-1 input projection", _number(2 * i * (h + model.ssm_proj_bias)), True, "mamba1"),
+           ParamGroup("Mamba-1 convolution", _number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                      "mamba1"),
+           ParamGroup("Mamba-1 x_proj, dt_proj", _number(i * (r + 2 * n) + r * i + i), True, "mamba1"),
+           ParamGroup("Mamba-1 A_log, D", _number(i * (n + 1)), True, "mamba1"),
+           ParamGroup("Mamba-1 output projection weight", _number(i * h), True, "mamba1")]
+    if model.ssm_norm:
+        out.append(ParamGroup("Mamba-1 dt / B / C norms", _number(r + 2 * n), False, "mamba1"))
+    if model.ssm_out_bias:
+        out.append(ParamGroup("Mamba-1 output projection bias", Poly.parse("h"), False, "mamba1"))
+    return out
+
+
+ZAMBA_SHARED = ("Zamba shared block's attention", "Zamba shared block's MLP", "Zamba shared block's norms")
+
+
+def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
+    """Zamba's shared transformer block (transformers ZambaAttentionDecoderLayer, tied across its uses: held once, on
+    the first stage) over the concatenated [x, embedding] input 2 h wide: a norm 2 h wide, q 2 h x a d, k and v
+    2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear. A Z
+    layer's size (layer_params: what ZeRO-3 gathers to run it) counts the block too."""
+    h, d, a = model.hidden_size, model.head_dim or 2 * model.hidden_size // model.num_attention_heads, \
+        model.num_attention_heads
+    g = model.num_kv_heads or a
+    attention, mlp, norms = ZAMBA_SHARED
+    return [ParamGroup(attention, _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
+            ParamGroup(mlp, _number(3 * h * model.ffn_hidden_size), True, "first"),
+            ParamGroup(norms, _number(3 * h), False, "first"),
+            ParamGroup("Zamba shared block's output linear", _number(h * h), True, "shared")]
 
 
 def _number(n: int) -> Poly:
@@ -385,7 +425,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
     moe, dense = kinds["moe"], kinds["dense"]
     full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
     if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
-        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope), 0)
+        block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope or
+                             scope == "shared" and g.name in ZAMBA_SHARED), 0)  # the shared block, gathered per use
                  for scope in (*HYBRID_SCOPES, "moe", "dense")}
         sizes = [sum(block["moe" if b == "ffn" and model.is_moe else "dense" if b == "ffn" else b] for b in blocks)
                  for blocks in (LAYER_BLOCKS[c] for c in set(model.layer_pattern))]

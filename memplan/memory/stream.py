@@ -38,7 +38,6 @@ to Inventory.granularity once); `marks` tie the timeline's events to stream posi
 from __future__ import annotations
 
 from dataclasses import replace
-from fractions import Fraction
 from itertools import zip_longest
 from typing import Any, Optional
 
@@ -54,12 +53,9 @@ from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
 from memplan.memory.stream_events import Alloc, AllocationStream, Free, Repeats, new_event
-from memplan.memory.stream_params import Persistent, fit
-from memplan.memory.term_bytes import PlanValues, TermBytes
+from memplan.memory.stream_params import Persistent, Sizes, fit
+from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import optimizer_impl, step_events
-
-_COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")
-
 
 def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     """What of the plan the stream does not model ("" when it models all of it)."""
@@ -85,31 +81,6 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
                                  layout=inventory.weight_layout)
     return _Run(model, inventory, training, plan, stage, stage_mem, workspace_bytes, repeat).run(steps,
                                                                                                  first_step_seq_len)
-
-
-class _Sizes:
-    """Requested and counted bytes of terms for one sequence length."""
-
-    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
-        self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
-        self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
-        self.cache: dict[tuple, tuple] = {}
-
-    def __call__(self, term: Term, kind: str) -> tuple:
-        """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
-        storage in s and b, kind)."""
-        hit = self.cache.get((id(term), kind))
-        if hit is not None:
-            return hit[1]
-        n, st = term.bytes(self.values, self.act, self.sp), term.storages
-        poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
-        for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
-            poly = poly.assign(sym, self.values[sym])
-        comm = any(w in term.name.lower() for w in _COMM_WORDS)
-        # the term kept in the entry: its id() stays its own while cached
-        sizes = (-(-n // st), self.counted(term) // st, st * (n > 0), poly, "communication" if comm else kind)
-        self.cache[id(term), kind] = (term, sizes)
-        return sizes
 
 
 class _Run:
@@ -475,26 +446,32 @@ class _Run:
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspaces = 0
-        self.sizes = main = _Sizes(self.model, self.inv, self.tr, self.plan)
-        first = main if first_seq in (None, self.model.seq_length) else _Sizes(
+        self.sizes = main = Sizes(self.model, self.inv, self.tr, self.plan)
+        first = main if first_seq in (None, self.model.seq_length) else Sizes(
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
         order = schedule(self.stage, int(self.plan.p), self.m, self.M, self.plan.schedule)
         walked = self._walked(order)
+        pairs = [i for i in range(len(order) - 1) if order[i][0] == "F" and order[i + 1][0] == "B"]
+        periods: list[tuple[int, int]] = []  # the steady state's (forward, backward) pairs, where a replay may repeat
         for step in range(1, steps + 1):
             self.phases.append((f"step {step}", len(self.events)))
             sizes = first if step == 1 else main
             live: dict = {}
+            starts = []
             for i, (what, mb, c) in enumerate(order):
+                starts.append(len(self.events))
                 self.walk = step == steps and i in walked
                 self.sizes = sizes
                 if what == "F":
                     live[mb, c] = self._forward(mb, c)
                 else:
                     self._backward(live.pop((mb, c)), mb, c)
+            starts.append(len(self.events))
+            periods += [(starts[i], starts[i + 2]) for i in pairs]
             self.walk = step == steps
             self.phases.append((f"optimizer step {step}", len(self.events)))
             self._optimizer(step == 1)
             self.ev = 0
         self.phases.append(("end", len(self.events)))
-        return AllocationStream(self.events, self.marks, self.phases, self.step, self.stage)
+        return AllocationStream(self.events, self.marks, self.phases, self.step, self.stage, tuple(periods))

@@ -40,7 +40,9 @@ new_event = tuple.__new__  # an event made without the NamedTuple's Python-level
 @dataclass(frozen=True)
 class AllocationStream:
     """The run's allocations and frees on one GPU of `stage`, with `marks`: (index into `step.events`, number
-    of stream events before that event's point) for the last step, and `phases`: (what starts, position).
+    of stream events before that event's point) for the last step, `phases`: (what starts, position), and `periods`:
+    the (start, end) positions of the steady state's (forward, backward) pairs, the pieces a step repeats
+    (benchmarks/replay_period.py measures whether the allocator's state repeats with them).
     `raw`: the events as made, a template's copy a `Stamp` in each of its positions (`events` expands them when
     first asked for; a replay reads `ops()`, which does not)."""
 
@@ -49,6 +51,7 @@ class AllocationStream:
     phases: list[tuple[str, int]]
     step: StepPeak  # the timeline walk of the stage (the steady-state step)
     stage: int
+    periods: tuple[tuple[int, int], ...] = ()
 
     @cached_property
     def events(self) -> list:

@@ -9,13 +9,14 @@ not measured.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.core.training import TrainingSpec
 from memplan.inventory.lora import LINEARS, targets_of
-from memplan.inventory.types import Inventory
+from memplan.inventory.types import Inventory, Term
 from memplan.memory.adapters import ADAPTER_BYTES, nf4_bytes
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
@@ -24,6 +25,7 @@ from memplan.memory.shapes import weight_shapes
 from memplan.memory.states import output_layer_group, param_groups, shard_bytes
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
+_COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")  # a term named so is a communication buffer
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
                "sgd-nomomentum": ()}
 
@@ -173,3 +175,28 @@ class Persistent:
         unit = sum(r[2] for r in self.tables["layer"]) * self.tr.weight_bytes if self.n else 0
         units = gathered // unit if 0 < unit <= gathered else 0
         return unit, units, gathered - units * unit
+
+
+class Sizes:
+    """Requested and counted bytes of terms for one sequence length (memplan/memory/stream.py's events)."""
+
+    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
+        self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
+        self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
+        self.cache: dict[tuple, tuple] = {}
+
+    def __call__(self, term: Term, kind: str) -> tuple:
+        """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
+        storage in s and b, kind)."""
+        hit = self.cache.get((id(term), kind))
+        if hit is not None:
+            return hit[1]
+        n, st = term.bytes(self.values, self.act, self.sp), term.storages
+        poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
+        for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
+            poly = poly.assign(sym, self.values[sym])
+        comm = any(w in term.name.lower() for w in _COMM_WORDS)
+        # the term kept in the entry: its id() stays its own while cached
+        sizes = (-(-n // st), self.counted(term) // st, st * (n > 0), poly, "communication" if comm else kind)
+        self.cache[id(term), kind] = (term, sizes)
+        return sizes

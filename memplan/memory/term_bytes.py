@@ -135,7 +135,8 @@ class TermBytes:
         """A parameter group's parameters on one GPU (it depends on t only). Keyed by its count
         polynomial and split (states.param_groups makes new groups on every call; their parsed
         polynomials are shared)."""
-        return self._cached(group.count, lambda: group.per_gpu(self.values), ("group", group.tp_split, group.expert))
+        return self._cached(group.count, lambda: group.per_gpu(self.values),
+                            ("group", group.tp_split, group.expert, group.whole is not None))
 
     def _cached(self, obj: Any, compute: Any, kind: Any = None) -> Any:
         # keyed by identity (hashing a term's polynomial on every call is slow); the entry keeps the

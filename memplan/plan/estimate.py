@@ -374,9 +374,14 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
                              "loss's padded label id; tests/test_traced.py)")
         for sym, m in inventory.traced_multiple:
-            if plan_values[sym] % m:
+            if plan_values[sym] % m and config.model.ssm_dt_rank is not None:  # Mamba-1: validation/trace_mamba1.py
+                notes.append(f"{sym} = {plan_values[sym]:,} is not a multiple of {m} (the trace's condition): "
+                             f"mamba-ssm's scan keeps its states for {-(-plan_values[sym] // m):,} chunks of {m} tokens; "
+                             f"the sizes at {sym} = {plan_values[sym]:,} are used (those states under-estimated)")
+            elif plan_values[sym] % m:
                 notes.append(f"{sym} = {plan_values[sym]:,} is not a multiple of {m} (the trace's condition: a chunk of "
-                             f"Mamba-2's scan or of the gated delta rule): transformers pads it to {-(-plan_values[sym] // m) * m:,} inside the scan; "
+                             f"Mamba-2's scan or of the gated delta rule): transformers pads it to "
+                             f"{-(-plan_values[sym] // m) * m:,} inside the scan; "
                              f"the sizes at {sym} = {plan_values[sym]:,} are used (the scan's tensors under-estimated)")
     m = config.model
     if m.layer_pattern:

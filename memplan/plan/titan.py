@@ -31,7 +31,7 @@ same flags, memplan/api/options.py):
   ep          a Qwen3 MoE model's: the divisors of E dividing dp_shard cp tp (torchtitan's efsdp = dp_shard cp tp / ep),
               with tp (the experts' etp torchtitan's: tp at ep 1, 1 at ep > 1), cp, HSDP and pp (not the split-backward
               schedules: multi_refusal) and no compile or float8 (`moe_dims`; memplan/inventory/titan_moe.py);
-              DeepSeek-V3's with tp = cp = 1; dense models ep 1.
+              DeepSeek-V3's the same without pp (its dense first layers); dense models ep 1.
 Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
 --pipeline-layers-per-stage).
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
@@ -171,15 +171,14 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
 def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[str, Any]:
     """The model-parallel pins of the space: a dense model's tp and cp with ep 1; a Qwen3 MoE's ep (searched over the
     divisors of E, memplan/plan/space.py; `titan_plans` keeps those dividing dp_shard cp tp), tp and cp, etp
-    torchtitan's (tp at ep 1, 1 at ep > 1: titan_moe.moe_etp), DeepSeek-V3's ep with tp = cp = 1: what estimate models of it (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for
+    torchtitan's (tp at ep 1, 1 at ep > 1: titan_moe.moe_etp), DeepSeek-V3's the same: what estimate models of it
+    (memplan/inventory/titan_moe.py check_titan_moe refuses the rest, as for
     estimate; pp and HSDP are searched as for a dense model)."""
     check_titan_layout(model)
     check_titan_moe(model, pins.ep or 1, pins.etp, pins.tp or 1, pins.cp or 1, pins.pp or 1, False, float8,
                     pins.dp_replicate or 1, False)
     if not model.is_moe:
         return dict(tp=pins.tp, cp=pins.cp, ep=1)
-    if model.is_mla:  # DeepSeek-V3: no TP modelled
-        return dict(tp=1, cp=1, ep=pins.ep, etp=1)
     return dict(tp=pins.tp, cp=pins.cp, ep=pins.ep, etp=pins.etp)  # etp: torchtitan's (moe_etp), kept in titan_plans
 
 
@@ -193,8 +192,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
         splits, notes = [x for x in splits if x[0] == 1], notes + [
             "torchtitan MoE with dense first layers (DeepSeek-V3): pp not searched (not modelled)"]
     if model.is_moe:  # FSDP2 / HSDP with EP, PP and (Qwen3 MoE) TP (moe_dims)
-        notes = notes + [("torchtitan MoE: ep and pp searched, tp and cp not (not modelled for DeepSeek-V3)"
-                          if model.is_mla else "torchtitan MoE: ep, tp, cp and pp searched")
+        notes = notes + [("torchtitan MoE: ep, tp and cp searched" if model.is_mla else
+                          "torchtitan MoE: ep, tp, cp and pp searched")
                          + ", the split-backward schedules not; EP's all-to-alls timed as Megatron-LM's alltoall dispatcher's "
                          "(memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
@@ -217,7 +216,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
             keep &= replicas == pins.dp_replicate
         if model.is_moe:  # EP borrows a shard group's and TP's ranks (torchtitan's efsdp = dp_shard tp / ep, cp 1)
             keep &= ((plans.shard * plans.t * plans.cp) % plans.ep == 0) & (
-                plans.expert_tp == np.where(plans.ep == 1, plans.t, 1))  # titan_moe.moe_etp
+                plans.expert_tp == np.where(plans.ep == 1, plans.t, 1)) & (  # titan_moe.moe_etp
+                (model.moe_shared_ffn_hidden_size or 0) % plans.t == 0)  # the shared experts colwise over tp
         if keep.any():
             plans = dataclasses.replace(plans.take(np.flatnonzero(keep)), schedule=schedule)
             if multi:  # 2 stages a rank (torchtitan's default); the AC mode covers every layer of every chunk

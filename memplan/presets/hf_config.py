@@ -15,6 +15,8 @@ from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
 from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
                                          flag as _flag)
+from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, is_decoder_note, position_start
+from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_linear_attention import LINEAR_TEXT_MODELS
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
@@ -67,7 +69,7 @@ HF_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
     # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
-    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS, *HYBRIDS)},
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS, *HYBRIDS, *ENCODERS)},
 }
 
 
@@ -402,11 +404,13 @@ def read_hf_config(path_text: str) -> ModelPreset:
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
-    positions_key, default = POSITIONS.get(known[0], ("n_positions", 1024) if layout == "gpt2" else (
-        "max_position_embeddings", 2048 if known[0] in _OLD_DEFAULTS else 4096))
+    positions_key, default = {**POSITIONS, **ENCODER_POSITIONS}.get(known[0], ("n_positions", 1024) if layout ==
+                                                                    "gpt2" else ("max_position_embeddings", 2048 if
+                                                                                 known[0] in _OLD_DEFAULTS else 4096))
     positions = data.get(positions_key, default)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")
+    positions -= position_start(known[0], data)  # RoBERTa: rows before padding_idx + 1 unused (position_offset)
     seq = min(positions, HF_DEFAULT_SEQ)
     note = (f"s = {seq:,} from the config's {positions_key}" if seq == positions else
             f"s = {seq:,}: the config allows {positions:,} positions ({positions_key}), a context few train "
@@ -427,7 +431,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
                         dropout=any(_probability(data, k, 0.0, path) > 0 for k in ("attention_dropout", "hidden_dropout")),
                         **HYBRIDS[known[0]](data, path))
-        elif known[0] in OWN_KEYS:  # GPT-J, CodeGen, MPT, DBRX (hf_families): dropout anywhere in the layer or input
+        elif known[0] in OWN_KEYS or known[0] in ENCODERS:  # GPT-J, MPT, BERT, ...: dropout anywhere
             parts = (data, *[c for c in [data.get("attn_config")] if isinstance(c, dict)])
             drops = [(d, k) for d in parts for k in ("resid_pdrop", "embd_pdrop", "emb_pdrop", "attn_pdrop", "dropout",
                                                      "attention_dropout", "activation_dropout", "resid_dropout",
@@ -435,7 +439,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                                                      "attention_probs_dropout_prob") if k in d]
             spec = dict(name=name, seq_length=seq, vocab_size=data["vocab_size"], attention="flash",
                         dropout=any(_probability(d, k, 0.0, path) > 0 for d, k in drops),
-                        **OWN_KEYS[known[0]](data, path))
+                        **{**OWN_KEYS, **ENCODERS}[known[0]](data, path))
         else:
             family = _family(known[0], data, path)
             gated = family.get("mlp", "swiglu") == "swiglu"
@@ -476,6 +480,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
+    notes += tuple(ENCODER_NOTES[a] for a in known[:1] if a in ENCODER_NOTES) + is_decoder_note(known[0], data)
     approximated = {**_APPROXIMATED, **APPROXIMATED}
     if known[0] in approximated:
         notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "

@@ -1,0 +1,136 @@
+"""The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
+encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
+each run with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``
+(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
+(seq2seq: their cross-attention counted, not run).  ``ENCODERS`` gives each
+family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
+position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
+(memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and its
+traced saved bytes against a real CPU run.
+
+Every BERT-like here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
+bias, every linear biased, a plain MLP intermediate_size wide (hidden_act: GeLU), an output head with a bias v wide
+(tied to the word embeddings: an untied file is refused) and, but BERT-generation, a transform before it
+(a dense h x h, the activation, a LayerNorm).  Post-LN blocks (BERT: a LayerNorm after each residual add, a
+LayerNorm on the embeddings, no final norm) or pre-LN ones (Megatron-BERT, XLM-RoBERTa-XL: no embedding norm;
+RoBERTa-PreLayerNorm: with one; each a final norm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.presets.hf_families import YAML_HINT, flag, nat
+
+# the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
+# first pad_token_id + 1 rows are never used
+_ROBERTA_LIKE = ("RobertaForCausalLM", "CamembertForCausalLM", "XLMRobertaForCausalLM", "Data2VecTextForCausalLM",
+                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM")
+
+
+def position_start(arch: str, data: dict) -> int:
+    """The first position id the family uses: pad_token_id + 1 for RoBERTa's copies (default pad 1), else 0."""
+    if arch not in _ROBERTA_LIKE:
+        return 0
+    pad = data.get("pad_token_id", 1)
+    return pad + 1 if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else 0
+
+
+def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm: bool = True,
+               token_types: bool = True, transform: bool = True) -> dict[str, Any]:
+    """The spec of one BERT-like encoder (the keys BertConfig names; transformers' defaults for missing ones)."""
+    arch = (data.get("architectures") or ["?"])[0]
+    if flag(data, "add_cross_attention", False, path):
+        raise MemplanError(f"{path}: {arch} with add_cross_attention (a cross-attention block per layer for an "
+                           f"encoder-decoder pairing): not modelled; {YAML_HINT}")
+    if not flag(data, "tie_word_embeddings", True, path):
+        raise MemplanError(f"{path}: {arch} with tie_word_embeddings false: transformers then builds the output "
+                           "head's own bias beside the LM head's bias (two v-wide biases, one unused): not modelled; "
+                           f"{YAML_HINT}")
+    if position_start(arch, data) > 8:  # ModelSpec.position_offset's bound
+        raise MemplanError(f"{path}: pad_token_id {data.get('pad_token_id')}: {arch} numbers its positions from "
+                           f"pad_token_id + 1, and memplan models at most 8 unused rows before them; {YAML_HINT}")
+    rows = nat(data, "type_vocab_size", 2, path) if token_types else 0
+    if token_types and flag(data, "use_task_id", False, path):  # ERNIE: task_type_embeddings beside token types
+        rows += nat(data, "task_type_vocab_size", 3, path)
+    return dict(num_layers=nat(data, "num_hidden_layers", 12, path), hidden_size=nat(data, "hidden_size", 768, path),
+                num_attention_heads=nat(data, "num_attention_heads", 12, path),
+                ffn_hidden_size=nat(data, "intermediate_size", 3072, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", position_offset=position_start(arch, data), token_type_rows=rows,
+                embedding_norm=embedding_norm, final_norm=pre_norm, head_bias=True, head_transform=transform,
+                layer_layout="sequential" if pre_norm else "post-norm", encoder_kind="bert",
+                norm_eps=data.get("layer_norm_eps"), tied_embeddings=True)
+
+
+def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """The decoder of a BART-like encoder-decoder model run alone (MvpForCausalLM, TrOCRForCausalLM): post-LN layers
+    of self-attention, cross-attention and a GeLU MLP decoder_ffn_dim wide, every linear biased, three LayerNorms a
+    layer; learned positions from row 2 (BartLearnedPositionalEmbedding's offset)
+    or TrOCR's sinusoidal ones (no parameters); an embedding LayerNorm; the head tied, without bias)."""
+    arch = (data.get("architectures") or ["?"])[0]
+    h = nat(data, "d_model", 1024, path)
+    learned = flag(data, "use_learned_position_embeddings", True, path)
+    if flag(data, "use_prompt", False, path) or data.get("cross_attention_hidden_size") not in (None, h):
+        raise MemplanError(f"{path}: {arch} with use_prompt (MVP's prompt encoders) or cross_attention_hidden_size "
+                           f"other than d_model: not modelled; {YAML_HINT}")
+    return dict(num_layers=nat(data, "decoder_layers", 12, path), hidden_size=h,
+                num_attention_heads=nat(data, "decoder_attention_heads", 16, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned" if learned else "rope", position_offset=2 if learned else 0,
+                embedding_norm=flag(data, "layernorm_embedding", True, path), final_norm=False, norms_per_layer=3,
+                layer_layout="post-norm", encoder_kind="seq2seq", tied_embeddings=flag(data, "tie_word_embeddings",
+                                                                                       True, path))
+
+
+def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """BigBird-Pegasus's decoder run alone (BigBirdPegasusForCausalLM): pre-LN layers (three LayerNorms) of full
+    self-attention and cross-attention, biased with use_bias only, and a GeLU MLP decoder_ffn_dim wide, always biased;
+    max_position_embeddings learned rows (no offset); the final norm (its layernorm_embedding, applied after the
+    layers); an lm_head of its own whatever tie_word_embeddings says (the class ties none)."""
+    biased = flag(data, "use_bias", False, path)
+    return dict(num_layers=nat(data, "decoder_layers", 16, path), hidden_size=nat(data, "d_model", 1024, path),
+                num_attention_heads=nat(data, "decoder_attention_heads", 16, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=biased,
+                mlp_bias=not biased, position_embedding="learned", norms_per_layer=3, encoder_kind="seq2seq",
+                tied_embeddings=False)
+
+
+ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
+                                     "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
+    "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
+    "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
+    "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
+    "XLMRobertaXLForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
+    # BART's own decoder, PLBart's, mBART's, ... have the same parameters, but their traces keep a mask a real run
+    # drops (memplan/check/registry.py _ONES_MASK): not read
+    **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
+    "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
+}
+
+# the position limit's key and default of each (the config classes' defaults)
+POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
+             "MvpForCausalLM": ("max_position_embeddings", 1024),
+             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096)}
+
+# what an estimate of each says beside its figures
+_BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decoder): its parameters are counted "
+              "exactly (the token-type embeddings, the LM head's transform and bias included); only --impl hf-sdpa / "
+              "hf-eager estimates its activations (traced from transformers' code); Megatron-LM's BERT is another "
+              "model (--impl megatron* and --emit megatron refuse it)")
+_SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a causal LM ({arch}): the encoder is left "
+                 "out; each layer's cross-attention (encoder_attn) is counted in the parameters, not in the activations "
+                 "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
+                 "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
+                 "refuse it)")
+_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM")
+ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
+
+
+def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
+    """A note when the file does not set is_decoder: transformers then runs the encoder's bidirectional attention."""
+    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get("is_decoder") is not True:
+        return (f"is_decoder is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
+                "encoder's attention, and it warns); a causal-LM run sets is_decoder true",)
+    return ()

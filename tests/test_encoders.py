@@ -1,0 +1,125 @@
+"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP, TrOCR and BigBird-Pegasus
+(encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
+
+Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
+tiny configs (tests/test_registry.py) and here for the config classes' full-size defaults and the switches the
+reader reads; what it does not count is refused in one line; `--impl megatron*` and `--emit megatron` refuse the
+families (Megatron-LM's BERT and T5 are other models); a traced sample equals a real CPU run's saved bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from memplan.check import registry  # noqa: E402
+from memplan.core.errors import MemplanError  # noqa: E402
+from memplan.launch.megatron import launch_refusal  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from validation import hf as _hf  # noqa: E402
+from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
+
+BERT_LIKES = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
+              "camembert", "ernie", "data2vec-text", "megatron-bert"]
+
+
+def _defaults(model_type: str) -> dict:
+    """The config class's own full-size defaults as a config.json (not shrunk)."""
+    data = json.loads(json.dumps(_hf._transformers().CONFIG_MAPPING[model_type]().to_dict(), default=str))
+    return {**data, "architectures": [architectures()[model_type]], "model_type": model_type}
+
+
+@pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
+                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus"])  # bert: below
+def test_the_full_size_defaults_count_exactly(model_type):
+    assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
+
+
+def test_bert_base_in_its_lm_head_form():
+    """BertConfig's defaults are bert-base: by hand, the embeddings 30522 x 768 + 512 x 768 + 2 x 768 + a LayerNorm
+    2 x 768 = 23,837,184; a layer 4 (768^2 + 768) + 2 x 768 x 3072 + 3072 + 768 + two LayerNorms 4 x 768 = 7,087,872,
+    twelve of them 85,054,464; the head's transform 768^2 + 768 + 2 x 768 = 592,128 and its bias 30,522 (the
+    decoder's weight tied): 109,514,298 (no pooler: BertLMHeadModel builds BertModel without one)."""
+    assert registry.memplan_params(_defaults("bert")) == 109_514_298 == meta_params(_defaults("bert"))
+
+
+@pytest.mark.parametrize("model_type, switches", [
+    ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
+    ("bert", dict(type_vocab_size=4)),
+    ("xlm-roberta-xl", dict(max_position_embeddings=514)),  # RoBERTa's table: ids from pad_token_id + 1
+    ("trocr", dict(use_learned_position_embeddings=False)),  # sinusoidal positions: a plain tensor, no parameter
+    ("trocr", dict(layernorm_embedding=False)),
+    ("mvp", dict(tie_word_embeddings=False)),  # lm_head v x h without bias
+    ("mvp", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
+    ("bigbird_pegasus", dict(use_bias=True)),  # biases on the self- and cross-attention too
+])
+def test_the_switches_count_exactly(model_type, switches):
+    config = {**tiny_config(model_type), **switches}
+    assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config(model_type))
+
+
+def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
+    """RobertaEmbeddings numbers positions from padding_idx + 1 (pad_token_id 1: from 2), so a Hub file's 514 rows
+    hold 512 positions: the default s is 512, and the 514 rows are counted."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny_config("roberta"), "max_position_embeddings": 514, "pad_token_id": 1}))
+    preset = read_hf_config(str(path))
+    assert preset.model.seq_length == 512
+    assert registry.memplan_params(json.loads(path.read_text())) == meta_params(json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("model_type, switches, says", [
+    ("bert", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # two v-wide biases then, one unused
+    ("roberta", dict(add_cross_attention=True), "add_cross_attention"),
+    ("roberta", dict(pad_token_id=10), "pad_token_id"),  # positions from row 11: past position_offset's 8
+    ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
+    ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
+])
+def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
+    with pytest.raises(MemplanError, match=says) as err:
+        registry.memplan_params({**tiny_config(model_type), **switches})
+    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])
+def test_megatron_refuses_them_in_one_line(model_type, says, run_cli, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny_config(model_type), "is_decoder": True}))
+    assert says in launch_refusal(read_hf_config(str(path)).model)
+    for extra in (["--impl", "megatron"], ["--impl", "megatron-local"], ["--emit", "megatron"]):
+        code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "32", *extra)
+        assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_estimate_says_what_it_is(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config("bert")))  # is_decoder false, as the defaults
+    notes = " ".join(read_hf_config(str(path)).notes)
+    assert "BERT-like encoder trained as a causal LM" in notes and "attends bidirectionally" in notes
+    path.write_text(json.dumps(tiny_config("trocr")))
+    notes = " ".join(read_hf_config(str(path)).notes)
+    assert "the encoder is left out" in notes and "not in the activations" in notes
+    assert "bidirectionally" not in notes  # a decoder's self-attention is causal whatever is_decoder says
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "trocr"])
+def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
+    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform) and
+    TrOCR's decoder (its cross-attention built, not run): traced, read by memplan, bucket by bucket equal to what the
+    real model saves on CPU at s = 32, b = 2."""
+    row, config = registry.params_row(model_type, "")
+    registry.trace_row(row, config)
+    assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus"])
+def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
+    """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
+    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders."""
+    row, config = registry.params_row(model_type, "")
+    registry.trace_row(row, config)
+    assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
