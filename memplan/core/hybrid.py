@@ -1,6 +1,7 @@
 """A hybrid model's layer layout (ModelSpec.layer_pattern, issue 22): the blocks each pattern character stands for
-(``LAYER_BLOCKS``), their count over a model (``layer_blocks``) and the checks that involve the pattern and the
-mixers' fields alone (``check_hybrid``, called by ModelSpec's validator)."""
+(``LAYER_BLOCKS``), their count over a model (``layer_blocks``), a gated DeltaNet's parameter counts
+(``delta_counts``) and the checks that involve the pattern and the mixers' fields alone (``check_hybrid``, called by
+ModelSpec's validator)."""
 
 from __future__ import annotations
 
