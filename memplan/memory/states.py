@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Literal, Mapping, Optional
 
-from memplan.core.hybrid import LAYER_BLOCKS
+from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import sharded_weight_bytes
 from memplan.core.training import TrainingSpec
@@ -41,11 +41,12 @@ from memplan.memory import optimizers
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "norm" (one norm), and its
-# MLPs "dense" / "moe", each counted as often as the pattern holds it (ModelSpec.layer_blocks).
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
+# "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
+# (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "mamba1", "shared", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "norm")
+                "conv", "mamba1", "shared", "delta", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
@@ -212,9 +213,10 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                 ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                            "conv"),
                 ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
+    out += [ParamGroup(name, _number(n), split, "delta") for name, n, split in delta_counts(model)]
     if model.ssm_dt_rank is not None:
         return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
-    if model.ssm_heads is None:
+    if not any(c in model.layer_pattern for c in "SPM"):
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
     proj = 2 * i + gn + H
