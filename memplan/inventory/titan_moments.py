@@ -41,6 +41,8 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.titan_moe import DENSE_FFN
 from memplan.inventory.types import Moment, Term, transient
 
+# the moment of FSDP2's reduce-scatter copy-in ending a layer's backward (the layer resharded: memory/dp_stack.py TITAN_HELD)
+REDUCE_SCATTER = "fsdp_reduce_scatter"
 # the tensors selective-op keeps that its recompute hands on or frees: freed at every layer-backward moment
 SEL_HANDED_ON = ("wqkv.out", "wo.rs", "w2.out", "w2.rs")
 TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live storages after every op "
@@ -97,7 +99,7 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
                           "layer", attention + held, ffn + SEL_HANDED_ON, source=TRACED))
-    moments.append(Moment("fsdp_reduce_scatter", "layer backward done: FSDP2's reduce-scatter of its gradients",
+    moments.append(Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients",
                           "backward", "layer", (
                               transient("grad_input", "gradient of the layer input (sequence-sharded under TP)",
                                         f"{h} s b", sp=True, src=DERIVED),

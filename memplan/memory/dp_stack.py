@@ -132,6 +132,43 @@ def titan_pipelined(training: TrainingSpec, p: Any, params: Any, gathered: Any) 
     return on * params + (1 - on) * gathered, on * 4 * params
 
 
+# torchtitan without PP, untied embeddings: FSDP2's units unsharded (in the weights' dtype) at each phase of the step.
+# Measured over gloo (validation/titan_step.py, tests/test_titan_step.py): inside a layer's forward the layer and its
+# flat all-gather output (two layers' bytes); at the loss the final norm + LM head only (the root's post-forward frees
+# the last all-gather output; the head is not resharded after its forward); in the head's backward the head and the
+# last layer, prefetched by the head's pre-backward (measured at the final norm's backward; the LM head's own backward
+# derived from the same hook order); inside a layer's backward the layer and the one prefetched (at the first layer
+# the embedding); at its reduce-scatter only the prefetched one (the layer resharded first); in the embedding's
+# backward the embedding; at the optimizer step nothing.
+TITAN_HELD = {"forward": ("layer", "layer"), "loss": ("tail",), "head": ("tail", "layer"),
+              "layer": ("layer", "layer"), "first layer": ("layer", "embedding"),
+              "reduce-scatter": ("layer",), "first reduce-scatter": ("embedding",),
+              "embedding": ("embedding",), "optimizer": ()}
+
+
+def titan_regather(held: list[str], phase: str) -> tuple[list[bool], list[str]]:
+    """Of the units `held` (names), which stay in flight at `phase` (`TITAN_HELD`), and the units all-gathered anew."""
+    want, stay = list(TITAN_HELD[phase]), []
+    for unit in held:
+        stay.append(unit in want)
+        if stay[-1]:
+            want.remove(unit)
+    return stay, want
+
+
+def titan_units(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any, embedding: Any, p: Any,
+                t: Any = 1) -> Optional[dict[str, Any]]:
+    """FSDP2's units in bytes (a decoder layer as gathered: float8 tensorwise in float8, `gathered_params`; the tail:
+    final norm + LM head; the input embedding) and ``on`` (1 where p = 1), for `TITAN_HELD`; None outside torchtitan
+    and with tied embeddings (the tail then shares the embedding: counted all step, derived)."""
+    if training.dp_stack != "torchtitan" or model.tied_embeddings:
+        return None
+    if training.float8 == "tensorwise":
+        layer = gathered_layer(model, layer, t)
+    wb = training.weight_bytes
+    return {"layer": layer * wb, "tail": tail * wb, "embedding": embedding * wb, "on": 1 * (p == 1)}
+
+
 def sharded_weight_bytes(training: TrainingSpec) -> int:
     """Bytes per parameter of the sharded weights beside the optimizer's copy: torchtitan's FSDP2 keeps only the fp32
     sharded parameters (the optimizer steps them: counted as the master weights) and all-gathers bf16 from them."""

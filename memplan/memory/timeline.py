@@ -36,6 +36,7 @@ from memplan.core.arith import maximum, minimum
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
+from memplan.inventory.titan_moments import REDUCE_SCATTER
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
@@ -247,12 +248,15 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
               else [j + 1 for j in range(int(n))])
     buffer_grads = all_grads if buffer else 0
 
-    fixed = states.weights + states.optimizer
+    # the weights less ZeRO-3's unsharded parameters in flight, which torchtitan's FSDP2 holds by phase (StageMemory.in_flight)
+    sharded = states.weights - stage_mem.gathered
 
-    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = True) -> None:
-        parts = dict(weights=states.weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
+    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = True,
+              held_at: Any = "forward") -> None:
+        weights = sharded + (stage_mem.in_flight(held_at) if isinstance(held_at, str) else held_at)
+        parts = dict(weights=weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
                      transient=transient)
-        total = fixed + gradients + saved + transient
+        total = weights + states.optimizer + gradients + saved + transient
         if isinstance(on, bool):  # the stage-dependent moments (loss: last stage only)
             parts, total = (parts, total) if on else ({k: 0 for k in parts}, 0)
         else:
@@ -275,7 +279,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
         event(m.phase, None, m.name, grads_fwd + grads_of(m),
               others + kept_upto(n, tune_loss_stash(inventory.terms)) + last_cur - freed, held + transient_bytes(m),
-              is_last)
+              is_last, "head" if m.grads else "loss")  # FSDP2's head unit: its backward prefetches the last layer
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
@@ -293,9 +297,12 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         on = True if (m.applies == "any" and at is True) else (on if at is True else on * at)
         plain, full, selective = alive_sums[m.id]
         alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
+        first = (j == 1) * is_first  # FSDP2 prefetches the embedding in the first layer's backward, not a layer
+        done = "reduce-scatter" if m.id == REDUCE_SCATTER else "layer"
         event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
               others - chunk_freed[m.id] + (stored_rec * (j < n) if tune else kept_upto(j - 1)) + alive,
-              held + transient_bytes(m, recomputed) + unpacked_weight, on)
+              held + transient_bytes(m, recomputed) + unpacked_weight, on,
+              first * stage_mem.in_flight(f"first {done}") + (1 - first) * stage_mem.in_flight(done))
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
@@ -314,11 +321,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
               "AdamW)", kept, 0, 2 * largest)
         return _peak_of(events, persistent, 2 * largest)
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
-          emb_extra * is_first)
+          emb_extra * is_first, held_at="embedding")
     # optimizer step: no activations (the step's micro-batches are done)
     temp = _optimizer_temporaries(training, inventory, stage_mem, plan)
     event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} "
-          f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp)
+          f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp, held_at="optimizer")
     return _peak_of(events, persistent, temp)
 
 
