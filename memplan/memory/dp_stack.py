@@ -159,14 +159,16 @@ def titan_regather(held: list[str], phase: str) -> tuple[list[bool], list[str]]:
 def titan_units(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any, embedding: Any, p: Any,
                 t: Any = 1) -> Optional[dict[str, Any]]:
     """FSDP2's units in bytes (a decoder layer as gathered: float8 tensorwise in float8, `gathered_params`; the tail:
-    final norm + LM head; the input embedding) and ``on`` (1 where p = 1), for `TITAN_HELD`; None outside torchtitan
-    and with tied embeddings (the tail then shares the embedding: counted all step, derived)."""
+    final norm + LM head; the input embedding) and ``on`` (1 where p = 1), for `TITAN_HELD`; ``tail_rs`` the tail's
+    reduce-scatter input, which torch 2.13's post_backward keeps through the last layer's backward (measured, as a
+    layer's through the next layer's: memplan/inventory/titan_moments.py rs_held); None outside torchtitan and with
+    tied embeddings (the tail then shares the embedding: counted all step, derived)."""
     if training.dp_stack != "torchtitan" or model.tied_embeddings:
         return None
     if training.float8 == "tensorwise":
         layer = gathered_layer(model, layer, t)
-    wb = training.weight_bytes
-    return {"layer": layer * wb, "tail": tail * wb, "embedding": embedding * wb, "on": 1 * (p == 1)}
+    wb = training.weight_bytes  # tail_rs: the tail's fp32 reduce-scatter input (MixedPrecisionPolicy reduce fp32)
+    return {"layer": layer * wb, "tail": tail * wb, "embedding": embedding * wb, "tail_rs": 4 * tail, "on": 1 * (p == 1)}
 
 
 def sharded_weight_bytes(training: TrainingSpec) -> int:

@@ -11,12 +11,11 @@ first stage, the batch and the loss in the last chunk of the last stage), the op
 workspaces at the first forward and the first backward matmul (one per thread, kept). ZeRO-3's unsharded parameters in
 flight (`StageMemory.gathered`, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one
 layer's parameters (the rest of the count one block) and stay the timeline's bytes all step: at each layer's forward and
-backward the oldest unit is freed and a new one gathered; torchtitan's FSDP2 without PP holds its units by phase
-(memplan/memory/dp_stack.py TITAN_HELD), each resharded or all-gathered as the timeline's events need. LoRA (peft): the frozen base (QLoRA's linears in NF4), then
-the fp32 adapters, which alone get .grad tensors and states (memplan/memory/stream_params.py). Context parallelism: the
-cp buffers as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW makes exp_avg and exp_avg_sq LAZILY
-in the first step's optimizer call; torch .grad tensors (transformers) appear at their first write in the backward,
-zero_grad frees them.
+backward the oldest unit is freed and a new one gathered (torchtitan without PP: its units by phase, dp_stack.TITAN_HELD).
+LoRA (peft): the frozen base (QLoRA's linears in NF4), then the fp32 adapters, which alone get .grad tensors and states
+(memplan/memory/stream_params.py). Context parallelism: the cp buffers as the timeline's moments (memplan/memory/parallel.py
+cp_moments). AdamW makes exp_avg and exp_avg_sq LAZILY in the first step's optimizer call; torch .grad tensors
+(transformers) appear at their first write in the backward, zero_grad frees them.
 
 Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks the
 per-tensor order of the real code that reproduces them at every timeline event: autograd's (saved tensors in forward
@@ -47,7 +46,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
-from memplan.inventory.titan_moments import REDUCE_SCATTER
+from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment, Term
 from memplan.memory.dp_stack import titan_regather
 from memplan.memory.parallel import cp_moments
@@ -174,9 +173,13 @@ class _Run:
         self._mark(at)
         self._free(extra)
 
-    def _transients(self, m: Moment, recomputed: bool, label: str) -> list:
-        return [i for t in m.transients if not t.only_full or (recomputed and self.is_full)
-                for i in self._term(t, "transient", f"{m.name}, {label}")]
+    def _transients(self, m: Moment, recomputed: bool, label: str, head_rs: bool = False) -> list:
+        """A moment's transients; `head_rs`: the held reduce-scatter input is the tail's (the timeline's last layer)."""
+        ts = [t for t in m.transients if (not t.only_full or (recomputed and self.is_full))
+              and not (head_rs and t.id.startswith(RS_HELD_ID))]
+        n = int(self.units["tail_rs"]) if head_rs and len(ts) < len(m.transients) else 0
+        tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
+        return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -200,8 +203,7 @@ class _Run:
             self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
 
     def _hold(self, phase: str) -> None:
-        """torchtitan's FSDP2: the units no longer in flight at `phase` freed (resharded), then the missing ones
-        all-gathered (dp_stack.titan_regather; StageMemory.in_flight is their sum)."""
+        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather)."""
         if self.units is not None:
             stay, new = titan_regather([u for u, _ in self.holding], phase)
             self._free([i for (_, i), kept in zip(self.holding, stay) if not kept])
@@ -414,7 +416,8 @@ class _Run:
             if rc and self.is_full and set(layer) <= set(self.stored[rc]):  # nothing re-made yet: re-run the forward
                 self._checkpointed(layer, target, f"recomputed, {where}")
             self._fill(layer, self.layer_terms, target, where)
-            self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
+            self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(
+                m, rc, where, self.units is not None and j == self.n and self.is_last))
         self._drop(layer, ())
 
     def _pay(self, owed: list, wait: int) -> None:

@@ -36,7 +36,7 @@ from memplan.core.arith import maximum, minimum
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
-from memplan.inventory.titan_moments import REDUCE_SCATTER
+from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
@@ -287,6 +287,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # whose last user is done)
     chunk_freed = {m.id: sum((term_bytes[t.id] * t.kept(rec) for t in chunk_terms if t.id in m.freed), 0)
                    for m in layer_moments}
+    units = stage_mem.units
+    rs_layer = {m.id: sum((sizes(t) for t in m.transients if t.id.startswith(RS_HELD_ID)), 0) for m in layer_moments}
     for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
         # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
@@ -299,9 +301,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
         first = (j == 1) * is_first  # FSDP2 prefetches the embedding in the first layer's backward, not a layer
         done = "reduce-scatter" if m.id == REDUCE_SCATTER else "layer"
+        # the reduce-scatter input held through the last layer's backward is the head's (torchtitan, p = 1)
+        rs = units["on"] * (j == n) * is_last * (units["tail_rs"] - rs_layer[m.id]) * (rs_layer[m.id] > 0) if units else 0
         event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
               others - chunk_freed[m.id] + (stored_rec * (j < n) if tune else kept_upto(j - 1)) + alive,
-              held + transient_bytes(m, recomputed) + unpacked_weight, on,
+              held + transient_bytes(m, recomputed) + unpacked_weight + rs, on,
               first * stage_mem.in_flight(f"first {done}") + (1 - first) * stage_mem.in_flight(done))
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
