@@ -135,8 +135,9 @@ def stage_memory(
     gathered = one_layer if gathered is None else gathered
     # torchtitan with PP: the stage's parameters unsharded all step, their gradients accumulated unsharded in fp32
     gathered, accumulated = dp_stack.titan_pipelined(training, plan.p, params, gathered)
-    units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2),
-                                 stage_params(model, sizes.group, 0, 1, 0, 1), plan.p, plan.t)
+    embedding = sum((sizes.group(g) for g in param_groups(model) if g.scope == "first"), 0)
+    units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2), embedding,
+                                 plan.p, plan.t)
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
