@@ -50,7 +50,7 @@ from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment, Term
 from memplan.memory.dp_stack import titan_regather
 from memplan.memory.parallel import cp_moments
-from memplan.memory.pipeline import schedule
+from memplan.memory.pipeline import schedule, walked_pair
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import shard_bytes
@@ -124,7 +124,7 @@ class _Run:
         self.gathered, self.in_flight = int(mem.gathered), []  # ZeRO-3's unsharded parameters; their units' ids
         # torchtitan without PP: FSDP2's units held by phase (dp_stack.TITAN_HELD), (unit, id) each
         self.units = mem.units if mem.units is not None and mem.units["on"] else None
-        self.holding: list = []
+        self.holding, self.phase = [], "optimizer"
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
                                             self.is_last)
@@ -202,10 +202,12 @@ class _Run:
         if rest > 0:
             self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
 
-    def _hold(self, phase: str) -> None:
-        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather)."""
+    def _hold(self, phase: str, roll: bool = False) -> None:
+        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather;
+        `roll`: a new layer's, every layer unit re-made)."""
         if self.units is not None:
-            stay, new = titan_regather([u for u, _ in self.holding], phase)
+            self.phase = phase
+            stay, new = titan_regather([u * (not roll or u != "layer") for u, _ in self.holding], phase)
             self._free([i for (_, i), kept in zip(self.holding, stay) if not kept])
             self.holding = [h for h, kept in zip(self.holding, stay) if kept] + [
                 (u, self._alloc(n, n, "parameter", f"unsharded parameters ({u})")) for u in new if (n := int(self.units[u]))]
@@ -213,7 +215,9 @@ class _Run:
     def _roll(self, j: int) -> None:
         """Layer j gathered: the oldest unit in flight freed (resharded), a new one all-gathered (the same size, so the
         bytes alive at every timeline point stay the timeline's)."""
-        if self.units is None and self.gathered and self.in_flight[0] is not None:
+        if self.units is not None:
+            self._hold(self.phase, roll=True)
+        elif self.gathered and self.in_flight[0] is not None:
             old = self.in_flight.pop(0)
             self._free([old])
             n = self.unit_size
@@ -451,21 +455,6 @@ class _Run:
             self._free([i for ids in self.grad_ids.values() for i in ids])
             self.grad_ids, self.have_grads = {}, False
 
-    def _walked(self, order: list) -> set:
-        """The (forward, backward) pair the timeline walks: the last of the steady state (a backward right after a
-        forward, every in-flight chunk alive) whose backward is of the chunk with the embedding (first stage,
-        with the most embedding activations alive) or the loss (last stage)."""
-        alive: set = set()
-        best = (-1, 0)
-        for i, (what, mb, c) in enumerate(order):
-            if what == "F":
-                alive.add((mb, c))
-                continue
-            if i and order[i - 1][0] == "F" and (not self.is_first or c == 0) and (not self.is_last or c == self.m - 1):
-                best = max(best, (sum(1 for x in alive if x[1] == 0), i))
-            alive.discard((mb, c))
-        return {best[1] - 1, best[1]}
-
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspaces = 0
@@ -474,7 +463,7 @@ class _Run:
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
         order = schedule(self.stage, int(self.plan.p), self.m, self.M, self.plan.schedule)
-        walked = self._walked(order)
+        walked = walked_pair(order, self.is_first, self.is_last, self.m)
         pairs = [i for i in range(len(order) - 1) if order[i][0] == "F" and order[i + 1][0] == "B"]
         periods: list[tuple[int, int]] = []  # the steady state's (forward, backward) pairs, where a replay may repeat
         for step in range(1, steps + 1):
