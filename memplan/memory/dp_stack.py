@@ -1,6 +1,6 @@
 """The data-parallel stack of an HF Trainer / accelerate run: FSDP2 (accelerate `fsdp_version: 2`) or DeepSpeed ZeRO
-1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, the running and prefetched
-layers and the final norm + LM head unsharded in bf16; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
+1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, its units unsharded in bf16
+by phase of the step, `TITAN_HELD`; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
 2 also the gradients, 3 also the weights, over the d data-parallel ranks); what a stack adds on top is here.
 
 All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
@@ -192,9 +192,11 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: in
                 f"data_parallel_replicate_degree; 16 B / {shard} per parameter")
         return ["torchtitan FSDP2 (fully_shard per decoder layer, bf16 params / fp32 reduce): fp32 sharded parameters, "
                 f"gradients and AdamW moments over {over}; dim-0 padding not "
-                "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
-                "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
-                "norm + LM head, kept from their forward to their backward (measured); with them each layer's RoPE "
+                "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights follow "
+                "FSDP2's units by phase (measured in a whole step over gloo): two layers inside a layer (its own and its "
+                "all-gather output or the prefetched one; the embedding at the first layer's backward), the final norm + "
+                "LM head alone at the loss, none at the optimizer step (tied embeddings: two layers and the head all step, "
+                "derived); with them each layer's RoPE "
                 "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3: "
                 "measured, Llama 3's in a whole training step over gloo)"]
     if training.dp_stack == "fsdp2":
