@@ -43,8 +43,8 @@ from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.stream_traced import run_stream
 from memplan.presets.catalog import shipped_trace
-from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
-                                     step_events)
+from memplan.memory.device import DeviceMemory, device_memory
+from memplan.memory.timeline import StepPeak, most_loaded_stage, optimizer_impl, step_events
 from memplan.timing.step import step_time
 
 
