@@ -12,7 +12,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, ParallelSpec, RuntimeBytes
 from memplan.core.training import OPTIMIZERS, Recompute, TrainingSpec
-from memplan.memory.timeline import fraction_bytes
+from memplan.memory.device import fraction_bytes
 from memplan.plan.estimate import estimate
 from memplan.plan.limits import SEQ_LIMIT, cap_of, max_seq_len, seq_step
 from memplan.plan.search import search

@@ -39,8 +39,10 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
            "emu3", "bitnet"]  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
 # the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
-# Bamba and LFM2)
-HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3"]
+# Bamba and LFM2) or gated DeltaNets (memplan/presets/hf_linear_attention.py; tests/test_linear_attention.py traces
+# Qwen3-Next)
+HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "qwen3_next",
+           "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid"]
 # the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
@@ -157,7 +159,7 @@ def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_
     parallel block, GLM-4.5's dense-first experts, Llama 4's text_config, norms without weights) and the Mamba-2
     hybrids hf_hybrids.py reads (mixers alone, Nemotron-H's one-block layers, experts beside mixers, attention and
     mixer in parallel, LFM2-MoE's dense-first layers before experts, LFM3's short convolutions beside full and
-    sliding-window attention)."""
+    sliding-window attention); the DeltaNet hybrids: tests/test_linear_attention.py."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

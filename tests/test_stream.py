@@ -72,7 +72,7 @@ CASES = [
     *[("llama3-8b", impl, dict(tp=1, pp=1, dp=2, zero=3), dict(micro_batch=1, global_batch=4, dp_stack=stack,
                                                              recompute=rec), HF_LLAMA, (0,))
       for impl, stack, rec in (("hf-sdpa", None, "none"), ("hf-sdpa", "fsdp2", "full"), ("hf-eager", "deepspeed", "none"),
-                               ("torchtitan", "torchtitan", "none"))],
+                               ("torchtitan", "torchtitan", "none"), ("torchtitan", "torchtitan", "full"))],
     ("mixtral-8x22b", "megatron", dict(tp=2, pp=2, dp=2, ep=2, sp=True, zero=3),
      dict(micro_batch=1, global_batch=8, recompute="selective"), L4, (0, 1)),
     # LoRA / QLoRA: the frozen base (bf16, or NF4 linears), fp32 adapters with the only gradients and states

@@ -57,6 +57,11 @@ _SMALL_SSM = {"num_heads": 8, "mamba_n_heads": 8, "mamba_num_heads": 8, "head_di
               "mamba_n_groups": 2, "chunk_size": 16, "mamba_chunk_size": 16, "time_step_rank": 8, "mamba_d_ssm": 128,
               "shared_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
 
+# a gated DeltaNet's shrunk sizes (the configs with linear_num_value_heads: Qwen3-Next, Qwen3.5, OLMo-hybrid): 4 value
+# heads 16 wide, 2 key heads 8 wide (None in OLMo-hybrid's defaults: derived from h there, left so)
+_SMALL_DELTA = {"linear_num_value_heads": 4, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_key_head_dim": 8}
+
 # a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),
 # unlike the shrunk defaults so that the reader must take them
 _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
@@ -92,6 +97,8 @@ def _shrink(data: dict) -> dict:
             out[k] = _shrink(v)
     if "time_step_limit" in data:
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)})
+    if "linear_num_value_heads" in data:
+        out.update({k: v for k, v in _SMALL_DELTA.items() if isinstance(data.get(k), int)})
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0

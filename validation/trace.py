@@ -49,6 +49,11 @@ The trace is refused (``TraceRefused``) when it is not valid for every s and b:
 * a size that is not a polynomial in s and b, or a forward that depends on tensor values
   (data-dependent control flow or sizes).
 
+Two kinds of code pin s whatever the tracer does, and are traced at concrete (s, b) instead, their saves fitted as
+polynomials and checked at a held-out (s, b) (validation/trace_fit.py ``fit_step``): the gated delta rule's Python loop
+over the chunks of s (Qwen3-Next, Qwen3.5, OLMo-hybrid: s a multiple of 64) and a buffer sliced to s (GPT-Neo, GPT-1,
+MPT); such a trace has no backward moments, and its conditions say it was fitted.
+
 Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
 the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges
 (s, b >= 2 always: torch specialises sizes 0 and 1, so a trace never covers b = 1, where a few
@@ -105,6 +110,7 @@ from . import trace_mamba1 as mamba1_  # noqa: E402
 from .trace_config import (IMPLS, KERNELS, build_model, config_sha256, decoder_layers_path, hf_config,  # noqa: E402
                            load_config, num_hidden_layers, scan_chunk)
 from .trace_cuda import SDPA_ORDER  # noqa: E402
+from .trace_fit import fit_step, fitted_run  # noqa: E402
 from .trace_inventory import inventory_from_saves, moments_sections  # noqa: E402
 from .trace_poly import TraceRefused, poly_text  # noqa: E402
 from .trace_run import symbolic_run  # noqa: E402
@@ -144,6 +150,9 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         raise ValueError(f"kernels must be one of {KERNELS}")
     cfg = load_config(config)
     mamba1_.check(cfg, kernels)  # Mamba-1 mixers: CUDA's kernels stood in (validation/trace_mamba1.py)
+    # a gated DeltaNet's loop over the chunks of s, a buffer sliced to s: saves fitted (trace_fit.py)
+    fit_chunk, fit_multiple = fit_step(cfg)
+    moments = moments and fit_chunk == 1
     # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
     # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
     key = config_sha256(cfg)
@@ -160,9 +169,12 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         if progress is not None and not holder.get("told"):
             holder["told"] = True
             kinds = f" ({len(holder['kinds'])} kind{'s' * (len(holder['kinds']) > 1)})" if compose else ""
-            progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) with symbolic s and b: "
+            how = ("at concrete s and b, fitted (s pinned by a Python loop or a slice)" if fit_chunk > 1 else
+                   "with symbolic s and b")
+            progress(f"tracing {cfg['model_type']} ({impl}, {kernels} kernels) {how}: "
                      f"{len(holder['index'])} of {n} decoder layers{kinds}, the embedding, head and loss; "
-                     f"forward and backward{', then with gradient checkpointing' if moments else ''}")
+                     f"{'forward' if fit_chunk > 1 else 'forward and backward'}"
+                     f"{', then with gradient checkpointing' if moments else ''}")
         return model
 
     def make_inputs(s, b):
@@ -188,7 +200,16 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         sampled[:] = out.get("sampled", [])
         return out
 
-    runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
+    if fit_chunk > 1:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
+            built = build()
+        runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa,
+                           fit_multiple)]
+    else:
+        runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]
     conditions = list(dict.fromkeys(c for r in runs for c in r["conditions"]))
     num_layers, path = holder["layers"], holder["path"]

@@ -101,7 +101,7 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
         tracking = _tracking(model, saves, named, step, polys_conditions, run) if step else contextlib.nullcontext()
         with eager_decisions(), saves.recording(aten=not step), tracking as live:
             with with_python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
-                    (cuda.norm_stats() if cuda else contextlib.nullcontext()), _data_dependence_refused():
+                    (cuda.norm_stats() if cuda else contextlib.nullcontext()), data_dependence_refused():
                 # the inputs live as long as the model's code keeps them (a training loop's batch dies with its step)
                 loss = forward(model, *make_inputs(sizes["s"], sizes["b"]))
                 if step:
@@ -219,7 +219,7 @@ def _flag_reruns(layer, live) -> None:
 
 
 @contextlib.contextmanager
-def _data_dependence_refused():
+def data_dependence_refused():
     """Control flow or sizes that depend on tensor values cannot be traced symbolically: refuse."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import signal
 import sys
 import tempfile
@@ -46,8 +47,6 @@ _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sL
 # (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
 _MAMBA1 = ("transformers' torch path of a Mamba-1 mixer loops over s, which a symbolic trace cannot follow: estimated "
            "with mamba-ssm's CUDA kernels' saves stood in (--device cuda; derived, no CPU run to compare)")
-_DELTA = ("gated DeltaNet linear-attention layers (flash-linear-attention's chunked delta rule) beside full attention: "
-          "not modelled")
 _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_config.TEXT_MODELS: Gemma 3, Gemma 4, "
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
@@ -56,7 +55,8 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
-    "bailing_hybrid": ("estimate", _DELTA),
+    "bailing_hybrid": ("estimate", "Kimi Delta Attention (a gated delta rule with a per-channel forget gate, "
+                                   "f_proj) beside latent attention with a per-head gate: not read"),
     "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
@@ -92,8 +92,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "git": ("estimate", _MULTIMODAL),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),
-    "gpt_neo": ("trace", "GPTNeoSelfAttention slices its causal-mask buffer, max_position_embeddings wide: the trace "
-                         "specialises s to that width (TraceRefused)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
     "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
@@ -122,22 +120,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                        "with a decoder bias"),
     "moshi": ("estimate", _MULTIMODAL),
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
-    "mpt": ("trace", "MptAttention slices its ALiBi bias, max_seq_len wide, from max(0, max_seq_len - s): a symbolic "
-                     "s cannot be compared with max_seq_len"),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
-    "olmo_hybrid": ("estimate", _DELTA),
-    "openai-gpt": ("trace", "GPT-1's Attention slices its causal-mask buffer, n_positions wide, to s x s: the trace "
-                            "specialises s"),
     "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ONES_MASK),
     "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
-    "qwen3_5": ("estimate", _DELTA),
-    "qwen3_5_moe": ("estimate", _DELTA),
-    "qwen3_5_moe_text": ("estimate", _DELTA),
-    "qwen3_5_text": ("estimate", _DELTA),
-    "qwen3_next": ("estimate", _DELTA),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
@@ -249,9 +237,20 @@ def trace_row(row: Row, config: dict, s: int = 32, b: int = 2, cpu_limit_s: floa
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
     row.traced = True
-    predicted = bucket_bytes(TracedFile.model_validate(data), s, b)
+    traced = TracedFile.model_validate(data)
+    s = measured_s(traced, s)
+    predicted = bucket_bytes(traced, s, b)
     row.measured = predicted == measured_buckets(walker.measure(config, s, b))
     return row
+
+
+def measured_s(traced: TracedFile, s: int) -> int:
+    """The s a trace is checked at: ``s``, or the least s its conditions allow when they need a multiple of a chunk
+    ("s % m == 0", "s >= n": a gated DeltaNet's fitted trace, 2 chunks of 64)."""
+    multiple = max([int(c.split("%")[1].split("==")[0]) for c in traced.conditions
+                    if re.fullmatch(r"s % \d+ == 0", c)] or [1])
+    least = max([int(c.split(">=")[1]) for c in traced.conditions if re.fullmatch(r"s >= \d+", c)] or [s])
+    return s if s % multiple == 0 and s >= least else max(least, multiple * -(-s // multiple))
 
 
 def walk(trace: str = "none", only: Optional[list[str]] = None, progress: Any = None,
@@ -304,7 +303,8 @@ def summary(rows: list[Row]) -> list[str]:
     measured = [r for r in rows if r.measured]
     out = [f"{len(rows)} causal-LM architectures; {sum(r.built is True for r in rows)} built from their config "
            f"defaults, shrunk; {len(estimated)} estimated by memplan, {len(exact)} with transformers' exact parameter count; "
-           f"{len(traced)} traced; {len(measured)} traces equal to a real CPU run's saved bytes (s = 32, b = 2)"]
+           f"{len(traced)} traced; {len(measured)} traces equal to a real CPU run's saved bytes (s = 32, b = 2; a fitted "
+           f"trace's at s = 128: measured_s)"]
     return out + [row_line(r) for r in rows]
 
 

@@ -1,6 +1,7 @@
 """A hybrid model's layer layout (ModelSpec.layer_pattern, issue 22): the blocks each pattern character stands for
-(``LAYER_BLOCKS``), their count over a model (``layer_blocks``) and the checks that involve the pattern and the
-mixers' fields alone (``check_hybrid``, called by ModelSpec's validator)."""
+(``LAYER_BLOCKS``), their count over a model (``layer_blocks``), a gated DeltaNet's parameter counts
+(``delta_counts``) and the checks that involve the pattern and the mixers' fields alone (``check_hybrid``, called by
+ModelSpec's validator)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ from typing import Any
 
 # A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
 # mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated
-# short convolution (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers);
-# each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba: ModelSpec.ssm_dt_rank,
-# ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's shared attention + MLP
-# block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
+# short convolution, "delta" a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid: memplan/presets/hf_linear_attention.py)
+# (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers, Qwen3-Next's
+# mlp_only_layers); each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba:
+# ModelSpec.ssm_dt_rank, ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's
+# shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
                 "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
-                "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "dense", "moe", "norm")
+                "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm"),
+                "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -28,6 +31,23 @@ def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
         for block in LAYER_BLOCKS[c]:
             out[block if block != "ffn" else "moe" if is_moe else "dense"] += 1
     return out
+
+
+def delta_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """A gated DeltaNet's parameters (layer_pattern D / d; transformers Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet,
+    OlmoHybridGatedDeltaNet) as (group, count, split by tensor parallelism), with H = ssm_heads value heads of d_v =
+    ssm_head_dim (V = H d_v) and ssm_groups key heads of ssm_state_size (K): the input projections h x (2 K + 2 V + 2 H)
+    (q, k, v, the output gate z, beta and the decay a: in_proj_qkvz + in_proj_ba, or one linear each), the depthwise
+    conv1d over 2 K + V channels, dt_bias and A_log (H each), the gated RMSNorm d_v wide (one weight for every head) and
+    out_proj V x h; no biases (memory/states.py makes them the "delta" scope's groups)."""
+    if not any(c in model.layer_pattern or "" for c in "Dd"):
+        return []
+    H, dv, k, h = model.ssm_heads, model.ssm_head_dim, model.ssm_groups * model.ssm_state_size, model.hidden_size
+    v = H * dv
+    return [("DeltaNet input projections", h * (2 * k + 2 * v + 2 * H), True),
+            ("DeltaNet convolution", (2 * k + v) * (model.ssm_conv_kernel + model.ssm_conv_bias), True),
+            ("DeltaNet heads' dt_bias, A_log", 2 * H, True), ("DeltaNet gated norm", dv, False),
+            ("DeltaNet output projection", v * h, True)]
 
 
 def check_hybrid(model: Any) -> None:
@@ -41,19 +61,22 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPM") and model.ssm_heads is None:
-        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M): they need ssm_heads")
+    if any(c in pattern for c in "SPMDd") and model.ssm_heads is None:
+        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M) or gated DeltaNets (D, d): they need ssm_heads")
+    if any(c in pattern for c in "SPM") and any(c in pattern for c in "Dd"):
+        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M) and gated DeltaNets (D, d) share the ssm_* widths: "
+                         "one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPM"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMDd"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
-                         "needs them (Mamba-2 mixers S, P, M beside them are not modelled)")
+                         "needs them (Mamba-2 mixers S, P, M or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:
         raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
-    if any(c in pattern for c in "acj") and not model.is_moe:
-        raise ValueError("layer_pattern's a / c / j put a dense MLP beside a mixture-of-experts model's experts: they "
-                         "need num_experts (else write A / C / J)")
+    if any(c in pattern for c in "acjd") and not model.is_moe:
+        raise ValueError("layer_pattern's a / c / j / d put a dense MLP beside a mixture-of-experts model's experts: "
+                         "they need num_experts (else write A / C / J / D)")
     if model.bias or model.moe_first_dense_layers or model.is_mla:
         raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
                          "or latent attention (the pattern places the MLPs: - dense, E experts)")

@@ -41,6 +41,9 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.titan_moe import DENSE_FFN
 from memplan.inventory.types import Moment, Term, transient
 
+# the moment of FSDP2's reduce-scatter copy-in ending a layer's backward (the layer resharded: memory/dp_stack.py TITAN_HELD)
+REDUCE_SCATTER = "fsdp_reduce_scatter"
+RS_HELD_ID = "rs_held"  # the previous unit's reduce-scatter input held in a layer's backward (its terms' id prefix)
 # the tensors selective-op keeps that its recompute hands on or frees: freed at every layer-backward moment
 SEL_HANDED_ON = ("wqkv.out", "wo.rs", "w2.out", "w2.rs")
 TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live storages after every op "
@@ -66,8 +69,8 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
 
     matrices = q * h + 2 * g * d * h + q * h + 3 * h * f
     norms = 2 * h + (2 * d if model.qk_norm else 0)
-    held = (transient("rs_held", "FSDP2's fp32 reduce-scatter input of the layer back-propagated before, kept until "
-                      "this one's post-backward (at the last layer the final norm + LM head's: not modelled)",
+    held = (transient(RS_HELD_ID, "FSDP2's fp32 reduce-scatter input of the layer back-propagated before, kept until "
+                      "this one's post-backward (at a stage's last layer the final norm + LM head's: memory/timeline.py)",
                       f"{matrices}", "fp32", tp=True, src=RS_HELD),
             transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD))
     moments = [Moment("swiglu_backward", "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's",
@@ -97,7 +100,7 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
                           "layer", attention + held, ffn + SEL_HANDED_ON, source=TRACED))
-    moments.append(Moment("fsdp_reduce_scatter", "layer backward done: FSDP2's reduce-scatter of its gradients",
+    moments.append(Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients",
                           "backward", "layer", (
                               transient("grad_input", "gradient of the layer input (sequence-sharded under TP)",
                                         f"{h} s b", sp=True, src=DERIVED),

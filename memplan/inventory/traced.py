@@ -319,7 +319,7 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
 
 
 # what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
-# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C) and Mamba-1 mixers (1, J, j, Z)
+# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z) and gated DeltaNets (D, d)
 _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
                   "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
@@ -331,7 +331,13 @@ _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers'
                  ("1JjZ", "its Mamba-1 mixers' activations are what mamba-ssm's and causal-conv1d's CUDA kernels save "
                   "(mamba_inner_fn; Jamba, Zamba: causal_conv1d_fn, selective_scan_fn), derived from their source and "
                   "stood in while tracing (validation/trace_mamba1.py; s a multiple of the scan's 2048-token chunk), not "
-                  "measured; transformers' torch path (a loop over s) is not modelled"))
+                  "measured; transformers' torch path (a loop over s) is not modelled"),
+                 ("Dd", "its gated DeltaNet layers' activations are what transformers' torch path saves (causal_conv1d_fn's "
+                  "and torch_chunk_gated_delta_rule's torch fallbacks, s padded to chunks of 64; its Python loop over the "
+                  "chunks is traced at concrete s and b and fitted: validation/trace_fit.py, the fit's points in the "
+                  "trace's conditions); on CUDA, transformers runs flash-linear-attention's chunk_gated_delta_rule and "
+                  "causal-conv1d's kernels when they are installed, which save other tensors: not modelled; the "
+                  "step's transients are the Llama layout's, derived (the fitted trace has no backward moments)"))
 
 
 def hybrid_note(model: ModelSpec) -> str:

@@ -1,6 +1,6 @@
 """The data-parallel stack of an HF Trainer / accelerate run: FSDP2 (accelerate `fsdp_version: 2`) or DeepSpeed ZeRO
-1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, the running and prefetched
-layers and the final norm + LM head unsharded in bf16; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
+1 / 2 / 3; and torchtitan's FSDP2 (--impl torchtitan: fp32 shards, no bf16 sharded copy, its units unsharded in bf16
+by phase of the step, `TITAN_HELD`; memplan/inventory/titan.py fsdp2_states). The sharding itself is memplan's ZeRO (memplan/memory/states.py: stage 1 the master weights and moments,
 2 also the gradients, 3 also the weights, over the d data-parallel ranks); what a stack adds on top is here.
 
 All of it is derived from the stacks' code, not measured (CPU runs of these stacks cannot measure a CUDA allocator):
@@ -137,6 +137,45 @@ def titan_pipelined(training: TrainingSpec, p: Any, params: Any, gathered: Any) 
     return on * params + (1 - on) * gathered, on * 4 * params
 
 
+# torchtitan without PP, untied embeddings: FSDP2's units unsharded (in the weights' dtype) at each phase of the step.
+# Measured over gloo (validation/titan_step.py, tests/test_titan_step.py): inside a layer's forward the layer and its
+# flat all-gather output (two layers' bytes); at the loss the final norm + LM head only (the root's post-forward frees
+# the last all-gather output; the head is not resharded after its forward); in the head's backward the head and the
+# last layer, prefetched by the head's pre-backward (measured at the final norm's backward; the LM head's own backward
+# derived from the same hook order); inside a layer's backward the layer and the one prefetched (at the first layer
+# the embedding); at its reduce-scatter only the prefetched one (the layer resharded first); in the embedding's
+# backward the embedding; at the optimizer step nothing.
+TITAN_HELD = {"forward": ("layer", "layer"), "loss": ("tail",), "head": ("tail", "layer"),
+              "layer": ("layer", "layer"), "first layer": ("layer", "embedding"),
+              "reduce-scatter": ("layer",), "first reduce-scatter": ("embedding",),
+              "embedding": ("embedding",), "optimizer": ()}
+
+
+def titan_regather(held: list[str], phase: str) -> tuple[list[bool], list[str]]:
+    """Of the units `held` (names), which stay in flight at `phase` (`TITAN_HELD`), and the units all-gathered anew."""
+    want, stay = list(TITAN_HELD[phase]), []
+    for unit in held:
+        stay.append(unit in want)
+        if stay[-1]:
+            want.remove(unit)
+    return stay, want
+
+
+def titan_units(training: TrainingSpec, model: ModelSpec, layer: Any, tail: Any, embedding: Any, p: Any,
+                t: Any = 1) -> Optional[dict[str, Any]]:
+    """FSDP2's units in bytes (a decoder layer as gathered: float8 tensorwise in float8, `gathered_params`; the tail:
+    final norm + LM head; the input embedding) and ``on`` (1 where p = 1), for `TITAN_HELD`; ``tail_rs`` the tail's
+    reduce-scatter input, which torch 2.13's post_backward keeps through the last layer's backward (measured, as a
+    layer's through the next layer's: memplan/inventory/titan_moments.py rs_held); None outside torchtitan and with
+    tied embeddings (the tail then shares the embedding: counted all step, derived)."""
+    if training.dp_stack != "torchtitan" or model.tied_embeddings:
+        return None
+    if training.float8 == "tensorwise":
+        layer = gathered_layer(model, layer, t)
+    wb = training.weight_bytes  # tail_rs: the tail's fp32 reduce-scatter input (MixedPrecisionPolicy reduce fp32)
+    return {"layer": layer * wb, "tail": tail * wb, "embedding": embedding * wb, "tail_rs": 4 * tail, "on": 1 * (p == 1)}
+
+
 def sharded_weight_bytes(training: TrainingSpec) -> int:
     """Bytes per parameter of the sharded weights beside the optimizer's copy: torchtitan's FSDP2 keeps only the fp32
     sharded parameters (the optimizer steps them: counted as the master weights) and all-gathers bf16 from them."""
@@ -158,9 +197,11 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: in
                 f"data_parallel_replicate_degree; 16 B / {shard} per parameter")
         return ["torchtitan FSDP2 (fully_shard per decoder layer, bf16 params / fp32 reduce): fp32 sharded parameters, "
                 f"gradients and AdamW moments over {over}; dim-0 padding not "
-                "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights are "
-                "the running layer (measured), the next one prefetched (derived: a GPU all-gathers ahead) and the final "
-                "norm + LM head, kept from their forward to their backward (measured); with them each layer's RoPE "
+                "counted), measured over gloo on 2 ranks; the unsharded bf16 parameters counted with the weights follow "
+                "FSDP2's units by phase (measured in a whole step over gloo): two layers inside a layer (its own and its "
+                "all-gather output or the prefetched one; the embedding at the first layer's backward), the final norm + "
+                "LM head alone at the loss, none at the optimizer step (tied embeddings: two layers and the head all step, "
+                "derived); with them each layer's RoPE "
                 "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3: "
                 "measured, Llama 3's in a whole training step over gloo)"]
     if training.dp_stack == "fsdp2":

@@ -201,3 +201,19 @@ def stage_layers(stage: Any, p: Any, num_layers: Any, first: Any = None, last: A
 def interleaving_factor(p: int, m: int) -> float:
     """K22's first-stage factor 1 + (p - 1)/(p m) (1 when m = 1: no interleaving)."""
     return 1.0 if m == 1 else 1 + (p - 1) / (p * m)
+
+
+def walked_pair(order: list[tuple[str, int, int]], is_first: Any, is_last: Any, m: int) -> set[int]:
+    """Positions in `order` (`schedule`) of the (forward, backward) pair the step timeline walks: the last of the
+    steady state (a backward right after a forward, every in-flight chunk alive) whose backward is of the chunk with
+    the embedding (first stage, with the most embedding activations alive) or the loss (last stage)."""
+    alive: set = set()
+    best = (-1, 0)
+    for i, (what, mb, c) in enumerate(order):
+        if what == "F":
+            alive.add((mb, c))
+            continue
+        if i and order[i - 1][0] == "F" and (not is_first or c == 0) and (not is_last or c == m - 1):
+            best = max(best, (sum(1 for x in alive if x[1] == 0), i))
+        alive.discard((mb, c))
+    return {best[1] - 1, best[1]}

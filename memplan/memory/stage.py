@@ -58,6 +58,15 @@ class StageMemory:
     gathered: Any = 0  # of `states.weights`, ZeRO-3's unsharded parameters in flight (bytes; dp_stack.gathered_params)
     held: Optional[list] = None  # multi-stage schedules: (micro-batch, chunk) sets of each chunk held at the peak
     extra_terms: tuple = ()  # terms beyond the inventory's (a split backward's I -> W gradients)
+    units: Optional[dict] = None  # torchtitan without PP: FSDP2's units in bytes (dp_stack.titan_units)
+
+    def in_flight(self, phase: str) -> Any:
+        """Of `gathered`, the unsharded parameters alive at `phase` (dp_stack.TITAN_HELD); all of it all step without
+        `units`, and where p > 1."""
+        if self.units is None:
+            return self.gathered
+        on = self.units["on"]
+        return on * sum((self.units[u] for u in dp_stack.TITAN_HELD[phase]), 0) + (1 - on) * self.gathered
 
     @property
     def weights(self) -> Any:
@@ -126,6 +135,9 @@ def stage_memory(
     gathered = one_layer if gathered is None else gathered
     # torchtitan with PP: the stage's parameters unsharded all step, their gradients accumulated unsharded in fp32
     gathered, accumulated = dp_stack.titan_pipelined(training, plan.p, params, gathered)
+    embedding = sum((sizes.group(g) for g in param_groups(model) if g.scope == "first"), 0)
+    units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2), embedding,
+                                 plan.p, plan.t)
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, params, tensors))
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
@@ -152,7 +164,7 @@ def stage_memory(
         on_gpu, host = split_optimizer(training, states.optimizer)
         states = StateBytes(states.weights, states.gradients, on_gpu)
     return StageMemory(stage, layers, params, term_bytes, unit_bytes, working, activations, states, sizes, tensors,
-                       host, experts, trained, in_flight, held, zb_terms)
+                       host, experts, trained, in_flight, held, zb_terms, units)
 
 
 def multi_counts(model: ModelSpec, terms: tuple[Term, ...], plan: PlanValues, stage: int, sizes: TermBytes,

@@ -11,11 +11,11 @@ first stage, the batch and the loss in the last chunk of the last stage), the op
 workspaces at the first forward and the first backward matmul (one per thread, kept). ZeRO-3's unsharded parameters in
 flight (`StageMemory.gathered`, memplan/memory/dp_stack.py) are all-gathered at the first forward as units of one
 layer's parameters (the rest of the count one block) and stay the timeline's bytes all step: at each layer's forward and
-backward the oldest unit is freed and a new one gathered. LoRA (peft): the frozen base (QLoRA's linears in NF4), then
-the fp32 adapters, which alone get .grad tensors and states (memplan/memory/stream_params.py). Context parallelism: the
-cp buffers as the timeline's moments (memplan/memory/parallel.py cp_moments). AdamW makes exp_avg and exp_avg_sq LAZILY
-in the first step's optimizer call; torch .grad tensors (transformers) appear at their first write in the backward,
-zero_grad frees them.
+backward the oldest unit is freed and a new one gathered (torchtitan without PP: its units by phase, dp_stack.TITAN_HELD).
+LoRA (peft): the frozen base (QLoRA's linears in NF4), then the fp32 adapters, which alone get .grad tensors and states
+(memplan/memory/stream_params.py). Context parallelism: the cp buffers as the timeline's moments (memplan/memory/parallel.py
+cp_moments). AdamW makes exp_avg and exp_avg_sq LAZILY in the first step's optimizer call; torch .grad tensors
+(transformers) appear at their first write in the backward, zero_grad frees them.
 
 Derived, not measured: the step timeline (memplan/memory/timeline.py) counts bytes by kind; the stream picks the
 per-tensor order of the real code that reproduces them at every timeline event: autograd's (saved tensors in forward
@@ -46,9 +46,11 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
+from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment, Term
+from memplan.memory.dp_stack import titan_regather
 from memplan.memory.parallel import cp_moments
-from memplan.memory.pipeline import schedule
+from memplan.memory.pipeline import schedule, walked_pair
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.dp_stack import shard_bytes
@@ -120,6 +122,9 @@ class _Run:
         self.tied_waits = bool(model.tied_embeddings and inv.tied_grad_waits and plan.p == 1)
         self.have_grads, self.grad_ids = False, {}  # .grad tensors exist (made earlier in this step); their ids
         self.gathered, self.in_flight = int(mem.gathered), []  # ZeRO-3's unsharded parameters; their units' ids
+        # torchtitan without PP: FSDP2's units held by phase (dp_stack.TITAN_HELD), (unit, id) each
+        self.units = mem.units if mem.units is not None and mem.units["on"] else None
+        self.holding, self.phase = [], "optimizer"
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
                                             self.is_last)
@@ -168,9 +173,13 @@ class _Run:
         self._mark(at)
         self._free(extra)
 
-    def _transients(self, m: Moment, recomputed: bool, label: str) -> list:
-        return [i for t in m.transients if not t.only_full or (recomputed and self.is_full)
-                for i in self._term(t, "transient", f"{m.name}, {label}")]
+    def _transients(self, m: Moment, recomputed: bool, label: str, head_rs: bool = False) -> list:
+        """A moment's transients; `head_rs`: the held reduce-scatter input is the tail's (the timeline's last layer)."""
+        ts = [t for t in m.transients if (not t.only_full or (recomputed and self.is_full))
+              and not (head_rs and t.id.startswith(RS_HELD_ID))]
+        n = int(self.units["tail_rs"]) if head_rs and len(ts) < len(m.transients) else 0
+        tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
+        return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -193,10 +202,22 @@ class _Run:
         if rest > 0:
             self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
 
+    def _hold(self, phase: str, roll: bool = False) -> None:
+        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather;
+        `roll`: a new layer's, every layer unit re-made)."""
+        if self.units is not None:
+            self.phase = phase
+            stay, new = titan_regather([u * (not roll or u != "layer") for u, _ in self.holding], phase)
+            self._free([i for (_, i), kept in zip(self.holding, stay) if not kept])
+            self.holding = [h for h, kept in zip(self.holding, stay) if kept] + [
+                (u, self._alloc(n, n, "parameter", f"unsharded parameters ({u})")) for u in new if (n := int(self.units[u]))]
+
     def _roll(self, j: int) -> None:
         """Layer j gathered: the oldest unit in flight freed (resharded), a new one all-gathered (the same size, so the
         bytes alive at every timeline point stay the timeline's)."""
-        if self.gathered and self.in_flight[0] is not None:
+        if self.units is not None:
+            self._hold(self.phase, roll=True)
+        elif self.gathered and self.in_flight[0] is not None:
             old = self.in_flight.pop(0)
             self._free([old])
             n = self.unit_size
@@ -260,7 +281,7 @@ class _Run:
                               for i in self._term(t, "saved_activation", label)],
                     "chunk": {}, "layers": {}, "last": {}}
         self._workspace(1)
-        if self.gathered and not self.in_flight:
+        if self.gathered and not self.in_flight and self.units is None:
             self._gather_all()
         self._fill(st["chunk"], self.chunk_terms, tuple(range(len(self.chunk_terms))), label)
         for j in range(1, self.n + 1):
@@ -279,6 +300,7 @@ class _Run:
         for at, m in self.loss_moments:
             target = tuple(i for i, t in enumerate(self.last_terms) if t.id not in m.freed)
             self._drop(st["last"], set(target))
+            self._hold("head" if m.grads else "loss")
             early = tuple(i for i in target if self.last_terms[i].id not in m.made_after)
             self._fill(st["last"], self.last_terms, early, label)
             handed = self._loss_point(m, at, label, creating, handed,
@@ -311,6 +333,7 @@ class _Run:
 
     def _layer_forward(self, j: int, rc: bool, layer: dict, where: str) -> None:
         self._roll(j)
+        self._hold("forward")
         if rc and self.is_full:
             self._checkpointed(layer, (), f"checkpointed forward, {where}")
         for m in self.fwd_moments:
@@ -360,6 +383,7 @@ class _Run:
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
         self._free(st["held"])
+        self._hold("embedding")
         self._pay(owed, wait)
         for site in self.sites if creating else ():  # the embedding's, and any no moment named (the timeline's)
             self._ensure_site(site)
@@ -390,12 +414,14 @@ class _Run:
                 chunk = self.chunk_alive[m.id] = tuple(i for i, t in enumerate(self.chunk_terms) if t.id not in m.freed)
             self._drop(layer, set(target))
             self._drop(chunk_alive, set(chunk))
+            self._hold("first " * (j == 1 and self.is_first) + ("reduce-scatter" if m.id == REDUCE_SCATTER else "layer"))
             self._pay(owed, wait)
             self._fill(chunk_alive, self.chunk_terms, chunk, label)
             if rc and self.is_full and set(layer) <= set(self.stored[rc]):  # nothing re-made yet: re-run the forward
                 self._checkpointed(layer, target, f"recomputed, {where}")
             self._fill(layer, self.layer_terms, target, where)
-            self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(m, rc, where))
+            self._point(self._moment_grads(m, c * self.n + j, creating) + self._transients(
+                m, rc, where, self.units is not None and j == self.n and self.is_last))
         self._drop(layer, ())
 
     def _pay(self, owed: list, wait: int) -> None:
@@ -414,6 +440,7 @@ class _Run:
 
     # -- the run -----------------------------------------------------------------------------------------------
     def _optimizer(self, first: bool) -> None:
+        self._hold("optimizer")
         # AdamW's moments, in the first step: tensor by tensor, each tensor's states in turn (torch's _init_group,
         # apex / TE FusedAdam alike: exp_avg then exp_avg_sq of one parameter, then the next parameter's)
         for name, n in (r for rows in zip_longest(*self.lazy) for r in rows if r is not None and first):
@@ -428,21 +455,6 @@ class _Run:
             self._free([i for ids in self.grad_ids.values() for i in ids])
             self.grad_ids, self.have_grads = {}, False
 
-    def _walked(self, order: list) -> set:
-        """The (forward, backward) pair the timeline walks: the last of the steady state (a backward right after a
-        forward, every in-flight chunk alive) whose backward is of the chunk with the embedding (first stage,
-        with the most embedding activations alive) or the loss (last stage)."""
-        alive: set = set()
-        best = (-1, 0)
-        for i, (what, mb, c) in enumerate(order):
-            if what == "F":
-                alive.add((mb, c))
-                continue
-            if i and order[i - 1][0] == "F" and (not self.is_first or c == 0) and (not self.is_last or c == self.m - 1):
-                best = max(best, (sum(1 for x in alive if x[1] == 0), i))
-            alive.discard((mb, c))
-        return {best[1] - 1, best[1]}
-
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspaces = 0
@@ -451,7 +463,7 @@ class _Run:
             self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
         self._build()
         order = schedule(self.stage, int(self.plan.p), self.m, self.M, self.plan.schedule)
-        walked = self._walked(order)
+        walked = walked_pair(order, self.is_first, self.is_last, self.m)
         pairs = [i for i in range(len(order) - 1) if order[i][0] == "F" and order[i + 1][0] == "B"]
         periods: list[tuple[int, int]] = []  # the steady state's (forward, backward) pairs, where a replay may repeat
         for step in range(1, steps + 1):

@@ -1,6 +1,6 @@
 """The peak of a training step: the bytes alive after each event of one step on one GPU of a pipeline stage, from
-the inventory (saved terms and the moments their code peaks at), the states and the training loop; and what the device
-needs beyond PyTorch's allocator.
+the inventory (saved terms and the moments their code peaks at), the states and the training loop (what the device
+needs beyond the tensors: memplan/memory/device.py).
 
 One step on a stage, walked for the micro-batch whose backward comes first in the steady state
 (1F1B: the stage then holds every in-flight model chunk), layer position j = 1..n of its chunk:
@@ -34,10 +34,9 @@ from typing import Any, Optional
 
 from memplan.core.arith import maximum, minimum
 from memplan.core.model import ModelSpec
-from memplan.core.specs import GpuSpec
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
-from memplan.inventory.step_order import runs_traced
+from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment
 from memplan.memory import optimizers
 from memplan.memory.adapters import adapter_bytes, adapter_groups
@@ -249,12 +248,15 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
               else [j + 1 for j in range(int(n))])
     buffer_grads = all_grads if buffer else 0
 
-    fixed = states.weights + states.optimizer
+    # the weights less ZeRO-3's unsharded parameters in flight, which torchtitan's FSDP2 holds by phase (StageMemory.in_flight)
+    sharded = states.weights - stage_mem.gathered
 
-    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = True) -> None:
-        parts = dict(weights=states.weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
+    def event(phase: str, layer: Any, name: str, gradients: Any, saved: Any, transient: Any, on: Any = True,
+              held_at: Any = "forward") -> None:
+        weights = sharded + (stage_mem.in_flight(held_at) if isinstance(held_at, str) else held_at)
+        parts = dict(weights=weights, optimizer=states.optimizer, gradients=gradients, saved=saved,
                      transient=transient)
-        total = fixed + gradients + saved + transient
+        total = weights + states.optimizer + gradients + saved + transient
         if isinstance(on, bool):  # the stage-dependent moments (loss: last stage only)
             parts, total = (parts, total) if on else ({k: 0 for k in parts}, 0)
         else:
@@ -277,7 +279,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         freed = sum((term_bytes[t.id] for t in last_terms if t.id in m.freed), 0)
         event(m.phase, None, m.name, grads_fwd + grads_of(m),
               others + kept_upto(n, tune_loss_stash(inventory.terms)) + last_cur - freed, held + transient_bytes(m),
-              is_last)
+              is_last, "head" if m.grads else "loss")  # FSDP2's head unit: its backward prefetches the last layer
     # backward, layer by layer
     # a layer's saved bytes alive at each moment: not recomputed, fully recomputed, selectively
     alive_sums = {m.id: _alive_sums(layer_terms, term_bytes, m) for m in layer_moments}
@@ -285,6 +287,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # whose last user is done)
     chunk_freed = {m.id: sum((term_bytes[t.id] * t.kept(rec) for t in chunk_terms if t.id in m.freed), 0)
                    for m in layer_moments}
+    units = stage_mem.units
+    rs_layer = {m.id: sum((sizes(t) for t in m.transients if t.id.startswith(RS_HELD_ID)), 0) for m in layer_moments}
     for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
         # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
@@ -295,9 +299,14 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
         on = True if (m.applies == "any" and at is True) else (on if at is True else on * at)
         plain, full, selective = alive_sums[m.id]
         alive = recomputed * (is_full * full + is_sel * selective + is_none * plain) + (1 - recomputed) * plain
+        first = (j == 1) * is_first  # FSDP2 prefetches the embedding in the first layer's backward, not a layer
+        done = "reduce-scatter" if m.id == REDUCE_SCATTER else "layer"
+        # the reduce-scatter input held through the last layer's backward is the head's (torchtitan, p = 1)
+        rs = units["on"] * (j == n) * is_last * (units["tail_rs"] - rs_layer[m.id]) * (rs_layer[m.id] > 0) if units else 0
         event("backward", j, m.name, buffer_grads + grads_after(n - j) + grads_of(m) + waiting,
               others - chunk_freed[m.id] + (stored_rec * (j < n) if tune else kept_upto(j - 1)) + alive,
-              held + transient_bytes(m, recomputed) + unpacked_weight, on)
+              held + transient_bytes(m, recomputed) + unpacked_weight + rs, on,
+              first * stage_mem.in_flight(f"first {done}") + (1 - first) * stage_mem.in_flight(done))
     # embedding backward (first stage): every gradient made, this chunk's layers gone; the gradient
     # arriving at the embedding and its dense weight gradient (with a buffer: before the hook;
     # tied and waiting: plus the head's gradient and their out-of-place sum)
@@ -316,11 +325,11 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
               "AdamW)", kept, 0, 2 * largest)
         return _peak_of(events, persistent, 2 * largest)
     event("backward", None, "embedding backward (all gradients made)", all_grads, others - chunk_cur,
-          emb_extra * is_first)
+          emb_extra * is_first, held_at="embedding")
     # optimizer step: no activations (the step's micro-batches are done)
     temp = _optimizer_temporaries(training, inventory, stage_mem, plan)
     event("optimizer", None, f"optimizer step ({optimizer_impl(training, inventory)} "
-          f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp)
+          f"{OPTIMIZER_NAMES[training.optimizer]})", all_grads, 0, temp, held_at="optimizer")
     return _peak_of(events, persistent, temp)
 
 
@@ -427,74 +436,3 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
 def most_loaded_stage(steps: list[StepPeak], stages: list[StageMemory]) -> int:
     """The stage whose GPU peaks highest (ties: the most retained at the first backward, then the earlier stage)."""
     return max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What the GPU needs for the step: the tensors' peak, the cuBLAS workspace beside them in
-    PyTorch's pool (together: torch.cuda.max_memory_allocated), the caching allocator's margin
-    above that and the memory outside PyTorch's pool."""
-
-    peak_bytes: Any  # the step timeline's peak (tensors)
-    workspace_bytes: Any
-    fragmentation_bytes: Any
-    runtime_bytes: Any
-    margin: float
-    # set when the caching allocator's replay (memory/reserved.py) reserved more than the margin: the margin's bytes
-    # the replayed fragmentation replaced (what search's vectorised bound counts)
-    margin_bytes: Any = None
-
-    @property
-    def allocated_peak(self) -> Any:
-        return self.peak_bytes + self.workspace_bytes
-
-    @property
-    def total(self) -> Any:
-        return self.allocated_peak + self.fragmentation_bytes + self.runtime_bytes
-
-    @property
-    def replayed(self) -> bool:
-        """The fragmentation is the caching allocator's replay, above the margin."""
-        return self.margin_bytes is not None
-
-    @property
-    def flat_total(self) -> Any:
-        """The total with the flat margin, before any replay: the bound search evaluates for every plan."""
-        margin = self.fragmentation_bytes if self.margin_bytes is None else self.margin_bytes
-        return self.allocated_peak + margin + self.runtime_bytes
-
-
-MAX_COMMUNICATORS = 5  # `communicators`: the tensor-, pipeline-, data-, context- and expert-parallel groups
-
-
-def communicators(plan: PlanValues) -> Any:
-    """NCCL communicators a rank of the plan creates: its tensor-, pipeline- and data-parallel
-    groups of more than one rank."""
-    return 1 * (plan.t > 1) + 1 * (plan.p > 1) + 1 * (plan.d > 1) + 1 * (plan.cp > 1) + 1 * (plan.ep > 1)
-
-
-def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec],
-                  margin: Optional[float] = None) -> DeviceMemory:
-    """The tensors' peak + the cuBLAS workspace, the GPU preset's margin on both (none with Inventory.stream_checked
-    and for plans whose stream is a traced order, step_order.runs_traced: the replay decides) and the runtime's own
-    memory (all from the GPU preset; none without a GPU)."""
-    if gpu is None:
-        m = margin or 0.0
-        return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes, m)
-    traced = runs_traced(inventory.step_order, plan) if inventory.step_order and margin is None else False
-    one = not getattr(traced, "ndim", 0) and bool(traced)  # one plan, a traced order's
-    m = (0.0 if inventory.stream_checked or one else gpu.fragmentation_margin) if margin is None else margin
-    extra = maximum(communicators(plan) - 1, 0) if inventory.runtime == "megatron" else communicators(plan)  # the
-    # megatron figure was measured with one communicator already in it
-    frag = fraction_bytes(peak_bytes + gpu.step_workspace_bytes, m)
-    return DeviceMemory(peak_bytes, gpu.step_workspace_bytes, frag - frag * traced,
-                        gpu.runtime_bytes.get(inventory.runtime) + extra * gpu.nccl_communicator_bytes, m)
-
-
-def fraction_bytes(n: Any, margin: float) -> Any:
-    """ceil(n * margin) in integers (margin to 1e-6), exact in int64 arrays too: with n = q 10^6 + r (0 <= r < 10^6),
-    ceil(n micro / 10^6) = q micro + ceil(r micro / 10^6), whose products stay within |n| and 10^12 (n micro
-    itself wraps past 2^63 from n ~ 9.2e12 at margin 1)."""
-    micro = round(margin * 1_000_000)
-    q, r = n // 1_000_000, n % 1_000_000
-    return q * micro - (-(r * micro) // 1_000_000)

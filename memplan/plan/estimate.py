@@ -43,8 +43,8 @@ from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.stream_traced import run_stream
 from memplan.presets.catalog import shipped_trace
-from memplan.memory.timeline import (DeviceMemory, StepPeak, device_memory, most_loaded_stage, optimizer_impl,
-                                     step_events)
+from memplan.memory.device import DeviceMemory, device_memory
+from memplan.memory.timeline import StepPeak, most_loaded_stage, optimizer_impl, step_events
 from memplan.timing.step import step_time
 
 
@@ -367,7 +367,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                          "workspace, reductions' staging)")
         plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
         for sym, least in inventory.traced_from:
-            if plan_values[sym] < least:
+            if plan_values[sym] < least and least > 2:  # a fitted trace (validation/trace_fit.py): its least s
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: the least s its saves "
+                             "were fitted from): its polynomials are used there, not checked against a run")
+            elif plan_values[sym] < least:
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
                              "loss's padded label id; tests/test_traced.py)")
@@ -377,8 +380,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                              f"mamba-ssm's scan keeps its states for {-(-plan_values[sym] // m):,} chunks of {m} tokens; "
                              f"the sizes at {sym} = {plan_values[sym]:,} are used (those states under-estimated)")
             elif plan_values[sym] % m:
-                notes.append(f"{sym} = {plan_values[sym]:,} is not a multiple of {m} (the trace's condition: a Mamba-2 "
-                             f"scan's chunk): transformers pads it to {-(-plan_values[sym] // m) * m:,} inside the scan; "
+                notes.append(f"{sym} = {plan_values[sym]:,} is not a multiple of {m} (the trace's condition: a chunk of "
+                             f"Mamba-2's scan or of the gated delta rule): transformers pads it to "
+                             f"{-(-plan_values[sym] // m) * m:,} inside the scan; "
                              f"the sizes at {sym} = {plan_values[sym]:,} are used (the scan's tensors under-estimated)")
     m = config.model
     if m.layer_pattern:

@@ -43,7 +43,8 @@ from memplan.memory.offload import host_bytes, offloads, per_node
 from memplan.memory.pipeline_multi import is_multi, one
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import device_memory, step_events
+from memplan.memory.device import device_memory
+from memplan.memory.timeline import step_events
 from memplan.plan.space import PlanSpace
 from memplan.timing.step import step_time
 

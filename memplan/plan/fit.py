@@ -20,7 +20,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.specs import GpuSpec
 from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import device_memory
+from memplan.memory.device import device_memory
 from memplan.plan.evaluate import Part
 from memplan.plan.space import PlanSpace
 

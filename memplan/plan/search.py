@@ -27,7 +27,7 @@ from memplan.inventory.assemble import training_inventory
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import MAX_COMMUNICATORS, device_memory, fraction_bytes
+from memplan.memory.device import MAX_COMMUNICATORS, device_memory, fraction_bytes
 from memplan.plan.estimate import device_bytes
 from memplan.plan.evaluate import (
     MEMORY_FIELDS,

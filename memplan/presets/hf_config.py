@@ -18,6 +18,7 @@ from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO
 from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, NOT_READ, is_decoder_note, position_start
 from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
+from memplan.presets.hf_linear_attention import LINEAR_TEXT_MODELS
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
@@ -124,7 +125,8 @@ _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / p
 # A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
 TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
                "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
-               "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+               "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+               **LINEAR_TEXT_MODELS}
 
 
 # Speculative-decoding drafters: every layer reuses the target model's K / V (no training run of their own to plan)

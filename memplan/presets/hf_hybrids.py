@@ -15,6 +15,7 @@ from typing import Any, Callable
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
+from memplan.presets.hf_linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTION_MOE
 from memplan.presets.hf_mamba1 import MAMBA1
 
 # transformers' layer-type names (and their legacy spellings, configuration_utils._LEGACY_LAYER_TYPE_REMAP) as the
@@ -239,7 +240,9 @@ HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
     "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
     "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3, **MAMBA1,  # Mamba-1 mixers: hf_mamba1.py
+    **LINEAR_ATTENTION,  # the gated-DeltaNet hybrids: hf_linear_attention.py
 }
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
-HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM")
+HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM",
+              *LINEAR_ATTENTION_MOE)

@@ -1,0 +1,137 @@
+"""Saved tensors fitted from concrete traces, for code whose Python loop over s specialises a symbolic trace.
+
+transformers' torch fallback of the chunked gated delta rule (``torch_chunk_gated_delta_rule``: Qwen3-Next, Qwen3.5,
+OLMo-hybrid) pads s to a multiple of its chunk (64) and loops over the chunks in Python, so a symbolic s cannot run
+it (``range(num_chunks)`` pins the chunk count: validation/trace.py refuses such a trace). ``fitted_run`` traces the
+model instead under FakeTensorMode at several concrete (s, b), s multiples of the chunk (``POINTS``: s = 2, 3, 4
+chunks, b = 2, 3), records what autograd saves as the symbolic trace does (validation/trace_saves.py), groups the
+saved storages whose ids differ only in the counter k of their op's call (``<module>.<op>#k.<j>``: the loop's
+iterations, and the other calls of that op in that module, summed), fits each group's bytes as a polynomial in s
+and b with s^0..2 and b^0..1 (six terms, exactly determined by the six points, rational arithmetic) and checks the
+fit at a held-out (s, b) (``HELD_OUT``: 5 chunks, b = 4): a group whose bytes there differ from the polynomial's
+refuses the trace (``TraceRefused``). Its result has the shape of ``symbolic_run``'s (``storages`` with ``nbytes`` a
+sympy polynomial in s and b, ``conditions``), saved tensors only (no backward, no moments), and its conditions say
+that the terms were fitted (memplan's estimate prints them with the trace's origin)."""
+
+from __future__ import annotations
+
+import contextlib
+from fractions import Fraction
+from typing import Any, Callable
+
+import sympy
+import torch
+
+from .trace_cuda import SDPA_ORDER, CudaKernels
+from .trace_poly import TraceRefused
+from .trace_run import data_dependence_refused
+from .trace_saves import Saves, eager_decisions, with_python_dispatcher
+
+# the fitted terms s^i b^j and the points (in chunks of s, b) that determine them, and the point that checks them
+MONOMIALS = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1))
+POINTS = tuple((c, b) for c in (2, 3, 4) for b in (2, 3))
+HELD_OUT = (5, 4)
+
+
+# the families whose code slices a buffer max_position_embeddings wide to s (GPT-Neo's and GPT-1's causal mask, MPT's
+# ALiBi bias from max(0, max_seq_len - s)): a symbolic s cannot index it; fitted at s in steps of 16, any s
+SLICED = ("gpt_neo", "openai-gpt", "mpt")
+
+
+def fit_step(config: dict) -> tuple[int, bool]:
+    """How a config's saves are fitted: (the step of s, whether s must be a multiple of it); (1, False): traced
+    symbolically. A gated DeltaNet (``linear_num_value_heads``, in the config or its text_config): the chunk its torch
+    path pads s to and loops over (64, its default: no caller passes another); SLICED: steps of 16, any s."""
+    text = config.get("text_config")
+    if "linear_num_value_heads" in config or isinstance(text, dict) and "linear_num_value_heads" in text:
+        return 64, True
+    return (16, False) if config.get("model_type") in SLICED else (1, False)
+
+
+def concrete_saves(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
+                   make_inputs: Callable[[int, int], tuple], s: int, b: int, python_dispatcher: bool = True,
+                   kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER,
+                   assumed: list[str] | None = None) -> list[dict]:
+    """What one forward + loss of ``model`` (built in the FakeTensorMode ``mode``, no ShapeEnv) saves at a concrete
+    (s, b): ``Saves.storages``, ``nbytes`` an int; the same set-up as trace_run's symbolic run (``assumed`` receives
+    the CUDA kernels' emulation's assumptions)."""
+    cuda = CudaKernels({}, sdpa) if kernels == "cuda" else None
+    with mode:
+        saves = Saves(model)
+        with eager_decisions(), saves.recording(aten=True):
+            with with_python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
+                    (cuda.norm_stats() if cuda else contextlib.nullcontext()), data_dependence_refused():
+                loss = forward(model, *make_inputs(s, b))
+                del loss
+    if cuda is not None and assumed is not None:
+        assumed += [c for c in cuda.assumed if c not in assumed]
+    return [dict(st, nbytes=int(st["nbytes"])) for st in saves.storages()]
+
+
+def _grouped(storages: list[dict]) -> dict[tuple, dict]:
+    """The storages by their id without the call counter k (module, op, j, dtype, the modules that save it): the
+    first one's fields (its k, its place in the order of saves) with the group's bytes summed."""
+    out: dict[tuple, dict] = {}
+    for st in storages:
+        key = (st["module"], st["op"], st["j"], str(st["dtype"]), tuple(sorted(st["savers"])))
+        if key in out:
+            out[key]["nbytes"] += st["nbytes"]
+        else:
+            out[key] = {k: v for k, v in st.items() if k != "key"} | {"nbytes": st["nbytes"]}
+    return out
+
+
+def fit(values: dict[tuple[int, int], int]) -> dict[tuple[int, int], Fraction]:
+    """The coefficients of MONOMIALS through the six (s, b) -> bytes of ``values`` (exact, rational)."""
+    points = list(values)
+    rows = [[Fraction(s ** i * b ** j) for i, j in MONOMIALS] + [Fraction(values[(s, b)])] for s, b in points]
+    n = len(MONOMIALS)
+    for col in range(n):  # Gauss-Jordan elimination over the rationals
+        pivot = next(r for r in range(col, n) if rows[r][col] != 0)
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        rows[col] = [x / rows[col][col] for x in rows[col]]
+        for r in range(n):
+            if r != col and rows[r][col] != 0:
+                rows[r] = [x - rows[r][col] * y for x, y in zip(rows[r], rows[col])]
+    return {m: rows[k][n] for k, m in enumerate(MONOMIALS)}
+
+
+def _evaluate(coefs: dict[tuple[int, int], Fraction], s: int, b: int) -> Fraction:
+    return sum((c * s ** i * b ** j for (i, j), c in coefs.items()), Fraction(0))
+
+
+def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
+               make_inputs: Callable[[int, int], tuple], chunk: int, python_dispatcher: bool = True,
+               kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER, multiple: bool = True) -> dict:
+    """The saved storages of ``model`` fitted from concrete traces at POINTS (s in chunks of ``chunk``) and checked
+    at HELD_OUT (and, when s need not be a multiple of ``chunk``, at 3 past it, b = 3 too): ``symbolic_run``'s result
+    without the backward (``model``, ``storages`` with ``nbytes`` a sympy polynomial in s and b, ``conditions``)."""
+    runs, assumed = {}, []
+    checks = [(HELD_OUT[0] * chunk, HELD_OUT[1])] + ([] if multiple else [(HELD_OUT[0] * chunk + 3, 3)])
+    for s, b in [(c * chunk, b) for c, b in POINTS] + checks:
+        runs[(s, b)] = _grouped(concrete_saves(model, mode, forward, make_inputs, s, b, python_dispatcher, kernels,
+                                               sdpa, assumed))
+    keys = list(dict.fromkeys(k for run in runs.values() for k in run))
+    s_sym, b_sym = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer=True, positive=True)
+    storages = []
+    for key in keys:
+        values = {p: run[key]["nbytes"] if key in run else 0 for p, run in runs.items()}
+        coefs = fit({p: v for p, v in values.items() if p not in checks})
+        held = next((p for p in checks if _evaluate(coefs, *p) != values[p]), None)
+        if held is not None:
+            module, op, j, dtype, _ = key
+            raise TraceRefused(f"the saved bytes of {module or '<model>'}: {op} ({dtype}, j = {j}) fitted at s = "
+                               f"{', '.join(str(c * chunk) for c in (2, 3, 4))}, b = 2, 3 miss the held-out s = "
+                               f"{held[0]}, b = {held[1]} ({values[held]:,} B, the fit {float(_evaluate(coefs, *held)):,.0f})"
+                               ": not a polynomial of degree 2 in s and 1 in b")
+        template = next(run[key] for run in runs.values() if key in run)
+        nbytes = sum((sympy.Rational(c.numerator, c.denominator) * s_sym ** i * b_sym ** j
+                      for (i, j), c in coefs.items()), sympy.Integer(0))
+        if nbytes != 0:
+            storages.append(dict(template, nbytes=sympy.expand(nbytes)))
+    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [f"s >= {2 * chunk}", "b >= 2",
+                  f"fitted: the saved tensors traced at s = {2 * chunk}, {3 * chunk}, {4 * chunk} and b = 2, 3 "
+                  f"({'the chunked loop over s runs in Python' if multiple else 'a buffer sliced to s'}), fitted as "
+                  f"polynomials (s^2 b at most) and checked at "
+                  f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
+    return {"model": model, "storages": storages, "conditions": conditions}
