@@ -1,4 +1,5 @@
-"""Issue 22: the BERT-like encoders transformers builds as causal LMs, and the decoders of MVP, TrOCR and BigBird-Pegasus
+"""Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
+among them), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
@@ -19,6 +20,7 @@ from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.launch.megatron import launch_refusal  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
+from memplan.presets.hf_encoders import NOT_READ  # noqa: E402
 from validation import hf as _hf  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
 
@@ -33,7 +35,8 @@ def _defaults(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", ["bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta-xl",
-                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus"])  # bert: below
+                                        "megatron-bert", "ernie", "mvp", "trocr", "bigbird_pegasus",
+                                        "rembert", "roformer", "whisper"])  # bert, electra, whisper: below
 def test_the_full_size_defaults_count_exactly(model_type):
     assert registry.memplan_params(_defaults(model_type)) == meta_params(_defaults(model_type))
 
@@ -46,6 +49,24 @@ def test_bert_base_in_its_lm_head_form():
     assert registry.memplan_params(_defaults("bert")) == 109_514_298 == meta_params(_defaults("bert"))
 
 
+def test_electra_generator_defaults_by_hand():
+    """ElectraConfig's defaults (v 30522, e = embedding_size 128, h 256, 12 layers of 4 heads, f 1024, 512 positions,
+    2 token types), ElectraForCausalLM by hand: the embeddings e wide 30522 x 128 + 512 x 128 + 2 x 128 + their
+    LayerNorm 2 x 128 = 3,972,864; embeddings_project 128 x 256 + 256 = 33,024; a layer 4 (256^2 + 256) + 256 x 1024
+    + 1024 + 1024 x 256 + 256 + two LayerNorms 4 x 256 = 789,760, twelve of them 9,477,120; generator_predictions
+    256 x 128 + 128 + a LayerNorm 2 x 128 = 33,152; generator_lm_head's bias 30,522 (its weight tied): 13,546,682."""
+    assert registry.memplan_params(_defaults("electra")) == 13_546_682 == meta_params(_defaults("electra"))
+
+
+def test_whisper_tiny_decoder_by_hand():
+    """WhisperConfig's defaults are whisper-tiny's decoder (v 51865, d 384, 448 positions, 4 layers, f 1536): the
+    embeddings 51865 x 384 + 448 x 384 = 20,088,192; a layer's self- and cross-attention 4 x 384^2 each with the
+    biases of q, v and out (3 x 384; k_proj has none): 2 x 590,976, its MLP 2 x 384 x 1536 + 1536 + 384 = 1,181,568
+    and three LayerNorms 6 x 384: 2,365,824, four of them 9,463,296; the final LayerNorm 768; proj_out tied:
+    29,552,256."""
+    assert registry.memplan_params(_defaults("whisper")) == 29_552_256 == meta_params(_defaults("whisper"))
+
+
 @pytest.mark.parametrize("model_type, switches", [
     ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
     ("bert", dict(type_vocab_size=4)),
@@ -55,6 +76,14 @@ def test_bert_base_in_its_lm_head_form():
     ("mvp", dict(tie_word_embeddings=False)),  # lm_head v x h without bias
     ("mvp", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
     ("bigbird_pegasus", dict(use_bias=True)),  # biases on the self- and cross-attention too
+    ("electra", dict(tie_word_embeddings=False)),  # generator_lm_head's own e x v weight (one bias still)
+    ("electra", dict(embedding_size=64)),  # e = h: no embeddings_project
+    ("rembert", dict(input_embedding_size=64)),  # e = h: embedding_hidden_mapping_in is built all the same
+    ("rembert", dict(tie_word_embeddings=True, output_embedding_size=256)),  # e_out = e: still untied
+    ("roformer", dict(embedding_size=None)),  # e = h: no embeddings_project
+    ("roformer", dict(max_position_embeddings=64)),  # the frozen rotary table, 64 x h / a
+    ("whisper", dict(tie_word_embeddings=False)),  # proj_out v x d without bias
+    ("whisper", dict(decoder_ffn_dim=96, decoder_layers=3)),  # the decoder's keys, not the encoder's
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -73,6 +102,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
 
 @pytest.mark.parametrize("model_type, switches, says", [
     ("bert", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # two v-wide biases then, one unused
+    ("roformer", dict(tie_word_embeddings=False), "tie_word_embeddings"),  # decoder.bias and predictions.bias
     ("roberta", dict(add_cross_attention=True), "add_cross_attention"),
     ("roberta", dict(pad_token_id=10), "pad_token_id"),  # positions from row 11: past position_offset's 8
     ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
@@ -82,6 +112,25 @@ def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
         registry.memplan_params({**tiny_config(model_type), **switches})
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+
+
+def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
+    """RoFormer looks its sinusoidal table up by position id: s past max_position_embeddings rows fails in
+    transformers (an index error), so memplan refuses it in one line."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny_config("roformer"), "max_position_embeddings": 64}))
+    code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "65", "--impl", "hf-eager")
+    assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("roc_bert", "pronunciation"),
+                                              ("xlm", "language embeddings"), ("prophetnet", "n-gram"),
+                                              ("big_bird", "block-sparse")])
+def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
+    with pytest.raises(MemplanError, match=says) as err:
+        registry.memplan_params(tiny_config(model_type))
+    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+    assert registry.EXCLUDED[model_type] == ("estimate", NOT_READ[architectures()[model_type]] + ": not read")
 
 
 @pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])
@@ -105,21 +154,23 @@ def test_the_estimate_says_what_it_is(tmp_path):
     assert "bidirectionally" not in notes  # a decoder's self-attention is causal whatever is_decoder says
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "trocr"])
+@pytest.mark.parametrize("model_type", ["roberta", "trocr", "rembert"])
 def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
-    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform) and
-    TrOCR's decoder (its cross-attention built, not run): traced, read by memplan, bucket by bucket equal to what the
-    real model saves on CPU at s = 32, b = 2."""
+    """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform),
+    TrOCR's decoder (its cross-attention built, not run) and RemBERT (embeddings 256 wide projected to h, a head 1664
+    wide): traced, read by memplan, bucket by bucket equal to what the real model saves on CPU at s = 32, b = 2."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
-@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus"])
+@pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra",
+                                                                                 "roformer", "whisper"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
-    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders."""
+    pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders,
+    ELECTRA's generator, RoFormer (rotary, embeddings 768 wide projected to h) and Whisper's decoder (k_proj unbiased)."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

@@ -125,7 +125,8 @@ def test_no_sdpa_list_agrees_with_transformers():
              "OpenAIGPTLMHeadModel": "openai-gpt", "Mamba2ForCausalLM": "mamba2",
              "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
              "MegatronBertForCausalLM": "megatron-bert", "MvpForCausalLM": "mvp", "TrOCRForCausalLM": "trocr",
-             "BigBirdPegasusForCausalLM": "bigbird_pegasus"}
+             "BigBirdPegasusForCausalLM": "bigbird_pegasus", "RemBertForCausalLM": "rembert",
+             "RoFormerForCausalLM": "roformer"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
     missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]

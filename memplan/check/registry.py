@@ -28,6 +28,7 @@ from memplan.core.harness import harness
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.memory.states import total_params
 from memplan.presets.hf_config import read_hf_config
+from memplan.presets.hf_encoders import NOT_READ
 
 # What each kind of exclusion means: "build" transformers' own config defaults, shrunk, make no config or no model
 # (the walk cannot check it); "estimate" memplan refuses the config.json (its parameters, activations); "trace"
@@ -59,8 +60,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
-    "big_bird": ("estimate", "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises "
-                             "s: not read"),
+    "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blenderbot": ("estimate", _ONES_MASK),
     "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
@@ -80,8 +80,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note": ("estimate", _MULTIMODAL),
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
-    "electra": ("estimate", "ELECTRA: factorised embeddings (embedding_size wide, embeddings_project to h) and a "
-                            "generator head embedding_size wide: not read"),
     "falcon_mamba": ("trace", _MAMBA1),
     "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
                           "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
@@ -127,8 +125,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ONES_MASK),
-    "prophetnet": ("estimate", "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
-                               "position buckets): not read"),
+    "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
@@ -136,20 +133,13 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
-    "rembert": ("estimate", "RemBERT: factorised embeddings (input_embedding_size, embedding_hidden_mapping_in) and "
-                            "an untied head output_embedding_size wide: not read"),
-    "roc_bert": ("estimate", "RoCBERT: pronunciation and shape embeddings beside the word embeddings: not read"),
-    "roformer": ("estimate", "RoFormer: factorised embeddings (embedding_size, embeddings_project) and its rotary "
-                             "table kept as a frozen parameter (embed_positions): not read"),
+    "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),
     "rwkv": ("estimate", _RECURRENT),
-    "whisper": ("estimate", "Whisper's decoder: k_proj without a bias beside q / v / out_proj's in the self- and "
-                            "cross-attention: not read"),
-    "xlm": ("estimate", "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option: "
-                        "not read"),
+    "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),
-    "xmod": ("estimate", "X-MOD: per-language adapters (adapter_modules) in every layer: not read"),
+    "xmod": ("estimate", NOT_READ["XmodForCausalLM"] + ": not read"),
     "zamba": ("trace", _MAMBA1),
     "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
                            "every few layers: not counted"),

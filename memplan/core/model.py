@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
+from memplan.core.spec_checks import check_expert_loads, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -143,6 +144,14 @@ class ModelSpec(Spec):
     head_transform: bool = Field(
         default=False, description="a transform before the output head: a dense h x h with bias, an activation and "
         "a norm (BERT cls.predictions.transform, RoBERTa lm_head.dense / layer_norm)")
+    embedding_widths: Optional[tuple[PositiveInt, PositiveInt]] = Field(
+        default=None, description="(e, e_out), factorised embeddings: the word, position and token-type tables and "
+        "the embedding norm e wide, a projection e -> h with bias before the first layer; the head transform h -> "
+        "e_out and the output layer e_out x v (ELECTRA / RoFormer embedding_size: (e, e); RemBERT input_ / "
+        "output_embedding_size). None: h wide, no projection")
+    frozen_position_rows: int = Field(
+        default=0, ge=0, description="rows of a frozen sinusoidal position table head_dim wide held as a parameter "
+        "(RoFormer's encoder.embed_positions: max_position_embeddings rows; its states counted as if trained)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -155,6 +164,9 @@ class ModelSpec(Spec):
     out_bias: bool = Field(
         default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    key_bias: bool = Field(
+        default=True, description="with bias, attention_bias or qkv_bias: whether K's projection has its bias too "
+        "(False: Whisper's k_proj, in the self- and the cross-attention)")
     attention_sinks: bool = Field(
         default=False, description="a learned sink logit per attention head and layer (gpt-oss self_attn.sinks)")
     attention_output_gate: Optional[Literal["head", "full"]] = Field(
@@ -403,10 +415,10 @@ class ModelSpec(Spec):
         for name in ("moe_bias", "moe_router_bias", "moe_shared_gate"):
             if getattr(self, name) and not self.is_moe:
                 raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
-        if self.position_rows is not None and self.position_embedding == "learned" and \
-                self.seq_length > self.position_rows:
-            raise ValueError(f"s = {self.seq_length:,} tokens is longer than the learned position table's "
-                             f"{self.position_rows:,} rows (max_position_embeddings)")
+        rows = self.position_rows if self.position_embedding == "learned" else self.frozen_position_rows or None
+        if rows is not None and self.seq_length > rows:  # a learned table, or RoFormer's frozen one
+            kind = "learned" if self.position_embedding == "learned" else "frozen rotary"
+            raise ValueError(f"s = {self.seq_length:,} tokens is longer than the {kind} position table's {rows:,} rows")
         if self.kv_shared_layers >= self.num_layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "
                              f"the num_layers={self.num_layers}")
@@ -420,44 +432,18 @@ class ModelSpec(Spec):
         if self.num_attention_heads % (self.full_attention_kv_heads or 1):
             raise ValueError(f"attention heads a={self.num_attention_heads} are not divisible by the full-attention "
                              f"layers' key/value heads {self.full_attention_kv_heads}")
+        if self.embedding_widths and self.tied_embeddings and len(set(self.embedding_widths)) > 1:
+            raise ValueError(f"embedding_widths {self.embedding_widths}: a tied output layer is the word embeddings', "
+                             "e_out = e")
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
-        return self._latent()._experts()._hybrid()
+        check_latent(self)
+        return self._experts()._hybrid()
 
     def _hybrid(self) -> "ModelSpec":
         """The layer pattern's checks (core/hybrid.py check_hybrid)."""
         check_hybrid(self)
         return self
-
-    def _latent(self) -> "ModelSpec":
-        """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
-        optional), without biases."""
-        fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        if not self.is_mla:
-            given = [name for name in ("q_lora_rank",) + fields if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
-            return self
-        missing = [name for name in fields if getattr(self, name) is None]
-        if missing:
-            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (multi-head latent attention) needs {missing[0]}")
-        if self.bias:
-            raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
-                             "bias: false")
-        return self
-
-    def _expert_loads(self, E: int, k: int) -> None:
-        """moe_expert_loads: the loads of E/ep experts (a count dividing E), none negative or above E / k times the
-        average (an expert receives each token at most once), in place of moe_imbalance."""
-        loads = self.moe_expert_loads
-        if not loads or E % len(loads) or min(loads) < 0:
-            raise ValueError(f"moe_expert_loads takes the loads of E/ep experts (a count dividing num_experts={E}), "
-                             f"none negative (got {len(loads)})")
-        if self.moe_imbalance != 1.0:
-            raise ValueError("moe_expert_loads and moe_imbalance both give the routing's imbalance: give one")
-        if max(loads) > E / k:
-            raise ValueError(f"moe_expert_loads: an expert's load {max(loads):g} x the average exceeds E / k = "
-                             f"{E / k:g} (each token goes to an expert at most once)")
 
     def _experts(self) -> "ModelSpec":
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
@@ -479,7 +465,7 @@ class ModelSpec(Spec):
         if k is None:
             raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
         if self.moe_expert_loads is not None:
-            self._expert_loads(E, k)
+            check_expert_loads(self.moe_expert_loads, self.moe_imbalance, E, k)
         if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
             raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
                              "TransformerConfig)")

@@ -30,7 +30,9 @@ from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.core.training import TrainingSpec
 from memplan.inventory.lora import LINEARS, targets_of
-from memplan.memory.states import ParamGroup, StateBytes, shard_bytes
+from memplan.memory.dp_stack import shard_bytes
+from memplan.memory.param_group import ParamGroup
+from memplan.memory.states import StateBytes
 
 ADAPTER_BYTES = 4  # fp32 adapters, gradients and optimizer moments
 

@@ -60,6 +60,11 @@ STACKS = ("fsdp2", "deepspeed", "torchtitan", "torchtune")
 DS_MAX_LIVE_PARAMETERS = 10**9
 
 
+def shard_bytes(n: Any, d: Any, on: Any) -> Any:
+    """n bytes, split over d ranks (rounded up) where `on` is true."""
+    return on * (-(-n // d)) + (1 - on) * n
+
+
 def hf_auto_buckets(model: ModelSpec) -> dict[str, int]:
     """The DeepSpeed bucket sizes (elements) the HF Trainer writes for "auto" (HfTrainerDeepSpeedConfig)."""
     h = model.hidden_size

@@ -6,15 +6,15 @@ replay)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, gate_rows, layer_kinds, layer_vectors,
-                                    output_layer_group, position_rows)
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths, gate_rows, layer_kinds,
+                                    layer_vectors, output_layer_group, position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -74,7 +74,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.has_norm_bias:
         norm.append(WeightShape("layer norms", "norm bias", P("h"), None))
         final.append(WeightShape("final norm", "final norm bias", P("h"), None))
-    embedding_norm = [WeightShape("embedding norm", w.name.replace("final", "embedding"), P("h"), None)
+    e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
+    embedding_norm = [WeightShape("embedding norm", w.name.replace("final", "embedding"), e, None)
                       for w in final] if model.embedding_norm else []
     if not model.norm_params:  # OLMo, nanochat: norms without weights
         norm, final = [], []
@@ -142,6 +143,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.mlp_bias and not model.bias:  # GPT-J: fc_in's and fc_out's biases
         dense_mlp += [WeightShape(prefix + "MLP biases", "MLP input bias", f_in, None, 1, "rows"),
                       WeightShape(prefix + "MLP biases", "MLP output bias", P("h"), None)]
+    attention = attention if model.key_bias else _without_key_bias(attention)
     layer = attention + dense_mlp + ([] if layout == "fused" else norm + second)
     dense_layer: list[WeightShape] = []
     if model.is_moe:
@@ -154,7 +156,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                          WeightShape("per-layer input gate / projection", "per_layer_projection", P("h"), p, 1, "cols")]
         layer += [WeightShape("per-layer input layer norm", "post_per_layer_input_norm", P("h"), None)] * \
             model.norm_params
-    first = [WeightShape("word embedding", "word embedding", P("v"), P("h"), 1, "rows")] + embedding_norm
+    first = [WeightShape("word embedding", "word embedding", P("v"), e, 1, "rows")] + embedding_norm
     if model.per_layer_input_size:  # embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm
         Lp = Poly.parse(str(model.num_layers * model.per_layer_input_size))
         rows = Poly.parse(str(model.per_layer_input_vocab or model.vocab_size))
@@ -162,17 +164,38 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                   WeightShape("per-layer input projection", "per_layer_model_projection", Lp, P("h"), 1, "rows")]
         first += [WeightShape("per-layer input norms", "per_layer_projection_norm", p, None)] * model.norm_params
     if model.position_embedding == "learned":
-        first.append(WeightShape("position embedding", "position embedding", position_rows(model), P("h")))
+        first.append(WeightShape("position embedding", "position embedding", position_rows(model), e))
     if model.token_type_rows:  # BERT: token_type_embeddings
-        first.append(WeightShape("token-type embedding", "token-type embedding", P(str(model.token_type_rows)), P("h")))
+        first.append(WeightShape("token-type embedding", "token-type embedding", P(str(model.token_type_rows)), e))
+    if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h
+        first += [WeightShape("embedding projection", "embedding projection", P("h"), e),
+                  WeightShape("embedding projection", "embedding projection bias", P("h"), None)]
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions
+        first.append(WeightShape("frozen position table", "embed_positions", P(str(model.frozen_position_rows)),
+                                 P("q /a")))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
-        final += [WeightShape("output head transform", "head transform dense", P("h"), P("h")),
-                  WeightShape("output head transform", "head transform dense bias", P("h"), None)]
-        final += [WeightShape("output head transform", "head transform " + w.name, P("h"), None) for w in norm]
-    head = (WeightShape(output_layer_group().name, "output layer", P("v"), P("h"), 1, "rows"),)
+        final += [WeightShape("output head transform", "head transform dense", e_out, P("h")),
+                  WeightShape("output head transform", "head transform dense bias", e_out, None)]
+        final += [WeightShape("output head transform", "head transform " + w.name, e_out, None) for w in norm]
+    head = (WeightShape(output_layer_group(model).name, "output layer", P("v"), e_out, 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}
+
+
+def _without_key_bias(attention: list[WeightShape]) -> list[WeightShape]:
+    """The attention's tensors less K's bias (Whisper's k_proj): K's rows of a fused QKV bias, one of the separate
+    K / V biases, one of the cross-attention's three."""
+    out: list[WeightShape] = []
+    for w in attention:
+        if w.name == "QKV bias":
+            w = replace(w, rows=Poly.parse_sum("q + q g /a"))
+        elif w.name == "cross-attention K / V / Q bias" or w.name == "K / V bias" and w.count == 2:
+            w = replace(w, count=w.count - 1)
+        elif w.name == "K / V bias" and any(o.name == "K / V bias" for o in out):
+            continue  # linear()'s two K / V tensors, each with its bias: V's kept
+        out.append(w)
+    return out
 
 
 def _mla_shapes(model: ModelSpec) -> list[WeightShape]:

@@ -1,10 +1,9 @@
 """Parameters, and the bytes of weights, gradients and optimizer states per GPU.
 
-Parameter counts are an inventory like the activations: named groups with a polynomial
-count, whether tensor parallelism splits them, and where they live. The K22 GPT count is
-12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)) (K22 section 6 / appendix A; Megatron-LM's general
-count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output projection are
-q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
+Parameter counts are an inventory like the activations: named groups with a polynomial count, whether tensor
+parallelism splits them, and where they live. The K22 GPT count is 12Lh^2 (1 + 13/(12h) + (v + s)/(12Lh)) (K22 section
+6 / appendix A; Megatron-LM's general count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output
+projection are q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
 
 Bytes per parameter are the named sizes of `TrainingSpec` (Megatron-LM
 docs/user-guide/features/dist_optimizer.md): bf16 weights (2) + fp32 main gradients (4) +
@@ -13,65 +12,32 @@ splits over the d data-parallel ranks: stage 1 (= Megatron-LM's distributed opti
 master weights and moments, giving 6 + 12/d; stage 2 also the gradients; stage 3 also the
 weights, which are then gathered one layer at a time.
 
-Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored
-second moment, 8-bit Adam's blocks, Muon's split between hidden matrices and the rest:
-memplan/memory/optimizers.py): `weight_shapes` (memplan/memory/shapes.py) lists every parameter tensor of a
-group by shape, in the order the implementation registers them ("fused": Megatron-LM and the reference layer, one QKV and
-one MLP-input matrix, as transformers' GPT-2 Conv1D c_attn / c_fc; "separate": transformers' Llama
-layout, q/k/v_proj and gate/up_proj apart; `Inventory.weight_layout` says which an
-implementation uses).
+Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored second moment, 8-bit
+Adam's blocks, Muon's split between hidden matrices and the rest: memplan/memory/optimizers.py): `weight_shapes`
+(memplan/memory/shapes.py) lists every parameter tensor of a group by shape, in the order the implementation registers
+them ("fused": Megatron-LM and the reference layer, one QKV and one MLP-input matrix, as transformers' GPT-2 Conv1D
+c_attn / c_fc; "separate": transformers' Llama layout, q/k/v_proj and gate/up_proj apart; `Inventory.weight_layout`
+says which an implementation uses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from fractions import Fraction
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
 from memplan.core.model import ModelSpec
-from memplan.memory.dp_stack import sharded_weight_bytes
+from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
+from memplan.memory.param_group import HYBRID_SCOPES, ParamGroup, number
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
 from memplan.inventory.types import OUTPUT_LAYER_W
 from memplan.memory import optimizers
 
-# Where a group lives: in every layer, in each mixture-of-experts layer ("moe"), in each dense layer of an
-# MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
-# Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
-# sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
-# A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
-# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
-# "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
-# (ModelSpec.layer_blocks).
-Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "mamba1", "shared", "delta", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
-LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
 CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
                                          "cross-attention output bias")
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    name: str
-    count: Poly
-    tp_split: bool
-    scope: Scope
-    expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
-    whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
-
-    def per_gpu(self, values: Mapping[str, Any]) -> Any:
-        n = self.count.evaluate(values)
-        if self.whole is not None:
-            kept = self.whole.evaluate(values)
-            return -(-(n - kept) // values["t"]) + kept
-        if self.expert:  # E/ep experts on a GPU, each f_e/etp wide (ep | E and etp | f_e: specs.py)
-            return n // (values.get("ep", 1) * values.get("etp", values["t"]))
-        # Vocabulary-parallel embeddings are padded to a multiple of t (Megatron-LM pads v).
-        return -(-n // values["t"]) if self.tp_split else n
 
 
 _GROUPS: dict[int, tuple[ModelSpec, tuple[ParamGroup, ...]]] = {}  # by the (frozen) model's identity, model kept
@@ -100,6 +66,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     gated = model.mlp == "swiglu"
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
+    kv_bias = "2 q g /a" if model.key_bias else "q g /a"  # Whisper: k_proj without bias
     groups = [
         ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
                    True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
@@ -153,38 +120,44 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                                      mlp))
     if model.encoder_kind == "seq2seq":  # the decoder's cross-attention (encoder_attn): counted, not run alone
         groups.append(ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer"))
-        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse("3 q"), True, "layer"),
+        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse(f"{2 + model.key_bias} q"), True, "layer"),
                    ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer")] if model.bias else []
     if model.norm_params:
         groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
     if model.attention_bias and not model.bias:
-        groups += [ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"),
+        groups += [ParamGroup("QKV biases", Poly.parse_sum(f"q + {kv_bias}"), True, "layer"),
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
     elif model.qkv_bias and not model.bias:
-        groups.append(ParamGroup("QKV biases", Poly.parse_sum("q + 2 q g /a"), True, "layer"))
+        groups.append(ParamGroup("QKV biases", Poly.parse_sum(f"q + {kv_bias}"), True, "layer"))
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         groups.append(ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer"))
     if model.bias:
         mlp_bias = "2 f" if model.mlp == "swiglu" else "f"
         groups += [
             ParamGroup("column-parallel biases (QKV, MLP input)",
-                       Poly.parse_sum(f"q + 2 q g /a + {mlp_bias}"), True, "layer"),
+                       Poly.parse_sum(f"q + {kv_bias} + {mlp_bias}"), True, "layer"),
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
-    groups.append(ParamGroup("word embedding", Poly.parse("v h"), True, "first"))
-    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm
-        groups.append(ParamGroup("embedding norm", Poly.parse(norm), False, "first"))
+    e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
+    groups.append(ParamGroup("word embedding", Poly.parse("v") * e, True, "first"))
+    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm; ELECTRA's e wide
+        groups.append(ParamGroup("embedding norm", e * (1 + model.has_norm_bias), False, "first"))
     if model.position_embedding == "learned":
-        groups.append(ParamGroup("position embedding", position_rows(model) * Poly.parse("h"), False, "first"))
-    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x h
-        groups.append(ParamGroup("token-type embedding", Poly.parse(f"{model.token_type_rows} h"), False, "first"))
+        groups.append(ParamGroup("position embedding", position_rows(model) * e, False, "first"))
+    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x e
+        groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
+    if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
+        groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim (requires_grad false)
+        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * Poly.parse("q /a"),
+                                 False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
-    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x h + h) and its norm
-        groups.append(ParamGroup("output head transform", Poly.parse_sum(f"h h + h + {norm}" if model.norm_params
-                                                                               else "h h + h"), False, "last"))
+    if model.head_transform:  # BERT: cls.predictions.transform's dense (h x e_out + e_out) and its norm
+        groups.append(ParamGroup("output head transform", e_out * Poly.parse("h") + e_out * (
+            1 + model.norm_params + model.has_norm_bias), False, "last"))
     return tuple(hybrid_groups(model, groups))
 
 
@@ -208,26 +181,26 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
            for g in groups]  # sandwich norms: a norm after each block too
     h = model.hidden_size
     if "C" in model.layer_pattern:
-        out += [ParamGroup("short convolution input projection", _number(3 * h * (h + model.ssm_proj_bias)), True,
+        out += [ParamGroup("short convolution input projection", number(3 * h * (h + model.ssm_proj_bias)), True,
                            "conv"),
-                ParamGroup("short convolution", _number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+                ParamGroup("short convolution", number(h * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                            "conv"),
-                ParamGroup("short convolution output projection", _number(h * (h + model.ssm_out_bias)), True, "conv")]
-    out += [ParamGroup(name, _number(n), split, "delta") for name, n, split in delta_counts(model)]
+                ParamGroup("short convolution output projection", number(h * (h + model.ssm_out_bias)), True, "conv")]
+    out += [ParamGroup(name, number(n), split, "delta") for name, n, split in delta_counts(model)]
     if model.ssm_dt_rank is not None:
         return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
     if not any(c in model.layer_pattern for c in "SPM"):
         return out
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
     proj = 2 * i + gn + H
-    out += [ParamGroup("SSM input projection weight", _number(model.hidden_size * proj + model.ssm_proj_bias * proj),
+    out += [ParamGroup("SSM input projection weight", number(model.hidden_size * proj + model.ssm_proj_bias * proj),
                        True, "ssm"),
-            ParamGroup("SSM convolution", _number((i + gn) * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+            ParamGroup("SSM convolution", number((i + gn) * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                        "ssm"),
-            ParamGroup("SSM heads' dt_bias, A_log, D", _number(3 * H), True, "ssm"),
-            ParamGroup("SSM output projection weight", _number(i * model.hidden_size), True, "ssm")]
+            ParamGroup("SSM heads' dt_bias, A_log, D", number(3 * H), True, "ssm"),
+            ParamGroup("SSM output projection weight", number(i * model.hidden_size), True, "ssm")]
     if model.ssm_norm:
-        out.append(ParamGroup("SSM gated norm", _number(i), True, "ssm"))
+        out.append(ParamGroup("SSM gated norm", number(i), True, "ssm"))
     if model.ssm_out_bias:
         out.append(ParamGroup("SSM output projection bias", Poly.parse("h"), False, "ssm"))
     return out
@@ -240,14 +213,14 @@ def _mamba1(model: ModelSpec) -> list[ParamGroup]:
     I x N, D (I), out_proj I x h (ssm_out_bias: + h); Jamba's dt / B / C RMSNorms (ssm_norm) R + 2 N (Falcon-Mamba's
     are weightless buffers)."""
     h, i, n, r = model.hidden_size, model.ssm_heads * model.ssm_head_dim, model.ssm_state_size, model.ssm_dt_rank
-    out = [ParamGroup("Mamba-1 input projection", _number(2 * i * (h + model.ssm_proj_bias)), True, "mamba1"),
-           ParamGroup("Mamba-1 convolution", _number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
+    out = [ParamGroup("Mamba-1 input projection", number(2 * i * (h + model.ssm_proj_bias)), True, "mamba1"),
+           ParamGroup("Mamba-1 convolution", number(i * (model.ssm_conv_kernel + model.ssm_conv_bias)), True,
                       "mamba1"),
-           ParamGroup("Mamba-1 x_proj, dt_proj", _number(i * (r + 2 * n) + r * i + i), True, "mamba1"),
-           ParamGroup("Mamba-1 A_log, D", _number(i * (n + 1)), True, "mamba1"),
-           ParamGroup("Mamba-1 output projection weight", _number(i * h), True, "mamba1")]
+           ParamGroup("Mamba-1 x_proj, dt_proj", number(i * (r + 2 * n) + r * i + i), True, "mamba1"),
+           ParamGroup("Mamba-1 A_log, D", number(i * (n + 1)), True, "mamba1"),
+           ParamGroup("Mamba-1 output projection weight", number(i * h), True, "mamba1")]
     if model.ssm_norm:
-        out.append(ParamGroup("Mamba-1 dt / B / C norms", _number(r + 2 * n), False, "mamba1"))
+        out.append(ParamGroup("Mamba-1 dt / B / C norms", number(r + 2 * n), False, "mamba1"))
     if model.ssm_out_bias:
         out.append(ParamGroup("Mamba-1 output projection bias", Poly.parse("h"), False, "mamba1"))
     return out
@@ -265,15 +238,10 @@ def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
         model.num_attention_heads
     g = model.num_kv_heads or a
     attention, mlp, norms = ZAMBA_SHARED
-    return [ParamGroup(attention, _number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
-            ParamGroup(mlp, _number(3 * h * model.ffn_hidden_size), True, "first"),
-            ParamGroup(norms, _number(3 * h), False, "first"),
-            ParamGroup("Zamba shared block's output linear", _number(h * h), True, "shared")]
-
-
-def _number(n: int) -> Poly:
-    """A count that is a number of the model's own (negative where a layer kind holds less than a sliding layer)."""
-    return Poly((((), Fraction(n)),)).simplified()
+    return [ParamGroup(attention, number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
+            ParamGroup(mlp, number(3 * h * model.ffn_hidden_size), True, "first"),
+            ParamGroup(norms, number(3 * h), False, "first"),
+            ParamGroup("Zamba shared block's output linear", number(h * h), True, "shared")]
 
 
 def attention_params(model: ModelSpec, head_dim: int, kv_heads: int, k_eq_v: bool) -> tuple[int, int]:
@@ -300,21 +268,21 @@ def gemma4_groups(model: ModelSpec) -> list[ParamGroup]:
     full_q, full_kv = attention_params(model, *full)
     if model.full_layers and (full_q, full_kv) != (base_q, base_kv):
         groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)",
-                                 _number(full_q + full_kv - base_q - base_kv), True, "full"))
+                                 number(full_q + full_kv - base_q - base_kv), True, "full"))
     if model.kv_shared_layers:
         mlp = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.f * model.kv_shared_double_mlp
         for scope, kv in (("kv_shared", base_kv), ("kv_shared_full", full_kv)):
             groups.append(ParamGroup(f"K / V-sharing {'full-attention' if scope.endswith('full') else 'sliding'} "
                                      "layers (no K / V of their own" + (", MLP 2f wide)" if mlp else ")"),
-                                     _number(mlp - kv), True, scope))
+                                     number(mlp - kv), True, scope))
     p = model.per_layer_input_size
     if p:
         Lp, rows = model.num_layers * p, model.per_layer_input_vocab or model.vocab_size
-        groups += [ParamGroup("per-layer input embedding", _number(rows * Lp), True, "first"),
-                   ParamGroup("per-layer input projection", _number(model.hidden_size * Lp), True, "first"),
+        groups += [ParamGroup("per-layer input embedding", number(rows * Lp), True, "first"),
+                   ParamGroup("per-layer input projection", number(model.hidden_size * Lp), True, "first"),
                    ParamGroup("per-layer input gate / projection", Poly.parse(f"{2 * p} h"), True, "layer")]
         if model.norm_params:
-            groups += [ParamGroup("per-layer input norms", _number(p), False, "first"),
+            groups += [ParamGroup("per-layer input norms", number(p), False, "first"),
                        ParamGroup("per-layer input layer norm", Poly.parse("h"), False, "layer")]
     return groups
 
@@ -342,10 +310,16 @@ def position_rows(model: ModelSpec) -> Poly:
     return rows + Poly.parse(str(model.position_offset)) if model.position_offset else rows
 
 
-def output_layer_group() -> ParamGroup:
-    """The output projection v x h: its own weight when untied; with tied embeddings the last
-    stage still keeps a copy when p > 1 (Megatron-LM synchronises the two copies)."""
-    return ParamGroup(OUTPUT_LAYER_W, Poly.parse("v h"), True, "last")
+def output_layer_group(model: ModelSpec) -> ParamGroup:
+    """The output projection v x h (v x e_out, embedding_widths): its own weight when untied; with tied embeddings the
+    last stage still keeps a copy when p > 1 (Megatron-LM synchronises the two copies)."""
+    return ParamGroup(OUTPUT_LAYER_W, Poly.parse("v") * embedding_widths(model)[1], True, "last")
+
+
+def embedding_widths(model: ModelSpec) -> tuple[Poly, Poly]:
+    """The embeddings' width e and the head's e_out (ModelSpec.embedding_widths), each h unless factorised."""
+    e, e_out = model.embedding_widths or (0, 0)
+    return (number(e), number(e_out)) if e else (Poly.parse("h"), Poly.parse("h"))
 
 
 Count = Callable[[ParamGroup], Any]  # a group's parameters on one GPU for the plan at hand
@@ -392,7 +366,7 @@ def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_
     for group in param_groups(model):
         total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    return total + (count(output_layer_group()) * head_copy + mtp_stage_params(model, count)) * is_last
+    return total + (count(output_layer_group(model)) * head_copy + mtp_stage_params(model, count)) * is_last
 
 
 def mtp_stage_params(model: ModelSpec, count: Count) -> Any:
@@ -464,11 +438,6 @@ def optimizer_bytes(training: TrainingSpec, params: Any, tensors: Optional[optim
     held += [(t, tensors.dense_layers) for t in tensors.dense]
     held += [(t, 1 * tensors.is_last) for t in tensors.last] + [(t, 1 * tensors.has_head) for t in tensors.head]
     return params * training.master_weight_bytes + optimizers.state_bytes(training, held)
-
-
-def shard_bytes(n: Any, d: Any, on: Any) -> Any:
-    """n bytes, split over d ranks (rounded up) where `on` is true."""
-    return on * (-(-n // d)) + (1 - on) * n
 
 
 @dataclass(frozen=True)

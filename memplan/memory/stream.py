@@ -53,7 +53,7 @@ from memplan.memory.parallel import cp_moments
 from memplan.memory.pipeline import schedule, walked_pair
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
-from memplan.memory.states import shard_bytes
+from memplan.memory.dp_stack import shard_bytes
 from memplan.memory.stream_events import Alloc, AllocationStream, Free, Repeats, new_event
 from memplan.memory.stream_params import Persistent, Sizes, fit
 from memplan.memory.term_bytes import PlanValues

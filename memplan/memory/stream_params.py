@@ -18,11 +18,11 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory.lora import LINEARS, targets_of
 from memplan.inventory.types import Inventory, Term
 from memplan.memory.adapters import ADAPTER_BYTES, nf4_bytes
-from memplan.memory.dp_stack import sharded_weight_bytes
+from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.shapes import weight_shapes
-from memplan.memory.states import output_layer_group, param_groups, shard_bytes
+from memplan.memory.states import output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 _COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")  # a term named so is a communication buffer
@@ -63,7 +63,7 @@ class Persistent:
         values = plan.symbols(model)
         count = TermBytes(model, plan, training.activation_bytes).group
         self.groups = {g.name: g for g in param_groups(model)}
-        head = output_layer_group()
+        head = output_layer_group(model)
         self.untied_head = (not model.tied_embeddings) or plan.p > 1
         shapes = weight_shapes(model, inv.weight_layout)
         wanted = {"first": ("first",), "layer": ("layer", "moe" if model.is_moe else "layer"),

@@ -14,7 +14,7 @@ from memplan.core.training import Recompute
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import schedule_in_flight, stage_layers
 from memplan.memory.pipeline_multi import is_multi, one, rank_chunks, stage_ends
-from memplan.memory.states import ParamGroup
+from memplan.memory.param_group import ParamGroup
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,13 @@ from memplan.memory.adapters import adapter_bytes, adapter_groups
 from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_weight_bytes, offloaded_params, share,
                                     tune_loss_stash)
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
+from memplan.memory.dp_stack import shard_bytes
 from memplan.memory.stage import StageMemory
-from memplan.memory.states import LAYER_SCOPES, block_share, output_layer_group, param_groups, shard_bytes
+from memplan.memory.param_group import LAYER_SCOPES
+from memplan.memory.states import block_share, output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-
 PARTS = ("weights", "optimizer", "gradients", "saved", "transient")
 PART_LABELS = {"weights": "weights", "optimizer": "optimizer states (master + moments)", "gradients": "gradients",
                "saved": "saved activations", "transient": "transient tensors"}  # how reports name them
@@ -66,7 +67,6 @@ class Event:
 @dataclass(frozen=True)
 class StepPeak:
     """The events of one step on one GPU and their maximum (scalars, or arrays in the planner)."""
-
     events: list[Event]
     peak_bytes: Any
     peak_index: Any  # index into events of the (first) maximum
@@ -137,7 +137,7 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     # Gradients by parameter group (bytes of one GPU), and when they exist.
     states = stage_mem.states
     groups = {g.name: g for g in param_groups(model)}
-    head = output_layer_group()
+    head = output_layer_group(model)
     untied_head = (not model.tied_embeddings) or (plan.p > 1)
     grad_cache: dict[tuple[str, bool], Any] = {}
     lora = adapter_groups(model, training) if training.lora_rank else None  # only the adapters get gradients

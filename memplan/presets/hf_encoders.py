@@ -1,12 +1,12 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
-each run with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel``
-(``encoder_kind`` bert), and the decoders of the encoder-decoder models MVP, TrOCR and BigBird-Pegasus run alone
-(seq2seq: their cross-attention counted, not run).  ``ENCODERS`` gives each
-family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does), ``position_start`` where its
-position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the registry walk
-(memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and its
-traced saved bytes against a real CPU run.
+and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
+with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and
+the decoders of the encoder-decoder models MVP, TrOCR, BigBird-Pegasus and Whisper run alone (seq2seq: their
+cross-attention counted, not run). ``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as
+hf_own_keys.OWN_KEYS does), ``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of
+one says; each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count of the
+model on the meta device, and its traced saved bytes against a real CPU run.
 
 Every BERT-like here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
 bias, every linear biased, a plain MLP intermediate_size wide (hidden_act: GeLU), an output head with a bias v wide
@@ -38,13 +38,14 @@ def position_start(arch: str, data: dict) -> int:
 
 
 def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm: bool = True,
-               token_types: bool = True, transform: bool = True) -> dict[str, Any]:
-    """The spec of one BERT-like encoder (the keys BertConfig names; transformers' defaults for missing ones)."""
+               token_types: bool = True, transform: bool = True, one_head_bias: bool = False) -> dict[str, Any]:
+    """The spec of one BERT-like encoder (the keys BertConfig names; transformers' defaults for missing ones);
+    ``one_head_bias``: an untied head keeps one v-wide bias (ELECTRA's generator_lm_head)."""
     arch = (data.get("architectures") or ["?"])[0]
     if flag(data, "add_cross_attention", False, path):
         raise MemplanError(f"{path}: {arch} with add_cross_attention (a cross-attention block per layer for an "
                            f"encoder-decoder pairing): not modelled; {YAML_HINT}")
-    if not flag(data, "tie_word_embeddings", True, path):
+    if not (one_head_bias or flag(data, "tie_word_embeddings", True, path)):
         raise MemplanError(f"{path}: {arch} with tie_word_embeddings false: transformers then builds the output "
                            "head's own bias beside the LM head's bias (two v-wide biases, one unused): not modelled; "
                            f"{YAML_HINT}")
@@ -60,7 +61,28 @@ def _bert_like(data: dict, path: Path, *, pre_norm: bool = False, embedding_norm
                 position_embedding="learned", position_offset=position_start(arch, data), token_type_rows=rows,
                 embedding_norm=embedding_norm, final_norm=pre_norm, head_bias=True, head_transform=transform,
                 layer_layout="sequential" if pre_norm else "post-norm", encoder_kind="bert",
-                norm_eps=data.get("layer_norm_eps"), tied_embeddings=True)
+                norm_eps=data.get("layer_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
+def _electra(data: dict, path: Path) -> dict[str, Any]:
+    """ELECTRA's generator as a causal LM (ElectraForCausalLM): BERT's post-LN layers over embeddings embedding_size
+    (e) wide (the word, position and token-type tables and their LayerNorm), embeddings_project e -> h where e != h;
+    generator_predictions (a dense h -> e, GeLU, a LayerNorm e wide) and generator_lm_head e -> v with its bias, tied
+    to the word embeddings unless tie_word_embeddings is false (ElectraConfig's defaults for missing keys)."""
+    data = {"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024, **data}
+    h, e = nat(data, "hidden_size", 256, path), nat(data, "embedding_size", 128, path)
+    return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": (e, e) if e != h else None}
+
+
+def _rembert(data: dict, path: Path) -> dict[str, Any]:
+    """RemBERT as a causal LM (RemBertForCausalLM): BERT's post-LN layers over embeddings input_embedding_size wide,
+    always projected to h (encoder.embedding_hidden_mapping_in); the head a dense h -> output_embedding_size, the
+    activation, a LayerNorm, and a decoder to v with its bias, never tied (the class ties none, whatever
+    tie_word_embeddings says; RemBertConfig's defaults for missing keys)."""
+    data = {"hidden_size": 1152, "num_hidden_layers": 32, "num_attention_heads": 18, "intermediate_size": 4608,
+            **data, "tie_word_embeddings": False}
+    widths = nat(data, "input_embedding_size", 256, path), nat(data, "output_embedding_size", 1664, path)
+    return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": widths}
 
 
 def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
@@ -96,9 +118,37 @@ def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=False)
 
 
+def _roformer(data: dict, path: Path) -> dict[str, Any]:
+    """RoFormer as a causal LM (RoFormerForCausalLM): BERT's post-LN layers with rotary positions, over word and
+    token-type embeddings embedding_size (e, default h) wide and their LayerNorm, embeddings_project e -> h where
+    e != h; the rotary table a frozen parameter max_position_embeddings x h / a (encoder.embed_positions); the head's
+    transform h -> e (dense, activation, LayerNorm) and the decoder e -> v, tied, with its bias (an untied file is
+    refused: two v-wide biases then, as BERT's)."""
+    h = nat(data, "hidden_size", 768, path)
+    e = nat(data, "embedding_size", h, path) if data.get("embedding_size") is not None else h
+    return {**_bert_like(data, path), "position_embedding": "rope", "position_offset": 0,
+            "frozen_position_rows": nat(data, "max_position_embeddings", 1536, path),
+            "embedding_widths": (e, e) if e != h else None}
+
+
+def _whisper_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """Whisper's decoder run alone (WhisperForCausalLM): pre-LN layers (three LayerNorms) of self-attention and
+    cross-attention, q_proj, v_proj and out_proj biased but not k_proj (key_bias false), and a GeLU MLP
+    decoder_ffn_dim wide with biases; max_target_positions learned positions; a final LayerNorm; proj_out without
+    bias, tied unless tie_word_embeddings is false (WhisperConfig's defaults for missing keys)."""
+    return dict(num_layers=nat(data, "decoder_layers", 4, path), hidden_size=nat(data, "d_model", 384, path),
+                num_attention_heads=nat(data, "decoder_attention_heads", 6, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 1536, path), norm="layernorm", mlp="gelu", bias=True,
+                key_bias=False, position_embedding="learned", norms_per_layer=3, encoder_kind="seq2seq",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **{arch: _bert_like for arch in ("BertLMHeadModel", "RobertaForCausalLM", "CamembertForCausalLM",
                                      "XLMRobertaForCausalLM", "Data2VecTextForCausalLM", "ErnieForCausalLM")},
+    "ElectraForCausalLM": _electra,
+    "RemBertForCausalLM": _rembert,
+    "RoFormerForCausalLM": _roformer,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
@@ -107,12 +157,27 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     # drops (memplan/check/registry.py _ONES_MASK): not read
     **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
     "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
+    "WhisperForCausalLM": _whisper_decoder,
+}
+
+# the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
+# memplan/check/registry.py EXCLUDED lists them)
+NOT_READ = {
+    "XmodForCausalLM": "X-MOD: per-language adapters (adapter_modules) in every layer",
+    "RoCBertForCausalLM": "RoCBERT: pronunciation and shape embeddings beside the word embeddings",
+    "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
+    "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
+                             "position buckets)",
+    "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
+                          "and a pooler (h x h + h) beside the LM head",
 }
 
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
+             "RoFormerForCausalLM": ("max_position_embeddings", 1536),
              "MvpForCausalLM": ("max_position_embeddings", 1024),
-             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096)}
+             "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096),
+             "WhisperForCausalLM": ("max_target_positions", 448)}
 
 # what an estimate of each says beside its figures
 _BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decoder): its parameters are counted "
@@ -124,8 +189,11 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM")
+_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
+ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
+                                         "x h / a, requires_grad false) is counted with the parameters, and its "
+                                         "gradient and optimizer states as if trained (derived: an overestimate)")
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:

@@ -1,0 +1,36 @@
+"""Checks of ModelSpec's fields that involve one group of them alone, called by its validator (memplan/core/model.py):
+a mixture-of-experts model's routing loads (moe_expert_loads) and multi-head latent attention's fields."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def check_expert_loads(loads: Optional[tuple[float, ...]], imbalance: float, E: int, k: int) -> None:
+    """moe_expert_loads: the loads of E/ep experts (a count dividing E), none negative or above E / k times the
+    average (an expert receives each token at most once), in place of moe_imbalance."""
+    if not loads or E % len(loads) or min(loads) < 0:
+        raise ValueError(f"moe_expert_loads takes the loads of E/ep experts (a count dividing num_experts={E}), "
+                         f"none negative (got {len(loads or ())})")
+    if imbalance != 1.0:
+        raise ValueError("moe_expert_loads and moe_imbalance both give the routing's imbalance: give one")
+    if max(loads) > E / k:
+        raise ValueError(f"moe_expert_loads: an expert's load {max(loads):g} x the average exceeds E / k = "
+                         f"{E / k:g} (each token goes to an expert at most once)")
+
+
+def check_latent(model: Any) -> None:
+    """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
+    optional), without biases (``model``: the ModelSpec being validated)."""
+    fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if not model.is_mla:
+        given = [name for name in ("q_lora_rank",) + fields if getattr(model, name) is not None]
+        if given:
+            raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
+        return
+    missing = [name for name in fields if getattr(model, name) is None]
+    if missing:
+        raise ValueError(f"kv_lora_rank={model.kv_lora_rank} (multi-head latent attention) needs {missing[0]}")
+    if model.bias:
+        raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
+                         "bias: false")

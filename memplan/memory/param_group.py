@@ -1,0 +1,48 @@
+"""A parameter group (``ParamGroup``): named parameters with a polynomial count, whether tensor parallelism splits
+them and where they live (``Scope``); memplan/memory/states.py makes a model's groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal, Mapping, Optional
+
+from memplan.core.symbolic import Poly
+
+# Where a group lives: in every layer, in each mixture-of-experts layer ("moe"), in each dense layer of an
+# MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
+# Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
+# sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
+# A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
+# convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
+# "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
+# (ModelSpec.layer_blocks).
+Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
+                "conv", "mamba1", "shared", "delta", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
+LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    name: str
+    count: Poly
+    tp_split: bool
+    scope: Scope
+    expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
+    whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
+
+    def per_gpu(self, values: Mapping[str, Any]) -> Any:
+        n = self.count.evaluate(values)
+        if self.whole is not None:
+            kept = self.whole.evaluate(values)
+            return -(-(n - kept) // values["t"]) + kept
+        if self.expert:  # E/ep experts on a GPU, each f_e/etp wide (ep | E and etp | f_e: specs.py)
+            return n // (values.get("ep", 1) * values.get("etp", values["t"]))
+        # Vocabulary-parallel embeddings are padded to a multiple of t (Megatron-LM pads v).
+        return -(-n // values["t"]) if self.tp_split else n
+
+
+def number(n: int) -> Poly:
+    """A count that is a number of the model's own (negative where a layer kind holds less than a sliding layer)."""
+    return Poly((((), Fraction(n)),)).simplified()
