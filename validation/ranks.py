@@ -114,3 +114,12 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
             with open(_result_path(outdir, r), "rb") as fh:
                 per_rank.append(pickle.load(fh))
     return per_rank
+
+
+def sum_reductions(model) -> list:
+    """The model's FSDP2 modules, each set to sum and then divide: gloo (these ranks' backend) has no PREMUL_SUM (the
+    reduction's op, not its buffers)."""
+    modules = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    for m in modules:
+        m.set_force_sum_reduction_for_comms(True)
+    return modules

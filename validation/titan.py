@@ -38,6 +38,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .ranks import sum_reductions
 from .trace_poly import symbolic_sizes
 
 AC_MODES = ("none", "full", "selective-op")
@@ -314,9 +315,7 @@ def fsdp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)) if replicate == 1 else
             init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "fsdp")))
     apply_fsdp_to_decoder(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
-    modules = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
-    for m in modules:  # gloo has no PREMUL_SUM: sum, then divide (the reduction's op, not its buffers)
-        m.set_force_sum_reduction_for_comms(True)
+    modules = sum_reductions(model)
     groups = [g for m in modules if (g := m._get_fsdp_state()._fsdp_param_group) is not None]
     peaks = {"forward": 0, "backward": 0}
 
@@ -374,7 +373,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-class _LiveLocal(_Live):
+class LiveLocal(_Live):
     """``_Live`` for a tensor-parallel block: a DTensor op's output counted by its local tensor's storage (the
     wrapper's own storage is sized like the global tensor), and only storages an op allocates (an output that
     aliases an input's storage, e.g. the transpose of an unsharded weight, is not new)."""
@@ -417,9 +416,7 @@ def tp_model(world: int, shape: Shape, layers: int, vocab: int, ac: str = "none"
                       else CompileConfig())
     parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                       compile_config=compile_config, ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    sum_reductions(model)
     return model, dims
 
 
@@ -446,7 +443,7 @@ def tp_step(model, dims, vocab: int, s: int, b: int, backend: str = "partial_dte
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
     out: dict = {}
-    live = _LiveLocal()
+    live = LiveLocal()
     block = model.layers["0"]
 
     def pre(_module, args):
@@ -459,7 +456,7 @@ def tp_step(model, dims, vocab: int, s: int, b: int, backend: str = "partial_dte
         params = [local_tensor(t) for t in (*module.parameters(), *module.buffers())]
         out["layer"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in live.alive([output, *params])]
 
-    tail = _LiveLocal()
+    tail = LiveLocal()
 
     def tail_post(module, _args, output):
         tail.__exit__(None, None, None)
@@ -478,7 +475,7 @@ def tp_step(model, dims, vocab: int, s: int, b: int, backend: str = "partial_dte
         logits = model(tokens)
         out["input_kept"] = not out.pop("x").expired()  # layer 0's input: the embedding's output, kept by no other op
         out["logits_local"] = tuple(local_tensor(logits).shape)
-        loss_live = _LiveLocal()
+        loss_live = LiveLocal()
         with loss_live:
             loss = cross_entropy_loss(logits, labels, global_vocab_size=vocab)
         out["loss"] = [(op, str(dt).replace("torch.", ""), int(n)) for op, dt, n in loss_live.alive([loss])]

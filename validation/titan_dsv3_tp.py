@@ -12,7 +12,7 @@ experts colwise / rowwise over tp on their input all-gathered over the sequence 
 validation/titan.py ``tp_step`` measures Llama 3 (layer 0: the dense layer), with layer 1 (the MoE layer) read off
 the same way (``layers``).  The substitutions: the inner attention the FlexAttention stand-in of
 validation/titan_dsv3.py (its save set derived, inside torchtitan's own local_map), the debug balanced routing made
-to run on DTensors (validation/titan_moe.py ``_balanced_on_dtensors``).
+to run on DTensors (validation/titan_moe.py ``balanced_on_dtensors``).
 
 ``measure_dsv3_cp`` runs the MoE layer (or the dense one) with torchtitan's own FlexAttention module under
 ``apply_cp_to_forward`` on one rank of a fake cp group (validation/titan_cp.py ``measure_cp_block``), its kernel
@@ -25,9 +25,10 @@ import warnings
 
 import torch
 
-from validation.titan import _LiveLocal, local_tensor, selective_ac
+from validation.ranks import sum_reductions
+from validation.titan import LiveLocal, local_tensor, selective_ac
 from validation.titan_dsv3 import DsvShape, dsv3_layer_configs, dsv3_model_config, flex_saved, wrap_dsv3_ac
-from validation.titan_moe import _balanced_on_dtensors
+from validation.titan_moe import balanced_on_dtensors, tp_ep_dims
 
 # tests/test_titan_dsv3.py's shape: 16 experts in torchtitan's 671B router groups (8, 4 chosen: memplan's ROUTER_GROUPS)
 SHAPE = DsvShape(E=16, groups=8, limited=4)
@@ -54,7 +55,7 @@ def _watch(block, norm, out: dict) -> list:
     starts: the decoder's loop holds the input until the block returns)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    live = _LiveLocal()
+    live = LiveLocal()
 
     def pre(_module, args):
         out["x"] = StorageWeakRef(local_tensor(args[0]).untyped_storage())
@@ -76,33 +77,23 @@ def dsv3_tp_rank(rank: int, world: int, shape: DsvShape, vocab: int, s: int, b: 
     """One rank of a 1-step run of torchtitan's own ``parallelize_deepseekv3`` (module docstring): validation/
     titan.py ``tp_step``'s figures (``layer``: the dense layer 0's kept storages, the tail, the loss, the states)
     and ``moe_layer``: the MoE layer 1's."""
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
     from validation.titan import tp_step
 
-    pd.device_type = "cpu"
     torch.manual_seed(0)
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
-                                    spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
+    parallelism, dims = tp_ep_dims(tp, ep, world)
     config = dsv3_model_config(shape, vocab)
     set_deepseek_v3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
     model = config.build()
     moe_block = model.layers["1"]
-    moe_block.moe.router._debug_force_load_balance_routing = _balanced_on_dtensors(moe_block.moe.router)
+    moe_block.moe.router._debug_force_load_balance_routing = balanced_on_dtensors(moe_block.moe.router)
     parallelize_deepseekv3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                            compile_config=CompileConfig(), ac_config=None if ac == "none" else _DsvAc(ac),
                            dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    sum_reductions(model)
     moe_out: dict = {}
     handles = _watch(model.layers["1"], model.norm, moe_out)
     with warnings.catch_warnings():
@@ -125,22 +116,14 @@ def dsv3_tp_local_params(shape: DsvShape, tp: int = 2, ep: int = 1, vocab: int =
     ``tp`` (and ``expert_parallel_degree`` ``ep``) on a world of ``tp``: the model built on the meta device, rank 0 of
     a fake process group (validation/titan_cp.py ``_fake_group``: shapes only, no peers), its local shards counted
     (the latent projections Replicate, the rest as its sharding configs place them). Seconds, not a gloo run."""
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
     from validation.titan_cp import _fake_group
 
-    pd.device_type = "cpu"
     with _fake_group(tp):
-        parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
-                                        spmd_backend="partial_dtensor")
-        dist_utils.set_spmd_backend(parallelism.spmd_backend)
-        dims = ParallelDims.from_config(parallelism, tp)
-        dims.build_mesh()
+        parallelism, dims = tp_ep_dims(tp, ep, tp)
         config = dsv3_model_config(shape, vocab)
         set_deepseek_v3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
         with torch.device("meta"):

@@ -17,7 +17,7 @@ its trainer).  What a layer keeps is read off live storages (validation/titan.py
 
 ``measure_moe_tp`` runs torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` (and
 ``expert_parallel_degree``) on gloo ranks, measured as validation/titan.py ``tp_rank`` measures Llama 3 (one
-substitution: torchtitan's debug balanced routing made to run on DTensors, ``_balanced_on_dtensors``);
+substitution: torchtitan's debug balanced routing made to run on DTensors, ``balanced_on_dtensors``);
 ``measure_moe_cp`` runs the block with FlexAttention under torchtitan's ``apply_cp_to_forward`` on one rank of a fake
 cp group (validation/titan_cp.py).
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from validation.ranks import sum_reductions
 from validation.titan import AC_MODES, kept_storages, local_tensor, selective_ac, storage_bytes, trace_kept
 
 
@@ -211,9 +212,7 @@ def ep_states_run(world: int, ep: int, config, set_sharding, parallelize, vocab:
     model = config.build()
     parallelize(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                 compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    sum_reductions(model)
     # with ep > 1 a block holds two FSDP2 parameter groups (its experts on the efsdp mesh, the rest on the dp mesh)
     groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
               for g in m._get_fsdp_state()._fsdp_param_groups]
@@ -256,7 +255,7 @@ def measure_moe_cp(shape: MoeShape, cp: int, s_local: int, b: int, ac: str = "no
                                 make_block=lambda: wrap_ac(build_moe_block(shape, True, flex=True), ac))
 
 
-def _balanced_on_dtensors(router):
+def balanced_on_dtensors(router):
     """torchtitan's ``_debug_force_load_balance_routing`` made to run under TP: its round-robin ids are a plain
     tensor, which ``gather`` refuses beside the DTensor scores (torchtitan 0.3.0 stops there with TP and its
     debug routing); here the ids are made on the rank's local scores (round-robin over its own tokens: balanced
@@ -275,6 +274,23 @@ def _balanced_on_dtensors(router):
     return routing
 
 
+def tp_ep_dims(tp: int, ep: int, world: int) -> tuple:
+    """torchtitan's ParallelismConfig with ``tensor_parallel_degree`` tp and ``expert_parallel_degree`` ep (the
+    ``partial_dtensor`` backend) and its ParallelDims for ``world`` CPU ranks, the mesh built."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    pd.device_type = "cpu"
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                    spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    return parallelism, dims
+
+
 def moe_tp_rank(rank: int, world: int, shape: MoeShape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
                 tp: int = 2, ep: int = 1) -> dict:
     """One rank of a 1-step run of torchtitan's own ``parallelize_qwen3`` with ``tensor_parallel_degree`` = ``tp``
@@ -282,32 +298,22 @@ def moe_tp_rank(rank: int, world: int, shape: MoeShape, layers: int, vocab: int,
     sharding config: at ep 1 the experts' hidden dim sharded over tp and the MoE's input all-gathered, at ep > 1 the
     experts sharded over ep and the tokens staying sequence-sharded), measured as validation/titan.py ``tp_rank``
     measures Llama 3 (``tp_step``: layer 0's kept storages, the tail, the loss, the states)."""
-    import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     from validation.titan import _AcShim, tp_step
 
-    pd.device_type = "cpu"
     torch.manual_seed(0)
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
-                                    spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
+    parallelism, dims = tp_ep_dims(tp, ep, world)
     config = moe_model_config(shape, layers, vocab)
     set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep > 1)
     model = config.build()
     for block in model.layers.values():
-        block.moe.router._debug_force_load_balance_routing = _balanced_on_dtensors(block.moe.router)
+        block.moe.router._debug_force_load_balance_routing = balanced_on_dtensors(block.moe.router)
     parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                       compile_config=CompileConfig(), ac_config=None if ac == "none" else _AcShim(ac), dump_folder="")
-    for m in model.modules():  # gloo has no PREMUL_SUM: sum, then divide (as validation/titan.py fsdp_rank)
-        if hasattr(m, "_get_fsdp_state"):
-            m.set_force_sum_reduction_for_comms(True)
+    sum_reductions(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (module docstring)
         return tp_step(model, dims, vocab, s, b)
