@@ -282,7 +282,8 @@ def render_peak(est: Estimate, console: Console) -> None:
     table = make_table(console, (Col("component", fold=True), Col("bytes", "right"), Col("kind")),
                        title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}",
                        short_title=f"Step peak, one GPU of stage {est.most_loaded}, at {_where(e)}")
-    kinds = {"weights": "persistent", "optimizer": "persistent",
+    # ZeRO-3 / FSDP: the shards persist, the unsharded units are in flight (the peak moment's, memory/stage.py)
+    kinds = {"weights": "persistent" if est.config.parallel.zero < 3 else "shards + in flight", "optimizer": "persistent",
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
              "saved": "step", "transient": "transient"}
     for k, kind in kinds.items():
