@@ -183,11 +183,12 @@ def test_the_traced_short_convolution_equals_a_real_cpu_run(lfm2, run_cli, tmp_p
     assert "short-convolution layers" in out and "causal-conv1d" in out and "mamba-ssm" not in out
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h", "bamba", "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid"])
+@pytest.mark.parametrize("model_type", ["nemotron_h", "bamba", "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid",
+                                        "kimi_linear", "bailing_hybrid"])
 def test_the_largest_layer_is_the_largest_of_the_real_model(model_type, tmp_path):
     """ZeRO-3 gathers one layer at a time: layer_params of a hybrid is its largest layer, block by block (Nemotron-H:
     the experts' layer; Bamba: the mixer's; LFM2: the short convolution's; LFM2-MoE: an experts' layer; the gated
-    DeltaNet hybrids: their "delta" blocks'), equal to the largest decoder layer transformers builds on the meta
+    DeltaNet and KDA hybrids: their "delta" blocks'), equal to the largest decoder layer transformers builds on the meta
     device."""
     config = tiny_config(model_type)
     (tmp_path / "config.json").write_text(json.dumps(config))

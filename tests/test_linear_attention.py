@@ -17,6 +17,7 @@ import pytest
 
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
+from memplan.core.symbolic import Poly
 
 pytest.importorskip("transformers")
 
@@ -30,7 +31,7 @@ from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation import trace_fit  # noqa: E402
 from validation.registry import architectures, measure, meta_params, tiny_config, trace  # noqa: E402
 from validation.trace import to_yaml  # noqa: E402
-from validation.trace_poly import TraceRefused, evaluate  # noqa: E402
+from validation.trace_poly import TraceRefused, evaluate, poly_text  # noqa: E402
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -48,6 +49,13 @@ from validation.trace_poly import TraceRefused, evaluate  # noqa: E402
                          linear_value_head_dim=None)),  # the defaults: a heads, keys 0.75 h / a wide, values twice
     ("olmo_hybrid", dict(attention_bias=True, num_key_value_heads=2)),  # q, k, v, o biases; K / V heads
     ("olmo_hybrid", dict(layer_types=None, num_hidden_layers=5)),  # the defaults: every fourth layer attention
+    # Kimi Linear as its published file writes it: the KDA's widths and layers in linear_attn_config (numbered from 1)
+    ("kimi_linear", dict(layer_types=None, num_hidden_layers=3, mlp_layer_types=None, linear_attn_config=dict(
+        full_attn_layers=[2], kda_layers=[1, 3], num_heads=2, head_dim=8, short_conv_kernel_size=3))),
+    ("kimi_linear", dict(layer_types=None, mlp_layer_types=None, num_hidden_layers=6)),  # defaults: 5th full, 1 dense
+    ("kimi_linear", dict(q_lora_rank=24, mlp_layer_types=["sparse", "sparse"])),  # Q through a latent; no dense MLP
+    ("bailing_hybrid", dict(layer_types=None, mlp_layer_types=None, layer_group_size=2, num_hidden_layers=4)),
+    ("bailing_hybrid", dict(mlp_layer_types=["dense"] * 3, num_experts=8)),  # no MoE layer: every MLP dense
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -58,7 +66,9 @@ def test_the_switches_count_exactly(model_type, switches):
 # 5.23: `AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())` under `torch.device("meta")`, each parameter
 # once; the command: the report of helper i22d): Qwen3-Next-80B-A3B (published: 80 B), Qwen3.5-9B's text model
 # (9 B), Qwen3.5-35B-A3B's (35 B), Olmo-Hybrid-7B (7 B)
-FULL_SIZE = {"qwen3_next": 79_674_391_296, "qwen3_5_text": 8_953_803_264, "qwen3_5_moe_text": 34_660_610_688,
+# Kimi-Linear-48B-A3B (published: 48 B), Ling 3.0's BailingHybridConfig defaults (the report of helper i22k)
+FULL_SIZE = {"kimi_linear": 49_133_074_464, "bailing_hybrid": 124_414_191_072,
+             "qwen3_next": 79_674_391_296, "qwen3_5_text": 8_953_803_264, "qwen3_5_moe_text": 34_660_610_688,
              "olmo_hybrid": 7_430_870_688, "qwen3_5": 8_953_803_264, "qwen3_5_moe": 34_660_610_688}
 
 
@@ -85,6 +95,10 @@ def test_a_multimodal_qwen3_5_file_is_read_as_its_text_model(tmp_path):
     ("qwen3_next", dict(layer_types=["linear_attention", "mamba"]), "layer_types"),
     ("qwen3_5_text", dict(linear_num_value_heads=3), "not divisible"),
     ("qwen3_next", dict(mlp_only_layers="0"), "mlp_only_layers"),
+    ("kimi_linear", dict(layer_types=None, linear_attn_config=dict(full_attn_layers=[2], kda_layers=[2])),
+     "linear_attn_config"),  # layer 1 in neither list
+    ("kimi_linear", dict(attention_bias=True), "attention_bias"),
+    ("bailing_hybrid", dict(mlp_layer_types=["dense", "moe", "dense"]), "mlp_layer_types"),
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -101,6 +115,22 @@ def test_a_pattern_cannot_mix_mamba_mixers_and_deltanets():
     with pytest.raises(ValueError, match="num_experts"):
         ModelSpec(**base, layer_pattern="dA")
     assert ModelSpec(**base, layer_pattern="DA").layer_blocks["delta"] == 1
+    with pytest.raises(ValueError, match="one kind per model"):
+        ModelSpec(**base, layer_pattern="KD")
+    with pytest.raises(ValueError, match="latent attention"):  # latent attention beside KDA only
+        ModelSpec(**base, layer_pattern="DA", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    assert ModelSpec(**base, layer_pattern="KA", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                     v_head_dim=16).layer_blocks["delta"] == 1
+
+
+def test_a_published_ling_file_takes_the_kda_widths_from_the_attention_heads():
+    """Ling 3.0's published config.json has no linear_* keys (BailingHybridConfig derives them: linear_num_heads =
+    num_attention_heads, linear_head_dim = head_dim, linear_conv_kernel_dim = short_conv_kernel_size)."""
+    config = tiny_config("bailing_hybrid")
+    for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        del config[key]
+    config.update(head_dim=16, short_conv_kernel_size=3)
+    assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config("bailing_hybrid"))
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +181,17 @@ def test_the_fit_recovers_a_polynomial_and_refuses_what_the_held_out_point_contr
         trace_fit.fitted_run(None, None, None, None, 64)
 
 
+def test_a_fitted_negative_constant_is_written_and_read_back(monkeypatch):
+    """Kimi Delta Attention's loop over the chunks saves a matmul in all but one chunk (704 s b - 4096 b bytes in the
+    tiny Kimi Linear's trace): the fit writes the negative constant, and memplan's Poly and validation's evaluate read
+    it back."""
+    monkeypatch.setattr(trace_fit, "concrete_saves", _synthetic(lambda s, b: 704 * s * b - 4096 * b))
+    run = trace_fit.fitted_run(None, None, None, None, 64)
+    text = poly_text(run["storages"][0]["nbytes"])
+    assert text == "704 s b + -4096 b"
+    assert Poly.parse_sum(text).evaluate(dict(s=384, b=3)) == evaluate(text, 384, 3) == 704 * 384 * 3 - 4096 * 3
+
+
 # opt-in (~3 s of CPU each; the suite's time is near its limit):
 #   MEMPLAN_FIT_SLOW=1 PYTHONPATH=. pytest tests/test_linear_attention.py -k real_cpu_runs
 SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_FIT_SLOW"), reason="set MEMPLAN_FIT_SLOW=1 to run")
@@ -163,6 +204,17 @@ def test_the_other_deltanet_hybrids_fitted_equal_real_cpu_runs(model_type):
     DeltaNets), fitted, equal real CPU runs at an (s, b) the fit never saw."""
     config = tiny_config(model_type)
     traced = TracedFile.model_validate(trace(config))
+    assert bucket_bytes(traced, 384, 3) == measured_buckets(measure(config, 384, 3))
+
+
+@SLOW
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid"])
+def test_the_kda_hybrids_fitted_equal_real_cpu_runs(model_type):
+    """Kimi Linear and Bailing-hybrid (chunk_kimi_delta_attention's loop over chunks of 64, latent attention beside
+    it), fitted at s = 128, 192, 256, equal real CPU runs at an (s, b) the fit never saw (10 to 40 s of CPU each)."""
+    config = tiny_config(model_type)
+    traced = TracedFile.model_validate(trace(config))
+    assert any(c.startswith("fitted:") for c in traced.conditions)
     assert bucket_bytes(traced, 384, 3) == measured_buckets(measure(config, 384, 3))
 
 

@@ -62,6 +62,10 @@ _SMALL_SSM = {"num_heads": 8, "mamba_n_heads": 8, "mamba_num_heads": 8, "head_di
 _SMALL_DELTA = {"linear_num_value_heads": 4, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
                 "linear_key_head_dim": 8}
 
+# Kimi Delta Attention's shrunk sizes (the configs with linear_num_heads: Kimi Linear, Bailing-hybrid): 4 heads 16 wide;
+# their experts' top-k and groups under attribute_map's names (num_experts_per_token, num_expert_group)
+_SMALL_KDA = {"linear_num_heads": 4, "linear_head_dim": 16, "num_experts_per_token": 2, "num_expert_group": 1}
+
 # a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),
 # unlike the shrunk defaults so that the reader must take them
 _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
@@ -99,6 +103,8 @@ def _shrink(data: dict) -> dict:
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)})
     if "linear_num_value_heads" in data:
         out.update({k: v for k, v in _SMALL_DELTA.items() if isinstance(data.get(k), int)})
+    if "linear_num_heads" in data:
+        out.update({k: v for k, v in _SMALL_KDA.items() if isinstance(data.get(k), int)})
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0

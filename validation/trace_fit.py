@@ -1,17 +1,18 @@
 """Saved tensors fitted from concrete traces, for code whose Python loop over s specialises a symbolic trace.
 
 transformers' torch fallback of the chunked gated delta rule (``torch_chunk_gated_delta_rule``: Qwen3-Next, Qwen3.5,
-OLMo-hybrid) pads s to a multiple of its chunk (64) and loops over the chunks in Python, so a symbolic s cannot run
-it (``range(num_chunks)`` pins the chunk count: validation/trace.py refuses such a trace). ``fitted_run`` traces the
-model instead under FakeTensorMode at several concrete (s, b), s multiples of the chunk (``POINTS``: s = 2, 3, 4
-chunks, b = 2, 3), records what autograd saves as the symbolic trace does (validation/trace_saves.py), groups the
-saved storages whose ids differ only in the counter k of their op's call (``<module>.<op>#k.<j>``: the loop's
-iterations, and the other calls of that op in that module, summed), fits each group's bytes as a polynomial in s
-and b with s^0..2 and b^0..1 (six terms, exactly determined by the six points, rational arithmetic) and checks the
-fit at a held-out (s, b) (``HELD_OUT``: 5 chunks, b = 4): a group whose bytes there differ from the polynomial's
-refuses the trace (``TraceRefused``). Its result has the shape of ``symbolic_run``'s (``storages`` with ``nbytes`` a
-sympy polynomial in s and b, ``conditions``), saved tensors only (no backward, no moments), and its conditions say
-that the terms were fitted (memplan's estimate prints them with the trace's origin)."""
+OLMo-hybrid; ``chunk_kimi_delta_attention``: Kimi Linear, Bailing-hybrid) pads s to a multiple of its chunk (64) and
+loops over the chunks in Python, so a symbolic s cannot run it (``range(num_chunks)`` pins the chunk count:
+validation/trace.py refuses such a trace). ``fitted_run`` traces the model instead under FakeTensorMode at several
+concrete (s, b), s multiples of the chunk (``POINTS``: s = 2, 3, 4 chunks, b = 2, 3), records what autograd saves as the
+symbolic trace does (validation/trace_saves.py), groups the saved storages whose ids differ only in the counter k of
+their op's call (``<module>.<op>#k.<j>``: the loop's iterations, and the other calls of that op in that module, summed),
+fits each group's bytes as a polynomial in s and b with s^0..2 and b^0..1 (six terms, exactly determined by the six
+points, rational arithmetic) and checks the fit at a held-out (s, b) (``HELD_OUT``: 5 chunks, b = 4): a group whose
+bytes there differ from the polynomial's refuses the trace (``TraceRefused``). Its result has the shape of
+``symbolic_run``'s (``storages`` with ``nbytes`` a sympy polynomial in s and b, ``conditions``), saved tensors only (no
+backward, no moments), and its conditions say that the terms were fitted (memplan's estimate prints them with the
+trace's origin)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ SLICED = ("gpt_neo", "openai-gpt", "mpt")
 
 def fit_step(config: dict) -> tuple[int, bool]:
     """How a config's saves are fitted: (the step of s, whether s must be a multiple of it); (1, False): traced
-    symbolically. A gated DeltaNet (``linear_num_value_heads``, in the config or its text_config): the chunk its torch
-    path pads s to and loops over (64, its default: no caller passes another); SLICED: steps of 16, any s."""
+    symbolically. A gated DeltaNet (``linear_num_value_heads``, in the config or its text_config) or Kimi Delta
+    Attention (``linear_num_heads``: Kimi Linear, Bailing-hybrid; chunk_kimi_delta_attention): the chunk its torch path
+    pads s to and loops over (64, its default: no caller passes another); SLICED: steps of 16, any s."""
     text = config.get("text_config")
-    if "linear_num_value_heads" in config or isinstance(text, dict) and "linear_num_value_heads" in text:
+    if any(key in config or isinstance(text, dict) and key in text
+           for key in ("linear_num_value_heads", "linear_num_heads")):
         return 64, True
     return (16, False) if config.get("model_type") in SLICED else (1, False)
 

@@ -154,7 +154,7 @@ def evaluate(text: str, s: int, b: int) -> int:
         for token in product.split():
             divide = token.startswith("/")
             token = token.lstrip("/")
-            if token[0].isdigit():
+            if token[0].isdigit() or token[0] == "-":  # a fitted constant may be negative ('-4096 b')
                 factor = Fraction(token)
             else:
                 sym, _, power = token.partition("^")

@@ -55,8 +55,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
-    "bailing_hybrid": ("estimate", "Kimi Delta Attention (a gated delta rule with a per-channel forget gate, "
-                                   "f_proj) beside latent attention with a per-head gate: not read"),
     "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
@@ -104,7 +102,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "jamba": ("trace", _MAMBA1),
     "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
                            "each block with an output bias"),
-    "kimi_linear": ("estimate", "Kimi Delta Attention (a gated delta rule with a forget gate) beside latent attention: not modelled"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 # A hybrid layer's blocks by its character in ModelSpec.layer_pattern: "ffn" is the model's MLP (its experts in a
-# mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated
-# short convolution, "delta" a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid: memplan/presets/hf_linear_attention.py)
+# mixture-of-experts model), "dense" an f-wide MLP, "moe" the experts, "ssm" a Mamba-2 mixer, "conv" LFM2's gated short
+# convolution, "delta" a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid: memplan/presets/hf_linear_attention.py)
 # (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers, Qwen3-Next's
-# mlp_only_layers); each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba:
+# mlp_only_layers); "delta" in K / k Kimi Delta Attention (Kimi Linear: ``kda_counts``), in B / b Bailing-hybrid's (its
+# gates full rank); each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba:
 # ModelSpec.ssm_dt_rank, ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's
 # shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
@@ -20,7 +21,9 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
                 "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
                 "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm"),
-                "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm")}
+                "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm"),
+                "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
+                "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm")}
 BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "dense", "moe", "norm")
 
 
@@ -40,6 +43,8 @@ def delta_counts(model: Any) -> list[tuple[str, int, bool]]:
     (q, k, v, the output gate z, beta and the decay a: in_proj_qkvz + in_proj_ba, or one linear each), the depthwise
     conv1d over 2 K + V channels, dt_bias and A_log (H each), the gated RMSNorm d_v wide (one weight for every head) and
     out_proj V x h; no biases (memory/states.py makes them the "delta" scope's groups)."""
+    if any(c in model.layer_pattern or "" for c in "KkBb"):
+        return kda_counts(model)
     if not any(c in model.layer_pattern or "" for c in "Dd"):
         return []
     H, dv, k, h = model.ssm_heads, model.ssm_head_dim, model.ssm_groups * model.ssm_state_size, model.hidden_size
@@ -48,6 +53,22 @@ def delta_counts(model: Any) -> list[tuple[str, int, bool]]:
             ("DeltaNet convolution", (2 * k + v) * (model.ssm_conv_kernel + model.ssm_conv_bias), True),
             ("DeltaNet heads' dt_bias, A_log", 2 * H, True), ("DeltaNet gated norm", dv, False),
             ("DeltaNet output projection", v * h, True)]
+
+
+def kda_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """Kimi Delta Attention's parameters (layer_pattern K / k: transformers KimiLinearDeltaAttention; B / b:
+    BailingHybridDeltaAttention) with H = ssm_heads heads of d = ssm_head_dim (V = H d): q_proj, k_proj, v_proj h x V
+    each and b_proj h x H (beta); the forget gate's and the output gate's projections, low rank in Kimi's (f_a_proj,
+    g_a_proj h x d; f_b_proj, g_b_proj d x V), full rank in Bailing's (f_proj, g_proj h x V); the depthwise conv1d over
+    3 V channels (no bias); dt_bias V and A_log H; the gated RMSNorm d wide (o_norm) and o_proj V x h; no biases."""
+    H, d, h = model.ssm_heads, model.ssm_head_dim, model.hidden_size
+    v = H * d
+    gates = [("KDA forget and output gates' projections", 2 * h * v, True)] if any(
+        c in model.layer_pattern for c in "Bb") else [("KDA gates' low-rank down projections", 2 * h * d, False),
+                                                      ("KDA gates' low-rank up projections", 2 * d * v, True)]
+    return [("KDA q, k, v and beta projections", h * (3 * v + H), True), *gates,
+            ("KDA convolution", 3 * v * (model.ssm_conv_kernel + model.ssm_conv_bias), True),
+            ("KDA dt_bias, A_log", v + H, True), ("KDA gated norm", d, False), ("KDA output projection", v * h, True)]
 
 
 def check_hybrid(model: Any) -> None:
@@ -61,22 +82,24 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMDd") and model.ssm_heads is None:
-        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M) or gated DeltaNets (D, d): they need ssm_heads")
-    if any(c in pattern for c in "SPM") and any(c in pattern for c in "Dd"):
-        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M) and gated DeltaNets (D, d) share the ssm_* widths: "
-                         "one kind per model")
+    if any(c in pattern for c in "SPMDdKkBb") and model.ssm_heads is None:
+        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M), gated DeltaNets (D, d) or Kimi Delta Attention "
+                         "(K, k, B, b): they need ssm_heads")
+    if sum(any(c in pattern for c in kind) for kind in ("SPM", "Dd", "Kk", "Bb")) > 1:
+        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M), gated DeltaNets (D, d) and Kimi Delta Attention "
+                         "(Kimi's K, k; Bailing's B, b) share the ssm_* widths: one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMDd"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMDdKkBb"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
                          "needs them (Mamba-2 mixers S, P, M or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:
         raise ValueError("layer_pattern has expert blocks (E): they need num_experts")
-    if any(c in pattern for c in "acjd") and not model.is_moe:
-        raise ValueError("layer_pattern's a / c / j / d put a dense MLP beside a mixture-of-experts model's experts: "
-                         "they need num_experts (else write A / C / J / D)")
-    if model.bias or model.moe_first_dense_layers or model.is_mla:
+    if any(c in pattern for c in "acjdkb") and not model.is_moe:
+        raise ValueError("layer_pattern's a / c / j / d / k / b put a dense MLP beside a mixture-of-experts model's "
+                         "experts: they need num_experts (else write A / C / J / D / K / B)")
+    if model.bias or model.moe_first_dense_layers or (model.is_mla and not any(c in pattern for c in "KkBb")):
         raise ValueError("layer_pattern: memplan models hybrids without a bias on every linear, dense-first layers "
-                         "or latent attention (the pattern places the MLPs: - dense, E experts)")
+                         "or latent attention beside other mixers than Kimi Delta Attention (K, k, B, b) (the pattern "
+                         "places the MLPs: - dense, E experts)")

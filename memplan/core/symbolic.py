@@ -24,7 +24,7 @@ Monomial = tuple[tuple[str, int], ...]  # sorted (symbol, power) pairs, power !=
 # must be refused, not evaluated): real sizes have powers of at most 3 and coefficients of a few digits.
 MAX_POWER = 16
 MAX_COEF_CHARS = 40
-_COEF = re.compile(r"[0-9]+(\.[0-9]+)?(/[0-9]+)?")
+_COEF = re.compile(r"-?[0-9]+(\.[0-9]+)?(/[0-9]+)?")  # a fitted trace's constant may be negative
 
 
 def _canon(powers: Mapping[str, int]) -> Monomial:
@@ -55,13 +55,13 @@ class Poly:
     @staticmethod
     @functools.lru_cache(maxsize=4096)
     def parse(text: str) -> "Poly":
-        """Parse a product such as '2 s b h', 'a s^2 b', 's b h g /a', '1/2 s b'."""
+        """Parse a product such as '2 s b h', 'a s^2 b', 's b h g /a', '1/2 s b', '-4096 b'."""
         coef = Fraction(1)
         powers: dict[str, int] = {}
         for token in text.split():
             divide = token.startswith("/")
             token = token.lstrip("/")
-            if token[0].isdigit():
+            if token[0].isdigit() or token[0] == "-" and token[1:2].isdigit():
                 if len(token) > MAX_COEF_CHARS or not _COEF.fullmatch(token):
                     raise MemplanError(f"coefficient {token[:40]!r}: a decimal or fraction of at most "
                                        f"{MAX_COEF_CHARS} digits")

@@ -319,7 +319,8 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
 
 
 # what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
-# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z) and gated DeltaNets (D, d)
+# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z), gated DeltaNets (D, d) and
+# Kimi Delta Attention (K, k, B, b)
 _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
                   "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
@@ -337,7 +338,12 @@ _HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers'
                   "chunks is traced at concrete s and b and fitted: validation/trace_fit.py, the fit's points in the "
                   "trace's conditions); on CUDA, transformers runs flash-linear-attention's chunk_gated_delta_rule and "
                   "causal-conv1d's kernels when they are installed, which save other tensors: not modelled; the "
-                  "step's transients are the Llama layout's, derived (the fitted trace has no backward moments)"))
+                  "step's transients are the Llama layout's, derived (the fitted trace has no backward moments)"),
+                 ("KkBb", "its Kimi Delta Attention layers' activations are what transformers' torch path saves "
+                  "(causal_conv1d_fn's and chunk_kimi_delta_attention's torch fallbacks, s padded to chunks of 64; "
+                  "its Python loop over the chunks is traced at concrete s and b and fitted: validation/trace_fit.py); "
+                  "on CUDA, transformers runs flash-linear-attention's chunk_kda kernels when they are installed, "
+                  "which save other tensors: not modelled; the step's transients derived"))
 
 
 def hybrid_note(model: ModelSpec) -> str:

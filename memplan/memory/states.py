@@ -162,7 +162,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
 
 
 # the attention's groups: a hybrid's "attention" blocks hold them (model_groups' names)
-_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "query / key norms",
+_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "latent norms", "query / key norms",
                      "attention sinks", GATE, "QKV biases", "attention output projection bias")
 
 
