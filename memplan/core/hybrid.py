@@ -13,13 +13,16 @@ from typing import Any
 # (lower case: with an f-wide dense MLP in a mixture-of-experts model, LFM2-MoE's first layers, Qwen3-Next's
 # mlp_only_layers); each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba:
 # ModelSpec.ssm_dt_rank, ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's
-# shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
+# shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py;
+# Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
+# mixer).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
                 "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
                 "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm"),
+                "Y": ("shared", "ssm", "norm"),
                 "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm")}
 BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "dense", "moe", "norm")
 
@@ -61,15 +64,15 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMDd") and model.ssm_heads is None:
-        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M) or gated DeltaNets (D, d): they need ssm_heads")
-    if any(c in pattern for c in "SPM") and any(c in pattern for c in "Dd"):
-        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M) and gated DeltaNets (D, d) share the ssm_* widths: "
-                         "one kind per model")
+    if any(c in pattern for c in "SPMYDd") and model.ssm_heads is None:
+        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y) or gated DeltaNets (D, d): they need ssm_heads")
+    if any(c in pattern for c in "SPMY") and any(c in pattern for c in "Dd"):
+        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y) and gated DeltaNets (D, d) share the ssm_* "
+                         "widths: one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMDd"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDd"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
-                         "needs them (Mamba-2 mixers S, P, M or DeltaNets D, d beside them are not modelled)")
+                         "needs them (Mamba-2 mixers S, P, M, Y or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:
