@@ -18,9 +18,15 @@ from memplan.core.errors import MemplanError
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
 from memplan.check import registry  # noqa: E402
+from memplan.memory.states import counter, layer_params  # noqa: E402
+from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from validation import hf as _hf  # noqa: E402
 from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
+from validation.trace_config import hf_config  # noqa: E402
 
 # hybrid layers 0, 2 and 3 (ids as the file writes them): blocks 0, 1, 0 in turn
 _THREE_USES = dict(layers_block_type=["hybrid", "mamba", "hybrid", "hybrid", "mamba"], hybrid_layer_ids=[0, 2, 3],
@@ -38,6 +44,23 @@ _ATTENTION_ADAPTERS = dict(use_shared_attention_adapter=True, num_key_value_head
 def test_the_switches_count_exactly(switches):
     config = {k: v for k, v in {**tiny_config("zamba2"), **switches}.items() if v is not None or k not in switches}
     assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config("zamba2"))
+
+
+def test_the_gathered_layer_is_what_a_hybrid_layers_forward_calls(tmp_path):
+    """ZeRO-3 gathers the modules a layer's forward calls: a hybrid layer's mixer, norm and linear, the one shared
+    block it uses and its own adapters (of the adapters that block holds, one per use: the others are another use's),
+    counted on transformers' model built on the meta device (two blocks over three uses, q / k / v adapters)."""
+    config = {**tiny_config("zamba2"), **_THREE_USES, **_ATTENTION_ADAPTERS, "num_mem_blocks": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = read_hf_config(str(tmp_path / "config.json")).model
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf_config(config))
+    uses = {layer: i for i, layer in enumerate(config["hybrid_layer_ids"])}
+    called = [sum(p.numel() for name, p in layer.named_parameters()
+                  if "adapter_list." not in name or f"adapter_list.{uses.get(j)}." in name)
+              for j, layer in enumerate(built.model.layers)]
+    assert layer_params(model, counter(model.symbols(t=1))) == max(called) < max(
+        sum(p.numel() for p in layer.parameters()) for layer in built.model.layers)
 
 
 def _defaults(**fields) -> dict:
