@@ -142,6 +142,11 @@ def _shrink(data: dict) -> dict:
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
             if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
                 out[k] = v[:n]
+    if "mamba_headdim" in data and "hybrid_layer_ids" in data:  # Zamba 2: the widths its config derives (a file's
+        # own win over them), a Mamba-2 layer and a hybrid one (a use of the shared block, its adapters rank 8)
+        out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)},
+                   layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], adapter_rank=8)
+        out["mamba_headdim"] = int(out["mamba_expand"] * out["hidden_size"]) // out["n_mamba_heads"]
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer

@@ -94,10 +94,11 @@ def decoder_layers_path(model, num_layers: int) -> str:
 
 def scan_chunk(config: dict) -> int:
     """The chunk a Mamba-2 mixer's torch path scans s in (``chunk_size`` / ``mamba_chunk_size`` of the configs with a
-    ``time_step_limit``: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids, Falcon-H1); 1 for other models.  The path pads
-    s up to a multiple of it (``pad_size = (chunk - s % chunk) % chunk``): the trace takes s a multiple of the chunk
-    (trace_run's ``s_multiple``), the condition ``s % chunk == 0`` in the file, and is exact there."""
-    if "time_step_limit" not in config:
+    ``time_step_limit``: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids, Falcon-H1; and Zamba 2's); 1 for other
+    models.  The path pads s up to a multiple of it (``pad_size = (chunk - s % chunk) % chunk``): the trace takes s a
+    multiple of the chunk (trace_run's ``s_multiple``), the condition ``s % chunk == 0`` in the file, and is exact
+    there."""
+    if "time_step_limit" not in config and config.get("model_type") != "zamba2":  # Zamba 2's: time_step_min
         return 1
     chunk = config.get("mamba_chunk_size", config.get("chunk_size", 256))  # Nemotron-H: the older name wins
     return chunk if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 1 else 1

@@ -138,8 +138,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "xlstm": ("estimate", _RECURRENT),
     "xmod": ("estimate", NOT_READ["XmodForCausalLM"] + ": not read"),
     "zamba": ("trace", _MAMBA1),
-    "zamba2": ("estimate", "Zamba 2: Mamba-2 mixers with shared attention blocks (and their LoRA adapters) reused "
-                           "every few layers: not counted"),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
                          "so no reader is checked"),
 }

@@ -14,13 +14,16 @@ from typing import Any
 # mlp_only_layers); "delta" in K / k Kimi Delta Attention (Kimi Linear: ``kda_counts``), in B / b Bailing-hybrid's (its
 # gates full rank); each "norm" one norm before a block; "mamba1" a Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba:
 # ModelSpec.ssm_dt_rank, ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's
-# shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py).
+# shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py;
+# Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
+# mixer).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
                 "a": ("attention", "dense", "norm", "norm"), "c": ("conv", "dense", "norm", "norm"),
                 "1": ("mamba1", "norm"), "J": ("mamba1", "ffn", "norm", "norm"),
                 "j": ("mamba1", "dense", "norm", "norm"), "Z": ("shared", "mamba1", "norm"),
+                "Y": ("shared", "ssm", "norm"),
                 "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm"),
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
                 "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm")}
@@ -82,16 +85,16 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMDdKkBb") and model.ssm_heads is None:
-        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M), gated DeltaNets (D, d) or Kimi Delta Attention "
-                         "(K, k, B, b): they need ssm_heads")
-    if sum(any(c in pattern for c in kind) for kind in ("SPM", "Dd", "Kk", "Bb")) > 1:
-        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M), gated DeltaNets (D, d) and Kimi Delta Attention "
+    if any(c in pattern for c in "SPMYDdKkBb") and model.ssm_heads is None:
+        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d) or Kimi Delta "
+                         "Attention (K, k, B, b): they need ssm_heads")
+    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb")) > 1:
+        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d) and Kimi Delta Attention "
                          "(Kimi's K, k; Bailing's B, b) share the ssm_* widths: one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMDdKkBb"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBb"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
-                         "needs them (Mamba-2 mixers S, P, M or DeltaNets D, d beside them are not modelled)")
+                         "needs them (Mamba-2 mixers S, P, M, Y or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:
         raise ValueError(f"ssm_heads={model.ssm_heads} is not divisible by ssm_groups={model.ssm_groups}")
     if "E" in pattern and not model.is_moe:

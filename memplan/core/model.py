@@ -196,13 +196,14 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-Cac1JjZDdKkBb]+$", description="one character per layer (None: every layer "
-        "attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two norms "
-        "each), M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's hybrid_override_pattern); "
-        "C LFM2's gated short convolution + MLP, D a gated DeltaNet + MLP, K Kimi Delta Attention + MLP (B: "
-        "Bailing's; two norms each); the MLP of A / S / P / C / D / K / B is the model's experts when it has them; a / c "
-        "/ d / k / b: the same with an f-wide dense MLP in a mixture-of-experts model; 1 / J / j: a Mamba-1 mixer alone "
-        "(one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer after a use of the shared attention + MLP block (core/hybrid.py)")
+        default=None, pattern=r"^[ASPM*E\-Cac1JjZYDdKkBb]+$", description="one character per layer (None: every "
+        "layer attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two "
+        "norms each), M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's "
+        "hybrid_override_pattern); C LFM2's gated short convolution + MLP, D a gated DeltaNet + MLP, K Kimi Delta "
+        "Attention + MLP (B: Bailing's; two norms each); the MLP of A / S / P / C / D / K / B is the model's experts when "
+        "it has them; a / c / d / k / b: the same with an f-wide dense MLP in a mixture-of-experts model; 1 / J / j: a "
+        "Mamba-1 mixer alone (one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer after a use of the "
+        "shared attention + MLP block; Y Zamba 2's: a Mamba-2 mixer after a use of a shared block (core/hybrid.py)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")
@@ -216,6 +217,12 @@ class ModelSpec(Spec):
                            "Mamba-1: Jamba's dt / B / C RMSNorms")
     ssm_dt_rank: Optional[int] = Field(default=None, gt=0, description="R, a Mamba-1 mixer's dt rank (time_step_rank, "
                                        "mamba_dt_rank): x_proj I -> R + 2 N, dt_proj R -> I")
+    shared_blocks: int = Field(default=1, gt=0, description="Zamba 2's shared attention + MLP blocks (num_mem_blocks), "
+                               "used in turn by the Y layers")
+    shared_adapter_rank: int = Field(default=0, ge=0, description="Zamba 2: the rank of each use's LoRA adapter on "
+                                     "the shared MLP's gate_up (adapter_rank; 0: none)")
+    shared_attention_adapter: bool = Field(default=False, description="Zamba 2: each use's LoRA adapters on q, k and v "
+                                           "too (use_shared_attention_adapter)")
     # Mixture of experts (all None / 0: a dense model). An MoE layer's MLP is a router (E x h) choosing k of
     # E routed experts for each token, each expert an MLP of width f_e (gated as `mlp` says), plus shared
     # experts every token goes through; the first `moe_first_dense_layers` layers keep a dense MLP f wide.

@@ -319,9 +319,9 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
 
 
 # what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
-# Mamba-2 mixers (S, P, M), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z), gated DeltaNets (D, d) and
+# Mamba-2 mixers (S, P, M, Y), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z), gated DeltaNets (D, d) and
 # Kimi Delta Attention (K, k, B, b)
-_HYBRID_NOTES = (("SPM", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
+_HYBRID_NOTES = (("SPMY", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
                   "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
                   "tensors: not modelled"),

@@ -189,8 +189,9 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
     out += [ParamGroup(name, number(n), split, "delta") for name, n, split in delta_counts(model)]
     if model.ssm_dt_rank is not None:
         return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
-    if not any(c in model.layer_pattern for c in "SPM"):
+    if not any(c in model.layer_pattern for c in "SPMY"):
         return out
+    out += _zamba_shared(model) if "Y" in model.layer_pattern else []
     H, i, gn = model.ssm_heads, model.ssm_heads * model.ssm_head_dim, 2 * model.ssm_groups * model.ssm_state_size
     proj = 2 * i + gn + H
     out += [ParamGroup("SSM input projection weight", number(model.hidden_size * proj + model.ssm_proj_bias * proj),
@@ -233,15 +234,25 @@ def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
     """Zamba's shared transformer block (transformers ZambaAttentionDecoderLayer, tied across its uses: held once, on
     the first stage) over the concatenated [x, embedding] input 2 h wide: a norm 2 h wide, q 2 h x a d, k and v
     2 h x g d, o a d x h, a norm h wide, a gated MLP 3 h f; each use (layer_pattern Z) its own h x h linear. A Z
-    layer's size (layer_params: what ZeRO-3 gathers to run it) counts the block too."""
+    layer's size (layer_params: what ZeRO-3 gathers to run it) counts the block too (Zamba 2's: the one block it uses
+    and its own adapters, the modules its forward calls). Zamba 2 (Zamba2AttentionDecoderLayer, layer_pattern Y):
+    shared_blocks blocks, used in turn, and each use's LoRA adapters of rank r (held by the block it uses, one per use
+    in all): on the MLP's gate_up h x r + r x 2 f, and with shared_attention_adapter on q, k and v 2 h x r + r x 2 h
+    each (their output is attention_hidden_size = 2 h wide whatever k / v's width)."""
     h, d, a = model.hidden_size, model.head_dim or 2 * model.hidden_size // model.num_attention_heads, \
         model.num_attention_heads
-    g = model.num_kv_heads or a
+    g, r = model.num_kv_heads or a, model.shared_adapter_rank
+    m = min(model.shared_blocks, model.layer_pattern.count("Y")) if "Y" in model.layer_pattern else 1  # blocks built
     attention, mlp, norms = ZAMBA_SHARED
-    return [ParamGroup(attention, number(2 * h * (a + 2 * g) * d + a * d * h), True, "first"),
-            ParamGroup(mlp, number(3 * h * model.ffn_hidden_size), True, "first"),
-            ParamGroup(norms, number(3 * h), False, "first"),
-            ParamGroup("Zamba shared block's output linear", number(h * h), True, "shared")]
+    adapters = r * (h + 2 * model.ffn_hidden_size) + model.shared_attention_adapter * 3 * r * 4 * h
+    block = [2 * h * (a + 2 * g) * d + a * d * h, 3 * h * model.ffn_hidden_size, 3 * h]
+    return [ParamGroup(attention, number(block[0]), True, "first"), ParamGroup(mlp, number(block[1]), True, "first"),
+            ParamGroup(norms, number(block[2]), False, "first"),
+            ParamGroup("Zamba shared block's output linear", number(h * h), True, "shared")] + (
+        [ParamGroup("Zamba 2 shared block's per-use adapters", number(adapters), True, "shared")] if r else []) + (
+        [ParamGroup("Zamba 2's other shared blocks", number((m - 1) * (block[0] + block[1])), True, "first"),
+         ParamGroup("Zamba 2's other shared blocks' norms", number((m - 1) * block[2]), False, "first")]
+        if m > 1 else [])
 
 
 def attention_params(model: ModelSpec, head_dim: int, kv_heads: int, k_eq_v: bool) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """The config.json readers of the state-space hybrids with Mamba-2 mixers (issue 22): Mamba-2, Bamba, Nemotron-H,
-Granite 4 hybrids (granitemoehybrid) and Falcon-H1, and of the short-convolution hybrids LFM2, LFM2-MoE and LFM3,
-from transformers' own modelling code (transformers 5.23): each layer's blocks as ModelSpec.layer_pattern (from the
-config's own pattern fields) and the mixer's widths; each checked by the registry walk (memplan/check/registry.py)
-against transformers' parameter count of the model on the meta device.
+Granite 4 hybrids (granitemoehybrid), Falcon-H1 and Zamba 2 (its shared attention blocks: ModelSpec.shared_*), and
+of the short-convolution hybrids LFM2, LFM2-MoE and LFM3, from transformers' own modelling code (transformers
+5.23): each layer's blocks as ModelSpec.layer_pattern (from the config's own pattern fields) and the mixer's
+widths; each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count of the
+model on the meta device.
 
 ``HYBRIDS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS); their
 activations are traced (--impl hf-*: memplan/inventory/traced.py hybrid_note says what that leaves out)."""
@@ -236,10 +237,56 @@ def _lfm3(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+# Zamba2Config's own layout when the file has no layers_block_type (54 layers, whatever num_hidden_layers says)
+_ZAMBA2_LAYOUT = "M" + "MMMMMY" * 7 + "MMMM" + "Y" + "MMM" + "Y" + "MM"
+
+
+def _zamba2(data: dict, path: Path) -> dict[str, Any]:
+    """Zamba2ForCausalLM: every layer a norm and a Mamba-2 mixer of n_mamba_heads heads (I = mamba_expand x h, its
+    convolution's bias always on), the "hybrid" ones (layers_block_type) after a use of one of num_mem_blocks shared
+    attention + gated MLP blocks in turn (over [x, embedding], 2 h wide, heads 2 h / a wide: Zamba2Config sets
+    attention_hidden_size and attention_head_dim so, whatever the file says), its own h x h linear and its LoRA
+    adapters (adapter_rank: on gate_up always, on q / k / v with use_shared_attention_adapter); use_mem_rope's rotary
+    embedding has no parameters (the trace follows it); no biases; embeddings tied by default."""
+    h, a = nat(data, "hidden_size", 2560, path), nat(data, "num_attention_heads", 32, path)
+    if flag(data, "add_bias_linear", False, path):
+        raise MemplanError(f"{path}: add_bias_linear (biases on the mixers' and MLPs' linears): not modelled; "
+                           f"{YAML_HINT}")
+    pattern = _ZAMBA2_LAYOUT if data.get("layers_block_type") is None else _types(
+        data, "layers_block_type", {"linear_attention": "M", "mamba": "M", "hybrid": "Y"}, path)
+    ids, uses = data.get("hybrid_layer_ids"), [i for i, c in enumerate(pattern) if c == "Y"]
+    if ids is not None and uses and ids != uses:  # the block's adapters are indexed by them: a KeyError in forward
+        raise MemplanError(f"{path}: hybrid_layer_ids: expected the hybrid layers of layers_block_type, {uses} "
+                           f"(got {echo(ids)})")
+    if uses and not flag(data, "tie_word_embeddings", True, path):  # modeling_utils: no tie_word_embeddings, no ties
+        raise MemplanError(f"{path}: tie_word_embeddings false: transformers then unties the shared blocks too (each "
+                           f"hybrid layer its own copy): not modelled; {YAML_HINT}")
+    expand = data.get("mamba_expand", 2)
+    if isinstance(expand, bool) or not isinstance(expand, (int, float)) or int(expand * h) <= 0:
+        raise MemplanError(f"{path}: mamba_expand: expected a positive number (got {echo(expand)})")
+    heads, width = nat(data, "n_mamba_heads", 8, path), int(expand * h)
+    if width % heads:
+        raise MemplanError(f"{path}: mamba_expand x hidden_size = {width} is not divisible by n_mamba_heads = "
+                           f"{heads}")
+    mixer = _mixer({**data, "n_mamba_heads": heads, "head_dim": width // heads}, path, "n_mamba_heads", "head_dim",
+                   "mamba_d_state", "mamba_ngroups", "mamba_d_conv", (8, 64, 64, 1, 4))
+    act = data.get("hidden_act", "gelu")
+    return dict(num_layers=len(pattern), hidden_size=h, layer_pattern=pattern, num_attention_heads=a,
+                num_kv_heads=data.get("num_key_value_heads"), head_dim=2 * h // a, norm="rmsnorm",
+                position_embedding="rope", bias=False, mlp="swiglu",
+                gate_activation="gelu" if isinstance(act, str) and act.startswith("gelu") else "silu",
+                ffn_hidden_size=data.get("intermediate_size") or 4 * h, norm_eps=data.get("rms_norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), ssm_conv_bias=True,
+                shared_blocks=nat(data, "num_mem_blocks", 1, path),
+                shared_adapter_rank=nat(data, "adapter_rank", 128, path),
+                shared_attention_adapter=flag(data, "use_shared_attention_adapter", False, path), **mixer)
+
+
 HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Mamba2ForCausalLM": _mamba2, "BambaForCausalLM": _bamba, "NemotronHForCausalLM": _nemotron_h,
     "GraniteMoeHybridForCausalLM": _granite_hybrid, "FalconH1ForCausalLM": _falcon_h1, "Lfm2ForCausalLM": _lfm2,
-    "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3, **MAMBA1,  # Mamba-1 mixers: hf_mamba1.py
+    "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3, "Zamba2ForCausalLM": _zamba2,
+    **MAMBA1,  # Mamba-1 mixers: hf_mamba1.py
     **LINEAR_ATTENTION,  # the gated-DeltaNet hybrids: hf_linear_attention.py
 }
 
