@@ -259,6 +259,13 @@ def test_rope_cache_per_layer_equals_torchtitan():
         cache = rope.build().cache
         by_hand = {"llama3-8b": 4, "qwen3-8b": 8}[spec] * s * d
         assert rope_cache_bytes(model) == cache.untyped_storage().nbytes() == by_hand
+    # DeepSeek-V3's attention rotates qk_rope_head_dim = 64 of each head (torchtitan's deepseek_v3 flavours: a yarn
+    # ComplexRoPE over that width): s x 32 complex64 = 4 s 64 bytes, whatever the head's other widths
+    dsv3 = load_model("deepseek-v3").model.model_copy(update=dict(seq_length=s))
+    rope = ComplexRoPE.Config(dim=64, max_seq_len=s, theta=10000.0, scaling="yarn", rope_factor=40.0, beta_fast=32.0,
+                              beta_slow=1.0, original_seq_len=4096)
+    assert dsv3.qk_rope_head_dim == 64
+    assert rope_cache_bytes(dsv3) == rope.build().cache.untyped_storage().nbytes() == 4 * s * 64
 
 
 def test_qwen3_8b_inventory_has_the_qk_norm_terms():

@@ -197,7 +197,8 @@ def test_states_by_hand():
     # head and final norm; no MTP layer (torchtitan's flavours build none): 671,026,404,352, torchtitan's own count
     # (test_671b_parameters).  fp32 parameters, gradients and AdamW's moments 16 B / 64 per parameter (at ep 8 the
     # GPU's 32 experts over efsdp = 8, the rest over 64: the same); in flight (bf16) the running and the prefetched
-    # MoE layer with the GPU's E / ep experts, and the head
+    # MoE layer with the GPU's E / ep experts, and the head; every layer's RoPE cache, s x d_r / 2 complex64 = 4 s d_r B
+    # (torchtitan's ComplexRoPE over the rotated width: tests/test_titan.py)
     attn = H * RQ + RQ + RQ * A * (DN + DR) + H * (RKV + DR) + RKV + RKV * A * (DN + DV) + A * DV * H + 2 * H
     moe, experts = attn + E * H + 3 * H * FE, 3 * E * H * FE
     total = 2 * V * H + H + ND * (attn + 3 * H * F) + (L - ND) * (moe + experts)
@@ -205,7 +206,7 @@ def test_states_by_hand():
     for ep in (1, 8):
         st = _estimate(ep=ep).peak.states
         assert st.optimizer == -(-12 * total // 64) and st.gradients == -(-4 * total // 64)
-        assert st.weights == 2 * (2 * (moe + experts // ep) + V * H + H)
+        assert st.weights == 2 * (2 * (moe + experts // ep) + V * H + H) + L * 4 * 4096 * DR
 
 
 def test_estimate_answers_term_by_term(capsys):
@@ -273,8 +274,9 @@ def test_ep_states_equal_the_recorded_run(ep, tmp_path):
     st = estimate(_tiny_yaml(tmp_path), impl="torchtitan", gpus=2, ep=ep, micro_batch=2, global_batch=4,
                   ac="full").estimate.peak.states
     assert st.gradients == got["grads"] and st.optimizer == got["params"] + got["adam"]
-    # in flight: the running MoE layer (measured) and the next one prefetched (derived), and the head (measured)
-    assert st.weights == 2 * got["running"] + 2 * TAIL
+    # in flight: the running MoE layer (measured) and the next one prefetched (derived), and the head (measured); the
+    # 2 layers' RoPE caches, 4 s d_r B each at s 16 (tests/test_titan.py)
+    assert st.weights == 2 * got["running"] + 2 * TAIL + 2 * 4 * 16 * SHAPE.dr
 
 
 @pytest.mark.slow

@@ -82,11 +82,11 @@ def rope_cache_bytes(model: ModelSpec) -> int:
     non-persistent buffer ``cache`` holds every position up to its ``max_seq_len`` (models/common/rope.py), which
     ``Decoder.Config.update_from_config`` sets to the Trainer's ``training.seq_len``: ComplexRoPE (Llama 3) s x d/2
     complex64 = 4 s d bytes, CosSinRoPE (Qwen3, q / k norms: cos and sin concatenated, fp32 [s, 2d]) 8 s d bytes
-    (d the head dim). A buffer: not sharded by FSDP2, whole on every rank (TP; CP too: the whole sequence). Measured
-    for ComplexRoPE over gloo (validation/titan_step.py); CosSinRoPE's from its code; DeepSeek-V3's: 0 (not
-    modelled)."""
+    (d the head dim), DeepSeek-V3's ComplexRoPE (yarn-scaled) over the rotated part only, d = qk_rope_head_dim. A
+    buffer: not sharded by FSDP2, whole on every rank (TP; CP too: the whole sequence). Measured for ComplexRoPE
+    over gloo (validation/titan_step.py); each module's buffer built by torchtitan's own code (tests/test_titan.py)."""
     if model.is_mla:
-        return 0
+        return 4 * model.seq_length * model.qk_rope_head_dim
     return (8 if model.qk_norm else 4) * model.seq_length * (model.q // model.num_attention_heads)
 
 
@@ -202,8 +202,8 @@ def notes(training: TrainingSpec, zero: int, dp: int = 1, shard: int = 1, pp: in
                 "all-gather output or the prefetched one; the embedding at the first layer's backward), the final norm + "
                 "LM head alone at the loss, none at the optimizer step (tied embeddings: two layers and the head all step, "
                 "derived); with them each layer's RoPE "
-                "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3: "
-                "measured, Llama 3's in a whole training step over gloo)"]
+                "cache (a buffer of training.seq_len positions, 4 s d B a layer for Llama 3, 8 s d B for Qwen3, 4 s "
+                "d_r B for DeepSeek-V3: measured, Llama 3's in a whole training step over gloo)"]
     if training.dp_stack == "fsdp2":
         return ["FSDP2 (accelerate fsdp_version 2): the unsharded parameters counted with the weights are the larger "
                 "of three layers (computing, prefetched, unsharded gradients) and the output layer with final norm "
