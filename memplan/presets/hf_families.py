@@ -37,6 +37,15 @@ def nat(data: dict, key: str, default: Any, path: Path) -> Any:
     return value
 
 
+def layer_types(data: dict, key: str, table: dict, path: Path) -> str:
+    """A layer-type list (layer_types, layers_block_type) as layer_pattern characters (``table``: type -> character)."""
+    types = data.get(key)
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in table for t in types):
+        raise MemplanError(f"{path}: {key}: expected a list of the layer types {', '.join(sorted(table))} "
+                           f"(got {echo(types)})")
+    return "".join(table[t] for t in types)
+
+
 def deepseek_experts(d: dict) -> dict[str, Any]:
     """The experts of a DeepSeek-V3-style config (DeepSeek-V2 / V3, GLM-4.5, dots.llm1): first_k_dense_replace
     dense layers intermediate_size wide, then n_routed_experts experts moe_intermediate_size wide, top

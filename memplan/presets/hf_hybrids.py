@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import YAML_HINT, flag, nat
+from memplan.presets.hf_families import YAML_HINT, flag, layer_types, nat
 from memplan.presets.hf_linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTION_MOE
 from memplan.presets.hf_mamba1 import MAMBA1
 
@@ -34,15 +34,6 @@ def _mixer(data: dict, path: Path, heads: str, head_dim: str, state: str, groups
     if H % G:
         raise MemplanError(f"{path}: {heads} = {H} is not divisible by {groups} = {G}")
     return dict(ssm_heads=H, ssm_head_dim=P, ssm_state_size=N, ssm_groups=G, ssm_conv_kernel=K)
-
-
-def _types(data: dict, key: str, table: dict, path: Path) -> str:
-    """A layer-type list (layer_types, layers_block_type) as layer_pattern characters."""
-    types = data.get(key)
-    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in table for t in types):
-        raise MemplanError(f"{path}: {key}: expected a list of the layer types {', '.join(sorted(table))} "
-                           f"(got {echo(types)})")
-    return "".join(table[t] for t in types)
 
 
 def _attention(data: dict, path: Path) -> dict[str, Any]:
@@ -92,7 +83,7 @@ def _granite_hybrid(data: dict, path: Path) -> dict[str, Any]:
     """GraniteMoeHybridForCausalLM: each layer a mixer or attention (layer_types), then the experts
     (num_local_experts of intermediate_size, gated, a router without bias) beside a gated shared MLP
     shared_intermediate_size wide; with no experts the shared MLP alone (the model's MLP)."""
-    spec = _bamba_like(data, path, _types(data, "layer_types", _TWO_BLOCKS, path))
+    spec = _bamba_like(data, path, layer_types(data, "layer_types", _TWO_BLOCKS, path))
     E, shared = data.get("num_local_experts", 8), nat(data, "shared_intermediate_size", 1024, path)
     if E:
         return dict(spec, mlp="swiglu", num_experts=nat(data, "num_local_experts", 8, path),
@@ -112,7 +103,7 @@ def _nemotron_h(data: dict, path: Path) -> dict[str, Any]:
             raise MemplanError(f"{path}: hybrid_override_pattern: expected the characters M, *, - and E "
                                f"(got {echo(pattern)})")
     else:
-        pattern = _types(data, "layers_block_type", _ONE_BLOCK, path)
+        pattern = layer_types(data, "layers_block_type", _ONE_BLOCK, path)
     if data.get("moe_latent_size") is not None:
         raise MemplanError(f"{path}: Nemotron-H with moe_latent_size (the experts in a latent space): not modelled; "
                            f"{YAML_HINT}")
@@ -183,7 +174,7 @@ def _lfm2(data: dict, path: Path) -> dict[str, Any]:
             raise MemplanError(f"{path}: full_attn_idxs: expected layer indices below {L} (got {echo(attention)})")
         pattern = "".join("A" if i in attention else "C" for i in range(L))
     else:
-        pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+        pattern = layer_types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
     bias = flag(data, "conv_bias", False, path)
     tied = flag(data, "tie_embedding", True, path) if "tie_embedding" in data else flag(data, "tie_word_embeddings",
                                                                                         True, path)
@@ -197,7 +188,7 @@ def _lfm2_moe(data: dict, path: Path) -> dict[str, Any]:
     """Lfm2MoeForCausalLM: LFM2's layers (layer_types, which Lfm2MoeConfig needs: it fills none), the first
     num_dense_layers with a SwiGLU MLP intermediate_size wide (layer_pattern a / c), the others num_experts experts
     moe_intermediate_size wide, top num_experts_per_tok, a router E x h without bias (its expert_bias is a buffer)."""
-    pattern = _types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
+    pattern = layer_types(data, "layer_types", {"full_attention": "A", "conv": "C"}, path)
     dense = data.get("num_dense_layers", 2)
     if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= len(pattern):
         raise MemplanError(f"{path}: num_dense_layers: expected a layer count from 0 to {len(pattern)} "
@@ -224,7 +215,7 @@ def _lfm3(data: dict, path: Path) -> dict[str, Any]:
     if data.get("layer_types") is None:
         pattern = "".join("A" if i % 4 == 2 or (i % 4 == 0 and i) else "C" for i in range(L))
     else:
-        pattern = _types(data, "layer_types", {"full_attention": "A", "sliding_attention": "A", "conv": "C"}, path)
+        pattern = layer_types(data, "layer_types", {"full_attention": "A", "sliding_attention": "A", "conv": "C"}, path)
     bias = flag(data, "conv_bias", False, path)
     return dict(_attention(data, path), num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 2048, path),
                 layer_pattern=pattern, qk_norm=True, head_dim=nat(data, "head_dim", 128, path), mlp="swiglu",
@@ -252,7 +243,7 @@ def _zamba2(data: dict, path: Path) -> dict[str, Any]:
     if flag(data, "add_bias_linear", False, path):
         raise MemplanError(f"{path}: add_bias_linear (biases on the mixers' and MLPs' linears): not modelled; "
                            f"{YAML_HINT}")
-    pattern = _ZAMBA2_LAYOUT if data.get("layers_block_type") is None else _types(
+    pattern = _ZAMBA2_LAYOUT if data.get("layers_block_type") is None else layer_types(
         data, "layers_block_type", {"linear_attention": "M", "mamba": "M", "hybrid": "Y"}, path)
     ids, uses = data.get("hybrid_layer_ids"), [i for i, c in enumerate(pattern) if c == "Y"]
     if ids is not None and uses and ids != uses:  # the block's adapters are indexed by them: a KeyError in forward

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import YAML_HINT, flag, nat
+from memplan.presets.hf_families import YAML_HINT, flag, layer_types, nat
 
 _KINDS = {"linear_attention": "D", "full_attention": "A"}
 
@@ -28,13 +28,9 @@ _KINDS = {"linear_attention": "D", "full_attention": "A"}
 def _pattern(data: dict, path: Path, default: Callable[[int], str]) -> str:
     """The layers' kinds as layer_pattern characters: layer_types when the config has it, else the family's default
     (``default``: the layer count -> the pattern)."""
-    types = data.get("layer_types")
-    if types is None:
+    if data.get("layer_types") is None:
         return default(nat(data, "num_hidden_layers", 48, path))
-    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in _KINDS for t in types):
-        raise MemplanError(f"{path}: layer_types: expected a list of the layer types {', '.join(sorted(_KINDS))} "
-                           f"(got {echo(types)})")
-    return "".join(_KINDS[t] for t in types)
+    return layer_types(data, "layer_types", _KINDS, path)
 
 
 def _interval(data: dict, path: Path) -> Callable[[int], str]:
