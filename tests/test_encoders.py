@@ -67,7 +67,18 @@ def test_whisper_tiny_decoder_by_hand():
     assert registry.memplan_params(_defaults("whisper")) == 29_552_256 == meta_params(_defaults("whisper"))
 
 
+def test_roc_bert_defaults_by_hand():
+    """RoCBertConfig's defaults are bert-base's (109,514,298 in BertLMHeadModel's form, above) and beside the word
+    embeddings a pronunciation table 910 x 768 = 698,880, a shape table 24858 x 512 = 12,727,296 and, with
+    concat_input, map_inputs_layer from the three concatenated (768 + 768 + 512 = 2048) to 768 with its bias:
+    1,572,864 + 768 = 1,573,632; in all 124,514,106."""
+    assert registry.memplan_params(_defaults("roc_bert")) == 124_514_106 == meta_params(_defaults("roc_bert"))
+
+
 @pytest.mark.parametrize("model_type, switches", [
+    ("roc_bert", dict(concat_input=False)),  # no map_inputs_layer; the two tables still built
+    ("roc_bert", dict(enable_shape=False)),  # map_inputs_layer without the shape table's width (the table built)
+    ("roc_bert", dict(enable_pronunciation=False, shape_embed_dim=32)),
     ("ernie", dict(use_task_id=True)),  # task_type_embeddings, task_type_vocab_size x h, beside the token types
     ("bert", dict(type_vocab_size=4)),
     ("xlm-roberta-xl", dict(max_position_embeddings=514)),  # RoBERTa's table: ids from pad_token_id + 1
@@ -123,8 +134,7 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("roc_bert", "pronunciation"),
-                                              ("xlm", "language embeddings"), ("prophetnet", "n-gram"),
+@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("xlm", "language embeddings"), ("prophetnet", "n-gram"),
                                               ("big_bird", "block-sparse")])
 def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -154,11 +164,12 @@ def test_the_estimate_says_what_it_is(tmp_path):
     assert "bidirectionally" not in notes  # a decoder's self-attention is causal whatever is_decoder says
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "trocr", "rembert"])
+@pytest.mark.parametrize("model_type", ["roberta", "trocr", "rembert", "roc_bert"])
 def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
     """RoBERTa (post-LN blocks, the embedding LayerNorm, token types, positions from 2, the head's transform),
-    TrOCR's decoder (its cross-attention built, not run) and RemBERT (embeddings 256 wide projected to h, a head 1664
-    wide): traced, read by memplan, bucket by bucket equal to what the real model saves on CPU at s = 32, b = 2."""
+    TrOCR's decoder (its cross-attention built, not run), RemBERT (embeddings 256 wide projected to h, a head 1664
+    wide) and RoCBERT (row 0 of its pronunciation and shape tables concatenated to the word embeddings, mapped to h):
+    traced, read by memplan, bucket by bucket equal to what the real model saves on CPU at s = 32, b = 2."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

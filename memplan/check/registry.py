@@ -130,7 +130,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
-    "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),
     "rwkv": ("estimate", _RECURRENT),
     "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
+from memplan.core.extra_tensors import ExtraTensor, check_extra_tensors
 from memplan.core.spec_checks import check_expert_loads, check_latent
 from memplan.core.spec_base import Spec
 
@@ -152,6 +153,8 @@ class ModelSpec(Spec):
     frozen_position_rows: int = Field(
         default=0, ge=0, description="rows of a frozen sinusoidal position table head_dim wide held as a parameter "
         "(RoFormer's encoder.embed_positions: max_position_embeddings rows; its states counted as if trained)")
+    extra_tensors: tuple[ExtraTensor, ...] = Field(default=(), description="a family's own parameter tensors beside "
+        "the other fields' (RoCBERT's pronunciation / shape tables, X-MOD's adapters): core/extra_tensors.py")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -445,6 +448,7 @@ class ModelSpec(Spec):
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         check_latent(self)
+        check_extra_tensors(self.extra_tensors)
         return self._experts()._hybrid()
 
     def _hybrid(self) -> "ModelSpec":

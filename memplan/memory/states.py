@@ -158,6 +158,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.head_transform:  # BERT: cls.predictions.transform's dense (h x e_out + e_out) and its norm
         groups.append(ParamGroup("output head transform", e_out * Poly.parse("h") + e_out * (
             1 + model.norm_params + model.has_norm_bias), False, "last"))
+    groups += [ParamGroup(x.name, number(x.numel), False, x.scope) for x in model.extra_tensors]  # RoCBERT, X-MOD, ...
     return tuple(hybrid_groups(model, groups))
 
 

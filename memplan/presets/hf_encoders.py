@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
+from memplan.core.extra_tensors import ExtraTensor
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
@@ -83,6 +84,26 @@ def _rembert(data: dict, path: Path) -> dict[str, Any]:
             **data, "tie_word_embeddings": False}
     widths = nat(data, "input_embedding_size", 256, path), nat(data, "output_embedding_size", 1664, path)
     return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": widths}
+
+
+def _roc_bert(data: dict, path: Path) -> dict[str, Any]:
+    """RoCBERT as a causal LM (RoCBertForCausalLM): BERT's, and beside its word embeddings a pronunciation table
+    pronunciation_vocab_size x pronunciation_embed_dim and a shape table shape_vocab_size x shape_embed_dim (both
+    built whatever enable_pronunciation / enable_shape say); with concat_input, map_inputs_layer, a linear with bias
+    from the word embeddings concatenated with the enabled tables' (h + d_p + d_s) to h (RoCBertConfig's defaults
+    for missing keys). Without ids for the two tables, the forward looks up their row 0 (concat_input) or not at
+    all: what the trace of input_ids alone runs."""
+    h = nat(data, "hidden_size", 768, path)
+    p_rows, p_dim = nat(data, "pronunciation_vocab_size", 910, path), nat(data, "pronunciation_embed_dim", 768, path)
+    s_rows, s_dim = nat(data, "shape_vocab_size", 24858, path), nat(data, "shape_embed_dim", 512, path)
+    extra = [ExtraTensor(name="pronunciation embedding", scope="first", rows=p_rows, cols=p_dim),
+             ExtraTensor(name="shape embedding", scope="first", rows=s_rows, cols=s_dim)]
+    if flag(data, "concat_input", True, path):
+        width = h + p_dim * flag(data, "enable_pronunciation", True, path) + s_dim * flag(data, "enable_shape", True,
+                                                                                           path)
+        extra += [ExtraTensor(name="map_inputs_layer weight", scope="first", rows=h, cols=width),
+                  ExtraTensor(name="map_inputs_layer bias", scope="first", rows=h)]
+    return {**_bert_like(data, path), "extra_tensors": tuple(extra)}
 
 
 def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
@@ -149,6 +170,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "ElectraForCausalLM": _electra,
     "RemBertForCausalLM": _rembert,
     "RoFormerForCausalLM": _roformer,
+    "RoCBertForCausalLM": _roc_bert,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
@@ -164,7 +186,6 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 # memplan/check/registry.py EXCLUDED lists them)
 NOT_READ = {
     "XmodForCausalLM": "X-MOD: per-language adapters (adapter_modules) in every layer",
-    "RoCBertForCausalLM": "RoCBERT: pronunciation and shape embeddings beside the word embeddings",
     "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
