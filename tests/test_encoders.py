@@ -75,7 +75,17 @@ def test_roc_bert_defaults_by_hand():
     assert registry.memplan_params(_defaults("roc_bert")) == 124_514_106 == meta_params(_defaults("roc_bert"))
 
 
+def test_big_bird_with_full_attention_by_hand():
+    """BigBirdConfig's defaults with attention_type original_full (v 50358, h 768, 12 layers, f 3072, 4096 positions,
+    2 token types): the embeddings 50358 x 768 + 4096 x 768 + 2 x 768 + a LayerNorm 2 x 768 = 41,823,744; twelve
+    BERT layers 12 x 7,087,872 = 85,054,464; the head's transform 768^2 + 768 + 2 x 768 = 592,128 and its bias 50,358;
+    the pooler 768^2 + 768 = 590,592: 128,111,286."""
+    config = {**_defaults("big_bird"), "attention_type": "original_full"}
+    assert registry.memplan_params(config) == 128_111_286 == meta_params(config)
+
+
 @pytest.mark.parametrize("model_type, switches", [
+    ("big_bird", dict(use_bias=False)),  # q, k, v without bias; the attention's output dense and the MLP keep theirs
     ("roc_bert", dict(concat_input=False)),  # no map_inputs_layer; the two tables still built
     ("roc_bert", dict(enable_shape=False)),  # map_inputs_layer without the shape table's width (the table built)
     ("roc_bert", dict(enable_pronunciation=False, shape_embed_dim=32)),
@@ -118,6 +128,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
     ("roberta", dict(pad_token_id=10), "pad_token_id"),  # positions from row 11: past position_offset's 8
     ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
     ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
+    ("big_bird", dict(attention_type="block_sparse"), "block-sparse attention"),  # BigBirdConfig's default
 ])
 def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -134,8 +145,8 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("xlm", "language embeddings"), ("prophetnet", "n-gram"),
-                                              ("big_bird", "block-sparse")])
+@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("xlm", "language embeddings"),
+                                              ("prophetnet", "n-gram")])
 def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
     with pytest.raises(MemplanError, match=says) as err:
         registry.memplan_params(tiny_config(model_type))
@@ -177,11 +188,12 @@ def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")
 @pytest.mark.parametrize("model_type", sorted(set(BERT_LIKES) - {"roberta"}) + ["mvp", "bigbird_pegasus", "electra",
-                                                                                 "roformer", "whisper"])
+                                                                                 "roformer", "whisper", "big_bird"])
 def test_a_traced_sample_of_the_others_equals_a_real_cpu_run(model_type):
     """The same over the others (opt-in): BERT (cls.predictions), BERT-generation (no token types, no transform), the
     pre-LN ones (Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), RoBERTa's copies, MVP's and BigBird-Pegasus's decoders,
-    ELECTRA's generator, RoFormer (rotary, embeddings 768 wide projected to h) and Whisper's decoder (k_proj unbiased)."""
+    ELECTRA's generator, RoFormer (rotary, embeddings 768 wide projected to h), Whisper's decoder (k_proj unbiased) and
+    BigBird with full attention (its pooler run)."""
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error

@@ -149,6 +149,8 @@ def _shrink(data: dict) -> dict:
         out["mamba_headdim"] = int(out["mamba_expand"] * out["hidden_size"]) // out["n_mamba_heads"]
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
+    if data.get("attention_type") == "block_sparse":  # BigBird: full attention, what memplan reads (block-sparse
+        out["attention_type"] = "original_full"  # attention specialises s: refused, tests/test_encoders.py)
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer
         out.update(num_hidden_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])
     return out

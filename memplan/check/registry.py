@@ -58,7 +58,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
-    "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blenderbot": ("estimate", _ONES_MASK),
     "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.extra_tensors import ExtraTensor
+from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
@@ -106,6 +107,26 @@ def _roc_bert(data: dict, path: Path) -> dict[str, Any]:
     return {**_bert_like(data, path), "extra_tensors": tuple(extra)}
 
 
+def _big_bird(data: dict, path: Path) -> dict[str, Any]:
+    """BigBird as a causal LM (BigBirdForCausalLM) with attention_type original_full: BERT's post-LN layers, q, k and
+    v biased with use_bias only (the attention's output dense and the MLP always), max_position_embeddings rows
+    (default 4096) from 0, and a pooler (a dense h x h with its bias, tanh) on the first token after the last layer
+    (BigBirdModel builds one; its forward runs it); block_sparse attention (the default) is refused: it pads s to a
+    multiple of block_size and switches to full attention for s up to (5 + 2 num_random_blocks) block_size, so its
+    trace specialises s."""
+    attention = data.get("attention_type", "block_sparse")
+    if attention != "original_full":
+        raise MemplanError(f"{path}: BigBirdForCausalLM with attention_type {echo(attention)}: block-sparse attention "
+                           "pads s to a multiple of block_size and runs full attention up to (5 + 2 num_random_blocks) "
+                           "block_size tokens, so its trace specialises s: not modelled (attention_type original_full "
+                           f"is read); {YAML_HINT}")
+    biased, h = flag(data, "use_bias", True, path), nat(data, "hidden_size", 768, path)
+    pooler = (ExtraTensor(name="pooler weight", scope="last", rows=h, cols=h),
+              ExtraTensor(name="pooler bias", scope="last", rows=h))
+    return {**_bert_like(data, path), "bias": biased, "mlp_bias": not biased, "out_bias": not biased,
+            "extra_tensors": pooler}
+
+
 def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
     """The decoder of a BART-like encoder-decoder model run alone (MvpForCausalLM, TrOCRForCausalLM): post-LN layers
     of self-attention, cross-attention and a GeLU MLP decoder_ffn_dim wide, every linear biased, three LayerNorms a
@@ -171,6 +192,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "RemBertForCausalLM": _rembert,
     "RoFormerForCausalLM": _roformer,
     "RoCBertForCausalLM": _roc_bert,
+    "BigBirdForCausalLM": _big_bird,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
@@ -189,8 +211,6 @@ NOT_READ = {
     "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
-    "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
-                          "and a pooler (h x h + h) beside the LM head",
 }
 
 # the position limit's key and default of each (the config classes' defaults)
@@ -198,6 +218,7 @@ POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
              "RoFormerForCausalLM": ("max_position_embeddings", 1536),
              "MvpForCausalLM": ("max_position_embeddings", 1024),
              "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096),
+             "BigBirdForCausalLM": ("max_position_embeddings", 4096),
              "WhisperForCausalLM": ("max_target_positions", 448)}
 
 # what an estimate of each says beside its figures
@@ -212,6 +233,12 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "refuse it)")
 _SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
+ENCODER_NOTES["RoCBertForCausalLM"] += ("; its pronunciation and shape tables and map_inputs_layer are counted (extra "
+                                        "tensors); the trace passes input_ids alone, so the forward looks up row 0 of "
+                                        "each table (what transformers does without pronunciation / shape ids)")
+ENCODER_NOTES["BigBirdForCausalLM"] += ("; full attention (attention_type original_full); its pooler (a dense h x h "
+                                        "with its bias and tanh on the first token, which BigBirdModel runs) is "
+                                        "counted and traced")
 ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
                                          "x h / a, requires_grad false) is counted with the parameters, and its "
                                          "gradient and optimizer states as if trained (derived: an overestimate)")
