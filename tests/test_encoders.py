@@ -1,5 +1,5 @@
 """Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
-among them), and the decoders of MVP, TrOCR and BigBird-Pegasus
+among them; RoCBERT's, X-MOD's and BigBird's own tensors as ModelSpec.extra_tensors), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
@@ -22,7 +22,9 @@ from memplan.launch.megatron import launch_refusal  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
 from memplan.presets.hf_encoders import NOT_READ  # noqa: E402
 from validation import hf as _hf  # noqa: E402
-from validation.registry import architectures, meta_params, tiny_config  # noqa: E402
+from memplan.check.validate import measured_buckets  # noqa: E402
+from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
+from validation.registry import architectures, measure, meta_params, tiny_config, trace  # noqa: E402
 
 BERT_LIKES = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
               "camembert", "ernie", "data2vec-text", "megatron-bert"]
@@ -75,6 +77,14 @@ def test_roc_bert_defaults_by_hand():
     assert registry.memplan_params(_defaults("roc_bert")) == 124_514_106 == meta_params(_defaults("roc_bert"))
 
 
+def test_xmod_defaults_by_hand():
+    """XmodConfig's defaults are bert-base's widths with RoBERTa's embeddings (512 position rows, numbered from
+    pad_token_id + 1): 109,514,298 in BertLMHeadModel's form (above), and in each of the 12 layers one language's
+    adapter (languages ("en_XX",)), dense1 768 -> 768 // 2 = 384 and dense2 back, with their biases: 384 x 768 + 384
+    + 768 x 384 + 768 = 590,976, twelve of them 7,091,712; in all 116,606,010."""
+    assert registry.memplan_params(_defaults("xmod")) == 116_606_010 == meta_params(_defaults("xmod"))
+
+
 def test_big_bird_with_full_attention_by_hand():
     """BigBirdConfig's defaults with attention_type original_full (v 50358, h 768, 12 layers, f 3072, 4096 positions,
     2 token types): the embeddings 50358 x 768 + 4096 x 768 + 2 x 768 + a LayerNorm 2 x 768 = 41,823,744; twelve
@@ -86,6 +96,10 @@ def test_big_bird_with_full_attention_by_hand():
 
 @pytest.mark.parametrize("model_type, switches", [
     ("big_bird", dict(use_bias=False)),  # q, k, v without bias; the attention's output dense and the MLP keep theirs
+    ("xmod", dict(languages=["en_XX", "de_DE", "fr_XX"], adapter_reduction_factor=4)),  # 3 adapters h / 4 wide
+    ("xmod", dict(adapter_layer_norm=True)),  # a LayerNorm before the adapters
+    ("xmod", dict(pre_norm=True)),  # pre-LN layers: the encoder's final LayerNorm
+    ("xmod", dict(max_position_embeddings=514)),
     ("roc_bert", dict(concat_input=False)),  # no map_inputs_layer; the two tables still built
     ("roc_bert", dict(enable_shape=False)),  # map_inputs_layer without the shape table's width (the table built)
     ("roc_bert", dict(enable_pronunciation=False, shape_embed_dim=32)),
@@ -145,8 +159,7 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("model_type, says", [("xmod", "per-language adapters"), ("xlm", "language embeddings"),
-                                              ("prophetnet", "n-gram")])
+@pytest.mark.parametrize("model_type, says", [("xlm", "language embeddings"), ("prophetnet", "n-gram")])
 def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
     with pytest.raises(MemplanError, match=says) as err:
         registry.memplan_params(tiny_config(model_type))
@@ -184,6 +197,19 @@ def test_a_traced_post_norm_encoder_equals_a_real_cpu_run(model_type):
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
+def test_xmod_traced_through_its_language_adapters_equals_a_real_cpu_run():
+    """X-MOD selects each language's samples with a boolean mask (a size fake tensors cannot know); the trace tells
+    the ShapeEnv what a run without lang_ids does (every sample through default_language's adapter, none through the
+    others: validation/trace_saves.py _language_adapters) and runs transformers' own code: with three languages, the
+    second the default, and adapter LayerNorms, its bytes equal a real CPU run's, layer by layer, at two (s, b)."""
+    config = {**tiny_config("xmod"), "languages": ["en_XX", "de_DE", "fr_XX"], "default_language": "de_DE",
+              "adapter_layer_norm": True}
+    traced = TracedFile.model_validate(trace(config))
+    assert traced.conditions == ["s >= 2", "b >= 2"]
+    for s, b in ((32, 2), (48, 3)):
+        assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
 
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU each: MEMPLAN_ENCODERS_SLOW=1")

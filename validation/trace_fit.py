@@ -61,7 +61,7 @@ def concrete_saves(model: torch.nn.Module, mode: Any, forward: Callable[..., tor
     cuda = CudaKernels({}, sdpa) if kernels == "cuda" else None
     with mode:
         saves = Saves(model)
-        with eager_decisions(), saves.recording(aten=True):
+        with eager_decisions(model), saves.recording(aten=True):
             with with_python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
                     (cuda.norm_stats() if cuda else contextlib.nullcontext()), data_dependence_refused():
                 loss = forward(model, *make_inputs(s, b))

@@ -98,7 +98,7 @@ def forward_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 @contextlib.contextmanager
-def eager_decisions():
+def eager_decisions(model=None):
     """Give transformers the answers an eager run gets where it treats fake tensors as tracing.
 
     ``find_packed_sequence_indices(position_ids)`` reads the position ids' values to detect packed
@@ -110,10 +110,36 @@ def eager_decisions():
 
     orig = mu.find_packed_sequence_indices
     mu.find_packed_sequence_indices = lambda position_ids: None
+    hooks = _language_adapters(model) if model is not None else []
     try:
         yield
     finally:
         mu.find_packed_sequence_indices = orig
+        for hook in hooks:
+            hook.remove()
+
+
+def _language_adapters(model) -> list:
+    """X-MOD: each layer's lang_adapter (XmodOutput) selects the samples of each language with a boolean mask of
+    lang_ids, a size fake tensors cannot know; a run without lang_ids gives every sample default_language's
+    (XmodModel.forward), so the trace tells the ShapeEnv that (``torch._check``: b rows for that language's adapter,
+    none for the others) and runs transformers' own code. Hooks on the model (none for other models)."""
+    default = getattr(model.config, "default_language", None)
+    adapters = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "XmodAdapter"]
+    if not adapters or default is None:
+        return []
+    batch = {}
+
+    def take_batch(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch["b"] = ids.shape[0]
+
+    def check_rows(name):
+        rows = (lambda: batch["b"]) if name.rsplit(".", 1)[-1] == str(default) else (lambda: 0)
+        return lambda module, args: torch._check(args[0].shape[0] == rows())
+
+    return [model.register_forward_pre_hook(take_batch, with_kwargs=True)] + [
+        m.register_forward_pre_hook(check_rows(name)) for name, m in adapters]
 
 
 

@@ -28,7 +28,7 @@ from memplan.presets.hf_families import YAML_HINT, flag, nat
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
 # first pad_token_id + 1 rows are never used
 _ROBERTA_LIKE = ("RobertaForCausalLM", "CamembertForCausalLM", "XLMRobertaForCausalLM", "Data2VecTextForCausalLM",
-                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM")
+                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM", "XmodForCausalLM")
 
 
 def position_start(arch: str, data: dict) -> int:
@@ -105,6 +105,28 @@ def _roc_bert(data: dict, path: Path) -> dict[str, Any]:
         extra += [ExtraTensor(name="map_inputs_layer weight", scope="first", rows=h, cols=width),
                   ExtraTensor(name="map_inputs_layer bias", scope="first", rows=h)]
     return {**_bert_like(data, path), "extra_tensors": tuple(extra)}
+
+
+def _xmod(data: dict, path: Path) -> dict[str, Any]:
+    """X-MOD as a causal LM (XmodForCausalLM): RoBERTa's (with pre_norm, pre-LN layers and a final LayerNorm, the
+    embedding LayerNorm kept) and in each layer's output one adapter per language of ``languages`` (dense1 h ->
+    h // adapter_reduction_factor and dense2 back, each with its bias), all counted, and with adapter_layer_norm a
+    LayerNorm before them (XmodConfig's defaults for missing keys). The forward runs each sample through its
+    language's adapter (lang_ids; without them, every sample through default_language's)."""
+    languages = data.get("languages", ["en_XX"])
+    if not isinstance(languages, list) or not languages or not all(isinstance(x, str) for x in languages):
+        raise MemplanError(f"{path}: languages: expected a list of language names (got {echo(languages)})")
+    h, r = nat(data, "hidden_size", 768, path), nat(data, "adapter_reduction_factor", 2, path)
+    n, width = len(set(languages)), h // r  # adapter_modules: a ModuleDict, one adapter per name
+    if not width:
+        raise MemplanError(f"{path}: adapter_reduction_factor {r} leaves the adapters no width (h = {h}); {YAML_HINT}")
+    extra = [ExtraTensor(name="language adapters' dense1 weight", scope="layer", rows=width, cols=h, count=n),
+             ExtraTensor(name="language adapters' dense1 bias", scope="layer", rows=width, count=n),
+             ExtraTensor(name="language adapters' dense2 weight", scope="layer", rows=h, cols=width, count=n),
+             ExtraTensor(name="language adapters' dense2 bias", scope="layer", rows=h, count=n)]
+    if flag(data, "adapter_layer_norm", False, path):
+        extra.append(ExtraTensor(name="adapter LayerNorm", scope="layer", rows=h, count=2))
+    return {**_bert_like(data, path, pre_norm=flag(data, "pre_norm", False, path)), "extra_tensors": tuple(extra)}
 
 
 def _big_bird(data: dict, path: Path) -> dict[str, Any]:
@@ -192,6 +214,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "RemBertForCausalLM": _rembert,
     "RoFormerForCausalLM": _roformer,
     "RoCBertForCausalLM": _roc_bert,
+    "XmodForCausalLM": _xmod,
     "BigBirdForCausalLM": _big_bird,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
@@ -207,7 +230,6 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 # the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
 # memplan/check/registry.py EXCLUDED lists them)
 NOT_READ = {
-    "XmodForCausalLM": "X-MOD: per-language adapters (adapter_modules) in every layer",
     "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
@@ -236,6 +258,11 @@ ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).forma
 ENCODER_NOTES["RoCBertForCausalLM"] += ("; its pronunciation and shape tables and map_inputs_layer are counted (extra "
                                         "tensors); the trace passes input_ids alone, so the forward looks up row 0 of "
                                         "each table (what transformers does without pronunciation / shape ids)")
+ENCODER_NOTES["XmodForCausalLM"] += ("; its per-language adapters (one per name of languages, in every layer) are "
+                                     "counted, and the trace runs every sample through one (default_language's, or "
+                                     "the first language's where the config names none, as set_default_language "
+                                     "must before transformers runs it); a mix of languages saves the same bytes "
+                                     "(derived: each sample goes through one adapter of the same widths)")
 ENCODER_NOTES["BigBirdForCausalLM"] += ("; full attention (attention_type original_full); its pooler (a dense h x h "
                                         "with its bias and tanh on the first token, which BigBirdModel runs) is "
                                         "counted and traced")
