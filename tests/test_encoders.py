@@ -94,7 +94,23 @@ def test_big_bird_with_full_attention_by_hand():
     assert registry.memplan_params(config) == 128_111_286 == meta_params(config)
 
 
+def test_gpt_neox_japanese_defaults_by_hand(run_cli, tmp_path):
+    """GPTNeoXJapaneseConfig's defaults (v 32000, h 2560, 32 layers, f = 4 h = 10240, tied): embed_in 32000 x 2560 =
+    81,920,000; a layer's query_key_value 3 x 2560^2, dense 2560^2 and MLP 2 x 2560 x 10240, none biased, and two
+    LayerNorms 4 x 2560: 78,653,440, 32 of them 2,516,910,080; the final LayerNorm 5,120 and the last layer's
+    dense_bias 2,560: 2,598,837,760. A decoder-only LM, but Megatron-LM builds no dense_bias: --emit megatron refuses
+    it in one line."""
+    assert registry.memplan_params(_defaults("gpt_neox_japanese")) == 2_598_837_760 == \
+        meta_params(_defaults("gpt_neox_japanese"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config("gpt_neox_japanese")))
+    code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "32", "--emit", "megatron")
+    assert code == 2 and "dense_bias" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("model_type, switches", [
+    ("gpt_neox_japanese", dict(tie_word_embeddings=False)),  # embed_out v x h of its own
+    ("gpt_neox_japanese", dict(intermediate_multiple_size=2)),  # the MLP 2 h wide
     ("big_bird", dict(use_bias=False)),  # q, k, v without bias; the attention's output dense and the MLP keep theirs
     ("xmod", dict(languages=["en_XX", "de_DE", "fr_XX"], adapter_reduction_factor=4)),  # 3 adapters h / 4 wide
     ("xmod", dict(adapter_layer_norm=True)),  # a LayerNorm before the adapters

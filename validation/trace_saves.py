@@ -124,7 +124,7 @@ def _language_adapters(model) -> list:
     lang_ids, a size fake tensors cannot know; a run without lang_ids gives every sample default_language's
     (XmodModel.forward), so the trace tells the ShapeEnv that (``torch._check``: b rows for that language's adapter,
     none for the others) and runs transformers' own code. Hooks on the model (none for other models)."""
-    default = getattr(model.config, "default_language", None)
+    default = getattr(getattr(model, "config", None), "default_language", None)
     adapters = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "XmodAdapter"]
     if not adapters or default is None:
         return []

@@ -89,8 +89,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "git": ("estimate", _MULTIMODAL),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),
-    "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
-                                      "parameter (dense_bias)"),
     "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
     "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
                           "ffn_hc)"),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
+from memplan.core.extra_tensors import ExtraTensor
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
@@ -138,10 +139,26 @@ def _ctrl(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+def _gpt_neox_japanese(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-NeoX-Japanese: pre-LayerNorm layers with bias, query_key_value, dense and a GeLU MLP int(h x
+    intermediate_multiple_size) wide, none biased, and the last layer's dense_bias (an h-wide parameter added after its
+    attention: an extra tensor on the last stage); rotary positions, a final LayerNorm; embed_out tied unless
+    tie_word_embeddings is false (GPTNeoXJapaneseConfig's defaults for missing keys)."""
+    h = nat(data, "hidden_size", 2560, path)
+    width = data.get("intermediate_multiple_size", 4)
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or int(h * width) <= 0:
+        raise MemplanError(f"{path}: intermediate_multiple_size: expected a positive number (got {echo(width)})")
+    return dict(num_layers=nat(data, "num_hidden_layers", 32, path), hidden_size=h,
+                num_attention_heads=nat(data, "num_attention_heads", 32, path), ffn_hidden_size=int(h * width),
+                norm="layernorm", mlp="gelu", bias=False, position_embedding="rope", norm_eps=data.get("layer_norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                extra_tensors=(ExtraTensor(name="last layer's attention dense_bias", scope="last", rows=h),))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
-    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt,
+    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt, "GPTNeoXJapaneseForCausalLM": _gpt_neox_japanese,
     "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
@@ -152,4 +169,5 @@ POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
              "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
              "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
-             "BioGptForCausalLM": ("max_position_embeddings", 1024)}
+             "BioGptForCausalLM": ("max_position_embeddings", 1024),
+             "GPTNeoXJapaneseForCausalLM": ("max_position_embeddings", 2048)}
