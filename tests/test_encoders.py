@@ -108,7 +108,32 @@ def test_gpt_neox_japanese_defaults_by_hand(run_cli, tmp_path):
     assert code == 2 and "dense_bias" in err and len(err.strip().splitlines()) == 1
 
 
+def test_modernbert_decoder_defaults_by_hand():
+    """ModernBertDecoderConfig's defaults (v 50368, h 768, 22 layers, f 1152, LayerNorms without bias, no linear
+    biased but the decoder's): tok_embeddings 50368 x 768 and their norm 768 = 38,683,392; a layer's q / k / v / Wo
+    4 x 768^2, Wi 768 x 2 x 1152, Wo 1152 x 768 and mlp_norm 768: 5,014,272, 22 of them 110,313,984; attn_norm in the
+    21 layers after the first 16,128; the final norm 768; lm_head's dense 768^2 and norm 768: 590,592; the decoder's
+    bias 50,368 (its weight tied): 149,655,232."""
+    assert registry.memplan_params(_defaults("modernbert-decoder")) == 149_655_232 == \
+        meta_params(_defaults("modernbert-decoder"))
+
+
+def test_modernbert_decoder_traced_equals_a_real_cpu_run():
+    """Its trace (built under fake tensors with transformers' initialisers as no-ops: trunc_normal_ reads values;
+    validation/trace_config.py) with biased LayerNorms and lm_head's dense bias equals a real CPU run's bytes, layer by
+    layer (the first without attn_norm), below and above the 16-token sliding window of the shrunk config."""
+    config = {**tiny_config("modernbert-decoder"), "norm_bias": True, "classifier_bias": True}
+    traced = TracedFile.model_validate(trace(config))
+    assert registry.memplan_params(config) == meta_params(config)
+    for s, b in ((32, 2), (96, 3)):
+        assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
+
+
 @pytest.mark.parametrize("model_type, switches", [
+    ("modernbert-decoder", dict(norm_bias=True)),  # every LayerNorm's bias, the head's too
+    ("modernbert-decoder", dict(attention_bias=True, mlp_bias=True)),
+    ("modernbert-decoder", dict(classifier_bias=True, decoder_bias=False)),  # lm_head.dense's bias, no decoder bias
+    ("modernbert-decoder", dict(tie_word_embeddings=False)),
     ("gpt_neox_japanese", dict(tie_word_embeddings=False)),  # embed_out v x h of its own
     ("gpt_neox_japanese", dict(intermediate_multiple_size=2)),  # the MLP 2 h wide
     ("big_bird", dict(use_bias=False)),  # q, k, v without bias; the attention's output dense and the MLP keep theirs

@@ -110,8 +110,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
                                        "shared widths are not read"),
     "mllama": ("estimate", _MULTIMODAL),
-    "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
-                                       "with a decoder bias"),
     "moshi": ("estimate", _MULTIMODAL),
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
     "musicgen": ("estimate", _MULTIMODAL),

@@ -85,8 +85,6 @@ _APPROXIMATED = {
     "FalconForCausalLM": "Falcon runs attention and MLP in parallel on the same normalised input",
     "GPTNeoXForCausalLM": "GPT-NeoX runs attention and MLP in parallel (use_parallel_residual) with a rotary "
                           "fraction of each head",
-    "GPTNeoXJapaneseForCausalLM": "GPT-NeoX-Japanese rotates a fraction of each head (partial_rotary_factor) and "
-                                  "adds its last layer's dense_bias after the attention",
     "PhimoeForCausalLM": "Phi-3.5-MoE's LayerNorms and attention carry biases",
     "GptOssForCausalLM": "gpt-oss alternates sliding-window and full attention with attention sinks and clamped "
                          "SwiGLU experts",

@@ -155,10 +155,36 @@ def _gpt_neox_japanese(data: dict, path: Path) -> dict[str, Any]:
                 extra_tensors=(ExtraTensor(name="last layer's attention dense_bias", scope="last", rows=h),))
 
 
+def _modernbert_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """ModernBERT's decoder (ModernBertDecoderForCausalLM): LayerNorms with a bias only with norm_bias, on the
+    embeddings, before each layer's attention but the first's (attn_norm is an identity in layer 0: those L - 1 norms
+    are extra tensors of the first stage, exact for the whole model) and MLP, and after the last layer; q / k / v / Wo
+    biased with attention_bias, a GeLU-gated MLP (Wi h -> 2 f, Wo f -> h) biased with mlp_bias; rotary positions;
+    the prediction head (lm_head: dense h x h, biased with classifier_bias, the activation, a LayerNorm) as extra
+    tensors of the last stage; the decoder tied unless tie_word_embeddings is false, biased with decoder_bias
+    (ModernBertDecoderConfig's defaults for missing keys)."""
+    h, L = nat(data, "hidden_size", 768, path), nat(data, "num_hidden_layers", 22, path)
+    norm_bias = flag(data, "norm_bias", False, path)
+    extra = [ExtraTensor(name="attention norms of the layers but the first", scope="first", rows=h,
+                         count=(L - 1) * (1 + norm_bias))] if L > 1 else []
+    extra += [ExtraTensor(name="prediction head dense weight", scope="last", rows=h, cols=h),
+              ExtraTensor(name="prediction head norm", scope="last", rows=h, count=1 + norm_bias)]
+    extra += [ExtraTensor(name="prediction head dense bias", scope="last", rows=h)] * flag(data, "classifier_bias",
+                                                                                           False, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=nat(data, "num_attention_heads", 12, path),
+                ffn_hidden_size=nat(data, "intermediate_size", 1152, path), norm="layernorm", norm_bias=norm_bias,
+                norms_per_layer=1, embedding_norm=True, mlp="swiglu", gate_activation="gelu", bias=False,
+                attention_bias=flag(data, "attention_bias", False, path), mlp_bias=flag(data, "mlp_bias", False, path),
+                head_bias=flag(data, "decoder_bias", True, path), position_embedding="rope",
+                norm_eps=data.get("norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                extra_tensors=tuple(extra))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
     "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt, "GPTNeoXJapaneseForCausalLM": _gpt_neox_japanese,
+    "ModernBertDecoderForCausalLM": _modernbert_decoder,
     "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
@@ -170,4 +196,5 @@ POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n
              "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
              "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
              "BioGptForCausalLM": ("max_position_embeddings", 1024),
-             "GPTNeoXJapaneseForCausalLM": ("max_position_embeddings", 2048)}
+             "GPTNeoXJapaneseForCausalLM": ("max_position_embeddings", 2048),
+             "ModernBertDecoderForCausalLM": ("max_position_embeddings", 8192)}
