@@ -1,5 +1,6 @@
 """Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
-among them; RoCBERT's, X-MOD's and BigBird's own tensors as ModelSpec.extra_tensors), and the decoders of MVP, TrOCR and BigBird-Pegasus
+among them; RoCBERT's, X-MOD's, XLM's and BigBird's own tensors as ModelSpec.extra_tensors; GPT-NeoX-Japanese and
+ModernBERT's decoder, decoder-only LMs with their own tensors too), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
@@ -85,6 +86,24 @@ def test_xmod_defaults_by_hand():
     assert registry.memplan_params(_defaults("xmod")) == 116_606_010 == meta_params(_defaults("xmod"))
 
 
+def test_xlm_defaults_by_hand():
+    """XLMConfig's defaults (v 30145, h = emb_dim 2048, 12 layers, an MLP 4 h = 8192 wide, 512 positions, one
+    language: no language table): the embeddings 30145 x 2048 + 512 x 2048 + a LayerNorm 2 x 2048 = 62,789,632; a
+    layer 4 (2048^2 + 2048) + 2048 x 8192 + 8192 + 8192 x 2048 + 2048 + two LayerNorms 4 x 2048 = 50,358,272, twelve
+    of them 604,299,264; pred_layer.proj's bias 30,145 (its weight tied): 667,119,041."""
+    assert registry.memplan_params(_defaults("xlm")) == 667_119_041 == meta_params(_defaults("xlm"))
+
+
+def test_xlm_traced_with_its_lengths_bounded_equals_a_real_cpu_run():
+    """XLM asserts lengths.max().item() <= s, a value fake tensors do not hold; the trace tells the ShapeEnv that
+    0 <= lengths <= s (validation/trace_saves.py _xlm_lengths) and runs transformers' own code: causal, with three
+    languages (their table built, not added without langs), its bytes equal a real CPU run's at two (s, b)."""
+    config = {**tiny_config("xlm"), "causal": True, "n_langs": 3}  # emb_dim 64 (validation/registry.py _SMALL)
+    traced = TracedFile.model_validate(trace(config))
+    for s, b in ((32, 2), (48, 3)):
+        assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
+
+
 def test_big_bird_with_full_attention_by_hand():
     """BigBirdConfig's defaults with attention_type original_full (v 50358, h 768, 12 layers, f 3072, 4096 positions,
     2 token types): the embeddings 50358 x 768 + 4096 x 768 + 2 x 768 + a LayerNorm 2 x 768 = 41,823,744; twelve
@@ -130,6 +149,9 @@ def test_modernbert_decoder_traced_equals_a_real_cpu_run():
 
 
 @pytest.mark.parametrize("model_type, switches", [
+    ("xlm", dict(n_langs=3)),  # the language table, 3 x h
+    ("xlm", dict(tie_word_embeddings=False)),  # pred_layer.proj's own weight, beside its bias
+    ("xlm", dict(gelu_activation=False, max_position_embeddings=64)),
     ("modernbert-decoder", dict(norm_bias=True)),  # every LayerNorm's bias, the head's too
     ("modernbert-decoder", dict(attention_bias=True, mlp_bias=True)),
     ("modernbert-decoder", dict(classifier_bias=True, decoder_bias=False)),  # lm_head.dense's bias, no decoder bias
@@ -184,6 +206,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
     ("mvp", dict(use_prompt=True), "use_prompt"),  # MVP's prompt encoders
     ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
     ("big_bird", dict(attention_type="block_sparse"), "block-sparse attention"),  # BigBirdConfig's default
+    ("xlm", dict(asm=True), "adaptive-softmax"),
 ])
 def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -200,7 +223,7 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("model_type, says", [("xlm", "language embeddings"), ("prophetnet", "n-gram")])
+@pytest.mark.parametrize("model_type, says", [("prophetnet", "n-gram")])
 def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
     with pytest.raises(MemplanError, match=says) as err:
         registry.memplan_params(tiny_config(model_type))

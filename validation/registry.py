@@ -35,7 +35,7 @@ from .trace_measure import measure_hf_config
 # the shrunk sizes: applied to each key the config class's to_dict() has (nested sub-configs too)
 _SMALL = {
     "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2,
-    "hidden_size": 64, "n_embd": 64, "d_model": 64,
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "emb_dim": 64,
     "intermediate_size": 128, "n_inner": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
     "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 512,

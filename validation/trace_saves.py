@@ -110,13 +110,41 @@ def eager_decisions(model=None):
 
     orig = mu.find_packed_sequence_indices
     mu.find_packed_sequence_indices = lambda position_ids: None
-    hooks = _language_adapters(model) if model is not None else []
+    hooks = _language_adapters(model) + _xlm_lengths(model) if model is not None else []
     try:
         yield
     finally:
         mu.find_packed_sequence_indices = orig
         for hook in hooks:
             hook.remove()
+
+
+def _xlm_lengths(model) -> list:
+    """XLM asserts ``lengths.max().item() <= s`` (XLMModel.forward, get_masks): lengths counts each row's ids other
+    than padding, at most s, which the ShapeEnv cannot derive from a fake tensor's ``.item()``; while XLMModel's
+    forward runs, the trace tells it so (``torch._check(0 <= u <= s)``: true of any run) and runs transformers' own
+    code. Hooks on the model (none for other models)."""
+    xlm = [m for m in model.modules() if type(m).__name__ == "XLMModel"]
+    if not xlm:
+        return []
+    item = torch.Tensor.item
+
+    def bounded(tensor):
+        u = item(tensor)
+        if isinstance(u, torch.SymInt):
+            torch._check(u >= 0)
+            torch._check(u <= bounded.s)
+        return u
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        bounded.s, torch.Tensor.item = ids.shape[1], bounded
+
+    def leave(module, args, kwargs, output):
+        torch.Tensor.item = item
+
+    return [xlm[0].register_forward_pre_hook(enter, with_kwargs=True),
+            xlm[0].register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
 def _language_adapters(model) -> list:

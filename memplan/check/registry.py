@@ -126,7 +126,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "rwkv": ("estimate", _RECURRENT),
-    "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
     "xlstm": ("estimate", _RECURRENT),

@@ -129,6 +129,25 @@ def _xmod(data: dict, path: Path) -> dict[str, Any]:
     return {**_bert_like(data, path, pre_norm=flag(data, "pre_norm", False, path)), "extra_tensors": tuple(extra)}
 
 
+def _xlm(data: dict, path: Path) -> dict[str, Any]:
+    """XLM as a causal LM (XLMWithLMHeadModel; causal true for a causal LM's attention): BERT's post-LN layers emb_dim
+    (h) wide, n_layers of n_heads, every linear biased, an MLP 4h wide (GeLU, ReLU without gelu_activation); learned
+    positions from 0 (with sinusoidal_embeddings the same table, filled and frozen: counted as if trained), a
+    LayerNorm on the embeddings, no token types, and with n_langs > 1 and use_lang_emb a language table n_langs x h
+    (an extra tensor: the forward adds it only given langs); pred_layer.proj v x h with its bias, tied unless
+    tie_word_embeddings is false (XLMConfig's defaults for missing keys). The adaptive-softmax head (asm) is refused;
+    transformers builds no decoder (is_encoder false)."""
+    if flag(data, "asm", False, path) or not flag(data, "is_encoder", True, path):
+        raise MemplanError(f"{path}: XLMWithLMHeadModel with asm (an adaptive-softmax head: clusters of the vocabulary, "
+                           f"not modelled) or is_encoder false (transformers builds no XLM decoder); {YAML_HINT}")
+    h = nat(data, "emb_dim", 2048, path)
+    data = {**data, "hidden_size": h, "num_hidden_layers": nat(data, "n_layers", 12, path),
+            "num_attention_heads": nat(data, "n_heads", 16, path), "intermediate_size": 4 * h}
+    langs = nat(data, "n_langs", 1, path) if flag(data, "use_lang_emb", True, path) else 1
+    extra = (ExtraTensor(name="language embedding", scope="first", rows=langs, cols=h),) if langs > 1 else ()
+    return {**_bert_like(data, path, token_types=False, transform=False, one_head_bias=True), "extra_tensors": extra}
+
+
 def _big_bird(data: dict, path: Path) -> dict[str, Any]:
     """BigBird as a causal LM (BigBirdForCausalLM) with attention_type original_full: BERT's post-LN layers, q, k and
     v biased with use_bias only (the attention's output dense and the MLP always), max_position_embeddings rows
@@ -215,6 +234,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "RoFormerForCausalLM": _roformer,
     "RoCBertForCausalLM": _roc_bert,
     "XmodForCausalLM": _xmod,
+    "XLMWithLMHeadModel": _xlm,
     "BigBirdForCausalLM": _big_bird,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
@@ -230,7 +250,6 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 # the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
 # memplan/check/registry.py EXCLUDED lists them)
 NOT_READ = {
-    "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
 }
@@ -263,6 +282,10 @@ ENCODER_NOTES["XmodForCausalLM"] += ("; its per-language adapters (one per name 
                                      "the first language's where the config names none, as set_default_language "
                                      "must before transformers runs it); a mix of languages saves the same bytes "
                                      "(derived: each sample goes through one adapter of the same widths)")
+ENCODER_NOTES["XLMWithLMHeadModel"] += ("; its language embeddings (n_langs > 1) are counted, and added by the "
+                                        "forward only given langs (the trace passes none); with sinusoidal_embeddings "
+                                        "the frozen position table is counted with the parameters and its states as "
+                                        "if trained (derived: an overestimate)")
 ENCODER_NOTES["BigBirdForCausalLM"] += ("; full attention (attention_type original_full); its pooler (a dense h x h "
                                         "with its bias and tanh on the first token, which BigBirdModel runs) is "
                                         "counted and traced")
@@ -272,8 +295,10 @@ ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.emb
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
-    """A note when the file does not set is_decoder: transformers then runs the encoder's bidirectional attention."""
-    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get("is_decoder") is not True:
-        return (f"is_decoder is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
-                "encoder's attention, and it warns); a causal-LM run sets is_decoder true",)
+    """A note when the file does not set is_decoder (XLM: causal): transformers then runs the encoder's bidirectional
+    attention."""
+    key = "causal" if arch == "XLMWithLMHeadModel" else "is_decoder"
+    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get(key) is not True:
+        return (f"{key} is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
+                f"encoder's attention); a causal-LM run sets {key} true",)
     return ()
