@@ -1,6 +1,6 @@
 """Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
-among them; RoCBERT's, X-MOD's, XLM's and BigBird's own tensors as ModelSpec.extra_tensors; GPT-NeoX-Japanese and
-ModernBERT's decoder, decoder-only LMs with their own tensors too), and the decoders of MVP, TrOCR and BigBird-Pegasus
+among them; RoCBERT's, X-MOD's, XLM's and BigBird's own tensors as ModelSpec.extra_tensors; GPT-NeoX-Japanese,
+ModernBERT's decoder and CPM-Ant, decoder-only LMs with their own tensors too), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
 Each family's parameters equal transformers' count of the model built on the meta device, for the registry walk's
@@ -148,7 +148,29 @@ def test_modernbert_decoder_traced_equals_a_real_cpu_run():
         assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
 
 
+def test_cpmant_defaults_by_hand():
+    """CpmAntConfig's defaults (v 30720, h 4096, 32 heads of dim_head 128, dim_ff 10240, 48 layers, 32 x 32 prompt
+    rows, 32 segment types, 512 buckets): input_embedding (30720 + 1024) x 4096 = 130,023,424, segment_embedding
+    32 x 4096 = 131,072, the relative position bias (32^2 + 512) x 32 = 49,152; a layer's q / k / v / attention_out
+    4 x 4096 x 4096, its gated MLP 3 x 4096 x 10240 and two norms 2 x 4096: 192,946,176, 48 of them 9,261,416,448;
+    the final norm 4,096 and lm_head 30720 x 4096 = 125,829,120 (never tied): 9,517,453,312."""
+    assert registry.memplan_params(_defaults("cpmant")) == 9_517_453_312 == meta_params(_defaults("cpmant"))
+
+
+def test_cpmant_fitted_trace_equals_a_real_cpu_run():
+    """CPM-Ant's left-padding mask is a Python list s long (s pinned): its saves are traced at concrete (s, b) and
+    fitted (validation/trace_fit.py SLICED); equal to a real CPU run's bytes, layer by layer, at (s, b) off the fit's
+    points."""
+    config = tiny_config("cpmant")
+    traced = TracedFile.model_validate(trace(config))
+    assert any(c.startswith("fitted") for c in traced.conditions)
+    for s, b in ((40, 2), (56, 3)):
+        assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
+
+
 @pytest.mark.parametrize("model_type, switches", [
+    ("cpmant", dict(segment_types=4, prompt_types=2, position_bias_num_buckets=16)),
+    ("cpmant", dict(dim_head=32)),  # heads dim_head wide, not h / a
     ("xlm", dict(n_langs=3)),  # the language table, 3 x h
     ("xlm", dict(tie_word_embeddings=False)),  # pred_layer.proj's own weight, beside its bias
     ("xlm", dict(gelu_activation=False, max_position_embeddings=64)),

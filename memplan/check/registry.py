@@ -64,8 +64,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                         "the global model"),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
                                         "'full_attention'), so no reader is checked"),
-    "cpmant": ("estimate", "CPM-Ant: segment embeddings, a relative position bias table and heads dim_head wide (not "
-                           "h / a)"),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
     "deepseek_v32": ("estimate", "DeepSeek-V3.2's lightning indexer beside the latent attention (indexer.wq_b, wk, "

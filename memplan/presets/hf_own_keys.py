@@ -180,11 +180,30 @@ def _modernbert_decoder(data: dict, path: Path) -> dict[str, Any]:
                 extra_tensors=tuple(extra))
 
 
+def _cpmant(data: dict, path: Path) -> dict[str, Any]:
+    """CPM-Ant: pre-norm layers with weight-only RMS norms (CpmAntLayerNorm), q / k / v / attention_out a x dim_head
+    wide, a GeLU-gated MLP dim_ff wide, no biases, a final norm; segment embeddings (segment_types rows: the token
+    types') beside input_embedding, whose prompt_types x prompt_length rows after the vocabulary's and the relative
+    position bias ((segment_types^2 + position_bias_num_buckets) x a) are extra tensors of the first stage; lm_head
+    v x h, never tied (CpmAntForCausalLM ties none; CpmAntConfig's defaults for missing keys)."""
+    h, a = nat(data, "hidden_size", 4096, path), nat(data, "num_attention_heads", 32, path)
+    segments = nat(data, "segment_types", 32, path)
+    prompts = nat(data, "prompt_types", 32, path) * nat(data, "prompt_length", 32, path)
+    buckets = nat(data, "position_bias_num_buckets", 512, path)
+    return dict(num_layers=nat(data, "num_hidden_layers", 48, path), hidden_size=h, num_attention_heads=a,
+                head_dim=nat(data, "dim_head", 128, path), ffn_hidden_size=nat(data, "dim_ff", 10240, path),
+                norm="rmsnorm", mlp="swiglu", gate_activation="gelu", bias=False, position_embedding="rope",
+                token_type_rows=segments, norm_eps=data.get("eps"), tied_embeddings=False,
+                extra_tensors=(ExtraTensor(name="prompt rows of input_embedding", scope="first", rows=prompts, cols=h),
+                               ExtraTensor(name="relative position bias", scope="first",
+                                           rows=segments * segments + buckets, cols=a)))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
     "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt, "GPTNeoXJapaneseForCausalLM": _gpt_neox_japanese,
-    "ModernBertDecoderForCausalLM": _modernbert_decoder,
+    "ModernBertDecoderForCausalLM": _modernbert_decoder, "CpmAntForCausalLM": _cpmant,
     "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
@@ -197,4 +216,5 @@ POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n
              "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
              "BioGptForCausalLM": ("max_position_embeddings", 1024),
              "GPTNeoXJapaneseForCausalLM": ("max_position_embeddings", 2048),
-             "ModernBertDecoderForCausalLM": ("max_position_embeddings", 8192)}
+             "ModernBertDecoderForCausalLM": ("max_position_embeddings", 8192),
+             "CpmAntForCausalLM": ("position_bias_max_distance", 2048)}  # relative positions: no table, no limit
