@@ -1,5 +1,5 @@
 """Issue 22: the BERT-like encoders transformers builds as causal LMs (ELECTRA's and RemBERT's factorised embeddings
-among them; RoCBERT's, X-MOD's, XLM's and BigBird's own tensors as ModelSpec.extra_tensors; GPT-NeoX-Japanese,
+among them; RoCBERT's, X-MOD's, XLM's, BigBird's and ProphetNet's own tensors as ModelSpec.extra_tensors; GPT-NeoX-Japanese,
 ModernBERT's decoder and CPM-Ant, decoder-only LMs with their own tensors too), and the decoders of MVP, TrOCR and BigBird-Pegasus
 (encoder-decoder models) run alone (memplan/presets/hf_encoders.py).
 
@@ -21,7 +21,6 @@ from memplan.check import registry  # noqa: E402
 from memplan.core.errors import MemplanError  # noqa: E402
 from memplan.launch.megatron import launch_refusal  # noqa: E402
 from memplan.presets.hf_config import read_hf_config  # noqa: E402
-from memplan.presets.hf_encoders import NOT_READ  # noqa: E402
 from validation import hf as _hf  # noqa: E402
 from memplan.check.validate import measured_buckets  # noqa: E402
 from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
@@ -104,6 +103,26 @@ def test_xlm_traced_with_its_lengths_bounded_equals_a_real_cpu_run():
         assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
 
 
+def test_prophetnet_decoder_defaults_by_hand():
+    """ProphetNetConfig's defaults, its decoder alone (v 30522, h 1024, 12 layers of 16 heads, f 4096, 512 positions,
+    ngram 2, 32 buckets): the embeddings 30522 x 1024 + 512 x 1024 + the ngram table 2 x 1024 + a LayerNorm 2 x 1024
+    = 31,782,912; a layer's n-gram self-attention 4 (1024^2 + 1024) = 4,198,400 with relative_pos_embeddings
+    1024 x (32 x 16) + 512 = 524,800, its cross-attention 4,198,400, its MLP 1024 x 4096 + 4096 + 4096 x 1024 + 1024 =
+    8,393,728 and three LayerNorms 6,144: 17,321,472, twelve of them 207,857,664; lm_head tied: 239,640,576."""
+    assert registry.memplan_params(_defaults("prophetnet")) == 239_640_576 == meta_params(_defaults("prophetnet"))
+
+
+def test_prophetnet_fitted_trace_equals_a_real_cpu_run():
+    """ProphetNet's decoder computes its relative position buckets for max_position_embeddings and slices them to s
+    (s pinned): its saves, the ngram streams' among them, are traced at concrete (s, b) and fitted (validation/
+    trace_fit.py SLICED); equal to a real CPU run's bytes, layer by layer, off the fit's points."""
+    config = tiny_config("prophetnet")
+    traced = TracedFile.model_validate(trace(config))
+    assert any(c.startswith("fitted") for c in traced.conditions)
+    for s, b in ((40, 2), (56, 3)):
+        assert bucket_bytes(traced, s, b) == measured_buckets(measure(config, s, b))
+
+
 def test_big_bird_with_full_attention_by_hand():
     """BigBirdConfig's defaults with attention_type original_full (v 50358, h 768, 12 layers, f 3072, 4096 positions,
     2 token types): the embeddings 50358 x 768 + 4096 x 768 + 2 x 768 + a LayerNorm 2 x 768 = 41,823,744; twelve
@@ -169,6 +188,8 @@ def test_cpmant_fitted_trace_equals_a_real_cpu_run():
 
 
 @pytest.mark.parametrize("model_type, switches", [
+    ("prophetnet", dict(tie_word_embeddings=False)),  # lm_head and the wrapper's word_embeddings: two more tables
+    ("prophetnet", dict(ngram=3, num_buckets=16)),
     ("cpmant", dict(segment_types=4, prompt_types=2, position_bias_num_buckets=16)),
     ("cpmant", dict(dim_head=32)),  # heads dim_head wide, not h / a
     ("xlm", dict(n_langs=3)),  # the language table, 3 x h
@@ -229,6 +250,7 @@ def test_robertas_sequence_is_its_table_less_the_rows_before_padding(tmp_path):
     ("trocr", dict(cross_attention_hidden_size=32), "cross_attention_hidden_size"),
     ("big_bird", dict(attention_type="block_sparse"), "block-sparse attention"),  # BigBirdConfig's default
     ("xlm", dict(asm=True), "adaptive-softmax"),
+    ("prophetnet", dict(add_cross_attention=False), "add_cross_attention"),
 ])
 def test_what_is_not_counted_is_refused_in_one_line(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
@@ -243,14 +265,6 @@ def test_roformer_is_refused_past_its_rotary_table(run_cli, tmp_path):
     path.write_text(json.dumps({**tiny_config("roformer"), "max_position_embeddings": 64}))
     code, out, err = run_cli("estimate", "--hf-config", str(path), "--seq-len", "65", "--impl", "hf-eager")
     assert code == 2 and "frozen rotary position table's 64 rows" in err and len(err.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize("model_type, says", [("prophetnet", "n-gram")])
-def test_the_encoders_left_out_are_refused_with_their_reason(model_type, says):
-    with pytest.raises(MemplanError, match=says) as err:
-        registry.memplan_params(tiny_config(model_type))
-    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
-    assert registry.EXCLUDED[model_type] == ("estimate", NOT_READ[architectures()[model_type]] + ": not read")
 
 
 @pytest.mark.parametrize("model_type, says", [("roberta", "BERT is another model"), ("trocr", "T5 is another model")])

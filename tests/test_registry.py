@@ -48,7 +48,7 @@ HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lf
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
             "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus", "roc_bert",
-            "big_bird", "xmod", "xlm"]
+            "big_bird", "xmod", "xlm", "prophetnet"]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
                                         "trocr", "bigbird_pegasus", "electra", "rembert", "roformer",
                                         "whisper", "roc_bert", "big_bird", "xmod",
                                         "gpt_neox_japanese", "modernbert-decoder", "xlm",
-                                        "cpmant"])
+                                        "cpmant", "prophetnet"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
@@ -117,7 +117,7 @@ def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, l
     transform (BERT), the cross-attention of a decoder run alone (TrOCR), factorised embeddings with their projection
     and a head e_out wide (ELECTRA tied, RemBERT untied), RoFormer's frozen rotary table, Whisper's k_proj without bias,
     a family's extra tensors (RoCBERT's tables and map_inputs_layer, BigBird's pooler, X-MOD's adapters, XLM's language table, GPT-NeoX-Japanese's dense_bias, CPM-Ant's prompt rows and
-    relative position bias, ModernBERT's
+    relative position bias, ProphetNet's ngram table and relative_pos_embeddings, ModernBERT's
     attention norms and prediction head)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config(model_type)))

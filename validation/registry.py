@@ -47,6 +47,8 @@ _SMALL = {
     # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
     "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
     "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
+    "num_decoder_layers": 2, "num_encoder_layers": 2, "num_decoder_attention_heads": 4,  # ProphetNet's
+    "num_encoder_attention_heads": 4,
 }
 
 # a Mamba-2 mixer's shrunk sizes (the configs with a time_step_limit: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids,

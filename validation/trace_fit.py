@@ -37,7 +37,7 @@ HELD_OUT = (5, 4)
 # the families whose code slices a buffer max_position_embeddings wide to s (GPT-Neo's and GPT-1's causal mask, MPT's
 # ALiBi bias from max(0, max_seq_len - s)) or builds a Python list s long (CPM-Ant's left-padding mask): a symbolic s
 # cannot index it; fitted at s in steps of 16, any s
-SLICED = ("gpt_neo", "openai-gpt", "mpt", "cpmant")
+SLICED = ("gpt_neo", "openai-gpt", "mpt", "cpmant", "prophetnet")
 
 
 def fit_step(config: dict) -> tuple[int, bool]:

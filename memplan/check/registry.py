@@ -28,7 +28,6 @@ from memplan.core.harness import harness
 from memplan.inventory.traced_file import TracedFile, bucket_bytes
 from memplan.memory.states import total_params
 from memplan.presets.hf_config import read_hf_config
-from memplan.presets.hf_encoders import NOT_READ
 
 # What each kind of exclusion means: "build" transformers' own config defaults, shrunk, make no config or no model
 # (the walk cannot check it); "estimate" memplan refuses the config.json (its parameters, activations); "trace"
@@ -115,7 +114,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ONES_MASK),
-    "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "

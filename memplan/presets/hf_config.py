@@ -15,7 +15,7 @@ from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
 from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO_DENSE_WIDTH, deepseek_experts,
                                          flag as _flag)
-from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, NOT_READ, is_decoder_note, position_start
+from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, is_decoder_note, position_start
 from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_linear_attention import LINEAR_TEXT_MODELS
@@ -398,8 +398,6 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
                            f"{', '.join(names[:3])} and {len(names) - 3} more architectures (docs/reference.md, "
                            f"config.json architectures) only; {_REFUSAL}")
-    if not known and archs and archs[0] in NOT_READ:  # an encoder family transformers builds as a causal LM
-        raise MemplanError(f"{path}: {NOT_READ[archs[0]]}: not read; {_REFUSAL}")
     if not known:
         name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"
         raise MemplanError(f"{path}: architecture {name} is not one memplan reads from a config.json; {_REFUSAL}")

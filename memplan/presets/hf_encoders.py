@@ -28,7 +28,8 @@ from memplan.presets.hf_families import YAML_HINT, flag, nat
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
 # first pad_token_id + 1 rows are never used
 _ROBERTA_LIKE = ("RobertaForCausalLM", "CamembertForCausalLM", "XLMRobertaForCausalLM", "Data2VecTextForCausalLM",
-                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM", "XmodForCausalLM")
+                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM", "XmodForCausalLM",
+                 "ProphetNetForCausalLM")  # ProphetNetPositionalEmbeddings: cumsum of the mask + padding_idx
 
 
 def position_start(arch: str, data: dict) -> int:
@@ -188,6 +189,33 @@ def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
                                                                                        True, path))
 
 
+def _prophetnet_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """ProphetNet's decoder run alone (ProphetNetForCausalLM): post-LN layers (three LayerNorms) of n-gram
+    self-attention (q / k / v / out_proj biased, and relative_pos_embeddings, a linear h -> num_buckets x a with its
+    bias: extra tensors of each layer), cross-attention (counted, not run) and a GeLU MLP decoder_ffn_dim wide, all
+    biased; max_position_embeddings learned rows numbered from pad_token_id + 1, the ngram embeddings (ngram x h, an
+    extra tensor) and a LayerNorm on the embeddings, no final norm; lm_head tied unless tie_word_embeddings is false
+    (then the wrapper's word_embeddings is a third table: an extra tensor; ProphetNetConfig's defaults for missing
+    keys). The forward predicts ngram streams beside the main one (traced)."""
+    if not flag(data, "add_cross_attention", True, path):
+        raise MemplanError(f"{path}: ProphetNetForCausalLM with add_cross_attention false (decoder layers without "
+                           f"cross-attention): not modelled; {YAML_HINT}")
+    h, a = nat(data, "hidden_size", 1024, path), nat(data, "num_decoder_attention_heads", 16, path)
+    relative = nat(data, "num_buckets", 32, path) * a
+    extra = (ExtraTensor(name="ngram embeddings", scope="first", rows=nat(data, "ngram", 2, path), cols=h),
+             ExtraTensor(name="relative_pos_embeddings weight", scope="layer", rows=relative, cols=h),
+             ExtraTensor(name="relative_pos_embeddings bias", scope="layer", rows=relative))
+    tied = flag(data, "tie_word_embeddings", True, path)
+    if not tied:  # the wrapper's word_embeddings and the decoder's are then two tables (the decoder's used)
+        extra += (ExtraTensor(name="the wrapper's word embeddings (untied)", scope="first",
+                              rows=nat(data, "vocab_size", 30522, path), cols=h),)
+    return dict(num_layers=nat(data, "num_decoder_layers", 12, path), hidden_size=h, num_attention_heads=a,
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", position_offset=position_start("ProphetNetForCausalLM", data),
+                embedding_norm=True, final_norm=False, norms_per_layer=3, layer_layout="post-norm",
+                encoder_kind="seq2seq", tied_embeddings=tied, extra_tensors=extra)
+
+
 def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
     """BigBird-Pegasus's decoder run alone (BigBirdPegasusForCausalLM): pre-LN layers (three LayerNorms) of full
     self-attention and cross-attention, biased with use_bias only, and a GeLU MLP decoder_ffn_dim wide, always biased;
@@ -244,14 +272,8 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     # drops (memplan/check/registry.py _ONES_MASK): not read
     **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
     "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
+    "ProphetNetForCausalLM": _prophetnet_decoder,
     "WhisperForCausalLM": _whisper_decoder,
-}
-
-# the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
-# memplan/check/registry.py EXCLUDED lists them)
-NOT_READ = {
-    "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
-                             "position buckets)",
 }
 
 # the position limit's key and default of each (the config classes' defaults)
@@ -272,7 +294,8 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
+_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM",
+            "ProphetNetForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
 ENCODER_NOTES["RoCBertForCausalLM"] += ("; its pronunciation and shape tables and map_inputs_layer are counted (extra "
                                         "tensors); the trace passes input_ids alone, so the forward looks up row 0 of "
@@ -286,6 +309,10 @@ ENCODER_NOTES["XLMWithLMHeadModel"] += ("; its language embeddings (n_langs > 1)
                                         "forward only given langs (the trace passes none); with sinusoidal_embeddings "
                                         "the frozen position table is counted with the parameters and its states as "
                                         "if trained (derived: an overestimate)")
+ENCODER_NOTES["ProphetNetForCausalLM"] += ("; its ngram predicting streams (beside the main stream) are traced, fitted at "
+                                           "concrete s (its relative position buckets are computed for "
+                                           "max_position_embeddings and sliced to s); the ngram embeddings and each "
+                                           "layer's relative_pos_embeddings are counted (extra tensors)")
 ENCODER_NOTES["BigBirdForCausalLM"] += ("; full attention (attention_type original_full); its pooler (a dense h x h "
                                         "with its bias and tanh on the first token, which BigBirdModel runs) is "
                                         "counted and traced")
