@@ -321,7 +321,10 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "falcon_mamba": "Falcon-Mamba (no attention layers: eager only)",
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
            "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)",
-           "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)"}
+           "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
+           "xlm": "XLM (eager attention only)", "big_bird": "BigBird (eager attention only)",
+           "gpt_neox_japanese": "GPT-NeoX-Japanese (eager attention only)", "cpmant": "CPM-Ant (eager attention only)",
+           "prophetnet": "ProphetNet (eager attention only)"}
 
 
 def check_impl(data: object, impl: str) -> None:
