@@ -69,6 +69,23 @@ def test_whisper_tiny_decoder_by_hand():
     assert registry.memplan_params(_defaults("whisper")) == 29_552_256 == meta_params(_defaults("whisper"))
 
 
+def test_extra_tensors_are_checked_in_one_line(tmp_path):
+    """ModelSpec.extra_tensors (memplan/core/extra_tensors.py): a name given twice, a scope memplan does not place or
+    a size that is not a positive integer is refused in one line."""
+    from memplan.core.model import ModelSpec
+    from memplan.core.spec_base import build
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+    table = {"name": "language embedding", "scope": "first", "rows": 3, "cols": 64}
+    model = build(ModelSpec, {**base, "extra_tensors": (table,)})
+    assert model.extra_tensors[0].numel == 192
+    for bad, says in [((table, table), "given twice"), (({**table, "scope": "moe"},), "scope"),
+                      (({**table, "rows": 0},), "rows")]:
+        with pytest.raises(MemplanError, match=says) as err:
+            build(ModelSpec, {**base, "extra_tensors": bad})
+        assert "\n" not in str(err.value)
+
+
 def test_roc_bert_defaults_by_hand():
     """RoCBertConfig's defaults are bert-base's (109,514,298 in BertLMHeadModel's form, above) and beside the word
     embeddings a pronunciation table 910 x 768 = 698,880, a shape table 24858 x 512 = 12,727,296 and, with
