@@ -87,7 +87,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma4_assistant": ("build", "its config class's validation refuses the shrunk sizes"),
     "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
                                              "keys and values (memplan estimates the target)"),
-    "git": ("estimate", _MULTIMODAL),
+    "git": ("estimate", NOT_READ["GitForCausalLM"] + ": not read"),
     "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
                                 "k_norm with bias, weights_proj)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
@@ -112,15 +112,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
                                        "shared widths are not read"),
-    "mllama": ("estimate", _MULTIMODAL),
     "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
                                        "with a decoder bias"),
     "moshi": ("estimate", _MULTIMODAL),
-    "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
     "pegasus": ("estimate", _ONES_MASK),
-    "phi4_multimodal": ("estimate", _MULTIMODAL),
     "plbart": ("estimate", _ONES_MASK),
     "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
