@@ -106,9 +106,9 @@ class ModelSpec(Spec):
     # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
     # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
     # sequential pre-norm layer of the other inventories (the config reader's notes say which).
-    cross_attention_layers: int = Field(default=0, ge=0, description="layers among the L that attend to image states "
-        "(Mllama): a self-attention layer's weights, q / k norms one head wide, two tanh gates; text-only steps skip them")
-    vocab_extra_rows: int = Field(default=0, ge=0, le=64, description="word-embedding rows beyond v (Mllama's 8)")
+    cross_attention_layers: int = Field(default=0, ge=0, description="layers of the L attending to image states "
+        "(Mllama): a self-attention layer's weights, q / k norms a head wide, 2 tanh gates; text-only steps skip them")
+    vocab_extra_rows: int = Field(default=0, ge=0, le=64, description="word-embedding rows beyond v (Mllama: 8)")
     layer_layout: Literal["sequential", "parallel", "post-norm"] = Field(
         default="sequential", description="where a layer's sub-layers and norms sit: sequential pre-norm (GPT, Llama; "
         "what the --impl megatron* inventories model and --emit megatron builds), attention and MLP in parallel on "

@@ -242,7 +242,7 @@ def _sliding_window(data: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
     use_sliding_window: the layers from max_window_layers on; Mistral, Phi-3, Mixtral: every layer). A pattern
     that is none of these is left out, with a note."""
     window, kind = data.get("sliding_window"), data.get("model_type")
-    if not window or data.get("use_sliding_window") is False:
+    if not window or data.get("use_sliding_window") is False or kind == "moshi":  # Moshi's: stored, never applied
         return {}, ()
     types, L = data.get("layer_types"), data.get("num_hidden_layers")
     if not isinstance(L, int) or isinstance(L, bool) or L <= 0:
@@ -435,7 +435,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"),
-                        ffn_hidden_size=None if known[0] in NO_DENSE_WIDTH else data["intermediate_size"],
+                        ffn_hidden_size=None if known[0] in (*NO_DENSE_WIDTH, *OWN_FIELDS) else
+                        data["intermediate_size"],
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",

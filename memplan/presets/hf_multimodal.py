@@ -4,9 +4,11 @@ out of the parameters and the activations (a text-only run), and the estimate's 
 Two shapes of file: a ``text_config`` nested in the multimodal config (``TEXT_MODELS``: its ``model_type`` -> the causal
 LM memplan reads it as; ``text_model`` rewrites the file as that model's), or a flat config whose top-level keys are the
 text model's, the other modalities in ``vision_config`` / ``audio_config`` (``FLAT``: Phi-4-multimodal's Phi-3 decoder;
-hf_config reads it under its own architecture name, so --impl hf-* traces its own class).  Each is checked by the registry walk (memplan/check/registry.py) against transformers' count of the model on
-the meta device, its vision / audio parts left out (validation/registry.py ``LEFT_OUT``), and its trace against a real
-CPU run's saved bytes."""
+hf_config reads it under its own architecture name, so --impl hf-* traces its own class); ``OWN_FIELDS``: the text
+models read as the Llama layout with fields of their own (Mllama's cross-attention layers, Moshi's temporal
+transformer).  Each is checked by the registry walk (memplan/check/registry.py) against transformers' count of the
+model on the meta device, its vision / audio parts left out (validation/registry.py ``LEFT_OUT``), and its trace
+against a real CPU run's saved bytes."""
 
 from __future__ import annotations
 
@@ -63,11 +65,22 @@ def _mllama(data: dict, path: Path) -> dict[str, Any]:
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
         raise MemplanError(f"{path}: cross_attention_layers: expected a list of layer indices")
     return dict(cross_attention_layers=len({i for i in layers if isinstance(L, int) and 0 <= i < L}),
-                vocab_extra_rows=8, tied_embeddings=False)
+                vocab_extra_rows=8, tied_embeddings=False, ffn_hidden_size=data.get("intermediate_size", 14336))
 
 
-# the text models read as the Llama layout with fields of their own (hf_config._family)
-OWN_FIELDS = {"MllamaForCausalLM": _mllama}
+def _moshi(data: dict, path: Path) -> dict[str, Any]:
+    """Moshi's temporal transformer alone (MoshiForCausalLM; MoshiConfig's defaults): the Llama layout with a gated MLP
+    fused in fc1 (h -> ffn_dim, gate and up halves) and fc2 (ffn_dim / 2 -> h), so f = ffn_dim / 2; the word embedding
+    vocab_size + 1 rows; its sliding_window never applied (MoshiModel's create_causal_mask: hf_config._sliding_window).
+    The depth decoder and the Mimi audio codec (MoshiForConditionalGeneration) are not built."""
+    ffn = data.get("ffn_dim", 22528)
+    if not isinstance(ffn, int) or isinstance(ffn, bool) or ffn <= 0 or ffn % 2:
+        raise MemplanError(f"{path}: ffn_dim: expected an even positive integer (fc1's gate and up halves)")
+    return dict(ffn_hidden_size=ffn // 2, vocab_extra_rows=1)
+
+
+# the text models read as the Llama layout with fields of their own, their MLP's width too (hf_config._family)
+OWN_FIELDS = {"MllamaForCausalLM": _mllama, "MoshiForCausalLM": _moshi}
 
 
 def own_notes(arch: str, data: dict) -> tuple[str, ...]:
@@ -76,6 +89,10 @@ def own_notes(arch: str, data: dict) -> tuple[str, ...]:
     if arch in FLAT:
         return (f"the text model only ({arch}'s top-level keys): {FLAT[arch]} are left out of the parameters and the "
                 "activations (a text-only run)",)
+    if arch == "MoshiForCausalLM":
+        return ("MoshiForCausalLM is Moshi's temporal transformer on text tokens alone: the depth decoder and the Mimi "
+                "audio codec (depth_decoder_config, audio_encoder_config: MoshiForConditionalGeneration) are not built "
+                "by it, and not counted",)
     if arch == "MllamaForCausalLM":
         return ("Mllama's cross-attention layers (cross_attention_layers) are counted in the parameters (each a "
                 "self-attention layer's weights, q / k norms one head wide and two tanh gates); a text-only step skips "
