@@ -123,20 +123,21 @@ def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
     layers, h, heads, ffn = kind.get("defaults", (12, 1024, 16, 4096))
     h = nat(data, "d_model", h, path)
     keyed = kind.get("keyed", False)  # TrOCR's two switches, read for TrOCR only
-    learned = kind["positions"] == "learned" and not (keyed and not flag(data, "use_learned_position_embeddings",
-                                                                          True, path))
+    learned = kind["positions"] == "learned" and (not keyed or flag(data, "use_learned_position_embeddings", True,
+                                                                     path))
     if flag(data, "use_prompt", False, path) or data.get("cross_attention_hidden_size") not in (None, h):
         raise MemplanError(f"{path}: {arch} with use_prompt (MVP's prompt encoders) or cross_attention_hidden_size "
                            f"other than d_model: not modelled; {YAML_HINT}")
     if data.get("decoder_vocab_size") not in (None, data.get("vocab_size")):
         raise MemplanError(f"{path}: {arch} with decoder_vocab_size {echo(data['decoder_vocab_size'])} other than "
                            f"vocab_size {echo(data.get('vocab_size'))}: not modelled; {YAML_HINT}")
-    frozen = nat(data, "max_position_embeddings", 1024, path) if kind["positions"] == "frozen" else 0
+    frozen = (dict(frozen_position_rows=nat(data, "max_position_embeddings", 1024, path),
+                   frozen_position_width="hidden") if kind["positions"] == "frozen" else {})
     return dict(num_layers=nat(data, "decoder_layers", layers, path), hidden_size=h,
                 num_attention_heads=nat(data, "decoder_attention_heads", heads, path),
                 ffn_hidden_size=nat(data, "decoder_ffn_dim", ffn, path), norm="layernorm", mlp="gelu", bias=True,
                 position_embedding="learned" if learned else "rope", position_offset=kind["offset"] if learned else 0,
-                frozen_position_rows=frozen, frozen_position_width="hidden",
+                **frozen,
                 embedding_norm=flag(data, "layernorm_embedding", True, path) if keyed else kind["embedding_norm"],
                 final_norm=kind["pre_norm"], norms_per_layer=3,
                 layer_layout="sequential" if kind["pre_norm"] else "post-norm", encoder_kind="seq2seq",
