@@ -98,6 +98,17 @@ def test_traced_at_another_shape():
     assert row.measured
 
 
+def test_eager_attention_too():
+    """--impl hf-eager: eager_mask always builds the mask (allow_is_causal_skip false), in the trace and the real run
+    alike; the trace equals the real run at (s, b) = (20, 3)."""
+    from validation.trace import trace_hf_config
+    from validation.trace_measure import measure_hf_config, predicted_bytes
+
+    config = tiny_config("bart")
+    traced = trace_hf_config(config, impl="hf-eager", kernels="cpu", moments=False)
+    assert predicted_bytes(traced, 20, 3) == measure_hf_config(config, 20, 3, impl="hf-eager")
+
+
 def _sdpa_terms(model_type: str) -> list[tuple[str, list[int]]]:
     """The s^2 terms sdpa saves in the trace, with the layers that save them."""
     data = registry._walker().trace(tiny_config(model_type))
