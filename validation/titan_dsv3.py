@@ -177,12 +177,13 @@ def trace_dsv3(shape: DsvShape, ac: str, moe: bool = True, q_lora: bool = True, 
                           s_hint, b_hint)
 
 
-def dsv3_model_config(shape: DsvShape, vocab: int, q_lora: bool = True):
-    """A 2-layer torchtitan DeepSeekV3Model config (a dense layer, an MoE layer) at ``shape``, no MTP layers."""
+def dsv3_model_config(shape: DsvShape, vocab: int, q_lora: bool = True, n_layers: int = 2, n_dense: int = 1):
+    """A torchtitan DeepSeekV3Model config at ``shape`` (by default 2 layers: a dense layer, an MoE layer), no MTP
+    layers."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 
-    return DeepSeekV3Model.Config(vocab_size=vocab, dim=shape.h, layers=dsv3_layer_configs(shape, q_lora=q_lora),
+    return DeepSeekV3Model.Config(vocab_size=vocab, dim=shape.h, layers=dsv3_layer_configs(shape, n_layers, n_dense, q_lora),
                                   tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
                                   norm=RMSNorm.Config(normalized_shape=shape.h),
                                   lm_head=Linear.Config(in_features=shape.h, out_features=vocab))

@@ -367,16 +367,16 @@ class PlanOptions:
                                "as a layer): drop --first-stage-layers / --last-stage-layers")
         if self.float8 is not None:
             raise MemplanError("--impl torchtitan: --float8 with --pp is not modelled yet")
-        L = preset.model.num_layers
+        L, dense = preset.model.num_layers, preset.model.moe_first_dense_layers
         try:
             if not multi:
-                first, last = titan_split(p, L)
+                first, last = titan_split(p, L, dense)
                 return dict(pp_schedule=schedule, first_stage_layers=first, last_stage_layers=last)
             m = titan_stages_per_rank(p, L, self.pipeline_layers_per_stage)
             titan_stage_layers(p * m, L)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe):
+        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe, bool(dense)):
             raise MemplanError(why)
         return dict(pp_schedule=schedule, vpp=m)
 

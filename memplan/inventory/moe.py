@@ -149,11 +149,13 @@ def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, meas
     return out
 
 
-def weighted(t: Term, share: Fraction) -> Term:
-    """``t`` in ``share`` of the layers (its elements scaled, its name saying so)."""
+def weighted(t: Term, share: Fraction, kind: str = "") -> Term:
+    """``t`` in ``share`` of the layers (its elements scaled, its name saying so); ``kind`` ("dense" / "moe"): which
+    layers, where a stage's share replaces the model's (Term.layer_kind)."""
     if share == 1:
         return t
-    return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)")
+    return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)",
+                               layer_kind=kind)
 
 
 def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:

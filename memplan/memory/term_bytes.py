@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any
 
 from memplan.core.arith import minimum
@@ -178,6 +180,42 @@ def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, gr
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
     """Bind the K22 symbols once: s, b, h, a, f, g, v, t (and cp, ep, etp)."""
     return plan.symbols(model)
+
+
+_WHOLE: dict[tuple, tuple[Term, Term]] = {}
+
+
+def whole_layer(model: ModelSpec, term: Term) -> Term:
+    """A dense-layer or an MoE-layer term (Term.layer_kind, weighted by its kind's share of the model's L layers:
+    memplan/inventory/moe.py weighted) as the tensor of one such layer, its weight undone (cached by the term)."""
+    L, nd = model.num_layers, model.moe_first_dense_layers
+    key = (id(term), L, nd)
+    hit = _WHOLE.get(key)
+    if hit is None:
+        if len(_WHOLE) >= CACHE_ENTRIES:
+            _WHOLE.clear()
+        share = Fraction(nd if term.layer_kind == "dense" else L - nd, L)
+        hit = _WHOLE[key] = (term, dataclasses.replace(term, elements=term.elements * (1 / share)))
+    return hit[1]
+
+
+def kind_share(model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> tuple[Any, Any]:
+    """(numerator, denominator) of the share of stage `stage`'s n layers that are of a dense / MoE layer term's kind
+    (Term.layer_kind): torchtitan's split keeps the nd dense first layers on the first stage (memplan/memory/pipeline.py
+    titan_split checks it), so stage 0 holds nd dense and n - nd MoE layers, the others n MoE layers. Without PP
+    (n = L) the model's nd / L and (L - nd) / L, the inventory's weights."""
+    nd, n = model.moe_first_dense_layers, plan.layers(model, stage)
+    d = nd * (stage == 0)
+    return (d, n) if term.layer_kind == "dense" else (n - d, n)
+
+
+def stage_unit_bytes(sizes: "TermBytes", model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> Any:
+    """Bytes of one copy of `term` on stage `stage` (`sizes`: the plan's TermBytes): a dense / MoE layer term's one
+    layer's tensor (each storage rounded as allocated) times its kind's share of the stage's layers (`kind_share`)."""
+    if not term.layer_kind:
+        return sizes(term)
+    num, den = kind_share(model, term, plan, stage)
+    return sizes(whole_layer(model, term)) * num // den
 
 
 def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, recomputed: Any = None) -> Any:
