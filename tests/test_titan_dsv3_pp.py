@@ -206,3 +206,20 @@ def test_emitted_pp_plan_loads_and_mtp_with_pp_is_refused_by_torchtitan(tmp_path
     assert config.model_spec.flavor == "671B" and not config.model_spec.model.mtp_layers
     with pytest.raises(NotImplementedError, match="MTP does not support pipeline parallelism"):
         model_registry("671B", num_mtp_layers=1).model.update_from_config(config=config)
+
+
+def test_671b_stage_states_with_ep_by_hand():
+    # deepseek-v3 --pp 2 --ep 8 on 64 GPUs: dp_shard 32, efsdp 32 / 8 = 4. Stage 0 (31 layers) holds the embedding,
+    # the 3 dense layers and 28 MoE layers with the GPU's E / 8 = 32 experts each; with PP FSDP2 keeps the stage
+    # unsharded in bf16 all step and its gradients accumulated unsharded in fp32 (the rank's experts only; derived as
+    # the dense PP row); the sharded fp32 gradients and AdamW's master + moments: the dense parts over 32, the experts
+    # over efsdp = 4; each layer's RoPE cache 4 s d_r B (tests/test_titan_dsv3.py)
+    H, A, RQ, RKV, DN, DR, DV, F, FE, E, VV, S4 = 7168, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 129280, 4096
+    attn = H * RQ + RQ + RQ * A * (DN + DR) + H * (RKV + DR) + RKV + RKV * A * (DN + DV) + A * DV * H + 2 * H
+    dense0 = VV * H + 3 * (attn + 3 * H * F) + 28 * (attn + E * H + 3 * H * FE)
+    experts0 = 28 * 3 * E * H * FE // 8
+    st = estimate("deepseek-v3", impl="torchtitan", gpus=64, pp=2, ep=8, seq_len=S4, micro_batch=1, global_batch=64,
+                  ac="full").estimate.stages[0].states
+    assert st.weights == 2 * (dense0 + experts0) + 31 * 4 * S4 * DR
+    assert st.gradients == pytest.approx(4 * dense0 / 32 + 4 * experts0 / 4 + 4 * (dense0 + experts0), abs=8)
+    assert st.optimizer == pytest.approx(12 * dense0 / 32 + 12 * experts0 / 4, abs=16)
