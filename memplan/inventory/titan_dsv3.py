@@ -34,9 +34,9 @@ The attention: torchtitan attends with compiled FlexAttention; validation stands
 op's save set (q, k, v as passed, out, log-sum-exp: derived from torch 2.13's FlexAttentionAutogradOp, not measured).
 The router's groups: memplan's ModelSpec has no field for them; torchtitan's 671B flavour's (8 groups, 4 chosen) are
 taken (ROUTER_GROUPS).  Multi-token prediction: torchtitan's flavours build ``num_mtp_layers = 0`` by default
-(model_registry); asked for, its MTPDecoder trains them without PP or CP and refuses them with either
-(``NotImplementedError`` in update_from_config): not modelled yet, memplan/inventory/titan.py ``titan_model`` drops a
-model's MTP layers, said in the output.
+(model_registry); asked for (``--mtp N``), its MTPDecoder trains them without PP or CP and refuses them with either
+(``NotImplementedError`` in update_from_config): memplan/inventory/titan_mtp.py; without --mtp
+memplan/inventory/titan.py ``titan_model`` drops a model's MTP layers, said in the output.
 
 States: FSDP2 (+ EP) as for Qwen3 MoE (memplan/memory/stage.py), measured with torchtitan's own
 ``parallelize_deepseekv3`` on 2 ranks over gloo at ep 1 and 2 (validation/titan_dsv3.py ``measure_dsv3_ep_states``):
@@ -73,6 +73,8 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.moe import weighted
 from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
 from memplan.inventory.titan_moe import MODE_FLAGS, TOKENS, titan_moe_terms
+from memplan.inventory.titan_mtp import NOTE as MTP_NOTE
+from memplan.inventory.titan_mtp import mtp_terms
 from memplan.inventory.types import Inventory, Term, saved
 
 DSV3_MEASURED = ("measured: torchtitan 0.3.0 DeepSeek-V3 block on CPU, FlexAttention's save set in a stand-in "
@@ -88,7 +90,7 @@ NOTE = ("torchtitan DeepSeek-V3 (models/deepseek_v3): the MLA attention, the den
         "experts measured with its real blocks on CPU (FlexAttention's save set in a stand-in: derived), the routed "
         "experts' terms those of its common MoE (memplan/inventory/titan_moe.py), the router's groups its 671B "
         "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default; "
-        "asked for, it refuses them with PP or CP: not modelled); with --pp each stage's own dense and MoE layers, "
+        "--mtp N adds them, refused with PP or CP as torchtitan refuses them); with --pp each stage's own dense and MoE layers, "
         "the stages' saved tensors measured with its pipelined model over gloo (validation/titan_pp.py); "
         "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo; with --tp (the "
         "latent projections replicated on the whole sequence) and --cp each rank's terms and states measured "
@@ -204,11 +206,14 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
 
 
 def dsv3_inventory(model: ModelSpec, device: str) -> Inventory:
-    """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss)."""
-    return titan_inventory(model, device, dsv3_layer_terms(model, device))
+    """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss), its MTP
+    layers' terms on the last stage (memplan/inventory/titan_mtp.py)."""
+    layer = dsv3_layer_terms(model, device)
+    inv = titan_inventory(model, device, layer)
+    return dataclasses.replace(inv, terms=inv.terms + tuple(mtp_terms(model, device, layer))) if model.mtp_layers else inv
 
 
 
 def notes(model: ModelSpec) -> list[str]:
     """What the output says of a DeepSeek-V3 model under --impl torchtitan (nothing for another)."""
-    return [NOTE] if is_dsv3(model) else []
+    return ([NOTE] + ([MTP_NOTE] if model.mtp_layers else [])) if is_dsv3(model) else []

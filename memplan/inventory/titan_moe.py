@@ -157,6 +157,10 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
                                   ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
+    if model.mtp_layers and (pp > 1 or cp > 1 or tp > 1):  # torchtitan's MTPDecoder refuses PP and CP
+        raise MemplanError("--mtp with " + ("--pp: torchtitan 0.3.0 refuses multi-token prediction with pipeline "
+                           "parallelism" if pp > 1 else "--cp: torchtitan 0.3.0 refuses multi-token prediction with "
+                           "context parallelism" if cp > 1 else "--tp is not modelled yet (measured without TP)"))
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
                            "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))
