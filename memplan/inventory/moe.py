@@ -158,6 +158,15 @@ def weighted(t: Term, share: Fraction, kind: str = "") -> Term:
                                layer_kind=kind)
 
 
+def one_layer(t: Term, model: ModelSpec) -> Term:
+    """A `weighted` term of the dense layers or the MoE layers (Term.layer_kind) as the tensor of one such layer: its
+    kind's share of the model's layers undone."""
+    if not t.layer_kind:
+        return t
+    L, dense = model.num_layers, model.moe_first_dense_layers
+    return dataclasses.replace(t, elements=t.elements * Fraction(L, dense if t.layer_kind == "dense" else L - dense))
+
+
 def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:
     src = MOE_SRC if measured else MOE_DERIVED
     r, sent = routed_factor(model), _sent_factor(model)

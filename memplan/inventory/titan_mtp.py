@@ -29,10 +29,10 @@ fused RMSNorm (derived, as the layers').  torchtitan refuses MTP with pipeline o
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
 
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
+from memplan.inventory.moe import one_layer
 from memplan.inventory.titan import TitanTerm, cuda_norm, llama3_layer_terms, titan_term
 from memplan.inventory.types import Term, saved
 
@@ -50,11 +50,9 @@ def mtp_terms(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]) -> l
     n = model.mtp_layers
     if not n:
         return []
-    L, dense = model.num_layers, model.moe_first_dense_layers
-    whole = {"": 1, "moe": Fraction(L, L - dense)}
     src = MTP_MEASURED if device != "cuda" else f"{MTP_MEASURED}; on CUDA the fused RMSNorm derived"
     block = [dataclasses.replace(t, id=f"mtp.{t.id}", name=f"MTP layer: {t.name.split(' (in ')[0]}", scope="last",
-                                 elements=t.elements * whole[t.layer_kind] * n, layer_kind="", source=src,
+                                 elements=one_layer(t, model).elements * n, layer_kind="", source=src,
                                  dropped_by_selective=False, kept_by_full=False)
              for t in layer_terms if t.layer_kind != "dense" and t.kept(Recompute.NONE) and t.id != "input"]
     h = model.hidden_size

@@ -76,7 +76,7 @@ class Term:
     tokenless: bool = False  # no token dimension (torchtitan's all-to-all counts, a weight's fp32 copy): cp keeps it whole
     # of an MoE model with dense first layers, a term of its dense layers only ("dense") or of its MoE layers ("moe"),
     # its elements weighted by their share of the model's layers (memplan/inventory/moe.py weighted); a pipeline
-    # stage's own share replaces it where the kinds are modelled per stage (memplan/memory/term_bytes.py kind_scale)
+    # stage's own share replaces it where the kinds are modelled per stage (memplan/memory/term_bytes.py kind_share)
     layer_kind: str = ""
 
     @property

@@ -116,7 +116,7 @@ def titan_split(p: int, num_layers: int, dense: int = 0) -> tuple[Any, Any]:
     from the middle stages', (None, None) where every stage holds L / p. ValueError where torchtitan cannot split the
     layers, a stage holds none, the middle stages differ in size (not modelled: llama3-8b at p = 4, 8, 9, 8, 7) or
     an MoE model's ``dense`` first layers (DeepSeek-V3's n_dense_layers: layers.0 .. dense - 1, dealt out first) do
-    not all fit in the first stage (memplan counts them there: memplan/memory/term_bytes.py kind_scale): the one rule
+    not all fit in the first stage (memplan counts them there: memplan/memory/term_bytes.py kind_share): the one rule
     `estimate --impl torchtitan --pp` and `search --impl torchtitan` apply."""
     split = titan_stage_layers(p, num_layers)
     if len(set(split[1:-1])) > 1 or min(split) < 1:

@@ -77,7 +77,7 @@ def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compil
     max(1, M // p) (`torch_round`); a split backward through compiled blocks, or through an MoE block (``moe``: the
     I -> W gradients are the dense block's, memplan/inventory/titan.py split_backward_grads), is not modelled; nor is
     any multi-stage schedule of an MoE model with dense first layers (``dense_first``, DeepSeek-V3: memplan counts a
-    stage's dense and MoE layers for the single-stage split, memplan/memory/term_bytes.py kind_scale)."""
+    stage's dense and MoE layers for the single-stage split, memplan/memory/term_bytes.py kind_share)."""
     if dense_first:
         return (f"--pipeline-schedule {kind} with DeepSeek-V3's dense first layers is not modelled: its per-stage "
                 "dense and MoE layers are, for torchtitan's single-stage schedules (1F1B, GPipe)")

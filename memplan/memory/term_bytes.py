@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, fields
-from fractions import Fraction
 from typing import Any
 
 from memplan.core.arith import minimum
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
+from memplan.inventory.moe import one_layer
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import schedule_in_flight, stage_layers
 from memplan.memory.pipeline_multi import is_multi, one, rank_chunks, stage_ends
@@ -186,16 +185,15 @@ _WHOLE: dict[tuple, tuple[Term, Term]] = {}
 
 
 def whole_layer(model: ModelSpec, term: Term) -> Term:
-    """A dense-layer or an MoE-layer term (Term.layer_kind, weighted by its kind's share of the model's L layers:
-    memplan/inventory/moe.py weighted) as the tensor of one such layer, its weight undone (cached by the term)."""
+    """A dense-layer or an MoE-layer term as the tensor of one such layer (memplan/inventory/moe.py one_layer), cached
+    by the term."""
     L, nd = model.num_layers, model.moe_first_dense_layers
     key = (id(term), L, nd)
     hit = _WHOLE.get(key)
     if hit is None:
         if len(_WHOLE) >= CACHE_ENTRIES:
             _WHOLE.clear()
-        share = Fraction(nd if term.layer_kind == "dense" else L - nd, L)
-        hit = _WHOLE[key] = (term, dataclasses.replace(term, elements=term.elements * (1 / share)))
+        hit = _WHOLE[key] = (term, one_layer(term, model))
     return hit[1]
 
 
