@@ -36,11 +36,6 @@ from memplan.presets.hf_encoders import NOT_READ
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters,
-# and BigBird-Pegasus's, whose eager-only attention adds the mask and saves none)
-_ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
-              "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
-              "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
 _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 # Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
@@ -58,12 +53,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                          "only: not counted"),
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
-    "bart": ("estimate", _ONES_MASK),
     "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
                          "feed-forward norms: not counted"),
     "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
-    "blenderbot": ("estimate", _ONES_MASK),
-    "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
@@ -112,8 +104,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),
-    "marian": ("estimate", "Marian: " + _ONES_MASK),
-    "mbart": ("estimate", _ONES_MASK),
     "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
                                   "layer)"),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
@@ -124,8 +114,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "musicgen": ("estimate", _CODEBOOKS.format(name="MusicGen", cls="MusicgenForCausalLM", config="MusicgenConfig")),
     "musicgen_melody": ("estimate", _CODEBOOKS.format(name="MusicGen Melody", cls="MusicgenMelodyForCausalLM",
                                                       config="MusicgenMelodyConfig")),
-    "pegasus": ("estimate", _ONES_MASK),
-    "plbart": ("estimate", _ONES_MASK),
     "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),

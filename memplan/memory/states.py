@@ -152,9 +152,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim (requires_grad false)
-        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * Poly.parse("q /a"),
-                                 False, "first"))
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
+        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
+            model), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
@@ -316,6 +316,12 @@ def layer_vectors(model: ModelSpec) -> list[tuple[str, str, Poly]]:
     subs = [("sub-layer norms", "attention / MLP sub-norm weight", Poly.parse_sum("h + f") *
              (2 if model.has_norm_bias else 1))]
     return lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
+
+
+def frozen_position_width(model: ModelSpec) -> Poly:
+    """The width of a frozen position table (requires_grad false): head_dim (RoFormer's rotary table) or h (Pegasus's
+    and Marian's sinusoidal embeddings)."""
+    return Poly.parse("q /a" if model.frozen_position_width == "head" else "h")
 
 
 def position_rows(model: ModelSpec) -> Poly:
