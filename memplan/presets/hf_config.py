@@ -456,7 +456,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
-    notes = (note,) + notes + own_notes(known[0], data) + window_notes
+    notes = (note,) + notes + own_notes(known[0]) + window_notes
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "

@@ -83,7 +83,7 @@ def _moshi(data: dict, path: Path) -> dict[str, Any]:
 OWN_FIELDS = {"MllamaForCausalLM": _mllama, "MoshiForCausalLM": _moshi}
 
 
-def own_notes(arch: str, data: dict) -> tuple[str, ...]:
+def own_notes(arch: str) -> tuple[str, ...]:
     """What an estimate of a multimodal file's text model says beside its figures: what is left out (FLAT), what a
     text-only step skips (Mllama's cross-attention layers)."""
     if arch in FLAT:
