@@ -70,7 +70,7 @@ def test_whisper_tiny_decoder_by_hand():
 
 
 def test_extra_tensors_are_checked_in_one_line(tmp_path):
-    """ModelSpec.extra_tensors (memplan/core/extra_tensors.py): a name given twice, a scope memplan does not place or
+    """ModelSpec.extra_tensors (memplan/core/spec_checks.py ExtraTensor): a name given twice, a scope memplan does not place or
     a size that is not a positive integer is refused in one line."""
     from memplan.core.model import ModelSpec
     from memplan.core.spec_base import build

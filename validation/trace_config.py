@@ -4,7 +4,6 @@ small configs of every family the tracer is checked on (``FAMILIES``)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 from . import hf as _hf  # sets HF_HUB_OFFLINE before transformers is imported
 
 import torch  # noqa: E402
-from torch._guards import detect_fake_mode  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
 IMPLS = ("hf-sdpa", "hf-eager")
 KERNELS = ("cpu", "cuda")
@@ -77,29 +76,26 @@ def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16", ex
     kwargs = {"experts_implementation": experts} if experts else {}
     kwargs.update(dtype=getattr(torch, dtype), attn_implementation=impl.removeprefix("hf-"))
     cfg = hf_config(config)
-    with _without_inits() if detect_fake_mode() is not None else contextlib.nullcontext():
-        try:
-            model = tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
-        except ValueError:  # a text model's config the mapping does not name (Emu3TextConfig): the class it configures
-            cls = getattr(tf, (config.get("architectures") or [""])[0], None)
-            if cls is None or getattr(cls, "config_class", None) is not type(cfg):
-                raise
-            model = cls._from_config(cfg, **kwargs)
+    try:
+        model = _from_config(tf, config, cfg, kwargs)
+    except GuardOnDataDependentSymNode:
+        # a weight initialiser that reads values under a fake mode (Phi-4-multimodal's vision tower: trunc_normal_'s
+        # rejection loop): built without initialising, as fake values are never read (shapes, dtypes are the same)
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = _from_config(tf, config, cfg, kwargs)
     return model.train()
 
 
-@contextlib.contextmanager
-def _without_inits():
-    """transformers' weight initialisers as no-ops: a fake tensor has no values to initialise, and torch's trunc_normal_
-    (ModernBERT's initialiser) reads them (a data-dependent guard); the weights are still tied."""
-    import transformers.initialization as init
-
-    kept = dict(init.TORCH_INIT_FUNCTIONS)
-    init.TORCH_INIT_FUNCTIONS.update({name: (lambda tensor, *args, **kw: tensor) for name in kept})
+def _from_config(tf, config: dict, cfg, kwargs: dict):
     try:
-        yield
-    finally:
-        init.TORCH_INIT_FUNCTIONS.update(kept)
+        return tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
+    except ValueError:  # a text model's config the mapping does not name (Emu3TextConfig): the class it configures
+        cls = getattr(tf, (config.get("architectures") or [""])[0], None)
+        if cls is None or getattr(cls, "config_class", None) is not type(cfg):
+            raise
+        return cls._from_config(cfg, **kwargs)
 
 
 def decoder_layers_path(model, num_layers: int) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
-from memplan.core.extra_tensors import ExtraTensor
+from memplan.core.spec_checks import ExtraTensor
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
