@@ -176,8 +176,8 @@ def test_modernbert_decoder_defaults_by_hand():
 
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_ENCODERS_SLOW"), reason="~3 s of CPU: MEMPLAN_ENCODERS_SLOW=1 (the registry walk traces it too)")
 def test_modernbert_decoder_traced_equals_a_real_cpu_run():
-    """Its trace (built under fake tensors with transformers' initialisers as no-ops: trunc_normal_ reads values;
-    validation/trace_config.py) with biased LayerNorms and lm_head's dense bias equals a real CPU run's bytes, layer by
+    """Its trace (built under fake tensors without initialising: trunc_normal_ reads values; validation/
+    trace_config.py build_model) with biased LayerNorms and lm_head's dense bias equals a real CPU run's bytes, layer by
     layer (the first without attn_norm), below and above the 16-token sliding window of the shrunk config."""
     config = {**tiny_config("modernbert-decoder"), "norm_bias": True, "classifier_bias": True}
     traced = TracedFile.model_validate(trace(config))
