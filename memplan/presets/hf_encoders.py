@@ -1,9 +1,11 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
-and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
-with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and
-the decoders of the encoder-decoder models BART, mBART, PLBart, Pegasus, Blenderbot, Blenderbot-Small, Marian, MVP,
-TrOCR (``_BART_LIKE``), BigBird-Pegasus and Whisper run alone (seq2seq: their cross-attention counted, not run).
+and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer) or tensors
+of their own (ModelSpec.extra_tensors: RoCBERT, X-MOD, XLM, BigBird), each run with ``is_decoder`` (XLM: ``causal``;
+causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` / ``XLMWithLMHeadModel`` (``encoder_kind`` bert),
+and the decoders of the encoder-decoder models BART, mBART, PLBart, Pegasus, Blenderbot, Blenderbot-Small, Marian,
+MVP, TrOCR (``_BART_LIKE``), BigBird-Pegasus, Whisper and ProphetNet run alone (seq2seq: their cross-attention
+counted, not run).
 ``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does),
 ``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the
 registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and

@@ -1,5 +1,6 @@
 """The config.json readers of the transformers families with their own key names (GPT-J's n_embd, MPT's d_model,
-DBRX's nested configs, OPT, BioGPT, GPT-1, ...), split from hf_families.py: ``OWN_KEYS`` gives each family's whole
+DBRX's nested configs, OPT, BioGPT, GPT-1, GPT-NeoX-Japanese, ModernBERT's decoder, CPM-Ant with tensors of their own
+in ModelSpec.extra_tensors, ...), split from hf_families.py: ``OWN_KEYS`` gives each family's whole
 spec but name, sequence and vocabulary, ``POSITIONS`` its position limit's key and default; each checked by the
 registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device."""
 
