@@ -69,8 +69,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                            "h / a)"),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
-    "deepseek_v32": ("estimate", "DeepSeek-V3.2's lightning indexer beside the latent attention (indexer.wq_b, wk, "
-                                 "k_norm with bias, weights_proj)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
     "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
@@ -88,8 +86,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
                                              "keys and values (memplan estimates the target)"),
     "git": ("estimate", _MULTIMODAL),
-    "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
-                                "k_norm with bias, weights_proj)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
     "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),

@@ -305,6 +305,10 @@ class ModelSpec(Spec):
         default=False, description="the MLA's latent down projections (q_a_proj / wq_a, kv_a_proj_with_mqa / wkv_a: "
         "h x (r_q + r_kv + d_r)) kept whole on every tensor-parallel rank, not split over t (torchtitan's DeepSeek-V3 "
         "sharding; --impl torchtitan sets it)")
+    mla_indexer: Optional[tuple[PositiveInt, PositiveInt]] = Field(
+        default=None, description="(H_i, D_i): a lightning indexer in every latent-attention layer (DeepSeek-V3.2, GLM-5 "
+        "index_n_heads, index_head_dim): wq_b r_q -> H_i D_i, wk h -> D_i, k_norm a LayerNorm D_i with bias, "
+        "weights_proj h -> H_i, whole on every GPU; its top-k mask is in the traced activations (--impl hf-*)")
     mtp_layers: int = Field(
         default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "

@@ -189,6 +189,10 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     if model.mlp == "swiglu" and model.gate_activation == "gelu":
         return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
                 "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
+    if model.mla_indexer:
+        return (f"--emit megatron: {echo(model.name)} has a lightning indexer (DeepSeek sparse attention): memplan's "
+                "Megatron-LM inventories do not model megatron-core's experimental DSA (experimental_attention_variant "
+                "dsa, its indexer trained by a KL loss): no launch is given for it")
     # the layouts of transformers' other families (memplan/core/model.py): GPTModel's layer is a sequential pre-norm
     # block with every linear biased or none (--add-bias-linear), Q and K norms per head (--qk-layernorm)
     layouts = [(model.layer_layout == "parallel", "attention and MLP in parallel"),

@@ -13,7 +13,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths, gate_rows, layer_kinds,
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, INDEXER, embedding_widths, gate_rows, layer_kinds,
                                     layer_vectors, output_layer_group, position_rows)
 
 
@@ -118,7 +118,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     prefix = "dense " if model.is_moe else ""
     if model.is_mla:  # the same tensors in both layouts (Megatron-LM: linear_q_down_proj, ..., linear_proj)
-        attention = _mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+        attention = (_mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+                     + _indexer_shapes(model))
         if layout == "fused":
             attention = norm + attention + second
     elif layout == "fused":
@@ -212,6 +213,17 @@ def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
     return q + [WeightShape(qkv_w, "kv_a_proj_with_mqa", S("rkv + dr"), P("h")),
                 WeightShape(norms, "kv_a_layernorm", P("rkv"), None),
                 WeightShape(qkv_w, "kv_b_proj", S("a dn + a dv"), P("rkv"), 1, "rows")]
+
+
+def _indexer_shapes(model: ModelSpec) -> list[WeightShape]:
+    """The lightning indexer's tensors (DeepseekV32Indexer, registered after o_proj), whole on every GPU."""
+    if not model.mla_indexer:
+        return []
+    n, d = (Poly.parse(str(x)) for x in model.mla_indexer)
+    return [WeightShape(INDEXER, "indexer.wq_b", n * d, Poly.parse("rq")), WeightShape(INDEXER, "indexer.wk", d,
+                                                                                      Poly.parse("h")),
+            WeightShape(INDEXER, "indexer.k_norm", d, None, 2), WeightShape(INDEXER, "indexer.weights_proj", n,
+                                                                            Poly.parse("h"))]
 
 
 def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:

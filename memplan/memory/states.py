@@ -35,6 +35,7 @@ from memplan.inventory.types import OUTPUT_LAYER_W
 from memplan.memory import optimizers
 
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
+INDEXER = "lightning indexer"  # ModelSpec.mla_indexer
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
 CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
                                          "cross-attention output bias")
@@ -76,6 +77,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
+    if model.mla_indexer:  # DeepSeek-V3.2, GLM-5: self_attn.indexer (wq_b, wk, k_norm with bias, weights_proj)
+        n, d = model.mla_indexer
+        groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer"))
     if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
@@ -162,8 +166,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
 
 
 # the attention's groups: a hybrid's "attention" blocks hold them (model_groups' names)
-_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "latent norms", "query / key norms",
-                     "attention sinks", GATE, "QKV biases", "attention output projection bias")
+_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "latent norms", INDEXER,
+                     "query / key norms", "attention sinks", GATE, "QKV biases", "attention output projection bias")
 
 
 def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup]:

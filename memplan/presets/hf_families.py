@@ -229,6 +229,40 @@ def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
                 q_lora_rank=data.get("q_lora_rank"))
 
 
+_DSA_DEFAULTS = {  # DeepseekV32Config's defaults (GlmMoeDsaConfig's where it differs) for the keys a file may leave out
+    "deepseek_v32": dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                         kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         index_n_heads=64, index_head_dim=128),
+    "glm_moe_dsa": dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                        kv_lora_rank=512, q_lora_rank=2048, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                        index_n_heads=32, index_head_dim=128),
+}
+
+
+def _dsa(data: dict, path: Path) -> dict[str, Any]:
+    """DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM): DeepSeek-V3's latent attention and
+    experts (dense layers from mlp_layer_types, else first_k_dense_replace, default 3) with a lightning indexer in each
+    layer (index_n_heads heads index_head_dim wide: ModelSpec.mla_indexer). GLM-5's indexer_types (else
+    index_topk_pattern, else index_topk_freq / index_skip_topk_offset) may leave a layer without one ("shared")."""
+    d = {**_DSA_DEFAULTS[data.get("model_type", "deepseek_v32")], **{k: data[k] for k in _DSA_DEFAULTS["deepseek_v32"]
+                                                                     if k in data}}
+    L = nat(data, "num_hidden_layers", 61, path)
+    types, pattern, freq = data.get("indexer_types"), data.get("index_topk_pattern"), data.get("index_topk_freq", 1)
+    if types is None and pattern is not None:  # GlmMoeDsaConfig.__post_init__
+        types = [{"F": "full", "S": "shared"}.get(c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None and isinstance(freq, int) and freq > 1:
+        offset = data.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)] \
+            if isinstance(offset, int) else None
+    if types is not None and (not isinstance(types, list) or any(t != "full" for t in types)):
+        raise MemplanError(f"{path}: indexer_types / index_topk_pattern / index_topk_freq: memplan models an indexer "
+                           f"in every layer (all \"full\"; got {echo(types)}); {YAML_HINT}")
+    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, 3, path))),
+                mla_indexer=(nat(d, "index_n_heads", None, path), nat(d, "index_head_dim", None, path)),
+                **{k: d[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                     "v_head_dim")})
+
+
 def _olmo(data: dict, path: Path) -> dict[str, Any]:  # OlmoLayerNorm: no weight, no bias
     return dict(norm="layernorm", norm_params=False)
 
@@ -386,6 +420,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
     "Gemma4ForCausalLM": _gemma4, "Gemma4UnifiedForCausalLM": _gemma4,
+    "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa,
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
@@ -396,7 +431,8 @@ MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunY
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
             "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM",
-            "AfmoeForCausalLM", "LagunaForCausalLM", "Gemma4ForCausalLM")
+            "AfmoeForCausalLM", "LagunaForCausalLM", "Gemma4ForCausalLM", "DeepseekV32ForCausalLM",
+            "GlmMoeDsaForCausalLM")
 
 
 APPROXIMATED = {
