@@ -1,6 +1,7 @@
 """Issue 22: latent attention with a lightning indexer (DeepSeek-V3.2's DeepSeek Sparse Attention, GLM-5's
-GlmMoeDsa; ModelSpec.mla_indexer) read from config.json: parameters exact against transformers' meta-device count and
-a hand derivation, the traced activations equal to a real CPU run, and the refusals of what memplan does not model."""
+GlmMoeDsa; ModelSpec.mla_indexer) and DeepSeek-V3's near relatives (A.X-K1's norm on the MoE block's output,
+moe_block_norms) read from config.json: parameters exact against transformers' meta-device count and a hand
+derivation, the traced activations equal to a real CPU run, and the refusals of what memplan does not model."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_deepseek_v32_defaults_count_by_hand(tmp_path):
     ("deepseek_v32", dict(index_n_heads=8, index_head_dim=48)),  # the indexer's own widths
     ("glm_moe_dsa", dict(mlp_layer_types=["dense", "dense", "sparse"])),  # dense layers from mlp_layer_types
     ("glm_moe_dsa", dict(indexer_types=["full"] * 3, q_lora_rank=24)),
+    ("axk1", {}),  # a dense layer, then an MoE layer with its post_mlp_layernorm
+    ("axk1", dict(mlp_layer_types=None, first_k_dense_replace=2, num_hidden_layers=4)),  # AXK1Config's own derivation
 ])
 def test_the_indexer_families_count_exactly(model_type, switches, tmp_path):
     """memplan's count equals transformers' model on the meta device (the walk's tiny config: a dense layer, then
@@ -82,6 +85,13 @@ def test_layers_without_their_own_indexer_are_refused_in_one_line():
         assert "\n" not in str(err.value) and "model YAML" in str(err.value)
 
 
+def test_a_pattern_of_moe_layers_other_than_dense_first_is_refused_in_one_line():
+    with pytest.raises(MemplanError, match="mlp_layer_types") as err:  # AXK1Config: every second layer MoE
+        registry.memplan_params({**tiny_config("axk1"), "mlp_layer_types": None, "moe_layer_freq": 2,
+                                 "num_hidden_layers": 4})
+    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+
+
 def test_the_indexer_needs_latent_attention_with_a_query_latent():
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512, bias=False)
     mla = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -94,14 +104,15 @@ def test_the_indexer_needs_latent_attention_with_a_query_latent():
     assert ModelSpec(**base, **mla, q_lora_rank=32, mla_indexer=(4, 32)).mla_indexer == (4, 32)
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--impl", "megatron"], "--impl megatron: the lightning indexer"),
-    (["--impl", "megatron-local"], "--impl megatron-local: the lightning indexer"),
-    (["--emit", "megatron"], "experimental DSA"),
+@pytest.mark.parametrize("model_type, args, says", [
+    ("deepseek_v32", ["--impl", "megatron"], "--impl megatron: the lightning indexer"),
+    ("glm_moe_dsa", ["--impl", "megatron-local"], "--impl megatron-local: the lightning indexer"),
+    ("deepseek_v32", ["--emit", "megatron"], "experimental DSA"),
+    ("axk1", ["--emit", "megatron"], "norms in the MoE block"),
 ])
-def test_megatron_refuses_the_indexer_in_one_line(run_cli, tmp_path, args, says):
+def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, model_type, args, says):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(tiny_config("deepseek_v32")))
+    path.write_text(json.dumps(tiny_config(model_type)))
     code, out, err = run_cli("estimate", "--hf-config", str(path), *args)
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -120,3 +131,11 @@ def test_the_trace_equals_a_real_cpu_run_on_both_sides_of_the_top_k():
     assert traced.conditions == ["s >= 16", "b >= 2"]
     for s in (32, 8):
         assert bucket_bytes(traced, s, 2) == measured_buckets(measure(config, s, 2)), s
+
+
+def test_axk1_says_megatron_approximates_its_moe_block_norm(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config("axk1")))
+    preset = read_hf_config(str(path))
+    assert preset.model.moe_block_norms == 1
+    assert any("post_mlp_layernorm" in n and "approximates" in n for n in preset.notes)

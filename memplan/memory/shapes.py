@@ -255,7 +255,10 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
         shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
         shared += [WeightShape("shared experts' gate", "shared_expert_gate", P("h"), None)] if model.moe_shared_gate \
             else []
-    return (router + experts + shared) if layout == "fused" else (experts + router + shared)
+    norms = [WeightShape("MoE block norms", "MoE block norm " + part, P("h"), None, model.moe_block_norms)
+             for part in ("weight", "bias")[:1 + model.has_norm_bias]] if model.moe_block_norms and model.norm_params \
+        else []  # A.X-K1: mlp.post_mlp_layernorm; Gemma 4: its MoE block's three
+    return (router + experts + shared + norms) if layout == "fused" else (experts + router + shared + norms)
 
 
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
