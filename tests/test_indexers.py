@@ -1,6 +1,7 @@
 """Issue 22: latent attention with a lightning indexer (DeepSeek-V3.2's DeepSeek Sparse Attention, GLM-5's
-GlmMoeDsa; ModelSpec.mla_indexer) and DeepSeek-V3's near relatives (A.X-K1's norm on the MoE block's output,
-moe_block_norms) read from config.json: parameters exact against transformers' meta-device count and a hand
+GlmMoeDsa; ModelSpec.mla_indexer) and the near misses beside them (A.X-K1's norm on the MoE block's output,
+moe_block_norms; Flint's sinks with Qwen3-MoE's experts and an ungated shared expert; memplan/presets/hf_latent.py)
+read from config.json: parameters exact against transformers' meta-device count and a hand
 derivation, the traced activations equal to a real CPU run, and the refusals of what memplan does not model."""
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def test_deepseek_v32_defaults_count_by_hand(tmp_path):
     ("glm_moe_dsa", dict(indexer_types=["full"] * 3, q_lora_rank=24)),
     ("axk1", {}),  # a dense layer, then an MoE layer with its post_mlp_layernorm
     ("axk1", dict(mlp_layer_types=None, first_k_dense_replace=2, num_hidden_layers=4)),  # AXK1Config's own derivation
+    ("flint", {}),  # a dense layer (the walk's mlp_only_layers [0]), then an MoE layer; sinks in both
+    ("flint", dict(mlp_only_layers=[0, 1], num_hidden_layers=3, layer_types=None,
+                   shared_expert_intermediate_size=48, attention_bias=True)),  # q, k, v, o_proj biased (Qwen3MoeAttention)
 ])
 def test_the_indexer_families_count_exactly(model_type, switches, tmp_path):
     """memplan's count equals transformers' model on the meta device (the walk's tiny config: a dense layer, then
@@ -90,6 +94,9 @@ def test_a_pattern_of_moe_layers_other_than_dense_first_is_refused_in_one_line()
         registry.memplan_params({**tiny_config("axk1"), "mlp_layer_types": None, "moe_layer_freq": 2,
                                  "num_hidden_layers": 4})
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+    with pytest.raises(MemplanError, match="mlp_only_layers") as err:  # Flint: a dense layer after an MoE one
+        registry.memplan_params({**tiny_config("flint"), "mlp_only_layers": [1]})
+    assert "\n" not in str(err.value) and "model YAML" in str(err.value)
 
 
 def test_the_indexer_needs_latent_attention_with_a_query_latent():
@@ -109,6 +116,7 @@ def test_the_indexer_needs_latent_attention_with_a_query_latent():
     ("glm_moe_dsa", ["--impl", "megatron-local"], "--impl megatron-local: the lightning indexer"),
     ("deepseek_v32", ["--emit", "megatron"], "experimental DSA"),
     ("axk1", ["--emit", "megatron"], "norms in the MoE block"),
+    ("flint", ["--emit", "megatron"], "attention sinks"),
 ])
 def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, model_type, args, says):
     path = tmp_path / "config.json"

@@ -147,6 +147,8 @@ def _shrink(data: dict) -> dict:
         if len(set(out.get("mlp_layer_types") or [])) < len(kinds) <= n:  # the first n lost a kind (DeepSeek-V3.2's
             # dense layers, then MoE ones): one of each kind, the last repeated (first_k_dense_replace's one dense)
             out["mlp_layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
+        if data.get("num_experts") and set(range(n)) <= set(data.get("mlp_only_layers") or []):  # Flint's [0, 1]: no
+            out["mlp_only_layers"] = [0]  # MoE layer left in n layers; one dense layer, then MoE ones
     if "mamba_headdim" in data and "hybrid_layer_ids" in data:  # Zamba 2: the widths its config derives (a file's
         # own win over them), a Mamba-2 layer and a hybrid one (a use of the shared block, its adapters rank 8)
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)},

@@ -75,8 +75,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
     "falcon_mamba": ("trace", _MAMBA1),
-    "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
-                          "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", _MULTIMODAL),
     "gemma3n_text": ("estimate", "Gemma 3n: per-layer embeddings, AltUp and LAuReL blocks, KV-sharing layers; its "
                                  "defaults, shrunk, do not build"),

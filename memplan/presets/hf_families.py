@@ -229,50 +229,6 @@ def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
                 q_lora_rank=data.get("q_lora_rank"))
 
 
-def _latent_moe(data: dict, dense: int, path: Path) -> dict[str, Any]:
-    """DeepSeek-V3's latent attention (with the query latent these families always build) and experts (dense layers
-    from mlp_layer_types, else the first ``dense``); a missing key is refused (hf_config: KeyError)."""
-    if flag(data, "attention_bias", False, path):
-        raise MemplanError(f"{path}: attention_bias: memplan models latent attention without biases; {YAML_HINT}")
-    d = {k: data[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
-    mla = {k: nat(data, k, data[k], path) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-                                                    "qk_rope_head_dim", "v_head_dim")}
-    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, dense, path))), **mla)
-
-
-def _dsa(data: dict, path: Path) -> dict[str, Any]:
-    """DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM): DeepSeek-V3's latent attention and
-    experts (first_k_dense_replace default 3) with a lightning indexer in each layer (index_n_heads heads
-    index_head_dim wide: ModelSpec.mla_indexer). GLM-5's indexer_types (else index_topk_pattern, else index_topk_freq /
-    index_skip_topk_offset) may leave a layer without one ("shared"): refused."""
-    out = _latent_moe(data, 3, path)
-    L = nat(data, "num_hidden_layers", 61, path)
-    types, pattern, freq = data.get("indexer_types"), data.get("index_topk_pattern"), data.get("index_topk_freq", 1)
-    if types is None and pattern is not None:  # GlmMoeDsaConfig.__post_init__
-        types = [{"F": "full", "S": "shared"}.get(c) for c in pattern] if isinstance(pattern, str) else pattern
-    if types is None and isinstance(freq, int) and freq > 1:
-        offset = data.get("index_skip_topk_offset", 2)
-        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)] \
-            if isinstance(offset, int) else None
-    if types is not None and (not isinstance(types, list) or any(t != "full" for t in types)):
-        raise MemplanError(f"{path}: indexer_types / index_topk_pattern / index_topk_freq: memplan models an indexer "
-                           f"in every layer (all \"full\"; got {echo(types)}); {YAML_HINT}")
-    return dict(out, mla_indexer=(nat(data, "index_n_heads", data["index_n_heads"], path),
-                                  nat(data, "index_head_dim", data["index_head_dim"], path)))
-
-
-def _axk1(data: dict, path: Path) -> dict[str, Any]:
-    """A.X-K1 (AXK1ForCausalLM): DeepSeek-V3 with an RMSNorm on each MoE block's output (mlp.post_mlp_layernorm:
-    moe_block_norms 1); its dense layers from mlp_layer_types, else the first first_k_dense_replace (default 1) and
-    every moe_layer_freq-th after them MoE (AXK1Config.__post_init__; memplan: dense layers first)."""
-    if data.get("mlp_layer_types") is None:
-        L, k, freq = nat(data, "num_hidden_layers", 61, path), data.get("first_k_dense_replace", 1), \
-            nat(data, "moe_layer_freq", 1, path)
-        data = dict(data, mlp_layer_types=["sparse" if isinstance(k, int) and i >= k and i % freq == 0 else "dense"
-                                           for i in range(L)])
-    return dict(_latent_moe(data, 1, path), moe_block_norms=1)
-
-
 def _olmo(data: dict, path: Path) -> dict[str, Any]:  # OlmoLayerNorm: no weight, no bias
     return dict(norm="layernorm", norm_params=False)
 
@@ -430,7 +386,6 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
     "Gemma4ForCausalLM": _gemma4, "Gemma4UnifiedForCausalLM": _gemma4,
-    "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa, "AXK1ForCausalLM": _axk1,
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
@@ -441,8 +396,7 @@ MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunY
             "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "SolarOpenForCausalLM",
             "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSWAForCausalLM",
             "MellumForCausalLM", "AriaTextForCausalLM", "Kolibri1ForCausalLM", "HYV3ForCausalLM",
-            "AfmoeForCausalLM", "LagunaForCausalLM", "Gemma4ForCausalLM", "DeepseekV32ForCausalLM",
-            "GlmMoeDsaForCausalLM", "AXK1ForCausalLM")
+            "AfmoeForCausalLM", "LagunaForCausalLM", "Gemma4ForCausalLM")
 
 
 APPROXIMATED = {
@@ -483,7 +437,6 @@ APPROXIMATED = {
     "Gemma4ForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V heads; "
                          "per-layer inputs, K / V reused by the last layers and experts beside the MLP where the config "
                          "sets them)",
-    "AXK1ForCausalLM": "A.X-K1 normalises each MoE block's output (post_mlp_layernorm)",
     "Gemma4UnifiedForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V "
                                 "heads; K / V reused by the last layers where the config sets them)",
 }

@@ -1,0 +1,87 @@
+"""The config.json readers of DeepSeek-V3's near relatives and the families beside them (issue 22, the registry walk):
+latent attention with a lightning indexer (DeepSeek-V3.2, GLM-5: ModelSpec.mla_indexer), A.X-K1's norm on the MoE
+block's output (moe_block_norms), Flint's sinks beside Qwen3-MoE's experts with an ungated shared expert; each checked
+by the walk (memplan/check/registry.py) against transformers' count of the model on the meta device.
+
+``LATENT_KEYED``: what each family sets on ModelSpec beyond the Llama layout (hf_config reads the rest, as for
+hf_families.LLAMA_KEYED), every one of them reading its experts; ``LATENT_APPROXIMATED``: where --impl megatron*
+approximates the layer (a note; the indexer families are refused there: memplan/inventory/assemble.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+from memplan.presets.hf_families import YAML_HINT, _dense_first, deepseek_experts, flag, nat
+
+
+def _latent_moe(data: dict, dense: int, path: Path) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention (with the query latent these families always build) and experts (dense layers
+    from mlp_layer_types, else the first ``dense``); a missing key is refused (hf_config: KeyError)."""
+    if flag(data, "attention_bias", False, path):
+        raise MemplanError(f"{path}: attention_bias: memplan models latent attention without biases; {YAML_HINT}")
+    d = {k: data[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
+    mla = {k: nat(data, k, data[k], path) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim")}
+    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, dense, path))), **mla)
+
+
+def _dsa(data: dict, path: Path) -> dict[str, Any]:
+    """DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM): DeepSeek-V3's latent attention and
+    experts (first_k_dense_replace default 3) with a lightning indexer in each layer (index_n_heads heads
+    index_head_dim wide: ModelSpec.mla_indexer). GLM-5's indexer_types (else index_topk_pattern, else index_topk_freq /
+    index_skip_topk_offset) may leave a layer without one ("shared"): refused."""
+    out = _latent_moe(data, 3, path)
+    L = nat(data, "num_hidden_layers", 61, path)
+    types, pattern, freq = data.get("indexer_types"), data.get("index_topk_pattern"), data.get("index_topk_freq", 1)
+    if types is None and pattern is not None:  # GlmMoeDsaConfig.__post_init__
+        types = [{"F": "full", "S": "shared"}.get(c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None and isinstance(freq, int) and freq > 1:
+        offset = data.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)] \
+            if isinstance(offset, int) else None
+    if types is not None and (not isinstance(types, list) or any(t != "full" for t in types)):
+        raise MemplanError(f"{path}: indexer_types / index_topk_pattern / index_topk_freq: memplan models an indexer "
+                           f"in every layer (all \"full\"; got {echo(types)}); {YAML_HINT}")
+    return dict(out, mla_indexer=(nat(data, "index_n_heads", data["index_n_heads"], path),
+                                  nat(data, "index_head_dim", data["index_head_dim"], path)))
+
+
+def _axk1(data: dict, path: Path) -> dict[str, Any]:
+    """A.X-K1 (AXK1ForCausalLM): DeepSeek-V3 with an RMSNorm on each MoE block's output (mlp.post_mlp_layernorm:
+    moe_block_norms 1); its dense layers from mlp_layer_types, else the first first_k_dense_replace (default 1) and
+    every moe_layer_freq-th after them MoE (AXK1Config.__post_init__; memplan: dense layers first)."""
+    if data.get("mlp_layer_types") is None:
+        L, k, freq = nat(data, "num_hidden_layers", 61, path), data.get("first_k_dense_replace", 1), \
+            nat(data, "moe_layer_freq", 1, path)
+        data = dict(data, mlp_layer_types=["sparse" if isinstance(k, int) and i >= k and i % freq == 0 else "dense"
+                                           for i in range(L)])
+    return dict(_latent_moe(data, 1, path), moe_block_norms=1)
+
+
+def _flint(data: dict, path: Path) -> dict[str, Any]:
+    """Flint (FlintForCausalLM): Qwen3-MoE's layer (q / k norms per head) with attention sinks in every layer; the
+    layers in mlp_only_layers (default [0, 1]) dense, intermediate_size wide, the others num_experts experts
+    moe_intermediate_size wide, top num_experts_per_tok, beside one ungated shared expert shared_expert_intermediate_size
+    wide (FlintSparseMoeBlock). memplan: dense layers first, decoder_sparse_step 1."""
+    dense = data.get("mlp_only_layers")
+    dense = [0, 1] if dense is None else dense
+    if not isinstance(dense, list) or dense != list(range(len(dense))) or data.get("decoder_sparse_step", 1) != 1:
+        raise MemplanError(f"{path}: mlp_only_layers / decoder_sparse_step: memplan models dense layers first only "
+                           f"(mlp_only_layers [0, ..., k-1], decoder_sparse_step 1); {YAML_HINT}")
+    return dict(num_experts=nat(data, "num_experts", 256, path), moe_top_k=nat(data, "num_experts_per_tok", 6, path),
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 512, path),
+                moe_shared_ffn_hidden_size=nat(data, "shared_expert_intermediate_size", 1024, path),
+                moe_first_dense_layers=len(dense), attention_sinks=True, qk_norm=True)
+
+
+LATENT_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
+    "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa, "AXK1ForCausalLM": _axk1, "FlintForCausalLM": _flint,
+}
+
+LATENT_APPROXIMATED = {
+    "AXK1ForCausalLM": "A.X-K1 normalises each MoE block's output (post_mlp_layernorm)",
+    "FlintForCausalLM": "Flint's attention has sinks",
+}
