@@ -1,6 +1,7 @@
 """Issue 22: latent attention with a lightning indexer (DeepSeek-V3.2's DeepSeek Sparse Attention, GLM-5's
 GlmMoeDsa; ModelSpec.mla_indexer) and the near misses beside them (A.X-K1's norm on the MoE block's output,
-moe_block_norms; Flint's sinks with Qwen3-MoE's experts and an ungated shared expert; memplan/presets/hf_latent.py)
+moe_block_norms; Flint's sinks with Qwen3-MoE's experts and an ungated shared expert; Beam's gate on the attention
+output with a bias per head, attention_gate_bias; memplan/presets/hf_latent.py)
 read from config.json: parameters exact against transformers' meta-device count and a hand
 derivation, the traced activations equal to a real CPU run, and the refusals of what memplan does not model."""
 
@@ -57,6 +58,8 @@ def test_deepseek_v32_defaults_count_by_hand(tmp_path):
     ("flint", {}),  # a dense layer (the walk's mlp_only_layers [0]), then an MoE layer; sinks in both
     ("flint", dict(mlp_only_layers=[0, 1], num_hidden_layers=3, layer_types=None,
                    shared_expert_intermediate_size=48, attention_bias=True)),  # q, k, v, o_proj biased (Qwen3MoeAttention)
+    ("beam", {}),  # a dense layer, then an MoE one; gate_proj h x q and gate_bias a in each
+    ("beam", dict(head_dim=32, mlp_layer_types=["dense", "dense", "sparse"], num_hidden_layers=3, layer_types=None)),
 ])
 def test_the_indexer_families_count_exactly(model_type, switches, tmp_path):
     """memplan's count equals transformers' model on the meta device (the walk's tiny config: a dense layer, then
@@ -99,6 +102,14 @@ def test_a_pattern_of_moe_layers_other_than_dense_first_is_refused_in_one_line()
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
 
 
+def test_a_gate_bias_needs_the_gate():
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+    with pytest.raises(ValueError, match="needs attention_output_gate"):
+        ModelSpec(**base, attention_gate_bias=True)
+    gated = ModelSpec(**base, attention_output_gate="full", attention_gate_bias=True)
+    assert total_params(gated) - total_params(ModelSpec(**base, attention_output_gate="full")) == 2 * 4  # a per layer
+
+
 def test_the_indexer_needs_latent_attention_with_a_query_latent():
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512, bias=False)
     mla = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -117,6 +128,7 @@ def test_the_indexer_needs_latent_attention_with_a_query_latent():
     ("deepseek_v32", ["--emit", "megatron"], "experimental DSA"),
     ("axk1", ["--emit", "megatron"], "norms in the MoE block"),
     ("flint", ["--emit", "megatron"], "attention sinks"),
+    ("beam", ["--emit", "megatron"], "a gate on the attention output"),
 ])
 def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, model_type, args, says):
     path = tmp_path / "config.json"

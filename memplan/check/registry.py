@@ -54,8 +54,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
                          "and an MLP inside the input norm"),
     "bart": ("estimate", _ONES_MASK),
-    "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
-                         "feed-forward norms: not counted"),
     "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blenderbot": ("estimate", _ONES_MASK),
     "blenderbot-small": ("estimate", _ONES_MASK),

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
-from memplan.core.spec_checks import check_expert_loads, check_latent
+from memplan.core.spec_checks import check_expert_loads, check_gate, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -173,6 +173,7 @@ class ModelSpec(Spec):
         default=None, description="a learned gate on the attention output, a linear from the layer input without "
         "bias: one value per channel of the attention output (full: h x q, AFMoE self_attn.gate_proj) or per head "
         "(head: h x a)")
+    attention_gate_bias: bool = Field(default=False, description="a learned bias per head on that gate (Beam gate_bias)")
     differential_attention: bool = Field(
         default=False, description="differential attention: four learned vectors head_dim wide per layer (DiffLlama "
         "lambda_q1, lambda_k1, lambda_q2, lambda_k2)")
@@ -449,6 +450,7 @@ class ModelSpec(Spec):
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         check_latent(self)
+        check_gate(self)
         return self._experts()._hybrid()
 
     def _hybrid(self) -> "ModelSpec":

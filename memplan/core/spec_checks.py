@@ -1,5 +1,6 @@
 """Checks of ModelSpec's fields that involve one group of them alone, called by its validator (memplan/core/model.py):
-a mixture-of-experts model's routing loads (moe_expert_loads) and multi-head latent attention's fields."""
+a mixture-of-experts model's routing loads (moe_expert_loads), multi-head latent attention's fields and the gate on the
+attention output."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def check_latent(model: Any) -> None:
     if model.mla_indexer and (model.q_lora_rank is None or model.mla_indexer[1] < model.qk_rope_head_dim):
         raise ValueError(f"mla_indexer {model.mla_indexer}: the indexer projects the query latent (it needs "
                          f"q_lora_rank) into heads at least qk_rope_head_dim={model.qk_rope_head_dim} wide")
+
+
+def check_gate(model: Any) -> None:
+    """attention_gate_bias is a bias of the gate on the attention output: it needs attention_output_gate."""
+    if model.attention_gate_bias and not model.attention_output_gate:
+        raise ValueError("attention_gate_bias is the bias of the gate on the attention output: it needs "
+                         "attention_output_gate")

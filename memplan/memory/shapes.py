@@ -100,6 +100,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         qk_norms = qkv_biases + qk_norms
     if model.attention_output_gate:  # AFMoE, Laguna: h -> q (full) or h -> a (head)
         qk_norms = qk_norms + [WeightShape(GATE, "attention gate weight", gate_rows(model), P("h"), 1, "rows")]
+        qk_norms += [WeightShape(GATE, "attention gate bias", P("a"), None, 1, "rows")] * model.attention_gate_bias
     qk_norms = qk_norms + [WeightShape(group, name, count, None) for group, name, count in layer_vectors(model)]
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]

@@ -86,7 +86,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.attention_sinks:
         groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
     if model.attention_output_gate:  # AFMoE: self_attn.gate_proj; Laguna: self_attn.g_proj
-        groups.append(ParamGroup(GATE, gate_rows(model) * Poly.parse("h"), True, "layer"))
+        groups.append(ParamGroup(GATE, gate_rows(model) * Poly.parse("h") + Poly.parse("a") * model.attention_gate_bias,
+                                 True, "layer"))  # Beam: a bias per head (gate_bias)
     groups += [ParamGroup(group, count, False, "layer") for group, _, count in layer_vectors(model)]
     if model.is_moe:
         groups += [

@@ -1,6 +1,7 @@
 """The config.json readers of DeepSeek-V3's near relatives and the families beside them (issue 22, the registry walk):
 latent attention with a lightning indexer (DeepSeek-V3.2, GLM-5: ModelSpec.mla_indexer), A.X-K1's norm on the MoE
-block's output (moe_block_norms), Flint's sinks beside Qwen3-MoE's experts with an ungated shared expert; each checked
+block's output (moe_block_norms), Flint's sinks beside Qwen3-MoE's experts with an ungated shared expert, Beam's gate
+on the attention output with a bias per head (attention_gate_bias); each checked
 by the walk (memplan/check/registry.py) against transformers' count of the model on the meta device.
 
 ``LATENT_KEYED``: what each family sets on ModelSpec beyond the Llama layout (hf_config reads the rest, as for
@@ -77,11 +78,25 @@ def _flint(data: dict, path: Path) -> dict[str, Any]:
                 moe_first_dense_layers=len(dense), attention_sinks=True, qk_norm=True)
 
 
+def _beam(data: dict, path: Path) -> dict[str, Any]:
+    """Beam (BeamForCausalLM): q / k norms per head, a sigmoid gate on the attention output (gate_proj h x q and a bias
+    per head, gate_bias), four norms per layer (pre / post feed-forward ones too); dense layers first (mlp_layer_types,
+    default 3) intermediate_size wide, then num_experts experts moe_intermediate_size wide, top num_experts_per_tok,
+    no shared expert (BeamMoE; its router's correction bias is a buffer)."""
+    return dict(num_experts=nat(data, "num_experts", 256, path), moe_top_k=nat(data, "num_experts_per_tok", 8, path),
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 2560, path),
+                moe_first_dense_layers=_dense_first(data, 3, path), qk_norm=True, sandwich_norms=True,
+                attention_output_gate="full", attention_gate_bias=True)
+
+
 LATENT_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa, "AXK1ForCausalLM": _axk1, "FlintForCausalLM": _flint,
+    "BeamForCausalLM": _beam,
 }
 
 LATENT_APPROXIMATED = {
     "AXK1ForCausalLM": "A.X-K1 normalises each MoE block's output (post_mlp_layernorm)",
     "FlintForCausalLM": "Flint's attention has sinks",
+    "BeamForCausalLM": "Beam gates the attention output by a sigmoid of a linear of the layer input (with a bias per "
+                       "head), normalises the sub-layers' outputs too and scales the residual sums by depth",
 }
