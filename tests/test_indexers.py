@@ -1,5 +1,6 @@
 """Issue 22: latent attention with a lightning indexer (DeepSeek-V3.2's DeepSeek Sparse Attention, GLM-5's
-GlmMoeDsa; ModelSpec.mla_indexer) and the near misses beside them (A.X-K1's norm on the MoE block's output,
+GlmMoeDsa, A.X-K2 with its query gate and gated norms; ModelSpec.mla_indexer, mla_query_gate, gated_norm_rank) and the
+near misses beside them (A.X-K1's norm on the MoE block's output,
 moe_block_norms; Flint's sinks with Qwen3-MoE's experts and an ungated shared expert; Beam's gate on the attention
 output with a bias per head, attention_gate_bias; memplan/presets/hf_latent.py)
 read from config.json: parameters exact against transformers' meta-device count and a hand
@@ -58,6 +59,9 @@ def test_deepseek_v32_defaults_count_by_hand(tmp_path):
     ("flint", {}),  # a dense layer (the walk's mlp_only_layers [0]), then an MoE layer; sinks in both
     ("flint", dict(mlp_only_layers=[0, 1], num_hidden_layers=3, layer_types=None,
                    shared_expert_intermediate_size=48, attention_bias=True)),  # q, k, v, o_proj biased (Qwen3MoeAttention)
+    ("axk2", {}),  # q_gate_proj 2 r_q wide, the indexer, gated input norms; the MoE layer's post-attention norm gated
+    ("axk2", dict(gated_norm_rank=8, mlp_layer_types=["dense", "dense", "sparse"], num_hidden_layers=3,
+                  layer_types=None)),
     ("beam", {}),  # a dense layer, then an MoE one; gate_proj h x q and gate_bias a in each
     ("beam", dict(head_dim=32, mlp_layer_types=["dense", "dense", "sparse"], num_hidden_layers=3, layer_types=None)),
 ])
@@ -110,6 +114,21 @@ def test_a_gate_bias_needs_the_gate():
     assert total_params(gated) - total_params(ModelSpec(**base, attention_output_gate="full")) == 2 * 4  # a per layer
 
 
+def test_the_gated_norms_and_the_query_gate_count_by_hand():
+    """A.X-K2's additions to DeepSeek-V3.2's layer, per the modelling code: q_gate_proj 2 r_q x a (d_n + d_r + d_v) in
+    place of q_b_proj r_q x a (d_n + d_r); a gated norm's fc1 h x r and fc2 r x h (no biases), one per layer and a
+    second in each MoE layer. 2 layers (one dense), h = 64, a = 4, r_q = 32, d_n 16, d_r 8, d_v 16, r = 16:
+    q_gate_proj - q_b_proj = 2 x (64 x 160 - 32 x 96) = 14,336; the gates 3 x 2 x 64 x 16 = 6,144."""
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512, bias=False,
+                kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
+                moe_top_k=2, moe_first_dense_layers=1)
+    plain = total_params(ModelSpec(**base))
+    assert total_params(ModelSpec(**base, mla_query_gate=True)) - plain == 14_336
+    assert total_params(ModelSpec(**base, gated_norm_rank=16)) - plain == 6_144
+    with pytest.raises(ValueError, match="needs q_lora_rank"):
+        ModelSpec(**{**base, "q_lora_rank": None}, mla_query_gate=True)
+
+
 def test_the_indexer_needs_latent_attention_with_a_query_latent():
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512, bias=False)
     mla = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -129,6 +148,7 @@ def test_the_indexer_needs_latent_attention_with_a_query_latent():
     ("axk1", ["--emit", "megatron"], "norms in the MoE block"),
     ("flint", ["--emit", "megatron"], "attention sinks"),
     ("beam", ["--emit", "megatron"], "a gate on the attention output"),
+    ("axk2", ["--impl", "megatron"], "--impl megatron: the lightning indexer"),
 ])
 def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, model_type, args, says):
     path = tmp_path / "config.json"

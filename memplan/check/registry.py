@@ -51,8 +51,6 @@ _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_co
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
-                         "and an MLP inside the input norm"),
     "bart": ("estimate", _ONES_MASK),
     "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blenderbot": ("estimate", _ONES_MASK),

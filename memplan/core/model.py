@@ -310,6 +310,12 @@ class ModelSpec(Spec):
         default=None, description="(H_i, D_i): a lightning indexer in every latent-attention layer (DeepSeek-V3.2, GLM-5 "
         "index_n_heads, index_head_dim): wq_b r_q -> H_i D_i, wk h -> D_i, k_norm a LayerNorm D_i with bias, "
         "weights_proj h -> H_i, whole on every GPU; its top-k mask is in the traced activations (--impl hf-*)")
+    mla_query_gate: bool = Field(
+        default=False, description="the query latent beside its norm's output (2 r_q) projected to the queries and a "
+        "gate on the attention output a d_v wide, in place of q_b_proj (A.X-K2 q_gate_proj)")
+    gated_norm_rank: int = Field(
+        default=0, ge=0, description="r: a low-rank sigmoid gate (h -> r -> h, no biases) after the input norm of "
+        "every layer and the post-attention norm of each MoE layer (A.X-K2 AXK2GatedRMSNorm; 0: none)")
     mtp_layers: int = Field(
         default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "

@@ -22,10 +22,11 @@ def check_expert_loads(loads: Optional[tuple[float, ...]], imbalance: float, E: 
 
 def check_latent(model: Any) -> None:
     """Multi-head latent attention's fields come together (kv_lora_rank and the three head widths; q_lora_rank
-    optional; mla_indexer needs the query latent), without biases (``model``: the ModelSpec being validated)."""
+    optional; mla_indexer and mla_query_gate need the query latent), without biases (``model``: the ModelSpec being validated)."""
     fields = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     if not model.is_mla:
         given = [name for name in ("q_lora_rank",) + fields + ("mla_indexer",) if getattr(model, name) is not None]
+        given += ["mla_query_gate"] * model.mla_query_gate
         if given:
             raise ValueError(f"{given[0]} is a multi-head latent attention field: it needs kv_lora_rank")
         return
@@ -35,6 +36,8 @@ def check_latent(model: Any) -> None:
     if model.bias:
         raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
                          "bias: false")
+    if model.mla_query_gate and model.q_lora_rank is None:
+        raise ValueError("mla_query_gate projects the query latent: it needs q_lora_rank")
     if model.mla_indexer and (model.q_lora_rank is None or model.mla_indexer[1] < model.qk_rope_head_dim):
         raise ValueError(f"mla_indexer {model.mla_indexer}: the indexer projects the query latent (it needs "
                          f"q_lora_rank) into heads at least qk_rope_head_dim={model.qk_rope_head_dim} wide")

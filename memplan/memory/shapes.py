@@ -13,7 +13,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, INDEXER, embedding_widths, gate_rows, layer_kinds,
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, INDEXER, NORM_GATES, embedding_widths, gate_rows, layer_kinds,
                                     layer_vectors, output_layer_group, position_rows)
 
 
@@ -152,6 +152,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
+    if model.gated_norm_rank:  # A.X-K2: a gated norm's fc1 (r x h), fc2 (h x r); two in an MoE layer, one in a dense one
+        r = Poly.parse(str(model.gated_norm_rank))
+        gates = [WeightShape(NORM_GATES, "gated norm fc1", r, P("h")), WeightShape(NORM_GATES, "gated norm fc2", P("h"), r)]
+        layer, dense_layer = layer + gates * (1 + model.is_moe), dense_layer + gates * bool(dense_layer)
     if model.per_layer_input_size:  # Gemma 4: per_layer_input_gate (p x h), per_layer_projection (h x p), its norm
         p = Poly.parse(str(model.per_layer_input_size))
         layer = layer + [WeightShape("per-layer input gate / projection", "per_layer_input_gate", p, P("h"), 1, "rows"),
@@ -206,7 +210,10 @@ def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
     kv_b_proj)."""
     P, S = Poly.parse, Poly.parse_sum
     qkv_w, norms = "QKV projection weight", "latent norms"
-    if model.q_lora_rank:
+    if model.mla_query_gate:  # A.X-K2: q_gate_proj over [q_a_layernorm's output, q_a_proj's]
+        q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
+             WeightShape(qkv_w, "q_gate_proj", S("a dn + a dr + a dv"), P("2 rq"), 1, "rows")]
+    elif model.q_lora_rank:
         q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
              WeightShape(qkv_w, "q_b_proj", S("a dn + a dr"), P("rq"), 1, "rows")]
     else:

@@ -36,6 +36,7 @@ from memplan.memory import optimizers
 
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 INDEXER = "lightning indexer"  # ModelSpec.mla_indexer
+NORM_GATES = "gated norms' low-rank gates"  # ModelSpec.gated_norm_rank
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
 CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
                                          "cross-attention output bias")
@@ -80,6 +81,10 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.mla_indexer:  # DeepSeek-V3.2, GLM-5: self_attn.indexer (wq_b, wk, k_norm with bias, weights_proj)
         n, d = model.mla_indexer
         groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer"))
+    if model.gated_norm_rank:  # A.X-K2: each gated norm's fc1 h -> r, fc2 r -> h; the MoE layers' second one
+        gates = Poly.parse(f"{2 * model.gated_norm_rank} h")
+        groups += [ParamGroup(NORM_GATES, gates, False, "layer")] + [ParamGroup(NORM_GATES + " (MoE layers)", gates,
+                                                                                False, "moe")] * model.is_moe
     if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
@@ -349,9 +354,10 @@ def counter(values: Mapping[str, Any]) -> Count:
 def mla_qkv_count(model: ModelSpec) -> Poly:
     """Multi-head latent attention's Q, K and V projections (transformers DeepseekV3Attention, Megatron-LM
     MLASelfAttention): Q through the r_q latent, q_a_proj h r_q + q_b_proj r_q a (d_n + d_r), or directly
-    h a (d_n + d_r); kv_a_proj_with_mqa h (r_kv + d_r); kv_b_proj r_kv a (d_n + d_v). The output projection
-    is q h with q = a d_v."""
+    h a (d_n + d_r), or with mla_query_gate q_gate_proj 2 r_q a (d_n + d_r + d_v); kv_a_proj_with_mqa h (r_kv + d_r);
+    kv_b_proj r_kv a (d_n + d_v). The output projection is q h with q = a d_v."""
     q = "h rq + a dn rq + a dr rq" if model.q_lora_rank else "a dn h + a dr h"
+    q = "h rq + 2 a dn rq + 2 a dr rq + 2 a dv rq" if model.mla_query_gate else q  # A.X-K2: q_gate_proj 2 r_q wide
     return Poly.parse_sum(q + " + h rkv + h dr + a dn rkv + a dv rkv")
 
 

@@ -1,5 +1,6 @@
 """The config.json readers of DeepSeek-V3's near relatives and the families beside them (issue 22, the registry walk):
-latent attention with a lightning indexer (DeepSeek-V3.2, GLM-5: ModelSpec.mla_indexer), A.X-K1's norm on the MoE
+latent attention with a lightning indexer (DeepSeek-V3.2, GLM-5, A.X-K2: ModelSpec.mla_indexer; A.X-K2's query gate
+and gated norms: mla_query_gate, gated_norm_rank), A.X-K1's norm on the MoE
 block's output (moe_block_norms), Flint's sinks beside Qwen3-MoE's experts with an ungated shared expert, Beam's gate
 on the attention output with a bias per head (attention_gate_bias); each checked
 by the walk (memplan/check/registry.py) against transformers' count of the model on the meta device.
@@ -46,20 +47,38 @@ def _dsa(data: dict, path: Path) -> dict[str, Any]:
     if types is not None and (not isinstance(types, list) or any(t != "full" for t in types)):
         raise MemplanError(f"{path}: indexer_types / index_topk_pattern / index_topk_freq: memplan models an indexer "
                            f"in every layer (all \"full\"; got {echo(types)}); {YAML_HINT}")
-    return dict(out, mla_indexer=(nat(data, "index_n_heads", data["index_n_heads"], path),
-                                  nat(data, "index_head_dim", data["index_head_dim"], path)))
+    return dict(out, mla_indexer=_indexer(data, path))
+
+
+def _moe_layer_types(data: dict, path: Path) -> dict:
+    """The config with its mlp_layer_types as AXK1Config / AXK2Config derive them where the file has none: the first
+    first_k_dense_replace (default 1) layers dense, then every moe_layer_freq-th (default 1) MoE."""
+    if data.get("mlp_layer_types") is not None:
+        return data
+    L, k, freq = nat(data, "num_hidden_layers", 61, path), data.get("first_k_dense_replace", 1), \
+        nat(data, "moe_layer_freq", 1, path)
+    return dict(data, mlp_layer_types=["sparse" if isinstance(k, int) and i >= k and i % freq == 0 else "dense"
+                                       for i in range(L)])
 
 
 def _axk1(data: dict, path: Path) -> dict[str, Any]:
     """A.X-K1 (AXK1ForCausalLM): DeepSeek-V3 with an RMSNorm on each MoE block's output (mlp.post_mlp_layernorm:
-    moe_block_norms 1); its dense layers from mlp_layer_types, else the first first_k_dense_replace (default 1) and
-    every moe_layer_freq-th after them MoE (AXK1Config.__post_init__; memplan: dense layers first)."""
-    if data.get("mlp_layer_types") is None:
-        L, k, freq = nat(data, "num_hidden_layers", 61, path), data.get("first_k_dense_replace", 1), \
-            nat(data, "moe_layer_freq", 1, path)
-        data = dict(data, mlp_layer_types=["sparse" if isinstance(k, int) and i >= k and i % freq == 0 else "dense"
-                                           for i in range(L)])
-    return dict(_latent_moe(data, 1, path), moe_block_norms=1)
+    moe_block_norms 1); memplan: dense layers first."""
+    return dict(_latent_moe(_moe_layer_types(data, path), 1, path), moe_block_norms=1)
+
+
+def _axk2(data: dict, path: Path) -> dict[str, Any]:
+    """A.X-K2 (AXK2ForCausalLM): DeepSeek-V3.2's latent attention and indexer in every layer, the query latent and
+    its norm's output projected together to the queries and a gate on the attention output (q_gate_proj:
+    mla_query_gate), a low-rank sigmoid gate after the input norm of every layer and the post-attention norm of the
+    MoE layers (AXK2GatedRMSNorm, gated_norm_rank); its layers as A.X-K1's."""
+    return dict(_latent_moe(_moe_layer_types(data, path), 1, path), mla_query_gate=True,
+                gated_norm_rank=nat(data, "gated_norm_rank", 16, path), mla_indexer=_indexer(data, path))
+
+
+def _indexer(data: dict, path: Path) -> tuple[int, int]:
+    return nat(data, "index_n_heads", data["index_n_heads"], path), nat(data, "index_head_dim", data["index_head_dim"],
+                                                                         path)
 
 
 def _flint(data: dict, path: Path) -> dict[str, Any]:
@@ -91,7 +110,7 @@ def _beam(data: dict, path: Path) -> dict[str, Any]:
 
 LATENT_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa, "AXK1ForCausalLM": _axk1, "FlintForCausalLM": _flint,
-    "BeamForCausalLM": _beam,
+    "BeamForCausalLM": _beam, "AXK2ForCausalLM": _axk2,
 }
 
 LATENT_APPROXIMATED = {
