@@ -2,7 +2,8 @@
 GlmMoeDsa, A.X-K2 with its query gate and gated norms; ModelSpec.mla_indexer, mla_query_gate, gated_norm_rank) and the
 near misses beside them (A.X-K1's norm on the MoE block's output,
 moe_block_norms; Flint's sinks with Qwen3-MoE's experts and an ungated shared expert; Beam's gate on the attention
-output with a bias per head, attention_gate_bias; memplan/presets/hf_latent.py)
+output with a bias per head, attention_gate_bias; MiMo-V2-Flash's attention by layer kind, value_head_dim,
+full_attention_layers, sinks_sliding_only; memplan/presets/hf_latent.py)
 read from config.json: parameters exact against transformers' meta-device count and a hand
 derivation, the traced activations equal to a real CPU run, and the refusals of what memplan does not model."""
 
@@ -80,6 +81,29 @@ def test_the_indexer_families_count_exactly(model_type, switches, tmp_path):
         assert held == total_params(model)
 
 
+@pytest.mark.parametrize("switches", [
+    {},  # a full-attention layer (2 K / V heads, no sinks), then a sliding one (4 K / V heads, sinks)
+    dict(head_dim=32, attention_bias=True),  # Q / K heads 32 wide, V heads 16; biases on q, k, v
+    dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                           "full_attention"], mlp_layer_types=["dense", "dense", "sparse", "sparse"]),
+    dict(layer_types=["full_attention"] * 2),  # no sliding layer: no sinks, num_key_value_heads everywhere
+    dict(layer_types=["sliding_attention"] * 2),  # no full layer: sinks and twice the K / V heads everywhere
+])
+def test_mimo_v2_flash_counts_exactly_by_layer_kind(switches, tmp_path):
+    """The trace checks the activations (the walk); the parameters against the meta-device model, and the tensors
+    weight_shapes lists against the groups where every layer's attention is alike (all full or all sliding)."""
+    config = {**tiny_config("mimo_v2_flash"), **switches}
+    assert registry.memplan_params(config) == meta_params(config)
+    model = _read(config, tmp_path)
+    if model.full_layers in (0, model.num_layers):
+        values, k = model.symbols(t=1), model.moe_first_dense_layers
+        for layout in ("fused", "separate"):
+            held = sum(times * w.count * int(w.numel.evaluate(values)) for scope, times in (
+                ("first", 1), ("dense_layer", k), ("layer", model.num_layers - k), ("last", 1), ("head", 1))
+                for w in weight_shapes(model, layout)[scope])
+            assert held == total_params(model)
+
+
 def test_the_indexer_switches_change_the_count():
     """The indexer's widths are read, not defaulted: another head count gives another (exact) count."""
     base, wider = tiny_config("deepseek_v32"), {**tiny_config("deepseek_v32"), "index_n_heads": 8}
@@ -106,10 +130,17 @@ def test_a_pattern_of_moe_layers_other_than_dense_first_is_refused_in_one_line()
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
 
 
-def test_a_gate_bias_needs_the_gate():
+def test_a_gate_bias_needs_the_gate_and_the_attention_fields_agree():
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
     with pytest.raises(ValueError, match="needs attention_output_gate"):
         ModelSpec(**base, attention_gate_bias=True)
+    with pytest.raises(ValueError, match="needs attention_sinks"):
+        ModelSpec(**base, sinks_sliding_only=True)
+    with pytest.raises(ValueError, match="exceeds num_layers"):
+        ModelSpec(**base, full_attention_layers=3)
+    with pytest.raises(ValueError, match="latent attention's is v_head_dim"):
+        ModelSpec(**base, bias=False, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                  value_head_dim=8)
     gated = ModelSpec(**base, attention_output_gate="full", attention_gate_bias=True)
     assert total_params(gated) - total_params(ModelSpec(**base, attention_output_gate="full")) == 2 * 4  # a per layer
 
@@ -149,6 +180,8 @@ def test_the_indexer_needs_latent_attention_with_a_query_latent():
     ("flint", ["--emit", "megatron"], "attention sinks"),
     ("beam", ["--emit", "megatron"], "a gate on the attention output"),
     ("axk2", ["--impl", "megatron"], "--impl megatron: the lightning indexer"),
+    ("mimo_v2_flash", ["--impl", "megatron"], "V heads narrower than the Q / K heads (value_head_dim)"),
+    ("mimo_v2_flash", ["--emit", "megatron"], "V heads narrower than the Q / K heads"),
 ])
 def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, model_type, args, says):
     path = tmp_path / "config.json"
@@ -179,3 +212,11 @@ def test_axk1_says_megatron_approximates_its_moe_block_norm(tmp_path):
     preset = read_hf_config(str(path))
     assert preset.model.moe_block_norms == 1
     assert any("post_mlp_layernorm" in n and "approximates" in n for n in preset.notes)
+
+
+def test_mimo_v2_flash_with_narrower_v_heads_traces_equal_to_a_real_cpu_run():
+    """The walk's tiny MiMo has V heads as wide as Q / K's; with head_dim 32 beside v_head_dim 16 its trace (eager:
+    transformers gives it no sdpa path), read by memplan, still equals a real CPU run's saved bytes at s = 32, b = 2."""
+    config = {**tiny_config("mimo_v2_flash"), "head_dim": 32}
+    row = registry.trace_row(registry.Row("mimo_v2_flash", "MiMoV2FlashForCausalLM"), config)
+    assert row.traced and row.measured, row.trace_error

@@ -82,6 +82,14 @@ class ModelSpec(Spec):
     full_attention_kv_heads: Optional[int] = Field(
         default=None, gt=0, description="the full-attention layers' key/value heads (default g; Gemma 4 "
         "num_global_key_value_heads)")
+    full_attention_layers: Optional[int] = Field(
+        default=None, ge=0, description="how many layers attend to all tokens where they are not every N-th "
+        "(MiMo-V2-Flash's layer_types: the first and every sixth); None: from sliding_window / sliding_window_pattern")
+    value_head_dim: Optional[int] = Field(
+        default=None, gt=0, description="d_v, the V heads' width where it is not head_dim (MiMo-V2-Flash v_head_dim): "
+        "v_proj h -> g d_v, o_proj a d_v -> h (latent attention has its own v_head_dim)")
+    sinks_sliding_only: bool = Field(
+        default=False, description="attention_sinks on the sliding-window layers only (MiMo-V2-Flash)")
     full_attention_k_eq_v: bool = Field(
         default=False, description="the full-attention layers' keys serve as their values: no V projection "
         "(Gemma 4 attention_k_eq_v)")
@@ -375,8 +383,10 @@ class ModelSpec(Spec):
 
     @property
     def full_layers(self) -> int:
-        """Layers attending to all tokens: every layer without sliding_window, every N-th with
-        sliding_window_pattern N, none with a window on every layer."""
+        """Layers attending to all tokens: full_attention_layers, else every layer without sliding_window, every N-th
+        with sliding_window_pattern N, none with a window on every layer."""
+        if self.full_attention_layers is not None:  # MiMo-V2-Flash: counted from its layer_types
+            return self.full_attention_layers
         if self.sliding_window is None:
             return self.num_layers
         return self.num_layers // self.sliding_window_pattern if self.sliding_window_pattern else 0

@@ -44,10 +44,17 @@ def check_latent(model: Any) -> None:
 
 
 def check_gate(model: Any) -> None:
-    """attention_gate_bias is a bias of the gate on the attention output: it needs attention_output_gate."""
+    """The attention's own fields agree: attention_gate_bias needs attention_output_gate, sinks_sliding_only
+    attention_sinks, value_head_dim standard attention, full_attention_layers at most num_layers."""
     if model.attention_gate_bias and not model.attention_output_gate:
         raise ValueError("attention_gate_bias is the bias of the gate on the attention output: it needs "
                          "attention_output_gate")
+    if model.sinks_sliding_only and not model.attention_sinks:
+        raise ValueError("sinks_sliding_only says which layers have the attention sinks: it needs attention_sinks")
+    if model.value_head_dim and model.is_mla:
+        raise ValueError("value_head_dim is standard attention's V width: latent attention's is v_head_dim")
+    if (model.full_attention_layers or 0) > model.num_layers:
+        raise ValueError(f"full_attention_layers={model.full_attention_layers} exceeds num_layers={model.num_layers}")
 
 
 def check_experts(model: Any) -> None:

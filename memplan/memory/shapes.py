@@ -66,7 +66,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     router here (Qwen3-MoE, DeepSeek-V3; Mixtral registers its router first)."""
     P = Poly.parse
     q_kv = P("q g /a")  # K and V rows
-    qkv_rows = Poly.parse_sum("q + 2 q g /a")
+    v_rows = P(f"{model.value_head_dim} g") if model.value_head_dim else q_kv  # MiMo-V2-Flash: V heads d_v wide
+    o_cols = P(f"{model.value_head_dim} a") if model.value_head_dim else P("q")
+    qkv_rows = P("q") + q_kv + v_rows
     gated = model.mlp == "swiglu"
     f_in = P("2 f") if gated else P("f")
     norm = [WeightShape("layer norms", "norm weight", P("h"), None)]
@@ -92,7 +94,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         qk_norms = [WeightShape("attention sinks", "sinks", P("a"), None, 1, "rows")] + qk_norms
     qkv_biases = ([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
                   [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
-                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")])
+                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")] if not model.value_head_dim else
+                  [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                   WeightShape("QKV biases", "K bias", q_kv, None, 1, "rows"),
+                   WeightShape("QKV biases", "V bias", v_rows, None, 1, "rows")])
     if model.attention_bias and not model.bias:  # q, k, v, o_proj biases (gpt-oss, Phi-3.5-MoE)
         qk_norms = qk_norms + qkv_biases + [WeightShape("attention output projection bias", "o_proj bias", P("h"),
                                                         None)]
@@ -125,10 +130,12 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
             attention = norm + attention + second
     elif layout == "fused":
         attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
-            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + second
+            proj_w, "output projection", P("h"), o_cols, "cols") + qk_norms + second
     else:
-        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
-                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+        kv = linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2) if not model.value_head_dim else \
+            linear(qkv_w, "K", q_kv, P("h"), "rows") + linear(qkv_w, "V", v_rows, P("h"), "rows")
+        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + kv
+                     + linear(proj_w, "output projection", P("h"), o_cols, "cols") + qk_norms)
     attention = attention + sandwich
     if model.encoder_kind == "seq2seq":  # BART's decoder: encoder_attn's k, v, q, out_proj (counted, not run alone)
         attention += [WeightShape(CROSS, "cross-attention K / V / Q", P("q"), P("h"), 3, "rows"),

@@ -69,11 +69,13 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
     kv_bias = "2 q g /a" if model.key_bias else "q g /a"  # Whisper: k_proj without bias
+    dv = model.value_head_dim  # MiMo-V2-Flash: V heads d_v wide, o_proj a d_v -> h
+    kv_bias, kv, out = (f"q g /a + {dv} g", f"h q g /a + {dv} h g", f"{dv} a h") if dv else (kv_bias, "2 h q g /a", "q h")
     groups = [
-        ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
+        ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum(f"h q + {kv}"),
                    True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
                    if model.is_mla and model.mla_down_replicated else None),
-        ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
+        ParamGroup("attention output projection weight", Poly.parse(out), True, "layer"),
     ]
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
@@ -266,12 +268,13 @@ def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
 
 
 def attention_params(model: ModelSpec, head_dim: int, kv_heads: int, k_eq_v: bool) -> tuple[int, int]:
-    """One layer's attention parameters with heads head_dim wide and kv_heads K / V heads: (Q, output projection
-    and query norm; K, V projections and key norm), biases included (transformers Gemma4TextAttention)."""
+    """One layer's attention parameters with heads head_dim wide (V value_head_dim wide where set) and kv_heads K / V
+    heads: (Q, output projection and query norm; K, V projections and key norm), biases included (transformers
+    Gemma4TextAttention, MiMoV2FlashAttention)."""
     h, a, qk = model.hidden_size, model.num_attention_heads, int(model.qk_norm and model.norm_params)
-    bias = model.attention_bias or model.qkv_bias or model.bias
-    q = 2 * h * a * head_dim + qk * head_dim + bias * a * head_dim + (model.attention_bias or model.bias) * h
-    kv = (2 - k_eq_v) * kv_heads * head_dim * (h + bias) + qk * head_dim
+    bias, dv = model.attention_bias or model.qkv_bias or model.bias, model.value_head_dim or head_dim
+    q = h * a * (head_dim + dv) + qk * head_dim + bias * a * head_dim + (model.attention_bias or model.bias) * h
+    kv = kv_heads * (head_dim + (not k_eq_v) * dv) * (h + bias) + qk * head_dim
     return q, kv
 
 
@@ -287,9 +290,10 @@ def gemma4_groups(model: ModelSpec) -> list[ParamGroup]:
     base_q, base_kv = attention_params(model, hd, model.g, False)
     full = (model.full_attention_head_dim or hd, model.full_attention_kv_heads or model.g, model.full_attention_k_eq_v)
     full_q, full_kv = attention_params(model, *full)
-    if model.full_layers and (full_q, full_kv) != (base_q, base_kv):
-        groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)",
-                                 number(full_q + full_kv - base_q - base_kv), True, "full"))
+    delta = full_q + full_kv - base_q - base_kv - model.num_attention_heads * model.sinks_sliding_only  # MiMo: no sinks
+    if model.full_layers and delta:
+        groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)", number(delta), True,
+                                 "full"))
     if model.kv_shared_layers:
         mlp = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.f * model.kv_shared_double_mlp
         for scope, kv in (("kv_shared", base_kv), ("kv_shared_full", full_kv)):

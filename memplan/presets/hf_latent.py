@@ -2,7 +2,8 @@
 latent attention with a lightning indexer (DeepSeek-V3.2, GLM-5, A.X-K2: ModelSpec.mla_indexer; A.X-K2's query gate
 and gated norms: mla_query_gate, gated_norm_rank), A.X-K1's norm on the MoE
 block's output (moe_block_norms), Flint's sinks beside Qwen3-MoE's experts with an ungated shared expert, Beam's gate
-on the attention output with a bias per head (attention_gate_bias); each checked
+on the attention output with a bias per head (attention_gate_bias), MiMo-V2-Flash's attention by layer kind
+(value_head_dim, full_attention_layers, sinks_sliding_only); each checked
 by the walk (memplan/check/registry.py) against transformers' count of the model on the meta device.
 
 ``LATENT_KEYED``: what each family sets on ModelSpec beyond the Llama layout (hf_config reads the rest, as for
@@ -108,14 +109,39 @@ def _beam(data: dict, path: Path) -> dict[str, Any]:
                 attention_output_gate="full", attention_gate_bias=True)
 
 
+def _mimo(data: dict, path: Path) -> dict[str, Any]:
+    """MiMo-V2-Flash (MiMoV2FlashForCausalLM): q / k heads head_dim wide, V heads v_head_dim wide (value_head_dim),
+    biases on q, k and v (attention_bias); the sliding-window layers of layer_types (default: all but the first and
+    every sixth) with twice num_key_value_heads K / V heads and attention sinks, the full-attention ones with
+    num_key_value_heads and none (MiMoV2FlashAttention); dense layers first (mlp_layer_types, default one)
+    intermediate_size wide, then n_routed_experts experts moe_intermediate_size wide, no shared expert."""
+    L, g = nat(data, "num_hidden_layers", 48, path), nat(data, "num_key_value_heads", 4, path)
+    types = data.get("layer_types") or ["full_attention" if i == 0 or not (i + 1) % 6 else "sliding_attention"
+                                        for i in range(L)]
+    if not isinstance(types, list) or len(types) != L or set(types) - {"full_attention", "sliding_attention"}:
+        raise MemplanError(f"{path}: layer_types: expected full_attention or sliding_attention for each of the {L} "
+                           f"layers (got {echo(types)})")
+    full = types.count("full_attention")
+    kv = dict(num_kv_heads=2 * g, full_attention_kv_heads=g, attention_sinks=True, sinks_sliding_only=full > 0,
+              full_attention_layers=full) if full < L else dict(num_kv_heads=g)
+    return dict(num_experts=nat(data, "n_routed_experts", 256, path), moe_top_k=nat(data, "num_experts_per_tok", 8,
+                                                                                   path),
+                moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 2048, path),
+                moe_first_dense_layers=_dense_first(data, 1, path), head_dim=nat(data, "head_dim", 192, path),
+                value_head_dim=nat(data, "v_head_dim", 128, path), qkv_bias=flag(data, "attention_bias", False, path),
+                attention_bias=False, **kv)
+
+
 LATENT_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "DeepseekV32ForCausalLM": _dsa, "GlmMoeDsaForCausalLM": _dsa, "AXK1ForCausalLM": _axk1, "FlintForCausalLM": _flint,
-    "BeamForCausalLM": _beam, "AXK2ForCausalLM": _axk2,
+    "BeamForCausalLM": _beam, "AXK2ForCausalLM": _axk2, "MiMoV2FlashForCausalLM": _mimo,
 }
 
 LATENT_APPROXIMATED = {
     "AXK1ForCausalLM": "A.X-K1 normalises each MoE block's output (post_mlp_layernorm)",
     "FlintForCausalLM": "Flint's attention has sinks",
+    "MiMoV2FlashForCausalLM": "MiMo-V2-Flash's V heads are narrower than its Q / K heads and its sliding-window layers "
+                              "have twice the K / V heads and attention sinks",
     "BeamForCausalLM": "Beam gates the attention output by a sigmoid of a linear of the layer input (with a bias per "
                        "head), normalises the sub-layers' outputs too and scales the residual sums by depth",
 }
