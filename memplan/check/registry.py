@@ -96,8 +96,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "marian": ("estimate", "Marian: " + _ONES_MASK),
     "mbart": ("estimate", _ONES_MASK),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
-    "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
-                                       "shared widths are not read"),
+    "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: a block-sparse lightning indexer of its own "
+                                       "(indexer.q_proj h x H_i D_i, k_proj h x D_i, q / k norms; no query latent) in "
+                                       "the layers layer_types marks minimax_m3_sparse (none in the config class's "
+                                       "defaults: the walk's tiny model has none to check), experts "
+                                       "intermediate_size wide beside dense_intermediate_size and "
+                                       "shared_intermediate_size MLPs: not read"),
     "mllama": ("estimate", _MULTIMODAL),
     "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
                                        "with a decoder bias"),
