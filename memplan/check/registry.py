@@ -36,11 +36,6 @@ from memplan.presets.hf_encoders import NOT_READ
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-# BART's decoder and its copies run alone (presets/hf_encoders.py reads MVP's and TrOCR's, the same parameters,
-# and BigBird-Pegasus's, whose eager-only attention adds the mask and saves none)
-_ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
-              "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
-              "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
 _RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 # Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
@@ -51,10 +46,7 @@ _MULTIMODAL = ("a multimodal model whose text model memplan does not read (hf_co
                "Llama 4, Persimmon, Qwen2, Emu3 text models)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "bart": ("estimate", _ONES_MASK),
     "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
-    "blenderbot": ("estimate", _ONES_MASK),
-    "blenderbot-small": ("estimate", _ONES_MASK),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
@@ -93,8 +85,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),
-    "marian": ("estimate", "Marian: " + _ONES_MASK),
-    "mbart": ("estimate", _ONES_MASK),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: a block-sparse lightning indexer of its own "
                                        "(indexer.q_proj h x H_i D_i, k_proj h x D_i, q / k norms; no query latent) in "
@@ -109,9 +99,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "moss_transcribe_diarize": ("estimate", _MULTIMODAL),
     "musicgen": ("estimate", _MULTIMODAL),
     "musicgen_melody": ("estimate", _MULTIMODAL),
-    "pegasus": ("estimate", _ONES_MASK),
     "phi4_multimodal": ("estimate", _MULTIMODAL),
-    "plbart": ("estimate", _ONES_MASK),
     "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),

@@ -158,8 +158,12 @@ class ModelSpec(Spec):
         "e_out and the output layer e_out x v (ELECTRA / RoFormer embedding_size: (e, e); RemBERT input_ / "
         "output_embedding_size). None: h wide, no projection")
     frozen_position_rows: int = Field(
-        default=0, ge=0, description="rows of a frozen sinusoidal position table head_dim wide held as a parameter "
-        "(RoFormer's encoder.embed_positions: max_position_embeddings rows; its states counted as if trained)")
+        default=0, ge=0, description="rows of a frozen sinusoidal position table held as a parameter (requires_grad "
+        "false; its states counted as if trained): RoFormer's encoder.embed_positions, head_dim wide; Pegasus's and "
+        "Marian's decoder.embed_positions, h wide (frozen_position_width)")
+    frozen_position_width: Literal["head", "hidden"] = Field(
+        default="head", description="the frozen position table's width: head_dim (RoFormer's rotary table) or h "
+        "(Pegasus's and Marian's sinusoidal embeddings, added to the word embeddings)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -445,7 +449,8 @@ class ModelSpec(Spec):
                 raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
         rows = self.position_rows if self.position_embedding == "learned" else self.frozen_position_rows or None
         if rows is not None and self.seq_length > rows:  # a learned table, or RoFormer's frozen one
-            kind = "learned" if self.position_embedding == "learned" else "frozen rotary"
+            kind = ("learned" if self.position_embedding == "learned" else
+                    "frozen rotary" if self.frozen_position_width == "head" else "frozen sinusoidal")
             raise ValueError(f"s = {self.seq_length:,} tokens is longer than the {kind} position table's {rows:,} rows")
         if self.kv_shared_layers >= self.num_layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "

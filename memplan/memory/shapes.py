@@ -13,8 +13,9 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, INDEXER, NORM_GATES, embedding_widths, gate_rows, layer_kinds,
-                                    layer_vectors, output_layer_group, position_rows)
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, INDEXER, NORM_GATES, embedding_widths,
+                                    frozen_position_width, gate_rows, layer_kinds, layer_vectors, output_layer_group,
+                                    position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -183,9 +184,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h
         first += [WeightShape("embedding projection", "embedding projection", P("h"), e),
                   WeightShape("embedding projection", "embedding projection bias", P("h"), None)]
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions (head_dim wide); Pegasus, Marian: h wide
         first.append(WeightShape("frozen position table", "embed_positions", P(str(model.frozen_position_rows)),
-                                 P("q /a")))
+                                 frozen_position_width(model)))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
         final += [WeightShape("output head transform", "head transform dense", e_out, P("h")),

@@ -83,10 +83,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.mla_indexer:  # DeepSeek-V3.2, GLM-5: self_attn.indexer (wq_b, wk, k_norm with bias, weights_proj)
         n, d = model.mla_indexer
         groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer"))
-    if model.gated_norm_rank:  # A.X-K2: each gated norm's fc1 h -> r, fc2 r -> h; the MoE layers' second one
-        gates = Poly.parse(f"{2 * model.gated_norm_rank} h")
-        groups += [ParamGroup(NORM_GATES, gates, False, "layer")] + [ParamGroup(NORM_GATES + " (MoE layers)", gates,
-                                                                                False, "moe")] * model.is_moe
+    gates = Poly.parse(f"{2 * model.gated_norm_rank} h")  # A.X-K2: a gated norm's fc1 h -> r, fc2 r -> h (one more
+    groups += [ParamGroup(NORM_GATES + k, gates, False, s) for k, s in (("", "layer"), (" (MoE layers)", "moe"))
+               if model.gated_norm_rank and (s == "layer" or model.is_moe)]  # in an MoE layer)
     if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
@@ -160,9 +159,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim (requires_grad false)
-        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * Poly.parse("q /a"),
-                                 False, "first"))
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
+        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
+            model), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
@@ -326,6 +325,12 @@ def layer_vectors(model: ModelSpec) -> list[tuple[str, str, Poly]]:
     subs = [("sub-layer norms", "attention / MLP sub-norm weight", Poly.parse_sum("h + f") *
              (2 if model.has_norm_bias else 1))]
     return lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
+
+
+def frozen_position_width(model: ModelSpec) -> Poly:
+    """The width of a frozen position table (requires_grad false): head_dim (RoFormer's rotary table) or h (Pegasus's
+    and Marian's sinusoidal embeddings)."""
+    return Poly.parse("q /a" if model.frozen_position_width == "head" else "h")
 
 
 def position_rows(model: ModelSpec) -> Poly:
