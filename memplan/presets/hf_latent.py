@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import YAML_HINT, _dense_first, deepseek_experts, flag, nat
+from memplan.presets.hf_families import YAML_HINT, deepseek_experts, dense_first, flag, nat
 
 
 def _latent_moe(data: dict, dense: int, path: Path) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def _latent_moe(data: dict, dense: int, path: Path) -> dict[str, Any]:
     d = {k: data[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
     mla = {k: nat(data, k, data[k], path) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                                                     "qk_rope_head_dim", "v_head_dim")}
-    return dict(deepseek_experts(dict(d, first_k_dense_replace=_dense_first(data, dense, path))), **mla)
+    return dict(deepseek_experts(dict(d, first_k_dense_replace=dense_first(data, dense, path))), **mla)
 
 
 def _dsa(data: dict, path: Path) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def _beam(data: dict, path: Path) -> dict[str, Any]:
     no shared expert (BeamMoE; its router's correction bias is a buffer)."""
     return dict(num_experts=nat(data, "num_experts", 256, path), moe_top_k=nat(data, "num_experts_per_tok", 8, path),
                 moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 2560, path),
-                moe_first_dense_layers=_dense_first(data, 3, path), qk_norm=True, sandwich_norms=True,
+                moe_first_dense_layers=dense_first(data, 3, path), qk_norm=True, sandwich_norms=True,
                 attention_output_gate="full", attention_gate_bias=True)
 
 
@@ -127,7 +127,7 @@ def _mimo(data: dict, path: Path) -> dict[str, Any]:
     return dict(num_experts=nat(data, "n_routed_experts", 256, path), moe_top_k=nat(data, "num_experts_per_tok", 8,
                                                                                    path),
                 moe_ffn_hidden_size=nat(data, "moe_intermediate_size", 2048, path),
-                moe_first_dense_layers=_dense_first(data, 1, path), head_dim=nat(data, "head_dim", 192, path),
+                moe_first_dense_layers=dense_first(data, 1, path), head_dim=nat(data, "head_dim", 192, path),
                 value_head_dim=nat(data, "v_head_dim", 128, path), qkv_bias=flag(data, "attention_bias", False, path),
                 attention_bias=False, **kv)
 
