@@ -190,20 +190,28 @@ def test_megatron_refuses_what_it_does_not_build_in_one_line(run_cli, tmp_path, 
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_the_trace_equals_a_real_cpu_run_on_both_sides_of_the_top_k():
+def test_the_trace_equals_a_real_cpu_run_on_both_sides_of_the_top_k(run_cli, tmp_path):
     """The indexer's top-k (index_topk 16 in the tiny config) guards the trace (s >= 16: k = min(16, s)); it runs under
     torch.no_grad, so what autograd saves (the attention's s x s mask with the unselected keys masked) does not depend
     on the side: the trace, read by memplan, equals a real CPU run's saved bytes at s = 32 (16 of 32 keys kept) and at
-    s = 8 (every key kept), bucket by bucket."""
+    s = 8 (every key kept), bucket by bucket; an estimate at s = 8 says which guard it is outside of (not a fit)."""
     from memplan.check.validate import measured_buckets
     from memplan.inventory.traced_file import TracedFile, bucket_bytes
     from validation.registry import measure, trace
+    from validation.trace import to_yaml
 
     config = tiny_config("deepseek_v32")
-    traced = TracedFile.model_validate(trace(config))
+    data = trace(config)
+    traced = TracedFile.model_validate(data)
     assert traced.conditions == ["s >= 16", "b >= 2"]
     for s in (32, 8):
         assert bucket_bytes(traced, s, 2) == measured_buckets(measure(config, s, 2)), s
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "trace.yaml").write_text(to_yaml(data))
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "8", "--impl",
+                             "hf-sdpa", "--inventory", str(tmp_path / "trace.yaml"))
+    assert code == 0, err
+    assert "s = 8 is outside the trace (s >= 16: the side of a guard on s the trace took" in " ".join(out.split())
 
 
 def test_axk1_says_megatron_approximates_its_moe_block_norm(tmp_path):
