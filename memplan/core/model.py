@@ -114,6 +114,9 @@ class ModelSpec(Spec):
     # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
     # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
     # sequential pre-norm layer of the other inventories (the config reader's notes say which).
+    cross_attention_layers: int = Field(default=0, ge=0, description="layers of the L attending to image states "
+        "(Mllama): a self-attention layer's weights, q / k norms a head wide, 2 tanh gates; text-only steps skip them")
+    vocab_extra_rows: int = Field(default=0, ge=0, le=64, description="word-embedding rows beyond v (Mllama: 8)")
     layer_layout: Literal["sequential", "parallel", "post-norm"] = Field(
         default="sequential", description="where a layer's sub-layers and norms sit: sequential pre-norm (GPT, Llama; "
         "what the --impl megatron* inventories model and --emit megatron builds), attention and MLP in parallel on "
@@ -455,6 +458,8 @@ class ModelSpec(Spec):
         if self.kv_shared_layers >= self.num_layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "
                              f"the num_layers={self.num_layers}")
+        if self.cross_attention_layers >= self.num_layers:
+            raise ValueError(f"cross_attention_layers={self.cross_attention_layers} leaves no self-attention layer")
         if self.kv_shared_double_mlp and not self.kv_shared_layers:
             raise ValueError("kv_shared_double_mlp widens the K / V-sharing layers' MLP: it needs kv_shared_layers")
         if self.per_layer_input_vocab is not None and not self.per_layer_input_size:
@@ -473,9 +478,5 @@ class ModelSpec(Spec):
         check_latent(self)
         check_gate(self)
         check_experts(self)
-        return self._hybrid()
-
-    def _hybrid(self) -> "ModelSpec":
-        """The layer pattern's checks (core/hybrid.py check_hybrid)."""
-        check_hybrid(self)
+        check_hybrid(self)  # the layer pattern's checks (core/hybrid.py)
         return self

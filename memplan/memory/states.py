@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
+from memplan.memory.indexer_groups import INDEXER, indexer_groups
 from memplan.memory.param_group import HYBRID_SCOPES, ParamGroup, number
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
@@ -35,11 +36,10 @@ from memplan.inventory.types import OUTPUT_LAYER_W
 from memplan.memory import optimizers
 
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
-INDEXER = "lightning indexer"  # ModelSpec.mla_indexer
-NORM_GATES = "gated norms' low-rank gates"  # ModelSpec.gated_norm_rank
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
 CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
                                          "cross-attention output bias")
+CROSS_EXTRA = "cross-attention layers' q / k norms and gates"  # ModelSpec.cross_attention_layers (Mllama)
 
 
 _GROUPS: dict[int, tuple[ModelSpec, tuple[ParamGroup, ...]]] = {}  # by the (frozen) model's identity, model kept
@@ -80,12 +80,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
-    if model.mla_indexer:  # DeepSeek-V3.2, GLM-5: self_attn.indexer (wq_b, wk, k_norm with bias, weights_proj)
-        n, d = model.mla_indexer
-        groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer"))
-    gates = Poly.parse(f"{2 * model.gated_norm_rank} h")  # A.X-K2: a gated norm's fc1 h -> r, fc2 r -> h (one more
-    groups += [ParamGroup(NORM_GATES + k, gates, False, s) for k, s in (("", "layer"), (" (MoE layers)", "moe"))
-               if model.gated_norm_rank and (s == "layer" or model.is_moe)]  # in an MoE layer)
+    groups += indexer_groups(model)  # DeepSeek-V3.2's lightning indexer, A.X-K2's gated norms
     if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
@@ -120,6 +115,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
             groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
     groups += gemma4_groups(model)
+    if model.cross_attention_layers:  # Mllama: MllamaTextCrossAttention's q_norm, k_norm; cross_attn_attn / mlp_gate
+        groups.append(ParamGroup(CROSS_EXTRA, Poly.parse_sum("2 q /a + 2"), False, "cross"))
     if not model.is_moe or model.moe_first_dense_layers or (model.layer_pattern and model.layer_blocks["dense"]):
         prefix = "dense " if model.is_moe else ""
         groups += [
@@ -150,7 +147,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
-    groups.append(ParamGroup("word embedding", Poly.parse("v") * e, True, "first"))
+    rows = Poly.parse("v") + number(model.vocab_extra_rows) if model.vocab_extra_rows else Poly.parse("v")
+    groups.append(ParamGroup("word embedding", rows * e, True, "first"))  # Mllama: 8 rows beyond v
     if model.embedding_norm:  # BLOOM: word_embeddings_layernorm; ELECTRA's e wide
         groups.append(ParamGroup("embedding norm", e * (1 + model.has_norm_bias), False, "first"))
     if model.position_embedding == "learned":
@@ -374,15 +372,15 @@ def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0) 
     """How many of a stage's `layers` layers each layer scope's groups are in: every layer ("layer"), the
     dense layers of an MoE model ("dense": the first moe_first_dense_layers, all on the first stage, as
     Config checks) and its MoE layers ("moe": the others); Gemma 4's full-attention layers ("full": the
-    stage's share of them, exact for the whole model, derived for a stage) and K / V-sharing layers (the last
-    kv_shared_layers, all on the last stage)."""
+    stage's share of them, exact for the whole model, derived for a stage; Mllama's cross-attention layers, "cross",
+    the same) and K / V-sharing layers (the last kv_shared_layers, all on the last stage)."""
     if model.layer_pattern:  # a hybrid: the stage's share of each block (exact for the whole model, derived per stage)
         return {"layer": layers, **{k: layers * n // model.num_layers for k, n in model.layer_blocks.items()}}
     dense = model.moe_first_dense_layers * is_first
     shared_full = model.kv_shared_full_layers * is_last
     return {"layer": layers, "moe": layers - dense, "dense": dense, "full": layers * model.full_layers //
             model.num_layers, "kv_shared": model.kv_shared_layers * is_last - shared_full,
-            "kv_shared_full": shared_full}
+            "kv_shared_full": shared_full, "cross": layers * model.cross_attention_layers // model.num_layers}
 
 
 def block_share(model: ModelSpec, per_scope: Mapping[str, Any]) -> Any:
@@ -428,7 +426,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
         elif group.scope in kinds:
             kinds[group.scope] = kinds[group.scope] + count(group)
     moe, dense = kinds["moe"], kinds["dense"]
-    full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
+    # Gemma 4: a full-attention layer's own; Mllama: a cross-attention layer's
+    full = sum((count(g) for g in param_groups(model) if g.scope in ("full", "cross")), 0)
     if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
         block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope or
                              scope == "shared" and g.name in ZAMBA_SHARED), 0)  # the shared block, gathered per use
