@@ -18,7 +18,8 @@ from memplan.core.training import Recompute  # noqa: E402
 from memplan.inventory.titan import titan_inventory  # noqa: E402
 from memplan.presets.catalog import load_model  # noqa: E402
 from validation.titan import AC_MODES, Shape  # noqa: E402
-from validation.titan_moments import measure_moments, trace_moments  # noqa: E402
+from validation.titan_moe import MoeShape  # noqa: E402
+from validation.titan_moments import measure_moe_moments, measure_moments, trace_moments  # noqa: E402
 
 MODES = {"none": Recompute.NONE, "full": Recompute.FULL, "selective-op": Recompute.SELECTIVE}
 SHAPES = (Shape(h=64, a=4, g=2, f=160), Shape(h=64, a=4, g=1, f=224), Shape(h=128, a=4, g=1, f=96),
@@ -104,3 +105,71 @@ def test_traced_front_holds_memplan_moments(ac):
     ours = [memplan_moments(shape, ac, s, b) for s, b in at]
     for id in ours[0]:
         assert tuple(o[id] for o in ours) in candidates, id
+
+
+# -- torchtitan's Qwen3 MoE layer (memplan/inventory/titan_moments.py _moe_moments) -------------------------------------
+
+MOE_SHAPES = (MoeShape(), MoeShape(fe=64, E=16))  # h 64, a 4, g 2, d 16, top-2; E 8 fe 32 / E 16 fe 64
+MOE_SIZES = ((32, 2), (32, 1))  # the second: fewer tokens beside the experts' weights (their gradients' moment peaks)
+
+
+def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int) -> dict[str, int]:
+    """``memplan_moments`` for torchtitan's Qwen3 MoE layer at ``shape`` (ep = tp = 1)."""
+    spec = load_model("qwen3-30b-a3b").model.model_copy(update=dict(
+        hidden_size=shape.h, num_attention_heads=shape.a, num_kv_heads=shape.g, head_dim=shape.d,
+        num_experts=shape.E, moe_top_k=shape.k, moe_ffn_hidden_size=shape.fe, seq_length=s, num_layers=1))
+    inv = titan_inventory(spec, "cpu")
+    values = spec.symbols(b=b, t=1, cp=1, ep=1, etp=1)
+    layer = [t for t in inv.terms if t.scope == "layer"]
+    out = {}
+    for m in inv.moments:
+        if m.scope != "layer" or m.id == "fsdp_reduce_scatter":
+            continue
+        kept = [t for t in layer if t.id not in m.freed and (t.kept(MODES[ac]) or t.kept(Recompute.NONE))]
+        out[m.id] = sum(t.bytes(values, 2, 0) for t in kept) + sum(
+            t.bytes(values, 2, 0) for t in m.transients if not t.id.startswith("rs_held"))
+    return out
+
+
+@pytest.mark.parametrize("ac", AC_MODES)
+@pytest.mark.parametrize("at", (0, 1), ids=["E8", "E16-few-tokens"])
+def test_moe_measured_moments_equal_memplan(at, ac):
+    shape, (s, b) = MOE_SHAPES[at], MOE_SIZES[at]
+    measured = measure_moe_moments(shape, ac, s, b)
+    samples = measured["samples"]
+    ours = memplan_moe_moments(shape, ac, s, b)
+    # the grouped GEMMs' int32 offsets (4 E B a layer, not modelled: memplan/inventory/titan_moe.py) are alive
+    # until w1's grouped GEMM's backward is done
+    offsets = 4 * shape.E
+    # combine's score multiply (MulBackward0 after the fp32 copy of the incoming gradient): in a layer not
+    # recomputed (none) at the sum of its second product, 4 k B per routed token (T k fp32) on top of both products;
+    # in a recomputed one (full, selective-op: the checkpoint hands the recomputed saves to the node and drops
+    # them once unpacked) its saved fp32 output and scores are gone by that sum, so the peak is its second product,
+    # one sum below memplan's moment (counted from the none case: an upper bound there)
+    first = next(i for i, (node, op, _) in enumerate(samples) if node == "MulBackward0")
+    muls = [n for node, op, n in samples[first:first + 6] if node == "MulBackward0" and op in ("mul", "sum")]
+    combine = muls[2] if ac == "none" else muls[1] + 4 * shape.k * s * b
+    assert ours["moe_combine_backward"] + offsets == combine
+    # w1's grouped GEMM's backward: its weight gradient (the last grouped GEMM of the backward), all three made
+    grouped = [n for node, op, n in samples if node == "GroupedMmBackward0" and op == "_grouped_mm"]
+    assert ours["moe_experts_backward"] + offsets == grouped[-1]
+    sdpa = [i for i, (_, op, _) in enumerate(samples) if op == "_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert ours["attention_backward"] == samples[sdpa[0]][2]
+    # ffn_norm's composite backward: the largest moment between the experts' backward and the attention's
+    last_grouped = max(i for i, (node, op, _) in enumerate(samples) if node == "GroupedMmBackward0")
+    assert ours["ffn_norm_backward"] == max(n for _, _, n in samples[last_grouped + 1:sdpa[0]])
+    # and the layer's largest moment, memplan's being the largest of its moments
+    top = max(ours, key=ours.get)
+    extra = offsets if top.startswith("moe_") else 0
+    low = 4 * shape.k * s * b if (top == "moe_combine_backward" and ac != "none") else 0
+    assert ours[top] + extra - low == measured["bytes"], (ours, measured["at"])
+
+
+def test_moe_combine_moment_by_hand():
+    # qwen3-30b-a3b's MoE (h 2048, top-8) under AC none, per token: the incoming gradient 2h = 4,096 B, combine's
+    # gradient copied to fp32 4 k h = 65,536 B, the multiply's two fp32 products 2 x 65,536 B and the scores'
+    # fp32 gradient summed over h 4 k = 32 B: 200,736 B per token beside what the layer keeps
+    spec = load_model("qwen3-30b-a3b").model
+    m = next(m for m in titan_inventory(spec, "cpu").moments if m.id == "moe_combine_backward")
+    per_token = sum(_bytes(t, 1, 1) for t in m.transients if not t.id.startswith("rs_held"))
+    assert per_token == 4096 + 65536 + 2 * 65536 + 32 == 200_736

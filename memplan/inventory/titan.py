@@ -390,7 +390,7 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
         layer = tuple(dataclasses.replace(t, tp_split=True, etp_gathered=True, source=f"{t.source}; {TP_MEASURED}")
                       if t.id == "ffn_norm.out" else t for t in layer)
     layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
-    if not (moe or layer_terms):  # the dense layer's backward moments (the MoE's and DeepSeek-V3's: TITAN_LEFT)
+    if not layer_terms:  # the layer's backward moments, dense or Qwen3 MoE (DeepSeek-V3's: TITAN_LEFT)
         moments = titan_layer_moments(model, device, layer) + moments
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)

@@ -37,6 +37,8 @@ layers' and DeepSeek-V3's moments are not modelled (TITAN_LEFT).
 
 from __future__ import annotations
 
+import dataclasses
+
 from memplan.core.model import ModelSpec
 from memplan.inventory.titan_moe import DENSE_FFN
 from memplan.inventory.types import Moment, Term, transient
@@ -50,65 +52,125 @@ TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live stor
           "(tests/test_titan_moments.py), and traced under FakeTensorMode with s and b symbolic "
           "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
+MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, balanced routing, live storages after "
+              "every op (tests/test_titan_moments.py); TP, EP and CUDA derived")
+DERIVED_MOE = "derived (torch 2.13's per-parameter-group post_backward with EP: not measured)"
+# the routed experts' weight gradients on a rank: E / ep experts, their hidden dim / etp (titan_moe.py moe_etp)
+EXPERTS = "3 E h fe /ep /etp"
+# the MoE terms freed by the time w1's grouped GEMM runs its backward (their ops' backward done)
+EXPERTS_FREED = ("moe.combine_fp32", "moe.scores_sorted", "moe.swiglu.mul", "moe.silu.out", "moe.w3.out", "moe.w1.out")
 RS_HELD = ("measured: a whole torchtitan FSDP2 step over gloo on 2 ranks (validation/titan_step.py, "
            "tests/test_titan_step.py); torch 2.13's fully_shard post_backward, device-independent")
 
 
+def _held(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[Term, ...]:
+    """FSDP2's fp32 reduce-scatter input of the layer back-propagated before (``parts``: the layer's matrices as (id
+    suffix, elements, split over t))."""
+    return tuple(transient(RS_HELD_ID + suffix, "FSDP2's fp32 reduce-scatter input of the layer back-propagated "
+                           "before, kept until this one's post-backward (at a stage's last layer the final norm + LM "
+                           "head's: memory/timeline.py)" + (f" ({suffix[1:]})" if suffix else ""), elements, "fp32",
+                           tp=tp, src=RS_HELD if not suffix else f"{RS_HELD}; the MoE layer's parts {DERIVED_MOE}")
+                 for suffix, elements, tp in parts) + (
+        transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD),)
+
+
+def _weights(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
+    return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", elements, tp=tp,
+                     src=src)
+
+
 def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) -> tuple[Moment, ...]:
-    """The dense layer's backward moments (module docstring) for ``layer``'s term ids, on ``device``."""
+    """The layer's backward moments (module docstring) for ``layer``'s term ids, on ``device``: the dense layer's, or
+    with ``model.is_moe`` torchtitan's Qwen3 MoE layer's (``_moe_moments``)."""
     h, a, g, f, q = model.hidden_size, model.num_attention_heads, model.g, model.f, model.q
     d = q // a
     ids = tuple(t.id for t in layer)
-    ffn = tuple(i for i in ids if i.startswith("ffn_norm.") or i in DENSE_FFN)
+    moe = model.is_moe
+    ffn = tuple(i for i in ids if i.startswith(("ffn_norm.", "moe.")) or i in DENSE_FFN)
+    handed_on = SEL_HANDED_ON + tuple(t.id for t in layer if t.id.startswith("moe.") and t.only_selective)
     dy = transient("grad_residual", "gradient of the layer output (residual stream; sequence-sharded under TP)",
                    f"{h} s b", sp=True, src=TRACED)
-
-    def weights(id: str, name: str, n: int, tp: bool = True) -> Term:
-        return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", f"{n}", tp=tp,
-                         src=TRACED)
-
-    matrices = q * h + 2 * g * d * h + q * h + 3 * h * f
+    attn = q * h + 2 * g * d * h + q * h
     norms = 2 * h + (2 * d if model.qk_norm else 0)
-    held = (transient(RS_HELD_ID, "FSDP2's fp32 reduce-scatter input of the layer back-propagated before, kept until "
-                      "this one's post-backward (at a stage's last layer the final norm + LM head's: memory/timeline.py)",
-                      f"{matrices}", "fp32", tp=True, src=RS_HELD),
-            transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD))
-    moments = [Moment("swiglu_backward", "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's",
-                      "backward", "layer", (
-                          dy, transient("grad_w2_input", "gradient of w2's input", f"{f} s b", tp=True, src=TRACED),
-                          transient("grad_swiglu", "gradients of silu(w1) and of w3's output", f"{2 * f} s b", tp=True,
-                                    src=TRACED, storages=2),
-                          weights("grad_w2_weight", "w2's weight gradient", h * f)) + held,
-                      ("swiglu.mul",) + SEL_HANDED_ON, source=TRACED)]
+    if moe:  # the attention's matrices (/ t), the routed experts' (E / ep of them, / etp), the router gate (whole)
+        parts = (("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False))
+        ffn_grads = (_weights("grad_experts_weights", "the routed experts' w1, w2, w3 gradients", EXPERTS, False,
+                              MOE_TRACED),
+                     _weights("grad_gate_weight", "the router gate's weight gradient", f"{model.num_experts * h}",
+                              False, MOE_TRACED))
+        wo = (_weights("grad_wo_weight", "wo's weight gradient", f"{q * h}", src=MOE_TRACED),)
+        moments = _moe_moments(model, device, dy, ffn_grads[0], handed_on)
+    else:
+        parts = (("", f"{attn + 3 * h * f}", True),)
+        ffn_grads = (_weights("grad_ffn_weights", "the gradients of w1, w2, w3", f"{3 * h * f}"),)
+        wo = ()
+        moments = [Moment("swiglu_backward", "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's",
+                          "backward", "layer", (
+                              dy, transient("grad_w2_input", "gradient of w2's input", f"{f} s b", tp=True, src=TRACED),
+                              transient("grad_swiglu", "gradients of silu(w1) and of w3's output", f"{2 * f} s b",
+                                        tp=True, src=TRACED, storages=2),
+                              _weights("grad_w2_weight", "w2's weight gradient", f"{h * f}")),
+                          ("swiglu.mul",) + handed_on, source=TRACED)]
+    held = _held(parts, norms)
+    moments = [dataclasses.replace(m, transients=m.transients + held) for m in moments]
+    norm_grad = _weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", f"{h}", tp=False)
+    src = MOE_TRACED if moe else TRACED
     if device == "cpu":  # torch's composite CPU F.rms_norm: its backward's fp32 temporaries
         moments.append(Moment(
             "ffn_norm_backward", "layer backward: ffn_norm's composite backward (fp32, CPU kernels)", "backward",
             "layer", (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
-                                    f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5),
-                      weights("grad_ffn_weights", "the gradients of w1, w2, w3", 3 * h * f),
-                      weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", h, tp=False)) + held,
-            tuple(i for i in ffn if i != "ffn_norm.x_fp32") + SEL_HANDED_ON, source=TRACED))
+                                    f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5)) + ffn_grads
+            + (norm_grad,) + held, tuple(i for i in ffn if i != "ffn_norm.x_fp32") + handed_on, source=src))
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
                  transient("grad_q", "dQ of the attention backward", f"{q} s b", tp=True, src=TRACED),
                  transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP: derived)",
-                           f"{2 * g * d} cp s b", tp=True, src=TRACED, storages=2),
-                 weights("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo", 3 * h * f + q * h),
-                 weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", h, tp=False))
+                           f"{2 * g * d} cp s b", tp=True, src=TRACED, storages=2))
+    attention += (wo + ffn_grads if moe else (_weights("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo",
+                                                       f"{3 * h * f + q * h}"),)) + (norm_grad,)
     if device == "cuda":
         attention += (transient("flex_delta", "fp32 delta of FlexAttention's backward (CUDA)", f"{a} s b", "fp32",
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
-                          "layer", attention + held, ffn + SEL_HANDED_ON, source=TRACED))
+                          "layer", attention + held, ffn + handed_on, source=src))
+    grads = tuple(transient("grad_layer" + suffix, "the layer's unsharded gradients (bf16)" + (
+        f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED) for suffix, elements, tp in parts)
+    copies = tuple(transient("reduce_scatter_input" + suffix, "FSDP2's fp32 reduce-scatter input of them" + (
+        f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED) for suffix, elements, tp in parts)
     moments.append(Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients",
                           "backward", "layer", (
                               transient("grad_input", "gradient of the layer input (sequence-sharded under TP)",
                                         f"{h} s b", sp=True, src=DERIVED),
-                              transient("grad_layer", "the layer's unsharded gradients (bf16)", f"{matrices}", tp=True,
-                                        src=DERIVED),
+                              *grads[:1],
                               transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED),
-                              transient("reduce_scatter_input", "FSDP2's fp32 reduce-scatter input of them",
-                                        f"{matrices}", "fp32", tp=True, src=DERIVED),
+                              *copies[:1],
                               transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}",
-                                        "fp32", src=DERIVED)), ids, source=DERIVED))
+                                        "fp32", src=DERIVED), *grads[1:], *copies[1:]), ids, source=DERIVED))
     return tuple(moments)
+
+
+def _moe_moments(model: ModelSpec, device: str, dy: Term, experts: Term, handed_on: tuple[str, ...]) -> list[Moment]:
+    """The MoE's own backward moments in a torchtitan Qwen3 MoE layer (module docstring), per token of the rank's s b
+    (at ep 1 under TP the MoE's whole s b: ``etp_gathered``, as titan_moe.py's token-sized terms)."""
+    k, h, fe = model.moe_top_k, model.hidden_size, model.fe
+    r = "fp32" if device == "cuda" else "act"  # the router's scores (titan_moe.py: fp32 on CUDA under autocast)
+
+    def tokens(id: str, name: str, elements: str, dtype: str = "act", storages: int = 1) -> Term:
+        return dataclasses.replace(transient(id, name, elements, dtype, tp=True, src=MOE_TRACED, storages=storages),
+                                   etp_gathered=True)
+
+    combine = (dy, tokens("moe_grad_fp32", "combine's gradient, the routed copies' (k s b x h) in fp32", f"{k * h} s b",
+                          "fp32"),
+               tokens("moe_grad_products", "the score multiply's two fp32 products (the experts' output's gradient, "
+                      "the scores' before their sum over h)", f"{2 * k * h} s b", "fp32", 2),
+               tokens("moe_grad_scores_fp32", "the scores' gradient (fp32, summed over h)", f"{k} s b", "fp32"))
+    expert = (dy, tokens("moe_grad_scores", "the scores' gradient (the router's dtype), held until the router's "
+                         "backward", f"{k} s b", r),
+              tokens("moe_grad_routed", "the input gradients of w1's and w3's grouped GEMMs (R x h each)",
+                     f"{2 * k * h} s b", storages=2),
+              transient("moe_grad_w1_out", "silu's backward: the gradient of w1's output (R x fe)", f"{k * fe} s b",
+                        tp=True, src=MOE_TRACED), experts)
+    return [Moment("moe_combine_backward", "layer backward: the MoE combine's fp32 score multiply", "backward",
+                   "layer", combine, handed_on, source=MOE_TRACED),
+            Moment("moe_experts_backward", "layer backward: w1's grouped GEMM, every expert weight gradient made",
+                   "backward", "layer", expert, EXPERTS_FREED + handed_on, source=MOE_TRACED)]

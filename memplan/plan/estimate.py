@@ -396,11 +396,15 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
-        dense = any(m.scope == "layer" for m in inventory.moments)
-        notes.append("torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
-                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if dense else
-                     "torchtitan: the decoder layers' backward transients are not modelled for this plan (MoE layers, "
-                     "DeepSeek-V3, compiled blocks; the loss's are, derived): the peak is a lower bound")
+        ids = {m.id for m in inventory.moments if m.scope == "layer"}
+        notes.append(("torchtitan: the decoder layers' backward moments measured on CPU from its Qwen3 MoE block "
+                      "(balanced routing; the combine's fp32 score multiply, the experts' grouped GEMMs, the norms and "
+                      "the attention: memplan/inventory/titan_moments.py; TP, EP, CP, CUDA kernels and FSDP2's "
+                      "reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
+                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
+                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
+                     "torchtitan: the decoder layers' backward transients are not modelled for this plan (DeepSeek-V3, "
+                     "compiled blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
         if par.pp > 1 and is_multi(par.pp_schedule):
             notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)
