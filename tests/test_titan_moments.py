@@ -107,7 +107,7 @@ def test_traced_front_holds_memplan_moments(ac):
         assert tuple(o[id] for o in ours) in candidates, id
 
 
-# -- torchtitan's Qwen3 MoE layer (memplan/inventory/titan_moments.py _moe_moments) -------------------------------------
+# -- torchtitan's Qwen3 MoE layer (memplan/inventory/titan_moments.py _moe_moments) --
 
 MOE_SHAPES = (MoeShape(), MoeShape(fe=64, E=16))  # h 64, a 4, g 2, d 16, top-2; E 8 fe 32 / E 16 fe 64
 MOE_SIZES = ((32, 2), (32, 1))  # the second: fewer tokens beside the experts' weights (their gradients' moment peaks)

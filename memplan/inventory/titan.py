@@ -348,9 +348,10 @@ def titan_model(model: ModelSpec) -> ModelSpec:
 def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:
     """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
-    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``), the loss's moments and the dense
-    layer's backward moments (memplan/inventory/titan_moments.py; none for the MoE layers).  ``layer_terms``: another layer's terms in place of Llama 3's
-    and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
+    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``), the loss's moments and the
+    layer's backward moments (memplan/inventory/titan_moments.py: the dense layer's and the Qwen3 MoE layer's).
+    ``layer_terms``: another layer's terms in place of Llama 3's and Qwen3's (DeepSeek-V3:
+    memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
     check_titan_layout(model)
     if is_dsv3(model) and not layer_terms:
         raise MemplanError("torchtitan's DeepSeek-V3 layer is memplan/inventory/titan_dsv3.py's (dsv3_inventory)")
@@ -399,8 +400,9 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
 TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
-              "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled) and its "
-              "layers' backward transients, DeepSeek-V3 compiled, with float8 or PP (and its MTP layers, its 16B / 236B "
+              "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
+              "layers' backward moments with EP, TP or CP measured (derived) and attention_norm's backward moment, "
+              "DeepSeek-V3 compiled, with float8 or PP (and its MTP layers, its 16B / 236B "
               "flavours' router options, "
               "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "

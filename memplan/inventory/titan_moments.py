@@ -1,6 +1,6 @@
-"""The backward moments of torchtitan 0.3.0's dense decoder layer (Llama 3, dense Qwen3): what is alive inside the
-layer's backward beyond the saved tensors, as the step timeline's Moment objects (``titan_layer_moments``; used by
-memplan/inventory/titan.py ``titan_inventory``).
+"""The backward moments of torchtitan 0.3.0's dense decoder layer (Llama 3, dense Qwen3) and of its Qwen3 MoE
+layer: what is alive inside the layer's backward beyond the saved tensors, as the step timeline's Moment objects
+(``titan_layer_moments``; used by memplan/inventory/titan.py ``titan_inventory``).
 
 Traced from torchtitan's real block (validation/titan_moments.py: validation/transients.py's live storages after
 every op of the block's backward under FakeTensorMode, s and b symbolic; the front of non-dominated candidates) and
@@ -31,8 +31,35 @@ FSDP2's post-backward reduce-scatters them (torch .grad in the harness, FSDP2's 
   layer's backward on a GPU (the reduce-scatter stream) is not modelled.
 
 TP (derived): heads, FFN columns and weight gradients / t, the residual gradient sequence-sharded; CP (derived):
-dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-scattered afterwards).  The MoE
-layers' and DeepSeek-V3's moments are not modelled (TITAN_LEFT).
+dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-scattered afterwards).
+
+torchtitan's Qwen3 MoE layer (``_moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
+validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
+for byte but the grouped GEMMs' int32 offsets, 4 E B, which titan_moe.py does not model): the SwiGLU moment is
+replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the routed copies):
+
+* ``moe_combine_backward``: the combine's ``routed_output.float() * scores`` backward, the first of the layer: the
+  incoming gradient (2h), its gather to the routed copies cast to fp32 (4 k h), the two fp32 products (the experts'
+  output's gradient and the scores' before their sum over h: 2 x 4 k h) and that sum (4 k, fp32), every kept
+  tensor still alive.  By hand for qwen3-30b-a3b (h 2048, k 8): 4,096 + 65,536 + 131,072 + 32 = 200,736 B per
+  token on top of what the layer keeps (tests/test_titan_moments.py).  In a recomputed layer (full, selective-op)
+  the checkpoint's recomputed saves (the fp32 output, the scores) are dropped once unpacked, before the sum: the
+  measured peak there is 4 k B per token below (the moment counted as the none one's, an upper bound);
+* ``moe_experts_backward``: w1's grouped GEMM's backward, the last of the experts: the scores' gradient (k, the
+  router's dtype), both grouped GEMMs' input gradients (w1's and w3's, 2 x 2 k h), silu's backward output (2 k f_e)
+  and all three expert weight gradients (3 E h f_e / ep / etp, bf16), the combine's fp32 output, the sorted scores
+  and the experts' four activations freed (the peak where tokens are few beside the experts' weights);
+* ``ffn_norm_backward`` and ``attention_backward`` as the dense ones, the weight gradients made being the experts'
+  and the router gate's (E h, whole) in place of the SwiGLU's; every MoE term freed;
+* FSDP2's reduce-scatter and the previous layer's held fp32 input: the attention's matrices, the rank's experts
+  and the gate (derived: with EP torch 2.13's post_backward keeps only the last parameter group's input, memplan
+  the whole layer's, an upper bound).
+
+Under TP at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep > 1 the
+rank's s b / t (``etp_gathered``, as titan_moe.py's terms); EP, TP, CP and CUDA (the router's fp32 scores) derived.
+Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few, measured at
+E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E),
+DeepSeek-V3's moments (TITAN_LEFT).
 """
 
 from __future__ import annotations
