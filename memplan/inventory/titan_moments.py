@@ -55,9 +55,14 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
   and the gate (derived: with EP torch 2.13's post_backward keeps only the last parameter group's input, memplan
   the whole layer's, an upper bound).
 
-Under TP at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep > 1 the
-rank's s b / t (``etp_gathered``, as titan_moe.py's terms); EP, TP, CP and CUDA (the router's fp32 scores) derived.
-Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few, measured at
+Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
+with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1.  There, in a
+recomputed layer (full, selective-op), the recomputed forward's combine is above these moments: w2's output, the
+all-to-all's output and its autograd wrapper, the fp32 product and its bf16 cast alive in the recompute, about 2 k h
+B per token more than ``moe_combine_backward`` (measured: 16,736 B at the test's 64 tokens, k 2, h 64; not
+modelled).  Under TP at ep 1 the token-sized MoE transients
+cover the MoE's whole s b (its input all-gathered), at ep > 1 the rank's s b / t (``etp_gathered``, as titan_moe.py's
+terms); TP, CP and CUDA (the router's fp32 scores) derived.  Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few, measured at
 E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E),
 DeepSeek-V3's moments (TITAN_LEFT).
 """
@@ -80,7 +85,8 @@ TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live stor
           "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, balanced routing, live storages after "
-              "every op (tests/test_titan_moments.py); TP, EP and CUDA derived")
+              "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py); TP, CP and CUDA "
+              "derived")
 DERIVED_MOE = "derived (torch 2.13's per-parameter-group post_backward with EP: not measured)"
 # the routed experts' weight gradients on a rank: E / ep experts, their hidden dim / etp (titan_moe.py moe_etp)
 EXPERTS = "3 E h fe /ep /etp"
