@@ -141,7 +141,8 @@ def measured_points(samples: list, ac: str) -> dict[str, int]:
     muls = [n for node, op, n in samples[first:first + 6] if node == "MulBackward0" and op in ("mul", "sum")]
     grouped = [n for node, op, n in samples if node == "GroupedMmBackward0" and op == "_grouped_mm"]
     last_grouped = max(i for i, (node, op, _) in enumerate(samples) if node == "GroupedMmBackward0")
-    sdpa = next(i for i, (_, op, _) in enumerate(samples) if op == "_scaled_dot_product_flash_attention_for_cpu_backward")
+    sdpa_op = "_scaled_dot_product_flash_attention_for_cpu_backward"
+    sdpa = next(i for i, (_, op, _) in enumerate(samples) if op == sdpa_op)
     return {"moe_combine_backward": muls[2] if ac == "none" else muls[1], "moe_experts_backward": grouped[-1],
             "ffn_norm_backward": max(n for _, _, n in samples[last_grouped + 1:sdpa]),
             "attention_backward": samples[sdpa][2]}
@@ -226,3 +227,21 @@ def test_moe_combine_moment_by_hand():
     m = next(m for m in titan_inventory(spec, "cpu").moments if m.id == "moe_combine_backward")
     per_token = sum(_bytes(t, 1, 1) for t in m.transients if not t.id.startswith("rs_held"))
     assert per_token == 4096 + 65536 + 2 * 65536 + 32 == 200_736
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("ac", AC_MODES)
+def test_moe_traced_front_holds_memplan_moments(ac):
+    # the MoE block's symbolic trace (every s, b; ~10 s a mode): memplan's four moments are among its candidates, the
+    # grouped GEMMs' offsets (4 E B) added to the MoE's two, in a recomputed layer combine's sum taken off (above)
+    shape = MoeShape()
+    s_, b_ = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer=True, positive=True)
+    front = [sum(r["bytes"].values()) + 2 * r["grad_elements"] for r in trace_moments(shape, ac, 64, 3)]
+    at = [(32, 2), (48, 3)]
+    candidates = [tuple(int(e.subs({s_: s, b_: b})) for s, b in at) for e in front]
+    ours = [memplan_moe_moments(shape, ac, s, b) for s, b in at]
+    for id in ours[0]:
+        rerun_sum = id == "moe_combine_backward" and ac != "none"
+        extra = [4 * shape.E * id.startswith("moe_") - 4 * shape.k * s * b * rerun_sum for s, b in at]
+        assert tuple(o[id] + x for o, x in zip(ours, extra)) in candidates, id

@@ -62,17 +62,25 @@ def _run(block, x0, live: transients.LiveStorages, sampler) -> None:
             h.remove()
 
 
-def trace_moments(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> list[dict]:
+def trace_moments(shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> list[dict]:
     """The block's backward moments under FakeTensorMode, s and b symbolic: one row per non-dominated candidate,
     ``at`` the op after which, ``bytes`` {dtype: polynomial in s, b} of what the block made and is alive,
-    ``grad_elements`` its parameters' gradients made by then, ``transients`` (what, dtype, bytes) each."""
+    ``grad_elements`` its parameters' gradients made by then, ``transients`` (what, dtype, bytes) each.  ``shape``: a
+    Shape (the dense block) or a MoeShape (the Qwen3 MoE block, its router's own routing: at ep 1 every size is
+    static in s b, validation/titan_moe.py ``trace_moe``)."""
+    import warnings
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .titan_moe import MoeShape, build_moe_block, wrap_ac
 
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     env, names, sizes = symbolic_sizes(s_hint, b_hint)
-    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
-        block = build_block(shape, ac)
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses the MoE router's fp32
+        block = (wrap_ac(build_moe_block(shape, balanced=False), ac) if isinstance(shape, MoeShape)
+                 else build_block(shape, ac))
         x0 = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
         live = transients.LiveStorages(names, "layers", 1)
         polys = transients.Polys(names, [], exact_divisions)

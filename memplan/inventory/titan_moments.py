@@ -35,7 +35,8 @@ dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-sc
 
 torchtitan's Qwen3 MoE layer (``_moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
 validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
-for byte but the grouped GEMMs' int32 offsets, 4 E B, which titan_moe.py does not model): the SwiGLU moment is
+for byte but the grouped GEMMs' int32 offsets, 4 E B, which titan_moe.py does not model; among the candidates of its
+trace under FakeTensorMode with s and b symbolic, ``trace_moments`` with a MoeShape, opt-in): the SwiGLU moment is
 replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the routed copies):
 
 * ``moe_combine_backward``: the combine's ``routed_output.float() * scores`` backward, the first of the layer: the
@@ -56,15 +57,15 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
   the whole layer's, an upper bound).
 
 Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
-with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1.  There, in a
-recomputed layer (full, selective-op), the recomputed forward's combine is above these moments: w2's output, the
+with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. There, in
+a recomputed layer (full, selective-op), the recomputed forward's combine is above these moments: w2's output, the
 all-to-all's output and its autograd wrapper, the fp32 product and its bf16 cast alive in the recompute, about 2 k h
 B per token more than ``moe_combine_backward`` (measured: 16,736 B at the test's 64 tokens, k 2, h 64; not
-modelled).  Under TP at ep 1 the token-sized MoE transients
-cover the MoE's whole s b (its input all-gathered), at ep > 1 the rank's s b / t (``etp_gathered``, as titan_moe.py's
-terms); TP, CP and CUDA (the router's fp32 scores) derived.  Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few, measured at
-E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E),
-DeepSeek-V3's moments (TITAN_LEFT).
+modelled). Under TP at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep
+> 1 the rank's s b / t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores)
+derived. Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few,
+measured at E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward
+(T x E), DeepSeek-V3's moments (TITAN_LEFT).
 """
 
 from __future__ import annotations
