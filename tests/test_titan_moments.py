@@ -15,11 +15,16 @@ pytest.importorskip("torchtitan")
 
 from memplan.core.model import ModelSpec  # noqa: E402
 from memplan.core.training import Recompute  # noqa: E402
-from memplan.inventory.titan import titan_inventory  # noqa: E402
+import torch  # noqa: E402
+
+from memplan.inventory.titan import titan_inventory, titan_model  # noqa: E402
+from memplan.inventory.titan_dsv3 import ROUTER_GROUPS, dsv3_inventory  # noqa: E402
 from memplan.presets.catalog import load_model  # noqa: E402
 from validation.titan import AC_MODES, Shape  # noqa: E402
+from validation.titan_dsv3 import DsvShape, build_dsv3_block, wrap_dsv3_ac  # noqa: E402
 from validation.titan_moe import MoeShape  # noqa: E402
-from validation.titan_moments import measure_moe_moments, measure_moments, trace_moments  # noqa: E402
+from validation.titan_moments import (measure_block_moments, measure_moe_moments, measure_moments,  # noqa: E402
+                                      trace_moments)
 
 MODES = {"none": Recompute.NONE, "full": Recompute.FULL, "selective-op": Recompute.SELECTIVE}
 SHAPES = (Shape(h=64, a=4, g=2, f=160), Shape(h=64, a=4, g=1, f=224), Shape(h=128, a=4, g=1, f=96),
@@ -107,8 +112,10 @@ def test_traced_front_holds_memplan_moments(ac):
         assert tuple(o[id] for o in ours) in candidates, id
 
 
-# -- torchtitan's Qwen3 MoE layer (memplan/inventory/titan_moments.py _moe_moments) --
+# -- torchtitan's Qwen3 MoE layer (memplan/inventory/titan_moments.py moe_moments) --
 
+SDPA, SDPA_OP = "ScaledDotProductFlashAttentionForCpuBackward0", "_scaled_dot_product_flash_attention_for_cpu_backward"
+SCATTER_ADD = "GeneratedBackwardFor_torchtitan_deterministic_scatter_add"
 MOE_SHAPES = (MoeShape(), MoeShape(fe=64, E=16))  # h 64, a 4, g 2, d 16, top-2; E 8 fe 32 / E 16 fe 64
 MOE_SIZES = ((32, 2), (32, 1))  # the second: fewer tokens beside the experts' weights (their gradients' moment peaks)
 
@@ -132,20 +139,23 @@ def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1) -
     return out
 
 
-def measured_points(samples: list, ac: str) -> dict[str, int]:
+def measured_points(samples: list, ac: str, attention: str = SDPA) -> dict[str, int]:
     """The measured bytes at memplan's MoE-layer moments, from the samples of the block's backward: combine's score
-    multiply (MulBackward0 after the fp32 copy of the incoming gradient: under none the sum of its second product,
-    in a recomputed layer the second product, see below), w1's grouped GEMM's weight gradient (the last grouped GEMM of
-    the backward), the largest moment between it and the attention's (ffn_norm's composite backward) and sdpa's."""
-    first = next(i for i, (node, op, _) in enumerate(samples) if node == "MulBackward0")
+    multiply (MulBackward0 after the scatter_add's gather: under none the sum of its second product, in a recomputed
+    layer the second product, see below), w1's grouped GEMM's weight gradient (the last grouped GEMM of the backward),
+    the largest moment between it and the attention's backward (node ``attention``: ffn_norm's composite backward) and
+    after sdpa's kernel."""
+    gather = next(i for i, (node, _, _) in enumerate(samples) if node.startswith(SCATTER_ADD))
+    first = next(i for i, (node, _, _) in enumerate(samples) if i > gather and node == "MulBackward0")
     muls = [n for node, op, n in samples[first:first + 6] if node == "MulBackward0" and op in ("mul", "sum")]
     grouped = [n for node, op, n in samples if node == "GroupedMmBackward0" and op == "_grouped_mm"]
     last_grouped = max(i for i, (node, op, _) in enumerate(samples) if node == "GroupedMmBackward0")
-    sdpa_op = "_scaled_dot_product_flash_attention_for_cpu_backward"
-    sdpa = next(i for i, (_, op, _) in enumerate(samples) if op == sdpa_op)
-    return {"moe_combine_backward": muls[2] if ac == "none" else muls[1], "moe_experts_backward": grouped[-1],
-            "ffn_norm_backward": max(n for _, _, n in samples[last_grouped + 1:sdpa]),
-            "attention_backward": samples[sdpa][2]}
+    start = next(i for i, (node, _, _) in enumerate(samples) if node == attention)
+    points = {"moe_combine_backward": muls[2] if ac == "none" else muls[1], "moe_experts_backward": grouped[-1],
+              "ffn_norm_backward": max(n for _, _, n in samples[last_grouped + 1:start])}
+    if attention == SDPA:  # after the kernel (the stand-in for DeepSeek-V3's FlexAttention is not its backward)
+        points["attention_backward"] = next(n for _, op, n in samples[start:] if op == SDPA_OP)
+    return points
 
 
 def check_moe_points(ours: dict, points: dict, ac: str, shape: MoeShape, s: int, b: int, ep: int) -> None:
@@ -159,7 +169,8 @@ def check_moe_points(ours: dict, points: dict, ac: str, shape: MoeShape, s: int,
     assert ours["moe_combine_backward"] + offsets - sum_bytes == points["moe_combine_backward"]
     assert ours["moe_experts_backward"] + offsets == points["moe_experts_backward"]
     assert ours["ffn_norm_backward"] == points["ffn_norm_backward"]
-    assert ours["attention_backward"] == points["attention_backward"]
+    if "attention_backward" in points:
+        assert ours["attention_backward"] == points["attention_backward"]
 
 
 @pytest.mark.parametrize("ac", AC_MODES)
@@ -245,3 +256,57 @@ def test_moe_traced_front_holds_memplan_moments(ac):
         rerun_sum = id == "moe_combine_backward" and ac != "none"
         extra = [4 * shape.E * id.startswith("moe_") - 4 * shape.k * s * b * rerun_sum for s, b in at]
         assert tuple(o[id] + x for o, x in zip(ours, extra)) in candidates, id
+
+
+# -- torchtitan's DeepSeek-V3 layers (memplan/inventory/titan_dsv3_moments.py) --
+
+# h 64, 4 heads, r_q 32, r_kv 48, d_n 16, d_r 8, d_v 12, dense f 96, 16 experts of 32, one shared, top-2, the 671B
+# router's groups (8, 4 chosen): tests/test_titan_dsv3.py's shape
+DSV3 = DsvShape(E=16, groups=ROUTER_GROUPS[0], limited=ROUTER_GROUPS[1])
+FLEX = "GeneratedBackwardFor_memplan_validation_flex_saved_defaultBackward"  # the attention stand-in's backward
+
+
+def memplan_dsv3_moments(ac: str, moe: bool, s: int = 32, b: int = 2) -> dict[str, int]:
+    """``memplan_moments`` of the tiny DeepSeek-V3 model's layer 1 (MoE) or 0 (dense): 2 layers, 1 dense; the
+    attention's moment apart (derived: validation's stand-in is not FlexAttention's backward)."""
+    spec = load_model("deepseek-v3").model.model_copy(update=dict(
+        hidden_size=DSV3.h, num_attention_heads=DSV3.a, num_kv_heads=DSV3.a, q_lora_rank=DSV3.rq,
+        kv_lora_rank=DSV3.rkv, qk_nope_head_dim=DSV3.dn, qk_rope_head_dim=DSV3.dr, v_head_dim=DSV3.dv,
+        ffn_hidden_size=DSV3.f, moe_ffn_hidden_size=DSV3.fe, moe_shared_ffn_hidden_size=DSV3.ns * DSV3.fe,
+        num_experts=DSV3.E, moe_top_k=DSV3.k, moe_first_dense_layers=1, num_layers=2, seq_length=s, mtp_layers=0,
+        vocab_size=256))
+    inv = dsv3_inventory(titan_model(spec), "cpu")
+    values = spec.symbols(b=b, t=1, cp=1, ep=1, etp=1)
+    layer = [t for t in inv.terms if t.scope == "layer"]
+    out = {}
+    for m in inv.moments:
+        if m.scope != "layer" or m.id in ("fsdp_reduce_scatter", "attention_backward") or (
+                m.layers and int(moe) not in m.layers):
+            continue
+        kept = [t for t in layer if t.id not in m.freed and (t.kept(MODES[ac]) or t.kept(Recompute.NONE))]
+        out[m.id] = sum(t.bytes(values, 2, 0) for t in kept) + sum(
+            t.bytes(values, 2, 0) for t in m.transients if not t.id.startswith("rs_held"))
+    return out
+
+
+@pytest.mark.parametrize("ac", AC_MODES)
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_dsv3_measured_moments_equal_memplan(moe, ac):
+    torch.manual_seed(0)
+    block = wrap_dsv3_ac(build_dsv3_block(DSV3, moe), ac)
+    samples = measure_block_moments(block, DSV3.h, 32, 2)["samples"]
+    ours = memplan_dsv3_moments(ac, moe)
+    start = next(i for i, (node, _, _) in enumerate(samples) if node == FLEX)
+    offsets = 4 * DSV3.E  # the grouped GEMMs' int32 offsets, alive until w1's grouped GEMM's backward is done
+    if moe:  # Qwen3 MoE's checks (the shared experts' backward runs before the combine's)
+        points = measured_points(samples, ac, FLEX)
+        check_moe_points(ours, points, ac, DSV3, 32, 2, 1)
+        top = max(ours["moe_combine_backward"] + offsets - (ac != "none") * 4 * DSV3.k * 64,
+                  ours["moe_experts_backward"] + offsets, ours["ffn_norm_backward"])
+    else:  # the SwiGLU's mul backward (its second product), ffn_norm's composite backward after it
+        muls = [i for i, (node, op, _) in enumerate(samples) if node == "MulBackward0" and op == "mul"]
+        assert ours["dense_swiglu_backward"] == samples[muls[1]][2]
+        assert ours["dense_ffn_norm_backward"] == max(n for _, _, n in samples[muls[1] + 1:start])
+        top = max(ours.values())
+    # nothing in the layer's backward before the attention's is above memplan's moments
+    assert max(n for _, _, n in samples[:start]) == top

@@ -33,7 +33,7 @@ FSDP2's post-backward reduce-scatters them (torch .grad in the harness, FSDP2's 
 TP (derived): heads, FFN columns and weight gradients / t, the residual gradient sequence-sharded; CP (derived):
 dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-scattered afterwards).
 
-torchtitan's Qwen3 MoE layer (``_moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
+torchtitan's Qwen3 MoE layer (``moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
 validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
 for byte but the grouped GEMMs' int32 offsets, 4 E B, which titan_moe.py does not model; among the candidates of its
 trace under FakeTensorMode with s and b symbolic, ``trace_moments`` with a MoeShape, opt-in): the SwiGLU moment is
@@ -53,8 +53,11 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
 * ``ffn_norm_backward`` and ``attention_backward`` as the dense ones, the weight gradients made being the experts'
   and the router gate's (E h, whole) in place of the SwiGLU's; every MoE term freed;
 * FSDP2's reduce-scatter and the previous layer's held fp32 input: the attention's matrices, the rank's experts
-  and the gate (derived: with EP torch 2.13's post_backward keeps only the last parameter group's input, memplan
-  the whole layer's, an upper bound).
+  and the gate (derived.  With EP torchtitan's fully_shard gives a block two parameter groups, the experts' on the
+  efsdp mesh; torch 2.13 fires the experts' post_backward once their backward is done and pops every held input
+  there, so the previous layer's whole input is held through the combine's and the experts' moments and this
+  layer's experts' input after them: memplan counts a whole layer's throughout, an upper bound in ffn_norm's and
+  the attention's moments).
 
 Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
 with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. There, in
@@ -65,7 +68,7 @@ modelled). Under TP at ep 1 the token-sized MoE transients cover the MoE's whole
 > 1 the rank's s b / t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores)
 derived. Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few,
 measured at E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward
-(T x E), DeepSeek-V3's moments (TITAN_LEFT).
+(T x E).  DeepSeek-V3's layers: memplan/inventory/titan_dsv3_moments.py, built from these.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ RS_HELD = ("measured: a whole torchtitan FSDP2 step over gloo on 2 ranks (valida
            "tests/test_titan_step.py); torch 2.13's fully_shard post_backward, device-independent")
 
 
-def _held(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[Term, ...]:
+def held_inputs(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[Term, ...]:
     """FSDP2's fp32 reduce-scatter input of the layer back-propagated before (``parts``: the layer's matrices as (id
     suffix, elements, split over t))."""
     return tuple(transient(RS_HELD_ID + suffix, "FSDP2's fp32 reduce-scatter input of the layer back-propagated "
@@ -108,82 +111,101 @@ def _held(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[Term, .
         transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD),)
 
 
-def _weights(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
+def weight_grads(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
     return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", elements, tp=tp,
                      src=src)
 
 
 def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) -> tuple[Moment, ...]:
     """The layer's backward moments (module docstring) for ``layer``'s term ids, on ``device``: the dense layer's, or
-    with ``model.is_moe`` torchtitan's Qwen3 MoE layer's (``_moe_moments``)."""
+    with ``model.is_moe`` torchtitan's Qwen3 MoE layer's (``moe_moments``)."""
     h, a, g, f, q = model.hidden_size, model.num_attention_heads, model.g, model.f, model.q
     d = q // a
     ids = tuple(t.id for t in layer)
     moe = model.is_moe
     ffn = tuple(i for i in ids if i.startswith(("ffn_norm.", "moe.")) or i in DENSE_FFN)
     handed_on = SEL_HANDED_ON + tuple(t.id for t in layer if t.id.startswith("moe.") and t.only_selective)
-    dy = transient("grad_residual", "gradient of the layer output (residual stream; sequence-sharded under TP)",
-                   f"{h} s b", sp=True, src=TRACED)
+    dy = residual_grad(h)
     attn = q * h + 2 * g * d * h + q * h
     norms = 2 * h + (2 * d if model.qk_norm else 0)
     if moe:  # the attention's matrices (/ t), the routed experts' (E / ep of them, / etp), the router gate (whole)
         parts = (("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False))
-        ffn_grads = (_weights("grad_experts_weights", "the routed experts' w1, w2, w3 gradients", EXPERTS, False,
-                              MOE_TRACED),
-                     _weights("grad_gate_weight", "the router gate's weight gradient", f"{model.num_experts * h}",
-                              False, MOE_TRACED))
-        wo = (_weights("grad_wo_weight", "wo's weight gradient", f"{q * h}", src=MOE_TRACED),)
-        moments = _moe_moments(model, device, dy, ffn_grads[0], handed_on)
+        ffn_grads = (weight_grads("grad_experts_weights", "the routed experts' w1, w2, w3 gradients", EXPERTS,
+                                  False, MOE_TRACED),
+                     weight_grads("grad_gate_weight", "the router gate's weight gradient",
+                                  f"{model.num_experts * h}", False, MOE_TRACED))
+        wo = (weight_grads("grad_wo_weight", "wo's weight gradient", f"{q * h}", src=MOE_TRACED),)
+        moments = moe_moments(model, device, dy, ffn_grads[0], handed_on)
     else:
         parts = (("", f"{attn + 3 * h * f}", True),)
-        ffn_grads = (_weights("grad_ffn_weights", "the gradients of w1, w2, w3", f"{3 * h * f}"),)
+        ffn_grads = (weight_grads("grad_ffn_weights", "the gradients of w1, w2, w3", f"{3 * h * f}"),)
         wo = ()
-        moments = [Moment("swiglu_backward", "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's",
-                          "backward", "layer", (
-                              dy, transient("grad_w2_input", "gradient of w2's input", f"{f} s b", tp=True, src=TRACED),
-                              transient("grad_swiglu", "gradients of silu(w1) and of w3's output", f"{2 * f} s b",
-                                        tp=True, src=TRACED, storages=2),
-                              _weights("grad_w2_weight", "w2's weight gradient", f"{h * f}")),
-                          ("swiglu.mul",) + handed_on, source=TRACED)]
-    held = _held(parts, norms)
+        moments = [swiglu_moment(h, f, dy, handed_on)]
+    held = held_inputs(parts, norms)
     moments = [dataclasses.replace(m, transients=m.transients + held) for m in moments]
-    norm_grad = _weights("grad_ffn_norm_weight", "ffn_norm's weight gradient", f"{h}", tp=False)
+    norm_grad = weight_grads("grad_ffn_norm_weight", "ffn_norm's weight gradient", f"{h}", tp=False)
     src = MOE_TRACED if moe else TRACED
     if device == "cpu":  # torch's composite CPU F.rms_norm: its backward's fp32 temporaries
-        moments.append(Moment(
-            "ffn_norm_backward", "layer backward: ffn_norm's composite backward (fp32, CPU kernels)", "backward",
-            "layer", (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
-                                    f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5)) + ffn_grads
-            + (norm_grad,) + held, tuple(i for i in ffn if i != "ffn_norm.x_fp32") + handed_on, source=src))
+        moments.append(ffn_norm_moment(h, dy, ffn_grads + (norm_grad,) + held,
+                                       tuple(i for i in ffn if i != "ffn_norm.x_fp32") + handed_on, src))
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
                  transient("grad_q", "dQ of the attention backward", f"{q} s b", tp=True, src=TRACED),
                  transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP: derived)",
                            f"{2 * g * d} cp s b", tp=True, src=TRACED, storages=2))
-    attention += (wo + ffn_grads if moe else (_weights("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo",
+    attention += (wo + ffn_grads if moe else (weight_grads("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo",
                                                        f"{3 * h * f + q * h}"),)) + (norm_grad,)
     if device == "cuda":
         attention += (transient("flex_delta", "fp32 delta of FlexAttention's backward (CUDA)", f"{a} s b", "fp32",
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
                           "layer", attention + held, ffn + handed_on, source=src))
+    moments.append(reduce_scatter_moment(h, parts, norms, ids))
+    return tuple(moments)
+
+
+def residual_grad(h: int) -> Term:
+    """The gradient of a layer's output, alive through its backward (the residual stream)."""
+    return transient("grad_residual", "gradient of the layer output (residual stream; sequence-sharded under TP)",
+                     f"{h} s b", sp=True, src=TRACED)
+
+
+def swiglu_moment(h: int, f: int, dy: Term, handed_on: tuple[str, ...], id: str = "swiglu_backward") -> Moment:
+    """mul's backward in a dense SwiGLU of width ``f`` (module docstring), the previous layer's held input apart."""
+    return Moment(id, "layer backward: SwiGLU product's gradients (silu(w1), w3) beside w2's", "backward", "layer", (
+        dy, transient("grad_w2_input", "gradient of w2's input", f"{f} s b", tp=True, src=TRACED),
+        transient("grad_swiglu", "gradients of silu(w1) and of w3's output", f"{2 * f} s b", tp=True, src=TRACED,
+                  storages=2),
+        weight_grads("grad_w2_weight", "w2's weight gradient", f"{h * f}")), ("swiglu.mul",) + handed_on, source=TRACED)
+
+
+def ffn_norm_moment(h: int, dy: Term, made: tuple[Term, ...], freed: tuple[str, ...], src: str,
+                    id: str = "ffn_norm_backward") -> Moment:
+    """ffn_norm's composite CPU backward: its five fp32 h-wide tensors beside ``made`` (the weight gradients, the held
+    reduce-scatter input)."""
+    return Moment(id, "layer backward: ffn_norm's composite backward (fp32, CPU kernels)", "backward", "layer",
+                  (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
+                                 f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5)) + made, freed, source=src)
+
+
+def reduce_scatter_moment(h: int, parts: tuple[tuple[str, str, bool], ...], norms: int,
+                          ids: tuple[str, ...]) -> Moment:
+    """FSDP2's reduce-scatter ending a layer's backward (module docstring): ``parts`` the layer's matrices."""
     grads = tuple(transient("grad_layer" + suffix, "the layer's unsharded gradients (bf16)" + (
         f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED) for suffix, elements, tp in parts)
     copies = tuple(transient("reduce_scatter_input" + suffix, "FSDP2's fp32 reduce-scatter input of them" + (
         f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED) for suffix, elements, tp in parts)
-    moments.append(Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients",
-                          "backward", "layer", (
-                              transient("grad_input", "gradient of the layer input (sequence-sharded under TP)",
-                                        f"{h} s b", sp=True, src=DERIVED),
-                              *grads[:1],
-                              transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED),
-                              *copies[:1],
-                              transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}",
-                                        "fp32", src=DERIVED), *grads[1:], *copies[1:]), ids, source=DERIVED))
-    return tuple(moments)
+    return Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients", "backward", "layer", (
+        transient("grad_input", "gradient of the layer input (sequence-sharded under TP)", f"{h} s b", sp=True,
+                  src=DERIVED),
+        *grads[:1],
+        transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED),
+        *copies[:1],
+        transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}", "fp32", src=DERIVED),
+        *grads[1:], *copies[1:]), ids, source=DERIVED)
 
 
-def _moe_moments(model: ModelSpec, device: str, dy: Term, experts: Term, handed_on: tuple[str, ...]) -> list[Moment]:
+def moe_moments(model: ModelSpec, device: str, dy: Term, experts: Term, handed_on: tuple[str, ...]) -> list[Moment]:
     """The MoE's own backward moments in a torchtitan Qwen3 MoE layer (module docstring), per token of the rank's s b
     (at ep 1 under TP the MoE's whole s b: ``etp_gathered``, as titan_moe.py's token-sized terms)."""
     k, h, fe = model.moe_top_k, model.hidden_size, model.fe
