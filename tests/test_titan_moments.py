@@ -3,8 +3,11 @@ block run forward and backward on CPU (validation/titan_moments.py: every storag
 after each op of its backward, its bf16 weight gradients included).  memplan's moments, evaluated here from their
 definition (the layer's terms kept under the AC mode and not freed, plus the moment's transients), must equal the
 measured largest moment of the backward and the one after sdpa's backward, at three Llama 3 shapes (the FFN wide,
-wider, narrow: the peak then falls in the RMSNorm's backward) and a dense Qwen3 one, every AC mode; without the moments memplan has no layer
-moment and every test here fails.  The symbolic trace (the same step under FakeTensorMode) is opt-in."""
+wider, narrow: the peak then falls in the RMSNorm's backward) and a dense Qwen3 one, every AC mode; without the
+moments memplan has no layer moment and every test here fails.  The same for torchtitan's Qwen3 MoE block (its
+combine's and experts' moments at two shapes, every AC mode; with EP on 2 gloo ranks recorded, re-measured opt-in)
+and DeepSeek-V3's dense and MoE blocks (their feed-forward side: the attention's backward is a stand-in there).  The
+symbolic traces (the same step under FakeTensorMode) are opt-in."""
 
 import os
 
