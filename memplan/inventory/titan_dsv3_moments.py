@@ -31,7 +31,7 @@ import dataclasses
 
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
-from memplan.inventory.titan_moments import (DERIVED, EXPERTS, ffn_norm_moment, held_inputs, moe_moments,
+from memplan.inventory.titan_moments import (AFTER_COMBINE, DERIVED, EXPERTS, ffn_norm_moment, held_inputs, moe_moments,
                                              reduce_scatter_moment, residual_grad, swiglu_moment, weight_grads)
 from memplan.inventory.types import Moment, Term, transient
 
@@ -84,9 +84,14 @@ def dsv3_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...], d
                     DSV3_TRACED)
     moments = []
     for m in moe_moments(model, device, dy, experts, handed_on):
-        freed = m.freed + shared
-        moments.append(dataclasses.replace(m, transients=m.transients + shared_made + own(moe, freed) + held,
-                                           freed=freed + ffn_ids, layers=moe_layers, source=DSV3_TRACED))
+        freed = m.freed + shared  # the shared experts' backward runs first; in the recomputed forward they come after
+        made = () if m.applies == "rerun" else shared_made
+        # the recomputed forward's combine: the shared experts' cached outputs still in selective-op's cache (their
+        # weighted terms, (L - n_dense) / L of them: not the MoE layer's own, which no moment's transient can be
+        # under selective-op alone)
+        weighted = tuple(i for i in ffn_ids if not (m.applies == "rerun" and i in AFTER_COMBINE))
+        moments.append(dataclasses.replace(m, transients=m.transients + made + own(moe, freed) + held,
+                                           freed=freed + weighted, layers=moe_layers, source=DSV3_TRACED))
     swiglu = swiglu_moment(h, model.f, dy, handed_on, "dense_swiglu_backward")
     if nd:
         moments.append(dataclasses.replace(swiglu, transients=swiglu.transients + own(dense, swiglu.freed) + held,

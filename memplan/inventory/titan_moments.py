@@ -59,16 +59,21 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
   layer's experts' input after them: memplan counts a whole layer's throughout, an upper bound in ffn_norm's and
   the attention's moments).
 
+* ``moe_rerun_combine`` (a recomputed layer: full, selective-op): the recomputed forward's combine, after the bf16
+  cast of its fp32 product, every tensor none keeps re-made: the incoming gradient (2h), the residual stream after
+  the attention (2h), the routing map (E, bool), the scaled scores (k), the counts per expert (int64 E; E / ep more
+  with EP), w2's output (2 k h), with EP the all-to-all's output and its autograd wrapper (2 x 2 k h), the output's
+  zeros (2h), the fp32 product (4 k h) and its cast (2 k h); selective-op's cached outputs handed on but those of
+  ops after the combine (AFTER_COMBINE).  With EP it is above ``moe_combine_backward`` (by 4h + E - 2k B per token
+  and the counts), at ep 1 below it (by 4 k h less that).
+
 Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
-with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. There, in
-a recomputed layer (full, selective-op), the recomputed forward's combine is above these moments: w2's output, the
-all-to-all's output and its autograd wrapper, the fp32 product and its bf16 cast alive in the recompute, about 2 k h
-B per token more than ``moe_combine_backward`` (measured: 16,736 B at the test's 64 tokens, k 2, h 64; not
-modelled). Under TP at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep
-> 1 the rank's s b / t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores)
-derived. Not modelled: attention_norm's backward (every weight gradient made; above these where tokens are few,
-measured at E 16, s 8, where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward
-(T x E).  DeepSeek-V3's layers: memplan/inventory/titan_dsv3_moments.py, built from these.
+with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. Under TP
+at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep > 1 the rank's s b
+/ t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores) derived. Not modelled:
+attention_norm's backward (every weight gradient made; above these where tokens are few, measured at E 16, s 8,
+where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E). DeepSeek-V3's
+layers: memplan/inventory/titan_dsv3_moments.py, built from these.
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, bal
 DERIVED_MOE = "derived (torch 2.13's per-parameter-group post_backward with EP: not measured)"
 # the routed experts' weight gradients on a rank: E / ep experts, their hidden dim / etp (titan_moe.py moe_etp)
 EXPERTS = "3 E h fe /ep /etp"
+# selective-op's cached outputs made after the MoE's combine in the forward (TP at ep 1: its reduce-scattered output;
+# DeepSeek-V3: the shared experts' cached matmul outputs), still cached in the recomputed forward's combine
+AFTER_COMBINE = ("moe.rs", "mm.shared.w1", "mm.shared.w3", "mm.shared.w2", "shared.w2.rs")
 # the MoE terms freed by the time w1's grouped GEMM runs its backward (their ops' backward done)
 EXPERTS_FREED = ("moe.combine_fp32", "moe.scores_sorted", "moe.swiglu.mul", "moe.silu.out", "moe.w3.out", "moe.w1.out")
 RS_HELD = ("measured: a whole torchtitan FSDP2 step over gloo on 2 ranks (validation/titan_step.py, "
@@ -226,7 +234,27 @@ def moe_moments(model: ModelSpec, device: str, dy: Term, experts: Term, handed_o
                      f"{2 * k * h} s b", storages=2),
               transient("moe_grad_w1_out", "silu's backward: the gradient of w1's output (R x fe)", f"{k * fe} s b",
                         tp=True, src=MOE_TRACED), experts)
-    return [Moment("moe_combine_backward", "layer backward: the MoE combine's fp32 score multiply", "backward",
+    def once(id: str, name: str, elements: str, ep: bool = False) -> Term:  # a layer's (int64), not a token's
+        return dataclasses.replace(transient(id, name, elements, "int64", src=MOE_TRACED), tokenless=True, needs_ep=ep)
+
+    rerun = (dy, transient("moe_rerun_residual", "the residual stream after the attention (x + its output)",
+                           f"{h} s b", sp=True, src=MOE_TRACED),
+             tokens("moe_rerun_routing_map", "the one-hot routing map (tokens x E, bool)", "E s b", "mask"),
+             tokens("moe_rerun_scores", "the top-k scores times route_scale", f"{k} s b", r),
+             once("moe_rerun_counts", "tokens per expert (int64 E)", "E"),
+             once("moe_rerun_counts_local", "tokens per local expert from the all-to-all (int64 E / ep), EP only",
+                  "E /ep", True),
+             tokens("moe_rerun_w2_out", "w2's grouped GEMM output (R x h)", f"{k * h} s b"),
+             dataclasses.replace(tokens("moe_rerun_a2a", "the combine all-to-all's output and its autograd wrapper "
+                                        "(k s b x h each), EP only", f"{2 * k * h} s b", storages=2), needs_ep=True),
+             tokens("moe_rerun_out", "combine's output buffer (zeros like the MoE's tokens)", f"{h} s b"),
+             tokens("moe_rerun_product", "the score multiply's fp32 product", f"{k * h} s b", "fp32"),
+             tokens("moe_rerun_cast", "its bf16 cast", f"{k * h} s b"))
+    # selective-op's cached outputs of ops after the combine are not handed on yet (the reduce-scattered MoE output)
+    cached = tuple(i for i in handed_on if i not in AFTER_COMBINE)
+    return [Moment("moe_rerun_combine", "layer backward, the recomputed forward: the MoE combine's score multiply "
+                   "cast back to bf16", "backward", "layer", rerun, cached, source=MOE_TRACED, applies="rerun"),
+            Moment("moe_combine_backward", "layer backward: the MoE combine's fp32 score multiply", "backward",
                    "layer", combine, handed_on, source=MOE_TRACED),
             Moment("moe_experts_backward", "layer backward: w1's grouped GEMM, every expert weight gradient made",
                    "backward", "layer", expert, EXPERTS_FREED + handed_on, source=MOE_TRACED)]

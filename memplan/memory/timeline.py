@@ -292,7 +292,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
         # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
-        on = 1 if m.applies == "any" else (recomputed * is_full if m.applies == "recomputed"
+        on = 1 if m.applies == "any" else (recomputed * is_full if m.applies == "recomputed" else
+                                              recomputed * (1 - is_none) if m.applies == "rerun"
                                               else 1 - recomputed * is_full)
         if isinstance(on, (bool, int)) and not on:
             continue

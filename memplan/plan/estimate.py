@@ -398,7 +398,6 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
         ids = {m.id for m in inventory.moments if m.scope == "layer"}
-        rerun_a2a = par.ep > 1 and tr.recompute != Recompute.NONE
         notes.append(("torchtitan: the decoder layers' backward moments measured on CPU from its DeepSeek-V3 blocks "
                       "(balanced routing; an MoE layer's combine, experts and ffn_norm with the shared experts', a "
                       "dense first layer's SwiGLU and ffn_norm: memplan/inventory/titan_dsv3_moments.py; the MLA "
@@ -407,10 +406,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      if ids and is_dsv3(config.model) else
                      ("torchtitan: the decoder layers' backward moments measured on CPU from its Qwen3 MoE block "
                       "(balanced routing; the combine's fp32 score multiply, the experts' grouped GEMMs, the norms and "
-                      "the attention: memplan/inventory/titan_moments.py; EP measured on 2 ranks over gloo; TP, CP, "
-                      "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" + (
-                          "; not modelled: the recomputed forward's combine with EP, measured about 2 k h B a token "
-                          "above the combine's backward moment" if rerun_a2a else "")) if "moe_combine_backward" in ids else
+                      "the attention, under full / selective-op AC the recomputed forward's combine: "
+                      "memplan/inventory/titan_moments.py; EP measured on 2 ranks over gloo; TP, CP, CUDA kernels and "
+                      "FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
                      "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
                      "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
                      "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
