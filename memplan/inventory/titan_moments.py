@@ -57,7 +57,8 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
   efsdp mesh; torch 2.13 fires the experts' post_backward once their backward is done and pops every held input
   there, so the previous layer's whole input is held through the combine's and the experts' moments and this
   layer's experts' input after them: memplan counts a whole layer's throughout, an upper bound in ffn_norm's and
-  the attention's moments).
+  the attention's moments; the experts' reduce-scatter runs there too, so the end-of-layer moment counting the
+  whole layer's gradients is an upper bound as well).
 
 * ``moe_rerun_combine`` (a recomputed layer: full, selective-op): the recomputed forward's combine, after the bf16
   cast of its fp32 product, every tensor none keeps re-made: the incoming gradient (2h), the residual stream after
