@@ -43,10 +43,11 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
 # Qwen3-Next) or Kimi Delta Attention beside latent attention (the same file)
 HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "qwen3_next",
            "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
-# the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
-# (memplan/presets/hf_encoders.py; tests/test_encoders.py)
+# the BERT-like encoders trained as causal LMs and encoder-decoder models' decoders alone
+# (memplan/presets/hf_encoders.py; tests/test_encoders.py, tests/test_seq2seq_decoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
-            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus"]
+            "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus", "bart", "mbart", "plbart",
+            "pegasus", "blenderbot", "blenderbot-small", "marian"]
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +106,14 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
                                         "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
                                         "bitnet", "bert", "bert-generation", "megatron-bert",
                                         "trocr", "bigbird_pegasus", "electra", "rembert", "roformer",
-                                        "whisper"])
+                                        "whisper", "pegasus", "mbart"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
     shared experts' gate, MLP-only and out_proj biases, the embedding norm, token-type embeddings and the head's
     transform (BERT), the cross-attention of a decoder run alone (TrOCR), factorised embeddings with their projection
-    and a head e_out wide (ELECTRA tied, RemBERT untied), RoFormer's frozen rotary table, Whisper's k_proj without bias."""
+    and a head e_out wide (ELECTRA tied, RemBERT untied), RoFormer's frozen rotary table, Whisper's k_proj without bias,
+    Pegasus's frozen sinusoidal table h wide and final norm, mBART's learned positions from row 2 and final norm."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config(model_type)))
     model = read_hf_config(str(path)).model

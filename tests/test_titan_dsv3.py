@@ -221,21 +221,23 @@ def test_estimate_answers_term_by_term(capsys):
         assert row in out, row
 
 
-@pytest.mark.parametrize("kw", [dict(pp=2), dict(compile=True), dict(ep=3), dict(tp=3)])  # tp, cp: test_titan_dsv3_tp.py
+@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(tp=3)])  # tp, cp: test_titan_dsv3_tp.py
 def test_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**kw)
 
 
 def test_search_leaves_out_the_pipelines_estimate_refuses():
-    # the dense first layers sit in stage 0 (memplan weights their terms over the model): estimate refuses --pp
-    # (test_refused); search must not list such a plan, and a pinned --pp gets estimate's refusal
+    # --pp with the single-stage schedules is modelled (tests/test_titan_dsv3_pp.py); the multi-stage ones are refused
+    # by estimate: search must not list them, and a pinned one gets estimate's refusal
     from memplan.api.searching import search
     listed = search("deepseek-v3", impl="torchtitan", gpus=64, seq_len=4096, global_batch=64,
                     mem="4000GB").to_dict()["plans"]  # a budget every plan fits: all listed
-    assert listed and {plan["pp"] for plan in listed} == {1}
+    assert listed and any(plan["pp"] > 1 for plan in listed)
+    assert {plan["torchtitan"]["pipeline_schedule"] for plan in listed if plan["pp"] > 1} <= {"1F1B", "GPipe"}
     with pytest.raises(MemplanError, match="dense first layers"):
-        search("deepseek-v3", impl="torchtitan", gpus=64, pp=2, seq_len=4096, global_batch=64, mem="80GB")
+        search("deepseek-v3", impl="torchtitan", gpus=64, pp=2, seq_len=4096, global_batch=64, mem="80GB",
+               pipeline_schedule="Interleaved1F1B")
 
 
 def test_router_groups_must_divide_the_experts():

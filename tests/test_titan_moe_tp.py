@@ -203,7 +203,8 @@ def test_cp_gloo_free_equals_recorded(ac):
     assert [n for _, _, n in got["rows"]] == RECORDED_CP[ac] and got["input_kept"] == (ac != "none")
 
 
-@pytest.mark.parametrize("argv", [["--etp", "2", "--ep", "2"], ["--etp", "1"], ["--model", "deepseek-v3", "--pp", "2"],
+@pytest.mark.parametrize("argv", [["--etp", "2", "--ep", "2"], ["--etp", "1"],
+                                  ["--model", "deepseek-v3", "--pp", "2", "--pipeline-schedule", "Interleaved1F1B"],
                                   ["--compile"]])
 def test_refused_in_one_line(argv, capsys):
     base = ["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "8", "--tp", "2"]

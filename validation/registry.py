@@ -73,9 +73,10 @@ _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
-# a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
+# a multimodal model's parts outside its text model (memplan estimates the text model: memplan/presets/hf_multimodal.py)
 LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
-            "vision_embed_tokens.", "embed_audio.")  # Fuyu: its patch projection
+            "vision_embed_tokens.", "embed_audio.",  # Fuyu: its patch projection
+            "embed_tokens_extend.")  # Phi-4-multimodal's image and audio embedders
 
 
 def architectures() -> dict[str, str]:
@@ -147,6 +148,8 @@ def _shrink(data: dict) -> dict:
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)},
                    layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], adapter_rank=8)
         out["mamba_headdim"] = int(out["mamba_expand"] * out["hidden_size"]) // out["n_mamba_heads"]
+    if data.get("cross_attention_layers") and n and layers_key:  # Mllama's text model: its second layer attends to
+        out["cross_attention_layers"] = [n - 1]  # the image states (the defaults' first such layer is the fourth)
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer

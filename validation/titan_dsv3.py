@@ -177,15 +177,49 @@ def trace_dsv3(shape: DsvShape, ac: str, moe: bool = True, q_lora: bool = True, 
                           s_hint, b_hint)
 
 
-def dsv3_model_config(shape: DsvShape, vocab: int, q_lora: bool = True):
-    """A 2-layer torchtitan DeepSeekV3Model config (a dense layer, an MoE layer) at ``shape``, no MTP layers."""
+def dsv3_model_config(shape: DsvShape, vocab: int, q_lora: bool = True, n_layers: int = 2, n_dense: int = 1,
+                      mtp: int = 0):
+    """A torchtitan DeepSeekV3Model config at ``shape`` (by default 2 layers: a dense layer, an MoE layer), ``mtp``
+    MTP layers (torchtitan's ``_build_mtp_layers`` on the last layer's config, as model_registry makes them)."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_mtp_layers
 
-    return DeepSeekV3Model.Config(vocab_size=vocab, dim=shape.h, layers=dsv3_layer_configs(shape, q_lora=q_lora),
+    layers = dsv3_layer_configs(shape, n_layers, n_dense, q_lora)
+    return DeepSeekV3Model.Config(vocab_size=vocab, dim=shape.h, layers=layers,
                                   tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=shape.h),
                                   norm=RMSNorm.Config(normalized_shape=shape.h),
-                                  lm_head=Linear.Config(in_features=shape.h, out_features=vocab))
+                                  lm_head=Linear.Config(in_features=shape.h, out_features=vocab),
+                                  mtp_layers=_build_mtp_layers(layers[-1], dim=shape.h, num_mtp_layers=mtp))
+
+
+def measure_dsv3_mtp(shape: DsvShape, mtp: int, ac: str, s: int, b: int, vocab: int = 128, seed: int = 0) -> int:
+    """Bytes of the saved tensors alive after the forward and the loss of the 2-layer model with ``mtp`` MTP layers
+    (``dsv3_model_config``, bf16, balanced routing), its ``layers`` wrapped as torchtitan's AC ``ac`` wraps them (its
+    ActivationCheckpointing.apply wraps model.layers only, not the MTP layers), run as torchtitan's trainer runs it:
+    the dataloader's positions passed to the model, MTPLoss (CrossEntropy's cross_entropy_loss without MTP layers);
+    every saved tensor's storage counted once (validation/titan_pp.py's hooks), the parameters not; the backward is
+    run once."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.deepseek_v3 import MTPLoss
+
+    from validation.titan_pp import _SavedPeak
+
+    torch.manual_seed(seed)
+    model = dsv3_model_config(shape, vocab, mtp=mtp).build()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    for i, block in list(model.layers.named_children()):
+        model.layers.register_module(i, wrap_dsv3_ac(block, ac))
+    tokens = torch.randint(0, vocab, (b, s))
+    labels, positions = tokens.roll(-1, 1), torch.arange(s).repeat(b, 1)
+    saved = _SavedPeak([*model.parameters(), *model.buffers()])
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (validation/titan_moe.py)
+        out = model(tokens, positions)
+        loss = MTPLoss(MTPLoss.Config())(out, labels, positions=positions)[0] if mtp else cross_entropy_loss(out, labels)
+        kept = saved.live
+        loss.backward()
+    return kept
 
 
 def dsv3_ep_states_rank(rank: int, world: int, ep: int, shape: DsvShape, vocab: int, s: int, b: int) -> dict:

@@ -25,6 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .titan import Shape, build_model
+from .titan_dsv3 import DsvShape, dsv3_model_config
 from .titan_moe import MoeShape, moe_model_config
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -109,17 +110,23 @@ class _Held:
 
 
 def pp_rank(rank: int, world: int, shape, layers: int, vocab: int, s: int, b: int, microbatches: int,
-            schedule: str, chunks: int = 1) -> dict:
+            schedule: str, chunks: int = 1, dense: int = 1) -> dict:
     """One stage of a ``world``-stage pipeline step: its modules, the peak of its saved tensors' bytes (see module).
     ``shape`` a validation/titan.py Shape (Llama 3) or a validation/titan_moe.py MoeShape (Qwen3 MoE, balanced
-    routing, no EP: each stage's experts whole)."""
+    routing, no EP: each stage's experts whole) or a validation/titan_dsv3.py DsvShape (torchtitan's DeepSeek-V3 of
+    ``layers`` layers, its first ``dense`` dense, the rest MoE; balanced routing, no EP, FlexAttention's save set in
+    the stand-in op)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
 
     torch.manual_seed(0)
-    moe = isinstance(shape, MoeShape)
-    whole = moe_model_config(shape, layers, vocab).build() if moe else build_model(shape, layers, vocab)
+    if isinstance(shape, DsvShape):
+        whole = dsv3_model_config(shape, vocab, n_layers=layers, n_dense=dense).build()
+    elif isinstance(shape, MoeShape):
+        whole = moe_model_config(shape, layers, vocab).build()
+    else:
+        whole = build_model(shape, layers, vocab)
     for prm in whole.parameters():  # bf16 parameters (the RoPE buffer keeps its complex dtype)
         prm.data = prm.data.to(torch.bfloat16)
     split = _generate_llm_fqn_per_model_part(world * chunks, layers)
@@ -148,10 +155,10 @@ def pp_rank(rank: int, world: int, shape, layers: int, vocab: int, s: int, b: in
 
 
 def measure_pp(shape, layers: int, vocab: int, s: int = 16, b: int = 1, microbatches: int = 4,
-               schedule: str = "1F1B", world: int = 2, chunks: int = 1) -> list[dict]:
-    """``pp_rank`` on ``world`` spawned ranks over gloo."""
+               schedule: str = "1F1B", world: int = 2, chunks: int = 1, dense: int = 1) -> list[dict]:
+    """``pp_rank`` on ``world`` spawned ranks over gloo (``dense``: a DeepSeek-V3's dense first layers)."""
     from .ranks import run_ranks
-    return run_ranks(pp_rank, world, (shape, layers, vocab, s, b, microbatches, schedule, chunks))
+    return run_ranks(pp_rank, world, (shape, layers, vocab, s, b, microbatches, schedule, chunks, dense))
 
 
 if __name__ == "__main__":

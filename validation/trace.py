@@ -67,7 +67,9 @@ then takes branches an eager run never takes.  The one that changes saved tensor
 "packed" and makes ``create_causal_mask`` build an explicit mask (an ``s^2 b`` tensor saved by
 sdpa, where a real run passes ``is_causal=True``).  The model builds its own position ids
 (``arange(s)``: not packed), so the real answer, None, is given while tracing (validation/trace_saves.py
-``eager_decisions``).
+``eager_decisions``).  The other: BART's decoder and its copies make an all-ones padding mask (``torch.ones(b, s)``)
+that ``_ignore_causal_mask_sdpa`` drops only by reading its values; while tracing, a mask made by ``torch.ones`` (and
+not written into since) reads as no padding, as in the real run (``_all_ones_masks``).
 Tests compare traces with real CPU runs at several (s, b) to catch any other such branch.
 
 Kernels: ``kernels="cpu"`` is what torch's CPU kernels save (the trace runs them as fake CPU

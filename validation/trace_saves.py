@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections import Counter
 from typing import Callable
 
@@ -99,9 +100,15 @@ def forward_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 @contextlib.contextmanager
 def eager_decisions():
-    """Give transformers the answers an eager run gets where it treats fake tensors as tracing.
+    """Give transformers the answers an eager run gets where it treats fake tensors as tracing: the position ids
+    are not packed (``_not_packed``) and a mask the model made of ones pads nothing (``_all_ones_masks``)."""
+    with _not_packed(), _all_ones_masks():
+        yield
 
-    ``find_packed_sequence_indices(position_ids)`` reads the position ids' values to detect packed
+
+@contextlib.contextmanager
+def _not_packed():
+    """``find_packed_sequence_indices(position_ids)`` reads the position ids' values to detect packed
     sequences and, for a fake tensor, answers "packed" (a tensor), which builds an explicit mask
     that an eager run never makes.  The position ids are the model's own ``arange(s)`` (we pass
     none), for which an eager run returns None.
@@ -115,6 +122,69 @@ def eager_decisions():
     finally:
         mu.find_packed_sequence_indices = orig
 
+
+class _Ones:
+    """The tensors made by ``torch.ones`` while tracing, and the bool masks transformers converts them to: their
+    values are all ones whatever fake tensors hide, as long as nothing wrote into them (their version counter
+    unchanged).  Kept by identity (a tensor's ``==`` compares values)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def add(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            self._refs[id(t)] = (weakref.ref(t), t._version)
+
+    def __contains__(self, t) -> bool:
+        ref, version = self._refs.get(id(t), (None, None))
+        return ref is not None and ref() is t and t._version == version
+
+
+@contextlib.contextmanager
+def _all_ones_masks():
+    """A padding mask the model made of ones reads as "no padding", as an eager run reads it.
+
+    transformers 5.23's encoder-decoder decoders run alone (``BartDecoder.forward`` in models/bart/modeling_bart.py,
+    and its copies in mbart, plbart, pegasus, blenderbot, blenderbot_small, marian, biogpt, ...) make
+    ``attention_mask = torch.ones(batch_size, mask_seq_length)`` when given none, and pass it to
+    ``masking_utils.create_causal_mask``: ``_preprocess_mask_arguments`` converts it to bool
+    (``attention_mask.to(dtype=torch.bool)``), ``sdpa_mask`` hands it (``prepare_padding_mask``: the same tensor when
+    it covers kv_length) to ``_ignore_causal_mask_sdpa``, which drops the mask (sdpa's ``is_causal=True``, no s x s
+    tensor) when ``q_length == kv_length`` and ``fast_all(padding_mask)``, i.e. by reading its values; for a fake
+    tensor (``is_tracing``) it keeps the mask, which sdpa then saves in every layer (2 s^2 b bytes where a real
+    CPU run saves none).  While tracing, each tensor ``torch.ones`` makes is remembered (until something writes into
+    it), so is the bool mask ``_preprocess_mask_arguments`` makes of one, and ``_ignore_causal_mask_sdpa`` is given no
+    padding mask in place of such a one when ``q_length == kv_length`` (the only case a training step meets: no
+    cache): there ``fast_all`` of an all-ones mask is true, and the function answers for None exactly as for it.  Any
+    other mask (padded by ``prepare_padding_mask``, written into, made of other values) is left to transformers.
+    Nothing is hidden after the fact: the trace runs the code path (sdpa's ``is_causal``) the real run takes.
+    """
+    import transformers.masking_utils as mu
+
+    ones = _Ones()
+    made, preprocess, ignore = torch.ones, mu._preprocess_mask_arguments, mu._ignore_causal_mask_sdpa
+
+    def ones_made(*args, **kwargs):
+        t = made(*args, **kwargs)
+        ones.add(t)
+        return t
+
+    def preprocessed(config, inputs_embeds, attention_mask, *args, **kwargs):
+        out = preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
+        if attention_mask is not None and attention_mask in ones:
+            ones.add(out[1])  # the same values, as bool
+        return out
+
+    def ignored(padding_mask, q_length, kv_length, *args, **kwargs):
+        if padding_mask is not None and padding_mask in ones and q_length == kv_length:
+            padding_mask = None
+        return ignore(padding_mask, q_length, kv_length, *args, **kwargs)
+
+    torch.ones, mu._preprocess_mask_arguments, mu._ignore_causal_mask_sdpa = ones_made, preprocessed, ignored
+    try:
+        yield
+    finally:
+        torch.ones, mu._preprocess_mask_arguments, mu._ignore_causal_mask_sdpa = made, preprocess, ignore
 
 
 # ---------------------------------------------------------------------------------------------

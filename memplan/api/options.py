@@ -58,6 +58,7 @@ class PlanOptions:
     last_stage_layers: Optional[int] = None
     pipeline_schedule: Optional[str] = None  # torchtitan's pipeline_parallel_schedule (memplan/memory/pipeline.py)
     pipeline_layers_per_stage: Optional[int] = None  # torchtitan's pipeline_parallel_layers_per_stage (multi-stage)
+    mtp: Optional[int] = None  # torchtitan DeepSeek-V3's num_mtp_layers (memplan/inventory/titan_mtp.py)
     sp: Optional[bool] = None
     cp: Optional[int] = None
     cp_comm_type: Optional[str] = None
@@ -193,8 +194,7 @@ class PlanOptions:
 
     @property
     def fusions_off(self) -> tuple[str, ...]:
-        """The Megatron-LM fusions switched off (memplan/core/training.py FUSIONS), from the --no-<name>-fusion
-        options."""
+        """The Megatron-LM fusions switched off (memplan/core/training.py FUSIONS): the --no-<name>-fusion options."""
         return tuple(name for name in FUSIONS if getattr(self, f"no_{name.replace('-', '_')}_fusion"))
 
     @classmethod
@@ -349,8 +349,8 @@ class PlanOptions:
         as vpp. `search`: a schedule without --pp pins the pipelined plans searched."""
         schedule = self.pipeline_schedule or "1F1B"
         if self.impl != "torchtitan":
-            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage is not None:
-                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
+            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage or self.mtp is not None:
+                raise MemplanError("--pipeline-schedule other than 1F1B, --pipeline-layers-per-stage and --mtp are "
                                    "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
             return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
                         last_stage_layers=self.last_stage_layers)
@@ -367,16 +367,16 @@ class PlanOptions:
                                "as a layer): drop --first-stage-layers / --last-stage-layers")
         if self.float8 is not None:
             raise MemplanError("--impl torchtitan: --float8 with --pp is not modelled yet")
-        L = preset.model.num_layers
+        L, dense = preset.model.num_layers, preset.model.moe_first_dense_layers
         try:
             if not multi:
-                first, last = titan_split(p, L)
+                first, last = titan_split(p, L, dense)
                 return dict(pp_schedule=schedule, first_stage_layers=first, last_stage_layers=last)
             m = titan_stages_per_rank(p, L, self.pipeline_layers_per_stage)
             titan_stage_layers(p * m, L)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe):
+        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe, bool(dense)):
             raise MemplanError(why)
         return dict(pp_schedule=schedule, vpp=m)
 
@@ -419,7 +419,7 @@ class PlanOptions:
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
-            preset = dataclasses.replace(preset, model=titan_model(preset.model))  # checked; DeepSeek-V3: no MTP
+            preset = dataclasses.replace(preset, model=titan_model(preset.model, self.mtp or 0))  # checked
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
                             self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),
                             self.gpus or 0)

@@ -123,6 +123,8 @@ class PreparedSearch:
         skipped: list[Skipped] = []
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
+            if opts.mtp:
+                raise MemplanError("--mtp: search does not plan multi-token-prediction layers yet (estimate --mtp does)")
             model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),

@@ -106,6 +106,9 @@ class ModelSpec(Spec):
     # The parameters of the layouts transformers' families add (issue 22): they change the parameter count;
     # the activations of such a layer are traced from transformers' code (--impl hf-*) or approximated by the
     # sequential pre-norm layer of the other inventories (the config reader's notes say which).
+    cross_attention_layers: int = Field(default=0, ge=0, description="layers of the L attending to image states "
+        "(Mllama): a self-attention layer's weights, q / k norms a head wide, 2 tanh gates; text-only steps skip them")
+    vocab_extra_rows: int = Field(default=0, ge=0, le=64, description="word-embedding rows beyond v (Mllama: 8)")
     layer_layout: Literal["sequential", "parallel", "post-norm"] = Field(
         default="sequential", description="where a layer's sub-layers and norms sit: sequential pre-norm (GPT, Llama; "
         "what the --impl megatron* inventories model and --emit megatron builds), attention and MLP in parallel on "
@@ -150,8 +153,12 @@ class ModelSpec(Spec):
         "e_out and the output layer e_out x v (ELECTRA / RoFormer embedding_size: (e, e); RemBERT input_ / "
         "output_embedding_size). None: h wide, no projection")
     frozen_position_rows: int = Field(
-        default=0, ge=0, description="rows of a frozen sinusoidal position table head_dim wide held as a parameter "
-        "(RoFormer's encoder.embed_positions: max_position_embeddings rows; its states counted as if trained)")
+        default=0, ge=0, description="rows of a frozen sinusoidal position table held as a parameter (requires_grad "
+        "false; its states counted as if trained): RoFormer's encoder.embed_positions, head_dim wide; Pegasus's and "
+        "Marian's decoder.embed_positions, h wide (frozen_position_width)")
+    frozen_position_width: Literal["head", "hidden"] = Field(
+        default="head", description="the frozen position table's width: head_dim (RoFormer's rotary table) or h "
+        "(Pegasus's and Marian's sinusoidal embeddings, added to the word embeddings)")
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -424,11 +431,14 @@ class ModelSpec(Spec):
                 raise ValueError(f"{name} is a mixture-of-experts field: it needs num_experts (the routed experts)")
         rows = self.position_rows if self.position_embedding == "learned" else self.frozen_position_rows or None
         if rows is not None and self.seq_length > rows:  # a learned table, or RoFormer's frozen one
-            kind = "learned" if self.position_embedding == "learned" else "frozen rotary"
+            kind = ("learned" if self.position_embedding == "learned" else
+                    "frozen rotary" if self.frozen_position_width == "head" else "frozen sinusoidal")
             raise ValueError(f"s = {self.seq_length:,} tokens is longer than the {kind} position table's {rows:,} rows")
         if self.kv_shared_layers >= self.num_layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer with K / V of its own among "
                              f"the num_layers={self.num_layers}")
+        if self.cross_attention_layers >= self.num_layers:
+            raise ValueError(f"cross_attention_layers={self.cross_attention_layers} leaves no self-attention layer")
         if self.kv_shared_double_mlp and not self.kv_shared_layers:
             raise ValueError("kv_shared_double_mlp widens the K / V-sharing layers' MLP: it needs kv_shared_layers")
         if self.per_layer_input_vocab is not None and not self.per_layer_input_size:
@@ -445,12 +455,9 @@ class ModelSpec(Spec):
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         check_latent(self)
-        return self._experts()._hybrid()
-
-    def _hybrid(self) -> "ModelSpec":
-        """The layer pattern's checks (core/hybrid.py check_hybrid)."""
-        check_hybrid(self)
-        return self
+        model = self._experts()
+        check_hybrid(model)  # the layer pattern's checks (core/hybrid.py)
+        return model
 
     def _experts(self) -> "ModelSpec":
         """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one

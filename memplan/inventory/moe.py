@@ -149,11 +149,22 @@ def moe_layer_terms(terms: Iterable[Term], model: ModelSpec, unfused: bool, meas
     return out
 
 
-def weighted(t: Term, share: Fraction) -> Term:
-    """``t`` in ``share`` of the layers (its elements scaled, its name saying so)."""
+def weighted(t: Term, share: Fraction, kind: str = "") -> Term:
+    """``t`` in ``share`` of the layers (its elements scaled, its name saying so); ``kind`` ("dense" / "moe"): which
+    layers, where a stage's share replaces the model's (Term.layer_kind)."""
     if share == 1:
         return t
-    return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)")
+    return dataclasses.replace(t, elements=t.elements * share, name=f"{t.name} (in {share} of the layers)",
+                               layer_kind=kind)
+
+
+def one_layer(t: Term, model: ModelSpec) -> Term:
+    """A `weighted` term of the dense layers or the MoE layers (Term.layer_kind) as the tensor of one such layer: its
+    kind's share of the model's layers undone."""
+    if not t.layer_kind:
+        return t
+    L, dense = model.num_layers, model.moe_first_dense_layers
+    return dataclasses.replace(t, elements=t.elements * Fraction(L, dense if t.layer_kind == "dense" else L - dense))
 
 
 def _moe_terms(model: ModelSpec, unfused: bool, measured: bool) -> list[Term]:

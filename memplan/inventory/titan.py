@@ -337,12 +337,16 @@ def check_titan_layout(model: ModelSpec) -> None:
                            "first layers and shared experts; balanced routing)")
 
 
-def titan_model(model: ModelSpec) -> ModelSpec:
-    """``model`` as torchtitan builds it, its layout checked (check_titan_layout): DeepSeek-V3 without its
-    multi-token-prediction layers (torchtitan's flavours build ``num_mtp_layers = 0`` by default: model_registry), its
-    latent down projections replicated under TP (``mla_down_replicated``: set_deepseek_v3_sharding_config)."""
+def titan_model(model: ModelSpec, mtp: int = 0) -> ModelSpec:
+    """``model`` as torchtitan builds it, its layout checked (check_titan_layout): DeepSeek-V3 with ``mtp``
+    multi-token-prediction layers (model_registry's num_mtp_layers, 0 by default as torchtitan's flavours: the preset's
+    own are dropped; memplan/inventory/titan_mtp.py), its latent down projections replicated under TP
+    (``mla_down_replicated``: set_deepseek_v3_sharding_config)."""
     check_titan_layout(model)
-    return model.model_copy(update={"mtp_layers": 0, "mla_down_replicated": True}) if is_dsv3(model) else model
+    if mtp and not is_dsv3(model):
+        raise MemplanError("--mtp N: torchtitan 0.3.0 builds multi-token-prediction layers for DeepSeek-V3 only "
+                           "(models/deepseek_v3/mtp.py)")
+    return model.model_copy(update={"mtp_layers": mtp, "mla_down_replicated": True}) if is_dsv3(model) else model
 
 
 def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = (),
@@ -403,8 +407,8 @@ TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's ba
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
               "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
-              "DeepSeek-V3 compiled, with float8 or PP (and its MTP layers, its 16B / 236B "
-              "flavours' router options, "
+              "DeepSeek-V3 compiled, with float8 or with the multi-stage pipeline schedules (and its MTP layers with TP, "
+              "on CUDA measured, in search and in the step time's FLOPs, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set and backward measured on CUDA, its layers' backward moments with EP, TP "
               "or CP measured, the dense first layers' own weight gradients in their attention's and reduce-scatter's "
               "moments), Qwen3 with TP or CP measured, "

@@ -25,13 +25,18 @@ kv_lora_rank, d_n, d_r, d_v the head widths, a heads, f the dense FFN, f_s the s
 * ``full``: the block input only.
 
 Dense first layers: a dense layer's FFN terms weighted by n_dense / L, an MoE layer's (routed and shared) by
-(L - n_dense) / L (as memplan/inventory/moe.py weighs Megatron-LM's), so the layers' total is exact.
+(L - n_dense) / L (as memplan/inventory/moe.py weighs Megatron-LM's), so the layers' total is exact; each tagged with
+its kind (Term.layer_kind), so that with --pp a stage counts its own: torchtitan's pipeline_llm deals layers.0 .. out
+first, so the first stage holds the dense layers (memplan/memory/term_bytes.py kind_share; measured over gloo with
+torchtitan's pipelined model, 1F1B and GPipe: validation/titan_pp.py, tests/test_titan_dsv3_pp.py).
 
 The attention: torchtitan attends with compiled FlexAttention; validation stands in one op that keeps its autograd
 op's save set (q, k, v as passed, out, log-sum-exp: derived from torch 2.13's FlexAttentionAutogradOp, not measured).
 The router's groups: memplan's ModelSpec has no field for them; torchtitan's 671B flavour's (8 groups, 4 chosen) are
 taken (ROUTER_GROUPS).  Multi-token prediction: torchtitan's flavours build ``num_mtp_layers = 0`` by default
-(model_registry): memplan/inventory/titan.py ``titan_model`` drops a model's MTP layers, said in the output.
+(model_registry); asked for (``--mtp N``), its MTPDecoder trains them without PP or CP and refuses them with either
+(``NotImplementedError`` in update_from_config): memplan/inventory/titan_mtp.py; without --mtp
+memplan/inventory/titan.py ``titan_model`` drops a model's MTP layers, said in the output.
 
 States: FSDP2 (+ EP) as for Qwen3 MoE (memplan/memory/stage.py), measured with torchtitan's own
 ``parallelize_deepseekv3`` on 2 ranks over gloo at ep 1 and 2 (validation/titan_dsv3.py ``measure_dsv3_ep_states``):
@@ -69,6 +74,8 @@ from memplan.inventory.moe import weighted
 from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
 from memplan.inventory.titan_dsv3_moments import dsv3_layer_moments
 from memplan.inventory.titan_moe import MODE_FLAGS, TOKENS, titan_moe_terms
+from memplan.inventory.titan_mtp import NOTE as MTP_NOTE
+from memplan.inventory.titan_mtp import mtp_terms
 from memplan.inventory.types import Inventory, Term, saved
 
 DSV3_MEASURED = ("measured: torchtitan 0.3.0 DeepSeek-V3 block on CPU, FlexAttention's save set in a stand-in "
@@ -83,7 +90,9 @@ ROUTER_GROUPS = (8, 4)
 NOTE = ("torchtitan DeepSeek-V3 (models/deepseek_v3): the MLA attention, the dense first layers and the shared "
         "experts measured with its real blocks on CPU (FlexAttention's save set in a stand-in: derived), the routed "
         "experts' terms those of its common MoE (memplan/inventory/titan_moe.py), the router's groups its 671B "
-        "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default); "
+        "flavour's (8, 4 chosen); no multi-token-prediction layers (its flavours build num_mtp_layers 0 by default; "
+        "--mtp N adds them, refused with PP or CP as torchtitan refuses them); with --pp each stage's own dense and MoE layers, "
+        "the stages' saved tensors measured with its pipelined model over gloo (validation/titan_pp.py); "
         "the FSDP2 + EP states measured with its own parallelize_deepseekv3 on 2 ranks over gloo; with --tp (the "
         "latent projections replicated on the whole sequence) and --cp each rank's terms and states measured "
         "(validation/titan_dsv3_tp.py), TP with CP or on CUDA derived")
@@ -153,8 +162,8 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     """One torchtitan DeepSeek-V3 layer's kept tensors (module docstring), the dense and MoE layers' weighted."""
     layer, dense_terms, moe_terms = dsv3_layer_parts(model, device)
     L, dense = model.num_layers, model.moe_first_dense_layers
-    return (*layer, *(weighted(t, Fraction(dense, L)) for t in dense_terms if dense),
-            *(weighted(t, Fraction(L - dense, L)) for t in moe_terms))
+    return (*layer, *(weighted(t, Fraction(dense, L), "dense") for t in dense_terms if dense),
+            *(weighted(t, Fraction(L - dense, L), "moe") for t in moe_terms))
 
 
 def dsv3_layer_parts(model: ModelSpec, device: str) -> tuple[list[Term], list[Term], list[Term]]:
@@ -206,14 +215,16 @@ def dsv3_layer_parts(model: ModelSpec, device: str) -> tuple[list[Term], list[Te
 
 def dsv3_inventory(model: ModelSpec, device: str) -> Inventory:
     """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss), with the
-    layers' backward moments (memplan/inventory/titan_dsv3_moments.py)."""
+    layers' backward moments (memplan/inventory/titan_dsv3_moments.py), its MTP layers' terms on the last stage
+    (memplan/inventory/titan_mtp.py)."""
     layer = dsv3_layer_terms(model, device)
     _, dense_terms, moe_terms = dsv3_layer_parts(model, device)
-    return titan_inventory(model, device, layer, dsv3_layer_moments(model, device, layer, tuple(dense_terms),
-                                                                   tuple(moe_terms)))
+    inv = titan_inventory(model, device, layer, dsv3_layer_moments(model, device, layer, tuple(dense_terms),
+                                                                  tuple(moe_terms)))
+    return dataclasses.replace(inv, terms=inv.terms + tuple(mtp_terms(model, device, layer))) if model.mtp_layers else inv
 
 
 
 def notes(model: ModelSpec) -> list[str]:
     """What the output says of a DeepSeek-V3 model under --impl torchtitan (nothing for another)."""
-    return [NOTE] if is_dsv3(model) else []
+    return ([NOTE] + ([MTP_NOTE] if model.mtp_layers else [])) if is_dsv3(model) else []

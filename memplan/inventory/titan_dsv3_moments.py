@@ -22,7 +22,9 @@ dV (a d_v) beside wo's input gradient (a d_v), its fp32 delta on CUDA (a); valid
 attention with the math sdpa in its backward (s^2 scores), so it is not FlexAttention's and not measured.  It and
 FSDP2's reduce-scatter (and the previous layer's held reduce-scatter input) count an MoE layer's weight gradients in
 every layer: the dense first layers' are fewer (an upper bound there; they are back-propagated last).  TP, EP, CP
-and CUDA derived.
+and CUDA derived.  With --pp the step timeline reads ``Moment.layers`` as positions on a stage: right on the first
+stage, which holds the dense layers (torchtitan's split; the most loaded one under 1F1B and GPipe), while a later
+stage's first n_dense positions take the dense layers' moments in place of the MoE ones (a lower bound there).
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
     (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
     (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
-    shard group's and the TP group's ranks); DeepSeek-V3 the same but --pp; the rest refused in one line; ``gpus`` (0: not
+    shard group's and the TP group's ranks); DeepSeek-V3 the same (its --pp: memplan/memory/pipeline.py titan_split);
+    the rest refused in one line; ``gpus`` (0: not
     known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
     if not model.is_moe:
         if ep > 1:
@@ -156,8 +157,10 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
                                   ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
-    if pp > 1 and model.moe_first_dense_layers:  # DeepSeek-V3: its dense layers' terms are weighted over the model
-        left.append("--pp with dense first layers (DeepSeek-V3: stage 0 holds them)")
+    if model.mtp_layers and (pp > 1 or cp > 1 or tp > 1):  # torchtitan's MTPDecoder refuses PP and CP
+        raise MemplanError("--mtp with " + ("--pp: torchtitan 0.3.0 refuses multi-token prediction with pipeline "
+                           "parallelism" if pp > 1 else "--cp: torchtitan 0.3.0 refuses multi-token prediction with "
+                           "context parallelism" if cp > 1 else "--tp is not modelled yet (measured without TP)"))
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
                            "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))

@@ -74,6 +74,10 @@ class Term:
     needs_ep: bool = False  # exists only with expert parallelism (ep > 1): torchtitan's all-to-all dispatch's tensors
     without_ep: bool = False  # exists only without expert parallelism (ep = 1): torchtitan's MoE output reduce-scattered
     tokenless: bool = False  # no token dimension (torchtitan's all-to-all counts, a weight's fp32 copy): cp keeps it whole
+    # of an MoE model with dense first layers, a term of its dense layers only ("dense") or of its MoE layers ("moe"),
+    # its elements weighted by their share of the model's layers (memplan/inventory/moe.py weighted); a pipeline
+    # stage's own share replaces it where the kinds are modelled per stage (memplan/memory/term_bytes.py kind_share)
+    layer_kind: str = ""
 
     @property
     def recompute_flags(self) -> tuple:

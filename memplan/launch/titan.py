@@ -147,7 +147,9 @@ def titan_document(config: Config) -> dict:
             "training.disable_cuda_graphs": par.pp > 1 or ep > 1,
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
-            "loss": "CrossEntropyLoss", "converters": _converters(config)}
+            # DeepSeek-V3's MTP layers (model_registry num_mtp_layers; MTPLoss, as its deepseek_v3_debugmodel_mtp)
+            "num_mtp_layers": config.model.mtp_layers,
+            "loss": "MTPLoss" if config.model.mtp_layers else "CrossEntropyLoss", "converters": _converters(config)}
 
 
 def titan_launch(config: Config) -> Launch:
@@ -166,8 +168,8 @@ def titan_launch(config: Config) -> Launch:
         f"    PYTHONPATH=. {ALLOC_CONF}={EXPANDABLE} torchrun --nproc_per_node={gpus} \\",
         f"        -m torchtitan.train --module {MODULE} --config {FUNCTION}",
         '"""',
-        "from torchtitan.components.loss import CrossEntropyLoss",
-    ] + (["from torchtitan.components.quantization import Float8LinearConverter"] if config.training.float8 else []) + [
+    ] + (["from torchtitan.components.loss import CrossEntropyLoss"] if not doc["num_mtp_layers"] else []) + (
+        ["from torchtitan.components.quantization import Float8LinearConverter"] if config.training.float8 else []) + [
         "from torchtitan.config import CompileConfig, ParallelismConfig",
     ]
     if imports:
@@ -176,15 +178,17 @@ def titan_launch(config: Config) -> Launch:
         "from torchtitan.models.common.config_utils import decoder_vocab_size",
         f"from torchtitan.models.{doc['family']} import model_registry",
         f"from torchtitan.models.{doc['family']}.config_registry import {doc['base']}",
+    ] + (["from torchtitan.models.deepseek_v3.mtp import MTPLoss"] if doc["num_mtp_layers"] else []) + [
         "from torchtitan.trainer import Trainer",
         "",
         "",
         f"def {FUNCTION}() -> Trainer.Config:",
         f"    config = {doc['base']}()",
-        f"    config.model_spec = model_registry(\"{doc['flavor']}\", converters={doc['converters']})",
+        f"    config.model_spec = model_registry(\"{doc['flavor']}\", converters={doc['converters']}"
+        + (f", num_mtp_layers={doc['num_mtp_layers']})" if doc["num_mtp_layers"] else ")"),
         "    config.compile = CompileConfig(enable=True, components=[\"model\"])" if doc["compile.enable"] else
         "    config.compile = CompileConfig(enable=False)",
-        "    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
+        f"    config.loss = {doc['loss']}.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
         f"    config.training.global_batch_size = {doc['training.global_batch_size']}",
         f"    config.training.seq_len = {doc['training.seq_len']}",
@@ -221,8 +225,10 @@ def titan_launch(config: Config) -> Launch:
                                     "setting)" if config.parallel.tp > 1 else "")
                      + ": memplan assumes balanced routing (the expert-side sizes grow with imbalance)")
         if config.model.is_mla:
-            notes.append("DeepSeek-V3 as torchtitan's model_registry builds it: no multi-token-prediction layers "
-                         "(num_mtp_layers 0), the 671B flavour's router groups; under TP its latent projections "
+            mtp = config.model.mtp_layers
+            notes.append("DeepSeek-V3 as torchtitan's model_registry builds it: " + (
+                         f"num_mtp_layers {mtp} with MTPLoss" if mtp else "no multi-token-prediction layers "
+                         "(num_mtp_layers 0)") + ", the 671B flavour's router groups; under TP its latent projections "
                          "(wq_a, wkv_a and their norms) replicated on the whole sequence (set_deepseek_v3_sharding_"
                          "config), the shared experts colwise / rowwise")
         if doc["family"] == "qwen3" and doc["flavor"] != "30B-A3B":

@@ -111,16 +111,21 @@ def titan_stage_layers(p: int, num_layers: int, input_weight: int = 1, output_we
     return tuple(out)
 
 
-def titan_split(p: int, num_layers: int) -> tuple[Any, Any]:
+def titan_split(p: int, num_layers: int, dense: int = 0) -> tuple[Any, Any]:
     """torchtitan's split (`titan_stage_layers`) as memplan models it: (first, last) stage layers where they differ
     from the middle stages', (None, None) where every stage holds L / p. ValueError where torchtitan cannot split the
-    layers, a stage holds none, or the middle stages differ in size (not modelled: llama3-8b at p = 4, 8, 9, 8, 7):
-    the one rule `estimate --impl torchtitan --pp` and `search --impl torchtitan` apply."""
+    layers, a stage holds none, the middle stages differ in size (not modelled: llama3-8b at p = 4, 8, 9, 8, 7) or
+    an MoE model's ``dense`` first layers (DeepSeek-V3's n_dense_layers: layers.0 .. dense - 1, dealt out first) do
+    not all fit in the first stage (memplan counts them there: memplan/memory/term_bytes.py kind_share): the one rule
+    `estimate --impl torchtitan --pp` and `search --impl torchtitan` apply."""
     split = titan_stage_layers(p, num_layers)
     if len(set(split[1:-1])) > 1 or min(split) < 1:
         raise ValueError(f"torchtitan splits the {num_layers} layers over {p} stages as {', '.join(map(str, split))}: "
                          + ("middle stages of different sizes are" if min(split) else "a stage without layers is")
                          + " not modelled yet")
+    if dense > split[0]:
+        raise ValueError(f"torchtitan's first of {p} stages holds {split[0]} layers, fewer than the {dense} dense first "
+                         "layers: dense layers beyond the first stage are not modelled yet")
     return (None, None) if len(set(split)) == 1 else (split[0], split[-1])
 
 

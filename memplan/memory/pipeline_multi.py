@@ -70,12 +70,17 @@ def rank_chunks(rank: int, p: int, m: int, num_layers: int, kind: str) -> tuple[
 
 
 def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compiled: bool = False,
-                  moe: bool = False) -> str:
+                  moe: bool = False, dense_first: bool = False) -> str:
     """Why torch 2.13 does not run `kind` with m stages a rank and M micro-batches (None: any), or memplan does not
     model it ("" when both do): the V schedules take exactly 2 stages a rank (ScheduleZBVZeroBubble,
     ScheduleDualPipeV), DualPipeV at least 2p micro-batches, Interleaved1F1B and InterleavedZeroBubble M a multiple of
     max(1, M // p) (`torch_round`); a split backward through compiled blocks, or through an MoE block (``moe``: the
-    I -> W gradients are the dense block's, memplan/inventory/titan.py split_backward_grads), is not modelled."""
+    I -> W gradients are the dense block's, memplan/inventory/titan.py split_backward_grads), is not modelled; nor is
+    any multi-stage schedule of an MoE model with dense first layers (``dense_first``, DeepSeek-V3: memplan counts a
+    stage's dense and MoE layers for the single-stage split, memplan/memory/term_bytes.py kind_share)."""
+    if dense_first:
+        return (f"--pipeline-schedule {kind} with DeepSeek-V3's dense first layers is not modelled: its per-stage "
+                "dense and MoE layers are, for torchtitan's single-stage schedules (1F1B, GPipe)")
     if kind in V_SCHEDULES and m != 2:
         return f"torch's {kind} takes exactly 2 stages per rank, not {m}"
     if moe and kind in SPLIT_BACKWARD:

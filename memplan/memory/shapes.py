@@ -13,8 +13,8 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths, gate_rows, layer_kinds,
-                                    layer_vectors, output_layer_group, position_rows)
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths, frozen_position_width,
+                                    gate_rows, layer_kinds, layer_vectors, output_layer_group, position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -156,7 +156,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
                          WeightShape("per-layer input gate / projection", "per_layer_projection", P("h"), p, 1, "cols")]
         layer += [WeightShape("per-layer input layer norm", "post_per_layer_input_norm", P("h"), None)] * \
             model.norm_params
-    first = [WeightShape("word embedding", "word embedding", P("v"), e, 1, "rows")] + embedding_norm
+    word_rows = P("v") + P(str(model.vocab_extra_rows)) if model.vocab_extra_rows else P("v")  # Mllama: 8 beyond v
+    first = [WeightShape("word embedding", "word embedding", word_rows, e, 1, "rows")] + embedding_norm
     if model.per_layer_input_size:  # embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm
         Lp = Poly.parse(str(model.num_layers * model.per_layer_input_size))
         rows = Poly.parse(str(model.per_layer_input_vocab or model.vocab_size))
@@ -170,9 +171,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h
         first += [WeightShape("embedding projection", "embedding projection", P("h"), e),
                   WeightShape("embedding projection", "embedding projection bias", P("h"), None)]
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions (head_dim wide); Pegasus, Marian: h wide
         first.append(WeightShape("frozen position table", "embed_positions", P(str(model.frozen_position_rows)),
-                                 P("q /a")))
+                                 frozen_position_width(model)))
     final += [WeightShape("output head bias", "lm_head bias", P("v"), None, 1, "rows")] if model.head_bias else []
     if model.head_transform:  # BERT: cls.predictions.transform (dense h x h with bias, LayerNorm)
         final += [WeightShape("output head transform", "head transform dense", e_out, P("h")),
@@ -249,9 +250,10 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
                   layout: Layout = "fused") -> optimizers.StageTensors:
     """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays)."""
-    if model.layer_pattern:
-        raise MemplanError("a state-space hybrid's layers differ in their tensors (layer_pattern): per-tensor optimizer "
-                           "states and optimizer offload are not modelled for it; use --optimizer adamw or sgd")
+    if model.layer_pattern or model.cross_attention_layers:
+        kind = "a state-space hybrid's (layer_pattern)" if model.layer_pattern else "Mllama's (cross_attention_layers)"
+        raise MemplanError(f"{kind} layers differ in their tensors: per-tensor optimizer states and optimizer offload "
+                           "are not modelled for it; use --optimizer adamw or sgd")
     shapes = weight_shapes(model, layout)
     on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)

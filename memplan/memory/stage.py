@@ -33,7 +33,7 @@ from memplan.memory.states import (
     stage_params,
     state_bytes,
 )
-from memplan.memory.term_bytes import PlanValues, TermBytes, term_bytes_for, term_count
+from memplan.memory.term_bytes import PlanValues, TermBytes, stage_unit_bytes, term_bytes_for, term_count
 from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, is_multi, one, rank_chunks, rank_peak, rank_stages,
                                            steady_microbatches)
 
@@ -106,7 +106,7 @@ def stage_memory(
     activations: Any = 0
     working: Any = 0
     for term in terms + zb_terms:
-        per = unit_bytes[term.id] = sizes(term)
+        per = unit_bytes[term.id] = stage_unit_bytes(sizes, model, term, plan, stage)  # a dense / MoE layer's: the stage's
         key = term.recompute_flags
         if key not in counts and not multi:
             counts[key] = term_count(term, plan, layers_per_chunk, stage, recomputed)

@@ -38,6 +38,7 @@ GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
 # an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
 CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
                                          "cross-attention output bias")
+CROSS_EXTRA = "cross-attention layers' q / k norms and gates"  # ModelSpec.cross_attention_layers (Mllama)
 
 
 _GROUPS: dict[int, tuple[ModelSpec, tuple[ParamGroup, ...]]] = {}  # by the (frozen) model's identity, model kept
@@ -109,6 +110,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.moe_block_norms and model.norm_params:  # Gemma 4: the MoE block's own norms
             groups.append(ParamGroup("MoE block norms", Poly.parse(norm) * model.moe_block_norms, False, "moe"))
     groups += gemma4_groups(model)
+    if model.cross_attention_layers:  # Mllama: MllamaTextCrossAttention's q_norm, k_norm; cross_attn_attn / mlp_gate
+        groups.append(ParamGroup(CROSS_EXTRA, Poly.parse_sum("2 q /a + 2"), False, "cross"))
     if not model.is_moe or model.moe_first_dense_layers or (model.layer_pattern and model.layer_blocks["dense"]):
         prefix = "dense " if model.is_moe else ""
         groups += [
@@ -139,7 +142,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
     e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
-    groups.append(ParamGroup("word embedding", Poly.parse("v") * e, True, "first"))
+    rows = Poly.parse("v") + number(model.vocab_extra_rows) if model.vocab_extra_rows else Poly.parse("v")
+    groups.append(ParamGroup("word embedding", rows * e, True, "first"))  # Mllama: 8 rows beyond v
     if model.embedding_norm:  # BLOOM: word_embeddings_layernorm; ELECTRA's e wide
         groups.append(ParamGroup("embedding norm", e * (1 + model.has_norm_bias), False, "first"))
     if model.position_embedding == "learned":
@@ -148,9 +152,9 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim (requires_grad false)
-        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * Poly.parse("q /a"),
-                                 False, "first"))
+    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
+        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
+            model), False, "first"))
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
@@ -314,6 +318,12 @@ def layer_vectors(model: ModelSpec) -> list[tuple[str, str, Poly]]:
     return lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
 
 
+def frozen_position_width(model: ModelSpec) -> Poly:
+    """The width of a frozen position table (requires_grad false): head_dim (RoFormer's rotary table) or h (Pegasus's
+    and Marian's sinusoidal embeddings)."""
+    return Poly.parse("q /a" if model.frozen_position_width == "head" else "h")
+
+
 def position_rows(model: ModelSpec) -> Poly:
     """Rows of a learned position table: the model's own count (transformers' max_position_embeddings), else s (K22,
     Megatron-LM), and OPT's / BioGPT's 2 rows beyond (their position ids start at 2)."""
@@ -354,15 +364,15 @@ def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0) 
     """How many of a stage's `layers` layers each layer scope's groups are in: every layer ("layer"), the
     dense layers of an MoE model ("dense": the first moe_first_dense_layers, all on the first stage, as
     Config checks) and its MoE layers ("moe": the others); Gemma 4's full-attention layers ("full": the
-    stage's share of them, exact for the whole model, derived for a stage) and K / V-sharing layers (the last
-    kv_shared_layers, all on the last stage)."""
+    stage's share of them, exact for the whole model, derived for a stage; Mllama's cross-attention layers, "cross",
+    the same) and K / V-sharing layers (the last kv_shared_layers, all on the last stage)."""
     if model.layer_pattern:  # a hybrid: the stage's share of each block (exact for the whole model, derived per stage)
         return {"layer": layers, **{k: layers * n // model.num_layers for k, n in model.layer_blocks.items()}}
     dense = model.moe_first_dense_layers * is_first
     shared_full = model.kv_shared_full_layers * is_last
     return {"layer": layers, "moe": layers - dense, "dense": dense, "full": layers * model.full_layers //
             model.num_layers, "kv_shared": model.kv_shared_layers * is_last - shared_full,
-            "kv_shared_full": shared_full}
+            "kv_shared_full": shared_full, "cross": layers * model.cross_attention_layers // model.num_layers}
 
 
 def block_share(model: ModelSpec, per_scope: Mapping[str, Any]) -> Any:
@@ -408,7 +418,8 @@ def layer_params(model: ModelSpec, count: Count) -> Any:
         elif group.scope in kinds:
             kinds[group.scope] = kinds[group.scope] + count(group)
     moe, dense = kinds["moe"], kinds["dense"]
-    full = sum((count(g) for g in param_groups(model) if g.scope == "full"), 0)  # Gemma 4: a full-attention layer
+    # Gemma 4: a full-attention layer's own; Mllama: a cross-attention layer's
+    full = sum((count(g) for g in param_groups(model) if g.scope in ("full", "cross")), 0)
     if model.layer_pattern:  # a hybrid: its largest layer, block by block (LAYER_BLOCKS)
         block = {scope: sum((count(g) for g in param_groups(model) if g.scope == scope or
                              scope == "shared" and g.name in ZAMBA_SHARED), 0)  # the shared block, gathered per use

@@ -460,9 +460,9 @@ class _Run:
     def run(self, steps: int, first_seq: Optional[int]) -> AllocationStream:
         self.phases: list[tuple[str, int]] = [("model built", 0)]
         self.workspaces = 0
-        self.sizes = main = Sizes(self.model, self.inv, self.tr, self.plan)
+        self.sizes = main = Sizes(self.model, self.inv, self.tr, self.plan, self.stage)
         first = main if first_seq in (None, self.model.seq_length) else Sizes(
-            self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan)
+            self.model.model_copy(update={"seq_length": first_seq}), self.inv, self.tr, self.plan, self.stage)
         self._build()
         order = schedule(self.stage, int(self.plan.p), self.m, self.M, self.plan.schedule)
         walked = walked_pair(order, self.is_first, self.is_last, self.m)

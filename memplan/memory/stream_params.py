@@ -23,7 +23,7 @@ from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.shapes import weight_shapes
 from memplan.memory.states import output_layer_group, param_groups
-from memplan.memory.term_bytes import PlanValues, TermBytes
+from memplan.memory.term_bytes import PlanValues, TermBytes, kind_share, whole_layer
 
 _COMM_WORDS = ("gather", "all-to-all", "alltoall", "dispatch")  # a term named so is a communication buffer
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",), "lion": ("exp_avg",),
@@ -180,8 +180,10 @@ class Persistent:
 class Sizes:
     """Requested and counted bytes of terms for one sequence length (memplan/memory/stream.py's events)."""
 
-    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues) -> None:
+    def __init__(self, model: ModelSpec, inventory: Inventory, training: TrainingSpec, plan: PlanValues,
+                 stage: int = 0) -> None:
         self.values, self.act, self.sp = plan.symbols(model), training.activation_bytes, plan.sp
+        self.model, self.plan, self.stage = model, plan, stage
         self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
         self.cache: dict[tuple, tuple] = {}
 
@@ -191,12 +193,16 @@ class Sizes:
         hit = self.cache.get((id(term), kind))
         if hit is not None:
             return hit[1]
-        n, st = term.bytes(self.values, self.act, self.sp), term.storages
-        poly = term.split_size(self.act, bool(self.sp)) * Fraction(1, st)
+        num, den, one = 1, 1, term  # a dense / MoE layer's term: one layer's tensor x the stage's share of its kind
+        if term.layer_kind:
+            (num, den), one = kind_share(self.model, term, self.plan, self.stage), whole_layer(self.model, term)
+        n, st = one.bytes(self.values, self.act, self.sp) * num // den, term.storages
+        poly = one.split_size(self.act, bool(self.sp)) * Fraction(int(num), st * int(den))
         for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
             poly = poly.assign(sym, self.values[sym])
         comm = any(w in term.name.lower() for w in _COMM_WORDS)
         # the term kept in the entry: its id() stays its own while cached
-        sizes = (-(-n // st), self.counted(term) // st, st * (n > 0), poly, "communication" if comm else kind)
+        sizes = (-(-n // st), self.counted(one) * num // den // st, st * (n > 0), poly,
+                 "communication" if comm else kind)
         self.cache[id(term), kind] = (term, sizes)
         return sizes

@@ -11,6 +11,7 @@ from memplan.core.arith import minimum
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
+from memplan.inventory.moe import one_layer
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import schedule_in_flight, stage_layers
 from memplan.memory.pipeline_multi import is_multi, one, rank_chunks, stage_ends
@@ -178,6 +179,41 @@ def term_bytes_for(model: ModelSpec, plan: PlanValues, activation_bytes: int, gr
 def symbol_values(model: ModelSpec, plan: PlanValues) -> dict[str, Any]:
     """Bind the K22 symbols once: s, b, h, a, f, g, v, t (and cp, ep, etp)."""
     return plan.symbols(model)
+
+
+_WHOLE: dict[tuple, tuple[Term, Term]] = {}
+
+
+def whole_layer(model: ModelSpec, term: Term) -> Term:
+    """A dense-layer or an MoE-layer term as the tensor of one such layer (memplan/inventory/moe.py one_layer), cached
+    by the term."""
+    L, nd = model.num_layers, model.moe_first_dense_layers
+    key = (id(term), L, nd)
+    hit = _WHOLE.get(key)
+    if hit is None:
+        if len(_WHOLE) >= CACHE_ENTRIES:
+            _WHOLE.clear()
+        hit = _WHOLE[key] = (term, one_layer(term, model))
+    return hit[1]
+
+
+def kind_share(model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> tuple[Any, Any]:
+    """(numerator, denominator) of the share of stage `stage`'s n layers that are of a dense / MoE layer term's kind
+    (Term.layer_kind): torchtitan's split keeps the nd dense first layers on the first stage (memplan/memory/pipeline.py
+    titan_split checks it), so stage 0 holds nd dense and n - nd MoE layers, the others n MoE layers. Without PP
+    (n = L) the model's nd / L and (L - nd) / L, the inventory's weights."""
+    nd, n = model.moe_first_dense_layers, plan.layers(model, stage)
+    d = nd * (stage == 0)
+    return (d, n) if term.layer_kind == "dense" else (n - d, n)
+
+
+def stage_unit_bytes(sizes: "TermBytes", model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> Any:
+    """Bytes of one copy of `term` on stage `stage` (`sizes`: the plan's TermBytes): a dense / MoE layer term's one
+    layer's tensor (each storage rounded as allocated) times its kind's share of the stage's layers (`kind_share`)."""
+    if not term.layer_kind:
+        return sizes(term)
+    num, den = kind_share(model, term, plan, stage)
+    return sizes(whole_layer(model, term)) * num // den
 
 
 def term_count(term: Term, plan: PlanValues, layers_per_chunk: Any, stage: Any, recomputed: Any = None) -> Any:

@@ -365,8 +365,10 @@ def _layer_moment_positions(moments: list[Moment], layers: list[Any], n: Any, N:
         below = np.searchsorted(P, N, side="right")  # positions <= N
         last_in = P[np.maximum(below - 1, 0)]
         first_out = P[np.minimum(below, len(P) - 1)]
-        out += [(P[0] + 0 * below, m, 1 * (below > 0)), (last_in, m, 1 * (below > 0)),
-                (first_out, m, 1 * (below < len(P))), (P[-1] + 0 * below, m, 1 * (below < len(P)))]
+        # a stage of fewer layers than the model's (pipeline stages): its positions only (P's tail contiguous)
+        out += [(P[0] + 0 * below, m, 1 * (below > 0)), (minimum(last_in, n), m, 1 * (below > 0)),
+                (minimum(first_out, n), m, 1 * (below < len(P)) * (P[0] <= n)),
+                (minimum(P[-1], n) + 0 * below, m, 1 * (below < len(P)) * (P[0] <= n))]
     return out
 
 

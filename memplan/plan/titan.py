@@ -31,7 +31,8 @@ same flags, memplan/api/options.py):
   ep          a Qwen3 MoE model's: the divisors of E dividing dp_shard cp tp (torchtitan's efsdp = dp_shard cp tp / ep),
               with tp (the experts' etp torchtitan's: tp at ep 1, 1 at ep > 1), cp, HSDP and pp (not the split-backward
               schedules: multi_refusal) and no compile or float8 (`moe_dims`; memplan/inventory/titan_moe.py);
-              DeepSeek-V3's the same without pp (its dense first layers); dense models ep 1.
+              DeepSeek-V3's the same, pp with the single-stage schedules only and its dense first layers all in
+              the first stage (titan_split, multi_refusal); dense models ep 1.
 Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
 --pipeline-layers-per-stage).
 float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
@@ -53,7 +54,7 @@ from memplan.core.training import Recompute
 from memplan.inventory.titan import LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.memory.pipeline import SINGLE_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
-from memplan.memory.pipeline_multi import MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_runs
+from memplan.memory.pipeline_multi import MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_refusal, multi_runs
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
 
@@ -149,18 +150,21 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
         for s in schedules:
             try:
                 if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at L / p: titan_plans)
-                    if L % p or ((pins.compile or model.is_moe) and s in SPLIT_BACKWARD):
+                    if L % p or multi_refusal(p, 2, None, s, bool(pins.compile), model.is_moe,
+                                              bool(model.moe_first_dense_layers)):
                         raise ValueError(s)
                     titan_stage_layers(2 * p, L)
                     out.append((p, None, None, s))
                 else:
-                    out.append((p, *titan_split(p, L), s))
+                    out.append((p, *titan_split(p, L, model.moe_first_dense_layers), s))
             except ValueError:
                 (multi_skipped if is_multi(s) else skipped).append(p)
-    why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes or a "
-                           "stage without layers (not modelled: memplan/memory/pipeline.py titan_split)",
+    why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes, a "
+                           "stage without layers or dense first layers beyond the first stage (not modelled: "
+                           "memplan/memory/pipeline.py titan_split)",
            "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or a "
-                          "split-backward schedule with --compile or an MoE model (not modelled)"}
+                          "split-backward schedule with --compile or an MoE model, or DeepSeek-V3's dense first "
+                          "layers (not modelled: memplan/memory/pipeline_multi.py multi_refusal)"}
     for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
         if ps:
             notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
@@ -188,12 +192,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
     parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
     dims = moe_dims(model, pins, float8)  # the pins' refusals first (as estimate's), before any pp is left out
-    if model.is_moe and model.moe_first_dense_layers:  # estimate refuses them (titan_moe.check_titan_moe)
-        splits, notes = [x for x in splits if x[0] == 1], notes + [
-            "torchtitan MoE with dense first layers (DeepSeek-V3): pp not searched (not modelled)"]
     if model.is_moe:  # FSDP2 / HSDP with EP, PP and (Qwen3 MoE) TP (moe_dims)
-        notes = notes + [("torchtitan MoE: ep, tp and cp searched" if model.is_mla else
-                          "torchtitan MoE: ep, tp, cp and pp searched")
+        notes = notes + ["torchtitan MoE: ep, tp, cp and pp searched"
                          + ", the split-backward schedules not; EP's all-to-alls timed as Megatron-LM's alltoall dispatcher's "
                          "(memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:

@@ -2,11 +2,12 @@
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
 and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
 with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and
-the decoders of the encoder-decoder models MVP, TrOCR, BigBird-Pegasus and Whisper run alone (seq2seq: their
-cross-attention counted, not run). ``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as
-hf_own_keys.OWN_KEYS does), ``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of
-one says; each checked by the registry walk (memplan/check/registry.py) against transformers' parameter count of the
-model on the meta device, and its traced saved bytes against a real CPU run.
+the decoders of the encoder-decoder models BART, mBART, PLBart, Pegasus, Blenderbot, Blenderbot-Small, Marian, MVP,
+TrOCR (``_BART_LIKE``), BigBird-Pegasus and Whisper run alone (seq2seq: their cross-attention counted, not run).
+``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does),
+``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the
+registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and
+its traced saved bytes against a real CPU run.
 
 Every BERT-like here: learned absolute positions (and, but BERT-generation, token-type embeddings), LayerNorms with
 bias, every linear biased, a plain MLP intermediate_size wide (hidden_act: GeLU), an output head with a bias v wide
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
@@ -85,24 +87,61 @@ def _rembert(data: dict, path: Path) -> dict[str, Any]:
     return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": widths}
 
 
+# BART's decoder and its copies run alone (*ForCausalLM), each as its config class defaults it and its decoder builds
+# it: pre-LN layers ending in a final LayerNorm (mBART, Pegasus, Blenderbot) or post-LN ones without (the others); the
+# positions learned from row 2 (BartLearnedPositionalEmbedding's offset), learned from row 0 (Blenderbot's, Blenderbot-
+# Small's) or sinusoidal, frozen (Pegasus's and Marian's *SinusoidalPositionalEmbedding: an nn.Embedding with _freeze,
+# max_position_embeddings x d_model, requires_grad false); an embedding LayerNorm (layernorm_embedding) or not; the
+# defaults of decoder_layers, d_model, decoder_attention_heads, decoder_ffn_dim for a missing key. scale_embedding
+# multiplies the embeddings by sqrt(d_model) (no parameter: in the trace); final_logits_bias is a buffer of
+# *ForConditionalGeneration only, which *ForCausalLM does not build.
+_BART_LIKE: dict[str, dict[str, Any]] = {
+    "BartForCausalLM": dict(pre_norm=False, positions="learned", offset=2, embedding_norm=True),
+    "MvpForCausalLM": dict(pre_norm=False, positions="learned", offset=2, embedding_norm=True),
+    "TrOCRForCausalLM": dict(pre_norm=False, positions="learned", offset=2, embedding_norm=True, keyed=True),
+    "PLBartForCausalLM": dict(pre_norm=False, positions="learned", offset=2, embedding_norm=True,
+                              defaults=(6, 768, 12, 3072)),
+    "MBartForCausalLM": dict(pre_norm=True, positions="learned", offset=2, embedding_norm=True),
+    "PegasusForCausalLM": dict(pre_norm=True, positions="frozen", offset=0, embedding_norm=False),
+    "BlenderbotForCausalLM": dict(pre_norm=True, positions="learned", offset=0, embedding_norm=False,
+                                  defaults=(24, 2560, 32, 10240)),
+    "BlenderbotSmallForCausalLM": dict(pre_norm=False, positions="learned", offset=0, embedding_norm=True,
+                                       defaults=(8, 512, 16, 2048)),
+    "MarianForCausalLM": dict(pre_norm=False, positions="frozen", offset=0, embedding_norm=False),
+}
+
+
 def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
-    """The decoder of a BART-like encoder-decoder model run alone (MvpForCausalLM, TrOCRForCausalLM): post-LN layers
-    of self-attention, cross-attention and a GeLU MLP decoder_ffn_dim wide, every linear biased, three LayerNorms a
-    layer; learned positions from row 2 (BartLearnedPositionalEmbedding's offset)
-    or TrOCR's sinusoidal ones (no parameters); an embedding LayerNorm; the head tied, without bias)."""
+    """The decoder of a BART-like encoder-decoder model run alone (``_BART_LIKE``): layers of self-attention,
+    cross-attention and a GeLU MLP decoder_ffn_dim wide, every linear biased, three LayerNorms a layer; the head tied
+    (unless tie_word_embeddings is false), without bias.  TrOCR's keys choose its positions
+    (use_learned_position_embeddings: false, sinusoidal ones in a buffer, no parameters) and its embedding norm
+    (layernorm_embedding); Marian's decoder_vocab_size other than vocab_size is refused (its decoder's embeddings
+    and its head would differ in rows)."""
     arch = (data.get("architectures") or ["?"])[0]
-    h = nat(data, "d_model", 1024, path)
-    learned = flag(data, "use_learned_position_embeddings", True, path)
+    kind = _BART_LIKE[arch]
+    layers, h, heads, ffn = kind.get("defaults", (12, 1024, 16, 4096))
+    h = nat(data, "d_model", h, path)
+    keyed = kind.get("keyed", False)  # TrOCR's two switches, read for TrOCR only
+    learned = kind["positions"] == "learned" and (not keyed or flag(data, "use_learned_position_embeddings", True,
+                                                                     path))
     if flag(data, "use_prompt", False, path) or data.get("cross_attention_hidden_size") not in (None, h):
         raise MemplanError(f"{path}: {arch} with use_prompt (MVP's prompt encoders) or cross_attention_hidden_size "
                            f"other than d_model: not modelled; {YAML_HINT}")
-    return dict(num_layers=nat(data, "decoder_layers", 12, path), hidden_size=h,
-                num_attention_heads=nat(data, "decoder_attention_heads", 16, path),
-                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=True,
-                position_embedding="learned" if learned else "rope", position_offset=2 if learned else 0,
-                embedding_norm=flag(data, "layernorm_embedding", True, path), final_norm=False, norms_per_layer=3,
-                layer_layout="post-norm", encoder_kind="seq2seq", tied_embeddings=flag(data, "tie_word_embeddings",
-                                                                                       True, path))
+    if data.get("decoder_vocab_size") not in (None, data.get("vocab_size")):
+        raise MemplanError(f"{path}: {arch} with decoder_vocab_size {echo(data['decoder_vocab_size'])} other than "
+                           f"vocab_size {echo(data.get('vocab_size'))}: not modelled; {YAML_HINT}")
+    frozen = (dict(frozen_position_rows=nat(data, "max_position_embeddings", 1024, path),
+                   frozen_position_width="hidden") if kind["positions"] == "frozen" else {})
+    return dict(num_layers=nat(data, "decoder_layers", layers, path), hidden_size=h,
+                num_attention_heads=nat(data, "decoder_attention_heads", heads, path),
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", ffn, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned" if learned else "rope", position_offset=kind["offset"] if learned else 0,
+                **frozen,
+                embedding_norm=flag(data, "layernorm_embedding", True, path) if keyed else kind["embedding_norm"],
+                final_norm=kind["pre_norm"], norms_per_layer=3,
+                layer_layout="sequential" if kind["pre_norm"] else "post-norm", encoder_kind="seq2seq",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
 def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
@@ -153,9 +192,7 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
     "XLMRobertaXLForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
-    # BART's own decoder, PLBart's, mBART's, ... have the same parameters, but their traces keep a mask a real run
-    # drops (memplan/check/registry.py _ONES_MASK): not read
-    **{arch: _bart_decoder for arch in ("MvpForCausalLM", "TrOCRForCausalLM")},
+    **{arch: _bart_decoder for arch in _BART_LIKE},
     "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
     "WhisperForCausalLM": _whisper_decoder,
 }
@@ -168,6 +205,9 @@ NOT_READ = {
     "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
+    "GitForCausalLM": "GIT: its loss drops the first image_patch_tokens logits (197 at the defaults) as image "
+                      "positions, so a text-only step with labels fails (s - 197 logits against s - 1 labels), and a "
+                      "step with images runs its CLIP image encoder, which memplan does not model",
     "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
                           "and a pooler (h x h + h) beside the LM head",
 }
@@ -175,7 +215,10 @@ NOT_READ = {
 # the position limit's key and default of each (the config classes' defaults)
 POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
              "RoFormerForCausalLM": ("max_position_embeddings", 1536),
-             "MvpForCausalLM": ("max_position_embeddings", 1024),
+             **{arch: ("max_position_embeddings", 1024) for arch in _BART_LIKE},
+             "BlenderbotForCausalLM": ("max_position_embeddings", 128),
+             "BlenderbotSmallForCausalLM": ("max_position_embeddings", 512),
+             "TrOCRForCausalLM": ("max_position_embeddings", 512),
              "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096),
              "WhisperForCausalLM": ("max_target_positions", 448)}
 
@@ -189,11 +232,16 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-_SEQ2SEQ = ("MvpForCausalLM", "TrOCRForCausalLM", "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
+_SEQ2SEQ = (*_BART_LIKE, "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
 ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
                                          "x h / a, requires_grad false) is counted with the parameters, and its "
                                          "gradient and optimizer states as if trained (derived: an overestimate)")
+for _arch in ("PegasusForCausalLM", "MarianForCausalLM"):
+    ENCODER_NOTES[_arch] += ("; its sinusoidal positions (decoder.embed_positions, an nn.Embedding of "
+                             "max_position_embeddings x d_model built frozen, requires_grad false) are counted with "
+                             "the parameters, as transformers counts them, and their gradient and optimizer states as "
+                             "if trained (derived: an overestimate)")
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
