@@ -369,8 +369,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
         for sym, least in inventory.traced_from:
             if plan_values[sym] < least and least > 2:  # a fitted trace (validation/trace_fit.py): its least s
-                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: the least s its saves "
-                             "were fitted from): its polynomials are used there, not checked against a run")
+                why = ("the least s its saves were fitted from" if "fitted:" in inventory.origin else "the side of a "
+                       "guard on s the trace took, e.g. an indexer's top-k of min(index_topk, s) keys")
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: {why}): its "
+                             "polynomials are used there, not checked against a run")
             elif plan_values[sym] < least:
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
