@@ -128,7 +128,8 @@ def test_no_sdpa_list_agrees_with_transformers():
              "BigBirdPegasusForCausalLM": "bigbird_pegasus", "RemBertForCausalLM": "rembert",
              "RoFormerForCausalLM": "roformer", "XLMWithLMHeadModel": "xlm", "BigBirdForCausalLM": "big_bird",
              "GPTNeoXJapaneseForCausalLM": "gpt_neox_japanese", "CpmAntForCausalLM": "cpmant",
-             "ProphetNetForCausalLM": "prophetnet"}
+             "ProphetNetForCausalLM": "prophetnet",
+             "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
     missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]

@@ -324,7 +324,8 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
            "xlm": "XLM (eager attention only)", "big_bird": "BigBird (eager attention only)",
            "gpt_neox_japanese": "GPT-NeoX-Japanese (eager attention only)", "cpmant": "CPM-Ant (eager attention only)",
-           "prophetnet": "ProphetNet (eager attention only)"}
+           "prophetnet": "ProphetNet (eager attention only)",
+           "flint": "Flint (attention sinks)", "mimo_v2_flash": "MiMo-V2-Flash (attention sinks)"}
 
 
 def check_impl(data: object, impl: str) -> None:
