@@ -70,7 +70,7 @@ def test_a_listed_plan_shows_estimates_need_and_a_dead_run_leaves_the_count():
     assert est.estimate.device.replayed
     row = search("llama3-8b", all_variants=True, **plan).to_dict()["plans"][0]
     assert row["memory"]["device_bytes"] == est.device_bytes
-    bound = int(est.estimate.device.flat_total)
+    bound = int(est.estimate.flat_total)
     assert not estimate("llama3-8b", mem=bound, **plan).fits
     tight = search("llama3-8b", all_variants=True, mem=bound, **plan).result
     assert tight.top == [] and tight.feasible == 0

@@ -204,10 +204,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
         margin = f"allocated peak + {fragmentation} + runtime = {format_gb(est.device.total)}"
         if head >= 0:
             console.print(f"[green]fits[/] in {format_gb(est.budget_bytes)}{where}: {margin}, {format_gb(head)} headroom "
-                          f"on stage {est.most_loaded}")
+                          f"on stage {est.decided}")
         else:
             console.print(f"[red]does not fit[/] in {format_gb(est.budget_bytes)}{where}: {margin}, over by "
-                          f"{format_gb(-head)} on stage {est.most_loaded}")
+                          f"{format_gb(-head)} on stage {est.decided}")
     else:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
     render_replay(est, console)
@@ -215,13 +215,20 @@ def render_estimate(est: Estimate, console: Console) -> None:
 
 
 def render_replay(est: Estimate, console: Console) -> None:
-    """The caching allocator's replay of the most loaded GPU's run: what it reserved, or where the run dies."""
+    """The caching allocator's replay of the deciding stage's run: what it reserved, or where the run dies; with
+    several stages, what each stage's replay reserved."""
     r = est.reserved
     if r is None:
         return
     res = r.result
     what = (f"caching allocator ({markup(r.label)}; the run of stage {r.stage} replayed, {r.events:,} allocations and "
             "frees; derived, not measured)")
+    if len(est.stage_verdicts) > 1:
+        console.print("every stage's run replayed (plan/stage_verdict.py): " + "; ".join(
+            f"stage {v.stage} " + (f"as stage {v.same_as} (the same run)" if v.same_as is not None else
+                                   f"dies in {markup(v.reserved.oom_event['phase'])}" if v.dies else
+                                   f"reserved peak {format_gb(v.reserved.result.reserved_peak_bytes)}")
+            for v in est.stage_verdicts) + f"; stage {est.decided} decides")
     if r.fits:
         console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
                       f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
@@ -277,11 +284,11 @@ def _where(e: Any) -> str:
 def render_peak(est: Estimate, console: Console) -> None:
     """The step's peak on the most loaded GPU: persistent and transient memory apart, what the
     device adds, and the largest moment of each phase."""
-    step, dev = est.step, est.device
+    step, dev = est.decided_step, est.device
     e = step.peak_event
     table = make_table(console, (Col("component", fold=True), Col("bytes", "right"), Col("kind")),
-                       title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}",
-                       short_title=f"Step peak, one GPU of stage {est.most_loaded}, at {_where(e)}")
+                       title=f"Peak of a training step on one GPU of stage {est.decided}, at {_where(e)}",
+                       short_title=f"Step peak, one GPU of stage {est.decided}, at {_where(e)}")
     # ZeRO-3 / FSDP: the shards persist, the unsharded units are in flight (the peak moment's, memory/stage.py)
     kinds = {"weights": "persistent" if est.config.parallel.zero < 3 else "shards + in flight", "optimizer": "persistent",
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
