@@ -296,10 +296,11 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
 
 def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] = None, gpu: Optional[GpuSpec] = None,
                  fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
-                 replay: Replay = Replay(), lengths: Optional[StreamLengths] = None) -> int:
-    """What the plan's GPUs need (what `estimate` decides a fit on, without its report): with a budget, every stage's
-    run replayed by the caching allocator in it (more than the budget when a run dies: plan/stage_verdict.py;
-    `lengths`: the plan's streams at other lengths, by stage), else the highest stage peak + margin + runtime."""
+                 replay: Replay = Replay(), lengths: Optional[StreamLengths] = None, every_stage: bool = True) -> int:
+    """What the plan's GPUs need (what `estimate` decides a fit on, without its report): with a budget, the stages'
+    runs replayed by the caching allocator in it (more than the budget when a run dies: plan/stage_verdict.py;
+    `lengths`: the plan's streams at other lengths, by stage; `every_stage` False: the most loaded stage's alone, a
+    lower bound), else the highest stage peak + margin + runtime."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -309,7 +310,7 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
     verdict = decide(config, inventory, plan, mems, step_peaks(config, inventory, plan, mems), gpu, budget_bytes,
-                     fragmentation_margin, replay, report=False, lengths=lengths)
+                     fragmentation_margin, replay, report=False, lengths=lengths, every_stage=every_stage)
     return int(verdict.device.total)
 
 

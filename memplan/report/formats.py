@@ -141,7 +141,8 @@ def peak_dict(est: Estimate) -> dict[str, Any]:
 def allocator_dict(est: Estimate) -> dict[str, Any]:
     """The caching allocator's replay of the deciding stage's run (memory/reserved.py; None where not replayed:
     no budget, or a plan the allocation stream does not model), and `stages_replayed`: every stage's
-    (plan/stage_verdict.py; `same_as`: the stage whose identical run stands for it)."""
+    (plan/stage_verdict.py; `replayed` false: its allocated peak x 1.5 + runtime within the budget, not replayed;
+    `same_as`: the stage whose identical run stands for it)."""
     r = est.reserved
     if r is None:
         return {"allocator": None, "reserved_peak_bytes": None, "inactive_split_bytes": None, "oom_event": None,
@@ -154,9 +155,9 @@ def allocator_dict(est: Estimate) -> dict[str, Any]:
             "segments": int(res.segments_at_reserved_peak), "num_alloc_retries": int(res.num_alloc_retries),
             "replayed_stage": r.stage, "replayed_events": r.events, "oom_event": r.oom_event,
             "fragmentation_replayed": bool(est.device.replayed), "expandable_fits": r.expandable_fits,
-            "stages_replayed": [{"stage": v.stage, "same_as": v.same_as, "dies": v.dies,
-                                 "reserved_peak_bytes": int(v.reserved.result.reserved_peak_bytes),
-                                 "replayed_allocated_peak_bytes": int(v.reserved.result.allocated_peak_bytes),
+            "stages_replayed": [{"stage": v.stage, "replayed": v.reserved is not None, "same_as": v.same_as,
+                                 "dies": v.dies, "reserved_peak_bytes":
+                                 None if v.reserved is None else int(v.reserved.result.reserved_peak_bytes),
                                  "oom_phase": v.reserved.oom_event["phase"] if v.dies else None,
                                  "device_bytes": int(v.device.total)} for v in est.stage_verdicts]}
 

@@ -224,8 +224,10 @@ def render_replay(est: Estimate, console: Console) -> None:
     what = (f"caching allocator ({markup(r.label)}; the run of stage {r.stage} replayed, {r.events:,} allocations and "
             "frees; derived, not measured)")
     if len(est.stage_verdicts) > 1:
-        console.print("every stage's run replayed (plan/stage_verdict.py): " + "; ".join(
-            f"stage {v.stage} " + (f"as stage {v.same_as} (the same run)" if v.same_as is not None else
+        console.print("the stages' runs (plan/stage_verdict.py): " + "; ".join(
+            f"stage {v.stage} " + ("not replayed (1.5 x its allocated peak + runtime within the budget)"
+                                   if v.reserved is None else
+                                   f"as stage {v.same_as} (the same run)" if v.same_as is not None else
                                    f"dies in {markup(v.reserved.oom_event['phase'])}" if v.dies else
                                    f"reserved peak {format_gb(v.reserved.result.reserved_peak_bytes)}")
             for v in est.stage_verdicts) + f"; stage {est.decided} decides")
