@@ -224,13 +224,7 @@ def render_replay(est: Estimate, console: Console) -> None:
     what = (f"caching allocator ({markup(r.label)}; the run of stage {r.stage} replayed, {r.events:,} allocations and "
             "frees; derived, not measured)")
     if len(est.stage_verdicts) > 1:
-        console.print("the stages' runs (plan/stage_verdict.py): " + "; ".join(
-            f"stage {v.stage} " + ("not replayed (1.5 x its allocated peak + runtime within the budget)"
-                                   if v.reserved is None else
-                                   f"as stage {v.same_as} (the same run)" if v.same_as is not None else
-                                   f"dies in {markup(v.reserved.oom_event['phase'])}" if v.dies else
-                                   f"reserved peak {format_gb(v.reserved.result.reserved_peak_bytes)}")
-            for v in est.stage_verdicts) + f"; stage {est.decided} decides")
+        render_stage_replays(est, console)
     if r.fits:
         console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
                       f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
@@ -242,6 +236,40 @@ def render_replay(est: Estimate, console: Console) -> None:
                   f"{format_gb(e['allocated_bytes'])} allocated, of {format_gb(r.capacity_bytes)} it may take")
     if r.expandable_fits:
         console.print(f"with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_CONF}")
+
+
+def render_stage_replays(est: Estimate, console: Console) -> None:
+    """One line on every stage's replay (plan/stage_verdict.py): the runs that die, those that complete (their
+    reserved peaks; more than four: the range), the stages that stood on another's identical run, those not
+    replayed, and the stage that decides."""
+    runs = [v for v in est.stage_verdicts if v.reserved is not None and v.same_as is None]
+    done = [v for v in runs if not v.dies]
+    peak = {v.stage: v.reserved.result.reserved_peak_bytes for v in done}
+    parts = [f"stage {v.stage} dies in {markup(v.reserved.oom_event['phase'])}" for v in runs if v.dies]
+    if len(done) > 4:
+        low, high = min(peak, key=peak.get), max(peak, key=peak.get)
+        parts.append(f"{_stage_list(sorted(peak))} complete, reserved peaks {format_gb(peak[low])} (stage {low}) to "
+                     f"{format_gb(peak[high])} (stage {high})")
+    else:
+        parts += [f"stage {i} reserved peak {format_gb(b)}" for i, b in peak.items()]
+    parts += [f"stage {v.stage} as stage {v.same_as} (the same run)" for v in est.stage_verdicts
+              if v.same_as is not None]
+    skipped = [v.stage for v in est.stage_verdicts if v.reserved is None]
+    if skipped:
+        parts.append(f"{_stage_list(skipped)} not replayed (1.5 x allocated peak + runtime within the budget)")
+    console.print("the stages' runs (plan/stage_verdict.py): " + "; ".join(parts) + f"; stage {est.decided} decides")
+
+
+def _stage_list(stages: list[int]) -> str:
+    """"stage 4", "stages 1, 2", "stages 5-34" (runs of consecutive stages as ranges)."""
+    runs: list[list[int]] = []
+    for i in stages:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    return ("stage " if len(stages) == 1 else "stages ") + text
 
 
 def render_host(est: Estimate, console: Console) -> None:
