@@ -181,8 +181,10 @@ def test_refused_in_one_line():
 def test_search_lists_pp_plans_and_agrees_with_estimate():
     from memplan.api.searching import search
 
-    base = dict(impl="torchtitan", gpus=64, seq_len=4096, global_batch=64, gpu="h100-80gb")
-    found = search("deepseek-v3", pp=2, mem="4000GB", **base).result  # a budget every plan fits: all listed
+    # a budget every plan fits: all listed; the estimate gets the same budget, since the stage whose replay decides
+    # (and so device_bytes) depends on it (memplan/plan/stage_verdict.py)
+    base = dict(impl="torchtitan", gpus=64, seq_len=4096, global_batch=64, gpu="h100-80gb", mem="4000GB")
+    found = search("deepseek-v3", pp=2, **base).result
     row = found.row(found.top[0])
     dims = row["torchtitan"]
     assert dims["pp"] == 2 and dims["pipeline_schedule"] in ("1F1B", "GPipe")
