@@ -325,3 +325,17 @@ def test_positions_make_each_layer_keep_its_gathered_rope_rows():
                 assert next(t for t in terms if t.id == "rope.gathered").bytes_per_token == width
             else:
                 assert not extra and with_pos["total"] == without["total"]
+
+
+@pytest.mark.slow
+@SLOW
+def test_compiled_block_saves_the_gathered_rope_rows_too():
+    # not modelled (docs/torchtitan.md, the --compile row): with the positions the compiled block (AOTAutograd with
+    # inductor's partitioner, validation/compiled.py) saves the RoPE rows gathered at them, 4d B a token for Llama 3
+    # (the conjugated complex64 copy), 8d for Qwen3 (cos and sin, two views of one fp32 [2d] gather); without them
+    # none (the buffer is a graph input). s 24, b 3, d 16: 4 x 16 x 72 = 4608
+    from validation.compiled import titan_saved_rope_rows
+
+    assert titan_saved_rope_rows(False, False) == titan_saved_rope_rows(True, False) == []
+    assert [(dt, n) for _, dt, n in titan_saved_rope_rows(False, True)] == [("complex64", 4608)]
+    assert [(dt, n) for _, dt, n in titan_saved_rope_rows(True, True)] == [("float32", 4608)] * 2
