@@ -103,8 +103,8 @@ def rope_gathered(bytes_per_token: int, what: str) -> TitanTerm:
     input positions only (the batch's one storage).  Whole under TP (the attention runs on the all-gathered sequence;
     the rows replicated over tp), the rank's s / C tokens under CP (the positions CP-sharded with the tokens).
     Measured on CPU with the positions passed (validation/titan.py ``kept_storages``)."""
-    return TitanTerm("rope.gathered", f"RoPE cache gathered at the positions (fp32 bytes: {what})", bytes_per_token,
-                     ("none",))
+    return TitanTerm("rope.gathered", f"RoPE cache rows gathered at the positions ({what}; as fp32 bytes)",
+                     bytes_per_token, ("none",))
 
 
 def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None, qk_norm: bool = False) -> list[TitanTerm]:
