@@ -43,7 +43,8 @@ _SMALL = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
-    "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+    "d_head": 16, "rotary_dim": 8, "index_n_heads": 4, "index_head_dim": 32,
+    "index_topk": 16, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
     # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
     "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
     "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
@@ -73,9 +74,10 @@ _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
-# a multimodal model's parts outside its text model (memplan estimates the text model: hf_config._text_model)
+# a multimodal model's parts outside its text model (memplan estimates the text model: memplan/presets/hf_multimodal.py)
 LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
-            "vision_embed_tokens.", "embed_audio.")  # Fuyu: its patch projection
+            "vision_embed_tokens.", "embed_audio.",  # Fuyu: its patch projection
+            "embed_tokens_extend.")  # Phi-4-multimodal's image and audio embedders
 
 
 def architectures() -> dict[str, str]:
@@ -142,11 +144,19 @@ def _shrink(data: dict) -> dict:
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
             if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
                 out[k] = v[:n]
+        kinds = list(dict.fromkeys(data.get("mlp_layer_types") or []))
+        if len(set(out.get("mlp_layer_types") or [])) < len(kinds) <= n:  # the first n lost a kind (DeepSeek-V3.2's
+            # dense layers, then MoE ones): one of each kind, the last repeated (first_k_dense_replace's one dense)
+            out["mlp_layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
+        if data.get("num_experts") and set(range(n)) <= set(data.get("mlp_only_layers") or []):  # Flint's [0, 1]: no
+            out["mlp_only_layers"] = [0]  # MoE layer left in n layers; one dense layer, then MoE ones
     if "mamba_headdim" in data and "hybrid_layer_ids" in data:  # Zamba 2: the widths its config derives (a file's
         # own win over them), a Mamba-2 layer and a hybrid one (a use of the shared block, its adapters rank 8)
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)},
                    layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], adapter_rank=8)
         out["mamba_headdim"] = int(out["mamba_expand"] * out["hidden_size"]) // out["n_mamba_heads"]
+    if data.get("cross_attention_layers") and n and layers_key:  # Mllama's text model: its second layer attends to
+        out["cross_attention_layers"] = [n - 1]  # the image states (the defaults' first such layer is the fourth)
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer

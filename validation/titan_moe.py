@@ -115,7 +115,8 @@ def trace_moe(shape: MoeShape, ac: str, balanced: bool = False, s_hint: int = 64
         return trace_kept(lambda: wrap_ac(build_moe_block(shape, balanced), ac), shape.h, s_hint, b_hint)
 
 
-def _ep_rank(rank: int, ep: int, port: int, shape: MoeShape, ac: str, s: int, b: int, balanced: bool, out: str):
+def _ep_rank(rank: int, ep: int, port: int, shape: MoeShape, ac: str, s: int, b: int, balanced: bool, out: str,
+             moments: bool = False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import set_spmd_backend
@@ -130,27 +131,36 @@ def _ep_rank(rank: int, ep: int, port: int, shape: MoeShape, ac: str, s: int, b:
     for name in ("w1_EFD", "w2_EDF", "w3_EFD"):  # the rank's E / ep experts (EP's Shard(0))
         setattr(experts, name, torch.nn.Parameter(getattr(experts, name).data.chunk(ep)[rank].clone()))
     block.moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    result = _run(block, ac, shape, s, b, seed=1 + rank)
+    if moments:  # the backward's moments (validation/titan_moments.py), not the kept storages
+        from validation.titan_moments import measure_block_moments
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = measure_block_moments(wrap_ac(block, ac), shape.h, s, b, seed=1 + rank)
+    else:
+        result = _run(block, ac, shape, s, b, seed=1 + rank)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
 
 
 def measure_moe_ep(shape: MoeShape, ac: str, s: int, b: int, ep: int = 2, balanced: bool = True,
-                   port: int = 29541) -> list[dict]:
+                   port: int = 29541, moments: bool = False) -> list[dict]:
     """``measure_moe`` on each of ``ep`` ranks over gloo with expert parallelism (module docstring): one dict a
-    rank, each rank's s b tokens its own."""
+    rank, each rank's s b tokens its own; ``moments``: validation/titan_moments.py's measurement of the backward
+    (its largest moment and every sample) in place of the kept storages."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_ep_rank, args=(ep, port, shape, ac, s, b, balanced, out), nprocs=ep)
+        mp.spawn(_ep_rank, args=(ep, port, shape, ac, s, b, balanced, out, moments), nprocs=ep)
         results = []
         for r in range(ep):
             with open(f"{out}.{r}") as f:
                 results.append(json.load(f))
     for r in results:
-        r["rows"] = [tuple(x) for x in r["rows"]]
+        for key in ("rows", "samples"):
+            if key in r:
+                r[key] = [tuple(x) for x in r[key]]
     return results
 
 

@@ -12,9 +12,11 @@ made by the loss's backward (``out.float().sum()``) and held by autograd only, a
 * ``trace_moments(shape, ac)``: under FakeTensorMode with s and b symbolic (the front of non-dominated candidates,
   each its bytes as a polynomial in s, b by dtype);
 * ``measure_moments(shape, ac, s, b)``: real tensors on CPU, the largest candidate's bytes (transients and the
-  layer's parameter gradients) and the op after which it happens.
+  layer's parameter gradients) and the op after which it happens; ``measure_moe_moments`` the same of torchtitan's
+  Qwen3 MoE block (validation/titan_moe.py, balanced routing).
 
-``python -m validation.titan_moments [none|full|selective-op ...]`` prints both at a tiny shape.
+``python -m validation.titan_moments [none|full|selective-op ...]`` prints both at a tiny shape (``moe [modes]``: the
+Qwen3 MoE block measured).
 """
 
 from __future__ import annotations
@@ -61,17 +63,25 @@ def _run(block, x0, live: transients.LiveStorages, sampler) -> None:
             h.remove()
 
 
-def trace_moments(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> list[dict]:
+def trace_moments(shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> list[dict]:
     """The block's backward moments under FakeTensorMode, s and b symbolic: one row per non-dominated candidate,
     ``at`` the op after which, ``bytes`` {dtype: polynomial in s, b} of what the block made and is alive,
-    ``grad_elements`` its parameters' gradients made by then, ``transients`` (what, dtype, bytes) each."""
+    ``grad_elements`` its parameters' gradients made by then, ``transients`` (what, dtype, bytes) each.  ``shape``: a
+    Shape (the dense block) or a MoeShape (the Qwen3 MoE block, its router's own routing: at ep 1 every size is
+    static in s b, validation/titan_moe.py ``trace_moe``)."""
+    import warnings
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .titan_moe import MoeShape, build_moe_block, wrap_ac
 
     if ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}")
     env, names, sizes = symbolic_sizes(s_hint, b_hint)
-    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False):
-        block = build_block(shape, ac)
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses the MoE router's fp32
+        block = (wrap_ac(build_moe_block(shape, balanced=False), ac) if isinstance(shape, MoeShape)
+                 else build_block(shape, ac))
         x0 = torch.randn(sizes["b"], sizes["s"], shape.h, dtype=torch.bfloat16, requires_grad=True)
         live = transients.LiveStorages(names, "layers", 1)
         polys = transients.Polys(names, [], exact_divisions)
@@ -91,12 +101,30 @@ def trace_moments(shape: Shape, ac: str, s_hint: int = 256, b_hint: int = 3) -> 
 
 
 def measure_moments(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
-    """Real tensors on CPU: the largest moment of the block's backward (``bytes``: what the block made that is
+    """Real tensors on CPU: the largest moment of the dense block's backward (``bytes``: what the block made that is
     alive, its parameters' bf16 gradients made so far included; ``at``: the op after which; ``grad_bytes``) and
     ``samples``: (node, op, bytes) after every op of the backward, in order."""
     torch.manual_seed(seed)
-    block = build_block(shape, ac)
-    x0 = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
+    return measure_block_moments(build_block(shape, ac), shape.h, s, b, seed)
+
+
+def measure_moe_moments(shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
+    """``measure_moments`` for torchtitan's Qwen3 MoE block (validation/titan_moe.py ``build_moe_block``, balanced
+    routing, ``shape`` a MoeShape) wrapped as AC mode ``ac``."""
+    import warnings
+
+    from .titan_moe import build_moe_block, wrap_ac
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses the router's fp32 (validation/titan_moe.py)
+        return measure_block_moments(wrap_ac(build_moe_block(shape), ac), shape.h, s, b, seed)
+
+
+def measure_block_moments(block, h: int, s: int, b: int, seed: int = 0) -> dict:
+    """``measure_moments`` of any built block (hidden size ``h``)."""
+    torch.manual_seed(seed)
+    x0 = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
     live = transients.LiveStorages({}, "layers", 1)
     best: dict = {"bytes": -1, "samples": []}
 
@@ -116,6 +144,13 @@ def measure_moments(shape: Shape, ac: str, s: int, b: int, seed: int = 0) -> dic
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["moe"]:  # the Qwen3 MoE block: its measured largest moment per AC mode
+        from .titan_moe import MoeShape
+        for ac in argv[1:] or AC_MODES:
+            m = measure_moe_moments(MoeShape(), ac, 32, 2)
+            print(f"== moe {ac}: measured at s 32, b 2: {m['bytes']:,} B after {m['at']} ({m['grad_bytes']:,} B "
+                  "gradients)")
+        return
     shape = Shape()
     for ac in argv or AC_MODES:
         m = measure_moments(shape, ac, 32, 2)

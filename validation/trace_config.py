@@ -11,6 +11,7 @@ from pathlib import Path
 from . import hf as _hf  # sets HF_HUB_OFFLINE before transformers is imported
 
 import torch  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
 IMPLS = ("hf-sdpa", "hf-eager")
 KERNELS = ("cpu", "cuda")
@@ -74,13 +75,25 @@ def build_model(config: dict, impl: str = "hf-sdpa", dtype: str = "bfloat16", ex
     kwargs.update(dtype=getattr(torch, dtype), attn_implementation=impl.removeprefix("hf-"))
     cfg = hf_config(config)
     try:
-        model = tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
+        model = _from_config(tf, config, cfg, kwargs)
+    except GuardOnDataDependentSymNode:
+        # a weight initialiser that reads values under a fake mode (Phi-4-multimodal's vision tower: trunc_normal_'s
+        # rejection loop): built without initialising, as fake values are never read (shapes, dtypes are the same)
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = _from_config(tf, config, cfg, kwargs)
+    return model.train()
+
+
+def _from_config(tf, config: dict, cfg, kwargs: dict):
+    try:
+        return tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
     except ValueError:  # a text model's config the mapping does not name (Emu3TextConfig): the class it configures
         cls = getattr(tf, (config.get("architectures") or [""])[0], None)
         if cls is None or getattr(cls, "config_class", None) is not type(cfg):
             raise
-        model = cls._from_config(cfg, **kwargs)
-    return model.train()
+        return cls._from_config(cfg, **kwargs)
 
 
 def decoder_layers_path(model, num_layers: int) -> str:

@@ -130,8 +130,8 @@ def compiled_moe_terms(model: ModelSpec, device: str) -> list[Term]:
 
 
 def apply(inventory: Inventory, model: ModelSpec, device: str) -> Inventory:
-    """The inventory with each layer's saved tensors the compiled MoE block's (the eager block has no layer moments
-    modelled: none left out here)."""
+    """The inventory with each layer's saved tensors the compiled MoE block's; the eager block's layer moments
+    (memplan/inventory/titan_moments.py) are not the compiled one's: left out (its backward is not traced)."""
     kept = [t for t in inventory.terms if t.scope != "layer"]
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
                                terms=tuple(compiled_moe_terms(model, device) + kept),

@@ -67,7 +67,7 @@ from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
 from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, TP_MEASURED, titan_moe_terms
 from memplan.inventory.titan_moments import titan_layer_moments
-from memplan.inventory.types import Inventory, Term, saved, transient
+from memplan.inventory.types import Inventory, Moment, Term, saved, transient
 
 AC_MODES = ("none", "full", "selective-op")
 # torchtitan <= 0.2's selective per-layer AC (activation_checkpoint.mode "selective", selective_ac_option an int N):
@@ -366,12 +366,14 @@ def titan_model(model: ModelSpec, mtp: int = 0) -> ModelSpec:
     return model.model_copy(update={"mtp_layers": mtp, "mla_down_replicated": True}) if is_dsv3(model) else model
 
 
-def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = ()) -> Inventory:
+def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...] = (),
+                    layer_moments: tuple[Moment, ...] = ()) -> Inventory:
     """torchtitan's Llama 3 as an Inventory: the layer's kept tensors per AC mode (the slice above: CPU kernels
     measured; on CUDA the fused RMSNorm, derived), the final norm, LM head input, fp32 loss and token ids (derived
-    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``), the loss's moments and the dense
-    layer's backward moments (memplan/inventory/titan_moments.py; none for the MoE layers).  ``layer_terms``: another layer's terms in place of Llama 3's
-    and Qwen3's (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
+    from torchtitan's cross_entropy_loss: ``F.cross_entropy(pred.float(), labels)``), the loss's moments and the
+    layer's backward moments (memplan/inventory/titan_moments.py: the dense layer's and the Qwen3 MoE layer's).
+    ``layer_terms``: another layer's terms in place of Llama 3's and Qwen3's and ``layer_moments`` its backward
+    moments (DeepSeek-V3: memplan/inventory/titan_dsv3.py, which gives them; refused without)."""
     check_titan_layout(model)
     if is_dsv3(model) and not layer_terms:
         raise MemplanError("torchtitan's DeepSeek-V3 layer is memplan/inventory/titan_dsv3.py's (dsv3_inventory)")
@@ -416,8 +418,8 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
         layer = tuple(dataclasses.replace(t, tp_split=True, etp_gathered=True, source=f"{t.source}; {TP_MEASURED}")
                       if t.id == "ffn_norm.out" else t for t in layer)
     layer = layer_terms or layer + (cp_gathered_kv(model.g, model.q // model.num_attention_heads),)
-    if not (moe or layer_terms):  # the dense layer's backward moments (the MoE's and DeepSeek-V3's: TITAN_LEFT)
-        moments = titan_layer_moments(model, device, layer) + moments
+    # the layer's backward moments, dense or Qwen3 MoE (DeepSeek-V3's given: memplan/inventory/titan_dsv3_moments.py)
+    moments = (layer_moments if layer_terms else titan_layer_moments(model, device, layer)) + moments
     return Inventory(f"torchtitan/{device}", layer + tuple(outside), moments, "buffer",
                      False, "fused", "torch", held, tied_grad_waits=False)
 
@@ -428,10 +430,13 @@ TITAN_LEFT = ("the RoPE rows gathered at the dataloader's positions in a compile
               "CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
-              "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled) and its "
-              "layers' backward transients, DeepSeek-V3 compiled, with float8 or with the multi-stage pipeline schedules (and its MTP layers with TP, "
+              "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
+              "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
+              "DeepSeek-V3 compiled, with float8 or with the multi-stage pipeline schedules (and its MTP layers with TP, "
               "on CUDA measured, in search and in the step time's FLOPs, its 16B / 236B flavours' router options, "
-              "FlexAttention's MLA save set measured on CUDA), Qwen3 with TP or CP measured, "
+              "FlexAttention's MLA save set and backward measured on CUDA, its layers' backward moments with EP, TP "
+              "or CP measured, the dense first layers' own weight gradients in their attention's and reduce-scatter's "
+              "moments), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
               "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")

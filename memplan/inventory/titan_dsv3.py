@@ -75,6 +75,7 @@ from memplan.core.model import ModelSpec
 from memplan.inventory.moe import weighted
 from memplan.inventory.titan import (TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, rope_gathered, titan_inventory,
                                      titan_term)
+from memplan.inventory.titan_dsv3_moments import dsv3_layer_moments
 from memplan.inventory.titan_moe import MODE_FLAGS, TOKENS, titan_moe_terms
 from memplan.inventory.titan_mtp import NOTE as MTP_NOTE
 from memplan.inventory.titan_mtp import mtp_terms
@@ -162,6 +163,15 @@ def _groups_terms() -> list[Term]:
 
 def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     """One torchtitan DeepSeek-V3 layer's kept tensors (module docstring), the dense and MoE layers' weighted."""
+    layer, dense_terms, moe_terms = dsv3_layer_parts(model, device)
+    L, dense = model.num_layers, model.moe_first_dense_layers
+    return (*layer, *(weighted(t, Fraction(dense, L), "dense") for t in dense_terms if dense),
+            *(weighted(t, Fraction(L - dense, L), "moe") for t in moe_terms))
+
+
+def dsv3_layer_parts(model: ModelSpec, device: str) -> tuple[list[Term], list[Term], list[Term]]:
+    """``dsv3_layer_terms``' three parts unweighted: every layer's (the attention, the norms), a dense layer's
+    feed-forward, an MoE layer's."""
     groups = ROUTER_GROUPS[0]
     if model.num_experts % groups or model.num_experts // groups < 2:
         raise MemplanError(f"torchtitan's DeepSeek-V3 router ({groups} expert groups, as its 671B flavour) needs the "
@@ -190,7 +200,6 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
     layer = [titan_term(t, TP_SRC if t.tp_only else src) for t in (cuda_norm(base) if cuda else base)]
     layer += _mm_terms(model, False, True, src)
     layer += cp_gathered_kv_mla(a * (dn + dr), a * dv)
-    L, dense = model.num_layers, model.moe_first_dense_layers
     w2_rs = next(t for t in llama3 if t.id == "w2.rs")  # TP: w2's output reduce-scattered, kept under selective-op
     dense_terms = [titan_term(t, TP_SRC if t.tp_only else src) for t in _ffn("", "", model.f) + [w2_rs]]
     dense_terms += _mm_terms(model, False, False, src)
@@ -205,15 +214,17 @@ def dsv3_layer_terms(model: ModelSpec, device: str) -> tuple[Term, ...]:
                            "MoE", f"{model.hidden_size} s b", k22=False, src=TP_SRC, sp=True, needs_tp=True,
                            needs_ep=True, **MODE_FLAGS[("none",)]))
     moe_terms += _mm_terms(model, True, False, src) + _groups_terms()
-    return (*layer, *(weighted(t, Fraction(dense, L), "dense") for t in dense_terms if dense),
-            *(weighted(t, Fraction(L - dense, L), "moe") for t in moe_terms))
+    return layer, dense_terms, moe_terms
 
 
 def dsv3_inventory(model: ModelSpec, device: str) -> Inventory:
-    """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss), its MTP
-    layers' terms on the last stage (memplan/inventory/titan_mtp.py)."""
+    """torchtitan's DeepSeek-V3 as an Inventory: ``dsv3_layer_terms`` in titan.py's frame (final norm, loss), with the
+    layers' backward moments (memplan/inventory/titan_dsv3_moments.py), its MTP layers' terms on the last stage
+    (memplan/inventory/titan_mtp.py)."""
     layer = dsv3_layer_terms(model, device)
-    inv = titan_inventory(model, device, layer)
+    _, dense_terms, moe_terms = dsv3_layer_parts(model, device)
+    inv = titan_inventory(model, device, layer, dsv3_layer_moments(model, device, layer, tuple(dense_terms),
+                                                                  tuple(moe_terms)))
     return dataclasses.replace(inv, terms=inv.terms + tuple(mtp_terms(model, device, layer))) if model.mtp_layers else inv
 
 

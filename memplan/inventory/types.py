@@ -185,7 +185,9 @@ class Moment:
     fresh: bool = False  # the last group's new gradient is still its own tensor (not yet accumulated)
     source: str = ""
     grad_elements: int = 0  # gradients made so far of the layer's own parameters, in elements (traced moments)
-    applies: Literal["any", "plain", "recomputed"] = "any"  # layers it happens in: all, not recomputed, recomputed
+    # layers it happens in: all, not recomputed, recomputed (full), re-run in the backward by any recompute mode
+    # (full, or torchtitan's selective-op, which checkpoints the whole block)
+    applies: Literal["any", "plain", "recomputed", "rerun"] = "any"
     layers: tuple[int, ...] = ()  # the model's layers (from 0) it happens in, when not all (a traced layer group)
     # saved term ids the moment's transients make (log_softmax of the fp32 logits): the allocation stream
     # (memplan/memory/stream.py) allocates them after the transients, as the real code does

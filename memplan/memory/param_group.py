@@ -13,12 +13,13 @@ from memplan.core.symbolic import Poly
 # MoE model ("dense": the layers before the first MoE one), on the first stage or on the last.
 # Gemma 4's layers differ by kind: "full" (each full-attention layer: its own head width and K / V heads, beyond a
 # sliding layer's), "kv_shared" / "kv_shared_full" (each K / V-sharing layer, sliding / full: no K / V of its own).
+# Mllama's cross-attention layers: "cross" (each one's q / k norms and gates, beyond a self-attention layer's).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
 # convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
 # "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
 # (ModelSpec.layer_blocks).
-Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "attention", "ssm",
-                "conv", "mamba1", "shared", "delta", "norm"]
+Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "cross", "attention",
+                "ssm", "conv", "mamba1", "shared", "delta", "norm"]
 HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 

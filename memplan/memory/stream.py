@@ -406,7 +406,9 @@ class _Run:
         for m in self.bwd_moments:
             if m.layers and j - 1 not in m.layers:
                 continue
-            if m.applies != "any" and (m.applies == "recomputed") != (rc and self.is_full):
+            happens = {"plain": not (rc and self.is_full), "recomputed": rc and self.is_full,
+                       "rerun": rc and self.rec != Recompute.NONE}
+            if m.applies != "any" and not happens[m.applies]:
                 continue
             target = self._alive(m, rc)
             chunk = self.chunk_alive.get(m.id)

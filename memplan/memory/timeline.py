@@ -292,7 +292,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     for j, m, at in _layer_moment_positions(layer_moments, layers, n, N, critical):
         recomputed = (j <= N) if not critical else _le(j, N)
         # a traced moment happens in a recomputed layer's backward or in a layer kept whole, not both
-        on = 1 if m.applies == "any" else (recomputed * is_full if m.applies == "recomputed"
+        on = 1 if m.applies == "any" else (recomputed * is_full if m.applies == "recomputed" else
+                                              recomputed * (1 - is_none) if m.applies == "rerun"
                                               else 1 - recomputed * is_full)
         if isinstance(on, (bool, int)) and not on:
             continue
@@ -364,8 +365,10 @@ def _layer_moment_positions(moments: list[Moment], layers: list[Any], n: Any, N:
         below = np.searchsorted(P, N, side="right")  # positions <= N
         last_in = P[np.maximum(below - 1, 0)]
         first_out = P[np.minimum(below, len(P) - 1)]
-        out += [(P[0] + 0 * below, m, 1 * (below > 0)), (last_in, m, 1 * (below > 0)),
-                (first_out, m, 1 * (below < len(P))), (P[-1] + 0 * below, m, 1 * (below < len(P)))]
+        # a stage of fewer layers than the model's (pipeline stages): its positions only (P's tail contiguous)
+        out += [(P[0] + 0 * below, m, 1 * (below > 0)), (minimum(last_in, n), m, 1 * (below > 0)),
+                (minimum(first_out, n), m, 1 * (below < len(P)) * (P[0] <= n)),
+                (minimum(P[-1], n) + 0 * below, m, 1 * (below < len(P)) * (P[0] <= n))]
     return out
 
 

@@ -18,6 +18,7 @@ from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
 from memplan.inventory.titan_float8 import notes as float8_notes
+from memplan.inventory.titan import is_dsv3
 from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.compiled_moe import notes as moe_compile_notes
@@ -368,8 +369,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
         for sym, least in inventory.traced_from:
             if plan_values[sym] < least and least > 2:  # a fitted trace (validation/trace_fit.py): its least s
-                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: the least s its saves "
-                             "were fitted from): its polynomials are used there, not checked against a run")
+                why = ("the least s its saves were fitted from" if "fitted:" in inventory.origin else "the side of a "
+                       "guard on s the trace took, e.g. an indexer's top-k of min(index_topk, s) keys")
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: {why}): its "
+                             "polynomials are used there, not checked against a run")
             elif plan_values[sym] < least:
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "
@@ -396,11 +399,22 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
-        dense = any(m.scope == "layer" for m in inventory.moments)
-        notes.append("torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
-                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if dense else
-                     "torchtitan: the decoder layers' backward transients are not modelled for this plan (MoE layers, "
-                     "DeepSeek-V3, compiled blocks; the loss's are, derived): the peak is a lower bound")
+        ids = {m.id for m in inventory.moments if m.scope == "layer"}
+        notes.append(("torchtitan: the decoder layers' backward moments measured on CPU from its DeepSeek-V3 blocks "
+                      "(balanced routing; an MoE layer's combine, experts and ffn_norm with the shared experts', a "
+                      "dense first layer's SwiGLU and ffn_norm: memplan/inventory/titan_dsv3_moments.py; the MLA "
+                      "attention's backward derived from FlexAttention's, with an MoE layer's weight gradients in "
+                      "every layer; TP, EP, CP, CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived")
+                     if ids and is_dsv3(config.model) else
+                     ("torchtitan: the decoder layers' backward moments measured on CPU from its Qwen3 MoE block "
+                      "(balanced routing; the combine's fp32 score multiply, the experts' grouped GEMMs, the norms and "
+                      "the attention, under full / selective-op AC the recomputed forward's combine: "
+                      "memplan/inventory/titan_moments.py; EP measured on 2 ranks over gloo; TP, CP, CUDA kernels and "
+                      "FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
+                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
+                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
+                     "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
+                     "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
         if par.pp > 1 and is_multi(par.pp_schedule):
             notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)

@@ -18,7 +18,8 @@ from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO
 from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, NOT_READ, is_decoder_note, position_start
 from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
-from memplan.presets.hf_linear_attention import LINEAR_TEXT_MODELS
+from memplan.presets.hf_latent import LATENT_APPROXIMATED, LATENT_KEYED
+from memplan.presets.hf_multimodal import FLAT, OWN_FIELDS, TEXT_MODELS, own_notes, text_model
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
@@ -49,7 +50,7 @@ HF_ARCHITECTURES = {
     "CohereForCausalLM": "traced",
     "PhimoeForCausalLM": "traced",
     "GptOssForCausalLM": "traced",
-    "Gemma3ForConditionalGeneration": "traced",  # its text_config: the text model alone (see _text_model)
+    "Gemma3ForConditionalGeneration": "traced",  # its text_config: the text model alone (hf_multimodal.text_model)
     # the registry walk (memplan/check/registry.py): Llama-layout families (sliding windows from layer_types: CWM;
     # layers without RoPE: SmolLM3; Gemma's GeLU gate: VaultGemma) and the variants _family reads, each checked
     # against transformers' meta-device count (tests/test_registry.py)
@@ -69,7 +70,7 @@ HF_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
     # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
-    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS, *HYBRIDS, *ENCODERS)},
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *LATENT_KEYED, *OWN_KEYS, *HYBRIDS, *ENCODERS, *FLAT, *OWN_FIELDS)},
 }
 
 
@@ -109,7 +110,7 @@ _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCau
                       "OlmoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts"}
 
 # the architectures whose experts memplan reads: those above (_read_moe) and hf_families' own
-_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, *HYBRID_MOE, "DbrxForCausalLM")
+_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, *HYBRID_MOE, *LATENT_KEYED, "DbrxForCausalLM")
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -120,13 +121,6 @@ _QKV_BIAS_TYPES = ("qwen2",)  # Qwen2Attention: q_proj, k_proj, v_proj with bias
 
 
 _SANDWICH_NORM_TYPES = ("gemma2", "gemma3_text", "gemma3")  # post_attention / pre- and post_feedforward norms
-
-
-# A multimodal config's text model memplan reads (text_config's model_type -> its causal LM); the rest is left out
-TEXT_MODELS = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-               "persimmon": "PersimmonForCausalLM", "qwen2": "Qwen2ForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
-               "gemma4_text": "Gemma4ForCausalLM", "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
-               **LINEAR_TEXT_MODELS}
 
 
 # Speculative-decoding drafters: every layer reuses the target model's K / V (no training run of their own to plan)
@@ -249,7 +243,7 @@ def _sliding_window(data: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
     use_sliding_window: the layers from max_window_layers on; Mistral, Phi-3, Mixtral: every layer). A pattern
     that is none of these is left out, with a note."""
     window, kind = data.get("sliding_window"), data.get("model_type")
-    if not window or data.get("use_sliding_window") is False:
+    if not window or data.get("use_sliding_window") is False or kind == "moshi":  # Moshi's: stored, never applied
         return {}, ()
     types, L = data.get("layer_types"), data.get("num_hidden_layers")
     if not isinstance(L, int) or isinstance(L, bool) or L <= 0:
@@ -306,8 +300,8 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     """What a family's config.json sets beyond the Llama layout's fields (transformers' defaults for missing keys):
     norms, biases, q / k norms, gated or plain MLP, tied embeddings (checked against the meta-device model by
     tests/test_hub_configs.py; hf_families.LLAMA_KEYED: the families the registry walk added)."""
-    if arch in LLAMA_KEYED:
-        return LLAMA_KEYED[arch](data, path)
+    if arch in LLAMA_KEYED or arch in OWN_FIELDS or arch in LATENT_KEYED:
+        return {**LLAMA_KEYED, **OWN_FIELDS, **LATENT_KEYED}[arch](data, path)
     if arch == "GPTNeoXForCausalLM":  # GPTNeoXLayer: two LayerNorms, biased query_key_value, dense and MLP
         if not _flag(data, "attention_bias", True, path):
             raise MemplanError(f"{path}: GPT-NeoX with attention_bias false keeps its MLP biases: memplan puts a bias "
@@ -352,21 +346,6 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     return {}
 
 
-def _text_model(data: dict, path: Path) -> tuple[dict, str, tuple[str, ...]]:
-    """A multimodal config (Gemma 3, Llama 4, Fuyu, GOT-OCR2, Emu3): its text_config read as the text model (its causal LM,
-    TEXT_MODELS), the text that model's trace is keyed by, and a note on what is left out."""
-    text_config = data.get("text_config")
-    if not isinstance(text_config, dict):
-        raise MemplanError(f"{path}: text_config: expected the text model's config (a JSON object)")
-    kind = text_config.get("model_type")
-    kind = kind if kind in TEXT_MODELS else "gemma3_text"  # Gemma3ForConditionalGeneration's, whatever the file says
-    text_data = {**text_config, "architectures": [TEXT_MODELS[kind]], "model_type": kind}
-    left = [k.removesuffix("_config").replace("_", " ") for k in data if k.endswith("_config") and k != "text_config"]
-    note = (f"the text model only (text_config, as {TEXT_MODELS[kind]}): the {' and '.join(left) or 'vision'} tower "
-            "and the multimodal projector are left out of the parameters and the activations (a text-only run)")
-    return text_data, json.dumps(text_data, sort_keys=True), (note,)
-
-
 def read_hf_config(path_text: str) -> ModelPreset:
     """A transformers config.json read as data (no code runs, nothing is downloaded); a directory: its config.json."""
     path = Path(path_text)
@@ -389,7 +368,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
     text_config = data.get("text_config")
     if known and known[0] == "Gemma3ForConditionalGeneration" or isinstance(text_config, dict) and \
             text_config.get("model_type") in TEXT_MODELS:
-        data, text, notes = _text_model(data, path)
+        data, text, notes = text_model(data, path)
         known = data["architectures"]
     moe = [k for k in _MOE_KEYS if isinstance(data.get(k), int) and data[k] > 1]
     if moe and not (known and known[0] in _READS_EXPERTS):
@@ -457,7 +436,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
             spec = dict(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                         num_attention_heads=data["num_attention_heads"],
                         num_kv_heads=data.get("num_key_value_heads"),
-                        ffn_hidden_size=None if known[0] in NO_DENSE_WIDTH else data["intermediate_size"],
+                        ffn_hidden_size=None if known[0] in (*NO_DENSE_WIDTH, *OWN_FIELDS) else
+                        data["intermediate_size"],
                         head_dim=_head_dim(data),
                         seq_length=seq, vocab_size=data["vocab_size"],
                         norm="rmsnorm", mlp="swiglu", position_embedding="rope",
@@ -477,13 +457,13 @@ def read_hf_config(path_text: str) -> ModelPreset:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
-    notes = (note,) + notes + window_notes
+    notes = (note,) + notes + own_notes(known[0]) + window_notes
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
     notes += tuple(ENCODER_NOTES[a] for a in known[:1] if a in ENCODER_NOTES) + is_decoder_note(known[0], data)
-    approximated = {**_APPROXIMATED, **APPROXIMATED}
+    approximated = {**_APPROXIMATED, **APPROXIMATED, **LATENT_APPROXIMATED}
     if known[0] in approximated:
         notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
                   "activations by a sequential pre-norm layer of the same widths (derived, not traced); --impl "

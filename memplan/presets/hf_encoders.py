@@ -205,6 +205,9 @@ NOT_READ = {
     "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
     "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
                              "position buckets)",
+    "GitForCausalLM": "GIT: its loss drops the first image_patch_tokens logits (197 at the defaults) as image "
+                      "positions, so a text-only step with labels fails (s - 197 logits against s - 1 labels), and a "
+                      "step with images runs its CLIP image encoder, which memplan does not model",
     "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
                           "and a pooler (h x h + h) beside the LM head",
 }

@@ -10,7 +10,7 @@ transformers' parameter count of the model built on the meta device.
 
 ``LINEAR_ATTENTION`` gives each family's spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which takes
 them in); ``LINEAR_ATTENTION_MOE`` the ones whose experts are read; ``LINEAR_TEXT_MODELS`` the text configs of the
-multimodal Qwen3.5 files (hf_config.TEXT_MODELS). Their activations are traced (--impl hf-*; the chunked delta rule's
+multimodal Qwen3.5 files (hf_multimodal.TEXT_MODELS). Their activations are traced (--impl hf-*; the chunked delta rule's
 loop over chunks: validation/trace_fit.py)."""
 
 from __future__ import annotations
