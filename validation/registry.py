@@ -70,6 +70,10 @@ _SMALL_KDA = {"linear_num_heads": 4, "linear_head_dim": 16, "num_experts_per_tok
 # unlike the shrunk defaults so that the reader must take them
 _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 
+# RecurrentGemma's shrunk sizes: the RG-LRU 96 wide (not h, so the reader must take lru_width: 4 heads of 24), a
+# 16-token attention window (the walk's s = 32 runs past it)
+_SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
+
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
@@ -105,6 +109,8 @@ def _shrink(data: dict) -> dict:
         out.update({k: v for k, v in _SMALL_DELTA.items() if isinstance(data.get(k), int)})
     if "linear_num_heads" in data:
         out.update({k: v for k, v in _SMALL_KDA.items() if isinstance(data.get(k), int)})
+    if "lru_width" in data:
+        out.update(_SMALL_RGLRU)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0
@@ -125,6 +131,8 @@ def _shrink(data: dict) -> dict:
     n = _SMALL.get(layers_key, 2) if layers_key else None
     if out.get("first_k_dense_replace"):
         n = 3  # one dense layer, then two MoE layers
+    if "lru_width" in data:
+        n = 3  # RecurrentGemma: block_types' period, two recurrent layers and an attention one
     types = data.get("layer_types")
     if isinstance(types, list) and types and n:
         kinds = list(dict.fromkeys(types))

@@ -127,7 +127,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
                                    "None), so no reader is checked"),
-    "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),

@@ -16,7 +16,8 @@ from typing import Any
 # ModelSpec.ssm_dt_rank, ssm_heads 1 and ssm_head_dim its width I; Zamba's ssm_heads heads); "shared" a use of Zamba's
 # shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py;
 # Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
-# mixer).
+# mixer); "rglru" RecurrentGemma's recurrent block (Griffin's RG-LRU with its convolution and projections:
+# ``rglru_counts``).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
@@ -26,8 +27,9 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "Y": ("shared", "ssm", "norm"),
                 "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm"),
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
-                "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "dense", "moe", "norm")
+                "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm"),
+                "R": ("rglru", "ffn", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -74,6 +76,22 @@ def kda_counts(model: Any) -> list[tuple[str, int, bool]]:
             ("KDA dt_bias, A_log", v + H, True), ("KDA gated norm", d, False), ("KDA output projection", v * h, True)]
 
 
+def rglru_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """RecurrentGemma's recurrent block's parameters (layer_pattern R: transformers RecurrentGemmaRecurrentBlock), the
+    RG-LRU W = ssm_heads x ssm_head_dim wide (lru_width; its gates block-diagonal over H = ssm_heads heads of
+    P = ssm_head_dim): linear_x and linear_y h x W with biases, the depthwise conv_1d W x ssm_conv_kernel with its bias,
+    the RG-LRU's input and recurrent gates H x P x P with biases H x P each and its recurrent_param W, linear_out
+    W x h with its bias h; [] without R layers."""
+    if "R" not in (model.layer_pattern or ""):
+        return []
+    H, P, h = model.ssm_heads, model.ssm_head_dim, model.hidden_size
+    w = H * P
+    return [("RG-LRU input projections (linear_x, linear_y)", 2 * w * (h + 1), True),
+            ("RG-LRU convolution", w * (model.ssm_conv_kernel + model.ssm_conv_bias), True),
+            ("RG-LRU gates and recurrent_param", 2 * H * P * P + 3 * w, True),
+            ("RG-LRU output projection weight", w * h, True), ("RG-LRU output projection bias", h, False)]
+
+
 def check_hybrid(model: Any) -> None:
     """A layer_pattern has a character per layer, a mixer's widths where it has a mixer, experts where it has E;
     no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are). Raises ValueError."""
@@ -85,14 +103,15 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMYDdKkBb") and model.ssm_heads is None:
-        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d) or Kimi Delta "
-                         "Attention (K, k, B, b): they need ssm_heads")
-    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb")) > 1:
-        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d) and Kimi Delta Attention "
-                         "(Kimi's K, k; Bailing's B, b) share the ssm_* widths: one kind per model")
+    if any(c in pattern for c in "SPMYDdKkBbR") and model.ssm_heads is None:
+        raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta "
+                         "Attention (K, k, B, b) or RG-LRU blocks (R): they need ssm_heads")
+    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb", "R")) > 1:
+        raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta Attention "
+                         "(Kimi's K, k; Bailing's B, b) and RG-LRU blocks (R) share the ssm_* widths: one kind per "
+                         "model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBb"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBbR"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
                          "needs them (Mamba-2 mixers S, P, M, Y or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:

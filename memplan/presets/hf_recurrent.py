@@ -1,0 +1,57 @@
+"""The config.json readers of the recurrent decoders (issue 22): RecurrentGemma (Griffin's RG-LRU blocks beside local
+attention), from transformers' own modelling code (transformers 5.23: RecurrentGemmaRecurrentBlock,
+RecurrentGemmaAttention, RecurrentGemmaMlp): each layer's blocks as ModelSpec.layer_pattern (R: the recurrent block +
+MLP, A: attention + MLP; core/hybrid.py) and the RG-LRU's widths in the ssm_* fields (ssm_heads: its gates' heads,
+num_attention_heads; ssm_head_dim: lru_width over them; ssm_conv_kernel: conv1d_width), its parameters
+core/hybrid.py rglru_counts; checked by the registry walk (memplan/check/registry.py) against transformers' parameter
+count of the model on the meta device.
+
+``RECURRENT`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which takes
+it in). Activations are traced (--impl hf-*): the RG-LRU's torch path loops over the tokens in Python
+(``_rnn_scan``), so its saves are traced at concrete s and b past the attention window and fitted
+(validation/trace_fit.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from memplan.core.errors import MemplanError
+from memplan.core.spec_base import echo
+from memplan.presets.hf_families import flag, nat
+
+_BLOCKS = {"recurrent": "R", "attention": "A"}
+
+
+def _recurrent_gemma(data: dict, path: Path) -> dict[str, Any]:
+    """RecurrentGemmaForCausalLM: layer i's temporal block is block_types[i % len(block_types)] (default recurrent,
+    recurrent, attention), after an RMSNorm; then a gated MLP intermediate_size / 2 wide (gate_proj, up_proj,
+    down_proj, each with a bias; gelu) after another. The recurrent block: linear_x, linear_y h -> lru_width (default
+    h), a depthwise conv1d conv1d_width wide, the RG-LRU (num_attention_heads block-diagonal gate heads), linear_out,
+    all with biases. The attention: num_attention_heads heads h / a wide (RecurrentGemmaConfig sets head_dim so,
+    whatever the file says), num_key_value_heads K / V heads, attention_bias on q, k, v, o_proj always biased; a
+    sliding window (attention_window_size, no parameters); embeddings tied by default."""
+    L, h = nat(data, "num_hidden_layers", 26, path), nat(data, "hidden_size", 2560, path)
+    a = nat(data, "num_attention_heads", 10, path)
+    kinds = data.get("block_types", ["recurrent", "recurrent", "attention"])
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k in _BLOCKS for k in kinds):
+        raise MemplanError(f"{path}: block_types: expected a list of the block types recurrent and attention (got "
+                           f"{echo(kinds)})")
+    width = nat(data if data.get("lru_width") is not None else {}, "lru_width", h, path)
+    if width % a:
+        raise MemplanError(f"{path}: lru_width = {width} is not divisible by num_attention_heads = {a} (the RG-LRU's "
+                           f"gate heads)")
+    act = data.get("hidden_activation", "gelu_pytorch_tanh")
+    if not (isinstance(act, str) and act.startswith("gelu")):
+        raise MemplanError(f"{path}: hidden_activation: memplan models RecurrentGemma's gated MLP with gelu (got "
+                           f"{echo(act)})")
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=a, num_kv_heads=data.get("num_key_value_heads"),
+                head_dim=h // a, layer_pattern="".join(_BLOCKS[kinds[i % len(kinds)]] for i in range(L)),
+                norm="rmsnorm", position_embedding="rope", bias=False, mlp="swiglu", gate_activation="gelu",
+                ffn_hidden_size=nat(data, "intermediate_size", 3 * h, path) // 2, mlp_bias=True, out_bias=True,
+                attention_bias=flag(data, "attention_bias", False, path), norm_eps=data.get("rms_norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), ssm_heads=a, ssm_head_dim=width // a,
+                ssm_conv_kernel=nat(data, "conv1d_width", 4, path), ssm_conv_bias=True, ssm_norm=False)
+
+
+RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma}

@@ -1,0 +1,129 @@
+"""Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
+local attention, layer_pattern R / A).
+
+Parameters: the registry walk (tests/test_registry.py) checks the tiny config against transformers' count of the model
+built on the meta device; here the switches those defaults leave off against the same count, the full-size defaults
+against a hand derivation, and the refusals. Activations: the tiny RecurrentGemma (two recurrent layers and a local
+attention one, its window 16 tokens) traced at concrete s and b past the window and fitted (validation/trace_fit.py:
+the RG-LRU's Python loop over the tokens), compared bucket by bucket with a real CPU run at an (s, b) the fit did not
+see."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from memplan.core.model import ModelSpec
+from memplan.core.errors import MemplanError
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+
+from memplan.check import registry  # noqa: E402
+from memplan.check.validate import measured_buckets  # noqa: E402
+from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
+from validation import trace_fit  # noqa: E402
+from validation.registry import measure, meta_params, tiny_config, trace  # noqa: E402
+from validation.trace import to_yaml  # noqa: E402
+
+
+@pytest.mark.parametrize("switches", [
+    dict(lru_width=128),  # the RG-LRU's gates 4 heads of 32
+    dict(block_types=["recurrent", "attention"], num_hidden_layers=4),  # R A R A
+    dict(block_types=["attention"]),  # attention only
+    dict(attention_bias=True, num_key_value_heads=1),  # q, k, v biases beside o_proj's; one K / V head
+    dict(conv1d_width=3, tie_word_embeddings=False, intermediate_size=100),  # the MLP intermediate_size / 2 wide
+    dict(lru_width=None),  # RecurrentGemmaConfig's default: h wide
+])
+def test_the_switches_count_exactly(switches):
+    config = {**tiny_config("recurrent_gemma"), **switches}
+    assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config("recurrent_gemma"))
+
+
+def test_the_full_size_defaults_count_by_hand():
+    """RecurrentGemmaConfig's defaults (recurrentgemma-2b's widths, K / V heads a): L = 26 layers, block_types
+    (recurrent, recurrent, attention) repeated: 18 recurrent, 8 attention; h = W = 2560, a = g = 10, d = h / a = 256,
+    conv 4, f = 7680 / 2 = 3840, v = 256000, tied.
+      recurrent block: linear_x, linear_y 2 (h W + W) = 13,112,320; conv_1d W 4 + W = 12,800; the RG-LRU's gates
+        2 a (W / a)^2 + 2 W = 1,315,840 and recurrent_param W = 2,560; linear_out W h + h = 6,556,160: 20,999,680
+      attention block: q, k, v 3 h a d = 19,660,800, o_proj a d h + h = 6,556,160: 26,216,960
+      each layer: MLP 3 h f + 2 f + h = 29,501,440, two norms 2 h = 5,120
+      18 x 20,999,680 + 8 x 26,216,960 + 26 x 29,506,560 = 1,354,900,480; embedding v h = 655,360,000; final norm 2,560
+      total 2,010,263,040 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.RecurrentGemmaConfig().to_dict(), default=str))
+    data.update(architectures=["RecurrentGemmaForCausalLM"], model_type="recurrent_gemma")
+    assert registry.memplan_params(data) == 2_010_263_040
+
+
+@pytest.mark.parametrize("switches, says", [
+    (dict(block_types=["recurrent", "mlp"]), "block_types"),
+    (dict(lru_width=90), "not divisible"),
+    (dict(hidden_activation="relu"), "gelu"),
+])
+def test_layouts_memplan_does_not_count_are_refused(switches, says):
+    with pytest.raises(MemplanError, match=says) as err:
+        registry.memplan_params({**tiny_config("recurrent_gemma"), **switches})
+    assert "\n" not in str(err.value)
+
+
+def test_a_pattern_cannot_mix_rglru_blocks_with_other_mixers():
+    """The RG-LRU's widths are the ssm_* fields: beside a Mamba-2 mixer or a DeltaNet (which read them otherwise) it
+    is refused, as is R without ssm_heads."""
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512, bias=False)
+    with pytest.raises(ValueError, match="ssm_heads"):
+        ModelSpec(**base, layer_pattern="RA")
+    for other in "SD":
+        with pytest.raises(ValueError, match="one kind per model"):
+            ModelSpec(**base, layer_pattern="R" + other, ssm_heads=4)
+    assert ModelSpec(**base, layer_pattern="RA", ssm_heads=4, ssm_head_dim=16).layer_blocks["rglru"] == 1
+
+
+def test_the_fit_starts_past_the_attention_window():
+    """The local attention builds its sliding-window mask (saved by sdpa, s^2 b) only once s is past the window: the
+    fit's points are past it (RecurrentGemma-2b's 2048, the tiny config's 16), in steps of 16, any s."""
+    assert trace_fit.fit_step(tiny_config("recurrent_gemma"))[:3] == (16, False, 16)
+    assert trace_fit.fit_step(transformers.RecurrentGemmaConfig().to_dict() | {"model_type": "recurrent_gemma"})[:3] \
+        == (16, False, 2048)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    config = tiny_config("recurrent_gemma")
+    return config, trace(config)
+
+
+def test_the_fitted_trace_equals_a_real_cpu_run_where_it_was_not_fitted(traced, run_cli, tmp_path):
+    """Fitted at s = 48, 64, 80 and b = 2, 3 (checked at s = 96, b = 4 and s = 99, b = 3), the trace's polynomials
+    equal, bucket by bucket, what a real CPU run of transformers' torch path saves at s = 130, b = 3; the estimate
+    with it notes the RG-LRU's torch path, and an s below the fitted points; --impl megatron refuses in one line."""
+    config, data = traced
+    assert config["block_types"] == ["recurrent", "recurrent", "attention"] and config["num_hidden_layers"] == 3
+    assert any(c.startswith("fitted:") and "a token at a time" in c for c in data["conditions"])
+    file = TracedFile.model_validate(data)
+    assert bucket_bytes(file, 130, 3) == measured_buckets(measure(config, 130, 3))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "trace.yaml").write_text(to_yaml(data))
+    args = ("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-sdpa", "--inventory",
+            str(tmp_path / "trace.yaml"), "--seq-len")
+    code, out, err = run_cli(*args, "256")
+    assert code == 0, err
+    assert "RG-LRU" in out and "_rnn_scan" in out and "s = 256 is outside" not in out
+    code, out, err = run_cli(*args, "32")
+    assert code == 0 and "s = 32 is outside the trace (s >= 48: the least s its saves were fitted from)" in out
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron")
+    assert code == 2 and "RG-LRU" in err and len(err.strip().splitlines()) == 1
+
+
+# opt-in (~10 s of CPU):  MEMPLAN_FIT_SLOW=1 PYTHONPATH=. pytest tests/test_recurrent.py -k wider
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_FIT_SLOW"), reason="set MEMPLAN_FIT_SLOW=1 to run")
+def test_a_wider_window_and_rglru_fitted_equal_a_real_cpu_run():
+    """A 64-token window (the fit at s = 96, 112, 128), the RG-LRU 128 wide, one K / V head, R A R A: equal to a real
+    CPU run at s = 150, b = 2."""
+    config = {**tiny_config("recurrent_gemma"), "attention_window_size": 64, "lru_width": 128,
+              "num_key_value_heads": 1, "block_types": ["recurrent", "attention"], "num_hidden_layers": 4}
+    file = TracedFile.model_validate(trace(config))
+    assert file.conditions[0] == "s >= 96"
+    assert bucket_bytes(file, 150, 2) == measured_buckets(measure(config, 150, 2))
