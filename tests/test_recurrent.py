@@ -1,12 +1,12 @@
 """Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
-local attention, layer_pattern R / A).
+local attention, layer_pattern R / A) and RWKV (layer_pattern W).
 
-Parameters: the registry walk (tests/test_registry.py) checks the tiny config against transformers' count of the model
-built on the meta device; here the switches those defaults leave off against the same count, the full-size defaults
-against a hand derivation, and the refusals. Activations: the tiny RecurrentGemma (two recurrent layers and a local
-attention one, its window 16 tokens) traced at concrete s and b past the window and fitted (validation/trace_fit.py:
-the RG-LRU's Python loop over the tokens), compared bucket by bucket with a real CPU run at an (s, b) the fit did not
-see."""
+Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
+model built on the meta device; here the switches those defaults leave off against the same count, the full-size
+defaults against hand derivations, and the refusals. Activations: the tiny RecurrentGemma (two recurrent layers and a
+local attention one, its window 16 tokens) and RWKV traced at concrete s and b (past the window) and fitted
+(validation/trace_fit.py: the RG-LRU's and the WKV's Python loops over the tokens), compared bucket by bucket with real
+CPU runs at an (s, b) the fit did not see."""
 
 from __future__ import annotations
 
@@ -30,17 +30,19 @@ from validation.registry import measure, meta_params, tiny_config, trace  # noqa
 from validation.trace import to_yaml  # noqa: E402
 
 
-@pytest.mark.parametrize("switches", [
-    dict(lru_width=128),  # the RG-LRU's gates 4 heads of 32
-    dict(block_types=["recurrent", "attention"], num_hidden_layers=4),  # R A R A
-    dict(block_types=["attention"]),  # attention only
-    dict(attention_bias=True, num_key_value_heads=1),  # q, k, v biases beside o_proj's; one K / V head
-    dict(conv1d_width=3, tie_word_embeddings=False, intermediate_size=100),  # the MLP intermediate_size / 2 wide
-    dict(lru_width=None),  # RecurrentGemmaConfig's default: h wide
+@pytest.mark.parametrize("model_type, switches", [
+    ("recurrent_gemma", dict(lru_width=128)),  # the RG-LRU's gates 4 heads of 32
+    ("recurrent_gemma", dict(block_types=["recurrent", "attention"], num_hidden_layers=4)),  # R A R A
+    ("recurrent_gemma", dict(block_types=["attention"])),  # attention only
+    ("recurrent_gemma", dict(attention_bias=True, num_key_value_heads=1)),  # q, k, v biases beside o_proj's; 1 K / V
+    ("recurrent_gemma", dict(conv1d_width=3, tie_word_embeddings=False, intermediate_size=100)),  # MLP f / 2 wide
+    ("recurrent_gemma", dict(lru_width=None)),  # RecurrentGemmaConfig's default: h wide
+    ("rwkv", dict(attention_hidden_size=None, intermediate_size=None)),  # RwkvConfig's defaults: h and 4 h
+    ("rwkv", dict(tie_word_embeddings=True, num_hidden_layers=3)),
 ])
-def test_the_switches_count_exactly(switches):
-    config = {**tiny_config("recurrent_gemma"), **switches}
-    assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config("recurrent_gemma"))
+def test_the_switches_count_exactly(model_type, switches):
+    config = {**tiny_config(model_type), **switches}
+    assert registry.memplan_params(config) == meta_params(config) != meta_params(tiny_config(model_type))
 
 
 def test_the_full_size_defaults_count_by_hand():
@@ -56,6 +58,18 @@ def test_the_full_size_defaults_count_by_hand():
     data = json.loads(json.dumps(transformers.RecurrentGemmaConfig().to_dict(), default=str))
     data.update(architectures=["RecurrentGemmaForCausalLM"], model_type="recurrent_gemma")
     assert registry.memplan_params(data) == 2_010_263_040
+
+
+def test_rwkv_full_size_defaults_count_by_hand():
+    """RwkvConfig's defaults (RWKV-4 7B's widths): L = 32, h = A = 4096, f = 4 h = 16384, v = 50277, untied.
+      each block: time mixing key, value, receptance, output 4 h A = 67,108,864, time_decay and time_first 2 A =
+        8,192, three time_mix vectors 3 h; channel mixing key and value 2 h f = 134,217,728, receptance h^2 =
+        16,777,216, two time_mix vectors 2 h; two LayerNorms 4 h: 218,148,864 in all
+      32 x 218,148,864 = 6,980,763,648; embedding and head 2 v h = 411,869,184; pre_ln and ln_out 4 h = 16,384
+      total 7,392,649,216 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.RwkvConfig().to_dict(), default=str))
+    data.update(architectures=["RwkvForCausalLM"], model_type="rwkv")
+    assert registry.memplan_params(data) == 7_392_649_216
 
 
 @pytest.mark.parametrize("switches, says", [
@@ -83,10 +97,14 @@ def test_a_pattern_cannot_mix_rglru_blocks_with_other_mixers():
 
 def test_the_fit_starts_past_the_attention_window():
     """The local attention builds its sliding-window mask (saved by sdpa, s^2 b) only once s is past the window: the
-    fit's points are past it (RecurrentGemma-2b's 2048, the tiny config's 16), in steps of 16, any s."""
-    assert trace_fit.fit_step(tiny_config("recurrent_gemma"))[:3] == (16, False, 16)
-    assert trace_fit.fit_step(transformers.RecurrentGemmaConfig().to_dict() | {"model_type": "recurrent_gemma"})[:3] \
-        == (16, False, 2048)
+    fit's points are past it, in steps of 4, any s; a window wider than 16 (RecurrentGemma-2b's 2048) is traced at 16
+    and the fit holds from the file's window on; RWKV has no window."""
+    assert trace_fit.fit_step(tiny_config("recurrent_gemma")) == (4, False, 16, trace_fit.fit_step(
+        tiny_config("recurrent_gemma")).why, None, 0)
+    full = trace_fit.fit_step(transformers.RecurrentGemmaConfig().to_dict() | {"model_type": "recurrent_gemma"})
+    assert (full.step, full.start, full.overrides, full.least) == (4, 16, {"attention_window_size": 16}, 2049)
+    assert "traced with attention_window_size 16, not 2048" in full.why
+    assert trace_fit.fit_step(tiny_config("rwkv"))[:3] == (4, False, 0)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +114,7 @@ def traced():
 
 
 def test_the_fitted_trace_equals_a_real_cpu_run_where_it_was_not_fitted(traced, run_cli, tmp_path):
-    """Fitted at s = 48, 64, 80 and b = 2, 3 (checked at s = 96, b = 4 and s = 99, b = 3), the trace's polynomials
+    """Fitted at s = 24, 28, 32 and b = 2, 3 (checked at s = 36, b = 4 and s = 39, b = 3), the trace's polynomials
     equal, bucket by bucket, what a real CPU run of transformers' torch path saves at s = 130, b = 3; the estimate
     with it notes the RG-LRU's torch path, and an s below the fitted points; --impl megatron refuses in one line."""
     config, data = traced
@@ -111,19 +129,31 @@ def test_the_fitted_trace_equals_a_real_cpu_run_where_it_was_not_fitted(traced, 
     code, out, err = run_cli(*args, "256")
     assert code == 0, err
     assert "RG-LRU" in out and "_rnn_scan" in out and "s = 256 is outside" not in out
-    code, out, err = run_cli(*args, "32")
-    assert code == 0 and "s = 32 is outside the trace (s >= 48: the least s its saves were fitted from)" in out
+    code, out, err = run_cli(*args, "20")
+    assert code == 0 and "s = 20 is outside the trace (s >= 24: the least s its saves were fitted from)" in out
     code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron")
     assert code == 2 and "RG-LRU" in err and len(err.strip().splitlines()) == 1
 
 
+def test_rwkv_fitted_equals_a_real_cpu_run_where_it_was_not_fitted(run_cli, tmp_path):
+    """RWKV fitted at s = 8, 12, 16 (rwkv_linear_attention_cpu's loop over the tokens) equals a real CPU run at s = 50,
+    b = 3; --impl hf-sdpa is refused (no attention: eager only)."""
+    config = tiny_config("rwkv")
+    data = trace(config)
+    assert data["conditions"][0] == "s >= 8"
+    assert bucket_bytes(TracedFile.model_validate(data), 50, 3) == measured_buckets(measure(config, 50, 3))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-sdpa")
+    assert code == 2 and "RWKV (no attention layers: eager only)" in err
+
+
 # opt-in (~10 s of CPU):  MEMPLAN_FIT_SLOW=1 PYTHONPATH=. pytest tests/test_recurrent.py -k wider
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_FIT_SLOW"), reason="set MEMPLAN_FIT_SLOW=1 to run")
-def test_a_wider_window_and_rglru_fitted_equal_a_real_cpu_run():
-    """A 64-token window (the fit at s = 96, 112, 128), the RG-LRU 128 wide, one K / V head, R A R A: equal to a real
-    CPU run at s = 150, b = 2."""
+def test_a_wider_window_traced_at_16_tokens_equals_a_real_cpu_run():
+    """A 64-token window traced at 16 tokens (fit_step: past the window the saves do not depend on its width), the
+    RG-LRU 128 wide, one K / V head, R A R A: equal to a real CPU run of the 64-token model at s = 150, b = 2."""
     config = {**tiny_config("recurrent_gemma"), "attention_window_size": 64, "lru_width": 128,
               "num_key_value_heads": 1, "block_types": ["recurrent", "attention"], "num_hidden_layers": 4}
     file = TracedFile.model_validate(trace(config))
-    assert file.conditions[0] == "s >= 96"
+    assert file.conditions[0] == "s >= 65"
     assert bucket_bytes(file, 150, 2) == measured_buckets(measure(config, 150, 2))

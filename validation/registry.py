@@ -73,6 +73,8 @@ _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 # RecurrentGemma's shrunk sizes: the RG-LRU 96 wide (not h, so the reader must take lru_width: 4 heads of 24), a
 # 16-token attention window (the walk's s = 32 runs past it)
 _SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
+# RWKV's: the time mixing 96 wide (not h, so the reader must take attention_hidden_size)
+_SMALL_RWKV = {"attention_hidden_size": 96}
 
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
@@ -111,6 +113,8 @@ def _shrink(data: dict) -> dict:
         out.update({k: v for k, v in _SMALL_KDA.items() if isinstance(data.get(k), int)})
     if "lru_width" in data:
         out.update(_SMALL_RGLRU)
+    if "rescale_every" in data:
+        out.update(_SMALL_RWKV)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0

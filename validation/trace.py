@@ -152,7 +152,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     cfg = load_config(config)
     mamba1_.check(cfg, kernels)  # Mamba-1 mixers: CUDA's kernels stood in (validation/trace_mamba1.py)
     # a gated DeltaNet's loop over the chunks of s, a buffer sliced to s: saves fitted (trace_fit.py)
-    fit_chunk, fit_multiple, fit_start, fit_why = fit_step(cfg)
+    fit = fit_step(cfg)
+    fit_chunk = fit.step
     moments = moments and fit_chunk == 1
     # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
     # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
@@ -162,7 +163,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     holder: dict = {}
 
     def build():
-        model = build_model(cfg, impl, dtype, experts)
+        model = build_model({**cfg, **(fit.overrides or {})}, impl, dtype, experts)
         n = num_hidden_layers(model)
         holder.update(layers=n, path=decoder_layers_path(model, n))
         holder["index"], holder["kinds"] = (compose_.reduce(model, holder["path"], n) if compose
@@ -208,7 +209,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         with mode:
             built = build()
         runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa,
-                           fit_multiple, fit_start, fit_why)]
+                           fit.multiple, fit.start, fit.why, fit.least)]
     else:
         runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]

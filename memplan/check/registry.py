@@ -41,7 +41,7 @@ KINDS = ("build", "estimate", "trace")
 _ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
               "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
               "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
-_RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
+_RECURRENT = "recurrent layers (xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 # Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
 # (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
@@ -130,7 +130,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),
-    "rwkv": ("estimate", _RECURRENT),
     "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),

@@ -17,7 +17,8 @@ from typing import Any
 # shared attention + MLP block (Z: its own h x h linear each use; the block's weights are held once, memory/states.py;
 # Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
 # mixer); "rglru" RecurrentGemma's recurrent block (Griffin's RG-LRU with its convolution and projections:
-# ``rglru_counts``).
+# ``rglru_counts``); "rwkv" an RWKV block's time mixing and channel mixing, its key / value pair the "ffn" (RWKV:
+# ``rwkv_counts``).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
@@ -28,8 +29,8 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm"),
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
                 "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm"),
-                "R": ("rglru", "ffn", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "dense", "moe", "norm")
+                "R": ("rglru", "ffn", "norm", "norm"), "W": ("rwkv", "ffn", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -92,6 +93,20 @@ def rglru_counts(model: Any) -> list[tuple[str, int, bool]]:
             ("RG-LRU output projection weight", w * h, True), ("RG-LRU output projection bias", h, False)]
 
 
+def rwkv_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """An RWKV block's parameters but its channel mixing's key / value pair (layer_pattern W: transformers
+    RwkvSelfAttention and RwkvFeedForward; the pair h -> f -> h is the layer's MLP), with A = ssm_head_dim
+    (attention_hidden_size): the time mixing's key, value and receptance h x A and output A x h, time_decay and
+    time_first A each, time_mix_key / value / receptance h each; the channel mixing's receptance h x h and
+    time_mix_key / receptance h each; no biases; [] without W layers."""
+    if "W" not in (model.layer_pattern or ""):
+        return []
+    A, h = model.ssm_head_dim, model.hidden_size
+    return [("RWKV time mixing's key, value, receptance and output", 4 * h * A, True),
+            ("RWKV time_decay, time_first", 2 * A, True), ("RWKV channel mixing's receptance", h * h, True),
+            ("RWKV time_mix vectors", 5 * h, False)]
+
+
 def check_hybrid(model: Any) -> None:
     """A layer_pattern has a character per layer, a mixer's widths where it has a mixer, experts where it has E;
     no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are). Raises ValueError."""
@@ -103,15 +118,15 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMYDdKkBbR") and model.ssm_heads is None:
+    if any(c in pattern for c in "SPMYDdKkBbRW") and model.ssm_heads is None:
         raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta "
-                         "Attention (K, k, B, b) or RG-LRU blocks (R): they need ssm_heads")
-    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb", "R")) > 1:
+                         "Attention (K, k, B, b), RG-LRU blocks (R) or RWKV blocks (W): they need ssm_heads")
+    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb", "R", "W")) > 1:
         raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta Attention "
-                         "(Kimi's K, k; Bailing's B, b) and RG-LRU blocks (R) share the ssm_* widths: one kind per "
-                         "model")
+                         "(Kimi's K, k; Bailing's B, b), RG-LRU blocks (R) and RWKV blocks (W) share the ssm_* "
+                         "widths: one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBbR"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBbRW"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
                          "needs them (Mamba-2 mixers S, P, M, Y or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:

@@ -54,4 +54,24 @@ def _recurrent_gemma(data: dict, path: Path) -> dict[str, Any]:
                 ssm_conv_kernel=nat(data, "conv1d_width", 4, path), ssm_conv_bias=True, ssm_norm=False)
 
 
-RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma}
+def _rwkv(data: dict, path: Path) -> dict[str, Any]:
+    """RwkvForCausalLM (RWKV-4): every layer an RWKV block (layer_pattern W): a LayerNorm, the time mixing
+    (attention_hidden_size A wide, default h: key, value, receptance, output, time_decay, time_first, three time_mix
+    vectors), a LayerNorm, the channel mixing (its key h -> intermediate_size (default 4 h) and value back, squared
+    relu: the layer's plain MLP; its receptance h x h and two time_mix vectors); the first block's pre_ln on the
+    embeddings (memplan's embedding norm); no biases, no position embedding; embeddings untied by default."""
+    h = nat(data, "hidden_size", 4096, path)
+    L = nat(data, "num_hidden_layers", 32, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=1, layer_pattern="W" * L, norm="layernorm",
+                position_embedding="rope", bias=False, mlp="gelu", embedding_norm=True,
+                ffn_hidden_size=nat(data if data.get("intermediate_size") is not None else {}, "intermediate_size",
+                                    4 * h, path),
+                norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", False, path),
+                ssm_heads=1, ssm_head_dim=nat(data if data.get("attention_hidden_size") is not None else {},
+                                              "attention_hidden_size", h, path), ssm_norm=False)
+
+
+RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma,
+                                                                "RwkvForCausalLM": _rwkv}
+# their sequence-length keys (hf_config's POSITIONS): RWKV's context_length (its CUDA kernel's limit)
+POSITIONS = {"RwkvForCausalLM": ("context_length", 1024)}
