@@ -1,12 +1,13 @@
 """Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
-local attention, layer_pattern R / A) and RWKV (layer_pattern W).
+local attention, layer_pattern R / A), RWKV (layer_pattern W) and MiniMax-01 (lightning attention beside softmax
+attention, layer_pattern L / A).
 
 Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
 model built on the meta device; here the switches those defaults leave off against the same count, the full-size
 defaults against hand derivations, and the refusals. Activations: the tiny RecurrentGemma (two recurrent layers and a
-local attention one, its window 16 tokens) and RWKV traced at concrete s and b (past the window) and fitted
-(validation/trace_fit.py: the RG-LRU's and the WKV's Python loops over the tokens), compared bucket by bucket with real
-CPU runs at an (s, b) the fit did not see."""
+local attention one, its window 16 tokens), RWKV and MiniMax traced at concrete s and b (past the window) and fitted
+(validation/trace_fit.py: the RG-LRU's and the WKV's Python loops over the tokens, the lightning attention's over blocks
+of s), compared bucket by bucket with real CPU runs at an (s, b) the fit did not see."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ from validation.trace import to_yaml  # noqa: E402
     ("recurrent_gemma", dict(lru_width=None)),  # RecurrentGemmaConfig's default: h wide
     ("rwkv", dict(attention_hidden_size=None, intermediate_size=None)),  # RwkvConfig's defaults: h and 4 h
     ("rwkv", dict(tie_word_embeddings=True, num_hidden_layers=3)),
+    ("minimax", dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3)),
+    ("minimax", dict(layer_types=None, num_hidden_layers=4)),  # MiniMaxConfig's alternation: A L A L
+    ("minimax", dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=True)),  # both attentions' heads 32 wide
+    ("minimax", dict(num_local_experts=6, num_experts_per_tok=1, intermediate_size=96)),
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -72,14 +77,29 @@ def test_rwkv_full_size_defaults_count_by_hand():
     assert registry.memplan_params(data) == 7_392_649_216
 
 
-@pytest.mark.parametrize("switches, says", [
-    (dict(block_types=["recurrent", "mlp"]), "block_types"),
-    (dict(lru_width=90), "not divisible"),
-    (dict(hidden_activation="relu"), "gelu"),
+def test_minimax_full_size_defaults_count_by_hand():
+    """MiniMaxConfig's defaults: L = 32 alternating full (layer 0, 2, ...) and lightning attention, h = 4096, a = 32
+    heads of d = h / a = 128 (q = 4096), g = 8 K / V heads, 8 experts f = 14336 wide, v = 32000, untied.
+      full attention: q, o 2 h q + k, v 2 h g d = 41,943,040; lightning attention: qkv_proj, output_gate, out_proj
+        5 h q + its norm q = 83,890,176
+      each layer: experts 8 x 3 h f = 1,409,286,144, router 8 h = 32,768, two norms 2 h = 8,192
+      16 x 41,943,040 + 16 x 83,890,176 + 32 x 1,409,327,104 = 47,111,798,784; embedding and head 2 v h = 262,144,000;
+      final norm 4,096; total 47,373,946,880 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.MiniMaxConfig().to_dict(), default=str))
+    data.update(architectures=["MiniMaxForCausalLM"], model_type="minimax")
+    assert registry.memplan_params(data) == 47_373_946_880
+
+
+@pytest.mark.parametrize("model_type, switches, says", [
+    ("recurrent_gemma", dict(block_types=["recurrent", "mlp"]), "block_types"),
+    ("recurrent_gemma", dict(lru_width=90), "not divisible"),
+    ("recurrent_gemma", dict(hidden_activation="relu"), "gelu"),
+    ("minimax", dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types"),
+    ("minimax", dict(hidden_act="gelu"), "silu"),
 ])
-def test_layouts_memplan_does_not_count_are_refused(switches, says):
+def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:
-        registry.memplan_params({**tiny_config("recurrent_gemma"), **switches})
+        registry.memplan_params({**tiny_config(model_type), **switches})
     assert "\n" not in str(err.value)
 
 
@@ -145,6 +165,16 @@ def test_rwkv_fitted_equals_a_real_cpu_run_where_it_was_not_fitted(run_cli, tmp_
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-sdpa")
     assert code == 2 and "RWKV (no attention layers: eager only)" in err
+
+
+def test_minimax_fitted_equals_a_real_cpu_run_where_it_was_not_fitted():
+    """MiniMax's lightning attention loops over blocks of s (the tiny config's 16 tokens): fitted at s = 32, 48, 64, s a
+    multiple of the block; equal to a real CPU run at s = 112, b = 3 (seven blocks)."""
+    config = tiny_config("minimax")
+    assert config["layer_types"] == ["full_attention", "linear_attention"] and config["block_size"] == 16
+    data = trace(config)
+    assert "s % 16 == 0" in data["conditions"]
+    assert bucket_bytes(TracedFile.model_validate(data), 112, 3) == measured_buckets(measure(config, 112, 3))
 
 
 # opt-in (~10 s of CPU):  MEMPLAN_FIT_SLOW=1 PYTHONPATH=. pytest tests/test_recurrent.py -k wider

@@ -109,7 +109,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "mbart": ("estimate", _ONES_MASK),
     "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
                                   "layer)"),
-    "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
                                        "shared widths are not read"),
     "mllama": ("estimate", _MULTIMODAL),

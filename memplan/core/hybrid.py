@@ -18,7 +18,7 @@ from typing import Any
 # Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
 # mixer); "rglru" RecurrentGemma's recurrent block (Griffin's RG-LRU with its convolution and projections:
 # ``rglru_counts``); "rwkv" an RWKV block's time mixing and channel mixing, its key / value pair the "ffn" (RWKV:
-# ``rwkv_counts``).
+# ``rwkv_counts``); "lightning" MiniMax's lightning attention (``lightning_counts``).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
@@ -29,8 +29,9 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "D": ("delta", "ffn", "norm", "norm"), "d": ("delta", "dense", "norm", "norm"),
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
                 "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm"),
-                "R": ("rglru", "ffn", "norm", "norm"), "W": ("rwkv", "ffn", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "dense", "moe", "norm")
+                "R": ("rglru", "ffn", "norm", "norm"), "W": ("rwkv", "ffn", "norm", "norm"),
+                "L": ("lightning", "ffn", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "dense", "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -105,6 +106,17 @@ def rwkv_counts(model: Any) -> list[tuple[str, int, bool]]:
     return [("RWKV time mixing's key, value, receptance and output", 4 * h * A, True),
             ("RWKV time_decay, time_first", 2 * A, True), ("RWKV channel mixing's receptance", h * h, True),
             ("RWKV time_mix vectors", 5 * h, False)]
+
+
+def lightning_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """MiniMax's lightning attention's parameters (layer_pattern L: transformers MiniMaxLightningAttention), its heads
+    the attention's (q = a x head_dim wide): qkv_proj h x 3 q, output_gate h x q, out_proj q x h, the RMSNorm q wide
+    over the heads' output; no biases; [] without L layers."""
+    if "L" not in (model.layer_pattern or ""):
+        return []
+    q, h = model.q, model.hidden_size
+    return [("lightning attention's qkv_proj, output_gate and out_proj", 5 * h * q, True),
+            ("lightning attention's norm", q, False)]
 
 
 def check_hybrid(model: Any) -> None:
