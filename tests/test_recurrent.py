@@ -1,6 +1,7 @@
 """Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
-local attention, layer_pattern R / A), RWKV (layer_pattern W) and MiniMax-01 (lightning attention beside softmax
-attention, layer_pattern L / A).
+local attention, layer_pattern R / A), RWKV (layer_pattern W), MiniMax-01 (lightning attention beside softmax
+attention, layer_pattern L / A) and xLSTM (mLSTM blocks, layer_pattern X: parameters only, its bf16 code does not
+run).
 
 Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
 model built on the meta device; here the switches those defaults leave off against the same count, the full-size
@@ -44,6 +45,9 @@ from validation.trace import to_yaml  # noqa: E402
     ("minimax", dict(layer_types=None, num_hidden_layers=4)),  # MiniMaxConfig's alternation: A L A L
     ("minimax", dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=True)),  # both attentions' heads 32 wide
     ("minimax", dict(num_local_experts=6, num_experts_per_tok=1, intermediate_size=96)),
+    ("xlstm", dict(weight_mode="fused", num_heads=4)),  # qkv_opreact and ifgate_preact fused: the same count
+    ("xlstm", dict(qk_dim_factor=0.25, v_dim_factor=0.5, ffn_proj_factor=2.0, ffn_round_up_to_multiple_of=48)),
+    ("xlstm", dict(num_blocks=3, tie_word_embeddings=True)),  # num_blocks is what xLSTMModel builds
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -90,12 +94,39 @@ def test_minimax_full_size_defaults_count_by_hand():
     assert registry.memplan_params(data) == 47_373_946_880
 
 
+def test_xlstm_full_size_defaults_count_by_hand():
+    """xLSTMConfig's defaults (xLSTM-7B's widths): 32 mLSTM blocks, h = 4096, 8 heads, q / k int(0.5 h) = 2048 wide,
+    v and the output gate int(1.0 h) = 4096, the MLP 2.667 h = 10924.03 rounded up to a multiple of 64: 10944;
+    v = 50304, untied.
+      each block: q, k, v, ogate, out_proj h (2 x 2048 + 3 x 4096) = 67,108,864; input and forget gates 2 x 8 (h + 1)
+        = 65,552; multi-head norm 4096; MLP 3 h 10944 = 134,479,872; two norms 2 h: 201,666,576 in all
+      32 x 201,666,576 = 6,453,330,432; embedding and head 2 v h = 412,090,368; out_norm 4,096
+      total 6,865,424,896 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.xLSTMConfig().to_dict(), default=str))
+    data.update(architectures=["xLSTMForCausalLM"], model_type="xlstm")
+    assert registry.memplan_params(data) == 6_865_424_896
+
+
+def test_xlstm_activations_are_refused_in_one_line(run_cli, tmp_path):
+    """transformers' torch mLSTM kernel fails for a bf16 model (what the trace builds); a real CPU run shows it, and
+    memplan refuses --impl hf-* with that reason before tracing."""
+    config = tiny_config("xlstm")
+    with pytest.raises(RuntimeError, match="same dtype"):
+        measure(config, 32, 2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-eager")
+    assert code == 2 and "mlstm_chunkwise_native_autograd" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("model_type, switches, says", [
     ("recurrent_gemma", dict(block_types=["recurrent", "mlp"]), "block_types"),
     ("recurrent_gemma", dict(lru_width=90), "not divisible"),
     ("recurrent_gemma", dict(hidden_activation="relu"), "gelu"),
     ("minimax", dict(layer_types=["linear_attention", "sliding_attention"]), "layer_types"),
     ("minimax", dict(hidden_act="gelu"), "silu"),
+    ("xlstm", dict(use_bias=True), "use_bias"),
+    ("xlstm", dict(embedding_dim=32), "embedding_dim"),
+    ("xlstm", dict(num_heads=3), "multiples of num_heads"),
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:

@@ -75,8 +75,9 @@ _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 _SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
 # RWKV's: the time mixing 96 wide (not h, so the reader must take attention_hidden_size)
 _SMALL_RWKV = {"attention_hidden_size": 96}
-# MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two)
+# MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two); xLSTM's mLSTM chunks the same
 _SMALL_LIGHTNING = {"block_size": 16}
+_SMALL_MLSTM = {"chunk_size": 16, "num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}  # what xLSTMModel builds
 
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
@@ -119,6 +120,8 @@ def _shrink(data: dict) -> dict:
         out.update(_SMALL_RWKV)
     if "linear_attn_alpha_factor" in data:
         out.update(_SMALL_LIGHTNING)
+    if "qk_dim_factor" in data:
+        out.update(_SMALL_MLSTM)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0

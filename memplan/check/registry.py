@@ -25,7 +25,7 @@ from typing import Any, Optional
 from memplan.core.errors import MemplanError
 from memplan.check.validate import measured_buckets
 from memplan.core.harness import harness
-from memplan.inventory.traced_file import TracedFile, bucket_bytes
+from memplan.inventory.traced_file import NOT_TRACED, TracedFile, bucket_bytes
 from memplan.memory.states import total_params
 from memplan.presets.hf_config import read_hf_config
 from memplan.presets.hf_encoders import NOT_READ
@@ -41,7 +41,6 @@ KINDS = ("build", "estimate", "trace")
 _ONES_MASK = ("its decoder passes an all-ones padding mask (torch.ones(b, s)) that create_causal_mask drops only by "
               "reading its values: the trace under fake tensors keeps a b x s x s mask saved by sdpa in every layer "
               "(2 s^2 b bytes at attention_dropout 0) that a real CPU run does not: not read")
-_RECURRENT = "recurrent layers (xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 # Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
 # (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
@@ -132,7 +131,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
-    "xlstm": ("estimate", _RECURRENT),
+    "xlstm": ("trace", NOT_TRACED["xlstm"]),
     "xmod": ("estimate", NOT_READ["XmodForCausalLM"] + ": not read"),
     "zamba": ("trace", _MAMBA1),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "

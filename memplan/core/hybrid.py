@@ -18,7 +18,8 @@ from typing import Any
 # Y: Zamba 2's, a use of one of its ModelSpec.shared_blocks blocks in turn, with its per-use adapters, then a Mamba-2
 # mixer); "rglru" RecurrentGemma's recurrent block (Griffin's RG-LRU with its convolution and projections:
 # ``rglru_counts``); "rwkv" an RWKV block's time mixing and channel mixing, its key / value pair the "ffn" (RWKV:
-# ``rwkv_counts``); "lightning" MiniMax's lightning attention (``lightning_counts``).
+# ``rwkv_counts``); "lightning" MiniMax's lightning attention (``lightning_counts``); "mlstm" xLSTM's mLSTM
+# layer (``mlstm_counts``).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
@@ -30,8 +31,9 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
                 "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm"),
                 "R": ("rglru", "ffn", "norm", "norm"), "W": ("rwkv", "ffn", "norm", "norm"),
-                "L": ("lightning", "ffn", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "dense", "moe", "norm")
+                "L": ("lightning", "ffn", "norm", "norm"), "X": ("mlstm", "ffn", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "mlstm", "dense", "moe",
+          "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -119,6 +121,19 @@ def lightning_counts(model: Any) -> list[tuple[str, int, bool]]:
             ("lightning attention's norm", q, False)]
 
 
+def mlstm_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """xLSTM's mLSTM layer's parameters (layer_pattern X: transformers xLSTMLayer, weight_mode single or fused: the
+    same count), H = ssm_heads heads, queries and keys ssm_state_size wide per head (QK = H x it), values and the
+    output gate ssm_head_dim (V = H x it): q, k h x QK, v, ogate_preact h x V, igate_preact and fgate_preact h x H with
+    biases, the multi-head norm's weight V, out_proj V x h; no other biases (use_bias false); [] without X layers."""
+    if "X" not in (model.layer_pattern or ""):
+        return []
+    H, h = model.ssm_heads, model.hidden_size
+    qk, v = H * model.ssm_state_size, H * model.ssm_head_dim
+    return [("mLSTM q, k, v, output gate and out_proj", h * (2 * qk + 3 * v), True),
+            ("mLSTM input and forget gates", 2 * H * (h + 1), True), ("mLSTM multi-head norm", v, True)]
+
+
 def check_hybrid(model: Any) -> None:
     """A layer_pattern has a character per layer, a mixer's widths where it has a mixer, experts where it has E;
     no bias on every linear, no dense-first layers (the pattern says where the dense MLPs are). Raises ValueError."""
@@ -130,15 +145,15 @@ def check_hybrid(model: Any) -> None:
         return
     if len(pattern) != model.num_layers:
         raise ValueError(f"layer_pattern has {len(pattern):,} characters for num_layers={model.num_layers:,}")
-    if any(c in pattern for c in "SPMYDdKkBbRW") and model.ssm_heads is None:
+    if any(c in pattern for c in "SPMYDdKkBbRWX") and model.ssm_heads is None:
         raise ValueError("layer_pattern has Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta "
-                         "Attention (K, k, B, b), RG-LRU blocks (R) or RWKV blocks (W): they need ssm_heads")
-    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb", "R", "W")) > 1:
+                         "Attention (K, k, B, b), RG-LRU (R), RWKV (W) or mLSTM blocks (X): they need ssm_heads")
+    if sum(any(c in pattern for c in kind) for kind in ("SPMY", "Dd", "Kk", "Bb", "R", "W", "X")) > 1:
         raise ValueError("layer_pattern: Mamba-2 mixers (S, P, M, Y), gated DeltaNets (D, d), Kimi Delta Attention "
-                         "(Kimi's K, k; Bailing's B, b), RG-LRU blocks (R) and RWKV blocks (W) share the ssm_* "
+                         "(Kimi's K, k; Bailing's B, b), RG-LRU (R), RWKV (W) and mLSTM blocks (X) share the ssm_* "
                          "widths: one kind per model")
     if any(c in pattern for c in "1JjZ") != (model.ssm_dt_rank is not None) or (
-            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBbRW"))):
+            model.ssm_dt_rank is not None and (model.ssm_heads is None or any(c in pattern for c in "SPMYDdKkBbRWX"))):
         raise ValueError("layer_pattern's Mamba-1 mixers (1, J, j, Z) need ssm_dt_rank and ssm_heads, and ssm_dt_rank "
                          "needs them (Mamba-2 mixers S, P, M, Y or DeltaNets D, d beside them are not modelled)")
     if model.ssm_heads is not None and model.ssm_heads % model.ssm_groups:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import flag, nat
+from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 _BLOCKS = {"recurrent": "R", "attention": "A"}
 
@@ -71,7 +71,43 @@ def _rwkv(data: dict, path: Path) -> dict[str, Any]:
                                               "attention_hidden_size", h, path), ssm_norm=False)
 
 
+def _factor(data: dict, key: str, default: float, path: Path) -> float:
+    """A positive width factor (xLSTM's qk_dim_factor, v_dim_factor, ffn_proj_factor)."""
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise MemplanError(f"{path}: {key}: expected a positive number (got {echo(value)})")
+    return value
+
+
+def _xlstm(data: dict, path: Path) -> dict[str, Any]:
+    """xLSTMForCausalLM (xLSTM-7B: mLSTM blocks, transformers' own torch code; with the xlstm package installed
+    transformers runs that package's blocks instead): every layer (num_blocks, which the model builds, else
+    num_hidden_layers) an RMSNorm, the
+    mLSTM layer (layer_pattern X: num_heads heads; q, k int(qk_dim_factor h) wide, v and the output gate
+    int(v_dim_factor h), as xLSTMLayer computes them) and an RMSNorm and a SwiGLU MLP h x ffn_proj_factor h rounded up
+    to ffn_round_up_to_multiple_of; no biases (use_bias refused); embeddings untied whatever tie_word_embeddings says
+    (xLSTMForCausalLM declares no tied weights: transformers' meta-device count keeps both)."""
+    h = nat(data, "hidden_size", 4096, path)
+    L = nat(data, "num_blocks" if data.get("num_blocks") is not None else "num_hidden_layers", 32, path)
+    if flag(data, "use_bias", False, path):
+        raise MemplanError(f"{path}: use_bias (biases on the mLSTM's and MLP's linears and norms): not counted; "
+                           f"{YAML_HINT}")
+    if data.get("embedding_dim") not in (None, h):
+        raise MemplanError(f"{path}: embedding_dim = {echo(data['embedding_dim'])}, not hidden_size = {h}: "
+                           f"transformers' blocks take h wide inputs; not modelled")
+    H = nat(data, "num_heads", 8, path)
+    qk, v = int(h * _factor(data, "qk_dim_factor", 0.5, path)), int(h * _factor(data, "v_dim_factor", 1.0, path))
+    if qk % H or v % H or not qk or not v:
+        raise MemplanError(f"{path}: the mLSTM's q / k width {qk} and v width {v} must be positive multiples of "
+                           f"num_heads = {H}")
+    m = nat(data, "ffn_round_up_to_multiple_of", 64, path)
+    up = int((h * _factor(data, "ffn_proj_factor", 2.667, path) + m - 1) // m * m)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=1, layer_pattern="X" * L, norm="rmsnorm",
+                position_embedding="rope", bias=False, mlp="swiglu", ffn_hidden_size=up,
+                norm_eps=data.get("norm_eps"), tied_embeddings=False, ssm_heads=H, ssm_head_dim=v // H, ssm_state_size=qk // H, ssm_norm=False)
+
+
 RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma,
-                                                                "RwkvForCausalLM": _rwkv}
+                                                                "RwkvForCausalLM": _rwkv, "xLSTMForCausalLM": _xlstm}
 # their sequence-length keys (hf_config's POSITIONS): RWKV's context_length (its CUDA kernel's limit)
 POSITIONS = {"RwkvForCausalLM": ("context_length", 1024)}
