@@ -108,11 +108,12 @@ def test_xlstm_full_size_defaults_count_by_hand():
 
 
 def test_xlstm_activations_are_refused_in_one_line(run_cli, tmp_path):
-    """transformers' torch mLSTM kernel fails for a bf16 model (what the trace builds); a real CPU run shows it, and
-    memplan refuses --impl hf-* with that reason before tracing."""
+    """transformers' torch mLSTM kernel fails for a bf16 model (what the trace builds) once s reaches a chunk (64 tokens;
+    shorter sequences run token by token); a real CPU run shows it, and memplan refuses --impl hf-* with that reason
+    before tracing."""
     config = tiny_config("xlstm")
     with pytest.raises(RuntimeError, match="same dtype"):
-        measure(config, 32, 2)
+        measure(config, 64, 2)
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-eager")
     assert code == 2 and "mlstm_chunkwise_native_autograd" in err and len(err.strip().splitlines()) == 1

@@ -75,9 +75,10 @@ _SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 _SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
 # RWKV's: the time mixing 96 wide (not h, so the reader must take attention_hidden_size)
 _SMALL_RWKV = {"attention_hidden_size": 96}
-# MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two); xLSTM's mLSTM chunks the same
+# MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two)
 _SMALL_LIGHTNING = {"block_size": 16}
-_SMALL_MLSTM = {"chunk_size": 16, "num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}  # what xLSTMModel builds
+# xLSTM's: its num_blocks and embedding_dim (what xLSTMModel builds) as the shrunk layers and h
+_SMALL_MLSTM = {"num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}
 
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")

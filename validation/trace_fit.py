@@ -64,8 +64,8 @@ def fit_step(config: dict) -> Fit:
     """How a config's saves are fitted (``Fit``; step 1: traced symbolically). A gated DeltaNet
     (``linear_num_value_heads``, in the config or its text_config) or Kimi Delta Attention (``linear_num_heads``: Kimi
     Linear, Bailing-hybrid; chunk_kimi_delta_attention): the chunk its torch path pads s to and loops over (64, its
-    default: no caller passes another); MiniMax's lightning attention: its block_size, xLSTM's mLSTM: its chunk_size,
-    s a multiple of it (a last block shorter saves otherwise: xLSTM runs it token by token); SLICED: steps of 16, any s; SCANNED: steps of 4, any s, from the attention
+    default: no caller passes another); MiniMax's lightning attention: its block_size, s a multiple of it (a last
+    block shorter saves less than a polynomial in s says); SLICED: steps of 16, any s; SCANNED: steps of 4, any s, from the attention
     window on (RecurrentGemma's local attention builds its sliding-window mask only for s past the window: the points
     are past it, where a training run's s is, so the mask's s^2 b is in the fit). A window wider than TRACED_WINDOW is
     traced at TRACED_WINDOW: past the window, transformers' sliding-window mask is b x s x s whatever its width, and
@@ -75,12 +75,10 @@ def fit_step(config: dict) -> Fit:
     if any(key in config or isinstance(text, dict) and key in text
            for key in ("linear_num_value_heads", "linear_num_heads")):
         return Fit(64, True, 0, "the chunked loop over s runs in Python")
-    chunked = {"minimax": ("block_size", 256, "the lightning attention's loop over blocks of s runs in Python"),
-               "xlstm": ("chunk_size", 64, "the mLSTM's chunkwise loop over s runs in Python")}
-    if config.get("model_type") in chunked:  # MiniMaxConfig's blocks of 256, xLSTMConfig's chunks of 64
-        key, default, why = chunked[config["model_type"]]
-        block = config.get(key, default)
-        return Fit(block if isinstance(block, int) and block > 0 else default, True, 0, why)
+    if config.get("model_type") == "minimax":  # the lightning attention's loop over blocks of s (MiniMaxConfig's 256)
+        block = config.get("block_size", 256)
+        return Fit(block if isinstance(block, int) and block > 0 else 256, True, 0,
+                   "the lightning attention's loop over blocks of s runs in Python")
     if config.get("model_type") in SCANNED:
         why = "the recurrence's loop over s runs in Python, a token at a time"
         window = config.get("attention_window_size", 0) if config.get("model_type") == "recurrent_gemma" else 0

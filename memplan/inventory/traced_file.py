@@ -327,9 +327,9 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
 
 # model types memplan reads from a config.json whose transformers code cannot run in bf16 (the trace's dtype): no
 # --impl hf-* inventory; the walk (memplan/check/registry.py EXCLUDED, kind "trace") says the same
-NOT_TRACED = {"xlstm": "xLSTM: transformers' torch mLSTM kernel (mlstm_chunkwise_native_autograd) multiplies its fp32 "
-                       "states by the bf16 keys, so a bf16 model fails outside autocast (RuntimeError: expected m1 and "
-                       "m2 to have the same dtype) and no bf16 trace is made"}
+NOT_TRACED = {"xlstm": "xLSTM: transformers' torch mLSTM kernel (mlstm_chunkwise_native_autograd, once s reaches its "
+                       "chunk_size) multiplies its fp32 states by the bf16 keys, so a bf16 model fails outside autocast "
+                       "(RuntimeError: expected m1 and m2 to have the same dtype) and no bf16 trace is made"}
 
 
 def check_impl(data: object, impl: str) -> None:
