@@ -1,7 +1,7 @@
 """Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
 local attention, layer_pattern R / A), RWKV (layer_pattern W), MiniMax-01 (lightning attention beside softmax
-attention, layer_pattern L / A) and xLSTM (mLSTM blocks, layer_pattern X: parameters only, its bf16 code does not
-run).
+attention, layer_pattern L / A), xLSTM (mLSTM blocks, layer_pattern X: parameters only, its bf16 code does not
+run) and JetMoE (mixture of attention experts, layer_pattern O: parameters only, its routing data-dependent).
 
 Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
 model built on the meta device; here the switches those defaults leave off against the same count, the full-size
@@ -30,6 +30,7 @@ from memplan.inventory.traced_file import TracedFile, bucket_bytes  # noqa: E402
 from validation import trace_fit  # noqa: E402
 from validation.registry import measure, meta_params, tiny_config, trace  # noqa: E402
 from validation.trace import to_yaml  # noqa: E402
+from validation.trace_poly import TraceRefused  # noqa: E402
 
 
 @pytest.mark.parametrize("model_type, switches", [
@@ -48,6 +49,8 @@ from validation.trace import to_yaml  # noqa: E402
     ("xlstm", dict(weight_mode="fused", num_heads=4)),  # qkv_opreact and ifgate_preact fused: the same count
     ("xlstm", dict(qk_dim_factor=0.25, v_dim_factor=0.5, ffn_proj_factor=2.0, ffn_round_up_to_multiple_of=48)),
     ("xlstm", dict(num_blocks=3, tie_word_embeddings=True)),  # num_blocks is what xLSTMModel builds
+    ("jetmoe", dict(num_key_value_heads=4, kv_channels=8, num_experts_per_tok=1)),  # 4 query heads of 8
+    ("jetmoe", dict(num_local_experts=6, intermediate_size=96, tie_word_embeddings=False)),
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -117,6 +120,27 @@ def test_xlstm_activations_are_refused_in_one_line(run_cli, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf-eager")
     assert code == 2 and "mlstm_chunkwise_native_autograd" in err and len(err.strip().splitlines()) == 1
+
+
+def test_jetmoe_full_size_defaults_count_by_hand():
+    """JetMoeConfig's defaults (JetMoE-8B's widths): L = 12, h = 2048, 16 K / V heads of kv_channels 128 (g d = 2048),
+    8 experts, top 2, f = 5632, v = 32000, tied.
+      attention: each expert's query and output projections 8 x 2 h g d = 67,108,864, router 8 h = 16,384, kv_proj
+        2 h g d = 8,388,608, output bias h = 2,048: 75,515,904
+      MLP: experts 8 x 3 h f = 276,824,064, router 8 h = 16,384, output bias h = 2,048: 276,842,496; two norms 2 h
+      each layer 352,362,496; 12 layers 4,228,349,952; embedding v h = 65,536,000; final norm 2,048
+      total 4,293,888,000 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.JetMoeConfig().to_dict(), default=str))
+    data.update(architectures=["JetMoeForCausalLM"], model_type="jetmoe")
+    assert registry.memplan_params(data) == 4_293_888_000
+
+
+def test_jetmoe_trace_is_refused_as_its_exclusion_says():
+    """JetMoE's routing splits the tokens by counts read from tensor values: the trace refuses it (EXCLUDED, kind
+    trace)."""
+    assert registry.EXCLUDED["jetmoe"][0] == "trace"
+    with pytest.raises(TraceRefused, match="depends on data"):
+        trace(tiny_config("jetmoe"))
 
 
 @pytest.mark.parametrize("model_type, switches, says", [

@@ -99,8 +99,9 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
                                  "embedding norm"),
     "jamba": ("trace", _MAMBA1),
-    "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
-                           "each block with an output bias"),
+    "jetmoe": ("trace", "TraceRefused: the size of a saved tensor depends on data (JetMoeTopKGating's "
+                        "expert_size.tolist() splits the tokens by the routing; the mixture of attention experts' "
+                        "index_add saves by those counts); its parameters are read exactly"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),

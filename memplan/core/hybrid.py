@@ -19,7 +19,7 @@ from typing import Any
 # mixer); "rglru" RecurrentGemma's recurrent block (Griffin's RG-LRU with its convolution and projections:
 # ``rglru_counts``); "rwkv" an RWKV block's time mixing and channel mixing, its key / value pair the "ffn" (RWKV:
 # ``rwkv_counts``); "lightning" MiniMax's lightning attention (``lightning_counts``); "mlstm" xLSTM's mLSTM
-# layer (``mlstm_counts``).
+# layer (``mlstm_counts``); "moa" JetMoE's mixture of attention experts (``moa_counts``).
 LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "norm", "norm"),
                 "P": ("attention", "ssm", "ffn", "norm", "norm"), "M": ("ssm", "norm"), "*": ("attention", "norm"),
                 "-": ("dense", "norm"), "E": ("moe", "norm"), "C": ("conv", "ffn", "norm", "norm"),
@@ -31,9 +31,10 @@ LAYER_BLOCKS = {"A": ("attention", "ffn", "norm", "norm"), "S": ("ssm", "ffn", "
                 "K": ("delta", "ffn", "norm", "norm"), "k": ("delta", "dense", "norm", "norm"),
                 "B": ("delta", "ffn", "norm", "norm"), "b": ("delta", "dense", "norm", "norm"),
                 "R": ("rglru", "ffn", "norm", "norm"), "W": ("rwkv", "ffn", "norm", "norm"),
-                "L": ("lightning", "ffn", "norm", "norm"), "X": ("mlstm", "ffn", "norm", "norm")}
-BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "mlstm", "dense", "moe",
-          "norm")
+                "L": ("lightning", "ffn", "norm", "norm"), "X": ("mlstm", "ffn", "norm", "norm"),
+                "O": ("moa", "ffn", "norm", "norm")}
+BLOCKS = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "mlstm", "moa", "dense",
+          "moe", "norm")
 
 
 def layer_blocks(pattern: str | None, is_moe: bool) -> dict[str, int]:
@@ -132,6 +133,20 @@ def mlstm_counts(model: Any) -> list[tuple[str, int, bool]]:
     qk, v = H * model.ssm_state_size, H * model.ssm_head_dim
     return [("mLSTM q, k, v, output gate and out_proj", h * (2 * qk + 3 * v), True),
             ("mLSTM input and forget gates", 2 * H * (h + 1), True), ("mLSTM multi-head norm", v, True)]
+
+
+def moa_counts(model: Any) -> list[tuple[str, int, bool]]:
+    """JetMoE's mixture of attention experts' parameters (layer_pattern O: transformers JetMoeAttention and JetMoeMoA)
+    with E = num_experts experts, K / V g = num_kv_heads heads of d = head_dim (kv_channels): each expert's query
+    projection h x g d and output projection g d x h, the router E x h, the shared kv_proj h x 2 g d, and two
+    h-wide output biases per layer (JetMoeMoA's and the MLP experts' JetMoeMoE.bias; the MLP's experts and router are
+    the model's "moe" groups); [] without O layers."""
+    if "O" not in (model.layer_pattern or ""):
+        return []
+    E, h, width = model.num_experts, model.hidden_size, model.q * model.g // model.num_attention_heads  # g d
+    return [("attention experts' query and output projections", 2 * E * h * width, True),
+            ("attention experts' router", E * h, False), ("attention's kv_proj", 2 * h * width, True),
+            ("JetMoE's output biases (attention experts, MLP experts)", 2 * h, False)]
 
 
 def check_hybrid(model: Any) -> None:

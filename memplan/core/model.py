@@ -196,7 +196,7 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-Cac1JjZYDdKkBbRWLX]+$", description="one character per layer (None: every "
+        default=None, pattern=r"^[ASPM*E\-Cac1JjZYDdKkBbRWLXO]+$", description="one character per layer (None: every "
         "layer attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two "
         "norms each), M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's "
         "hybrid_override_pattern); C LFM2's gated short convolution + MLP, D a gated DeltaNet + MLP, K Kimi Delta "
@@ -205,7 +205,8 @@ class ModelSpec(Spec):
         "Mamba-1 mixer alone (one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer after a use of the "
         "shared attention + MLP block; Y Zamba 2's: a Mamba-2 mixer after a use of a shared block; R RecurrentGemma's "
         "RG-LRU recurrent block + MLP, W an RWKV block: time mixing + channel mixing, L MiniMax's lightning "
-        "attention + MLP, X an xLSTM mLSTM block + MLP (two norms each; core/hybrid.py)")
+        "attention + MLP, X an xLSTM mLSTM block + MLP, O JetMoE's mixture of attention "
+        "experts + MLP (two norms each; core/hybrid.py)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")

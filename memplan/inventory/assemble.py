@@ -124,8 +124,8 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "--impl megatron, megatron-local, hf-sdpa or hf-eager")
     if model.layer_pattern and (impl not in HF_IMPLS or model.inventory is None):
         raise MemplanError("a hybrid's layers (layer_pattern: Mamba-1 / Mamba-2 mixers, short convolutions, gated "
-                           "DeltaNets, Kimi Delta Attention, Zamba's shared blocks, RG-LRU, RWKV, lightning attention "
-                           "and mLSTM blocks) are modelled from transformers' traced code only: use --impl hf-sdpa or "
+                           "DeltaNets, Kimi Delta Attention, Zamba's shared blocks, RG-LRU, RWKV, lightning attention, "
+                           "mLSTM and mixture-of-attention blocks) are modelled from transformers' traced code only: use --impl hf-sdpa or "
                            "hf-eager with its config.json (--hf-config)")
     if model.ssm_dt_rank is not None and device == "cpu":  # validation/trace_mamba1.py
         raise MemplanError("Mamba-1 mixers with --device cpu: transformers' torch path loops over s, which a symbolic "

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
-from memplan.core.hybrid import LAYER_BLOCKS, delta_counts, lightning_counts, mlstm_counts, rglru_counts, rwkv_counts
+from memplan.core.hybrid import (LAYER_BLOCKS, delta_counts, lightning_counts, mlstm_counts, moa_counts, rglru_counts,
+                                 rwkv_counts)
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
 from memplan.memory.param_group import HYBRID_SCOPES, ParamGroup, number
@@ -188,7 +189,8 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                 ParamGroup("short convolution output projection", number(h * (h + model.ssm_out_bias)), True, "conv")]
     out += [ParamGroup(name, number(n), split, "delta") for name, n, split in delta_counts(model)]
     out += [ParamGroup(name, number(n), split, scope) for counts, scope in (
-        (rglru_counts, "rglru"), (rwkv_counts, "rwkv"), (lightning_counts, "lightning"), (mlstm_counts, "mlstm"))
+        (rglru_counts, "rglru"), (rwkv_counts, "rwkv"), (lightning_counts, "lightning"), (mlstm_counts, "mlstm"),
+        (moa_counts, "moa"))
             for name, n, split in counts(model)]
     if model.ssm_dt_rank is not None:
         return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])

@@ -285,4 +285,4 @@ HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
 
 # the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
 HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM",
-              *LINEAR_ATTENTION_MOE)
+              "JetMoeForCausalLM", *LINEAR_ATTENTION_MOE)

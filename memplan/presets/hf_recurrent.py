@@ -1,15 +1,19 @@
-"""The config.json readers of the recurrent decoders (issue 22): RecurrentGemma (Griffin's RG-LRU blocks beside local
-attention), from transformers' own modelling code (transformers 5.23: RecurrentGemmaRecurrentBlock,
-RecurrentGemmaAttention, RecurrentGemmaMlp): each layer's blocks as ModelSpec.layer_pattern (R: the recurrent block +
-MLP, A: attention + MLP; core/hybrid.py) and the RG-LRU's widths in the ssm_* fields (ssm_heads: its gates' heads,
-num_attention_heads; ssm_head_dim: lru_width over them; ssm_conv_kernel: conv1d_width), its parameters
-core/hybrid.py rglru_counts; checked by the registry walk (memplan/check/registry.py) against transformers' parameter
-count of the model on the meta device.
+"""The config.json readers of the recurrent and other odd decoders (issue 22), from transformers' own modelling code
+(transformers 5.23), each layer's blocks as ModelSpec.layer_pattern (core/hybrid.py), each checked by the registry walk
+(memplan/check/registry.py) against transformers' parameter count of the model on the meta device:
+
+- RecurrentGemma (RecurrentGemmaRecurrentBlock beside RecurrentGemmaAttention): R the recurrent block + MLP, A local
+  attention + MLP; the RG-LRU's widths in the ssm_* fields (ssm_heads: its gates' heads, num_attention_heads;
+  ssm_head_dim: lru_width over them; ssm_conv_kernel: conv1d_width), its parameters core/hybrid.py rglru_counts;
+- RWKV-4 (RwkvBlock): W (rwkv_counts; the time mixing A = ssm_head_dim wide);
+- xLSTM (xLSTMBlock's mLSTM layer): X (mlstm_counts); its activations are refused (traced_file.NOT_TRACED);
+- JetMoE (JetMoeAttention's mixture of attention experts): O (moa_counts); its routing is data-dependent, the trace
+  refuses it.
 
 ``RECURRENT`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which takes
-it in). Activations are traced (--impl hf-*): the RG-LRU's torch path loops over the tokens in Python
-(``_rnn_scan``), so its saves are traced at concrete s and b past the attention window and fitted
-(validation/trace_fit.py)."""
+it in). Activations are traced (--impl hf-*): the RG-LRU's and RWKV's torch paths loop over the tokens in Python
+(``_rnn_scan``, ``rwkv_linear_attention_cpu``), so their saves are traced at concrete s and b (RecurrentGemma's past
+its attention window) and fitted (validation/trace_fit.py)."""
 
 from __future__ import annotations
 
@@ -107,7 +111,28 @@ def _xlstm(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("norm_eps"), tied_embeddings=False, ssm_heads=H, ssm_head_dim=v // H, ssm_state_size=qk // H, ssm_norm=False)
 
 
+def _jetmoe(data: dict, path: Path) -> dict[str, Any]:
+    """JetMoeForCausalLM: every layer (layer_pattern O) an RMSNorm, the mixture of attention experts (num_local_experts
+    query / output projection pairs, top num_experts_per_tok, a router; a shared kv_proj for num_key_value_heads heads
+    kv_channels wide; num_key_value_heads x top-k query heads, as JetMoeConfig sets them) and an RMSNorm and
+    num_local_experts gated experts intermediate_size wide (a router without bias); each block an h-wide output bias;
+    embeddings tied by default. Its routing turns the experts' token counts into Python ints (expert_size.tolist()):
+    the trace refuses it (the registry's exclusion, kind trace)."""
+    L, h = nat(data, "num_hidden_layers", 12, path), nat(data, "hidden_size", 2048, path)
+    g, k = nat(data, "num_key_value_heads", 16, path), nat(data, "num_experts_per_tok", 2, path)
+    if data.get("activation_function", "silu") != "silu":
+        raise MemplanError(f"{path}: activation_function {echo(data['activation_function'])}: memplan models JetMoE's "
+                           f"gated experts with silu; {YAML_HINT}")
+    f = nat(data, "intermediate_size", 5632, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=g * k, num_kv_heads=g,
+                head_dim=nat(data, "kv_channels", 128, path), layer_pattern="O" * L, norm="rmsnorm",
+                position_embedding="rope", bias=False, mlp="swiglu", ffn_hidden_size=f,
+                num_experts=nat(data, "num_local_experts", 8, path), moe_top_k=k, moe_ffn_hidden_size=f,
+                norm_eps=data.get("rms_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
+
+
 RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma,
-                                                                "RwkvForCausalLM": _rwkv, "xLSTMForCausalLM": _xlstm}
+                                                                "RwkvForCausalLM": _rwkv, "xLSTMForCausalLM": _xlstm,
+                                                                "JetMoeForCausalLM": _jetmoe}
 # their sequence-length keys (hf_config's POSITIONS): RWKV's context_length (its CUDA kernel's limit)
 POSITIONS = {"RwkvForCausalLM": ("context_length", 1024)}
