@@ -1,7 +1,8 @@
 """Issue 22: the recurrent decoders (memplan/presets/hf_recurrent.py): RecurrentGemma (Griffin's RG-LRU blocks beside
 local attention, layer_pattern R / A), RWKV (layer_pattern W), MiniMax-01 (lightning attention beside softmax
 attention, layer_pattern L / A), xLSTM (mLSTM blocks, layer_pattern X: parameters only, its bf16 code does not
-run) and JetMoE (mixture of attention experts, layer_pattern O: parameters only, its routing data-dependent).
+run), JetMoE (mixture of attention experts, layer_pattern O: parameters only, its routing data-dependent) and Doge
+(dynamic-mask attention and residual scales: ModelSpec.dynamic_mask, traced symbolically).
 
 Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
 model built on the meta device; here the switches those defaults leave off against the same count, the full-size
@@ -51,6 +52,9 @@ from validation.trace_poly import TraceRefused  # noqa: E402
     ("xlstm", dict(num_blocks=3, tie_word_embeddings=True)),  # num_blocks is what xLSTMModel builds
     ("jetmoe", dict(num_key_value_heads=4, kv_channels=8, num_experts_per_tok=1)),  # 4 query heads of 8
     ("jetmoe", dict(num_local_experts=6, intermediate_size=96, tie_word_embeddings=False)),
+    ("doge", dict(attention_bias=True)),  # q, k, v, o and dt_proj biased
+    ("doge", dict(attention_bias=True, mlp_bias=True)),  # every linear biased
+    ("doge", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)),
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -143,6 +147,28 @@ def test_jetmoe_trace_is_refused_as_its_exclusion_says():
         trace(tiny_config("jetmoe"))
 
 
+def test_doge_full_size_defaults_count_by_hand():
+    """DogeConfig's defaults: L = 32, h = 1024, a = g = 8 heads of d = 128, f = 2048, v = 32768, untied.
+      each layer: q, k, v, o 4 h^2 = 4,194,304; q / k norms 2 d = 256; A g = 8; dt_proj g d x g = 8,192; residual
+        scales 2 h = 2,048; MLP 3 h f = 6,291,456; two norms 2 h = 2,048: 10,498,312
+      32 x 10,498,312 = 335,945,984; embedding and head 2 v h = 67,108,864; final norm 1,024
+      total 403,055,872 (transformers' count of the model on the meta device is the same)."""
+    data = json.loads(json.dumps(transformers.DogeConfig().to_dict(), default=str))
+    data.update(architectures=["DogeForCausalLM"], model_type="doge")
+    assert registry.memplan_params(data) == 403_055_872
+
+
+def test_doge_traced_equals_a_real_cpu_run_and_megatron_is_refused(run_cli, tmp_path):
+    """Doge's dynamic mask (its top keep_window_size keys kept past s = 16 in the tiny config) is traced with symbolic
+    s and b: equal to a real CPU run at s = 40, b = 3; --impl megatron refuses it in one line."""
+    config = tiny_config("doge")
+    data = trace(config)
+    assert bucket_bytes(TracedFile.model_validate(data), 40, 3) == measured_buckets(measure(config, 40, 3))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron")
+    assert code == 2 and "dynamic-mask attention" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("model_type, switches, says", [
     ("recurrent_gemma", dict(block_types=["recurrent", "mlp"]), "block_types"),
     ("recurrent_gemma", dict(lru_width=90), "not divisible"),
@@ -152,6 +178,9 @@ def test_jetmoe_trace_is_refused_as_its_exclusion_says():
     ("xlstm", dict(use_bias=True), "use_bias"),
     ("xlstm", dict(embedding_dim=32), "embedding_dim"),
     ("xlstm", dict(num_heads=3), "multiples of num_heads"),
+    ("doge", dict(is_moe=True), "is_moe"),
+    ("doge", dict(mlp_bias=True), "mlp_bias"),
+    ("jetmoe", dict(activation_function="gelu"), "silu"),
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:

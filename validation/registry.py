@@ -77,6 +77,8 @@ _SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
 _SMALL_RWKV = {"attention_hidden_size": 96}
 # MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two)
 _SMALL_LIGHTNING = {"block_size": 16}
+# Doge's: its dynamic mask keeps the top 16 keys (the walk's s = 32 runs past it, as sliding_window's 16)
+_SMALL_DOGE = {"keep_window_size": 16}
 # xLSTM's: its num_blocks and embedding_dim (what xLSTMModel builds) as the shrunk layers and h
 _SMALL_MLSTM = {"num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}
 
@@ -121,6 +123,8 @@ def _shrink(data: dict) -> dict:
         out.update(_SMALL_RWKV)
     if "linear_attn_alpha_factor" in data:
         out.update(_SMALL_LIGHTNING)
+    if "keep_window_size" in data:
+        out.update(_SMALL_DOGE)
     if "qk_dim_factor" in data:
         out.update(_SMALL_MLSTM)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)

@@ -72,8 +72,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                  "k_norm with bias, weights_proj)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
-    "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
-                         "attention (A, dt_proj)"),
     "dots3_note": ("estimate", _MULTIMODAL),
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),

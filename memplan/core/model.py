@@ -164,6 +164,8 @@ class ModelSpec(Spec):
     out_bias: bool = Field(
         default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    dynamic_mask: bool = Field(default=False, description="Doge's dynamic-mask attention (A per K / V head, dt_proj K / "
+                               "V width -> K / V heads) and its two h-wide residual scales per layer")
     key_bias: bool = Field(
         default=True, description="with bias, attention_bias or qkv_bias: whether K's projection has its bias too "
         "(False: Whisper's k_proj, in the self- and the cross-attention)")

@@ -127,6 +127,10 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "DeltaNets, Kimi Delta Attention, Zamba's shared blocks, RG-LRU, RWKV, lightning attention, "
                            "mLSTM and mixture-of-attention blocks) are modelled from transformers' traced code only: use --impl hf-sdpa or "
                            "hf-eager with its config.json (--hf-config)")
+    if model.dynamic_mask and impl not in HF_IMPLS:
+        raise MemplanError("Doge's dynamic-mask attention (a b x g x s x s mask from dt_proj, its top keep_window_size "
+                           "keys kept) is no Megatron-LM layer: use --impl hf-sdpa or hf-eager with its config.json "
+                           "(--hf-config)")
     if model.ssm_dt_rank is not None and device == "cpu":  # validation/trace_mamba1.py
         raise MemplanError("Mamba-1 mixers with --device cpu: transformers' torch path loops over s, which a symbolic "
                            "trace cannot follow; memplan models the CUDA kernels' (mamba-ssm) saved tensors only "

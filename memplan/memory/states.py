@@ -311,12 +311,16 @@ def gate_rows(model: ModelSpec) -> Poly:
 def layer_vectors(model: ModelSpec) -> list[tuple[str, str, Poly]]:
     """A layer's small parameters beside its linears and norms, whole on every GPU (group, tensor, count): DiffLlama's
     four lambda vectors head_dim wide, the learned scalars of the MLP's activation (Apertus's xIELU), BitNet's norms
-    inside the attention (h) and the MLP (f)."""
+    inside the attention (h) and the MLP (f), Doge's dynamic mask (A: g; dt_proj: q g / a x g, its bias g with
+    attention_bias) and residual scales (input_residual, post_attention_residual: 2 h)."""
     lambdas = [("differential attention lambdas", "lambda_q1 / k1 / q2 / k2", Poly.parse("4 q /a"))]
     scalars = [("activation scalars", "activation scalars", Poly.parse(str(model.activation_params)))]
     subs = [("sub-layer norms", "attention / MLP sub-norm weight", Poly.parse_sum("h + f") *
              (2 if model.has_norm_bias else 1))]
-    return lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
+    doge = [("dynamic mask and residual scales", "A, dt_proj, input_residual, post_attention_residual",
+             Poly.parse_sum(f"{1 + (model.attention_bias or model.bias)} g + q g^2 /a + 2 h"))]
+    return (lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
+            + doge * model.dynamic_mask)
 
 
 def position_rows(model: ModelSpec) -> Poly:

@@ -283,6 +283,7 @@ HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     **RECURRENT,  # RecurrentGemma's RG-LRU blocks: hf_recurrent.py
 }
 
-# the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
+# the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read; Doge's num_experts is unused
+# without is_moe, which its reader refuses)
 HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM",
-              "JetMoeForCausalLM", *LINEAR_ATTENTION_MOE)
+              "JetMoeForCausalLM", "DogeForCausalLM", *LINEAR_ATTENTION_MOE)

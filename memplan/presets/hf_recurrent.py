@@ -8,7 +8,8 @@
 - RWKV-4 (RwkvBlock): W (rwkv_counts; the time mixing A = ssm_head_dim wide);
 - xLSTM (xLSTMBlock's mLSTM layer): X (mlstm_counts); its activations are refused (traced_file.NOT_TRACED);
 - JetMoE (JetMoeAttention's mixture of attention experts): O (moa_counts); its routing is data-dependent, the trace
-  refuses it.
+  refuses it;
+- Doge (a Llama layer with dynamic-mask attention and residual scales): no layer_pattern, ModelSpec.dynamic_mask.
 
 ``RECURRENT`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which takes
 it in). Activations are traced (--impl hf-*): the RG-LRU's and RWKV's torch paths loop over the tokens in Python
@@ -131,8 +132,31 @@ def _jetmoe(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("rms_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+def _doge(data: dict, path: Path) -> dict[str, Any]:
+    """DogeForCausalLM: Llama's layer with head-wide q / k RMSNorms, the dynamic mask (A per K / V head, dt_proj from
+    the values to one logit per K / V head; ModelSpec.dynamic_mask) and two learned h-wide residual scales per layer;
+    attention_bias on q, k, v, o and dt_proj; a SwiGLU MLP intermediate_size wide (mlp_bias refused without
+    attention_bias: memplan puts biases on the attention or on every linear); is_moe (its CDMoE's retrieval experts)
+    refused; embeddings untied by default."""
+    if flag(data, "is_moe", False, path):
+        raise MemplanError(f"{path}: is_moe (Doge's CDMoE: product-key routing over num_experts embedded experts): not "
+                           f"counted; {YAML_HINT}")
+    bias, mlp_bias = flag(data, "attention_bias", False, path), flag(data, "mlp_bias", False, path)
+    if mlp_bias and not bias:
+        raise MemplanError(f"{path}: mlp_bias without attention_bias: not counted; {YAML_HINT}")
+    if data.get("hidden_act", "silu") != "silu":
+        raise MemplanError(f"{path}: hidden_act {echo(data['hidden_act'])}: memplan models Doge's MLP with silu; "
+                           f"{YAML_HINT}")
+    h, a = nat(data, "hidden_size", 1024, path), nat(data, "num_attention_heads", 8, path)
+    return dict(num_layers=nat(data, "num_hidden_layers", 32, path), hidden_size=h, num_attention_heads=a,
+                num_kv_heads=data.get("num_key_value_heads"), head_dim=data.get("head_dim"), norm="rmsnorm",
+                position_embedding="rope", bias=bias and mlp_bias, attention_bias=bias and not mlp_bias, mlp="swiglu",
+                ffn_hidden_size=nat(data, "intermediate_size", 2048, path), qk_norm=True, dynamic_mask=True,
+                norm_eps=data.get("rms_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", False, path))
+
+
 RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma,
                                                                 "RwkvForCausalLM": _rwkv, "xLSTMForCausalLM": _xlstm,
-                                                                "JetMoeForCausalLM": _jetmoe}
+                                                                "JetMoeForCausalLM": _jetmoe, "DogeForCausalLM": _doge}
 # their sequence-length keys (hf_config's POSITIONS): RWKV's context_length (its CUDA kernel's limit)
 POSITIONS = {"RwkvForCausalLM": ("context_length", 1024)}
