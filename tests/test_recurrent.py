@@ -2,7 +2,8 @@
 local attention, layer_pattern R / A), RWKV (layer_pattern W), MiniMax-01 (lightning attention beside softmax
 attention, layer_pattern L / A), xLSTM (mLSTM blocks, layer_pattern X: parameters only, its bf16 code does not
 run), JetMoE (mixture of attention experts, layer_pattern O: parameters only, its routing data-dependent) and Doge
-(dynamic-mask attention and residual scales: ModelSpec.dynamic_mask, traced symbolically).
+(dynamic-mask attention and residual scales: ModelSpec.dynamic_mask, traced symbolically) and HRM (two stacks run in
+a loop: ModelSpec.looped_stacks, parameters only).
 
 Parameters: the registry walk (tests/test_registry.py) checks the tiny configs against transformers' count of the
 model built on the meta device; here the switches those defaults leave off against the same count, the full-size
@@ -55,6 +56,10 @@ from validation.trace_poly import TraceRefused  # noqa: E402
     ("doge", dict(attention_bias=True)),  # q, k, v, o and dt_proj biased
     ("doge", dict(attention_bias=True, mlp_bias=True)),  # every linear biased
     ("doge", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)),
+    ("hrm_text", dict(num_layers_per_stack=3, num_hidden_layers=24)),
+    ("hrm_text", dict(head_dim=8, intermediate_size=96, tie_word_embeddings=True)),
+    # a file without num_layers_per_stack: num_hidden_layers is the per-stack count (HrmTextConfig inflates it)
+    ("hrm_text", dict(num_layers_per_stack=None, num_hidden_layers=3)),
 ])
 def test_the_switches_count_exactly(model_type, switches):
     config = {**tiny_config(model_type), **switches}
@@ -169,6 +174,23 @@ def test_doge_traced_equals_a_real_cpu_run_and_megatron_is_refused(run_cli, tmp_
     assert code == 2 and "dynamic-mask attention" in err and len(err.strip().splitlines()) == 1
 
 
+def test_hrm_full_size_defaults_count_by_hand_and_are_refused_in_one_line(run_cli, tmp_path):
+    """HrmTextConfig's defaults: two stacks of 16 layers, h = 1536, 12 heads of 128 (q = 1536), f = 4096, v = 151808,
+    untied, weightless RMSNorms.
+      each layer: q, k, v, o 4 h q = 9,437,184; the attention's gate h q = 2,359,296; MLP 3 h f = 18,874,368:
+        30,670,848
+      32 x 30,670,848 = 981,467,136; embedding and head 2 v h = 466,354,176; z_L_init h = 1,536
+      total 1,447,822,848 (transformers' count of the model on the meta device is the same).
+    Its loop over the stacks is modelled by no inventory: estimate refuses it in one line."""
+    data = json.loads(json.dumps(transformers.HrmTextConfig().to_dict(), default=str))
+    data.update(architectures=["HrmTextForCausalLM"], model_type="hrm_text")
+    assert registry.memplan_params(data) == 1_447_822_848
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("hrm_text")))
+    for impl in ("hf-sdpa", "megatron"):
+        code, out, err = run_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", impl)
+        assert code == 2 and "run in a loop" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("model_type, switches, says", [
     ("recurrent_gemma", dict(block_types=["recurrent", "mlp"]), "block_types"),
     ("recurrent_gemma", dict(lru_width=90), "not divisible"),
@@ -181,6 +203,8 @@ def test_doge_traced_equals_a_real_cpu_run_and_megatron_is_refused(run_cli, tmp_
     ("doge", dict(is_moe=True), "is_moe"),
     ("doge", dict(mlp_bias=True), "mlp_bias"),
     ("jetmoe", dict(activation_function="gelu"), "silu"),
+    ("hrm_text", dict(mlp_bias=True), "mlp_bias"),
+    ("hrm_text", dict(attention_bias=True), "attention_bias"),
 ])
 def test_layouts_memplan_does_not_count_are_refused(model_type, switches, says):
     with pytest.raises(MemplanError, match=says) as err:

@@ -44,7 +44,7 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
 # (memplan/presets/hf_recurrent.py; MiniMax: hf_linear_attention.py; tests/test_recurrent.py)
 HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "qwen3_next",
            "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
-           "recurrent_gemma", "rwkv", "minimax", "xlstm", "jetmoe", "doge"]
+           "recurrent_gemma", "rwkv", "minimax", "xlstm", "jetmoe", "doge", "hrm_text"]
 # the BERT-like encoders trained as causal LMs and two encoder-decoder models' decoders alone
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",

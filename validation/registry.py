@@ -79,6 +79,9 @@ _SMALL_RWKV = {"attention_hidden_size": 96}
 _SMALL_LIGHTNING = {"block_size": 16}
 # Doge's: its dynamic mask keeps the top 16 keys (the walk's s = 32 runs past it, as sliding_window's 16)
 _SMALL_DOGE = {"keep_window_size": 16}
+# HRM's: two layers per stack (num_layers_per_stack; num_hidden_layers the slots of its cycles, 2 x H_cycles x
+# (L_cycles + 1), as HrmTextConfig writes it)
+_SMALL_HRM = {"num_layers_per_stack": 2}
 # xLSTM's: its num_blocks and embedding_dim (what xLSTMModel builds) as the shrunk layers and h
 _SMALL_MLSTM = {"num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}
 
@@ -123,6 +126,8 @@ def _shrink(data: dict) -> dict:
         out.update(_SMALL_RWKV)
     if "linear_attn_alpha_factor" in data:
         out.update(_SMALL_LIGHTNING)
+    if "num_layers_per_stack" in data and "H_cycles" in data:
+        out.update(_SMALL_HRM)
     if "keep_window_size" in data:
         out.update(_SMALL_DOGE)
     if "qk_dim_factor" in data:
@@ -149,6 +154,8 @@ def _shrink(data: dict) -> dict:
         n = 3  # one dense layer, then two MoE layers
     if "lru_width" in data:
         n = 3  # RecurrentGemma: block_types' period, two recurrent layers and an attention one
+    if "num_layers_per_stack" in data and "H_cycles" in data:  # HRM: the slots of its cycles
+        n = _SMALL_HRM["num_layers_per_stack"] * data["H_cycles"] * (data["L_cycles"] + 1)
     types = data.get("layer_types")
     if isinstance(types, list) and types and n:
         kinds = list(dict.fromkeys(types))

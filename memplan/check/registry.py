@@ -89,7 +89,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                 "k_norm with bias, weights_proj)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
-    "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
+    "hrm_text": ("trace", NOT_TRACED["hrm_text"]),
     "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
                           "ffn_hc)"),
     "inkling2_text": ("estimate", "Inkling 2: short convolutions on K / V and after each sub-layer, relative logits, "

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
-from memplan.core.spec_checks import check_expert_loads, check_latent
+from memplan.core.spec_checks import check_experts, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -164,6 +164,8 @@ class ModelSpec(Spec):
     out_bias: bool = Field(
         default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    looped_stacks: bool = Field(default=False, description="HRM's two stacks of num_layers / 2 layers run in a loop "
+                                "each step, and its h-wide start state z_L_init (a parameter) on the first stage")
     dynamic_mask: bool = Field(default=False, description="Doge's dynamic-mask attention (A per K / V head, dt_proj K / "
                                "V width -> K / V heads) and its two h-wide residual scales per layer")
     key_bias: bool = Field(
@@ -458,41 +460,6 @@ class ModelSpec(Spec):
         return self
 
     def _experts(self) -> "ModelSpec":
-        """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
-        MoE layer; its experts have no biases."""
-        E, k = self.num_experts, self.moe_top_k
-        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
-            raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
-        if E is None:
-            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor", "moe_z_loss_coeff",
-                                       "moe_router_dtype", "moe_expert_loads")
-                     if getattr(self, name) is not None]
-            given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
-            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
-                                        "moe_router_pre_softmax", "moe_grouped_gemm", "moe_permute_fusion",
-                                        "moe_shared_expert_overlap") if getattr(self, name)]
-            if given:
-                raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
-            return self
-        if k is None:
-            raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
-        if self.moe_expert_loads is not None:
-            check_expert_loads(self.moe_expert_loads, self.moe_imbalance, E, k)
-        if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
-            raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
-                             "TransformerConfig)")
-        if self.moe_shared_expert_overlap and not (self.moe_shared_ffn_hidden_size
-                                                   and self.moe_token_dispatcher == "alltoall"):
-            raise ValueError("moe_shared_expert_overlap needs shared experts (moe_shared_ffn_hidden_size) and the "
-                             "alltoall dispatcher (megatron-core 0.16.1 TransformerConfig)")
-        if k > E:
-            raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
-                             "there are")
-        if self.moe_first_dense_layers >= self.num_layers:
-            raise ValueError(f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer among the "
-                             f"num_layers={self.num_layers}")
-        if self.bias:
-            raise ValueError("bias: memplan models mixture-of-experts layers without biases on every linear (Mixtral, "
-                             "Qwen3-MoE); set bias: false (attention_bias and moe_bias put them where gpt-oss has "
-                             "them)")
+        """A mixture-of-experts model's fields agree (core/spec_checks.py check_experts)."""
+        check_experts(self)
         return self

@@ -1,5 +1,5 @@
 """Checks of ModelSpec's fields that involve one group of them alone, called by its validator (memplan/core/model.py):
-a mixture-of-experts model's routing loads (moe_expert_loads) and multi-head latent attention's fields."""
+a mixture-of-experts model's fields and routing loads (moe_expert_loads) and multi-head latent attention's fields."""
 
 from __future__ import annotations
 
@@ -34,3 +34,43 @@ def check_latent(model: Any) -> None:
     if model.bias:
         raise ValueError("bias: memplan models multi-head latent attention without biases (DeepSeek-V3); set "
                          "bias: false")
+
+
+def check_experts(model: Any) -> None:
+    """A mixture-of-experts model's fields agree (``model``: the ModelSpec being validated): the MoE fields need
+    num_experts, k <= E, at least one MoE layer; its experts have no biases."""
+    E, k = model.num_experts, model.moe_top_k
+    if model.moe_pad_to_capacity and model.moe_capacity_factor is None:
+        raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
+    if E is None:
+        given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor", "moe_z_loss_coeff",
+                                   "moe_router_dtype", "moe_expert_loads")
+                 if getattr(model, name) is not None]
+        given += ["moe_imbalance"] if model.moe_imbalance != 1.0 else []
+        given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
+                                    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_permute_fusion",
+                                    "moe_shared_expert_overlap") if getattr(model, name)]
+        if given:
+            raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
+        return
+    if k is None:
+        raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
+    if model.moe_expert_loads is not None:
+        check_expert_loads(model.moe_expert_loads, model.moe_imbalance, E, k)
+    if model.moe_token_dispatcher == "flex" and model.moe_pad_to_capacity:
+        raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
+                         "TransformerConfig)")
+    if model.moe_shared_expert_overlap and not (model.moe_shared_ffn_hidden_size
+                                                and model.moe_token_dispatcher == "alltoall"):
+        raise ValueError("moe_shared_expert_overlap needs shared experts (moe_shared_ffn_hidden_size) and the "
+                         "alltoall dispatcher (megatron-core 0.16.1 TransformerConfig)")
+    if k > E:
+        raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
+                         "there are")
+    if model.moe_first_dense_layers >= model.num_layers:
+        raise ValueError(f"moe_first_dense_layers={model.moe_first_dense_layers} leaves no MoE layer among the "
+                         f"num_layers={model.num_layers}")
+    if model.bias:
+        raise ValueError("bias: memplan models mixture-of-experts layers without biases on every linear (Mixtral, "
+                         "Qwen3-MoE); set bias: false (attention_bias and moe_bias put them where gpt-oss has "
+                         "them)")

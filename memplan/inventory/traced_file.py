@@ -329,7 +329,10 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
 # --impl hf-* inventory; the walk (memplan/check/registry.py EXCLUDED, kind "trace") says the same
 NOT_TRACED = {"xlstm": "xLSTM: transformers' torch mLSTM kernel (mlstm_chunkwise_native_autograd, once s reaches its "
                        "chunk_size) multiplies its fp32 states by the bf16 keys, so a bf16 model fails outside autocast "
-                       "(RuntimeError: expected m1 and m2 to have the same dtype) and no bf16 trace is made"}
+                       "(RuntimeError: expected m1 and m2 to have the same dtype) and no bf16 trace is made",
+              "hrm_text": "HRM: its two stacks (L_module, H_module) run H_cycles x (L_cycles + 1) times a step, the "
+                          "first L runs of a cycle without gradients, and the tracer composes one list of "
+                          "num_hidden_layers decoder layers run once (ValueError: no ModuleList of that many layers)"}
 
 
 def check_impl(data: object, impl: str) -> None:

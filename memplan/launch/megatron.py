@@ -198,6 +198,7 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.head_bias, "a bias on the output head"), (model.attention_sinks, "attention sinks"),
                (model.attention_output_gate is not None, "a gate on the attention output"),
                (model.differential_attention, "differential attention"), (model.dynamic_mask, "dynamic-mask attention"),
+               (model.looped_stacks, "stacks run in a loop (HRM)"),
                (model.activation_params > 0, "learned activation parameters"),
                (model.sub_norms, "norms inside the attention and the MLP (sub-norms)"),
                (model.moe_bias, "biased router and experts"), (model.moe_router_bias, "a biased router"),

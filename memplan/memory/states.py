@@ -149,6 +149,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
+    if model.looped_stacks:  # HRM: z_L_init (requires_grad false; transformers counts it)
+        groups.append(ParamGroup("initial state (z_L_init)", Poly.parse("h"), False, "first"))
     if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim (requires_grad false)
         groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * Poly.parse("q /a"),
                                  False, "first"))

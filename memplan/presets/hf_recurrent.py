@@ -155,8 +155,30 @@ def _doge(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("rms_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", False, path))
 
 
+def _hrm_text(data: dict, path: Path) -> dict[str, Any]:
+    """HrmTextForCausalLM (HRM): two stacks (L_module, H_module) of num_layers_per_stack layers each (a file without it
+    has the per-stack count in num_hidden_layers, which HrmTextConfig then inflates to the cycles' cache slots), each
+    layer Llama's attention with a sigmoid gate per channel (gate_proj h x q: attention_output_gate full) and a SwiGLU
+    MLP; its RMSNorms hold no weights (the stacks' final norms too); z_L_init, the low-level state's h-wide start (not
+    trained, a parameter all the same); attention_bias and mlp_bias refused; untied. The stacks run in a loop
+    (H_cycles x L_cycles): ModelSpec.looped_stacks, which no inventory models."""
+    for key in ("mlp_bias", "attention_bias"):  # the MLP's biases; the attention's, its gate's among them
+        if flag(data, key, False, path):
+            raise MemplanError(f"{path}: {key} (HRM's biases on the MLP's or the attention's and its gate's "
+                               f"linears): not counted; {YAML_HINT}")
+    per_stack = data.get("num_layers_per_stack")
+    n = nat(data, "num_layers_per_stack" if per_stack is not None else "num_hidden_layers", 16, path)
+    h = nat(data, "hidden_size", 1536, path)
+    return dict(num_layers=2 * n, hidden_size=h, num_attention_heads=nat(data, "num_attention_heads", 12, path),
+                head_dim=nat(data, "head_dim", 128, path), norm="rmsnorm", norm_params=False, final_norm=False,
+                position_embedding="rope", bias=False, attention_output_gate="full", mlp="swiglu", ffn_hidden_size=nat(data, "intermediate_size", 4096, path),
+                looped_stacks=True,
+                norm_eps=data.get("rms_norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", False, path))
+
+
 RECURRENT: dict[str, Callable[[dict, Path], dict[str, Any]]] = {"RecurrentGemmaForCausalLM": _recurrent_gemma,
                                                                 "RwkvForCausalLM": _rwkv, "xLSTMForCausalLM": _xlstm,
-                                                                "JetMoeForCausalLM": _jetmoe, "DogeForCausalLM": _doge}
+                                                                "JetMoeForCausalLM": _jetmoe, "DogeForCausalLM": _doge,
+                                                                "HrmTextForCausalLM": _hrm_text}
 # their sequence-length keys (hf_config's POSITIONS): RWKV's context_length (its CUDA kernel's limit)
 POSITIONS = {"RwkvForCausalLM": ("context_length", 1024)}
