@@ -322,7 +322,7 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
            "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)",
            "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
-           "rwkv": "RWKV (no attention layers: eager only)"}
+           "rwkv": "RWKV (no attention layers: eager only)", "xlstm": "xLSTM (no attention layers: eager only)"}
 
 
 # model types memplan reads from a config.json whose transformers code cannot run in bf16 (the trace's dtype): no
