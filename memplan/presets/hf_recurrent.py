@@ -9,7 +9,8 @@
 - xLSTM (xLSTMBlock's mLSTM layer): X (mlstm_counts); its activations are refused (traced_file.NOT_TRACED);
 - JetMoE (JetMoeAttention's mixture of attention experts): O (moa_counts); its routing is data-dependent, the trace
   refuses it;
-- Doge (a Llama layer with dynamic-mask attention and residual scales): no layer_pattern, ModelSpec.dynamic_mask.
+- Doge (a Llama layer with dynamic-mask attention and residual scales): no layer_pattern, ModelSpec.dynamic_mask;
+- HRM (two stacks of layers run in a loop): no layer_pattern, ModelSpec.looped_stacks, which every --impl refuses.
 
 ``RECURRENT`` gives each family's whole spec but name, sequence and vocabulary (as hf_hybrids.HYBRIDS, which takes
 it in). Activations are traced (--impl hf-*): the RG-LRU's and RWKV's torch paths loop over the tokens in Python
