@@ -38,7 +38,7 @@ HELD_OUT = (5, 4)
 # ALiBi bias from max(0, max_seq_len - s)): a symbolic s cannot index it; fitted at s in steps of 16, any s
 SLICED = ("gpt_neo", "openai-gpt", "mpt")
 # the families whose torch path loops over s one token at a time in Python (RecurrentGemma's RG-LRU, _rnn_scan; RWKV's
-# rwkv_linear_attention_cpu): fitted at s in steps of 16, any s
+# rwkv_linear_attention_cpu): fitted at s in steps of 4, any s
 SCANNED = ("recurrent_gemma", "rwkv")
 
 
@@ -65,12 +65,12 @@ def fit_step(config: dict) -> Fit:
     (``linear_num_value_heads``, in the config or its text_config) or Kimi Delta Attention (``linear_num_heads``: Kimi
     Linear, Bailing-hybrid; chunk_kimi_delta_attention): the chunk its torch path pads s to and loops over (64, its
     default: no caller passes another); MiniMax's lightning attention: its block_size, s a multiple of it (a last
-    block shorter saves less than a polynomial in s says); SLICED: steps of 16, any s; SCANNED: steps of 4, any s, from the attention
-    window on (RecurrentGemma's local attention builds its sliding-window mask only for s past the window: the points
-    are past it, where a training run's s is, so the mask's s^2 b is in the fit). A window wider than TRACED_WINDOW is
-    traced at TRACED_WINDOW: past the window, transformers' sliding-window mask is b x s x s whatever its width, and
-    nothing else of the model depends on it (tests/test_recurrent.py compares the fits of two widths); the fit then
-    holds from the file's window on."""
+    block shorter saves less than a polynomial in s says); SLICED: steps of 16, any s; SCANNED: steps of 4, any s, from
+    the attention window on (RecurrentGemma's local attention builds its sliding-window mask only for s past the
+    window: the points are past it, where a training run's s is, so the mask's s^2 b is in the fit). A window wider
+    than TRACED_WINDOW is traced at TRACED_WINDOW: past the window, transformers' sliding-window mask is b x s x s
+    whatever its width, and nothing else of the model depends on it (tests/test_recurrent.py: a 64-token window's
+    model traced at 16 equals its real CPU run); the fit then holds from the file's window on."""
     text = config.get("text_config")
     if any(key in config or isinstance(text, dict) and key in text
            for key in ("linear_num_value_heads", "linear_num_heads")):
@@ -153,7 +153,9 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
     the least point)."""
     runs, assumed = {}, []
     why = why or ("the chunked loop over s runs in Python" if multiple else "a buffer sliced to s")
-    checks = [(start + HELD_OUT[0] * chunk, HELD_OUT[1])] + ([] if multiple else [(start + HELD_OUT[0] * chunk + 3, 3)])
+    held_out = start + HELD_OUT[0] * chunk
+    checks = [(held_out, HELD_OUT[1])] + ([] if multiple else [(held_out + 3, 3)])
+    points = ", ".join(str(start + c * chunk) for c in dict.fromkeys(c for c, _ in POINTS))  # the fit's s
     for s, b in [(start + c * chunk, b) for c, b in POINTS] + checks:
         runs[(s, b)] = _grouped(concrete_saves(model, mode, forward, make_inputs, s, b, python_dispatcher, kernels,
                                                sdpa, assumed))
@@ -167,7 +169,7 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
         if held is not None:
             module, op, j, dtype, _ = key
             raise TraceRefused(f"the saved bytes of {module or '<model>'}: {op} ({dtype}, j = {j}) fitted at s = "
-                               f"{', '.join(str(start + c * chunk) for c in (2, 3, 4))}, b = 2, 3 miss the held-out s = "
+                               f"{points}, b = 2, 3 miss the held-out s = "
                                f"{held[0]}, b = {held[1]} ({values[held]:,} B, the fit {float(_evaluate(coefs, *held)):,.0f})"
                                ": not a polynomial of degree 2 in s and 1 in b")
         template = next(run[key] for run in runs.values() if key in run)
@@ -175,9 +177,8 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
                       for (i, j), c in coefs.items()), sympy.Integer(0))
         if nbytes != 0:
             storages.append(dict(template, nbytes=sympy.expand(nbytes)))
-    points = ", ".join(str(start + c * chunk) for c in (2, 3, 4))
-    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [f"s >= {least or start + 2 * chunk}", "b >= 2",
-                  f"fitted: the saved tensors traced at s = {points} and b = 2, 3 ({why}), fitted as "
-                  f"polynomials (s^2 b at most) and checked at "
-                  f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
+    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [
+        f"s >= {least or start + 2 * chunk}", "b >= 2", f"fitted: the saved tensors traced at s = {points} and b = 2, 3 "
+        f"({why}), fitted as polynomials (s^2 b at most) and checked at "
+        f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
     return {"model": model, "storages": storages, "conditions": conditions}
