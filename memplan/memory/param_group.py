@@ -1,11 +1,11 @@
 """A parameter group (``ParamGroup``): named parameters with a polynomial count, whether tensor parallelism splits
-them and where they live (``Scope``); memplan/memory/states.py makes a model's groups."""
+them, where they live (``Scope``) and whether a step trains them; memplan/memory/states.py makes a model's groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.symbolic import Poly
 
@@ -32,6 +32,10 @@ class ParamGroup:
     scope: Scope
     expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
     whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
+    # False: weights only, never a gradient, so no optimizer state (torch AdamW skips a parameter whose .grad is None):
+    # a frozen table (requires_grad false) or a module run under torch.no_grad (DeepSeek-V3.2's indexer); counted in
+    # the parameters as transformers counts them (measured: validation/untrained.py)
+    trained: bool = True
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
@@ -47,3 +51,8 @@ class ParamGroup:
 def number(n: int) -> Poly:
     """A count that is a number of the model's own (negative where a layer kind holds less than a sliding layer)."""
     return Poly((((), Fraction(n)),)).simplified()
+
+
+def trained_only(count: Callable[[ParamGroup], Any]) -> Callable[[ParamGroup], Any]:
+    """`count` (a group's parameters on one GPU) for the groups a step trains, 0 for the others (weights only)."""
+    return lambda group: count(group) if group.trained else 0

@@ -16,7 +16,7 @@ from memplan.memory import optimizers
 from memplan.memory.indexer_groups import INDEXER, NORM_GATES
 from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths,
                                     frozen_position_width, gate_rows, layer_kinds, layer_vectors, output_layer_group,
-                                    position_rows)
+                                    param_groups, position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -287,7 +287,9 @@ def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_f
         raise MemplanError(f"{kind} layers differ in their tensors: per-tensor optimizer states and optimizer offload "
                            "are not modelled for it; use --optimizer adamw or sgd")
     shapes = weight_shapes(model, layout)
-    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
+    frozen = {g.name for g in param_groups(model) if not g.trained}  # no gradient, no state (ParamGroup.trained)
+    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws if w.group not in frozen)
+          for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)
     dense = layer_kinds(model, layers, is_first)["dense"]
     return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers - dense, is_first, is_last,

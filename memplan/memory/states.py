@@ -159,7 +159,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
     if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
         groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
-            model), False, "first"))
+            model), False, "first", trained=False))  # nn.Embedding(_freeze=True): weights only
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
@@ -482,18 +482,19 @@ class StateBytes:
 
 
 def state_bytes(params: Any, training: TrainingSpec, d: Any, zero: Any, gathered_params: Any = 0,
-                optimizer_unsharded: Any = None) -> StateBytes:
+                optimizer_unsharded: Any = None, trained: Any = None) -> StateBytes:
     """Weights, gradients and optimizer bytes for `params` parameters on one GPU, the ZeRO-sharded
     parts split over `d` ranks (the data-parallel size, or the shard group with HSDP).
 
     `gathered_params` is the transient full copy ZeRO-3 gathers (one layer) during compute;
     `optimizer_unsharded` the master weights + optimizer states before sharding (`optimizer_bytes`;
-    default: a full-size copy per moment, as AdamW and SGD keep).
-    """
+    default: a full-size copy per moment, as AdamW and SGD keep); `trained`: of `params`, those with gradients and
+    states (default all; ParamGroup.trained)."""
+    trained = params if trained is None else trained
     if optimizer_unsharded is None:
-        optimizer_unsharded = optimizer_bytes(training, params)
+        optimizer_unsharded = optimizer_bytes(training, trained)
     z = zero
     weights = shard_bytes(params * sharded_weight_bytes(training), d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
-    gradients = shard_bytes(params * training.grad_bytes, d, z >= 2)
+    gradients = shard_bytes(trained * training.grad_bytes, d, z >= 2)
     optimizer = shard_bytes(optimizer_unsharded, d, z >= 1)
     return StateBytes(weights, gradients, optimizer)

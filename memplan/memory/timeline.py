@@ -149,8 +149,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
                 n = sizes.group(lora[name]) * adapter_bytes(training) if name in lora else 0
             elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
-            else:
-                n = sizes.group(groups[name]) * training.grad_bytes if name in groups else 0
+            else:  # a group that is never trained (ParamGroup.trained) gets no gradient
+                n = sizes.group(groups[name]) * training.grad_bytes * groups[name].trained if name in groups else 0
             shard = expert_shard(plan) if name in groups and groups[name].expert else state_shard(plan)
             grad_cache[name, kept] = shard_bytes(n, shard, plan.zero >= 2) if kept else n
         return grad_cache[name, kept]
