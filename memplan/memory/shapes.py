@@ -14,7 +14,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
 from memplan.memory.indexer_groups import INDEXER, NORM_GATES
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths,
+from memplan.memory.states import (CROSS, CROSS_NORM, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths,
                                     frozen_position_width, gate_rows, layer_kinds, layer_vectors, output_layer_group,
                                     param_groups, position_rows)
 
@@ -112,6 +112,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
+    if model.encoder_kind == "seq2seq":  # a decoder's third norm: its cross-attention's (encoder_attn_layer_norm)
+        sandwich = [replace(w, group=CROSS_NORM) for w in sandwich]
     second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
 
