@@ -102,6 +102,20 @@ def test_the_timeline_and_the_stream_make_no_gradient_for_them(model_type, tmp_p
     assert untrained and not any(group in untrained for _, group in pers.grad_rows)
 
 
+def test_deepseek_v32_trains_deepseek_v3s_parameters(tmp_path):
+    """DeepseekV32Config's defaults: 671,877,929,216 parameters, of which the indexer's 61 x 13,959,424 = 851,524,864
+    (hand derivation in tests/test_indexers.py) get no gradient; the rest is DeepSeek-V3's 671,026,404,352. bf16-mixed
+    (no parallelism): gradients 4 B and master + moments 12 B per trained parameter, weights 2 B per parameter."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**transformers.DeepseekV32Config().to_dict(),
+                                "architectures": ["DeepseekV32ForCausalLM"]}))
+    model = read_hf_config(str(path)).model
+    training = TrainingSpec(micro_batch=1, global_batch=1, precision="bf16-mixed")
+    mem = stage_memory(model, (), training, PlanValues.from_config(Config(model=model, training=training)), 0)
+    assert (mem.params, mem.trained_params) == (671_877_929_216, 671_026_404_352)
+    assert (mem.weights, mem.gradients, mem.optimizer) == (2 * 671_877_929_216, 4 * 671_026_404_352, 12 * 671_026_404_352)
+
+
 @pytest.mark.skipif(not os.environ.get("MEMPLAN_UNTRAINED_SLOW"), reason="~3 s of CPU each: MEMPLAN_UNTRAINED_SLOW=1")
 @pytest.mark.parametrize("model_type", sorted(MEASURED))
 def test_the_recorded_figures_are_a_real_step(model_type):
