@@ -3,7 +3,8 @@ frozen rotary table and Pegasus' / Marian's sinusoidal positions (nn.Embedding b
 false), DeepSeek-V3.2's / GLM-5's / A.X-K2's lightning indexer (its forward runs under @torch.no_grad: no .grad, so
 torch AdamW makes no state for it) and a seq2seq decoder's cross-attention with its LayerNorm (transformers' forward
 without encoder states skips it). Counted in the parameters (as transformers counts them) and the weights; not in the
-gradients, the optimizer states, their ZeRO shards, the timeline's gradients nor the allocation stream's.
+gradients, the optimizer states, their ZeRO shards, the timeline's gradients nor the allocation stream's (under
+DeepSpeed only the requires_grad false ones: its flat partitions step every requires_grad parameter).
 
 The expected figures are measured: one real CPU training step of the tiny config (validation/registry.py
 tiny_config, transformers 5.23, bf16, torch AdamW foreach, s = 8, b = 1), printed by
@@ -74,6 +75,20 @@ def test_zero_shards_only_the_trained_parameters(tmp_path):
     mem = stage_memory(model, (), config.training, PlanValues.from_config(config), 0)
     assert (mem.states.gradients, mem.states.optimizer) == (49_920, 99_840)
     assert mem.states.weights - mem.gathered == 197_760  # gathered: bytes
+
+
+def test_deepspeed_steps_what_requires_a_gradient(tmp_path):
+    """DeepSpeed ZeRO 1 / 2 flattens every requires_grad parameter into its fp32 partitions and zero-fills a missing
+    .grad (deepspeed/runtime/zero/stage_1_and_2.py: derived from the code, not measured): Pegasus' cross-attention
+    is stepped there, its frozen table (4,096 x 64 = 262,144, requires_grad false) is not. 395,520 - 262,144 = 133,376
+    parameters over d = 4, bf16: gradients 2 x 133,376 = 266,752 B (ZeRO 1) or / 4 = 66,688 B (ZeRO 2), two moments
+    4 x 133,376 / 4 = 133,376 B."""
+    model = _model("pegasus", tmp_path)
+    training = TrainingSpec(micro_batch=1, global_batch=4, precision="bf16-true", dp_stack="deepspeed")
+    for zero, gradients in ((1, 266_752), (2, 66_688)):
+        config = Config(model=model, training=training, parallel=dict(dp=4, zero=zero))
+        mem = stage_memory(model, (), training, PlanValues.from_config(config), 0)
+        assert (mem.trained_params, mem.gradients, mem.optimizer) == (133_376, gradients, 133_376)
 
 
 @pytest.mark.parametrize("model_type", ["roformer", "pegasus"])

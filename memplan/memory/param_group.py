@@ -36,6 +36,7 @@ class ParamGroup:
     # a frozen table (requires_grad false) or a module run under torch.no_grad (DeepSeek-V3.2's indexer); counted in
     # the parameters as transformers counts them (measured: validation/untrained.py)
     trained: bool = True
+    requires_grad: bool = True  # False: a frozen table; True with trained False: a module run under torch.no_grad
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
@@ -53,6 +54,13 @@ def number(n: int) -> Poly:
     return Poly((((), Fraction(n)),)).simplified()
 
 
-def trained_only(count: Callable[[ParamGroup], Any]) -> Callable[[ParamGroup], Any]:
-    """`count` (a group's parameters on one GPU) for the groups a step trains, 0 for the others (weights only)."""
-    return lambda group: count(group) if group.trained else 0
+def stepped(group: ParamGroup, dp_stack: Optional[str] = None) -> bool:
+    """Whether the optimizer keeps a gradient and states for the group: a trained one; under DeepSpeed ZeRO also one
+    that requires a gradient but gets none (stage_1_and_2.py flattens every requires_grad parameter into its fp32
+    partitions and zero-fills a missing .grad: derived from DeepSpeed's code, not measured)."""
+    return group.trained or (dp_stack == "deepspeed" and group.requires_grad)
+
+
+def trained_only(count: Callable[[ParamGroup], Any], dp_stack: Optional[str] = None) -> Callable[[ParamGroup], Any]:
+    """`count` (a group's parameters on one GPU) for the groups the optimizer steps (`stepped`), 0 for the others."""
+    return lambda group: count(group) if stepped(group, dp_stack) else 0

@@ -23,7 +23,7 @@ from memplan.memory import dp_stack
 from memplan.memory.adapters import gathered_base_layer, lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
-from memplan.memory.param_group import trained_only
+from memplan.memory.param_group import stepped, trained_only
 from memplan.memory.parallel import expert_states, state_shard
 from memplan.memory.shapes import Layout, stage_tensors
 from memplan.memory.states import (
@@ -141,8 +141,8 @@ def stage_memory(
     units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2), embedding,
                                  plan.p, plan.t)
     # parameters that never get a gradient (a frozen table, DeepSeek-V3.2's no_grad indexer): weights only
-    trained = (stage_params(model, trained_only(sizes.group), layers, is_first, is_last, plan.p)
-               if any(not g.trained for g in param_groups(model)) else None)
+    trained = (stage_params(model, trained_only(sizes.group, training.dp_stack), layers, is_first, is_last, plan.p)
+               if any(not stepped(g, training.dp_stack) for g in param_groups(model)) else None)
     n_trained = params if trained is None else trained
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
                          optimizer_unsharded=optimizer_bytes(training, n_trained, tensors), trained=n_trained)

@@ -159,7 +159,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
     if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
         groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
-            model), False, "first", trained=False))  # nn.Embedding(_freeze=True): weights only
+            model), False, "first", trained=False, requires_grad=False))  # nn.Embedding(_freeze=True): weights only
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:

@@ -22,6 +22,7 @@ from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.shapes import weight_shapes
+from memplan.memory.param_group import stepped
 from memplan.memory.states import output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes, kind_share, whole_layer
 
@@ -102,7 +103,7 @@ class Persistent:
     def _trained(self, group: str) -> bool:
         """Whether a group gets gradients and optimizer states (ParamGroup.trained; the output layer does)."""
         g = self.groups.get(group)
-        return g is None or g.trained
+        return g is None or stepped(g, self.tr.dp_stack)
 
     def _shard(self, group: str) -> Any:
         g = self.groups.get(group)

@@ -45,7 +45,7 @@ from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_wei
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.dp_stack import shard_bytes
 from memplan.memory.stage import StageMemory
-from memplan.memory.param_group import LAYER_SCOPES
+from memplan.memory.param_group import LAYER_SCOPES, stepped
 from memplan.memory.states import block_share, output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
@@ -150,7 +150,8 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
             elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
             else:  # a group that is never trained (ParamGroup.trained) gets no gradient
-                n = sizes.group(groups[name]) * training.grad_bytes * groups[name].trained if name in groups else 0
+                n = (sizes.group(groups[name]) * training.grad_bytes * stepped(groups[name], training.dp_stack)
+                     if name in groups else 0)
             shard = expert_shard(plan) if name in groups and groups[name].expert else state_shard(plan)
             grad_cache[name, kept] = shard_bytes(n, shard, plan.zero >= 2) if kept else n
         return grad_cache[name, kept]
