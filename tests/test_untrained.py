@@ -9,10 +9,11 @@ DeepSpeed only the requires_grad false ones: its flat partitions step every requ
 The expected figures are measured: one real CPU training step of the tiny config (validation/registry.py
 tiny_config, transformers 5.23, bf16, torch AdamW foreach, s = 8, b = 1), printed by
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.untrained roformer pegasus deepseek_v32 axk2 bart whisper
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.untrained roformer pegasus deepseek_v32 axk2 bart whisper \
+        glm_moe_dsa marian trocr bigbird_pegasus
 
 (parameters, those with a .grad after backward and their bytes, those with AdamW state after step and the bytes of
-exp_avg + exp_avg_sq). MEMPLAN_UNTRAINED_SLOW=1 re-measures them (~3 s of CPU each).
+exp_avg + exp_avg_sq). MEMPLAN_UNTRAINED_SLOW=1 re-measures them (~5 s of CPU for the ten).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ MEASURED = {
     "axk2": (180_512, 167_584, 335_168, 167_584, 670_336),  # 2 layers' indexer
     "bart": (395_648, 362_112, 724_224, 362_112, 1_448_448),  # 2 layers' encoder_attn + encoder_attn_layer_norm
     "whisper": (161_792, 128_384, 256_768, 128_384, 513_536),  # the same, k_proj unbiased
+    "glm_moe_dsa": (210_448, 191_056, 382_112, 191_056, 764_224),  # GlmMoeDsaIndexer, as DeepSeek-V3.2's
+    "marian": (395_392, 99_712, 199_424, 99_712, 398_848),  # embed_positions, encoder_attn + its norm
+    "trocr": (395_648, 362_112, 724_224, 362_112, 1_448_448),  # encoder_attn + its norm
+    "bigbird_pegasus": (427_264, 394_240, 788_480, 394_240, 1_576_960),  # encoder_attn + its norm
 }
 TRAINING = TrainingSpec(micro_batch=1, global_batch=1, precision="bf16-true")  # bf16 weights, grads and AdamW states
 
@@ -131,7 +136,7 @@ def test_deepseek_v32_trains_deepseek_v3s_parameters(tmp_path):
     assert (mem.weights, mem.gradients, mem.optimizer) == (2 * 671_877_929_216, 4 * 671_026_404_352, 12 * 671_026_404_352)
 
 
-@pytest.mark.skipif(not os.environ.get("MEMPLAN_UNTRAINED_SLOW"), reason="~3 s of CPU each: MEMPLAN_UNTRAINED_SLOW=1")
+@pytest.mark.skipif(not os.environ.get("MEMPLAN_UNTRAINED_SLOW"), reason="~5 s of CPU in all: MEMPLAN_UNTRAINED_SLOW=1")
 @pytest.mark.parametrize("model_type", sorted(MEASURED))
 def test_the_recorded_figures_are_a_real_step(model_type):
     from validation.untrained import measure_untrained
