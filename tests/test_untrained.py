@@ -129,7 +129,9 @@ def test_deepseek_v32_trains_deepseek_v3s_parameters(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**transformers.DeepseekV32Config().to_dict(),
                                 "architectures": ["DeepseekV32ForCausalLM"]}))
-    model = read_hf_config(str(path)).model
+    preset = read_hf_config(str(path))
+    model = preset.model
+    assert any("runs under torch.no_grad" in n and "no gradient or optimizer state" in n for n in preset.notes)
     training = TrainingSpec(micro_batch=1, global_batch=1, precision="bf16-mixed")
     mem = stage_memory(model, (), training, PlanValues.from_config(Config(model=model, training=training)), 0)
     assert (mem.params, mem.trained_params) == (671_877_929_216, 671_026_404_352)
