@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -94,6 +95,21 @@ def test_deepspeed_steps_what_requires_a_gradient(tmp_path):
         config = Config(model=model, training=training, parallel=dict(dp=4, zero=zero))
         mem = stage_memory(model, (), training, PlanValues.from_config(config), 0)
         assert (mem.trained_params, mem.gradients, mem.optimizer) == (133_376, gradients, 133_376)
+
+
+def test_the_planners_arrays_count_as_the_scalars(tmp_path):
+    """`search` evaluates the same stage_memory on arrays (one element per plan): ZeRO 0..3 over d = 4 for DeepSeek-V3.2's
+    tiny config, each element equal to the scalar plan's."""
+    model = _model("deepseek_v32", tmp_path)
+    training = TrainingSpec(micro_batch=1, global_batch=4, precision="bf16-true")
+    one = PlanValues.from_config(Config(model=model, training=training, parallel=dict(dp=4)))
+    zero = np.arange(4)
+    many = stage_memory(model, (), training, dataclasses.replace(one, zero=zero, d=np.full(4, 4), shard=np.full(4, 4)), 0)
+    for z in range(4):
+        alone = stage_memory(model, (), training, dataclasses.replace(one, zero=z), 0)
+        assert (np.broadcast_to(many.trained_params, 4)[z], many.gradients[z], many.optimizer[z]) == (
+            alone.trained_params, alone.gradients, alone.optimizer)
+    assert many.gradients[0] == 382_112 and many.optimizer[1] == 764_224 // 4  # measured, module docstring
 
 
 @pytest.mark.parametrize("model_type", ["roformer", "pegasus"])
