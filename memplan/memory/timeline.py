@@ -433,7 +433,7 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
         return temp
     # optimizer offload (memplan/memory/offload.py): the GPU steps 1 - F of its shard (its temporaries shrink with it), and
     # the host's parameters are copied back through a GPU temporary of the host dtype, one tensor at a time
-    offloaded = offloaded_params(training, stage_mem.params, state_shard(plan), plan.zero)
+    offloaded = offloaded_params(training, stage_mem.params, state_shard(plan), plan.zero, stage_mem.trained_params)
     return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)
 
 
