@@ -1,7 +1,7 @@
 """Issue 22: parameters a real training step never trains are weights only (ParamGroup.trained false): RoFormer's
 frozen rotary table and Pegasus' / Marian's sinusoidal positions (nn.Embedding built with _freeze=True, requires_grad
-false), DeepSeek-V3.2's / GLM-5's / A.X-K2's lightning indexer (its forward runs under @torch.no_grad: no .grad, so
-torch AdamW makes no state for it) and a seq2seq decoder's cross-attention with its LayerNorm (transformers' forward
+false), HRM's z_L_init (requires_grad false), DeepSeek-V3.2's / GLM-5's / A.X-K2's lightning indexer (its forward
+runs under @torch.no_grad: no .grad, so torch AdamW makes no state for it) and a seq2seq decoder's cross-attention with its LayerNorm (transformers' forward
 without encoder states skips it). Counted in the parameters (as transformers counts them) and the weights; not in the
 gradients, the optimizer states, their ZeRO shards, the timeline's gradients nor the allocation stream's (under
 DeepSpeed only the requires_grad false ones: its flat partitions step every requires_grad parameter).
@@ -10,10 +10,10 @@ The expected figures are measured: one real CPU training step of the tiny config
 tiny_config, transformers 5.23, bf16, torch AdamW foreach, s = 8, b = 1), printed by
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.untrained roformer pegasus deepseek_v32 axk2 bart whisper \
-        glm_moe_dsa marian trocr bigbird_pegasus
+        glm_moe_dsa marian trocr bigbird_pegasus hrm_text
 
 (parameters, those with a .grad after backward and their bytes, those with AdamW state after step and the bytes of
-exp_avg + exp_avg_sq). MEMPLAN_UNTRAINED_SLOW=1 re-measures them (~5 s of CPU for the ten).
+exp_avg + exp_avg_sq). MEMPLAN_UNTRAINED_SLOW=1 re-measures them (~5 s of CPU for the eleven).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ MEASURED = {
     "marian": (395_392, 99_712, 199_424, 99_712, 398_848),  # embed_positions, encoder_attn + its norm
     "trocr": (395_648, 362_112, 724_224, 362_112, 1_448_448),  # encoder_attn + its norm
     "bigbird_pegasus": (427_264, 394_240, 788_480, 394_240, 1_576_960),  # encoder_attn + its norm
+    "hrm_text": (245_824, 245_760, 491_520, 245_760, 983_040),  # z_L_init (h = 64), requires_grad false
 }
 TRAINING = TrainingSpec(micro_batch=1, global_batch=1, precision="bf16-true")  # bf16 weights, grads and AdamW states
 
