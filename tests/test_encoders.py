@@ -110,6 +110,20 @@ def test_xlm_defaults_by_hand():
     assert registry.memplan_params(_defaults("xlm")) == 667_119_041 == meta_params(_defaults("xlm"))
 
 
+def test_xlm_sinusoidal_positions_are_a_frozen_table(tmp_path):
+    """With sinusoidal_embeddings, XLM fills its position table and sets requires_grad false
+    (create_sinusoidal_embeddings): the same count (transformers counts it), a table without gradient or optimizer
+    state (frozen_position_rows, h wide, as Pegasus's)."""
+    from memplan.memory.states import param_groups
+
+    config = {**tiny_config("xlm"), "sinusoidal_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    groups = {g.name: g for g in param_groups(read_hf_config(str(path)).model)}
+    assert not groups["frozen position table"].trained and "position embedding" not in groups
+    assert registry.memplan_params(config) == meta_params(config) == meta_params(tiny_config("xlm"))
+
+
 def test_xlm_traced_with_its_lengths_bounded_equals_a_real_cpu_run():
     """XLM asserts lengths.max().item() <= s, a value fake tensors do not hold; the trace tells the ShapeEnv that
     0 <= lengths <= s (validation/trace_saves.py _xlm_lengths) and runs transformers' own code: causal, with three

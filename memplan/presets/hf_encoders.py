@@ -136,7 +136,7 @@ def _xmod(data: dict, path: Path) -> dict[str, Any]:
 def _xlm(data: dict, path: Path) -> dict[str, Any]:
     """XLM as a causal LM (XLMWithLMHeadModel; causal true for a causal LM's attention): BERT's post-LN layers emb_dim
     (h) wide, n_layers of n_heads, every linear biased, an MLP 4h wide (GeLU, ReLU without gelu_activation); learned
-    positions from 0 (with sinusoidal_embeddings the same table, filled and frozen: counted as if trained), a
+    positions from 0 (with sinusoidal_embeddings the same table, filled and frozen: frozen_position_rows), a
     LayerNorm on the embeddings, no token types, and with n_langs > 1 and use_lang_emb a language table n_langs x h
     (an extra tensor: the forward adds it only given langs); pred_layer.proj v x h with its bias, tied unless
     tie_word_embeddings is false (XLMConfig's defaults for missing keys). The adaptive-softmax head (asm) is refused;
@@ -149,7 +149,11 @@ def _xlm(data: dict, path: Path) -> dict[str, Any]:
             "num_attention_heads": nat(data, "n_heads", 16, path), "intermediate_size": 4 * h}
     langs = nat(data, "n_langs", 1, path) if flag(data, "use_lang_emb", True, path) else 1
     extra = (ExtraTensor(name="language embedding", scope="first", rows=langs, cols=h),) if langs > 1 else ()
-    return {**_bert_like(data, path, token_types=False, transform=False, one_head_bias=True), "extra_tensors": extra}
+    spec = {**_bert_like(data, path, token_types=False, transform=False, one_head_bias=True), "extra_tensors": extra}
+    if flag(data, "sinusoidal_embeddings", False, path):  # create_sinusoidal_embeddings: filled, requires_grad false
+        spec.update(position_embedding="rope", frozen_position_rows=nat(data, "max_position_embeddings", 512, path),
+                    frozen_position_width="hidden")
+    return spec
 
 
 def _big_bird(data: dict, path: Path) -> dict[str, Any]:
@@ -356,8 +360,9 @@ ENCODER_NOTES["XmodForCausalLM"] += ("; its per-language adapters (one per name 
                                      "(derived: each sample goes through one adapter of the same widths)")
 ENCODER_NOTES["XLMWithLMHeadModel"] += ("; its language embeddings (n_langs > 1) are counted, and added by the "
                                         "forward only given langs (the trace passes none); with sinusoidal_embeddings "
-                                        "the frozen position table is counted with the parameters and its states as "
-                                        "if trained (derived: an overestimate)")
+                                        "its position table, filled and frozen (requires_grad false), is counted with "
+                                        "the parameters and the weights, with no gradient or optimizer state (as "
+                                        "Pegasus's: validation/untrained.py)")
 ENCODER_NOTES["ProphetNetForCausalLM"] += ("; its ngram predicting streams (beside the main stream) are traced, fitted at "
                                            "concrete s (its relative position buckets are computed for "
                                            "max_position_embeddings and sliced to s); the ngram embeddings and each "
