@@ -126,7 +126,10 @@ def test_no_sdpa_list_agrees_with_transformers():
              "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
              "MegatronBertForCausalLM": "megatron-bert", "MvpForCausalLM": "mvp", "TrOCRForCausalLM": "trocr",
              "BigBirdPegasusForCausalLM": "bigbird_pegasus", "RemBertForCausalLM": "rembert",
-             "RoFormerForCausalLM": "roformer", "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash",
+             "RoFormerForCausalLM": "roformer", "XLMWithLMHeadModel": "xlm", "BigBirdForCausalLM": "big_bird",
+             "GPTNeoXJapaneseForCausalLM": "gpt_neox_japanese", "CpmAntForCausalLM": "cpmant",
+             "ProphetNetForCausalLM": "prophetnet",
+             "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash",
              "RwkvForCausalLM": "rwkv", "xLSTMForCausalLM": "xlstm"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}

@@ -37,7 +37,8 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "openai-gpt", "opt", "biogpt",  # the fourth wave's: GPT-1 (no final norm), 2 more position rows
            "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
            "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
-           "emu3", "bitnet"]  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
+           "emu3", "bitnet",  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
+           "gpt_neox_japanese", "modernbert-decoder", "cpmant"]  # the sixth wave's: extra tensors
 # the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
 # Bamba and LFM2) or gated DeltaNets (memplan/presets/hf_linear_attention.py; tests/test_linear_attention.py traces
 # Qwen3-Next) or Kimi Delta Attention beside latent attention (the same file), and the recurrent decoders
@@ -49,7 +50,7 @@ HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lf
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py, tests/test_seq2seq_decoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
             "ernie", "data2vec-text", "megatron-bert", "mvp", "trocr", "bigbird_pegasus", "bart", "mbart", "plbart",
-            "pegasus", "blenderbot", "blenderbot-small", "marian"]
+            "pegasus", "blenderbot", "blenderbot-small", "marian", "roc_bert", "big_bird", "xmod", "xlm", "prophetnet"]
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +109,18 @@ def test_the_switches_of_the_widened_families_count_exactly(model_type, switches
                                         "gpt_neo", "afmoe", "laguna", "diffllama", "apertus",
                                         "bitnet", "bert", "bert-generation", "megatron-bert",
                                         "trocr", "bigbird_pegasus", "electra", "rembert", "roformer",
-                                        "whisper", "pegasus", "mbart"])
+                                        "whisper", "pegasus", "mbart", "roc_bert", "big_bird", "xmod",
+                                        "gpt_neox_japanese", "modernbert-decoder", "xlm", "cpmant", "prophetnet"])
 def test_the_tensors_of_the_new_fields_hold_the_counted_parameters(model_type, layout, tmp_path):
     """weight_shapes (the tensors the allocator and the optimizers replay) hold what param_groups count, for the
     fields the walk's families added: norms without weights, the router's bias, biased per-head q / k LayerNorms, the
     shared experts' gate, MLP-only and out_proj biases, the embedding norm, token-type embeddings and the head's
     transform (BERT), the cross-attention of a decoder run alone (TrOCR), factorised embeddings with their projection
     and a head e_out wide (ELECTRA tied, RemBERT untied), RoFormer's frozen rotary table, Whisper's k_proj without bias,
-    Pegasus's frozen sinusoidal table h wide and final norm, mBART's learned positions from row 2 and final norm."""
+    Pegasus's frozen sinusoidal table h wide and final norm, mBART's learned positions from row 2 and final norm, a
+    family's extra tensors (RoCBERT's tables and map_inputs_layer, BigBird's pooler, X-MOD's adapters, XLM's language
+    table, GPT-NeoX-Japanese's dense_bias, CPM-Ant's prompt rows and relative position bias, ProphetNet's ngram table
+    and relative_pos_embeddings, ModernBERT's attention norms and prediction head)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config(model_type)))
     model = read_hf_config(str(path)).model

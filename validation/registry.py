@@ -35,7 +35,7 @@ from .trace_measure import measure_hf_config
 # the shrunk sizes: applied to each key the config class's to_dict() has (nested sub-configs too)
 _SMALL = {
     "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2,
-    "hidden_size": 64, "n_embd": 64, "d_model": 64,
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "emb_dim": 64,
     "intermediate_size": 128, "n_inner": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
     "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 512,
@@ -48,6 +48,8 @@ _SMALL = {
     # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
     "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
     "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
+    "num_decoder_layers": 2, "num_encoder_layers": 2, "num_decoder_attention_heads": 4,  # ProphetNet's
+    "num_encoder_attention_heads": 4,
 }
 
 # a Mamba-2 mixer's shrunk sizes (the configs with a time_step_limit: Mamba-2, Bamba, Nemotron-H, Granite 4 hybrids,
@@ -190,6 +192,8 @@ def _shrink(data: dict) -> dict:
         out["cross_attention_layers"] = [n - 1]  # the image states (the defaults' first such layer is the fourth)
     if "conv_L_cache" in data and out.get("layer_types") == ["full_attention"] * 2:  # LFM2's defaults: attention only
         out["layer_types"], out["full_attn_idxs"] = ["conv", "full_attention"], [1]
+    if data.get("attention_type") == "block_sparse":  # BigBird: full attention, what memplan reads (block-sparse
+        out["attention_type"] = "original_full"  # attention specialises s: refused, tests/test_encoders.py)
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer
         out.update(num_hidden_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])
     return out

@@ -52,8 +52,8 @@ The trace is refused (``TraceRefused``) when it is not valid for every s and b:
 Three kinds of code pin s whatever the tracer does, and are traced at concrete (s, b) instead, their saves fitted as
 polynomials and checked at a held-out (s, b) (validation/trace_fit.py ``fit_step``): the gated delta rule's Python loop
 over the chunks of s (Qwen3-Next, Qwen3.5, OLMo-hybrid: s a multiple of 64), a buffer sliced to s (GPT-Neo, GPT-1,
-MPT) and a recurrence's loop over the tokens (RecurrentGemma's RG-LRU, past its attention window); such a trace has no
-backward moments, and its conditions say it was fitted.
+MPT, ProphetNet; a list s long: CPM-Ant) and a recurrence's loop over the tokens (RecurrentGemma's RG-LRU, past its
+attention window); such a trace has no backward moments, and its conditions say it was fitted.
 
 Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
 the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges

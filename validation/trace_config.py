@@ -62,6 +62,8 @@ def hf_config(config: dict):
     cls = tf.CONFIG_MAPPING[config["model_type"]]
     cfg = cls.from_dict(dict(config))
     cfg.loss_type = "ForCausalLM"  # what the Trainer uses for a causal LM; set to silence the guess
+    if getattr(cfg, "languages", None) and getattr(cfg, "default_language", "") is None:  # X-MOD refuses to run
+        cfg.default_language = cfg.languages[0]  # without a language: XmodModel.set_default_language's, the first
     return cfg
 
 

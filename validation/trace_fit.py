@@ -35,8 +35,9 @@ HELD_OUT = (5, 4)
 
 
 # the families whose code slices a buffer max_position_embeddings wide to s (GPT-Neo's and GPT-1's causal mask, MPT's
-# ALiBi bias from max(0, max_seq_len - s)): a symbolic s cannot index it; fitted at s in steps of 16, any s
-SLICED = ("gpt_neo", "openai-gpt", "mpt")
+# ALiBi bias from max(0, max_seq_len - s); ProphetNet's relative buckets) or builds a Python list s long (CPM-Ant's
+# left-padding mask): a symbolic s cannot index it; fitted at s in steps of 16, any s
+SLICED = ("gpt_neo", "openai-gpt", "mpt", "cpmant", "prophetnet")
 # the families whose torch path loops over s one token at a time in Python (RecurrentGemma's RG-LRU, _rnn_scan; RWKV's
 # rwkv_linear_attention_cpu): fitted at s in steps of 4, any s
 SCANNED = ("recurrent_gemma", "rwkv")

@@ -35,8 +35,16 @@ def merge_divisibility(conditions: list[str]) -> list[str]:
 
 
 def sym_expr(x) -> sympy.Expr:
+    """A size as a sympy expression, with what ``torch._check`` told the ShapeEnv of a size that depends on data
+    (X-MOD's language adapters: validation/trace_saves.py ``_language_adapters``): its replacements (u0 -> b) and
+    the checked constants (u1 == 0, an assertion the ShapeEnv keeps without replacing a size by 0)."""
     if isinstance(x, torch.SymInt):
-        return x.node.expr
+        env = x.node.shape_env
+        expr = env.replace(x.node.expr)
+        checked = {u: e.rhs if e.lhs == u else e.lhs for u in expr.free_symbols
+                   for e in (a.expr for a in env.deferred_runtime_asserts.get(u, ()))
+                   if isinstance(e, sympy.Eq) and u in (e.lhs, e.rhs) and (e.rhs if e.lhs == u else e.lhs).is_Integer}
+        return expr.xreplace(checked)
     return sympy.Integer(int(x))
 
 
@@ -108,7 +116,8 @@ def check_guards(env, symbols: dict, scale: dict | None = None) -> list[str]:
             pinned.append(f"the range of {name} is [{vr.lower}, {vr.upper}]")
         m = scale.get(name, 1)
         ranges.append(f"{name} >= {lo * m}")
-        if isinstance(hi, sympy.Integer):  # not int_oo
+        if isinstance(hi, sympy.Integer) and hi < 2 ** 62:  # not int_oo, nor the int64 bound of an unbacked size
+            # that a torch._check equated with b (X-MOD's adapters)
             ranges.append(f"{name} <= {hi * m}")
     if pinned:
         raise TraceRefused("the trace specialised the sequence length s or the micro-batch b, so its sizes hold "

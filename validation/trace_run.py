@@ -99,7 +99,7 @@ def symbolic_run(build: Callable[[], torch.nn.Module], forward: Callable[..., to
                 p.grad = None
         saves = Saves(model)
         tracking = _tracking(model, saves, named, step, polys_conditions, run) if step else contextlib.nullcontext()
-        with eager_decisions(), saves.recording(aten=not step), tracking as live:
+        with eager_decisions(model), saves.recording(aten=not step), tracking as live:
             with with_python_dispatcher(python_dispatcher, cuda.overrides() if cuda else None), \
                     (cuda.norm_stats() if cuda else contextlib.nullcontext()), data_dependence_refused():
                 # the inputs live as long as the model's code keeps them (a training loop's batch dies with its step)

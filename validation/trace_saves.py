@@ -99,11 +99,18 @@ def forward_loss(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 @contextlib.contextmanager
-def eager_decisions():
+def eager_decisions(model=None):
     """Give transformers the answers an eager run gets where it treats fake tensors as tracing: the position ids
-    are not packed (``_not_packed``) and a mask the model made of ones pads nothing (``_all_ones_masks``)."""
-    with _not_packed(), _all_ones_masks():
-        yield
+    are not packed (``_not_packed``), a mask the model made of ones pads nothing (``_all_ones_masks``), and what a
+    run of ``model`` reads of values its code cannot know under fake tensors (``_xlm_lengths``,
+    ``_language_adapters``)."""
+    hooks = (_language_adapters(model) + _xlm_lengths(model)) if model is not None else []
+    try:
+        with _not_packed(), _all_ones_masks():
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @contextlib.contextmanager
@@ -185,6 +192,57 @@ def _all_ones_masks():
         yield
     finally:
         torch.ones, mu._preprocess_mask_arguments, mu._ignore_causal_mask_sdpa = made, preprocess, ignore
+
+
+def _xlm_lengths(model) -> list:
+    """XLM asserts ``lengths.max().item() <= s`` (XLMModel.forward, get_masks): lengths counts each row's ids other
+    than padding, at most s, which the ShapeEnv cannot derive from a fake tensor's ``.item()``; while XLMModel's
+    forward runs, the trace tells it so (``torch._check(0 <= u <= s)``: true of any run) and runs transformers' own
+    code. Hooks on the model (none for other models)."""
+    xlm = [m for m in model.modules() if type(m).__name__ == "XLMModel"]
+    if not xlm:
+        return []
+    item = torch.Tensor.item
+
+    def bounded(tensor):
+        u = item(tensor)
+        if isinstance(u, torch.SymInt):
+            torch._check(u >= 0)
+            torch._check(u <= bounded.s)
+        return u
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        bounded.s, torch.Tensor.item = ids.shape[1], bounded
+
+    def leave(module, args, kwargs, output):
+        torch.Tensor.item = item
+
+    return [xlm[0].register_forward_pre_hook(enter, with_kwargs=True),
+            xlm[0].register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+
+def _language_adapters(model) -> list:
+    """X-MOD: each layer's lang_adapter (XmodOutput) selects the samples of each language with a boolean mask of
+    lang_ids, a size fake tensors cannot know; a run without lang_ids gives every sample default_language's
+    (XmodModel.forward), so the trace tells the ShapeEnv that (``torch._check``: b rows for that language's adapter,
+    none for the others) and runs transformers' own code. Hooks on the model (none for other models)."""
+    default = getattr(getattr(model, "config", None), "default_language", None)
+    adapters = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "XmodAdapter"]
+    if not adapters or default is None:
+        return []
+    batch = {}
+
+    def take_batch(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch["b"] = ids.shape[0]
+
+    def check_rows(name):
+        rows = (lambda: batch["b"]) if name.rsplit(".", 1)[-1] == str(default) else (lambda: 0)
+        return lambda module, args: torch._check(args[0].shape[0] == rows())
+
+    return [model.register_forward_pre_hook(take_batch, with_kwargs=True)] + [
+        m.register_forward_pre_hook(check_rows(name)) for name, m in adapters]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,13 +48,10 @@ _CODEBOOKS = ("{name}'s decoder over audio codes: num_codebooks token embeddings
               "attribute 'dropout': the class takes the decoder's config)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
     "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
                                         "'full_attention'), so no reader is checked"),
-    "cpmant": ("estimate", "CPM-Ant: segment embeddings, a relative position bias table and heads dim_head wide (not "
-                           "h / a)"),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
@@ -74,8 +71,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
                                              "keys and values (memplan estimates the target)"),
     "git": ("estimate", NOT_READ["GitForCausalLM"] + ": not read"),
-    "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
-                                      "parameter (dense_bias)"),
     "hrm_text": ("trace", NOT_TRACED["hrm_text"]),
     "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
                           "ffn_hc)"),
@@ -96,24 +91,18 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                        "defaults: the walk's tiny model has none to check), experts "
                                        "intermediate_size wide beside dense_intermediate_size and "
                                        "shared_intermediate_size MLPs: not read"),
-    "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
-                                       "with a decoder bias"),
     "musicgen": ("estimate", _CODEBOOKS.format(name="MusicGen", cls="MusicgenForCausalLM", config="MusicgenConfig")),
     "musicgen_melody": ("estimate", _CODEBOOKS.format(name="MusicGen Melody", cls="MusicgenMelodyForCausalLM",
                                                       config="MusicgenMelodyConfig")),
-    "prophetnet": ("estimate", NOT_READ["ProphetNetForCausalLM"] + ": not read"),
     "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
                               "so no reader is checked"),
     "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
                                    "None), so no reader is checked"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
-    "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),
-    "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
     "xlstm": ("trace", NOT_TRACED["xlstm"]),
-    "xmod": ("estimate", NOT_READ["XmodForCausalLM"] + ": not read"),
     "zamba": ("trace", _MAMBA1),
     "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
                          "so no reader is checked"),

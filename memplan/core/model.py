@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
-from memplan.core.spec_checks import check_experts, check_gate, check_latent
+from memplan.core.spec_checks import EXTRA_TENSORS, ExtraTensors, check_experts, check_gate, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -167,6 +167,7 @@ class ModelSpec(Spec):
     frozen_position_width: Literal["head", "hidden"] = Field(
         default="head", description="the frozen position table's width: head_dim (RoFormer's rotary table) or h "
         "(Pegasus's and Marian's sinusoidal embeddings, added to the word embeddings)")
+    extra_tensors: ExtraTensors = Field(default=(), description=EXTRA_TENSORS)  # RoCBERT, X-MOD, XLM, ...
     qk_norm_width: Literal["head", "full"] = Field(
         default="head", description="with qk_norm: one head_dim-wide weight for the queries and one for the keys "
         "(head: Qwen3, Gemma 3) or a weight per element of the whole Q and K (full: q + q g/a, OLMo-2, Cohere)")
@@ -261,8 +262,7 @@ class ModelSpec(Spec):
         "moe_intermediate_size, Mixtral's intermediate_size; Megatron-LM --moe-ffn-hidden-size)")
     moe_shared_ffn_hidden_size: int = Field(
         default=0, ge=0, description="f_s, the shared experts' MLP width, all of them together (0: none; "
-        "DeepSeek-V3 n_shared_experts x moe_intermediate_size; Megatron-LM "
-        "--moe-shared-expert-intermediate-size)")
+        "DeepSeek-V3 n_shared_experts x moe_intermediate_size; Megatron-LM --moe-shared-expert-intermediate-size)")
     moe_first_dense_layers: int = Field(
         default=0, ge=0, description="layers before the first MoE layer, each with a dense MLP f wide "
         "(DeepSeek-V3 first_k_dense_replace; Megatron-LM --moe-layer-freq [0]*k+[1]*(L-k))")

@@ -1,10 +1,51 @@
 """Checks of ModelSpec's fields that involve one group of them alone, called by its validator (memplan/core/model.py):
 a mixture-of-experts model's fields and routing loads (moe_expert_loads), multi-head latent attention's fields and the gate on the
-attention output."""
+attention output; and a family's own parameter tensors (``ExtraTensor``, ModelSpec.extra_tensors), their type and check.
+
+An extra tensor is one a family adds beside those ModelSpec's other fields describe: RoCBERT's pronunciation and shape
+tables, X-MOD's per-language adapters, XLM's language embeddings, ... (issue 22: memplan/presets/hf_encoders.py and
+hf_own_keys.py read them from a config.json). Each is named, lives on the first stage, in every layer or on the last
+stage, and is counted whole on every GPU (not split by tensor parallelism); what such a family saves in its forward is
+traced from transformers' code (--impl hf-*), not described here."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import AfterValidator, Field, PositiveInt
+
+from memplan.core.spec_base import Spec
+
+EXTRA_TENSORS = ("a family's own parameter tensors beside the other fields' (RoCBERT's pronunciation / shape tables, "
+                 "X-MOD's adapters): core/spec_checks.py ExtraTensor")
+
+
+class ExtraTensor(Spec):
+    """``count`` parameter tensors of ``rows`` x ``cols`` (cols None: a vector of rows) named ``name``, in ``scope``:
+    first (the embeddings' stage), layer (each layer) or last (the output head's stage)."""
+
+    name: str = Field(min_length=1, max_length=80, description="the group's name (the tensors transformers names)")
+    scope: Literal["first", "layer", "last"]
+    rows: PositiveInt
+    cols: Optional[PositiveInt] = None
+    count: PositiveInt = 1
+
+    @property
+    def numel(self) -> int:
+        """Its parameters, all ``count`` tensors together."""
+        return self.rows * (self.cols or 1) * self.count
+
+
+def _one_name_each(extras: tuple[ExtraTensor, ...]) -> tuple[ExtraTensor, ...]:
+    """One group per name: two extra tensors of one name would be two groups the reports cannot tell apart."""
+    names = [x.name for x in extras]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"extra_tensors: the name {name!r} is given twice (give one entry with its count)")
+    return extras
+
+
+ExtraTensors = Annotated[tuple[ExtraTensor, ...], AfterValidator(_one_name_each)]
 
 
 def check_expert_loads(loads: Optional[tuple[float, ...]], imbalance: float, E: int, k: int) -> None:

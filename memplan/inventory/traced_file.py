@@ -322,6 +322,9 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
            "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)",
            "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
+           "xlm": "XLM (eager attention only)", "big_bird": "BigBird (eager attention only)",
+           "gpt_neox_japanese": "GPT-NeoX-Japanese (eager attention only)", "cpmant": "CPM-Ant (eager attention only)",
+           "prophetnet": "ProphetNet (eager attention only)",
            "flint": "Flint (attention sinks)", "mimo_v2_flash": "MiMo-V2-Flash (attention sinks)",
            "rwkv": "RWKV (no attention layers: eager only)", "xlstm": "xLSTM (no attention layers: eager only)"}
 

@@ -218,6 +218,8 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.embedding_norm, "a norm on the embeddings"),
                (model.qk_norm and model.qk_norm_width == "full", "Q and K norms over the whole width"),
                (model.norm == "layernorm" and model.norm_bias is False, "LayerNorms without a bias"),
+               (bool(model.extra_tensors), "parameter tensors of its own (" + ", ".join(
+                   x.name for x in model.extra_tensors) + ")"),
                # Megatron-LM's MambaModel (--hybrid-override-pattern) builds hybrids; memplan emits GPTModel only
                (model.layer_pattern is not None, "state-space mixer blocks (layer_pattern: a hybrid, MambaModel)")]
     missing = [what for on, what in layouts if on]

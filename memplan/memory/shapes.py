@@ -196,6 +196,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         final += [WeightShape("output head transform", "head transform dense", e_out, P("h")),
                   WeightShape("output head transform", "head transform dense bias", e_out, None)]
         final += [WeightShape("output head transform", "head transform " + w.name, e_out, None) for w in norm]
+    extra = {scope: [WeightShape(x.name, x.name, P(str(x.rows)), None if x.cols is None else P(str(x.cols)), x.count)
+                     for x in model.extra_tensors if x.scope == scope] for scope in ("first", "layer", "last")}
+    first, layer, final = first + extra["first"], layer + extra["layer"], final + extra["last"]  # RoCBERT, X-MOD, ...
+    dense_layer = dense_layer + extra["layer"] if dense_layer else []
     head = (WeightShape(output_layer_group(model).name, "output layer", P("v"), e_out, 1, "rows"),)
     return {"first": tuple(first), "layer": tuple(layer), "dense_layer": tuple(dense_layer), "last": tuple(final),
             "head": head}

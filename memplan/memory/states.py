@@ -157,6 +157,7 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         e_out = embedding_widths(model)[1]
         groups.append(ParamGroup("output head transform", e_out * Poly.parse("h") + e_out * (
             1 + model.norm_params + model.has_norm_bias), False, "last"))
+    groups += [ParamGroup(x.name, number(x.numel), False, x.scope) for x in model.extra_tensors]  # RoCBERT, X-MOD, ...
     return tuple(hybrid_groups(model, groups))
 
 

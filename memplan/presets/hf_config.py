@@ -378,7 +378,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
         raise MemplanError(f"{path}: {arch} with {moe[0]} = {data[moe[0]]}: memplan reads the experts of "
                            f"{', '.join(names[:3])} and {len(names) - 3} more architectures (docs/reference.md, "
                            f"config.json architectures) only; {_REFUSAL}")
-    if not known and archs and archs[0] in NOT_READ:  # an encoder family transformers builds as a causal LM
+    if not known and archs and archs[0] in NOT_READ:  # a family transformers builds as a causal LM, not read
         raise MemplanError(f"{path}: {NOT_READ[archs[0]]}: not read; {_REFUSAL}")
     if not known:
         name = _names(archs) if archs else f"model_type {echo(data.get('model_type'))}"

@@ -1,9 +1,11 @@
 """The config.json readers of the encoder families that transformers builds as causal LMs (issue 22): the BERT-like
 encoders BERT, RoBERTa and its copies, ERNIE, BERT-generation, Megatron-BERT, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL,
-and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer), each run
-with ``is_decoder`` (causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` (``encoder_kind`` bert), and
-the decoders of the encoder-decoder models BART, mBART, PLBart, Pegasus, Blenderbot, Blenderbot-Small, Marian, MVP,
-TrOCR (``_BART_LIKE``), BigBird-Pegasus and Whisper run alone (seq2seq: their cross-attention counted, not run).
+and those with factorised embeddings (ModelSpec.embedding_widths: ELECTRA's generator, RemBERT, RoFormer) or tensors
+of their own (ModelSpec.extra_tensors: RoCBERT, X-MOD, XLM, BigBird), each run with ``is_decoder`` (XLM: ``causal``;
+causal self-attention) by ``*ForCausalLM`` / ``BertLMHeadModel`` / ``XLMWithLMHeadModel`` (``encoder_kind`` bert),
+and the decoders of the encoder-decoder models BART, mBART, PLBart, Pegasus, Blenderbot, Blenderbot-Small, Marian,
+MVP, TrOCR (``_BART_LIKE``), BigBird-Pegasus, Whisper and ProphetNet run alone (seq2seq: their cross-attention
+counted, not run).
 ``ENCODERS`` gives each family's whole spec but name, sequence and vocabulary (as hf_own_keys.OWN_KEYS does),
 ``position_start`` where its position ids start, ``ENCODER_NOTES`` what an estimate of one says; each checked by the
 registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device, and
@@ -22,13 +24,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
+from memplan.core.spec_checks import ExtraTensor
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
 # the RoBERTa copies: position ids start after padding_idx (pad_token_id + 1, RobertaEmbeddings), so the table's
 # first pad_token_id + 1 rows are never used
 _ROBERTA_LIKE = ("RobertaForCausalLM", "CamembertForCausalLM", "XLMRobertaForCausalLM", "Data2VecTextForCausalLM",
-                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM")
+                 "RobertaPreLayerNormForCausalLM", "XLMRobertaXLForCausalLM", "XmodForCausalLM",
+                 "ProphetNetForCausalLM")  # ProphetNetPositionalEmbeddings: cumsum of the mask + padding_idx
 
 
 def position_start(arch: str, data: dict) -> int:
@@ -85,6 +89,91 @@ def _rembert(data: dict, path: Path) -> dict[str, Any]:
             **data, "tie_word_embeddings": False}
     widths = nat(data, "input_embedding_size", 256, path), nat(data, "output_embedding_size", 1664, path)
     return {**_bert_like(data, path, one_head_bias=True), "embedding_widths": widths}
+
+
+def _roc_bert(data: dict, path: Path) -> dict[str, Any]:
+    """RoCBERT as a causal LM (RoCBertForCausalLM): BERT's, and beside its word embeddings a pronunciation table
+    pronunciation_vocab_size x pronunciation_embed_dim and a shape table shape_vocab_size x shape_embed_dim (both
+    built whatever enable_pronunciation / enable_shape say); with concat_input, map_inputs_layer, a linear with bias
+    from the word embeddings concatenated with the enabled tables' (h + d_p + d_s) to h (RoCBertConfig's defaults
+    for missing keys). Without ids for the two tables, the forward looks up their row 0 (concat_input) or not at
+    all: what the trace of input_ids alone runs."""
+    h = nat(data, "hidden_size", 768, path)
+    p_rows, p_dim = nat(data, "pronunciation_vocab_size", 910, path), nat(data, "pronunciation_embed_dim", 768, path)
+    s_rows, s_dim = nat(data, "shape_vocab_size", 24858, path), nat(data, "shape_embed_dim", 512, path)
+    extra = [ExtraTensor(name="pronunciation embedding", scope="first", rows=p_rows, cols=p_dim),
+             ExtraTensor(name="shape embedding", scope="first", rows=s_rows, cols=s_dim)]
+    if flag(data, "concat_input", True, path):
+        width = h + p_dim * flag(data, "enable_pronunciation", True, path) + s_dim * flag(data, "enable_shape", True,
+                                                                                           path)
+        extra += [ExtraTensor(name="map_inputs_layer weight", scope="first", rows=h, cols=width),
+                  ExtraTensor(name="map_inputs_layer bias", scope="first", rows=h)]
+    return {**_bert_like(data, path), "extra_tensors": tuple(extra)}
+
+
+def _xmod(data: dict, path: Path) -> dict[str, Any]:
+    """X-MOD as a causal LM (XmodForCausalLM): RoBERTa's (with pre_norm, pre-LN layers and a final LayerNorm, the
+    embedding LayerNorm kept) and in each layer's output one adapter per language of ``languages`` (dense1 h ->
+    h // adapter_reduction_factor and dense2 back, each with its bias), all counted, and with adapter_layer_norm a
+    LayerNorm before them (XmodConfig's defaults for missing keys). The forward runs each sample through its
+    language's adapter (lang_ids; without them, every sample through default_language's)."""
+    languages = data.get("languages", ["en_XX"])
+    if not isinstance(languages, list) or not languages or not all(isinstance(x, str) for x in languages):
+        raise MemplanError(f"{path}: languages: expected a list of language names (got {echo(languages)})")
+    h, r = nat(data, "hidden_size", 768, path), nat(data, "adapter_reduction_factor", 2, path)
+    n, width = len(set(languages)), h // r  # adapter_modules: a ModuleDict, one adapter per name
+    if not width:
+        raise MemplanError(f"{path}: adapter_reduction_factor {r} leaves the adapters no width (h = {h}); {YAML_HINT}")
+    extra = [ExtraTensor(name="language adapters' dense1 weight", scope="layer", rows=width, cols=h, count=n),
+             ExtraTensor(name="language adapters' dense1 bias", scope="layer", rows=width, count=n),
+             ExtraTensor(name="language adapters' dense2 weight", scope="layer", rows=h, cols=width, count=n),
+             ExtraTensor(name="language adapters' dense2 bias", scope="layer", rows=h, count=n)]
+    if flag(data, "adapter_layer_norm", False, path):
+        extra.append(ExtraTensor(name="adapter LayerNorm", scope="layer", rows=h, count=2))
+    return {**_bert_like(data, path, pre_norm=flag(data, "pre_norm", False, path)), "extra_tensors": tuple(extra)}
+
+
+def _xlm(data: dict, path: Path) -> dict[str, Any]:
+    """XLM as a causal LM (XLMWithLMHeadModel; causal true for a causal LM's attention): BERT's post-LN layers emb_dim
+    (h) wide, n_layers of n_heads, every linear biased, an MLP 4h wide (GeLU, ReLU without gelu_activation); learned
+    positions from 0 (with sinusoidal_embeddings the same table, filled and frozen: frozen_position_rows), a
+    LayerNorm on the embeddings, no token types, and with n_langs > 1 and use_lang_emb a language table n_langs x h
+    (an extra tensor: the forward adds it only given langs); pred_layer.proj v x h with its bias, tied unless
+    tie_word_embeddings is false (XLMConfig's defaults for missing keys). The adaptive-softmax head (asm) is refused;
+    transformers builds no decoder (is_encoder false)."""
+    if flag(data, "asm", False, path) or not flag(data, "is_encoder", True, path):
+        raise MemplanError(f"{path}: XLMWithLMHeadModel with asm (an adaptive-softmax head: clusters of the vocabulary, "
+                           f"not modelled) or is_encoder false (transformers builds no XLM decoder); {YAML_HINT}")
+    h = nat(data, "emb_dim", 2048, path)
+    data = {**data, "hidden_size": h, "num_hidden_layers": nat(data, "n_layers", 12, path),
+            "num_attention_heads": nat(data, "n_heads", 16, path), "intermediate_size": 4 * h}
+    langs = nat(data, "n_langs", 1, path) if flag(data, "use_lang_emb", True, path) else 1
+    extra = (ExtraTensor(name="language embedding", scope="first", rows=langs, cols=h),) if langs > 1 else ()
+    spec = {**_bert_like(data, path, token_types=False, transform=False, one_head_bias=True), "extra_tensors": extra}
+    if flag(data, "sinusoidal_embeddings", False, path):  # create_sinusoidal_embeddings: filled, requires_grad false
+        spec.update(position_embedding="rope", frozen_position_rows=nat(data, "max_position_embeddings", 512, path),
+                    frozen_position_width="hidden")
+    return spec
+
+
+def _big_bird(data: dict, path: Path) -> dict[str, Any]:
+    """BigBird as a causal LM (BigBirdForCausalLM) with attention_type original_full: BERT's post-LN layers, q, k and
+    v biased with use_bias only (the attention's output dense and the MLP always), max_position_embeddings rows
+    (default 4096) from 0, and a pooler (a dense h x h with its bias, tanh) on the first token after the last layer
+    (BigBirdModel builds one; its forward runs it); block_sparse attention (the default) is refused: it pads s to a
+    multiple of block_size and switches to full attention for s up to (5 + 2 num_random_blocks) block_size, so its
+    trace specialises s."""
+    attention = data.get("attention_type", "block_sparse")
+    if attention != "original_full":
+        raise MemplanError(f"{path}: BigBirdForCausalLM with attention_type {echo(attention)}: block-sparse attention "
+                           "pads s to a multiple of block_size and runs full attention up to (5 + 2 num_random_blocks) "
+                           "block_size tokens, so its trace specialises s: not modelled (attention_type original_full "
+                           f"is read); {YAML_HINT}")
+    biased, h = flag(data, "use_bias", True, path), nat(data, "hidden_size", 768, path)
+    pooler = (ExtraTensor(name="pooler weight", scope="last", rows=h, cols=h),
+              ExtraTensor(name="pooler bias", scope="last", rows=h))
+    return {**_bert_like(data, path), "bias": biased, "mlp_bias": not biased, "out_bias": not biased,
+            "extra_tensors": pooler}
 
 
 # BART's decoder and its copies run alone (*ForCausalLM), each as its config class defaults it and its decoder builds
@@ -144,6 +233,33 @@ def _bart_decoder(data: dict, path: Path) -> dict[str, Any]:
                 tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+def _prophetnet_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """ProphetNet's decoder run alone (ProphetNetForCausalLM): post-LN layers (three LayerNorms) of n-gram
+    self-attention (q / k / v / out_proj biased, and relative_pos_embeddings, a linear h -> num_buckets x a with its
+    bias: extra tensors of each layer), cross-attention (counted, not run) and a GeLU MLP decoder_ffn_dim wide, all
+    biased; max_position_embeddings learned rows numbered from pad_token_id + 1, the ngram embeddings (ngram x h, an
+    extra tensor) and a LayerNorm on the embeddings, no final norm; lm_head tied unless tie_word_embeddings is false
+    (then the wrapper's word_embeddings is a third table: an extra tensor; ProphetNetConfig's defaults for missing
+    keys). The forward predicts ngram streams beside the main one (traced)."""
+    if not flag(data, "add_cross_attention", True, path):
+        raise MemplanError(f"{path}: ProphetNetForCausalLM with add_cross_attention false (decoder layers without "
+                           f"cross-attention): not modelled; {YAML_HINT}")
+    h, a = nat(data, "hidden_size", 1024, path), nat(data, "num_decoder_attention_heads", 16, path)
+    relative = nat(data, "num_buckets", 32, path) * a
+    extra = (ExtraTensor(name="ngram embeddings", scope="first", rows=nat(data, "ngram", 2, path), cols=h),
+             ExtraTensor(name="relative_pos_embeddings weight", scope="layer", rows=relative, cols=h),
+             ExtraTensor(name="relative_pos_embeddings bias", scope="layer", rows=relative))
+    tied = flag(data, "tie_word_embeddings", True, path)
+    if not tied:  # the wrapper's word_embeddings and the decoder's are then two tables (the decoder's used)
+        extra += (ExtraTensor(name="the wrapper's word embeddings (untied)", scope="first",
+                              rows=nat(data, "vocab_size", 30522, path), cols=h),)
+    return dict(num_layers=nat(data, "num_decoder_layers", 12, path), hidden_size=h, num_attention_heads=a,
+                ffn_hidden_size=nat(data, "decoder_ffn_dim", 4096, path), norm="layernorm", mlp="gelu", bias=True,
+                position_embedding="learned", position_offset=position_start("ProphetNetForCausalLM", data),
+                embedding_norm=True, final_norm=False, norms_per_layer=3, layer_layout="post-norm",
+                encoder_kind="seq2seq", tied_embeddings=tied, extra_tensors=extra)
+
+
 def _bigbird_pegasus_decoder(data: dict, path: Path) -> dict[str, Any]:
     """BigBird-Pegasus's decoder run alone (BigBirdPegasusForCausalLM): pre-LN layers (three LayerNorms) of full
     self-attention and cross-attention, biased with use_bias only, and a GeLU MLP decoder_ffn_dim wide, always biased;
@@ -188,28 +304,26 @@ ENCODERS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "ElectraForCausalLM": _electra,
     "RemBertForCausalLM": _rembert,
     "RoFormerForCausalLM": _roformer,
+    "RoCBertForCausalLM": _roc_bert,
+    "XmodForCausalLM": _xmod,
+    "XLMWithLMHeadModel": _xlm,
+    "BigBirdForCausalLM": _big_bird,
     "BertGenerationDecoder": lambda data, path: _bert_like(data, path, token_types=False, transform=False),
     "MegatronBertForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     "RobertaPreLayerNormForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True),
     "XLMRobertaXLForCausalLM": lambda data, path: _bert_like(data, path, pre_norm=True, embedding_norm=False),
     **{arch: _bart_decoder for arch in _BART_LIKE},
     "BigBirdPegasusForCausalLM": _bigbird_pegasus_decoder,
+    "ProphetNetForCausalLM": _prophetnet_decoder,
     "WhisperForCausalLM": _whisper_decoder,
 }
 
-# the encoder families transformers builds as causal LMs that memplan does not read, and why (their refusal says it;
-# memplan/check/registry.py EXCLUDED lists them)
+# the families transformers builds as causal LMs beside the encoders that memplan does not read, and why (their
+# refusal says it; memplan/check/registry.py EXCLUDED lists them)
 NOT_READ = {
-    "XmodForCausalLM": "X-MOD: per-language adapters (adapter_modules) in every layer",
-    "RoCBertForCausalLM": "RoCBERT: pronunciation and shape embeddings beside the word embeddings",
-    "XLMWithLMHeadModel": "XLM: language embeddings, sinusoidal or learned positions, an adaptive-softmax head option",
-    "ProphetNetForCausalLM": "ProphetNet's decoder: n-gram predicting streams (ngram self-attention, relative "
-                             "position buckets)",
     "GitForCausalLM": "GIT: its loss drops the first image_patch_tokens logits (197 at the defaults) as image "
                       "positions, so a text-only step with labels fails (s - 197 logits against s - 1 labels), and a "
                       "step with images runs its CLIP image encoder, which memplan does not model",
-    "BigBirdForCausalLM": "BigBird: block-sparse attention (attention_type block_sparse), whose trace specialises s, "
-                          "and a pooler (h x h + h) beside the LM head",
 }
 
 # the position limit's key and default of each (the config classes' defaults)
@@ -220,6 +334,7 @@ POSITIONS = {**{arch: ("max_position_embeddings", 512) for arch in ENCODERS},
              "BlenderbotSmallForCausalLM": ("max_position_embeddings", 512),
              "TrOCRForCausalLM": ("max_position_embeddings", 512),
              "BigBirdPegasusForCausalLM": ("max_position_embeddings", 4096),
+             "BigBirdForCausalLM": ("max_position_embeddings", 4096),
              "WhisperForCausalLM": ("max_target_positions", 448)}
 
 # what an estimate of each says beside its figures
@@ -233,8 +348,28 @@ _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a cau
                  "measured, no .grad; validation/untrained.py); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
-_SEQ2SEQ = (*_BART_LIKE, "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
+_SEQ2SEQ = (*_BART_LIKE, "BigBirdPegasusForCausalLM", "WhisperForCausalLM", "ProphetNetForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
+ENCODER_NOTES["RoCBertForCausalLM"] += ("; its pronunciation and shape tables and map_inputs_layer are counted (extra "
+                                        "tensors); the trace passes input_ids alone, so the forward looks up row 0 of "
+                                        "each table (what transformers does without pronunciation / shape ids)")
+ENCODER_NOTES["XmodForCausalLM"] += ("; its per-language adapters (one per name of languages, in every layer) are "
+                                     "counted, and the trace runs every sample through one (default_language's, or "
+                                     "the first language's where the config names none, as set_default_language "
+                                     "must before transformers runs it); a mix of languages saves the same bytes "
+                                     "(derived: each sample goes through one adapter of the same widths)")
+ENCODER_NOTES["XLMWithLMHeadModel"] += ("; its language embeddings (n_langs > 1) are counted, and added by the "
+                                        "forward only given langs (the trace passes none); with sinusoidal_embeddings "
+                                        "its position table, filled and frozen (requires_grad false), is counted with "
+                                        "the parameters and the weights, with no gradient or optimizer state (as "
+                                        "Pegasus's: validation/untrained.py)")
+ENCODER_NOTES["ProphetNetForCausalLM"] += ("; its ngram predicting streams (beside the main stream) are traced, fitted at "
+                                           "concrete s (its relative position buckets are computed for "
+                                           "max_position_embeddings and sliced to s); the ngram embeddings and each "
+                                           "layer's relative_pos_embeddings are counted (extra tensors)")
+ENCODER_NOTES["BigBirdForCausalLM"] += ("; full attention (attention_type original_full); its pooler (a dense h x h "
+                                        "with its bias and tanh on the first token, which BigBirdModel runs) is "
+                                        "counted and traced")
 ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
                                          "x h / a, requires_grad false) is counted with the parameters and the "
                                          "weights, with no gradient or optimizer state (measured: "
@@ -247,8 +382,10 @@ for _arch in ("PegasusForCausalLM", "MarianForCausalLM"):
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:
-    """A note when the file does not set is_decoder: transformers then runs the encoder's bidirectional attention."""
-    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get("is_decoder") is not True:
-        return (f"is_decoder is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
-                "encoder's attention, and it warns); a causal-LM run sets is_decoder true",)
+    """A note when the file does not set is_decoder (XLM: causal): transformers then runs the encoder's bidirectional
+    attention."""
+    key = "causal" if arch == "XLMWithLMHeadModel" else "is_decoder"
+    if arch in ENCODERS and arch not in _SEQ2SEQ and data.get(key) is not True:
+        return (f"{key} is not true in this config.json: transformers' {arch} then attends bidirectionally (an "
+                f"encoder's attention); a causal-LM run sets {key} true",)
     return ()

@@ -403,6 +403,12 @@ MOE_READ = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM", "HunY
 
 
 APPROXIMATED = {
+    "GPTNeoXJapaneseForCausalLM": "GPT-NeoX-Japanese rotates a fraction of each head (partial_rotary_factor) and "
+                                  "adds its last layer's dense_bias after the attention",
+    "CpmAntForCausalLM": "CPM-Ant adds a learned relative position bias per head and segment to its attention scores "
+                         "and prepends prompt_length prompt tokens to the sequence",
+    "ModernBertDecoderForCausalLM": "ModernBERT's decoder has no attention norm in its first layer, a LayerNorm on the "
+                                    "embeddings, a GeLU-gated MLP and a prediction head (dense, activation, norm)",
     "PhiForCausalLM": "Phi runs attention and MLP in parallel after one LayerNorm",
     "GPTJForCausalLM": "GPT-J runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",
     "CodeGenForCausalLM": "CodeGen runs attention and MLP in parallel after one LayerNorm, its MLP alone biased",

@@ -1,5 +1,6 @@
 """The config.json readers of the transformers families with their own key names (GPT-J's n_embd, MPT's d_model,
-DBRX's nested configs, OPT, BioGPT, GPT-1, ...), split from hf_families.py: ``OWN_KEYS`` gives each family's whole
+DBRX's nested configs, OPT, BioGPT, GPT-1, GPT-NeoX-Japanese, ModernBERT's decoder, CPM-Ant with tensors of their own
+in ModelSpec.extra_tensors, ...), split from hf_families.py: ``OWN_KEYS`` gives each family's whole
 spec but name, sequence and vocabulary, ``POSITIONS`` its position limit's key and default; each checked by the
 registry walk (memplan/check/registry.py) against transformers' parameter count of the model on the meta device."""
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
+from memplan.core.spec_checks import ExtraTensor
 from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, nat
 
@@ -138,10 +140,71 @@ def _ctrl(data: dict, path: Path) -> dict[str, Any]:
                 norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", True, path))
 
 
+def _gpt_neox_japanese(data: dict, path: Path) -> dict[str, Any]:
+    """GPT-NeoX-Japanese: pre-LayerNorm layers with bias, query_key_value, dense and a GeLU MLP int(h x
+    intermediate_multiple_size) wide, none biased, and the last layer's dense_bias (an h-wide parameter added after its
+    attention: an extra tensor on the last stage); rotary positions, a final LayerNorm; embed_out tied unless
+    tie_word_embeddings is false (GPTNeoXJapaneseConfig's defaults for missing keys)."""
+    h = nat(data, "hidden_size", 2560, path)
+    width = data.get("intermediate_multiple_size", 4)
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or int(h * width) <= 0:
+        raise MemplanError(f"{path}: intermediate_multiple_size: expected a positive number (got {echo(width)})")
+    return dict(num_layers=nat(data, "num_hidden_layers", 32, path), hidden_size=h,
+                num_attention_heads=nat(data, "num_attention_heads", 32, path), ffn_hidden_size=int(h * width),
+                norm="layernorm", mlp="gelu", bias=False, position_embedding="rope", norm_eps=data.get("layer_norm_eps"),
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                extra_tensors=(ExtraTensor(name="last layer's attention dense_bias", scope="last", rows=h),))
+
+
+def _modernbert_decoder(data: dict, path: Path) -> dict[str, Any]:
+    """ModernBERT's decoder (ModernBertDecoderForCausalLM): LayerNorms with a bias only with norm_bias, on the
+    embeddings, before each layer's attention but the first's (attn_norm is an identity in layer 0: those L - 1 norms
+    are extra tensors of the first stage, exact for the whole model) and MLP, and after the last layer; q / k / v / Wo
+    biased with attention_bias, a GeLU-gated MLP (Wi h -> 2 f, Wo f -> h) biased with mlp_bias; rotary positions;
+    the prediction head (lm_head: dense h x h, biased with classifier_bias, the activation, a LayerNorm) as extra
+    tensors of the last stage; the decoder tied unless tie_word_embeddings is false, biased with decoder_bias
+    (ModernBertDecoderConfig's defaults for missing keys)."""
+    h, L = nat(data, "hidden_size", 768, path), nat(data, "num_hidden_layers", 22, path)
+    norm_bias = flag(data, "norm_bias", False, path)
+    extra = [ExtraTensor(name="attention norms of the layers but the first", scope="first", rows=h,
+                         count=(L - 1) * (1 + norm_bias))] if L > 1 else []
+    extra += [ExtraTensor(name="prediction head dense weight", scope="last", rows=h, cols=h),
+              ExtraTensor(name="prediction head norm", scope="last", rows=h, count=1 + norm_bias)]
+    extra += [ExtraTensor(name="prediction head dense bias", scope="last", rows=h)] * flag(data, "classifier_bias",
+                                                                                           False, path)
+    return dict(num_layers=L, hidden_size=h, num_attention_heads=nat(data, "num_attention_heads", 12, path),
+                ffn_hidden_size=nat(data, "intermediate_size", 1152, path), norm="layernorm", norm_bias=norm_bias,
+                norms_per_layer=1, embedding_norm=True, mlp="swiglu", gate_activation="gelu", bias=False,
+                attention_bias=flag(data, "attention_bias", False, path), mlp_bias=flag(data, "mlp_bias", False, path),
+                head_bias=flag(data, "decoder_bias", True, path), position_embedding="rope",
+                norm_eps=data.get("norm_eps"), tied_embeddings=flag(data, "tie_word_embeddings", True, path),
+                extra_tensors=tuple(extra))
+
+
+def _cpmant(data: dict, path: Path) -> dict[str, Any]:
+    """CPM-Ant: pre-norm layers with weight-only RMS norms (CpmAntLayerNorm), q / k / v / attention_out a x dim_head
+    wide, a GeLU-gated MLP dim_ff wide, no biases, a final norm; segment embeddings (segment_types rows: the token
+    types') beside input_embedding, whose prompt_types x prompt_length rows after the vocabulary's and the relative
+    position bias ((segment_types^2 + position_bias_num_buckets) x a) are extra tensors of the first stage; lm_head
+    v x h, never tied (CpmAntForCausalLM ties none; CpmAntConfig's defaults for missing keys)."""
+    h, a = nat(data, "hidden_size", 4096, path), nat(data, "num_attention_heads", 32, path)
+    segments = nat(data, "segment_types", 32, path)
+    prompts = nat(data, "prompt_types", 32, path) * nat(data, "prompt_length", 32, path)
+    buckets = nat(data, "position_bias_num_buckets", 512, path)
+    return dict(num_layers=nat(data, "num_hidden_layers", 48, path), hidden_size=h, num_attention_heads=a,
+                head_dim=nat(data, "dim_head", 128, path), ffn_hidden_size=nat(data, "dim_ff", 10240, path),
+                norm="rmsnorm", mlp="swiglu", gate_activation="gelu", bias=False, position_embedding="rope",
+                token_type_rows=segments, norm_eps=data.get("eps"), tied_embeddings=False,
+                extra_tensors=(ExtraTensor(name="prompt rows of input_embedding", scope="first", rows=prompts, cols=h),
+                               ExtraTensor(name="relative position bias", scope="first",
+                                           rows=segments * segments + buckets, cols=a)))
+
+
 OWN_KEYS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "GPTJForCausalLM": _gptj, "CodeGenForCausalLM": _gptj, "MptForCausalLM": _mpt, "DbrxForCausalLM": _dbrx,
     "GPTBigCodeForCausalLM": _gpt_bigcode, "XGLMForCausalLM": _xglm, "GPTNeoForCausalLM": _gpt_neo, "BloomForCausalLM": _bloom,
-    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt,
+    "CTRLLMHeadModel": _ctrl, "OpenAIGPTLMHeadModel": _openai_gpt, "GPTNeoXJapaneseForCausalLM": _gpt_neox_japanese,
+    "ModernBertDecoderForCausalLM": _modernbert_decoder, "CpmAntForCausalLM": _cpmant,
     "OPTForCausalLM": _opt, "BioGptForCausalLM": _biogpt,
     "MPTForCausalLM": _mpt,  # MPT's Hub files name the class of their own remote code (the same layout)
 }
@@ -152,4 +215,7 @@ POSITIONS = {"GPTJForCausalLM": ("n_positions", 2048), "CodeGenForCausalLM": ("n
              "GPTBigCodeForCausalLM": ("n_positions", 1024), "XGLMForCausalLM": ("max_position_embeddings", 2048),
              "BloomForCausalLM": ("seq_length", 2048), "GPTNeoForCausalLM": ("max_position_embeddings", 2048), "CTRLLMHeadModel": ("n_positions", 256),
              "OpenAIGPTLMHeadModel": ("n_positions", 512), "OPTForCausalLM": ("max_position_embeddings", 2048),
-             "BioGptForCausalLM": ("max_position_embeddings", 1024)}
+             "BioGptForCausalLM": ("max_position_embeddings", 1024),
+             "GPTNeoXJapaneseForCausalLM": ("max_position_embeddings", 2048),
+             "ModernBertDecoderForCausalLM": ("max_position_embeddings", 8192),
+             "CpmAntForCausalLM": ("position_bias_max_distance", 2048)}  # relative positions: no table, no limit
