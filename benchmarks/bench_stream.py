@@ -39,7 +39,8 @@ def best(run, times: int = 10) -> tuple[float, object]:
 
 
 def gpt3_530b_stream():
-    """The stream `estimate --model gpt3-530b` replays (memplan/plan/estimate.py device_needs) and its capacity."""
+    """The stream of the stage that decides `estimate --model gpt3-530b` (memplan/plan/stage_verdict.py) and its
+    capacity."""
     result = estimate("gpt3-530b")
     config, reserved = result.config, result.estimate.reserved
     inventory = training_inventory(config.model, "megatron", "cuda", config.training)

@@ -1,6 +1,7 @@
 """In-process time of the caching allocator's verdict (issue 20 item 4): the 530B / 2240 GPU search with its listed
 plans replayed against the same search without the replays (target: at most 2x), the making of its listed plans'
-streams alone (`run_stream`, as memplan/plan/estimate.py makes them), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
+streams alone (`run_stream`, as memplan/plan/stage_verdict.py makes them: every pipeline stage of a listed plan, up
+to the first whose run dies), their replays alone (`replay_ops`), and `estimate --max-seq` on gpt3-530b (target:
 under 1 s), as medians of N runs, optionally beside another checkout ("before").
 
     python benchmarks/bench_verdict.py [--runs 3] [--rounds 3] [--baseline DIR] [--cpu]
@@ -59,7 +60,11 @@ def search_530b_unreplayed():
 
 captured = []  # the listed plans' streams (as replay_ops takes them) and capacities, from one search
 made = []  # the arguments each of those streams was made with
-replay_run, run_stream = estimate_module.replay_run, estimate_module.run_stream
+try:  # where the verdict makes and replays the streams: every stage (plan/stage_verdict.py) or, before, estimate.py
+    import memplan.plan.stage_verdict as verdict_module
+except ImportError:
+    verdict_module = estimate_module
+replay_run, run_stream = verdict_module.replay_run, verdict_module.run_stream
 
 
 def capture(stream, capacity, settings, try_expandable=True, **kwargs):  # kwargs: ops, where the tree takes them
@@ -72,9 +77,9 @@ def capture_made(*args, **kwargs):
     return run_stream(*args, **kwargs)
 
 
-estimate_module.replay_run, estimate_module.run_stream = capture, capture_made
+verdict_module.replay_run, verdict_module.run_stream = capture, capture_made
 search_530b()
-estimate_module.replay_run, estimate_module.run_stream = replay_run, run_stream
+verdict_module.replay_run, verdict_module.run_stream = replay_run, run_stream
 
 
 def streams():

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-import memplan.plan.estimate as estimate_module
+import memplan.plan.stage_verdict as verdict_module
 from memplan import search
 from memplan.memory.allocator import CachingAllocatorModel
 from memplan.memory.alloc_rules import KEY_SHIFT
@@ -22,17 +22,17 @@ from memplan.memory.alloc_rules import KEY_SHIFT
 
 def listed_streams() -> list:
     """(stream, ops, capacity) of each plan the search replays."""
-    out, replay_run = [], estimate_module.replay_run
+    out, replay_run = [], verdict_module.replay_run
 
     def capture(stream, capacity, settings, try_expandable=True, ops=None):
         out.append((stream, stream.ops() if ops is None else ops, capacity))
         return replay_run(stream, capacity, settings, try_expandable, ops=ops)
 
-    estimate_module.replay_run = capture
+    verdict_module.replay_run = capture
     try:
         search("gpt3-530b", gpus=2240, mem="80GB")
     finally:
-        estimate_module.replay_run = replay_run
+        verdict_module.replay_run = replay_run
     return out
 
 

@@ -193,7 +193,7 @@ def test_search_tries_cp_for_long_sequences_and_agrees_with_estimate():
     row = next(i for i in range(result.space.count) if int(result.space.take([i]).cp[0]) == 2)
     cfg = result.config(row)
     assert cfg.parallel.cp == 2
-    assert result.numbers(row)["device_bytes"] == estimate(cfg, gpu=gpu).device.flat_total
+    assert result.numbers(row)["device_bytes"] == estimate(cfg, gpu=gpu).flat_total
 
 
 # --- launch flags and bad input ----------------------------------------------------------------------------------

@@ -32,17 +32,18 @@ DENSE = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads
                   position_embedding="rope", attention="flash")  # the Llama layout (transformers too)
 
 
-def flat_device(device):
+def flat_device(est):
     """An estimate's device memory under the flat margin search uses for every plan (estimate with a budget replaces
-    the margin by the caching-allocator replay where that reserves more, issue 20; search replays its listed plans)."""
-    return int(device.flat_total)
+    the margin by the caching-allocator replay where that reserves more, issue 20; search replays its listed plans):
+    the most loaded stage's, whichever stage's replay decides (Estimate.flat_total)."""
+    return int(est.flat_total)
 
 
 def same_as_estimate(result, i, impl="megatron"):
     """Plan i of a search: its device bytes equal estimate's (the same device model), and so does the verdict."""
     config = result.config(i)
     est = estimate(config, budget_bytes=result.budget_bytes, gpu=result.gpu, impl=impl)
-    assert int(result.numbers(i)["device_bytes"]) == flat_device(est.device)
+    assert int(result.numbers(i)["device_bytes"]) == flat_device(est)
     return est
 
 
@@ -108,7 +109,7 @@ def test_estimate_with_mem_and_no_gpu_assumes_the_search_gpu():
     found = memplan.search("gemma-7b", **kw, top=5)
     r = found.result
     assert r.gpu.name == "a100-80gb" and r.gpu_assumed == est.estimate.gpu_assumed
-    assert r.candidates == 1 and int(r.numbers(0)["device_bytes"]) == flat_device(est.estimate.device)
+    assert r.candidates == 1 and int(r.numbers(0)["device_bytes"]) == flat_device(est.estimate)
 
 
 # --- --max-seq -------------------------------------------------------------------------------------
@@ -293,9 +294,9 @@ def test_random_plans_one_verdict(case, optimizer, offload, cp, gpus, per_gpu, b
         assert 0 < float(numbers["mfu"]) < 1
     config = r.config(i)
     est = estimate(config, budget_bytes=budget, gpu=gpu, impl=impl)
-    assert int(numbers["device_bytes"]) == flat_device(est.device)
+    assert int(numbers["device_bytes"]) == flat_device(est)
     for j in r.top:
-        assert flat_device(estimate(r.config(j), budget_bytes=budget, gpu=gpu, impl=impl).device) <= budget
+        assert flat_device(estimate(r.config(j), budget_bytes=budget, gpu=gpu, impl=impl)) <= budget
     event(f"searched: {impl}, {r.feasible > 0 and 'some fit' or 'none fits'}")
     if offload.get("offload_activations") or training.mst != 1:
         return

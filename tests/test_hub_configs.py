@@ -126,7 +126,7 @@ def test_no_sdpa_list_agrees_with_transformers():
              "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
              "MegatronBertForCausalLM": "megatron-bert", "MvpForCausalLM": "mvp", "TrOCRForCausalLM": "trocr",
              "BigBirdPegasusForCausalLM": "bigbird_pegasus", "RemBertForCausalLM": "rembert",
-             "RoFormerForCausalLM": "roformer"}
+             "RoFormerForCausalLM": "roformer", "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
     missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]

@@ -231,8 +231,8 @@ def test_qwen3_moe_layer_patterns_other_than_dense_first_are_refused(change, mes
 
 
 def test_other_moe_architectures_are_refused(tmp_path):
-    config = {**QWEN3_MOE, "architectures": ["FlintForCausalLM"], "model_type": "flint"}
-    with pytest.raises(MemplanError, match="FlintForCausalLM with num_experts = 8: memplan reads the experts "
+    config = {**QWEN3_MOE, "architectures": ["JetMoeForCausalLM"], "model_type": "jetmoe"}
+    with pytest.raises(MemplanError, match="JetMoeForCausalLM with num_experts = 8: memplan reads the experts "
                        "of Mixtral, Qwen3Moe, DeepseekV3"):
         _spec(config, tmp_path)
     config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_local_experts": 8}
@@ -364,7 +364,7 @@ def test_search_equals_estimate_for_moe(optimizer):
     for i in range(0, result.candidates, max(1, result.candidates // 12)):
         est = estimate(result.config(i), gpu=a100, impl="hf-sdpa")
         assert int(result.evaluated.peak_bytes[i]) == int(est.step.peak_bytes), i
-        assert int(result.evaluated.device_bytes[i]) == int(est.device.flat_total), i
+        assert int(result.evaluated.device_bytes[i]) == int(est.flat_total), i
 
 
 @pytest.mark.slow

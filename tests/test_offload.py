@@ -262,7 +262,7 @@ def test_search_host_memory_equals_estimate(llama_offload):
     for i in result.top:
         e = estimate(result.config(i), gpu=gpu)
         assert result.row(i)["memory"]["host_bytes_per_node"] == e.host_bytes_per_node > 0
-        assert result.row(i)["memory"]["device_bytes"] == e.device.flat_total
+        assert result.row(i)["memory"]["device_bytes"] == e.flat_total
 
 
 def test_search_with_activation_offload_keeps_recompute_none():

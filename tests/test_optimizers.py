@@ -444,7 +444,7 @@ def test_search_keeps_the_optimizer_and_equals_estimate(run_cli):
                 assert result.config(i).training.optimizer == optimizer  # pinned, not searched
                 est = estimate(result.config(i), gpu=gpu, impl=impl)
                 assert int(result.evaluated.peak_bytes[i]) == int(est.step.peak_bytes)
-                assert int(result.evaluated.device_bytes[i]) == int(est.device.flat_total)
+                assert int(result.evaluated.device_bytes[i]) == int(est.flat_total)
 
 
 def test_bad_optimizer_is_one_line_exit_2():

@@ -122,7 +122,7 @@ def test_every_plan_equals_estimate(gpus, gb):
     for i in range(result.candidates):
         config = result.config(i)
         est = estimate(config, gpu=A100)
-        assert int(e.device_bytes[i]) == int(est.device.flat_total)
+        assert int(e.device_bytes[i]) == int(est.flat_total)
         assert int(e.peak_bytes[i]) == int(est.step.peak_bytes)
         assert int(e.first_stage_peak_bytes[i]) == int(est.steps[0].peak_bytes)
         assert int(e.last_stage_peak_bytes[i]) == int(est.steps[-1].peak_bytes)

@@ -98,7 +98,7 @@ def test_search_of_uneven_splits_equals_estimate():
     for i in range(result.candidates):
         config = result.config(i)
         est = estimate(config, gpu=H100)
-        assert int(e.device_bytes[i]) == int(est.device.flat_total)
+        assert int(e.device_bytes[i]) == int(est.flat_total)
         assert int(e.peak_bytes[i]) == int(est.step.peak_bytes)
         assert int(e.first_stage_peak_bytes[i]) == int(est.steps[0].peak_bytes)
         assert int(e.last_stage_peak_bytes[i]) == int(est.steps[-1].peak_bytes)

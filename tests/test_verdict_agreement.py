@@ -7,6 +7,9 @@ decides (an explicit --frag-margin 0 leaves the replay alone at the margin; the 
 - `estimate --max-seq` answers a length that fits, one step longer not fitting;
 - `search --max-seq` pinned to the plan answers a multiple of 128 that `estimate` says fits, 128 longer not fitting.
 
+Every pipeline stage's run is replayed (memplan/plan/stage_verdict.py); `test_a_pp_plan_decided_by_a_stage_other_than_
+the_most_loaded` pins a plan whose verdict a stage other than the most loaded decides (tests/test_stage_verdict.py).
+
 The replay's verdict is not monotone in s (a longer sequence can pack its blocks into the segments better, as in
 PyTorch's allocator), so a longest length is a local one: it fits and the next step does not. Expected values are
 estimate's own verdicts: the property is that the three commands agree, not the verdict's size (tests/test_allocator.py
@@ -21,8 +24,8 @@ from memplan.plan.search import SEQ_STEP
 
 @st.composite
 def plans(draw):
-    tp = draw(st.sampled_from([1, 2, 4]))
-    pp = draw(st.sampled_from([1, 2]))
+    pp = draw(st.sampled_from([1, 2, 4]))  # every stage replayed (p = 4 where another one decides: the test below)
+    tp = draw(st.sampled_from([t for t in (1, 2, 4) if t * pp <= 8]))
     plan = dict(model=draw(st.sampled_from(["llama3-8b", "llama2-7b"])), gpus=8, tp=tp, pp=pp, dp=8 // (tp * pp),
                 vpp=1, sp=tp > 1, zero=draw(st.sampled_from([0, 1])), micro_batch=draw(st.sampled_from([1, 2])),
                 recompute=draw(st.sampled_from(["none", "selective", "full"])),
@@ -70,7 +73,30 @@ def test_a_listed_plan_shows_estimates_need_and_a_dead_run_leaves_the_count():
     assert est.estimate.device.replayed
     row = search("llama3-8b", all_variants=True, **plan).to_dict()["plans"][0]
     assert row["memory"]["device_bytes"] == est.device_bytes
-    bound = int(est.estimate.device.flat_total)
+    bound = int(est.estimate.flat_total)
     assert not estimate("llama3-8b", mem=bound, **plan).fits
     tight = search("llama3-8b", all_variants=True, mem=bound, **plan).result
     assert tight.top == [] and tight.feasible == 0
+
+
+def test_a_pp_plan_decided_by_a_stage_other_than_the_most_loaded():
+    # tests/test_stage_verdict.py's plan: stage 3 has the highest allocated peak and its run completes in 61.2 GB,
+    # stage 0's dies (why: its comment). estimate says the plan does not fit; a search pinned to it lists nothing
+    # and counts no plan that fits; --max-seq of estimate and of search answer a length at which every stage's run
+    # completes, one step longer not
+    plan = dict(gpus=8, tp=1, pp=4, dp=2, vpp=1, sp=False, zero=1, micro_batch=1, recompute="selective",
+                seq_len=6720, gpu="h100-80gb", first_stage_layers=8, last_stage_layers=12, frag_margin=0.0,
+                mem="61.2GB")
+    est = estimate("llama3-8b", **plan).estimate
+    assert not est.fits and est.decided == 0 != est.most_loaded
+    pinned = search("llama3-8b", all_variants=True, **plan).result
+    assert pinned.top == [] and pinned.feasible == 0
+
+    def fits_at(s):
+        return estimate("llama3-8b", **{**plan, "seq_len": s}).fits
+
+    longest = max_seq("llama3-8b", **plan)
+    assert longest is not None and fits_at(longest) and not fits_at(longest + 1)  # t = 1: any length
+    found = search("llama3-8b", all_variants=True, max_seq=True, **plan).result
+    assert found.max_seq_len % SEQ_STEP == 0 and len(found.top) == 1
+    assert fits_at(found.max_seq_len) and not fits_at(found.max_seq_len + SEQ_STEP)

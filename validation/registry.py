@@ -44,7 +44,8 @@ _SMALL = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "sliding_window": 16, "max_position_embeddings": 4096, "n_positions": 4096,
-    "d_head": 16, "rotary_dim": 8, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+    "d_head": 16, "rotary_dim": 8, "index_n_heads": 4, "index_head_dim": 32,
+    "index_topk": 16, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
     # an encoder-decoder model's (BART, Whisper, ...): its decoder run alone as the causal LM, its encoder shrunk too
     "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
     "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_vocab_size": 512,
@@ -147,6 +148,12 @@ def _shrink(data: dict) -> dict:
         for k, v in data.items():  # other per-layer lists (mlp_only_layers is a list of indices: left as is)
             if k != "layer_types" and isinstance(v, list) and n_old and len(v) == n_old and n_old > n:
                 out[k] = v[:n]
+        kinds = list(dict.fromkeys(data.get("mlp_layer_types") or []))
+        if len(set(out.get("mlp_layer_types") or [])) < len(kinds) <= n:  # the first n lost a kind (DeepSeek-V3.2's
+            # dense layers, then MoE ones): one of each kind, the last repeated (first_k_dense_replace's one dense)
+            out["mlp_layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
+        if data.get("num_experts") and set(range(n)) <= set(data.get("mlp_only_layers") or []):  # Flint's [0, 1]: no
+            out["mlp_only_layers"] = [0]  # MoE layer left in n layers; one dense layer, then MoE ones
     if "mamba_headdim" in data and "hybrid_layer_ids" in data:  # Zamba 2: the widths its config derives (a file's
         # own win over them), a Mamba-2 layer and a hybrid one (a use of the shared block, its adapters rank 8)
         out.update({k: v for k, v in _SMALL_SSM.items() if k in data and isinstance(data[k], int)},

@@ -39,7 +39,8 @@ class EstimateResult:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory of the most loaded GPU: allocated peak + allocator margin + runtime."""
+        """Device memory the plan's GPUs need: the deciding stage's allocated peak + fragmentation + runtime (the most
+        loaded stage's unless another stage's replay needs more: memplan/plan/stage_verdict.py)."""
         return int(self.estimate.device.total)
 
     @property

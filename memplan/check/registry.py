@@ -49,12 +49,6 @@ _CODEBOOKS = ("{name}'s decoder over audio codes: num_codebooks token embeddings
               "attribute 'dropout': the class takes the decoder's config)")
 
 EXCLUDED: dict[str, tuple[str, str]] = {
-    "axk1": ("estimate", "DeepSeek-V3's latent attention and experts with a post_mlp_layernorm in the MoE layers "
-                         "only: not counted"),
-    "axk2": ("estimate", "latent attention with a sparse-attention indexer (indexer.wq_b, wk, k_norm, weights_proj) "
-                         "and an MLP inside the input norm"),
-    "beam": ("estimate", "a gate on the attention output (self_attn.gate_proj, per-head gate_bias) and pre / post "
-                         "feed-forward norms: not counted"),
     "big_bird": ("estimate", NOT_READ["BigBirdForCausalLM"] + ": not read"),
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
@@ -64,8 +58,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                            "h / a)"),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
-    "deepseek_v32": ("estimate", "DeepSeek-V3.2's lightning indexer beside the latent attention (indexer.wq_b, wk, "
-                                 "k_norm with bias, weights_proj)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
     "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
@@ -77,8 +69,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
                                     "names layers past the second)"),
     "falcon_mamba": ("trace", _MAMBA1),
-    "flint": ("estimate", "attention sinks and q / k norms with Qwen2-MoE-style experts; the defaults' "
-                          "mlp_only_layers make every shrunk layer dense, so the walk cannot check the experts"),
     "gemma3n": ("estimate", "its text model is gemma3n_text's (per-layer embeddings, AltUp, LAuReL, KV sharing: not "
                             "read); its vision tower (TimmWrapperModel) needs the timm library to build"),
     "gemma3n_text": ("estimate", "Gemma 3n: per-layer embeddings, AltUp and LAuReL blocks, KV-sharing layers; its "
@@ -87,8 +77,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
                                              "keys and values (memplan estimates the target)"),
     "git": ("estimate", NOT_READ["GitForCausalLM"] + ": not read"),
-    "glm_moe_dsa": ("estimate", "GLM-5's sparse-attention indexer beside the latent attention (indexer.wq_b, wk, "
-                                "k_norm with bias, weights_proj)"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
     "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
@@ -104,11 +92,13 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),
-    "mimo_v2_flash": ("estimate", "attention sinks on the sliding-window layers only (memplan's sinks are in every "
-                                  "layer)"),
     "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
-    "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: its sparse-attention indexer (index_*) and dense / "
-                                       "shared widths are not read"),
+    "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: a block-sparse lightning indexer of its own "
+                                       "(indexer.q_proj h x H_i D_i, k_proj h x D_i, q / k norms; no query latent) in "
+                                       "the layers layer_types marks minimax_m3_sparse (none in the config class's "
+                                       "defaults: the walk's tiny model has none to check), experts "
+                                       "intermediate_size wide beside dense_intermediate_size and "
+                                       "shared_intermediate_size MLPs: not read"),
     "modernbert-decoder": ("estimate", "ModernBERT's decoder: an embedding norm, a prediction head (dense + norm) "
                                        "with a decoder bias"),
     "musicgen": ("estimate", _CODEBOOKS.format(name="MusicGen", cls="MusicgenForCausalLM", config="MusicgenConfig")),

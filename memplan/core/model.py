@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from memplan.core.hybrid import check_hybrid, layer_blocks
-from memplan.core.spec_checks import check_expert_loads, check_latent
+from memplan.core.spec_checks import check_experts, check_gate, check_latent
 from memplan.core.spec_base import Spec
 
 # The most layers a model may have: real ones have at most a few hundred; a config of 10^9 layers is a typo, and
@@ -82,6 +82,14 @@ class ModelSpec(Spec):
     full_attention_kv_heads: Optional[int] = Field(
         default=None, gt=0, description="the full-attention layers' key/value heads (default g; Gemma 4 "
         "num_global_key_value_heads)")
+    full_attention_layers: Optional[int] = Field(
+        default=None, ge=0, description="how many layers attend to all tokens where they are not every N-th "
+        "(MiMo-V2-Flash's layer_types: the first and every sixth); None: from sliding_window / sliding_window_pattern")
+    value_head_dim: Optional[int] = Field(
+        default=None, gt=0, description="d_v, the V heads' width where it is not head_dim (MiMo-V2-Flash v_head_dim): "
+        "v_proj h -> g d_v, o_proj a d_v -> h (latent attention has its own v_head_dim)")
+    sinks_sliding_only: bool = Field(
+        default=False, description="attention_sinks on the sliding-window layers only (MiMo-V2-Flash)")
     full_attention_k_eq_v: bool = Field(
         default=False, description="the full-attention layers' keys serve as their values: no V projection "
         "(Gemma 4 attention_k_eq_v)")
@@ -180,6 +188,7 @@ class ModelSpec(Spec):
         default=None, description="a learned gate on the attention output, a linear from the layer input without "
         "bias: one value per channel of the attention output (full: h x q, AFMoE self_attn.gate_proj) or per head "
         "(head: h x a)")
+    attention_gate_bias: bool = Field(default=False, description="a learned bias per head on that gate (Beam gate_bias)")
     differential_attention: bool = Field(
         default=False, description="differential attention: four learned vectors head_dim wide per layer (DiffLlama "
         "lambda_q1, lambda_k1, lambda_q2, lambda_k2)")
@@ -312,6 +321,16 @@ class ModelSpec(Spec):
         default=False, description="the MLA's latent down projections (q_a_proj / wq_a, kv_a_proj_with_mqa / wkv_a: "
         "h x (r_q + r_kv + d_r)) kept whole on every tensor-parallel rank, not split over t (torchtitan's DeepSeek-V3 "
         "sharding; --impl torchtitan sets it)")
+    mla_indexer: Optional[tuple[PositiveInt, PositiveInt]] = Field(
+        default=None, description="(H_i, D_i): a lightning indexer in every latent-attention layer (DeepSeek-V3.2, GLM-5 "
+        "index_n_heads, index_head_dim): wq_b r_q -> H_i D_i, wk h -> D_i, k_norm a LayerNorm D_i with bias, "
+        "weights_proj h -> H_i, whole on every GPU; its top-k mask is in the traced activations (--impl hf-*)")
+    mla_query_gate: bool = Field(
+        default=False, description="the query latent beside its norm's output (2 r_q) projected to the queries and a "
+        "gate on the attention output a d_v wide, in place of q_b_proj (A.X-K2 q_gate_proj)")
+    gated_norm_rank: int = Field(
+        default=0, ge=0, description="r: a low-rank sigmoid gate (h -> r -> h, no biases) after the input norm of "
+        "every layer and the post-attention norm of each MoE layer (A.X-K2 AXK2GatedRMSNorm; 0: none)")
     mtp_layers: int = Field(
         default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "
@@ -371,8 +390,10 @@ class ModelSpec(Spec):
 
     @property
     def full_layers(self) -> int:
-        """Layers attending to all tokens: every layer without sliding_window, every N-th with
-        sliding_window_pattern N, none with a window on every layer."""
+        """Layers attending to all tokens: full_attention_layers, else every layer without sliding_window, every N-th
+        with sliding_window_pattern N, none with a window on every layer."""
+        if self.full_attention_layers is not None:  # MiMo-V2-Flash: counted from its layer_types
+            return self.full_attention_layers
         if self.sliding_window is None:
             return self.num_layers
         return self.num_layers // self.sliding_window_pattern if self.sliding_window_pattern else 0
@@ -455,46 +476,7 @@ class ModelSpec(Spec):
         if self.moe_shared_gate and not self.moe_shared_ffn_hidden_size:
             raise ValueError("moe_shared_gate gates the shared experts: it needs moe_shared_ffn_hidden_size")
         check_latent(self)
-        model = self._experts()
-        check_hybrid(model)  # the layer pattern's checks (core/hybrid.py)
-        return model
-
-    def _experts(self) -> "ModelSpec":
-        """A mixture-of-experts model's fields agree: the MoE fields need num_experts, k <= E, at least one
-        MoE layer; its experts have no biases."""
-        E, k = self.num_experts, self.moe_top_k
-        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
-            raise ValueError("moe_pad_to_capacity needs moe_capacity_factor (the capacity experts are padded to)")
-        if E is None:
-            given = [name for name in ("moe_top_k", "moe_ffn_hidden_size", "moe_capacity_factor", "moe_z_loss_coeff",
-                                       "moe_router_dtype", "moe_expert_loads")
-                     if getattr(self, name) is not None]
-            given += ["moe_imbalance"] if self.moe_imbalance != 1.0 else []
-            given += [name for name in ("moe_shared_ffn_hidden_size", "moe_first_dense_layers", "moe_aux_loss_coeff",
-                                        "moe_router_pre_softmax", "moe_grouped_gemm", "moe_permute_fusion",
-                                        "moe_shared_expert_overlap") if getattr(self, name)]
-            if given:
-                raise ValueError(f"{given[0]} is a mixture-of-experts field: it needs num_experts (the routed experts)")
-            return self
-        if k is None:
-            raise ValueError(f"num_experts={E} needs moe_top_k (the routed experts each token goes through)")
-        if self.moe_expert_loads is not None:
-            check_expert_loads(self.moe_expert_loads, self.moe_imbalance, E, k)
-        if self.moe_token_dispatcher == "flex" and self.moe_pad_to_capacity:
-            raise ValueError("the flex dispatcher with DeepEP does not pad to capacity (megatron-core 0.16.1 "
-                             "TransformerConfig)")
-        if self.moe_shared_expert_overlap and not (self.moe_shared_ffn_hidden_size
-                                                   and self.moe_token_dispatcher == "alltoall"):
-            raise ValueError("moe_shared_expert_overlap needs shared experts (moe_shared_ffn_hidden_size) and the "
-                             "alltoall dispatcher (megatron-core 0.16.1 TransformerConfig)")
-        if k > E:
-            raise ValueError(f"moe_top_k={k} exceeds num_experts={E}: a token cannot go through more experts than "
-                             "there are")
-        if self.moe_first_dense_layers >= self.num_layers:
-            raise ValueError(f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer among the "
-                             f"num_layers={self.num_layers}")
-        if self.bias:
-            raise ValueError("bias: memplan models mixture-of-experts layers without biases on every linear (Mixtral, "
-                             "Qwen3-MoE); set bias: false (attention_bias and moe_bias put them where gpt-oss has "
-                             "them)")
+        check_gate(self)
+        check_experts(self)
+        check_hybrid(self)  # the layer pattern's checks (core/hybrid.py)
         return self

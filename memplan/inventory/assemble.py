@@ -126,6 +126,14 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
         raise MemplanError("a hybrid's layers (layer_pattern: Mamba-1 / Mamba-2 mixers, short convolutions, gated "
                            "DeltaNets, Kimi Delta Attention, Zamba's shared blocks) are modelled from transformers' "
                            "traced code only: use --impl hf-sdpa or hf-eager with its config.json (--hf-config)")
+    if model.mla_indexer and impl not in ("hf-sdpa", "hf-eager"):  # DeepSeek-V3.2, GLM-5 (presets/hf_families.py)
+        raise MemplanError(f"--impl {impl}: the lightning indexer beside the latent attention (mla_indexer) and the top-k "
+                           "mask it adds to the attention are modelled from transformers' traced code only: use --impl "
+                           "hf-sdpa or hf-eager with its config.json (--hf-config)")
+    if model.value_head_dim and impl not in ("hf-sdpa", "hf-eager"):  # MiMo-V2-Flash (presets/hf_latent.py)
+        raise MemplanError(f"--impl {impl}: V heads narrower than the Q / K heads (value_head_dim) are modelled from "
+                           "transformers' traced code only: use --impl hf-sdpa or hf-eager with its config.json "
+                           "(--hf-config)")
     if model.ssm_dt_rank is not None and device == "cpu":  # validation/trace_mamba1.py
         raise MemplanError("Mamba-1 mixers with --device cpu: transformers' torch path loops over s, which a symbolic "
                            "trace cannot follow; memplan models the CUDA kernels' (mamba-ssm) saved tensors only "

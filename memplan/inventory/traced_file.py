@@ -321,7 +321,8 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "falcon_mamba": "Falcon-Mamba (no attention layers: eager only)",
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
            "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)",
-           "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)"}
+           "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
+           "flint": "Flint (attention sinks)", "mimo_v2_flash": "MiMo-V2-Flash (attention sinks)"}
 
 
 def check_impl(data: object, impl: str) -> None:

@@ -189,6 +189,10 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
     if model.mlp == "swiglu" and model.gate_activation == "gelu":
         return (f"--emit megatron: {echo(model.name)}'s MLP is GeLU-gated (GeGLU, as Gemma's): Megatron-LM's --swiglu "
                 "is SiLU-gated and --quick-geglu is x * sigmoid(1.702 x), so no Megatron-LM argument builds this model")
+    if model.mla_indexer:
+        return (f"--emit megatron: {echo(model.name)} has a lightning indexer (DeepSeek sparse attention): memplan's "
+                "Megatron-LM inventories do not model megatron-core's experimental DSA (experimental_attention_variant "
+                "dsa, its indexer trained by a KL loss): no launch is given for it")
     # the layouts of transformers' other families (memplan/core/model.py): GPTModel's layer is a sequential pre-norm
     # block with every linear biased or none (--add-bias-linear), Q and K norms per head (--qk-layernorm)
     layouts = [(model.layer_layout == "parallel", "attention and MLP in parallel"),
@@ -203,7 +207,11 @@ def launch_refusal(model: ModelSpec) -> Optional[str]:
                (model.moe_bias, "biased router and experts"), (model.moe_router_bias, "a biased router"),
                (model.mlp_bias and not model.bias, "biases on the MLP's linears only"),
                (model.out_bias and not model.bias, "a bias on the attention output alone"),
-               (model.moe_shared_gate, "a gate on the shared experts"), (not model.norm_params, "norms without weights"),
+               (model.moe_shared_gate, "a gate on the shared experts"),
+               (model.moe_block_norms > 0, "norms in the MoE block"),
+               (model.mla_query_gate, "a gate on the attention output from the query latent"),
+               (model.gated_norm_rank > 0, "low-rank gates on the norms"),
+               (model.value_head_dim is not None, "V heads narrower than the Q / K heads"), (not model.norm_params, "norms without weights"),
                (not model.final_norm, "no final norm"),
                (model.position_offset > 0, "position rows beyond the sequence"),
                (model.embedding_norm, "a norm on the embeddings"),

@@ -1,13 +1,14 @@
 """The verdict at the margin: a run's allocation stream (memory/stream.py) replayed through the model of PyTorch's
 caching allocator (memory/allocator.py, rules in ../shared/reference/allocator.md) on the memory the allocator may
 take: the device's memory (the budget) less what lives outside PyTorch's pool (CUDA context, kernels, NCCL). A plan
-fits when the replay of its most loaded GPU completes; what the allocator reserved at its peak, the free bytes
-inside its segments (inactive split) and, when the run dies, the allocation it dies at, are reported.
+fits when the replay of one GPU of every pipeline stage completes (memplan/plan/stage_verdict.py); what the allocator
+reserved at its peak, the free bytes inside its segments (inactive split) and, when the run dies, the allocation it
+dies at, are reported.
 
 Derived, not measured: the stream's per-tensor order is derived from the step timeline, and the replay model has
 not been checked against a GPU's memory_stats (no GPU was lent; the harness that would record a real run's trace
-is issue 20 item 5). The replay covers one GPU of the most loaded stage (the highest allocated peak), for the
-run of a training script: model built, optimizer created, two steps.
+is issue 20 item 5). A replay covers one GPU of one stage, for the run of a training script: model built, optimizer
+created, two steps.
 """
 
 from __future__ import annotations

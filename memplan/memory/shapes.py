@@ -13,8 +13,10 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths, frozen_position_width,
-                                    gate_rows, layer_kinds, layer_vectors, output_layer_group, position_rows)
+from memplan.memory.indexer_groups import INDEXER, NORM_GATES
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths,
+                                    frozen_position_width, gate_rows, layer_kinds, layer_vectors, output_layer_group,
+                                    position_rows)
 
 
 Layout = Literal["fused", "separate"]
@@ -66,7 +68,9 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     router here (Qwen3-MoE, DeepSeek-V3; Mixtral registers its router first)."""
     P = Poly.parse
     q_kv = P("q g /a")  # K and V rows
-    qkv_rows = Poly.parse_sum("q + 2 q g /a")
+    v_rows = P(f"{model.value_head_dim} g") if model.value_head_dim else q_kv  # MiMo-V2-Flash: V heads d_v wide
+    o_cols = P(f"{model.value_head_dim} a") if model.value_head_dim else P("q")
+    qkv_rows = P("q") + q_kv + v_rows
     gated = model.mlp == "swiglu"
     f_in = P("2 f") if gated else P("f")
     norm = [WeightShape("layer norms", "norm weight", P("h"), None)]
@@ -92,7 +96,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         qk_norms = [WeightShape("attention sinks", "sinks", P("a"), None, 1, "rows")] + qk_norms
     qkv_biases = ([WeightShape("QKV biases", "QKV bias", qkv_rows, None, 1, "rows")] if layout == "fused" else
                   [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
-                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")])
+                   WeightShape("QKV biases", "K / V bias", q_kv, None, 2, "rows")] if not model.value_head_dim else
+                  [WeightShape("QKV biases", "Q bias", P("q"), None, 1, "rows"),
+                   WeightShape("QKV biases", "K bias", q_kv, None, 1, "rows"),
+                   WeightShape("QKV biases", "V bias", v_rows, None, 1, "rows")])
     if model.attention_bias and not model.bias:  # q, k, v, o_proj biases (gpt-oss, Phi-3.5-MoE)
         qk_norms = qk_norms + qkv_biases + [WeightShape("attention output projection bias", "o_proj bias", P("h"),
                                                         None)]
@@ -100,6 +107,7 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         qk_norms = qkv_biases + qk_norms
     if model.attention_output_gate:  # AFMoE, Laguna: h -> q (full) or h -> a (head)
         qk_norms = qk_norms + [WeightShape(GATE, "attention gate weight", gate_rows(model), P("h"), 1, "rows")]
+        qk_norms += [WeightShape(GATE, "attention gate bias", P("a"), None, 1, "rows")] * model.attention_gate_bias
     qk_norms = qk_norms + [WeightShape(group, name, count, None) for group, name, count in layer_vectors(model)]
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
@@ -118,15 +126,18 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     fc1_w, fc2_w = "MLP input projection weight", "MLP output projection weight"
     prefix = "dense " if model.is_moe else ""
     if model.is_mla:  # the same tensors in both layouts (Megatron-LM: linear_q_down_proj, ..., linear_proj)
-        attention = _mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+        attention = (_mla_shapes(model) + linear(proj_w, "output projection", P("h"), P("q"), "cols")
+                     + _indexer_shapes(model))
         if layout == "fused":
             attention = norm + attention + second
     elif layout == "fused":
         attention = norm + linear(qkv_w, "QKV", qkv_rows, P("h"), "rows") + linear(
-            proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms + second
+            proj_w, "output projection", P("h"), o_cols, "cols") + qk_norms + second
     else:
-        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2)
-                     + linear(proj_w, "output projection", P("h"), P("q"), "cols") + qk_norms)
+        kv = linear(qkv_w, "K / V", q_kv, P("h"), "rows", 2) if not model.value_head_dim else \
+            linear(qkv_w, "K", q_kv, P("h"), "rows") + linear(qkv_w, "V", v_rows, P("h"), "rows")
+        attention = (linear(qkv_w, "Q", P("q"), P("h"), "rows") + kv
+                     + linear(proj_w, "output projection", P("h"), o_cols, "cols") + qk_norms)
     attention = attention + sandwich
     if model.encoder_kind == "seq2seq":  # BART's decoder: encoder_attn's k, v, q, out_proj (counted, not run alone)
         attention += [WeightShape(CROSS, "cross-attention K / V / Q", P("q"), P("h"), 3, "rows"),
@@ -150,6 +161,10 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
         moe = _moe_shapes(model, layout)
         dense_layer = layer if model.moe_first_dense_layers else []
         layer = (attention + moe) if layout == "fused" else (attention + moe + norm + second)
+    if model.gated_norm_rank:  # A.X-K2: a gated norm's fc1 (r x h), fc2 (h x r); two in an MoE layer, one in a dense one
+        r = Poly.parse(str(model.gated_norm_rank))
+        gates = [WeightShape(NORM_GATES, "gated norm fc1", r, P("h")), WeightShape(NORM_GATES, "gated norm fc2", P("h"), r)]
+        layer, dense_layer = layer + gates * (1 + model.is_moe), dense_layer + gates * bool(dense_layer)
     if model.per_layer_input_size:  # Gemma 4: per_layer_input_gate (p x h), per_layer_projection (h x p), its norm
         p = Poly.parse(str(model.per_layer_input_size))
         layer = layer + [WeightShape("per-layer input gate / projection", "per_layer_input_gate", p, P("h"), 1, "rows"),
@@ -205,7 +220,10 @@ def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
     kv_b_proj)."""
     P, S = Poly.parse, Poly.parse_sum
     qkv_w, norms = "QKV projection weight", "latent norms"
-    if model.q_lora_rank:
+    if model.mla_query_gate:  # A.X-K2: q_gate_proj over [q_a_layernorm's output, q_a_proj's]
+        q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
+             WeightShape(qkv_w, "q_gate_proj", S("a dn + a dr + a dv"), P("2 rq"), 1, "rows")]
+    elif model.q_lora_rank:
         q = [WeightShape(qkv_w, "q_a_proj", P("rq"), P("h")), WeightShape(norms, "q_a_layernorm", P("rq"), None),
              WeightShape(qkv_w, "q_b_proj", S("a dn + a dr"), P("rq"), 1, "rows")]
     else:
@@ -213,6 +231,17 @@ def _mla_shapes(model: ModelSpec) -> list[WeightShape]:
     return q + [WeightShape(qkv_w, "kv_a_proj_with_mqa", S("rkv + dr"), P("h")),
                 WeightShape(norms, "kv_a_layernorm", P("rkv"), None),
                 WeightShape(qkv_w, "kv_b_proj", S("a dn + a dv"), P("rkv"), 1, "rows")]
+
+
+def _indexer_shapes(model: ModelSpec) -> list[WeightShape]:
+    """The lightning indexer's tensors (DeepseekV32Indexer, registered after o_proj), whole on every GPU."""
+    if not model.mla_indexer:
+        return []
+    n, d = (Poly.parse(str(x)) for x in model.mla_indexer)
+    return [WeightShape(INDEXER, "indexer.wq_b", n * d, Poly.parse("rq")), WeightShape(INDEXER, "indexer.wk", d,
+                                                                                      Poly.parse("h")),
+            WeightShape(INDEXER, "indexer.k_norm", d, None, 2), WeightShape(INDEXER, "indexer.weights_proj", n,
+                                                                            Poly.parse("h"))]
 
 
 def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
@@ -244,7 +273,10 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
         shared.append(WeightShape(s_out, "shared experts' MLP output", P("h"), P("fs"), 1, "cols"))
         shared += [WeightShape("shared experts' gate", "shared_expert_gate", P("h"), None)] if model.moe_shared_gate \
             else []
-    return (router + experts + shared) if layout == "fused" else (experts + router + shared)
+    norms = [WeightShape("MoE block norms", "MoE block norm " + part, P("h"), None, model.moe_block_norms)
+             for part in ("weight", "bias")[:1 + model.has_norm_bias]] if model.moe_block_norms and model.norm_params \
+        else []  # A.X-K1: mlp.post_mlp_layernorm; Gemma 4: its MoE block's three
+    return (router + experts + shared + norms) if layout == "fused" else (experts + router + shared + norms)
 
 
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,

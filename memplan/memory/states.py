@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
+from memplan.memory.indexer_groups import INDEXER, indexer_groups
 from memplan.memory.param_group import HYBRID_SCOPES, ParamGroup, number
 from memplan.core.training import TrainingSpec
 from memplan.core.symbolic import Poly
@@ -68,22 +69,26 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
     mlp_in = "2 h f" if gated else "h f"  # gated MLP: gate and up projections
     mlp = "dense" if model.moe_first_dense_layers or model.layer_pattern else "layer"
     kv_bias = "2 q g /a" if model.key_bias else "q g /a"  # Whisper: k_proj without bias
+    dv = model.value_head_dim  # MiMo-V2-Flash: V heads d_v wide, o_proj a d_v -> h
+    kv_bias, kv, out = (f"q g /a + {dv} g", f"h q g /a + {dv} h g", f"{dv} a h") if dv else (kv_bias, "2 h q g /a", "q h")
     groups = [
-        ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum("h q + 2 h q g /a"),
+        ParamGroup("QKV projection weight", mla_qkv_count(model) if model.is_mla else Poly.parse_sum(f"h q + {kv}"),
                    True, "layer", whole=Poly.parse_sum("h rq + h rkv + h dr" if model.q_lora_rank else "h rkv + h dr")
                    if model.is_mla and model.mla_down_replicated else None),
-        ParamGroup("attention output projection weight", Poly.parse("q h"), True, "layer"),
+        ParamGroup("attention output projection weight", Poly.parse(out), True, "layer"),
     ]
     if model.is_mla:
         groups.append(ParamGroup("latent norms", Poly.parse_sum("rq + rkv" if model.q_lora_rank else "rkv"), False,
                                  "layer"))
+    groups += indexer_groups(model)  # DeepSeek-V3.2's lightning indexer, A.X-K2's gated norms
     if model.qk_norm and model.norm_params:
         qk = Poly.parse_sum("q + q g /a" if model.qk_norm_width == "full" else "2 q /a")
         groups.append(ParamGroup("query / key norms", qk * (2 if model.has_norm_bias else 1), False, "layer"))
     if model.attention_sinks:
         groups.append(ParamGroup("attention sinks", Poly.parse("a"), True, "layer"))
     if model.attention_output_gate:  # AFMoE: self_attn.gate_proj; Laguna: self_attn.g_proj
-        groups.append(ParamGroup(GATE, gate_rows(model) * Poly.parse("h"), True, "layer"))
+        groups.append(ParamGroup(GATE, gate_rows(model) * Poly.parse("h") + Poly.parse("a") * model.attention_gate_bias,
+                                 True, "layer"))  # Beam: a bias per head (gate_bias)
     groups += [ParamGroup(group, count, False, "layer") for group, _, count in layer_vectors(model)]
     if model.is_moe:
         groups += [
@@ -166,8 +171,8 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
 
 
 # the attention's groups: a hybrid's "attention" blocks hold them (model_groups' names)
-_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "latent norms", "query / key norms",
-                     "attention sinks", GATE, "QKV biases", "attention output projection bias")
+_ATTENTION_GROUPS = ("QKV projection weight", "attention output projection weight", "latent norms", INDEXER,
+                     "query / key norms", "attention sinks", GATE, "QKV biases", "attention output projection bias")
 
 
 def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup]:
@@ -260,12 +265,13 @@ def _zamba_shared(model: ModelSpec) -> list[ParamGroup]:
 
 
 def attention_params(model: ModelSpec, head_dim: int, kv_heads: int, k_eq_v: bool) -> tuple[int, int]:
-    """One layer's attention parameters with heads head_dim wide and kv_heads K / V heads: (Q, output projection
-    and query norm; K, V projections and key norm), biases included (transformers Gemma4TextAttention)."""
+    """One layer's attention parameters with heads head_dim wide (V value_head_dim wide where set) and kv_heads K / V
+    heads: (Q, output projection and query norm; K, V projections and key norm), biases included (transformers
+    Gemma4TextAttention, MiMoV2FlashAttention)."""
     h, a, qk = model.hidden_size, model.num_attention_heads, int(model.qk_norm and model.norm_params)
-    bias = model.attention_bias or model.qkv_bias or model.bias
-    q = 2 * h * a * head_dim + qk * head_dim + bias * a * head_dim + (model.attention_bias or model.bias) * h
-    kv = (2 - k_eq_v) * kv_heads * head_dim * (h + bias) + qk * head_dim
+    bias, dv = model.attention_bias or model.qkv_bias or model.bias, model.value_head_dim or head_dim
+    q = h * a * (head_dim + dv) + qk * head_dim + bias * a * head_dim + (model.attention_bias or model.bias) * h
+    kv = kv_heads * (head_dim + (not k_eq_v) * dv) * (h + bias) + qk * head_dim
     return q, kv
 
 
@@ -281,9 +287,10 @@ def gemma4_groups(model: ModelSpec) -> list[ParamGroup]:
     base_q, base_kv = attention_params(model, hd, model.g, False)
     full = (model.full_attention_head_dim or hd, model.full_attention_kv_heads or model.g, model.full_attention_k_eq_v)
     full_q, full_kv = attention_params(model, *full)
-    if model.full_layers and (full_q, full_kv) != (base_q, base_kv):
-        groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)",
-                                 number(full_q + full_kv - base_q - base_kv), True, "full"))
+    delta = full_q + full_kv - base_q - base_kv - model.num_attention_heads * model.sinks_sliding_only  # MiMo: no sinks
+    if model.full_layers and delta:
+        groups.append(ParamGroup("full-attention layers' attention (beyond a sliding layer's)", number(delta), True,
+                                 "full"))
     if model.kv_shared_layers:
         mlp = (3 if model.mlp == "swiglu" else 2) * model.hidden_size * model.f * model.kv_shared_double_mlp
         for scope, kv in (("kv_shared", base_kv), ("kv_shared_full", full_kv)):
@@ -354,9 +361,10 @@ def counter(values: Mapping[str, Any]) -> Count:
 def mla_qkv_count(model: ModelSpec) -> Poly:
     """Multi-head latent attention's Q, K and V projections (transformers DeepseekV3Attention, Megatron-LM
     MLASelfAttention): Q through the r_q latent, q_a_proj h r_q + q_b_proj r_q a (d_n + d_r), or directly
-    h a (d_n + d_r); kv_a_proj_with_mqa h (r_kv + d_r); kv_b_proj r_kv a (d_n + d_v). The output projection
-    is q h with q = a d_v."""
+    h a (d_n + d_r), or with mla_query_gate q_gate_proj 2 r_q a (d_n + d_r + d_v); kv_a_proj_with_mqa h (r_kv + d_r);
+    kv_b_proj r_kv a (d_n + d_v). The output projection is q h with q = a d_v."""
     q = "h rq + a dn rq + a dr rq" if model.q_lora_rank else "a dn h + a dr h"
+    q = "h rq + 2 a dn rq + 2 a dr rq + 2 a dv rq" if model.mla_query_gate else q  # A.X-K2: q_gate_proj 2 r_q wide
     return Poly.parse_sum(q + " + h rkv + h dr + a dn rkv + a dv rkv")
 
 

@@ -5,13 +5,12 @@ specs -> inventory -> stage_memory (activations + states) -> this breakdown -> r
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config, GpuSpec
-from memplan.core.training import Recompute, TrainingSpec
+from memplan.core.training import Recompute
 from memplan.inventory.activations import layer_bytes, layer_poly
 from memplan.inventory.assemble import stream_checked, training_inventory
 from memplan.inventory.chunked_loss import note as chunk_note
@@ -33,19 +32,17 @@ from memplan.memory.dp_stack import notes as stack_notes
 from memplan.memory.offload import notes as offload_notes
 from memplan.memory.optimizers import notes as optimizer_notes
 from memplan.memory.parallel import notes as parallel_notes
-from memplan.memory.pipeline import interleaving_factor, replayed_microbatches, schedule_in_flight
+from memplan.memory.pipeline import interleaving_factor, schedule_in_flight
 from memplan.memory.pipeline_multi import is_multi, multi_note, rank_chunks
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.states import active_params, total_params
 from memplan.memory.term_bytes import PlanValues, symbol_values
-from memplan.memory.reserved import Replay, Reserved, replay_run
-from memplan.memory.stream import not_streamed
-from memplan.memory.stream_events import AllocationStream
+from memplan.memory.reserved import Replay, Reserved
 from memplan.memory.stream_lengths import StreamLengths
-from memplan.memory.stream_traced import run_stream
 from memplan.presets.catalog import shipped_trace
-from memplan.memory.device import DeviceMemory, device_memory
+from memplan.memory.device import DeviceMemory
 from memplan.memory.timeline import StepPeak, most_loaded_stage, optimizer_impl, step_events
+from memplan.plan.stage_verdict import StageVerdict, decide, not_replayed
 from memplan.timing.step import step_time
 
 
@@ -122,8 +119,8 @@ class Estimate:
     inventory: Inventory
     paper_only: bool
     stages: list[StageMemory]
-    steps: list[StepPeak]  # the step peak of one GPU of every stage (the most loaded one: its whole timeline)
-    device: DeviceMemory  # what the most loaded GPU needs: allocated peak + margin + runtime
+    steps: list[StepPeak]  # the step peak of one GPU of every stage (the most loaded and the deciding: whole timelines)
+    device: DeviceMemory  # what the deciding stage's GPU needs: allocated peak + fragmentation + runtime
     most_loaded: int
     per_layer_bytes: int
     per_layer_symbolic: str
@@ -137,7 +134,9 @@ class Estimate:
     host_budget_bytes: Optional[int] = None  # host memory per node (--host-mem)
     active_params: Optional[int] = None  # parameters one token goes through (MoE: its k experts; else total_params)
     gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
-    reserved: Optional[Reserved] = None  # the run replayed through the caching allocator (None: flat margin)
+    reserved: Optional[Reserved] = None  # the deciding stage's run, replayed by the caching allocator (None: not)
+    verdict_stage: Optional[int] = None  # the stage that decides the fit (plan/stage_verdict.py; None: the most loaded)
+    stage_verdicts: tuple[StageVerdict, ...] = ()  # every stage decided (with a budget: each one's replay)
 
     @property
     def peak(self) -> StageMemory:
@@ -148,6 +147,23 @@ class Estimate:
     def step(self) -> StepPeak:
         """The most loaded stage's step timeline and allocated peak."""
         return self.steps[self.most_loaded]
+
+    @property
+    def decided(self) -> int:
+        """The stage that decides the fit: the first whose run dies in the caching allocator's replay, else the one
+        that needs the most (the most loaded, where no replay or none reserves beyond it)."""
+        return self.most_loaded if self.verdict_stage is None else self.verdict_stage
+
+    @property
+    def decided_step(self) -> StepPeak:
+        """The deciding stage's step timeline (what `device` adds to)."""
+        return self.steps[self.decided]
+
+    @property
+    def flat_total(self) -> int:
+        """The bound `search` evaluates for every plan: the most loaded stage's allocated peak + margin + runtime
+        (DeviceMemory.flat_total; every other stage's is lower), whichever stage's replay decides."""
+        return max((v.device.flat_total for v in self.stage_verdicts), default=self.device.flat_total)
 
     @property
     def host(self) -> HostBytes:
@@ -188,11 +204,12 @@ def estimate(
 ) -> Estimate:
     """Memory per GPU for every pipeline stage of `config` run by implementation `impl`: the saved
     activations and states (with `paper_only`, only the tensors K22 counts) and the step's
-    allocated peak (always the real-code view). The stage with the highest peak is the answer; it
-    fits when peak + fragmentation + runtime is within the budget, the fragmentation being the larger of the
-    margin (the GPU preset's, or `fragmentation_margin`) and what the caching allocator reserves when that GPU's
-    run is replayed through it (`replay`: the allocator, its settings, the run's history; `device_needs`); with
-    `host_budget_bytes`, also when the host memory its offload takes per node is within that."""
+    allocated peak (always the real-code view). The stage with the highest peak is the most loaded; the plan
+    fits when every stage's peak + fragmentation + runtime is within the budget, the fragmentation being the larger
+    of the margin (the GPU preset's, or `fragmentation_margin`) and what the caching allocator reserves when the
+    stage's run is replayed through it (`replay`: the allocator, its settings, the run's history;
+    plan/stage_verdict.py `decide`, which names the stage that decides); with `host_budget_bytes`, also when the
+    host memory its offload takes per node is within that."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -233,8 +250,10 @@ def estimate(
 
     if budget_bytes is None and gpu is not None:
         budget_bytes = gpu.process_memory_bytes
-    needs, reserved = device_needs(config, inventory, plan, stages[most_loaded], steps[most_loaded], gpu,
-                                   None if paper_only else budget_bytes, fragmentation_margin, replay)
+    verdict = decide(config, inventory, plan, stages, steps, gpu, None if paper_only else budget_bytes,
+                     fragmentation_margin, replay)
+    if verdict.stage != most_loaded:  # its whole timeline too: the report shows the deciding stage's step
+        steps[verdict.stage] = step_peaks(config, inventory, plan, stages, walk=verdict.stage)[0]
     perf = None
     if gpu is not None:
         perf = step_time(config.model, config.training, gpu, plan, config.global_batch, impl=impl)
@@ -243,7 +262,7 @@ def estimate(
         notes.append(f"not replayed through the caching allocator: its allocation stream does not model {why} "
                      "yet, so the verdict takes the flat fragmentation margin alone")
     return Estimate(
-        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=needs,
+        config=config, inventory=inventory, paper_only=paper_only, stages=stages, steps=steps, device=verdict.device,
         most_loaded=most_loaded,
         per_layer_bytes=per_layer, per_layer_symbolic=poly.factored() if not poly.is_zero else "0",
         rows=rows, total_params=total_params(config.model), active_params=active_params(config.model),
@@ -251,48 +270,9 @@ def estimate(
         notes=notes,
         hosts=[host_bytes(config.model, inventory.terms, config.training, plan, s, inventory.weight_layout)
                for s in (stages if not paper_only else _full_stages(config, inventory, plan))],
-        host_budget_bytes=host_budget_bytes, reserved=reserved,
+        host_budget_bytes=host_budget_bytes, reserved=verdict.reserved, verdict_stage=verdict.stage,
+        stage_verdicts=verdict.stages,
     )
-
-
-def not_replayed(training: TrainingSpec, plan: PlanValues) -> str:
-    """What of the plan the allocation stream does not model ("" when it models all of it): memplan/memory/stream.py
-    not_streamed, and torchtitan's multi-stage schedules (a rank's chunks differ in size; a split backward)."""
-    multi = f"torchtitan's {plan.schedule} schedule" if is_multi(plan.schedule) else ""
-    return ", ".join(x for x in (not_streamed(training, plan), multi) if x)
-
-
-def device_needs(config: Config, inventory: Inventory, plan: PlanValues, stage_mem: StageMemory, step: StepPeak,
-                 gpu: Optional[GpuSpec], budget_bytes: Optional[int], fragmentation_margin: Optional[float],
-                 replay: Replay = Replay(), report: bool = True,
-                 lengths: Optional[StreamLengths] = None) -> tuple[DeviceMemory, Optional[Reserved]]:
-    """What one GPU of the stage needs: its allocated peak + the fragmentation margin (the GPU preset's, or the
-    one given) + the runtime outside PyTorch's pool. With a budget, and a plan the allocation stream models, the
-    run is also replayed through the caching allocator on the budget less the runtime (memory/reserved.py);
-    when the replay reserves more beyond the allocated peak than the margin (or dies: then what it held and
-    asked for, more than it may take), that is the fragmentation. The replay runs the stage's 1F1B schedule with
-    at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak is the same). `report`
-    False: the verdict alone (a run that dies is not replayed again with expandable segments). `lengths`: the
-    plan's streams at the other lengths a search replays (memplan/memory/stream_lengths.py), by stage."""
-    flat = device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin)
-    if budget_bytes is None or not_replayed(config.training, plan):
-        return flat, None
-    replayed_plan = dataclasses.replace(plan, microbatches=replayed_microbatches(
-        int(stage_mem.stage), int(plan.p), int(plan.m), int(plan.microbatches), plan.schedule))
-
-    def make() -> AllocationStream:
-        return run_stream(config.model, inventory, config.training, replayed_plan, stage_mem.stage, stage_mem,
-                          first_step_seq_len=replay.first_step_seq_len,
-                          workspace_bytes=gpu.workspace_bytes if gpu is not None else 0)
-
-    stream, ops = (make(), None) if lengths is None else lengths.get(stage_mem.stage, config.model.seq_length, make)
-    reserved = replay_run(stream, budget_bytes - flat.runtime_bytes, replay, try_expandable=report, ops=ops)
-    # dies: at least over the budget (the OOM event says where; what it would need is not known)
-    needed = reserved.result.reserved_peak_bytes if reserved.fits else reserved.capacity_bytes + 1
-    replayed = needed - flat.allocated_peak
-    if replayed <= flat.fragmentation_bytes:
-        return flat, reserved
-    return dataclasses.replace(flat, fragmentation_bytes=replayed, margin_bytes=flat.fragmentation_bytes), reserved
 
 
 def _full_stages(config: Config, inventory: Inventory, plan: PlanValues) -> list[StageMemory]:
@@ -317,10 +297,11 @@ def step_peaks(config: Config, inventory: Inventory, plan: Optional[PlanValues] 
 
 def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] = None, gpu: Optional[GpuSpec] = None,
                  fragmentation_margin: Optional[float] = None, budget_bytes: Optional[int] = None,
-                 replay: Replay = Replay(), lengths: Optional[StreamLengths] = None) -> int:
-    """What the most loaded GPU of `config` needs (what `estimate` decides a fit on, without its report): with a
-    budget, the caching allocator's replay in it (more than the budget when the run dies; `lengths`: as
-    `device_needs`), else the highest stage peak + margin + runtime."""
+                 replay: Replay = Replay(), lengths: Optional[StreamLengths] = None, every_stage: bool = True) -> int:
+    """What the plan's GPUs need (what `estimate` decides a fit on, without its report): with a budget, the stages'
+    runs replayed by the caching allocator in it (more than the budget when a run dies: plan/stage_verdict.py;
+    `lengths`: the plan's streams at other lengths, by stage; `every_stage` False: the most loaded stage's alone, a
+    lower bound), else the highest stage peak + margin + runtime."""
     if impl in HF_IMPLS:
         check_hf_plan(config, impl)
     check_fp8(config.training.fp8, impl, config.parallel.zero, gpu)
@@ -329,11 +310,9 @@ def device_bytes(config: Config, impl: str = "megatron", device: Optional[str] =
     plan = PlanValues.from_config(config)
     mems = [stage_memory(config.model, inventory.terms, config.training, plan, i, granularity=inventory.granularity,
                          layout=inventory.weight_layout) for i in range(config.parallel.pp)]
-    steps = step_peaks(config, inventory, plan, mems)
-    top = most_loaded_stage(steps, mems)
-    needs, _ = device_needs(config, inventory, plan, mems[top], steps[top], gpu, budget_bytes, fragmentation_margin,
-                            replay, report=False, lengths=lengths)
-    return int(needs.total)
+    verdict = decide(config, inventory, plan, mems, step_peaks(config, inventory, plan, mems), gpu, budget_bytes,
+                     fragmentation_margin, replay, report=False, lengths=lengths, every_stage=every_stage)
+    return int(verdict.device.total)
 
 
 def traced_default(config: Config, impl: str, device: str) -> ModelSpec:
@@ -369,8 +348,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
         plan_values = {"s": config.model.seq_length, "b": tr.micro_batch}
         for sym, least in inventory.traced_from:
             if plan_values[sym] < least and least > 2:  # a fitted trace (validation/trace_fit.py): its least s
-                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: the least s its saves "
-                             "were fitted from): its polynomials are used there, not checked against a run")
+                why = ("the least s its saves were fitted from" if "fitted:" in inventory.origin else "the side of a "
+                       "guard on s the trace took, e.g. an indexer's top-k of min(index_topk, s) keys")
+                notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}: {why}): its "
+                             "polynomials are used there, not checked against a run")
             elif plan_values[sym] < least:
                 notes.append(f"{sym} = {plan_values[sym]} is outside the trace ({sym} >= {least}; torch traces size 1 "
                              "apart): its sizes are used, which real CPU runs at b = 1 match within 8 bytes (the "

@@ -7,7 +7,7 @@ monotone (a longer sequence can pack its blocks into the segments better, as in 
 the answer is the first length, going down in doubling strides and then bisecting, at which the replay completes and
 one step longer it does not: a length that fits, the next step not fitting (tests/test_verdict_agreement.py), with
 six lengths spread over the 12.5 % below it fitting too (`settled`: a shorter length that dies moves the answer below
-it).
+it). `--max-seq` navigates on the most loaded stage's replay and checks every stage at the answer (`every_stage_fits`).
 """
 
 from __future__ import annotations
@@ -186,12 +186,26 @@ def max_seq_len(config: Config, budget_bytes: int, impl: str = "megatron", devic
     else equal; None when none does; at most SEQ_LIMIT (`cap_of` tells when it is the cap)."""
     lengths = StreamLengths(config.training.micro_batch)  # the plan's stream made twice, evaluated at other lengths
 
-    def needs(s: int, replayed: bool) -> int:
+    def needs(s: int, replayed: bool, every_stage: bool = True) -> int:
         return device_bytes(_with(config, model=dict(seq_length=s)), impl, device, gpu, fragmentation_margin,
-                            budget_bytes if replayed else None, replay, lengths)
+                            budget_bytes if replayed else None, replay, lengths, every_stage)
 
-    return largest_replayed(lambda s: needs(s, False), budget_bytes, lambda s: needs(s, True) <= budget_bytes,
-                            seq_step(config), SEQ_LIMIT)
+    step = seq_step(config)
+    found = largest_replayed(lambda s: needs(s, False), budget_bytes,
+                             lambda s: needs(s, True, every_stage=False) <= budget_bytes, step, SEQ_LIMIT)
+    return every_stage_fits(lambda s: needs(s, True) <= budget_bytes, found, step)
+
+
+def every_stage_fits(fits: Callable[[int], bool], found: Optional[int], step: int) -> Optional[int]:
+    """`found`, the longest length by the most loaded stage's replay (`largest_replayed`: the window settled on it,
+    one step longer dying), when every stage's run completes there too (`fits`: the verdict, plan/stage_verdict.py);
+    else the first length below it at which they do, one step longer not (`fits_below` on the verdict). One step
+    longer than `found` the most loaded stage's run dies, so the verdict does not fit there either: the answer is a
+    length that fits, one step longer not, with the replays of the other stages at one or a few lengths instead of
+    at every length the search tries (a pipeline of 35 stages replays 35 runs per length)."""
+    if found is None or fits(found):
+        return found
+    return fits_below(fits, found, step)
 
 
 def max_micro_batch(config: Config, budget_bytes: int, impl: str = "megatron", device: str = "cuda",

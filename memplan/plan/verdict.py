@@ -14,9 +14,10 @@ from memplan.core.errors import MemplanError
 from memplan.memory.reserved import Replay
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.arrange import arrange
-from memplan.plan.estimate import device_bytes, not_replayed
+from memplan.plan.estimate import device_bytes
 from memplan.plan.limits import fits_below, settled
 from memplan.plan.search import SEQ_STEP, SearchResult, mark_max_seq
+from memplan.plan.stage_verdict import not_replayed
 
 # How many more rows than asked for a listing may replay to replace the rows whose run dies (a bound on the work:
 # each replay is a run of tens of thousands of allocator events).

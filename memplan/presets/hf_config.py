@@ -18,6 +18,7 @@ from memplan.presets.hf_families import (APPROXIMATED, LLAMA_KEYED, MOE_READ, NO
 from memplan.presets.hf_encoders import ENCODER_NOTES, ENCODERS, NOT_READ, is_decoder_note, position_start
 from memplan.presets.hf_encoders import POSITIONS as ENCODER_POSITIONS
 from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
+from memplan.presets.hf_latent import LATENT_APPROXIMATED, LATENT_KEYED
 from memplan.presets.hf_multimodal import FLAT, OWN_FIELDS, TEXT_MODELS, own_notes, text_model
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
 
@@ -69,7 +70,7 @@ HF_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "traced",  # and a shared expert shared_intermediate_size wide
     "OlmoeForCausalLM": "traced",  # Mixtral-like experts, whole-width q / k norms
     # and the families memplan/presets/hf_families.py reads (the registry walk checks each)
-    **{arch: "traced" for arch in (*LLAMA_KEYED, *OWN_KEYS, *HYBRIDS, *ENCODERS, *FLAT, *OWN_FIELDS)},
+    **{arch: "traced" for arch in (*LLAMA_KEYED, *LATENT_KEYED, *OWN_KEYS, *HYBRIDS, *ENCODERS, *FLAT, *OWN_FIELDS)},
 }
 
 
@@ -109,7 +110,7 @@ _MOE_ARCHITECTURES = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCau
                       "OlmoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts"}
 
 # the architectures whose experts memplan reads: those above (_read_moe) and hf_families' own
-_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, *HYBRID_MOE, "DbrxForCausalLM")
+_READS_EXPERTS = (*_MOE_ARCHITECTURES, *MOE_READ, *HYBRID_MOE, *LATENT_KEYED, "DbrxForCausalLM")
 
 
 # model types whose attention normalises each head's queries and keys (q_norm, k_norm)
@@ -299,8 +300,8 @@ def _family(arch: str, data: dict, path: Path) -> dict[str, Any]:
     """What a family's config.json sets beyond the Llama layout's fields (transformers' defaults for missing keys):
     norms, biases, q / k norms, gated or plain MLP, tied embeddings (checked against the meta-device model by
     tests/test_hub_configs.py; hf_families.LLAMA_KEYED: the families the registry walk added)."""
-    if arch in LLAMA_KEYED or arch in OWN_FIELDS:
-        return {**LLAMA_KEYED, **OWN_FIELDS}[arch](data, path)
+    if arch in LLAMA_KEYED or arch in OWN_FIELDS or arch in LATENT_KEYED:
+        return {**LLAMA_KEYED, **OWN_FIELDS, **LATENT_KEYED}[arch](data, path)
     if arch == "GPTNeoXForCausalLM":  # GPTNeoXLayer: two LayerNorms, biased query_key_value, dense and MLP
         if not _flag(data, "attention_bias", True, path):
             raise MemplanError(f"{path}: GPT-NeoX with attention_bias false keeps its MLP biases: memplan puts a bias "
@@ -462,7 +463,7 @@ def read_hf_config(path_text: str) -> ModelPreset:
                   "modelled on the last stage for --impl megatron*, not in the parameter total; transformers' "
                   "DeepseekV3ForCausalLM builds none (--impl hf-*: not counted)",)
     notes += tuple(ENCODER_NOTES[a] for a in known[:1] if a in ENCODER_NOTES) + is_decoder_note(known[0], data)
-    approximated = {**_APPROXIMATED, **APPROXIMATED}
+    approximated = {**_APPROXIMATED, **APPROXIMATED, **LATENT_APPROXIMATED}
     if known[0] in approximated:
         notes += (f"{approximated[known[0]]}: its parameters are counted exactly; --impl megatron* approximates its "
                   "activations by a sequential pre-norm layer of the same widths (derived, not traced); --impl "

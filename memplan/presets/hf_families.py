@@ -179,6 +179,9 @@ def _dense_first(data: dict, default: int, path: Path) -> int:
     return k
 
 
+dense_first = _dense_first  # its public name, for the readers of presets/hf_latent.py
+
+
 def _routed(data: dict, experts: str, path: Path) -> dict[str, Any]:
     return dict(num_experts=nat(data, experts, None, path), moe_top_k=nat(data, "num_experts_per_tok", None, path))
 

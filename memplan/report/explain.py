@@ -281,7 +281,7 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
 
 
 def _peak(est: Estimate) -> list[Step]:
-    step, dev = est.step, est.device
+    step, dev = est.decided_step, est.device  # the stage that decides the fit (plan/stage_verdict.py)
     e = step.peak_event
     where = f"{e.phase}" + (f" of layer {e.layer}" if e.layer is not None else "") + f": {e.moment}"
     names = ("weights", "optimizer", "gradients", "saved", "transient")

@@ -111,11 +111,13 @@ def estimate_dict(est: Estimate) -> dict[str, Any]:
 
 
 def peak_dict(est: Estimate) -> dict[str, Any]:
-    """The step peak of the most loaded GPU (`peak_bytes` is what torch.cuda.max_memory_allocated
-    reports), when it happens, the timeline, and what the device needs (`device_bytes`)."""
-    step, dev = est.step, est.device
+    """The step peak of the GPU whose stage decides the fit (`verdict_stage`: the most loaded unless another
+    stage's replay dies first or reserves more; `peak_bytes` is what torch.cuda.max_memory_allocated reports), when
+    it happens, the timeline, and what the device needs (`device_bytes`)."""
+    step, dev = est.decided_step, est.device
     e = step.peak_event
     return {
+        "verdict_stage": est.decided,
         "peak_bytes": int(step.peak_bytes),
         "workspace_bytes": int(dev.workspace_bytes),
         "allocated_peak_bytes": int(dev.allocated_peak),
@@ -137,11 +139,14 @@ def peak_dict(est: Estimate) -> dict[str, Any]:
 
 
 def allocator_dict(est: Estimate) -> dict[str, Any]:
-    """The caching allocator's replay of the most loaded GPU's run (memory/reserved.py; None where not replayed:
-    no budget, or a plan the allocation stream does not model)."""
+    """The caching allocator's replay of the deciding stage's run (memory/reserved.py; None where not replayed:
+    no budget, or a plan the allocation stream does not model), and `stages_replayed`: every stage's
+    (plan/stage_verdict.py; `replayed` false: its allocated peak x 1.5 + runtime within the budget, not replayed;
+    `same_as`: the stage whose identical run stands for it)."""
     r = est.reserved
     if r is None:
-        return {"allocator": None, "reserved_peak_bytes": None, "inactive_split_bytes": None, "oom_event": None}
+        return {"allocator": None, "reserved_peak_bytes": None, "inactive_split_bytes": None, "oom_event": None,
+                "stages_replayed": []}
     res = r.result
     return {"allocator": r.allocator, "alloc_conf": r.alloc_conf, "first_step_seq_len": r.first_step_seq_len,
             "allocator_capacity_bytes": int(r.capacity_bytes),
@@ -149,7 +154,12 @@ def allocator_dict(est: Estimate) -> dict[str, Any]:
             int(res.allocated_peak_bytes), "inactive_split_bytes": int(res.inactive_split_bytes_at_reserved_peak),
             "segments": int(res.segments_at_reserved_peak), "num_alloc_retries": int(res.num_alloc_retries),
             "replayed_stage": r.stage, "replayed_events": r.events, "oom_event": r.oom_event,
-            "fragmentation_replayed": bool(est.device.replayed), "expandable_fits": r.expandable_fits}
+            "fragmentation_replayed": bool(est.device.replayed), "expandable_fits": r.expandable_fits,
+            "stages_replayed": [{"stage": v.stage, "replayed": v.reserved is not None, "same_as": v.same_as,
+                                 "dies": v.dies, "reserved_peak_bytes":
+                                 None if v.reserved is None else int(v.reserved.result.reserved_peak_bytes),
+                                 "oom_phase": v.reserved.oom_event["phase"] if v.dies else None,
+                                 "device_bytes": int(v.device.total)} for v in est.stage_verdicts]}
 
 
 def perf_dict(perf: Any) -> dict[str, Any]:

@@ -92,11 +92,12 @@ def _where(event: Any) -> str:
 
 
 def plot_estimate(est: Estimate, path: str) -> None:
-    """The most loaded GPU's step, event by event, stacked by kind (plus the cuBLAS workspace and
-    the memory outside PyTorch), against the budget; and every pipeline stage's step peak."""
+    """One GPU's step of the stage that decides the fit (the most loaded unless another stage's replay decides), event
+    by event, stacked by kind (plus the cuBLAS workspace and the memory outside PyTorch), against the budget; and
+    every pipeline stage's step peak."""
     plt = _pyplot()
     check_plot_path(path)
-    step, dev = est.step, est.device
+    step, dev = est.decided_step, est.device
     events = [e for e in step.events if e.bytes]
     peak = step.peak_event
     pp = len(est.steps)
@@ -130,8 +131,9 @@ def plot_estimate(est: Estimate, path: str) -> None:
     ax.set_xlim(0, len(events))
     ax.set_xlabel("events of one training step, in order (forward, loss, backward, optimizer)")
     ax.set_ylabel("memory (GB)")
-    ax.set_title(f"{shortened(est.config.model.name)}: one training step on one GPU of stage {est.most_loaded} "
-                 f"(the most loaded of {pp})", fontsize=10)
+    ax.set_title(f"{shortened(est.config.model.name)}: one training step on one GPU of stage {est.decided} "
+                 + (f"(the most loaded of {pp})" if est.decided == est.most_loaded else
+                    f"(of {pp}: its replay decides the fit; stage {est.most_loaded} is the most loaded)"), fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     ax.set_ylim(0, max(dev.total, est.budget_bytes or 0) / GB * 1.3)
 

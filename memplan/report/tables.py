@@ -204,10 +204,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
         margin = f"allocated peak + {fragmentation} + runtime = {format_gb(est.device.total)}"
         if head >= 0:
             console.print(f"[green]fits[/] in {format_gb(est.budget_bytes)}{where}: {margin}, {format_gb(head)} headroom "
-                          f"on stage {est.most_loaded}")
+                          f"on stage {est.decided}")
         else:
             console.print(f"[red]does not fit[/] in {format_gb(est.budget_bytes)}{where}: {margin}, over by "
-                          f"{format_gb(-head)} on stage {est.most_loaded}")
+                          f"{format_gb(-head)} on stage {est.decided}")
     else:
         console.print("no fit verdict: give --mem SIZE or --gpu NAME")
     render_replay(est, console)
@@ -215,13 +215,16 @@ def render_estimate(est: Estimate, console: Console) -> None:
 
 
 def render_replay(est: Estimate, console: Console) -> None:
-    """The caching allocator's replay of the most loaded GPU's run: what it reserved, or where the run dies."""
+    """The caching allocator's replay of the deciding stage's run: what it reserved, or where the run dies; with
+    several stages, what each stage's replay reserved."""
     r = est.reserved
     if r is None:
         return
     res = r.result
     what = (f"caching allocator ({markup(r.label)}; the run of stage {r.stage} replayed, {r.events:,} allocations and "
             "frees; derived, not measured)")
+    if len(est.stage_verdicts) > 1:
+        render_stage_replays(est, console)
     if r.fits:
         console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
                       f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
@@ -233,6 +236,40 @@ def render_replay(est: Estimate, console: Console) -> None:
                   f"{format_gb(e['allocated_bytes'])} allocated, of {format_gb(r.capacity_bytes)} it may take")
     if r.expandable_fits:
         console.print(f"with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_CONF}")
+
+
+def render_stage_replays(est: Estimate, console: Console) -> None:
+    """One line on every stage's replay (plan/stage_verdict.py): the runs that die, those that complete (their
+    reserved peaks; more than four: the range), the stages that stood on another's identical run, those not
+    replayed, and the stage that decides."""
+    runs = [v for v in est.stage_verdicts if v.reserved is not None and v.same_as is None]
+    done = [v for v in runs if not v.dies]
+    peak = {v.stage: v.reserved.result.reserved_peak_bytes for v in done}
+    parts = [f"stage {v.stage} dies in {markup(v.reserved.oom_event['phase'])}" for v in runs if v.dies]
+    if len(done) > 4:
+        low, high = min(peak, key=peak.get), max(peak, key=peak.get)
+        parts.append(f"{_stage_list(sorted(peak))} complete, reserved peaks {format_gb(peak[low])} (stage {low}) to "
+                     f"{format_gb(peak[high])} (stage {high})")
+    else:
+        parts += [f"stage {i} reserved peak {format_gb(b)}" for i, b in peak.items()]
+    parts += [f"stage {v.stage} as stage {v.same_as} (the same run)" for v in est.stage_verdicts
+              if v.same_as is not None]
+    skipped = [v.stage for v in est.stage_verdicts if v.reserved is None]
+    if skipped:
+        parts.append(f"{_stage_list(skipped)} not replayed (1.5 x allocated peak + runtime within the budget)")
+    console.print("the stages' runs (plan/stage_verdict.py): " + "; ".join(parts) + f"; stage {est.decided} decides")
+
+
+def _stage_list(stages: list[int]) -> str:
+    """"stage 4", "stages 1, 2", "stages 5-34" (runs of consecutive stages as ranges)."""
+    runs: list[list[int]] = []
+    for i in stages:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    return ("stage " if len(stages) == 1 else "stages ") + text
 
 
 def render_host(est: Estimate, console: Console) -> None:
@@ -277,11 +314,11 @@ def _where(e: Any) -> str:
 def render_peak(est: Estimate, console: Console) -> None:
     """The step's peak on the most loaded GPU: persistent and transient memory apart, what the
     device adds, and the largest moment of each phase."""
-    step, dev = est.step, est.device
+    step, dev = est.decided_step, est.device
     e = step.peak_event
     table = make_table(console, (Col("component", fold=True), Col("bytes", "right"), Col("kind")),
-                       title=f"Peak of a training step on one GPU of stage {est.most_loaded}, at {_where(e)}",
-                       short_title=f"Step peak, one GPU of stage {est.most_loaded}, at {_where(e)}")
+                       title=f"Peak of a training step on one GPU of stage {est.decided}, at {_where(e)}",
+                       short_title=f"Step peak, one GPU of stage {est.decided}, at {_where(e)}")
     # ZeRO-3 / FSDP: the shards persist, the unsharded units are in flight (the peak moment's, memory/stage.py)
     kinds = {"weights": "persistent" if est.config.parallel.zero < 3 else "shards + in flight", "optimizer": "persistent",
              "gradients": "persistent" if est.inventory.grad_lifetime == "buffer" else "step",
