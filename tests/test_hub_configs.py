@@ -90,7 +90,7 @@ def test_a_directory_given_to_hf_config_uses_its_config_json(tmp_path):
 
 def test_an_unknown_architecture_says_how_to_write_a_model_yaml_and_what_to_install(run_cli, tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"architectures": ["RwkvForCausalLM"], "model_type": "rwkv"}))
+    path.write_text(json.dumps({"architectures": ["XLNetLMHeadModel"], "model_type": "xlnet"}))  # RWKV is read since
     code, _, err = run_cli("estimate", "--hf-config", str(path))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "Model presets" in err and "pip install 'memplan[trace]'" in err and "--model" in err
@@ -126,7 +126,8 @@ def test_no_sdpa_list_agrees_with_transformers():
              "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
              "MegatronBertForCausalLM": "megatron-bert", "MvpForCausalLM": "mvp", "TrOCRForCausalLM": "trocr",
              "BigBirdPegasusForCausalLM": "bigbird_pegasus", "RemBertForCausalLM": "rembert",
-             "RoFormerForCausalLM": "roformer", "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash"}
+             "RoFormerForCausalLM": "roformer", "FlintForCausalLM": "flint", "MiMoV2FlashForCausalLM": "mimo_v2_flash",
+             "RwkvForCausalLM": "rwkv", "xLSTMForCausalLM": "xlstm"}
     # MPTForCausalLM: the Hub's spelling (MPT's own remote code), read as transformers' MptForCausalLM
     classes = {a: getattr(transformers, "MptForCausalLM" if a == "MPTForCausalLM" else a) for a in HF_ARCHITECTURES}
     missing = [a for a, cls in classes.items() if not getattr(cls, "_supports_sdpa", False)]

@@ -227,7 +227,7 @@ VALIDATION = PACKAGE.parent / "validation"
 # entry goes when the module is split.
 VALIDATION_OVER_THE_LIMIT = {
     "step.py": "split by helper i20s this session",
-    "titan.py": "501 lines: torchtitan's model, FSDP2 / TP and AC set-ups for the CPU runs in one module; to split",
+    "titan.py": "522 lines (the loader's positions passed everywhere): torchtitan's model, FSDP2 / TP and AC set-ups for the CPU runs in one module; to split",
 }
 
 

@@ -129,7 +129,7 @@ def test_hf_config_cli_terms_name_llama_tensors(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("data, fragment", [
-    ({"architectures": ["RwkvForCausalLM"]}, "architecture RwkvForCausalLM"),
+    ({"architectures": ["XLNetLMHeadModel"]}, "architecture XLNetLMHeadModel"),
     ({"architectures": ["FalconForCausalLM"]}, "missing field 'vocab_size'"),
     ({"architectures": ["Qwen2ForCausalLM"]}, "missing field"),
     # a Mixtral config is read (tests/test_moe.py) and estimated (tests/test_megatron_moe.py)

@@ -231,8 +231,8 @@ def test_qwen3_moe_layer_patterns_other_than_dense_first_are_refused(change, mes
 
 
 def test_other_moe_architectures_are_refused(tmp_path):
-    config = {**QWEN3_MOE, "architectures": ["JetMoeForCausalLM"], "model_type": "jetmoe"}
-    with pytest.raises(MemplanError, match="JetMoeForCausalLM with num_experts = 8: memplan reads the experts "
+    config = {**QWEN3_MOE, "architectures": ["LongcatFlashForCausalLM"], "model_type": "longcat_flash"}
+    with pytest.raises(MemplanError, match="LongcatFlashForCausalLM with num_experts = 8: memplan reads the experts "
                        "of Mixtral, Qwen3Moe, DeepseekV3"):
         _spec(config, tmp_path)
     config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_local_experts": 8}

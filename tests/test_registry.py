@@ -41,9 +41,11 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "cohere_compass_text"]  # Cohere 2's parallel block without q / k norms (its tiny config: rotary per kind)  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
 # the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
 # Bamba and LFM2) or gated DeltaNets (memplan/presets/hf_linear_attention.py; tests/test_linear_attention.py traces
-# Qwen3-Next) or Kimi Delta Attention beside latent attention (the same file)
+# Qwen3-Next) or Kimi Delta Attention beside latent attention (the same file), and the recurrent decoders
+# (memplan/presets/hf_recurrent.py; MiniMax: hf_linear_attention.py; tests/test_recurrent.py)
 HYBRIDS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "qwen3_next",
-           "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
+           "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
+           "recurrent_gemma", "rwkv", "minimax", "xlstm", "jetmoe", "doge", "hrm_text"]
 # the BERT-like encoders trained as causal LMs and encoder-decoder models' decoders alone
 # (memplan/presets/hf_encoders.py; tests/test_encoders.py, tests/test_seq2seq_decoders.py)
 ENCODERS = ["bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",

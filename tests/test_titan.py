@@ -78,17 +78,17 @@ def test_selective_layer_ac_measured_equals_memplan():
     measured = measure_layer_ac(SHAPE, layers, every, s, b)
     assert measured["checkpointed"] == checkpointed_layers(layers, every) == [1]
     assert measured["total"] == sum(layer_bytes(TERMS, "full" if i == 1 else "none", s, b) for i in range(layers))
-    # by hand: 2 x 2968 + 128 bytes per token (test_layer_bytes_by_hand) x s b = 6064 x 32
-    assert measured["total"] == 6064 * s * b
+    # by hand: 2 x 3032 + 128 bytes per token (test_layer_bytes_by_hand) x s b = 6192 x 32
+    assert measured["total"] == 6192 * s * b
 
 
 def test_layer_bytes_by_hand():
     # per token, h = 64, a = 4, g = 2, f = 160, d = 16:
-    # none: 2 norms x (4h + 4 + 4h + 2h) = 1288; q 2ad = 128, k 2gd = 64, v 64; out 2ad = 128, lse 4a = 16;
-    #       SwiGLU 4 x 2f = 1280: 2968
+    # none: 2 norms x (4h + 4 + 4h + 2h) = 1288; the RoPE cache rows gathered at the positions d/2 complex64 = 4d
+    #       = 64; q 2ad = 128, k 2gd = 64, v 64; out 2ad = 128, lse 4a = 16; SwiGLU 4 x 2f = 1280: 3032
     # full: input 2h = 128
     # selective-op: input 128 + wqkv 2(a + 2g)d = 256 + out 128 + lse 16 + w1 2f = 320 + w2 2h = 128: 976
-    assert [layer_bytes(TERMS, ac, 1, 1) for ac in AC_MODES] == [2968, 128, 976]
+    assert [layer_bytes(TERMS, ac, 1, 1) for ac in AC_MODES] == [3032, 128, 976]
     with pytest.raises(MemplanError):
         layer_bytes(TERMS, "budget:0.5", 1, 1)
 
@@ -170,9 +170,9 @@ def test_measured_float8_selective_op_equals_memplan(recipe):
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_measured_float8_equals_memplan_every_mode(recipe, ac):
     # none and full keep exactly the bf16 layer's tensors: torchao saves the bf16 input (float8_linear.py:40);
-    # by hand none: 2968 B per token x 48 (test_layer_bytes_by_hand), full: nothing but the input
+    # by hand none: 3032 B per token x 48 (test_layer_bytes_by_hand), full: nothing but the input
     measured = _float8_measured(recipe, ac, 24, 2)
-    assert measured["total"] == (2968 * 48 if ac == "none" else 0)
+    assert measured["total"] == (3032 * 48 if ac == "none" else 0)
 
 
 @pytest.mark.slow
@@ -218,8 +218,9 @@ def test_qwen3_block_measured_equals_memplan_term_by_term():
 
 def test_qwen3_qk_norm_terms_by_hand():
     # per token, a = 4, g = 2, d = 16: q_norm 4ad + 4a + 4ad = 256 + 16 + 256 = 528, k_norm 128 + 8 + 128 = 264:
-    # 792 over Llama 3's 2968 (tests/test_titan.py test_layer_bytes_by_hand) under AC none, nothing more otherwise
-    assert [layer_bytes(Q_TERMS, ac, 1, 1) for ac in AC_MODES] == [2968 + 792, 128, 976]
+    # 792 over Llama 3's 2968 without its RoPE rows (test_layer_bytes_by_hand), and CosSinRoPE's cos and sin gathered
+    # at the positions, fp32 2d = 8d = 128 B (Llama 3's complex d/2: 64), under AC none; nothing more otherwise
+    assert [layer_bytes(Q_TERMS, ac, 1, 1) for ac in AC_MODES] == [2968 + 792 + 128, 128, 976]
 
 
 def test_qwen3_parameters_equal_torchtitan_model():
@@ -280,3 +281,61 @@ def test_qwen3_8b_inventory_has_the_qk_norm_terms():
     assert "q_norm.x_rstd" in cpu and "q_norm.x_rstd" not in cuda
     with pytest.raises(MemplanError):
         titan_inventory(load_model("deepseek-v3").model, "cpu")
+
+
+def test_text_dataset_always_yields_positions(monkeypatch):
+    # torchtitan 0.3.0's text dataset (hf_datasets/text_datasets.py, run on an in-memory dataset with a byte
+    # tokenizer): every sample is {"input", "positions"} (int64, range within each document, restarting at a document
+    # boundary), which its Trainer's post_dataloading_process hands the model as a kwarg; torch's default collate
+    # stacks them to (b, s), the shape validation/titan.py loader_positions gives every measured block
+    from datasets import Dataset
+    from torch.utils.data import default_collate
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets import text_datasets as td
+
+    class Bytes:
+        def encode(self, text, add_bos=True, add_eos=True):
+            return [1] * add_bos + list(text.encode()) + [2] * add_eos
+
+    docs = ["abcdefghij", "klmno", "pqrstuvwxyz0123456789"]
+    monkeypatch.setitem(td.DATASETS, "memplan_tiny", DatasetConfig(
+        path="", loader=lambda _p: Dataset.from_dict({"text": docs}), sample_processor=lambda x: x["text"]))
+    samples = list(td.HuggingFaceTextDataset("memplan_tiny", None, Bytes(), seq_len=8))
+    assert len(samples) == (11 + 6 + 22) // 8 == 4
+    assert all(set(x) == {"input", "positions"} and x["positions"].dtype == torch.int64 for x, _ in samples)
+    # the first document's last 3 tokens (renumbered from 0 at a sample's start: _normalize_positions), then the
+    # second's from 0
+    assert samples[1][0]["positions"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    batch, _ = default_collate(samples[:2])
+    assert batch["positions"].shape == (2, 8)
+
+
+def test_positions_make_each_layer_keep_its_gathered_rope_rows():
+    # the same real block with and without the positions (validation/titan.py kept_storages): with them each layer's
+    # RoPE gathers its own copy of the cache rows and keeps it under AC none, 4d B per token (ComplexRoPE, d/2
+    # complex64) for Llama 3, 8d (CosSinRoPE's fp32 cos and sin) for Qwen3: memplan's rope.gathered; selective-op
+    # recomputes the gather (not in SelectiveAC's save list), full keeps only the checkpoint's inputs
+    s, b, d = 24, 2, SHAPE.h // SHAPE.a
+    for shape, terms, width in ((SHAPE, TERMS, 4 * d), (Q_SHAPE, Q_TERMS, 8 * d)):
+        for ac in ("none", "selective-op"):
+            with_pos, without = (measure_block(shape, ac, s, b, positions=p) for p in (True, False))
+            extra = Counter(with_pos["rows"]) - Counter(without["rows"])
+            if ac == "none":
+                assert [n for _, _, n in extra.elements()] == [width * s * b]
+                assert next(t for t in terms if t.id == "rope.gathered").bytes_per_token == width
+            else:
+                assert not extra and with_pos["total"] == without["total"]
+
+
+@pytest.mark.slow
+@SLOW
+def test_compiled_block_saves_the_gathered_rope_rows_too():
+    # not modelled (docs/torchtitan.md, the --compile row): with the positions the compiled block (AOTAutograd with
+    # inductor's partitioner, validation/compiled.py) saves the RoPE rows gathered at them, 4d B a token for Llama 3
+    # (the conjugated complex64 copy), 8d for Qwen3 (cos and sin, two views of one fp32 [2d] gather); without them
+    # none (the buffer is a graph input). s 24, b 3, d 16: 4 x 16 x 72 = 4608
+    from validation.compiled import titan_saved_rope_rows
+
+    assert titan_saved_rope_rows(False, False) == titan_saved_rope_rows(True, False) == []
+    assert [(dt, n) for _, dt, n in titan_saved_rope_rows(False, True)] == [("complex64", 4608)]
+    assert [(dt, n) for _, dt, n in titan_saved_rope_rows(True, True)] == [("float32", 4608)] * 2

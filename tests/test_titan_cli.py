@@ -14,14 +14,15 @@ S, B = 1024, 1  # tokens per micro-batch: s b = 1024
 H, A, G, F, D, V = 4096, 32, 8, 14336, 128, 128256  # llama3-8b
 
 # Bytes per token, from the slice's measured terms (tests/test_titan.py measures each term's per-token size on CPU
-# against torchtitan's block; the same formulas at h = 64 give its 2968 / 128 / 976):
-# none, CPU: 2 norms x (x fp32 4h + rstd 4 + x*rstd fp32 4h + out bf16 2h) = 2 x 40964 = 81928; rotated q 2ad = 8192,
-#   k 2gd = 2048, v contiguous 2048; attention out 2ad = 8192, lse 4a = 128; SwiGLU 4 x 2f = 114688: 217224
+# against torchtitan's block; the same formulas at h = 64 give its 3032 / 128 / 976):
+# none, CPU: 2 norms x (x fp32 4h + rstd 4 + x*rstd fp32 4h + out bf16 2h) = 2 x 40964 = 81928; the RoPE cache rows
+#   gathered at the dataloader's positions (d/2 complex64) 4d = 512; rotated q 2ad = 8192, k 2gd = 2048, v contiguous
+#   2048; attention out 2ad = 8192, lse 4a = 128; SwiGLU 4 x 2f = 114688: 217736
 # none, CUDA: the fused RMSNorm keeps x (2h) and rstd (4), its output (2h) stays as the matmul's input:
-#   2 x 16388 = 32776 in place of 81928: 168072 (derived)
+#   2 x 16388 = 32776 in place of 81928: 168584 (derived)
 # full: the block input 2h = 8192
 # selective-op: input 8192 + wqkv 2(a + 2g)d = 12288 + out 8192 + lse 128 + w1 2f = 28672 + w2 2h = 8192: 65664
-PER_TOKEN = {("none", "cpu"): 217224, ("none", "cuda"): 168072, ("full", "cpu"): 8192, ("full", "cuda"): 8192,
+PER_TOKEN = {("none", "cpu"): 217736, ("none", "cuda"): 168584, ("full", "cpu"): 8192, ("full", "cuda"): 8192,
              ("selective-op", "cpu"): 65664, ("selective-op", "cuda"): 65664}
 
 
@@ -122,10 +123,11 @@ def test_hsdp_needs_torchtitan():
 # parallelize_llama in tests/test_titan_tp.py), CUDA:
 # selective-op: input 2h / t = 4096, wqkv 2(a + 2g)d / t = 6144, out 2ad / t = 4096, lse 4a / t = 64, wo
 #   reduce-scattered 2h / t = 4096, w1 2f / t = 14336, w2's partial sums 2h = 8192, w2 reduce-scattered 4096: 45120
-# none: 2 norms x (x 2h / t + rstd 4 / t + the all-gathered output 2h) = 2 x 12290 = 24580; q 2ad / t = 4096, k, v
-#   2gd / t = 1024 each, out 4096, lse 64; SwiGLU 4 x 2f / t = 57344: 92228
+# none: 2 norms x (x 2h / t + rstd 4 / t + the all-gathered output 2h) = 2 x 12290 = 24580; the RoPE rows gathered
+#   at the positions 4d = 512, whole (the attention runs on the all-gathered sequence); q 2ad / t = 4096, k, v
+#   2gd / t = 1024 each, out 4096, lse 64; SwiGLU 4 x 2f / t = 57344: 92740
 # full: 4096
-TP_PER_TOKEN = {"selective-op": 45120, "none": 92228, "full": 4096}
+TP_PER_TOKEN = {"selective-op": 45120, "none": 92740, "full": 4096}
 
 
 @pytest.mark.parametrize("ac", sorted(TP_PER_TOKEN))

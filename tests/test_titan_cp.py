@@ -38,12 +38,13 @@ def test_measured_cp_layer_equals_memplan(ac, cp, s_local, b):
     memplan = _rows(titan.titan_inventory(TINY, "cpu"), cp, s_local, b, MODES[ac])
     assert Counter(n for _, _, n in measured["rows"]) == memplan
     if ac == "none":
-        # by hand: 2968 B per local token (tests/test_titan.py test_layer_bytes_by_hand) less the rank's k and v
-        # (2 g d = 64 B each) plus the whole sequence's K and V (64 B each per token of cp s_local): the two
-        # all-gathered storages measured are 64 cp s_local b each
+        # by hand: 3032 B per local token (tests/test_titan.py test_layer_bytes_by_hand; the RoPE rows gathered at
+        # the rank's own positions, CP-sharded with the tokens, among them) less the rank's k and v (2 g d = 64 B
+        # each) plus the whole sequence's K and V (64 B each per token of cp s_local): the two all-gathered storages
+        # measured are 64 cp s_local b each
         gathered = sorted(n for op, _, n in measured["rows"] if op == "flex_cp_allgather")
         assert gathered == [64 * cp * s_local * b] * 2
-        assert measured["total"] == (2968 - 128) * s_local * b + 128 * cp * s_local * b
+        assert measured["total"] == (3032 - 128) * s_local * b + 128 * cp * s_local * b
 
 
 def TINY_SHAPE():
@@ -57,12 +58,12 @@ def _est(cp, ac="none", **kw):
 
 
 def test_cp_layer_and_states_by_hand():
-    # CUDA, AC none: 168072 B per token (tests/test_titan_cli.py PER_TOKEN), of which the rank's rotated k and
+    # CUDA, AC none: 168584 B per token (tests/test_titan_cli.py PER_TOKEN), of which the rank's rotated k and
     # contiguous v are 2 x 2 g d = 4096; under cp 2 a rank holds 4096 of the 8192 tokens and keeps the whole
     # sequence's K and V (4096 B per token of all 8192)
     one, two = _est(1), _est(2)
-    assert one.per_layer_bytes == 168072 * 8192
-    assert two.per_layer_bytes == (168072 - 4096) * 4096 + 4096 * 8192
+    assert one.per_layer_bytes == 168584 * 8192
+    assert two.per_layer_bytes == (168584 - 4096) * 4096 + 4096 * 8192
     # full AC keeps only the block input, 2h = 8192 B per local token
     assert _est(2, "full").per_layer_bytes == 8192 * 4096
     # FSDP2 over dp_shard x cp = 4 x 2: the fp32 parameters and AdamW moments 12 B / 8 per parameter, as at cp 1
@@ -112,11 +113,11 @@ def test_cp_all_gather_is_timed_not_overlapped():
     assert two.cp_ep_comm_exposed_s == pytest.approx(2 * 2**30 * link_per_byte(load_gpu("h100-80gb"), 2), rel=1e-9)
 
 
-@pytest.mark.parametrize("impl,cp,per_layer", [("torchtitan", 2, 705_200_128), ("torchtitan", 1, 1_376_845_824),
+@pytest.mark.parametrize("impl,cp,per_layer", [("torchtitan", 2, 707_297_280), ("torchtitan", 1, 1_381_040_128),
                                                ("megatron", 2, None)])
 def test_explain_with_cp(impl, cp, per_layer, capsys):
     # explain binds cp (it ended in KeyError 'cp' with --cp before, Megatron-LM's included); torchtitan by hand:
-    # (168072 - 4096) x 4096 + 4096 x 8192 at cp 2 (test_cp_layer_and_states_by_hand), 168072 x 8192 at cp 1
+    # (168584 - 4096) x 4096 + 4096 x 8192 at cp 2 (test_cp_layer_and_states_by_hand), 168584 x 8192 at cp 1
     from memplan.cli import main
 
     args = ["--model", "llama3-8b", "--impl", impl, "--gpus", "8", "--cp", str(cp), "--seq-len", "8192",

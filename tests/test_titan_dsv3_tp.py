@@ -38,8 +38,11 @@ OFFSETS = {1: 4 * SHAPE.E, 2: 4 * SHAPE.E // 2}  # the grouped GEMMs' int32 offs
 # dense layer 0 and the MoE layer 1 (both ranks alike).  Attention (both layers): attention_norm's fp32 x, rstd and
 # x * rstd sequence-sharded (16 tokens), its output all-gathered (32 tokens x 2h = 4096); q_norm and kv_norm on the
 # whole sequence (wq_a / wkv_a replicated: 32 x r fp32, rstd, x * rstd, bf16 output); q, wkv_b's output, k, the
-# attention output, lse and its contiguous copy on the rank's 2 heads (/ t); the dense FFN's four / t
-NONE_ATTN = [4096, 64, 4096, 4096, 4096, 128, 4096, 2048, 3072, 6144, 128, 6144, 3072, 3584, 3072, 1536, 256, 1536]
+# attention output, lse and its contiguous copy on the rank's 2 heads (/ t); the dense FFN's four / t.  The model
+# called with the dataloader's positions, as torchtitan's Trainer calls it: the RoPE rows gathered at them, 4 d_r x all
+# 32 tokens = 1024, whole on each TP rank
+NONE_ATTN = [4096, 64, 4096, 4096, 4096, 128, 4096, 2048, 1024, 3072, 6144, 128, 6144, 3072, 3584, 3072, 1536, 256,
+             1536]
 DENSE_NONE = NONE_ATTN + [4096, 64, 4096, 4096, 3072, 3072, 3072, 3072]
 # selective-op: wq_a 2048 and wkv_a 3584 whole (matmuls 1, 3), attention out 1536 + lse 256 / t, wo's partial sums
 # whole 4096 (matmul 5) and reduce-scattered 2048, then w3 / t 3072 (7) and w2 reduce-scattered 2048
@@ -112,9 +115,11 @@ def test_tp_recorded_layer_equals_memplan_term_by_term(ep, ac, kind):
 # cp group of 2, 16 tokens of each of 2 sequences on the rank (validation/titan_dsv3_tp.py measure_dsv3_cp):
 #   PYTHONPATH=. python -m validation.titan_dsv3_tp cp none|selective-op|full
 # none: K (a (d_n + d_r) = 96 wide) and V (a d_v = 48, made contiguous) of the whole 64-token sequence all-gathered
-# (12288, 6144) in place of the rank's k and wkv_b's output; everything else the rank's 32 tokens as without CP
+# (12288, 6144) in place of the rank's k and wkv_b's output; everything else the rank's 32 tokens as without CP (the
+# RoPE rows gathered at the rank's own positions 4 d_r x 32 = 1024)
 CP_S_LOCAL = 16
-CP_ATTN = [8192, 128, 8192, 4096, 4096, 128, 4096, 2048, 6144, 6144, 128, 6144, 3072, 12288, 6144, 3072, 512, 3072]
+CP_ATTN = [8192, 128, 8192, 4096, 4096, 128, 4096, 2048, 1024, 6144, 6144, 128, 6144, 3072, 12288, 6144, 3072, 512,
+           3072]
 RECORDED_CP = {
     ("none", "dense"): CP_ATTN + [8192, 128, 8192, 4096, 6144, 6144, 6144, 6144],
     ("none", "moe"): CP_ATTN + [8192, 128, 8192, 4096, 1024, 512, 128, 64, 512, 128, 512, 8192, 64, 4096, 4096, 4096,

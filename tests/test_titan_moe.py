@@ -43,7 +43,9 @@ OFFSETS = {1: 4 * SHAPE.E, 2: 4 * SHAPE.E // 2}  # the grouped GEMMs' int32 offs
 #   gathered scores 256, route_norm 128, argsort 1024, sorted scores 256, token idx 1024, the permutation index 1024
 #   (R = s b k int64: EP only), the received copies 16384 (R h bf16), offsets 16, the experts' 4 x 8192 (R fe bf16),
 #   combine's fp32 output 32768 (s b k h fp32)
-_ATTN = [16384, 256, 16384, 8192, 4096, 16384, 1024, 16384, 8192, 512, 8192, 8192, 4096, 8192, 1024,
+# (the block called with the dataloader's positions, as torchtitan's Trainer calls it: the attention's storages
+# include CosSinRoPE's cos and sin gathered at them, fp32 8 d s b = 8192, validation/titan.py kept_storages)
+_ATTN = [16384, 256, 16384, 8192, 4096, 16384, 1024, 16384, 8192, 512, 8192, 8192, 8192, 4096, 8192, 1024,
          16384, 256, 16384, 8192]
 RECORDED_EP2 = {
     "none": _ATTN + [1024, 1024, 256, 128, 1024, 256, 1024, 1024, 16384, 16, 8192, 8192, 8192, 8192, 32768],

@@ -40,8 +40,10 @@ SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set 
 OFFSETS = {1: 4 * SHAPE.E, 2: 4 * SHAPE.E // 2}  # the grouped GEMMs' int32 offsets (not modelled)
 
 # measured per rank, bytes of each storage layer 0 keeps after its forward (the block's output and parameters apart)
-# the attention half as dense TP (tests/test_titan_tp.py) with Qwen3's q / k norms on the rank's heads
-_ATTN = [4096, 64, 4096, 4096, 1024, 4096, 256, 4096, 2048, 128, 2048, 2048, 1024, 2048, 256]
+# the attention half as dense TP (tests/test_titan_tp.py) with Qwen3's q / k norms on the rank's heads (the model
+# called with the dataloader's positions, as torchtitan's Trainer calls it: CosSinRoPE's cos and sin gathered at them,
+# 8d x all 32 tokens = 4096, whole on each TP rank)
+_ATTN = [4096, 64, 4096, 4096, 1024, 4096, 256, 4096, 2048, 128, 2048, 4096, 2048, 1024, 2048, 256]
 RECORDED = {
     # ep 1: ffn_norm's fp32 tensors sequence-sharded, its output all-gathered (4096: 32 tokens x 2h); the router and
     # the dispatcher over all 32 tokens (softmax 512, ids 512, scores 128, route_norm 64, argsort 512, sorted scores
@@ -161,11 +163,12 @@ def test_states_4_ranks_gloo(ep):
 # FlexAttention path is imported, ~25 s with it):
 #   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_moe_tp.py -k cp_gloo_free
 # none: the attention half as the dense CP row (the whole sequence's K and V all-gathered, 4096 each, in place of the
-# rank's rotated k and contiguous v), then the MoE over the rank's 32 tokens as without CP (offsets 32 apart)
+# rank's rotated k and contiguous v; the cos and sin gathered at the rank's own positions, 8d x 32 = 4096), then the
+# MoE over the rank's 32 tokens as without CP (offsets 32 apart)
 CP_S_LOCAL = 16
 RECORDED_CP = {
-    "none": [8192, 128, 8192, 4096, 8192, 512, 8192, 4096, 256, 4096, 4096, 4096, 4096, 4096, 512, 8192, 128, 8192,
-             4096, 512, 512, 128, 64, 512, 128, 512, 8192, 32, 4096, 4096, 4096, 4096, 16384],
+    "none": [8192, 128, 8192, 4096, 8192, 512, 8192, 4096, 256, 4096, 4096, 4096, 4096, 4096, 4096, 512, 8192, 128,
+             8192, 4096, 512, 512, 128, 64, 512, 128, 512, 8192, 32, 4096, 4096, 4096, 4096, 16384],
     "selective-op": [8192, 4096, 512, 256, 512],
 }
 

@@ -78,10 +78,11 @@ def test_measured_backward_peak_equals_memplan(shape, ac):
 
 
 def test_swiglu_moment_by_hand():
-    # h 64, a 4, g 2, f 160, d 16, AC none, per token: the layer keeps 2968 B (tests/test_titan.py), less the
-    # product's 2f = 320 freed; the output's gradient 2h = 128, w2's input gradient 2f = 320, silu's and w3's
-    # gradients 2 x 2f = 640: 3736 B per token; w2's weight gradient h f x 2 B = 20,480 B
-    assert memplan_moments(SHAPES[0], "none", 32, 2)["swiglu_backward"] == 3736 * 64 + 20480 == 259584
+    # h 64, a 4, g 2, f 160, d 16, AC none, per token: the layer keeps 3032 B (tests/test_titan.py; the RoPE rows
+    # gathered at the positions among them), less the product's 2f = 320 freed; the output's gradient 2h = 128, w2's
+    # input gradient 2f = 320, silu's and w3's gradients 2 x 2f = 640: 3800 B per token; w2's weight gradient h f x
+    # 2 B = 20,480 B
+    assert memplan_moments(SHAPES[0], "none", 32, 2)["swiglu_backward"] == 3800 * 64 + 20480 == 263680
 
 
 def test_llama3_8b_moments_on_cuda():
@@ -203,13 +204,15 @@ def test_moe_measured_moments_equal_memplan(at, ac):
 # the points of measured_points; "max": the backward's largest moment, under full and selective-op the recomputed
 # forward's combine (after the bf16 cast of its fp32 product: w2's output, the all-to-all's output and its autograd
 # wrapper, the fp32 product and its bf16 cast, the residual and the output's zeros alive in the recompute)
+# (the block called with the dataloader's positions, as torchtitan's Trainer calls it: CosSinRoPE's cos and sin gathered
+# at them, 8 d s b = 8,192 B, alive at every point until the attention's RoPE backward)
 RECORDED_EP2 = {
-    "none": {"moe_combine_backward": 353424, "moe_experts_backward": 279184, "ffn_norm_backward": 274304,
-             "attention_backward": 208768, "max": 353424},
-    "full": {"moe_combine_backward": 361104, "moe_experts_backward": 287376, "ffn_norm_backward": 282496,
-             "attention_backward": 216960, "moe_rerun_combine": 378352, "max": 378352},
-    "selective-op": {"moe_combine_backward": 361104, "moe_experts_backward": 287376, "ffn_norm_backward": 282496,
-                     "attention_backward": 216960, "moe_rerun_combine": 378352, "max": 378352},
+    "none": {"moe_combine_backward": 361616, "moe_experts_backward": 287376, "ffn_norm_backward": 282496,
+             "attention_backward": 216960, "max": 361616},
+    "full": {"moe_combine_backward": 369296, "moe_experts_backward": 295568, "ffn_norm_backward": 290688,
+             "attention_backward": 225152, "moe_rerun_combine": 386544, "max": 386544},
+    "selective-op": {"moe_combine_backward": 369296, "moe_experts_backward": 295568, "ffn_norm_backward": 290688,
+                     "attention_backward": 225152, "moe_rerun_combine": 386544, "max": 386544},
 }
 
 

@@ -82,9 +82,9 @@ def _memplan(mtp, ac):
 def test_recorded_mtp_layers_equal_memplan(ac):
     # each MTP layer = memplan's MTP terms (the MoE layer's terms under none whatever the AC mode, enorm / hnorm /
     # mtp_norm, eh_proj's input, the mask, the shifted ids and labels, the depth's fp32 log-softmax) + what memplan
-    # leaves out everywhere: the grouped GEMMs' int32 offsets (4 E), nll_loss's total_weight (4 B) and the RoPE cache
-    # gathered by the positions (s b d_r / 2 complex64 = 4 s b d_r), as in the decoder's own layers
-    unmodelled = 4 * SHAPE.E + 4 + 4 * S * SHAPE.dr
+    # leaves out everywhere: the grouped GEMMs' int32 offsets (4 E) and nll_loss's total_weight (4 B); the RoPE cache
+    # rows gathered at the positions (s b d_r / 2 complex64 = 4 s b d_r) are the MoE layer's rope.gathered term
+    unmodelled = 4 * SHAPE.E + 4
     got = RECORDED[ac]
     for n in (1, 2):
         assert got[n] - got[0] == _memplan(n, ac) - _memplan(0, ac) + n * unmodelled

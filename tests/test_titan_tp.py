@@ -24,10 +24,12 @@ H, A, G, F, V, T = 64, 4, 2, 160, 256, 2
 S, B = 16, 2  # the global s b = 32 tokens; each rank holds 16 of them sequence-sharded
 TERMS = llama3_layer_terms(H, A, G, F)
 
-# measured per rank (bytes of each storage layer 0 keeps after its forward, by the op that made it)
+# measured per rank (bytes of each storage layer 0 keeps after its forward, by the op that made it; the model called
+# with the dataloader's positions, as torchtitan's Trainer calls it: none keeps the RoPE rows gathered at them, 2048 =
+# 4d x the whole s b, not split over t)
 _NORM = [4096, 64, 4096, 4096]  # x fp32 (s b / t tokens), rstd, x * rstd, the all-gathered output (all s b tokens)
 RECORDED = {
-    "none": {"layer": _NORM + [1024, 2048, 1024, 2048, 256] + _NORM + [5120] * 4, "input_kept": False},
+    "none": {"layer": _NORM + [1024, 2048, 2048, 1024, 2048, 256] + _NORM + [5120] * 4, "input_kept": False},
     "full": {"layer": [], "input_kept": True},
     "selective-op": {"layer": [4096, 2048, 256, 2048, 5120, 4096, 2048], "input_kept": True},
 }
@@ -52,13 +54,14 @@ def test_recorded_layer_equals_memplan_term_by_term(ac):
 
 def test_layer_bytes_by_hand():
     # per global token on one of t = 2 ranks, h 64, a 4, g 2, f 160, d 16:
-    # none: 2 norms x ((4h + 4 + 4h) / t + the gathered output 2h) = 2 x (258 + 128) = 772; q 2ad / t = 64,
-    #       k 2gd / t = 32, v 32, out 64, lse 4a / t = 8; SwiGLU 4 x 2f / t = 640: 1612 (2968 at t = 1)
+    # none: 2 norms x ((4h + 4 + 4h) / t + the gathered output 2h) = 2 x (258 + 128) = 772; the RoPE rows gathered
+    #       at the positions 4d = 64, whole; q 2ad / t = 64, k 2gd / t = 32, v 32, out 64, lse 4a / t = 8; SwiGLU
+    #       4 x 2f / t = 640: 1676 (3032 at t = 1)
     # full: the sequence-sharded input 2h / t = 64
     # selective-op: input 64, wqkv 2(a + 2g)d / t = 128, out 64, lse 8, wo reduce-scattered 2h / t = 64, w1 2f / t
     #       = 160, w2's partial sums over the whole sequence 2h = 128, w2 reduce-scattered 64: 680
-    assert [layer_bytes(TERMS, ac, 1, 1, T) for ac in AC_MODES] == [1612, 64, 680]
-    assert [layer_bytes(TERMS, ac, 1, 1) for ac in AC_MODES] == [2968, 128, 976]  # the TP-only terms vanish at t 1
+    assert [layer_bytes(TERMS, ac, 1, 1, T) for ac in AC_MODES] == [1676, 64, 680]
+    assert [layer_bytes(TERMS, ac, 1, 1) for ac in AC_MODES] == [3032, 128, 976]  # the TP-only terms vanish at t 1
 
 
 def test_tail_loss_and_states_by_hand():

@@ -324,6 +324,30 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     return CompiledLayer(tuple(saved), s, b, after, out_bytes, eager_after)
 
 
+def titan_saved_rope_rows(qwen3: bool, positions: bool, s: int = 24, b: int = 3) -> list[tuple[str, str, int]]:
+    """torchtitan's block (validation/titan.py ``build_block``, AC none; ``qwen3``: its Qwen3 block) compiled with
+    AOTAutograd and inductor's partitioner (``_aot_backend``, static shapes), called with the dataloader's positions as
+    its Trainer calls it or without: the forward graph's saved tensors that are not graph inputs and have a complex or
+    fp32 [b, s, 1, width] shape, i.e. the RoPE rows (dtype, bytes; each a view of one gathered storage)."""
+    from .titan import Shape, build_block, loader_positions
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = build_block(Shape(qwen3=qwen3), "none").train()
+    graphs: list = []
+    compiled = torch.compile(block, backend=_aot_backend(lambda gm, _: graphs.append(gm)), dynamic=False)
+    x = torch.randn(b, s, block.attention_norm.normalized_shape[0], dtype=torch.bfloat16, requires_grad=True)
+    compiled(x * 1, None, loader_positions(b, s) if positions else None)
+    out = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
+    rows = []
+    for node in out[1:]:
+        t = getattr(node, "meta", {}).get("val")
+        if (isinstance(t, torch.Tensor) and node.op != "placeholder" and t.dim() == 4 and tuple(t.shape[:3]) == (b, s, 1)
+                and t.dtype in (torch.complex64, torch.float32)):
+            rows.append((node.name, str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()))
+    return rows
+
+
 def _allocations_by_owner(prof) -> list[tuple[int, str]]:
     """(bytes, owner) of every allocation (+) and free (-) in the profile, in time order; the owner is the innermost
     enclosing ``record_function`` region named "memplan:..." or autograd node (``evaluate_function: XBackward0``)."""

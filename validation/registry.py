@@ -69,6 +69,21 @@ _SMALL_DELTA = {"linear_num_value_heads": 4, "linear_value_head_dim": 16, "linea
 _SMALL_KDA = {"linear_num_heads": 4, "linear_head_dim": 16, "num_experts_per_token": 2, "num_expert_group": 1}
 
 
+# RecurrentGemma's shrunk sizes: the RG-LRU 96 wide (not h, so the reader must take lru_width: 4 heads of 24), a
+# 16-token attention window (the walk's s = 32 runs past it)
+_SMALL_RGLRU = {"lru_width": 96, "attention_window_size": 16}
+# RWKV's: the time mixing 96 wide (not h, so the reader must take attention_hidden_size)
+_SMALL_RWKV = {"attention_hidden_size": 96}
+# MiniMax's: the lightning attention's blocks 16 tokens (the walk's s = 32 runs two)
+_SMALL_LIGHTNING = {"block_size": 16}
+# Doge's: its dynamic mask keeps the top 16 keys (the walk's s = 32 runs past it, as sliding_window's 16)
+_SMALL_DOGE = {"keep_window_size": 16}
+# HRM's: two layers per stack (num_layers_per_stack; num_hidden_layers the slots of its cycles, 2 x H_cycles x
+# (L_cycles + 1), as HrmTextConfig writes it)
+_SMALL_HRM = {"num_layers_per_stack": 2}
+# xLSTM's: its num_blocks and embedding_dim (what xLSTMModel builds) as the shrunk layers and h
+_SMALL_MLSTM = {"num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}
+
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
 
@@ -111,6 +126,18 @@ def _shrink(data: dict) -> dict:
         out.update({k: v for k, v in _SMALL_DELTA.items() if isinstance(data.get(k), int)})
     if "linear_num_heads" in data:
         out.update({k: v for k, v in _SMALL_KDA.items() if isinstance(data.get(k), int)})
+    if "lru_width" in data:
+        out.update(_SMALL_RGLRU)
+    if "rescale_every" in data:
+        out.update(_SMALL_RWKV)
+    if "linear_attn_alpha_factor" in data:
+        out.update(_SMALL_LIGHTNING)
+    if "num_layers_per_stack" in data and "H_cycles" in data:
+        out.update(_SMALL_HRM)
+    if "keep_window_size" in data:
+        out.update(_SMALL_DOGE)
+    if "qk_dim_factor" in data:
+        out.update(_SMALL_MLSTM)
     for k, v in data.items():  # token ids inside the shrunk vocabulary (a padding id must index the embedding)
         if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and v >= _SMALL["vocab_size"]:
             out[k] = 0
@@ -131,6 +158,10 @@ def _shrink(data: dict) -> dict:
     n = _SMALL.get(layers_key, 2) if layers_key else None
     if out.get("first_k_dense_replace"):
         n = 3  # one dense layer, then two MoE layers
+    if "lru_width" in data:
+        n = 3  # RecurrentGemma: block_types' period, two recurrent layers and an attention one
+    if "num_layers_per_stack" in data and "H_cycles" in data:  # HRM: the slots of its cycles
+        n = _SMALL_HRM["num_layers_per_stack"] * data["H_cycles"] * (data["L_cycles"] + 1)
     types = data.get("layer_types")
     if isinstance(types, list) and types and n:
         kinds = list(dict.fromkeys(types))

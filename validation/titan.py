@@ -11,6 +11,11 @@ storage an op makes during the block's forward; after the forward, the ones stil
 block's output) are what the layer keeps.  The block's input (the previous layer's output) is made
 before the block and is counted by the caller: every AC mode keeps it.
 
+The block is called as torchtitan's Trainer calls it: with the dataloader's ``positions`` (``loader_positions``; its
+text datasets always yield them), so each layer's RoPE gathers its own copy of the cache rows at those positions
+(models/common/rope.py ``_reshape_for_broadcast``: ``rope_cache[positions.squeeze(0)]`` at b = 1, a ``gather`` over
+the batch otherwise), which the rotation's multiplications keep for the backward under AC none.
+
 The same code runs twice: with real tensors at given (s, b) (``measure_block``: bytes), and under
 ``FakeTensorMode`` with s and b symbolic (``trace_block``: each kept storage an exact polynomial in s, b,
 refused if the ShapeEnv pinned s or b).
@@ -147,29 +152,43 @@ class _Live(TorchDispatchMode):
         return [v for k, v in self.made.items() if not k.expired() and k not in skip]
 
 
-def kept_storages(block, x0, mask=None) -> tuple[list, torch.Tensor, bool]:
+def loader_positions(b, s) -> torch.Tensor:
+    """The ``positions`` torchtitan 0.3.0's Trainer hands every decoder layer: its text dataset yields them with every
+    sample (hf_datasets/text_datasets.py ``HuggingFaceTextDataset.__iter__``: int64, ``range`` within each document,
+    restarting at document boundaries), the DataLoader stacks them to (b, s), ``post_dataloading_process`` passes them
+    as a model kwarg (CP-sharded with the tokens), ``Decoder.forward`` to each layer's RoPE.  One document per sample
+    here: the values do not change a size."""
+    return torch.arange(s).unsqueeze(0).repeat(b, 1)
+
+
+def kept_storages(block, x0, mask=None, positions: bool = True) -> tuple[list, torch.Tensor, bool]:
     """The storages the block keeps, its output, and whether it keeps its input (made here from the leaf
     ``x0`` by an op that saves nothing, so only the block can keep it alive); ``mask``: the attention's block mask
-    (FlexAttention under context parallelism, validation/titan_cp.py)."""
+    (FlexAttention under context parallelism, validation/titan_cp.py); ``positions``: the block called with the
+    dataloader's positions for x0's (b, s) as torchtitan's Trainer always calls it (``loader_positions``; a batch
+    input, not counted), else with none (each layer's RoPE then broadcasts its own buffer's prefix)."""
+    pos = loader_positions(x0.shape[0], x0.shape[1]) if positions else None
     x = x0 * 1
     x_ref = StorageWeakRef(x.untyped_storage())
     live = _Live()
     with live:
-        out = block(x, mask, None)
+        out = block(x, mask, pos)
     del x
     params = list(block.parameters()) + list(block.buffers())
-    kept = live.alive([out, *params])
+    kept = live.alive([out, *params] + ([pos] if pos is not None else []))
     return kept, out, not x_ref.expired()
 
 
-def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0, float8: str | None = None) -> dict:
+def measure_block(shape: Shape, ac: str, s: int, b: int, seed: int = 0, float8: str | None = None,
+                  positions: bool = True) -> dict:
     """Real tensors on CPU: the storages the layer makes and keeps after its forward (``rows``: op, dtype,
     bytes; ``total`` their bytes), ``input_kept`` whether it keeps its input; the backward is run once (the
-    block works).  ``float8``: with torchao's float8 linears (``build_block``); ``float8_linears`` how many."""
+    block works).  ``float8``: with torchao's float8 linears (``build_block``); ``float8_linears`` how many;
+    ``positions``: the dataloader's positions passed, as torchtitan's Trainer does (``kept_storages``)."""
     torch.manual_seed(seed)
     block = build_block(shape, ac, float8=float8)
     x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
-    kept, out, input_kept = kept_storages(block, x)
+    kept, out, input_kept = kept_storages(block, x, positions=positions)
     rows = [(op, str(dtype).replace("torch.", ""), int(n)) for op, dtype, n in kept]
     out.float().square().mean().backward()
     linears = sum(type(m).__name__ == "Float8Linear" for m in block.modules())
@@ -197,14 +216,15 @@ def measure_layer_ac(shape: Shape, layers: int, every: int, s: int, b: int, seed
     x0 = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
     x = x0 * 1
     x_ref = StorageWeakRef(x.untyped_storage())
+    pos = loader_positions(b, s)
     live = _Live()
     with live:
         out = x
         for block in blocks:
-            out = block(out, None, None)
+            out = block(out, None, pos)
     del x
     params = [t for block in blocks for t in (*block.parameters(), *block.buffers())]
-    kept = live.alive([out, *params])
+    kept = live.alive([out, *params, pos])
     input_bytes = 0 if x_ref.expired() else 2 * shape.h * s * b
     out.float().square().mean().backward()
     return {"total": sum(int(n) for _, _, n in kept) + input_bytes, "checkpointed": checkpointed}
@@ -470,9 +490,10 @@ def tp_step(model, dims, vocab: int, s: int, b: int, backend: str = "partial_dte
     tokens = torch.randint(0, vocab, (b, s))
     with ctx():
         labels = tokens.clone()
+        extra = {"positions": loader_positions(b, s)}  # as the Trainer passes them (kept_storages)
         if backend == "spmd_types":  # the Trainer's post_dataloading_process
-            tokens, labels, _ = annotate_input_spmd_types(dims, tokens, labels, {})
-        logits = model(tokens)
+            tokens, labels, extra = annotate_input_spmd_types(dims, tokens, labels, extra)
+        logits = model(tokens, **extra)
         out["input_kept"] = not out.pop("x").expired()  # layer 0's input: the embedding's output, kept by no other op
         out["logits_local"] = tuple(local_tensor(logits).shape)
         loss_live = LiveLocal()

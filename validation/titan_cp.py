@@ -66,7 +66,8 @@ def measure_cp_block(shape: Shape, cp: int, s_local: int, b: int, ac: str = "non
     layer keeps after its forward (its input and output apart), ``total`` their bytes, ``input_kept`` whether it
     keeps its input; the backward is run once (the block works).  ``make_block``: another torchtitan block with
     FlexAttention, built and AC-wrapped by it (validation/titan_moe.py ``measure_moe_cp``: Qwen3 MoE's); ``kernel``:
-    another stand-in for FlexAttention's (``_flex_as_cpu_sdpa``)."""
+    another stand-in for FlexAttention's (``_flex_as_cpu_sdpa``).  The block gets the rank's own (b, s_local)
+    positions (``kept_storages``), as torchtitan's ``prepare_context_parallel_input`` shards them with the tokens."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.distributed.context_parallel import apply_cp_to_forward

@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from . import transients
-from .titan import AC_MODES, Shape, build_block
+from .titan import AC_MODES, Shape, build_block, loader_positions
 from .trace_poly import exact_divisions, symbolic_sizes
 
 
@@ -37,11 +37,12 @@ def _run(block, x0, live: transients.LiveStorages, sampler) -> None:
     hooks = [p.register_post_accumulate_grad_hook(partial(lambda n, p: live.grad_made(p, n), f"layers.0.{name}"))
              for name, p in block.named_parameters()]
     live.sampler = sampler
+    pos = loader_positions(x0.shape[0], x0.shape[1])  # as torchtitan's Trainer calls a layer (a batch input)
     try:
         with live:
             live.set(phase="forward", layer=None)
             x = x0 * 1
-            out = block(x, None, None)
+            out = block(x, None, pos)
             x.register_hook(lambda g: live.set(layer=None))  # the layer's backward ends with its input's gradient
             del x
             before = set(live.buckets.get(("other",), {}))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .titan import Shape, build_model
+from .titan import Shape, build_model, loader_positions
 from .titan_dsv3 import DsvShape, dsv3_model_config
 from .titan_moe import MoeShape, moe_model_config
 
@@ -143,12 +143,15 @@ def pp_rank(rank: int, world: int, shape, layers: int, vocab: int, s: int, b: in
                                          loss_fn=loss_fn)
     tokens = torch.randint(0, vocab, (b * microbatches, s))
     labels = tokens.roll(-1, 1)  # a storage of its own, as torchtitan's labels (rank 0 of a V holds both ends)
+    # the dataloader's positions, a model kwarg every stage gets (torchtitan's pp_forward_backward_step: kwarg_mbs),
+    # split into the micro-batches with the tokens
+    positions = loader_positions(b * microbatches, s)
     saved = _SavedPeak([x for part in parts for x in (*part.parameters(), *part.buffers())])
     for stage in stages:
         _track_split_backward(stage, saved)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         args = (tokens,) if 0 in ids else ()  # the V schedules: rank 0 holds the first and the last stage
-        sched.step(*args, target=labels if world * chunks - 1 in ids else None)
+        sched.step(*args, target=labels if world * chunks - 1 in ids else None, positions=positions)
     return {"modules": [split[i] for i in ids] if chunks > 1 else split[rank], "saved_peak": saved.peak,
             "saved_after": saved.live, "grads_peak": saved.grads_peak, "held_peak": saved.held_peak,
             "grads_after": saved.pending}

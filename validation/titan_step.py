@@ -8,7 +8,8 @@ for the final norm + LM head group; its AC wrappers for ``--ac full`` / ``select
 ``_AcShim``), builds the optimizer as the Trainer does (``OptimizersContainer`` from ``default_adamw()``: one AdamW
 group, lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, ``implementation="fused"``) and runs the Trainer's
 ``train_step`` body twice: ``optimizers.zero_grad(set_to_none=False)`` (its default: ``disable_cuda_graphs`` False),
-forward, ``CrossEntropyLoss`` (sum over tokens / the global count of valid tokens), ``del pred``, backward,
+forward with the dataloader's ``positions`` (torchtitan's text datasets yield them with every sample, the Trainer
+passes them to the model: each layer's RoPE gathers its cache rows at them), ``CrossEntropyLoss`` (sum over tokens / the global count of valid tokens), ``del pred``, backward,
 ``dist_utils.clip_grad_norm_(max_norm 1.0, foreach=True)``, ``optimizers.step()``.  The lr scheduler (a Python
 float) is left out.  Only the second step is measured (the AdamW states and every lazy buffer exist).
 
@@ -38,7 +39,7 @@ from functools import partial
 import torch
 
 from .step import LayerHooks, StepTracker
-from .titan import Shape, local_tensor, tp_model
+from .titan import Shape, loader_positions, local_tensor, tp_model
 
 
 # the ops at which memplan's step moments are compared (validation/titan_step.py ``compare``): the loss's forward and
@@ -216,20 +217,24 @@ def step_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     blocks = list(model.layers.values())
     torch.manual_seed(1 + rank)
-    # the loader's batches: torchtitan's dataset slices each sample into input and label, its DataLoader stacks them
-    batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in torch.randint(0, vocab, (2, b, s + 1))]
+    # the loader's batches: torchtitan's dataset slices each sample into input and label and yields its positions
+    # with them (validation/titan.py loader_positions), its DataLoader stacks them
+    batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous(), loader_positions(b, s))
+               for d in torch.randint(0, vocab, (2, b, s + 1))]
 
     def train_step(tracker):
         label = tracker.set if tracker is not None else (lambda **kw: None)
         label(phase="forward", layer=None, microbatch=0)
         optimizers.zero_grad(set_to_none=False)
-        inputs, labels = batches.pop(0)
+        inputs, labels, positions = batches.pop(0)
         if tracker is not None:
-            tracker.follow((inputs, labels), "batch")
+            tracker.follow((inputs, labels, positions), "batch")
         global_valid_tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), dims.get_mesh("batch"))
-        pred = model(inputs)
+        # the Trainer's _forward_backward_body: the positions a model kwarg (post_dataloading_process: no attention
+        # masks for the sdpa inner module), handed to the loss too (CrossEntropyLoss drops them)
+        pred = model(inputs, positions=positions)
         label(phase="loss", layer=None)
-        loss, _ = loss_fn(pred, labels, global_valid_tokens)
+        loss, _ = loss_fn(pred, labels, global_valid_tokens, positions=positions)
         del pred
         label(phase="backward", layer=None)
         loss.backward()

@@ -49,10 +49,11 @@ The trace is refused (``TraceRefused``) when it is not valid for every s and b:
 * a size that is not a polynomial in s and b, or a forward that depends on tensor values
   (data-dependent control flow or sizes).
 
-Two kinds of code pin s whatever the tracer does, and are traced at concrete (s, b) instead, their saves fitted as
+Three kinds of code pin s whatever the tracer does, and are traced at concrete (s, b) instead, their saves fitted as
 polynomials and checked at a held-out (s, b) (validation/trace_fit.py ``fit_step``): the gated delta rule's Python loop
-over the chunks of s (Qwen3-Next, Qwen3.5, OLMo-hybrid: s a multiple of 64) and a buffer sliced to s (GPT-Neo, GPT-1,
-MPT); such a trace has no backward moments, and its conditions say it was fitted.
+over the chunks of s (Qwen3-Next, Qwen3.5, OLMo-hybrid: s a multiple of 64), a buffer sliced to s (GPT-Neo, GPT-1,
+MPT) and a recurrence's loop over the tokens (RecurrentGemma's RG-LRU, past its attention window); such a trace has no
+backward moments, and its conditions say it was fitted.
 
 Range guards (``s >= 4096``: a sliding window that only masks when the sequence is longer than
 the window) do not pin s; they are kept in the result's ``conditions`` with the symbols' ranges
@@ -153,7 +154,8 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     cfg = load_config(config)
     mamba1_.check(cfg, kernels)  # Mamba-1 mixers: CUDA's kernels stood in (validation/trace_mamba1.py)
     # a gated DeltaNet's loop over the chunks of s, a buffer sliced to s: saves fitted (trace_fit.py)
-    fit_chunk, fit_multiple = fit_step(cfg)
+    fit = fit_step(cfg)
+    fit_chunk = fit.step
     moments = moments and fit_chunk == 1
     # the key before transformers' config classes normalise the dict in place (a rope_scaling dict gains keys):
     # the key memplan looks a config.json up by (memplan/inventory/traced_file.py config_sha256)
@@ -163,7 +165,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
     holder: dict = {}
 
     def build():
-        model = build_model(cfg, impl, dtype, experts)
+        model = build_model({**cfg, **(fit.overrides or {})}, impl, dtype, experts)
         n = num_hidden_layers(model)
         holder.update(layers=n, path=decoder_layers_path(model, n))
         holder["index"], holder["kinds"] = (compose_.reduce(model, holder["path"], n) if compose
@@ -209,7 +211,7 @@ def trace_hf_config(config: dict | str | Path, impl: str = "hf-sdpa", kernels: s
         with mode:
             built = build()
         runs = [fitted_run(built, mode, forward_loss, make_inputs, fit_chunk, python_dispatcher, kernels, sdpa,
-                           fit_multiple)]
+                           fit.multiple, fit.start, fit.why, fit.least)]
     else:
         runs = [run(checkpoint) for checkpoint in ((False, True) if moments else (False,))]
     model, storages = runs[0]["model"], runs[0]["storages"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import sympy
 import torch
@@ -37,18 +37,57 @@ HELD_OUT = (5, 4)
 # the families whose code slices a buffer max_position_embeddings wide to s (GPT-Neo's and GPT-1's causal mask, MPT's
 # ALiBi bias from max(0, max_seq_len - s)): a symbolic s cannot index it; fitted at s in steps of 16, any s
 SLICED = ("gpt_neo", "openai-gpt", "mpt")
+# the families whose torch path loops over s one token at a time in Python (RecurrentGemma's RG-LRU, _rnn_scan; RWKV's
+# rwkv_linear_attention_cpu): fitted at s in steps of 4, any s
+SCANNED = ("recurrent_gemma", "rwkv")
 
 
-def fit_step(config: dict) -> tuple[int, bool]:
-    """How a config's saves are fitted: (the step of s, whether s must be a multiple of it); (1, False): traced
-    symbolically. A gated DeltaNet (``linear_num_value_heads``, in the config or its text_config) or Kimi Delta
-    Attention (``linear_num_heads``: Kimi Linear, Bailing-hybrid; chunk_kimi_delta_attention): the chunk its torch path
-    pads s to and loops over (64, its default: no caller passes another); SLICED: steps of 16, any s."""
+class Fit(NamedTuple):
+    """How a config's saves are fitted: s in steps of ``step`` (1: traced symbolically), a multiple of it or not, from
+    ``start`` on (the points are start + 2, 3, 4 steps; the held-out start + 5 steps), and why (the trace's
+    conditions say it); ``overrides``: config fields the traced model is built with instead of the file's, and
+    ``least`` the least s the fit then holds for (0: its least point), both said in the conditions."""
+    step: int
+    multiple: bool
+    start: int = 0
+    why: str = ""
+    overrides: Optional[dict] = None
+    least: int = 0
+
+
+# the attention window a SCANNED family's model is traced with (its loop over s costs a few ms of CPU per token and
+# layer: past a 2048-token window, a full-size trace would run for half an hour)
+TRACED_WINDOW = 16
+
+
+def fit_step(config: dict) -> Fit:
+    """How a config's saves are fitted (``Fit``; step 1: traced symbolically). A gated DeltaNet
+    (``linear_num_value_heads``, in the config or its text_config) or Kimi Delta Attention (``linear_num_heads``: Kimi
+    Linear, Bailing-hybrid; chunk_kimi_delta_attention): the chunk its torch path pads s to and loops over (64, its
+    default: no caller passes another); MiniMax's lightning attention: its block_size, s a multiple of it (a last
+    block shorter saves less than a polynomial in s says); SLICED: steps of 16, any s; SCANNED: steps of 4, any s, from
+    the attention window on (RecurrentGemma's local attention builds its sliding-window mask only for s past the
+    window: the points are past it, where a training run's s is, so the mask's s^2 b is in the fit). A window wider
+    than TRACED_WINDOW is traced at TRACED_WINDOW: past the window, transformers' sliding-window mask is b x s x s
+    whatever its width, and nothing else of the model depends on it (tests/test_recurrent.py: a 64-token window's
+    model traced at 16 equals its real CPU run); the fit then holds from the file's window on."""
     text = config.get("text_config")
     if any(key in config or isinstance(text, dict) and key in text
            for key in ("linear_num_value_heads", "linear_num_heads")):
-        return 64, True
-    return (16, False) if config.get("model_type") in SLICED else (1, False)
+        return Fit(64, True, 0, "the chunked loop over s runs in Python")
+    if config.get("model_type") == "minimax":  # the lightning attention's loop over blocks of s (MiniMaxConfig's 256)
+        block = config.get("block_size", 256)
+        return Fit(block if isinstance(block, int) and block > 0 else 256, True, 0,
+                   "the lightning attention's loop over blocks of s runs in Python")
+    if config.get("model_type") in SCANNED:
+        why = "the recurrence's loop over s runs in Python, a token at a time"
+        window = config.get("attention_window_size", 0) if config.get("model_type") == "recurrent_gemma" else 0
+        if not isinstance(window, int) or window <= TRACED_WINDOW:
+            return Fit(4, False, max(window, 0) if isinstance(window, int) else 0, why)
+        return Fit(4, False, TRACED_WINDOW, f"{why}; the model traced with attention_window_size {TRACED_WINDOW}, not "
+                   f"{window}: past the window the saves do not depend on its width",
+                   {"attention_window_size": TRACED_WINDOW}, window + 1)
+    return Fit(16, False, 0, "a buffer sliced to s") if config.get("model_type") in SLICED else Fit(1, False)
 
 
 def concrete_saves(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
@@ -105,13 +144,19 @@ def _evaluate(coefs: dict[tuple[int, int], Fraction], s: int, b: int) -> Fractio
 
 def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.Tensor],
                make_inputs: Callable[[int, int], tuple], chunk: int, python_dispatcher: bool = True,
-               kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER, multiple: bool = True) -> dict:
-    """The saved storages of ``model`` fitted from concrete traces at POINTS (s in chunks of ``chunk``) and checked
-    at HELD_OUT (and, when s need not be a multiple of ``chunk``, at 3 past it, b = 3 too): ``symbolic_run``'s result
-    without the backward (``model``, ``storages`` with ``nbytes`` a sympy polynomial in s and b, ``conditions``)."""
+               kernels: str = "cpu", sdpa: tuple[str, ...] = SDPA_ORDER, multiple: bool = True, start: int = 0,
+               why: str = "", least: int = 0) -> dict:
+    """The saved storages of ``model`` fitted from concrete traces at POINTS (s = ``start`` + chunks of ``chunk``)
+    and checked at HELD_OUT (and, when s need not be a multiple of ``chunk``, at 3 past it, b = 3 too):
+    ``symbolic_run``'s result without the backward (``model``, ``storages`` with ``nbytes`` a sympy polynomial in s
+    and b, ``conditions``, which say ``why`` the saves were fitted and that they hold from s = ``least`` on, else from
+    the least point)."""
     runs, assumed = {}, []
-    checks = [(HELD_OUT[0] * chunk, HELD_OUT[1])] + ([] if multiple else [(HELD_OUT[0] * chunk + 3, 3)])
-    for s, b in [(c * chunk, b) for c, b in POINTS] + checks:
+    why = why or ("the chunked loop over s runs in Python" if multiple else "a buffer sliced to s")
+    held_out = start + HELD_OUT[0] * chunk
+    checks = [(held_out, HELD_OUT[1])] + ([] if multiple else [(held_out + 3, 3)])
+    points = ", ".join(str(start + c * chunk) for c in dict.fromkeys(c for c, _ in POINTS))  # the fit's s
+    for s, b in [(start + c * chunk, b) for c, b in POINTS] + checks:
         runs[(s, b)] = _grouped(concrete_saves(model, mode, forward, make_inputs, s, b, python_dispatcher, kernels,
                                                sdpa, assumed))
     keys = list(dict.fromkeys(k for run in runs.values() for k in run))
@@ -124,7 +169,7 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
         if held is not None:
             module, op, j, dtype, _ = key
             raise TraceRefused(f"the saved bytes of {module or '<model>'}: {op} ({dtype}, j = {j}) fitted at s = "
-                               f"{', '.join(str(c * chunk) for c in (2, 3, 4))}, b = 2, 3 miss the held-out s = "
+                               f"{points}, b = 2, 3 miss the held-out s = "
                                f"{held[0]}, b = {held[1]} ({values[held]:,} B, the fit {float(_evaluate(coefs, *held)):,.0f})"
                                ": not a polynomial of degree 2 in s and 1 in b")
         template = next(run[key] for run in runs.values() if key in run)
@@ -132,9 +177,8 @@ def fitted_run(model: torch.nn.Module, mode: Any, forward: Callable[..., torch.T
                       for (i, j), c in coefs.items()), sympy.Integer(0))
         if nbytes != 0:
             storages.append(dict(template, nbytes=sympy.expand(nbytes)))
-    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [f"s >= {2 * chunk}", "b >= 2",
-                  f"fitted: the saved tensors traced at s = {2 * chunk}, {3 * chunk}, {4 * chunk} and b = 2, 3 "
-                  f"({'the chunked loop over s runs in Python' if multiple else 'a buffer sliced to s'}), fitted as "
-                  f"polynomials (s^2 b at most) and checked at "
-                  f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
+    conditions = assumed + ([f"s % {chunk} == 0"] if multiple else []) + [
+        f"s >= {least or start + 2 * chunk}", "b >= 2", f"fitted: the saved tensors traced at s = {points} and b = 2, 3 "
+        f"({why}), fitted as polynomials (s^2 b at most) and checked at "
+        f"{' and '.join(f's = {s}, b = {b}' for s, b in checks)}"]
     return {"model": model, "storages": storages, "conditions": conditions}

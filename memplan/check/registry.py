@@ -25,7 +25,7 @@ from typing import Any, Optional
 from memplan.core.errors import MemplanError
 from memplan.check.validate import measured_buckets
 from memplan.core.harness import harness
-from memplan.inventory.traced_file import TracedFile, bucket_bytes
+from memplan.inventory.traced_file import NOT_TRACED, TracedFile, bucket_bytes
 from memplan.memory.states import total_params
 from memplan.presets.hf_config import read_hf_config
 from memplan.presets.hf_encoders import NOT_READ
@@ -36,7 +36,6 @@ from memplan.presets.hf_encoders import NOT_READ
 KINDS = ("build", "estimate", "trace")
 
 # why memplan refuses a family (the refusal itself names the architecture and says to write a model YAML)
-_RECURRENT = "recurrent layers (RWKV's time / channel mixing, xLSTM's mLSTM / sLSTM cells): not modelled"
 # the hybrids memplan does not read (memplan/presets/hf_hybrids.py reads the Mamba-2 ones: layer_pattern), by mixer
 # Mamba-1 mixers (memplan/presets/hf_mamba1.py): parameters exact; traced with CUDA's mamba-ssm kernels stood in
 # (validation/trace_mamba1.py, derived), which no CPU run can check; the walk's CPU trace is refused
@@ -58,8 +57,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                       "(TraceRefused)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
-    "doge": ("estimate", "Doge: learned residual scales (input_residual, post_attention_residual) and dynamic-mask "
-                         "attention (A, dt_proj)"),
     "dots3_note": ("estimate", "its text model (dots3_note_text): latent attention with DeepSeek-V3.2's sparse-attention "
                                "indexer (indexer.wq_b, wk, k_norm, weights_proj) on its indexed_attention layers, "
                                "attention set per layer (per_layer_config): not read; its defaults, shrunk, do not build "
@@ -83,7 +80,7 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "git": ("estimate", NOT_READ["GitForCausalLM"] + ": not read"),
     "gpt_neox_japanese": ("estimate", "GPT-NeoX-Japanese: linears without bias and a separate attention bias "
                                       "parameter (dense_bias)"),
-    "hrm_text": ("estimate", "HRM: two recurrent transformer stacks (H and L levels) run in a loop: not modelled"),
+    "hrm_text": ("trace", NOT_TRACED["hrm_text"]),
     "hy_v4": ("estimate", "Hunyuan 4: attention sinks, latent attention with an indexer, hyper-connections (attn_hc, "
                           "ffn_hc)"),
     "inkling2_text": ("estimate", "Inkling 2: short convolutions on K / V and after each sub-layer, relative logits, "
@@ -91,12 +88,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "inkling_text": ("estimate", "Inkling: short convolutions on K / V and after each sub-layer, relative logits, an "
                                  "embedding norm"),
     "jamba": ("trace", _MAMBA1),
-    "jetmoe": ("estimate", "JetMoE: mixture-of-attention experts (self_attention.experts) beside the MLP experts, "
-                           "each block with an output bias"),
+    "jetmoe": ("trace", "TraceRefused: the size of a saved tensor depends on data (JetMoeTopKGating's "
+                        "expert_size.tolist() splits the tokens by the routing; the mixture of attention experts' "
+                        "index_add saves by those counts); its parameters are read exactly"),
     "longcat_flash": ("estimate", "LongCat-Flash: two latent-attention blocks per layer and zero-computation experts "
                                   "in the router"),
     "mamba": ("trace", _MAMBA1),
-    "minimax": ("estimate", "MiniMax-01's lightning attention (linear attention) beside softmax attention: not modelled"),
     "minimax_m3_vl_text": ("estimate", "MiniMax-M3's text model: a block-sparse lightning indexer of its own "
                                        "(indexer.q_proj h x H_i D_i, k_proj h x D_i, q / k norms; no query latent) in "
                                        "the layers layer_types marks minimax_m3_sparse (none in the config class's "
@@ -116,15 +113,13 @@ EXCLUDED: dict[str, tuple[str, str]] = {
                                    "layers beside output-gated attention with a QSA token indexer (index_qk_proj, q / k "
                                    "layernorms), n-gram per-layer embeddings where ple_layer_ids names layers: not "
                                    "read"),
-    "recurrent_gemma": ("estimate", "RecurrentGemma's RG-LRU recurrent blocks (Griffin) beside local attention: not modelled"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "roc_bert": ("estimate", NOT_READ["RoCBertForCausalLM"] + ": not read"),
-    "rwkv": ("estimate", _RECURRENT),
     "xlm": ("estimate", NOT_READ["XLMWithLMHeadModel"] + ": not read"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
-    "xlstm": ("estimate", _RECURRENT),
+    "xlstm": ("trace", NOT_TRACED["xlstm"]),
     "xmod": ("estimate", NOT_READ["XmodForCausalLM"] + ": not read"),
     "zamba": ("trace", _MAMBA1),
     "zaya": ("estimate", "ZAYA: compressed convolutional attention (convolutions over q / k, current and delayed V "

@@ -179,6 +179,10 @@ class ModelSpec(Spec):
     out_bias: bool = Field(
         default=False, description="a bias on the attention's output projection alone (GPT-Neo, with mlp_bias)")
     head_bias: bool = Field(default=False, description="a bias on the output head, v wide (Phi-3.5-MoE lm_head_bias)")
+    looped_stacks: bool = Field(default=False, description="HRM's two stacks of num_layers / 2 layers run in a loop "
+                                "each step, and its h-wide start state z_L_init (a parameter) on the first stage")
+    dynamic_mask: bool = Field(default=False, description="Doge's dynamic-mask attention (A per K / V head, dt_proj K / "
+                               "V width -> K / V heads) and its two h-wide residual scales per layer")
     key_bias: bool = Field(
         default=True, description="with bias, attention_bias or qkv_bias: whether K's projection has its bias too "
         "(False: Whisper's k_proj, in the self- and the cross-attention)")
@@ -212,14 +216,17 @@ class ModelSpec(Spec):
     # the Mamba-2 mixer's widths (transformers Mamba2Mixer: in_proj h -> 2 I + 2 G N + H, a depthwise convolution
     # over I + 2 G N channels, dt_bias / A_log / D per head, a gated RMSNorm I wide, out_proj I -> h; I = H P).
     layer_pattern: Optional[str] = Field(
-        default=None, pattern=r"^[ASPM*E\-Cac1JjZYDdKkBb]+$", description="one character per layer (None: every "
+        default=None, pattern=r"^[ASPM*E\-Cac1JjZYDdKkBbRWLXO]+$", description="one character per layer (None: every "
         "layer attention + MLP): A attention + MLP, S Mamba-2 mixer + MLP, P attention and mixer in parallel + MLP (two "
         "norms each), M mixer, * attention, - MLP f wide, E experts alone (one norm each; Nemotron-H's "
         "hybrid_override_pattern); C LFM2's gated short convolution + MLP, D a gated DeltaNet + MLP, K Kimi Delta "
         "Attention + MLP (B: Bailing's; two norms each); the MLP of A / S / P / C / D / K / B is the model's experts when "
         "it has them; a / c / d / k / b: the same with an f-wide dense MLP in a mixture-of-experts model; 1 / J / j: a "
         "Mamba-1 mixer alone (one norm), with the MLP, with an f-wide dense MLP; Z Zamba's: a mixer after a use of the "
-        "shared attention + MLP block; Y Zamba 2's: a Mamba-2 mixer after a use of a shared block (core/hybrid.py)")
+        "shared attention + MLP block; Y Zamba 2's: a Mamba-2 mixer after a use of a shared block; R RecurrentGemma's "
+        "RG-LRU recurrent block + MLP, W an RWKV block: time mixing + channel mixing, L MiniMax's lightning "
+        "attention + MLP, X an xLSTM mLSTM block + MLP, O JetMoE's mixture of attention "
+        "experts + MLP (two norms each; core/hybrid.py)")
     ssm_heads: Optional[int] = Field(default=None, gt=0, description="H, the Mamba-2 mixer's heads (mamba_n_heads)")
     ssm_head_dim: int = Field(default=64, gt=0, description="P, a mixer head's width (mamba_d_head): I = H P")
     ssm_state_size: int = Field(default=128, gt=0, description="N, the state per group (mamba_d_state)")

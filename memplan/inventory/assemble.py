@@ -124,8 +124,17 @@ def inventory_for(model: ModelSpec, impl: str = "megatron", device: str = "cuda"
                            "--impl megatron, megatron-local, hf-sdpa or hf-eager")
     if model.layer_pattern and (impl not in HF_IMPLS or model.inventory is None):
         raise MemplanError("a hybrid's layers (layer_pattern: Mamba-1 / Mamba-2 mixers, short convolutions, gated "
-                           "DeltaNets, Kimi Delta Attention, Zamba's shared blocks) are modelled from transformers' "
-                           "traced code only: use --impl hf-sdpa or hf-eager with its config.json (--hf-config)")
+                           "DeltaNets, Kimi Delta Attention, Zamba's shared blocks, RG-LRU, RWKV, lightning attention, "
+                           "mLSTM and mixture-of-attention blocks) are modelled from transformers' traced code only: use "
+                           "--impl hf-sdpa or hf-eager with its config.json (--hf-config)")
+    if model.looped_stacks:
+        raise MemplanError("HRM's two stacks run in a loop (H_cycles x (L_cycles + 1) stack passes per step, the first "
+                           "L passes of a cycle without gradients): no memplan inventory models it (no Megatron-LM "
+                           "layer; transformers' code is not traced: the tracer composes one list of decoder layers)")
+    if model.dynamic_mask and impl not in HF_IMPLS:
+        raise MemplanError("Doge's dynamic-mask attention (a b x g x s x s mask from dt_proj, its top keep_window_size "
+                           "keys kept) is no Megatron-LM layer: use --impl hf-sdpa or hf-eager with its config.json "
+                           "(--hf-config)")
     if model.mla_indexer and impl not in ("hf-sdpa", "hf-eager"):  # DeepSeek-V3.2, GLM-5 (presets/hf_families.py)
         raise MemplanError(f"--impl {impl}: the lightning indexer beside the latent attention (mla_indexer) and the top-k "
                            "mask it adds to the attention are modelled from transformers' traced code only: use --impl "

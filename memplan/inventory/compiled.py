@@ -303,9 +303,17 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
             "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
             "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
             "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
+    # torchtitan's Trainer always passes the dataloader's positions; the tables were traced without them
+    plain = training.recompute == Recompute.NONE or (training.recompute == Recompute.FULL
+                                                     and getattr(training, "recompute_num_layers", None) is not None)
+    rope = [] if impl != "torchtitan" or not plain else [
+        "--compile (torchtitan): the RoPE rows each compiled block not checkpointed gathers at the dataloader's "
+        "positions and the partitioner saves (4d B a token for Llama 3, 8d for Qwen3; seen in its graph: "
+        "validation/compiled.py titan_saved_rope_rows) are not counted: the compiled tables were traced without "
+        "positions"]
     budget = [] if getattr(training, "memory_budget", None) is None else [
         f"--ac budget:{training.memory_budget:g} (torchtitan's MemoryBudgetAC): the saved set {BUDGET_SRC}; what the "
         "partitioner recomputes in the backward is neither timed nor counted as a working set (a lower bound)"]
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            f"kernels' own buffers left out (not traced); {loss}"] + budget + tp_note
+            f"kernels' own buffers left out (not traced); {loss}"] + rope + budget + tp_note

@@ -9,7 +9,8 @@ its code and checked, term by term in total, against validation/titan.py, which 
 bytes per token (times s b for the layer) on CPU kernels, bf16 activations:
 
 * ``none``: what autograd keeps.  torch's CPU ``F.rms_norm`` is composite: each norm keeps x in fp32 (4h), its
-  rstd (fp32, 4), x * rstd in fp32 (4h) and the bf16 output (2h); RoPE keeps the rotated q (2 a d) and k (2 g d),
+  rstd (fp32, 4), x * rstd in fp32 (4h) and the bf16 output (2h); RoPE keeps its cache rows gathered at the
+  dataloader's positions (4d: ``rope_gathered``), the rotated q (2 a d) and k (2 g d),
   the value is copied contiguous (2 g d); attention keeps its output (2 a d) and fp32 log-sum-exp (4 a); the
   SwiGLU keeps w1's output, silu's, w3's and the product (4 x 2f).  The layer input is not kept (no op of the
   layer saves x itself: the norm saves its fp32 copy).
@@ -66,7 +67,7 @@ from memplan.inventory.k22 import labels_term
 from memplan.core.symbolic import Poly
 from memplan.inventory.titan_moe import DENSE_FFN, MODE_FLAGS, TP_MEASURED, titan_moe_terms
 from memplan.inventory.titan_moments import titan_layer_moments
-from memplan.inventory.types import Inventory, Moment, Term, saved
+from memplan.inventory.types import Inventory, Moment, Term, saved, transient
 
 AC_MODES = ("none", "full", "selective-op")
 # torchtitan <= 0.2's selective per-layer AC (activation_checkpoint.mode "selective", selective_ac_option an int N):
@@ -91,6 +92,21 @@ class TitanTerm:
     cp_gathered: bool = False  # under context parallelism the all-gathered whole-sequence tensor is kept instead
 
 
+def rope_gathered(bytes_per_token: int, what: str) -> TitanTerm:
+    """The RoPE cache rows a layer gathers at the dataloader's positions and keeps under AC none: torchtitan 0.3.0's
+    Trainer always hands the model ``positions`` (its text datasets yield them with every sample;
+    ``post_dataloading_process`` passes them on as a model kwarg), so each layer's RoPE makes its own (b, s, 1, width)
+    copy of its buffer (models/common/rope.py ``_reshape_for_broadcast``: ``torch.gather``, ``rope_cache[positions]``
+    at b = 1) in place of a view of the buffer, and the rotation's multiplications save it (ComplexRoPE: d/2
+    complex64, 4d B per token; CosSinRoPE: cos and sin, slices of one fp32 [2d], 8d B; DeepSeek-V3: d = the rotated
+    width).  selective-op recomputes it (the gather is not in SelectiveAC's save list), full keeps the checkpoint's
+    input positions only (the batch's one storage).  Whole under TP (the attention runs on the all-gathered sequence;
+    the rows replicated over tp), the rank's s / C tokens under CP (the positions CP-sharded with the tokens).
+    Measured on CPU with the positions passed (validation/titan.py ``kept_storages``)."""
+    return TitanTerm("rope.gathered", f"RoPE cache rows gathered at the positions ({what}; as fp32 bytes)",
+                     bytes_per_token, ("none",))
+
+
 def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None, qk_norm: bool = False) -> list[TitanTerm]:
     """The layer's kept tensors (bytes per token) for hidden h, heads a, KV heads g, FFN f, head dim d (h / a);
     ``qk_norm``: torchtitan's Qwen3 block (RMSNorms on the head dim over q and k before RoPE, CosSinRoPE): each keeps
@@ -107,6 +123,7 @@ def llama3_layer_terms(h: int, a: int, g: int, f: int, d: int | None = None, qk_
         *[TitanTerm(f"{w}_norm.{i}", f"{w}_norm (head dim): {n}", v * heads, ("none",), "tp")
           for w, heads in (("q", a), ("k", g)) if qk_norm
           for i, n, v in (("x_fp32", "x in fp32", 4 * d), ("rstd", "rstd (fp32)", 4), ("x_rstd", "x * rstd in fp32", 4 * d))],
+        rope_gathered(8 * d if qk_norm else 4 * d, "cos and sin, fp32 2d" if qk_norm else "complex64 d/2"),
         TitanTerm("rope.q", "rotated q (bf16)", 2 * a * d, ("none",), "tp"),
         TitanTerm("rope.k", "rotated k (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
         TitanTerm("v.contiguous", "v copied contiguous (bf16)", 2 * g * d, ("none",), "tp", cp_gathered=True),
@@ -383,7 +400,12 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
     # the targets: torchtitan hands the loader's labels to the loss as they are (a view; no target copy, TP's
     # loss-parallel function included: tests/test_titan_tp.py), so they are the training loop's held labels only
     # (a separate target_ids term counted them twice: measured in a whole step, validation/titan_step.py)
-    held = (labels_term(),)
+    # and the dataloader's positions (int64 s b: its text datasets yield them with every sample; the Trainer holds the
+    # micro-batch's input dict through the step and passes them to every layer: measured in the whole step; under PP
+    # each stage holds them, counted on the last with the labels)
+    held = (labels_term(), transient("positions", "the dataloader's positions (int64, held by the training loop, "
+                                     "passed to every layer's RoPE)", "s b", "int64", scope="last",
+                                     src="measured: a whole torchtitan step over gloo (validation/titan_step.py)"))
     # the loss's moments: torchtitan's cross_entropy_loss runs the ops of transformers' ForCausalLMLoss (bf16
     # logits, their fp32 copy, log-softmax), so its measured moments apply: derived for torchtitan
     # under TP the logits and their gradients are vocab shards (loss parallel: _LossParallelCrossEntropy), derived
@@ -402,7 +424,10 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
+TITAN_LEFT = ("the RoPE rows gathered at the dataloader's positions in a compiled block (the partitioner saves them: "
+              "validation/compiled.py titan_saved_rope_rows; the compiled tables were traced without positions) and "
+              "FlexAttention's block masks built from the positions, "
+              "CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "

@@ -14,7 +14,9 @@ kv_lora_rank, d_n, d_r, d_v the head widths, a heads, f the dense FFN, f_s the s
   + d_v): the attention keeps v, a view of it, so the whole storage stays); the attention's output (a d_v), its fp32
   log-sum-exp (a) and the contiguous copy wo takes; the dense layers' SwiGLU (w1, silu, w3, their product: 4 x f),
   the MoE layers' shared experts' (4 x f_s) and routed terms (titan_moe.py: the router's sigmoid scores in place of
-  Qwen3's softmax, same size).  RoPE keeps nothing (ComplexRoPE saves its complex buffer only).
+  Qwen3's softmax, same size).  RoPE keeps its cache rows gathered at the dataloader's positions (d_r / 2
+  complex64, 4 d_r B: memplan/inventory/titan.py ``rope_gathered``; without positions it would keep nothing but a
+  view of its buffer).
 * ``selective-op`` (torchtitan's SelectiveAC): the block input, attention's output and log-sum-exp (flex_attention
   is in its save list), every topk's outputs (the group-limited routing's too: each group's top-2 scores, fp32 and
   int64 2 x 8, the 4 chosen groups, 4 + 4, then the top-k), and the odd-numbered matmuls of the block in forward
@@ -71,7 +73,8 @@ from fractions import Fraction
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.moe import weighted
-from memplan.inventory.titan import TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, titan_inventory, titan_term
+from memplan.inventory.titan import (TitanTerm, cuda_norm, is_dsv3, llama3_layer_terms, rope_gathered, titan_inventory,
+                                     titan_term)
 from memplan.inventory.titan_dsv3_moments import dsv3_layer_moments
 from memplan.inventory.titan_moe import MODE_FLAGS, TOKENS, titan_moe_terms
 from memplan.inventory.titan_mtp import NOTE as MTP_NOTE
@@ -189,6 +192,7 @@ def dsv3_layer_parts(model: ModelSpec, device: str) -> tuple[list[Term], list[Te
                        2 * a * (dn + dr), none, tp, cp_gathered=True),
              TitanTerm("mla.wkv_b", "wkv_b output (bf16): v, a view of it, keeps it whole", 2 * a * (dn + dv), none,
                        tp, cp_gathered=True),
+             rope_gathered(4 * dr, "complex64 d_r/2"),
              TitanTerm("attn.out", "attention output (bf16)", 2 * a * dv, ("none", "selective-op"), tp),
              TitanTerm("attn.lse", "attention log-sum-exp (fp32)", 4 * a, ("none", "selective-op"), tp),
              TitanTerm("attn.out_contiguous", "attention output made contiguous, wo's input (bf16)", 2 * a * dv,

@@ -20,8 +20,9 @@ so the MTP layers keep everything under every AC mode.  Per depth, per token of 
 
 Measured: torchtitan's DeepSeekV3Model with 0, 1 and 2 MTP layers at tiny sizes run on CPU with MTPLoss, every saved
 tensor counted (validation/titan_dsv3.py ``measure_dsv3_mtp``; tests/test_titan_mtp.py): each depth adds these to
-the byte but what memplan leaves out everywhere (the grouped GEMMs' int32 offsets, nll_loss's 4-byte total_weight, the
-RoPE cache gathered by the positions torchtitan's dataloader passes, 4 s b d_r B, as in every layer).  On CUDA the
+the byte but what memplan leaves out everywhere (the grouped GEMMs' int32 offsets, nll_loss's 4-byte total_weight; the
+RoPE cache rows gathered at the positions torchtitan's dataloader passes, 4 s b d_r B, are the MoE layer's
+``rope.gathered`` term, as in every layer).  On CUDA the
 fused RMSNorm (derived, as the layers').  torchtitan refuses MTP with pipeline or context parallelism
 (MTPDecoder.Config.update_from_config raises NotImplementedError); with TP it is not measured here (refused).
 """

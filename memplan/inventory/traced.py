@@ -320,7 +320,8 @@ def _moe_moments(model: ModelSpec, moments: list) -> list:
 
 # what an estimate of a state-space hybrid (ModelSpec.layer_pattern) says its activations are, by the blocks it has:
 # Mamba-2 mixers (S, P, M, Y), LFM2's short convolutions (C), Mamba-1 mixers (1, J, j, Z), gated DeltaNets (D, d) and
-# Kimi Delta Attention (K, k, B, b)
+# Kimi Delta Attention (K, k, B, b), RecurrentGemma's RG-LRU blocks (R), RWKV's blocks (W), MiniMax's lightning
+# attention (L)
 _HYBRID_NOTES = (("SPMY", "its Mamba-2 layers' activations are what transformers' torch path saves (the chunked scan, "
                   "torch_forward; traced, s a multiple of the scan's chunk); on CUDA, transformers runs mamba-ssm's "
                   "fused kernels (mamba_chunk_scan_combined, causal_conv1d) when they are installed, which save other "
@@ -343,7 +344,19 @@ _HYBRID_NOTES = (("SPMY", "its Mamba-2 layers' activations are what transformers
                   "(causal_conv1d_fn's and chunk_kimi_delta_attention's torch fallbacks, s padded to chunks of 64; "
                   "its Python loop over the chunks is traced at concrete s and b and fitted: validation/trace_fit.py); "
                   "on CUDA, transformers runs flash-linear-attention's chunk_kda kernels when they are installed, "
-                  "which save other tensors: not modelled; the step's transients derived"))
+                  "which save other tensors: not modelled; the step's transients derived"),
+                 ("R", "its RG-LRU blocks' activations are what transformers' torch path saves (_rnn_scan's Python "
+                  "loop over the tokens, traced at concrete s and b past the attention window and fitted: "
+                  "validation/trace_fit.py); the step's transients are the Llama layout's, derived (the fitted trace "
+                  "has no backward moments)"),
+                 ("W", "its RWKV blocks' activations are what transformers' torch path saves "
+                  "(rwkv_linear_attention_cpu's Python loop over the tokens, traced at concrete s and b and fitted: "
+                  "validation/trace_fit.py); on CUDA, transformers runs the Hub's wkv kernel when the kernels package "
+                  "loads it, which saves other tensors (k, v, the output): not modelled; the step's transients are the "
+                  "Llama layout's, derived"),
+                 ("L", "its lightning attention layers' activations are what transformers' torch path saves (its "
+                  "Python loop over blocks of s, traced at concrete s and b and fitted: validation/trace_fit.py); the "
+                  "step's transients are the Llama layout's, derived"))
 
 
 def hybrid_note(model: ModelSpec) -> str:

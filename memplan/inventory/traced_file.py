@@ -322,12 +322,26 @@ NO_SDPA = {"gemma2": "Gemma 2 (attention logit soft-capping)", "gpt_oss": "gpt-o
            "megatron-bert": "Megatron-BERT (eager attention only)", "mvp": "MVP (eager attention only)",
            "trocr": "TrOCR (eager attention only)", "bigbird_pegasus": "BigBird-Pegasus (eager attention only)",
            "rembert": "RemBERT (eager attention only)", "roformer": "RoFormer (eager attention only)",
-           "flint": "Flint (attention sinks)", "mimo_v2_flash": "MiMo-V2-Flash (attention sinks)"}
+           "flint": "Flint (attention sinks)", "mimo_v2_flash": "MiMo-V2-Flash (attention sinks)",
+           "rwkv": "RWKV (no attention layers: eager only)", "xlstm": "xLSTM (no attention layers: eager only)"}
+
+
+# model types memplan reads from a config.json whose transformers code cannot run in bf16 (the trace's dtype): no
+# --impl hf-* inventory; the walk (memplan/check/registry.py EXCLUDED, kind "trace") says the same
+NOT_TRACED = {"xlstm": "xLSTM: transformers' torch mLSTM kernel (mlstm_chunkwise_native_autograd, once s reaches its "
+                       "chunk_size) multiplies its fp32 states by the bf16 keys, so a bf16 model fails outside autocast "
+                       "(RuntimeError: expected m1 and m2 to have the same dtype) and no bf16 trace is made",
+              "hrm_text": "HRM: its two stacks (L_module, H_module) run H_cycles x (L_cycles + 1) times a step, the "
+                          "first L runs of a cycle without gradients, and the tracer composes one list of "
+                          "num_hidden_layers decoder layers run once (ValueError: no ModuleList of that many layers)"}
 
 
 def check_impl(data: object, impl: str) -> None:
-    """Refuse --impl hf-sdpa for a config whose transformers model has no sdpa path, naming the impl that has one."""
+    """Refuse --impl hf-sdpa for a config whose transformers model has no sdpa path, naming the impl that has one, and
+    any --impl hf-* for a model whose code no trace runs (NOT_TRACED)."""
     model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type in NOT_TRACED:
+        raise MemplanError(f"{NOT_TRACED[model_type]}: --impl {impl} cannot estimate its activations")
     if impl == "hf-sdpa" and model_type in NO_SDPA:
         raise MemplanError(f"{NO_SDPA[model_type]} has no sdpa attention in transformers: use --impl hf-eager")
 

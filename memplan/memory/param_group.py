@@ -16,11 +16,15 @@ from memplan.core.symbolic import Poly
 # Mllama's cross-attention layers: "cross" (each one's q / k norms and gates, beyond a self-attention layer's).
 # A hybrid's (ModelSpec.layer_pattern) blocks: "attention", "ssm" (a Mamba-2 mixer), "conv" (LFM2's gated short
 # convolution), "mamba1" (a Mamba-1 mixer), "shared" (a use of Zamba's shared block), "delta" (a gated DeltaNet),
+# "rglru" (RecurrentGemma's RG-LRU recurrent block), "rwkv" (an RWKV block's time mixing and channel mixing but its
+# key / value MLP), "lightning" (MiniMax's lightning attention), "mlstm"
+# (xLSTM's mLSTM layer), "moa" (JetMoE's mixture of attention experts),
 # "norm" (one norm), and its MLPs "dense" / "moe", each counted as often as the pattern holds it
 # (ModelSpec.layer_blocks).
 Scope = Literal["layer", "moe", "dense", "first", "last", "full", "kv_shared", "kv_shared_full", "cross", "attention",
-                "ssm", "conv", "mamba1", "shared", "delta", "norm"]
-HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "norm")
+                "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "mlstm", "moa", "norm"]
+HYBRID_SCOPES = ("attention", "ssm", "conv", "mamba1", "shared", "delta", "rglru", "rwkv", "lightning", "mlstm", "moa",
+                 "norm")
 LAYER_SCOPES = ("layer", "moe", "dense", *HYBRID_SCOPES)
 
 

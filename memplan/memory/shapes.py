@@ -13,10 +13,10 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
+from memplan.memory.embedding_groups import embedding_widths, frozen_position_width, position_rows
 from memplan.memory.indexer_groups import INDEXER, NORM_GATES
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, embedding_widths,
-                                    frozen_position_width, gate_rows, layer_kinds, layer_vectors, output_layer_group,
-                                    position_rows)
+from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, gate_rows, layer_kinds, layer_vectors,
+                                    output_layer_group)
 
 
 Layout = Literal["fused", "separate"]

@@ -25,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
-from memplan.core.hybrid import LAYER_BLOCKS, delta_counts
+from memplan.core.hybrid import (LAYER_BLOCKS, delta_counts, lightning_counts, mlstm_counts, moa_counts, rglru_counts,
+                                 rwkv_counts)
 from memplan.core.model import ModelSpec
 from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
+from memplan.memory.embedding_groups import embedding_groups, embedding_widths
 from memplan.memory.indexer_groups import INDEXER, indexer_groups
 from memplan.memory.param_group import HYBRID_SCOPES, ParamGroup, number
 from memplan.core.training import TrainingSpec
@@ -146,25 +148,13 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
                        Poly.parse_sum(f"q + {kv_bias} + {mlp_bias}"), True, "layer"),
             ParamGroup("row-parallel biases (output projection, MLP output)", Poly.parse("2 h"), False, "layer"),
         ]
-    e, e_out = embedding_widths(model)  # h, h unless factorised (ELECTRA, RemBERT, RoFormer)
-    rows = Poly.parse("v") + number(model.vocab_extra_rows) if model.vocab_extra_rows else Poly.parse("v")
-    groups.append(ParamGroup("word embedding", rows * e, True, "first"))  # Mllama: 8 rows beyond v
-    if model.embedding_norm:  # BLOOM: word_embeddings_layernorm; ELECTRA's e wide
-        groups.append(ParamGroup("embedding norm", e * (1 + model.has_norm_bias), False, "first"))
-    if model.position_embedding == "learned":
-        groups.append(ParamGroup("position embedding", position_rows(model) * e, False, "first"))
-    if model.token_type_rows:  # BERT: token_type_embeddings, type_vocab_size x e
-        groups.append(ParamGroup("token-type embedding", number(model.token_type_rows) * e, False, "first"))
-    if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
-        groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
-    if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
-        groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
-            model), False, "first"))
+    groups += embedding_groups(model)
     if model.norm_params and model.final_norm:
         groups.append(ParamGroup("final norm", Poly.parse(norm), False, "last"))
     if model.head_bias:
         groups.append(ParamGroup("output head bias", Poly.parse("v"), True, "last"))
     if model.head_transform:  # BERT: cls.predictions.transform's dense (h x e_out + e_out) and its norm
+        e_out = embedding_widths(model)[1]
         groups.append(ParamGroup("output head transform", e_out * Poly.parse("h") + e_out * (
             1 + model.norm_params + model.has_norm_bias), False, "last"))
     return tuple(hybrid_groups(model, groups))
@@ -196,6 +186,10 @@ def hybrid_groups(model: ModelSpec, groups: list[ParamGroup]) -> list[ParamGroup
                            "conv"),
                 ParamGroup("short convolution output projection", number(h * (h + model.ssm_out_bias)), True, "conv")]
     out += [ParamGroup(name, number(n), split, "delta") for name, n, split in delta_counts(model)]
+    out += [ParamGroup(name, number(n), split, scope) for counts, scope in (
+        (rglru_counts, "rglru"), (rwkv_counts, "rwkv"), (lightning_counts, "lightning"), (mlstm_counts, "mlstm"),
+        (moa_counts, "moa"))
+            for name, n, split in counts(model)]
     if model.ssm_dt_rank is not None:
         return out + _mamba1(model) + (_zamba_shared(model) if "Z" in model.layer_pattern else [])
     if not any(c in model.layer_pattern for c in "SPMY"):
@@ -317,37 +311,22 @@ def gate_rows(model: ModelSpec) -> Poly:
 def layer_vectors(model: ModelSpec) -> list[tuple[str, str, Poly]]:
     """A layer's small parameters beside its linears and norms, whole on every GPU (group, tensor, count): DiffLlama's
     four lambda vectors head_dim wide, the learned scalars of the MLP's activation (Apertus's xIELU), BitNet's norms
-    inside the attention (h) and the MLP (f)."""
+    inside the attention (h) and the MLP (f), Doge's dynamic mask (A: g; dt_proj: q g / a x g, its bias g with
+    attention_bias) and residual scales (input_residual, post_attention_residual: 2 h)."""
     lambdas = [("differential attention lambdas", "lambda_q1 / k1 / q2 / k2", Poly.parse("4 q /a"))]
     scalars = [("activation scalars", "activation scalars", Poly.parse(str(model.activation_params)))]
     subs = [("sub-layer norms", "attention / MLP sub-norm weight", Poly.parse_sum("h + f") *
              (2 if model.has_norm_bias else 1))]
-    return lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
-
-
-def frozen_position_width(model: ModelSpec) -> Poly:
-    """The width of a frozen position table (requires_grad false): head_dim (RoFormer's rotary table) or h (Pegasus's
-    and Marian's sinusoidal embeddings)."""
-    return Poly.parse("q /a" if model.frozen_position_width == "head" else "h")
-
-
-def position_rows(model: ModelSpec) -> Poly:
-    """Rows of a learned position table: the model's own count (transformers' max_position_embeddings), else s (K22,
-    Megatron-LM), and OPT's / BioGPT's 2 rows beyond (their position ids start at 2)."""
-    rows = Poly.parse("s") if model.position_rows is None else Poly.parse(str(model.position_rows))
-    return rows + Poly.parse(str(model.position_offset)) if model.position_offset else rows
+    doge = [("dynamic mask and residual scales", "A, dt_proj, input_residual, post_attention_residual",
+             Poly.parse_sum(f"{1 + (model.attention_bias or model.bias)} g + q g^2 /a + 2 h"))]
+    return (lambdas * model.differential_attention + scalars * (model.activation_params > 0) + subs * model.sub_norms
+            + doge * model.dynamic_mask)
 
 
 def output_layer_group(model: ModelSpec) -> ParamGroup:
     """The output projection v x h (v x e_out, embedding_widths): its own weight when untied; with tied embeddings the
     last stage still keeps a copy when p > 1 (Megatron-LM synchronises the two copies)."""
     return ParamGroup(OUTPUT_LAYER_W, Poly.parse("v") * embedding_widths(model)[1], True, "last")
-
-
-def embedding_widths(model: ModelSpec) -> tuple[Poly, Poly]:
-    """The embeddings' width e and the head's e_out (ModelSpec.embedding_widths), each h unless factorised."""
-    e, e_out = model.embedding_widths or (0, 0)
-    return (number(e), number(e_out)) if e else (Poly.parse("h"), Poly.parse("h"))
 
 
 Count = Callable[[ParamGroup], Any]  # a group's parameters on one GPU for the plan at hand

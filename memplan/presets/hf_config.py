@@ -21,6 +21,7 @@ from memplan.presets.hf_hybrids import HYBRID_MOE, HYBRIDS
 from memplan.presets.hf_latent import LATENT_APPROXIMATED, LATENT_KEYED
 from memplan.presets.hf_multimodal import FLAT, OWN_FIELDS, TEXT_MODELS, own_notes, text_model
 from memplan.presets.hf_own_keys import OWN_KEYS, POSITIONS
+from memplan.presets.hf_recurrent import POSITIONS as RECURRENT_POSITIONS
 
 # transformers architectures whose layer layout memplan models, and how to read their config.json:
 # "gpt2" and "llama" have hand-written, measured inventories (terms_hf.py); "traced" families read
@@ -385,9 +386,9 @@ def read_hf_config(path_text: str) -> ModelPreset:
     layout = HF_ARCHITECTURES[known[0]]
     name = data.get("_name_or_path") if isinstance(data.get("_name_or_path"), str) else None
     name = name or str(path)
-    positions_key, default = {**POSITIONS, **ENCODER_POSITIONS}.get(known[0], ("n_positions", 1024) if layout ==
-                                                                    "gpt2" else ("max_position_embeddings", 2048 if
-                                                                                 known[0] in _OLD_DEFAULTS else 4096))
+    positions_key, default = {**POSITIONS, **ENCODER_POSITIONS, **RECURRENT_POSITIONS}.get(
+        known[0], ("n_positions", 1024) if layout == "gpt2" else ("max_position_embeddings", 2048 if
+                                                                  known[0] in _OLD_DEFAULTS else 4096))
     positions = data.get(positions_key, default)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         raise MemplanError(f"{path}: {positions_key}: expected a positive integer (got {echo(positions)})")

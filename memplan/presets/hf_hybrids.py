@@ -18,6 +18,7 @@ from memplan.core.spec_base import echo
 from memplan.presets.hf_families import YAML_HINT, flag, layer_types, nat
 from memplan.presets.hf_linear_attention import LINEAR_ATTENTION, LINEAR_ATTENTION_MOE
 from memplan.presets.hf_mamba1 import MAMBA1
+from memplan.presets.hf_recurrent import RECURRENT
 
 # transformers' layer-type names (and their legacy spellings, configuration_utils._LEGACY_LAYER_TYPE_REMAP) as the
 # blocks of a layer with an MLP (Bamba, Granite 4) and of Nemotron-H's one-block layers (its hybrid_override_pattern)
@@ -279,8 +280,10 @@ HYBRIDS: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Lfm2MoeForCausalLM": _lfm2_moe, "Lfm3ForCausalLM": _lfm3, "Zamba2ForCausalLM": _zamba2,
     **MAMBA1,  # Mamba-1 mixers: hf_mamba1.py
     **LINEAR_ATTENTION,  # the gated-DeltaNet hybrids: hf_linear_attention.py
+    **RECURRENT,  # RecurrentGemma's RG-LRU blocks: hf_recurrent.py
 }
 
-# the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read)
+# the hybrids whose experts HYBRIDS reads (hf_config refuses experts it does not read; Doge's num_experts is unused
+# without is_moe, which its reader refuses)
 HYBRID_MOE = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM",
-              *LINEAR_ATTENTION_MOE)
+              "JetMoeForCausalLM", "DogeForCausalLM", *LINEAR_ATTENTION_MOE)

@@ -1,6 +1,7 @@
 """The config.json readers of the linear-attention hybrids (issue 22): the gated-DeltaNet ones, Qwen3-Next, Qwen3.5
 (dense and MoE, their text configs) and OLMo-hybrid, and the Kimi Delta Attention ones beside latent attention, Kimi
-Linear and Bailing-hybrid (layer_pattern K / B: ``_kda``; parameters core/hybrid.py kda_counts), from transformers'
+Linear and Bailing-hybrid (layer_pattern K / B: ``_kda``; parameters core/hybrid.py kda_counts), and MiniMax-01's
+lightning attention beside softmax attention (layer_pattern L; core/hybrid.py lightning_counts), from transformers'
 own modelling code (transformers 5.23): each layer a gated DeltaNet (layer_pattern D, "linear_attention") or full
 attention (A, "full_attention"), then an MLP; the DeltaNet's widths in
 ModelSpec's ssm_* fields (ssm_heads: linear_num_value_heads, ssm_head_dim: linear_value_head_dim, ssm_groups:
@@ -244,12 +245,34 @@ def _bailing_hybrid(data: dict, path: Path) -> dict[str, Any]:
                 attention_output_gate="head")
 
 
+def _minimax(data: dict, path: Path) -> dict[str, Any]:
+    """MiniMaxForCausalLM (MiniMax-01): each layer lightning attention (layer_pattern L, "linear_attention":
+    MiniMaxLightningAttention, the attention's heads: qkv_proj, output_gate, out_proj, an RMSNorm over the heads) or
+    Mixtral's attention (A, "full_attention"; layer_types, else MiniMaxConfig's alternation, full attention first), then
+    Mixtral's experts (num_local_experts of intermediate_size, gated, top num_experts_per_tok, a router without bias);
+    the residual's alpha / beta factors hold no parameters; no biases."""
+    L = nat(data, "num_hidden_layers", 32, path)
+    pattern = layer_types(data, "layer_types", {"linear_attention": "L", "full_attention": "A"}, path) \
+        if data.get("layer_types") is not None else "".join("A" if i % 2 == 0 else "L" for i in range(L))
+    if data.get("hidden_act", "silu") != "silu":
+        raise MemplanError(f"{path}: hidden_act {echo(data['hidden_act'])}: memplan models MiniMax's experts and "
+                           f"lightning attention with silu; {YAML_HINT}")
+    f = nat(data, "intermediate_size", 14336, path)
+    return dict(num_layers=len(pattern), hidden_size=nat(data, "hidden_size", 4096, path), layer_pattern=pattern,
+                num_attention_heads=nat(data, "num_attention_heads", 32, path),
+                num_kv_heads=data.get("num_key_value_heads", 8), head_dim=data.get("head_dim"), norm="rmsnorm",
+                position_embedding="rope", bias=False, mlp="swiglu", ffn_hidden_size=f,
+                num_experts=nat(data, "num_local_experts", 8, path), moe_top_k=nat(data, "num_experts_per_tok", 2, path),
+                moe_ffn_hidden_size=f, tied_embeddings=flag(data, "tie_word_embeddings", False, path),
+                norm_eps=data.get("rms_norm_eps"))
+
+
 LINEAR_ATTENTION: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "Qwen3NextForCausalLM": _qwen3_next, "Qwen3_5ForCausalLM": _qwen3_5, "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
     "OlmoHybridForCausalLM": _olmo_hybrid, "KimiLinearForCausalLM": _kimi_linear,
-    "BailingHybridForCausalLM": _bailing_hybrid,
+    "BailingHybridForCausalLM": _bailing_hybrid, "MiniMaxForCausalLM": _minimax,
 }
 LINEAR_ATTENTION_MOE = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "KimiLinearForCausalLM",
-                        "BailingHybridForCausalLM")
+                        "BailingHybridForCausalLM", "MiniMaxForCausalLM")
 # the multimodal Qwen3.5 files' text_config (Qwen3_5ForConditionalGeneration): its model_type -> the causal LM read
 LINEAR_TEXT_MODELS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
