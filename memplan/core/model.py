@@ -162,7 +162,7 @@ class ModelSpec(Spec):
         "output_embedding_size). None: h wide, no projection")
     frozen_position_rows: int = Field(
         default=0, ge=0, description="rows of a frozen sinusoidal position table held as a parameter (requires_grad "
-        "false; its states counted as if trained): RoFormer's encoder.embed_positions, head_dim wide; Pegasus's and "
+        "false: weights only, no gradient or optimizer state): RoFormer's encoder.embed_positions, head_dim wide; Pegasus's and "
         "Marian's decoder.embed_positions, h wide (frozen_position_width)")
     frozen_position_width: Literal["head", "hidden"] = Field(
         default="head", description="the frozen position table's width: head_dim (RoFormer's rotary table) or h "

@@ -24,10 +24,11 @@ def embedding_groups(model: ModelSpec) -> list[ParamGroup]:
     if model.embedding_widths:  # ELECTRA embeddings_project, RemBERT embedding_hidden_mapping_in: e -> h, with bias
         groups.append(ParamGroup("embedding projection", e * Poly.parse("h") + Poly.parse("h"), False, "first"))
     if model.looped_stacks:  # HRM: z_L_init (requires_grad false; transformers counts it)
-        groups.append(ParamGroup("initial state (z_L_init)", Poly.parse("h"), False, "first"))
+        groups.append(ParamGroup("initial state (z_L_init)", Poly.parse("h"), False, "first", trained=False,
+                                 requires_grad=False))  # nn.Parameter(requires_grad=False): weights only
     if model.frozen_position_rows:  # RoFormer: encoder.embed_positions, rows x head_dim; Pegasus / Marian: rows x h
         groups.append(ParamGroup("frozen position table", number(model.frozen_position_rows) * frozen_position_width(
-            model), False, "first"))
+            model), False, "first", trained=False, requires_grad=False))  # nn.Embedding(_freeze=True): weights only
     return groups
 
 

@@ -2,7 +2,9 @@
 them): the lightning indexer (ModelSpec.mla_indexer: DeepseekV32Indexer's wq_b r_q -> H_i D_i, wk h -> D_i, k_norm a
 LayerNorm D_i with bias, weights_proj h -> H_i, whole on every GPU) and A.X-K2's gated norms (gated_norm_rank r: each
 gate's fc1 h -> r and fc2 r -> h, one after every layer's input norm, a second after each MoE layer's post-attention
-norm)."""
+norm).
+The indexer's parameters get no gradient (transformers runs DeepseekV32Indexer.forward / GlmMoeDsaIndexer.forward under
+@torch.no_grad, k_norm and weights_proj inside it), so no optimizer state: weights only (ParamGroup.trained)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ def indexer_groups(model: ModelSpec) -> list[ParamGroup]:
     groups = []
     if model.mla_indexer:
         n, d = model.mla_indexer
-        groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer"))
+        groups.append(ParamGroup(INDEXER, Poly.parse_sum(f"{n * d} rq + {d + n} h + {2 * d}"), False, "layer",
+                                 trained=False))  # its forward runs under torch.no_grad: no gradient, no state
     if model.gated_norm_rank:
         gates = Poly.parse(f"{2 * model.gated_norm_rank} h")
         groups.append(ParamGroup(NORM_GATES, gates, False, "layer"))

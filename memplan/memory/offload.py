@@ -135,9 +135,11 @@ def shard_params(params: Any, shard: Any, zero: Any) -> Any:
     return on * (-(-params // shard)) + (1 - on) * params
 
 
-def offloaded_params(training: TrainingSpec, params: Any, shard: Any, zero: Any) -> Any:
-    """Parameters one GPU steps on the host."""
-    return share(shard_params(params, shard, zero), training.offload_optimizer_fraction)
+def offloaded_params(training: TrainingSpec, params: Any, shard: Any, zero: Any, trained: Any = None) -> Any:
+    """Parameters one GPU steps on the host, of its `params` (`trained`: of those, the ones the optimizer steps,
+    StageMemory.trained_params; LoRA's adapters are not counted here)."""
+    stepped = params if trained is None or training.lora_rank else trained
+    return share(shard_params(stepped, shard, zero), training.offload_optimizer_fraction)
 
 
 def optimizer_staging_bytes(training: TrainingSpec, offloaded: Any) -> Any:
@@ -264,7 +266,8 @@ def host_bytes(model: ModelSpec, terms: Any, training: TrainingSpec, plan: Any, 
     staging: Any = 0
     if training.offload_optimizer_fraction > 0:
         staging = optimizer_staging_bytes(training, offloaded_params(training, stage_mem.params,
-                                                                     state_shard(plan), plan.zero))
+                                                                     state_shard(plan), plan.zero,
+                                                                     stage_mem.trained_params))
     return HostBytes(stage_mem.host_optimizer, staging, act, weights)
 
 

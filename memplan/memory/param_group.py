@@ -1,11 +1,11 @@
 """A parameter group (``ParamGroup``): named parameters with a polynomial count, whether tensor parallelism splits
-them and where they live (``Scope``); memplan/memory/states.py makes a model's groups."""
+them, where they live (``Scope``) and whether a step trains them; memplan/memory/states.py makes a model's groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from memplan.core.symbolic import Poly
 
@@ -36,6 +36,11 @@ class ParamGroup:
     scope: Scope
     expert: bool = False  # the routed experts: split over ep x etp instead of t (memplan/memory/parallel.py)
     whole: Optional[Poly] = None  # the part of count kept whole under TP (ModelSpec.mla_down_replicated)
+    # False: weights only, never a gradient, so no optimizer state (torch AdamW skips a parameter whose .grad is None):
+    # a frozen table (requires_grad false) or a module run under torch.no_grad (DeepSeek-V3.2's indexer); counted in
+    # the parameters as transformers counts them (measured: validation/untrained.py)
+    trained: bool = True
+    requires_grad: bool = True  # False: a frozen table; True with trained False: a module run under torch.no_grad
 
     def per_gpu(self, values: Mapping[str, Any]) -> Any:
         n = self.count.evaluate(values)
@@ -51,3 +56,15 @@ class ParamGroup:
 def number(n: int) -> Poly:
     """A count that is a number of the model's own (negative where a layer kind holds less than a sliding layer)."""
     return Poly((((), Fraction(n)),)).simplified()
+
+
+def stepped(group: ParamGroup, dp_stack: Optional[str] = None) -> bool:
+    """Whether the optimizer keeps a gradient and states for the group: a trained one; under DeepSpeed ZeRO also one
+    that requires a gradient but gets none (stage_1_and_2.py flattens every requires_grad parameter into its fp32
+    partitions and zero-fills a missing .grad: derived from DeepSpeed's code, not measured)."""
+    return group.trained or (dp_stack == "deepspeed" and group.requires_grad)
+
+
+def trained_only(count: Callable[[ParamGroup], Any], dp_stack: Optional[str] = None) -> Callable[[ParamGroup], Any]:
+    """`count` (a group's parameters on one GPU) for the groups the optimizer steps (`stepped`), 0 for the others."""
+    return lambda group: count(group) if stepped(group, dp_stack) else 0

@@ -15,8 +15,8 @@ from memplan.core.symbolic import Poly
 from memplan.memory import optimizers
 from memplan.memory.embedding_groups import embedding_widths, frozen_position_width, position_rows
 from memplan.memory.indexer_groups import INDEXER, NORM_GATES
-from memplan.memory.states import (CROSS, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, gate_rows, layer_kinds, layer_vectors,
-                                    output_layer_group)
+from memplan.memory.states import (CROSS, CROSS_NORM, CROSS_OUT_BIAS, CROSS_QKV_BIAS, GATE, gate_rows, layer_kinds,
+                                    layer_vectors, output_layer_group, param_groups)
 
 
 Layout = Literal["fused", "separate"]
@@ -112,6 +112,8 @@ def weight_shapes(model: ModelSpec, layout: Layout = "fused") -> dict[str, tuple
     if model.out_bias and not (model.bias or model.attention_bias):  # GPT-Neo: out_proj's bias alone
         qk_norms = qk_norms + [WeightShape("attention output projection bias", "out_proj bias", P("h"), None)]
     sandwich = norm * (model.layer_norms - 2)  # Gemma 2 / 3: norms on the sub-layers' outputs
+    if model.encoder_kind == "seq2seq":  # a decoder's third norm: its cross-attention's (encoder_attn_layer_norm)
+        sandwich = [replace(w, group=CROSS_NORM) for w in sandwich]
     second = norm if model.layer_norms > 1 else []  # one norm: a parallel block's shared one (Falcon-7B, Cohere)
     col_bias, row_bias = "column-parallel biases (QKV, MLP input)", "row-parallel biases (output projection, MLP output)"
 
@@ -287,7 +289,9 @@ def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_f
         raise MemplanError(f"{kind} layers differ in their tensors: per-tensor optimizer states and optimizer offload "
                            "are not modelled for it; use --optimizer adamw or sgd")
     shapes = weight_shapes(model, layout)
-    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws) for scope, ws in shapes.items()}
+    frozen = {g.name for g in param_groups(model) if not g.trained}  # no gradient, no state (ParamGroup.trained)
+    on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws if w.group not in frozen)
+          for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)
     dense = layer_kinds(model, layers, is_first)["dense"]
     return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers - dense, is_first, is_last,

@@ -23,6 +23,7 @@ from memplan.memory import dp_stack
 from memplan.memory.adapters import gathered_base_layer, lora_states
 from memplan.memory.offload import split_optimizer
 from memplan.memory.optimizers import StageTensors
+from memplan.memory.param_group import stepped, trained_only
 from memplan.memory.parallel import expert_states, state_shard
 from memplan.memory.shapes import Layout, stage_tensors
 from memplan.memory.states import (
@@ -54,7 +55,8 @@ class StageMemory:
     tensors: Optional[StageTensors] = None  # the GPU's parameter tensors, for optimizers that need their shapes
     host_optimizer: Any = 0  # master weights + optimizer states stepped in host memory (optimizer offload)
     expert_params: Any = 0  # of `params`, the routed experts' (sharded over the expert-data-parallel group)
-    trained_params: Any = None  # LoRA: the adapters' parameters (the optimizer steps only those); None: `params`
+    # the parameters the optimizer steps (LoRA's adapters; `params` less those that get no gradient); None: `params`
+    trained_params: Any = None
     gathered: Any = 0  # of `states.weights`, ZeRO-3's unsharded parameters in flight (bytes; dp_stack.gathered_params)
     held: Optional[list] = None  # multi-stage schedules: (micro-batch, chunk) sets of each chunk held at the peak
     extra_terms: tuple = ()  # terms beyond the inventory's (a split backward's I -> W gradients)
@@ -138,12 +140,14 @@ def stage_memory(
     embedding = sum((sizes.group(g) for g in param_groups(model) if g.scope == "first"), 0)
     units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2), embedding,
                                  plan.p, plan.t)
+    # parameters that never get a gradient (a frozen table, DeepSeek-V3.2's no_grad indexer): weights only
+    trained = (stage_params(model, trained_only(sizes.group, training.dp_stack), layers, is_first, is_last, plan.p)
+               if any(not stepped(g, training.dp_stack) for g in param_groups(model)) else None)
+    n_trained = params if trained is None else trained
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
-                         optimizer_unsharded=optimizer_bytes(training, params, tensors))
+                         optimizer_unsharded=optimizer_bytes(training, n_trained, tensors), trained=n_trained)
     if training.lora_rank:  # peft LoRA / QLoRA: frozen base, fp32 adapters trained (memplan/memory/adapters.py)
         states, trained = lora_states(model, training, sizes.values, params, layers, state_shard(plan), plan.zero)
-    else:
-        trained = None
     if training.dp_stack:  # DeepSpeed's reduce buckets, kept all step (memplan/memory/dp_stack.py)
         extra = dp_stack.buffer_bytes(training, model, plan.zero, layers)
         if training.lora_rank:  # lora_states counts no gathered copy under ZeRO 3: the stack's unsharded base

@@ -5,12 +5,11 @@ parallelism splits them, and where they live. The K22 GPT count is 12Lh^2 (1 + 1
 6 / appendix A; Megatron-LM's general count adds g/a for grouped K/V and 3hf for a gated MLP; Q, K, V and the output
 projection are q = a x head_dim wide, q = h unless a config says otherwise); the tests check it.
 
-Bytes per parameter are the named sizes of `TrainingSpec` (Megatron-LM
-docs/user-guide/features/dist_optimizer.md): bf16 weights (2) + fp32 main gradients (4) +
-fp32 master weights (4) + two fp32 Adam moments (8) = 18. ZeRO (Rajbhandari et al. 2020)
-splits over the d data-parallel ranks: stage 1 (= Megatron-LM's distributed optimizer) the
-master weights and moments, giving 6 + 12/d; stage 2 also the gradients; stage 3 also the
-weights, which are then gathered one layer at a time.
+Bytes per parameter are the named sizes of `TrainingSpec` (Megatron-LM docs/user-guide/features/dist_optimizer.md):
+bf16 weights (2) + fp32 main gradients (4) + fp32 master weights (4) + two fp32 Adam moments (8) = 18. ZeRO (Rajbhandari
+et al. 2020) splits over the d data-parallel ranks: stage 1 (= Megatron-LM's distributed optimizer) the master weights
+and moments, giving 6 + 12/d; stage 2 also the gradients; stage 3 also the weights, then gathered one layer at a time.
+Parameters that never get a gradient (ParamGroup.trained false) have weights only.
 
 Optimizers other than AdamW keep states that depend on each tensor's shape (Adafactor's factored second moment, 8-bit
 Adam's blocks, Muon's split between hidden matrices and the rest: memplan/memory/optimizers.py): `weight_shapes`
@@ -38,9 +37,9 @@ from memplan.inventory.types import OUTPUT_LAYER_W
 from memplan.memory import optimizers
 
 GATE = "attention output gate weight"  # ModelSpec.attention_output_gate
-# an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups
-CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS = ("cross-attention weights", "cross-attention Q / K / V biases",
-                                         "cross-attention output bias")
+# an encoder-decoder model's decoder (ModelSpec.encoder_kind seq2seq): its cross-attention's groups, never trained
+CROSS, CROSS_QKV_BIAS, CROSS_OUT_BIAS, CROSS_NORM = ("cross-attention weights", "cross-attention Q / K / V biases",
+                                                     "cross-attention output bias", "cross-attention layer norm")
 CROSS_EXTRA = "cross-attention layers' q / k norms and gates"  # ModelSpec.cross_attention_layers (Mllama)
 
 
@@ -128,12 +127,13 @@ def model_groups(model: ModelSpec) -> tuple[ParamGroup, ...]:
         if model.mlp_bias and not model.bias:  # GPT-J: fc_in's f and fc_out's h
             groups.append(ParamGroup(prefix + "MLP biases", Poly.parse_sum(("2 f" if gated else "f") + " + h"), True,
                                      mlp))
-    if model.encoder_kind == "seq2seq":  # the decoder's cross-attention (encoder_attn): counted, not run alone
-        groups.append(ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer"))
-        groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse(f"{2 + model.key_bias} q"), True, "layer"),
-                   ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer")] if model.bias else []
+    cross = model.encoder_kind == "seq2seq"  # encoder_attn and its norm: counted, never run alone, so never trained
+    groups += [ParamGroup(CROSS, Poly.parse("4 h q"), True, "layer", trained=False)] * cross
+    groups += [ParamGroup(CROSS_QKV_BIAS, Poly.parse(f"{2 + model.key_bias} q"), True, "layer", trained=False),
+               ParamGroup(CROSS_OUT_BIAS, Poly.parse("h"), False, "layer", trained=False)] * (cross and model.bias)
     if model.norm_params:
-        groups.append(ParamGroup("layer norms", Poly.parse(norm) * model.layer_norms, False, "layer"))
+        groups.append(ParamGroup("layer norms", Poly.parse(norm) * (model.layer_norms - cross), False, "layer"))
+        groups += [ParamGroup(CROSS_NORM, Poly.parse(norm), False, "layer", trained=False)] * cross
     if model.attention_bias and not model.bias:
         groups += [ParamGroup("QKV biases", Poly.parse_sum(f"q + {kv_bias}"), True, "layer"),
                    ParamGroup("attention output projection bias", Poly.parse("h"), False, "layer")]
@@ -461,18 +461,19 @@ class StateBytes:
 
 
 def state_bytes(params: Any, training: TrainingSpec, d: Any, zero: Any, gathered_params: Any = 0,
-                optimizer_unsharded: Any = None) -> StateBytes:
+                optimizer_unsharded: Any = None, trained: Any = None) -> StateBytes:
     """Weights, gradients and optimizer bytes for `params` parameters on one GPU, the ZeRO-sharded
     parts split over `d` ranks (the data-parallel size, or the shard group with HSDP).
 
     `gathered_params` is the transient full copy ZeRO-3 gathers (one layer) during compute;
     `optimizer_unsharded` the master weights + optimizer states before sharding (`optimizer_bytes`;
-    default: a full-size copy per moment, as AdamW and SGD keep).
-    """
+    default: a full-size copy per moment, as AdamW and SGD keep); `trained`: of `params`, those with gradients and
+    states (default all; ParamGroup.trained)."""
+    trained = params if trained is None else trained
     if optimizer_unsharded is None:
-        optimizer_unsharded = optimizer_bytes(training, params)
+        optimizer_unsharded = optimizer_bytes(training, trained)
     z = zero
     weights = shard_bytes(params * sharded_weight_bytes(training), d, z >= 3) + (z >= 3) * gathered_params * training.weight_bytes
-    gradients = shard_bytes(params * training.grad_bytes, d, z >= 2)
+    gradients = shard_bytes(trained * training.grad_bytes, d, z >= 2)
     optimizer = shard_bytes(optimizer_unsharded, d, z >= 1)
     return StateBytes(weights, gradients, optimizer)

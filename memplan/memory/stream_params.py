@@ -22,6 +22,7 @@ from memplan.memory.dp_stack import shard_bytes, sharded_weight_bytes
 from memplan.memory.parallel import expert_shard, state_shard
 from memplan.memory.stage import StageMemory
 from memplan.memory.shapes import weight_shapes
+from memplan.memory.param_group import stepped
 from memplan.memory.states import output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes, kind_share, whole_layer
 
@@ -93,11 +94,16 @@ class Persistent:
         gb = ADAPTER_BYTES if self.lora else training.grad_bytes
         self.grad_rows: dict[tuple, list] = {}
         for key, rows in ({"layer": self.adapters} if self.lora else self.tables).items():
-            for name in dict.fromkeys(r[0] for r in rows):
+            for name in dict.fromkeys(r[0] for r in rows if self._trained(r[0])):  # no .grad of an untrained group
                 n_bytes = sum(r[2] for r in rows if r[0] == name) * gb
                 kept = shard_bytes(n_bytes, self._shard(name), plan.zero >= 2)
                 self.grad_rows[key, name] = [r for r in fit([[r[1], r[2] * gb] for r in rows if r[0] == name], kept)
                                              if r[1] > 0]
+
+    def _trained(self, group: str) -> bool:
+        """Whether a group gets gradients and optimizer states (ParamGroup.trained; the output layer does)."""
+        g = self.groups.get(group)
+        return g is None or stepped(g, self.tr.dp_stack)
 
     def _shard(self, group: str) -> Any:
         g = self.groups.get(group)
@@ -111,9 +117,9 @@ class Persistent:
         return [(site, g, name, n) for site in self.sites for g, name, n in self.tables[self.table(site)]]
 
     def trained(self) -> list:
-        """(site, group, name, params) of the tensors the optimizer steps: LoRA's adapters, else every parameter."""
+        """(site, group, name, params) of the tensors the optimizer steps: LoRA's adapters, else every trained one."""
         if not self.lora:
-            return self.tensors()
+            return [t for t in self.tensors() if self._trained(t[1])]
         return [(j, g, name, n) for j in self.sites if isinstance(j, int) for g, name, n in self.adapters]
 
     def new_grad(self, group: str, site: Any) -> int:
@@ -121,7 +127,7 @@ class Persistent:
         the adapters' fp32."""
         if self.lora:
             return sum(n for g, _, n in self.adapters if g == group) * ADAPTER_BYTES
-        n = sum(r[2] for r in self.tables[self.table(site)] if r[0] == group)
+        n = sum(r[2] for r in self.tables[self.table(site)] if r[0] == group) * self._trained(group)
         return n * self.tr.weight_bytes if site != "head" or self.untied_head else 0
 
     def _base_bytes(self, site: Any, group: str, n: int) -> int:

@@ -45,7 +45,7 @@ from memplan.memory.offload import (TUNE_STASH, conversion_temp_bytes, layer_wei
 from memplan.memory.parallel import cp_moments, expert_shard, state_shard
 from memplan.memory.dp_stack import shard_bytes
 from memplan.memory.stage import StageMemory
-from memplan.memory.param_group import LAYER_SCOPES
+from memplan.memory.param_group import LAYER_SCOPES, stepped
 from memplan.memory.states import block_share, output_layer_group, param_groups
 from memplan.memory.term_bytes import PlanValues, TermBytes
 
@@ -149,8 +149,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
                 n = sizes.group(lora[name]) * adapter_bytes(training) if name in lora else 0
             elif name == head.name:
                 n = sizes.group(head) * training.grad_bytes * untied_head
-            else:
-                n = sizes.group(groups[name]) * training.grad_bytes if name in groups else 0
+            else:  # a group that is never trained (ParamGroup.trained) gets no gradient
+                n = (sizes.group(groups[name]) * training.grad_bytes * stepped(groups[name], training.dp_stack)
+                     if name in groups else 0)
             shard = expert_shard(plan) if name in groups and groups[name].expert else state_shard(plan)
             grad_cache[name, kept] = shard_bytes(n, shard, plan.zero >= 2) if kept else n
         return grad_cache[name, kept]
@@ -432,7 +433,7 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
         return temp
     # optimizer offload (memplan/memory/offload.py): the GPU steps 1 - F of its shard (its temporaries shrink with it), and
     # the host's parameters are copied back through a GPU temporary of the host dtype, one tensor at a time
-    offloaded = offloaded_params(training, stage_mem.params, state_shard(plan), plan.zero)
+    offloaded = offloaded_params(training, stage_mem.params, state_shard(plan), plan.zero, stage_mem.trained_params)
     return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)
 
 

@@ -475,4 +475,8 @@ def read_hf_config(path_text: str) -> ModelPreset:
     if spec.get("position_embedding", "learned") == "learned":  # the table transformers builds, whatever s trains
         spec["position_rows"] = positions
     model = build(ModelSpec, {k: v for k, v in spec.items() if v is not None}, where=str(path))
+    if model.mla_indexer:  # memplan/memory/indexer_groups.py
+        notes += ("the lightning indexer runs under torch.no_grad: its parameters are counted in the weights, with no "
+                  "gradient or optimizer state (measured on CPU: validation/untrained.py; under DeepSpeed ZeRO, which "
+                  "steps every requires_grad parameter, with both: derived)",)
     return ModelPreset(model, {}, {}, None, str(path), notes)

@@ -228,20 +228,22 @@ _BERT_NOTE = ("a BERT-like encoder trained as a causal LM ({arch} with is_decode
               "hf-eager estimates its activations (traced from transformers' code); Megatron-LM's BERT is another "
               "model (--impl megatron* and --emit megatron refuse it)")
 _SEQ2SEQ_NOTE = ("the decoder of an encoder-decoder model trained alone as a causal LM ({arch}): the encoder is left "
-                 "out; each layer's cross-attention (encoder_attn) is counted in the parameters, not in the activations "
-                 "(transformers' forward without encoder states skips it); only --impl hf-sdpa / hf-eager estimates "
+                 "out; each layer's cross-attention (encoder_attn and its LayerNorm) is counted in the weights, not in the "
+                 "activations, gradients or optimizer states (transformers' forward without encoder states skips it: "
+                 "measured, no .grad; validation/untrained.py); only --impl hf-sdpa / hf-eager estimates "
                  "its activations (traced); Megatron-LM's T5 is another model (--impl megatron* and --emit megatron "
                  "refuse it)")
 _SEQ2SEQ = (*_BART_LIKE, "BigBirdPegasusForCausalLM", "WhisperForCausalLM")
 ENCODER_NOTES = {arch: (_SEQ2SEQ_NOTE if arch in _SEQ2SEQ else _BERT_NOTE).format(arch=arch) for arch in ENCODERS}
 ENCODER_NOTES["RoFormerForCausalLM"] += ("; its frozen rotary table (encoder.embed_positions, max_position_embeddings "
-                                         "x h / a, requires_grad false) is counted with the parameters, and its "
-                                         "gradient and optimizer states as if trained (derived: an overestimate)")
+                                         "x h / a, requires_grad false) is counted with the parameters and the "
+                                         "weights, with no gradient or optimizer state (measured: "
+                                         "validation/untrained.py)")
 for _arch in ("PegasusForCausalLM", "MarianForCausalLM"):
     ENCODER_NOTES[_arch] += ("; its sinusoidal positions (decoder.embed_positions, an nn.Embedding of "
                              "max_position_embeddings x d_model built frozen, requires_grad false) are counted with "
-                             "the parameters, as transformers counts them, and their gradient and optimizer states as "
-                             "if trained (derived: an overestimate)")
+                             "the parameters, as transformers counts them, and the weights, with no gradient or "
+                             "optimizer state (measured: validation/untrained.py)")
 
 
 def is_decoder_note(arch: str, data: dict) -> tuple[str, ...]:

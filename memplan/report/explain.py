@@ -250,14 +250,17 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     gathered = " + one gathered layer (ZeRO-3)" if par.zero >= 3 else ""
     prec = f"--precision {tr.precision} (byte sizes of the training settings)"
     label = f"optimizer states ({states_label(tr).removeprefix('optimizer (')}"
+    # the parameters that get a gradient and states: all but a frozen table's, a no_grad module's (ParamGroup.trained)
+    n = params if peak.trained_params is None or tr.lora_rank else int(peak.trained_params)
+    what = "parameters" if n == params else "trained parameters (weights only for the others)"
     if peak.tensors is None:  # full-size states: AdamW, SGD (with or without momentum), Lion
-        optimizer = Step("states", label, "parameters x (master + moments x state bytes)",
-                         f"{params:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes})"
-                         f" B = {params:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec)
+        optimizer = Step("states", label, f"{what} x (master + moments x state bytes)",
+                         f"{n:,} x ({tr.master_weight_bytes} + {tr.optimizer_moments} x {tr.optimizer_state_bytes})"
+                         f" B = {n:,} x {optimizer_per_param} B{sharded(1)}", int(peak.optimizer), "B", prec)
     else:  # states by tensor shape (memplan/memory/optimizers.py)
-        states = int(optimizer_bytes(tr, params, peak.tensors)) - params * tr.master_weight_bytes
-        optimizer = Step("states", label, "parameters x master bytes + the optimizer's states by tensor shape",
-                         f"{params:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
+        states = int(optimizer_bytes(tr, n, peak.tensors)) - n * tr.master_weight_bytes
+        optimizer = Step("states", label, f"{what} x master bytes + the optimizer's states by tensor shape",
+                         f"{n:,} x {tr.master_weight_bytes} B + {states:,} B{sharded(1)}", int(peak.optimizer),
                          "B", f"memplan/memory/optimizers.py ({tr.optimizer}); {prec}")
     if tr.lora_rank:  # peft LoRA: the base frozen, only the fp32 adapters trained (memplan/memory/adapters.py)
         n, src = int(peak.trained_params), "memplan/memory/adapters.py (peft LoRA)"
@@ -273,8 +276,8 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     steps += [
         Step("states", "weights", "parameters x weight bytes",
              f"{params:,} x {tr.weight_bytes} B{sharded(3)}{gathered}", int(peak.weights), "B", prec),
-        Step("states", "gradients", "parameters x gradient bytes",
-             f"{params:,} x {tr.grad_bytes} B{sharded(2)}", int(peak.gradients), "B", prec),
+        Step("states", "gradients", f"{what} x gradient bytes",
+             f"{n:,} x {tr.grad_bytes} B{sharded(2)}", int(peak.gradients), "B", prec),
         optimizer,
     ]
     return steps
