@@ -38,7 +38,8 @@ WIDENED = ["qwen2_moe", "glm4_moe", "llama4_text", "llama4", "hunyuan_v1_moe", "
            "afmoe", "laguna",  # the fifth wave's: a gate on the attention output (attention_output_gate),
            "diffllama", "apertus",  # differential attention's lambdas, xIELU's two scalars (activation_params)
            "emu3", "bitnet",  # Emu3: its text_config (Emu3TextConfig, which transformers' causal-LM mapping does not name)
-           "gpt_neox_japanese", "modernbert-decoder", "cpmant"]  # the sixth wave's: extra tensors
+           "gpt_neox_japanese", "modernbert-decoder", "cpmant",  # the sixth wave's: extra tensors
+           "cohere_compass_text"]  # Cohere 2's parallel block without q / k norms (its tiny config: rotary per kind)
 # the hybrids with Mamba-2 mixers or short convolutions (memplan/presets/hf_hybrids.py; tests/test_hybrids.py traces
 # Bamba and LFM2) or gated DeltaNets (memplan/presets/hf_linear_attention.py; tests/test_linear_attention.py traces
 # Qwen3-Next) or Kimi Delta Attention beside latent attention (the same file), and the recurrent decoders
@@ -172,6 +173,42 @@ def test_a_traced_sample_of_the_families_read_since_equals_a_real_cpu_run(model_
     row, config = registry.params_row(model_type, "")
     registry.trace_row(row, config)
     assert row.memplan_params == row.meta_params and row.traced and row.measured, row.trace_error
+
+
+# the defaults, shrunk, that built no model before validation/registry.py filled what they leave unset (the QSA
+# indexer's sizes, rotary per layer kind), kept what the class checks (top-1 routing, the SWA head_dim = nope + rope,
+# per_layer_config overrides within the shrunk layers) or built the class with what its validation asks
+NOW_BUILT = ["qwen4_exp", "qwen4_exp_text", "cohere_compass_text", "zaya", "dots3_note_text"]
+
+
+@pytest.mark.parametrize("model_type", NOW_BUILT)
+def test_the_shrunk_defaults_that_built_nothing_build(model_type):
+    assert meta_params(tiny_config(model_type)) > 0
+
+
+def test_the_gemma4_assistant_config_is_made_and_refused_as_a_drafter():
+    """Its defaults fail its own validation (per-layer inputs): made with a text model without them, every layer
+    reusing K / V (num_kv_shared_layers = the shrunk 2 layers); memplan refuses a drafter in one line."""
+    config = tiny_config("gemma4_assistant")
+    assert config["text_config"]["num_kv_shared_layers"] == config["text_config"]["num_hidden_layers"] == 2
+    with pytest.raises(MemplanError, match="speculative-decoding drafter") as err:
+        registry.memplan_params(config)
+    assert "\n" not in str(err.value)
+
+
+def test_the_published_cohere_compass_layout_counts_and_traces_exactly():
+    """North's layout: sliding layers with (M-)RoPE, full ones without position encoding (rope_parameters None), a
+    logit scale, here with attention biases: memplan's count is transformers' (meta device), the biases 2 layers x
+    (q 64 + k 32 + v 32 + o 64) = 384 parameters more (h = 64, 2 K / V heads 16 wide); the trace equals a real CPU run."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0, "mrope_section": [2, 1, 1]},
+            "full_attention": None}
+    plain = {**tiny_config("cohere_compass_text"), "layer_types": ["sliding_attention", "full_attention"],
+             "rope_parameters": rope, "logit_scale": 0.25}
+    biased = {**plain, "attention_bias": True}
+    assert registry.memplan_params(biased) == meta_params(biased) == meta_params(plain) + 384
+    row = registry.Row("cohere_compass_text", "CohereCompassForCausalLM")
+    registry.trace_row(row, biased)
+    assert row.traced and row.measured, row.trace_error
 
 
 def test_a_text_model_the_mapping_does_not_name_is_built_by_its_class():

@@ -24,6 +24,7 @@ summary (the figures in docs/reference.md, section "The transformers registry").
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 
@@ -69,9 +70,6 @@ _SMALL_DELTA = {"linear_num_value_heads": 4, "linear_value_head_dim": 16, "linea
 # their experts' top-k and groups under attribute_map's names (num_experts_per_token, num_expert_group)
 _SMALL_KDA = {"linear_num_heads": 4, "linear_head_dim": 16, "num_experts_per_token": 2, "num_expert_group": 1}
 
-# a per_layer_config override's shrunk sizes (Gemma 4's full-attention layers: heads twice as wide, one K / V head),
-# unlike the shrunk defaults so that the reader must take them
-_SMALL_OVERRIDES = {"head_dim": 32, "num_key_value_heads": 1}
 
 # RecurrentGemma's shrunk sizes: the RG-LRU 96 wide (not h, so the reader must take lru_width: 4 heads of 24), a
 # 16-token attention window (the walk's s = 32 runs past it)
@@ -90,6 +88,12 @@ _SMALL_MLSTM = {"num_blocks": 2, "embedding_dim": _SMALL["hidden_size"]}
 
 # keys whose default None builds no model: given their shrunk size (head_dim 16 = h / a)
 _NONE_FILLED = ("num_experts_per_tok", "head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts")
+
+# a config class whose defaults its own validation refuses, built with what that validation asks (Gemma 4's
+# assistant, a drafter: a text model without per-layer inputs, experts or double-wide MLPs, as the published one)
+_BUILT_WITH = {"gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                                    "vocab_size_per_layer_input": 0, "enable_moe_block": False,
+                                                    "use_double_wide_mlp": False}}}
 
 # a multimodal model's parts outside its text model (memplan estimates the text model: memplan/presets/hf_multimodal.py)
 LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "audio_tower.", "embed_vision.",
@@ -167,7 +171,7 @@ def _shrink(data: dict) -> dict:
         # one layer of each kind in the order the defaults first show them, the last kind repeated up to n
         out["layer_types"] = kinds + [kinds[-1]] * (n - len(kinds))
     if isinstance(data.get("per_layer_config"), dict) and isinstance(types, list) and "layer_types" in out:
-        out["per_layer_config"] = _shrink_overrides(data["per_layer_config"], types, out["layer_types"])
+        out["per_layer_config"] = _shrink_overrides(data, out, types)
     if "time_step_limit" in data and "attn_layer_indices" in data and not data["attn_layer_indices"]:
         out["attn_layer_indices"] = [1]
     if "time_step_limit" in data and out.get("layer_types") == ["linear_attention"] * 2:
@@ -196,27 +200,61 @@ def _shrink(data: dict) -> dict:
         out["attention_type"] = "original_full"  # attention specialises s: refused, tests/test_encoders.py)
     if "conv_L_cache" in data and "num_dense_layers" in data:  # LFM2-MoE: no default layer_types; one dense layer
         out.update(num_hidden_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])
+    if n and data.get("num_kv_shared_layers") == n_old:  # every layer reuses K / V (Gemma 4's assistant): still every
+        out["num_kv_shared_layers"] = n
+    _fill(out)
     return out
 
 
-def _shrink_overrides(overrides: dict, types: list, shrunk_types: list) -> dict:
+def _fill(out: dict) -> None:
+    """Per architecture, what its defaults leave unset or set so that no model builds, as a config.json writes it."""
+    kind, types = out.get("model_type"), out.get("layer_types") or []
+    if kind == "qwen4_exp_text" and "indexed_attention" in types and out.get("indexer_n_heads") is None:
+        # its indexed_attention layers always build the QSA indexer, whose sizes default to None: 4 query heads and
+        # the one key head the class requires, h / a wide (the rotary part must fit), 16 tokens picked from blocks of 4
+        out.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
+                   indexer_compress_ratio=4)
+    if kind == "cohere_compass_text" and not out.get("rope_parameters"):
+        # rotary set per layer kind (the defaults write none): as the published North config, the full-attention
+        # layers without position encoding (None), the sliding ones with rotary (base 50000)
+        out["rope_parameters"] = {t: None if t == "full_attention" else {"rope_type": "default", "rope_theta": 50000.0}
+                                  for t in dict.fromkeys(types)}
+    if kind == "dots3_note_text":  # its sliding layers' heads are qk_nope_head_dim + qk_rope_head_dim wide (checked)
+        for layer in (out.get("per_layer_config") or {}).values():
+            if "qk_nope_head_dim" in layer:
+                layer["head_dim"] = layer["qk_nope_head_dim"] + layer.get("qk_rope_head_dim", out["qk_rope_head_dim"])
+    if kind == "zaya":  # its config class accepts top-1 routing only: the defaults' one expert per token kept
+        out["num_experts_per_tok"] = 1
+
+
+def _shrink_overrides(data: dict, out: dict, types: list) -> dict:
     """per_layer_config (layer index -> overrides) for the shrunk layers: each shrunk layer takes the overrides of the
-    first default layer of its kind, their sizes shrunk (_SMALL_OVERRIDES), so the overrides agree with the shrunk
-    layer_types (transformers refuses an index past the last layer)."""
-    by_index = {int(k): v for k, v in overrides.items()}
-    out = {}
-    for i, kind in enumerate(shrunk_types):
+    first default layer of its kind, so the overrides agree with the shrunk layer_types (transformers refuses an index
+    past the last layer); a size keeps its ratio to the default it overrides (Gemma 4's full-attention heads twice as
+    wide: 32 against 16; dots3's sliding layers' half as many heads, twice the latent rank), unlike the shrunk
+    defaults so that the reader must take them; latent attention keeps one K / V per query head there too."""
+    by_index = {int(k): v for k, v in data["per_layer_config"].items()}
+    shrunk = {}
+    for i, kind in enumerate(out["layer_types"]):
         first = types.index(kind)
         if by_index.get(first):
-            out[str(i)] = {k: _SMALL_OVERRIDES.get(k, v) if isinstance(v, int) else v
-                           for k, v in by_index[first].items()}
-    return out
+            shrunk[str(i)] = {k: _override(v, data.get(k), out.get(k)) for k, v in by_index[first].items()}
+            if "kv_lora_rank" in data and "num_attention_heads" in shrunk[str(i)]:
+                shrunk[str(i)]["num_key_value_heads"] = shrunk[str(i)]["num_attention_heads"]
+    return shrunk
+
+
+def _override(value: Any, default: Any, small: Any) -> Any:
+    """An override's shrunk size: small * value / default when that is a whole number, else the shrunk default."""
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (value, default, small)):
+        return value
+    return small * value // default if small * value % default == 0 else small
 
 
 def tiny_config(model_type: str) -> dict:
     """The config.json of a tiny model of the architecture: its config class's defaults, shrunk."""
     tf = _hf._transformers()
-    data = tf.CONFIG_MAPPING[model_type]().to_dict()
+    data = tf.CONFIG_MAPPING[model_type](**_BUILT_WITH.get(model_type, {})).to_dict()
     data = json.loads(json.dumps(_shrink(data), default=str))
     data["architectures"] = [architectures()[model_type]]
     data["model_type"] = model_type

@@ -50,24 +50,28 @@ _CODEBOOKS = ("{name}'s decoder over audio codes: num_codebooks token embeddings
 EXCLUDED: dict[str, tuple[str, str]] = {
     "blt": ("estimate", "the Byte Latent Transformer: local encoder / decoder, a patcher and hash embeddings around "
                         "the global model"),
-    "cohere_compass_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (KeyError "
-                                        "'full_attention'), so no reader is checked"),
     "dbrx": ("trace", "DbrxExperts loops over the experts that received tokens: the forward depends on tensor values "
                       "(TraceRefused)"),
     "deepseek_v4": ("estimate", "DeepSeek-V4: attention sinks, a KV compressor, low-rank output projections and "
                                 "hyper-connections (attn_hc, ffn_hc)"),
     "dots3_note": ("estimate", "its text model (dots3_note_text): latent attention with DeepSeek-V3.2's sparse-attention "
                                "indexer (indexer.wq_b, wk, k_norm, weights_proj) on its indexed_attention layers, "
-                               "attention set per layer (per_layer_config): not read; its defaults, shrunk, fail its "
-                               "config's validation too (num_key_value_heads must match num_attention_heads)"),
-    "dots3_note_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (per_layer_config "
-                                    "names layers past the second)"),
+                               "attention set per layer (per_layer_config): not read; its defaults, shrunk, do not build "
+                               "either (its vision config's per_layer_config names layers past the second)"),
+    "dots3_note_text": ("estimate", "Dots 3 Note: latent attention with DeepSeek-V3.2's sparse-attention indexer "
+                                    "(indexer.wq_b, wk, k_norm with bias, weights_proj) on its indexed_attention layers, "
+                                    "a gate per head on the attention output (g_proj), a norm on the rotary key "
+                                    "(k_rope_only_layernorm) and the sliding layers' own heads and latent rank "
+                                    "(per_layer_config): not read"),
     "falcon_mamba": ("trace", _MAMBA1),
     "gemma3n": ("estimate", "its text model is gemma3n_text's (per-layer embeddings, AltUp, LAuReL, KV sharing: not "
                             "read); its vision tower (TimmWrapperModel) needs the timm library to build"),
     "gemma3n_text": ("estimate", "Gemma 3n: per-layer embeddings, AltUp and LAuReL blocks, KV-sharing layers; its "
                                  "defaults, shrunk, do not build"),
-    "gemma4_assistant": ("build", "its config class's validation refuses the shrunk sizes"),
+    "gemma4_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's keys and "
+                                     "values (memplan estimates the target); transformers itself builds none from its "
+                                     "config (kv_sharing_modes: no layer of its own stores the K / V every layer "
+                                     "reuses)"),
     "gemma4_unified_assistant": ("estimate", "a speculative-decoding drafter: every layer reuses its target model's "
                                              "keys and values (memplan estimates the target)"),
     "git": ("estimate", NOT_READ["GitForCausalLM"] + ": not read"),
@@ -94,18 +98,22 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "musicgen": ("estimate", _CODEBOOKS.format(name="MusicGen", cls="MusicgenForCausalLM", config="MusicgenConfig")),
     "musicgen_melody": ("estimate", _CODEBOOKS.format(name="MusicGen Melody", cls="MusicgenMelodyForCausalLM",
                                                       config="MusicgenMelodyConfig")),
-    "qwen4_exp": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // None), "
-                              "so no reader is checked"),
-    "qwen4_exp_text": ("estimate", "not read: transformers' defaults, shrunk, do not build it (TypeError: None // "
-                                   "None), so no reader is checked"),
+    "qwen4_exp": ("estimate", "its text model (qwen4_exp_text): hyper-connections, gated DeltaNet layers beside "
+                              "attention with a QSA token indexer: not read"),
+    "qwen4_exp_text": ("estimate", "Qwen4-Exp: hyper-connections (hc_count residual streams mixed around each "
+                                   "sub-layer: attn_ / mlp_hyper_connection, hyper_connection_mixer), gated DeltaNet "
+                                   "layers beside output-gated attention with a QSA token indexer (index_qk_proj, q / k "
+                                   "layernorms), n-gram per-layer embeddings where ple_layer_ids names layers: not "
+                                   "read"),
     "reformer": ("estimate", "Reformer: LSH / local attention and reversible layers; its defaults do not build as a "
                              "decoder (is_decoder false)"),
     "xlnet": ("estimate", "XLNet: two-stream relative attention (r, r_r_bias, r_s_bias, r_w_bias, seg_embed per "
                           "layer) and a mask embedding"),
     "xlstm": ("trace", NOT_TRACED["xlstm"]),
     "zamba": ("trace", _MAMBA1),
-    "zaya": ("estimate", "not read: its config's validation refuses the shrunk defaults (num_experts_per_tok 1 only), "
-                         "so no reader is checked"),
+    "zaya": ("estimate", "ZAYA: compressed convolutional attention (convolutions over q / k, current and delayed V "
+                         "projections, a learned q / k temperature), an MLP router (gate.router_mlp) and learned "
+                         "residual scales and biases: not read"),
 }
 
 

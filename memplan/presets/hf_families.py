@@ -223,6 +223,13 @@ def _cohere2_moe(data: dict, path: Path) -> dict[str, Any]:
     return dict(out, ffn_hidden_size=nat(data, "prefix_dense_intermediate_size", None, path)) if dense else out
 
 
+def _cohere_compass(data: dict, path: Path) -> dict[str, Any]:
+    """Cohere Compass's text model (North): Cohere 2's parallel block after one LayerNorm without bias, no q / k norms;
+    its full-attention layers without position encoding (rope_parameters None there: no parameters either way)."""
+    return dict(norm="layernorm", norm_bias=False, norms_per_layer=1, layer_layout="parallel",
+                tied_embeddings=flag(data, "tie_word_embeddings", True, path), norm_eps=data.get("layer_norm_eps"))
+
+
 def _glm4_moe_lite(data: dict, path: Path) -> dict[str, Any]:
     """GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's multi-head latent attention and experts, the dense layers from
     mlp_layer_types."""
@@ -388,7 +395,7 @@ LLAMA_KEYED: dict[str, Callable[[dict, Path], dict[str, Any]]] = {
     "BitNetForCausalLM": lambda data, path: dict(sub_norms=True),  # attn_sub_norm, ffn_sub_norm; relu2 gate
     "ApertusForCausalLM": _apertus,
     "GraniteSWAForCausalLM": lambda data, path: dict(attention_sinks=True),  # Granite's layer, sinks, windows
-    "Gemma4ForCausalLM": _gemma4, "Gemma4UnifiedForCausalLM": _gemma4,
+    "Gemma4ForCausalLM": _gemma4, "Gemma4UnifiedForCausalLM": _gemma4, "CohereCompassForCausalLM": _cohere_compass,
 }
 
 # LLAMA_KEYED families whose config.json has no intermediate_size (every layer MoE: the reader gives the width)
@@ -442,6 +449,7 @@ APPROXIMATED = {
     "Kolibri1ForCausalLM": "Kolibri normalises the sub-layers' outputs too (post_self_attn / post_mlp layernorms)",
     "FlexOlmoForCausalLM": "FlexOlmo normalises the sub-layers' outputs (post-norms) and the whole Q and K",
     "Cohere2MoeForCausalLM": "Cohere2-MoE runs attention and MLP in parallel after one LayerNorm without bias",
+    "CohereCompassForCausalLM": "Cohere Compass runs attention and MLP in parallel after one LayerNorm without bias",
     "MiniMaxM2ForCausalLM": "MiniMax-M2 normalises the whole Q and K",
     "Gemma4ForCausalLM": "Gemma 4's layers differ by kind (the full-attention layers' own head width and K / V heads; "
                          "per-layer inputs, K / V reused by the last layers and experts beside the MLP where the config "
