@@ -263,3 +263,20 @@ def test_every_traced_family_counts_what_transformers_builds(tmp_path):
     for name, (config, _) in FAMILIES.items():
         config = {**config, "architectures": [ARCHITECTURES[config["model_type"]]]}
         assert total_params(read_hf_config(write(tmp_path, config)).model) == _meta_count(config), name
+
+
+def test_a_model_yaml_gives_tuple_fields_as_lists(tmp_path):
+    """YAML has no tuples: extra_tensors, embedding_widths, ... come as lists and are taken (strict mode takes only
+    tuples), and a spec's own model_dump written to YAML loads back equal (the torchtitan tests write their tiny models
+    this way; extra_tensors' default () was dumped as [] and refused)."""
+    import yaml
+
+    text = ("model:\n  name: lists\n  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n  seq_length: 32\n"
+            "  vocab_size: 256\n  tied_embeddings: false\n  embedding_widths: [32, 48]\n"
+            "  extra_tensors: [{name: adapters, scope: layer, rows: 8, cols: 64, count: 2}]\n")
+    (tmp_path / "lists.yaml").write_text(text)
+    spec = load_model(str(tmp_path / "lists.yaml")).model
+    assert spec.embedding_widths == (32, 48) and spec.extra_tensors[0].numel == 8 * 64 * 2
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(yaml.safe_dump({"model": spec.model_dump(exclude={"inventory"}, mode="json")}))
+    assert load_model(str(dumped)).model == spec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from memplan.core.errors import MemplanError
 
@@ -20,6 +20,21 @@ def echo(value: Any, limit: int = 60) -> str:
 class Spec(BaseModel):
     # strict: `hidden_size: true` or `num_layers: 2.5` is refused rather than coerced (to 1, to 2)
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequences_as_tuples(cls, data: Any) -> Any:
+        """A YAML or JSON file (and a spec's model_dump written to one) gives a sequence as a list; strict mode takes
+        only tuples for the tuple fields (extra_tensors, embedding_widths, mla_indexer, ...): the list is taken as one."""
+        if not isinstance(data, dict):
+            return data
+        fields = _TUPLE_FIELDS.get(cls)
+        if fields is None:
+            fields = _TUPLE_FIELDS[cls] = frozenset(n for n, f in cls.model_fields.items() if "tuple" in str(f.annotation))
+        return {k: tuple(v) if k in fields and isinstance(v, list) else v for k, v in data.items()}
+
+
+_TUPLE_FIELDS: dict[type, frozenset[str]] = {}  # per spec class: its fields annotated as tuples
 
 
 def describe_validation_error(err: ValidationError, where: str = "", known: tuple[str, ...] = ()) -> str:
