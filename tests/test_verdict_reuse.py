@@ -1,0 +1,56 @@
+"""What `--max-seq` reuses across the lengths it tries is the verdict made afresh (issue 20): with one plan's
+`StreamLengths` (memplan/memory/stream_lengths.py: its streams evaluated at later lengths, every replay kept by
+stage, length and capacity), `device_bytes` of every stage and of the most loaded alone give what they give
+without it, at each length of a walk that comes back to lengths it tried (as `every_stage_fits` checks every stage
+at the length the most loaded stage's replays settled on), and a stage replayed at a length is not replayed there
+again."""
+
+from __future__ import annotations
+
+import pytest
+
+import memplan.plan.stage_verdict as stage_verdict
+from memplan import estimate
+from memplan.api.options import PlanOptions
+from memplan.memory.stream_lengths import StreamLengths
+from memplan.plan.estimate import device_bytes
+from memplan.plan.limits import _with
+
+# llama3-8b on 8 H100s: the uneven 4-stage plan of tests/test_stage_verdict.py (8 / 6 / 6 / 12 layers, stage 0 dies
+# first at 61.2 GB and s = 6,720) and an even 2-stage one with 4 micro-batches per step, the replay alone deciding
+PLANS = [
+    dict(gpus=8, tp=1, pp=4, dp=2, vpp=1, sp=False, zero=1, micro_batch=1, recompute="selective", seq_len=6720,
+         gpu="h100-80gb", first_stage_layers=8, last_stage_layers=12, frag_margin=0.0, mem="61.2GB"),
+    dict(gpus=8, tp=2, pp=2, dp=2, vpp=1, sp=True, zero=0, micro_batch=1, global_batch=8, recompute="selective",
+         seq_len=4096, gpu="h100-80gb", frag_margin=0.0, mem="40GB"),
+]
+WALK = (6400, 6720, 6080, 6720, 6400)  # lengths in tokens (multiples of every plan's step), two tried twice
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["uneven-p4", "p2-t2"])
+def test_reused_verdicts_are_the_verdicts_made_afresh(plan, monkeypatch):
+    est = estimate("llama3-8b", **plan).estimate
+    config = PlanOptions(model="llama3-8b", **plan).config()[1]
+    calls: list[tuple[int, int]] = []
+    replay_run = stage_verdict.replay_run
+
+    def counting(stream, capacity, *args, **kwargs):
+        calls.append((stream.stage, len(kwargs["ops"])))
+        return replay_run(stream, capacity, *args, **kwargs)
+
+    def need(s: int, lengths, every_stage: bool) -> int:
+        return device_bytes(_with(config, model=dict(seq_length=s)), gpu=est.gpu, fragmentation_margin=0.0,
+                            budget_bytes=est.budget_bytes, lengths=lengths, every_stage=every_stage)
+
+    monkeypatch.setattr(stage_verdict, "replay_run", counting)
+    lengths = StreamLengths(config.training.micro_batch)
+    reused = [(need(s, lengths, every), every) for s in WALK for every in (False, True)]
+    replayed_reusing = len(calls)
+    afresh = [(need(s, None, every), every) for s in WALK for every in (False, True)]
+    assert reused == afresh
+    # the walk's verdicts differ (some lengths fit, some do not, or the needs move with s): the check can fail
+    assert len({n for n, _ in afresh}) > 2
+    # with every stage after the most loaded alone at a length, and at a length tried before, nothing is replayed
+    # again: the replays reusing are those of the walk's distinct lengths, fewer than afresh
+    assert replayed_reusing < len(calls) - replayed_reusing
+    assert lengths.replays and all(key[1] in WALK for key in lengths.replays)
