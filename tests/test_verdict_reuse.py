@@ -54,3 +54,31 @@ def test_reused_verdicts_are_the_verdicts_made_afresh(plan, monkeypatch):
     # again: the replays reusing are those of the walk's distinct lengths, fewer than afresh
     assert replayed_reusing < len(calls) - replayed_reusing
     assert lengths.replays and all(key[1] in WALK for key in lengths.replays)
+
+
+def _walked_pair_by_definition(order, is_first, is_last, m):
+    # walked_pair's rule written out as its docstring says it: at each backward right after a forward (of the
+    # chunk with the embedding / the loss), count the chunk-0 micro-batches alive then; the last of the most
+    alive, best = set(), (-1, 0)
+    for i, (what, mb, c) in enumerate(order):
+        if what == "F":
+            alive.add((mb, c))
+            continue
+        if i and order[i - 1][0] == "F" and (not is_first or c == 0) and (not is_last or c == m - 1):
+            best = max(best, (sum(1 for x in alive if x[1] == 0), i))
+        alive.discard((mb, c))
+    return {best[1] - 1, best[1]}
+
+
+@pytest.mark.parametrize("kind", ["1F1B", "GPipe"])
+def test_walked_pair_counts_as_its_rule(kind):
+    # the stream's walked pair (memory/pipeline.py walked_pair counts the chunk-0 micro-batches alive as it goes)
+    from memplan.memory.pipeline import schedule, walked_pair
+
+    for p, m, microbatches in [(1, 1, 3), (4, 1, 8), (4, 2, 8), (6, 1, 9), (8, 2, 16), (35, 1, 37)]:
+        if kind == "GPipe" and m > 1:
+            continue
+        for stage in range(p):
+            order = schedule(stage, p, m, microbatches, kind)
+            ends = (stage == 0, stage == p - 1)
+            assert walked_pair(order, *ends, m) == _walked_pair_by_definition(order, *ends, m)

@@ -128,7 +128,8 @@ class Repeats:
     def _stamp(run: Any, template: tuple, live: dict[str, dict], where: str, label: str) -> None:
         events, outside, after, allocations, (relative, from_before, own) = template
         base = run.nid
-        ext = [live[name][index][k] for name, index, k in outside]  # the tensors from before, as ~position
+        ext = [live[name][index][k] for name, index, k in outside] if outside else outside  # the tensors from
+        # before, as ~position
         # the copy's compact form now (what a replay reads), its events when the stream's are asked for: one
         # `Stamp` standing in each of its positions of run.events. A copy that frees nothing has the template's
         # form itself (allocations alone: the same requested bytes in every copy; a Stamp's ops are only read)
@@ -145,7 +146,11 @@ class Repeats:
             alive = live[name]
             alive.clear()
             for index, refs in d:
-                alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
+                if len(refs) == 1:  # (the usual case, without a comprehension's call)
+                    r = refs[0]
+                    alive[index] = [base + r if r >= 0 else ext[~r]]
+                else:
+                    alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
 
 
 class Stamp(NamedTuple):
