@@ -82,3 +82,29 @@ def test_walked_pair_counts_as_its_rule(kind):
             order = schedule(stage, p, m, microbatches, kind)
             ends = (stage == 0, stage == p - 1)
             assert walked_pair(order, *ends, m) == _walked_pair_by_definition(order, *ends, m)
+
+
+def test_stages_sharing_term_sizes_make_their_own_streams(monkeypatch):
+    # the stages of one plan at one length share their terms' sizes (memory/stream_params.py _shared); a dense / MoE
+    # layer term's size depends on the stage's share of its kind (DeepSeek-V3's 3 dense first layers on stage 0 of
+    # torchtitan's split: 3 / 15 dense there, 0 / 16 on the next stages, shares asserted below), kept in the key.
+    # Each stage's stream made after the others' (in order, then in reverse) is the one made with nothing shared
+    import memplan.memory.stream_params as stream_params
+    from memplan.memory.reserved import allocation_stream
+
+    config = PlanOptions(model="deepseek-v3", impl="torchtitan", gpus=8, pp=4, dp=2, ep=1, micro_batch=1,
+                         global_batch=8, seq_len=1024).config()[1]
+
+    def ops(stage: int, alone: bool) -> list[int]:
+        if alone:
+            monkeypatch.setattr(stream_params, "_SHARED", type(stream_params._SHARED)())
+        return allocation_stream(config, impl="torchtitan", stage=stage).ops()
+
+    afresh = [ops(i, alone=True) for i in range(4)]
+    monkeypatch.setattr(stream_params, "_SHARED", type(stream_params._SHARED)())
+    assert [ops(i, alone=False) for i in range(4)] == afresh
+    shares = {key[2:] for entries in stream_params._SHARED.values() for key in entries}
+    assert {(3, 15), (12, 15), (0, 16), (16, 16)} <= shares  # dense / MoE shares of stages 0 and 1
+    monkeypatch.setattr(stream_params, "_SHARED", type(stream_params._SHARED)())
+    assert [ops(i, alone=False) for i in reversed(range(4))] == afresh[::-1]
+    assert len({tuple(x) for x in afresh}) == 4  # every stage's stream its own
