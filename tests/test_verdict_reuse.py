@@ -1,9 +1,9 @@
 """What `--max-seq` reuses across the lengths it tries is the verdict made afresh (issue 20): with one plan's
-`StreamLengths` (memplan/memory/stream_lengths.py: its streams evaluated at later lengths, every replay kept by
-stage, length and capacity), `device_bytes` of every stage and of the most loaded alone give what they give
-without it, at each length of a walk that comes back to lengths it tried (as `every_stage_fits` checks every stage
-at the length the most loaded stage's replays settled on), and a stage replayed at a length is not replayed there
-again."""
+`StreamLengths` (memplan/memory/stream_lengths.py: its streams evaluated at later lengths, the most loaded stage's
+replays kept by length and capacity), `device_bytes` of every stage and of the most loaded alone give what they
+give without it, at each length of a walk that comes back to lengths it tried (as `every_stage_fits` checks every
+stage at the length the most loaded stage's replays settled on), and the most loaded stage replayed at a length is
+not replayed there again. The stages of one plan share their terms' sizes and still make their own streams."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def test_reused_verdicts_are_the_verdicts_made_afresh(plan, monkeypatch):
     assert reused == afresh
     # the walk's verdicts differ (some lengths fit, some do not, or the needs move with s): the check can fail
     assert len({n for n, _ in afresh}) > 2
-    # with every stage after the most loaded alone at a length, and at a length tried before, nothing is replayed
-    # again: the replays reusing are those of the walk's distinct lengths, fewer than afresh
+    # the most loaded stage is not replayed again at a length (after itself alone, with every stage, at a length
+    # tried before): fewer replays than afresh
     assert replayed_reusing < len(calls) - replayed_reusing
     assert lengths.replays and all(key[1] in WALK for key in lengths.replays)
 

@@ -120,9 +120,9 @@ def decide(config: Config, inventory: Inventory, plan: PlanValues, mems: list[St
     is its 1F1B schedule with at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak
     is the same). `report` False: the verdict alone (replays stop at the first run that dies; none is replayed
     again with expandable segments). `lengths`: the plan's streams at the other lengths a search replays
-    (memplan/memory/stream_lengths.py), by stage, and the replays made at each (a stage replayed at a length again,
-    as `--max-seq`'s check of every stage at the length its most loaded stage's replays settled on, is not replayed
-    again: the same stream and capacity give the same replay). `every_stage` False: the most loaded stage's replay alone (a
+    (memplan/memory/stream_lengths.py), by stage, and the most loaded stage's replays at each with `every_stage`
+    False (`--max-seq`'s check of every stage at the length those settled on does not replay that stage again: the
+    same stream and capacity give the same replay). `every_stage` False: the most loaded stage's replay alone (a
     necessary condition of the verdict, which `--max-seq` navigates its lengths by: plan/limits.py)."""
     order = sorted(range(len(mems)), key=lambda i: (-steps[i].peak_bytes, -mems[i].total, i))  # most loaded first
     flat = [device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin) for step in steps]
@@ -148,7 +148,9 @@ def decide(config: Config, inventory: Inventory, plan: PlanValues, mems: list[St
             if known is None:  # (a run replayed at this length before: its verdict again, the same replay)
                 reserved = replay_run(stream, capacity, replay, try_expandable=False, ops=ops)
                 known = stream, ops, reserved, _phase_rank(stream, reserved)
-                if lengths is not None:
+                if lengths is not None and not every_stage:  # (the most loaded stage's, which the check of every
+                    # stage at one of these lengths replays again; kept alone: every stage's streams kept would cost
+                    # the garbage collector more than their replays save)
                     lengths.replays[mems[i].stage, config.model.seq_length, capacity, replay] = known
             reserved = known[2]
             done[key] = StageVerdict(i, _needs(flat[i], reserved), reserved, None, known[3])
