@@ -213,12 +213,15 @@ def walked_pair(order: list[tuple[str, int, int]], is_first: Any, is_last: Any, 
     steady state (a backward right after a forward, every in-flight chunk alive) whose backward is of the chunk with
     the embedding (first stage, with the most embedding activations alive) or the loss (last stage)."""
     alive: set = set()
+    first_chunks = 0  # the chunks of model chunk 0 in `alive`
     best = (-1, 0)
     for i, (what, mb, c) in enumerate(order):
         if what == "F":
+            first_chunks += (mb, c) not in alive and c == 0
             alive.add((mb, c))
             continue
         if i and order[i - 1][0] == "F" and (not is_first or c == 0) and (not is_last or c == m - 1):
-            best = max(best, (sum(1 for x in alive if x[1] == 0), i))
+            best = max(best, (first_chunks, i))
+        first_chunks -= (mb, c) in alive and c == 0
         alive.discard((mb, c))
     return {best[1] - 1, best[1]}

@@ -126,21 +126,31 @@ class Repeats:
 
     @staticmethod
     def _stamp(run: Any, template: tuple, live: dict[str, dict], where: str, label: str) -> None:
-        events, outside, after, allocations, (relative, from_before) = template
+        events, outside, after, allocations, (relative, from_before, own) = template
         base = run.nid
-        ext = [live[name][index][k] for name, index, k in outside]  # the tensors from before, as ~position
+        ext = [live[name][index][k] for name, index, k in outside] if outside else outside  # the tensors from
+        # before, as ~position
         # the copy's compact form now (what a replay reads), its events when the stream's are asked for: one
-        # `Stamp` standing in each of its positions of run.events
-        ops = [x if x >= 0 else x - base for x in relative]  # ~(base + v) = ~v - base
-        for at, k in from_before:
-            ops[at] = ~ext[k]
+        # `Stamp` standing in each of its positions of run.events. A copy that frees nothing has the template's
+        # form itself (allocations alone: the same requested bytes in every copy; a Stamp's ops are only read)
+        ops = relative
+        if own or from_before:
+            ops = relative.copy()
+            for at in own:  # a free of the copy's own tensor: ~(base + v) = ~v - base
+                ops[at] -= base
+            for at, k in from_before:
+                ops[at] = ~ext[k]
         run.events += [Stamp(events, base, ext, where, label, ops)] * len(events)
         run.nid = base + allocations
         for name, d in after.items():
             alive = live[name]
             alive.clear()
             for index, refs in d:
-                alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
+                if len(refs) == 1:  # (the usual case, without a comprehension's call)
+                    r = refs[0]
+                    alive[index] = [base + r if r >= 0 else ext[~r]]
+                else:
+                    alive[index] = [base + r if r >= 0 else ext[~r] for r in refs]
 
 
 class Stamp(NamedTuple):
@@ -227,4 +237,6 @@ def _template(events: list, base: int, outside: dict, live: dict[str, dict], whe
     # the piece's own tensor; a free of one from before (0 here) as (position, its position in ext)
     relative = [e[1] if type(e) is tuple else ~e if e >= 0 else 0 for e in out]
     from_before = [(at, ~e) for at, e in enumerate(out) if type(e) is int and e < 0]
-    return out, list(places), {name: list(d.items()) for name, d in after.items()}, allocations, (relative, from_before)
+    own = [at for at, e in enumerate(out) if type(e) is int and e >= 0]  # the piece's own tensors freed
+    return (out, list(places), {name: list(d.items()) for name, d in after.items()}, allocations,
+            (relative, from_before, own))

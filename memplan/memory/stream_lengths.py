@@ -126,6 +126,9 @@ class StreamLengths:
         self.first: dict[Any, tuple[int, AllocationStream]] = {}
         self.shapes: dict[Any, Any] = {}  # key -> _Shape, or None: every length made
         self.made = 0  # streams made (the rest evaluated)
+        # the most loaded stage's replays (memplan/plan/stage_verdict.py, `every_stage` False), by (key, s, capacity,
+        # replay settings): (stream, its compact form, its replay, the position of the phase it dies in)
+        self.replays: dict[tuple, tuple] = {}
 
     def get(self, key: Any, s: int, make: Callable[[], AllocationStream]) -> tuple[AllocationStream, list[int]]:
         """The stream at length s (the first stream made, for an evaluated length: the same events, other sizes)

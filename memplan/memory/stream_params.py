@@ -9,6 +9,7 @@ not measured.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from fractions import Fraction
 from typing import Any
 
@@ -183,6 +184,29 @@ class Persistent:
         return unit, units, gathered - units * unit
 
 
+_SHARED: "OrderedDict[tuple, dict]" = OrderedDict()  # `Sizes`' entries by what they depend on (`_shared`)
+
+
+def _shared(model: ModelSpec, plan: PlanValues, activation_bytes: int, granularity: int) -> dict:
+    """The entries of every `Sizes` of one plan of scalars and length, whatever the stage (the streams of a plan's
+    stages, made one after another by memplan/plan/stage_verdict.py): an entry depends on the model (its length
+    included), b, t, SP, cp, ep, etp (the symbols' values and the counted bytes: memory/term_bytes.py
+    term_bytes_for), the activation bytes, the granularity, and, for a dense / MoE layer term, the stage's share of
+    its kind (`kind_share`, in the entry's key)."""
+    plan_key = (plan.b, plan.t, plan.sp, plan.cp, plan.ep, plan.expert_tp)
+    if any(hasattr(x, "shape") for x in plan_key):
+        return {}
+    key = (model, *(int(x) for x in plan_key), activation_bytes, granularity)
+    entries = _SHARED.get(key)
+    if entries is None:
+        entries = _SHARED[key] = {}
+        if len(_SHARED) > 16:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return entries
+
+
 class Sizes:
     """Requested and counted bytes of terms for one sequence length (memplan/memory/stream.py's events)."""
 
@@ -192,6 +216,7 @@ class Sizes:
         self.model, self.plan, self.stage = model, plan, stage
         self.counted = TermBytes(model, plan, training.activation_bytes, inventory.granularity)
         self.cache: dict[tuple, tuple] = {}
+        self.shared = _shared(model, plan, training.activation_bytes, inventory.granularity)
 
     def __call__(self, term: Term, kind: str) -> tuple:
         """(requested bytes of one storage, counted bytes of one storage, storages (0: none), poly of one
@@ -202,6 +227,11 @@ class Sizes:
         num, den, one = 1, 1, term  # a dense / MoE layer's term: one layer's tensor x the stage's share of its kind
         if term.layer_kind:
             (num, den), one = kind_share(self.model, term, self.plan, self.stage), whole_layer(self.model, term)
+        key = (id(term), kind, int(num), int(den))
+        shared = self.shared.get(key)
+        if shared is not None:  # another stage's of this plan and length (`_shared`)
+            self.cache[id(term), kind] = shared
+            return shared[1]
         n, st = one.bytes(self.values, self.act, self.sp) * num // den, term.storages
         poly = one.split_size(self.act, bool(self.sp)) * Fraction(int(num), st * int(den))
         for sym in {x for mono, _ in poly.terms for x, _ in mono} - {"s", "b"}:
@@ -210,5 +240,7 @@ class Sizes:
         # the term kept in the entry: its id() stays its own while cached
         sizes = (-(-n // st), self.counted(one) * num // den // st, st * (n > 0), poly,
                  "communication" if comm else kind)
-        self.cache[id(term), kind] = (term, sizes)
+        self.cache[id(term), kind] = self.shared[key] = (term, sizes)
+        if len(self.shared) > 4096:  # (an inventory has some hundred terms)
+            self.shared.clear()
         return sizes

@@ -120,7 +120,9 @@ def decide(config: Config, inventory: Inventory, plan: PlanValues, mems: list[St
     is its 1F1B schedule with at most its in-flight micro-batches + 2 per step (the steady state repeats; the peak
     is the same). `report` False: the verdict alone (replays stop at the first run that dies; none is replayed
     again with expandable segments). `lengths`: the plan's streams at the other lengths a search replays
-    (memplan/memory/stream_lengths.py), by stage. `every_stage` False: the most loaded stage's replay alone (a
+    (memplan/memory/stream_lengths.py), by stage, and the most loaded stage's replays at each with `every_stage`
+    False (`--max-seq`'s check of every stage at the length those settled on does not replay that stage again: the
+    same stream and capacity give the same replay). `every_stage` False: the most loaded stage's replay alone (a
     necessary condition of the verdict, which `--max-seq` navigates its lengths by: plan/limits.py)."""
     order = sorted(range(len(mems)), key=lambda i: (-steps[i].peak_bytes, -mems[i].total, i))  # most loaded first
     flat = [device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin) for step in steps]
@@ -134,15 +136,24 @@ def decide(config: Config, inventory: Inventory, plan: PlanValues, mems: list[St
             decided.append(StageVerdict(i, flat[i]))
             continue
         capacity = budget_bytes - flat[i].runtime_bytes
-        stream, ops = _stream(config, inventory, plan, mems[i], gpu, replay, lengths)
+        known = None if lengths is None else lengths.replays.get((mems[i].stage, config.model.seq_length, capacity,
+                                                                  replay))
+        stream, ops = _stream(config, inventory, plan, mems[i], gpu, replay, lengths) if known is None else known[:2]
         key = (capacity, len(ops), hash(tuple(ops)))
         seen = done.get(key)
         if seen is not None and streams[seen.stage][1] == ops:
             decided.append(StageVerdict(i, _needs(flat[i], seen.reserved), dataclasses.replace(seen.reserved, stage=i),
                                         seen.stage, seen.phase_rank))
         else:
-            reserved = replay_run(stream, capacity, replay, try_expandable=False, ops=ops)
-            done[key] = StageVerdict(i, _needs(flat[i], reserved), reserved, None, _phase_rank(stream, reserved))
+            if known is None:  # (a run replayed at this length before: its verdict again, the same replay)
+                reserved = replay_run(stream, capacity, replay, try_expandable=False, ops=ops)
+                known = stream, ops, reserved, _phase_rank(stream, reserved)
+                if lengths is not None and not every_stage:  # (the most loaded stage's, which the check of every
+                    # stage at one of these lengths replays again; kept alone: every stage's streams kept would cost
+                    # the garbage collector more than their replays save)
+                    lengths.replays[mems[i].stage, config.model.seq_length, capacity, replay] = known
+            reserved = known[2]
+            done[key] = StageVerdict(i, _needs(flat[i], reserved), reserved, None, known[3])
             streams[i] = stream, ops
             decided.append(done[key])
         if decided[-1].dies and not report:
