@@ -280,3 +280,21 @@ def test_a_model_yaml_gives_tuple_fields_as_lists(tmp_path):
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(yaml.safe_dump({"model": spec.model_dump(exclude={"inventory"}, mode="json")}))
     assert load_model(str(dumped)).model == spec
+
+
+@pytest.mark.parametrize("data, fragment", [
+    # the recurrent / encoder readers do arithmetic on these fields: a null one is named, not a TypeError
+    ({"architectures": ["RwkvForCausalLM"], "hidden_size": None, "num_hidden_layers": 2, "vocab_size": 100},
+     "RwkvForCausalLM needs a value where the file has null: hidden_size"),
+    ({"architectures": ["BigBirdForCausalLM"], "attention_type": "original_full", "hidden_size": None,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100},
+     "BigBirdForCausalLM needs a value where the file has null: hidden_size"),
+    # a layer pattern L characters long is built from the count: refused before it is (ModelSpec's limit, 16,384)
+    ({"architectures": ["RwkvForCausalLM"], "hidden_size": 64, "num_hidden_layers": 10**12, "vocab_size": 100},
+     "num_hidden_layers: at most 16,384 layers"),
+    ({"architectures": ["RecurrentGemmaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 10**9,
+      "num_attention_heads": 4, "vocab_size": 100}, "num_hidden_layers: at most 16,384 layers"),
+])
+def test_hf_config_nulls_and_huge_layer_counts_refused(run_cli, tmp_path, data, fragment):
+    code, _, err = run_cli("estimate", "--hf-config", write(tmp_path, data))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err

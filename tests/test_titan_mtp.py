@@ -113,6 +113,8 @@ def test_refused_elsewhere():
     from memplan.api.searching import search
     with pytest.raises(MemplanError, match="search does not plan"):
         search("deepseek-v3", impl="torchtitan", gpus=64, mtp=1, global_batch=64, mem="80GB")
+    with pytest.raises(MemplanError, match="search does not plan"):  # Megatron-LM's search took it and dropped it
+        search("llama3-8b", gpus=8, mtp=1)
 
 
 def test_emitted_mtp_plan_loads_in_torchtitan(tmp_path, monkeypatch):

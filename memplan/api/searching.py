@@ -121,10 +121,10 @@ class PreparedSearch:
         kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
                   host_budget_bytes=opts.host_mem)
         skipped: list[Skipped] = []
+        if opts.mtp:  # every --impl: Megatron-LM's plans took it and dropped it
+            raise MemplanError("--mtp: search does not plan multi-token-prediction layers yet (estimate --mtp does)")
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
-            if opts.mtp:
-                raise MemplanError("--mtp: search does not plan multi-token-prediction layers yet (estimate --mtp does)")
             model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),

@@ -437,6 +437,12 @@ def _optimizer_temporaries(training: TrainingSpec, inventory: Inventory, stage_m
     return temp - share(temp, fraction) + conversion_temp_bytes(training, stage_mem.tensors.largest(), offloaded)
 
 
+def stages_by_load(steps: list[StepPeak], stages: list[StageMemory]) -> list[int]:
+    """The stages, the most loaded first: by their GPU's peak, then what is retained at the first backward, then the
+    earlier stage."""
+    return sorted(range(len(stages)), key=lambda i: (-steps[i].peak_bytes, -stages[i].total, i))
+
+
 def most_loaded_stage(steps: list[StepPeak], stages: list[StageMemory]) -> int:
-    """The stage whose GPU peaks highest (ties: the most retained at the first backward, then the earlier stage)."""
-    return max(range(len(stages)), key=lambda i: (steps[i].peak_bytes, stages[i].total, -i))
+    """The stage whose GPU peaks highest (stages_by_load's first)."""
+    return stages_by_load(steps, stages)[0]

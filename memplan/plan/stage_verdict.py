@@ -44,7 +44,7 @@ from memplan.memory.stream_events import AllocationStream
 from memplan.memory.stream_lengths import StreamLengths
 from memplan.memory.stream_traced import run_stream
 from memplan.memory.term_bytes import PlanValues
-from memplan.memory.timeline import StepPeak
+from memplan.memory.timeline import StepPeak, stages_by_load
 
 # a stage other than the most loaded is replayed when its allocated peak x this + runtime exceeds the budget (above)
 RESERVED_RATIO = (3, 2)
@@ -124,7 +124,7 @@ def decide(config: Config, inventory: Inventory, plan: PlanValues, mems: list[St
     False (`--max-seq`'s check of every stage at the length those settled on does not replay that stage again: the
     same stream and capacity give the same replay). `every_stage` False: the most loaded stage's replay alone (a
     necessary condition of the verdict, which `--max-seq` navigates its lengths by: plan/limits.py)."""
-    order = sorted(range(len(mems)), key=lambda i: (-steps[i].peak_bytes, -mems[i].total, i))  # most loaded first
+    order = stages_by_load(steps, mems)  # most loaded first
     flat = [device_memory(step.peak_bytes, plan, inventory, gpu, fragmentation_margin) for step in steps]
     if budget_bytes is None or not_replayed(config.training, plan):
         return Verdict(order[0], (StageVerdict(order[0], flat[order[0]]),))

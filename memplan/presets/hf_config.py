@@ -9,7 +9,7 @@ from typing import Any
 
 from memplan.core.datafile import load_json_text, read_text
 from memplan.core.errors import MemplanError
-from memplan.core.model import ModelSpec
+from memplan.core.model import MAX_LAYERS, ModelSpec
 from memplan.core.spec_base import build, echo
 from memplan.inventory.traced_file import inventory_dir
 from memplan.presets.files import ModelPreset, configs_dir
@@ -398,6 +398,10 @@ def read_hf_config(path_text: str) -> ModelPreset:
             f"s = {seq:,}: the config allows {positions:,} positions ({positions_key}), a context few train "
             f"with from the start; --seq-len sets s")
     window_notes: tuple[str, ...] = ()
+    layers = [k for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(data.get(k), int)
+              and not isinstance(data[k], bool) and data[k] > MAX_LAYERS]  # before a reader builds a pattern L long
+    if layers:
+        raise MemplanError(f"{path}: {layers[0]}: at most {MAX_LAYERS:,} layers (got {data[layers[0]]:,})")
     try:
         if layout == "gpt2":
             dropout = any(_probability(data, k, 0.1, path) > 0 for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
@@ -458,6 +462,13 @@ def read_hf_config(path_text: str) -> ModelPreset:
                 spec.update(_read_moe(data, known[0], path))
     except KeyError as err:
         raise MemplanError(f"{path}: missing field {err.args[0]!r} for {known[0]}") from None
+    except MemplanError:
+        raise
+    except (TypeError, ValueError):  # a reader's arithmetic on a field the file gives as null
+        nulls = sorted(k for k, v in data.items() if v is None)
+        if not nulls:
+            raise
+        raise MemplanError(f"{path}: {known[0]} needs a value where the file has null: {', '.join(nulls)}") from None
     notes = (note,) + notes + own_notes(known[0]) + window_notes
     if known[0] == "DeepseekV3ForCausalLM" and data.get("num_nextn_predict_layers"):
         notes += ("the multi-token-prediction layers (num_nextn_predict_layers, Megatron-LM --mtp-num-layers) are "

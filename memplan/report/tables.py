@@ -21,6 +21,7 @@ from memplan.memory.reserved import EXPANDABLE_CONF
 from memplan.memory.timeline import PART_LABELS
 from memplan.plan.estimate import peak_reason, stage_rows
 from memplan.plan.limits import cap_of
+from memplan.plan.stage_verdict import RESERVED_RATIO
 from memplan.report.escape import NOTE_LIMIT, markup
 from memplan.report.text import (PLAN_LEGEND, bytes3, compact_plan, format_gb, fragmentation_label,
                                  pinned_techniques)
@@ -256,7 +257,8 @@ def render_stage_replays(est: Estimate, console: Console) -> None:
               if v.same_as is not None]
     skipped = [v.stage for v in est.stage_verdicts if v.reserved is None]
     if skipped:
-        parts.append(f"{_stage_list(skipped)} not replayed (1.5 x allocated peak + runtime within the budget)")
+        parts.append(f"{_stage_list(skipped)} not replayed ({RESERVED_RATIO[0] / RESERVED_RATIO[1]:g} x allocated peak + "
+                     "runtime within the budget)")
     console.print("the stages' runs (plan/stage_verdict.py): " + "; ".join(parts) + f"; stage {est.decided} decides")
 
 
