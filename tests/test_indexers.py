@@ -125,6 +125,8 @@ def test_a_pattern_of_moe_layers_other_than_dense_first_is_refused_in_one_line()
         registry.memplan_params({**tiny_config("axk1"), "mlp_layer_types": None, "moe_layer_freq": 2,
                                  "num_hidden_layers": 4})
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)
+    with pytest.raises(MemplanError, match="first_k_dense_replace: expected a count of layers"):  # was: all dense
+        registry.memplan_params({**tiny_config("axk1"), "mlp_layer_types": None, "first_k_dense_replace": "2"})
     with pytest.raises(MemplanError, match="mlp_only_layers") as err:  # Flint: a dense layer after an MoE one
         registry.memplan_params({**tiny_config("flint"), "mlp_only_layers": [1]})
     assert "\n" not in str(err.value) and "model YAML" in str(err.value)

@@ -119,7 +119,7 @@ def _xmod(data: dict, path: Path) -> dict[str, Any]:
     language's adapter (lang_ids; without them, every sample through default_language's)."""
     languages = data.get("languages", ["en_XX"])
     if not isinstance(languages, list) or not languages or not all(isinstance(x, str) for x in languages):
-        raise MemplanError(f"{path}: languages: expected a list of language names (got {echo(languages)})")
+        raise MemplanError(f"{path}: languages: expected a non-empty list of language names (got {echo(languages)})")
     h, r = nat(data, "hidden_size", 768, path), nat(data, "adapter_reduction_factor", 2, path)
     n, width = len(set(languages)), h // r  # adapter_modules: a ModuleDict, one adapter per name
     if not width:

@@ -58,6 +58,8 @@ def _moe_layer_types(data: dict, path: Path) -> dict:
         return data
     L, k, freq = nat(data, "num_hidden_layers", 61, path), data.get("first_k_dense_replace", 1), \
         nat(data, "moe_layer_freq", 1, path)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise MemplanError(f"{path}: first_k_dense_replace: expected a count of layers (got {echo(k)})")
     return dict(data, mlp_layer_types=["sparse" if isinstance(k, int) and i >= k and i % freq == 0 else "dense"
                                        for i in range(L)])
 
