@@ -37,6 +37,12 @@ def nat(data: dict, key: str, default: Any, path: Path) -> Any:
     return value
 
 
+def nat_or_default(data: dict, key: str, default: int, path: Path) -> int:
+    """A positive-integer field whose null means the config class's default (OLMo-hybrid's derived widths, RWKV's
+    attention_hidden_size, RecurrentGemma's lru_width)."""
+    return nat(data if data.get(key) is not None else {}, key, default, path)
+
+
 def layer_types(data: dict, key: str, table: dict, path: Path) -> str:
     """A layer-type list (layer_types, layers_block_type) as layer_pattern characters (``table``: type -> character)."""
     types = data.get(key)

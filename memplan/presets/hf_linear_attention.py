@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import YAML_HINT, flag, layer_types, nat
+from memplan.presets.hf_families import YAML_HINT, flag, layer_types, nat, nat_or_default
 
 _KINDS = {"linear_attention": "D", "full_attention": "A"}
 
@@ -40,15 +40,10 @@ def _interval(data: dict, path: Path) -> Callable[[int], str]:
     return lambda L: "".join("A" if (i + 1) % n == 0 else "D" for i in range(L))
 
 
-def _width(data: dict, key: str, default: int, path: Path) -> int:
-    """A positive-integer field whose null means the config class's default (OLMo-hybrid's derived widths)."""
-    return nat(data if data.get(key) is not None else {}, key, default, path)
-
-
 def _delta(data: dict, path: Path, defaults: tuple[int, int, int, int]) -> dict[str, Any]:
     """The gated DeltaNet's widths (the config class's defaults for missing keys): value heads, their width, key
     heads, their width, and the convolution's width."""
-    Hv, dv, Hk, dk = (_width(data, k, d, path) for k, d in zip(
+    Hv, dv, Hk, dk = (nat_or_default(data, k, d, path) for k, d in zip(
         ("linear_num_value_heads", "linear_value_head_dim", "linear_num_key_heads", "linear_key_head_dim"), defaults))
     if Hv % Hk:
         raise MemplanError(f"{path}: linear_num_value_heads = {Hv} is not divisible by linear_num_key_heads = {Hk}")
@@ -131,8 +126,8 @@ def _olmo_hybrid(data: dict, path: Path) -> dict[str, Any]:
         return pattern if "A" in pattern else pattern[:-1] + "A"
 
     pattern = _pattern(data, path, default)
-    Hk = _width(data, "linear_num_key_heads", a, path)
-    dk = _width(data, "linear_key_head_dim", int(0.75 * h / Hk), path)
+    Hk = nat_or_default(data, "linear_num_key_heads", a, path)
+    dk = nat_or_default(data, "linear_key_head_dim", int(0.75 * h / Hk), path)
     return dict(num_layers=len(pattern), hidden_size=h, num_attention_heads=a, layer_pattern=pattern,
                 num_kv_heads=data.get("num_key_value_heads"), head_dim=data.get("head_dim"), qk_norm=True,
                 qk_norm_width="full", attention_bias=flag(data, "attention_bias", False, path), norm="rmsnorm",

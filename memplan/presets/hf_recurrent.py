@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from memplan.core.errors import MemplanError
 from memplan.core.spec_base import echo
-from memplan.presets.hf_families import YAML_HINT, flag, nat
+from memplan.presets.hf_families import YAML_HINT, flag, nat, nat_or_default
 
 _BLOCKS = {"recurrent": "R", "attention": "A"}
 
@@ -43,7 +43,7 @@ def _recurrent_gemma(data: dict, path: Path) -> dict[str, Any]:
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k in _BLOCKS for k in kinds):
         raise MemplanError(f"{path}: block_types: expected a list of the block types recurrent and attention (got "
                            f"{echo(kinds)})")
-    width = nat(data if data.get("lru_width") is not None else {}, "lru_width", h, path)
+    width = nat_or_default(data, "lru_width", h, path)
     if width % a:
         raise MemplanError(f"{path}: lru_width = {width} is not divisible by num_attention_heads = {a} (the RG-LRU's "
                            f"gate heads)")
@@ -70,11 +70,9 @@ def _rwkv(data: dict, path: Path) -> dict[str, Any]:
     L = nat(data, "num_hidden_layers", 32, path)
     return dict(num_layers=L, hidden_size=h, num_attention_heads=1, layer_pattern="W" * L, norm="layernorm",
                 position_embedding="rope", bias=False, mlp="gelu", embedding_norm=True,
-                ffn_hidden_size=nat(data if data.get("intermediate_size") is not None else {}, "intermediate_size",
-                                    4 * h, path),
+                ffn_hidden_size=nat_or_default(data, "intermediate_size", 4 * h, path),
                 norm_eps=data.get("layer_norm_epsilon"), tied_embeddings=flag(data, "tie_word_embeddings", False, path),
-                ssm_heads=1, ssm_head_dim=nat(data if data.get("attention_hidden_size") is not None else {},
-                                              "attention_hidden_size", h, path), ssm_norm=False)
+                ssm_heads=1, ssm_head_dim=nat_or_default(data, "attention_hidden_size", h, path), ssm_norm=False)
 
 
 def _factor(data: dict, key: str, default: float, path: Path) -> float:
