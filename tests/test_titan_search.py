@@ -121,8 +121,19 @@ def test_selective_layer_counts_are_distinct_plans():
     assert acs == sorted(["none", "full", "selective-op"] + [f"selective-layer:{n}" for n in (2, 3, 4, 5, 6, 7, 9, 11, 17)])
 
 
+def test_max_seq_search_agrees_with_estimate_for_a_pinned_plan():
+    # search --max-seq answers a multiple of 128 tokens (SEQ_STEP) at which the plan's replay completes; estimate
+    # --max-seq of the same plan answers the longest length itself: the same length to within one 128-token step
+    plan = dict(tp=1, cp=1, dp_replicate=1, ac="full", compile=False, micro_batch=1, mem="40GB")
+    found = search("llama3-8b", all_variants=True, max_seq=True, **BASE, **plan).result
+    longest = found.max_seq_len
+    assert longest % 128 == 0 and len(found.top) == 1
+    est = estimate("llama3-8b", max_seq=True, seq_len=longest, **BASE, **plan)
+    assert est.fits and longest <= est.limits["max_seq_len"] < longest + 128
+
+
 def test_search_refuses_what_is_not_modelled_in_one_line(capsys):
-    for extra in (["--pp", "4"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
+    for extra in (["--pp", "4"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--dp", "4"],
                   ["--dp-replicate", "3"]):
         with pytest.raises(SystemExit) as exit_:
             main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB"] + extra)

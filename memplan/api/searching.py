@@ -21,7 +21,7 @@ from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_pr
 from memplan.plan.space import Fixed, fixed_from
 from memplan.inventory.titan import titan_model
 from memplan.plan.titan import TitanPins
-from memplan.plan.titan_search import search_titan
+from memplan.plan.titan_search import search_titan, search_titan_max_seq
 from memplan.plan.search import search as search_plans
 from memplan.presets.batch import search_inputs
 from memplan.presets.catalog import load_model, model_names
@@ -103,10 +103,12 @@ class PreparedSearch:
         if not self.max_seq:
             return result
         model, training, gb, gpu, budget = request
+        titan = opts.impl == "torchtitan"
 
         def search_at(s: int) -> SearchResult:
-            return listed(search_plans(model.model_copy(update={"seq_length": s}), training, opts.gpus, gb, budget,
-                                       gpu=gpu, **kw))
+            at = model.model_copy(update={"seq_length": s})
+            return listed(search_titan(at, training, opts.gpus, gb, budget, **kw) if titan else
+                          search_plans(at, training, opts.gpus, gb, budget, gpu=gpu, **kw))
 
         return replayed_max_seq(result, search_at)
 
@@ -126,10 +128,12 @@ class PreparedSearch:
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
             model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
+            requests[0] = (model, training, gb, gpu, budget)
             report = functools.partial(progress, label=model.name) if progress is not None else None
-            results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),
-                                    max_tp=self.max_tp, top=self.top, margin=opts.frag_margin,
-                                    host_budget_bytes=opts.host_mem, progress=report)]
+            kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit), max_tp=self.max_tp, top=self.top,
+                      margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
+            results = [(search_titan_max_seq if self.max_seq else search_titan)(model, training, opts.gpus, gb, budget,
+                                                                               progress=report, **kw)]
         elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
@@ -170,7 +174,7 @@ class PreparedSearch:
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 
 
-def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
+def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
     """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
     opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
     if opts.preset() is None:
@@ -181,8 +185,6 @@ def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
         raise MemplanError("search --impl torchtitan tries torchtitan's default 2 stages per rank for the multi-stage "
                            "schedules: estimate a plan with --pipeline-layers-per-stage")
     opts.titan_layers(opts.preset())  # --ac selective-layer:N as estimate takes it (not with a pinned --pp)
-    if max_seq:
-        raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")
     if opts.dp is not None or opts.zero_shard is not None or uneven_stages or opts.first_stage_layers is not None \
             or opts.last_stage_layers is not None:
         raise MemplanError("search --impl torchtitan pins its data parallelism with --tp (d = GPUs / tp) and "
@@ -205,7 +207,7 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
     if opts.impl == "torchtitan":
-        _check_titan(opts, max_seq, uneven_stages)
+        _check_titan(opts, uneven_stages)
     elif opts.pipeline_schedule not in (None, "1F1B"):
         raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
     if opts.recompute_method is not None:

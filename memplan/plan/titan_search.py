@@ -21,7 +21,9 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.pipeline_multi import SPLIT_BACKWARD
 from memplan.plan.evaluate import concat, evaluate
-from memplan.plan.search import SearchResult, check_int64, ranked, tp_limit
+from memplan.plan.fit import least_device_bytes
+from memplan.plan.limits import SEQ_LIMIT, largest_under
+from memplan.plan.search import SEQ_STEP, SearchResult, check_int64, mark_max_seq, ranked, tp_limit
 from memplan.plan.titan import TitanPins, compilable, join, pinned_every, titan_plans
 
 IMPL = "torchtitan"
@@ -95,3 +97,38 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                             "as Megatron-LM's plans are timed (memplan/timing/step.py): derived, uncalibrated (no "
                             "torchtitan pipeline run was timed)")
     return result
+
+
+def search_titan_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                         step: int = SEQ_STEP, **kwargs) -> SearchResult:
+    """`search --impl torchtitan --max-seq`: the longest sequence (a multiple of `step`) some torchtitan plan fits
+    with by the allocated-peak bound, and `search_titan` at that length (memplan/plan/search.py `search_max_seq` for
+    Megatron-LM's space; the replay then settles it: memplan/plan/verdict.py `replayed_max_seq`). Every plan's device
+    memory grows with s, so the least of them does too: `largest_under` finds the length from those figures, the same
+    answer as a bisection on "some plan fits". A length the search refuses (its sizes beyond the int64 arithmetic)
+    fits no budget; at `step` itself a refusal is the user's to read."""
+    found: dict[int, SearchResult] = {}
+
+    def at(s: int) -> SearchResult:
+        if s not in found:
+            found[s] = search_titan(model.model_copy(update={"seq_length": s}), training, gpus, global_batch,
+                                    budget_bytes, **kwargs)
+        return found[s]
+
+    host = kwargs.get("host_budget_bytes")
+
+    def need(s: int) -> int:
+        try:
+            evaluated = at(s).evaluated
+        except MemplanError:
+            if s == step:
+                raise
+            return budget_bytes + 1
+        least = least_device_bytes(evaluated, host)
+        return budget_bytes + 1 if least is None else least
+
+    longest = largest_under(need, budget_bytes, step, SEQ_LIMIT)
+    if longest is None:
+        raise MemplanError(f"no torchtitan plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at "
+                           f"s = {step}")
+    return mark_max_seq(at(longest), longest, step)
