@@ -20,7 +20,7 @@ from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.inventory.titan import titan_model
-from memplan.plan.titan import TitanPins
+from memplan.plan.titan import FLOAT8_ANY, TitanPins
 from memplan.plan.titan_search import search_titan, search_titan_max_seq
 from memplan.plan.search import search as search_plans
 from memplan.presets.batch import search_inputs
@@ -90,6 +90,7 @@ class PreparedSearch:
     max_tp: Optional[int] = None
     max_seq: bool = False
     emit: Optional[str] = None
+    search_float8: bool = False  # --float8 any (torchtitan): bf16 and float8 searched
 
     def _replayed(self, result: SearchResult, request: tuple, kw: dict[str, Any]) -> SearchResult:
         """The search's listing replayed through the caching allocator (plan/verdict.py); with --max-seq, the longest
@@ -130,7 +131,7 @@ class PreparedSearch:
             model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
             requests[0] = (model, training, gb, gpu, budget)
             report = functools.partial(progress, label=model.name) if progress is not None else None
-            kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit), max_tp=self.max_tp, top=self.top,
+            kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit, self.search_float8), max_tp=self.max_tp, top=self.top,
                       margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
             results = [(search_titan_max_seq if self.max_seq else search_titan)(model, training, opts.gpus, gb, budget,
                                                                                progress=report, **kw)]
@@ -191,17 +192,23 @@ def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
                            "--dp-replicate R (HSDP), not --dp, --zero-shard or stage splits")
 
 
-def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
+def _titan_pins(opts: PlanOptions, emit: Optional[str], search_float8: bool = False) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
     return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
                      micro_batch=opts.micro_batch, pp=opts.pp, schedule=opts.pipeline_schedule,
-                     launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp)
+                     launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp,
+                     float8=FLOAT8_ANY if search_float8 else None)
 
 
 def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,
                    max_tp: Optional[int] = None, uneven_stages: bool = False, max_seq: bool = False,
                    emit: Optional[str] = None, **options: Any) -> PreparedSearch:
     """Check a search's input and read its presets (every preset without model / hf_config); see `search`."""
+    search_float8 = options.get("float8") == FLOAT8_ANY
+    if search_float8:
+        if options.get("impl") != "torchtitan":
+            raise MemplanError("--float8 any searches torchtitan's float8 linears: search --impl torchtitan")
+        options = {**options, "float8": None}
     opts = PlanOptions(model=model, **options)
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
@@ -227,7 +234,7 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     if emit and one is not None and launch_refusal(presets[0].model):
         raise MemplanError(launch_refusal(presets[0].model))
     return PreparedSearch(opts, fixed, presets, one is not None, top=top, sort=sort, all_variants=all_variants,
-                          max_tp=max_tp, max_seq=max_seq, emit=emit)
+                          max_tp=max_tp, max_seq=max_seq, emit=emit, search_float8=search_float8)
 
 
 def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int = 10, sort: str = "time",

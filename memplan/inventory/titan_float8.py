@@ -75,6 +75,9 @@ def check_float8(recipe: Optional[str], impl: str) -> None:
     name here (with --compile: memplan/inventory/compiled.py; with --compile and --tp: memplan/api/options.py)."""
     if recipe is None:
         return
+    if recipe == "any":
+        raise MemplanError("--float8 any is search's (bf16 and each recipe searched): estimate one recipe, "
+                           + " or ".join(RECIPES))
     if recipe not in RECIPES:
         raise MemplanError(f"--float8 takes {' or '.join(RECIPES)}, not {str(recipe)[:40]!r}")
     if impl != "torchtitan":
