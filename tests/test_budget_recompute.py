@@ -81,15 +81,15 @@ def test_distinct_budgets_keep_one_plan_per_saved_set():
 
 @pytest.mark.slow
 @SLOW
-def test_the_trace_gives_the_table():
-    # the backward graph's re-run forward nodes at llama3-8b's widths, s 2,048 (~35 s of CPU)
+@pytest.mark.parametrize("name", WIDTHS)
+def test_the_trace_gives_the_table(name):
+    # the backward graph's re-run forward nodes at the model's widths, s 2,048 (~35 s of CPU for 8B, ~60 s for 405B)
     pytest.importorskip("torchtitan")
     from validation.budget_recompute import budget_recompute
 
-    got = budget_recompute(*WIDTHS["llama3-8b"], 2048, tuple(i / 10 for i in range(11)))
-    model = load_model("llama3-8b").model
-    flops = br.linear_flops(model)
+    got = budget_recompute(*WIDTHS[name], 2048, tuple(i / 10 for i in range(11)))
+    flops = br.linear_flops(load_model(name).model)
     for tenth, r in enumerate(got.values()):
         assert " ".join(sorted(br.BUDGET_LINEARS[tenth].split())) == " ".join(r["linears"])
         assert r["matmul_flops"] == sum(flops[x] for x in r["linears"])
-        assert (r["attention"], r["memory_bytes"]) == (br.BUDGET_ATTENTION[tenth], br.BUDGET_BYTES[WIDTHS["llama3-8b"]][tenth])
+        assert (r["attention"], r["memory_bytes"]) == (br.BUDGET_ATTENTION[tenth], br.BUDGET_BYTES[WIDTHS[name]][tenth])
