@@ -55,22 +55,27 @@ def mtp_terms(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]) -> l
     block = [dataclasses.replace(t, id=f"mtp.{t.id}", name=f"MTP layer: {t.name.split(' (in ')[0]}", scope="last",
                                  elements=one_layer(t, model).elements * n, layer_kind="", source=src,
                                  dropped_by_selective=False, kept_by_full=False)
-             for t in layer_terms if t.layer_kind != "dense" and t.kept(Recompute.NONE) and t.id != "input"]
+             for t in layer_terms if t.layer_kind != "dense" and t.kept(Recompute.NONE) and t.id != "input"
+             and not t.needs_cp]  # torchtitan runs no MTP layer with CP (check_titan_mtp)
     h = model.hidden_size
     norms: list[TitanTerm] = []
-    for which in ("enorm", "hnorm", "mtp_norm"):
+    for which in ("enorm", "hnorm", "mtp_norm"):  # under TP their fp32 terms sequence-sharded, mtp_norm's out gathered
         norms += [dataclasses.replace(t, id=t.id.replace("attention_norm", which),
-                                      name=t.name.replace("attention_norm", f"MTP {which}"), split="")
+                                      name=t.name.replace("attention_norm", f"MTP {which}"))
                   for t in llama3_layer_terms(h, 1, 1, 1) if t.id.startswith("attention_norm.")
                   and (which == "mtp_norm" or not t.id.endswith(".out"))]  # enorm, hnorm: their outputs go to cat
     norms = cuda_norm(norms) if device == "cuda" else norms
     extra = [dataclasses.replace(titan_term(t, src, "last"), id=f"mtp.{t.id}") for t in norms]
-    extra += [saved(f"mtp.{i}", name, block_name, elements, dtype, scope="last", k22=False, src=src, tp=tp)
-              for i, name, block_name, elements, dtype, tp in (
-                  ("eh_proj_in", "MTP eh_proj input: cat(enorm, hnorm) (bf16)", "mtp", f"{2 * h} s b", "act", False),
-                  ("valid_mask", "MTP valid mask in the hidden's dtype (bf16)", "mtp", "s b", "act", False),
-                  ("token_ids", "MTP shifted token ids (int64, tok_embeddings)", "mtp", "s b", "int64", False),
-                  ("labels", "MTP shifted labels (int64, nll_loss)", "output", "s b", "int64", False),
+    extra += [saved(f"mtp.{i}", name, block_name, elements, dtype, scope="last", k22=False, src=src, **split)
+              for i, name, block_name, elements, dtype, split in (
+                  ("eh_proj_in", "MTP eh_proj input: cat(enorm, hnorm) (bf16)", "mtp", f"{2 * h} s b", "act",
+                   dict(sp=True)),
+                  ("valid_mask", "MTP valid mask in the hidden's dtype (bf16)", "mtp", "s b", "act", dict(sp=True)),
+                  ("token_ids", "MTP shifted token ids (int64, tok_embeddings; under TP their clamp to the rank's "
+                   "vocab shard)", "mtp", "s b", "int64", {}),
+                  ("embed_mask", "MTP embedding's vocab-shard mask (bf16; TP only: the vocab-parallel embedding's)",
+                   "mtp", "s b", "act", dict(needs_tp=True)),
+                  ("labels", "MTP shifted labels (int64, nll_loss)", "output", "s b", "int64", {}),
                   ("logits_fp32", "MTP head's fp32 log-softmax of the logits (its vocab shard under TP)", "output",
-                   "s b v", "fp32", True))]
+                   "s b v", "fp32", dict(tp=True)))]
     return block + [dataclasses.replace(t, elements=t.elements * n) for t in extra]
