@@ -125,7 +125,9 @@ BASE = dict(impl="torchtitan", gpus=64, global_batch=64, seq_len=4096, gpu="h100
 
 
 def test_search_plans_mtp_as_estimate_does():
-    found = search("deepseek-v3", all_variants=True, top=3, mem=80 * 10**9, **BASE).result
+    out = search("deepseek-v3", all_variants=True, top=3, mem=250 * 10**9, emit="torchtitan", **BASE)  # some fit
+    found = out.result
+    assert "num_mtp_layers=1" in "\n".join(out.launch["deepseek-v3"].args)  # the best plan emitted with its MTP layer
     assert found.model.mtp_layers == 1 and found.candidates > 20
     e = found.evaluated
     rows = [found.row(i)["torchtitan"] for i in range(found.candidates)]

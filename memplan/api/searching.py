@@ -129,6 +129,10 @@ class PreparedSearch:
             results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),
                                     max_tp=self.max_tp, top=self.top, margin=opts.frag_margin,
                                     host_budget_bytes=opts.host_mem, progress=report)]
+            if opts.mtp:
+                results[0].notes.append(f"--mtp {opts.mtp}: pp 1 and cp 1 only (torchtitan 0.3.0 refuses multi-token "
+                                        "prediction with pipeline or context parallelism); the MTP layers' kept tensors "
+                                        "measured with TP and EP (tests/test_titan_mtp_tp.py), their FLOPs derived")
         elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
