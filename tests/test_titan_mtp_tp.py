@@ -9,7 +9,9 @@ the bytes of each storage autograd keeps for the MTP layer per rank (the run wit
 both ranks alike), and STATES the fp32 parameters per rank, from
 
     MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_mtp_tp.py -k gloo      (~20 s a layout)
-    PYTHONPATH=. python -m validation.titan_mtp TP EP
+    PYTHONPATH=. python -m validation.titan_mtp TP EP [none|full|selective-op]
+
+The decoder layers under full or selective-op AC (tp 2, ep 1) leave the MTP layer's storages as under none.
 
 Needs torchtitan."""
 
@@ -53,7 +55,8 @@ RECORDED = {
              16384, 32768],
 }
 # fp32 parameters per rank after the step, without and with the MTP layer (gradients the same, AdamW's two moments
-# twice that). By hand: the MTP layer is the MoE layer (24,528 + 98,304 routed experts) + enorm, hnorm, mtp_norm (3 x 64)
+# twice that). By hand: the MTP layer is the MoE layer (24,528 + 98,304 routed experts) + enorm, hnorm, mtp_norm
+# (3 x 64)
 # + eh_proj (64 x 128, replicated over tp: _set_deepseek_v3_mtp_sharding). tp 2 (dp 1): the MoE layer's per-rank 64,848
 # (tests/test_titan_dsv3_tp.py: 11,600 + 53,248) + 192 + 8,192 = 73,232 more; tp 1 ep 2 (FSDP2 over 2 ranks, the experts
 # over ep): (24,528 + 192 + 8,192) / 2 + 98,304 / 2 = 65,608 more
@@ -111,10 +114,13 @@ def test_states_per_rank_equal_memplan(tp, ep, tmp_path):
 
 @pytest.mark.slow
 @SLOW
-@pytest.mark.parametrize("tp, ep", sorted(RECORDED))
-def test_gloo_equals_recorded(tp, ep):
+@pytest.mark.parametrize("tp, ep, ac", [(*k, "none") for k in sorted(RECORDED)]
+                         + [(2, 1, "full"), (2, 1, "selective-op")])
+def test_gloo_equals_recorded(tp, ep, ac):
+    # the decoder layers under full or selective-op AC: the MTP layer keeps the same (torchtitan's AC wraps
+    # model.layers only), measured at tp 2 too
     from validation.titan_mtp import measure_mtp
-    for rank in measure_mtp(SHAPE, tp, ep, vocab=V, s=S, b=B):
+    for rank in measure_mtp(SHAPE, tp, ep, vocab=V, s=S, b=B, ac=ac):
         assert sorted(n for _, n, _ in rank["saved"]) == RECORDED[tp, ep] and not rank["missing"]
         assert (rank["params_without"], rank["params"]) == STATES[tp, ep]
         assert rank["grads"] == rank["params"] and rank["adam"] == 2 * rank["params"]

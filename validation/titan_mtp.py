@@ -70,12 +70,14 @@ def _param_storages(model):
     return now
 
 
-def _mtp_step(world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, ep: int, mtp: int) -> dict:
+def _mtp_step(world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, ep: int, mtp: int, ac: str) -> dict:
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.deepseek_v3 import MTPLoss, parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    from validation.titan_dsv3_tp import _DsvAc
 
     torch.manual_seed(0)
     parallelism, dims = tp_ep_dims(tp, ep, world)
@@ -86,7 +88,8 @@ def _mtp_step(world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, 
         if block.moe_enabled:
             block.moe.router._debug_force_load_balance_routing = balanced_on_dtensors(block.moe.router)
     parallelize_deepseekv3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                           compile_config=CompileConfig(), ac_config=None, dump_folder="")
+                           compile_config=CompileConfig(), ac_config=None if ac == "none" else _DsvAc(ac),
+                           dump_folder="")
     sum_reductions(model)
     saved = _Saved(_param_storages(model))
     tokens = torch.randint(0, vocab, (b, s))
@@ -106,26 +109,29 @@ def _mtp_step(world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, 
     opt.step()
     return {"saved": kept, "params": storage_bytes([local_tensor(p) for p in model.parameters()]),
             "grads": storage_bytes([local_tensor(p.grad) for p in model.parameters()]),
-            "adam": storage_bytes([local_tensor(st[k]) for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])}
+            "adam": storage_bytes([local_tensor(st[k]) for st in opt.state.values()
+                                   for k in ("exp_avg", "exp_avg_sq")])}
 
 
-def mtp_rank(rank: int, world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, ep: int) -> dict:
+def mtp_rank(rank: int, world: int, shape: DsvShape, vocab: int, s: int, b: int, tp: int, ep: int,
+             ac: str = "none") -> dict:
     """One rank (module docstring): ``saved`` the MTP layer's saved storages (dtype, bytes; the run with one MTP layer
-    less the run without), ``params`` / ``grads`` / ``adam`` the run with one MTP layer's, ``*_without`` the other's."""
+    less the run without), ``params`` / ``grads`` / ``adam`` the run with one MTP layer's, ``*_without`` the other's;
+    ``ac`` torchtitan's AC mode of the decoder layers (its AC wraps model.layers only, not the MTP layers)."""
     from collections import Counter
 
-    without, with_ = (_mtp_step(world, shape, vocab, s, b, tp, ep, n) for n in (0, 1))
-    extra, missing = Counter(with_["saved"]) - Counter(without["saved"]), Counter(without["saved"]) - Counter(with_["saved"])
+    without, with_ = (_mtp_step(world, shape, vocab, s, b, tp, ep, n, ac) for n in (0, 1))
+    extra, missing = (Counter(a["saved"]) - Counter(b["saved"]) for a, b in ((with_, without), (without, with_)))
     return {"saved": sorted(extra.elements()), "missing": sorted(missing.elements()),
             **{k: with_[k] for k in ("params", "grads", "adam")},
             **{f"{k}_without": without[k] for k in ("params", "grads", "adam")}}
 
 
 def measure_mtp(shape: DsvShape, tp: int, ep: int, world: int = 2, vocab: int = 256, s: int = 16,
-                b: int = 2) -> list[dict]:
+                b: int = 2, ac: str = "none") -> list[dict]:
     """``mtp_rank`` on ``world`` spawned ranks over gloo."""
     from .ranks import run_ranks
-    return run_ranks(mtp_rank, world, (shape, vocab, s, b, tp, ep))
+    return run_ranks(mtp_rank, world, (shape, vocab, s, b, tp, ep, ac))
 
 
 if __name__ == "__main__":
@@ -134,5 +140,5 @@ if __name__ == "__main__":
 
     from validation.titan_dsv3_tp import SHAPE
 
-    # python -m validation.titan_mtp TP EP      one MTP layer under parallelize_deepseekv3 on 2 gloo ranks
-    print(json.dumps(measure_mtp(SHAPE, int(sys.argv[1]), int(sys.argv[2]))))
+    # python -m validation.titan_mtp TP EP [AC]      one MTP layer under parallelize_deepseekv3 on 2 gloo ranks
+    print(json.dumps(measure_mtp(SHAPE, int(sys.argv[1]), int(sys.argv[2]), ac=(sys.argv[3:] or ["none"])[0])))

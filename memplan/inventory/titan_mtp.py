@@ -47,13 +47,13 @@ from memplan.inventory.titan import TitanTerm, cuda_norm, llama3_layer_terms, ti
 from memplan.inventory.types import Term, saved
 
 MTP_MEASURED = ("measured: torchtitan 0.3.0 DeepSeekV3Model with MTP layers on CPU, MTPLoss, FlexAttention's save set "
-                "in a stand-in (validation/titan_dsv3.py measure_dsv3_mtp; tests/test_titan_mtp.py), with TP and EP per "
-                "rank over gloo (validation/titan_mtp.py; tests/test_titan_mtp_tp.py)")
+                "in a stand-in (validation/titan_dsv3.py measure_dsv3_mtp; tests/test_titan_mtp.py), with TP and EP "
+                "per rank over gloo (validation/titan_mtp.py; tests/test_titan_mtp_tp.py)")
 NOTE = ("torchtitan multi-token prediction (--mtp N: model_registry num_mtp_layers): each MTP layer's MLA + MoE block, "
         "its enorm / hnorm / eh_proj / mtp_norm and its head's fp32 log-softmax kept until the loss's backward under "
-        "every AC mode (torchtitan checkpoints model.layers only), measured on CPU, with TP and EP per rank over gloo; its "
-        "parameters on the last stage (an MoE layer + 2h^2 + 3h each, eh_proj whole on every TP rank); its FLOPs (eh_proj, "
-        "the block, the head's matmul) in the step time, derived")
+        "every AC mode (torchtitan checkpoints model.layers only), measured on CPU, with TP and EP per rank over gloo; "
+        "its parameters on the last stage (an MoE layer + 2h^2 + 3h each, eh_proj whole on every TP rank); its FLOPs "
+        "(eh_proj, the block, the head's matmul) in the step time, derived")
 
 
 def mtp_terms(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]) -> list[Term]:

@@ -121,8 +121,8 @@ def mtp_flops(model: ModelSpec, causal: bool = False) -> tuple[float, float]:
 
 
 def model_flops(model: ModelSpec, global_batch: Any, causal: bool = False) -> Any:
-    """Model FLOPs of one step, 3 x forward (backward = 2 x forward), the MTP layers' (mtp_flops) included. For a K22 GPT (f = 4h,
-    g = a) this is 72 B L s h^2 (1 + s/(6h) + v/(12hL)), K22 Eq. 7; with `causal`, the attention
+    """Model FLOPs of one step, 3 x forward (backward = 2 x forward), the MTP layers' (mtp_flops) included. For a
+    K22 GPT (f = 4h, g = a) this is 72 B L s h^2 (1 + s/(6h) + v/(12hL)), K22 Eq. 7; with `causal`, the attention
     square counted as the causal mask leaves it, half (CAUSAL_ATTENTION_FRACTION): 72 B L s h^2
     (1 + s/(12h) + v/(12hL)), what MFU counts."""
     return model_flops_per_sequence(model, causal) * as_float64(global_batch)

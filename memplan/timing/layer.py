@@ -150,7 +150,7 @@ class HeadForms:
     """LM head (last stage) and embedding (first stage), forward + backward, one sequence."""
 
     head_compute: Form
-    mtp_compute: Form  # the multi-token-prediction layers' matmuls and attention, forward and backward (flops.mtp_flops)
+    mtp_compute: Form  # the multi-token-prediction layers' matmuls and attention, forward + backward (flops.mtp_flops)
     head_memory: Form
     head_comm: Form
     head_comm_exposed: Form
