@@ -119,14 +119,16 @@ def test_refused_elsewhere():
         search("llama3-8b", gpus=8, mtp=1)
 
 
-def test_emitted_mtp_plan_loads_in_torchtitan(tmp_path, monkeypatch):
-    # as torchtitan's own deepseek_v3_debugmodel_mtp: model_registry(..., num_mtp_layers=N) and MTPLoss
+@pytest.mark.parametrize("tp", [1, 2])
+def test_emitted_mtp_plan_loads_in_torchtitan(tp, tmp_path, monkeypatch):
+    # as torchtitan's own deepseek_v3_debugmodel_mtp: model_registry(..., num_mtp_layers=N) and MTPLoss (with TP too:
+    # tests/test_titan_mtp_tp.py)
     from tests.test_launch_titan import _load
-    result = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, mtp=1, ac="full", seq_len=4096, micro_batch=1,
-                      global_batch=16, emit="torchtitan")
+    result = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, tp=tp, mtp=1, ac="full", seq_len=4096,
+                      micro_batch=1, global_batch=16 // tp, emit="torchtitan")
     config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
-    assert len(config.model_spec.model.mtp_layers) == 1
+    assert len(config.model_spec.model.mtp_layers) == 1 and config.parallelism.tensor_parallel_degree == tp
     assert type(config.loss).__qualname__ == "MTPLoss.Config"
-    one = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, ac="full", seq_len=4096, micro_batch=1,
-                   global_batch=16).estimate
+    one = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, tp=tp, ac="full", seq_len=4096, micro_batch=1,
+                   global_batch=16 // tp).estimate
     assert result.estimate.stages[0].activations > one.stages[0].activations
