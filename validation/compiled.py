@@ -49,8 +49,8 @@ class SavedTensor:
     node: str  # the forward graph's node name
     kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made",
     # "constant" (made from parameters alone, no s or b: QLoRA's dequantised weights; elements its value count)
-    elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a")
-    dtype: str  # torch dtype name: bfloat16, float32
+    elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a"); complex64: its fp32 pairs
+    dtype: str  # torch dtype name: bfloat16, float32, complex64
 
 
 @dataclass(frozen=True)
@@ -194,13 +194,13 @@ def _tune_layer(lora: dict | None = None, w: dict | None = None):
     return layer, inputs
 
 
-def _titan_layer(float8: str | None = None, ac: str = "none"):
+def _titan_layer(float8: str | None = None, ac: str = "none", positions: bool = True):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
     FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
     its linears torchao's Float8Linear (validation/titan.py build_block); ``ac``: wrapped first in torchtitan's AC
     (build_block: "selective-op" its SelectiveAC, the save list and every-other-matmul policy), then compiled, as
     torchtitan's parallelize_llama applies AC before apply_compile."""
-    from .titan import Shape, build_block
+    from .titan import Shape, build_block, loader_positions
 
     w = WIDTHS["torchtitan-float8" if float8 else "torchtitan"]
     torch.manual_seed(0)
@@ -208,8 +208,9 @@ def _titan_layer(float8: str | None = None, ac: str = "none"):
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
+        pos = loader_positions(b, s) if positions else None  # a batch input, made before the measured window
         return (torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True),
-                lambda layer, x: layer(x, None, None))
+                lambda layer, x: layer(x, None, pos))
 
     return layer, inputs
 
@@ -242,7 +243,7 @@ def _aot_backend(inner):
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
                          s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
                          lora: dict | None = None, widths: dict | None = None, ac: str = "none",
-                         built=None) -> CompiledLayer:
+                         built=None, positions: bool = True) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -264,8 +265,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if ac != "none" and impl != "torchtitan":
         raise ValueError("ac is torchtitan's (impl torchtitan)")
     layer, inputs, names = built if built else (None, None, _names(widths))
-    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac) if float8 or ac != "none" else _tune_layer(lora, widths) if lora else
-                     {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
+    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac, positions) if impl == "torchtitan" else
+                                                   _tune_layer(lora, widths) if lora else
+                                                   {"hf-sdpa": _hf_layer, "torchtune": _tune_layer}[impl]())
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -307,6 +309,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         if not isinstance(val, torch.Tensor):
             continue  # SymInts for the backward
         shape = tuple(val.shape)
+        if val.dtype == torch.complex64:  # torchtitan's ComplexRoPE rows: counted as their fp32 pairs
+            shape = shape[:-1] + (shape[-1] * 2,)
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
         tokens = any(_tokens(d, hints) or (not dynamic and d in hints) for d in shape)
         kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
