@@ -151,6 +151,18 @@ def _monomial(power: dict[str, int]) -> str:
     return " ".join(up + down) or "1"
 
 
+def _rope_rows(shape, names: dict[int, dict[str, int]]) -> str | None:
+    """A saved [b, s, 1, w] tensor is RoPE's cache rows gathered at the positions (broadcast over the heads: no other
+    saved tensor has a 1 there): its width named against the head width d (ComplexRoPE's fp32 pairs d, CosSinRoPE's
+    cos and sin 2d), which a width table alone cannot tell from g d where g = 2."""
+    if len(shape) != 4 or shape[2] != 1 or isinstance(shape[3], torch.SymInt):
+        return None
+    d = next(w for w, e in names.items() if e == {"q": 1, "a": -1})
+    if shape[3] % d:
+        raise ValueError(f"RoPE rows {shape}: width {shape[3]} is not a multiple of the head width {d}")
+    return f"{shape[3] // d} s b q /a".removeprefix("1 ")
+
+
 def _base(node):
     """The node whose storage a saved view shares (views and aliases followed to the tensor they view)."""
     while node.op == "call_function" and getattr(node.target, "is_view", False):
@@ -311,12 +323,13 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         shape = tuple(val.shape)
         if val.dtype == torch.complex64:  # torchtitan's ComplexRoPE rows: counted as their fp32 pairs
             shape = shape[:-1] + (shape[-1] * 2,)
+        rope = _rope_rows(shape, names) if node.op != "placeholder" else None
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
         tokens = any(_tokens(d, hints) or (not dynamic and d in hints) for d in shape)
         kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
         # a constant's size may be symbolic without s or b (the CPU generator state full AC stashes): its hint
         elements = ("" if kind == "parameter" else str(optimization_hint(val.numel())) if kind == "constant"
-                    else _elements(shape, hints, names, not dynamic))
+                    else rope or _elements(shape, hints, names, not dynamic))
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
     x, call = inputs(s, b, 2)
