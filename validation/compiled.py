@@ -23,6 +23,12 @@ apply_compile: dynamo traces the checkpoint as a tagged region and the partition
 PREFER_RECOMPUTE tags. The eager figure is then eager SelectiveAC's (with the CPU generator state each checkpoint
 stashes).
 
+torchtitan's blocks are called as its Trainer calls them, with the dataloader's positions (validation/titan.py
+``loader_positions``; ``positions=False`` leaves them out): their RoPE then gathers its cache rows at them, and a
+saved [b, s, 1, w] tensor (``_rope_rows``) is those rows, named against the head width (a complex64 one as its fp32
+pairs). The positions are a batch input made before the measured window; a checkpointed block saves them (a graph
+input, int64 s b).
+
 Nothing here computes a byte count from a formula: the trace reads the graph, the measurement reads allocations.
 """
 
@@ -208,7 +214,8 @@ def _tune_layer(lora: dict | None = None, w: dict | None = None):
 
 def _titan_layer(float8: str | None = None, ac: str = "none", positions: bool = True):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
-    FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
+    FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask; ``positions``: the
+    dataloader's, as its Trainer always passes them, else none); ``float8``:
     its linears torchao's Float8Linear (validation/titan.py build_block); ``ac``: wrapped first in torchtitan's AC
     (build_block: "selective-op" its SelectiveAC, the save list and every-other-matmul policy), then compiled, as
     torchtitan's parallelize_llama applies AC before apply_compile."""
@@ -265,7 +272,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check).
     ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8").
     ``built``: (layer, inputs, names) of another block (validation/compiled_moe.py: torchtitan's Qwen3 MoE block; its
-    sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it."""
+    sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it.
+    ``positions`` (torchtitan): the block called with the dataloader's positions (``_titan_layer``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")

@@ -12,7 +12,9 @@ forward graph runs on each rank's local tensors and its outputs after the block'
 Two readings per rank, which must agree: ``graph`` (each saved output of layer 0's forward graph: its node's
 storage, dtype and bytes, views of one storage once, parameters apart) and ``saved`` (the storages the compiled
 block hands to autograd, read by a saved-tensors hook around layer 0's forward in the real run, parameters apart).
-The backward then runs once (the compiled block works under TP).  sdpa stands in for FlexAttention as everywhere in
+The model is called with the dataloader's positions, as torchtitan's Trainer calls it (validation/titan.py
+``loader_positions``; a batch input, left out of both readings). The backward then runs once (the compiled block
+works under TP).  sdpa stands in for FlexAttention as everywhere in
 validation/titan.py.
 """
 
