@@ -213,8 +213,12 @@ class PlanOptions:
         """The context- and expert-parallel options as ParallelSpec fields (torchtitan's MoE: its etp, `moe_etp`)."""
         if self.cp_comm_type == "allgather":
             raise MemplanError("cp_comm_type 'allgather' is torchtitan's and set by --impl torchtitan: give p2p or a2a")
-        comm = "allgather" if self.impl == "torchtitan" else self.cp_comm_type  # torchtitan: titan_recompute checks
-        return dict(cp=self.cp, cp_comm_type=comm, ep=self.ep, etp=moe_etp(self.ep or 1, self.tp or 1) if moe and comm == "allgather" else self.etp)
+        titan = self.impl == "torchtitan"
+        comm = "allgather" if titan else self.cp_comm_type  # torchtitan: titan_recompute checks
+        # torchtitan's expert_parallel_degree defaults to 1, as its tp and pp do (config() builds them so): a preset's
+        # ep is Megatron-LM's recipe, and check_titan_moe checked ep 1
+        ep = (self.ep or 1) if titan else self.ep
+        return dict(cp=self.cp, cp_comm_type=comm, ep=ep, etp=moe_etp(ep or 1, self.tp or 1) if moe and titan else self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""

@@ -424,9 +424,7 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the RoPE rows gathered at the dataloader's positions in a compiled block (the partitioner saves them: "
-              "validation/compiled.py titan_saved_rope_rows; the compiled tables were traced without positions) and "
-              "FlexAttention's block masks built from the positions, "
+TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions, "
               "CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
