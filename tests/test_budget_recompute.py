@@ -24,15 +24,19 @@ def _hand(h, a, g, f):
     FLOPs, and the attention. Its memory-bound ops read the input 2h, wqkv's output 2(q + 2kv), wo's 2h, w1's and
     w3's 2f each and the RoPE rows (s x d/2 complex64: 4d at b 1), and write what a matmul or sdpa reads: the two
     norms' outputs 2h each, rotated q and k and contiguous v 2q + 4kv, SwiGLU's product 2f.
+    Below F = 1 the block (called with the dataloader's positions) also re-runs the RoPE gather: it reads the int64
+    positions, 8, and the cache rows at them, 4d (complex64 d/2; the gathered rows only feed the rotation and its
+    backward: not written).
     F = 0.7 (all but the norms' outputs and SwiGLU's product saved): no matmul; read the input 2h, wo's output 2h,
     the gate and up 2f each, the rstd 2 x 4; write the two norms' outputs 2h each and SwiGLU's product 2f.
-    F = 1 (the plain compiled block): no matmul; read the input 2h, wo's output 2h, the gate 2f, the rstd 2 x 4
-    (SiLU, the residual sums and the norms' fp32 products recomputed, fused into the backward's ops)."""
+    F = 1 (the plain compiled block, the gathered RoPE rows saved): no matmul; read the input 2h, wo's output 2h, the
+    gate 2f, the rstd 2 x 4 (SiLU, the residual sums and the norms' fp32 products recomputed, fused into the
+    backward's ops)."""
     d = h // a
     q, kv = h, g * d
     return {0: (2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * h * f, 1,
-                2 * h + 2 * (q + 2 * kv) + 2 * h + 4 * f + 4 * d + 2 * h + 2 * h + 2 * q + 4 * kv + 2 * f),
-            7: (0, 0, 2 * h + 2 * h + 4 * f + 8 + 2 * h + 2 * h + 2 * f),
+                2 * h + 2 * (q + 2 * kv) + 2 * h + 4 * f + 8 + 4 * d + 2 * h + 2 * h + 2 * q + 4 * kv + 2 * f),
+            7: (0, 0, 2 * h + 2 * h + 4 * f + 8 + 8 + 4 * d + 2 * h + 2 * h + 2 * f),
             10: (0, 0, 2 * h + 2 * h + 2 * f + 8)}
 
 

@@ -19,7 +19,8 @@ forward work the backward re-runs. Each is one of:
   from the graph, not a measurement: the backward's kernels may read some of the same inputs anyway (less), or
   Inductor may split a chain (more).
 
-The block is called without the dataloader's positions, as budget.py traces the saved sets.
+The block is called with the dataloader's positions, as torchtitan's Trainer calls it and budget.py traces the saved
+sets: below F = 1 the RoPE gather at them is recomputed (the positions, a batch input, read: int64 per token).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _partitioned(shape, s: int, b: int, budget: float):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .compiled import _aot_backend
-    from .titan import build_block
+    from .titan import build_block, loader_positions
 
     graphs: dict = {}
     torch._dynamo.reset()
@@ -48,7 +49,8 @@ def _partitioned(shape, s: int, b: int, budget: float):
         block = build_block(shape, "none", max_seq_len=s).train()
         x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
         backend = _aot_backend(lambda gm, _: graphs.setdefault("fw", gm), lambda gm, _: graphs.setdefault("bw", gm))
-        torch.compile(block, backend=backend, dynamic=False)(x, None, None).sum().backward()
+        pos = loader_positions(b, s)  # as torchtitan's Trainer calls every block, as budget.py traces it
+        torch.compile(block, backend=backend, dynamic=False)(x, None, pos).sum().backward()
     if set(graphs) != {"fw", "bw"}:
         raise RuntimeError(f"expected one forward and one backward graph, got {sorted(graphs)}")
     return graphs["fw"], graphs["bw"]

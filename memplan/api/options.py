@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from memplan.api.values import Size, bounded_count, budget_bytes, expert_loads, finite, mst_pieces, token_count
+from memplan.api.values import Size, bounded_count, budget_bytes, expert_loads, finite, mst_pieces, mtp_layers, token_count
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import describe_validation_error, echo
@@ -353,8 +353,8 @@ class PlanOptions:
         as vpp. `search`: a schedule without --pp pins the pipelined plans searched."""
         schedule = self.pipeline_schedule or "1F1B"
         if self.impl != "torchtitan":
-            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage or self.mtp is not None:
-                raise MemplanError("--pipeline-schedule other than 1F1B, --pipeline-layers-per-stage and --mtp are "
+            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage:
+                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
                                    "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
             return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
                         last_stage_layers=self.last_stage_layers)
@@ -419,11 +419,11 @@ class PlanOptions:
         if preset is None:
             raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
                                "or --hf-config config.json")
-        zero = self.zero
+        zero, mtp = self.zero, mtp_layers(self.mtp, self.impl)
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
-            preset = dataclasses.replace(preset, model=titan_model(preset.model, self.mtp or 0))  # checked
+            preset = dataclasses.replace(preset, model=titan_model(preset.model, mtp))  # checked
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
                             self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),
                             self.gpus or 0)

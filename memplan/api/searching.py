@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from memplan.api.options import PlanOptions
-from memplan.api.values import check_emit
+from memplan.api.values import check_emit, mtp_layers
 from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
 from memplan.launch.bridge import launch_for
@@ -20,6 +20,7 @@ from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.inventory.titan import titan_model
+from memplan.inventory.titan_moe import check_titan_mtp
 from memplan.plan.titan import FLOAT8_ANY, TitanPins
 from memplan.plan.titan_search import search_titan, search_titan_max_seq
 from memplan.plan.search import search as search_plans
@@ -124,17 +125,19 @@ class PreparedSearch:
         kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
                   host_budget_bytes=opts.host_mem)
         skipped: list[Skipped] = []
-        if opts.mtp:  # every --impl: Megatron-LM's plans took it and dropped it
-            raise MemplanError("--mtp: search does not plan multi-token-prediction layers yet (estimate --mtp does)")
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
-            model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
-            requests[0] = (model, training, gb, gpu, budget)
+            model = titan_model(model, mtp_layers(opts.mtp, opts.impl))  # as estimate builds it (DeepSeek-V3: latents
+            requests[0] = (model, training, gb, gpu, budget)  # replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit, self.search_float8), max_tp=self.max_tp, top=self.top,
                       margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
             results = [(search_titan_max_seq if self.max_seq else search_titan)(model, training, opts.gpus, gb, budget,
                                                                                progress=report, **kw)]
+            if opts.mtp:
+                results[0].notes.append(f"--mtp {opts.mtp}: pp 1 and cp 1 only (torchtitan 0.3.0 refuses multi-token "
+                                        "prediction with pipeline or context parallelism); the MTP layers' kept tensors "
+                                        "measured with TP and EP (tests/test_titan_mtp_tp.py), their FLOPs derived")
         elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
@@ -182,6 +185,7 @@ def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
     opts.titan_pipeline(opts.preset(), search=True)  # a pinned --pp / --pipeline-schedule: what estimate refuses
+    check_titan_mtp(opts.mtp or 0, (opts.pp or 1) > 1 or opts.pipeline_schedule is not None, opts.cp or 1)
     if opts.pipeline_layers_per_stage is not None:
         raise MemplanError("search --impl torchtitan tries torchtitan's default 2 stages per rank for the multi-stage "
                            "schedules: estimate a plan with --pipeline-layers-per-stage")
@@ -194,8 +198,9 @@ def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
 
 def _titan_pins(opts: PlanOptions, emit: Optional[str], search_float8: bool = False) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
-    return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
-                     micro_batch=opts.micro_batch, pp=opts.pp, schedule=opts.pipeline_schedule,
+    one = 1 if opts.mtp else None  # torchtitan's MTP layers: pp 1 and cp 1 only (a pinned other refused: check_titan_mtp)
+    return TitanPins(tp=opts.tp, cp=opts.cp or one, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
+                     micro_batch=opts.micro_batch, pp=opts.pp or one, schedule=opts.pipeline_schedule,
                      launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp,
                      float8=FLOAT8_ANY if search_float8 else None)
 
@@ -213,6 +218,7 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
     elif opts.pipeline_schedule not in (None, "1F1B"):

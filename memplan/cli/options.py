@@ -96,7 +96,7 @@ def plan_options(func: Callable) -> Callable:
                           "per rank = ceil((L + 2) / N) / pp, at least 2)."),
         click.option("--mtp", type=AsciiIntRange(0), metavar="N",
                      help="--impl torchtitan, DeepSeek-V3: its multi-token-prediction layers (model_registry "
-                          "num_mtp_layers; default 0, as torchtitan's flavours; not with --pp, --cp or --tp)."),
+                          "num_mtp_layers; default 0, as torchtitan's flavours; not with --pp or --cp, as torchtitan)."),
         click.option("--first-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
                           "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),

@@ -2,7 +2,8 @@
 RECOMPUTES in each compiled block's backward, per token and layer: TRACED from the same partitioned graphs whose
 forward gives the saved set (memplan/inventory/compiled.py BUDGET_SAVED): torchtitan 0.3.0's Llama 3 block compiled
 under FakeTensorMode at the Llama 3 8B / 70B / 405B widths with AOTAutograd and inductor's partitioner, its backward
-graph's nodes that the joint graph tagged as forward read off (validation/budget_recompute.py).
+graph's nodes that the joint graph tagged as forward read off (validation/budget_recompute.py; the block called with
+the dataloader's positions, as torchtitan's Trainer calls it and BUDGET_SAVED is traced).
 
 - BUDGET_LINEARS: the block's linears whose matmul the backward re-runs at F (tenths), the same at the three widths
   (traced). Their FLOPs per token follow from the widths: wqkv 2h(q + 2gd), wo 2qh, each FFN linear 2hf. By hand at
@@ -15,7 +16,7 @@ graph's nodes that the joint graph tagged as forward read off (validation/budget
   matmul or the attention kernel written once; validation/budget_recompute.py says the assumption): an estimate
   from the traced graph, not measured. At F = 1 (the plain compiled block) the partitioner still recomputes the
   SiLU, the residual sums and the norms' fp32 products: by hand 2h (block input) + 2h (wo's output) + 2f (w1's
-  output) + 2 x 4 (the two rstd) B read, nothing a matmul reads.
+  output) + 2 x 4 (the two rstd) B read, nothing a matmul reads (the RoPE rows gathered at the positions are saved).
 
 Nothing here is calibrated: the step time charges the matmuls at the GEMM efficiency, the attention at the
 attention efficiency and the bytes at the memory-bound efficiency (memplan/timing/layer.py), as the forward's.
@@ -31,11 +32,12 @@ from memplan.inventory.compiled import BUDGET_SAVED
 # re-run, traced at the 8B, 70B and 405B widths at s 2,048 (8B also at 8,192): the same at each
 BUDGET_LINEARS = ("wqkv wo ffn ffn", "wo ffn ffn", "ffn ffn", "wo ffn", "ffn", "wo", "", "", "", "", "")
 BUDGET_ATTENTION = (1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)
-# (h, a, g, f) -> the recomputed memory-bound ops' traffic per token at F = 0, 0.1, ..., 1 (B; traced at s 2,048)
+# (h, a, g, f) -> the recomputed memory-bound ops' traffic per token at F = 0, 0.1, ..., 1 (B; traced at s 2,048, the
+# block called with the dataloader's positions: below F = 1 the RoPE gather at them is re-run, 4d + 8 B read)
 BUDGET_BYTES = {
-    (4096, 32, 8, 14336): (143872, 118784, 118784, 118784, 118784, 118784, 118792, 118792, 118792, 118792, 45064),
-    (8192, 64, 8, 28672): (279040, 237568, 237568, 237568, 237568, 237568, 237576, 237576, 237576, 237576, 90120),
-    (16384, 128, 8, 53248): (524800, 450560, 450560, 450560, 450560, 450560, 450568, 450568, 450568, 450568, 172040),
+    (4096, 32, 8, 14336): (143880, 119304, 119304, 119304, 119304, 119304, 119312, 119312, 119312, 119312, 45064),
+    (8192, 64, 8, 28672): (279048, 238088, 238088, 238088, 238088, 238088, 238096, 238096, 238096, 238096, 90120),
+    (16384, 128, 8, 53248): (524808, 451080, 451080, 451080, 451080, 451080, 451088, 451088, 451088, 451088, 172040),
 }
 SRC = ("traced: what the partitioner re-runs in the backward at the budget (the backward graph's forward nodes, "
        "torch 2.13, the real widths under FakeTensorMode; validation/budget_recompute.py), timed as derived from "

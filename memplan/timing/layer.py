@@ -56,8 +56,10 @@ from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
 from memplan.timing.flops import (
     attention_time_flops,
     gemms_per_layer,
+    layer_attention_flops,
     layer_matmul_flops,
     logits_flops,
+    mtp_flops,
     titan_selective_flops,
 )
 from memplan.timing.forms import Form, basis, evaluate
@@ -175,6 +177,7 @@ class HeadForms:
     """LM head (last stage) and embedding (first stage), forward + backward, one sequence."""
 
     head_compute: Form
+    mtp_compute: Form  # the multi-token-prediction layers' matmuls and attention, forward + backward (flops.mtp_flops)
     head_memory: Form
     head_comm: Form
     head_comm_exposed: Form
@@ -202,12 +205,18 @@ def head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> HeadFor
     drop = 1 if model.dropout else 0
     pos = 3 * A if model.position_embedding == "learned" else 0
     emb_bytes = 2 * A + pos + 2 * drop * (2 * A + MASK_BYTES) + A + 2 * FP32_BYTES
+    # the MTP layers (a sequence's share of every rank's, / t like the head): their GEMMs at the GEMM efficiency, their
+    # attention core as a layer's kernel runs it (its causal share); derived, not measured
+    mtp = mtp_flops(model)
+    mtp = (mtp[0], mtp[1] * attention_time_flops(model) / layer_attention_flops(model))
     # Vocabulary-parallel output: all-reduce (2 ag) forward, or with SP a reduce-scatter forward
     # and an all-gather backward: 2 ag, synchronous either way.
     return HeadForms(
         # The logits GEMM forward, its dgrad and wgrad: 3 kernels.
         head_compute=Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
                            u=3 * gpu.matmul_overhead_s),
+        mtp_compute=Form(t=3 * (mtp[0] / (gpu.peak_bf16_flops * gpu.matmul_efficiency) + mtp[1] / (
+            gpu.peak_bf16_flops * attention_matmul_efficiency(gpu, model)))),
         head_memory=head_memory,
         head_comm=head_comm,
         head_comm_exposed=head_exposed,

@@ -185,7 +185,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # torchtitan's memory-budget AC: every compiled layer re-runs what its partitioner did not save (zero otherwise)
     budget = lf.budget(x)
     recompute = m * (pf.selective * lf.selective(x) + pf.full * forward) + layers * budget
-    compute = evaluate(x, (layers, layer_compute), (1.0, head_compute))
+    compute = evaluate(x, (layers, layer_compute), (1.0, head_compute + hf.mtp_compute))  # MTP: the last stage's
     memory = evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
     tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
     # Activation offload (memplan/memory/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
