@@ -29,19 +29,8 @@ from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.device import MAX_COMMUNICATORS, device_memory, fraction_bytes
 from memplan.plan.estimate import device_bytes
-from memplan.plan.evaluate import (
-    MEMORY_FIELDS,
-    TIME_FIELDS,
-    LazyEvaluated,
-    Part,
-    concat,
-    evaluate,
-    expand,
-    host_per_node,
-    memory_ready,
-    row_slices,
-    table_parts,
-)
+from memplan.plan.evaluate import (MEMORY_FIELDS, TIME_FIELDS, LazyEvaluated, Part, concat, evaluate, expand,
+                                   host_per_node, memory_ready, row_slices, table_parts)
 from memplan.plan.fit import block_limits, fit_mask, part_limits, within_budget
 from memplan.plan.limits import SEQ_LIMIT, largest
 from memplan.plan.space import Fixed, PlanSpace, enumerate_plans, plan_config, plan_space, space_notes, training_fixed
