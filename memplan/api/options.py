@@ -213,23 +213,19 @@ class PlanOptions:
         """The context- and expert-parallel options as ParallelSpec fields (torchtitan's MoE: its etp, `moe_etp`)."""
         if self.cp_comm_type == "allgather":
             raise MemplanError("cp_comm_type 'allgather' is torchtitan's and set by --impl torchtitan: give p2p or a2a")
-        titan = self.impl == "torchtitan"
-        comm = "allgather" if titan else self.cp_comm_type  # torchtitan: titan_recompute checks
-        # torchtitan's expert_parallel_degree defaults to 1, as its tp and pp do (config() builds them so): a preset's
-        # ep is Megatron-LM's recipe, and check_titan_moe checked ep 1
-        ep = (self.ep or 1) if titan else self.ep
+        titan = self.impl == "torchtitan"  # comm: titan_recompute checks; ep: torchtitan's default 1 (as its tp, pp)
+        comm, ep = ("allgather", self.ep or 1) if titan else (self.cp_comm_type, self.ep)  # not the preset's ep
         return dict(cp=self.cp, cp_comm_type=comm, ep=ep, etp=moe_etp(ep or 1, self.tp or 1) if moe and titan else self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
         return dict(moe_imbalance=self.moe_imbalance, moe_expert_loads=expert_loads(self.moe_expert_loads),
-                    moe_capacity_factor=self.moe_capacity_factor,
-                    moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher,
+                    moe_capacity_factor=self.moe_capacity_factor, moe_pad_to_capacity=self.moe_pad_to_capacity,
+                    moe_token_dispatcher=self.moe_token_dispatcher,
                     moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
                     moe_router_dtype=self.moe_router_dtype, moe_router_pre_softmax=self.moe_router_pre_softmax,
                     megatron_core_version=self.megatron_core_version, moe_grouped_gemm=self.moe_grouped_gemm,
-                    moe_permute_fusion=self.moe_permute_fusion,
-                    moe_shared_expert_overlap=self.moe_shared_expert_overlap)
+                    moe_permute_fusion=self.moe_permute_fusion, moe_shared_expert_overlap=self.moe_shared_expert_overlap)
 
     def preset(self) -> Optional[ModelPreset]:
         """The model the options name: model (preset or YAML) or hf_config; None if neither."""
