@@ -432,7 +432,7 @@ TITAN_LEFT = ("the RoPE rows gathered at the dataloader's positions in a compile
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
               "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
-              "DeepSeek-V3 compiled, with float8 or with the multi-stage pipeline schedules (and its MTP layers with TP, "
+              "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers with TP, "
               "on CUDA measured, in search and in the step time's FLOPs, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set and backward measured on CUDA, its layers' backward moments with EP, TP "
               "or CP measured, the dense first layers' own weight gradients in their attention's and reduce-scatter's "
