@@ -198,3 +198,10 @@ def test_split_backward_schedules_refused_in_one_line():
     for kind in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
         with pytest.raises(MemplanError, match=f"{kind} with an MoE model is not modelled"):
             estimate("deepseek-v3", pipeline_schedule=kind, **kw)
+
+
+def test_estimate_says_where_the_dense_layers_fall():
+    est = estimate("deepseek-v3", impl="torchtitan", gpus=64, pp=16, ep=4, ac="full", seq_len=4096, micro_batch=1,
+                   global_batch=64, pipeline_schedule="Interleaved1F1B").estimate
+    assert any("the 3 dense first layers: 1 in rank 0's chunk 0, 2 in rank 1's chunk 0" in n for n in est.notes)
+    assert [int(s.layers) for s in est.stages[:2]] == [3, 4]  # 1 + 2 and 2 + 2 (test_chunk_dense_equals_...)

@@ -333,13 +333,19 @@ def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None, 
     return best, tuple(int(n) for n in held)
 
 
-def multi_note(kind: str, p: int, m: int, num_layers: int) -> list[str]:
-    """What `estimate` says of a multi-stage schedule: the placement, each rank's chunks, what is measured / derived."""
+def multi_note(kind: str, p: int, m: int, num_layers: int, dense: int = 0) -> list[str]:
+    """What `estimate` says of a multi-stage schedule: the placement, each rank's chunks (`dense`: an MoE model's dense
+    first layers, where they fall: `chunk_dense`), what is measured / derived."""
     split = ", ".join(" + ".join(map(str, rank_chunks(r, p, m, num_layers, kind))) for r in range(p))
+    split += " layers"
+    if dense:
+        where = [(r, c, n) for r in range(p) for c, n in enumerate(chunk_dense(r, p, m, num_layers, dense, kind)) if n]
+        split += (f" (the {dense} dense first layers: " + ", ".join(f"{n} in rank {r}'s chunk {c}" for r, c, n in where)
+                  + "; the rest MoE layers: each chunk's own counted)")
     out = [f"torchtitan pipeline_parallel_schedule {kind}: {p * m} virtual stages split by torchtitan "
            f"(_generate_llm_fqn_per_model_part), {m} a rank, " + ("in a V (rank r: stages r and 2p - 1 - r)"
                                                                  if kind in V_SCHEDULES else "rank r: stages r, r + p, ...")
-           + f"; the ranks' chunks hold {split} layers; each rank's peak is the step of torch's own order "
+           + f"; the ranks' chunks hold {split}; each rank's peak is the step of torch's own order "
            "(_calculate_single_rank_operations, rewritten; tests compare it with torch's) where its saved bytes are the "
            "most (memplan/memory/pipeline_multi.py). Measured over gloo on a tiny model (validation/titan_pp.py); the "
            "step's transients as one chunk of the rank's largest; the received inputs and kept outputs not counted"]
