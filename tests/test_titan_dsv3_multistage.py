@@ -21,6 +21,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.titan import titan_model
 from memplan.inventory.titan_dsv3 import dsv3_inventory
+from memplan.memory.pipeline import titan_stages_per_rank
 from memplan.memory.pipeline_multi import chunk_dense, rank_chunks, rank_stages
 from memplan.memory.stage import stage_memory
 from memplan.memory.term_bytes import PlanValues, whole_layer
@@ -82,52 +83,56 @@ def test_671b_rank_parameters_equal_torchtitans_split():
     assert real[:2] == [VV * H + dense + 2 * moe, 2 * dense + 2 * moe]
 
 
-# torchtitan's pipelined DeepSeek-V3 over gloo (validation/titan_pp.py pp_rank with a DsvShape, chunks = 2: the tiny
-# model of tests/test_titan_dsv3.py's SHAPE with 6 layers, layers.0 and .1 dense, vocabulary 128, s b = 16 x 1, split
-# into 4 virtual stages by torchtitan's _generate_llm_fqn_per_model_part / _split_module and placed by its loop style:
-# rank 0 the embedding + layers.0 (dense) and layers.3, .4 (MoE); rank 1 layers.1 (dense) + .2 (MoE) and layers.5 (MoE),
-# the norm and the head; torch's ScheduleInterleaved1F1B / ScheduleLoopedBFS, balanced routing, no EP, AC none), the
-# most bytes of saved tensors alive on each rank:
+# torchtitan's pipelined DeepSeek-V3 over gloo (validation/titan_pp.py pp_rank with a DsvShape: the tiny model of
+# tests/test_titan_dsv3.py's SHAPE, layers.0 and .1 dense, the rest MoE, vocabulary 128, s b = 16 x 1, split into its
+# virtual stages by torchtitan's _generate_llm_fqn_per_model_part / _split_module and placed by its loop style; torch's
+# ScheduleInterleaved1F1B / ScheduleLoopedBFS, balanced routing, no EP, AC none), the most bytes of saved tensors alive
+# on each of the 2 ranks. 6 layers at torchtitan's default 2 stages a rank (4 stages: rank 0 the embedding + layers.0
+# (dense) and layers.3, .4; rank 1 layers.1 (dense) + .2 and layers.5, the norm and the head); 10 layers with
+# pipeline_parallel_layers_per_stage 2 (ceil(12 / 2) = 6 stages, 3 a rank: rank 0 the embedding + layers.0, layers.3,
+# .4 and .7, .8; rank 1 layers.1 + .2, .5, .6 and .9 + the head):
 #   MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_dsv3_multistage.py -k gloo   (10 to 30 s a run)
-RECORDED = {("Interleaved1F1B", 2): [411776, 357092], ("Interleaved1F1B", 4): [471424, 397728],
-            ("LoopedBFS", 2): [411776, 448776], ("LoopedBFS", 3): [617664, 673164]}
+PER_STAGE = {6: None, 10: 2}  # layers: pipeline_parallel_layers_per_stage
+RECORDED = {("Interleaved1F1B", 2, 6): [411776, 357092], ("Interleaved1F1B", 4, 6): [471424, 397728],
+            ("LoopedBFS", 2, 6): [411776, 448776], ("LoopedBFS", 3, 6): [617664, 673164],
+            ("Interleaved1F1B", 4, 10): [764160, 690464], ("LoopedBFS", 2, 10): [704512, 741512]}
 
 
-def _spec():
-    return titan_model(_model(seq_length=S, vocab_size=V, num_layers=LAYERS, moe_first_dense_layers=DENSE))
+def _spec(layers=LAYERS):
+    return titan_model(_model(seq_length=S, vocab_size=V, num_layers=layers, moe_first_dense_layers=DENSE))
 
 
-def _memplan_ranks(kind, m):
-    """memplan's two ranks of the measured run (CPU terms): their saved activations and held counts per chunk."""
-    spec = _spec()
-    plan = PlanValues(t=1, p=2, d=1, m=2, sp=0, zero=3, shard=1, b=1, recompute=int(Recompute.NONE),
-                      recomputed_layers=LAYERS, microbatches=m, schedule=kind)
+def _memplan_ranks(kind, micro, layers):
+    """memplan's two ranks of the measured run (CPU terms): their StageMemory (saved activations, held counts)."""
+    spec, m = _spec(layers), titan_stages_per_rank(2, layers, PER_STAGE[layers])
+    plan = PlanValues(t=1, p=2, d=1, m=m, sp=0, zero=3, shard=1, b=1, recompute=int(Recompute.NONE),
+                      recomputed_layers=layers, microbatches=micro, schedule=kind)
     training = TrainingSpec(micro_batch=1, recompute=Recompute.NONE, device="cpu")
-    return [stage_memory(spec, dsv3_inventory(spec, "cpu").terms, training, plan, r) for r in (0, 1)]
+    return m, [stage_memory(spec, dsv3_inventory(spec, "cpu").terms, training, plan, r) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kind,m", sorted(RECORDED))
-def test_recorded_ranks_equal_memplan(kind, m):
+@pytest.mark.parametrize("kind,micro,layers", sorted(RECORDED))
+def test_recorded_ranks_equal_memplan(kind, micro, layers):
     # memplan: at each rank's peak step of torch's order, the held (micro-batch, chunk) sets x each chunk's own dense
     # and MoE layers' terms (a dense layer's, an MoE layer's: measured per layer in tests/test_titan_dsv3.py), the
     # token ids on the chunk of stage 0 (8 s b a micro-batch), the final norm and the fp32 log-softmax on the chunk of
-    # stage 3.  The run adds what memplan leaves out (as tests/test_titan_dsv3_pp.py's single-stage runs): the token ids
-    # of all M micro-batches are one storage (8 s M, not 8 s per held micro-batch), the labels one storage (8 s M)
-    # while a loss is held, nll_loss's 4-byte total_weight per held loss and the grouped GEMMs' int32 offsets (4 E) per
-    # held MoE layer
+    # the last stage.  The run adds what memplan leaves out (as tests/test_titan_dsv3_pp.py's single-stage runs): the
+    # token ids of all M micro-batches are one storage (8 s M, not 8 s per held micro-batch), the labels one storage
+    # (8 s M) while a loss is held, nll_loss's 4-byte total_weight per held loss and the grouped GEMMs' int32 offsets
+    # (4 E) per held MoE layer
+    m, ranks = _memplan_ranks(kind, micro, layers)
     out = []
-    for r, mem in enumerate(_memplan_ranks(kind, m)):
-        stages, dense = rank_stages(r, 2, 2, kind), chunk_dense(r, 2, 2, LAYERS, DENSE, kind)
-        layers = rank_chunks(r, 2, 2, LAYERS, kind)
+    for r, mem in enumerate(ranks):
+        stages, dense = rank_stages(r, 2, m, kind), chunk_dense(r, 2, m, layers, DENSE, kind)
         extra = 0
-        for s, n, nd, held in zip(stages, layers, dense, (int(h) for h in mem.held)):
+        for s, n, nd, held in zip(stages, rank_chunks(r, 2, m, layers, kind), dense, (int(h) for h in mem.held)):
             extra += 4 * SHAPE.E * (n - nd) * held
             if s == 0:
-                extra += 8 * S * m * (held > 0) - 8 * S * held
-            if s == 3:
-                extra += 4 * held + 8 * S * m * (held > 0)
+                extra += 8 * S * micro * (held > 0) - 8 * S * held
+            if s == 2 * m - 1:
+                extra += 4 * held + 8 * S * micro * (held > 0)
         out.append(int(mem.activations) + extra)
-    assert out == RECORDED[kind, m]
+    assert out == RECORDED[kind, micro, layers]
 
 
 def test_a_dense_layer_keeps_other_bytes_than_an_moe_layer():
@@ -143,14 +148,18 @@ def test_a_dense_layer_keeps_other_bytes_than_an_moe_layer():
 
 @pytest.mark.slow
 @SLOW
-@pytest.mark.parametrize("kind,m", sorted(RECORDED))
-def test_pipelined_dsv3_gloo_equals_recorded(kind, m):
+@pytest.mark.parametrize("kind,micro,layers", sorted(RECORDED))
+def test_pipelined_dsv3_gloo_equals_recorded(kind, micro, layers):
     from validation.titan_pp import measure_pp
 
-    ranks = measure_pp(SHAPE, LAYERS, V, s=S, b=1, microbatches=m, schedule=kind, chunks=2, dense=DENSE)
-    assert [r["modules"] for r in ranks] == [[["tok_embeddings", "layers.0"], ["layers.3", "layers.4"]],
-                                             [["layers.1", "layers.2"], ["layers.5", "norm", "lm_head"]]]
-    assert [r["saved_peak"] for r in ranks] == RECORDED[kind, m]
+    m = titan_stages_per_rank(2, layers, PER_STAGE[layers])
+    ranks = measure_pp(SHAPE, layers, V, s=S, b=1, microbatches=micro, schedule=kind, chunks=m, dense=DENSE)
+    assert [r["modules"] for r in ranks] == {
+        6: [[["tok_embeddings", "layers.0"], ["layers.3", "layers.4"]],
+            [["layers.1", "layers.2"], ["layers.5", "norm", "lm_head"]]],
+        10: [[["tok_embeddings", "layers.0"], ["layers.3", "layers.4"], ["layers.7", "layers.8"]],
+             [["layers.1", "layers.2"], ["layers.5", "layers.6"], ["layers.9", "norm", "lm_head"]]]}[layers]
+    assert [r["saved_peak"] for r in ranks] == RECORDED[kind, micro, layers]
     assert all(r["saved_after"] == 0 for r in ranks)
 
 
