@@ -63,24 +63,25 @@ def test_chunk_dense_equals_torchtitans_split(kind):
 
 
 def test_671b_rank_parameters_equal_torchtitans_split():
-    # torchtitan's 671B flavour (no MTP layers) built on the meta device and split by its own functions, each rank's
-    # chunks' parameters summed, against memplan's ranks (ep 1: every expert on the GPU); p = 16, rank 1 holds the
-    # dense layers.1 and .2 beside two MoE layers (layers.33, .34), rank 0 the embedding, the dense layers.0 and two
-    # MoE layers; p = 4 (15 + 16, 16 + 16, 16 + 16, 16 + 14 layers... the 3 dense in rank 0's first chunk)
+    # torchtitan's 671B flavour (no MTP layers) built on the meta device and split by its own functions (its
+    # _split_module deep-copies the model for each stage, ~0.3 s a stage: ranks 0, 1, 2 and the last of p = 16), each
+    # rank's chunks' parameters summed, against memplan's ranks (ep 1: every expert on the GPU); rank 0 holds the
+    # embedding, the dense layers.0 and two MoE layers (.31, .32), rank 1 the dense layers.1 and .2 beside two MoE
+    # layers (.33, .34), rank 2 four MoE layers, rank 15 two MoE layers (.29, .30), the final norm and the head
     from torchtitan.models.deepseek_v3 import model_registry
     with torch.device("meta"):
         whole = model_registry("671B").model.build()
-    for p in (4, 16):
-        real = [sum(sum(x.numel() for x in _split_module(whole, names).parameters()) for names in chunks)
-                for chunks in _titan_ranks(p, 61, "Interleaved1F1B")]
-        est = estimate("deepseek-v3", impl="torchtitan", gpus=p, pp=p, ep=1, micro_batch=1, global_batch=2 * p,
-                       seq_len=4096, ac="full", pipeline_schedule="Interleaved1F1B").estimate
-        assert [int(st.params) for st in est.stages] == real, p
-    # by hand (tests/test_titan_dsv3_pp.py test_671b_stage_parameters_equal_torchtitans_split's parts), p = 16
+    ranks = _titan_ranks(16, 61, "Interleaved1F1B")
+    real = [sum(sum(x.numel() for x in _split_module(whole, names).parameters()) for names in ranks[r])
+            for r in (0, 1, 2, 15)]
+    est = estimate("deepseek-v3", impl="torchtitan", gpus=16, pp=16, ep=1, micro_batch=1, global_batch=32,
+                   seq_len=4096, ac="full", pipeline_schedule="Interleaved1F1B").estimate
+    assert [int(est.stages[r].params) for r in (0, 1, 2, 15)] == real
+    # by hand (tests/test_titan_dsv3_pp.py test_671b_stage_parameters_equal_torchtitans_split's parts)
     H, A, RQ, RKV, DN, DR, DV, F, FE, E, VV = 7168, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 129280
     attn = H * RQ + RQ + RQ * A * (DN + DR) + H * (RKV + DR) + RKV + RKV * A * (DN + DV) + A * DV * H + 2 * H
     dense, moe = attn + 3 * H * F, attn + E * H + 3 * H * FE + 3 * E * H * FE
-    assert real[:2] == [VV * H + dense + 2 * moe, 2 * dense + 2 * moe]
+    assert real == [VV * H + dense + 2 * moe, 2 * dense + 2 * moe, 4 * moe, 2 * moe + H + H * VV]
 
 
 # torchtitan's pipelined DeepSeek-V3 over gloo (validation/titan_pp.py pp_rank with a DsvShape: the tiny model of
