@@ -11,6 +11,7 @@ over gloo, recorded; re-measured opt-in with MEMPLAN_TITAN_SLOW=1), the emitted 
 own stage metadata).  The split-backward schedules stay refused (tests/test_titan_dsv3_pp.py test_refused_in_one_line).
 Needs torchtitan (the test extra)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -60,6 +61,19 @@ def test_chunk_dense_equals_torchtitans_split(kind):
     # and layers.0, stage 1 layers.1 and layers.2: rank 1 holds two of the three dense layers (stage 1 and 17)
     assert [chunk_dense(r, 16, 2, 61, 3, "Interleaved1F1B") for r in (0, 1, 2)] == [(1, 0), (2, 0), (0, 0)]
     assert chunk_dense(0, 8, 2, 61, 3, "Interleaved1F1B") == (3, 0)  # p = 8: stage 0 holds 4 - 1 = 3 layers
+
+
+def test_the_walked_chunks_dense_layers():
+    # the timeline walks a rank's largest chunk (PlanValues.chunk_layers): its dense layers are the ones whose
+    # gradients it counts as a dense layer's. 671B at p = 2: rank 0's chunks 15 (3 dense) + 16 (none): the 16, none;
+    # the tiny model (6 layers, 2 dense) at p = 2: rank 1's chunks layers.1 (dense) + .2, and layers.5: the first, 1
+    spec = _spec()
+    plan = PlanValues(t=1, p=2, d=1, m=2, sp=0, zero=3, shard=1, b=1, recompute=int(Recompute.NONE),
+                      recomputed_layers=LAYERS, microbatches=2, schedule="Interleaved1F1B")
+    assert [plan.chunk_dense_layers(spec, r) for r in (0, 1)] == [0, 1]
+    big = _model(num_layers=61, moe_first_dense_layers=3)
+    assert [plan.chunk_dense_layers(big, r) for r in (0, 1)] == [0, 0]
+    assert dataclasses.replace(plan, schedule="1F1B", m=1).chunk_dense_layers(big, 0) == 3  # single-stage: stage 0
 
 
 def test_671b_rank_parameters_equal_torchtitans_split():

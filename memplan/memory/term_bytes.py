@@ -91,6 +91,16 @@ class PlanValues:
             return sum(chunk_dense(one(stage), one(self.p), one(self.m), model.num_layers, nd, str(self.schedule)))
         return nd * (stage == 0)
 
+    def chunk_dense_layers(self, model: ModelSpec, stage: Any) -> Any:
+        """Of the chunk `chunk_layers` describes (the one the timeline walks), the dense first layers: all of them on
+        the first stage, none elsewhere; a multi-stage schedule's rank: its largest chunk's (`chunk_dense`)."""
+        nd = model.moe_first_dense_layers
+        if nd and is_multi(self.schedule):
+            p, m, rank, kind = one(self.p), one(self.m), one(stage), str(self.schedule)
+            sizes = rank_chunks(rank, p, m, model.num_layers, kind)
+            return chunk_dense(rank, p, m, model.num_layers, nd, kind)[sizes.index(max(sizes))]
+        return nd * (stage == 0)
+
     def ends(self, stage: Any) -> tuple[Any, Any]:
         """(stage `stage` holds the embedding, it holds the output layer): memplan/memory/pipeline_multi.py
         stage_ends."""
