@@ -1,6 +1,7 @@
 """Every command through the real entry point: output, JSON shape, and one-line errors (exit 2)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -75,6 +76,15 @@ def test_overflow_is_reported(run_cli):
     code, out, _ = run_cli("estimate", "--model", "gpt3-530b", "--tp", "1", "--pp", "1", "--recompute", "none",
                            "--mem", "80GB")
     assert code == 0 and "does not fit" in out and "over by" in out
+
+
+def test_budget_below_the_runtime_says_so(run_cli):
+    # 1 GB is less than what lives outside PyTorch's pool (the preset's runtime: CUDA context, kernels, NCCL), so the
+    # allocator may take nothing: said in words, never as a negative size
+    code, out, _ = run_cli("estimate", "--model", "llama3-8b", "--gpus", "8", "--mem", "1GB")
+    assert code == 0 and "does not fit" in out
+    assert "0 GB it may take (the budget is" in out and "short of what lives outside" in out
+    assert not re.search(r"-\d[\d.,]* GB", out)
 
 
 @pytest.mark.parametrize(

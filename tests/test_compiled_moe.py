@@ -4,12 +4,13 @@ block on CPU.
 The expected values are measurements of torchtitan 0.3.0's Qwen3 MoE block (``_build_qwen3_moe_layers``, bf16, the
 router's own top-k, sdpa for FlexAttention) compiled by torch 2.13's inductor on CPU as torchtitan's apply_compile
 compiles it (validation/compiled_moe.py: h 40, a 6, g 2, head 8 so q 48, fe 24, E 10, k 4; dynamic s, b; measured at
-s 20, b 2 = 40 tokens):
+s 20, b 2 = 40 tokens; the block called with the dataloader's positions, as torchtitan's Trainer calls it):
 
     PYTHONPATH=. python -m validation.compiled_moe none           # and selective-op, full (~25 s of CPU each)
 
-prints the forward graph's saved tensors (RECORDED below, parameters left out) and "after forward 91084 B (output
-3200 B), eager 143008 B" (none), "19204 B (output 3200 B), eager 24584 B" (selective-op), "11780 B (output 3200 B),
+prints the forward graph's saved tensors (RECORDED below, parameters and the positions left out) and "after forward
+93644 B (output 3200 B), eager 145568 B" (none; without the positions 91,084 and 143,008 B: both keep CosSinRoPE's
+cos and sin rows gathered at them, 8d = 64 B per token), "19204 B (output 3200 B), eager 24584 B" (selective-op), "11780 B (output 3200 B),
 eager 11464 B" (full): what the block keeps after its forward is that less its output (the window makes the block's
 input, so a kept input counts), under full less the CPU generator state FullAC stashes (5,056 B; torch.get_rng_state,
 not modelled: CPU's).  The suite checks memplan's table against those recordings; MEMPLAN_COMPILE_SLOW=1 compiles
@@ -31,14 +32,16 @@ from memplan.presets.catalog import load_model
 H, A, G, D, FE, E, K = 40, 6, 2, 8, 24, 10, 4
 S, B = 20, 2
 OUTPUT, RNG_STATE = 3200, 5056  # the block's output (s b h bf16); torch.get_rng_state()'s bytes (FullAC on CPU)
-MEASURED = {"none": 91084 - OUTPUT, "selective-op": 19204 - OUTPUT, "full": 11780 - OUTPUT - RNG_STATE}
+MEASURED = {"none": 93644 - OUTPUT, "selective-op": 19204 - OUTPUT, "full": 11780 - OUTPUT - RNG_STATE}
 # the hand derivation (memplan/inventory/compiled_moe.py's comment over TABLE): bytes per token, bytes per layer
-HAND = {"none": (2196, 40 + 4), "selective-op": (400, 4), "full": (88, 4)}
+HAND = {"none": (2260, 40 + 4), "selective-op": (400, 4), "full": (88, 4)}
 REC = {"none": Recompute.NONE, "selective-op": Recompute.SELECTIVE, "full": Recompute.FULL}
-# the traced saved tensors (elements, dtype) of each run of the docstring's command, parameters left out; "10" the
-# offsets' E, "1" route_scale, "5056" the CPU generator state
+# the traced saved tensors (elements, dtype) of each run of the docstring's command, parameters and the positions
+# (int64 s b, a batch input the training loop holds: selective-op and full save it) left out; "10" the offsets' E, "1"
+# route_scale, "5056" the CPU generator state; "2 s b q /a" the RoPE cos and sin rows (fp32 2d)
 _ATTN = [("s b h", "bfloat16"), ("s b", "float32"), ("s b h", "bfloat16"), ("s b q", "bfloat16"),
-         ("s b g q /a", "bfloat16"), ("s b a", "float32"), ("s b g", "float32"), ("s b q", "bfloat16"),
+         ("s b g q /a", "bfloat16"), ("s b a", "float32"), ("s b g", "float32"), ("2 s b q /a", "float32"),
+         ("s b q", "bfloat16"),
          ("s b g q /a", "bfloat16"), ("s b g q /a", "bfloat16"), ("s b q", "bfloat16"), ("s b a", "float32"),
          ("s b h", "bfloat16"), ("s b", "float32"), ("s b h", "bfloat16")]
 RECORDED = {
@@ -119,7 +122,9 @@ def test_recorded_trace_and_measurement(ac):
     from validation.compiled_moe import trace_moe_block
 
     r = trace_moe_block(ac)
-    rows = [(t.elements, t.dtype) for t in r.saved if t.kind != "parameter"]
+    positions = ("s b", "int64")  # the dataloader's positions, a batch input (memplan's held positions)
+    rows = [(t.elements, t.dtype) for t in r.saved
+            if t.kind != "parameter" and not (t.kind == "input" and (t.elements, t.dtype) == positions)]
     assert Counter((_canon(el), dt) for el, dt in rows) == Counter((_canon(el), dt) for el, dt in RECORDED[ac])
     assert (r.s, r.b, r.output_bytes) == (S, B, OUTPUT)
     assert r.after_forward - OUTPUT - (RNG_STATE if ac == "full" else 0) == MEASURED[ac]

@@ -330,7 +330,8 @@ def test_positions_make_each_layer_keep_its_gathered_rope_rows():
 @pytest.mark.slow
 @SLOW
 def test_compiled_block_saves_the_gathered_rope_rows_too():
-    # not modelled (docs/torchtitan.md, the --compile row): with the positions the compiled block (AOTAutograd with
+    # modelled since the compiled tables are traced with the positions (memplan/inventory/compiled.py rope_rows,
+    # compiled_moe.py's; tests/test_compile.py, tests/test_compiled_moe.py): with them the compiled block (AOTAutograd with
     # inductor's partitioner, validation/compiled.py) saves the RoPE rows gathered at them, 4d B a token for Llama 3
     # (the conjugated complex64 copy), 8d for Qwen3 (cos and sin, two views of one fp32 [2d] gather); without them
     # none (the buffer is a graph input). s 24, b 3, d 16: 4 x 16 x 72 = 4608

@@ -289,3 +289,14 @@ def test_ep_states_equal_the_recorded_run(ep, tmp_path):
 def test_ep_states_gloo_equal_recorded(ep):
     for rank in measure_dsv3_ep_states(SHAPE, ep=ep):
         assert {k: rank[k] for k in RECORDED_STATES[ep]} == RECORDED_STATES[ep]
+
+
+def test_ep_defaults_to_torchtitans_one():
+    # torchtitan 0.3.0's ParallelismConfig.expert_parallel_degree defaults to 1 (config/configs.py), as its tp and pp
+    # do; the deepseek-v3 preset's ep 64 is Megatron-LM's recipe. Without --ep the plan is torchtitan's ep 1: 128 GPUs
+    # as 4 replicas x 32-rank shard groups run (ep 64 would not divide a shard group: torchtitan's efsdp =
+    # dp_shard cp tp / ep), and the explicit --ep 64 is refused with torchtitan's reason, not Megatron-LM's
+    kw = dict(model="deepseek-v3", impl="torchtitan", gpus=128, dp_replicate=4, global_batch=128)
+    assert estimate(**kw).config.parallel.ep == 1
+    with pytest.raises(MemplanError, match="efsdp"):
+        estimate(ep=64, **kw)

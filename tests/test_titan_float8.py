@@ -104,12 +104,14 @@ def test_the_estimate_says_what_is_measured_and_derived():
 
 # --compile --float8: torchtitan's block with float8 linears compiled by torch 2.13's inductor on CPU, measured with
 # `PYTHONPATH=. python -m validation.compiled inductor torchtitan RECIPE` (h 48, f 160, a 6, g 2, head 8; static s 28,
-# b 5 = 140 tokens): "after forward 170240 B (output 13440 B)" rowwise, 170270 B tensorwise. By hand, per token:
-# input 96 + rstd 4 + q 96 + k 32 + v 32 + attention out 96 + lse 24 + wo out 96 + rstd 4 + w1 out 320 + w3 out 320
-# = 1,120 B (the bf16 compiled block's 1,632 B without the norms' outputs 96 + 96 and SwiGLU's product 320) x 140
-# = 156,800 B; tensorwise + 5 bf16 amax + 5 fp32 scales = 30 B
+# b 5 = 140 tokens; the block called with the dataloader's positions, as torchtitan's Trainer calls it): "after
+# forward 174720 B (output 13440 B)" rowwise, 174,750 B tensorwise (without the positions: 170,240 and 170,270 B).
+# By hand, per token: input 96 + rstd 4 + q 96 + k 32 + v 32 + attention out 96 + lse 24 + wo out 96 + rstd 4 + w1
+# out 320 + w3 out 320 + the RoPE rows gathered at the positions (d/2 complex64) 32 = 1,152 B (the bf16 compiled
+# block's 1,664 B without the norms' outputs 96 + 96 and SwiGLU's product 320) x 140 = 161,280 B; tensorwise + 5 bf16
+# amax + 5 fp32 scales = 30 B
 COMPILED_TOKENS = 140
-COMPILED_FLOAT8 = {"rowwise": 170240 - 13440, "tensorwise": 170270 - 13440}
+COMPILED_FLOAT8 = {"rowwise": 174720 - 13440, "tensorwise": 174750 - 13440}
 COMPILED_MODEL = TINY.model_copy(update={"hidden_size": 48, "num_attention_heads": 6, "ffn_hidden_size": 160})
 
 
@@ -121,10 +123,10 @@ def _compiled_layer_bytes(recipe):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_compiled_float8_layer_equals_the_cpu_measurement(recipe):
-    assert _compiled_layer_bytes(recipe) == COMPILED_FLOAT8[recipe] == 1120 * COMPILED_TOKENS + (
+    assert _compiled_layer_bytes(recipe) == COMPILED_FLOAT8[recipe] == 1152 * COMPILED_TOKENS + (
         30 if recipe == "tensorwise" else 0)
-    # and the bf16 compiled block of the same widths keeps 1,632 B per token (tests/test_compile.py's table)
-    assert _compiled_layer_bytes(None) == 1632 * COMPILED_TOKENS
+    # and the bf16 compiled block of the same widths keeps 1,664 B per token (tests/test_compile.py's table)
+    assert _compiled_layer_bytes(None) == 1664 * COMPILED_TOKENS
 
 
 def test_compile_float8_in_the_estimate():
@@ -144,7 +146,9 @@ def test_partitioner_saves_the_float8_table_inductor(recipe):
     from validation.compiled import trace_compiled_layer
 
     r = trace_compiled_layer("inductor", "torchtitan", s_trace=28, b_trace=5, dynamic=False, float8=recipe)
-    made = Counter((Poly.parse_sum(t.elements or "1"), t.dtype) for t in r.saved if t.kind != "parameter")
+    # the complex64 RoPE rows gathered at the positions count as their fp32 pairs (memplan's rope_rows)
+    made = Counter((Poly.parse_sum(t.elements or "1"), t.dtype.replace("complex64", "float32")) for t in r.saved
+                   if t.kind != "parameter")
     inv = training_inventory(COMPILED_MODEL, "torchtitan", "cpu", TrainingSpec(compile=True, float8=recipe))
     dtypes = {"act": "bfloat16", "fp32": "float32"}
     table = Counter()

@@ -1,7 +1,8 @@
 """torchtitan 0.3.0's multi-token prediction for DeepSeek-V3 (`--impl torchtitan --mtp N`, memplan/inventory/titan_mtp.py)
 against torchtitan's own model: the parameters of its MTP layers on the meta device, what each MTP layer keeps measured
 on CPU with MTPLoss (recorded; re-measured opt-in with MEMPLAN_TITAN_SLOW=1), the emitted config loaded by its
-ConfigManager, and what torchtitan refuses (MTP with PP or CP).  Needs torchtitan (the test extra)."""
+ConfigManager, and what torchtitan refuses (MTP with PP or CP); with TP and EP: tests/test_titan_mtp_tp.py.  Needs
+torchtitan (the test extra)."""
 
 import os
 
@@ -99,8 +100,8 @@ def test_mtp_measured_equals_recorded(ac):
     assert [measure_dsv3_mtp(SHAPE, n, ac, S, 1) for n in (0, 1, 2)] == RECORDED[ac]
 
 
-@pytest.mark.parametrize("kw,match", [(dict(pp=2), "pipeline"), (dict(cp=2), "context"), (dict(tp=2), "--tp"),
-                                      (dict(impl="megatron"), "torchtitan's")])
+@pytest.mark.parametrize("kw,match", [(dict(pp=2), "pipeline"), (dict(cp=2), "context"),
+                                      (dict(impl="megatron"), "--mtp N is torchtitan's")])
 def test_refused(kw, match):
     base = dict(impl="torchtitan", gpus=16, ep=8, mtp=1, seq_len=4096, micro_batch=1, global_batch=16, ac="full")
     with pytest.raises(MemplanError, match=match):
@@ -111,20 +112,23 @@ def test_refused_elsewhere():
     with pytest.raises(MemplanError, match="DeepSeek-V3 only"):
         estimate("qwen3-30b-a3b", impl="torchtitan", gpus=8, mtp=1, global_batch=8)
     from memplan.api.searching import search
-    with pytest.raises(MemplanError, match="search does not plan"):
-        search("deepseek-v3", impl="torchtitan", gpus=64, mtp=1, global_batch=64, mem="80GB")
-    with pytest.raises(MemplanError, match="search does not plan"):  # Megatron-LM's search took it and dropped it
+    with pytest.raises(MemplanError, match="DeepSeek-V3 only"):
+        search("qwen3-30b-a3b", impl="torchtitan", gpus=8, mtp=1, global_batch=8, mem="80GB")
+    # search and estimate refuse it for the other impls with the one check (api/values.py mtp_layers)
+    with pytest.raises(MemplanError, match="--mtp N is torchtitan's"):
         search("llama3-8b", gpus=8, mtp=1)
 
 
-def test_emitted_mtp_plan_loads_in_torchtitan(tmp_path, monkeypatch):
-    # as torchtitan's own deepseek_v3_debugmodel_mtp: model_registry(..., num_mtp_layers=N) and MTPLoss
+@pytest.mark.parametrize("tp", [1, 2])
+def test_emitted_mtp_plan_loads_in_torchtitan(tp, tmp_path, monkeypatch):
+    # as torchtitan's own deepseek_v3_debugmodel_mtp: model_registry(..., num_mtp_layers=N) and MTPLoss (with TP too:
+    # tests/test_titan_mtp_tp.py)
     from tests.test_launch_titan import _load
-    result = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, mtp=1, ac="full", seq_len=4096, micro_batch=1,
-                      global_batch=16, emit="torchtitan")
+    result = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, tp=tp, mtp=1, ac="full", seq_len=4096,
+                      micro_batch=1, global_batch=16 // tp, emit="torchtitan")
     config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
-    assert len(config.model_spec.model.mtp_layers) == 1
+    assert len(config.model_spec.model.mtp_layers) == 1 and config.parallelism.tensor_parallel_degree == tp
     assert type(config.loss).__qualname__ == "MTPLoss.Config"
-    one = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, ac="full", seq_len=4096, micro_batch=1,
-                   global_batch=16).estimate
+    one = estimate("deepseek-v3", impl="torchtitan", gpus=16, ep=8, tp=tp, ac="full", seq_len=4096, micro_batch=1,
+                   global_batch=16 // tp).estimate
     assert result.estimate.stages[0].activations > one.stages[0].activations

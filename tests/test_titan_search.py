@@ -121,8 +121,47 @@ def test_selective_layer_counts_are_distinct_plans():
     assert acs == sorted(["none", "full", "selective-op"] + [f"selective-layer:{n}" for n in (2, 3, 4, 5, 6, 7, 9, 11, 17)])
 
 
+def test_max_seq_search_agrees_with_estimate_for_a_pinned_plan():
+    # search --max-seq answers a multiple of 128 tokens (SEQ_STEP) at which the plan's replay completes; estimate
+    # --max-seq of the same plan answers the longest length itself: the same length to within one 128-token step
+    plan = dict(tp=1, cp=1, dp_replicate=1, ac="full", compile=False, micro_batch=1, mem="40GB")
+    found = search("llama3-8b", all_variants=True, max_seq=True, **BASE, **plan).result
+    longest = found.max_seq_len
+    assert longest % 128 == 0 and len(found.top) == 1
+    est = estimate("llama3-8b", max_seq=True, seq_len=longest, **BASE, **plan)
+    assert est.fits and longest <= est.limits["max_seq_len"] < longest + 128
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float8_any_searches_bf16_and_each_recipe_as_estimate_plans_them(compiled):
+    # one plan pinned but its float8: bf16, tensorwise and rowwise, three distinct launchable plans (torchtitan's
+    # float8 converter or none), each row with estimate's memory and step time for that --float8
+    plan = dict(tp=1, cp=1, dp_replicate=1, ac="full", compile=compiled, micro_batch=1, seq_len=4096, mem="80GB")
+    found = search("llama3-8b", all_variants=True, float8="any", **BASE, **plan).result
+    assert found.candidates == 3 and sorted(found.float8) == ["", "rowwise", "tensorwise"]
+    for i in range(3):
+        row, recipe = found.row(i), found.float8[i] or None
+        assert row["torchtitan"]["float8"] == recipe
+        est = estimate("llama3-8b", float8=recipe, **BASE, **plan)
+        assert row["memory"]["device_bytes"] == est.device_bytes
+        assert row["step_time_s"] == pytest.approx(est.estimate.perf.step_time_s, rel=1e-9)
+
+
+def test_float8_any_refusals_and_what_it_leaves_out(capsys):
+    # estimate plans one recipe; other stacks have no torchao float8; an A100 has no FP8 tensor cores
+    for command in (["estimate", "--float8", "any"], ["search", "--impl", "megatron", "--float8", "any"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(command[:1] + ["--model", "llama3-8b", "--gpus", "8", "--mem", "80GB"]
+                 + (["--impl", "torchtitan"] if command[0] == "estimate" else []) + command[1:])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and "any" in err, (command, err)
+    found = search("llama3-8b", float8="any", tp=1, micro_batch=1, compile=True, **{**BASE, "gpu": "a100-80gb"},
+                   mem="80GB").result
+    assert set(found.float8) == {""} and any("no FP8 tensor cores" in n for n in found.notes)
+
+
 def test_search_refuses_what_is_not_modelled_in_one_line(capsys):
-    for extra in (["--pp", "4"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--max-seq"], ["--dp", "4"],
+    for extra in (["--pp", "4"], ["--cp", "2", "--compile"], ["--ac", "bogus"], ["--dp", "4"],
                   ["--dp-replicate", "3"]):
         with pytest.raises(SystemExit) as exit_:
             main(["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--mem", "80GB"] + extra)

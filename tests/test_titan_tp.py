@@ -130,13 +130,15 @@ def test_states_sharded_over_d_x_t_gloo():
 # torch.compile under TP (issue 24): layer 0's compiled block on each of the 2 ranks, torchtitan's parallelize_llama
 # (TP, then apply_compile per block; AOTAutograd with inductor's partitioner and decompositions), measured by
 #     MEMPLAN_TITAN_SLOW=1 PYTHONPATH=. pytest tests/test_titan_tp.py -k compiled_gloo     (~60 s, 2 runs)
-# (validation/titan_tp_compile.py): the bytes of each tensor the forward graph saves for the backward, which equal
-# the storages a saved-tensors hook sees in the real run (parameters apart), both ranks alike.  --ac full with
+# (validation/titan_tp_compile.py; the model called with the dataloader's positions, as torchtitan's Trainer calls it):
+# the bytes of each tensor the forward graph saves for the backward, which equal the storages a saved-tensors hook
+# sees in the real run (parameters and the positions, held by the training loop, apart), both ranks alike.  --ac full with
 # compile and TP stops in torch 2.13 (memplan/inventory/compiled.py FULL_TP_ERROR): derived, not recorded.
 COMPILED = {
     # the residual sum after attention, rstd, the all-gathered norm output, q, k, v, lse, the attention output,
-    # wo's reduce-scattered output, rstd, the all-gathered norm output, w1's, w3's outputs and their SwiGLU product
-    "none": [2048, 64, 4096, 2048, 1024, 1024, 256, 2048, 2048, 64, 4096, 5120, 5120, 5120],
+    # wo's reduce-scattered output, rstd, the all-gathered norm output, w1's, w3's outputs and their SwiGLU product,
+    # the RoPE rows gathered at the positions (complex64, whole: without the positions the graph saved no such row)
+    "none": [2048, 64, 4096, 2048, 1024, 1024, 256, 2048, 2048, 64, 4096, 5120, 5120, 5120, 2048],
     # the block input, the fused QKV output, the attention output and lse, wo's reduce-scattered output, w1's output
     "selective-op": [2048, 4096, 2048, 256, 2048, 5120],
 }
@@ -171,12 +173,13 @@ def test_compiled_tp_split_by_hand():
     # per global token on one of t = 2 ranks (h 64, a 4, g 2, f 160, d 16), the split of each term:
     # none: residual 2h / t = 64 (sp), rstd 4 / t = 2 (sp), the all-gathered norm output 2h = 128 (whole), q 2ad / t
     #   = 64, k and v 2gd / t = 32 each, lse 4a / t = 8, attention output 64 (tp), wo's output reduce-scattered 2h / t
-    #   = 64 (sp), rstd 2, norm output 128, w1, w3 and their product 2f / t = 160 each (tp): 1068
+    #   = 64 (sp), rstd 2, norm output 128, w1, w3 and their product 2f / t = 160 each (tp), the RoPE rows gathered
+    #   at the positions 4d = 64 (whole): 1132
     # selective-op: block input 64 (sp), fused QKV 2(a + 2g)d / t = 128, output 64, lse 8 (tp), wo reduce-scattered
     #   64 (sp, TP only), w1 160 (tp): 488; at t = 1 the TP-only term vanishes: 128 + 256 + 128 + 16 + 320 = 848
     tokens = S * B
-    assert sum(COMPILED["none"]) == 1068 * tokens and sum(COMPILED["selective-op"]) == 488 * tokens
-    assert sum(n * k for n, k in _compiled("none").items()) == 1068 * tokens
+    assert sum(COMPILED["none"]) == 1132 * tokens and sum(COMPILED["selective-op"]) == 488 * tokens
+    assert sum(n * k for n, k in _compiled("none").items()) == 1132 * tokens
     assert sum(n * k for n, k in _compiled("selective-op", t=1).items()) == 848 * tokens
 
 
@@ -197,12 +200,13 @@ def test_compiled_gloo_run_equals_recorded(ac):
 def test_estimate_compile_with_tp_by_hand():
     # llama3-8b (h 4096, a 32, g 8, f 14336, d 128) compiled, t = 2, per global token on a rank: residual 2h / t 4096,
     # rstd 2, gathered norm output 2h 8192, q 2ad / t 4096, k and v 2gd / t 1024 each, lse 4a / t 64, output 4096,
-    # wo reduce-scattered 4096, rstd 2, gathered norm output 8192, w1 / w3 / SwiGLU 2f / t 14336 each: 77,892 B;
+    # wo reduce-scattered 4096, rstd 2, gathered norm output 8192, w1 / w3 / SwiGLU 2f / t 14336 each, the RoPE rows
+    # gathered at the positions 4d 512 (whole): 78,404 B;
     # selective-op: input 4096, fused QKV 2(a + 2g)d / t 6144, output 4096, lse 64, wo reduce-scattered 4096, w1 14336:
     # 32,832 B; full: the sequence-sharded input 4096 B (derived: torch 2.13 does not run it, compiled.FULL_TP_ERROR)
     from memplan.api.estimating import estimate
 
-    for ac, per_token in (("none", 77892), ("selective-op", 32832), ("full", 4096)):
+    for ac, per_token in (("none", 78404), ("selective-op", 32832), ("full", 4096)):
         est = estimate("llama3-8b", impl="torchtitan", gpus=8, tp=2, compile=True, ac=ac, seq_len=1024, micro_batch=1,
                        global_batch=8, device="cuda")
         assert est.estimate.per_layer_bytes == per_token * 1024, ac

@@ -28,14 +28,15 @@ def _saved_nodes(shape, s: int, b: int, budget: float) -> list[tuple[str, int]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .compiled import _aot_backend, _base
-    from .titan import build_block
+    from .titan import build_block, loader_positions
 
     graphs: list = []
     torch._dynamo.reset()
     with fconfig.patch(activation_memory_budget=budget, enable_autograd_cache=False), FakeTensorMode():
         block = build_block(shape, "none", max_seq_len=s).train()
         x = torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True)
-        torch.compile(block, backend=_aot_backend(lambda gm, _: graphs.append(gm)), dynamic=False)(x, None, None)
+        pos = loader_positions(b, s)  # as torchtitan's Trainer calls every block (a batch input: not counted)
+        torch.compile(block, backend=_aot_backend(lambda gm, _: graphs.append(gm)), dynamic=False)(x, None, pos)
     if len(graphs) != 1:
         raise RuntimeError(f"expected one forward graph, got {len(graphs)}")
     out, seen = [], set()
@@ -46,7 +47,7 @@ def _saved_nodes(shape, s: int, b: int, budget: float) -> list[tuple[str, int]]:
             continue
         seen.add(node)
         if node.op == "placeholder" and tuple(val.shape) != (b, s, shape.h):
-            continue  # a parameter or the RoPE buffer
+            continue  # a parameter, the RoPE buffer or the positions
         out.append((node.name, val.numel() * val.element_size() // (s * b)))
     return out
 
@@ -61,7 +62,7 @@ def budget_saved(h: int, a: int, g: int, f: int, s: int, budgets: tuple[float, .
     shape = Shape(h=h, a=a, g=g, f=f)
     full = _saved_nodes(shape, s, b, 1.0)
     d = h // a
-    width = {"s b h": h, "s b": 1, "s b q": a * d, "s b g q /a": g * d, "s b a": a, "s b f": f}
+    width = {"s b h": h, "s b": 1, "s b q": a * d, "s b g q /a": g * d, "s b a": a, "s b f": f, "s b q /a": d}
     want = [(row[0], width[row[3]] * (4 if row[4] == "fp32" else 2)) for row in table]
     if [n for _, n in full] != [n for _, n in want]:
         raise RuntimeError(f"the compiled block's saved tensors at budget 1 are not the table's: {full}")

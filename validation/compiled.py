@@ -23,6 +23,12 @@ apply_compile: dynamo traces the checkpoint as a tagged region and the partition
 PREFER_RECOMPUTE tags. The eager figure is then eager SelectiveAC's (with the CPU generator state each checkpoint
 stashes).
 
+torchtitan's blocks are called as its Trainer calls them, with the dataloader's positions (validation/titan.py
+``loader_positions``; ``positions=False`` leaves them out): their RoPE then gathers its cache rows at them, and a
+saved [b, s, 1, w] tensor (``_rope_rows``) is those rows, named against the head width (a complex64 one as its fp32
+pairs). The positions are a batch input made before the measured window; a checkpointed block saves them (a graph
+input, int64 s b).
+
 Nothing here computes a byte count from a formula: the trace reads the graph, the measurement reads allocations.
 """
 
@@ -49,8 +55,8 @@ class SavedTensor:
     node: str  # the forward graph's node name
     kind: str  # "input" (a graph input the layer was given: the layer input, the rotary tables), "parameter", "made",
     # "constant" (made from parameters alone, no s or b: QLoRA's dequantised weights; elements its value count)
-    elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a")
-    dtype: str  # torch dtype name: bfloat16, float32
+    elements: str  # a polynomial in s, b and the config's widths ("s b h", "s b g q /a"); complex64: its fp32 pairs
+    dtype: str  # torch dtype name: bfloat16, float32, complex64
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,18 @@ def _monomial(power: dict[str, int]) -> str:
     return " ".join(up + down) or "1"
 
 
+def _rope_rows(shape, names: dict[int, dict[str, int]]) -> str | None:
+    """A saved [b, s, 1, w] tensor is RoPE's cache rows gathered at the positions (broadcast over the heads: no other
+    saved tensor has a 1 there): its width named against the head width d (ComplexRoPE's fp32 pairs d, CosSinRoPE's
+    cos and sin 2d), which a width table alone cannot tell from g d where g = 2."""
+    if len(shape) != 4 or shape[2] != 1 or isinstance(shape[3], torch.SymInt):
+        return None
+    d = next(w for w, e in names.items() if e == {"q": 1, "a": -1})
+    if shape[3] % d:
+        raise ValueError(f"RoPE rows {shape}: width {shape[3]} is not a multiple of the head width {d}")
+    return f"{shape[3] // d} s b q /a".removeprefix("1 ")
+
+
 def _base(node):
     """The node whose storage a saved view shares (views and aliases followed to the tensor they view)."""
     while node.op == "call_function" and getattr(node.target, "is_view", False):
@@ -194,13 +212,14 @@ def _tune_layer(lora: dict | None = None, w: dict | None = None):
     return layer, inputs
 
 
-def _titan_layer(float8: str | None = None, ac: str = "none"):
+def _titan_layer(float8: str | None = None, ac: str = "none", positions: bool = True):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
-    FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask); ``float8``:
+    FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask; ``positions``: the
+    dataloader's, as its Trainer always passes them, else none); ``float8``:
     its linears torchao's Float8Linear (validation/titan.py build_block); ``ac``: wrapped first in torchtitan's AC
     (build_block: "selective-op" its SelectiveAC, the save list and every-other-matmul policy), then compiled, as
     torchtitan's parallelize_llama applies AC before apply_compile."""
-    from .titan import Shape, build_block
+    from .titan import Shape, build_block, loader_positions
 
     w = WIDTHS["torchtitan-float8" if float8 else "torchtitan"]
     torch.manual_seed(0)
@@ -208,8 +227,9 @@ def _titan_layer(float8: str | None = None, ac: str = "none"):
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
+        pos = loader_positions(b, s) if positions else None  # a batch input, made before the measured window
         return (torch.randn(b, s, w["h"], dtype=torch.bfloat16, requires_grad=True),
-                lambda layer, x: layer(x, None, None))
+                lambda layer, x: layer(x, None, pos))
 
     return layer, inputs
 
@@ -242,7 +262,7 @@ def _aot_backend(inner):
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
                          s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
                          lora: dict | None = None, widths: dict | None = None, ac: str = "none",
-                         built=None) -> CompiledLayer:
+                         built=None, positions: bool = True) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -252,7 +272,8 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     and decompositions, its graphs run by torch (seconds, no C++ compile: tests/test_compile.py's fast check).
     ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8").
     ``built``: (layer, inputs, names) of another block (validation/compiled_moe.py: torchtitan's Qwen3 MoE block; its
-    sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it."""
+    sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it.
+    ``positions`` (torchtitan): the block called with the dataloader's positions (``_titan_layer``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
@@ -264,8 +285,9 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     if ac != "none" and impl != "torchtitan":
         raise ValueError("ac is torchtitan's (impl torchtitan)")
     layer, inputs, names = built if built else (None, None, _names(widths))
-    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac) if float8 or ac != "none" else _tune_layer(lora, widths) if lora else
-                     {"hf-sdpa": _hf_layer, "torchtune": _tune_layer, "torchtitan": _titan_layer}[impl]())
+    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac, positions) if impl == "torchtitan" else
+                                                   _tune_layer(lora, widths) if lora else
+                                                   {"hf-sdpa": _hf_layer, "torchtune": _tune_layer}[impl]())
     graphs: list = []
 
     def inner(gm, example_inputs, **kw):
@@ -307,12 +329,15 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         if not isinstance(val, torch.Tensor):
             continue  # SymInts for the backward
         shape = tuple(val.shape)
+        if val.dtype == torch.complex64:  # torchtitan's ComplexRoPE rows: counted as their fp32 pairs
+            shape = shape[:-1] + (shape[-1] * 2,)
+        rope = _rope_rows(shape, names) if node.op != "placeholder" else None
         # a graph input with no s or b in its shape is a parameter or a buffer (torchtune's RoPE cache)
         tokens = any(_tokens(d, hints) or (not dynamic and d in hints) for d in shape)
         kind = ("input" if tokens else "parameter") if node.op == "placeholder" else ("made" if tokens else "constant")
         # a constant's size may be symbolic without s or b (the CPU generator state full AC stashes): its hint
         elements = ("" if kind == "parameter" else str(optimization_hint(val.numel())) if kind == "constant"
-                    else _elements(shape, hints, names, not dynamic))
+                    else rope or _elements(shape, hints, names, not dynamic))
         saved.append(SavedTensor(node.name, kind, elements, str(val.dtype).removeprefix("torch.")))
     # the measured run: the dynamic kernel again (no recompile), then the eager layer
     x, call = inputs(s, b, 2)

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from validation.compiled import CompiledLayer, trace_compiled_layer
+from validation.titan import loader_positions
 from validation.titan_moe import MoeShape, build_moe_block, wrap_ac
 
 # every width distinct (and none a product of two others that a shape could hold), so that a size names one field:
@@ -45,7 +46,7 @@ def names(shape: MoeShape) -> dict[int, dict[str, int]]:
 
 
 def trace_moe_block(ac: str = "none", route: str = "inductor", shape: MoeShape = SHAPE, s: int = 20,
-                    b: int = 2, balanced: bool = False) -> CompiledLayer:
+                    b: int = 2, balanced: bool = False, positions: bool = True) -> CompiledLayer:
     """The compiled Qwen3 MoE block's saved tensors (dynamic s, b) and its bytes after the forward at s, b;
     ``balanced``: torchtitan's debug round-robin routing (its topk then computed and dropped: dynamo removes it, so
     the compiled block saves the round-robin ids instead), else the router's own top-k (the default: what a run
@@ -56,8 +57,9 @@ def trace_moe_block(ac: str = "none", route: str = "inductor", shape: MoeShape =
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
+        pos = loader_positions(b, s) if positions else None  # a batch input, made before the measured window
         return (torch.randn(b, s, shape.h, dtype=torch.bfloat16, requires_grad=True),
-                lambda layer, x: layer(x, None, None))
+                lambda layer, x: layer(x, None, pos))
 
     with warnings.catch_warnings(), torch._dynamo.config.patch(capture_scalar_outputs=True):
         warnings.simplefilter("ignore")  # CPU autocast refuses fp32 (validation/titan_moe.py)

@@ -12,7 +12,9 @@ forward graph runs on each rank's local tensors and its outputs after the block'
 Two readings per rank, which must agree: ``graph`` (each saved output of layer 0's forward graph: its node's
 storage, dtype and bytes, views of one storage once, parameters apart) and ``saved`` (the storages the compiled
 block hands to autograd, read by a saved-tensors hook around layer 0's forward in the real run, parameters apart).
-The backward then runs once (the compiled block works under TP).  sdpa stands in for FlexAttention as everywhere in
+The model is called with the dataloader's positions, as torchtitan's Trainer calls it (validation/titan.py
+``loader_positions``; a batch input, left out of both readings). The backward then runs once (the compiled block
+works under TP).  sdpa stands in for FlexAttention as everywhere in
 validation/titan.py.
 """
 
@@ -22,7 +24,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .compiled import _aot_backend, _base
-from .titan import Shape, local_tensor, tp_model
+from .titan import Shape, loader_positions, local_tensor, tp_model
 
 BACKEND = "memplan_aot_partitioner"
 
@@ -49,7 +51,9 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
 
         def pack(t):
             # the parameters as the block holds them now (FSDP2's unsharded bf16 copies inside its forward)
+            # and the positions (a batch input the training loop holds: memplan's held ``positions``)
             params = {StorageWeakRef(local_tensor(p).untyped_storage()) for p in (*block.parameters(), *block.buffers())}
+            params.add(StorageWeakRef(positions.untyped_storage()))
             st = local_tensor(t).untyped_storage()
             if StorageWeakRef(st) not in params:
                 found.setdefault(StorageWeakRef(st), (str(t.dtype).removeprefix("torch."), st.nbytes()))
@@ -71,8 +75,9 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
 
         model.layers["0"] = Around()
         tokens = torch.randint(0, vocab, (b, s))
+        positions = loader_positions(b, s)  # as torchtitan's Trainer passes them (a model kwarg; whole under TP)
         with dist_utils.get_spmd_context(parallel_dims=dims)():
-            logits = model(tokens)
+            logits = model(tokens, positions=positions)
             cross_entropy_loss(logits, tokens.clone(), global_vocab_size=vocab).backward()
     if not graphs:
         raise RuntimeError("the compile backend was not called")
@@ -85,7 +90,7 @@ def compiled_tp_rank(rank: int, world: int, shape: Shape, layers: int, vocab: in
             continue
         seen.add(node)
         if node.op == "placeholder" and val.dim() < 3:
-            continue  # a parameter or buffer (the block input is the graph's one 3-d input, (b, s / t, h))
+            continue  # a parameter, a buffer or the positions (the block input is the graph's one 3-d input)
         rows.append((node.name, str(val.dtype).removeprefix("torch."), val.numel() * val.element_size()))
     return {"graph": rows, "saved": list(found.values()), "input_bytes": out["input_bytes"],
             "graphs": len(graphs)}

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from memplan.api.values import Size, bounded_count, budget_bytes, expert_loads, finite, mst_pieces, token_count
+from memplan.api.values import Size, bounded_count, budget_bytes, expert_loads, finite, mst_pieces, mtp_layers, token_count
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.spec_base import describe_validation_error, echo
@@ -213,19 +213,19 @@ class PlanOptions:
         """The context- and expert-parallel options as ParallelSpec fields (torchtitan's MoE: its etp, `moe_etp`)."""
         if self.cp_comm_type == "allgather":
             raise MemplanError("cp_comm_type 'allgather' is torchtitan's and set by --impl torchtitan: give p2p or a2a")
-        comm = "allgather" if self.impl == "torchtitan" else self.cp_comm_type  # torchtitan: titan_recompute checks
-        return dict(cp=self.cp, cp_comm_type=comm, ep=self.ep, etp=moe_etp(self.ep or 1, self.tp or 1) if moe and comm == "allgather" else self.etp)
+        titan = self.impl == "torchtitan"  # comm: titan_recompute checks; ep: torchtitan's default 1 (as its tp, pp)
+        comm, ep = ("allgather", self.ep or 1) if titan else (self.cp_comm_type, self.ep)  # not the preset's ep
+        return dict(cp=self.cp, cp_comm_type=comm, ep=ep, etp=moe_etp(ep or 1, self.tp or 1) if moe and titan else self.etp)
 
     def moe_routing(self) -> dict[str, Any]:
         """The MoE routing and router options as ModelSpec fields (memplan/inventory/moe.py)."""
         return dict(moe_imbalance=self.moe_imbalance, moe_expert_loads=expert_loads(self.moe_expert_loads),
-                    moe_capacity_factor=self.moe_capacity_factor,
-                    moe_pad_to_capacity=self.moe_pad_to_capacity, moe_token_dispatcher=self.moe_token_dispatcher,
+                    moe_capacity_factor=self.moe_capacity_factor, moe_pad_to_capacity=self.moe_pad_to_capacity,
+                    moe_token_dispatcher=self.moe_token_dispatcher,
                     moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff,
                     moe_router_dtype=self.moe_router_dtype, moe_router_pre_softmax=self.moe_router_pre_softmax,
                     megatron_core_version=self.megatron_core_version, moe_grouped_gemm=self.moe_grouped_gemm,
-                    moe_permute_fusion=self.moe_permute_fusion,
-                    moe_shared_expert_overlap=self.moe_shared_expert_overlap)
+                    moe_permute_fusion=self.moe_permute_fusion, moe_shared_expert_overlap=self.moe_shared_expert_overlap)
 
     def preset(self) -> Optional[ModelPreset]:
         """The model the options name: model (preset or YAML) or hf_config; None if neither."""
@@ -349,8 +349,8 @@ class PlanOptions:
         as vpp. `search`: a schedule without --pp pins the pipelined plans searched."""
         schedule = self.pipeline_schedule or "1F1B"
         if self.impl != "torchtitan":
-            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage or self.mtp is not None:
-                raise MemplanError("--pipeline-schedule other than 1F1B, --pipeline-layers-per-stage and --mtp are "
+            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage:
+                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
                                    "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
             return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
                         last_stage_layers=self.last_stage_layers)
@@ -415,11 +415,11 @@ class PlanOptions:
         if preset is None:
             raise MemplanError("--model is required (a preset name or a YAML file; see `memplan models`), "
                                "or --hf-config config.json")
-        zero = self.zero
+        zero, mtp = self.zero, mtp_layers(self.mtp, self.impl)
         recompute = self.titan_recompute()
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
-            preset = dataclasses.replace(preset, model=titan_model(preset.model, self.mtp or 0))  # checked
+            preset = dataclasses.replace(preset, model=titan_model(preset.model, mtp))  # checked
             check_titan_moe(preset.model, self.ep or 1, self.etp, self.tp or 1, self.cp or 1, self.pp or 1, bool(self.compile),
                             self.float8, self.dp_replicate or 1, any(v is not None for v in self.moe_routing().values()),
                             self.gpus or 0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from memplan.api.options import PlanOptions
-from memplan.api.values import check_emit
+from memplan.api.values import check_emit, mtp_layers
 from memplan.core.errors import MemplanError
 from memplan.inventory.assemble import training_inventory
 from memplan.launch.bridge import launch_for
@@ -20,8 +20,9 @@ from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.inventory.titan import titan_model
-from memplan.plan.titan import TitanPins
-from memplan.plan.titan_search import search_titan
+from memplan.inventory.titan_moe import check_titan_mtp
+from memplan.plan.titan import FLOAT8_ANY, TitanPins
+from memplan.plan.titan_search import search_titan, search_titan_max_seq
 from memplan.plan.search import search as search_plans
 from memplan.presets.batch import search_inputs
 from memplan.presets.catalog import load_model, model_names
@@ -90,6 +91,7 @@ class PreparedSearch:
     max_tp: Optional[int] = None
     max_seq: bool = False
     emit: Optional[str] = None
+    search_float8: bool = False  # --float8 any (torchtitan): bf16 and float8 searched
 
     def _replayed(self, result: SearchResult, request: tuple, kw: dict[str, Any]) -> SearchResult:
         """The search's listing replayed through the caching allocator (plan/verdict.py); with --max-seq, the longest
@@ -103,10 +105,12 @@ class PreparedSearch:
         if not self.max_seq:
             return result
         model, training, gb, gpu, budget = request
+        titan = opts.impl == "torchtitan"
 
         def search_at(s: int) -> SearchResult:
-            return listed(search_plans(model.model_copy(update={"seq_length": s}), training, opts.gpus, gb, budget,
-                                       gpu=gpu, **kw))
+            at = model.model_copy(update={"seq_length": s})
+            return listed(search_titan(at, training, opts.gpus, gb, budget, **kw) if titan else
+                          search_plans(at, training, opts.gpus, gb, budget, gpu=gpu, **kw))
 
         return replayed_max_seq(result, search_at)
 
@@ -121,15 +125,19 @@ class PreparedSearch:
         kw = dict(fixed=self.fixed, max_tp=self.max_tp, top=self.top, impl=opts.impl, margin=opts.frag_margin,
                   host_budget_bytes=opts.host_mem)
         skipped: list[Skipped] = []
-        if opts.mtp:  # every --impl: Megatron-LM's plans took it and dropped it
-            raise MemplanError("--mtp: search does not plan multi-token-prediction layers yet (estimate --mtp does)")
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
-            model = titan_model(model)  # as estimate builds it (DeepSeek-V3: no MTP layers, latents replicated)
+            model = titan_model(model, mtp_layers(opts.mtp, opts.impl))  # as estimate builds it (DeepSeek-V3: latents
+            requests[0] = (model, training, gb, gpu, budget)  # replicated)
             report = functools.partial(progress, label=model.name) if progress is not None else None
-            results = [search_titan(model, training, opts.gpus, gb, budget, gpu=gpu, pins=_titan_pins(opts, self.emit),
-                                    max_tp=self.max_tp, top=self.top, margin=opts.frag_margin,
-                                    host_budget_bytes=opts.host_mem, progress=report)]
+            kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit, self.search_float8), max_tp=self.max_tp, top=self.top,
+                      margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
+            results = [(search_titan_max_seq if self.max_seq else search_titan)(model, training, opts.gpus, gb, budget,
+                                                                               progress=report, **kw)]
+            if opts.mtp:
+                results[0].notes.append(f"--mtp {opts.mtp}: pp 1 and cp 1 only (torchtitan 0.3.0 refuses multi-token "
+                                        "prediction with pipeline or context parallelism); the MTP layers' kept tensors "
+                                        "measured with TP and EP (tests/test_titan_mtp_tp.py), their FLOPs derived")
         elif self.one_model:
             model, training, gb, gpu, budget = requests[0]
             report = functools.partial(progress, label=model.name) if progress is not None else None
@@ -170,42 +178,49 @@ class PreparedSearch:
         return SearchResults(results, skipped, opts.gpus, self.one_model, launch, assumed)
 
 
-def _check_titan(opts: PlanOptions, max_seq: bool, uneven_stages: bool) -> None:
+def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
     """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
     opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
     opts.titan_pipeline(opts.preset(), search=True)  # a pinned --pp / --pipeline-schedule: what estimate refuses
+    check_titan_mtp(opts.mtp or 0, (opts.pp or 1) > 1 or opts.pipeline_schedule is not None, opts.cp or 1)
     if opts.pipeline_layers_per_stage is not None:
         raise MemplanError("search --impl torchtitan tries torchtitan's default 2 stages per rank for the multi-stage "
                            "schedules: estimate a plan with --pipeline-layers-per-stage")
     opts.titan_layers(opts.preset())  # --ac selective-layer:N as estimate takes it (not with a pinned --pp)
-    if max_seq:
-        raise MemplanError("search --max-seq with --impl torchtitan is not modelled yet: search a length with --seq-len")
     if opts.dp is not None or opts.zero_shard is not None or uneven_stages or opts.first_stage_layers is not None \
             or opts.last_stage_layers is not None:
         raise MemplanError("search --impl torchtitan pins its data parallelism with --tp (d = GPUs / tp) and "
                            "--dp-replicate R (HSDP), not --dp, --zero-shard or stage splits")
 
 
-def _titan_pins(opts: PlanOptions, emit: Optional[str]) -> TitanPins:
+def _titan_pins(opts: PlanOptions, emit: Optional[str], search_float8: bool = False) -> TitanPins:
     """The torchtitan dimensions the options pin (with --emit torchtitan: only AC modes torchtitan 0.3.0 has)."""
-    return TitanPins(tp=opts.tp, cp=opts.cp, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
-                     micro_batch=opts.micro_batch, pp=opts.pp, schedule=opts.pipeline_schedule,
-                     launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp)
+    one = 1 if opts.mtp else None  # torchtitan's MTP layers: pp 1 and cp 1 only (a pinned other refused: check_titan_mtp)
+    return TitanPins(tp=opts.tp, cp=opts.cp or one, dp_replicate=opts.dp_replicate, ac=opts.ac, compile=opts.compile,
+                     micro_batch=opts.micro_batch, pp=opts.pp or one, schedule=opts.pipeline_schedule,
+                     launchable=emit == "torchtitan", ep=opts.ep, etp=opts.etp,
+                     float8=FLOAT8_ANY if search_float8 else None)
 
 
 def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "time", all_variants: bool = False,
                    max_tp: Optional[int] = None, uneven_stages: bool = False, max_seq: bool = False,
                    emit: Optional[str] = None, **options: Any) -> PreparedSearch:
     """Check a search's input and read its presets (every preset without model / hf_config); see `search`."""
+    search_float8 = options.get("float8") == FLOAT8_ANY
+    if search_float8:
+        if options.get("impl") != "torchtitan":
+            raise MemplanError("--float8 any searches torchtitan's float8 linears: search --impl torchtitan")
+        options = {**options, "float8": None}
     opts = PlanOptions(model=model, **options)
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     if opts.impl == "torchtitan":
-        _check_titan(opts, max_seq, uneven_stages)
+        _check_titan(opts, uneven_stages)
     elif opts.pipeline_schedule not in (None, "1F1B"):
         raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
     if opts.recompute_method is not None:
@@ -225,7 +240,7 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     if emit and one is not None and launch_refusal(presets[0].model):
         raise MemplanError(launch_refusal(presets[0].model))
     return PreparedSearch(opts, fixed, presets, one is not None, top=top, sort=sort, all_variants=all_variants,
-                          max_tp=max_tp, max_seq=max_seq, emit=emit)
+                          max_tp=max_tp, max_seq=max_seq, emit=emit, search_float8=search_float8)
 
 
 def search(model: Optional[str] = None, *, gpus: Optional[int] = None, top: int = 10, sort: str = "time",

@@ -102,3 +102,11 @@ def check_emit(emit: Optional[str], mst: Union[int, str, None], impl: str) -> No
     if emit and impl not in ("megatron", "megatron-local"):  # megatron-local: --transformer-impl local
         raise MemplanError(f"--emit {emit} launches Megatron-LM: plan it with --impl megatron or megatron-local "
                            f"(got --impl {impl}, whose memory differs)")
+
+
+def mtp_layers(mtp: Optional[int], impl: str) -> int:
+    """--mtp N, torchtitan's num_mtp_layers (0 without): the one check of its --impl, estimate's and search's."""
+    if mtp is not None and impl != "torchtitan":
+        raise MemplanError("--mtp N is torchtitan's multi-token prediction (--impl torchtitan, DeepSeek-V3); "
+                           "Megatron-LM's MTP layers are the model's own (mtp_layers: --mtp-num-layers)")
+    return mtp or 0

@@ -96,7 +96,7 @@ def plan_options(func: Callable) -> Callable:
                           "per rank = ceil((L + 2) / N) / pp, at least 2)."),
         click.option("--mtp", type=AsciiIntRange(0), metavar="N",
                      help="--impl torchtitan, DeepSeek-V3: its multi-token-prediction layers (model_registry "
-                          "num_mtp_layers; default 0, as torchtitan's flavours; not with --pp, --cp or --tp)."),
+                          "num_mtp_layers; default 0, as torchtitan's flavours; not with --pp or --cp, as torchtitan)."),
         click.option("--first-stage-layers", type=AsciiIntRange(1), metavar="N",
                      help="Transformer layers on the first pipeline stage (uneven stages: Megatron-LM "
                           "--decoder-first-pipeline-num-layers; the middle stages split the rest)."),
@@ -251,12 +251,13 @@ def plan_options(func: Callable) -> Callable:
                      help="FP8 training with Transformer Engine as Megatron-LM runs it (--fp8-recipe: delayed, "
                           "tensorwise or blockwise; pinned in search): FP8 linear inputs, weight caches, scaling "
                           "state, FP8 GEMMs. --impl megatron only; derived from TE's code, not measured (memplan/inventory/fp8.py)."),
-        click.option("--float8", "float8", type=click.Choice(["tensorwise", "rowwise"]),
+        click.option("--float8", "float8", type=click.Choice(["tensorwise", "rowwise", "any"]),
                      help="--impl torchtitan's float8 linears (torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head "
                           "bf16): rowwise as torchtitan 0.3.0's Float8LinearConverter runs it, tensorwise with FSDP2's "
                           "float8 all-gather as torchtitan <= 0.2 ran it. A layer keeps what its bf16 version keeps "
                           "(measured on CPU); with --compile the partitioner's saved set with float8 (traced); "
-                          "without --tp (memplan/inventory/titan_float8.py)."),
+                          "without --tp (memplan/inventory/titan_float8.py). search: pinned, or 'any' to search "
+                          "bf16, tensorwise and rowwise (a dense model without --pp, on a GPU with FP8 tensor cores)."),
         click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
                      help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
         click.option("--fp8-amax-history-len", type=AsciiIntRange(1), metavar="N",

@@ -327,7 +327,7 @@ class ModelSpec(Spec):
     mla_down_replicated: bool = Field(
         default=False, description="the MLA's latent down projections (q_a_proj / wq_a, kv_a_proj_with_mqa / wkv_a: "
         "h x (r_q + r_kv + d_r)) kept whole on every tensor-parallel rank, not split over t (torchtitan's DeepSeek-V3 "
-        "sharding; --impl torchtitan sets it)")
+        "sharding; --impl torchtitan sets it), and so its MTP layers' eh_proj (2h x h)")
     mla_indexer: Optional[tuple[PositiveInt, PositiveInt]] = Field(
         default=None, description="(H_i, D_i): a lightning indexer in every latent-attention layer (DeepSeek-V3.2, GLM-5 "
         "index_n_heads, index_head_dim): wq_b r_q -> H_i D_i, wk h -> D_i, k_norm a LayerNorm D_i with bias, "

@@ -12,7 +12,7 @@ outputs that the backward takes (inductor's min_cut_rematerialization_partition,
 each shape as a polynomial in s, b and the config's widths; the same compiled layer's bytes alive after its forward
 are measured with torch.profiler's allocation events and equal the table's (tests/test_compile.py: 1,692 B per token
 for h 60, f 154, a 6, g 2, head 8, vs 2,480 B eager; torchtune's at h 48: 1,724 B vs 2,608 B eager; torchtitan's
-at h 48: 1,596 B vs 2,480 B eager;
+at h 48, called with the dataloader's positions: 1,628 B vs 2,512 B eager;
 MEMPLAN_COMPILE_SLOW=1 runs inductor, torchtune and torchtitan, the suite runs transformers' layer through AOTAutograd with
 inductor's partitioner and decompositions, no C++).
 
@@ -21,6 +21,13 @@ What the partitioner changes (per token, bf16 = 2 B): the RMSNorms keep only the
 gate, the residual sums are recomputed from the layer input and o_proj's output, so the layer keeps its own input
 (eager frees it) and o_proj's output. sdpa keeps Q, K, V, its output and log-sum-exp as eager does (torchtune's K
 and V expanded to all heads, as eager).
+
+torchtitan's blocks are traced and measured as its Trainer calls them, with the dataloader's positions
+(validation/titan.py ``loader_positions``: torchtitan 0.3.0 always passes them): each block's RoPE gathers its cache
+rows at them (models/common/rope.py ``_reshape_for_broadcast``), and the compiled block without AC saves that gathered
+copy (``rope_rows``: complex64 d/2, 4d B per token, as eager keeps it); called without positions it saves no RoPE
+row (the buffer's prefix is a graph input). Selective-op and every memory budget below 1 recompute the gather (the
+positions, a batch input the training loop holds, are what such a block keeps of it).
 
 torchtitan's block under its per-op selective AC (``--ac selective-op``: torchtitan wraps each block in SelectiveAC,
 create_selective_checkpoint_contexts with its save list and every-other-matmul policy, then compiles it), traced
@@ -34,23 +41,25 @@ The layers' backward (the recomputed tensors alive in it) is memplan's recompute
 
 torchtitan's compiled block under TP (``--compile --tp T``, sequence parallel, DTensor): torchtitan's own
 parallelize_llama then apply_compile on 2 ranks over gloo (validation/titan_tp_compile.py; AOTAutograd with inductor's
-partitioner): the forward graph of each rank saves TITAN_LAYER's set (selective-op: TITAN_SAC's plus wo's
-reduce-scattered output), each term split per TITAN_TP_SPLIT (one table, its split: tests/test_titan_tp.py); under
+partitioner; the model called with the dataloader's positions): the forward graph of each rank saves TITAN_LAYER's
+set (selective-op: TITAN_SAC's plus wo's reduce-scattered output), each term split per TITAN_TP_SPLIT (one table, its split: tests/test_titan_tp.py); under
 TP, AC none, the residual sum after attention is saved in place of the block input (as many bytes). ``--ac full``
 with compile and TP is derived (the block's sequence-sharded input, as eager FullAC under TP): torch 2.13 stops it
 (FULL_TP_ERROR). Budget AC with TP and compile with CP are not traced (refused).
 
 torchtitan's memory-budget AC (``--ac budget:F --compile``: MemoryBudgetAC sets activation_memory_budget = F): the
 partitioner's knapsack keeps a subset of TITAN_LAYER that depends on the widths, so it is traced at the real Llama 3
-8B / 70B / 405B widths (validation/budget.py, under FakeTensorMode; BUDGET_SAVED, F in tenths); its recompute is
-neither timed nor counted (said in the notes).
+8B / 70B / 405B widths (validation/budget.py, under FakeTensorMode, the block called with the dataloader's
+positions; BUDGET_SAVED, F in tenths: at every F below 1 the knapsack recomputes the RoPE gather, at 1 it saves the
+rows as the plain compiled block); its recompute is neither timed nor counted (said in the notes).
 
 torchtitan's block with torchao's float8 linears (``--float8``, memplan/inventory/titan_float8.py), traced and
 measured the same way (validation/compiled.py ``trace_compiled_layer(float8=...)``, h 48, f 160 so that every linear
 is converted): the partitioner no longer saves the two norms' bf16 outputs nor SwiGLU's product (2h + 2h + 2f per
 token: it recomputes them, as each float8 linear's backward casts its input again); tensorwise also keeps one bf16
-amax and one fp32 scale scalar per float8 linear. Measured after the forward at s 28, b 5: 1,120 B per token
-(rowwise; + 30 B tensorwise) against the bf16 compiled block's 1,632 B (tests/test_titan_float8.py).
+amax and one fp32 scale scalar per float8 linear; the RoPE rows gathered at the positions are saved as in the bf16
+block. Measured after the forward at s 28, b 5: 1,152 B per token (rowwise; + 30 B tensorwise) against the bf16
+compiled block's 1,664 B (tests/test_titan_float8.py).
 
 torchtune's LoRA layer (`--lora R` with `--impl torchtune`, its lora_llama3_2 layer, only the adapters trainable) compiled
 keeps the table's tensors that the adapters' and the input gradients need and each target's A output (s b r): what
@@ -138,6 +147,8 @@ TITAN_LAYER = (
     ("silu_input", "w1's output (SiLU is recomputed from it)", "MLP", "s b f", "act"),
     ("up_out", "w3's output", "MLP", "s b f", "act"),
     ("fc2_input", "silu(w1) * w3 = input of w2", "MLP", "s b f", "act"),
+    ("rope_rows", "RoPE cache rows gathered at the dataloader's positions (complex64 d/2, as fp32; the rotation's "
+     "backward multiplies by them)", "attention", "s b q /a", "fp32"),
 )
 TABLES = {"hf-sdpa": LAYER, "torchtune": TUNE_LAYER, "torchtitan": TITAN_LAYER}
 # torchtitan's block in its SelectiveAC (--ac selective-op), then compiled: the partitioner saves, besides the block
@@ -155,10 +166,12 @@ TITAN_SAC = (
 # FFN columns: / t), "sp" (sequence-sharded: / t) or kept whole (""); the norm outputs are saved all-gathered over the
 # sequence (the colwise linears' input), wo's output reduce-scattered. The residual row: under TP the partitioner saves
 # the residual sum after attention (x + wo's output) in place of the block input (the reduce-scatter sits between
-# them), as many bytes; under selective-op the block input itself.
+# them), as many bytes; under selective-op the block input itself. The RoPE rows gathered at the positions are whole
+# on each rank (the attention runs on the all-gathered sequence, the positions are not sharded over tp).
 TITAN_TP_SPLIT = {"layer_input": "sp", "ln1_rstd": "sp", "qkv_input": "", "q": "tp", "k": "tp", "v": "tp",
                   "sdpa_logsumexp": "tp", "attn_out": "tp", "o_proj_out": "sp", "ln2_rstd": "sp", "mlp_input": "",
-                  "silu_input": "tp", "up_out": "tp", "fc2_input": "tp", "qkv_out": "tp", "wo_rs": "sp"}
+                  "silu_input": "tp", "up_out": "tp", "fc2_input": "tp", "qkv_out": "tp", "wo_rs": "sp",
+                  "rope_rows": ""}
 # selective-op under TP also saves wo's reduce-scattered output (its save list holds reduce_scatter_tensor; w2's is
 # not saved: the backward does not use it), a TP-only term
 TITAN_SAC_TP = (("wo_rs", "wo's output reduce-scattered over the sequence (bf16; TP only, selective-op's save list)",
@@ -166,8 +179,10 @@ TITAN_SAC_TP = (("wo_rs", "wo's output reduce-scattered over the sequence (bf16;
 SAC_IDS = frozenset(row[0] for row in TITAN_SAC + TITAN_SAC_TP)
 # torchtitan's MemoryBudgetAC (--ac budget:F): the TITAN_LAYER rows the partitioner saves at F = 0, 0.1, ..., 1 (by
 # tenths), traced at the Llama 3 8B, 70B and 405B widths (BUDGET_WIDTHS) at s 2,048, 8,192 and 32,768 with
-# validation/budget.py (the real-size block compiled under FakeTensorMode; torch's knapsack, flops estimator): the
-# same set at each of the nine. F = 1 is the plain compiled block (TITAN_LAYER), F = 0 its input only.
+# validation/budget.py (the real-size block compiled under FakeTensorMode, called with the dataloader's positions;
+# torch's knapsack, flops estimator): the same set at each of the nine. F = 1 is the plain compiled block
+# (TITAN_LAYER, the RoPE rows gathered at the positions included), F = 0 its input only; below 1 the gather is
+# recomputed (re-traced with the positions: the same sets as traced without them, but F = 1's rope_rows).
 _B7 = "layer_input ln1_rstd q k v sdpa_logsumexp attn_out o_proj_out ln2_rstd silu_input up_out"
 BUDGET_SAVED = ("layer_input", "layer_input q k v", "layer_input q k v o_proj_out", "layer_input q k v silu_input",
                 "layer_input q k v o_proj_out silu_input", "layer_input q k v silu_input up_out",
@@ -303,17 +318,9 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
             "the loss as torchtune's recipes compile it: CEWithChunkedOutputLoss's compute_cross_entropy (what it saves "
             "and its moments measured on CPU with inductor, CUDA derived)" if training.loss_chunks > 1 else
             "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
-    # torchtitan's Trainer always passes the dataloader's positions; the tables were traced without them
-    plain = training.recompute == Recompute.NONE or (training.recompute == Recompute.FULL
-                                                     and getattr(training, "recompute_num_layers", None) is not None)
-    rope = [] if impl != "torchtitan" or not plain else [
-        "--compile (torchtitan): the RoPE rows each compiled block not checkpointed gathers at the dataloader's "
-        "positions and the partitioner saves (4d B a token for Llama 3, 8d for Qwen3; seen in its graph: "
-        "validation/compiled.py titan_saved_rope_rows) are not counted: the compiled tables were traced without "
-        "positions"]
     budget = [] if getattr(training, "memory_budget", None) is None else [
         f"--ac budget:{training.memory_budget:g} (torchtitan's MemoryBudgetAC): the saved set {BUDGET_SRC}; what the "
         "partitioner recomputes in the backward is neither timed nor counted as a working set (a lower bound)"]
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            f"kernels' own buffers left out (not traced); {loss}"] + rope + budget + tp_note
+            f"kernels' own buffers left out (not traced); {loss}"] + budget + tp_note

@@ -9,13 +9,16 @@ router's own top-k, the sdpa stand-in for FlexAttention), wraps it in torchtitan
 inductor on CPU with dynamic s, b and reads the forward graph's outputs the backward takes (validation/compiled.py
 ``trace_compiled_layer``), each a polynomial in s, b and the widths; the routed copies are k s b rows.  The same
 compiled block's bytes alive after its forward are measured with real tensors (tests/test_compiled_moe.py: h 40,
-q 48, a 6, g 2, fe 24, E 10, k 4; s 20, b 2: 87,884 B under none, 16,004 B under selective-op, 8,580 B under full,
-less the CPU generator state, against eager's 139,808 B under none).
+q 48, a 6, g 2, fe 24, E 10, k 4; s 20, b 2: 90,444 B under none, 16,004 B under selective-op, 8,580 B under full,
+less the CPU generator state, against eager's 142,368 B under none). The block is called as torchtitan's Trainer
+calls it, with the dataloader's positions (validation/titan.py ``loader_positions``): under none it saves CosSinRoPE's
+cos and sin rows gathered at them (8d B per token, as the eager block keeps them); selective-op and full recompute
+the gather (the block keeps the positions, which the training loop holds anyway).
 
 What the partitioner changes against the eager MoE block (per token; k the top-k, bf16 = 2 B):
 * none: as the dense compiled block (memplan/inventory/compiled.py), the norms keep only their fp32 rstd and bf16
   output, the residual sums are recomputed from the block input (kept) and wo's output; Qwen3's q_norm / k_norm keep
-  their bf16 input and fp32 rstd (per head).  The MoE keeps the softmax scores (E), the top-k ids (int64 k), the
+  their bf16 input and fp32 rstd (per head); the RoPE rows gathered at the positions (cos and sin, fp32 2d).  The MoE keeps the softmax scores (E), the top-k ids (int64 k), the
   gathered scores (k), the combine's normalised scores (bf16 k: route_norm's denominator and the fp32 top-k values
   are recomputed), the argsort and token indices (int64 2k), the routed copies (k h), the experts' w1, w3 outputs and
   their product (3 k fe; silu's output is recomputed), w2's output in bf16 (k h; eager keeps the combine's fp32 copy,
@@ -52,11 +55,11 @@ PP_NOTE = "with --pp each stage's compiled blocks save the same set (derived)"
 # (id, what, block, elements, dtype, AC modes it is kept in): the compiled block's saved storages in the forward
 # graph's order (views of one storage counted once); "k" the model's top-k (bound in `compiled_moe_terms`), "act" the
 # bf16 activation dtype; "router": bf16 on CPU, fp32 on CUDA (derived).  The hand derivation of the bytes per token
-# at the test's widths (h 40, q 48, a 6, g 2 so q g /a 16, fe 24, E 10, k 4), none: 80 + 4 + 80 + 96 + 32 + 24 + 8 +
-# 96 + 32 + 32 + 24 + 96 + 80 + 4 + 80 (attention, norms, block input: 768) + 32 + 8 + 32 + 8 + 32 (the k-sized
-# router and index tensors: 112) + 320 (routed copies) + 3 x 192 (w1, w3, product) + 320 (w2) + 80 (zeros) + 20
-# (scores) = 2,196 B, plus 40 + 4 B a layer (offsets, route_scale); selective-op 80 + 160 + 96 + 24 + 32 + 8 = 400 B
-# + 4 B; full 80 + 8 = 88 B + 4 B (tests/test_compiled_moe.py checks these against the measurement).
+# at the test's widths (h 40, q 48, a 6, g 2 so q g /a 16, fe 24, E 10, k 4, d 8), none: 80 + 4 + 80 + 96 + 32 + 24 +
+# 8 + 64 (the RoPE rows, 8d) + 96 + 32 + 32 + 24 + 96 + 80 + 4 + 80 (attention, norms, block input: 832) + 32 + 8 +
+# 32 + 8 + 32 (the k-sized router and index tensors: 112) + 320 (routed copies) + 3 x 192 (w1, w3, product) + 320 (w2)
+# + 80 (zeros) + 20 (scores) = 2,260 B, plus 40 + 4 B a layer (offsets, route_scale); selective-op 80 + 160 + 96 + 24
+# + 32 + 8 = 400 B + 4 B; full 80 + 8 = 88 B + 4 B (tests/test_compiled_moe.py checks these against the measurement).
 ALL, NONE, NONE_SEL, SEL = ("none", "selective-op", "full"), ("none",), ("none", "selective-op"), ("selective-op",)
 TABLE = (
     ("block_input", "block input (bf16: the compiled backward recomputes the residual sums from it)", "layer norms",
@@ -67,6 +70,8 @@ TABLE = (
     ("k_norm_input", "k before k_norm, g heads (bf16)", "attention", "s b g q /a", "act", NONE),
     ("q_norm_rstd", "q_norm: rstd per head (fp32)", "attention", "s b a", "fp32", NONE),
     ("k_norm_rstd", "k_norm: rstd per KV head (fp32)", "attention", "s b g", "fp32", NONE),
+    ("rope_rows", "RoPE cos and sin rows gathered at the dataloader's positions (fp32 2d)", "attention",
+     "2 s b q /a", "fp32", NONE),
     ("q", "rotated q (saved by sdpa)", "attention", "s b q", "act", NONE),
     ("k", "rotated k, g heads (saved by sdpa)", "attention", "s b g q /a", "act", NONE),
     ("v", "v, g heads, contiguous (saved by sdpa)", "attention", "s b g q /a", "act", NONE),

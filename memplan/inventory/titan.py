@@ -424,16 +424,14 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
                      False, "fused", "torch", held, tied_grad_waits=False)
 
 
-TITAN_LEFT = ("the RoPE rows gathered at the dataloader's positions in a compiled block (the partitioner saves them: "
-              "validation/compiled.py titan_saved_rope_rows; the compiled tables were traced without positions) and "
-              "FlexAttention's block masks built from the positions, "
+TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions, "
               "CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile, FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
               "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
-              "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers with TP, "
-              "on CUDA measured, in search and in the step time's FLOPs, its 16B / 236B flavours' router options, "
+              "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers on "
+              "CUDA measured, their FLOPs' step time calibrated, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set and backward measured on CUDA, its layers' backward moments with EP, TP "
               "or CP measured, the dense first layers' own weight gradients in their attention's and reduce-scatter's "
               "moments), Qwen3 with TP or CP measured, "

@@ -75,6 +75,9 @@ def check_float8(recipe: Optional[str], impl: str) -> None:
     name here (with --compile: memplan/inventory/compiled.py; with --compile and --tp: memplan/api/options.py)."""
     if recipe is None:
         return
+    if recipe == "any":
+        raise MemplanError("--float8 any is search's (bf16 and each recipe searched): estimate one recipe, "
+                           + " or ".join(RECIPES))
     if recipe not in RECIPES:
         raise MemplanError(f"--float8 takes {' or '.join(RECIPES)}, not {str(recipe)[:40]!r}")
     if impl != "torchtitan":
@@ -111,6 +114,59 @@ def gathered_layer(model: ModelSpec, layer: Any, t: Any = 1) -> Any:
     return layer - sum(i * o for _, i, o in converted_linears(model)) // (2 * t)
 
 
+def gathered_bytes_saved(model: ModelSpec, recipe: Optional[str], weight_bytes: int) -> int:
+    """Bytes per layer (before the TP split) FSDP2's all-gather moves less with ``recipe``: tensorwise's float8
+    all-gather sends the converted linears' weights at 1 byte per element instead of ``weight_bytes`` (the memory
+    side: `gathered_layer`); rowwise and bf16 gather bf16."""
+    if recipe != "tensorwise":
+        return 0
+    return sum(i * o for _, i, o in converted_linears(model)) * (weight_bytes - 1)
+
+
+# Bytes one torchao cast moves per element of its bf16 tensor (torchao 0.18 float8_scaling_utils.py
+# hp_tensor_to_float8_dynamic: float8_utils.tensor_to_amax's abs and max, then float8_training_tensor.py's fp32 upcast,
+# scale multiply, to_fp8_saturated's clamp and the fp8 cast). Eager, one pass per op: abs 2 + 2, max 2, to(float32)
+# 2 + 4, x scale 4 + 4, clamp 4 + 4, to(float8) 4 + 1 = 33 B; compiled (inductor fuses the abs into the max's reduction
+# and the cast's pointwise chain into one kernel): the amax's read 2, the cast's read 2 and 1-byte write = 5 B. Derived.
+CAST_BYTES = {False: 33, True: 5}
+
+
+def cast_traffic(model: ModelSpec, compiled: bool, by: Any) -> Any:
+    """timing.traffic.LayerBytes of one layer and sequence plus torchao's float8 casts (torchao float8_linear.py
+    matmul_with_hp_or_float8_args): in the forward each converted linear casts its input; in the backward its output
+    gradient twice (dim 0 for the input gradient's GEMM, dim 1 for the weight gradient's) and its bf16 input again
+    (dim 1; the forward saved it in bf16), CAST_BYTES per element each. The column-parallel linears' inputs (wqkv, w1,
+    w3: the norms' outputs) and the row-parallel ones' output gradients (wo, w2) are split by t only under SP
+    ("replicated": torchao's Float8ColwiseParallel casts the sequence shard before its all-gather); the others by t.
+    Derived from torchao's code, not measured (no GPU here)."""
+    per = CAST_BYTES[bool(compiled)]
+    s = float(model.seq_length)
+    col_in = row_in = col_out_grad = row_out_grad = 0.0
+    for name, i, o in converted_linears(model):
+        if name in ("wo", "w2"):
+            row_in, row_out_grad = row_in + i, row_out_grad + o
+        else:
+            col_in, col_out_grad = col_in + i, col_out_grad + o
+    return dataclasses.replace(
+        by,
+        replicated_fwd=by.replicated_fwd + per * s * col_in,
+        tp_fwd=by.tp_fwd + per * s * row_in,
+        replicated_bwd=by.replicated_bwd + per * s * (2 * row_out_grad + col_in),
+        tp_bwd=by.tp_bwd + per * s * (2 * col_out_grad + row_in),
+    )
+
+
+def weight_cast_bytes(model: ModelSpec, recipe: str, compiled: bool) -> tuple[float, float]:
+    """Bytes a layer's weight casts move per micro-batch (all of its converted linears' weights, before the TP split),
+    in the forward and in the backward: rowwise casts each bf16 weight in the forward and again (dim 0) in the
+    backward; tensorwise, with FSDP2's float8 all-gather, receives the weights already in float8 (each rank casts its
+    1 / d shard before the all-gather: left out)."""
+    if recipe == "tensorwise":
+        return 0.0, 0.0
+    n = CAST_BYTES[bool(compiled)] * float(sum(i * o for _, i, o in converted_linears(model)))
+    return n, n
+
+
 def notes(recipe: Optional[str], compiled: bool = False, tp: int = 1) -> list[str]:
     """What an estimate says about its float8 figures (``compiled``: with --compile; ``tp``: the TP degree)."""
     if recipe is None:
@@ -129,5 +185,9 @@ def notes(recipe: Optional[str], compiled: bool = False, tp: int = 1) -> list[st
               "ran it): the layers in flight at 1 byte per linear weight (measured over gloo on CPU)"
               if recipe == "tensorwise" else "; FSDP2 all-gathers bf16 (torchtitan 0.3.0 has no float8 all-gather)")
     return [f"float8 ({recipe}, torchao Float8Linear on wqkv, wo, w1, w2, w3; the LM head bf16): {kept}{gather}; the "
-            "casts' transients are not in the peak (derived, memplan/inventory/titan_float8.py); step time counts bf16 "
-            "GEMMs"] + with_tp
+            "casts' transients are not in the peak (derived, memplan/inventory/titan_float8.py); step time: the float8 "
+            "linears' GEMMs at the GPU's FP8 peak (at the bf16 GEMMs' efficiency) and torchao's casts as memory traffic ("
+            f"{CAST_BYTES[bool(compiled)]} B per element cast: each linear's input, its output gradient twice and its "
+            "input again in the backward, " + ("the weights in each forward and backward" if recipe == "rowwise" else
+                                               "the weights arriving in float8 from FSDP2's all-gather")
+            + "), derived, uncalibrated"] + with_tp

@@ -141,6 +141,14 @@ def moe_etp(ep: int, tp: int) -> int:
     return tp if ep == 1 else 1
 
 
+def check_titan_mtp(mtp_layers: int, pipelined: bool, cp: int) -> None:
+    """torchtitan 0.3.0 trains multi-token-prediction layers without pipeline or context parallelism (its
+    MTPDecoder.Config.update_from_config raises NotImplementedError): estimate and search refuse them here."""
+    if mtp_layers and (pipelined or cp > 1):
+        raise MemplanError(f"--mtp with {'--pp' if pipelined else '--cp'}: torchtitan 0.3.0 refuses multi-token "
+                           f"prediction with {'pipeline' if pipelined else 'context'} parallelism")
+
+
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
@@ -158,10 +166,7 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
                                   ("--float8", bool(float8)),
                                   ("the --moe-* routing options (torchtitan routes balanced here)", routing_options))
             if on]
-    if model.mtp_layers and (pp > 1 or cp > 1 or tp > 1):  # torchtitan's MTPDecoder refuses PP and CP
-        raise MemplanError("--mtp with " + ("--pp: torchtitan 0.3.0 refuses multi-token prediction with pipeline "
-                           "parallelism" if pp > 1 else "--cp: torchtitan 0.3.0 refuses multi-token prediction with "
-                           "context parallelism" if cp > 1 else "--tp is not modelled yet (measured without TP)"))
+    check_titan_mtp(model.mtp_layers, pp > 1, cp)
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
                            "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))

@@ -24,7 +24,16 @@ the byte but what memplan leaves out everywhere (the grouped GEMMs' int32 offset
 RoPE cache rows gathered at the positions torchtitan's dataloader passes, 4 s b d_r B, are the MoE layer's
 ``rope.gathered`` term, as in every layer).  On CUDA the
 fused RMSNorm (derived, as the layers').  torchtitan refuses MTP with pipeline or context parallelism
-(MTPDecoder.Config.update_from_config raises NotImplementedError); with TP it is not measured here (refused).
+(MTPDecoder.Config.update_from_config raises NotImplementedError; titan_moe.check_titan_mtp refuses them here).
+
+With TP (sequence parallel; torchtitan's ``_set_deepseek_v3_mtp_sharding``) the block is a decoder layer's (its terms'
+own splits), enorm / hnorm / mtp_norm's fp32 terms, eh_proj's input and the valid mask are the rank's sequence shard
+(/ t), mtp_norm's output all-gathered for the LM head (whole), the log-softmax the rank's vocab shard, and the shared
+vocab-parallel Embedding keeps its bf16 vocab mask beside the clamped ids (TP only); eh_proj's weight is replicated
+(states.mtp_stage_params).  With EP the block's routed terms are a decoder layer's.  Measured per rank with torchtitan's
+own parallelize_deepseekv3 on 2 ranks over gloo (tp 2 at ep 1 and 2, tp 1 at ep 2: validation/titan_mtp.py;
+tests/test_titan_mtp_tp.py), equal storage by storage but the same two left out everywhere.  Their FLOPs:
+timing/flops.py ``mtp_flops`` (derived).
 """
 
 from __future__ import annotations
@@ -38,11 +47,13 @@ from memplan.inventory.titan import TitanTerm, cuda_norm, llama3_layer_terms, ti
 from memplan.inventory.types import Term, saved
 
 MTP_MEASURED = ("measured: torchtitan 0.3.0 DeepSeekV3Model with MTP layers on CPU, MTPLoss, FlexAttention's save set "
-                "in a stand-in (validation/titan_dsv3.py measure_dsv3_mtp; tests/test_titan_mtp.py)")
+                "in a stand-in (validation/titan_dsv3.py measure_dsv3_mtp; tests/test_titan_mtp.py), with TP and EP "
+                "per rank over gloo (validation/titan_mtp.py; tests/test_titan_mtp_tp.py)")
 NOTE = ("torchtitan multi-token prediction (--mtp N: model_registry num_mtp_layers): each MTP layer's MLA + MoE block, "
         "its enorm / hnorm / eh_proj / mtp_norm and its head's fp32 log-softmax kept until the loss's backward under "
-        "every AC mode (torchtitan checkpoints model.layers only), measured on CPU; its parameters on the last stage "
-        "(an MoE layer + 2h^2 + 3h each); not in the step time's FLOPs")
+        "every AC mode (torchtitan checkpoints model.layers only), measured on CPU, with TP and EP per rank over gloo; "
+        "its parameters on the last stage (an MoE layer + 2h^2 + 3h each, eh_proj whole on every TP rank); its FLOPs "
+        "(eh_proj, the block, the head's matmul) in the step time, derived")
 
 
 def mtp_terms(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]) -> list[Term]:
@@ -55,22 +66,27 @@ def mtp_terms(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]) -> l
     block = [dataclasses.replace(t, id=f"mtp.{t.id}", name=f"MTP layer: {t.name.split(' (in ')[0]}", scope="last",
                                  elements=one_layer(t, model).elements * n, layer_kind="", source=src,
                                  dropped_by_selective=False, kept_by_full=False)
-             for t in layer_terms if t.layer_kind != "dense" and t.kept(Recompute.NONE) and t.id != "input"]
+             for t in layer_terms if t.layer_kind != "dense" and t.kept(Recompute.NONE) and t.id != "input"
+             and not t.needs_cp]  # torchtitan runs no MTP layer with CP (check_titan_mtp)
     h = model.hidden_size
     norms: list[TitanTerm] = []
-    for which in ("enorm", "hnorm", "mtp_norm"):
+    for which in ("enorm", "hnorm", "mtp_norm"):  # under TP their fp32 terms sequence-sharded, mtp_norm's out gathered
         norms += [dataclasses.replace(t, id=t.id.replace("attention_norm", which),
-                                      name=t.name.replace("attention_norm", f"MTP {which}"), split="")
+                                      name=t.name.replace("attention_norm", f"MTP {which}"))
                   for t in llama3_layer_terms(h, 1, 1, 1) if t.id.startswith("attention_norm.")
                   and (which == "mtp_norm" or not t.id.endswith(".out"))]  # enorm, hnorm: their outputs go to cat
     norms = cuda_norm(norms) if device == "cuda" else norms
     extra = [dataclasses.replace(titan_term(t, src, "last"), id=f"mtp.{t.id}") for t in norms]
-    extra += [saved(f"mtp.{i}", name, block_name, elements, dtype, scope="last", k22=False, src=src, tp=tp)
-              for i, name, block_name, elements, dtype, tp in (
-                  ("eh_proj_in", "MTP eh_proj input: cat(enorm, hnorm) (bf16)", "mtp", f"{2 * h} s b", "act", False),
-                  ("valid_mask", "MTP valid mask in the hidden's dtype (bf16)", "mtp", "s b", "act", False),
-                  ("token_ids", "MTP shifted token ids (int64, tok_embeddings)", "mtp", "s b", "int64", False),
-                  ("labels", "MTP shifted labels (int64, nll_loss)", "output", "s b", "int64", False),
+    extra += [saved(f"mtp.{i}", name, block_name, elements, dtype, scope="last", k22=False, src=src, **split)
+              for i, name, block_name, elements, dtype, split in (
+                  ("eh_proj_in", "MTP eh_proj input: cat(enorm, hnorm) (bf16)", "mtp", f"{2 * h} s b", "act",
+                   dict(sp=True)),
+                  ("valid_mask", "MTP valid mask in the hidden's dtype (bf16)", "mtp", "s b", "act", dict(sp=True)),
+                  ("token_ids", "MTP shifted token ids (int64, tok_embeddings; under TP their clamp to the rank's "
+                   "vocab shard)", "mtp", "s b", "int64", {}),
+                  ("embed_mask", "MTP embedding's vocab-shard mask (bf16; TP only: the vocab-parallel embedding's)",
+                   "mtp", "s b", "act", dict(needs_tp=True)),
+                  ("labels", "MTP shifted labels (int64, nll_loss)", "output", "s b", "int64", {}),
                   ("logits_fp32", "MTP head's fp32 log-softmax of the logits (its vocab shard under TP)", "output",
-                   "s b v", "fp32", True))]
+                   "s b v", "fp32", dict(tp=True)))]
     return block + [dataclasses.replace(t, elements=t.elements * n) for t in extra]

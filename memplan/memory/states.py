@@ -385,11 +385,16 @@ def mtp_stage_params(model: ModelSpec, count: Count) -> Any:
     """The multi-token-prediction modules' own parameters on one GPU of the last stage (megatron-core
     multi_token_prediction.py MultiTokenPredictionLayer: enorm, hnorm, the final norm (h each), eh_proj (2h x h,
     column-parallel) and one transformer layer, an MoE one in an MoE model; the embedding and output head are the
-    main model's, shared). Not in total_params: DeepSeek-V3's published 671 B excludes its MTP module."""
+    main model's, shared). Not in total_params: DeepSeek-V3's published 671 B excludes its MTP module. torchtitan's
+    DeepSeek-V3 (``mla_down_replicated``: its sharding config) keeps eh_proj whole on every TP rank (measured over gloo:
+    tests/test_titan_mtp_tp.py). The norms are counted as a group (``count``), so that a count of the routed experts
+    only (stage.py's expert states) leaves them out."""
     if not model.mtp_layers:
         return 0
     layer = sum(count(g) for g in param_groups(model) if g.scope in ("layer", "moe" if model.is_moe else "layer"))
-    own = count(ParamGroup("MTP eh_proj", Poly.parse("2 h h"), True, "last")) + 3 * model.hidden_size
+    eh_proj = Poly.parse("2 h h")
+    own = (count(ParamGroup("MTP eh_proj", eh_proj, True, "last", whole=eh_proj if model.mla_down_replicated else None))
+           + count(ParamGroup("MTP norms", Poly.parse("3 h"), False, "last")))
     return model.mtp_layers * (layer + own)
 
 

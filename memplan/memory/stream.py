@@ -188,7 +188,8 @@ class _Run:
             self._alloc(n, n, "parameter", name)
         self.phases.append(("optimizer created", len(self.events)))
         if self.buffer and (n := self.mem.states.gradients):
-            self._alloc(n, n, "gradient", "main-gradient buffer (fp32)", None)
+            self._alloc(n, n, "gradient", "main-gradient buffer (fp32)" if self.mem.units is None else
+                        "FSDP2's sharded fp32 gradients (kept between steps: torchtitan zeroes them)", None)
         self.master, self.lazy = self.persistent.optimizer_rows()
         for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
             self._alloc(n, n, "optimizer_state", name)

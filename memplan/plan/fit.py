@@ -35,6 +35,13 @@ def within_budget(evaluated: Any, budget_bytes: int, host_budget_bytes: Optional
     return fits
 
 
+def least_device_bytes(evaluated: Any, host_budget_bytes: Optional[int] = None) -> Optional[int]:
+    """The least device memory of the plans `within_budget` could take (a positive figure, the host budget met):
+    some plan fits a budget exactly when this is within it; None when no plan has one."""
+    device = np.asarray(evaluated.device_bytes)
+    usable = within_budget(evaluated, int(device.max(initial=0)), host_budget_bytes)
+    return int(device[usable].min()) if usable.any() else None
+
 def _peak_limits(rows: PlanValues, inventory: Inventory, gpu: Optional[GpuSpec], margin: Optional[float],
                  budget_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row (its t, p and d): the lowest step peak whose device memory is positive and the highest

@@ -29,19 +29,8 @@ from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.device import MAX_COMMUNICATORS, device_memory, fraction_bytes
 from memplan.plan.estimate import device_bytes
-from memplan.plan.evaluate import (
-    MEMORY_FIELDS,
-    TIME_FIELDS,
-    LazyEvaluated,
-    Part,
-    concat,
-    evaluate,
-    expand,
-    host_per_node,
-    memory_ready,
-    row_slices,
-    table_parts,
-)
+from memplan.plan.evaluate import (MEMORY_FIELDS, TIME_FIELDS, LazyEvaluated, Part, concat, evaluate, expand,
+                                   host_per_node, memory_ready, row_slices, table_parts)
 from memplan.plan.fit import block_limits, fit_mask, part_limits, within_budget
 from memplan.plan.limits import SEQ_LIMIT, largest
 from memplan.plan.space import Fixed, PlanSpace, enumerate_plans, plan_config, plan_space, space_notes, training_fixed
@@ -87,6 +76,7 @@ class SearchResult:
     host_budget_bytes: Optional[int] = None  # host memory per node the plans' offload must fit in (--host-mem)
     gpu_assumed: Optional[str] = None  # why `gpu` was assumed (none named: memplan/api/options.py), None when named
     compiled: Optional[np.ndarray] = None  # torchtitan (memplan/plan/titan.py): per plan, torch.compile on
+    float8: Optional[np.ndarray] = None  # torchtitan with --float8 any: per plan, its float8 recipe ("" bf16)
     layer_ac_every: Optional[int] = None  # torchtitan: a pinned --ac selective-layer:N, as the rows name it
 
     def listed(self) -> list["Listed"]:
@@ -98,6 +88,8 @@ class SearchResult:
         training = self.training
         if self.compiled is not None:
             training = training.model_copy(update={"compile": bool(self.compiled[i])})
+        if self.float8 is not None:
+            training = training.model_copy(update={"float8": self.float8[i] or None})
         return plan_config(self.model, training, plans, 0, self.global_batch)
 
     def numbers(self, i: int) -> dict[str, Any]:

@@ -36,8 +36,10 @@ same flags, memplan/api/options.py):
               pipeline_multi.chunk_dense; the split-backward ones not: multi_refusal); dense models ep 1.
 Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
 --pipeline-layers-per-stage).
-float8 is pinned, not searched (`--float8`); as a dimension it would be like compile: a pin in
-`TitanPins`, a mask beside `compiled`, a column in `titan_dims`.
+  float8      pinned (`--float8 RECIPE`, bf16 without it), or with `--float8 any` off, tensorwise and rowwise (rowwise
+              only with --emit torchtitan) where the GPU has FP8 tensor cores, for a dense model without pp: each
+              recipe's plans evaluated with its own TrainingSpec, as compile's (titan_search._float8_recipes;
+              `SearchResult.float8` per plan, a column in `titan_dims`).
 """
 
 from __future__ import annotations
@@ -76,8 +78,11 @@ class TitanPins:
     launchable: bool = False  # --emit torchtitan: only what torchtitan 0.3.0 can say (no selective-layer)
     ep: Optional[int] = None  # expert_parallel_degree (a Qwen3 MoE: searched over the divisors of E; `moe_dims`)
     etp: Optional[int] = None  # refused: torchtitan's experts have no expert TP here (efsdp = d t cp / ep)
-    # float8 as a searched dimension would go here as a pin, beside `compiled` in titan_search.search_titan as a
-    # per-plan mask (each value evaluated with its own TrainingSpec, as compile is) and in titan_dims as a column
+    float8: Optional[str] = None  # FLOAT8_ANY: bf16 and the float8 recipes searched (titan_search._float8_recipes);
+    # else the pinned recipe rides in the TrainingSpec
+
+
+FLOAT8_ANY = "any"  # --float8 any: search bf16 and float8 (search --impl torchtitan only)
 
 
 def layer_ac_counts(layers: int) -> dict[int, int]:
@@ -288,6 +293,7 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
     return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp, "cp": par.cp, "pp": par.pp,
             "pipeline_schedule": par.pp_schedule if piped else None,
             "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
+            "float8": tr.float8,
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,
             "gradient_accumulation": 1 if piped else config.num_microbatches,

@@ -21,8 +21,11 @@ from memplan.core.training import TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.pipeline_multi import SPLIT_BACKWARD
 from memplan.plan.evaluate import concat, evaluate
-from memplan.plan.search import SearchResult, check_int64, ranked, tp_limit
-from memplan.plan.titan import TitanPins, compilable, join, pinned_every, titan_plans
+from memplan.plan.fit import least_device_bytes
+from memplan.plan.limits import SEQ_LIMIT, largest_under
+from memplan.plan.search import SEQ_STEP, SearchResult, check_int64, mark_max_seq, ranked, tp_limit
+from memplan.inventory.titan_float8 import RECIPES
+from memplan.plan.titan import FLOAT8_ANY, TitanPins, compilable, join, pinned_every, titan_plans
 
 IMPL = "torchtitan"
 
@@ -36,13 +39,10 @@ def _compile_refusal(model: ModelSpec, training: TrainingSpec) -> str:
     return ""
 
 
-def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
-                 gpu: Optional[GpuSpec] = None, pins: TitanPins = TitanPins(), max_tp: Optional[int] = None,
-                 top: int = 10, margin: Optional[float] = None, host_budget_bytes: Optional[int] = None,
-                 progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
-    """The torchtitan plans that fit the budget, fastest first (`SearchResult.compiled` says which are compiled)."""
-    start = time.perf_counter()
-    eager, notes = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu), bool(training.float8))
+def _with_compile(model: ModelSpec, training: TrainingSpec, eager: list, pins: TitanPins) -> tuple[list, list[str]]:
+    """The (plans, compiled) sets of `eager`'s parts with compile off and, where memplan models it, on (``training``
+    with its float8 recipe), and the notes on what was left out."""
+    notes: list[str] = []
     sets = []  # (plans, compiled): one per (pp, schedule) part and compile setting
     if pins.compile is not True:
         sets += [(part, False) for part in eager]
@@ -68,9 +68,51 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
                              + " is not traced yet)")
-    parts, done, total = [], 0, sum(len(p.t) for p, _ in sets)
-    for plans, compiled in sets:
-        tr = training.model_copy(update={"compile": compiled})
+    return sets, notes
+
+
+def _float8_recipes(model: ModelSpec, training: TrainingSpec, gpu: Optional[GpuSpec],
+                    pins: TitanPins) -> tuple[list, list[str]]:
+    """The float8 recipes searched (None: bf16 linears): the pinned one (`training.float8`), or with ``--float8 any``
+    bf16 and each recipe where torchtitan runs float8 (a GPU with FP8 tensor cores; a dense model: float8 with MoE is
+    not modelled; rowwise only with --emit torchtitan, the recipe its converter sets), and the notes."""
+    if pins.float8 != FLOAT8_ANY:
+        return [training.float8], []
+    if model.is_moe or pins.pp not in (None, 1):
+        return [None], ["--float8 any: float8 not searched (not modelled with " + ("MoE" if model.is_moe else "--pp")
+                        + " for --impl torchtitan)"]
+    if gpu is None or not gpu.peak_fp8_flops:
+        return [None], [f"--float8 any: float8 not searched ({gpu.name if gpu else 'no GPU named'}: no FP8 tensor "
+                        "cores in its preset)"]
+    return [None, *(("rowwise",) if pins.launchable else RECIPES)], [
+        "--float8 any: bf16 and the float8 recipes " + ("rowwise (the one --emit torchtitan sets)" if pins.launchable
+                                                        else "tensorwise and rowwise") + " searched; float8 timed as "
+        "derived from torchao's code (FP8 GEMMs, its casts' traffic), uncalibrated"]
+
+
+def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                 gpu: Optional[GpuSpec] = None, pins: TitanPins = TitanPins(), max_tp: Optional[int] = None,
+                 top: int = 10, margin: Optional[float] = None, host_budget_bytes: Optional[int] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+    """The torchtitan plans that fit the budget, fastest first (`SearchResult.compiled` says which are compiled)."""
+    start = time.perf_counter()
+    recipes, notes = _float8_recipes(model, training, gpu, pins)
+    sets = []  # (plans, compiled, float8 recipe): one per (pp, schedule) part, compile setting and recipe
+    for recipe in recipes:
+        tr = training.model_copy(update={"float8": recipe})
+        try:
+            eager, more = titan_plans(model, gpus, global_batch, pins, tp_limit(max_tp, gpu), bool(recipe))
+            compiled, more_c = _with_compile(model, tr, eager, pins)
+        except MemplanError as err:
+            if recipe is None or pins.float8 != FLOAT8_ANY:
+                raise
+            notes.append(f"--float8 any: {recipe} not searched: {err}")
+            continue
+        sets += [(part, c, recipe) for part, c in compiled]
+        notes += [n for n in more + more_c if n not in notes]
+    parts, done, total = [], 0, sum(len(p.t) for p, _, _ in sets)
+    for plans, compiled, recipe in sets:
+        tr = training.model_copy(update={"compile": compiled, "float8": recipe})
         check_int64(model, tr, int(plans.b.max()), IMPL, gpu, margin)
         parts.append(evaluate(model, tr, plans, gpu, global_batch, IMPL, margin))
         done += len(plans.t)
@@ -80,14 +122,17 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     evaluated = parts[0] if len(parts) == 1 else concat(plans, parts)
     result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
                     host_budget_bytes, start)
-    result.compiled = np.concatenate([np.full(len(p.t), c) for p, c in sets])
+    result.compiled = np.concatenate([np.full(len(p.t), c) for p, c, _ in sets])
+    if pins.float8 == FLOAT8_ANY:
+        result.float8 = np.concatenate([np.full(len(p.t), r or "", dtype=object) for p, _, r in sets])
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
     result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), "
                                  "memory-budget AC neither (estimate --ac budget:F --compile), the multi-stage "
-                                 "schedules at 2 stages a rank only (torchtitan's default); float8 is a pin (--float8), "
-                                 "not searched"])
+                                 "schedules at 2 stages a rank only (torchtitan's default)"
+                                 + ("" if pins.float8 == FLOAT8_ANY else "; float8 is a pin (--float8 RECIPE; "
+                                    "--float8 any searches it)")])
     if np.any(np.asarray(plans.p) > 1):
         result.notes.append("torchtitan pp: the step time charges the pipeline bubble, (pp - 1) / (m M) of a stage's "
                             "busy time (m = 2 stages a rank for the multi-stage schedules; a third of it for the "
@@ -95,3 +140,38 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                             "as Megatron-LM's plans are timed (memplan/timing/step.py): derived, uncalibrated (no "
                             "torchtitan pipeline run was timed)")
     return result
+
+
+def search_titan_max_seq(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
+                         step: int = SEQ_STEP, **kwargs) -> SearchResult:
+    """`search --impl torchtitan --max-seq`: the longest sequence (a multiple of `step`) some torchtitan plan fits
+    with by the allocated-peak bound, and `search_titan` at that length (memplan/plan/search.py `search_max_seq` for
+    Megatron-LM's space; the replay then settles it: memplan/plan/verdict.py `replayed_max_seq`). Every plan's device
+    memory grows with s, so the least of them does too: `largest_under` finds the length from those figures, the same
+    answer as a bisection on "some plan fits". A length the search refuses (its sizes beyond the int64 arithmetic)
+    fits no budget; at `step` itself a refusal is the user's to read."""
+    found: dict[int, SearchResult] = {}
+
+    def at(s: int) -> SearchResult:
+        if s not in found:
+            found[s] = search_titan(model.model_copy(update={"seq_length": s}), training, gpus, global_batch,
+                                    budget_bytes, **kwargs)
+        return found[s]
+
+    host = kwargs.get("host_budget_bytes")
+
+    def need(s: int) -> int:
+        try:
+            evaluated = at(s).evaluated
+        except MemplanError:
+            if s == step:
+                raise
+            return budget_bytes + 1
+        least = least_device_bytes(evaluated, host)
+        return budget_bytes + 1 if least is None else least
+
+    longest = largest_under(need, budget_bytes, step, SEQ_LIMIT)
+    if longest is None:
+        raise MemplanError(f"no torchtitan plan of {model.name} fits in {budget_bytes:,} bytes per GPU even at "
+                           f"s = {step}")
+    return mark_max_seq(at(longest), longest, step)

@@ -110,6 +110,7 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
     where the search tried cp > 1; pp, the schedule and the pipeline's micro-batch size where it tried pp > 1 (the
     local batch then the pipeline's M micro-batches)."""
     cp, ep = _cp_ep_columns(result)[:1] == ("cp",), result.model.is_moe
+    f8 = result.float8 is not None or result.training.float8 is not None  # searched or pinned
     p = result.evaluated.plans.p
     pp = bool(getattr(p, "max", lambda: p)() > 1)
     table = make_table(console, [Col("#", "right"), Col("dp_replicate", "right", short="rep"),
@@ -117,7 +118,8 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
                        + [Col("cp", "right")] * cp + [Col("ep", "right")] * ep
                        + [Col("pp", "right"), Col("schedule", "right", short="sched"),
                           Col("micro-batch", "right", short="mb")] * pp + [
-                                 Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right"),
+                                 Col("local batch", "right", short="b"), Col("AC", "right"), Col("compile", "right")]
+                       + [Col("float8", "right")] * f8 + [
                                  Col("device memory", "right", short="memory"), Col("step time", "right", short="time"),
                                  Col("MFU", "right")] + ([Col("folded", "left")] if folded else []),
                        title=_listing_heading(result, has_time))
@@ -129,7 +131,8 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
                                                                     "pipeline_microbatch_size") * pp
         table.add_row(str(rank), *(str(dims[k]) if dims[k] is not None else "-" for k in keys),
                       *(str(dims[k]) for k in ("local_batch", "ac")),
-                      "on" if dims["compile"] else "off", format_gb(row["memory"]["device_bytes"]),
+                      "on" if dims["compile"] else "off", *([dims["float8"] or "off"] * f8),
+                      format_gb(row["memory"]["device_bytes"]),
                       f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
                       *([fold] if folded else []))
     return table

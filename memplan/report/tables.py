@@ -227,16 +227,24 @@ def render_replay(est: Estimate, console: Console) -> None:
     if len(est.stage_verdicts) > 1:
         render_stage_replays(est, console)
     if r.fits:
-        console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {format_gb(r.capacity_bytes)} it "
-                      f"may take, {format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
+        console.print(f"{what}: reserved peak {format_gb(res.reserved_peak_bytes)} of {may_take(r.capacity_bytes)}, "
+                      f"{format_gb(res.inactive_split_bytes_at_reserved_peak)} free inside its segments "
                       f"(inactive split), {res.segments_at_reserved_peak:,} segments")
         return
     e = r.oom_event
     console.print(f"[red]{what}: the run dies[/] in {markup(e['phase'])} allocating {markup(e['name'], None)} "
                   f"({format_gb(e['requested_bytes'])}): {format_gb(e['reserved_bytes'])} reserved, "
-                  f"{format_gb(e['allocated_bytes'])} allocated, of {format_gb(r.capacity_bytes)} it may take")
+                  f"{format_gb(e['allocated_bytes'])} allocated, of {may_take(r.capacity_bytes)}")
     if r.expandable_fits:
         console.print(f"with expandable segments the run fits: export PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_CONF}")
+
+
+def may_take(capacity_bytes: int) -> str:
+    """The memory the allocator may take; a budget below what lives outside PyTorch's pool leaves it none."""
+    if capacity_bytes >= 0:
+        return f"{format_gb(capacity_bytes)} it may take"
+    return (f"0 GB it may take (the budget is {format_gb(-capacity_bytes)} short of what lives outside PyTorch's pool: "
+            "CUDA context, kernels, NCCL)")
 
 
 def render_stage_replays(est: Estimate, console: Console) -> None:

@@ -87,7 +87,8 @@ def titan_text(dims: dict[str, Any]) -> str:
             + (f"cp={dims['cp']} " if dims.get("cp", 1) > 1 else "") + (f"ep={dims['ep']} " if dims.get("ep", 1) > 1 else "")
             + (f"pp={dims['pp']} {dims['pipeline_schedule']} micro_batch={dims['pipeline_microbatch_size']} "
                if dims.get("pp", 1) > 1 else "")
-            + f"local_batch={dims['local_batch']} ac={dims['ac']}" + (" compile" if dims["compile"] else ""))
+            + f"local_batch={dims['local_batch']} ac={dims['ac']}" + (" compile" if dims["compile"] else "")
+            + (f" float8={dims['float8']}" if dims.get("float8") else ""))
 
 
 def zero_cell(row: dict[str, Any]) -> str:

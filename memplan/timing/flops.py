@@ -105,9 +105,24 @@ def logits_flops(model: ModelSpec) -> float:
     return 2.0 * model.seq_length * model.hidden_size * model.vocab_size
 
 
+def mtp_flops(model: ModelSpec, causal: bool = False) -> tuple[float, float]:
+    """Forward FLOPs of the model's multi-token-prediction layers for one sequence (model.mtp_layers: torchtitan's
+    MTPTransformerBlock, megatron-core's MultiTokenPredictionLayer), as (weight matmuls, attention core): each layer's
+    eh_proj 2s(2h)h, its transformer block's matmuls (an MoE layer in an MoE model: DeepSeek-V3 copies its last
+    layer's) and the shared output head's 2shv; its attention core as a layer's (halved with `causal`). Not
+    recomputed: torchtitan's AC wraps model.layers only. Derived (tests/test_titan_mtp.py counts it by hand)."""
+    n = model.mtp_layers
+    if not n:
+        return 0.0, 0.0
+    block = model.model_copy(update={"moe_first_dense_layers": 0}) if model.is_moe else model  # an MoE layer's
+    s, h = float(model.seq_length), float(model.hidden_size)
+    matmuls = layer_matmul_flops(block) + 2 * s * 2 * h * h + logits_flops(model)
+    return n * matmuls, n * layer_attention_flops(model) * (CAUSAL_ATTENTION_FRACTION if causal else 1.0)
+
+
 def model_flops(model: ModelSpec, global_batch: Any, causal: bool = False) -> Any:
-    """Model FLOPs of one step, 3 x forward (backward = 2 x forward). For a K22 GPT (f = 4h,
-    g = a) this is 72 B L s h^2 (1 + s/(6h) + v/(12hL)), K22 Eq. 7; with `causal`, the attention
+    """Model FLOPs of one step, 3 x forward (backward = 2 x forward), the MTP layers' (mtp_flops) included. For a
+    K22 GPT (f = 4h, g = a) this is 72 B L s h^2 (1 + s/(6h) + v/(12hL)), K22 Eq. 7; with `causal`, the attention
     square counted as the causal mask leaves it, half (CAUSAL_ATTENTION_FRACTION): 72 B L s h^2
     (1 + s/(12h) + v/(12hL)), what MFU counts."""
     return model_flops_per_sequence(model, causal) * as_float64(global_batch)
@@ -115,7 +130,8 @@ def model_flops(model: ModelSpec, global_batch: Any, causal: bool = False) -> An
 
 def model_flops_per_sequence(model: ModelSpec, causal: bool = False) -> float:
     attention = layer_attention_flops(model) * (CAUSAL_ATTENTION_FRACTION if causal else 1.0)
-    forward = model.num_layers * (layer_matmul_flops(model) + attention) + logits_flops(model)
+    forward = model.num_layers * (layer_matmul_flops(model) + attention) + logits_flops(model) + sum(
+        mtp_flops(model, causal))
     return 3.0 * forward
 
 

@@ -13,7 +13,7 @@ from memplan.timing.arrays import PlanFloats
 from memplan.timing.comm import link_per_byte
 
 
-# --- linear forms: seconds per sequence as c_t/t + c_r*rep + c_a*ag + c_s*ag*sp + c_u/b --------
+# --- linear forms: seconds per sequence as c_t/t + c_r*rep + c_a*ag + c_s*ag*sp + c_u/b + c_w/(bt) ---
 @dataclass(frozen=True)
 class Basis:
     """The plan-dependent factors every per-sequence time is a linear combination of."""
@@ -23,29 +23,33 @@ class Basis:
     ag: Any  # seconds per byte of an all-gather or reduce-scatter over t: (t-1)/t / bandwidth
     ag_sp: Any  # ag where SP is on, else 0
     inv_b: Any  # 1/b: a fixed cost per micro-batch (per kernel), shared by its b sequences
+    inv_bt: Any  # 1/(b t): a cost per micro-batch on each TP rank's share of the weights (float8's weight casts)
 
 
 def basis(gpu: GpuSpec, pf: PlanFloats) -> Basis:
     rep = 1.0 + pf.sp * (pf.inv_t - 1.0)
     ag = (1.0 - pf.inv_t) * link_per_byte(gpu, pf.t)
-    return Basis(pf.inv_t, rep, ag, ag * pf.sp, 1.0 / pf.b)
+    inv_b = 1.0 / pf.b
+    return Basis(pf.inv_t, rep, ag, ag * pf.sp, inv_b, inv_b * pf.inv_t)
 
 
 @dataclass(frozen=True)
 class Form:
-    """Seconds per sequence: t/t + r*rep + a*ag + s*ag_sp + u/b (scalar coefficients)."""
+    """Seconds per sequence: t/t + r*rep + a*ag + s*ag_sp + u/b + w/(b t) (scalar coefficients)."""
 
     t: float = 0.0
     r: float = 0.0
     a: float = 0.0
     s: float = 0.0
     u: float = 0.0
+    w: float = 0.0
 
     def __add__(self, other: "Form") -> "Form":
-        return Form(self.t + other.t, self.r + other.r, self.a + other.a, self.s + other.s, self.u + other.u)
+        return Form(self.t + other.t, self.r + other.r, self.a + other.a, self.s + other.s, self.u + other.u,
+                    self.w + other.w)
 
     def __mul__(self, k: float) -> "Form":
-        return Form(self.t * k, self.r * k, self.a * k, self.s * k, self.u * k)
+        return Form(self.t * k, self.r * k, self.a * k, self.s * k, self.u * k, self.w * k)
 
     __rmul__ = __mul__
 
@@ -53,7 +57,7 @@ class Form:
         return evaluate(x, (1.0, self))
 
 
-_FORM_BASIS = (("t", "inv_t"), ("r", "rep"), ("a", "ag"), ("s", "ag_sp"), ("u", "inv_b"))
+_FORM_BASIS = (("t", "inv_t"), ("r", "rep"), ("a", "ag"), ("s", "ag_sp"), ("u", "inv_b"), ("w", "inv_bt"))
 
 
 def evaluate(x: Basis, *weighted: tuple[Any, Form]) -> Any:

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
 from memplan.core.training import Recompute
+from memplan.inventory import titan_float8
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_python, as_time, plan_floats
@@ -53,8 +54,10 @@ from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
 from memplan.timing.flops import (
     attention_time_flops,
     gemms_per_layer,
+    layer_attention_flops,
     layer_matmul_flops,
     logits_flops,
+    mtp_flops,
     titan_selective_flops,
 )
 from memplan.timing.forms import Form, basis, evaluate
@@ -91,25 +94,31 @@ class LayerForms:
 
 @functools.lru_cache(maxsize=64)
 def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron",
-                 fp8: bool = False, compiled: bool = False) -> LayerForms:
+                 fp8: bool = False, compiled: bool = False, float8: Optional[str] = None) -> LayerForms:
     """One layer's forms; `compiled`: each decoder layer torch.compile'd (--compile), whose memory-bound ops Inductor
     fuses: their traffic taken as the fused kernels' (layer_traffic_bytes(fused=True): each elementwise chain reads
     its inputs and writes its output once) instead of eager's op-by-op passes. Derived, not measured: uncalibrated
-    (docs/torchtitan.md compares the speed-up with torchtitan's published tables)."""
+    (docs/torchtitan.md compares the speed-up with torchtitan's published tables). `fp8`: Transformer Engine's FP8
+    (Megatron-LM); `float8`: torchtitan's torchao float8 recipe (memplan/inventory/titan_float8.py), its GEMMs on the
+    FP8 tensor cores and its casts' traffic, the weights' per micro-batch and TP rank."""
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     # FP8 (memplan/inventory/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
-    gemm_peak = gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else peak
+    gemm_peak = gpu.peak_fp8_flops if (fp8 or float8) and gpu.peak_fp8_flops else peak
     matmul = layer_matmul_flops(model) / (gemm_peak * gpu.matmul_efficiency)
     attention = attention_time_flops(model) / (peak * attention_matmul_efficiency(gpu, model))
     by = layer_traffic_bytes(model, activation_bytes, fused=impl in FUSED_IMPLS or compiled)
     if fp8:
         by = cast_traffic(model, activation_bytes, by)
+    weight_casts = (0.0, 0.0)
+    if float8:
+        by = titan_float8.cast_traffic(model, compiled, by)
+        weight_casts = titan_float8.weight_cast_bytes(model, float8, compiled)
     v = float(activation_bytes * model.seq_length * model.hidden_size)  # the A*sh a collective moves
     # Each GEMM kernel: its FLOPs at matmul_efficiency plus a fixed matmul_overhead_s, paid once per
     # micro-batch (the u/b coefficient), so large GEMMs run closer to matmul_efficiency than small.
     fwd_compute = Form(t=matmul + attention, u=gemms_per_layer(model, impl) * gpu.matmul_overhead_s)
-    fwd_memory = Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm)
+    fwd_memory = Form(t=by.tp_fwd / hbm, r=by.replicated_fwd / hbm, w=weight_casts[0] / hbm)
     # Forward: 2 all-reduces (2 ag each), or with SP 2 all-gathers + 2 reduce-scatters: exposed.
     fwd_comm = Form(a=4 * v)
     # Backward: in the async slot 2 all-reduces, or with SP 2 reduce-scatters + 2 re-all-gathers of
@@ -122,7 +131,7 @@ def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str
         fwd_memory=fwd_memory,
         fwd_comm=fwd_comm,
         bwd_compute=2 * fwd_compute,  # K22 appendix A: backward = 2 x forward
-        bwd_memory=Form(t=by.tp_bwd / hbm, r=by.replicated_bwd / hbm),
+        bwd_memory=Form(t=by.tp_bwd / hbm, r=by.replicated_bwd / hbm, w=weight_casts[1] / hbm),
         bwd_comm=bwd_comm,
         bwd_comm_exposed=bwd_exposed,
         selective=Form(t=attention + by.attention_core_fwd / hbm),
@@ -148,6 +157,7 @@ class HeadForms:
     """LM head (last stage) and embedding (first stage), forward + backward, one sequence."""
 
     head_compute: Form
+    mtp_compute: Form  # the multi-token-prediction layers' matmuls and attention, forward + backward (flops.mtp_flops)
     head_memory: Form
     head_comm: Form
     head_comm_exposed: Form
@@ -175,12 +185,18 @@ def head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> HeadFor
     drop = 1 if model.dropout else 0
     pos = 3 * A if model.position_embedding == "learned" else 0
     emb_bytes = 2 * A + pos + 2 * drop * (2 * A + MASK_BYTES) + A + 2 * FP32_BYTES
+    # the MTP layers (a sequence's share of every rank's, / t like the head): their GEMMs at the GEMM efficiency, their
+    # attention core as a layer's kernel runs it (its causal share); derived, not measured
+    mtp = mtp_flops(model)
+    mtp = (mtp[0], mtp[1] * attention_time_flops(model) / layer_attention_flops(model))
     # Vocabulary-parallel output: all-reduce (2 ag) forward, or with SP a reduce-scatter forward
     # and an all-gather backward: 2 ag, synchronous either way.
     return HeadForms(
         # The logits GEMM forward, its dgrad and wgrad: 3 kernels.
         head_compute=Form(t=3 * logits_flops(model) / (gpu.peak_bf16_flops * gpu.matmul_efficiency),
                            u=3 * gpu.matmul_overhead_s),
+        mtp_compute=Form(t=3 * (mtp[0] / (gpu.peak_bf16_flops * gpu.matmul_efficiency) + mtp[1] / (
+            gpu.peak_bf16_flops * attention_matmul_efficiency(gpu, model)))),
         head_memory=head_memory,
         head_comm=head_comm,
         head_comm_exposed=head_exposed,

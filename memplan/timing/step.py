@@ -39,6 +39,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
 from memplan.core.training import TrainingSpec
+from memplan.inventory import titan_float8
 from memplan.memory.offload import layer_copy_bytes, offloads, stepped_bytes
 from memplan.memory.states import counter, stage_params
 from memplan.memory.pipeline_multi import bubble_share
@@ -152,7 +153,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     A = training.activation_bytes
     pf = plan_floats(plan)
     x = basis(gpu, pf)
-    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None, bool(training.compile))
+    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None, bool(training.compile), training.float8)
     hf = head_forms(model, gpu, A)
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
@@ -181,7 +182,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
     forward = lf.forward(x)  # one layer's forward, also what full recompute adds
     recompute = m * (pf.selective * lf.selective(x) + pf.full * forward)
-    compute = evaluate(x, (layers, layer_compute), (1.0, head_compute))
+    compute = evaluate(x, (layers, layer_compute), (1.0, head_compute + hf.mtp_compute))  # MTP: the last stage's
     memory = evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
     tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
     # Activation offload (memplan/memory/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
@@ -257,7 +258,10 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     dp_per_byte = (1.0 - inv_d) * link_per_byte(gpu, td)
     shard_per_byte = (1.0 - inv_k) * link_per_byte(gpu, pf.t * pf.k * pf.cp)
     replica_per_byte = 2.0 * inv_k * (1.0 - pf.k * pf.cp * inv_d) * link_per_byte(gpu, td)
-    weights_gather = params * (training.weight_bytes * shard_per_byte)
+    # torchtitan's tensorwise float8 all-gathers the converted linears' weights at 1 byte each (titan_float8.py)
+    f8_saved = (layers * pf.inv_t) * float(titan_float8.gathered_bytes_saved(model, training.float8,
+                                                                             training.weight_bytes))
+    weights_gather = (params * training.weight_bytes - f8_saved) * shard_per_byte
     grad_bytes = params * training.grad_bytes
     grad_reduce = (1.0 - pf.sharded) * (2.0 * grad_bytes * dp_per_byte) + pf.sharded * (
         grad_bytes * (shard_per_byte + replica_per_byte))
@@ -306,10 +310,12 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
 
     step = ideal + bubble + pp_comm + dp_exposed + zero3_exposed + optimizer + opt_copy
     sequences = as_time(global_batch)
-    # MFU against the peak of the GEMMs' precision: the FP8 one with FP8 (memplan/inventory/fp8.py), else bf16
-    peak_flops = gpu.peak_fp8_flops if training.fp8 is not None and gpu.peak_fp8_flops else gpu.peak_bf16_flops
+    # MFU against the peak of the GEMMs' precision: the FP8 one with FP8 (memplan/inventory/fp8.py; torchtitan's
+    # float8: titan_float8.py), else bf16
+    fp8 = training.fp8 if training.fp8 is not None else training.float8
+    peak_flops = gpu.peak_fp8_flops if fp8 is not None and gpu.peak_fp8_flops else gpu.peak_bf16_flops
     gpus_peak_step = tdp * (peak_flops * step)
-    cal = calibration(model, gpu, impl, training.fp8)
+    cal = calibration(model, gpu, impl, fp8)
     essentials = dict(model_flops=model_flops(model, global_batch, causal=True), bubble_over_ideal=bubble_over_ideal,
                       step_time_s=step, tokens_per_s=sequences * s / step,
                       mfu=(model_flops_per_sequence(model, causal=True) * sequences) / gpus_peak_step,
