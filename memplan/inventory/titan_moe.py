@@ -152,9 +152,10 @@ def check_titan_mtp(mtp_layers: int, pipelined: bool, cp: int) -> None:
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
-    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
-    (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
-    shard group's and the TP group's ranks); DeepSeek-V3 the same (its --pp: memplan/memory/pipeline.py titan_split);
+    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the pipeline schedules but the
+    split-backward ones (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep:
+    EP borrows the shard group's and the TP group's ranks; memplan/memory/pipeline_multi.py multi_refusal); DeepSeek-V3
+    the same (its --pp: memplan/memory/pipeline.py titan_split, its multi-stage chunks pipeline_multi.chunk_dense);
     the rest refused in one line; ``gpus`` (0: not
     known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
     if not model.is_moe:

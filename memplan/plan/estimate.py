@@ -396,7 +396,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
         if par.pp > 1 and is_multi(par.pp_schedule):
-            notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)
+            notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers,
+                                config.model.moe_first_dense_layers)
         elif par.pp > 1:
             notes.append(f"torchtitan pipeline_parallel_schedule {par.pp_schedule} (torch.distributed.pipelining "
                          + ("ScheduleGPipe: every forward before the first backward, all micro-batches in flight on "
