@@ -101,20 +101,20 @@ TOKENLESS = ("moe.route_scale", "moe.offsets")
 
 def compile_left(model: ModelSpec, ep: int, tp: int, cp: int) -> str:
     """What of a compiled MoE layout is not traced ("" when it is): check_titan_moe refuses it in one line."""
-    if model.is_mla:
-        return "--compile with DeepSeek-V3 (traced for the Qwen3 MoE block)"
     if ep > 1 or tp > 1 or cp > 1:
-        return ("--compile with --ep, --tp or --cp (the compiled Qwen3 MoE block is traced at ep 1, tp 1, cp 1: "
-                "memplan/inventory/compiled_moe.py)")
+        return ("--compile with --ep, --tp or --cp (the compiled Qwen3 MoE and DeepSeek-V3 blocks are traced at ep 1, "
+                "tp 1, cp 1: memplan/inventory/compiled_moe.py, compiled_dsv3.py)")
     return ""
 
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
-    """--compile on an MoE model: torchtitan's Qwen3 MoE block, bf16 linears, no memory budget."""
-    if impl != "torchtitan" or model.is_mla:
-        raise MemplanError("--compile on an MoE model is traced for --impl torchtitan's Qwen3 MoE block only")
+    """--compile on an MoE model: torchtitan's Qwen3 MoE or DeepSeek-V3 block (memplan/inventory/compiled_dsv3.py
+    checks its own), bf16 linears, no memory budget."""
+    if impl != "torchtitan":
+        raise MemplanError("--compile on an MoE model is traced for --impl torchtitan's Qwen3 MoE and DeepSeek-V3 "
+                           "blocks only")
     if training.float8 or training.memory_budget is not None:
-        raise MemplanError("--compile on torchtitan's Qwen3 MoE is traced with bf16 linears and --ac none, full, "
+        raise MemplanError("--compile on torchtitan's MoE blocks is traced with bf16 linears and --ac none, full, "
                            "selective-layer or selective-op")
 
 
