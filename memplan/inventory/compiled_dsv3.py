@@ -51,12 +51,13 @@ SRC = ("traced from torch.compile's partitioner on torchtitan 0.3.0's DeepSeek-V
 # whole storage: the kv latent's wkv_a output, v's wkv_b output; measured), "layer" in every block, "dense" a dense
 # first layer's, "moe" an MoE layer's; widths: rq, rkv the latents, dn, dr, dv the head widths, dqk = dn + dr,
 # dkv = dn + dv, rkvr = rkv + dr, fs the shared experts' FFN; "router" bf16 on CPU, fp32 on CUDA (derived).
-# The hand derivation at the test's widths (validation/compiled_dsv3.py SHAPE: h 88, a 8, rq 32, rkv 40, dn 15, dr 20,
-# dv 6, f 114, fe 24, fs 72, E 28, k 5), bytes per token, none: every block 176 + 4 + 176 + 64 + 4 + 64 + 120 + 4 + 80
-# + 560 + 560 + 336 + 96 + 176 + 4 + 176 + 96 + 32 + 80 = 2,808; a dense layer's 3 x 228 = 684 (3,492); an MoE
-# layer's 56 + 40 + 2 + 10 + 40 + 10 + 40 + 880 + 3 x 240 + 880 + 176 + 3 x 144 = 3,286 (6,094) + 4 + 112 B a layer;
-# selective-op 176 + 64 + 120 + 176 + 96 + 32 = 664, + 228 (dense: 892) or + 40 + 10 + 144 (MoE: 858) + 4 B;
-# full 176 (dense), 176 + 10 + 4 B (MoE) (tests/test_compiled_dsv3.py checks these against the measurements).
+# The hand derivation at the test's widths (validation/compiled_dsv3.py SHAPE: h 56, a 5, rq 34, rkv 44, dn 10, dr 18,
+# dv 11, f 80, fe 32, fs 96, E 24, k 7; so dqk 28, dkv 21, rkvr 62), bytes per token, none: every block 112 + 4 + 112
+# + 68 + 4 + 68 + 124 + 4 + 88 + 280 + 280 + 210 + 110 + 112 + 4 + 112 + 110 + 20 + 72 = 1,894; a dense layer's
+# 3 x 160 = 480 (2,374); an MoE layer's 48 + 56 + 2 + 14 + 56 + 14 + 56 + 784 + 3 x 448 + 784 + 112 + 3 x 192 = 3,846
+# (5,740) + 4 + 96 B a layer; selective-op 112 + 68 + 124 + 112 + 110 + 20 = 546, + 160 (dense: 706) or
+# + 56 + 14 + 192 (MoE: 808) + 4 B; full 112 (dense), 112 + 14 + 4 B (MoE) (tests/test_compiled_dsv3.py checks these
+# against the inductor measurements at s 20, b 2 and s 12, b 4).
 TABLE = (
     ("block_input", "block input (bf16: the residual sums are recomputed from it)", "layer", "layer norms", "s b h",
      "act", ALL),

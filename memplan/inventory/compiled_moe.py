@@ -29,7 +29,8 @@ What the partitioner changes against the eager MoE block (per token; k the top-k
   block (5,056 B on CPU, torch.get_rng_state) is CPU's and not modelled (as for the dense block).
 
 Not traced, refused in one line (check_titan_moe): with --ep > 1 (the all-to-alls' data-dependent sizes, unbacked
-under compile), --tp or --cp (the dense block's TP trace does not cover the MoE's gather), DeepSeek-V3.  With --pp the
+under compile), --tp or --cp (the dense block's TP trace does not cover the MoE's gather).  DeepSeek-V3's blocks:
+memplan/inventory/compiled_dsv3.py (the same constants, FLAGS).  With --pp the
 saved set per block is the same (derived).  On CUDA the router runs under fp32 autocast: the scores and gathered
 scores fp32 (derived, as titan_moe.py's CUDA_ROUTER; whether the partitioner keeps the gate input's fp32 copy is not
 traced: left out).  The compiled block's backward transients are not modelled (as the eager MoE block's).
