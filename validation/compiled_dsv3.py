@@ -5,8 +5,8 @@ torchtitan's apply_compile compiles each DeepSeek-V3 block as it compiles Qwen3'
 after AC wraps it, ``capture_scalar_outputs`` on for the token dispatch).  ``trace_dsv3_block`` builds one block with
 torchtitan's own ``_build_dsv3_layers`` (validation/titan_dsv3.py ``build_dsv3_block``: the 671B flavour's kinds, q
 latent, yarn ComplexRoPE, the sigmoid router with expert groups, route_norm, route_scale, shared experts; bf16; the
-router's own top-k), wraps it as torchtitan's AC modes do (``wrap_dsv3_ac``: none, selective-op with its shipped save
-list, full), calls it as torchtitan's Trainer does, with the dataloader's ``positions`` (validation/titan.py
+router's own top-k; ``build``), wraps it as torchtitan's AC modes do (validation/titan_moe.py ``wrap_ac``: none,
+selective-op with its shipped save list and the stand-in attention op in it, full), calls it as torchtitan's Trainer does, with the dataloader's ``positions`` (validation/titan.py
 ``loader_positions``: each layer's RoPE gathers its cache rows at them), compiles it with dynamic s, b and reads the
 forward graph's saved tensors with validation/compiled.py ``trace_compiled_layer`` (inductor's partitioner; each
 shape a polynomial in s, b and the widths, ``names``), then measures the same compiled block's bytes alive after its
