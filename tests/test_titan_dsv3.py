@@ -221,7 +221,8 @@ def test_estimate_answers_term_by_term(capsys):
         assert row in out, row
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(tp=3)])  # tp, cp: test_titan_dsv3_tp.py
+# --compile at ep 1 is modelled (tests/test_compiled_dsv3.py); tp, cp: test_titan_dsv3_tp.py
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=8), dict(ep=3), dict(tp=3)])
 def test_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**kw)

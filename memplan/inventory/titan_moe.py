@@ -169,7 +169,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     check_titan_mtp(model.mtp_layers, pp > 1, cp)
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
-                           "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))
+                           "Qwen3 MoE or DeepSeek-V3 at ep = tp = cp = 1) --compile only yet, not "
+                           + ", ".join(left))
     if etp is not None and etp != moe_etp(ep, tp):
         raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
                            f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")
