@@ -221,23 +221,26 @@ def test_estimate_answers_term_by_term(capsys):
         assert row in out, row
 
 
-@pytest.mark.parametrize("kw", [dict(compile=True), dict(ep=3), dict(tp=3)])  # tp, cp: test_titan_dsv3_tp.py
+# --compile at ep 1 is modelled (tests/test_compiled_dsv3.py); tp, cp: test_titan_dsv3_tp.py
+@pytest.mark.parametrize("kw", [dict(compile=True, ep=8), dict(ep=3), dict(tp=3)])
 def test_refused(kw):
     with pytest.raises(MemplanError):
         _estimate(**kw)
 
 
 def test_search_leaves_out_the_pipelines_estimate_refuses():
-    # --pp with the single-stage schedules is modelled (tests/test_titan_dsv3_pp.py); the multi-stage ones are refused
-    # by estimate: search must not list them, and a pinned one gets estimate's refusal
+    # --pp with 1F1B, GPipe (tests/test_titan_dsv3_pp.py), Interleaved1F1B and LoopedBFS
+    # (tests/test_titan_dsv3_multistage.py) is modelled; the split-backward ones are refused by estimate: search must
+    # not list them, and a pinned one gets estimate's refusal
     from memplan.api.searching import search
     listed = search("deepseek-v3", impl="torchtitan", gpus=64, seq_len=4096, global_batch=64,
                     mem="4000GB").to_dict()["plans"]  # a budget every plan fits: all listed
     assert listed and any(plan["pp"] > 1 for plan in listed)
-    assert {plan["torchtitan"]["pipeline_schedule"] for plan in listed if plan["pp"] > 1} <= {"1F1B", "GPipe"}
-    with pytest.raises(MemplanError, match="dense first layers"):
+    assert {plan["torchtitan"]["pipeline_schedule"] for plan in listed if plan["pp"] > 1} <= {
+        "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"}
+    with pytest.raises(MemplanError, match="ZBVZeroBubble with an MoE model is not modelled"):
         search("deepseek-v3", impl="torchtitan", gpus=64, pp=2, seq_len=4096, global_batch=64, mem="80GB",
-               pipeline_schedule="Interleaved1F1B")
+               pipeline_schedule="ZBVZeroBubble")
 
 
 def test_router_groups_must_divide_the_experts():

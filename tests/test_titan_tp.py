@@ -272,3 +272,21 @@ def test_float8_all_gather_of_the_tp_shard_by_hand():
     weights = {r: estimate("llama3-70b", impl="torchtitan", gpus=256, tp=8, ac="full", seq_len=1024, micro_batch=1,
                            global_batch=256, float8=r).estimate.peak.weights for r in ("rowwise", "tensorwise")}
     assert weights["rowwise"] - weights["tensorwise"] == 2 * 106954752
+
+
+def test_the_vocab_parallel_embedding_keeps_its_mask_under_tp_only(capsys):
+    # torchtitan's TP makes tok_embeddings vocab-parallel (RowwiseParallel: DTensor's _MaskPartial), which keeps its
+    # vocab-shard mask in bf16 for the backward: 2 B per token of the micro-batch, whole on every TP rank (the ids are
+    # replicated), on the first stage: 2 x 4,096 x 1 = 8,192 B; measured in DeepSeek-V3's MTP layer calling the same
+    # module (tests/test_titan_mtp_tp.py)
+    import json
+    from memplan.cli import main as cli_main
+
+    def masks(tp):
+        with pytest.raises(SystemExit):
+            cli_main(["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--tp", str(tp),
+                      "--ac", "full", "--seq-len", "4096", "--micro-batch", "1", "--json"])
+        terms = json.loads(capsys.readouterr().out)["activations"]["terms"]
+        return [t["stage_bytes"] for t in terms if t["id"] == "embed_mask"]
+
+    assert masks(1) == [] and masks(2) == [8192]

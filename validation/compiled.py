@@ -129,7 +129,10 @@ def _product(symbols):
     return out
 
 
-ORDER = ("s", "b", "k", "E", "a", "g", "h", "q", "f", "fe", "r")
+# DeepSeek-V3's MLA widths (validation/compiled_dsv3.py) after Llama's: r_q, r_kv, d_n, d_r, d_v, d_r / 2, d_n + d_r,
+# d_n + d_v, r_kv + d_r, the shared experts' f_s, the router's expert groups G and limited groups lim
+ORDER = ("s", "b", "k", "E", "a", "g", "h", "q", "f", "fe", "r", "rq", "rkv", "dn", "dr", "dv", "dr2", "dqk", "dkv",
+         "rkvr", "fs", "G", "lim")
 
 
 def _elements(shape, hints: dict[int, str], names: dict[int, dict[str, int]], static: bool) -> str:

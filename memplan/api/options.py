@@ -376,7 +376,7 @@ class PlanOptions:
             titan_stage_layers(p * m, L)
         except ValueError as e:
             raise MemplanError(str(e)) from None
-        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe, bool(dense)):
+        if why := multi_refusal(p, m, None, schedule, bool(self.compile), preset.model.is_moe):
             raise MemplanError(why)
         return dict(pp_schedule=schedule, vpp=m)
 

@@ -277,7 +277,8 @@ def plan_options(func: Callable) -> Callable:
                           "--loss-chunks N (its recipes' compile_loss, measured on CPU); torchtune's LoRA / QLoRA "
                           "layers traced (memplan/inventory/compiled.py); torchtitan with --ac selective-op: its save list's "
                           "block compiled, traced and measured on CPU (not with --float8); torchtitan's Qwen3 MoE "
-                          "block at ep, tp, cp 1 (memplan/inventory/compiled_moe.py). "
+                          "and DeepSeek-V3 blocks at ep, tp, cp 1 (memplan/inventory/compiled_moe.py, "
+                          "compiled_dsv3.py). "
                           "search --impl torchtitan tries both unless --compile or --no-compile pins it; --timing: its "
                           "fused memory-bound ops (derived)."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,

@@ -330,8 +330,8 @@ class Config(Spec):
                 f"layers L={L} are not divisible by p*m = {par.pp}*{par.vpp}: every model chunk needs whole layers"
                 + (" (an uneven split, --first-stage-layers / --last-stage-layers, may fit them)"
                    if par.vpp == 1 else ""))
-        first_chunk = self.split[0] // par.vpp
-        if m.moe_first_dense_layers > first_chunk:
+        first_chunk = self.split[0] // par.vpp  # torchtitan's multi-stage schedules: counted chunk by chunk instead
+        if m.moe_first_dense_layers > first_chunk and par.pp_schedule in ("1F1B", "GPipe"):
             raise ValueError(f"moe_first_dense_layers={m.moe_first_dense_layers} exceed the {first_chunk} "
                              f"layers of the first model chunk (L/(p m)): memplan places the dense layers on the first "
                              "pipeline stage")

@@ -13,7 +13,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import echo
 from memplan.core.training import Recompute
 from memplan.inventory import compiled as compiled_layer  # by module: tests take a term out of it
-from memplan.inventory import compiled_moe  # by module: tests take a term out of it
+from memplan.inventory import compiled_dsv3, compiled_moe  # by module: tests take a term out of them
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import hf_trainer  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
@@ -178,6 +178,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     compiled_layer.check_budget(model, impl, training)
     if training.compile:  # an MoE model's: torchtitan's compiled Qwen3 MoE block
         (compiled_moe.check_compile if model.is_moe else compiled_layer.check_compile)(model, impl, training)
+        if model.is_moe and model.is_mla:  # torchtitan's DeepSeek-V3 blocks compiled
+            compiled_dsv3.check(model)
     titan_float8.check_float8(training.float8, impl)
     hf_trainer.check_layout(model, impl, training.batch_layout)
     hf_trainer.check_reentrant(impl, training)
@@ -194,7 +196,7 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
                                    tuple(training.recompute_modules))
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile and model.is_moe:  # torch.compile'd MoE blocks (traced from the partitioner)
-        inventory = compiled_moe.apply(inventory, model, device)
+        inventory = (compiled_dsv3 if model.is_mla else compiled_moe).apply(inventory, model, device)
     elif training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
         inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks,
                                          training.memory_budget)

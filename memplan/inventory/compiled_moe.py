@@ -32,7 +32,8 @@ What the partitioner changes against the eager MoE block (per token; k the top-k
   block (5,056 B on CPU, torch.get_rng_state) is CPU's and not modelled (as for the dense block).
 
 Not traced, refused in one line (check_titan_moe): with --ep > 1 (the all-to-alls' data-dependent sizes, unbacked
-under compile), --tp or --cp (the dense block's TP trace does not cover the MoE's gather), DeepSeek-V3.  With --pp the
+under compile), --tp or --cp (the dense block's TP trace does not cover the MoE's gather).  DeepSeek-V3's blocks:
+memplan/inventory/compiled_dsv3.py (the same constants, FLAGS).  With --pp the
 saved set per block is the same (derived).  On CUDA the router runs under fp32 autocast: the scores and gathered
 scores fp32 (derived, as titan_moe.py's CUDA_ROUTER; whether the partitioner keeps the gate input's fp32 copy is not
 traced: left out).  The compiled block's backward transients are not modelled (as the eager MoE block's).
@@ -106,20 +107,20 @@ TOKENLESS = ("moe.route_scale", "moe.offsets")
 
 def compile_left(model: ModelSpec, ep: int, tp: int, cp: int) -> str:
     """What of a compiled MoE layout is not traced ("" when it is): check_titan_moe refuses it in one line."""
-    if model.is_mla:
-        return "--compile with DeepSeek-V3 (traced for the Qwen3 MoE block)"
     if ep > 1 or tp > 1 or cp > 1:
-        return ("--compile with --ep, --tp or --cp (the compiled Qwen3 MoE block is traced at ep 1, tp 1, cp 1: "
-                "memplan/inventory/compiled_moe.py)")
+        return ("--compile with --ep, --tp or --cp (the compiled Qwen3 MoE and DeepSeek-V3 blocks are traced at ep 1, "
+                "tp 1, cp 1: memplan/inventory/compiled_moe.py, compiled_dsv3.py)")
     return ""
 
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
-    """--compile on an MoE model: torchtitan's Qwen3 MoE block, bf16 linears, no memory budget."""
-    if impl != "torchtitan" or model.is_mla:
-        raise MemplanError("--compile on an MoE model is traced for --impl torchtitan's Qwen3 MoE block only")
+    """--compile on an MoE model: torchtitan's Qwen3 MoE or DeepSeek-V3 block (memplan/inventory/compiled_dsv3.py
+    checks its own), bf16 linears, no memory budget."""
+    if impl != "torchtitan":
+        raise MemplanError("--compile on an MoE model is traced for --impl torchtitan's Qwen3 MoE and DeepSeek-V3 "
+                           "blocks only")
     if training.float8 or training.memory_budget is not None:
-        raise MemplanError("--compile on torchtitan's Qwen3 MoE is traced with bf16 linears and --ac none, full, "
+        raise MemplanError("--compile on torchtitan's MoE blocks is traced with bf16 linears and --ac none, full, "
                            "selective-layer or selective-op")
 
 

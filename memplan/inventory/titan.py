@@ -394,6 +394,12 @@ def titan_inventory(model: ModelSpec, device: str, layer_terms: tuple[Term, ...]
     outside += [
         saved("token_ids", "token ids (int64, tok_embeddings)", "embedding", "s b", "int64", scope="first", k22=False,
               src=DERIVED),
+        # under TP the vocab-parallel tok_embeddings (RowwiseParallel, DTensor's _MaskPartial) keeps its vocab-shard
+        # mask in the weights' dtype: measured in the MTP layer's call of the same module (tests/test_titan_mtp_tp.py)
+        saved("embed_mask", "tok_embeddings' vocab-shard mask (bf16; TP only: the vocab-parallel embedding's)",
+              "embedding", "s b", "act", scope="first", k22=False, needs_tp=True,
+              src="derived: measured in DeepSeek-V3's MTP layer, which calls the same vocab-parallel module over gloo "
+                  "(tests/test_titan_mtp_tp.py)"),
         saved("logits_fp32", "fp32 log-softmax of the logits (its vocab shard under TP: loss parallel)", "output",
               "s b v", "fp32", scope="last", k22=False, src=loss, tp=True),
     ]
@@ -430,8 +436,8 @@ TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
               "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
-              "DeepSeek-V3 compiled, with float8 or with the multi-stage pipeline schedules (and its MTP layers on CUDA "
-              "measured, their FLOPs' step time calibrated, its 16B / 236B flavours' router options, "
+              "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers on "
+              "CUDA measured, their FLOPs' step time calibrated, its 16B / 236B flavours' router options, "
               "FlexAttention's MLA save set and backward measured on CUDA, its layers' backward moments with EP, TP "
               "or CP measured, the dense first layers' own weight gradients in their attention's and reduce-scatter's "
               "moments), Qwen3 with TP or CP measured, "

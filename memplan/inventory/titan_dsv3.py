@@ -30,7 +30,9 @@ Dense first layers: a dense layer's FFN terms weighted by n_dense / L, an MoE la
 (L - n_dense) / L (as memplan/inventory/moe.py weighs Megatron-LM's), so the layers' total is exact; each tagged with
 its kind (Term.layer_kind), so that with --pp a stage counts its own: torchtitan's pipeline_llm deals layers.0 .. out
 first, so the first stage holds the dense layers (memplan/memory/term_bytes.py kind_share; measured over gloo with
-torchtitan's pipelined model, 1F1B and GPipe: validation/titan_pp.py, tests/test_titan_dsv3_pp.py).
+torchtitan's pipelined model, 1F1B and GPipe: validation/titan_pp.py, tests/test_titan_dsv3_pp.py); under the
+multi-stage Interleaved1F1B / LoopedBFS each rank's chunk its own (memplan/memory/pipeline_multi.py chunk_dense,
+memplan/memory/stage.py multi_counts; measured the same way: tests/test_titan_dsv3_multistage.py).
 
 The attention: torchtitan attends with compiled FlexAttention; validation stands in one op that keeps its autograd
 op's save set (q, k, v as passed, out, log-sum-exp: derived from torch 2.13's FlexAttentionAutogradOp, not measured).

@@ -152,9 +152,10 @@ def check_titan_mtp(mtp_layers: int, pipelined: bool, cp: int) -> None:
 def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, compiled: bool, float8, replicate: int,
                     routing_options: bool, gpus: int = 0) -> None:
     """What `--impl torchtitan` models of MoE: --ep on a Qwen3 MoE model with FSDP2 data parallelism, HSDP
-    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the single-stage pipeline schedules
-    (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep: EP borrows the
-    shard group's and the TP group's ranks); DeepSeek-V3 the same (its --pp: memplan/memory/pipeline.py titan_split);
+    (``replicate`` > 1), --tp (sequence parallel, the experts' etp `moe_etp`), --cp and the pipeline schedules but the
+    split-backward ones (--pp: torchtitan's sparse mesh is (pp, dp_replicate, efsdp, ep), efsdp = dp_shard cp tp / ep:
+    EP borrows the shard group's and the TP group's ranks; memplan/memory/pipeline_multi.py multi_refusal); DeepSeek-V3
+    the same (its --pp: memplan/memory/pipeline.py titan_split, its multi-stage chunks pipeline_multi.chunk_dense);
     the rest refused in one line; ``gpus`` (0: not
     known yet) the world, whose dp_shard cp tp = gpus / (pp replicate) ep must divide."""
     if not model.is_moe:
@@ -168,7 +169,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     check_titan_mtp(model.mtp_layers, pp > 1, cp)
     if left:
         raise MemplanError("--impl torchtitan with MoE: memplan models FSDP2 / HSDP with --ep, --tp, --cp, --pp and (a "
-                           "Qwen3 MoE at ep = tp = cp = 1) --compile only yet, not " + ", ".join(left))
+                           "Qwen3 MoE or DeepSeek-V3 at ep = tp = cp = 1) --compile only yet, not "
+                           + ", ".join(left))
     if etp is not None and etp != moe_etp(ep, tp):
         raise MemplanError(f"--etp {etp}: torchtitan 0.3.0 has no expert tensor-parallel option; its experts are "
                            f"sharded over tp at ep 1 (etp = tp) and not at ep > 1 (etp 1): here etp {moe_etp(ep, tp)}")

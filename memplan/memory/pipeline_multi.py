@@ -69,18 +69,26 @@ def rank_chunks(rank: int, p: int, m: int, num_layers: int, kind: str) -> tuple[
     return tuple(split[s] for s in rank_stages(rank, p, m, kind))
 
 
+def chunk_dense(rank: int, p: int, m: int, num_layers: int, dense: int, kind: str) -> tuple[int, ...]:
+    """Dense first layers (DeepSeek-V3's n_dense_layers, layers.0 .. dense - 1) in each of the rank's chunks:
+    torchtitan deals the layers out in order (_generate_llm_fqn_per_model_part), so virtual stage s holds layers
+    start_s .. start_s + n_s - 1 and min(n_s, max(0, dense - start_s)) of them are dense; the rest are MoE layers.
+    DeepSeek-V3 671B (61 layers, 3 dense) at p = 8, 2 stages a rank: 16 stages of 63 effective layers, stage 0 the
+    embedding and 3 layers, so rank 0's chunk 0 holds all 3; at p = 16, stage 0 holds 1 and stage 1 (rank 1) 2."""
+    split = titan_stage_layers(p * m, num_layers)
+    starts = np.concatenate([[0], np.cumsum(split)[:-1]])
+    return tuple(int(min(split[s], max(0, dense - starts[s]))) for s in rank_stages(rank, p, m, kind))
+
+
 def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compiled: bool = False,
-                  moe: bool = False, dense_first: bool = False) -> str:
+                  moe: bool = False) -> str:
     """Why torch 2.13 does not run `kind` with m stages a rank and M micro-batches (None: any), or memplan does not
     model it ("" when both do): the V schedules take exactly 2 stages a rank (ScheduleZBVZeroBubble,
     ScheduleDualPipeV), DualPipeV at least 2p micro-batches, Interleaved1F1B and InterleavedZeroBubble M a multiple of
-    max(1, M // p) (`torch_round`); a split backward through compiled blocks, or through an MoE block (``moe``: the
-    I -> W gradients are the dense block's, memplan/inventory/titan.py split_backward_grads), is not modelled; nor is
-    any multi-stage schedule of an MoE model with dense first layers (``dense_first``, DeepSeek-V3: memplan counts a
-    stage's dense and MoE layers for the single-stage split, memplan/memory/term_bytes.py kind_share)."""
-    if dense_first:
-        return (f"--pipeline-schedule {kind} with DeepSeek-V3's dense first layers is not modelled: its per-stage "
-                "dense and MoE layers are, for torchtitan's single-stage schedules (1F1B, GPipe)")
+    max(1, M // p) (`torch_round`); a split backward through compiled blocks, or through an MoE block (``moe``, Qwen3
+    MoE and DeepSeek-V3 alike: the I -> W gradients are the dense Llama block's, memplan/inventory/titan.py
+    split_backward_grads), is not modelled. DeepSeek-V3's dense first layers are counted chunk by chunk
+    (`chunk_dense`)."""
     if kind in V_SCHEDULES and m != 2:
         return f"torch's {kind} takes exactly 2 stages per rank, not {m}"
     if moe and kind in SPLIT_BACKWARD:
@@ -325,13 +333,19 @@ def peak_sets(order: list[tuple[str, int, int]], weight: Any, once: Any = None, 
     return best, tuple(int(n) for n in held)
 
 
-def multi_note(kind: str, p: int, m: int, num_layers: int) -> list[str]:
-    """What `estimate` says of a multi-stage schedule: the placement, each rank's chunks, what is measured / derived."""
+def multi_note(kind: str, p: int, m: int, num_layers: int, dense: int = 0) -> list[str]:
+    """What `estimate` says of a multi-stage schedule: the placement, each rank's chunks (`dense`: an MoE model's dense
+    first layers, where they fall: `chunk_dense`), what is measured / derived."""
     split = ", ".join(" + ".join(map(str, rank_chunks(r, p, m, num_layers, kind))) for r in range(p))
+    split += " layers"
+    if dense:
+        where = [(r, c, n) for r in range(p) for c, n in enumerate(chunk_dense(r, p, m, num_layers, dense, kind)) if n]
+        split += (f" (the {dense} dense first layers: " + ", ".join(f"{n} in rank {r}'s chunk {c}" for r, c, n in where)
+                  + "; the rest MoE layers: each chunk's own counted)")
     out = [f"torchtitan pipeline_parallel_schedule {kind}: {p * m} virtual stages split by torchtitan "
            f"(_generate_llm_fqn_per_model_part), {m} a rank, " + ("in a V (rank r: stages r and 2p - 1 - r)"
                                                                  if kind in V_SCHEDULES else "rank r: stages r, r + p, ...")
-           + f"; the ranks' chunks hold {split} layers; each rank's peak is the step of torch's own order "
+           + f"; the ranks' chunks hold {split}; each rank's peak is the step of torch's own order "
            "(_calculate_single_rank_operations, rewritten; tests compare it with torch's) where its saved bytes are the "
            "most (memplan/memory/pipeline_multi.py). Measured over gloo on a tiny model (validation/titan_pp.py); the "
            "step's transients as one chunk of the rank's largest; the received inputs and kept outputs not counted"]

@@ -286,8 +286,9 @@ def _moe_shapes(model: ModelSpec, layout: Layout) -> list[WeightShape]:
 
 
 def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_first: Any, is_last: Any, p: Any,
-                  layout: Layout = "fused") -> optimizers.StageTensors:
-    """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays)."""
+                  layout: Layout = "fused", dense: Any = None) -> optimizers.StageTensors:
+    """The parameter tensors of one GPU of a stage (`values`: the symbols, t scalar or arrays; `dense`: its dense
+    first layers where not all on the first stage, states.layer_kinds)."""
     if model.layer_pattern or model.cross_attention_layers:
         kind = "a state-space hybrid's (layer_pattern)" if model.layer_pattern else "Mllama's (cross_attention_layers)"
         raise MemplanError(f"{kind} layers differ in their tensors: per-tensor optimizer states and optimizer offload "
@@ -297,6 +298,6 @@ def stage_tensors(model: ModelSpec, values: Mapping[str, Any], layers: Any, is_f
     on = {scope: tuple(w.on_gpu(values, scope in ("layer", "dense_layer")) for w in ws if w.group not in frozen)
           for scope, ws in shapes.items()}
     head_copy = 1 if not model.tied_embeddings else (p > 1)
-    dense = layer_kinds(model, layers, is_first)["dense"]
+    dense = layer_kinds(model, layers, is_first, dense=dense)["dense"]
     return optimizers.StageTensors(on["first"], on["layer"], on["last"], on["head"], layers - dense, is_first, is_last,
                                    is_last * head_copy, on["dense_layer"], dense)

@@ -34,9 +34,10 @@ from memplan.memory.states import (
     stage_params,
     state_bytes,
 )
-from memplan.memory.term_bytes import PlanValues, TermBytes, stage_unit_bytes, term_bytes_for, term_count
-from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, is_multi, one, rank_chunks, rank_peak, rank_stages,
-                                           steady_microbatches)
+from memplan.memory.term_bytes import (PlanValues, TermBytes, stage_unit_bytes, term_bytes_for, term_count,
+                                      whole_layer)
+from memplan.memory.pipeline_multi import (SPLIT_BACKWARD, chunk_dense, is_multi, one, rank_chunks, rank_peak,
+                                           rank_stages, steady_microbatches)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,10 @@ def stage_memory(
         key = term.recompute_flags
         if key not in counts and not multi:
             counts[key] = term_count(term, plan, layers_per_chunk, stage, recomputed)
-        n = per * (by_id[term.id] if multi else counts[key])
+        if multi and term.layer_kind:  # copies in layers of its kind, chunk by chunk (multi_counts): one layer's each
+            n = sizes(whole_layer(model, term)) * by_id[term.id]
+        else:
+            n = per * (by_id[term.id] if multi else counts[key])
         term_bytes[term.id] = n
         activations = activations + n
         if working_set and term.scope == "layer" and term not in zb_terms:
@@ -123,12 +127,13 @@ def stage_memory(
     activations = activations + working
     layers = plan.layers(model, stage) if multi else layers_per_chunk * plan.m
     is_first, is_last = plan.ends(stage)
-    params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p)
+    dense = plan.dense_layers(model, stage) if multi else None  # a rank's chunks' dense first layers (DeepSeek-V3)
+    params = stage_params(model, sizes.group, layers, is_first, is_last, plan.p, dense)
     tensors = None
     offload = training.offload_optimizer_fraction > 0
     by_tensor = training.optimizer not in ("adamw", "sgd", "sgd-nomomentum") or training.optimizer_impl == "for-loop"
     if by_tensor or offload:  # by tensor shape
-        tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout)
+        tensors = stage_tensors(model, model.symbols(t=plan.t), layers, is_first, is_last, plan.p, layout, dense)
     one_layer = layer_params(model, sizes.group)
     # the tail: final norm and output layer (a last stage of no layers; p = 2 counts a tied output layer too)
     gathered_layer = gathered_base_layer(model, training, sizes.values, one_layer) if training.lora_rank else one_layer
@@ -141,7 +146,7 @@ def stage_memory(
     units = dp_stack.titan_units(training, model, one_layer, stage_params(model, sizes.group, 0, 0, 1, 2), embedding,
                                  plan.p, plan.t)
     # parameters that never get a gradient (a frozen table, DeepSeek-V3.2's no_grad indexer): weights only
-    trained = (stage_params(model, trained_only(sizes.group, training.dp_stack), layers, is_first, is_last, plan.p)
+    trained = (stage_params(model, trained_only(sizes.group, training.dp_stack), layers, is_first, is_last, plan.p, dense)
                if any(not stepped(g, training.dp_stack) for g in param_groups(model)) else None)
     n_trained = params if trained is None else trained
     states = state_bytes(params, training, state_shard(plan), plan.zero, gathered_params=gathered,
@@ -157,7 +162,8 @@ def stage_memory(
     in_flight = (plan.zero >= 3) * gathered * training.weight_bytes * (not training.lora_rank or bool(training.dp_stack))
     experts: Any = 0
     if model.is_moe:  # the routed experts' states are sharded over the expert-data-parallel group instead
-        experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p)
+        experts = stage_params(model, lambda g: sizes.group(g) if g.expert else 0, layers, is_first, is_last, plan.p,
+                               dense)
         states = expert_states(states, experts, training, plan)
     if training.fp8 is not None:  # Transformer Engine's FP8 weight caches and scaling state (memplan/inventory/fp8.py)
         linear = {g.name: sizes.group(g) for g in param_groups(model) if g.scope == "layer"}
@@ -181,12 +187,16 @@ def multi_counts(model: ModelSpec, terms: tuple[Term, ...], plan: PlanValues, st
     p, m, stage = one(plan.p), one(plan.m), one(stage)
     stages = rank_stages(stage, p, m, str(plan.schedule))
     layers = rank_chunks(stage, p, m, model.num_layers, str(plan.schedule))
+    # an MoE model's dense first layers in each chunk (DeepSeek-V3): a dense / MoE layer term (Term.layer_kind) is one
+    # such layer's tensor (term_bytes.whole_layer; stage_memory) held once per layer of its kind in the chunk
+    dense = chunk_dense(stage, p, m, model.num_layers, model.moe_first_dense_layers, str(plan.schedule))
+    kinds = {"": layers, "dense": dense, "moe": tuple(n - k for n, k in zip(layers, dense))}
 
     def coefficients(t: Term) -> tuple[str, list]:
         """(when the term is alive: held / early / between, its copies per micro-batch of each chunk)."""
-        if t.scope == "layer":
+        if t.scope == "layer":  # AC covers every layer under these schedules (recomputed >= a chunk's layers)
             per = [minimum(recomputed, n) * t.kept(plan.recompute) + (n - minimum(recomputed, n)) * t.kept(Recompute.NONE)
-                   for n in layers] if t.block != SPLIT_BLOCK else [n * (s != 0) for n, s in zip(layers, stages)]
+                   for n in kinds[t.layer_kind]] if t.block != SPLIT_BLOCK else [n * (s != 0) for n, s in zip(layers, stages)]
         elif t.scope == "chunk":
             per = [t.kept(plan.recompute)] * m
         else:
@@ -196,13 +206,14 @@ def multi_counts(model: ModelSpec, terms: tuple[Term, ...], plan: PlanValues, st
 
     groups: dict[tuple, list] = {}  # terms alike in when and how often they are held: one weight, one count
     for t in terms:
-        key = (t.block == SPLIT_BLOCK, t.scope, t.scope == "last" and t.block == "output", t.recompute_flags)
+        key = (t.block == SPLIT_BLOCK, t.scope, t.scope == "last" and t.block == "output", t.recompute_flags,
+               t.layer_kind)
         groups.setdefault(key, []).append(t)
     coef = {key: coefficients(ts[0]) for key, ts in groups.items()}
     weights = {k: [0] * m for k in ("held", "early", "between")}
     for key, ts in groups.items():
         kind, per = coef[key]
-        size = sum(sizes(t) for t in ts)
+        size = sum(sizes(whole_layer(model, t) if t.layer_kind else t) for t in ts)
         weights[kind] = [w + size * c for w, c in zip(weights[kind], per)]
     micro = np.asarray(plan.microbatches)
     steady = np.vectorize(lambda n: steady_microbatches(p, m, int(n), str(plan.schedule)))(micro)

@@ -348,15 +348,16 @@ def mla_qkv_count(model: ModelSpec) -> Poly:
     return Poly.parse_sum(q + " + h rkv + h dr + a dn rkv + a dv rkv")
 
 
-def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0) -> dict[str, Any]:
+def layer_kinds(model: ModelSpec, layers: Any, is_first: Any, is_last: Any = 0, dense: Any = None) -> dict[str, Any]:
     """How many of a stage's `layers` layers each layer scope's groups are in: every layer ("layer"), the
     dense layers of an MoE model ("dense": the first moe_first_dense_layers, all on the first stage, as
-    Config checks) and its MoE layers ("moe": the others); Gemma 4's full-attention layers ("full": the
+    Config checks, or `dense` of them: a multi-stage schedule's rank, PlanValues.dense_layers) and its MoE layers
+    ("moe": the others); Gemma 4's full-attention layers ("full": the
     stage's share of them, exact for the whole model, derived for a stage; Mllama's cross-attention layers, "cross",
     the same) and K / V-sharing layers (the last kv_shared_layers, all on the last stage)."""
     if model.layer_pattern:  # a hybrid: the stage's share of each block (exact for the whole model, derived per stage)
         return {"layer": layers, **{k: layers * n // model.num_layers for k, n in model.layer_blocks.items()}}
-    dense = model.moe_first_dense_layers * is_first
+    dense = model.moe_first_dense_layers * is_first if dense is None else dense
     shared_full = model.kv_shared_full_layers * is_last
     return {"layer": layers, "moe": layers - dense, "dense": dense, "full": layers * model.full_layers //
             model.num_layers, "kv_shared": model.kv_shared_layers * is_last - shared_full,
@@ -368,10 +369,12 @@ def block_share(model: ModelSpec, per_scope: Mapping[str, Any]) -> Any:
     return sum(per_scope[k] * n / model.num_layers for k, n in model.layer_blocks.items())
 
 
-def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any) -> Any:
-    """Parameters held by one GPU of a stage with `layers` layers (scalars or arrays)."""
+def stage_params(model: ModelSpec, count: Count, layers: Any, is_first: Any, is_last: Any, p: Any,
+                 dense: Any = None) -> Any:
+    """Parameters held by one GPU of a stage with `layers` layers (scalars or arrays; `dense`: its dense first
+    layers where not all on the first stage, `layer_kinds`)."""
     total: Any = 0
-    weights = {**layer_kinds(model, layers, is_first, is_last), "first": is_first, "last": is_last}
+    weights = {**layer_kinds(model, layers, is_first, is_last, dense), "first": is_first, "last": is_last}
     for group in param_groups(model):
         total = total + count(group) * weights[group.scope]
     head_copy = 1 if not model.tied_embeddings else (p > 1)

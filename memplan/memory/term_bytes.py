@@ -14,7 +14,7 @@ from memplan.core.training import Recompute
 from memplan.inventory.moe import one_layer
 from memplan.inventory.types import Term
 from memplan.memory.pipeline import schedule_in_flight, stage_layers
-from memplan.memory.pipeline_multi import is_multi, one, rank_chunks, stage_ends
+from memplan.memory.pipeline_multi import chunk_dense, is_multi, one, rank_chunks, stage_ends
 from memplan.memory.param_group import ParamGroup
 
 
@@ -81,6 +81,25 @@ class PlanValues:
         if is_multi(self.schedule):
             return sum(rank_chunks(one(stage), one(self.p), one(self.m), model.num_layers, str(self.schedule)))
         return stage_layers(stage, self.p, model.num_layers, self.first_layers, self.last_layers)
+
+    def dense_layers(self, model: ModelSpec, stage: Any) -> Any:
+        """An MoE model's dense first layers on pipeline stage `stage`: all of them on the first (titan_split and
+        Config check that they fit), none elsewhere; a multi-stage schedule's rank: its chunks' (torchtitan's split
+        deals layers.0 .. out first: memplan/memory/pipeline_multi.py chunk_dense)."""
+        nd = model.moe_first_dense_layers
+        if nd and is_multi(self.schedule):
+            return sum(chunk_dense(one(stage), one(self.p), one(self.m), model.num_layers, nd, str(self.schedule)))
+        return nd * (stage == 0)
+
+    def chunk_dense_layers(self, model: ModelSpec, stage: Any) -> Any:
+        """Of the chunk `chunk_layers` describes (the one the timeline walks), the dense first layers: all of them on
+        the first stage, none elsewhere; a multi-stage schedule's rank: its largest chunk's (`chunk_dense`)."""
+        nd = model.moe_first_dense_layers
+        if nd and is_multi(self.schedule):
+            p, m, rank, kind = one(self.p), one(self.m), one(stage), str(self.schedule)
+            sizes = rank_chunks(rank, p, m, model.num_layers, kind)
+            return chunk_dense(rank, p, m, model.num_layers, nd, kind)[sizes.index(max(sizes))]
+        return nd * (stage == 0)
 
     def ends(self, stage: Any) -> tuple[Any, Any]:
         """(stage `stage` holds the embedding, it holds the output layer): memplan/memory/pipeline_multi.py
@@ -200,16 +219,18 @@ def whole_layer(model: ModelSpec, term: Term) -> Term:
 def kind_share(model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> tuple[Any, Any]:
     """(numerator, denominator) of the share of stage `stage`'s n layers that are of a dense / MoE layer term's kind
     (Term.layer_kind): torchtitan's split keeps the nd dense first layers on the first stage (memplan/memory/pipeline.py
-    titan_split checks it), so stage 0 holds nd dense and n - nd MoE layers, the others n MoE layers. Without PP
-    (n = L) the model's nd / L and (L - nd) / L, the inventory's weights."""
-    nd, n = model.moe_first_dense_layers, plan.layers(model, stage)
-    d = nd * (stage == 0)
+    titan_split checks it), so stage 0 holds nd dense and n - nd MoE layers, the others n MoE layers; a multi-stage
+    schedule's rank the dense layers of its chunks (PlanValues.dense_layers). Without PP (n = L) the model's nd / L
+    and (L - nd) / L, the inventory's weights."""
+    n, d = plan.layers(model, stage), plan.dense_layers(model, stage)
     return (d, n) if term.layer_kind == "dense" else (n - d, n)
 
 
 def stage_unit_bytes(sizes: "TermBytes", model: ModelSpec, term: Term, plan: PlanValues, stage: Any) -> Any:
     """Bytes of one copy of `term` on stage `stage` (`sizes`: the plan's TermBytes): a dense / MoE layer term's one
-    layer's tensor (each storage rounded as allocated) times its kind's share of the stage's layers (`kind_share`)."""
+    layer's tensor (each storage rounded as allocated) times its kind's share of the stage's layers (`kind_share`: a
+    multi-stage schedule's rank's average layer; memplan/memory/stage.py multi_counts counts its copies chunk by chunk
+    in layers of its kind, of one such layer's tensor)."""
     if not term.layer_kind:
         return sizes(term)
     num, den = kind_share(model, term, plan, stage)

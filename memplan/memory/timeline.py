@@ -198,8 +198,9 @@ def step_events(model: ModelSpec, inventory: Inventory, training: TrainingSpec, 
     head_names = {g.name for g in param_groups(model) if g.scope == "last"} | {
         g for m in loss_moments for g in m.grads}
 
-    # an MoE model's dense layers come first (on the first stage): the backward reaches them last
-    dense_here = model.moe_first_dense_layers * is_first
+    # an MoE model's dense layers come first (on the first stage; a multi-stage rank: in its walked chunk, if any): the
+    # backward reaches them last
+    dense_here = plan.chunk_dense_layers(model, stage)
 
     def grads_after(layers_done: Any) -> Any:
         """torch .grad bytes once the head and `layers_done` layers of this chunk are back-propagated."""

@@ -21,6 +21,7 @@ from memplan.inventory.titan import is_dsv3
 from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
 from memplan.inventory.compiled_moe import notes as moe_compile_notes
+from memplan.inventory.compiled_dsv3 import notes as dsv3_compile_notes
 from memplan.inventory.liger import notes as liger_notes
 from memplan.inventory.hf import check_hf_plan
 from memplan.inventory.traced import hybrid_note
@@ -396,7 +397,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
         if par.pp > 1 and is_multi(par.pp_schedule):
-            notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers)
+            notes += multi_note(par.pp_schedule, par.pp, par.vpp, config.model.num_layers,
+                                config.model.moe_first_dense_layers)
         elif par.pp > 1:
             notes.append(f"torchtitan pipeline_parallel_schedule {par.pp_schedule} (torch.distributed.pipelining "
                          + ("ScheduleGPipe: every forward before the first backward, all micro-batches in flight on "
@@ -408,7 +410,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += float8_notes(tr.float8, tr.compile, par.tp)
     notes += lora_notes(tr)
     notes += liger_notes(tr)
-    notes += (moe_compile_notes(m, tr, par.pp) if m.is_moe else
+    notes += ((dsv3_compile_notes(par.pp) if tr.compile else []) if m.is_moe and m.is_mla else
+              moe_compile_notes(m, tr, par.pp) if m.is_moe else
               compile_notes(tr, inventory.name.split("/")[0], par.tp))
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):

@@ -38,6 +38,7 @@ from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory import mst
 from memplan.inventory.fp8 import MAX_ZERO as FP8_MAX_ZERO
 from memplan.inventory.types import HF_IMPLS
+from memplan.memory.pipeline_multi import is_multi
 from memplan.memory.term_bytes import PlanValues
 
 
@@ -450,7 +451,9 @@ def plan_config(model: ModelSpec, training: TrainingSpec, plans: PlanValues, i: 
     """One candidate as a Config, for `estimate`, reports and launch flags."""
     x = plans.take(i)
     L, p = model.num_layers, int(x.p)
-    uneven = x.first_layers is not None and (int(x.first_layers) * p != L or int(x.last_layers) * p != L)
+    # a multi-stage schedule's ranks are torchtitan's split of p m stages (PlanValues.layers), not a first / last split
+    uneven = x.first_layers is not None and (int(x.first_layers) * p != L or int(x.last_layers) * p != L) and not (
+        is_multi(x.schedule))
     stages = (int(x.first_layers), int(x.last_layers), (L - int(x.first_layers) - int(x.last_layers)) // max(p - 2, 1)
               ) if uneven else (L // p,)
     n = max(stages) // int(x.m)

@@ -18,8 +18,8 @@ same flags, memplan/api/options.py):
               chunks; memplan/plan/space.py), its K/V all-gather timed (memplan/timing/comm.py); compile with cp 1.
   pp          1, and the powers of 2 dividing the GPUs whose stage split `estimate --impl torchtitan --pp` takes
               (memplan/memory/pipeline.py titan_split: equal middle stages, the first / last stage a layer short
-              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`), and where p
-              divides L and torchtitan splits 2p virtual stages, the multi-stage Interleaved1F1B, LoopedBFS,
+              where torchtitan's split says so), each with the schedules 1F1B and GPipe (`pipelines`), and where
+              torchtitan splits 2p virtual stages (`multi_split`), the multi-stage Interleaved1F1B, LoopedBFS,
               InterleavedZeroBubble, ZBVZeroBubble and DualPipeV at 2 stages a rank (memplan/memory/pipeline_multi.py;
               where torch runs them: multi_runs; the split-backward ones not compiled); the
               micro-batch b (pipeline_parallel_microbatch_size) divides the global batch / d, the local batch is
@@ -31,8 +31,9 @@ same flags, memplan/api/options.py):
   ep          a Qwen3 MoE model's: the divisors of E dividing dp_shard cp tp (torchtitan's efsdp = dp_shard cp tp / ep),
               with tp (the experts' etp torchtitan's: tp at ep 1, 1 at ep > 1), cp, HSDP and pp (not the split-backward
               schedules: multi_refusal) and no compile or float8 (`moe_dims`; memplan/inventory/titan_moe.py);
-              DeepSeek-V3's the same, pp with the single-stage schedules only and its dense first layers all in
-              the first stage (titan_split, multi_refusal); dense models ep 1.
+              DeepSeek-V3's the same, pp with 1F1B / GPipe where its dense first layers all fit in the first
+              stage (titan_split) and with Interleaved1F1B / LoopedBFS (each rank's chunks' dense layers counted:
+              pipeline_multi.chunk_dense; the split-backward ones not: multi_refusal); dense models ep 1.
   budget      memory-budget AC (MemoryBudgetAC, --ac budget:F) on the compiled plans with AC none, tp 1 and cp 1 of a
               dense Llama 3 at the traced widths: F = 0, 0.1, ... below 1 whose saved set and recompute differ
               (memplan/inventory/budget_recompute.py distinct_budgets; F = 1 is the plain compiled block), each
@@ -60,7 +61,8 @@ from memplan.core.training import Recompute
 from memplan.inventory.titan import BUDGET_AC, LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.memory.pipeline import SINGLE_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
-from memplan.memory.pipeline_multi import MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_refusal, multi_runs
+from memplan.memory.pipeline_multi import (MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_refusal, multi_runs,
+                                           rank_chunks)
 from memplan.memory.term_bytes import PlanValues
 from memplan.plan.space import Fixed, plan_space
 
@@ -157,12 +159,10 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
             continue
         for s in schedules:
             try:
-                if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at L / p: titan_plans)
-                    if L % p or multi_refusal(p, 2, None, s, bool(pins.compile), model.is_moe,
-                                              bool(model.moe_first_dense_layers)):
+                if is_multi(s):  # 2 stages a rank, torchtitan's split of 2p (the part is made at its ranks' layers)
+                    if multi_refusal(p, 2, None, s, bool(pins.compile), model.is_moe):
                         raise ValueError(s)
-                    titan_stage_layers(2 * p, L)
-                    out.append((p, None, None, s))
+                    out.append((p, *multi_split(p, L, s), s))
                 else:
                     out.append((p, *titan_split(p, L, model.moe_first_dense_layers), s))
             except ValueError:
@@ -170,14 +170,35 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     why = {"single-stage": f"torchtitan's stage split of the {L} layers leaves middle stages of different sizes, a "
                            "stage without layers or dense first layers beyond the first stage (not modelled: "
                            "memplan/memory/pipeline.py titan_split)",
-           "multi-stage": f"p does not divide the {L} layers, torchtitan cannot split 2p stages, or a "
-                          "split-backward schedule with --compile or an MoE model, or DeepSeek-V3's dense first "
-                          "layers (not modelled: memplan/memory/pipeline_multi.py multi_refusal)"}
+           "multi-stage": f"torchtitan cannot split the {L} layers into 2p stages, its middle ranks' layers differ "
+                          "(titan.multi_split), or a split-backward schedule with --compile or an MoE model (not "
+                          "modelled: memplan/memory/pipeline_multi.py multi_refusal)"}
     for which, ps in (("single-stage", skipped), ("multi-stage", multi_skipped)):
         if ps:
             notes.append(f"pp {', '.join(map(str, sorted(set(ps))))} not searched with the {which} schedules: "
                          + why[which])
     return out, notes
+
+
+def multi_split(p: int, num_layers: int, kind: str) -> tuple[Any, Any]:
+    """A multi-stage schedule's part of the search (2 stages a rank) as the planner's (first, last) stage layers:
+    (None, None) where p divides L, else the first and the last ranks' layers of torchtitan's split of 2p stages
+    (pipeline_multi.rank_chunks; DeepSeek-V3's 61 layers at p = 2: 15 + 16 and 16 + 14, so 31, 30) where the rest
+    splits evenly over the middle ranks (the planner's rule). The memory evaluates each rank's own chunks all the
+    same (PlanValues.layers). ValueError where torchtitan cannot split 2p stages or the rest does not split."""
+    ranks = [sum(rank_chunks(r, p, 2, num_layers, kind)) for r in range(p)]  # ValueError: no split of 2p stages
+    if num_layers % p == 0:
+        return None, None
+    if p > 2 and sum(ranks[1:-1]) % (p - 2):
+        raise ValueError(f"ranks of {', '.join(map(str, ranks))} layers")
+    return ranks[0], ranks[-1]
+
+
+def _planner_chunk(p: int, num_layers: int, first: Any, last: Any) -> int:
+    """The largest stage of the planner's split (first, middle, last: memplan/plan/space.py _splits)."""
+    if first is None:
+        return num_layers // p
+    return max(first, last, (num_layers - first - last) // (p - 2) if p > 2 else 0)
 
 
 def moe_dims(model: ModelSpec, pins: TitanPins, float8: bool = False) -> dict[str, Any]:
@@ -206,7 +227,7 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
                          "(memplan/timing/comm.py): derived, uncalibrated"]
     for p, first, last, schedule in splits:
         multi = is_multi(schedule)
-        chunk = model.num_layers // p if multi else max(titan_stage_layers(p, model.num_layers))
+        chunk = _planner_chunk(p, model.num_layers, first, last) if multi else max(titan_stage_layers(p, model.num_layers))
         fixed = Fixed(**dims, pp=p, vpp=1, cp_comm_type="allgather", zero=3,
                       micro_batch=pins.micro_batch, first_stage_layers=first, last_stage_layers=last,
                       **_ac_fixed(model, pins, chunk))

@@ -22,6 +22,7 @@ from memplan.memory.optimizers import states_label
 from memplan.memory.pipeline import schedule_in_flight
 from memplan.memory.pipeline_multi import rank_chunks
 from memplan.memory.states import optimizer_bytes, param_groups
+from memplan.memory.term_bytes import PlanValues
 from memplan.plan.estimate import Estimate, estimate
 from memplan.report.text import fragmentation_label
 
@@ -224,8 +225,10 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
     # an MoE model: "one layer" is an MoE layer; its dense first layers (first stage) are counted apart
     layer_poly, per_layer = layer_of(("layer", *share) if share else ("layer", "moe"))
     dense_poly, per_dense = layer_of(("layer", "dense"))
-    dense = c.model.moe_first_dense_layers if est.most_loaded == 0 else 0
-    layers = c.model.num_layers // par.pp - dense
+    # a multi-stage schedule's rank: its chunks' layers and dense first layers (PlanValues.dense_layers)
+    multi, on_stage = peak.held is not None, int(peak.layers)
+    dense = int(PlanValues.from_config(c).dense_layers(c.model, est.most_loaded))
+    layers = (on_stage if multi else c.model.num_layers // par.pp) - dense
     other = int(peak.params) - per_layer * layers - per_dense * dense
     what = "one layer (the average of the hybrid's layers)" if share else "one MoE layer" if c.model.is_moe else "one layer"
     steps = [Step("states", f"parameters of {what} on one GPU", layer_poly.text(), substituted(layer_poly, values),
@@ -234,9 +237,10 @@ def _states(est: Estimate, values: dict[str, Any]) -> list[Step]:
         steps.append(Step("states", "parameters of one dense layer (before the MoE layers) on one GPU",
                           dense_poly.text(), substituted(dense_poly, values), per_dense, "parameters",
                           "memplan/memory/states.py param_groups"))
-    count = f"{c.model.num_layers} / {par.pp}" + (f" - {dense}" if dense else "")
+    count = (f"{on_stage}" if multi else f"{c.model.num_layers} / {par.pp}") + (f" - {dense}" if dense else "")
     steps.append(Step("states", f"parameters on one GPU of stage {est.most_loaded}",
-                      ("(L/p - k) x per MoE layer + k x per dense layer" if dense else "L/p x per layer")
+                      (f"({'n' if multi else 'L/p'} - k) x per MoE layer + k x per dense layer" if dense else
+                       ("n (its chunks' layers)" if multi else "L/p") + " x per layer")
                       + " + embedding / output layer / final norm on this stage",
                       f"{count} x {per_layer:,}" + (f" + {dense} x {per_dense:,}" if dense else "") + f" + {other:,}",
                       int(peak.params), "parameters"))
