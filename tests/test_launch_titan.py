@@ -14,7 +14,7 @@ from memplan.launch.titan import EXPANDABLE, FLAVORS, FUNCTION, MODULE
 pytest.importorskip("torchtitan")
 
 from torchtitan.config.manager import ConfigManager  # noqa: E402
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC  # noqa: E402
 from torchtitan.models.llama3 import llama3_configs  # noqa: E402
 
 
@@ -105,7 +105,8 @@ def test_a_searchs_best_plan_builds_in_torchtitan(tmp_path, monkeypatch):
         best["dp_replicate"], best["dp_shard"], best["tp"])
     assert config.training.local_batch_size == best["local_batch"] and config.training.global_batch_size == 32
     assert type(config.activation_checkpoint) is {"none": type(None), "full": FullAC.Config,
-                                                  "selective-op": SelectiveAC.Config}[best["ac"]]
+                                                  "selective-op": SelectiveAC.Config,
+                                                  "budget": MemoryBudgetAC.Config}[best["ac"].split(":")[0]]
 
 
 def test_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
@@ -152,6 +153,21 @@ def test_compiled_float8_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     assert config.compile.enable and config.compile.components == ["model"]
     assert "model_compile_enabled=True" in "\n".join(result.launch.args)
     assert isinstance(config.model_spec.model.layers[0].feed_forward.w2, titan_float8.Float8Linear.Config)
+
+
+def test_memory_budget_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --ac budget:F --compile: torchtitan's MemoryBudgetAC with the budget, the model compiled (its Trainer.Config
+    # requires it); the search's budget plans emit the same (search --ac budget:F --emit torchtitan)
+    result = estimate("llama3-8b", impl="torchtitan", gpus=8, ac="budget:0.3", compile=True, seq_len=4096,
+                      micro_batch=2, global_batch=16, emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    assert type(config.activation_checkpoint) is MemoryBudgetAC.Config
+    assert config.activation_checkpoint.memory_budget == 0.3 and config.compile.enable
+    found = search("llama3-8b", impl="torchtitan", gpus=8, ac="budget:0", seq_len=4096, global_batch=16,
+                   mem="80GB", emit="torchtitan")
+    config = _load(tmp_path, monkeypatch, "\n".join(found.launch["llama3-8b"].args))
+    assert type(config.activation_checkpoint) is MemoryBudgetAC.Config
+    assert config.activation_checkpoint.memory_budget == 0 and config.compile.enable
 
 
 def test_cp_plan_builds_in_torchtitan(tmp_path, monkeypatch):

@@ -247,8 +247,9 @@ def _after_forward(layer, x, call) -> tuple[int, int, torch.Tensor]:
     return allocation_peak(prof, 0)[1], out.numel() * out.element_size(), out
 
 
-def _aot_backend(inner):
-    """AOTAutograd with inductor's partitioner and decompositions, the graphs run as traced (no code generated)."""
+def _aot_backend(inner, bw_inner=None):
+    """AOTAutograd with inductor's partitioner and decompositions, the graphs run as traced (no code generated);
+    ``inner`` sees the forward graph, ``bw_inner`` the backward's."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
@@ -257,7 +258,12 @@ def _aot_backend(inner):
         inner(gm, example_inputs)
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+    def bw(gm, example_inputs):
+        if bw_inner is not None:
+            bw_inner(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw,
                         partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table(),
                         keep_inference_input_mutations=True)  # buffers updated in the graph, as inductor's
 

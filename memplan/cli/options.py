@@ -158,8 +158,8 @@ def plan_options(func: Callable) -> Callable:
                      help="--impl torchtitan's activation checkpointing: none (default), full, selective-op or "
                           "selective-layer[:N] (every N-th layer checkpointed, default 2; torchtitan <= 0.2's "
                           "selective_ac_option) (memplan/inventory/titan.py), or budget:F with --compile (its "
-                          "MemoryBudgetAC, F = 0, 0.1, ..., 1: the partitioner's saved set traced at the Llama 3 "
-                          "widths; not searched)."),
+                          "MemoryBudgetAC, F = 0, 0.1, ..., 1: the partitioner's saved set and recompute traced at "
+                          "the Llama 3 widths; search tries it on the compiled tp 1 plans)."),
         click.option("--recompute-num-layers", type=INT,
                      help="Full recompute of this many layers per chunk (Megatron-LM block method; alone: --recompute full)."),
         click.option("--recompute-modules", metavar="NAMES",

@@ -51,7 +51,8 @@ torchtitan's memory-budget AC (``--ac budget:F --compile``: MemoryBudgetAC sets 
 partitioner's knapsack keeps a subset of TITAN_LAYER that depends on the widths, so it is traced at the real Llama 3
 8B / 70B / 405B widths (validation/budget.py, under FakeTensorMode, the block called with the dataloader's
 positions; BUDGET_SAVED, F in tenths: at every F below 1 the knapsack recomputes the RoPE gather, at 1 it saves the
-rows as the plain compiled block); its recompute is neither timed nor counted (said in the notes).
+rows as the plain compiled block); what it recomputes is traced from the same graphs and timed
+(memplan/inventory/budget_recompute.py), not counted as a working set.
 
 torchtitan's block with torchao's float8 linears (``--float8``, memplan/inventory/titan_float8.py), traced and
 measured the same way (validation/compiled.py ``trace_compiled_layer(float8=...)``, h 48, f 160 so that every linear
@@ -320,7 +321,9 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
             "the whole loss stays eager (torchtune's full fine-tune recipes discard what compile_loss returns for it)")
     budget = [] if getattr(training, "memory_budget", None) is None else [
         f"--ac budget:{training.memory_budget:g} (torchtitan's MemoryBudgetAC): the saved set {BUDGET_SRC}; what the "
-        "partitioner recomputes in the backward is neither timed nor counted as a working set (a lower bound)"]
+        "partitioner recomputes in the backward is traced from the same graphs and timed (memplan/inventory/"
+        "budget_recompute.py: the step time derived from the traced graph, uncalibrated), not counted as a working "
+        "set (a lower bound)"]
     return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
             "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
             f"kernels' own buffers left out (not traced); {loss}"] + budget + tp_note

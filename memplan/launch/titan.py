@@ -90,6 +90,8 @@ def _ac(config: Config) -> tuple[str, str]:
         return "FullAC.Config()", "FullAC"
     if tr.recompute == Recompute.SELECTIVE:
         return "SelectiveAC.Config()", "SelectiveAC"
+    if tr.memory_budget is not None:  # torchtitan's MemoryBudgetAC: activation_memory_budget = F, the model compiled
+        return f"MemoryBudgetAC.Config(memory_budget={tr.memory_budget:g})", "MemoryBudgetAC"
     return "None", ""
 
 
@@ -162,7 +164,7 @@ def titan_launch(config: Config) -> Launch:
                                           ("EP's all-to-all dispatcher", doc["parallelism.expert_parallel_degree"] > 1))
                           if on)
     gpus = config.parallel.dp * config.parallel.tp * config.parallel.cp * config.parallel.pp
-    imports = ", ".join(n for n in ("FullAC", "SelectiveAC") if n == ac_name)
+    imports = ", ".join(n for n in ("FullAC", "MemoryBudgetAC", "SelectiveAC") if n == ac_name)
     lines = [
         f'"""memplan\'s plan as torchtitan 0.3.0\'s config. Save as {MODULE}.py, then, from its folder:',
         f"    PYTHONPATH=. {ALLOC_CONF}={EXPANDABLE} torchrun --nproc_per_node={gpus} \\",

@@ -127,6 +127,8 @@ def _variant_keys(result: SearchResult, idx: np.ndarray) -> tuple[np.ndarray, np
         shape.append(np.asarray(result.compiled)[idx].astype(np.int64))
     if result.float8 is not None:  # torchtitan --float8 any: each recipe's plans too
         shape.append(np.unique(np.asarray(result.float8)[idx], return_inverse=True)[1].astype(np.int64))
+    if result.memory_budget is not None:  # torchtitan: each memory budget's plans too
+        shape.append(np.round(np.nan_to_num(np.asarray(result.memory_budget)[idx], nan=-1.0) * 10).astype(np.int64))
     if getattr(x.schedule, "ndim", 0):  # torchtitan: each pipeline schedule's plans rows of their own
         shape.append((np.asarray(x.schedule) == "GPipe").astype(np.int64))
     return (_group_ids(shape + [np.asarray(x.recompute), np.asarray(x.recomputed_layers)]),

@@ -34,7 +34,11 @@ same flags, memplan/api/options.py):
               DeepSeek-V3's the same, pp with 1F1B / GPipe where its dense first layers all fit in the first
               stage (titan_split) and with Interleaved1F1B / LoopedBFS (each rank's chunks' dense layers counted:
               pipeline_multi.chunk_dense; the split-backward ones not: multi_refusal); dense models ep 1.
-Not searched (not modelled for torchtitan yet): async TP, memory-budget AC; more than 2 stages a rank (estimate
+  budget      memory-budget AC (MemoryBudgetAC, --ac budget:F) on the compiled plans with AC none, tp 1 and cp 1 of a
+              dense Llama 3 at the traced widths: F = 0, 0.1, ... below 1 whose saved set and recompute differ
+              (memplan/inventory/budget_recompute.py distinct_budgets; F = 1 is the plain compiled block), each
+              evaluated with its own TrainingSpec (titan_search._budgets; `SearchResult.memory_budget` per plan).
+Not searched (not modelled for torchtitan yet): async TP; more than 2 stages a rank (estimate
 --pipeline-layers-per-stage).
   float8      pinned (`--float8 RECIPE`, bf16 without it), or with `--float8 any` off, tensorwise and rowwise (rowwise
               only with --emit torchtitan) where the GPU has FP8 tensor cores, for a dense model without pp: each
@@ -54,7 +58,7 @@ from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import Config
 from memplan.core.training import Recompute
-from memplan.inventory.titan import LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
+from memplan.inventory.titan import BUDGET_AC, LAYER_AC, check_titan_layout, checkpointed_layers, titan_ac_mode
 from memplan.inventory.titan_moe import check_titan_moe
 from memplan.memory.pipeline import SINGLE_SCHEDULES, titan_schedule_runs, titan_split, titan_stage_layers
 from memplan.memory.pipeline_multi import (MULTI_SCHEDULES, SPLIT_BACKWARD, is_multi, multi_refusal, multi_runs,
@@ -125,9 +129,8 @@ def _ac_fixed(model: ModelSpec, pins: TitanPins, chunk: int) -> dict[str, Any]:
         counts = () if pins.launchable or chunk < L else tuple(layer_ac_counts(L))
         return dict(recompute_layers=counts + (chunk,))
     mode, every = titan_ac_mode(pins.ac)
-    if mode == "budget":
-        raise MemplanError("search --impl torchtitan does not search memory-budget AC yet: estimate it (--ac budget:F "
-                           "--compile) or search --ac none, full, selective-op or selective-layer[:N]")
+    if mode == BUDGET_AC:  # nothing checkpointed; the compiled plans at the budget (titan_search._budgets)
+        return dict(recompute=Recompute.NONE, recompute_layers=(chunk,))
     if mode == LAYER_AC:
         if pins.launchable:
             raise MemplanError("--emit torchtitan: torchtitan 0.3.0 has no per-layer selective AC: search it with "
@@ -292,7 +295,8 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
     piped = par.pp > 1  # the local batch is the pipeline's M micro-batches (memplan/launch/titan.py titan_document)
     return {"dp_replicate": par.dp // par.shard, "dp_shard": par.shard, "tp": par.tp, "cp": par.cp, "pp": par.pp,
             "pipeline_schedule": par.pp_schedule if piped else None,
-            "ac": ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
+            "ac": f"{BUDGET_AC}:{tr.memory_budget:g}" if tr.memory_budget is not None else
+            ac_label(int(tr.recompute), k, config.model.num_layers, every), "compile": bool(tr.compile),
             "float8": tr.float8,
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,

@@ -2,7 +2,7 @@
 eager and compiled, evaluated as flat arrays by the functions `estimate --impl torchtitan` uses
 (memplan/plan/evaluate.py: the compiled plans with the compiled layer's inventory), filtered by the budget and ranked
 by step time (memplan/timing/: FSDP2's per-layer all-gathers and per-micro-batch reduce-scatters, HSDP's all-reduce,
-TP's collectives, each AC mode's recompute, compile's fused kernels, with pp > 1 the pipeline's bubble and sends as
+TP's collectives, each AC mode's recompute (memory-budget AC's traced from the partitioned graph), compile's fused kernels, with pp > 1 the pipeline's bubble and sends as
 Megatron-LM's plans are timed: derived, uncalibrated). The space is small (thousands of plans), so it
 is evaluated whole, as `search(..., reference=True)` evaluates Megatron-LM's."""
 
@@ -17,13 +17,16 @@ import numpy as np
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
-from memplan.core.training import TrainingSpec
+from memplan.core.training import Recompute, TrainingSpec
 from memplan.inventory.assemble import training_inventory
 from memplan.memory.pipeline_multi import SPLIT_BACKWARD
 from memplan.plan.evaluate import concat, evaluate
 from memplan.plan.fit import least_device_bytes
 from memplan.plan.limits import SEQ_LIMIT, largest_under
 from memplan.plan.search import SEQ_STEP, SearchResult, check_int64, mark_max_seq, ranked, tp_limit
+from memplan.inventory.budget_recompute import distinct_budgets
+from memplan.inventory.compiled import check_budget
+from memplan.inventory.titan import BUDGET_AC, titan_ac_mode
 from memplan.inventory.titan_float8 import RECIPES
 from memplan.plan.titan import FLOAT8_ANY, TitanPins, compilable, join, pinned_every, titan_plans
 
@@ -90,14 +93,55 @@ def _float8_recipes(model: ModelSpec, training: TrainingSpec, gpu: Optional[GpuS
         "derived from torchao's code (FP8 GEMMs, its casts' traffic), uncalibrated"]
 
 
+def _budgets(model: ModelSpec, training: TrainingSpec, pins: TitanPins) -> tuple[tuple[float, ...], list[str]]:
+    """The memory budgets F searched (torchtitan's MemoryBudgetAC on the compiled plans with AC none, tp 1, cp 1, bf16
+    linears: what memplan/inventory/compiled.py check_budget takes): the pinned --ac budget:F, else the distinct ones
+    (budget_recompute.distinct_budgets) where the model's widths are traced, and the notes."""
+    mode, tenths = titan_ac_mode(pins.ac) if pins.ac is not None else ("", 0)
+    if mode == BUDGET_AC:
+        if pins.compile is False:
+            raise MemplanError("--ac budget:F (torchtitan's memory-budget AC) compiles the blocks: drop --no-compile")
+        check_budget(model, IMPL, training.model_copy(update={"compile": True, "memory_budget": tenths / 10}))
+        return (tenths / 10,), []
+    if pins.ac is not None or pins.compile is False:
+        return (), []
+    try:
+        check_budget(model, IMPL, training.model_copy(update={"compile": True, "memory_budget": 0.0,
+                                                             "recompute": Recompute.NONE}))
+    except MemplanError as err:
+        return (), [f"memory-budget AC not searched: {err}"]
+    budgets = distinct_budgets()
+    return budgets, [
+        f"memory-budget AC (--ac budget:F) searched on the compiled plans with AC none, tp 1, cp 1 at F = "
+        f"{', '.join(f'{f:g}' for f in budgets)} (the other tenths save and recompute what one of these does; F = 1 "
+        "is the plain compiled block): the saved set and what the partitioner recomputes traced (memplan/inventory/"
+        "budget_recompute.py), the recompute timed as derived from the traced graph, uncalibrated"]
+
+
+def _budget_sets(sets: list, budgets: tuple[float, ...]) -> list:
+    """Each compiled bf16 set's plans that memory-budget AC applies to (AC none, tp 1, cp 1), once per budget."""
+    out = []
+    for part, compiled, recipe, _ in sets:
+        if not compiled or recipe is not None:
+            continue
+        keep = (np.asarray(part.recompute) == int(Recompute.NONE)) & (np.asarray(part.t) == 1) & (
+            np.asarray(part.cp) == 1)
+        if keep.any():
+            out += [(part.take(np.flatnonzero(keep)), True, None, f) for f in budgets]
+    return out
+
+
 def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_batch: int, budget_bytes: int,
                  gpu: Optional[GpuSpec] = None, pins: TitanPins = TitanPins(), max_tp: Optional[int] = None,
                  top: int = 10, margin: Optional[float] = None, host_budget_bytes: Optional[int] = None,
                  progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
     """The torchtitan plans that fit the budget, fastest first (`SearchResult.compiled` says which are compiled)."""
     start = time.perf_counter()
+    training = training.model_copy(update={"memory_budget": None})  # each budget's plans their own (_budgets)
     recipes, notes = _float8_recipes(model, training, gpu, pins)
-    sets = []  # (plans, compiled, float8 recipe): one per (pp, schedule) part, compile setting and recipe
+    budgets, more = _budgets(model, training, pins)
+    notes += more
+    sets = []  # (plans, compiled, float8 recipe, memory budget): per (pp, schedule) part, compile, recipe and budget
     for recipe in recipes:
         tr = training.model_copy(update={"float8": recipe})
         try:
@@ -108,11 +152,15 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
                 raise
             notes.append(f"--float8 any: {recipe} not searched: {err}")
             continue
-        sets += [(part, c, recipe) for part, c in compiled]
+        sets += [(part, c, recipe, None) for part, c in compiled]
         notes += [n for n in more + more_c if n not in notes]
-    parts, done, total = [], 0, sum(len(p.t) for p, _, _ in sets)
-    for plans, compiled, recipe in sets:
-        tr = training.model_copy(update={"compile": compiled, "float8": recipe})
+    if budgets:  # a pinned budget: its plans only
+        sets = _budget_sets(sets, budgets) + ([] if pins.ac is not None else sets)
+        if not sets:
+            raise MemplanError("--ac budget:F: no plan left (memory-budget AC is modelled compiled, with tp 1 and cp 1)")
+    parts, done, total = [], 0, sum(len(p.t) for p, _, _, _ in sets)
+    for plans, compiled, recipe, budget in sets:
+        tr = training.model_copy(update={"compile": compiled, "float8": recipe, "memory_budget": budget})
         check_int64(model, tr, int(plans.b.max()), IMPL, gpu, margin)
         parts.append(evaluate(model, tr, plans, gpu, global_batch, IMPL, margin))
         done += len(plans.t)
@@ -122,15 +170,16 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     evaluated = parts[0] if len(parts) == 1 else concat(plans, parts)
     result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
                     host_budget_bytes, start)
-    result.compiled = np.concatenate([np.full(len(p.t), c) for p, c, _ in sets])
+    result.compiled = np.concatenate([np.full(len(p.t), c) for p, c, _, _ in sets])
     if pins.float8 == FLOAT8_ANY:
-        result.float8 = np.concatenate([np.full(len(p.t), r or "", dtype=object) for p, _, r in sets])
+        result.float8 = np.concatenate([np.full(len(p.t), r or "", dtype=object) for p, _, r, _ in sets])
+    if budgets:
+        result.memory_budget = np.concatenate([np.full(len(p.t), np.nan if f is None else f) for p, _, _, f in sets])
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), "
-                                 "memory-budget AC neither (estimate --ac budget:F --compile), the multi-stage "
-                                 "schedules at 2 stages a rank only (torchtitan's default)"
+    result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), the "
+                                 "multi-stage schedules at 2 stages a rank only (torchtitan's default)"
                                  + ("" if pins.float8 == FLOAT8_ANY else "; float8 is a pin (--float8 RECIPE; "
                                     "--float8 any searches it)")])
     if np.any(np.asarray(plans.p) > 1):

@@ -10,10 +10,11 @@ permutation and load imbalance are not modelled, nor measured)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
+from memplan.inventory import budget_recompute
 from memplan.memory.states import mla_qkv_count
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_float64
@@ -135,11 +136,13 @@ def model_flops_per_sequence(model: ModelSpec, causal: bool = False) -> float:
     return 3.0 * forward
 
 
-def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any, impl: str = "megatron") -> Any:
+def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any, impl: str = "megatron",
+                   budget: Optional[float] = None) -> Any:
     """Model FLOPs plus recomputation: selective re-runs the attention matmuls (4Bs^2h per layer,
     K22 section 5), full re-runs the layer's forward. (K22 Eq. 8 prints 1 + s/(3h) for selective;
     the 4Bs^2h per layer described in its text gives 1 + s/(6h) + s/(18h) instead.) torchtitan's selective-op AC
-    re-runs wo and w3 instead (titan_selective_flops)."""
+    re-runs wo and w3 instead (titan_selective_flops); its memory-budget AC at `budget` what the partitioner re-runs
+    in every layer (memplan/inventory/budget_recompute.py: traced)."""
     # Recomputed layers per chunk x p m chunks, per sequence.
     layers = as_float64(plan.recomputed_layers)
     selective = as_float64(plan.recompute == Recompute.SELECTIVE) * layers
@@ -147,4 +150,7 @@ def hardware_flops(model: ModelSpec, plan: PlanValues, global_batch: Any, impl: 
     attention = layer_attention_flops(model)
     recomputed = titan_selective_flops(model) if impl == "torchtitan" else attention
     extra = as_float64(plan.p * plan.m) * (selective * recomputed + full * (layer_matmul_flops(model) + attention))
+    if budget is not None:
+        r = budget_recompute.recompute(model, budget)
+        extra = extra + model.num_layers * (r["matmul_flops"] * float(model.seq_length) + r["attention"] * attention)
     return model_flops(model, global_batch) + extra * as_float64(global_batch)

@@ -31,6 +31,8 @@ One layer, one micro-batch of b sequences, on each GPU of a tensor-parallel grou
   output's reduce-scatter, 2 ag, are on the critical path.
 - torchtitan (--impl torchtitan): its per-op selective AC re-runs two of the five matmuls and the forward's
   memory-bound ops (_titan_selective); a compiled layer's memory-bound ops run fused (layer_forms).
+- torchtitan's memory-budget AC (--ac budget:F --compile): every compiled layer's backward re-runs what the
+  partitioner chose not to save, traced (memplan/inventory/budget_recompute.py; _budget_recompute).
 - recompute, per recomputed layer, in the backward: selective re-runs the attention core (its
   matmuls, softmax and dropout; with a flash kernel, megatron-core's checkpointed core attention
   re-runs the kernel's forward, which re-creates only its log-sum-exp); full re-runs the whole
@@ -45,7 +47,7 @@ from typing import Any, Optional
 from memplan.core.model import ModelSpec
 from memplan.core.specs import GpuSpec
 from memplan.core.training import Recompute
-from memplan.inventory import titan_float8
+from memplan.inventory import budget_recompute, titan_float8
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.term_bytes import PlanValues
 from memplan.timing.arrays import as_python, as_time, plan_floats
@@ -82,6 +84,7 @@ class LayerForms:
     bwd_comm_exposed: Form
     selective: Form  # what selective recompute adds to a layer's backward
     full: Form  # what full recompute adds: the whole forward
+    budget: Form = Form()  # what torchtitan's memory-budget AC re-runs in every compiled layer's backward
 
     @property
     def forward(self) -> Form:
@@ -94,13 +97,15 @@ class LayerForms:
 
 @functools.lru_cache(maxsize=64)
 def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str = "megatron",
-                 fp8: bool = False, compiled: bool = False, float8: Optional[str] = None) -> LayerForms:
+                 fp8: bool = False, compiled: bool = False, float8: Optional[str] = None,
+                 budget: Optional[float] = None) -> LayerForms:
     """One layer's forms; `compiled`: each decoder layer torch.compile'd (--compile), whose memory-bound ops Inductor
     fuses: their traffic taken as the fused kernels' (layer_traffic_bytes(fused=True): each elementwise chain reads
     its inputs and writes its output once) instead of eager's op-by-op passes. Derived, not measured: uncalibrated
     (docs/torchtitan.md compares the speed-up with torchtitan's published tables). `fp8`: Transformer Engine's FP8
     (Megatron-LM); `float8`: torchtitan's torchao float8 recipe (memplan/inventory/titan_float8.py), its GEMMs on the
-    FP8 tensor cores and its casts' traffic, the weights' per micro-batch and TP rank."""
+    FP8 tensor cores and its casts' traffic, the weights' per micro-batch and TP rank. `budget`: torchtitan's
+    memory-budget AC at F (compiled, tp 1), what its partitioner re-runs (`_budget_recompute`)."""
     peak = gpu.peak_bf16_flops
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     # FP8 (memplan/inventory/fp8.py): the weight GEMMs on the FP8 tensor cores, the attention core in bf16
@@ -139,6 +144,9 @@ def layer_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int, impl: str
     )
     if impl == "torchtitan":
         forms = LayerForms(**{**forms.__dict__, "selective": _titan_selective(model, gpu, gemm_peak, fwd_memory, v)})
+    if budget is not None:
+        forms = LayerForms(**{**forms.__dict__, "budget": _budget_recompute(model, gpu, gemm_peak, hbm, attention,
+                                                                           budget)})
     return LayerForms(**{**forms.__dict__, "full": forms.forward})
 
 
@@ -150,6 +158,18 @@ def _titan_selective(model: ModelSpec, gpu: GpuSpec, gemm_peak: float, fwd_memor
     residual adds) and, under TP, the all-gathers of the sequence-parallel norms' outputs (2 of v, not in the save
     list). Derived from the policy, not measured."""
     return Form(t=titan_selective_flops(model) / (gemm_peak * gpu.matmul_efficiency), u=2 * gpu.matmul_overhead_s, a=2 * v) + fwd_memory
+
+
+def _budget_recompute(model: ModelSpec, gpu: GpuSpec, gemm_peak: float, hbm: float, attention: float,
+                      budget: float) -> Form:
+    """What torchtitan's memory-budget AC (--ac budget:F --compile) re-runs in a compiled layer's backward beyond the
+    plain compiled block's own recompute: the matmuls, the attention kernel and the memory-bound bytes traced from
+    the partitioned graph (memplan/inventory/budget_recompute.py), timed as the forward's (GEMM efficiency, the
+    attention's, the memory-bound one): derived from the traced graph, uncalibrated."""
+    r = budget_recompute.recompute(model, budget)
+    s = float(model.seq_length)
+    return Form(t=r["matmul_flops"] * s / (gemm_peak * gpu.matmul_efficiency) + r["attention"] * attention
+                + r["memory_bytes"] * s / hbm, u=r["gemms"] * gpu.matmul_overhead_s)
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     A = training.activation_bytes
     pf = plan_floats(plan)
     x = basis(gpu, pf)
-    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None, bool(training.compile), training.float8)
+    lf = layer_forms(model, gpu, A, impl, training.fp8 is not None, bool(training.compile), training.float8,
+                     training.memory_budget if training.compile else None)
     hf = head_forms(model, gpu, A)
     hbm = gpu.memory_bandwidth * memory_bound_efficiency(gpu)
     s, h = float(model.seq_length), float(model.hidden_size)
@@ -181,7 +182,9 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
             A + FP32_BYTES * CROSS_ENTROPY_FWD_FP32_ACCESSES) / hbm)
     layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
     forward = lf.forward(x)  # one layer's forward, also what full recompute adds
-    recompute = m * (pf.selective * lf.selective(x) + pf.full * forward)
+    # torchtitan's memory-budget AC: every compiled layer re-runs what its partitioner did not save (zero otherwise)
+    budget = lf.budget(x)
+    recompute = m * (pf.selective * lf.selective(x) + pf.full * forward) + layers * budget
     compute = evaluate(x, (layers, layer_compute), (1.0, head_compute + hf.mtp_compute))  # MTP: the last stage's
     memory = evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
     tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
@@ -214,7 +217,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         # first N of each of its m chunks, all of a shorter chunk; the last stage's also the LM head). The steady
         # state runs at the slowest stage, T* = max T_i, and the warm-up and cool-down slots are the other stages'
         # time, (sum T_i - T*)/m per sequence (with equal stages: (p - 1)/m stage times, as above).
-        one_layer = evaluate(x, (1.0, layer_compute + layer_memory + layer_exposed)) + act_copy / layers
+        one_layer = evaluate(x, (1.0, layer_compute + layer_memory + layer_exposed)) + act_copy / layers + budget
 
         def stage_time(n: Any) -> Any:  # with cp: 1/cp of the work, and the layers' share of the K/V and token sends
             cap = n / m
@@ -322,7 +325,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
                       calibrated=cal.calibrated, uncertainty=cal.uncertainty)
     if not breakdown:
         return StepTime(**as_python({f.name: essentials.get(f.name) for f in fields(StepTime)}))
-    hw_flops = hardware_flops(model, plan, global_batch, impl)
+    hw_flops = hardware_flops(model, plan, global_batch, impl, training.memory_budget if training.compile else None)
     tp_comm = evaluate(x, (layers, lf.fwd_comm + lf.bwd_comm), (1.0, hf.head_comm), (first, emb_comm))
     return StepTime(**as_python(dict(
         hardware_flops=hw_flops,
