@@ -5,15 +5,15 @@ The expected values are tests/data/titan_compiled_backward.json, measured by
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward tests/data/titan_compiled_backward.json
 
-(torchtitan 0.3.0's Llama 3 block, h 48, a 6, g 2, f 154, head 8, compiled by torch 2.13's Inductor on CPU as
-apply_compile compiles it after the AC wrapper, ~3 min of CPU for the three AC modes): per mode ``measured`` the
+(torchtitan 0.3.0's Llama 3 block at h 48, a 6, g 2, f 154 and at h 64, a 4, g 1, f 224, compiled by torch 2.13's
+Inductor on CPU as apply_compile compiles it after the AC wrapper, ~7 min of CPU for the three AC modes at both): per mode ``measured`` the
 bytes alive at the compiled backward's peak on real tensors at s 32, b 2 and s 64, b 3 (torch.profiler's allocation
 events; the CPU kernels' own scratch, freed inside one aten op, left out: ``peak_scratch`` with it) and ``front``
 the non-dominated moments of the generated backward replayed with s, b symbolic, a s b + d s + c bytes each.  memplan's
 moments, evaluated as the step timeline counts a layer's moment (memplan/memory/timeline.py ``_alive_sums``: the
 layer's terms kept under the mode and not freed, plus the moment's transients; FSDP2's reduce-scatter and the held
 reduce-scatter input left out: no FSDP2 on the CPU block), must give that front exactly and the measured peak at both
-shapes; without them every test here fails.  The inductor runs are opt-in (MEMPLAN_COMPILE_SLOW=1, ~4 min)."""
+shapes; without them every test here fails.  The inductor runs are opt-in (MEMPLAN_COMPILE_SLOW=1, ~7 min)."""
 
 import json
 import os
@@ -27,21 +27,21 @@ from memplan.inventory.assemble import training_inventory
 
 DATA = json.loads((Path(__file__).parent / "data" / "titan_compiled_backward.json").read_text())
 MODES = {"none": Recompute.NONE, "full": Recompute.FULL, "selective-op": Recompute.SELECTIVE}
-W = DATA["widths"]
+SMALL = dict(h=48, a=6, g=2, f=154)  # the first widths (validation/compiled.py WIDTHS["torchtitan"])
 
 
-def tiny(s: int) -> ModelSpec:
-    return ModelSpec(name="tiny-titan", num_layers=1, hidden_size=W["h"], num_attention_heads=W["a"],
-                     num_kv_heads=W["g"], ffn_hidden_size=W["f"], seq_length=s, vocab_size=256, norm="rmsnorm",
+def tiny(s: int, w: dict) -> ModelSpec:
+    return ModelSpec(name="tiny-titan", num_layers=1, hidden_size=w["h"], num_attention_heads=w["a"],
+                     num_kv_heads=w["g"], ffn_hidden_size=w["f"], seq_length=s, vocab_size=256, norm="rmsnorm",
                      mlp="swiglu", position_embedding="rope", tied_embeddings=False, dropout=False, bias=False,
                      attention="flash")
 
 
-def memplan_moments(ac: str, s: int, b: int) -> dict[str, int]:
+def memplan_moments(ac: str, s: int, b: int, w: dict = SMALL) -> dict[str, int]:
     """Each compiled layer moment's bytes at s, b (tp 1) in a layer of mode ``ac`` (every layer recomputed under full
     and selective-op), as the timeline's ``_alive_sums`` and ``applies`` count it."""
     rec = MODES[ac]
-    model = tiny(s)
+    model = tiny(s, w)
     inv = training_inventory(model, "torchtitan", "cpu", TrainingSpec(compile=True, recompute=rec))
     values = model.symbols(b=b, t=1, cp=1)
     layer = [t for t in inv.terms if t.scope == "layer" and not t.needs_tp and not t.needs_cp]
@@ -59,9 +59,9 @@ def memplan_moments(ac: str, s: int, b: int) -> dict[str, int]:
     return out
 
 
-def _coefficients(ac: str) -> dict[str, tuple[int, int, int]]:
+def _coefficients(ac: str, w: dict) -> dict[str, tuple[int, int, int]]:
     """Each moment as (a, d, c): bytes = a s b + d s + c (read off three points)."""
-    at = {k: memplan_moments(ac, *k) for k in ((1, 1), (2, 1), (1, 2))}
+    at = {k: memplan_moments(ac, *k, w) for k in ((1, 1), (2, 1), (1, 2))}
     return {id: (at[(1, 2)][id] - at[(1, 1)][id], at[(2, 1)][id] - at[(1, 2)][id],
                  2 * at[(1, 1)][id] - at[(2, 1)][id]) for id in at[(1, 1)]}
 
@@ -70,21 +70,22 @@ def _front(points: set) -> set:
     return {p for p in points if not any(o != p and all(x >= y for x, y in zip(o, p)) for o in points)}
 
 
-CASES = {c["ac"]: c for c in DATA["cases"]}
+CASES = DATA["cases"]  # every AC mode at two widths
+IDS = [f"{c['ac']}-h{c['widths']['h']}" for c in CASES]
 
 
-@pytest.mark.parametrize("ac", list(MODES))
-def test_moments_are_the_replayed_front(ac):
-    ours = _coefficients(ac)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_moments_are_the_replayed_front(case):
+    ours = _coefficients(case["ac"], case["widths"])
     assert all(id.startswith("compiled_") for id in ours), ours  # the eager block's moments are left out
-    recorded = {(r["a"], r["d"], r["c"]) for r in CASES[ac]["front"]}
+    recorded = {(r["a"], r["d"], r["c"]) for r in case["front"]}
     assert _front(set(ours.values())) == recorded
 
 
-@pytest.mark.parametrize("ac", list(MODES))
-def test_measured_peak_is_memplan_largest_moment(ac):
-    for row in CASES[ac]["measured"]:
-        assert max(memplan_moments(ac, row["s"], row["b"]).values()) == row["peak"], row
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_measured_peak_is_memplan_largest_moment(case):
+    for row in case["measured"]:
+        assert max(memplan_moments(case["ac"], row["s"], row["b"], case["widths"]).values()) == row["peak"], row
 
 
 def test_swiglu_moment_by_hand():
@@ -110,15 +111,17 @@ SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_COMPILE_SLOW"), reason="se
 
 @pytest.mark.slow
 @SLOW
-@pytest.mark.parametrize("ac", list(MODES))
-def test_inductor_run_gives_the_recorded_figures(ac):
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inductor_run_gives_the_recorded_figures(case):
     pytest.importorskip("torchtitan")
-    from validation.compiled_backward import SHAPE, compile_block, front, measure, replay
+    from validation.compiled_backward import compile_block, front, measure, replay
+    from validation.titan import Shape
 
-    c = compile_block(ac)
-    for row in CASES[ac]["measured"]:  # the kernels' scratch (peak_scratch) depends on the thread count: not compared
-        got = measure(c["compiled"], SHAPE.h, row["s"], row["b"], ac)
+    ac = case["ac"]
+    c = compile_block(ac, Shape(**case["widths"]))
+    for row in case["measured"]:  # the kernels' scratch (peak_scratch) depends on the thread count: not compared
+        got = measure(c["compiled"], case["widths"]["h"], row["s"], row["b"], ac)
         assert {k: got[k] for k in ("peak", "saved", "incoming")} == {k: row[k] for k in ("peak", "saved", "incoming")}
     samples, roles = replay(c["source"], c["graph"])
     assert {(r["a"], r["d"], r["c"]) for r in front(samples, roles)} == {
-        (r["a"], r["d"], r["c"]) for r in CASES[ac]["front"]}
+        (r["a"], r["d"], r["c"]) for r in case["front"]}

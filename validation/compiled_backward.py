@@ -322,23 +322,27 @@ def front(samples: list, roles: dict) -> list[dict]:
 
 
 SIZES = ((32, 2), (64, 3))  # the measured shapes of tests/data/titan_compiled_backward.json
+# the second widths: another FFN-to-hidden ratio, one KV head, a wider head (Llama 3's q = h holds in both)
+SHAPES = (SHAPE, Shape(h=64, a=4, g=1, f=224))
 
 
 def record(path: str) -> None:
-    """Every AC mode: compile, measure at SIZES and replay; written as JSON (tests/data/titan_compiled_backward.json)."""
+    """Every AC mode at SHAPES: compile, measure at SIZES and replay; written as JSON
+    (tests/data/titan_compiled_backward.json)."""
     import importlib.metadata
     import json
 
     cases = []
-    for ac in AC_MODES:
-        c = compile_block(ac)
-        measured = [{"s": s, "b": b, **measure(c["compiled"], SHAPE.h, s, b, ac)} for s, b in SIZES]
-        samples, roles = replay(c["source"], c["graph"])
-        rows = {(r["a"], r["d"], r["c"]): r for r in front(samples, roles)}  # one per distinct (a, d, c)
-        cases.append({"ac": ac, "measured": measured, "front": list(rows.values())})
-        print(json.dumps(cases[-1], indent=1))
-    doc = {"command": f"PYTHONPATH=. python -m validation.compiled_backward {path}",
-           "widths": dict(h=SHAPE.h, a=SHAPE.a, g=SHAPE.g, f=SHAPE.f),
+    for shape in SHAPES:
+        for ac in AC_MODES:
+            c = compile_block(ac, shape)
+            measured = [{"s": s, "b": b, **measure(c["compiled"], shape.h, s, b, ac)} for s, b in SIZES]
+            samples, roles = replay(c["source"], c["graph"])
+            rows = {(r["a"], r["d"], r["c"]): r for r in front(samples, roles)}  # one per distinct (a, d, c)
+            cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f),
+                          "measured": measured, "front": list(rows.values())})
+            print(json.dumps(cases[-1], indent=1))
+    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {path}",
            "measured_with": f"torchtitan {importlib.metadata.version('torchtitan')}, torch {torch.__version__} "
                             "(inductor on CPU, OMP_NUM_THREADS=1)", "cases": cases}
     with open(path, "w") as f:

@@ -3,7 +3,8 @@ memplan/inventory/compiled.py ``apply``): what Inductor's generated backward hol
 moments, under AC none, full and selective-op.
 
 Measured: validation/compiled_backward.py compiles torchtitan 0.3.0's block as its apply_compile does (after the AC
-wrapper), with torch 2.13's Inductor on CPU (dynamic s, b; h 48, a 6, g 2, f 154), and
+wrapper), with torch 2.13's Inductor on CPU (dynamic s, b), at two widths (h 48, a 6, g 2, f 154; h 64, a 4, g 1,
+f 224: selective-op's w3 input-gradient moment is on the front at the second only), and
 
 * replays the generated backward's own ``call`` (its buffers allocated by ``empty_strided_cpu``, reused through
   ``reinterpret_tensor``, freed by ``del``; kernels no-ops) under FakeTensorMode with s and b symbolic: after every
@@ -91,6 +92,9 @@ SELECTIVE = (
     ("w2_weight_grad", "w2's weight-gradient GEMM", _freed(
         "layer_input", "qkv_out", "sdpa_logsumexp", "attn_out", "o_proj_out", "wo_rs", "ln2_rstd", "mlp_input",
         "fc2_input"), "dy grad_swiglu_2 grad_w2"),
+    ("w3_input_grad", "w3's input gradient GEMM", _freed(
+        "layer_input", "qkv_out", "sdpa_logsumexp", "attn_out", "o_proj_out", "wo_rs", "ln2_rstd", "mlp_input"),
+     "dy grad_swiglu_2 grad_mlp_input grad_w2_w3"),
     ("attention", "RoPE's q and k recomputed for sdpa's backward", _freed(
         "layer_input", "qkv_out", "sdpa_logsumexp", "attn_out", "o_proj_out", "ln2_rstd"),
      "grad_mlp_inputs norm_rowsum grad_attn_residual rope_rows grad_wo_input q_fp32 q_rotated q_rerun k_fp32 "
