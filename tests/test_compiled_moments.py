@@ -125,3 +125,18 @@ def test_inductor_run_gives_the_recorded_figures(case):
     samples, roles = replay(c["source"], c["graph"])
     assert {(r["a"], r["d"], r["c"]) for r in front(samples, roles)} == {
         (r["a"], r["d"], r["c"]) for r in case["front"]}
+
+
+def test_selective_layer_takes_none_moments_in_whole_layers():
+    # --ac selective-layer:N (full AC on N layers of each chunk): the layers kept whole run the AC-none compiled
+    # backward, the checkpointed ones full's; AC none's moments (measured above) with applies "plain"
+    def moments(**kw):
+        inv = training_inventory(tiny(64, SMALL), "torchtitan", "cpu", TrainingSpec(compile=True, **kw))
+        return {m.id: m for m in inv.moments if m.id.startswith("compiled_")}
+
+    none, full, layered = moments(), moments(recompute=Recompute.FULL), moments(recompute=Recompute.FULL,
+                                                                                 recompute_num_layers=1)
+    assert {m.applies for m in full.values()} == {"recomputed"}
+    assert {id: (m.transients, m.freed) for id, m in layered.items() if id.endswith("_whole")} == {
+        f"{id}_whole": (m.transients, m.freed) for id, m in none.items()}
+    assert {id: m for id, m in layered.items() if not id.endswith("_whole")} == full

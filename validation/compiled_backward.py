@@ -143,7 +143,7 @@ class _Kernels:
 def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
     """Run the generated backward ``source`` under FakeTensorMode with s, b symbolic (module docstring): the samples
     [(after what, ((name, dtype, bytes as a sympy polynomial in s, b), ...))] and {input name: its role} (the saved
-    tensors by their forward node names, "tangents_1" the incoming gradient, "param" / "sym" the others)."""
+    tensors by their forward node names: "saved"; the incoming gradient: "tangent"; "param" / "sym" the others)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace_poly import symbolic_sizes
@@ -157,7 +157,8 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
                 for sym in v.node.expr.free_symbols:
                     hint = int(v.node.shape_env.var_to_val[sym])
                     # s, b; another symbol (the CPU generator state's size a checkpoint stashes) its value
-                    to_ours[str(sym)] = sizes[{S_TRACE: "s", B_TRACE: "b"}[hint]] if hint in (S_TRACE, B_TRACE) else hint
+                    ours = {S_TRACE: "s", B_TRACE: "b"}.get(hint)
+                    to_ours[str(sym)] = sizes[ours] if ours else hint
 
     def size(d):
         return eval(str(d.node.expr), {}, to_ours) if isinstance(d, torch.SymInt) else d  # a product / sum of symbols
