@@ -332,5 +332,5 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
                   "(transformers' measured ones, derived), Inductor's fused kernels' own buffers left out (not traced)"
                   if impl != "torchtitan" else
                   "the layers' backward moments are not modelled with float8 linears or the memory-budget AC (the "
-                  "compiled bf16 block's are measured): the peak is a lower bound")
+                  "compiled bf16 block's are measured)")
     return [f"--compile: the decoder layers' saved tensors {SRC}; {transients}; {loss}"] + rope + budget + tp_note
