@@ -6,14 +6,15 @@ The expected values are tests/data/titan_compiled_backward.json, measured by
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward tests/data/titan_compiled_backward.json
 
 (torchtitan 0.3.0's Llama 3 block at h 48, a 6, g 2, f 154 and at h 64, a 4, g 1, f 224, compiled by torch 2.13's
-Inductor on CPU as apply_compile compiles it after the AC wrapper, ~7 min of CPU for the three AC modes at both): per mode ``measured`` the
-bytes alive at the compiled backward's peak on real tensors at s 32, b 2 and s 64, b 3 (torch.profiler's allocation
-events; the CPU kernels' own scratch, freed inside one aten op, left out: ``peak_scratch`` with it) and ``front``
-the non-dominated moments of the generated backward replayed with s, b symbolic, a s b + d s + c bytes each.  memplan's
-moments, evaluated as the step timeline counts a layer's moment (memplan/memory/timeline.py ``_alive_sums``: the
-layer's terms kept under the mode and not freed, plus the moment's transients; FSDP2's reduce-scatter and the held
-reduce-scatter input left out: no FSDP2 on the CPU block), must give that front exactly and the measured peak at both
-shapes; without them every test here fails.  The inductor runs are opt-in (MEMPLAN_COMPILE_SLOW=1, ~7 min)."""
+Inductor on CPU as apply_compile compiles it after the AC wrapper and called with the dataloader's positions as
+torchtitan's Trainer calls it, ~5 min of CPU for the three AC modes at both): per mode ``measured`` the bytes alive at
+the compiled backward's peak on real tensors at s 32, b 2 and s 64, b 3 (torch.profiler's allocation events; the CPU
+kernels' own scratch, freed inside one aten op, left out: ``peak_scratch`` with it) and ``front`` the non-dominated
+moments of the generated backward replayed with s, b symbolic, a s b + d s + c bytes each.  memplan's moments,
+evaluated as the step timeline counts a layer's moment (memplan/memory/timeline.py ``_alive_sums``: the layer's terms
+kept under the mode and not freed, plus the moment's transients; FSDP2's reduce-scatter and the held reduce-scatter
+input left out: no FSDP2 on the CPU block), must give that front exactly and the measured peak at both shapes; without
+them every test here fails.  The inductor runs are opt-in (MEMPLAN_COMPILE_SLOW=1, ~5 min)."""
 
 import json
 import os
@@ -89,10 +90,12 @@ def test_measured_peak_is_memplan_largest_moment(case):
 
 
 def test_swiglu_moment_by_hand():
-    # AC none, h 48, a 6, g 2, f 154, d 8, per token: the compiled block keeps 1,596 B (tests/test_compile.py), SwiGLU's
-    # product (2f = 308) freed; the incoming gradient 2h = 96, w2's input gradient 2f = 308 and silu(w1)'s 2f = 308
-    # (w3's written into w3's output's storage): 2,000 B per token; w2's weight gradient h f x 2 B = 14,784 B
-    assert memplan_moments("none", 32, 2)["compiled_swiglu"] == 2000 * 64 + 14784 == 142784
+    # AC none, h 48, a 6, g 2, f 154, d 8, per token: the compiled block called with the dataloader's positions keeps
+    # 1,628 B (tests/test_compile.py; the RoPE rows gathered at them, 4d = 32 B, among them: their last use is RoPE's
+    # backward, after this moment), SwiGLU's product (2f = 308) freed; the incoming gradient 2h = 96, w2's input
+    # gradient 2f = 308 and silu(w1)'s 2f = 308 (w3's written into w3's output's storage): 2,032 B per token; w2's
+    # weight gradient h f x 2 B = 14,784 B. s 32, b 2: the measured peak (tests/data/titan_compiled_backward.json)
+    assert memplan_moments("none", 32, 2)["compiled_swiglu"] == 2032 * 64 + 14784 == 144832
 
 
 def test_llama3_8b_estimate_has_the_compiled_moments():

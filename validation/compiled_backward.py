@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .compiled import WIDTHS
-from .titan import AC_MODES, Shape, build_block
+from .titan import AC_MODES, Shape, build_block, loader_positions
 
 SHAPE = Shape(h=WIDTHS["torchtitan"]["h"], a=WIDTHS["torchtitan"]["a"], g=WIDTHS["torchtitan"]["g"],
               f=WIDTHS["torchtitan"]["f"])
@@ -67,7 +67,7 @@ def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
                                     dynamic=True)
     with _config(ac):
         x = torch.randn(B_TRACE, S_TRACE, shape.h, dtype=torch.bfloat16, requires_grad=True)
-        out["compiled"](x, None, None).float().sum().backward()
+        out["compiled"](x, None, loader_positions(B_TRACE, S_TRACE)).float().sum().backward()
     if "source" not in out:
         raise RuntimeError("inductor compiled no backward")
     return out
@@ -143,7 +143,8 @@ class _Kernels:
 def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
     """Run the generated backward ``source`` under FakeTensorMode with s, b symbolic (module docstring): the samples
     [(after what, ((name, dtype, bytes as a sympy polynomial in s, b), ...))] and {input name: its role} (the saved
-    tensors by their forward node names: "saved"; the incoming gradient: "tangent"; "param" / "sym" the others)."""
+    tensors by their forward node names: "saved"; the incoming gradient: "tangent"; the dataloader's positions, which
+    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace_poly import symbolic_sizes
@@ -189,7 +190,9 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
                 continue
             t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
             tokens = any(isinstance(d, torch.SymInt) for d in v.shape)
-            roles[n.name] = ("tangent" if n.name.startswith("tangents") else "saved") if tokens else "param"
+            # the dataloader's positions (int64, s b): a batch input the training loop holds, as a parameter not counted
+            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 else
+                             "tangent" if n.name.startswith("tangents") else "saved")
             live.add(t, n.name)
             args.append(t)
         params = [a for a, n in zip(args, placeholders) if roles[n.name] == "param"]  # the module holds them
@@ -254,13 +257,14 @@ def measure(compiled, h: int, s: int, b: int, ac: str, seed: int = 0) -> dict:
 
     torch.manual_seed(seed)
     x0 = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    pos = loader_positions(b, s)  # a batch input the training loop holds: made before the window
     with _config(ac):
-        compiled(x0.clone(), None, None).float().sum().backward()  # warm (guards; the first call's allocations)
+        compiled(x0.clone(), None, pos).float().sum().backward()  # warm (guards; the first call's allocations)
         compiled.zero_grad(set_to_none=True)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function("memplan:block"):
                 x = x0.clone()
-                out = compiled(x, None, None)
+                out = compiled(x, None, pos)
                 del x
             with record_function("memplan:loss"):
                 loss = out.float().sum()
@@ -302,13 +306,14 @@ def measure(compiled, h: int, s: int, b: int, ac: str, seed: int = 0) -> dict:
 
 
 def front(samples: list, roles: dict) -> list[dict]:
-    """The replay's non-dominated samples: bytes (parameters left out) ``a`` s b + ``d`` s + ``c`` (the RoPE cache's
-    rows, s long, are copied whole) with no other sample at least as large in all three; each with ``at``, the saved
-    inputs ``alive`` and the ``buffers`` (name, dtype, bytes)."""
+    """The replay's non-dominated samples: bytes (the parameters and the positions left out, as ``measure`` leaves
+    them out) ``a`` s b + ``d`` s + ``c`` (``d``: a tensor of s rows for all b, as the RoPE cache's rows copied whole
+    when the block was called without positions) with no other sample at least as large in all three; each with
+    ``at``, the saved inputs ``alive`` and the ``buffers`` (name, dtype, bytes)."""
     s, b = sympy.Symbol("s", integer=True, positive=True), sympy.Symbol("b", integer=True, positive=True)
     rows = []
     for at, items in samples:
-        items = [i for i in items if roles.get(i[0]) != "param"]
+        items = [i for i in items if roles.get(i[0]) not in ("param", "batch")]
         total = sympy.expand(sum(e for _, _, e in items))
         a, d = total.coeff(s * b), total.coeff(s).subs(b, 0)
         c = total.subs({s: 0, b: 0})
