@@ -199,7 +199,8 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
         inventory = (compiled_dsv3 if model.is_mla else compiled_moe).apply(inventory, model, device)
     elif training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
         inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks,
-                                         training.memory_budget)
+                                         training.memory_budget, training.recompute,
+                                         getattr(training, "recompute_num_layers", None) is not None)
     if training.float8:  # torchtitan's torchao float8 linears (measured on CPU)
         inventory = titan_float8.apply(inventory, model, training.float8)
     if training.checkpoint_reentrant:

@@ -82,6 +82,7 @@ import dataclasses
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
+from memplan.inventory.compiled_moments import SRC as MOMENTS_SRC, compiled_titan_moments
 from memplan.inventory.hf import hf_layer_moments
 from memplan.inventory.titan_float8 import converted_linears
 from memplan.inventory.tune_loss import EAGER_SAVED, compiled_loss_terms, tune_chunked_backward, tune_loss_forward
@@ -276,7 +277,8 @@ def compiled_terms(impl: str, float8: str | None = None, linears: int = 0, budge
 
 
 def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None = None,
-          loss_chunks: int = 1, budget: float | None = None) -> Inventory:
+          loss_chunks: int = 1, budget: float | None = None, recompute: Recompute = Recompute.NONE,
+          recompute_layers: bool = False) -> Inventory:
     """The inventory with each decoder layer's saved tensors those of the compiled layer, and its layer moments
     freeing the compiled tensors; ``float8``: torchtitan's float8 linears (all five converted, as traced); with
     torchtune's chunked loss (`loss_chunks` > 1) the compiled loss's saved tensors and moments (its recipes'
@@ -292,11 +294,20 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
         kept = [t for t in kept if t.id not in EAGER_SAVED] + compiled_loss_terms(loss_chunks)
         moments |= {m.id: m for m in [tune_loss_forward(loss_chunks, True),
                                       *tune_chunked_backward(loss_chunks, True)]}
-    # torchtitan's eager layer moments (memplan/inventory/titan_moments.py) are not the compiled block's: left out
+    # torchtitan's eager layer moments (memplan/inventory/titan_moments.py) are not the compiled block's: left out,
+    # the compiled bf16 block's own in their place (memplan/inventory/compiled_moments.py; ``recompute_layers``:
+    # selective-layer, some layers kept whole)
     out = tuple(moments.get(m.id, m) for m in inventory.moments if impl != "torchtitan" or m.scope != "layer")
-    return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
-                               terms=tuple(compiled_terms(impl, float8, linears, budget) + kept),
-                               moments=out)
+    terms = compiled_terms(impl, float8, linears, budget)
+    if titan_moments_measured(impl, float8, budget):
+        out += compiled_titan_moments(model, recompute, recompute_layers, tuple(t.id for t in terms))
+    return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(terms + kept), moments=out)
+
+
+def titan_moments_measured(impl: str, float8: str | None, budget: float | None) -> bool:
+    """Whether the compiled block has its measured backward moments: torchtitan's bf16 block, AC none, full or
+    selective-op (not float8's linears, not the memory-budget AC's saved sets)."""
+    return impl == "torchtitan" and not float8 and budget is None
 
 
 # torch 2.13 stops compiling torchtitan's FullAC block under DTensor TP (inductor and AOTAutograd alike, on CPU): the
@@ -324,6 +335,12 @@ def notes(training, impl: str = "", tp: int = 1) -> list[str]:
         "partitioner recomputes in the backward is traced from the same graphs and timed (memplan/inventory/"
         "budget_recompute.py: the step time derived from the traced graph, uncalibrated), not counted as a working "
         "set (a lower bound)"]
-    return [f"--compile: the decoder layers' saved tensors {SRC}; the layers' backward transients, where the "
-            "implementation models them, are the eager layer's (transformers' measured ones, derived), Inductor's fused "
-            f"kernels' own buffers left out (not traced); {loss}"] + budget + tp_note
+    measured = titan_moments_measured(impl, training.float8, getattr(training, "memory_budget", None))
+    transients = (f"the layers' backward moments {MOMENTS_SRC}; the CPU kernels' own scratch (oneDNN's bf16 GEMMs, "
+                  "sdpa's CPU backward) left out" if measured else
+                  "the layers' backward transients, where the implementation models them, are the eager layer's "
+                  "(transformers' measured ones, derived), Inductor's fused kernels' own buffers left out (not traced)"
+                  if impl != "torchtitan" else
+                  "the layers' backward moments are not modelled with float8 linears or the memory-budget AC (the "
+                  "compiled bf16 block's are measured)")
+    return [f"--compile: the decoder layers' saved tensors {SRC}; {transients}; {loss}"] + budget + tp_note
