@@ -1,0 +1,118 @@
+"""memplan's torchtitan allocation stream against recordings of the real step (issues 20 and 24).
+
+validation/titan_alloc.py records torchtitan 0.3.0's FSDP2 step (validation/titan_step.py: its parallelize_llama,
+fused AdamW, loss, clip_grad_norm_, zero_grad; 2 gloo CPU ranks, the second step recorded, rank 0) as every storage
+made and freed in order, FSDP2's resize-to-0 frees and re-allocations included, gloo's own reduce-scatter copy apart:
+tests/data/alloc/titan/{tiny,mid}_{none,full,selective-op}.json.gz (tiny: h 64, a 4, g 2, f 160, 2 layers, v 256, s 32,
+b 2; mid: h 512, a 8, g 4, f 1,408, 2 layers, v 8,192, s 1,024, b 1).  memplan's stream of the same plan
+(``memory.reserved.allocation_stream``, --impl torchtitan --device cpu, 2 GPUs), its last step with the tensors alive
+at the step's start allocated first (``check.stream_match.last_step``), is compared with each: what each layer's
+forward keeps, in the real order; the sizes of the large-pool requests; and both replayed through memplan's
+caching-allocator model on a CUDA-like capacity (80 GB: nothing released).  Figures:
+
+    PYTHONPATH=. python tests/test_titan_alloc.py
+
+Re-record (about a minute a run on 2 cores; the runs are deterministic): MEMPLAN_TITAN_SLOW=1 runs
+``test_rerecorded_stream_equals_the_fixture`` (the tiny AC none run) or
+
+    PYTHONPATH=. python -m validation.titan_alloc tests/data/alloc/titan
+"""
+
+import os
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memplan.api.estimating import estimate
+from memplan.check.stream_match import alignment, kept, last_step
+from memplan.memory.allocator import replay
+from memplan.memory.reserved import allocation_stream, allocator_config
+
+DATA = Path(__file__).parent / "data" / "alloc" / "titan"
+ACS = ("none", "full", "selective-op")
+CASES = [(n, ac) for n in ("tiny", "mid") for ac in ACS]
+CAPACITY = 80 * 10**9  # a CUDA-like capacity far above these runs (under 0.4 GB): nothing is released
+MiB = 1 << 20
+SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")
+
+
+def _load(name: str, ac: str) -> dict:
+    import gzip
+    import json
+
+    with gzip.open(DATA / f"{name}_{ac}.json.gz", "rt", encoding="utf-8") as f:
+        rec = json.load(f)
+    rec["events"] = [tuple(e) for e in rec["events"]]
+    return rec
+
+
+@lru_cache(maxsize=None)
+def streams(name: str, ac: str) -> tuple:
+    """(recorded events, their labels, memplan's last step, its names, the run) of one fixture."""
+    rec = _load(name, ac)
+    run = rec["run"]
+    model = dict(name=f"titan-{name}", num_layers=run["layers"], hidden_size=run["h"], num_attention_heads=run["a"],
+                 num_kv_heads=run["g"], ffn_hidden_size=run["f"], seq_length=run["s"], vocab_size=run["vocab"],
+                 norm="rmsnorm", mlp="swiglu", position_embedding="rope", tied_embeddings=False, dropout=False,
+                 bias=False, attention="flash")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.yaml"
+        path.write_text(yaml.safe_dump({"model": model}))
+        config = estimate(str(path), impl="torchtitan", gpus=run["world"], ac=ac, device="cpu", seq_len=run["s"],
+                          micro_batch=run["b"], global_batch=run["b"] * run["world"]).config
+    ours, names = last_step(allocation_stream(config, "torchtitan", "cpu"))
+    return rec["events"], rec["where"], ours, names, run
+
+
+def _allocs(events) -> list[int]:
+    return [n for op, _, n, _ in events if op == "alloc"]
+
+
+@pytest.mark.parametrize("name,ac", CASES)
+def test_each_layer_forward_keeps_what_the_real_one_keeps(name, ac):
+    # what a layer's forward leaves alive at the loss (autograd's saved tensors): the same sizes as the recording's,
+    # layer by layer.  The recorded layer's last allocation is its output (the residual add's; the next layer's
+    # input, alive at the loss in every mode: under full and selective AC kept by the next layer's checkpoint, memplan's
+    # next layer's "block input"), left out on both sides
+    real, where, ours, names, run = streams(name, ac)
+    loss_real = next(k for k, w in enumerate(where) if w.startswith("loss/"))
+    loss_ours = next(k for k, n in enumerate(names) if "loss" in n or "final norm" in n)
+    for j in range(run["layers"]):
+        theirs = kept(real[:loss_real], where[:loss_real], lambda w: w.startswith(f"forward/{j}/"))
+        mine = kept(ours[:loss_ours], names[:loss_ours], lambda n: f"layer {j + 1}," in n and "block input" not in n)
+        output = 2 * run["h"] * run["s"] * run["b"]  # bf16
+        made = [n for (op, _, n, _), w in zip(real, where) if op == "alloc" and w.startswith(f"forward/{j}/")]
+        assert made[-1] == output and theirs[-1] == output
+        assert sorted(mine) == sorted(theirs[:-1]), (name, ac, j)
+        assert len(mine) == {"none": 18, "full": 0, "selective-op": 5}[ac]
+
+
+def figures(name: str, ac: str) -> dict:
+    real, _, ours, _, _ = streams(name, ac)
+    out = {}
+    for who, events in (("recorded", real), ("memplan", ours)):
+        r = replay(events, CAPACITY, allocator_config("default"))
+        out[who] = (r.requested_peak_bytes, r.reserved_peak_bytes, r.segments_at_reserved_peak)
+    out["matched"] = alignment(_allocs(ours), _allocs(real))
+    return out
+
+
+def _table() -> None:
+    for name, ac in CASES:
+        f = figures(name, ac)
+        (rq, rr, rs), (oq, orr, os_) = f["recorded"], f["memplan"]
+        matched, mine, theirs = f["matched"]
+        print(f"{name:4s} {ac:12s} recorded: requested {rq:>12,} B reserved {rr:>12,} B {rs:3d} segments | memplan: "
+              f"requested {oq:>12,} B reserved {orr:>12,} B {os_:3d} segments ({(orr - rr) / rr:+.1%}) | "
+              f"{matched} allocations aligned of {sum(mine.values()) + matched} / {sum(theirs.values()) + matched}")
+        big = lambda c: sorted((n, k) for n, k in c.items() if n > MiB)  # noqa: E731
+        print(f"     large only memplan's: {big(mine)}\n     large only recorded: {big(theirs)}")
+
+
+if __name__ == "__main__":
+    _table()
+    sys.exit(0)
