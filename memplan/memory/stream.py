@@ -187,9 +187,11 @@ class _Run:
         for name, n in self.persistent.weights():
             self._alloc(n, n, "parameter", name)
         self.phases.append(("optimizer created", len(self.events)))
-        if self.buffer and (n := self.mem.states.gradients):
-            self._alloc(n, n, "gradient", "main-gradient buffer (fp32)" if self.mem.units is None else
-                        "FSDP2's sharded fp32 gradients (kept between steps: torchtitan zeroes them)", None)
+        if self.buffer and (n := self.mem.states.gradients):  # torchtitan zeroes FSDP2's: kept between steps
+            for name, size in (self.persistent.fsdp_grad_units(n) if self.units is not None else
+                               [("main-gradient buffer (fp32)" if self.mem.units is None else
+                                 "FSDP2's sharded fp32 gradients (kept between steps: torchtitan zeroes them)", n)]):
+                self._alloc(size, size, "gradient", name, None)
         self.master, self.lazy = self.persistent.optimizer_rows()
         for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
             self._alloc(n, n, "optimizer_state", name)

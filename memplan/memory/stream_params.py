@@ -168,11 +168,28 @@ class Persistent:
         master: list = []
         lazy: list = []
         flat = " (flat shard)" * (self.plan.zero > 0)
+        # torchtitan's FSDP2 shards each parameter (dim 0 over the shard group; its fp32 shard is what AdamW steps):
+        # its states are per tensor as without ZeRO, each a shard (tests/test_titan_alloc.py: recorded)
+        per_dtensor = self.tr.dp_stack == "torchtitan" and self.plan.p == 1
         for label, n in (part for part in parts if part[1] > 0):
-            rows = (fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in self.trained()], n)
-                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
+            rows = (fit([[f"{label} of {name}" + " (shard)" * per_dtensor,
+                          -(-p // (self._shard(g) if per_dtensor else 1)) * dict(weights)[label]]
+                         for _, g, name, p in self.trained()], n)
+                    if (self.plan.zero == 0 or per_dtensor) and names is not None else [[label + flat, n]])
             (master if label.startswith("master") else lazy).append(rows)
         return master, lazy
+
+    def fsdp_grad_units(self, total: int) -> list[tuple[str, int]]:
+        """torchtitan's FSDP2 sharded fp32 gradients (`total` bytes) as it keeps them: each unit's (the input
+        embedding, every decoder layer, the final norm + LM head) reduce-scatter output, one tensor its parameters'
+        gradients are views of (tests/test_titan_alloc.py: recorded)."""
+        rows = [[f"FSDP2's sharded fp32 gradients of {'layer ' * isinstance(site, int)}{site}",
+                 sum(-(-p // self._shard(g)) for s2, g, _, p in self.trained() if s2 == site) * 4]
+                for site in self.sites if site != "head"]
+        head = sum(-(-p // self._shard(g)) for s2, g, _, p in self.trained() if s2 == "head") * 4
+        if rows and head:  # the LM head: in the final norm's unit
+            rows[-1][1] += head
+        return [(name, n) for name, n in fit(rows, total) if n > 0]
 
     def gathered_units(self) -> tuple[int, int, int]:
         """(unit bytes, units, rest bytes) of ZeRO-3's unsharded parameters in flight (StageMemory.gathered): units
