@@ -48,19 +48,16 @@ from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment, Term
-from memplan.memory.dp_stack import titan_regather
 from memplan.memory.parallel import cp_moments
 from memplan.memory.pipeline import schedule, walked_pair
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.dp_stack import shard_bytes
+from memplan.memory.stream_fsdp import FsdpStream
 from memplan.memory.stream_events import Alloc, AllocationStream, Free, Repeats, new_event
 from memplan.memory.stream_params import Persistent, Sizes, fit
 from memplan.memory.term_bytes import PlanValues
 from memplan.memory.timeline import optimizer_impl, step_events
-
-FLAT_RS = ("reduce_scatter_input", RS_HELD_ID)  # the id prefixes of FSDP2's flat reduce-scatter inputs' parts
-
 
 def not_streamed(training: TrainingSpec, plan: PlanValues) -> str:
     """What of the plan the stream does not model ("" when it models all of it)."""
@@ -88,7 +85,7 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
                                                                                                  first_step_seq_len)
 
 
-class _Run:
+class _Run(FsdpStream):
     """Builds the stream; one instance per call."""
 
     def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
@@ -184,24 +181,7 @@ class _Run:
         tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
         if self.units is None:
             return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
-        # FSDP2's reduce-scatter input is one flat fp32 tensor of the unit (its foreach_reduce's chunk_cat), the
-        # terms' parts (the matrices split by t, the norms not) one allocation (tests/test_titan_alloc.py: recorded)
-        out, flat = tail, {}
-        for t in ts:
-            group = next((g for g in FLAT_RS if t.id.startswith(g)), None)
-            if group is None:
-                out += self._term(t, "transient", f"{m.name}, {label}")
-                continue
-            req, counted, storages, *_ = self.sizes(t, "transient")
-            if group in flat:
-                k = flat[group]
-                self.events[k] = self.events[k]._replace(size=self.events[k].size + req * storages,
-                                                         bytes=self.events[k].bytes + counted * storages)
-            else:
-                flat[group] = len(self.events)
-                out.append(self._alloc(req * storages, counted * storages, "transient", f"{t.name} (one flat tensor "
-                                       f"with its parts), {m.name}, {label}"))
-        return out
+        return tail + self._fsdp_transients(ts, f"{m.name}, {label}")
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -226,16 +206,6 @@ class _Run:
                           for k in range(units)] or [None]
         if rest > 0:
             self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
-
-    def _hold(self, phase: str, roll: bool = False) -> None:
-        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather;
-        `roll`: a new layer's, every layer unit re-made)."""
-        if self.units is not None:
-            self.phase = phase
-            stay, new = titan_regather([u * (not roll or u != "layer") for u, _ in self.holding], phase)
-            self._free([i for (_, i), kept in zip(self.holding, stay) if not kept])
-            self.holding = [h for h, kept in zip(self.holding, stay) if kept] + [
-                (u, self._alloc(n, n, "parameter", f"unsharded parameters ({u})")) for u in new if (n := int(self.units[u]))]
 
     def _roll(self, j: int) -> None:
         """Layer j gathered: the oldest unit in flight freed (resharded), a new one all-gathered (the same size, so the
