@@ -125,6 +125,8 @@ class _Run(FsdpStream):
         # torchtitan without PP: FSDP2's units held by phase (dp_stack.TITAN_HELD), (unit, id) each
         self.units = mem.units if mem.units is not None and mem.units["on"] else None
         self.holding, self.phase = [], "optimizer"
+        ids = {t.id for m in self.bwd_moments for t in m.transients}  # a dense torchtitan layer (stream_fsdp.WGRADS)
+        self.carry_grads, self.wgrads = self.units is not None and "grad_ffn_wo_weights" in ids, {}
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
                                             self.is_last)
@@ -181,7 +183,7 @@ class _Run(FsdpStream):
         tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
         if self.units is None:
             return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
-        return tail + self._fsdp_transients(ts, f"{m.name}, {label}")
+        return tail + self._fsdp_transients(ts, f"{m.name}, {label}", m.id == REDUCE_SCATTER)
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -271,6 +273,8 @@ class _Run(FsdpStream):
         terms (first stage, chunk 0), the layers', the loss (last stage, last chunk)."""
         label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
         head, embedding = self.is_last and c == self.m - 1, c == 0
+        if self.is_first and embedding:  # torchtitan's FSDP2: the embedding's unit unsharded for its forward
+            self._hold("embedding")
         st: dict = {"held": [i for t in self.held * head for i in self._term(t, "saved_activation", label)],
                     "first": [i for t in self.first_terms * embedding
                               for i in self._term(t, "saved_activation", label)],

@@ -7,6 +7,9 @@ recorded real step makes it (validation/titan_alloc.py, tests/test_titan_alloc.p
   parameter tensor), the other the flat all-gather output of the unit gathered with it or ahead (one block: FSDP2 keeps
   it until the next all-gather's wait or copies it out); inside a layer's forward the layer's storages and its flat
   output, in its backward the layer's storages and the prefetched unit's flat output;
+* a dense layer's bf16 weight gradients (the inventory's moments list what is alive at each as lumps: w1, w2, w3 at
+  ffn_norm's backward, with wo at the attention's, ...) one tensor per parameter, made at the first moment that lists
+  it and kept to the reduce-scatter (autograd's, until FSDP2's chunk_cat copies them into its flat input);
 * its reduce-scatter input one flat fp32 tensor of the unit (``foreach_reduce``'s chunk_cat): the inventory's parts of
   it (the matrices split by t, the norms not) one allocation, the held previous unit's alike.
 """
@@ -18,6 +21,10 @@ from memplan.memory.dp_stack import titan_regather
 from memplan.memory.stream_params import fit
 
 FLAT_RS = ("reduce_scatter_input", RS_HELD_ID)  # the id prefixes of FSDP2's flat reduce-scatter inputs' parts
+# a dense torchtitan layer's weight-gradient terms (memplan/inventory/titan_moments.py) and the parameters each covers
+WGRADS = {"grad_w2_weight": ("w2",), "grad_ffn_weights": ("w1", "w2", "w3"), "grad_ffn_norm_weight": ("ffn_norm",),
+          "grad_ffn_wo_weights": ("w1", "w2", "w3", "wo"), "grad_layer": ("wqkv", "wo", "w1", "w2", "w3"),
+          "grad_layer_norms": ("attention_norm", "ffn_norm")}
 UNIT_TABLES = {"layer": ("layer",), "tail": ("last", "head"), "embedding": ("first",)}
 
 
@@ -38,23 +45,60 @@ class FsdpStream:
             return
         self.phase = phase
         stay, new = titan_regather([u * (not roll or u != "layer") for u, _, _ in self.holding], phase)
-        self._free([i for (_, ids, _), kept in zip(self.holding, stay) if not kept for i in ids])
+        # the units leaving: the resharded one's storages freed first, a flat output after the new gathers (FSDP2
+        # keeps the last all-gather's output until the next all-gather's wait: recorded)
+        self._free([i for (_, ids, per), kept in zip(self.holding, stay) if not kept and per for i in ids])
+        late = [i for (_, ids, per), kept in zip(self.holding, stay) if not kept and not per for i in ids]
         self.holding = [h for h, kept in zip(self.holding, stay) if kept]
         for k, u in enumerate(new):
             if not (n := int(self.units[u])):
                 continue
             split = k == len(new) - 1 and not any(per for _, _, per in self.holding)
-            rows = self._unit_rows(u, n) if split else [[f"flat all-gather output ({u})", n]]
-            # a flat output's all-gather input: this rank's bf16 shard copied in (foreach_all_gather), freed after it
-            shard = -(-n // int(self.plan.shard)) * (not split and int(self.plan.shard) > 1)
-            copy_in = [self._alloc(shard, 0, "communication", f"all-gather input ({u})")] if shard else []
+            # a unit gathered now whose flat output is not kept (its storages alone held): its all-gather's flat
+            # output made and freed around the copy-out (FSDP2 drops it at the next wait: derived as at once)
+            source = self._gather(u, n, counted=0) if split and new.count(u) == 1 else []
+            rows = self._unit_rows(u, n) if split else []
             ids = [self._alloc(b, b, "parameter", f"unsharded parameters: {name} ({u})") for name, b in rows]
-            self._free(copy_in)
-            self.holding.append((u, ids, split))
+            self.holding.append((u, ids or self._gather(u, n, n), split))
+            self._free(source)
+        self._free(late)
 
-    def _fsdp_transients(self, ts: list, label: str) -> list:
-        """The transients `ts` of a moment, FSDP2's reduce-scatter inputs' parts one flat allocation each."""
+    def _gather(self, unit: str, n: int, counted: int) -> list:
+        """A unit's all-gather: this rank's bf16 shard copied in (foreach_all_gather), the flat output, the input
+        freed; the output's id."""
+        shard = -(-n // int(self.plan.shard)) * (int(self.plan.shard) > 1)
+        copy_in = [self._alloc(shard, 0, "communication", f"all-gather input ({unit})")] if shard else []
+        out = [self._alloc(n, counted, "parameter", f"unsharded parameters: flat all-gather output ({unit})")]
+        self._free(copy_in)
+        return out
+
+    def _weight_grads(self, ts: list, label: str) -> list:
+        """A dense layer's weight-gradient terms among `ts` as one tensor per parameter (module docstring): those
+        alive and not listed freed, those listed and not alive made (a lump's bytes less its parameters' alive, shared
+        equally by those it makes); the ids alive kept in `self.wgrads` (parameter -> (id, size, counted))."""
+        listed = [t for t in ts if t.id in WGRADS]
+        params = {p for t in listed for p in WGRADS[t.id]}
+        gone = [p for p in self.wgrads if p not in params]
+        self._free([self.wgrads.pop(p)[0] for p in gone])
+        for t in listed:
+            req, counted, storages, *_ = self.sizes(t, "transient")
+            alive = [self.wgrads[p] for p in WGRADS[t.id] if p in self.wgrads]
+            new = [p for p in WGRADS[t.id] if p not in self.wgrads]
+            left, left_c = req * storages - sum(a[1] for a in alive), counted * storages - sum(a[2] for a in alive)
+            for k, p in enumerate(new):
+                n, c = left // (len(new) - k), left_c // (len(new) - k)
+                left, left_c = left - n, left_c - c
+                self.wgrads[p] = (self._alloc(n, c, "gradient", f"{p}'s weight gradient (bf16), {label}"), n, c)
+        return [t for t in ts if t.id not in WGRADS]
+
+    def _fsdp_transients(self, ts: list, label: str, last: bool = False) -> list:
+        """The transients `ts` of a moment, FSDP2's reduce-scatter inputs' parts one flat allocation each, a dense
+        layer's weight gradients carried from moment to moment (`last`: the layer's reduce-scatter, they go after)."""
         out, flat = [], {}
+        if self.carry_grads:
+            ts = self._weight_grads(ts, label)
+            if last:
+                out += [self.wgrads.pop(p)[0] for p in list(self.wgrads)]
         for t in ts:
             group = next((g for g in FLAT_RS if t.id.startswith(g)), None)
             if group is None:
