@@ -185,8 +185,8 @@ def sharded_weight_bytes(training: TrainingSpec) -> int:
 # what the recordings of torchtitan's step show of memplan's allocation stream (tests/test_titan_alloc.py)
 TITAN_STREAM_NOTE = ("torchtitan's allocation stream (untied embeddings): its order and sizes checked against CPU "
                      "recordings of a whole FSDP2 step over gloo (dense Llama 3, AC none / full / selective-op: every "
-                     "size a recorded one but w1 + w3's, one row; FSDP2's per-parameter states, unsharded storages, "
-                     "flat all-gather outputs and reduce-scatter inputs as recorded); replayed, its reserved peak is "
+                     "size a recorded one; FSDP2's per-parameter states, unsharded storages, flat all-gather outputs "
+                     "and reduce-scatter inputs as recorded); replayed, its reserved peak is "
                      "0.7-6.0 % below the recording's where the blocks are large-pool (the real order of RMSNorm's "
                      "fp32 temporaries is not the stream's); CUDA kernels' workspaces, FlexAttention's buffers and "
                      "FSDP2's all-gathers ahead on their own streams are not recorded: the verdict keeps the flat "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from memplan.inventory.titan_moments import RS_HELD_ID
 from memplan.memory.dp_stack import titan_regather
-from memplan.memory.stream_params import fit
 
 FLAT_RS = ("reduce_scatter_input", RS_HELD_ID)  # the id prefixes of FSDP2's flat reduce-scatter inputs' parts
 # a dense torchtitan layer's weight-gradient terms (memplan/inventory/titan_moments.py) and the parameters each covers
@@ -35,7 +34,8 @@ class FsdpStream:
         """A unit's parameter tensors' unsharded bytes (registration order), fitted to its `n` bytes."""
         wb = self.tr.weight_bytes
         rows = [[name, p * wb] for key in UNIT_TABLES[unit] for _, name, p in self.persistent.tables.get(key, ())]
-        return [r for r in fit(rows, n) if r[1] > 0] if rows else [[unit, n]]
+        # gathered otherwise than in the weights' dtype (float8 tensorwise's all-gather): one block
+        return [r for r in rows if r[1] > 0] if sum(r[1] for r in rows) == n else [[unit, n]]
 
     def _hold(self, phase: str, roll: bool = False) -> None:
         """Units out of flight at `phase` freed, then new ones all-gathered (`roll`: a new layer's, every layer unit
