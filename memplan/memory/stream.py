@@ -127,6 +127,7 @@ class _Run(FsdpStream):
         self.holding, self.phase = [], "optimizer"
         ids = {t.id for m in self.bwd_moments for t in m.transients}  # a dense torchtitan layer (stream_fsdp.WGRADS)
         self.carry_grads, self.wgrads = self.units is not None and "grad_ffn_wo_weights" in ids, {}
+        self.rs_carry = None  # FSDP2's reduce-scatter input held to the next unit's (stream_fsdp.py)
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
                                             self.is_last)
@@ -180,10 +181,9 @@ class _Run(FsdpStream):
         ts = [t for t in m.transients if (not t.only_full or (recomputed and self.is_full))
               and not (head_rs and t.id.startswith(RS_HELD_ID))]
         n = int(self.units["tail_rs"]) if head_rs and len(ts) < len(m.transients) else 0
-        tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
-        if self.units is None:
-            return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
-        return tail + self._fsdp_transients(ts, f"{m.name}, {label}", m.id == REDUCE_SCATTER)
+        if self.units is not None:  # torchtitan's FSDP2 (the tail's held input too: stream_fsdp.py)
+            return self._fsdp_transients(ts, f"{m.name}, {label}", m.id == REDUCE_SCATTER, n)
+        return [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -381,6 +381,8 @@ class _Run(FsdpStream):
             owed += [c * self.n + j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
+        self._free([self.rs_carry] if self.units is not None and self.rs_carry is not None else [])
+        self.rs_carry = None
         self._free(st["held"])
         self._hold("embedding")
         self._pay(owed, wait)

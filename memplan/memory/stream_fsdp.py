@@ -11,7 +11,12 @@ recorded real step makes it (validation/titan_alloc.py, tests/test_titan_alloc.p
   ffn_norm's backward, with wo at the attention's, ...) one tensor per parameter, made at the first moment that lists
   it and kept to the reduce-scatter (autograd's, until FSDP2's chunk_cat copies them into its flat input);
 * its reduce-scatter input one flat fp32 tensor of the unit (``foreach_reduce``'s chunk_cat): the inventory's parts of
-  it (the matrices split by t, the norms not) one allocation, the held previous unit's alike.
+  it (the matrices split by t, the norms not) one allocation, made at the unit's reduce-scatter once the previous
+  unit's is freed and held through the next unit's backward (torch 2.13's post_backward keeps it: the inventory's
+  held terms stand for it there, at the last layer the tail's), freed before the embedding's backward.
+
+The embedding's unit is gathered for its forward (stream.py `_forward`); a dense Llama 3 layer's parameter tensors
+are in its registration order with w1 and w3 apart (stream_params.titan_layer_rows).
 """
 
 from __future__ import annotations
@@ -91,18 +96,28 @@ class FsdpStream:
                 self.wgrads[p] = (self._alloc(n, c, "gradient", f"{p}'s weight gradient (bf16), {label}"), n, c)
         return [t for t in ts if t.id not in WGRADS]
 
-    def _fsdp_transients(self, ts: list, label: str, last: bool = False) -> list:
-        """The transients `ts` of a moment, FSDP2's reduce-scatter inputs' parts one flat allocation each, a dense
-        layer's weight gradients carried from moment to moment (`last`: the layer's reduce-scatter, they go after)."""
+    def _fsdp_transients(self, ts: list, label: str, last: bool = False, tail_rs: int = 0) -> list:
+        """The transients `ts` of a moment: FSDP2's reduce-scatter input one flat allocation of its parts, made at
+        the unit's reduce-scatter (`last`) once the previous unit's is freed and held (`self.rs_carry`) through the
+        next unit's moments, where the inventory's held terms (`tail_rs`: the tail's bytes) stand for it; a dense
+        layer's weight gradients carried from moment to moment to the reduce-scatter."""
         out, flat = [], {}
         if self.carry_grads:
             ts = self._weight_grads(ts, label)
             if last:
                 out += [self.wgrads.pop(p)[0] for p in list(self.wgrads)]
+        if tail_rs and self.rs_carry is None:
+            self.rs_carry = self._alloc(tail_rs, tail_rs, "transient", f"the tail's held reduce-scatter input, {label}")
+        held = self.rs_carry is not None
+        if last and held:
+            self._free([self.rs_carry])
+            self.rs_carry = None
         for t in ts:
             group = next((g for g in FLAT_RS if t.id.startswith(g)), None)
             if group is None:
                 out += self._term(t, "transient", label)
+                continue
+            if group == RS_HELD_ID and held:  # the carried tensor stands for it
                 continue
             req, counted, storages, *_ = self.sizes(t, "transient")
             if group in flat:
@@ -111,6 +126,6 @@ class FsdpStream:
                                                          bytes=self.events[k].bytes + counted * storages)
             else:
                 flat[group] = len(self.events)
-                out.append(self._alloc(req * storages, counted * storages, "transient",
-                                       f"{t.name} (one flat tensor with its parts), {label}"))
+                self.rs_carry = self._alloc(req * storages, counted * storages, "transient",
+                                            f"{t.name} (one flat tensor with its parts), {label}")
         return out
