@@ -13,7 +13,7 @@ What is an event (``_StepEvents``, a titan_step ``_StepStorages``):
 * FSDP2's ``alloc_storage`` / ``free_storage`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: the unsharded
   parameters' storages resized back to their size before a unit's all-gather copy-out and to 0 at its reshard, outside
   the dispatcher): a free of the old bytes and an allocation of the new, as the caching allocator sees them (a resize
-  is a new block and the old one's free);
+  is a new block and the old one's free), labelled with the aten op ``fsdp.alloc_storage`` / ``fsdp.free_storage``;
 * an out= op that resizes a storage in place: the same.
 
 Left apart: ProcessGroupGloo's own copy of a reduce-scatter's input (``_StepStorages._see_input``: NCCL makes none);
@@ -80,9 +80,14 @@ class _StepEvents(_StepStorages):
         super()._gone(key, _ref)  # takes the lock itself
 
     def _fsdp(self, fn):
+        """FSDP2's resize (``fn``: alloc_storage / free_storage), its events labelled ``fsdp.<fn>``."""
         def wrapped(tensor: torch.Tensor) -> None:
             fn(tensor)
-            self._follow(tensor)
+            op, self._op = self._op, f"fsdp.{fn.__name__}"
+            try:
+                self._follow(tensor)
+            finally:
+                self._op = op
         return wrapped
 
     def __enter__(self):

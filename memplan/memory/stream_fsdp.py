@@ -6,7 +6,9 @@ recorded real step makes it (validation/titan_alloc.py, tests/test_titan_alloc.p
   unsharded bf16 storage (FSDP2's ``alloc_storage`` before its copy-out, ``free_storage`` at the reshard: one block a
   parameter tensor), the other the flat all-gather output of the unit gathered with it or ahead (one block: FSDP2 keeps
   it until the next all-gather's wait or copies it out); inside a layer's forward the layer's storages and its flat
-  output, in its backward the layer's storages and the prefetched unit's flat output;
+  output, in its backward the layer's storages and the prefetched unit's flat output; a phase's computing unit held
+  flat (the embedding prefetched for its backward, `COMPUTING`) copied out into its storages (32 ``alloc_storage`` in
+  the recorded step, memplan's in the same order and sizes);
 * a dense layer's bf16 weight gradients (the inventory's moments list what is alive at each as lumps: w1, w2, w3 at
   ffn_norm's backward, with wo at the attention's, ...) one tensor per parameter, made at the first moment that lists
   it and kept to the reduce-scatter (autograd's, until FSDP2's chunk_cat copies them into its flat input);
@@ -29,6 +31,7 @@ FLAT_RS = ("reduce_scatter_input", RS_HELD_ID)  # the id prefixes of FSDP2's fla
 WGRADS = {"grad_w2_weight": ("w2",), "grad_ffn_weights": ("w1", "w2", "w3"), "grad_ffn_norm_weight": ("ffn_norm",),
           "grad_ffn_wo_weights": ("w1", "w2", "w3", "wo"), "grad_layer": ("wqkv", "wo", "w1", "w2", "w3"),
           "grad_layer_norms": ("attention_norm", "ffn_norm")}
+COMPUTING = {"embedding": "embedding", "loss": "tail", "head": "tail"}  # a phase's unit computing alone or first
 UNIT_TABLES = {"layer": ("layer",), "tail": ("last", "head"), "embedding": ("first",)}
 
 
@@ -55,6 +58,12 @@ class FsdpStream:
         self._free([i for (_, ids, per), kept in zip(self.holding, stay) if not kept and per for i in ids])
         late = [i for (_, ids, per), kept in zip(self.holding, stay) if not kept and not per for i in ids]
         self.holding = [h for h, kept in zip(self.holding, stay) if kept]
+        for k, (u, ids, per) in enumerate(self.holding):  # the unit computing held as a flat output: copied out
+            if u == COMPUTING.get(phase) and not per:
+                rows = self._unit_rows(u, int(self.units[u]))
+                self.holding[k] = (u, [self._alloc(b, b, "parameter", f"unsharded parameters: {name} ({u})")
+                                       for name, b in rows], True)
+                self._free(ids)
         for k, u in enumerate(new):
             if not (n := int(self.units[u])):
                 continue
