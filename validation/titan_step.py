@@ -201,13 +201,14 @@ def _fsdp_unsharded(model) -> list[torch.Tensor]:
 
 
 def step_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: int, b: int, ac: str = "none",
-              ops: bool = False) -> dict:
+              ops: bool = False, tracker_cls: type | None = None) -> dict:
     """One rank of two torchtitan training steps (module docstring); the second measured.  Returns bytes:
     ``peak`` (the step's most live bytes) with ``peak_label`` (phase, layer, micro-batch, aten op) and
     ``at_peak`` (states / unsharded / step), ``start`` and ``end`` (live at the step's start and after
     ``optimizers.step()``), ``params`` / ``grads`` / ``adam`` (fp32 local storages, padding included; ``adam`` the
     moments, ``adam_steps`` the step counters), ``timeline`` (phase, layer, max, end per segment); with ``ops`` the
-    op log."""
+    op log; ``tracker_cls`` a ``_StepStorages`` subclass measuring the step (validation/titan_alloc.py's records
+    the allocation events: ``out["tracker"]`` its ``result()``)."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, default_adamw
     from torchtitan.distributed import utils as dist_utils
@@ -249,7 +250,7 @@ def step_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
     gc.collect()
     opts = optimizers.optimizers
     states = [st for opt in opts for st in opt.state.values()]
-    tracker = _StepStorages(keep_ops=ops, classify=partial(_fsdp_buffers, model))
+    tracker = (tracker_cls or _StepStorages)(keep_ops=ops, classify=partial(_fsdp_buffers, model))
     tracker.follow((p for p in model.parameters()), "states")
     tracker.follow((p.grad for p in model.parameters()), "states")
     tracker.follow((v for st in states for v in st.values()), "states")
@@ -283,6 +284,8 @@ def step_rank(rank: int, world: int, shape: Shape, layers: int, vocab: int, s: i
            "segment_peaks": [tracker.segment_peaks.get(i) for i in range(len(tracker.segments))]}
     if ops:
         out["ops"] = tracker.ops
+    if tracker_cls is not None:
+        out["tracker"] = tracker.result()
     return out
 
 

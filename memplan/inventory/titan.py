@@ -444,7 +444,8 @@ TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions
               "moments), Qwen3 with TP or CP measured, "
               "CP with the sdpa ring or with TP measured, compile with CP or with selective-op AC and float8, compile with "
               "full AC and TP measured (torch 2.13 stops: compiled.FULL_TP_ERROR), compile with float8 and TP outside full AC "
-              "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a recording")
+              "(the partitioner's float8 casts), budget AC's recompute; the allocation stream checked against a CUDA recording (a CPU one checks it: "
+              "tests/test_titan_alloc.py), MoE's and PP's streams against any")
 
 
 SPLIT_BLOCK = "split backward"  # the block of `split_backward_grads`' terms

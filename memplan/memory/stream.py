@@ -48,12 +48,12 @@ from memplan.core.symbolic import Poly
 from memplan.inventory.k22 import EMBEDDING_OUTPUT_GRAD
 from memplan.inventory.titan_moments import REDUCE_SCATTER, RS_HELD_ID
 from memplan.inventory.types import Inventory, Moment, Term
-from memplan.memory.dp_stack import titan_regather
 from memplan.memory.parallel import cp_moments
 from memplan.memory.pipeline import schedule, walked_pair
 from memplan.memory.adapters import ADAPTER_BYTES
 from memplan.memory.stage import StageMemory, stage_memory
 from memplan.memory.dp_stack import shard_bytes
+from memplan.memory.stream_fsdp import FsdpStream
 from memplan.memory.stream_events import Alloc, AllocationStream, Free, Repeats, new_event
 from memplan.memory.stream_params import Persistent, Sizes, fit
 from memplan.memory.term_bytes import PlanValues
@@ -85,7 +85,7 @@ def stream_for(model: ModelSpec, inventory: Inventory, training: TrainingSpec, p
                                                                                                  first_step_seq_len)
 
 
-class _Run:
+class _Run(FsdpStream):
     """Builds the stream; one instance per call."""
 
     def __init__(self, model: ModelSpec, inv: Inventory, training: TrainingSpec, plan: PlanValues, stage: int,
@@ -125,6 +125,9 @@ class _Run:
         # torchtitan without PP: FSDP2's units held by phase (dp_stack.TITAN_HELD), (unit, id) each
         self.units = mem.units if mem.units is not None and mem.units["on"] else None
         self.holding, self.phase = [], "optimizer"
+        ids = {t.id for m in self.bwd_moments for t in m.transients}  # a dense torchtitan layer (stream_fsdp.WGRADS)
+        self.carry_grads, self.wgrads = self.units is not None and "grad_ffn_wo_weights" in ids, {}
+        self.rs_carry = None  # FSDP2's reduce-scatter input held to the next unit's (stream_fsdp.py)
         self.partial: list = []  # a traced moment's gradients made so far (one tensor)
         self.persistent = pers = Persistent(model, inv, training, plan, mem, self.n * self.m, self.is_first,
                                             self.is_last)
@@ -178,8 +181,9 @@ class _Run:
         ts = [t for t in m.transients if (not t.only_full or (recomputed and self.is_full))
               and not (head_rs and t.id.startswith(RS_HELD_ID))]
         n = int(self.units["tail_rs"]) if head_rs and len(ts) < len(m.transients) else 0
-        tail = [self._alloc(n, n, "transient", f"the tail's held reduce-scatter input, {label}")] if n else []
-        return tail + [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
+        if self.units is not None:  # torchtitan's FSDP2 (the tail's held input too: stream_fsdp.py)
+            return self._fsdp_transients(ts, f"{m.name}, {label}", m.id == REDUCE_SCATTER, n)
+        return [i for t in ts for i in self._term(t, "transient", f"{m.name}, {label}")]
 
     # -- parameters and states ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -187,9 +191,11 @@ class _Run:
         for name, n in self.persistent.weights():
             self._alloc(n, n, "parameter", name)
         self.phases.append(("optimizer created", len(self.events)))
-        if self.buffer and (n := self.mem.states.gradients):
-            self._alloc(n, n, "gradient", "main-gradient buffer (fp32)" if self.mem.units is None else
-                        "FSDP2's sharded fp32 gradients (kept between steps: torchtitan zeroes them)", None)
+        if self.buffer and (n := self.mem.states.gradients):  # torchtitan zeroes FSDP2's: kept between steps
+            for name, size in (self.persistent.fsdp_grad_units(n) if self.units is not None else
+                               [("main-gradient buffer (fp32)" if self.mem.units is None else
+                                 "FSDP2's sharded fp32 gradients (kept between steps: torchtitan zeroes them)", n)]):
+                self._alloc(size, size, "gradient", name, None)
         self.master, self.lazy = self.persistent.optimizer_rows()
         for name, n in (r for rows in self.master for r in rows):  # made with the optimizer; the moments later
             self._alloc(n, n, "optimizer_state", name)
@@ -202,16 +208,6 @@ class _Run:
                           for k in range(units)] or [None]
         if rest > 0:
             self._alloc(rest, rest, "parameter", "gathered parameters (tail and prefetch)")
-
-    def _hold(self, phase: str, roll: bool = False) -> None:
-        """torchtitan's FSDP2: units out of flight at `phase` freed, then new ones all-gathered (dp_stack.titan_regather;
-        `roll`: a new layer's, every layer unit re-made)."""
-        if self.units is not None:
-            self.phase = phase
-            stay, new = titan_regather([u * (not roll or u != "layer") for u, _ in self.holding], phase)
-            self._free([i for (_, i), kept in zip(self.holding, stay) if not kept])
-            self.holding = [h for h, kept in zip(self.holding, stay) if kept] + [
-                (u, self._alloc(n, n, "parameter", f"unsharded parameters ({u})")) for u in new if (n := int(self.units[u]))]
 
     def _roll(self, j: int) -> None:
         """Layer j gathered: the oldest unit in flight freed (resharded), a new one all-gathered (the same size, so the
@@ -277,6 +273,8 @@ class _Run:
         terms (first stage, chunk 0), the layers', the loss (last stage, last chunk)."""
         label = f"micro-batch {mb}" + f", chunk {c}" * (self.m > 1)
         head, embedding = self.is_last and c == self.m - 1, c == 0
+        if self.is_first and embedding:  # torchtitan's FSDP2: the embedding's unit unsharded for its forward
+            self._hold("embedding")
         st: dict = {"held": [i for t in self.held * head for i in self._term(t, "saved_activation", label)],
                     "first": [i for t in self.first_terms * embedding
                               for i in self._term(t, "saved_activation", label)],
@@ -383,6 +381,8 @@ class _Run:
             owed += [c * self.n + j] * creating
         # embedding backward: this chunk's tensors gone, every gradient made
         self._drop(st["chunk"], ())
+        self._free([self.rs_carry] if self.units is not None and self.rs_carry is not None else [])
+        self.rs_carry = None
         self._free(st["held"])
         self._hold("embedding")
         self._pay(owed, wait)

@@ -53,6 +53,21 @@ def _fit_groups(rows: list, targets: dict) -> list:
     return [r for r in rows if r[2] > 0]
 
 
+def titan_layer_rows(rows: list) -> list:
+    """A dense torchtitan Llama 3 layer's parameter tensors as its TransformerBlock registers them: attention (wqkv,
+    wo), feed_forward (w1, w2, w3: the fused layout's "MLP input" row is w1 and w3, half each), attention_norm,
+    ffn_norm (recorded: tests/test_titan_alloc.py); any other layer's rows as they are."""
+    by = {}
+    for r in rows:
+        by.setdefault(r[1], []).append(r)
+    if sorted(by) != ["MLP input", "MLP output", "QKV", "norm weight", "output projection"] or len(by["norm weight"]) != 2 \
+            or any(len(v) != 1 for k, v in by.items() if k != "norm weight") or by["MLP input"][0][2] % 2:
+        return rows
+    (w13,), (w2,) = by["MLP input"], by["MLP output"]
+    half = [w13[0], "w1", w13[2] // 2], [w13[0], "w3", w13[2] // 2]
+    return by["QKV"] + by["output projection"] + [half[0], w2, half[1]] + by["norm weight"]
+
+
 class Persistent:
     """The parameter tables of one GPU (scope -> [group, name, params] in registration order), where each group sits
     (`site_of`), the GPU's sites (the embedding "first", layers 1..n, "last", the untied "head"), each group's .grad
@@ -80,6 +95,8 @@ class Persistent:
             targets = {g.name: int(count(g) * share.get(g.scope, 1)) for g in self.groups.values() if g.scope in scopes}
             self.tables[key] = _fit_groups(rows, targets)
         self.tables["head"] = _fit_groups([[head.name, "output layer", 0]], {head.name: int(count(head))})
+        if training.dp_stack == "torchtitan" and inv.weight_layout == "fused":
+            self.tables["layer"] = titan_layer_rows(self.tables["layer"])
         self.site_of = {g.name: "last" for g in self.groups.values() if g.scope == "last"}
         self.site_of.update({g.name: "first" for g in self.groups.values() if g.scope == "first"}, **{head.name: "head"})
         self.sites = (["first"] if is_first else []) + [j for j in range(1, n + 1)] + (
@@ -168,11 +185,28 @@ class Persistent:
         master: list = []
         lazy: list = []
         flat = " (flat shard)" * (self.plan.zero > 0)
+        # torchtitan's FSDP2 shards each parameter (dim 0 over the shard group; its fp32 shard is what AdamW steps):
+        # its states are per tensor as without ZeRO, each a shard (tests/test_titan_alloc.py: recorded)
+        per_dtensor = self.tr.dp_stack == "torchtitan" and self.plan.p == 1
         for label, n in (part for part in parts if part[1] > 0):
-            rows = (fit([[f"{label} of {name}", p * dict(weights)[label]] for *_, name, p in self.trained()], n)
-                    if self.plan.zero == 0 and names is not None else [[label + flat, n]])
+            rows = (fit([[f"{label} of {name}" + " (shard)" * per_dtensor,
+                          -(-p // (self._shard(g) if per_dtensor else 1)) * dict(weights)[label]]
+                         for _, g, name, p in self.trained()], n)
+                    if (self.plan.zero == 0 or per_dtensor) and names is not None else [[label + flat, n]])
             (master if label.startswith("master") else lazy).append(rows)
         return master, lazy
+
+    def fsdp_grad_units(self, total: int) -> list[tuple[str, int]]:
+        """torchtitan's FSDP2 sharded fp32 gradients (`total` bytes) as it keeps them: each unit's (the input
+        embedding, every decoder layer, the final norm + LM head) reduce-scatter output, one tensor its parameters'
+        gradients are views of (tests/test_titan_alloc.py: recorded)."""
+        rows = [[f"FSDP2's sharded fp32 gradients of {'layer ' * isinstance(site, int)}{site}",
+                 sum(-(-p // self._shard(g)) for s2, g, _, p in self.trained() if s2 == site) * 4]
+                for site in self.sites if site != "head"]
+        head = sum(-(-p // self._shard(g)) for s2, g, _, p in self.trained() if s2 == "head") * 4
+        if rows and head:  # the LM head: in the final norm's unit
+            rows[-1][1] += head
+        return [(name, n) for name, n in fit(rows, total) if n > 0]
 
     def gathered_units(self) -> tuple[int, int, int]:
         """(unit bytes, units, rest bytes) of ZeRO-3's unsharded parameters in flight (StageMemory.gathered): units
