@@ -221,8 +221,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
-    elif opts.pipeline_schedule not in (None, "1F1B"):
-        raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
+    else:
+        opts.titan_recompute()  # torchtitan's own options (--ac, --dp-replicate, its schedules) refused, as estimate
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")

@@ -7,6 +7,8 @@ import math
 from typing import Optional, Union
 
 from memplan.core.errors import MemplanError
+from memplan.core.model import MAX_LAYERS
+from memplan.core.spec_base import echo
 from memplan.core.units import check_bytes, parse_size, parse_tokens
 
 Size = Union[int, str, None]
@@ -109,4 +111,6 @@ def mtp_layers(mtp: Optional[int], impl: str) -> int:
     if mtp is not None and impl != "torchtitan":
         raise MemplanError("--mtp N is torchtitan's multi-token prediction (--impl torchtitan, DeepSeek-V3); "
                            "Megatron-LM's MTP layers are the model's own (mtp_layers: --mtp-num-layers)")
+    if mtp is not None and mtp > MAX_LAYERS:
+        raise MemplanError(f"--mtp {echo(mtp)}: at most {MAX_LAYERS:,} layers")
     return mtp or 0

@@ -150,8 +150,8 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     layer_ac = pins.ac is not None and titan_ac_mode(pins.ac)[0] == LAYER_AC
     out: list = [(1, None, None, "1F1B")] if pins.pp in (None, 1) and pins.schedule is None else []
     if pins.pp is None and (float8 or layer_ac):
-        return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
-                     "modelled with --pp)"]
+        return out, [f"pipeline parallelism not searched with {'float8 linears' if float8 else '--ac ' + LAYER_AC} "
+                     "(not modelled with --pp)"]
     skipped, multi_skipped = [], []
     schedules = [pins.schedule] if pins.schedule else list(SINGLE_SCHEDULES + MULTI_SCHEDULES)
     for p in [pins.pp] if pins.pp not in (None, 1) else [2 ** i for i in range(1, gpus.bit_length()) if pins.pp is None]:
