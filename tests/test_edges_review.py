@@ -16,9 +16,16 @@ REFUSED = [
     (["search", "--model", "llama3-8b", "--impl", "hf-sdpa", "--gpus", "8", "--ac", "full"], "--impl torchtitan"),
     # a 20-digit --mtp was an OverflowError traceback in the step's events (estimate)
     (["estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--ep", "8", "--tp", "2",
-      "--mtp", "9" * 20], "at most 16,384 layers"),
+      "--mtp", "9" * 20], "at most 16,384"),
     (["search", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--mtp", "9" * 20],
-     "at most 16,384 layers"),
+     "at most 16,384"),
+    # a size of 0: torchtitan's search divided by --tp 0 (ZeroDivisionError traceback), estimate took --pp 0 as 1
+    # (exit 0) and said "sequence parallelism needs tensor parallelism" of --tp 0; every count option >= 1
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--tp", "0"], "--tp 0: at least 1"),
+    (["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--pp", "0"], "--pp 0: at least 1"),
+    (["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--tp", "0"], "--tp 0: at least 1"),
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--dp-replicate", "0"],
+     "--dp-replicate 0: at least 1"),
     # 256 GPUs do not split into 3 stages: the EP check answered first, of "the 85 ranks of an FSDP shard group"
     (["estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--pp", "3", "--ep", "8",
       "--pipeline-schedule", "Interleaved1F1B", "--global-batch", "768"], "GPU count 256 is not divisible"),
