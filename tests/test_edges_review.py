@@ -2,6 +2,8 @@
 --mtp, DeepSeek-V3's multi-stage schedules, torchtitan-only options elsewhere): each case failed before its fix (the
 comment says how). Refusals are one stderr line and exit 2; the notes say what the search did."""
 
+import re
+
 import pytest
 
 from memplan import search
@@ -59,3 +61,16 @@ def test_float8_any_with_a_pinned_memory_budget_says_float8_is_not_searched():
     assert found.candidates > 0 and set(found.float8) == {""}
     assert not any("tensorwise and rowwise searched" in n for n in found.notes)
     assert "--float8 any: float8 not searched (--ac budget:F is traced with bf16 linears)" in found.notes
+
+
+def test_torchtitan_notes_do_not_call_measured_moments_derived(run_cli):
+    # before: "the step's transient tensors of this implementation are derived from its code, not measured" (keyed on
+    # the first moment, the loss's) beside "the compiled blocks' backward moments measured on CPU from Inductor's
+    # generated backward"; torchtitan's own note says which are measured and which derived
+    for extra in ([], ["--compile"]):
+        code, out, _ = run_cli("estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", *extra)
+        text = " ".join(out.split())
+        assert code == 0 and re.search("backward moments (measured|traced) on CPU", text), extra
+        assert "derived from its code, not measured" not in text, extra
+    code, out, _ = run_cli("estimate", "--model", "gpt-22b")  # Megatron-LM's moments: derived, and said so
+    assert code == 0 and "derived from its code, not measured" in " ".join(out.split())

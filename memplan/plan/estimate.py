@@ -376,7 +376,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
                      + _expert_split(config))
     notes += parallel_notes(config)
-    if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")):
+    # torchtitan's own note below says which of its moments are measured and which derived
+    if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")) and \
+            not inventory.name.startswith("torchtitan"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
         ids = {m.id for m in inventory.moments if m.scope == "layer"}
