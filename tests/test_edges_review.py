@@ -28,6 +28,12 @@ REFUSED = [
     (["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--tp", "0"], "--tp 0: at least 1"),
     (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--dp-replicate", "0"],
      "--dp-replicate 0: at least 1"),
+    # --max-seq kept the sequences the asked tokens made at the preset's s: 488 x 241,536 = 117.87 M tokens a step
+    # for --global-batch-tokens 4M (exit 0, said only in a note)
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--max-seq", "--global-batch-tokens",
+      "4M"], "give --global-batch N"),
+    (["search", "--model", "llama3-8b", "--gpus", "8", "--max-seq", "--global-batch-tokens", "4M"],
+     "give --global-batch N"),
     # 256 GPUs do not split into 3 stages: the EP check answered first, of "the 85 ranks of an FSDP shard group"
     (["estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--pp", "3", "--ep", "8",
       "--pipeline-schedule", "Interleaved1F1B", "--global-batch", "768"], "GPU count 256 is not divisible"),

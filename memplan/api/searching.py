@@ -218,6 +218,9 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    if max_seq and opts.global_batch_tokens is not None:
+        raise MemplanError("search --max-seq keeps the global batch in sequences (a step's tokens grow with s): give "
+                           "--global-batch N, not --global-batch-tokens")
     mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
