@@ -34,6 +34,12 @@ REFUSED = [
       "4M"], "give --global-batch N"),
     (["search", "--model", "llama3-8b", "--gpus", "8", "--max-seq", "--global-batch-tokens", "4M"],
      "give --global-batch N"),
+    # a pinned schedule no pp is searched with answered "dp_replicate R must divide d ...; 1F1B needs as many
+    # micro-batches as pipeline stages"; now the reason the pipelines were left out
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--pipeline-schedule", "ZBVZeroBubble",
+      "--compile"], "a split-backward schedule with --compile"),
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--pipeline-schedule",
+      "Interleaved1F1B", "--float8", "rowwise"], "pipeline parallelism not searched with float8 linears"),
     # 256 GPUs do not split into 3 stages: the EP check answered first, of "the 85 ranks of an FSDP shard group"
     (["estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--pp", "3", "--ep", "8",
       "--pipeline-schedule", "Interleaved1F1B", "--global-batch", "768"], "GPU count 256 is not divisible"),

@@ -254,6 +254,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
             n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
             parts.append(dataclasses.replace(plans, first_layers=n * (first or model.num_layers // p),
                                              last_layers=n * (last or model.num_layers // p)))
+    if not parts and not splits and notes:  # a pinned schedule no pp is searched with: pipelines' note says why
+        raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs: {notes[0]}")
     if not parts:
         raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs with global batch {global_batch} and "
                            f"the pinned dimensions (dp_replicate R must divide d = GPUs / tp and leave 2 or more "
