@@ -86,3 +86,12 @@ def test_torchtitan_notes_do_not_call_measured_moments_derived(run_cli):
         assert "derived from its code, not measured" not in text, extra
     code, out, _ = run_cli("estimate", "--model", "gpt-22b")  # Megatron-LM's moments: derived, and said so
     assert code == 0 and "derived from its code, not measured" in " ".join(out.split())
+
+
+def test_multi_stage_peak_note_names_each_chunk(run_cli):
+    # before: "16 micro-batch(es) of its 2-layer chunk, 16 micro-batch(es) of its 2-layer chunk", the two chunks of
+    # the rank alike; torchtitan's Interleaved1F1B at p = 16 puts 2 stages (chunks) on a rank, each named now
+    code, out, _ = run_cli("estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--pp", "16",
+                           "--pipeline-schedule", "Interleaved1F1B", "--ep", "16", "--global-batch", "256")
+    text = " ".join(out.split())
+    assert code == 0 and re.search(r"of its chunk 1 \(\d+ layers\), \d+ micro-batch\(es\) of its chunk 2 \(", text)

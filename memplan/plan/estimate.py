@@ -434,7 +434,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if peak.held is not None:
         sizes = rank_chunks(int(peak.stage), par.pp, par.vpp, config.model.num_layers, par.pp_schedule)
         notes.append(f"stage {peak.stage} holds, at its peak, " + ", ".join(
-            f"{int(k)} micro-batch(es) of its {n}-layer chunk" for n, k in zip(sizes, peak.held))
+            f"{int(k)} micro-batch(es) of its chunk {i + 1} ({n} layers)"
+            for i, (n, k) in enumerate(zip(sizes, peak.held)))
             + f" (torch's {par.pp_schedule} order, memplan/memory/pipeline_multi.py)")
     else:
         notes.append(
