@@ -15,8 +15,10 @@ state, 5,056 B, torch.get_rng_state, not modelled: CPU's).  The suite checks mem
 recordings and a hand derivation; MEMPLAN_COMPILE_SLOW=1 compiles the block again and checks the recordings.
 """
 
+import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,7 @@ from memplan.inventory import compiled_qwen3
 from memplan.inventory.assemble import training_inventory
 from memplan.inventory.titan import is_qwen3_dense
 from memplan.presets.catalog import load_model
+from tests.test_compiled_moments import _coefficients, _front, memplan_moments
 
 H, A, G, D, F = 40, 6, 2, 8, 154
 SHAPES = ((20, 2), (32, 4))
@@ -156,3 +159,59 @@ def test_recorded_trace_and_measurement(ac, s, b):
             if t.kind != "parameter" and not (t.kind == "input" and (t.elements, t.dtype) == positions)]
     assert Counter((_canon(el), dt) for el, dt in rows) == Counter((_canon(el), dt) for el, dt in RECORDED[ac])
     assert (r.s, r.b, r.after_forward) == (s, b, MEASURED[(ac, s, b)])
+
+
+# -- the backward moments (memplan/inventory/compiled_qwen3.py MODES) against tests/data/titan_compiled_backward_qwen3.json,
+# measured by
+#     OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward qwen3 tests/data/titan_compiled_backward_qwen3.json
+# (validation/compiled_backward.py QWEN3_SHAPES: h 40, a 6, g 2, d 8, f 154 and h 64, a 8, g 4, d 12, f 224; ~6 min of
+# CPU): per AC mode the replayed front (a s b + d s + c bytes per non-dominated moment of Inductor's generated
+# backward, s, b symbolic) and the peak measured on real tensors at s 32, b 2 and s 64, b 3 (the CPU kernels' own
+# scratch left out), evaluated as tests/test_compiled_moments.py evaluates Llama 3's
+BACKWARD = json.loads((Path(__file__).parent / "data" / "titan_compiled_backward_qwen3.json").read_text())
+CASES = BACKWARD["cases"]
+IDS = [f"{c['ac']}-h{c['widths']['h']}" for c in CASES]
+
+
+def _tiny(s: int, w: dict):
+    return model(s, hidden_size=w["h"], num_attention_heads=w["a"], num_kv_heads=w["g"], head_dim=w["d"],
+                 ffn_hidden_size=w["f"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_qwen3_moments_are_the_replayed_front(case):
+    ours = _coefficients(case["ac"], case["widths"], _tiny)
+    assert all(id.startswith("compiled_") for id in ours), ours  # the eager block's moments are left out
+    assert _front(set(ours.values())) == {(r["a"], r["d"], r["c"]) for r in case["front"]}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_qwen3_measured_peak_is_memplan_largest_moment(case):
+    for row in case["measured"]:
+        assert max(memplan_moments(case["ac"], row["s"], row["b"], case["widths"], _tiny).values()) == row["peak"]
+
+
+def test_swiglu_moment_by_hand():
+    # AC none, h 40, q 48, g d 16, f 154: the compiled block keeps 1,756 B per token (above), SwiGLU's product
+    # (2f = 308) freed at its fused backward; the incoming gradient 2h = 80, w2's input gradient 2f = 308 and
+    # silu(w1)'s 2f = 308: 2,144 B per token; w2's weight gradient h f x 2 B = 12,320 B (the front's first moment)
+    assert memplan_moments("none", 32, 2, BACKWARD["cases"][0]["widths"], _tiny)["compiled_swiglu"] == \
+        2144 * 64 + 12320
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inductor_backward_gives_the_recorded_figures(case):
+    pytest.importorskip("torchtitan")
+    from validation.compiled_backward import compile_block, front, measure, replay
+    from validation.titan import Shape
+
+    ac = case["ac"]
+    c = compile_block(ac, Shape(**case["widths"]))
+    for row in case["measured"]:  # the kernels' scratch (peak_scratch) depends on the thread count: not compared
+        got = measure(c["compiled"], case["widths"]["h"], row["s"], row["b"], ac)
+        assert {k: got[k] for k in ("peak", "saved", "incoming")} == {k: row[k] for k in ("peak", "saved", "incoming")}
+    samples, roles = replay(c["source"], c["graph"], forward=c["forward"])
+    assert {(r["a"], r["d"], r["c"]) for r in front(samples, roles)} == {
+        (r["a"], r["d"], r["c"]) for r in case["front"]}

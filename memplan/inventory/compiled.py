@@ -84,6 +84,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
 from memplan.inventory import compiled_qwen3
 from memplan.inventory.compiled_moments import SRC as MOMENTS_SRC, compiled_titan_moments
+from memplan.inventory.compiled_qwen3_moments import compiled_qwen3_moments
 from memplan.inventory.hf import hf_layer_moments
 from memplan.inventory.titan import is_qwen3_dense
 from memplan.inventory.titan_float8 import converted_linears
@@ -311,8 +312,9 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
     out = tuple(moments.get(m.id, m) for m in inventory.moments if impl != "torchtitan" or m.scope != "layer")
     qwen3 = impl == "torchtitan" and is_qwen3_dense(model)
     terms = compiled_terms(impl, float8, linears, budget, qwen3)
-    if titan_moments_measured(impl, float8, budget) and not qwen3:
-        out += compiled_titan_moments(model, recompute, recompute_layers, tuple(t.id for t in terms))
+    if titan_moments_measured(impl, float8, budget):
+        out += (compiled_qwen3_moments if qwen3 else compiled_titan_moments)(
+            model, recompute, recompute_layers, tuple(t.id for t in terms))
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(terms + kept), moments=out)
 
 

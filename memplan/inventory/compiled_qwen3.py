@@ -20,6 +20,8 @@ What the partitioner keeps (per token, bf16 = 2 B):
   recomputed (the block keeps the positions, which the training loop holds);
 * full: the block input (FullAC's CPU generator state left out, as for Llama 3's block).
 
+The backward's moments: memplan/inventory/compiled_qwen3_moments.py (measured).
+
 Not traced, refused in one line: --tp (the dense block's TP trace is Llama 3's), --float8, --ac budget:F (traced at
 Llama 3's widths), --cp (as for Llama 3).  With --pp each stage's compiled blocks save the same set (derived).
 """
@@ -55,6 +57,8 @@ def left(tp: int) -> str:
 
 def notes(pp: int = 1) -> list[str]:
     """What estimate says of a compiled dense Qwen3."""
-    return [f"--compile on torchtitan's dense Qwen3 blocks: their saved tensors {SRC}; the blocks' backward moments "
-            "not modelled (not traced); the loss is not compiled"
+    return [f"--compile on torchtitan's dense Qwen3 blocks: their saved tensors {SRC}; their backward moments "
+            "measured: Inductor's generated backward replayed with s, b symbolic and run under torch.profiler "
+            "(memplan/inventory/compiled_qwen3_moments.py; the CPU kernels' own scratch left out; FSDP2 and CUDA "
+            "derived); the loss is not compiled"
             + ("; with --pp each stage's compiled blocks save the same set (derived)" if pp > 1 else "")]
