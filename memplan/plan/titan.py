@@ -301,4 +301,5 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,
             "gradient_accumulation": 1 if piped else config.num_microbatches,
-            **({"ep": par.ep} if config.model.is_moe else {})}
+            **({"ep": par.ep} if config.model.is_moe else {}),
+            **({"async_tp": True} if tr.async_tp else {})}  # compile.enable_async_tensor_parallel (--async-tp)
