@@ -46,12 +46,13 @@ def test_the_workspace_is_outside_the_pool_at_4sbh_over_t():
 def test_the_workspace_shows_in_the_table_and_json(capsys):
     args = ["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--tp", "2", "--compile",
             "--ac", "full", "--seq-len", "4096", "--micro-batch", "2", "--global-batch", "16", "--async-tp"]
-    for extra in ([], ["--json"]):
+    for command, extra in (("estimate", []), ("estimate", ["--json"]), ("explain", [])):
         with pytest.raises(SystemExit) as exit_:
-            main(args + extra)
+            main([command] + args[1:] + extra)
         assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "async TP symmetric-memory workspace" in out and '"symm_workspace_bytes": 67108864' in out
+    assert "async TP symmetric-memory workspace" in out and "2 A s b h / t = 67,108,864 B" in out
+    assert '"symm_workspace_bytes": 67108864' in out
 
 
 @pytest.mark.parametrize("extra,words", [

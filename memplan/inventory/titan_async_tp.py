@@ -50,6 +50,16 @@ def workspace_bytes(per_sequence: int, b: Any, t: Any) -> Any:
     return (per_sequence * b // t) * (t > 1)
 
 
+def notes(async_tp: bool, workspace: int) -> list[str]:
+    """What an estimate says about async TP (``workspace``: the plan's symmetric-memory workspace, bytes)."""
+    if not async_tp:
+        return []
+    return [f"async TP (compile.enable_async_tensor_parallel): its symmetric-memory workspace, {workspace:,} B = 2 A s b "
+            f"h / t, counted outside the caching allocator (not in the allocated peak, not replayed), {SOURCE}; "
+            "each layer's TP collectives overlapped with the matmuls inductor fuses them with, only what the matmuls "
+            "cannot hide charged (memplan/timing/layer.py async_tp_exposed): derived, uncalibrated"]
+
+
 def check_async_tp(async_tp: bool, impl: str, compiled: bool, tp: int) -> None:
     """--async-tp where torchtitan runs it: --impl torchtitan, --compile (its CompileConfig's refusal), --tp > 1 (with
     no TP mesh `_maybe_enable_async_tp` returns without doing anything); one line otherwise."""
