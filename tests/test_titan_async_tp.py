@@ -2,7 +2,8 @@
 torch/distributed/_symmetric_memory and inductor's micro_pipeline_tp pass, not measured): the symmetric-memory workspace
 counted outside the caching allocator (in the device memory the verdict compares, not in the allocated peak, not
 replayed), the TP collectives overlapped with their matmuls, the refusals and search rows equal to estimate's (the
-emitted config as torchtitan 0.3.0 loads it: tests/test_launch_titan.py). Expected bytes are hand derivations from torch's code (shown)."""
+emitted config as torchtitan 0.3.0 loads it: tests/test_launch_titan.py). Expected bytes are hand derivations from torch's
+code (shown), and the requests torch's own fused ops make, traced on CPU (validation/titan_async_tp.py)."""
 
 import pytest
 
@@ -41,6 +42,24 @@ def test_the_workspace_is_outside_the_pool_at_4sbh_over_t():
     # in what the verdict compares: the outside-the-pool part, so the total grows by exactly the workspace
     assert dev.runtime_bytes - base.runtime_bytes == workspace
     assert fused.device_bytes - plain.device_bytes == workspace
+
+
+@pytest.mark.parametrize("model,s,b,t", [("llama3-8b", 4096, 2, 2), ("llama3-70b", 8192, 16, 8)])
+def test_the_workspace_is_what_torchs_fused_ops_ask_for(model, s, b, t):
+    # torch 2.13's own fused ops (validation/titan_async_tp.py: run on meta tensors up to their get_symm_mem_workspace
+    # call) at torchtitan's TP shapes: the all-gather asks for the shard, (s b / t) h x 2 B; the reduce-scatter for
+    # two chunks of its output, 2 x (s b / t) h x 2 B (the backward's are the same ops on the same shapes, roles
+    # swapped); memplan's workspace is the larger
+    from validation.titan_async_tp import workspace_requests
+
+    spec = load_model(model).model
+    h, f = spec.hidden_size, spec.f
+    asked = workspace_requests(s, b, h, f, t)
+    shard = (s * b // t) * h * 2
+    assert asked == {"all_gather_matmul": shard, "matmul_reduce_scatter": 2 * shard}
+    est = estimate(model, impl="torchtitan", gpus=8 * t, tp=t, ac="full", compile=True, seq_len=s, micro_batch=b,
+                   global_batch=8 * b, async_tp=True)
+    assert est.estimate.device.symm_workspace_bytes == max(asked.values())
 
 
 def test_the_workspace_shows_in_the_table_and_json(capsys):

@@ -1,5 +1,6 @@
 """torchtitan's async TP (``compile.enable_async_tensor_parallel``, `--async-tp`): what it needs and the memory it adds
-outside PyTorch's caching allocator. Derived from torch 2.13's code, not measured (no GPU here).
+outside PyTorch's caching allocator. Read from torch 2.13's code, the fused ops' requests traced from it on CPU
+(validation/titan_async_tp.py); not measured on a GPU (none here).
 
 torchtitan 0.3.0 (torchtitan/distributed/compile.py `_maybe_enable_async_tp`) enables symmetric memory for the dense TP
 group and sets inductor's ``_micro_pipeline_tp``; without a TP mesh it does nothing, and its CompileConfig refuses the
@@ -34,8 +35,9 @@ from memplan.core.model import ModelSpec
 # _pipelined_produce_and_all2all's request: two output chunks (p2p_workspace_size_req = chunk bytes x 2)
 WORKSPACE_CHUNKS = 2
 
-SOURCE = ("derived from torch 2.13's torch/distributed/_symmetric_memory (get_symm_mem_workspace, "
-          "_pipelined_produce_and_all2all), not measured")
+SOURCE = ("the fused ops' requests traced from torch 2.13's own code on CPU (validation/titan_async_tp.py), the "
+          "workspace outside the pool read from torch/distributed/_symmetric_memory (get_symm_mem_workspace), not "
+          "measured on a GPU")
 
 
 def workspace_per_sequence(model: ModelSpec, activation_bytes: int) -> int:
