@@ -227,28 +227,31 @@ def head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> HeadFor
 
 def async_tp_exposed(model: ModelSpec, gpu: GpuSpec, x: Basis, activation_bytes: int, fp8: bool) -> tuple[Any, Any]:
     """Seconds per sequence of one layer's TP collectives that torchtitan's async TP leaves exposed: the forward's,
-    and the forward's and backward's together (memplan/inventory/titan_async_tp.py: inductor's micro-pipeline pass fuses each collective with the
-    matmul it feeds or is fed by). A fused op runs its collective, A s h / t bytes at the all-gather's x.ag per byte,
-    chunk by chunk beside its matmul's chunks, so it charges only what the matmul cannot hide: max(comm - matmul, 0)
-    (the last chunk's own transfer, the copy engines' contention and the smaller chunked GEMMs' efficiency not
-    counted). Forward: all-gather + wqkv, all-gather + w1 / w3 (one fused op, two matmuls), wo + reduce-scatter,
-    w2 + reduce-scatter. Backward: each op's input-gradient GEMM with its collective (a reduce-scatter for the
-    column-parallel ones, an all-gather of the output gradient for the row-parallel ones), and the re-all-gather of
-    the column-parallel ones' sequence-sharded inputs with their weight-gradient GEMMs (the 6 collectives the
-    eager forms count, layer_forms). Derived, uncalibrated; the LM head's collectives stay as they were (the head is
-    not in a compiled block)."""
+    and the forward's and backward's together (memplan/inventory/titan_async_tp.py). Inductor's micro-pipeline pass
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with the matmuls it feeds and a reduce-scatter
+    with the one matmul (`_find_producer_matmul`: an mm, or reshape-mm-reshape) that produces its input. A fused op
+    runs its collective, A s h / t bytes at the all-gather's x.ag per byte, chunk by chunk beside its matmul's chunks,
+    so it charges only what the matmul cannot hide: max(comm - matmul, 0) (the last chunk's own transfer, the copy
+    engines' contention and the smaller chunked GEMMs' efficiency not counted). Forward: all-gather + wqkv,
+    all-gather + w1 / w3 (one fused op, two matmuls), wo + reduce-scatter, w2 + reduce-scatter. Backward (the 6
+    collectives the eager forms count, layer_forms): the all-gathers of wo's and w2's output gradients with their
+    input-gradient GEMMs; wqkv's input-gradient GEMM with its reduce-scatter; the MLP's input gradient is w1's and
+    w3's summed, no single matmul, so its reduce-scatter is not fused: exposed whole; the re-all-gathers of wqkv's and
+    w1 / w3's sequence-sharded inputs with their weight-gradient GEMMs. Derived, uncalibrated; the LM head's
+    collectives stay as they were (the head is not in a compiled block)."""
     s, h, q, a, g, f = (float(v) for v in (model.seq_length, model.hidden_size, model.q, model.num_attention_heads,
                                            model.g, model.f))
     rate = (gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else gpu.peak_bf16_flops) * gpu.matmul_efficiency
-    column = (2 * s * h * (q + 2 * q * g / a), 2 * 2 * s * h * f)  # wqkv; w1 and w3
-    row = (2 * s * q * h, 2 * s * h * f)  # wo; w2
+    qkv, w13 = 2 * s * h * (q + 2 * q * g / a), 2 * 2 * s * h * f  # column-parallel: wqkv; w1 and w3
+    wo, w2 = 2 * s * q * h, 2 * s * h * f  # row-parallel
     comm = activation_bytes * s * h * x.ag  # one collective's seconds per sequence
 
     def left(flops: float) -> Any:
         return maximum(comm - (flops / rate) * x.inv_t, 0.0)
 
-    forward = sum(left(n) for n in column + row)
-    return forward, 2 * forward + sum(left(n) for n in column)  # forward; forward + backward
+    forward = left(qkv) + left(w13) + left(wo) + left(w2)
+    backward = left(wo) + left(w2) + left(qkv) + comm + left(qkv) + left(w13)
+    return forward, forward + backward
 
 
 # --- one layer --------------------------------------------------------------------------------
