@@ -253,3 +253,13 @@ def test_async_tp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
     plain = estimate("llama3-8b", emit="torchtitan", **plan)
     assert plain.launch.document["compile.enable_async_tensor_parallel"] is False
     assert not _load(tmp_path, monkeypatch, "\n".join(plain.launch.args)).compile.enable_async_tensor_parallel
+
+
+def test_a_searchs_async_tp_plan_emits_the_flag(tmp_path, monkeypatch):
+    # search --async-tp --emit torchtitan: the best row (pinned compiled at tp 2, so async TP on) emitted with the flag
+    found = search("llama3-8b", impl="torchtitan", gpus=8, tp=2, compile=True, async_tp=True, ac="full", seq_len=4096,
+                   global_batch=16, gpu="h100-80gb", mem=80 * 10**9, emit="torchtitan", top=1)
+    best = found.result.row(found.result.top[0])["torchtitan"]
+    assert best["async_tp"] and best["tp"] == 2 and best["compile"]
+    config = _load(tmp_path, monkeypatch, "\n".join(found.launch["llama3-8b"].args))
+    assert config.compile.enable_async_tensor_parallel is True
