@@ -61,6 +61,8 @@ def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
         compiled = compile_fx_inner(gm, example_inputs, **kw)
         if kw.get("is_backward"):
             out["source"], out["graph"] = compiled.source_code, gm
+        else:
+            out["forward"] = gm  # which saved tensors are views of one storage (``replay``)
         return compiled
 
     out["compiled"] = torch.compile(block, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner),
@@ -140,11 +142,13 @@ class _Kernels:
         return lambda *a, **k: self.live.sample(name)
 
 
-def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
+def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5, forward=None) -> tuple[list, dict]:
     """Run the generated backward ``source`` under FakeTensorMode with s, b symbolic (module docstring): the samples
     [(after what, ((name, dtype, bytes as a sympy polynomial in s, b), ...))] and {input name: its role} (the saved
     tensors by their forward node names: "saved"; the incoming gradient: "tangent"; the dataloader's positions, which
-    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others)."""
+    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others).  ``forward``: the forward
+    graph, whose saved tensors that are views of one storage (Qwen3's cos and sin rows, two slices of one gather) are
+    made as views of one storage of their base's size (validation/compiled.py ``_base``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace_poly import symbolic_sizes
@@ -178,17 +182,25 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
     namespace.update(extern_kernels=kernels, assert_size_stride=lambda *a: None, assert_alignment=lambda *a: None,
                      empty_strided_cpu=lambda size_, stride, dtype: torch.empty_strided(size_, stride, dtype=dtype),
                      reinterpret_tensor=lambda t, size_, stride, offset: t.as_strided(size_, stride, offset))
-    roles = {}
+    roles, shared = {}, _shared_bases(forward, {n.name for n in placeholders})
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), live, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = []
+        args, bases = [], {}
         for n in placeholders:
             v = n.meta["val"]
             if isinstance(v, torch.SymInt):
                 args.append(size(v))
                 roles[n.name] = "sym"
                 continue
-            t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
+            if n.name in shared:  # one storage of the base's size, this input a view of it
+                base = shared[n.name].meta["val"]
+                if shared[n.name] not in bases:
+                    bases[shared[n.name]] = torch.empty_strided([size(d) for d in base.shape],
+                                                                [size(d) for d in base.stride()], dtype=base.dtype)
+                t = bases[shared[n.name]].as_strided([size(d) for d in v.shape], [size(d) for d in v.stride()],
+                                                     size(v.storage_offset()))
+            else:
+                t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
             tokens = any(isinstance(d, torch.SymInt) for d in v.shape)
             # the dataloader's positions (int64, s b): a batch input the training loop holds, as a parameter not counted
             roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 else
@@ -196,7 +208,7 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
             live.add(t, n.name)
             args.append(t)
         params = [a for a, n in zip(args, placeholders) if roles[n.name] == "param"]  # the module holds them
-        del t, v
+        del t, v, bases
         call = namespace["Runner"](partitions=[]).call
         live.quiet = False
         outputs = call(args)
@@ -204,6 +216,20 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
     samples = [(at, tuple((name, dtype, sympy.expand(_poly(nbytes, names))) for name, dtype, nbytes in items))
                for at, items in live.samples]
     return samples, roles
+
+
+def _shared_bases(forward, inputs: set) -> dict:
+    """{backward input name: its forward base node} for the saved tensors (forward outputs named as the backward's
+    inputs) two or more of which view one storage."""
+    from .compiled import _base
+
+    if forward is None:
+        return {}
+    outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if getattr(n, "name", None) in inputs]
+    by_base: dict = {}
+    for n in outputs:
+        by_base.setdefault(_base(n), []).append(n.name)
+    return {name: base for base, names in by_base.items() if len(names) > 1 for name in names}
 
 
 def _poly(nbytes, names: dict) -> sympy.Expr:
@@ -232,16 +258,18 @@ def _drop_kernel_definitions(code: str) -> str:
 # -- the real run --
 
 def _events(prof) -> list[tuple[int, int, int, str, int]]:
-    """(time, bytes (+ allocated, - freed), address, owner, end of the innermost enclosing aten op or -1) of the
+    """(time, bytes (+ allocated, - freed), address, owner, end of the outermost enclosing aten op or -1) of the
     profile's allocations in time order; the owner is the innermost enclosing autograd node (``evaluate_function:
-    ...``) or ``memplan:`` region."""
+    ...``) or ``memplan:`` region.  The outermost op: sdpa's CPU backward allocates its own buffers inside nested aten
+    ops and frees them before it returns (its scratch; seen at the Qwen3 block's peak, tests/test_compiled_qwen3.py)."""
     from torch._C._profiler import _EventType
 
     out, stack = [], [(node, node.name, -1) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, owner, op_end = stack.pop()
+        outer = node.name.startswith("aten::") and op_end == -1
         stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner,
-                      node.end_time_ns if node.name.startswith("aten::") else op_end) for c in node.children)
+                      node.end_time_ns if outer else op_end) for c in node.children)
         if node.typed[0] == _EventType.Allocation:
             out.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr, owner, op_end))
     return sorted(out)
@@ -330,25 +358,30 @@ def front(samples: list, roles: dict) -> list[dict]:
 SIZES = ((32, 2), (64, 3))  # the measured shapes of tests/data/titan_compiled_backward.json
 # the second widths: another FFN-to-hidden ratio, one KV head, a wider head (Llama 3's q = h holds in both)
 SHAPES = (SHAPE, Shape(h=64, a=4, g=1, f=224))
+# torchtitan's dense Qwen3 block (q_norm, k_norm, CosSinRoPE), its head width its own: q = a d differs from h in both
+# (tests/data/titan_compiled_backward_qwen3.json, ``qwen3`` as the first word)
+QWEN3_SHAPES = (Shape(h=40, a=6, g=2, f=154, qwen3=True, d=8), Shape(h=64, a=8, g=4, f=224, qwen3=True, d=12))
 
 
-def record(path: str) -> None:
-    """Every AC mode at SHAPES: compile, measure at SIZES and replay; written as JSON
-    (tests/data/titan_compiled_backward.json)."""
+def record(path: str, shapes: tuple[Shape, ...] = SHAPES) -> None:
+    """Every AC mode at ``shapes``: compile, measure at SIZES and replay; written as JSON
+    (tests/data/titan_compiled_backward.json; QWEN3_SHAPES: titan_compiled_backward_qwen3.json)."""
     import importlib.metadata
     import json
 
     cases = []
-    for shape in SHAPES:
+    for shape in shapes:
         for ac in AC_MODES:
             c = compile_block(ac, shape)
             measured = [{"s": s, "b": b, **measure(c["compiled"], shape.h, s, b, ac)} for s, b in SIZES]
-            samples, roles = replay(c["source"], c["graph"])
+            samples, roles = replay(c["source"], c["graph"], forward=c["forward"])
             rows = {(r["a"], r["d"], r["c"]): r for r in front(samples, roles)}  # one per distinct (a, d, c)
-            cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f),
+            qwen3 = dict(qwen3=True, d=shape.d) if shape.qwen3 else {}
+            cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f, **qwen3),
                           "measured": measured, "front": list(rows.values())})
             print(json.dumps(cases[-1], indent=1))
-    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {path}",
+    kind = "qwen3 " if shapes == QWEN3_SHAPES else ""
+    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {kind}{path}",
            "measured_with": f"torchtitan {importlib.metadata.version('torchtitan')}, torch {torch.__version__} "
                             "(inductor on CPU, OMP_NUM_THREADS=1)", "cases": cases}
     with open(path, "w") as f:
@@ -359,4 +392,7 @@ def record(path: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    record(sys.argv[1])
+    if sys.argv[1] == "qwen3":  # torchtitan's dense Qwen3 block
+        record(sys.argv[2], QWEN3_SHAPES)
+    else:
+        record(sys.argv[1])

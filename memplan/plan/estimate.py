@@ -417,7 +417,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += liger_notes(tr)
     notes += ((dsv3_compile_notes(par.pp) if tr.compile else []) if m.is_moe and m.is_mla else
               moe_compile_notes(m, tr, par.pp) if m.is_moe else
-              compile_notes(tr, inventory.name.split("/")[0], par.tp))
+              compile_notes(tr, inventory.name.split("/")[0], par.tp, m, par.pp))
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))

@@ -261,12 +261,14 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     return parts, notes
 
 
-def compilable(plans: PlanValues, float8: bool = False, layers: int = 0, moe: bool = False) -> np.ndarray:
+def compilable(plans: PlanValues, float8: bool = False, layers: int = 0, moe: bool = False,
+               qwen3: bool = False) -> np.ndarray:
     """The plans memplan models with torch.compile: cp = 1 (any tp: the compiled block measured per TP rank); with
     float8 linears AC not selective-op (memplan/inventory/compiled.py), and with tp > 1 full AC of all ``layers``
-    (memplan/api/options.py); ``moe`` (the Qwen3 MoE block, memplan/inventory/compiled_moe.py): tp 1 and ep 1 only."""
+    (memplan/api/options.py); ``moe`` (the Qwen3 MoE block, memplan/inventory/compiled_moe.py) and ``qwen3`` (the
+    dense Qwen3 block, memplan/inventory/compiled_qwen3.py): tp 1 and ep 1 only."""
     rec, t = np.asarray(plans.recompute), np.asarray(plans.t)
-    if moe:
+    if moe or qwen3:
         return (np.asarray(plans.cp) == 1) & (t == 1) & (np.asarray(plans.ep) == 1) & (
             str(plans.schedule) not in SPLIT_BACKWARD)
     full = (rec == int(Recompute.FULL)) & (np.asarray(plans.recomputed_layers) >= layers)

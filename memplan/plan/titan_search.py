@@ -26,7 +26,7 @@ from memplan.plan.limits import SEQ_LIMIT, largest_under
 from memplan.plan.search import SEQ_STEP, SearchResult, check_int64, mark_max_seq, ranked, tp_limit
 from memplan.inventory.budget_recompute import distinct_budgets
 from memplan.inventory.compiled import check_budget
-from memplan.inventory.titan import BUDGET_AC, titan_ac_mode
+from memplan.inventory.titan import BUDGET_AC, is_qwen3_dense, titan_ac_mode
 from memplan.inventory.titan_float8 import RECIPES
 from memplan.plan.titan import FLOAT8_ANY, TitanPins, compilable, join, pinned_every, titan_plans
 
@@ -51,8 +51,9 @@ def _with_compile(model: ModelSpec, training: TrainingSpec, eager: list, pins: T
         sets += [(part, False) for part in eager]
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = [compilable(part, bool(training.float8), model.num_layers, model.is_moe) for part in eager]
-        where = ("--tp 1, --ep 1, --cp 1 for MoE" if model.is_moe else
+        qwen3 = is_qwen3_dense(model)  # its compiled block traced at tp 1 (memplan/inventory/compiled_qwen3.py)
+        can = [compilable(part, bool(training.float8), model.num_layers, model.is_moe, qwen3) for part in eager]
+        where = ("--tp 1, --ep 1, --cp 1 for MoE" if model.is_moe else "--tp 1, --cp 1 for a dense Qwen3" if qwen3 else
                  "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else ""))
         if why and pins.compile:
             raise MemplanError(why)
@@ -67,7 +68,8 @@ def _with_compile(model: ModelSpec, training: TrainingSpec, eager: list, pins: T
                 notes.append("torch.compile not searched with the split-backward pipeline schedules (I / W through a "
                              "compiled block: not modelled)")
             if not all(c.all() for part, c in zip(eager, can) if str(part.schedule) not in SPLIT_BACKWARD):
-                notes.append(f"torch.compile searched with {where} only (compile with CP" + (", TP or EP" if model.is_moe else "")
+                notes.append(f"torch.compile searched with {where} only (compile with CP" + (
+                    ", TP or EP" if model.is_moe else " or TP" if qwen3 else "")
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
                              + " is not traced yet)")
