@@ -27,6 +27,7 @@ The CUDA backend (triton) fuses differently and its sdpa is FlexAttention's: nei
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -44,9 +45,11 @@ SHAPE = Shape(h=WIDTHS["torchtitan"]["h"], a=WIDTHS["torchtitan"]["a"], g=WIDTHS
 S_TRACE, B_TRACE = 24, 3  # the compile's hints (a dynamic kernel: later shapes reuse it)
 
 
-def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
+def compile_block(ac: str, shape: Shape = SHAPE, block=None) -> dict:
     """The block compiled with Inductor (dynamic s, b), run once at S_TRACE, B_TRACE: ``compiled``, ``block`` and the
-    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule)."""
+    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule).  ``block``: another
+    block already wrapped for ``ac`` (validation/compiled_moe_backward.py: the Qwen3 MoE and DeepSeek-V3 blocks),
+    called the same way (x, None, positions); ``shape.h`` its width."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if ac not in AC_MODES:
@@ -54,7 +57,7 @@ def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
     warnings.filterwarnings("ignore")
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = build_block(shape, ac).train()
+    block = (build_block(shape, ac) if block is None else block).train()
     out: dict = {"block": block}
 
     def inner(gm, example_inputs, **kw):
@@ -81,6 +84,7 @@ def _config(ac: str):
     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     stack.enter_context(torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=ac != "none"))
+    stack.enter_context(torch._dynamo.config.patch(capture_scalar_outputs=True))  # the MoE's token dispatch
     return stack
 
 
@@ -131,13 +135,19 @@ class _Live(TorchDispatchMode):
 
 
 class _Kernels:
-    """extern_kernels and the fused kernels: no work, a sample each."""
+    """extern_kernels and the fused kernels: no work, a sample each; an extern kernel that returns its output (no
+    ``out=``: the MoE's ``_grouped_mm``) runs as its aten op on the fake tensors (its output then a buffer)."""
 
     def __init__(self, live: _Live) -> None:
         self.live = live
 
     def __getattr__(self, name: str):
-        return lambda *a, **k: self.live.sample(name)
+        def run(*a, **k):
+            if "out" in k or name.startswith("cpp_") or not hasattr(torch.ops.aten, name):
+                return self.live.sample(name)
+            return getattr(torch.ops.aten, name)(*a, **k)
+
+        return run
 
 
 def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
@@ -181,22 +191,33 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
     roles = {}
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), live, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = []
+        args, bases = [], {}
+        shared = collections.Counter(n.meta["val"].untyped_storage()._cdata for n in placeholders
+                                     if isinstance(n.meta["val"], torch.Tensor))
         for n in placeholders:
             v = n.meta["val"]
             if isinstance(v, torch.SymInt):
                 args.append(size(v))
                 roles[n.name] = "sym"
                 continue
-            t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
+            st = v.untyped_storage()
+            if shared[st._cdata] > 1:  # saved views of one storage (the RoPE rows' cos and sin halves): one storage
+                if st._cdata not in bases:
+                    bases[st._cdata] = torch.empty(size(st.nbytes()) // v.element_size(), dtype=v.dtype)
+                t = bases[st._cdata].as_strided([size(d) for d in v.shape], [size(d) for d in v.stride()],
+                                                size(v.storage_offset()))
+            else:
+                t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
             tokens = any(isinstance(d, torch.SymInt) for d in v.shape)
-            # the dataloader's positions (int64, s b): a batch input the training loop holds, as a parameter not counted
-            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 else
+            # the dataloader's positions (an int64 s b input of the forward): a batch input the training loop holds, as
+            # a parameter not counted; the MoE's int64 saves (top-k ids, sort and token indices) are saved tensors
+            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 and
+                             n.name.startswith("primals") else
                              "tangent" if n.name.startswith("tangents") else "saved")
             live.add(t, n.name)
             args.append(t)
         params = [a for a, n in zip(args, placeholders) if roles[n.name] == "param"]  # the module holds them
-        del t, v
+        del t, v, bases
         call = namespace["Runner"](partitions=[]).call
         live.quiet = False
         outputs = call(args)
