@@ -255,14 +255,17 @@ def _drop_kernel_definitions(code: str) -> str:
 def _events(prof) -> list[tuple[int, int, int, str, int]]:
     """(time, bytes (+ allocated, - freed), address, owner, end of the innermost enclosing aten op or -1) of the
     profile's allocations in time order; the owner is the innermost enclosing autograd node (``evaluate_function:
-    ...``) or ``memplan:`` region."""
+    ...``) or ``memplan:`` region.  Inside a validation custom op (``memplan_validation::``: DeepSeek-V3's
+    ``flex_lse_backward``, FlexAttention's one backward kernel) the enclosing op is that op, whatever it calls."""
     from torch._C._profiler import _EventType
 
-    out, stack = [], [(node, node.name, -1) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    out, stack = [], [(node, node.name, -1, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node, owner, op_end = stack.pop()
+        node, owner, op_end, custom = stack.pop()
+        if not custom and node.name.startswith(("aten::", "memplan_validation::")):
+            op_end, custom = node.end_time_ns, node.name.startswith("memplan_validation::")
         stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner,
-                      node.end_time_ns if node.name.startswith("aten::") else op_end) for c in node.children)
+                      op_end, custom) for c in node.children)
         if node.typed[0] == _EventType.Allocation:
             out.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr, owner, op_end))
     return sorted(out)

@@ -12,6 +12,12 @@ are polynomials in s, b, the data-dependent part being only the grouped GEMMs' o
 input of the backward, its ``cumsum``: the replay binds no unbacked size, and the expert GEMMs run as the fake
 ``aten._grouped_mm``, their outputs sized k s b rows or E whole weights).
 
+DeepSeek-V3's stand-in attention (``flex_lse``) takes its backward as one custom op (``flex_lse_backward``), as torch's
+FlexAttention backward is one kernel: its s x s temporaries are that op's own (the measurement's scratch), the replay
+sees its dQ, dK, dV (before, Inductor decomposed the stand-in's formula and the generated backward held the s x s
+scores: not a s b + d s + c).  memplan models the Qwen3 MoE block's moments (memplan/inventory/compiled_moe_moments.py);
+DeepSeek-V3's are recorded here, not modelled yet.
+
 The replay's front leaves out the backward's token-less saved inputs (the grouped GEMMs' int32 offsets, E x 4 B, and
 route_scale, 4 B: roles "param", as for the Llama block the CPU generator state): the measured peak holds those that
 are alive at it.
