@@ -35,6 +35,7 @@ from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
 from memplan.inventory.recompute import apply_modules
 from memplan.inventory.titan import is_dsv3, titan_inventory
+from memplan.inventory.titan_async_tp import workspace_per_sequence
 from memplan.inventory.titan_dsv3 import dsv3_inventory
 from memplan.inventory.traced import traced_inventory
 from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
@@ -221,8 +222,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     same = ((inventory.terms, inventory.moments, inventory.held) == (base.terms, base.moments, base.held)
             and (training.weight_bytes, training.grad_bytes, training.activation_bytes,
                  training.master_weight_bytes) == (2, 2, 2, 0) and not model.is_moe and not model.is_mla)
+    workspace = workspace_per_sequence(model, training.activation_bytes) if training.async_tp else 0
     return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training),
-                               step_order=inventory.step_order if same else ())
+                               step_order=inventory.step_order if same else (), symm_workspace_bytes=workspace)
 
 
 def stream_checked(model: ModelSpec, impl: str, device: str, training: Any) -> bool:

@@ -434,7 +434,7 @@ TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions
               "CUDA kernels measured (the fused RMSNorm's and FlexAttention's backward, derived), the layers' backward "
               "moments under compile with float8 or the memory-budget AC (and on CUDA: triton's, derived from the CPU "
               "backend's), FSDP2's reduce-scatter overlapping the next layer's backward; "
-              "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
+              "async TP measured (its workspace and overlap derived: memplan/inventory/titan_async_tp.py), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
               "layers' backward moments with TP or CP measured (derived), attention_norm's backward moment, "
               "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers on "

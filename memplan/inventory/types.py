@@ -254,6 +254,9 @@ class Inventory:
     # memplan/inventory/step_order.py `expand`'s events) of each run traced; memplan/memory/stream_traced.py makes
     # each step of the stream from it (empty: the stream derived from the timeline, memplan/memory/stream.py)
     step_order: tuple[tuple[str, int, tuple], ...] = ()
+    # torchtitan's async TP (memplan/inventory/titan_async_tp.py): its symmetric-memory workspace per sequence before
+    # the TP split, made outside the caching allocator (memplan/memory/device.py counts it beside the runtime); 0: none
+    symm_workspace_bytes: int = 0
 
 
 HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica

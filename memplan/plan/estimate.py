@@ -17,6 +17,7 @@ from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
 from memplan.inventory.titan_float8 import notes as float8_notes
+from memplan.inventory.titan_async_tp import notes as async_tp_notes, workspace_bytes
 from memplan.inventory.titan import is_dsv3
 from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
@@ -415,6 +416,7 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
     notes += float8_notes(tr.float8, tr.compile, par.tp)
+    notes += async_tp_notes(tr.async_tp, workspace_bytes(inventory.symm_workspace_bytes, tr.micro_batch, par.tp))
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += ((dsv3_compile_notes(par.pp) if tr.compile else []) if m.is_moe and m.is_mla else

@@ -38,8 +38,8 @@ same flags, memplan/api/options.py):
               dense Llama 3 at the traced widths: F = 0, 0.1, ... below 1 whose saved set and recompute differ
               (memplan/inventory/budget_recompute.py distinct_budgets; F = 1 is the plain compiled block), each
               evaluated with its own TrainingSpec (titan_search._budgets; `SearchResult.memory_budget` per plan).
-Not searched (not modelled for torchtitan yet): async TP; more than 2 stages a rank (estimate
---pipeline-layers-per-stage).
+Not searched (not modelled for torchtitan yet): more than 2 stages a rank (estimate --pipeline-layers-per-stage).
+Async TP is a pin (--async-tp: on the compiled tp > 1 plans, `SearchResult.async_tp` per plan).
   float8      pinned (`--float8 RECIPE`, bf16 without it), or with `--float8 any` off, tensorwise and rowwise (rowwise
               only with --emit torchtitan) where the GPU has FP8 tensor cores, for a dense model without pp: each
               recipe's plans evaluated with its own TrainingSpec, as compile's (titan_search._float8_recipes;
@@ -301,4 +301,5 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,
             "gradient_accumulation": 1 if piped else config.num_microbatches,
-            **({"ep": par.ep} if config.model.is_moe else {})}
+            **({"ep": par.ep} if config.model.is_moe else {}),
+            **({"async_tp": True} if tr.async_tp else {})}  # compile.enable_async_tensor_parallel (--async-tp)

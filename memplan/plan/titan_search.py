@@ -160,7 +160,8 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
             raise MemplanError("--ac budget:F: no plan left (memory-budget AC is modelled compiled, with tp 1 and cp 1)")
     parts, done, total = [], 0, sum(len(p.t) for p, _, _, _ in sets)
     for plans, compiled, recipe, budget in sets:
-        tr = training.model_copy(update={"compile": compiled, "float8": recipe, "memory_budget": budget})
+        tr = training.model_copy(update={"compile": compiled, "float8": recipe, "memory_budget": budget,
+                                         "async_tp": training.async_tp and compiled})  # with tp > 1 only: device.py
         check_int64(model, tr, int(plans.b.max()), IMPL, gpu, margin)
         parts.append(evaluate(model, tr, plans, gpu, global_batch, IMPL, margin))
         done += len(plans.t)
@@ -171,6 +172,8 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
                     host_budget_bytes, start)
     result.compiled = np.concatenate([np.full(len(p.t), c) for p, c, _, _ in sets])
+    if training.async_tp:  # --async-tp: on the compiled plans with a TP mesh (torchtitan does nothing without one)
+        result.async_tp = result.compiled & (np.asarray(plans.t) > 1)
     if pins.float8 == FLOAT8_ANY:
         result.float8 = np.concatenate([np.full(len(p.t), r or "", dtype=object) for p, _, r, _ in sets])
     if budgets:
@@ -178,8 +181,11 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), the "
-                                 "multi-stage schedules at 2 stages a rank only (torchtitan's default)"
+    result.notes.extend(notes + [("torchtitan: async TP (--async-tp) on every compiled plan with tp > 1: its "
+                                  "symmetric-memory workspace outside the caching allocator and TP's collectives "
+                                  "overlapped with their matmuls, derived from torch 2.13's code, uncalibrated; "
+                                  if training.async_tp else "torchtitan: async TP is a pin (--async-tp), not searched; ")
+                                 + "the multi-stage schedules at 2 stages a rank only (torchtitan's default)"
                                  + ("" if pins.float8 == FLOAT8_ANY else "; float8 is a pin (--float8 RECIPE; "
                                     "--float8 any searches it)")])
     if np.any(np.asarray(plans.p) > 1):
