@@ -27,6 +27,7 @@ The CUDA backend (triton) fuses differently and its sdpa is FlexAttention's: nei
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -44,9 +45,11 @@ SHAPE = Shape(h=WIDTHS["torchtitan"]["h"], a=WIDTHS["torchtitan"]["a"], g=WIDTHS
 S_TRACE, B_TRACE = 24, 3  # the compile's hints (a dynamic kernel: later shapes reuse it)
 
 
-def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
+def compile_block(ac: str, shape: Shape = SHAPE, block=None) -> dict:
     """The block compiled with Inductor (dynamic s, b), run once at S_TRACE, B_TRACE: ``compiled``, ``block`` and the
-    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule)."""
+    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule).  ``block``: another
+    block already wrapped for ``ac`` (validation/compiled_moe_backward.py: the Qwen3 MoE and DeepSeek-V3 blocks),
+    called the same way (x, None, positions); ``shape.h`` its width."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if ac not in AC_MODES:
@@ -54,15 +57,13 @@ def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
     warnings.filterwarnings("ignore")
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = build_block(shape, ac).train()
+    block = (build_block(shape, ac) if block is None else block).train()
     out: dict = {"block": block}
 
     def inner(gm, example_inputs, **kw):
         compiled = compile_fx_inner(gm, example_inputs, **kw)
         if kw.get("is_backward"):
             out["source"], out["graph"] = compiled.source_code, gm
-        else:
-            out["forward"] = gm  # which saved tensors are views of one storage (``replay``)
         return compiled
 
     out["compiled"] = torch.compile(block, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner),
@@ -83,6 +84,7 @@ def _config(ac: str):
     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     stack.enter_context(torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=ac != "none"))
+    stack.enter_context(torch._dynamo.config.patch(capture_scalar_outputs=True))  # the MoE's token dispatch
     return stack
 
 
@@ -133,22 +135,27 @@ class _Live(TorchDispatchMode):
 
 
 class _Kernels:
-    """extern_kernels and the fused kernels: no work, a sample each."""
+    """extern_kernels and the fused kernels: no work, a sample each; an extern kernel that returns its output (no
+    ``out=``: the MoE's ``_grouped_mm``) runs as its aten op on the fake tensors (its output then a buffer)."""
 
     def __init__(self, live: _Live) -> None:
         self.live = live
 
     def __getattr__(self, name: str):
-        return lambda *a, **k: self.live.sample(name)
+        def run(*a, **k):
+            if "out" in k or name.startswith("cpp_") or not hasattr(torch.ops.aten, name):
+                return self.live.sample(name)
+            return getattr(torch.ops.aten, name)(*a, **k)
+
+        return run
 
 
-def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5, forward=None) -> tuple[list, dict]:
+def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
     """Run the generated backward ``source`` under FakeTensorMode with s, b symbolic (module docstring): the samples
     [(after what, ((name, dtype, bytes as a sympy polynomial in s, b), ...))] and {input name: its role} (the saved
     tensors by their forward node names: "saved"; the incoming gradient: "tangent"; the dataloader's positions, which
-    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others).  ``forward``: the forward
-    graph, whose saved tensors that are views of one storage (Qwen3's cos and sin rows, two slices of one gather) are
-    made as views of one storage of their base's size (validation/compiled.py ``_base``)."""
+    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others).  Saved tensors that are views
+    of one storage (Qwen3's cos and sin rows, two slices of one gather) are made as views of one storage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace_poly import symbolic_sizes
@@ -182,28 +189,31 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5, forward=None)
     namespace.update(extern_kernels=kernels, assert_size_stride=lambda *a: None, assert_alignment=lambda *a: None,
                      empty_strided_cpu=lambda size_, stride, dtype: torch.empty_strided(size_, stride, dtype=dtype),
                      reinterpret_tensor=lambda t, size_, stride, offset: t.as_strided(size_, stride, offset))
-    roles, shared = {}, _shared_bases(forward, {n.name for n in placeholders})
+    roles = {}
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), live, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args, bases = [], {}
+        shared = collections.Counter(n.meta["val"].untyped_storage()._cdata for n in placeholders
+                                     if isinstance(n.meta["val"], torch.Tensor))
         for n in placeholders:
             v = n.meta["val"]
             if isinstance(v, torch.SymInt):
                 args.append(size(v))
                 roles[n.name] = "sym"
                 continue
-            if n.name in shared:  # one storage of the base's size, this input a view of it
-                base = shared[n.name].meta["val"]
-                if shared[n.name] not in bases:
-                    bases[shared[n.name]] = torch.empty_strided([size(d) for d in base.shape],
-                                                                [size(d) for d in base.stride()], dtype=base.dtype)
-                t = bases[shared[n.name]].as_strided([size(d) for d in v.shape], [size(d) for d in v.stride()],
-                                                     size(v.storage_offset()))
+            st = v.untyped_storage()
+            if shared[st._cdata] > 1:  # saved views of one storage (the RoPE rows' cos and sin halves): one storage
+                if st._cdata not in bases:
+                    bases[st._cdata] = torch.empty(size(st.nbytes()) // v.element_size(), dtype=v.dtype)
+                t = bases[st._cdata].as_strided([size(d) for d in v.shape], [size(d) for d in v.stride()],
+                                                size(v.storage_offset()))
             else:
                 t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
             tokens = any(isinstance(d, torch.SymInt) for d in v.shape)
-            # the dataloader's positions (int64, s b): a batch input the training loop holds, as a parameter not counted
-            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 else
+            # the dataloader's positions (an int64 s b input of the forward): a batch input the training loop holds, as
+            # a parameter not counted; the MoE's int64 saves (top-k ids, sort and token indices) are saved tensors
+            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 and
+                             n.name.startswith("primals") else
                              "tangent" if n.name.startswith("tangents") else "saved")
             live.add(t, n.name)
             args.append(t)
@@ -216,20 +226,6 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5, forward=None)
     samples = [(at, tuple((name, dtype, sympy.expand(_poly(nbytes, names))) for name, dtype, nbytes in items))
                for at, items in live.samples]
     return samples, roles
-
-
-def _shared_bases(forward, inputs: set) -> dict:
-    """{backward input name: its forward base node} for the saved tensors (forward outputs named as the backward's
-    inputs) two or more of which view one storage."""
-    from .compiled import _base
-
-    if forward is None:
-        return {}
-    outputs = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if getattr(n, "name", None) in inputs]
-    by_base: dict = {}
-    for n in outputs:
-        by_base.setdefault(_base(n), []).append(n.name)
-    return {name: base for base, names in by_base.items() if len(names) > 1 for name in names}
 
 
 def _poly(nbytes, names: dict) -> sympy.Expr:
@@ -261,13 +257,15 @@ def _events(prof) -> list[tuple[int, int, int, str, int]]:
     """(time, bytes (+ allocated, - freed), address, owner, end of the outermost enclosing aten op or -1) of the
     profile's allocations in time order; the owner is the innermost enclosing autograd node (``evaluate_function:
     ...``) or ``memplan:`` region.  The outermost op: sdpa's CPU backward allocates its own buffers inside nested aten
-    ops and frees them before it returns (its scratch; seen at the Qwen3 block's peak, tests/test_compiled_qwen3.py)."""
+    ops and frees them before it returns (its scratch; seen at the Qwen3 block's peak, tests/test_compiled_qwen3.py);
+    inside a validation custom op (``memplan_validation::``: DeepSeek-V3's ``flex_lse_backward``, FlexAttention's one
+    backward kernel) that op, whatever it calls."""
     from torch._C._profiler import _EventType
 
     out, stack = [], [(node, node.name, -1) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, owner, op_end = stack.pop()
-        outer = node.name.startswith("aten::") and op_end == -1
+        outer = node.name.startswith(("aten::", "memplan_validation::")) and op_end == -1
         stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner,
                       node.end_time_ns if outer else op_end) for c in node.children)
         if node.typed[0] == _EventType.Allocation:
@@ -374,7 +372,7 @@ def record(path: str, shapes: tuple[Shape, ...] = SHAPES) -> None:
         for ac in AC_MODES:
             c = compile_block(ac, shape)
             measured = [{"s": s, "b": b, **measure(c["compiled"], shape.h, s, b, ac)} for s, b in SIZES]
-            samples, roles = replay(c["source"], c["graph"], forward=c["forward"])
+            samples, roles = replay(c["source"], c["graph"])
             rows = {(r["a"], r["d"], r["c"]): r for r in front(samples, roles)}  # one per distinct (a, d, c)
             qwen3 = dict(qwen3=True, d=shape.d) if shape.qwen3 else {}
             cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f, **qwen3),

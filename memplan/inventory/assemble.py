@@ -13,7 +13,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import echo
 from memplan.core.training import Recompute
 from memplan.inventory import compiled as compiled_layer  # by module: tests take a term out of it
-from memplan.inventory import compiled_dsv3, compiled_moe  # by module: tests take a term out of them
+from memplan.inventory import compiled_dsv3, compiled_moe, compiled_moe_moments  # by module: tests patch them
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import hf_trainer  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
@@ -198,6 +198,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile and model.is_moe:  # torch.compile'd MoE blocks (traced from the partitioner)
         inventory = (compiled_dsv3 if model.is_mla else compiled_moe).apply(inventory, model, device)
+        if not model.is_mla:  # the compiled Qwen3 MoE block's backward moments (measured on CPU)
+            inventory = compiled_moe_moments.apply(inventory, model, device, training.recompute,
+                                                   getattr(training, "recompute_num_layers", None) is not None)
     elif training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
         inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks,
                                          training.memory_budget, training.recompute,

@@ -120,6 +120,15 @@ def held_inputs(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[T
         transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD),)
 
 
+def moe_parts(model: ModelSpec) -> tuple[tuple[tuple[str, str, bool], ...], int]:
+    """A Qwen3 MoE layer's matrices as FSDP2 reduce-scatters them (the attention's, / t; the routed experts', E / ep
+    of them, / etp; the router gate's, whole) and its norms' elements."""
+    h, q, d = model.hidden_size, model.q, model.q // model.num_attention_heads
+    attn = q * h + 2 * model.g * d * h + q * h
+    return ((("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False)),
+            2 * h + (2 * d if model.qk_norm else 0))
+
+
 def weight_grads(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
     return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", elements, tp=tp,
                      src=src)
@@ -137,8 +146,8 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
     dy = residual_grad(h)
     attn = q * h + 2 * g * d * h + q * h
     norms = 2 * h + (2 * d if model.qk_norm else 0)
-    if moe:  # the attention's matrices (/ t), the routed experts' (E / ep of them, / etp), the router gate (whole)
-        parts = (("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False))
+    if moe:
+        parts, norms = moe_parts(model)
         ffn_grads = (weight_grads("grad_experts_weights", "the routed experts' w1, w2, w3 gradients", EXPERTS,
                                   False, MOE_TRACED),
                      weight_grads("grad_gate_weight", "the router gate's weight gradient",

@@ -395,6 +395,10 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "torchtitan: the compiled blocks' backward moments measured on CPU from Inductor's generated "
                      "backward (memplan/inventory/compiled_moments.py; TP, CUDA's triton kernels and FSDP2's "
                      "reduce-scatter derived), the loss's derived" if "compiled_swiglu" in ids else
+                     "torchtitan: the compiled Qwen3 MoE blocks' backward moments at their experts measured on CPU "
+                     "from Inductor's generated backward (memplan/inventory/compiled_moe_moments.py; CUDA's triton "
+                     "kernels and FSDP2's reduce-scatter derived), the loss's derived"
+                     if any(i.startswith("compiled_moe_") for i in ids) else
                      "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
                      "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
                      "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
