@@ -57,12 +57,12 @@ def memplan_moments(shape: Shape, ac: str, s: int, b: int) -> dict[str, int]:
     layer = [t for t in inv.terms if t.scope == "layer" and not t.needs_tp and not t.needs_cp]
     out = {}
     for m in inv.moments:
-        if m.scope != "layer" or m.id == "fsdp_reduce_scatter":
+        if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):
             continue
         kept = [t for t in layer if t.id not in m.freed
                 and (t.kept(MODES[ac]) or t.kept(Recompute.NONE))]
         out[m.id] = sum(_bytes(t, s, b) for t in kept) + sum(_bytes(t, s, b) for t in m.transients
-                                                             if not t.id.startswith("rs_held"))
+                                                             if not t.id.startswith("rs_held") and not t.needs_tp)
     return out
 
 
@@ -89,7 +89,7 @@ def test_llama3_8b_moments_on_cuda():
     # no composite RMSNorm backward on CUDA; FlexAttention's fp32 delta (4a per token) in the attention moment
     inv = titan_inventory(load_model("llama3-8b").model, "cuda")
     ids = [m.id for m in inv.moments if m.scope == "layer"]
-    assert ids == ["swiglu_backward", "attention_backward", "fsdp_reduce_scatter"]
+    assert ids == ["rerun_w2_reduce_scatter", "swiglu_backward", "attention_backward", "fsdp_reduce_scatter"]
     delta = next(t for m in inv.moments if m.id == "attention_backward" for t in m.transients if t.id == "flex_delta")
     assert _bytes(delta, 1, 1) == 4 * 32
     # FSDP2's reduce-scatter: 6 B per parameter of the layer (bf16 gradients + their fp32 copy): 218,112,000

@@ -94,6 +94,8 @@ TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live stor
           "(tests/test_titan_moments.py), and traced under FakeTensorMode with s and b symbolic "
           "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
+TP_CP_MEASURED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, on 2 gloo ranks under TP 2 and CP 2 "
+                  "(validation/titan_tp_moments.py, tests/test_titan_tp_moments.py)")
 MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, balanced routing, live storages after "
               "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py); TP, CP and CUDA "
               "derived")
@@ -115,14 +117,16 @@ def held_inputs(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[T
     return tuple(transient(RS_HELD_ID + suffix, "FSDP2's fp32 reduce-scatter input of the layer back-propagated "
                            "before, kept until this one's post-backward (at a stage's last layer the final norm + LM "
                            "head's: memory/timeline.py)" + (f" ({suffix[1:]})" if suffix else ""), elements, "fp32",
-                           tp=tp, src=RS_HELD if not suffix else f"{RS_HELD}; the MoE layer's parts {DERIVED_MOE}")
+                           tp=tp, src=RS_HELD if not suffix else f"{RS_HELD}; the MoE layer's parts {DERIVED_MOE}",
+                           tokenless=True)
                  for suffix, elements, tp in parts) + (
-        transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD),)
+        transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD,
+                  tokenless=True),)
 
 
 def weight_grads(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
     return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", elements, tp=tp,
-                     src=src)
+                     src=src, tokenless=True)
 
 
 def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) -> tuple[Moment, ...]:
@@ -149,7 +153,8 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
         parts = (("", f"{attn + 3 * h * f}", True),)
         ffn_grads = (weight_grads("grad_ffn_weights", "the gradients of w1, w2, w3", f"{3 * h * f}"),)
         wo = ()
-        moments = [swiglu_moment(h, f, dy, handed_on)]
+        # under TP a re-run layer's recomputed forward ends with w2's reduce-scatter, before the SwiGLU's backward
+        moments = [rerun_w2_moment(h, dy, handed_on), swiglu_moment(h, f, dy, handed_on)]
     held = held_inputs(parts, norms)
     moments = [dataclasses.replace(m, transients=m.transients + held) for m in moments]
     norm_grad = weight_grads("grad_ffn_norm_weight", "ffn_norm's weight gradient", f"{h}", tp=False)
@@ -157,6 +162,13 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
     if device == "cpu":  # torch's composite CPU F.rms_norm: its backward's fp32 temporaries
         moments.append(ffn_norm_moment(h, dy, ffn_grads + (norm_grad,) + held,
                                        tuple(i for i in ffn if i != "ffn_norm.x_fp32") + handed_on, src))
+        if not moe:  # attention_norm's, the layer's last: every weight gradient made (the MoE's: not modelled)
+            every = (weight_grads("grad_layer_weights", "every matrix's gradient (wqkv, wo, w1, w2, w3)",
+                                  f"{attn + 3 * h * f}", src=TP_CP_MEASURED),
+                     weight_grads("grad_layer_norm_weights", "the norms' weight gradients", f"{norms}", tp=False,
+                                  src=TP_CP_MEASURED))
+            moments.append(ffn_norm_moment(h, dy, every + held, tuple(i for i in ids if i not in ("attention_norm.x_fp32", "input"))
+                                           + handed_on, TP_CP_MEASURED, "attention_norm_backward"))
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
                  transient("grad_q", "dQ of the attention backward", f"{q} s b", tp=True, src=TRACED),
@@ -171,6 +183,31 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
                           "layer", attention + held, ffn + handed_on, source=src))
     moments.append(reduce_scatter_moment(h, parts, norms, ids))
     return tuple(moments)
+
+
+def rerun_w2_moment(h: int, dy: Term, handed_on: tuple[str, ...]) -> Moment:
+    """TP (sequence parallel) in a re-run layer (full, selective-op): the recomputed forward's last op, w2's
+    reduce-scatter to the sequence, with every tensor none keeps re-made (selective-op's cached outputs handed on
+    as they are re-used), beside the incoming gradient and its all-gather over the sequence (w2's backward's, made
+    before the recompute), the residual stream after the attention and ffn_norm's sequence-sharded output (the
+    block's forward holds both while the FFN runs), w2's partial sums over the whole sequence, their copy in chunks
+    for the reduce-scatter (DTensor's Shard(1): split + cat) and the reduce-scatter's output and its autograd
+    wrapper.  Measured on 2 gloo ranks (validation/titan_tp_moments.py)."""
+    def tp_only(id: str, name: str, elements: str, sp: bool = True, storages: int = 1) -> Term:
+        return dataclasses.replace(transient(id, name, elements, sp=sp, src=TP_CP_MEASURED, storages=storages),
+                                   needs_tp=True)
+
+    return Moment("rerun_w2_reduce_scatter", "layer backward, the recomputed forward: w2's reduce-scatter (TP)",
+                  "backward", "layer", (
+                      dy, tp_only("rerun_grad_gathered", "the incoming gradient all-gathered over the sequence",
+                                  f"{h} s b", sp=False),
+                      tp_only("rerun_residual", "the residual stream after the attention, and ffn_norm's "
+                              "sequence-sharded output", f"{2 * h} s b", storages=2),
+                      tp_only("rerun_w2_partial", "w2's partial sums over the whole sequence and their copy in "
+                              "chunks for the reduce-scatter", f"{2 * h} s b", sp=False, storages=2),
+                      tp_only("rerun_w2_rs", "the reduce-scatter's output and its autograd wrapper", f"{2 * h} s b",
+                              storages=2)),
+                  handed_on, source=TP_CP_MEASURED, applies="rerun")
 
 
 def residual_grad(h: int) -> Term:
@@ -201,16 +238,19 @@ def reduce_scatter_moment(h: int, parts: tuple[tuple[str, str, bool], ...], norm
                           ids: tuple[str, ...]) -> Moment:
     """FSDP2's reduce-scatter ending a layer's backward (module docstring): ``parts`` the layer's matrices."""
     grads = tuple(transient("grad_layer" + suffix, "the layer's unsharded gradients (bf16)" + (
-        f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED) for suffix, elements, tp in parts)
+        f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED, tokenless=True)
+        for suffix, elements, tp in parts)
     copies = tuple(transient("reduce_scatter_input" + suffix, "FSDP2's fp32 reduce-scatter input of them" + (
-        f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED) for suffix, elements, tp in parts)
+        f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED, tokenless=True)
+        for suffix, elements, tp in parts)
     return Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients", "backward", "layer", (
         transient("grad_input", "gradient of the layer input (sequence-sharded under TP)", f"{h} s b", sp=True,
                   src=DERIVED),
         *grads[:1],
-        transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED),
+        transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED, tokenless=True),
         *copies[:1],
-        transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}", "fp32", src=DERIVED),
+        transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}", "fp32", src=DERIVED,
+                  tokenless=True),
         *grads[1:], *copies[1:]), ids, source=DERIVED)
 
 
