@@ -98,7 +98,7 @@ def test_cp_weight_gradients_whole():
     inv = titan_inventory(tiny(Shape()), "cpu")
     values = {"s": 32, "b": 2, "t": 1, "cp": 2, "ep": 1, "etp": 1}
     grads = {x.id: x.bytes(values, 2, 1) for m in inv.moments if m.scope == "layer" for x in m.transients}
-    assert grads["grad_ffn_weights"] == 61440 and grads["grad_layer_weights"] == 86016
+    assert grads["grad_ffn_weights"] == 61440 and grads["grad_layer"] == 86016
 
 
 SLOW = pytest.mark.skipif(not os.environ.get("MEMPLAN_TITAN_SLOW"), reason="set MEMPLAN_TITAN_SLOW=1 to run")

@@ -30,8 +30,19 @@ FSDP2's post-backward reduce-scatters them (torch .grad in the harness, FSDP2's 
   (derived from torch 2.13's code: on CPU without FSDP2 nothing is reduce-scattered).  Its overlap with the next
   layer's backward on a GPU (the reduce-scatter stream) is not modelled.
 
-TP (derived): heads, FFN columns and weight gradients / t, the residual gradient sequence-sharded; CP (derived):
-dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-scattered afterwards).
+* ``attention_norm_backward`` (CPU kernels only): the same composite backward of attention_norm, the layer's last,
+  every weight gradient made (wqkv, wo, w1, w2, w3 and the norms'), every save but its fp32 input freed (the block
+  input kept by a checkpoint stays): the peak under CP, where each rank's tokens are few beside the whole weights;
+* ``rerun_w2_reduce_scatter`` (TP, a re-run layer: full, selective-op): the recomputed forward's last op, w2's
+  reduce-scatter to the sequence (``rerun_w2_moment``): the peak of a re-run layer at TP 2 at every shape measured.
+
+TP (sequence parallel) and CP measured per rank on 2 gloo ranks with torchtitan's own parallelize code
+(validation/titan_tp_moments.py, recorded in tests/data/titan_tp_moments.json, tests/test_titan_tp_moments.py: 3
+shapes x 3 AC modes each, every moment's bytes and each rank's peak byte for byte): under TP heads, FFN columns and
+weight gradients / t, the residual gradient sequence-sharded, the norms' weight gradients whole; under CP every
+token-sized term / cp but dK and dV, the whole sequence's (the all-gathered K and V's gradients, reduce-scattered
+afterwards), and the weight gradients whole (``tokenless``: a CP rank holds every weight).  TP with CP together, the
+Qwen3 MoE layer's under TP or CP: derived.
 
 torchtitan's Qwen3 MoE layer (``moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
 validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
@@ -162,17 +173,10 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
     if device == "cpu":  # torch's composite CPU F.rms_norm: its backward's fp32 temporaries
         moments.append(ffn_norm_moment(h, dy, ffn_grads + (norm_grad,) + held,
                                        tuple(i for i in ffn if i != "ffn_norm.x_fp32") + handed_on, src))
-        if not moe:  # attention_norm's, the layer's last: every weight gradient made (the MoE's: not modelled)
-            every = (weight_grads("grad_layer_weights", "every matrix's gradient (wqkv, wo, w1, w2, w3)",
-                                  f"{attn + 3 * h * f}", src=TP_CP_MEASURED),
-                     weight_grads("grad_layer_norm_weights", "the norms' weight gradients", f"{norms}", tp=False,
-                                  src=TP_CP_MEASURED))
-            moments.append(ffn_norm_moment(h, dy, every + held, tuple(i for i in ids if i not in ("attention_norm.x_fp32", "input"))
-                                           + handed_on, TP_CP_MEASURED, "attention_norm_backward"))
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
                  transient("grad_q", "dQ of the attention backward", f"{q} s b", tp=True, src=TRACED),
-                 transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP: derived)",
+                 transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP)",
                            f"{2 * g * d} cp s b", tp=True, src=TRACED, storages=2))
     attention += (wo + ffn_grads if moe else (weight_grads("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo",
                                                        f"{3 * h * f + q * h}"),)) + (norm_grad,)
@@ -181,6 +185,15 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
                           "layer", attention + held, ffn + handed_on, source=src))
+    if device == "cpu" and not moe:  # attention_norm's, the layer's last: every weight gradient made (MoE: not
+        # modelled); the ids of the reduce-scatter moment's gradients, the same tensors (memory/stream_fsdp.py WGRADS)
+        every = (weight_grads("grad_layer", "every matrix's gradient (wqkv, wo, w1, w2, w3)",
+                              f"{attn + 3 * h * f}", src=TP_CP_MEASURED),
+                 weight_grads("grad_layer_norms", "the norms' weight gradients", f"{norms}", tp=False,
+                              src=TP_CP_MEASURED))
+        last = tuple(i for i in ids if i not in ("attention_norm.x_fp32", "input")) + handed_on
+        moments.append(ffn_norm_moment(h, dy, every + held, last, TP_CP_MEASURED, "attention_norm_backward",
+                                       "attention_norm"))
     moments.append(reduce_scatter_moment(h, parts, norms, ids))
     return tuple(moments)
 
@@ -226,10 +239,10 @@ def swiglu_moment(h: int, f: int, dy: Term, handed_on: tuple[str, ...], id: str 
 
 
 def ffn_norm_moment(h: int, dy: Term, made: tuple[Term, ...], freed: tuple[str, ...], src: str,
-                    id: str = "ffn_norm_backward") -> Moment:
+                    id: str = "ffn_norm_backward", norm: str = "ffn_norm") -> Moment:
     """ffn_norm's composite CPU backward: its five fp32 h-wide tensors beside ``made`` (the weight gradients, the held
     reduce-scatter input)."""
-    return Moment(id, "layer backward: ffn_norm's composite backward (fp32, CPU kernels)", "backward", "layer",
+    return Moment(id, f"layer backward: {norm}'s composite backward (fp32, CPU kernels)", "backward", "layer",
                   (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
                                  f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5)) + made, freed, source=src)
 

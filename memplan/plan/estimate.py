@@ -394,8 +394,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "torchtitan: the compiled blocks' backward moments measured on CPU from Inductor's generated "
                      "backward (memplan/inventory/compiled_moments.py; TP, CUDA's triton kernels and FSDP2's "
                      "reduce-scatter derived), the loss's derived" if "compiled_swiglu" in ids else
-                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
-                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
+                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block, and "
+                     "measured per rank on 2 gloo ranks under TP 2 and CP 2 (TP with CP, CUDA kernels and FSDP2's "
+                     "reduce-scatter derived), the loss's derived" if ids else
                      "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
                      "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
