@@ -110,5 +110,10 @@ def test_remeasured_equals_recorded():
     from validation.titan_tp_moments import record
 
     fresh = record(DATA["s"], DATA["b"])
-    assert fresh == DATA
+    # each rank's peak and the bytes at memplan's moments (a free of a collective's tensor may move by an op between
+    # runs: gloo's worker thread drops them, tests/test_titan_alloc.py)
+    for kind, k in CASES:
+        new, old = fresh[kind][k], DATA[kind][k]
+        assert (new["ac"], new["shape"], new["bytes"]) == (old["ac"], old["shape"], old["bytes"])
+        assert measured_points(new["samples"], kind, new["ac"]) == measured_points(old["samples"], kind, old["ac"])
     assert {c["ac"] for c in fresh["tp"]} == set(AC_MODES)
