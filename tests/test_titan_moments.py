@@ -124,15 +124,15 @@ MOE_SHAPES = (MoeShape(), MoeShape(fe=64, E=16))  # h 64, a 4, g 2, d 16, top-2;
 MOE_SIZES = ((32, 2), (32, 1))  # the second: fewer tokens beside the experts' weights (their gradients' moment peaks)
 
 
-def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1) -> dict[str, int]:
+def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1, cp: int = 1) -> dict[str, int]:
     """``memplan_moments`` for torchtitan's Qwen3 MoE layer at ``shape`` (tp 1; ``ep`` ranks, the rank's E / ep
-    experts)."""
+    experts; ``cp`` ranks, the rank's s / cp tokens: tests/test_titan_tp_moments.py)."""
     spec = load_model("qwen3-30b-a3b").model.model_copy(update=dict(
         hidden_size=shape.h, num_attention_heads=shape.a, num_kv_heads=shape.g, head_dim=shape.d,
         num_experts=shape.E, moe_top_k=shape.k, moe_ffn_hidden_size=shape.fe, seq_length=s, num_layers=1))
     inv = titan_inventory(spec, "cpu")
-    values = spec.symbols(b=b, t=1, cp=1, ep=ep, etp=1)
-    layer = [t for t in inv.terms if t.scope == "layer"]
+    values = spec.symbols(b=b, t=1, cp=cp, ep=ep, etp=1)
+    layer = [t for t in inv.terms if t.scope == "layer" and t.exists_at_cp(cp)]
     out = {}
     for m in inv.moments:
         if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):

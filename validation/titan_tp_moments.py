@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import torch
 
@@ -75,22 +76,26 @@ def tp_moments_rank(rank: int, world: int, cases: list, s: int, b: int, detail: 
 
 def cp_moments_rank(rank: int, world: int, cases: list, s: int, b: int, detail: bool = False) -> list[dict]:
     """On this rank of a CP group of ``world``: ``measure_block_moments`` of each (Shape, ac) case, the rank's s /
-    world tokens of each of b sequences of s."""
+    world tokens of each of b sequences of s; a MoeShape: torchtitan's Qwen3 MoE block (validation/titan_moe.py,
+    balanced routing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
     from torchtitan.models.common.attention import FlexAttention
 
     from .titan_cp import _flex_as_cpu_sdpa
+    from .titan_moe import MoeShape, build_moe_block, wrap_ac
 
     mesh = init_device_mesh("cpu", (world,))
     local = s // world
     mask = create_block_mask(lambda b_, h_, q, kv: q >= kv, None, None, local, s, device="cpu")
     out = []
-    with _flex_as_cpu_sdpa():
+    with _flex_as_cpu_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast refuses the MoE router's fp32 (validation/titan_moe.py)
         for shape, ac in cases:
             torch.manual_seed(0)
-            block = build_block(shape, ac, flex=True)
+            block = (wrap_ac(build_moe_block(shape, True, flex=True), ac) if isinstance(shape, MoeShape)
+                     else build_block(shape, ac, flex=True))
             apply_cp_to_forward([m for m in block.modules() if isinstance(m, FlexAttention)], mesh)
             m = measure_block_moments(block, shape.h, local, b, mask=mask, detail=detail)
             out.append({k: m[k] for k in KEYS + (("rows",) if detail else ())})
@@ -115,15 +120,22 @@ SHAPES = (Shape(h=64, a=4, g=2, f=160), Shape(h=64, a=4, g=2, f=224), Shape(h=12
 
 
 def record(s: int = 32, b: int = 2) -> dict:
-    """Every shape and AC mode under TP 2 and CP 2 (rank 0's samples; each rank's largest moment)."""
+    """Every shape and AC mode under TP 2 and CP 2, and the Qwen3 MoE block's AC modes under CP 2 (rank 0's samples;
+    each rank's largest moment)."""
     cases = [(shape, ac) for shape in SHAPES for ac in AC_MODES]
     out: dict = {"command": COMMAND, "s": s, "b": b, "world": 2, "shapes": [[x.h, x.a, x.g, x.f] for x in SHAPES]}
     for name, fn in (("tp", measure_tp_moments), ("cp", measure_cp_moments)):
         ranks = fn(cases, s, b)
-        out[name] = [{"ac": ac, "shape": k // len(AC_MODES), "bytes": [r[k]["bytes"] for r in ranks],
-                      "at": ranks[0][k]["at"], "samples": [list(x) for x in ranks[0][k]["samples"]]}
-                     for k, (_, ac) in enumerate(cases)]
+        out[name] = _rows(ranks, cases)
+    from .titan_moe import MoeShape  # torchtitan's Qwen3 MoE block under CP 2 (MoeShape(): h 64, E 8, top-2)
+    moe = [(MoeShape(), ac) for ac in AC_MODES]
+    out["cp_moe"] = _rows(measure_cp_moments(moe, s, b), moe)
     return out
+
+
+def _rows(ranks: list, cases: list) -> list[dict]:
+    return [{"ac": ac, "shape": k // len(AC_MODES), "bytes": [r[k]["bytes"] for r in ranks], "at": ranks[0][k]["at"],
+             "samples": [list(x) for x in ranks[0][k]["samples"]]} for k, (_, ac) in enumerate(cases)]
 
 
 COMMAND = "PYTHONPATH=. python -m validation.titan_tp_moments > tests/data/titan_tp_moments.json"

@@ -436,7 +436,7 @@ TITAN_LEFT = ("FlexAttention's block masks built from the dataloader's positions
               "backend's), FSDP2's reduce-scatter overlapping the next layer's backward; "
               "async TP (its symmetric-memory workspace derived in docs/torchtitan.md: needs compile with TP), "
               "Qwen3 MoE compiled with EP, TP or CP or with float8, its uneven routing (balanced modelled), its "
-              "layers' backward moments with TP or CP measured (derived; the dense Llama 3 layer's measured per rank at TP 2 and "
+              "layers' backward moments with TP measured (derived; CP 2 measured, as the dense Llama 3 layer's at TP 2 and at "
               "CP 2, not both together), its attention_norm's backward moment (the dense layer's modelled), "
               "DeepSeek-V3 compiled, with float8 or with the split-backward pipeline schedules (and its MTP layers on "
               "CUDA measured, their FLOPs' step time calibrated, its 16B / 236B flavours' router options, "

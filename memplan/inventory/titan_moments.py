@@ -41,8 +41,9 @@ TP (sequence parallel) and CP measured per rank on 2 gloo ranks with torchtitan'
 shapes x 3 AC modes each, every moment's bytes and each rank's peak byte for byte): under TP heads, FFN columns and
 weight gradients / t, the residual gradient sequence-sharded, the norms' weight gradients whole; under CP every
 token-sized term / cp but dK and dV, the whole sequence's (the all-gathered K and V's gradients, reduce-scattered
-afterwards), and the weight gradients whole (``tokenless``: a CP rank holds every weight).  TP with CP together, the
-Qwen3 MoE layer's under TP or CP: derived.
+afterwards), and the weight gradients whole (``tokenless``: a CP rank holds every weight).  The Qwen3 MoE layer's
+under CP 2 measured the same way (its AC modes, the checks of tests/test_titan_moments.py); TP with CP together and
+the Qwen3 MoE layer's under TP: derived.
 
 torchtitan's Qwen3 MoE layer (``moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
 validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
@@ -82,7 +83,8 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
 Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
 with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. Under TP
 at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep > 1 the rank's s b
-/ t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores) derived. Not modelled:
+/ t (``etp_gathered``, as titan_moe.py's terms); CP measured on 2 gloo ranks at cp 2 (tests/test_titan_tp_moments.py);
+TP and CUDA (the router's fp32 scores) derived. Not modelled:
 attention_norm's backward (every weight gradient made; above these where tokens are few, measured at E 16, s 8,
 where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E). DeepSeek-V3's
 layers: memplan/inventory/titan_dsv3_moments.py, built from these.
@@ -108,8 +110,8 @@ DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
 TP_CP_MEASURED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, on 2 gloo ranks under TP 2 and CP 2 "
                   "(validation/titan_tp_moments.py, tests/test_titan_tp_moments.py)")
 MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, balanced routing, live storages after "
-              "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py); TP, CP and CUDA "
-              "derived")
+              "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py) and at cp 2 "
+              "(tests/test_titan_tp_moments.py); TP and CUDA derived")
 DERIVED_MOE = "derived (torch 2.13's per-parameter-group post_backward with EP: not measured)"
 # the routed experts' weight gradients on a rank: E / ep experts, their hidden dim / etp (titan_moe.py moe_etp)
 EXPERTS = "3 E h fe /ep /etp"
