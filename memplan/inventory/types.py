@@ -199,10 +199,11 @@ class Moment:
 
 
 def transient(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False,
-              storages=1):
-    """A transient tensor (a Term that no backward keeps; `storages`: the separate equal tensors it is made of)."""
+              storages=1, tokenless=False):
+    """A transient tensor (a Term that no backward keeps; `storages`: the separate equal tensors it is made of;
+    `tokenless`: no token dimension, a weight's gradient: context parallelism keeps it whole)."""
     return saved(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src,
-              needs_cp=needs_cp, storages=storages)
+              needs_cp=needs_cp, storages=storages, tokenless=tokenless)
 
 
 # Parameter groups (memplan/memory/states.py) by role.

@@ -390,8 +390,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      ("torchtitan: the decoder layers' backward moments measured on CPU from its Qwen3 MoE block "
                       "(balanced routing; the combine's fp32 score multiply, the experts' grouped GEMMs, the norms and "
                       "the attention, under full / selective-op AC the recomputed forward's combine: "
-                      "memplan/inventory/titan_moments.py; EP measured on 2 ranks over gloo; TP, CP, CUDA kernels and "
-                      "FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
+                      "memplan/inventory/titan_moments.py; EP and CP measured on 2 ranks over gloo; TP, CUDA kernels "
+                      "and FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
                      "torchtitan: the compiled blocks' backward moments measured on CPU from Inductor's generated "
                      "backward (memplan/inventory/compiled_moments.py; TP, CUDA's triton kernels and FSDP2's "
                      "reduce-scatter derived), the loss's derived" if "compiled_swiglu" in ids else
@@ -399,8 +399,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      "from Inductor's generated backward (memplan/inventory/compiled_moe_moments.py; CUDA's triton "
                      "kernels and FSDP2's reduce-scatter derived), the loss's derived"
                      if any(i.startswith("compiled_moe_") for i in ids) else
-                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
-                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
+                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block, and "
+                     "measured per rank on 2 gloo ranks under TP 2 and CP 2 (TP with CP, CUDA kernels and FSDP2's "
+                     "reduce-scatter derived), the loss's derived" if ids else
                      "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
                      "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
