@@ -151,7 +151,8 @@ def test_compile_changes_the_deepseek_v3_estimate():
 
 
 def test_search_compiled_dsv3_plans_agree_with_estimate():
-    base = dict(impl="torchtitan", gpus=512, global_batch=512, gpu="h100-80gb", seq_len=4096)
+    # on H200s: at ep 1 a layer's 23 GB of unsharded experts leave no compiled plan room on an 80 GB H100
+    base = dict(impl="torchtitan", gpus=512, global_batch=512, gpu="h200", seq_len=4096)
     found = search("deepseek-v3", compile=True, **base).result
     assert set(found.evaluated.plans.ep.tolist()) == {1} and set(found.evaluated.plans.t.tolist()) == {1}
     assert found.top

@@ -38,11 +38,12 @@ def tiny(s: int, w: dict) -> ModelSpec:
                      attention="flash")
 
 
-def memplan_moments(ac: str, s: int, b: int, w: dict = SMALL) -> dict[str, int]:
+def memplan_moments(ac: str, s: int, b: int, w: dict = SMALL, make=tiny) -> dict[str, int]:
     """Each compiled layer moment's bytes at s, b (tp 1) in a layer of mode ``ac`` (every layer recomputed under full
-    and selective-op), as the timeline's ``_alive_sums`` and ``applies`` count it."""
+    and selective-op), as the timeline's ``_alive_sums`` and ``applies`` count it; ``make(s, w)`` the model (tests/
+    test_compiled_qwen3.py: a dense Qwen3)."""
     rec = MODES[ac]
-    model = tiny(s, w)
+    model = make(s, w)
     inv = training_inventory(model, "torchtitan", "cpu", TrainingSpec(compile=True, recompute=rec))
     values = model.symbols(b=b, t=1, cp=1)
     layer = [t for t in inv.terms if t.scope == "layer" and not t.needs_tp and not t.needs_cp]
@@ -60,9 +61,9 @@ def memplan_moments(ac: str, s: int, b: int, w: dict = SMALL) -> dict[str, int]:
     return out
 
 
-def _coefficients(ac: str, w: dict) -> dict[str, tuple[int, int, int]]:
+def _coefficients(ac: str, w: dict, make=tiny) -> dict[str, tuple[int, int, int]]:
     """Each moment as (a, d, c): bytes = a s b + d s + c (read off three points)."""
-    at = {k: memplan_moments(ac, *k, w) for k in ((1, 1), (2, 1), (1, 2))}
+    at = {k: memplan_moments(ac, *k, w, make) for k in ((1, 1), (2, 1), (1, 2))}
     return {id: (at[(1, 2)][id] - at[(1, 1)][id], at[(2, 1)][id] - at[(1, 2)][id],
                  2 * at[(1, 1)][id] - at[(2, 1)][id]) for id in at[(1, 1)]}
 

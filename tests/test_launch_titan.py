@@ -238,3 +238,28 @@ def test_multistage_pp_plan_builds_in_torchtitan(tmp_path, monkeypatch, schedule
     m = result.estimate.config.parallel.vpp
     assert m == stages // 2 and all(
         _get_pp_rank_to_stage_indices_mapping(r, 2, schedule, stages) == rank_stages(r, 2, m, schedule) for r in (0, 1))
+
+
+def test_async_tp_plan_builds_in_torchtitan(tmp_path, monkeypatch):
+    # --async-tp (--compile --tp 2): compile.enable_async_tensor_parallel=True, which torchtitan's CompileConfig takes
+    # with the model compiled; without --async-tp the flag stays torchtitan's default, off
+    plan = dict(impl="torchtitan", gpus=8, tp=2, ac="full", compile=True, seq_len=4096, micro_batch=2, global_batch=16)
+    result = estimate("llama3-8b", async_tp=True, emit="torchtitan", **plan)
+    assert result.launch.document["compile.enable_async_tensor_parallel"] is True
+    config = _load(tmp_path, monkeypatch, "\n".join(result.launch.args))
+    assert config.compile.enable and config.compile.components == ["model"]
+    assert config.compile.enable_async_tensor_parallel is True and config.parallelism.tensor_parallel_degree == 2
+    assert "async TP" in " ".join(result.launch.notes)
+    plain = estimate("llama3-8b", emit="torchtitan", **plan)
+    assert plain.launch.document["compile.enable_async_tensor_parallel"] is False
+    assert not _load(tmp_path, monkeypatch, "\n".join(plain.launch.args)).compile.enable_async_tensor_parallel
+
+
+def test_a_searchs_async_tp_plan_emits_the_flag(tmp_path, monkeypatch):
+    # search --async-tp --emit torchtitan: the best row (pinned compiled at tp 2, so async TP on) emitted with the flag
+    found = search("llama3-8b", impl="torchtitan", gpus=8, tp=2, compile=True, async_tp=True, ac="full", seq_len=4096,
+                   global_batch=16, gpu="h100-80gb", mem=80 * 10**9, emit="torchtitan", top=1)
+    best = found.result.row(found.result.top[0])["torchtitan"]
+    assert best["async_tp"] and best["tp"] == 2 and best["compile"]
+    config = _load(tmp_path, monkeypatch, "\n".join(found.launch["llama3-8b"].args))
+    assert config.compile.enable_async_tensor_parallel is True

@@ -207,7 +207,7 @@ def test_cp_gloo_free_equals_recorded(ac):
 
 
 @pytest.mark.parametrize("argv", [["--etp", "2", "--ep", "2"], ["--etp", "1"],
-                                  ["--model", "deepseek-v3", "--pp", "2", "--pipeline-schedule", "Interleaved1F1B"],
+                                  ["--model", "deepseek-v3", "--pp", "2", "--pipeline-schedule", "InterleavedZeroBubble"],
                                   ["--compile"]])
 def test_refused_in_one_line(argv, capsys):
     base = ["estimate", "--model", "qwen3-30b-a3b", "--impl", "torchtitan", "--gpus", "8", "--tp", "2"]

@@ -57,12 +57,12 @@ def memplan_moments(shape: Shape, ac: str, s: int, b: int) -> dict[str, int]:
     layer = [t for t in inv.terms if t.scope == "layer" and not t.needs_tp and not t.needs_cp]
     out = {}
     for m in inv.moments:
-        if m.scope != "layer" or m.id == "fsdp_reduce_scatter":
+        if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):
             continue
         kept = [t for t in layer if t.id not in m.freed
                 and (t.kept(MODES[ac]) or t.kept(Recompute.NONE))]
         out[m.id] = sum(_bytes(t, s, b) for t in kept) + sum(_bytes(t, s, b) for t in m.transients
-                                                             if not t.id.startswith("rs_held"))
+                                                             if not t.id.startswith("rs_held") and not t.needs_tp)
     return out
 
 
@@ -89,7 +89,7 @@ def test_llama3_8b_moments_on_cuda():
     # no composite RMSNorm backward on CUDA; FlexAttention's fp32 delta (4a per token) in the attention moment
     inv = titan_inventory(load_model("llama3-8b").model, "cuda")
     ids = [m.id for m in inv.moments if m.scope == "layer"]
-    assert ids == ["swiglu_backward", "attention_backward", "fsdp_reduce_scatter"]
+    assert ids == ["rerun_w2_reduce_scatter", "swiglu_backward", "attention_backward", "fsdp_reduce_scatter"]
     delta = next(t for m in inv.moments if m.id == "attention_backward" for t in m.transients if t.id == "flex_delta")
     assert _bytes(delta, 1, 1) == 4 * 32
     # FSDP2's reduce-scatter: 6 B per parameter of the layer (bf16 gradients + their fp32 copy): 218,112,000
@@ -124,15 +124,15 @@ MOE_SHAPES = (MoeShape(), MoeShape(fe=64, E=16))  # h 64, a 4, g 2, d 16, top-2;
 MOE_SIZES = ((32, 2), (32, 1))  # the second: fewer tokens beside the experts' weights (their gradients' moment peaks)
 
 
-def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1) -> dict[str, int]:
+def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1, cp: int = 1) -> dict[str, int]:
     """``memplan_moments`` for torchtitan's Qwen3 MoE layer at ``shape`` (tp 1; ``ep`` ranks, the rank's E / ep
-    experts)."""
+    experts; ``cp`` ranks, the rank's s / cp tokens: tests/test_titan_tp_moments.py)."""
     spec = load_model("qwen3-30b-a3b").model.model_copy(update=dict(
         hidden_size=shape.h, num_attention_heads=shape.a, num_kv_heads=shape.g, head_dim=shape.d,
         num_experts=shape.E, moe_top_k=shape.k, moe_ffn_hidden_size=shape.fe, seq_length=s, num_layers=1))
     inv = titan_inventory(spec, "cpu")
-    values = spec.symbols(b=b, t=1, cp=1, ep=ep, etp=1)
-    layer = [t for t in inv.terms if t.scope == "layer"]
+    values = spec.symbols(b=b, t=1, cp=cp, ep=ep, etp=1)
+    layer = [t for t in inv.terms if t.scope == "layer" and t.exists_at_cp(cp)]
     out = {}
     for m in inv.moments:
         if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):

@@ -142,7 +142,7 @@ def test_search_plans_mtp_as_estimate_does():
     for i in range(0, found.candidates, max(1, found.candidates // 12)):  # ~12 plans
         r = rows[i]
         flags = dict(tp=r["tp"], ep=r["ep"], dp_replicate=r["dp_replicate"], ac=r["ac"], micro_batch=r["local_batch"],
-                     compile=r["compile"])  # the compiled DeepSeek-V3 block is searched at ep = tp = cp = 1 too
+                     compile=r["compile"])  # compile searched for DeepSeek-V3 at tp = ep = cp = 1 since i24dc
         est = estimate("deepseek-v3", **BASE, **flags).estimate
         assert est.step.peak_bytes == e.peak_bytes[i], r
         assert est.perf.step_time_s == pytest.approx(e.step_time_s[i], rel=1e-6)

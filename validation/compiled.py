@@ -46,6 +46,7 @@ from .mcore_loss import allocation_peak
 # differs from h; torchtune's heads are h / a wide, so there q = h, named h)
 WIDTHS = {"hf-sdpa": dict(h=60, f=154, a=6, g=2, d=8), "torchtune": dict(h=48, f=154, a=6, g=2, d=8),
           "torchtitan": dict(h=48, f=154, a=6, g=2, d=8),
+          "torchtitan-qwen3": dict(h=40, f=154, a=6, g=2, d=8),  # its dense Qwen3 block: q = a d = 48, not h
           # with torchao's float8 linears (float8=...): f a multiple of 16, so that torchtitan converts every linear
           "torchtitan-float8": dict(h=48, f=160, a=6, g=2, d=8)}
 
@@ -215,18 +216,18 @@ def _tune_layer(lora: dict | None = None, w: dict | None = None):
     return layer, inputs
 
 
-def _titan_layer(float8: str | None = None, ac: str = "none", positions: bool = True):
+def _titan_layer(float8: str | None = None, ac: str = "none", positions: bool = True, qwen3: bool = False):
     """torchtitan 0.3.0's Llama 3 block (validation/titan.py: its config code, bf16, sdpa standing in for
     FlexAttention), called as its decoder calls a layer (RoPE from its cache buffer, no mask; ``positions``: the
     dataloader's, as its Trainer always passes them, else none); ``float8``:
     its linears torchao's Float8Linear (validation/titan.py build_block); ``ac``: wrapped first in torchtitan's AC
     (build_block: "selective-op" its SelectiveAC, the save list and every-other-matmul policy), then compiled, as
-    torchtitan's parallelize_llama applies AC before apply_compile."""
+    torchtitan's parallelize_llama applies AC before apply_compile; ``qwen3``: its dense Qwen3 block."""
     from .titan import Shape, build_block, loader_positions
 
-    w = WIDTHS["torchtitan-float8" if float8 else "torchtitan"]
+    w = WIDTHS["torchtitan-float8" if float8 else "torchtitan-qwen3" if qwen3 else "torchtitan"]
     torch.manual_seed(0)
-    layer = build_block(Shape(h=w["h"], a=w["a"], g=w["g"], f=w["f"]), ac, float8=float8).train()
+    layer = build_block(Shape(w["h"], w["a"], w["g"], w["f"], qwen3, w["d"] * qwen3), ac, float8=float8).train()
 
     def inputs(s: int, b: int, seed: int):
         torch.manual_seed(seed)
@@ -271,7 +272,7 @@ def _aot_backend(inner, bw_inner=None):
 def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace: int = 24, b_trace: int = 3,
                          s: int = 20, b: int = 2, dynamic: bool = True, float8: str | None = None,
                          lora: dict | None = None, widths: dict | None = None, ac: str = "none",
-                         built=None, positions: bool = True) -> CompiledLayer:
+                         built=None, positions: bool = True, qwen3: bool = False) -> CompiledLayer:
     """Compile one Llama decoder layer (bf16, CPU; `impl` hf-sdpa: transformers', torchtune: torchtune's), read what
     the partitioner saves, measure what it keeps. `dynamic` False: static shapes (a fifth of the CPU time), traced and
     measured at s_trace, b_trace (sizes none of the widths: s, b and s b are read off their values).
@@ -282,7 +283,7 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
     ``float8`` (tensorwise, rowwise): torchtitan's block with torchao's float8 linears (widths "torchtitan-float8").
     ``built``: (layer, inputs, names) of another block (validation/compiled_moe.py: torchtitan's Qwen3 MoE block; its
     sizes named by ``names``, which may name a width that multiplies s b), ``ac`` already applied to it.
-    ``positions`` (torchtitan): the block called with the dataloader's positions (``_titan_layer``)."""
+    ``positions`` (torchtitan): the block called with the dataloader's positions; ``qwen3``: its dense Qwen3 block."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     warnings.filterwarnings("ignore")
@@ -290,11 +291,11 @@ def trace_compiled_layer(route: str = "inductor", impl: str = "hf-sdpa", s_trace
         raise ValueError("float8 is torchtitan's (impl torchtitan)")
     if lora is not None and impl != "torchtune":
         raise ValueError("lora: torchtune's LoRALinear layer only")
-    widths = widths or WIDTHS[f"{impl}-float8" if float8 else impl]
+    widths = widths or WIDTHS[f"{impl}-float8" if float8 else f"{impl}-qwen3" if qwen3 else impl]
     if ac != "none" and impl != "torchtitan":
         raise ValueError("ac is torchtitan's (impl torchtitan)")
     layer, inputs, names = built if built else (None, None, _names(widths))
-    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac, positions) if impl == "torchtitan" else
+    layer, inputs = (layer, inputs) if built else (_titan_layer(float8, ac, positions, qwen3) if impl == "torchtitan" else
                                                    _tune_layer(lora, widths) if lora else
                                                    {"hf-sdpa": _hf_layer, "torchtune": _tune_layer}[impl]())
     graphs: list = []

@@ -27,6 +27,7 @@ The CUDA backend (triton) fuses differently and its sdpa is FlexAttention's: nei
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -44,9 +45,11 @@ SHAPE = Shape(h=WIDTHS["torchtitan"]["h"], a=WIDTHS["torchtitan"]["a"], g=WIDTHS
 S_TRACE, B_TRACE = 24, 3  # the compile's hints (a dynamic kernel: later shapes reuse it)
 
 
-def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
+def compile_block(ac: str, shape: Shape = SHAPE, block=None) -> dict:
     """The block compiled with Inductor (dynamic s, b), run once at S_TRACE, B_TRACE: ``compiled``, ``block`` and the
-    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule)."""
+    backward's ``source`` (Inductor's generated wrapper module), ``graph`` (its FX GraphModule).  ``block``: another
+    block already wrapped for ``ac`` (validation/compiled_moe_backward.py: the Qwen3 MoE and DeepSeek-V3 blocks),
+    called the same way (x, None, positions); ``shape.h`` its width."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if ac not in AC_MODES:
@@ -54,7 +57,7 @@ def compile_block(ac: str, shape: Shape = SHAPE) -> dict:
     warnings.filterwarnings("ignore")
     torch._dynamo.reset()
     torch.manual_seed(0)
-    block = build_block(shape, ac).train()
+    block = (build_block(shape, ac) if block is None else block).train()
     out: dict = {"block": block}
 
     def inner(gm, example_inputs, **kw):
@@ -81,6 +84,7 @@ def _config(ac: str):
     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     stack.enter_context(torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=ac != "none"))
+    stack.enter_context(torch._dynamo.config.patch(capture_scalar_outputs=True))  # the MoE's token dispatch
     return stack
 
 
@@ -131,20 +135,27 @@ class _Live(TorchDispatchMode):
 
 
 class _Kernels:
-    """extern_kernels and the fused kernels: no work, a sample each."""
+    """extern_kernels and the fused kernels: no work, a sample each; an extern kernel that returns its output (no
+    ``out=``: the MoE's ``_grouped_mm``) runs as its aten op on the fake tensors (its output then a buffer)."""
 
     def __init__(self, live: _Live) -> None:
         self.live = live
 
     def __getattr__(self, name: str):
-        return lambda *a, **k: self.live.sample(name)
+        def run(*a, **k):
+            if "out" in k or name.startswith("cpp_") or not hasattr(torch.ops.aten, name):
+                return self.live.sample(name)
+            return getattr(torch.ops.aten, name)(*a, **k)
+
+        return run
 
 
 def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list, dict]:
     """Run the generated backward ``source`` under FakeTensorMode with s, b symbolic (module docstring): the samples
     [(after what, ((name, dtype, bytes as a sympy polynomial in s, b), ...))] and {input name: its role} (the saved
     tensors by their forward node names: "saved"; the incoming gradient: "tangent"; the dataloader's positions, which
-    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others)."""
+    a checkpointed block takes for its RoPE gather: "batch"; "param" / "sym" the others).  Saved tensors that are views
+    of one storage (Qwen3's cos and sin rows, two slices of one gather) are made as views of one storage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .trace_poly import symbolic_sizes
@@ -181,22 +192,33 @@ def replay(source: str, graph, s_hint: int = 256, b_hint: int = 5) -> tuple[list
     roles = {}
     with FakeTensorMode(shape_env=env, allow_non_fake_inputs=False), live, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = []
+        args, bases = [], {}
+        shared = collections.Counter(n.meta["val"].untyped_storage()._cdata for n in placeholders
+                                     if isinstance(n.meta["val"], torch.Tensor))
         for n in placeholders:
             v = n.meta["val"]
             if isinstance(v, torch.SymInt):
                 args.append(size(v))
                 roles[n.name] = "sym"
                 continue
-            t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
+            st = v.untyped_storage()
+            if shared[st._cdata] > 1:  # saved views of one storage (the RoPE rows' cos and sin halves): one storage
+                if st._cdata not in bases:
+                    bases[st._cdata] = torch.empty(size(st.nbytes()) // v.element_size(), dtype=v.dtype)
+                t = bases[st._cdata].as_strided([size(d) for d in v.shape], [size(d) for d in v.stride()],
+                                                size(v.storage_offset()))
+            else:
+                t = torch.empty_strided([size(d) for d in v.shape], [size(d) for d in v.stride()], dtype=v.dtype)
             tokens = any(isinstance(d, torch.SymInt) for d in v.shape)
-            # the dataloader's positions (int64, s b): a batch input the training loop holds, as a parameter not counted
-            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 else
+            # the dataloader's positions (an int64 s b input of the forward): a batch input the training loop holds, as
+            # a parameter not counted; the MoE's int64 saves (top-k ids, sort and token indices) are saved tensors
+            roles[n.name] = ("param" if not tokens else "batch" if v.dtype == torch.int64 and
+                             n.name.startswith("primals") else
                              "tangent" if n.name.startswith("tangents") else "saved")
             live.add(t, n.name)
             args.append(t)
         params = [a for a, n in zip(args, placeholders) if roles[n.name] == "param"]  # the module holds them
-        del t, v
+        del t, v, bases
         call = namespace["Runner"](partitions=[]).call
         live.quiet = False
         outputs = call(args)
@@ -232,16 +254,20 @@ def _drop_kernel_definitions(code: str) -> str:
 # -- the real run --
 
 def _events(prof) -> list[tuple[int, int, int, str, int]]:
-    """(time, bytes (+ allocated, - freed), address, owner, end of the innermost enclosing aten op or -1) of the
+    """(time, bytes (+ allocated, - freed), address, owner, end of the outermost enclosing aten op or -1) of the
     profile's allocations in time order; the owner is the innermost enclosing autograd node (``evaluate_function:
-    ...``) or ``memplan:`` region."""
+    ...``) or ``memplan:`` region.  The outermost op: sdpa's CPU backward allocates its own buffers inside nested aten
+    ops and frees them before it returns (its scratch; seen at the Qwen3 block's peak, tests/test_compiled_qwen3.py);
+    inside a validation custom op (``memplan_validation::``: DeepSeek-V3's ``flex_lse_backward``, FlexAttention's one
+    backward kernel) that op, whatever it calls."""
     from torch._C._profiler import _EventType
 
     out, stack = [], [(node, node.name, -1) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, owner, op_end = stack.pop()
+        outer = node.name.startswith(("aten::", "memplan_validation::")) and op_end == -1
         stack.extend((c, c.name if "evaluate_function" in c.name or c.name.startswith("memplan:") else owner,
-                      node.end_time_ns if node.name.startswith("aten::") else op_end) for c in node.children)
+                      node.end_time_ns if outer else op_end) for c in node.children)
         if node.typed[0] == _EventType.Allocation:
             out.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr, owner, op_end))
     return sorted(out)
@@ -330,25 +356,30 @@ def front(samples: list, roles: dict) -> list[dict]:
 SIZES = ((32, 2), (64, 3))  # the measured shapes of tests/data/titan_compiled_backward.json
 # the second widths: another FFN-to-hidden ratio, one KV head, a wider head (Llama 3's q = h holds in both)
 SHAPES = (SHAPE, Shape(h=64, a=4, g=1, f=224))
+# torchtitan's dense Qwen3 block (q_norm, k_norm, CosSinRoPE), its head width its own: q = a d differs from h in both
+# (tests/data/titan_compiled_backward_qwen3.json, ``qwen3`` as the first word)
+QWEN3_SHAPES = (Shape(h=40, a=6, g=2, f=154, qwen3=True, d=8), Shape(h=64, a=8, g=4, f=224, qwen3=True, d=12))
 
 
-def record(path: str) -> None:
-    """Every AC mode at SHAPES: compile, measure at SIZES and replay; written as JSON
-    (tests/data/titan_compiled_backward.json)."""
+def record(path: str, shapes: tuple[Shape, ...] = SHAPES) -> None:
+    """Every AC mode at ``shapes``: compile, measure at SIZES and replay; written as JSON
+    (tests/data/titan_compiled_backward.json; QWEN3_SHAPES: titan_compiled_backward_qwen3.json)."""
     import importlib.metadata
     import json
 
     cases = []
-    for shape in SHAPES:
+    for shape in shapes:
         for ac in AC_MODES:
             c = compile_block(ac, shape)
             measured = [{"s": s, "b": b, **measure(c["compiled"], shape.h, s, b, ac)} for s, b in SIZES]
             samples, roles = replay(c["source"], c["graph"])
             rows = {(r["a"], r["d"], r["c"]): r for r in front(samples, roles)}  # one per distinct (a, d, c)
-            cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f),
+            qwen3 = dict(qwen3=True, d=shape.d) if shape.qwen3 else {}
+            cases.append({"ac": ac, "widths": dict(h=shape.h, a=shape.a, g=shape.g, f=shape.f, **qwen3),
                           "measured": measured, "front": list(rows.values())})
             print(json.dumps(cases[-1], indent=1))
-    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {path}",
+    kind = "qwen3 " if shapes == QWEN3_SHAPES else ""
+    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {kind}{path}",
            "measured_with": f"torchtitan {importlib.metadata.version('torchtitan')}, torch {torch.__version__} "
                             "(inductor on CPU, OMP_NUM_THREADS=1)", "cases": cases}
     with open(path, "w") as f:
@@ -359,4 +390,7 @@ def record(path: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    record(sys.argv[1])
+    if sys.argv[1] == "qwen3":  # torchtitan's dense Qwen3 block
+        record(sys.argv[2], QWEN3_SHAPES)
+    else:
+        record(sys.argv[1])

@@ -16,8 +16,9 @@ One substitution, as in validation/titan_dsv3.py: FlexAttention (no CPU backward
 AOTAutograd the partitioner keeps what a backward USES, not what ``save_for_backward`` names, so the stand-in here
 (``flex_lse``: validation/titan_dsv3.py's ``flex_saved`` forward) has FlexAttention's backward's inputs: its backward
 is the flash formula on q, k, v, out and the fp32 log-sum-exp (torch's ``flex_attention_backward`` takes the same
-five), so the partitioner keeps them as it keeps the flex_attention HOP's.  That save set on CUDA is derived from torch
-2.13's code; the rest is traced.
+five), so the partitioner keeps them as it keeps the flex_attention HOP's; the backward is one custom op
+(``flex_lse_backward``) as FlexAttention's is one kernel (validation/compiled_moe_backward.py replays it).  That save
+set on CUDA is derived from torch 2.13's code; the rest is traced.
 
     PYTHONPATH=. python -m validation.compiled_dsv3 dense|moe [none|selective-op|full] [inductor|aot] [S B]
     PYTHONPATH=. python -m validation.compiled_dsv3 record tests/data/compiled_dsv3.json   # every case, inductor
@@ -64,17 +65,31 @@ def _setup(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    """The flash backward from q, k, v, out and lse (P = exp(q k^T scale - lse), D = rowsum(dO * out))."""
-    q, k, v, out, lse = ctx.saved_tensors
+@torch.library.custom_op("memplan_validation::flex_lse_backward", mutates_args=())
+def flex_lse_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      grad_out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash backward from q, k, v, out and lse (P = exp(q k^T scale - lse), D = rowsum(dO * out)): dQ, dK, dV.
+    One op, as torch's ``flex_attention_backward`` is one kernel: its s x s temporaries live inside it (Inductor keeps
+    it opaque; validation/compiled_backward.py's measure counts them as the op's own scratch, its replay sees only
+    dQ, dK, dV)."""
     qf, kf, vf, do = q.float(), k.float(), v.float(), grad_out.float()
     sq, sk = q.shape[-2], k.shape[-2]
-    scores = (qf @ kf.transpose(-2, -1)) * ctx.scale
+    scores = (qf @ kf.transpose(-2, -1)) * scale
     scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1 + sk - sq), float("-inf"))
     p = (scores - lse.unsqueeze(-1)).exp()
     ds = p * (do @ vf.transpose(-2, -1) - (do * out.float()).sum(-1, keepdim=True))
-    return ((ds @ kf * ctx.scale).to(q.dtype), (ds.transpose(-2, -1) @ qf * ctx.scale).to(k.dtype),
-            (p.transpose(-2, -1) @ do).to(v.dtype), None)
+    return ((ds @ kf * scale).to(q.dtype), (ds.transpose(-2, -1) @ qf * scale).to(k.dtype),
+            (p.transpose(-2, -1) @ do).to(v.dtype))
+
+
+@flex_lse_backward.register_fake
+def _(q, k, v, out, lse, grad_out, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*flex_lse_backward(q, k, v, out, lse, grad_out, ctx.scale), None)
 
 
 flex_lse.register_autograd(_backward, setup_context=_setup)

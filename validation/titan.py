@@ -57,6 +57,7 @@ class Shape:
     g: int = 2
     f: int = 160
     qwen3: bool = False  # torchtitan's Qwen3 block (_build_qwen3_layers: q / k RMSNorms on the head dim, CosSinRoPE)
+    d: int = 0  # the Qwen3 block's head width (0: h / a; Qwen3's head_dim is its own, a d differs from h in 0.6B)
 
 
 def _titan():
@@ -109,11 +110,13 @@ def build_block(shape: Shape, ac: str = "none", max_seq_len: int = 4096, float8:
     if shape.qwen3:
         from torchtitan.models.common import CosSinRoPE
         from torchtitan.models.qwen3 import _build_qwen3_layers
-        d = shape.h // shape.a
+        d = shape.d or shape.h // shape.a
         cfg = _build_qwen3_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, head_dim=d,
                                   hidden_dim=shape.f, attn_backend="flex",
                                   rope=CosSinRoPE.Config(dim=d, max_seq_len=max_seq_len, theta=1000000.0))[0]
     else:
+        if shape.d:
+            raise ValueError("Shape.d is the Qwen3 block's head width (Llama 3's is h / a)")
         cfg = build_layers(n_layers=1, dim=shape.h, n_heads=shape.a, n_kv_heads=shape.g, hidden_dim=shape.f,
                            rope=ComplexRoPE.Config(dim=shape.h // shape.a, max_seq_len=max_seq_len, theta=500000,
                                                    scaling="llama"), attn_backend="flex")[0]

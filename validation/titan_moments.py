@@ -32,8 +32,9 @@ from .titan import AC_MODES, Shape, build_block, loader_positions
 from .trace_poly import exact_divisions, symbolic_sizes
 
 
-def _run(block, x0, live: transients.LiveStorages, sampler) -> None:
-    """The block's forward and backward under ``live``, its backward sampled as decoder layer 0."""
+def _run(block, x0, live: transients.LiveStorages, sampler, mask=None) -> None:
+    """The block's forward and backward under ``live``, its backward sampled as decoder layer 0 (``mask``: the
+    attention's, FlexAttention's block mask under CP: validation/titan_tp_moments.py)."""
     hooks = [p.register_post_accumulate_grad_hook(partial(lambda n, p: live.grad_made(p, n), f"layers.0.{name}"))
              for name, p in block.named_parameters()]
     live.sampler = sampler
@@ -42,15 +43,17 @@ def _run(block, x0, live: transients.LiveStorages, sampler) -> None:
         with live:
             live.set(phase="forward", layer=None)
             x = x0 * 1
-            out = block(x, None, pos)
+            out = block(x, mask, pos)
             x.register_hook(lambda g: live.set(layer=None))  # the layer's backward ends with its input's gradient
             del x
             before = set(live.buckets.get(("other",), {}))
-            loss = out.float().sum()
+            # a DTensor output (validation/titan_tp_moments.py): its local tensor, the gradient handed on as the layer
+            # above hands it on (sequence-sharded), not a replicated seed
+            loss = (out.to_local() if hasattr(out, "to_local") else out).float().sum()
 
             def start(g) -> None:  # the loss and its gradient's seed are not the layer's: moved out of the count
                 for cdata, rec in list(live.buckets.get(("other",), {}).items()):
-                    if cdata not in before and cdata != g.untyped_storage()._cdata:
+                    if cdata not in before and cdata != transients.storage(g)._cdata:
                         live.move(rec, ("loss",))
                 live.set(phase="backward", layer=0)
 
@@ -121,10 +124,15 @@ def measure_moe_moments(shape, ac: str, s: int, b: int, seed: int = 0) -> dict:
         return measure_block_moments(wrap_ac(build_moe_block(shape), ac), shape.h, s, b, seed)
 
 
-def measure_block_moments(block, h: int, s: int, b: int, seed: int = 0) -> dict:
-    """``measure_moments`` of any built block (hidden size ``h``)."""
+def measure_block_moments(block, h: int, s: int, b: int, seed: int = 0, place=None, detail: bool = False,
+                          mask=None) -> dict:
+    """``measure_moments`` of any built block (hidden size ``h``); ``place``: the rank's (b, s, h) input made the
+    block's input (validation/titan_tp_moments.py: a sequence-sharded DTensor, the positions then its global ones);
+    ``detail``: ``rows``, each sample's live storages (what made it, dtype, bytes, bucket)."""
     torch.manual_seed(seed)
     x0 = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    if place is not None:
+        x0 = place(x0)
     live = transients.LiveStorages({}, "layers", 1)
     best: dict = {"bytes": -1, "samples": []}
 
@@ -135,11 +143,14 @@ def measure_block_moments(block, h: int, s: int, b: int, seed: int = 0) -> dict:
         total = sum(int(r.nbytes) for r in recs)
         node = torch._C._current_autograd_node()
         best["samples"].append((node.name() if node is not None else "", op, total))
+        if detail:
+            best.setdefault("rows", []).append(sorted((r.what, str(r.dtype).replace("torch.", ""), int(r.nbytes),
+                                                       r.bucket[0]) for r in recs))
         if total > best["bytes"]:
             grads = sum(int(r.nbytes) for r in live.buckets.get(("grad", 0), {}).values())
             best.update(bytes=total, at=op, grad_bytes=grads)
 
-    _run(block, x0, live, sample)
+    _run(block, x0, live, sample, mask)
     return best
 
 

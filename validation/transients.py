@@ -51,6 +51,11 @@ SYMBOLS = ("s", "b")
 LOW = 2  # the traces hold for s, b >= 2
 
 
+def storage(t: torch.Tensor):
+    """``t``'s storage; a DTensor's the local tensor's (its wrapper has none of its own: validation/titan_tp_moments.py)."""
+    return getattr(t, "_local_tensor", t).untyped_storage()
+
+
 class _Rec:
     """One live storage: size (sympy, bytes), dtype, who made it, and where it is counted."""
 
@@ -114,7 +119,7 @@ class LiveStorages(TorchDispatchMode):
             self.buckets.setdefault(bucket, {})[rec.cdata] = rec
 
     def record_of(self, t: torch.Tensor) -> _Rec | None:
-        return self.records.get(t.untyped_storage()._cdata)
+        return self.records.get(storage(t)._cdata)
 
     def _free(self, cdata: int, _ref) -> None:
         with self.lock:
@@ -142,7 +147,7 @@ class LiveStorages(TorchDispatchMode):
         kwargs = kwargs or {}
         for x in pytree.tree_leaves((args, kwargs)):
             if isinstance(x, torch.Tensor):
-                st = x.untyped_storage()
+                st = storage(x)
                 if st._cdata not in self.records and st._cdata not in self.external:
                     self.external[st._cdata] = weakref.ref(st, partial(self._forget_external, st._cdata))
         out = func(*args, **kwargs)
@@ -152,7 +157,7 @@ class LiveStorages(TorchDispatchMode):
         leaves = pytree.tree_leaves(out)
         for x in leaves if self.log is None else order.allocation_order(func, leaves):
             if isinstance(x, torch.Tensor):
-                st = x.untyped_storage()
+                st = storage(x)
                 cdata = st._cdata
                 if cdata in self.external or cdata in self.records:
                     continue

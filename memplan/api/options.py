@@ -17,6 +17,7 @@ from memplan.core.training import FUSIONS
 from memplan.core.specs import Config, GpuSpec
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.titan import checkpointed_layers, titan_ac_mode, titan_model
+from memplan.inventory.titan_async_tp import check_async_tp
 from memplan.inventory.titan_float8 import check_float8
 from memplan.inventory.titan_moe import check_titan_moe, moe_etp
 from memplan.inventory.traced_file import check_traced_file
@@ -29,9 +30,9 @@ from memplan.presets.catalog import load_gpu, load_model
 from memplan.presets.files import ModelPreset
 from memplan.presets.hf_config import read_hf_config
 
-ASSUMED_GPU = "a100-80gb"
+ASSUMED_GPU = "a100-80gb"  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
 # Megatron-LM --transformer-impl (TransformerConfig.transformer_impl, default transformer_engine) -> memplan's --impl
-TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"}  # the GPU a plan is timed on and fitted to when neither --gpu nor the preset names one
+TRANSFORMER_IMPLS = {"transformer_engine": "megatron", "local": "megatron-local"}
 
 
 # torchtitan's --ac modes (memplan/inventory/titan.py AC_MODES, LAYER_AC) as memplan's recompute modes; selective-layer[:N]
@@ -106,6 +107,7 @@ class PlanOptions:
     mst: Union[int, str, None] = None
     optimizer_in_backward: Optional[bool] = None
     compile: Optional[bool] = None
+    async_tp: Optional[bool] = None  # torchtitan's compile.enable_async_tensor_parallel (inventory/titan_async_tp.py)
     lora: Optional[int] = None
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
@@ -259,7 +261,7 @@ class PlanOptions:
         return dict(dp_stack=self.stack_zero(self.zero)[1], lora_rank=self.lora, lora_targets=targets, lora_dropout=self.lora_dropout, qlora=self.qlora,
                     lora_dora=self.dora,
                     lora_impl="torchtune" if self.impl == "torchtune" else "peft",
-                    liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile),
+                    liger=self.liger, batch_layout=self.batch_layout, compile=bool(self.compile), async_tp=bool(self.async_tp),
                     memory_budget=self.memory_budget(),
                     checkpoint_reentrant=self.checkpoint_reentrant,
                     precision=self.precision, optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
@@ -404,11 +406,6 @@ class PlanOptions:
                                "ranks per shard group")
         return None if r == 1 else dp // r
 
-    def recompute_choices(self) -> dict:
-        """Megatron-LM's --recompute-method of one plan, where given (TrainingSpec checks it; `search` chooses
-        the block method's layers itself)."""
-        return {} if self.recompute_method is None else dict(recompute_method=self.recompute_method)
-
     def config(self) -> tuple[ModelPreset, Config]:
         """The preset and the checked config of one plan."""
         preset = self.preset()
@@ -417,6 +414,7 @@ class PlanOptions:
                                "or --hf-config config.json")
         zero, mtp = self.zero, mtp_layers(self.mtp, self.impl)
         recompute = self.titan_recompute()
+        check_async_tp(bool(self.async_tp), self.impl, bool(self.compile), self.tp or 1)
         titan = self.impl == "torchtitan"  # FSDP2 x TP (titan_recompute refuses the rest)
         if titan:  # the layouts it models; MoE: FSDP2 / HSDP, --ep, --pp (inventory/titan_moe.py)
             preset = dataclasses.replace(preset, model=titan_model(preset.model, mtp))  # checked
@@ -445,7 +443,8 @@ class PlanOptions:
                               **self.titan_pipeline(preset)),
                 training=dict(micro_batch=self.micro_batch, global_batch=self.global_batch, recompute=recompute,
                               **({"recompute_num_layers": self.recompute_num_layers} | self.titan_layers(preset)),
-                              **self.recompute_choices(),
+                              # Megatron-LM's --recompute-method of one plan (TrainingSpec checks it; search chooses its own)
+                              **({} if self.recompute_method is None else dict(recompute_method=self.recompute_method)),
                               **self.training_settings()),
                 model=dict(seq_length=self.seq_len, attention=self.attention, **self.moe_routing()),
                 gpus=self.gpus,

@@ -20,6 +20,7 @@ from memplan.plan.verdict import replay_listing, replayed_max_seq
 from memplan.plan.search import SearchResult, Skipped, search_max_seq, search_presets
 from memplan.plan.space import Fixed, fixed_from
 from memplan.inventory.titan import titan_model
+from memplan.inventory.titan_async_tp import check_async_tp
 from memplan.inventory.titan_moe import check_titan_mtp
 from memplan.plan.titan import FLOAT8_ANY, TitanPins
 from memplan.plan.titan_search import search_titan, search_titan_max_seq
@@ -222,6 +223,8 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
         raise MemplanError("search --max-seq keeps the global batch in sequences (a step's tokens grow with s): give "
                            "--global-batch N, not --global-batch-tokens")
     mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
+    # --async-tp: torchtitan's, pinned on the compiled tp > 1 plans (refused where a pin leaves none)
+    check_async_tp(bool(opts.async_tp), opts.impl, opts.compile is not False, opts.tp or 2)
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
     else:

@@ -283,6 +283,13 @@ def plan_options(func: Callable) -> Callable:
                           "compiled_dsv3.py). "
                           "search --impl torchtitan tries both unless --compile or --no-compile pins it; --timing: its "
                           "fused memory-bound ops (derived)."),
+        click.option("--async-tp", "async_tp", is_flag=True, default=None,
+                     help="--impl torchtitan --compile --tp > 1: torchtitan's async TP (compile.enable_async_tensor_"
+                          "parallel): its symmetric-memory workspace, 4 s b h / t bytes per GPU in bf16, counted outside "
+                          "the caching allocator, and TP's all-gathers / reduce-scatters overlapped with the matmuls "
+                          "they feed (the workspace traced from torch 2.13's fused ops on CPU; the overlap derived, uncalibrated: "
+                          "memplan/inventory/titan_async_tp.py). "
+                          "search: pinned on the compiled tp > 1 plans."),
         click.option("--optimizer-in-backward", is_flag=True, default=None,
                      help="Step each parameter in a post-accumulate-grad hook inside the backward and free its "
                           "gradient (PyTorch's 'optimizer step in backward' recipe, MsT's benchmark loop: a for-loop "

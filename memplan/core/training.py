@@ -239,6 +239,11 @@ class TrainingSpec(Spec):
         default=False, description="torch.compile per decoder layer (--impl hf-sdpa / torchtune / torchtitan, Llama layout): the layer's saved "
         "tensors traced from AOTAutograd's partitioner (memplan/inventory/compiled.py)")
 
+    async_tp: bool = Field(
+        default=False, description="torchtitan's async TP (compile.enable_async_tensor_parallel, --impl torchtitan "
+        "--compile --tp > 1): its symmetric-memory workspace outside the caching allocator and the TP collectives "
+        "overlapped with their matmuls (memplan/inventory/titan_async_tp.py; derived, not measured)")
+
     memory_budget: Optional[float] = Field(
         default=None, ge=0, le=1, description="torchtitan's memory-budget AC (--ac budget:F, with compile): "
         "torch._functorch.config.activation_memory_budget, the partitioner's saved set traced at F "

@@ -13,7 +13,7 @@ from memplan.core.model import ModelSpec
 from memplan.core.spec_base import echo
 from memplan.core.training import Recompute
 from memplan.inventory import compiled as compiled_layer  # by module: tests take a term out of it
-from memplan.inventory import compiled_dsv3, compiled_moe  # by module: tests take a term out of them
+from memplan.inventory import compiled_dsv3, compiled_moe, compiled_moe_moments  # by module: tests patch them
 from memplan.inventory import fp8 as fp8_module  # by module: tests take a term out of it
 from memplan.inventory import hf_trainer  # by module: tests take a term out of it
 from memplan.inventory import liger as liger_kernel  # by module: tests take a term out of it
@@ -35,6 +35,7 @@ from memplan.inventory.megatron import megatron_inventory
 from memplan.inventory.mla import mla_terms
 from memplan.inventory.recompute import apply_modules
 from memplan.inventory.titan import is_dsv3, titan_inventory
+from memplan.inventory.titan_async_tp import workspace_per_sequence
 from memplan.inventory.titan_dsv3 import dsv3_inventory
 from memplan.inventory.traced import traced_inventory
 from memplan.inventory.types import CUDA_BLOCK_BYTES, DEVICES, HF_IMPLS, Dtype, Inventory, transient
@@ -197,6 +198,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     inventory = hf_trainer.apply(inventory, model, impl, training.batch_layout)  # padded / packed batches
     if training.compile and model.is_moe:  # torch.compile'd MoE blocks (traced from the partitioner)
         inventory = (compiled_dsv3 if model.is_mla else compiled_moe).apply(inventory, model, device)
+        if not model.is_mla:  # the compiled Qwen3 MoE block's backward moments (measured on CPU)
+            inventory = compiled_moe_moments.apply(inventory, model, device, training.recompute,
+                                                   getattr(training, "recompute_num_layers", None) is not None)
     elif training.compile:  # torch.compile'd decoder layers (traced from the partitioner)
         inventory = compiled_layer.apply(inventory, model, impl, training.float8, training.loss_chunks,
                                          training.memory_budget, training.recompute,
@@ -218,8 +222,9 @@ def training_inventory(model: ModelSpec, impl: str, device: str, training: Any) 
     same = ((inventory.terms, inventory.moments, inventory.held) == (base.terms, base.moments, base.held)
             and (training.weight_bytes, training.grad_bytes, training.activation_bytes,
                  training.master_weight_bytes) == (2, 2, 2, 0) and not model.is_moe and not model.is_mla)
+    workspace = workspace_per_sequence(model, training.activation_bytes) if training.async_tp else 0
     return dataclasses.replace(inventory, stream_checked=stream_checked(model, impl, device, training),
-                               step_order=inventory.step_order if same else ())
+                               step_order=inventory.step_order if same else (), symm_workspace_bytes=workspace)
 
 
 def stream_checked(model: ModelSpec, impl: str, device: str, training: Any) -> bool:

@@ -82,8 +82,11 @@ import dataclasses
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.core.training import Recompute
+from memplan.inventory import compiled_qwen3
 from memplan.inventory.compiled_moments import SRC as MOMENTS_SRC, compiled_titan_moments
+from memplan.inventory.compiled_qwen3_moments import compiled_qwen3_moments
 from memplan.inventory.hf import hf_layer_moments
+from memplan.inventory.titan import is_qwen3_dense
 from memplan.inventory.titan_float8 import converted_linears
 from memplan.inventory.tune_loss import EAGER_SAVED, compiled_loss_terms, tune_chunked_backward, tune_loss_forward
 from memplan.inventory.types import Inventory, Term, saved
@@ -223,13 +226,17 @@ def check_budget(model: ModelSpec, impl: str, training) -> None:
 
 
 def check_compile(model: ModelSpec, impl: str, training) -> None:
-    """--compile is traced for transformers' (sdpa) and torchtune's Llama layer, nothing else changing the layer."""
+    """--compile is traced for transformers' (sdpa) and torchtune's Llama layer and torchtitan's Llama 3 and dense
+    Qwen3 blocks, nothing else changing the layer."""
     if impl == "torchtitan" and training.recompute == Recompute.SELECTIVE and training.float8:
         raise MemplanError("--compile --float8 with --ac selective-op is not traced yet (the partitioner under "
                            "torchtitan's save list with float8 linears): --ac none, full or selective-layer")
-    if impl not in TABLES or model.inventory is not None or model.is_moe or model.is_mla:
+    qwen3 = impl == "torchtitan" and is_qwen3_dense(model)  # its dense Qwen3 block (memplan/inventory/compiled_qwen3.py)
+    if qwen3:
+        compiled_qwen3.check(training)
+    if not qwen3 and (impl not in TABLES or model.inventory is not None or model.is_moe or model.is_mla):
         raise MemplanError("--compile is traced for --impl hf-sdpa, torchtune and torchtitan with the Llama layout "
-                           "(their own code, not a traced inventory)")
+                           "and torchtitan's dense Qwen3 (their own code, not a traced inventory)")
     if not (model.norm == "rmsnorm" and model.mlp == "swiglu") or model.dropout or model.bias:
         raise MemplanError("--compile is traced for the Llama layout (RMSNorm, SwiGLU, no biases, no dropout)")
     if training.lora_rank and impl == "torchtune":
@@ -254,21 +261,26 @@ def _check_tune_lora(training) -> None:
                            "give --loss-chunks N (its configs' CEWithChunkedOutputLoss)")
 
 
-def compiled_terms(impl: str, float8: str | None = None, linears: int = 0, budget: float | None = None) -> list[Term]:
+def compiled_terms(impl: str, float8: str | None = None, linears: int = 0, budget: float | None = None,
+                   qwen3: bool = False) -> list[Term]:
     """The compiled layer's saved tensors; ``float8``: torchtitan's block with ``linears`` float8 linears. torchtitan's
     terms carry its selective-op table too (Term.kept: TITAN_LAYER's terms not in TITAN_SAC dropped under selective,
-    TITAN_SAC's own kept under selective alone); ``budget``: its memory-budget AC, BUDGET_SAVED's rows at F."""
+    TITAN_SAC's own kept under selective alone); ``budget``: its memory-budget AC, BUDGET_SAVED's rows at F;
+    ``qwen3``: torchtitan's dense Qwen3 block (TITAN_LAYER with compiled_qwen3.QWEN3_ROWS in place of its RoPE rows;
+    TITAN_SAC's set under selective-op)."""
     if budget is not None:
         keep = BUDGET_SAVED[round(budget * 10)].split()
         return [saved(id, what, block, elements, dtype, k22=False, src=BUDGET_SRC)
                 for id, what, block, elements, dtype in TITAN_LAYER if id in keep]
     sac = impl == "torchtitan" and not float8
-    rows = TABLES[impl] + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) + TITAN_SAC_TP if sac else ())
+    layer = (tuple(r for r in TITAN_LAYER if r[0] != "rope_rows") + compiled_qwen3.QWEN3_ROWS if qwen3 else
+             TABLES[impl])
+    rows = layer + (tuple(r for r in TITAN_SAC if r not in TITAN_LAYER) + TITAN_SAC_TP if sac else ())
     split = TITAN_TP_SPLIT if impl == "torchtitan" else {}
-    src = f"{SRC}; per TP rank {TP_SRC}" if impl == "torchtitan" else SRC
+    src = compiled_qwen3.SRC if qwen3 else f"{SRC}; per TP rank {TP_SRC}" if impl == "torchtitan" else SRC
     terms = [saved(id, what, block, elements, dtype, full=id == "layer_input", k22=False, src=src,
                    sel=sac and id not in SAC_IDS, only_selective=sac and (id, what, block, elements, dtype) not in
-                   TITAN_LAYER, tp=split.get(id) == "tp", sp=split.get(id) == "sp", needs_tp=id == "wo_rs")
+                   layer, tp=split.get(id) == "tp", sp=split.get(id) == "sp", needs_tp=id == "wo_rs")
              for id, what, block, elements, dtype in rows if not (float8 and id in FLOAT8_RECOMPUTED)]
     if float8 == "tensorwise":
         terms += [saved(id, what, "float8", str(linears), dtype, k22=False, src=SRC, storages=linears)
@@ -298,9 +310,11 @@ def apply(inventory: Inventory, model: ModelSpec, impl: str, float8: str | None 
     # the compiled bf16 block's own in their place (memplan/inventory/compiled_moments.py; ``recompute_layers``:
     # selective-layer, some layers kept whole)
     out = tuple(moments.get(m.id, m) for m in inventory.moments if impl != "torchtitan" or m.scope != "layer")
-    terms = compiled_terms(impl, float8, linears, budget)
+    qwen3 = impl == "torchtitan" and is_qwen3_dense(model)
+    terms = compiled_terms(impl, float8, linears, budget, qwen3)
     if titan_moments_measured(impl, float8, budget):
-        out += compiled_titan_moments(model, recompute, recompute_layers, tuple(t.id for t in terms))
+        out += (compiled_qwen3_moments if qwen3 else compiled_titan_moments)(
+            model, recompute, recompute_layers, tuple(t.id for t in terms))
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled", terms=tuple(terms + kept), moments=out)
 
 
@@ -316,9 +330,11 @@ FULL_TP_ERROR = ("AssertionError: expected all tensors_saved_with_vc_check to be
                  "DeviceMesh] (torch/_functorch/_aot_autograd/runtime_wrappers.py save_from_forward)")
 
 
-def notes(training, impl: str = "", tp: int = 1) -> list[str]:
+def notes(training, impl: str = "", tp: int = 1, model: ModelSpec | None = None, pp: int = 1) -> list[str]:
     if not getattr(training, "compile", False):
         return []
+    if impl == "torchtitan" and model is not None and is_qwen3_dense(model):
+        return compiled_qwen3.notes(pp)
     if impl == "torchtitan" and tp > 1:
         full = training.recompute == Recompute.FULL
         tp_note = [f"--compile with --tp {tp}: the compiled block's saved tensors {TP_SRC}" + (

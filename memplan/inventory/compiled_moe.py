@@ -36,7 +36,7 @@ under compile), --tp or --cp (the dense block's TP trace does not cover the MoE'
 memplan/inventory/compiled_dsv3.py (the same constants, FLAGS).  With --pp the
 saved set per block is the same (derived).  On CUDA the router runs under fp32 autocast: the scores and gathered
 scores fp32 (derived, as titan_moe.py's CUDA_ROUTER; whether the partitioner keeps the gate input's fp32 copy is not
-traced: left out).  The compiled block's backward transients are not modelled (as the eager MoE block's).
+traced: left out).  The compiled block's backward moments: memplan/inventory/compiled_moe_moments.py.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def compiled_moe_terms(model: ModelSpec, device: str) -> list[Term]:
 
 def apply(inventory: Inventory, model: ModelSpec, device: str) -> Inventory:
     """The inventory with each layer's saved tensors the compiled MoE block's; the eager block's layer moments
-    (memplan/inventory/titan_moments.py) are not the compiled one's: left out (its backward is not traced)."""
+    (memplan/inventory/titan_moments.py) are not the compiled one's: left out (memplan/inventory/compiled_moe_moments.py
+    adds the compiled block's)."""
     kept = [t for t in inventory.terms if t.scope != "layer"]
     return dataclasses.replace(inventory, name=f"{inventory.name}/compiled",
                                terms=tuple(compiled_moe_terms(model, device) + kept),
@@ -149,5 +150,7 @@ def notes(model: ModelSpec, training, pp: int = 1) -> list[str]:
     if not (training.compile and model.is_moe):
         return []
     return [f"--compile on the Qwen3 MoE blocks: their saved tensors {SRC}; on CUDA the router's scores fp32 "
-            "(derived); the compiled blocks' backward transients and Inductor's kernels' own buffers not modelled"
+            "(derived); their backward's experts' moments measured on CPU from Inductor's generated backward "
+            "(memplan/inventory/compiled_moe_moments.py; the attention's later moments, the CPU kernels' own scratch "
+            "and CUDA's triton kernels not modelled)"
             + (f"; {PP_NOTE}" if pp > 1 else "")]

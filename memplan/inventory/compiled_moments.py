@@ -164,24 +164,28 @@ def _transients(model: ModelSpec) -> dict[str, Term]:
 
 
 def compiled_titan_moments(model: ModelSpec, recompute: Recompute, recompute_layers: bool = False,
-                           ids: tuple[str, ...] = TITAN_IDS) -> tuple[Moment, ...]:
+                           ids: tuple[str, ...] = TITAN_IDS, modes: dict | None = None, made: dict | None = None,
+                           norms: int = 0, src: str = SRC) -> tuple[Moment, ...]:
     """The compiled block's backward moments under ``recompute`` (module docstring), each with the previous layer's
     held reduce-scatter input, and FSDP2's reduce-scatter moment (memplan/inventory/titan_moments.py).  Under full
-    AC with ``recompute_layers`` (selective-layer: some layers whole) the none moments in the layers kept whole."""
+    AC with ``recompute_layers`` (selective-layer: some layers whole) the none moments in the layers kept whole.
+    ``modes``, ``made``, ``norms``, ``src``: another block's tables (as MODES), transients beside _transients', norm
+    weights beside the two RMSNorms' and source (memplan/inventory/compiled_qwen3.py: the dense Qwen3 block's)."""
     h, g, f, q = model.hidden_size, model.g, model.f, model.q
     kv = g * (q // model.num_attention_heads)
-    made = _transients(model)
+    made = {k: dataclasses.replace(t, source=src) for k, t in (_transients(model) | (made or {})).items()}
+    modes = modes or MODES
     parts = (("", f"{q * h + 2 * kv * h + q * h + 3 * h * f}", True),)
-    norms = 2 * h
+    norms += 2 * h
     held = held_inputs(parts, norms)
-    sets = [(MODES[recompute], "any")]
+    sets = [(modes[recompute], "any")]
     if recompute == Recompute.FULL:
-        sets = [(FULL, "recomputed")] + ([(NONE, "plain")] if recompute_layers else [])
+        sets = [(modes[Recompute.FULL], "recomputed")] + ([(modes[Recompute.NONE], "plain")] if recompute_layers else [])
     moments = []
     for table, applies in sets:
         suffix = "" if applies != "plain" else "_whole"
         for id, what, freed, names in table:
             moments.append(Moment(f"compiled_{id}{suffix}", f"layer backward (compiled): {what}", "backward", "layer",
-                                  tuple(made[n] for n in names.split()) + held, freed, source=SRC,
+                                  tuple(made[n] for n in names.split()) + held, freed, source=src,
                                   applies=applies))
     return tuple(moments) + (reduce_scatter_moment(h, parts, norms, ids),)

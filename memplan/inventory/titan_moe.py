@@ -65,6 +65,7 @@ from __future__ import annotations
 from memplan.core.errors import MemplanError
 from memplan.core.model import ModelSpec
 from memplan.inventory.compiled_moe import compile_left
+from memplan.inventory.compiled_qwen3 import left as qwen3_left
 from memplan.inventory.types import Term, saved
 
 # the memplan recompute flags of a term kept in these AC modes (memplan/inventory/types.py Term.kept: none =
@@ -161,6 +162,8 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
     if not model.is_moe:
         if ep > 1:
             raise MemplanError("--ep is expert parallelism: the model has no experts")
+        if compiled and model.qk_norm and qwen3_left(tp):  # a dense Qwen3 (check_titan_layout: qk_norm is Qwen3's)
+            raise MemplanError(qwen3_left(tp))
         return
     left = [name for name, on in ((compile_left(model, ep, tp, cp), compiled and bool(compile_left(model, ep, tp, cp))),
                                   ("--float8", bool(float8)),

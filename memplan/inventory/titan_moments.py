@@ -30,8 +30,20 @@ FSDP2's post-backward reduce-scatters them (torch .grad in the harness, FSDP2's 
   (derived from torch 2.13's code: on CPU without FSDP2 nothing is reduce-scattered).  Its overlap with the next
   layer's backward on a GPU (the reduce-scatter stream) is not modelled.
 
-TP (derived): heads, FFN columns and weight gradients / t, the residual gradient sequence-sharded; CP (derived):
-dK and dV of the whole sequence (the all-gathered K and V's gradients, reduce-scattered afterwards).
+* ``attention_norm_backward`` (CPU kernels only): the same composite backward of attention_norm, the layer's last,
+  every weight gradient made (wqkv, wo, w1, w2, w3 and the norms'), every save but its fp32 input freed (the block
+  input kept by a checkpoint stays): the peak under CP, where each rank's tokens are few beside the whole weights;
+* ``rerun_w2_reduce_scatter`` (TP, a re-run layer: full, selective-op): the recomputed forward's last op, w2's
+  reduce-scatter to the sequence (``rerun_w2_moment``): the peak of a re-run layer at TP 2 at every shape measured.
+
+TP (sequence parallel) and CP measured per rank on 2 gloo ranks with torchtitan's own parallelize code
+(validation/titan_tp_moments.py, recorded in tests/data/titan_tp_moments.json, tests/test_titan_tp_moments.py: 3
+shapes x 3 AC modes each, every moment's bytes and each rank's peak byte for byte): under TP heads, FFN columns and
+weight gradients / t, the residual gradient sequence-sharded, the norms' weight gradients whole; under CP every
+token-sized term / cp but dK and dV, the whole sequence's (the all-gathered K and V's gradients, reduce-scattered
+afterwards), and the weight gradients whole (``tokenless``: a CP rank holds every weight).  The Qwen3 MoE layer's
+under CP 2 measured the same way (its AC modes, the checks of tests/test_titan_moments.py); TP with CP together and
+the Qwen3 MoE layer's under TP: derived.
 
 torchtitan's Qwen3 MoE layer (``moe_moments``; measured on CPU with torchtitan's real block, balanced routing,
 validation/titan_moments.py ``measure_moe_moments``, tests/test_titan_moments.py at two shapes and every AC mode, byte
@@ -71,7 +83,8 @@ replaced by two of the MoE, per token of the rank's s b (k the top-k, T k the ro
 Expert parallelism measured on 2 ranks over gloo (ep 2, every AC mode: validation/titan_moe.py ``measure_moe_ep``
 with ``moments``, recorded in tests/test_titan_moments.py, re-measured opt-in), byte for byte as at ep 1. Under TP
 at ep 1 the token-sized MoE transients cover the MoE's whole s b (its input all-gathered), at ep > 1 the rank's s b
-/ t (``etp_gathered``, as titan_moe.py's terms); TP, CP and CUDA (the router's fp32 scores) derived. Not modelled:
+/ t (``etp_gathered``, as titan_moe.py's terms); CP measured on 2 gloo ranks at cp 2 (tests/test_titan_tp_moments.py);
+TP and CUDA (the router's fp32 scores) derived. Not modelled:
 attention_norm's backward (every weight gradient made; above these where tokens are few, measured at E 16, s 8,
 where FSDP2's reduce-scatter, 6 B per parameter, is above it in turn), the router's backward (T x E). DeepSeek-V3's
 layers: memplan/inventory/titan_dsv3_moments.py, built from these.
@@ -94,9 +107,11 @@ TRACED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, live stor
           "(tests/test_titan_moments.py), and traced under FakeTensorMode with s and b symbolic "
           "(validation/titan_moments.py)")
 DERIVED = "derived: torchtitan 0.3.0's and torch 2.13's code, not measured"
+TP_CP_MEASURED = ("measured: torchtitan 0.3.0 Llama 3 block's backward on CPU, on 2 gloo ranks under TP 2 and CP 2 "
+                  "(validation/titan_tp_moments.py, tests/test_titan_tp_moments.py)")
 MOE_TRACED = ("measured: torchtitan 0.3.0 Qwen3 MoE block's backward on CPU, balanced routing, live storages after "
-              "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py); TP, CP and CUDA "
-              "derived")
+              "every op, at ep 1 and on 2 ranks over gloo at ep 2 (tests/test_titan_moments.py) and at cp 2 "
+              "(tests/test_titan_tp_moments.py); TP and CUDA derived")
 DERIVED_MOE = "derived (torch 2.13's per-parameter-group post_backward with EP: not measured)"
 # the routed experts' weight gradients on a rank: E / ep experts, their hidden dim / etp (titan_moe.py moe_etp)
 EXPERTS = "3 E h fe /ep /etp"
@@ -115,14 +130,25 @@ def held_inputs(parts: tuple[tuple[str, str, bool], ...], norms: int) -> tuple[T
     return tuple(transient(RS_HELD_ID + suffix, "FSDP2's fp32 reduce-scatter input of the layer back-propagated "
                            "before, kept until this one's post-backward (at a stage's last layer the final norm + LM "
                            "head's: memory/timeline.py)" + (f" ({suffix[1:]})" if suffix else ""), elements, "fp32",
-                           tp=tp, src=RS_HELD if not suffix else f"{RS_HELD}; the MoE layer's parts {DERIVED_MOE}")
+                           tp=tp, src=RS_HELD if not suffix else f"{RS_HELD}; the MoE layer's parts {DERIVED_MOE}",
+                           tokenless=True)
                  for suffix, elements, tp in parts) + (
-        transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD),)
+        transient("rs_held_norms", "the same of its norms' gradients", f"{norms}", "fp32", src=RS_HELD,
+                  tokenless=True),)
+
+
+def moe_parts(model: ModelSpec) -> tuple[tuple[tuple[str, str, bool], ...], int]:
+    """A Qwen3 MoE layer's matrices as FSDP2 reduce-scatters them (the attention's, / t; the routed experts', E / ep
+    of them, / etp; the router gate's, whole) and its norms' elements."""
+    h, q, d = model.hidden_size, model.q, model.q // model.num_attention_heads
+    attn = q * h + 2 * model.g * d * h + q * h
+    return ((("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False)),
+            2 * h + (2 * d if model.qk_norm else 0))
 
 
 def weight_grads(id: str, name: str, elements: str, tp: bool = True, src: str = TRACED) -> Term:
     return transient(id, f"{name} (bf16; FSDP2's unsharded gradients until the reduce-scatter)", elements, tp=tp,
-                     src=src)
+                     src=src, tokenless=True)
 
 
 def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) -> tuple[Moment, ...]:
@@ -137,8 +163,8 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
     dy = residual_grad(h)
     attn = q * h + 2 * g * d * h + q * h
     norms = 2 * h + (2 * d if model.qk_norm else 0)
-    if moe:  # the attention's matrices (/ t), the routed experts' (E / ep of them, / etp), the router gate (whole)
-        parts = (("", f"{attn}", True), ("_experts", EXPERTS, False), ("_gate", f"{model.num_experts * h}", False))
+    if moe:
+        parts, norms = moe_parts(model)
         ffn_grads = (weight_grads("grad_experts_weights", "the routed experts' w1, w2, w3 gradients", EXPERTS,
                                   False, MOE_TRACED),
                      weight_grads("grad_gate_weight", "the router gate's weight gradient",
@@ -149,7 +175,8 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
         parts = (("", f"{attn + 3 * h * f}", True),)
         ffn_grads = (weight_grads("grad_ffn_weights", "the gradients of w1, w2, w3", f"{3 * h * f}"),)
         wo = ()
-        moments = [swiglu_moment(h, f, dy, handed_on)]
+        # under TP a re-run layer's recomputed forward ends with w2's reduce-scatter, before the SwiGLU's backward
+        moments = [rerun_w2_moment(h, dy, handed_on), swiglu_moment(h, f, dy, handed_on)]
     held = held_inputs(parts, norms)
     moments = [dataclasses.replace(m, transients=m.transients + held) for m in moments]
     norm_grad = weight_grads("grad_ffn_norm_weight", "ffn_norm's weight gradient", f"{h}", tp=False)
@@ -160,7 +187,7 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
     attention = (dy, transient("grad_wo_input", "gradient of wo's input (the attention output)", f"{q} s b", tp=True,
                                src=TRACED),
                  transient("grad_q", "dQ of the attention backward", f"{q} s b", tp=True, src=TRACED),
-                 transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP: derived)",
+                 transient("grad_kv", "dK, dV of the attention backward (the whole sequence's under CP)",
                            f"{2 * g * d} cp s b", tp=True, src=TRACED, storages=2))
     attention += (wo + ffn_grads if moe else (weight_grads("grad_ffn_wo_weights", "the gradients of w1, w2, w3 and wo",
                                                        f"{3 * h * f + q * h}"),)) + (norm_grad,)
@@ -169,8 +196,42 @@ def titan_layer_moments(model: ModelSpec, device: str, layer: tuple[Term, ...]) 
                                 tp=True, src=DERIVED),)
     moments.append(Moment("attention_backward", "layer backward: the attention core's dQ, dK, dV", "backward",
                           "layer", attention + held, ffn + handed_on, source=src))
+    if device == "cpu" and not moe:  # attention_norm's, the layer's last: every weight gradient made (MoE: not
+        # modelled); the ids of the reduce-scatter moment's gradients, the same tensors (memory/stream_fsdp.py WGRADS)
+        every = (weight_grads("grad_layer", "every matrix's gradient (wqkv, wo, w1, w2, w3)",
+                              f"{attn + 3 * h * f}", src=TP_CP_MEASURED),
+                 weight_grads("grad_layer_norms", "the norms' weight gradients", f"{norms}", tp=False,
+                              src=TP_CP_MEASURED))
+        last = tuple(i for i in ids if i not in ("attention_norm.x_fp32", "input")) + handed_on
+        moments.append(ffn_norm_moment(h, dy, every + held, last, TP_CP_MEASURED, "attention_norm_backward",
+                                       "attention_norm"))
     moments.append(reduce_scatter_moment(h, parts, norms, ids))
     return tuple(moments)
+
+
+def rerun_w2_moment(h: int, dy: Term, handed_on: tuple[str, ...]) -> Moment:
+    """TP (sequence parallel) in a re-run layer (full, selective-op): the recomputed forward's last op, w2's
+    reduce-scatter to the sequence, with every tensor none keeps re-made (selective-op's cached outputs handed on
+    as they are re-used), beside the incoming gradient and its all-gather over the sequence (w2's backward's, made
+    before the recompute), the residual stream after the attention and ffn_norm's sequence-sharded output (the
+    block's forward holds both while the FFN runs), w2's partial sums over the whole sequence, their copy in chunks
+    for the reduce-scatter (DTensor's Shard(1): split + cat) and the reduce-scatter's output and its autograd
+    wrapper.  Measured on 2 gloo ranks (validation/titan_tp_moments.py)."""
+    def tp_only(id: str, name: str, elements: str, sp: bool = True, storages: int = 1) -> Term:
+        return dataclasses.replace(transient(id, name, elements, sp=sp, src=TP_CP_MEASURED, storages=storages),
+                                   needs_tp=True)
+
+    return Moment("rerun_w2_reduce_scatter", "layer backward, the recomputed forward: w2's reduce-scatter (TP)",
+                  "backward", "layer", (
+                      dy, tp_only("rerun_grad_gathered", "the incoming gradient all-gathered over the sequence",
+                                  f"{h} s b", sp=False),
+                      tp_only("rerun_residual", "the residual stream after the attention, and ffn_norm's "
+                              "sequence-sharded output", f"{2 * h} s b", storages=2),
+                      tp_only("rerun_w2_partial", "w2's partial sums over the whole sequence and their copy in "
+                              "chunks for the reduce-scatter", f"{2 * h} s b", sp=False, storages=2),
+                      tp_only("rerun_w2_rs", "the reduce-scatter's output and its autograd wrapper", f"{2 * h} s b",
+                              storages=2)),
+                  handed_on, source=TP_CP_MEASURED, applies="rerun")
 
 
 def residual_grad(h: int) -> Term:
@@ -189,10 +250,10 @@ def swiglu_moment(h: int, f: int, dy: Term, handed_on: tuple[str, ...], id: str 
 
 
 def ffn_norm_moment(h: int, dy: Term, made: tuple[Term, ...], freed: tuple[str, ...], src: str,
-                    id: str = "ffn_norm_backward") -> Moment:
+                    id: str = "ffn_norm_backward", norm: str = "ffn_norm") -> Moment:
     """ffn_norm's composite CPU backward: its five fp32 h-wide tensors beside ``made`` (the weight gradients, the held
     reduce-scatter input)."""
-    return Moment(id, "layer backward: ffn_norm's composite backward (fp32, CPU kernels)", "backward", "layer",
+    return Moment(id, f"layer backward: {norm}'s composite backward (fp32, CPU kernels)", "backward", "layer",
                   (dy, transient("ffn_norm_backward_fp32", "rms_norm's backward: five fp32 h-wide tensors",
                                  f"{5 * h} s b", "fp32", sp=True, src=TRACED, storages=5)) + made, freed, source=src)
 
@@ -201,16 +262,19 @@ def reduce_scatter_moment(h: int, parts: tuple[tuple[str, str, bool], ...], norm
                           ids: tuple[str, ...]) -> Moment:
     """FSDP2's reduce-scatter ending a layer's backward (module docstring): ``parts`` the layer's matrices."""
     grads = tuple(transient("grad_layer" + suffix, "the layer's unsharded gradients (bf16)" + (
-        f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED) for suffix, elements, tp in parts)
+        f" ({suffix[1:]})" if suffix else ""), elements, tp=tp, src=DERIVED, tokenless=True)
+        for suffix, elements, tp in parts)
     copies = tuple(transient("reduce_scatter_input" + suffix, "FSDP2's fp32 reduce-scatter input of them" + (
-        f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED) for suffix, elements, tp in parts)
+        f" ({suffix[1:]})" if suffix else ""), elements, "fp32", tp=tp, src=DERIVED, tokenless=True)
+        for suffix, elements, tp in parts)
     return Moment(REDUCE_SCATTER, "layer backward done: FSDP2's reduce-scatter of its gradients", "backward", "layer", (
         transient("grad_input", "gradient of the layer input (sequence-sharded under TP)", f"{h} s b", sp=True,
                   src=DERIVED),
         *grads[:1],
-        transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED),
+        transient("grad_layer_norms", "the norms' gradients (bf16)", f"{norms}", src=DERIVED, tokenless=True),
         *copies[:1],
-        transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}", "fp32", src=DERIVED),
+        transient("reduce_scatter_input_norms", "the same of the norms' gradients", f"{norms}", "fp32", src=DERIVED,
+                  tokenless=True),
         *grads[1:], *copies[1:]), ids, source=DERIVED)
 
 

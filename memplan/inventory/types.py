@@ -199,10 +199,11 @@ class Moment:
 
 
 def transient(id, name, elements, dtype="act", *, tp=False, sp=False, scope="layer", src="", needs_cp=False,
-              storages=1):
-    """A transient tensor (a Term that no backward keeps; `storages`: the separate equal tensors it is made of)."""
+              storages=1, tokenless=False):
+    """A transient tensor (a Term that no backward keeps; `storages`: the separate equal tensors it is made of;
+    `tokenless`: no token dimension, a weight's gradient: context parallelism keeps it whole)."""
     return saved(id, name, "transient", elements, dtype, tp=tp, sp=sp, scope=scope, k22=False, src=src,
-              needs_cp=needs_cp, storages=storages)
+              needs_cp=needs_cp, storages=storages, tokenless=tokenless)
 
 
 # Parameter groups (memplan/memory/states.py) by role.
@@ -254,6 +255,9 @@ class Inventory:
     # memplan/inventory/step_order.py `expand`'s events) of each run traced; memplan/memory/stream_traced.py makes
     # each step of the stream from it (empty: the stream derived from the timeline, memplan/memory/stream.py)
     step_order: tuple[tuple[str, int, tuple], ...] = ()
+    # torchtitan's async TP (memplan/inventory/titan_async_tp.py): its symmetric-memory workspace per sequence before
+    # the TP split, made outside the caching allocator (memplan/memory/device.py counts it beside the runtime); 0: none
+    symm_workspace_bytes: int = 0
 
 
 HF_IMPLS = ("hf-eager", "hf-sdpa", "torchtune")  # torch .grad loops, one device per replica

@@ -149,6 +149,8 @@ def titan_document(config: Config) -> dict:
             "training.disable_cuda_graphs": par.pp > 1 or ep > 1,
             "activation_checkpoint": _ac(config)[0], "compile.enable": bool(tr.compile),
             "compile.components": ["model"] if tr.compile else [],
+            # async TP (--async-tp: memplan/inventory/titan_async_tp.py), which torchtitan's CompileConfig allows compiled
+            "compile.enable_async_tensor_parallel": bool(tr.async_tp),
             # DeepSeek-V3's MTP layers (model_registry num_mtp_layers; MTPLoss, as its deepseek_v3_debugmodel_mtp)
             "num_mtp_layers": config.model.mtp_layers,
             "loss": "MTPLoss" if config.model.mtp_layers else "CrossEntropyLoss", "converters": _converters(config)}
@@ -188,7 +190,9 @@ def titan_launch(config: Config) -> Launch:
         f"    config = {doc['base']}()",
         f"    config.model_spec = model_registry(\"{doc['flavor']}\", converters={doc['converters']}"
         + (f", num_mtp_layers={doc['num_mtp_layers']})" if doc["num_mtp_layers"] else ")"),
-        "    config.compile = CompileConfig(enable=True, components=[\"model\"])" if doc["compile.enable"] else
+        "    config.compile = CompileConfig(enable=True, components=[\"model\"]"
+        + (", enable_async_tensor_parallel=True)" if doc["compile.enable_async_tensor_parallel"] else ")")
+        if doc["compile.enable"] else
         "    config.compile = CompileConfig(enable=False)",
         f"    config.loss = {doc['loss']}.Config(global_vocab_size=decoder_vocab_size(config.model_spec))",
         f"    config.training.local_batch_size = {doc['training.local_batch_size']}",
@@ -240,6 +244,10 @@ def titan_launch(config: Config) -> Launch:
         notes.append(f"context parallelism {config.parallel.cp} on torchtitan's partial_dtensor backend, the path "
                      "memplan measured (apply_cp_to_forward: FlexAttention's K and V all-gathered over the cp group); "
                      "FSDP2 shards over dp_shard x cp")
+    if config.training.async_tp:
+        notes.append("async TP (compile.enable_async_tensor_parallel): torchtitan enables symmetric memory for the TP "
+                     "group and inductor's micro-pipeline pass; torchtitan's own async-TP integration tests run on H100s "
+                     "with NVLink")
     if config.parallel.tp > 1:
         notes.append("TP runs torchtitan's partial_dtensor backend (DTensor TP, sequence parallel, loss parallel), "
                      "the one memplan measured on CPU; 0.3.0's default spmd_types stopped in torch 2.13's fully_shard")

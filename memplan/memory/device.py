@@ -10,6 +10,7 @@ from typing import Any, Optional
 from memplan.core.arith import maximum
 from memplan.core.specs import GpuSpec
 from memplan.inventory.step_order import runs_traced
+from memplan.inventory.titan_async_tp import workspace_bytes
 from memplan.inventory.types import Inventory
 from memplan.memory.term_bytes import PlanValues
 
@@ -28,6 +29,9 @@ class DeviceMemory:
     # set when the caching allocator's replay (memory/reserved.py) reserved more than the margin: the margin's bytes
     # the replayed fragmentation replaced (what search's vectorised bound counts)
     margin_bytes: Any = None
+    # of runtime_bytes: torchtitan's async TP symmetric-memory workspace (memplan/inventory/titan_async_tp.py), made by
+    # the run's code outside PyTorch's pool, not by the GPU preset
+    symm_workspace_bytes: Any = 0
 
     @property
     def allocated_peak(self) -> Any:
@@ -62,10 +66,13 @@ def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: 
                   margin: Optional[float] = None) -> DeviceMemory:
     """The tensors' peak + the cuBLAS workspace, the GPU preset's margin on both (none with Inventory.stream_checked
     and for plans whose stream is a traced order, step_order.runs_traced: the replay decides) and the runtime's own
-    memory (all from the GPU preset; none without a GPU)."""
+    memory (all from the GPU preset; none without a GPU), with async TP's symmetric-memory workspace (the run's own,
+    outside the pool: memplan/inventory/titan_async_tp.py) beside it."""
+    symm = workspace_bytes(inventory.symm_workspace_bytes, plan.b, plan.t) if inventory.symm_workspace_bytes else 0
     if gpu is None:
         m = margin or 0.0
-        return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes, m)
+        return DeviceMemory(peak_bytes, 0, fraction_bytes(peak_bytes, m), 0 * peak_bytes + symm, m,
+                            symm_workspace_bytes=symm)
     traced = runs_traced(inventory.step_order, plan) if inventory.step_order and margin is None else False
     one = not getattr(traced, "ndim", 0) and bool(traced)  # one plan, a traced order's
     m = (0.0 if inventory.stream_checked or one else gpu.fragmentation_margin) if margin is None else margin
@@ -73,7 +80,8 @@ def device_memory(peak_bytes: Any, plan: PlanValues, inventory: Inventory, gpu: 
     # megatron figure was measured with one communicator already in it
     frag = fraction_bytes(peak_bytes + gpu.step_workspace_bytes, m)
     return DeviceMemory(peak_bytes, gpu.step_workspace_bytes, frag - frag * traced,
-                        gpu.runtime_bytes.get(inventory.runtime) + extra * gpu.nccl_communicator_bytes, m)
+                        gpu.runtime_bytes.get(inventory.runtime) + extra * gpu.nccl_communicator_bytes + symm, m,
+                        symm_workspace_bytes=symm)
 
 
 def fraction_bytes(n: Any, margin: float) -> Any:

@@ -17,6 +17,7 @@ from memplan.inventory.chunked_loss import note as chunk_note
 from memplan.inventory.fp8 import check_fp8
 from memplan.inventory.fp8 import notes as fp8_notes
 from memplan.inventory.titan_float8 import notes as float8_notes
+from memplan.inventory.titan_async_tp import notes as async_tp_notes, workspace_bytes
 from memplan.inventory.titan import is_dsv3
 from memplan.inventory.titan_dsv3 import notes as dsv3_notes
 from memplan.inventory.compiled import notes as compile_notes
@@ -391,13 +392,18 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      ("torchtitan: the decoder layers' backward moments measured on CPU from its Qwen3 MoE block "
                       "(balanced routing; the combine's fp32 score multiply, the experts' grouped GEMMs, the norms and "
                       "the attention, under full / selective-op AC the recomputed forward's combine: "
-                      "memplan/inventory/titan_moments.py; EP measured on 2 ranks over gloo; TP, CP, CUDA kernels and "
-                      "FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
+                      "memplan/inventory/titan_moments.py; EP and CP measured on 2 ranks over gloo; TP, CUDA kernels "
+                      "and FSDP2's reduce-scatter derived), the loss's derived") if "moe_combine_backward" in ids else
                      "torchtitan: the compiled blocks' backward moments measured on CPU from Inductor's generated "
                      "backward (memplan/inventory/compiled_moments.py; TP, CUDA's triton kernels and FSDP2's "
                      "reduce-scatter derived), the loss's derived" if "compiled_swiglu" in ids else
-                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block (TP, CP, "
-                     "CUDA kernels and FSDP2's reduce-scatter derived), the loss's derived" if ids else
+                     "torchtitan: the compiled Qwen3 MoE blocks' backward moments at their experts measured on CPU "
+                     "from Inductor's generated backward (memplan/inventory/compiled_moe_moments.py; CUDA's triton "
+                     "kernels and FSDP2's reduce-scatter derived), the loss's derived"
+                     if any(i.startswith("compiled_moe_") for i in ids) else
+                     "torchtitan: the decoder layers' backward moments traced on CPU from its dense block, and "
+                     "measured per rank on 2 gloo ranks under TP 2 and CP 2 (TP with CP, CUDA kernels and FSDP2's "
+                     "reduce-scatter derived), the loss's derived" if ids else
                      "torchtitan: the decoder layers' backward transients are not modelled for this plan (compiled "
                      "blocks; the loss's are, derived): the peak is a lower bound")
         notes += dsv3_notes(config.model)
@@ -413,11 +419,12 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     notes += optimizer_notes(tr, optimizer_impl(tr, inventory))
     notes += fp8_notes(tr)
     notes += float8_notes(tr.float8, tr.compile, par.tp)
+    notes += async_tp_notes(tr.async_tp, workspace_bytes(inventory.symm_workspace_bytes, tr.micro_batch, par.tp))
     notes += lora_notes(tr)
     notes += liger_notes(tr)
     notes += ((dsv3_compile_notes(par.pp) if tr.compile else []) if m.is_moe and m.is_mla else
               moe_compile_notes(m, tr, par.pp) if m.is_moe else
-              compile_notes(tr, inventory.name.split("/")[0], par.tp))
+              compile_notes(tr, inventory.name.split("/")[0], par.tp, m, par.pp))
     notes += stack_notes(tr, config.parallel.zero, config.parallel.dp, config.parallel.shard, config.parallel.pp)
     if tr.loss_chunks > 1 and not inventory.name.startswith("hf-"):
         notes.append(chunk_note(tr.loss_chunks, inventory.name.split("/")[0]))

@@ -78,6 +78,7 @@ class SearchResult:
     compiled: Optional[np.ndarray] = None  # torchtitan (memplan/plan/titan.py): per plan, torch.compile on
     float8: Optional[np.ndarray] = None  # torchtitan with --float8 any: per plan, its float8 recipe ("" bf16)
     memory_budget: Optional[np.ndarray] = None  # torchtitan: per plan, its memory-budget AC's F (NaN: none)
+    async_tp: Optional[np.ndarray] = None  # torchtitan with --async-tp: per plan, async TP on (compiled, tp > 1)
     layer_ac_every: Optional[int] = None  # torchtitan: a pinned --ac selective-layer:N, as the rows name it
 
     def listed(self) -> list["Listed"]:
@@ -87,7 +88,7 @@ class SearchResult:
     def config(self, i: int) -> Config:
         plans = self.space.take([i]) if self.space is not None else self.evaluated.plans.take([i])
         training = self.training.model_copy(update={name: cast(per_plan[i]) for name, per_plan, cast in (  # torchtitan
-            ("compile", self.compiled, bool), ("float8", self.float8, lambda r: r or None),
+            ("compile", self.compiled, bool), ("float8", self.float8, lambda r: r or None), ("async_tp", self.async_tp, bool),
             ("memory_budget", self.memory_budget, lambda f: None if np.isnan(f) else float(f))) if per_plan is not None})
         return plan_config(self.model, training, plans, 0, self.global_batch)
 

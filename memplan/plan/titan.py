@@ -38,8 +38,8 @@ same flags, memplan/api/options.py):
               dense Llama 3 at the traced widths: F = 0, 0.1, ... below 1 whose saved set and recompute differ
               (memplan/inventory/budget_recompute.py distinct_budgets; F = 1 is the plain compiled block), each
               evaluated with its own TrainingSpec (titan_search._budgets; `SearchResult.memory_budget` per plan).
-Not searched (not modelled for torchtitan yet): async TP; more than 2 stages a rank (estimate
---pipeline-layers-per-stage).
+Not searched (not modelled for torchtitan yet): more than 2 stages a rank (estimate --pipeline-layers-per-stage).
+Async TP is a pin (--async-tp: on the compiled tp > 1 plans, `SearchResult.async_tp` per plan).
   float8      pinned (`--float8 RECIPE`, bf16 without it), or with `--float8 any` off, tensorwise and rowwise (rowwise
               only with --emit torchtitan) where the GPU has FP8 tensor cores, for a dense model without pp: each
               recipe's plans evaluated with its own TrainingSpec, as compile's (titan_search._float8_recipes;
@@ -263,12 +263,14 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
     return parts, notes
 
 
-def compilable(plans: PlanValues, float8: bool = False, layers: int = 0, moe: bool = False) -> np.ndarray:
+def compilable(plans: PlanValues, float8: bool = False, layers: int = 0, moe: bool = False,
+               qwen3: bool = False) -> np.ndarray:
     """The plans memplan models with torch.compile: cp = 1 (any tp: the compiled block measured per TP rank); with
     float8 linears AC not selective-op (memplan/inventory/compiled.py), and with tp > 1 full AC of all ``layers``
-    (memplan/api/options.py); ``moe`` (the Qwen3 MoE block, memplan/inventory/compiled_moe.py): tp 1 and ep 1 only."""
+    (memplan/api/options.py); ``moe`` (the Qwen3 MoE block, memplan/inventory/compiled_moe.py) and ``qwen3`` (the
+    dense Qwen3 block, memplan/inventory/compiled_qwen3.py): tp 1 and ep 1 only."""
     rec, t = np.asarray(plans.recompute), np.asarray(plans.t)
-    if moe:
+    if moe or qwen3:
         return (np.asarray(plans.cp) == 1) & (t == 1) & (np.asarray(plans.ep) == 1) & (
             str(plans.schedule) not in SPLIT_BACKWARD)
     full = (rec == int(Recompute.FULL)) & (np.asarray(plans.recomputed_layers) >= layers)
@@ -303,4 +305,5 @@ def titan_dims(config: Config, every: Optional[int] = None) -> dict[str, Any]:
             "local_batch": tr.micro_batch * (config.num_microbatches if piped else 1),
             "pipeline_microbatch_size": tr.micro_batch if piped else None,
             "gradient_accumulation": 1 if piped else config.num_microbatches,
-            **({"ep": par.ep} if config.model.is_moe else {})}
+            **({"ep": par.ep} if config.model.is_moe else {}),
+            **({"async_tp": True} if tr.async_tp else {})}  # compile.enable_async_tensor_parallel (--async-tp)

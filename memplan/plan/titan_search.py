@@ -26,7 +26,7 @@ from memplan.plan.limits import SEQ_LIMIT, largest_under
 from memplan.plan.search import SEQ_STEP, SearchResult, check_int64, mark_max_seq, ranked, tp_limit
 from memplan.inventory.budget_recompute import distinct_budgets
 from memplan.inventory.compiled import check_budget
-from memplan.inventory.titan import BUDGET_AC, titan_ac_mode
+from memplan.inventory.titan import BUDGET_AC, is_qwen3_dense, titan_ac_mode
 from memplan.inventory.titan_float8 import RECIPES
 from memplan.plan.titan import FLOAT8_ANY, TitanPins, compilable, join, pinned_every, titan_plans
 
@@ -51,8 +51,9 @@ def _with_compile(model: ModelSpec, training: TrainingSpec, eager: list, pins: T
         sets += [(part, False) for part in eager]
     if pins.compile is not False:
         why = _compile_refusal(model, training)
-        can = [compilable(part, bool(training.float8), model.num_layers, model.is_moe) for part in eager]
-        where = ("--tp 1, --ep 1, --cp 1 for MoE" if model.is_moe else
+        qwen3 = is_qwen3_dense(model)  # its compiled block traced at tp 1 (memplan/inventory/compiled_qwen3.py)
+        can = [compilable(part, bool(training.float8), model.num_layers, model.is_moe, qwen3) for part in eager]
+        where = ("--tp 1, --ep 1, --cp 1 for MoE" if model.is_moe else "--tp 1, --cp 1 for a dense Qwen3" if qwen3 else
                  "--cp 1" + (" and --ac none, full or selective-layer (with --tp: full)" if training.float8 else ""))
         if why and pins.compile:
             raise MemplanError(why)
@@ -67,7 +68,8 @@ def _with_compile(model: ModelSpec, training: TrainingSpec, eager: list, pins: T
                 notes.append("torch.compile not searched with the split-backward pipeline schedules (I / W through a "
                              "compiled block: not modelled)")
             if not all(c.all() for part, c in zip(eager, can) if str(part.schedule) not in SPLIT_BACKWARD):
-                notes.append(f"torch.compile searched with {where} only (compile with CP" + (", TP or EP" if model.is_moe else "")
+                notes.append(f"torch.compile searched with {where} only (compile with CP" + (
+                    ", TP or EP" if model.is_moe else " or TP" if qwen3 else "")
                              + (", or with float8 and selective-op, or with float8, TP and AC not full,"
                                 if training.float8 else "")
                              + " is not traced yet)")
@@ -162,7 +164,8 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
             raise MemplanError("--ac budget:F: no plan left (memory-budget AC is modelled compiled, with tp 1 and cp 1)")
     parts, done, total = [], 0, sum(len(p.t) for p, _, _, _ in sets)
     for plans, compiled, recipe, budget in sets:
-        tr = training.model_copy(update={"compile": compiled, "float8": recipe, "memory_budget": budget})
+        tr = training.model_copy(update={"compile": compiled, "float8": recipe, "memory_budget": budget,
+                                         "async_tp": training.async_tp and compiled})  # with tp > 1 only: device.py
         check_int64(model, tr, int(plans.b.max()), IMPL, gpu, margin)
         parts.append(evaluate(model, tr, plans, gpu, global_batch, IMPL, margin))
         done += len(plans.t)
@@ -173,6 +176,8 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result = ranked(model, training, gpus, global_batch, budget_bytes, gpu, evaluated, top, IMPL, margin,
                     host_budget_bytes, start)
     result.compiled = np.concatenate([np.full(len(p.t), c) for p, c, _, _ in sets])
+    if training.async_tp:  # --async-tp: on the compiled plans with a TP mesh (torchtitan does nothing without one)
+        result.async_tp = result.compiled & (np.asarray(plans.t) > 1)
     if pins.float8 == FLOAT8_ANY:
         result.float8 = np.concatenate([np.full(len(p.t), r or "", dtype=object) for p, _, r, _ in sets])
     if budgets:
@@ -180,8 +185,11 @@ def search_titan(model: ModelSpec, training: TrainingSpec, gpus: int, global_bat
     result.exact.update(result.evaluate_plans(result.top + [i for i in (result.nearest_miss, result.fastest_miss)
                                                             if i is not None]))
     result.layer_ac_every = pinned_every(pins)
-    result.notes.extend(notes + ["torchtitan: async TP is not searched (not modelled for --impl torchtitan yet), the "
-                                 "multi-stage schedules at 2 stages a rank only (torchtitan's default)"
+    result.notes.extend(notes + [("torchtitan: async TP (--async-tp) on every compiled plan with tp > 1: its "
+                                  "symmetric-memory workspace outside the caching allocator and TP's collectives "
+                                  "overlapped with their matmuls, derived from torch 2.13's code, uncalibrated; "
+                                  if training.async_tp else "torchtitan: async TP is a pin (--async-tp), not searched; ")
+                                 + "the multi-stage schedules at 2 stages a rank only (torchtitan's default)"
                                  + ("" if pins.float8 == FLOAT8_ANY else "; float8 is a pin (--float8 RECIPE; "
                                     "--float8 any searches it)")])
     if np.any(np.asarray(plans.p) > 1):

@@ -306,9 +306,15 @@ def _peak(est: Estimate) -> list[Step]:
             ("fragmentation margin", "ceil(margin x allocated peak)", f"ceil({dev.margin:g} x {int(dev.allocated_peak):,})",
              int(dev.fragmentation_bytes), "B", "GPU preset" if est.gpu is not None else "--frag-margin"))),
         Step("peak", "CUDA context, kernels, NCCL (outside PyTorch)", "runtime", "",
-             int(dev.runtime_bytes), "B", f"GPU preset {est.gpu.name}" if est.gpu is not None else "no GPU given"),
-        Step("peak", "device memory needed", "allocated peak + margin + runtime",
-             _plus([dev.allocated_peak, dev.fragmentation_bytes, dev.runtime_bytes]), int(dev.total), "B"),
+             int(dev.runtime_bytes - dev.symm_workspace_bytes), "B",
+             f"GPU preset {est.gpu.name}" if est.gpu is not None else "no GPU given"),
+        *([Step("peak", "async TP symmetric-memory workspace (outside PyTorch's pool)", "2 A s b h / t", "",
+                int(dev.symm_workspace_bytes), "B", "memplan/inventory/titan_async_tp.py (derived)")]
+          if dev.symm_workspace_bytes else []),
+        Step("peak", "device memory needed", "allocated peak + margin + runtime"
+             + (" + async TP workspace" if dev.symm_workspace_bytes else ""),
+             _plus([dev.allocated_peak, dev.fragmentation_bytes, dev.runtime_bytes - dev.symm_workspace_bytes]
+                   + ([dev.symm_workspace_bytes] if dev.symm_workspace_bytes else [])), int(dev.total), "B"),
     ]
     if est.budget_bytes is not None:
         steps.append(Step("peak", "headroom (negative: over the budget)", "budget - device memory needed",

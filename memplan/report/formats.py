@@ -130,6 +130,8 @@ def peak_dict(est: Estimate) -> dict[str, Any]:
         "fragmentation_margin": dev.margin,
         "fragmentation_bytes": int(dev.fragmentation_bytes),
         "runtime_bytes": int(dev.runtime_bytes),
+        # of runtime_bytes: torchtitan's async TP workspace (memplan/inventory/titan_async_tp.py), where there is one
+        **({"symm_workspace_bytes": int(dev.symm_workspace_bytes)} if dev.symm_workspace_bytes else {}),
         "device_bytes": int(dev.total),
         **allocator_dict(est),
         "stage_peak_bytes": [int(s.peak_bytes) for s in est.steps],

@@ -131,7 +131,8 @@ def _titan_table(result: SearchResult, console: Console, has_time: bool, folded:
                                                                     "pipeline_microbatch_size") * pp
         table.add_row(str(rank), *(str(dims[k]) if dims[k] is not None else "-" for k in keys),
                       *(str(dims[k]) for k in ("local_batch", "ac")),
-                      "on" if dims["compile"] else "off", *([dims["float8"] or "off"] * f8),
+                      ("async" if dims.get("async_tp") else "on") if dims["compile"] else "off",
+                      *([dims["float8"] or "off"] * f8),
                       format_gb(row["memory"]["device_bytes"]),
                       f"{row['step_time_s']:.2f} s" if has_time else "-", f"{row['mfu']:.1%}" if has_time else "-",
                       *([fold] if folded else []))

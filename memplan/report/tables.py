@@ -342,7 +342,11 @@ def render_peak(est: Estimate, console: Console) -> None:
     table.add_row("[bold]allocated peak[/] (torch.cuda.max_memory_allocated)", f"[bold]{format_gb(dev.allocated_peak)}[/]",
                   "")
     table.add_row(fragmentation_label(dev), format_gb(dev.fragmentation_bytes), "allocator")
-    table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", format_gb(dev.runtime_bytes), "runtime")
+    table.add_row("CUDA context, kernels, NCCL (outside PyTorch)", format_gb(dev.runtime_bytes - dev.symm_workspace_bytes),
+                  "runtime")
+    if dev.symm_workspace_bytes:  # torchtitan's async TP (memplan/inventory/titan_async_tp.py)
+        table.add_row("async TP symmetric-memory workspace (outside PyTorch's pool; derived)",
+                      format_gb(dev.symm_workspace_bytes), "runtime")
     table.add_row("[bold]device memory needed[/]", f"[bold]{format_gb(dev.total)}[/]", "")
     console.print(table)
     phases: dict[str, Any] = {}

@@ -88,6 +88,7 @@ def titan_text(dims: dict[str, Any]) -> str:
             + (f"pp={dims['pp']} {dims['pipeline_schedule']} micro_batch={dims['pipeline_microbatch_size']} "
                if dims.get("pp", 1) > 1 else "")
             + f"local_batch={dims['local_batch']} ac={dims['ac']}" + (" compile" if dims["compile"] else "")
+            + (" async_tp" if dims.get("async_tp") else "")
             + (f" float8={dims['float8']}" if dims.get("float8") else ""))
 
 

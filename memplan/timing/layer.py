@@ -50,7 +50,7 @@ from memplan.core.training import Recompute
 from memplan.inventory import budget_recompute, titan_float8
 from memplan.inventory.fp8 import cast_traffic
 from memplan.memory.term_bytes import PlanValues
-from memplan.timing.arrays import as_python, as_time, plan_floats
+from memplan.timing.arrays import as_python, as_time, maximum, plan_floats
 from memplan.timing.calibration import attention_matmul_efficiency, memory_bound_efficiency
 from memplan.timing.comm import TP_ASYNC_EXPOSED_FRACTION
 from memplan.timing.flops import (
@@ -62,7 +62,7 @@ from memplan.timing.flops import (
     mtp_flops,
     titan_selective_flops,
 )
-from memplan.timing.forms import Form, basis, evaluate
+from memplan.timing.forms import Basis, Form, basis, evaluate
 from memplan.timing.traffic import (
     CROSS_ENTROPY_BWD_FP32_ACCESSES,
     CROSS_ENTROPY_FWD_FP32_ACCESSES,
@@ -223,6 +223,35 @@ def head_forms(model: ModelSpec, gpu: GpuSpec, activation_bytes: int) -> HeadFor
         embedding_memory=Form(r=emb_bytes * sh / hbm),
         embedding_comm=Form(a=2 * vol),
     )
+
+
+def async_tp_exposed(model: ModelSpec, gpu: GpuSpec, x: Basis, activation_bytes: int, fp8: bool) -> tuple[Any, Any]:
+    """Seconds per sequence of one layer's TP collectives that torchtitan's async TP leaves exposed: the forward's,
+    and the forward's and backward's together (memplan/inventory/titan_async_tp.py). Inductor's micro-pipeline pass
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with the matmuls it feeds and a reduce-scatter
+    with the one matmul (`_find_producer_matmul`: an mm, or reshape-mm-reshape) that produces its input. A fused op
+    runs its collective, A s h / t bytes at the all-gather's x.ag per byte, chunk by chunk beside its matmul's chunks,
+    so it charges only what the matmul cannot hide: max(comm - matmul, 0) (the last chunk's own transfer, the copy
+    engines' contention and the smaller chunked GEMMs' efficiency not counted). Forward: all-gather + wqkv,
+    all-gather + w1 / w3 (one fused op, two matmuls), wo + reduce-scatter, w2 + reduce-scatter. Backward (the 6
+    collectives the eager forms count, layer_forms): the all-gathers of wo's and w2's output gradients with their
+    input-gradient GEMMs; wqkv's input-gradient GEMM with its reduce-scatter; the MLP's input gradient is w1's and
+    w3's summed, no single matmul, so its reduce-scatter is not fused: exposed whole; the re-all-gathers of wqkv's and
+    w1 / w3's sequence-sharded inputs with their weight-gradient GEMMs. Derived, uncalibrated; the LM head's
+    collectives stay as they were (the head is not in a compiled block)."""
+    s, h, q, a, g, f = (float(v) for v in (model.seq_length, model.hidden_size, model.q, model.num_attention_heads,
+                                           model.g, model.f))
+    rate = (gpu.peak_fp8_flops if fp8 and gpu.peak_fp8_flops else gpu.peak_bf16_flops) * gpu.matmul_efficiency
+    qkv, w13 = 2 * s * h * (q + 2 * q * g / a), 2 * 2 * s * h * f  # column-parallel: wqkv; w1 and w3
+    wo, w2 = 2 * s * q * h, 2 * s * h * f  # row-parallel
+    comm = activation_bytes * s * h * x.ag  # one collective's seconds per sequence
+
+    def left(flops: float) -> Any:
+        return maximum(comm - (flops / rate) * x.inv_t, 0.0)
+
+    forward = left(qkv) + left(w13) + left(wo) + left(w2)
+    backward = left(wo) + left(w2) + left(qkv) + comm + left(qkv) + left(w13)
+    return forward, forward + backward
 
 
 # --- one layer --------------------------------------------------------------------------------

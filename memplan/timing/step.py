@@ -49,7 +49,7 @@ from memplan.timing.calibration import attention_matmul_efficiency, calibration,
 from memplan.timing.comm import cp_ep_comm_s, link_per_byte, overlapped
 from memplan.timing.flops import attention_time_flops, hardware_flops, model_flops, model_flops_per_sequence
 from memplan.timing.forms import Form, basis, evaluate
-from memplan.timing.layer import head_forms, layer_forms
+from memplan.timing.layer import async_tp_exposed, head_forms, layer_forms
 from memplan.timing.traffic import CROSS_ENTROPY_FWD_FP32_ACCESSES, FP32_BYTES
 
 
@@ -181,13 +181,19 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         head_memory = head_memory + Form(t=s * float(model.vocab_size) * (
             A + FP32_BYTES * CROSS_ENTROPY_FWD_FP32_ACCESSES) / hbm)
     layer_exposed, head_exposed, emb_comm = lf.fwd_comm + lf.bwd_comm_exposed, hf.head_comm_exposed, hf.embedding_comm
-    forward = lf.forward(x)  # one layer's forward, also what full recompute adds
+    # torchtitan's async TP: one layer's exposed TP seconds per sequence become what its fused ops leave (forward;
+    # forward and backward): the change, added where a layer's time is counted (zero without async TP)
+    fwd_delta = delta = 0.0
+    if training.async_tp:
+        fwd_async, all_async = async_tp_exposed(model, gpu, x, A, training.float8 is not None)
+        fwd_delta, delta = fwd_async - lf.fwd_comm(x), all_async - layer_exposed(x)
+    forward = lf.forward(x) + fwd_delta  # one layer's forward, also what full recompute adds
     # torchtitan's memory-budget AC: every compiled layer re-runs what its partitioner did not save (zero otherwise)
     budget = lf.budget(x)
     recompute = m * (pf.selective * lf.selective(x) + pf.full * forward) + layers * budget
     compute = evaluate(x, (layers, layer_compute), (1.0, head_compute + hf.mtp_compute))  # MTP: the last stage's
     memory = evaluate(x, (layers, layer_memory), (1.0, head_memory), (first, emb_memory))
-    tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm))
+    tp_exposed = evaluate(x, (layers, layer_exposed), (1.0, head_exposed), (first, emb_comm)) + layers * delta
     # Activation offload (memplan/memory/offload.py): save_on_cpu copies every saved tensor of a layer to the host in the
     # forward and back in the backward, on the compute stream (exposed): 2 x its bytes per layer and micro-batch.
     # torchtune's OffloadActivations copies on a side stream, overlapped: no time added (derived).
@@ -209,7 +215,8 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
     # stage of L/p layers without the LM head (the bottleneck stage's own time is `ideal`).
     chunk_steps = m * M
     bubble_over_ideal = (p - 1.0) / chunk_steps * bubble_share(plan.schedule)  # zero-bubble schedules: less
-    stage_layers = (evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + recompute + act_copy) * inv_cp \
+    stage_layers = (evaluate(x, (layers, layer_compute + layer_memory + layer_exposed)) + layers * delta + recompute
+                    + act_copy) * inv_cp \
         + cp_ep
     bubble = bubble_over_ideal * (bm * stage_layers)
     if uneven:
@@ -217,7 +224,7 @@ def _step_time(model: ModelSpec, training: TrainingSpec, gpu: GpuSpec, plan: Pla
         # first N of each of its m chunks, all of a shorter chunk; the last stage's also the LM head). The steady
         # state runs at the slowest stage, T* = max T_i, and the warm-up and cool-down slots are the other stages'
         # time, (sum T_i - T*)/m per sequence (with equal stages: (p - 1)/m stage times, as above).
-        one_layer = evaluate(x, (1.0, layer_compute + layer_memory + layer_exposed)) + act_copy / layers + budget
+        one_layer = evaluate(x, (1.0, layer_compute + layer_memory + layer_exposed)) + delta + act_copy / layers + budget
 
         def stage_time(n: Any) -> Any:  # with cp: 1/cp of the work, and the layers' share of the K/V and token sends
             cap = n / m
