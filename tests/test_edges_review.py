@@ -40,6 +40,8 @@ REFUSED = [
       "--compile"], "a split-backward schedule with --compile"),
     (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--pipeline-schedule",
       "Interleaved1F1B", "--float8", "rowwise"], "pipeline parallelism not searched with float8 linears"),
+    (["search", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "1", "--pipeline-schedule",
+      "Interleaved1F1B"], "needs pp >= 2 dividing the GPUs"),
     # 256 GPUs do not split into 3 stages: the EP check answered first, of "the 85 ranks of an FSDP shard group"
     (["estimate", "--model", "deepseek-v3", "--impl", "torchtitan", "--gpus", "256", "--pp", "3", "--ep", "8",
       "--pipeline-schedule", "Interleaved1F1B", "--global-batch", "768"], "GPU count 256 is not divisible"),
