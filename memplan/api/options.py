@@ -307,11 +307,14 @@ class PlanOptions:
     def titan_recompute(self) -> Optional[str]:
         """--ac as memplan's recompute (none, full, selective-op = selective, selective-layer[:N] = full of the layers
         it checkpoints: memplan/inventory/titan.py), and what --impl torchtitan does not model refused; None for other
-        implementations."""
+        implementations (torchtitan's own options refused: estimate's and search's one check)."""
         if self.impl != "torchtitan":
             if self.ac is not None or self.dp_replicate is not None:
                 raise MemplanError("--ac and --dp-replicate are torchtitan's activation checkpointing and HSDP: give "
                                    "--impl torchtitan (elsewhere --recompute, --zero-shard)")
+            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage:
+                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
+                                   "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
             return None
         mode = titan_ac_mode(self.ac)[0]
         if self.vpp not in (None, 1):
@@ -350,10 +353,7 @@ class PlanOptions:
         search) as first / last stage layers, or for a multi-stage schedule its stages a rank (titan_stages_per_rank)
         as vpp. `search`: a schedule without --pp pins the pipelined plans searched."""
         schedule = self.pipeline_schedule or "1F1B"
-        if self.impl != "torchtitan":
-            if self.pipeline_schedule not in (None, "1F1B") or self.pipeline_layers_per_stage:
-                raise MemplanError("--pipeline-schedule other than 1F1B and --pipeline-layers-per-stage are "
-                                   "torchtitan's (--impl torchtitan); Megatron-LM interleaves with --vpp")
+        if self.impl != "torchtitan":  # its options refused by titan_recompute
             return dict(vpp=self.vpp, first_stage_layers=self.first_stage_layers,
                         last_stage_layers=self.last_stage_layers)
         p, multi = self.pp or 1, is_multi(schedule)

@@ -219,13 +219,16 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     check_emit(emit, opts.mst, opts.impl)
     if opts.gpus is None:
         raise MemplanError("--gpus is required for search")
+    if max_seq and opts.global_batch_tokens is not None:
+        raise MemplanError("search --max-seq keeps the global batch in sequences (a step's tokens grow with s): give "
+                           "--global-batch N, not --global-batch-tokens")
     mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     # --async-tp: torchtitan's, pinned on the compiled tp > 1 plans (refused where a pin leaves none)
     check_async_tp(bool(opts.async_tp), opts.impl, opts.compile is not False, opts.tp or 2)
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
-    elif opts.pipeline_schedule not in (None, "1F1B"):
-        raise MemplanError("--pipeline-schedule other than 1F1B is torchtitan's (estimate --impl torchtitan)")
+    else:
+        opts.titan_recompute()  # torchtitan's own options (--ac, --dp-replicate, its schedules) refused, as estimate
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")

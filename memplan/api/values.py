@@ -7,6 +7,7 @@ import math
 from typing import Optional, Union
 
 from memplan.core.errors import MemplanError
+from memplan.core.model import MAX_LAYERS
 from memplan.core.units import check_bytes, parse_size, parse_tokens
 
 Size = Union[int, str, None]
@@ -27,14 +28,18 @@ def budget_bytes(value: Size, what: str) -> Optional[int]:
 MOST = {"gpus": 2**24, "global_batch": 2**32, "dp": 2**24, "tp": 2**16, "pp": 2**16, "cp": 2**16, "ep": 2**16,
         "etp": 2**16, "vpp": 2**16, "micro_batch": 2**32, "seq_len": 2**40, "zero_shard": 2**24,
         "recompute_num_layers": 2**16, "loss_chunks": 2**20, "first_stage_layers": 2**16, "last_stage_layers": 2**16,
-        "pipeline_layers_per_stage": 2**16,
+        "pipeline_layers_per_stage": 2**16, "dp_replicate": 2**24, "mtp": MAX_LAYERS,
         "fp8_amax_history_len": 2**20}
+POSITIVE = frozenset(MOST) - {"gpus", "recompute_num_layers", "mtp"}  # --gpus 0: the plan's own message
 
 
 def bounded_count(value: Optional[int], what: str) -> Optional[int]:
-    """A count option (--gpus, --global-batch, --tp, ...): None, or an int no larger than MOST[what]."""
+    """A count option (--gpus, --global-batch, --tp, ...): None, or an int no larger than MOST[what] (and at least 1
+    where POSITIVE: a size or count of 0 or less is no plan)."""
     if value is None or what not in MOST:
         return value
+    if what in POSITIVE and isinstance(value, int) and value < 1:
+        raise MemplanError(f"--{what.replace('_', '-')} {value}: at least 1")
     if isinstance(value, int) and not isinstance(value, bool) and value > MOST[what]:
         shown = f"{value:,}" if value < 10**30 else f"of {len(str(value))} digits"
         raise MemplanError(f"--{what.replace('_', '-')} {shown}: at most {MOST[what]:,}")

@@ -256,7 +256,8 @@ def plan_options(func: Callable) -> Callable:
                           "bf16): rowwise as torchtitan 0.3.0's Float8LinearConverter runs it, tensorwise with FSDP2's "
                           "float8 all-gather as torchtitan <= 0.2 ran it. A layer keeps what its bf16 version keeps "
                           "(measured on CPU); with --compile the partitioner's saved set with float8 (traced); "
-                          "without --tp (memplan/inventory/titan_float8.py). search: pinned, or 'any' to search "
+                          "with --tp each rank's measured over gloo (compiled: --ac full only) "
+                          "(memplan/inventory/titan_float8.py). search: pinned, or 'any' to search "
                           "bf16, tensorwise and rowwise (a dense model without --pp, on a GPU with FP8 tensor cores)."),
         click.option("--fp8-format", type=click.Choice(["hybrid", "e4m3"]),
                      help="With --fp8: Megatron-LM --fp8-format (default hybrid: E4M3 forward, E5M2 gradients)."),
@@ -272,7 +273,9 @@ def plan_options(func: Callable) -> Callable:
         click.option("--compile/--no-compile", "compile", default=None,
                      help="torch.compile per decoder layer (--impl hf-sdpa, torchtune or torchtitan, Llama layout): "
                           "each layer's saved tensors traced from AOTAutograd's partitioner (torch 2.13, inductor on "
-                          "CPU) and measured on CPU; the backward's transients the eager layer's (derived), Inductor's "
+                          "CPU) and measured on CPU; the backward's transients the eager layer's (derived; "
+                          "torchtitan's bf16 Llama 3, Qwen3 and Qwen3 MoE blocks: Inductor's generated backward measured "
+                          "on CPU), Inductor's "
                           "fused kernels' own buffers left out; the loss not compiled but with --impl torchtune "
                           "--loss-chunks N (its recipes' compile_loss, measured on CPU); torchtune's LoRA / QLoRA "
                           "layers traced (memplan/inventory/compiled.py); torchtitan with --ac selective-op: its save list's "

@@ -339,7 +339,7 @@ class ModelSpec(Spec):
         default=0, ge=0, description="r: a low-rank sigmoid gate (h -> r -> h, no biases) after the input norm of "
         "every layer and the post-attention norm of each MoE layer (A.X-K2 AXK2GatedRMSNorm; 0: none)")
     mtp_layers: int = Field(
-        default=0, ge=0, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
+        default=0, ge=0, le=MAX_LAYERS, description="multi-token-prediction modules on the last stage (DeepSeek-V3 "
         "num_nextn_predict_layers; Megatron-LM --mtp-num-layers): each an embedding / hidden norm, a 2h -> h "
         "projection, one transformer layer and the shared output head's loss for one more token")
     inventory: Optional[str] = Field(

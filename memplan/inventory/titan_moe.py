@@ -187,6 +187,6 @@ def check_titan_moe(model: ModelSpec, ep: int, etp, tp: int, cp: int, pp: int, c
         raise MemplanError(f"--tp {tp} does not divide the shared experts' FFN width {model.moe_shared_ffn_hidden_size} "
                            "(torchtitan shards it over tp)")
     shard = gpus // (pp * replicate)
-    if gpus and shard % ep:
+    if gpus and not gpus % (pp * replicate) and shard % ep:  # GPUs pp and HSDP do not divide: the plan's own check
         raise MemplanError(f"--ep {ep} does not divide the {shard} ranks of an FSDP shard group times tp (torchtitan's "
                            "efsdp = dp_shard x cp x tp / ep; pp and dp_replicate are outside it)")

@@ -377,7 +377,9 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
                      f"{total_params(m) / 1e9:,.2f} B parameters active per token (the model FLOPs count those)"
                      + _expert_split(config))
     notes += parallel_notes(config)
-    if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")):
+    # torchtitan's own note below says which of its moments are measured and which derived
+    if inventory.moments and not inventory.moments[0].source.startswith(("measured", "traced")) and \
+            not inventory.name.startswith("torchtitan"):
         notes.append("the step's transient tensors of this implementation are derived from its code, not measured")
     if inventory.name.startswith("torchtitan"):
         ids = {m.id for m in inventory.moments if m.scope == "layer"}
@@ -439,7 +441,8 @@ def _notes(config: Config, peak: StageMemory, terms: tuple[Term, ...], values: d
     if peak.held is not None:
         sizes = rank_chunks(int(peak.stage), par.pp, par.vpp, config.model.num_layers, par.pp_schedule)
         notes.append(f"stage {peak.stage} holds, at its peak, " + ", ".join(
-            f"{int(k)} micro-batch(es) of its {n}-layer chunk" for n, k in zip(sizes, peak.held))
+            f"{int(k)} micro-batch(es) of its chunk {i + 1} ({n} layers)"
+            for i, (n, k) in enumerate(zip(sizes, peak.held)))
             + f" (torch's {par.pp_schedule} order, memplan/memory/pipeline_multi.py)")
     else:
         notes.append(

@@ -150,8 +150,8 @@ def pipelines(model: ModelSpec, gpus: int, pins: TitanPins, float8: bool = False
     layer_ac = pins.ac is not None and titan_ac_mode(pins.ac)[0] == LAYER_AC
     out: list = [(1, None, None, "1F1B")] if pins.pp in (None, 1) and pins.schedule is None else []
     if pins.pp is None and (float8 or layer_ac):
-        return out, [f"pipeline parallelism not searched with {'--float8' if float8 else '--ac ' + LAYER_AC} (not "
-                     "modelled with --pp)"]
+        return out, [f"pipeline parallelism not searched with {'float8 linears' if float8 else '--ac ' + LAYER_AC} "
+                     "(not modelled with --pp)"]
     skipped, multi_skipped = [], []
     schedules = [pins.schedule] if pins.schedule else list(SINGLE_SCHEDULES + MULTI_SCHEDULES)
     for p in [pins.pp] if pins.pp not in (None, 1) else [2 ** i for i in range(1, gpus.bit_length()) if pins.pp is None]:
@@ -219,7 +219,8 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
                 float8: bool = False) -> tuple[list[PlanValues], list[str]]:
     """Every eager plan of the space (module docstring) as flat arrays (memplan/plan/space.py numbers them), one
     part per (pp, schedule) (`pipelines`), and the notes on what was left out."""
-    parts, (splits, notes) = [], pipelines(model, gpus, pins, float8)
+    parts, (splits, left) = [], pipelines(model, gpus, pins, float8)
+    notes = left
     dims = moe_dims(model, pins, float8)  # the pins' refusals first (as estimate's), before any pp is left out
     if model.is_moe:  # FSDP2 / HSDP with EP, PP and (Qwen3 MoE) TP (moe_dims)
         notes = notes + ["torchtitan MoE: ep, tp, cp and pp searched"
@@ -254,6 +255,9 @@ def titan_plans(model: ModelSpec, gpus: int, global_batch: int, pins: TitanPins,
             n = np.full(len(plans.t), 1)  # the split as arrays in every part (even: L / p), so that parts join
             parts.append(dataclasses.replace(plans, first_layers=n * (first or model.num_layers // p),
                                              last_layers=n * (last or model.num_layers // p)))
+    if not parts and not splits and (left or pins.schedule):  # a pinned schedule no pp is searched with: say why
+        raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs: " + (
+            left[0] if left else f"--pipeline-schedule {pins.schedule} needs pp >= 2 dividing the GPUs"))
     if not parts:
         raise MemplanError(f"no torchtitan plan of {model.name} on {gpus} GPUs with global batch {global_batch} and "
                            f"the pinned dimensions (dp_replicate R must divide d = GPUs / tp and leave 2 or more "

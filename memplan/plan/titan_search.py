@@ -86,6 +86,8 @@ def _float8_recipes(model: ModelSpec, training: TrainingSpec, gpu: Optional[GpuS
     if model.is_moe or pins.pp not in (None, 1):
         return [None], ["--float8 any: float8 not searched (not modelled with " + ("MoE" if model.is_moe else "--pp")
                         + " for --impl torchtitan)"]
+    if pins.ac is not None and titan_ac_mode(pins.ac)[0] == BUDGET_AC:
+        return [None], ["--float8 any: float8 not searched (--ac budget:F is traced with bf16 linears)"]
     if gpu is None or not gpu.peak_fp8_flops:
         return [None], [f"--float8 any: float8 not searched ({gpu.name if gpu else 'no GPU named'}: no FP8 tensor "
                         "cores in its preset)"]
