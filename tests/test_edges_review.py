@@ -97,3 +97,20 @@ def test_multi_stage_peak_note_names_each_chunk(run_cli):
                            "--pipeline-schedule", "Interleaved1F1B", "--ep", "16", "--global-batch", "256")
     text = " ".join(out.split())
     assert code == 0 and re.search(r"of its chunk 1 \(\d+ layers\), \d+ micro-batch\(es\) of its chunk 2 \(", text)
+
+
+def test_multi_stage_schedules_bounded_in_micro_batches(capsys):
+    # the multi-stage schedules' orders are walked op by op: M = global batch / (d b) = 40,960 / (4 x 1) = 10,240
+    # micro-batches is over memplan's 8,192 (pipeline_multi.MAX_MICROBATCHES): refused in one line, where the walk
+    # took minutes and gigabytes (search --seq-len 1 ran ~13 min, ~3 GB before the cap)
+    from memplan.cli import main as cli_main
+    from memplan.memory.pipeline_multi import MAX_MICROBATCHES, multi_refusal
+
+    assert multi_refusal(2, 2, MAX_MICROBATCHES, "Interleaved1F1B") == ""
+    assert "8,192" in multi_refusal(2, 2, MAX_MICROBATCHES + 2, "Interleaved1F1B")
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["estimate", "--model", "llama3-8b", "--impl", "torchtitan", "--gpus", "8", "--pp", "2",
+                  "--pipeline-schedule", "Interleaved1F1B", "--global-batch", "40960", "--micro-batch", "1",
+                  "--seq-len", "128"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "8,192" in err

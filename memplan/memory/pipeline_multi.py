@@ -80,6 +80,10 @@ def chunk_dense(rank: int, p: int, m: int, num_layers: int, dense: int, kind: st
     return tuple(int(min(split[s], max(0, dense - starts[s]))) for s in rank_stages(rank, p, m, kind))
 
 
+# the multi-stage schedules' rank orders are walked op by op (`rank_states`): bounded time and memory
+MAX_MICROBATCHES = 8192
+
+
 def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compiled: bool = False,
                   moe: bool = False) -> str:
     """Why torch 2.13 does not run `kind` with m stages a rank and M micro-batches (None: any), or memplan does not
@@ -89,6 +93,9 @@ def multi_refusal(p: int, m: int, microbatches: Optional[int], kind: str, compil
     MoE and DeepSeek-V3 alike: the I -> W gradients are the dense Llama block's, memplan/inventory/titan.py
     split_backward_grads), is not modelled. DeepSeek-V3's dense first layers are counted chunk by chunk
     (`chunk_dense`)."""
+    if microbatches is not None and microbatches > MAX_MICROBATCHES:
+        return (f"memplan walks {kind}'s order micro-batch by micro-batch: modelled up to {MAX_MICROBATCHES:,} "
+                f"micro-batches, not {microbatches:,} (raise --micro-batch or --seq-len, lower --global-batch)")
     if kind in V_SCHEDULES and m != 2:
         return f"torch's {kind} takes exactly 2 stages per rank, not {m}"
     if moe and kind in SPLIT_BACKWARD:
