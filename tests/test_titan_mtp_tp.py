@@ -139,7 +139,7 @@ def test_search_plans_mtp_as_estimate_does():
     rows = [found.row(i)["torchtitan"] for i in range(found.candidates)]
     assert {(r["pp"], r["cp"]) for r in rows} == {(1, 1)} and {r["ep"] for r in rows} > {1}
     assert {r["tp"] for r in rows} > {1}
-    for i in range(0, found.candidates, max(1, found.candidates // 12)):  # ~12 plans
+    for i in range(0, found.candidates, max(1, found.candidates // 6)):  # ~6 plans (each estimate replays ~0.4 M events)
         r = rows[i]
         flags = dict(tp=r["tp"], ep=r["ep"], dp_replicate=r["dp_replicate"], ac=r["ac"], micro_batch=r["local_batch"],
                      compile=r["compile"])  # compile searched for DeepSeek-V3 at tp = ep = cp = 1 since i24dc
