@@ -364,7 +364,6 @@ QWEN3_SHAPES = (Shape(h=40, a=6, g=2, f=154, qwen3=True, d=8), Shape(h=64, a=8, 
 def record(path: str, shapes: tuple[Shape, ...] = SHAPES) -> None:
     """Every AC mode at ``shapes``: compile, measure at SIZES and replay; written as JSON
     (tests/data/titan_compiled_backward.json; QWEN3_SHAPES: titan_compiled_backward_qwen3.json)."""
-    import importlib.metadata
     import json
 
     cases = []
@@ -379,7 +378,29 @@ def record(path: str, shapes: tuple[Shape, ...] = SHAPES) -> None:
                           "measured": measured, "front": list(rows.values())})
             print(json.dumps(cases[-1], indent=1))
     kind = "qwen3 " if shapes == QWEN3_SHAPES else ""
-    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_backward {kind}{path}",
+    write_recording(path, f"validation.compiled_backward {kind}{path}", cases)
+
+
+RERUN_KEYS = ("peak", "saved", "incoming")  # what a re-run compares (peak_scratch depends on the thread count)
+
+
+def rerun(case: dict) -> tuple[list[dict], set]:
+    """A recorded case (``record``'s JSON) compiled and measured again: per recorded shape its RERUN_KEYS, and the
+    replayed front's (a, d, c) rows."""
+    ac = case["ac"]
+    c = compile_block(ac, Shape(**case["widths"]))
+    measured = [{k: v for k, v in measure(c["compiled"], case["widths"]["h"], row["s"], row["b"], ac).items()
+                 if k in RERUN_KEYS} for row in case["measured"]]
+    samples, roles = replay(c["source"], c["graph"])
+    return measured, {(r["a"], r["d"], r["c"]) for r in front(samples, roles)}
+
+
+def write_recording(path: str, module_args: str, cases: list) -> None:
+    """A recording as JSON: the command that re-makes it (``python -m MODULE_ARGS``), the versions, the cases."""
+    import importlib.metadata
+    import json
+
+    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m {module_args}",
            "measured_with": f"torchtitan {importlib.metadata.version('torchtitan')}, torch {torch.__version__} "
                             "(inductor on CPU, OMP_NUM_THREADS=1)", "cases": cases}
     with open(path, "w") as f:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_backward import compile_block, front, measure, replay
+from .compiled_backward import compile_block, front, measure, replay, write_recording
 from .titan import AC_MODES
 
 SIZES = ((32, 2), (64, 3))  # (s, b) of the measured runs (validation/compiled_backward.py SIZES)
@@ -64,7 +64,6 @@ def run(kind: str, ac: str) -> dict:
 
 def record(path: str, kinds: tuple = BLOCKS) -> None:
     """Every block of ``kinds`` under every AC mode, written as JSON (tests/data/compiled_moe_backward.json)."""
-    import importlib.metadata
     import json
 
     cases = []
@@ -72,12 +71,7 @@ def record(path: str, kinds: tuple = BLOCKS) -> None:
         for ac in AC_MODES:
             cases.append(run(kind, ac))
             print(json.dumps({k: cases[-1][k] for k in ("block", "ac", "measured")}), flush=True)
-    doc = {"command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m validation.compiled_moe_backward {path}",
-           "measured_with": f"torchtitan {importlib.metadata.version('torchtitan')}, torch {torch.__version__} "
-                            "(inductor on CPU, OMP_NUM_THREADS=1)", "cases": cases}
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    write_recording(path, f"validation.compiled_moe_backward {path}", cases)
 
 
 if __name__ == "__main__":
