@@ -130,16 +130,21 @@ def memplan_moe_moments(shape: MoeShape, ac: str, s: int, b: int, ep: int = 1, c
     spec = load_model("qwen3-30b-a3b").model.model_copy(update=dict(
         hidden_size=shape.h, num_attention_heads=shape.a, num_kv_heads=shape.g, head_dim=shape.d,
         num_experts=shape.E, moe_top_k=shape.k, moe_ffn_hidden_size=shape.fe, seq_length=s, num_layers=1))
-    inv = titan_inventory(spec, "cpu")
-    values = spec.symbols(b=b, t=1, cp=cp, ep=ep, etp=1)
+    return layer_moment_bytes(titan_inventory(spec, "cpu"), spec.symbols(b=b, t=1, cp=cp, ep=ep, etp=1), ac, cp, 0)
+
+
+def layer_moment_bytes(inv, values: dict, ac: str, cp: int, sp: int) -> dict[str, int]:
+    """Each layer moment's bytes at ``values``: the layer's terms kept under ``ac`` (a recomputed layer holds what
+    none keeps besides its own) not freed by the moment, plus its transients; FSDP2's moment and held input left out
+    (``sp``: sequence parallel, Term.bytes)."""
     layer = [t for t in inv.terms if t.scope == "layer" and t.exists_at_cp(cp)]
     out = {}
     for m in inv.moments:
         if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):
             continue
         kept = [t for t in layer if t.id not in m.freed and (t.kept(MODES[ac]) or t.kept(Recompute.NONE))]
-        out[m.id] = sum(t.bytes(values, 2, 0) for t in kept) + sum(
-            t.bytes(values, 2, 0) for t in m.transients if not t.id.startswith("rs_held"))
+        out[m.id] = sum(t.bytes(values, 2, sp) for t in kept) + sum(
+            t.bytes(values, 2, sp) for t in m.transients if not t.id.startswith("rs_held"))
     return out
 
 

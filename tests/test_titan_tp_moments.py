@@ -21,9 +21,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from memplan.core.training import Recompute  # noqa: E402
 from memplan.inventory.titan import titan_inventory  # noqa: E402
-from test_titan_moments import MODES, tiny  # noqa: E402
+from test_titan_moments import layer_moment_bytes, tiny  # noqa: E402
 from validation.titan import AC_MODES, Shape  # noqa: E402
 
 DATA = json.loads((Path(__file__).parent / "data" / "titan_tp_moments.json").read_text())
@@ -32,20 +31,10 @@ CASES = [(kind, k) for kind in ("tp", "cp") for k in range(len(DATA[kind]))]
 
 
 def memplan_rank_moments(shape: Shape, ac: str, s: int, b: int, t: int = 1, cp: int = 1) -> dict[str, int]:
-    """Each layer moment's bytes on one rank of a TP group of ``t`` (sequence parallel) or a CP group of ``cp`` at
-    the global (s, b): the layer's terms kept under ``ac`` (a recomputed layer holds what none keeps besides its
-    own) not freed by the moment, plus its transients; FSDP2's moment and held input left out."""
-    inv = titan_inventory(tiny(shape), "cpu")
+    """Each layer moment's bytes (``layer_moment_bytes``) on one rank of a TP group of ``t`` (sequence parallel) or a
+    CP group of ``cp`` at the global (s, b)."""
     values = {"s": s, "b": b, "t": t, "cp": cp, "ep": 1, "etp": 1}
-    layer = [x for x in inv.terms if x.scope == "layer" and x.exists_at_cp(cp)]
-    out = {}
-    for m in inv.moments:
-        if m.scope != "layer" or m.id == "fsdp_reduce_scatter" or (m.applies == "rerun" and ac == "none"):
-            continue
-        kept = [x for x in layer if x.id not in m.freed and (x.kept(MODES[ac]) or x.kept(Recompute.NONE))]
-        out[m.id] = sum(x.bytes(values, 2, 1) for x in kept) + sum(
-            x.bytes(values, 2, 1) for x in m.transients if not x.id.startswith("rs_held"))
-    return out
+    return layer_moment_bytes(titan_inventory(tiny(shape), "cpu"), values, ac, cp, 1)
 
 
 def measured_points(samples: list, kind: str, ac: str) -> dict[str, int]:
