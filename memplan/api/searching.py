@@ -128,8 +128,9 @@ class PreparedSearch:
         skipped: list[Skipped] = []
         if self.one_model and opts.impl == "torchtitan":
             model, training, gb, gpu, budget = requests[0]
-            model = titan_model(model, mtp_layers(opts.mtp, opts.impl))  # as estimate builds it (DeepSeek-V3: latents
-            requests[0] = (model, training, gb, gpu, budget)  # replicated)
+            # as estimate builds it (DeepSeek-V3: latents replicated; its MTP layers)
+            model = titan_model(model, mtp_layers(opts.mtp, opts.impl))
+            requests[0] = (model, training, gb, gpu, budget)
             report = functools.partial(progress, label=model.name) if progress is not None else None
             kw = dict(gpu=gpu, pins=_titan_pins(opts, self.emit, self.search_float8), max_tp=self.max_tp, top=self.top,
                       margin=opts.frag_margin, host_budget_bytes=opts.host_mem)
@@ -180,8 +181,7 @@ class PreparedSearch:
 
 
 def _check_titan(opts: PlanOptions, uneven_stages: bool) -> None:
-    """What `search --impl torchtitan` refuses (memplan/plan/titan.py searches the rest)."""
-    opts.titan_recompute()  # what --impl torchtitan does not model, and --ac's spelling
+    """What `search --impl torchtitan` refuses besides `titan_recompute`'s (memplan/plan/titan.py searches the rest)."""
     if opts.preset() is None:
         raise MemplanError("search --impl torchtitan needs --model (torchtitan's Llama 3; every preset is searched "
                            "with Megatron-LM)")
@@ -225,10 +225,11 @@ def prepare_search(model: Optional[str] = None, *, top: int = 10, sort: str = "t
     mtp_layers(opts.mtp, opts.impl)  # --mtp: torchtitan's only
     # --async-tp: torchtitan's, pinned on the compiled tp > 1 plans (refused where a pin leaves none)
     check_async_tp(bool(opts.async_tp), opts.impl, opts.compile is not False, opts.tp or 2)
+    # as estimate: what --impl torchtitan does not model and --ac's spelling, or with another impl torchtitan's own
+    # options (--ac, --dp-replicate, its schedules) refused
+    opts.titan_recompute()
     if opts.impl == "torchtitan":
         _check_titan(opts, uneven_stages)
-    else:
-        opts.titan_recompute()  # torchtitan's own options (--ac, --dp-replicate, its schedules) refused, as estimate
     if opts.recompute_method is not None:
         raise MemplanError("--recompute-method is one plan's (estimate): search tries full recompute of every layer "
                            "and of N layers per chunk (Megatron-LM's uniform and block methods) itself")
